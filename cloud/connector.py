@@ -1,0 +1,292 @@
+"""TandemConnector: vLLM's KV-connector API (``KVConnectorBase_V1``) over tandem's block store.
+
+Loaded by vLLM through ``kv_connector_module_path="cloud.connector"``,
+``kv_connector="TandemConnector"``; nothing in vLLM is patched. One class
+serves both cloud engines:
+
+* tail-prefill engine (``kv_both``, ``layer_offset = k``): *loads* tail KV of a
+  session's earlier turns, computes the rest from ``prompt_embeds`` and *saves*
+  the tail KV (global layers ``[k, L)``) of every full prompt block;
+* decode engine (``kv_consumer``, ``layer_offset = 0``): *loads* all layers of
+  the block-aligned prompt prefix (head part from the edge, tail part from the
+  tail engine) and lets vLLM compute the partial last block and decode.
+
+Per request the gateway passes, in ``SamplingParams.extra_args["kv_transfer_params"]``::
+
+    {"tandem": {"block_hashes": [hex, ...],        # chained hashes of the prompt's full blocks
+                "load": [[lo, hi], ...],           # global layer ranges that must all be present
+                "save": [lo, hi] | None}}          # global layer range this engine writes
+
+Requests without ``"tandem"`` params run as plain vLLM requests (no load, no save).
+
+Who calls what (vLLM v1): the *scheduler-side* instance (EngineCore process)
+gets ``get_num_new_matched_tokens`` / ``update_state_after_alloc`` /
+``build_connector_meta`` / ``request_finished`` once per request or step; the
+*worker-side* instance (model-runner process) gets ``start_load_kv`` before
+each forward, ``save_kv_layer`` per attention layer during it and
+``wait_for_save`` after it. Loads and saves are synchronous here: when
+``start_load_kv`` returns the blocks are in vLLM's paged cache, when
+``wait_for_save`` returns they are in the store. A block that cannot be read is
+reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it
+(``kv_load_failure_policy="recompute"``); a load never writes wrong data.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from cloud.kv_layout import layout_for
+from common.kvblocks import LayerRange, block_nbytes, store_key
+from common.kvstore import DiskBlockStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("tandem.connector")
+_LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class BlockOp:
+    """Move one block: vLLM block ``block_id`` <-> store entries of ``block_hash``."""
+
+    block_id: int
+    block_hash: bytes
+
+
+@dataclass
+class TandemMetadata(KVConnectorMetadata):
+    """One step's work for the worker side; built by the scheduler side."""
+
+    loads: list[tuple[BlockOp, tuple[LayerRange, ...]]] = field(default_factory=list)
+    saves: list[tuple[BlockOp, LayerRange]] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    """Scheduler-side state of one request with tandem params."""
+
+    hashes: list[bytes]
+    load: tuple[LayerRange, ...]
+    save: LayerRange | None
+    num_prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    external_tokens: int = 0
+    local_hit_tokens: int = 0
+    load_pending: bool = False
+    saved_blocks: int = 0  # blocks [0, saved_blocks) are saved or known present
+
+
+def parse_params(params: dict[str, Any] | None, block_size: int) -> tuple[list[bytes], tuple, Any] | None:
+    """Validate a request's ``kv_transfer_params["tandem"]``; None when absent.
+
+    Raises:
+        ValueError: malformed params (wrong types, bad hex, empty or inverted ranges).
+    """
+    if not params or "tandem" not in params:
+        return None
+    p = params["tandem"]
+    hashes = [bytes.fromhex(h) for h in p.get("block_hashes", [])]
+    if any(len(h) != 32 for h in hashes):
+        raise ValueError("tandem block_hashes must be 32-byte hex digests")
+    load = tuple(LayerRange(int(lo), int(hi)) for lo, hi in p.get("load", []))
+    save = None if p.get("save") is None else LayerRange(int(p["save"][0]), int(p["save"][1]))
+    return hashes, load, save
+
+
+class TandemConnector(KVConnectorBase_V1):
+    """KV connector between vLLM's paged cache and tandem's block store (see module doc)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.block_size = vllm_config.cache_config.block_size
+        self.layer_offset = int(extra.get("layer_offset", 0))
+        model_cfg = vllm_config.model_config
+        self.num_kv_heads = model_cfg.get_total_num_kv_heads()
+        self.head_dim = model_cfg.get_head_size()
+        self.store = DiskBlockStore(extra["store_dir"], int(extra["store_bytes"]))
+        # scheduler side
+        self._reqs: dict[str, _ReqState] = {}
+        # worker side
+        self._load_errors: set[int] = set()
+        self._save_buf: dict[tuple[bytes, LayerRange], np.ndarray] = {}
+        self._layout = None
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def _state(self, request: Request) -> _ReqState | None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            parsed = parse_params(request.kv_transfer_params, self.block_size)
+            if parsed is None:
+                return None
+            hashes, load, save = parsed
+            st = _ReqState(hashes, load, save, request.num_prompt_tokens)
+            self._reqs[request.request_id] = st
+        return st
+
+    def _present_blocks(self, st: _ReqState, start: int, parts: tuple[LayerRange, ...]) -> int:
+        """Number of consecutive blocks from ``start`` whose entries for all ``parts`` are stored."""
+        n = start
+        while n < len(st.hashes) and all(self.store.contains(store_key(st.hashes[n], p)) for p in parts):
+            n += 1
+        return n - start
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens loadable from the store past ``num_computed_tokens``: whole blocks, and never
+        the last prompt token (vLLM must compute at least one token to sample)."""
+        st = self._state(request)
+        if st is None or not st.load or num_computed_tokens % self.block_size:
+            return 0, False
+        first = num_computed_tokens // self.block_size
+        cap_blocks = (st.num_prompt_tokens - 1) // self.block_size
+        n = min(self._present_blocks(st, first, st.load), max(0, cap_blocks - first))
+        return n * self.block_size, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        st = self._state(request)
+        if st is None:
+            return
+        if num_external_tokens > 0:
+            st.external_tokens = num_external_tokens
+            st.local_hit_tokens = request.num_computed_tokens
+            st.load_pending = True
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = TandemMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+                self._plan(new.req_id, st, new.num_computed_tokens, scheduler_output, meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    st.block_ids = list(new_ids[0])
+                else:
+                    st.block_ids.extend(new_ids[0])
+            self._plan(req_id, st, cached.num_computed_tokens[i], scheduler_output, meta)
+        return meta
+
+    def _plan(self, req_id: str, st: _ReqState, num_computed: int, so: SchedulerOutput,
+              meta: TandemMetadata) -> None:
+        """Add this step's loads (once, at first schedule) and saves (blocks completed by this step)."""
+        bs = self.block_size
+        if st.load_pending:
+            first = st.local_hit_tokens // bs
+            for j in range(first, first + st.external_tokens // bs):
+                meta.loads.append((BlockOp(st.block_ids[j], st.hashes[j]), st.load))
+            st.load_pending = False
+            st.saved_blocks = max(st.saved_blocks, first + st.external_tokens // bs)  # loaded: already stored
+        if st.save is None:
+            return
+        done = min(num_computed + so.num_scheduled_tokens.get(req_id, 0), st.num_prompt_tokens)
+        full = min(done // bs, len(st.hashes), len(st.block_ids))
+        for j in range(st.saved_blocks, full):
+            if not self.store.contains(store_key(st.hashes[j], st.save)):
+                meta.saves.append((BlockOp(st.block_ids[j], st.hashes[j]), st.save))
+        st.saved_blocks = max(st.saved_blocks, full)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Report what the connector did for the request in ``RequestOutput.kv_transfer_params``."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        return False, {"tandem": {"external_tokens": st.external_tokens, "saved_blocks": st.saved_blocks}}
+
+    # ------------------------------------------------------------------ worker side
+
+    def _global_layer(self, layer_name: str) -> int:
+        m = _LAYER_RE.search(layer_name)
+        if m is None:
+            raise ValueError(f"cannot find a layer index in {layer_name!r}")
+        return int(m.group(1)) + self.layer_offset
+
+    def _read_part(self, op: BlockOp, part: LayerRange) -> np.ndarray | None:
+        """Canonical block ``[Lp, 2, Hkv, B, D]`` of ``part``, or None when missing or malformed."""
+        raw = self.store.get(store_key(op.block_hash, part))
+        want = block_nbytes(part, self.num_kv_heads, self.block_size, self.head_dim)
+        if raw is None or len(raw) != want:
+            return None
+        return np.frombuffer(raw, dtype=np.float32).reshape(
+            part.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Copy this step's planned blocks from the store into vLLM's paged cache, all layers."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TandemMetadata) or not meta.loads:
+            return
+        layers = {name: layer for name, layer in forward_context.no_compile_layers.items()
+                  if getattr(layer, "kv_cache", None) is not None and _LAYER_RE.search(name)}
+        for op, parts in meta.loads:
+            blocks = [self._read_part(op, p) for p in parts]
+            if any(b is None for b in blocks):
+                self._load_errors.add(op.block_id)
+                continue
+            for name, layer in layers.items():
+                g = self._global_layer(name)
+                for part, data in zip(parts, blocks, strict=True):
+                    if part.lo <= g < part.hi:
+                        self._layout_of(layer.kv_cache).write_block(layer.kv_cache, op.block_id,
+                                                           torch.from_numpy(data[g - part.lo]))
+                        break
+                else:
+                    self._load_errors.add(op.block_id)
+
+    def _layout_of(self, cache: torch.Tensor):
+        if self._layout is None:
+            self._layout = layout_for(cache, self.num_kv_heads, self.block_size, self.head_dim)
+        return self._layout
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Stage this layer's slice of every block planned for saving this step."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TandemMetadata) or not meta.saves:
+            return
+        g = self._global_layer(layer_name)
+        for op, part in meta.saves:
+            if not part.lo <= g < part.hi:
+                continue
+            buf = self._save_buf.get((op.block_hash, part))
+            if buf is None:
+                buf = np.empty((part.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim),
+                               np.float32)
+                self._save_buf[(op.block_hash, part)] = buf
+            buf[g - part.lo] = self._layout_of(kv_layer).read_block(kv_layer, op.block_id).numpy()
+
+    def wait_for_save(self) -> None:
+        """Write the staged blocks to the store (synchronously)."""
+        for (block_hash, part), buf in self._save_buf.items():
+            self.store.put(store_key(block_hash, part), buf.tobytes())
+        self._save_buf.clear()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        if errors:
+            log.warning("tandem connector: %d blocks missing from the store; vLLM recomputes them", len(errors))
+        return errors

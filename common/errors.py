@@ -1,0 +1,44 @@
+"""Typed domain errors. Mapped to gRPC status codes in one place
+(``common.grpc_errors``); domain code raises these and never imports grpc."""
+
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    """Base of tandem's domain errors."""
+
+
+class InvalidRequest(TandemError):
+    """A field, length, index, shape or dtype is out of the negotiated limits."""
+
+
+class ChecksumMismatch(TandemError):
+    """A chunk's CRC32C does not match its bytes (after the allowed resends)."""
+
+
+class MerkleMismatch(TandemError):
+    """KV block leaves or the committed Merkle root do not verify."""
+
+
+class SessionNotFound(TandemError):
+    """The session is unknown to this side (never seen, or evicted)."""
+
+
+class SessionOutOfSync(TandemError):
+    """The peer's view of a session (token count, root) differs from ours; resync needed."""
+
+
+class QuotaExceeded(TandemError):
+    """The link's concurrency or token quota is used up."""
+
+
+class ParamsVersionMismatch(TandemError):
+    """A message was made with link params other than the agreed version."""
+
+
+class IncompatibleModel(TandemError):
+    """Edge head and cloud tail were not cut from the same model at the same split layer."""
+
+
+class EngineError(TandemError):
+    """A vLLM engine failed or is not running."""

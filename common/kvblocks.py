@@ -1,0 +1,85 @@
+"""KV block identity and layout, shared by the edge, the gateway and the vLLM connectors.
+
+Identity: a block of ``B`` tokens is named by a chained hash over the token ids
+of the prompt prefix that ends with it, as vLLM's prefix cache names its blocks
+(``vllm/v1/core/kv_cache_utils.py``, ``hash_block_tokens``):
+``h_i = BLAKE3(h_{i-1} || token_ids_i)``, seeded with the model's identity, so
+equal prefixes of one model share blocks across sessions and replicas.
+
+Layout on the wire and in the block store (canonical): float32
+``[Lp, 2, Hkv, B, D]`` for the ``Lp`` layers of one *part* (a global layer range
+``[lo, hi)``: the edge's head part ``[0, k)``, the tail engine's ``[k, L)``), K
+before V, keys after RoPE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import blake3
+import numpy as np
+
+HASH_BYTES = 32
+
+
+@dataclass(frozen=True)
+class LayerRange:
+    """Global decoder layers ``[lo, hi)``."""
+
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lo < self.hi:
+            raise ValueError(f"bad layer range [{self.lo}, {self.hi})")
+
+    @property
+    def num_layers(self) -> int:
+        return self.hi - self.lo
+
+    def tag(self) -> str:
+        return f"L{self.lo}-{self.hi}"
+
+
+def hash_seed(model_key: str, block_size: int) -> bytes:
+    """Root of the chain: the model's identity and the block size."""
+    return blake3.blake3(f"tandem-kv-v1|{model_key}|B={block_size}".encode()).digest()
+
+
+def block_hashes(token_ids: list[int] | np.ndarray, block_size: int, seed: bytes) -> list[bytes]:
+    """Chained hashes of the *full* blocks of ``token_ids`` (a partial last block has none).
+
+    Returns ``len(token_ids) // block_size`` digests of 32 bytes.
+    """
+    ids = np.asarray(token_ids, dtype="<i8")
+    out: list[bytes] = []
+    prev = seed
+    for j in range(len(ids) // block_size):
+        prev = blake3.blake3(prev + ids[j * block_size:(j + 1) * block_size].tobytes()).digest()
+        out.append(prev)
+    return out
+
+
+def store_key(block_hash: bytes, part: LayerRange) -> str:
+    """Block-store key of one block's KV for one layer range."""
+    return f"{block_hash.hex()}:{part.tag()}"
+
+
+def block_nbytes(part: LayerRange, num_kv_heads: int, block_size: int, head_dim: int) -> int:
+    """Bytes of one canonical fp32 block of ``part``."""
+    return part.num_layers * 2 * num_kv_heads * block_size * head_dim * 4
+
+
+def split_blocks(kv: np.ndarray, block_size: int, first_block: int, last_block: int) -> list[np.ndarray]:
+    """Cut session head KV ``[Lp, 2, Hkv, S, D]`` into canonical blocks ``[Lp, 2, Hkv, B, D]``.
+
+    Returns blocks ``first_block .. last_block-1`` (each fully inside ``S``), C-contiguous.
+
+    Raises:
+        ValueError: a requested block extends past ``S``.
+    """
+    s = kv.shape[3]
+    if last_block * block_size > s:
+        raise ValueError(f"block {last_block - 1} ends at token {last_block * block_size} > {s} tokens")
+    return [np.ascontiguousarray(kv[:, :, :, j * block_size:(j + 1) * block_size])
+            for j in range(first_block, last_block)]

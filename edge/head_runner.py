@@ -1,0 +1,127 @@
+"""Run the edge head (embedding + layers [0, k)) with ONNX Runtime, batched.
+
+Who calls it: the edge daemon's head batcher, once per batch of requests, from
+one worker thread (an ``InferenceSession`` is thread-safe for ``run``, but the
+edge serialises calls so one batch uses all intra-op threads).
+
+Buffers: ``HeadOutput`` arrays are owned by the caller once returned; the runner
+keeps nothing between calls. Shapes use the notation of ``common.head_model``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from common.errors import InvalidRequest
+from common.head_model import io_names
+from common.manifest import SplitManifest
+
+
+@dataclass(frozen=True)
+class HeadInput:
+    """One row of a head batch.
+
+    token_ids: the new tokens, int ``[T]``.
+    past_kv: the session's head KV so far, float32 ``[k, 2, Hkv, P, D]`` (K then V), or None.
+    """
+
+    token_ids: np.ndarray
+    past_kv: np.ndarray | None = None
+
+    @property
+    def past_tokens(self) -> int:
+        return 0 if self.past_kv is None else int(self.past_kv.shape[3])
+
+
+@dataclass(frozen=True)
+class HeadOutput:
+    """hidden: float32 ``[T, H]`` (HF ``hidden_states[k]`` of the new tokens);
+    kv: float32 ``[k, 2, Hkv, P+T, D]``, the session's head KV including the new tokens."""
+
+    hidden: np.ndarray
+    kv: np.ndarray
+
+
+def default_providers() -> list[str]:
+    """CUDA first where onnxruntime-gpu offers it, then CPU."""
+    import onnxruntime as ort
+
+    avail = ort.get_available_providers()
+    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
+
+
+class OnnxHead:
+    """The exported head in an ONNX Runtime ``InferenceSession``."""
+
+    def __init__(self, split_dir: Path, providers: list[str] | None = None, intra_op_threads: int = 0):
+        import onnxruntime as ort
+
+        self.manifest = SplitManifest.load(split_dir)
+        s = self.manifest.shape
+        self.k, self.hkv, self.d, self.h = self.manifest.split_layer, s.num_kv_heads, s.head_dim, s.hidden_size
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = intra_op_threads
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        path = self.manifest.resolve(split_dir, self.manifest.head_onnx)
+        self.session = ort.InferenceSession(str(path), opts, providers=providers or default_providers())
+        self._inputs, self._outputs = io_names(self.k)
+
+    @property
+    def providers(self) -> list[str]:
+        return self.session.get_providers()
+
+    def _check(self, row: HeadInput) -> None:
+        if row.token_ids.ndim != 1 or row.token_ids.shape[0] == 0:
+            raise InvalidRequest(f"token_ids must be a non-empty 1-D array, got shape {row.token_ids.shape}")
+        if row.past_kv is not None:
+            want = (self.k, 2, self.hkv, self.d)
+            got = row.past_kv.shape
+            if row.past_kv.ndim != 5 or (got[0], got[1], got[2], got[4]) != want or row.past_kv.dtype != np.float32:
+                raise InvalidRequest(f"past_kv must be float32 [{self.k}, 2, {self.hkv}, P, {self.d}], "
+                                     f"got {row.past_kv.dtype} {got}")
+
+    def run(self, rows: list[HeadInput]) -> list[HeadOutput]:
+        """Run one batch of rows of different new/past lengths in one ONNX Runtime call.
+
+        Rows are packed as ``[past (padded to max P) | new (padded to max T)]`` per row; padded
+        slots are masked out, so each row's result equals running it alone (up to fp32 rounding).
+
+        Raises:
+            InvalidRequest: a row's token ids or past KV have the wrong shape or dtype.
+        """
+        if not rows:
+            return []
+        for r in rows:
+            self._check(r)
+        bt = len(rows)
+        t_max = max(r.token_ids.shape[0] for r in rows)
+        p_max = max(r.past_tokens for r in rows)
+        ids = np.zeros((bt, t_max), np.int64)
+        pos = np.zeros((bt, t_max), np.int64)
+        mask = np.zeros((bt, p_max + t_max), np.int64)
+        past = np.zeros((self.k, 2, bt, self.hkv, p_max, self.d), np.float32)
+        for b, r in enumerate(rows):
+            t, p = r.token_ids.shape[0], r.past_tokens
+            ids[b, :t] = r.token_ids
+            pos[b, :t] = np.arange(p, p + t)
+            pos[b, t:] = p + t - 1  # any in-range position; padded queries are discarded
+            mask[b, :p] = 1
+            mask[b, p_max:p_max + t] = 1
+            if p:
+                past[:, :, b, :, :p] = r.past_kv
+        feeds = {"input_ids": ids, "position_ids": pos, "attention_mask": mask}
+        for i in range(self.k):
+            feeds[f"past_key_{i}"] = past[i, 0]
+            feeds[f"past_value_{i}"] = past[i, 1]
+        hidden, *presents = self.session.run(self._outputs, feeds)
+        # presents: 2k arrays [Bt, Hkv, P_max + T_max, D]
+        stacked = np.stack(presents).reshape(self.k, 2, bt, self.hkv, p_max + t_max, self.d)
+        out = []
+        for b, r in enumerate(rows):
+            t, p = r.token_ids.shape[0], r.past_tokens
+            kv = np.concatenate([stacked[:, :, b, :, :p], stacked[:, :, b, :, p_max:p_max + t]], axis=3)
+            out.append(HeadOutput(hidden=np.ascontiguousarray(hidden[b, :t]), kv=np.ascontiguousarray(kv)))
+        return out
