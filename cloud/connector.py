@@ -230,7 +230,7 @@ class TandemConnector(KVConnectorBase_V1):
         want = block_nbytes(part, self.num_kv_heads, self.block_size, self.head_dim)
         if raw is None or len(raw) != want:
             return None
-        return np.frombuffer(raw, dtype=np.float32).reshape(
+        return np.frombuffer(bytearray(raw), dtype=np.float32).reshape(
             part.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

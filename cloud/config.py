@@ -1,0 +1,46 @@
+"""The cloud process's one typed config, built by the entry point and passed down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.wire import Codec, WireDtype
+
+
+class EngineConfig(BaseModel):
+    """Settings shared by the tail-prefill and decode vLLM engines."""
+
+    model_config = ConfigDict(frozen=True)
+
+    block_size_tokens: int = 32  # vLLM's CPU backend wants multiples of 32
+    max_model_len_tokens: int = 2048
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 4096
+    kv_cache_bytes: int = 1 << 30  # per engine
+    enforce_eager: bool = True
+    dtype: str = "float32"
+
+
+class CloudConfig(BaseModel):
+    """``tandem-cloud`` configuration."""
+
+    model_config = ConfigDict(frozen=True)
+
+    split_dir: Path  # models/<model>/split-k{k}, holding manifest.json
+    host: str = "0.0.0.0"
+    port: int = 50051  # 0 = any free port
+    cloud_id: str = "tandem-cloud"
+    store_dir: Path = Path("/tmp/tandem-kv")
+    store_bytes: int = 4 << 30
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    chunk_tokens: int = 64
+    wire_dtype: WireDtype = WireDtype.FP32  # fp32 keeps greedy output equal to the unsplit model
+    codec: Codec = Codec.NONE
+    codec_level: int = 3
+    max_prompt_tokens: int = 1536
+    max_new_tokens: int = 512
+    max_chunk_resends: int = 3
+    max_sessions: int = 256
+    session_bytes: int = 1 << 30  # activations kept for multi-turn sessions, all sessions together

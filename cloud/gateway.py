@@ -1,0 +1,182 @@
+"""The cloud gateway: a turn from verified upload to streamed tokens.
+
+``Gateway.run_turn`` is the main loop of a request and reads like the design's
+data path: verify the upload -> put head KV blocks in the store -> tail prefill
+(prompt_embeds, saves tail KV) -> decode (loads all layers of the aligned prefix).
+It takes domain messages and yields domain events; ``cloud.service`` adapts it
+to gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from cloud.config import CloudConfig
+from cloud.engines import EngineBackend
+from cloud.sessions import CloudSession, SessionTable
+from cloud.upload import TurnUpload, check_header
+from common import wire
+from common.errors import IncompatibleModel, InvalidRequest
+from common.kvblocks import LayerRange, hash_seed, store_key
+from common.kvstore import BlockStore
+from common.manifest import SplitManifest
+from common.messages import KVBlock, TurnHeader
+from common.params import LinkParams
+
+
+@dataclass(frozen=True)
+class Nack:
+    seq: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Repair:
+    leaf_indices: list[int]
+    reason: str
+
+
+@dataclass(frozen=True)
+class UploadDone:
+    verified_tokens: int
+    leaf_count: int
+    merkle_root: bytes
+
+
+@dataclass(frozen=True)
+class TokensOut:
+    token_ids: list[int]
+    index: int
+
+
+@dataclass(frozen=True)
+class TurnFinal:
+    finish_reason: str
+    prompt_tokens: int
+    output_tokens: int
+    external_tokens: int
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    received_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Commit:
+    leaf_count: int
+    merkle_root: bytes
+
+
+UplinkItem = wire.Chunk | KVBlock | Commit
+Event = Nack | Repair | UploadDone | TokensOut | TurnFinal
+
+
+class Gateway:
+    """Holds the link params, sessions, block store and engines of one cloud node."""
+
+    def __init__(self, cfg: CloudConfig, manifest: SplitManifest, engines: EngineBackend, store: BlockStore):
+        self.cfg, self.manifest, self.engines, self.store = cfg, manifest, engines, store
+        self.sessions = SessionTable(cfg.max_sessions, cfg.session_bytes)
+        self.seed = hash_seed(manifest.compatibility_key(), cfg.engine.block_size_tokens)
+        self.params = LinkParams(
+            params_version=1, split_layer=manifest.split_layer, chunk_tokens=cfg.chunk_tokens,
+            wire_dtype=cfg.wire_dtype, codec=cfg.codec, codec_level=cfg.codec_level,
+            kv_block_size_tokens=cfg.engine.block_size_tokens, inflight_window_chunks=64,
+            max_concurrent_requests=cfg.engine.max_num_seqs,
+            max_batched_tokens=cfg.engine.max_num_batched_tokens,
+            max_prompt_tokens=min(cfg.max_prompt_tokens, cfg.engine.max_model_len_tokens - 1),
+            max_new_tokens=cfg.max_new_tokens, hidden_size=manifest.shape.hidden_size,
+            max_chunk_resends=cfg.max_chunk_resends)
+        self.tail_part = LayerRange(manifest.split_layer, manifest.shape.num_layers)
+        self.head_part = LayerRange(0, manifest.split_layer)
+
+    def negotiate(self, compatibility_key: str, split_layers: list[int]) -> LinkParams:
+        """Agree on link params for an edge (the configured ones, for now).
+
+        Raises:
+            IncompatibleModel: the edge's head is not this cloud's split, and it cannot run direct only.
+        """
+        if self.manifest.split_layer in split_layers and compatibility_key != self.manifest.compatibility_key():
+            raise IncompatibleModel(f"edge head {compatibility_key!r} does not match cloud tail "
+                                    f"{self.manifest.compatibility_key()!r}")
+        if self.manifest.split_layer not in split_layers:
+            return LinkParams(**{**self.params.__dict__, "split_layer": 0})
+        return self.params
+
+    def _session(self, session_id: str) -> CloudSession:
+        return self.sessions.get_or_create(session_id) if session_id else CloudSession()
+
+    async def run_turn(self, header: TurnHeader, uplink: AsyncIterator[UplinkItem]) -> AsyncIterator[Event]:
+        """One request: upload (split mode), tail prefill, decode. Yields events to send down.
+
+        Raises:
+            InvalidRequest, ParamsVersionMismatch, SessionOutOfSync, ChecksumMismatch, MerkleMismatch,
+            EngineError: mapped to gRPC status by the servicer; session state is unchanged on error.
+        """
+        check_header(header, self.params, self.manifest)
+        timings: dict[str, float] = {}
+        received: dict[str, int] = {}
+        kv_params = None
+        if header.split_layer:
+            session = self._session(header.session_id)
+            async with session.lock:
+                t0 = time.perf_counter()
+                upload = TurnUpload(header, self.params, self.manifest, session, self.seed)
+                async for ev in self._receive(upload, uplink):
+                    yield ev
+                timings["upload_wait_ms"] = (time.perf_counter() - t0) * 1e3
+                received = dict(upload.received_bytes)
+                t0 = time.perf_counter()
+                hidden_new = upload.activations()
+                await asyncio.to_thread(self._put_head_blocks, upload.new_blocks())
+                timings["store_put_ms"] = (time.perf_counter() - t0) * 1e3
+                upload.apply_to_session(hidden_new)
+                yield UploadDone(len(session.token_ids), len(session.leaves), b"")
+                hashes = [h.hex() for h in upload.hashes]
+                tail = await self.engines.tail_prefill(header.request_id, session.hidden, {"tandem": {
+                    "block_hashes": hashes, "load": [[self.tail_part.lo, self.tail_part.hi]],
+                    "save": [self.tail_part.lo, self.tail_part.hi]}})
+                timings["tail_prefill_ms"] = tail.elapsed_ms
+                kv_params = {"tandem": {"block_hashes": hashes, "save": None, "load": [
+                    [self.head_part.lo, self.head_part.hi], [self.tail_part.lo, self.tail_part.hi]]}}
+            self.sessions.evict()
+        async for ev in self._decode(header, kv_params, timings, received):
+            yield ev
+
+    async def _receive(self, upload: TurnUpload, uplink: AsyncIterator[UplinkItem]) -> AsyncIterator[Event]:
+        async for item in uplink:
+            if isinstance(item, wire.Chunk):
+                if not upload.add_chunk(item):
+                    yield Nack(item.seq, "crc32c mismatch")
+            elif isinstance(item, KVBlock):
+                upload.add_block(item)
+            else:
+                repair = upload.commit(item.leaf_count, item.merkle_root)
+                if repair:
+                    yield Repair(repair, "leaf hash mismatch or block missing")
+            if upload.complete:
+                return
+        raise InvalidRequest(f"uplink closed before the upload completed ({len(upload.chunks)}/"
+                             f"{upload.header.num_chunks} chunks, committed={upload.committed})")
+
+    def _put_head_blocks(self, blocks: list[tuple[bytes, bytes]]) -> None:
+        for block_hash, raw in blocks:
+            self.store.put(store_key(block_hash, self.head_part), raw)
+
+    async def _decode(self, header: TurnHeader, kv_params: dict[str, Any] | None, timings: dict[str, float],
+                      received: dict[str, int]) -> AsyncIterator[Event]:
+        t0 = time.perf_counter()
+        n = 0
+        async for step in self.engines.decode(header.request_id, list(header.prompt_token_ids), kv_params,
+                                              header.sampling):
+            if step.token_ids:
+                if n == 0:
+                    timings["decode_first_token_ms"] = (time.perf_counter() - t0) * 1e3
+                yield TokensOut(step.token_ids, n)
+                n += len(step.token_ids)
+            if step.finish_reason is not None:
+                timings["decode_ms"] = (time.perf_counter() - t0) * 1e3
+                yield TurnFinal(step.finish_reason, len(header.prompt_token_ids), n, step.external_tokens,
+                                timings, received)

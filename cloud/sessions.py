@@ -1,0 +1,65 @@
+"""Per-session state the cloud keeps between turns: which prompt tokens it holds
+activations for, the activations themselves (the tail engine needs ``prompt_embeds``
+for the whole prompt), and the Merkle leaves of the head KV blocks it verified.
+
+Bounded: least-recently-used sessions are dropped past ``max_sessions`` or
+``max_bytes``. A dropped session is not an error for the next turn: the gateway
+answers FAILED_PRECONDITION and the edge resends from token 0.
+Other sessions are never touched by one session's bad input: state is committed
+only after a turn's upload verified completely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class CloudSession:
+    """token_ids: prompt tokens with activations held; hidden: float32 ``[S, H]``;
+    leaves: RFC 6962 leaf hashes of the session's full head-KV blocks, in order."""
+
+    token_ids: list[int] = field(default_factory=list)
+    hidden: np.ndarray | None = None
+    leaves: list[bytes] = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.hidden is None else int(self.hidden.nbytes)
+
+
+class SessionTable:
+    """LRU of ``CloudSession`` bounded by count and activation bytes."""
+
+    def __init__(self, max_sessions: int, max_bytes: int) -> None:
+        self.max_sessions, self.max_bytes = max_sessions, max_bytes
+        self._s: OrderedDict[str, CloudSession] = OrderedDict()
+
+    def get_or_create(self, session_id: str) -> CloudSession:
+        s = self._s.get(session_id)
+        if s is None:
+            s = self._s[session_id] = CloudSession()
+        self._s.move_to_end(session_id)
+        return s
+
+    def get(self, session_id: str) -> CloudSession | None:
+        return self._s.get(session_id)
+
+    def evict(self) -> list[str]:
+        """Drop least-recently-used unlocked sessions until within bounds; returns dropped ids."""
+        dropped = []
+        while len(self._s) > self.max_sessions or sum(s.nbytes for s in self._s.values()) > self.max_bytes:
+            victim = next((k for k, s in self._s.items() if not s.lock.locked()), None)
+            if victim is None:
+                break
+            del self._s[victim]
+            dropped.append(victim)
+        return dropped
+
+    def __len__(self) -> int:
+        return len(self._s)

@@ -1,0 +1,200 @@
+"""One turn's upload, checked piece by piece: the header against the link params
+and the session, each activation chunk against its CRC32C and the prompt range,
+each KV block against the chained block hash the cloud computes itself from the
+prompt token ids and against its RFC 6962 leaf, and the commit against the
+Merkle root over the session's leaves.
+
+Pure domain code (no grpc, no engines). Nothing from the wire is trusted before
+it is checked; nothing touches the session or the block store until the whole
+upload verified (``finish``), so a bad request never corrupts other state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import zstandard
+
+from cloud.sessions import CloudSession
+from common import merkle, wire
+from common.errors import (
+    ChecksumMismatch,
+    InvalidRequest,
+    MerkleMismatch,
+    ParamsVersionMismatch,
+    SessionOutOfSync,
+)
+from common.kvblocks import LayerRange, block_hashes, block_nbytes
+from common.manifest import SplitManifest
+from common.messages import KVBlock, TurnHeader
+from common.params import LinkParams
+
+
+def check_header(h: TurnHeader, params: LinkParams, manifest: SplitManifest) -> None:
+    """Raises InvalidRequest / ParamsVersionMismatch for a header outside the negotiated limits."""
+    if h.params_version != params.params_version:
+        raise ParamsVersionMismatch(f"header uses params v{h.params_version}, link is at v{params.params_version}")
+    t = len(h.prompt_token_ids)
+    if not 0 < t <= params.max_prompt_tokens:
+        raise InvalidRequest(f"prompt has {t} tokens; allowed 1..{params.max_prompt_tokens}")
+    vocab = manifest.shape.vocab_size
+    if max(h.prompt_token_ids) >= vocab:
+        raise InvalidRequest(f"token id {max(h.prompt_token_ids)} >= vocab size {vocab}")
+    if h.split_layer not in (0, manifest.split_layer):
+        raise InvalidRequest(f"split layer {h.split_layer}; this cloud serves k={manifest.split_layer} or 0")
+    s = h.sampling
+    if not 0 < s.max_new_tokens <= params.max_new_tokens:
+        raise InvalidRequest(f"max_new_tokens {s.max_new_tokens}; allowed 1..{params.max_new_tokens}")
+    if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
+        raise InvalidRequest(f"bad sampling: temperature={s.temperature} top_p={s.top_p} top_k={s.top_k}")
+    if any(x >= vocab for x in s.stop_token_ids):
+        raise InvalidRequest("stop token id outside the vocabulary")
+    if h.split_layer == 0:
+        if h.num_chunks or h.num_kv_blocks or h.cached_tokens:
+            raise InvalidRequest("direct mode carries no chunks, KV blocks or cached tokens")
+        return
+    if h.cached_tokens > t:
+        raise InvalidRequest(f"cached_tokens {h.cached_tokens} > prompt length {t}")
+    new = t - h.cached_tokens
+    want_chunks = -(-new // params.chunk_tokens)
+    if h.num_chunks != want_chunks:
+        raise InvalidRequest(f"{new} new tokens need {want_chunks} chunks of {params.chunk_tokens}, "
+                             f"header says {h.num_chunks}")
+    if h.num_kv_blocks > t // params.kv_block_size_tokens:
+        raise InvalidRequest(f"{h.num_kv_blocks} KV blocks for a {t}-token prompt")
+
+
+@dataclass
+class TurnUpload:
+    """Collects and verifies one split turn's upload (see module doc)."""
+
+    header: TurnHeader
+    params: LinkParams
+    manifest: SplitManifest
+    session: CloudSession
+    hash_seed: bytes
+    chunks: dict[int, wire.Chunk] = field(default_factory=dict)
+    resends: dict[int, int] = field(default_factory=dict)
+    blocks: dict[int, tuple[KVBlock, bytes]] = field(default_factory=dict)  # leaf -> (block, raw bytes)
+    committed: bool = False
+    received_bytes: dict[str, int] = field(default_factory=lambda: {"activations": 0, "kv": 0})
+
+    def __post_init__(self) -> None:
+        h, s = self.header, self.session
+        # cached_tokens == 0 restarts the session (a resend from token 0 after eviction or edits)
+        base_tokens = s.token_ids if h.cached_tokens else []
+        if h.cached_tokens != len(base_tokens) or list(h.prompt_token_ids[: h.cached_tokens]) != base_tokens:
+            raise SessionOutOfSync(f"cloud holds {len(s.token_ids)} tokens of session {h.session_id!r}, "
+                                   f"edge assumed {h.cached_tokens}: resend from token 0")
+        self.base_leaves = list(s.leaves) if h.cached_tokens else []
+        self.bs = self.params.kv_block_size_tokens
+        self.hashes = block_hashes(list(h.prompt_token_ids), self.bs, self.hash_seed)
+        self.first_new_leaf = len(self.base_leaves)
+        if self.first_new_leaf > len(self.hashes):
+            raise SessionOutOfSync("session has more KV leaves than the prompt has blocks: resend from token 0")
+        self.part = LayerRange(0, self.manifest.split_layer)
+        sh = self.manifest.shape
+        self.block_bytes = block_nbytes(self.part, sh.num_kv_heads, self.bs, sh.head_dim)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.header.prompt_token_ids) - self.header.cached_tokens
+
+    @property
+    def expected_leaves(self) -> range:
+        """Leaves this turn must deliver: the full blocks not yet in the session."""
+        return range(self.first_new_leaf, len(self.hashes))
+
+    def add_chunk(self, c: wire.Chunk) -> bool:
+        """Check and keep a chunk. Returns False when the CRC failed (caller NACKs it).
+
+        Raises:
+            InvalidRequest: seq, offset or size outside this upload.
+            ChecksumMismatch: the chunk failed more than ``max_chunk_resends`` times.
+        """
+        ct, h = self.params.chunk_tokens, self.header
+        if not 0 <= c.seq < h.num_chunks:
+            raise InvalidRequest(f"chunk seq {c.seq} outside 0..{h.num_chunks - 1}")
+        want_off = h.cached_tokens + c.seq * ct
+        want_n = min(ct, len(h.prompt_token_ids) - want_off)
+        if c.token_offset != want_off or c.num_tokens != want_n:
+            raise InvalidRequest(f"chunk {c.seq} covers [{c.token_offset}, +{c.num_tokens}), "
+                                 f"expected [{want_off}, +{want_n})")
+        self.received_bytes["activations"] += len(c.payload)
+        try:
+            wire.verify(c)
+        except ChecksumMismatch:
+            self.resends[c.seq] = self.resends.get(c.seq, 0) + 1
+            if self.resends[c.seq] > self.params.max_chunk_resends:
+                raise ChecksumMismatch(f"chunk {c.seq} failed its CRC32C {self.resends[c.seq]} times") from None
+            return False
+        self.chunks[c.seq] = c
+        return True
+
+    def add_block(self, b: KVBlock) -> None:
+        """Check and keep a KV block; a bad leaf is kept out and requested again at commit.
+
+        Raises:
+            InvalidRequest: index, identity, layer range or size inconsistent with the prompt.
+        """
+        if b.leaf_index not in self.expected_leaves:
+            raise InvalidRequest(f"KV block leaf {b.leaf_index} outside expected {self.expected_leaves}")
+        if b.block_hash != self.hashes[b.leaf_index]:
+            raise InvalidRequest(f"KV block {b.leaf_index}: block hash does not match the prompt tokens")
+        if (b.layer_lo, b.layer_hi) != (self.part.lo, self.part.hi) or b.raw_nbytes != self.block_bytes:
+            raise InvalidRequest(f"KV block {b.leaf_index}: layers [{b.layer_lo}, {b.layer_hi}) and "
+                                 f"{b.raw_nbytes} bytes, expected {self.part.tag()} and {self.block_bytes}")
+        self.received_bytes["kv"] += len(b.payload)
+        raw = b.payload
+        if b.codec == wire.Codec.ZSTD:
+            try:
+                raw = zstandard.ZstdDecompressor().decompress(b.payload, max_output_size=self.block_bytes)
+            except zstandard.ZstdError:
+                return  # corrupt in transit: it stays missing and is repaired at commit
+        if len(raw) != self.block_bytes:
+            return
+        leaf = merkle.leaf_hash(merkle.leaf_data(b.block_hash, b.layer_lo, b.layer_hi, raw))
+        if leaf == b.leaf_hash:
+            self.blocks[b.leaf_index] = (b, raw)
+
+    def missing_leaves(self) -> list[int]:
+        return [j for j in self.expected_leaves if j not in self.blocks]
+
+    def commit(self, leaf_count: int, root: bytes) -> list[int]:
+        """Check the committed tree; returns leaves to repair (empty when verified).
+
+        Raises:
+            MerkleMismatch: leaf count wrong, or every leaf verified but the root does not.
+        """
+        if leaf_count != len(self.hashes):
+            raise MerkleMismatch(f"commit names {leaf_count} leaves; the prompt has {len(self.hashes)} full blocks")
+        missing = self.missing_leaves()
+        if missing:
+            return missing
+        leaves = self.base_leaves + [self.blocks[j][0].leaf_hash for j in self.expected_leaves]
+        if merkle.root(leaves) != root:
+            raise MerkleMismatch(f"Merkle root over {len(leaves)} leaves does not match the commit")
+        self.committed = True
+        return []
+
+    @property
+    def complete(self) -> bool:
+        return self.committed and len(self.chunks) == self.header.num_chunks
+
+    def activations(self) -> np.ndarray:
+        """float32 ``[T_new, H]`` of the new tokens (all chunks verified)."""
+        chunks = list(self.chunks.values())
+        return wire.combine(chunks, self.header.cached_tokens, self.new_tokens, self.params.hidden_size)
+
+    def new_blocks(self) -> list[tuple[bytes, bytes]]:
+        """(block_hash, raw canonical bytes) of the verified new blocks, in leaf order."""
+        return [(self.blocks[j][0].block_hash, self.blocks[j][1]) for j in self.expected_leaves]
+
+    def apply_to_session(self, hidden_new: np.ndarray) -> None:
+        """Commit the verified turn into the session (only after ``complete``)."""
+        s = self.session
+        s.hidden = hidden_new if s.hidden is None or not self.header.cached_tokens else np.concatenate(
+            [s.hidden, hidden_new])
+        s.token_ids = list(self.header.prompt_token_ids)
+        s.leaves = self.base_leaves + [self.blocks[j][0].leaf_hash for j in self.expected_leaves]

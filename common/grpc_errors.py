@@ -1,0 +1,40 @@
+"""The one place where domain errors become gRPC status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+from common import errors as e
+
+STATUS_OF: dict[type[e.TandemError], grpc.StatusCode] = {
+    e.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    e.ChecksumMismatch: grpc.StatusCode.DATA_LOSS,
+    e.MerkleMismatch: grpc.StatusCode.DATA_LOSS,
+    e.SessionNotFound: grpc.StatusCode.NOT_FOUND,
+    e.SessionOutOfSync: grpc.StatusCode.FAILED_PRECONDITION,
+    e.QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    e.ParamsVersionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    e.IncompatibleModel: grpc.StatusCode.FAILED_PRECONDITION,
+    e.EngineError: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_of(err: e.TandemError) -> grpc.StatusCode:
+    for cls in type(err).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+async def abort(context: grpc.aio.ServicerContext, err: e.TandemError) -> None:
+    """Abort the RPC with the status mapped from ``err`` and its message (raises AbortError)."""
+    await context.abort(status_of(err), f"{type(err).__name__}: {err}")
+
+
+def error_from_status(code: grpc.StatusCode, details: str) -> e.TandemError:
+    """Inverse mapping for clients: a status back to the domain error it came from."""
+    name = details.split(":", 1)[0]
+    for cls, c in STATUS_OF.items():
+        if cls.__name__ == name and c == code:
+            return cls(details)
+    return e.EngineError(details) if code == grpc.StatusCode.UNAVAILABLE else e.TandemError(details)

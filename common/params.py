@@ -1,0 +1,74 @@
+"""Link parameters and sampling parameters as domain types, with ``from_pb`` / ``to_pb``.
+
+Protobuf types never become fields of domain objects; these frozen dataclasses
+are what edge and cloud code pass around.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.wire import Codec, WireDtype
+from tandem.v1 import tandem_pb2 as pb
+
+
+@dataclass(frozen=True)
+class LinkParams:
+    """What ``Negotiate`` agreed for one edge <-> cloud link (units in names; see the proto)."""
+
+    params_version: int
+    split_layer: int
+    chunk_tokens: int
+    wire_dtype: WireDtype
+    codec: Codec
+    codec_level: int
+    kv_block_size_tokens: int
+    inflight_window_chunks: int
+    max_concurrent_requests: int
+    max_batched_tokens: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    hidden_size: int
+    max_chunk_resends: int
+
+    @classmethod
+    def from_pb(cls, m: pb.LinkParams) -> LinkParams:
+        return cls(m.params_version, m.split_layer, m.chunk_tokens, WireDtype(m.wire_dtype), Codec(m.codec),
+                   m.codec_level, m.kv_block_size_tokens, m.inflight_window_chunks, m.max_concurrent_requests,
+                   m.max_batched_tokens, m.max_prompt_tokens, m.max_new_tokens, m.hidden_size,
+                   m.max_chunk_resends)
+
+    def to_pb(self) -> pb.LinkParams:
+        return pb.LinkParams(
+            params_version=self.params_version, split_layer=self.split_layer, chunk_tokens=self.chunk_tokens,
+            wire_dtype=int(self.wire_dtype), codec=int(self.codec), codec_level=self.codec_level,
+            kv_block_size_tokens=self.kv_block_size_tokens, inflight_window_chunks=self.inflight_window_chunks,
+            max_concurrent_requests=self.max_concurrent_requests, max_batched_tokens=self.max_batched_tokens,
+            max_prompt_tokens=self.max_prompt_tokens, max_new_tokens=self.max_new_tokens,
+            hidden_size=self.hidden_size, max_chunk_resends=self.max_chunk_resends)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters of one request; ``temperature == 0`` is greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_pb(cls, m: pb.SamplingParams) -> Sampling:
+        return cls(m.max_new_tokens, m.temperature, m.top_p or 1.0, m.top_k,
+                   m.seed if m.HasField("seed") else None, tuple(m.stop_token_ids), m.ignore_eos)
+
+    def to_pb(self) -> pb.SamplingParams:
+        m = pb.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_new_tokens, stop_token_ids=list(self.stop_token_ids),
+                              ignore_eos=self.ignore_eos)
+        if self.seed is not None:
+            m.seed = self.seed
+        return m
