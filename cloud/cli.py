@@ -38,7 +38,8 @@ async def serve(cfg: CloudConfig, ready_file: Path | None = None) -> None:
 @app.command()
 def main(
     split_dir: Annotated[Path, typer.Option(help="split directory with manifest.json")] = Path(
-        "models/smollm2-135m/split-k4"),
+        "models/smollm2-135m/split-k4"
+    ),
     host: str = "0.0.0.0",
     port: int = 50051,
     store_dir: Path = Path("/tmp/tandem-kv"),
@@ -49,8 +50,14 @@ def main(
 ) -> None:
     """Serve the Cloud gRPC service."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = CloudConfig(split_dir=split_dir, host=host, port=port, store_dir=store_dir, store_bytes=store_bytes,
-                      engine=EngineConfig(max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes))
+    cfg = CloudConfig(
+        split_dir=split_dir,
+        host=host,
+        port=port,
+        store_dir=store_dir,
+        store_bytes=store_bytes,
+        engine=EngineConfig(max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes),
+    )
     asyncio.run(serve(cfg, ready_file))
 
 

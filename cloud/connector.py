@@ -190,8 +190,7 @@ class TandemConnector(KVConnectorBase_V1):
             self._plan(req_id, st, cached.num_computed_tokens[i], scheduler_output, meta)
         return meta
 
-    def _plan(self, req_id: str, st: _ReqState, num_computed: int, so: SchedulerOutput,
-              meta: TandemMetadata) -> None:
+    def _plan(self, req_id: str, st: _ReqState, num_computed: int, so: SchedulerOutput, meta: TandemMetadata) -> None:
         """Add this step's loads (once, at first schedule) and saves (blocks completed by this step)."""
         bs = self.block_size
         if st.load_pending:
@@ -231,15 +230,19 @@ class TandemConnector(KVConnectorBase_V1):
         if raw is None or len(raw) != want:
             return None
         return np.frombuffer(bytearray(raw), dtype=np.float32).reshape(
-            part.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+            part.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Copy this step's planned blocks from the store into vLLM's paged cache, all layers."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, TandemMetadata) or not meta.loads:
             return
-        layers = {name: layer for name, layer in forward_context.no_compile_layers.items()
-                  if getattr(layer, "kv_cache", None) is not None and _LAYER_RE.search(name)}
+        layers = {
+            name: layer
+            for name, layer in forward_context.no_compile_layers.items()
+            if getattr(layer, "kv_cache", None) is not None and _LAYER_RE.search(name)
+        }
         for op, parts in meta.loads:
             blocks = [self._read_part(op, p) for p in parts]
             if any(b is None for b in blocks):
@@ -249,8 +252,9 @@ class TandemConnector(KVConnectorBase_V1):
                 g = self._global_layer(name)
                 for part, data in zip(parts, blocks, strict=True):
                     if part.lo <= g < part.hi:
-                        self._layout_of(layer.kv_cache).write_block(layer.kv_cache, op.block_id,
-                                                           torch.from_numpy(data[g - part.lo]))
+                        self._layout_of(layer.kv_cache).write_block(
+                            layer.kv_cache, op.block_id, torch.from_numpy(data[g - part.lo])
+                        )
                         break
                 else:
                     self._load_errors.add(op.block_id)
@@ -274,8 +278,7 @@ class TandemConnector(KVConnectorBase_V1):
                 continue
             buf = self._save_buf.get((op.block_hash, part))
             if buf is None:
-                buf = np.empty((part.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim),
-                               np.float32)
+                buf = np.empty((part.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim), np.float32)
                 self._save_buf[(op.block_hash, part)] = buf
             buf[g - part.lo] = self._layout_of(kv_layer).read_block(kv_layer, op.block_id).numpy()
 

@@ -59,8 +59,9 @@ class EngineBackend(Protocol):
 
     async def tail_prefill(self, request_id: str, hidden: np.ndarray, kv_params: dict[str, Any]) -> TailResult: ...
 
-    def decode(self, request_id: str, token_ids: list[int], kv_params: dict[str, Any] | None,
-               sampling: Sampling) -> AsyncIterator[DecodeStep]: ...
+    def decode(
+        self, request_id: str, token_ids: list[int], kv_params: dict[str, Any] | None, sampling: Sampling
+    ) -> AsyncIterator[DecodeStep]: ...
 
 
 def _kv_transfer(cfg: CloudConfig, role: str, layer_offset: int) -> dict[str, Any]:
@@ -69,8 +70,11 @@ def _kv_transfer(cfg: CloudConfig, role: str, layer_offset: int) -> dict[str, An
         "kv_connector_module_path": "cloud.connector",
         "kv_role": role,
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"store_dir": str(cfg.store_dir), "store_bytes": cfg.store_bytes,
-                                      "layer_offset": layer_offset},
+        "kv_connector_extra_config": {
+            "store_dir": str(cfg.store_dir),
+            "store_bytes": cfg.store_bytes,
+            "layer_offset": layer_offset,
+        },
     }
 
 
@@ -81,10 +85,17 @@ def _engine(model: Path, cfg: CloudConfig, role: str, layer_offset: int, prompt_
 
     e = cfg.engine
     args = AsyncEngineArgs(
-        model=str(model), dtype=e.dtype, max_model_len=e.max_model_len_tokens, block_size=e.block_size_tokens,
-        max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-        kv_cache_memory_bytes=e.kv_cache_bytes, enforce_eager=e.enforce_eager, enable_prefix_caching=False,
-        enable_prompt_embeds=prompt_embeds, disable_log_stats=True,
+        model=str(model),
+        dtype=e.dtype,
+        max_model_len=e.max_model_len_tokens,
+        block_size=e.block_size_tokens,
+        max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens,
+        kv_cache_memory_bytes=e.kv_cache_bytes,
+        enforce_eager=e.enforce_eager,
+        enable_prefix_caching=False,
+        enable_prompt_embeds=prompt_embeds,
+        disable_log_stats=True,
         kv_transfer_config=KVTransferConfig(**_kv_transfer(cfg, role, layer_offset)),
     )
     return AsyncLLM.from_engine_args(args)
@@ -95,9 +106,14 @@ def to_vllm_sampling(s: Sampling, max_tokens: int | None = None, kv_params: dict
     from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else s.max_new_tokens, temperature=s.temperature,
-        top_p=s.top_p, top_k=s.top_k, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos, output_kind=RequestOutputKind.DELTA,
+        max_tokens=max_tokens if max_tokens is not None else s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
         extra_args={"kv_transfer_params": kv_params} if kv_params else None,
     )
 
@@ -131,15 +147,18 @@ class VllmEngines:
         t0 = time.perf_counter()
         sp = to_vllm_sampling(Sampling(max_new_tokens=1), 1, kv_params)
         final = None
-        async for out in self.tail_engine.generate({"prompt_embeds": torch.from_numpy(hidden)}, sp,
-                                                   f"tail-{request_id}"):
+        async for out in self.tail_engine.generate(
+            {"prompt_embeds": torch.from_numpy(hidden)}, sp, f"tail-{request_id}"
+        ):
             final = out
-        params = ((final.kv_transfer_params or {}).get("tandem", {}) if final else {})
-        return TailResult(int(params.get("saved_blocks", 0)), int(params.get("external_tokens", 0)),
-                          (time.perf_counter() - t0) * 1e3)
+        params = (final.kv_transfer_params or {}).get("tandem", {}) if final else {}
+        return TailResult(
+            int(params.get("saved_blocks", 0)), int(params.get("external_tokens", 0)), (time.perf_counter() - t0) * 1e3
+        )
 
-    async def decode(self, request_id: str, token_ids: list[int], kv_params: dict[str, Any] | None,
-                     sampling: Sampling) -> AsyncIterator[DecodeStep]:
+    async def decode(
+        self, request_id: str, token_ids: list[int], kv_params: dict[str, Any] | None, sampling: Sampling
+    ) -> AsyncIterator[DecodeStep]:
         if self.decode_engine is None:
             raise EngineError("decode engine is not running")
         sp = to_vllm_sampling(sampling, kv_params=kv_params)
@@ -147,7 +166,11 @@ class VllmEngines:
             c = out.outputs[0]
             if out.finished:
                 params = (out.kv_transfer_params or {}).get("tandem", {})
-                yield DecodeStep(list(c.token_ids), c.finish_reason or "stop",
-                                 int(params.get("external_tokens", 0)), len(out.prompt_token_ids or []))
+                yield DecodeStep(
+                    list(c.token_ids),
+                    c.finish_reason or "stop",
+                    int(params.get("external_tokens", 0)),
+                    len(out.prompt_token_ids or []),
+                )
             else:
                 yield DecodeStep(list(c.token_ids))

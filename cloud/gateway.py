@@ -81,14 +81,21 @@ class Gateway:
         self.sessions = SessionTable(cfg.max_sessions, cfg.session_bytes)
         self.seed = hash_seed(manifest.compatibility_key(), cfg.engine.block_size_tokens)
         self.params = LinkParams(
-            params_version=1, split_layer=manifest.split_layer, chunk_tokens=cfg.chunk_tokens,
-            wire_dtype=cfg.wire_dtype, codec=cfg.codec, codec_level=cfg.codec_level,
-            kv_block_size_tokens=cfg.engine.block_size_tokens, inflight_window_chunks=64,
+            params_version=1,
+            split_layer=manifest.split_layer,
+            chunk_tokens=cfg.chunk_tokens,
+            wire_dtype=cfg.wire_dtype,
+            codec=cfg.codec,
+            codec_level=cfg.codec_level,
+            kv_block_size_tokens=cfg.engine.block_size_tokens,
+            inflight_window_chunks=64,
             max_concurrent_requests=cfg.engine.max_num_seqs,
             max_batched_tokens=cfg.engine.max_num_batched_tokens,
             max_prompt_tokens=min(cfg.max_prompt_tokens, cfg.engine.max_model_len_tokens - 1),
-            max_new_tokens=cfg.max_new_tokens, hidden_size=manifest.shape.hidden_size,
-            max_chunk_resends=cfg.max_chunk_resends)
+            max_new_tokens=cfg.max_new_tokens,
+            hidden_size=manifest.shape.hidden_size,
+            max_chunk_resends=cfg.max_chunk_resends,
+        )
         self.tail_part = LayerRange(manifest.split_layer, manifest.shape.num_layers)
         self.head_part = LayerRange(0, manifest.split_layer)
 
@@ -99,8 +106,9 @@ class Gateway:
             IncompatibleModel: the edge's head is not this cloud's split, and it cannot run direct only.
         """
         if self.manifest.split_layer in split_layers and compatibility_key != self.manifest.compatibility_key():
-            raise IncompatibleModel(f"edge head {compatibility_key!r} does not match cloud tail "
-                                    f"{self.manifest.compatibility_key()!r}")
+            raise IncompatibleModel(
+                f"edge head {compatibility_key!r} does not match cloud tail {self.manifest.compatibility_key()!r}"
+            )
         if self.manifest.split_layer not in split_layers:
             return LinkParams(**{**self.params.__dict__, "split_layer": 0})
         return self.params
@@ -135,12 +143,25 @@ class Gateway:
                 upload.apply_to_session(hidden_new)
                 yield UploadDone(len(session.token_ids), len(session.leaves), b"")
                 hashes = [h.hex() for h in upload.hashes]
-                tail = await self.engines.tail_prefill(header.request_id, session.hidden, {"tandem": {
-                    "block_hashes": hashes, "load": [[self.tail_part.lo, self.tail_part.hi]],
-                    "save": [self.tail_part.lo, self.tail_part.hi]}})
+                tail = await self.engines.tail_prefill(
+                    header.request_id,
+                    session.hidden,
+                    {
+                        "tandem": {
+                            "block_hashes": hashes,
+                            "load": [[self.tail_part.lo, self.tail_part.hi]],
+                            "save": [self.tail_part.lo, self.tail_part.hi],
+                        }
+                    },
+                )
                 timings["tail_prefill_ms"] = tail.elapsed_ms
-                kv_params = {"tandem": {"block_hashes": hashes, "save": None, "load": [
-                    [self.head_part.lo, self.head_part.hi], [self.tail_part.lo, self.tail_part.hi]]}}
+                kv_params = {
+                    "tandem": {
+                        "block_hashes": hashes,
+                        "save": None,
+                        "load": [[self.head_part.lo, self.head_part.hi], [self.tail_part.lo, self.tail_part.hi]],
+                    }
+                }
             self.sessions.evict()
         async for ev in self._decode(header, kv_params, timings, received):
             yield ev
@@ -158,19 +179,23 @@ class Gateway:
                     yield Repair(repair, "leaf hash mismatch or block missing")
             if upload.complete:
                 return
-        raise InvalidRequest(f"uplink closed before the upload completed ({len(upload.chunks)}/"
-                             f"{upload.header.num_chunks} chunks, committed={upload.committed})")
+        raise InvalidRequest(
+            f"uplink closed before the upload completed ({len(upload.chunks)}/"
+            f"{upload.header.num_chunks} chunks, committed={upload.committed})"
+        )
 
     def _put_head_blocks(self, blocks: list[tuple[bytes, bytes]]) -> None:
         for block_hash, raw in blocks:
             self.store.put(store_key(block_hash, self.head_part), raw)
 
-    async def _decode(self, header: TurnHeader, kv_params: dict[str, Any] | None, timings: dict[str, float],
-                      received: dict[str, int]) -> AsyncIterator[Event]:
+    async def _decode(
+        self, header: TurnHeader, kv_params: dict[str, Any] | None, timings: dict[str, float], received: dict[str, int]
+    ) -> AsyncIterator[Event]:
         t0 = time.perf_counter()
         n = 0
-        async for step in self.engines.decode(header.request_id, list(header.prompt_token_ids), kv_params,
-                                              header.sampling):
+        async for step in self.engines.decode(
+            header.request_id, list(header.prompt_token_ids), kv_params, header.sampling
+        ):
             if step.token_ids:
                 if n == 0:
                     timings["decode_first_token_ms"] = (time.perf_counter() - t0) * 1e3
@@ -178,5 +203,6 @@ class Gateway:
                 n += len(step.token_ids)
             if step.finish_reason is not None:
                 timings["decode_ms"] = (time.perf_counter() - t0) * 1e3
-                yield TurnFinal(step.finish_reason, len(header.prompt_token_ids), n, step.external_tokens,
-                                timings, received)
+                yield TurnFinal(
+                    step.finish_reason, len(header.prompt_token_ids), n, step.external_tokens, timings, received
+                )

@@ -56,10 +56,10 @@ def _flashinfer_view(c: torch.Tensor, i: int, hkv: int, b: int, d: int) -> torch
 
 
 LAYOUTS: tuple[PagedLayout, ...] = (
-    PagedLayout("flash_attn", lambda s, hkv, b, d: len(s) == 5 and s[0] == 2 and s[2:] == (b, hkv, d),
-                _flash_view),
-    PagedLayout("flashinfer", lambda s, hkv, b, d: len(s) == 5 and s[1] == 2 and s[2:] == (b, hkv, d),
-                _flashinfer_view),
+    PagedLayout("flash_attn", lambda s, hkv, b, d: len(s) == 5 and s[0] == 2 and s[2:] == (b, hkv, d), _flash_view),
+    PagedLayout(
+        "flashinfer", lambda s, hkv, b, d: len(s) == 5 and s[1] == 2 and s[2:] == (b, hkv, d), _flashinfer_view
+    ),
 )
 
 
@@ -77,7 +77,7 @@ class CpuPackedLayout:
 
     def _halves(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         v = cache.view(cache.shape[0], self.hkv, 2 * self.b, self.d)
-        return v[:, :, : self.b], v[:, :, self.b:]
+        return v[:, :, : self.b], v[:, :, self.b :]
 
     def _kernel_write(self, cache: torch.Tensor, block_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
         from vllm import _custom_ops as ops
@@ -96,8 +96,7 @@ class CpuPackedLayout:
             digit = ((idx // scale) % 64).to(dtype).view(2, self.hkv, self.b, self.d)
             scratch = torch.zeros(1, self.hkv, self.b, 2 * self.d, dtype=dtype)
             # kernel input: [B, Hkv, D] per K and V
-            self._kernel_write(scratch, 0, digit[0].transpose(0, 1).contiguous(),
-                               digit[1].transpose(0, 1).contiguous())
+            self._kernel_write(scratch, 0, digit[0].transpose(0, 1).contiguous(), digit[1].transpose(0, 1).contiguous())
             perm += scratch.reshape(-1).to(torch.int64) * scale
             scale *= 64
         if not torch.equal(torch.sort(perm).values, idx):
@@ -116,8 +115,9 @@ class CpuPackedLayout:
         if tuple(block.shape) != (2, self.hkv, self.b, self.d):
             raise ValueError(f"block shape {tuple(block.shape)} != (2, {self.hkv}, {self.b}, {self.d})")
         block = block.to(cache.dtype)
-        self._kernel_write(cache, block_id, block[0].transpose(0, 1).contiguous(),
-                           block[1].transpose(0, 1).contiguous())
+        self._kernel_write(
+            cache, block_id, block[0].transpose(0, 1).contiguous(), block[1].transpose(0, 1).contiguous()
+        )
 
 
 def layout_for(cache: torch.Tensor, num_kv_heads: int, block_size: int, head_dim: int) -> PagedLayout:

@@ -27,8 +27,12 @@ async def create_server(cfg: CloudConfig, engines: EngineBackend) -> tuple[grpc.
     manifest = SplitManifest.load(cfg.split_dir)
     store = DiskBlockStore(cfg.store_dir, cfg.store_bytes)
     gateway = Gateway(cfg, manifest, engines, store)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
     pb_grpc.add_CloudServicer_to_server(CloudServicer(gateway, cfg.cloud_id), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

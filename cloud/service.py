@@ -26,12 +26,22 @@ def event_to_pb(ev: Event) -> pb.Downlink:
     if isinstance(ev, Repair):
         return pb.Downlink(repair=pb.RepairRequest(leaf_indices=ev.leaf_indices, reason=ev.reason))
     if isinstance(ev, UploadDone):
-        return pb.Downlink(upload_ack=pb.UploadAck(verified_tokens=ev.verified_tokens, leaf_count=ev.leaf_count,
-                                                   merkle_root=ev.merkle_root))
+        return pb.Downlink(
+            upload_ack=pb.UploadAck(
+                verified_tokens=ev.verified_tokens, leaf_count=ev.leaf_count, merkle_root=ev.merkle_root
+            )
+        )
     assert isinstance(ev, TurnFinal)
-    return pb.Downlink(final=pb.Final(
-        finish_reason=ev.finish_reason, prompt_tokens=ev.prompt_tokens, output_tokens=ev.output_tokens,
-        external_tokens=ev.external_tokens, timings_ms=ev.timings_ms, received_bytes=ev.received_bytes))
+    return pb.Downlink(
+        final=pb.Final(
+            finish_reason=ev.finish_reason,
+            prompt_tokens=ev.prompt_tokens,
+            output_tokens=ev.output_tokens,
+            external_tokens=ev.external_tokens,
+            timings_ms=ev.timings_ms,
+            received_bytes=ev.received_bytes,
+        )
+    )
 
 
 async def uplink_items(it: AsyncIterator[pb.Uplink]) -> AsyncIterator[UplinkItem]:
@@ -57,8 +67,9 @@ class CloudServicer(pb_grpc.CloudServicer):
             params = self.gateway.negotiate(request.compatibility_key, list(request.split_layers))
         except TandemError as e:
             await abort(context, e)
-        return pb.NegotiateResponse(params=params.to_pb(), cloud_id=self.cloud_id,
-                                    model_id=self.gateway.manifest.model_id)
+        return pb.NegotiateResponse(
+            params=params.to_pb(), cloud_id=self.cloud_id, model_id=self.gateway.manifest.model_id
+        )
 
     async def Generate(self, request_iterator: AsyncIterator[pb.Uplink], context: grpc.aio.ServicerContext):
         try:

@@ -59,8 +59,9 @@ def check_header(h: TurnHeader, params: LinkParams, manifest: SplitManifest) -> 
     new = t - h.cached_tokens
     want_chunks = -(-new // params.chunk_tokens)
     if h.num_chunks != want_chunks:
-        raise InvalidRequest(f"{new} new tokens need {want_chunks} chunks of {params.chunk_tokens}, "
-                             f"header says {h.num_chunks}")
+        raise InvalidRequest(
+            f"{new} new tokens need {want_chunks} chunks of {params.chunk_tokens}, header says {h.num_chunks}"
+        )
     if h.num_kv_blocks > t // params.kv_block_size_tokens:
         raise InvalidRequest(f"{h.num_kv_blocks} KV blocks for a {t}-token prompt")
 
@@ -85,8 +86,10 @@ class TurnUpload:
         # cached_tokens == 0 restarts the session (a resend from token 0 after eviction or edits)
         base_tokens = s.token_ids if h.cached_tokens else []
         if h.cached_tokens != len(base_tokens) or list(h.prompt_token_ids[: h.cached_tokens]) != base_tokens:
-            raise SessionOutOfSync(f"cloud holds {len(s.token_ids)} tokens of session {h.session_id!r}, "
-                                   f"edge assumed {h.cached_tokens}: resend from token 0")
+            raise SessionOutOfSync(
+                f"cloud holds {len(s.token_ids)} tokens of session {h.session_id!r}, "
+                f"edge assumed {h.cached_tokens}: resend from token 0"
+            )
         self.base_leaves = list(s.leaves) if h.cached_tokens else []
         self.bs = self.params.kv_block_size_tokens
         self.hashes = block_hashes(list(h.prompt_token_ids), self.bs, self.hash_seed)
@@ -119,8 +122,9 @@ class TurnUpload:
         want_off = h.cached_tokens + c.seq * ct
         want_n = min(ct, len(h.prompt_token_ids) - want_off)
         if c.token_offset != want_off or c.num_tokens != want_n:
-            raise InvalidRequest(f"chunk {c.seq} covers [{c.token_offset}, +{c.num_tokens}), "
-                                 f"expected [{want_off}, +{want_n})")
+            raise InvalidRequest(
+                f"chunk {c.seq} covers [{c.token_offset}, +{c.num_tokens}), expected [{want_off}, +{want_n})"
+            )
         self.received_bytes["activations"] += len(c.payload)
         try:
             wire.verify(c)
@@ -143,8 +147,10 @@ class TurnUpload:
         if b.block_hash != self.hashes[b.leaf_index]:
             raise InvalidRequest(f"KV block {b.leaf_index}: block hash does not match the prompt tokens")
         if (b.layer_lo, b.layer_hi) != (self.part.lo, self.part.hi) or b.raw_nbytes != self.block_bytes:
-            raise InvalidRequest(f"KV block {b.leaf_index}: layers [{b.layer_lo}, {b.layer_hi}) and "
-                                 f"{b.raw_nbytes} bytes, expected {self.part.tag()} and {self.block_bytes}")
+            raise InvalidRequest(
+                f"KV block {b.leaf_index}: layers [{b.layer_lo}, {b.layer_hi}) and "
+                f"{b.raw_nbytes} bytes, expected {self.part.tag()} and {self.block_bytes}"
+            )
         self.received_bytes["kv"] += len(b.payload)
         raw = b.payload
         if b.codec == wire.Codec.ZSTD:
@@ -194,7 +200,8 @@ class TurnUpload:
     def apply_to_session(self, hidden_new: np.ndarray) -> None:
         """Commit the verified turn into the session (only after ``complete``)."""
         s = self.session
-        s.hidden = hidden_new if s.hidden is None or not self.header.cached_tokens else np.concatenate(
-            [s.hidden, hidden_new])
+        s.hidden = (
+            hidden_new if s.hidden is None or not self.header.cached_tokens else np.concatenate([s.hidden, hidden_new])
+        )
         s.token_ids = list(self.header.prompt_token_ids)
         s.leaves = self.base_leaves + [self.blocks[j][0].leaf_hash for j in self.expected_leaves]

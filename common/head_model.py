@@ -65,9 +65,7 @@ class HeadLayer(nn.Module):
         self.input_layernorm = hf_layer.input_layernorm
         self.post_attention_layernorm = hf_layer.post_attention_layernorm
         self.mlp = hf_layer.mlp
-        self.attn = HeadAttention(
-            hf_layer.self_attn, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim
-        )
+        self.attn = HeadAttention(hf_layer.self_attn, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim)
 
     def forward(self, x, cos, sin, bias, past_k, past_v):
         a, k_all, v_all = self.attn(self.input_layernorm(x), cos, sin, bias, past_k, past_v)

@@ -55,7 +55,7 @@ def block_hashes(token_ids: list[int] | np.ndarray, block_size: int, seed: bytes
     out: list[bytes] = []
     prev = seed
     for j in range(len(ids) // block_size):
-        prev = blake3.blake3(prev + ids[j * block_size:(j + 1) * block_size].tobytes()).digest()
+        prev = blake3.blake3(prev + ids[j * block_size : (j + 1) * block_size].tobytes()).digest()
         out.append(prev)
     return out
 
@@ -81,5 +81,6 @@ def split_blocks(kv: np.ndarray, block_size: int, first_block: int, last_block: 
     s = kv.shape[3]
     if last_block * block_size > s:
         raise ValueError(f"block {last_block - 1} ends at token {last_block * block_size} > {s} tokens")
-    return [np.ascontiguousarray(kv[:, :, :, j * block_size:(j + 1) * block_size])
-            for j in range(first_block, last_block)]
+    return [
+        np.ascontiguousarray(kv[:, :, :, j * block_size : (j + 1) * block_size]) for j in range(first_block, last_block)
+    ]

@@ -39,8 +39,11 @@ class DiskBlockStore:
         self.directory = Path(directory)
         self.size_limit_bytes = size_limit_bytes
         self._cache = diskcache.Cache(
-            str(self.directory), size_limit=size_limit_bytes, eviction_policy="least-recently-used",
-            statistics=False, sqlite_synchronous=1,  # NORMAL: safe across processes, no fsync per put
+            str(self.directory),
+            size_limit=size_limit_bytes,
+            eviction_policy="least-recently-used",
+            statistics=False,
+            sqlite_synchronous=1,  # NORMAL: safe across processes, no fsync per put
         )
 
     def put(self, key: str, value: bytes) -> None:

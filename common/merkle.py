@@ -109,8 +109,9 @@ def consistency_proof(leaves: list[bytes], m: int) -> list[bytes]:
     return sub(m, leaves, True)
 
 
-def verify_consistency(first_size: int, second_size: int, first_root: bytes, second_root: bytes,
-                       proof: list[bytes]) -> bool:
+def verify_consistency(
+    first_size: int, second_size: int, first_root: bytes, second_root: bytes, proof: list[bytes]
+) -> bool:
     """RFC 9162 2.1.4.2: is the tree (first_size, first_root) a prefix of (second_size, second_root)?"""
     if first_size == second_size:
         return not proof and first_root == second_root

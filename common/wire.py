@@ -61,8 +61,12 @@ def crc32c(data: bytes) -> int:
 
 
 def _bytes_per_token(dtype: WireDtype, hidden: int) -> int:
-    return {WireDtype.FP32: 4 * hidden, WireDtype.FP16: 2 * hidden, WireDtype.BF16: 2 * hidden,
-            WireDtype.INT8: hidden + 4}[dtype]
+    return {
+        WireDtype.FP32: 4 * hidden,
+        WireDtype.FP16: 2 * hidden,
+        WireDtype.BF16: 2 * hidden,
+        WireDtype.INT8: hidden + 4,
+    }[dtype]
 
 
 def encode_dtype(h: np.ndarray, dtype: WireDtype) -> bytes:
@@ -88,8 +92,9 @@ def decode_dtype(raw: bytes, dtype: WireDtype, num_tokens: int, hidden: int) -> 
     """
     want = num_tokens * _bytes_per_token(dtype, hidden)
     if len(raw) != want:
-        raise InvalidRequest(f"chunk holds {len(raw)} bytes, expected {want} for "
-                             f"{num_tokens} tokens x H={hidden} in {dtype.name}")
+        raise InvalidRequest(
+            f"chunk holds {len(raw)} bytes, expected {want} for {num_tokens} tokens x H={hidden} in {dtype.name}"
+        )
     if dtype == WireDtype.FP32:
         return np.frombuffer(raw, "<f4").reshape(num_tokens, hidden).copy()
     if dtype == WireDtype.FP16:
@@ -98,12 +103,18 @@ def decode_dtype(raw: bytes, dtype: WireDtype, num_tokens: int, hidden: int) -> 
         u = np.frombuffer(raw, "<u2").astype("<u4") << 16
         return u.view("<f4").reshape(num_tokens, hidden).copy()
     scale = np.frombuffer(raw[: 4 * num_tokens], "<f4")
-    q = np.frombuffer(raw[4 * num_tokens:], np.int8).reshape(num_tokens, hidden)
+    q = np.frombuffer(raw[4 * num_tokens :], np.int8).reshape(num_tokens, hidden)
     return q.astype(np.float32) * scale[:, None]
 
 
-def split(h: np.ndarray, token_offset: int, chunk_tokens: int, dtype: WireDtype = WireDtype.FP32,
-          codec: Codec = Codec.NONE, level: int = 3) -> list[Chunk]:
+def split(
+    h: np.ndarray,
+    token_offset: int,
+    chunk_tokens: int,
+    dtype: WireDtype = WireDtype.FP32,
+    codec: Codec = Codec.NONE,
+    level: int = 3,
+) -> list[Chunk]:
     """Frame activations float32 ``[T, H]`` of tokens ``[token_offset, token_offset+T)``
     into chunks of at most ``chunk_tokens`` tokens.
 
@@ -117,11 +128,10 @@ def split(h: np.ndarray, token_offset: int, chunk_tokens: int, dtype: WireDtype 
     cctx = zstandard.ZstdCompressor(level=level) if codec == Codec.ZSTD else None
     chunks = []
     for seq, start in enumerate(range(0, h.shape[0], chunk_tokens)):
-        part = h[start:start + chunk_tokens]
+        part = h[start : start + chunk_tokens]
         raw = encode_dtype(part, dtype)
         payload = cctx.compress(raw) if cctx else raw
-        chunks.append(Chunk(seq, token_offset + start, part.shape[0], dtype, codec, len(raw), payload,
-                            crc32c(payload)))
+        chunks.append(Chunk(seq, token_offset + start, part.shape[0], dtype, codec, len(raw), payload, crc32c(payload)))
     return chunks
 
 
@@ -167,12 +177,11 @@ def combine(chunks: list[Chunk], token_offset: int, num_tokens: int, hidden: int
     for c in sorted(chunks, key=lambda c: c.token_offset):
         lo = c.token_offset - token_offset
         if lo < 0 or lo + c.num_tokens > num_tokens:
-            raise InvalidRequest(f"chunk {c.seq} covers tokens outside [{token_offset}, "
-                                 f"{token_offset + num_tokens})")
-        if covered[lo:lo + c.num_tokens].any():
+            raise InvalidRequest(f"chunk {c.seq} covers tokens outside [{token_offset}, {token_offset + num_tokens})")
+        if covered[lo : lo + c.num_tokens].any():
             raise InvalidRequest(f"chunk {c.seq} overlaps another chunk")
-        out[lo:lo + c.num_tokens] = decode_chunk(c, hidden, num_tokens)
-        covered[lo:lo + c.num_tokens] = True
+        out[lo : lo + c.num_tokens] = decode_chunk(c, hidden, num_tokens)
+        covered[lo : lo + c.num_tokens] = True
     if not covered.all():
         raise InvalidRequest(f"chunks leave {int((~covered).sum())} of {num_tokens} tokens uncovered")
     return out

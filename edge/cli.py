@@ -22,7 +22,13 @@ async def serve(cfg: EdgeConfig, ready_file: Path | None) -> None:
     p = daemon.service.params
     logging.getLogger("tandem.edge").info(
         "tandem-edge serving on %s:%d; cloud %s; split layer %d, block %d tokens, chunk %d tokens",
-        cfg.host, daemon.port, cfg.cloud_target, p.split_layer, p.kv_block_size_tokens, p.chunk_tokens)
+        cfg.host,
+        daemon.port,
+        cfg.cloud_target,
+        p.split_layer,
+        p.kv_block_size_tokens,
+        p.chunk_tokens,
+    )
     if ready_file:
         ready_file.write_text(str(daemon.port))
     stop = asyncio.Event()
@@ -36,7 +42,8 @@ async def serve(cfg: EdgeConfig, ready_file: Path | None) -> None:
 @app.command()
 def main(
     split_dir: Annotated[Path, typer.Option(help="split directory with head.onnx and manifest.json")] = Path(
-        "models/smollm2-135m/split-k4"),
+        "models/smollm2-135m/split-k4"
+    ),
     cloud: Annotated[str, typer.Option(help="tandem-cloud address host:port")] = "localhost:50051",
     host: str = "0.0.0.0",
     port: int = 50061,
@@ -45,8 +52,11 @@ def main(
 ) -> None:
     """Serve the Edge gRPC service for the client SDK."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(EdgeConfig(split_dir=split_dir, cloud_target=cloud, host=host, port=port,
-                                 max_batch=max_batch), ready_file))
+    asyncio.run(
+        serve(
+            EdgeConfig(split_dir=split_dir, cloud_target=cloud, host=host, port=port, max_batch=max_batch), ready_file
+        )
+    )
 
 
 if __name__ == "__main__":

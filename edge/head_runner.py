@@ -80,8 +80,9 @@ class OnnxHead:
             want = (self.k, 2, self.hkv, self.d)
             got = row.past_kv.shape
             if row.past_kv.ndim != 5 or (got[0], got[1], got[2], got[4]) != want or row.past_kv.dtype != np.float32:
-                raise InvalidRequest(f"past_kv must be float32 [{self.k}, 2, {self.hkv}, P, {self.d}], "
-                                     f"got {row.past_kv.dtype} {got}")
+                raise InvalidRequest(
+                    f"past_kv must be float32 [{self.k}, 2, {self.hkv}, P, {self.d}], got {row.past_kv.dtype} {got}"
+                )
 
     def run(self, rows: list[HeadInput]) -> list[HeadOutput]:
         """Run one batch of rows of different new/past lengths in one ONNX Runtime call.
@@ -109,7 +110,7 @@ class OnnxHead:
             pos[b, :t] = np.arange(p, p + t)
             pos[b, t:] = p + t - 1  # any in-range position; padded queries are discarded
             mask[b, :p] = 1
-            mask[b, p_max:p_max + t] = 1
+            mask[b, p_max : p_max + t] = 1
             if p:
                 past[:, :, b, :, :p] = r.past_kv
         feeds = {"input_ids": ids, "position_ids": pos, "attention_mask": mask}
@@ -122,6 +123,6 @@ class OnnxHead:
         out = []
         for b, r in enumerate(rows):
             t, p = r.token_ids.shape[0], r.past_tokens
-            kv = np.concatenate([stacked[:, :, b, :, :p], stacked[:, :, b, :, p_max:p_max + t]], axis=3)
+            kv = np.concatenate([stacked[:, :, b, :, :p], stacked[:, :, b, :, p_max : p_max + t]], axis=3)
             out.append(HeadOutput(hidden=np.ascontiguousarray(hidden[b, :t]), kv=np.ascontiguousarray(kv)))
         return out

@@ -33,8 +33,9 @@ def turn_from_pb(r: pb.ChatRequest) -> ChatTurn:
     if r.mode not in (pb.MODE_UNSPECIFIED, pb.MODE_SPLIT, pb.MODE_DIRECT):
         raise InvalidRequest(f"unknown mode {r.mode}")
     sampling = Sampling.from_pb(r.sampling) if r.HasField("sampling") else Sampling()
-    return ChatTurn(tuple((m.role, m.content) for m in r.messages), r.prompt, r.session_id, sampling,
-                    r.mode == pb.MODE_DIRECT)
+    return ChatTurn(
+        tuple((m.role, m.content) for m in r.messages), r.prompt, r.session_id, sampling, r.mode == pb.MODE_DIRECT
+    )
 
 
 class EdgeServicer(pb_grpc.EdgeServicer):
@@ -47,11 +48,19 @@ class EdgeServicer(pb_grpc.EdgeServicer):
                 if isinstance(ev, TextOut):
                     yield pb.ChatEvent(delta=pb.TextDelta(text=ev.text, token_ids=ev.token_ids))
                 else:
-                    yield pb.ChatEvent(done=pb.ChatDone(
-                        finish_reason=ev.finish_reason, prompt_tokens=ev.prompt_tokens,
-                        output_tokens=ev.output_tokens, head_tokens=ev.head_tokens,
-                        external_tokens=ev.external_tokens, split_layer=ev.split_layer, timings_ms=ev.timings_ms,
-                        sent_bytes=ev.sent_bytes, output_token_ids=ev.output_token_ids))
+                    yield pb.ChatEvent(
+                        done=pb.ChatDone(
+                            finish_reason=ev.finish_reason,
+                            prompt_tokens=ev.prompt_tokens,
+                            output_tokens=ev.output_tokens,
+                            head_tokens=ev.head_tokens,
+                            external_tokens=ev.external_tokens,
+                            split_layer=ev.split_layer,
+                            timings_ms=ev.timings_ms,
+                            sent_bytes=ev.sent_bytes,
+                            output_token_ids=ev.output_token_ids,
+                        )
+                    )
         except TandemError as e:
             await abort(context, e)
 
@@ -81,12 +90,26 @@ async def create_edge(cfg: EdgeConfig, tamper: Tamper | None = None) -> EdgeDaem
     manifest = SplitManifest.load(cfg.split_dir)
     head = OnnxHead(cfg.split_dir, intra_op_threads=cfg.intra_op_threads)
     tokenizer = AutoTokenizer.from_pretrained(manifest.resolve(cfg.split_dir, manifest.full_checkpoint))
-    channel = grpc.aio.insecure_channel(cfg.cloud_target, options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    channel = grpc.aio.insecure_channel(
+        cfg.cloud_target,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
     stub = pb_grpc.CloudStub(channel)
-    params = await negotiate(stub, cfg.edge_id, manifest.model_id, manifest.compatibility_key(),
-                             manifest.split_layer, cfg.max_batch, cfg.rtt_ms, cfg.goodput_mbps, cfg.ttft_slo_ms,
-                             cfg.itl_p99_slo_ms)
+    params = await negotiate(
+        stub,
+        cfg.edge_id,
+        manifest.model_id,
+        manifest.compatibility_key(),
+        manifest.split_layer,
+        cfg.max_batch,
+        cfg.rtt_ms,
+        cfg.goodput_mbps,
+        cfg.ttft_slo_ms,
+        cfg.itl_p99_slo_ms,
+    )
     batcher = HeadBatcher(head, cfg.max_batch)
     batcher.start()
     service = EdgeService(tokenizer, batcher, stub, params, manifest.compatibility_key(), cfg.max_sessions, tamper)
@@ -97,7 +120,8 @@ async def create_edge(cfg: EdgeConfig, tamper: Tamper | None = None) -> EdgeDaem
     await hs.set("tandem.v1.Edge", health_pb2.HealthCheckResponse.SERVING)
     await hs.set("", health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
-        (pb.DESCRIPTOR.services_by_name["Edge"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        (pb.DESCRIPTOR.services_by_name["Edge"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     if port == 0:
         raise RuntimeError(f"could not bind {cfg.host}:{cfg.port}")

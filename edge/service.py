@@ -63,8 +63,16 @@ class TurnDone:
 class EdgeService:
     """Holds the tokenizer, the batched ONNX head, sessions and the negotiated link."""
 
-    def __init__(self, tokenizer, batcher: HeadBatcher, stub: pb_grpc.CloudStub, params: LinkParams,
-                 compatibility_key: str, max_sessions: int, tamper: Tamper | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        batcher: HeadBatcher,
+        stub: pb_grpc.CloudStub,
+        params: LinkParams,
+        compatibility_key: str,
+        max_sessions: int,
+        tamper: Tamper | None = None,
+    ) -> None:
         self.tok, self.batcher, self.stub, self.params = tokenizer, batcher, stub, params
         self.k = batcher.head.k
         self.sessions = EdgeSessions(max_sessions)
@@ -74,8 +82,12 @@ class EdgeService:
     def tokenize(self, turn: ChatTurn) -> list[int]:
         """Prompt token ids. Raises InvalidRequest for an empty or too long prompt."""
         if turn.messages:
-            ids = self.tok.apply_chat_template([{"role": r, "content": c} for r, c in turn.messages],
-                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = self.tok.apply_chat_template(
+                [{"role": r, "content": c} for r, c in turn.messages],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
             ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
         elif turn.prompt:
             ids = list(self.tok(turn.prompt)["input_ids"])
@@ -123,8 +135,9 @@ class EdgeService:
         timings["edge_head_ms"] = (time.perf_counter() - t0) * 1e3
         return len(ids) - c
 
-    def _build_turn(self, s: EdgeSession, ids: list[int], turn: ChatTurn, split: bool,
-                    timings: dict[str, float], resend_all: bool) -> OutgoingTurn:
+    def _build_turn(
+        self, s: EdgeSession, ids: list[int], turn: ChatTurn, split: bool, timings: dict[str, float], resend_all: bool
+    ) -> OutgoingTurn:
         """Frame what the cloud lacks: activations past ``cloud_tokens``, blocks past its leaves."""
         t0 = time.perf_counter()
         p = self.params
@@ -149,13 +162,22 @@ class EdgeService:
             payload = raw if p.codec != wire.Codec.ZSTD else _zstd(raw, p.codec_level)
             blocks[j] = KVBlock(j, hashes[j], part.lo, part.hi, p.codec, len(raw), payload, leaf)
             leaves.append(leaf)
-        header = TurnHeader(rid, turn.session_id, p.params_version, self.k, tuple(ids), cached, len(chunks),
-                            len(blocks), turn.sampling)
+        header = TurnHeader(
+            rid, turn.session_id, p.params_version, self.k, tuple(ids), cached, len(chunks), len(blocks), turn.sampling
+        )
         timings["encode_ms"] = (time.perf_counter() - t0) * 1e3
         return OutgoingTurn(header, chunks, blocks, len(leaves), merkle.root(leaves))
 
-    async def _stream(self, out: OutgoingTurn, s: EdgeSession, ids: list[int], split: bool,
-                      timings: dict[str, float], t_start: float, head_tokens: int) -> AsyncIterator[TextOut | TurnDone]:
+    async def _stream(
+        self,
+        out: OutgoingTurn,
+        s: EdgeSession,
+        ids: list[int],
+        split: bool,
+        timings: dict[str, float],
+        t_start: float,
+        head_tokens: int,
+    ) -> AsyncIterator[TextOut | TurnDone]:
         out_ids: list[int] = []
         text = ""
         try:
@@ -171,7 +193,7 @@ class EdgeService:
                     out_ids.extend(d.tokens.token_ids)
                     new_text = self.tok.decode(out_ids, skip_special_tokens=True)
                     if len(new_text) > len(text) and not new_text.endswith("\ufffd"):
-                        yield TextOut(new_text[len(text):], list(d.tokens.token_ids))
+                        yield TextOut(new_text[len(text) :], list(d.tokens.token_ids))
                         text = new_text
                 elif kind == "final":
                     f = d.final
@@ -179,8 +201,17 @@ class EdgeService:
                     timings.update({f"cloud_{k}": v for k, v in f.timings_ms.items()})
                     sent = dict(out.sent_bytes)
                     sent["resent_chunks"], sent["repaired_blocks"] = out.resent_chunks, out.repaired_blocks
-                    yield TurnDone(f.finish_reason, f.prompt_tokens, f.output_tokens, head_tokens,
-                                   f.external_tokens, out.header.split_layer, timings, sent, out_ids)
+                    yield TurnDone(
+                        f.finish_reason,
+                        f.prompt_tokens,
+                        f.output_tokens,
+                        head_tokens,
+                        f.external_tokens,
+                        out.header.split_layer,
+                        timings,
+                        sent,
+                        out_ids,
+                    )
         except grpc.aio.AioRpcError as e:
             raise error_from_status(e.code(), e.details() or "") from e
 
@@ -191,9 +222,18 @@ def _zstd(raw: bytes, level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level).compress(raw)
 
 
-async def negotiate(stub: pb_grpc.CloudStub, edge_id: str, model_id: str, compatibility_key: str, k: int,
-                    max_batch: int, rtt_ms: float, goodput_mbps: float, ttft_slo_ms: float,
-                    itl_slo_ms: float) -> LinkParams:
+async def negotiate(
+    stub: pb_grpc.CloudStub,
+    edge_id: str,
+    model_id: str,
+    compatibility_key: str,
+    k: int,
+    max_batch: int,
+    rtt_ms: float,
+    goodput_mbps: float,
+    ttft_slo_ms: float,
+    itl_slo_ms: float,
+) -> LinkParams:
     """Call ``Cloud.Negotiate``; returns the agreed params.
 
     Raises:
@@ -202,10 +242,16 @@ async def negotiate(stub: pb_grpc.CloudStub, edge_id: str, model_id: str, compat
     from tandem.v1 import tandem_pb2 as pb
 
     req = pb.NegotiateRequest(
-        edge_id=edge_id, model_id=model_id, compatibility_key=compatibility_key, split_layers=[0, k],
-        wire_dtypes=[int(x) for x in wire.WireDtype], codecs=[int(x) for x in wire.Codec], edge_max_batch=max_batch,
+        edge_id=edge_id,
+        model_id=model_id,
+        compatibility_key=compatibility_key,
+        split_layers=[0, k],
+        wire_dtypes=[int(x) for x in wire.WireDtype],
+        codecs=[int(x) for x in wire.Codec],
+        edge_max_batch=max_batch,
         link=pb.LinkMeasurement(rtt_ms=rtt_ms, goodput_mbps=goodput_mbps),
-        slo=pb.LatencySlo(ttft_ms=ttft_slo_ms, itl_p99_ms=itl_slo_ms))
+        slo=pb.LatencySlo(ttft_ms=ttft_slo_ms, itl_p99_ms=itl_slo_ms),
+    )
     try:
         resp = await stub.Negotiate(req, timeout=30)
     except grpc.aio.AioRpcError as e:

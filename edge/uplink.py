@@ -36,8 +36,9 @@ class OutgoingTurn:
     upload_ms: float = 0.0
 
 
-async def generate(stub: pb_grpc.CloudStub, turn: OutgoingTurn, tamper: Tamper | None = None,
-                   timeout_s: float | None = None) -> AsyncIterator[pb.Downlink]:
+async def generate(
+    stub: pb_grpc.CloudStub, turn: OutgoingTurn, tamper: Tamper | None = None, timeout_s: float | None = None
+) -> AsyncIterator[pb.Downlink]:
     """Run one Generate call; yields downlink messages (tokens, upload ack, final).
 
     Raises:

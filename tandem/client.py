@@ -48,9 +48,17 @@ class ChatResult:
     sent_bytes: dict[str, int] = field(default_factory=dict)
 
 
-def build_request(messages: Sequence[Message] | None, prompt: str | None, max_new_tokens: int,
-                  temperature: float, top_p: float, top_k: int, seed: int | None, session_id: str | None,
-                  mode: str) -> pb.ChatRequest:
+def build_request(
+    messages: Sequence[Message] | None,
+    prompt: str | None,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    session_id: str | None,
+    mode: str,
+) -> pb.ChatRequest:
     """Raises ValueError for neither or both of messages and prompt, or an unknown mode."""
     if (messages is None) == (prompt is None):
         raise ValueError("pass exactly one of messages= or prompt=")
@@ -61,8 +69,12 @@ def build_request(messages: Sequence[Message] | None, prompt: str | None, max_ne
     if seed is not None:
         sp.seed = seed
     return pb.ChatRequest(
-        session_id=session_id or "", prompt=prompt or "", sampling=sp, mode=modes[mode],
-        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in (messages or [])])
+        session_id=session_id or "",
+        prompt=prompt or "",
+        sampling=sp,
+        mode=modes[mode],
+        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in (messages or [])],
+    )
 
 
 class _Accumulator:
@@ -75,9 +87,18 @@ class _Accumulator:
             self.parts.append(ev.delta.text)
             return Delta(ev.delta.text, tuple(ev.delta.token_ids))
         d = ev.done
-        self.result = ChatResult("".join(self.parts), d.finish_reason, d.prompt_tokens, d.output_tokens,
-                                 d.head_tokens, d.external_tokens, d.split_layer, tuple(d.output_token_ids),
-                                 dict(d.timings_ms), dict(d.sent_bytes))
+        self.result = ChatResult(
+            "".join(self.parts),
+            d.finish_reason,
+            d.prompt_tokens,
+            d.output_tokens,
+            d.head_tokens,
+            d.external_tokens,
+            d.split_layer,
+            tuple(d.output_token_ids),
+            dict(d.timings_ms),
+            dict(d.sent_bytes),
+        )
         return None
 
 
@@ -110,10 +131,20 @@ class Client:
         self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.EdgeStub(self._channel)
 
-    def chat(self, messages: Sequence[Message] | None = None, *, prompt: str | None = None,
-             max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-             seed: int | None = None, session_id: str | None = None, mode: str = "auto",
-             timeout_s: float | None = None) -> ChatStream:
+    def chat(
+        self,
+        messages: Sequence[Message] | None = None,
+        *,
+        prompt: str | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        session_id: str | None = None,
+        mode: str = "auto",
+        timeout_s: float | None = None,
+    ) -> ChatStream:
         """Start a chat turn; iterate the returned stream for text deltas."""
         req = build_request(messages, prompt, max_new_tokens, temperature, top_p, top_k, seed, session_id, mode)
         return ChatStream(self._stub.Chat(req, timeout=timeout_s))
@@ -162,10 +193,20 @@ class AsyncClient:
         self._channel = grpc.aio.insecure_channel(target)
         self._stub = pb_grpc.EdgeStub(self._channel)
 
-    def chat(self, messages: Sequence[Message] | None = None, *, prompt: str | None = None,
-             max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-             seed: int | None = None, session_id: str | None = None, mode: str = "auto",
-             timeout_s: float | None = None) -> AsyncChatStream:
+    def chat(
+        self,
+        messages: Sequence[Message] | None = None,
+        *,
+        prompt: str | None = None,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        session_id: str | None = None,
+        mode: str = "auto",
+        timeout_s: float | None = None,
+    ) -> AsyncChatStream:
         req = build_request(messages, prompt, max_new_tokens, temperature, top_p, top_k, seed, session_id, mode)
         return AsyncChatStream(self._stub.Chat(req, timeout=timeout_s))
 

