@@ -97,6 +97,11 @@ def report(results: dict[str, ChatResult]) -> None:
         print(f"{label:<44}" + "".join(f"{f(results[n]):>16}" for n in names))
 
 
+def bytes_per_new_token(r: ChatResult) -> int:
+    sent = sum(r.sent_bytes.get(k, 0) for k in ("activations", "kv", "header"))
+    return round(sent / max(1, r.head_tokens or r.prompt_tokens))
+
+
 def decode_rate(r: ChatResult) -> float:
     span_ms = r.timings_ms.get("total_ms", 0) - r.timings_ms.get("ttft_ms", 0)
     return (r.output_tokens - 1) / (span_ms / 1e3) if span_ms > 0 and r.output_tokens > 1 else 0.0
@@ -164,7 +169,7 @@ def main() -> None:
             print(f"\nuser> {FOLLOW_UP}\nassistant (split, turn 2)> ", end="", flush=True)
             turn2 = stream(c, msgs2, "demo", "split", args.max_new_tokens, True)
             direct = stream(c, msgs, None, "direct", args.max_new_tokens, False)
-        report({"split k=%d" % split.split_layer: split, "split turn 2": turn2, "plain vLLM": direct})
+        report({f"split k={split.split_layer}": split, "split turn 2": turn2, "plain vLLM": direct})
         same = "same" if direct.output_token_ids == split.output_token_ids else "DIFFERENT"
         ratio = split.timings_ms["ttft_ms"] / direct.timings_ms["ttft_ms"]
         print(

@@ -1,0 +1,25 @@
+"""The client SDK imports and builds requests with only grpcio and protobuf: torch, vLLM,
+ONNX Runtime, numpy and transformers are blocked in a fresh interpreter."""
+
+import subprocess
+import sys
+
+CODE = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {'torch', 'vllm', 'onnxruntime', 'numpy', 'transformers'}:
+            raise ImportError('blocked heavy import: ' + name)
+sys.meta_path.insert(0, Block())
+import tandem
+from tandem.client import build_request
+r = build_request([{'role': 'user', 'content': 'hi'}], None, 8, 0.0, 1.0, 0, 7, 's', 'split')
+assert r.sampling.seed == 7 and r.messages[0].content == 'hi'
+print('ok', tandem.Client.__name__, tandem.AsyncClient.__name__)
+"""
+
+
+def test_sdk_imports_without_heavy_packages():
+    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok Client AsyncClient")

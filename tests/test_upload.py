@@ -1,0 +1,145 @@
+"""Unit tests of the cloud's upload verification (pure domain code, no network or engines)."""
+
+import numpy as np
+import pytest
+
+from cloud.sessions import CloudSession, SessionTable
+from cloud.upload import TurnUpload, check_header
+from common import merkle, wire
+from common.errors import ChecksumMismatch, InvalidRequest, MerkleMismatch, ParamsVersionMismatch, SessionOutOfSync
+from common.kvblocks import block_hashes, hash_seed
+from common.manifest import ModelShape, SplitManifest
+from common.messages import KVBlock, TurnHeader
+from common.params import LinkParams, Sampling
+
+K, HKV, D, H, B = 2, 1, 4, 8, 4
+SEED = hash_seed("unit", B)
+MANIFEST = SplitManifest(
+    model_id="m",
+    split_layer=K,
+    dtype="float32",
+    shape=ModelShape(
+        num_layers=6,
+        hidden_size=H,
+        num_heads=2,
+        num_kv_heads=HKV,
+        head_dim=D,
+        vocab_size=100,
+        max_position_embeddings=64,
+    ),
+    full_checkpoint="hf",
+    checkpoint_blake3="x",
+    head_onnx="h.onnx",
+    head_blake3="y",
+    tail_checkpoint="t",
+    tail_blake3="z",
+    onnx_opset=17,
+)
+PARAMS = LinkParams(1, K, 3, wire.WireDtype.FP32, wire.Codec.NONE, 0, B, 8, 4, 64, 32, 16, H, 2)
+
+
+def make_turn(ids, cached=0, leaves_before=0):
+    rng = np.random.default_rng(len(ids))
+    hidden = rng.standard_normal((len(ids), H)).astype(np.float32)
+    chunks = wire.split(hidden[cached:], cached, PARAMS.chunk_tokens)
+    hashes = block_hashes(ids, B, SEED)
+    blocks = {}
+    for j in range(leaves_before, len(hashes)):
+        raw = rng.standard_normal((K, 2, HKV, B, D)).astype(np.float32).tobytes()
+        leaf = merkle.leaf_hash(merkle.leaf_data(hashes[j], 0, K, raw))
+        blocks[j] = KVBlock(j, hashes[j], 0, K, wire.Codec.NONE, len(raw), raw, leaf)
+    header = TurnHeader("r", "s", 1, K, tuple(ids), cached, len(chunks), len(blocks), Sampling(max_new_tokens=4))
+    return header, hidden, chunks, blocks
+
+
+def upload(header, session=None):
+    return TurnUpload(header, PARAMS, MANIFEST, session or CloudSession(), SEED)
+
+
+def test_clean_upload_verifies_and_updates_session():
+    ids = list(range(10))
+    header, hidden, chunks, blocks = make_turn(ids)
+    check_header(header, PARAMS, MANIFEST)
+    s = CloudSession()
+    u = upload(header, s)
+    for c in chunks:
+        assert u.add_chunk(c)
+    for b in blocks.values():
+        u.add_block(b)
+    leaves = [b.leaf_hash for b in blocks.values()]
+    assert u.commit(len(leaves), merkle.root(leaves)) == []
+    assert u.complete
+    assert np.array_equal(u.activations(), hidden)
+    u.apply_to_session(u.activations())
+    assert s.token_ids == ids and len(s.leaves) == 2
+
+
+def test_bad_crc_is_nacked_then_data_loss():
+    header, _, chunks, _ = make_turn(list(range(10)))
+    u = upload(header)
+    bad = wire.Chunk(**{**chunks[0].__dict__, "crc32c": chunks[0].crc32c ^ 1})
+    assert not u.add_chunk(bad) and not u.add_chunk(bad)
+    with pytest.raises(ChecksumMismatch):
+        u.add_chunk(bad)  # third failure > max_chunk_resends=2
+    assert u.add_chunk(chunks[1])
+
+
+def test_bad_leaf_asks_for_repair_and_bad_root_is_refused():
+    ids = list(range(10))
+    header, _, _, blocks = make_turn(ids)
+    u = upload(header)
+    b0 = blocks[0]
+    u.add_block(KVBlock(**{**b0.__dict__, "payload": bytes(len(b0.payload))}))  # bytes changed in transit
+    u.add_block(blocks[1])
+    leaves = [b.leaf_hash for b in blocks.values()]
+    assert u.commit(2, merkle.root(leaves)) == [0]
+    u.add_block(b0)
+    with pytest.raises(MerkleMismatch):
+        u.commit(2, merkle.root(leaves[::-1]))
+    with pytest.raises(MerkleMismatch):
+        u.commit(3, merkle.root(leaves))
+
+
+def test_blocks_must_match_the_prompt():
+    header, _, _, blocks = make_turn(list(range(10)))
+    u = upload(header)
+    b = blocks[0]
+    with pytest.raises(InvalidRequest, match="block hash"):
+        u.add_block(KVBlock(**{**b.__dict__, "block_hash": bytes(32)}))
+    with pytest.raises(InvalidRequest, match="outside"):
+        u.add_block(KVBlock(**{**b.__dict__, "leaf_index": 7}))
+    with pytest.raises(InvalidRequest, match="layers"):
+        u.add_block(KVBlock(**{**b.__dict__, "layer_hi": K + 1}))
+
+
+def test_header_limits():
+    header, *_ = make_turn(list(range(10)))
+    for bad, err in [
+        (dict(params_version=2), ParamsVersionMismatch),
+        (dict(prompt_token_ids=(1000,)), InvalidRequest),
+        (dict(prompt_token_ids=tuple(range(40))), InvalidRequest),
+        (dict(num_chunks=9), InvalidRequest),
+        (dict(sampling=Sampling(max_new_tokens=99)), InvalidRequest),
+        (dict(sampling=Sampling(temperature=-1)), InvalidRequest),
+        (dict(cached_tokens=11), InvalidRequest),
+    ]:
+        with pytest.raises(err):
+            check_header(TurnHeader(**{**header.__dict__, **bad}), PARAMS, MANIFEST)
+
+
+def test_second_turn_needs_the_sessions_state():
+    s = CloudSession(token_ids=list(range(10)), hidden=np.zeros((10, H), np.float32), leaves=[b"x" * 32] * 2)
+    header, *_ = make_turn(list(range(14)), cached=10, leaves_before=2)
+    assert upload(header, s).first_new_leaf == 2
+    other, *_ = make_turn([5] + list(range(1, 14)), cached=10, leaves_before=2)
+    with pytest.raises(SessionOutOfSync):
+        upload(other, s)
+    restart, *_ = make_turn([5] + list(range(1, 14)))
+    assert upload(restart, s).first_new_leaf == 0  # cached_tokens=0 restarts the session
+
+
+def test_session_table_is_bounded():
+    t = SessionTable(max_sessions=2, max_bytes=1 << 20)
+    for name in "abc":
+        t.get_or_create(name)
+    assert t.evict() == ["a"] and len(t) == 2
