@@ -18,7 +18,7 @@ endif
 FIND_LINKS := $(shell test -d /opt/wheels && echo --find-links /opt/wheels)
 PROTO_OUT := tandem/v1/tandem_pb2.py tandem/v1/tandem_pb2_grpc.py
 SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | md5sum | cut -c1-12)
-MODEL_STAMP := $(MODEL_DIR)/split-k$(SPLIT)/manifest.json
+MODEL_STAMP := $(MODEL_DIR)/edge-full.onnx
 
 .PHONY: setup proto model run test check bench clean
 

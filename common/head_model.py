@@ -127,3 +127,23 @@ def io_names(k: int) -> tuple[list[str], list[str]]:
     past = [n for i in range(k) for n in (f"past_key_{i}", f"past_value_{i}")]
     present = [n for i in range(k) for n in (f"present_key_{i}", f"present_value_{i}")]
     return ["input_ids", "position_ids", "attention_mask", *past], ["hidden", *present]
+
+
+class EdgeFull(nn.Module):
+    """The whole model for edge-only inference: ``EdgeHead`` over all ``L`` layers, final
+    norm and lm_head on each row's last position.
+
+    Inputs as ``EdgeHead`` (``k = L``); outputs ``logits`` float32 ``[Bt, V]`` of the last
+    new token of each row (rows must not be right-padded), then ``present_*`` as ``EdgeHead``.
+    """
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.head = EdgeHead(hf_model, hf_model.config.num_hidden_layers)
+        self.norm = hf_model.model.norm
+        self.lm_head = hf_model.lm_head
+
+    def forward(self, input_ids, position_ids, attention_mask, *past: torch.Tensor):
+        hidden, *presents = self.head(input_ids, position_ids, attention_mask, *past)
+        logits = self.lm_head(self.norm(hidden[:, -1]))
+        return (logits, *presents)

@@ -30,6 +30,7 @@ from common.manifest import ModelShape, SplitManifest
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ONNX_OPSET = 17
+FULL_ONNX = "edge-full.onnx"  # the whole model with lm_head, for the edge-only baseline
 console = Console(stderr=True)
 app = typer.Typer(add_completion=False, help="Prepare split models for tandem.")
 
@@ -133,18 +134,19 @@ def make_tail(src: Path, dst: Path, k: int) -> Path:
     return dst
 
 
-def export_head(src: Path, out: Path, k: int) -> Path:
-    """Export embedding + layers [0, k) to ONNX (TorchScript exporter, opset 17).
+def export_head(src: Path, out: Path, k: int, full: bool = False) -> Path:
+    """Export embedding + layers [0, k) to ONNX (TorchScript exporter, opset 17); with ``full``
+    the whole model with final norm and lm_head (``EdgeFull``, edge-only baseline), ``k = L``.
 
     Dynamic axes: batch ``Bt``, new tokens ``T``, past ``P`` (see ``common.head_model.EdgeHead``).
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.head_model import EdgeHead, io_names
+    from common.head_model import EdgeFull, EdgeHead, io_names
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    head = EdgeHead(model, k).eval()
+    head = (EdgeFull(model) if full else EdgeHead(model, k)).eval()
     cfg = model.config
     hkv = cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -154,11 +156,13 @@ def export_head(src: Path, out: Path, k: int) -> Path:
     mask = torch.ones(bt, p + t, dtype=torch.int64)
     past = [torch.randn(bt, hkv, p, d) for _ in range(2 * k)]
     inputs, outputs = io_names(k)
+    if full:
+        outputs[0] = "logits"  # [Bt, V]
     dyn = {
         "input_ids": {0: "batch", 1: "new"},
         "position_ids": {0: "batch", 1: "new"},
         "attention_mask": {0: "batch", 1: "total"},
-        "hidden": {0: "batch", 1: "new"},
+        outputs[0]: {0: "batch"} if full else {0: "batch", 1: "new"},
     }
     for n in inputs[3:]:
         dyn[n] = {0: "batch", 2: "past"}
@@ -223,6 +227,7 @@ def prepare(
     ] = None,
     split_layers: Annotated[str, typer.Option(help="comma-separated split layers k")] = "4",
     model_id: Annotated[str, typer.Option(help="model id recorded in the manifest")] = DEFAULT_MODEL_ID,
+    edge_full: Annotated[bool, typer.Option(help="also export the whole model (edge-only baseline)")] = True,
 ) -> None:
     """Prepare the full checkpoint, ONNX heads and tail checkpoints (idempotent)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -236,6 +241,11 @@ def prepare(
         convert_embedded_gguf(hf)
     for k in sorted({int(x) for x in split_layers.split(",") if x.strip()}):
         prepare_split(out, hf, k, model_id)
+    if edge_full and not (out / FULL_ONNX).is_file():
+        n = json.loads((hf / "config.json").read_text())["num_hidden_layers"]
+        with console.status("exporting the whole model to ONNX (edge-only baseline) ..."):
+            export_head(hf, out / FULL_ONNX, n, full=True)
+        console.print(f"[bold]model[/] edge-only ONNX model written to {out / FULL_ONNX}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Latency benchmarks: tandem split vs cloud-only vs edge-only over emulated links."""

@@ -1,0 +1,223 @@
+"""Benchmark output: per-request records, summary table (CSV + markdown) and PNG plots.
+
+The break-even map is *derived*: for each mode and prompt length it takes the
+compute time measured on the loopback link (TTFT there) and the bytes each
+request sent, and predicts ``TTFT = compute + uplink_bytes * 8 / rate + RTT``
+(edge-only: compute alone) over a grid of uplink rates; the measured profiles
+are drawn on it to check the prediction.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+STAGES = ["edge_head_ms", "encode_ms", "uplink_ms", "cloud_store_put_ms", "cloud_tail_prefill_ms",
+          "cloud_decode_first_token_ms"]
+MAP_RTT_MS = 30.0
+MAP_RATE_MBPS = 40.0
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def summarize(records) -> list[dict]:
+    groups = defaultdict(list)
+    for r in records:
+        groups[(r.mode, r.link, r.target_prompt_tokens)].append(r)
+    rows = []
+    for (mode, link, target), rs in sorted(groups.items()):
+        ttft = [r.ttft_ms for r in rs]
+        itl = [x for r in rs for x in r.itl_ms]
+        wall_s = max(r.end_s for r in rs) - min(r.start_s for r in rs)
+        prompt = sum(r.prompt_tokens for r in rs)
+        sent = defaultdict(int)
+        for r in rs:
+            for k in ("activations", "kv", "header"):
+                sent[k] += r.sent_bytes.get(k, 0)
+        row = {
+            "mode": mode, "link": link, "prompt_tokens": round(prompt / len(rs)), "requests": len(rs),
+            "ttft_mean_ms": float(np.mean(ttft)), "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+            "itl_mean_ms": float(np.mean(itl)) if itl else float("nan"), "itl_p50_ms": pct(itl, 50),
+            "itl_p99_ms": pct(itl, 99), "e2e_mean_ms": float(np.mean([r.e2e_ms for r in rs])),
+            "throughput_rps": len(rs) / wall_s if wall_s > 0 else float("nan"),
+            "output_tokens_per_s": sum(r.output_tokens for r in rs) / wall_s if wall_s > 0 else float("nan"),
+            "bytes_per_prompt_token": sum(sent.values()) / prompt,
+            "activation_bytes_per_prompt_token": sent["activations"] / prompt,
+            "kv_bytes_per_prompt_token": sent["kv"] / prompt,
+            "header_bytes_per_prompt_token": sent["header"] / prompt,
+            "uplink_bytes_mean": sum(sent.values()) / len(rs),
+        }
+        for st in STAGES:
+            vals = [r.timings_ms[st] for r in rs if st in r.timings_ms]
+            row[st] = float(np.mean(vals)) if vals else float("nan")
+        rows.append(row)
+    return rows
+
+
+def to_markdown(rows: list[dict]) -> str:
+    cols = [("mode", "mode"), ("link", "link"), ("prompt_tokens", "prompt tok"), ("ttft_mean_ms", "TTFT mean ms"),
+            ("ttft_p99_ms", "TTFT p99 ms"), ("itl_mean_ms", "ITL mean ms"), ("itl_p50_ms", "ITL p50 ms"),
+            ("itl_p99_ms", "ITL p99 ms"), ("e2e_mean_ms", "e2e mean ms"), ("throughput_rps", "req/s"),
+            ("output_tokens_per_s", "out tok/s"), ("bytes_per_prompt_token", "B/prompt tok"),
+            ("kv_bytes_per_prompt_token", "KV B/tok"), ("activation_bytes_per_prompt_token", "act B/tok"),
+            ("edge_head_ms", "head ms"), ("uplink_ms", "uplink ms"), ("cloud_tail_prefill_ms", "tail ms"),
+            ("cloud_decode_first_token_ms", "handoff+1st ms")]
+    lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for key, _ in cols:
+            v = r[key]
+            cells.append(f"{v:.1f}" if isinstance(v, float) and not np.isnan(v) else ("-" if isinstance(v, float)
+                                                                                       else str(v)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def ratios_markdown(rows: list[dict]) -> str:
+    """TTFT of each mode relative to cloud-only on the same link and prompt length."""
+    base = {(r["link"], r["prompt_tokens"] // 8): r["ttft_mean_ms"] for r in rows if r["mode"] == "cloud-only"}
+    edge = {r["prompt_tokens"] // 8: r["ttft_mean_ms"] for r in rows if r["mode"] == "edge-only"}
+    out = ["| mode | link | prompt tok | TTFT / cloud-only | best mode (measured TTFT) |", "|---|---|---|---|---|"]
+    best: dict[tuple, tuple[float, str]] = {}
+    for r in rows:
+        if r["mode"] == "edge-only":
+            continue
+        key = (r["link"], r["prompt_tokens"] // 8)
+        cands = [(r["ttft_mean_ms"], r["mode"])]
+        if key[1] in edge:
+            cands.append((edge[key[1]], "edge-only"))
+        cur = best.get(key, (float("inf"), ""))
+        best[key] = min([cur, *cands])
+    for r in rows:
+        key = (r["link"], r["prompt_tokens"] // 8)
+        if r["mode"].startswith("split") and key in base:
+            out.append(f"| {r['mode']} | {r['link']} | {r['prompt_tokens']} | {r['ttft_mean_ms'] / base[key]:.2f}x | "
+                       f"{best[key][1]} |")
+    return "\n".join(out) + "\n"
+
+
+def plot_ttft(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    link_names = [lk for lk in dict.fromkeys(r["link"] for r in rows) if lk != "none"]
+    fig, axes = plt.subplots(1, max(1, len(link_names)), figsize=(4.2 * max(1, len(link_names)), 3.8),
+                             sharey=True, squeeze=False)
+    edge = sorted((r["prompt_tokens"], r["ttft_mean_ms"]) for r in rows if r["mode"] == "edge-only")
+    for ax, link in zip(axes[0], link_names, strict=False):
+        for mode in dict.fromkeys(r["mode"] for r in rows if r["link"] == link):
+            pts = sorted((r["prompt_tokens"], r["ttft_mean_ms"]) for r in rows if r["mode"] == mode and r["link"] == link)
+            ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
+        if edge:
+            ax.plot(*zip(*edge, strict=True), marker="s", linestyle="--", color="gray", label="edge-only")
+        ax.set_title(f"link: {link}")
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("TTFT mean (ms)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Time to first token vs prompt length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_breakeven(rows: list[dict], path: Path, links: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    loop = [r for r in rows if r["link"] in ("loopback", "none")]
+    modes = sorted({r["mode"] for r in loop})
+    if not loop or not modes:
+        return
+    lens = sorted({r["prompt_tokens"] for r in loop if r["mode"] == modes[0]})
+    edges = np.logspace(np.log10(0.5), np.log10(1000), 61)
+    rates = np.sqrt(edges[:-1] * edges[1:])
+    pred = np.full((len(modes), len(rates), len(lens)), np.inf)
+    for mi, m in enumerate(modes):
+        pts = sorted((r["prompt_tokens"], r["ttft_mean_ms"], r["uplink_bytes_mean"]) for r in loop if r["mode"] == m)
+        if not pts:
+            continue
+        t, c, b = (np.array(x, float) for x in zip(*pts, strict=True))
+        comp, nbytes = np.interp(lens, t, c), np.interp(lens, t, b)
+        for ri, rate in enumerate(rates):
+            net = 0.0 if m == "edge-only" else nbytes * 8 / (rate * 1e6) * 1e3 + MAP_RTT_MS
+            pred[mi, ri] = comp + net
+    best = pred.argmin(axis=0)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    cmap = ListedColormap(plt.cm.tab10.colors[: len(modes)])
+    ax.pcolormesh(np.arange(len(lens) + 1), edges, best, cmap=cmap, vmin=-0.5, vmax=len(modes) - 0.5, shading="flat")
+    ax.set_yscale("log")
+    ax.set_xticks(np.arange(len(lens)) + 0.5, [str(x) for x in lens])
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("uplink rate (Mbit/s)")
+    for p in links:
+        if p.get("uplink_mbps"):
+            ax.axhline(p["uplink_mbps"], color="k", lw=0.6, ls=":")
+            ax.text(len(lens) - 0.05, p["uplink_mbps"], p["name"], ha="right", va="bottom", fontsize=8)
+    ax.set_title(f"rate x prompt length (RTT {MAP_RTT_MS:.0f} ms)")
+    # second panel: RTT x prompt length at a fixed rate
+    rtt_edges = np.logspace(0, np.log10(400), 61)
+    rtts = np.sqrt(rtt_edges[:-1] * rtt_edges[1:])
+    pred2 = np.full((len(modes), len(rtts), len(lens)), np.inf)
+    for mi, m in enumerate(modes):
+        pts = sorted((r["prompt_tokens"], r["ttft_mean_ms"], r["uplink_bytes_mean"]) for r in loop if r["mode"] == m)
+        if not pts:
+            continue
+        t, c, b = (np.array(x, float) for x in zip(*pts, strict=True))
+        comp, nbytes = np.interp(lens, t, c), np.interp(lens, t, b)
+        for ri, rtt in enumerate(rtts):
+            pred2[mi, ri] = comp + (0.0 if m == "edge-only" else nbytes * 8 / (MAP_RATE_MBPS * 1e6) * 1e3 + rtt)
+    ax2.pcolormesh(np.arange(len(lens) + 1), rtt_edges, pred2.argmin(axis=0), cmap=cmap, vmin=-0.5,
+                   vmax=len(modes) - 0.5, shading="flat")
+    ax2.set_yscale("log")
+    ax2.set_xticks(np.arange(len(lens)) + 0.5, [str(x) for x in lens])
+    ax2.set_xlabel("prompt length (tokens)")
+    ax2.set_ylabel("RTT (ms)")
+    for p in links:
+        if p.get("rtt_ms"):
+            ax2.axhline(p["rtt_ms"], color="k", lw=0.6, ls=":")
+            ax2.text(len(lens) - 0.05, p["rtt_ms"], p["name"], ha="right", va="bottom", fontsize=8)
+    ax2.set_title(f"RTT x prompt length (uplink {MAP_RATE_MBPS:.0f} Mbit/s)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(i)) for i in range(len(modes))]
+    ax.legend(handles, modes, loc="upper left", fontsize=8, title="lowest TTFT")
+    fig.suptitle("Break-even maps, derived from measured loopback compute time and bytes per request")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def load_records(path: Path) -> list:
+    """Records from a ``records.jsonl`` (to re-render a report)."""
+    from benchmarks.bench import RequestRecord
+
+    return [RequestRecord(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_all(out: Path, records, meta: dict) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "records.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))
+    rows = summarize(records)
+    with (out / "summary.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    md = (f"Machine: {meta['platform']}, {meta['cpus']} CPUs; shaper: {meta['shaper']}; "
+          f"versions: {meta['versions']}\n\n" + to_markdown(rows) + "\n" + ratios_markdown(rows))
+    (out / "summary.md").write_text(md)
+    plot_ttft(rows, out / "ttft_vs_prompt.png")
+    plot_breakeven(rows, out / "breakeven.png", meta.get("links", []))
+    return rows
