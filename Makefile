@@ -52,6 +52,10 @@ run: model
 test: model
 	$(BIN)/python -m pytest -q tests
 
+bench: model
+	$(BIN)/tandem-bench --model-dir $(MODEL_DIR) --split-layers $(SPLIT_LAYERS) --out bench-results/latest
+	$(BIN)/tandem-bench-batching --model $(MODEL_DIR)/hf --out bench-results/batching
+
 check: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -187,9 +187,9 @@ def machine_meta(args: dict) -> dict:
 def main(
     model_dir: Annotated[Path, typer.Option(help="prepared model directory")] = Path("models/smollm2-135m"),
     split_layers: Annotated[str, typer.Option(help="split layers to run (exported ones)")] = "4,8",
-    links: Annotated[str, typer.Option(help=f"link profiles: {','.join(linkmod.PROFILES)}")] = "loopback,lan,5g,4g",
+    links: Annotated[str, typer.Option(help=f"link profiles: {','.join(linkmod.PROFILES)}")] = "loopback,lan,wifi6,5g,4g,wan",
     prompt_lens: Annotated[str, typer.Option(help="target prompt lengths in tokens")] = "64,256,1024",
-    requests: Annotated[int, typer.Option(help="requests per (mode, link, prompt length)")] = 4,
+    requests: Annotated[int, typer.Option(help="requests per (mode, link, prompt length)")] = 3,
     concurrency: Annotated[int, typer.Option(help="requests in flight")] = 1,
     max_new_tokens: int = 16,
     max_num_seqs: int = 8,

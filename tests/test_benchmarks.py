@@ -1,0 +1,106 @@
+"""Benchmarks: the link emulator and report as units, and a smoke run of each script with
+tiny arguments (results meaningless) so none rots."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench import RequestRecord
+from benchmarks.linkproxy import LinkProxy
+from benchmarks.links import PROFILES, LinkProfile, get
+
+
+async def echo_server():
+    async def handle(r, w):
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+        w.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+async def test_proxy_adds_rtt_and_serialisation_delay():
+    echo = await echo_server()
+    proxy = LinkProxy("127.0.0.1", echo.sockets[0].getsockname()[1])
+    server = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
+    r, w = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+    proxy.set_profile(LinkProfile("t", rtt_ms=40.0, uplink_mbps=8.0, downlink_mbps=None))
+    t0 = time.perf_counter()
+    w.write(b"x")
+    await w.drain()
+    assert await r.readexactly(1) == b"x"
+    rtt_ms = (time.perf_counter() - t0) * 1e3
+    payload = bytes(100_000)  # 0.1 s at 8 Mbit/s uplink
+    t0 = time.perf_counter()
+    w.write(payload)
+    await w.drain()
+    assert await r.readexactly(len(payload)) == payload
+    bulk_ms = (time.perf_counter() - t0) * 1e3
+    w.close()
+    server.close()
+    echo.close()
+    assert rtt_ms >= 40.0  # one-way delay each way: a lower bound the emulator must honour
+    assert bulk_ms >= 100.0 + 40.0
+    assert proxy.up.bytes == 100_001
+
+
+def test_profiles_are_complete():
+    assert {"loopback", "lan", "wifi6", "5g", "4g", "wan"} <= set(PROFILES)
+    with pytest.raises(KeyError, match="unknown link profile"):
+        get("loopback,moon")
+
+
+def test_report_writes_tables_and_plots(tmp_path):
+    from benchmarks import report
+
+    recs = []
+    for mode, link, ttft in [("split-k4", "loopback", 300.0), ("cloud-only", "loopback", 100.0),
+                             ("edge-only", "none", 200.0), ("split-k4", "4g", 600.0), ("cloud-only", "4g", 160.0)]:
+        for n in (32, 128):
+            recs.append(RequestRecord(mode, link, n, n, 4, ttft * n / 32, ttft * 2, [10.0, 12.0], 0.0, 1.0,
+                                      sent_bytes={"activations": 2304 * n, "kv": 6144 * n, "header": 100}
+                                      if mode.startswith("split") else {"header": 100}))
+    rows = report.write_all(tmp_path, recs, {"platform": "p", "cpus": 2, "versions": {}, "shaper": "proxy",
+                                             "links": [PROFILES["4g"].as_dict()]})
+    split = next(r for r in rows if r["mode"] == "split-k4" and r["link"] == "4g" and r["prompt_tokens"] == 32)
+    assert split["bytes_per_prompt_token"] == pytest.approx((2304 + 6144) + 100 / 32)
+    assert split["ttft_mean_ms"] == 600.0
+    md = (tmp_path / "summary.md").read_text()
+    assert "| split-k4 | 4g | 32 | 3.75x | cloud-only |" in md
+    for f in ("summary.csv", "records.jsonl", "ttft_vs_prompt.png", "breakeven.png", "meta.json"):
+        assert (tmp_path / f).stat().st_size > 0
+    assert len(report.load_records(tmp_path / "records.jsonl")) == len(recs)
+
+
+@pytest.mark.engines
+def test_bench_smoke(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "benchmarks.bench", "--split-layers", "4", "--links", "loopback,4g",
+           "--prompt-lens", "16", "--requests", "1", "--max-new-tokens", "2", "--shaper", "auto", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = list(open(out / "summary.csv"))
+    assert len(rows) == 1 + 5  # header + split/cloud-only on 2 links + edge-only
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["shaper"] in ("netns", "proxy")
+    assert (out / "breakeven.png").stat().st_size > 0
+
+
+@pytest.mark.engines
+def test_batching_smoke(tmp_path):
+    out = tmp_path / "batching"
+    cmd = [sys.executable, "-m", "benchmarks.batching", "--max-num-seqs", "1,2", "--requests", "2",
+           "--max-new-tokens", "2", "--prompt-tokens", "16", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads((out / "batching.json").read_text())
+    assert [r["max_num_seqs"] for r in data["rows"]] == [1, 2]
+    assert (out / "batching.png").stat().st_size > 0
