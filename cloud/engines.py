@@ -31,9 +31,13 @@ from common.params import Sampling
 
 @dataclass(frozen=True)
 class TailResult:
-    """What the tail prefill did: ``saved_blocks`` tail blocks written or already present,
+    """What the tail prefill did: the first output token (sampled by the tail engine from the
+    last prompt position's logits, which are the full model's), ``finish_reason`` "stop" when
+    that token ends the output, ``saved_blocks`` tail blocks written or already present,
     ``external_tokens`` tail KV tokens loaded from earlier turns, ``elapsed_ms``."""
 
+    first_token: int
+    finish_reason: str | None
     saved_blocks: int
     external_tokens: int
     elapsed_ms: float
@@ -52,12 +56,14 @@ class DecodeStep:
 class EngineBackend(Protocol):
     """Seam between the gateway and the engines.
 
-    ``tail_prefill`` returns when the tail KV of the prompt's full blocks is in the
-    block store. ``decode`` yields output tokens as they are sampled; the caller
-    owns nothing the engine holds.
+    ``tail_prefill`` returns the first output token once the tail KV of the prompt's full
+    blocks is in the block store. ``decode`` yields output tokens as they are sampled; the
+    caller owns nothing the engine holds.
     """
 
-    async def tail_prefill(self, request_id: str, hidden: np.ndarray, kv_params: dict[str, Any]) -> TailResult: ...
+    async def tail_prefill(
+        self, request_id: str, hidden: np.ndarray, kv_params: dict[str, Any], sampling: Sampling
+    ) -> TailResult: ...
 
     def decode(
         self, request_id: str, token_ids: list[int], kv_params: dict[str, Any] | None, sampling: Sampling
@@ -139,21 +145,30 @@ class VllmEngines:
                 e.shutdown()
         self.tail_engine = self.decode_engine = None
 
-    async def tail_prefill(self, request_id: str, hidden: np.ndarray, kv_params: dict[str, Any]) -> TailResult:
+    async def tail_prefill(
+        self, request_id: str, hidden: np.ndarray, kv_params: dict[str, Any], sampling: Sampling
+    ) -> TailResult:
         import torch
 
         if self.tail_engine is None:
             raise EngineError("tail engine is not running")
         t0 = time.perf_counter()
-        sp = to_vllm_sampling(Sampling(max_new_tokens=1), 1, kv_params)
+        sp = to_vllm_sampling(sampling, 1, kv_params)
         final = None
         async for out in self.tail_engine.generate(
             {"prompt_embeds": torch.from_numpy(hidden)}, sp, f"tail-{request_id}"
         ):
             final = out
-        params = (final.kv_transfer_params or {}).get("tandem", {}) if final else {}
+        if final is None or not final.outputs[0].token_ids:
+            raise EngineError(f"tail engine returned no token for request {request_id}")
+        c = final.outputs[0]
+        params = (final.kv_transfer_params or {}).get("tandem", {})
         return TailResult(
-            int(params.get("saved_blocks", 0)), int(params.get("external_tokens", 0)), (time.perf_counter() - t0) * 1e3
+            c.token_ids[0],
+            "stop" if c.finish_reason == "stop" else None,
+            int(params.get("saved_blocks", 0)),
+            int(params.get("external_tokens", 0)),
+            (time.perf_counter() - t0) * 1e3,
         )
 
     async def decode(

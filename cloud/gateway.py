@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cloud.config import CloudConfig
@@ -21,11 +21,11 @@ from cloud.sessions import CloudSession, SessionTable
 from cloud.upload import TurnUpload, check_header
 from common import wire
 from common.errors import IncompatibleModel, InvalidRequest
-from common.kvblocks import LayerRange, hash_seed, store_key
+from common.kvblocks import LayerRange, block_hashes, hash_seed, store_key
 from common.kvstore import BlockStore
 from common.manifest import SplitManifest
 from common.messages import KVBlock, TurnHeader
-from common.params import LinkParams
+from common.params import LinkParams, Sampling
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,8 @@ class Gateway:
         return self.sessions.get_or_create(session_id) if session_id else CloudSession()
 
     async def run_turn(self, header: TurnHeader, uplink: AsyncIterator[UplinkItem]) -> AsyncIterator[Event]:
-        """One request: upload (split mode), tail prefill, decode. Yields events to send down.
+        """One request: upload (split mode), tail prefill (samples the first token), decode.
+        Yields events to send down.
 
         Raises:
             InvalidRequest, ParamsVersionMismatch, SessionOutOfSync, ChecksumMismatch, MerkleMismatch,
@@ -125,45 +126,48 @@ class Gateway:
         """
         check_header(header, self.params, self.manifest)
         timings: dict[str, float] = {}
-        received: dict[str, int] = {}
-        kv_params = None
-        if header.split_layer:
-            session = self._session(header.session_id)
-            async with session.lock:
-                t0 = time.perf_counter()
-                upload = TurnUpload(header, self.params, self.manifest, session, self.seed)
-                async for ev in self._receive(upload, uplink):
-                    yield ev
-                timings["upload_wait_ms"] = (time.perf_counter() - t0) * 1e3
-                received = dict(upload.received_bytes)
-                t0 = time.perf_counter()
-                hidden_new = upload.activations()
-                await asyncio.to_thread(self._put_head_blocks, upload.new_blocks())
-                timings["store_put_ms"] = (time.perf_counter() - t0) * 1e3
-                upload.apply_to_session(hidden_new)
-                yield UploadDone(len(session.token_ids), len(session.leaves), b"")
-                hashes = [h.hex() for h in upload.hashes]
-                tail = await self.engines.tail_prefill(
-                    header.request_id,
-                    session.hidden,
-                    {
-                        "tandem": {
-                            "block_hashes": hashes,
-                            "load": [[self.tail_part.lo, self.tail_part.hi]],
-                            "save": [self.tail_part.lo, self.tail_part.hi],
-                        }
-                    },
-                )
-                timings["tail_prefill_ms"] = tail.elapsed_ms
-                kv_params = {
-                    "tandem": {
-                        "block_hashes": hashes,
-                        "save": None,
-                        "load": [[self.head_part.lo, self.head_part.hi], [self.tail_part.lo, self.tail_part.hi]],
-                    }
-                }
-            self.sessions.evict()
-        async for ev in self._decode(header, kv_params, timings, received):
+        if not header.split_layer:
+            async for ev in self._decode(header, list(header.prompt_token_ids), None, header.sampling, 0, timings, {}):
+                yield ev
+            return
+        t_start = time.perf_counter()
+        session = self._session(header.session_id)
+        async with session.lock:
+            upload = TurnUpload(header, self.params, self.manifest, session, self.seed)
+            async for ev in self._receive(upload, uplink):
+                yield ev
+            timings["upload_wait_ms"] = (time.perf_counter() - t_start) * 1e3
+            t0 = time.perf_counter()
+            hidden_new = upload.activations()
+            await asyncio.to_thread(self._put_head_blocks, upload.new_blocks())
+            timings["store_put_ms"] = (time.perf_counter() - t0) * 1e3
+            upload.apply_to_session(hidden_new)
+            yield UploadDone(len(session.token_ids), len(session.leaves), b"")
+            tail_range = [self.tail_part.lo, self.tail_part.hi]
+            tail_params = {"block_hashes": [h.hex() for h in upload.hashes], "load": [tail_range], "save": tail_range}
+            tail = await self.engines.tail_prefill(
+                header.request_id, session.hidden, {"tandem": tail_params}, header.sampling
+            )
+        self.sessions.evict()
+        timings["tail_prefill_ms"] = tail.elapsed_ms
+        yield TokensOut([tail.first_token], 0)
+        if tail.finish_reason is not None or header.sampling.max_new_tokens == 1:
+            yield TurnFinal(
+                tail.finish_reason or "length", len(header.prompt_token_ids), 1, 0, timings, dict(upload.received_bytes)
+            )
+            return
+        # decode continues from prompt + first token, loading every layer of the aligned prefix
+        ids = [*header.prompt_token_ids, tail.first_token]
+        hashes = block_hashes(ids, self.params.kv_block_size_tokens, self.seed)
+        kv_params = {
+            "tandem": {
+                "block_hashes": [h.hex() for h in hashes],
+                "save": None,
+                "load": [[self.head_part.lo, self.head_part.hi], tail_range],
+            }
+        }
+        rest = replace(header.sampling, max_new_tokens=header.sampling.max_new_tokens - 1)
+        async for ev in self._decode(header, ids, kv_params, rest, 1, timings, dict(upload.received_bytes)):
             yield ev
 
     async def _receive(self, upload: TurnUpload, uplink: AsyncIterator[UplinkItem]) -> AsyncIterator[Event]:
@@ -189,15 +193,21 @@ class Gateway:
             self.store.put(store_key(block_hash, self.head_part), raw)
 
     async def _decode(
-        self, header: TurnHeader, kv_params: dict[str, Any] | None, timings: dict[str, float], received: dict[str, int]
+        self,
+        header: TurnHeader,
+        ids: list[int],
+        kv_params: dict[str, Any] | None,
+        sampling: Sampling,
+        first_index: int,
+        timings: dict[str, float],
+        received: dict[str, int],
     ) -> AsyncIterator[Event]:
+        """Stream the decode engine's tokens; output indices start at ``first_index``."""
         t0 = time.perf_counter()
-        n = 0
-        async for step in self.engines.decode(
-            header.request_id, list(header.prompt_token_ids), kv_params, header.sampling
-        ):
+        n = first_index
+        async for step in self.engines.decode(header.request_id, ids, kv_params, sampling):
             if step.token_ids:
-                if n == 0:
+                if n == first_index:
                     timings["decode_first_token_ms"] = (time.perf_counter() - t0) * 1e3
                 yield TokensOut(step.token_ids, n)
                 n += len(step.token_ids)

@@ -31,8 +31,8 @@ STAGES = [  # (label, key in timings_ms)
     ("encode: chunks+CRC32C, KV blocks+BLAKE3", "encode_ms"),
     ("uplink: send until cloud verified", "uplink_ms"),
     ("cloud: store put of head KV", "cloud_store_put_ms"),
-    ("cloud: tail prefill (vLLM, prompt_embeds)", "cloud_tail_prefill_ms"),
-    ("cloud: KV handoff + first decode step", "cloud_decode_first_token_ms"),
+    ("cloud: tail prefill + 1st token (vLLM)", "cloud_tail_prefill_ms"),
+    ("cloud: KV handoff + decode engine's 1st step", "cloud_decode_first_token_ms"),
     ("time to first token (client)", "ttft_ms"),
     ("end to end", "total_ms"),
 ]
