@@ -42,8 +42,14 @@ async def burst(engine, prompts: list[list[int]], max_new_tokens: int) -> list[d
         times: list[float] = []
         async for out in engine.generate({"prompt_token_ids": ids}, sp, uuid.uuid4().hex):
             times.extend([time.perf_counter()] * len(out.outputs[0].token_ids))
-        return {"ttft_ms": (times[0] - t0) * 1e3, "e2e_ms": (times[-1] - t0) * 1e3, "tokens": len(times),
-                "itl_ms": [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)], "t0": t0, "t1": times[-1]}
+        return {
+            "ttft_ms": (times[0] - t0) * 1e3,
+            "e2e_ms": (times[-1] - t0) * 1e3,
+            "tokens": len(times),
+            "itl_ms": [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)],
+            "t0": t0,
+            "t1": times[-1],
+        }
 
     return await asyncio.gather(*(one(p) for p in prompts))
 
@@ -56,14 +62,19 @@ async def warm_then_burst(engine, prompts: list[list[int]], max_new_tokens: int)
 def row_of(max_num_seqs: int, kv_cache_bytes: int, res: list[dict]) -> dict:
     wall = max(r["t1"] for r in res) - min(r["t0"] for r in res)
     itl = [x for r in res for x in r["itl_ms"]]
-    return {"max_num_seqs": max_num_seqs, "kv_cache_mib": kv_cache_bytes / 2**20, "requests": len(res),
-            "throughput_rps": len(res) / wall, "output_tokens_per_s": sum(r["tokens"] for r in res) / wall,
-            "ttft_p50_ms": float(np.percentile([r["ttft_ms"] for r in res], 50)),
-            "ttft_p99_ms": float(np.percentile([r["ttft_ms"] for r in res], 99)),
-            "e2e_p50_ms": float(np.percentile([r["e2e_ms"] for r in res], 50)),
-            "e2e_p99_ms": float(np.percentile([r["e2e_ms"] for r in res], 99)),
-            "itl_p50_ms": float(np.percentile(itl, 50)) if itl else float("nan"),
-            "itl_p99_ms": float(np.percentile(itl, 99)) if itl else float("nan")}
+    return {
+        "max_num_seqs": max_num_seqs,
+        "kv_cache_mib": kv_cache_bytes / 2**20,
+        "requests": len(res),
+        "throughput_rps": len(res) / wall,
+        "output_tokens_per_s": sum(r["tokens"] for r in res) / wall,
+        "ttft_p50_ms": float(np.percentile([r["ttft_ms"] for r in res], 50)),
+        "ttft_p99_ms": float(np.percentile([r["ttft_ms"] for r in res], 99)),
+        "e2e_p50_ms": float(np.percentile([r["e2e_ms"] for r in res], 50)),
+        "e2e_p99_ms": float(np.percentile([r["e2e_ms"] for r in res], 99)),
+        "itl_p50_ms": float(np.percentile(itl, 50)) if itl else float("nan"),
+        "itl_p99_ms": float(np.percentile(itl, 99)) if itl else float("nan"),
+    }
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -113,27 +124,46 @@ def main(
         prompts.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
     rows = []
     for n in tqdm([int(x) for x in max_num_seqs.split(",")], desc="max_num_seqs", unit="engine"):
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-            model=str(model), dtype=dtype, max_model_len=2048, max_num_seqs=n, kv_cache_memory_bytes=kv_cache_bytes,
-            enforce_eager=True, enable_prefix_caching=False, disable_log_stats=True))
+        engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(
+                model=str(model),
+                dtype=dtype,
+                max_model_len=2048,
+                max_num_seqs=n,
+                kv_cache_memory_bytes=kv_cache_bytes,
+                enforce_eager=True,
+                enable_prefix_caching=False,
+                disable_log_stats=True,
+            )
+        )
         try:
             rows.append(row_of(n, kv_cache_bytes, asyncio.run(warm_then_burst(engine, prompts, max_new_tokens))))
         finally:
             engine.shutdown()
             engine = None  # let it go now, not at interpreter exit
     out.mkdir(parents=True, exist_ok=True)
-    (out / "batching.json").write_text(json.dumps({"args": {k: str(v) for k, v in locals().items()
-                                                            if k in ("model", "requests", "prompt_tokens",
-                                                                     "max_new_tokens", "dtype")}, "rows": rows},
-                                                  indent=2))
+    (out / "batching.json").write_text(
+        json.dumps(
+            {
+                "args": {
+                    k: str(v)
+                    for k, v in locals().items()
+                    if k in ("model", "requests", "prompt_tokens", "max_new_tokens", "dtype")
+                },
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     with (out / "batching.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     cols = list(rows[0])
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    md += ["| " + " | ".join(f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |"
-           for r in rows]
+    md += [
+        "| " + " | ".join(f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |" for r in rows
+    ]
     (out / "batching.md").write_text("\n".join(md) + "\n")
     plot(rows, out / "batching.png")
     print("\n".join(md))

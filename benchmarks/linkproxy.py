@@ -91,8 +91,9 @@ class LinkProxy:
         except OSError:
             c_writer.close()
             return
-        await asyncio.gather(self._pipe(c_reader, u_writer, self.up), self._pipe(u_reader, c_writer, self.down),
-                             return_exceptions=True)
+        await asyncio.gather(
+            self._pipe(c_reader, u_writer, self.up), self._pipe(u_reader, c_writer, self.down), return_exceptions=True
+        )
 
 
 async def _control(proxy: LinkProxy) -> None:

@@ -28,14 +28,17 @@ class LinkProfile:
         return asdict(self)
 
 
-PROFILES: dict[str, LinkProfile] = {p.name: p for p in [
-    LinkProfile("loopback", 0.0, None, None),
-    LinkProfile("lan", 0.5, 940.0, 940.0, 0.05),
-    LinkProfile("wifi6", 6.0, 300.0, 500.0, 1.5, 1e-4),
-    LinkProfile("5g", 30.0, 40.0, 200.0, 5.0, 5e-4),
-    LinkProfile("4g", 55.0, 10.0, 40.0, 10.0, 1e-3),
-    LinkProfile("wan", 80.0, 100.0, 100.0, 2.0, 1e-4),
-]}
+PROFILES: dict[str, LinkProfile] = {
+    p.name: p
+    for p in [
+        LinkProfile("loopback", 0.0, None, None),
+        LinkProfile("lan", 0.5, 940.0, 940.0, 0.05),
+        LinkProfile("wifi6", 6.0, 300.0, 500.0, 1.5, 1e-4),
+        LinkProfile("5g", 30.0, 40.0, 200.0, 5.0, 5e-4),
+        LinkProfile("4g", 55.0, 10.0, 40.0, 10.0, 1e-3),
+        LinkProfile("wan", 80.0, 100.0, 100.0, 2.0, 1e-4),
+    ]
+}
 
 
 def get(names: str) -> list[LinkProfile]:

@@ -66,12 +66,28 @@ class CloudNamespace:
     def shape(self, p: LinkProfile) -> None:
         """Apply the profile's rates with ``tbf`` (burst ~ 10 ms of traffic, queue <= 50 ms)."""
         for dev, ns, rate in ((self.host_if, None, p.uplink_mbps), (self.ns_if, self.name, p.downlink_mbps)):
-            subprocess.run((["ip", "netns", "exec", ns] if ns else []) + ["tc", "qdisc", "del", "dev", dev, "root"],
-                           capture_output=True)
+            subprocess.run(
+                (["ip", "netns", "exec", ns] if ns else []) + ["tc", "qdisc", "del", "dev", dev, "root"],
+                capture_output=True,
+            )
             if rate:
                 burst = max(16_000, int(rate * 1e6 / 8 * 0.01))
-                _ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}mbit", "burst", str(burst),
-                    "latency", "50ms", ns=ns)
+                _ip(
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{rate}mbit",
+                    "burst",
+                    str(burst),
+                    "latency",
+                    "50ms",
+                    ns=ns,
+                )
 
     def destroy(self) -> None:
         subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)

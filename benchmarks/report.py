@@ -17,8 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-STAGES = ["edge_head_ms", "encode_ms", "uplink_ms", "cloud_store_put_ms", "cloud_tail_prefill_ms",
-          "cloud_decode_first_token_ms"]
+STAGES = [
+    "edge_head_ms",
+    "encode_ms",
+    "uplink_ms",
+    "cloud_store_put_ms",
+    "cloud_tail_prefill_ms",
+    "cloud_decode_first_token_ms",
+]
 MAP_RTT_MS = 30.0
 MAP_RATE_MBPS = 40.0
 
@@ -32,7 +38,7 @@ def summarize(records) -> list[dict]:
     for r in records:
         groups[(r.mode, r.link, r.target_prompt_tokens)].append(r)
     rows = []
-    for (mode, link, target), rs in sorted(groups.items()):
+    for (mode, link, _target), rs in sorted(groups.items()):
         ttft = [r.ttft_ms for r in rs]
         itl = [x for r in rs for x in r.itl_ms]
         wall_s = max(r.end_s for r in rs) - min(r.start_s for r in rs)
@@ -42,10 +48,17 @@ def summarize(records) -> list[dict]:
             for k in ("activations", "kv", "header"):
                 sent[k] += r.sent_bytes.get(k, 0)
         row = {
-            "mode": mode, "link": link, "prompt_tokens": round(prompt / len(rs)), "requests": len(rs),
-            "ttft_mean_ms": float(np.mean(ttft)), "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
-            "itl_mean_ms": float(np.mean(itl)) if itl else float("nan"), "itl_p50_ms": pct(itl, 50),
-            "itl_p99_ms": pct(itl, 99), "e2e_mean_ms": float(np.mean([r.e2e_ms for r in rs])),
+            "mode": mode,
+            "link": link,
+            "prompt_tokens": round(prompt / len(rs)),
+            "requests": len(rs),
+            "ttft_mean_ms": float(np.mean(ttft)),
+            "ttft_p50_ms": pct(ttft, 50),
+            "ttft_p99_ms": pct(ttft, 99),
+            "itl_mean_ms": float(np.mean(itl)) if itl else float("nan"),
+            "itl_p50_ms": pct(itl, 50),
+            "itl_p99_ms": pct(itl, 99),
+            "e2e_mean_ms": float(np.mean([r.e2e_ms for r in rs])),
             "throughput_rps": len(rs) / wall_s if wall_s > 0 else float("nan"),
             "output_tokens_per_s": sum(r.output_tokens for r in rs) / wall_s if wall_s > 0 else float("nan"),
             "bytes_per_prompt_token": sum(sent.values()) / prompt,
@@ -62,20 +75,34 @@ def summarize(records) -> list[dict]:
 
 
 def to_markdown(rows: list[dict]) -> str:
-    cols = [("mode", "mode"), ("link", "link"), ("prompt_tokens", "prompt tok"), ("ttft_mean_ms", "TTFT mean ms"),
-            ("ttft_p99_ms", "TTFT p99 ms"), ("itl_mean_ms", "ITL mean ms"), ("itl_p50_ms", "ITL p50 ms"),
-            ("itl_p99_ms", "ITL p99 ms"), ("e2e_mean_ms", "e2e mean ms"), ("throughput_rps", "req/s"),
-            ("output_tokens_per_s", "out tok/s"), ("bytes_per_prompt_token", "B/prompt tok"),
-            ("kv_bytes_per_prompt_token", "KV B/tok"), ("activation_bytes_per_prompt_token", "act B/tok"),
-            ("edge_head_ms", "head ms"), ("uplink_ms", "uplink ms"), ("cloud_tail_prefill_ms", "tail ms"),
-            ("cloud_decode_first_token_ms", "handoff+1st ms")]
+    cols = [
+        ("mode", "mode"),
+        ("link", "link"),
+        ("prompt_tokens", "prompt tok"),
+        ("ttft_mean_ms", "TTFT mean ms"),
+        ("ttft_p99_ms", "TTFT p99 ms"),
+        ("itl_mean_ms", "ITL mean ms"),
+        ("itl_p50_ms", "ITL p50 ms"),
+        ("itl_p99_ms", "ITL p99 ms"),
+        ("e2e_mean_ms", "e2e mean ms"),
+        ("throughput_rps", "req/s"),
+        ("output_tokens_per_s", "out tok/s"),
+        ("bytes_per_prompt_token", "B/prompt tok"),
+        ("kv_bytes_per_prompt_token", "KV B/tok"),
+        ("activation_bytes_per_prompt_token", "act B/tok"),
+        ("edge_head_ms", "head ms"),
+        ("uplink_ms", "uplink ms"),
+        ("cloud_tail_prefill_ms", "tail ms"),
+        ("cloud_decode_first_token_ms", "handoff+1st ms"),
+    ]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []
         for key, _ in cols:
             v = r[key]
-            cells.append(f"{v:.1f}" if isinstance(v, float) and not np.isnan(v) else ("-" if isinstance(v, float)
-                                                                                       else str(v)))
+            cells.append(
+                f"{v:.1f}" if isinstance(v, float) and not np.isnan(v) else ("-" if isinstance(v, float) else str(v))
+            )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -98,8 +125,10 @@ def ratios_markdown(rows: list[dict]) -> str:
     for r in rows:
         key = (r["link"], r["prompt_tokens"] // 8)
         if r["mode"].startswith("split") and key in base:
-            out.append(f"| {r['mode']} | {r['link']} | {r['prompt_tokens']} | {r['ttft_mean_ms'] / base[key]:.2f}x | "
-                       f"{best[key][1]} |")
+            out.append(
+                f"| {r['mode']} | {r['link']} | {r['prompt_tokens']} | {r['ttft_mean_ms'] / base[key]:.2f}x | "
+                f"{best[key][1]} |"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -110,12 +139,15 @@ def plot_ttft(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     link_names = [lk for lk in dict.fromkeys(r["link"] for r in rows) if lk != "none"]
-    fig, axes = plt.subplots(1, max(1, len(link_names)), figsize=(4.2 * max(1, len(link_names)), 3.8),
-                             sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        1, max(1, len(link_names)), figsize=(4.2 * max(1, len(link_names)), 3.8), sharey=True, squeeze=False
+    )
     edge = sorted((r["prompt_tokens"], r["ttft_mean_ms"]) for r in rows if r["mode"] == "edge-only")
     for ax, link in zip(axes[0], link_names, strict=False):
         for mode in dict.fromkeys(r["mode"] for r in rows if r["link"] == link):
-            pts = sorted((r["prompt_tokens"], r["ttft_mean_ms"]) for r in rows if r["mode"] == mode and r["link"] == link)
+            pts = sorted(
+                (r["prompt_tokens"], r["ttft_mean_ms"]) for r in rows if r["mode"] == mode and r["link"] == link
+            )
             ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
         if edge:
             ax.plot(*zip(*edge, strict=True), marker="s", linestyle="--", color="gray", label="edge-only")
@@ -180,8 +212,15 @@ def plot_breakeven(rows: list[dict], path: Path, links: list[dict]) -> None:
         comp, nbytes = np.interp(lens, t, c), np.interp(lens, t, b)
         for ri, rtt in enumerate(rtts):
             pred2[mi, ri] = comp + (0.0 if m == "edge-only" else nbytes * 8 / (MAP_RATE_MBPS * 1e6) * 1e3 + rtt)
-    ax2.pcolormesh(np.arange(len(lens) + 1), rtt_edges, pred2.argmin(axis=0), cmap=cmap, vmin=-0.5,
-                   vmax=len(modes) - 0.5, shading="flat")
+    ax2.pcolormesh(
+        np.arange(len(lens) + 1),
+        rtt_edges,
+        pred2.argmin(axis=0),
+        cmap=cmap,
+        vmin=-0.5,
+        vmax=len(modes) - 0.5,
+        shading="flat",
+    )
     ax2.set_yscale("log")
     ax2.set_xticks(np.arange(len(lens)) + 0.5, [str(x) for x in lens])
     ax2.set_xlabel("prompt length (tokens)")
@@ -215,8 +254,10 @@ def write_all(out: Path, records, meta: dict) -> list[dict]:
         w.writeheader()
         w.writerows(rows)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
-    md = (f"Machine: {meta['platform']}, {meta['cpus']} CPUs; shaper: {meta['shaper']}; "
-          f"versions: {meta['versions']}\n\n" + to_markdown(rows) + "\n" + ratios_markdown(rows))
+    md = (
+        f"Machine: {meta['platform']}, {meta['cpus']} CPUs; shaper: {meta['shaper']}; "
+        f"versions: {meta['versions']}\n\n" + to_markdown(rows) + "\n" + ratios_markdown(rows)
+    )
     (out / "summary.md").write_text(md)
     plot_ttft(rows, out / "ttft_vs_prompt.png")
     plot_breakeven(rows, out / "breakeven.png", meta.get("links", []))

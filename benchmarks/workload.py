@@ -10,11 +10,17 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-WORDS = ("network model layer token cache block edge cloud latency request batch stream river mountain city "
-         "history science music garden kitchen travel weather market energy health language school water "
-         "design number system signal memory paper light sound table window story planet forest engine").split()
-TASKS = ["Summarise these notes in two sentences:", "List the three most important points in these notes:",
-         "Write a short title for these notes:", "Explain these notes to a child:"]
+WORDS = (
+    "network model layer token cache block edge cloud latency request batch stream river mountain city "
+    "history science music garden kitchen travel weather market energy health language school water "
+    "design number system signal memory paper light sound table window story planet forest engine"
+).split()
+TASKS = [
+    "Summarise these notes in two sentences:",
+    "List the three most important points in these notes:",
+    "Write a short title for these notes:",
+    "Explain these notes to a child:",
+]
 
 
 @dataclass(frozen=True)
@@ -35,8 +41,9 @@ def make_prompts(tokenizer, target_tokens: int, count: int, seed: int = 0) -> li
         words: list[str] = []
         while True:
             text = task + " " + " ".join(words)
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
             n = len(ids["input_ids"] if isinstance(ids, dict) else ids)
             if n >= target_tokens or len(words) > 4 * target_tokens:
                 break

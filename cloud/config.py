@@ -42,5 +42,8 @@ class CloudConfig(BaseModel):
     max_prompt_tokens: int = 1536
     max_new_tokens: int = 512
     max_chunk_resends: int = 3
+    max_repair_rounds: int = 3  # commits answered with a repair request before DATA_LOSS
+    upload_timeout_s: float = 30.0  # header to verified upload, while the session is locked
+    max_abs_activation: float = 1e5  # |h_k| and |KV| bound; real SmolLM2 values stay under 1e3
     max_sessions: int = 256
     session_bytes: int = 1 << 30  # activations kept for multi-turn sessions, all sessions together

@@ -20,8 +20,8 @@ from cloud.engines import EngineBackend
 from cloud.sessions import CloudSession, SessionTable
 from cloud.upload import TurnUpload, check_header
 from common import wire
-from common.errors import IncompatibleModel, InvalidRequest
-from common.kvblocks import LayerRange, block_hashes, hash_seed, store_key
+from common.errors import IncompatibleModel, InvalidRequest, MerkleMismatch, UploadTimeout
+from common.kvblocks import LayerRange, block_hashes, hash_seed, kv_scope, store_key
 from common.kvstore import BlockStore
 from common.manifest import SplitManifest
 from common.messages import KVBlock, TurnHeader
@@ -79,7 +79,7 @@ class Gateway:
     def __init__(self, cfg: CloudConfig, manifest: SplitManifest, engines: EngineBackend, store: BlockStore):
         self.cfg, self.manifest, self.engines, self.store = cfg, manifest, engines, store
         self.sessions = SessionTable(cfg.max_sessions, cfg.session_bytes)
-        self.seed = hash_seed(manifest.compatibility_key(), cfg.engine.block_size_tokens)
+        self.model_key = manifest.compatibility_key()
         self.params = LinkParams(
             params_version=1,
             split_layer=manifest.split_layer,
@@ -113,8 +113,10 @@ class Gateway:
             return LinkParams(**{**self.params.__dict__, "split_layer": 0})
         return self.params
 
-    def _session(self, session_id: str) -> CloudSession:
-        return self.sessions.get_or_create(session_id) if session_id else CloudSession()
+    def seed(self, header: TurnHeader) -> bytes:
+        """Chain seed of a request's KV block ids: model, block size and sharing scope."""
+        scope = kv_scope(header.session_id, header.request_id)
+        return hash_seed(self.model_key, self.params.kv_block_size_tokens, scope)
 
     async def run_turn(self, header: TurnHeader, uplink: AsyncIterator[UplinkItem]) -> AsyncIterator[Event]:
         """One request: upload (split mode), tail prefill (samples the first token), decode.
@@ -131,24 +133,38 @@ class Gateway:
                 yield ev
             return
         t_start = time.perf_counter()
-        session = self._session(header.session_id)
-        async with session.lock:
-            upload = TurnUpload(header, self.params, self.manifest, session, self.seed)
-            async for ev in self._receive(upload, uplink):
-                yield ev
-            timings["upload_wait_ms"] = (time.perf_counter() - t_start) * 1e3
-            t0 = time.perf_counter()
-            hidden_new = upload.activations()
-            await asyncio.to_thread(self._put_head_blocks, upload.new_blocks())
-            timings["store_put_ms"] = (time.perf_counter() - t0) * 1e3
-            upload.apply_to_session(hidden_new)
-            yield UploadDone(len(session.token_ids), len(session.leaves), b"")
-            tail_range = [self.tail_part.lo, self.tail_part.hi]
-            tail_params = {"block_hashes": [h.hex() for h in upload.hashes], "load": [tail_range], "save": tail_range}
-            tail = await self.engines.tail_prefill(
-                header.request_id, session.hidden, {"tandem": tail_params}, header.sampling
-            )
-        self.sessions.evict()
+        # a session enters the table only once a turn verified: failed turns leave nothing behind
+        session = self.sessions.get(header.session_id) or CloudSession()
+        seed = self.seed(header)
+        try:
+            async with session.lock:
+                upload = TurnUpload(header, self.params, self.manifest, session, seed, self.cfg.max_abs_activation)
+                try:
+                    async with asyncio.timeout(self.cfg.upload_timeout_s):
+                        async for ev in self._receive(upload, uplink):
+                            yield ev
+                except TimeoutError:
+                    raise UploadTimeout(f"upload not complete after {self.cfg.upload_timeout_s:.0f} s") from None
+                timings["upload_wait_ms"] = (time.perf_counter() - t_start) * 1e3
+                t0 = time.perf_counter()
+                hidden_new = upload.activations()
+                await asyncio.to_thread(self._put_head_blocks, upload.new_blocks())
+                timings["store_put_ms"] = (time.perf_counter() - t0) * 1e3
+                upload.apply_to_session(hidden_new)
+                if header.session_id:
+                    self.sessions.put(header.session_id, session)
+                yield UploadDone(len(session.token_ids), len(session.leaves), b"")
+                tail_range = [self.tail_part.lo, self.tail_part.hi]
+                tail_params = {
+                    "block_hashes": [h.hex() for h in upload.hashes],
+                    "load": [tail_range],
+                    "save": tail_range,
+                }
+                tail = await self.engines.tail_prefill(
+                    header.request_id, session.hidden, {"tandem": tail_params}, header.sampling
+                )
+        finally:
+            self.sessions.evict()
         timings["tail_prefill_ms"] = tail.elapsed_ms
         yield TokensOut([tail.first_token], 0)
         if tail.finish_reason is not None or header.sampling.max_new_tokens == 1:
@@ -158,7 +174,7 @@ class Gateway:
             return
         # decode continues from prompt + first token, loading every layer of the aligned prefix
         ids = [*header.prompt_token_ids, tail.first_token]
-        hashes = block_hashes(ids, self.params.kv_block_size_tokens, self.seed)
+        hashes = block_hashes(ids, self.params.kv_block_size_tokens, seed)
         kv_params = {
             "tandem": {
                 "block_hashes": [h.hex() for h in hashes],
@@ -171,6 +187,7 @@ class Gateway:
             yield ev
 
     async def _receive(self, upload: TurnUpload, uplink: AsyncIterator[UplinkItem]) -> AsyncIterator[Event]:
+        repairs = 0
         async for item in uplink:
             if isinstance(item, wire.Chunk):
                 if not upload.add_chunk(item):
@@ -180,6 +197,9 @@ class Gateway:
             else:
                 repair = upload.commit(item.leaf_count, item.merkle_root)
                 if repair:
+                    repairs += 1
+                    if repairs > self.cfg.max_repair_rounds:
+                        raise MerkleMismatch(f"KV blocks {repair[:8]} still bad after {repairs - 1} repair rounds")
                     yield Repair(repair, "leaf hash mismatch or block missing")
             if upload.complete:
                 return

@@ -6,6 +6,7 @@ Servicer methods stay thin; every domain error becomes a status in
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -16,6 +17,8 @@ from common.grpc_errors import abort
 from common.messages import KVBlock, TurnHeader, chunk_from_pb
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+log = logging.getLogger("tandem.cloud")
 
 
 def event_to_pb(ev: Event) -> pb.Downlink:
@@ -83,3 +86,6 @@ class CloudServicer(pb_grpc.CloudServicer):
             await abort(context, InvalidRequest("empty uplink"))
         except TandemError as e:
             await abort(context, e)
+        except Exception:
+            log.exception("Generate failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error in the cloud gateway (see its log)")

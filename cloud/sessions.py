@@ -40,26 +40,31 @@ class SessionTable:
         self.max_sessions, self.max_bytes = max_sessions, max_bytes
         self._s: OrderedDict[str, CloudSession] = OrderedDict()
 
-    def get_or_create(self, session_id: str) -> CloudSession:
-        s = self._s.get(session_id)
-        if s is None:
-            s = self._s[session_id] = CloudSession()
-        self._s.move_to_end(session_id)
+    def get(self, session_id: str) -> CloudSession | None:
+        s = self._s.get(session_id) if session_id else None
+        if s is not None:
+            self._s.move_to_end(session_id)
         return s
 
-    def get(self, session_id: str) -> CloudSession | None:
-        return self._s.get(session_id)
+    def put(self, session_id: str, session: CloudSession) -> None:
+        """Insert or refresh a session (after a verified turn)."""
+        self._s[session_id] = session
+        self._s.move_to_end(session_id)
 
     def evict(self) -> list[str]:
         """Drop least-recently-used unlocked sessions until within bounds; returns dropped ids."""
         dropped = []
-        while len(self._s) > self.max_sessions or sum(s.nbytes for s in self._s.values()) > self.max_bytes:
+        while len(self._s) > self.max_sessions or self.nbytes() > self.max_bytes:
             victim = next((k for k, s in self._s.items() if not s.lock.locked()), None)
             if victim is None:
                 break
             del self._s[victim]
             dropped.append(victim)
         return dropped
+
+    def nbytes(self) -> int:
+        """Activation bytes plus ids and leaves, all sessions."""
+        return sum(s.nbytes + len(k) + 32 * len(s.leaves) + 8 * len(s.token_ids) for k, s in self._s.items())
 
     def __len__(self) -> int:
         return len(self._s)

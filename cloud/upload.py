@@ -11,6 +11,7 @@ upload verified (``finish``), so a bad request never corrupts other state.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,9 +31,15 @@ from common.manifest import SplitManifest
 from common.messages import KVBlock, TurnHeader
 from common.params import LinkParams
 
+MAX_ID_BYTES = 128
+MAX_STOP_TOKENS = 64
+
 
 def check_header(h: TurnHeader, params: LinkParams, manifest: SplitManifest) -> None:
     """Raises InvalidRequest / ParamsVersionMismatch for a header outside the negotiated limits."""
+    for name, value in (("request_id", h.request_id), ("session_id", h.session_id)):
+        if len(value.encode()) > MAX_ID_BYTES:
+            raise InvalidRequest(f"{name} longer than {MAX_ID_BYTES} bytes")
     if h.params_version != params.params_version:
         raise ParamsVersionMismatch(f"header uses params v{h.params_version}, link is at v{params.params_version}")
     t = len(h.prompt_token_ids)
@@ -46,10 +53,10 @@ def check_header(h: TurnHeader, params: LinkParams, manifest: SplitManifest) -> 
     s = h.sampling
     if not 0 < s.max_new_tokens <= params.max_new_tokens:
         raise InvalidRequest(f"max_new_tokens {s.max_new_tokens}; allowed 1..{params.max_new_tokens}")
-    if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
+    if not math.isfinite(s.temperature) or s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
         raise InvalidRequest(f"bad sampling: temperature={s.temperature} top_p={s.top_p} top_k={s.top_k}")
-    if any(x >= vocab for x in s.stop_token_ids):
-        raise InvalidRequest("stop token id outside the vocabulary")
+    if len(s.stop_token_ids) > MAX_STOP_TOKENS or any(x >= vocab for x in s.stop_token_ids):
+        raise InvalidRequest(f"stop_token_ids: at most {MAX_STOP_TOKENS}, each below the vocabulary size {vocab}")
     if h.split_layer == 0:
         if h.num_chunks or h.num_kv_blocks or h.cached_tokens:
             raise InvalidRequest("direct mode carries no chunks, KV blocks or cached tokens")
@@ -66,6 +73,15 @@ def check_header(h: TurnHeader, params: LinkParams, manifest: SplitManifest) -> 
         raise InvalidRequest(f"{h.num_kv_blocks} KV blocks for a {t}-token prompt")
 
 
+def check_values(x: np.ndarray, max_abs: float, what: str) -> None:
+    """Raises InvalidRequest for NaN, inf or values beyond ``max_abs``: such inputs would reach
+    vLLM's paged KV cache, whose reused blocks are not zeroed on every backend."""
+    if not np.isfinite(x).all():
+        raise InvalidRequest(f"{what} contain NaN or inf")
+    if x.size and float(np.abs(x).max()) > max_abs:
+        raise InvalidRequest(f"{what} exceed |x| <= {max_abs:g}")
+
+
 @dataclass
 class TurnUpload:
     """Collects and verifies one split turn's upload (see module doc)."""
@@ -75,6 +91,7 @@ class TurnUpload:
     manifest: SplitManifest
     session: CloudSession
     hash_seed: bytes
+    max_abs: float = 1e5  # bound on |activation| and |KV| values
     chunks: dict[int, wire.Chunk] = field(default_factory=dict)
     resends: dict[int, int] = field(default_factory=dict)
     blocks: dict[int, tuple[KVBlock, bytes]] = field(default_factory=dict)  # leaf -> (block, raw bytes)
@@ -96,6 +113,11 @@ class TurnUpload:
         self.first_new_leaf = len(self.base_leaves)
         if self.first_new_leaf > len(self.hashes):
             raise SessionOutOfSync("session has more KV leaves than the prompt has blocks: resend from token 0")
+        if h.num_kv_blocks != len(self.expected_leaves):
+            raise InvalidRequest(
+                f"header announces {h.num_kv_blocks} KV blocks; the prompt needs "
+                f"{len(self.expected_leaves)} new full blocks"
+            )
         self.part = LayerRange(0, self.manifest.split_layer)
         sh = self.manifest.shape
         self.block_bytes = block_nbytes(self.part, sh.num_kv_heads, self.bs, sh.head_dim)
@@ -121,6 +143,13 @@ class TurnUpload:
             raise InvalidRequest(f"chunk seq {c.seq} outside 0..{h.num_chunks - 1}")
         want_off = h.cached_tokens + c.seq * ct
         want_n = min(ct, len(h.prompt_token_ids) - want_off)
+        if c.seq in self.chunks:
+            raise InvalidRequest(f"chunk {c.seq} sent again after it verified")
+        if c.wire_dtype != self.params.wire_dtype or c.codec != self.params.codec:
+            raise InvalidRequest(
+                f"chunk {c.seq} uses {c.wire_dtype.name}/{c.codec.name}; the link negotiated "
+                f"{self.params.wire_dtype.name}/{self.params.codec.name}"
+            )
         if c.token_offset != want_off or c.num_tokens != want_n:
             raise InvalidRequest(
                 f"chunk {c.seq} covers [{c.token_offset}, +{c.num_tokens}), expected [{want_off}, +{want_n})"
@@ -144,6 +173,12 @@ class TurnUpload:
         """
         if b.leaf_index not in self.expected_leaves:
             raise InvalidRequest(f"KV block leaf {b.leaf_index} outside expected {self.expected_leaves}")
+        if b.leaf_index in self.blocks:
+            raise InvalidRequest(f"KV block leaf {b.leaf_index} sent again after it verified")
+        if b.codec != self.params.codec:
+            raise InvalidRequest(
+                f"KV block {b.leaf_index} uses codec {b.codec}; the link negotiated {self.params.codec.name}"
+            )
         if b.block_hash != self.hashes[b.leaf_index]:
             raise InvalidRequest(f"KV block {b.leaf_index}: block hash does not match the prompt tokens")
         if (b.layer_lo, b.layer_hi) != (self.part.lo, self.part.hi) or b.raw_nbytes != self.block_bytes:
@@ -162,6 +197,7 @@ class TurnUpload:
             return
         leaf = merkle.leaf_hash(merkle.leaf_data(b.block_hash, b.layer_lo, b.layer_hi, raw))
         if leaf == b.leaf_hash:
+            check_values(np.frombuffer(raw, np.float32), self.max_abs, f"KV block {b.leaf_index}")
             self.blocks[b.leaf_index] = (b, raw)
 
     def missing_leaves(self) -> list[int]:
@@ -191,7 +227,9 @@ class TurnUpload:
     def activations(self) -> np.ndarray:
         """float32 ``[T_new, H]`` of the new tokens (all chunks verified)."""
         chunks = list(self.chunks.values())
-        return wire.combine(chunks, self.header.cached_tokens, self.new_tokens, self.params.hidden_size)
+        h = wire.combine(chunks, self.header.cached_tokens, self.new_tokens, self.params.hidden_size)
+        check_values(h, self.max_abs, "activations")
+        return h
 
     def new_blocks(self) -> list[tuple[bytes, bytes]]:
         """(block_hash, raw canonical bytes) of the verified new blocks, in leaf order."""

@@ -40,5 +40,9 @@ class IncompatibleModel(TandemError):
     """Edge head and cloud tail were not cut from the same model at the same split layer."""
 
 
+class UploadTimeout(TandemError):
+    """The uplink did not complete the upload within the allowed time."""
+
+
 class EngineError(TandemError):
     """A vLLM engine failed or is not running."""

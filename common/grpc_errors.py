@@ -15,6 +15,7 @@ STATUS_OF: dict[type[e.TandemError], grpc.StatusCode] = {
     e.QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     e.ParamsVersionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     e.IncompatibleModel: grpc.StatusCode.FAILED_PRECONDITION,
+    e.UploadTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
     e.EngineError: grpc.StatusCode.UNAVAILABLE,
 }
 
@@ -33,8 +34,8 @@ async def abort(context: grpc.aio.ServicerContext, err: e.TandemError) -> None:
 
 def error_from_status(code: grpc.StatusCode, details: str) -> e.TandemError:
     """Inverse mapping for clients: a status back to the domain error it came from."""
-    name = details.split(":", 1)[0]
+    name, _, message = details.partition(": ")
     for cls, c in STATUS_OF.items():
         if cls.__name__ == name and c == code:
-            return cls(details)
+            return cls(message)
     return e.EngineError(details) if code == grpc.StatusCode.UNAVAILABLE else e.TandemError(details)

@@ -3,8 +3,9 @@
 Identity: a block of ``B`` tokens is named by a chained hash over the token ids
 of the prompt prefix that ends with it, as vLLM's prefix cache names its blocks
 (``vllm/v1/core/kv_cache_utils.py``, ``hash_block_tokens``):
-``h_i = BLAKE3(h_{i-1} || token_ids_i)``, seeded with the model's identity, so
-equal prefixes of one model share blocks across sessions and replicas.
+``h_i = BLAKE3(h_{i-1} || token_ids_i)``, seeded with the model's identity and the
+sharing scope (the session, or the request if stateless), so a session's turns
+share blocks but no session can plant KV that another session loads.
 
 Layout on the wire and in the block store (canonical): float32
 ``[Lp, 2, Hkv, B, D]`` for the ``Lp`` layers of one *part* (a global layer range
@@ -41,9 +42,19 @@ class LayerRange:
         return f"L{self.lo}-{self.hi}"
 
 
-def hash_seed(model_key: str, block_size: int) -> bytes:
-    """Root of the chain: the model's identity and the block size."""
-    return blake3.blake3(f"tandem-kv-v1|{model_key}|B={block_size}".encode()).digest()
+def hash_seed(model_key: str, block_size: int, scope: str = "") -> bytes:
+    """Root of the chain: the model's identity, the block size and the sharing scope.
+
+    ``scope`` (see ``kv_scope``) keeps one session's blocks out of every other session's
+    reach: the cloud verifies that uploaded blocks arrived intact, not that their values
+    are right, so blocks are shared only where one party uploaded them all.
+    """
+    return blake3.blake3(f"tandem-kv-v1|{model_key}|B={block_size}|{scope}".encode()).digest()
+
+
+def kv_scope(session_id: str, request_id: str) -> str:
+    """Sharing scope of a request's KV blocks: its session, or the request alone if stateless."""
+    return f"session:{session_id}" if session_id else f"request:{request_id}"
 
 
 def block_hashes(token_ids: list[int] | np.ndarray, block_size: int, seed: bytes) -> list[bytes]:

@@ -63,7 +63,9 @@ class KVBlock:
 
     @classmethod
     def from_pb(cls, m: pb.KVBlockDelta) -> KVBlock:
-        codec = wire.Codec(m.codec) if m.codec in (1, 2) else wire.Codec.NONE
+        if m.codec not in wire.Codec._value2member_map_:
+            raise InvalidRequest(f"KV block {m.leaf_index}: unknown codec {m.codec}")
+        codec = wire.Codec(m.codec)
         return cls(m.leaf_index, m.block_hash, m.layer_lo, m.layer_hi, codec, m.raw_nbytes, m.payload, m.leaf_hash)
 
     def to_pb(self) -> pb.KVBlockDelta:

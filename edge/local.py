@@ -38,8 +38,14 @@ class LocalGenerator:
         self.inputs, outputs = io_names(shape.num_layers)
         self.outputs = ["logits", *outputs[1:]]
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
-                 temperature: float = 0.0, seed: int = 0) -> Iterator[LocalStep]:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        eos_token_id: int | None = None,
+        temperature: float = 0.0,
+        seed: int = 0,
+    ) -> Iterator[LocalStep]:
         """Yield sampled tokens; stops at ``eos_token_id`` (yielded) or ``max_new_tokens``."""
         s, L = self.shape, self.shape.num_layers
         rng = np.random.default_rng(seed)
@@ -48,8 +54,11 @@ class LocalGenerator:
         pos = 0
         for _ in range(max_new_tokens):
             t = ids.shape[1]
-            feeds = {"input_ids": ids, "position_ids": np.arange(pos, pos + t, dtype=np.int64)[None],
-                     "attention_mask": np.ones((1, pos + t), np.int64)}
+            feeds = {
+                "input_ids": ids,
+                "position_ids": np.arange(pos, pos + t, dtype=np.int64)[None],
+                "attention_mask": np.ones((1, pos + t), np.int64),
+            }
             feeds.update(zip(self.inputs[3:], past, strict=True))
             logits, *past = self.session.run(self.outputs, feeds)
             pos += t

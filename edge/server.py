@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -33,6 +35,8 @@ def turn_from_pb(r: pb.ChatRequest) -> ChatTurn:
     if r.mode not in (pb.MODE_UNSPECIFIED, pb.MODE_SPLIT, pb.MODE_DIRECT):
         raise InvalidRequest(f"unknown mode {r.mode}")
     sampling = Sampling.from_pb(r.sampling) if r.HasField("sampling") else Sampling()
+    if not math.isfinite(sampling.temperature) or sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
+        raise InvalidRequest(f"bad sampling: temperature={sampling.temperature} top_p={sampling.top_p}")
     return ChatTurn(
         tuple((m.role, m.content) for m in r.messages), r.prompt, r.session_id, sampling, r.mode == pb.MODE_DIRECT
     )
@@ -63,6 +67,9 @@ class EdgeServicer(pb_grpc.EdgeServicer):
                     )
         except TandemError as e:
             await abort(context, e)
+        except Exception:
+            logging.getLogger("tandem.edge").exception("Chat failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error in the edge daemon (see its log)")
 
 
 @dataclass

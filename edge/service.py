@@ -20,7 +20,7 @@ import numpy as np
 from common import merkle, wire
 from common.errors import InvalidRequest, SessionOutOfSync
 from common.grpc_errors import error_from_status
-from common.kvblocks import LayerRange, block_hashes, hash_seed, split_blocks
+from common.kvblocks import LayerRange, block_hashes, hash_seed, kv_scope, split_blocks
 from common.messages import KVBlock, TurnHeader
 from common.params import LinkParams, Sampling
 from edge.batcher import HeadBatcher
@@ -76,11 +76,13 @@ class EdgeService:
         self.tok, self.batcher, self.stub, self.params = tokenizer, batcher, stub, params
         self.k = batcher.head.k
         self.sessions = EdgeSessions(max_sessions)
-        self.seed = hash_seed(compatibility_key, params.kv_block_size_tokens)
+        self.model_key = compatibility_key
         self.tamper = tamper
 
     def tokenize(self, turn: ChatTurn) -> list[int]:
         """Prompt token ids. Raises InvalidRequest for an empty or too long prompt."""
+        if turn.messages and turn.prompt:
+            raise InvalidRequest("pass messages or a prompt, not both")
         if turn.messages:
             ids = self.tok.apply_chat_template(
                 [{"role": r, "content": c} for r, c in turn.messages],
@@ -105,7 +107,7 @@ class EdgeService:
             TandemError: the cloud's error, mapped back from its gRPC status.
         """
         t_start = time.perf_counter()
-        ids = self.tokenize(turn)
+        ids = await asyncio.to_thread(self.tokenize, turn)  # long prompts must not stall other requests
         timings = {"tokenize_ms": (time.perf_counter() - t_start) * 1e3}
         split = self.params.split_layer > 0 and not turn.direct
         session = self.sessions.get(turn.session_id) if split else EdgeSession()
@@ -151,7 +153,7 @@ class EdgeService:
         cached = s.cloud_tokens
         chunks = wire.split(s.hidden[cached:], cached, p.chunk_tokens, p.wire_dtype, p.codec, p.codec_level)
         bs = p.kv_block_size_tokens
-        hashes = block_hashes(ids, bs, self.seed)
+        hashes = block_hashes(ids, bs, hash_seed(self.model_key, bs, kv_scope(turn.session_id, rid)))
         first = len(s.leaves)
         part = LayerRange(0, self.k)
         blocks: dict[int, KVBlock] = {}
@@ -257,6 +259,3 @@ async def negotiate(
     except grpc.aio.AioRpcError as e:
         raise error_from_status(e.code(), e.details() or "") from e
     return LinkParams.from_pb(resp.params)
-
-
-__all__ = ["ChatTurn", "EdgeService", "TextOut", "TurnDone", "negotiate", "asyncio"]

@@ -62,14 +62,36 @@ def test_report_writes_tables_and_plots(tmp_path):
     from benchmarks import report
 
     recs = []
-    for mode, link, ttft in [("split-k4", "loopback", 300.0), ("cloud-only", "loopback", 100.0),
-                             ("edge-only", "none", 200.0), ("split-k4", "4g", 600.0), ("cloud-only", "4g", 160.0)]:
+    for mode, link, ttft in [
+        ("split-k4", "loopback", 300.0),
+        ("cloud-only", "loopback", 100.0),
+        ("edge-only", "none", 200.0),
+        ("split-k4", "4g", 600.0),
+        ("cloud-only", "4g", 160.0),
+    ]:
         for n in (32, 128):
-            recs.append(RequestRecord(mode, link, n, n, 4, ttft * n / 32, ttft * 2, [10.0, 12.0], 0.0, 1.0,
-                                      sent_bytes={"activations": 2304 * n, "kv": 6144 * n, "header": 100}
-                                      if mode.startswith("split") else {"header": 100}))
-    rows = report.write_all(tmp_path, recs, {"platform": "p", "cpus": 2, "versions": {}, "shaper": "proxy",
-                                             "links": [PROFILES["4g"].as_dict()]})
+            recs.append(
+                RequestRecord(
+                    mode,
+                    link,
+                    n,
+                    n,
+                    4,
+                    ttft * n / 32,
+                    ttft * 2,
+                    [10.0, 12.0],
+                    0.0,
+                    1.0,
+                    sent_bytes={"activations": 2304 * n, "kv": 6144 * n, "header": 100}
+                    if mode.startswith("split")
+                    else {"header": 100},
+                )
+            )
+    rows = report.write_all(
+        tmp_path,
+        recs,
+        {"platform": "p", "cpus": 2, "versions": {}, "shaper": "proxy", "links": [PROFILES["4g"].as_dict()]},
+    )
     split = next(r for r in rows if r["mode"] == "split-k4" and r["link"] == "4g" and r["prompt_tokens"] == 32)
     assert split["bytes_per_prompt_token"] == pytest.approx((2304 + 6144) + 100 / 32)
     assert split["ttft_mean_ms"] == 600.0
@@ -83,8 +105,25 @@ def test_report_writes_tables_and_plots(tmp_path):
 @pytest.mark.engines
 def test_bench_smoke(tmp_path):
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "benchmarks.bench", "--split-layers", "4", "--links", "loopback,4g",
-           "--prompt-lens", "16", "--requests", "1", "--max-new-tokens", "2", "--shaper", "auto", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench",
+        "--split-layers",
+        "4",
+        "--links",
+        "loopback,4g",
+        "--prompt-lens",
+        "16",
+        "--requests",
+        "1",
+        "--max-new-tokens",
+        "2",
+        "--shaper",
+        "auto",
+        "--out",
+        str(out),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
     assert res.returncode == 0, res.stderr[-3000:]
     rows = list(open(out / "summary.csv"))
@@ -97,8 +136,21 @@ def test_bench_smoke(tmp_path):
 @pytest.mark.engines
 def test_batching_smoke(tmp_path):
     out = tmp_path / "batching"
-    cmd = [sys.executable, "-m", "benchmarks.batching", "--max-num-seqs", "1,2", "--requests", "2",
-           "--max-new-tokens", "2", "--prompt-tokens", "16", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.batching",
+        "--max-num-seqs",
+        "1,2",
+        "--requests",
+        "2",
+        "--max-new-tokens",
+        "2",
+        "--prompt-tokens",
+        "16",
+        "--out",
+        str(out),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads((out / "batching.json").read_text())

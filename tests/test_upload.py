@@ -121,6 +121,7 @@ def test_header_limits():
         (dict(num_chunks=9), InvalidRequest),
         (dict(sampling=Sampling(max_new_tokens=99)), InvalidRequest),
         (dict(sampling=Sampling(temperature=-1)), InvalidRequest),
+        (dict(sampling=Sampling(temperature=float("nan"))), InvalidRequest),
         (dict(cached_tokens=11), InvalidRequest),
     ]:
         with pytest.raises(err):
@@ -138,8 +139,49 @@ def test_second_turn_needs_the_sessions_state():
     assert upload(restart, s).first_new_leaf == 0  # cached_tokens=0 restarts the session
 
 
-def test_session_table_is_bounded():
+def test_session_table_is_bounded_by_count_and_bytes():
     t = SessionTable(max_sessions=2, max_bytes=1 << 20)
     for name in "abc":
-        t.get_or_create(name)
+        t.put(name, CloudSession())
     assert t.evict() == ["a"] and len(t) == 2
+    t = SessionTable(max_sessions=100, max_bytes=10_000)
+    for i in range(5):
+        t.put(f"{i}" * 4000, CloudSession())  # long ids count too
+    t.evict()
+    assert len(t) == 2 and t.nbytes() <= 10_000
+
+
+def test_non_finite_or_huge_values_are_refused():
+    header, hidden, chunks, blocks = make_turn(list(range(10)))
+    for bad in (np.nan, np.inf, 1e9):
+        u = upload(header)
+        h = hidden.copy()
+        h[3, 2] = bad
+        for c in wire.split(h, 0, PARAMS.chunk_tokens):
+            u.add_chunk(c)
+        with pytest.raises(InvalidRequest, match="activations"):
+            u.activations()
+    u = upload(header)
+    raw = np.full((K, 2, HKV, B, D), np.nan, np.float32).tobytes()
+    b = blocks[0]
+    leaf = merkle.leaf_hash(merkle.leaf_data(b.block_hash, 0, K, raw))
+    with pytest.raises(InvalidRequest, match="NaN"):
+        u.add_block(KVBlock(**{**b.__dict__, "payload": raw, "leaf_hash": leaf}))
+
+
+def test_duplicates_and_unnegotiated_encodings_are_refused():
+    header, hidden, chunks, blocks = make_turn(list(range(10)))
+    u = upload(header)
+    assert u.add_chunk(chunks[0])
+    with pytest.raises(InvalidRequest, match="again"):
+        u.add_chunk(chunks[0])
+    fp16 = wire.split(hidden[3:6], 3, 3, wire.WireDtype.FP16)[0]
+    with pytest.raises(InvalidRequest, match="negotiated"):
+        u.add_chunk(wire.Chunk(**{**fp16.__dict__, "seq": 1}))
+    u.add_block(blocks[0])
+    with pytest.raises(InvalidRequest, match="again"):
+        u.add_block(blocks[0])
+    with pytest.raises(InvalidRequest, match="announces"):
+        upload(TurnHeader(**{**header.__dict__, "num_kv_blocks": 1}))
+    with pytest.raises(InvalidRequest, match="session_id"):
+        check_header(TurnHeader(**{**header.__dict__, "session_id": "x" * 200}), PARAMS, MANIFEST)
