@@ -186,7 +186,7 @@ async def run_remote(
             async with sem:
                 t0 = time.perf_counter()
                 arrivals: list[tuple[float, int]] = []
-                s = client.chat(p.as_messages(), max_new_tokens=max_new_tokens, mode=mode)
+                s = client.chat(p.as_messages(), max_new_tokens=max_new_tokens, mode=mode, ignore_eos=True)
                 async for d in s:
                     arrivals.append((time.perf_counter(), max(1, len(d.token_ids))))
                 t1 = time.perf_counter()
@@ -228,7 +228,7 @@ def run_edge_only(
         )
         ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
         t0 = time.perf_counter()
-        times = [s.t_s for s in gen.generate(ids, max_new_tokens, tokenizer.eos_token_id)]
+        times = [s.t_s for s in gen.generate(ids, max_new_tokens, None)]  # ignore EOS, as the remote modes
         t1 = time.perf_counter()
         itl = [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
         records.append(

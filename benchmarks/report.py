@@ -139,9 +139,10 @@ def plot_ttft(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     link_names = [lk for lk in dict.fromkeys(r["link"] for r in rows) if lk != "none"]
-    fig, axes = plt.subplots(
-        1, max(1, len(link_names)), figsize=(4.2 * max(1, len(link_names)), 3.8), sharey=True, squeeze=False
-    )
+    ncols = min(3, max(1, len(link_names)))
+    nrows = -(-max(1, len(link_names)) // ncols)
+    fig, grid = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.6 * nrows), squeeze=False)
+    axes = [list(grid.flat)]
     edge = sorted((r["prompt_tokens"], r["ttft_mean_ms"]) for r in rows if r["mode"] == "edge-only")
     for ax, link in zip(axes[0], link_names, strict=False):
         for mode in dict.fromkeys(r["mode"] for r in rows if r["link"] == link):

@@ -58,6 +58,7 @@ def build_request(
     seed: int | None,
     session_id: str | None,
     mode: str,
+    ignore_eos: bool = False,
 ) -> pb.ChatRequest:
     """Raises ValueError for neither or both of messages and prompt, or an unknown mode."""
     if (messages is None) == (prompt is None):
@@ -65,7 +66,8 @@ def build_request(
     modes = {"auto": pb.MODE_UNSPECIFIED, "split": pb.MODE_SPLIT, "direct": pb.MODE_DIRECT}
     if mode not in modes:
         raise ValueError(f"mode must be one of {sorted(modes)}")
-    sp = pb.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+    sp = pb.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                           ignore_eos=ignore_eos)
     if seed is not None:
         sp.seed = seed
     return pb.ChatRequest(
@@ -144,9 +146,12 @@ class Client:
         session_id: str | None = None,
         mode: str = "auto",
         timeout_s: float | None = None,
+        ignore_eos: bool = False,
     ) -> ChatStream:
         """Start a chat turn; iterate the returned stream for text deltas."""
-        req = build_request(messages, prompt, max_new_tokens, temperature, top_p, top_k, seed, session_id, mode)
+        req = build_request(
+            messages, prompt, max_new_tokens, temperature, top_p, top_k, seed, session_id, mode, ignore_eos
+        )
         return ChatStream(self._stub.Chat(req, timeout=timeout_s))
 
     def complete(self, messages: Sequence[Message] | None = None, **kw) -> ChatResult:
@@ -206,8 +211,11 @@ class AsyncClient:
         session_id: str | None = None,
         mode: str = "auto",
         timeout_s: float | None = None,
+        ignore_eos: bool = False,
     ) -> AsyncChatStream:
-        req = build_request(messages, prompt, max_new_tokens, temperature, top_p, top_k, seed, session_id, mode)
+        req = build_request(
+            messages, prompt, max_new_tokens, temperature, top_p, top_k, seed, session_id, mode, ignore_eos
+        )
         return AsyncChatStream(self._stub.Chat(req, timeout=timeout_s))
 
     async def complete(self, messages: Sequence[Message] | None = None, **kw) -> ChatResult:
