@@ -24,11 +24,23 @@ from pathlib import Path
 
 SHAPES = {
     # SmolLM2-135M-Instruct (the embedded default)
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+    ),
     # Llama-3-8B shapes (a typical cloud model)
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
 }
 
 
@@ -74,19 +86,34 @@ def main() -> None:
             for k in ks:
                 head = time_forward(models[k], ids, a.repeats)
                 nbytes = t * (shape["hidden_size"] + k * 2 * shape["num_key_value_heads"] * d) * 2
-                rows.append({"model": name, "prompt_tokens": t, "k": k, "L": shape["num_hidden_layers"],
-                             "head_ms": head, "full_ms": full, "head_share": head / full, "uplink_bytes": nbytes,
-                             "breakeven_mbps": nbytes * 8 / (head / 1e3) / 1e6})
+                rows.append(
+                    {
+                        "model": name,
+                        "prompt_tokens": t,
+                        "k": k,
+                        "L": shape["num_hidden_layers"],
+                        "head_ms": head,
+                        "full_ms": full,
+                        "head_share": head / full,
+                        "uplink_bytes": nbytes,
+                        "breakeven_mbps": nbytes * 8 / (head / 1e3) / 1e6,
+                    }
+                )
         del models
         torch.cuda.empty_cache()
     a.out.mkdir(parents=True, exist_ok=True)
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "dtype": "bfloat16"}
     (a.out / "gpu_prefill.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     cols = list(rows[0])
-    md = [f"GPU: {meta['gpu']}, torch {meta['torch']}, bf16, batch 1, PyTorch eager + SDPA", "",
-          "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    md += ["| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |"
-           for r in rows]
+    md = [
+        f"GPU: {meta['gpu']}, torch {meta['torch']}, bf16, batch 1, PyTorch eager + SDPA",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
+    md += [
+        "| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |" for r in rows
+    ]
     (a.out / "gpu_prefill.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

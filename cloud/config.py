@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,7 +21,7 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = 4096
     kv_cache_bytes: int = 1 << 30  # per engine
     enforce_eager: bool = True
-    dtype: str = "float32"
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = "float32"
 
 
 class CloudConfig(BaseModel):

@@ -127,7 +127,7 @@ class TandemConnector(KVConnectorBase_V1):
         # worker side
         self._load_errors: set[int] = set()
         self._save_buf: dict[tuple[bytes, LayerRange], np.ndarray] = {}
-        self._layout = None
+        self._layout: Any = None  # PagedLayout or CpuPackedLayout, chosen at the first cache seen
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -244,8 +244,9 @@ class TandemConnector(KVConnectorBase_V1):
             if getattr(layer, "kv_cache", None) is not None and _LAYER_RE.search(name)
         }
         for op, parts in meta.loads:
-            blocks = [self._read_part(op, p) for p in parts]
-            if any(b is None for b in blocks):
+            read = [self._read_part(op, p) for p in parts]
+            blocks = [b for b in read if b is not None]
+            if len(blocks) != len(parts):  # missing or malformed: vLLM recomputes this block
                 self._load_errors.add(op.block_id)
                 continue
             for name, layer in layers.items():

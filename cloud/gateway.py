@@ -160,6 +160,8 @@ class Gateway:
                     "load": [tail_range],
                     "save": tail_range,
                 }
+                if session.hidden is None:  # apply_to_session always sets it
+                    raise InvalidRequest("no activations for this turn")
                 tail = await self.engines.tail_prefill(
                     header.request_id, session.hidden, {"tandem": tail_params}, header.sampling
                 )

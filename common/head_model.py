@@ -15,6 +15,8 @@ export source and a torch reference for tests.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -22,10 +24,12 @@ from torch import nn
 class HeadAttention(nn.Module):
     """GQA self-attention with explicit past KV (post-RoPE keys)."""
 
-    def __init__(self, hf_attn: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, hf_attn: Any, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
-        self.q_proj, self.k_proj = hf_attn.q_proj, hf_attn.k_proj
-        self.v_proj, self.o_proj = hf_attn.v_proj, hf_attn.o_proj
+        self.q_proj: Any = hf_attn.q_proj
+        self.k_proj: Any = hf_attn.k_proj
+        self.v_proj: Any = hf_attn.v_proj
+        self.o_proj: Any = hf_attn.o_proj
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
 
@@ -59,7 +63,7 @@ class HeadAttention(nn.Module):
 class HeadLayer(nn.Module):
     """One pre-norm Llama decoder layer over the HF layer's weights."""
 
-    def __init__(self, hf_layer: nn.Module, cfg) -> None:
+    def __init__(self, hf_layer: Any, cfg) -> None:
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.input_layernorm = hf_layer.input_layernorm
@@ -91,7 +95,7 @@ class EdgeHead(nn.Module):
     callers discard.
     """
 
-    def __init__(self, hf_model: nn.Module, k: int) -> None:
+    def __init__(self, hf_model: Any, k: int) -> None:
         super().__init__()
         cfg = hf_model.config
         if not 1 <= k <= cfg.num_hidden_layers:
@@ -137,7 +141,7 @@ class EdgeFull(nn.Module):
     new token of each row (rows must not be right-padded), then ``present_*`` as ``EdgeHead``.
     """
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: Any) -> None:
         super().__init__()
         self.head = EdgeHead(hf_model, hf_model.config.num_hidden_layers)
         self.norm = hf_model.model.norm

@@ -20,7 +20,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -68,7 +68,7 @@ def convert_embedded_gguf(out: Path) -> Path:
     src = list(spec.submodule_search_locations)[0]
     console.print(f"[bold]model[/] de-quantising {GGUF_FILE} -> {out}")
     tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
     model.hf_quantizer = None  # weights are plain fp32 now; the GGUF quantizer blocks save_pretrained
     if hasattr(model.config, "quantization_config"):
         delattr(model.config, "quantization_config")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.wire import Codec, WireDtype
+from common.wire import Codec, WireDtype, pb_name
 from tandem.v1 import tandem_pb2 as pb
 
 
@@ -55,8 +55,8 @@ class LinkParams:
             params_version=self.params_version,
             split_layer=self.split_layer,
             chunk_tokens=self.chunk_tokens,
-            wire_dtype=int(self.wire_dtype),
-            codec=int(self.codec),
+            wire_dtype=pb_name(self.wire_dtype),
+            codec=pb_name(self.codec),
             codec_level=self.codec_level,
             kv_block_size_tokens=self.kv_block_size_tokens,
             inflight_window_chunks=self.inflight_window_chunks,

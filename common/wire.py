@@ -41,6 +41,11 @@ class Codec(enum.IntEnum):
     ZSTD = 2
 
 
+def pb_name(v: WireDtype | Codec) -> str:
+    """The ``tandem.v1`` enum value name (``WIRE_DTYPE_FP32``, ``CODEC_ZSTD``...) of a domain enum."""
+    return ("WIRE_DTYPE_" if isinstance(v, WireDtype) else "CODEC_") + v.name
+
+
 @dataclass(frozen=True)
 class Chunk:
     """One framed activation chunk (see module doc)."""

@@ -66,8 +66,9 @@ def build_request(
     modes = {"auto": pb.MODE_UNSPECIFIED, "split": pb.MODE_SPLIT, "direct": pb.MODE_DIRECT}
     if mode not in modes:
         raise ValueError(f"mode must be one of {sorted(modes)}")
-    sp = pb.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                           ignore_eos=ignore_eos)
+    sp = pb.SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos
+    )
     if seed is not None:
         sp.seed = seed
     return pb.ChatRequest(
