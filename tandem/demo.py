@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -117,8 +118,9 @@ def main() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     bindir = Path(sys.executable).parent
     procs: list[subprocess.Popen] = []
+    ok = False
     try:
-        print(f"tandem: cloud and edge on this machine (logs in {tmp})", file=sys.stderr)
+        print(f"tandem: cloud and edge on this machine (logs in {tmp}, removed on success)", file=sys.stderr)
         cloud = subprocess.Popen(
             [
                 bindir / "tandem-cloud",
@@ -176,6 +178,7 @@ def main() -> None:
             f"\nsplit answer vs plain vLLM on the same prompt: {same} tokens; "
             f"TTFT split/plain = {ratio:.2f}x (loopback, CPU)"
         )
+        ok = True
     finally:
         for p in reversed(procs):
             if p.poll() is None:
@@ -186,6 +189,10 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
         print("tandem: edge and cloud stopped", file=sys.stderr)
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)  # logs and KV store are kept only when something failed
+        else:
+            print(f"tandem: logs kept in {tmp}", file=sys.stderr)
 
 
 if __name__ == "__main__":
