@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from common import wire
+from common.errors import EngineError
 from common.messages import KVBlock, TurnHeader, chunk_to_pb
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -43,6 +44,7 @@ async def generate(
 
     Raises:
         grpc.aio.AioRpcError: the cloud ended the call with an error status.
+        EngineError: the cloud asked for a chunk or block this turn never sent.
     """
     queue: asyncio.Queue[pb.Uplink | None] = asyncio.Queue()
     attempts: dict[tuple[str, int], int] = {}
@@ -77,13 +79,17 @@ async def generate(
         async for d in call:
             kind = d.WhichOneof("msg")
             if kind == "nack":
+                if not 0 <= d.nack.seq < len(turn.chunks):
+                    raise EngineError(f"cloud NACKed chunk {d.nack.seq}; this turn sent {len(turn.chunks)}")
                 turn.resent_chunks += 1
                 send(pb.Uplink(chunk=chunk_to_pb(turn.chunks[d.nack.seq])), "activations", d.nack.seq)
             elif kind == "repair":
+                unknown = [j for j in d.repair.leaf_indices if j not in turn.blocks]
+                if unknown:
+                    raise EngineError(f"cloud asked to repair KV blocks {unknown[:8]} this turn did not send")
                 for j in d.repair.leaf_indices:
-                    if j in turn.blocks:
-                        turn.repaired_blocks += 1
-                        send(pb.Uplink(kv_block=turn.blocks[j].to_pb()), "kv", j)
+                    turn.repaired_blocks += 1
+                    send(pb.Uplink(kv_block=turn.blocks[j].to_pb()), "kv", j)
                 send_commit()
             else:
                 if kind == "upload_ack":
