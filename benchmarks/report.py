@@ -164,6 +164,46 @@ def plot_ttft(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _best_modes(loop: list[dict], modes: list[str], lens: list[int], net_ms) -> np.ndarray:
+    """Index of the lowest predicted TTFT per (grid point, prompt length).
+
+    ``net_ms(nbytes)`` gives the link time in ms for each grid point (shape ``[G, len(lens)]``);
+    edge-only pays none. Returns int ``[G, len(lens)]``.
+    """
+    grid_shape = np.shape(net_ms(np.zeros(len(lens))))
+    preds = []
+    for m in modes:
+        pts = sorted((r["prompt_tokens"], r["ttft_mean_ms"], r["uplink_bytes_mean"]) for r in loop if r["mode"] == m)
+        t, c, b = (np.array(x, float) for x in zip(*pts, strict=True))
+        comp, nbytes = np.interp(lens, t, c), np.interp(lens, t, b)
+        preds.append(np.broadcast_to(comp + (0.0 if m == "edge-only" else net_ms(nbytes)), grid_shape))
+    return np.argmin(np.stack(preds), axis=0)
+
+
+def _draw_map(
+    ax,
+    best: np.ndarray,
+    y_edges: np.ndarray,
+    lens: list[int],
+    cmap,
+    n_modes: int,
+    ylabel: str,
+    links: list[dict],
+    link_key: str,
+    title: str,
+) -> None:
+    ax.pcolormesh(np.arange(len(lens) + 1), y_edges, best, cmap=cmap, vmin=-0.5, vmax=n_modes - 0.5, shading="flat")
+    ax.set_yscale("log")
+    ax.set_xticks(np.arange(len(lens)) + 0.5, [str(x) for x in lens])
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel(ylabel)
+    for p in links:
+        if p.get(link_key):
+            ax.axhline(p[link_key], color="k", lw=0.6, ls=":")
+            ax.text(len(lens) - 0.05, p[link_key], p["name"], ha="right", va="bottom", fontsize=8)
+    ax.set_title(title)
+
+
 def plot_breakeven(rows: list[dict], path: Path, links: list[dict]) -> None:
     import matplotlib
 
@@ -176,61 +216,40 @@ def plot_breakeven(rows: list[dict], path: Path, links: list[dict]) -> None:
     if not loop or not modes:
         return
     lens = sorted({r["prompt_tokens"] for r in loop if r["mode"] == modes[0]})
-    edges = np.logspace(np.log10(0.5), np.log10(1000), 61)
-    rates = np.sqrt(edges[:-1] * edges[1:])
-    pred = np.full((len(modes), len(rates), len(lens)), np.inf)
-    for mi, m in enumerate(modes):
-        pts = sorted((r["prompt_tokens"], r["ttft_mean_ms"], r["uplink_bytes_mean"]) for r in loop if r["mode"] == m)
-        if not pts:
-            continue
-        t, c, b = (np.array(x, float) for x in zip(*pts, strict=True))
-        comp, nbytes = np.interp(lens, t, c), np.interp(lens, t, b)
-        for ri, rate in enumerate(rates):
-            net = 0.0 if m == "edge-only" else nbytes * 8 / (rate * 1e6) * 1e3 + MAP_RTT_MS
-            pred[mi, ri] = comp + net
-    best = pred.argmin(axis=0)
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     cmap = ListedColormap(plt.cm.tab10.colors[: len(modes)])
-    ax.pcolormesh(np.arange(len(lens) + 1), edges, best, cmap=cmap, vmin=-0.5, vmax=len(modes) - 0.5, shading="flat")
-    ax.set_yscale("log")
-    ax.set_xticks(np.arange(len(lens)) + 0.5, [str(x) for x in lens])
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("uplink rate (Mbit/s)")
-    for p in links:
-        if p.get("uplink_mbps"):
-            ax.axhline(p["uplink_mbps"], color="k", lw=0.6, ls=":")
-            ax.text(len(lens) - 0.05, p["uplink_mbps"], p["name"], ha="right", va="bottom", fontsize=8)
-    ax.set_title(f"rate x prompt length (RTT {MAP_RTT_MS:.0f} ms)")
-    # second panel: RTT x prompt length at a fixed rate
-    rtt_edges = np.logspace(0, np.log10(400), 61)
-    rtts = np.sqrt(rtt_edges[:-1] * rtt_edges[1:])
-    pred2 = np.full((len(modes), len(rtts), len(lens)), np.inf)
-    for mi, m in enumerate(modes):
-        pts = sorted((r["prompt_tokens"], r["ttft_mean_ms"], r["uplink_bytes_mean"]) for r in loop if r["mode"] == m)
-        if not pts:
-            continue
-        t, c, b = (np.array(x, float) for x in zip(*pts, strict=True))
-        comp, nbytes = np.interp(lens, t, c), np.interp(lens, t, b)
-        for ri, rtt in enumerate(rtts):
-            pred2[mi, ri] = comp + (0.0 if m == "edge-only" else nbytes * 8 / (MAP_RATE_MBPS * 1e6) * 1e3 + rtt)
-    ax2.pcolormesh(
-        np.arange(len(lens) + 1),
-        rtt_edges,
-        pred2.argmin(axis=0),
-        cmap=cmap,
-        vmin=-0.5,
-        vmax=len(modes) - 0.5,
-        shading="flat",
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    # left: uplink rate x prompt length at a fixed RTT
+    rate_edges = np.logspace(np.log10(0.5), np.log10(1000), 61)
+    rates = np.sqrt(rate_edges[:-1] * rate_edges[1:])[:, None]  # [G, 1] Mbit/s
+    best = _best_modes(loop, modes, lens, lambda nbytes: nbytes * 8 / (rates * 1e6) * 1e3 + MAP_RTT_MS)
+    _draw_map(
+        ax,
+        best,
+        rate_edges,
+        lens,
+        cmap,
+        len(modes),
+        "uplink rate (Mbit/s)",
+        links,
+        "uplink_mbps",
+        f"rate x prompt length (RTT {MAP_RTT_MS:.0f} ms)",
     )
-    ax2.set_yscale("log")
-    ax2.set_xticks(np.arange(len(lens)) + 0.5, [str(x) for x in lens])
-    ax2.set_xlabel("prompt length (tokens)")
-    ax2.set_ylabel("RTT (ms)")
-    for p in links:
-        if p.get("rtt_ms"):
-            ax2.axhline(p["rtt_ms"], color="k", lw=0.6, ls=":")
-            ax2.text(len(lens) - 0.05, p["rtt_ms"], p["name"], ha="right", va="bottom", fontsize=8)
-    ax2.set_title(f"RTT x prompt length (uplink {MAP_RATE_MBPS:.0f} Mbit/s)")
+    # right: RTT x prompt length at a fixed rate
+    rtt_edges = np.logspace(0, np.log10(400), 61)
+    rtts = np.sqrt(rtt_edges[:-1] * rtt_edges[1:])[:, None]  # [G, 1] ms
+    best = _best_modes(loop, modes, lens, lambda nbytes: nbytes * 8 / (MAP_RATE_MBPS * 1e6) * 1e3 + rtts)
+    _draw_map(
+        ax2,
+        best,
+        rtt_edges,
+        lens,
+        cmap,
+        len(modes),
+        "RTT (ms)",
+        links,
+        "rtt_ms",
+        f"RTT x prompt length (uplink {MAP_RATE_MBPS:.0f} Mbit/s)",
+    )
     handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(i)) for i in range(len(modes))]
     ax.legend(handles, modes, loc="upper left", fontsize=8, title="lowest TTFT")
     fig.suptitle("Break-even maps, derived from measured loopback compute time and bytes per request")
