@@ -26,6 +26,7 @@ import numpy as np
 import typer
 
 from benchmarks.workload import make_prompts
+from common.chat import prompt_token_ids
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -118,10 +119,7 @@ def main(
     from vllm.v1.engine.async_llm import AsyncLLM
 
     tok = AutoTokenizer.from_pretrained(model)
-    prompts = []
-    for p in make_prompts(tok, prompt_tokens, requests, seed=1):
-        ids = tok.apply_chat_template(p.as_messages(), add_generation_prompt=True, tokenize=True, return_dict=False)
-        prompts.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+    prompts = [prompt_token_ids(tok, p.as_messages()) for p in make_prompts(tok, prompt_tokens, requests, seed=1)]
     rows = []
     for n in tqdm([int(x) for x in max_num_seqs.split(",")], desc="max_num_seqs", unit="engine"):
         engine = AsyncLLM.from_engine_args(

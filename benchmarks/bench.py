@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ import typer
 
 from benchmarks import links as linkmod
 from benchmarks.workload import BenchPrompt, make_prompts
+from common.chat import prompt_token_ids
+from tandem.daemons import Daemon, Daemons, cloud_command, edge_command
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -55,111 +56,55 @@ class Stack:
 
     def __init__(self, split_dir: Path, shaper: str, workdir: Path, max_num_seqs: int) -> None:
         self.split_dir, self.shaper, self.workdir, self.max_num_seqs = split_dir, shaper, workdir, max_num_seqs
-        self.procs: list[subprocess.Popen] = []
+        self.daemons = Daemons()
+        self.proxy: Daemon | None = None
         self.ns = None
-
-    def _spawn(self, cmd: list[str], log: str, **kw) -> subprocess.Popen:
-        p = subprocess.Popen(
-            cmd,
-            stdout=open(self.workdir / log, "w"),
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            **kw,
-        )
-        self.procs.append(p)
-        return p
 
     def start(self) -> int:
         """Start everything; returns the edge's port."""
-        from tandem.demo import wait_ready
-
-        bindir = Path(sys.executable).parent
-        tag = self.split_dir.name
-        ready = self.workdir / f"cloud-{tag}.port"
-        prefix, host, upstream_host = [], "127.0.0.1", "127.0.0.1"
+        tag, w = self.split_dir.name, self.workdir
+        prefix: list[str] = []
+        host, upstream_host = "127.0.0.1", "127.0.0.1"
         if self.shaper == "netns":
             from benchmarks.netns import CloudNamespace
 
             self.ns = CloudNamespace.create()
             prefix, host, upstream_host = self.ns.exec_prefix(), "0.0.0.0", self.ns.cloud_ip
-        cloud = self._spawn(
-            prefix
-            + [
-                str(bindir / "tandem-cloud"),
-                "--split-dir",
-                str(self.split_dir),
-                "--host",
-                host,
-                "--port",
-                "0",
-                "--store-dir",
-                str(self.workdir / f"kv-{tag}"),
-                "--max-num-seqs",
-                str(self.max_num_seqs),
-                "--ready-file",
-                str(ready),
-            ],
-            f"cloud-{tag}.log",
+        extra = ["--max-num-seqs", str(self.max_num_seqs)]
+        cloud = self.daemons.spawn(
+            f"tandem-cloud {tag}",
+            [*prefix, *cloud_command(self.split_dir, w / f"kv-{tag}", host=host, extra=extra)],
+            w / f"cloud-{tag}.log",
+            w / f"cloud-{tag}.port",
         )
-        cport = wait_ready(cloud, ready, f"tandem-cloud {tag}", 600)
-        self.proxy = self._spawn(
-            [
-                sys.executable,
-                "-m",
-                "benchmarks.linkproxy",
-                "0",
-                f"{upstream_host}:{cport}",
-                "no-rate" if self.shaper == "netns" else "rate",
-            ],
-            f"proxy-{tag}.log",
+        cport = cloud.wait_ready(600)
+        self.proxy = self.daemons.spawn(
+            f"link proxy {tag}",
+            [sys.executable, "-m", "benchmarks.linkproxy", "0", f"{upstream_host}:{cport}"]
+            + ["no-rate" if self.shaper == "netns" else "rate"],
+            w / f"proxy-{tag}.log",
+            w / f"proxy-{tag}.port",
             stdin=subprocess.PIPE,
         )
-        pport = self._wait_proxy_port(tag)
-        edge_ready = self.workdir / f"edge-{tag}.port"
-        edge = self._spawn(
-            [
-                str(bindir / "tandem-edge"),
-                "--split-dir",
-                str(self.split_dir),
-                "--cloud",
-                f"127.0.0.1:{pport}",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--ready-file",
-                str(edge_ready),
-            ],
-            f"edge-{tag}.log",
+        pport = self.proxy.wait_ready(30, poll_s=0.05)
+        edge = self.daemons.spawn(
+            f"tandem-edge {tag}",
+            edge_command(self.split_dir, f"127.0.0.1:{pport}"),
+            w / f"edge-{tag}.log",
+            w / f"edge-{tag}.port",
         )
-        return wait_ready(edge, edge_ready, f"tandem-edge {tag}", 300)
-
-    def _wait_proxy_port(self, tag: str) -> int:
-        log = self.workdir / f"proxy-{tag}.log"
-        for _ in range(200):
-            text = log.read_text().strip() if log.exists() else ""
-            if text.splitlines() and text.splitlines()[0].isdigit():
-                return int(text.splitlines()[0])
-            time.sleep(0.05)
-        raise RuntimeError(f"link proxy did not start; see {log}")
+        return edge.wait_ready(300)
 
     def set_link(self, p: linkmod.LinkProfile) -> None:
-        assert self.proxy.stdin is not None
-        self.proxy.stdin.write((json.dumps(p.as_dict()) + "\n").encode())
-        self.proxy.stdin.flush()
+        assert self.proxy is not None and self.proxy.proc.stdin is not None
+        self.proxy.proc.stdin.write((json.dumps(p.as_dict()) + "\n").encode())
+        self.proxy.proc.stdin.flush()
         if self.ns is not None:
             self.ns.shape(p)
         time.sleep(0.2)
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in reversed(self.procs):
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        self.daemons.stop()
         if self.ns is not None:
             self.ns.destroy()
 
@@ -223,10 +168,7 @@ def run_edge_only(
     """The whole model in ONNX Runtime on this machine, one request at a time (an edge box)."""
     records = []
     for p in prompts:
-        ids = tokenizer.apply_chat_template(
-            p.as_messages(), add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        ids = prompt_token_ids(tokenizer, p.as_messages())
         t0 = time.perf_counter()
         times = [s.t_s for s in gen.generate(ids, max_new_tokens, None)]  # ignore EOS, as the remote modes
         t1 = time.perf_counter()

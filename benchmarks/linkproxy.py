@@ -11,18 +11,21 @@ connections of that direction, like one bottleneck link), and arrives one-way
 delay + |N(0, jitter)| later, never before the previous arrival (TCP is in order).
 With probability ``1-(1-p)^segments`` the read also waits one extra RTT.
 
-Run as a process: ``python -m benchmarks.linkproxy LISTEN_PORT UPSTREAM_HOST:PORT``;
-it prints its port, then reads JSON ``LinkProfile`` lines on stdin and answers ``ok``.
+Run as a process: ``python -m benchmarks.linkproxy LISTEN_PORT UPSTREAM_HOST:PORT [rate|no-rate]
+[--ready-file PATH]``; it prints its port (and writes it to the ready file, as the tandem
+daemons do), then reads JSON ``LinkProfile`` lines on stdin and answers ``ok``.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from benchmarks.links import PROFILES, LinkProfile
 
@@ -109,14 +112,23 @@ async def _control(proxy: LinkProxy) -> None:
         print("ok", flush=True)
 
 
-async def main(listen_port: int, upstream: str, shape_rate: bool) -> None:
+async def main(listen_port: int, upstream: str, shape_rate: bool, ready_file: Path | None = None) -> None:
     host, port = upstream.rsplit(":", 1)
     proxy = LinkProxy(host, int(port), shape_rate)
     server = await asyncio.start_server(proxy.handle, "127.0.0.1", listen_port)
-    print(server.sockets[0].getsockname()[1], flush=True)
+    bound = server.sockets[0].getsockname()[1]
+    print(bound, flush=True)
+    if ready_file is not None:
+        ready_file.write_text(str(bound))
     async with server:
         await _control(proxy)
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3] != "no-rate" if len(sys.argv) > 3 else True))
+    ap = argparse.ArgumentParser(description="link-emulating TCP proxy")
+    ap.add_argument("listen_port", type=int)
+    ap.add_argument("upstream", help="HOST:PORT")
+    ap.add_argument("rate", nargs="?", default="rate", choices=["rate", "no-rate"], help="shape rates here or not")
+    ap.add_argument("--ready-file", type=Path)
+    a = ap.parse_args()
+    asyncio.run(main(a.listen_port, a.upstream, a.rate == "rate", a.ready_file))

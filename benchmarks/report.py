@@ -17,14 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-STAGES = [
-    "edge_head_ms",
-    "encode_ms",
-    "uplink_ms",
-    "cloud_store_put_ms",
-    "cloud_tail_prefill_ms",
-    "cloud_decode_first_token_ms",
-]
+from tandem.stages import TTFT_STAGES, Stage
+
+STAGES = (*TTFT_STAGES, Stage.CLOUD_DECODE)  # mean of each per summary row, keyed by its wire name
 MAP_RTT_MS = 30.0
 MAP_RATE_MBPS = 40.0
 
@@ -69,7 +64,7 @@ def summarize(records) -> list[dict]:
         }
         for st in STAGES:
             vals = [r.timings_ms[st] for r in rs if st in r.timings_ms]
-            row[st] = float(np.mean(vals)) if vals else float("nan")
+            row[st.value] = float(np.mean(vals)) if vals else float("nan")
         rows.append(row)
     return rows
 
@@ -90,10 +85,10 @@ def to_markdown(rows: list[dict]) -> str:
         ("bytes_per_prompt_token", "B/prompt tok"),
         ("kv_bytes_per_prompt_token", "KV B/tok"),
         ("activation_bytes_per_prompt_token", "act B/tok"),
-        ("edge_head_ms", "head ms"),
-        ("uplink_ms", "uplink ms"),
-        ("cloud_tail_prefill_ms", "tail ms"),
-        ("cloud_decode_first_token_ms", "handoff+1st ms"),
+        (Stage.EDGE_HEAD, "head ms"),
+        (Stage.UPLINK, "uplink ms"),
+        (Stage.CLOUD_TAIL_PREFILL, "tail ms"),
+        (Stage.CLOUD_DECODE_FIRST_TOKEN, "handoff+1st ms"),
     ]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from common.chat import prompt_token_ids
+
 WORDS = (
     "network model layer token cache block edge cloud latency request batch stream river mountain city "
     "history science music garden kitchen travel weather market energy health language school water "
@@ -41,10 +43,7 @@ def make_prompts(tokenizer, target_tokens: int, count: int, seed: int = 0) -> li
         words: list[str] = []
         while True:
             text = task + " " + " ".join(words)
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            n = len(ids["input_ids"] if isinstance(ids, dict) else ids)
+            n = len(prompt_token_ids(tokenizer, [{"role": "user", "content": text}]))
             if n >= target_tokens or len(words) > 4 * target_tokens:
                 break
             words.extend(rng.choice(WORDS) for _ in range(max(1, (target_tokens - n) // 2)))

@@ -4,35 +4,49 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from cloud.config import CloudConfig, EngineConfig
+from common.grpcsetup import install_stop_signals
 
 app = typer.Typer(add_completion=False, help="tandem cloud: gRPC gateway + vLLM engines.")
 
 
-async def serve(cfg: CloudConfig, ready_file: Path | None = None) -> None:
-    """Start engines and server; run until SIGINT/SIGTERM; stop with a grace period."""
-    from cloud.engines import VllmEngines
-    from cloud.server import create_server
+async def serve(cfg: CloudConfig, ready_file: Path | None = None, grace_s: float = 5.0) -> int:
+    """Start engines and server; run until SIGINT/SIGTERM or until the engines cannot be restarted.
 
+    Stopping: health NOT_SERVING, ``server.stop(grace_s)`` (calls in flight may finish), then
+    the engines shut down (SIGTERM to their processes, SIGKILL only if they hang). Returns the
+    exit code: 0 after a signal, 1 when the supervisor gave up restarting a dead engine.
+    """
+    from cloud.engines import VllmEngines
+    from cloud.server import create_cloud
+
+    log = logging.getLogger("tandem.cloud")
     engines = VllmEngines(cfg)
     engines.start()
-    server, port, _ = await create_server(cfg, engines)
-    logging.getLogger("tandem.cloud").info("tandem-cloud serving on %s:%d", cfg.host, port)
-    if ready_file:
-        ready_file.write_text(str(port))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(grace=5)
-    engines.shutdown()
+    try:
+        cloud = await create_cloud(cfg, engines)
+        log.info("tandem-cloud serving on %s:%d", cfg.host, cloud.port)
+        if ready_file:
+            ready_file.write_text(str(cloud.port))
+        stop = install_stop_signals(asyncio.get_running_loop())
+        waits = [asyncio.create_task(stop.wait())]
+        if cloud.supervisor is not None:
+            waits.append(asyncio.create_task(cloud.supervisor.gave_up.wait()))
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        gave_up = cloud.supervisor is not None and cloud.supervisor.gave_up.is_set()
+        log.info("tandem-cloud stopping (%s)", "engines cannot be restarted" if gave_up else "signal")
+        await cloud.stop(grace_s)
+    finally:
+        await asyncio.to_thread(engines.shutdown)
+    log.info("tandem-cloud stopped")
+    return 1 if gave_up else 0
 
 
 @app.command()
@@ -58,7 +72,9 @@ def main(
         store_bytes=store_bytes,
         engine=EngineConfig(max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes),
     )
-    asyncio.run(serve(cfg, ready_file))
+    code = asyncio.run(serve(cfg, ready_file))
+    if code:
+        raise typer.Exit(code)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,12 @@ class CloudConfig(BaseModel):
     max_new_tokens: int = 512
     max_chunk_resends: int = 3
     max_repair_rounds: int = 3  # commits answered with a repair request before DATA_LOSS
-    upload_timeout_s: float = 30.0  # header to verified upload, while the session is locked
+    upload_timeout_s: float = 30.0  # header to verified upload (the session is not locked meanwhile)
+    max_uploads: int = 64  # split uploads in flight, all edges
+    max_upload_bytes: int = 1 << 30  # bytes those uploads may buffer (reserved at the header), all edges
+    max_uploads_per_peer: int = 16  # the same, per edge
+    max_upload_bytes_per_peer: int = 256 << 20
+    drain_timeout_s: float = 2.0  # after refusing a turn, wait this long for the edge to stop sending
     max_abs_activation: float = 1e5  # |h_k| and |KV| bound; real SmolLM2 values stay under 1e3
     max_sessions: int = 256
     session_bytes: int = 1 << 30  # activations kept for multi-turn sessions, all sessions together

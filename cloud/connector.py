@@ -11,12 +11,11 @@ serves both cloud engines:
   the block-aligned prompt prefix (head part from the edge, tail part from the
   tail engine) and lets vLLM compute the partial last block and decode.
 
-Per request the gateway passes, in ``SamplingParams.extra_args["kv_transfer_params"]``::
-
-    {"tandem": {"block_hashes": [hex, ...],        # chained hashes of the prompt's full blocks
-                "load": [[lo, hi], ...],           # global layer ranges that must all be present
-                "save": [lo, hi] | None}}          # global layer range this engine writes
-
+Per request the gateway passes a ``common.kvparams.KVTransferSpec`` in
+``SamplingParams.extra_args["kv_transfer_params"]`` (``spec.to_vllm()``): the parts
+(layer range + one content key per block) that must all be stored for a block to
+load, and the part this engine saves. Keys commit to the inputs the KV was computed
+from, so a stored block is only ever loaded for the same inputs.
 Requests without ``"tandem"`` params run as plain vLLM requests (no load, no save).
 
 Who calls what (vLLM v1): the *scheduler-side* instance (EngineCore process)
@@ -47,7 +46,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from cloud.kv_layout import layout_for
-from common.kvblocks import LayerRange, block_nbytes, store_key
+from common.kvblocks import LayerRange, block_nbytes
+from common.kvparams import KVTransferSpec
 from common.kvstore import DiskBlockStore
 
 if TYPE_CHECKING:
@@ -63,51 +63,34 @@ _LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
-class BlockOp:
-    """Move one block: vLLM block ``block_id`` <-> store entries of ``block_hash``."""
+class PartOp:
+    """One block's entry of one layer range: ``key`` in the store."""
 
-    block_id: int
-    block_hash: bytes
+    part: LayerRange
+    key: str
 
 
 @dataclass
 class TandemMetadata(KVConnectorMetadata):
-    """One step's work for the worker side; built by the scheduler side."""
+    """One step's work for the worker side; built by the scheduler side.
+    ``loads``: (vLLM block id, every part of it to write into the paged cache);
+    ``saves``: (vLLM block id, the part to read out and store)."""
 
-    loads: list[tuple[BlockOp, tuple[LayerRange, ...]]] = field(default_factory=list)
-    saves: list[tuple[BlockOp, LayerRange]] = field(default_factory=list)
+    loads: list[tuple[int, tuple[PartOp, ...]]] = field(default_factory=list)
+    saves: list[tuple[int, PartOp]] = field(default_factory=list)
 
 
 @dataclass
 class _ReqState:
     """Scheduler-side state of one request with tandem params."""
 
-    hashes: list[bytes]
-    load: tuple[LayerRange, ...]
-    save: LayerRange | None
+    spec: KVTransferSpec
     num_prompt_tokens: int
     block_ids: list[int] = field(default_factory=list)
     external_tokens: int = 0
     local_hit_tokens: int = 0
     load_pending: bool = False
     saved_blocks: int = 0  # blocks [0, saved_blocks) are saved or known present
-
-
-def parse_params(params: dict[str, Any] | None, block_size: int) -> tuple[list[bytes], tuple, Any] | None:
-    """Validate a request's ``kv_transfer_params["tandem"]``; None when absent.
-
-    Raises:
-        ValueError: malformed params (wrong types, bad hex, empty or inverted ranges).
-    """
-    if not params or "tandem" not in params:
-        return None
-    p = params["tandem"]
-    hashes = [bytes.fromhex(h) for h in p.get("block_hashes", [])]
-    if any(len(h) != 32 for h in hashes):
-        raise ValueError("tandem block_hashes must be 32-byte hex digests")
-    load = tuple(LayerRange(int(lo), int(hi)) for lo, hi in p.get("load", []))
-    save = None if p.get("save") is None else LayerRange(int(p["save"][0]), int(p["save"][1]))
-    return hashes, load, save
 
 
 class TandemConnector(KVConnectorBase_V1):
@@ -126,26 +109,28 @@ class TandemConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _ReqState] = {}
         # worker side
         self._load_errors: set[int] = set()
-        self._save_buf: dict[tuple[bytes, LayerRange], np.ndarray] = {}
+        self._save_buf: dict[str, np.ndarray] = {}  # store key -> staged block
         self._layout: Any = None  # PagedLayout or CpuPackedLayout, chosen at the first cache seen
+        from cloud import lifeline  # exits this engine process when the gateway dies
+
+        lifeline.watch_parent(extra.get("gateway_pid"))
 
     # ------------------------------------------------------------------ scheduler side
 
     def _state(self, request: Request) -> _ReqState | None:
         st = self._reqs.get(request.request_id)
         if st is None:
-            parsed = parse_params(request.kv_transfer_params, self.block_size)
-            if parsed is None:
+            spec = KVTransferSpec.from_vllm(request.kv_transfer_params)
+            if spec is None:
                 return None
-            hashes, load, save = parsed
-            st = _ReqState(hashes, load, save, request.num_prompt_tokens)
+            st = _ReqState(spec, request.num_prompt_tokens)
             self._reqs[request.request_id] = st
         return st
 
-    def _present_blocks(self, st: _ReqState, start: int, parts: tuple[LayerRange, ...]) -> int:
-        """Number of consecutive blocks from ``start`` whose entries for all ``parts`` are stored."""
-        n = start
-        while n < len(st.hashes) and all(self.store.contains(store_key(st.hashes[n], p)) for p in parts):
+    def _present_blocks(self, st: _ReqState, start: int) -> int:
+        """Number of consecutive blocks from ``start`` whose entries for all load parts are stored."""
+        n, parts = start, st.spec.loads
+        while n < st.spec.num_blocks and all(self.store.contains(p.store_key(n)) for p in parts):
             n += 1
         return n - start
 
@@ -153,11 +138,11 @@ class TandemConnector(KVConnectorBase_V1):
         """Tokens loadable from the store past ``num_computed_tokens``: whole blocks, and never
         the last prompt token (vLLM must compute at least one token to sample)."""
         st = self._state(request)
-        if st is None or not st.load or num_computed_tokens % self.block_size:
+        if st is None or not st.spec.loads or num_computed_tokens % self.block_size:
             return 0, False
         first = num_computed_tokens // self.block_size
         cap_blocks = (st.num_prompt_tokens - 1) // self.block_size
-        n = min(self._present_blocks(st, first, st.load), max(0, cap_blocks - first))
+        n = min(self._present_blocks(st, first), max(0, cap_blocks - first))
         return n * self.block_size, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
@@ -196,16 +181,18 @@ class TandemConnector(KVConnectorBase_V1):
         if st.load_pending:
             first = st.local_hit_tokens // bs
             for j in range(first, first + st.external_tokens // bs):
-                meta.loads.append((BlockOp(st.block_ids[j], st.hashes[j]), st.load))
+                meta.loads.append((st.block_ids[j], tuple(PartOp(p.layers, p.store_key(j)) for p in st.spec.loads)))
             st.load_pending = False
             st.saved_blocks = max(st.saved_blocks, first + st.external_tokens // bs)  # loaded: already stored
-        if st.save is None:
+        save = st.spec.save
+        if save is None:
             return
         done = min(num_computed + so.num_scheduled_tokens.get(req_id, 0), st.num_prompt_tokens)
-        full = min(done // bs, len(st.hashes), len(st.block_ids))
+        full = min(done // bs, len(save.keys), len(st.block_ids))
         for j in range(st.saved_blocks, full):
-            if not self.store.contains(store_key(st.hashes[j], st.save)):
-                meta.saves.append((BlockOp(st.block_ids[j], st.hashes[j]), st.save))
+            key = save.store_key(j)
+            if not self.store.contains(key):  # keys commit to the inputs: a present entry is this KV
+                meta.saves.append((st.block_ids[j], PartOp(save.layers, key)))
         st.saved_blocks = max(st.saved_blocks, full)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -223,9 +210,10 @@ class TandemConnector(KVConnectorBase_V1):
             raise ValueError(f"cannot find a layer index in {layer_name!r}")
         return int(m.group(1)) + self.layer_offset
 
-    def _read_part(self, op: BlockOp, part: LayerRange) -> np.ndarray | None:
-        """Canonical block ``[Lp, 2, Hkv, B, D]`` of ``part``, or None when missing or malformed."""
-        raw = self.store.get(store_key(op.block_hash, part))
+    def _read_part(self, op: PartOp) -> np.ndarray | None:
+        """Canonical block ``[Lp, 2, Hkv, B, D]`` of ``op.part``, or None when missing or malformed."""
+        part = op.part
+        raw = self.store.get(op.key)
         want = block_nbytes(part, self.num_kv_heads, self.block_size, self.head_dim)
         if raw is None or len(raw) != want:
             return None
@@ -243,22 +231,22 @@ class TandemConnector(KVConnectorBase_V1):
             for name, layer in forward_context.no_compile_layers.items()
             if getattr(layer, "kv_cache", None) is not None and _LAYER_RE.search(name)
         }
-        for op, parts in meta.loads:
-            read = [self._read_part(op, p) for p in parts]
+        for block_id, ops in meta.loads:
+            read = [self._read_part(op) for op in ops]
             blocks = [b for b in read if b is not None]
-            if len(blocks) != len(parts):  # missing or malformed: vLLM recomputes this block
-                self._load_errors.add(op.block_id)
+            if len(blocks) != len(ops):  # missing or malformed: vLLM recomputes this block
+                self._load_errors.add(block_id)
                 continue
             for name, layer in layers.items():
                 g = self._global_layer(name)
-                for part, data in zip(parts, blocks, strict=True):
-                    if part.lo <= g < part.hi:
+                for op, data in zip(ops, blocks, strict=True):
+                    if op.part.lo <= g < op.part.hi:
                         self._layout_of(layer.kv_cache).write_block(
-                            layer.kv_cache, op.block_id, torch.from_numpy(data[g - part.lo])
+                            layer.kv_cache, block_id, torch.from_numpy(data[g - op.part.lo])
                         )
                         break
                 else:
-                    self._load_errors.add(op.block_id)
+                    self._load_errors.add(block_id)
 
     def _layout_of(self, cache: torch.Tensor):
         if self._layout is None:
@@ -274,19 +262,20 @@ class TandemConnector(KVConnectorBase_V1):
         if not isinstance(meta, TandemMetadata) or not meta.saves:
             return
         g = self._global_layer(layer_name)
-        for op, part in meta.saves:
+        for block_id, op in meta.saves:
+            part = op.part
             if not part.lo <= g < part.hi:
                 continue
-            buf = self._save_buf.get((op.block_hash, part))
+            buf = self._save_buf.get(op.key)
             if buf is None:
                 buf = np.empty((part.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim), np.float32)
-                self._save_buf[(op.block_hash, part)] = buf
-            buf[g - part.lo] = self._layout_of(kv_layer).read_block(kv_layer, op.block_id).numpy()
+                self._save_buf[op.key] = buf
+            buf[g - part.lo] = self._layout_of(kv_layer).read_block(kv_layer, block_id).numpy()
 
     def wait_for_save(self) -> None:
         """Write the staged blocks to the store (synchronously)."""
-        for (block_hash, part), buf in self._save_buf.items():
-            self.store.put(store_key(block_hash, part), buf.tobytes())
+        for key, buf in self._save_buf.items():
+            self.store.put(key, buf.tobytes())
         self._save_buf.clear()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -11,10 +11,20 @@ Both run with prefix caching off: the block store is the one source of reused
 KV, so a plain request (no tandem params) on the decode engine is plain vLLM.
 Who calls: the gateway, once per request per engine. Engines must be started
 inside a ``if __name__ == "__main__"`` program (vLLM spawns processes).
+
+Engine death (``kill -9`` of an EngineCore, an OOM kill, a crash): vLLM's client notices
+the process exit (a sentinel monitor thread) and marks the ``AsyncLLM`` ``errored``; its
+requests then raise ``EngineDeadError``. Here every failure of an errored engine becomes
+``EngineError`` (gRPC UNAVAILABLE: retry elsewhere or later), never INTERNAL, and
+``cloud.supervisor`` restarts the dead engine through :meth:`VllmEngines.restart`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,8 +35,11 @@ import numpy as np
 
 from cloud.config import CloudConfig
 from common.errors import EngineError
+from common.kvparams import KVTransferSpec
 from common.manifest import SplitManifest
 from common.params import Sampling
+
+log = logging.getLogger("tandem.engines")
 
 
 @dataclass(frozen=True)
@@ -62,11 +75,11 @@ class EngineBackend(Protocol):
     """
 
     async def tail_prefill(
-        self, request_id: str, hidden: np.ndarray, kv_params: dict[str, Any], sampling: Sampling
+        self, request_id: str, hidden: np.ndarray, kv: KVTransferSpec, sampling: Sampling
     ) -> TailResult: ...
 
     def decode(
-        self, request_id: str, token_ids: list[int], kv_params: dict[str, Any] | None, sampling: Sampling
+        self, request_id: str, token_ids: list[int], kv: KVTransferSpec | None, sampling: Sampling
     ) -> AsyncIterator[DecodeStep]: ...
 
 
@@ -80,6 +93,8 @@ def _kv_transfer(cfg: CloudConfig, role: str, layer_offset: int) -> dict[str, An
             "store_dir": str(cfg.store_dir),
             "store_bytes": cfg.store_bytes,
             "layer_offset": layer_offset,
+            # the connector's lifeline exits the engine processes when this process dies
+            "gateway_pid": os.getpid(),
         },
     }
 
@@ -107,7 +122,7 @@ def _engine(model: Path, cfg: CloudConfig, role: str, layer_offset: int, prompt_
     return AsyncLLM.from_engine_args(args)
 
 
-def to_vllm_sampling(s: Sampling, max_tokens: int | None = None, kv_params: dict | None = None):
+def to_vllm_sampling(s: Sampling, max_tokens: int | None = None, kv: KVTransferSpec | None = None):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -120,45 +135,146 @@ def to_vllm_sampling(s: Sampling, max_tokens: int | None = None, kv_params: dict
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         output_kind=RequestOutputKind.DELTA,
-        extra_args={"kv_transfer_params": kv_params} if kv_params else None,
+        extra_args={"kv_transfer_params": kv.to_vllm()} if kv is not None else None,
     )
 
 
+def _is_engine_death(err: BaseException, engine: Any) -> bool:
+    """Whether ``err`` (raised by ``engine.generate``) means the engine is dead rather than one
+    request failing: vLLM's ``EngineDeadError``, or any error while the engine is ``errored``."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(err, EngineDeadError) or bool(getattr(engine, "errored", False))
+
+
 class VllmEngines:
-    """Real engines (``EngineBackend``) on the manifest's tail and full checkpoints."""
+    """Real engines (``EngineBackend``) on the manifest's tail and full checkpoints.
+
+    Liveness for ``cloud.supervisor``: :meth:`is_alive`, :meth:`restart` and :attr:`closed`.
+    """
+
+    ROLES = ("tail", "decode")
 
     def __init__(self, cfg: CloudConfig) -> None:
         self.cfg = cfg
         self.manifest = SplitManifest.load(cfg.split_dir)
         self.tail_engine: Any = None
         self.decode_engine: Any = None
+        self._restarting = False
+        self._closed = False
+        self._lock = threading.Lock()  # _closed and the engine slots, against a restart thread
+
+    def _new_engine(self, role: str) -> Any:
+        """Start one engine (blocking, about 20-60 s on CPU)."""
+        m, d = self.manifest, self.cfg.split_dir
+        if role == "tail":
+            return _engine(m.resolve(d, m.tail_checkpoint), self.cfg, "kv_both", m.split_layer, True)
+        return _engine(m.resolve(d, m.full_checkpoint), self.cfg, "kv_consumer", 0, False)
+
+    def _get(self, role: str) -> Any:
+        return self.tail_engine if role == "tail" else self.decode_engine
+
+    def _set(self, role: str, engine: Any) -> None:
+        if role == "tail":
+            self.tail_engine = engine
+        else:
+            self.decode_engine = engine
 
     def start(self) -> None:
-        """Start both engines (about 20-30 s each on CPU)."""
-        m, d = self.manifest, self.cfg.split_dir
-        self.tail_engine = _engine(m.resolve(d, m.tail_checkpoint), self.cfg, "kv_both", m.split_layer, True)
-        self.decode_engine = _engine(m.resolve(d, m.full_checkpoint), self.cfg, "kv_consumer", 0, False)
+        """Start both engines (about 20-30 s each on CPU). Blocking."""
+        self._closed = False
+        for role in self.ROLES:
+            self._set(role, self._new_engine(role))
 
-    def shutdown(self) -> None:
-        for e in (self.tail_engine, self.decode_engine):
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`shutdown` was called: the engines are down on purpose."""
+        return self._closed
+
+    def is_alive(self) -> bool:
+        """Both engines started, not restarting, and not ``errored`` (vLLM's ``AsyncLLM.errored``:
+        its EngineCore process died or its output handler failed)."""
+        return not self._restarting and all((e := self._get(r)) is not None and not e.errored for r in self.ROLES)
+
+    async def restart(self) -> None:
+        """Shut down the dead engine(s) and start fresh ones; a live engine keeps running.
+
+        Engine start blocks for tens of seconds, so it runs in a worker thread and the event
+        loop keeps serving (health checks, refusals). ``AsyncLLM`` built off the loop starts
+        its output handler lazily on the first request, on the loop. Requests meanwhile fail
+        at once with ``EngineError("engines restarting")``.
+
+        Raises:
+            EngineError: :meth:`shutdown` was called meanwhile.
+            Exception: an engine failed to start (the caller may retry).
+        """
+        self._restarting = True
+        try:
+            for role in self.ROLES:
+                old = self._get(role)
+                if old is not None and not old.errored:
+                    continue
+                self._set(role, None)
+                if old is not None:
+                    log.warning("shutting down the dead %s engine", role)
+                    await asyncio.to_thread(old.shutdown, 10.0)
+                log.warning("starting a new %s engine", role)
+                await asyncio.to_thread(self._replace, role)
+                log.warning("the %s engine is running again", role)
+        finally:
+            self._restarting = False
+
+    def _replace(self, role: str) -> None:
+        """Start an engine for ``role`` and install it (worker thread). The thread, not the
+        awaiting coroutine, installs it or shuts it down, so a cancelled restart leaks nothing."""
+        if self._closed:
+            raise EngineError("engines were shut down during a restart")
+        new = self._new_engine(role)
+        with self._lock:
+            if not self._closed:
+                self._set(role, new)
+                return
+        new.shutdown(10.0)
+        raise EngineError("engines were shut down during a restart")
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop both engines: SIGTERM to each EngineCore, SIGKILL after ``timeout_s`` (blocking)."""
+        with self._lock:
+            self._closed = True
+            engines = [self._get(r) for r in self.ROLES]
+            for role in self.ROLES:
+                self._set(role, None)
+        for e in engines:
             if e is not None:
-                e.shutdown()
-        self.tail_engine = self.decode_engine = None
+                e.shutdown(timeout_s)
+
+    def _engine_for(self, role: str) -> Any:
+        """The engine of ``role``, or EngineError at once when it cannot take requests."""
+        if self._restarting:
+            raise EngineError("engines restarting")
+        e = self._get(role)
+        if e is None:
+            raise EngineError(f"{role} engine is not running")
+        if e.errored:
+            raise EngineError(f"{role} engine is dead; the cloud is restarting it")
+        return e
 
     async def tail_prefill(
-        self, request_id: str, hidden: np.ndarray, kv_params: dict[str, Any], sampling: Sampling
+        self, request_id: str, hidden: np.ndarray, kv: KVTransferSpec, sampling: Sampling
     ) -> TailResult:
         import torch
 
-        if self.tail_engine is None:
-            raise EngineError("tail engine is not running")
+        engine = self._engine_for("tail")
         t0 = time.perf_counter()
-        sp = to_vllm_sampling(sampling, 1, kv_params)
+        sp = to_vllm_sampling(sampling, 1, kv)
         final = None
-        async for out in self.tail_engine.generate(
-            {"prompt_embeds": torch.from_numpy(hidden)}, sp, f"tail-{request_id}"
-        ):
-            final = out
+        try:
+            async for out in engine.generate({"prompt_embeds": torch.from_numpy(hidden)}, sp, f"tail-{request_id}"):
+                final = out
+        except Exception as e:
+            if _is_engine_death(e, engine):
+                raise EngineError(f"tail engine died during request {request_id}") from e
+            raise
         if final is None or not final.outputs[0].token_ids:
             raise EngineError(f"tail engine returned no token for request {request_id}")
         c = final.outputs[0]
@@ -172,20 +288,24 @@ class VllmEngines:
         )
 
     async def decode(
-        self, request_id: str, token_ids: list[int], kv_params: dict[str, Any] | None, sampling: Sampling
+        self, request_id: str, token_ids: list[int], kv: KVTransferSpec | None, sampling: Sampling
     ) -> AsyncIterator[DecodeStep]:
-        if self.decode_engine is None:
-            raise EngineError("decode engine is not running")
-        sp = to_vllm_sampling(sampling, kv_params=kv_params)
-        async for out in self.decode_engine.generate({"prompt_token_ids": token_ids}, sp, f"dec-{request_id}"):
-            c = out.outputs[0]
-            if out.finished:
-                params = (out.kv_transfer_params or {}).get("tandem", {})
-                yield DecodeStep(
-                    list(c.token_ids),
-                    c.finish_reason or "stop",
-                    int(params.get("external_tokens", 0)),
-                    len(out.prompt_token_ids or []),
-                )
-            else:
-                yield DecodeStep(list(c.token_ids))
+        engine = self._engine_for("decode")
+        sp = to_vllm_sampling(sampling, kv=kv)
+        try:
+            async for out in engine.generate({"prompt_token_ids": token_ids}, sp, f"dec-{request_id}"):
+                c = out.outputs[0]
+                if out.finished:
+                    params = (out.kv_transfer_params or {}).get("tandem", {})
+                    yield DecodeStep(
+                        list(c.token_ids),
+                        c.finish_reason or "stop",
+                        int(params.get("external_tokens", 0)),
+                        len(out.prompt_token_ids or []),
+                    )
+                else:
+                    yield DecodeStep(list(c.token_ids))
+        except Exception as e:
+            if _is_engine_death(e, engine):
+                raise EngineError(f"decode engine died during request {request_id}") from e
+            raise

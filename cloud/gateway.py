@@ -1,76 +1,75 @@
 """The cloud gateway: a turn from verified upload to streamed tokens.
 
 ``Gateway.run_turn`` is the main loop of a request and reads like the design's
-data path: verify the upload -> put head KV blocks in the store -> tail prefill
-(prompt_embeds, saves tail KV) -> decode (loads all layers of the aligned prefix).
-It takes domain messages and yields domain events; ``cloud.service`` adapts it
-to gRPC.
+data path: receive and verify the upload -> commit it into the session (head KV
+blocks into the store) -> tail prefill (prompt_embeds, saves tail KV, samples the
+first token) -> decode (loads all layers of the aligned prefix). It takes domain
+messages and yields domain events; ``cloud.service`` adapts it to gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TypeVar
 
+import numpy as np
+
+from cloud.admission import UploadBudget
 from cloud.config import CloudConfig
-from cloud.engines import EngineBackend
+from cloud.engines import EngineBackend, TailResult
 from cloud.sessions import CloudSession, SessionTable
-from cloud.upload import TurnUpload, check_header
+from cloud.upload import TurnUpload, check_header, upload_bound_bytes
 from common import wire
-from common.errors import IncompatibleModel, InvalidRequest, MerkleMismatch, UploadTimeout
-from common.kvblocks import LayerRange, block_hashes, hash_seed, kv_scope, store_key
+from common.errors import DeadlineExceeded, IncompatibleModel, InvalidRequest, MerkleMismatch, UploadTimeout
+from common.kvblocks import LayerRange, activation_keys, block_nbytes, part_key, request_seed
+from common.kvparams import KVTransferSpec, PartSpec
 from common.kvstore import BlockStore
 from common.manifest import SplitManifest
-from common.messages import KVBlock, TurnHeader
-from common.params import LinkParams, Sampling
+from common.messages import Commit, DownEvent, KVBlock, Nack, Repair, TokensOut, TurnFinal, TurnHeader, UploadAck
+from common.params import LinkParams, NegotiateOffer, Sampling
+from tandem.stages import Stage, Timings
+
+UplinkBody = wire.Chunk | KVBlock | Commit
+HEADER_SLACK_BYTES = 4096  # protobuf framing and the header's fixed fields
+T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Nack:
-    seq: int
-    reason: str
+async def bounded(
+    it: AsyncIterator[T], deadline: float | None, on_timeout: Callable[[], Exception]
+) -> AsyncIterator[T]:
+    """Items of ``it``, each awaited no later than ``deadline`` (event-loop time; None = no bound).
+    The bound applies to waiting for the next item only, never to the consumer's time between items.
+
+    Raises:
+        ``on_timeout()``: the deadline passed while waiting.
+    """
+    ait = it.__aiter__()
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):
+                item = await ait.__anext__()
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise on_timeout() from None
+        yield item
 
 
-@dataclass(frozen=True)
-class Repair:
-    leaf_indices: list[int]
-    reason: str
+@dataclass
+class Turn:
+    """One request in flight: its header, deadline (event-loop time, None = none) and timings."""
 
-
-@dataclass(frozen=True)
-class UploadDone:
-    verified_tokens: int
-    leaf_count: int
-    merkle_root: bytes
-
-
-@dataclass(frozen=True)
-class TokensOut:
-    token_ids: list[int]
-    index: int
-
-
-@dataclass(frozen=True)
-class TurnFinal:
-    finish_reason: str
-    prompt_tokens: int
-    output_tokens: int
-    external_tokens: int
-    timings_ms: dict[str, float] = field(default_factory=dict)
+    header: TurnHeader
+    deadline: float | None
+    t_start: float = field(default_factory=time.perf_counter)
+    timings: Timings = field(default_factory=dict)
     received_bytes: dict[str, int] = field(default_factory=dict)
 
-
-@dataclass(frozen=True)
-class Commit:
-    leaf_count: int
-    merkle_root: bytes
-
-
-UplinkItem = wire.Chunk | KVBlock | Commit
-Event = Nack | Repair | UploadDone | TokensOut | TurnFinal
+    def time(self, stage: Stage, t0: float) -> None:
+        self.timings[stage] = (time.perf_counter() - t0) * 1e3
 
 
 class Gateway:
@@ -79,6 +78,9 @@ class Gateway:
     def __init__(self, cfg: CloudConfig, manifest: SplitManifest, engines: EngineBackend, store: BlockStore):
         self.cfg, self.manifest, self.engines, self.store = cfg, manifest, engines, store
         self.sessions = SessionTable(cfg.max_sessions, cfg.session_bytes)
+        self.budget = UploadBudget(
+            cfg.max_uploads, cfg.max_upload_bytes, cfg.max_uploads_per_peer, cfg.max_upload_bytes_per_peer
+        )
         self.model_key = manifest.compatibility_key()
         self.params = LinkParams(
             params_version=1,
@@ -99,110 +101,123 @@ class Gateway:
         self.tail_part = LayerRange(manifest.split_layer, manifest.shape.num_layers)
         self.head_part = LayerRange(0, manifest.split_layer)
 
-    def negotiate(self, compatibility_key: str, split_layers: list[int]) -> LinkParams:
+    def negotiate(self, offer: NegotiateOffer) -> LinkParams:
         """Agree on link params for an edge (the configured ones, for now).
 
         Raises:
             IncompatibleModel: the edge's head is not this cloud's split, and it cannot run direct only.
         """
-        if self.manifest.split_layer in split_layers and compatibility_key != self.manifest.compatibility_key():
-            raise IncompatibleModel(
-                f"edge head {compatibility_key!r} does not match cloud tail {self.manifest.compatibility_key()!r}"
-            )
-        if self.manifest.split_layer not in split_layers:
-            return LinkParams(**{**self.params.__dict__, "split_layer": 0})
+        k, key = self.manifest.split_layer, self.manifest.compatibility_key()
+        if k in offer.split_layers and offer.compatibility_key != key:
+            raise IncompatibleModel(f"edge head {offer.compatibility_key!r} does not match cloud tail {key!r}")
+        if k not in offer.split_layers:
+            return replace(self.params, split_layer=0)
         return self.params
 
-    def seed(self, header: TurnHeader) -> bytes:
-        """Chain seed of a request's KV block ids: model, block size and sharing scope."""
-        scope = kv_scope(header.session_id, header.request_id)
-        return hash_seed(self.model_key, self.params.kv_block_size_tokens, scope)
+    def max_message_bytes(self) -> int:
+        """The largest legal ``Uplink`` message under the link params: a chunk or KV block at its
+        largest payload, or a header of ``max_prompt_tokens`` token ids (5 bytes each as varints)."""
+        p, sh = self.params, self.manifest.shape
+        chunk = wire.max_payload_bytes(wire.raw_nbytes_of(p.chunk_tokens, p.wire_dtype, sh.hidden_size), p.codec)
+        block = wire.max_payload_bytes(
+            block_nbytes(self.head_part, sh.num_kv_heads, p.kv_block_size_tokens, sh.head_dim), p.codec
+        )
+        return max(chunk, block, 5 * p.max_prompt_tokens) + HEADER_SLACK_BYTES
 
-    async def run_turn(self, header: TurnHeader, uplink: AsyncIterator[UplinkItem]) -> AsyncIterator[Event]:
+    async def run_turn(
+        self, header: TurnHeader, uplink: AsyncIterator[UplinkBody], peer: str = "", deadline: float | None = None
+    ) -> AsyncIterator[DownEvent]:
         """One request: upload (split mode), tail prefill (samples the first token), decode.
+        ``peer`` names the edge for upload bounds; ``deadline`` is event-loop time or None.
         Yields events to send down.
 
         Raises:
             InvalidRequest, ParamsVersionMismatch, SessionOutOfSync, ChecksumMismatch, MerkleMismatch,
-            EngineError: mapped to gRPC status by the servicer; session state is unchanged on error.
+            QuotaExceeded, UploadTimeout, DeadlineExceeded, EngineError: mapped to gRPC status by the
+            servicer; session state is unchanged on error.
         """
         check_header(header, self.params, self.manifest)
-        timings: dict[str, float] = {}
+        turn = Turn(header, deadline)
         if not header.split_layer:
-            async for ev in self._decode(header, list(header.prompt_token_ids), None, header.sampling, 0, timings, {}):
+            async for ev in self._decode(turn, list(header.prompt_token_ids), None, header.sampling, 0):
                 yield ev
             return
-        t_start = time.perf_counter()
-        # a session enters the table only once a turn verified: failed turns leave nothing behind
-        session = self.sessions.get(header.session_id) or CloudSession()
-        seed = self.seed(header)
-        try:
-            async with session.lock:
-                upload = TurnUpload(header, self.params, self.manifest, session, seed, self.cfg.max_abs_activation)
-                try:
-                    async with asyncio.timeout(self.cfg.upload_timeout_s):
-                        async for ev in self._receive(upload, uplink):
-                            yield ev
-                except TimeoutError:
-                    raise UploadTimeout(f"upload not complete after {self.cfg.upload_timeout_s:.0f} s") from None
-                timings["upload_wait_ms"] = (time.perf_counter() - t_start) * 1e3
-                t0 = time.perf_counter()
-                hidden_new = upload.activations()
-                await asyncio.to_thread(self._put_head_blocks, upload.new_blocks())
-                timings["store_put_ms"] = (time.perf_counter() - t0) * 1e3
-                upload.apply_to_session(hidden_new)
-                if header.session_id:
-                    self.sessions.put(header.session_id, session)
-                yield UploadDone(len(session.token_ids), len(session.leaves), b"")
-                tail_range = [self.tail_part.lo, self.tail_part.hi]
-                tail_params = {
-                    "block_hashes": [h.hex() for h in upload.hashes],
-                    "load": [tail_range],
-                    "save": tail_range,
-                }
-                if session.hidden is None:  # apply_to_session always sets it
-                    raise InvalidRequest("no activations for this turn")
-                tail = await self.engines.tail_prefill(
-                    header.request_id, session.hidden, {"tandem": tail_params}, header.sampling
-                )
-        finally:
-            self.sessions.evict()
-        timings["tail_prefill_ms"] = tail.elapsed_ms
-        yield TokensOut([tail.first_token], 0)
-        if tail.finish_reason is not None or header.sampling.max_new_tokens == 1:
-            yield TurnFinal(
-                tail.finish_reason or "length", len(header.prompt_token_ids), 1, 0, timings, dict(upload.received_bytes)
+        with self.budget.reserve(peer, upload_bound_bytes(header, self.params, self.manifest)):
+            upload = TurnUpload(
+                header,
+                self.params,
+                self.manifest,
+                self._session(header),
+                self._seed(header),
+                self.cfg.max_abs_activation,
             )
+            try:
+                async for ev in self._receive(turn, upload, uplink):
+                    yield ev
+                hidden, leaves = await self._commit(turn, upload)
+            finally:
+                upload.release()
+        yield UploadAck(len(header.prompt_token_ids), len(leaves))
+        tail_keys = activation_keys(hidden, self.params.kv_block_size_tokens, self._seed(header), self.tail_part)
+        tail = await self._tail_prefill(turn, hidden, tail_keys)
+        yield TokensOut((tail.first_token,), 0)
+        if tail.finish_reason is not None or header.sampling.max_new_tokens == 1:
+            yield self._final(turn, tail.finish_reason or "length", 1, 0)
             return
         # decode continues from prompt + first token, loading every layer of the aligned prefix
         ids = [*header.prompt_token_ids, tail.first_token]
-        hashes = block_hashes(ids, self.params.kv_block_size_tokens, seed)
-        kv_params = {
-            "tandem": {
-                "block_hashes": [h.hex() for h in hashes],
-                "save": None,
-                "load": [[self.head_part.lo, self.head_part.hi], tail_range],
-            }
-        }
+        spec = KVTransferSpec(
+            loads=(PartSpec(self.head_part, tuple(leaves)), PartSpec(self.tail_part, tuple(tail_keys)))
+        )
         rest = replace(header.sampling, max_new_tokens=header.sampling.max_new_tokens - 1)
-        async for ev in self._decode(header, ids, kv_params, rest, 1, timings, dict(upload.received_bytes)):
+        async for ev in self._decode(turn, ids, spec, rest, 1):
             yield ev
 
-    async def _receive(self, upload: TurnUpload, uplink: AsyncIterator[UplinkItem]) -> AsyncIterator[Event]:
+    # ------------------------------------------------------------------ stages
+
+    def _session(self, header: TurnHeader) -> CloudSession:
+        """The session the upload is checked against (a fresh one for new or stateless turns)."""
+        return self.sessions.get(header.session_id) or CloudSession()
+
+    def _seed(self, header: TurnHeader) -> bytes:
+        return request_seed(self.model_key, self.params.kv_block_size_tokens, header.session_id, header.request_id)
+
+    def _upload_deadline(self, turn: Turn) -> float:
+        loop_deadline = asyncio.get_running_loop().time() + self.cfg.upload_timeout_s
+        return loop_deadline if turn.deadline is None else min(loop_deadline, turn.deadline)
+
+    async def _receive(
+        self, turn: Turn, upload: TurnUpload, uplink: AsyncIterator[UplinkBody]
+    ) -> AsyncIterator[Nack | Repair]:
+        """Verify the upload item by item (decoding off the event loop), within the upload deadline."""
+
+        def late() -> Exception:
+            return UploadTimeout(f"upload not complete within {self.cfg.upload_timeout_s:.0f} s or the deadline")
+
+        async for ev in self._verify_items(upload, bounded(uplink, self._upload_deadline(turn), late)):
+            yield ev
+        turn.time(Stage.CLOUD_UPLOAD_WAIT, turn.t_start)
+        turn.received_bytes = dict(upload.received_bytes)
+
+    async def _verify_items(
+        self, upload: TurnUpload, uplink: AsyncIterator[UplinkBody]
+    ) -> AsyncIterator[Nack | Repair]:
         repairs = 0
         async for item in uplink:
             if isinstance(item, wire.Chunk):
-                if not upload.add_chunk(item):
-                    yield Nack(item.seq, "crc32c mismatch")
+                if not await asyncio.to_thread(upload.add_chunk, item):
+                    yield Nack(item.seq, "crc32c mismatch or payload does not decode")
             elif isinstance(item, KVBlock):
-                upload.add_block(item)
-            else:
+                await asyncio.to_thread(upload.add_block, item)
+            elif isinstance(item, Commit):
                 repair = upload.commit(item.leaf_count, item.merkle_root)
                 if repair:
                     repairs += 1
                     if repairs > self.cfg.max_repair_rounds:
                         raise MerkleMismatch(f"KV blocks {repair[:8]} still bad after {repairs - 1} repair rounds")
-                    yield Repair(repair, "leaf hash mismatch or block missing")
+                    yield Repair(tuple(repair), "leaf hash mismatch, block missing or not decodable")
+            else:
+                raise InvalidRequest(f"unexpected {type(item).__name__} after the header")
             if upload.complete:
                 return
         raise InvalidRequest(
@@ -210,31 +225,66 @@ class Gateway:
             f"{upload.header.num_chunks} chunks, committed={upload.committed})"
         )
 
+    async def _commit(self, turn: Turn, upload: TurnUpload) -> tuple[np.ndarray, list[bytes]]:
+        """Put the verified head blocks in the store and commit the turn into its session under the
+        session's lock, waited for no longer than the request's deadline. Returns the prompt's
+        activations ``[T, H]`` and head-KV leaves."""
+        t0 = time.perf_counter()
+        hidden = upload.activations()
+        await asyncio.to_thread(self._put_head_blocks, upload.new_blocks())
+        turn.time(Stage.CLOUD_STORE_PUT, t0)
+        sid = upload.header.session_id
+        if not sid:
+            return hidden, upload.leaves()
+        session = upload.session
+        try:
+            async with asyncio.timeout_at(turn.deadline), session.lock:
+                current = self.sessions.get(sid)
+                if current is not None and current is not session:
+                    session = current  # another turn created the session meanwhile: version check fails
+                upload.apply_to(session, hidden)
+                self.sessions.put(sid, session)
+        except TimeoutError:
+            raise DeadlineExceeded(f"deadline passed waiting for session {sid!r}") from None
+        finally:
+            self.sessions.evict()
+        return hidden, list(session.leaves)
+
     def _put_head_blocks(self, blocks: list[tuple[bytes, bytes]]) -> None:
-        for block_hash, raw in blocks:
-            self.store.put(store_key(block_hash, self.head_part), raw)
+        for leaf, raw in blocks:
+            self.store.put(part_key(leaf, self.head_part), raw)
+
+    async def _tail_prefill(self, turn: Turn, hidden: np.ndarray, tail_keys: list[bytes]) -> TailResult:
+        """Tail engine over ``prompt_embeds = hidden``: loads tail KV of blocks computed from the same
+        activations before, saves the rest, samples the first output token."""
+        part = PartSpec(self.tail_part, tuple(tail_keys))
+        try:
+            async with asyncio.timeout_at(turn.deadline):
+                tail = await self.engines.tail_prefill(
+                    turn.header.request_id, hidden, KVTransferSpec(loads=(part,), save=part), turn.header.sampling
+                )
+        except TimeoutError:
+            raise DeadlineExceeded("deadline passed during the tail prefill") from None
+        turn.timings[Stage.CLOUD_TAIL_PREFILL] = tail.elapsed_ms
+        return tail
 
     async def _decode(
-        self,
-        header: TurnHeader,
-        ids: list[int],
-        kv_params: dict[str, Any] | None,
-        sampling: Sampling,
-        first_index: int,
-        timings: dict[str, float],
-        received: dict[str, int],
-    ) -> AsyncIterator[Event]:
+        self, turn: Turn, ids: list[int], kv: KVTransferSpec | None, sampling: Sampling, first_index: int
+    ) -> AsyncIterator[DownEvent]:
         """Stream the decode engine's tokens; output indices start at ``first_index``."""
         t0 = time.perf_counter()
         n = first_index
-        async for step in self.engines.decode(header.request_id, ids, kv_params, sampling):
+        steps = self.engines.decode(turn.header.request_id, ids, kv, sampling)
+        async for step in bounded(steps, turn.deadline, lambda: DeadlineExceeded("deadline passed while decoding")):
             if step.token_ids:
                 if n == first_index:
-                    timings["decode_first_token_ms"] = (time.perf_counter() - t0) * 1e3
-                yield TokensOut(step.token_ids, n)
+                    turn.time(Stage.CLOUD_DECODE_FIRST_TOKEN, t0)
+                yield TokensOut(tuple(step.token_ids), n)
                 n += len(step.token_ids)
             if step.finish_reason is not None:
-                timings["decode_ms"] = (time.perf_counter() - t0) * 1e3
-                yield TurnFinal(
-                    step.finish_reason, len(header.prompt_token_ids), n, step.external_tokens, timings, received
-                )
+                turn.time(Stage.CLOUD_DECODE, t0)
+                yield self._final(turn, step.finish_reason, n, step.external_tokens)
+
+    def _final(self, turn: Turn, finish_reason: str, output_tokens: int, external_tokens: int) -> TurnFinal:
+        n_prompt = len(turn.header.prompt_token_ids)
+        return TurnFinal(finish_reason, n_prompt, output_tokens, external_tokens, turn.timings, turn.received_bytes)

@@ -1,25 +1,57 @@
-"""Build and run the cloud gRPC server (gateway + engines + health + reflection)."""
+"""Build and run the cloud gRPC server (gateway + engines + health + reflection + engine supervisor)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from cloud.config import CloudConfig
 from cloud.engines import EngineBackend
 from cloud.gateway import Gateway
 from cloud.service import CloudServicer
+from cloud.supervisor import EngineSupervisor, SupervisedEngines
+from common.grpcsetup import set_health, start_server
 from common.kvstore import DiskBlockStore
 from common.manifest import SplitManifest
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
-MAX_MESSAGE_BYTES = 64 << 20
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Cloud"].full_name  # "tandem.v1.Cloud"
+HEALTH_NAMES = ("", SERVICE_NAME)
 
 
-async def create_server(cfg: CloudConfig, engines: EngineBackend) -> tuple[grpc.aio.Server, int, Gateway]:
-    """A started grpc.aio server on ``cfg.host:cfg.port`` (port 0 = any free). Returns (server, port, gateway).
+@dataclass
+class CloudServer:
+    """A started cloud: gRPC server, its bound port, the gateway, health, and the engine
+    supervisor (None for engines without liveness, e.g. test fakes)."""
+
+    server: grpc.aio.Server
+    port: int
+    gateway: Gateway
+    health: health.aio.HealthServicer
+    supervisor: EngineSupervisor | None
+
+    async def set_serving(self, serving: bool) -> None:
+        await set_health(self.health, serving, HEALTH_NAMES)
+
+    async def stop(self, grace_s: float) -> None:
+        """NOT_SERVING first (clients stop sending), stop supervising, then ``server.stop(grace)``.
+        The engines are the caller's to shut down afterwards."""
+        await self.set_serving(False)
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+        await self.server.stop(grace_s)
+
+
+async def create_cloud(
+    cfg: CloudConfig, engines: EngineBackend, *, on_give_up: Callable[[], None] | None = None
+) -> CloudServer:
+    """A started grpc.aio server on ``cfg.host:cfg.port`` (port 0 = any free), all SERVING, with
+    an ``EngineSupervisor`` running when ``engines`` report liveness (``on_give_up`` is called
+    when it cannot restart them).
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -27,21 +59,29 @@ async def create_server(cfg: CloudConfig, engines: EngineBackend) -> tuple[grpc.
     manifest = SplitManifest.load(cfg.split_dir)
     store = DiskBlockStore(cfg.store_dir, cfg.store_bytes)
     gateway = Gateway(cfg, manifest, engines, store)
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ]
+    servicer = CloudServicer(gateway, cfg.cloud_id)
+    # the largest legal message under the negotiated limits (the gateway knows them)
+    max_message_bytes = getattr(gateway, "max_message_bytes", lambda: 64 << 20)()
+    server, port, hs = await start_server(
+        [lambda s: pb_grpc.add_CloudServicer_to_server(servicer, s)],
+        [SERVICE_NAME],
+        cfg.host,
+        cfg.port,
+        max_message_bytes,
     )
-    pb_grpc.add_CloudServicer_to_server(CloudServicer(gateway, cfg.cloud_id), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    await health_servicer.set("tandem.v1.Cloud", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    names = (pb.DESCRIPTOR.services_by_name["Cloud"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    if port == 0:
-        raise RuntimeError(f"could not bind {cfg.host}:{cfg.port}")
-    await server.start()
-    return server, port, gateway
+    cloud = CloudServer(server, port, gateway, hs, None)
+    if isinstance(engines, SupervisedEngines):
+        cloud.supervisor = EngineSupervisor(engines, cloud.set_serving, on_give_up=on_give_up)
+        cloud.supervisor.start()
+    return cloud
+
+
+async def create_server(cfg: CloudConfig, engines: EngineBackend) -> tuple[grpc.aio.Server, int, Gateway]:
+    """``create_cloud`` for callers that need only (server, port, gateway); the supervisor runs
+    until the engines are shut down.
+
+    Raises:
+        RuntimeError: the port could not be bound.
+    """
+    cloud = await create_cloud(cfg, engines)
+    return cloud.server, cloud.port, cloud.gateway

@@ -1,64 +1,62 @@
 """gRPC adapter of the gateway: decode messages, call ``Gateway``, encode events.
 
 Servicer methods stay thin; every domain error becomes a status in
-``common.grpc_errors``.
+``common.grpc_errors``. A refused turn is answered with its verdict as a
+``Downlink.error`` message first, then the servicer reads (and drops) what the
+edge still had in flight until it half-closes (at most ``drain_timeout_s``), and
+only then ends the call with the matching status. A client that is still writing
+when the server finishes can otherwise see ``INTERNAL`` instead of the real
+status (grpc's asyncio client); with the verdict in a message it never matters.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
 
-from cloud.gateway import Commit, Event, Gateway, Nack, Repair, TokensOut, TurnFinal, UplinkItem, UploadDone
+from cloud.gateway import Gateway, UplinkBody
 from common.errors import InvalidRequest, TandemError
 from common.grpc_errors import abort
-from common.messages import KVBlock, TurnHeader, chunk_from_pb
+from common.messages import TurnError, TurnHeader, downlink_to_pb, uplink_from_pb
+from common.params import NegotiateOffer
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
 log = logging.getLogger("tandem.cloud")
 
 
-def event_to_pb(ev: Event) -> pb.Downlink:
-    if isinstance(ev, TokensOut):
-        return pb.Downlink(tokens=pb.Tokens(token_ids=ev.token_ids, index=ev.index))
-    if isinstance(ev, Nack):
-        return pb.Downlink(nack=pb.Nack(seq=ev.seq, reason=ev.reason))
-    if isinstance(ev, Repair):
-        return pb.Downlink(repair=pb.RepairRequest(leaf_indices=ev.leaf_indices, reason=ev.reason))
-    if isinstance(ev, UploadDone):
-        return pb.Downlink(
-            upload_ack=pb.UploadAck(
-                verified_tokens=ev.verified_tokens, leaf_count=ev.leaf_count, merkle_root=ev.merkle_root
-            )
-        )
-    assert isinstance(ev, TurnFinal)
-    return pb.Downlink(
-        final=pb.Final(
-            finish_reason=ev.finish_reason,
-            prompt_tokens=ev.prompt_tokens,
-            output_tokens=ev.output_tokens,
-            external_tokens=ev.external_tokens,
-            timings_ms=ev.timings_ms,
-            received_bytes=ev.received_bytes,
-        )
-    )
-
-
-async def uplink_items(it: AsyncIterator[pb.Uplink]) -> AsyncIterator[UplinkItem]:
+async def uplink_body(it: AsyncIterator[pb.Uplink]) -> AsyncIterator[UplinkBody]:
     """Decode uplink messages after the header. Raises InvalidRequest on a second header or an empty one."""
     async for m in it:
-        kind = m.WhichOneof("msg")
-        if kind == "chunk":
-            yield chunk_from_pb(m.chunk)
-        elif kind == "kv_block":
-            yield KVBlock.from_pb(m.kv_block)
-        elif kind == "commit":
-            yield Commit(m.commit.leaf_count, m.commit.merkle_root)
-        else:
-            raise InvalidRequest(f"unexpected uplink message {kind!r} after the header")
+        item = uplink_from_pb(m)
+        if isinstance(item, TurnHeader):
+            raise InvalidRequest("a second header in one turn")
+        yield item
+
+
+def peer_host(context: grpc.aio.ServicerContext) -> str:
+    """The edge's address without the port (``ipv4:127.0.0.1:5432`` -> ``ipv4:127.0.0.1``)."""
+    peer = context.peer() or ""
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+
+
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's deadline in event-loop time, or None when the client set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None else asyncio.get_running_loop().time() + remaining
+
+
+async def drain(it: AsyncIterator[pb.Uplink], timeout_s: float) -> None:
+    """Read and drop uplink messages until the edge half-closes, at most ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for _ in it:
+                pass
+    except (TimeoutError, grpc.RpcError, asyncio.CancelledError, StopAsyncIteration):
+        pass
 
 
 class CloudServicer(pb_grpc.CloudServicer):
@@ -67,7 +65,7 @@ class CloudServicer(pb_grpc.CloudServicer):
 
     async def Negotiate(self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext):
         try:
-            params = self.gateway.negotiate(request.compatibility_key, list(request.split_layers))
+            params = self.gateway.negotiate(NegotiateOffer.from_pb(request))
         except TandemError as e:
             await abort(context, e)
         return pb.NegotiateResponse(
@@ -75,16 +73,19 @@ class CloudServicer(pb_grpc.CloudServicer):
         )
 
     async def Generate(self, request_iterator: AsyncIterator[pb.Uplink], context: grpc.aio.ServicerContext):
+        it = request_iterator.__aiter__()
         try:
-            it = request_iterator.__aiter__()
-            first = await it.__anext__()
-            if first.WhichOneof("msg") != "header":
+            first = uplink_from_pb(await it.__anext__())
+            if not isinstance(first, TurnHeader):
                 raise InvalidRequest("the first uplink message must be a header")
-            async for ev in self.gateway.run_turn(TurnHeader.from_pb(first.header), uplink_items(it)):
-                yield event_to_pb(ev)
+            turn = self.gateway.run_turn(first, uplink_body(it), peer_host(context), deadline_of(context))
+            async for ev in turn:
+                yield downlink_to_pb(ev)
         except StopAsyncIteration:
             await abort(context, InvalidRequest("empty uplink"))
         except TandemError as e:
+            yield downlink_to_pb(TurnError(e))
+            await drain(it, self.gateway.cfg.drain_timeout_s)
             await abort(context, e)
         except Exception:
             log.exception("Generate failed")

@@ -26,7 +26,8 @@ class CloudSession:
     token_ids: list[int] = field(default_factory=list)
     hidden: np.ndarray | None = None
     leaves: list[bytes] = field(default_factory=list)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    version: int = 0  # bumped by every committed turn; an upload checked against version v commits only at v
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # held only while a turn commits
 
     @property
     def nbytes(self) -> int:

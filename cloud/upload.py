@@ -5,8 +5,9 @@ prompt token ids and against its RFC 6962 leaf, and the commit against the
 Merkle root over the session's leaves.
 
 Pure domain code (no grpc, no engines). Nothing from the wire is trusted before
-it is checked; nothing touches the session or the block store until the whole
-upload verified (``finish``), so a bad request never corrupts other state.
+it is checked: every size against the negotiated limits on arrival, before the
+payload is decoded; nothing touches the session or the block store until the
+whole upload verified (``apply_to``), so a bad request never corrupts other state.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-import zstandard
 
 from cloud.sessions import CloudSession
 from common import merkle, wire
 from common.errors import (
     ChecksumMismatch,
+    CorruptPayload,
     InvalidRequest,
     MerkleMismatch,
     ParamsVersionMismatch,
@@ -82,9 +83,27 @@ def check_values(x: np.ndarray, max_abs: float, what: str) -> None:
         raise InvalidRequest(f"{what} exceed |x| <= {max_abs:g}")
 
 
+def upload_bound_bytes(h: TurnHeader, params: LinkParams, manifest: SplitManifest) -> int:
+    """Most bytes a checked header's upload may buffer: every chunk and KV block at its largest
+    legal payload. Reserved against the cloud's upload budget before any body arrives."""
+    sh = manifest.shape
+    chunk = wire.max_payload_bytes(
+        wire.raw_nbytes_of(params.chunk_tokens, params.wire_dtype, sh.hidden_size), params.codec
+    )
+    block = block_nbytes(LayerRange(0, manifest.split_layer), sh.num_kv_heads, params.kv_block_size_tokens, sh.head_dim)
+    return h.num_chunks * chunk + h.num_kv_blocks * wire.max_payload_bytes(block, params.codec)
+
+
 @dataclass
 class TurnUpload:
-    """Collects and verifies one split turn's upload (see module doc)."""
+    """Collects and verifies one split turn's upload (see module doc).
+
+    Built from a snapshot of the session (its tokens, leaves and ``version``) without
+    holding the session's lock, so a stalled upload never locks out the session's
+    owner; ``apply_to`` commits only if the session is still at that version.
+    Who calls: the gateway, ``add_chunk`` / ``add_block`` per arriving item (in a worker
+    thread: they decode and hash), ``commit`` per commit, ``release`` when the turn ends.
+    """
 
     header: TurnHeader
     params: LinkParams
@@ -92,7 +111,7 @@ class TurnUpload:
     session: CloudSession
     hash_seed: bytes
     max_abs: float = 1e5  # bound on |activation| and |KV| values
-    chunks: dict[int, wire.Chunk] = field(default_factory=dict)
+    chunks: dict[int, np.ndarray] = field(default_factory=dict)  # seq -> float32 [n, H], verified
     resends: dict[int, int] = field(default_factory=dict)
     blocks: dict[int, tuple[KVBlock, bytes]] = field(default_factory=dict)  # leaf -> (block, raw bytes)
     committed: bool = False
@@ -107,6 +126,8 @@ class TurnUpload:
                 f"cloud holds {len(s.token_ids)} tokens of session {h.session_id!r}, "
                 f"edge assumed {h.cached_tokens}: resend from token 0"
             )
+        self.base_version = s.version
+        self.base_hidden = s.hidden if h.cached_tokens else None
         self.base_leaves = list(s.leaves) if h.cached_tokens else []
         self.bs = self.params.kv_block_size_tokens
         self.hashes = block_hashes(list(h.prompt_token_ids), self.bs, self.hash_seed)
@@ -121,6 +142,7 @@ class TurnUpload:
         self.part = LayerRange(0, self.manifest.split_layer)
         sh = self.manifest.shape
         self.block_bytes = block_nbytes(self.part, sh.num_kv_heads, self.bs, sh.head_dim)
+        self.max_block_payload = wire.max_payload_bytes(self.block_bytes, self.params.codec)
 
     @property
     def new_tokens(self) -> int:
@@ -132,44 +154,56 @@ class TurnUpload:
         return range(self.first_new_leaf, len(self.hashes))
 
     def add_chunk(self, c: wire.Chunk) -> bool:
-        """Check and keep a chunk. Returns False when the CRC failed (caller NACKs it).
+        """Check, decode and keep a chunk. Returns False when it failed its CRC32C or did not decode
+        (caller NACKs it; the edge sends it again).
 
         Raises:
-            InvalidRequest: seq, offset or size outside this upload.
-            ChecksumMismatch: the chunk failed more than ``max_chunk_resends`` times.
+            InvalidRequest: seq, offset, size or format outside this upload and the link's limits
+                (checked before the payload is touched), or values out of range.
+            ChecksumMismatch: the chunk failed its CRC more than ``max_chunk_resends`` times.
+            CorruptPayload: it failed to decode more than ``max_chunk_resends`` times.
         """
-        ct, h = self.params.chunk_tokens, self.header
+        p, h, hidden = self.params, self.header, self.manifest.shape.hidden_size
         if not 0 <= c.seq < h.num_chunks:
             raise InvalidRequest(f"chunk seq {c.seq} outside 0..{h.num_chunks - 1}")
-        want_off = h.cached_tokens + c.seq * ct
-        want_n = min(ct, len(h.prompt_token_ids) - want_off)
+        want_off = h.cached_tokens + c.seq * p.chunk_tokens
+        want_n = min(p.chunk_tokens, len(h.prompt_token_ids) - want_off)
         if c.seq in self.chunks:
             raise InvalidRequest(f"chunk {c.seq} sent again after it verified")
-        if c.wire_dtype != self.params.wire_dtype or c.codec != self.params.codec:
+        if c.wire_dtype != p.wire_dtype or c.codec != p.codec:
             raise InvalidRequest(
                 f"chunk {c.seq} uses {c.wire_dtype.name}/{c.codec.name}; the link negotiated "
-                f"{self.params.wire_dtype.name}/{self.params.codec.name}"
+                f"{p.wire_dtype.name}/{p.codec.name}"
             )
         if c.token_offset != want_off or c.num_tokens != want_n:
             raise InvalidRequest(
                 f"chunk {c.seq} covers [{c.token_offset}, +{c.num_tokens}), expected [{want_off}, +{want_n})"
             )
+        raw_nbytes = wire.raw_nbytes_of(want_n, p.wire_dtype, hidden)
+        if c.raw_nbytes != raw_nbytes or len(c.payload) > wire.max_payload_bytes(raw_nbytes, p.codec):
+            raise InvalidRequest(
+                f"chunk {c.seq}: {len(c.payload)} payload bytes announcing {c.raw_nbytes} raw; "
+                f"{want_n} tokens in {p.wire_dtype.name}/{p.codec.name} are {raw_nbytes} raw bytes"
+            )
         self.received_bytes["activations"] += len(c.payload)
         try:
-            wire.verify(c)
-        except ChecksumMismatch:
-            self.resends[c.seq] = self.resends.get(c.seq, 0) + 1
-            if self.resends[c.seq] > self.params.max_chunk_resends:
-                raise ChecksumMismatch(f"chunk {c.seq} failed its CRC32C {self.resends[c.seq]} times") from None
+            x = wire.decode_chunk(c, hidden, want_n)
+        except (ChecksumMismatch, CorruptPayload) as e:
+            n = self.resends[c.seq] = self.resends.get(c.seq, 0) + 1
+            if n > p.max_chunk_resends:
+                raise type(e)(f"chunk {c.seq} failed {n} times: {e}") from None
             return False
-        self.chunks[c.seq] = c
+        check_values(x, self.max_abs, f"activations of chunk {c.seq}")
+        self.chunks[c.seq] = x
         return True
 
     def add_block(self, b: KVBlock) -> None:
-        """Check and keep a KV block; a bad leaf is kept out and requested again at commit.
+        """Check and keep a KV block; a block that does not decode or whose leaf does not match is
+        kept out and requested again at commit.
 
         Raises:
-            InvalidRequest: index, identity, layer range or size inconsistent with the prompt.
+            InvalidRequest: index, identity, layer range or size inconsistent with the prompt and the
+                link's limits (checked before the payload is touched), or values out of range.
         """
         if b.leaf_index not in self.expected_leaves:
             raise InvalidRequest(f"KV block leaf {b.leaf_index} outside expected {self.expected_leaves}")
@@ -177,7 +211,7 @@ class TurnUpload:
             raise InvalidRequest(f"KV block leaf {b.leaf_index} sent again after it verified")
         if b.codec != self.params.codec:
             raise InvalidRequest(
-                f"KV block {b.leaf_index} uses codec {b.codec}; the link negotiated {self.params.codec.name}"
+                f"KV block {b.leaf_index} uses codec {b.codec.name}; the link negotiated {self.params.codec.name}"
             )
         if b.block_hash != self.hashes[b.leaf_index]:
             raise InvalidRequest(f"KV block {b.leaf_index}: block hash does not match the prompt tokens")
@@ -186,12 +220,14 @@ class TurnUpload:
                 f"KV block {b.leaf_index}: layers [{b.layer_lo}, {b.layer_hi}) and "
                 f"{b.raw_nbytes} bytes, expected {self.part.tag()} and {self.block_bytes}"
             )
+        if len(b.payload) > self.max_block_payload:
+            raise InvalidRequest(f"KV block {b.leaf_index}: {len(b.payload)} payload bytes > {self.max_block_payload}")
         self.received_bytes["kv"] += len(b.payload)
         raw = b.payload
         if b.codec == wire.Codec.ZSTD:
             try:
-                raw = zstandard.ZstdDecompressor().decompress(b.payload, max_output_size=self.block_bytes)
-            except zstandard.ZstdError:
+                raw = wire.decompress_exact(b.payload, self.block_bytes)
+            except CorruptPayload:
                 return  # corrupt in transit: it stays missing and is repaired at commit
         if len(raw) != self.block_bytes:
             return
@@ -214,32 +250,44 @@ class TurnUpload:
         missing = self.missing_leaves()
         if missing:
             return missing
-        leaves = self.base_leaves + [self.blocks[j][0].leaf_hash for j in self.expected_leaves]
-        if merkle.root(leaves) != root:
-            raise MerkleMismatch(f"Merkle root over {len(leaves)} leaves does not match the commit")
+        if merkle.root(self.leaves()) != root:
+            raise MerkleMismatch(f"Merkle root over {len(self.hashes)} leaves does not match the commit")
         self.committed = True
         return []
+
+    def leaves(self) -> list[bytes]:
+        """The session's leaves after this turn (all verified once ``complete``)."""
+        return self.base_leaves + [self.blocks[j][0].leaf_hash for j in self.expected_leaves]
 
     @property
     def complete(self) -> bool:
         return self.committed and len(self.chunks) == self.header.num_chunks
 
     def activations(self) -> np.ndarray:
-        """float32 ``[T_new, H]`` of the new tokens (all chunks verified)."""
-        chunks = list(self.chunks.values())
-        h = wire.combine(chunks, self.header.cached_tokens, self.new_tokens, self.params.hidden_size)
-        check_values(h, self.max_abs, "activations")
-        return h
+        """float32 ``[T, H]`` of the whole prompt: the session's earlier activations, then this
+        turn's verified chunks in order (only after ``complete``)."""
+        new = [self.chunks[i] for i in range(self.header.num_chunks)]
+        parts = ([self.base_hidden] if self.base_hidden is not None else []) + new
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def new_blocks(self) -> list[tuple[bytes, bytes]]:
-        """(block_hash, raw canonical bytes) of the verified new blocks, in leaf order."""
-        return [(self.blocks[j][0].block_hash, self.blocks[j][1]) for j in self.expected_leaves]
+        """(Merkle leaf, raw canonical bytes) of the verified new blocks, in leaf order: the leaf
+        commits to the block's identity, layers and bytes, so it is the block's content key."""
+        return [(self.blocks[j][0].leaf_hash, self.blocks[j][1]) for j in self.expected_leaves]
 
-    def apply_to_session(self, hidden_new: np.ndarray) -> None:
-        """Commit the verified turn into the session (only after ``complete``)."""
-        s = self.session
-        s.hidden = (
-            hidden_new if s.hidden is None or not self.header.cached_tokens else np.concatenate([s.hidden, hidden_new])
-        )
-        s.token_ids = list(self.header.prompt_token_ids)
-        s.leaves = self.base_leaves + [self.blocks[j][0].leaf_hash for j in self.expected_leaves]
+    def apply_to(self, s: CloudSession, hidden: np.ndarray) -> None:
+        """Commit the verified turn into session ``s`` (its lock held, only after ``complete``).
+
+        Raises:
+            SessionOutOfSync: another turn of the session committed since this upload began.
+        """
+        if s.version != self.base_version:
+            raise SessionOutOfSync("another turn of this session committed during the upload: resend from token 0")
+        s.hidden, s.token_ids, s.leaves = hidden, list(self.header.prompt_token_ids), self.leaves()
+        s.version += 1
+
+    def release(self) -> None:
+        """Drop buffered payloads (the turn ended, verified or not)."""
+        self.chunks.clear()
+        self.blocks.clear()
+        self.base_hidden = None

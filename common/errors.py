@@ -46,3 +46,32 @@ class UploadTimeout(TandemError):
 
 class EngineError(TandemError):
     """A vLLM engine failed or is not running."""
+
+
+class DeadlineExceeded(UploadTimeout):
+    """The request's deadline passed (waiting for the session, the upload or the engines)."""
+
+
+class CorruptPayload(InvalidRequest):
+    """A payload passed its checksum but does not decode: not exactly one complete zstd frame
+    of the announced raw size, or a size beyond the negotiated limits. Treated like a CRC
+    failure (NACK / repair, then INVALID_ARGUMENT)."""
+
+
+ERRORS_BY_NAME: dict[str, type[TandemError]] = {}
+
+
+def register_errors() -> None:
+    """Index every ``TandemError`` subclass by name (for errors carried in messages)."""
+    stack: list[type[TandemError]] = [TandemError]
+    while stack:
+        cls = stack.pop()
+        ERRORS_BY_NAME[cls.__name__] = cls
+        stack.extend(cls.__subclasses__())
+
+
+def error_from_name(name: str, message: str) -> TandemError:
+    """The domain error called ``name`` (``TandemError`` itself for an unknown name)."""
+    if not ERRORS_BY_NAME:
+        register_errors()
+    return ERRORS_BY_NAME.get(name, TandemError)(message)

@@ -16,6 +16,8 @@ STATUS_OF: dict[type[e.TandemError], grpc.StatusCode] = {
     e.ParamsVersionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     e.IncompatibleModel: grpc.StatusCode.FAILED_PRECONDITION,
     e.UploadTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+    e.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    e.CorruptPayload: grpc.StatusCode.INVALID_ARGUMENT,
     e.EngineError: grpc.StatusCode.UNAVAILABLE,
 }
 
@@ -32,10 +34,19 @@ async def abort(context: grpc.aio.ServicerContext, err: e.TandemError) -> None:
     await context.abort(status_of(err), f"{type(err).__name__}: {err}")
 
 
+# A status that names no tandem error (the transport's own: deadline, unreachable peer...).
+DEFAULT_OF_STATUS: dict[grpc.StatusCode, type[e.TandemError]] = {
+    grpc.StatusCode.UNAVAILABLE: e.EngineError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: e.DeadlineExceeded,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: e.QuotaExceeded,
+    grpc.StatusCode.INVALID_ARGUMENT: e.InvalidRequest,
+}
+
+
 def error_from_status(code: grpc.StatusCode, details: str) -> e.TandemError:
     """Inverse mapping for clients: a status back to the domain error it came from."""
     name, _, message = details.partition(": ")
     for cls, c in STATUS_OF.items():
         if cls.__name__ == name and c == code:
             return cls(message)
-    return e.EngineError(details) if code == grpc.StatusCode.UNAVAILABLE else e.TandemError(details)
+    return DEFAULT_OF_STATUS.get(code, e.TandemError)(f"{code.name}: {details}")

@@ -7,6 +7,12 @@ of the prompt prefix that ends with it, as vLLM's prefix cache names its blocks
 sharing scope (the session, or the request if stateless), so a session's turns
 share blocks but no session can plant KV that another session loads.
 
+Store keys commit to what a block was computed from (``part_key``): the edge's
+head part by its Merkle leaf (block identity, layer range and the verified bytes),
+the tail part by ``activation_keys``, a chain over the activations ``h_k`` that the
+tail layers were computed from. So KV from other inputs is never loaded, even in
+the same session or after a restart that kept the store.
+
 Layout on the wire and in the block store (canonical): float32
 ``[Lp, 2, Hkv, B, D]`` for the ``Lp`` layers of one *part* (a global layer range
 ``[lo, hi)``: the edge's head part ``[0, k)``, the tail engine's ``[k, L)``), K
@@ -57,6 +63,33 @@ def kv_scope(session_id: str, request_id: str) -> str:
     return f"session:{session_id}" if session_id else f"request:{request_id}"
 
 
+def request_seed(model_key: str, block_size: int, session_id: str, request_id: str) -> bytes:
+    """The chain seed of one request's block ids (edge and cloud both call this)."""
+    return hash_seed(model_key, block_size, kv_scope(session_id, request_id))
+
+
+def activation_keys(hidden: np.ndarray, block_size: int, seed: bytes, part: LayerRange) -> list[bytes]:
+    """Content keys of the tail KV of the full blocks of ``hidden``: float32 ``[T, H]`` activations
+    ``h_k`` the tail layers take as ``prompt_embeds``.
+
+    ``a_j = BLAKE3(a_{j-1} || bytes(h[jB:(j+1)B]))`` with ``a_{-1} = BLAKE3(seed || part)``: block
+    ``j``'s tail KV depends, through attention, on the activations of every token up to its end,
+    and on nothing else the cloud is given. Returns ``T // B`` digests of 32 bytes.
+
+    Raises:
+        ValueError: ``hidden`` is not a 2-D float32 array.
+    """
+    if hidden.ndim != 2 or hidden.dtype != np.float32:
+        raise ValueError(f"activations must be float32 [T, H], got {hidden.dtype} {hidden.shape}")
+    h = np.ascontiguousarray(hidden)
+    prev = blake3.blake3(seed + b"|tail|" + part.tag().encode()).digest()
+    out: list[bytes] = []
+    for j in range(h.shape[0] // block_size):
+        prev = blake3.blake3(prev + h[j * block_size : (j + 1) * block_size].tobytes()).digest()
+        out.append(prev)
+    return out
+
+
 def block_hashes(token_ids: list[int] | np.ndarray, block_size: int, seed: bytes) -> list[bytes]:
     """Chained hashes of the *full* blocks of ``token_ids`` (a partial last block has none).
 
@@ -71,9 +104,10 @@ def block_hashes(token_ids: list[int] | np.ndarray, block_size: int, seed: bytes
     return out
 
 
-def store_key(block_hash: bytes, part: LayerRange) -> str:
-    """Block-store key of one block's KV for one layer range."""
-    return f"{block_hash.hex()}:{part.tag()}"
+def part_key(content_key: bytes, part: LayerRange) -> str:
+    """Block-store key of one block's KV for one layer range, from its content key
+    (a Merkle leaf for head blocks, an ``activation_keys`` digest for tail blocks)."""
+    return f"{content_key.hex()}:{part.tag()}"
 
 
 def block_nbytes(part: LayerRange, num_kv_heads: int, block_size: int, head_dim: int) -> int:

@@ -1,17 +1,32 @@
-"""Domain forms of the ``Generate`` uplink messages, with ``from_pb`` / ``to_pb``."""
+"""Domain forms of the ``Cloud.Generate`` stream, both directions, and their protobuf
+conversion in one place.
+
+Uplink (edge -> cloud): ``TurnHeader``, then ``wire.Chunk`` / ``KVBlock`` / ``Commit``.
+Downlink (cloud -> edge): ``Nack``, ``Repair``, ``UploadAck``, ``TokensOut``,
+``TurnFinal``, ``TurnError``. Domain code passes these frozen dataclasses around;
+only ``uplink_to_pb`` / ``uplink_from_pb`` / ``downlink_to_pb`` / ``downlink_from_pb``
+see protobuf. Dispatch is by type (registries below), never by ``if kind == "..."``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from common import wire
-from common.errors import InvalidRequest
+from common.errors import InvalidRequest, TandemError, error_from_name
 from common.params import Sampling
+from tandem.stages import Timings, timings_from_wire, timings_to_wire
 from tandem.v1 import tandem_pb2 as pb
+
+# ------------------------------------------------------------------ uplink
 
 
 @dataclass(frozen=True)
 class TurnHeader:
+    """First uplink message of a turn; see ``RequestHeader`` in the proto for units."""
+
     request_id: str
     session_id: str
     params_version: int
@@ -52,6 +67,8 @@ class TurnHeader:
 
 @dataclass(frozen=True)
 class KVBlock:
+    """One full head-KV block: canonical fp32 ``[Lp, 2, Hkv, B, D]`` bytes, maybe compressed."""
+
     leaf_index: int
     block_hash: bytes
     layer_lo: int
@@ -63,6 +80,7 @@ class KVBlock:
 
     @classmethod
     def from_pb(cls, m: pb.KVBlockDelta) -> KVBlock:
+        """Raises InvalidRequest for an unknown codec."""
         if m.codec not in wire.Codec._value2member_map_:
             raise InvalidRequest(f"KV block {m.leaf_index}: unknown codec {m.codec}")
         codec = wire.Codec(m.codec)
@@ -81,20 +99,29 @@ class KVBlock:
         )
 
 
+@dataclass(frozen=True)
+class Commit:
+    """The session's head-KV tree after this turn: ``leaf_count`` leaves with ``merkle_root``."""
+
+    leaf_count: int
+    merkle_root: bytes
+
+    @classmethod
+    def from_pb(cls, m: pb.Commit) -> Commit:
+        return cls(m.leaf_count, m.merkle_root)
+
+    def to_pb(self) -> pb.Commit:
+        return pb.Commit(leaf_count=self.leaf_count, merkle_root=self.merkle_root)
+
+
 def chunk_from_pb(m: pb.ActivationChunk) -> wire.Chunk:
     """Raises InvalidRequest for unknown enum values."""
     if m.wire_dtype not in wire.WireDtype._value2member_map_ or m.codec not in wire.Codec._value2member_map_:
         raise InvalidRequest(f"chunk {m.seq}: unknown wire_dtype {m.wire_dtype} or codec {m.codec}")
     return wire.Chunk(
-        m.seq,
-        m.token_offset,
-        m.num_tokens,
-        wire.WireDtype(m.wire_dtype),
-        wire.Codec(m.codec),
-        m.raw_nbytes,
-        m.payload,
+        m.seq, m.token_offset, m.num_tokens, wire.WireDtype(m.wire_dtype), wire.Codec(m.codec), m.raw_nbytes, m.payload,
         m.crc32c,
-    )
+    )  # fmt: skip
 
 
 def chunk_to_pb(c: wire.Chunk) -> pb.ActivationChunk:
@@ -108,3 +135,143 @@ def chunk_to_pb(c: wire.Chunk) -> pb.ActivationChunk:
         payload=c.payload,
         crc32c=c.crc32c,
     )
+
+
+UplinkItem = TurnHeader | wire.Chunk | KVBlock | Commit
+
+_UP_TO: dict[type, tuple[str, Callable[[Any], Any]]] = {
+    TurnHeader: ("header", TurnHeader.to_pb),
+    wire.Chunk: ("chunk", chunk_to_pb),
+    KVBlock: ("kv_block", KVBlock.to_pb),
+    Commit: ("commit", Commit.to_pb),
+}
+_UP_FROM: dict[str, Callable[[Any], UplinkItem]] = {
+    "header": TurnHeader.from_pb,
+    "chunk": chunk_from_pb,
+    "kv_block": KVBlock.from_pb,
+    "commit": Commit.from_pb,
+}
+
+
+def uplink_to_pb(item: UplinkItem) -> pb.Uplink:
+    name, conv = _UP_TO[type(item)]
+    return pb.Uplink(**{name: conv(item)})
+
+
+def uplink_from_pb(m: pb.Uplink) -> UplinkItem:
+    """Raises InvalidRequest for an empty message."""
+    kind = m.WhichOneof("msg")
+    if kind is None:
+        raise InvalidRequest("empty uplink message")
+    return _UP_FROM[kind](getattr(m, kind))
+
+
+# ------------------------------------------------------------------ downlink
+
+
+@dataclass(frozen=True)
+class Nack:
+    """Chunk ``seq`` failed its CRC32C or did not decode: send it again."""
+
+    seq: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Repair:
+    """Send exactly these KV blocks again, then the commit."""
+
+    leaf_indices: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class UploadAck:
+    """The upload verified: the cloud holds activations of ``verified_tokens`` prompt tokens
+    and ``leaf_count`` head-KV leaves of the session."""
+
+    verified_tokens: int
+    leaf_count: int
+    merkle_root: bytes = b""
+
+
+@dataclass(frozen=True)
+class TokensOut:
+    """Output tokens starting at output position ``index``."""
+
+    token_ids: tuple[int, ...]
+    index: int
+
+
+@dataclass(frozen=True)
+class TurnFinal:
+    finish_reason: str
+    prompt_tokens: int
+    output_tokens: int
+    external_tokens: int
+    timings: Timings = field(default_factory=dict)
+    received_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TurnError:
+    """The cloud's verdict on a failed turn (see ``Error`` in the proto)."""
+
+    error: TandemError
+
+
+DownEvent = Nack | Repair | UploadAck | TokensOut | TurnFinal | TurnError
+
+
+def _final_to_pb(e: TurnFinal) -> pb.Final:
+    return pb.Final(
+        finish_reason=e.finish_reason,
+        prompt_tokens=e.prompt_tokens,
+        output_tokens=e.output_tokens,
+        external_tokens=e.external_tokens,
+        timings_ms=timings_to_wire(e.timings),
+        received_bytes=e.received_bytes,
+    )
+
+
+def _final_from_pb(m: pb.Final) -> TurnFinal:
+    return TurnFinal(
+        m.finish_reason,
+        m.prompt_tokens,
+        m.output_tokens,
+        m.external_tokens,
+        timings_from_wire(m.timings_ms),
+        dict(m.received_bytes),
+    )
+
+
+_DOWN_TO: dict[type, Callable[[Any], pb.Downlink]] = {
+    Nack: lambda e: pb.Downlink(nack=pb.Nack(seq=e.seq, reason=e.reason)),
+    Repair: lambda e: pb.Downlink(repair=pb.RepairRequest(leaf_indices=list(e.leaf_indices), reason=e.reason)),
+    UploadAck: lambda e: pb.Downlink(
+        upload_ack=pb.UploadAck(verified_tokens=e.verified_tokens, leaf_count=e.leaf_count, merkle_root=e.merkle_root)
+    ),
+    TokensOut: lambda e: pb.Downlink(tokens=pb.Tokens(token_ids=list(e.token_ids), index=e.index)),
+    TurnFinal: lambda e: pb.Downlink(final=_final_to_pb(e)),
+    TurnError: lambda e: pb.Downlink(error=pb.Error(kind=type(e.error).__name__, message=str(e.error))),
+}
+_DOWN_FROM: dict[str, Callable[[Any], DownEvent]] = {
+    "nack": lambda m: Nack(m.seq, m.reason),
+    "repair": lambda m: Repair(tuple(m.leaf_indices), m.reason),
+    "upload_ack": lambda m: UploadAck(m.verified_tokens, m.leaf_count, m.merkle_root),
+    "tokens": lambda m: TokensOut(tuple(m.token_ids), m.index),
+    "final": _final_from_pb,
+    "error": lambda m: TurnError(error_from_name(m.kind, m.message)),
+}
+
+
+def downlink_to_pb(ev: DownEvent) -> pb.Downlink:
+    return _DOWN_TO[type(ev)](ev)
+
+
+def downlink_from_pb(m: pb.Downlink) -> DownEvent:
+    """Raises InvalidRequest for an empty message (a cloud newer than this edge)."""
+    kind = m.WhichOneof("msg")
+    if kind is None:
+        raise InvalidRequest("empty downlink message")
+    return _DOWN_FROM[kind](getattr(m, kind))

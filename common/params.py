@@ -105,3 +105,45 @@ class Sampling:
         if self.seed is not None:
             m.seed = self.seed
         return m
+
+
+@dataclass(frozen=True)
+class NegotiateOffer:
+    """What an edge offers in ``Negotiate`` (units in names; see ``NegotiateRequest``)."""
+
+    edge_id: str
+    model_id: str
+    compatibility_key: str
+    split_layers: tuple[int, ...]
+    edge_max_batch: int
+    rtt_ms: float = 0.0
+    goodput_mbps: float = 0.0
+    ttft_slo_ms: float = 0.0
+    itl_p99_slo_ms: float = 0.0
+
+    @classmethod
+    def from_pb(cls, m: pb.NegotiateRequest) -> NegotiateOffer:
+        return cls(
+            m.edge_id,
+            m.model_id,
+            m.compatibility_key,
+            tuple(m.split_layers),
+            m.edge_max_batch,
+            m.link.rtt_ms,
+            m.link.goodput_mbps,
+            m.slo.ttft_ms,
+            m.slo.itl_p99_ms,
+        )
+
+    def to_pb(self) -> pb.NegotiateRequest:
+        return pb.NegotiateRequest(
+            edge_id=self.edge_id,
+            model_id=self.model_id,
+            compatibility_key=self.compatibility_key,
+            split_layers=list(self.split_layers),
+            wire_dtypes=[pb_name(x) for x in WireDtype],
+            codecs=[pb_name(x) for x in Codec],
+            edge_max_batch=self.edge_max_batch,
+            link=pb.LinkMeasurement(rtt_ms=self.rtt_ms, goodput_mbps=self.goodput_mbps),
+            slo=pb.LatencySlo(ttft_ms=self.ttft_slo_ms, itl_p99_ms=self.itl_p99_slo_ms),
+        )

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 
-from edge.head_runner import HeadInput, HeadOutput, OnnxHead
+from edge.head_runner import HeadInput, HeadOutput, HeadRunner
 
 
 class HeadBatcher:
-    def __init__(self, head: OnnxHead, max_batch: int) -> None:
+    def __init__(self, head: HeadRunner, max_batch: int) -> None:
         self.head, self.max_batch = head, max_batch
         self._queue: asyncio.Queue[tuple[HeadInput, asyncio.Future]] = asyncio.Queue()
         self._task: asyncio.Task | None = None

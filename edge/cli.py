@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -16,6 +15,7 @@ app = typer.Typer(add_completion=False, help="tandem edge daemon.")
 
 
 async def serve(cfg: EdgeConfig, ready_file: Path | None) -> None:
+    from common.grpcsetup import install_stop_signals
     from edge.server import create_edge
 
     daemon = await create_edge(cfg)
@@ -31,11 +31,7 @@ async def serve(cfg: EdgeConfig, ready_file: Path | None) -> None:
     )
     if ready_file:
         ready_file.write_text(str(daemon.port))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await install_stop_signals().wait()
     await daemon.stop()
 
 

@@ -18,6 +18,10 @@ class EdgeConfig(BaseModel):
     max_batch: int = 8  # rows per ONNX head call
     intra_op_threads: int = 0  # ONNX Runtime threads; 0 = its default
     max_sessions: int = 256
+    session_bytes: int = 512 << 20  # head KV + activations kept for sessions, all together; LRU beyond
+    keepalive_time_s: float = 5.0  # HTTP/2 PING to the cloud after this long without one (gRPC keepalive)
+    keepalive_timeout_s: float = 5.0  # no PING ack within this: the link is dead, calls fail UNAVAILABLE
+    turn_timeout_s: float = 300.0  # deadline of one call to the cloud when the client set none
     rtt_ms: float = 0.0  # measured link, reported in Negotiate
     goodput_mbps: float = 0.0
     ttft_slo_ms: float = 1000.0

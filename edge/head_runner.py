@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -126,3 +127,47 @@ class OnnxHead:
             kv = np.concatenate([stacked[:, :, b, :, :p], stacked[:, :, b, :, p_max : p_max + t]], axis=3)
             out.append(HeadOutput(hidden=np.ascontiguousarray(hidden[b, :t]), kv=np.ascontiguousarray(kv)))
         return out
+
+
+class HeadRunner(Protocol):
+    """Seam between the edge service and the head.
+
+    Who calls: ``edge.batcher.HeadBatcher``, once per batch, from one worker thread.
+    ``run`` returns one ``HeadOutput`` per row, in order, owned by the caller;
+    raises InvalidRequest for a malformed row. ``k`` is the split layer.
+    """
+
+    k: int
+
+    def run(self, rows: list[HeadInput]) -> list[HeadOutput]: ...
+
+
+class MemoryHead:
+    """In-memory double of the head for unit tests: deterministic, causal, incremental.
+
+    ``hidden[t]`` and the K/V of token ``t`` are pseudo-random functions of (token id,
+    position), so a second turn fed the first turn's ``kv`` gives the same values as one
+    call over the whole prompt, as the real head does. Shapes as ``OnnxHead``.
+    """
+
+    def __init__(self, k: int, hidden_size: int, num_kv_heads: int, head_dim: int) -> None:
+        self.k, self.h, self.hkv, self.d = k, hidden_size, num_kv_heads, head_dim
+
+    def _rows(self, ids: np.ndarray, start: int, width: int) -> np.ndarray:
+        out = np.empty((len(ids), width), np.float32)
+        for i, t in enumerate(ids):
+            out[i] = np.random.default_rng([int(t), start + i, width]).standard_normal(width)
+        return out
+
+    def run(self, rows: list[HeadInput]) -> list[HeadOutput]:
+        outs = []
+        for r in rows:
+            if r.token_ids.ndim != 1 or r.token_ids.shape[0] == 0:
+                raise InvalidRequest(f"token_ids must be a non-empty 1-D array, got shape {r.token_ids.shape}")
+            p, t = r.past_tokens, r.token_ids.shape[0]
+            hidden = self._rows(r.token_ids, p, self.h)
+            new = self._rows(r.token_ids, p, self.k * 2 * self.hkv * self.d)  # [T, k*2*Hkv*D]
+            new_kv = new.reshape(t, self.k, 2, self.hkv, self.d).transpose(1, 2, 3, 0, 4)
+            kv = new_kv if r.past_kv is None else np.concatenate([r.past_kv, new_kv], axis=3)
+            outs.append(HeadOutput(hidden=hidden, kv=np.ascontiguousarray(kv)))
+        return outs

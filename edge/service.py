@@ -2,8 +2,9 @@
 
 ``EdgeService.chat`` reads like the design's data path: tokenize -> head over
 the tokens the edge has not processed -> frame activations (CRC32C) and new
-full KV blocks (BLAKE3 leaves, RFC 6962 root) -> stream to the cloud -> detokenize
-tokens as they come back. No grpc servicer code here; ``edge.server`` adapts it.
+full KV blocks (BLAKE3 leaves, RFC 6962 root) -> stream to the cloud over the
+``CloudLink`` -> detokenize tokens as they come back. No grpc here; ``edge.server``
+adapts it, ``edge.grpc_link`` carries it.
 """
 
 from __future__ import annotations
@@ -14,116 +15,128 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import grpc
 import numpy as np
 
 from common import merkle, wire
-from common.errors import InvalidRequest, SessionOutOfSync
-from common.grpc_errors import error_from_status
-from common.kvblocks import LayerRange, block_hashes, hash_seed, kv_scope, split_blocks
-from common.messages import KVBlock, TurnHeader
-from common.params import LinkParams, Sampling
+from common.chat import prompt_token_ids
+from common.errors import DeadlineExceeded, InvalidRequest, SessionOutOfSync
+from common.kvblocks import LayerRange, block_hashes, request_seed, split_blocks
+from common.messages import KVBlock, TokensOut, TurnFinal, TurnHeader, UploadAck
+from common.params import LinkParams
 from edge.batcher import HeadBatcher
+from edge.events import ChatTurn, TextOut, TurnDone
 from edge.head_runner import HeadInput
+from edge.link import CloudLink
 from edge.session import EdgeSession, EdgeSessions
-from edge.uplink import OutgoingTurn, Tamper, generate
-from tandem.v1 import tandem_pb2_grpc as pb_grpc
+from edge.uplink import OutgoingTurn, stream_turn
+from tandem.stages import Stage, Timings
 
 
-@dataclass(frozen=True)
-class ChatTurn:
-    """One request from the SDK: ``messages`` (chat template applied) or a raw ``prompt``."""
+@dataclass
+class TurnClock:
+    """Stage timings of one turn, from its start."""
 
-    messages: tuple[tuple[str, str], ...] = ()
-    prompt: str = ""
-    session_id: str = ""
-    sampling: Sampling = field(default_factory=Sampling)
-    direct: bool = False
+    t_start: float = field(default_factory=time.perf_counter)
+    timings: Timings = field(default_factory=dict)
+    acked: bool = False  # the cloud verified this turn's upload (its session moved on)
 
-
-@dataclass(frozen=True)
-class TextOut:
-    text: str
-    token_ids: list[int]
+    def since(self, stage: Stage, t0: float | None = None) -> None:
+        self.timings[stage] = (time.perf_counter() - (self.t_start if t0 is None else t0)) * 1e3
 
 
-@dataclass(frozen=True)
-class TurnDone:
-    finish_reason: str
-    prompt_tokens: int
-    output_tokens: int
-    head_tokens: int
-    external_tokens: int
-    split_layer: int
-    timings_ms: dict[str, float]
-    sent_bytes: dict[str, int]
-    output_token_ids: list[int]
+async def _acquire(lock: asyncio.Lock, timeout_s: float, session_id: str) -> None:
+    """Raises DeadlineExceeded when another turn of the session holds ``lock`` past ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await lock.acquire()
+    except TimeoutError:
+        raise DeadlineExceeded(f"session {session_id!r} busy with another turn past the deadline") from None
 
 
 class EdgeService:
-    """Holds the tokenizer, the batched ONNX head, sessions and the negotiated link."""
+    """Holds the tokenizer, the batched head, sessions and the negotiated link."""
 
     def __init__(
         self,
         tokenizer,
         batcher: HeadBatcher,
-        stub: pb_grpc.CloudStub,
+        link: CloudLink,
         params: LinkParams,
         compatibility_key: str,
-        max_sessions: int,
-        tamper: Tamper | None = None,
+        sessions: EdgeSessions,
+        turn_timeout_s: float,
     ) -> None:
-        self.tok, self.batcher, self.stub, self.params = tokenizer, batcher, stub, params
+        self.tok, self.batcher, self.link, self.params = tokenizer, batcher, link, params
         self.k = batcher.head.k
-        self.sessions = EdgeSessions(max_sessions)
+        self.sessions = sessions
         self.model_key = compatibility_key
-        self.tamper = tamper
+        self.turn_timeout_s = turn_timeout_s
 
     def tokenize(self, turn: ChatTurn) -> list[int]:
         """Prompt token ids. Raises InvalidRequest for an empty or too long prompt."""
         if turn.messages and turn.prompt:
             raise InvalidRequest("pass messages or a prompt, not both")
-        if turn.messages:
-            ids = self.tok.apply_chat_template(
-                [{"role": r, "content": c} for r, c in turn.messages],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        elif turn.prompt:
-            ids = list(self.tok(turn.prompt)["input_ids"])
-        else:
-            raise InvalidRequest("a chat turn needs messages or a prompt")
+        messages = [{"role": r, "content": c} for r, c in turn.messages]
+        ids = prompt_token_ids(self.tok, messages or None, turn.prompt or None)
         if not 0 < len(ids) <= self.params.max_prompt_tokens:
             raise InvalidRequest(f"prompt has {len(ids)} tokens; the link allows 1..{self.params.max_prompt_tokens}")
         return ids
 
-    async def chat(self, turn: ChatTurn) -> AsyncIterator[TextOut | TurnDone]:
-        """Run one turn; yields text deltas then a ``TurnDone``.
+    async def chat(self, turn: ChatTurn, timeout_s: float | None = None) -> AsyncIterator[TextOut | TurnDone]:
+        """Run one turn within ``timeout_s`` (default ``turn_timeout_s``); yields text deltas then a
+        ``TurnDone``. A turn that fails before the cloud acknowledged its upload leaves the session
+        as it was before the turn.
 
         Raises:
             InvalidRequest: bad prompt or sampling parameters.
-            TandemError: the cloud's error, mapped back from its gRPC status.
+            TandemError: the cloud's verdict, EngineError (cloud unreachable), DeadlineExceeded.
         """
-        t_start = time.perf_counter()
+        clock = TurnClock()
+        timeout_s = self.turn_timeout_s if timeout_s is None else min(timeout_s, self.turn_timeout_s)
         ids = await asyncio.to_thread(self.tokenize, turn)  # long prompts must not stall other requests
-        timings = {"tokenize_ms": (time.perf_counter() - t_start) * 1e3}
+        clock.since(Stage.TOKENIZE)
         split = self.params.split_layer > 0 and not turn.direct
         session = self.sessions.get(turn.session_id) if split else EdgeSession()
-        async with session.lock:
-            head_tokens = await self._run_head(session, ids, timings) if split else 0
-            for attempt in (0, 1):
-                out = self._build_turn(session, ids, turn, split, timings, resend_all=attempt == 1)
-                try:
-                    async for ev in self._stream(out, session, ids, split, timings, t_start, head_tokens):
-                        yield ev
-                    return
-                except SessionOutOfSync:
-                    if attempt:
-                        raise
+        try:
+            await _acquire(session.lock, timeout_s, turn.session_id)
+            before = session.snapshot()
+            try:
+                head_tokens = await self._run_head(session, ids, clock) if split else 0
+                async for ev in self._send_and_stream(session, ids, turn, split, clock, head_tokens, timeout_s):
+                    yield ev
+            except BaseException:
+                if not clock.acked:  # nothing of this turn reached the cloud's session: keep no work of it
+                    session.restore(before)
+                raise
+            finally:
+                session.lock.release()
+        finally:
+            if split and turn.session_id:
+                self.sessions.discard_if_empty(turn.session_id)
+                self.sessions.evict()
 
-    async def _run_head(self, s: EdgeSession, ids: list[int], timings: dict[str, float]) -> int:
+    async def _send_and_stream(
+        self,
+        s: EdgeSession,
+        ids: list[int],
+        turn: ChatTurn,
+        split: bool,
+        clock: TurnClock,
+        head_tokens: int,
+        timeout_s: float,
+    ) -> AsyncIterator[TextOut | TurnDone]:
+        """Send what the cloud lacks; if the cloud lost the session, resend from token 0 once."""
+        for attempt in (0, 1):
+            out = self._build_turn(s, ids, turn, split, clock, resend_all=attempt == 1)
+            try:
+                async for ev in self._stream(out, s, ids, clock, head_tokens, timeout_s):
+                    yield ev
+                return
+            except SessionOutOfSync:
+                if attempt:
+                    raise
+
+    async def _run_head(self, s: EdgeSession, ids: list[int], clock: TurnClock) -> int:
         """Run the head over the tokens past the session's common prefix; updates ``s``."""
         t0 = time.perf_counter()
         c = s.common_prefix(ids)
@@ -134,128 +147,84 @@ class EdgeService:
         s.kv = out.kv
         s.hidden = out.hidden if s.hidden is None else np.concatenate([s.hidden, out.hidden])
         s.token_ids = list(ids)
-        timings["edge_head_ms"] = (time.perf_counter() - t0) * 1e3
+        clock.since(Stage.EDGE_HEAD, t0)
         return len(ids) - c
 
     def _build_turn(
-        self, s: EdgeSession, ids: list[int], turn: ChatTurn, split: bool, timings: dict[str, float], resend_all: bool
+        self, s: EdgeSession, ids: list[int], turn: ChatTurn, split: bool, clock: TurnClock, resend_all: bool
     ) -> OutgoingTurn:
         """Frame what the cloud lacks: activations past ``cloud_tokens``, blocks past its leaves."""
         t0 = time.perf_counter()
         p = self.params
-        if resend_all:
-            s.cloud_tokens, s.leaves = 0, []
         rid = uuid.uuid4().hex
         if not split:
             header = TurnHeader(rid, "", p.params_version, 0, tuple(ids), 0, 0, 0, turn.sampling)
             return OutgoingTurn(header, [], {}, 0, b"")
-        assert s.hidden is not None and s.kv is not None
+        if resend_all:
+            s.cloud_tokens, s.leaves = 0, []
+        if s.hidden is None or s.kv is None:
+            raise InvalidRequest("the head produced no output for this turn")
         cached = s.cloud_tokens
         chunks = wire.split(s.hidden[cached:], cached, p.chunk_tokens, p.wire_dtype, p.codec, p.codec_level)
         bs = p.kv_block_size_tokens
-        hashes = block_hashes(ids, bs, hash_seed(self.model_key, bs, kv_scope(turn.session_id, rid)))
-        first = len(s.leaves)
-        part = LayerRange(0, self.k)
-        blocks: dict[int, KVBlock] = {}
-        leaves = list(s.leaves)
-        for j, arr in zip(range(first, len(hashes)), split_blocks(s.kv, bs, first, len(hashes)), strict=True):
-            raw = arr.tobytes()
-            leaf = merkle.leaf_hash(merkle.leaf_data(hashes[j], part.lo, part.hi, raw))
-            payload = raw if p.codec != wire.Codec.ZSTD else _zstd(raw, p.codec_level)
-            blocks[j] = KVBlock(j, hashes[j], part.lo, part.hi, p.codec, len(raw), payload, leaf)
-            leaves.append(leaf)
+        hashes = block_hashes(ids, bs, request_seed(self.model_key, bs, turn.session_id, rid))
+        blocks = self._kv_blocks(s, hashes, LayerRange(0, self.k))
+        leaves = list(s.leaves) + [b.leaf_hash for b in blocks.values()]
         header = TurnHeader(
             rid, turn.session_id, p.params_version, self.k, tuple(ids), cached, len(chunks), len(blocks), turn.sampling
         )
-        timings["encode_ms"] = (time.perf_counter() - t0) * 1e3
+        clock.since(Stage.ENCODE, t0)
         return OutgoingTurn(header, chunks, blocks, len(leaves), merkle.root(leaves))
 
+    def _kv_blocks(self, s: EdgeSession, hashes: list[bytes], part: LayerRange) -> dict[int, KVBlock]:
+        """The session's full head-KV blocks past those the cloud holds, each with its Merkle leaf."""
+        assert s.kv is not None  # checked by the caller
+        p, first = self.params, len(s.leaves)
+        blocks: dict[int, KVBlock] = {}
+        for j, arr in zip(
+            range(first, len(hashes)), split_blocks(s.kv, p.kv_block_size_tokens, first, len(hashes)), strict=True
+        ):
+            raw = arr.tobytes()
+            leaf = merkle.leaf_hash(merkle.leaf_data(hashes[j], part.lo, part.hi, raw))
+            payload = wire.encode_payload(raw, p.codec, p.codec_level)
+            blocks[j] = KVBlock(j, hashes[j], part.lo, part.hi, p.codec, len(raw), payload, leaf)
+        return blocks
+
     async def _stream(
-        self,
-        out: OutgoingTurn,
-        s: EdgeSession,
-        ids: list[int],
-        split: bool,
-        timings: dict[str, float],
-        t_start: float,
-        head_tokens: int,
+        self, out: OutgoingTurn, s: EdgeSession, ids: list[int], clock: TurnClock, head_tokens: int, timeout_s: float
     ) -> AsyncIterator[TextOut | TurnDone]:
         out_ids: list[int] = []
         text = ""
-        try:
-            async for d in generate(self.stub, out, self.tamper):
-                kind = d.WhichOneof("msg")
-                if kind == "upload_ack":
-                    s.cloud_tokens = len(ids)
-                    s.leaves = s.leaves + [out.blocks[j].leaf_hash for j in sorted(out.blocks)]
-                    timings["uplink_ms"] = out.upload_ms
-                elif kind == "tokens":
-                    if not out_ids:
-                        timings["ttft_ms"] = (time.perf_counter() - t_start) * 1e3
-                    out_ids.extend(d.tokens.token_ids)
-                    new_text = self.tok.decode(out_ids, skip_special_tokens=True)
-                    if len(new_text) > len(text) and not new_text.endswith("\ufffd"):
-                        yield TextOut(new_text[len(text) :], list(d.tokens.token_ids))
-                        text = new_text
-                elif kind == "final":
-                    f = d.final
-                    timings["total_ms"] = (time.perf_counter() - t_start) * 1e3
-                    timings.update({f"cloud_{k}": v for k, v in f.timings_ms.items()})
-                    sent = dict(out.sent_bytes)
-                    sent["resent_chunks"], sent["repaired_blocks"] = out.resent_chunks, out.repaired_blocks
-                    yield TurnDone(
-                        f.finish_reason,
-                        f.prompt_tokens,
-                        f.output_tokens,
-                        head_tokens,
-                        f.external_tokens,
-                        out.header.split_layer,
-                        timings,
-                        sent,
-                        out_ids,
-                    )
-        except grpc.aio.AioRpcError as e:
-            raise error_from_status(e.code(), e.details() or "") from e
+        async for ev in stream_turn(self.link, out, timeout_s):
+            if isinstance(ev, UploadAck):
+                s.cloud_tokens = len(ids)
+                s.leaves = s.leaves + [out.blocks[j].leaf_hash for j in sorted(out.blocks)]
+                clock.timings[Stage.UPLINK] = out.upload_ms
+                clock.acked = True
+            elif isinstance(ev, TokensOut):
+                if not out_ids:
+                    clock.since(Stage.TTFT)
+                out_ids.extend(ev.token_ids)
+                new_text = self.tok.decode(out_ids, skip_special_tokens=True)
+                if len(new_text) > len(text) and not new_text.endswith("\ufffd"):
+                    yield TextOut(new_text[len(text) :], ev.token_ids)
+                    text = new_text
+            elif isinstance(ev, TurnFinal):
+                yield self._done(ev, out, clock, head_tokens, out_ids)
 
-
-def _zstd(raw: bytes, level: int) -> bytes:
-    import zstandard
-
-    return zstandard.ZstdCompressor(level=level).compress(raw)
-
-
-async def negotiate(
-    stub: pb_grpc.CloudStub,
-    edge_id: str,
-    model_id: str,
-    compatibility_key: str,
-    k: int,
-    max_batch: int,
-    rtt_ms: float,
-    goodput_mbps: float,
-    ttft_slo_ms: float,
-    itl_slo_ms: float,
-) -> LinkParams:
-    """Call ``Cloud.Negotiate``; returns the agreed params.
-
-    Raises:
-        TandemError: mapped from the cloud's status (IncompatibleModel when the splits differ).
-    """
-    from tandem.v1 import tandem_pb2 as pb
-
-    req = pb.NegotiateRequest(
-        edge_id=edge_id,
-        model_id=model_id,
-        compatibility_key=compatibility_key,
-        split_layers=[0, k],
-        wire_dtypes=[wire.pb_name(x) for x in wire.WireDtype],
-        codecs=[wire.pb_name(x) for x in wire.Codec],
-        edge_max_batch=max_batch,
-        link=pb.LinkMeasurement(rtt_ms=rtt_ms, goodput_mbps=goodput_mbps),
-        slo=pb.LatencySlo(ttft_ms=ttft_slo_ms, itl_p99_ms=itl_slo_ms),
-    )
-    try:
-        resp = await stub.Negotiate(req, timeout=30)
-    except grpc.aio.AioRpcError as e:
-        raise error_from_status(e.code(), e.details() or "") from e
-    return LinkParams.from_pb(resp.params)
+    @staticmethod
+    def _done(f: TurnFinal, out: OutgoingTurn, clock: TurnClock, head_tokens: int, out_ids: list[int]) -> TurnDone:
+        clock.since(Stage.TOTAL)
+        timings = {**clock.timings, **{k: v for k, v in f.timings.items() if k.is_cloud}}
+        sent = {**out.sent_bytes, "resent_chunks": out.resent_chunks, "repaired_blocks": out.repaired_blocks}
+        return TurnDone(
+            f.finish_reason,
+            f.prompt_tokens,
+            f.output_tokens,
+            head_tokens,
+            f.external_tokens,
+            out.header.split_layer,
+            timings,
+            sent,
+            tuple(out_ids),
+        )

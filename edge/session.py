@@ -4,13 +4,18 @@ token_ids: prompt tokens the head has processed; kv: head KV float32 ``[k, 2, Hk
 hidden: ``h_k`` float32 ``[S, H]`` (kept so the edge can resend activations the cloud lost);
 cloud_tokens / leaves: what the cloud acknowledged (activations of the first
 ``cloud_tokens`` tokens and the head-KV Merkle leaves).
+
+Bounded by count and by bytes (head KV + activations of all sessions); least recently
+used sessions that no turn is using are dropped first. Arrays are replaced, never
+written in place, so a snapshot of a session's fields is a cheap rollback point for a
+turn that fails: a failed turn leaves the session as it was.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -23,6 +28,11 @@ class EdgeSession:
     cloud_tokens: int = 0
     leaves: list[bytes] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def nbytes(self) -> int:
+        """Head KV and activation bytes held."""
+        return sum(0 if a is None else int(a.nbytes) for a in (self.kv, self.hidden))
 
     def common_prefix(self, ids: list[int]) -> int:
         n = min(len(ids), len(self.token_ids))
@@ -39,24 +49,56 @@ class EdgeSession:
             self.hidden = None if self.hidden is None or n == 0 else self.hidden[:n]
             self.cloud_tokens, self.leaves = 0, []  # the cloud's copy no longer matches: resend
 
+    def snapshot(self) -> EdgeSession:
+        """A rollback point (shares the arrays, which are never modified in place)."""
+        return replace(self, token_ids=list(self.token_ids), leaves=list(self.leaves))
+
+    def restore(self, snap: EdgeSession) -> None:
+        """Return to ``snap`` (the lock stays this session's)."""
+        for f in fields(self):
+            if f.name != "lock":
+                setattr(self, f.name, getattr(snap, f.name))
+
 
 class EdgeSessions:
-    """LRU of edge sessions bounded by count."""
+    """LRU of edge sessions bounded by count and bytes."""
 
-    def __init__(self, max_sessions: int) -> None:
-        self.max_sessions = max_sessions
+    def __init__(self, max_sessions: int, max_bytes: int) -> None:
+        self.max_sessions, self.max_bytes = max_sessions, max_bytes
         self._s: OrderedDict[str, EdgeSession] = OrderedDict()
 
     def get(self, session_id: str) -> EdgeSession:
+        """The session (created empty if unknown); a stateless request gets a throwaway one."""
         if not session_id:
             return EdgeSession()
         s = self._s.get(session_id)
         if s is None:
             s = self._s[session_id] = EdgeSession()
         self._s.move_to_end(session_id)
-        while len(self._s) > self.max_sessions:
+        return s
+
+    def discard_if_empty(self, session_id: str) -> None:
+        """Forget a session that holds nothing (its first turn failed)."""
+        s = self._s.get(session_id)
+        if s is not None and not s.token_ids and not s.lock.locked():
+            del self._s[session_id]
+
+    def evict(self) -> list[str]:
+        """Drop least-recently-used idle sessions until within bounds; returns dropped ids."""
+        dropped = []
+        while len(self._s) > self.max_sessions or self.nbytes() > self.max_bytes:
             victim = next((k for k, v in self._s.items() if not v.lock.locked()), None)
             if victim is None:
                 break
             del self._s[victim]
-        return s
+            dropped.append(victim)
+        return dropped
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self._s.values())
+
+    def __len__(self) -> int:
+        return len(self._s)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._s

@@ -1,30 +1,27 @@
-"""The edge's side of ``Cloud.Generate``: send one turn's upload, answer NACKs and
-repair requests from the frames it kept, and hand downlink events on.
+"""The edge's side of one ``Cloud.Generate`` turn, over any ``edge.link.TurnCall``: send the
+header, activation chunks, KV blocks and commit; answer NACKs and repair requests from
+the frames it kept; hand tokens and the final summary on.
 
-Network handling only: what to send is decided by ``edge.service``.
-``tamper`` is a seam for link emulation and fault injection: it sees every
-uplink message with its send attempt number and may return altered bytes.
+Network handling only: what to send is decided by ``edge.service``; how it travels by
+the link. On the cloud's verdict (a ``TurnError``) the link stops writing at once and
+the verdict is raised, so a refusal arrives as the cloud meant it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from common import wire
-from common.errors import EngineError
-from common.messages import KVBlock, TurnHeader, chunk_to_pb
-from tandem.v1 import tandem_pb2 as pb
-from tandem.v1 import tandem_pb2_grpc as pb_grpc
-
-Tamper = Callable[[pb.Uplink, int], pb.Uplink]
+from common.errors import InvalidRequest
+from common.messages import Commit, DownEvent, KVBlock, Nack, Repair, TokensOut, TurnFinal, TurnHeader, UploadAck
+from edge.link import CloudLink, TurnCall
 
 
 @dataclass
 class OutgoingTurn:
-    """Everything one turn may need to (re)send."""
+    """Everything one turn may need to (re)send, and what sending it cost."""
 
     header: TurnHeader
     chunks: list[wire.Chunk]
@@ -36,66 +33,65 @@ class OutgoingTurn:
     repaired_blocks: int = 0
     upload_ms: float = 0.0
 
+    @property
+    def split(self) -> bool:
+        return self.header.split_layer > 0
 
-async def generate(
-    stub: pb_grpc.CloudStub, turn: OutgoingTurn, tamper: Tamper | None = None, timeout_s: float | None = None
-) -> AsyncIterator[pb.Downlink]:
-    """Run one Generate call; yields downlink messages (tokens, upload ack, final).
+
+def _send_upload(call: TurnCall, turn: OutgoingTurn) -> None:
+    turn.sent_bytes["header"] += call.send(turn.header)
+    for c in turn.chunks:
+        turn.sent_bytes["activations"] += call.send(c)
+    for b in turn.blocks.values():
+        turn.sent_bytes["kv"] += call.send(b)
+    if turn.split:
+        turn.sent_bytes["header"] += call.send(Commit(turn.leaf_count, turn.merkle_root))
+    else:
+        call.close_send()
+
+
+def _answer_nack(call: TurnCall, turn: OutgoingTurn, nack: Nack) -> None:
+    """Raises InvalidRequest if the cloud NACKs a chunk this turn never sent."""
+    if not 0 <= nack.seq < len(turn.chunks):
+        raise InvalidRequest(f"cloud NACKed chunk {nack.seq}; this turn sent {len(turn.chunks)}")
+    turn.resent_chunks += 1
+    turn.sent_bytes["activations"] += call.send(turn.chunks[nack.seq])
+
+
+def _answer_repair(call: TurnCall, turn: OutgoingTurn, repair: Repair) -> None:
+    """Raises InvalidRequest if the cloud asks for a block this turn never sent."""
+    unknown = [j for j in repair.leaf_indices if j not in turn.blocks]
+    if unknown:
+        raise InvalidRequest(f"cloud asked to repair KV blocks {unknown[:8]} this turn did not send")
+    for j in repair.leaf_indices:
+        turn.repaired_blocks += 1
+        turn.sent_bytes["kv"] += call.send(turn.blocks[j])
+    turn.sent_bytes["header"] += call.send(Commit(turn.leaf_count, turn.merkle_root))
+
+
+async def stream_turn(
+    link: CloudLink, turn: OutgoingTurn, timeout_s: float | None
+) -> AsyncIterator[UploadAck | TokensOut | TurnFinal]:
+    """Run one Generate call with deadline ``timeout_s``; yields the upload ack, tokens, the final.
 
     Raises:
-        grpc.aio.AioRpcError: the cloud ended the call with an error status.
-        EngineError: the cloud asked for a chunk or block this turn never sent.
+        TandemError: the cloud's verdict (SessionOutOfSync, InvalidRequest, DataLoss kinds...),
+            EngineError (UNAVAILABLE: cloud unreachable or dead link), DeadlineExceeded.
     """
-    queue: asyncio.Queue[pb.Uplink | None] = asyncio.Queue()
-    attempts: dict[tuple[str, int], int] = {}
-
-    def send(msg: pb.Uplink, kind: str, key: int) -> None:
-        n = attempts[(kind, key)] = attempts.get((kind, key), 0) + 1
-        if tamper is not None:
-            msg = tamper(msg, n)
-        turn.sent_bytes[kind] += msg.ByteSize()
-        queue.put_nowait(msg)
-
-    def send_commit() -> None:
-        send(pb.Uplink(commit=pb.Commit(leaf_count=turn.leaf_count, merkle_root=turn.merkle_root)), "header", -1)
-
-    send(pb.Uplink(header=turn.header.to_pb()), "header", -2)
-    for c in turn.chunks:
-        send(pb.Uplink(chunk=chunk_to_pb(c)), "activations", c.seq)
-    for j, b in turn.blocks.items():
-        send(pb.Uplink(kv_block=b.to_pb()), "kv", j)
-    if turn.header.split_layer:
-        send_commit()
-    else:
-        queue.put_nowait(None)
-
-    async def uplink() -> AsyncIterator[pb.Uplink]:
-        while (m := await queue.get()) is not None:
-            yield m
-
+    call = link.open(timeout_s)
     t0 = time.perf_counter()
-    call = stub.Generate(uplink(), timeout=timeout_s)
     try:
-        async for d in call:
-            kind = d.WhichOneof("msg")
-            if kind == "nack":
-                if not 0 <= d.nack.seq < len(turn.chunks):
-                    raise EngineError(f"cloud NACKed chunk {d.nack.seq}; this turn sent {len(turn.chunks)}")
-                turn.resent_chunks += 1
-                send(pb.Uplink(chunk=chunk_to_pb(turn.chunks[d.nack.seq])), "activations", d.nack.seq)
-            elif kind == "repair":
-                unknown = [j for j in d.repair.leaf_indices if j not in turn.blocks]
-                if unknown:
-                    raise EngineError(f"cloud asked to repair KV blocks {unknown[:8]} this turn did not send")
-                for j in d.repair.leaf_indices:
-                    turn.repaired_blocks += 1
-                    send(pb.Uplink(kv_block=turn.blocks[j].to_pb()), "kv", j)
-                send_commit()
-            else:
-                if kind == "upload_ack":
+        _send_upload(call, turn)
+        ev: DownEvent
+        async for ev in call.events():
+            if isinstance(ev, Nack):
+                _answer_nack(call, turn, ev)
+            elif isinstance(ev, Repair):
+                _answer_repair(call, turn, ev)
+            elif isinstance(ev, UploadAck | TokensOut | TurnFinal):
+                if isinstance(ev, UploadAck):
                     turn.upload_ms = (time.perf_counter() - t0) * 1e3
-                    queue.put_nowait(None)
-                yield d
+                    call.close_send()
+                yield ev
     finally:
-        queue.put_nowait(None)
         call.cancel()

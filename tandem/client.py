@@ -3,12 +3,20 @@
 Both clients talk to a ``tandem-edge`` daemon's ``Edge.Chat`` RPC and yield
 ``Delta`` objects (text as it is decoded), then keep the final ``ChatResult``
 (usage, per-stage timings in ms, bytes sent per stream kind) on the iterator.
+
+One core serves both: ``build_request`` turns ``chat()``'s arguments into the
+``ChatRequest``, ``_Accumulator`` turns the ``ChatEvent`` stream into ``Delta``s and
+the ``ChatResult``, and ``_ClientCore.chat`` starts the call; ``Client`` /
+``ChatStream`` and ``AsyncClient`` / ``AsyncChatStream`` only add the blocking or
+asyncio iteration and channel handling. Leaving a stream early (``break``, closing
+the iterator) cancels the call, so the edge and the cloud stop working on it.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -16,6 +24,8 @@ from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
 Message = Mapping[str, str]  # {"role": "user", "content": "..."}
+
+_MODES = {"auto": pb.MODE_UNSPECIFIED, "split": pb.MODE_SPLIT, "direct": pb.MODE_DIRECT}
 
 
 class TandemClientError(Exception):
@@ -34,7 +44,8 @@ class Delta:
 
 @dataclass(frozen=True)
 class ChatResult:
-    """Final summary of a turn (units in names)."""
+    """Final summary of a turn (units in names). ``timings_ms`` is keyed by the wire's stage
+    names (``tandem.stages.Stage`` values, e.g. ``"ttft_ms"``; a ``Stage`` member works as key too)."""
 
     text: str
     finish_reason: str
@@ -49,23 +60,42 @@ class ChatResult:
 
 
 def build_request(
-    messages: Sequence[Message] | None,
-    prompt: str | None,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    seed: int | None,
-    session_id: str | None,
-    mode: str,
+    messages: Sequence[Message] | None = None,
+    *,
+    prompt: str | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    session_id: str | None = None,
+    mode: str = "auto",
     ignore_eos: bool = False,
 ) -> pb.ChatRequest:
-    """Raises ValueError for neither or both of messages and prompt, or an unknown mode."""
+    """The ``ChatRequest`` of one turn; ``Client.chat`` / ``AsyncClient.chat`` take the same arguments.
+
+    Args:
+        messages: the whole conversation so far, ``[{"role": "system"|"user"|"assistant", "content": ...}]``;
+            the edge applies the model's chat template and appends the generation prompt.
+        prompt: a raw prompt instead of ``messages``, tokenized as is (no chat template).
+        max_new_tokens: the most tokens to generate.
+        temperature: sampling temperature; 0 = greedy.
+        top_p: nucleus sampling probability mass; 1.0 = off.
+        top_k: sample among the ``top_k`` most likely tokens; 0 = off.
+        seed: sampling seed; ``None`` = unseeded.
+        session_id: name of a multi-turn conversation; reuse it on each turn so the edge and the
+            cloud keep the conversation's prefix and only new tokens travel. ``None`` = stateless.
+        mode: ``"auto"`` (as negotiated with the cloud), ``"split"`` (edge head, cloud tail) or
+            ``"direct"`` (token ids up, the cloud runs every layer).
+        ignore_eos: keep generating past end-of-sequence, up to ``max_new_tokens`` (benchmarks).
+
+    Raises:
+        ValueError: neither or both of ``messages`` and ``prompt``, or an unknown ``mode``.
+    """
     if (messages is None) == (prompt is None):
         raise ValueError("pass exactly one of messages= or prompt=")
-    modes = {"auto": pb.MODE_UNSPECIFIED, "split": pb.MODE_SPLIT, "direct": pb.MODE_DIRECT}
-    if mode not in modes:
-        raise ValueError(f"mode must be one of {sorted(modes)}")
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {sorted(_MODES)}")
     sp = pb.SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos
     )
@@ -75,64 +105,109 @@ def build_request(
         session_id=session_id or "",
         prompt=prompt or "",
         sampling=sp,
-        mode=modes[mode],
+        mode=_MODES[mode],
         messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in (messages or [])],
     )
 
 
 class _Accumulator:
+    """``ChatEvent``s in, ``Delta``s out; the ``ChatDone`` becomes the ``ChatResult``."""
+
     def __init__(self) -> None:
-        self.parts: list[str] = []
+        self._parts: list[str] = []
         self.result: ChatResult | None = None
 
     def feed(self, ev: pb.ChatEvent) -> Delta | None:
-        if ev.WhichOneof("event") == "delta":
-            self.parts.append(ev.delta.text)
+        """The ``Delta`` of a text event, else ``None`` (the final event, or one this version does not know)."""
+        kind = ev.WhichOneof("event")
+        if kind == "delta":
+            self._parts.append(ev.delta.text)
             return Delta(ev.delta.text, tuple(ev.delta.token_ids))
-        d = ev.done
-        self.result = ChatResult(
-            "".join(self.parts),
-            d.finish_reason,
-            d.prompt_tokens,
-            d.output_tokens,
-            d.head_tokens,
-            d.external_tokens,
-            d.split_layer,
-            tuple(d.output_token_ids),
-            dict(d.timings_ms),
-            dict(d.sent_bytes),
-        )
+        if kind == "done":
+            d = ev.done
+            self.result = ChatResult(
+                text="".join(self._parts),
+                finish_reason=d.finish_reason,
+                prompt_tokens=d.prompt_tokens,
+                output_tokens=d.output_tokens,
+                head_tokens=d.head_tokens,
+                external_tokens=d.external_tokens,
+                split_layer=d.split_layer,
+                output_token_ids=tuple(d.output_token_ids),
+                timings_ms=dict(d.timings_ms),
+                sent_bytes=dict(d.sent_bytes),
+            )
         return None
 
+    def finish(self) -> None:
+        """The stream ended without an error. Raises TandemClientError if it carried no ``ChatDone``."""
+        if self.result is None:
+            raise TandemClientError(grpc.StatusCode.UNKNOWN, "the edge ended the stream without a final event")
 
-class ChatStream:
-    """Iterator of ``Delta``; ``.result`` holds the ``ChatResult`` once exhausted."""
 
-    def __init__(self, call) -> None:
+def _client_error(e: Any) -> TandemClientError:
+    return TandemClientError(e.code(), e.details() or "")
+
+
+class _StreamBase:
+    def __init__(self, call: Any) -> None:
         self._call, self._acc = call, _Accumulator()
-
-    def __iter__(self) -> Iterator[Delta]:
-        try:
-            for ev in self._call:
-                d = self._acc.feed(ev)
-                if d is not None:
-                    yield d
-        except grpc.RpcError as e:
-            raise TandemClientError(e.code(), e.details()) from e
 
     @property
     def result(self) -> ChatResult:
+        """The turn's ``ChatResult``. Raises RuntimeError before the stream has been iterated to its end."""
         if self._acc.result is None:
             raise RuntimeError("iterate the stream to its end first")
         return self._acc.result
 
 
-class Client:
-    """Blocking client. ``with Client("host:port") as c: for d in c.chat(...): ...``"""
+class ChatStream(_StreamBase):
+    """Iterator of ``Delta``; ``.result`` holds the ``ChatResult`` once exhausted.
 
-    def __init__(self, target: str) -> None:
-        self._channel = grpc.insecure_channel(target)
-        self._stub = pb_grpc.EdgeStub(self._channel)
+    Iteration raises ``TandemClientError`` if the edge fails the call; leaving the loop early cancels it.
+    """
+
+    def __iter__(self) -> Iterator[Delta]:
+        try:
+            for ev in self._call:
+                if (d := self._acc.feed(ev)) is not None:
+                    yield d
+            self._acc.finish()
+        except grpc.RpcError as e:
+            raise _client_error(e) from e
+        finally:
+            self._call.cancel()  # a no-op once the call has ended
+
+
+class AsyncChatStream(_StreamBase):
+    """Async iterator of ``Delta``; ``.result`` holds the ``ChatResult`` once exhausted.
+
+    Iteration raises ``TandemClientError`` if the edge fails the call; leaving the loop early cancels
+    it (when the event loop finalizes the iterator, right after the loop).
+    """
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        try:
+            async for ev in self._call:
+                if (d := self._acc.feed(ev)) is not None:
+                    yield d
+            self._acc.finish()
+        except grpc.aio.AioRpcError as e:
+            raise _client_error(e) from e
+        finally:
+            self._call.cancel()  # a no-op once the call has ended
+
+
+S = TypeVar("S", bound=_StreamBase)
+
+
+class _ClientCore(Generic[S]):
+    """``chat()`` for both clients; a subclass supplies the stub and wraps the call in its stream."""
+
+    _stub: pb_grpc.EdgeStub
+
+    def _stream(self, call: Any) -> S:
+        raise NotImplementedError
 
     def chat(
         self,
@@ -148,15 +223,42 @@ class Client:
         mode: str = "auto",
         timeout_s: float | None = None,
         ignore_eos: bool = False,
-    ) -> ChatStream:
-        """Start a chat turn; iterate the returned stream for text deltas."""
-        req = build_request(
-            messages, prompt, max_new_tokens, temperature, top_p, top_k, seed, session_id, mode, ignore_eos
-        )
-        return ChatStream(self._stub.Chat(req, timeout=timeout_s))
+    ) -> S:
+        """Start a chat turn; iterate the returned stream for text deltas, then read its ``.result``.
 
-    def complete(self, messages: Sequence[Message] | None = None, **kw) -> ChatResult:
-        """Run a turn to the end and return its ``ChatResult``."""
+        ``timeout_s`` is the deadline of the whole call in seconds (``None``: none); the other
+        arguments are ``build_request``'s, documented there.
+
+        Raises:
+            ValueError: invalid arguments (before anything is sent).
+        """
+        req = build_request(
+            messages,
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            session_id=session_id,
+            mode=mode,
+            ignore_eos=ignore_eos,
+        )
+        return self._stream(self._stub.Chat(req, timeout=timeout_s))
+
+
+class Client(_ClientCore[ChatStream]):
+    """Blocking client. ``with Client("host:port") as c: for d in c.chat(...): ...``"""
+
+    def __init__(self, target: str) -> None:
+        self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.EdgeStub(self._channel)
+
+    def _stream(self, call: Any) -> ChatStream:
+        return ChatStream(call)
+
+    def complete(self, messages: Sequence[Message] | None = None, **kw: Any) -> ChatResult:
+        """Run a turn to the end and return its ``ChatResult`` (arguments as ``chat``)."""
         s = self.chat(messages, **kw)
         for _ in s:
             pass
@@ -168,58 +270,22 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-class AsyncChatStream:
-    def __init__(self, call) -> None:
-        self._call, self._acc = call, _Accumulator()
-
-    async def __aiter__(self) -> AsyncIterator[Delta]:
-        try:
-            async for ev in self._call:
-                d = self._acc.feed(ev)
-                if d is not None:
-                    yield d
-        except grpc.aio.AioRpcError as e:
-            raise TandemClientError(e.code(), e.details() or "") from e
-
-    @property
-    def result(self) -> ChatResult:
-        if self._acc.result is None:
-            raise RuntimeError("iterate the stream to its end first")
-        return self._acc.result
-
-
-class AsyncClient:
+class AsyncClient(_ClientCore[AsyncChatStream]):
     """asyncio client. ``async with AsyncClient(target) as c: async for d in c.chat(...): ...``"""
 
     def __init__(self, target: str) -> None:
         self._channel = grpc.aio.insecure_channel(target)
         self._stub = pb_grpc.EdgeStub(self._channel)
 
-    def chat(
-        self,
-        messages: Sequence[Message] | None = None,
-        *,
-        prompt: str | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        session_id: str | None = None,
-        mode: str = "auto",
-        timeout_s: float | None = None,
-        ignore_eos: bool = False,
-    ) -> AsyncChatStream:
-        req = build_request(
-            messages, prompt, max_new_tokens, temperature, top_p, top_k, seed, session_id, mode, ignore_eos
-        )
-        return AsyncChatStream(self._stub.Chat(req, timeout=timeout_s))
+    def _stream(self, call: Any) -> AsyncChatStream:
+        return AsyncChatStream(call)
 
-    async def complete(self, messages: Sequence[Message] | None = None, **kw) -> ChatResult:
+    async def complete(self, messages: Sequence[Message] | None = None, **kw: Any) -> ChatResult:
+        """Run a turn to the end and return its ``ChatResult`` (arguments as ``chat``)."""
         s = self.chat(messages, **kw)
         async for _ in s:
             pass
@@ -231,5 +297,5 @@ class AsyncClient:
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()

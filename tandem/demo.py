@@ -9,16 +9,14 @@ they are deployed.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from tandem.client import ChatResult, Client
+from tandem.daemons import Daemons, cloud_command, edge_command
+from tandem.stages import TTFT_STAGES, Stage
 
 PROMPT = (
     "I am planning a weekend trip to Lisbon with two kids. Suggest a plan for Saturday "
@@ -26,31 +24,7 @@ PROMPT = (
 )
 FOLLOW_UP = "Now do the same for Sunday, but keep it cheaper."
 
-STAGES = [  # (label, key in timings_ms)
-    ("tokenize (edge)", "tokenize_ms"),
-    ("edge head: ONNX layers [0,k)", "edge_head_ms"),
-    ("encode: chunks+CRC32C, KV blocks+BLAKE3", "encode_ms"),
-    ("uplink: send until cloud verified", "uplink_ms"),
-    ("cloud: store put of head KV", "cloud_store_put_ms"),
-    ("cloud: tail prefill + 1st token (vLLM)", "cloud_tail_prefill_ms"),
-    ("cloud: KV handoff + decode engine's 1st step", "cloud_decode_first_token_ms"),
-    ("time to first token (client)", "ttft_ms"),
-    ("end to end", "total_ms"),
-]
-
-
-def wait_ready(proc: subprocess.Popen, ready: Path, what: str, timeout_s: float) -> int:
-    """Wait for a daemon's ready file (its port), showing progress. Raises RuntimeError if it dies."""
-    t0 = time.monotonic()
-    while not ready.exists() or not ready.read_text().strip():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}; see its log")
-        if time.monotonic() - t0 > timeout_s:
-            raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s")
-        print(f"\r  starting {what} ... {time.monotonic() - t0:5.1f} s", end="", file=sys.stderr, flush=True)
-        time.sleep(0.5)
-    print(f"\r  {what} ready in {time.monotonic() - t0:.1f} s          ", file=sys.stderr)
-    return int(ready.read_text())
+STAGES = [*TTFT_STAGES, Stage.TTFT, Stage.CLOUD_DECODE, Stage.TOTAL]  # rows of the latency table
 
 
 def stream(
@@ -69,13 +43,9 @@ def report(results: dict[str, ChatResult]) -> None:
     names = list(results)
     print("\nPer-stage latency (ms)")
     print(f"{'stage':<44}" + "".join(f"{n:>16}" for n in names))
-    for label, key in STAGES:
-        print(
-            f"{label:<44}"
-            + "".join(
-                f"{results[n].timings_ms[key]:>16.1f}" if key in results[n].timings_ms else f"{'-':>16}" for n in names
-            )
-        )
+    for st in STAGES:
+        cells = (results[n].timings_ms.get(st) for n in names)
+        print(f"{st.label:<44}" + "".join(f"{'-':>16}" if v is None else f"{v:>16.1f}" for v in cells))
     print(f"{'decode rate (tokens/s)':<44}" + "".join(f"{decode_rate(results[n]):>16.1f}" for n in names))
     print("\nTokens and bytes")
     rows = [
@@ -86,13 +56,7 @@ def report(results: dict[str, ChatResult]) -> None:
         ("bytes sent: activations", lambda r: r.sent_bytes.get("activations", 0)),
         ("bytes sent: KV blocks", lambda r: r.sent_bytes.get("kv", 0)),
         ("bytes sent: header+commit", lambda r: r.sent_bytes.get("header", 0)),
-        (
-            "bytes per new prompt token",
-            lambda r: round(
-                sum(r.sent_bytes.get(k, 0) for k in ("activations", "kv", "header"))
-                / max(1, r.head_tokens or r.prompt_tokens)
-            ),
-        ),
+        ("bytes per new prompt token", bytes_per_new_token),
     ]
     for label, f in rows:
         print(f"{label:<44}" + "".join(f"{f(results[n]):>16}" for n in names))
@@ -104,7 +68,7 @@ def bytes_per_new_token(r: ChatResult) -> int:
 
 
 def decode_rate(r: ChatResult) -> float:
-    span_ms = r.timings_ms.get("total_ms", 0) - r.timings_ms.get("ttft_ms", 0)
+    span_ms = r.timings_ms.get(Stage.TOTAL, 0) - r.timings_ms.get(Stage.TTFT, 0)
     return (r.output_tokens - 1) / (span_ms / 1e3) if span_ms > 0 and r.output_tokens > 1 else 0.0
 
 
@@ -115,84 +79,54 @@ def main() -> None:
     ap.add_argument("--prompt", default=PROMPT)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tandem-run-"))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    bindir = Path(sys.executable).parent
-    procs: list[subprocess.Popen] = []
     ok = False
     try:
         print(f"tandem: cloud and edge on this machine (logs in {tmp}, removed on success)", file=sys.stderr)
-        cloud = subprocess.Popen(
-            [
-                bindir / "tandem-cloud",
-                "--split-dir",
-                args.split_dir,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--store-dir",
-                str(tmp / "kv"),
-                "--ready-file",
-                str(tmp / "cloud.port"),
-            ],
-            stdout=open(tmp / "cloud.log", "w"),
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        procs.append(cloud)
-        cport = wait_ready(cloud, tmp / "cloud.port", "tandem-cloud (two vLLM engines)", 600)
-        edge = subprocess.Popen(
-            [
-                bindir / "tandem-edge",
-                "--split-dir",
-                args.split_dir,
-                "--cloud",
-                f"127.0.0.1:{cport}",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--ready-file",
-                str(tmp / "edge.port"),
-            ],
-            stdout=open(tmp / "edge.log", "w"),
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        procs.append(edge)
-        eport = wait_ready(edge, tmp / "edge.port", "tandem-edge (ONNX Runtime head)", 300)
-        with Client(f"127.0.0.1:{eport}") as c:
-            msgs = [{"role": "user", "content": args.prompt}]
-            stream(c, [{"role": "user", "content": "Hi"}], None, "split", 4, False)  # warm both paths once
-            stream(c, [{"role": "user", "content": "Hi"}], None, "direct", 4, False)
-            print(f"\nuser> {args.prompt}\nassistant (split, streamed)> ", end="", flush=True)
-            split = stream(c, msgs, "demo", "split", args.max_new_tokens, True)
-            msgs2 = msgs + [{"role": "assistant", "content": split.text}, {"role": "user", "content": FOLLOW_UP}]
-            print(f"\nuser> {FOLLOW_UP}\nassistant (split, turn 2)> ", end="", flush=True)
-            turn2 = stream(c, msgs2, "demo", "split", args.max_new_tokens, True)
-            direct = stream(c, msgs, None, "direct", args.max_new_tokens, False)
+        with Daemons() as daemons:
+            cloud = daemons.spawn(
+                "tandem-cloud (two vLLM engines)",
+                cloud_command(args.split_dir, tmp / "kv"),
+                tmp / "cloud.log",
+                tmp / "cloud.port",
+            )
+            cport = cloud.wait_ready(600)
+            edge = daemons.spawn(
+                "tandem-edge (ONNX Runtime head)",
+                edge_command(args.split_dir, f"127.0.0.1:{cport}"),
+                tmp / "edge.log",
+                tmp / "edge.port",
+            )
+            eport = edge.wait_ready(300)
+            split, turn2, direct = chat(eport, args.prompt, args.max_new_tokens)
+        print("tandem: edge and cloud stopped", file=sys.stderr)
         report({f"split k={split.split_layer}": split, "split turn 2": turn2, "plain vLLM": direct})
         same = "same" if direct.output_token_ids == split.output_token_ids else "DIFFERENT"
-        ratio = split.timings_ms["ttft_ms"] / direct.timings_ms["ttft_ms"]
+        ratio = split.timings_ms[Stage.TTFT] / direct.timings_ms[Stage.TTFT]
         print(
             f"\nsplit answer vs plain vLLM on the same prompt: {same} tokens; "
             f"TTFT split/plain = {ratio:.2f}x (loopback, CPU)"
         )
         ok = True
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in reversed(procs):
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        print("tandem: edge and cloud stopped", file=sys.stderr)
         if ok:
             shutil.rmtree(tmp, ignore_errors=True)  # logs and KV store are kept only when something failed
         else:
             print(f"tandem: logs kept in {tmp}", file=sys.stderr)
+
+
+def chat(edge_port: int, prompt: str, max_new_tokens: int) -> tuple[ChatResult, ChatResult, ChatResult]:
+    """Two split turns of one session (printed as they stream), then the first turn in direct mode."""
+    with Client(f"127.0.0.1:{edge_port}") as c:
+        msgs = [{"role": "user", "content": prompt}]
+        stream(c, [{"role": "user", "content": "Hi"}], None, "split", 4, False)  # warm both paths once
+        stream(c, [{"role": "user", "content": "Hi"}], None, "direct", 4, False)
+        print(f"\nuser> {prompt}\nassistant (split, streamed)> ", end="", flush=True)
+        split = stream(c, msgs, "demo", "split", max_new_tokens, True)
+        msgs2 = msgs + [{"role": "assistant", "content": split.text}, {"role": "user", "content": FOLLOW_UP}]
+        print(f"\nuser> {FOLLOW_UP}\nassistant (split, turn 2)> ", end="", flush=True)
+        turn2 = stream(c, msgs2, "demo", "split", max_new_tokens, True)
+        direct = stream(c, msgs, None, "direct", max_new_tokens, False)
+    return split, turn2, direct
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import pytest
 from benchmarks.bench import RequestRecord
 from benchmarks.linkproxy import LinkProxy
 from benchmarks.links import PROFILES, LinkProfile, get
+from tandem.stages import Stage
 
 
 async def echo_server():
@@ -52,6 +53,25 @@ async def test_proxy_adds_rtt_and_serialisation_delay():
     assert proxy.up.bytes == 100_001
 
 
+def test_proxy_process_reports_its_port_and_takes_profiles(tmp_path):
+    import socket
+
+    from tandem.daemons import Daemons
+
+    with Daemons(grace_s=5) as ds:
+        cmd = [sys.executable, "-m", "benchmarks.linkproxy", "0", "127.0.0.1:9", "no-rate"]
+        proxy = ds.spawn("link proxy", cmd, tmp_path / "proxy.log", tmp_path / "proxy.port", stdin=subprocess.PIPE)
+        port = proxy.wait_ready(30, poll_s=0.05)
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        assert proxy.proc.stdin is not None
+        proxy.proc.stdin.write((json.dumps(PROFILES["4g"].as_dict()) + "\n").encode())
+        proxy.proc.stdin.flush()
+        deadline = time.monotonic() + 10
+        while "ok" not in proxy.tail() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proxy.tail().splitlines() == [str(port), "ok"]
+
+
 def test_profiles_are_complete():
     assert {"loopback", "lan", "wifi6", "5g", "4g", "wan"} <= set(PROFILES)
     with pytest.raises(KeyError, match="unknown link profile"):
@@ -85,6 +105,7 @@ def test_report_writes_tables_and_plots(tmp_path):
                     sent_bytes={"activations": 2304 * n, "kv": 6144 * n, "header": 100}
                     if mode.startswith("split")
                     else {"header": 100},
+                    timings_ms={"edge_head_ms": 2.0, "cloud_decode_ms": 9.0} if mode.startswith("split") else {},
                 )
             )
     rows = report.write_all(
@@ -95,6 +116,8 @@ def test_report_writes_tables_and_plots(tmp_path):
     split = next(r for r in rows if r["mode"] == "split-k4" and r["link"] == "4g" and r["prompt_tokens"] == 32)
     assert split["bytes_per_prompt_token"] == pytest.approx((2304 + 6144) + 100 / 32)
     assert split["ttft_mean_ms"] == 600.0
+    assert split[Stage.EDGE_HEAD] == 2.0 and split[Stage.CLOUD_DECODE] == 9.0  # columns named by the wire keys
+    assert all(type(k) is str for k in split)
     md = (tmp_path / "summary.md").read_text()
     assert "| split-k4 | 4g | 32 | 3.75x | cloud-only |" in md
     for f in ("summary.csv", "records.jsonl", "ttft_vs_prompt.png", "breakeven.png", "meta.json"):

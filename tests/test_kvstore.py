@@ -5,7 +5,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from common.kvblocks import LayerRange, block_hashes, hash_seed, split_blocks, store_key
+from common.kvblocks import LayerRange, block_hashes, hash_seed, part_key, split_blocks
 from common.kvstore import DiskBlockStore, MemoryBlockStore
 
 
@@ -53,7 +53,7 @@ def test_disk_store_across_processes(tmp_path):
     st = DiskBlockStore(tmp_path, 1 << 26)
     assert st.get("k7") == bytes([7]) * 1000
     assert st.get("missing") is None
-    key = store_key(bytes(32), LayerRange(0, 4))
+    key = part_key(bytes(32), LayerRange(0, 4))
     assert key.endswith(":L0-4")
 
 

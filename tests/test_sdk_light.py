@@ -1,5 +1,6 @@
-"""The client SDK imports and builds requests with only grpcio and protobuf: torch, vLLM,
-ONNX Runtime, numpy and transformers are blocked in a fresh interpreter."""
+"""The client SDK (and the rest of package ``tandem``: stages, daemons, the ``make run`` demo)
+imports and builds requests with only grpcio and protobuf: torch, vLLM, ONNX Runtime, numpy
+and transformers are blocked in a fresh interpreter."""
 
 import subprocess
 import sys
@@ -12,8 +13,9 @@ class Block:
             raise ImportError('blocked heavy import: ' + name)
 sys.meta_path.insert(0, Block())
 import tandem
+import tandem.daemons, tandem.demo, tandem.stages
 from tandem.client import build_request
-r = build_request([{'role': 'user', 'content': 'hi'}], None, 8, 0.0, 1.0, 0, 7, 's', 'split')
+r = build_request([{'role': 'user', 'content': 'hi'}], max_new_tokens=8, seed=7, session_id='s', mode='split')
 assert r.sampling.seed == 7 and r.messages[0].content == 'hi'
 print('ok', tandem.Client.__name__, tandem.AsyncClient.__name__)
 """

@@ -6,16 +6,22 @@ be a near-tie in the reference (top-2 log-prob gap < 1e-3)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from dataclasses import replace
 
 import grpc
 import numpy as np
 import pytest
 import torch
 
+from common import wire
+from common.chat import prompt_token_ids
+from common.messages import KVBlock
 from tandem import AsyncClient, TandemClientError
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
+from tests.doubles import TamperLink, rechunk
 
 pytestmark = [pytest.mark.engines]
 NEAR_TIE = 1e-3
@@ -51,7 +57,7 @@ PROMPTS = [
 async def stack(split_dir, tmp_path_factory):
     from cloud.config import CloudConfig, EngineConfig
     from cloud.engines import VllmEngines
-    from cloud.server import create_server
+    from cloud.server import create_cloud
     from edge.config import EdgeConfig
     from edge.server import create_edge
 
@@ -64,23 +70,32 @@ async def stack(split_dir, tmp_path_factory):
     )
     engines = VllmEngines(cfg)
     engines.start()
-    server, port, gateway = await create_server(cfg, engines)
+    cloud = await create_cloud(cfg, engines)
     edge = await create_edge(
-        EdgeConfig(split_dir=split_dir, cloud_target=f"127.0.0.1:{port}", host="127.0.0.1", port=0)
+        EdgeConfig(split_dir=split_dir, cloud_target=f"127.0.0.1:{cloud.port}", host="127.0.0.1", port=0)
     )
     client = AsyncClient(f"127.0.0.1:{edge.port}")
-    yield {"engines": engines, "gateway": gateway, "cloud_port": port, "edge": edge, "client": client}
+    st = {"engines": engines, "cloud": cloud, "gateway": cloud.gateway, "cloud_port": cloud.port, "edge": edge}
+    st.update(client=client, cfg=cfg)
+    yield st
     await client.close()
     await edge.stop(1)
-    await server.stop(1)
+    await st["cloud"].stop(1)
     engines.shutdown()
 
 
+async def restart_cloud(stack) -> None:
+    """Stop the cloud's gRPC server and gateway and start new ones on the same port, with the same
+    engines and block store directory: to the edge, a cloud process restart that kept its store."""
+    from cloud.server import create_cloud
+
+    await stack["cloud"].stop(0)
+    cloud = await create_cloud(stack["cfg"].model_copy(update={"port": stack["cloud_port"]}), stack["engines"])
+    stack.update(cloud=cloud, gateway=cloud.gateway)
+
+
 def prompt_ids(tokenizer, p: dict) -> list[int]:
-    if "prompt" in p:
-        return list(tokenizer(p["prompt"])["input_ids"])
-    out = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
-    return list(out["input_ids"] if isinstance(out, dict) else out)
+    return prompt_token_ids(tokenizer, p.get("messages"), p.get("prompt"))
 
 
 def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
@@ -166,70 +181,66 @@ async def test_three_turn_chat(stack, hf_model, tokenizer):
 async def test_decode_engine_uses_the_loaded_kv(stack, tokenizer, manifest):
     """Put deliberately wrong head KV in the store for a prompt: the split decode must change,
     which it cannot if the engine recomputed the prefix instead of loading it."""
-    from common.kvblocks import LayerRange, block_hashes, hash_seed, store_key
+    from common.kvblocks import LayerRange, block_hashes, hash_seed
+    from common.kvparams import KVTransferSpec, PartSpec
+    from common.params import Sampling
 
     gw, engines = stack["gateway"], stack["engines"]
     ids = prompt_ids(tokenizer, PROMPTS[2])
     bs, k, L = gw.params.kv_block_size_tokens, manifest.split_layer, manifest.shape.num_layers
-    hashes = block_hashes(ids, bs, hash_seed(f"poison-{uuid.uuid4().hex}", bs))  # keys no real request uses
+    keys = tuple(block_hashes(ids, bs, hash_seed(f"poison-{uuid.uuid4().hex}", bs)))  # keys no real request uses
     rng = np.random.default_rng(0)
-    for part in (LayerRange(0, k), LayerRange(k, L)):
-        shape = (part.num_layers, 2, manifest.shape.num_kv_heads, bs, manifest.shape.head_dim)
-        for h in hashes:
-            gw.store.put(store_key(h, part), rng.standard_normal(shape).astype(np.float32).tobytes())
-    from common.params import Sampling
-
-    params = {"tandem": {"block_hashes": [h.hex() for h in hashes], "save": None, "load": [[0, k], [k, L]]}}
-    steps = [s async for s in engines.decode(uuid.uuid4().hex, ids, params, Sampling(max_new_tokens=16))]
+    spec = KVTransferSpec(loads=(PartSpec(LayerRange(0, k), keys), PartSpec(LayerRange(k, L), keys)))
+    for part in spec.loads:
+        shape = (part.layers.num_layers, 2, manifest.shape.num_kv_heads, bs, manifest.shape.head_dim)
+        for j in range(len(keys)):
+            gw.store.put(part.store_key(j), rng.standard_normal(shape).astype(np.float32).tobytes())
+    steps = [s async for s in engines.decode(uuid.uuid4().hex, ids, spec, Sampling(max_new_tokens=16))]
     loaded = [t for s in steps for t in s.token_ids]
     plain, _ = await vllm_plain(engines, ids, 16)
     assert steps[-1].external_tokens == (len(ids) - 1) // bs * bs > 0
     assert loaded != plain
 
 
-def flip_first_transmission(kind: str):
-    def tamper(msg: pb.Uplink, attempt: int) -> pb.Uplink:
-        if attempt == 1 and msg.WhichOneof("msg") == kind:
-            m = pb.Uplink()
-            m.CopyFrom(msg)
-            part = m.chunk if kind == "chunk" else m.kv_block
-            if kind == "chunk" and part.seq != 0 or kind == "kv_block" and part.leaf_index != 1:
-                return msg
-            part.payload = bytes([part.payload[0] ^ 0xFF]) + part.payload[1:]
-            return m
-        return msg
+@contextlib.contextmanager
+def tampered(stack, fn):
+    """Every uplink item of the edge passes through ``fn(item, attempt)`` (a wrapped link)."""
+    svc = stack["edge"].service
+    inner = svc.link
+    svc.link = TamperLink(inner, fn)
+    try:
+        yield
+    finally:
+        svc.link = inner
+
+
+def flip_first_transmission(kind: type):
+    def tamper(item, attempt: int):
+        if attempt == 1 and isinstance(item, kind):
+            if isinstance(item, wire.Chunk) and item.seq != 0 or isinstance(item, KVBlock) and item.leaf_index != 1:
+                return item
+            return replace(item, payload=bytes([item.payload[0] ^ 0xFF]) + item.payload[1:])
+        return item
 
     return tamper
 
 
-@pytest.mark.parametrize("kind,counter", [("chunk", "resent_chunks"), ("kv_block", "repaired_blocks")])
+@pytest.mark.parametrize("kind,counter", [(wire.Chunk, "resent_chunks"), (KVBlock, "repaired_blocks")])
 async def test_corruption_is_detected_resent_and_answer_unchanged(stack, kind, counter):
     p = PROMPTS[3]["messages"]
     clean = await stack["client"].complete(p, max_new_tokens=16)
-    stack["edge"].service.tamper = flip_first_transmission(kind)
-    try:
+    with tampered(stack, flip_first_transmission(kind)):
         dirty = await stack["client"].complete(p, max_new_tokens=16)
-    finally:
-        stack["edge"].service.tamper = None
     assert dirty.sent_bytes[counter] == 1
     assert dirty.output_token_ids == clean.output_token_ids
 
 
 async def test_persistent_chunk_corruption_is_data_loss(stack):
-    def always(msg, attempt):
-        if msg.WhichOneof("msg") == "chunk":
-            m = pb.Uplink()
-            m.CopyFrom(msg)
-            m.chunk.crc32c ^= 1
-            return m
-        return msg
+    def always(item, attempt):
+        return replace(item, crc32c=item.crc32c ^ 1) if isinstance(item, wire.Chunk) else item
 
-    stack["edge"].service.tamper = always
-    try:
-        with pytest.raises(TandemClientError) as e:
-            await stack["client"].complete(PROMPTS[1]["messages"], max_new_tokens=4)
-    finally:
-        stack["edge"].service.tamper = None
+    with tampered(stack, always), pytest.raises(TandemClientError) as e:
+        await stack["client"].complete(PROMPTS[1]["messages"], max_new_tokens=4)
     assert e.value.code == grpc.StatusCode.DATA_LOSS
 
 
@@ -314,17 +325,12 @@ async def test_direct_mode_matches_split(stack):
 
 def rewrite_activations(fn):
     """Tamper hook: replace every chunk's values (CRC recomputed, so it arrives 'intact')."""
-    from common import wire
 
-    def tamper(msg: pb.Uplink, attempt: int) -> pb.Uplink:
-        if msg.WhichOneof("msg") != "chunk":
-            return msg
-        m = pb.Uplink()
-        m.CopyFrom(msg)
-        h = np.frombuffer(m.chunk.payload, np.float32)
-        m.chunk.payload = fn(h).astype(np.float32).tobytes()
-        m.chunk.crc32c = wire.crc32c(m.chunk.payload)
-        return m
+    def tamper(item, attempt: int):
+        if not isinstance(item, wire.Chunk):
+            return item
+        h = np.frombuffer(item.payload, np.float32).reshape(item.num_tokens, -1)
+        return rechunk(item, fn(h))
 
     return tamper
 
@@ -335,11 +341,8 @@ async def test_garbage_upload_cannot_poison_other_sessions(stack):
     p = PROMPTS[2]["messages"]
     clean = await stack["client"].complete(p, max_new_tokens=16, session_id=f"victim-{uuid.uuid4().hex}")
     rng = np.random.default_rng(0)
-    stack["edge"].service.tamper = rewrite_activations(lambda h: rng.standard_normal(h.shape) * 50)
-    try:
+    with tampered(stack, rewrite_activations(lambda h: rng.standard_normal(h.shape) * 50)):
         garbage = await stack["client"].complete(p, max_new_tokens=16, session_id="attacker")
-    finally:
-        stack["edge"].service.tamper = None
     assert garbage.output_token_ids != clean.output_token_ids  # the attacker did get garbage in
     for session in (None, f"victim2-{uuid.uuid4().hex}"):
         again = await stack["client"].complete(p, max_new_tokens=16, session_id=session)
@@ -347,23 +350,23 @@ async def test_garbage_upload_cannot_poison_other_sessions(stack):
 
 
 async def test_nan_activations_are_invalid_argument(stack):
-    stack["edge"].service.tamper = rewrite_activations(lambda h: np.where(np.arange(h.size) == 7, np.nan, h))
-    try:
-        with pytest.raises(TandemClientError) as e:
-            await stack["client"].complete(PROMPTS[1]["messages"], max_new_tokens=4)
-    finally:
-        stack["edge"].service.tamper = None
+    nan_at_7 = rewrite_activations(lambda h: np.where(np.arange(h.size).reshape(h.shape) == 7, np.nan, h))
+    with tampered(stack, nan_at_7), pytest.raises(TandemClientError) as e:
+        await stack["client"].complete(PROMPTS[1]["messages"], max_new_tokens=4)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in e.value.details
     ok = await stack["client"].complete(PROMPTS[1]["messages"], max_new_tokens=8)
     assert ok.output_tokens > 0 and ok.text.strip()
 
 
-async def test_stalled_uplink_times_out_and_frees_the_session(stack, tokenizer):
-    gw, port = stack["gateway"], stack["cloud_port"]
+async def test_stalled_uploads_neither_lock_out_the_session_nor_hang(stack, tokenizer):
+    """Issue 12 item 7: two streams send a valid header for a session and then nothing; the session's
+    owner is served meanwhile, and a stalled stream ends at its deadline with DEADLINE_EXCEEDED."""
+    gw, port, session = stack["gateway"], stack["cloud_port"], f"stalled-{uuid.uuid4().hex}"
+    await stack["client"].complete(PROMPTS[1]["messages"], max_new_tokens=4, session_id=session)
     ids = prompt_ids(tokenizer, PROMPTS[1])
     header = pb.RequestHeader(
         request_id="stall",
-        session_id="stalled",
+        session_id=session,
         params_version=gw.params.params_version,
         split_layer=gw.manifest.split_layer,
         prompt_token_ids=ids,
@@ -376,10 +379,65 @@ async def test_stalled_uplink_times_out_and_frees_the_session(stack, tokenizer):
         yield pb.Uplink(header=header)
         await asyncio.sleep(60)
 
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+    async def stalled_call(ch, timeout_s):
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            async for _ in pb_grpc.CloudStub(ch).Generate(stall()):
+            async for _ in pb_grpc.CloudStub(ch).Generate(stall(), timeout=timeout_s):
                 pass
-    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    res = await stack["client"].complete(PROMPTS[1]["messages"], max_new_tokens=4, session_id="stalled")
-    assert res.output_tokens > 0
+        return e.value.code()
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stalls = [asyncio.create_task(stalled_call(ch, t)) for t in (20.0, 20.0)]
+        await asyncio.sleep(0.5)
+        messages = PROMPTS[1]["messages"] + [
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "Why?"},
+        ]
+        res = await stack["client"].complete(messages, max_new_tokens=4, session_id=session)
+        assert res.output_tokens > 0 and not any(t.done() for t in stalls)
+        assert await stalled_call(ch, 2.0) == grpc.StatusCode.DEADLINE_EXCEEDED
+        for t in stalls:
+            t.cancel()
+        await asyncio.gather(*stalls, return_exceptions=True)
+
+
+async def test_cloud_restart_mid_session_loses_no_turn(stack, hf_model, tokenizer):
+    """Issue 12 item 1: two turns, restart the cloud (same store), a third turn through the same edge:
+    the cloud answers FAILED_PRECONDITION while the edge still uploads many chunks, the edge resends
+    from token 0, the client gets the reference answer."""
+    client, session = stack["client"], f"restart-{uuid.uuid4().hex}"
+    messages = [{"role": "user", "content": LONG + "What is this text about?"}]
+    for turn in range(3):
+        if turn == 2:
+            await restart_cloud(stack)
+        res = await client.complete(messages, max_new_tokens=12, session_id=session)
+        messages += [{"role": "assistant", "content": res.text}, {"role": "user", "content": "Say more."}]
+    ids = prompt_ids(tokenizer, {"messages": messages[:-2]})
+    ref, gaps = hf_greedy(hf_model, ids, 12)
+    assert_same_or_near_tie(list(res.output_token_ids), ref, gaps, "turn 3 after a cloud restart")
+    assert res.head_tokens < res.prompt_tokens  # the edge kept its head work; only the cloud lost the session
+
+
+async def test_resend_from_token_0_never_reuses_tail_kv_of_other_activations(stack, tokenizer):
+    """Issue 12 item 2: in one session, ids X with X's activations; then, from token 0, the same ids X
+    with the activations of another prompt Y: the answer equals a cold (stateless) request with ids X
+    and Y's activations; the tail KV of the first upload is never loaded for it."""
+    from edge.head_runner import HeadInput
+
+    svc, client, session = stack["edge"].service, stack["client"], f"tailkv-{uuid.uuid4().hex}"
+    x = PROMPTS[3]["messages"]
+    y_ids = prompt_ids(tokenizer, {"prompt": LONG.upper() + LONG})
+    y_hidden = (await svc.batcher.run(HeadInput(np.asarray(y_ids, np.int64)))).hidden
+
+    def to_y(item, attempt):
+        if isinstance(item, wire.Chunk):
+            return rechunk(item, y_hidden[item.token_offset : item.token_offset + item.num_tokens])
+        return item
+
+    honest = await client.complete(x, max_new_tokens=12, session_id=session)
+    svc.sessions._s.pop(session)  # the edge lost its session state: it resends from token 0
+    with tampered(stack, to_y):
+        resent = await client.complete(x, max_new_tokens=12, session_id=session)
+        cold = await client.complete(x, max_new_tokens=12)
+    assert resent.head_tokens == resent.prompt_tokens
+    assert resent.output_token_ids == cold.output_token_ids
+    assert resent.output_token_ids != honest.output_token_ids  # Y's activations did reach the tail

@@ -70,8 +70,8 @@ def test_clean_upload_verifies_and_updates_session():
     assert u.commit(len(leaves), merkle.root(leaves)) == []
     assert u.complete
     assert np.array_equal(u.activations(), hidden)
-    u.apply_to_session(u.activations())
-    assert s.token_ids == ids and len(s.leaves) == 2
+    u.apply_to(s, u.activations())
+    assert s.token_ids == ids and len(s.leaves) == 2 and s.version == 1
 
 
 def test_bad_crc_is_nacked_then_data_loss():
@@ -157,10 +157,9 @@ def test_non_finite_or_huge_values_are_refused():
         u = upload(header)
         h = hidden.copy()
         h[3, 2] = bad
-        for c in wire.split(h, 0, PARAMS.chunk_tokens):
-            u.add_chunk(c)
         with pytest.raises(InvalidRequest, match="activations"):
-            u.activations()
+            for c in wire.split(h, 0, PARAMS.chunk_tokens):
+                u.add_chunk(c)
     u = upload(header)
     raw = np.full((K, 2, HKV, B, D), np.nan, np.float32).tobytes()
     b = blocks[0]

@@ -1,0 +1,78 @@
+"""Domain forms of the ``Edge.Chat`` RPC and their protobuf conversion, in one place.
+
+``ChatTurn`` comes in from the SDK; ``TextOut`` and ``TurnDone`` go back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from common.errors import InvalidRequest
+from common.params import Sampling
+from tandem.stages import Timings, timings_to_wire
+from tandem.v1 import tandem_pb2 as pb
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One request from the SDK: ``messages`` (chat template applied) or a raw ``prompt``."""
+
+    messages: tuple[tuple[str, str], ...] = ()
+    prompt: str = ""
+    session_id: str = ""
+    sampling: Sampling = field(default_factory=Sampling)
+    direct: bool = False
+
+    @classmethod
+    def from_pb(cls, r: pb.ChatRequest) -> ChatTurn:
+        """Raises InvalidRequest for unknown roles or mode, or bad sampling values."""
+        for m in r.messages:
+            if m.role not in ROLES:
+                raise InvalidRequest(f"message role {m.role!r} not in {ROLES}")
+        if r.mode not in (pb.MODE_UNSPECIFIED, pb.MODE_SPLIT, pb.MODE_DIRECT):
+            raise InvalidRequest(f"unknown mode {r.mode}")
+        s = Sampling.from_pb(r.sampling) if r.HasField("sampling") else Sampling()
+        if not math.isfinite(s.temperature) or s.temperature < 0 or not 0 < s.top_p <= 1:
+            raise InvalidRequest(f"bad sampling: temperature={s.temperature} top_p={s.top_p}")
+        messages = tuple((m.role, m.content) for m in r.messages)
+        return cls(messages, r.prompt, r.session_id, s, r.mode == pb.MODE_DIRECT)
+
+
+@dataclass(frozen=True)
+class TextOut:
+    text: str
+    token_ids: tuple[int, ...]
+
+    def to_pb(self) -> pb.ChatEvent:
+        return pb.ChatEvent(delta=pb.TextDelta(text=self.text, token_ids=list(self.token_ids)))
+
+
+@dataclass(frozen=True)
+class TurnDone:
+    finish_reason: str
+    prompt_tokens: int
+    output_tokens: int
+    head_tokens: int
+    external_tokens: int
+    split_layer: int
+    timings: Timings
+    sent_bytes: dict[str, int]
+    output_token_ids: tuple[int, ...]
+
+    def to_pb(self) -> pb.ChatEvent:
+        return pb.ChatEvent(
+            done=pb.ChatDone(
+                finish_reason=self.finish_reason,
+                prompt_tokens=self.prompt_tokens,
+                output_tokens=self.output_tokens,
+                head_tokens=self.head_tokens,
+                external_tokens=self.external_tokens,
+                split_layer=self.split_layer,
+                timings_ms=timings_to_wire(self.timings),
+                sent_bytes=self.sent_bytes,
+                output_token_ids=list(self.output_token_ids),
+            )
+        )

@@ -1,0 +1,104 @@
+"""``CloudLink`` over gRPC: the edge's channel to ``tandem-cloud`` (channel set-up and the
+``Generate`` call; the only edge module besides the servicer that imports grpc).
+
+The channel sends HTTP/2 keepalive PINGs after ``keepalive_time_s`` of silence, also
+on a silent stream (a long prefill); a PING not acknowledged within
+``keepalive_timeout_s`` closes the transport, so a cloud that stops answering
+(process stopped, link cut) fails the call with UNAVAILABLE within about
+``keepalive_time_s + keepalive_timeout_s`` instead of hanging. Every call also
+carries a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+
+import grpc
+
+from common.grpc_errors import error_from_status
+from common.grpcsetup import channel_options
+from common.messages import DownEvent, TurnError, UplinkItem, downlink_from_pb, uplink_to_pb
+from common.params import LinkParams, NegotiateOffer
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+MAX_MESSAGE_BYTES = 64 << 20  # the edge's own bound; the cloud enforces the negotiated one
+NEGOTIATE_TIMEOUT_S = 30.0
+
+
+class GrpcTurnCall:
+    """One ``Cloud.Generate`` call (see ``edge.link.TurnCall``)."""
+
+    def __init__(self, stub: pb_grpc.CloudStub, timeout_s: float | None) -> None:
+        self._q: deque[pb.Uplink] = deque()
+        self._wake = asyncio.Event()
+        self._closed = self._stopped = False
+        self._call = stub.Generate(self._requests(), timeout=timeout_s)
+
+    async def _requests(self) -> AsyncIterator[pb.Uplink]:
+        while not self._stopped:
+            if self._q:
+                yield self._q.popleft()
+                continue
+            if self._closed:
+                return
+            self._wake.clear()
+            await self._wake.wait()
+
+    def send(self, item: UplinkItem) -> int:
+        m = uplink_to_pb(item)
+        if not self._stopped:
+            self._q.append(m)
+            self._wake.set()
+        return m.ByteSize()
+
+    def close_send(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    def _stop_sending(self) -> None:
+        self._stopped = True
+        self._q.clear()
+        self._wake.set()
+
+    async def events(self) -> AsyncIterator[DownEvent]:
+        try:
+            async for m in self._call:
+                ev = downlink_from_pb(m)
+                if isinstance(ev, TurnError):  # the verdict, before the status: stop writing now
+                    self._stop_sending()
+                    raise ev.error
+                yield ev
+        except grpc.aio.AioRpcError as e:
+            self._stop_sending()
+            raise error_from_status(e.code(), e.details() or "") from e
+
+    def cancel(self) -> None:
+        self._stop_sending()
+        self._call.cancel()
+
+
+class GrpcCloudLink:
+    """The edge's channel to one cloud target (``host:port``)."""
+
+    def __init__(self, target: str, keepalive_time_s: float, keepalive_timeout_s: float) -> None:
+        self.target = target
+        self.channel = grpc.aio.insecure_channel(
+            target, options=channel_options(keepalive_time_s, keepalive_timeout_s, MAX_MESSAGE_BYTES)
+        )
+        self.stub = pb_grpc.CloudStub(self.channel)
+
+    async def negotiate(self, offer: NegotiateOffer) -> LinkParams:
+        try:
+            resp = await self.stub.Negotiate(offer.to_pb(), timeout=NEGOTIATE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_status(e.code(), e.details() or "") from e
+        return LinkParams.from_pb(resp.params)
+
+    def open(self, timeout_s: float | None) -> GrpcTurnCall:
+        return GrpcTurnCall(self.stub, timeout_s)
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,89 @@
+"""The edge's seam to the cloud: ``CloudLink`` (negotiate, open one ``Generate`` call) and
+``TurnCall`` (one call in flight), with an in-process implementation for unit tests.
+
+Calling contract (who calls: ``edge.uplink.stream_turn``, once per turn):
+``open(timeout_s)`` starts a call; ``send(item)`` queues one uplink item without
+blocking and returns the bytes it puts on the wire; ``close_send()`` half-closes;
+``events()`` yields downlink events and raises the cloud's verdict as a
+``TandemError`` (the ``Downlink.error`` message or the call's status, mapped back);
+after it raises, nothing more is sent. ``cancel()`` ends the call (idempotent).
+The gRPC implementation is ``edge.grpc_link.GrpcCloudLink``; test hooks (fault
+injection, link emulation) wrap a ``CloudLink``, never production constructors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from common.errors import InvalidRequest
+from common.messages import DownEvent, TurnHeader, UplinkItem, uplink_to_pb
+from common.params import LinkParams, NegotiateOffer
+
+
+class TurnCall(Protocol):
+    def send(self, item: UplinkItem) -> int: ...
+
+    def close_send(self) -> None: ...
+
+    def events(self) -> AsyncIterator[DownEvent]: ...
+
+    def cancel(self) -> None: ...
+
+
+class CloudLink(Protocol):
+    async def negotiate(self, offer: NegotiateOffer) -> LinkParams:
+        """Raises TandemError (IncompatibleModel, EngineError when the cloud is unreachable)."""
+        ...
+
+    def open(self, timeout_s: float | None) -> TurnCall: ...
+
+    async def close(self) -> None: ...
+
+
+class InProcessCall:
+    """A ``TurnCall`` straight into a gateway object in the same event loop (no network)."""
+
+    def __init__(self, gateway: Any, timeout_s: float | None) -> None:
+        self._gateway, self._timeout_s = gateway, timeout_s
+        self._q: asyncio.Queue[UplinkItem | None] = asyncio.Queue()
+
+    def send(self, item: UplinkItem) -> int:
+        self._q.put_nowait(item)
+        return uplink_to_pb(item).ByteSize()
+
+    def close_send(self) -> None:
+        self._q.put_nowait(None)
+
+    def cancel(self) -> None:
+        self._q.put_nowait(None)
+
+    async def _body(self) -> AsyncIterator[Any]:
+        while (item := await self._q.get()) is not None:
+            yield item
+
+    async def events(self) -> AsyncIterator[DownEvent]:
+        header = await self._q.get()
+        if not isinstance(header, TurnHeader):
+            raise InvalidRequest("the first uplink message must be a header")
+        loop = asyncio.get_running_loop()
+        deadline = None if self._timeout_s is None else loop.time() + self._timeout_s
+        async for ev in self._gateway.run_turn(header, self._body(), "in-process", deadline):
+            yield ev
+
+
+class InProcessLink:
+    """A ``CloudLink`` to a gateway in this process: the unit-test double of the gRPC link."""
+
+    def __init__(self, gateway: Any) -> None:
+        self.gateway = gateway
+
+    async def negotiate(self, offer: NegotiateOffer) -> LinkParams:
+        return self.gateway.negotiate(offer)
+
+    def open(self, timeout_s: float | None) -> TurnCall:
+        return InProcessCall(self.gateway, timeout_s)
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,76 @@
+"""Named stages of a request's latency, the one vocabulary shared by the edge, the cloud,
+the SDK, ``make run`` and the benchmarks.
+
+Each member's value is the key it travels under in ``Final.timings_ms`` /
+``ChatDone.timings_ms`` (milliseconds). Cloud stages carry the ``cloud_`` prefix on
+the wire already, so no side renames another's keys. Pure Python: the SDK imports it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+
+class Stage(enum.StrEnum):
+    """One timed stage; ``label`` is how tables print it."""
+
+    TOKENIZE = "tokenize_ms"
+    EDGE_HEAD = "edge_head_ms"
+    ENCODE = "encode_ms"
+    UPLINK = "uplink_ms"
+    CLOUD_UPLOAD_WAIT = "cloud_upload_wait_ms"
+    CLOUD_STORE_PUT = "cloud_store_put_ms"
+    CLOUD_TAIL_PREFILL = "cloud_tail_prefill_ms"
+    CLOUD_DECODE_FIRST_TOKEN = "cloud_decode_first_token_ms"
+    CLOUD_DECODE = "cloud_decode_ms"
+    TTFT = "ttft_ms"
+    TOTAL = "total_ms"
+
+    @property
+    def label(self) -> str:
+        return _LABELS[self]
+
+    @property
+    def is_cloud(self) -> bool:
+        return self.value.startswith("cloud_")
+
+
+_LABELS = {
+    Stage.TOKENIZE: "tokenize (edge)",
+    Stage.EDGE_HEAD: "edge head: ONNX layers [0,k)",
+    Stage.ENCODE: "encode: chunks+CRC32C, KV blocks+BLAKE3",
+    Stage.UPLINK: "uplink: send until cloud verified",
+    Stage.CLOUD_UPLOAD_WAIT: "cloud: header to verified upload",
+    Stage.CLOUD_STORE_PUT: "cloud: store put of head KV",
+    Stage.CLOUD_TAIL_PREFILL: "cloud: tail prefill + 1st token (vLLM)",
+    Stage.CLOUD_DECODE_FIRST_TOKEN: "cloud: KV handoff + decode engine's 1st step",
+    Stage.CLOUD_DECODE: "cloud: decode engine, whole stream",
+    Stage.TTFT: "time to first token (client)",
+    Stage.TOTAL: "end to end",
+}
+
+# The stages that add up to a split request's time to first token, in order.
+TTFT_STAGES: tuple[Stage, ...] = (
+    Stage.TOKENIZE,
+    Stage.EDGE_HEAD,
+    Stage.ENCODE,
+    Stage.UPLINK,
+    Stage.CLOUD_STORE_PUT,
+    Stage.CLOUD_TAIL_PREFILL,
+    Stage.CLOUD_DECODE_FIRST_TOKEN,
+)
+
+Timings = dict[Stage, float]
+
+
+def timings_to_wire(t: Mapping[Stage, float]) -> dict[str, float]:
+    """Stage -> ms, as the string-keyed map the protobuf messages carry."""
+    return {s.value: float(v) for s, v in t.items()}
+
+
+def timings_from_wire(m: Mapping[str, float]) -> Timings:
+    """The inverse of ``timings_to_wire``; keys this version does not know are dropped
+    (a newer peer may time more stages)."""
+    known = {s.value: s for s in Stage}
+    return {known[k]: float(v) for k, v in m.items() if k in known}

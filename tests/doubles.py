@@ -1,0 +1,141 @@
+"""In-memory doubles shared by the unit tests of the gateway and the edge service: a tiny
+model shape, a toy tokenizer, and builders wiring ``Gateway`` (with ``MemoryEngines`` and
+``MemoryBlockStore``) to ``EdgeService`` (with ``MemoryHead``) through ``InProcessLink``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cloud.config import CloudConfig, EngineConfig
+from cloud.gateway import Gateway
+from cloud.memory_engines import MemoryEngines
+from common import wire
+from common.kvstore import MemoryBlockStore
+from common.manifest import ModelShape, SplitManifest
+from common.params import NegotiateOffer
+from edge.batcher import HeadBatcher
+from edge.head_runner import MemoryHead
+from edge.link import CloudLink, InProcessLink, TurnCall
+from edge.service import EdgeService
+from edge.session import EdgeSessions
+
+K, HKV, D, H, B, VOCAB = 2, 1, 4, 8, 32, 1000
+MANIFEST = SplitManifest(
+    model_id="toy",
+    split_layer=K,
+    dtype="float32",
+    shape=ModelShape(
+        num_layers=6,
+        hidden_size=H,
+        num_heads=2,
+        num_kv_heads=HKV,
+        head_dim=D,
+        vocab_size=VOCAB,
+        max_position_embeddings=4096,
+    ),
+    full_checkpoint="hf",
+    checkpoint_blake3="x",
+    head_onnx="h.onnx",
+    head_blake3="y",
+    tail_checkpoint="t",
+    tail_blake3="z",
+    onnx_opset=17,
+)
+
+
+class ToyTokenizer:
+    """Characters to ids; a chat message is ``[role] + chars + [2]`` and the generation prompt is the
+    assistant's role token, so a next turn extends the previous prompt, as real chat templates do."""
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [5 + ord(c) % 90 for c in text]}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, return_dict=False):
+        ids: list[int] = []
+        roles = {"system": 1, "user": 3, "assistant": 4}
+        for m in messages:
+            ids += [roles[m["role"]], *self(m["content"])["input_ids"], 2]
+        return ids + ([4] if add_generation_prompt else [])
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def cloud_config(**kw: Any) -> CloudConfig:
+    base: dict[str, Any] = dict(
+        split_dir=Path("/nonexistent"), chunk_tokens=16, engine=EngineConfig(block_size_tokens=B)
+    )
+    return CloudConfig(**{**base, **kw})
+
+
+@dataclass
+class Toy:
+    gateway: Gateway
+    engines: MemoryEngines
+    store: MemoryBlockStore
+    edge: EdgeService
+    batcher: HeadBatcher
+
+
+async def toy_stack(link_wrapper=None, edge_session_bytes: int = 1 << 30, **cloud_kw: Any) -> Toy:
+    """A gateway and an edge service in this event loop, joined by an ``InProcessLink``
+    (optionally wrapped, e.g. for fault injection). Call ``await toy.batcher.stop()`` at the end."""
+    store = MemoryBlockStore(1 << 30)
+    engines = MemoryEngines(store, B, VOCAB)
+    gw = Gateway(cloud_config(**cloud_kw), MANIFEST, engines, store)
+    link: CloudLink = InProcessLink(gw)
+    if link_wrapper is not None:
+        link = link_wrapper(link)
+    key = MANIFEST.compatibility_key()
+    params = await link.negotiate(NegotiateOffer("e", "toy", key, (0, K), 4))
+    batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
+    batcher.start()
+    svc = EdgeService(ToyTokenizer(), batcher, link, params, key, EdgeSessions(64, edge_session_bytes), 30.0)
+    return Toy(gw, engines, store, svc, batcher)
+
+
+class TamperLink:
+    """Wraps a ``CloudLink``: every uplink item passes through ``fn(item, attempt)`` (attempt counts
+    sends of the same chunk seq / leaf index from 1) before it is sent."""
+
+    def __init__(self, inner: CloudLink, fn) -> None:
+        self.inner, self.fn = inner, fn
+        self.attempts: dict[tuple[str, int], int] = {}
+
+    async def negotiate(self, offer):
+        return await self.inner.negotiate(offer)
+
+    def open(self, timeout_s):
+        return _TamperCall(self.inner.open(timeout_s), self)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class _TamperCall:
+    def __init__(self, inner: TurnCall, link: TamperLink) -> None:
+        self.inner, self.link = inner, link
+
+    def send(self, item) -> int:
+        key = (type(item).__name__, getattr(item, "seq", getattr(item, "leaf_index", -1)))
+        n = self.link.attempts[key] = self.link.attempts.get(key, 0) + 1
+        return self.inner.send(self.link.fn(item, n))
+
+    def close_send(self) -> None:
+        self.inner.close_send()
+
+    def events(self):
+        return self.inner.events()
+
+    def cancel(self) -> None:
+        self.inner.cancel()
+
+
+def rechunk(chunk, h):
+    """``chunk`` carrying other activations float32 ``[n, H]`` (fp32, CRC recomputed: it arrives intact)."""
+    payload = np.ascontiguousarray(h, np.float32).tobytes()
+    return replace(chunk, payload=payload, raw_nbytes=len(payload), crc32c=wire.crc32c(payload))

@@ -1,0 +1,227 @@
+"""The gateway and the edge over real grpc.aio on loopback, with in-memory engines and head
+(fast): the cloud's verdict always reaches the edge (issue 12 item 1), keepalive pings are
+accepted on silent streams and a cloud that stops answering is detected (item 5)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import numpy as np
+import pytest
+
+from cloud.gateway import Gateway
+from cloud.memory_engines import MemoryEngines
+from cloud.service import CloudServicer
+from common import wire
+from common.errors import EngineError, InvalidRequest
+from common.grpcsetup import channel_options, start_server
+from common.kvstore import MemoryBlockStore
+from common.params import NegotiateOffer, Sampling
+from edge.batcher import HeadBatcher
+from edge.events import ChatTurn, TurnDone
+from edge.grpc_link import GrpcCloudLink
+from edge.head_runner import MemoryHead
+from edge.service import EdgeService
+from edge.session import EdgeSessions
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
+from tests.doubles import HKV, MANIFEST, VOCAB, B, D, H, K, TamperLink, ToyTokenizer, cloud_config, rechunk
+
+LONG = "Tell me everything about the history of bridges, arches and the Romans. " * 6  # ~440 tokens, 28 chunks
+
+
+class Cloud:
+    """A gateway on a grpc server that can be restarted on the same port, keeping its store."""
+
+    def __init__(self, **cfg) -> None:
+        self.store = MemoryBlockStore(1 << 30)
+        self.engines = MemoryEngines(self.store, B, VOCAB)
+        self.cfg = cloud_config(**cfg)
+        self.port = 0
+
+    async def start(self) -> None:
+        self.gateway = Gateway(self.cfg, MANIFEST, self.engines, self.store)
+        servicer = CloudServicer(self.gateway, "toy-cloud")
+        self.server, self.port, _ = await start_server(
+            [lambda s: pb_grpc.add_CloudServicer_to_server(servicer, s)],
+            ["tandem.v1.Cloud"],
+            "127.0.0.1",
+            self.port,
+            self.gateway.max_message_bytes(),
+        )
+
+    async def stop(self) -> None:
+        await self.server.stop(0)
+
+
+async def edge_to(target: str, keepalive_s: float = 5.0) -> EdgeService:
+    link = GrpcCloudLink(target, keepalive_s, keepalive_s)
+    params = await link.negotiate(NegotiateOffer("e", "toy", MANIFEST.compatibility_key(), (0, K), 4))
+    batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
+    batcher.start()
+    return EdgeService(
+        ToyTokenizer(), batcher, link, params, MANIFEST.compatibility_key(), EdgeSessions(64, 1 << 30), 30
+    )
+
+
+async def close_edge(svc: EdgeService) -> None:
+    await svc.batcher.stop()
+    await svc.link.close()
+
+
+def chat(text: str, session: str = "", n: int = 6) -> ChatTurn:
+    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n))
+
+
+async def run(svc: EdgeService, t: ChatTurn) -> TurnDone:
+    done = None
+    async for ev in svc.chat(t):
+        if isinstance(ev, TurnDone):
+            done = ev
+    assert done is not None
+    return done
+
+
+@pytest.fixture
+async def cloud():
+    c = Cloud()
+    await c.start()
+    yield c
+    await c.stop()
+
+
+async def test_cloud_restart_mid_session_is_answered_by_a_full_resend(cloud):
+    """Input of issue 12 item 1: two turns, restart the cloud (same store), a third turn through the
+    same edge: the cloud says FAILED_PRECONDITION, the edge resends from token 0, the client gets its
+    answer (the upload is many chunks, so the edge is still writing when the cloud refuses)."""
+    edge = await edge_to(f"127.0.0.1:{cloud.port}")
+    try:
+        convo = [("user", LONG)]
+        for i in range(5):
+            done = await run(edge, ChatTurn(tuple(convo), "", "s", Sampling(max_new_tokens=6)))
+            convo += [("assistant", "sure"), ("user", f"and question {i}?")]
+            if i >= 1:
+                await cloud.stop()
+                await cloud.start()
+        assert done.output_tokens == 6 and done.head_tokens < done.prompt_tokens
+    finally:
+        await close_edge(edge)
+
+
+async def test_a_full_size_upload_refused_midway_keeps_its_status(cloud):
+    """A NaN in chunk 5 of 28: the client sees INVALID_ARGUMENT with the cloud's message, every time."""
+
+    def nan_in_chunk_5(item, attempt):
+        if isinstance(item, wire.Chunk) and item.seq == 5:
+            return rechunk(item, np.full((item.num_tokens, H), np.nan, np.float32))
+        return item
+
+    edge = await edge_to(f"127.0.0.1:{cloud.port}")
+    edge.link = TamperLink(edge.link, nan_in_chunk_5)
+    try:
+        for _ in range(20):
+            with pytest.raises(InvalidRequest, match="NaN"):
+                await run(edge, chat(LONG))
+        assert cloud.gateway.budget.uploads == 0
+    finally:
+        await close_edge(edge)
+
+
+async def test_the_verdict_travels_as_a_message_before_the_status(cloud):
+    ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
+    p = cloud.gateway.params
+    header = pb.RequestHeader(
+        request_id="r", session_id="never-seen", params_version=p.params_version, split_layer=K,
+        prompt_token_ids=ids, cached_tokens=32, num_chunks=-(-(len(ids) - 32) // p.chunk_tokens),
+        num_kv_blocks=len(ids) // B - 1, sampling=pb.SamplingParams(max_new_tokens=4),
+    )  # fmt: skip
+    chunk = pb.ActivationChunk(seq=0, token_offset=32, num_tokens=16, wire_dtype=1, codec=1, payload=bytes(512))
+    msgs = [pb.Uplink(header=header)] + [pb.Uplink(chunk=chunk)] * 20
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{cloud.port}") as ch:
+        call = pb_grpc.CloudStub(ch).Generate(iter(msgs))
+        got = [m async for m in _until_error(call)]
+        assert got and got[0].WhichOneof("msg") == "error" and got[0].error.kind == "SessionOutOfSync"
+        assert await call.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def _until_error(call):
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        async for m in call:
+            yield m
+
+
+async def test_keepalive_pings_are_accepted_on_a_silent_stream(cloud):
+    """Issue 12 item 5: a client pinging every second while its stream is silent is not cut off."""
+    ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
+    p = cloud.gateway.params
+    header = pb.RequestHeader(
+        request_id="r", session_id="quiet", params_version=p.params_version, split_layer=K, prompt_token_ids=ids,
+        num_chunks=-(-len(ids) // p.chunk_tokens), num_kv_blocks=len(ids) // B,
+        sampling=pb.SamplingParams(max_new_tokens=4),
+    )  # fmt: skip
+
+    async def silent():
+        yield pb.Uplink(header=header)
+        await asyncio.sleep(3.5)
+
+    opts = channel_options(0.5, 1.0, 1 << 20)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{cloud.port}", options=opts) as ch:
+        call = pb_grpc.CloudStub(ch).Generate(silent())
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            async for _ in call:
+                pass
+        # the stream ended because the client stopped sending, not because the server cut the connection
+        assert await call.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert "ping" not in (await call.details() or "").lower()
+        r = await pb_grpc.CloudStub(ch).Negotiate(
+            NegotiateOffer("e", "toy", MANIFEST.compatibility_key(), (0, K), 4).to_pb()
+        )
+        assert r.params.split_layer == K
+
+
+class FreezableProxy:
+    """TCP forwarder on loopback that can stop moving bytes both ways (a stopped process, a dead link)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.running = asyncio.Event()
+        self.running.set()
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _conn(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        ur, uw = await asyncio.open_connection("127.0.0.1", self.target_port)
+        await asyncio.gather(self._pipe(r, uw), self._pipe(ur, w), return_exceptions=True)
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while data := await r.read(65536):
+            await self.running.wait()
+            w.write(data)
+            await w.drain()
+        w.close()
+
+    async def stop(self) -> None:
+        self.running.set()
+        self.server.close()
+
+
+async def test_a_cloud_that_stops_answering_fails_the_turn_within_the_keepalive_bound(cloud):
+    """Issue 12 item 5: the cloud stops answering mid-turn (as under SIGSTOP); the edge's keepalive
+    (1 s + 1 s here) ends the call with UNAVAILABLE while the cloud is still silent."""
+    cloud.engines.step_delay_s = 0.2
+    proxy = FreezableProxy(cloud.port)
+    port = await proxy.start()
+    edge = await edge_to(f"127.0.0.1:{port}", keepalive_s=1.0)
+    try:
+        await run(edge, chat("warm up"))
+        proxy.running.clear()  # silent from now on, for up to 30 s
+        with pytest.raises(EngineError):
+            await asyncio.wait_for(run(edge, chat(LONG, n=50)), timeout=25)
+    finally:
+        await proxy.stop()
+        await close_edge(edge)
+        cloud.engines.step_delay_s = 0.0

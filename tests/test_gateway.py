@@ -1,0 +1,283 @@
+"""Unit tests of the gateway's and the edge service's logic with in-memory doubles at every
+seam (``MemoryEngines``, ``MemoryBlockStore``, ``MemoryHead``, ``InProcessLink``); no vLLM,
+no ONNX Runtime, no network. The real-engine tests in test_split_e2e.py stay beside them."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from common import wire
+from common.errors import DeadlineExceeded, InvalidRequest, QuotaExceeded, SessionOutOfSync, UploadTimeout
+from common.messages import Commit, KVBlock, TurnHeader
+from common.params import Sampling
+from edge.events import ChatTurn, TurnDone
+from edge.head_runner import HeadInput
+from edge.service import TurnClock
+from tandem.stages import Stage
+from tests.doubles import B, H, TamperLink, ToyTokenizer, rechunk, toy_stack
+
+LONG = "The quick brown fox jumps over the lazy dog, again and again, " * 3  # ~200 tokens
+
+
+def turn(text: str, session: str = "", n: int = 8, **kw) -> ChatTurn:
+    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), **kw)
+
+
+async def run(svc, t: ChatTurn, timeout_s: float | None = None) -> TurnDone:
+    done = None
+    async for ev in svc.chat(t, timeout_s):
+        if isinstance(ev, TurnDone):
+            done = ev
+    assert done is not None
+    return done
+
+
+@pytest.fixture
+async def toy():
+    t = await toy_stack()
+    yield t
+    await t.batcher.stop()
+
+
+async def test_split_turn_loads_the_aligned_prefix_and_times_every_stage(toy):
+    done = await run(toy.edge, turn(LONG))
+    n = done.prompt_tokens
+    assert done.head_tokens == n and done.output_tokens == 8 and done.split_layer == 2
+    assert done.external_tokens == n // B * B > 0
+    assert {Stage.TOKENIZE, Stage.EDGE_HEAD, Stage.ENCODE, Stage.UPLINK, Stage.TTFT, Stage.TOTAL} <= set(done.timings)
+    assert {Stage.CLOUD_STORE_PUT, Stage.CLOUD_TAIL_PREFILL, Stage.CLOUD_DECODE} <= set(done.timings)
+    # the same prompt computed without the split (direct) gives the same tokens: loads equal computes
+    direct = await run(toy.edge, turn(LONG, direct=True))
+    assert direct.split_layer == 0 and direct.external_tokens == 0
+
+
+async def test_second_turn_sends_only_new_blocks(toy):
+    first = await run(toy.edge, turn(LONG, "s1"))
+    convo = (("user", LONG), ("assistant", "ok"), ("user", "and more words to make a new block or two, or three."))
+    second = await run(toy.edge, ChatTurn(convo, "", "s1", Sampling(max_new_tokens=8)))
+    assert second.head_tokens < second.prompt_tokens
+    assert second.sent_bytes["kv"] < first.sent_bytes["kv"]
+    assert second.external_tokens == second.prompt_tokens // B * B
+
+
+async def test_resend_from_token_0_never_reuses_kv_of_other_activations():
+    """Issue 12 item 2: ids X with X's activations, then from token 0 the same ids with the
+    activations of another prompt Y: the answer equals a cold request with ids X and Y's activations."""
+    swap: dict[str, np.ndarray] = {}
+
+    def to_y(item, attempt):
+        if "y" in swap and isinstance(item, wire.Chunk):
+            return rechunk(item, swap["y"][item.token_offset : item.token_offset + item.num_tokens])
+        return item
+
+    toy = await toy_stack(link_wrapper=lambda link: TamperLink(link, to_y))
+    try:
+        x_text, y_text = LONG, LONG.upper()
+        ids_y = ToyTokenizer().apply_chat_template([{"role": "user", "content": y_text}])
+        swap_y = (await toy.batcher.run(HeadInput(np.asarray(ids_y, np.int64)))).hidden
+        honest = await run(toy.edge, turn(x_text, "victim"))
+        swap["y"] = swap_y
+        toy.edge.sessions._s.pop("victim")  # the edge forgot the session: it resends from token 0
+        resent = await run(toy.edge, turn(x_text, "victim"))
+        cold = await run(toy.edge, turn(x_text))  # stateless: nothing stored to reuse
+        assert resent.output_token_ids == cold.output_token_ids != honest.output_token_ids
+        # and again after a "restart" that keeps the store: a fresh session table
+        toy.gateway.sessions._s.clear()
+        toy.edge.sessions._s.pop("victim")
+        again = await run(toy.edge, turn(x_text, "victim"))
+        assert again.output_token_ids == cold.output_token_ids
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_a_failed_upload_leaves_both_sides_unchanged():
+    def nan_chunk(item, attempt):
+        if isinstance(item, wire.Chunk) and item.seq == 1:
+            return rechunk(item, np.full((item.num_tokens, H), np.nan, np.float32))
+        return item
+
+    toy = await toy_stack()
+    try:
+        await run(toy.edge, turn("hello there", "s"))
+        edge_before = toy.edge.sessions.get("s").snapshot()
+        cloud_before = toy.gateway.sessions.get("s")
+        v = cloud_before.version
+        toy.edge.link = TamperLink(toy.edge.link, nan_chunk)
+        with pytest.raises(InvalidRequest, match="NaN"):
+            await run(toy.edge, turn(LONG, "s"))
+        with pytest.raises(InvalidRequest, match="NaN"):
+            await run(toy.edge, turn(LONG, "new-session"))
+        s = toy.edge.sessions.get("s")
+        assert s.token_ids == edge_before.token_ids and s.cloud_tokens == edge_before.cloud_tokens
+        assert "new-session" not in toy.edge.sessions  # a failed first turn keeps nothing
+        assert toy.gateway.sessions.get("s").version == v
+        assert toy.gateway.budget.uploads == 0 and toy.gateway.budget.nbytes == 0
+    finally:
+        await toy.batcher.stop()
+
+
+def header_for(gw, ids, session="s", cached=0, **kw) -> TurnHeader:
+    p = gw.params
+    n_chunks = -(-(len(ids) - cached) // p.chunk_tokens)
+    return TurnHeader(
+        "r",
+        session,
+        p.params_version,
+        gw.manifest.split_layer,
+        tuple(ids),
+        cached,
+        n_chunks,
+        len(ids) // B,
+        Sampling(4),
+        **kw,
+    )
+
+
+async def forever():
+    await asyncio.Event().wait()
+    yield None
+
+
+async def test_stalled_uploads_cannot_lock_out_the_sessions_owner(toy):
+    """Issue 12 item 7: two streams send a header for a session and then nothing; the owner's
+    normal turn still completes while they stall."""
+    await run(toy.edge, turn("hello there", "owner"))
+    ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
+    stalls = [
+        asyncio.create_task(_drain(toy.gateway.run_turn(header_for(toy.gateway, ids, "owner"), forever())))
+        for _ in range(2)
+    ]
+    await asyncio.sleep(0.05)
+    done = await run(toy.edge, turn("hello there, again", "owner"))
+    assert done.output_tokens == 8 and not any(t.done() for t in stalls)
+    for t in stalls:
+        t.cancel()
+    await asyncio.gather(*stalls, return_exceptions=True)
+
+
+async def _drain(agen):
+    async for _ in agen:
+        pass
+
+
+async def test_waiting_for_the_session_is_bounded_by_the_deadline(toy):
+    await run(toy.edge, turn("hello", "busy"))
+    session = toy.gateway.sessions.get("busy")
+    loop = asyncio.get_running_loop()
+    ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": "hello"}])
+    await session.lock.acquire()
+    try:
+        body = toy.edge._build_turn(toy.edge.sessions.get("busy"), ids, turn("hello", "busy"), True, TurnClock(), True)
+
+        async def items():
+            for c in body.chunks:
+                yield c
+            for b in body.blocks.values():
+                yield b
+            yield Commit(body.leaf_count, body.merkle_root)
+            await asyncio.Event().wait()
+
+        t = toy.gateway.run_turn(body.header, items(), "p", loop.time() + 0.3)
+        with pytest.raises(DeadlineExceeded, match="waiting for session"):
+            await _drain(t)
+    finally:
+        session.lock.release()
+
+
+async def test_upload_is_bounded_by_the_upload_timeout_and_deadline():
+    toy = await toy_stack(upload_timeout_s=0.2)
+    try:
+        ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
+        with pytest.raises(UploadTimeout):
+            await _drain(toy.gateway.run_turn(header_for(toy.gateway, ids), forever()))
+        assert toy.gateway.budget.uploads == 0
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_oversized_payloads_are_refused_on_arrival(toy):
+    """Issue 12 item 4: a 5 MiB chunk on a link of small chunks is INVALID_ARGUMENT at once."""
+    ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
+    gw = toy.gateway
+    header = header_for(gw, ids)
+    chunk = wire.split(np.zeros((16, H), np.float32), 0, 16)[0]
+    big = replace(chunk, payload=bytes(5 << 20), crc32c=wire.crc32c(bytes(5 << 20)))
+
+    async def body():
+        yield big
+        await asyncio.Event().wait()  # never commits: the refusal must not wait for the end
+
+    with pytest.raises(InvalidRequest, match="payload bytes"):
+        await _drain(gw.run_turn(header, body()))
+    block = KVBlock(0, b"x" * 32, 0, 2, wire.Codec.NONE, 1, bytes(5 << 20), b"y" * 32)
+
+    async def body2():
+        yield block
+        await asyncio.Event().wait()
+
+    with pytest.raises(InvalidRequest):
+        await _drain(gw.run_turn(header, body2()))
+    assert gw.budget.uploads == 0 and gw.max_message_bytes() < 1 << 20
+
+
+async def test_uploads_in_flight_are_bounded_per_edge_and_in_total():
+    toy = await toy_stack(max_uploads_per_peer=2, max_uploads=3)
+    try:
+        gw = toy.gateway
+        ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
+        stalls = [
+            asyncio.create_task(_drain(gw.run_turn(header_for(gw, ids, f"s{i}"), forever(), "edge-a")))
+            for i in range(2)
+        ]
+        await asyncio.sleep(0.05)
+        with pytest.raises(QuotaExceeded):
+            await _drain(gw.run_turn(header_for(gw, ids, "s3"), forever(), "edge-a"))
+        other = asyncio.create_task(_drain(gw.run_turn(header_for(gw, ids, "s4"), forever(), "edge-b")))
+        await asyncio.sleep(0.05)
+        with pytest.raises(QuotaExceeded):
+            await _drain(gw.run_turn(header_for(gw, ids, "s5"), forever(), "edge-c"))
+        for t in [*stalls, other]:
+            t.cancel()
+        await asyncio.gather(*stalls, other, return_exceptions=True)
+        assert gw.budget.uploads == 0 and gw.budget.nbytes == 0
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_cloud_session_loss_is_answered_by_a_resend_from_token_0(toy):
+    await run(toy.edge, turn("hello there", "s"))
+    toy.gateway.sessions._s.clear()  # as after a cloud restart
+    done = await run(toy.edge, turn("hello there, and more", "s"))
+    assert done.head_tokens < done.prompt_tokens and done.output_tokens == 8
+
+
+async def test_edge_sessions_are_bounded_by_bytes():
+    """Issue 12 item 8: many long sessions stay within the configured byte bound (LRU)."""
+    toy = await toy_stack(edge_session_bytes=60_000)
+    try:
+        for i in range(8):
+            await run(toy.edge, turn(LONG, f"s{i}", n=2))
+            assert toy.edge.sessions.nbytes() <= 60_000
+        assert len(toy.edge.sessions) < 8 and "s7" in toy.edge.sessions
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_a_session_out_of_sync_twice_is_an_error():
+    def always_stale(item, attempt):
+        return replace(item, cached_tokens=1) if isinstance(item, TurnHeader) and item.cached_tokens == 0 else item
+
+    toy = await toy_stack()
+    try:
+        toy.edge.link = TamperLink(toy.edge.link, lambda i, a: i)
+        await run(toy.edge, turn("hi", "s"))
+        toy.gateway.sessions._s.clear()
+        toy.edge.link = TamperLink(toy.edge.link, always_stale)
+        with pytest.raises((SessionOutOfSync, InvalidRequest)):
+            await run(toy.edge, turn("hi there", "s"))
+    finally:
+        await toy.batcher.stop()
