@@ -238,15 +238,18 @@ class VllmEngines:
         raise EngineError("engines were shut down during a restart")
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop both engines: SIGTERM to each EngineCore, SIGKILL after ``timeout_s`` (blocking)."""
+        """Stop both engines, in parallel: SIGTERM to each EngineCore (it stops its worker), SIGKILL
+        only if one is still running after ``timeout_s``. Blocking."""
         with self._lock:
             self._closed = True
-            engines = [self._get(r) for r in self.ROLES]
+            engines = [e for r in self.ROLES if (e := self._get(r)) is not None]
             for role in self.ROLES:
                 self._set(role, None)
-        for e in engines:
-            if e is not None:
-                e.shutdown(timeout_s)
+        threads = [threading.Thread(target=e.shutdown, args=(timeout_s,), name="engine-shutdown") for e in engines]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     def _engine_for(self, role: str) -> Any:
         """The engine of ``role``, or EngineError at once when it cannot take requests."""

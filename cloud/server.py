@@ -60,14 +60,12 @@ async def create_cloud(
     store = DiskBlockStore(cfg.store_dir, cfg.store_bytes)
     gateway = Gateway(cfg, manifest, engines, store)
     servicer = CloudServicer(gateway, cfg.cloud_id)
-    # the largest legal message under the negotiated limits (the gateway knows them)
-    max_message_bytes = getattr(gateway, "max_message_bytes", lambda: 64 << 20)()
     server, port, hs = await start_server(
         [lambda s: pb_grpc.add_CloudServicer_to_server(servicer, s)],
         [SERVICE_NAME],
         cfg.host,
         cfg.port,
-        max_message_bytes,
+        gateway.max_message_bytes(),  # the largest legal message under the link params
     )
     cloud = CloudServer(server, port, gateway, hs, None)
     if isinstance(engines, SupervisedEngines):

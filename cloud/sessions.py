@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.lru import evict_lru
+
 
 @dataclass
 class CloudSession:
@@ -54,14 +56,11 @@ class SessionTable:
 
     def evict(self) -> list[str]:
         """Drop least-recently-used unlocked sessions until within bounds; returns dropped ids."""
-        dropped = []
-        while len(self._s) > self.max_sessions or self.nbytes() > self.max_bytes:
-            victim = next((k for k, s in self._s.items() if not s.lock.locked()), None)
-            if victim is None:
-                break
-            del self._s[victim]
-            dropped.append(victim)
-        return dropped
+        return evict_lru(
+            self._s,
+            lambda: len(self._s) > self.max_sessions or self.nbytes() > self.max_bytes,
+            lambda s: s.lock.locked(),
+        )
 
     def nbytes(self) -> int:
         """Activation bytes plus ids and leaves, all sessions."""

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
+from common.lru import evict_lru
+
 
 @dataclass
 class EdgeSession:
@@ -85,14 +87,11 @@ class EdgeSessions:
 
     def evict(self) -> list[str]:
         """Drop least-recently-used idle sessions until within bounds; returns dropped ids."""
-        dropped = []
-        while len(self._s) > self.max_sessions or self.nbytes() > self.max_bytes:
-            victim = next((k for k, v in self._s.items() if not v.lock.locked()), None)
-            if victim is None:
-                break
-            del self._s[victim]
-            dropped.append(victim)
-        return dropped
+        return evict_lru(
+            self._s,
+            lambda: len(self._s) > self.max_sessions or self.nbytes() > self.max_bytes,
+            lambda s: s.lock.locked(),
+        )
 
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self._s.values())

@@ -44,7 +44,7 @@ class Cloud:
     async def start(self) -> None:
         self.gateway = Gateway(self.cfg, MANIFEST, self.engines, self.store)
         servicer = CloudServicer(self.gateway, "toy-cloud")
-        self.server, self.port, _ = await start_server(
+        self.server, self.port, self.health = await start_server(
             [lambda s: pb_grpc.add_CloudServicer_to_server(servicer, s)],
             ["tandem.v1.Cloud"],
             "127.0.0.1",
@@ -225,3 +225,40 @@ async def test_a_cloud_that_stops_answering_fails_the_turn_within_the_keepalive_
         await proxy.stop()
         await close_edge(edge)
         cloud.engines.step_delay_s = 0.0
+
+
+async def test_edge_health_follows_the_clouds(cloud):
+    """Issue 12 item 6 (edge side): the edge says NOT_SERVING while its cloud is not serving or gone."""
+    from grpc_health.v1 import health, health_pb2
+
+    from common.grpcsetup import set_health
+    from edge.server import EDGE_SERVICE, follow_cloud_health
+
+    async def edge_status() -> int:
+        r = await edge_hs.Check(health_pb2.HealthCheckRequest(service=EDGE_SERVICE), None)
+        return r.status
+
+    async def wait_for(status: int) -> None:
+        for _ in range(100):
+            if await edge_status() == status:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"edge health never became {status}")
+
+    edge_hs = health.aio.HealthServicer()
+    await set_health(edge_hs, True, ["", EDGE_SERVICE])
+    SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{cloud.port}") as ch:
+        task = asyncio.create_task(follow_cloud_health(ch, edge_hs, retry_s=0.1))
+        try:
+            await wait_for(SERVING)
+            await set_health(cloud.health, False, ["", "tandem.v1.Cloud"])
+            await wait_for(NOT_SERVING)
+            await set_health(cloud.health, True, ["", "tandem.v1.Cloud"])
+            await wait_for(SERVING)
+            await cloud.stop()
+            await wait_for(NOT_SERVING)
+            await cloud.start()
+            await wait_for(SERVING)
+        finally:
+            task.cancel()
