@@ -12,12 +12,11 @@ only after a turn's upload verified completely.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.lru import evict_lru
+from common.lru import BoundedLRU
 
 
 @dataclass
@@ -36,35 +35,11 @@ class CloudSession:
         return 0 if self.hidden is None else int(self.hidden.nbytes)
 
 
-class SessionTable:
-    """LRU of ``CloudSession`` bounded by count and activation bytes."""
-
-    def __init__(self, max_sessions: int, max_bytes: int) -> None:
-        self.max_sessions, self.max_bytes = max_sessions, max_bytes
-        self._s: OrderedDict[str, CloudSession] = OrderedDict()
+class SessionTable(BoundedLRU[CloudSession]):
+    """LRU of ``CloudSession`` bounded by count and bytes (activations, ids, leaves)."""
 
     def get(self, session_id: str) -> CloudSession | None:
-        s = self._s.get(session_id) if session_id else None
-        if s is not None:
-            self._s.move_to_end(session_id)
-        return s
+        return self.peek(session_id) if session_id else None
 
-    def put(self, session_id: str, session: CloudSession) -> None:
-        """Insert or refresh a session (after a verified turn)."""
-        self._s[session_id] = session
-        self._s.move_to_end(session_id)
-
-    def evict(self) -> list[str]:
-        """Drop least-recently-used unlocked sessions until within bounds; returns dropped ids."""
-        return evict_lru(
-            self._s,
-            lambda: len(self._s) > self.max_sessions or self.nbytes() > self.max_bytes,
-            lambda s: s.lock.locked(),
-        )
-
-    def nbytes(self) -> int:
-        """Activation bytes plus ids and leaves, all sessions."""
-        return sum(s.nbytes + len(k) + 32 * len(s.leaves) + 8 * len(s.token_ids) for k, s in self._s.items())
-
-    def __len__(self) -> int:
-        return len(self._s)
+    def entry_bytes(self, key: str, s: CloudSession) -> int:
+        return s.nbytes + len(key) + 32 * len(s.leaves) + 8 * len(s.token_ids)

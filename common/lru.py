@@ -1,22 +1,68 @@
-"""One bounded least-recently-used eviction rule for the session tables of edge and cloud."""
+"""One bounded least-recently-used table, for the session tables of edge and cloud.
+
+Bounded by entry count and by bytes (``entry_bytes`` of each entry); eviction drops
+from the least recently used end and skips entries a turn is using (its lock held).
+Single event loop; no locking of its own.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import TypeVar
-
-V = TypeVar("V")
+from typing import Generic, Protocol, TypeVar
 
 
-def evict_lru(table: OrderedDict[str, V], over_bounds: Callable[[], bool], in_use: Callable[[V], bool]) -> list[str]:
-    """Drop entries from the least recently used end (``table``'s front) while ``over_bounds()``,
-    skipping those ``in_use``; stops when only used entries remain. Returns the dropped keys."""
-    dropped = []
-    while over_bounds():
-        victim = next((k for k, v in table.items() if not in_use(v)), None)
-        if victim is None:
-            break
-        del table[victim]
-        dropped.append(victim)
-    return dropped
+class Lockable(Protocol):
+    lock: asyncio.Lock
+
+
+V = TypeVar("V", bound=Lockable)
+
+
+class BoundedLRU(Generic[V]):
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._s: OrderedDict[str, V] = OrderedDict()
+
+    def entry_bytes(self, key: str, value: V) -> int:
+        """Bytes one entry holds (subclasses count what they keep)."""
+        raise NotImplementedError
+
+    def peek(self, key: str) -> V | None:
+        """The entry, marked most recently used; None if absent."""
+        v = self._s.get(key)
+        if v is not None:
+            self._s.move_to_end(key)
+        return v
+
+    def put(self, key: str, value: V) -> None:
+        """Insert or refresh an entry as the most recently used."""
+        self._s[key] = value
+        self._s.move_to_end(key)
+
+    def nbytes(self) -> int:
+        return sum(self.entry_bytes(k, v) for k, v in self._s.items())
+
+    def evict(self) -> list[str]:
+        """Drop least-recently-used idle entries until within bounds; returns the dropped keys.
+        Stops when only entries in use remain."""
+        dropped = []
+        while len(self._s) > self.max_entries or self.nbytes() > self.max_bytes:
+            victim = next((k for k, v in self._s.items() if not v.lock.locked()), None)
+            if victim is None:
+                break
+            del self._s[victim]
+            dropped.append(victim)
+        return dropped
+
+    def discard(self, key: str) -> None:
+        self._s.pop(key, None)
+
+    def clear(self) -> None:
+        self._s.clear()
+
+    def __len__(self) -> int:
+        return len(self._s)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._s

@@ -14,12 +14,11 @@ turn that fails: a failed turn leaves the session as it was.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
-from common.lru import evict_lru
+from common.lru import BoundedLRU
 
 
 @dataclass
@@ -62,42 +61,24 @@ class EdgeSession:
                 setattr(self, f.name, getattr(snap, f.name))
 
 
-class EdgeSessions:
-    """LRU of edge sessions bounded by count and bytes."""
-
-    def __init__(self, max_sessions: int, max_bytes: int) -> None:
-        self.max_sessions, self.max_bytes = max_sessions, max_bytes
-        self._s: OrderedDict[str, EdgeSession] = OrderedDict()
+class EdgeSessions(BoundedLRU[EdgeSession]):
+    """LRU of edge sessions bounded by count and bytes (head KV + activations)."""
 
     def get(self, session_id: str) -> EdgeSession:
         """The session (created empty if unknown); a stateless request gets a throwaway one."""
         if not session_id:
             return EdgeSession()
-        s = self._s.get(session_id)
+        s = self.peek(session_id)
         if s is None:
-            s = self._s[session_id] = EdgeSession()
-        self._s.move_to_end(session_id)
+            s = EdgeSession()
+            self.put(session_id, s)
         return s
 
     def discard_if_empty(self, session_id: str) -> None:
         """Forget a session that holds nothing (its first turn failed)."""
         s = self._s.get(session_id)
         if s is not None and not s.token_ids and not s.lock.locked():
-            del self._s[session_id]
+            self.discard(session_id)
 
-    def evict(self) -> list[str]:
-        """Drop least-recently-used idle sessions until within bounds; returns dropped ids."""
-        return evict_lru(
-            self._s,
-            lambda: len(self._s) > self.max_sessions or self.nbytes() > self.max_bytes,
-            lambda s: s.lock.locked(),
-        )
-
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self._s.values())
-
-    def __len__(self) -> int:
-        return len(self._s)
-
-    def __contains__(self, session_id: str) -> bool:
-        return session_id in self._s
+    def entry_bytes(self, key: str, s: EdgeSession) -> int:
+        return s.nbytes

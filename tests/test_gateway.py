@@ -81,13 +81,13 @@ async def test_resend_from_token_0_never_reuses_kv_of_other_activations():
         swap_y = (await toy.batcher.run(HeadInput(np.asarray(ids_y, np.int64)))).hidden
         honest = await run(toy.edge, turn(x_text, "victim"))
         swap["y"] = swap_y
-        toy.edge.sessions._s.pop("victim")  # the edge forgot the session: it resends from token 0
+        toy.edge.sessions.discard("victim")  # the edge forgot the session: it resends from token 0
         resent = await run(toy.edge, turn(x_text, "victim"))
         cold = await run(toy.edge, turn(x_text))  # stateless: nothing stored to reuse
         assert resent.output_token_ids == cold.output_token_ids != honest.output_token_ids
         # and again after a "restart" that keeps the store: a fresh session table
-        toy.gateway.sessions._s.clear()
-        toy.edge.sessions._s.pop("victim")
+        toy.gateway.sessions.clear()
+        toy.edge.sessions.discard("victim")
         again = await run(toy.edge, turn(x_text, "victim"))
         assert again.output_token_ids == cold.output_token_ids
     finally:
@@ -250,7 +250,7 @@ async def test_uploads_in_flight_are_bounded_per_edge_and_in_total():
 
 async def test_cloud_session_loss_is_answered_by_a_resend_from_token_0(toy):
     await run(toy.edge, turn("hello there", "s"))
-    toy.gateway.sessions._s.clear()  # as after a cloud restart
+    toy.gateway.sessions.clear()  # as after a cloud restart
     done = await run(toy.edge, turn("hello there, and more", "s"))
     assert done.head_tokens < done.prompt_tokens and done.output_tokens == 8
 
@@ -275,7 +275,7 @@ async def test_a_session_out_of_sync_twice_is_an_error():
     try:
         toy.edge.link = TamperLink(toy.edge.link, lambda i, a: i)
         await run(toy.edge, turn("hi", "s"))
-        toy.gateway.sessions._s.clear()
+        toy.gateway.sessions.clear()
         toy.edge.link = TamperLink(toy.edge.link, always_stale)
         with pytest.raises((SessionOutOfSync, InvalidRequest)):
             await run(toy.edge, turn("hi there", "s"))

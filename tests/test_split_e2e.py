@@ -434,7 +434,7 @@ async def test_resend_from_token_0_never_reuses_tail_kv_of_other_activations(sta
         return item
 
     honest = await client.complete(x, max_new_tokens=12, session_id=session)
-    svc.sessions._s.pop(session)  # the edge lost its session state: it resends from token 0
+    svc.sessions.discard(session)  # the edge lost its session state: it resends from token 0
     with tampered(stack, to_y):
         resent = await client.complete(x, max_new_tokens=12, session_id=session)
         cold = await client.complete(x, max_new_tokens=12)

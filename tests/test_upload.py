@@ -140,11 +140,11 @@ def test_second_turn_needs_the_sessions_state():
 
 
 def test_session_table_is_bounded_by_count_and_bytes():
-    t = SessionTable(max_sessions=2, max_bytes=1 << 20)
+    t = SessionTable(max_entries=2, max_bytes=1 << 20)
     for name in "abc":
         t.put(name, CloudSession())
     assert t.evict() == ["a"] and len(t) == 2
-    t = SessionTable(max_sessions=100, max_bytes=10_000)
+    t = SessionTable(max_entries=100, max_bytes=10_000)
     for i in range(5):
         t.put(f"{i}" * 4000, CloudSession())  # long ids count too
     t.evict()
