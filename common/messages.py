@@ -17,6 +17,7 @@ from typing import Any
 from common import wire
 from common.errors import InvalidRequest, TandemError, error_from_name
 from common.params import Sampling
+from tandem.pbconv import from_pb, to_pb
 from tandem.stages import Timings, timings_from_wire, timings_to_wire
 from tandem.v1 import tandem_pb2 as pb
 
@@ -39,30 +40,10 @@ class TurnHeader:
 
     @classmethod
     def from_pb(cls, m: pb.RequestHeader) -> TurnHeader:
-        return cls(
-            m.request_id,
-            m.session_id,
-            m.params_version,
-            m.split_layer,
-            tuple(m.prompt_token_ids),
-            m.cached_tokens,
-            m.num_chunks,
-            m.num_kv_blocks,
-            Sampling.from_pb(m.sampling),
-        )
+        return from_pb(cls, m, sampling=Sampling.from_pb(m.sampling))
 
     def to_pb(self) -> pb.RequestHeader:
-        return pb.RequestHeader(
-            request_id=self.request_id,
-            session_id=self.session_id,
-            params_version=self.params_version,
-            split_layer=self.split_layer,
-            prompt_token_ids=list(self.prompt_token_ids),
-            cached_tokens=self.cached_tokens,
-            num_chunks=self.num_chunks,
-            num_kv_blocks=self.num_kv_blocks,
-            sampling=self.sampling.to_pb(),
-        )
+        return to_pb(pb.RequestHeader, self, sampling=self.sampling.to_pb())
 
 
 @dataclass(frozen=True)
@@ -83,20 +64,10 @@ class KVBlock:
         """Raises InvalidRequest for an unknown codec."""
         if m.codec not in wire.Codec._value2member_map_:
             raise InvalidRequest(f"KV block {m.leaf_index}: unknown codec {m.codec}")
-        codec = wire.Codec(m.codec)
-        return cls(m.leaf_index, m.block_hash, m.layer_lo, m.layer_hi, codec, m.raw_nbytes, m.payload, m.leaf_hash)
+        return from_pb(cls, m, codec=wire.Codec(m.codec))
 
     def to_pb(self) -> pb.KVBlockDelta:
-        return pb.KVBlockDelta(
-            leaf_index=self.leaf_index,
-            block_hash=self.block_hash,
-            layer_lo=self.layer_lo,
-            layer_hi=self.layer_hi,
-            codec=wire.pb_name(self.codec),
-            raw_nbytes=self.raw_nbytes,
-            payload=self.payload,
-            leaf_hash=self.leaf_hash,
-        )
+        return to_pb(pb.KVBlockDelta, self)
 
 
 @dataclass(frozen=True)
@@ -118,23 +89,11 @@ def chunk_from_pb(m: pb.ActivationChunk) -> wire.Chunk:
     """Raises InvalidRequest for unknown enum values."""
     if m.wire_dtype not in wire.WireDtype._value2member_map_ or m.codec not in wire.Codec._value2member_map_:
         raise InvalidRequest(f"chunk {m.seq}: unknown wire_dtype {m.wire_dtype} or codec {m.codec}")
-    return wire.Chunk(
-        m.seq, m.token_offset, m.num_tokens, wire.WireDtype(m.wire_dtype), wire.Codec(m.codec), m.raw_nbytes, m.payload,
-        m.crc32c,
-    )  # fmt: skip
+    return from_pb(wire.Chunk, m, wire_dtype=wire.WireDtype(m.wire_dtype), codec=wire.Codec(m.codec))
 
 
 def chunk_to_pb(c: wire.Chunk) -> pb.ActivationChunk:
-    return pb.ActivationChunk(
-        seq=c.seq,
-        token_offset=c.token_offset,
-        num_tokens=c.num_tokens,
-        wire_dtype=wire.pb_name(c.wire_dtype),
-        codec=wire.pb_name(c.codec),
-        raw_nbytes=c.raw_nbytes,
-        payload=c.payload,
-        crc32c=c.crc32c,
-    )
+    return to_pb(pb.ActivationChunk, c)
 
 
 UplinkItem = TurnHeader | wire.Chunk | KVBlock | Commit
@@ -224,25 +183,11 @@ DownEvent = Nack | Repair | UploadAck | TokensOut | TurnFinal | TurnError
 
 
 def _final_to_pb(e: TurnFinal) -> pb.Final:
-    return pb.Final(
-        finish_reason=e.finish_reason,
-        prompt_tokens=e.prompt_tokens,
-        output_tokens=e.output_tokens,
-        external_tokens=e.external_tokens,
-        timings_ms=timings_to_wire(e.timings),
-        received_bytes=e.received_bytes,
-    )
+    return to_pb(pb.Final, e, exclude=("timings",), timings_ms=timings_to_wire(e.timings))
 
 
 def _final_from_pb(m: pb.Final) -> TurnFinal:
-    return TurnFinal(
-        m.finish_reason,
-        m.prompt_tokens,
-        m.output_tokens,
-        m.external_tokens,
-        timings_from_wire(m.timings_ms),
-        dict(m.received_bytes),
-    )
+    return from_pb(TurnFinal, m, timings=timings_from_wire(m.timings_ms))
 
 
 _DOWN_TO: dict[type, Callable[[Any], pb.Downlink]] = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.wire import Codec, WireDtype, pb_name
+from tandem.pbconv import from_pb, to_pb
 from tandem.v1 import tandem_pb2 as pb
 
 
@@ -33,40 +34,10 @@ class LinkParams:
 
     @classmethod
     def from_pb(cls, m: pb.LinkParams) -> LinkParams:
-        return cls(
-            m.params_version,
-            m.split_layer,
-            m.chunk_tokens,
-            WireDtype(m.wire_dtype),
-            Codec(m.codec),
-            m.codec_level,
-            m.kv_block_size_tokens,
-            m.inflight_window_chunks,
-            m.max_concurrent_requests,
-            m.max_batched_tokens,
-            m.max_prompt_tokens,
-            m.max_new_tokens,
-            m.hidden_size,
-            m.max_chunk_resends,
-        )
+        return from_pb(cls, m, wire_dtype=WireDtype(m.wire_dtype), codec=Codec(m.codec))
 
     def to_pb(self) -> pb.LinkParams:
-        return pb.LinkParams(
-            params_version=self.params_version,
-            split_layer=self.split_layer,
-            chunk_tokens=self.chunk_tokens,
-            wire_dtype=pb_name(self.wire_dtype),
-            codec=pb_name(self.codec),
-            codec_level=self.codec_level,
-            kv_block_size_tokens=self.kv_block_size_tokens,
-            inflight_window_chunks=self.inflight_window_chunks,
-            max_concurrent_requests=self.max_concurrent_requests,
-            max_batched_tokens=self.max_batched_tokens,
-            max_prompt_tokens=self.max_prompt_tokens,
-            max_new_tokens=self.max_new_tokens,
-            hidden_size=self.hidden_size,
-            max_chunk_resends=self.max_chunk_resends,
-        )
+        return to_pb(pb.LinkParams, self)
 
 
 @dataclass(frozen=True)
@@ -83,28 +54,10 @@ class Sampling:
 
     @classmethod
     def from_pb(cls, m: pb.SamplingParams) -> Sampling:
-        return cls(
-            m.max_new_tokens,
-            m.temperature,
-            m.top_p or 1.0,
-            m.top_k,
-            m.seed if m.HasField("seed") else None,
-            tuple(m.stop_token_ids),
-            m.ignore_eos,
-        )
+        return from_pb(cls, m, top_p=m.top_p or 1.0, seed=m.seed if m.HasField("seed") else None)
 
     def to_pb(self) -> pb.SamplingParams:
-        m = pb.SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_new_tokens=self.max_new_tokens,
-            stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
-        )
-        if self.seed is not None:
-            m.seed = self.seed
-        return m
+        return to_pb(pb.SamplingParams, self, seed=self.seed)  # None leaves the optional field unset
 
 
 @dataclass(frozen=True)

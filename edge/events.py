@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from common.errors import InvalidRequest
 from common.params import Sampling
+from tandem.pbconv import to_pb
 from tandem.stages import Timings, timings_to_wire
 from tandem.v1 import tandem_pb2 as pb
 
@@ -63,16 +64,5 @@ class TurnDone:
     output_token_ids: tuple[int, ...]
 
     def to_pb(self) -> pb.ChatEvent:
-        return pb.ChatEvent(
-            done=pb.ChatDone(
-                finish_reason=self.finish_reason,
-                prompt_tokens=self.prompt_tokens,
-                output_tokens=self.output_tokens,
-                head_tokens=self.head_tokens,
-                external_tokens=self.external_tokens,
-                split_layer=self.split_layer,
-                timings_ms=timings_to_wire(self.timings),
-                sent_bytes=self.sent_bytes,
-                output_token_ids=list(self.output_token_ids),
-            )
-        )
+        done = to_pb(pb.ChatDone, self, exclude=("timings",), timings_ms=timings_to_wire(self.timings))
+        return pb.ChatEvent(done=done)

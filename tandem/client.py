@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
+from tandem.pbconv import from_pb
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -125,18 +126,7 @@ class _Accumulator:
             return Delta(ev.delta.text, tuple(ev.delta.token_ids))
         if kind == "done":
             d = ev.done
-            self.result = ChatResult(
-                text="".join(self._parts),
-                finish_reason=d.finish_reason,
-                prompt_tokens=d.prompt_tokens,
-                output_tokens=d.output_tokens,
-                head_tokens=d.head_tokens,
-                external_tokens=d.external_tokens,
-                split_layer=d.split_layer,
-                output_token_ids=tuple(d.output_token_ids),
-                timings_ms=dict(d.timings_ms),
-                sent_bytes=dict(d.sent_bytes),
-            )
+            self.result = from_pb(ChatResult, d, text="".join(self._parts))
         return None
 
     def finish(self) -> None:
