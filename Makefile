@@ -56,10 +56,13 @@ bench: model
 	$(BIN)/tandem-bench --model-dir $(MODEL_DIR) --split-layers $(SPLIT_LAYERS) --out bench-results/latest
 	$(BIN)/tandem-bench-batching --model $(MODEL_DIR)/hf --out bench-results/batching
 
+# mypy sees the installed layout (tandem.edge, tandem.cloud, tandem.common) through a tree of links
 check: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy edge cloud common tandem
+	rm -rf build/typecheck && mkdir -p build/typecheck && cp -r tandem build/typecheck/tandem
+	for d in edge cloud common; do ln -s ../../../$$d build/typecheck/tandem/$$d; done
+	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p tandem
 
 clean:
 	rm -rf $(VENV) $(MODEL_DIR) $(PROTO_OUT) tandem/v1/*.pyi

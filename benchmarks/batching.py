@@ -24,9 +24,8 @@ from typing import Annotated
 
 import numpy as np
 import typer
-
-from benchmarks.workload import make_prompts
-from common.chat import prompt_token_ids
+from tandem.benchmarks.workload import make_prompts
+from tandem.common.chat import prompt_token_ids
 
 app = typer.Typer(add_completion=False, help=__doc__)
 

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from tandem.benchmarks import links as linkmod
+from tandem.benchmarks.workload import BenchPrompt, make_prompts
+from tandem.common.chat import prompt_token_ids
 
-from benchmarks import links as linkmod
-from benchmarks.workload import BenchPrompt, make_prompts
-from common.chat import prompt_token_ids
 from tandem.daemons import Daemon, Daemons, cloud_command, edge_command
 
 app = typer.Typer(add_completion=False, help=__doc__)
@@ -66,7 +66,7 @@ class Stack:
         prefix: list[str] = []
         host, upstream_host = "127.0.0.1", "127.0.0.1"
         if self.shaper == "netns":
-            from benchmarks.netns import CloudNamespace
+            from tandem.benchmarks.netns import CloudNamespace
 
             self.ns = CloudNamespace.create()
             prefix, host, upstream_host = self.ns.exec_prefix(), "0.0.0.0", self.ns.cloud_ip
@@ -80,7 +80,7 @@ class Stack:
         cport = cloud.wait_ready(600)
         self.proxy = self.daemons.spawn(
             f"link proxy {tag}",
-            [sys.executable, "-m", "benchmarks.linkproxy", "0", f"{upstream_host}:{cport}"]
+            [sys.executable, "-m", "tandem.benchmarks.linkproxy", "0", f"{upstream_host}:{cport}"]
             + ["no-rate" if self.shaper == "netns" else "rate"],
             w / f"proxy-{tag}.log",
             w / f"proxy-{tag}.port",
@@ -223,10 +223,9 @@ def main(
 ) -> None:
     """Run the benchmark matrix and write records, tables and plots."""
     args = {k: str(v) if isinstance(v, Path) else v for k, v in locals().items()}
+    from tandem.benchmarks import netns, report
     from tqdm import tqdm
     from transformers import AutoTokenizer
-
-    from benchmarks import netns, report
 
     if shaper == "auto":
         shaper = "netns" if netns.available() else "proxy"
@@ -260,8 +259,8 @@ def main(
             finally:
                 stack.stop()
         if edge_only:
-            from common.manifest import SplitManifest
-            from edge.local import LocalGenerator
+            from tandem.common.manifest import SplitManifest
+            from tandem.edge.local import LocalGenerator
 
             shape = SplitManifest.load(model_dir / f"split-k{ks[0]}").shape
             gen = LocalGenerator(model_dir / "edge-full.onnx", shape)

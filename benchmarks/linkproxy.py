@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.links import PROFILES, LinkProfile
+from tandem.benchmarks.links import PROFILES, LinkProfile
 
 MSS_BYTES = 1448
 

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from benchmarks.links import LinkProfile
+from tandem.benchmarks.links import LinkProfile
 
 
 def _ip(*args: str, ns: str | None = None) -> None:

@@ -255,7 +255,7 @@ def plot_breakeven(rows: list[dict], path: Path, links: list[dict]) -> None:
 
 def load_records(path: Path) -> list:
     """Records from a ``records.jsonl`` (to re-render a report)."""
-    from benchmarks.bench import RequestRecord
+    from tandem.benchmarks.bench import RequestRecord
 
     return [RequestRecord(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 

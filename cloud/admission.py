@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from common.errors import QuotaExceeded
+from tandem.common.errors import QuotaExceeded
 
 
 @dataclass

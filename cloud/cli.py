@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from cloud.config import CloudConfig, EngineConfig
-from common.grpcsetup import install_stop_signals
+from tandem.cloud.config import CloudConfig, EngineConfig
+from tandem.common.grpcsetup import install_stop_signals
 
 app = typer.Typer(add_completion=False, help="tandem cloud: gRPC gateway + vLLM engines.")
 
@@ -22,8 +21,8 @@ async def serve(cfg: CloudConfig, ready_file: Path | None = None, grace_s: float
     the engines shut down (SIGTERM to their processes, SIGKILL only if they hang). Returns the
     exit code: 0 after a signal, 1 when the supervisor gave up restarting a dead engine.
     """
-    from cloud.engines import VllmEngines
-    from cloud.server import create_cloud
+    from tandem.cloud.engines import VllmEngines
+    from tandem.cloud.server import create_cloud
 
     log = logging.getLogger("tandem.cloud")
     engines = VllmEngines(cfg)

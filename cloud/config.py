@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from common.wire import Codec, WireDtype
+from tandem.common.wire import Codec, WireDtype
 
 
 class EngineConfig(BaseModel):

@@ -1,6 +1,6 @@
 """TandemConnector: vLLM's KV-connector API (``KVConnectorBase_V1``) over tandem's block store.
 
-Loaded by vLLM through ``kv_connector_module_path="cloud.connector"``,
+Loaded by vLLM through ``kv_connector_module_path="tandem.cloud.connector"``,
 ``kv_connector="TandemConnector"``; nothing in vLLM is patched. One class
 serves both cloud engines:
 
@@ -39,16 +39,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from tandem.cloud.kv_layout import layout_for
+from tandem.common.kvblocks import LayerRange, block_nbytes
+from tandem.common.kvparams import KVTransferSpec
+from tandem.common.kvstore import DiskBlockStore
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
-
-from cloud.kv_layout import layout_for
-from common.kvblocks import LayerRange, block_nbytes
-from common.kvparams import KVTransferSpec
-from common.kvstore import DiskBlockStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -111,7 +110,7 @@ class TandemConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._save_buf: dict[str, np.ndarray] = {}  # store key -> staged block
         self._layout: Any = None  # PagedLayout or CpuPackedLayout, chosen at the first cache seen
-        from cloud import lifeline  # exits this engine process when the gateway dies
+        from tandem.cloud import lifeline  # exits this engine process when the gateway dies
 
         lifeline.watch_parent(extra.get("gateway_pid"))
 

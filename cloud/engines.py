@@ -32,12 +32,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-
-from cloud.config import CloudConfig
-from common.errors import EngineError
-from common.kvparams import KVTransferSpec
-from common.manifest import SplitManifest
-from common.params import Sampling
+from tandem.cloud.config import CloudConfig
+from tandem.common.errors import EngineError
+from tandem.common.kvparams import KVTransferSpec
+from tandem.common.manifest import SplitManifest
+from tandem.common.params import Sampling
 
 log = logging.getLogger("tandem.engines")
 
@@ -86,7 +85,7 @@ class EngineBackend(Protocol):
 def _kv_transfer(cfg: CloudConfig, role: str, layer_offset: int) -> dict[str, Any]:
     return {
         "kv_connector": "TandemConnector",
-        "kv_connector_module_path": "cloud.connector",
+        "kv_connector_module_path": "tandem.cloud.connector",
         "kv_role": role,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {

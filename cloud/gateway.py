@@ -16,20 +16,20 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import numpy as np
+from tandem.cloud.admission import UploadBudget
+from tandem.cloud.config import CloudConfig
+from tandem.cloud.engines import EngineBackend, TailResult
+from tandem.cloud.sessions import CloudSession, SessionTable
+from tandem.cloud.upload import TurnUpload, check_header, upload_bound_bytes
+from tandem.common import wire
+from tandem.common.errors import DeadlineExceeded, IncompatibleModel, InvalidRequest, MerkleMismatch, UploadTimeout
+from tandem.common.kvblocks import LayerRange, activation_keys, block_nbytes, part_key, request_seed
+from tandem.common.kvparams import KVTransferSpec, PartSpec
+from tandem.common.kvstore import BlockStore
+from tandem.common.manifest import SplitManifest
+from tandem.common.messages import Commit, DownEvent, KVBlock, Nack, Repair, TokensOut, TurnFinal, TurnHeader, UploadAck
+from tandem.common.params import LinkParams, NegotiateOffer, Sampling
 
-from cloud.admission import UploadBudget
-from cloud.config import CloudConfig
-from cloud.engines import EngineBackend, TailResult
-from cloud.sessions import CloudSession, SessionTable
-from cloud.upload import TurnUpload, check_header, upload_bound_bytes
-from common import wire
-from common.errors import DeadlineExceeded, IncompatibleModel, InvalidRequest, MerkleMismatch, UploadTimeout
-from common.kvblocks import LayerRange, activation_keys, block_nbytes, part_key, request_seed
-from common.kvparams import KVTransferSpec, PartSpec
-from common.kvstore import BlockStore
-from common.manifest import SplitManifest
-from common.messages import Commit, DownEvent, KVBlock, Nack, Repair, TokensOut, TurnFinal, TurnHeader, UploadAck
-from common.params import LinkParams, NegotiateOffer, Sampling
 from tandem.stages import Stage, Timings
 
 UplinkBody = wire.Chunk | KVBlock | Commit

@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 
 import blake3
 import numpy as np
-
-from cloud.engines import DecodeStep, TailResult
-from common.errors import EngineError
-from common.kvparams import KVTransferSpec
-from common.kvstore import BlockStore
-from common.params import Sampling
+from tandem.cloud.engines import DecodeStep, TailResult
+from tandem.common.errors import EngineError
+from tandem.common.kvparams import KVTransferSpec
+from tandem.common.kvstore import BlockStore
+from tandem.common.params import Sampling
 
 
 @dataclass

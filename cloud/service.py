@@ -16,12 +16,12 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from tandem.cloud.gateway import Gateway, UplinkBody
+from tandem.common.errors import InvalidRequest, TandemError
+from tandem.common.grpc_errors import abort
+from tandem.common.messages import TurnError, TurnHeader, downlink_to_pb, uplink_from_pb
+from tandem.common.params import NegotiateOffer
 
-from cloud.gateway import Gateway, UplinkBody
-from common.errors import InvalidRequest, TandemError
-from common.grpc_errors import abort
-from common.messages import TurnError, TurnHeader, downlink_to_pb, uplink_from_pb
-from common.params import NegotiateOffer
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 

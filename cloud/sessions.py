@@ -15,8 +15,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from common.lru import BoundedLRU
+from tandem.common.lru import BoundedLRU
 
 
 @dataclass

@@ -16,10 +16,9 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from cloud.sessions import CloudSession
-from common import merkle, wire
-from common.errors import (
+from tandem.cloud.sessions import CloudSession
+from tandem.common import merkle, wire
+from tandem.common.errors import (
     ChecksumMismatch,
     CorruptPayload,
     InvalidRequest,
@@ -27,10 +26,10 @@ from common.errors import (
     ParamsVersionMismatch,
     SessionOutOfSync,
 )
-from common.kvblocks import LayerRange, block_hashes, block_nbytes
-from common.manifest import SplitManifest
-from common.messages import KVBlock, TurnHeader
-from common.params import LinkParams
+from tandem.common.kvblocks import LayerRange, block_hashes, block_nbytes
+from tandem.common.manifest import SplitManifest
+from tandem.common.messages import KVBlock, TurnHeader
+from tandem.common.params import LinkParams
 
 MAX_ID_BYTES = 128
 MAX_STOP_TOKENS = 64

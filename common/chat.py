@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from common.errors import InvalidRequest
+from tandem.common.errors import InvalidRequest
 
 
 def prompt_token_ids(

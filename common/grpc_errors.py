@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import grpc
-
-from common import errors as e
+from tandem.common import errors as e
 
 STATUS_OF: dict[type[e.TandemError], grpc.StatusCode] = {
     e.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from common.kvblocks import HASH_BYTES, LayerRange, part_key
+from tandem.common.kvblocks import HASH_BYTES, LayerRange, part_key
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-
-from common.manifest import ModelShape, SplitManifest
+from tandem.common.manifest import ModelShape, SplitManifest
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -141,9 +140,8 @@ def export_head(src: Path, out: Path, k: int, full: bool = False) -> Path:
     Dynamic axes: batch ``Bt``, new tokens ``T``, past ``P`` (see ``common.head_model.EdgeHead``).
     """
     import torch
+    from tandem.common.head_model import EdgeFull, EdgeHead, io_names
     from transformers import AutoModelForCausalLM
-
-    from common.head_model import EdgeFull, EdgeHead, io_names
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     head = (EdgeFull(model) if full else EdgeHead(model, k)).eval()

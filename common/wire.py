@@ -31,8 +31,7 @@ from dataclasses import dataclass
 import google_crc32c
 import numpy as np
 import zstandard
-
-from common.errors import ChecksumMismatch, CorruptPayload, InvalidRequest
+from tandem.common.errors import ChecksumMismatch, CorruptPayload, InvalidRequest
 
 
 class WireDtype(enum.IntEnum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from edge.head_runner import HeadInput, HeadOutput, HeadRunner
+from tandem.edge.head_runner import HeadInput, HeadOutput, HeadRunner
 
 
 class HeadBatcher:

@@ -8,15 +8,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from edge.config import EdgeConfig
+from tandem.edge.config import EdgeConfig
 
 app = typer.Typer(add_completion=False, help="tandem edge daemon.")
 
 
 async def serve(cfg: EdgeConfig, ready_file: Path | None) -> None:
-    from common.grpcsetup import install_stop_signals
-    from edge.server import create_edge
+    from tandem.common.grpcsetup import install_stop_signals
+    from tandem.edge.server import create_edge
 
     daemon = await create_edge(cfg)
     p = daemon.service.params

@@ -8,8 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from common.errors import InvalidRequest
-from common.params import Sampling
+from tandem.common.errors import InvalidRequest
+from tandem.common.params import Sampling
+
 from tandem.pbconv import to_pb
 from tandem.stages import Timings, timings_to_wire
 from tandem.v1 import tandem_pb2 as pb

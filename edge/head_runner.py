@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-
-from common.errors import InvalidRequest
-from common.head_model import io_names
-from common.manifest import SplitManifest
+from tandem.common.errors import InvalidRequest
+from tandem.common.head_model import io_names
+from tandem.common.manifest import SplitManifest
 
 
 @dataclass(frozen=True)

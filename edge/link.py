@@ -17,9 +17,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from common.errors import InvalidRequest
-from common.messages import DownEvent, TurnHeader, UplinkItem, uplink_to_pb
-from common.params import LinkParams, NegotiateOffer
+from tandem.common.errors import InvalidRequest
+from tandem.common.messages import DownEvent, TurnHeader, UplinkItem, uplink_to_pb
+from tandem.common.params import LinkParams, NegotiateOffer
 
 
 class TurnCall(Protocol):

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from common.head_model import io_names
-from common.manifest import ModelShape
+from tandem.common.head_model import io_names
+from tandem.common.manifest import ModelShape
 
 
 @dataclass(frozen=True)
@@ -28,8 +27,7 @@ class LocalGenerator:
 
     def __init__(self, onnx_path: Path, shape: ModelShape, intra_op_threads: int = 0) -> None:
         import onnxruntime as ort
-
-        from edge.head_runner import default_providers
+        from tandem.edge.head_runner import default_providers
 
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = intra_op_threads

@@ -15,19 +15,19 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from tandem.common.errors import TandemError
+from tandem.common.grpc_errors import abort
+from tandem.common.grpcsetup import set_health, start_server
+from tandem.common.manifest import SplitManifest
+from tandem.common.params import NegotiateOffer
+from tandem.edge.batcher import HeadBatcher
+from tandem.edge.config import EdgeConfig
+from tandem.edge.events import ChatTurn
+from tandem.edge.grpc_link import GrpcCloudLink
+from tandem.edge.head_runner import OnnxHead
+from tandem.edge.service import EdgeService
+from tandem.edge.session import EdgeSessions
 
-from common.errors import TandemError
-from common.grpc_errors import abort
-from common.grpcsetup import set_health, start_server
-from common.manifest import SplitManifest
-from common.params import NegotiateOffer
-from edge.batcher import HeadBatcher
-from edge.config import EdgeConfig
-from edge.events import ChatTurn
-from edge.grpc_link import GrpcCloudLink
-from edge.head_runner import OnnxHead
-from edge.service import EdgeService
-from edge.session import EdgeSessions
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 

@@ -16,19 +16,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
+from tandem.common import merkle, wire
+from tandem.common.chat import prompt_token_ids
+from tandem.common.errors import DeadlineExceeded, InvalidRequest, SessionOutOfSync
+from tandem.common.kvblocks import LayerRange, block_hashes, request_seed, split_blocks
+from tandem.common.messages import KVBlock, TokensOut, TurnFinal, TurnHeader, UploadAck
+from tandem.common.params import LinkParams
+from tandem.edge.batcher import HeadBatcher
+from tandem.edge.events import ChatTurn, TextOut, TurnDone
+from tandem.edge.head_runner import HeadInput
+from tandem.edge.link import CloudLink
+from tandem.edge.session import EdgeSession, EdgeSessions
+from tandem.edge.uplink import OutgoingTurn, stream_turn
 
-from common import merkle, wire
-from common.chat import prompt_token_ids
-from common.errors import DeadlineExceeded, InvalidRequest, SessionOutOfSync
-from common.kvblocks import LayerRange, block_hashes, request_seed, split_blocks
-from common.messages import KVBlock, TokensOut, TurnFinal, TurnHeader, UploadAck
-from common.params import LinkParams
-from edge.batcher import HeadBatcher
-from edge.events import ChatTurn, TextOut, TurnDone
-from edge.head_runner import HeadInput
-from edge.link import CloudLink
-from edge.session import EdgeSession, EdgeSessions
-from edge.uplink import OutgoingTurn, stream_turn
 from tandem.stages import Stage, Timings
 
 

@@ -17,8 +17,7 @@ import asyncio
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
-
-from common.lru import BoundedLRU
+from tandem.common.lru import BoundedLRU
 
 
 @dataclass

@@ -13,10 +13,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from common import wire
-from common.errors import InvalidRequest
-from common.messages import Commit, DownEvent, KVBlock, Nack, Repair, TokensOut, TurnFinal, TurnHeader, UploadAck
-from edge.link import CloudLink, TurnCall
+from tandem.common import wire
+from tandem.common.errors import InvalidRequest
+from tandem.common.messages import Commit, DownEvent, KVBlock, Nack, Repair, TokensOut, TurnFinal, TurnHeader, UploadAck
+from tandem.edge.link import CloudLink, TurnCall
 
 
 @dataclass

@@ -21,7 +21,7 @@ def split_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def manifest(split_dir):
-    from common.manifest import SplitManifest
+    from tandem.common.manifest import SplitManifest
 
     return SplitManifest.load(split_dir)
 

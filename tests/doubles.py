@@ -9,19 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from cloud.config import CloudConfig, EngineConfig
-from cloud.gateway import Gateway
-from cloud.memory_engines import MemoryEngines
-from common import wire
-from common.kvstore import MemoryBlockStore
-from common.manifest import ModelShape, SplitManifest
-from common.params import NegotiateOffer
-from edge.batcher import HeadBatcher
-from edge.head_runner import MemoryHead
-from edge.link import CloudLink, InProcessLink, TurnCall
-from edge.service import EdgeService
-from edge.session import EdgeSessions
+from tandem.cloud.config import CloudConfig, EngineConfig
+from tandem.cloud.gateway import Gateway
+from tandem.cloud.memory_engines import MemoryEngines
+from tandem.common import wire
+from tandem.common.kvstore import MemoryBlockStore
+from tandem.common.manifest import ModelShape, SplitManifest
+from tandem.common.params import NegotiateOffer
+from tandem.edge.batcher import HeadBatcher
+from tandem.edge.head_runner import MemoryHead
+from tandem.edge.link import CloudLink, InProcessLink, TurnCall
+from tandem.edge.service import EdgeService
+from tandem.edge.session import EdgeSessions
 
 K, HKV, D, H, B, VOCAB = 2, 1, 4, 8, 32, 1000
 MANIFEST = SplitManifest(

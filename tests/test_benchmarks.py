@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+from tandem.benchmarks.bench import RequestRecord
+from tandem.benchmarks.linkproxy import LinkProxy
+from tandem.benchmarks.links import PROFILES, LinkProfile, get
 
-from benchmarks.bench import RequestRecord
-from benchmarks.linkproxy import LinkProxy
-from benchmarks.links import PROFILES, LinkProfile, get
 from tandem.stages import Stage
 
 
@@ -59,7 +59,7 @@ def test_proxy_process_reports_its_port_and_takes_profiles(tmp_path):
     from tandem.daemons import Daemons
 
     with Daemons(grace_s=5) as ds:
-        cmd = [sys.executable, "-m", "benchmarks.linkproxy", "0", "127.0.0.1:9", "no-rate"]
+        cmd = [sys.executable, "-m", "tandem.benchmarks.linkproxy", "0", "127.0.0.1:9", "no-rate"]
         proxy = ds.spawn("link proxy", cmd, tmp_path / "proxy.log", tmp_path / "proxy.port", stdin=subprocess.PIPE)
         port = proxy.wait_ready(30, poll_s=0.05)
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
@@ -79,7 +79,7 @@ def test_profiles_are_complete():
 
 
 def test_report_writes_tables_and_plots(tmp_path):
-    from benchmarks import report
+    from tandem.benchmarks import report
 
     recs = []
     for mode, link, ttft in [
@@ -131,7 +131,7 @@ def test_bench_smoke(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks.bench",
+        "tandem.benchmarks.bench",
         "--split-layers",
         "4",
         "--links",
@@ -162,7 +162,7 @@ def test_batching_smoke(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks.batching",
+        "tandem.benchmarks.batching",
         "--max-num-seqs",
         "1,2",
         "--requests",

@@ -10,21 +10,21 @@ import contextlib
 import grpc
 import numpy as np
 import pytest
+from tandem.cloud.gateway import Gateway
+from tandem.cloud.memory_engines import MemoryEngines
+from tandem.cloud.service import CloudServicer
+from tandem.common import wire
+from tandem.common.errors import EngineError, InvalidRequest
+from tandem.common.grpcsetup import channel_options, start_server
+from tandem.common.kvstore import MemoryBlockStore
+from tandem.common.params import NegotiateOffer, Sampling
+from tandem.edge.batcher import HeadBatcher
+from tandem.edge.events import ChatTurn, TurnDone
+from tandem.edge.grpc_link import GrpcCloudLink
+from tandem.edge.head_runner import MemoryHead
+from tandem.edge.service import EdgeService
+from tandem.edge.session import EdgeSessions
 
-from cloud.gateway import Gateway
-from cloud.memory_engines import MemoryEngines
-from cloud.service import CloudServicer
-from common import wire
-from common.errors import EngineError, InvalidRequest
-from common.grpcsetup import channel_options, start_server
-from common.kvstore import MemoryBlockStore
-from common.params import NegotiateOffer, Sampling
-from edge.batcher import HeadBatcher
-from edge.events import ChatTurn, TurnDone
-from edge.grpc_link import GrpcCloudLink
-from edge.head_runner import MemoryHead
-from edge.service import EdgeService
-from edge.session import EdgeSessions
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.doubles import HKV, MANIFEST, VOCAB, B, D, H, K, TamperLink, ToyTokenizer, cloud_config, rechunk
@@ -230,9 +230,8 @@ async def test_a_cloud_that_stops_answering_fails_the_turn_within_the_keepalive_
 async def test_edge_health_follows_the_clouds(cloud):
     """Issue 12 item 6 (edge side): the edge says NOT_SERVING while its cloud is not serving or gone."""
     from grpc_health.v1 import health, health_pb2
-
-    from common.grpcsetup import set_health
-    from edge.server import EDGE_SERVICE, follow_cloud_health
+    from tandem.common.grpcsetup import set_health
+    from tandem.edge.server import EDGE_SERVICE, follow_cloud_health
 
     async def edge_status() -> int:
         r = await edge_hs.Check(health_pb2.HealthCheckRequest(service=EDGE_SERVICE), None)

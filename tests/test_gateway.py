@@ -9,14 +9,14 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from tandem.common import wire
+from tandem.common.errors import DeadlineExceeded, InvalidRequest, QuotaExceeded, SessionOutOfSync, UploadTimeout
+from tandem.common.messages import Commit, KVBlock, TurnHeader
+from tandem.common.params import Sampling
+from tandem.edge.events import ChatTurn, TurnDone
+from tandem.edge.head_runner import HeadInput
+from tandem.edge.service import TurnClock
 
-from common import wire
-from common.errors import DeadlineExceeded, InvalidRequest, QuotaExceeded, SessionOutOfSync, UploadTimeout
-from common.messages import Commit, KVBlock, TurnHeader
-from common.params import Sampling
-from edge.events import ChatTurn, TurnDone
-from edge.head_runner import HeadInput
-from edge.service import TurnClock
 from tandem.stages import Stage
 from tests.doubles import B, H, TamperLink, ToyTokenizer, rechunk, toy_stack
 

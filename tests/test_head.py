@@ -4,8 +4,7 @@ batches, with and without past KV. fp32; tolerance relative to the activation sc
 import numpy as np
 import pytest
 import torch
-
-from edge.head_runner import HeadInput, OnnxHead
+from tandem.edge.head_runner import HeadInput, OnnxHead
 
 RTOL = 2e-5  # max |ort - hf| / max |hf|; measured ~5e-6 for h_4 of SmolLM2 on CPU
 
@@ -62,7 +61,7 @@ def test_second_turn_with_past_kv_matches_hf(head, hf_model):
 
 
 def test_bad_past_shape_is_rejected(head):
-    from common.errors import InvalidRequest
+    from tandem.common.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="past_kv"):
         head.run([HeadInput(np.array([1, 2]), np.zeros((head.k, 2, 3, 4, 32), np.float32))])

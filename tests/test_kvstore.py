@@ -4,9 +4,8 @@ import multiprocessing as mp
 
 import numpy as np
 import pytest
-
-from common.kvblocks import LayerRange, block_hashes, hash_seed, part_key, split_blocks
-from common.kvstore import DiskBlockStore, MemoryBlockStore
+from tandem.common.kvblocks import LayerRange, block_hashes, hash_seed, part_key, split_blocks
+from tandem.common.kvstore import DiskBlockStore, MemoryBlockStore
 
 
 def test_chained_hashes_share_prefixes():

@@ -10,8 +10,7 @@ import random
 
 import blake3
 import pytest
-
-from common import merkle
+from tandem.common import merkle
 
 HASHERS = [merkle.BLAKE3, merkle.SHA256]
 

@@ -14,10 +14,10 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from tandem.common import wire
+from tandem.common.chat import prompt_token_ids
+from tandem.common.messages import KVBlock
 
-from common import wire
-from common.chat import prompt_token_ids
-from common.messages import KVBlock
 from tandem import AsyncClient, TandemClientError
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -55,11 +55,11 @@ PROMPTS = [
 
 @pytest.fixture(scope="session")
 async def stack(split_dir, tmp_path_factory):
-    from cloud.config import CloudConfig, EngineConfig
-    from cloud.engines import VllmEngines
-    from cloud.server import create_cloud
-    from edge.config import EdgeConfig
-    from edge.server import create_edge
+    from tandem.cloud.config import CloudConfig, EngineConfig
+    from tandem.cloud.engines import VllmEngines
+    from tandem.cloud.server import create_cloud
+    from tandem.edge.config import EdgeConfig
+    from tandem.edge.server import create_edge
 
     cfg = CloudConfig(
         split_dir=split_dir,
@@ -87,7 +87,7 @@ async def stack(split_dir, tmp_path_factory):
 async def restart_cloud(stack) -> None:
     """Stop the cloud's gRPC server and gateway and start new ones on the same port, with the same
     engines and block store directory: to the edge, a cloud process restart that kept its store."""
-    from cloud.server import create_cloud
+    from tandem.cloud.server import create_cloud
 
     await stack["cloud"].stop(0)
     cloud = await create_cloud(stack["cfg"].model_copy(update={"port": stack["cloud_port"]}), stack["engines"])
@@ -181,9 +181,9 @@ async def test_three_turn_chat(stack, hf_model, tokenizer):
 async def test_decode_engine_uses_the_loaded_kv(stack, tokenizer, manifest):
     """Put deliberately wrong head KV in the store for a prompt: the split decode must change,
     which it cannot if the engine recomputed the prefix instead of loading it."""
-    from common.kvblocks import LayerRange, block_hashes, hash_seed
-    from common.kvparams import KVTransferSpec, PartSpec
-    from common.params import Sampling
+    from tandem.common.kvblocks import LayerRange, block_hashes, hash_seed
+    from tandem.common.kvparams import KVTransferSpec, PartSpec
+    from tandem.common.params import Sampling
 
     gw, engines = stack["gateway"], stack["engines"]
     ids = prompt_ids(tokenizer, PROMPTS[2])
@@ -421,7 +421,7 @@ async def test_resend_from_token_0_never_reuses_tail_kv_of_other_activations(sta
     """Issue 12 item 2: in one session, ids X with X's activations; then, from token 0, the same ids X
     with the activations of another prompt Y: the answer equals a cold (stateless) request with ids X
     and Y's activations; the tail KV of the first upload is never loaded for it."""
-    from edge.head_runner import HeadInput
+    from tandem.edge.head_runner import HeadInput
 
     svc, client, session = stack["edge"].service, stack["client"], f"tailkv-{uuid.uuid4().hex}"
     x = PROMPTS[3]["messages"]

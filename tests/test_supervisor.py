@@ -12,10 +12,9 @@ import time
 
 import grpc
 import pytest
-
-from cloud.supervisor import EngineSupervisor
-from common.errors import EngineError
-from common.grpcsetup import channel_options, start_server
+from tandem.cloud.supervisor import EngineSupervisor
+from tandem.common.errors import EngineError
+from tandem.common.grpcsetup import channel_options, start_server
 
 
 class FakeEngines:
@@ -121,7 +120,7 @@ def test_lifeline_exits_engine_processes_when_the_gateway_dies(tmp_path):
     worker = textwrap.dedent(
         f"""
         import os, sys, time
-        from cloud import lifeline
+        from tandem.cloud import lifeline
         lifeline.watch_parent(int(sys.argv[1]), interval_s=0.2)
         open({str(pids)!r}, "a").write(f"{{os.getpid()}}\\n")
         time.sleep(60)
@@ -130,7 +129,7 @@ def test_lifeline_exits_engine_processes_when_the_gateway_dies(tmp_path):
     engine = textwrap.dedent(
         f"""
         import os, subprocess, sys, time
-        from cloud import lifeline
+        from tandem.cloud import lifeline
         lifeline.watch_parent(int(sys.argv[1]), interval_s=0.2)
         subprocess.Popen([sys.executable, "-c", {worker!r}, sys.argv[1]])
         open({str(pids)!r}, "a").write(f"{{os.getpid()}}\\n")

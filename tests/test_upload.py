@@ -2,15 +2,20 @@
 
 import numpy as np
 import pytest
-
-from cloud.sessions import CloudSession, SessionTable
-from cloud.upload import TurnUpload, check_header
-from common import merkle, wire
-from common.errors import ChecksumMismatch, InvalidRequest, MerkleMismatch, ParamsVersionMismatch, SessionOutOfSync
-from common.kvblocks import block_hashes, hash_seed
-from common.manifest import ModelShape, SplitManifest
-from common.messages import KVBlock, TurnHeader
-from common.params import LinkParams, Sampling
+from tandem.cloud.sessions import CloudSession, SessionTable
+from tandem.cloud.upload import TurnUpload, check_header
+from tandem.common import merkle, wire
+from tandem.common.errors import (
+    ChecksumMismatch,
+    InvalidRequest,
+    MerkleMismatch,
+    ParamsVersionMismatch,
+    SessionOutOfSync,
+)
+from tandem.common.kvblocks import block_hashes, hash_seed
+from tandem.common.manifest import ModelShape, SplitManifest
+from tandem.common.messages import KVBlock, TurnHeader
+from tandem.common.params import LinkParams, Sampling
 
 K, HKV, D, H, B = 2, 1, 4, 8, 4
 SEED = hash_seed("unit", B)

@@ -3,9 +3,8 @@
 import numpy as np
 import pytest
 import zstandard
-
-from common import wire
-from common.errors import ChecksumMismatch, CorruptPayload, InvalidRequest
+from tandem.common import wire
+from tandem.common.errors import ChecksumMismatch, CorruptPayload, InvalidRequest
 
 
 def h(t=37, hidden=16, seed=0):
