@@ -29,10 +29,9 @@ from tandem.common.errors import (
 from tandem.common.kvblocks import LayerRange, block_hashes, block_nbytes
 from tandem.common.manifest import SplitManifest
 from tandem.common.messages import KVBlock, TurnHeader
-from tandem.common.params import LinkParams
+from tandem.common.params import MAX_STOP_TOKENS, LinkParams
 
 MAX_ID_BYTES = 128
-MAX_STOP_TOKENS = 64
 
 
 def check_header(h: TurnHeader, params: LinkParams, manifest: SplitManifest) -> None:

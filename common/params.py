@@ -13,6 +13,8 @@ from tandem.common.wire import Codec, WireDtype, pb_name
 from tandem.pbconv import from_pb, to_pb
 from tandem.v1 import tandem_pb2 as pb
 
+MAX_STOP_TOKENS = 64  # stop token ids one request may name
+
 
 @dataclass(frozen=True)
 class LinkParams:

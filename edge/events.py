@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from tandem.common.errors import InvalidRequest
 from tandem.common.params import Sampling
+from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 from tandem.pbconv import to_pb
 from tandem.stages import Timings, timings_to_wire
@@ -27,6 +28,7 @@ class ChatTurn:
     session_id: str = ""
     sampling: Sampling = field(default_factory=Sampling)
     direct: bool = False
+    stop: tuple[str, ...] = ()  # stop strings (the output ends before the first; not included)
 
     @classmethod
     def from_pb(cls, r: pb.ChatRequest) -> ChatTurn:
@@ -39,8 +41,10 @@ class ChatTurn:
         s = Sampling.from_pb(r.sampling) if r.HasField("sampling") else Sampling()
         if not math.isfinite(s.temperature) or s.temperature < 0 or not 0 < s.top_p <= 1:
             raise InvalidRequest(f"bad sampling: temperature={s.temperature} top_p={s.top_p}")
+        if len(r.stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in r.stop):
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
         messages = tuple((m.role, m.content) for m in r.messages)
-        return cls(messages, r.prompt, r.session_id, s, r.mode == pb.MODE_DIRECT)
+        return cls(messages, r.prompt, r.session_id, s, r.mode == pb.MODE_DIRECT, tuple(x for x in r.stop if x))
 
 
 @dataclass(frozen=True)

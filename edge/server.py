@@ -15,19 +15,21 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from tandem.common.errors import TandemError
+from tandem.common.errors import EngineError, TandemError
 from tandem.common.grpc_errors import abort
 from tandem.common.grpcsetup import set_health, start_server
 from tandem.common.manifest import SplitManifest
-from tandem.common.params import NegotiateOffer
+from tandem.common.params import MAX_STOP_TOKENS, NegotiateOffer
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.config import EdgeConfig
+from tandem.edge.detok import MAX_STOP_STRINGS
 from tandem.edge.events import ChatTurn
 from tandem.edge.grpc_link import GrpcCloudLink
 from tandem.edge.head_runner import OnnxHead
 from tandem.edge.service import EdgeService
 from tandem.edge.session import EdgeSessions
 
+from tandem import __version__
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -38,11 +40,14 @@ MAX_MESSAGE_BYTES = 4 << 20  # ChatRequest: a conversation of up to a few MB of 
 
 
 class EdgeServicer(pb_grpc.EdgeServicer):
-    def __init__(self, service: EdgeService) -> None:
-        self.service = service
+    def __init__(self, service: EdgeService, model_id: str) -> None:
+        self.service, self.model_id = service, model_id
+        self.draining = False  # set on SIGTERM: new turns are refused, turns in flight finish
 
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ChatEvent]:
         try:
+            if self.draining:
+                raise EngineError("this edge is draining (shutting down); retry on another")
             async for ev in self.service.chat(ChatTurn.from_pb(request), context.time_remaining()):
                 yield ev.to_pb()
         except TandemError as e:
@@ -50,6 +55,19 @@ class EdgeServicer(pb_grpc.EdgeServicer):
         except Exception:
             log.exception("Chat failed")
             await context.abort(grpc.StatusCode.INTERNAL, "internal error in the edge daemon (see its log)")
+
+    async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.EdgeInfo:
+        p = self.service.params
+        return pb.EdgeInfo(
+            model_id=self.model_id,
+            split_layer=p.split_layer,
+            max_prompt_tokens=p.max_prompt_tokens,
+            max_new_tokens=p.max_new_tokens,
+            max_stop_strings=MAX_STOP_STRINGS,
+            max_stop_token_ids=MAX_STOP_TOKENS,
+            default_timeout_s=self.service.turn_timeout_s,
+            version=__version__,
+        )
 
 
 async def follow_cloud_health(channel: grpc.aio.Channel, hs: health.aio.HealthServicer, retry_s: float = 1.0) -> None:
@@ -71,13 +89,17 @@ class EdgeDaemon:
     server: grpc.aio.Server
     port: int
     service: EdgeService
+    servicer: EdgeServicer
     link: GrpcCloudLink
     health: health.aio.HealthServicer
     health_task: asyncio.Task
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        await set_health(self.health, False, ["", EDGE_SERVICE])
+        """Drain: NOT_SERVING first, refuse new turns (UNAVAILABLE), let turns in flight finish for up
+        to ``grace_s``, then stop."""
         self.health_task.cancel()
+        await set_health(self.health, False, ["", EDGE_SERVICE])
+        self.servicer.draining = True
         await self.server.stop(grace_s)
         await self.service.batcher.stop()
         await self.link.close()
@@ -112,7 +134,7 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
     batcher.start()
     sessions = EdgeSessions(cfg.max_sessions, cfg.session_bytes)
     service = EdgeService(tokenizer, batcher, link, params, manifest.compatibility_key(), sessions, cfg.turn_timeout_s)
-    servicer = EdgeServicer(service)
+    servicer = EdgeServicer(service, manifest.model_id)
     server, port, hs = await start_server(
         [lambda s: pb_grpc.add_EdgeServicer_to_server(servicer, s)],
         [EDGE_SERVICE],
@@ -121,4 +143,4 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
         MAX_MESSAGE_BYTES,
     )
     task = asyncio.create_task(follow_cloud_health(link.channel, hs))
-    return EdgeDaemon(server, port, service, link, hs, task)
+    return EdgeDaemon(server, port, service, servicer, link, hs, task)

@@ -23,6 +23,7 @@ from tandem.common.kvblocks import LayerRange, block_hashes, request_seed, split
 from tandem.common.messages import KVBlock, TokensOut, TurnFinal, TurnHeader, UploadAck
 from tandem.common.params import LinkParams
 from tandem.edge.batcher import HeadBatcher
+from tandem.edge.detok import TextStream
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.head_runner import HeadInput
 from tandem.edge.link import CloudLink
@@ -129,7 +130,7 @@ class EdgeService:
         for attempt in (0, 1):
             out = self._build_turn(s, ids, turn, split, clock, resend_all=attempt == 1)
             try:
-                async for ev in self._stream(out, s, ids, clock, head_tokens, timeout_s):
+                async for ev in self._stream(out, s, ids, clock, head_tokens, timeout_s, turn.stop):
                     yield ev
                 return
             except SessionOutOfSync:
@@ -191,10 +192,16 @@ class EdgeService:
         return blocks
 
     async def _stream(
-        self, out: OutgoingTurn, s: EdgeSession, ids: list[int], clock: TurnClock, head_tokens: int, timeout_s: float
+        self,
+        out: OutgoingTurn,
+        s: EdgeSession,
+        ids: list[int],
+        clock: TurnClock,
+        head_tokens: int,
+        timeout_s: float,
+        stop: tuple[str, ...],
     ) -> AsyncIterator[TextOut | TurnDone]:
-        out_ids: list[int] = []
-        text = ""
+        text = TextStream(self.tok, stop)
         async for ev in stream_turn(self.link, out, timeout_s):
             if isinstance(ev, UploadAck):
                 s.cloud_tokens = len(ids)
@@ -202,15 +209,20 @@ class EdgeService:
                 clock.timings[Stage.UPLINK] = out.upload_ms
                 clock.acked = True
             elif isinstance(ev, TokensOut):
-                if not out_ids:
+                if not text.token_ids:
                     clock.since(Stage.TTFT)
-                out_ids.extend(ev.token_ids)
-                new_text = self.tok.decode(out_ids, skip_special_tokens=True)
-                if len(new_text) > len(text) and not new_text.endswith("\ufffd"):
-                    yield TextOut(new_text[len(text) :], ev.token_ids)
-                    text = new_text
+                delta = text.feed(ev.token_ids)
+                if delta:
+                    yield TextOut(delta, ev.token_ids)
+                if text.stopped:  # leaving the loop cancels the call: the cloud stops decoding
+                    n = len(text.token_ids)
+                    yield self._done(TurnFinal("stop", len(ids), n, 0), out, clock, head_tokens, text.token_ids)
+                    return
             elif isinstance(ev, TurnFinal):
-                yield self._done(ev, out, clock, head_tokens, out_ids)
+                rest = text.flush()
+                if rest:
+                    yield TextOut(rest, ())
+                yield self._done(ev, out, clock, head_tokens, text.token_ids)
 
     @staticmethod
     def _done(f: TurnFinal, out: OutgoingTurn, clock: TurnClock, head_tokens: int, out_ids: list[int]) -> TurnDone:

@@ -10,6 +10,13 @@ Needs only ``grpcio`` and ``protobuf``::
 ``AsyncClient`` is the asyncio twin. See ``tandem.client``.
 """
 
-from tandem.client import AsyncClient, ChatResult, Client, Delta, TandemClientError
+from importlib.metadata import PackageNotFoundError, version
 
-__all__ = ["AsyncClient", "ChatResult", "Client", "Delta", "TandemClientError"]
+try:
+    __version__ = version("tandem")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
+
+from tandem.client import AsyncClient, ChatResult, Client, Delta, TandemClientError  # noqa: E402
+
+__all__ = ["AsyncClient", "ChatResult", "Client", "Delta", "TandemClientError", "__version__"]

@@ -281,3 +281,30 @@ async def test_a_session_out_of_sync_twice_is_an_error():
             await run(toy.edge, turn("hi there", "s"))
     finally:
         await toy.batcher.stop()
+
+
+async def test_stop_strings_end_the_output_before_them(toy):
+    full = await run_text(toy.edge, turn(LONG, n=24))
+    stop = full[10:13]
+    first = full.find(stop)
+    text = await run_text(toy.edge, replace(turn(LONG, n=24), stop=(stop, "never-there")))
+    assert text == full[:first] and stop not in text
+
+
+async def run_text(svc, t: ChatTurn) -> str:
+    parts = []
+    async for ev in svc.chat(t):
+        if not isinstance(ev, TurnDone):
+            parts.append(ev.text)
+    return "".join(parts)
+
+
+def test_text_stream_holds_back_a_possible_stop_string():
+    from tandem.edge.detok import TextStream
+
+    s = TextStream(ToyTokenizer(), stop=("cde",))
+    assert s.feed([0, 1]) == ""  # "ab": could still become "...cde"? keep 2 chars back
+    assert s.feed([2]) == "a"  # "abc"
+    assert s.feed([3, 4, 5]) == "b" and s.stopped  # "abcdef": stop at "cde"
+    s = TextStream(ToyTokenizer(), stop=("zz",))
+    assert s.feed([0, 1, 2]) == "ab" and s.flush() == "c"
