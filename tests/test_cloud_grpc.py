@@ -261,3 +261,24 @@ async def test_edge_health_follows_the_clouds(cloud):
             await wait_for(SERVING)
         finally:
             task.cancel()
+
+
+async def test_messages_beyond_the_largest_legal_one_are_refused_by_grpc(cloud):
+    """Issue 12 item 4: the server's message limit follows the negotiated limits, so a 5 MiB chunk
+    never reaches the gateway's memory: the transport refuses it (RESOURCE_EXHAUSTED)."""
+    ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
+    p = cloud.gateway.params
+    header = pb.RequestHeader(
+        request_id="r", session_id="", params_version=p.params_version, split_layer=K, prompt_token_ids=ids,
+        num_chunks=-(-len(ids) // p.chunk_tokens), num_kv_blocks=len(ids) // B,
+        sampling=pb.SamplingParams(max_new_tokens=4),
+    )  # fmt: skip
+    big = pb.ActivationChunk(seq=0, token_offset=0, num_tokens=16, wire_dtype=1, codec=1, payload=bytes(5 << 20))
+    opts = channel_options(5, 5, 64 << 20)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{cloud.port}", options=opts) as ch:
+        call = pb_grpc.CloudStub(ch).Generate(iter([pb.Uplink(header=header), pb.Uplink(chunk=big)]))
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            async for _ in call:
+                pass
+        assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert cloud.gateway.max_message_bytes() < 64 << 10

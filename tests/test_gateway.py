@@ -308,3 +308,39 @@ def test_text_stream_holds_back_a_possible_stop_string():
     assert s.feed([3, 4, 5]) == "b" and s.stopped  # "abcdef": stop at "cde"
     s = TextStream(ToyTokenizer(), stop=("zz",))
     assert s.feed([0, 1, 2]) == "ab" and s.flush() == "c"
+
+
+async def test_zstd_payloads_must_be_exactly_one_frame_of_the_announced_size():
+    """Issue 12 item 3 on a zstd link: a chunk whose payload is a valid frame plus garbage (CRC over
+    it all) is NACKed like a CRC failure and, sent again the same, ends INVALID_ARGUMENT; a KV block
+    that does not decode is asked for again (repair), then the turn fails."""
+    from tandem.common.errors import CorruptPayload, MerkleMismatch
+
+    def garbage_after_frame(item, attempt):
+        if isinstance(item, wire.Chunk) and item.seq == 0:
+            payload = item.payload + b"garbage"
+            return replace(item, payload=payload, crc32c=wire.crc32c(payload))
+        return item
+
+    def bomb_block(item, attempt):
+        if isinstance(item, KVBlock) and item.leaf_index == 0:
+            import zstandard
+
+            bomb = zstandard.ZstdCompressor().compress(bytes(1 << 20))  # declares 1 MiB, not the block size
+            return replace(item, payload=bomb)
+        return item
+
+    for fn, err in ((garbage_after_frame, CorruptPayload), (bomb_block, MerkleMismatch)):
+        toy = await toy_stack(link_wrapper=lambda link, fn=fn: TamperLink(link, fn), codec=wire.Codec.ZSTD)
+        try:
+            with pytest.raises(err):
+                await run(toy.edge, turn(LONG))
+            assert toy.gateway.budget.uploads == 0
+        finally:
+            await toy.batcher.stop()
+    toy = await toy_stack(codec=wire.Codec.ZSTD)  # the honest zstd link works
+    try:
+        done = await run(toy.edge, turn(LONG))
+        assert done.sent_bytes["kv"] < 2 * done.prompt_tokens // B * (2 * 2 * 4 * B * 4)
+    finally:
+        await toy.batcher.stop()
