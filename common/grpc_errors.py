@@ -28,8 +28,17 @@ def status_of(err: e.TandemError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+# Errors worth retrying later, and after how long: sent as trailing metadata ``retry-after-ms``
+# (the SDK's ``TandemClientError.retry_after_s``), as HTTP's Retry-After does.
+RETRY_AFTER_MS: dict[type[e.TandemError], int] = {e.QuotaExceeded: 1000, e.EngineError: 2000}
+
+
 async def abort(context: grpc.aio.ServicerContext, err: e.TandemError) -> None:
-    """Abort the RPC with the status mapped from ``err`` and its message (raises AbortError)."""
+    """Abort the RPC with the status mapped from ``err`` and its message (raises AbortError); a
+    retryable error carries a ``retry-after-ms`` hint in the trailing metadata."""
+    retry_ms = next((ms for cls, ms in RETRY_AFTER_MS.items() if isinstance(err, cls)), None)
+    if retry_ms is not None:
+        context.set_trailing_metadata((("retry-after-ms", str(retry_ms)),))
     await context.abort(status_of(err), f"{type(err).__name__}: {err}")
 
 

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from tandem.common.errors import InvalidRequest
-from tandem.common.params import Sampling
+from tandem.common.params import MAX_STOP_TOKENS, Sampling
 from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 from tandem.pbconv import to_pb
@@ -41,8 +41,10 @@ class ChatTurn:
         s = Sampling.from_pb(r.sampling) if r.HasField("sampling") else Sampling()
         if not math.isfinite(s.temperature) or s.temperature < 0 or not 0 < s.top_p <= 1:
             raise InvalidRequest(f"bad sampling: temperature={s.temperature} top_p={s.top_p}")
-        if len(r.stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in r.stop):
-            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
+        if len(r.stop) > MAX_STOP_STRINGS or any(not 0 < len(x) <= MAX_STOP_CHARS for x in r.stop):
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of 1 to {MAX_STOP_CHARS} characters")
+        if len(s.stop_token_ids) > MAX_STOP_TOKENS:
+            raise InvalidRequest(f"at most {MAX_STOP_TOKENS} stop token ids")
         messages = tuple((m.role, m.content) for m in r.messages)
         return cls(messages, r.prompt, r.session_id, s, r.mode == pb.MODE_DIRECT, tuple(x for x in r.stop if x))
 

@@ -1,10 +1,15 @@
-"""The client SDK without the daemons: request building, the event accumulator, both clients
-against a tiny in-process ``Edge`` server (streaming, errors, cancellation when a stream is
-left early), and the daemon helpers of ``tandem.daemons`` on toy child processes."""
+"""The client SDK without the daemons: request building (stop strings, stop token ids, argument
+checks), the event accumulator, the error classes, both clients against a tiny in-process
+``Edge`` server (streaming, one error class per status, the default deadline, cancellation
+when a stream is left early or by ``cancel()`` from another thread or task, ``info()``), and the
+daemon helpers of ``tandem.daemons`` on toy child processes."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
+import pickle
 import signal
 import sys
 import threading
@@ -15,9 +20,11 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from tandem import AsyncClient, ChatResult, Client, Delta, TandemClientError
-from tandem.client import _Accumulator, build_request
+import tandem
+from tandem import AsyncClient, Cancelled, ChatResult, Client, Delta, EdgeInfo, TandemClientError
+from tandem.client import DEFAULT_TIMEOUT_S, _Accumulator, build_request
 from tandem.daemons import Daemon, Daemons, stop_all
+from tandem.errors import ERROR_OF, ResourceExhausted, error_from_status, retry_after_s
 from tandem.stages import Stage
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -52,14 +59,117 @@ def test_build_request_defaults_and_fields():
     assert sp.temperature == pytest.approx(0.7) and sp.top_p == pytest.approx(0.9)
     assert sp.HasField("seed") and sp.seed == 0  # 0 is a seed, not "unset"
     assert build_request(HI, mode="split").mode == pb.MODE_SPLIT
+    assert not r.stop and not sp.stop_token_ids
+
+
+def test_build_request_stop_strings_and_ids():
+    r = build_request(HI, stop="\n\n", stop_token_ids=[2, 0, 2**32 - 1])
+    assert list(r.stop) == ["\n\n"]  # one string is one stop string, not its characters
+    assert list(r.sampling.stop_token_ids) == [2, 0, 2**32 - 1]
+    r = build_request(HI, stop=("User:", "###"), stop_token_ids=())
+    assert list(r.stop) == ["User:", "###"] and not r.sampling.stop_token_ids
+    r2 = pb.ChatRequest.FromString(r.SerializeToString())  # survives the wire
+    assert list(r2.stop) == ["User:", "###"]
 
 
 @pytest.mark.parametrize(
-    "kw", [{}, {"messages": HI, "prompt": "x"}, {"messages": HI, "mode": "fast"}], ids=["neither", "both", "mode"]
-)
+    "kw",
+    [
+        {},
+        {"messages": HI, "prompt": "x"},
+        {"messages": HI, "mode": "fast"},
+        {"messages": [{"role": "user"}]},
+        {"messages": HI, "stop": ""},
+        {"messages": HI, "stop": ["ok", ""]},
+        {"messages": HI, "stop_token_ids": [1, -1]},
+        {"messages": HI, "stop_token_ids": [2**32]},
+        {"messages": HI, "max_new_tokens": 0},
+        {"messages": HI, "temperature": -0.1},
+        {"messages": HI, "temperature": math.nan},
+        {"messages": HI, "top_p": 0.0},
+        {"messages": HI, "top_p": 1.5},
+        {"messages": HI, "top_k": -1},
+        {"messages": HI, "seed": 2**63},
+    ],
+    ids=["neither", "both", "mode", "message", "empty-stop", "empty-in-list", "negative-id", "id-over-uint32",
+         "zero-tokens", "temperature", "temperature-nan", "top_p-0", "top_p-1.5", "top_k", "seed"],
+)  # fmt: skip
 def test_build_request_rejects(kw):
     with pytest.raises(ValueError):
         build_request(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw", [{"stop": [b"x"]}, {"stop": [1]}, {"stop_token_ids": [1.0]}, {"stop_token_ids": [True]}],
+    ids=["bytes-stop", "int-stop", "float-id", "bool-id"],
+)  # fmt: skip
+def test_build_request_rejects_wrong_types(kw):
+    with pytest.raises(TypeError):
+        build_request(HI, **kw)
+
+
+@pytest.mark.parametrize("t", [0, -1, math.nan, "5"])
+def test_bad_timeouts_rejected_before_sending(t):
+    with pytest.raises(ValueError, match="timeout_s"):
+        Client("127.0.0.1:1", timeout_s=t)
+    with Client("127.0.0.1:1") as c, pytest.raises(ValueError, match="timeout_s"):
+        c.chat(HI, timeout_s=t)
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def test_one_error_class_per_status():
+    codes = [c for c in grpc.StatusCode if c != grpc.StatusCode.OK]
+    assert set(ERROR_OF) == set(codes)
+    for c in codes:
+        e = error_from_status(c, "why")
+        assert type(e) is ERROR_OF[c] and type(e).status == c and isinstance(e, TandemClientError)
+        assert (e.code, e.details, e.retry_after_s, str(e)) == (c, "why", None, f"{c.name}: why")
+        assert getattr(tandem, type(e).__name__) is type(e)  # exported from the package
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and (back.code, back.details) == (c, "why")
+
+
+@pytest.mark.parametrize(
+    "md,want",
+    [
+        ((("retry-after-ms", "1500"),), 1.5),
+        ((("retry-after-s", "2"),), 2.0),
+        ((("Retry-After-S", b"0.25"),), 0.25),
+        ((("x", "1"), ("retry-after-ms", "nope"), ("retry-after-s", "3")), 3.0),
+        ((("retry-after-ms", "-5"),), None),
+        ((("retry-after-s", "inf"),), None),
+        ((), None),
+        (None, None),
+    ],
+)
+def test_retry_after_from_trailing_metadata(md, want):
+    assert retry_after_s(md) == want
+    e = error_from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", md)
+    assert isinstance(e, ResourceExhausted) and e.retry_after_s == want
+
+
+# --- the edge's limits ------------------------------------------------------------------------
+
+INFO = EdgeInfo("smollm2-135m", 4, 2048, 512, 16, 64, 120.0, "1.2.3")
+
+
+def test_edge_info_check():
+    INFO.check(max_new_tokens=512, stop=["a"] * 16, stop_token_ids=range(64), prompt_tokens=2048, mode="split")
+    INFO.check()  # nothing to check
+    with pytest.raises(ValueError) as ei:
+        INFO.check(max_new_tokens=513, stop=["a"] * 17, stop_token_ids=range(65), prompt_tokens=2049)
+    msg = str(ei.value)
+    assert all(w in msg for w in ("max_new_tokens: 513 > 512", "stop strings: 17 > 16", "stop token ids: 65 > 64",
+                                  "prompt tokens: 2049 > 2048"))  # fmt: skip
+    assert INFO.problems(stop="one long stop string") == []  # one string, not its characters
+    with pytest.raises(ValueError, match="empty"):
+        INFO.check(stop=[""])
+    direct_only = EdgeInfo("m", 0, 0, 0, 0, 0, 0.0, "")  # an edge that says no limits (0 = unknown)
+    direct_only.check(max_new_tokens=10**6, stop=["a"] * 100)
+    with pytest.raises(ValueError, match="direct mode only"):
+        direct_only.check(mode="split")
 
 
 # --- the accumulator ------------------------------------------------------------------------
@@ -111,6 +221,8 @@ def test_accumulator_stream_without_final_event():
 
 @dataclass
 class CallRecord:
+    request: pb.ChatRequest
+    time_remaining_s: float  # the deadline the server saw (huge: none)
     ended: threading.Event = field(default_factory=threading.Event)  # the server saw the RPC terminate
     sent: int = 0
     completed: bool = False  # the handler streamed everything, ChatDone included
@@ -118,16 +230,22 @@ class CallRecord:
 
 class FakeEdge(pb_grpc.EdgeServicer):
     """Streams one delta per ``max_new_tokens`` every DELAY_S, then ``ChatDone``; records each call
-    by session id. Prompt ``"fail"`` is refused with INVALID_ARGUMENT."""
+    by session id. Prompt ``"fail"`` is refused with INVALID_ARGUMENT, ``"abort:<CODE>"`` with that
+    status (RESOURCE_EXHAUSTED with a retry hint of 1.5 s). ``GetInfo`` answers ``INFO``."""
 
     def __init__(self) -> None:
         self.calls: dict[str, CallRecord] = {}
 
     def Chat(self, request, context):
-        rec = self.calls[request.session_id] = CallRecord()
+        rec = self.calls[request.session_id] = CallRecord(request, context.time_remaining())
         context.add_callback(rec.ended.set)
         if request.prompt == "fail":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no such prompt")
+        if request.prompt.startswith("abort:"):
+            code = grpc.StatusCode[request.prompt.removeprefix("abort:")]
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                context.set_trailing_metadata((("retry-after-ms", "1500"),))
+            context.abort(code, f"aborted with {code.name}")
         n = request.sampling.max_new_tokens
         for i in range(n):
             yield delta(f"t{i} ", i)
@@ -135,6 +253,9 @@ class FakeEdge(pb_grpc.EdgeServicer):
             time.sleep(DELAY_S)
         rec.completed = True
         yield done(finish_reason="length", output_tokens=n, output_token_ids=range(n), timings_ms={"ttft_ms": 1.5})
+
+    def GetInfo(self, request, context):
+        return pb.EdgeInfo(**dataclasses.asdict(INFO))
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +335,191 @@ async def test_leaving_async_stream_early_cancels_the_call(edge):
         assert await asyncio.to_thread(fake.calls["async-break"].ended.wait, 2.0)
         rec = fake.calls["async-break"]
         assert not rec.completed and rec.sent < 50
+
+
+def test_stop_strings_and_ids_reach_the_edge(edge):
+    fake, target = edge
+    with Client(target) as c:
+        c.complete(HI, max_new_tokens=1, session_id="stops", stop=["\n\n", "User:"], stop_token_ids=[2, 7])
+    r = fake.calls["stops"].request
+    assert list(r.stop) == ["\n\n", "User:"] and list(r.sampling.stop_token_ids) == [2, 7]
+
+
+NON_OK = [c for c in grpc.StatusCode if c != grpc.StatusCode.OK]
+
+
+@pytest.mark.parametrize("code", NON_OK, ids=lambda c: c.name)
+def test_each_status_raises_its_error_class(edge, code):
+    _, target = edge
+    with Client(target) as c, pytest.raises(TandemClientError) as ei:
+        list(c.chat(prompt=f"abort:{code.name}", session_id=f"sync-abort-{code.name}"))
+    e = ei.value
+    assert type(e) is ERROR_OF[code] and e.code == code and e.details == f"aborted with {code.name}"
+    assert e.retry_after_s == (1.5 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None)
+
+
+async def test_each_status_raises_its_error_class_async(edge):
+    _, target = edge
+    async with AsyncClient(target) as c:
+        for code in NON_OK:
+            with pytest.raises(TandemClientError) as ei:
+                await c.complete(prompt=f"abort:{code.name}", session_id=f"async-abort-{code.name}")
+            e = ei.value
+            assert type(e) is ERROR_OF[code] and e.code == code and e.details == f"aborted with {code.name}"
+            assert e.retry_after_s == (1.5 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None)
+
+
+def test_default_deadline_and_overrides(edge):
+    fake, target = edge
+
+    def remaining(sid: str) -> float:
+        return fake.calls[sid].time_remaining_s
+
+    with Client(target) as c:
+        assert c.timeout_s == DEFAULT_TIMEOUT_S == 300.0
+        c.complete(HI, max_new_tokens=1, session_id="dl-default")
+        c.complete(HI, max_new_tokens=1, session_id="dl-call", timeout_s=7)
+        c.complete(HI, max_new_tokens=1, session_id="dl-call-inf", timeout_s=math.inf)
+    with Client(target, timeout_s=30) as c:
+        c.complete(HI, max_new_tokens=1, session_id="dl-client")
+        c.complete(HI, max_new_tokens=1, session_id="dl-client-none", timeout_s=None)  # None: the client's
+    with Client(target, timeout_s=None) as c:
+        assert c.timeout_s is None
+        c.complete(HI, max_new_tokens=1, session_id="dl-off")
+    # the server sees the deadline rounded by the wire's grpc-timeout header (up to about a second up)
+    assert 280 < remaining("dl-default") <= 302
+    assert 5 < remaining("dl-call") <= 9
+    assert 20 < remaining("dl-client") <= 32 and 20 < remaining("dl-client-none") <= 32
+    assert remaining("dl-off") > 1e6 and remaining("dl-call-inf") > 1e6  # no deadline
+
+
+async def test_async_default_deadline(edge):
+    fake, target = edge
+    async with AsyncClient(target) as c:
+        await c.complete(HI, max_new_tokens=1, session_id="adl-default")
+    async with AsyncClient(target, timeout_s=30) as c:
+        await c.complete(HI, max_new_tokens=1, session_id="adl-client")
+        await c.complete(HI, max_new_tokens=1, session_id="adl-call", timeout_s=7)
+    assert 280 < fake.calls["adl-default"].time_remaining_s <= 302
+    assert 20 < fake.calls["adl-client"].time_remaining_s <= 32
+    assert 5 < fake.calls["adl-call"].time_remaining_s <= 9
+
+
+def test_deadline_passing_raises_deadline_exceeded(edge):
+    fake, target = edge
+    with Client(target, timeout_s=0.3) as c, pytest.raises(tandem.DeadlineExceeded):
+        list(c.chat(HI, max_new_tokens=200, session_id="dl-passes"))  # 4 s of deltas
+    assert fake.calls["dl-passes"].ended.wait(2.0) and not fake.calls["dl-passes"].completed
+
+
+def test_cancel_from_another_thread_ends_the_call(edge):
+    fake, target = edge
+    sid = "sync-cancel"
+    got: list[Delta] = []
+    two = threading.Event()
+    raised: list[BaseException] = []
+
+    def consume(s) -> None:
+        try:
+            for d in s:
+                got.append(d)
+                if len(got) == 2:
+                    two.set()
+        except BaseException as e:
+            raised.append(e)
+
+    with Client(target) as c:
+        s = c.chat(HI, max_new_tokens=200, session_id=sid)  # 4 s if not cancelled
+        t = threading.Thread(target=consume, args=(s,))
+        t.start()
+        assert two.wait(5.0)
+        s.cancel()  # the consumer is blocked waiting for the next delta
+        t.join(2.0)
+        assert not t.is_alive() and len(raised) == 1 and type(raised[0]) is Cancelled, raised
+        assert raised[0].code == grpc.StatusCode.CANCELLED and s.cancelled
+        assert fake.calls[sid].ended.wait(2.0), "the server did not see the call end"
+        assert not fake.calls[sid].completed and fake.calls[sid].sent < 50
+        with pytest.raises(Cancelled):  # iterating after cancel()
+            next(iter(s))
+        s.cancel()  # idempotent
+        s2 = c.chat(HI, max_new_tokens=200, session_id="sync-cancel-first")
+        s2.cancel()  # before iterating at all
+        with pytest.raises(Cancelled):
+            list(s2)
+
+
+def test_cancel_after_the_end_keeps_the_result(edge):
+    _, target = edge
+    with Client(target) as c:
+        s = c.chat(HI, max_new_tokens=2, session_id="sync-cancel-late")
+        assert len(list(s)) == 2
+        s.cancel()
+        assert s.result.output_tokens == 2
+
+
+@pytest.mark.parametrize("where", ["task", "thread"])
+async def test_async_cancel_from_another_task_or_thread(edge, where):
+    fake, target = edge
+    sid = f"async-cancel-{where}"
+    async with AsyncClient(target) as c:
+        s = c.chat(HI, max_new_tokens=200, session_id=sid)
+        two = asyncio.Event()
+
+        async def consume() -> int:
+            n = 0
+            async for _ in s:
+                n += 1
+                if n == 2:
+                    two.set()
+            return n
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(two.wait(), 5.0)
+        if where == "task":
+            s.cancel()  # this test's task; the consumer's awaits the next delta
+        else:
+            await asyncio.to_thread(s.cancel)
+        with pytest.raises(Cancelled):  # not asyncio.CancelledError: the consumer was not cancelled
+            await asyncio.wait_for(task, 2.0)
+        assert await asyncio.to_thread(fake.calls[sid].ended.wait, 2.0)
+        assert not fake.calls[sid].completed and fake.calls[sid].sent < 50
+        with pytest.raises(Cancelled):
+            async for _ in s:
+                pass
+
+
+async def test_cancelling_the_consuming_task_still_raises_cancelled_error(edge):
+    fake, target = edge
+    async with AsyncClient(target) as c:
+        s = c.chat(HI, max_new_tokens=200, session_id="async-task-cancel")
+
+        async def consume() -> None:
+            async for _ in s:
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await asyncio.to_thread(fake.calls["async-task-cancel"].ended.wait, 2.0)
+
+
+def test_info_round_trip(edge):
+    _, target = edge
+    with Client(target) as c:
+        info = c.info()
+    assert info == INFO and isinstance(info.default_timeout_s, float)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.max_new_tokens = 1  # type: ignore[misc]
+    with Client("127.0.0.1:1") as c, pytest.raises(tandem.Unavailable):  # nothing listens there
+        c.info(timeout_s=5)
+
+
+async def test_async_info_round_trip(edge):
+    _, target = edge
+    async with AsyncClient(target) as c:
+        assert await c.info() == INFO
 
 
 # --- tandem.daemons -------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""The client SDK (and the rest of package ``tandem``: stages, daemons, the ``make run`` demo)
-imports and builds requests with only grpcio and protobuf: torch, vLLM, ONNX Runtime, numpy
-and transformers are blocked in a fresh interpreter."""
+"""The client SDK (and the rest of package ``tandem``: errors, stages, daemons, the ``make run``
+demo) imports, builds requests and checks them against an edge's limits with only grpcio and
+protobuf: torch, vLLM, ONNX Runtime, numpy and transformers are blocked in a fresh interpreter."""
 
 import subprocess
 import sys
@@ -13,10 +13,14 @@ class Block:
             raise ImportError('blocked heavy import: ' + name)
 sys.meta_path.insert(0, Block())
 import tandem
-import tandem.daemons, tandem.demo, tandem.stages
+import tandem.daemons, tandem.demo, tandem.errors, tandem.stages
 from tandem.client import build_request
-r = build_request([{'role': 'user', 'content': 'hi'}], max_new_tokens=8, seed=7, session_id='s', mode='split')
+r = build_request([{'role': 'user', 'content': 'hi'}], max_new_tokens=8, seed=7, session_id='s', mode='split',
+                  stop=['###'], stop_token_ids=[2])
 assert r.sampling.seed == 7 and r.messages[0].content == 'hi'
+assert list(r.stop) == ['###'] and list(r.sampling.stop_token_ids) == [2]
+tandem.EdgeInfo('m', 4, 2048, 512, 16, 64, 120.0, 'v').check(max_new_tokens=8, stop=['###'])
+assert issubclass(tandem.Unavailable, tandem.TandemClientError)
 print('ok', tandem.Client.__name__, tandem.AsyncClient.__name__)
 """
 

@@ -1,0 +1,208 @@
+"""Errors of the client SDK: one class per gRPC status, mapped in one place (``ERROR_OF``).
+
+Every error the SDK raises for a failed call is a ``TandemClientError`` carrying the status
+(``.code``), the server's message (``.details``) and, when the server sent a hint in its
+trailing metadata (``retry-after-ms`` or ``retry-after-s``), ``.retry_after_s``. Catch the
+base class for "the call failed", or a subclass for one status::
+
+    try:
+        r = client.complete(messages)
+    except tandem.ResourceExhausted as e:
+        time.sleep(e.retry_after_s or 1.0)
+    except tandem.Unavailable:
+        ...  # the edge or the cloud is down or draining: retry, on another edge if there is one
+
+What the tandem edge answers with which status:
+
+- ``InvalidArgument``: a bad request (unknown role or mode, bad sampling values, too many or
+  too long stop strings or stop token ids, prompt or ``max_new_tokens`` over the edge's limits).
+- ``FailedPrecondition``: the edge and the cloud disagree (model, split, parameters version).
+- ``DataLoss``: activations or KV failed their checks on the link, even after resends.
+- ``DeadlineExceeded``: the call's deadline passed (the client's ``timeout_s``, or the edge's).
+- ``ResourceExhausted``: a quota or capacity limit; see ``retry_after_s``.
+- ``Unavailable``: the cloud or the edge is down, unreachable or draining (shutting down).
+- ``NotFound``: a session the cloud does not know.
+- ``Internal``: a bug in a daemon (its log says more).
+- ``Cancelled``: the call was cancelled (``ChatStream.cancel()``).
+
+Statuses the transport or a proxy in front of the edge may add have their classes too
+(``Unauthenticated``, ``PermissionDenied``, ``Unimplemented`` from an edge older than an
+RPC, ...). Only grpcio is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import grpc
+
+RETRY_AFTER_KEYS = {"retry-after-ms": 1e-3, "retry-after-s": 1.0}  # trailing metadata key -> seconds per unit
+
+
+class TandemClientError(Exception):
+    """A call to the edge failed. ``code``: the gRPC status; ``details``: the server's message;
+    ``retry_after_s``: the server's hint of when to retry in seconds (``None``: no hint).
+
+    ``tandem.errors.ERROR_OF`` gives the subclass raised for each status; a status without one
+    (none today) raises this class itself.
+    """
+
+    status: ClassVar[grpc.StatusCode | None] = None  # the status this class stands for
+
+    def __init__(self, code: grpc.StatusCode, details: str = "", *, retry_after_s: float | None = None) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details, self.retry_after_s = code, details, retry_after_s
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable although __init__ takes more than a message
+        return (_rebuild, (type(self), self.code, self.details, self.retry_after_s))
+
+
+def _rebuild(cls: type[TandemClientError], code: grpc.StatusCode, details: str, retry_after_s: float | None) -> Any:
+    return cls(code, details, retry_after_s=retry_after_s)
+
+
+class Cancelled(TandemClientError):
+    """The call was cancelled: by ``ChatStream.cancel()`` / ``AsyncChatStream.cancel()``, or by the server."""
+
+    status = grpc.StatusCode.CANCELLED
+
+
+class Unknown(TandemClientError):
+    """An error without a known status, or a stream that ended without its final event."""
+
+    status = grpc.StatusCode.UNKNOWN
+
+
+class InvalidArgument(TandemClientError):
+    """The edge refused the request as invalid; sending it again will fail again."""
+
+    status = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class DeadlineExceeded(TandemClientError):
+    """The call's deadline passed before the turn finished."""
+
+    status = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class NotFound(TandemClientError):
+    status = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(TandemClientError):
+    status = grpc.StatusCode.ALREADY_EXISTS
+
+
+class PermissionDenied(TandemClientError):
+    status = grpc.StatusCode.PERMISSION_DENIED
+
+
+class ResourceExhausted(TandemClientError):
+    """A quota or capacity limit was hit; ``retry_after_s`` says when to retry if the server said."""
+
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class FailedPrecondition(TandemClientError):
+    """The system is not in a state to run the request (e.g. the edge and the cloud disagree)."""
+
+    status = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Aborted(TandemClientError):
+    status = grpc.StatusCode.ABORTED
+
+
+class OutOfRange(TandemClientError):
+    status = grpc.StatusCode.OUT_OF_RANGE
+
+
+class Unimplemented(TandemClientError):
+    """The server does not implement the RPC (e.g. an edge older than ``GetInfo``)."""
+
+    status = grpc.StatusCode.UNIMPLEMENTED
+
+
+class Internal(TandemClientError):
+    """A bug in the edge or the cloud (their logs say more)."""
+
+    status = grpc.StatusCode.INTERNAL
+
+
+class Unavailable(TandemClientError):
+    """The edge or the cloud is down, unreachable or draining; a retry (later, or elsewhere) may work."""
+
+    status = grpc.StatusCode.UNAVAILABLE
+
+
+class DataLoss(TandemClientError):
+    """Data was corrupted on the edge-cloud link beyond repair."""
+
+    status = grpc.StatusCode.DATA_LOSS
+
+
+class Unauthenticated(TandemClientError):
+    status = grpc.StatusCode.UNAUTHENTICATED
+
+
+# The one mapping: status -> error class.
+ERROR_OF: dict[grpc.StatusCode, type[TandemClientError]] = {
+    c.status: c
+    for c in (
+        Cancelled,
+        Unknown,
+        InvalidArgument,
+        DeadlineExceeded,
+        NotFound,
+        AlreadyExists,
+        PermissionDenied,
+        ResourceExhausted,
+        FailedPrecondition,
+        Aborted,
+        OutOfRange,
+        Unimplemented,
+        Internal,
+        Unavailable,
+        DataLoss,
+        Unauthenticated,
+    )
+    if c.status is not None
+}
+
+
+def retry_after_s(metadata: Iterable[tuple[str, Any]] | None) -> float | None:
+    """The retry hint in seconds from trailing metadata (``retry-after-ms`` or ``retry-after-s``,
+    decimal numbers); ``None`` if absent or not a finite number >= 0."""
+    for key, value in metadata or ():
+        scale = RETRY_AFTER_KEYS.get(key.lower())
+        if scale is None:
+            continue
+        try:
+            v = float(value.decode() if isinstance(value, bytes) else value) * scale
+        except (TypeError, ValueError, UnicodeDecodeError):
+            continue
+        if math.isfinite(v) and v >= 0:
+            return v
+    return None
+
+
+def error_from_status(
+    code: grpc.StatusCode, details: str = "", trailing_metadata: Iterable[tuple[str, Any]] | None = None
+) -> TandemClientError:
+    """The error for a status: its class from ``ERROR_OF`` (else ``TandemClientError``)."""
+    cls = ERROR_OF.get(code, TandemClientError)
+    return cls(code, details, retry_after_s=retry_after_s(trailing_metadata))
+
+
+def error_from_rpc(e: Any) -> TandemClientError:
+    """The error for a failed call: a ``grpc.RpcError`` that is a ``grpc.Call`` (sync) or a
+    ``grpc.aio.AioRpcError``."""
+    try:
+        md = e.trailing_metadata()
+    except Exception:  # an RpcError without a call (e.g. raised by an interceptor)
+        md = None
+    code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = e.details() if callable(getattr(e, "details", None)) else str(e)
+    return error_from_status(code, details or "", md)
