@@ -1,0 +1,280 @@
+"""The edge's OpenAI-compatible HTTP API (``edge/openai_api.py``) driven by the official ``openai``
+client over a real uvicorn server on 127.0.0.1, in front of the in-memory stack (``toy_stack``: a real
+``EdgeService`` and gateway, toy tokenizer, deterministic in-memory engines). No vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from tandem.edge.openai_api import (
+    conversation_session_id,
+    create_openai_app,
+    serve_openai,
+    stop_openai,
+)
+
+from tests.doubles import toy_stack
+
+KEY = "sk-tandem-test"
+MODEL = "toy"
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+@pytest.fixture(scope="module")
+async def stack():
+    toy = await toy_stack()
+    app = create_openai_app(toy.edge, MODEL, api_keys=(KEY, "sk-other"))
+    server, task, port = await serve_openai(app, "127.0.0.1", 0)
+    yield toy, port
+    await stop_openai(server, task, grace_s=1.0)
+    await toy.batcher.stop()
+
+
+@pytest.fixture
+async def client(stack):
+    _, port = stack
+    c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=20)
+    yield c
+    await c.close()
+
+
+def tandem_of(obj) -> dict:
+    return (obj.model_extra or {})["tandem"]
+
+
+def sessions_idle(toy) -> bool:
+    return not any(s.lock.locked() for s in toy.edge.sessions._s.values())
+
+
+async def test_models_list(client):
+    models = await client.models.list()
+    assert [(m.id, m.owned_by, m.object) for m in models.data] == [(MODEL, "tandem", "model")]
+    assert (await client.models.retrieve(MODEL)).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("gpt-4")
+
+
+async def test_chat_completion(client):
+    r = await client.chat.completions.create(
+        model=MODEL, messages=[SYSTEM, {"role": "user", "content": "hello"}], max_tokens=8, temperature=0
+    )
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL and r.created > 0
+    (c,) = r.choices
+    assert c.message.role == "assistant" and len(c.message.content) == 8  # toy tokens decode to one char each
+    assert c.finish_reason == "length"
+    assert r.usage.prompt_tokens == 24 and r.usage.completion_tokens == 8 and r.usage.total_tokens == 32
+    extra = tandem_of(r)
+    assert extra["split_layer"] == 2 and extra["session_id"].startswith("oai:") and "total_ms" in extra["timings_ms"]
+
+
+async def test_content_parts_and_developer_role_are_text(client):
+    parts = [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]
+    a = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "developer", "content": "sys"}, {"role": "user", "content": parts}], seed=1
+    )
+    b = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "sys"}, {"role": "user", "content": "hel\nlo"}], seed=1
+    )
+    assert a.choices[0].message.content == b.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="only text content parts"):
+        image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [image]}])
+
+
+async def test_streaming_equals_non_streaming(client):
+    msgs = [{"role": "user", "content": "stream me something"}]
+    ref = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == ref.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_completions(client):
+    r = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert len(r.choices[0].text) == 5 and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len("Once upon a time") and r.usage.completion_tokens == 5
+    default = await client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0)
+    assert default.usage.completion_tokens == 16 and default.choices[0].text.startswith(r.choices[0].text)
+    stream = await client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0, stream=True
+    )
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_stop_strings(client):
+    msgs = [{"role": "user", "content": "stop strings"}]
+    full = (await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)).choices[0]
+    text = full.message.content
+    stop = text[5:7]
+    cut = text[: text.find(stop)]
+    r = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, stop=stop)
+    assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
+    s = await client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=16, temperature=0, stop=["zzzz", stop], stream=True
+    )
+    chunks = [c async for c in s]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    c = await client.completions.create(model=MODEL, prompt="stop strings", max_tokens=16, temperature=0)
+    ctext = c.choices[0].text
+    c2 = await client.completions.create(
+        model=MODEL, prompt="stop strings", max_tokens=16, temperature=0, stop=[ctext[3:5]]
+    )
+    assert c2.choices[0].text == ctext[: ctext.find(ctext[3:5])] and c2.choices[0].finish_reason == "stop"
+
+
+async def test_second_turn_of_a_conversation_runs_the_head_over_new_tokens_only(stack, client):
+    toy, _ = stack
+    msgs = [SYSTEM, {"role": "user", "content": "first question, fairly long to fill a block or two of tokens"}]
+    r1 = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+    t1 = tandem_of(r1)
+    assert t1["head_tokens"] == r1.usage.prompt_tokens
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "more?"}]
+    r2 = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+    t2 = tandem_of(r2)
+    assert t2["session_id"] == t1["session_id"]
+    assert t2["head_tokens"] == r2.usage.prompt_tokens - r1.usage.prompt_tokens < r2.usage.prompt_tokens
+    assert t2["external_tokens"] > 0  # the cloud loaded the conversation's earlier KV blocks
+    assert toy.edge.sessions.peek(t1["session_id"]).token_ids  # the edge keeps the conversation
+    # another user with the same opening gets a session of its own
+    r3 = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, user="bob")
+    assert tandem_of(r3)["session_id"] != t1["session_id"] and tandem_of(r3)["head_tokens"] == r3.usage.prompt_tokens
+    assert r3.choices[0].message.content == r2.choices[0].message.content
+
+
+def test_session_ids_name_the_conversation_opening():
+    a = conversation_session_id(b"s", ["chat", "key", "", "", "sys", "hi"])
+    assert a == conversation_session_id(b"s", ["chat", "key", "", "", "sys", "hi"]) and a.startswith("oai:")
+    others = [
+        ["chat", "key", "bob", "", "sys", "hi"],
+        ["chat", "key2", "", "", "sys", "hi"],
+        ["chat", "key", "", "", "sys", "hello"],
+        ["chat", "key", "", "", "sy", "shi"],
+        ["text", "key", "", "", "sys", "hi"],
+    ]
+    assert len({a, *(conversation_session_id(b"s", p) for p in others)}) == 6
+    assert conversation_session_id(b"t", ["chat", "key", "", "", "sys", "hi"]) != a
+
+
+async def test_concurrent_turns_of_one_conversation_do_not_wait_for_each_other(stack, client):
+    toy, _ = stack
+    toy.engines.step_delay_s = 0.02
+    try:
+        msgs = [{"role": "user", "content": "same opening, same time"}]
+        rs = await asyncio.gather(
+            *(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0) for _ in "abc")
+        )
+    finally:
+        toy.engines.step_delay_s = 0.0
+    assert len({r.choices[0].message.content for r in rs}) == 1
+    assert sorted(tandem_of(r)["session_id"] == "" for r in rs) == [False, True, True]  # two ran stateless
+
+
+async def test_errors_in_openai_shape(stack, client):
+    toy, port = stack
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as ei:
+        await client.chat.completions.create(model=MODEL, messages=msgs, n=2)
+    assert ei.value.status_code == 400 and ei.value.param == "n" and ei.value.type == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="prompt has"):
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 2000}])
+    with pytest.raises(openai.BadRequestError, match="prompt has"):
+        await client.completions.create(model=MODEL, prompt="x" * 2000, stream=True)
+    with pytest.raises(openai.BadRequestError) as ei:  # validation errors are 400, not FastAPI's 422
+        await client.chat.completions.create(model=MODEL, messages=msgs, temperature=3)
+    assert ei.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10**6)
+    for kw in ({"echo": True}, {"logprobs": 2}, {"best_of": 3}):
+        with pytest.raises(openai.BadRequestError, match=next(iter(kw))):
+            await client.completions.create(model=MODEL, prompt="hi", **kw)
+    with pytest.raises(openai.BadRequestError, match="role"):
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}])
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="gpt-4o", messages=msgs)
+    bad = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as ai:
+        await bad.chat.completions.create(model=MODEL, messages=msgs)
+    assert ai.value.code == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        await bad.models.list()
+    await bad.close()
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h:
+        r = await h.post("/v1/chat/completions", content=b"{not json", headers={"authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        r = await h.get("/v1/nothing", headers={"authorization": f"Bearer {KEY}"})
+        assert r.status_code == 404 and "error" in r.json()
+    toy.engines.alive = False
+    try:
+        with pytest.raises(openai.InternalServerError) as si:
+            await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
+        assert si.value.status_code == 503 and si.value.code == "EngineError"
+    finally:
+        toy.engines.alive = True
+
+
+async def _decoding_stops(toy, steps: list[int]) -> None:
+    """Wait until no decode step happened for 0.3 s (the engine emulates 50 ms per token); fail after 2 s."""
+    t0 = time.monotonic()
+    while True:
+        n = len(steps)
+        await asyncio.sleep(0.3)
+        if len(steps) == n and sessions_idle(toy):
+            return
+        assert time.monotonic() - t0 < 2.0, "the turn kept running after the client left"
+
+
+async def test_a_client_that_disconnects_stops_the_turn(stack, client):
+    toy, _ = stack
+    steps: list[int] = []
+    token = toy.engines._token
+
+    def counting(*parts: bytes) -> int:
+        steps.append(1)
+        return token(*parts)
+
+    toy.engines._token = counting  # type: ignore[method-assign]
+    toy.engines.step_delay_s = 0.05  # 200 tokens take 10 s
+    try:
+        msgs = [{"role": "user", "content": "a long answer please"}]
+        stream = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=200, stream=True)
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 3:
+                break
+        await stream.close()
+        await _decoding_stops(toy, steps)
+        assert len(steps) < 50
+        # the same for a non-streaming request whose client gives up
+        steps.clear()
+        impatient = client.with_options(timeout=0.5)
+        with pytest.raises(openai.APITimeoutError):
+            msgs2 = [{"role": "user", "content": "another long answer"}]
+            await impatient.chat.completions.create(model=MODEL, messages=msgs2, max_tokens=200)
+        assert steps  # it was decoding
+        await _decoding_stops(toy, steps)
+        assert len(steps) < 50
+    finally:
+        toy.engines.step_delay_s = 0.0
+        del toy.engines._token
+    r = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason == "length" and len(r.choices[0].message.content) == 4
+    assert tandem_of(r)["session_id"]  # the conversation's session was released
