@@ -16,13 +16,23 @@ EXTRAS := cloud-cpu,edge,model,bench,dev
 TORCH := torch==2.13.0
 endif
 FIND_LINKS := $(shell test -d /opt/wheels && echo --find-links /opt/wheels)
-PROTO_OUT := tandem/v1/tandem_pb2.py tandem/v1/tandem_pb2_grpc.py
+# The generated protobuf code (tandem/v1/*_pb2*) is committed; `make proto` regenerates it from proto/
+# and `make check` fails when it differs. The generator is pinned in its own venv: grpcio-tools 1.62.3
+# (protoc of protobuf 4.25.1) writes code without runtime version checks, so the SDK needs only
+# grpcio>=1.62.3 and protobuf>=4.25.1 (pyproject.toml). It cannot live in .venv: it needs protobuf<5,
+# onnx and vLLM need protobuf>=5.29.
+GRPC_TOOLS_VERSION := 1.62.3
+PROTOC_VENV := build/protoc-$(GRPC_TOOLS_VERSION)
+PROTO_SRC := proto/tandem/v1/tandem.proto
+PROTO_GEN := tandem/v1/tandem_pb2.py tandem/v1/tandem_pb2.pyi tandem/v1/tandem_pb2_grpc.py
+protoc = $(PROTOC_VENV)/bin/python -m grpc_tools.protoc -Iproto --python_out=$(1) --pyi_out=$(1) --grpc_python_out=$(1) $(PROTO_SRC)
 SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | md5sum | cut -c1-12)
-MODEL_STAMP := $(MODEL_DIR)/edge-full.onnx
+# written last by tandem-model
+MODEL_STAMP := $(MODEL_DIR)/bundles/cloud/bundle.json
 
-.PHONY: setup proto model run test check bench clean
+.PHONY: setup proto proto-check model run test check bench clean
 
-setup: $(SETUP_STAMP) $(PROTO_OUT)
+setup: $(SETUP_STAMP)
 
 $(SETUP_STAMP): pyproject.toml
 	@echo "== setup: virtualenv and dependencies (vLLM $(if $(HAS_GPU),CUDA,CPU) build, ONNX Runtime) =="
@@ -36,10 +46,22 @@ $(SETUP_STAMP): pyproject.toml
 	rm -f $(VENV)/.setup-*
 	touch $@
 
-proto: $(PROTO_OUT)
+$(PROTOC_VENV)/.ok:
+	rm -rf $(PROTOC_VENV)
+	$(PY) -m venv $(PROTOC_VENV)
+	$(PROTOC_VENV)/bin/pip install -q grpcio-tools==$(GRPC_TOOLS_VERSION)
+	touch $@
 
-$(PROTO_OUT): proto/tandem/v1/tandem.proto | $(SETUP_STAMP)
-	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $<
+proto: $(PROTOC_VENV)/.ok
+	$(call protoc,.)
+
+# regenerate into a scratch folder and compare with the committed code
+proto-check: $(PROTOC_VENV)/.ok
+	rm -rf build/proto-check && mkdir -p build/proto-check
+	$(call protoc,build/proto-check)
+	@for f in $(PROTO_GEN); do \
+	  diff -u $$f build/proto-check/$$f || { echo "$$f does not match $(PROTO_SRC): run make proto"; exit 1; }; \
+	done
 
 model: setup $(MODEL_STAMP)
 
@@ -57,7 +79,7 @@ bench: model
 	$(BIN)/tandem-bench-batching --model $(MODEL_DIR)/hf --out bench-results/batching
 
 # mypy sees the installed layout (tandem.edge, tandem.cloud, tandem.common) through a tree of links
-check: setup
+check: setup proto-check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	rm -rf build/typecheck && mkdir -p build/typecheck && cp -r tandem build/typecheck/tandem
@@ -65,4 +87,4 @@ check: setup
 	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p tandem
 
 clean:
-	rm -rf $(VENV) $(MODEL_DIR) $(PROTO_OUT) tandem/v1/*.pyi
+	rm -rf $(VENV) $(MODEL_DIR) build

@@ -1,17 +1,24 @@
-"""``tandem-cloud``: the cloud gateway with its tail-prefill and decode vLLM engines."""
+"""``tandem-cloud``: the cloud gateway with its tail-prefill and decode vLLM engines.
+
+Every setting of ``CloudConfig`` is a flag (``--store-bytes 8GiB``, ``--engine.max-num-seqs 4``), an
+environment variable (``TANDEM_CLOUD_...``) and a key of the TOML file given by ``--config``;
+flags > environment > config file > defaults. ``--version`` prints the version; ``--ready-file PATH``
+writes the bound port once serving. A user error is one line on stderr and exit code 2.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
 
-import typer
-from tandem.cloud.config import CloudConfig, EngineConfig
+from tandem.cloud.config import CloudConfig
 from tandem.common.grpcsetup import install_stop_signals
+from tandem.common.settings import check_split_dir, parse_command_line, run_cli, setup_observability
 
-app = typer.Typer(add_completion=False, help="tandem cloud: gRPC gateway + vLLM engines.")
+PROG = "tandem-cloud"
 
 
 async def serve(cfg: CloudConfig, ready_file: Path | None = None, grace_s: float = 5.0) -> int:
@@ -48,33 +55,19 @@ async def serve(cfg: CloudConfig, ready_file: Path | None = None, grace_s: float
     return 1 if gave_up else 0
 
 
-@app.command()
-def main(
-    split_dir: Annotated[Path, typer.Option(help="split directory with manifest.json")] = Path(
-        "models/smollm2-135m/split-k4"
-    ),
-    host: str = "0.0.0.0",
-    port: int = 50051,
-    store_dir: Path = Path("/tmp/tandem-kv"),
-    store_bytes: int = 4 << 30,
-    max_num_seqs: int = 8,
-    kv_cache_bytes: int = 1 << 30,
-    ready_file: Annotated[Path | None, typer.Option(help="write the bound port here when serving")] = None,
-) -> None:
-    """Serve the Cloud gRPC service."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = CloudConfig(
-        split_dir=split_dir,
-        host=host,
-        port=port,
-        store_dir=store_dir,
-        store_bytes=store_bytes,
-        engine=EngineConfig(max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes),
-    )
-    code = asyncio.run(serve(cfg, ready_file))
-    if code:
-        raise typer.Exit(code)
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the command line (raises ``UserError``), check the split directory, serve."""
+    run = parse_command_line(CloudConfig, PROG, argv, description=__doc__ or "")
+    cfg = run.settings
+    check_split_dir(cfg.split_dir, ("tail_checkpoint", "full_checkpoint"))
+    setup_observability(cfg)
+    return asyncio.run(serve(cfg, run.ready_file, cfg.drain_grace_s))
+
+
+def app(argv: Sequence[str] | None = None) -> int:
+    """The ``tandem-cloud`` console script: exit code 0, 1 (engines gave up) or 2 (user error)."""
+    return run_cli(PROG, lambda: main(argv))
 
 
 if __name__ == "__main__":
-    app()
+    sys.exit(app())

@@ -1,54 +1,117 @@
-"""The cloud process's one typed config, built by the entry point and passed down."""
+"""The cloud process's one typed config, built by the entry point and passed down.
+
+``CloudConfig`` is a pydantic-settings model: every field is also a ``tandem-cloud`` flag
+(``--store-bytes``, nested ``--engine.max-num-seqs``), an environment variable (``TANDEM_CLOUD_STORE_BYTES``,
+``TANDEM_CLOUD_ENGINE__MAX_NUM_SEQS``) and a key of the TOML config file (``--config FILE`` or
+``TANDEM_CLOUD_CONFIG``). Precedence: flags > environment > config file > defaults (in code: keyword
+arguments > environment > config file > defaults). See ``tandem.common.settings`` and the README's
+"Configuration reference", generated from these fields.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import SettingsConfigDict
+from tandem.common.settings import Bytes, DaemonSettings, LogFormat, LogLevel, OptionalStr, Port, enum_by_name, gib, mib
 from tandem.common.wire import Codec, WireDtype
+
+DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
+WireDtypeSetting = Annotated[WireDtype, enum_by_name(WireDtype)]  # also "fp16", "FP16"
+CodecSetting = Annotated[Codec, enum_by_name(Codec)]
 
 
 class EngineConfig(BaseModel):
     """Settings shared by the tail-prefill and decode vLLM engines."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
-    block_size_tokens: int = 32  # vLLM's CPU backend wants multiples of 32
-    max_model_len_tokens: int = 2048
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 4096
-    kv_cache_bytes: int = 1 << 30  # per engine
-    enforce_eager: bool = True
-    dtype: Literal["auto", "float16", "bfloat16", "float32"] = "float32"
+    block_size_tokens: int = Field(
+        default=32, ge=1, description="Tokens per KV block (vLLM block size; the CPU backend wants a multiple of 32)."
+    )
+    max_model_len_tokens: int = Field(default=2048, ge=1, description="Longest sequence (prompt + output) in tokens.")
+    max_num_seqs: int = Field(default=8, ge=1, description="Sequences each engine batches at once.")
+    max_num_batched_tokens: int = Field(
+        default=4096, ge=1, description="Tokens per engine step (chunked prefill budget)."
+    )
+    kv_cache_bytes: Bytes = Field(default=gib(1), description="KV cache memory of each engine, in bytes.")
+    enforce_eager: bool = Field(default=True, description="Run vLLM eagerly (no CUDA graphs / compilation).")
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        default="float32",
+        description="Engine weights and activations dtype; float32 keeps greedy output equal to the model.",
+    )
 
 
-class CloudConfig(BaseModel):
+class CloudConfig(DaemonSettings):
     """``tandem-cloud`` configuration."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="TANDEM_CLOUD_",
+        # the flat flags of earlier versions, still used by scripts
+        cli_shortcuts={"engine.max-num-seqs": "max-num-seqs", "engine.kv-cache-bytes": "kv-cache-bytes"},
+    )
 
-    split_dir: Path  # models/<model>/split-k{k}, holding manifest.json
-    host: str = "0.0.0.0"
-    port: int = 50051  # 0 = any free port
-    cloud_id: str = "tandem-cloud"
-    store_dir: Path = Path("/tmp/tandem-kv")
-    store_bytes: int = 4 << 30
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    chunk_tokens: int = 64
-    wire_dtype: WireDtype = WireDtype.FP32  # fp32 keeps greedy output equal to the unsplit model
-    codec: Codec = Codec.NONE
-    codec_level: int = 3
-    max_prompt_tokens: int = 1536
-    max_new_tokens: int = 512
-    max_chunk_resends: int = 3
-    max_repair_rounds: int = 3  # commits answered with a repair request before DATA_LOSS
-    upload_timeout_s: float = 30.0  # header to verified upload (the session is not locked meanwhile)
-    max_uploads: int = 64  # split uploads in flight, all edges
-    max_upload_bytes: int = 1 << 30  # bytes those uploads may buffer (reserved at the header), all edges
-    max_uploads_per_peer: int = 16  # the same, per edge
-    max_upload_bytes_per_peer: int = 256 << 20
-    drain_timeout_s: float = 2.0  # after refusing a turn, wait this long for the edge to stop sending
-    max_abs_activation: float = 1e5  # |h_k| and |KV| bound; real SmolLM2 values stay under 1e3
-    max_sessions: int = 256
-    session_bytes: int = 1 << 30  # activations kept for multi-turn sessions, all sessions together
+    split_dir: Path = Field(
+        default=DEFAULT_SPLIT_DIR,
+        description="Split directory (`models/<model>/split-k<k>`): manifest.json, the tail and full checkpoints.",
+    )
+    host: str = Field(default="127.0.0.1", description="gRPC bind address; `0.0.0.0` listens on all interfaces.")
+    port: Port = Field(default=50051, description="gRPC port; 0 = any free port (see `--ready-file`).")
+    cloud_id: str = Field(default="tandem-cloud", description="Name this cloud reports in Negotiate.")
+    store_dir: Path = Field(default=Path("/tmp/tandem-kv"), description="Directory of the KV block store (diskcache).")
+    store_bytes: Bytes = Field(default=gib(4), description="Bound of the KV block store in bytes (LRU beyond).")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
+    chunk_tokens: int = Field(default=64, ge=1, description="Tokens per activation chunk on the uplink.")
+    wire_dtype: WireDtypeSetting = Field(
+        default=WireDtype.FP32,
+        description="Activation dtype on the wire; fp32 keeps greedy output equal to the unsplit model.",
+    )
+    codec: CodecSetting = Field(default=Codec.NONE, description="Payload compression on the wire.")
+    codec_level: int = Field(default=3, description="zstd compression level.")
+    max_prompt_tokens: int = Field(default=1536, ge=1, description="Longest prompt accepted, in tokens.")
+    max_new_tokens: int = Field(default=512, ge=1, description="Most output tokens of one turn.")
+    max_chunk_resends: int = Field(default=3, ge=0, description="Resends of a chunk failing its CRC before DATA_LOSS.")
+    max_repair_rounds: int = Field(
+        default=3, ge=0, description="Commits answered with a repair request before DATA_LOSS."
+    )
+    upload_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds from a turn's header to its verified upload (the session is not locked).",
+    )
+    max_uploads: int = Field(default=64, ge=1, description="Split uploads in flight, all edges together.")
+    max_upload_bytes: Bytes = Field(
+        default=gib(1), description="Bytes those uploads may buffer (reserved at the header), all edges together."
+    )
+    max_uploads_per_peer: int = Field(default=16, ge=1, description="Split uploads in flight per edge.")
+    max_upload_bytes_per_peer: Bytes = Field(default=mib(256), description="Bytes the uploads of one edge may buffer.")
+    drain_timeout_s: float = Field(
+        default=2.0, ge=0, description="Seconds to wait, after refusing a turn, for the edge to stop sending."
+    )
+    max_abs_activation: float = Field(
+        default=1e5,
+        gt=0,
+        description="Bound on |h_k| and |KV| values from the wire (real SmolLM2 values stay under 1e3).",
+    )
+    max_sessions: int = Field(default=256, ge=1, description="Multi-turn sessions kept (LRU beyond).")
+    session_bytes: Bytes = Field(
+        default=gib(1), description="Activations kept for multi-turn sessions, all together, in bytes."
+    )
+    drain_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="Seconds calls in flight may take to finish after SIGTERM/SIGINT before the stop.",
+    )
+    log_format: LogFormat = Field(default="text", description="Log lines as text or as one JSON object per line.")
+    log_level: LogLevel = Field(default="INFO", description="Least severe level logged: DEBUG, INFO, WARNING, ERROR.")
+    metrics_host: str = Field(default="127.0.0.1", description="Bind address of the Prometheus metrics endpoint.")
+    metrics_port: Port = Field(
+        default=0, description="Port of the Prometheus metrics endpoint (HTTP); 0 = no endpoint."
+    )
+    otel_enabled: bool = Field(default=False, description="Export OpenTelemetry traces.")
+    otel_endpoint: OptionalStr = Field(
+        default=None,
+        description="OTLP endpoint of the trace exporter; `none` = the exporter's default (`OTEL_*` variables).",
+    )

@@ -115,7 +115,10 @@ def _engine(model: Path, cfg: CloudConfig, role: str, layer_offset: int, prompt_
         enforce_eager=e.enforce_eager,
         enable_prefix_caching=False,
         enable_prompt_embeds=prompt_embeds,
-        disable_log_stats=True,
+        # stats on: vLLM's Prometheus metrics (vllm:*) in this process's registry, served by the
+        # cloud's metrics endpoint; its logging stat logger logs only when do_log_stats() is called
+        # (never here), so no periodic log lines
+        disable_log_stats=False,
         kv_transfer_config=KVTransferConfig(**_kv_transfer(cfg, role, layer_offset)),
     )
     return AsyncLLM.from_engine_args(args)

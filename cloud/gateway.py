@@ -10,6 +10,7 @@ messages and yields domain events; ``cloud.service`` adapts it to gRPC.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
@@ -21,20 +22,23 @@ from tandem.cloud.config import CloudConfig
 from tandem.cloud.engines import EngineBackend, TailResult
 from tandem.cloud.sessions import CloudSession, SessionTable
 from tandem.cloud.upload import TurnUpload, check_header, upload_bound_bytes
-from tandem.common import wire
+from tandem.common import metrics, wire
 from tandem.common.errors import DeadlineExceeded, IncompatibleModel, InvalidRequest, MerkleMismatch, UploadTimeout
 from tandem.common.kvblocks import LayerRange, activation_keys, block_nbytes, part_key, request_seed
 from tandem.common.kvparams import KVTransferSpec, PartSpec
 from tandem.common.kvstore import BlockStore
+from tandem.common.logs import bind_request, turn_log
 from tandem.common.manifest import SplitManifest
 from tandem.common.messages import Commit, DownEvent, KVBlock, Nack, Repair, TokensOut, TurnFinal, TurnHeader, UploadAck
 from tandem.common.params import LinkParams, NegotiateOffer, Sampling
+from tandem.common.tracing import span, traced
 
 from tandem.stages import Stage, Timings
 
 UplinkBody = wire.Chunk | KVBlock | Commit
 HEADER_SLACK_BYTES = 4096  # protobuf framing and the header's fixed fields
 T = TypeVar("T")
+log = logging.getLogger("tandem.cloud")
 
 
 async def bounded(
@@ -67,9 +71,14 @@ class Turn:
     t_start: float = field(default_factory=time.perf_counter)
     timings: Timings = field(default_factory=dict)
     received_bytes: dict[str, int] = field(default_factory=dict)
+    t_engine: float | None = None  # when its first engine request started (queue time)
 
     def time(self, stage: Stage, t0: float) -> None:
         self.timings[stage] = (time.perf_counter() - t0) * 1e3
+
+    def engine_start(self) -> None:
+        if self.t_engine is None:
+            self.t_engine = time.perf_counter()
 
 
 class Gateway:
@@ -100,6 +109,7 @@ class Gateway:
         )
         self.tail_part = LayerRange(manifest.split_layer, manifest.shape.num_layers)
         self.head_part = LayerRange(0, manifest.split_layer)
+        metrics.watch_cloud(self.sessions, self.budget, store)
 
     def negotiate(self, offer: NegotiateOffer) -> LinkParams:
         """Agree on link params for an edge (the configured ones, for now).
@@ -136,8 +146,25 @@ class Gateway:
             QuotaExceeded, UploadTimeout, DeadlineExceeded, EngineError: mapped to gRPC status by the
             servicer; session state is unchanged on error.
         """
-        check_header(header, self.params, self.manifest)
         turn = Turn(header, deadline)
+        mode = "split" if header.split_layer else "direct"
+        with (
+            bind_request(header.request_id, header.session_id),
+            turn_log(log, mode) as done_fields,
+            metrics.cloud_turn(mode, turn),
+            span("cloud_turn", mode=mode, request_id=header.request_id, session_id=header.session_id),
+        ):
+            async for ev in self._run(turn, uplink, peer):
+                if isinstance(ev, TurnFinal):
+                    done_fields.update(
+                        prompt_tokens=ev.prompt_tokens, output_tokens=ev.output_tokens, finish=ev.finish_reason
+                    )
+                yield ev
+
+    async def _run(self, turn: Turn, uplink: AsyncIterator[UplinkBody], peer: str) -> AsyncIterator[DownEvent]:
+        """The turn itself (``run_turn`` adds its log ids, logs, metrics and span)."""
+        header = turn.header
+        check_header(header, self.params, self.manifest)
         if not header.split_layer:
             async for ev in self._decode(turn, list(header.prompt_token_ids), None, header.sampling, 0):
                 yield ev
@@ -156,6 +183,7 @@ class Gateway:
                     yield ev
                 hidden, leaves = await self._commit(turn, upload)
             finally:
+                metrics.record_received(upload.received_bytes, sum(upload.resends.values()))
                 upload.release()
         yield UploadAck(len(header.prompt_token_ids), len(leaves))
         tail_keys = activation_keys(hidden, self.params.kv_block_size_tokens, self._seed(header), self.tail_part)
@@ -186,6 +214,7 @@ class Gateway:
         loop_deadline = asyncio.get_running_loop().time() + self.cfg.upload_timeout_s
         return loop_deadline if turn.deadline is None else min(loop_deadline, turn.deadline)
 
+    @traced("cloud_upload")
     async def _receive(
         self, turn: Turn, upload: TurnUpload, uplink: AsyncIterator[UplinkBody]
     ) -> AsyncIterator[Nack | Repair]:
@@ -206,6 +235,7 @@ class Gateway:
         async for item in uplink:
             if isinstance(item, wire.Chunk):
                 if not await asyncio.to_thread(upload.add_chunk, item):
+                    log.info("chunk %d failed its CRC32C or did not decode: NACK", item.seq)
                     yield Nack(item.seq, "crc32c mismatch or payload does not decode")
             elif isinstance(item, KVBlock):
                 await asyncio.to_thread(upload.add_block, item)
@@ -215,6 +245,8 @@ class Gateway:
                     repairs += 1
                     if repairs > self.cfg.max_repair_rounds:
                         raise MerkleMismatch(f"KV blocks {repair[:8]} still bad after {repairs - 1} repair rounds")
+                    log.info("repair round %d: asking for %d KV blocks again", repairs, len(repair))
+                    metrics.record_repair_request(len(repair))
                     yield Repair(tuple(repair), "leaf hash mismatch, block missing or not decodable")
             else:
                 raise InvalidRequest(f"unexpected {type(item).__name__} after the header")
@@ -250,14 +282,17 @@ class Gateway:
             self.sessions.evict()
         return hidden, list(session.leaves)
 
+    @traced("cloud_store_put")
     def _put_head_blocks(self, blocks: list[tuple[bytes, bytes]]) -> None:
         for leaf, raw in blocks:
             self.store.put(part_key(leaf, self.head_part), raw)
 
+    @traced("cloud_tail_prefill")
     async def _tail_prefill(self, turn: Turn, hidden: np.ndarray, tail_keys: list[bytes]) -> TailResult:
         """Tail engine over ``prompt_embeds = hidden``: loads tail KV of blocks computed from the same
         activations before, saves the rest, samples the first output token."""
         part = PartSpec(self.tail_part, tuple(tail_keys))
+        turn.engine_start()
         try:
             async with asyncio.timeout_at(turn.deadline):
                 tail = await self.engines.tail_prefill(
@@ -268,11 +303,13 @@ class Gateway:
         turn.timings[Stage.CLOUD_TAIL_PREFILL] = tail.elapsed_ms
         return tail
 
+    @traced("cloud_decode")
     async def _decode(
         self, turn: Turn, ids: list[int], kv: KVTransferSpec | None, sampling: Sampling, first_index: int
     ) -> AsyncIterator[DownEvent]:
         """Stream the decode engine's tokens; output indices start at ``first_index``."""
         t0 = time.perf_counter()
+        turn.engine_start()
         n = first_index
         steps = self.engines.decode(turn.header.request_id, ids, kv, sampling)
         async for step in bounded(steps, turn.deadline, lambda: DeadlineExceeded("deadline passed while decoding")):

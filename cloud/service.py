@@ -19,6 +19,7 @@ import grpc
 from tandem.cloud.gateway import Gateway, UplinkBody
 from tandem.common.errors import InvalidRequest, TandemError
 from tandem.common.grpc_errors import abort
+from tandem.common.logs import set_ids
 from tandem.common.messages import TurnError, TurnHeader, downlink_to_pb, uplink_from_pb
 from tandem.common.params import NegotiateOffer
 
@@ -78,6 +79,7 @@ class CloudServicer(pb_grpc.CloudServicer):
             first = uplink_from_pb(await it.__anext__())
             if not isinstance(first, TurnHeader):
                 raise InvalidRequest("the first uplink message must be a header")
+            set_ids(first.request_id, first.session_id)  # this call's own task: every line of it carries them
             turn = self.gateway.run_turn(first, uplink_body(it), peer_host(context), deadline_of(context))
             async for ev in turn:
                 yield downlink_to_pb(ev)

@@ -18,7 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from tandem.common.head_io import io_names
 from torch import nn
+
+__all__ = ["EdgeFull", "EdgeHead", "HeadAttention", "HeadLayer", "io_names"]  # io_names: see common.head_io
 
 
 class HeadAttention(nn.Module):
@@ -124,13 +127,6 @@ class EdgeHead(nn.Module):
             x, k_all, v_all = layer(x, cos, sin, bias, past[2 * i], past[2 * i + 1])
             presents += [k_all, v_all]
         return (x, *presents)
-
-
-def io_names(k: int) -> tuple[list[str], list[str]]:
-    """ONNX input and output names of the head for split layer ``k``."""
-    past = [n for i in range(k) for n in (f"past_key_{i}", f"past_value_{i}")]
-    present = [n for i in range(k) for n in (f"present_key_{i}", f"present_value_{i}")]
-    return ["input_ids", "position_ids", "attention_mask", *past], ["hidden", *present]
 
 
 class EdgeFull(nn.Module):

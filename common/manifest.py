@@ -8,11 +8,13 @@ weights, or at another split layer, must not feed a cloud tail.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
 MANIFEST_NAME = "manifest.json"
+BUNDLE_MANIFEST_NAME = "bundle.json"
 
 
 class ModelShape(BaseModel):
@@ -49,6 +51,12 @@ class SplitManifest(BaseModel):
     tail_checkpoint: str
     tail_blake3: str
     onnx_opset: int
+    # BLAKE3 over the full checkpoint's tensors (name, dtype, shape, bytes, in name order), whatever files
+    # hold them; "" in manifests written before it existed. See ``compatibility_key``.
+    weights_blake3: str = ""
+    # directory of the tokenizer files and chat template (all the edge needs of the checkpoint);
+    # "" in model directories prepared before it existed: the full checkpoint's
+    tokenizer: str = ""
 
     @property
     def head_kv_bytes_per_token(self) -> int:
@@ -57,13 +65,39 @@ class SplitManifest(BaseModel):
         return self.split_layer * 2 * s.num_kv_heads * s.head_dim * 4
 
     def compatibility_key(self) -> str:
-        """What edge and cloud must agree on: model, weights, split layer and head."""
-        return f"{self.model_id}|{self.checkpoint_blake3}|k={self.split_layer}|{self.head_blake3}"
+        """What edge and cloud must agree on: the weights, the split layer, the dtype and the shape.
+
+        Content only, so the same weights cut at the same layer give the same key whatever torch,
+        onnx, transformers or safetensors version prepared them: ``weights_blake3`` hashes the
+        tensors, not the files (no ``transformers_version`` in a config, no file layout), and the
+        ONNX head's bytes, which change with the exporter, are left out (the head is a function of
+        these weights and ``k``; ``head_blake3`` still checks its file). Not covered: config fields
+        beyond ``shape`` (RoPE, norm epsilon), the model id (a label). A manifest written before
+        ``weights_blake3`` keys on its file hashes as before.
+        """
+        if not self.weights_blake3:
+            return f"{self.model_id}|{self.checkpoint_blake3}|k={self.split_layer}|{self.head_blake3}"
+        s = self.shape
+        shape = (
+            f"L{s.num_layers}.H{s.hidden_size}.Hq{s.num_heads}.Hkv{s.num_kv_heads}.D{s.head_dim}"
+            f".V{s.vocab_size}.P{s.max_position_embeddings}"
+        )
+        return f"tandem-split-v1|weights={self.weights_blake3}|k={self.split_layer}|{self.dtype}|{shape}"
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The directory the edge loads its tokenizer from, relative: ``tokenizer``, else (model
+        directories prepared before it) the full checkpoint."""
+        return self.tokenizer or self.full_checkpoint
+
+    def tokenizer_dir(self, directory: Path) -> Path:
+        """``tokenizer_path`` resolved against the manifest's directory."""
+        return self.resolve(directory, self.tokenizer_path)
 
     def save(self, directory: Path) -> Path:
-        path = directory / MANIFEST_NAME
-        path.write_text(self.model_dump_json(indent=2))
-        return path
+        """Write ``directory/manifest.json`` atomically (a new file, so a hard link to the old one
+        in a bundle keeps the old bytes)."""
+        return _write_atomic(Path(directory) / MANIFEST_NAME, self.model_dump_json(indent=2))
 
     @classmethod
     def load(cls, directory: Path) -> SplitManifest:
@@ -80,3 +114,75 @@ class SplitManifest(BaseModel):
 
     def resolve(self, directory: Path, rel: str) -> Path:
         return (Path(directory) / rel).resolve()
+
+
+class BundleFile(BaseModel):
+    """One file of a role bundle."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str  # relative to the bundle's directory, "/"-separated
+    size: int  # bytes
+    blake3: str  # hex BLAKE3 of the file's bytes (what `b3sum` prints)
+
+
+class BundleManifest(BaseModel):
+    """``bundle.json`` of one role's bundle (``OUT/bundles/edge``, ``OUT/bundles/cloud``), written by
+    ``tandem-model``: every file the role needs, with its size and BLAKE3, and the compatibility key
+    of each split it holds (equal keys in the edge's and the cloud's bundle: they fit together).
+
+    A bundle has the model directory's layout, so ``--split-dir BUNDLE/split-k{k}`` works as in it.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    format: int = 1
+    role: str  # "edge" or "cloud"
+    model_id: str
+    compatibility_keys: dict[int, str]  # split layer k -> SplitManifest.compatibility_key()
+    files: tuple[BundleFile, ...]
+
+    def save(self, directory: Path) -> Path:
+        return _write_atomic(Path(directory) / BUNDLE_MANIFEST_NAME, self.model_dump_json(indent=1))
+
+    @classmethod
+    def load(cls, directory: Path) -> BundleManifest:
+        """Read ``directory/bundle.json``.
+
+        Raises:
+            FileNotFoundError: no bundle manifest there.
+            pydantic.ValidationError: the file is not a bundle manifest.
+        """
+        return cls.model_validate(json.loads((Path(directory) / BUNDLE_MANIFEST_NAME).read_text()))
+
+    def verify(self, directory: Path, hashes: bool = True) -> list[str]:
+        """What is wrong with the bundle at ``directory``: missing files, other sizes and, with
+        ``hashes``, other BLAKE3 digests (empty when it is intact)."""
+        problems = []
+        for f in self.files:
+            path = Path(directory) / f.path
+            if not path.is_file():
+                problems.append(f"{f.path}: missing")
+            elif path.stat().st_size != f.size:
+                problems.append(f"{f.path}: {path.stat().st_size} bytes, expected {f.size}")
+            elif hashes and blake3_file(path) != f.blake3:
+                problems.append(f"{f.path}: BLAKE3 differs")
+        return problems
+
+
+def blake3_file(path: Path) -> str:
+    """Hex BLAKE3 of a file's bytes."""
+    import blake3
+
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path

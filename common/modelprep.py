@@ -8,15 +8,27 @@ downloads weights. Any local HF Llama-family directory works in its place.
 Layout written under ``OUT``::
 
     OUT/hf/                       full checkpoint (decode engine, references)
+    OUT/tokenizer/                tokenizer files and chat template (all the edge needs of the checkpoint)
     OUT/split-k{k}/head.onnx      embedding + layers [0, k)
     OUT/split-k{k}/tail/          layers [k, L) renumbered 0..L-k-1, same norm/lm_head/embeddings
     OUT/split-k{k}/manifest.json
+    OUT/edge-full.onnx            the whole model, for edge-only (local) generation
+    OUT/bundles/edge/             what an edge host needs, in the same layout (hard links, else copies):
+                                  split-k{k}/{head.onnx,manifest.json}, tokenizer/, edge-full.onnx,
+                                  bundle.json (every file with size and BLAKE3, the compatibility keys)
+    OUT/bundles/cloud/            what a cloud host needs: hf/, split-k{k}/{tail/,manifest.json}, bundle.json
+
+Copy a bundle to its host and point the daemon at it: ``tandem-edge --split-dir BUNDLE/split-k4``.
+``write_bundles(OUT)`` bundles an already prepared directory; ``tandem-model`` on one (idempotent)
+only adds what is missing.
 """
 
 from __future__ import annotations
 
+import filecmp
 import importlib.util
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -24,12 +36,23 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from tandem.common.manifest import ModelShape, SplitManifest
+from tandem.common.manifest import (
+    MANIFEST_NAME,
+    BundleFile,
+    BundleManifest,
+    ModelShape,
+    SplitManifest,
+    blake3_file,
+)
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ONNX_OPSET = 17
 FULL_ONNX = "edge-full.onnx"  # the whole model with lm_head, for the edge-only baseline
+TOKENIZER_DIR = "tokenizer"
+BUNDLES_DIR = "bundles"
+# what the edge needs of a checkpoint to tokenize, apply the chat template and stop (EOS)
+_TOKENIZER_FILES = ("chat_template.jinja", "generation_config.json", "special_tokens_map.json")
 console = Console(stderr=True)
 app = typer.Typer(add_completion=False, help="Prepare split models for tandem.")
 
@@ -50,6 +73,67 @@ def file_blake3(path: Path) -> str:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()
+
+
+def weights_blake3(checkpoint: Path) -> str:
+    """Hex BLAKE3 over the tensors of the ``*.safetensors`` files in ``checkpoint``: for each tensor
+    in name order its name, dtype, shape and bytes. Independent of sharding, file metadata and of
+    the library versions that wrote the files (only the weights' content counts). Pure Python.
+
+    Raises:
+        FileNotFoundError: no safetensors file in ``checkpoint``.
+    """
+    import blake3
+
+    entries: dict[str, tuple[Path, str, list[int], int, int]] = {}
+    for f in sorted(Path(checkpoint).glob("*.safetensors")):
+        with f.open("rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        for name, info in header.items():
+            start, end = info["data_offsets"]
+            entries[name] = (f, info["dtype"], info["shape"], 8 + n + start, end - start)
+    if not entries:
+        raise FileNotFoundError(f"no *.safetensors weights in {checkpoint}")
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    handles: dict[Path, Any] = {}
+    try:
+        for name in sorted(entries):
+            f, dtype, shape, offset, size = entries[name]
+            h.update(json.dumps([name, dtype, shape, size]).encode() + b"\n")
+            fh = handles.get(f) or handles.setdefault(f, f.open("rb"))
+            fh.seek(offset)
+            left = size
+            while left:
+                block = fh.read(min(left, 1 << 24))
+                if not block:
+                    raise ValueError(f"{f} is truncated (tensor {name})")
+                h.update(block)
+                left -= len(block)
+    finally:
+        for fh in handles.values():
+            fh.close()
+    return h.hexdigest()
+
+
+def write_tokenizer(src: Path, dst: Path) -> Path:
+    """Copy the tokenizer files and chat template of checkpoint ``src`` to ``dst`` (replaced if present)."""
+    wanted = [f for f in sorted(src.iterdir()) if f.name.startswith("tokenizer") or f.name in _TOKENIZER_FILES]
+    files = [f for f in wanted if f.is_file()]
+    if not files:
+        raise FileNotFoundError(f"no tokenizer files in {src}")
+    if dst.is_dir() and sorted(p.name for p in dst.iterdir()) == [f.name for f in files]:
+        if all(filecmp.cmp(f, dst / f.name, shallow=False) for f in files):
+            return dst  # unchanged: keep the files (and the bundle's links to them)
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in files:
+        shutil.copy(f, tmp / f.name)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+    return dst
 
 
 def convert_embedded_gguf(out: Path) -> Path:
@@ -140,7 +224,8 @@ def export_head(src: Path, out: Path, k: int, full: bool = False) -> Path:
     Dynamic axes: batch ``Bt``, new tokens ``T``, past ``P`` (see ``common.head_model.EdgeHead``).
     """
     import torch
-    from tandem.common.head_model import EdgeFull, EdgeHead, io_names
+    from tandem.common.head_io import io_names
+    from tandem.common.head_model import EdgeFull, EdgeHead
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
@@ -182,14 +267,26 @@ def export_head(src: Path, out: Path, k: int, full: bool = False) -> Path:
     return out
 
 
-def prepare_split(out: Path, hf: Path, k: int, model_id: str) -> SplitManifest:
-    """Cut ``hf`` at layer ``k`` under ``out/split-k{k}`` and write its manifest (idempotent)."""
+def prepare_split(
+    out: Path, hf: Path, k: int, model_id: str, checkpoint_hash: str = "", weights_hash: str = ""
+) -> SplitManifest:
+    """Cut ``hf`` at layer ``k`` under ``out/split-k{k}`` and write its manifest (idempotent: a split
+    cut from the same checkpoint files is kept, its manifest only brought up to date).
+
+    ``checkpoint_hash`` / ``weights_hash``: ``file_blake3(hf)`` / ``weights_blake3(hf)`` if already known.
+    """
     cfg = json.loads((hf / "config.json").read_text())
+    checkpoint_hash = checkpoint_hash or file_blake3(hf)
+    weights_hash = weights_hash or weights_blake3(hf)
+    tokenizer = str(Path("..") / TOKENIZER_DIR)
     split_dir = out / f"split-k{k}"
-    existing = split_dir / "manifest.json"
+    existing = split_dir / MANIFEST_NAME
     if existing.is_file():
         m = SplitManifest.load(split_dir)
-        if m.checkpoint_blake3 == file_blake3(hf):
+        if m.checkpoint_blake3 == checkpoint_hash:
+            if (m.weights_blake3, m.tokenizer) != (weights_hash, tokenizer):
+                m = m.model_copy(update={"weights_blake3": weights_hash, "tokenizer": tokenizer})
+                m.save(split_dir)
             console.print(f"[bold]model[/] split k={k} up to date ({split_dir})")
             return m
     split_dir.mkdir(parents=True, exist_ok=True)
@@ -205,16 +302,119 @@ def prepare_split(out: Path, hf: Path, k: int, model_id: str) -> SplitManifest:
         dtype="float32",
         shape=model_shape(cfg),
         full_checkpoint=str(Path("..") / "hf"),
-        checkpoint_blake3=file_blake3(hf),
+        checkpoint_blake3=checkpoint_hash,
         head_onnx="head.onnx",
         head_blake3=file_blake3(split_dir / "head.onnx"),
         tail_checkpoint="tail",
         tail_blake3=file_blake3(split_dir / "tail"),
         onnx_opset=ONNX_OPSET,
+        weights_blake3=weights_hash,
+        tokenizer=tokenizer,
     )
     manifest.save(split_dir)
     console.print(f"[bold]model[/] split k={k} ready in {split_dir}")
     return manifest
+
+
+def _tree(root: Path, rel: Path) -> list[tuple[Path, Path]]:
+    """(source, path in the bundle) of every file under ``root`` (a file or a directory), placed at ``rel``."""
+    if root.is_file():
+        return [(root, rel)]
+    return [(f, rel / f.relative_to(root)) for f in sorted(root.rglob("*")) if f.is_file()]
+
+
+def _inside(split: Path, rel: str) -> Path:
+    """``split / rel`` normalised, relative to the model directory.
+
+    Raises:
+        ValueError: it points out of the model directory.
+    """
+    path = Path(os.path.normpath(split / rel))
+    if path.is_absolute() or path.parts[0] == "..":
+        raise ValueError(f"{split}/{MANIFEST_NAME} names {rel!r}, outside the model directory")
+    return path
+
+
+def _place(src: Path, dst: Path) -> None:
+    """Hard-link ``src`` at ``dst``, or copy it where a link cannot be made (another file system)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _bundle_current(bundle: Path, plan: list[tuple[Path, Path]]) -> bool:
+    """Whether ``bundle`` already holds exactly ``plan``'s files as links to the same sources (a bundle
+    of copies, made where links cannot be, is written anew each time)."""
+    try:
+        m = BundleManifest.load(bundle)
+    except (FileNotFoundError, ValueError):
+        return False
+    if {f.path for f in m.files} != {rel.as_posix() for _, rel in plan}:
+        return False
+    return all((bundle / rel).is_file() and os.path.samefile(src, bundle / rel) for src, rel in plan)
+
+
+def _write_bundle(bundle: Path, role: str, plan: list[tuple[Path, Path]], manifests: list[SplitManifest]) -> Path:
+    if _bundle_current(bundle, plan):
+        console.print(f"[bold]model[/] {role} bundle up to date ({bundle})")
+        return bundle
+    tmp = bundle.with_name(bundle.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    files = []
+    for src, rel in plan:
+        _place(src, tmp / rel)
+        files.append(BundleFile(path=rel.as_posix(), size=src.stat().st_size, blake3=blake3_file(tmp / rel)))
+    BundleManifest(
+        role=role,
+        model_id=manifests[0].model_id,
+        compatibility_keys={m.split_layer: m.compatibility_key() for m in manifests},
+        files=tuple(files),
+    ).save(tmp)
+    shutil.rmtree(bundle, ignore_errors=True)
+    tmp.rename(bundle)
+    total = sum(f.size for f in files)
+    console.print(f"[bold]model[/] {role} bundle: {len(files)} files, {total / 1e6:.0f} MB in {bundle}")
+    return bundle
+
+
+def write_bundles(out: Path) -> dict[str, Path]:
+    """Write ``out/bundles/edge`` and ``out/bundles/cloud`` from the prepared model directory ``out``
+    (idempotent). Each has the model directory's layout, holds only its role's files and a
+    ``bundle.json`` (see ``BundleManifest``); the split manifests are the same files in both.
+
+    edge: ``split-k{k}/head.onnx`` and ``manifest.json`` per split, ``tokenizer/``, ``edge-full.onnx``
+    (edge-only generation) if prepared. cloud: ``hf/`` (decode engine), ``split-k{k}/tail/`` and
+    ``manifest.json`` per split.
+
+    Raises:
+        FileNotFoundError: ``out`` has no prepared split.
+        ValueError: a split manifest predates the tokenizer directory (run ``tandem-model`` again).
+    """
+    splits = sorted(out.glob(f"split-k*/{MANIFEST_NAME}"))
+    if not splits:
+        raise FileNotFoundError(f"no prepared split under {out}: run tandem-model first")
+    manifests = sorted((SplitManifest.load(p.parent) for p in splits), key=lambda m: m.split_layer)
+    edge: list[tuple[Path, Path]] = []
+    cloud: list[tuple[Path, Path]] = []
+    for m in manifests:
+        split = Path(f"split-k{m.split_layer}")
+        if not m.tokenizer:
+            raise ValueError(f"{out / split / MANIFEST_NAME} names no tokenizer directory: run tandem-model again")
+        manifest = (out / split / MANIFEST_NAME, split / MANIFEST_NAME)
+        edge += [manifest, *_tree(out / _inside(split, m.head_onnx), _inside(split, m.head_onnx))]
+        cloud += [manifest, *_tree(out / _inside(split, m.tail_checkpoint), _inside(split, m.tail_checkpoint))]
+        for rel, plan in ((_inside(split, m.tokenizer), edge), (_inside(split, m.full_checkpoint), cloud)):
+            if not any(dst == rel or rel in dst.parents for _, dst in plan):
+                plan += _tree(out / rel, rel)
+    if (out / FULL_ONNX).is_file():
+        edge.append((out / FULL_ONNX, Path(FULL_ONNX)))
+    root = out / BUNDLES_DIR
+    return {
+        "edge": _write_bundle(root / "edge", "edge", edge, manifests),
+        "cloud": _write_bundle(root / "cloud", "cloud", cloud, manifests),
+    }
 
 
 @app.command()
@@ -226,8 +426,9 @@ def prepare(
     split_layers: Annotated[str, typer.Option(help="comma-separated split layers k")] = "4",
     model_id: Annotated[str, typer.Option(help="model id recorded in the manifest")] = DEFAULT_MODEL_ID,
     edge_full: Annotated[bool, typer.Option(help="also export the whole model (edge-only baseline)")] = True,
+    bundles: Annotated[bool, typer.Option(help="also write the role bundles OUT/bundles/{edge,cloud}")] = True,
 ) -> None:
-    """Prepare the full checkpoint, ONNX heads and tail checkpoints (idempotent)."""
+    """Prepare the full checkpoint, ONNX heads, tail checkpoints and role bundles (idempotent)."""
     out.mkdir(parents=True, exist_ok=True)
     hf = out / "hf"
     if checkpoint is not None:
@@ -237,13 +438,17 @@ def prepare(
             hf.symlink_to(checkpoint.resolve())
     elif not (hf / "config.json").is_file():
         convert_embedded_gguf(hf)
+    write_tokenizer(hf, out / TOKENIZER_DIR)
+    checkpoint_hash, weights_hash = file_blake3(hf), weights_blake3(hf)
     for k in sorted({int(x) for x in split_layers.split(",") if x.strip()}):
-        prepare_split(out, hf, k, model_id)
+        prepare_split(out, hf, k, model_id, checkpoint_hash, weights_hash)
     if edge_full and not (out / FULL_ONNX).is_file():
         n = json.loads((hf / "config.json").read_text())["num_hidden_layers"]
         with console.status("exporting the whole model to ONNX (edge-only baseline) ..."):
             export_head(hf, out / FULL_ONNX, n, full=True)
         console.print(f"[bold]model[/] edge-only ONNX model written to {out / FULL_ONNX}")
+    if bundles:
+        write_bundles(out)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,27 @@
-"""``tandem-edge``: the edge daemon (ONNX head, sessions, link to the cloud)."""
+"""``tandem-edge``: the edge daemon (ONNX head, sessions, link to the cloud).
+
+Every setting of ``EdgeConfig`` is a flag (``--cloud HOST:PORT``, ``--session-bytes 1GiB``), an
+environment variable (``TANDEM_EDGE_...``) and a key of the TOML file given by ``--config``;
+flags > environment > config file > defaults. ``--version`` prints the version; ``--ready-file PATH``
+writes the bound port once serving. A user error is one line on stderr and exit code 2.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
 
-import typer
+from tandem.common.settings import check_split_dir, parse_command_line, run_cli, setup_observability
 from tandem.edge.config import EdgeConfig
 
-app = typer.Typer(add_completion=False, help="tandem edge daemon.")
+PROG = "tandem-edge"
 
 
-async def serve(cfg: EdgeConfig, ready_file: Path | None) -> None:
+async def serve(cfg: EdgeConfig, ready_file: Path | None, grace_s: float | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then drain: turns in flight get ``grace_s`` (default ``cfg.drain_grace_s``)."""
     from tandem.common.grpcsetup import install_stop_signals
     from tandem.edge.server import create_edge
 
@@ -28,31 +36,30 @@ async def serve(cfg: EdgeConfig, ready_file: Path | None) -> None:
         p.kv_block_size_tokens,
         p.chunk_tokens,
     )
+    if daemon.http_port is not None:
+        logging.getLogger("tandem.edge").info(
+            "OpenAI-compatible API on http://%s:%d/v1", cfg.http_host, daemon.http_port
+        )
     if ready_file:
         ready_file.write_text(str(daemon.port))
     await install_stop_signals().wait()
-    await daemon.stop()
+    await daemon.stop(cfg.drain_grace_s if grace_s is None else grace_s)
 
 
-@app.command()
-def main(
-    split_dir: Annotated[Path, typer.Option(help="split directory with head.onnx and manifest.json")] = Path(
-        "models/smollm2-135m/split-k4"
-    ),
-    cloud: Annotated[str, typer.Option(help="tandem-cloud address host:port")] = "localhost:50051",
-    host: str = "0.0.0.0",
-    port: int = 50061,
-    max_batch: int = 8,
-    ready_file: Annotated[Path | None, typer.Option(help="write the bound port here when serving")] = None,
-) -> None:
-    """Serve the Edge gRPC service for the client SDK."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(
-        serve(
-            EdgeConfig(split_dir=split_dir, cloud_target=cloud, host=host, port=port, max_batch=max_batch), ready_file
-        )
-    )
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the command line (raises ``UserError``), check the split directory, serve."""
+    run = parse_command_line(EdgeConfig, PROG, argv, description=__doc__ or "")
+    cfg = run.settings
+    check_split_dir(cfg.split_dir, ("head_onnx", "tokenizer_path"))
+    setup_observability(cfg)
+    asyncio.run(serve(cfg, run.ready_file, cfg.drain_grace_s))
+    return 0
+
+
+def app(argv: Sequence[str] | None = None) -> int:
+    """The ``tandem-edge`` console script: exit code 0, or 2 on a user error."""
+    return run_cli(PROG, lambda: main(argv))
 
 
 if __name__ == "__main__":
-    app()
+    sys.exit(app())

@@ -1,28 +1,89 @@
-"""The edge daemon's one typed config, built by the entry point and passed down."""
+"""The edge daemon's one typed config, built by the entry point and passed down.
+
+``EdgeConfig`` is a pydantic-settings model: every field is also a ``tandem-edge`` flag
+(``--session-bytes``), an environment variable (``TANDEM_EDGE_SESSION_BYTES``) and a key of the TOML
+config file (``--config FILE`` or ``TANDEM_EDGE_CONFIG``). Precedence: flags > environment > config
+file > defaults (in code: keyword arguments > environment > config file > defaults). See
+``tandem.common.settings`` and the README's "Configuration reference", generated from these fields.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+from tandem.common.settings import Bytes, DaemonSettings, LogFormat, LogLevel, OptionalPort, OptionalStr, Port, mib
+
+DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
 
 
-class EdgeConfig(BaseModel):
-    model_config = ConfigDict(frozen=True)
+class EdgeConfig(DaemonSettings):
+    """``tandem-edge`` configuration."""
 
-    split_dir: Path  # models/<model>/split-k{k}: head.onnx + manifest.json; tokenizer from the full checkpoint
-    cloud_target: str = "localhost:50051"  # host:port of tandem-cloud
-    host: str = "0.0.0.0"
-    port: int = 50061  # 0 = any free port
-    edge_id: str = "tandem-edge"
-    max_batch: int = 8  # rows per ONNX head call
-    intra_op_threads: int = 0  # ONNX Runtime threads; 0 = its default
-    max_sessions: int = 256
-    session_bytes: int = 512 << 20  # head KV + activations kept for sessions, all together; LRU beyond
-    keepalive_time_s: float = 5.0  # HTTP/2 PING to the cloud after this long without one (gRPC keepalive)
-    keepalive_timeout_s: float = 5.0  # no PING ack within this: the link is dead, calls fail UNAVAILABLE
-    turn_timeout_s: float = 300.0  # deadline of one call to the cloud when the client set none
-    rtt_ms: float = 0.0  # measured link, reported in Negotiate
-    goodput_mbps: float = 0.0
-    ttft_slo_ms: float = 1000.0
-    itl_p99_slo_ms: float = 200.0
+    model_config = SettingsConfigDict(
+        env_prefix="TANDEM_EDGE_",
+        cli_shortcuts={"cloud-target": "cloud"},  # `--cloud HOST:PORT`, the flag of earlier versions
+    )
+
+    split_dir: Path = Field(
+        default=DEFAULT_SPLIT_DIR,
+        description="Split directory (`models/<model>/split-k<k>`): head.onnx + manifest.json; tokenizer from the "
+        "full checkpoint.",
+    )
+    cloud_target: str = Field(default="localhost:50051", description="Address of tandem-cloud, `host:port`.")
+    host: str = Field(default="127.0.0.1", description="gRPC bind address; `0.0.0.0` listens on all interfaces.")
+    port: Port = Field(default=50061, description="gRPC port; 0 = any free port (see `--ready-file`).")
+    edge_id: str = Field(default="tandem-edge", description="Name this edge reports in Negotiate.")
+    max_batch: int = Field(default=8, ge=1, description="Rows per ONNX head call.")
+    intra_op_threads: int = Field(default=0, ge=0, description="ONNX Runtime intra-op threads; 0 = its default.")
+    max_sessions: int = Field(default=256, ge=1, description="Multi-turn sessions kept (LRU beyond).")
+    session_bytes: Bytes = Field(
+        default=mib(512), description="Head KV + activations kept for sessions, all together, in bytes (LRU beyond)."
+    )
+    keepalive_time_s: float = Field(
+        default=5.0, gt=0, description="Seconds without a ping before the edge pings the cloud (HTTP/2 keepalive)."
+    )
+    keepalive_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds to wait for a ping's ack; then the link is dead and calls fail UNAVAILABLE.",
+    )
+    turn_timeout_s: float = Field(
+        default=300.0, gt=0, description="Deadline in seconds of one call to the cloud when the client set none."
+    )
+    rtt_ms: float = Field(
+        default=0.0, ge=0, description="Link round-trip time reported in Negotiate, in ms; 0 = unknown."
+    )
+    goodput_mbps: float = Field(
+        default=0.0, ge=0, description="Link goodput reported in Negotiate, in Mbit/s; 0 = unknown."
+    )
+    ttft_slo_ms: float = Field(
+        default=1000.0, gt=0, description="Time-to-first-token objective reported in Negotiate, in ms."
+    )
+    itl_p99_slo_ms: float = Field(
+        default=200.0, gt=0, description="p99 inter-token latency objective reported in Negotiate, in ms."
+    )
+    http_host: str = Field(default="127.0.0.1", description="Bind address of the OpenAI-compatible HTTP API.")
+    http_port: OptionalPort = Field(default=None, description="Port of the OpenAI-compatible HTTP API; `none` = off.")
+    http_api_keys: list[str] = Field(
+        default_factory=list,
+        description="Bearer tokens the HTTP API accepts (any of them); empty = no authentication. Prefer the "
+        'environment (`TANDEM_EDGE_HTTP_API_KEYS=\'["k1","k2"]\'`) or the config file over a flag.',
+    )
+    drain_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="Seconds turns in flight may take to finish after SIGTERM/SIGINT before the stop.",
+    )
+    log_format: LogFormat = Field(default="text", description="Log lines as text or as one JSON object per line.")
+    log_level: LogLevel = Field(default="INFO", description="Least severe level logged: DEBUG, INFO, WARNING, ERROR.")
+    metrics_host: str = Field(default="127.0.0.1", description="Bind address of the Prometheus metrics endpoint.")
+    metrics_port: Port = Field(
+        default=0, description="Port of the Prometheus metrics endpoint (HTTP); 0 = no endpoint."
+    )
+    otel_enabled: bool = Field(default=False, description="Export OpenTelemetry traces.")
+    otel_endpoint: OptionalStr = Field(
+        default=None,
+        description="OTLP endpoint of the trace exporter; `none` = the exporter's default (`OTEL_*` variables).",
+    )

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 from tandem.common.errors import InvalidRequest
-from tandem.common.head_model import io_names
+from tandem.common.head_io import io_names
 from tandem.common.manifest import SplitManifest
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tandem.common.head_model import io_names
+from tandem.common.head_io import io_names
 from tandem.common.manifest import ModelShape
 
 

@@ -12,12 +12,14 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tandem.common.errors import EngineError, TandemError
 from tandem.common.grpc_errors import abort
 from tandem.common.grpcsetup import set_health, start_server
+from tandem.common.logs import new_request_id, set_ids
 from tandem.common.manifest import SplitManifest
 from tandem.common.params import MAX_STOP_TOKENS, NegotiateOffer
 from tandem.edge.batcher import HeadBatcher
@@ -45,6 +47,7 @@ class EdgeServicer(pb_grpc.EdgeServicer):
         self.draining = False  # set on SIGTERM: new turns are refused, turns in flight finish
 
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ChatEvent]:
+        set_ids(new_request_id(), request.session_id)  # this call's own task; EdgeService.chat takes the id
         try:
             if self.draining:
                 raise EngineError("this edge is draining (shutting down); retry on another")
@@ -93,6 +96,11 @@ class EdgeDaemon:
     link: GrpcCloudLink
     health: health.aio.HealthServicer
     health_task: asyncio.Task
+    http: tuple[Any, asyncio.Task, int] | None = None  # OpenAI-compatible API: (uvicorn server, task, port)
+
+    @property
+    def http_port(self) -> int | None:
+        return None if self.http is None else self.http[2]
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Drain: NOT_SERVING first, refuse new turns (UNAVAILABLE), let turns in flight finish for up
@@ -100,6 +108,10 @@ class EdgeDaemon:
         self.health_task.cancel()
         await set_health(self.health, False, ["", EDGE_SERVICE])
         self.servicer.draining = True
+        if self.http is not None:
+            from tandem.edge.openai_api import stop_openai
+
+            await stop_openai(self.http[0], self.http[1], grace_s)
         await self.server.stop(grace_s)
         await self.service.batcher.stop()
         await self.link.close()
@@ -116,7 +128,7 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
 
     manifest = SplitManifest.load(cfg.split_dir)
     head = OnnxHead(cfg.split_dir, intra_op_threads=cfg.intra_op_threads)
-    tokenizer = AutoTokenizer.from_pretrained(manifest.resolve(cfg.split_dir, manifest.full_checkpoint))
+    tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_dir(cfg.split_dir))
     link = GrpcCloudLink(cfg.cloud_target, cfg.keepalive_time_s, cfg.keepalive_timeout_s)
     offer = NegotiateOffer(
         cfg.edge_id,
@@ -143,4 +155,10 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
         MAX_MESSAGE_BYTES,
     )
     task = asyncio.create_task(follow_cloud_health(link.channel, hs))
-    return EdgeDaemon(server, port, service, servicer, link, hs, task)
+    daemon = EdgeDaemon(server, port, service, servicer, link, hs, task)
+    if cfg.http_port is not None:
+        from tandem.edge.openai_api import create_openai_app, serve_openai
+
+        app = create_openai_app(service, manifest.model_id, cfg.http_api_keys)
+        daemon.http = await serve_openai(app, cfg.http_host, cfg.http_port)
+    return daemon

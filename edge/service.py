@@ -10,18 +10,21 @@ adapts it, ``edge.grpc_link`` carries it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
-from tandem.common import merkle, wire
+from tandem.common import merkle, metrics, wire
 from tandem.common.chat import prompt_token_ids
 from tandem.common.errors import DeadlineExceeded, InvalidRequest, SessionOutOfSync
 from tandem.common.kvblocks import LayerRange, block_hashes, request_seed, split_blocks
+from tandem.common.logs import bind_request, current_request_id, new_request_id, turn_log
 from tandem.common.messages import KVBlock, TokensOut, TurnFinal, TurnHeader, UploadAck
 from tandem.common.params import LinkParams
+from tandem.common.tracing import span, traced
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.detok import TextStream
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
@@ -32,17 +35,28 @@ from tandem.edge.uplink import OutgoingTurn, stream_turn
 
 from tandem.stages import Stage, Timings
 
+log = logging.getLogger("tandem.edge")
+
 
 @dataclass
 class TurnClock:
-    """Stage timings of one turn, from its start."""
+    """One turn's request id (sent to the cloud, on every log line), stage timings from its
+    start, and when tokens arrived."""
 
     t_start: float = field(default_factory=time.perf_counter)
     timings: Timings = field(default_factory=dict)
     acked: bool = False  # the cloud verified this turn's upload (its session moved on)
+    request_id: str = field(default_factory=new_request_id)
+    token_times: list[float] = field(default_factory=list)  # perf_counter at each arrival of tokens
 
     def since(self, stage: Stage, t0: float | None = None) -> None:
         self.timings[stage] = (time.perf_counter() - (self.t_start if t0 is None else t0)) * 1e3
+
+    def tokens_arrived(self) -> None:
+        """New output tokens arrived (the first ones set the time to first token)."""
+        self.token_times.append(time.perf_counter())
+        if len(self.token_times) == 1:
+            self.since(Stage.TTFT)
 
 
 async def _acquire(lock: asyncio.Lock, timeout_s: float, session_id: str) -> None:
@@ -72,7 +86,10 @@ class EdgeService:
         self.sessions = sessions
         self.model_key = compatibility_key
         self.turn_timeout_s = turn_timeout_s
+        self._inflight: set[str] = set()  # request ids of the turns in flight
+        metrics.watch_edge_sessions(sessions)
 
+    @traced("tokenize")
     def tokenize(self, turn: ChatTurn) -> list[int]:
         """Prompt token ids. Raises InvalidRequest for an empty or too long prompt."""
         if turn.messages and turn.prompt:
@@ -86,13 +103,48 @@ class EdgeService:
     async def chat(self, turn: ChatTurn, timeout_s: float | None = None) -> AsyncIterator[TextOut | TurnDone]:
         """Run one turn within ``timeout_s`` (default ``turn_timeout_s``); yields text deltas then a
         ``TurnDone``. A turn that fails before the cloud acknowledged its upload leaves the session
-        as it was before the turn.
+        as it was before the turn. Its request id (``_turn_id``) is on every log line of the turn; its
+        metrics and spans are recorded (``common.metrics``, ``common.tracing``).
 
         Raises:
             InvalidRequest: bad prompt or sampling parameters.
             TandemError: the cloud's verdict, EngineError (cloud unreachable), DeadlineExceeded.
         """
         clock = TurnClock()
+        mode = "split" if self.params.split_layer > 0 and not turn.direct else "direct"
+        with (
+            self._turn_id(clock) as rid,
+            bind_request(rid, turn.session_id),
+            turn_log(log, mode) as done_fields,
+            metrics.edge_turn(mode, clock) as counts,
+            span("edge_turn", mode=mode, request_id=rid, session_id=turn.session_id),
+        ):
+            async for ev in self._chat(turn, clock, timeout_s):
+                if isinstance(ev, TurnDone):
+                    counts.update(
+                        prompt_tokens=ev.prompt_tokens, output_tokens=ev.output_tokens, head_tokens=ev.head_tokens
+                    )
+                    done_fields.update(counts, finish=ev.finish_reason, ttft_ms=round(ev.timings.get(Stage.TTFT, 0), 1))
+                yield ev
+
+    @contextlib.contextmanager
+    def _turn_id(self, clock: TurnClock) -> Iterator[str]:
+        """Give the turn (``clock.request_id``) the request id its caller bound (a servicer binds one
+        per call) unless it is not a short ASCII id or a turn in flight has it; else a new one."""
+        rid = current_request_id()
+        if not (0 < len(rid) <= 64 and rid.isascii()) or rid in self._inflight:
+            rid = new_request_id()
+        clock.request_id = rid
+        self._inflight.add(rid)
+        try:
+            yield rid
+        finally:
+            self._inflight.discard(rid)
+
+    async def _chat(
+        self, turn: ChatTurn, clock: TurnClock, timeout_s: float | None
+    ) -> AsyncIterator[TextOut | TurnDone]:
+        """The turn itself (``chat`` adds its request id, logs, metrics and span)."""
         timeout_s = self.turn_timeout_s if timeout_s is None else min(timeout_s, self.turn_timeout_s)
         ids = await asyncio.to_thread(self.tokenize, turn)  # long prompts must not stall other requests
         clock.since(Stage.TOKENIZE)
@@ -136,7 +188,10 @@ class EdgeService:
             except SessionOutOfSync:
                 if attempt:
                     raise
+                log.info("the cloud does not hold this session's state: resending from token 0")
+                metrics.record_session_resync()
 
+    @traced("edge_head")
     async def _run_head(self, s: EdgeSession, ids: list[int], clock: TurnClock) -> int:
         """Run the head over the tokens past the session's common prefix; updates ``s``."""
         t0 = time.perf_counter()
@@ -151,13 +206,14 @@ class EdgeService:
         clock.since(Stage.EDGE_HEAD, t0)
         return len(ids) - c
 
+    @traced("encode")
     def _build_turn(
         self, s: EdgeSession, ids: list[int], turn: ChatTurn, split: bool, clock: TurnClock, resend_all: bool
     ) -> OutgoingTurn:
         """Frame what the cloud lacks: activations past ``cloud_tokens``, blocks past its leaves."""
         t0 = time.perf_counter()
         p = self.params
-        rid = uuid.uuid4().hex
+        rid = clock.request_id
         if not split:
             header = TurnHeader(rid, "", p.params_version, 0, tuple(ids), 0, 0, 0, turn.sampling)
             return OutgoingTurn(header, [], {}, 0, b"")
@@ -209,8 +265,7 @@ class EdgeService:
                 clock.timings[Stage.UPLINK] = out.upload_ms
                 clock.acked = True
             elif isinstance(ev, TokensOut):
-                if not text.token_ids:
-                    clock.since(Stage.TTFT)
+                clock.tokens_arrived()
                 delta = text.feed(ev.token_ids)
                 if delta:
                     yield TextOut(delta, ev.token_ids)

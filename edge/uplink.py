@@ -9,14 +9,18 @@ the verdict is raised, so a refusal arrives as the cloud meant it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tandem.common import wire
+from tandem.common import metrics, wire
 from tandem.common.errors import InvalidRequest
 from tandem.common.messages import Commit, DownEvent, KVBlock, Nack, Repair, TokensOut, TurnFinal, TurnHeader, UploadAck
+from tandem.common.tracing import start_span
 from tandem.edge.link import CloudLink, TurnCall
+
+log = logging.getLogger("tandem.edge")
 
 
 @dataclass
@@ -55,6 +59,7 @@ def _answer_nack(call: TurnCall, turn: OutgoingTurn, nack: Nack) -> None:
     if not 0 <= nack.seq < len(turn.chunks):
         raise InvalidRequest(f"cloud NACKed chunk {nack.seq}; this turn sent {len(turn.chunks)}")
     turn.resent_chunks += 1
+    log.info("cloud NACKed chunk %d (%.100s): sending it again", nack.seq, nack.reason)
     turn.sent_bytes["activations"] += call.send(turn.chunks[nack.seq])
 
 
@@ -63,6 +68,7 @@ def _answer_repair(call: TurnCall, turn: OutgoingTurn, repair: Repair) -> None:
     unknown = [j for j in repair.leaf_indices if j not in turn.blocks]
     if unknown:
         raise InvalidRequest(f"cloud asked to repair KV blocks {unknown[:8]} this turn did not send")
+    log.info("cloud asked for %d KV blocks again (%.100s)", len(repair.leaf_indices), repair.reason)
     for j in repair.leaf_indices:
         turn.repaired_blocks += 1
         turn.sent_bytes["kv"] += call.send(turn.blocks[j])
@@ -80,6 +86,7 @@ async def stream_turn(
     """
     call = link.open(timeout_s)
     t0 = time.perf_counter()
+    uplink = start_span("uplink")  # until the cloud verified the upload
     try:
         _send_upload(call, turn)
         ev: DownEvent
@@ -91,7 +98,10 @@ async def stream_turn(
             elif isinstance(ev, UploadAck | TokensOut | TurnFinal):
                 if isinstance(ev, UploadAck):
                     turn.upload_ms = (time.perf_counter() - t0) * 1e3
+                    uplink.end()
                     call.close_send()
                 yield ev
     finally:
+        uplink.end()
         call.cancel()
+        metrics.record_uplink(turn.sent_bytes, turn.resent_chunks, turn.repaired_blocks)

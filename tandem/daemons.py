@@ -30,6 +30,10 @@ def console_script(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
+# Daemons started from here drain briefly, so that drain + engine shutdown stay well inside the SIGKILL grace.
+DRAIN_GRACE_S = 5.0
+
+
 def cloud_command(
     split_dir: Arg, store_dir: Arg, *, host: str = "127.0.0.1", port: int = 0, extra: Sequence[Arg] = ()
 ) -> list[Arg]:
@@ -37,6 +41,7 @@ def cloud_command(
     return [
         console_script("tandem-cloud"),
         *("--split-dir", split_dir, "--store-dir", store_dir, "--host", host, "--port", str(port)),
+        *("--drain-grace-s", str(DRAIN_GRACE_S)),
         *extra,
     ]
 
@@ -48,6 +53,7 @@ def edge_command(
     return [
         console_script("tandem-edge"),
         *("--split-dir", split_dir, "--cloud", cloud, "--host", host, "--port", str(port)),
+        *("--drain-grace-s", str(DRAIN_GRACE_S)),
         *extra,
     ]
 

@@ -40,4 +40,4 @@ def hf_model(manifest, split_dir):
 def tokenizer(manifest, split_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(manifest.resolve(split_dir, manifest.full_checkpoint))
+    return AutoTokenizer.from_pretrained(manifest.tokenizer_dir(split_dir))

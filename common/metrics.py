@@ -1,0 +1,393 @@
+"""Prometheus metrics of both daemons, named in vLLM's style (``vllm:time_to_first_token_seconds``)
+with a ``tandem:`` prefix: latencies in seconds with vLLM's buckets, counters exported with
+``_total``. Labels are bounded (mode, outcome, kind, reason), never request or session ids.
+
+Edge (``EdgeService``): ``tandem:time_to_first_token_seconds{mode}``,
+``tandem:inter_token_latency_seconds{mode}`` (one sample per arrival of new tokens, as vLLM),
+``tandem:e2e_request_latency_seconds{mode}``, ``tandem:edge_head_seconds``,
+``tandem:uplink_seconds`` (send until the cloud verified the upload),
+``tandem:requests_total{mode,outcome}`` (outcome "ok", the domain error's class name,
+"cancelled" or "internal"), ``tandem:prompt_tokens_total{mode}``,
+``tandem:generation_tokens_total{mode}``, ``tandem:edge_head_tokens_total``,
+``tandem:uplink_bytes_total{kind=activations|kv|header}`` (resends included),
+``tandem:chunk_resends_total``, ``tandem:kv_block_repairs_total``,
+``tandem:session_resyncs_total`` (resends from token 0), gauges ``tandem:sessions`` and
+``tandem:session_bytes``.
+
+Cloud (``Gateway``): ``tandem:cloud_queue_time_seconds{mode}`` (header to the first engine
+request: upload, store put and session commit in split mode), ``tandem:cloud_store_put_seconds``,
+``tandem:cloud_tail_prefill_seconds``, ``tandem:cloud_decode_first_token_seconds{mode}``,
+``tandem:cloud_decode_seconds{mode}``, ``tandem:cloud_requests_total{mode,outcome}``,
+``tandem:upload_rejections_total{reason}`` (turns refused before any engine ran, by error
+class), ``tandem:received_bytes_total{kind=activations|kv}``, ``tandem:crc_failures_total``
+(chunks NACKed: CRC32C mismatch or payload not decodable), ``tandem:kv_block_repair_requests_total``
+(KV blocks asked again), ``tandem:engine_restarts_total``, gauges ``tandem:uploads_in_flight``,
+``tandem:upload_bytes_reserved``, ``tandem:cloud_sessions``, ``tandem:cloud_session_bytes``,
+``tandem:block_store_bytes``.
+
+The metric objects are module globals, created once per process and put in the default
+registry by the first ``EdgeService`` or ``Gateway`` (``watch_*``), so each daemon exports only
+its own; the gauges read that daemon's state at scrape time (the latest one ``watch_*``-ed).
+``start_metrics_server`` serves the default registry, so in the cloud vLLM's own ``vllm:``
+metrics (registered in-process by ``AsyncLLM`` when its stats are on) come out of the same port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from tandem.common.logs import outcome_of
+
+from tandem.stages import Stage
+
+# vLLM's bucket families (vllm/v1/metrics/buckets.py), copied: the edge does not install vLLM.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+_BY_ROLE: dict[str, list[Any]] = {"edge": [], "cloud": []}
+
+
+def _metric(role: str, kind: type, name: str, doc: str, labels: Sequence[str] = (), **kw: Any) -> Any:
+    """A metric of ``role`` ("edge" or "cloud"), put in the default registry by ``register(role)``."""
+    metric = kind(name, doc, labels, registry=None, **kw)
+    _BY_ROLE[role].append(metric)
+    return metric
+
+
+def _histogram(role: str, name: str, doc: str, buckets: Sequence[float], labels: Sequence[str] = ()) -> Histogram:
+    return _metric(role, Histogram, name, doc, labels, buckets=buckets)
+
+
+# ------------------------------------------------------------------ edge
+
+TTFT = _histogram(
+    "edge",
+    "tandem:time_to_first_token_seconds",
+    "Time to first token at the edge (tokenize, head, uplink, cloud's tail prefill), in seconds.",
+    TTFT_BUCKETS,
+    ["mode"],
+)
+ITL = _histogram(
+    "edge",
+    "tandem:inter_token_latency_seconds",
+    "Time between arrivals of new output tokens at the edge, in seconds.",
+    ITL_BUCKETS,
+    ["mode"],
+)
+E2E = _histogram(
+    "edge",
+    "tandem:e2e_request_latency_seconds",
+    "Edge turn latency, start to the final event, of turns that completed, in seconds.",
+    REQUEST_LATENCY_BUCKETS,
+    ["mode"],
+)
+EDGE_HEAD = _histogram(
+    "edge", "tandem:edge_head_seconds", "ONNX head over a turn's new tokens, in seconds.", TTFT_BUCKETS
+)
+UPLINK_TIME = _histogram(
+    "edge", "tandem:uplink_seconds", "Sending a split upload until the cloud verified it, in seconds.", TTFT_BUCKETS
+)
+REQUESTS = _metric("edge", Counter, "tandem:requests", "Edge turns by mode and outcome.", ["mode", "outcome"])
+PROMPT_TOKENS = _metric("edge", Counter, "tandem:prompt_tokens", "Prompt tokens of completed edge turns.", ["mode"])
+GENERATION_TOKENS = _metric(
+    "edge", Counter, "tandem:generation_tokens", "Output tokens of completed edge turns.", ["mode"]
+)
+HEAD_TOKENS = _metric("edge", Counter, "tandem:edge_head_tokens", "Tokens run through the edge's head.")
+UPLINK_BYTES = _metric("edge", Counter, "tandem:uplink_bytes", "Bytes sent to the cloud, resends included.", ["kind"])
+CHUNK_RESENDS = _metric("edge", Counter, "tandem:chunk_resends", "Activation chunks sent again after a NACK.")
+KV_REPAIRS = _metric("edge", Counter, "tandem:kv_block_repairs", "KV blocks sent again on the cloud's request.")
+SESSION_RESYNCS = _metric(
+    "edge", Counter, "tandem:session_resyncs", "Turns resent from token 0 because the cloud lost the session."
+)
+SESSIONS = _metric("edge", Gauge, "tandem:sessions", "Chat sessions the edge holds.")
+SESSION_BYTES = _metric("edge", Gauge, "tandem:session_bytes", "Head KV and activation bytes of the edge's sessions.")
+
+# ------------------------------------------------------------------ cloud
+
+CLOUD_QUEUE = _histogram(
+    "cloud",
+    "tandem:cloud_queue_time_seconds",
+    "Header to the turn's first engine request (split: upload, store put, session commit), in seconds.",
+    TTFT_BUCKETS,
+    ["mode"],
+)
+CLOUD_STORE_PUT = _histogram(
+    "cloud", "tandem:cloud_store_put_seconds", "Putting a turn's head KV blocks in the store, in seconds.", TTFT_BUCKETS
+)
+CLOUD_TAIL = _histogram(
+    "cloud", "tandem:cloud_tail_prefill_seconds", "Tail prefill and first token (vLLM), in seconds.", TTFT_BUCKETS
+)
+CLOUD_DECODE_FIRST = _histogram(
+    "cloud",
+    "tandem:cloud_decode_first_token_seconds",
+    "Decode engine: request to its first step (KV handoff in split mode), in seconds.",
+    TTFT_BUCKETS,
+    ["mode"],
+)
+CLOUD_DECODE = _histogram(
+    "cloud",
+    "tandem:cloud_decode_seconds",
+    "Decode engine, whole stream, in seconds.",
+    REQUEST_LATENCY_BUCKETS,
+    ["mode"],
+)
+CLOUD_REQUESTS = _metric(
+    "cloud", Counter, "tandem:cloud_requests", "Cloud turns by mode and outcome.", ["mode", "outcome"]
+)
+UPLOAD_REJECTIONS = _metric(
+    "cloud", Counter, "tandem:upload_rejections", "Turns refused before any engine ran, by domain error.", ["reason"]
+)
+RECEIVED_BYTES = _metric(
+    "cloud", Counter, "tandem:received_bytes", "Upload payload bytes received, resends included.", ["kind"]
+)
+CRC_FAILURES = _metric(
+    "cloud", Counter, "tandem:crc_failures", "Activation chunks NACKed (CRC32C mismatch or payload not decodable)."
+)
+REPAIR_REQUESTS = _metric("cloud", Counter, "tandem:kv_block_repair_requests", "KV blocks the cloud asked for again.")
+ENGINE_RESTARTS = _metric("cloud", Counter, "tandem:engine_restarts", "vLLM engine restarts after an engine died.")
+UPLOADS_IN_FLIGHT = _metric("cloud", Gauge, "tandem:uploads_in_flight", "Split uploads holding upload budget.")
+UPLOAD_BYTES_RESERVED = _metric(
+    "cloud", Gauge, "tandem:upload_bytes_reserved", "Upload budget bytes reserved by uploads in flight."
+)
+CLOUD_SESSIONS = _metric("cloud", Gauge, "tandem:cloud_sessions", "Sessions the cloud holds.")
+CLOUD_SESSION_BYTES = _metric(
+    "cloud", Gauge, "tandem:cloud_session_bytes", "Bytes the cloud's sessions hold (activations, leaves)."
+)
+BLOCK_STORE_BYTES = _metric(
+    "cloud", Gauge, "tandem:block_store_bytes", "Bytes in the KV block store (NaN when it cannot tell)."
+)
+
+
+def register(role: str) -> None:
+    """Put the metrics of ``role`` ("edge" or "cloud") in the default registry (idempotent), so
+    each daemon exports its own only; ``EdgeService`` and ``Gateway`` call it."""
+    for m in _BY_ROLE[role]:
+        with contextlib.suppress(ValueError):  # registered already
+            REGISTRY.register(m)
+
+
+def start_metrics_server(host: str, port: int) -> int:
+    """Serve the default registry at ``http://host:port/metrics`` from a daemon thread; port 0 =
+    any free one. Returns the bound port.
+
+    Raises:
+        OSError: the port could not be bound.
+    """
+    server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
+    return int(server.server_port)
+
+
+# ------------------------------------------------------------------ scrape-time gauges
+
+
+def _reader(obj: Any, read: Callable[[Any], float]) -> Callable[[], float]:
+    """``read(obj)`` at scrape time; NaN once ``obj`` is gone or while it is being changed
+    (the scrape runs on the server's thread, the state on the event loop)."""
+    ref = weakref.ref(obj)
+
+    def value() -> float:
+        o = ref()
+        if o is None:
+            return math.nan
+        try:
+            return float(read(o))
+        except (RuntimeError, AttributeError):
+            return math.nan
+
+    return value
+
+
+def watch_edge_sessions(sessions: Any) -> None:
+    """Export the edge's metrics; report ``sessions`` (an ``EdgeSessions``) in its session gauges."""
+    register("edge")
+    SESSIONS.set_function(_reader(sessions, len))
+    SESSION_BYTES.set_function(_reader(sessions, lambda s: s.nbytes()))
+
+
+def watch_cloud(sessions: Any, budget: Any, store: Any) -> None:
+    """Export the cloud's metrics; report a gateway's sessions, upload budget and block store in its gauges."""
+    register("cloud")
+    UPLOADS_IN_FLIGHT.set_function(_reader(budget, lambda b: b.uploads))
+    UPLOAD_BYTES_RESERVED.set_function(_reader(budget, lambda b: b.nbytes))
+    CLOUD_SESSIONS.set_function(_reader(sessions, len))
+    CLOUD_SESSION_BYTES.set_function(_reader(sessions, lambda s: s.nbytes()))
+    BLOCK_STORE_BYTES.set_function(_reader(store, lambda s: s.volume_bytes()))
+
+
+# ------------------------------------------------------------------ events
+
+
+def record_uplink(sent_bytes: Mapping[str, int], resent_chunks: int, repaired_blocks: int) -> None:
+    """One Generate call's sending, at its end (failed calls too: the bytes went out)."""
+    for kind, n in sent_bytes.items():
+        if n:
+            UPLINK_BYTES.labels(kind).inc(n)
+    if resent_chunks:
+        CHUNK_RESENDS.inc(resent_chunks)
+    if repaired_blocks:
+        KV_REPAIRS.inc(repaired_blocks)
+
+
+def record_session_resync() -> None:
+    SESSION_RESYNCS.inc()
+
+
+def record_received(received_bytes: Mapping[str, int], crc_failures: int) -> None:
+    """One upload's receiving, at its end (refused uploads too)."""
+    for kind, n in received_bytes.items():
+        if n:
+            RECEIVED_BYTES.labels(kind).inc(n)
+    if crc_failures:
+        CRC_FAILURES.inc(crc_failures)
+
+
+def record_repair_request(blocks: int) -> None:
+    REPAIR_REQUESTS.inc(blocks)
+
+
+def record_engine_restart() -> None:
+    ENGINE_RESTARTS.inc()
+
+
+class EdgeTurnTimes(Protocol):
+    @property
+    def t_start(self) -> float: ...  # perf_counter at the turn's start
+
+    @property
+    def token_times(self) -> Sequence[float]: ...  # perf_counter at each arrival of new tokens
+
+    @property
+    def timings(self) -> Mapping[Stage, float]: ...  # stage -> ms
+
+
+class CloudTurnTimes(Protocol):
+    @property
+    def t_start(self) -> float: ...
+
+    @property
+    def t_engine(self) -> float | None: ...  # perf_counter at the first engine request, None if none ran
+
+    @property
+    def timings(self) -> Mapping[Stage, float]: ...
+
+
+def _seconds(timings: Mapping[Stage, float], stage: Stage) -> float | None:
+    ms = timings.get(stage)
+    return None if ms is None else ms / 1e3
+
+
+def _observe(h: Any, value: float | None) -> None:
+    if value is not None:
+        h.observe(value)
+
+
+def _token_latencies(mode: str, t_start: float, token_times: Sequence[float]) -> None:
+    if token_times:
+        TTFT.labels(mode).observe(token_times[0] - t_start)
+    itl = ITL.labels(mode)
+    for a, b in zip(token_times, token_times[1:], strict=False):
+        itl.observe(b - a)
+
+
+@contextlib.contextmanager
+def edge_turn(mode: str, clock: EdgeTurnTimes) -> Iterator[dict[str, int]]:
+    """Record one edge turn's metrics when the ``with`` block ends, however it ends. The block puts
+    ``prompt_tokens``, ``output_tokens`` and ``head_tokens`` in the yielded dict when it completes."""
+    counts: dict[str, int] = {}
+    exc: BaseException | None = None
+    try:
+        yield counts
+    except BaseException as e:
+        exc = e
+        raise
+    finally:
+        outcome = outcome_of(exc)
+        REQUESTS.labels(mode, outcome).inc()
+        _token_latencies(mode, clock.t_start, clock.token_times)
+        _observe(EDGE_HEAD, _seconds(clock.timings, Stage.EDGE_HEAD))
+        _observe(UPLINK_TIME, _seconds(clock.timings, Stage.UPLINK))
+        if outcome == "ok":
+            E2E.labels(mode).observe(time.perf_counter() - clock.t_start)
+            PROMPT_TOKENS.labels(mode).inc(counts.get("prompt_tokens", 0))
+            GENERATION_TOKENS.labels(mode).inc(counts.get("output_tokens", 0))
+        if counts.get("head_tokens"):
+            HEAD_TOKENS.inc(counts["head_tokens"])
+
+
+@contextlib.contextmanager
+def cloud_turn(mode: str, turn: CloudTurnTimes) -> Iterator[None]:
+    """Record one cloud turn's metrics when the ``with`` block ends, however it ends."""
+    exc: BaseException | None = None
+    try:
+        yield
+    except BaseException as e:
+        exc = e
+        raise
+    finally:
+        outcome = outcome_of(exc)
+        CLOUD_REQUESTS.labels(mode, outcome).inc()
+        if turn.t_engine is None:
+            if outcome not in ("ok", "cancelled", "internal"):
+                UPLOAD_REJECTIONS.labels(outcome).inc()
+        else:
+            CLOUD_QUEUE.labels(mode).observe(turn.t_engine - turn.t_start)
+        t = turn.timings
+        _observe(CLOUD_STORE_PUT, _seconds(t, Stage.CLOUD_STORE_PUT))
+        _observe(CLOUD_TAIL, _seconds(t, Stage.CLOUD_TAIL_PREFILL))
+        _observe(CLOUD_DECODE_FIRST.labels(mode), _seconds(t, Stage.CLOUD_DECODE_FIRST_TOKEN))
+        _observe(CLOUD_DECODE.labels(mode), _seconds(t, Stage.CLOUD_DECODE))
+
+
+# ------------------------------------------------------------------ vLLM's own metrics
+
+_VLLM_SHARED: dict[str, Any] = {}
+
+
+def _shared_metric(cls: Any) -> Any:
+    """A stand-in for a prometheus_client metric class that creates each metric name once per
+    process and returns that one again (re-registered if vLLM unregistered it meanwhile)."""
+
+    class Shared:
+        def __new__(cls_, *args: Any, **kw: Any) -> Any:
+            name = kw["name"] if "name" in kw else args[0]
+            metric = _VLLM_SHARED.get(name)
+            if metric is None:
+                metric = _VLLM_SHARED[name] = cls(*args, **kw)
+            else:
+                with contextlib.suppress(ValueError):  # still registered
+                    REGISTRY.register(metric)
+            return metric
+
+    Shared.__name__ = f"Shared{cls.__name__}"
+    return Shared
+
+
+def vllm_stat_loggers() -> list[Any]:
+    """Stat logger factories for ``AsyncLLM.from_engine_args(..., stat_loggers=...)`` so that every
+    engine of this process exports its ``vllm:`` metrics, told apart by their ``model_name`` label
+    (the engine's checkpoint). vLLM's own ``PrometheusStatLogger`` unregisters every ``vllm:``
+    collector when an engine starts, so of the tail and decode engines only the one started last
+    would be seen. With this list and ``disable_log_stats=True`` vLLM logs no periodic stats."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    class SharedPrometheusStatLogger(PrometheusStatLogger):
+        _gauge_cls = _shared_metric(Gauge)
+        _counter_cls = _shared_metric(Counter)
+        _histogram_cls = _shared_metric(Histogram)
+
+    return [SharedPrometheusStatLogger]

@@ -1,0 +1,575 @@
+"""Settings of the daemons: sources and their precedence, the command-line runner, the reference generator.
+
+``tandem-cloud`` and ``tandem-edge`` each read one typed, frozen pydantic-settings model
+(``tandem.cloud.config.CloudConfig``, ``tandem.edge.config.EdgeConfig``). Every setting can be set
+four ways; the first in this list that sets it wins:
+
+1. a command-line flag (``--store-bytes 8GiB``; nested ``--engine.max-num-seqs 4``),
+2. an environment variable, ``TANDEM_CLOUD_`` / ``TANDEM_EDGE_`` + the name in capitals, nested
+   settings joined with ``__`` (``TANDEM_CLOUD_ENGINE__MAX_NUM_SEQS=4``),
+3. the TOML config file named by ``--config FILE`` or, without the flag, by ``TANDEM_CLOUD_CONFIG`` /
+   ``TANDEM_EDGE_CONFIG`` (keys are the field names; nested settings in a table, ``[engine]``),
+4. the default in the model.
+
+Built in code (``CloudConfig(port=0, ...)``, as the tests do), keyword arguments take the place of
+flags: keyword > environment > config file > default.
+
+Sizes (fields ending ``_bytes``) are ``pydantic.ByteSize``: an int, or a number with a unit
+(``512MiB``, ``4GiB``; ``KB``/``MB``/``GB`` are powers of 1000); durations end in ``_s`` or ``_ms``.
+
+``parse_command_line`` builds the flags from the model with pydantic-settings' ``CliSettingsSource``
+on an argparse parser that also has ``--version``, ``--config`` and ``--ready-file``; ``run_cli``
+turns every user error (bad value, unknown flag or key, missing or malformed config file, a split
+directory without a manifest) into one line on stderr, ``PROG: error: ...``, and exit code 2.
+
+``python -m tandem.common.settings --markdown`` prints the configuration reference (README section
+"Configuration reference") from the models; ``--update-readme [PATH]`` rewrites that section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import sys
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Generic, Literal, NoReturn, TypeVar
+
+from pydantic import BaseModel, BeforeValidator, ByteSize, Field, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
+)
+
+README_START = "<!-- config-reference:start -->"
+README_END = "<!-- config-reference:end -->"
+
+
+class UserError(Exception):
+    """A mistake in what the user gave (flags, environment, config file, paths): one line, exit code 2."""
+
+
+class ConfigFileError(UserError):
+    """The config file is missing, unreadable or not valid TOML."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared field types
+
+
+def gib(n: int) -> ByteSize:
+    return ByteSize(n << 30)
+
+
+def mib(n: int) -> ByteSize:
+    return ByteSize(n << 20)
+
+
+def enum_by_name(enum_cls: type[enum.Enum]) -> BeforeValidator:
+    """Accept an enum member by its name in any case (``fp16``, ``FP16``) besides its value."""
+
+    def parse(v: Any) -> Any:
+        if isinstance(v, str) and not isinstance(v, enum.Enum):
+            by_name = {m.name.lower(): m for m in enum_cls}
+            if v.strip().lower() in by_name:
+                return by_name[v.strip().lower()]
+        return v
+
+    return BeforeValidator(parse)
+
+
+def _log_level(v: Any) -> Any:
+    if isinstance(v, str):
+        name = v.strip().upper()
+        if name not in {"CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"}:
+            raise ValueError("log level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+        return name
+    return v
+
+
+def _none_str(v: Any) -> Any:
+    return None if isinstance(v, str) and v.strip().lower() in ("", "none") else v
+
+
+Bytes = Annotated[ByteSize, Field(ge=0)]
+Port = Annotated[int, Field(ge=0, le=65535)]
+# optional settings: `none` (any case) or an empty string clears them, from every source
+OptionalPort = Annotated[Port | None, BeforeValidator(_none_str)]
+OptionalStr = Annotated[str | None, BeforeValidator(_none_str)]
+LogFormat = Literal["text", "json"]
+LogLevel = Annotated[str, BeforeValidator(_log_level)]
+
+
+class DaemonSettings(BaseSettings):
+    """Base of the daemons' settings: frozen, unknown keys refused, sources in the documented order.
+
+    Subclasses set ``env_prefix`` (``TANDEM_CLOUD_``); the config file's variable is that prefix + ``CONFIG``.
+    """
+
+    model_config = SettingsConfigDict(
+        frozen=True,
+        extra="forbid",
+        validate_default=True,
+        env_nested_delimiter="__",
+        case_sensitive=False,
+        # read by CliSettingsSource (parse_command_line) and by the reference generator
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_avoid_json=True,
+        cli_parse_none_str="none",
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The CLI source, when there is one, is put in front of these by pydantic-settings.
+        return init_settings, env_settings, TomlFileSource(settings_cls, config_file(settings_cls))
+
+
+# The config file chosen by ``--config`` while ``parse_command_line`` builds the settings.
+_CONFIG_FILE: ContextVar[Path | None] = ContextVar("tandem_config_file", default=None)
+
+
+def config_env_var(settings_cls: type[BaseSettings]) -> str:
+    """``TANDEM_CLOUD_CONFIG``: the variable naming ``settings_cls``'s config file."""
+    return f"{settings_cls.model_config.get('env_prefix', '')}CONFIG".upper()
+
+
+def config_file(settings_cls: type[BaseSettings]) -> Path | None:
+    """The config file in effect: ``--config`` (while parsing a command line), else ``TANDEM_..._CONFIG``."""
+    chosen = _CONFIG_FILE.get()
+    if chosen is not None:
+        return chosen
+    env = os.environ.get(config_env_var(settings_cls))
+    return Path(env) if env else None
+
+
+class TomlFileSource(TomlConfigSettingsSource):
+    """The TOML config file as a settings source; a named file that is missing or invalid is a ``ConfigFileError``."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path | None) -> None:
+        if path is not None and not path.is_file():
+            raise ConfigFileError(f"config file {path}: {'not a file' if path.exists() else 'no such file'}")
+        try:
+            super().__init__(settings_cls, toml_file=path)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigFileError(f"config file {path}: invalid TOML: {e}") from None
+        except UnicodeDecodeError:
+            raise ConfigFileError(f"config file {path}: invalid TOML: not UTF-8") from None
+        except OSError as e:
+            raise ConfigFileError(f"config file {path}: {e.strerror or e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ``UserError`` instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(message)
+
+
+@dataclass(frozen=True)
+class Invocation(Generic[S]):
+    """What a daemon's command line asked for."""
+
+    settings: S
+    ready_file: Path | None
+    config_file: Path | None
+
+
+def _version() -> str:
+    from tandem import __version__
+
+    return f"tandem {__version__}"
+
+
+def make_parser(
+    settings_cls: type[BaseSettings], prog: str, description: str = ""
+) -> tuple[_Parser, CliSettingsSource]:
+    """The argparse parser of a daemon: ``--version``, ``--config``, ``--ready-file`` and a flag per setting."""
+    parser = _Parser(
+        prog=prog,
+        description=description,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            f"Precedence: flags > environment ({settings_cls.model_config.get('env_prefix')}...) > config file > "
+            "defaults. Sizes take units (512MiB, 4GiB); `none` clears an optional setting."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help=f"TOML config file (default: ${config_env_var(settings_cls)} if set)",
+    )
+    parser.add_argument("--ready-file", type=Path, metavar="PATH", help="write the bound port here once serving")
+    cli: CliSettingsSource = CliSettingsSource(settings_cls, root_parser=parser, case_sensitive=True)
+    return parser, cli
+
+
+def parse_command_line(
+    settings_cls: type[S], prog: str, argv: Sequence[str] | None = None, *, description: str = ""
+) -> Invocation[S]:
+    """Parse ``argv`` (default ``sys.argv[1:]``) into settings: flags > env > config file > defaults.
+
+    Raises:
+        UserError: an unknown flag, a bad value, a missing or malformed config file.
+    """
+    parser, cli = make_parser(settings_cls, prog, description)
+    args = vars(parser.parse_args(list(sys.argv[1:] if argv is None else argv)))
+    chosen: Path | None = args.pop("config")
+    ready_file: Path | None = args.pop("ready_file")
+    token = _CONFIG_FILE.set(chosen)
+    try:
+        settings = settings_cls(_cli_settings_source=cli(parsed_args=args))
+        return Invocation(settings, ready_file, config_file(settings_cls))
+    except ValidationError as e:
+        raise UserError(format_validation_error(e)) from None
+    except SettingsError as e:
+        raise UserError(str(e)) from None
+    finally:
+        _CONFIG_FILE.reset(token)
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """A ``ValidationError`` as one line: ``engine.max_num_seqs: Input should be ... (got 'x'); ...``."""
+    parts = []
+    for e in err.errors(include_url=False):
+        loc = ".".join(str(x) for x in e["loc"])
+        if e["type"] == "extra_forbidden":
+            parts.append(f"unknown setting {loc!r}")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        part = f"{loc}: {msg}" if loc else msg
+        if got is not None and not isinstance(got, dict | BaseModel) and e["type"] != "missing":
+            part += f" (got {got!r})"
+        parts.append(part)
+    return "invalid settings: " + "; ".join(parts)
+
+
+def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def run_cli(prog: str, main: Callable[[], int | None]) -> int:
+    """Run a daemon's ``main``; a ``UserError`` becomes ``PROG: error: MESSAGE`` on stderr and exit code 2."""
+    try:
+        return main() or 0
+    except UserError as e:
+        print(f"{prog}: error: {one_line(str(e))}", file=sys.stderr)
+        return 2
+
+
+def check_split_dir(split_dir: Path, parts: Sequence[str]) -> None:
+    """A split directory with a valid ``manifest.json`` and the manifest's ``parts`` (``head_onnx``...) present.
+
+    Raises:
+        UserError: otherwise.
+    """
+    from tandem.common.manifest import MANIFEST_NAME, SplitManifest
+
+    if not (Path(split_dir) / MANIFEST_NAME).is_file():
+        what = "is not a directory" if not Path(split_dir).is_dir() else f"has no {MANIFEST_NAME}"
+        raise UserError(f"split dir {split_dir} {what} (prepare the model with `make model` or `tandem-model`)")
+    try:
+        manifest = SplitManifest.load(split_dir)
+    except (OSError, ValueError) as e:  # pydantic.ValidationError and json's errors are ValueErrors
+        raise UserError(f"split dir {split_dir}: unreadable {MANIFEST_NAME}: {one_line(str(e))[:300]}") from None
+    for part in parts:
+        path = manifest.resolve(split_dir, getattr(manifest, part))
+        if not path.exists():
+            raise UserError(f"split dir {split_dir}: {part} {path} is missing")
+
+
+def setup_observability(settings: Any) -> None:
+    """Logging (``log_format``, ``log_level``) and, when ``metrics_port`` is set, the metrics endpoint.
+
+    Raises:
+        UserError: the metrics endpoint cannot start.
+    """
+    from tandem.common.logs import setup_logging
+
+    setup_logging(settings.log_format, settings.log_level)
+    if settings.metrics_port:
+        try:
+            from tandem.common.metrics import start_metrics_server
+        except ImportError as e:
+            raise UserError(f"metrics_port is set but this build has no metrics server ({e})") from None
+        try:
+            start_metrics_server(settings.metrics_host, settings.metrics_port)
+        except OSError as e:
+            raise UserError(
+                f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {e.strerror or e}"
+            ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference generator
+
+
+@dataclass(frozen=True)
+class SettingDoc:
+    """One row of the reference."""
+
+    flags: tuple[str, ...]
+    env: str
+    toml_key: str
+    type: str
+    default: str
+    description: str
+
+
+def _kebab(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def _strip_annotated(tp: Any) -> Any:
+    while typing.get_origin(tp) is Annotated:
+        tp = typing.get_args(tp)[0]
+    return tp
+
+
+def _type_doc(name: str, tp: Any) -> str:
+    tp = _strip_annotated(tp)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        inner = _type_doc(name, args[0]) if len(args) == 1 else " or ".join(_type_doc(name, a) for a in args)
+        return f"{inner} or `none`"
+    if origin is Literal:
+        return ", ".join(f"`{a}`" for a in typing.get_args(tp))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return ", ".join(f"`{m.name.lower()}`" for m in tp)
+    if isinstance(tp, type) and issubclass(tp, ByteSize):
+        return "size (bytes)"
+    if tp is bool:
+        return "bool"
+    if isinstance(tp, type) and issubclass(tp, Path):
+        return "path"
+    base = getattr(tp, "__name__", str(tp))
+    for suffix, unit in (("_s", "seconds"), ("_ms", "ms"), ("_tokens", "tokens"), ("_mbps", "Mbit/s")):
+        if name.endswith(suffix):
+            return f"{base} ({unit})"
+    return base
+
+
+def _default_doc(value: Any) -> str:
+    if value is None:
+        return "`none`"
+    if isinstance(value, ByteSize):
+        return f"`{_fmt_bytes(int(value))}`"
+    if isinstance(value, enum.Enum):
+        return f"`{value.name.lower()}`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, str) and value == "":
+        return '`""`'
+    return f"`{value}`"
+
+
+def _default_of(info: FieldInfo) -> Any:
+    if info.default is not PydanticUndefined:
+        return info.default
+    if info.default_factory is not None:
+        return info.get_default(call_default_factory=True)
+    return PydanticUndefined
+
+
+def iter_settings(settings_cls: type[BaseSettings]) -> Iterator[SettingDoc]:
+    """The reference rows of ``settings_cls``: one per leaf setting, nested models flattened."""
+    cfg = settings_cls.model_config
+    prefix = str(cfg.get("env_prefix", "")).upper()
+    delim = cfg.get("env_nested_delimiter") or "__"
+    shortcuts: Mapping[str, str | list[str]] = cfg.get("cli_shortcuts") or {}
+
+    def walk(model: type[BaseModel], path: tuple[str, ...]) -> Iterator[SettingDoc]:
+        for name, info in model.model_fields.items():
+            tp = _strip_annotated(info.annotation)
+            full = (*path, name)
+            if isinstance(tp, type) and issubclass(tp, BaseModel):
+                yield from walk(tp, full)
+                continue
+            flag = ".".join(_kebab(p) for p in full)
+            extra = shortcuts.get(flag, [])
+            names = [flag, *([extra] if isinstance(extra, str) else extra)]
+            if tp is bool:
+                flags = tuple(f for n in names for f in (f"--{n}", f"--no-{n}"))
+            else:
+                flags = tuple(f"--{n}" for n in names)
+            default = _default_of(info)
+            yield SettingDoc(
+                flags=flags,
+                env=prefix + delim.join(full).upper(),
+                toml_key=".".join(full),
+                type=_type_doc(name, info.annotation),
+                default="(required)" if default is PydanticUndefined else _default_doc(default),
+                description=one_line(info.description or ""),
+            )
+
+    yield from walk(settings_cls, ())
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def settings_table(settings_cls: type[BaseSettings]) -> str:
+    rows = [
+        "| flag | environment variable | TOML key | type | default | description |",
+        "|---|---|---|---|---|---|",
+    ]
+    for d in iter_settings(settings_cls):
+        flags = " ".join(f"`{f}`" for f in d.flags)
+        cells = [flags, f"`{d.env}`", f"`{d.toml_key}`", d.type, d.default, d.description]
+        rows.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
+    return "\n".join(rows)
+
+
+def _daemons() -> list[tuple[str, type[BaseSettings], str]]:
+    from tandem.cloud.config import CloudConfig
+    from tandem.edge.config import EdgeConfig
+
+    return [
+        ("tandem-cloud", CloudConfig, "`CloudConfig` in `cloud/config.py`"),
+        ("tandem-edge", EdgeConfig, "`EdgeConfig` in `edge/config.py`"),
+    ]
+
+
+def reference_markdown() -> str:
+    """The README's "Configuration reference" section, markers excluded, generated from the models."""
+    daemons = _daemons()
+    out = [
+        "## Configuration reference",
+        "",
+        "Generated from the settings models by `python -m tandem.common.settings --update-readme`",
+        "(`tests/test_config.py` fails when this section is stale). Each daemon reads one frozen",
+        "pydantic-settings model:",
+        " and ".join(f"{src} for `{prog}`" for prog, _, src in daemons) + ".",
+        "Every setting can be set by flag, environment variable and TOML config file; the first of",
+        "these that sets it wins:",
+        "",
+        "1. command-line flag: `--store-bytes 8GiB`, nested `--engine.max-num-seqs 4`;",
+        "2. environment variable: `TANDEM_CLOUD_` / `TANDEM_EDGE_` + the name in capitals, nested",
+        "   settings joined with `__`: `TANDEM_CLOUD_ENGINE__MAX_NUM_SEQS=4`;",
+        "3. config file: `--config FILE`, or without the flag the file named by `TANDEM_CLOUD_CONFIG` /",
+        "   `TANDEM_EDGE_CONFIG`; TOML with the keys below, nested settings in a table (`[engine]`);",
+        "4. the default.",
+        "",
+        "Code that builds a model itself (`CloudConfig(port=0, ...)`) ranks its keyword arguments where",
+        "flags are. Sizes (`*_bytes`) take a byte count or a number with a unit (`512MiB`, `4GiB`;",
+        "`KB`, `MB`, `GB` are powers of 1000); durations end in `_s` (seconds) or `_ms`. Booleans are",
+        "`--x` / `--no-x` on the command line, `true` / `false` elsewhere; `none` clears an optional",
+        "setting. Relative paths are relative to the working directory. Enumerations take their names",
+        "in any case. `host`, `http_host` and `metrics_host` default to `127.0.0.1`: set `0.0.0.0` to",
+        "listen on all interfaces.",
+        "",
+        "Both daemons also take `--version` (prints `tandem VERSION`), `--config FILE` and",
+        "`--ready-file PATH` (writes the bound gRPC port to `PATH` once serving), and `--help`. A user",
+        "error (a bad value, an unknown flag or key, a missing or malformed config file, a split",
+        "directory without `manifest.json`) is one line on stderr, `tandem-cloud: error: ...`, and exit",
+        "code 2, before any model is loaded.",
+        "",
+        "```toml",
+        "# cloud.toml: tandem-cloud --config cloud.toml (or TANDEM_CLOUD_CONFIG=cloud.toml)",
+        'split_dir = "models/smollm2-135m/split-k4"',
+        'host = "0.0.0.0"',
+        'store_bytes = "8GiB"',
+        'log_format = "json"',
+        "",
+        "[engine]",
+        "max_num_seqs = 16",
+        'kv_cache_bytes = "2GiB"',
+        "```",
+    ]
+    for prog, cls, _ in daemons:
+        out += ["", f"### `{prog}`", "", settings_table(cls)]
+    return "\n".join(out) + "\n"
+
+
+def _section_bounds(text: str) -> tuple[int, int] | None:
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        return None
+    return start + len(README_START), end
+
+
+def readme_section(text: str) -> str | None:
+    """The text between the README's markers, or ``None`` without them."""
+    bounds = _section_bounds(text)
+    return None if bounds is None else text[bounds[0] : bounds[1]].strip("\n") + "\n"
+
+
+def update_readme(path: Path) -> bool:
+    """Rewrite the section between the markers (added after "Edge and cloud on separate machines" if
+    absent); returns whether the file changed."""
+    text = path.read_text()
+    block = "\n" + reference_markdown() + "\n"
+    bounds = _section_bounds(text)
+    if bounds is None:
+        anchor = text.find("## Edge and cloud on separate machines")
+        nxt = text.find("\n## ", anchor + 1) if anchor >= 0 else -1
+        at = nxt + 1 if nxt >= 0 else len(text)
+        new = text[:at] + README_START + block + README_END + "\n\n" + text[at:]
+    else:
+        new = text[: bounds[0]] + block + text[bounds[1] :]
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tandem.common.settings", description="the configuration reference")
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--markdown", action="store_true", help="print the README section (markdown)")
+    g.add_argument("--update-readme", nargs="?", const="README.md", metavar="PATH", help="rewrite PATH's section")
+    g.add_argument("--check-readme", nargs="?", const="README.md", metavar="PATH", help="exit 1 if PATH is stale")
+    args = ap.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(reference_markdown())
+        return 0
+    if args.update_readme:
+        changed = update_readme(Path(args.update_readme))
+        print(f"{args.update_readme}: {'updated' if changed else 'up to date'}", file=sys.stderr)
+        return 0
+    current = readme_section(Path(args.check_readme).read_text())
+    if current != reference_markdown():
+        print(f"{args.check_readme}: configuration reference is stale; run --update-readme", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,406 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WireDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WIRE_DTYPE_UNSPECIFIED: _ClassVar[WireDtype]
+    WIRE_DTYPE_FP32: _ClassVar[WireDtype]
+    WIRE_DTYPE_FP16: _ClassVar[WireDtype]
+    WIRE_DTYPE_BF16: _ClassVar[WireDtype]
+    WIRE_DTYPE_INT8: _ClassVar[WireDtype]
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    CODEC_NONE: _ClassVar[Codec]
+    CODEC_ZSTD: _ClassVar[Codec]
+
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODE_UNSPECIFIED: _ClassVar[Mode]
+    MODE_SPLIT: _ClassVar[Mode]
+    MODE_DIRECT: _ClassVar[Mode]
+WIRE_DTYPE_UNSPECIFIED: WireDtype
+WIRE_DTYPE_FP32: WireDtype
+WIRE_DTYPE_FP16: WireDtype
+WIRE_DTYPE_BF16: WireDtype
+WIRE_DTYPE_INT8: WireDtype
+CODEC_UNSPECIFIED: Codec
+CODEC_NONE: Codec
+CODEC_ZSTD: Codec
+MODE_UNSPECIFIED: Mode
+MODE_SPLIT: Mode
+MODE_DIRECT: Mode
+
+class LinkMeasurement(_message.Message):
+    __slots__ = ("rtt_ms", "goodput_mbps")
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_MBPS_FIELD_NUMBER: _ClassVar[int]
+    rtt_ms: float
+    goodput_mbps: float
+    def __init__(self, rtt_ms: _Optional[float] = ..., goodput_mbps: _Optional[float] = ...) -> None: ...
+
+class LatencySlo(_message.Message):
+    __slots__ = ("ttft_ms", "itl_p99_ms")
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    ttft_ms: float
+    itl_p99_ms: float
+    def __init__(self, ttft_ms: _Optional[float] = ..., itl_p99_ms: _Optional[float] = ...) -> None: ...
+
+class NegotiateRequest(_message.Message):
+    __slots__ = ("edge_id", "model_id", "compatibility_key", "split_layers", "wire_dtypes", "codecs", "edge_max_batch", "link", "slo")
+    EDGE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPATIBILITY_KEY_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPES_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    EDGE_MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
+    edge_id: str
+    model_id: str
+    compatibility_key: str
+    split_layers: _containers.RepeatedScalarFieldContainer[int]
+    wire_dtypes: _containers.RepeatedScalarFieldContainer[WireDtype]
+    codecs: _containers.RepeatedScalarFieldContainer[Codec]
+    edge_max_batch: int
+    link: LinkMeasurement
+    slo: LatencySlo
+    def __init__(self, edge_id: _Optional[str] = ..., model_id: _Optional[str] = ..., compatibility_key: _Optional[str] = ..., split_layers: _Optional[_Iterable[int]] = ..., wire_dtypes: _Optional[_Iterable[_Union[WireDtype, str]]] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., edge_max_batch: _Optional[int] = ..., link: _Optional[_Union[LinkMeasurement, _Mapping]] = ..., slo: _Optional[_Union[LatencySlo, _Mapping]] = ...) -> None: ...
+
+class LinkParams(_message.Message):
+    __slots__ = ("params_version", "split_layer", "chunk_tokens", "wire_dtype", "codec", "codec_level", "kv_block_size_tokens", "inflight_window_chunks", "max_concurrent_requests", "max_batched_tokens", "max_prompt_tokens", "max_new_tokens", "hidden_size", "max_chunk_resends")
+    PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_LAYER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    CODEC_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_WINDOW_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_RESENDS_FIELD_NUMBER: _ClassVar[int]
+    params_version: int
+    split_layer: int
+    chunk_tokens: int
+    wire_dtype: WireDtype
+    codec: Codec
+    codec_level: int
+    kv_block_size_tokens: int
+    inflight_window_chunks: int
+    max_concurrent_requests: int
+    max_batched_tokens: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    hidden_size: int
+    max_chunk_resends: int
+    def __init__(self, params_version: _Optional[int] = ..., split_layer: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., codec_level: _Optional[int] = ..., kv_block_size_tokens: _Optional[int] = ..., inflight_window_chunks: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_chunk_resends: _Optional[int] = ...) -> None: ...
+
+class NegotiateResponse(_message.Message):
+    __slots__ = ("params", "cloud_id", "model_id")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    CLOUD_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    params: LinkParams
+    cloud_id: str
+    model_id: str
+    def __init__(self, params: _Optional[_Union[LinkParams, _Mapping]] = ..., cloud_id: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "stop_token_ids", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ...) -> None: ...
+
+class RequestHeader(_message.Message):
+    __slots__ = ("request_id", "session_id", "params_version", "split_layer", "prompt_token_ids", "cached_tokens", "num_chunks", "num_kv_blocks", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_LAYER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    session_id: str
+    params_version: int
+    split_layer: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cached_tokens: int
+    num_chunks: int
+    num_kv_blocks: int
+    sampling: SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., params_version: _Optional[int] = ..., split_layer: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class ActivationChunk(_message.Message):
+    __slots__ = ("seq", "token_offset", "num_tokens", "wire_dtype", "codec", "raw_nbytes", "payload", "crc32c")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    RAW_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    token_offset: int
+    num_tokens: int
+    wire_dtype: WireDtype
+    codec: Codec
+    raw_nbytes: int
+    payload: bytes
+    crc32c: int
+    def __init__(self, seq: _Optional[int] = ..., token_offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class KVBlockDelta(_message.Message):
+    __slots__ = ("leaf_index", "block_hash", "layer_lo", "layer_hi", "codec", "raw_nbytes", "payload", "leaf_hash")
+    LEAF_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    LAYER_LO_FIELD_NUMBER: _ClassVar[int]
+    LAYER_HI_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    RAW_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    LEAF_HASH_FIELD_NUMBER: _ClassVar[int]
+    leaf_index: int
+    block_hash: bytes
+    layer_lo: int
+    layer_hi: int
+    codec: Codec
+    raw_nbytes: int
+    payload: bytes
+    leaf_hash: bytes
+    def __init__(self, leaf_index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., layer_lo: _Optional[int] = ..., layer_hi: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., leaf_hash: _Optional[bytes] = ...) -> None: ...
+
+class Commit(_message.Message):
+    __slots__ = ("leaf_count", "merkle_root")
+    LEAF_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MERKLE_ROOT_FIELD_NUMBER: _ClassVar[int]
+    leaf_count: int
+    merkle_root: bytes
+    def __init__(self, leaf_count: _Optional[int] = ..., merkle_root: _Optional[bytes] = ...) -> None: ...
+
+class Uplink(_message.Message):
+    __slots__ = ("header", "chunk", "kv_block", "commit")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    chunk: ActivationChunk
+    kv_block: KVBlockDelta
+    commit: Commit
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., chunk: _Optional[_Union[ActivationChunk, _Mapping]] = ..., kv_block: _Optional[_Union[KVBlockDelta, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ...) -> None: ...
+
+class Nack(_message.Message):
+    __slots__ = ("seq", "reason")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    reason: str
+    def __init__(self, seq: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RepairRequest(_message.Message):
+    __slots__ = ("leaf_indices", "reason")
+    LEAF_INDICES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    leaf_indices: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    def __init__(self, leaf_indices: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class UploadAck(_message.Message):
+    __slots__ = ("verified_tokens", "leaf_count", "merkle_root")
+    VERIFIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEAF_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MERKLE_ROOT_FIELD_NUMBER: _ClassVar[int]
+    verified_tokens: int
+    leaf_count: int
+    merkle_root: bytes
+    def __init__(self, verified_tokens: _Optional[int] = ..., leaf_count: _Optional[int] = ..., merkle_root: _Optional[bytes] = ...) -> None: ...
+
+class Tokens(_message.Message):
+    __slots__ = ("token_ids", "index")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ...) -> None: ...
+
+class Final(_message.Message):
+    __slots__ = ("finish_reason", "prompt_tokens", "output_tokens", "external_tokens", "timings_ms", "received_bytes")
+    class TimingsMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class ReceivedBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_MS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: str
+    prompt_tokens: int
+    output_tokens: int
+    external_tokens: int
+    timings_ms: _containers.ScalarMap[str, float]
+    received_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., external_tokens: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., received_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("kind", "message")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    message: str
+    def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Downlink(_message.Message):
+    __slots__ = ("nack", "repair", "upload_ack", "tokens", "final", "error")
+    NACK_FIELD_NUMBER: _ClassVar[int]
+    REPAIR_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_ACK_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    nack: Nack
+    repair: RepairRequest
+    upload_ack: UploadAck
+    tokens: Tokens
+    final: Final
+    error: Error
+    def __init__(self, nack: _Optional[_Union[Nack, _Mapping]] = ..., repair: _Optional[_Union[RepairRequest, _Mapping]] = ..., upload_ack: _Optional[_Union[UploadAck, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EdgeInfo(_message.Message):
+    __slots__ = ("model_id", "split_layer", "max_prompt_tokens", "max_new_tokens", "max_stop_strings", "max_stop_token_ids", "default_timeout_s", "version")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_LAYER_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    split_layer: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    max_stop_strings: int
+    max_stop_token_ids: int
+    default_timeout_s: float
+    version: str
+    def __init__(self, model_id: _Optional[str] = ..., split_layer: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., default_timeout_s: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatRequest(_message.Message):
+    __slots__ = ("session_id", "messages", "prompt", "sampling", "mode", "stop")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    prompt: str
+    sampling: SamplingParams
+    mode: Mode
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TextDelta(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ChatDone(_message.Message):
+    __slots__ = ("finish_reason", "prompt_tokens", "output_tokens", "head_tokens", "external_tokens", "split_layer", "timings_ms", "sent_bytes", "output_token_ids")
+    class TimingsMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class SentBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_LAYER_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_MS_FIELD_NUMBER: _ClassVar[int]
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: str
+    prompt_tokens: int
+    output_tokens: int
+    head_tokens: int
+    external_tokens: int
+    split_layer: int
+    timings_ms: _containers.ScalarMap[str, float]
+    sent_bytes: _containers.ScalarMap[str, int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., head_tokens: _Optional[int] = ..., external_tokens: _Optional[int] = ..., split_layer: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., sent_bytes: _Optional[_Mapping[str, int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ChatEvent(_message.Message):
+    __slots__ = ("delta", "done")
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    delta: TextDelta
+    done: ChatDone
+    def __init__(self, delta: _Optional[_Union[TextDelta, _Mapping]] = ..., done: _Optional[_Union[ChatDone, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,253 @@
+"""Settings of both daemons: precedence (flag > env > config file > default), nested engine
+settings, sizes with units, ``--version``, one-line user errors with exit code 2, and the README's
+configuration reference being the generated one. No model is loaded, no engine started."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ByteSize, ValidationError
+from tandem.cloud.config import CloudConfig, EngineConfig
+from tandem.common.settings import (
+    ConfigFileError,
+    UserError,
+    parse_command_line,
+    readme_section,
+    reference_markdown,
+)
+from tandem.common.wire import Codec, WireDtype
+from tandem.edge.config import EdgeConfig
+
+from tandem import __version__
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """No TANDEM_CLOUD_* / TANDEM_EDGE_* from the caller's environment."""
+    for k in list(os.environ):
+        if k.startswith(("TANDEM_CLOUD_", "TANDEM_EDGE_")):
+            monkeypatch.delenv(k)
+
+
+def toml(tmp_path: Path, text: str, name: str = "cfg.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def cloud(argv: list[str]) -> CloudConfig:
+    return parse_command_line(CloudConfig, "tandem-cloud", argv).settings
+
+
+def edge(argv: list[str]) -> EdgeConfig:
+    return parse_command_line(EdgeConfig, "tandem-edge", argv).settings
+
+
+# --- precedence -------------------------------------------------------------------------------
+
+
+def test_cloud_precedence_flag_env_file_default(tmp_path, monkeypatch):
+    f = toml(tmp_path, "port = 1111\nstore_bytes = '2GiB'\nmax_prompt_tokens = 100\nhost = '10.0.0.1'\n")
+    monkeypatch.setenv("TANDEM_CLOUD_PORT", "2222")
+    monkeypatch.setenv("TANDEM_CLOUD_STORE_BYTES", "3GiB")
+    cfg = cloud(["--config", str(f), "--port", "3333"])
+    assert cfg.port == 3333  # flag > env > file
+    assert cfg.store_bytes == 3 << 30  # env > file
+    assert cfg.max_prompt_tokens == 100  # file > default
+    assert cfg.host == "10.0.0.1"
+    assert cfg.max_new_tokens == 512  # default
+    monkeypatch.delenv("TANDEM_CLOUD_PORT")
+    assert cloud(["--config", str(f)]).port == 1111
+    assert cloud([]).port == 50051
+
+
+def test_edge_precedence_flag_env_file_default(tmp_path, monkeypatch):
+    f = toml(tmp_path, "cloud_target = 'file:1'\nsession_bytes = '64MiB'\nturn_timeout_s = 10\nmax_batch = 2\n")
+    monkeypatch.setenv("TANDEM_EDGE_CONFIG", str(f))  # the file named by the environment
+    monkeypatch.setenv("TANDEM_EDGE_CLOUD_TARGET", "env:2")
+    monkeypatch.setenv("TANDEM_EDGE_SESSION_BYTES", "128MiB")
+    cfg = edge(["--cloud", "flag:3"])
+    assert cfg.cloud_target == "flag:3"
+    assert cfg.session_bytes == 128 << 20
+    assert cfg.turn_timeout_s == 10.0
+    assert cfg.max_batch == 2
+    assert cfg.keepalive_time_s == 5.0
+    assert edge(["--cloud-target", "flag:4"]).cloud_target == "flag:4"
+    assert edge([]).cloud_target == "env:2"
+
+
+def test_config_flag_beats_config_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CLOUD_CONFIG", str(toml(tmp_path, "port = 1\n", "env.toml")))
+    run = parse_command_line(CloudConfig, "tandem-cloud", ["--config", str(toml(tmp_path, "port = 2\n"))])
+    assert run.settings.port == 2 and run.config_file == tmp_path / "cfg.toml"
+    assert cloud([]).port == 1
+
+
+def test_keyword_arguments_rank_first_in_code(monkeypatch):
+    monkeypatch.setenv("TANDEM_CLOUD_PORT", "2222")
+    monkeypatch.setenv("TANDEM_CLOUD_CHUNK_TOKENS", "32")
+    cfg = CloudConfig(split_dir=Path("/x"), port=0)
+    assert cfg.port == 0 and cfg.chunk_tokens == 32
+
+
+def test_nested_engine_from_flag_env_and_file(tmp_path, monkeypatch):
+    f = toml(tmp_path, "[engine]\nmax_num_seqs = 3\nkv_cache_bytes = '512MiB'\nmax_model_len_tokens = 1024\n")
+    monkeypatch.setenv("TANDEM_CLOUD_ENGINE__MAX_NUM_SEQS", "4")
+    monkeypatch.setenv("TANDEM_CLOUD_ENGINE__DTYPE", "bfloat16")
+    cfg = cloud(["--config", str(f), "--engine.block-size-tokens", "64", "--no-engine.enforce-eager"])
+    e = cfg.engine
+    assert (e.max_num_seqs, e.kv_cache_bytes, e.max_model_len_tokens) == (4, 512 << 20, 1024)
+    assert (e.block_size_tokens, e.enforce_eager, e.dtype) == (64, False, "bfloat16")
+    assert e.max_num_batched_tokens == 4096
+    # the flat flags of earlier versions (tandem/daemons.py, benchmarks) still work
+    e = cloud(["--max-num-seqs", "5", "--kv-cache-bytes", str(256 << 20)]).engine
+    assert (e.max_num_seqs, e.kv_cache_bytes) == (5, 256 << 20)
+    # dotted TOML keys are the same keys
+    monkeypatch.delenv("TANDEM_CLOUD_ENGINE__MAX_NUM_SEQS")
+    assert cloud(["--config", str(toml(tmp_path, "engine.max_num_seqs = 7\n", "d.toml"))]).engine.max_num_seqs == 7
+
+
+# --- values -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text,n", [("4GiB", 4 << 30), ("512MiB", 512 << 20), ("1.5GiB", 3 << 29), ("2GB", 2 * 10**9), ("1234", 1234)]
+)
+def test_sizes_with_units(text, n, monkeypatch):
+    assert cloud(["--store-bytes", text]).store_bytes == n
+    monkeypatch.setenv("TANDEM_EDGE_SESSION_BYTES", text)
+    assert edge([]).session_bytes == n
+
+
+def test_sizes_are_ints_and_keyword_ints_still_work():
+    cfg = CloudConfig(
+        split_dir=Path("/x"), port=0, store_bytes=1 << 30, engine=EngineConfig(max_num_seqs=8, kv_cache_bytes=512 << 20)
+    )
+    assert isinstance(cfg.engine.kv_cache_bytes, ByteSize) and isinstance(cfg.engine.kv_cache_bytes, int)
+    assert cfg.engine.kv_cache_bytes == 512 << 20 and cfg.store_bytes // (1 << 20) == 1024
+    assert isinstance(EngineConfig().kv_cache_bytes, ByteSize) and EngineConfig().kv_cache_bytes == 1 << 30
+    assert EdgeConfig(split_dir=Path("/x"), cloud_target="h:1", host="127.0.0.1", port=0).session_bytes == 512 << 20
+    with pytest.raises(ValidationError):
+        CloudConfig(store_bytes="4 parsecs")
+
+
+def test_defaults_new_fields_and_safe_bind_addresses():
+    c, e = CloudConfig(), EdgeConfig()
+    assert c.host == e.host == "127.0.0.1"
+    for cfg in (c, e):
+        assert (cfg.metrics_port, cfg.metrics_host, cfg.log_format, cfg.log_level) == (0, "127.0.0.1", "text", "INFO")
+        assert (cfg.otel_enabled, cfg.otel_endpoint, cfg.drain_grace_s) == (False, None, 30.0)
+    assert (e.http_port, e.http_host) == (None, "127.0.0.1")
+    assert (c.wire_dtype, c.codec) == (WireDtype.FP32, Codec.NONE)
+
+
+def test_enums_bools_optionals_and_levels(monkeypatch):
+    cfg = cloud(["--wire-dtype", "fp16", "--codec", "ZSTD", "--otel-enabled", "--log-level", "debug"])
+    assert (cfg.wire_dtype, cfg.codec, cfg.otel_enabled, cfg.log_level) == (WireDtype.FP16, Codec.ZSTD, True, "DEBUG")
+    monkeypatch.setenv("TANDEM_EDGE_HTTP_PORT", "8080")
+    monkeypatch.setenv("TANDEM_EDGE_OTEL_ENABLED", "true")
+    assert edge([]).http_port == 8080 and edge([]).otel_enabled
+    assert edge(["--http-port", "none", "--no-otel-enabled"]).http_port is None
+    monkeypatch.setenv("TANDEM_EDGE_HTTP_PORT", "none")
+    monkeypatch.setenv("TANDEM_EDGE_OTEL_ENDPOINT", "http://collector:4317")
+    assert edge([]).http_port is None and edge([]).otel_endpoint == "http://collector:4317"
+    assert edge(["--otel-endpoint", "None"]).otel_endpoint is None
+    with pytest.raises(UserError, match="log_level"):
+        cloud(["--log-level", "loud"])
+
+
+def test_settings_are_frozen():
+    with pytest.raises(ValidationError):
+        CloudConfig().port = 1  # type: ignore[misc]
+
+
+def test_in_process_errors(tmp_path):
+    with pytest.raises(UserError, match="unrecognized arguments: --nope"):
+        cloud(["--nope", "1"])
+    with pytest.raises(ConfigFileError, match="no such file"):
+        cloud(["--config", str(tmp_path / "missing.toml")])
+    with pytest.raises(ConfigFileError, match="invalid TOML"):
+        edge(["--config", str(toml(tmp_path, "port = [\n"))])
+    with pytest.raises(UserError, match="unknown setting 'engine.bogus'"):
+        cloud(["--config", str(toml(tmp_path, "[engine]\nbogus = 1\n", "x.toml"))])
+    with pytest.raises(UserError, match=r"port: Input should be less than or equal to 65535"):
+        edge(["--port", "70000"])
+
+
+# --- console scripts --------------------------------------------------------------------------
+
+
+def run_script(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_CLOUD_", "TANDEM_EDGE_"))}
+    return subprocess.run([str(BIN / name), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("name", ["tandem-cloud", "tandem-edge"])
+def test_version(name):
+    r = run_script(name, "--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"tandem {__version__}"
+
+
+def _cases(tmp: Path) -> list[tuple[list[str], str]]:
+    (tmp / "bad.toml").write_text("port = [\n")
+    (tmp / "empty-split").mkdir(exist_ok=True)
+    return [
+        (["--port", "not-a-port"], "port"),
+        (["--session-bytes", "4 parsecs"], "session_bytes"),
+        (["--no-such-flag"], "unrecognized arguments"),
+        (["--config", str(tmp / "missing.toml")], "no such file"),
+        (["--config", str(tmp / "bad.toml")], "invalid TOML"),
+        (["--split-dir", str(tmp / "empty-split")], "manifest.json"),
+    ]
+
+
+@pytest.mark.parametrize("name", ["tandem-cloud", "tandem-edge"])
+def test_user_errors_are_one_line_and_exit_2(name, tmp_path):
+    for args, what in _cases(tmp_path):
+        r = run_script(name, *args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr, (args, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1, (args, r.stderr)
+        assert lines[0].startswith(f"{name}: error: ") and what in lines[0], (args, lines[0])
+
+
+def test_user_error_in_process_loads_no_engine(tmp_path, capsys):
+    from tandem.cloud.cli import app as cloud_app
+    from tandem.edge.cli import app as edge_app
+
+    for app, name in ((cloud_app, "tandem-cloud"), (edge_app, "tandem-edge")):
+        assert app(["--split-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"{name}: error: split dir") and err.count("\n") == 1
+
+
+def test_help_lists_every_setting():
+    r = run_script("tandem-cloud", "--help")
+    assert r.returncode == 0
+    for flag in ("--config", "--ready-file", "--version", "--engine.max-num-seqs", "--drain-grace-s", "--metrics-port"):
+        assert flag in r.stdout
+
+
+# --- README -----------------------------------------------------------------------------------
+
+
+def test_readme_reference_is_generated_and_current():
+    text = (ROOT / "README.md").read_text()
+    section = readme_section(text)
+    assert section is not None, "README has no configuration reference markers"
+    assert section == reference_markdown(), "stale: run `python -m tandem.common.settings --update-readme`"
+    for cls in (CloudConfig, EdgeConfig):
+        for name, info in cls.model_fields.items():
+            assert info.description, f"{cls.__name__}.{name} has no description"
+            assert f"`{name}`" in section or name == "engine"
+    for name, info in EngineConfig.model_fields.items():
+        assert info.description and f"`engine.{name}`" in section

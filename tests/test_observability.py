@@ -1,0 +1,316 @@
+"""Observability with the in-memory doubles (no vLLM, no ONNX Runtime): Prometheus samples after
+toy turns (a split turn with a corrupted chunk and KV block, a refused turn), the ``/metrics``
+endpoint, JSON log lines carrying a turn's ids, and per-stage spans (on, and off)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import math
+import sys
+import urllib.request
+from dataclasses import replace
+
+import pytest
+from prometheus_client import REGISTRY, Gauge
+from tandem.common import metrics, tracing, wire
+from tandem.common.errors import InvalidRequest
+from tandem.common.logs import bind_request, setup_logging
+from tandem.common.messages import KVBlock
+from tandem.common.params import Sampling
+from tandem.edge.events import ChatTurn, TurnDone
+
+from tests.doubles import TamperLink, toy_stack
+
+LONG = "The quick brown fox jumps over the lazy dog, again and again, " * 3  # ~200 tokens
+STAGES = {"tokenize", "edge_head", "encode", "uplink", "cloud_upload", "cloud_store_put", "cloud_tail_prefill"}
+
+
+def turn(text: str, session: str = "", n: int = 8) -> ChatTurn:
+    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n))
+
+
+async def run(svc, t: ChatTurn) -> TurnDone:
+    done = None
+    async for ev in svc.chat(t):
+        if isinstance(ev, TurnDone):
+            done = ev
+    assert done is not None
+    return done
+
+
+def corrupt_first_sends(item, attempt):
+    """The first send of chunk 0 fails its CRC32C and of KV block 0 its leaf: one NACK, one repair."""
+    if attempt == 1 and isinstance(item, wire.Chunk) and item.seq == 0:
+        return replace(item, crc32c=item.crc32c ^ 1)
+    if attempt == 1 and isinstance(item, KVBlock) and item.leaf_index == 0:
+        return replace(item, payload=bytes([item.payload[0] ^ 1]) + item.payload[1:])
+    return item
+
+
+class Samples:
+    """Reads samples of the default registry; ``delta`` is the change since construction."""
+
+    def __init__(self, *keys: tuple[str, dict[str, str]]) -> None:
+        self.before = {self._k(n, lb): self.value(n, **lb) for n, lb in keys}
+
+    @staticmethod
+    def _k(name: str, labels: dict[str, str]) -> tuple:
+        return name, tuple(sorted(labels.items()))
+
+    @staticmethod
+    def value(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    def delta(self, name: str, **labels: str) -> float:
+        return self.value(name, **labels) - self.before[self._k(name, labels)]
+
+
+SPLIT, DIRECT = {"mode": "split"}, {"mode": "direct"}
+WATCHED = [
+    ("tandem:requests_total", {"mode": "split", "outcome": "ok"}),
+    ("tandem:requests_total", {"mode": "split", "outcome": "InvalidRequest"}),
+    ("tandem:time_to_first_token_seconds_count", SPLIT),
+    ("tandem:inter_token_latency_seconds_count", SPLIT),
+    ("tandem:e2e_request_latency_seconds_count", SPLIT),
+    ("tandem:prompt_tokens_total", SPLIT),
+    ("tandem:generation_tokens_total", SPLIT),
+    ("tandem:edge_head_seconds_count", {}),
+    ("tandem:uplink_seconds_count", {}),
+    ("tandem:uplink_bytes_total", {"kind": "activations"}),
+    ("tandem:uplink_bytes_total", {"kind": "kv"}),
+    ("tandem:uplink_bytes_total", {"kind": "header"}),
+    ("tandem:chunk_resends_total", {}),
+    ("tandem:kv_block_repairs_total", {}),
+    ("tandem:cloud_requests_total", {"mode": "split", "outcome": "ok"}),
+    ("tandem:cloud_requests_total", {"mode": "split", "outcome": "InvalidRequest"}),
+    ("tandem:upload_rejections_total", {"reason": "InvalidRequest"}),
+    ("tandem:cloud_queue_time_seconds_count", SPLIT),
+    ("tandem:cloud_store_put_seconds_count", {}),
+    ("tandem:cloud_tail_prefill_seconds_count", {}),
+    ("tandem:cloud_decode_seconds_count", SPLIT),
+    ("tandem:received_bytes_total", {"kind": "activations"}),
+    ("tandem:received_bytes_total", {"kind": "kv"}),
+    ("tandem:crc_failures_total", {}),
+    ("tandem:kv_block_repair_requests_total", {}),
+    ("tandem:requests_total", {"mode": "direct", "outcome": "ok"}),
+    ("tandem:cloud_queue_time_seconds_count", DIRECT),
+]
+
+
+async def test_a_split_turn_a_direct_turn_and_a_refused_turn_leave_their_samples():
+    toy = await toy_stack(link_wrapper=lambda link: TamperLink(link, corrupt_first_sends))
+    try:
+        s = Samples(*WATCHED)
+        done = await run(toy.edge, turn(LONG, "s1"))
+        assert s.delta("tandem:requests_total", mode="split", outcome="ok") == 1
+        for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "cloud_queue_time_seconds"):
+            assert s.delta(f"tandem:{name}_count", mode="split") == 1
+        # the tail's token, then one decode step per token: 8 arrivals, 7 gaps
+        assert s.delta("tandem:inter_token_latency_seconds_count", mode="split") == 7
+        assert s.delta("tandem:prompt_tokens_total", mode="split") == done.prompt_tokens
+        assert s.delta("tandem:generation_tokens_total", mode="split") == 8
+        for name in ("edge_head", "uplink", "cloud_store_put", "cloud_tail_prefill"):
+            assert s.delta(f"tandem:{name}_seconds_count") == 1
+        assert s.delta("tandem:cloud_decode_seconds_count", mode="split") == 1
+        for kind in ("activations", "kv", "header"):
+            assert s.delta("tandem:uplink_bytes_total", kind=kind) == done.sent_bytes[kind] > 0
+        for kind in ("activations", "kv"):
+            assert s.delta("tandem:received_bytes_total", kind=kind) > 0
+        assert s.delta("tandem:crc_failures_total") == s.delta("tandem:chunk_resends_total") == 1
+        assert s.delta("tandem:kv_block_repair_requests_total") == s.delta("tandem:kv_block_repairs_total") == 1
+        assert s.delta("tandem:cloud_requests_total", mode="split", outcome="ok") == 1
+        # gauges read the latest gateway and edge at scrape time
+        assert Samples.value("tandem:sessions") == Samples.value("tandem:cloud_sessions") == 1
+        assert Samples.value("tandem:session_bytes") == toy.edge.sessions.nbytes() > 0
+        assert Samples.value("tandem:uploads_in_flight") == Samples.value("tandem:upload_bytes_reserved") == 0
+        assert math.isnan(REGISTRY.get_sample_value("tandem:block_store_bytes") or 0.0)  # the memory store
+
+        direct = ChatTurn((("user", "hi"),), "", "", Sampling(max_new_tokens=2), direct=True)
+        await run(toy.edge, direct)
+        assert s.delta("tandem:requests_total", mode="direct", outcome="ok") == 1
+        assert s.delta("tandem:cloud_queue_time_seconds_count", mode="direct") == 1
+
+        with pytest.raises(InvalidRequest):  # more new tokens than the link allows: the cloud refuses
+            await run(toy.edge, turn(LONG, "s2", n=100_000))
+        assert s.delta("tandem:requests_total", mode="split", outcome="InvalidRequest") == 1
+        assert s.delta("tandem:cloud_requests_total", mode="split", outcome="InvalidRequest") == 1
+        assert s.delta("tandem:upload_rejections_total", reason="InvalidRequest") == 1
+        assert s.delta("tandem:cloud_queue_time_seconds_count", mode="split") == 1  # no engine ran for it
+        assert Samples.value("tandem:uploads_in_flight") == 0
+    finally:
+        await toy.batcher.stop()
+
+
+def test_the_metrics_endpoint_serves_tandem_metrics():
+    metrics.register("edge")  # what an EdgeService does
+    port = metrics.start_metrics_server("127.0.0.1", 0)
+    assert port > 0
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert "# TYPE tandem:time_to_first_token_seconds histogram" in text
+    assert "tandem:uplink_bytes_total" in text or "# TYPE tandem:uplink_bytes counter" in text
+
+
+def test_shared_vllm_metrics_survive_vllms_unregistering():
+    shared = metrics._shared_metric(Gauge)
+    a = shared(name="tandem_test:shared_gauge", documentation="d", labelnames=["model_name"])
+    a.labels("tail").set(1)
+    REGISTRY.unregister(a)  # what vLLM's PrometheusStatLogger does when the next engine starts
+    b = shared(name="tandem_test:shared_gauge", documentation="d", labelnames=["model_name"])
+    b.labels("decode").set(2)
+    assert b is a
+    assert REGISTRY.get_sample_value("tandem_test:shared_gauge", {"model_name": "tail"}) == 1
+    assert REGISTRY.get_sample_value("tandem_test:shared_gauge", {"model_name": "decode"}) == 2
+
+
+@pytest.fixture
+def json_log():
+    buf = io.StringIO()
+    root = logging.getLogger()
+    level = root.level
+    handler = setup_logging("json", "DEBUG", stream=buf)
+    try:
+        yield buf
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+async def test_json_logs_of_a_turn_carry_its_ids_on_every_line(json_log):
+    toy = await toy_stack(link_wrapper=lambda link: TamperLink(link, corrupt_first_sends))
+    try:
+        json_log.seek(0)
+        json_log.truncate()
+        await run(toy.edge, turn(LONG, "s-log"))
+        with pytest.raises(InvalidRequest):
+            await run(toy.edge, turn(LONG, "s-log2", n=100_000))
+    finally:
+        await toy.batcher.stop()
+    lines = [json.loads(x) for x in json_log.getvalue().splitlines()]
+    assert {"time", "level", "logger", "message"} <= set(lines[0])
+    by_session: dict[str, list[dict]] = {}
+    for line in lines:
+        by_session.setdefault(line.get("session_id", ""), []).append(line)
+    assert set(by_session) == {"s-log", "s-log2"}  # no line without ids
+    ok, refused = by_session["s-log"], by_session["s-log2"]
+    assert len({x["request_id"] for x in ok}) == 1 and len({x["request_id"] for x in refused}) == 1
+    messages = [(x["logger"], x["level"], x["message"].split(":")[0]) for x in ok]
+    for want in (
+        ("tandem.edge", "DEBUG", "turn start"),
+        ("tandem.cloud", "DEBUG", "turn start"),
+        ("tandem.cloud", "INFO", "chunk 0 failed its CRC32C or did not decode"),
+        ("tandem.edge", "INFO", "cloud NACKed chunk 0 (crc32c mismatch or payload does not decode)"),
+        ("tandem.cloud", "INFO", "repair round 1"),
+        ("tandem.cloud", "INFO", "turn done"),
+        ("tandem.edge", "INFO", "turn done"),
+    ):
+        assert want in messages
+    done = next(x["message"] for x in ok if x["logger"] == "tandem.edge" and x["message"].startswith("turn done"))
+    assert "mode=split" in done and "output_tokens=8" in done and "ttft_ms=" in done
+    assert any(x["level"] == "WARNING" and "turn refused" in x["message"] and "InvalidRequest" in x["message"]
+               for x in refused)  # fmt: skip
+    assert "quick brown fox" not in json_log.getvalue()  # no prompt text
+
+
+def test_json_logs_without_python_json_logger(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pythonjsonlogger.json", None)  # an edge-only install
+    buf = io.StringIO()
+    root = logging.getLogger()
+    level = root.level
+    handler = setup_logging("json", "INFO", stream=buf)
+    try:
+        with bind_request("r1", ""):
+            logging.getLogger("tandem.test").info("hello %s", "world", extra={"tokens": 3})
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    line = json.loads(buf.getvalue())
+    assert line.pop("time").endswith("+00:00")
+    assert line == {"level": "INFO", "logger": "tandem.test", "message": "hello world", "request_id": "r1", "tokens": 3}
+
+
+def test_text_logs_carry_the_ids_and_ids_are_printable():
+    buf = io.StringIO()
+    root = logging.getLogger()
+    level = root.level
+    handler = setup_logging("text", "INFO", stream=buf)
+    try:
+        with bind_request("r1\nforged line", "s1"):
+            logging.getLogger("tandem.test").info("hello %s", "world")
+        logging.getLogger("tandem.test").info("outside")
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    first, second = buf.getvalue().splitlines()
+    assert first.endswith("tandem.test INFO [request_id=r1?forged line session_id=s1] hello world")
+    assert second.endswith("tandem.test INFO outside")
+
+
+async def test_a_turn_takes_the_request_id_its_caller_bound_unless_a_turn_in_flight_has_it():
+    toy = await toy_stack()
+    seen: list[str] = []
+    run_turn = toy.gateway.run_turn
+
+    def spy(header, *a, **k):
+        seen.append(header.request_id)
+        return run_turn(header, *a, **k)
+
+    toy.gateway.run_turn = spy  # type: ignore[method-assign]
+    try:
+        with bind_request("call-1", ""):
+            await run(toy.edge, turn("hi"))
+            await asyncio.gather(run(toy.edge, turn("a")), run(toy.edge, turn("b")))
+    finally:
+        await toy.batcher.stop()
+    assert seen[0] == "call-1" and len(set(seen[1:])) == 2 and "call-1" in seen[1:]
+
+
+@pytest.fixture
+def spans():
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    assert tracing.setup_tracing(True, "tandem-test", exporter=exporter)
+    try:
+        yield exporter
+    finally:
+        tracing.setup_tracing(False, "tandem-test")
+
+
+async def test_tracing_on_gives_one_span_per_stage(spans):
+    toy = await toy_stack()
+    try:
+        await run(toy.edge, turn(LONG, "s-trace"))
+    finally:
+        await toy.batcher.stop()
+    finished = spans.get_finished_spans()
+    by_name = {s.name: s for s in finished}
+    assert STAGES | {"edge_turn", "cloud_turn", "cloud_decode"} <= set(by_name)
+    assert len({s.context.trace_id for s in finished}) == 1  # in process, the cloud's turn nests in the edge's
+    root, cloud = by_name["edge_turn"], by_name["cloud_turn"]
+    assert root.parent is None and cloud.parent.span_id == root.context.span_id
+    for name in ("tokenize", "edge_head", "encode", "uplink"):
+        assert by_name[name].parent.span_id == root.context.span_id
+    for name in ("cloud_upload", "cloud_store_put", "cloud_tail_prefill", "cloud_decode"):
+        assert by_name[name].parent.span_id == cloud.context.span_id
+    assert root.attributes["mode"] == "split" and root.attributes["session_id"] == "s-trace"
+
+
+async def test_tracing_off_creates_no_spans(monkeypatch):
+    from opentelemetry.sdk.trace import Tracer
+
+    def no_spans(*a, **k):
+        raise AssertionError("a span was created with tracing off")
+
+    monkeypatch.setattr(Tracer, "start_span", no_spans)
+    monkeypatch.setattr(Tracer, "start_as_current_span", no_spans)
+    tracing.setup_tracing(False, "tandem-test")
+    assert tracing.span("x") is tracing.span("y")  # the shared no-op
+    toy = await toy_stack()
+    try:
+        await run(toy.edge, turn(LONG, "s-off"))
+    finally:
+        await toy.batcher.stop()
