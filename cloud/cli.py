@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = parse_command_line(CloudConfig, PROG, argv, description=__doc__ or "")
     cfg = run.settings
     check_split_dir(cfg.split_dir, ("tail_checkpoint", "full_checkpoint"))
-    setup_observability(cfg)
+    setup_observability(cfg, PROG)
     return asyncio.run(serve(cfg, run.ready_file, cfg.drain_grace_s))
 
 

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 from tandem.cloud.config import CloudConfig
+from tandem.common import metrics
 from tandem.common.errors import EngineError
 from tandem.common.kvparams import KVTransferSpec
 from tandem.common.manifest import SplitManifest
@@ -121,7 +122,9 @@ def _engine(model: Path, cfg: CloudConfig, role: str, layer_offset: int, prompt_
         disable_log_stats=False,
         kv_transfer_config=KVTransferConfig(**_kv_transfer(cfg, role, layer_offset)),
     )
-    return AsyncLLM.from_engine_args(args)
+    # vLLM's Prometheus logger unregisters the vllm: metrics at every engine start; this one keeps
+    # one shared family per name, so both engines are exported (told apart by model_name)
+    return AsyncLLM.from_engine_args(args, stat_loggers=metrics.vllm_stat_loggers())
 
 
 def to_vllm_sampling(s: Sampling, max_tokens: int | None = None, kv: KVTransferSpec | None = None):

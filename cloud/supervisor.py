@@ -25,6 +25,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol, runtime_checkable
 
+from tandem.common import metrics
+
 log = logging.getLogger("tandem.supervisor")
 
 
@@ -98,6 +100,7 @@ class EngineSupervisor:
                 ok = False
             if ok:
                 self.restarts += 1
+                metrics.record_engine_restart()
                 await self.set_serving(True)
                 log.warning("engines restarted: health SERVING")
                 return True

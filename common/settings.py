@@ -307,15 +307,18 @@ def check_split_dir(split_dir: Path, parts: Sequence[str]) -> None:
             raise UserError(f"split dir {split_dir}: {part} {path} is missing")
 
 
-def setup_observability(settings: Any) -> None:
-    """Logging (``log_format``, ``log_level``) and, when ``metrics_port`` is set, the metrics endpoint.
+def setup_observability(settings: Any, service_name: str) -> None:
+    """Logging (``log_format``, ``log_level``), OpenTelemetry spans when ``otel_enabled`` (named
+    ``service_name``, to ``otel_endpoint``), and the metrics endpoint when ``metrics_port`` is set.
 
     Raises:
         UserError: the metrics endpoint cannot start.
     """
     from tandem.common.logs import setup_logging
+    from tandem.common.tracing import setup_tracing
 
     setup_logging(settings.log_format, settings.log_level)
+    setup_tracing(settings.otel_enabled, service_name, settings.otel_endpoint)
     if settings.metrics_port:
         try:
             from tandem.common.metrics import start_metrics_server

@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = parse_command_line(EdgeConfig, PROG, argv, description=__doc__ or "")
     cfg = run.settings
     check_split_dir(cfg.split_dir, ("head_onnx", "tokenizer_path"))
-    setup_observability(cfg)
+    setup_observability(cfg, PROG)
     asyncio.run(serve(cfg, run.ready_file, cfg.drain_grace_s))
     return 0
 
