@@ -282,3 +282,32 @@ async def test_messages_beyond_the_largest_legal_one_are_refused_by_grpc(cloud):
                 pass
         assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert cloud.gateway.max_message_bytes() < 64 << 10
+
+
+async def test_a_draining_edge_refuses_new_turns_and_finishes_those_in_flight(cloud):
+    """Issue 8 item 4 (edge side): on stop the edge goes NOT_SERVING, a turn in flight completes,
+    a new one gets UNAVAILABLE with a retry hint."""
+    from tandem import AsyncClient, Unavailable
+    from tandem.edge.server import EDGE_SERVICE, EdgeServicer
+
+    cloud.engines.step_delay_s = 0.05
+    edge = await edge_to(f"127.0.0.1:{cloud.port}")
+    servicer = EdgeServicer(edge, "toy")
+    server, port, _ = await start_server(
+        [lambda s: pb_grpc.add_EdgeServicer_to_server(servicer, s)], [EDGE_SERVICE], "127.0.0.1", 0, 1 << 20
+    )
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}") as c:
+            in_flight = asyncio.create_task(c.complete([{"role": "user", "content": "hello"}], max_new_tokens=20))
+            await asyncio.sleep(0.3)
+            servicer.draining = True  # what EdgeDaemon.stop does before server.stop(grace)
+            with pytest.raises(Unavailable) as e:
+                await c.complete([{"role": "user", "content": "hello again"}], max_new_tokens=2)
+            assert "draining" in e.value.details and e.value.retry_after_s == 2.0
+            assert not in_flight.done()
+            await server.stop(10)  # the grace lets the turn in flight finish
+            done = await in_flight
+            assert done.output_tokens == 20
+    finally:
+        cloud.engines.step_delay_s = 0.0
+        await close_edge(edge)
