@@ -24,6 +24,7 @@ from typing import Annotated
 
 import numpy as np
 import typer
+
 from tandem.benchmarks.workload import make_prompts
 from tandem.common.chat import prompt_token_ids
 

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from tandem.benchmarks import links as linkmod
 from tandem.benchmarks.workload import BenchPrompt, make_prompts
 from tandem.common.chat import prompt_token_ids
-
 from tandem.daemons import Daemon, Daemons, cloud_command, edge_command
 
 app = typer.Typer(add_completion=False, help=__doc__)
@@ -223,9 +223,10 @@ def main(
 ) -> None:
     """Run the benchmark matrix and write records, tables and plots."""
     args = {k: str(v) if isinstance(v, Path) else v for k, v in locals().items()}
-    from tandem.benchmarks import netns, report
     from tqdm import tqdm
     from transformers import AutoTokenizer
+
+    from tandem.benchmarks import netns, report
 
     if shaper == "auto":
         shaper = "netns" if netns.available() else "proxy"

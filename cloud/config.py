@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import SettingsConfigDict
+
 from tandem.common.settings import Bytes, DaemonSettings, LogFormat, LogLevel, OptionalStr, Port, enum_by_name, gib, mib
 from tandem.common.wire import Codec, WireDtype
 

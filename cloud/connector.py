@@ -39,15 +39,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tandem.cloud.kv_layout import layout_for
-from tandem.common.kvblocks import LayerRange, block_nbytes
-from tandem.common.kvparams import KVTransferSpec
-from tandem.common.kvstore import DiskBlockStore
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+from tandem.cloud.kv_layout import layout_for
+from tandem.common.kvblocks import LayerRange, block_nbytes
+from tandem.common.kvparams import KVTransferSpec
+from tandem.common.kvstore import DiskBlockStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
 from tandem.cloud.config import CloudConfig
 from tandem.common import metrics
 from tandem.common.errors import EngineError

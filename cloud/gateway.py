@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import numpy as np
+
 from tandem.cloud.admission import UploadBudget
 from tandem.cloud.config import CloudConfig
 from tandem.cloud.engines import EngineBackend, TailResult
@@ -32,7 +33,6 @@ from tandem.common.manifest import SplitManifest
 from tandem.common.messages import Commit, DownEvent, KVBlock, Nack, Repair, TokensOut, TurnFinal, TurnHeader, UploadAck
 from tandem.common.params import LinkParams, NegotiateOffer, Sampling
 from tandem.common.tracing import span, traced
-
 from tandem.stages import Stage, Timings
 
 UplinkBody = wire.Chunk | KVBlock | Commit

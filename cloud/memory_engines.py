@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import blake3
 import numpy as np
+
 from tandem.cloud.engines import DecodeStep, TailResult
 from tandem.common.errors import EngineError
 from tandem.common.kvparams import KVTransferSpec

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health
+
 from tandem.cloud.config import CloudConfig
 from tandem.cloud.engines import EngineBackend
 from tandem.cloud.gateway import Gateway
@@ -15,7 +16,6 @@ from tandem.cloud.supervisor import EngineSupervisor, SupervisedEngines
 from tandem.common.grpcsetup import set_health, start_server
 from tandem.common.kvstore import DiskBlockStore
 from tandem.common.manifest import SplitManifest
-
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 

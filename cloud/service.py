@@ -16,13 +16,13 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+
 from tandem.cloud.gateway import Gateway, UplinkBody
 from tandem.common.errors import InvalidRequest, TandemError
 from tandem.common.grpc_errors import abort
 from tandem.common.logs import set_ids
 from tandem.common.messages import TurnError, TurnHeader, downlink_to_pb, uplink_from_pb
 from tandem.common.params import NegotiateOffer
-
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 

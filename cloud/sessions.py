@@ -15,6 +15,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from tandem.common.lru import BoundedLRU
 
 

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from tandem.cloud.sessions import CloudSession
 from tandem.common import merkle, wire
 from tandem.common.errors import (

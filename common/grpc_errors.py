@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+
 from tandem.common import errors as e
 
 STATUS_OF: dict[type[e.TandemError], grpc.StatusCode] = {

@@ -18,8 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from tandem.common.head_io import io_names
 from torch import nn
+
+from tandem.common.head_io import io_names
 
 __all__ = ["EdgeFull", "EdgeHead", "HeadAttention", "HeadLayer", "io_names"]  # io_names: see common.head_io
 

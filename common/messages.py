@@ -17,7 +17,6 @@ from typing import Any
 from tandem.common import wire
 from tandem.common.errors import InvalidRequest, TandemError, error_from_name
 from tandem.common.params import Sampling
-
 from tandem.pbconv import from_pb, to_pb
 from tandem.stages import Timings, timings_from_wire, timings_to_wire
 from tandem.v1 import tandem_pb2 as pb

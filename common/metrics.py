@@ -42,8 +42,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
-from tandem.common.logs import outcome_of
 
+from tandem.common.logs import outcome_of
 from tandem.stages import Stage
 
 # vLLM's bucket families (vllm/v1/metrics/buckets.py), copied: the edge does not install vLLM.

@@ -36,6 +36,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+
 from tandem.common.manifest import (
     MANIFEST_NAME,
     BundleFile,
@@ -224,9 +225,10 @@ def export_head(src: Path, out: Path, k: int, full: bool = False) -> Path:
     Dynamic axes: batch ``Bt``, new tokens ``T``, past ``P`` (see ``common.head_model.EdgeHead``).
     """
     import torch
+    from transformers import AutoModelForCausalLM
+
     from tandem.common.head_io import io_names
     from tandem.common.head_model import EdgeFull, EdgeHead
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     head = (EdgeFull(model) if full else EdgeHead(model, k)).eval()

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.common.wire import Codec, WireDtype, pb_name
-
 from tandem.pbconv import from_pb, to_pb
 from tandem.v1 import tandem_pb2 as pb
 

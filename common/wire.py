@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import google_crc32c
 import numpy as np
 import zstandard
+
 from tandem.common.errors import ChecksumMismatch, CorruptPayload, InvalidRequest
 
 

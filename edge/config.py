@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
+
 from tandem.common.settings import Bytes, DaemonSettings, LogFormat, LogLevel, OptionalPort, OptionalStr, Port, mib
 
 DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from tandem.common.errors import InvalidRequest
 from tandem.common.params import MAX_STOP_TOKENS, Sampling
 from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
-
 from tandem.pbconv import to_pb
 from tandem.stages import Timings, timings_to_wire
 from tandem.v1 import tandem_pb2 as pb

@@ -16,11 +16,11 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 import grpc
+
 from tandem.common.grpc_errors import error_from_status
 from tandem.common.grpcsetup import channel_options
 from tandem.common.messages import DownEvent, TurnError, UplinkItem, downlink_from_pb, uplink_to_pb
 from tandem.common.params import LinkParams, NegotiateOffer
-
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
 from tandem.common.errors import InvalidRequest
 from tandem.common.head_io import io_names
 from tandem.common.manifest import SplitManifest

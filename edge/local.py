@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from tandem.common.head_io import io_names
 from tandem.common.manifest import ModelShape
 
@@ -27,6 +28,7 @@ class LocalGenerator:
 
     def __init__(self, onnx_path: Path, shape: ModelShape, intra_op_threads: int = 0) -> None:
         import onnxruntime as ort
+
         from tandem.edge.head_runner import default_providers
 
         opts = ort.SessionOptions()

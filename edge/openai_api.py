@@ -81,13 +81,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
+
 from tandem.common import errors as e
 from tandem.common.logs import set_ids
 from tandem.common.params import MAX_STOP_TOKENS, Sampling
 from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.service import EdgeService
-
 from tandem.stages import timings_to_wire
 
 log = logging.getLogger("tandem.edge.openai")

@@ -16,6 +16,8 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tandem import __version__
 from tandem.common.errors import EngineError, TandemError
 from tandem.common.grpc_errors import abort
 from tandem.common.grpcsetup import set_health, start_server
@@ -30,8 +32,6 @@ from tandem.edge.grpc_link import GrpcCloudLink
 from tandem.edge.head_runner import OnnxHead
 from tandem.edge.service import EdgeService
 from tandem.edge.session import EdgeSessions
-
-from tandem import __version__
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 

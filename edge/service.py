@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from tandem.common import merkle, metrics, wire
 from tandem.common.chat import prompt_token_ids
 from tandem.common.errors import DeadlineExceeded, InvalidRequest, SessionOutOfSync
@@ -32,7 +33,6 @@ from tandem.edge.head_runner import HeadInput
 from tandem.edge.link import CloudLink
 from tandem.edge.session import EdgeSession, EdgeSessions
 from tandem.edge.uplink import OutgoingTurn, stream_turn
-
 from tandem.stages import Stage, Timings
 
 log = logging.getLogger("tandem.edge")

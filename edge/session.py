@@ -17,6 +17,7 @@ import asyncio
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
+
 from tandem.common.lru import BoundedLRU
 
 

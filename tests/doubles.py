@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from tandem.cloud.config import CloudConfig, EngineConfig
 from tandem.cloud.gateway import Gateway
 from tandem.cloud.memory_engines import MemoryEngines

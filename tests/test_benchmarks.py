@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tandem.benchmarks.bench import RequestRecord
 from tandem.benchmarks.linkproxy import LinkProxy
 from tandem.benchmarks.links import PROFILES, LinkProfile, get
-
 from tandem.stages import Stage
 
 

@@ -10,6 +10,7 @@ import contextlib
 import grpc
 import numpy as np
 import pytest
+
 from tandem.cloud.gateway import Gateway
 from tandem.cloud.memory_engines import MemoryEngines
 from tandem.cloud.service import CloudServicer
@@ -24,7 +25,6 @@ from tandem.edge.grpc_link import GrpcCloudLink
 from tandem.edge.head_runner import MemoryHead
 from tandem.edge.service import EdgeService
 from tandem.edge.session import EdgeSessions
-
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.doubles import HKV, MANIFEST, VOCAB, B, D, H, K, TamperLink, ToyTokenizer, cloud_config, rechunk
@@ -230,6 +230,7 @@ async def test_a_cloud_that_stops_answering_fails_the_turn_within_the_keepalive_
 async def test_edge_health_follows_the_clouds(cloud):
     """Issue 12 item 6 (edge side): the edge says NOT_SERVING while its cloud is not serving or gone."""
     from grpc_health.v1 import health, health_pb2
+
     from tandem.common.grpcsetup import set_health
     from tandem.edge.server import EDGE_SERVICE, follow_cloud_health
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 from pydantic import ByteSize, ValidationError
+
+from tandem import __version__
 from tandem.cloud.config import CloudConfig, EngineConfig
 from tandem.common.settings import (
     ConfigFileError,
@@ -21,8 +23,6 @@ from tandem.common.settings import (
 )
 from tandem.common.wire import Codec, WireDtype
 from tandem.edge.config import EdgeConfig
-
-from tandem import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

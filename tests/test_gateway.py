@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+
 from tandem.common import wire
 from tandem.common.errors import DeadlineExceeded, InvalidRequest, QuotaExceeded, SessionOutOfSync, UploadTimeout
 from tandem.common.messages import Commit, KVBlock, TurnHeader
@@ -16,7 +17,6 @@ from tandem.common.params import Sampling
 from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.head_runner import HeadInput
 from tandem.edge.service import TurnClock
-
 from tandem.stages import Stage
 from tests.doubles import B, H, TamperLink, ToyTokenizer, rechunk, toy_stack
 

@@ -4,6 +4,7 @@ batches, with and without past KV. fp32; tolerance relative to the activation sc
 import numpy as np
 import pytest
 import torch
+
 from tandem.edge.head_runner import HeadInput, OnnxHead
 
 RTOL = 2e-5  # max |ort - hf| / max |hf|; measured ~5e-6 for h_4 of SmolLM2 on CPU

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from tandem.common.manifest import BundleManifest, ModelShape, SplitManifest
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,6 +4,7 @@ import multiprocessing as mp
 
 import numpy as np
 import pytest
+
 from tandem.common.kvblocks import LayerRange, block_hashes, hash_seed, part_key, split_blocks
 from tandem.common.kvstore import DiskBlockStore, MemoryBlockStore
 

@@ -10,6 +10,7 @@ import random
 
 import blake3
 import pytest
+
 from tandem.common import merkle
 
 HASHERS = [merkle.BLAKE3, merkle.SHA256]

@@ -15,13 +15,13 @@ from dataclasses import replace
 
 import pytest
 from prometheus_client import REGISTRY, Gauge
+
 from tandem.common import metrics, tracing, wire
 from tandem.common.errors import InvalidRequest
 from tandem.common.logs import bind_request, setup_logging
 from tandem.common.messages import KVBlock
 from tandem.common.params import Sampling
 from tandem.edge.events import ChatTurn, TurnDone
-
 from tests.doubles import TamperLink, toy_stack
 
 LONG = "The quick brown fox jumps over the lazy dog, again and again, " * 3  # ~200 tokens

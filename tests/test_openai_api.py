@@ -10,13 +10,13 @@ import time
 import httpx
 import openai
 import pytest
+
 from tandem.edge.openai_api import (
     conversation_session_id,
     create_openai_app,
     serve_openai,
     stop_openai,
 )
-
 from tests.doubles import toy_stack
 
 KEY = "sk-tandem-test"

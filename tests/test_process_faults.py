@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tandem.common.grpcsetup import channel_options
 
+from tandem.common.grpcsetup import channel_options
 from tandem.daemons import Daemon, cloud_command
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc

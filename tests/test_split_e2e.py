@@ -14,11 +14,11 @@ import grpc
 import numpy as np
 import pytest
 import torch
+
+from tandem import AsyncClient, TandemClientError
 from tandem.common import wire
 from tandem.common.chat import prompt_token_ids
 from tandem.common.messages import KVBlock
-
-from tandem import AsyncClient, TandemClientError
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.doubles import TamperLink, rechunk

@@ -12,6 +12,7 @@ import time
 
 import grpc
 import pytest
+
 from tandem.cloud.supervisor import EngineSupervisor
 from tandem.common.errors import EngineError
 from tandem.common.grpcsetup import channel_options, start_server

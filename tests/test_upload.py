@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from tandem.cloud.sessions import CloudSession, SessionTable
 from tandem.cloud.upload import TurnUpload, check_header
 from tandem.common import merkle, wire

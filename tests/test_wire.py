@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import zstandard
+
 from tandem.common import wire
 from tandem.common.errors import ChecksumMismatch, CorruptPayload, InvalidRequest
 
