@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
@@ -72,6 +73,9 @@ class Turn:
     timings: Timings = field(default_factory=dict)
     received_bytes: dict[str, int] = field(default_factory=dict)
     t_engine: float | None = None  # when its first engine request started (queue time)
+    # the engines' request id: the cloud's own, so that an id from the wire can never name (and
+    # collide with or abort) another edge's request inside vLLM; logs carry both
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def time(self, stage: Stage, t0: float) -> None:
         self.timings[stage] = (time.perf_counter() - t0) * 1e3
@@ -154,6 +158,7 @@ class Gateway:
             metrics.cloud_turn(mode, turn),
             span("cloud_turn", mode=mode, request_id=header.request_id, session_id=header.session_id),
         ):
+            done_fields.update(engine_id=turn.engine_id)
             async for ev in self._run(turn, uplink, peer):
                 if isinstance(ev, TurnFinal):
                     done_fields.update(
@@ -296,7 +301,7 @@ class Gateway:
         try:
             async with asyncio.timeout_at(turn.deadline):
                 tail = await self.engines.tail_prefill(
-                    turn.header.request_id, hidden, KVTransferSpec(loads=(part,), save=part), turn.header.sampling
+                    turn.engine_id, hidden, KVTransferSpec(loads=(part,), save=part), turn.header.sampling
                 )
         except TimeoutError:
             raise DeadlineExceeded("deadline passed during the tail prefill") from None
@@ -311,7 +316,7 @@ class Gateway:
         t0 = time.perf_counter()
         turn.engine_start()
         n = first_index
-        steps = self.engines.decode(turn.header.request_id, ids, kv, sampling)
+        steps = self.engines.decode(turn.engine_id, ids, kv, sampling)
         async for step in bounded(steps, turn.deadline, lambda: DeadlineExceeded("deadline passed while decoding")):
             if step.token_ids:
                 if n == first_index:
