@@ -64,7 +64,7 @@ async def test_sigterm_drains_and_exits_cleanly(split_dir, tmp_path):
                     pass
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             n = len(first.tokens.token_ids)
-            async for m in call:
+            while (m := await call.read()) is not grpc.aio.EOF:
                 if m.WhichOneof("msg") == "tokens":
                     n += len(m.tokens.token_ids)
             assert n == 48  # the call in flight finished
