@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import SettingsConfigDict
 
-from tandem.common.settings import Bytes, DaemonSettings, LogFormat, LogLevel, OptionalStr, Port, enum_by_name, gib, mib
+from tandem.common.settings import Bytes, DaemonSettings, Port, enum_by_name, gib, mib
 from tandem.common.wire import Codec, WireDtype
 
 DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
@@ -99,20 +99,4 @@ class CloudConfig(DaemonSettings):
     max_sessions: int = Field(default=256, ge=1, description="Multi-turn sessions kept (LRU beyond).")
     session_bytes: Bytes = Field(
         default=gib(1), description="Activations kept for multi-turn sessions, all together, in bytes."
-    )
-    drain_grace_s: float = Field(
-        default=30.0,
-        ge=0,
-        description="Seconds calls in flight may take to finish after SIGTERM/SIGINT before the stop.",
-    )
-    log_format: LogFormat = Field(default="text", description="Log lines as text or as one JSON object per line.")
-    log_level: LogLevel = Field(default="INFO", description="Least severe level logged: DEBUG, INFO, WARNING, ERROR.")
-    metrics_host: str = Field(default="127.0.0.1", description="Bind address of the Prometheus metrics endpoint.")
-    metrics_port: Port = Field(
-        default=0, description="Port of the Prometheus metrics endpoint (HTTP); 0 = no endpoint."
-    )
-    otel_enabled: bool = Field(default=False, description="Export OpenTelemetry traces.")
-    otel_endpoint: OptionalStr = Field(
-        default=None,
-        description="OTLP endpoint of the trace exporter; `none` = the exporter's default (`OTEL_*` variables).",
     )

@@ -131,6 +131,24 @@ class DaemonSettings(BaseSettings):
         cli_parse_none_str="none",
     )
 
+    # shared by both daemons: drain, logs, metrics, traces
+    drain_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="Seconds requests in flight may take to finish after SIGTERM/SIGINT before the stop.",
+    )
+    log_format: LogFormat = Field(default="text", description="Log lines as text or as one JSON object per line.")
+    log_level: LogLevel = Field(default="INFO", description="Least severe level logged: DEBUG, INFO, WARNING, ERROR.")
+    metrics_host: str = Field(default="127.0.0.1", description="Bind address of the Prometheus metrics endpoint.")
+    metrics_port: Port = Field(
+        default=0, description="Port of the Prometheus metrics endpoint (HTTP); 0 = no endpoint."
+    )
+    otel_enabled: bool = Field(default=False, description="Export OpenTelemetry traces.")
+    otel_endpoint: OptionalStr = Field(
+        default=None,
+        description="OTLP endpoint of the trace exporter; `none` = the exporter's default (`OTEL_*` variables).",
+    )
+
     @classmethod
     def settings_customise_sources(
         cls,

@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from tandem.common.settings import Bytes, DaemonSettings, LogFormat, LogLevel, OptionalPort, OptionalStr, Port, mib
+from tandem.common.settings import Bytes, DaemonSettings, OptionalPort, Port, mib
 
 DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
 
@@ -71,20 +71,4 @@ class EdgeConfig(DaemonSettings):
         default_factory=list,
         description="Bearer tokens the HTTP API accepts (any of them); empty = no authentication. Prefer the "
         'environment (`TANDEM_EDGE_HTTP_API_KEYS=\'["k1","k2"]\'`) or the config file over a flag.',
-    )
-    drain_grace_s: float = Field(
-        default=30.0,
-        ge=0,
-        description="Seconds turns in flight may take to finish after SIGTERM/SIGINT before the stop.",
-    )
-    log_format: LogFormat = Field(default="text", description="Log lines as text or as one JSON object per line.")
-    log_level: LogLevel = Field(default="INFO", description="Least severe level logged: DEBUG, INFO, WARNING, ERROR.")
-    metrics_host: str = Field(default="127.0.0.1", description="Bind address of the Prometheus metrics endpoint.")
-    metrics_port: Port = Field(
-        default=0, description="Port of the Prometheus metrics endpoint (HTTP); 0 = no endpoint."
-    )
-    otel_enabled: bool = Field(default=False, description="Export OpenTelemetry traces.")
-    otel_endpoint: OptionalStr = Field(
-        default=None,
-        description="OTLP endpoint of the trace exporter; `none` = the exporter's default (`OTEL_*` variables).",
     )
