@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from tandem.cloud.gateway import Gateway, UplinkBody
-from tandem.common.errors import InvalidRequest, TandemError
+from tandem.common.errors import InvalidRequest, TandemError, UploadTimeout
 from tandem.common.grpc_errors import abort
 from tandem.common.logs import set_ids
 from tandem.common.messages import TurnError, TurnHeader, downlink_to_pb, uplink_from_pb
@@ -76,7 +76,11 @@ class CloudServicer(pb_grpc.CloudServicer):
     async def Generate(self, request_iterator: AsyncIterator[pb.Uplink], context: grpc.aio.ServicerContext):
         it = request_iterator.__aiter__()
         try:
-            first = uplink_from_pb(await it.__anext__())
+            try:
+                async with asyncio.timeout(self.gateway.cfg.upload_timeout_s):
+                    first = uplink_from_pb(await it.__anext__())
+            except TimeoutError:
+                raise UploadTimeout("no request header within the upload timeout") from None
             if not isinstance(first, TurnHeader):
                 raise InvalidRequest("the first uplink message must be a header")
             set_ids(first.request_id, first.session_id)  # this call's own task: every line of it carries them

@@ -12,7 +12,6 @@ whole upload verified (``apply_to``), so a bad request never corrupts other stat
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +29,7 @@ from tandem.common.errors import (
 from tandem.common.kvblocks import LayerRange, block_hashes, block_nbytes
 from tandem.common.manifest import SplitManifest
 from tandem.common.messages import KVBlock, TurnHeader
-from tandem.common.params import MAX_STOP_TOKENS, LinkParams
+from tandem.common.params import MAX_STOP_TOKENS, MAX_TEMPERATURE, LinkParams
 
 MAX_ID_BYTES = 128
 
@@ -53,7 +52,7 @@ def check_header(h: TurnHeader, params: LinkParams, manifest: SplitManifest) -> 
     s = h.sampling
     if not 0 < s.max_new_tokens <= params.max_new_tokens:
         raise InvalidRequest(f"max_new_tokens {s.max_new_tokens}; allowed 1..{params.max_new_tokens}")
-    if not math.isfinite(s.temperature) or s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
+    if not 0 <= s.temperature <= MAX_TEMPERATURE or not 0 < s.top_p <= 1 or s.top_k < 0:
         raise InvalidRequest(f"bad sampling: temperature={s.temperature} top_p={s.top_p} top_k={s.top_k}")
     if len(s.stop_token_ids) > MAX_STOP_TOKENS or any(x >= vocab for x in s.stop_token_ids):
         raise InvalidRequest(f"stop_token_ids: at most {MAX_STOP_TOKENS}, each below the vocabulary size {vocab}")

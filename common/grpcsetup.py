@@ -49,6 +49,9 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        # a port already in use is an error, never silently shared with another process (gRPC
+        # sets SO_REUSEPORT by default: two daemons on one port would split the connections)
+        ("grpc.so_reuseport", 0),
         *SERVER_KEEPALIVE_OPTIONS,
     ]
 
@@ -68,6 +71,10 @@ def channel_options(
         ("grpc.http2.ping_timeout_ms", max(1, round(keepalive_timeout_s * 1e3))),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # reconnect within about a second once the peer is back (gRPC's default backoff grows to 120 s)
+        ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.min_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 

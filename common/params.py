@@ -13,6 +13,7 @@ from tandem.pbconv import from_pb, to_pb
 from tandem.v1 import tandem_pb2 as pb
 
 MAX_STOP_TOKENS = 64  # stop token ids one request may name
+MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more (and OpenAI's API allows 0..2)
 
 
 @dataclass(frozen=True)

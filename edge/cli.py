@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from tandem.common.errors import TandemError
 from tandem.common.settings import check_split_dir, parse_command_line, run_cli, setup_observability
 from tandem.edge.config import EdgeConfig
 
@@ -52,7 +53,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = run.settings
     check_split_dir(cfg.split_dir, ("head_onnx", "tokenizer_path"))
     setup_observability(cfg, PROG)
-    asyncio.run(serve(cfg, run.ready_file, cfg.drain_grace_s))
+    try:
+        asyncio.run(serve(cfg, run.ready_file, cfg.drain_grace_s))
+    except (TandemError, OSError, RuntimeError) as e:  # start-up: cloud unreachable or refused, port in use
+        print(f"{PROG}: error: cannot start: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        return 1
     return 0
 
 

@@ -5,11 +5,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from tandem.common.errors import InvalidRequest
-from tandem.common.params import MAX_STOP_TOKENS, Sampling
+from tandem.common.params import MAX_STOP_TOKENS, MAX_TEMPERATURE, Sampling
 from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tandem.pbconv import to_pb
 from tandem.stages import Timings, timings_to_wire
@@ -38,7 +37,7 @@ class ChatTurn:
         if r.mode not in (pb.MODE_UNSPECIFIED, pb.MODE_SPLIT, pb.MODE_DIRECT):
             raise InvalidRequest(f"unknown mode {r.mode}")
         s = Sampling.from_pb(r.sampling) if r.HasField("sampling") else Sampling()
-        if not math.isfinite(s.temperature) or s.temperature < 0 or not 0 < s.top_p <= 1:
+        if not 0 <= s.temperature <= MAX_TEMPERATURE or not 0 < s.top_p <= 1 or s.top_k < 0:
             raise InvalidRequest(f"bad sampling: temperature={s.temperature} top_p={s.top_p}")
         if len(r.stop) > MAX_STOP_STRINGS or any(not 0 < len(x) <= MAX_STOP_CHARS for x in r.stop):
             raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of 1 to {MAX_STOP_CHARS} characters")

@@ -72,7 +72,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Annotated, Any, TypeVar, cast
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -135,6 +135,39 @@ def api_error_of(err: e.TandemError) -> ApiError:
     return ApiError(status, str(err) or type(err).__name__, type_, None, type(err).__name__)
 
 
+MAX_BODY_BYTES = 4 << 20  # as the edge's gRPC message limit: a conversation of a few MB of text
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` (announced or streamed) is answered 413 in
+    OpenAI's shape before it is buffered, so request size never sets the edge's memory."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._too_large(scope, receive, send)
+        seen = 0
+
+        async def limited() -> Any:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise ApiError(413, f"request body over {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+    async def _too_large(self, scope: Any, receive: Any, send: Any) -> None:
+        err = ApiError(413, f"request body over {self.max_bytes} bytes")
+        await _error_response(err)(scope, receive, send)
+
+
 def _error_response(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
@@ -182,9 +215,9 @@ class _Common(_Open):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM-style extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKENS)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**32 - 1)]] | None = Field(None, max_length=MAX_STOP_TOKENS)
     session_id: str | None = Field(None, max_length=128)
 
 
@@ -599,6 +632,7 @@ def create_openai_app(
     api = _Api(service, model_id, session_secret or secrets.token_bytes(32))
     app = FastAPI(title="tandem edge (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tandem = api
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     auth = Depends(_bearer_check(api_keys))
 
     @app.exception_handler(ApiError)

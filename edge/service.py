@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -59,6 +60,15 @@ class TurnClock:
             self.since(Stage.TTFT)
 
 
+def max_token_chars(tokenizer: Any, default: int = 64) -> int:
+    """Most characters one token of ``tokenizer`` stands for (its longest vocabulary entry; byte-level
+    BPE entries are one character per byte, so this bounds characters too); ``default`` if unknown."""
+    try:
+        return max(len(t) for t in tokenizer.get_vocab()) or default
+    except (AttributeError, TypeError, ValueError):
+        return default
+
+
 async def _acquire(lock: asyncio.Lock, timeout_s: float, session_id: str) -> None:
     """Raises DeadlineExceeded when another turn of the session holds ``lock`` past ``timeout_s``."""
     try:
@@ -86,6 +96,9 @@ class EdgeService:
         self.sessions = sessions
         self.model_key = compatibility_key
         self.turn_timeout_s = turn_timeout_s
+        # no text longer than this can fit in max_prompt_tokens: every token covers at most
+        # max_token_chars characters, so longer text is refused before it is tokenized
+        self.max_prompt_chars = params.max_prompt_tokens * max_token_chars(tokenizer)
         self._inflight: set[str] = set()  # request ids of the turns in flight
         metrics.watch_edge_sessions(sessions)
 
@@ -94,6 +107,9 @@ class EdgeService:
         """Prompt token ids. Raises InvalidRequest for an empty or too long prompt."""
         if turn.messages and turn.prompt:
             raise InvalidRequest("pass messages or a prompt, not both")
+        n_chars = len(turn.prompt) + sum(len(c) for _, c in turn.messages)
+        if n_chars > self.max_prompt_chars:
+            raise InvalidRequest(f"prompt of {n_chars} characters cannot fit in {self.params.max_prompt_tokens} tokens")
         messages = [{"role": r, "content": c} for r, c in turn.messages]
         ids = prompt_token_ids(self.tok, messages or None, turn.prompt or None)
         if not 0 < len(ids) <= self.params.max_prompt_tokens:
@@ -119,13 +135,22 @@ class EdgeService:
             metrics.edge_turn(mode, clock) as counts,
             span("edge_turn", mode=mode, request_id=rid, session_id=turn.session_id),
         ):
-            async for ev in self._chat(turn, clock, timeout_s):
-                if isinstance(ev, TurnDone):
-                    counts.update(
-                        prompt_tokens=ev.prompt_tokens, output_tokens=ev.output_tokens, head_tokens=ev.head_tokens
-                    )
-                    done_fields.update(counts, finish=ev.finish_reason, ttft_ms=round(ev.timings.get(Stage.TTFT, 0), 1))
-                yield ev
+            inner, finished = self._chat(turn, clock, timeout_s), False
+            try:
+                async for ev in inner:
+                    if isinstance(ev, TurnDone):
+                        counts.update(
+                            prompt_tokens=ev.prompt_tokens, output_tokens=ev.output_tokens, head_tokens=ev.head_tokens
+                        )
+                        done_fields.update(
+                            counts, finish=ev.finish_reason, ttft_ms=round(ev.timings.get(Stage.TTFT, 0), 1)
+                        )
+                        finished = True
+                    yield ev
+            except GeneratorExit:  # the consumer stopped reading: a cancel, unless the turn had finished
+                await inner.aclose()
+                if not finished:
+                    raise
 
     @contextlib.contextmanager
     def _turn_id(self, clock: TurnClock) -> Iterator[str]:

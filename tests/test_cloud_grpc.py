@@ -312,3 +312,9 @@ async def test_a_draining_edge_refuses_new_turns_and_finishes_those_in_flight(cl
     finally:
         cloud.engines.step_delay_s = 0.0
         await close_edge(edge)
+
+
+async def test_a_port_in_use_is_an_error_not_shared(cloud):
+    """Found by an attack run: gRPC's default SO_REUSEPORT let a second daemon share a bound port."""
+    with pytest.raises(RuntimeError, match="bind"):
+        await start_server([], ["tandem.v1.Cloud"], "127.0.0.1", cloud.port, 1 << 20)

@@ -344,3 +344,19 @@ async def test_zstd_payloads_must_be_exactly_one_frame_of_the_announced_size():
         assert done.sent_bytes["kv"] < 2 * done.prompt_tokens // B * (2 * 2 * 4 * B * 4)
     finally:
         await toy.batcher.stop()
+
+
+async def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(toy):
+    """Found by an attack run: the edge tokenized megabytes of text before checking the length."""
+    calls = []
+    tok = toy.edge.tok
+    orig = tok.apply_chat_template
+    tok.apply_chat_template = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        with pytest.raises(InvalidRequest, match="cannot fit"):
+            await run(toy.edge, turn("x" * (toy.edge.max_prompt_chars + 1)))
+        assert not calls
+        with pytest.raises(InvalidRequest, match="bad sampling"):
+            await run(toy.edge, replace(turn("hi"), sampling=Sampling(max_new_tokens=2, temperature=3.0)))
+    finally:
+        tok.apply_chat_template = orig

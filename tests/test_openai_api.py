@@ -278,3 +278,37 @@ async def test_a_client_that_disconnects_stops_the_turn(stack, client):
     r = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason == "length" and len(r.choices[0].message.content) == 4
     assert tandem_of(r)["session_id"]  # the conversation's session was released
+
+
+async def test_out_of_range_values_and_huge_bodies_are_400_and_413(stack, client):
+    """Found by an attack run: out-of-range integers were HTTP 500; a 30 MB body took gigabytes."""
+    import httpx
+
+    from tandem.common.metrics import REQUESTS
+
+    for extra in ({"stop_token_ids": [-1]}, {"stop_token_ids": [2**32]}, {"top_k": 2**31}):
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body=extra
+            )
+    with pytest.raises(openai.BadRequestError):
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=3)
+    _, port = stack
+    async with httpx.AsyncClient() as h:
+        big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (5 << 20)}]}
+        r = await h.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions", json=big, headers={"authorization": f"Bearer {KEY}"}
+        )
+        assert r.status_code == 413 and r.json()["error"]["message"]
+    # a stream read to its end counts as a completed turn, not a cancelled one
+    before = REQUESTS.labels("split", "ok")._value.get()
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "count"}], max_tokens=3, temperature=0, stream=True
+    )
+    async for _ in stream:
+        pass
+    for _ in range(50):
+        if REQUESTS.labels("split", "ok")._value.get() > before:
+            break
+        await asyncio.sleep(0.02)
+    assert REQUESTS.labels("split", "ok")._value.get() == before + 1
