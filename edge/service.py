@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,7 +168,7 @@ class EdgeService:
 
     async def _chat(
         self, turn: ChatTurn, clock: TurnClock, timeout_s: float | None
-    ) -> AsyncIterator[TextOut | TurnDone]:
+    ) -> AsyncGenerator[TextOut | TurnDone, None]:
         """The turn itself (``chat`` adds its request id, logs, metrics and span)."""
         timeout_s = self.turn_timeout_s if timeout_s is None else min(timeout_s, self.turn_timeout_s)
         ids = await asyncio.to_thread(self.tokenize, turn)  # long prompts must not stall other requests
