@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,17 +35,23 @@ class CloudServer:
     gateway: Gateway
     health: health.aio.HealthServicer
     supervisor: EngineSupervisor | None
+    servicer: CloudServicer
 
     async def set_serving(self, serving: bool) -> None:
         await set_health(self.health, serving, HEALTH_NAMES)
 
     async def stop(self, grace_s: float) -> None:
-        """NOT_SERVING first (clients stop sending), stop supervising, then ``server.stop(grace)``.
-        The engines are the caller's to shut down afterwards."""
+        """Drain: NOT_SERVING first, new turns refused with UNAVAILABLE, turns in flight finish for up
+        to ``grace_s`` (long-lived calls such as an edge's health watch do not hold the drain), then
+        stop supervising and stop the server. The engines are the caller's to shut down afterwards."""
         await self.set_serving(False)
+        self.servicer.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.servicer.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         if self.supervisor is not None:
             await self.supervisor.stop()
-        await self.server.stop(grace_s)
+        await self.server.stop(min(1.0, grace_s))
 
 
 async def create_cloud(
@@ -67,7 +75,7 @@ async def create_cloud(
         cfg.port,
         gateway.max_message_bytes(),  # the largest legal message under the link params
     )
-    cloud = CloudServer(server, port, gateway, hs, None)
+    cloud = CloudServer(server, port, gateway, hs, None, servicer)
     if isinstance(engines, SupervisedEngines):
         cloud.supervisor = EngineSupervisor(engines, cloud.set_serving, on_give_up=on_give_up)
         cloud.supervisor.start()

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from tandem.cloud.gateway import Gateway, UplinkBody
-from tandem.common.errors import InvalidRequest, TandemError, UploadTimeout
+from tandem.common.errors import EngineError, InvalidRequest, TandemError, UploadTimeout
 from tandem.common.grpc_errors import abort
 from tandem.common.logs import set_ids
 from tandem.common.messages import TurnError, TurnHeader, downlink_to_pb, uplink_from_pb
@@ -63,6 +63,8 @@ async def drain(it: AsyncIterator[pb.Uplink], timeout_s: float) -> None:
 class CloudServicer(pb_grpc.CloudServicer):
     def __init__(self, gateway: Gateway, cloud_id: str) -> None:
         self.gateway, self.cloud_id = gateway, cloud_id
+        self.draining = False  # set on stop: new turns get UNAVAILABLE, turns in flight finish
+        self.in_flight = 0  # Generate calls running
 
     async def Negotiate(self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -74,6 +76,16 @@ class CloudServicer(pb_grpc.CloudServicer):
         )
 
     async def Generate(self, request_iterator: AsyncIterator[pb.Uplink], context: grpc.aio.ServicerContext):
+        if self.draining:
+            await abort(context, EngineError("this cloud is draining (shutting down); retry on another replica"))
+        self.in_flight += 1
+        try:
+            async for m in self._generate(request_iterator, context):
+                yield m
+        finally:
+            self.in_flight -= 1
+
+    async def _generate(self, request_iterator: AsyncIterator[pb.Uplink], context: grpc.aio.ServicerContext):
         it = request_iterator.__aiter__()
         try:
             try:
