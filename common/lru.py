@@ -8,6 +8,7 @@ Single event loop; no locking of its own.
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Generic, Protocol, TypeVar
 
@@ -19,14 +20,14 @@ class Lockable(Protocol):
 V = TypeVar("V", bound=Lockable)
 
 
-class BoundedLRU(Generic[V]):
+class BoundedLRU(ABC, Generic[V]):
     def __init__(self, max_entries: int, max_bytes: int) -> None:
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self._s: OrderedDict[str, V] = OrderedDict()
 
+    @abstractmethod
     def entry_bytes(self, key: str, value: V) -> int:
-        """Bytes one entry holds (subclasses count what they keep)."""
-        raise NotImplementedError
+        """Bytes one entry holds (each table counts what it keeps)."""
 
     def peek(self, key: str) -> V | None:
         """The entry, marked most recently used; None if absent."""

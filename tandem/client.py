@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypedDict, TypeVar, Unpack
@@ -458,14 +459,15 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 S = TypeVar("S", bound=_StreamBase)
 
 
-class _ClientCore(Generic[S]):
+class _ClientCore(ABC, Generic[S]):
     """``chat()`` for both clients; a subclass supplies the stub and wraps the call in its stream."""
 
     _stub: pb_grpc.EdgeStub
     _timeout_s: float | None
 
+    @abstractmethod
     def _stream(self, call: Any) -> S:
-        raise NotImplementedError
+        """Wrap a started call in this client's (sync or async) stream."""
 
     @property
     def timeout_s(self) -> float | None:

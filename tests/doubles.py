@@ -24,27 +24,35 @@ from tandem.edge.service import EdgeService
 from tandem.edge.session import EdgeSessions
 
 K, HKV, D, H, B, VOCAB = 2, 1, 4, 8, 32, 1000
-MANIFEST = SplitManifest(
-    model_id="toy",
-    split_layer=K,
-    dtype="float32",
-    shape=ModelShape(
+
+
+def toy_manifest(vocab_size: int = VOCAB, max_position_embeddings: int = 4096) -> SplitManifest:
+    """A split manifest of the tiny model shape (K, HKV, D, H above); no files behind it."""
+    shape = ModelShape(
         num_layers=6,
         hidden_size=H,
         num_heads=2,
         num_kv_heads=HKV,
         head_dim=D,
-        vocab_size=VOCAB,
-        max_position_embeddings=4096,
-    ),
-    full_checkpoint="hf",
-    checkpoint_blake3="x",
-    head_onnx="h.onnx",
-    head_blake3="y",
-    tail_checkpoint="t",
-    tail_blake3="z",
-    onnx_opset=17,
-)
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+    )
+    return SplitManifest(
+        model_id="toy",
+        split_layer=K,
+        dtype="float32",
+        shape=shape,
+        full_checkpoint="hf",
+        checkpoint_blake3="x",
+        head_onnx="h.onnx",
+        head_blake3="y",
+        tail_checkpoint="t",
+        tail_blake3="z",
+        onnx_opset=17,
+    )
+
+
+MANIFEST = toy_manifest()
 
 
 class ToyTokenizer:

@@ -14,33 +14,13 @@ from tandem.common.errors import (
     SessionOutOfSync,
 )
 from tandem.common.kvblocks import block_hashes, hash_seed
-from tandem.common.manifest import ModelShape, SplitManifest
 from tandem.common.messages import KVBlock, TurnHeader
 from tandem.common.params import LinkParams, Sampling
+from tests.doubles import HKV, D, H, K, toy_manifest
 
-K, HKV, D, H, B = 2, 1, 4, 8, 4
+B = 4  # smaller blocks than the shared doubles' (32): prompts of a few tokens cover whole blocks
 SEED = hash_seed("unit", B)
-MANIFEST = SplitManifest(
-    model_id="m",
-    split_layer=K,
-    dtype="float32",
-    shape=ModelShape(
-        num_layers=6,
-        hidden_size=H,
-        num_heads=2,
-        num_kv_heads=HKV,
-        head_dim=D,
-        vocab_size=100,
-        max_position_embeddings=64,
-    ),
-    full_checkpoint="hf",
-    checkpoint_blake3="x",
-    head_onnx="h.onnx",
-    head_blake3="y",
-    tail_checkpoint="t",
-    tail_blake3="z",
-    onnx_opset=17,
-)
+MANIFEST = toy_manifest(vocab_size=100, max_position_embeddings=64)
 PARAMS = LinkParams(1, K, 3, wire.WireDtype.FP32, wire.Codec.NONE, 0, B, 8, 4, 64, 32, 16, H, 2)
 
 
