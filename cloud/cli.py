@@ -59,7 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line (raises ``UserError``), check the split directory, serve."""
     run = parse_command_line(CloudConfig, PROG, argv, description=__doc__ or "")
     cfg = run.settings
-    check_split_dir(cfg.split_dir, ("tail_checkpoint", "full_checkpoint"))
+    for d in (cfg.split_dir, *cfg.extra_split_dirs):
+        check_split_dir(d, ("tail_checkpoint", "full_checkpoint"))
     setup_observability(cfg, PROG)
     return asyncio.run(serve(cfg, run.ready_file, cfg.drain_grace_s))
 

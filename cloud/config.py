@@ -64,12 +64,26 @@ class CloudConfig(DaemonSettings):
     store_dir: Path = Field(default=Path("/tmp/tandem-kv"), description="Directory of the KV block store (diskcache).")
     store_bytes: Bytes = Field(default=gib(4), description="Bound of the KV block store in bytes (LRU beyond).")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
-    chunk_tokens: int = Field(default=64, ge=1, description="Tokens per activation chunk on the uplink.")
-    wire_dtype: WireDtypeSetting = Field(
-        default=WireDtype.FP32,
-        description="Activation dtype on the wire; fp32 keeps greedy output equal to the unsplit model.",
+    extra_split_dirs: list[Path] = Field(
+        default_factory=list,
+        description="More split directories of the same model at other split layers: one more tail engine each, "
+        "so edges with heads at those k can split too.",
     )
-    codec: CodecSetting = Field(default=Codec.NONE, description="Payload compression on the wire.")
+    chunk_tokens: int = Field(
+        default=64, ge=1, description="Tokens per activation chunk on a link whose goodput the edge has not measured."
+    )
+    max_chunk_tokens: int = Field(default=256, ge=1, description="Most tokens per activation chunk on any link.")
+    wire_dtypes: list[WireDtypeSetting] = Field(
+        default_factory=lambda: [WireDtype.FP32],
+        min_length=1,
+        description="Activation formats this cloud accepts (the edge's preferred one among them is used); "
+        "fp32 keeps greedy output equal to the unsplit model.",
+    )
+    codecs: list[CodecSetting] = Field(
+        default_factory=lambda: [Codec.NONE, Codec.ZSTD],
+        min_length=1,
+        description="Payload codecs this cloud accepts; the edge asks for zstd only where it shortens the transfer.",
+    )
     codec_level: int = Field(default=3, description="zstd compression level.")
     max_prompt_tokens: int = Field(default=1536, ge=1, description="Longest prompt accepted, in tokens.")
     max_new_tokens: int = Field(default=512, ge=1, description="Most output tokens of one turn.")
@@ -96,6 +110,20 @@ class CloudConfig(DaemonSettings):
         gt=0,
         description="Bound on |h_k| and |KV| values from the wire (real SmolLM2 values stay under 1e3).",
     )
+    max_links: int = Field(default=256, ge=1, description="Edge links kept (idle ones beyond are forgotten first).")
+    link_idle_s: float = Field(
+        default=60.0, gt=0, description="Seconds without a request after which a link no longer holds a share."
+    )
+    max_queue_per_link: int = Field(
+        default=32, ge=0, description="Requests of one link waiting for its share; beyond, RESOURCE_EXHAUSTED at once."
+    )
+    max_queue_wait_s: float = Field(
+        default=5.0, ge=0, description="Longest wait for a link's share before RESOURCE_EXHAUSTED (or the deadline)."
+    )
+    slo_interval_s: float = Field(
+        default=2.0, gt=0, description="Period of the p99 SLO controller that resizes each link's share."
+    )
+    slo_window_s: float = Field(default=10.0, gt=0, description="p99 latencies over the last this many seconds.")
     max_sessions: int = Field(default=256, ge=1, description="Multi-turn sessions kept (LRU beyond).")
     session_bytes: Bytes = Field(
         default=gib(1), description="Activations kept for multi-turn sessions, all together, in bytes."

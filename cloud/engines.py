@@ -76,7 +76,7 @@ class EngineBackend(Protocol):
     """
 
     async def tail_prefill(
-        self, request_id: str, hidden: np.ndarray, kv: KVTransferSpec, sampling: Sampling
+        self, request_id: str, split_layer: int, hidden: np.ndarray, kv: KVTransferSpec, sampling: Sampling
     ) -> TailResult: ...
 
     def decode(
@@ -159,35 +159,44 @@ class VllmEngines:
     Liveness for ``cloud.supervisor``: :meth:`is_alive`, :meth:`restart` and :attr:`closed`.
     """
 
-    ROLES = ("tail", "decode")
-
     def __init__(self, cfg: CloudConfig) -> None:
         self.cfg = cfg
         self.manifest = SplitManifest.load(cfg.split_dir)
-        self.tail_engine: Any = None
-        self.decode_engine: Any = None
+        # one tail engine per split layer served: the primary split and the extra ones
+        self.splits = {
+            m.split_layer: (m, d) for d in (cfg.split_dir, *cfg.extra_split_dirs) if (m := SplitManifest.load(d))
+        }
+        self.ROLES = (*(f"tail-k{k}" for k in sorted(self.splits)), "decode")
+        self._engines: dict[str, Any] = dict.fromkeys(self.ROLES)
         self._restarting = False
         self._closed = False
         self._lock = threading.Lock()  # _closed and the engine slots, against a restart thread
 
+    @property
+    def tail_engine(self) -> Any:
+        """The primary split's tail engine."""
+        return self._engines[f"tail-k{self.manifest.split_layer}"]
+
+    @property
+    def decode_engine(self) -> Any:
+        return self._engines["decode"]
+
     def _new_engine(self, role: str) -> Any:
         """Start one engine (blocking, about 20-60 s on CPU)."""
-        m, d = self.manifest, self.cfg.split_dir
-        if role == "tail":
+        if role.startswith("tail-k"):
+            m, d = self.splits[int(role.removeprefix("tail-k"))]
             return _engine(m.resolve(d, m.tail_checkpoint), self.cfg, "kv_both", m.split_layer, True)
+        m, d = self.manifest, self.cfg.split_dir
         return _engine(m.resolve(d, m.full_checkpoint), self.cfg, "kv_consumer", 0, False)
 
     def _get(self, role: str) -> Any:
-        return self.tail_engine if role == "tail" else self.decode_engine
+        return self._engines[role]
 
     def _set(self, role: str, engine: Any) -> None:
-        if role == "tail":
-            self.tail_engine = engine
-        else:
-            self.decode_engine = engine
+        self._engines[role] = engine
 
     def start(self) -> None:
-        """Start both engines (about 20-30 s each on CPU). Blocking."""
+        """Start every engine (about 20-30 s each on CPU). Blocking."""
         self._closed = False
         for role in self.ROLES:
             self._set(role, self._new_engine(role))
@@ -269,11 +278,13 @@ class VllmEngines:
         return e
 
     async def tail_prefill(
-        self, request_id: str, hidden: np.ndarray, kv: KVTransferSpec, sampling: Sampling
+        self, request_id: str, split_layer: int, hidden: np.ndarray, kv: KVTransferSpec, sampling: Sampling
     ) -> TailResult:
         import torch
 
-        engine = self._engine_for("tail")
+        if split_layer not in self.splits:
+            raise EngineError(f"no tail engine for split layer {split_layer}")
+        engine = self._engine_for(f"tail-k{split_layer}")
         t0 = time.perf_counter()
         sp = to_vllm_sampling(sampling, 1, kv)
         final = None

@@ -22,22 +22,45 @@ import numpy as np
 from tandem.cloud.admission import UploadBudget
 from tandem.cloud.config import CloudConfig
 from tandem.cloud.engines import EngineBackend, TailResult
+from tandem.cloud.links import ControllerConfig, LinkSlo, LinkTable, Ticket
+from tandem.cloud.negotiation import LinkLimits, LinkVersions, link_params
+from tandem.cloud.rates import CloudRates
 from tandem.cloud.sessions import CloudSession, SessionTable
-from tandem.cloud.upload import TurnUpload, check_header, upload_bound_bytes
+from tandem.cloud.upload import MAX_ID_BYTES, TurnUpload, check_header, upload_bound_bytes
 from tandem.common import metrics, wire
-from tandem.common.errors import DeadlineExceeded, IncompatibleModel, InvalidRequest, MerkleMismatch, UploadTimeout
+from tandem.common.errors import (
+    DeadlineExceeded,
+    IncompatibleModel,
+    InvalidRequest,
+    MerkleMismatch,
+    ParamsVersionMismatch,
+    UploadTimeout,
+)
 from tandem.common.kvblocks import LayerRange, activation_keys, block_nbytes, part_key, request_seed
 from tandem.common.kvparams import KVTransferSpec, PartSpec
 from tandem.common.kvstore import BlockStore
 from tandem.common.logs import bind_request, turn_log
 from tandem.common.manifest import SplitManifest
-from tandem.common.messages import Commit, DownEvent, KVBlock, Nack, Repair, TokensOut, TurnFinal, TurnHeader, UploadAck
-from tandem.common.params import LinkParams, NegotiateOffer, Sampling
+from tandem.common.messages import (
+    ChunkAck,
+    Commit,
+    DownEvent,
+    KVBlock,
+    Nack,
+    Repair,
+    TokensOut,
+    TurnFinal,
+    TurnHeader,
+    UploadAck,
+)
+from tandem.common.params import LinkParams, Negotiated, NegotiateOffer, Sampling, ServerInfo, ServerLoad
 from tandem.common.tracing import span, traced
+from tandem.common.wire import Codec
 from tandem.stages import Stage, Timings
 
 UplinkBody = wire.Chunk | KVBlock | Commit
 HEADER_SLACK_BYTES = 4096  # protobuf framing and the header's fixed fields
+MAX_PROBE_BYTES = 1 << 20  # padding of an edge's goodput probe (GetServerInfo) the server accepts
 T = TypeVar("T")
 log = logging.getLogger("tandem.cloud")
 
@@ -76,6 +99,7 @@ class Turn:
     # the engines' request id: the cloud's own, so that an id from the wire can never name (and
     # collide with or abort) another edge's request inside vLLM; logs carry both
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    params: LinkParams | None = None  # the link params it runs under (its header's version)
 
     def time(self, stage: Stage, t0: float) -> None:
         self.timings[stage] = (time.perf_counter() - t0) * 1e3
@@ -86,69 +110,224 @@ class Turn:
 
 
 class Gateway:
-    """Holds the link params, sessions, block store and engines of one cloud node."""
+    """Holds the links and their params, sessions, block store and engines of one cloud node.
 
-    def __init__(self, cfg: CloudConfig, manifest: SplitManifest, engines: EngineBackend, store: BlockStore):
+    ``manifest`` is the primary split (its model, shape and tokenizer); ``extra_manifests`` are
+    splits of the same model at other layers, each with its own tail engine."""
+
+    def __init__(
+        self,
+        cfg: CloudConfig,
+        manifest: SplitManifest,
+        engines: EngineBackend,
+        store: BlockStore,
+        extra_manifests: tuple[SplitManifest, ...] = (),
+    ):
         self.cfg, self.manifest, self.engines, self.store = cfg, manifest, engines, store
+        self.tails = {m.split_layer: m for m in (manifest, *extra_manifests)}
+        if any(m.weights_blake3 != manifest.weights_blake3 or m.shape != manifest.shape for m in extra_manifests):
+            raise ValueError("every split directory must hold the same model (weights and shape)")
+        self.instance_id = uuid.uuid4().hex  # a restarted cloud has another: edges renegotiate
+        self.serving = True  # mirrors the node's health (engines restarting, draining: False)
         self.sessions = SessionTable(cfg.max_sessions, cfg.session_bytes)
         self.budget = UploadBudget(
             cfg.max_uploads, cfg.max_upload_bytes, cfg.max_uploads_per_peer, cfg.max_upload_bytes_per_peer
         )
-        self.model_key = manifest.compatibility_key()
-        self.params = LinkParams(
-            params_version=1,
-            split_layer=manifest.split_layer,
-            chunk_tokens=cfg.chunk_tokens,
-            wire_dtype=cfg.wire_dtype,
-            codec=cfg.codec,
+        e = cfg.engine
+        self.limits = LinkLimits(
+            chunk_tokens=min(cfg.chunk_tokens, cfg.max_chunk_tokens),
+            max_chunk_tokens=cfg.max_chunk_tokens,
+            wire_dtypes=tuple(cfg.wire_dtypes),
+            codecs=tuple(cfg.codecs),
             codec_level=cfg.codec_level,
-            kv_block_size_tokens=cfg.engine.block_size_tokens,
-            inflight_window_chunks=64,
-            max_concurrent_requests=cfg.engine.max_num_seqs,
-            max_batched_tokens=cfg.engine.max_num_batched_tokens,
-            max_prompt_tokens=min(cfg.max_prompt_tokens, cfg.engine.max_model_len_tokens - 1),
+            kv_block_size_tokens=e.block_size_tokens,
+            max_prompt_tokens=min(cfg.max_prompt_tokens, e.max_model_len_tokens - 1),
             max_new_tokens=cfg.max_new_tokens,
-            hidden_size=manifest.shape.hidden_size,
             max_chunk_resends=cfg.max_chunk_resends,
         )
-        self.tail_part = LayerRange(manifest.split_layer, manifest.shape.num_layers)
-        self.head_part = LayerRange(0, manifest.split_layer)
+        self.links = LinkTable(
+            e.max_num_seqs,
+            e.max_num_batched_tokens,
+            max_links=cfg.max_links,
+            idle_s=cfg.link_idle_s,
+            max_queue=cfg.max_queue_per_link,
+            max_queue_wait_s=cfg.max_queue_wait_s,
+            controller=ControllerConfig(interval_s=cfg.slo_interval_s, window_s=cfg.slo_window_s),
+        )
+        self._versions: dict[str, LinkVersions] = {}
+        self.rates = CloudRates()
+        # the anonymous link (headers without a link id): every split this cloud serves, no measurements
+        keys = {k: m.compatibility_key() for k, m in self.tails.items()}
+        self._register("", NegotiateOffer("", manifest.model_id, keys))
         metrics.watch_cloud(self.sessions, self.budget, store)
 
-    def negotiate(self, offer: NegotiateOffer) -> LinkParams:
-        """Agree on link params for an edge (the configured ones, for now).
+    @property
+    def params(self) -> LinkParams:
+        """The anonymous link's params at the primary split layer (what a plain client gets)."""
+        return self._versions[""].current[self.manifest.split_layer]
+
+    def head_part(self, k: int) -> LayerRange:
+        return LayerRange(0, k)
+
+    def tail_part(self, k: int) -> LayerRange:
+        return LayerRange(k, self.manifest.shape.num_layers)
+
+    def negotiate(self, offer: NegotiateOffer) -> Negotiated:
+        """Agree on params with an edge: one set per split layer both sides hold, plus direct mode.
+        An edge whose heads this cloud has no tail for gets direct mode and a note saying so,
+        never a silent change. Renegotiating (``offer.link_id`` known) keeps the link and its
+        share and makes a new params version if anything changed.
 
         Raises:
-            IncompatibleModel: the edge's head is not this cloud's split, and it cannot run direct only.
+            IncompatibleModel: a head of the edge differs from this cloud's tail at the same ``k``
+                (other weights, dtype or shape), or the edge serves another model.
+            InvalidRequest: bad ids, or no wire format in common.
         """
-        k, key = self.manifest.split_layer, self.manifest.compatibility_key()
-        if k in offer.split_layers and offer.compatibility_key != key:
-            raise IncompatibleModel(f"edge head {offer.compatibility_key!r} does not match cloud tail {key!r}")
-        if k not in offer.split_layers:
-            return replace(self.params, split_layer=0)
-        return self.params
+        if len(offer.edge_id.encode()) > MAX_ID_BYTES or len(offer.link_id.encode()) > MAX_ID_BYTES:
+            raise InvalidRequest(f"edge_id and link_id are at most {MAX_ID_BYTES} bytes")
+        bad = {
+            k: key for k, key in offer.head_keys.items() if k in self.tails and key != self.tails[k].compatibility_key()
+        }
+        if bad:
+            k = min(bad)
+            raise IncompatibleModel(
+                f"edge head at k={k} ({bad[k]!r}) does not match this cloud's tail at k={k} "
+                f"({self.tails[k].compatibility_key()!r}): both sides must be cut from the same weights"
+            )
+        link_id = offer.link_id if offer.link_id and offer.link_id in self._versions else ""
+        if not link_id:
+            link_id = f"{offer.edge_id[:48] or 'edge'}-{uuid.uuid4().hex[:16]}"
+        rec = self._register(link_id, offer)
+        lacking = sorted(set(offer.head_keys) - set(rec.split_layers))
+        note = ""
+        if lacking:
+            note = f"this cloud serves tails for k in {sorted(self.tails)}; no tail for the edge's k in {lacking}" + (
+                "" if rec.split_layers else ": direct mode only"
+            )
+            log.warning("link %s: %s", link_id, note)
+        return Negotiated(
+            link_id,
+            dict(rec.current),
+            tuple(sorted(self.tails)),
+            note,
+            self.cfg.cloud_id,
+            self.manifest.model_id,
+            self.instance_id,
+        )
+
+    def _register(self, link_id: str, offer: NegotiateOffer) -> LinkVersions:
+        self.links.register(link_id, offer.edge_id, LinkSlo(offer.ttft_slo_ms, offer.itl_p99_slo_ms))
+        common = tuple(sorted(k for k in offer.head_keys if k in self.tails))
+        rec = self._versions.get(link_id)
+        if rec is None:
+            rec = self._versions[link_id] = LinkVersions(offer, common)
+        rec.offer, rec.split_layers = offer, common
+        self._refresh(link_id)
+        self._forget_gone_links()
+        return rec
+
+    def _refresh(self, link_id: str) -> bool:
+        """Recompute a link's params from its offer and current share; True if a new version was made."""
+        rec = self._versions[link_id]
+        share = self.links.share(link_id)
+        by_split = {
+            k: link_params(self.limits, self.tails.get(k, self.manifest), k, rec.offer, share, 0)
+            for k in (0, *rec.split_layers)
+        }
+        return rec.update(by_split)
+
+    def _forget_gone_links(self) -> None:
+        known = {link.link_id for link in self.links.links()}
+        for link_id in [x for x in self._versions if x not in known and x]:
+            del self._versions[link_id]
+
+    def control_step(self) -> list[str]:
+        """One step of the p99 SLO controller (``cloud.links``): links whose share changed get a
+        new params version (requests in flight finish under theirs). Returns those link ids."""
+        changed = [x for x in self.links.control_step() if x in self._versions and self._refresh(x)]
+        if changed:
+            log.info("SLO controller: new params for links %s", changed)
+        return changed
+
+    async def control_loop(self) -> None:
+        """Run ``control_step`` every ``slo_interval_s`` until cancelled."""
+        while True:
+            await asyncio.sleep(self.cfg.slo_interval_s)
+            try:
+                self.control_step()
+            except Exception:  # the controller must never stop serving
+                log.exception("SLO controller step failed")
+
+    def load(self, link_id: str = "") -> ServerLoad:
+        """The node's load and measured rates; the counts of ``link_id`` when it is known."""
+        link = self.links.get(link_id)
+        r = self.rates
+        return ServerLoad(
+            running_requests=self.links.running,
+            waiting_requests=self.links.waiting,
+            kv_cache_usage=metrics.vllm_kv_cache_usage(),
+            tail_prefill_ms_per_token=r.tail_prefill_ms_per_token.value,
+            prefill_ms_per_token=r.prefill_ms_per_token.value,
+            decode_ms_per_token=r.decode_ms_per_token.value,
+            queue_wait_ms=r.queue_wait_ms.value,
+            link_running=link.running if link else 0,
+            link_waiting=link.waiting if link else 0,
+        )
+
+    def server_info(self, link_id: str) -> ServerInfo:
+        """``GetServerInfo``: the load, and the link's current params when the link is known here."""
+        rec = self._versions.get(link_id) if link_id else None
+        return ServerInfo(
+            self.cfg.cloud_id,
+            self.instance_id,
+            self.load(link_id),
+            rec is not None,
+            dict(rec.current) if rec is not None else {},
+            tuple(sorted(self.tails)),
+            self.serving,
+        )
+
+    def _params_for(self, header: TurnHeader) -> LinkParams:
+        """The params the header's request runs under: its link's version ``params_version`` at its k.
+
+        Raises:
+            ParamsVersionMismatch: unknown link (e.g. this cloud restarted) or version: renegotiate.
+        """
+        rec = self._versions.get(header.link_id)
+        if rec is None:
+            raise ParamsVersionMismatch(f"link {header.link_id[:64]!r} is unknown to this cloud: renegotiate")
+        return rec.params(header.params_version, header.split_layer)
 
     def max_message_bytes(self) -> int:
-        """The largest legal ``Uplink`` message under the link params: a chunk or KV block at its
-        largest payload, or a header of ``max_prompt_tokens`` token ids (5 bytes each as varints)."""
-        p, sh = self.params, self.manifest.shape
-        chunk = wire.max_payload_bytes(wire.raw_nbytes_of(p.chunk_tokens, p.wire_dtype, sh.hidden_size), p.codec)
-        block = wire.max_payload_bytes(
-            block_nbytes(self.head_part, sh.num_kv_heads, p.kv_block_size_tokens, sh.head_dim), p.codec
+        """The largest legal message under any link's params: a chunk of ``max_chunk_tokens`` in the
+        widest allowed format, a KV block of the deepest split, a header of ``max_prompt_tokens`` token
+        ids (5 bytes each as varints), or a goodput probe (``MAX_PROBE_BYTES`` of padding)."""
+        lim, sh = self.limits, self.manifest.shape
+        widest = max(wire.raw_nbytes_of(lim.max_chunk_tokens, d, sh.hidden_size) for d in lim.wire_dtypes)
+        block = block_nbytes(self.head_part(max(self.tails)), sh.num_kv_heads, lim.kv_block_size_tokens, sh.head_dim)
+        codec = Codec.ZSTD if Codec.ZSTD in lim.codecs else Codec.NONE
+        return (
+            max(
+                wire.max_payload_bytes(widest, codec),
+                wire.max_payload_bytes(block, codec),
+                5 * lim.max_prompt_tokens,
+                MAX_PROBE_BYTES,
+            )
+            + HEADER_SLACK_BYTES
         )
-        return max(chunk, block, 5 * p.max_prompt_tokens) + HEADER_SLACK_BYTES
 
     async def run_turn(
         self, header: TurnHeader, uplink: AsyncIterator[UplinkBody], peer: str = "", deadline: float | None = None
     ) -> AsyncIterator[DownEvent]:
-        """One request: upload (split mode), tail prefill (samples the first token), decode.
-        ``peer`` names the edge for upload bounds; ``deadline`` is event-loop time or None.
-        Yields events to send down.
+        """One request: admission into its link's share, upload (split mode), tail prefill (samples
+        the first token), decode. ``peer`` names the edge for upload bounds; ``deadline`` is
+        event-loop time or None. Yields events to send down. Records the request's TTFT and
+        inter-token times for its link's SLO controller and the node's rates.
 
         Raises:
             InvalidRequest, ParamsVersionMismatch, SessionOutOfSync, ChecksumMismatch, MerkleMismatch,
-            QuotaExceeded, UploadTimeout, DeadlineExceeded, EngineError: mapped to gRPC status by the
-            servicer; session state is unchanged on error.
+            QuotaExceeded (``LinkBusy`` with a retry delay), UploadTimeout, DeadlineExceeded,
+            EngineError: mapped to gRPC status by the servicer; session state is unchanged on error.
         """
         turn = Turn(header, deadline)
         mode = "split" if header.split_layer else "direct"
@@ -158,53 +337,72 @@ class Gateway:
             metrics.cloud_turn(mode, turn),
             span("cloud_turn", mode=mode, request_id=header.request_id, session_id=header.session_id),
         ):
-            done_fields.update(engine_id=turn.engine_id)
+            done_fields.update(engine_id=turn.engine_id, link_id=header.link_id)
+            t_last: float | None = None
             async for ev in self._run(turn, uplink, peer):
+                if isinstance(ev, TokensOut) and ev.token_ids:
+                    now = time.perf_counter()
+                    if t_last is None:
+                        self.links.record_ttft(header.link_id, (now - turn.t_start) * 1e3)
+                    else:
+                        self.links.record_itl(header.link_id, (now - t_last) * 1e3 / len(ev.token_ids))
+                    t_last = now
                 if isinstance(ev, TurnFinal):
                     done_fields.update(
                         prompt_tokens=ev.prompt_tokens, output_tokens=ev.output_tokens, finish=ev.finish_reason
                     )
                 yield ev
 
+    async def _admit(self, turn: Turn) -> Ticket:
+        """Wait for a slot in the link's share (``cloud.links``); records the wait.
+
+        Raises:
+            QuotaExceeded: ``LinkBusy`` (queue full, or no slot before the deadline / queue wait bound).
+        """
+        ticket = await self.links.admit(turn.header.link_id, len(turn.header.prompt_token_ids), turn.deadline)
+        turn.timings[Stage.CLOUD_QUEUE] = ticket.queued_ms
+        self.rates.queue_wait_ms.add(ticket.queued_ms)
+        return ticket
+
     async def _run(self, turn: Turn, uplink: AsyncIterator[UplinkBody], peer: str) -> AsyncIterator[DownEvent]:
         """The turn itself (``run_turn`` adds its log ids, logs, metrics and span)."""
         header = turn.header
-        check_header(header, self.params, self.manifest)
-        if not header.split_layer:
-            async for ev in self._decode(turn, list(header.prompt_token_ids), None, header.sampling, 0):
-                yield ev
-            return
-        with self.budget.reserve(peer, upload_bound_bytes(header, self.params, self.manifest)):
-            upload = TurnUpload(
-                header,
-                self.params,
-                self.manifest,
-                self._session(header),
-                self._seed(header),
-                self.cfg.max_abs_activation,
-            )
-            try:
-                async for ev in self._receive(turn, upload, uplink):
+        params = turn.params = self._params_for(header)
+        k = header.split_layer
+        manifest = self.tails.get(k, self.manifest)
+        check_header(header, params, manifest)
+        with await self._admit(turn) as ticket:
+            if not k:
+                async for ev in self._decode(turn, list(header.prompt_token_ids), None, header.sampling, 0, ticket):
                     yield ev
-                hidden, leaves = await self._commit(turn, upload)
-            finally:
-                metrics.record_received(upload.received_bytes, sum(upload.resends.values()))
-                upload.release()
-        yield UploadAck(len(header.prompt_token_ids), len(leaves))
-        tail_keys = activation_keys(hidden, self.params.kv_block_size_tokens, self._seed(header), self.tail_part)
-        tail = await self._tail_prefill(turn, hidden, tail_keys)
-        yield TokensOut((tail.first_token,), 0)
-        if tail.finish_reason is not None or header.sampling.max_new_tokens == 1:
-            yield self._final(turn, tail.finish_reason or "length", 1, 0)
-            return
-        # decode continues from prompt + first token, loading every layer of the aligned prefix
-        ids = [*header.prompt_token_ids, tail.first_token]
-        spec = KVTransferSpec(
-            loads=(PartSpec(self.head_part, tuple(leaves)), PartSpec(self.tail_part, tuple(tail_keys)))
-        )
-        rest = replace(header.sampling, max_new_tokens=header.sampling.max_new_tokens - 1)
-        async for ev in self._decode(turn, ids, spec, rest, 1):
-            yield ev
+                return
+            with self.budget.reserve(peer, upload_bound_bytes(header, params, manifest)):
+                upload = TurnUpload(
+                    header, params, manifest, self._session(header), self._seed(header), self.cfg.max_abs_activation
+                )
+                try:
+                    async for ev in self._receive(turn, upload, uplink):
+                        yield ev
+                    hidden, leaves = await self._commit(turn, upload)
+                finally:
+                    metrics.record_received(upload.received_bytes, sum(upload.resends.values()))
+                    upload.release()
+            yield UploadAck(len(header.prompt_token_ids), len(leaves))
+            tail_keys = activation_keys(hidden, params.kv_block_size_tokens, self._seed(header), self.tail_part(k))
+            tail = await self._tail_prefill(turn, hidden, tail_keys)
+            ticket.prefill_done()
+            yield TokensOut((tail.first_token,), 0)
+            if tail.finish_reason is not None or header.sampling.max_new_tokens == 1:
+                yield self._final(turn, tail.finish_reason or "length", 1, 0)
+                return
+            # decode continues from prompt + first token, loading every layer of the aligned prefix
+            ids = [*header.prompt_token_ids, tail.first_token]
+            spec = KVTransferSpec(
+                loads=(PartSpec(self.head_part(k), tuple(leaves)), PartSpec(self.tail_part(k), tuple(tail_keys)))
+            )
+            rest = replace(header.sampling, max_new_tokens=header.sampling.max_new_tokens - 1)
+            async for ev in self._decode(turn, ids, spec, rest, 1, ticket):
+                yield ev
 
     # ------------------------------------------------------------------ stages
 
@@ -213,7 +411,8 @@ class Gateway:
         return self.sessions.get(header.session_id) or CloudSession()
 
     def _seed(self, header: TurnHeader) -> bytes:
-        return request_seed(self.model_key, self.params.kv_block_size_tokens, header.session_id, header.request_id)
+        key = self.tails.get(header.split_layer, self.manifest).compatibility_key()
+        return request_seed(key, self.limits.kv_block_size_tokens, header.session_id, header.request_id)
 
     def _upload_deadline(self, turn: Turn) -> float:
         loop_deadline = asyncio.get_running_loop().time() + self.cfg.upload_timeout_s
@@ -222,7 +421,7 @@ class Gateway:
     @traced("cloud_upload")
     async def _receive(
         self, turn: Turn, upload: TurnUpload, uplink: AsyncIterator[UplinkBody]
-    ) -> AsyncIterator[Nack | Repair]:
+    ) -> AsyncIterator[Nack | Repair | ChunkAck]:
         """Verify the upload item by item (decoding off the event loop), within the upload deadline."""
 
         def late() -> Exception:
@@ -235,13 +434,28 @@ class Gateway:
 
     async def _verify_items(
         self, upload: TurnUpload, uplink: AsyncIterator[UplinkBody]
-    ) -> AsyncIterator[Nack | Repair]:
-        repairs = 0
+    ) -> AsyncIterator[Nack | Repair | ChunkAck]:
+        """Check each item as it arrives. Chunks are acknowledged (``ChunkAck``) every half window;
+        a chunk beyond the window the edge was granted is a protocol violation.
+
+        Raises:
+            InvalidRequest: a chunk outside the granted window, an unexpected item, an early close.
+        """
+        repairs, acked = 0, 0
+        window = upload.params.inflight_window_chunks
         async for item in uplink:
             if isinstance(item, wire.Chunk):
+                if item.seq >= acked + window:
+                    raise InvalidRequest(
+                        f"chunk {item.seq} sent before chunk {acked} was acknowledged (window {window})"
+                    )
                 if not await asyncio.to_thread(upload.add_chunk, item):
                     log.info("chunk %d failed its CRC32C or did not decode: NACK", item.seq)
                     yield Nack(item.seq, "crc32c mismatch or payload does not decode")
+                through = upload.verified_through
+                if through < upload.header.num_chunks and through - acked >= max(1, window // 2):
+                    acked = through
+                    yield ChunkAck(through)
             elif isinstance(item, KVBlock):
                 await asyncio.to_thread(upload.add_block, item)
             elif isinstance(item, Commit):
@@ -268,7 +482,7 @@ class Gateway:
         activations ``[T, H]`` and head-KV leaves."""
         t0 = time.perf_counter()
         hidden = upload.activations()
-        await asyncio.to_thread(self._put_head_blocks, upload.new_blocks())
+        await asyncio.to_thread(self._put_head_blocks, upload.new_blocks(), self.head_part(upload.header.split_layer))
         turn.time(Stage.CLOUD_STORE_PUT, t0)
         sid = upload.header.session_id
         if not sid:
@@ -288,45 +502,76 @@ class Gateway:
         return hidden, list(session.leaves)
 
     @traced("cloud_store_put")
-    def _put_head_blocks(self, blocks: list[tuple[bytes, bytes]]) -> None:
+    def _put_head_blocks(self, blocks: list[tuple[bytes, bytes]], part: LayerRange) -> None:
         for leaf, raw in blocks:
-            self.store.put(part_key(leaf, self.head_part), raw)
+            self.store.put(part_key(leaf, part), raw)
 
     @traced("cloud_tail_prefill")
     async def _tail_prefill(self, turn: Turn, hidden: np.ndarray, tail_keys: list[bytes]) -> TailResult:
         """Tail engine over ``prompt_embeds = hidden``: loads tail KV of blocks computed from the same
         activations before, saves the rest, samples the first output token."""
-        part = PartSpec(self.tail_part, tuple(tail_keys))
+        part = PartSpec(self.tail_part(turn.header.split_layer), tuple(tail_keys))
         turn.engine_start()
         try:
             async with asyncio.timeout_at(turn.deadline):
                 tail = await self.engines.tail_prefill(
-                    turn.engine_id, hidden, KVTransferSpec(loads=(part,), save=part), turn.header.sampling
+                    turn.engine_id,
+                    turn.header.split_layer,
+                    hidden,
+                    KVTransferSpec(loads=(part,), save=part),
+                    turn.header.sampling,
                 )
         except TimeoutError:
             raise DeadlineExceeded("deadline passed during the tail prefill") from None
         turn.timings[Stage.CLOUD_TAIL_PREFILL] = tail.elapsed_ms
+        computed = hidden.shape[0] - tail.external_tokens
+        if computed > 0:
+            self.rates.tail_prefill_ms_per_token.add(tail.elapsed_ms / computed)
         return tail
 
     @traced("cloud_decode")
     async def _decode(
-        self, turn: Turn, ids: list[int], kv: KVTransferSpec | None, sampling: Sampling, first_index: int
+        self,
+        turn: Turn,
+        ids: list[int],
+        kv: KVTransferSpec | None,
+        sampling: Sampling,
+        first_index: int,
+        ticket: Ticket,
     ) -> AsyncIterator[DownEvent]:
-        """Stream the decode engine's tokens; output indices start at ``first_index``."""
+        """Stream the decode engine's tokens; output indices start at ``first_index``. Updates the
+        node's rates: prefill per prompt token (direct mode's first token) and time per output token."""
         t0 = time.perf_counter()
         turn.engine_start()
         n = first_index
+        t_first: float | None = None
         steps = self.engines.decode(turn.engine_id, ids, kv, sampling)
         async for step in bounded(steps, turn.deadline, lambda: DeadlineExceeded("deadline passed while decoding")):
             if step.token_ids:
                 if n == first_index:
                     turn.time(Stage.CLOUD_DECODE_FIRST_TOKEN, t0)
+                    t_first = time.perf_counter()
+                    ticket.prefill_done()
+                    if kv is None:  # direct mode: the whole prompt was prefilled here
+                        self.rates.prefill_ms_per_token.add(turn.timings[Stage.CLOUD_DECODE_FIRST_TOKEN] / len(ids))
                 yield TokensOut(tuple(step.token_ids), n)
                 n += len(step.token_ids)
             if step.finish_reason is not None:
                 turn.time(Stage.CLOUD_DECODE, t0)
+                if t_first is not None and n - first_index > 1:
+                    per_token = (time.perf_counter() - t_first) * 1e3 / (n - first_index - 1)
+                    self.rates.decode_ms_per_token.add(per_token)
                 yield self._final(turn, step.finish_reason, n, step.external_tokens)
 
     def _final(self, turn: Turn, finish_reason: str, output_tokens: int, external_tokens: int) -> TurnFinal:
         n_prompt = len(turn.header.prompt_token_ids)
-        return TurnFinal(finish_reason, n_prompt, output_tokens, external_tokens, turn.timings, turn.received_bytes)
+        return TurnFinal(
+            finish_reason,
+            n_prompt,
+            output_tokens,
+            external_tokens,
+            turn.timings,
+            turn.received_bytes,
+            self.load(turn.header.link_id),
+            turn.timings.get(Stage.CLOUD_QUEUE, 0.0),
+        )

@@ -57,7 +57,7 @@ class MemoryEngines:
         return int.from_bytes(blake3.blake3(b"|".join(parts)).digest()[:4], "little") % self.vocab_size
 
     async def tail_prefill(
-        self, request_id: str, hidden: np.ndarray, kv: KVTransferSpec, sampling: Sampling
+        self, request_id: str, split_layer: int, hidden: np.ndarray, kv: KVTransferSpec, sampling: Sampling
     ) -> TailResult:
         if not self.alive:
             raise EngineError("tail engine is not running")

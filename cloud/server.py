@@ -36,8 +36,10 @@ class CloudServer:
     health: health.aio.HealthServicer
     supervisor: EngineSupervisor | None
     servicer: CloudServicer
+    controller: asyncio.Task | None = None  # the gateway's SLO control loop
 
     async def set_serving(self, serving: bool) -> None:
+        self.gateway.serving = serving
         await set_health(self.health, serving, HEALTH_NAMES)
 
     async def stop(self, grace_s: float) -> None:
@@ -46,6 +48,8 @@ class CloudServer:
         stop supervising and stop the server. The engines are the caller's to shut down afterwards."""
         await self.set_serving(False)
         self.servicer.draining = True
+        if self.controller is not None:
+            self.controller.cancel()
         deadline = time.monotonic() + grace_s
         while self.servicer.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -65,8 +69,9 @@ async def create_cloud(
         RuntimeError: the port could not be bound.
     """
     manifest = SplitManifest.load(cfg.split_dir)
+    extra = tuple(SplitManifest.load(d) for d in cfg.extra_split_dirs)
     store = DiskBlockStore(cfg.store_dir, cfg.store_bytes)
-    gateway = Gateway(cfg, manifest, engines, store)
+    gateway = Gateway(cfg, manifest, engines, store, extra)
     servicer = CloudServicer(gateway, cfg.cloud_id)
     server, port, hs = await start_server(
         [lambda s: pb_grpc.add_CloudServicer_to_server(servicer, s)],
@@ -76,6 +81,7 @@ async def create_cloud(
         gateway.max_message_bytes(),  # the largest legal message under the link params
     )
     cloud = CloudServer(server, port, gateway, hs, None, servicer)
+    cloud.controller = asyncio.create_task(gateway.control_loop(), name="slo-controller")
     if isinstance(engines, SupervisedEngines):
         cloud.supervisor = EngineSupervisor(engines, cloud.set_serving, on_give_up=on_give_up)
         cloud.supervisor.start()

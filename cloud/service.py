@@ -68,12 +68,14 @@ class CloudServicer(pb_grpc.CloudServicer):
 
     async def Negotiate(self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext):
         try:
-            params = self.gateway.negotiate(NegotiateOffer.from_pb(request))
+            return self.gateway.negotiate(NegotiateOffer.from_pb(request)).to_pb()
         except TandemError as e:
             await abort(context, e)
-        return pb.NegotiateResponse(
-            params=params.to_pb(), cloud_id=self.cloud_id, model_id=self.gateway.manifest.model_id
-        )
+
+    async def GetServerInfo(self, request: pb.ServerInfoRequest, context: grpc.aio.ServicerContext):
+        if len(request.link_id) > 256:
+            await abort(context, InvalidRequest("link_id longer than 256 characters"))
+        return self.gateway.server_info(request.link_id).to_pb()
 
     async def Generate(self, request_iterator: AsyncIterator[pb.Uplink], context: grpc.aio.ServicerContext):
         if self.draining:

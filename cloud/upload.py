@@ -143,6 +143,14 @@ class TurnUpload:
         self.max_block_payload = wire.max_payload_bytes(self.block_bytes, self.params.codec)
 
     @property
+    def verified_through(self) -> int:
+        """Chunks ``[0, n)`` are all verified (the prefix the cloud acknowledges)."""
+        n = 0
+        while n in self.chunks:
+            n += 1
+        return n
+
+    @property
     def new_tokens(self) -> int:
         return len(self.header.prompt_token_ids) - self.header.cached_tokens
 
@@ -164,6 +172,10 @@ class TurnUpload:
         p, h, hidden = self.params, self.header, self.manifest.shape.hidden_size
         if not 0 <= c.seq < h.num_chunks:
             raise InvalidRequest(f"chunk seq {c.seq} outside 0..{h.num_chunks - 1}")
+        if c.params_version != h.params_version:
+            raise ParamsVersionMismatch(
+                f"chunk {c.seq} made with params v{c.params_version}; its request runs under v{h.params_version}"
+            )
         want_off = h.cached_tokens + c.seq * p.chunk_tokens
         want_n = min(p.chunk_tokens, len(h.prompt_token_ids) - want_off)
         if c.seq in self.chunks:
@@ -207,6 +219,11 @@ class TurnUpload:
             raise InvalidRequest(f"KV block leaf {b.leaf_index} outside expected {self.expected_leaves}")
         if b.leaf_index in self.blocks:
             raise InvalidRequest(f"KV block leaf {b.leaf_index} sent again after it verified")
+        if b.params_version != self.header.params_version:
+            raise ParamsVersionMismatch(
+                f"KV block {b.leaf_index} made with params v{b.params_version}; its request runs under "
+                f"v{self.header.params_version}"
+            )
         if b.codec != self.params.codec:
             raise InvalidRequest(
                 f"KV block {b.leaf_index} uses codec {b.codec.name}; the link negotiated {self.params.codec.name}"

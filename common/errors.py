@@ -36,6 +36,10 @@ class ParamsVersionMismatch(TandemError):
     """A message was made with link params other than the agreed version."""
 
 
+class ModeUnavailable(TandemError):
+    """The requested serving mode (or split layer) cannot run on this edge (no model for it)."""
+
+
 class IncompatibleModel(TandemError):
     """Edge head and cloud tail were not cut from the same model at the same split layer."""
 

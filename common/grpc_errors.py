@@ -15,6 +15,7 @@ STATUS_OF: dict[type[e.TandemError], grpc.StatusCode] = {
     e.QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     e.ParamsVersionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     e.IncompatibleModel: grpc.StatusCode.FAILED_PRECONDITION,
+    e.ModeUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
     e.UploadTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
     e.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     e.CorruptPayload: grpc.StatusCode.INVALID_ARGUMENT,
@@ -36,10 +37,14 @@ RETRY_AFTER_MS: dict[type[e.TandemError], int] = {e.QuotaExceeded: 1000, e.Engin
 
 async def abort(context: grpc.aio.ServicerContext, err: e.TandemError) -> None:
     """Abort the RPC with the status mapped from ``err`` and its message (raises AbortError); a
-    retryable error carries a ``retry-after-ms`` hint in the trailing metadata."""
-    retry_ms = next((ms for cls, ms in RETRY_AFTER_MS.items() if isinstance(err, cls)), None)
+    retryable error carries a ``retry-after-ms`` hint in the trailing metadata (the error's own
+    ``retry_after_ms`` when it has one, e.g. ``cloud.links.LinkBusy``)."""
+    retry_ms = getattr(err, "retry_after_ms", None) or next(
+        (ms for cls, ms in RETRY_AFTER_MS.items() if isinstance(err, cls)), None
+    )
     if retry_ms is not None:
-        context.set_trailing_metadata((("retry-after-ms", str(retry_ms)),))
+        # also as gRPC's own retry pushback (gRFC A6), which channels with a retry policy honour
+        context.set_trailing_metadata((("retry-after-ms", str(retry_ms)), ("grpc-retry-pushback-ms", str(retry_ms))))
     await context.abort(status_of(err), f"{type(err).__name__}: {err}")
 
 

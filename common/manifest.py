@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 MANIFEST_NAME = "manifest.json"
+FULL_ONNX = "edge-full.onnx"  # the whole model with lm_head: local mode on the edge
 BUNDLE_MANIFEST_NAME = "bundle.json"
 
 

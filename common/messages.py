@@ -2,7 +2,7 @@
 conversion in one place.
 
 Uplink (edge -> cloud): ``TurnHeader``, then ``wire.Chunk`` / ``KVBlock`` / ``Commit``.
-Downlink (cloud -> edge): ``Nack``, ``Repair``, ``UploadAck``, ``TokensOut``,
+Downlink (cloud -> edge): ``Nack``, ``Repair``, ``ChunkAck``, ``UploadAck``, ``TokensOut``,
 ``TurnFinal``, ``TurnError``. Domain code passes these frozen dataclasses around;
 only ``uplink_to_pb`` / ``uplink_from_pb`` / ``downlink_to_pb`` / ``downlink_from_pb``
 see protobuf. Dispatch is by type (registries below), never by ``if kind == "..."``.
@@ -16,7 +16,7 @@ from typing import Any
 
 from tandem.common import wire
 from tandem.common.errors import InvalidRequest, TandemError, error_from_name
-from tandem.common.params import Sampling
+from tandem.common.params import Sampling, ServerLoad
 from tandem.pbconv import from_pb, to_pb
 from tandem.stages import Timings, timings_from_wire, timings_to_wire
 from tandem.v1 import tandem_pb2 as pb
@@ -37,6 +37,7 @@ class TurnHeader:
     num_chunks: int
     num_kv_blocks: int
     sampling: Sampling
+    link_id: str = ""
 
     @classmethod
     def from_pb(cls, m: pb.RequestHeader) -> TurnHeader:
@@ -58,6 +59,7 @@ class KVBlock:
     raw_nbytes: int
     payload: bytes
     leaf_hash: bytes
+    params_version: int = 0
 
     @classmethod
     def from_pb(cls, m: pb.KVBlockDelta) -> KVBlock:
@@ -145,6 +147,13 @@ class Repair:
 
 
 @dataclass(frozen=True)
+class ChunkAck:
+    """Activation chunks ``[0, through_seq)`` are verified (the edge's send window moves on)."""
+
+    through_seq: int
+
+
+@dataclass(frozen=True)
 class UploadAck:
     """The upload verified: the cloud holds activations of ``verified_tokens`` prompt tokens
     and ``leaf_count`` head-KV leaves of the session."""
@@ -170,6 +179,8 @@ class TurnFinal:
     external_tokens: int
     timings: Timings = field(default_factory=dict)
     received_bytes: dict[str, int] = field(default_factory=dict)
+    load: ServerLoad | None = None  # the cloud's load as the turn ended
+    queue_wait_ms: float = 0.0  # this turn's wait for admission
 
 
 @dataclass(frozen=True)
@@ -179,19 +190,22 @@ class TurnError:
     error: TandemError
 
 
-DownEvent = Nack | Repair | UploadAck | TokensOut | TurnFinal | TurnError
+DownEvent = Nack | Repair | ChunkAck | UploadAck | TokensOut | TurnFinal | TurnError
 
 
 def _final_to_pb(e: TurnFinal) -> pb.Final:
-    return to_pb(pb.Final, e, exclude=("timings",), timings_ms=timings_to_wire(e.timings))
+    load = e.load.to_pb() if e.load is not None else None
+    return to_pb(pb.Final, e, exclude=("timings", "load"), timings_ms=timings_to_wire(e.timings), load=load)
 
 
 def _final_from_pb(m: pb.Final) -> TurnFinal:
-    return from_pb(TurnFinal, m, timings=timings_from_wire(m.timings_ms))
+    load = ServerLoad.from_pb(m.load) if m.HasField("load") else None
+    return from_pb(TurnFinal, m, timings=timings_from_wire(m.timings_ms), load=load)
 
 
 _DOWN_TO: dict[type, Callable[[Any], pb.Downlink]] = {
     Nack: lambda e: pb.Downlink(nack=pb.Nack(seq=e.seq, reason=e.reason)),
+    ChunkAck: lambda e: pb.Downlink(chunk_ack=pb.ChunkAck(through_seq=e.through_seq)),
     Repair: lambda e: pb.Downlink(repair=pb.RepairRequest(leaf_indices=list(e.leaf_indices), reason=e.reason)),
     UploadAck: lambda e: pb.Downlink(
         upload_ack=pb.UploadAck(verified_tokens=e.verified_tokens, leaf_count=e.leaf_count, merkle_root=e.merkle_root)
@@ -203,6 +217,7 @@ _DOWN_TO: dict[type, Callable[[Any], pb.Downlink]] = {
 _DOWN_FROM: dict[str, Callable[[Any], DownEvent]] = {
     "nack": lambda m: Nack(m.seq, m.reason),
     "repair": lambda m: Repair(tuple(m.leaf_indices), m.reason),
+    "chunk_ack": lambda m: ChunkAck(m.through_seq),
     "upload_ack": lambda m: UploadAck(m.verified_tokens, m.leaf_count, m.merkle_root),
     "tokens": lambda m: TokensOut(tuple(m.token_ids), m.index),
     "final": _final_from_pb,

@@ -114,6 +114,19 @@ KV_REPAIRS = _metric("edge", Counter, "tandem:kv_block_repairs", "KV blocks sent
 SESSION_RESYNCS = _metric(
     "edge", Counter, "tandem:session_resyncs", "Turns resent from token 0 because the cloud lost the session."
 )
+PREDICTION_ERROR = _histogram(
+    "edge",
+    "tandem:ttft_prediction_error_ratio",
+    "|measured - predicted| / measured TTFT of the cost model, per served mode.",
+    (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0),
+    ["mode"],
+)
+MODE_FALLBACKS = _metric(
+    "edge", Counter, "tandem:mode_fallbacks", "Turns the cloud refused and local mode served instead.", ["reason"]
+)
+LINK_RTT = _metric("edge", Gauge, "tandem:link_rtt_ms", "Smoothed round-trip time edge <-> cloud, in ms.")
+LINK_GOODPUT = _metric("edge", Gauge, "tandem:link_goodput_mbps", "Smoothed uplink goodput, in Mbit/s.")
+CLOUD_CONNECTED = _metric("edge", Gauge, "tandem:cloud_connected", "1 while the link is negotiated and answering.")
 SESSIONS = _metric("edge", Gauge, "tandem:sessions", "Chat sessions the edge holds.")
 SESSION_BYTES = _metric("edge", Gauge, "tandem:session_bytes", "Head KV and activation bytes of the edge's sessions.")
 
@@ -171,6 +184,9 @@ CLOUD_SESSION_BYTES = _metric(
 BLOCK_STORE_BYTES = _metric(
     "cloud", Gauge, "tandem:block_store_bytes", "Bytes in the KV block store (NaN when it cannot tell)."
 )
+LINKS_ACTIVE = _metric("cloud", Gauge, "tandem:links_active", "Edge links holding a share of the engines.")
+REQUESTS_RUNNING = _metric("cloud", Gauge, "tandem:requests_running", "Requests admitted into the engines.")
+REQUESTS_WAITING = _metric("cloud", Gauge, "tandem:requests_waiting", "Requests waiting for their link's share.")
 
 
 def register(role: str) -> None:
@@ -266,6 +282,9 @@ def record_engine_restart() -> None:
 
 class EdgeTurnTimes(Protocol):
     @property
+    def mode(self) -> str: ...  # "local" | "split" | "direct", or the requested mode if none ran
+
+    @property
     def t_start(self) -> float: ...  # perf_counter at the turn's start
 
     @property
@@ -305,8 +324,9 @@ def _token_latencies(mode: str, t_start: float, token_times: Sequence[float]) ->
 
 
 @contextlib.contextmanager
-def edge_turn(mode: str, clock: EdgeTurnTimes) -> Iterator[dict[str, int]]:
-    """Record one edge turn's metrics when the ``with`` block ends, however it ends. The block puts
+def edge_turn(clock: EdgeTurnTimes) -> Iterator[dict[str, int]]:
+    """Record one edge turn's metrics when the ``with`` block ends, however it ends, under the mode
+    that served it (``clock.mode``, known only once the turn chose it). The block puts
     ``prompt_tokens``, ``output_tokens`` and ``head_tokens`` in the yielded dict when it completes."""
     counts: dict[str, int] = {}
     exc: BaseException | None = None
@@ -316,6 +336,7 @@ def edge_turn(mode: str, clock: EdgeTurnTimes) -> Iterator[dict[str, int]]:
         exc = e
         raise
     finally:
+        mode = clock.mode
         outcome = outcome_of(exc)
         REQUESTS.labels(mode, outcome).inc()
         _token_latencies(mode, clock.t_start, clock.token_times)
@@ -391,3 +412,39 @@ def vllm_stat_loggers() -> list[Any]:
         _histogram_cls = _shared_metric(Histogram)
 
     return [SharedPrometheusStatLogger]
+
+
+def vllm_kv_cache_usage() -> float:
+    """The highest ``vllm:kv_cache_usage_perc`` (0..1) among this process's engines; 0.0 without
+    engines (vLLM's gauge, exported by ``vllm_stat_loggers``)."""
+    best = 0.0
+    for family in REGISTRY.collect():
+        if family.name == "vllm:kv_cache_usage_perc":
+            best = max([best, *(s.value for s in family.samples)])
+    return best
+
+
+def record_prediction(mode: str, predicted_ms: float, measured_ms: float) -> None:
+    """One cost-model prediction against the TTFT measured for the mode that ran."""
+    if measured_ms > 0 and predicted_ms > 0:
+        PREDICTION_ERROR.labels(mode).observe(abs(measured_ms - predicted_ms) / measured_ms)
+
+
+def record_fallback(reason: str) -> None:
+    MODE_FALLBACKS.labels(reason).inc()
+
+
+def watch_link(conn: Any) -> None:
+    """Export an ``edge.cloudconn.CloudConnection``'s estimates at scrape time."""
+    register("edge")
+    LINK_RTT.set_function(_reader(conn, lambda c: c.rtt_ms.value))
+    LINK_GOODPUT.set_function(_reader(conn, lambda c: c.goodput_mbps.value))
+    CLOUD_CONNECTED.set_function(_reader(conn, lambda c: float(c.connected.is_set())))
+
+
+def watch_links(table: Any) -> None:
+    """Export a ``cloud.links.LinkTable``'s counts at scrape time."""
+    register("cloud")
+    LINKS_ACTIVE.set_function(_reader(table, lambda t: len(t.active())))
+    REQUESTS_RUNNING.set_function(_reader(table, lambda t: t.running))
+    REQUESTS_WAITING.set_function(_reader(table, lambda t: t.waiting))

@@ -38,6 +38,7 @@ import typer
 from rich.console import Console
 
 from tandem.common.manifest import (
+    FULL_ONNX,
     MANIFEST_NAME,
     BundleFile,
     BundleManifest,
@@ -49,7 +50,6 @@ from tandem.common.manifest import (
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ONNX_OPSET = 17
-FULL_ONNX = "edge-full.onnx"  # the whole model with lm_head, for the edge-only baseline
 TOKENIZER_DIR = "tokenizer"
 BUNDLES_DIR = "bundles"
 # what the edge needs of a checkpoint to tokenize, apply the chat template and stop (EOS)

@@ -6,8 +6,9 @@ are what edge and cloud code pass around.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from tandem.common.errors import InvalidRequest
 from tandem.common.wire import Codec, WireDtype, pb_name
 from tandem.pbconv import from_pb, to_pb
 from tandem.v1 import tandem_pb2 as pb
@@ -65,41 +66,157 @@ class Sampling:
 
 @dataclass(frozen=True)
 class NegotiateOffer:
-    """What an edge offers in ``Negotiate`` (units in names; see ``NegotiateRequest``)."""
+    """What an edge offers in ``Negotiate`` (units in names; see ``NegotiateRequest``).
+
+    ``head_keys`` maps every split layer ``k`` the edge holds a head for to that head's
+    ``SplitManifest.compatibility_key()``; ``wire_dtypes`` and ``codecs`` are the formats the
+    edge accepts, preferred first; ``link_id`` names the link to renegotiate ("" = new)."""
 
     edge_id: str
     model_id: str
-    compatibility_key: str
-    split_layers: tuple[int, ...]
-    edge_max_batch: int
+    head_keys: dict[int, str]
+    edge_max_batch: int = 8
     rtt_ms: float = 0.0
     goodput_mbps: float = 0.0
     ttft_slo_ms: float = 0.0
     itl_p99_slo_ms: float = 0.0
+    wire_dtypes: tuple[WireDtype, ...] = tuple(WireDtype)
+    codecs: tuple[Codec, ...] = (Codec.NONE, Codec.ZSTD)
+    link_id: str = ""
+
+    @property
+    def split_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(self.head_keys))
 
     @classmethod
     def from_pb(cls, m: pb.NegotiateRequest) -> NegotiateOffer:
+        """Raises InvalidRequest for unknown enum values or more than 64 heads."""
+        if len(m.head_keys) > 64 or any(len(v) > 1024 for v in m.head_keys.values()):
+            raise InvalidRequest("at most 64 heads with keys of at most 1024 characters")
+        known_d, known_c = WireDtype._value2member_map_, Codec._value2member_map_
+        if any(d not in known_d for d in m.wire_dtypes) or any(c not in known_c for c in m.codecs):
+            raise InvalidRequest(f"unknown wire dtype or codec in {list(m.wire_dtypes)} / {list(m.codecs)}")
         return cls(
             m.edge_id,
             m.model_id,
-            m.compatibility_key,
-            tuple(m.split_layers),
+            {int(k): v for k, v in m.head_keys.items() if k > 0},
             m.edge_max_batch,
             m.link.rtt_ms,
             m.link.goodput_mbps,
             m.slo.ttft_ms,
             m.slo.itl_p99_ms,
+            tuple(WireDtype(d) for d in m.wire_dtypes) or (WireDtype.FP32,),
+            tuple(Codec(c) for c in m.codecs) or (Codec.NONE,),
+            m.link_id,
         )
 
     def to_pb(self) -> pb.NegotiateRequest:
         return pb.NegotiateRequest(
             edge_id=self.edge_id,
             model_id=self.model_id,
-            compatibility_key=self.compatibility_key,
-            split_layers=list(self.split_layers),
-            wire_dtypes=[pb_name(x) for x in WireDtype],
-            codecs=[pb_name(x) for x in Codec],
+            head_keys=self.head_keys,
+            split_layers=[0, *self.split_layers],
+            wire_dtypes=[pb_name(x) for x in self.wire_dtypes],
+            codecs=[pb_name(x) for x in self.codecs],
             edge_max_batch=self.edge_max_batch,
             link=pb.LinkMeasurement(rtt_ms=self.rtt_ms, goodput_mbps=self.goodput_mbps),
             slo=pb.LatencySlo(ttft_ms=self.ttft_slo_ms, itl_p99_ms=self.itl_p99_slo_ms),
+            link_id=self.link_id,
+        )
+
+
+@dataclass(frozen=True)
+class Negotiated:
+    """What ``Negotiate`` agreed: the link's id and its params for every split layer both sides
+    hold (``params_by_split[0]`` is direct mode, always present), what the cloud serves, and a
+    note saying why the edge's offer was not met in full ("" when it was)."""
+
+    link_id: str
+    params_by_split: dict[int, LinkParams]
+    split_layers: tuple[int, ...]
+    note: str = ""
+    cloud_id: str = ""
+    model_id: str = ""
+    instance_id: str = ""
+
+    @property
+    def params_version(self) -> int:
+        return self.params_by_split[0].params_version
+
+    @classmethod
+    def from_pb(cls, m: pb.NegotiateResponse) -> Negotiated:
+        by_split = {int(k): LinkParams.from_pb(v) for k, v in m.params_by_split.items()}
+        if 0 not in by_split:
+            by_split[0] = replace(LinkParams.from_pb(m.params), split_layer=0)
+        return cls(m.link_id, by_split, tuple(m.split_layers), m.note, m.cloud_id, m.model_id, m.instance_id)
+
+    def to_pb(self) -> pb.NegotiateResponse:
+        best = self.params_by_split[max(self.params_by_split)]
+        return pb.NegotiateResponse(
+            params=best.to_pb(),
+            cloud_id=self.cloud_id,
+            model_id=self.model_id,
+            link_id=self.link_id,
+            split_layers=list(self.split_layers),
+            note=self.note,
+            instance_id=self.instance_id,
+            params_by_split={k: v.to_pb() for k, v in self.params_by_split.items()},
+        )
+
+
+@dataclass(frozen=True)
+class ServerLoad:
+    """A cloud node's load and measured rates (see ``ServerLoad`` in the proto; units in names)."""
+
+    running_requests: int = 0
+    waiting_requests: int = 0
+    kv_cache_usage: float = 0.0
+    tail_prefill_ms_per_token: float = 0.0
+    prefill_ms_per_token: float = 0.0
+    decode_ms_per_token: float = 0.0
+    queue_wait_ms: float = 0.0
+    link_running: int = 0
+    link_waiting: int = 0
+
+    @classmethod
+    def from_pb(cls, m: pb.ServerLoad) -> ServerLoad:
+        return from_pb(cls, m)
+
+    def to_pb(self) -> pb.ServerLoad:
+        return to_pb(pb.ServerLoad, self)
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """``GetServerInfo``'s answer: the cloud's load and the link's current params."""
+
+    cloud_id: str
+    instance_id: str
+    load: ServerLoad
+    link_known: bool
+    params_by_split: dict[int, LinkParams]
+    split_layers: tuple[int, ...]
+    serving: bool = True
+
+    @classmethod
+    def from_pb(cls, m: pb.ServerInfo) -> ServerInfo:
+        return cls(
+            m.cloud_id,
+            m.instance_id,
+            ServerLoad.from_pb(m.load),
+            m.link_known,
+            {int(k): LinkParams.from_pb(v) for k, v in m.params_by_split.items()},
+            tuple(m.split_layers),
+            m.serving,
+        )
+
+    def to_pb(self) -> pb.ServerInfo:
+        return pb.ServerInfo(
+            cloud_id=self.cloud_id,
+            instance_id=self.instance_id,
+            load=self.load.to_pb(),
+            link_known=self.link_known,
+            params_by_split={k: v.to_pb() for k, v in self.params_by_split.items()},
+            split_layers=list(self.split_layers),
+            serving=self.serving,
         )

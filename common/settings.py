@@ -73,6 +73,10 @@ def gib(n: int) -> ByteSize:
     return ByteSize(n << 30)
 
 
+def kib(n: int) -> ByteSize:
+    return ByteSize(n << 10)
+
+
 def mib(n: int) -> ByteSize:
     return ByteSize(n << 20)
 

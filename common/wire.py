@@ -68,6 +68,7 @@ class Chunk:
     raw_nbytes: int
     payload: bytes
     crc32c: int
+    params_version: int = 0  # the link params it was made with
 
 
 def crc32c(data: bytes) -> int:
@@ -316,9 +317,10 @@ def split(
     dtype: WireDtype = WireDtype.FP32,
     codec: Codec = Codec.NONE,
     level: int = 3,
+    params_version: int = 0,
 ) -> list[Chunk]:
     """Frame activations float32 ``[T, H]`` of tokens ``[token_offset, token_offset+T)``
-    into chunks of at most ``chunk_tokens`` tokens.
+    into chunks of at most ``chunk_tokens`` tokens, each naming ``params_version``.
 
     Raises:
         InvalidRequest: ``h`` is not 2-D float32, or ``chunk_tokens < 1``.
@@ -332,7 +334,19 @@ def split(
         part = h[start : start + chunk_tokens]
         raw = encode_dtype(part, dtype)
         payload = encode_payload(raw, codec, level)
-        chunks.append(Chunk(seq, token_offset + start, part.shape[0], dtype, codec, len(raw), payload, crc32c(payload)))
+        chunks.append(
+            Chunk(
+                seq,
+                token_offset + start,
+                part.shape[0],
+                dtype,
+                codec,
+                len(raw),
+                payload,
+                crc32c(payload),
+                params_version,
+            )
+        )
     return chunks
 
 

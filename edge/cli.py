@@ -27,15 +27,15 @@ async def serve(cfg: EdgeConfig, ready_file: Path | None, grace_s: float | None 
     from tandem.edge.server import create_edge
 
     daemon = await create_edge(cfg)
-    p = daemon.service.params
+    svc = daemon.service
     logging.getLogger("tandem.edge").info(
-        "tandem-edge serving on %s:%d; cloud %s; split layer %d, block %d tokens, chunk %d tokens",
+        "tandem-edge serving on %s:%d; cloud %s; modes %s; split layers %s%s",
         cfg.host,
         daemon.port,
         cfg.cloud_target,
-        p.split_layer,
-        p.kv_block_size_tokens,
-        p.chunk_tokens,
+        sorted({r.mode for r in svc.routes()}),
+        list(svc.split_layers),
+        f"; degraded: {svc.degraded()}" if svc.degraded() else "",
     )
     if daemon.http_port is not None:
         logging.getLogger("tandem.edge").info(

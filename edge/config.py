@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from tandem.common.settings import Bytes, DaemonSettings, OptionalPort, Port, mib
+from tandem.common.settings import Bytes, DaemonSettings, OptionalPort, Port, kib, mib
 
 DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
 
@@ -32,7 +32,43 @@ class EdgeConfig(DaemonSettings):
         description="Split directory (`models/<model>/split-k<k>`): head.onnx + manifest.json; tokenizer from the "
         "full checkpoint.",
     )
+    extra_split_dirs: list[Path] = Field(
+        default_factory=list,
+        description="More split directories of the same model (heads at other split layers k); the edge may "
+        "split at any k the cloud also serves.",
+    )
+    local: bool = Field(
+        default=True,
+        description="Serve local mode (the whole model here) when the local model file exists; also the fallback "
+        "while the cloud is down or busy.",
+    )
+    local_model: Path | None = Field(
+        default=None,
+        description="The whole model in ONNX for local mode; default `edge-full.onnx` beside the split directory.",
+    )
+    max_prompt_tokens: int = Field(default=1536, ge=1, description="Longest prompt accepted, in tokens.")
     cloud_target: str = Field(default="localhost:50051", description="Address of tandem-cloud, `host:port`.")
+    connect_timeout_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="Seconds to wait at start-up for the first negotiation; the edge starts anyway (local mode, "
+        "degraded) and keeps reconnecting in the background.",
+    )
+    poll_s: float = Field(
+        default=2.0, gt=0, description="Seconds between GetServerInfo polls (cloud load, link params, RTT)."
+    )
+    probe_bytes: Bytes = Field(
+        default=kib(256), description="Padding of the goodput probe at connect, in bytes; 0 = no probe."
+    )
+    hysteresis: float = Field(
+        default=0.10, ge=0, description="Auto mode keeps its last mode unless another is predicted this much faster."
+    )
+    explore_every: int = Field(
+        default=50,
+        ge=0,
+        description="Every this many auto choices, run a near-best mode that ran least recently (keeps the cost model "
+        "calibrated); 0 = never.",
+    )
     host: str = Field(default="127.0.0.1", description="gRPC bind address; `0.0.0.0` listens on all interfaces.")
     port: Port = Field(default=50061, description="gRPC port; 0 = any free port (see `--ready-file`).")
     edge_id: str = Field(default="tandem-edge", description="Name this edge reports in Negotiate.")
@@ -52,12 +88,6 @@ class EdgeConfig(DaemonSettings):
     )
     turn_timeout_s: float = Field(
         default=300.0, gt=0, description="Deadline in seconds of one call to the cloud when the client set none."
-    )
-    rtt_ms: float = Field(
-        default=0.0, ge=0, description="Link round-trip time reported in Negotiate, in ms; 0 = unknown."
-    )
-    goodput_mbps: float = Field(
-        default=0.0, ge=0, description="Link goodput reported in Negotiate, in Mbit/s; 0 = unknown."
     )
     ttft_slo_ms: float = Field(
         default=1000.0, gt=0, description="Time-to-first-token objective reported in Negotiate, in ms."

@@ -15,6 +15,13 @@ from tandem.stages import Timings, timings_to_wire
 from tandem.v1 import tandem_pb2 as pb
 
 ROLES = ("system", "user", "assistant")
+MODE_NAMES = {
+    pb.MODE_UNSPECIFIED: "auto",
+    pb.MODE_AUTO: "auto",
+    pb.MODE_SPLIT: "split",
+    pb.MODE_DIRECT: "direct",
+    pb.MODE_LOCAL: "local",
+}
 
 
 @dataclass(frozen=True)
@@ -25,8 +32,13 @@ class ChatTurn:
     prompt: str = ""
     session_id: str = ""
     sampling: Sampling = field(default_factory=Sampling)
-    direct: bool = False
+    mode: str = "auto"  # "auto" | "local" | "split" | "direct"
     stop: tuple[str, ...] = ()  # stop strings (the output ends before the first; not included)
+    split_layer: int = 0  # with mode "split": the k to use (0 = the edge's choice)
+
+    @property
+    def direct(self) -> bool:
+        return self.mode == "direct"
 
     @classmethod
     def from_pb(cls, r: pb.ChatRequest) -> ChatTurn:
@@ -34,8 +46,10 @@ class ChatTurn:
         for m in r.messages:
             if m.role not in ROLES:
                 raise InvalidRequest(f"message role {m.role!r} not in {ROLES}")
-        if r.mode not in (pb.MODE_UNSPECIFIED, pb.MODE_SPLIT, pb.MODE_DIRECT):
+        if r.mode not in MODE_NAMES:
             raise InvalidRequest(f"unknown mode {r.mode}")
+        if r.split_layer and r.mode != pb.MODE_SPLIT:
+            raise InvalidRequest("split_layer is for mode split only")
         s = Sampling.from_pb(r.sampling) if r.HasField("sampling") else Sampling()
         if not 0 <= s.temperature <= MAX_TEMPERATURE or not 0 < s.top_p <= 1 or s.top_k < 0:
             raise InvalidRequest(f"bad sampling: temperature={s.temperature} top_p={s.top_p}")
@@ -44,7 +58,9 @@ class ChatTurn:
         if len(s.stop_token_ids) > MAX_STOP_TOKENS:
             raise InvalidRequest(f"at most {MAX_STOP_TOKENS} stop token ids")
         messages = tuple((m.role, m.content) for m in r.messages)
-        return cls(messages, r.prompt, r.session_id, s, r.mode == pb.MODE_DIRECT, tuple(x for x in r.stop if x))
+        return cls(
+            messages, r.prompt, r.session_id, s, MODE_NAMES[r.mode], tuple(x for x in r.stop if x), r.split_layer
+        )
 
 
 @dataclass(frozen=True)
@@ -67,6 +83,11 @@ class TurnDone:
     timings: Timings
     sent_bytes: dict[str, int]
     output_token_ids: tuple[int, ...]
+    mode: str = ""  # "local" | "split" | "direct"
+    predicted_ttft_ms: float = 0.0
+    ttft_ms: float = 0.0
+    params_version: int = 0
+    mode_reason: str = ""
 
     def to_pb(self) -> pb.ChatEvent:
         done = to_pb(pb.ChatDone, self, exclude=("timings",), timings_ms=timings_to_wire(self.timings))

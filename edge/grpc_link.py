@@ -20,7 +20,7 @@ import grpc
 from tandem.common.grpc_errors import error_from_status
 from tandem.common.grpcsetup import channel_options
 from tandem.common.messages import DownEvent, TurnError, UplinkItem, downlink_from_pb, uplink_to_pb
-from tandem.common.params import LinkParams, NegotiateOffer
+from tandem.common.params import Negotiated, NegotiateOffer, ServerInfo
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -90,12 +90,19 @@ class GrpcCloudLink:
         )
         self.stub = pb_grpc.CloudStub(self.channel)
 
-    async def negotiate(self, offer: NegotiateOffer) -> LinkParams:
+    async def negotiate(self, offer: NegotiateOffer) -> Negotiated:
         try:
             resp = await self.stub.Negotiate(offer.to_pb(), timeout=NEGOTIATE_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             raise error_from_status(e.code(), e.details() or "") from e
-        return LinkParams.from_pb(resp.params)
+        return Negotiated.from_pb(resp)
+
+    async def server_info(self, link_id: str, padding_bytes: int = 0, timeout_s: float = 5.0) -> ServerInfo:
+        req = pb.ServerInfoRequest(link_id=link_id, padding=bytes(padding_bytes))
+        try:
+            return ServerInfo.from_pb(await self.stub.GetServerInfo(req, timeout=timeout_s))
+        except grpc.aio.AioRpcError as e:
+            raise error_from_status(e.code(), e.details() or "") from e
 
     def open(self, timeout_s: float | None) -> GrpcTurnCall:
         return GrpcTurnCall(self.stub, timeout_s)

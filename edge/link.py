@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from tandem.common.errors import InvalidRequest
 from tandem.common.messages import DownEvent, TurnHeader, UplinkItem, uplink_to_pb
-from tandem.common.params import LinkParams, NegotiateOffer
+from tandem.common.params import Negotiated, NegotiateOffer, ServerInfo
 
 
 class TurnCall(Protocol):
@@ -33,8 +33,13 @@ class TurnCall(Protocol):
 
 
 class CloudLink(Protocol):
-    async def negotiate(self, offer: NegotiateOffer) -> LinkParams:
+    async def negotiate(self, offer: NegotiateOffer) -> Negotiated:
         """Raises TandemError (IncompatibleModel, EngineError when the cloud is unreachable)."""
+        ...
+
+    async def server_info(self, link_id: str, padding_bytes: int = 0, timeout_s: float = 5.0) -> ServerInfo:
+        """``GetServerInfo``; ``padding_bytes`` of padding make it a goodput probe.
+        Raises TandemError (EngineError when the cloud is unreachable)."""
         ...
 
     def open(self, timeout_s: float | None) -> TurnCall: ...
@@ -79,8 +84,11 @@ class InProcessLink:
     def __init__(self, gateway: Any) -> None:
         self.gateway = gateway
 
-    async def negotiate(self, offer: NegotiateOffer) -> LinkParams:
+    async def negotiate(self, offer: NegotiateOffer) -> Negotiated:
         return self.gateway.negotiate(offer)
+
+    async def server_info(self, link_id: str, padding_bytes: int = 0, timeout_s: float = 5.0) -> ServerInfo:
+        return self.gateway.server_info(link_id)
 
     def open(self, timeout_s: float | None) -> TurnCall:
         return InProcessCall(self.gateway, timeout_s)

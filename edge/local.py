@@ -1,20 +1,318 @@
-"""Edge-only generation: the whole model in ONNX Runtime on the edge, no network.
+"""Edge-only serving: the whole model in ONNX Runtime on the edge, no network.
 
-The baseline that the latency benchmarks compare the split against. Batch 1,
-greedy or temperature sampling, KV cache kept as ONNX Runtime inputs/outputs.
+``LocalEngine`` runs ``edge-full.onnx`` (see ``common.modelprep``: embedding, all ``L`` layers and
+the LM head; inputs and outputs named by ``common.head_io.io_names(L)``, ``logits`` float32
+``[1, V]`` of the last new token) token by token, batch 1, with the sampling and stop semantics
+of vLLM so the local mode answers like the cloud. ``LocalGenerator`` is the synchronous,
+benchmark-only driver of the same forward pass (the edge-only baseline of ``benchmarks.bench``).
+
+Who calls: the edge's local mode (``LocalEngine.generate``, one call per turn, from the event
+loop) and the benchmarks (``LocalGenerator``).
+
+Concurrency: every ONNX Runtime call (one prefill or one decode step) runs in a worker thread
+under one ``asyncio.Lock``, so the event loop stays free and concurrent turns interleave token by
+token in FIFO order. A run that a cancelled turn started keeps the lock until it ends (ONNX
+Runtime cannot be interrupted), so runs never overlap; the cancelled turn itself returns at once.
+
+Sessions: with a ``session_id`` the full-model KV of the conversation is kept between turns
+(``LocalSessions``, bounded by count and bytes, least recently used dropped first) and the
+longest common token prefix with the next prompt is reused. The session is updated after every
+model run, token ids and KV together, so a turn that fails or is cancelled leaves it consistent.
+
+Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``T`` tokens whose KV is held, ``V``
+vocabulary size; KV float32 ``[1, Hkv, T, D]`` per layer and key/value, in ``io_names`` order.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from tandem.common.errors import InvalidRequest
 from tandem.common.head_io import io_names
+from tandem.common.lru import BoundedLRU
 from tandem.common.manifest import ModelShape
+from tandem.common.params import MAX_TEMPERATURE, Sampling
+
+SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
+EWMA_ALPHA = 0.2  # weight of the newest sample in the measured rates
+WARMUP_DECODE_STEPS = 4
+
+
+@dataclass
+class LocalSession:
+    """Full-model KV of one chat session, for prefix reuse across turns.
+
+    token_ids: the tokens whose KV ``past`` holds (``len(token_ids) == T``).
+    past: ``2L`` arrays float32 ``[1, Hkv, T, D]`` (key then value per layer, ``io_names`` order),
+    empty before the first turn. Arrays are replaced, never written in place.
+    lock: held by the turn using the session, for the whole turn.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    past: list[np.ndarray] = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def nbytes(self) -> int:
+        """KV bytes held."""
+        return sum(int(a.nbytes) for a in self.past)
+
+    def common_prefix(self, ids: Sequence[int]) -> int:
+        """Length of the longest common prefix of ``ids`` and ``token_ids``."""
+        n = min(len(ids), len(self.token_ids))
+        i = 0
+        while i < n and ids[i] == self.token_ids[i]:
+            i += 1
+        return i
+
+
+class LocalSessions(BoundedLRU[LocalSession]):
+    """LRU of local sessions bounded by count and KV bytes; sessions in use are never dropped."""
+
+    def get(self, session_id: str) -> LocalSession:
+        """The session (created empty if unknown); an empty id gets a throwaway one (stateless)."""
+        if not session_id:
+            return LocalSession()
+        s = self.peek(session_id)
+        if s is None:
+            s = LocalSession()
+            self.put(session_id, s)
+        return s
+
+    def entry_bytes(self, key: str, s: LocalSession) -> int:
+        return s.nbytes()
+
+
+@dataclass(frozen=True)
+class LocalToken:
+    """One sampled token; ``finish_reason`` is ``"stop"`` or ``"length"`` on the turn's last one."""
+
+    token_id: int
+    finish_reason: str | None = None
+
+
+def sample_token(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
+    """The next token from ``logits`` (float ``[V]``), as vLLM samples it.
+
+    Greedy (argmax) when ``s.temperature < SAMPLING_EPS``; otherwise, in float64: divide by the
+    temperature, keep the ``top_k`` largest logits (``0`` = off; ties with the k-th are kept),
+    stable softmax, keep the smallest set of most probable tokens whose mass reaches ``top_p``
+    (``1.0`` = off; the most probable token always stays), renormalise and draw with ``rng``.
+    """
+    if s.temperature < SAMPLING_EPS:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / s.temperature
+    if 0 < s.top_k < z.shape[0]:
+        kth = np.partition(z, -s.top_k)[-s.top_k]
+        z[z < kth] = -np.inf
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if s.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        sp = p[order]
+        before = np.cumsum(sp) - sp  # mass of the more probable tokens
+        p[order[before >= s.top_p]] = 0.0
+        p /= p.sum()
+    return int(rng.choice(p.shape[0], p=p))
+
+
+def _ewma(old: float, x: float) -> float:
+    return x if old == 0.0 else old + EWMA_ALPHA * (x - old)
+
+
+class LocalEngine:
+    """``edge-full.onnx`` in one ONNX Runtime session, serving concurrent turns.
+
+    Attributes (read them, don't set them):
+        prefill_ms_per_token: EWMA of prefill run time per prompt token computed (ms); runs of more
+            than one new token only. 0 until measured.
+        decode_ms_per_token: EWMA of one-token run time (ms). 0 until measured.
+        active: ``generate`` calls in flight.
+        last_computed_tokens / last_reused_tokens: prompt tokens the latest prefill ran, and the
+            session tokens it reused (of whichever turn prefilled last).
+        sessions: the session table.
+    """
+
+    def __init__(
+        self,
+        onnx_path: Path,
+        shape: ModelShape,
+        eos_token_ids: Sequence[int],
+        intra_op_threads: int = 0,
+        max_sessions: int = 256,
+        session_bytes: int = 512 << 20,
+    ) -> None:
+        """``intra_op_threads``: ONNX Runtime's (0 = its default); ``session_bytes``: bound on the
+        KV bytes of all sessions. Raises what ``onnxruntime.InferenceSession`` raises for a bad file."""
+        import onnxruntime as ort
+
+        from tandem.edge.head_runner import default_providers
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = intra_op_threads
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.session = ort.InferenceSession(str(onnx_path), opts, providers=default_providers())
+        self.shape = shape
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        inputs, outputs = io_names(shape.num_layers)
+        self._past_names = inputs[3:]
+        self._out_names = ["logits", *outputs[1:]]
+        self.sessions = LocalSessions(max_sessions, session_bytes)
+        self._model_lock = asyncio.Lock()
+        self.prefill_ms_per_token = 0.0
+        self.decode_ms_per_token = 0.0
+        self.active = 0
+        self.last_computed_tokens = 0
+        self.last_reused_tokens = 0
+
+    def cached_tokens(self, session_id: str, prompt_ids: Sequence[int]) -> int:
+        """Prompt tokens whose KV the session ``session_id`` holds (its common prefix); 0 if none."""
+        s = self.sessions.peek(session_id) if session_id else None
+        return s.common_prefix(prompt_ids) if s is not None else 0
+
+    @property
+    def providers(self) -> list[str]:
+        return self.session.get_providers()
+
+    def empty_past(self) -> list[np.ndarray]:
+        """``2L`` float32 arrays ``[1, Hkv, 0, D]``."""
+        s = self.shape
+        return [np.zeros((1, s.num_kv_heads, 0, s.head_dim), np.float32) for _ in self._past_names]
+
+    def validate(self, prompt_ids: Sequence[int], s: Sampling) -> None:
+        """Raises:
+        InvalidRequest: empty prompt, a token id outside ``[0, V)``, ``max_new_tokens < 1``, prompt
+            plus ``max_new_tokens`` beyond ``max_position_embeddings``, or sampling values out of
+            range (temperature in ``[0, MAX_TEMPERATURE]``, top_p in ``(0, 1]``, top_k >= 0).
+        """
+        if len(prompt_ids) == 0:
+            raise InvalidRequest("prompt_ids is empty")
+        ids = np.asarray(prompt_ids)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise InvalidRequest("prompt_ids must be a flat list of integers")
+        v = self.shape.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= v:
+            bad = next(int(t) for t in ids if not 0 <= t < v)
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {v})")
+        if s.max_new_tokens < 1:
+            raise InvalidRequest(f"max_new_tokens must be >= 1, got {s.max_new_tokens}")
+        limit = self.shape.max_position_embeddings
+        if len(prompt_ids) + s.max_new_tokens > limit:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({s.max_new_tokens}) exceeds the "
+                f"model's {limit} positions"
+            )
+        if not 0 <= s.temperature <= MAX_TEMPERATURE or not 0 < s.top_p <= 1 or s.top_k < 0:
+            raise InvalidRequest(f"bad sampling: temperature={s.temperature} top_p={s.top_p} top_k={s.top_k}")
+
+    def forward(self, new_ids: Sequence[int], past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray], float]:
+        """One model run over ``new_ids`` (``t >= 1`` tokens) after ``past`` (``2L`` x ``[1, Hkv, P, D]``).
+
+        Blocking; thread-safe (ONNX Runtime's ``run`` is). Returns the logits of the last new token,
+        float32 ``[V]``; the KV of all ``P + t`` tokens, ``2L`` x float32 ``[1, Hkv, P + t, D]`` (new
+        arrays, owned by the caller); and the run time in ms.
+        """
+        p, t = int(past[0].shape[2]), len(new_ids)
+        feeds = {
+            "input_ids": np.asarray([new_ids], np.int64),
+            "position_ids": np.arange(p, p + t, dtype=np.int64)[None],
+            "attention_mask": np.ones((1, p + t), np.int64),
+        }
+        feeds.update(zip(self._past_names, past, strict=True))
+        t0 = time.perf_counter()
+        logits, *present = self.session.run(self._out_names, feeds)
+        return logits[0], present, (time.perf_counter() - t0) * 1e3
+
+    async def _run(self, new_ids: list[int], past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """``forward`` in a worker thread under the model lock; updates the measured rates.
+
+        The lock is released when the run ends, not when the caller leaves: a cancelled caller
+        returns at once while its run (which cannot be interrupted) finishes alone, its result dropped.
+        """
+        await self._model_lock.acquire()
+        fut = asyncio.ensure_future(asyncio.to_thread(self.forward, new_ids, past))
+        fut.add_done_callback(self._run_done)
+        logits, present, ms = await asyncio.shield(fut)
+        if len(new_ids) > 1:
+            self.prefill_ms_per_token = _ewma(self.prefill_ms_per_token, ms / len(new_ids))
+        else:
+            self.decode_ms_per_token = _ewma(self.decode_ms_per_token, ms)
+        return logits, present
+
+    def _run_done(self, fut: asyncio.Future) -> None:
+        self._model_lock.release()
+        if not fut.cancelled():
+            fut.exception()  # retrieved here too, for a run whose caller was cancelled
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: Sampling, session_id: str = ""
+    ) -> AsyncGenerator[LocalToken, None]:
+        """Yield the turn's tokens; the last one carries ``finish_reason``.
+
+        ``"stop"``: the token is in ``eos_token_ids`` (unless ``sampling.ignore_eos``) or in
+        ``sampling.stop_token_ids``; it is yielded (vLLM counts it among the output token ids).
+        ``"length"``: ``sampling.max_new_tokens`` tokens yielded.
+
+        With a non-empty ``session_id`` the session's KV of the longest common prefix with
+        ``prompt_ids`` is reused (at least the last prompt token is recomputed, for its logits) and
+        the session keeps the KV of the prompt and every generated token but the last. The session's
+        lock is held for the whole turn; close the iterator (``contextlib.aclosing``) when stopping
+        early, so the lock is released at once.
+
+        Raises:
+            InvalidRequest: see ``validate`` (raised on the first iteration).
+        """
+        self.validate(prompt_ids, sampling)
+        prompt = [int(t) for t in prompt_ids]
+        self.active += 1
+        try:
+            sess = self.sessions.get(session_id)
+            async with sess.lock:
+                async for tok in self._turn(sess, prompt, sampling):
+                    yield tok
+        finally:
+            self.active -= 1
+            if session_id:
+                self.sessions.evict()
+
+    async def _turn(self, sess: LocalSession, prompt: list[int], s: Sampling) -> AsyncGenerator[LocalToken, None]:
+        c = min(sess.common_prefix(prompt), len(prompt) - 1)
+        past = self.empty_past() if c == 0 else [np.ascontiguousarray(a[:, :, :c]) for a in sess.past]
+        stops = set(s.stop_token_ids) | (set() if s.ignore_eos else self.eos_token_ids)
+        rng = np.random.default_rng(s.seed)
+        new = prompt[c:]
+        self.last_computed_tokens, self.last_reused_tokens = len(new), c
+        for n in range(1, s.max_new_tokens + 1):
+            logits, past = await self._run(new, past)
+            # Commit token ids and KV together (no await in between): the session stays consistent.
+            if n == 1:
+                sess.token_ids, sess.past = list(prompt), past
+            else:
+                sess.token_ids.append(new[0])
+                sess.past = past
+            tok = sample_token(logits, s, rng)
+            finish = "stop" if tok in stops else "length" if n == s.max_new_tokens else None
+            yield LocalToken(tok, finish)
+            if finish:
+                return
+            new = [tok]
+
+    async def warmup(self, n_tokens: int = 32) -> None:
+        """One untimed one-token run (ONNX Runtime's first run allocates), then a prefill of
+        ``n_tokens`` (at least 2) and a few decode steps, which set the measured rates. Stateless."""
+        await self._run([1], self.empty_past())
+        n = max(2, min(n_tokens, self.shape.max_position_embeddings - WARMUP_DECODE_STEPS))
+        ids = [(1 + 7919 * i) % self.shape.vocab_size for i in range(n)]
+        sampling = Sampling(max_new_tokens=WARMUP_DECODE_STEPS, ignore_eos=True)
+        async with contextlib.aclosing(self.generate(ids, sampling)) as it:
+            async for _ in it:
+                pass
 
 
 @dataclass(frozen=True)
@@ -24,19 +322,12 @@ class LocalStep:
 
 
 class LocalGenerator:
-    """``edge-full.onnx`` (see ``common.modelprep``) driven token by token."""
+    """Synchronous, stateless driver of ``LocalEngine``'s forward pass, for the edge-only baseline
+    of the benchmarks (no event loop, no sessions)."""
 
     def __init__(self, onnx_path: Path, shape: ModelShape, intra_op_threads: int = 0) -> None:
-        import onnxruntime as ort
-
-        from tandem.edge.head_runner import default_providers
-
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = intra_op_threads
-        self.session = ort.InferenceSession(str(onnx_path), opts, providers=default_providers())
+        self.engine = LocalEngine(onnx_path, shape, (), intra_op_threads)
         self.shape = shape
-        self.inputs, outputs = io_names(shape.num_layers)
-        self.outputs = ["logits", *outputs[1:]]
 
     def generate(
         self,
@@ -46,29 +337,20 @@ class LocalGenerator:
         temperature: float = 0.0,
         seed: int = 0,
     ) -> Iterator[LocalStep]:
-        """Yield sampled tokens; stops at ``eos_token_id`` (yielded) or ``max_new_tokens``."""
-        s, L = self.shape, self.shape.num_layers
+        """Yield sampled tokens; stops at ``eos_token_id`` (yielded) or ``max_new_tokens``.
+
+        Raises:
+            InvalidRequest: see ``LocalEngine.validate``.
+        """
+        stop = () if eos_token_id is None else (eos_token_id,)
+        s = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_token_ids=stop)
+        self.engine.validate(prompt_ids, s)
         rng = np.random.default_rng(seed)
-        past = [np.zeros((1, s.num_kv_heads, 0, s.head_dim), np.float32) for _ in range(2 * L)]
-        ids = np.asarray([prompt_ids], np.int64)
-        pos = 0
+        past, new = self.engine.empty_past(), list(prompt_ids)
         for _ in range(max_new_tokens):
-            t = ids.shape[1]
-            feeds = {
-                "input_ids": ids,
-                "position_ids": np.arange(pos, pos + t, dtype=np.int64)[None],
-                "attention_mask": np.ones((1, pos + t), np.int64),
-            }
-            feeds.update(zip(self.inputs[3:], past, strict=True))
-            logits, *past = self.session.run(self.outputs, feeds)
-            pos += t
-            if temperature > 0:
-                z = logits[0] / temperature
-                p = np.exp(z - z.max())
-                tok = int(rng.choice(len(p), p=p / p.sum()))
-            else:
-                tok = int(np.argmax(logits[0]))
+            logits, past, _ms = self.engine.forward(new, past)
+            tok = sample_token(logits, s, rng)
             yield LocalStep(tok, time.perf_counter())
-            if tok == eos_token_id:
+            if tok in stop:
                 return
-            ids = np.asarray([[tok]], np.int64)
+            new = [tok]

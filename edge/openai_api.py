@@ -22,7 +22,8 @@ Responses have OpenAI's shapes (``chat.completion``, ``chat.completion.chunk``, 
 is sent as ``data: {"error": ...}`` (the openai client raises ``APIError``). A client that goes away
 ends the turn: the edge's turn generator is closed, which cancels the call to the cloud (streaming or
 not). The last response / chunk with a ``finish_reason`` has a non-standard field ``tandem``
-(``session_id``, ``split_layer``, ``head_tokens``, ``external_tokens``, ``timings_ms``, ``sent_bytes``);
+(``session_id``, ``mode``, ``predicted_ttft_ms``, ``split_layer``, ``head_tokens``, ``external_tokens``,
+``timings_ms``, ``sent_bytes``);
 OpenAI clients ignore it (``response.model_extra["tandem"]``). Every response has the header
 ``x-tandem-session``.
 
@@ -72,7 +73,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -219,6 +220,8 @@ class _Common(_Open):
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0, le=2**32 - 1)]] | None = Field(None, max_length=MAX_STOP_TOKENS)
     session_id: str | None = Field(None, max_length=128)
+    # tandem's serving mode (``ChatRequest.mode`` of the gRPC API); "auto" lets the edge choose
+    mode: Literal["auto", "local", "split", "direct"] = "auto"
 
 
 class ChatRequest(_Common):
@@ -339,6 +342,8 @@ def _finish_reason(done: TurnDone) -> str:
 def tandem_extra(done: TurnDone, session_id: str) -> dict[str, Any]:
     return {
         "session_id": session_id,
+        "mode": done.mode,
+        "predicted_ttft_ms": done.predicted_ttft_ms,
         "split_layer": done.split_layer,
         "head_tokens": done.head_tokens,
         "external_tokens": done.external_tokens,
@@ -487,16 +492,18 @@ class _Api:
         self.busy: set[str] = set()  # sessions a turn of this API is using
 
     def model_card(self) -> dict[str, Any]:
-        p = self.service.params
+        svc = self.service
         return {
             "id": self.model_id,
             "object": "model",
             "created": self.created,
             "owned_by": "tandem",
             "tandem": {
-                "split_layer": p.split_layer,
-                "max_prompt_tokens": p.max_prompt_tokens,
-                "max_new_tokens": p.max_new_tokens,
+                "split_layer": max(svc.split_layers, default=0),
+                "split_layers": list(svc.split_layers),
+                "modes": sorted({r.mode for r in svc.routes()}),
+                "max_prompt_tokens": svc.max_prompt_tokens,
+                "max_new_tokens": svc.max_new_tokens,
             },
         }
 
@@ -527,17 +534,17 @@ class _Api:
         if r.response_format and r.response_format.get("type", "text") != "text":
             raise ApiError(400, "only the text response format is supported", param="response_format")
         messages = chat_messages(r)
-        p = self.service.params
+        max_new = self.service.max_new_tokens
         max_tokens, param = (
             (r.max_completion_tokens, "max_completion_tokens")
             if r.max_completion_tokens is not None
             else (r.max_tokens, "max_tokens")
         )
-        sampling = _sampling(r, max_tokens, p.max_new_tokens, p.max_new_tokens, param)
+        sampling = _sampling(r, max_tokens, max_new, max_new, param)
         opening = [""] * 2 if r.session_id else _chat_opening(messages)
         stop = _stops(r.stop)
         sid = self.session_for(["chat", key, r.user or "", r.session_id or "", *opening])
-        turn = ChatTurn(messages, "", sid, sampling, direct=False, stop=stop)
+        turn = ChatTurn(messages, "", sid, sampling, mode=r.mode, stop=stop)
         return self._call(True, turn, r)
 
     def completion_call(self, r: CompletionRequest, key: str) -> _Call:
@@ -554,13 +561,13 @@ class _Api:
         prompt = _prompt_of(r)
         if not prompt:
             raise ApiError(400, "prompt is empty", param="prompt")
-        p = self.service.params
-        default_max = min(COMPLETIONS_DEFAULT_MAX_TOKENS, p.max_new_tokens)
-        sampling = _sampling(r, r.max_tokens, default_max, p.max_new_tokens, "max_tokens")
+        max_new = self.service.max_new_tokens
+        default_max = min(COMPLETIONS_DEFAULT_MAX_TOKENS, max_new)
+        sampling = _sampling(r, r.max_tokens, default_max, max_new, "max_tokens")
         opening = "" if r.session_id else prompt[:OPENING_CHARS]
         stop = _stops(r.stop)
         sid = self.session_for(["text", key, r.user or "", r.session_id or "", opening])
-        turn = ChatTurn((), prompt, sid, sampling, direct=False, stop=stop)
+        turn = ChatTurn((), prompt, sid, sampling, mode=r.mode, stop=stop)
         return self._call(False, turn, r)
 
     def _call(self, chat: bool, turn: ChatTurn, r: _Common) -> _Call:

@@ -1,44 +1,51 @@
 """Build the edge daemon: ONNX head + batcher + link to the cloud + the Edge gRPC service.
 
 The servicer is an adapter: ``ChatTurn.from_pb`` -> ``EdgeService.chat`` -> ``to_pb``.
-The edge's health follows the cloud's: it watches the cloud's health service and
-goes NOT_SERVING while the cloud is unreachable or not serving (every mode the
-edge offers today needs the cloud).
+The edge's health is SERVING while some mode can serve: local mode needs no cloud, so an
+edge with the whole model stays SERVING (degraded, see ``GetInfo``) while the cloud is down;
+an edge with heads only is NOT_SERVING until its link to the cloud is negotiated.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+import numpy as np
+from grpc_health.v1 import health
 
 from tandem import __version__
-from tandem.common.errors import EngineError, TandemError
+from tandem.common.errors import EngineError, IncompatibleModel, TandemError
 from tandem.common.grpc_errors import abort
 from tandem.common.grpcsetup import set_health, start_server
 from tandem.common.logs import new_request_id, set_ids
-from tandem.common.manifest import SplitManifest
+from tandem.common.manifest import FULL_ONNX, SplitManifest
 from tandem.common.params import MAX_STOP_TOKENS, NegotiateOffer
 from tandem.edge.batcher import HeadBatcher
+from tandem.edge.cloudconn import CloudConnection
 from tandem.edge.config import EdgeConfig
+from tandem.edge.costmodel import CostModel, zstd_pays
 from tandem.edge.detok import MAX_STOP_STRINGS
 from tandem.edge.events import ChatTurn
 from tandem.edge.grpc_link import GrpcCloudLink
-from tandem.edge.head_runner import OnnxHead
-from tandem.edge.service import EdgeService
+from tandem.edge.head_runner import HeadInput, OnnxHead
+from tandem.edge.local import LocalEngine
+from tandem.edge.service import EdgeService, Head
 from tandem.edge.session import EdgeSessions
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
 log = logging.getLogger("tandem.edge")
 EDGE_SERVICE = pb.DESCRIPTOR.services_by_name["Edge"].full_name
-CLOUD_SERVICE = pb.DESCRIPTOR.services_by_name["Cloud"].full_name
 MAX_MESSAGE_BYTES = 4 << 20  # ChatRequest: a conversation of up to a few MB of text
+WARMUP_TOKENS = 32  # tokens of the warm-up run that times each head
 
 
 class EdgeServicer(pb_grpc.EdgeServicer):
@@ -60,31 +67,36 @@ class EdgeServicer(pb_grpc.EdgeServicer):
             await context.abort(grpc.StatusCode.INTERNAL, "internal error in the edge daemon (see its log)")
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.EdgeInfo:
-        p = self.service.params
+        svc = self.service
         return pb.EdgeInfo(
             model_id=self.model_id,
-            split_layer=p.split_layer,
-            max_prompt_tokens=p.max_prompt_tokens,
-            max_new_tokens=p.max_new_tokens,
+            split_layer=max(svc.split_layers, default=0),
+            max_prompt_tokens=svc.max_prompt_tokens,
+            max_new_tokens=svc.max_new_tokens,
             max_stop_strings=MAX_STOP_STRINGS,
             max_stop_token_ids=MAX_STOP_TOKENS,
-            default_timeout_s=self.service.turn_timeout_s,
+            default_timeout_s=svc.turn_timeout_s,
             version=__version__,
+            modes=sorted({r.mode for r in svc.routes()}),
+            split_layers=list(svc.split_layers),
+            cloud_connected=svc.conn is not None and svc.conn.connected.is_set(),
+            degraded=svc.degraded(),
         )
 
 
-async def follow_cloud_health(channel: grpc.aio.Channel, hs: health.aio.HealthServicer, retry_s: float = 1.0) -> None:
-    """Mirror the cloud's health into this server's until cancelled (reconnecting on errors)."""
-    stub = health_pb2_grpc.HealthStub(channel)
+async def follow_link(service: EdgeService, hs: health.aio.HealthServicer, period_s: float = 0.5) -> None:
+    """Keep this server's health current until cancelled: SERVING while some mode can serve (local
+    mode, or the cloud connected), NOT_SERVING otherwise. Degraded service (local only) is SERVING;
+    ``GetInfo`` says what is missing."""
+    last: bool | None = None
     while True:
-        try:
-            async for r in stub.Watch(health_pb2.HealthCheckRequest(service=CLOUD_SERVICE)):
-                serving = r.status == health_pb2.HealthCheckResponse.SERVING
-                await set_health(hs, serving, ["", EDGE_SERVICE])
-        except grpc.aio.AioRpcError as e:
-            log.warning("cloud health: %s", e.code().name)
-        await set_health(hs, False, ["", EDGE_SERVICE])
-        await asyncio.sleep(retry_s)
+        serving = bool(service.routes())
+        if serving != last:
+            await set_health(hs, serving, ["", EDGE_SERVICE])
+            if last is not None:
+                log.warning("edge health: %s (%s)", "SERVING" if serving else "NOT_SERVING", service.degraded() or "ok")
+            last = serving
+        await asyncio.sleep(period_s)
 
 
 @dataclass
@@ -113,39 +125,129 @@ class EdgeDaemon:
 
             await stop_openai(self.http[0], self.http[1], grace_s)
         await self.server.stop(grace_s)
-        await self.service.batcher.stop()
+        if self.service.conn is not None:
+            await self.service.conn.stop()
+        for h in self.service.heads.values():
+            await h.batcher.stop()
         await self.link.close()
 
 
+def eos_token_ids(tokenizer: Any, tokenizer_dir: Path) -> list[int]:
+    """End-of-sequence ids as vLLM takes them: ``generation_config.json``'s ``eos_token_id`` (an int
+    or a list) and the tokenizer's own."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = tokenizer_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(int(i) for i in ids)
+
+
+def measure_zstd(sample: bytes, level: int) -> tuple[float, float, float]:
+    """zstd on ``sample`` (this model's wire bytes): (compressed/raw ratio, compress MB/s, decompress MB/s)."""
+    import zstandard
+
+    t0 = time.perf_counter()
+    packed = zstandard.ZstdCompressor(level=level).compress(sample)
+    t1 = time.perf_counter()
+    zstandard.ZstdDecompressor().decompress(packed)
+    t2 = time.perf_counter()
+    mb = len(sample) / 1e6
+    return len(packed) / max(1, len(sample)), mb / max(t1 - t0, 1e-9), mb / max(t2 - t1, 1e-9)
+
+
 async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
-    """Load the head, negotiate with the cloud, and start the Edge server (port 0 = any free).
+    """Load the heads and the local model, start the link to the cloud, and start the Edge server
+    (port 0 = any free). The edge starts whether or not the cloud answers: while it does not, local
+    mode serves (health SERVING, ``GetInfo.degraded`` says why) and the link keeps reconnecting.
 
     Raises:
-        FileNotFoundError: no manifest in ``cfg.split_dir``.
-        TandemError: negotiation refused (e.g. IncompatibleModel) or the cloud is unreachable.
+        FileNotFoundError: no manifest in a split directory.
+        ValueError: split directories of different models, or nothing to serve (no head, no local model).
+        IncompatibleModel: the cloud answered that the heads are not cut from its model.
     """
     from transformers import AutoTokenizer
 
     manifest = SplitManifest.load(cfg.split_dir)
-    head = OnnxHead(cfg.split_dir, intra_op_threads=cfg.intra_op_threads)
-    tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_dir(cfg.split_dir))
+    manifests = [manifest, *(SplitManifest.load(d) for d in cfg.extra_split_dirs)]
+    if any(m.weights_blake3 != manifest.weights_blake3 or m.shape != manifest.shape for m in manifests):
+        raise ValueError("every split directory must hold the same model (weights and shape)")
+    tok_dir = manifest.tokenizer_dir(cfg.split_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    cost = CostModel(cfg.hysteresis, cfg.explore_every)
+    heads: list[Head] = []
+    sample = b""
+    for m, d in zip(manifests, (cfg.split_dir, *cfg.extra_split_dirs), strict=True):
+        batcher = HeadBatcher(OnnxHead(d, intra_op_threads=cfg.intra_op_threads), cfg.max_batch)
+        batcher.start()
+        heads.append(Head(batcher, m.compatibility_key()))
+        # warm up and time the head (the cost model's first head rate)
+        warm = np.arange(WARMUP_TOKENS, dtype=np.int64) % m.shape.vocab_size
+        await batcher.run(HeadInput(warm))
+        t0 = time.perf_counter()
+        out = await batcher.run(HeadInput(warm))
+        cost.edge.head(m.split_layer).add((time.perf_counter() - t0) * 1e3 / WARMUP_TOKENS)
+        sample = out.hidden.tobytes() + out.kv.tobytes()
+    local = None
+    local_path = cfg.local_model or cfg.split_dir.parent / FULL_ONNX
+    if cfg.local and local_path.is_file():
+        local = LocalEngine(
+            local_path,
+            manifest.shape,
+            eos_token_ids(tokenizer, tok_dir),
+            cfg.intra_op_threads,
+            cfg.max_sessions,
+            cfg.session_bytes,
+        )
+        await local.warmup()
+        cost.edge.local_prefill_ms_per_token.add(local.prefill_ms_per_token)
+        cost.edge.local_decode_ms_per_token.add(local.decode_ms_per_token)
+        log.info(
+            "local mode: %s (%.2f ms/token prefill, %.1f ms/token decode)",
+            local_path,
+            local.prefill_ms_per_token,
+            local.decode_ms_per_token,
+        )
+    elif cfg.local:
+        log.warning("local mode off: no %s", local_path)
+    ratio, c_mbps, d_mbps = measure_zstd(sample, 3)
     link = GrpcCloudLink(cfg.cloud_target, cfg.keepalive_time_s, cfg.keepalive_timeout_s)
     offer = NegotiateOffer(
         cfg.edge_id,
         manifest.model_id,
-        manifest.compatibility_key(),
-        (0, manifest.split_layer),
+        {h.k: h.compatibility_key for h in heads},
         cfg.max_batch,
-        cfg.rtt_ms,
-        cfg.goodput_mbps,
-        cfg.ttft_slo_ms,
-        cfg.itl_p99_slo_ms,
+        ttft_slo_ms=cfg.ttft_slo_ms,
+        itl_p99_slo_ms=cfg.itl_p99_slo_ms,
     )
-    params = await link.negotiate(offer)
-    batcher = HeadBatcher(head, cfg.max_batch)
-    batcher.start()
+    conn = CloudConnection(
+        link,
+        offer,
+        poll_s=cfg.poll_s,
+        probe_bytes=cfg.probe_bytes,
+        zstd_pays=lambda g: zstd_pays(ratio, c_mbps, d_mbps, g),
+    )
+    conn.start()
+    if not await conn.wait_connected(cfg.connect_timeout_s):
+        if isinstance(conn.last_exc, IncompatibleModel):
+            await conn.stop()
+            raise conn.last_exc
+        log.warning(
+            "cloud %s not answering yet (%s): starting degraded", cfg.cloud_target, conn.last_error or "no reply"
+        )
     sessions = EdgeSessions(cfg.max_sessions, cfg.session_bytes)
-    service = EdgeService(tokenizer, batcher, link, params, manifest.compatibility_key(), sessions, cfg.turn_timeout_s)
+    service = EdgeService(
+        tokenizer,
+        heads,
+        conn,
+        sessions,
+        cfg.turn_timeout_s,
+        local=local,
+        max_prompt_tokens=cfg.max_prompt_tokens,
+        cost=cost,
+        shape=manifest.shape,
+    )
+    service.codec_ratio = ratio
     servicer = EdgeServicer(service, manifest.model_id)
     server, port, hs = await start_server(
         [lambda s: pb_grpc.add_EdgeServicer_to_server(servicer, s)],
@@ -154,7 +256,7 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
         cfg.port,
         MAX_MESSAGE_BYTES,
     )
-    task = asyncio.create_task(follow_cloud_health(link.channel, hs))
+    task = asyncio.create_task(follow_link(service, hs))
     daemon = EdgeDaemon(server, port, service, servicer, link, hs, task)
     if cfg.http_port is not None:
         from tandem.edge.openai_api import create_openai_app, serve_openai

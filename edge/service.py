@@ -14,24 +14,35 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from tandem.common import merkle, metrics, wire
 from tandem.common.chat import prompt_token_ids
-from tandem.common.errors import DeadlineExceeded, InvalidRequest, SessionOutOfSync
+from tandem.common.errors import (
+    DeadlineExceeded,
+    EngineError,
+    InvalidRequest,
+    ModeUnavailable,
+    ParamsVersionMismatch,
+    QuotaExceeded,
+    SessionOutOfSync,
+)
 from tandem.common.kvblocks import LayerRange, block_hashes, request_seed, split_blocks
 from tandem.common.logs import bind_request, current_request_id, new_request_id, turn_log
+from tandem.common.manifest import ModelShape
 from tandem.common.messages import KVBlock, TokensOut, TurnFinal, TurnHeader, UploadAck
 from tandem.common.params import LinkParams
 from tandem.common.tracing import span, traced
 from tandem.edge.batcher import HeadBatcher
+from tandem.edge.cloudconn import CloudConnection
+from tandem.edge.costmodel import DIRECT, LOCAL, SPLIT, CostModel, LinkState, Prediction, RequestShape, Route
 from tandem.edge.detok import TextStream
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.head_runner import HeadInput
-from tandem.edge.link import CloudLink
+from tandem.edge.local import LocalEngine
 from tandem.edge.session import EdgeSession, EdgeSessions
 from tandem.edge.uplink import OutgoingTurn, stream_turn
 from tandem.stages import Stage, Timings
@@ -42,13 +53,14 @@ log = logging.getLogger("tandem.edge")
 @dataclass
 class TurnClock:
     """One turn's request id (sent to the cloud, on every log line), stage timings from its
-    start, and when tokens arrived."""
+    start, when tokens arrived, and the mode that served it."""
 
     t_start: float = field(default_factory=time.perf_counter)
     timings: Timings = field(default_factory=dict)
     acked: bool = False  # the cloud verified this turn's upload (its session moved on)
     request_id: str = field(default_factory=new_request_id)
     token_times: list[float] = field(default_factory=list)  # perf_counter at each arrival of tokens
+    mode: str = "auto"  # the mode that served the turn (the requested one until a mode runs)
 
     def since(self, stage: Stage, t0: float | None = None) -> None:
         self.timings[stage] = (time.perf_counter() - (self.t_start if t0 is None else t0)) * 1e3
@@ -78,43 +90,218 @@ async def _acquire(lock: asyncio.Lock, timeout_s: float, session_id: str) -> Non
         raise DeadlineExceeded(f"session {session_id!r} busy with another turn past the deadline") from None
 
 
+@dataclass
+class Head:
+    """An edge head at split layer ``k``: its batched ONNX runner and the manifest key it was cut with."""
+
+    batcher: HeadBatcher
+    compatibility_key: str
+
+    @property
+    def k(self) -> int:
+        return self.batcher.head.k
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The route a turn runs on, the cost model's prediction for it, and why it was chosen."""
+
+    route: Route
+    prediction: Prediction | None
+    reason: str
+
+
 class EdgeService:
-    """Holds the tokenizer, the batched head, sessions and the negotiated link."""
+    """Holds the tokenizer, the heads, the local model, sessions, the link to the cloud and the
+    cost model that picks a route per request (``edge.costmodel``)."""
 
     def __init__(
         self,
         tokenizer,
-        batcher: HeadBatcher,
-        link: CloudLink,
-        params: LinkParams,
-        compatibility_key: str,
+        heads: list[Head],
+        conn: CloudConnection | None,
         sessions: EdgeSessions,
         turn_timeout_s: float,
+        *,
+        local: LocalEngine | None = None,
+        max_prompt_tokens: int = 1536,
+        cost: CostModel | None = None,
+        shape: ModelShape | None = None,
+        renegotiate_wait_s: float = 5.0,
     ) -> None:
-        self.tok, self.batcher, self.link, self.params = tokenizer, batcher, link, params
-        self.k = batcher.head.k
+        if not heads and local is None:
+            raise ValueError("an edge needs a head (split) or the whole model (local)")
+        self.tok, self.conn, self.local = tokenizer, conn, local
+        self.heads = {h.k: h for h in heads}
         self.sessions = sessions
-        self.model_key = compatibility_key
         self.turn_timeout_s = turn_timeout_s
+        self.cost = cost or CostModel()
+        self.shape = shape  # for wire bytes per token in the cost model (None: wire time not modelled)
+        self.renegotiate_wait_s = renegotiate_wait_s
+        self._max_prompt_tokens = max_prompt_tokens
         # no text longer than this can fit in max_prompt_tokens: every token covers at most
         # max_token_chars characters, so longer text is refused before it is tokenized
-        self.max_prompt_chars = params.max_prompt_tokens * max_token_chars(tokenizer)
+        self._token_chars = max_token_chars(tokenizer)
         self._inflight: set[str] = set()  # request ids of the turns in flight
+        self._cloud_inflight = 0  # this edge's turns in the cloud now
         metrics.watch_edge_sessions(sessions)
+        if conn is not None:
+            metrics.watch_link(conn)
+
+    # ------------------------------------------------------------------ what this edge can do now
+
+    @property
+    def batcher(self) -> HeadBatcher:
+        """The head batcher of the deepest split held (tests and tools)."""
+        return self.heads[max(self.heads)].batcher
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt accepted: the edge's bound, and the cloud's while connected."""
+        p = self.conn.params(0) if self.conn is not None else None
+        return min(self._max_prompt_tokens, p.max_prompt_tokens) if p is not None else self._max_prompt_tokens
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """No text longer than this can fit in ``max_prompt_tokens`` (refused before tokenizing)."""
+        return self.max_prompt_tokens * self._token_chars
+
+    @property
+    def max_new_tokens(self) -> int:
+        p = self.conn.params(0) if self.conn is not None else None
+        return p.max_new_tokens if p is not None else 4096
+
+    @property
+    def params(self) -> LinkParams | None:
+        """The current link params of the deepest usable split, else direct mode; None offline."""
+        if self.conn is None:
+            return None
+        ks = self.split_layers
+        return self.conn.params(max(ks)) if ks else self.conn.params(0)
+
+    @property
+    def split_layers(self) -> tuple[int, ...]:
+        """Split layers usable now: the edge holds the head and the connected cloud the tail."""
+        if self.conn is None:
+            return ()
+        return tuple(k for k in self.conn.split_layers if k in self.heads)
+
+    def routes(self) -> list[Route]:
+        """Routes servable now."""
+        out = [Route(LOCAL)] if self.local is not None else []
+        if self.conn is not None and self.conn.params(0) is not None:
+            out += [Route(SPLIT, k) for k in self.split_layers] + [Route(DIRECT)]
+        return out
+
+    def degraded(self) -> str:
+        """Why not every mode this edge was built for is available ("" when all are)."""
+        if self.conn is None:
+            return ""
+        if self.conn.params(0) is None:
+            return f"cloud not connected ({self.conn.last_error or 'connecting'}): local mode only"
+        missing = sorted(set(self.heads) - set(self.split_layers))
+        return f"the cloud serves no tail for k in {missing}" if missing else ""
+
+    # ------------------------------------------------------------------ tokenize and decide
 
     @traced("tokenize")
     def tokenize(self, turn: ChatTurn) -> list[int]:
         """Prompt token ids. Raises InvalidRequest for an empty or too long prompt."""
         if turn.messages and turn.prompt:
             raise InvalidRequest("pass messages or a prompt, not both")
+        limit = self.max_prompt_tokens
         n_chars = len(turn.prompt) + sum(len(c) for _, c in turn.messages)
         if n_chars > self.max_prompt_chars:
-            raise InvalidRequest(f"prompt of {n_chars} characters cannot fit in {self.params.max_prompt_tokens} tokens")
+            raise InvalidRequest(f"prompt of {n_chars} characters cannot fit in {limit} tokens")
         messages = [{"role": r, "content": c} for r, c in turn.messages]
         ids = prompt_token_ids(self.tok, messages or None, turn.prompt or None)
-        if not 0 < len(ids) <= self.params.max_prompt_tokens:
-            raise InvalidRequest(f"prompt has {len(ids)} tokens; the link allows 1..{self.params.max_prompt_tokens}")
+        if not 0 < len(ids) <= limit:
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; this edge allows 1..{limit}")
         return ids
+
+    def link_state(self) -> LinkState:
+        """The cost model's view of the link and the cloud right now."""
+        st = LinkState(num_layers=self.shape.num_layers if self.shape else 30)
+        c = self.conn
+        if c is None:
+            return st
+        load = c.load
+        st.rtt_ms, st.goodput_mbps = c.rtt_ms.value, c.goodput_mbps.value
+        st.cloud_prefill_ms_per_token = load.prefill_ms_per_token
+        st.cloud_tail_prefill_ms_per_token = dict.fromkeys(self.heads, load.tail_prefill_ms_per_token)
+        st.queue_wait_ms = load.queue_wait_ms
+        p = c.params(0)
+        share = p.max_concurrent_requests if p is not None else 1
+        st.cloud_busy = load.waiting_requests > 0 or self._cloud_inflight >= share
+        for k in self.heads:
+            pk = c.params(k)
+            if pk is not None:
+                st.block_size_tokens = pk.kv_block_size_tokens
+                ratio = self.codec_ratio if pk.codec != wire.Codec.NONE else 1.0
+                st.bytes_per_token[k] = self.wire_bytes_per_token(k, pk.wire_dtype) * ratio
+        return st
+
+    codec_ratio = 1.0  # compressed / raw size of this model's wire bytes under zstd (measured at start-up)
+
+    def wire_bytes_per_token(self, k: int, dtype: wire.WireDtype) -> float:
+        """Uncompressed uplink bytes per prompt token at split layer ``k``: activations in ``dtype``
+        and fp32 head KV of layers ``[0, k)`` (0 without a model shape)."""
+        if self.shape is None:
+            return 0.0
+        sh = self.shape
+        return wire.raw_nbytes_of(1, dtype, sh.hidden_size) + k * 2 * sh.num_kv_heads * sh.head_dim * 4
+
+    def request_shape(self, turn: ChatTurn, ids: list[int]) -> RequestShape:
+        """What the session already holds, per route (for the cost model)."""
+        local_cached = self.local.cached_tokens(turn.session_id, ids) if self.local is not None else 0
+        s = self.sessions.peek(turn.session_id) if turn.session_id else None
+        head, cloud = {}, {}
+        if s is not None and s.k in self.heads:
+            head[s.k] = s.common_prefix(ids)
+            cloud[s.k] = s.cloud_tokens if s.common_prefix(ids) >= s.cloud_tokens else 0
+        return RequestShape(len(ids), local_cached, head, cloud)
+
+    def decide(self, turn: ChatTurn, ids: list[int]) -> Decision:
+        """The route for this turn: the requested one (refused with a clear error when it cannot
+        run), or in auto mode the cost model's choice among the routes servable now.
+
+        Raises:
+            ModeUnavailable: the requested mode (or split layer) is not available on this edge now.
+        """
+        routes = self.routes()
+        want = turn.mode
+        if want == LOCAL:
+            if self.local is None:
+                raise ModeUnavailable("local mode needs the whole model on the edge (edge-full.onnx); none loaded")
+            candidates = [Route(LOCAL)]
+        elif want == DIRECT:
+            if Route(DIRECT) not in routes:
+                raise EngineError(f"direct mode needs the cloud; {self.degraded() or 'not connected'}")
+            candidates = [Route(DIRECT)]
+        elif want == SPLIT:
+            ks = [turn.split_layer] if turn.split_layer else sorted(self.heads)
+            candidates = [Route(SPLIT, k) for k in ks if Route(SPLIT, k) in routes]
+            if not candidates:
+                if turn.split_layer and turn.split_layer not in self.heads:
+                    raise ModeUnavailable(
+                        f"this edge holds heads for k in {sorted(self.heads)}, not k={turn.split_layer}"
+                    )
+                raise EngineError(f"split mode needs the cloud and a common split layer; {self.degraded()}")
+        else:
+            candidates = routes
+        if not candidates:
+            raise EngineError(f"no mode can serve now: {self.degraded()}")
+        if len(candidates) == 1 and want != "auto":
+            return Decision(candidates[0], None, "requested")
+        shape, link = self.request_shape(turn, ids), self.link_state()
+        preds = [self.cost.predict(r, shape, link) for r in candidates]
+        if want != "auto":
+            best = min(preds, key=lambda p: p.ttft_ms)
+            return Decision(best.route, best, f"requested {want}; lowest predicted TTFT of its split layers")
+        pick, why = self.cost.choose(preds)
+        return Decision(pick.route, pick, f"auto: {why}")
+
+    # ------------------------------------------------------------------ the turn
 
     async def chat(self, turn: ChatTurn, timeout_s: float | None = None) -> AsyncIterator[TextOut | TurnDone]:
         """Run one turn within ``timeout_s`` (default ``turn_timeout_s``); yields text deltas then a
@@ -124,16 +311,16 @@ class EdgeService:
 
         Raises:
             InvalidRequest: bad prompt or sampling parameters.
+            ModeUnavailable: the requested mode cannot run on this edge.
             TandemError: the cloud's verdict, EngineError (cloud unreachable), DeadlineExceeded.
         """
-        clock = TurnClock()
-        mode = "split" if self.params.split_layer > 0 and not turn.direct else "direct"
+        clock = TurnClock(mode=turn.mode)
         with (
             self._turn_id(clock) as rid,
             bind_request(rid, turn.session_id),
-            turn_log(log, mode) as done_fields,
-            metrics.edge_turn(mode, clock) as counts,
-            span("edge_turn", mode=mode, request_id=rid, session_id=turn.session_id),
+            turn_log(log, turn.mode) as done_fields,
+            metrics.edge_turn(clock) as counts,
+            span("edge_turn", mode=turn.mode, request_id=rid, session_id=turn.session_id),
         ):
             inner, finished = self._chat(turn, clock, timeout_s), False
             try:
@@ -143,7 +330,12 @@ class EdgeService:
                             prompt_tokens=ev.prompt_tokens, output_tokens=ev.output_tokens, head_tokens=ev.head_tokens
                         )
                         done_fields.update(
-                            counts, finish=ev.finish_reason, ttft_ms=round(ev.timings.get(Stage.TTFT, 0), 1)
+                            counts,
+                            mode=ev.mode,
+                            k=ev.split_layer,
+                            finish=ev.finish_reason,
+                            ttft_ms=round(ev.ttft_ms, 1),
+                            predicted_ttft_ms=round(ev.predicted_ttft_ms, 1),
                         )
                         finished = True
                     yield ev
@@ -169,18 +361,141 @@ class EdgeService:
     async def _chat(
         self, turn: ChatTurn, clock: TurnClock, timeout_s: float | None
     ) -> AsyncGenerator[TextOut | TurnDone, None]:
-        """The turn itself (``chat`` adds its request id, logs, metrics and span)."""
+        """Decide the route and run it; in auto mode a cloud that refuses before the first token
+        (busy, unreachable) is answered by local mode, and a stale params version by renegotiating
+        and running again, so the client sees one clean stream either way."""
         timeout_s = self.turn_timeout_s if timeout_s is None else min(timeout_s, self.turn_timeout_s)
         ids = await asyncio.to_thread(self.tokenize, turn)  # long prompts must not stall other requests
         clock.since(Stage.TOKENIZE)
-        split = self.params.split_layer > 0 and not turn.direct
+        decision = self.decide(turn, ids)
+        for attempt in (0, 1, 2):
+            started = False
+            try:
+                async for ev in self._run_route(decision, turn, ids, clock, timeout_s):
+                    started = True
+                    yield ev
+                return
+            except ParamsVersionMismatch as e:
+                if started or attempt or self.conn is None:
+                    raise
+                self.conn.renegotiate_soon(f"the cloud refused this link's params ({e})")
+                await self.conn.wait_connected(self.renegotiate_wait_s)
+                decision = self.decide(turn, ids)
+            except (QuotaExceeded, EngineError) as e:
+                if started or turn.mode != "auto" or self.local is None or decision.route.mode == LOCAL:
+                    raise
+                reason = "cloud busy" if isinstance(e, QuotaExceeded) else "cloud unavailable"
+                log.info("%s (%s): serving this turn locally", reason, e)
+                metrics.record_fallback(reason)
+                local = Route(LOCAL)
+                decision = Decision(
+                    local,
+                    self.cost.predict(local, self.request_shape(turn, ids), self.link_state()),
+                    f"fallback: {reason}",
+                )
+
+    async def _run_route(
+        self, d: Decision, turn: ChatTurn, ids: list[int], clock: TurnClock, timeout_s: float
+    ) -> AsyncIterator[TextOut | TurnDone]:
+        clock.mode = d.route.mode
+        self.cost.ran(d.route)
+        events = (
+            self._local(turn, ids, clock, d) if d.route.mode == LOCAL else self._cloud(turn, ids, clock, timeout_s, d)
+        )
+        async for ev in events:
+            if isinstance(ev, TurnDone) and d.prediction is not None and ev.ttft_ms > 0:
+                self.cost.observe(d.prediction, ev.ttft_ms)
+                metrics.record_prediction(d.route.mode, d.prediction.ttft_ms, ev.ttft_ms)
+            yield ev
+
+    async def _local(
+        self, turn: ChatTurn, ids: list[int], clock: TurnClock, d: Decision
+    ) -> AsyncIterator[TextOut | TurnDone]:
+        """Local mode: the whole model here (``edge.local.LocalEngine``), streamed and detokenized."""
+        assert self.local is not None  # decided only when present
+        text = TextStream(self.tok, turn.stop)
+        out: list[int] = []
+        finish = "length"
+        t0 = time.perf_counter()
+        self.cost.edge.local_active = self.local.active
+        async for step in self.local.generate(ids, turn.sampling, turn.session_id):
+            if not out:
+                clock.since(Stage.LOCAL_PREFILL, t0)
+            clock.tokens_arrived()
+            out.append(step.token_id)
+            delta = text.feed([step.token_id])
+            if delta:
+                yield TextOut(delta, (step.token_id,))
+            if text.stopped:
+                finish = "stop"
+                break
+            if step.finish_reason is not None:
+                finish = step.finish_reason
+        rest = text.flush()
+        if rest:
+            yield TextOut(rest, ())
+        self._learn_local()
+        clock.since(Stage.TOTAL)
+        yield self._turn_done(finish, len(ids), clock, d, text.token_ids, 0, 0, 0, {}, 0)
+
+    def _learn_local(self) -> None:
+        assert self.local is not None
+        e = self.cost.edge
+        e.local_prefill_ms_per_token.value = self.local.prefill_ms_per_token
+        e.local_prefill_ms_per_token.samples = max(1, e.local_prefill_ms_per_token.samples)
+        e.local_decode_ms_per_token.value = self.local.decode_ms_per_token
+        e.local_decode_ms_per_token.samples = max(1, e.local_decode_ms_per_token.samples)
+
+    def _turn_done(
+        self,
+        finish: str,
+        prompt_tokens: int,
+        clock: TurnClock,
+        d: Decision,
+        out_ids: list[int],
+        head_tokens: int,
+        external_tokens: int,
+        k: int,
+        sent: dict[str, int],
+        params_version: int,
+    ) -> TurnDone:
+        return TurnDone(
+            finish,
+            prompt_tokens,
+            len(out_ids),
+            head_tokens,
+            external_tokens,
+            k,
+            dict(clock.timings),
+            sent,
+            tuple(out_ids),
+            mode=d.route.mode,
+            predicted_ttft_ms=d.prediction.ttft_ms if d.prediction is not None else 0.0,
+            ttft_ms=clock.timings.get(Stage.TTFT, 0.0),
+            params_version=params_version,
+            mode_reason=d.reason,
+        )
+
+    async def _cloud(
+        self, turn: ChatTurn, ids: list[int], clock: TurnClock, timeout_s: float, d: Decision
+    ) -> AsyncIterator[TextOut | TurnDone]:
+        """Split or direct mode: the turn through the cloud, under the link's current params."""
+        assert self.conn is not None
+        k = d.route.k
+        params = self.conn.params(k)
+        if params is None:
+            raise EngineError(f"no link params for split layer {k}: the cloud is not connected")
+        split = k > 0
         session = self.sessions.get(turn.session_id) if split else EdgeSession()
+        self._cloud_inflight += 1
         try:
             await _acquire(session.lock, timeout_s, turn.session_id)
             before = session.snapshot()
             try:
-                head_tokens = await self._run_head(session, ids, clock) if split else 0
-                async for ev in self._send_and_stream(session, ids, turn, split, clock, head_tokens, timeout_s):
+                if split and session.k != k:
+                    session.reset(k)
+                head_tokens = await self._run_head(session, ids, clock, k) if split else 0
+                async for ev in self._send_and_stream(session, ids, turn, params, clock, head_tokens, timeout_s, d):
                     yield ev
             except BaseException:
                 if not clock.acked:  # nothing of this turn reached the cloud's session: keep no work of it
@@ -189,6 +504,7 @@ class EdgeService:
             finally:
                 session.lock.release()
         finally:
+            self._cloud_inflight -= 1
             if split and turn.session_id:
                 self.sessions.discard_if_empty(turn.session_id)
                 self.sessions.evict()
@@ -198,16 +514,17 @@ class EdgeService:
         s: EdgeSession,
         ids: list[int],
         turn: ChatTurn,
-        split: bool,
+        params: LinkParams,
         clock: TurnClock,
         head_tokens: int,
         timeout_s: float,
+        d: Decision,
     ) -> AsyncIterator[TextOut | TurnDone]:
         """Send what the cloud lacks; if the cloud lost the session, resend from token 0 once."""
         for attempt in (0, 1):
-            out = self._build_turn(s, ids, turn, split, clock, resend_all=attempt == 1)
+            out = self._build_turn(s, ids, turn, params, clock, resend_all=attempt == 1)
             try:
-                async for ev in self._stream(out, s, ids, clock, head_tokens, timeout_s, turn.stop):
+                async for ev in self._stream(out, s, ids, clock, head_tokens, timeout_s, turn.stop, d):
                     yield ev
                 return
             except SessionOutOfSync:
@@ -217,51 +534,69 @@ class EdgeService:
                 metrics.record_session_resync()
 
     @traced("edge_head")
-    async def _run_head(self, s: EdgeSession, ids: list[int], clock: TurnClock) -> int:
-        """Run the head over the tokens past the session's common prefix; updates ``s``."""
+    async def _run_head(self, s: EdgeSession, ids: list[int], clock: TurnClock, k: int) -> int:
+        """Run the head at ``k`` over the tokens past the session's common prefix; updates ``s``.
+        Returns the tokens computed; calibrates the head rate (ms per token) of the cost model."""
         t0 = time.perf_counter()
         c = s.common_prefix(ids)
         if c == len(ids):  # nothing new (identical prompt): recompute the last token so the turn has input
             c -= 1
         s.truncate(c)
-        out = await self.batcher.run(HeadInput(np.asarray(ids[c:], np.int64), s.kv))
+        out = await self.heads[k].batcher.run(HeadInput(np.asarray(ids[c:], np.int64), s.kv))
         s.kv = out.kv
         s.hidden = out.hidden if s.hidden is None else np.concatenate([s.hidden, out.hidden])
         s.token_ids = list(ids)
         clock.since(Stage.EDGE_HEAD, t0)
+        self.cost.edge.head(k).add(clock.timings[Stage.EDGE_HEAD] / (len(ids) - c))
         return len(ids) - c
 
     @traced("encode")
     def _build_turn(
-        self, s: EdgeSession, ids: list[int], turn: ChatTurn, split: bool, clock: TurnClock, resend_all: bool
+        self, s: EdgeSession, ids: list[int], turn: ChatTurn, p: LinkParams, clock: TurnClock, resend_all: bool
     ) -> OutgoingTurn:
-        """Frame what the cloud lacks: activations past ``cloud_tokens``, blocks past its leaves."""
+        """Frame what the cloud lacks under params ``p``: activations past ``cloud_tokens``, blocks
+        past its leaves (split), or just the token ids (direct, ``p.split_layer == 0``)."""
         t0 = time.perf_counter()
-        p = self.params
-        rid = clock.request_id
-        if not split:
-            header = TurnHeader(rid, "", p.params_version, 0, tuple(ids), 0, 0, 0, turn.sampling)
+        rid, k, link_id = clock.request_id, p.split_layer, self._link_id()
+        if not k:
+            header = TurnHeader(rid, "", p.params_version, 0, tuple(ids), 0, 0, 0, turn.sampling, link_id)
             return OutgoingTurn(header, [], {}, 0, b"")
         if resend_all:
             s.cloud_tokens, s.leaves = 0, []
         if s.hidden is None or s.kv is None:
             raise InvalidRequest("the head produced no output for this turn")
         cached = s.cloud_tokens
-        chunks = wire.split(s.hidden[cached:], cached, p.chunk_tokens, p.wire_dtype, p.codec, p.codec_level)
+        chunks = wire.split(
+            s.hidden[cached:], cached, p.chunk_tokens, p.wire_dtype, p.codec, p.codec_level, p.params_version
+        )
         bs = p.kv_block_size_tokens
-        hashes = block_hashes(ids, bs, request_seed(self.model_key, bs, turn.session_id, rid))
-        blocks = self._kv_blocks(s, hashes, LayerRange(0, self.k))
+        key = self.heads[k].compatibility_key
+        hashes = block_hashes(ids, bs, request_seed(key, bs, turn.session_id, rid))
+        blocks = self._kv_blocks(s, hashes, LayerRange(0, k), p)
         leaves = list(s.leaves) + [b.leaf_hash for b in blocks.values()]
         header = TurnHeader(
-            rid, turn.session_id, p.params_version, self.k, tuple(ids), cached, len(chunks), len(blocks), turn.sampling
+            rid,
+            turn.session_id,
+            p.params_version,
+            k,
+            tuple(ids),
+            cached,
+            len(chunks),
+            len(blocks),
+            turn.sampling,
+            link_id,
         )
         clock.since(Stage.ENCODE, t0)
-        return OutgoingTurn(header, chunks, blocks, len(leaves), merkle.root(leaves))
+        return OutgoingTurn(header, chunks, blocks, len(leaves), merkle.root(leaves), window=p.inflight_window_chunks)
 
-    def _kv_blocks(self, s: EdgeSession, hashes: list[bytes], part: LayerRange) -> dict[int, KVBlock]:
+    def _link_id(self) -> str:
+        n = self.conn.negotiated if self.conn is not None else None
+        return n.link_id if n is not None else ""
+
+    def _kv_blocks(self, s: EdgeSession, hashes: list[bytes], part: LayerRange, p: LinkParams) -> dict[int, KVBlock]:
         """The session's full head-KV blocks past those the cloud holds, each with its Merkle leaf."""
         assert s.kv is not None  # checked by the caller
-        p, first = self.params, len(s.leaves)
+        first = len(s.leaves)
         blocks: dict[int, KVBlock] = {}
         for j, arr in zip(
             range(first, len(hashes)), split_blocks(s.kv, p.kv_block_size_tokens, first, len(hashes)), strict=True
@@ -269,7 +604,7 @@ class EdgeService:
             raw = arr.tobytes()
             leaf = merkle.leaf_hash(merkle.leaf_data(hashes[j], part.lo, part.hi, raw))
             payload = wire.encode_payload(raw, p.codec, p.codec_level)
-            blocks[j] = KVBlock(j, hashes[j], part.lo, part.hi, p.codec, len(raw), payload, leaf)
+            blocks[j] = KVBlock(j, hashes[j], part.lo, part.hi, p.codec, len(raw), payload, leaf, p.params_version)
         return blocks
 
     async def _stream(
@@ -281,9 +616,11 @@ class EdgeService:
         head_tokens: int,
         timeout_s: float,
         stop: tuple[str, ...],
+        d: Decision,
     ) -> AsyncIterator[TextOut | TurnDone]:
+        assert self.conn is not None
         text = TextStream(self.tok, stop)
-        async for ev in stream_turn(self.link, out, timeout_s):
+        async for ev in stream_turn(self.conn.link, out, timeout_s):
             if isinstance(ev, UploadAck):
                 s.cloud_tokens = len(ids)
                 s.leaves = s.leaves + [out.blocks[j].leaf_hash for j in sorted(out.blocks)]
@@ -296,27 +633,40 @@ class EdgeService:
                     yield TextOut(delta, ev.token_ids)
                 if text.stopped:  # leaving the loop cancels the call: the cloud stops decoding
                     n = len(text.token_ids)
-                    yield self._done(TurnFinal("stop", len(ids), n, 0), out, clock, head_tokens, text.token_ids)
+                    yield self._done(TurnFinal("stop", len(ids), n, 0), out, clock, head_tokens, text.token_ids, d)
                     return
             elif isinstance(ev, TurnFinal):
                 rest = text.flush()
                 if rest:
                     yield TextOut(rest, ())
-                yield self._done(ev, out, clock, head_tokens, text.token_ids)
+                self.conn.observe_load(ev.load)
+                if out.split:
+                    nbytes = out.sent_bytes["activations"] + out.sent_bytes["kv"]
+                    self.conn.observe_upload(nbytes, out.upload_ms, ev.timings.get(Stage.CLOUD_STORE_PUT, 0.0))
+                yield self._done(ev, out, clock, head_tokens, text.token_ids, d)
 
-    @staticmethod
-    def _done(f: TurnFinal, out: OutgoingTurn, clock: TurnClock, head_tokens: int, out_ids: list[int]) -> TurnDone:
+    def _done(
+        self,
+        f: TurnFinal,
+        out: OutgoingTurn,
+        clock: TurnClock,
+        head_tokens: int,
+        out_ids: list[int],
+        d: Decision,
+    ) -> TurnDone:
         clock.since(Stage.TOTAL)
-        timings = {**clock.timings, **{k: v for k, v in f.timings.items() if k.is_cloud}}
+        clock.timings.update({k: v for k, v in f.timings.items() if k.is_cloud})
         sent = {**out.sent_bytes, "resent_chunks": out.resent_chunks, "repaired_blocks": out.repaired_blocks}
-        return TurnDone(
+        done = self._turn_done(
             f.finish_reason,
             f.prompt_tokens,
-            f.output_tokens,
+            clock,
+            d,
+            out_ids,
             head_tokens,
             f.external_tokens,
             out.header.split_layer,
-            timings,
             sent,
-            tuple(out_ids),
+            out.header.params_version,
         )
+        return replace(done, output_tokens=f.output_tokens)

@@ -28,6 +28,7 @@ class EdgeSession:
     hidden: np.ndarray | None = None
     cloud_tokens: int = 0
     leaves: list[bytes] = field(default_factory=list)
+    k: int = 0  # the split layer its head KV and activations belong to
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -49,6 +50,12 @@ class EdgeSession:
             self.kv = None if self.kv is None or n == 0 else np.ascontiguousarray(self.kv[:, :, :, :n])
             self.hidden = None if self.hidden is None or n == 0 else self.hidden[:n]
             self.cloud_tokens, self.leaves = 0, []  # the cloud's copy no longer matches: resend
+
+    def reset(self, k: int) -> None:
+        """Start over at split layer ``k`` (the session moves to another head): nothing is kept."""
+        self.truncate(0)
+        self.kv = self.hidden = None
+        self.k = k
 
     def snapshot(self) -> EdgeSession:
         """A rollback point (shares the arrays, which are never modified in place)."""

@@ -16,7 +16,18 @@ from dataclasses import dataclass, field
 
 from tandem.common import metrics, wire
 from tandem.common.errors import InvalidRequest
-from tandem.common.messages import Commit, DownEvent, KVBlock, Nack, Repair, TokensOut, TurnFinal, TurnHeader, UploadAck
+from tandem.common.messages import (
+    ChunkAck,
+    Commit,
+    DownEvent,
+    KVBlock,
+    Nack,
+    Repair,
+    TokensOut,
+    TurnFinal,
+    TurnHeader,
+    UploadAck,
+)
 from tandem.common.tracing import start_span
 from tandem.edge.link import CloudLink, TurnCall
 
@@ -32,7 +43,9 @@ class OutgoingTurn:
     blocks: dict[int, KVBlock]
     leaf_count: int
     merkle_root: bytes
+    window: int = 1 << 30  # chunks in flight past the last the cloud acked (negotiated)
     sent_bytes: dict[str, int] = field(default_factory=lambda: {"header": 0, "activations": 0, "kv": 0})
+    chunks_sent: int = 0
     resent_chunks: int = 0
     repaired_blocks: int = 0
     upload_ms: float = 0.0
@@ -42,10 +55,18 @@ class OutgoingTurn:
         return self.header.split_layer > 0
 
 
+def _send_chunks(call: TurnCall, turn: OutgoingTurn, acked: int) -> None:
+    """Send chunks up to the window past ``acked`` (chunks ``[0, acked)`` verified by the cloud)."""
+    while turn.chunks_sent < min(len(turn.chunks), acked + turn.window):
+        turn.sent_bytes["activations"] += call.send(turn.chunks[turn.chunks_sent])
+        turn.chunks_sent += 1
+
+
 def _send_upload(call: TurnCall, turn: OutgoingTurn) -> None:
+    """Header, the first window of chunks, every KV block and the commit; later chunks follow the
+    cloud's ``ChunkAck``s (``_send_chunks``)."""
     turn.sent_bytes["header"] += call.send(turn.header)
-    for c in turn.chunks:
-        turn.sent_bytes["activations"] += call.send(c)
+    _send_chunks(call, turn, 0)
     for b in turn.blocks.values():
         turn.sent_bytes["kv"] += call.send(b)
     if turn.split:
@@ -56,7 +77,7 @@ def _send_upload(call: TurnCall, turn: OutgoingTurn) -> None:
 
 def _answer_nack(call: TurnCall, turn: OutgoingTurn, nack: Nack) -> None:
     """Raises InvalidRequest if the cloud NACKs a chunk this turn never sent."""
-    if not 0 <= nack.seq < len(turn.chunks):
+    if not 0 <= nack.seq < turn.chunks_sent:
         raise InvalidRequest(f"cloud NACKed chunk {nack.seq}; this turn sent {len(turn.chunks)}")
     turn.resent_chunks += 1
     log.info("cloud NACKed chunk %d (%.100s): sending it again", nack.seq, nack.reason)
@@ -91,7 +112,9 @@ async def stream_turn(
         _send_upload(call, turn)
         ev: DownEvent
         async for ev in call.events():
-            if isinstance(ev, Nack):
+            if isinstance(ev, ChunkAck):
+                _send_chunks(call, turn, ev.through_seq)
+            elif isinstance(ev, Nack):
                 _answer_nack(call, turn, ev)
             elif isinstance(ev, Repair):
                 _answer_repair(call, turn, ev)

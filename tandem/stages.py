@@ -19,11 +19,13 @@ class Stage(enum.StrEnum):
     EDGE_HEAD = "edge_head_ms"
     ENCODE = "encode_ms"
     UPLINK = "uplink_ms"
+    CLOUD_QUEUE = "cloud_queue_ms"
     CLOUD_UPLOAD_WAIT = "cloud_upload_wait_ms"
     CLOUD_STORE_PUT = "cloud_store_put_ms"
     CLOUD_TAIL_PREFILL = "cloud_tail_prefill_ms"
     CLOUD_DECODE_FIRST_TOKEN = "cloud_decode_first_token_ms"
     CLOUD_DECODE = "cloud_decode_ms"
+    LOCAL_PREFILL = "local_prefill_ms"
     TTFT = "ttft_ms"
     TOTAL = "total_ms"
 
@@ -41,11 +43,13 @@ _LABELS = {
     Stage.EDGE_HEAD: "edge head: ONNX layers [0,k)",
     Stage.ENCODE: "encode: chunks+CRC32C, KV blocks+BLAKE3",
     Stage.UPLINK: "uplink: send until cloud verified",
+    Stage.CLOUD_QUEUE: "cloud: wait for the link's share (admission)",
     Stage.CLOUD_UPLOAD_WAIT: "cloud: header to verified upload",
     Stage.CLOUD_STORE_PUT: "cloud: store put of head KV",
     Stage.CLOUD_TAIL_PREFILL: "cloud: tail prefill + 1st token (vLLM)",
     Stage.CLOUD_DECODE_FIRST_TOKEN: "cloud: KV handoff + decode engine's 1st step",
     Stage.CLOUD_DECODE: "cloud: decode engine, whole stream",
+    Stage.LOCAL_PREFILL: "edge: whole model prefill + 1st token (local mode)",
     Stage.TTFT: "time to first token (client)",
     Stage.TOTAL: "end to end",
 }

@@ -20,7 +20,8 @@ from tandem.common.params import NegotiateOffer
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.head_runner import MemoryHead
 from tandem.edge.link import CloudLink, InProcessLink, TurnCall
-from tandem.edge.service import EdgeService
+from tandem.edge.cloudconn import CloudConnection
+from tandem.edge.service import EdgeService, Head
 from tandem.edge.session import EdgeSessions
 
 K, HKV, D, H, B, VOCAB = 2, 1, 4, 8, 32, 1000
@@ -75,7 +76,7 @@ class ToyTokenizer:
 
 def cloud_config(**kw: Any) -> CloudConfig:
     base: dict[str, Any] = dict(
-        split_dir=Path("/nonexistent"), chunk_tokens=16, engine=EngineConfig(block_size_tokens=B)
+        split_dir=Path("/nonexistent"), chunk_tokens=16, max_chunk_tokens=16, engine=EngineConfig(block_size_tokens=B)
     )
     return CloudConfig(**{**base, **kw})
 
@@ -99,10 +100,11 @@ async def toy_stack(link_wrapper=None, edge_session_bytes: int = 1 << 30, **clou
     if link_wrapper is not None:
         link = link_wrapper(link)
     key = MANIFEST.compatibility_key()
-    params = await link.negotiate(NegotiateOffer("e", "toy", key, (0, K), 4))
+    conn = CloudConnection(link, NegotiateOffer("e", "toy", {K: key}, 4), probe_bytes=0)
+    await conn.connect()  # once; the background loop (polls, reconnects) is not started here
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
-    svc = EdgeService(ToyTokenizer(), batcher, link, params, key, EdgeSessions(64, edge_session_bytes), 30.0)
+    svc = EdgeService(ToyTokenizer(), [Head(batcher, key)], conn, EdgeSessions(64, edge_session_bytes), 30.0)
     return Toy(gw, engines, store, svc, batcher)
 
 
@@ -116,6 +118,9 @@ class TamperLink:
 
     async def negotiate(self, offer):
         return await self.inner.negotiate(offer)
+
+    async def server_info(self, link_id, padding_bytes=0, timeout_s=5.0):
+        return await self.inner.server_info(link_id, padding_bytes, timeout_s)
 
     def open(self, timeout_s):
         return _TamperCall(self.inner.open(timeout_s), self)

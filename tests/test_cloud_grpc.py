@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from tandem.cloud.gateway import Gateway
+from tandem.cloud.gateway import HEADER_SLACK_BYTES, MAX_PROBE_BYTES, Gateway
 from tandem.cloud.memory_engines import MemoryEngines
 from tandem.cloud.service import CloudServicer
 from tandem.common import wire
@@ -23,7 +23,8 @@ from tandem.edge.batcher import HeadBatcher
 from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.grpc_link import GrpcCloudLink
 from tandem.edge.head_runner import MemoryHead
-from tandem.edge.service import EdgeService
+from tandem.edge.cloudconn import CloudConnection
+from tandem.edge.service import EdgeService, Head
 from tandem.edge.session import EdgeSessions
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -57,22 +58,26 @@ class Cloud:
 
 
 async def edge_to(target: str, keepalive_s: float = 5.0) -> EdgeService:
+    """An edge service over a real gRPC link, its connection loop running (reconnects, renegotiates)."""
     link = GrpcCloudLink(target, keepalive_s, keepalive_s)
-    params = await link.negotiate(NegotiateOffer("e", "toy", MANIFEST.compatibility_key(), (0, K), 4))
+    key = MANIFEST.compatibility_key()
+    conn = CloudConnection(link, NegotiateOffer("e", "toy", {K: key}, 4), poll_s=0.5, backoff_s=0.1)
+    conn.start()
+    assert await conn.wait_connected(10)
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
-    return EdgeService(
-        ToyTokenizer(), batcher, link, params, MANIFEST.compatibility_key(), EdgeSessions(64, 1 << 30), 30
-    )
+    return EdgeService(ToyTokenizer(), [Head(batcher, key)], conn, EdgeSessions(64, 1 << 30), 30)
 
 
 async def close_edge(svc: EdgeService) -> None:
     await svc.batcher.stop()
-    await svc.link.close()
+    assert svc.conn is not None
+    await svc.conn.stop()
+    await svc.conn.link.close()
 
 
 def chat(text: str, session: str = "", n: int = 6) -> ChatTurn:
-    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n))
+    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode="split")
 
 
 async def run(svc: EdgeService, t: ChatTurn) -> TurnDone:
@@ -100,7 +105,7 @@ async def test_cloud_restart_mid_session_is_answered_by_a_full_resend(cloud):
     try:
         convo = [("user", LONG)]
         for i in range(5):
-            done = await run(edge, ChatTurn(tuple(convo), "", "s", Sampling(max_new_tokens=6)))
+            done = await run(edge, ChatTurn(tuple(convo), "", "s", Sampling(max_new_tokens=6), mode="split"))
             convo += [("assistant", "sure"), ("user", f"and question {i}?")]
             if i >= 1:
                 await cloud.stop()
@@ -119,7 +124,7 @@ async def test_a_full_size_upload_refused_midway_keeps_its_status(cloud):
         return item
 
     edge = await edge_to(f"127.0.0.1:{cloud.port}")
-    edge.link = TamperLink(edge.link, nan_in_chunk_5)
+    edge.conn.link = TamperLink(edge.conn.link, nan_in_chunk_5)
     try:
         for _ in range(20):
             with pytest.raises(InvalidRequest, match="NaN"):
@@ -176,7 +181,7 @@ async def test_keepalive_pings_are_accepted_on_a_silent_stream(cloud):
         assert await call.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED)
         assert "ping" not in (await call.details() or "").lower()
         r = await pb_grpc.CloudStub(ch).Negotiate(
-            NegotiateOffer("e", "toy", MANIFEST.compatibility_key(), (0, K), 4).to_pb()
+            NegotiateOffer("e", "toy", {K: MANIFEST.compatibility_key()}, 4).to_pb()
         )
         assert r.params.split_layer == K
 
@@ -228,40 +233,48 @@ async def test_a_cloud_that_stops_answering_fails_the_turn_within_the_keepalive_
 
 
 async def test_edge_health_follows_the_clouds(cloud):
-    """Issue 12 item 6 (edge side): the edge says NOT_SERVING while its cloud is not serving or gone."""
+    """Issue 12 item 6 (edge side), issue 7 item 7: an edge without a local model says NOT_SERVING
+    while its cloud is not serving or gone, and SERVING again once it renegotiated with the cloud
+    that came back (another instance: a new link)."""
     from grpc_health.v1 import health, health_pb2
 
     from tandem.common.grpcsetup import set_health
-    from tandem.edge.server import EDGE_SERVICE, follow_cloud_health
+    from tandem.edge.server import EDGE_SERVICE, follow_link
 
     async def edge_status() -> int:
         r = await edge_hs.Check(health_pb2.HealthCheckRequest(service=EDGE_SERVICE), None)
         return r.status
 
     async def wait_for(status: int) -> None:
-        for _ in range(100):
+        for _ in range(200):
             if await edge_status() == status:
                 return
             await asyncio.sleep(0.05)
         raise AssertionError(f"edge health never became {status}")
 
     edge_hs = health.aio.HealthServicer()
-    await set_health(edge_hs, True, ["", EDGE_SERVICE])
+    await set_health(edge_hs, False, ["", EDGE_SERVICE])
     SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{cloud.port}") as ch:
-        task = asyncio.create_task(follow_cloud_health(ch, edge_hs, retry_s=0.1))
-        try:
-            await wait_for(SERVING)
-            await set_health(cloud.health, False, ["", "tandem.v1.Cloud"])
-            await wait_for(NOT_SERVING)
-            await set_health(cloud.health, True, ["", "tandem.v1.Cloud"])
-            await wait_for(SERVING)
-            await cloud.stop()
-            await wait_for(NOT_SERVING)
-            await cloud.start()
-            await wait_for(SERVING)
-        finally:
-            task.cancel()
+    edge = await edge_to(f"127.0.0.1:{cloud.port}")
+    task = asyncio.create_task(follow_link(edge, edge_hs, period_s=0.05))
+    try:
+        await wait_for(SERVING)
+        cloud.gateway.serving = False  # what CloudServer.set_serving(False) does besides the health service
+        await wait_for(NOT_SERVING)
+        cloud.gateway.serving = True
+        await wait_for(SERVING)
+        link_before = edge.conn.negotiated.link_id
+        await cloud.stop()
+        await wait_for(NOT_SERVING)
+        assert "not connected" in edge.degraded()
+        await cloud.start()
+        await wait_for(SERVING)
+        assert edge.conn.negotiated.link_id != link_before  # renegotiated with the new instance
+        done = await run(edge, chat("back again"))
+        assert done.output_tokens == 6
+    finally:
+        task.cancel()
+        await close_edge(edge)
 
 
 async def test_messages_beyond_the_largest_legal_one_are_refused_by_grpc(cloud):
@@ -282,7 +295,8 @@ async def test_messages_beyond_the_largest_legal_one_are_refused_by_grpc(cloud):
             async for _ in call:
                 pass
         assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert cloud.gateway.max_message_bytes() < 64 << 10
+    # the toy link's largest legal message is far below the goodput probe's bound, which sets the limit
+    assert cloud.gateway.max_message_bytes() == MAX_PROBE_BYTES + HEADER_SLACK_BYTES < 5 << 20
 
 
 async def test_a_draining_edge_refuses_new_turns_and_finishes_those_in_flight(cloud):

@@ -145,12 +145,15 @@ def test_defaults_new_fields_and_safe_bind_addresses():
         assert (cfg.metrics_port, cfg.metrics_host, cfg.log_format, cfg.log_level) == (0, "127.0.0.1", "text", "INFO")
         assert (cfg.otel_enabled, cfg.otel_endpoint, cfg.drain_grace_s) == (False, None, 30.0)
     assert (e.http_port, e.http_host) == (None, "127.0.0.1")
-    assert (c.wire_dtype, c.codec) == (WireDtype.FP32, Codec.NONE)
+    assert (c.wire_dtypes, c.codecs) == ([WireDtype.FP32], [Codec.NONE, Codec.ZSTD])
+    assert (e.local, e.local_model, e.extra_split_dirs, c.extra_split_dirs) == (True, None, [], [])
 
 
 def test_enums_bools_optionals_and_levels(monkeypatch):
-    cfg = cloud(["--wire-dtype", "fp16", "--codec", "ZSTD", "--otel-enabled", "--log-level", "debug"])
-    assert (cfg.wire_dtype, cfg.codec, cfg.otel_enabled, cfg.log_level) == (WireDtype.FP16, Codec.ZSTD, True, "DEBUG")
+    cfg = cloud(["--wire-dtypes", "fp16,FP32", "--codecs", "ZSTD", "--otel-enabled", "--log-level", "debug"])
+    assert (cfg.wire_dtypes, cfg.codecs) == ([WireDtype.FP16, WireDtype.FP32], [Codec.ZSTD])
+    assert (cfg.otel_enabled, cfg.log_level) == (True, "DEBUG")
+    assert cloud(["--extra-split-dirs", "a", "--extra-split-dirs", "b"]).extra_split_dirs == [Path("a"), Path("b")]
     monkeypatch.setenv("TANDEM_EDGE_HTTP_PORT", "8080")
     monkeypatch.setenv("TANDEM_EDGE_OTEL_ENABLED", "true")
     assert edge([]).http_port == 8080 and edge([]).otel_enabled

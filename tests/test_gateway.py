@@ -18,13 +18,13 @@ from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.head_runner import HeadInput
 from tandem.edge.service import TurnClock
 from tandem.stages import Stage
-from tests.doubles import B, H, TamperLink, ToyTokenizer, rechunk, toy_stack
+from tests.doubles import B, H, K, TamperLink, ToyTokenizer, rechunk, toy_stack
 
 LONG = "The quick brown fox jumps over the lazy dog, again and again, " * 3  # ~200 tokens
 
 
 def turn(text: str, session: str = "", n: int = 8, **kw) -> ChatTurn:
-    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), **kw)
+    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), **{"mode": "split", **kw})
 
 
 async def run(svc, t: ChatTurn, timeout_s: float | None = None) -> TurnDone:
@@ -51,14 +51,14 @@ async def test_split_turn_loads_the_aligned_prefix_and_times_every_stage(toy):
     assert {Stage.TOKENIZE, Stage.EDGE_HEAD, Stage.ENCODE, Stage.UPLINK, Stage.TTFT, Stage.TOTAL} <= set(done.timings)
     assert {Stage.CLOUD_STORE_PUT, Stage.CLOUD_TAIL_PREFILL, Stage.CLOUD_DECODE} <= set(done.timings)
     # the same prompt computed without the split (direct) gives the same tokens: loads equal computes
-    direct = await run(toy.edge, turn(LONG, direct=True))
+    direct = await run(toy.edge, turn(LONG, mode="direct"))
     assert direct.split_layer == 0 and direct.external_tokens == 0
 
 
 async def test_second_turn_sends_only_new_blocks(toy):
     first = await run(toy.edge, turn(LONG, "s1"))
     convo = (("user", LONG), ("assistant", "ok"), ("user", "and more words to make a new block or two, or three."))
-    second = await run(toy.edge, ChatTurn(convo, "", "s1", Sampling(max_new_tokens=8)))
+    second = await run(toy.edge, ChatTurn(convo, "", "s1", Sampling(max_new_tokens=8), mode="split"))
     assert second.head_tokens < second.prompt_tokens
     assert second.sent_bytes["kv"] < first.sent_bytes["kv"]
     assert second.external_tokens == second.prompt_tokens // B * B
@@ -106,7 +106,7 @@ async def test_a_failed_upload_leaves_both_sides_unchanged():
         edge_before = toy.edge.sessions.get("s").snapshot()
         cloud_before = toy.gateway.sessions.get("s")
         v = cloud_before.version
-        toy.edge.link = TamperLink(toy.edge.link, nan_chunk)
+        toy.edge.conn.link = TamperLink(toy.edge.conn.link, nan_chunk)
         with pytest.raises(InvalidRequest, match="NaN"):
             await run(toy.edge, turn(LONG, "s"))
         with pytest.raises(InvalidRequest, match="NaN"):
@@ -171,7 +171,9 @@ async def test_waiting_for_the_session_is_bounded_by_the_deadline(toy):
     ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": "hello"}])
     await session.lock.acquire()
     try:
-        body = toy.edge._build_turn(toy.edge.sessions.get("busy"), ids, turn("hello", "busy"), True, TurnClock(), True)
+        body = toy.edge._build_turn(
+            toy.edge.sessions.get("busy"), ids, turn("hello", "busy"), toy.edge.conn.params(K), TurnClock(), True
+        )
 
         async def items():
             for c in body.chunks:
@@ -204,7 +206,7 @@ async def test_oversized_payloads_are_refused_on_arrival(toy):
     ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
     gw = toy.gateway
     header = header_for(gw, ids)
-    chunk = wire.split(np.zeros((16, H), np.float32), 0, 16)[0]
+    chunk = wire.split(np.zeros((16, H), np.float32), 0, 16, params_version=header.params_version)[0]
     big = replace(chunk, payload=bytes(5 << 20), crc32c=wire.crc32c(bytes(5 << 20)))
 
     async def body():
@@ -213,7 +215,7 @@ async def test_oversized_payloads_are_refused_on_arrival(toy):
 
     with pytest.raises(InvalidRequest, match="payload bytes"):
         await _drain(gw.run_turn(header, body()))
-    block = KVBlock(0, b"x" * 32, 0, 2, wire.Codec.NONE, 1, bytes(5 << 20), b"y" * 32)
+    block = KVBlock(0, b"x" * 32, 0, 2, wire.Codec.NONE, 1, bytes(5 << 20), b"y" * 32, header.params_version)
 
     async def body2():
         yield block
@@ -221,7 +223,7 @@ async def test_oversized_payloads_are_refused_on_arrival(toy):
 
     with pytest.raises(InvalidRequest):
         await _drain(gw.run_turn(header, body2()))
-    assert gw.budget.uploads == 0 and gw.max_message_bytes() < 1 << 20
+    assert gw.budget.uploads == 0 and gw.max_message_bytes() < 5 << 20
 
 
 async def test_uploads_in_flight_are_bounded_per_edge_and_in_total():
@@ -273,10 +275,10 @@ async def test_a_session_out_of_sync_twice_is_an_error():
 
     toy = await toy_stack()
     try:
-        toy.edge.link = TamperLink(toy.edge.link, lambda i, a: i)
+        toy.edge.conn.link = TamperLink(toy.edge.conn.link, lambda i, a: i)
         await run(toy.edge, turn("hi", "s"))
         toy.gateway.sessions.clear()
-        toy.edge.link = TamperLink(toy.edge.link, always_stale)
+        toy.edge.conn.link = TamperLink(toy.edge.conn.link, always_stale)
         with pytest.raises((SessionOutOfSync, InvalidRequest)):
             await run(toy.edge, turn("hi there", "s"))
     finally:
@@ -331,14 +333,14 @@ async def test_zstd_payloads_must_be_exactly_one_frame_of_the_announced_size():
         return item
 
     for fn, err in ((garbage_after_frame, CorruptPayload), (bomb_block, MerkleMismatch)):
-        toy = await toy_stack(link_wrapper=lambda link, fn=fn: TamperLink(link, fn), codec=wire.Codec.ZSTD)
+        toy = await toy_stack(link_wrapper=lambda link, fn=fn: TamperLink(link, fn), codecs=[wire.Codec.ZSTD])
         try:
             with pytest.raises(err):
                 await run(toy.edge, turn(LONG))
             assert toy.gateway.budget.uploads == 0
         finally:
             await toy.batcher.stop()
-    toy = await toy_stack(codec=wire.Codec.ZSTD)  # the honest zstd link works
+    toy = await toy_stack(codecs=[wire.Codec.ZSTD])  # the honest zstd link works
     try:
         done = await run(toy.edge, turn(LONG))
         assert done.sent_bytes["kv"] < 2 * done.prompt_tokens // B * (2 * 2 * 4 * B * 4)

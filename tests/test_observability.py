@@ -29,7 +29,7 @@ STAGES = {"tokenize", "edge_head", "encode", "uplink", "cloud_upload", "cloud_st
 
 
 def turn(text: str, session: str = "", n: int = 8) -> ChatTurn:
-    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n))
+    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode="split")
 
 
 async def run(svc, t: ChatTurn) -> TurnDone:
@@ -128,7 +128,7 @@ async def test_a_split_turn_a_direct_turn_and_a_refused_turn_leave_their_samples
         assert Samples.value("tandem:uploads_in_flight") == Samples.value("tandem:upload_bytes_reserved") == 0
         assert math.isnan(REGISTRY.get_sample_value("tandem:block_store_bytes") or 0.0)  # the memory store
 
-        direct = ChatTurn((("user", "hi"),), "", "", Sampling(max_new_tokens=2), direct=True)
+        direct = ChatTurn((("user", "hi"),), "", "", Sampling(max_new_tokens=2), mode="direct")
         await run(toy.edge, direct)
         assert s.delta("tandem:requests_total", mode="direct", outcome="ok") == 1
         assert s.delta("tandem:cloud_queue_time_seconds_count", mode="direct") == 1

@@ -42,6 +42,9 @@ async def client(stack):
     await c.close()
 
 
+SPLIT = {"mode": "split"}  # tandem's mode extension: these tests look at the split's head tokens
+
+
 def tandem_of(obj) -> dict:
     return (obj.model_extra or {})["tandem"]
 
@@ -143,18 +146,20 @@ async def test_stop_strings(client):
 async def test_second_turn_of_a_conversation_runs_the_head_over_new_tokens_only(stack, client):
     toy, _ = stack
     msgs = [SYSTEM, {"role": "user", "content": "first question, fairly long to fill a block or two of tokens"}]
-    r1 = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+    r1 = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, extra_body=SPLIT)
     t1 = tandem_of(r1)
     assert t1["head_tokens"] == r1.usage.prompt_tokens
     msgs += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "more?"}]
-    r2 = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+    r2 = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, extra_body=SPLIT)
     t2 = tandem_of(r2)
     assert t2["session_id"] == t1["session_id"]
     assert t2["head_tokens"] == r2.usage.prompt_tokens - r1.usage.prompt_tokens < r2.usage.prompt_tokens
     assert t2["external_tokens"] > 0  # the cloud loaded the conversation's earlier KV blocks
     assert toy.edge.sessions.peek(t1["session_id"]).token_ids  # the edge keeps the conversation
     # another user with the same opening gets a session of its own
-    r3 = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, user="bob")
+    r3 = await client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=6, temperature=0, user="bob", extra_body=SPLIT
+    )
     assert tandem_of(r3)["session_id"] != t1["session_id"] and tandem_of(r3)["head_tokens"] == r3.usage.prompt_tokens
     assert r3.choices[0].message.content == r2.choices[0].message.content
 

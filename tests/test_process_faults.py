@@ -114,8 +114,7 @@ async def negotiate(ch: grpc.aio.Channel, manifest) -> pb.NegotiateResponse:
     req = pb.NegotiateRequest(
         edge_id="faults",
         model_id=manifest.model_id,
-        compatibility_key=manifest.compatibility_key(),
-        split_layers=[manifest.split_layer],
+        head_keys={manifest.split_layer: manifest.compatibility_key()},
     )
     return await pb_grpc.CloudStub(ch).Negotiate(req, timeout=10)
 

@@ -205,13 +205,13 @@ async def test_decode_engine_uses_the_loaded_kv(stack, tokenizer, manifest):
 @contextlib.contextmanager
 def tampered(stack, fn):
     """Every uplink item of the edge passes through ``fn(item, attempt)`` (a wrapped link)."""
-    svc = stack["edge"].service
-    inner = svc.link
-    svc.link = TamperLink(inner, fn)
+    conn = stack["edge"].service.conn
+    inner = conn.link
+    conn.link = TamperLink(inner, fn)
     try:
         yield
     finally:
-        svc.link = inner
+        conn.link = inner
 
 
 def flip_first_transmission(kind: type):

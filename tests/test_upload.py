@@ -27,13 +27,13 @@ PARAMS = LinkParams(1, K, 3, wire.WireDtype.FP32, wire.Codec.NONE, 0, B, 8, 4, 6
 def make_turn(ids, cached=0, leaves_before=0):
     rng = np.random.default_rng(len(ids))
     hidden = rng.standard_normal((len(ids), H)).astype(np.float32)
-    chunks = wire.split(hidden[cached:], cached, PARAMS.chunk_tokens)
+    chunks = wire.split(hidden[cached:], cached, PARAMS.chunk_tokens, params_version=1)
     hashes = block_hashes(ids, B, SEED)
     blocks = {}
     for j in range(leaves_before, len(hashes)):
         raw = rng.standard_normal((K, 2, HKV, B, D)).astype(np.float32).tobytes()
         leaf = merkle.leaf_hash(merkle.leaf_data(hashes[j], 0, K, raw))
-        blocks[j] = KVBlock(j, hashes[j], 0, K, wire.Codec.NONE, len(raw), raw, leaf)
+        blocks[j] = KVBlock(j, hashes[j], 0, K, wire.Codec.NONE, len(raw), raw, leaf, 1)
     header = TurnHeader("r", "s", 1, K, tuple(ids), cached, len(chunks), len(blocks), Sampling(max_new_tokens=4))
     return header, hidden, chunks, blocks
 
@@ -144,7 +144,7 @@ def test_non_finite_or_huge_values_are_refused():
         h = hidden.copy()
         h[3, 2] = bad
         with pytest.raises(InvalidRequest, match="activations"):
-            for c in wire.split(h, 0, PARAMS.chunk_tokens):
+            for c in wire.split(h, 0, PARAMS.chunk_tokens, params_version=1):
                 u.add_chunk(c)
     u = upload(header)
     raw = np.full((K, 2, HKV, B, D), np.nan, np.float32).tobytes()
@@ -160,7 +160,7 @@ def test_duplicates_and_unnegotiated_encodings_are_refused():
     assert u.add_chunk(chunks[0])
     with pytest.raises(InvalidRequest, match="again"):
         u.add_chunk(chunks[0])
-    fp16 = wire.split(hidden[3:6], 3, 3, wire.WireDtype.FP16)[0]
+    fp16 = wire.split(hidden[3:6], 3, 3, wire.WireDtype.FP16, params_version=1)[0]
     with pytest.raises(InvalidRequest, match="negotiated"):
         u.add_chunk(wire.Chunk(**{**fp16.__dict__, "seq": 1}))
     u.add_block(blocks[0])

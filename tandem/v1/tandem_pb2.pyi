@@ -25,6 +25,8 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_UNSPECIFIED: _ClassVar[Mode]
     MODE_SPLIT: _ClassVar[Mode]
     MODE_DIRECT: _ClassVar[Mode]
+    MODE_LOCAL: _ClassVar[Mode]
+    MODE_AUTO: _ClassVar[Mode]
 WIRE_DTYPE_UNSPECIFIED: WireDtype
 WIRE_DTYPE_FP32: WireDtype
 WIRE_DTYPE_FP16: WireDtype
@@ -36,6 +38,8 @@ CODEC_ZSTD: Codec
 MODE_UNSPECIFIED: Mode
 MODE_SPLIT: Mode
 MODE_DIRECT: Mode
+MODE_LOCAL: Mode
+MODE_AUTO: Mode
 
 class LinkMeasurement(_message.Message):
     __slots__ = ("rtt_ms", "goodput_mbps")
@@ -54,26 +58,35 @@ class LatencySlo(_message.Message):
     def __init__(self, ttft_ms: _Optional[float] = ..., itl_p99_ms: _Optional[float] = ...) -> None: ...
 
 class NegotiateRequest(_message.Message):
-    __slots__ = ("edge_id", "model_id", "compatibility_key", "split_layers", "wire_dtypes", "codecs", "edge_max_batch", "link", "slo")
+    __slots__ = ("edge_id", "model_id", "split_layers", "wire_dtypes", "codecs", "edge_max_batch", "link", "slo", "head_keys", "link_id")
+    class HeadKeysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
     EDGE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
-    COMPATIBILITY_KEY_FIELD_NUMBER: _ClassVar[int]
     SPLIT_LAYERS_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPES_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
     EDGE_MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     LINK_FIELD_NUMBER: _ClassVar[int]
     SLO_FIELD_NUMBER: _ClassVar[int]
+    HEAD_KEYS_FIELD_NUMBER: _ClassVar[int]
+    LINK_ID_FIELD_NUMBER: _ClassVar[int]
     edge_id: str
     model_id: str
-    compatibility_key: str
     split_layers: _containers.RepeatedScalarFieldContainer[int]
     wire_dtypes: _containers.RepeatedScalarFieldContainer[WireDtype]
     codecs: _containers.RepeatedScalarFieldContainer[Codec]
     edge_max_batch: int
     link: LinkMeasurement
     slo: LatencySlo
-    def __init__(self, edge_id: _Optional[str] = ..., model_id: _Optional[str] = ..., compatibility_key: _Optional[str] = ..., split_layers: _Optional[_Iterable[int]] = ..., wire_dtypes: _Optional[_Iterable[_Union[WireDtype, str]]] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., edge_max_batch: _Optional[int] = ..., link: _Optional[_Union[LinkMeasurement, _Mapping]] = ..., slo: _Optional[_Union[LatencySlo, _Mapping]] = ...) -> None: ...
+    head_keys: _containers.ScalarMap[int, str]
+    link_id: str
+    def __init__(self, edge_id: _Optional[str] = ..., model_id: _Optional[str] = ..., split_layers: _Optional[_Iterable[int]] = ..., wire_dtypes: _Optional[_Iterable[_Union[WireDtype, str]]] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., edge_max_batch: _Optional[int] = ..., link: _Optional[_Union[LinkMeasurement, _Mapping]] = ..., slo: _Optional[_Union[LatencySlo, _Mapping]] = ..., head_keys: _Optional[_Mapping[int, str]] = ..., link_id: _Optional[str] = ...) -> None: ...
 
 class LinkParams(_message.Message):
     __slots__ = ("params_version", "split_layer", "chunk_tokens", "wire_dtype", "codec", "codec_level", "kv_block_size_tokens", "inflight_window_chunks", "max_concurrent_requests", "max_batched_tokens", "max_prompt_tokens", "max_new_tokens", "hidden_size", "max_chunk_resends")
@@ -108,14 +121,86 @@ class LinkParams(_message.Message):
     def __init__(self, params_version: _Optional[int] = ..., split_layer: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., codec_level: _Optional[int] = ..., kv_block_size_tokens: _Optional[int] = ..., inflight_window_chunks: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_chunk_resends: _Optional[int] = ...) -> None: ...
 
 class NegotiateResponse(_message.Message):
-    __slots__ = ("params", "cloud_id", "model_id")
+    __slots__ = ("params", "cloud_id", "model_id", "link_id", "split_layers", "note", "instance_id", "params_by_split")
+    class ParamsBySplitEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: LinkParams
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[LinkParams, _Mapping]] = ...) -> None: ...
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     CLOUD_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    LINK_ID_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_BY_SPLIT_FIELD_NUMBER: _ClassVar[int]
     params: LinkParams
     cloud_id: str
     model_id: str
-    def __init__(self, params: _Optional[_Union[LinkParams, _Mapping]] = ..., cloud_id: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
+    link_id: str
+    split_layers: _containers.RepeatedScalarFieldContainer[int]
+    note: str
+    instance_id: str
+    params_by_split: _containers.MessageMap[int, LinkParams]
+    def __init__(self, params: _Optional[_Union[LinkParams, _Mapping]] = ..., cloud_id: _Optional[str] = ..., model_id: _Optional[str] = ..., link_id: _Optional[str] = ..., split_layers: _Optional[_Iterable[int]] = ..., note: _Optional[str] = ..., instance_id: _Optional[str] = ..., params_by_split: _Optional[_Mapping[int, LinkParams]] = ...) -> None: ...
+
+class ServerInfoRequest(_message.Message):
+    __slots__ = ("link_id", "padding")
+    LINK_ID_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
+    link_id: str
+    padding: bytes
+    def __init__(self, link_id: _Optional[str] = ..., padding: _Optional[bytes] = ...) -> None: ...
+
+class ServerLoad(_message.Message):
+    __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage", "tail_prefill_ms_per_token", "prefill_ms_per_token", "decode_ms_per_token", "queue_wait_ms", "link_running", "link_waiting")
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    TAIL_PREFILL_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    LINK_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    LINK_WAITING_FIELD_NUMBER: _ClassVar[int]
+    running_requests: int
+    waiting_requests: int
+    kv_cache_usage: float
+    tail_prefill_ms_per_token: float
+    prefill_ms_per_token: float
+    decode_ms_per_token: float
+    queue_wait_ms: float
+    link_running: int
+    link_waiting: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tail_prefill_ms_per_token: _Optional[float] = ..., prefill_ms_per_token: _Optional[float] = ..., decode_ms_per_token: _Optional[float] = ..., queue_wait_ms: _Optional[float] = ..., link_running: _Optional[int] = ..., link_waiting: _Optional[int] = ...) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("cloud_id", "instance_id", "load", "link_known", "params_by_split", "split_layers", "serving")
+    class ParamsBySplitEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: LinkParams
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[LinkParams, _Mapping]] = ...) -> None: ...
+    CLOUD_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    LINK_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_BY_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    cloud_id: str
+    instance_id: str
+    load: ServerLoad
+    link_known: bool
+    params_by_split: _containers.MessageMap[int, LinkParams]
+    split_layers: _containers.RepeatedScalarFieldContainer[int]
+    serving: bool
+    def __init__(self, cloud_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., load: _Optional[_Union[ServerLoad, _Mapping]] = ..., link_known: bool = ..., params_by_split: _Optional[_Mapping[int, LinkParams]] = ..., split_layers: _Optional[_Iterable[int]] = ..., serving: bool = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "stop_token_ids", "ignore_eos")
@@ -136,7 +221,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ...) -> None: ...
 
 class RequestHeader(_message.Message):
-    __slots__ = ("request_id", "session_id", "params_version", "split_layer", "prompt_token_ids", "cached_tokens", "num_chunks", "num_kv_blocks", "sampling")
+    __slots__ = ("request_id", "session_id", "params_version", "split_layer", "prompt_token_ids", "cached_tokens", "num_chunks", "num_kv_blocks", "sampling", "link_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +231,7 @@ class RequestHeader(_message.Message):
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LINK_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     params_version: int
@@ -155,10 +241,11 @@ class RequestHeader(_message.Message):
     num_chunks: int
     num_kv_blocks: int
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., params_version: _Optional[int] = ..., split_layer: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    link_id: str
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., params_version: _Optional[int] = ..., split_layer: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., link_id: _Optional[str] = ...) -> None: ...
 
 class ActivationChunk(_message.Message):
-    __slots__ = ("seq", "token_offset", "num_tokens", "wire_dtype", "codec", "raw_nbytes", "payload", "crc32c")
+    __slots__ = ("seq", "token_offset", "num_tokens", "wire_dtype", "codec", "raw_nbytes", "payload", "crc32c", "params_version")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +254,7 @@ class ActivationChunk(_message.Message):
     RAW_NBYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
     seq: int
     token_offset: int
     num_tokens: int
@@ -175,10 +263,11 @@ class ActivationChunk(_message.Message):
     raw_nbytes: int
     payload: bytes
     crc32c: int
-    def __init__(self, seq: _Optional[int] = ..., token_offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    params_version: int
+    def __init__(self, seq: _Optional[int] = ..., token_offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., params_version: _Optional[int] = ...) -> None: ...
 
 class KVBlockDelta(_message.Message):
-    __slots__ = ("leaf_index", "block_hash", "layer_lo", "layer_hi", "codec", "raw_nbytes", "payload", "leaf_hash")
+    __slots__ = ("leaf_index", "block_hash", "layer_lo", "layer_hi", "codec", "raw_nbytes", "payload", "leaf_hash", "params_version")
     LEAF_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYER_LO_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +276,7 @@ class KVBlockDelta(_message.Message):
     RAW_NBYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     LEAF_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
     leaf_index: int
     block_hash: bytes
     layer_lo: int
@@ -195,7 +285,8 @@ class KVBlockDelta(_message.Message):
     raw_nbytes: int
     payload: bytes
     leaf_hash: bytes
-    def __init__(self, leaf_index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., layer_lo: _Optional[int] = ..., layer_hi: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., leaf_hash: _Optional[bytes] = ...) -> None: ...
+    params_version: int
+    def __init__(self, leaf_index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., layer_lo: _Optional[int] = ..., layer_hi: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., leaf_hash: _Optional[bytes] = ..., params_version: _Optional[int] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("leaf_count", "merkle_root")
@@ -233,6 +324,12 @@ class RepairRequest(_message.Message):
     reason: str
     def __init__(self, leaf_indices: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class ChunkAck(_message.Message):
+    __slots__ = ("through_seq",)
+    THROUGH_SEQ_FIELD_NUMBER: _ClassVar[int]
+    through_seq: int
+    def __init__(self, through_seq: _Optional[int] = ...) -> None: ...
+
 class UploadAck(_message.Message):
     __slots__ = ("verified_tokens", "leaf_count", "merkle_root")
     VERIFIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -252,7 +349,7 @@ class Tokens(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "output_tokens", "external_tokens", "timings_ms", "received_bytes")
+    __slots__ = ("finish_reason", "prompt_tokens", "output_tokens", "external_tokens", "timings_ms", "received_bytes", "load", "queue_wait_ms")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -273,13 +370,17 @@ class Final(_message.Message):
     EXTERNAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_MS_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     output_tokens: int
     external_tokens: int
     timings_ms: _containers.ScalarMap[str, float]
     received_bytes: _containers.ScalarMap[str, int]
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., external_tokens: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., received_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    load: ServerLoad
+    queue_wait_ms: float
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., external_tokens: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., received_bytes: _Optional[_Mapping[str, int]] = ..., load: _Optional[_Union[ServerLoad, _Mapping]] = ..., queue_wait_ms: _Optional[float] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("kind", "message")
@@ -290,27 +391,29 @@ class Error(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Downlink(_message.Message):
-    __slots__ = ("nack", "repair", "upload_ack", "tokens", "final", "error")
+    __slots__ = ("nack", "repair", "upload_ack", "tokens", "final", "error", "chunk_ack")
     NACK_FIELD_NUMBER: _ClassVar[int]
     REPAIR_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_ACK_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ACK_FIELD_NUMBER: _ClassVar[int]
     nack: Nack
     repair: RepairRequest
     upload_ack: UploadAck
     tokens: Tokens
     final: Final
     error: Error
-    def __init__(self, nack: _Optional[_Union[Nack, _Mapping]] = ..., repair: _Optional[_Union[RepairRequest, _Mapping]] = ..., upload_ack: _Optional[_Union[UploadAck, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    chunk_ack: ChunkAck
+    def __init__(self, nack: _Optional[_Union[Nack, _Mapping]] = ..., repair: _Optional[_Union[RepairRequest, _Mapping]] = ..., upload_ack: _Optional[_Union[UploadAck, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., chunk_ack: _Optional[_Union[ChunkAck, _Mapping]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class EdgeInfo(_message.Message):
-    __slots__ = ("model_id", "split_layer", "max_prompt_tokens", "max_new_tokens", "max_stop_strings", "max_stop_token_ids", "default_timeout_s", "version")
+    __slots__ = ("model_id", "split_layer", "max_prompt_tokens", "max_new_tokens", "max_stop_strings", "max_stop_token_ids", "default_timeout_s", "version", "modes", "split_layers", "cloud_connected", "degraded")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SPLIT_LAYER_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +422,10 @@ class EdgeInfo(_message.Message):
     MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODES_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CLOUD_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     split_layer: int
     max_prompt_tokens: int
@@ -327,7 +434,11 @@ class EdgeInfo(_message.Message):
     max_stop_token_ids: int
     default_timeout_s: float
     version: str
-    def __init__(self, model_id: _Optional[str] = ..., split_layer: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., default_timeout_s: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
+    modes: _containers.RepeatedScalarFieldContainer[str]
+    split_layers: _containers.RepeatedScalarFieldContainer[int]
+    cloud_connected: bool
+    degraded: str
+    def __init__(self, model_id: _Optional[str] = ..., split_layer: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., default_timeout_s: _Optional[float] = ..., version: _Optional[str] = ..., modes: _Optional[_Iterable[str]] = ..., split_layers: _Optional[_Iterable[int]] = ..., cloud_connected: bool = ..., degraded: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -338,20 +449,22 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("session_id", "messages", "prompt", "sampling", "mode", "stop")
+    __slots__ = ("session_id", "messages", "prompt", "sampling", "mode", "stop", "split_layer")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_LAYER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     prompt: str
     sampling: SamplingParams
     mode: Mode
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    split_layer: int
+    def __init__(self, session_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., stop: _Optional[_Iterable[str]] = ..., split_layer: _Optional[int] = ...) -> None: ...
 
 class TextDelta(_message.Message):
     __slots__ = ("text", "token_ids")
@@ -362,7 +475,7 @@ class TextDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatDone(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "output_tokens", "head_tokens", "external_tokens", "split_layer", "timings_ms", "sent_bytes", "output_token_ids")
+    __slots__ = ("finish_reason", "prompt_tokens", "output_tokens", "head_tokens", "external_tokens", "split_layer", "timings_ms", "sent_bytes", "output_token_ids", "mode", "predicted_ttft_ms", "ttft_ms", "params_version", "mode_reason")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -386,6 +499,11 @@ class ChatDone(_message.Message):
     TIMINGS_MS_FIELD_NUMBER: _ClassVar[int]
     SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODE_REASON_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     output_tokens: int
@@ -395,7 +513,12 @@ class ChatDone(_message.Message):
     timings_ms: _containers.ScalarMap[str, float]
     sent_bytes: _containers.ScalarMap[str, int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., head_tokens: _Optional[int] = ..., external_tokens: _Optional[int] = ..., split_layer: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., sent_bytes: _Optional[_Mapping[str, int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    mode: str
+    predicted_ttft_ms: float
+    ttft_ms: float
+    params_version: int
+    mode_reason: str
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., head_tokens: _Optional[int] = ..., external_tokens: _Optional[int] = ..., split_layer: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., sent_bytes: _Optional[_Mapping[str, int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., params_version: _Optional[int] = ..., mode_reason: _Optional[str] = ...) -> None: ...
 
 class ChatEvent(_message.Message):
     __slots__ = ("delta", "done")

@@ -26,6 +26,11 @@ class CloudStub(object):
                 request_serializer=tandem_dot_v1_dot_tandem__pb2.Uplink.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_tandem__pb2.Downlink.FromString,
                 )
+        self.GetServerInfo = channel.unary_unary(
+                '/tandem.v1.Cloud/GetServerInfo',
+                request_serializer=tandem_dot_v1_dot_tandem__pb2.ServerInfoRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_tandem__pb2.ServerInfo.FromString,
+                )
 
 
 class CloudServicer(object):
@@ -50,6 +55,15 @@ class CloudServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServerInfo(self, request, context):
+        """The cloud's load and measured rates, and the link's current params (polled by the edge every
+        few seconds; the call's round trip is the edge's RTT sample, a padded request its goodput probe).
+        Named after vLLM's gRPC front end's GetServerInfo.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CloudServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -62,6 +76,11 @@ def add_CloudServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=tandem_dot_v1_dot_tandem__pb2.Uplink.FromString,
                     response_serializer=tandem_dot_v1_dot_tandem__pb2.Downlink.SerializeToString,
+            ),
+            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerInfo,
+                    request_deserializer=tandem_dot_v1_dot_tandem__pb2.ServerInfoRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_tandem__pb2.ServerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -109,6 +128,23 @@ class Cloud(object):
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
+    @staticmethod
+    def GetServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tandem.v1.Cloud/GetServerInfo',
+            tandem_dot_v1_dot_tandem__pb2.ServerInfoRequest.SerializeToString,
+            tandem_dot_v1_dot_tandem__pb2.ServerInfo.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
 
 class EdgeStub(object):
     """---------------------------------------------------------------- Edge service (client SDK)
@@ -146,7 +182,7 @@ class EdgeServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def GetInfo(self, request, context):
-        """What this edge serves and its limits (for clients to check requests before sending).
+        """What this edge serves, its limits and its link to the cloud.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

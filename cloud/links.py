@@ -1,0 +1,409 @@
+"""Per-link shares of the vLLM engines' batch, a bounded wait queue, and a p99 SLO controller.
+
+The engines batch at most ``max_num_seqs`` sequences and ``max_batched_tokens`` prompt tokens per
+step. Each connected link (one edge's channel) is guaranteed ``max_num_seqs * w / W`` sequences
+and ``max_batched_tokens * w / W`` tokens (floored, at least 1), ``W`` the sum of the weights of
+the active links. Admission is work conserving: a link may go past its share while no other link
+waits. Past its share it waits in its own FIFO queue (bounded in length and time); freed slots go
+to the waiting link furthest under its share. ``control_step`` moves each link's weight to meet
+the p99 TTFT / ITL objectives its edge declared.
+
+Pure domain code, single event loop. Times are in the injected clock's seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import numpy as np
+
+from tandem.common.errors import InvalidRequest, QuotaExceeded
+
+_MAX_SAMPLES = 4096  # per link and metric: bounds memory whatever the window
+_MAX_DURATIONS = 64  # recent request durations per link, for the retry estimate
+_MAX_TRACE = 10_000
+
+
+class LinkBusy(QuotaExceeded):
+    """The link's queue is full, or its request waited past its deadline or ``max_queue_wait_s``."""
+
+    def __init__(self, message: str = "", retry_after_ms: int = 1000) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+@dataclass(frozen=True)
+class LinkSlo:
+    ttft_ms: float  # p99 time-to-first-token objective declared by the edge (0 = none)
+    itl_p99_ms: float  # p99 inter-token latency objective (0 = none)
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    # shrink/grow and high/low are the seed article's: x0.8 above 1.1x the SLO, x1.15 below 0.9x of it.
+    interval_s: float = 2.0  # how often control_step runs (the caller schedules it)
+    window_s: float = 10.0  # p99 over samples of the last window_s seconds
+    min_samples: int = 5  # fewer samples of a metric in the window: that metric is not judged
+    shrink: float = 0.8
+    grow: float = 1.15
+    high: float = 1.1
+    low: float = 0.9
+    min_weight: float = 0.1
+    max_weight: float = 10.0
+
+
+@dataclass(frozen=True)
+class TracePoint:
+    t_s: float
+    link_id: str
+    weight: float
+    max_concurrent_requests: int
+    p99_ttft_ms: float | None
+    p99_itl_ms: float | None
+    samples: int
+
+
+@dataclass(eq=False)
+class _Waiter:
+    tokens: int
+    seq: int
+    enqueued_s: float
+    future: asyncio.Future[Ticket]
+    queued: bool = True
+
+
+@dataclass(eq=False)
+class Link:
+    """Mutable state of one link. ``version`` is bumped whenever the link's share changes."""
+
+    link_id: str
+    edge_id: str
+    slo: LinkSlo
+    weight: float = 1.0
+    version: int = 1
+    running: int = 0
+    running_tokens: int = 0  # prompt tokens of admitted requests still in prefill
+    waiting: int = 0
+    last_seen: float = 0.0
+    share: tuple[int, int] = (1, 1)  # (max_concurrent_requests, max_batched_tokens) last computed
+    _queue: deque[_Waiter] = field(default_factory=deque, init=False, repr=False)
+    _ttft: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES), init=False)
+    _itl: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES), init=False)
+    _durations_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_DURATIONS), init=False)
+
+
+class Ticket:
+    """One admitted request's slot; ``with ticket:`` releases it on exit."""
+
+    def __init__(self, table: LinkTable, link: Link, prompt_tokens: int, queued_ms: float) -> None:
+        self.link_id = link.link_id
+        self.prompt_tokens = prompt_tokens
+        self.queued_ms = queued_ms  # how long admit waited
+        self.admitted_s = table._clock()
+        self._table = table
+        self._link = link
+        self._in_prefill = True
+        self._released = False
+
+    def prefill_done(self) -> None:
+        """The request's prompt tokens stop counting against the token share (idempotent)."""
+        if self._in_prefill and not self._released:
+            self._in_prefill = False
+            self._table._free_tokens(self._link, self.prompt_tokens)
+            self._table._wake()
+
+    def release(self) -> None:
+        """Free the slot and wake the next waiter (idempotent)."""
+        if self._released:
+            return
+        if self._in_prefill:
+            self._in_prefill = False
+            self._table._free_tokens(self._link, self.prompt_tokens)
+        self._released = True
+        self._table._release(self._link, self._table._clock() - self.admitted_s)
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
+
+
+class LinkTable:
+    """The cloud's links, their weighted-fair shares of the engines, admission and the SLO controller."""
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        *,
+        max_links: int = 256,
+        idle_s: float = 60.0,
+        max_queue: int = 32,
+        max_queue_wait_s: float = 5.0,
+        controller: ControllerConfig = ControllerConfig(),  # noqa: B008 (frozen, so sharing it is safe)
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_num_seqs < 1 or max_batched_tokens < 1 or max_links < 1:
+            raise ValueError("max_num_seqs, max_batched_tokens and max_links must be at least 1")
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.max_links = max_links
+        self.idle_s = idle_s
+        self.max_queue = max_queue
+        self.max_queue_wait_s = max_queue_wait_s
+        self.controller = controller
+        self._clock = clock
+        self._links: dict[str, Link] = {}
+        self._seq = itertools.count()
+        self._changed: set[str] = set()  # links whose share changed since the last control_step
+        self.trace: deque[TracePoint] = deque(maxlen=_MAX_TRACE)
+        self.running = 0
+        self.running_tokens = 0
+        self.waiting = 0
+
+    # --- links and shares ---------------------------------------------------------------------
+
+    def register(self, link_id: str, edge_id: str, slo: LinkSlo) -> Link:
+        """The link ``link_id`` (created at weight 1, or the known one with its SLO updated).
+
+        Beyond ``max_links`` the least recently seen link with nothing running or waiting is evicted.
+
+        Raises:
+            InvalidRequest: ``link_id`` is registered to another edge.
+            QuotaExceeded: ``max_links`` links are registered and all of them are busy.
+        """
+        now = self._clock()
+        link = self._links.get(link_id)
+        if link is not None:
+            if link.edge_id != edge_id:
+                raise InvalidRequest(f"link {link_id!r} belongs to another edge")
+            link.slo, link.last_seen = slo, now
+        else:
+            if len(self._links) >= self.max_links:
+                idle = [lk for lk in self._links.values() if not lk.running and not lk.waiting]
+                if not idle:
+                    raise QuotaExceeded(f"{len(self._links)} links, all busy; bound {self.max_links}")
+                victim = min(idle, key=lambda lk: lk.last_seen)
+                del self._links[victim.link_id]
+                self._changed.discard(victim.link_id)
+            link = self._links[link_id] = Link(link_id, edge_id, slo, last_seen=now)
+            link.share = self._shares(now)[link_id]
+        self._rebalance()
+        return link
+
+    def get(self, link_id: str) -> Link | None:
+        return self._links.get(link_id)
+
+    def links(self) -> list[Link]:
+        return list(self._links.values())
+
+    def active(self) -> list[Link]:
+        """Links with requests running or waiting, or seen within ``idle_s``."""
+        now = self._clock()
+        return [lk for lk in self._links.values() if self._is_active(lk, now)]
+
+    def share(self, link_id: str) -> tuple[int, int]:
+        """(max_concurrent_requests, max_batched_tokens) guaranteed to ``link_id`` now.
+
+        Raises:
+            InvalidRequest: the link is not registered.
+        """
+        self._get(link_id)
+        return self._rebalance()[link_id]
+
+    # --- admission ----------------------------------------------------------------------------
+
+    async def admit(self, link_id: str, prompt_tokens: int, deadline: float | None) -> Ticket:
+        """A slot for one request of ``prompt_tokens`` tokens, at once or after waiting in the link's queue.
+
+        ``deadline`` is in the clock's time (None: none); waiting ends at it or ``max_queue_wait_s``.
+
+        Raises:
+            InvalidRequest: the link is not registered.
+            LinkBusy: the link's queue is full, or the wait ended before a slot came.
+        """
+        link = self._get(link_id)
+        now = self._clock()
+        link.last_seen = now
+        shares = self._rebalance()
+        if not link._queue and self._can_admit(link, prompt_tokens, shares):
+            return self._grant(link, prompt_tokens, 0.0)
+        give_up = now + self.max_queue_wait_s if deadline is None else min(deadline, now + self.max_queue_wait_s)
+        if link.waiting >= self.max_queue:
+            raise self._busy(link, f"link {link_id!r} has {link.waiting} requests waiting (bound {self.max_queue})")
+        if give_up <= now:
+            raise self._busy(link, f"link {link_id!r} has no room now and the request's deadline has passed")
+        waiter = _Waiter(prompt_tokens, next(self._seq), now, asyncio.get_running_loop().create_future())
+        link._queue.append(waiter)
+        link.waiting += 1
+        self.waiting += 1
+        ticket: Ticket | None = None
+        try:
+            async with asyncio.timeout(give_up - now):
+                ticket = await waiter.future
+            return ticket
+        except TimeoutError:
+            waited_ms = (self._clock() - now) * 1000
+            raise self._busy(link, f"link {link_id!r} waited {waited_ms:.0f} ms for a slot") from None
+        finally:
+            if waiter.queued:  # timed out or cancelled while queued
+                self._dequeue(link, waiter)
+                self._wake()
+            elif ticket is None and waiter.future.done() and not waiter.future.cancelled():
+                waiter.future.result().release()  # granted just as the wait ended: give the slot back
+
+    def _can_admit(self, link: Link, tokens: int, shares: dict[str, tuple[int, int]]) -> bool:
+        if self.running >= self.max_num_seqs:
+            return False
+        if self.running_tokens + tokens > self.max_batched_tokens and not (
+            tokens > self.max_batched_tokens and self.running_tokens == 0  # vLLM chunks long prefills
+        ):
+            return False
+        seqs, toks = shares[link.link_id]
+        if link.running < seqs and (link.running_tokens + tokens <= toks or link.running_tokens == 0):
+            return True
+        return not any(lk.waiting for lk in self._links.values() if lk is not link)
+
+    def _grant(self, link: Link, tokens: int, queued_ms: float) -> Ticket:
+        link.running += 1
+        link.running_tokens += tokens
+        self.running += 1
+        self.running_tokens += tokens
+        return Ticket(self, link, tokens, queued_ms)
+
+    def _dequeue(self, link: Link, waiter: _Waiter) -> None:
+        waiter.queued = False
+        link._queue.remove(waiter)
+        link.waiting -= 1
+        self.waiting -= 1
+
+    def _wake(self) -> None:
+        """Grant freed room to waiters: the admissible link with the lowest running/share first."""
+        shares = self._rebalance()
+        while True:
+            best: tuple[float, int, Link, _Waiter] | None = None
+            for link in self._links.values():
+                while link._queue and link._queue[0].future.done():  # cancelled, its task not yet resumed
+                    self._dequeue(link, link._queue[0])
+                if not link._queue:
+                    continue
+                head = link._queue[0]
+                if self._can_admit(link, head.tokens, shares):
+                    key = (link.running / shares[link.link_id][0], head.seq, link, head)
+                    if best is None or key[:2] < best[:2]:
+                        best = key
+            if best is None:
+                return
+            _, _, link, waiter = best
+            self._dequeue(link, waiter)
+            queued_ms = (self._clock() - waiter.enqueued_s) * 1000
+            waiter.future.set_result(self._grant(link, waiter.tokens, queued_ms))
+
+    def _free_tokens(self, link: Link, tokens: int) -> None:
+        link.running_tokens -= tokens
+        self.running_tokens -= tokens
+
+    def _release(self, link: Link, duration_s: float) -> None:
+        link.running -= 1
+        self.running -= 1
+        link.last_seen = self._clock()
+        link._durations_s.append(duration_s)
+        self._wake()
+
+    def _busy(self, link: Link, message: str) -> LinkBusy:
+        """``LinkBusy`` with a retry hint: the link's mean request duration over its share, in [100, 10000] ms."""
+        if not link._durations_s:
+            return LinkBusy(message, 1000)
+        mean_ms = 1000 * sum(link._durations_s) / len(link._durations_s)
+        return LinkBusy(message, int(min(10_000, max(100, mean_ms / max(1, link.share[0])))))
+
+    # --- SLO controller -----------------------------------------------------------------------
+
+    def record_ttft(self, link_id: str, ttft_ms: float) -> None:
+        link = self._links.get(link_id)
+        if link is not None:
+            link._ttft.append((self._clock(), ttft_ms))
+
+    def record_itl(self, link_id: str, itl_ms: float) -> None:
+        link = self._links.get(link_id)
+        if link is not None:
+            link._itl.append((self._clock(), itl_ms))
+
+    def control_step(self) -> list[str]:
+        """Run the SLO controller once over the active links.
+
+        Returns the ids of the links whose share changed (version bumped) since the previous step,
+        by this step's weights or by links coming and going in between.
+        """
+        cfg = self.controller
+        now = self._clock()
+        judged: list[tuple[Link, float | None, float | None, int]] = []
+        for link in self._links.values():
+            if not self._is_active(link, now):
+                continue
+            p99_ttft, n_ttft = _p99(link._ttft, now - cfg.window_s, cfg.min_samples)
+            p99_itl, n_itl = _p99(link._itl, now - cfg.window_s, cfg.min_samples)
+            judged.append((link, p99_ttft, p99_itl, n_ttft + n_itl))
+            pairs = ((p99_ttft, link.slo.ttft_ms), (p99_itl, link.slo.itl_p99_ms))
+            objectives = [(p, slo) for p, slo in pairs if slo > 0]
+            if any(p is not None and p > cfg.high * slo for p, slo in objectives):
+                link.weight = max(cfg.min_weight, link.weight * cfg.shrink)
+            elif objectives and all(p is not None and p < cfg.low * slo for p, slo in objectives):
+                link.weight = min(cfg.max_weight, link.weight * cfg.grow)
+        shares = self._rebalance()
+        for link, p99_ttft, p99_itl, n in judged:
+            self.trace.append(TracePoint(now, link.link_id, link.weight, shares[link.link_id][0], p99_ttft, p99_itl, n))
+        self._wake()
+        changed = sorted(self._changed)
+        self._changed.clear()
+        return changed
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _get(self, link_id: str) -> Link:
+        link = self._links.get(link_id)
+        if link is None:
+            raise InvalidRequest(f"unknown link {link_id!r}")
+        return link
+
+    def _is_active(self, link: Link, now: float) -> bool:
+        return bool(link.running or link.waiting or now - link.last_seen <= self.idle_s)
+
+    def _shares(self, now: float) -> dict[str, tuple[int, int]]:
+        """Every link's share now; an idle link's as if it became active."""
+        total = sum(lk.weight for lk in self._links.values() if self._is_active(lk, now))
+        out: dict[str, tuple[int, int]] = {}
+        for lk in self._links.values():
+            frac = lk.weight / (total if self._is_active(lk, now) else total + lk.weight)
+            out[lk.link_id] = (
+                max(1, math.floor(self.max_num_seqs * frac)),
+                max(1, math.floor(self.max_batched_tokens * frac)),
+            )
+        return out
+
+    def _rebalance(self) -> dict[str, tuple[int, int]]:
+        """Recompute the shares; bump the version of each link whose share changed."""
+        shares = self._shares(self._clock())
+        for lk in self._links.values():
+            if shares[lk.link_id] != lk.share:
+                lk.share = shares[lk.link_id]
+                lk.version += 1
+                self._changed.add(lk.link_id)
+        return shares
+
+
+def _p99(samples: deque[tuple[float, float]], since: float, min_samples: int) -> tuple[float | None, int]:
+    """(p99 of the samples at or after ``since``, or None below ``min_samples``; their count). Drops older ones."""
+    while samples and samples[0][0] < since:
+        samples.popleft()
+    if len(samples) < min_samples:
+        return None, len(samples)
+    return float(np.percentile([v for _, v in samples], 99)), len(samples)

@@ -1,0 +1,155 @@
+"""Per-link parameters: what ``Negotiate`` agrees with one edge, and their versions.
+
+For every split layer ``k`` both sides hold (and ``k = 0``, direct mode) a link gets one
+``LinkParams``. The transfer parameters follow the link the edge measured; the quotas
+follow the link's share of the engines (``cloud.links.LinkTable``):
+
+* ``wire_dtype`` / ``codec``: the edge's first preference among the formats this cloud
+  allows (``CloudConfig.wire_dtypes``: only formats that meet the fidelity bar; fp32 is
+  exact). The edge offers zstd first only where its measured ratio and speed shorten the
+  transfer (``edge.costmodel.zstd_pays``).
+* ``chunk_tokens``: a chunk should take about ``CHUNK_TARGET_MS`` on the wire, so a NACKed
+  chunk costs little and the cloud can verify chunk i while i+1 travels; a power of two
+  in ``[MIN_CHUNK_TOKENS, cfg.max_chunk_tokens]``, ``cfg.chunk_tokens`` when goodput is unknown.
+* ``inflight_window_chunks``: twice the bandwidth-delay product in chunks plus two (the
+  classic sliding-window rule: a window below the BDP leaves the link idle; RFC 7323 s1.1),
+  in ``[MIN_WINDOW_CHUNKS, MAX_WINDOW_CHUNKS]``; ``MAX_WINDOW_CHUNKS`` when unknown.
+* ``max_concurrent_requests`` / ``max_batched_tokens``: the link's current share.
+
+``LinkVersions`` keeps the last ``KEPT_VERSIONS`` parameter sets of a link: a new set
+gets the next ``params_version``; a request names the version it started with and
+finishes under it, even after a newer one exists. Pure domain code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+
+from tandem.common.errors import InvalidRequest, ParamsVersionMismatch
+from tandem.common.kvblocks import LayerRange, block_nbytes
+from tandem.common.manifest import SplitManifest
+from tandem.common.params import LinkParams, NegotiateOffer
+from tandem.common.wire import Codec, WireDtype, raw_nbytes_of
+
+CHUNK_TARGET_MS = 10.0
+MIN_CHUNK_TOKENS = 16
+MIN_WINDOW_CHUNKS = 8
+MAX_WINDOW_CHUNKS = 64
+KEPT_VERSIONS = 8
+
+
+@dataclass(frozen=True)
+class LinkLimits:
+    """The cloud-wide limits every link's params live within (from ``CloudConfig``)."""
+
+    chunk_tokens: int  # default when the link is not measured
+    max_chunk_tokens: int
+    wire_dtypes: tuple[WireDtype, ...]  # allowed, in the cloud's order of preference
+    codecs: tuple[Codec, ...]
+    codec_level: int
+    kv_block_size_tokens: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    max_chunk_resends: int
+
+
+def pick_chunk_tokens(goodput_mbps: float, bytes_per_token: int, default: int, max_tokens: int) -> int:
+    """Tokens per chunk so that a chunk takes about ``CHUNK_TARGET_MS`` at ``goodput_mbps``:
+    a power of two in ``[MIN_CHUNK_TOKENS, max_tokens]``; ``default`` when goodput is unknown (0)."""
+    if goodput_mbps <= 0:
+        return min(default, max_tokens)
+    target_bytes = goodput_mbps * 1e6 / 8 * CHUNK_TARGET_MS / 1e3
+    tokens = max(1.0, target_bytes / max(1, bytes_per_token))
+    p2 = 2 ** round(math.log2(tokens))
+    return int(min(max(p2, MIN_CHUNK_TOKENS), max_tokens))
+
+
+def pick_window_chunks(goodput_mbps: float, rtt_ms: float, chunk_bytes: int) -> int:
+    """Chunks in flight before an ack: ``ceil(2 * BDP / chunk_bytes) + 2`` within
+    ``[MIN_WINDOW_CHUNKS, MAX_WINDOW_CHUNKS]`` (BDP = goodput x RTT); the maximum when unknown."""
+    if goodput_mbps <= 0 or rtt_ms <= 0:
+        return MAX_WINDOW_CHUNKS
+    bdp_bytes = goodput_mbps * 1e6 / 8 * rtt_ms / 1e3
+    return int(min(max(math.ceil(2 * bdp_bytes / max(1, chunk_bytes)) + 2, MIN_WINDOW_CHUNKS), MAX_WINDOW_CHUNKS))
+
+
+def link_params(
+    limits: LinkLimits, manifest: SplitManifest, k: int, offer: NegotiateOffer, share: tuple[int, int], version: int
+) -> LinkParams:
+    """The params of one link at split layer ``k`` (0 = direct) under ``share`` = (requests, tokens).
+
+    Raises:
+        InvalidRequest: the edge accepts none of the wire formats this cloud allows.
+    """
+    dtype = next((d for d in offer.wire_dtypes if d in limits.wire_dtypes), None)
+    if dtype is None:
+        raise InvalidRequest(
+            f"no common wire format: the edge accepts {[d.name for d in offer.wire_dtypes]}, "
+            f"this cloud allows {[d.name for d in limits.wire_dtypes]}"
+        )
+    codec = next((c for c in offer.codecs if c in limits.codecs), Codec.NONE)
+    sh = manifest.shape
+    act_bytes = raw_nbytes_of(1, dtype, sh.hidden_size)
+    kv_bytes = block_nbytes(LayerRange(0, k), sh.num_kv_heads, 1, sh.head_dim) if k else 0
+    chunk = pick_chunk_tokens(offer.goodput_mbps, act_bytes + kv_bytes, limits.chunk_tokens, limits.max_chunk_tokens)
+    window = pick_window_chunks(offer.goodput_mbps, offer.rtt_ms, chunk * (act_bytes + kv_bytes))
+    return LinkParams(
+        params_version=version,
+        split_layer=k,
+        chunk_tokens=chunk,
+        wire_dtype=dtype,
+        codec=codec,
+        codec_level=limits.codec_level,
+        kv_block_size_tokens=limits.kv_block_size_tokens,
+        inflight_window_chunks=window,
+        max_concurrent_requests=share[0],
+        max_batched_tokens=share[1],
+        max_prompt_tokens=limits.max_prompt_tokens,
+        max_new_tokens=limits.max_new_tokens,
+        hidden_size=sh.hidden_size,
+        max_chunk_resends=limits.max_chunk_resends,
+    )
+
+
+@dataclass
+class LinkVersions:
+    """One link's offer and its recent parameter sets, by version (oldest dropped first)."""
+
+    offer: NegotiateOffer
+    split_layers: tuple[int, ...]  # k both sides hold (0 excluded)
+    version: int = 0
+    history: OrderedDict[int, dict[int, LinkParams]] = field(default_factory=OrderedDict)
+
+    @property
+    def current(self) -> dict[int, LinkParams]:
+        return self.history[self.version]
+
+    def update(self, params_by_split: dict[int, LinkParams]) -> bool:
+        """Adopt ``params_by_split`` (their ``params_version`` is overwritten) if it differs from the
+        current set; returns whether a new version was made."""
+        if self.history:
+            same = params_by_split.keys() == self.current.keys() and all(
+                replace(p, params_version=0) == replace(self.current[k], params_version=0)
+                for k, p in params_by_split.items()
+            )
+            if same:
+                return False
+        self.version += 1
+        self.history[self.version] = {k: replace(p, params_version=self.version) for k, p in params_by_split.items()}
+        while len(self.history) > KEPT_VERSIONS:
+            self.history.popitem(last=False)
+        return True
+
+    def params(self, version: int, k: int) -> LinkParams:
+        """Raises ParamsVersionMismatch: the version is not (or no longer) kept, or has no params at ``k``."""
+        by_split = self.history.get(version)
+        if by_split is None:
+            raise ParamsVersionMismatch(
+                f"params v{version} unknown on this link (current v{self.version}, kept "
+                f"v{min(self.history)}..v{self.version}): renegotiate"
+            )
+        if k not in by_split:
+            raise ParamsVersionMismatch(f"this link has no params for split layer {k}: renegotiate")
+        return by_split[k]

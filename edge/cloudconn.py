@@ -1,0 +1,264 @@
+"""The edge's connection to its cloud: negotiation that never blocks start-up, measurement of
+the link, and the cloud's load.
+
+``CloudConnection.run`` (a background task) keeps the link negotiated:
+
+* not negotiated: ``Negotiate`` with exponential backoff (``backoff_s`` doubling up to
+  ``max_backoff_s``) while the edge serves ``local`` and reports itself degraded;
+* negotiated: ``GetServerInfo`` every ``poll_s``: each call's round trip is an RTT sample and its
+  answer the cloud's load and the link's current params (a new ``params_version`` is adopted for
+  new requests; requests in flight finish under theirs). An unknown link or another
+  ``instance_id`` (the cloud restarted) means renegotiating at once;
+* measurement: at connect, ``PROBE_SMALL`` small calls (RTT: their minimum) and ``PROBE_PADDED``
+  calls padded with ``probe_bytes`` (uplink goodput: padding over the extra time); afterwards every
+  split upload of at least ``MIN_GOODPUT_SAMPLE_BYTES`` is a goodput sample (bytes over the upload
+  time less one RTT and the cloud's store put). Both estimates are exponentially weighted
+  (alpha 0.3), so they follow a changed link within a few requests. When goodput moves by more than
+  ``RENEGOTIATE_RATIO`` from the value last offered, the link is renegotiated (chunk size, window,
+  codec follow the link).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+
+from tandem.common.errors import QuotaExceeded, TandemError
+from tandem.common.ewma import Ewma
+from tandem.common.params import LinkParams, Negotiated, NegotiateOffer, ServerLoad
+from tandem.edge.link import CloudLink
+
+log = logging.getLogger("tandem.edge")
+
+PROBE_SMALL = 3
+PROBE_PADDED = 2
+MIN_GOODPUT_SAMPLE_BYTES = 32 << 10
+RENEGOTIATE_RATIO = 2.0
+LINK_ALPHA = 0.3
+
+
+class CloudConnection:
+    """Negotiated params, link estimates and the cloud's load, kept current in the background."""
+
+    def __init__(
+        self,
+        link: CloudLink,
+        offer: NegotiateOffer,
+        *,
+        poll_s: float = 2.0,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+        probe_bytes: int = 256 << 10,
+        zstd_pays=None,
+    ) -> None:
+        self.link, self.base_offer = link, offer
+        self.poll_s, self.backoff_s, self.max_backoff_s, self.probe_bytes = (
+            poll_s,
+            backoff_s,
+            max_backoff_s,
+            probe_bytes,
+        )
+        self._zstd_pays = zstd_pays  # goodput_mbps -> bool, or None: keep the offer's codec order
+        self.negotiated: Negotiated | None = None
+        self.load = ServerLoad()
+        self.rtt_ms = Ewma(LINK_ALPHA)
+        self.goodput_mbps = Ewma(LINK_ALPHA)
+        self.offered_goodput_mbps = 0.0
+        self.last_error = ""
+        self.last_exc: TandemError | None = None  # the last failure, for start-up to report
+        self.connected = asyncio.Event()  # set while negotiated and the last call answered
+        self.renegotiations = 0
+        self._wake = asyncio.Event()
+        self._force = False  # renegotiate at the next turn of the loop
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ state
+
+    def params(self, k: int) -> LinkParams | None:
+        """The current params for split layer ``k`` (0 = direct), or None (not negotiated / no such k)."""
+        n = self.negotiated
+        return None if n is None or not self.connected.is_set() else n.params_by_split.get(k)
+
+    @property
+    def split_layers(self) -> tuple[int, ...]:
+        """Split layers usable now (the edge holds the head and the cloud the tail)."""
+        n = self.negotiated
+        if n is None or not self.connected.is_set():
+            return ()
+        return tuple(sorted(k for k in n.params_by_split if k > 0))
+
+    def offer(self) -> NegotiateOffer:
+        """The offer with the current measurements and the codec order they call for."""
+        g = self.goodput_mbps.value
+        codecs = self.base_offer.codecs
+        if self._zstd_pays is not None:
+            from tandem.common.wire import Codec
+
+            codecs = (Codec.ZSTD, Codec.NONE) if self._zstd_pays(g) else (Codec.NONE, Codec.ZSTD)
+        link_id = self.negotiated.link_id if self.negotiated else ""
+        return replace(self.base_offer, rtt_ms=self.rtt_ms.value, goodput_mbps=g, codecs=codecs, link_id=link_id)
+
+    # ------------------------------------------------------------------ background loop
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(), name="cloud-connection")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+    def renegotiate_soon(self, reason: str) -> None:
+        """Ask the loop to renegotiate now (e.g. the cloud refused a request's params version)."""
+        log.info("renegotiating with the cloud: %s", reason)
+        self.connected.clear()
+        self._force = True
+        self._wake.set()
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.connected.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    async def run(self) -> None:
+        """Negotiate (with backoff), probe, then poll until cancelled."""
+        delay = self.backoff_s
+        while True:
+            try:
+                if self.negotiated is None or self._force:
+                    self._force = False
+                    await self.connect()
+                    delay = self.backoff_s
+                await self._poll()
+                if self._should_renegotiate():
+                    await self._negotiate()
+                self._wake.clear()
+                try:
+                    async with asyncio.timeout(self.poll_s):
+                        await self._wake.wait()
+                except TimeoutError:
+                    pass
+            except asyncio.CancelledError:
+                raise
+            except TandemError as e:
+                self.connected.clear()
+                self.last_exc = e
+                self._force = self._force or self.negotiated is None
+                if str(e) != self.last_error:
+                    log.warning("cloud link down (%s: %s); serving what needs no cloud, retrying", type(e).__name__, e)
+                self.last_error = str(e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.max_backoff_s)
+            except Exception:
+                self.connected.clear()
+                log.exception("cloud connection loop failed; retrying")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.max_backoff_s)
+
+    async def _negotiate(self) -> None:
+        offer = self.offer()
+        n = await self.link.negotiate(offer)
+        first = self.negotiated is None
+        self.negotiated = n
+        self.offered_goodput_mbps = offer.goodput_mbps
+        self.renegotiations += 0 if first else 1
+        if n.note:
+            log.warning("cloud: %s", n.note)
+        log.info(
+            "negotiated link %s with %s (params v%d, split layers %s)",
+            n.link_id,
+            n.cloud_id,
+            n.params_version,
+            sorted(k for k in n.params_by_split if k),
+        )
+
+    async def connect(self) -> None:
+        """Negotiate, measure RTT and goodput over the channel, renegotiate with the measurements."""
+        previous = self.negotiated
+        await self._negotiate()
+        await self.probe()
+        await self._negotiate()
+        if previous is not None and previous.instance_id != self.negotiated.instance_id:  # type: ignore[union-attr]
+            log.warning("the cloud restarted (instance %s): renegotiated", self.negotiated.instance_id)  # type: ignore[union-attr]
+        self.connected.set()
+        self.last_error, self.last_exc = "", None
+
+    async def probe(self) -> None:
+        """RTT and goodput probes over the real channel (see module doc)."""
+        link_id = self.negotiated.link_id if self.negotiated else ""
+        small = []
+        for _ in range(PROBE_SMALL):
+            t0 = time.perf_counter()
+            await self.link.server_info(link_id)
+            small.append((time.perf_counter() - t0) * 1e3)
+        rtt = min(small)
+        self.rtt_ms.add(rtt)
+        if self.probe_bytes <= 0:
+            return
+        for _ in range(PROBE_PADDED):
+            t0 = time.perf_counter()
+            try:
+                await self.link.server_info(link_id, self.probe_bytes)
+            except QuotaExceeded as e:  # a cloud with a smaller message bound: measure from uploads only
+                log.warning("goodput probe of %d bytes refused (%s); measuring from uploads", self.probe_bytes, e)
+                self.probe_bytes = 0
+                return
+            extra_ms = (time.perf_counter() - t0) * 1e3 - rtt
+            if extra_ms > 0.05:
+                self.goodput_mbps.add(self.probe_bytes * 8 / (extra_ms / 1e3) / 1e6)
+
+    async def _poll(self) -> None:
+        n = self.negotiated
+        if n is None:
+            return
+        t0 = time.perf_counter()
+        info = await self.link.server_info(n.link_id)
+        self.rtt_ms.add((time.perf_counter() - t0) * 1e3)
+        if not info.link_known or info.instance_id != n.instance_id:
+            self.connected.clear()
+            reason = "the cloud restarted" if info.instance_id != n.instance_id else "the cloud forgot this link"
+            log.warning("%s: renegotiating", reason)
+            self._force = True
+            return
+        self.load = info.load
+        if not info.serving:
+            if self.connected.is_set():
+                log.warning("the cloud is not serving (engines restarting or draining): cloud modes paused")
+            self.connected.clear()
+            self.last_error = "the cloud is not serving"
+            return
+        if info.params_by_split and info.params_by_split != n.params_by_split:
+            self.negotiated = replace(n, params_by_split=dict(info.params_by_split))
+            log.info("link params now v%d (the cloud changed this link's share)", self.negotiated.params_version)
+        self.connected.set()
+
+    def _should_renegotiate(self) -> bool:
+        g, offered = self.goodput_mbps.value, self.offered_goodput_mbps
+        if g <= 0:
+            return False
+        return offered <= 0 or not (1 / RENEGOTIATE_RATIO <= g / offered <= RENEGOTIATE_RATIO)
+
+    # ------------------------------------------------------------------ passive measurement
+
+    def observe_upload(self, nbytes: int, upload_ms: float, store_put_ms: float) -> None:
+        """A finished split upload of ``nbytes`` bytes that took ``upload_ms`` from first send to the
+        cloud's ack, of which ``store_put_ms`` in the cloud's store: a goodput sample when large enough."""
+        if nbytes < MIN_GOODPUT_SAMPLE_BYTES:
+            return
+        transfer_ms = upload_ms - self.rtt_ms.value - store_put_ms
+        if transfer_ms > 0.05:
+            self.goodput_mbps.add(nbytes * 8 / (transfer_ms / 1e3) / 1e6)
+
+    def observe_load(self, load: ServerLoad | None) -> None:
+        if load is not None:
+            self.load = load

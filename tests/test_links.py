@@ -1,0 +1,474 @@
+"""Unit tests of the per-link shares, admission queue and SLO controller (pure asyncio, no engines)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tandem.cloud.links import ControllerConfig, LinkBusy, LinkSlo, LinkTable, Ticket
+from tandem.common.errors import InvalidRequest, QuotaExceeded
+
+NO_SLO = LinkSlo(0, 0)
+SLO = LinkSlo(ttft_ms=100, itl_p99_ms=20)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def table(seqs: int = 4, tokens: int = 10_000, *links: str, **kw) -> LinkTable:
+    t = LinkTable(seqs, tokens, **kw)
+    for link_id in links:
+        t.register(link_id, f"edge-{link_id}", NO_SLO)
+    return t
+
+
+async def spawn(t: LinkTable, link_id: str, n: int, tokens: int = 1) -> list[asyncio.Task[Ticket]]:
+    tasks = [asyncio.create_task(t.admit(link_id, tokens, None)) for _ in range(n)]
+    await settle()
+    return tasks
+
+
+def running(t: LinkTable, link_id: str) -> int:
+    link = t.get(link_id)
+    assert link is not None
+    return link.running
+
+
+# --- shares ---------------------------------------------------------------------------------
+
+
+def test_shares_split_by_weight_and_rebalance():
+    clock = FakeClock()
+    t = table(8, 800, "a", "b", clock=clock)
+    assert t.share("a") == t.share("b") == (4, 400)
+    a, b = t.get("a"), t.get("b")
+    assert a is not None and b is not None
+    a.weight = 3.0
+    assert t.share("a") == (6, 600) and t.share("b") == (2, 200)
+    assert (a.version, b.version) == (3, 2)  # a: (8,800) alone -> (4,400) with b -> (6,600); b: -> (2,200)
+    clock.t += 61  # a goes idle; b is seen again
+    t.register("b", "edge-b", NO_SLO)
+    assert [lk.link_id for lk in t.active()] == ["b"]
+    assert t.share("b") == (8, 800)
+    assert t.share("a") == (6, 600)  # an idle link's share as if it came back
+    t.register("c", "edge-c", NO_SLO)
+    assert t.share("b") == t.share("c") == (4, 400)
+    assert t.get("c") is not None and t.get("c").version == 1  # type: ignore[union-attr]
+
+
+def test_share_is_at_least_one():
+    t = table(2, 2, *"abcde")
+    assert all(t.share(x) == (1, 1) for x in "abcde")
+
+
+def test_register_is_idempotent_and_checks_the_edge():
+    t = table(4, 100, "a")
+    link = t.get("a")
+    assert t.register("a", "edge-a", SLO) is link and link is not None and link.slo == SLO
+    with pytest.raises(InvalidRequest, match="another edge"):
+        t.register("a", "edge-x", SLO)
+
+
+@pytest.mark.asyncio
+async def test_register_beyond_max_links_evicts_idle_never_busy():
+    clock = FakeClock()
+    t = table(4, 100, "a", clock=clock, max_links=2)
+    clock.t += 1
+    t.register("b", "edge-b", NO_SLO)
+    clock.t += 1
+    t.register("c", "edge-c", NO_SLO)  # a is the least recently seen idle link
+    assert sorted(lk.link_id for lk in t.links()) == ["b", "c"]
+    ticket = await t.admit("b", 1, None)  # b busy: c is the only idle link
+    clock.t += 1
+    t.register("d", "edge-d", NO_SLO)
+    assert sorted(lk.link_id for lk in t.links()) == ["b", "d"]
+    await t.admit("d", 1, None)
+    with pytest.raises(QuotaExceeded):
+        t.register("e", "edge-e", NO_SLO)
+    ticket.release()
+    t.register("e", "edge-e", NO_SLO)
+    assert sorted(lk.link_id for lk in t.links()) == ["d", "e"]
+
+
+# --- admission ------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_lone_link_uses_all_seqs():
+    t = table(4, 100, "a", "b", max_queue_wait_s=0.2)
+    tickets = [await t.admit("a", 1, None) for _ in range(4)]  # share 2, but b waits for nothing
+    assert t.running == 4 and t.share("a") == (2, 50)
+    with pytest.raises(LinkBusy):
+        await t.admit("a", 1, None)  # engines full
+    for ticket in tickets:
+        ticket.release()
+    assert t.running == t.waiting == t.running_tokens == 0
+
+
+@pytest.mark.asyncio
+async def test_flooding_link_is_held_to_its_share():
+    t = table(4, 10_000, "a", "b", max_queue_wait_s=2)
+    flood = await spawn(t, "a", 8)
+    held = [task.result() for task in flood[:4]]
+    assert running(t, "a") == 4 and t.waiting == 4
+    b_tasks = await spawn(t, "b", 2)
+    assert not any(task.done() for task in b_tasks)
+    held[0].release()
+    held[1].release()
+    await settle()
+    assert all(task.done() for task in b_tasks)  # b's requests go ahead of a's older waiters
+    assert running(t, "a") == 2 and running(t, "b") == 2
+    b_more = await spawn(t, "b", 1)
+    held[2].release()  # a (1/2) is further under its share than b (2/2)
+    await settle()
+    assert running(t, "a") == 2 and running(t, "b") == 2 and not b_more[0].done()
+    b_tickets = [task.result() for task in b_tasks]
+    b_tickets[0].release()
+    await settle()
+    assert b_more[0].done() and running(t, "b") == 2
+    for task in flood + b_tasks + b_more:
+        if not task.done():
+            task.cancel()
+    await asyncio.gather(*flood, *b_more, return_exceptions=True)
+    for task in flood + b_tasks + b_more:
+        if not task.cancelled() and task.exception() is None:
+            task.result().release()
+    held[3].release()
+    assert t.running == t.waiting == t.running_tokens == 0
+
+
+@pytest.mark.asyncio
+async def test_under_share_request_admitted_while_others_wait():
+    t = table(8, 100, "a", "b", max_queue_wait_s=2)
+    first = await t.admit("a", 30, None)  # shares: (4 seqs, 50 tokens) each
+    blocked = await spawn(t, "b", 1, tokens=80)  # waits on the engines' token budget (110 > 100)
+    assert not blocked[0].done()
+    second = await t.admit("a", 10, None)  # a is under its share: in at once although b waits
+    over = await spawn(t, "a", 1, tokens=20)  # past a's token share (60 > 50), and b waits
+    assert not over[0].done()
+    first.release()
+    await settle()
+    assert blocked[0].done() and not over[0].done()  # b first; then a's does not fit (10 + 80 + 20 > 100)
+    second.release()
+    await settle()
+    assert over[0].done() and t.running_tokens == 100
+    blocked[0].result().release()
+    over[0].result().release()
+    assert t.running == t.waiting == t.running_tokens == 0
+
+
+@pytest.mark.asyncio
+async def test_waiters_woken_in_weighted_fair_order():
+    t = table(3, 100, "a", "b", "c", max_queue_wait_s=2)
+    held = [await t.admit("c", 1, None) for _ in range(3)]
+    order: list[str] = []
+
+    async def want(link_id: str) -> Ticket:
+        ticket = await t.admit(link_id, 1, None)
+        order.append(link_id)
+        return ticket
+
+    tasks = [asyncio.create_task(want(x)) for x in ("c", "a", "b", "a")]
+    await settle()
+    assert t.waiting == 4
+    for ticket in held:
+        ticket.release()
+        await settle()
+    # a (0/1, older than b's), b (0/1; a's second is at a's share while others wait), c (0/1 once c's are gone)
+    assert order == ["a", "b", "c"]
+    assert t.waiting == 1
+    for task in tasks:
+        if task.done():
+            task.result().release()
+    await settle()
+    assert order[3:] == ["a"]
+    tasks[3].result().release()
+    assert t.running == t.waiting == 0
+
+
+@pytest.mark.asyncio
+async def test_queue_full_raises_at_once():
+    t = table(1, 100, "a", max_queue=2, max_queue_wait_s=2)
+    held = await t.admit("a", 1, None)
+    waiters = await spawn(t, "a", 2)
+    start = time.monotonic()
+    with pytest.raises(LinkBusy) as err:
+        await t.admit("a", 1, None)
+    assert time.monotonic() - start < 0.1
+    assert err.value.retry_after_ms == 1000  # no durations known yet
+    assert isinstance(err.value, QuotaExceeded)
+    for task in waiters:
+        task.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    held.release()
+    assert t.running == t.waiting == 0
+
+
+@pytest.mark.asyncio
+async def test_wait_past_max_queue_wait_gives_up_with_retry_hint():
+    clock = FakeClock()  # frozen: request durations come out as set; the waits are real
+    t = table(1, 100, "a", clock=clock, max_queue_wait_s=0.2)
+    ticket = await t.admit("a", 1, None)
+    clock.t += 3.0
+    ticket.release()  # a 3 s request; share 1 -> retry after 3000 ms
+    held = await t.admit("a", 1, None)
+    start = time.monotonic()
+    with pytest.raises(LinkBusy) as err:
+        await t.admit("a", 1, None)
+    assert 0.15 < time.monotonic() - start < 1.0
+    assert err.value.retry_after_ms == 3000
+    assert t.waiting == 0
+    held.release()
+
+
+@pytest.mark.asyncio
+async def test_retry_hint_is_clamped():
+    clock = FakeClock()
+    t = table(1, 100, "a", clock=clock, max_queue_wait_s=0.05)
+    ticket = await t.admit("a", 1, None)
+    clock.t += 60
+    ticket.release()
+    held = await t.admit("a", 1, None)
+    with pytest.raises(LinkBusy) as err:
+        await t.admit("a", 1, None)
+    assert err.value.retry_after_ms == 10_000
+    held.release()
+
+
+@pytest.mark.asyncio
+async def test_deadline_ends_the_wait():
+    t = table(1, 100, "a", max_queue_wait_s=5)
+    held = await t.admit("a", 1, None)
+    start = time.monotonic()
+    with pytest.raises(LinkBusy) as err:
+        await t.admit("a", 1, time.monotonic() + 0.1)
+    assert 0.05 < time.monotonic() - start < 1.0
+    assert 100 <= err.value.retry_after_ms <= 10_000
+    with pytest.raises(LinkBusy):
+        await t.admit("a", 1, time.monotonic() - 1)  # already past: at once
+    assert t.waiting == 0
+    held.release()
+    assert t.running == 0
+
+
+@pytest.mark.asyncio
+async def test_cancelled_waiter_leaves_no_trace():
+    t = table(1, 100, "a", "b", max_queue_wait_s=2)
+    held = await t.admit("a", 5, None)
+    [task] = await spawn(t, "b", 1, tokens=7)
+    assert t.waiting == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert t.waiting == 0 and t.get("b").waiting == 0  # type: ignore[union-attr]
+    held.release()
+    assert t.running == t.running_tokens == 0
+
+
+@pytest.mark.asyncio
+async def test_waiter_cancelled_as_it_is_granted_gives_the_slot_back():
+    t = table(1, 100, "a", max_queue_wait_s=2)
+    held = await t.admit("a", 5, None)
+    [task] = await spawn(t, "a", 1, tokens=7)
+    held.release()  # grants the waiter synchronously...
+    assert t.running == 1 and t.waiting == 0
+    task.cancel()  # ...which is cancelled before it resumes
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert t.running == t.running_tokens == t.waiting == 0
+    (await t.admit("a", 1, None)).release()
+
+
+@pytest.mark.asyncio
+async def test_prefill_done_frees_tokens():
+    t = table(8, 100, "a", max_queue_wait_s=2)
+    first = await t.admit("a", 60, None)
+    [second] = await spawn(t, "a", 1, tokens=60)
+    assert not second.done() and t.running_tokens == 60
+    first.prefill_done()
+    first.prefill_done()  # idempotent
+    await settle()
+    assert second.done() and t.running == 2 and t.running_tokens == 60
+    first.release()
+    second.result().release()
+    assert t.running == t.running_tokens == 0
+
+
+@pytest.mark.asyncio
+async def test_token_budget_blocks_and_long_prompt_admitted_alone():
+    t = table(8, 100, "a", max_queue_wait_s=0.2)
+    huge = await t.admit("a", 150, None)  # larger than the budget, nothing in flight: vLLM chunks it
+    with pytest.raises(LinkBusy):
+        await t.admit("a", 1, None)
+    huge.prefill_done()
+    small = await t.admit("a", 100, None)
+    with pytest.raises(LinkBusy):
+        await t.admit("a", 1, None)
+    small.release()
+    huge.release()
+    assert t.running == t.running_tokens == 0
+
+
+@pytest.mark.asyncio
+async def test_release_is_idempotent():
+    t = table(2, 100, "a")
+    with await t.admit("a", 10, None) as ticket:
+        assert t.running == 1 and ticket.queued_ms == 0.0
+    ticket.release()
+    ticket.prefill_done()
+    assert t.running == t.running_tokens == 0
+    link = t.get("a")
+    assert link is not None and link.running == link.running_tokens == 0
+
+
+# --- SLO controller -------------------------------------------------------------------------
+
+
+def controlled(slo: LinkSlo = SLO, seqs: int = 4, *, links: str = "a", **kw) -> tuple[LinkTable, FakeClock]:
+    clock = FakeClock()
+    t = LinkTable(seqs, seqs, clock=clock, **kw)
+    for link_id in links:
+        t.register(link_id, f"edge-{link_id}", slo)
+    return t, clock
+
+
+def feed(t: LinkTable, link_id: str, ttft_ms: float | None, itl_ms: float | None, n: int = 10) -> None:
+    for _ in range(n):
+        if ttft_ms is not None:
+            t.record_ttft(link_id, ttft_ms)
+        if itl_ms is not None:
+            t.record_itl(link_id, itl_ms)
+
+
+def weight(t: LinkTable, link_id: str = "a") -> float:
+    link = t.get(link_id)
+    assert link is not None
+    return link.weight
+
+
+@pytest.mark.parametrize(
+    ("ttft", "itl", "expected"),
+    [
+        (111, 10, 0.8),  # TTFT p99 > 1.1 x SLO
+        (50, 23, 0.8),  # ITL p99 > 1.1 x SLO
+        (89, 17.9, 1.15),  # both < 0.9 x SLO
+        (89, None, 1.0),  # ITL unknown: not every SLO is met
+        (100, 15, 1.0),  # in between
+        (110, 22, 1.0),  # at 1.1 x: not above
+    ],
+)
+def test_controller_steps(ttft, itl, expected):
+    t, _ = controlled()
+    feed(t, "a", ttft, itl)
+    t.control_step()
+    assert weight(t) == pytest.approx(expected)
+
+
+def test_controller_ignores_metrics_without_slo():
+    t, _ = controlled(LinkSlo(ttft_ms=100, itl_p99_ms=0))
+    feed(t, "a", 50, 1e6)
+    t.control_step()
+    assert weight(t) == pytest.approx(1.15)
+    t2, _ = controlled(NO_SLO)
+    feed(t2, "a", 1e6, 1e6)
+    t2.control_step()
+    assert weight(t2) == 1.0
+
+
+def test_controller_p99_of_the_window_only():
+    t, clock = controlled()
+    feed(t, "a", 500, 500)  # bad, but old by the next step
+    clock.t += 11
+    t.register("a", "edge-a", SLO)  # still active
+    feed(t, "a", 50, 10)
+    t.control_step()
+    assert weight(t) == pytest.approx(1.15)
+    link = t.get("a")
+    assert link is not None and len(link._ttft) == 10  # older samples dropped
+
+
+def test_controller_p99_tail():
+    t, _ = controlled()
+    feed(t, "a", 50, 10, n=98)
+    feed(t, "a", 1000, 10, n=2)  # 2% of the samples past the SLO: p99 is past it too
+    t.control_step()
+    assert weight(t) == pytest.approx(0.8)
+
+
+def test_controller_bounded():
+    t, _ = controlled(controller=ControllerConfig(window_s=1e9))
+    feed(t, "a", 1000, 1000)
+    for _ in range(20):
+        t.control_step()
+    assert weight(t) == pytest.approx(0.1)
+    t2, _ = controlled(controller=ControllerConfig(window_s=1e9))
+    feed(t2, "a", 1, 1)
+    for _ in range(30):
+        t2.control_step()
+    assert weight(t2) == pytest.approx(10.0)
+
+
+def test_controller_skips_with_too_few_samples():
+    t, _ = controlled()
+    feed(t, "a", 1000, 1000, n=4)
+    t.control_step()
+    assert weight(t) == 1.0
+    point = t.trace[-1]
+    assert point.samples == 8 and point.p99_ttft_ms is None and point.p99_itl_ms is None
+
+
+def test_controller_bumps_version_only_when_the_share_changed():
+    t, clock = controlled(links="ab")  # 4 seqs, 4 tokens: (2, 2) each
+    a, b = t.get("a"), t.get("b")
+    assert a is not None and b is not None
+    versions = (a.version, b.version)
+    feed(t, "a", 1000, 1000)
+    assert t.control_step() == ["a"]  # a: 0.8 -> (1, 1); b: floor(4 / 1.8) = 2, unchanged
+    assert (a.version, b.version) == (versions[0] + 1, versions[1])
+    assert t.share("a") == (1, 1) and t.share("b") == (2, 2)
+    a.weight = 0.2
+    clock.t += 11
+    feed(t, "a", 100, 20)  # hold
+    assert t.control_step() == ["b"]  # a still (1, 1); b floor(4 / 1.2) = 3
+    assert (a.version, b.version) == (versions[0] + 1, versions[1] + 1) and t.share("b") == (3, 3)
+    assert t.control_step() == []
+    lone, _ = controlled()
+    feed(lone, "a", 1000, 1000)
+    assert lone.control_step() == [] and weight(lone) == pytest.approx(0.8)
+    assert lone.get("a").version == 1  # type: ignore[union-attr]
+
+
+def test_control_step_reports_changes_from_links_coming_and_going():
+    t, clock = controlled(links="a")
+    t.control_step()
+    t.register("b", "edge-b", SLO)
+    assert t.control_step() == ["a"]  # a's share halved when b came
+    clock.t += 61
+    t.register("a", "edge-a", SLO)
+    assert t.control_step() == ["a"]  # b went idle: a has everything again (b's own share as if back: same)
+
+
+def test_trace_points_per_active_link_per_step():
+    t, clock = controlled(links="ab")
+    feed(t, "a", 1000, 1000)
+    t.control_step()
+    t.control_step()
+    assert [(p.link_id, p.weight) for p in t.trace] == [("a", 0.8), ("b", 1.0), ("a", 0.8 * 0.8), ("b", 1.0)]
+    assert t.trace[0].max_concurrent_requests == 1 and t.trace[1].max_concurrent_requests == 2
+    assert t.trace[0].p99_ttft_ms == pytest.approx(1000) and t.trace[0].samples == 20
+    clock.t += 61
+    t.register("b", "edge-b", SLO)
+    t.control_step()
+    assert [p.link_id for p in t.trace][4:] == ["b"]

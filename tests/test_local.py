@@ -1,0 +1,266 @@
+"""Edge-only serving (``edge.local.LocalEngine``) on the real ``edge-full.onnx`` against HF greedy
+references: greedy tokens, session prefix reuse, stops, sampling, validation, concurrency and
+cancellation. Short chat prompts, 16 new tokens; one engine per module."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.common.chat import prompt_token_ids
+from tandem.common.errors import InvalidRequest
+from tandem.common.params import Sampling
+from tandem.edge.local import LocalEngine, LocalGenerator, LocalSession, LocalSessions, LocalToken, sample_token
+
+MAX_NEW = 16
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Name two primary colours."},
+    ],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+]
+
+
+@pytest.fixture(scope="module")
+def edge_full(split_dir):
+    path = split_dir.parent / "edge-full.onnx"
+    if not path.is_file():
+        pytest.fail(f"no {path}: run `make model` (make test does it)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def eos(hf_model) -> tuple[int, ...]:
+    e = hf_model.generation_config.eos_token_id
+    return tuple(e) if isinstance(e, list) else (e,)
+
+
+@pytest.fixture(scope="module")
+def engine(edge_full, manifest, eos):
+    return LocalEngine(edge_full, manifest.shape, eos, intra_op_threads=2)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    return [prompt_token_ids(tokenizer, m) for m in CHATS]
+
+
+class Refs:
+    """HF greedy references, computed once per prompt."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self._cache: dict[tuple[int, ...], list[int]] = {}
+
+    def __call__(self, ids: list[int], n: int = MAX_NEW) -> list[int]:
+        key = (*ids, -n)
+        if key not in self._cache:
+            with torch.no_grad():
+                out = self.model.generate(
+                    torch.tensor([ids]),
+                    max_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=self.model.config.eos_token_id,
+                )
+            self._cache[key] = out[0, len(ids) :].tolist()
+        return self._cache[key]
+
+
+@pytest.fixture(scope="module")
+def ref(hf_model) -> Refs:
+    return Refs(hf_model)
+
+
+async def run(engine, ids, sampling=None, session_id="") -> list[LocalToken]:
+    return [t async for t in engine.generate(ids, sampling or Sampling(max_new_tokens=MAX_NEW), session_id)]
+
+
+def toks(out: list[LocalToken]) -> list[int]:
+    return [t.token_id for t in out]
+
+
+def consistent(s: LocalSession) -> bool:
+    return all(a.shape[2] == len(s.token_ids) for a in s.past) and not s.lock.locked()
+
+
+async def test_warmup_measures_rates(engine):
+    await engine.warmup(32)
+    assert engine.prefill_ms_per_token > 0 and engine.decode_ms_per_token > 0
+    print(f"prefill {engine.prefill_ms_per_token:.2f} ms/token, decode {engine.decode_ms_per_token:.2f} ms/token")
+
+
+@pytest.mark.parametrize("idx", range(len(CHATS)))
+async def test_greedy_equals_hf(engine, prompts, ref, eos, idx):
+    out = await run(engine, prompts[idx])
+    want = ref(prompts[idx])
+    assert toks(out) == want
+    assert all(t.finish_reason is None for t in out[:-1])
+    assert out[-1].finish_reason == ("stop" if want[-1] in eos else "length")
+    assert engine.last_computed_tokens == len(prompts[idx]) and engine.active == 0
+
+
+async def test_second_turn_reuses_session_kv(engine, prompts, tokenizer, ref):
+    sid = f"s-{uuid.uuid4().hex}"
+    p1 = prompts[0]
+    a1 = toks(await run(engine, p1, session_id=sid))
+    assert a1 == ref(p1)
+    tail = ("" if a1[-1] == tokenizer.eos_token_id else "<|im_end|>") + (
+        "\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    p2 = p1 + a1 + tokenizer(tail, add_special_tokens=False)["input_ids"]
+
+    a2 = toks(await run(engine, p2, session_id=sid))
+    reused = len(p1) + len(a1) - 1  # the last answer token had no KV
+    assert engine.last_reused_tokens == reused and engine.last_computed_tokens == len(p2) - reused
+    sess = engine.sessions.peek(sid)
+    assert consistent(sess) and sess.token_ids == (p2 + a2)[: len(p2) + len(a2) - 1]
+
+    stateless = toks(await run(engine, p2))
+    assert engine.last_computed_tokens == len(p2)
+    assert a2 == stateless
+
+
+async def test_stop_token_ids_stop_and_are_included(engine, prompts, ref):
+    want = ref(prompts[1])
+    stop = want[3]
+    i = want.index(stop)
+    out = await run(engine, prompts[1], Sampling(max_new_tokens=MAX_NEW, stop_token_ids=(stop,)))
+    assert toks(out) == want[: i + 1] and out[-1].finish_reason == "stop"
+
+
+async def test_eos_stops_unless_ignored(engine, prompts, ref, eos):
+    want = ref(prompts[0])
+    if want[-1] not in eos:
+        pytest.skip("the reference answer does not end with EOS within MAX_NEW tokens")
+    out = await run(engine, prompts[0], Sampling(max_new_tokens=len(want) + 3, ignore_eos=True))
+    assert toks(out)[: len(want)] == want and len(out) == len(want) + 3 and out[-1].finish_reason == "length"
+
+
+async def test_max_new_tokens_gives_length(engine, prompts, ref):
+    out = await run(engine, prompts[2], Sampling(max_new_tokens=3))
+    assert toks(out) == ref(prompts[2])[:3]
+    assert [t.finish_reason for t in out] == [None, None, "length"]
+
+
+async def test_seeded_sampling_is_reproducible(engine, prompts, ref):
+    s = Sampling(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    a, b = await run(engine, prompts[2], s), await run(engine, prompts[2], s)
+    assert toks(a) == toks(b)
+    greedy_k = Sampling(max_new_tokens=8, temperature=1.0, top_k=1, seed=7)  # top_k=1 leaves only the argmax
+    assert toks(await run(engine, prompts[2], greedy_k)) == ref(prompts[2])[:8]
+
+
+def test_sample_token_filters():
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(p).astype(np.float32)
+    rng = np.random.default_rng(0)
+
+    def support(**kw) -> set[int]:
+        s = Sampling(temperature=1.0, **kw)
+        return {sample_token(logits, s, rng) for _ in range(400)}
+
+    assert support() == {0, 1, 2, 3}
+    assert support(top_k=2) == {0, 1}
+    assert support(top_p=0.8) == {0, 1}
+    assert support(top_p=0.81) == {0, 1, 2}
+    assert support(top_p=1e-9) == {0}
+    assert sample_token(logits, Sampling(temperature=0.0), rng) == 0
+    draws = [sample_token(logits, Sampling(temperature=1.0, seed=None), np.random.default_rng(5)) for _ in range(3)]
+    assert len(set(draws)) == 1  # same generator state, same draw
+
+
+@pytest.mark.parametrize(
+    "ids,sampling",
+    [
+        ([], Sampling()),
+        ([1, 49152], Sampling()),
+        ([1, -1], Sampling()),
+        ([1, 2], Sampling(max_new_tokens=0)),
+        ([1] * 8000, Sampling(max_new_tokens=200)),
+        ([1, 2], Sampling(temperature=-1.0)),
+        ([1, 2], Sampling(temperature=float("nan"))),
+        ([1, 2], Sampling(top_p=0.0)),
+        ([1, 2], Sampling(top_k=-1)),
+    ],
+    ids=["empty", "vocab", "negative", "zero-new", "too-long", "temperature", "nan", "top_p", "top_k"],
+)
+async def test_invalid_requests(engine, ids, sampling):
+    with pytest.raises(InvalidRequest):
+        await run(engine, ids, sampling)
+    assert engine.active == 0
+
+
+async def test_concurrent_turns_interleave_and_stay_correct(engine, prompts, ref):
+    arrivals: list[int] = []
+
+    async def one(i: int) -> list[int]:
+        out = []
+        async for t in engine.generate(prompts[i], Sampling(max_new_tokens=MAX_NEW)):
+            arrivals.append(i)
+            out.append(t.token_id)
+        return out
+
+    a, b = await asyncio.gather(one(1), one(2))
+    assert a == ref(prompts[1]) and b == ref(prompts[2])
+    assert arrivals.index(2) < len(arrivals) - 1 - arrivals[::-1].index(1)  # b started before a ended
+    assert engine.active == 0
+
+
+async def test_cancel_mid_decode_leaves_session_usable(engine, prompts, ref):
+    sid = f"c-{uuid.uuid4().hex}"
+    got = asyncio.Event()
+
+    async def consume() -> None:
+        n = 0
+        async with contextlib.aclosing(engine.generate(prompts[1], Sampling(max_new_tokens=MAX_NEW), sid)) as it:
+            async for _ in it:
+                n += 1
+                if n == 3:
+                    got.set()
+
+    task = asyncio.create_task(consume())
+    await got.wait()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.cancelled()
+    sess = engine.sessions.peek(sid)
+    assert consistent(sess) and sess.token_ids[: len(prompts[1])] == prompts[1]
+    assert len(prompts[1]) <= len(sess.token_ids) < len(prompts[1]) + MAX_NEW
+
+    # The same prompt again: all of it is in the session, only its last token is recomputed.
+    assert toks(await run(engine, prompts[1], session_id=sid)) == ref(prompts[1])
+    assert engine.last_reused_tokens == len(prompts[1]) - 1 and engine.last_computed_tokens == 1
+    # A different prompt on the same session: the diverging part is recomputed.
+    assert toks(await run(engine, prompts[2], session_id=sid)) == ref(prompts[2])
+    assert consistent(engine.sessions.peek(sid)) and engine.active == 0
+
+
+def test_sessions_are_bounded_lru():
+    def sess(n_tokens: int) -> LocalSession:
+        return LocalSession(list(range(n_tokens)), [np.zeros((1, 3, n_tokens, 64), np.float32)] * 2)
+
+    table = LocalSessions(max_entries=2, max_bytes=10 * 2 * 3 * 64 * 4)  # 10 tokens of 2 arrays
+    table.put("a", sess(4))
+    table.put("b", sess(4))
+    table.peek("a")
+    table.put("c", sess(1))
+    assert table.evict() == ["b"] and "a" in table and "c" in table
+    table.put("d", sess(10))
+    assert table.evict() == ["a", "c"] and len(table) == 1
+    assert table.get("") is not table.get("")  # stateless: a throwaway session each time
+    assert table.get("e") is table.get("e")
+
+
+def test_local_generator_wrapper(edge_full, manifest, prompts, ref, eos):
+    gen = LocalGenerator(edge_full, manifest.shape, intra_op_threads=2)
+    want = ref(prompts[0])
+    steps = list(gen.generate(prompts[0], MAX_NEW, eos[0]))
+    assert [s.token_id for s in steps] == want
+    assert all(b.t_s >= a.t_s for a, b in zip(steps, steps[1:], strict=False))
