@@ -2,11 +2,15 @@
 
 * tandem split at each exported split layer ``k`` (edge head + cloud tail/decode),
 * cloud-only: plain vLLM on the full checkpoint behind the same link (direct mode, token ids up),
-* edge-only: the whole model in ONNX Runtime on the edge, no network,
+* edge-only: the whole model in ONNX Runtime on the edge (the edge daemon's local mode), no network,
+* auto: the edge's per-request choice among those (``edge.costmodel``),
 
-over emulated links, all in one run so ratios hold on a noisy machine. Writes
-``records.jsonl`` (one line per request), ``summary.csv``, ``summary.md``,
-``meta.json`` and PNG plots into ``--out``.
+over emulated links, through ONE cloud (a tail engine per split layer) and ONE edge (every head
+and the whole model), all in one run so ratios hold on a noisy machine. Every mode is asked of
+the same edge daemon; the fixed modes run first in each link profile, so auto's cost model has
+seen that link, as a live edge that serves mixed traffic has. Writes ``records.jsonl`` (one line
+per request), ``summary.csv``, ``summary.md``, ``auto.md`` (auto against the best fixed mode per
+cell), ``meta.json`` and PNG plots into ``--out``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ import typer
 
 from tandem.benchmarks import links as linkmod
 from tandem.benchmarks.workload import BenchPrompt, make_prompts
-from tandem.common.chat import prompt_token_ids
 from tandem.daemons import Daemon, Daemons, cloud_command, edge_command
 
 app = typer.Typer(add_completion=False, help=__doc__)
@@ -49,20 +52,24 @@ class RequestRecord:
     head_tokens: int = 0
     sent_bytes: dict[str, int] = field(default_factory=dict)
     timings_ms: dict[str, float] = field(default_factory=dict)
+    served_mode: str = ""  # the mode that served it (differs from the row only for auto)
+    served_split_layer: int = 0
+    predicted_ttft_ms: float = 0.0  # the edge's cost-model prediction for the served mode
 
 
 class Stack:
-    """Cloud (optionally in its own network namespace), link proxy and edge, as child processes."""
+    """Cloud (optionally in its own network namespace), link proxy and edge, as child processes. The
+    cloud serves a tail per split directory, the edge holds every head and the whole model."""
 
-    def __init__(self, split_dir: Path, shaper: str, workdir: Path, max_num_seqs: int) -> None:
-        self.split_dir, self.shaper, self.workdir, self.max_num_seqs = split_dir, shaper, workdir, max_num_seqs
+    def __init__(self, split_dirs: list[Path], shaper: str, workdir: Path, max_num_seqs: int) -> None:
+        self.split_dirs, self.shaper, self.workdir, self.max_num_seqs = split_dirs, shaper, workdir, max_num_seqs
         self.daemons = Daemons()
         self.proxy: Daemon | None = None
         self.ns = None
 
     def start(self) -> int:
         """Start everything; returns the edge's port."""
-        tag, w = self.split_dir.name, self.workdir
+        w = self.workdir
         prefix: list[str] = []
         host, upstream_host = "127.0.0.1", "127.0.0.1"
         if self.shaper == "netns":
@@ -70,28 +77,30 @@ class Stack:
 
             self.ns = CloudNamespace.create()
             prefix, host, upstream_host = self.ns.exec_prefix(), "0.0.0.0", self.ns.cloud_ip
-        extra = ["--max-num-seqs", str(self.max_num_seqs)]
+        first, *more = self.split_dirs
+        splits = [a for d in more for a in ("--extra-split-dirs", str(d))]
+        extra = ["--max-num-seqs", str(self.max_num_seqs), *splits]
         cloud = self.daemons.spawn(
-            f"tandem-cloud {tag}",
-            [*prefix, *cloud_command(self.split_dir, w / f"kv-{tag}", host=host, extra=extra)],
-            w / f"cloud-{tag}.log",
-            w / f"cloud-{tag}.port",
+            "tandem-cloud",
+            [*prefix, *cloud_command(first, w / "kv", host=host, extra=extra)],
+            w / "cloud.log",
+            w / "cloud.port",
         )
-        cport = cloud.wait_ready(600)
+        cport = cloud.wait_ready(900)
         self.proxy = self.daemons.spawn(
-            f"link proxy {tag}",
+            "link proxy",
             [sys.executable, "-m", "tandem.benchmarks.linkproxy", "0", f"{upstream_host}:{cport}"]
             + ["no-rate" if self.shaper == "netns" else "rate"],
-            w / f"proxy-{tag}.log",
-            w / f"proxy-{tag}.port",
+            w / "proxy.log",
+            w / "proxy.port",
             stdin=subprocess.PIPE,
         )
         pport = self.proxy.wait_ready(30, poll_s=0.05)
         edge = self.daemons.spawn(
-            f"tandem-edge {tag}",
-            edge_command(self.split_dir, f"127.0.0.1:{pport}"),
-            w / f"edge-{tag}.log",
-            w / f"edge-{tag}.port",
+            "tandem-edge",
+            edge_command(first, f"127.0.0.1:{pport}", extra=[*splits, "--poll-s", "1"]),
+            w / "edge.log",
+            w / "edge.port",
         )
         return edge.wait_ready(300)
 
@@ -109,11 +118,26 @@ class Stack:
             self.ns.destroy()
 
 
+@dataclass(frozen=True)
+class ModeSpec:
+    """One row of the matrix: the label it is reported under and what the SDK asks the edge."""
+
+    label: str  # split-k{k} | cloud-only | edge-only | auto
+    mode: str
+    split_layer: int = 0
+
+
+def mode_specs(ks: list[int], edge_only: bool, auto: bool) -> list[ModeSpec]:
+    """The fixed modes first (they also calibrate the edge's cost model on the current link), auto last."""
+    out = [ModeSpec(f"split-k{k}", "split", k) for k in ks] + [ModeSpec("cloud-only", "direct")]
+    out += [ModeSpec("edge-only", "local")] if edge_only else []
+    return out + ([ModeSpec("auto", "auto")] if auto else [])
+
+
 async def run_remote(
     edge_port: int,
     prompts: list[BenchPrompt],
-    mode: str,
-    label: str,
+    spec: ModeSpec,
     link: str,
     target: int,
     concurrency: int,
@@ -131,7 +155,13 @@ async def run_remote(
             async with sem:
                 t0 = time.perf_counter()
                 arrivals: list[tuple[float, int]] = []
-                s = client.chat(p.as_messages(), max_new_tokens=max_new_tokens, mode=mode, ignore_eos=True)
+                s = client.chat(
+                    p.as_messages(),
+                    max_new_tokens=max_new_tokens,
+                    mode=spec.mode,
+                    split_layer=spec.split_layer,
+                    ignore_eos=True,
+                )
                 async for d in s:
                     arrivals.append((time.perf_counter(), max(1, len(d.token_ids))))
                 t1 = time.perf_counter()
@@ -140,7 +170,7 @@ async def run_remote(
                 itl = [(b[0] - a[0]) * 1e3 / b[1] for a, b in zip(arrivals, arrivals[1:], strict=False)]
                 records.append(
                     RequestRecord(
-                        label,
+                        spec.label,
                         link,
                         target,
                         r.prompt_tokens,
@@ -154,31 +184,14 @@ async def run_remote(
                         r.head_tokens,
                         dict(r.sent_bytes),
                         dict(r.timings_ms),
+                        r.mode,
+                        r.split_layer,
+                        r.predicted_ttft_ms,
                     )
                 )
                 progress.update(1)
 
         await asyncio.gather(*(one(p) for p in prompts))
-    return records
-
-
-def run_edge_only(
-    gen, prompts: list[BenchPrompt], tokenizer, target: int, max_new_tokens: int, progress
-) -> list[RequestRecord]:
-    """The whole model in ONNX Runtime on this machine, one request at a time (an edge box)."""
-    records = []
-    for p in prompts:
-        ids = prompt_token_ids(tokenizer, p.as_messages())
-        t0 = time.perf_counter()
-        times = [s.t_s for s in gen.generate(ids, max_new_tokens, None)]  # ignore EOS, as the remote modes
-        t1 = time.perf_counter()
-        itl = [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
-        records.append(
-            RequestRecord(
-                "edge-only", "none", target, len(ids), len(times), (times[0] - t0) * 1e3, (t1 - t0) * 1e3, itl, t0, t1
-            )
-        )
-        progress.update(1)
     return records
 
 
@@ -219,7 +232,8 @@ def main(
     ] = "auto",
     seed: int = 0,
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/latest"),
-    edge_only: bool = True,
+    edge_only: Annotated[bool, typer.Option(help="also the edge-only row (the edge's local mode)")] = True,
+    auto: Annotated[bool, typer.Option(help="also the auto row (the edge chooses per request)")] = True,
 ) -> None:
     """Run the benchmark matrix and write records, tables and plots."""
     args = {k: str(v) if isinstance(v, Path) else v for k, v in locals().items()}
@@ -236,38 +250,26 @@ def main(
     lens = [int(x) for x in prompt_lens.split(",") if x.strip()]
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "hf")
     prompts = {n: make_prompts(tokenizer, n, requests, seed) for n in lens}
-    total = len(lens) * requests * (len(profiles) * (len(ks) + 1) + (1 if edge_only else 0))
+    specs = mode_specs(ks, edge_only, auto)
+    total = len(lens) * requests * len(profiles) * len(specs)
     records: list[RequestRecord] = []
     workdir = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
     print(f"tandem-bench: shaper={shaper}, logs in {workdir}", file=sys.stderr)
+    stack = Stack([model_dir / f"split-k{k}" for k in ks], shaper, workdir, max_num_seqs)
     with tqdm(total=total, desc="requests", unit="req") as bar:
-        for i, k in enumerate(ks):
-            stack = Stack(model_dir / f"split-k{k}", shaper, workdir, max_num_seqs)
-            try:
-                eport = stack.start()
-                modes = [("split", f"split-k{k}")] + ([("direct", "cloud-only")] if i == 0 else [])
-                for prof in profiles:
-                    stack.set_link(prof)
-                    for mode, label in modes:
-                        warm = make_prompts(tokenizer, 16, 1, seed + 99)
-                        asyncio.run(run_remote(eport, warm, mode, label, prof.name, 16, 1, 2, _Null()))
-                        for n in lens:
-                            records += asyncio.run(
-                                run_remote(
-                                    eport, prompts[n], mode, label, prof.name, n, concurrency, max_new_tokens, bar
-                                )
-                            )
-            finally:
-                stack.stop()
-        if edge_only:
-            from tandem.common.manifest import SplitManifest
-            from tandem.edge.local import LocalGenerator
-
-            shape = SplitManifest.load(model_dir / f"split-k{ks[0]}").shape
-            gen = LocalGenerator(model_dir / "edge-full.onnx", shape)
-            list(gen.generate([1, 2, 3], 2))  # warm-up
-            for n in lens:
-                records += run_edge_only(gen, prompts[n], tokenizer, n, max_new_tokens, bar)
+        try:
+            eport = stack.start()
+            for prof in profiles:
+                stack.set_link(prof)
+                for spec in specs:
+                    warm = make_prompts(tokenizer, 16, 1, seed + 99)
+                    asyncio.run(run_remote(eport, warm, spec, prof.name, 16, 1, 2, _Null()))
+                    for n in lens:
+                        records += asyncio.run(
+                            run_remote(eport, prompts[n], spec, prof.name, n, concurrency, max_new_tokens, bar)
+                        )
+        finally:
+            stack.stop()
     meta = machine_meta(args) | {"shaper": shaper, "links": [p.as_dict() for p in profiles]}
     report.write_all(out, records, meta)
     print(f"results in {out}: summary.md, summary.csv, records.jsonl, *.png", file=sys.stderr)

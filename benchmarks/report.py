@@ -102,28 +102,84 @@ def to_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+FIXED = ("split", "cloud-only", "edge-only")  # row prefixes of the fixed modes (auto chooses among them)
+AUTO_TARGET = 1.10  # issue 7: auto's mean TTFT within 10% of the best fixed mode of every cell
+
+
+def _cell(r: dict) -> tuple[str, int]:
+    return r["link"], r["prompt_tokens"] // 8  # prompt lengths of one target differ by a few tokens
+
+
+def best_fixed(rows: list[dict]) -> dict[tuple[str, int], dict]:
+    """Per cell (link, prompt length) the fixed-mode row with the lowest mean TTFT."""
+    best: dict[tuple[str, int], dict] = {}
+    for r in rows:
+        if r["mode"].startswith(FIXED) and (_cell(r) not in best or r["ttft_mean_ms"] < best[_cell(r)]["ttft_mean_ms"]):
+            best[_cell(r)] = r
+    return best
+
+
 def ratios_markdown(rows: list[dict]) -> str:
-    """TTFT of each mode relative to cloud-only on the same link and prompt length."""
-    base = {(r["link"], r["prompt_tokens"] // 8): r["ttft_mean_ms"] for r in rows if r["mode"] == "cloud-only"}
-    edge = {r["prompt_tokens"] // 8: r["ttft_mean_ms"] for r in rows if r["mode"] == "edge-only"}
-    out = ["| mode | link | prompt tok | TTFT / cloud-only | best mode (measured TTFT) |", "|---|---|---|---|---|"]
-    best: dict[tuple, tuple[float, str]] = {}
+    """TTFT of each split row relative to cloud-only on the same link and prompt length."""
+    base = {_cell(r): r["ttft_mean_ms"] for r in rows if r["mode"] == "cloud-only"}
+    best = best_fixed(rows)
+    out = ["| mode | link | prompt tok | TTFT / cloud-only | best fixed mode |", "|---|---|---|---|---|"]
     for r in rows:
-        if r["mode"] == "edge-only":
-            continue
-        key = (r["link"], r["prompt_tokens"] // 8)
-        cands = [(r["ttft_mean_ms"], r["mode"])]
-        if key[1] in edge:
-            cands.append((edge[key[1]], "edge-only"))
-        cur = best.get(key, (float("inf"), ""))
-        best[key] = min([cur, *cands])
-    for r in rows:
-        key = (r["link"], r["prompt_tokens"] // 8)
-        if r["mode"].startswith("split") and key in base:
+        if r["mode"].startswith("split") and _cell(r) in base:
             out.append(
-                f"| {r['mode']} | {r['link']} | {r['prompt_tokens']} | {r['ttft_mean_ms'] / base[key]:.2f}x | "
-                f"{best[key][1]} |"
+                f"| {r['mode']} | {r['link']} | {r['prompt_tokens']} | {r['ttft_mean_ms'] / base[_cell(r)]:.2f}x | "
+                f"{best[_cell(r)]['mode']} |"
             )
+    return "\n".join(out) + "\n"
+
+
+def auto_cells(rows: list[dict], records) -> list[dict]:
+    """Per cell: auto's mean TTFT against the best fixed mode's, the modes auto served and its
+    mean absolute prediction error."""
+    best = best_fixed(rows)
+    served: dict[tuple[str, int], list] = defaultdict(list)
+    for rec in records:
+        if rec.mode == "auto":
+            served[(rec.link, rec.prompt_tokens // 8)].append(rec)
+    out = []
+    for r in rows:
+        if r["mode"] != "auto" or _cell(r) not in best:
+            continue
+        b, recs = best[_cell(r)], served.get(_cell(r), [])
+        picks = defaultdict(int)
+        for rec in recs:
+            picks[rec.served_mode + (f"-k{rec.served_split_layer}" if rec.served_mode == "split" else "")] += 1
+        errs = [abs(rec.ttft_ms - rec.predicted_ttft_ms) / rec.ttft_ms for rec in recs if rec.predicted_ttft_ms > 0]
+        out.append(
+            {
+                "link": r["link"],
+                "prompt_tokens": r["prompt_tokens"],
+                "best_mode": b["mode"],
+                "best_ttft_ms": b["ttft_mean_ms"],
+                "auto_ttft_ms": r["ttft_mean_ms"],
+                "ratio": r["ttft_mean_ms"] / b["ttft_mean_ms"],
+                "served": dict(picks),
+                "prediction_error": float(np.mean(errs)) if errs else float("nan"),
+            }
+        )
+    return out
+
+
+def auto_markdown(cells: list[dict]) -> str:
+    out = [
+        "| link | prompt tok | best fixed mode | its TTFT ms | auto TTFT ms | auto / best | auto served | "
+        "mean abs pred. error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        mark = "" if c["ratio"] <= AUTO_TARGET else " **over**"
+        served = ", ".join(f"{m} x{n}" for m, n in sorted(c["served"].items()))
+        out.append(
+            f"| {c['link']} | {c['prompt_tokens']} | {c['best_mode']} | {c['best_ttft_ms']:.1f} | "
+            f"{c['auto_ttft_ms']:.1f} | {c['ratio']:.2f}x{mark} | {served} | {c['prediction_error']:.0%} |"
+        )
+    within = sum(c["ratio"] <= AUTO_TARGET for c in cells)
+    out.append(f"\nauto within {AUTO_TARGET - 1:.0%} of the best fixed mode in {within} of {len(cells)} cells\n")
     return "\n".join(out) + "\n"
 
 
@@ -138,13 +194,16 @@ def plot_ttft(rows: list[dict], path: Path) -> None:
     nrows = -(-max(1, len(link_names)) // ncols)
     fig, grid = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.6 * nrows), squeeze=False)
     axes = [list(grid.flat)]
-    edge = sorted((r["prompt_tokens"], r["ttft_mean_ms"]) for r in rows if r["mode"] == "edge-only")
+    edge = sorted(  # records of older runs: edge-only measured once, without a link
+        (r["prompt_tokens"], r["ttft_mean_ms"]) for r in rows if r["mode"] == "edge-only" and r["link"] == "none"
+    )
     for ax, link in zip(axes[0], link_names, strict=False):
         for mode in dict.fromkeys(r["mode"] for r in rows if r["link"] == link):
             pts = sorted(
                 (r["prompt_tokens"], r["ttft_mean_ms"]) for r in rows if r["mode"] == mode and r["link"] == link
             )
-            ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
+            style = {"linewidth": 2.5, "color": "black", "marker": "*"} if mode == "auto" else {"marker": "o"}
+            ax.plot(*zip(*pts, strict=True), label=mode, **style)
         if edge:
             ax.plot(*zip(*edge, strict=True), marker="s", linestyle="--", color="gray", label="edge-only")
         ax.set_title(f"link: {link}")
@@ -206,7 +265,7 @@ def plot_breakeven(rows: list[dict], path: Path, links: list[dict]) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
-    loop = [r for r in rows if r["link"] in ("loopback", "none")]
+    loop = [r for r in rows if r["link"] in ("loopback", "none") and r["mode"] != "auto"]
     modes = sorted({r["mode"] for r in loop})
     if not loop or not modes:
         return
@@ -273,6 +332,10 @@ def write_all(out: Path, records, meta: dict) -> list[dict]:
         f"Machine: {meta['platform']}, {meta['cpus']} CPUs; shaper: {meta['shaper']}; "
         f"versions: {meta['versions']}\n\n" + to_markdown(rows) + "\n" + ratios_markdown(rows)
     )
+    cells = auto_cells(rows, records)
+    if cells:
+        md += "\n" + auto_markdown(cells)
+        (out / "auto.md").write_text(auto_markdown(cells))
     (out / "summary.md").write_text(md)
     plot_ttft(rows, out / "ttft_vs_prompt.png")
     plot_breakeven(rows, out / "breakeven.png", meta.get("links", []))

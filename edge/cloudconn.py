@@ -72,6 +72,7 @@ class CloudConnection:
         self.renegotiations = 0
         self._wake = asyncio.Event()
         self._force = False  # renegotiate at the next turn of the loop
+        self._connecting = False
         self._task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ state
@@ -121,6 +122,11 @@ class CloudConnection:
         self.connected.clear()
         self._force = True
         self._wake.set()
+
+    @property
+    def reconnecting(self) -> bool:
+        """A renegotiation is due or under way (the cloud answers; the link is being set up again)."""
+        return self._force or self._connecting
 
     async def wait_connected(self, timeout_s: float) -> bool:
         try:
@@ -185,9 +191,13 @@ class CloudConnection:
     async def connect(self) -> None:
         """Negotiate, measure RTT and goodput over the channel, renegotiate with the measurements."""
         previous = self.negotiated
-        await self._negotiate()
-        await self.probe()
-        await self._negotiate()
+        self._connecting = True
+        try:
+            await self._negotiate()
+            await self.probe()
+            await self._negotiate()
+        finally:
+            self._connecting = False
         if previous is not None and previous.instance_id != self.negotiated.instance_id:  # type: ignore[union-attr]
             log.warning("the cloud restarted (instance %s): renegotiated", self.negotiated.instance_id)  # type: ignore[union-attr]
         self.connected.set()

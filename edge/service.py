@@ -291,10 +291,11 @@ class EdgeService:
             candidates = routes
         if not candidates:
             raise EngineError(f"no mode can serve now: {self.degraded()}")
-        if len(candidates) == 1 and want != "auto":
-            return Decision(candidates[0], None, "requested")
+        # every turn gets a prediction, so that every turn calibrates the cost model (and reports its error)
         shape, link = self.request_shape(turn, ids), self.link_state()
         preds = [self.cost.predict(r, shape, link) for r in candidates]
+        if len(preds) == 1 and want != "auto":
+            return Decision(preds[0].route, preds[0], "requested")
         if want != "auto":
             best = min(preds, key=lambda p: p.ttft_ms)
             return Decision(best.route, best, f"requested {want}; lowest predicted TTFT of its split layers")
@@ -367,6 +368,9 @@ class EdgeService:
         timeout_s = self.turn_timeout_s if timeout_s is None else min(timeout_s, self.turn_timeout_s)
         ids = await asyncio.to_thread(self.tokenize, turn)  # long prompts must not stall other requests
         clock.since(Stage.TOKENIZE)
+        c = self.conn
+        if c is not None and c.reconnecting and not c.connected.is_set() and (turn.mode != "auto" or not self.local):
+            await c.wait_connected(self.renegotiate_wait_s)  # the cloud answers: its link is being set up again
         decision = self.decide(turn, ids)
         for attempt in (0, 1, 2):
             started = False

@@ -54,7 +54,7 @@ __all__ = [
 Message = Mapping[str, str]  # {"role": "user", "content": "..."}
 
 DEFAULT_TIMEOUT_S = 300.0  # a client's default deadline per call
-_MODES = {"auto": pb.MODE_UNSPECIFIED, "split": pb.MODE_SPLIT, "direct": pb.MODE_DIRECT}
+_MODES = {"auto": pb.MODE_AUTO, "split": pb.MODE_SPLIT, "direct": pb.MODE_DIRECT, "local": pb.MODE_LOCAL}
 _UINT32 = 1 << 32
 _INT32 = 1 << 31
 _INT64 = 1 << 63
@@ -82,6 +82,11 @@ class ChatResult:
     output_token_ids: tuple[int, ...]
     timings_ms: dict[str, float] = field(default_factory=dict)
     sent_bytes: dict[str, int] = field(default_factory=dict)
+    mode: str = ""  # the mode that served the turn: "local" | "split" | "direct"
+    predicted_ttft_ms: float = 0.0  # the edge's cost-model prediction for that mode (0 = none made)
+    ttft_ms: float = 0.0  # measured at the edge
+    params_version: int = 0  # link params the turn ran under (0 = local)
+    mode_reason: str = ""  # why this mode (auto's choice, requested, a fallback)
 
 
 # --- argument checks (before anything is sent) --------------------------------------------------
@@ -162,6 +167,7 @@ def build_request(
     ignore_eos: bool = False,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
+    split_layer: int = 0,
 ) -> pb.ChatRequest:
     """The ``ChatRequest`` of one turn. ``Client.chat`` / ``AsyncClient.chat`` take the same
     arguments (plus ``timeout_s``) and document them.
@@ -177,6 +183,8 @@ def build_request(
         raise ValueError("pass exactly one of messages= or prompt=")
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
+    if not _is_int(split_layer) or not 0 <= split_layer < _UINT32 or (split_layer and mode != "split"):
+        raise ValueError(f"split_layer must be an int >= 0, given with mode='split' only; got {split_layer!r}")
     if not _is_int(max_new_tokens) or not 1 <= max_new_tokens < _UINT32:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if not 0 <= temperature <= 2:  # NaN fails too; vLLM's (and OpenAI's) range
@@ -208,6 +216,7 @@ def build_request(
         mode=_MODES[mode],
         messages=msgs,
         stop=_stop_strings(stop),
+        split_layer=split_layer,
     )
 
 
@@ -226,6 +235,7 @@ class ChatOptions(TypedDict, total=False):
     ignore_eos: bool
     stop: str | Sequence[str] | None
     stop_token_ids: Sequence[int] | None
+    split_layer: int
 
 
 # --- what the edge serves -------------------------------------------------------------------------
@@ -238,13 +248,17 @@ class EdgeInfo:
 
     Attributes:
         model_id: the model the edge serves.
-        split_layer: the layer ``k`` the edge's head runs to; 0 = direct mode only.
+        split_layer: the deepest split layer ``k`` usable now; 0 = none (local or direct only).
         max_prompt_tokens: the longest prompt (after the chat template) the edge accepts, in tokens.
         max_new_tokens: the largest ``max_new_tokens`` a turn may ask for.
         max_stop_strings: the most ``stop`` strings a turn may name.
         max_stop_token_ids: the most ``stop_token_ids`` a turn may name.
         default_timeout_s: the deadline the edge gives a turn whose client set none, in seconds.
         version: the edge's tandem version.
+        modes: the modes servable now (``"local"``, ``"split"``, ``"direct"``).
+        split_layers: every split layer usable now (the edge holds the head, the cloud the tail).
+        cloud_connected: whether the edge's link to the cloud is up.
+        degraded: why not every mode the edge was built for is available ("" = all are).
     """
 
     model_id: str
@@ -255,6 +269,10 @@ class EdgeInfo:
     max_stop_token_ids: int
     default_timeout_s: float
     version: str
+    modes: tuple[str, ...] = ()
+    split_layers: tuple[int, ...] = ()
+    cloud_connected: bool = False
+    degraded: str = ""
 
     @classmethod
     def from_pb(cls, m: pb.EdgeInfo) -> EdgeInfo:
@@ -281,8 +299,8 @@ class EdgeInfo:
         for what, n, most in lim:
             if n is not None and most and n > most:
                 out.append(f"{what}: {n} > {most}, this edge's limit")
-        if mode == "split" and self.split_layer == 0:
-            out.append("mode 'split': this edge serves direct mode only (split_layer 0)")
+        if mode in _MODES and mode != "auto" and self.modes and mode not in self.modes:
+            out.append(f"mode {mode!r}: this edge serves {list(self.modes)} now ({self.degraded or 'by design'})")
         return out
 
     def check(
@@ -495,6 +513,7 @@ class _ClientCore(ABC, Generic[S]):
         ignore_eos: bool = False,
         stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        split_layer: int = 0,
     ) -> S:
         """Start a chat turn; iterate the returned stream for text ``Delta``s, then read its ``.result``.
 
@@ -516,8 +535,13 @@ class _ClientCore(ABC, Generic[S]):
             session_id: name of a multi-turn conversation; reuse it on each turn so the edge and
                 the cloud keep the conversation's prefix and only new tokens travel. Default
                 ``None`` = stateless.
-            mode: ``"auto"`` (default: as negotiated with the cloud), ``"split"`` (edge head,
-                cloud tail) or ``"direct"`` (token ids up, the cloud runs every layer).
+            mode: ``"auto"`` (default: the edge picks, per request, the mode with the lowest
+                predicted time to first token), ``"local"`` (the whole model on the edge),
+                ``"split"`` (edge head, cloud tail) or ``"direct"`` (token ids up, the cloud runs
+                every layer). An explicit mode the edge cannot serve now is refused:
+                ``FailedPrecondition`` (no model for it on the edge) or ``Unavailable`` (no cloud).
+            split_layer: with ``mode="split"``, the split layer ``k`` to use (one of
+                ``EdgeInfo.split_layers``); default 0 = the edge's choice.
             timeout_s: deadline of the whole call in seconds (> 0; ``math.inf``: no deadline
                 for this call). Default ``None`` = the client's ``timeout_s`` (300 s unless the
                 client was made with another; a client made with ``timeout_s=None`` sets none,
@@ -558,6 +582,7 @@ class _ClientCore(ABC, Generic[S]):
             mode=mode,
             ignore_eos=ignore_eos,
             stop=stop,
+            split_layer=split_layer,
             stop_token_ids=stop_token_ids,
         )
         return self._stream(self._stub.Chat(req, timeout=self._call_timeout(timeout_s)))

@@ -4,6 +4,7 @@ model shape, a toy tokenizer, and builders wiring ``Gateway`` (with ``MemoryEngi
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,9 @@ from tandem.common.kvstore import MemoryBlockStore
 from tandem.common.manifest import ModelShape, SplitManifest
 from tandem.common.params import NegotiateOffer
 from tandem.edge.batcher import HeadBatcher
+from tandem.edge.cloudconn import CloudConnection
 from tandem.edge.head_runner import MemoryHead
 from tandem.edge.link import CloudLink, InProcessLink, TurnCall
-from tandem.edge.cloudconn import CloudConnection
 from tandem.edge.service import EdgeService, Head
 from tandem.edge.session import EdgeSessions
 
@@ -152,3 +153,28 @@ def rechunk(chunk, h):
     """``chunk`` carrying other activations float32 ``[n, H]`` (fp32, CRC recomputed: it arrives intact)."""
     payload = np.ascontiguousarray(h, np.float32).tobytes()
     return replace(chunk, payload=payload, raw_nbytes=len(payload), crc32c=wire.crc32c(payload))
+
+
+class MemoryLocal:
+    """The in-memory double of ``edge.local.LocalEngine`` (local mode) for service unit tests:
+    ``tokens(n)`` whatever the prompt, no sessions kept."""
+
+    def __init__(self) -> None:
+        self.prefill_ms_per_token, self.decode_ms_per_token, self.active = 0.01, 0.1, 0
+        self.calls: list[list[int]] = []
+
+    @staticmethod
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(10 + i for i in range(n))
+
+    def cached_tokens(self, session_id: str, prompt_ids) -> int:
+        return 0
+
+    async def generate(self, prompt_ids, sampling, session_id: str = ""):
+        from tandem.edge.local import LocalToken
+
+        self.calls.append(list(prompt_ids))
+        toks = self.tokens(sampling.max_new_tokens)
+        for i, t in enumerate(toks):
+            await asyncio.sleep(0)
+            yield LocalToken(t, "length" if i == len(toks) - 1 else None)

@@ -88,6 +88,7 @@ def test_report_writes_tables_and_plots(tmp_path):
         ("edge-only", "none", 200.0),
         ("split-k4", "4g", 600.0),
         ("cloud-only", "4g", 160.0),
+        ("auto", "4g", 170.0),
     ]:
         for n in (32, 128):
             recs.append(
@@ -106,6 +107,8 @@ def test_report_writes_tables_and_plots(tmp_path):
                     if mode.startswith("split")
                     else {"header": 100},
                     timings_ms={"edge_head_ms": 2.0, "cloud_decode_ms": 9.0} if mode.startswith("split") else {},
+                    served_mode="direct" if mode in ("auto", "cloud-only") else mode.split("-")[0],
+                    predicted_ttft_ms=ttft * n / 32 * 0.9,
                 )
             )
     rows = report.write_all(
@@ -120,6 +123,9 @@ def test_report_writes_tables_and_plots(tmp_path):
     assert all(type(k) is str for k in split)
     md = (tmp_path / "summary.md").read_text()
     assert "| split-k4 | 4g | 32 | 3.75x | cloud-only |" in md
+    auto = (tmp_path / "auto.md").read_text()
+    assert "| 4g | 32 | cloud-only | 160.0 | 170.0 | 1.06x | direct x1 | 10% |" in auto
+    assert "auto within 10% of the best fixed mode in 2 of 2 cells" in auto
     for f in ("summary.csv", "records.jsonl", "ttft_vs_prompt.png", "breakeven.png", "meta.json"):
         assert (tmp_path / f).stat().st_size > 0
     assert len(report.load_records(tmp_path / "records.jsonl")) == len(recs)
@@ -150,7 +156,8 @@ def test_bench_smoke(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
     assert res.returncode == 0, res.stderr[-3000:]
     rows = list(open(out / "summary.csv"))
-    assert len(rows) == 1 + 5  # header + split/cloud-only on 2 links + edge-only
+    assert len(rows) == 1 + 2 * 4  # header + split-k4, cloud-only, edge-only, auto on 2 links
+    assert "auto / best" in (out / "auto.md").read_text()
     meta = json.loads((out / "meta.json").read_text())
     assert meta["shaper"] in ("netns", "proxy")
     assert (out / "breakeven.png").stat().st_size > 0

@@ -20,10 +20,10 @@ from tandem.common.grpcsetup import channel_options, start_server
 from tandem.common.kvstore import MemoryBlockStore
 from tandem.common.params import NegotiateOffer, Sampling
 from tandem.edge.batcher import HeadBatcher
+from tandem.edge.cloudconn import CloudConnection
 from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.grpc_link import GrpcCloudLink
 from tandem.edge.head_runner import MemoryHead
-from tandem.edge.cloudconn import CloudConnection
 from tandem.edge.service import EdgeService, Head
 from tandem.edge.session import EdgeSessions
 from tandem.v1 import tandem_pb2 as pb

@@ -53,6 +53,15 @@ PROMPTS = [
 ]
 
 
+class SplitClient(AsyncClient):
+    """The SDK client with ``mode="split"`` by default: these tests are about the split path
+    (auto mode and local mode have their own tests below)."""
+
+    def chat(self, messages=None, **kw):
+        kw.setdefault("mode", "split")
+        return super().chat(messages, **kw)
+
+
 @pytest.fixture(scope="session")
 async def stack(split_dir, tmp_path_factory):
     from tandem.cloud.config import CloudConfig, EngineConfig
@@ -61,20 +70,28 @@ async def stack(split_dir, tmp_path_factory):
     from tandem.edge.config import EdgeConfig
     from tandem.edge.server import create_edge
 
+    k8 = split_dir.parent / "split-k8"  # a second split layer: one more tail engine, one more head
     cfg = CloudConfig(
         split_dir=split_dir,
+        extra_split_dirs=[k8],
         host="127.0.0.1",
         port=0,
         store_dir=tmp_path_factory.mktemp("kv"),
-        engine=EngineConfig(max_num_seqs=8, kv_cache_bytes=512 << 20),
+        engine=EngineConfig(max_num_seqs=8, kv_cache_bytes=384 << 20),
     )
     engines = VllmEngines(cfg)
     engines.start()
     cloud = await create_cloud(cfg, engines)
     edge = await create_edge(
-        EdgeConfig(split_dir=split_dir, cloud_target=f"127.0.0.1:{cloud.port}", host="127.0.0.1", port=0)
+        EdgeConfig(
+            split_dir=split_dir,
+            extra_split_dirs=[k8],
+            cloud_target=f"127.0.0.1:{cloud.port}",
+            host="127.0.0.1",
+            port=0,
+        )
     )
-    client = AsyncClient(f"127.0.0.1:{edge.port}")
+    client = SplitClient(f"127.0.0.1:{edge.port}")
     st = {"engines": engines, "cloud": cloud, "gateway": cloud.gateway, "cloud_port": cloud.port, "edge": edge}
     st.update(client=client, cfg=cfg)
     yield st
@@ -441,3 +458,87 @@ async def test_resend_from_token_0_never_reuses_tail_kv_of_other_activations(sta
     assert resent.head_tokens == resent.prompt_tokens
     assert resent.output_token_ids == cold.output_token_ids
     assert resent.output_token_ids != honest.output_token_ids  # Y's activations did reach the tail
+
+
+# ---------------------------------------------------------------- issue 7: modes, split layers, auto
+
+
+async def test_the_edge_reports_every_mode_and_both_split_layers(stack):
+    info = await stack["client"].info()
+    assert set(info.modes) == {"local", "split", "direct"} and info.split_layers == (4, 8)
+    assert info.cloud_connected and info.degraded == ""
+
+
+@pytest.mark.parametrize("idx", [0, 2, 3])
+async def test_local_mode_equals_the_unsplit_reference(stack, hf_model, tokenizer, idx):
+    p = PROMPTS[idx]
+    ids = prompt_ids(tokenizer, p)
+    res = await stack["client"].complete(p.get("messages"), prompt=p.get("prompt"), max_new_tokens=16, mode="local")
+    ref, gaps = hf_greedy(hf_model, ids, 16)
+    assert_same_or_near_tie(list(res.output_token_ids), ref, gaps, "local vs HF")
+    assert (res.mode, res.split_layer, res.head_tokens, res.sent_bytes, res.params_version) == ("local", 0, 0, {}, 0)
+    assert res.ttft_ms > 0 and res.mode_reason == "requested"
+
+
+async def test_split_at_k8_equals_the_reference_and_a_session_may_change_its_split_layer(stack, hf_model, tokenizer):
+    client, session = stack["client"], f"k8-{uuid.uuid4().hex}"
+    messages = [{"role": "user", "content": "Name a famous bridge in San Francisco."}]
+    first = await client.complete(messages, max_new_tokens=12, session_id=session, split_layer=8)
+    ref, gaps = hf_greedy(hf_model, prompt_ids(tokenizer, {"messages": messages}), 12)
+    assert_same_or_near_tie(list(first.output_token_ids), ref, gaps, "split k=8 vs HF")
+    assert first.split_layer == 8 and first.head_tokens == first.prompt_tokens
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "How long is it?"}]
+    second = await client.complete(messages, max_new_tokens=12, session_id=session, split_layer=4)
+    ref, gaps = hf_greedy(hf_model, prompt_ids(tokenizer, {"messages": messages}), 12)
+    assert_same_or_near_tie(list(second.output_token_ids), ref, gaps, "split k=4 after k=8 vs HF")
+    assert second.split_layer == 4 and second.head_tokens == second.prompt_tokens  # another head: start over
+
+
+async def test_auto_mode_reports_its_choice_and_serves_the_reference(stack, hf_model, tokenizer):
+    """Auto picks per request; whichever mode it picks, greedy tokens equal the reference, and the
+    result names the mode, the prediction and the measured TTFT."""
+    modes = set()
+    for p in PROMPTS:
+        ids = prompt_ids(tokenizer, p)
+        res = await stack["client"].complete(p.get("messages"), prompt=p.get("prompt"), max_new_tokens=12, mode="auto")
+        ref, gaps = hf_greedy(hf_model, ids, 12)
+        assert_same_or_near_tie(list(res.output_token_ids), ref, gaps, f"auto ({res.mode}) vs HF")
+        assert res.mode in ("local", "split", "direct") and res.mode_reason.startswith("auto")
+        assert res.predicted_ttft_ms > 0 and res.ttft_ms > 0
+        modes.add(res.mode)
+    assert modes
+
+
+async def test_an_edge_starts_without_its_cloud_serves_local_and_splits_once_the_cloud_is_up(stack, split_dir):
+    """Issue 7 item 7: no fragile start-up. The edge starts against a port nobody serves yet (local
+    mode, degraded), then a cloud appears there: the edge negotiates and serves split."""
+    import socket
+
+    from tandem.cloud.server import create_cloud
+    from tandem.edge.config import EdgeConfig
+    from tandem.edge.server import create_edge
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    edge = await create_edge(
+        EdgeConfig(split_dir=split_dir, cloud_target=f"127.0.0.1:{port}", port=0, connect_timeout_s=0.5, poll_s=0.5)
+    )
+    second = None
+    try:
+        async with AsyncClient(f"127.0.0.1:{edge.port}") as c:
+            info = await c.info()
+            assert info.modes == ("local",) and not info.cloud_connected and "not connected" in info.degraded
+            res = await c.complete(PROMPTS[1]["messages"], max_new_tokens=4)
+            assert res.mode == "local"
+            with pytest.raises(TandemClientError) as e:
+                await c.complete(PROMPTS[1]["messages"], max_new_tokens=4, mode="split")
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE
+            second = await create_cloud(stack["cfg"].model_copy(update={"port": port}), stack["engines"])
+            assert await edge.service.conn.wait_connected(30)
+            res = await c.complete(PROMPTS[1]["messages"], max_new_tokens=4, mode="split")
+            assert res.mode == "split" and res.split_layer == 4
+    finally:
+        await edge.stop(1)
+        if second is not None:
+            await second.stop(0)

@@ -1,0 +1,119 @@
+"""The edge's cost model (``edge.costmodel``): formula per mode, online calibration, the choice
+with hysteresis and exploration, and when zstd pays."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.edge.costmodel import DIRECT, LOCAL, SPLIT, CostModel, LinkState, Prediction, RequestShape, Route, zstd_pays
+
+
+def model() -> CostModel:
+    m = CostModel(hysteresis=0.1, explore_every=0)
+    m.edge.local_prefill_ms_per_token.add(2.0)
+    m.edge.local_decode_ms_per_token.add(40.0)
+    m.edge.head(4).add(0.3)
+    return m
+
+
+def link(**kw) -> LinkState:
+    base = dict(
+        rtt_ms=20.0,
+        goodput_mbps=80.0,  # 10 bytes per microsecond: 10_000 bytes per ms
+        cloud_prefill_ms_per_token=0.5,
+        cloud_tail_prefill_ms_per_token={4: 0.4},
+        bytes_per_token={4: 8448.0},
+        block_size_tokens=32,
+        num_layers=30,
+    )
+    return LinkState(**{**base, **kw})
+
+
+def test_formula_per_mode_matches_the_documented_terms():
+    m, lk = model(), link()
+    shape = RequestShape(100)
+    assert m.formula(Route(LOCAL), shape, lk) == pytest.approx(100 * 2.0)
+    assert m.formula(Route(DIRECT), shape, lk) == pytest.approx(20 + 100 * 5 / 10_000 + 100 * 0.5)
+    split = 100 * 0.3 + 100 * 8448 / 10_000 + 20 + 100 * 0.4
+    assert m.formula(Route(SPLIT, 4), shape, lk) == pytest.approx(split)
+
+
+def test_what_a_session_holds_is_not_paid_again():
+    m, lk = model(), link()
+    held = RequestShape(100, local_cached_tokens=90, head_cached_tokens={4: 90}, cloud_cached_tokens={4: 90})
+    assert m.formula(Route(LOCAL), held, lk) == pytest.approx(10 * 2.0)
+    # head and wire for 10 tokens; the tail reloads the 2 full blocks (64 tokens) the cloud computed
+    split = 10 * 0.3 + 10 * 8448 / 10_000 + 20 + (100 - 64) * 0.4
+    assert m.formula(Route(SPLIT, 4), held, lk) == pytest.approx(split)
+    # an identical prompt still runs its last token
+    same = RequestShape(100, local_cached_tokens=100)
+    assert m.formula(Route(LOCAL), same, lk) == pytest.approx(2.0)
+
+
+def test_queues_and_unknowns():
+    m = model()
+    m.edge.local_active = 2
+    assert m.formula(Route(LOCAL), RequestShape(10), link()) == pytest.approx(2 * 40 + 10 * 2.0)
+    busy = link(cloud_busy=True, queue_wait_ms=300.0)
+    assert m.formula(Route(DIRECT), RequestShape(10), busy) == pytest.approx(
+        m.formula(Route(DIRECT), RequestShape(10), link()) + 300
+    )
+    # before the cloud measured a rate, the prior is the edge's own rate scaled to the layers run
+    unknown = link(cloud_prefill_ms_per_token=0.0, cloud_tail_prefill_ms_per_token={}, goodput_mbps=0.0)
+    assert m.formula(Route(DIRECT), RequestShape(10), unknown) == pytest.approx(20 + 10 * 2.0)
+    assert m.formula(Route(SPLIT, 4), RequestShape(10), unknown) == pytest.approx(10 * 0.3 + 20 + 10 * 2.0 * 26 / 30)
+
+
+def test_residuals_calibrate_each_route_from_measurements():
+    m, lk, shape = model(), link(), RequestShape(100)
+    p = m.predict(Route(DIRECT), shape, lk)
+    for _ in range(20):
+        m.observe(p, p.formula_ms + 35.0)  # a fixed cost the formula leaves out
+    assert m.predict(Route(DIRECT), shape, lk).ttft_ms == pytest.approx(p.formula_ms + 35.0, rel=1e-3)
+    q = m.predict(Route(LOCAL), shape, lk)
+    for _ in range(20):
+        m.observe(q, q.formula_ms - 50.0)  # faster than the formula: the residual goes negative
+    assert m.predict(Route(LOCAL), shape, lk).ttft_ms == pytest.approx(q.formula_ms - 50.0, rel=1e-3)
+
+
+def pred(mode: str, ms: float, k: int = 0) -> Prediction:
+    return Prediction(Route(mode, k), ms, ms)
+
+
+def test_choice_takes_the_lowest_and_does_not_flap_on_near_ties():
+    m = model()
+    pick, why = m.choose([pred(LOCAL, 100), pred(DIRECT, 120)])
+    assert pick.route == Route(LOCAL) and why == "lowest predicted TTFT"
+    # direct now 5% faster: within the hysteresis, local stays
+    pick, why = m.choose([pred(LOCAL, 100), pred(DIRECT, 95)])
+    assert pick.route == Route(LOCAL) and why.startswith("hysteresis")
+    # 20% faster: switch
+    pick, _ = m.choose([pred(LOCAL, 100), pred(DIRECT, 80)])
+    assert pick.route == Route(DIRECT)
+    # alternating near-ties never flap
+    picks = {m.choose([pred(LOCAL, 100 + (i % 2) * 8), pred(DIRECT, 100)])[0].route for i in range(20)}
+    assert picks == {Route(DIRECT)}
+
+
+def test_exploration_refreshes_a_near_route_and_never_a_far_one():
+    m = CostModel(hysteresis=0.1, explore_every=5, explore_within=1.5)
+    seen = []
+    for _ in range(10):
+        pick, why = m.choose([pred(LOCAL, 100), pred(DIRECT, 140), pred(SPLIT, 900, 4)])
+        m.ran(pick.route)
+        seen.append((pick.route.mode, why.split(":")[0]))
+    assert seen.count((DIRECT, "exploration")) == 2 and all(mode != SPLIT for mode, _ in seen)
+    assert m.last == Route(LOCAL)  # exploring does not move the hysteresis anchor
+
+
+def test_empty_choice_is_an_error():
+    with pytest.raises(ValueError):
+        model().choose([])
+
+
+def test_zstd_pays_only_on_slow_links():
+    # fp32 activations: ~8% smaller, compress 400 MB/s, decompress 1500 MB/s
+    assert zstd_pays(0.92, 400, 1500, 10.0)  # 10 Mbit/s: saves 64 ns per byte, costs 3 ns
+    assert not zstd_pays(0.92, 400, 1500, 10_000.0)  # loopback-class goodput
+    assert not zstd_pays(0.92, 400, 1500, 0.0)  # unknown
+    assert not zstd_pays(1.01, 400, 1500, 1.0)  # incompressible

@@ -1,0 +1,259 @@
+"""Negotiation per link (issue 7): params that follow the measured link, refusals and notes,
+params versions (a request finishes under its own), the link's share enforced with a bounded
+queue, and the edge's modes: fallback to local, renegotiation. In-memory doubles
+(``tests.doubles``) and a grpc loopback cloud where the transport matters."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from tandem.cloud.links import LinkBusy
+from tandem.cloud.negotiation import (
+    KEPT_VERSIONS,
+    MAX_WINDOW_CHUNKS,
+    MIN_CHUNK_TOKENS,
+    MIN_WINDOW_CHUNKS,
+    LinkVersions,
+    pick_chunk_tokens,
+    pick_window_chunks,
+)
+from tandem.common.errors import (
+    EngineError,
+    IncompatibleModel,
+    InvalidRequest,
+    ModeUnavailable,
+    ParamsVersionMismatch,
+)
+from tandem.common.params import NegotiateOffer, Sampling
+from tandem.common.wire import Codec, WireDtype
+from tandem.edge.costmodel import LOCAL, CostModel, RequestShape, Route
+from tandem.edge.events import ChatTurn, TurnDone
+from tests.doubles import MANIFEST, K, MemoryLocal, toy_manifest, toy_stack
+
+KEY = MANIFEST.compatibility_key()
+
+
+def offer(**kw) -> NegotiateOffer:
+    return replace(NegotiateOffer("edge-a", "toy", {K: KEY}, 4), **kw)
+
+
+async def run(edge, turn: ChatTurn) -> TurnDone:
+    done = None
+    async for ev in edge.chat(turn):
+        if isinstance(ev, TurnDone):
+            done = ev
+    assert done is not None
+    return done
+
+
+def turn(text: str = "hello there", mode: str = "auto", session: str = "", n: int = 4, **kw) -> ChatTurn:
+    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode=mode, **kw)
+
+
+# ---------------------------------------------------------------- pure rules
+
+
+def test_chunk_size_follows_goodput_and_window_follows_the_bandwidth_delay_product():
+    assert pick_chunk_tokens(0.0, 8448, 64, 256) == 64  # unknown: the configured default
+    slow, fast = pick_chunk_tokens(1.0, 8448, 64, 256), pick_chunk_tokens(10_000.0, 8448, 64, 256)
+    assert slow == MIN_CHUNK_TOKENS and fast == 256
+    mid = pick_chunk_tokens(100.0, 8448, 64, 256)  # 125 KB in 10 ms = ~15 tokens of 8448 B
+    assert MIN_CHUNK_TOKENS <= mid <= 32 and mid & (mid - 1) == 0
+    assert pick_window_chunks(0.0, 50.0, 1 << 20) == MAX_WINDOW_CHUNKS
+    assert pick_window_chunks(10_000.0, 0.1, 1 << 20) == MIN_WINDOW_CHUNKS  # loopback: BDP of a few KB
+    # 100 Mbit/s x 100 ms = 1.25 MB in flight; chunks of 135 KB: 2 * 9.3 + 2 -> 21
+    assert pick_window_chunks(100.0, 100.0, 135_168) == 21
+
+
+def test_link_versions_keep_recent_sets_and_only_change_on_a_difference():
+    rec = LinkVersions(offer(), (K,))
+    p = toy_params()
+    assert rec.update({0: p}) and rec.version == 1
+    assert not rec.update({0: replace(p, params_version=77)})  # same apart from the version
+    for i in range(KEPT_VERSIONS + 2):
+        assert rec.update({0: replace(p, max_concurrent_requests=i + 2)})
+    assert rec.params(rec.version, 0).max_concurrent_requests == KEPT_VERSIONS + 3
+    with pytest.raises(ParamsVersionMismatch, match="unknown"):
+        rec.params(1, 0)  # dropped
+    with pytest.raises(ParamsVersionMismatch, match="split layer"):
+        rec.params(rec.version, 9)
+
+
+def toy_params():
+    from tandem.common.params import LinkParams
+
+    return LinkParams(1, 0, 16, WireDtype.FP32, Codec.NONE, 3, 32, 8, 4, 64, 100, 16, 8, 2)
+
+
+# ---------------------------------------------------------------- Negotiate in the gateway
+
+
+async def test_negotiate_gives_a_link_with_params_per_split_and_follows_the_offer():
+    toy = await toy_stack(codecs=[Codec.NONE, Codec.ZSTD], max_chunk_tokens=256, chunk_tokens=64)
+    try:
+        gw = toy.gateway
+        n = gw.negotiate(offer())
+        assert set(n.params_by_split) == {0, K} and n.split_layers == (K,) and n.note == ""
+        assert n.link_id.startswith("edge-a-") and n.instance_id == gw.instance_id
+        p = n.params_by_split[K]
+        assert (p.split_layer, p.chunk_tokens, p.codec, p.params_version) == (K, 64, Codec.NONE, 1)
+        # the same link renegotiated with a slow link measured: smaller chunks, zstd first, a new version
+        again = gw.negotiate(offer(link_id=n.link_id, goodput_mbps=0.01, rtt_ms=80.0, codecs=(Codec.ZSTD,)))
+        q = again.params_by_split[K]
+        assert again.link_id == n.link_id and q.params_version == 2
+        assert (q.chunk_tokens, q.codec) == (MIN_CHUNK_TOKENS, Codec.ZSTD)
+        # nothing changed: no new version
+        assert (
+            gw.negotiate(offer(link_id=n.link_id, goodput_mbps=0.01, rtt_ms=80.0, codecs=(Codec.ZSTD,))).params_version
+            == 2
+        )
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_negotiate_refuses_another_model_and_says_when_it_lacks_the_edges_split():
+    toy = await toy_stack()
+    try:
+        gw = toy.gateway
+        with pytest.raises(IncompatibleModel, match=f"k={K}"):
+            gw.negotiate(offer(head_keys={K: "other weights"}))
+        n = gw.negotiate(offer(head_keys={K + 3: toy_manifest().compatibility_key()}))
+        assert set(n.params_by_split) == {0} and "no tail for the edge's k in [5]" in n.note
+        assert "direct mode only" in n.note
+        with pytest.raises(InvalidRequest, match="no common wire format"):
+            gw.negotiate(offer(wire_dtypes=(WireDtype.INT8,)))
+        with pytest.raises(InvalidRequest):
+            gw.negotiate(offer(edge_id="x" * 300))
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_a_request_finishes_under_its_params_version_and_new_ones_use_the_new_version():
+    toy = await toy_stack()
+    try:
+        edge, gw = toy.edge, toy.gateway
+        link_id = edge.conn.negotiated.link_id
+        old = edge.conn.params(K)
+        # the SLO controller shrinks this link: a new params version
+        rec = gw._versions[link_id]
+        assert rec.update({k: replace(p, max_concurrent_requests=1) for k, p in rec.current.items()})
+        assert rec.version == old.params_version + 1
+        # the edge has not polled yet: its request names the old version and is served under it
+        done = await run(edge, turn(mode="split"))
+        assert done.params_version == old.params_version and done.output_tokens == 4
+        # a poll brings the new params; the next request names them
+        await edge.conn._poll()
+        assert edge.conn.params(K).params_version == rec.version
+        assert (await run(edge, turn(mode="split"))).params_version == rec.version
+        # a chunk made under another version than its header's is refused
+        with pytest.raises(ParamsVersionMismatch):
+            gw._versions[link_id].params(999, K)
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_the_edge_renegotiates_when_the_cloud_forgot_its_link():
+    toy = await toy_stack()
+    try:
+        edge, gw = toy.edge, toy.gateway
+        first = edge.conn.negotiated.link_id
+        edge.conn.start()  # the loop renegotiates on request
+        gw._versions.pop(first)  # e.g. a cloud restart: the link is unknown there
+        done = await run(edge, turn(mode="split"))
+        assert done.output_tokens == 4 and edge.conn.negotiated.link_id != first
+    finally:
+        await edge.conn.stop()
+        await toy.batcher.stop()
+
+
+# ---------------------------------------------------------------- shares, queue and fallback
+
+
+async def test_a_link_beyond_its_share_waits_then_gets_resource_exhausted_with_a_retry_delay():
+    toy = await toy_stack(
+        max_queue_wait_s=0.2, max_queue_per_link=1, engine={"max_num_seqs": 1, "block_size_tokens": 32}
+    )
+    try:
+        toy.engines.step_delay_s = 0.05
+        edge = toy.edge
+        first = asyncio.create_task(run(edge, turn(mode="split", n=30)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(LinkBusy) as e:
+            await run(edge, turn("another", mode="direct"))
+        assert 100 <= e.value.retry_after_ms <= 10_000
+        assert (await first).output_tokens == 30
+        assert toy.gateway.links.running == 0 and toy.gateway.links.waiting == 0
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_auto_falls_back_to_local_when_the_cloud_is_busy_or_gone():
+    toy = await toy_stack(
+        max_queue_wait_s=0.1, max_queue_per_link=0, engine={"max_num_seqs": 1, "block_size_tokens": 32}
+    )
+    try:
+        toy.engines.step_delay_s = 0.05
+        edge = toy.edge
+        edge.local = MemoryLocal()
+        edge.cost.edge.local_prefill_ms_per_token.add(1e3)  # local looks slow: auto prefers the cloud
+        hog = asyncio.create_task(run(edge, turn(mode="direct", n=30)))
+        await asyncio.sleep(0.05)
+        done = await run(edge, turn("busy now"))
+        assert done.mode == "local" and done.mode_reason == "fallback: cloud busy"
+        await hog
+        assert edge.cost.predict(Route(LOCAL), RequestShape(30), edge.link_state()).ttft_ms < 1e3  # learned
+        edge.cost = CostModel(explore_every=0)  # forget it: local looks slow again
+        edge.cost.edge.local_prefill_ms_per_token.add(1e3)
+        toy.engines.alive = False  # the engines are down: EngineError (UNAVAILABLE)
+        done = await run(edge, turn("down now"))
+        assert done.mode == "local" and done.mode_reason == "fallback: cloud unavailable"
+        with pytest.raises(EngineError):  # an explicit cloud mode is refused, not rerouted
+            await run(edge, turn("down now", mode="direct"))
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_explicit_modes_are_honoured_or_refused_clearly():
+    toy = await toy_stack()
+    try:
+        edge = toy.edge
+        with pytest.raises(ModeUnavailable, match="local mode"):
+            await run(edge, turn(mode="local"))
+        with pytest.raises(ModeUnavailable, match="not k=7"):
+            await run(edge, turn(mode="split", split_layer=7))
+        assert (await run(edge, turn(mode="direct"))).mode == "direct"
+        done = await run(edge, turn(mode="split", split_layer=K))
+        assert (done.mode, done.split_layer, done.mode_reason) == ("split", K, "requested")
+        assert done.predicted_ttft_ms > 0 and done.ttft_ms > 0
+        edge.local = MemoryLocal()
+        local = await run(edge, turn(mode="local", session="s"))
+        assert local.mode == "local" and local.output_token_ids == MemoryLocal.tokens(4)
+        assert {"local", "split", "direct"} == {r.mode for r in edge.routes()}
+        edge.conn.connected.clear()  # the cloud went away: only local remains
+        assert [r.mode for r in edge.routes()] == ["local"] and "not connected" in edge.degraded()
+        with pytest.raises(EngineError):
+            await run(edge, turn(mode="split"))
+        assert (await run(edge, turn())).mode == "local"
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_auto_follows_the_cost_model_and_its_error_is_reported():
+    toy = await toy_stack()
+    try:
+        edge = toy.edge
+        edge.local = MemoryLocal()
+        edge.cost.edge.local_prefill_ms_per_token.add(0.001)  # local looks nearly free: auto picks it
+        done = await run(edge, turn())
+        assert done.mode == "local" and done.mode_reason.startswith("auto")
+        edge.cost = type(edge.cost)(hysteresis=0.1, explore_every=0)
+        edge.cost.edge.local_prefill_ms_per_token.add(1e4)  # now prohibitively slow
+        done = await run(edge, turn())
+        assert done.mode in ("split", "direct") and done.predicted_ttft_ms > 0
+        assert np.isfinite(done.ttft_ms)
+    finally:
+        await toy.batcher.stop()
