@@ -124,6 +124,11 @@ class CloudConfig(DaemonSettings):
         default=2.0, gt=0, description="Period of the p99 SLO controller that resizes each link's share."
     )
     slo_window_s: float = Field(default=10.0, gt=0, description="p99 latencies over the last this many seconds.")
+    slo_trace_file: Path | None = Field(
+        default=None,
+        description="Append the SLO controller's trace here, one JSON line per link per step (weight, share, "
+        "p99 TTFT and ITL); `none` = off.",
+    )
     max_sessions: int = Field(default=256, ge=1, description="Multi-turn sessions kept (LRU beyond).")
     session_bytes: Bytes = Field(
         default=gib(1), description="Activations kept for multi-turn sessions, all together, in bytes."

@@ -10,6 +10,9 @@ messages and yields domain events; ``cloud.service`` adapts it to gRPC.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
+import json
 import logging
 import time
 import uuid
@@ -159,6 +162,7 @@ class Gateway:
         # the anonymous link (headers without a link id): every split this cloud serves, no measurements
         keys = {k: m.compatibility_key() for k, m in self.tails.items()}
         self._register("", NegotiateOffer("", manifest.model_id, keys))
+        self.links.get("").last_seen = float("-inf")  # holds no share until a request uses it
         metrics.watch_cloud(self.sessions, self.budget, store)
 
     @property
@@ -247,7 +251,22 @@ class Gateway:
         changed = [x for x in self.links.control_step() if x in self._versions and self._refresh(x)]
         if changed:
             log.info("SLO controller: new params for links %s", changed)
+        trace = self.links.trace
+        if self.cfg.slo_trace_file is not None and trace:
+            step = list(itertools.takewhile(lambda p: p.t_s == trace[-1].t_s, reversed(trace)))
+            self._write_trace(step[::-1])
         return changed
+
+    def _write_trace(self, points: list) -> None:
+        """Append controller trace points as JSON lines (``slo_trace_file``); edge ids name the links."""
+        assert self.cfg.slo_trace_file is not None
+        lines = []
+        for pt in points:
+            link = self.links.get(pt.link_id)
+            row = dataclasses.asdict(pt) | {"edge_id": link.edge_id if link else "", "time": time.time()}
+            lines.append(json.dumps(row) + "\n")
+        with self.cfg.slo_trace_file.open("a") as f:
+            f.writelines(lines)
 
     async def control_loop(self) -> None:
         """Run ``control_step`` every ``slo_interval_s`` until cancelled."""

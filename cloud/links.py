@@ -270,7 +270,15 @@ class LinkTable:
         seqs, toks = shares[link.link_id]
         if link.running < seqs and (link.running_tokens + tokens <= toks or link.running_tokens == 0):
             return True
-        return not any(lk.waiting for lk in self._links.values() if lk is not link)
+        # beyond its share the link borrows, only while no other link waits, and never the last slot
+        # of another active link still below its share: that link's next request starts at once
+        # (a flooding edge cannot hold every slot between a quiet edge's requests)
+        now = self._clock()
+        others = [lk for lk in self._links.values() if lk is not link]
+        if any(lk.waiting for lk in others):
+            return False
+        headroom = sum(1 for lk in others if self._is_active(lk, now) and lk.running < shares[lk.link_id][0])
+        return self.running + headroom < self.max_num_seqs
 
     def _grant(self, link: Link, tokens: int, queued_ms: float) -> Ticket:
         link.running += 1

@@ -143,7 +143,9 @@ class LinkVersions:
         return True
 
     def params(self, version: int, k: int) -> LinkParams:
-        """Raises ParamsVersionMismatch: the version is not (or no longer) kept, or has no params at ``k``."""
+        """Raises:
+        ParamsVersionMismatch: the version is not (or no longer) kept: renegotiate.
+        InvalidRequest: the link never negotiated split layer ``k``."""
         by_split = self.history.get(version)
         if by_split is None:
             raise ParamsVersionMismatch(
@@ -151,5 +153,5 @@ class LinkVersions:
                 f"v{min(self.history)}..v{self.version}): renegotiate"
             )
         if k not in by_split:
-            raise ParamsVersionMismatch(f"this link has no params for split layer {k}: renegotiate")
+            raise InvalidRequest(f"split layer {k} was not negotiated on this link (it has {sorted(by_split)})")
         return by_split[k]

@@ -11,8 +11,8 @@ the link, and the cloud's load.
   ``instance_id`` (the cloud restarted) means renegotiating at once;
 * measurement: at connect, ``PROBE_SMALL`` small calls (RTT: their minimum) and ``PROBE_PADDED``
   calls padded with ``probe_bytes`` (uplink goodput: padding over the extra time); afterwards every
-  split upload of at least ``MIN_GOODPUT_SAMPLE_BYTES`` is a goodput sample (bytes over the upload
-  time less one RTT and the cloud's store put). Both estimates are exponentially weighted
+  split upload of at least ``MIN_GOODPUT_SAMPLE_BYTES`` is a goodput sample (bytes over the time
+  the cloud took to receive and verify them, on its clock). Both estimates are exponentially weighted
   (alpha 0.3), so they follow a changed link within a few requests. When goodput moves by more than
   ``RENEGOTIATE_RATIO`` from the value last offered, the link is renegotiated (chunk size, window,
   codec follow the link).
@@ -260,14 +260,13 @@ class CloudConnection:
 
     # ------------------------------------------------------------------ passive measurement
 
-    def observe_upload(self, nbytes: int, upload_ms: float, store_put_ms: float) -> None:
-        """A finished split upload of ``nbytes`` bytes that took ``upload_ms`` from first send to the
-        cloud's ack, of which ``store_put_ms`` in the cloud's store: a goodput sample when large enough."""
-        if nbytes < MIN_GOODPUT_SAMPLE_BYTES:
-            return
-        transfer_ms = upload_ms - self.rtt_ms.value - store_put_ms
-        if transfer_ms > 0.05:
-            self.goodput_mbps.add(nbytes * 8 / (transfer_ms / 1e3) / 1e6)
+    def observe_upload(self, nbytes: int, cloud_receive_ms: float) -> None:
+        """A finished split upload of ``nbytes`` bytes that the cloud received in ``cloud_receive_ms``
+        (from its header's arrival to the last item verified, the cloud's own clock: no RTT in it):
+        a goodput sample when large enough. The cloud verifies while bytes arrive, so the interval
+        is the transfer time plus the last item's check."""
+        if nbytes >= MIN_GOODPUT_SAMPLE_BYTES and cloud_receive_ms > 0.05:
+            self.goodput_mbps.add(nbytes * 8 / (cloud_receive_ms / 1e3) / 1e6)
 
     def observe_load(self, load: ServerLoad | None) -> None:
         if load is not None:

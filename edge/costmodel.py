@@ -5,9 +5,11 @@ layer ``k`` (head here, tail and decode in the cloud), ``direct`` (token ids up,
 runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times in ms):
 
     local(T)    = q_local + n_local * p_local
-    direct(T)   = RTT + T * b_ids / G + q_cloud + T * p_cloud + r_direct
+    direct(T)   = RTT + T * b_ids / G + q_cloud + T * p_cloud
     split(T, k) = n_head * p_head[k] + n_up * b_split[k] / G + RTT + q_cloud
-                  + n_tail * p_tail[k] + r_split[k]
+                  + n_tail * p_tail[k]
+
+each then calibrated per route (``a * formula + b``, below).
 
 * ``n_local`` / ``n_head``: prompt tokens the session's edge state does not cover (the longest
   common prefix with the state of the previous turn is reused); ``n_up``: tokens whose
@@ -22,13 +24,17 @@ runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times
 * ``b_split[k]``: bytes per prompt token on the wire (activations in the link's wire dtype and
   head KV of layers ``[0, k)``, times the codec's measured ratio); ``b_ids`` = 5 bytes (a varint);
   ``G`` goodput, ``RTT`` round trip, both measured (``edge.cloudconn``).
-* ``r_*``: per-route residual, an exponentially weighted mean of (measured TTFT - formula) over
-  the route's recent requests: calibrates fixed costs the formula leaves out (tokenization,
-  framing, scheduling) online from the timings every request reports.
+* calibration per route: the prediction is ``a * formula + b``, fitted online by exponentially
+  weighted least squares (``Calibration``, forgetting factor ``CALIBRATION_DECAY`` per request) of
+  the measured TTFT on the formula over the route's recent requests. ``b`` absorbs fixed costs
+  the formula leaves out (tokenization, framing, scheduling), ``a`` a rate that is off (a CPU
+  busier than when it was measured, prefill that scales better than linearly). Until the route's
+  requests span a range of formula values it is a plain offset (``a = 1``); ``a`` stays within
+  ``[1/4, 4]`` and the prediction above ``MIN_PREDICTION_FRACTION`` of the formula.
 
 ``choose`` takes the route with the lowest prediction, with hysteresis: the route chosen last
 stays unless another is predicted ``hysteresis`` (10%) faster, so near-ties do not flap. To
-keep residuals fresh, every ``explore_every``-th choice runs the route that ran least recently
+keep calibrations fresh, every ``explore_every``-th choice runs the route that ran least recently
 among those predicted within ``explore_within`` of the best (the cost is bounded by it).
 Pure domain code: no grpc, no ONNX.
 """
@@ -41,7 +47,42 @@ from tandem.common.ewma import Ewma
 
 LOCAL, SPLIT, DIRECT = "local", "split", "direct"
 ID_BYTES = 5  # a token id as a protobuf varint, at most
-RESIDUAL_ALPHA = 0.3
+CALIBRATION_DECAY = 0.8  # weight of a route's older requests per new one (about the last 5-10 count)
+MIN_PREDICTION_FRACTION = 0.1
+
+
+@dataclass
+class Calibration:
+    """Exponentially weighted least squares of measured TTFT ``y`` on the formula ``x`` (both ms)."""
+
+    decay: float = CALIBRATION_DECAY
+    n: float = 0.0  # weighted count
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    samples: int = 0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + x, d * self.sy + y
+        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+        self.samples += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b) of ``y = a * x + b``; (1, 0) before any sample."""
+        if self.n == 0:
+            return 1.0, 0.0
+        mx, my = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mx * mx
+        a = 1.0
+        if self.samples >= 3 and var > (0.1 * mx) ** 2:  # formula values spread by more than ~10%
+            a = min(4.0, max(0.25, (self.sxy / self.n - mx * my) / var))
+        return a, my - a * mx
+
+    def apply(self, x: float) -> float:
+        a, b = self.coefficients()
+        return max(MIN_PREDICTION_FRACTION * x, a * x + b)
 
 
 @dataclass(frozen=True, order=True)
@@ -98,7 +139,7 @@ class LinkState:
 class Prediction:
     route: Route
     ttft_ms: float
-    formula_ms: float  # without the residual
+    formula_ms: float  # before calibration
 
 
 class CostModel:
@@ -107,7 +148,7 @@ class CostModel:
     def __init__(self, hysteresis: float = 0.10, explore_every: int = 50, explore_within: float = 1.5) -> None:
         self.hysteresis, self.explore_every, self.explore_within = hysteresis, explore_every, explore_within
         self.edge = EdgeRates()
-        self.residual: dict[str, Ewma] = {}
+        self.calibration: dict[str, Calibration] = {}
         self.last: Route | None = None
         self.choices = 0
         self.last_run: dict[str, int] = {}  # route key -> choice count when it last ran
@@ -124,7 +165,7 @@ class CostModel:
         return self.edge.local_prefill_ms_per_token.value * layers / max(1, link.num_layers)
 
     def formula(self, route: Route, shape: RequestShape, link: LinkState) -> float:
-        """The formula part of the prediction (ms), without the residual."""
+        """The formula part of the prediction (ms), before calibration."""
         T = shape.prompt_tokens
         if route.mode == LOCAL:
             n = T - min(shape.local_cached_tokens, T - 1)
@@ -148,8 +189,8 @@ class CostModel:
 
     def predict(self, route: Route, shape: RequestShape, link: LinkState) -> Prediction:
         f = self.formula(route, shape, link)
-        r = self.residual.get(route.key)
-        return Prediction(route, max(0.0, f + (r.value if r else 0.0)), f)
+        c = self.calibration.get(route.key)
+        return Prediction(route, c.apply(f) if c is not None else f, f)
 
     # ------------------------------------------------------------------ choice and calibration
 
@@ -176,10 +217,8 @@ class CostModel:
         self.last_run[route.key] = self.choices
 
     def observe(self, prediction: Prediction, measured_ttft_ms: float) -> None:
-        """Calibrate the route's residual with a measured TTFT (ms)."""
-        self.residual.setdefault(prediction.route.key, Ewma(RESIDUAL_ALPHA)).add(
-            measured_ttft_ms - prediction.formula_ms
-        )
+        """Calibrate the route with a measured TTFT (ms) against its formula."""
+        self.calibration.setdefault(prediction.route.key, Calibration()).add(prediction.formula_ms, measured_ttft_ms)
 
 
 def zstd_pays(ratio: float, compress_mb_per_s: float, decompress_mb_per_s: float, goodput_mbps: float) -> bool:

@@ -646,7 +646,9 @@ class EdgeService:
                 self.conn.observe_load(ev.load)
                 if out.split:
                     nbytes = out.sent_bytes["activations"] + out.sent_bytes["kv"]
-                    self.conn.observe_upload(nbytes, out.upload_ms, ev.timings.get(Stage.CLOUD_STORE_PUT, 0.0))
+                    wait, queued = ev.timings.get(Stage.CLOUD_UPLOAD_WAIT, 0.0), ev.timings.get(Stage.CLOUD_QUEUE, 0.0)
+                    if queued < 0.1 * wait:  # a turn queued for admission was buffered meanwhile: no sample
+                        self.conn.observe_upload(nbytes, wait - queued)
                 yield self._done(ev, out, clock, head_tokens, text.token_ids, d)
 
     def _done(

@@ -1,6 +1,8 @@
 """``make run``: start tandem-cloud and tandem-edge locally, chat through the SDK,
 print where the time went and the bytes sent, compare with plain vLLM (direct
-mode: token ids up, the decode engine computes every layer), shut down.
+mode: token ids up, the decode engine computes every layer), with the edge alone
+(local mode: the whole model in ONNX Runtime) and with auto mode (the edge picks
+per request by predicted time to first token), shut down.
 
 Only the SDK is imported here; the daemons run as child processes, the way
 they are deployed.
@@ -47,6 +49,11 @@ def report(results: dict[str, ChatResult]) -> None:
         cells = (results[n].timings_ms.get(st) for n in names)
         print(f"{st.label:<44}" + "".join(f"{'-':>16}" if v is None else f"{v:>16.1f}" for v in cells))
     print(f"{'decode rate (tokens/s)':<44}" + "".join(f"{decode_rate(results[n]):>16.1f}" for n in names))
+    print(f"{'mode that served it':<44}" + "".join(f"{mode_of(results[n]):>16}" for n in names))
+    print(
+        f"{'predicted TTFT (edge cost model, ms)':<44}"
+        + "".join(f"{results[n].predicted_ttft_ms:>16.1f}" for n in names)
+    )
     print("\nTokens and bytes")
     rows = [
         ("prompt tokens", lambda r: r.prompt_tokens),
@@ -60,6 +67,10 @@ def report(results: dict[str, ChatResult]) -> None:
     ]
     for label, f in rows:
         print(f"{label:<44}" + "".join(f"{f(results[n]):>16}" for n in names))
+
+
+def mode_of(r: ChatResult) -> str:
+    return f"split k={r.split_layer}" if r.mode == "split" else r.mode
 
 
 def bytes_per_new_token(r: ChatResult) -> int:
@@ -97,14 +108,33 @@ def main() -> None:
                 tmp / "edge.port",
             )
             eport = edge.wait_ready(300)
-            split, turn2, direct = chat(eport, args.prompt, args.max_new_tokens)
+            split, turn2, direct, local, auto = chat(eport, args.prompt, args.max_new_tokens)
         print("tandem: edge and cloud stopped", file=sys.stderr)
-        report({f"split k={split.split_layer}": split, "split turn 2": turn2, "plain vLLM": direct})
+        report(
+            {
+                f"split k={split.split_layer}": split,
+                "split turn 2": turn2,
+                "plain vLLM": direct,
+                "edge only": local,
+                "auto": auto,
+            }
+        )
         same = "same" if direct.output_token_ids == split.output_token_ids else "DIFFERENT"
         ratio = split.timings_ms[Stage.TTFT] / direct.timings_ms[Stage.TTFT]
         print(
             f"\nsplit answer vs plain vLLM on the same prompt: {same} tokens; "
             f"TTFT split/plain = {ratio:.2f}x (loopback, CPU)"
+        )
+        best = min((split, direct, local), key=lambda r: r.timings_ms[Stage.TTFT])
+        print(
+            f"auto chose {mode_of(auto)} ({auto.mode_reason}): TTFT {auto.ttft_ms:.0f} ms, predicted "
+            f"{auto.predicted_ttft_ms:.0f} ms; the fastest fixed mode on this prompt was {mode_of(best)} "
+            f"({best.timings_ms[Stage.TTFT]:.0f} ms); every mode gave the "
+            + (
+                "same tokens"
+                if {direct.output_token_ids, local.output_token_ids, auto.output_token_ids} == {split.output_token_ids}
+                else "DIFFERENT tokens (see above)"
+            )
         )
         ok = True
     finally:
@@ -114,19 +144,23 @@ def main() -> None:
             print(f"tandem: logs kept in {tmp}", file=sys.stderr)
 
 
-def chat(edge_port: int, prompt: str, max_new_tokens: int) -> tuple[ChatResult, ChatResult, ChatResult]:
-    """Two split turns of one session (printed as they stream), then the first turn in direct mode."""
+def chat(edge_port: int, prompt: str, max_new_tokens: int) -> tuple[ChatResult, ...]:
+    """Two split turns of one session (printed as they stream), then the first turn in direct mode,
+    in local mode and in auto mode."""
     with Client(f"127.0.0.1:{edge_port}") as c:
         msgs = [{"role": "user", "content": prompt}]
         stream(c, [{"role": "user", "content": "Hi"}], None, "split", 4, False)  # warm both paths once
         stream(c, [{"role": "user", "content": "Hi"}], None, "direct", 4, False)
+        stream(c, [{"role": "user", "content": "Hi"}], None, "local", 4, False)
         print(f"\nuser> {prompt}\nassistant (split, streamed)> ", end="", flush=True)
         split = stream(c, msgs, "demo", "split", max_new_tokens, True)
         msgs2 = msgs + [{"role": "assistant", "content": split.text}, {"role": "user", "content": FOLLOW_UP}]
         print(f"\nuser> {FOLLOW_UP}\nassistant (split, turn 2)> ", end="", flush=True)
         turn2 = stream(c, msgs2, "demo", "split", max_new_tokens, True)
         direct = stream(c, msgs, None, "direct", max_new_tokens, False)
-    return split, turn2, direct
+        local = stream(c, msgs, None, "local", max_new_tokens, False)
+        auto = stream(c, msgs, None, "auto", max_new_tokens, False)
+    return split, turn2, direct, local, auto
 
 
 if __name__ == "__main__":

@@ -64,16 +64,25 @@ def test_queues_and_unknowns():
     assert m.formula(Route(SPLIT, 4), RequestShape(10), unknown) == pytest.approx(10 * 0.3 + 20 + 10 * 2.0 * 26 / 30)
 
 
-def test_residuals_calibrate_each_route_from_measurements():
-    m, lk, shape = model(), link(), RequestShape(100)
-    p = m.predict(Route(DIRECT), shape, lk)
+def test_calibration_learns_an_offset_then_a_scale_per_route():
+    m, lk = model(), link()
+    p = m.predict(Route(DIRECT), RequestShape(100), lk)
     for _ in range(20):
-        m.observe(p, p.formula_ms + 35.0)  # a fixed cost the formula leaves out
-    assert m.predict(Route(DIRECT), shape, lk).ttft_ms == pytest.approx(p.formula_ms + 35.0, rel=1e-3)
-    q = m.predict(Route(LOCAL), shape, lk)
-    for _ in range(20):
-        m.observe(q, q.formula_ms - 50.0)  # faster than the formula: the residual goes negative
-    assert m.predict(Route(LOCAL), shape, lk).ttft_ms == pytest.approx(q.formula_ms - 50.0, rel=1e-3)
+        m.observe(p, p.formula_ms + 35.0)  # one prompt length: a fixed cost the formula leaves out
+    assert m.predict(Route(DIRECT), RequestShape(100), lk).ttft_ms == pytest.approx(p.formula_ms + 35.0, rel=1e-3)
+    # local runs at 0.6x its measured rate plus 20 ms, over prompts of many lengths
+    for n in (10, 50, 200, 800, 30, 400, 100):
+        q = m.predict(Route(LOCAL), RequestShape(n), lk)
+        m.observe(q, 0.6 * q.formula_ms + 20.0)
+    for n in (5, 64, 1024):
+        f = m.formula(Route(LOCAL), RequestShape(n), lk)
+        assert m.predict(Route(LOCAL), RequestShape(n), lk).ttft_ms == pytest.approx(0.6 * f + 20.0, rel=1e-6)
+    # a short prompt after long ones never gets a zero or negative prediction
+    for n in (800, 900, 1000):
+        q = m.predict(Route(SPLIT, 4), RequestShape(n), lk)
+        m.observe(q, q.formula_ms - 500.0)
+    f = m.formula(Route(SPLIT, 4), RequestShape(2), lk)
+    assert m.predict(Route(SPLIT, 4), RequestShape(2), lk).ttft_ms >= 0.1 * f > 0
 
 
 def pred(mode: str, ms: float, k: int = 0) -> Prediction:

@@ -107,9 +107,15 @@ async def test_register_beyond_max_links_evicts_idle_never_busy():
 
 @pytest.mark.asyncio
 async def test_lone_link_uses_all_seqs():
-    t = table(4, 100, "a", "b", max_queue_wait_s=0.2)
-    tickets = [await t.admit("a", 1, None) for _ in range(4)]  # share 2, but b waits for nothing
-    assert t.running == 4 and t.share("a") == (2, 50)
+    clock = FakeClock()
+    t = table(4, 100, "a", "b", max_queue_wait_s=0.2, clock=clock)
+    tickets = [await t.admit("a", 1, None) for _ in range(3)]  # share 2; b active: one slot of headroom kept
+    assert t.running == 3 and t.share("a") == (2, 50)
+    with pytest.raises(LinkBusy):
+        await t.admit("a", 1, None)  # the last slot is b's headroom while b is active
+    clock.t += 61  # b idle past idle_s: a is alone and may use every slot
+    tickets.append(await t.admit("a", 1, None))
+    assert t.running == 4 and t.share("a") == (4, 100)
     with pytest.raises(LinkBusy):
         await t.admit("a", 1, None)  # engines full
     for ticket in tickets:
@@ -121,17 +127,16 @@ async def test_lone_link_uses_all_seqs():
 async def test_flooding_link_is_held_to_its_share():
     t = table(4, 10_000, "a", "b", max_queue_wait_s=2)
     flood = await spawn(t, "a", 8)
-    held = [task.result() for task in flood[:4]]
-    assert running(t, "a") == 4 and t.waiting == 4
+    held = [task.result() for task in flood if task.done()]
+    assert len(held) == 3 and running(t, "a") == 3 and t.waiting == 5  # b's headroom slot stays free
     b_tasks = await spawn(t, "b", 2)
-    assert not any(task.done() for task in b_tasks)
+    assert b_tasks[0].done() and not b_tasks[1].done()  # b's first starts at once, in its headroom
     held[0].release()
-    held[1].release()
     await settle()
-    assert all(task.done() for task in b_tasks)  # b's requests go ahead of a's older waiters
+    assert b_tasks[1].done()  # b (1/2) goes ahead of a's older waiters (a at 2/2)
     assert running(t, "a") == 2 and running(t, "b") == 2
     b_more = await spawn(t, "b", 1)
-    held[2].release()  # a (1/2) is further under its share than b (2/2)
+    held[1].release()  # a (1/2) is further under its share than b (2/2)
     await settle()
     assert running(t, "a") == 2 and running(t, "b") == 2 and not b_more[0].done()
     b_tickets = [task.result() for task in b_tasks]
@@ -145,7 +150,6 @@ async def test_flooding_link_is_held_to_its_share():
     for task in flood + b_tasks + b_more:
         if not task.cancelled() and task.exception() is None:
             task.result().release()
-    held[3].release()
     assert t.running == t.waiting == t.running_tokens == 0
 
 
@@ -171,7 +175,9 @@ async def test_under_share_request_admitted_while_others_wait():
 
 @pytest.mark.asyncio
 async def test_waiters_woken_in_weighted_fair_order():
-    t = table(3, 100, "a", "b", "c", max_queue_wait_s=2)
+    clock = FakeClock()
+    t = table(3, 100, "a", "b", "c", max_queue_wait_s=2, clock=clock)
+    clock.t += 61  # a and b idle: c alone may take every slot
     held = [await t.admit("c", 1, None) for _ in range(3)]
     order: list[str] = []
 
