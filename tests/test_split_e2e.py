@@ -54,11 +54,13 @@ PROMPTS = [
 
 
 class SplitClient(AsyncClient):
-    """The SDK client with ``mode="split"`` by default: these tests are about the split path
-    (auto mode and local mode have their own tests below)."""
+    """The SDK client with ``mode="split"`` at ``k = 4`` by default: these tests are about the split
+    path (auto mode, local mode and ``k = 8`` have their own tests below)."""
 
     def chat(self, messages=None, **kw):
         kw.setdefault("mode", "split")
+        if kw["mode"] == "split":
+            kw.setdefault("split_layer", 4)  # the primary split; tests of k = 8 ask for it
         return super().chat(messages, **kw)
 
 
@@ -320,8 +322,8 @@ async def test_bad_uplink_gets_clear_status_and_spares_other_sessions(stack, tok
 
 async def test_concurrent_requests_all_complete(stack):
     client = stack["client"]
-    batcher = stack["edge"].service.batcher
-    rows_before = batcher.rows_run
+    batchers = [h.batcher for h in stack["edge"].service.heads.values()]
+    rows_before = sum(b.rows_run for b in batchers)
     results = await asyncio.gather(
         *[
             client.complete([{"role": "user", "content": f"Count from {i} to {i + 5}."}], max_new_tokens=12)
@@ -329,7 +331,7 @@ async def test_concurrent_requests_all_complete(stack):
         ]
     )
     assert all(r.output_tokens > 0 for r in results)
-    assert batcher.rows_run - rows_before == 6
+    assert sum(b.rows_run for b in batchers) - rows_before == 6  # one head row per request, whichever k
 
 
 async def test_direct_mode_matches_split(stack):
@@ -443,7 +445,7 @@ async def test_resend_from_token_0_never_reuses_tail_kv_of_other_activations(sta
     svc, client, session = stack["edge"].service, stack["client"], f"tailkv-{uuid.uuid4().hex}"
     x = PROMPTS[3]["messages"]
     y_ids = prompt_ids(tokenizer, {"prompt": LONG.upper() + LONG})
-    y_hidden = (await svc.batcher.run(HeadInput(np.asarray(y_ids, np.int64)))).hidden
+    y_hidden = (await svc.heads[4].batcher.run(HeadInput(np.asarray(y_ids, np.int64)))).hidden
 
     def to_y(item, attempt):
         if isinstance(item, wire.Chunk):
