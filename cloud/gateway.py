@@ -39,13 +39,13 @@ from tandem.common.errors import (
     ParamsVersionMismatch,
     UploadTimeout,
 )
+from tandem.common.ewma import Ewma
 from tandem.common.kvblocks import LayerRange, activation_keys, block_nbytes, part_key, request_seed
 from tandem.common.kvparams import KVTransferSpec, PartSpec
 from tandem.common.kvstore import BlockStore
 from tandem.common.logs import bind_request, turn_log
 from tandem.common.manifest import SplitManifest
 from tandem.common.messages import (
-    ChunkAck,
     Commit,
     DownEvent,
     KVBlock,
@@ -55,6 +55,7 @@ from tandem.common.messages import (
     TurnFinal,
     TurnHeader,
     UploadAck,
+    WindowAck,
 )
 from tandem.common.params import LinkParams, Negotiated, NegotiateOffer, Sampling, ServerInfo, ServerLoad
 from tandem.common.tracing import span, traced
@@ -159,10 +160,13 @@ class Gateway:
         )
         self._versions: dict[str, LinkVersions] = {}
         self.rates = CloudRates()
+        self._kv_usage = (float("-inf"), 0.0)  # (when read, value)
         # the anonymous link (headers without a link id): every split this cloud serves, no measurements
         keys = {k: m.compatibility_key() for k, m in self.tails.items()}
         self._register("", NegotiateOffer("", manifest.model_id, keys))
-        self.links.get("").last_seen = float("-inf")  # holds no share until a request uses it
+        anonymous = self.links.get("")
+        assert anonymous is not None
+        anonymous.last_seen = float("-inf")  # holds no share until a request uses it
         metrics.watch_cloud(self.sessions, self.budget, store)
 
     @property
@@ -284,14 +288,21 @@ class Gateway:
         return ServerLoad(
             running_requests=self.links.running,
             waiting_requests=self.links.waiting,
-            kv_cache_usage=metrics.vllm_kv_cache_usage(),
-            tail_prefill_ms_per_token=r.tail_prefill_ms_per_token.value,
+            kv_cache_usage=self._kv_cache_usage(),
+            tail_prefill_ms_per_token={k: e.value for k, e in r.tail_prefill_ms_per_token.items()},
             prefill_ms_per_token=r.prefill_ms_per_token.value,
             decode_ms_per_token=r.decode_ms_per_token.value,
             queue_wait_ms=r.queue_wait_ms.value,
             link_running=link.running if link else 0,
             link_waiting=link.waiting if link else 0,
         )
+
+    def _kv_cache_usage(self) -> float:
+        """vLLM's KV cache use, read from the metrics registry at most once a second (it walks every metric)."""
+        now = time.monotonic()
+        if now - self._kv_usage[0] >= 1.0:
+            self._kv_usage = (now, metrics.vllm_kv_cache_usage())
+        return self._kv_usage[1]
 
     def server_info(self, link_id: str) -> ServerInfo:
         """``GetServerInfo``: the load, and the link's current params when the link is known here."""
@@ -440,7 +451,7 @@ class Gateway:
     @traced("cloud_upload")
     async def _receive(
         self, turn: Turn, upload: TurnUpload, uplink: AsyncIterator[UplinkBody]
-    ) -> AsyncIterator[Nack | Repair | ChunkAck]:
+    ) -> AsyncIterator[Nack | Repair | WindowAck]:
         """Verify the upload item by item (decoding off the event loop), within the upload deadline."""
 
         def late() -> Exception:
@@ -453,28 +464,31 @@ class Gateway:
 
     async def _verify_items(
         self, upload: TurnUpload, uplink: AsyncIterator[UplinkBody]
-    ) -> AsyncIterator[Nack | Repair | ChunkAck]:
-        """Check each item as it arrives. Chunks are acknowledged (``ChunkAck``) every half window;
-        a chunk beyond the window the edge was granted is a protocol violation.
+    ) -> AsyncIterator[Nack | Repair | WindowAck]:
+        """Check each item as it arrives. Payload received (each chunk and KV block once) is
+        acknowledged (``WindowAck``) every half window; more than the window granted past the last
+        ack (plus one item) is a protocol violation.
 
         Raises:
-            InvalidRequest: a chunk outside the granted window, an unexpected item, an early close.
+            InvalidRequest: payload beyond the granted window, an unexpected item, an early close.
         """
-        repairs, acked = 0, 0
-        window = upload.params.inflight_window_chunks
+        repairs, acked, received = 0, 0, 0
+        window = upload.params.inflight_window_bytes
+        seen: set[tuple[str, int]] = set()
         async for item in uplink:
+            if isinstance(item, wire.Chunk | KVBlock):
+                key = ("chunk", item.seq) if isinstance(item, wire.Chunk) else ("kv", item.leaf_index)
+                if key not in seen:
+                    seen.add(key)
+                    received += len(item.payload)
+                    if received > acked + window + upload.max_item_bytes:
+                        raise InvalidRequest(
+                            f"{received - acked} payload bytes sent past the last acknowledgement; window {window}"
+                        )
             if isinstance(item, wire.Chunk):
-                if item.seq >= acked + window:
-                    raise InvalidRequest(
-                        f"chunk {item.seq} sent before chunk {acked} was acknowledged (window {window})"
-                    )
                 if not await asyncio.to_thread(upload.add_chunk, item):
                     log.info("chunk %d failed its CRC32C or did not decode: NACK", item.seq)
                     yield Nack(item.seq, "crc32c mismatch or payload does not decode")
-                through = upload.verified_through
-                if through < upload.header.num_chunks and through - acked >= max(1, window // 2):
-                    acked = through
-                    yield ChunkAck(through)
             elif isinstance(item, KVBlock):
                 await asyncio.to_thread(upload.add_block, item)
             elif isinstance(item, Commit):
@@ -490,6 +504,9 @@ class Gateway:
                 raise InvalidRequest(f"unexpected {type(item).__name__} after the header")
             if upload.complete:
                 return
+            if received - acked >= window // 2:
+                acked = received
+                yield WindowAck(received)
         raise InvalidRequest(
             f"uplink closed before the upload completed ({len(upload.chunks)}/"
             f"{upload.header.num_chunks} chunks, committed={upload.committed})"
@@ -545,7 +562,8 @@ class Gateway:
         turn.timings[Stage.CLOUD_TAIL_PREFILL] = tail.elapsed_ms
         computed = hidden.shape[0] - tail.external_tokens
         if computed > 0:
-            self.rates.tail_prefill_ms_per_token.add(tail.elapsed_ms / computed)
+            k = turn.header.split_layer
+            self.rates.tail_prefill_ms_per_token.setdefault(k, Ewma()).add(tail.elapsed_ms / computed)
         return tail
 
     @traced("cloud_decode")

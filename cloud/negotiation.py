@@ -11,9 +11,12 @@ follow the link's share of the engines (``cloud.links.LinkTable``):
 * ``chunk_tokens``: a chunk should take about ``CHUNK_TARGET_MS`` on the wire, so a NACKed
   chunk costs little and the cloud can verify chunk i while i+1 travels; a power of two
   in ``[MIN_CHUNK_TOKENS, cfg.max_chunk_tokens]``, ``cfg.chunk_tokens`` when goodput is unknown.
-* ``inflight_window_chunks``: twice the bandwidth-delay product in chunks plus two (the
-  classic sliding-window rule: a window below the BDP leaves the link idle; RFC 7323 s1.1),
-  in ``[MIN_WINDOW_CHUNKS, MAX_WINDOW_CHUNKS]``; ``MAX_WINDOW_CHUNKS`` when unknown.
+* ``inflight_window_bytes``: twice the bandwidth-delay product (the classic sliding-window rule:
+  a window below the BDP leaves the link idle; RFC 7323 s1.1), at least ``MIN_WINDOW_BYTES`` and
+  ``WINDOW_ITEMS`` of the link's largest item (so the cloud's ack every half window always comes),
+  at most ``MAX_WINDOW_BYTES``, which is also the window when the link is not measured. The window
+  bounds what waits in the link's queues ahead of anything else the edge sends on the connection
+  (keepalive pings, polls): at most about two RTTs' worth.
 * ``max_concurrent_requests`` / ``max_batched_tokens``: the link's current share.
 
 ``LinkVersions`` keeps the last ``KEPT_VERSIONS`` parameter sets of a link: a new set
@@ -31,12 +34,13 @@ from tandem.common.errors import InvalidRequest, ParamsVersionMismatch
 from tandem.common.kvblocks import LayerRange, block_nbytes
 from tandem.common.manifest import SplitManifest
 from tandem.common.params import LinkParams, NegotiateOffer
-from tandem.common.wire import Codec, WireDtype, raw_nbytes_of
+from tandem.common.wire import Codec, WireDtype, max_payload_bytes, raw_nbytes_of
 
 CHUNK_TARGET_MS = 10.0
 MIN_CHUNK_TOKENS = 16
-MIN_WINDOW_CHUNKS = 8
-MAX_WINDOW_CHUNKS = 64
+MIN_WINDOW_BYTES = 1 << 20
+MAX_WINDOW_BYTES = 64 << 20
+WINDOW_ITEMS = 4
 KEPT_VERSIONS = 8
 
 
@@ -66,13 +70,15 @@ def pick_chunk_tokens(goodput_mbps: float, bytes_per_token: int, default: int, m
     return int(min(max(p2, MIN_CHUNK_TOKENS), max_tokens))
 
 
-def pick_window_chunks(goodput_mbps: float, rtt_ms: float, chunk_bytes: int) -> int:
-    """Chunks in flight before an ack: ``ceil(2 * BDP / chunk_bytes) + 2`` within
-    ``[MIN_WINDOW_CHUNKS, MAX_WINDOW_CHUNKS]`` (BDP = goodput x RTT); the maximum when unknown."""
+def pick_window_bytes(goodput_mbps: float, rtt_ms: float, max_item_bytes: int) -> int:
+    """Payload bytes in flight before an ack: ``2 * BDP`` (BDP = goodput x RTT), at least
+    ``max(MIN_WINDOW_BYTES, WINDOW_ITEMS * max_item_bytes)``, at most ``MAX_WINDOW_BYTES`` (also the
+    window when unknown; never below the floor)."""
+    floor = max(MIN_WINDOW_BYTES, WINDOW_ITEMS * max_item_bytes)
     if goodput_mbps <= 0 or rtt_ms <= 0:
-        return MAX_WINDOW_CHUNKS
+        return max(MAX_WINDOW_BYTES, floor)
     bdp_bytes = goodput_mbps * 1e6 / 8 * rtt_ms / 1e3
-    return int(min(max(math.ceil(2 * bdp_bytes / max(1, chunk_bytes)) + 2, MIN_WINDOW_CHUNKS), MAX_WINDOW_CHUNKS))
+    return int(max(floor, min(math.ceil(2 * bdp_bytes), MAX_WINDOW_BYTES)))
 
 
 def link_params(
@@ -94,7 +100,9 @@ def link_params(
     act_bytes = raw_nbytes_of(1, dtype, sh.hidden_size)
     kv_bytes = block_nbytes(LayerRange(0, k), sh.num_kv_heads, 1, sh.head_dim) if k else 0
     chunk = pick_chunk_tokens(offer.goodput_mbps, act_bytes + kv_bytes, limits.chunk_tokens, limits.max_chunk_tokens)
-    window = pick_window_chunks(offer.goodput_mbps, offer.rtt_ms, chunk * (act_bytes + kv_bytes))
+    block_bytes = kv_bytes * limits.kv_block_size_tokens
+    max_item = max(max_payload_bytes(chunk * act_bytes, codec), max_payload_bytes(block_bytes, codec))
+    window = pick_window_bytes(offer.goodput_mbps, offer.rtt_ms, max_item)
     return LinkParams(
         params_version=version,
         split_layer=k,
@@ -103,7 +111,7 @@ def link_params(
         codec=codec,
         codec_level=limits.codec_level,
         kv_block_size_tokens=limits.kv_block_size_tokens,
-        inflight_window_chunks=window,
+        inflight_window_bytes=window,
         max_concurrent_requests=share[0],
         max_batched_tokens=share[1],
         max_prompt_tokens=limits.max_prompt_tokens,

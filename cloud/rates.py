@@ -15,7 +15,7 @@ from tandem.common.ewma import Ewma
 class CloudRates:
     """Per-token times of the node's engines and its admission wait, all in ms."""
 
-    tail_prefill_ms_per_token: Ewma = field(default_factory=Ewma)  # tail engine, per prompt token computed
+    tail_prefill_ms_per_token: dict[int, Ewma] = field(default_factory=dict)  # k -> per prompt token computed
     prefill_ms_per_token: Ewma = field(default_factory=Ewma)  # decode engine (direct mode) prefill + 1st token
     decode_ms_per_token: Ewma = field(default_factory=Ewma)  # decode engine, per output token after the first
     queue_wait_ms: Ewma = field(default_factory=Ewma)  # admission wait per request

@@ -143,12 +143,11 @@ class TurnUpload:
         self.max_block_payload = wire.max_payload_bytes(self.block_bytes, self.params.codec)
 
     @property
-    def verified_through(self) -> int:
-        """Chunks ``[0, n)`` are all verified (the prefix the cloud acknowledges)."""
-        n = 0
-        while n in self.chunks:
-            n += 1
-        return n
+    def max_item_bytes(self) -> int:
+        """The largest legal payload of one chunk or KV block of this upload."""
+        p = self.params
+        chunk = wire.raw_nbytes_of(p.chunk_tokens, p.wire_dtype, self.manifest.shape.hidden_size)
+        return max(wire.max_payload_bytes(chunk, p.codec), self.max_block_payload)
 
     @property
     def new_tokens(self) -> int:

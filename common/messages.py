@@ -2,7 +2,7 @@
 conversion in one place.
 
 Uplink (edge -> cloud): ``TurnHeader``, then ``wire.Chunk`` / ``KVBlock`` / ``Commit``.
-Downlink (cloud -> edge): ``Nack``, ``Repair``, ``ChunkAck``, ``UploadAck``, ``TokensOut``,
+Downlink (cloud -> edge): ``Nack``, ``Repair``, ``WindowAck``, ``UploadAck``, ``TokensOut``,
 ``TurnFinal``, ``TurnError``. Domain code passes these frozen dataclasses around;
 only ``uplink_to_pb`` / ``uplink_from_pb`` / ``downlink_to_pb`` / ``downlink_from_pb``
 see protobuf. Dispatch is by type (registries below), never by ``if kind == "..."``.
@@ -147,10 +147,11 @@ class Repair:
 
 
 @dataclass(frozen=True)
-class ChunkAck:
-    """Activation chunks ``[0, through_seq)`` are verified (the edge's send window moves on)."""
+class WindowAck:
+    """The cloud received ``received_bytes`` of the upload's payload, each item once (the edge's
+    send window moves on)."""
 
-    through_seq: int
+    received_bytes: int
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ class TurnError:
     error: TandemError
 
 
-DownEvent = Nack | Repair | ChunkAck | UploadAck | TokensOut | TurnFinal | TurnError
+DownEvent = Nack | Repair | WindowAck | UploadAck | TokensOut | TurnFinal | TurnError
 
 
 def _final_to_pb(e: TurnFinal) -> pb.Final:
@@ -205,7 +206,7 @@ def _final_from_pb(m: pb.Final) -> TurnFinal:
 
 _DOWN_TO: dict[type, Callable[[Any], pb.Downlink]] = {
     Nack: lambda e: pb.Downlink(nack=pb.Nack(seq=e.seq, reason=e.reason)),
-    ChunkAck: lambda e: pb.Downlink(chunk_ack=pb.ChunkAck(through_seq=e.through_seq)),
+    WindowAck: lambda e: pb.Downlink(window_ack=pb.WindowAck(received_bytes=e.received_bytes)),
     Repair: lambda e: pb.Downlink(repair=pb.RepairRequest(leaf_indices=list(e.leaf_indices), reason=e.reason)),
     UploadAck: lambda e: pb.Downlink(
         upload_ack=pb.UploadAck(verified_tokens=e.verified_tokens, leaf_count=e.leaf_count, merkle_root=e.merkle_root)
@@ -217,7 +218,7 @@ _DOWN_TO: dict[type, Callable[[Any], pb.Downlink]] = {
 _DOWN_FROM: dict[str, Callable[[Any], DownEvent]] = {
     "nack": lambda m: Nack(m.seq, m.reason),
     "repair": lambda m: Repair(tuple(m.leaf_indices), m.reason),
-    "chunk_ack": lambda m: ChunkAck(m.through_seq),
+    "window_ack": lambda m: WindowAck(m.received_bytes),
     "upload_ack": lambda m: UploadAck(m.verified_tokens, m.leaf_count, m.merkle_root),
     "tokens": lambda m: TokensOut(tuple(m.token_ids), m.index),
     "final": _final_from_pb,

@@ -28,7 +28,7 @@ class LinkParams:
     codec: Codec
     codec_level: int
     kv_block_size_tokens: int
-    inflight_window_chunks: int
+    inflight_window_bytes: int
     max_concurrent_requests: int
     max_batched_tokens: int
     max_prompt_tokens: int
@@ -171,7 +171,7 @@ class ServerLoad:
     running_requests: int = 0
     waiting_requests: int = 0
     kv_cache_usage: float = 0.0
-    tail_prefill_ms_per_token: float = 0.0
+    tail_prefill_ms_per_token: dict[int, float] = field(default_factory=dict)  # per split layer k
     prefill_ms_per_token: float = 0.0
     decode_ms_per_token: float = 0.0
     queue_wait_ms: float = 0.0

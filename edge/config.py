@@ -66,8 +66,8 @@ class EdgeConfig(DaemonSettings):
     explore_every: int = Field(
         default=50,
         ge=0,
-        description="Every this many auto choices, run a near-best mode that ran least recently (keeps the cost model "
-        "calibrated); 0 = never.",
+        description="A mode predicted within 1.5x of the best that served nothing in this many auto choices runs "
+        "once (keeps the cost model calibrated); 0 = never.",
     )
     host: str = Field(default="127.0.0.1", description="gRPC bind address; `0.0.0.0` listens on all interfaces.")
     port: Port = Field(default=50061, description="gRPC port; 0 = any free port (see `--ready-file`).")

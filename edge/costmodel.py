@@ -34,8 +34,10 @@ each then calibrated per route (``a * formula + b``, below).
 
 ``choose`` takes the route with the lowest prediction, with hysteresis: the route chosen last
 stays unless another is predicted ``hysteresis`` (10%) faster, so near-ties do not flap. To
-keep calibrations fresh, every ``explore_every``-th choice runs the route that ran least recently
-among those predicted within ``explore_within`` of the best (the cost is bounded by it).
+keep calibrations fresh, a route predicted within ``explore_within`` of the best that has not
+served any request (of any mode: requested ones count) in the last ``explore_every`` choices runs
+once (the cost is bounded by ``explore_within``, at most once per route per ``explore_every``
+choices; with mixed traffic the other modes' requests keep every route fresh and auto never explores).
 Pure domain code: no grpc, no ONNX.
 """
 
@@ -204,10 +206,16 @@ class CostModel:
         last = next((p for p in predictions if p.route == self.last), None)
         if last is not None and last is not best and last.ttft_ms <= best.ttft_ms * (1 + self.hysteresis):
             pick, why = last, f"hysteresis: within {self.hysteresis:.0%} of the best"
-        if self.explore_every and self.choices % self.explore_every == 0:
-            near = [p for p in predictions if p.ttft_ms <= best.ttft_ms * self.explore_within and p is not pick]
-            if near:
-                pick = min(near, key=lambda p: self.last_run.get(p.route.key, -1))
+        if self.explore_every:
+            stale = [
+                p
+                for p in predictions
+                if p is not pick
+                and p.ttft_ms <= best.ttft_ms * self.explore_within
+                and self.choices - self.last_run.get(p.route.key, -self.explore_every) >= self.explore_every
+            ]
+            if stale:
+                pick = min(stale, key=lambda p: self.last_run.get(p.route.key, -self.explore_every))
                 why = "exploration: refresh the calibration of a near route"
         self.last = pick.route if not why.startswith("exploration") else self.last
         return pick, why

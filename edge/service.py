@@ -228,7 +228,7 @@ class EdgeService:
         load = c.load
         st.rtt_ms, st.goodput_mbps = c.rtt_ms.value, c.goodput_mbps.value
         st.cloud_prefill_ms_per_token = load.prefill_ms_per_token
-        st.cloud_tail_prefill_ms_per_token = dict.fromkeys(self.heads, load.tail_prefill_ms_per_token)
+        st.cloud_tail_prefill_ms_per_token = dict(load.tail_prefill_ms_per_token)
         st.queue_wait_ms = load.queue_wait_ms
         p = c.params(0)
         share = p.max_concurrent_requests if p is not None else 1
@@ -397,6 +397,7 @@ class EdgeService:
                     self.cost.predict(local, self.request_shape(turn, ids), self.link_state()),
                     f"fallback: {reason}",
                 )
+        raise EngineError("no mode could serve this turn")  # not reached: the last attempt returns or raises
 
     async def _run_route(
         self, d: Decision, turn: ChatTurn, ids: list[int], clock: TurnClock, timeout_s: float
@@ -591,7 +592,15 @@ class EdgeService:
             link_id,
         )
         clock.since(Stage.ENCODE, t0)
-        return OutgoingTurn(header, chunks, blocks, len(leaves), merkle.root(leaves), window=p.inflight_window_chunks)
+        return OutgoingTurn(
+            header,
+            chunks,
+            blocks,
+            len(leaves),
+            merkle.root(leaves),
+            window=p.inflight_window_bytes,
+            block_tokens=p.kv_block_size_tokens,
+        )
 
     def _link_id(self) -> str:
         n = self.conn.negotiated if self.conn is not None else None

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from tandem.common import metrics, wire
 from tandem.common.errors import InvalidRequest
 from tandem.common.messages import (
-    ChunkAck,
     Commit,
     DownEvent,
     KVBlock,
@@ -27,6 +26,7 @@ from tandem.common.messages import (
     TurnFinal,
     TurnHeader,
     UploadAck,
+    WindowAck,
 )
 from tandem.common.tracing import start_span
 from tandem.edge.link import CloudLink, TurnCall
@@ -43,9 +43,17 @@ class OutgoingTurn:
     blocks: dict[int, KVBlock]
     leaf_count: int
     merkle_root: bytes
-    window: int = 1 << 30  # chunks in flight past the last the cloud acked (negotiated)
+    window: int = 1 << 62  # payload bytes in flight past the cloud's last WindowAck (negotiated)
+    block_tokens: int = 0  # KV block size B: block j travels after the chunk holding token (j+1)*B - 1
     sent_bytes: dict[str, int] = field(default_factory=lambda: {"header": 0, "activations": 0, "kv": 0})
-    chunks_sent: int = 0
+    payload_sent: int = 0  # payload bytes of first sends (what the window counts)
+    next_item: int = 0
+    committed: bool = False
+    sent_chunks: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.order = send_order(self.chunks, self.blocks, self.block_tokens)
+
     resent_chunks: int = 0
     repaired_blocks: int = 0
     upload_ms: float = 0.0
@@ -55,29 +63,52 @@ class OutgoingTurn:
         return self.header.split_layer > 0
 
 
-def _send_chunks(call: TurnCall, turn: OutgoingTurn, acked: int) -> None:
-    """Send chunks up to the window past ``acked`` (chunks ``[0, acked)`` verified by the cloud)."""
-    while turn.chunks_sent < min(len(turn.chunks), acked + turn.window):
-        turn.sent_bytes["activations"] += call.send(turn.chunks[turn.chunks_sent])
-        turn.chunks_sent += 1
+def send_order(chunks: list[wire.Chunk], blocks: dict[int, KVBlock], block_tokens: int) -> list[wire.Chunk | KVBlock]:
+    """Chunks in order, each followed by the KV blocks it completes (block ``j`` covers tokens
+    ``[j*B, (j+1)*B)``); blocks of tokens before the first chunk lead, any others trail."""
+    pending = sorted(blocks.items())
+    order: list[wire.Chunk | KVBlock] = []
+    for c in chunks:
+        end = c.token_offset + c.num_tokens
+        while pending and block_tokens and (pending[0][0] + 1) * block_tokens <= end:
+            order.append(pending.pop(0)[1])
+        order.append(c)
+    return order + [b for _, b in pending]
+
+
+def _send_more(call: TurnCall, turn: OutgoingTurn, acked: int) -> None:
+    """Send chunks and KV blocks in ``turn.order`` while the payload in flight past ``acked`` (the
+    cloud's last ``WindowAck``) stays within the window, or nothing is in flight; the commit after
+    the last of them."""
+    while turn.next_item < len(turn.order):
+        item = turn.order[turn.next_item]
+        in_flight = turn.payload_sent - acked
+        if in_flight > 0 and in_flight + len(item.payload) > turn.window:
+            return
+        if isinstance(item, wire.Chunk):
+            turn.sent_bytes["activations"] += call.send(item)
+            turn.sent_chunks.add(item.seq)
+        else:
+            turn.sent_bytes["kv"] += call.send(item)
+        turn.payload_sent += len(item.payload)
+        turn.next_item += 1
+    if turn.split and not turn.committed:
+        turn.committed = True
+        turn.sent_bytes["header"] += call.send(Commit(turn.leaf_count, turn.merkle_root))
 
 
 def _send_upload(call: TurnCall, turn: OutgoingTurn) -> None:
-    """Header, the first window of chunks, every KV block and the commit; later chunks follow the
-    cloud's ``ChunkAck``s (``_send_chunks``)."""
+    """The header and the first window of the upload; the rest follows the cloud's ``WindowAck``s."""
     turn.sent_bytes["header"] += call.send(turn.header)
-    _send_chunks(call, turn, 0)
-    for b in turn.blocks.values():
-        turn.sent_bytes["kv"] += call.send(b)
     if turn.split:
-        turn.sent_bytes["header"] += call.send(Commit(turn.leaf_count, turn.merkle_root))
+        _send_more(call, turn, 0)
     else:
         call.close_send()
 
 
 def _answer_nack(call: TurnCall, turn: OutgoingTurn, nack: Nack) -> None:
     """Raises InvalidRequest if the cloud NACKs a chunk this turn never sent."""
-    if not 0 <= nack.seq < turn.chunks_sent:
+    if nack.seq not in turn.sent_chunks:
         raise InvalidRequest(f"cloud NACKed chunk {nack.seq}; this turn sent {len(turn.chunks)}")
     turn.resent_chunks += 1
     log.info("cloud NACKed chunk %d (%.100s): sending it again", nack.seq, nack.reason)
@@ -112,8 +143,8 @@ async def stream_turn(
         _send_upload(call, turn)
         ev: DownEvent
         async for ev in call.events():
-            if isinstance(ev, ChunkAck):
-                _send_chunks(call, turn, ev.through_seq)
+            if isinstance(ev, WindowAck):
+                _send_more(call, turn, ev.received_bytes)
             elif isinstance(ev, Nack):
                 _answer_nack(call, turn, ev)
             elif isinstance(ev, Repair):

@@ -54,7 +54,8 @@ __all__ = [
 Message = Mapping[str, str]  # {"role": "user", "content": "..."}
 
 DEFAULT_TIMEOUT_S = 300.0  # a client's default deadline per call
-_MODES = {"auto": pb.MODE_AUTO, "split": pb.MODE_SPLIT, "direct": pb.MODE_DIRECT, "local": pb.MODE_LOCAL}
+# "auto" travels as MODE_UNSPECIFIED (its equivalent), which edges older than MODE_AUTO also accept
+_MODES = {"auto": pb.MODE_UNSPECIFIED, "split": pb.MODE_SPLIT, "direct": pb.MODE_DIRECT, "local": pb.MODE_LOCAL}
 _UINT32 = 1 << 32
 _INT32 = 1 << 31
 _INT64 = 1 << 63

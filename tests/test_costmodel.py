@@ -113,6 +113,14 @@ def test_exploration_refreshes_a_near_route_and_never_a_far_one():
         seen.append((pick.route.mode, why.split(":")[0]))
     assert seen.count((DIRECT, "exploration")) == 2 and all(mode != SPLIT for mode, _ in seen)
     assert m.last == Route(LOCAL)  # exploring does not move the hysteresis anchor
+    assert seen[0] == (DIRECT, "exploration") and seen[5] == (DIRECT, "exploration")  # never ran, then stale
+    # requests of other kinds (an app asking for direct mode) keep the route fresh: no exploration
+    fresh = CostModel(hysteresis=0.1, explore_every=5, explore_within=1.5)
+    for _ in range(10):
+        pick, why = fresh.choose([pred(LOCAL, 100), pred(DIRECT, 140)])
+        fresh.ran(pick.route)
+        fresh.ran(Route(DIRECT))
+        assert not why.startswith("exploration") or fresh.choices == 1
 
 
 def test_empty_choice_is_an_error():

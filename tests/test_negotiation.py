@@ -14,12 +14,12 @@ import pytest
 from tandem.cloud.links import LinkBusy
 from tandem.cloud.negotiation import (
     KEPT_VERSIONS,
-    MAX_WINDOW_CHUNKS,
+    MAX_WINDOW_BYTES,
     MIN_CHUNK_TOKENS,
-    MIN_WINDOW_CHUNKS,
+    MIN_WINDOW_BYTES,
     LinkVersions,
     pick_chunk_tokens,
-    pick_window_chunks,
+    pick_window_bytes,
 )
 from tandem.common.errors import (
     EngineError,
@@ -63,10 +63,11 @@ def test_chunk_size_follows_goodput_and_window_follows_the_bandwidth_delay_produ
     assert slow == MIN_CHUNK_TOKENS and fast == 256
     mid = pick_chunk_tokens(100.0, 8448, 64, 256)  # 125 KB in 10 ms = ~15 tokens of 8448 B
     assert MIN_CHUNK_TOKENS <= mid <= 32 and mid & (mid - 1) == 0
-    assert pick_window_chunks(0.0, 50.0, 1 << 20) == MAX_WINDOW_CHUNKS
-    assert pick_window_chunks(10_000.0, 0.1, 1 << 20) == MIN_WINDOW_CHUNKS  # loopback: BDP of a few KB
-    # 100 Mbit/s x 100 ms = 1.25 MB in flight; chunks of 135 KB: 2 * 9.3 + 2 -> 21
-    assert pick_window_chunks(100.0, 100.0, 135_168) == 21
+    assert pick_window_bytes(0.0, 50.0, 1 << 16) == MAX_WINDOW_BYTES  # not measured
+    assert pick_window_bytes(10_000.0, 0.1, 1 << 16) == MIN_WINDOW_BYTES  # loopback: a BDP of 125 KB
+    assert pick_window_bytes(10_000.0, 0.1, 1 << 20) == 4 << 20  # never below 4 of the largest item
+    # 100 Mbit/s x 100 ms = 1.25 MB in flight: a window of twice that
+    assert pick_window_bytes(100.0, 100.0, 1 << 16) == 2_500_000
 
 
 def test_link_versions_keep_recent_sets_and_only_change_on_a_difference():
@@ -86,7 +87,7 @@ def test_link_versions_keep_recent_sets_and_only_change_on_a_difference():
 def toy_params():
     from tandem.common.params import LinkParams
 
-    return LinkParams(1, 0, 16, WireDtype.FP32, Codec.NONE, 3, 32, 8, 4, 64, 100, 16, 8, 2)
+    return LinkParams(1, 0, 16, WireDtype.FP32, Codec.NONE, 3, 32, 1 << 20, 4, 64, 100, 16, 8, 2)
 
 
 # ---------------------------------------------------------------- Negotiate in the gateway
@@ -199,6 +200,7 @@ async def test_auto_falls_back_to_local_when_the_cloud_is_busy_or_gone():
         toy.engines.step_delay_s = 0.05
         edge = toy.edge
         edge.local = MemoryLocal()
+        edge.cost = CostModel(explore_every=0)  # the choice must follow the predictions alone
         edge.cost.edge.local_prefill_ms_per_token.add(1e3)  # local looks slow: auto prefers the cloud
         hog = asyncio.create_task(run(edge, turn(mode="direct", n=30)))
         await asyncio.sleep(0.05)
@@ -247,6 +249,7 @@ async def test_auto_follows_the_cost_model_and_its_error_is_reported():
     try:
         edge = toy.edge
         edge.local = MemoryLocal()
+        edge.cost = CostModel(explore_every=0)
         edge.cost.edge.local_prefill_ms_per_token.add(0.001)  # local looks nearly free: auto picks it
         done = await run(edge, turn())
         assert done.mode == "local" and done.mode_reason.startswith("auto")

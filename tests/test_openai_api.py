@@ -63,7 +63,11 @@ async def test_models_list(client):
 
 async def test_chat_completion(client):
     r = await client.chat.completions.create(
-        model=MODEL, messages=[SYSTEM, {"role": "user", "content": "hello"}], max_tokens=8, temperature=0
+        model=MODEL,
+        messages=[SYSTEM, {"role": "user", "content": "hello"}],
+        max_tokens=8,
+        temperature=0,
+        extra_body=SPLIT,
     )
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL and r.created > 0
     (c,) = r.choices
@@ -72,6 +76,7 @@ async def test_chat_completion(client):
     assert r.usage.prompt_tokens == 24 and r.usage.completion_tokens == 8 and r.usage.total_tokens == 32
     extra = tandem_of(r)
     assert extra["split_layer"] == 2 and extra["session_id"].startswith("oai:") and "total_ms" in extra["timings_ms"]
+    assert extra["mode"] == "split" and extra["predicted_ttft_ms"] > 0
 
 
 async def test_content_parts_and_developer_role_are_text(client):

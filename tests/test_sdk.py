@@ -166,10 +166,13 @@ def test_edge_info_check():
     assert INFO.problems(stop="one long stop string") == []  # one string, not its characters
     with pytest.raises(ValueError, match="empty"):
         INFO.check(stop=[""])
-    direct_only = EdgeInfo("m", 0, 0, 0, 0, 0, 0.0, "")  # an edge that says no limits (0 = unknown)
-    direct_only.check(max_new_tokens=10**6, stop=["a"] * 100)
-    with pytest.raises(ValueError, match="direct mode only"):
-        direct_only.check(mode="split")
+    unknown = EdgeInfo("m", 0, 0, 0, 0, 0, 0.0, "")  # an edge that says no limits (0 = unknown)
+    unknown.check(max_new_tokens=10**6, stop=["a"] * 100, mode="split")
+    local_only = EdgeInfo("m", 0, 0, 0, 0, 0, 0.0, "", ("local",), (), False, "cloud not connected")
+    local_only.check(mode="local")
+    local_only.check(mode="auto")
+    with pytest.raises(ValueError, match="mode 'split': this edge serves \\['local'\\] now \\(cloud not connected\\)"):
+        local_only.check(mode="split")
 
 
 # --- the accumulator ------------------------------------------------------------------------

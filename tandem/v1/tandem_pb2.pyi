@@ -89,7 +89,7 @@ class NegotiateRequest(_message.Message):
     def __init__(self, edge_id: _Optional[str] = ..., model_id: _Optional[str] = ..., split_layers: _Optional[_Iterable[int]] = ..., wire_dtypes: _Optional[_Iterable[_Union[WireDtype, str]]] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., edge_max_batch: _Optional[int] = ..., link: _Optional[_Union[LinkMeasurement, _Mapping]] = ..., slo: _Optional[_Union[LatencySlo, _Mapping]] = ..., head_keys: _Optional[_Mapping[int, str]] = ..., link_id: _Optional[str] = ...) -> None: ...
 
 class LinkParams(_message.Message):
-    __slots__ = ("params_version", "split_layer", "chunk_tokens", "wire_dtype", "codec", "codec_level", "kv_block_size_tokens", "inflight_window_chunks", "max_concurrent_requests", "max_batched_tokens", "max_prompt_tokens", "max_new_tokens", "hidden_size", "max_chunk_resends")
+    __slots__ = ("params_version", "split_layer", "chunk_tokens", "wire_dtype", "codec", "codec_level", "kv_block_size_tokens", "inflight_window_bytes", "max_concurrent_requests", "max_batched_tokens", "max_prompt_tokens", "max_new_tokens", "hidden_size", "max_chunk_resends")
     PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPLIT_LAYER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -97,7 +97,7 @@ class LinkParams(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     CODEC_LEVEL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    INFLIGHT_WINDOW_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -111,14 +111,14 @@ class LinkParams(_message.Message):
     codec: Codec
     codec_level: int
     kv_block_size_tokens: int
-    inflight_window_chunks: int
+    inflight_window_bytes: int
     max_concurrent_requests: int
     max_batched_tokens: int
     max_prompt_tokens: int
     max_new_tokens: int
     hidden_size: int
     max_chunk_resends: int
-    def __init__(self, params_version: _Optional[int] = ..., split_layer: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., codec_level: _Optional[int] = ..., kv_block_size_tokens: _Optional[int] = ..., inflight_window_chunks: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_chunk_resends: _Optional[int] = ...) -> None: ...
+    def __init__(self, params_version: _Optional[int] = ..., split_layer: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., codec_level: _Optional[int] = ..., kv_block_size_tokens: _Optional[int] = ..., inflight_window_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_chunk_resends: _Optional[int] = ...) -> None: ...
 
 class NegotiateResponse(_message.Message):
     __slots__ = ("params", "cloud_id", "model_id", "link_id", "split_layers", "note", "instance_id", "params_by_split")
@@ -157,6 +157,13 @@ class ServerInfoRequest(_message.Message):
 
 class ServerLoad(_message.Message):
     __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage", "tail_prefill_ms_per_token", "prefill_ms_per_token", "decode_ms_per_token", "queue_wait_ms", "link_running", "link_waiting")
+    class TailPrefillMsPerTokenEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -169,13 +176,13 @@ class ServerLoad(_message.Message):
     running_requests: int
     waiting_requests: int
     kv_cache_usage: float
-    tail_prefill_ms_per_token: float
+    tail_prefill_ms_per_token: _containers.ScalarMap[int, float]
     prefill_ms_per_token: float
     decode_ms_per_token: float
     queue_wait_ms: float
     link_running: int
     link_waiting: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tail_prefill_ms_per_token: _Optional[float] = ..., prefill_ms_per_token: _Optional[float] = ..., decode_ms_per_token: _Optional[float] = ..., queue_wait_ms: _Optional[float] = ..., link_running: _Optional[int] = ..., link_waiting: _Optional[int] = ...) -> None: ...
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tail_prefill_ms_per_token: _Optional[_Mapping[int, float]] = ..., prefill_ms_per_token: _Optional[float] = ..., decode_ms_per_token: _Optional[float] = ..., queue_wait_ms: _Optional[float] = ..., link_running: _Optional[int] = ..., link_waiting: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("cloud_id", "instance_id", "load", "link_known", "params_by_split", "split_layers", "serving")
@@ -324,11 +331,11 @@ class RepairRequest(_message.Message):
     reason: str
     def __init__(self, leaf_indices: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
 
-class ChunkAck(_message.Message):
-    __slots__ = ("through_seq",)
-    THROUGH_SEQ_FIELD_NUMBER: _ClassVar[int]
-    through_seq: int
-    def __init__(self, through_seq: _Optional[int] = ...) -> None: ...
+class WindowAck(_message.Message):
+    __slots__ = ("received_bytes",)
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
 
 class UploadAck(_message.Message):
     __slots__ = ("verified_tokens", "leaf_count", "merkle_root")
@@ -391,22 +398,22 @@ class Error(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Downlink(_message.Message):
-    __slots__ = ("nack", "repair", "upload_ack", "tokens", "final", "error", "chunk_ack")
+    __slots__ = ("nack", "repair", "upload_ack", "tokens", "final", "error", "window_ack")
     NACK_FIELD_NUMBER: _ClassVar[int]
     REPAIR_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_ACK_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_ACK_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_ACK_FIELD_NUMBER: _ClassVar[int]
     nack: Nack
     repair: RepairRequest
     upload_ack: UploadAck
     tokens: Tokens
     final: Final
     error: Error
-    chunk_ack: ChunkAck
-    def __init__(self, nack: _Optional[_Union[Nack, _Mapping]] = ..., repair: _Optional[_Union[RepairRequest, _Mapping]] = ..., upload_ack: _Optional[_Union[UploadAck, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., chunk_ack: _Optional[_Union[ChunkAck, _Mapping]] = ...) -> None: ...
+    window_ack: WindowAck
+    def __init__(self, nack: _Optional[_Union[Nack, _Mapping]] = ..., repair: _Optional[_Union[RepairRequest, _Mapping]] = ..., upload_ack: _Optional[_Union[UploadAck, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., window_ack: _Optional[_Union[WindowAck, _Mapping]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
