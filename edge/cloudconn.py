@@ -21,8 +21,10 @@ the link, and the cloud's load.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from tandem.common.errors import QuotaExceeded, TandemError
@@ -73,6 +75,7 @@ class CloudConnection:
         self._wake = asyncio.Event()
         self._force = False  # renegotiate at the next turn of the loop
         self._connecting = False
+        self._uploads = 0  # uploads in flight (polls are no RTT samples meanwhile)
         self._task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ state
@@ -231,9 +234,10 @@ class CloudConnection:
         n = self.negotiated
         if n is None:
             return
-        t0 = time.perf_counter()
+        t0, quiet = time.perf_counter(), self._uploads == 0
         info = await self.link.server_info(n.link_id)
-        self.rtt_ms.add((time.perf_counter() - t0) * 1e3)
+        if quiet and self._uploads == 0:
+            self.rtt_ms.add((time.perf_counter() - t0) * 1e3)
         if not info.link_known or info.instance_id != n.instance_id:
             self.connected.clear()
             reason = "the cloud restarted" if info.instance_id != n.instance_id else "the cloud forgot this link"
@@ -259,6 +263,24 @@ class CloudConnection:
         return offered <= 0 or not (1 / RENEGOTIATE_RATIO <= g / offered <= RENEGOTIATE_RATIO)
 
     # ------------------------------------------------------------------ passive measurement
+
+    @contextlib.contextmanager
+    def uploading(self) -> Iterator[Callable[[], None]]:
+        """Mark an upload in flight for the ``with`` block or until the yielded ``done()``: polls
+        meanwhile wait behind its bytes in the link's queues, so they are no RTT samples."""
+        self._uploads += 1
+        ended = False
+
+        def done() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self._uploads -= 1
+
+        try:
+            yield done
+        finally:
+            done()
 
     def observe_upload(self, nbytes: int, cloud_receive_ms: float) -> None:
         """A finished split upload of ``nbytes`` bytes that the cloud received in ``cloud_receive_ms``

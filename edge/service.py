@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -633,8 +633,26 @@ class EdgeService:
     ) -> AsyncIterator[TextOut | TurnDone]:
         assert self.conn is not None
         text = TextStream(self.tok, stop)
+        with self.conn.uploading() as upload_done:
+            async for ev in self._stream_events(out, s, ids, clock, head_tokens, timeout_s, text, d, upload_done):
+                yield ev
+
+    async def _stream_events(
+        self,
+        out: OutgoingTurn,
+        s: EdgeSession,
+        ids: list[int],
+        clock: TurnClock,
+        head_tokens: int,
+        timeout_s: float,
+        text: TextStream,
+        d: Decision,
+        upload_done: Callable[[], None],
+    ) -> AsyncIterator[TextOut | TurnDone]:
+        assert self.conn is not None
         async for ev in stream_turn(self.conn.link, out, timeout_s):
             if isinstance(ev, UploadAck):
+                upload_done()
                 s.cloud_tokens = len(ids)
                 s.leaves = s.leaves + [out.blocks[j].leaf_hash for j in sorted(out.blocks)]
                 clock.timings[Stage.UPLINK] = out.upload_ms
