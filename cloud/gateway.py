@@ -168,6 +168,7 @@ class Gateway:
         assert anonymous is not None
         anonymous.last_seen = float("-inf")  # holds no share until a request uses it
         metrics.watch_cloud(self.sessions, self.budget, store)
+        metrics.watch_links(self.links)
 
     @property
     def params(self) -> LinkParams:
@@ -465,15 +466,21 @@ class Gateway:
     async def _verify_items(
         self, upload: TurnUpload, uplink: AsyncIterator[UplinkBody]
     ) -> AsyncIterator[Nack | Repair | WindowAck]:
-        """Check each item as it arrives. Payload received (each chunk and KV block once) is
-        acknowledged (``WindowAck``) every half window; more than the window granted past the last
-        ack (plus one item) is a protocol violation.
+        """Check each item as it arrives. Payload received (each chunk and KV block once; resends do
+        not count) is acknowledged (``WindowAck``) every half window: the edge's flow control, which
+        it honours as a sender honours TCP's window. The cloud's memory does not depend on it: the
+        upload's bytes are reserved at its header (``UploadBudget``) and gRPC's flow control holds
+        back what the gateway has not read.
 
         Raises:
-            InvalidRequest: payload beyond the granted window, an unexpected item, an early close.
+            InvalidRequest: an unexpected item, an early close.
         """
         repairs, acked, received = 0, 0, 0
         window = upload.params.inflight_window_bytes
+        # the edge waits only with more than window - (its next item) in flight, so an ack at this
+        # threshold always comes: half the window, less where items are large against it (at least
+        # every item)
+        threshold = max(1, min(window // 2, window - upload.max_item_bytes))
         seen: set[tuple[str, int]] = set()
         async for item in uplink:
             if isinstance(item, wire.Chunk | KVBlock):
@@ -481,10 +488,6 @@ class Gateway:
                 if key not in seen:
                     seen.add(key)
                     received += len(item.payload)
-                    if received > acked + window + upload.max_item_bytes:
-                        raise InvalidRequest(
-                            f"{received - acked} payload bytes sent past the last acknowledgement; window {window}"
-                        )
             if isinstance(item, wire.Chunk):
                 if not await asyncio.to_thread(upload.add_chunk, item):
                     log.info("chunk %d failed its CRC32C or did not decode: NACK", item.seq)
@@ -504,7 +507,7 @@ class Gateway:
                 raise InvalidRequest(f"unexpected {type(item).__name__} after the header")
             if upload.complete:
                 return
-            if received - acked >= window // 2:
+            if received - acked >= threshold:
                 acked = received
                 yield WindowAck(received)
         raise InvalidRequest(

@@ -272,7 +272,10 @@ class LinkTable:
             return True
         # beyond its share the link borrows, only while no other link waits, and never the last slot
         # of another active link still below its share: that link's next request starts at once
-        # (a flooding edge cannot hold every slot between a quiet edge's requests)
+        # (a flooding edge cannot hold every slot between a quiet edge's requests). A link the SLO
+        # controller shrank (weight < 1: it misses its own objective) does not borrow at all.
+        if link.weight < 1.0:
+            return False
         now = self._clock()
         others = [lk for lk in self._links.values() if lk is not link]
         if any(lk.waiting for lk in others):

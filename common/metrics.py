@@ -11,8 +11,10 @@ Edge (``EdgeService``): ``tandem:time_to_first_token_seconds{mode}``,
 ``tandem:generation_tokens_total{mode}``, ``tandem:edge_head_tokens_total``,
 ``tandem:uplink_bytes_total{kind=activations|kv|header}`` (resends included),
 ``tandem:chunk_resends_total``, ``tandem:kv_block_repairs_total``,
-``tandem:session_resyncs_total`` (resends from token 0), gauges ``tandem:sessions`` and
-``tandem:session_bytes``.
+``tandem:session_resyncs_total`` (resends from token 0), ``tandem:ttft_prediction_error_ratio{mode}``
+(the cost model's relative error), ``tandem:mode_fallbacks_total{reason}`` (auto turns served locally
+because the cloud refused), gauges ``tandem:sessions``, ``tandem:session_bytes``, ``tandem:link_rtt_ms``,
+``tandem:link_goodput_mbps`` and ``tandem:cloud_connected``.
 
 Cloud (``Gateway``): ``tandem:cloud_queue_time_seconds{mode}`` (header to the first engine
 request: upload, store put and session commit in split mode), ``tandem:cloud_store_put_seconds``,
@@ -23,7 +25,7 @@ class), ``tandem:received_bytes_total{kind=activations|kv}``, ``tandem:crc_failu
 (chunks NACKed: CRC32C mismatch or payload not decodable), ``tandem:kv_block_repair_requests_total``
 (KV blocks asked again), ``tandem:engine_restarts_total``, gauges ``tandem:uploads_in_flight``,
 ``tandem:upload_bytes_reserved``, ``tandem:cloud_sessions``, ``tandem:cloud_session_bytes``,
-``tandem:block_store_bytes``.
+``tandem:block_store_bytes``, ``tandem:links_active``, ``tandem:requests_running``, ``tandem:requests_waiting``.
 
 The metric objects are module globals, created once per process and put in the default
 registry by the first ``EdgeService`` or ``Gateway`` (``watch_*``), so each daemon exports only

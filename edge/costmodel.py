@@ -4,37 +4,36 @@ Modes (``Route``): ``local`` (the whole model in ONNX Runtime here), ``split`` a
 layer ``k`` (head here, tail and decode in the cloud), ``direct`` (token ids up, the cloud
 runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times in ms):
 
-    local(T)    = q_local + n_local * p_local
-    direct(T)   = RTT + T * b_ids / G + q_cloud + T * p_cloud
-    split(T, k) = n_head * p_head[k] + n_up * b_split[k] / G + RTT + q_cloud
-                  + n_tail * p_tail[k]
+    local(T)    = q_local + P_local(n_local)                                        + r_local
+    direct(T)   = RTT + T * b_ids / G + q_cloud + P_cloud(T)                        + r_direct
+    split(T, k) = P_head[k](n_head) + n_up * b_split[k] / G + RTT + q_cloud
+                  + P_tail[k](n_tail)                                               + r_split[k]
 
-each then calibrated per route (``a * formula + b``, below).
-
+* ``P_*(n) = a + b * n``: the time of each compute stage for ``n`` tokens, a line fitted online
+  by exponentially weighted least squares (``Line``, forgetting factor ``LINE_DECAY``) on the
+  stage timings every request reports: ``local_prefill_ms`` (local), ``edge_head_ms`` (head at
+  ``k``), ``cloud_tail_prefill_ms`` (tail at ``k``, from the cloud's ``Final``),
+  ``cloud_decode_first_token_ms`` (the cloud's whole-model prefill, direct mode). Until a stage
+  has requests of different lengths, its slope is the measured rate: the edge's own (local
+  engine, head warm-up) or the cloud's (``ServerLoad``, polled and in every ``Final``; before the
+  cloud measured one, the edge's whole-model rate scaled to the layers run).
 * ``n_local`` / ``n_head``: prompt tokens the session's edge state does not cover (the longest
   common prefix with the state of the previous turn is reused); ``n_up``: tokens whose
   activations the cloud lacks; ``n_tail = T - B * floor(n_cloud / B)`` (tail KV of full blocks
   the cloud computed in earlier turns is loaded, not recomputed; ``B`` the KV block size).
-* ``p_local``, ``p_head[k]``: the edge's measured prefill time per token (whole model, head);
-  ``q_local``: other local requests in flight x the local decode step (they interleave per step).
-* ``p_cloud``, ``p_tail[k]``: the cloud's measured prefill time per token of the full model and of
-  the tail (``ServerLoad``, polled and in every ``Final``); before the cloud measured one, the
-  edge's own rate scaled by the layers run is the prior. ``q_cloud``: the cloud's mean admission
-  wait when its queue is not empty or this edge already uses its share, else 0.
+* ``q_local``: other local requests in flight x the local decode step (they interleave per
+  step); ``q_cloud``: the cloud's mean admission wait when its queue is not empty or this edge
+  already uses its share, else 0.
 * ``b_split[k]``: bytes per prompt token on the wire (activations in the link's wire dtype and
   head KV of layers ``[0, k)``, times the codec's measured ratio); ``b_ids`` = 5 bytes (a varint);
   ``G`` goodput, ``RTT`` round trip, both measured (``edge.cloudconn``).
-* calibration per route: the prediction is ``a * formula + b``, fitted online by exponentially
-  weighted least squares (``Calibration``, forgetting factor ``CALIBRATION_DECAY`` per request) of
-  the measured TTFT on the formula over the route's recent requests. ``b`` absorbs fixed costs
-  the formula leaves out (tokenization, framing, scheduling), ``a`` a rate that is off (a CPU
-  busier than when it was measured, prefill that scales better than linearly). Until the route's
-  requests span a range of formula values it is a plain offset (``a = 1``); ``a`` stays within
-  ``[1/4, 4]`` and the prediction above ``MIN_PREDICTION_FRACTION`` of the formula.
+* ``r_*``: per-route residual, an exponentially weighted mean (alpha ``RESIDUAL_ALPHA``) of
+  measured TTFT minus the formula: what the stages leave out (tokenization, framing, the
+  transport's own overhead). The prediction stays above ``MIN_PREDICTION_FRACTION`` of the formula.
 
 ``choose`` takes the route with the lowest prediction, with hysteresis: the route chosen last
 stays unless another is predicted ``hysteresis`` (10%) faster, so near-ties do not flap. To
-keep calibrations fresh, a route predicted within ``explore_within`` of the best that has not
+keep the fits fresh, a route predicted within ``explore_within`` of the best that has not
 served any request (of any mode: requested ones count) in the last ``explore_every`` choices runs
 once (the cost is bounded by ``explore_within``, at most once per route per ``explore_every``
 choices; with mixed traffic the other modes' requests keep every route fresh and auto never explores).
@@ -43,48 +42,59 @@ Pure domain code: no grpc, no ONNX.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tandem.common.ewma import Ewma
+from tandem.stages import Stage
 
 LOCAL, SPLIT, DIRECT = "local", "split", "direct"
 ID_BYTES = 5  # a token id as a protobuf varint, at most
-CALIBRATION_DECAY = 0.8  # weight of a route's older requests per new one (about the last 5-10 count)
-MIN_PREDICTION_FRACTION = 0.1
+LINE_DECAY = 0.95  # weight of a stage's older samples per new one (about the last 20-40 count)
+RESIDUAL_ALPHA = 0.3
+MIN_PREDICTION_FRACTION = 0.5
 
 
 @dataclass
-class Calibration:
-    """Exponentially weighted least squares of measured TTFT ``y`` on the formula ``x`` (both ms)."""
+class Line:
+    """``time_ms = a + b * n`` for one compute stage, by exponentially weighted least squares of the
+    measured stage time on its token count. Before the samples span a range of ``n`` (their
+    spread below 20% of their mean), the slope is the given prior rate and only ``a`` is fitted."""
 
-    decay: float = CALIBRATION_DECAY
-    n: float = 0.0  # weighted count
+    decay: float = LINE_DECAY
+    w: float = 0.0  # weighted count
     sx: float = 0.0
     sy: float = 0.0
     sxx: float = 0.0
     sxy: float = 0.0
     samples: int = 0
 
-    def add(self, x: float, y: float) -> None:
+    def add(self, n: float, ms: float) -> None:
+        if not (n > 0 and ms >= 0):
+            return
         d = self.decay
-        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + x, d * self.sy + y
-        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+        self.w, self.sx, self.sy = d * self.w + 1, d * self.sx + n, d * self.sy + ms
+        self.sxx, self.sxy = d * self.sxx + n * n, d * self.sxy + n * ms
         self.samples += 1
 
-    def coefficients(self) -> tuple[float, float]:
-        """(a, b) of ``y = a * x + b``; (1, 0) before any sample."""
-        if self.n == 0:
-            return 1.0, 0.0
-        mx, my = self.sx / self.n, self.sy / self.n
-        var = self.sxx / self.n - mx * mx
-        a = 1.0
-        if self.samples >= 3 and var > (0.1 * mx) ** 2:  # formula values spread by more than ~10%
-            a = min(4.0, max(0.25, (self.sxy / self.n - mx * my) / var))
-        return a, my - a * mx
+    def coefficients(self, prior_rate: float) -> tuple[float, float]:
+        """(a, b), both >= 0; ``(0, prior_rate)`` before any sample."""
+        if self.w == 0:
+            return 0.0, max(0.0, prior_rate)
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        if self.samples >= 3 and var > (0.2 * mx) ** 2:
+            b = (self.sxy / self.w - mx * my) / var
+            a = my - b * mx
+            if b >= 0 and a >= 0:
+                return a, b
+            return 0.0, max(0.0, self.sxy / self.sxx)  # through the origin
+        b = max(0.0, prior_rate)
+        return max(0.0, my - b * mx), b
 
-    def apply(self, x: float) -> float:
-        a, b = self.coefficients()
-        return max(MIN_PREDICTION_FRACTION * x, a * x + b)
+    def predict(self, n: float, prior_rate: float) -> float:
+        a, b = self.coefficients(prior_rate)
+        return a + b * n if n > 0 else 0.0
 
 
 @dataclass(frozen=True, order=True)
@@ -141,7 +151,9 @@ class LinkState:
 class Prediction:
     route: Route
     ttft_ms: float
-    formula_ms: float  # before calibration
+    formula_ms: float  # without the residual
+    stages: Mapping[str, tuple[int, float]] = field(default_factory=dict)  # line key -> (n, prior rate)
+    rest_ms: float = 0.0  # the formula's terms other than the compute stages (RTT, wire, queues)
 
 
 class CostModel:
@@ -150,7 +162,8 @@ class CostModel:
     def __init__(self, hysteresis: float = 0.10, explore_every: int = 50, explore_within: float = 1.5) -> None:
         self.hysteresis, self.explore_every, self.explore_within = hysteresis, explore_every, explore_within
         self.edge = EdgeRates()
-        self.calibration: dict[str, Calibration] = {}
+        self.lines: dict[str, Line] = {}  # "local", "direct", "head-k{k}", "tail-k{k}"
+        self.residual: dict[str, Ewma] = {}
         self.last: Route | None = None
         self.choices = 0
         self.last_run: dict[str, int] = {}  # route key -> choice count when it last ran
@@ -166,18 +179,26 @@ class CostModel:
             return measured
         return self.edge.local_prefill_ms_per_token.value * layers / max(1, link.num_layers)
 
-    def formula(self, route: Route, shape: RequestShape, link: LinkState) -> float:
-        """The formula part of the prediction (ms), before calibration."""
+    def _stage(self, key: str, n: int, prior_rate: float, stages: dict[str, tuple[int, float]]) -> float:
+        stages[key] = (n, prior_rate)
+        return self.lines.get(key, Line()).predict(n, prior_rate)
+
+    def formula(
+        self, route: Route, shape: RequestShape, link: LinkState, stages: dict[str, tuple[int, float]] | None = None
+    ) -> float:
+        """The formula part of the prediction (ms), without the residual; ``stages`` receives each
+        compute stage's token count and prior rate (for calibration)."""
+        tokens = {} if stages is None else stages
         T = shape.prompt_tokens
         if route.mode == LOCAL:
             n = T - min(shape.local_cached_tokens, T - 1)
             q = self.edge.local_active * self.edge.local_decode_ms_per_token.value
-            return q + n * self.edge.local_prefill_ms_per_token.value
+            return q + self._stage("local", n, self.edge.local_prefill_ms_per_token.value, tokens)
         g = self._goodput_bytes_per_ms(link)
         q_cloud = link.queue_wait_ms if link.cloud_busy else 0.0
         if route.mode == DIRECT:
             p = self._cloud_rate(link.cloud_prefill_ms_per_token, link.num_layers, link)
-            return link.rtt_ms + T * ID_BYTES / g + q_cloud + T * p
+            return link.rtt_ms + T * ID_BYTES / g + q_cloud + self._stage("direct", T, p, tokens)
         k = route.k
         n_head = T - min(shape.head_cached_tokens.get(k, 0), T - 1)
         n_cloud = min(shape.cloud_cached_tokens.get(k, 0), T)
@@ -185,14 +206,17 @@ class CostModel:
         B = max(1, link.block_size_tokens)
         n_tail = T - B * (n_cloud // B)
         p_tail = self._cloud_rate(link.cloud_tail_prefill_ms_per_token.get(k, 0.0), link.num_layers - k, link)
-        head = n_head * self.edge.head(k).value
+        head = self._stage(f"head-k{k}", n_head, self.edge.head(k).value, tokens)
         wire = n_up * link.bytes_per_token.get(k, 0.0) / g
-        return head + wire + link.rtt_ms + q_cloud + n_tail * p_tail
+        return head + wire + link.rtt_ms + q_cloud + self._stage(f"tail-k{k}", n_tail, p_tail, tokens)
 
     def predict(self, route: Route, shape: RequestShape, link: LinkState) -> Prediction:
-        f = self.formula(route, shape, link)
-        c = self.calibration.get(route.key)
-        return Prediction(route, c.apply(f) if c is not None else f, f)
+        stages: dict[str, tuple[int, float]] = {}
+        f = self.formula(route, shape, link, stages)
+        r = self.residual.get(route.key)
+        ttft = max(MIN_PREDICTION_FRACTION * f, f + (r.value if r else 0.0))
+        rest = f - sum(self.lines.get(k, Line()).predict(n, rate) for k, (n, rate) in stages.items())
+        return Prediction(route, ttft, f, stages, rest)
 
     # ------------------------------------------------------------------ choice and calibration
 
@@ -224,9 +248,26 @@ class CostModel:
         """Note that ``route`` served a request (for exploration)."""
         self.last_run[route.key] = self.choices
 
-    def observe(self, prediction: Prediction, measured_ttft_ms: float) -> None:
-        """Calibrate the route with a measured TTFT (ms) against its formula."""
-        self.calibration.setdefault(prediction.route.key, Calibration()).add(prediction.formula_ms, measured_ttft_ms)
+    def observe(self, prediction: Prediction, measured_ttft_ms: float, timings: Mapping[Stage, float]) -> None:
+        """Calibrate with a served request: each compute stage's line from its measured time
+        (``timings``, ms), then the route's residual from the measured TTFT (ms)."""
+        stages, rest = prediction.stages, prediction.rest_ms
+        for key, (n, _) in stages.items():
+            stage = STAGE_OF_LINE[key.split("-")[0]]
+            if stage in timings:
+                self.lines.setdefault(key, Line()).add(n, timings[stage])
+        # the residual against the formula with the lines just updated: what the stages do not explain
+        refit = rest + sum(self.lines.get(k, Line()).predict(n, r) for k, (n, r) in stages.items())
+        self.residual.setdefault(prediction.route.key, Ewma(RESIDUAL_ALPHA)).add(measured_ttft_ms - refit)
+
+
+# the stage timing each line is fitted on
+STAGE_OF_LINE = {
+    "local": Stage.LOCAL_PREFILL,
+    "direct": Stage.CLOUD_DECODE_FIRST_TOKEN,
+    "head": Stage.EDGE_HEAD,
+    "tail": Stage.CLOUD_TAIL_PREFILL,
+}
 
 
 def zstd_pays(ratio: float, compress_mb_per_s: float, decompress_mb_per_s: float, goodput_mbps: float) -> bool:

@@ -409,7 +409,7 @@ class EdgeService:
         )
         async for ev in events:
             if isinstance(ev, TurnDone) and d.prediction is not None and ev.ttft_ms > 0:
-                self.cost.observe(d.prediction, ev.ttft_ms)
+                self.cost.observe(d.prediction, ev.ttft_ms, ev.timings)
                 metrics.record_prediction(d.route.mode, d.prediction.ttft_ms, ev.ttft_ms)
             yield ev
 

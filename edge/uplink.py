@@ -68,11 +68,14 @@ def send_order(chunks: list[wire.Chunk], blocks: dict[int, KVBlock], block_token
     ``[j*B, (j+1)*B)``); blocks of tokens before the first chunk lead, any others trail."""
     pending = sorted(blocks.items())
     order: list[wire.Chunk | KVBlock] = []
+    first = chunks[0].token_offset if chunks else 0
+    while pending and block_tokens and (pending[0][0] + 1) * block_tokens <= first:
+        order.append(pending.pop(0)[1])
     for c in chunks:
+        order.append(c)
         end = c.token_offset + c.num_tokens
         while pending and block_tokens and (pending[0][0] + 1) * block_tokens <= end:
             order.append(pending.pop(0)[1])
-        order.append(c)
     return order + [b for _, b in pending]
 
 

@@ -5,7 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.edge.costmodel import DIRECT, LOCAL, SPLIT, CostModel, LinkState, Prediction, RequestShape, Route, zstd_pays
+from tandem.edge.costmodel import (
+    DIRECT,
+    LOCAL,
+    SPLIT,
+    CostModel,
+    Line,
+    LinkState,
+    Prediction,
+    RequestShape,
+    Route,
+    zstd_pays,
+)
+from tandem.stages import Stage
 
 
 def model() -> CostModel:
@@ -64,25 +76,31 @@ def test_queues_and_unknowns():
     assert m.formula(Route(SPLIT, 4), RequestShape(10), unknown) == pytest.approx(10 * 0.3 + 20 + 10 * 2.0 * 26 / 30)
 
 
-def test_calibration_learns_an_offset_then_a_scale_per_route():
+def test_stage_lines_are_fitted_from_stage_timings_and_the_residual_takes_the_rest():
     m, lk = model(), link()
-    p = m.predict(Route(DIRECT), RequestShape(100), lk)
-    for _ in range(20):
-        m.observe(p, p.formula_ms + 35.0)  # one prompt length: a fixed cost the formula leaves out
-    assert m.predict(Route(DIRECT), RequestShape(100), lk).ttft_ms == pytest.approx(p.formula_ms + 35.0, rel=1e-3)
-    # local runs at 0.6x its measured rate plus 20 ms, over prompts of many lengths
-    for n in (10, 50, 200, 800, 30, 400, 100):
-        q = m.predict(Route(LOCAL), RequestShape(n), lk)
-        m.observe(q, 0.6 * q.formula_ms + 20.0)
-    for n in (5, 64, 1024):
-        f = m.formula(Route(LOCAL), RequestShape(n), lk)
-        assert m.predict(Route(LOCAL), RequestShape(n), lk).ttft_ms == pytest.approx(0.6 * f + 20.0, rel=1e-6)
-    # a short prompt after long ones never gets a zero or negative prediction
-    for n in (800, 900, 1000):
-        q = m.predict(Route(SPLIT, 4), RequestShape(n), lk)
-        m.observe(q, q.formula_ms - 500.0)
-    f = m.formula(Route(SPLIT, 4), RequestShape(2), lk)
-    assert m.predict(Route(SPLIT, 4), RequestShape(2), lk).ttft_ms >= 0.1 * f > 0
+    # the cloud's whole-model prefill really costs 30 ms + 0.8 ms per token; the measured rate said 0.5
+    for n in (64, 256, 1024, 100, 700):
+        p = m.predict(Route(DIRECT), RequestShape(n), lk)
+        measured = 20 + n * 5 / 10_000 + (30 + 0.8 * n) + 12.0  # RTT + ids + prefill + 12 ms unmodelled
+        m.observe(p, measured, {Stage.CLOUD_DECODE_FIRST_TOKEN: 30 + 0.8 * n})
+    a, b = m.lines["direct"].coefficients(0.5)
+    assert a == pytest.approx(30, abs=1e-6) and b == pytest.approx(0.8)
+    for n in (32, 512, 2048):  # also lengths it never saw
+        truth = 20 + n * 5 / 10_000 + 30 + 0.8 * n + 12.0
+        assert m.predict(Route(DIRECT), RequestShape(n), lk).ttft_ms == pytest.approx(truth, rel=0.05)
+    # one length only: the slope stays the prior rate, the intercept absorbs the difference
+    q = m.predict(Route(LOCAL), RequestShape(200), lk)
+    for _ in range(5):
+        m.observe(q, 480.0, {Stage.LOCAL_PREFILL: 470.0})
+    a, b = m.lines["local"].coefficients(2.0)
+    assert b == 2.0 and a == pytest.approx(70.0)
+    # a line never goes negative, and the prediction keeps at least half of the formula
+    m.lines["tail-k4"] = Line()
+    for n in (800, 900, 1000, 1100):
+        m.lines["tail-k4"].add(n, 10.0)
+    assert all(c >= 0 for c in m.lines["tail-k4"].coefficients(0.4))
+    p = m.predict(Route(SPLIT, 4), RequestShape(2), lk)
+    assert p.ttft_ms >= 0.5 * p.formula_ms > 0
 
 
 def pred(mode: str, ms: float, k: int = 0) -> Prediction:

@@ -478,3 +478,20 @@ def test_trace_points_per_active_link_per_step():
     t.register("b", "edge-b", SLO)
     t.control_step()
     assert [p.link_id for p in t.trace][4:] == ["b"]
+
+
+@pytest.mark.asyncio
+async def test_a_link_the_controller_shrank_does_not_borrow():
+    t = table(4, 10_000, "a", "b", max_queue_wait_s=0.1)
+    a = t.get("a")
+    assert a is not None
+    held = [await t.admit("a", 1, None) for _ in range(3)]  # weight 1: borrows up to b's headroom
+    for ticket in held:
+        ticket.release()
+    a.weight = 0.8  # missed its SLO once
+    assert t.share("a") == (1, 4444)  # 4 * 0.8 / 1.8
+    first = await t.admit("a", 1, None)
+    with pytest.raises(LinkBusy):
+        await t.admit("a", 1, None)  # at its share, and no longer allowed to borrow
+    first.release()
+    assert t.running == t.waiting == 0

@@ -291,9 +291,89 @@ async def test_the_edge_measures_rtt_and_goodput_over_the_channel_and_follows_a_
         # (about 10-18 Mbit/s here), so it lands below the shaped rate, but at least twice the 4 it
         # started at; the probe over the same fast link measures ~31 (a separate, pure-wire number)
         assert 8.0 <= c.goodput_mbps.value <= 40.0, c.goodput_mbps.value
-        await asyncio.sleep(3 * c.poll_s)  # polls follow the RTT
+        await asyncio.sleep(8 * c.poll_s)  # polls follow the RTT (alpha 0.3: 8 samples leave 6% of the old value)
         assert 10.0 <= c.rtt_ms.value < 30.0, c.rtt_ms.value
     finally:
         await close_edge(edge)
         server.close()
         await cloud.stop()
+
+
+# ---------------------------------------------------------------- the upload window
+
+
+class _Call:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, item) -> int:
+        self.sent.append(item)
+        return len(getattr(item, "payload", b"")) + 10
+
+    def close_send(self) -> None:
+        self.sent.append("half-close")
+
+
+def test_the_edge_sends_within_the_window_and_commits_after_the_last_item():
+    from tandem.common import wire
+    from tandem.common.messages import Commit, KVBlock, TurnHeader
+    from tandem.edge.uplink import OutgoingTurn, _send_more, _send_upload
+
+    h = np.zeros((64, 8), np.float32)
+    chunks = wire.split(h, 0, 16, params_version=1)  # 4 chunks of 512 B, tokens [0, 64)
+    blocks = {j: KVBlock(j, bytes(32), 0, 2, Codec.NONE, 1000, bytes(1000), bytes(32), 1) for j in range(2)}
+    header = TurnHeader("r", "", 1, K, tuple(range(64)), 0, 4, 2, Sampling(max_new_tokens=1))
+    turn = OutgoingTurn(header, chunks, blocks, 2, bytes(32), window=2000, block_tokens=32)
+    # block j follows the chunk that completes it: c0 c1 b0 c2 c3 b1
+    assert [type(x).__name__[0] + str(getattr(x, "seq", getattr(x, "leaf_index", ""))) for x in turn.order] == [
+        "C0",
+        "C1",
+        "K0",
+        "C2",
+        "C3",
+        "K1",
+    ]
+    call = _Call()
+    _send_upload(call, turn)
+    assert turn.payload_sent == 1024  # c0 c1; b0 (1000 B) would pass the 2000-byte window
+    _send_more(call, turn, 512)  # the cloud received c0: 512 in flight + 1000 fits
+    assert turn.payload_sent == 2024 and not turn.committed
+    _send_more(call, turn, 2024)  # all received: c2 c3; b1 would pass the window again
+    assert turn.payload_sent == 3048 and not turn.committed
+    _send_more(call, turn, 3048)  # the last block, then the commit
+    assert turn.payload_sent == 4048 and turn.committed and isinstance(call.sent[-1], Commit)
+    big = OutgoingTurn(header, chunks, blocks, 2, bytes(32), window=100, block_tokens=32)
+    _send_upload(_Call(), big)
+    assert big.payload_sent == 512  # an item larger than the window goes when nothing is in flight
+
+
+async def test_a_small_window_paces_the_upload_on_the_clouds_acks():
+    toy = await toy_stack()
+    try:
+        edge, gw = toy.edge, toy.gateway
+        link_id = edge.conn.negotiated.link_id
+        rec = gw._versions[link_id]
+        rec.update({k: replace(p, inflight_window_bytes=3000) for k, p in rec.current.items()})
+        await edge.conn._poll()
+        acks = []
+        inner_open = edge.conn.link.open
+
+        def counting_open(timeout_s):
+            call = inner_open(timeout_s)
+            events = call.events
+
+            async def counted():
+                async for ev in events():
+                    if type(ev).__name__ == "WindowAck":
+                        acks.append(ev.received_bytes)
+                    yield ev
+
+            call.events = counted
+            return call
+
+        edge.conn.link.open = counting_open
+        done = await run(edge, turn("a prompt long enough for several chunks of sixteen tokens " * 4, mode="split"))
+        assert done.output_tokens == 4 and len(acks) >= 3 and acks == sorted(acks)
+        assert done.sent_bytes["activations"] + done.sent_bytes["kv"] > 3 * 3000  # it took several windows
+    finally:
+        await toy.batcher.stop()
