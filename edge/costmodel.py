@@ -9,7 +9,8 @@ runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times
     split(T, k) = P_head[k](n_head) + n_up * b_split[k] / G + RTT + q_cloud
                   + P_tail[k](n_tail)                                               + r_split[k]
 
-* ``P_*(n) = a + b * n``: the time of each compute stage for ``n`` tokens, a line fitted online
+* ``P_*(n) = a + b * n + c * n^2``: the time of each compute stage for ``n`` tokens (a fixed
+  part, projections and MLP linear in ``n``, attention over the prompt quadratic), fitted online
   by exponentially weighted least squares (``Line``, forgetting factor ``LINE_DECAY``) on the
   stage timings every request reports: ``local_prefill_ms`` (local), ``edge_head_ms`` (head at
   ``k``), ``cloud_tail_prefill_ms`` (tail at ``k``, from the cloud's ``Final``),
@@ -45,6 +46,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tandem.common.ewma import Ewma
 from tandem.stages import Stage
 
@@ -57,44 +60,54 @@ MIN_PREDICTION_FRACTION = 0.5
 
 @dataclass
 class Line:
-    """``time_ms = a + b * n`` for one compute stage, by exponentially weighted least squares of the
-    measured stage time on its token count. Before the samples span a range of ``n`` (their
-    spread below 20% of their mean), the slope is the given prior rate and only ``a`` is fitted."""
+    """``time_ms = a + b * n + c * n**2`` for one compute stage: prefill costs a fixed part, a part
+    linear in the tokens (projections, MLP) and a part quadratic in them (attention over the
+    prompt). Fitted by exponentially weighted least squares of the measured stage time on the
+    stage's token count (all coefficients >= 0). With samples of one length only (spread below
+    20% of their mean) the slope is the given prior rate and only ``a`` is fitted; with two or
+    more lengths, ``c = 0`` unless the three-term fit is possible and non-negative."""
 
     decay: float = LINE_DECAY
-    w: float = 0.0  # weighted count
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
+    s: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))  # weighted sums of x x^T, x = [1, n, n^2]
+    t: np.ndarray = field(default_factory=lambda: np.zeros(3))  # weighted sums of x * ms
     samples: int = 0
 
     def add(self, n: float, ms: float) -> None:
         if not (n > 0 and ms >= 0):
             return
-        d = self.decay
-        self.w, self.sx, self.sy = d * self.w + 1, d * self.sx + n, d * self.sy + ms
-        self.sxx, self.sxy = d * self.sxx + n * n, d * self.sxy + n * ms
+        x = np.array([1.0, n / SCALE, (n / SCALE) ** 2])
+        self.s = self.decay * self.s + np.outer(x, x)
+        self.t = self.decay * self.t + x * ms
         self.samples += 1
 
-    def coefficients(self, prior_rate: float) -> tuple[float, float]:
-        """(a, b), both >= 0; ``(0, prior_rate)`` before any sample."""
-        if self.w == 0:
-            return 0.0, max(0.0, prior_rate)
-        mx, my = self.sx / self.w, self.sy / self.w
-        var = self.sxx / self.w - mx * mx
-        if self.samples >= 3 and var > (0.2 * mx) ** 2:
-            b = (self.sxy / self.w - mx * my) / var
+    def coefficients(self, prior_rate: float) -> tuple[float, float, float]:
+        """(a, b, c) in ms, ms per token, ms per token squared; ``(0, prior_rate, 0)`` before any sample."""
+        w = self.s[0, 0]
+        if w == 0:
+            return 0.0, max(0.0, prior_rate), 0.0
+        mx, my = self.s[0, 1] / w, self.t[0] / w
+        var = self.s[1, 1] / w - mx * mx
+        if self.samples < 3 or var <= (0.2 * mx) ** 2:  # one length: the prior slope, a fitted offset
+            b = max(0.0, prior_rate) * SCALE
+            return max(0.0, my - b * mx), b / SCALE, 0.0
+        try:
+            a, b, c = np.linalg.solve(self.s + 1e-9 * np.eye(3), self.t)
+        except np.linalg.LinAlgError:
+            a = b = c = -1.0
+        if min(a, b, c) < 0:  # a line instead (two lengths, or a fit that bends the wrong way)
+            b = (self.s[0, 1] * self.t[0] / w - self.t[1]) / (mx * self.s[0, 1] - self.s[1, 1]) if var > 0 else 0.0
             a = my - b * mx
-            if b >= 0 and a >= 0:
-                return a, b
-            return 0.0, max(0.0, self.sxy / self.sxx)  # through the origin
-        b = max(0.0, prior_rate)
-        return max(0.0, my - b * mx), b
+            c = 0.0
+            if a < 0 or b < 0:
+                a, b = 0.0, max(0.0, self.t[1] / self.s[1, 1])
+        return float(a), float(b) / SCALE, float(c) / SCALE**2
 
     def predict(self, n: float, prior_rate: float) -> float:
-        a, b = self.coefficients(prior_rate)
-        return a + b * n if n > 0 else 0.0
+        a, b, c = self.coefficients(prior_rate)
+        return a + b * n + c * n * n if n > 0 else 0.0
+
+
+SCALE = 1000.0  # token counts enter the fit in thousands (a well-conditioned system)
 
 
 @dataclass(frozen=True, order=True)
