@@ -7,8 +7,10 @@
 
 over emulated links, through ONE cloud (a tail engine per split layer) and ONE edge (every head
 and the whole model), all in one run so ratios hold on a noisy machine. Every mode is asked of
-the same edge daemon; the fixed modes run first in each link profile, so auto's cost model has
-seen that link, as a live edge that serves mixed traffic has. Writes ``records.jsonl`` (one line
+the same edge daemon; at concurrency 1 the modes take turns on each prompt (fixed modes first,
+auto last), so drift of a noisy machine hits every mode alike and auto's cost model has seen the
+link and the prompt length, as a live edge that serves mixed traffic has; a calibration pass
+(each fixed mode once per prompt length, not recorded) precedes the matrix. Writes ``records.jsonl`` (one line
 per request), ``summary.csv``, ``summary.md``, ``auto.md`` (auto against the best fixed mode per
 cell), ``meta.json`` and PNG plots into ``--out``.
 """
@@ -259,15 +261,31 @@ def main(
     with tqdm(total=total, desc="requests", unit="req") as bar:
         try:
             eport = stack.start()
+            # calibration pass (not recorded): each fixed mode once per prompt length, so the edge's
+            # cost model has seen every compute stage at every length, as a live edge has
+            stack.set_link(profiles[0])
+            calib = {n: make_prompts(tokenizer, n, 1, seed + 7) for n in lens}
+            for n in lens:
+                for spec in specs:
+                    if spec.mode != "auto":
+                        asyncio.run(run_remote(eport, calib[n], spec, profiles[0].name, n, 1, 2, _Null()))
             for prof in profiles:
                 stack.set_link(prof)
+                warm = make_prompts(tokenizer, 16, 1, seed + 99)
                 for spec in specs:
-                    warm = make_prompts(tokenizer, 16, 1, seed + 99)
                     asyncio.run(run_remote(eport, warm, spec, prof.name, 16, 1, 2, _Null()))
-                    for n in lens:
-                        records += asyncio.run(
-                            run_remote(eport, prompts[n], spec, prof.name, n, concurrency, max_new_tokens, bar)
-                        )
+                for n in lens:
+                    if concurrency == 1:  # paired: every mode on prompt i, then on prompt i+1 (drift hits all)
+                        for p in prompts[n]:
+                            for spec in specs:
+                                records += asyncio.run(
+                                    run_remote(eport, [p], spec, prof.name, n, 1, max_new_tokens, bar)
+                                )
+                    else:
+                        for spec in specs:
+                            records += asyncio.run(
+                                run_remote(eport, prompts[n], spec, prof.name, n, concurrency, max_new_tokens, bar)
+                            )
         finally:
             stack.stop()
     meta = machine_meta(args) | {"shaper": shaper, "links": [p.as_dict() for p in profiles]}
