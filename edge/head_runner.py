@@ -46,6 +46,21 @@ class HeadOutput:
     kv: np.ndarray
 
 
+def session_options(intra_op_threads: int = 0):
+    """ONNX Runtime session options of every edge model: full graph optimization, and intra-op
+    threads that sleep when idle. ONNX Runtime's default lets them spin-wait after each run, which
+    on a host it shares (the edge's other models, a co-located cloud) steals the cores of whatever
+    runs next: the benchmark's requests right after a local-mode request were 7-33% slower."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = intra_op_threads
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return opts
+
+
 def default_providers() -> list[str]:
     """CUDA first where onnxruntime-gpu offers it, then CPU."""
     import onnxruntime as ort
@@ -63,9 +78,7 @@ class OnnxHead:
         self.manifest = SplitManifest.load(split_dir)
         s = self.manifest.shape
         self.k, self.hkv, self.d, self.h = self.manifest.split_layer, s.num_kv_heads, s.head_dim, s.hidden_size
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = intra_op_threads
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts = session_options(intra_op_threads)
         path = self.manifest.resolve(split_dir, self.manifest.head_onnx)
         self.session = ort.InferenceSession(str(path), opts, providers=providers or default_providers())
         self._inputs, self._outputs = io_names(self.k)

@@ -152,12 +152,11 @@ class LocalEngine:
         KV bytes of all sessions. Raises what ``onnxruntime.InferenceSession`` raises for a bad file."""
         import onnxruntime as ort
 
-        from tandem.edge.head_runner import default_providers
+        from tandem.edge.head_runner import default_providers, session_options
 
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = intra_op_threads
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.session = ort.InferenceSession(str(onnx_path), opts, providers=default_providers())
+        self.session = ort.InferenceSession(
+            str(onnx_path), session_options(intra_op_threads), providers=default_providers()
+        )
         self.shape = shape
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         inputs, outputs = io_names(shape.num_layers)
