@@ -7,10 +7,12 @@
 
 over emulated links, through ONE cloud (a tail engine per split layer) and ONE edge (every head
 and the whole model), all in one run so ratios hold on a noisy machine. Every mode is asked of
-the same edge daemon; at concurrency 1 the modes take turns on each prompt (fixed modes first,
-auto last), so drift of a noisy machine hits every mode alike and auto's cost model has seen the
-link and the prompt length, as a live edge that serves mixed traffic has; a calibration pass
-(each fixed mode once per prompt length, not recorded) precedes the matrix. Writes ``records.jsonl`` (one line
+the same edge daemon, one mode after the other per link profile (fixed modes first, auto last),
+so auto's cost model has seen the link, as a live edge that serves mixed traffic has; a
+calibration pass (each fixed mode once per prompt length, not recorded) precedes the matrix.
+Modes do not take turns request by request: with edge and cloud on the same two cores, the mode
+that ran just before slows the next one (vLLM's engine loop, ONNX Runtime's threads), which
+penalised whichever mode followed a heavy one by 10-50% in a paired run. Writes ``records.jsonl`` (one line
 per request), ``summary.csv``, ``summary.md``, ``auto.md`` (auto against the best fixed mode per
 cell), ``meta.json`` and PNG plots into ``--out``.
 """
@@ -274,18 +276,11 @@ def main(
                 warm = make_prompts(tokenizer, 16, 1, seed + 99)
                 for spec in specs:
                     asyncio.run(run_remote(eport, warm, spec, prof.name, 16, 1, 2, _Null()))
-                for n in lens:
-                    if concurrency == 1:  # paired: every mode on prompt i, then on prompt i+1 (drift hits all)
-                        for p in prompts[n]:
-                            for spec in specs:
-                                records += asyncio.run(
-                                    run_remote(eport, [p], spec, prof.name, n, 1, max_new_tokens, bar)
-                                )
-                    else:
-                        for spec in specs:
-                            records += asyncio.run(
-                                run_remote(eport, prompts[n], spec, prof.name, n, concurrency, max_new_tokens, bar)
-                            )
+                for spec in specs:  # one mode at a time: on these shared cores a mode disturbs the next
+                    for n in lens:
+                        records += asyncio.run(
+                            run_remote(eport, prompts[n], spec, prof.name, n, concurrency, max_new_tokens, bar)
+                        )
         finally:
             stack.stop()
     meta = machine_meta(args) | {"shaper": shaper, "links": [p.as_dict() for p in profiles]}

@@ -243,9 +243,9 @@ def main(
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/burst"),
 ) -> None:
     """Run the burst (and its frozen-controller twin) and write the table, trace and plot."""
+    args = {k: str(v) if isinstance(v, Path) else v for k, v in locals().items()}
     from transformers import AutoTokenizer
 
-    args = {k: str(v) if isinstance(v, Path) else v for k, v in locals().items()}
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
     prompts = make_prompts(tokenizer, prompt_tokens, 32, seed)
@@ -255,7 +255,9 @@ def main(
     for controller in ("on", "off") if compare else ("on",):
         print(f"run with the controller {controller} ({alone_s + burst_s:.0f} s) ...", file=sys.stderr)
         samples += run_once(controller, args, prompts, workdir, model_dir, out)
-    (out / "burst.json").write_text(json.dumps({"args": args, "samples": [asdict(s) for s in samples]}, indent=1))
+    (out / "burst.json").write_text(
+        json.dumps({"args": args, "samples": [asdict(s) for s in samples]}, indent=1, default=str)
+    )
     md = summary(samples, args)
     (out / "burst.md").write_text(md)
     plot(samples, out, args)
