@@ -77,6 +77,7 @@ test: model
 bench: model
 	$(BIN)/tandem-bench --model-dir $(MODEL_DIR) --split-layers $(SPLIT_LAYERS) --out bench-results/latest
 	$(BIN)/tandem-bench-batching --model $(MODEL_DIR)/hf --out bench-results/batching
+	$(BIN)/tandem-bench-burst --model-dir $(MODEL_DIR) --out bench-results/burst
 
 # mypy sees the installed layout (tandem.edge, tandem.cloud, tandem.common) through a tree of links
 check: setup proto-check

@@ -186,3 +186,35 @@ def test_batching_smoke(tmp_path):
     data = json.loads((out / "batching.json").read_text())
     assert [r["max_num_seqs"] for r in data["rows"]] == [1, 2]
     assert (out / "batching.png").stat().st_size > 0
+
+
+def test_burst_summary_and_plot(tmp_path):
+    from tandem.benchmarks.burst import Sample, plot, summary
+
+    args = {"quiet_ttft_slo_ms": 500.0, "flood_concurrency": 4, "alone_s": 10.0, "burst_s": 20.0, "max_num_seqs": 4}
+    samples = [Sample("quiet", "on", t, 100.0 + t, "ok") for t in range(0, 30, 2)]
+    samples += [Sample("flood", "on", 10.0 + t, 900.0, "ok" if t % 3 else "ResourceExhausted") for t in range(20)]
+    trace = [
+        {"time": 100.0 + t, "edge_id": e, "max_concurrent_requests": 1 + (e == "quiet") * (t > 5), "p99_ttft_ms": 300.0}
+        for t in range(30)
+        for e in ("quiet", "flood")
+    ]
+    (tmp_path / "trace-on.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trace))
+    md = summary(samples, args)
+    assert "| on | alone | 5 | 104 | 108 | yes | 0 | 0 | nan |" in md
+    assert "| on | burst | 10 |" in md and "| 13 | 7 |" in md  # flood: 13 served, 7 refused
+    plot(samples, tmp_path, args)
+    assert (tmp_path / "burst_trace.png").stat().st_size > 0
+
+
+@pytest.mark.engines
+def test_burst_smoke(tmp_path):
+    out = tmp_path / "burst"
+    cmd = [
+        sys.executable, "-m", "tandem.benchmarks.burst", "--alone-s", "2", "--burst-s", "4",
+        "--flood-concurrency", "2", "--no-compare", "--max-new-tokens", "2", "--out", str(out),
+    ]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "| on | alone |" in (out / "burst.md").read_text()
+    assert (out / "trace-on.jsonl").stat().st_size > 0 and (out / "burst_trace.png").stat().st_size > 0
