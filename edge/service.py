@@ -172,14 +172,6 @@ class EdgeService:
         return p.max_new_tokens if p is not None else 4096
 
     @property
-    def params(self) -> LinkParams | None:
-        """The current link params of the deepest usable split, else direct mode; None offline."""
-        if self.conn is None:
-            return None
-        ks = self.split_layers
-        return self.conn.params(max(ks)) if ks else self.conn.params(0)
-
-    @property
     def split_layers(self) -> tuple[int, ...]:
         """Split layers usable now: the edge holds the head and the connected cloud the tail."""
         if self.conn is None:
