@@ -35,13 +35,13 @@ from pathlib import Path
 import numpy as np
 
 from tandem.common.errors import InvalidRequest
+from tandem.common.ewma import Ewma
 from tandem.common.head_io import io_names
 from tandem.common.lru import BoundedLRU
 from tandem.common.manifest import ModelShape
 from tandem.common.params import MAX_TEMPERATURE, Sampling
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
-EWMA_ALPHA = 0.2  # weight of the newest sample in the measured rates
 WARMUP_DECODE_STEPS = 4
 
 
@@ -122,10 +122,6 @@ def sample_token(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> i
     return int(rng.choice(p.shape[0], p=p))
 
 
-def _ewma(old: float, x: float) -> float:
-    return x if old == 0.0 else old + EWMA_ALPHA * (x - old)
-
-
 class LocalEngine:
     """``edge-full.onnx`` in one ONNX Runtime session, serving concurrent turns.
 
@@ -164,8 +160,8 @@ class LocalEngine:
         self._out_names = ["logits", *outputs[1:]]
         self.sessions = LocalSessions(max_sessions, session_bytes)
         self._model_lock = asyncio.Lock()
-        self.prefill_ms_per_token = 0.0
-        self.decode_ms_per_token = 0.0
+        self.prefill_rate = Ewma()  # ms per prompt token computed, runs of more than one token
+        self.decode_rate = Ewma()  # ms per one-token run
         self.active = 0
         self.last_computed_tokens = 0
         self.last_reused_tokens = 0
@@ -174,6 +170,14 @@ class LocalEngine:
         """Prompt tokens whose KV the session ``session_id`` holds (its common prefix); 0 if none."""
         s = self.sessions.peek(session_id) if session_id else None
         return s.common_prefix(prompt_ids) if s is not None else 0
+
+    @property
+    def prefill_ms_per_token(self) -> float:
+        return self.prefill_rate.value
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        return self.decode_rate.value
 
     @property
     def providers(self) -> list[str]:
@@ -239,9 +243,9 @@ class LocalEngine:
         fut.add_done_callback(self._run_done)
         logits, present, ms = await asyncio.shield(fut)
         if len(new_ids) > 1:
-            self.prefill_ms_per_token = _ewma(self.prefill_ms_per_token, ms / len(new_ids))
+            self.prefill_rate.add(ms / len(new_ids))
         else:
-            self.decode_ms_per_token = _ewma(self.decode_ms_per_token, ms)
+            self.decode_rate.add(ms)
         return logits, present
 
     def _run_done(self, fut: asyncio.Future) -> None:
