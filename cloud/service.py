@@ -78,8 +78,11 @@ class CloudServicer(pb_grpc.CloudServicer):
         return self.gateway.server_info(request.link_id).to_pb()
 
     async def Generate(self, request_iterator: AsyncIterator[pb.Uplink], context: grpc.aio.ServicerContext):
-        if self.draining:
-            await abort(context, EngineError("this cloud is draining (shutting down); retry on another replica"))
+        if self.draining:  # the verdict in a message, then the status, as for every refused turn
+            err = EngineError("this cloud is draining (shutting down); retry on another replica")
+            yield downlink_to_pb(TurnError(err))
+            await drain(request_iterator.__aiter__(), self.gateway.cfg.drain_timeout_s)
+            await abort(context, err)
         self.in_flight += 1
         try:
             async for m in self._generate(request_iterator, context):

@@ -108,15 +108,21 @@ class Daemon:
             RuntimeError: the process exited, or no port after ``timeout_s``; the message has the log's tail.
         """
         t0 = time.monotonic()
+        tty, shown = sys.stderr.isatty(), -1  # on a terminal a live counter; in a log a line per 10 s
         while (port := self.port()) is None:
             waited = time.monotonic() - t0
             if self.proc.poll() is not None or waited > timeout_s:
                 print(file=sys.stderr)
                 why = f"exited with {self.proc.returncode}" if self.proc.returncode is not None else "not ready"
                 raise RuntimeError(f"{self.name} {why} after {waited:.0f} s; last lines of {self.log}:\n{self.tail()}")
-            print(f"\r  starting {self.name} ... {waited:5.1f} s", end="", file=sys.stderr, flush=True)
+            if tty:
+                print(f"\r  starting {self.name} ... {waited:5.1f} s", end="", file=sys.stderr, flush=True)
+            elif int(waited // 10) > shown:
+                shown = int(waited // 10)
+                print(f"  starting {self.name} ... {waited:5.1f} s", file=sys.stderr, flush=True)
             time.sleep(poll_s)
-        print(f"\r  {self.name} ready in {time.monotonic() - t0:.1f} s          ", file=sys.stderr)
+        end = "\r" if tty else ""
+        print(f"{end}  {self.name} ready in {time.monotonic() - t0:.1f} s          ", file=sys.stderr)
         return port
 
     def tail(self, lines: int = 30) -> str:

@@ -303,7 +303,7 @@ async def test_bad_uplink_gets_clear_status_and_spares_other_sessions(stack, tok
             [header(split_layer=gw.manifest.split_layer, num_chunks=1)],  # uplink ends early
         ],
         grpc.StatusCode.FAILED_PRECONDITION: [
-            [header(params_version=v + 1)],
+            [header(params_version=v + 10**6)],  # a version this link never had (the controller may add v+1)
             [header(split_layer=gw.manifest.split_layer, session_id=session, cached_tokens=3, num_chunks=1)],
         ],
     }
