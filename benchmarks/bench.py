@@ -84,6 +84,8 @@ class Stack:
         first, *more = self.split_dirs
         splits = [a for d in more for a in ("--extra-split-dirs", str(d))]
         extra = ["--max-num-seqs", str(self.max_num_seqs), *splits]
+        if host != "127.0.0.1":  # inside the benchmark's own network namespace, reached only by the proxy
+            extra.append("--insecure")
         cloud = self.daemons.spawn(
             "tandem-cloud",
             [*prefix, *cloud_command(first, w / "kv", host=host, extra=extra)],

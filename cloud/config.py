@@ -13,9 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_settings import SettingsConfigDict
 
+from tandem.common.security import expand_path
 from tandem.common.settings import Bytes, DaemonSettings, Port, enum_by_name, gib, mib
 from tandem.common.wire import Codec, WireDtype
 
@@ -61,7 +62,31 @@ class CloudConfig(DaemonSettings):
     host: str = Field(default="127.0.0.1", description="gRPC bind address; `0.0.0.0` listens on all interfaces.")
     port: Port = Field(default=50051, description="gRPC port; 0 = any free port (see `--ready-file`).")
     cloud_id: str = Field(default="tandem-cloud", description="Name this cloud reports in Negotiate.")
-    store_dir: Path = Field(default=Path("/tmp/tandem-kv"), description="Directory of the KV block store (diskcache).")
+    edge_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="Edge name -> bearer token (at least 16 characters) an edge must send "
+        "(`authorization: Bearer ...`); the name is the edge's identity. Empty = no tokens. Prefer the "
+        'environment (`TANDEM_CLOUD_EDGE_KEYS=\'{"edge-a": "..."}\'`) or the config file over a flag.',
+    )
+    edge_max_sessions: int = Field(
+        default=64, ge=1, description="Sessions one edge (identity) may hold; a new one beyond is RESOURCE_EXHAUSTED."
+    )
+    edge_max_stored_bytes: Bytes = Field(
+        default=gib(1),
+        description="Bytes one edge's sessions may hold here (activations and KV blocks); a turn that would pass "
+        "it is RESOURCE_EXHAUSTED.",
+    )
+    edge_rate_limit: str | None = Field(
+        default="50/second;1000/minute",
+        description="Requests (Generate calls) one edge may start, in the `limits` library's notation "
+        "(`N/second;M/minute`); beyond, RESOURCE_EXHAUSTED with a retry delay; `none` = unlimited.",
+    )
+    store_dir: Annotated[Path, AfterValidator(expand_path)] = Field(
+        default=Path("~/.local/state/tandem/kv"),
+        validate_default=True,
+        description="Directory of the KV block store (diskcache); created with mode 0700, refused if another user "
+        "owns it (`~` and `$VARS` are expanded).",
+    )
     store_bytes: Bytes = Field(default=gib(4), description="Bound of the KV block store in bytes (LRU beyond).")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
     extra_split_dirs: list[Path] = Field(

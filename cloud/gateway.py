@@ -29,6 +29,7 @@ from tandem.cloud.links import ControllerConfig, LinkSlo, LinkTable, Ticket
 from tandem.cloud.negotiation import LinkLimits, LinkVersions, link_params
 from tandem.cloud.rates import CloudRates
 from tandem.cloud.sessions import CloudSession, SessionTable
+from tandem.cloud.tenancy import EdgeLimits
 from tandem.cloud.upload import MAX_ID_BYTES, TurnUpload, check_header, upload_bound_bytes
 from tandem.common import metrics, wire
 from tandem.common.errors import (
@@ -37,10 +38,19 @@ from tandem.common.errors import (
     InvalidRequest,
     MerkleMismatch,
     ParamsVersionMismatch,
+    PermissionDenied,
     UploadTimeout,
 )
 from tandem.common.ewma import Ewma
-from tandem.common.kvblocks import LayerRange, activation_keys, block_nbytes, part_key, request_seed
+from tandem.common.kvblocks import (
+    LayerRange,
+    activation_keys,
+    block_nbytes,
+    hash_seed,
+    kv_scope,
+    part_key,
+    request_seed,
+)
 from tandem.common.kvparams import KVTransferSpec, PartSpec
 from tandem.common.kvstore import BlockStore
 from tandem.common.logs import bind_request, turn_log
@@ -58,6 +68,7 @@ from tandem.common.messages import (
     WindowAck,
 )
 from tandem.common.params import LinkParams, Negotiated, NegotiateOffer, Sampling, ServerInfo, ServerLoad
+from tandem.common.security import ANONYMOUS_PEER, Principal, scoped
 from tandem.common.tracing import span, traced
 from tandem.common.wire import Codec
 from tandem.stages import Stage, Timings
@@ -104,6 +115,12 @@ class Turn:
     # collide with or abort) another edge's request inside vLLM; logs carry both
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     params: LinkParams | None = None  # the link params it runs under (its header's version)
+    caller: Principal = ANONYMOUS_PEER  # who sent it (the edge's identity)
+
+    @property
+    def session_key(self) -> str:
+        """The session's key here: its id in the caller's namespace ("" when stateless)."""
+        return scoped(self.caller, self.header.session_id)
 
     def time(self, stage: Stage, t0: float) -> None:
         self.timings[stage] = (time.perf_counter() - t0) * 1e3
@@ -111,6 +128,11 @@ class Turn:
     def engine_start(self) -> None:
         if self.t_engine is None:
             self.t_engine = time.perf_counter()
+
+
+def as_principal(caller: Principal | str) -> Principal:
+    """A caller given as a plain string (in-process links, tests) is a ``peer`` principal."""
+    return caller if isinstance(caller, Principal) else Principal("peer", caller)
 
 
 class Gateway:
@@ -159,6 +181,16 @@ class Gateway:
             controller=ControllerConfig(interval_s=cfg.slo_interval_s, window_s=cfg.slo_window_s),
         )
         self._versions: dict[str, LinkVersions] = {}
+        self._owners: dict[str, str] = {}  # link id -> str(principal) that negotiated it
+        sh = manifest.shape
+        self.edge_limits = EdgeLimits(
+            cfg.edge_rate_limit,
+            cfg.edge_max_sessions,
+            cfg.edge_max_stored_bytes,
+            block_nbytes(LayerRange(0, sh.num_layers), sh.num_kv_heads, e.block_size_tokens, sh.head_dim),
+            e.block_size_tokens,
+            4 * sh.hidden_size,
+        )
         self.rates = CloudRates()
         self._kv_usage = (float("-inf"), 0.0)  # (when read, value)
         # the anonymous link (headers without a link id): every split this cloud serves, no measurements
@@ -181,11 +213,12 @@ class Gateway:
     def tail_part(self, k: int) -> LayerRange:
         return LayerRange(k, self.manifest.shape.num_layers)
 
-    def negotiate(self, offer: NegotiateOffer) -> Negotiated:
+    def negotiate(self, offer: NegotiateOffer, caller: Principal | str = ANONYMOUS_PEER) -> Negotiated:
         """Agree on params with an edge: one set per split layer both sides hold, plus direct mode.
         An edge whose heads this cloud has no tail for gets direct mode and a note saying so,
-        never a silent change. Renegotiating (``offer.link_id`` known) keeps the link and its
-        share and makes a new params version if anything changed.
+        never a silent change. Renegotiating (``offer.link_id`` known and negotiated by the same
+        ``caller``) keeps the link and its share and makes a new params version if anything
+        changed; a link id of another caller is never reused (the caller gets a new link).
 
         Raises:
             IncompatibleModel: a head of the edge differs from this cloud's tail at the same ``k``
@@ -203,9 +236,10 @@ class Gateway:
                 f"edge head at k={k} ({bad[k]!r}) does not match this cloud's tail at k={k} "
                 f"({self.tails[k].compatibility_key()!r}): both sides must be cut from the same weights"
             )
-        link_id = offer.link_id if offer.link_id and offer.link_id in self._versions else ""
-        if not link_id:
-            link_id = f"{offer.edge_id[:48] or 'edge'}-{uuid.uuid4().hex[:16]}"
+        owner = str(as_principal(caller))
+        known = offer.link_id and offer.link_id in self._versions and self._owners.get(offer.link_id) == owner
+        link_id = offer.link_id if known else f"{offer.edge_id[:48] or 'edge'}-{uuid.uuid4().hex}"
+        self._owners[link_id] = owner
         rec = self._register(link_id, offer)
         lacking = sorted(set(offer.head_keys) - set(rec.split_layers))
         note = ""
@@ -249,6 +283,7 @@ class Gateway:
         known = {link.link_id for link in self.links.links()}
         for link_id in [x for x in self._versions if x not in known and x]:
             del self._versions[link_id]
+            self._owners.pop(link_id, None)
 
     def control_step(self) -> list[str]:
         """One step of the p99 SLO controller (``cloud.links``): links whose share changed get a
@@ -305,8 +340,11 @@ class Gateway:
             self._kv_usage = (now, metrics.vllm_kv_cache_usage())
         return self._kv_usage[1]
 
-    def server_info(self, link_id: str) -> ServerInfo:
-        """``GetServerInfo``: the load, and the link's current params when the link is known here."""
+    def server_info(self, link_id: str, caller: Principal | str = ANONYMOUS_PEER) -> ServerInfo:
+        """``GetServerInfo``: the load, and the link's current params when the link is known here and
+        was negotiated by ``caller`` (another caller's link is reported unknown)."""
+        if link_id and self._owners.get(link_id) != str(as_principal(caller)):
+            link_id = ""
         rec = self._versions.get(link_id) if link_id else None
         return ServerInfo(
             self.cfg.cloud_id,
@@ -318,15 +356,18 @@ class Gateway:
             self.serving,
         )
 
-    def _params_for(self, header: TurnHeader) -> LinkParams:
+    def _params_for(self, header: TurnHeader, caller: Principal) -> LinkParams:
         """The params the header's request runs under: its link's version ``params_version`` at its k.
 
         Raises:
             ParamsVersionMismatch: unknown link (e.g. this cloud restarted) or version: renegotiate.
+            PermissionDenied: the link was negotiated by another edge.
         """
         rec = self._versions.get(header.link_id)
         if rec is None:
             raise ParamsVersionMismatch(f"link {header.link_id[:64]!r} is unknown to this cloud: renegotiate")
+        if header.link_id and self._owners.get(header.link_id) != str(caller):
+            raise PermissionDenied(f"link {header.link_id[:64]!r} belongs to another edge")
         return rec.params(header.params_version, header.split_layer)
 
     def max_message_bytes(self) -> int:
@@ -348,19 +389,25 @@ class Gateway:
         )
 
     async def run_turn(
-        self, header: TurnHeader, uplink: AsyncIterator[UplinkBody], peer: str = "", deadline: float | None = None
+        self,
+        header: TurnHeader,
+        uplink: AsyncIterator[UplinkBody],
+        caller: Principal | str = ANONYMOUS_PEER,
+        deadline: float | None = None,
     ) -> AsyncIterator[DownEvent]:
-        """One request: admission into its link's share, upload (split mode), tail prefill (samples
-        the first token), decode. ``peer`` names the edge for upload bounds; ``deadline`` is
+        """One request: the edge's own bounds (``cloud.tenancy``), admission into its link's share,
+        upload (split mode), tail prefill (samples the first token), decode. ``caller`` is the
+        edge's identity: it scopes the session and bounds the upload; ``deadline`` is
         event-loop time or None. Yields events to send down. Records the request's TTFT and
         inter-token times for its link's SLO controller and the node's rates.
 
         Raises:
             InvalidRequest, ParamsVersionMismatch, SessionOutOfSync, ChecksumMismatch, MerkleMismatch,
-            QuotaExceeded (``LinkBusy`` with a retry delay), UploadTimeout, DeadlineExceeded,
-            EngineError: mapped to gRPC status by the servicer; session state is unchanged on error.
+            QuotaExceeded (``LinkBusy`` or ``EdgeOverLimit``, with a retry delay), PermissionDenied,
+            UploadTimeout, DeadlineExceeded, EngineError: mapped to gRPC status by the servicer;
+            session state is unchanged on error.
         """
-        turn = Turn(header, deadline)
+        turn = Turn(header, deadline, caller=as_principal(caller))
         mode = "split" if header.split_layer else "direct"
         with (
             bind_request(header.request_id, header.session_id),
@@ -370,7 +417,7 @@ class Gateway:
         ):
             done_fields.update(engine_id=turn.engine_id, link_id=header.link_id)
             t_last: float | None = None
-            async for ev in self._run(turn, uplink, peer):
+            async for ev in self._run(turn, uplink):
                 if isinstance(ev, TokensOut) and ev.token_ids:
                     now = time.perf_counter()
                     if t_last is None:
@@ -395,21 +442,24 @@ class Gateway:
         self.rates.queue_wait_ms.add(ticket.queued_ms)
         return ticket
 
-    async def _run(self, turn: Turn, uplink: AsyncIterator[UplinkBody], peer: str) -> AsyncIterator[DownEvent]:
+    async def _run(self, turn: Turn, uplink: AsyncIterator[UplinkBody]) -> AsyncIterator[DownEvent]:
         """The turn itself (``run_turn`` adds its log ids, logs, metrics and span)."""
         header = turn.header
-        params = turn.params = self._params_for(header)
+        params = turn.params = self._params_for(header, turn.caller)
         k = header.split_layer
         manifest = self.tails.get(k, self.manifest)
         check_header(header, params, manifest)
+        self.edge_limits.check_rate(turn.caller)
+        if k:
+            self.edge_limits.check_state(turn.caller, self.sessions, turn.session_key, len(header.prompt_token_ids))
         with await self._admit(turn) as ticket:
             if not k:
                 async for ev in self._decode(turn, list(header.prompt_token_ids), None, header.sampling, 0, ticket):
                     yield ev
                 return
-            with self.budget.reserve(peer, upload_bound_bytes(header, params, manifest)):
+            with self.budget.reserve(str(turn.caller), upload_bound_bytes(header, params, manifest)):
                 upload = TurnUpload(
-                    header, params, manifest, self._session(header), self._seed(header), self.cfg.max_abs_activation
+                    header, params, manifest, self._session(turn), self._seed(header), self.cfg.max_abs_activation
                 )
                 try:
                     async for ev in self._receive(turn, upload, uplink):
@@ -419,7 +469,7 @@ class Gateway:
                     metrics.record_received(upload.received_bytes, sum(upload.resends.values()))
                     upload.release()
             yield UploadAck(len(header.prompt_token_ids), len(leaves))
-            tail_keys = activation_keys(hidden, params.kv_block_size_tokens, self._seed(header), self.tail_part(k))
+            tail_keys = activation_keys(hidden, params.kv_block_size_tokens, self._tail_seed(turn), self.tail_part(k))
             tail = await self._tail_prefill(turn, hidden, tail_keys)
             ticket.prefill_done()
             yield TokensOut((tail.first_token,), 0)
@@ -437,13 +487,24 @@ class Gateway:
 
     # ------------------------------------------------------------------ stages
 
-    def _session(self, header: TurnHeader) -> CloudSession:
-        """The session the upload is checked against (a fresh one for new or stateless turns)."""
-        return self.sessions.get(header.session_id) or CloudSession()
+    def _session(self, turn: Turn) -> CloudSession:
+        """The session the upload is checked against, in the caller's namespace (a fresh one for
+        new or stateless turns)."""
+        return self.sessions.get(turn.session_key) or CloudSession()
 
     def _seed(self, header: TurnHeader) -> bytes:
+        """Seed of the head blocks' ids, as the edge computes it (``common.kvblocks.request_seed``)."""
         key = self.tails.get(header.split_layer, self.manifest).compatibility_key()
         return request_seed(key, self.limits.kv_block_size_tokens, header.session_id, header.request_id)
+
+    def _tail_seed(self, turn: Turn) -> bytes:
+        """Seed of the tail blocks' store keys: the request's sharing scope inside the caller's
+        namespace, so one edge's tail KV is never loaded for another edge's request (no cache
+        hits across edges, hence no timing channel that reveals another edge's prompts)."""
+        h = turn.header
+        key = self.tails.get(h.split_layer, self.manifest).compatibility_key()
+        scope = f"{turn.caller.tag}|{kv_scope(h.session_id, h.request_id)}"
+        return hash_seed(key, self.limits.kv_block_size_tokens, scope)
 
     def _upload_deadline(self, turn: Turn) -> float:
         loop_deadline = asyncio.get_running_loop().time() + self.cfg.upload_timeout_s
@@ -523,7 +584,7 @@ class Gateway:
         hidden = upload.activations()
         await asyncio.to_thread(self._put_head_blocks, upload.new_blocks(), self.head_part(upload.header.split_layer))
         turn.time(Stage.CLOUD_STORE_PUT, t0)
-        sid = upload.header.session_id
+        sid = turn.session_key
         if not sid:
             return hidden, upload.leaves()
         session = upload.session

@@ -15,9 +15,10 @@ from tandem.cloud.engines import EngineBackend
 from tandem.cloud.gateway import Gateway
 from tandem.cloud.service import CloudServicer
 from tandem.cloud.supervisor import EngineSupervisor, SupervisedEngines
-from tandem.common.grpcsetup import set_health, start_server
+from tandem.common.grpcsetup import set_health, start_server, tls_credentials
 from tandem.common.kvstore import DiskBlockStore
 from tandem.common.manifest import SplitManifest
+from tandem.common.security import ApiKeys, Authenticator
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -67,18 +68,22 @@ async def create_cloud(
 
     Raises:
         RuntimeError: the port could not be bound.
+        InvalidRequest: a TLS file cannot be read, an edge key is too short, or the store directory
+            belongs to another user.
     """
     manifest = SplitManifest.load(cfg.split_dir)
     extra = tuple(SplitManifest.load(d) for d in cfg.extra_split_dirs)
     store = DiskBlockStore(cfg.store_dir, cfg.store_bytes)
     gateway = Gateway(cfg, manifest, engines, store, extra)
-    servicer = CloudServicer(gateway, cfg.cloud_id)
+    auth = Authenticator(ApiKeys(cfg.edge_keys), client_certs=cfg.tls_client_ca_file is not None)
+    servicer = CloudServicer(gateway, cfg.cloud_id, auth)
     server, port, hs = await start_server(
         [lambda s: pb_grpc.add_CloudServicer_to_server(servicer, s)],
         [SERVICE_NAME],
         cfg.host,
         cfg.port,
         gateway.max_message_bytes(),  # the largest legal message under the link params
+        tls_credentials(cfg),
     )
     cloud = CloudServer(server, port, gateway, hs, None, servicer)
     cloud.controller = asyncio.create_task(gateway.control_loop(), name="slo-controller")

@@ -23,6 +23,7 @@ from tandem.common.grpc_errors import abort
 from tandem.common.logs import set_ids
 from tandem.common.messages import TurnError, TurnHeader, downlink_to_pb, uplink_from_pb
 from tandem.common.params import NegotiateOffer
+from tandem.common.security import Authenticator, Principal
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -60,37 +61,60 @@ async def drain(it: AsyncIterator[pb.Uplink], timeout_s: float) -> None:
         pass
 
 
+def identify(auth: Authenticator, context: grpc.aio.ServicerContext) -> Principal:
+    """The calling edge's principal (``common.security``).
+
+    Raises:
+        Unauthenticated: credentials required and missing or wrong.
+    """
+    return auth.identify(context.invocation_metadata(), context.auth_context(), peer_host(context))
+
+
 class CloudServicer(pb_grpc.CloudServicer):
-    def __init__(self, gateway: Gateway, cloud_id: str) -> None:
+    """``auth`` says who each call comes from; without API keys or client certificates every
+    edge is named by its host."""
+
+    def __init__(self, gateway: Gateway, cloud_id: str, auth: Authenticator | None = None) -> None:
         self.gateway, self.cloud_id = gateway, cloud_id
+        self.auth = auth or Authenticator()
         self.draining = False  # set on stop: new turns get UNAVAILABLE, turns in flight finish
         self.in_flight = 0  # Generate calls running
 
     async def Negotiate(self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext):
         try:
-            return self.gateway.negotiate(NegotiateOffer.from_pb(request)).to_pb()
+            caller = identify(self.auth, context)
+            return self.gateway.negotiate(NegotiateOffer.from_pb(request), caller).to_pb()
         except TandemError as e:
             await abort(context, e)
 
     async def GetServerInfo(self, request: pb.ServerInfoRequest, context: grpc.aio.ServicerContext):
-        if len(request.link_id) > 256:
-            await abort(context, InvalidRequest("link_id longer than 256 characters"))
-        return self.gateway.server_info(request.link_id).to_pb()
+        try:
+            caller = identify(self.auth, context)
+            if len(request.link_id) > 256:
+                raise InvalidRequest("link_id longer than 256 characters")
+        except TandemError as e:
+            await abort(context, e)
+        return self.gateway.server_info(request.link_id, caller).to_pb()
 
     async def Generate(self, request_iterator: AsyncIterator[pb.Uplink], context: grpc.aio.ServicerContext):
-        if self.draining:  # the verdict in a message, then the status, as for every refused turn
-            err = EngineError("this cloud is draining (shutting down); retry on another replica")
+        try:
+            caller = identify(self.auth, context)
+            if self.draining:
+                raise EngineError("this cloud is draining (shutting down); retry on another replica")
+        except TandemError as err:  # the verdict in a message, then the status, as for every refused turn
             yield downlink_to_pb(TurnError(err))
             await drain(request_iterator.__aiter__(), self.gateway.cfg.drain_timeout_s)
             await abort(context, err)
         self.in_flight += 1
         try:
-            async for m in self._generate(request_iterator, context):
+            async for m in self._generate(request_iterator, context, caller):
                 yield m
         finally:
             self.in_flight -= 1
 
-    async def _generate(self, request_iterator: AsyncIterator[pb.Uplink], context: grpc.aio.ServicerContext):
+    async def _generate(
+        self, request_iterator: AsyncIterator[pb.Uplink], context: grpc.aio.ServicerContext, caller: Principal
+    ):
         it = request_iterator.__aiter__()
         try:
             try:
@@ -101,7 +125,7 @@ class CloudServicer(pb_grpc.CloudServicer):
             if not isinstance(first, TurnHeader):
                 raise InvalidRequest("the first uplink message must be a header")
             set_ids(first.request_id, first.session_id)  # this call's own task: every line of it carries them
-            turn = self.gateway.run_turn(first, uplink_body(it), peer_host(context), deadline_of(context))
+            turn = self.gateway.run_turn(first, uplink_body(it), caller, deadline_of(context))
             async for ev in turn:
                 yield downlink_to_pb(ev)
         except StopAsyncIteration:

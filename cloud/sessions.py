@@ -41,5 +41,11 @@ class SessionTable(BoundedLRU[CloudSession]):
     def get(self, session_id: str) -> CloudSession | None:
         return self.peek(session_id) if session_id else None
 
+    def owned_by(self, tag: str) -> dict[str, CloudSession]:
+        """The sessions under ``tag``'s namespace (keys ``tag/...``, ``common.security.scoped``);
+        not marked as used."""
+        prefix = tag + "/"
+        return {k: v for k, v in self._s.items() if k.startswith(prefix)}
+
     def entry_bytes(self, key: str, s: CloudSession) -> int:
         return s.nbytes + len(key) + 32 * len(s.leaves) + 8 * len(s.token_ids)

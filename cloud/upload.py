@@ -24,6 +24,7 @@ from tandem.common.errors import (
     InvalidRequest,
     MerkleMismatch,
     ParamsVersionMismatch,
+    SessionNotFound,
     SessionOutOfSync,
 )
 from tandem.common.kvblocks import LayerRange, block_hashes, block_nbytes
@@ -118,6 +119,11 @@ class TurnUpload:
     def __post_init__(self) -> None:
         h, s = self.header, self.session
         # cached_tokens == 0 restarts the session (a resend from token 0 after eviction or edits)
+        if h.cached_tokens and not s.token_ids:
+            raise SessionNotFound(
+                f"this cloud holds no session {h.session_id!r} of this edge (never made, evicted, or another "
+                f"edge's): resend from token 0"
+            )
         base_tokens = s.token_ids if h.cached_tokens else []
         if h.cached_tokens != len(base_tokens) or list(h.prompt_token_ids[: h.cached_tokens]) != base_tokens:
             raise SessionOutOfSync(

@@ -20,12 +20,13 @@ class MerkleMismatch(TandemError):
     """KV block leaves or the committed Merkle root do not verify."""
 
 
-class SessionNotFound(TandemError):
-    """The session is unknown to this side (never seen, or evicted)."""
-
-
 class SessionOutOfSync(TandemError):
     """The peer's view of a session (token count, root) differs from ours; resync needed."""
+
+
+class SessionNotFound(SessionOutOfSync):
+    """The session is unknown to this side (never seen, evicted, or another principal's: ids are
+    scoped by identity). A kind of ``SessionOutOfSync``: the edge resends from token 0."""
 
 
 class QuotaExceeded(TandemError):
@@ -50,6 +51,14 @@ class UploadTimeout(TandemError):
 
 class EngineError(TandemError):
     """A vLLM engine failed or is not running."""
+
+
+class Unauthenticated(TandemError):
+    """The call carries no valid credentials (API key, client certificate)."""
+
+
+class PermissionDenied(TandemError):
+    """The caller is authenticated but the object it names (a link) belongs to another principal."""
 
 
 class DeadlineExceeded(UploadTimeout):

@@ -20,6 +20,8 @@ STATUS_OF: dict[type[e.TandemError], grpc.StatusCode] = {
     e.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     e.CorruptPayload: grpc.StatusCode.INVALID_ARGUMENT,
     e.EngineError: grpc.StatusCode.UNAVAILABLE,
+    e.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    e.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -54,6 +56,8 @@ DEFAULT_OF_STATUS: dict[grpc.StatusCode, type[e.TandemError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: e.DeadlineExceeded,
     grpc.StatusCode.RESOURCE_EXHAUSTED: e.QuotaExceeded,
     grpc.StatusCode.INVALID_ARGUMENT: e.InvalidRequest,
+    grpc.StatusCode.UNAUTHENTICATED: e.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: e.PermissionDenied,
 }
 
 

@@ -32,10 +32,15 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from tandem.common.errors import InvalidRequest
+from tandem.common.security import read_file
 
 SERVER_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_permit_without_calls", 1),
@@ -85,14 +90,59 @@ async def set_health(hs: health.aio.HealthServicer, serving: bool, names: Iterab
         await hs.set(name, status)
 
 
+def server_credentials(cert_file: Path, key_file: Path, client_ca_file: Path | None) -> grpc.ServerCredentials:
+    """TLS for a server: its certificate chain and key (PEM); with ``client_ca_file`` the server
+    requires a client certificate signed by that CA (mutual TLS, checked in the handshake).
+
+    Raises:
+        InvalidRequest: a file cannot be read (the message names it).
+    """
+    pair = (read_file(key_file, "tls_key_file"), read_file(cert_file, "tls_cert_file"))
+    ca = read_file(client_ca_file, "tls_client_ca_file") if client_ca_file else None
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def channel_credentials(
+    ca_file: Path | None, cert_file: Path | None = None, key_file: Path | None = None
+) -> grpc.ChannelCredentials:
+    """TLS for a client channel: the server is verified against ``ca_file`` (None: the system's
+    roots); ``cert_file``/``key_file`` are this client's certificate for mutual TLS.
+
+    Raises:
+        InvalidRequest: only one of cert and key given, or a file cannot be read.
+    """
+    if (cert_file is None) != (key_file is None):
+        raise InvalidRequest("a client certificate needs both its cert file and its key file")
+    return grpc.ssl_channel_credentials(
+        root_certificates=read_file(ca_file, "CA file") if ca_file else None,
+        private_key=read_file(key_file, "client key file") if key_file else None,
+        certificate_chain=read_file(cert_file, "client cert file") if cert_file else None,
+    )
+
+
+def tls_credentials(cfg: Any) -> grpc.ServerCredentials | None:
+    """A daemon's server credentials from its settings (``tls_cert_file``, ``tls_key_file``,
+    ``tls_client_ca_file`` of ``common.settings.DaemonSettings``), or None for plaintext.
+
+    Raises:
+        InvalidRequest: a file cannot be read.
+    """
+    if cfg.tls_cert_file is None or cfg.tls_key_file is None:
+        return None
+    return server_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
+
+
 async def start_server(
     servicers: list[Callable[[grpc.aio.Server], None]],
     service_names: list[str],
     host: str,
     port: int,
     max_message_bytes: int,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Create, bind and start a grpc.aio server (port 0 = any free port).
+    """Create, bind and start a grpc.aio server (port 0 = any free port), with TLS when
+    ``credentials`` are given (``server_credentials``), else plaintext (the caller checks that
+    plaintext is allowed on ``host``: ``common.security.check_plaintext``).
 
     ``servicers`` are callables that add one servicer each (e.g.
     ``lambda s: pb_grpc.add_CloudServicer_to_server(servicer, s)``); ``service_names``
@@ -110,7 +160,8 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     await set_health(hs, True, ["", *service_names])
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"could not bind {host}:{port}")
     await server.start()

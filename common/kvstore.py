@@ -18,6 +18,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Protocol
 
+from tandem.common.security import private_dir
+
 
 class BlockStore(Protocol):
     """Calling contract: ``put`` is atomic (a reader sees all of a value or none);
@@ -36,7 +38,7 @@ class DiskBlockStore:
     def __init__(self, directory: Path | str, size_limit_bytes: int) -> None:
         import diskcache
 
-        self.directory = Path(directory)
+        self.directory = private_dir(Path(directory))  # mode 0700, owned by this user
         self.size_limit_bytes = size_limit_bytes
         self._cache = diskcache.Cache(
             str(self.directory),

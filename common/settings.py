@@ -39,9 +39,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Generic, Literal, NoReturn, TypeVar
+from typing import Annotated, Any, Generic, Literal, NoReturn, Self, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ByteSize, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ByteSize, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import (
@@ -52,6 +52,8 @@ from pydantic_settings import (
     SettingsError,
     TomlConfigSettingsSource,
 )
+
+from tandem.common.security import is_loopback
 
 README_START = "<!-- config-reference:start -->"
 README_END = "<!-- config-reference:end -->"
@@ -112,6 +114,7 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 # optional settings: `none` (any case) or an empty string clears them, from every source
 OptionalPort = Annotated[Port | None, BeforeValidator(_none_str)]
 OptionalStr = Annotated[str | None, BeforeValidator(_none_str)]
+OptionalPath = Annotated[Path | None, BeforeValidator(_none_str)]
 LogFormat = Literal["text", "json"]
 LogLevel = Annotated[str, BeforeValidator(_log_level)]
 
@@ -147,11 +150,38 @@ class DaemonSettings(BaseSettings):
     metrics_port: Port = Field(
         default=0, description="Port of the Prometheus metrics endpoint (HTTP); 0 = no endpoint."
     )
+    tls_cert_file: OptionalPath = Field(
+        default=None, description="TLS certificate chain (PEM) of the gRPC server; with `tls_key_file`, TLS is on."
+    )
+    tls_key_file: OptionalPath = Field(default=None, description="Private key (PEM) of `tls_cert_file`.")
+    tls_client_ca_file: OptionalPath = Field(
+        default=None,
+        description="CA (PEM) that signs client certificates: mutual TLS; a client without a valid certificate is "
+        "refused in the handshake, and its certificate's subject is its identity.",
+    )
+    insecure: bool = Field(
+        default=False,
+        description="Allow plaintext gRPC on a non-loopback `host` (without TLS files such a bind is refused).",
+    )
     otel_enabled: bool = Field(default=False, description="Export OpenTelemetry traces.")
     otel_endpoint: OptionalStr = Field(
         default=None,
         description="OTLP endpoint of the trace exporter; `none` = the exporter's default (`OTEL_*` variables).",
     )
+
+    @model_validator(mode="after")
+    def _tls_consistent(self) -> Self:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        host = getattr(self, "host", None)
+        if host is not None and self.tls_cert_file is None and not self.insecure and not is_loopback(host):
+            raise ValueError(
+                f"host {host!r} is not a loopback address: set tls_cert_file/tls_key_file, or insecure = true "
+                "to serve plaintext explicitly"
+            )
+        return self
 
     @classmethod
     def settings_customise_sources(

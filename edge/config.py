@@ -10,11 +10,13 @@ file > defaults (in code: keyword arguments > environment > config file > defaul
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from tandem.common.settings import Bytes, DaemonSettings, OptionalPort, Port, kib, mib
+from tandem.common.security import is_loopback
+from tandem.common.settings import Bytes, DaemonSettings, OptionalPath, OptionalPort, OptionalStr, Port, kib, mib
 
 DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
 
@@ -48,6 +50,29 @@ class EdgeConfig(DaemonSettings):
     )
     max_prompt_tokens: int = Field(default=1536, ge=1, description="Longest prompt accepted, in tokens.")
     cloud_target: str = Field(default="localhost:50051", description="Address of tandem-cloud, `host:port`.")
+    cloud_tls: bool = Field(
+        default=False,
+        description="Speak TLS to the cloud (on by itself when `cloud_ca_file` or `cloud_cert_file` is set); the "
+        "cloud's certificate must match `cloud_ca_file` (else the system's roots) and the target's host name.",
+    )
+    cloud_ca_file: OptionalPath = Field(default=None, description="CA (PEM) the cloud's certificate must chain to.")
+    cloud_cert_file: OptionalPath = Field(
+        default=None, description="This edge's client certificate (PEM) for mutual TLS with the cloud."
+    )
+    cloud_key_file: OptionalPath = Field(default=None, description="Private key (PEM) of `cloud_cert_file`.")
+    cloud_server_name: OptionalStr = Field(
+        default=None,
+        description="Name the cloud's certificate must carry when it differs from the target's host (e.g. an IP "
+        "target); `none` = the target's host.",
+    )
+    cloud_api_key: OptionalStr = Field(
+        default=None,
+        description="Bearer token sent to the cloud (its `edge_keys`); prefer `TANDEM_EDGE_CLOUD_API_KEY` or the "
+        "config file over a flag.",
+    )
+    cloud_insecure: bool = Field(
+        default=False, description="Allow plaintext to a cloud target that is not a loopback address."
+    )
     connect_timeout_s: float = Field(
         default=10.0,
         ge=0,
@@ -97,8 +122,35 @@ class EdgeConfig(DaemonSettings):
     )
     http_host: str = Field(default="127.0.0.1", description="Bind address of the OpenAI-compatible HTTP API.")
     http_port: OptionalPort = Field(default=None, description="Port of the OpenAI-compatible HTTP API; `none` = off.")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="Bearer tokens (at least 16 characters) clients must send, on gRPC (`authorization: Bearer "
+        "...`) and on the HTTP API; each key's sessions are its own. Empty = no authentication. Prefer "
+        "`TANDEM_EDGE_API_KEYS='[\"k1\"]'` or the config file over a flag.",
+    )
     http_api_keys: list[str] = Field(
         default_factory=list,
         description="Bearer tokens the HTTP API accepts (any of them); empty = no authentication. Prefer the "
         'environment (`TANDEM_EDGE_HTTP_API_KEYS=\'["k1","k2"]\'`) or the config file over a flag.',
     )
+
+    @property
+    def cloud_uses_tls(self) -> bool:
+        return self.cloud_tls or self.cloud_ca_file is not None or self.cloud_cert_file is not None
+
+    @model_validator(mode="after")
+    def _cloud_channel_consistent(self) -> Self:
+        if (self.cloud_cert_file is None) != (self.cloud_key_file is None):
+            raise ValueError("cloud_cert_file and cloud_key_file go together: set both or neither")
+        if not self.cloud_uses_tls and not self.cloud_insecure and not is_loopback(self.cloud_target):
+            raise ValueError(
+                f"cloud_target {self.cloud_target!r} is not a loopback address: set cloud_tls (and cloud_ca_file), "
+                "or cloud_insecure = true to send activations and KV in plaintext explicitly"
+            )
+        if self.http_port is not None and self.tls_cert_file is None and not self.insecure:
+            if not is_loopback(self.http_host):
+                raise ValueError(
+                    f"http_host {self.http_host!r} is not a loopback address: set tls_cert_file/tls_key_file (HTTPS), "
+                    "or insecure = true to serve plaintext explicitly"
+                )
+        return self

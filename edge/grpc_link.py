@@ -31,11 +31,13 @@ NEGOTIATE_TIMEOUT_S = 30.0
 class GrpcTurnCall:
     """One ``Cloud.Generate`` call (see ``edge.link.TurnCall``)."""
 
-    def __init__(self, stub: pb_grpc.CloudStub, timeout_s: float | None) -> None:
+    def __init__(
+        self, stub: pb_grpc.CloudStub, timeout_s: float | None, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         self._q: deque[pb.Uplink] = deque()
         self._wake = asyncio.Event()
         self._closed = self._stopped = False
-        self._call = stub.Generate(self._requests(), timeout=timeout_s)
+        self._call = stub.Generate(self._requests(), timeout=timeout_s, metadata=metadata or None)
 
     async def _requests(self) -> AsyncIterator[pb.Uplink]:
         while not self._stopped:
@@ -81,18 +83,41 @@ class GrpcTurnCall:
 
 
 class GrpcCloudLink:
-    """The edge's channel to one cloud target (``host:port``)."""
+    """The edge's channel to one cloud target (``host:port``).
 
-    def __init__(self, target: str, keepalive_time_s: float, keepalive_timeout_s: float) -> None:
+    Args:
+        credentials: TLS (``common.grpcsetup.channel_credentials``: the CA the cloud's certificate
+            must chain to, and this edge's client certificate for mutual TLS); None = plaintext.
+        server_name: the name the cloud's certificate must carry, when not the target's host.
+        api_key: bearer token sent with every call (the cloud's ``edge_keys``).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        keepalive_time_s: float,
+        keepalive_timeout_s: float,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        server_name: str | None = None,
+        api_key: str | None = None,
+    ) -> None:
         self.target = target
-        self.channel = grpc.aio.insecure_channel(
-            target, options=channel_options(keepalive_time_s, keepalive_timeout_s, MAX_MESSAGE_BYTES)
-        )
+        options: list[tuple[str, int | str]] = [
+            *channel_options(keepalive_time_s, keepalive_timeout_s, MAX_MESSAGE_BYTES)
+        ]
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(target, options=options)
+        else:
+            if server_name:
+                options.append(("grpc.ssl_target_name_override", server_name))
+            self.channel = grpc.aio.secure_channel(target, credentials, options=options)
+        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.stub = pb_grpc.CloudStub(self.channel)
 
     async def negotiate(self, offer: NegotiateOffer) -> Negotiated:
         try:
-            resp = await self.stub.Negotiate(offer.to_pb(), timeout=NEGOTIATE_TIMEOUT_S)
+            resp = await self.stub.Negotiate(offer.to_pb(), timeout=NEGOTIATE_TIMEOUT_S, metadata=self.metadata or None)
         except grpc.aio.AioRpcError as e:
             raise error_from_status(e.code(), e.details() or "") from e
         return Negotiated.from_pb(resp)
@@ -100,12 +125,14 @@ class GrpcCloudLink:
     async def server_info(self, link_id: str, padding_bytes: int = 0, timeout_s: float = 5.0) -> ServerInfo:
         req = pb.ServerInfoRequest(link_id=link_id, padding=bytes(padding_bytes))
         try:
-            return ServerInfo.from_pb(await self.stub.GetServerInfo(req, timeout=timeout_s))
+            return ServerInfo.from_pb(
+                await self.stub.GetServerInfo(req, timeout=timeout_s, metadata=self.metadata or None)
+            )
         except grpc.aio.AioRpcError as e:
             raise error_from_status(e.code(), e.details() or "") from e
 
     def open(self, timeout_s: float | None) -> GrpcTurnCall:
-        return GrpcTurnCall(self.stub, timeout_s)
+        return GrpcTurnCall(self.stub, timeout_s, self.metadata)
 
     async def close(self) -> None:
         await self.channel.close()

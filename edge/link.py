@@ -50,8 +50,8 @@ class CloudLink(Protocol):
 class InProcessCall:
     """A ``TurnCall`` straight into a gateway object in the same event loop (no network)."""
 
-    def __init__(self, gateway: Any, timeout_s: float | None) -> None:
-        self._gateway, self._timeout_s = gateway, timeout_s
+    def __init__(self, gateway: Any, timeout_s: float | None, caller: Any = "in-process") -> None:
+        self._gateway, self._timeout_s, self._caller = gateway, timeout_s, caller
         self._q: asyncio.Queue[UplinkItem | None] = asyncio.Queue()
 
     def send(self, item: UplinkItem) -> int:
@@ -74,24 +74,25 @@ class InProcessCall:
             raise InvalidRequest("the first uplink message must be a header")
         loop = asyncio.get_running_loop()
         deadline = None if self._timeout_s is None else loop.time() + self._timeout_s
-        async for ev in self._gateway.run_turn(header, self._body(), "in-process", deadline):
+        async for ev in self._gateway.run_turn(header, self._body(), self._caller, deadline):
             yield ev
 
 
 class InProcessLink:
-    """A ``CloudLink`` to a gateway in this process: the unit-test double of the gRPC link."""
+    """A ``CloudLink`` to a gateway in this process: the unit-test double of the gRPC link.
+    ``caller`` is the identity the gateway sees (a ``common.security.Principal`` or a peer name)."""
 
-    def __init__(self, gateway: Any) -> None:
-        self.gateway = gateway
+    def __init__(self, gateway: Any, caller: Any = "in-process") -> None:
+        self.gateway, self.caller = gateway, caller
 
     async def negotiate(self, offer: NegotiateOffer) -> Negotiated:
-        return self.gateway.negotiate(offer)
+        return self.gateway.negotiate(offer, self.caller)
 
     async def server_info(self, link_id: str, padding_bytes: int = 0, timeout_s: float = 5.0) -> ServerInfo:
-        return self.gateway.server_info(link_id)
+        return self.gateway.server_info(link_id, self.caller)
 
     def open(self, timeout_s: float | None) -> TurnCall:
-        return InProcessCall(self.gateway, timeout_s)
+        return InProcessCall(self.gateway, timeout_s, self.caller)
 
     async def close(self) -> None:
         return None

@@ -73,6 +73,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, cast
 
 import uvicorn
@@ -702,10 +703,11 @@ class _Server(uvicorn.Server):
 
 
 async def serve_openai(
-    app: FastAPI, host: str, port: int, *, log_level: str = "warning"
+    app: FastAPI, host: str, port: int, *, log_level: str = "warning", tls: tuple[Path, Path] | None = None
 ) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
     """Serve ``app`` with uvicorn in the running event loop; returns (server, its task, bound port).
-    ``port`` 0 = any free port. Stop with ``stop_openai``.
+    ``port`` 0 = any free port; ``tls`` = (certificate chain file, key file) serves HTTPS. Stop with
+    ``stop_openai``.
 
     Raises:
         OSError: the address cannot be bound.
@@ -719,7 +721,15 @@ async def serve_openai(
         sock.close()
         raise
     bound = int(sock.getsockname()[1])
-    config = uvicorn.Config(app, lifespan="off", log_config=None, log_level=log_level, access_log=False)
+    config = uvicorn.Config(
+        app,
+        lifespan="off",
+        log_config=None,
+        log_level=log_level,
+        access_log=False,
+        ssl_certfile=str(tls[0]) if tls else None,
+        ssl_keyfile=str(tls[1]) if tls else None,
+    )
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name=f"openai-api:{bound}")
     while not server.started:

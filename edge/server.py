@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +24,11 @@ from grpc_health.v1 import health
 from tandem import __version__
 from tandem.common.errors import EngineError, IncompatibleModel, TandemError
 from tandem.common.grpc_errors import abort
-from tandem.common.grpcsetup import set_health, start_server
+from tandem.common.grpcsetup import channel_credentials, set_health, start_server, tls_credentials
 from tandem.common.logs import new_request_id, set_ids
 from tandem.common.manifest import FULL_ONNX, SplitManifest
 from tandem.common.params import MAX_STOP_TOKENS, NegotiateOffer
+from tandem.common.security import ApiKeys, Authenticator, Principal, scoped
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.cloudconn import CloudConnection
 from tandem.edge.config import EdgeConfig
@@ -49,16 +50,28 @@ WARMUP_TOKENS = 32  # tokens of the warm-up run that times each head
 
 
 class EdgeServicer(pb_grpc.EdgeServicer):
-    def __init__(self, service: EdgeService, model_id: str) -> None:
+    """``auth`` says who each call comes from (API keys, client certificates); when it requires
+    credentials, each caller's session ids are its own (``common.security.scoped``): another key
+    sending the same id starts another session."""
+
+    def __init__(self, service: EdgeService, model_id: str, auth: Authenticator | None = None) -> None:
         self.service, self.model_id = service, model_id
+        self.auth = auth or Authenticator()
         self.draining = False  # set on SIGTERM: new turns are refused, turns in flight finish
+
+    def _identify(self, context: grpc.aio.ServicerContext) -> Principal:
+        return self.auth.identify(context.invocation_metadata(), context.auth_context(), context.peer() or "")
 
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ChatEvent]:
         set_ids(new_request_id(), request.session_id)  # this call's own task; EdgeService.chat takes the id
         try:
+            caller = self._identify(context)
             if self.draining:
                 raise EngineError("this edge is draining (shutting down); retry on another")
-            async for ev in self.service.chat(ChatTurn.from_pb(request), context.time_remaining()):
+            turn = ChatTurn.from_pb(request)
+            if self.auth.required and turn.session_id:
+                turn = replace(turn, session_id=scoped(caller, turn.session_id))
+            async for ev in self.service.chat(turn, context.time_remaining()):
                 yield ev.to_pb()
         except TandemError as e:
             await abort(context, e)
@@ -67,6 +80,10 @@ class EdgeServicer(pb_grpc.EdgeServicer):
             await context.abort(grpc.StatusCode.INTERNAL, "internal error in the edge daemon (see its log)")
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.EdgeInfo:
+        try:
+            self._identify(context)
+        except TandemError as e:
+            await abort(context, e)
         svc = self.service
         return pb.EdgeInfo(
             model_id=self.model_id,
@@ -211,7 +228,18 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
     elif cfg.local:
         log.warning("local mode off: no %s", local_path)
     ratio, c_mbps, d_mbps = measure_zstd(sample, 3)
-    link = GrpcCloudLink(cfg.cloud_target, cfg.keepalive_time_s, cfg.keepalive_timeout_s)
+    link = GrpcCloudLink(
+        cfg.cloud_target,
+        cfg.keepalive_time_s,
+        cfg.keepalive_timeout_s,
+        credentials=(
+            channel_credentials(cfg.cloud_ca_file, cfg.cloud_cert_file, cfg.cloud_key_file)
+            if cfg.cloud_uses_tls
+            else None
+        ),
+        server_name=cfg.cloud_server_name,
+        api_key=cfg.cloud_api_key,
+    )
     offer = NegotiateOffer(
         cfg.edge_id,
         manifest.model_id,
@@ -248,19 +276,22 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
         shape=manifest.shape,
     )
     service.codec_ratio = ratio
-    servicer = EdgeServicer(service, manifest.model_id)
+    auth = Authenticator(ApiKeys(cfg.api_keys), client_certs=cfg.tls_client_ca_file is not None)
+    servicer = EdgeServicer(service, manifest.model_id, auth)
     server, port, hs = await start_server(
         [lambda s: pb_grpc.add_EdgeServicer_to_server(servicer, s)],
         [EDGE_SERVICE],
         cfg.host,
         cfg.port,
         MAX_MESSAGE_BYTES,
+        tls_credentials(cfg),
     )
     task = asyncio.create_task(follow_link(service, hs))
     daemon = EdgeDaemon(server, port, service, servicer, link, hs, task)
     if cfg.http_port is not None:
         from tandem.edge.openai_api import create_openai_app, serve_openai
 
-        app = create_openai_app(service, manifest.model_id, cfg.http_api_keys)
-        daemon.http = await serve_openai(app, cfg.http_host, cfg.http_port)
+        app = create_openai_app(service, manifest.model_id, [*cfg.api_keys, *cfg.http_api_keys])
+        tls = (cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file and cfg.tls_key_file else None
+        daemon.http = await serve_openai(app, cfg.http_host, cfg.http_port, tls=tls)
     return daemon

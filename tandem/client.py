@@ -27,12 +27,14 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
 import grpc
 
 from tandem.errors import Cancelled, TandemClientError, Unknown, error_from_rpc
 from tandem.pbconv import from_pb
+from tandem.security import channel_security
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -483,6 +485,7 @@ class _ClientCore(ABC, Generic[S]):
 
     _stub: pb_grpc.EdgeStub
     _timeout_s: float | None
+    _metadata: tuple[tuple[str, str], ...] = ()
 
     @abstractmethod
     def _stream(self, call: Any) -> S:
@@ -586,7 +589,8 @@ class _ClientCore(ABC, Generic[S]):
             split_layer=split_layer,
             stop_token_ids=stop_token_ids,
         )
-        return self._stream(self._stub.Chat(req, timeout=self._call_timeout(timeout_s)))
+        call = self._stub.Chat(req, timeout=self._call_timeout(timeout_s), metadata=self._metadata or None)
+        return self._stream(call)
 
 
 class Client(_ClientCore[ChatStream]):
@@ -597,14 +601,49 @@ class Client(_ClientCore[ChatStream]):
         timeout_s: the deadline in seconds of each call that passes none (``chat``, ``complete``,
             ``info``); default 300. ``None``: no client-side deadline (the edge still applies
             its own to a turn, ``EdgeInfo.default_timeout_s``).
+        api_key: the edge's API key, sent as ``authorization: Bearer <api_key>`` on every call;
+            each key's sessions are its own.
+        tls: speak TLS; default ``None`` = when ``ca_file`` or ``cert_file`` is given.
+        ca_file: CA (PEM) the edge's certificate must chain to; ``None`` = the system's roots.
+        cert_file, key_file: this client's certificate and key (PEM), for an edge that requires
+            client certificates.
+        server_name: the name the edge's certificate must carry when it is not the target's host.
+        insecure: allow plaintext to a target that is not a loopback address.
 
     Raises:
-        ValueError: ``timeout_s`` not > 0.
+        ValueError: ``timeout_s`` not > 0; plaintext to another host without ``insecure=True``;
+            only one of ``cert_file`` and ``key_file``; a file that cannot be read.
     """
 
-    def __init__(self, target: str, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+        tls: bool | None = None,
+        ca_file: str | Path | None = None,
+        cert_file: str | Path | None = None,
+        key_file: str | Path | None = None,
+        server_name: str | None = None,
+        insecure: bool = False,
+    ) -> None:
         self._timeout_s = _deadline_s(timeout_s, "timeout_s")
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        creds, extra, self._metadata = channel_security(
+            target,
+            api_key=api_key,
+            tls=tls,
+            ca_file=ca_file,
+            cert_file=cert_file,
+            key_file=key_file,
+            server_name=server_name,
+            insecure=insecure,
+        )
+        options = [*CHANNEL_OPTIONS, *extra]
+        if creds is None:
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            self._channel = grpc.secure_channel(target, creds, options=options)
         self._stub = pb_grpc.EdgeStub(self._channel)
 
     def _stream(self, call: Any) -> ChatStream:
@@ -628,7 +667,9 @@ class Client(_ClientCore[ChatStream]):
                 reachable) or ``Unimplemented`` (an edge older than ``GetInfo``).
         """
         try:
-            m = self._stub.GetInfo(pb.GetInfoRequest(), timeout=self._call_timeout(timeout_s))
+            m = self._stub.GetInfo(
+                pb.GetInfoRequest(), timeout=self._call_timeout(timeout_s), metadata=self._metadata or None
+            )
         except grpc.RpcError as e:
             raise error_from_rpc(e) from e
         return EdgeInfo.from_pb(m)
@@ -649,9 +690,35 @@ class AsyncClient(_ClientCore[AsyncChatStream]):
     Arguments as ``Client``'s. Make it, and call ``chat``, inside the event loop that runs it.
     """
 
-    def __init__(self, target: str, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+        tls: bool | None = None,
+        ca_file: str | Path | None = None,
+        cert_file: str | Path | None = None,
+        key_file: str | Path | None = None,
+        server_name: str | None = None,
+        insecure: bool = False,
+    ) -> None:
         self._timeout_s = _deadline_s(timeout_s, "timeout_s")
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        creds, extra, self._metadata = channel_security(
+            target,
+            api_key=api_key,
+            tls=tls,
+            ca_file=ca_file,
+            cert_file=cert_file,
+            key_file=key_file,
+            server_name=server_name,
+            insecure=insecure,
+        )
+        options = [*CHANNEL_OPTIONS, *extra]
+        if creds is None:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        else:
+            self._channel = grpc.aio.secure_channel(target, creds, options=options)
         self._stub = pb_grpc.EdgeStub(self._channel)
 
     def _stream(self, call: Any) -> AsyncChatStream:
@@ -667,7 +734,9 @@ class AsyncClient(_ClientCore[AsyncChatStream]):
     async def info(self, *, timeout_s: float | None = None) -> EdgeInfo:
         """What the edge serves and its limits (``Edge.GetInfo``); as ``Client.info``."""
         try:
-            m = await self._stub.GetInfo(pb.GetInfoRequest(), timeout=self._call_timeout(timeout_s))
+            m = await self._stub.GetInfo(
+                pb.GetInfoRequest(), timeout=self._call_timeout(timeout_s), metadata=self._metadata or None
+            )
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e) from e
         return EdgeInfo.from_pb(m)

@@ -12,12 +12,14 @@ from typing import Any
 import numpy as np
 
 from tandem.cloud.config import CloudConfig, EngineConfig
-from tandem.cloud.gateway import Gateway
+from tandem.cloud.gateway import Gateway, as_principal
 from tandem.cloud.memory_engines import MemoryEngines
+from tandem.cloud.sessions import CloudSession
 from tandem.common import wire
 from tandem.common.kvstore import MemoryBlockStore
 from tandem.common.manifest import ModelShape, SplitManifest
 from tandem.common.params import NegotiateOffer
+from tandem.common.security import scoped
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.cloudconn import CloudConnection
 from tandem.edge.head_runner import MemoryHead
@@ -89,6 +91,11 @@ class Toy:
     store: MemoryBlockStore
     edge: EdgeService
     batcher: HeadBatcher
+
+    def cloud_session(self, session_id: str) -> CloudSession | None:
+        """The gateway's session ``session_id`` of this toy edge (cloud sessions live in the
+        namespace of the edge that made them)."""
+        return self.gateway.sessions.get(scoped(as_principal("in-process"), session_id))
 
 
 async def toy_stack(link_wrapper=None, edge_session_bytes: int = 1 << 30, **cloud_kw: Any) -> Toy:

@@ -54,7 +54,9 @@ def edge(argv: list[str]) -> EdgeConfig:
 
 
 def test_cloud_precedence_flag_env_file_default(tmp_path, monkeypatch):
-    f = toml(tmp_path, "port = 1111\nstore_bytes = '2GiB'\nmax_prompt_tokens = 100\nhost = '10.0.0.1'\n")
+    f = toml(
+        tmp_path, "port = 1111\nstore_bytes = '2GiB'\nmax_prompt_tokens = 100\nhost = '10.0.0.1'\ninsecure = true\n"
+    )
     monkeypatch.setenv("TANDEM_CLOUD_PORT", "2222")
     monkeypatch.setenv("TANDEM_CLOUD_STORE_BYTES", "3GiB")
     cfg = cloud(["--config", str(f), "--port", "3333"])
@@ -69,7 +71,10 @@ def test_cloud_precedence_flag_env_file_default(tmp_path, monkeypatch):
 
 
 def test_edge_precedence_flag_env_file_default(tmp_path, monkeypatch):
-    f = toml(tmp_path, "cloud_target = 'file:1'\nsession_bytes = '64MiB'\nturn_timeout_s = 10\nmax_batch = 2\n")
+    f = toml(
+        tmp_path,
+        "cloud_insecure = true\ncloud_target = 'file:1'\nsession_bytes = '64MiB'\nturn_timeout_s = 10\nmax_batch = 2\n",
+    )
     monkeypatch.setenv("TANDEM_EDGE_CONFIG", str(f))  # the file named by the environment
     monkeypatch.setenv("TANDEM_EDGE_CLOUD_TARGET", "env:2")
     monkeypatch.setenv("TANDEM_EDGE_SESSION_BYTES", "128MiB")
@@ -133,7 +138,12 @@ def test_sizes_are_ints_and_keyword_ints_still_work():
     assert isinstance(cfg.engine.kv_cache_bytes, ByteSize) and isinstance(cfg.engine.kv_cache_bytes, int)
     assert cfg.engine.kv_cache_bytes == 512 << 20 and cfg.store_bytes // (1 << 20) == 1024
     assert isinstance(EngineConfig().kv_cache_bytes, ByteSize) and EngineConfig().kv_cache_bytes == 1 << 30
-    assert EdgeConfig(split_dir=Path("/x"), cloud_target="h:1", host="127.0.0.1", port=0).session_bytes == 512 << 20
+    assert (
+        EdgeConfig(
+            split_dir=Path("/x"), cloud_target="h:1", cloud_insecure=True, host="127.0.0.1", port=0
+        ).session_bytes
+        == 512 << 20
+    )
     with pytest.raises(ValidationError):
         CloudConfig(store_bytes="4 parsecs")
 

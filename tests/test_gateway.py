@@ -104,7 +104,7 @@ async def test_a_failed_upload_leaves_both_sides_unchanged():
     try:
         await run(toy.edge, turn("hello there", "s"))
         edge_before = toy.edge.sessions.get("s").snapshot()
-        cloud_before = toy.gateway.sessions.get("s")
+        cloud_before = toy.cloud_session("s")
         v = cloud_before.version
         toy.edge.conn.link = TamperLink(toy.edge.conn.link, nan_chunk)
         with pytest.raises(InvalidRequest, match="NaN"):
@@ -114,7 +114,7 @@ async def test_a_failed_upload_leaves_both_sides_unchanged():
         s = toy.edge.sessions.get("s")
         assert s.token_ids == edge_before.token_ids and s.cloud_tokens == edge_before.cloud_tokens
         assert "new-session" not in toy.edge.sessions  # a failed first turn keeps nothing
-        assert toy.gateway.sessions.get("s").version == v
+        assert toy.cloud_session("s").version == v
         assert toy.gateway.budget.uploads == 0 and toy.gateway.budget.nbytes == 0
     finally:
         await toy.batcher.stop()
@@ -166,7 +166,7 @@ async def _drain(agen):
 
 async def test_waiting_for_the_session_is_bounded_by_the_deadline(toy):
     await run(toy.edge, turn("hello", "busy"))
-    session = toy.gateway.sessions.get("busy")
+    session = toy.cloud_session("busy")
     loop = asyncio.get_running_loop()
     ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": "hello"}])
     await session.lock.acquire()
@@ -183,7 +183,7 @@ async def test_waiting_for_the_session_is_bounded_by_the_deadline(toy):
             yield Commit(body.leaf_count, body.merkle_root)
             await asyncio.Event().wait()
 
-        t = toy.gateway.run_turn(body.header, items(), "p", loop.time() + 0.3)
+        t = toy.gateway.run_turn(body.header, items(), "in-process", loop.time() + 0.3)  # the session owner
         with pytest.raises(DeadlineExceeded, match="waiting for session"):
             await _drain(t)
     finally:

@@ -1,0 +1,232 @@
+"""Transport security and caller identity, shared by the cloud gateway and the edge daemon.
+
+Two hops, the same rules:
+
+* **TLS.** A server with ``tls_cert_file``/``tls_key_file`` listens with TLS; with
+  ``tls_client_ca_file`` as well it requires a client certificate signed by that CA
+  (mutual TLS): a peer without one fails the handshake and never reaches a servicer.
+  A client (the edge towards the cloud, the SDK towards the edge) verifies the server's
+  certificate against its CA file and the target's host name (or ``server_name``).
+* **Plaintext only when asked for.** A server binds plaintext only on a loopback address
+  unless its config says ``insecure = true``; a client speaks plaintext only to a
+  loopback target unless told so (``check_plaintext``).
+* **Bearer tokens** (API keys, as vLLM's ``--api-key``): ``authorization: Bearer <key>``
+  in the call's metadata, compared with every configured key in constant time
+  (``hmac.compare_digest``, RFC 6750 for the header).
+* **Identity** (``Principal``): the key's name, else the client certificate's subject,
+  else, where neither is configured, the peer's host (one anonymous principal per
+  host). State is scoped by it: a session id or link id of one principal is not
+  visible to another (``scoped``).
+
+Domain code never sees grpc: servicers call ``Authenticator.identify`` with the call's
+metadata and auth context and get a ``Principal`` or ``Unauthenticated``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.common.errors import InvalidRequest, Unauthenticated
+from tandem.security import is_loopback
+
+__all__ = ["ANONYMOUS_PEER", "ApiKeys", "Authenticator", "Principal", "is_loopback", "scoped"]
+
+BEARER = "bearer "
+ANONYMOUS = "anonymous"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: ``kind`` is ``key`` (an API key's name), ``cert`` (a client
+    certificate's subject common name, or its first subject alternative name), or ``peer``
+    (no authentication configured: the peer's host)."""
+
+    kind: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+    @property
+    def tag(self) -> str:
+        """A short, fixed-length, printable tag of the principal (16 hex digits of SHA-256), used
+        to scope ids (``scoped``) without leaking the name into keys and logs."""
+        return hashlib.sha256(str(self).encode()).hexdigest()[:16]
+
+
+ANONYMOUS_PEER = Principal("peer", ANONYMOUS)
+
+
+def scoped(principal: Principal, ident: str) -> str:
+    """``ident`` (a session id, a link id) in ``principal``'s namespace: two principals using the
+    same id never meet. The empty id (stateless) stays empty."""
+    return f"{principal.tag}/{ident}" if ident else ""
+
+
+def check_plaintext(address: str, insecure: bool, what: str) -> None:
+    """Refuse plaintext on ``address`` (a bind host or a target) unless it is loopback or
+    ``insecure`` was set explicitly.
+
+    Raises:
+        InvalidRequest: plaintext to or from another host without ``insecure``; the message says
+            which setting to add (TLS files, or ``insecure = true``).
+    """
+    if not insecure and not is_loopback(address):
+        raise InvalidRequest(
+            f"{what} {address!r} is not a loopback address: configure TLS (tls_cert_file/tls_key_file, "
+            f"or the CA file on a client), or set insecure = true to accept plaintext explicitly"
+        )
+
+
+def read_file(path: Path | str, what: str) -> bytes:
+    """The bytes of a PEM file.
+
+    Raises:
+        InvalidRequest: the file is missing or unreadable (the message names the setting).
+    """
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise InvalidRequest(f"{what}: cannot read {path}: {e.strerror or e}") from None
+
+
+class ApiKeys:
+    """Named bearer tokens. ``identify`` compares a presented token with every key in constant
+    time (no early exit: the time does not depend on which key, if any, matched).
+
+    Args:
+        keys: ``{name: key}`` (a list is named ``key-0``, ``key-1``... by position).
+
+    Raises:
+        InvalidRequest: an empty key, or keys shorter than 16 characters (guessable).
+    """
+
+    MIN_KEY_CHARS = 16
+
+    def __init__(self, keys: Mapping[str, str] | Sequence[str]) -> None:
+        named = dict(keys) if isinstance(keys, Mapping) else {f"key-{i}": k for i, k in enumerate(keys)}
+        for name, key in named.items():
+            if len(key) < self.MIN_KEY_CHARS:
+                raise InvalidRequest(f"API key {name!r} is shorter than {self.MIN_KEY_CHARS} characters")
+        self._keys = [(name, key.encode()) for name, key in named.items()]
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def identify(self, token: str) -> str | None:
+        """The name of the key equal to ``token``, or None."""
+        presented = token.encode()
+        found: str | None = None
+        for name, key in self._keys:
+            if hmac.compare_digest(presented, key):
+                found = name
+        return found
+
+
+def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    """The token of the ``authorization: Bearer <token>`` entry of gRPC metadata, or None."""
+    for k, v in metadata or ():
+        if k.lower() == "authorization":
+            value = v.decode(errors="replace") if isinstance(v, bytes) else v
+            if value[: len(BEARER)].lower() == BEARER:
+                return value[len(BEARER) :].strip()
+    return None
+
+
+def cert_subject(auth_context: Mapping[str, Sequence[bytes]] | None) -> str | None:
+    """The verified client certificate's subject common name (else its first subject alternative
+    name) from a gRPC auth context (``ServicerContext.auth_context()``), or None without one."""
+    ctx = auth_context or {}
+    for field in ("x509_common_name", "x509_subject_alternative_name"):
+        values = ctx.get(field) or []
+        if values:
+            v = values[0]
+            return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+    return None
+
+
+class Authenticator:
+    """Who a call comes from, by the rules in the module docstring.
+
+    Args:
+        keys: the API keys; when non-empty, every call must carry one (``Unauthenticated``).
+        client_certs: mutual TLS is on (the handshake already checked the certificate).
+    """
+
+    def __init__(self, keys: ApiKeys | None = None, client_certs: bool = False) -> None:
+        self.keys = keys or ApiKeys([])
+        self.client_certs = client_certs
+
+    @property
+    def required(self) -> bool:
+        return bool(self.keys) or self.client_certs
+
+    def identify(
+        self,
+        metadata: Sequence[tuple[str, str | bytes]] | None,
+        auth_context: Mapping[str, Sequence[bytes]] | None,
+        peer_host: str,
+    ) -> Principal:
+        """The caller's principal.
+
+        Raises:
+            Unauthenticated: keys are configured and the call has none or a wrong one; or mutual TLS
+                is on and the auth context has no certificate subject.
+        """
+        if self.keys:
+            token = bearer_token(metadata)
+            if token is None:
+                raise Unauthenticated("missing API key: send 'authorization: Bearer <key>'")
+            name = self.keys.identify(token)
+            if name is None:
+                raise Unauthenticated("invalid API key")
+            return Principal("key", name)
+        if self.client_certs:
+            subject = cert_subject(auth_context)
+            if subject is None:
+                raise Unauthenticated("no verified client certificate")
+            return Principal("cert", subject)
+        return Principal("peer", peer_host or ANONYMOUS)
+
+
+def expand_path(path: Path) -> Path:
+    """``path`` with ``~`` and ``$VARS`` expanded (``~/.local/state/tandem/kv`` is the XDG Base
+    Directory specification's place for state that survives restarts)."""
+    import os
+
+    return Path(os.path.expandvars(os.path.expanduser(str(path))))
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` (and missing parents) readable only by this user (mode 0700), or check an
+    existing one: it must be a directory owned by this user; group or other permissions on it
+    are removed (logged by the caller's config echo).
+
+    Raises:
+        InvalidRequest: ``path`` exists and is not a directory, is a symbolic link, or belongs to
+            another user (a folder someone else made, e.g. in ``/tmp``, is never used).
+    """
+    import os
+    import stat
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise InvalidRequest(f"{path} is not a directory (a symbolic link or a file): choose another store_dir")
+    if st.st_uid != os.getuid():
+        raise InvalidRequest(
+            f"{path} belongs to user id {st.st_uid}, not to this user ({os.getuid()}): another user could read or "
+            f"plant KV blocks there; choose another store_dir"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        path.chmod(0o700)
+    return path

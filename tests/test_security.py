@@ -1,0 +1,474 @@
+"""Issue 11: TLS and mutual TLS on both hops, API keys, state scoped by identity, per-edge limits,
+private store folders. Real grpc.aio over loopback with a throwaway CA (trustme); in-memory engines
+and head (fast). Every refusal is checked for its status while a good session on the same cloud
+completes with the reference tokens (the same turns on a plaintext in-process stack)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import stat
+from pathlib import Path
+
+import grpc
+import pytest
+import trustme
+
+from tandem.cloud.gateway import Gateway
+from tandem.cloud.memory_engines import MemoryEngines
+from tandem.cloud.service import CloudServicer
+from tandem.common.errors import (
+    EngineError,
+    InvalidRequest,
+    QuotaExceeded,
+    Unauthenticated,
+)
+from tandem.common.grpcsetup import channel_credentials, server_credentials, start_server
+from tandem.common.kvstore import DiskBlockStore, MemoryBlockStore
+from tandem.common.params import NegotiateOffer, Sampling
+from tandem.common.security import ApiKeys, Authenticator, private_dir
+from tandem.edge.batcher import HeadBatcher
+from tandem.edge.cloudconn import CloudConnection
+from tandem.edge.events import ChatTurn, TurnDone
+from tandem.edge.grpc_link import GrpcCloudLink
+from tandem.edge.head_runner import MemoryHead
+from tandem.edge.server import EDGE_SERVICE, EdgeServicer
+from tandem.edge.service import EdgeService, Head
+from tandem.edge.session import EdgeSessions
+from tandem.v1 import tandem_pb2 as pb
+from tandem.v1 import tandem_pb2_grpc as pb_grpc
+from tests.doubles import HKV, MANIFEST, VOCAB, B, D, H, K, ToyTokenizer, cloud_config, toy_stack
+
+KEYS = {"edge-a": "a" * 24, "edge-b": "b" * 24, "edge-c": "c" * 24}
+APP_KEYS = ["app-key-one-0123456789", "app-key-two-0123456789"]
+LONG = "Tell me about bridges and arches. " * 6  # several KV blocks
+
+
+# --- a throwaway PKI ------------------------------------------------------------------------------
+
+
+class Pki:
+    """A CA, a second (untrusted) CA, and certificate files made from them under ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.ca, self.other = root, trustme.CA(), trustme.CA()
+        self.ca_file = self._write(self.ca.cert_pem.bytes(), "ca.pem")
+        self.other_ca_file = self._write(self.other.cert_pem.bytes(), "other-ca.pem")
+
+    def _write(self, data: bytes, name: str) -> Path:
+        p = self.root / name
+        p.write_bytes(data)
+        return p
+
+    def leaf(
+        self, name: str, *identities: str, ca: trustme.CA | None = None, expired: bool = False
+    ) -> tuple[Path, Path]:
+        """(cert chain file, key file) for ``identities`` (subject alternative names), common name ``name``."""
+        kw = {}
+        if expired:
+            now = dt.datetime.now(dt.UTC)
+            kw = dict(not_before=now - dt.timedelta(days=30), not_after=now - dt.timedelta(days=1))
+        cert = (ca or self.ca).issue_cert(*(identities or (name,)), common_name=name, **kw)
+        chain = b"".join(b.bytes() for b in cert.cert_chain_pems)
+        return self._write(chain, f"{name}.pem"), self._write(cert.private_key_pem.bytes(), f"{name}.key")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Pki:
+    return Pki(tmp_path_factory.mktemp("pki"))
+
+
+# --- a cloud over TLS -----------------------------------------------------------------------------
+
+
+class TlsCloud:
+    """The toy gateway on a grpc server with TLS (mutual when ``client_ca``), edge keys optional."""
+
+    def __init__(self, pki: Pki, *, client_ca: bool = True, keys: dict[str, str] | None = None, **cfg) -> None:
+        self.pki, self.client_ca, self.keys = pki, client_ca, keys or {}
+        self.store = MemoryBlockStore(1 << 30)
+        self.engines = MemoryEngines(self.store, B, VOCAB)
+        self.cfg = cloud_config(**cfg)
+        self.cert = pki.leaf("cloud", "localhost", "127.0.0.1")
+
+    async def start(self) -> None:
+        self.gateway = Gateway(self.cfg, MANIFEST, self.engines, self.store)
+        auth = Authenticator(ApiKeys(self.keys), client_certs=self.client_ca)
+        servicer = CloudServicer(self.gateway, "toy-cloud", auth)
+        creds = server_credentials(self.cert[0], self.cert[1], self.pki.ca_file if self.client_ca else None)
+        self.server, self.port, _ = await start_server(
+            [lambda s: pb_grpc.add_CloudServicer_to_server(servicer, s)],
+            ["tandem.v1.Cloud"],
+            "127.0.0.1",
+            0,
+            self.gateway.max_message_bytes(),
+            creds,
+        )
+
+    async def stop(self) -> None:
+        await self.server.stop(0)
+
+
+def link_to(
+    port: int,
+    *,
+    ca: Path | None,
+    cert: tuple[Path, Path] | None = None,
+    api_key: str | None = None,
+    host: str = "localhost",
+    server_name: str | None = None,
+) -> GrpcCloudLink:
+    creds = channel_credentials(ca, *(cert or (None, None)))
+    return GrpcCloudLink(f"{host}:{port}", 5.0, 5.0, credentials=creds, server_name=server_name, api_key=api_key)
+
+
+async def edge_over(link: GrpcCloudLink, edge_id: str = "e") -> EdgeService:
+    key = MANIFEST.compatibility_key()
+    conn = CloudConnection(link, NegotiateOffer(edge_id, "toy", {K: key}, 4), poll_s=0.5, backoff_s=0.1)
+    conn.start()
+    assert await conn.wait_connected(10), conn.last_error
+    batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
+    batcher.start()
+    return EdgeService(ToyTokenizer(), [Head(batcher, key)], conn, EdgeSessions(64, 1 << 30), 30)
+
+
+async def close_edge(svc: EdgeService) -> None:
+    await svc.batcher.stop()
+    assert svc.conn is not None
+    await svc.conn.stop()
+    await svc.conn.link.close()
+
+
+async def run(svc: EdgeService, t: ChatTurn) -> TurnDone:
+    done = None
+    async for ev in svc.chat(t):
+        if isinstance(ev, TurnDone):
+            done = ev
+    assert done is not None
+    return done
+
+
+def chat(convo: list[tuple[str, str]], session: str = "", n: int = 6) -> ChatTurn:
+    return ChatTurn(tuple(convo), "", session, Sampling(max_new_tokens=n), mode="split")
+
+
+async def conversation(svc: EdgeService, session: str, turns: int = 3) -> list[tuple[int, ...]]:
+    """A multi-turn chat; returns each turn's output token ids."""
+    convo: list[tuple[str, str]] = [("user", LONG)]
+    out = []
+    for i in range(turns):
+        done = await run(svc, chat(convo, session))
+        out.append(done.output_token_ids)
+        if i:
+            assert done.head_tokens < done.prompt_tokens  # the session's prefix stayed on both sides
+        convo += [("assistant", "sure"), ("user", f"and question {i}?")]
+    return out
+
+
+@pytest.fixture(scope="module")
+async def reference() -> list[tuple[int, ...]]:
+    """The reference tokens: the same conversation on a plaintext in-process stack."""
+    toy = await toy_stack()
+    try:
+        return await conversation(toy.edge, "ref")
+    finally:
+        await toy.batcher.stop()
+
+
+# --- edge <-> cloud: mutual TLS -------------------------------------------------------------------
+
+
+async def test_mutual_tls_serves_and_every_bad_certificate_is_refused_while_a_good_session_runs(pki, reference):
+    cloud = TlsCloud(pki)
+    await cloud.start()
+    good = await edge_over(link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf("edge-a")))
+    bad_links = {
+        "no client certificate": link_to(cloud.port, ca=pki.ca_file),
+        "client certificate of another CA": link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf("x", ca=pki.other)),
+        "expired client certificate": link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf("old", expired=True)),
+        "cloud certificate of an untrusted CA": link_to(cloud.port, ca=pki.other_ca_file, cert=pki.leaf("edge-b")),
+        "cloud certificate for another name": link_to(
+            cloud.port, ca=pki.ca_file, cert=pki.leaf("edge-b"), server_name="other.example"
+        ),
+    }
+
+    async def refused(name: str, link: GrpcCloudLink) -> str:
+        try:
+            for _ in range(3):
+                with pytest.raises(EngineError, match="UNAVAILABLE"):
+                    await link.negotiate(NegotiateOffer("intruder", "toy", {}, 1))
+        finally:
+            await link.close()
+        return name
+
+    try:
+        results = await asyncio.gather(
+            conversation(good, "s"), *(refused(name, link) for name, link in bad_links.items())
+        )
+        assert results[0] == reference
+        # the cloud names the edge by its certificate's subject
+        (owner,) = {o for lid, o in cloud.gateway._owners.items() if lid}
+        assert owner == "cert:edge-a"
+    finally:
+        await close_edge(good)
+        await cloud.stop()
+
+
+async def test_the_edge_checks_the_clouds_name_and_expiry(pki):
+    """Server-side checks from the edge's view: a cloud certificate for another name is refused,
+    and accepted when that name is configured (``cloud_server_name``); an expired one is refused."""
+    cloud = TlsCloud(pki, client_ca=False)
+    cloud.cert = pki.leaf("named", "cloud.internal")
+    await cloud.start()
+    try:
+        wrong = link_to(cloud.port, ca=pki.ca_file)
+        with pytest.raises(EngineError, match="UNAVAILABLE"):
+            await wrong.negotiate(NegotiateOffer("e", "toy", {}, 1))
+        await wrong.close()
+        right = link_to(cloud.port, ca=pki.ca_file, server_name="cloud.internal")
+        assert (await right.negotiate(NegotiateOffer("e", "toy", {}, 1))).link_id
+        await right.close()
+    finally:
+        await cloud.stop()
+    expired = TlsCloud(pki, client_ca=False)
+    expired.cert = pki.leaf("stale", "localhost", expired=True)
+    await expired.start()
+    try:
+        link = link_to(expired.port, ca=pki.ca_file)
+        with pytest.raises(EngineError, match="UNAVAILABLE"):
+            await link.negotiate(NegotiateOffer("e", "toy", {}, 1))
+        await link.close()
+    finally:
+        await expired.stop()
+
+
+# --- edge <-> cloud: tokens, scoped state, per-edge limits ----------------------------------------
+
+
+def raw_header(
+    gw: Gateway, session: str, ids: list[int], cached: int, link_id: str = "", version: int = 0
+) -> pb.Uplink:
+    rec = gw._versions[link_id]
+    v = version or rec.current[K].params_version
+    return pb.Uplink(
+        header=pb.RequestHeader(
+            request_id="r",
+            session_id=session,
+            params_version=v,
+            split_layer=K,
+            prompt_token_ids=ids,
+            cached_tokens=cached,
+            num_chunks=1,
+            sampling=pb.SamplingParams(max_new_tokens=2),
+            link_id=link_id,
+        )
+    )
+
+
+async def raw_generate(port: int, pki: Pki, key: str | None, msgs: list[pb.Uplink]) -> grpc.StatusCode:
+    creds = channel_credentials(pki.ca_file, *pki.leaf("raw"))
+    async with grpc.aio.secure_channel(f"localhost:{port}", creds) as ch:
+        stub = pb_grpc.CloudStub(ch)
+        md = (("authorization", f"Bearer {key}"),) if key else None
+        try:
+            async for _ in stub.Generate(iter(msgs), metadata=md, timeout=10):
+                pass
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+    return grpc.StatusCode.OK
+
+
+async def test_tokens_name_edges_and_scope_their_sessions_and_links(pki, reference):
+    cloud = TlsCloud(pki, keys=KEYS)
+    await cloud.start()
+    a = await edge_over(link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf("edge-a"), api_key=KEYS["edge-a"]), "a")
+    b = await edge_over(link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf("edge-b"), api_key=KEYS["edge-b"]), "b")
+    try:
+        # missing and wrong token: UNAUTHENTICATED on every RPC
+        for key in (None, "not-a-key-0123456789", KEYS["edge-a"][:-1] + "x"):
+            link = link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf("edge-x"), api_key=key)
+            with pytest.raises(Unauthenticated):
+                await link.negotiate(NegotiateOffer("x", "toy", {}, 1))
+            with pytest.raises(Unauthenticated):
+                await link.server_info("")
+            await link.close()
+            ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": "hi"}])
+            code = await raw_generate(cloud.port, pki, key, [raw_header(cloud.gateway, "", ids, 0)])
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+        # edge a's session runs; edge b guesses its id: NOT_FOUND, never a's state
+        first = await run(a, chat([("user", LONG)], "shared"))
+        ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
+        code = await raw_generate(
+            cloud.port, pki, KEYS["edge-b"], [raw_header(cloud.gateway, "shared", ids + [5], len(ids))]
+        )
+        assert code == grpc.StatusCode.NOT_FOUND
+        # b's own session of the same name is another session (b resends everything)
+        mine = await run(b, chat([("user", LONG)], "shared"))
+        assert mine.head_tokens == mine.prompt_tokens
+        # b may not use a's link (header) nor read its params
+        a_link = a.conn.negotiated.link_id
+        code = await raw_generate(
+            cloud.port, pki, KEYS["edge-b"], [raw_header(cloud.gateway, "", ids, 0, link_id=a_link)]
+        )
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert not (await b.conn.link.server_info(a_link)).link_known
+        assert (await a.conn.link.server_info(a_link)).link_known
+        # a's session is intact: its next turns load only new tokens and give the reference tokens
+        assert first.output_token_ids == reference[0]
+        convo = [("user", LONG), ("assistant", "sure"), ("user", "and question 0?")]
+        second = await run(a, chat(convo, "shared"))
+        assert second.head_tokens < second.prompt_tokens and second.output_token_ids == reference[1]
+    finally:
+        await close_edge(a)
+        await close_edge(b)
+        await cloud.stop()
+
+
+async def test_an_edge_over_its_limits_gets_resource_exhausted_and_others_are_served(pki, reference):
+    cloud = TlsCloud(pki, keys=KEYS, edge_max_sessions=2, edge_rate_limit="8/second", edge_max_stored_bytes=1 << 30)
+    await cloud.start()
+    c = await edge_over(link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf("edge-c"), api_key=KEYS["edge-c"]), "c")
+    a = await edge_over(link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf("edge-a"), api_key=KEYS["edge-a"]), "a")
+    try:
+        # sessions: the third new session of edge c is refused; its first two keep working
+        await run(c, chat([("user", "one")], "c1", n=2))
+        await run(c, chat([("user", "two")], "c2", n=2))
+        with pytest.raises(QuotaExceeded, match="sessions"):
+            await run(c, chat([("user", "three")], "c3", n=2))
+        await run(c, chat([("user", "one"), ("assistant", "x"), ("user", "more")], "c1", n=2))
+        await asyncio.sleep(1.1)  # a fresh rate window
+        # rate: a burst past 8/second is refused with a retry delay, while edge a is served
+        burst = [run(c, chat([("user", f"q{i}")], n=1)) for i in range(12)]
+        results = await asyncio.gather(conversation(a, "a"), *burst, return_exceptions=True)
+        assert results[0] == reference
+        refused = [r for r in results[1:] if isinstance(r, QuotaExceeded)]
+        assert refused and all("rate" in str(r) for r in refused)
+        assert not [r for r in results[1:] if isinstance(r, BaseException) and not isinstance(r, QuotaExceeded)]
+    finally:
+        await close_edge(c)
+        await close_edge(a)
+        await cloud.stop()
+
+
+async def test_stored_bytes_per_edge_are_bounded(pki):
+    cloud = TlsCloud(pki, keys=KEYS, edge_max_stored_bytes=40_000, edge_rate_limit=None)
+    await cloud.start()
+    c = await edge_over(link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf("edge-c"), api_key=KEYS["edge-c"]), "c")
+    try:
+        await run(c, chat([("user", "short")], "small", n=1))
+        with pytest.raises(QuotaExceeded, match="bytes"):
+            await run(c, chat([("user", LONG * 3)], "big", n=1))
+        assert cloud.gateway.budget.uploads == 0
+    finally:
+        await close_edge(c)
+        await cloud.stop()
+
+
+# --- app <-> edge: TLS and API keys ---------------------------------------------------------------
+
+
+async def test_the_edge_serves_apps_over_tls_with_api_keys_and_scopes_sessions_by_key(pki):
+    from tandem import AsyncClient, Unavailable
+    from tandem import Unauthenticated as ClientUnauthenticated
+
+    toy = await toy_stack()
+    cert = pki.leaf("edge", "localhost")
+    servicer = EdgeServicer(toy.edge, "toy", Authenticator(ApiKeys(APP_KEYS)))
+    server, port, _ = await start_server(
+        [lambda s: pb_grpc.add_EdgeServicer_to_server(servicer, s)],
+        [EDGE_SERVICE],
+        "127.0.0.1",
+        0,
+        1 << 20,
+        server_credentials(cert[0], cert[1], None),
+    )
+    msg = [{"role": "user", "content": "hello there"}]
+    try:
+        for key in (None, "wrong-key-0123456789"):
+            async with AsyncClient(f"localhost:{port}", ca_file=pki.ca_file, api_key=key) as c:
+                with pytest.raises(ClientUnauthenticated):
+                    await c.complete(msg, max_new_tokens=2)
+                with pytest.raises(ClientUnauthenticated):
+                    await c.info()
+        async with AsyncClient(f"localhost:{port}", insecure=True, api_key=APP_KEYS[0]) as c:
+            with pytest.raises(Unavailable):  # plaintext to a TLS port
+                await c.complete(msg, max_new_tokens=2, timeout_s=5)
+        async with AsyncClient(f"localhost:{port}", ca_file=pki.other_ca_file, api_key=APP_KEYS[0]) as c:
+            with pytest.raises(Unavailable):  # the edge's certificate does not chain to this CA
+                await c.complete(msg, max_new_tokens=2, timeout_s=5)
+        one = AsyncClient(f"localhost:{port}", ca_file=pki.ca_file, api_key=APP_KEYS[0])
+        two = AsyncClient(f"localhost:{port}", ca_file=pki.ca_file, api_key=APP_KEYS[1])
+        r1 = await one.complete(msg, max_new_tokens=3, session_id="user-42", mode="split")
+        r2 = await two.complete(msg, max_new_tokens=3, session_id="user-42", mode="split")
+        assert r1.output_token_ids == r2.output_token_ids
+        assert r2.head_tokens == r2.prompt_tokens  # key two's "user-42" is not key one's
+        assert len([k for k in toy.edge.sessions._s if k.endswith("/user-42")]) == 2
+        assert "user-42" not in toy.edge.sessions
+        await one.close()
+        await two.close()
+    finally:
+        await server.stop(0)
+        await toy.batcher.stop()
+
+
+def test_the_sdk_sends_plaintext_only_to_this_host_unless_told():
+    from tandem import Client
+
+    with pytest.raises(ValueError, match="loopback"):
+        Client("edge.example.com:50061")
+    with pytest.raises(ValueError, match="cert_file and key_file"):
+        Client("localhost:1", tls=True, cert_file="x.pem")
+    Client("edge.example.com:50061", insecure=True).close()
+    Client("127.0.0.1:1").close()
+
+
+def test_daemons_refuse_plaintext_on_other_hosts_unless_told(tmp_path):
+    from pydantic import ValidationError
+
+    from tandem.cloud.config import CloudConfig
+    from tandem.edge.config import EdgeConfig
+
+    with pytest.raises(ValidationError, match="insecure"):
+        CloudConfig(host="0.0.0.0")
+    assert CloudConfig(host="0.0.0.0", insecure=True).insecure
+    pem = tmp_path / "x.pem"
+    assert CloudConfig(host="0.0.0.0", tls_cert_file=pem, tls_key_file=pem).tls_cert_file == pem
+    with pytest.raises(ValidationError, match="together"):
+        CloudConfig(tls_cert_file=pem)
+    with pytest.raises(ValidationError, match="cloud_insecure"):
+        EdgeConfig(cloud_target="10.1.2.3:50051")
+    assert EdgeConfig(cloud_target="10.1.2.3:50051", cloud_ca_file=pem).cloud_uses_tls
+    with pytest.raises(ValidationError, match="http_host"):
+        EdgeConfig(http_port=8000, http_host="0.0.0.0")
+    with pytest.raises(InvalidRequest, match="shorter"):
+        ApiKeys(["short"])
+
+
+# --- state on disk ---------------------------------------------------------------------------------
+
+
+def test_store_folders_are_private_and_never_another_users(tmp_path):
+    d = tmp_path / "state" / "kv"
+    store = DiskBlockStore(d, 1 << 20)
+    store.close()
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    os.chmod(loose, 0o777)
+    private_dir(loose)
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+    link = tmp_path / "link"
+    link.symlink_to(d)
+    with pytest.raises(InvalidRequest, match="symbolic link"):
+        private_dir(link)
+    if os.getuid() == 0:  # only root can make a folder that belongs to someone else
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 4242, 4242)
+        with pytest.raises(InvalidRequest, match="belongs to user id 4242"):
+            DiskBlockStore(theirs, 1 << 20)
+    from tandem.cloud.config import CloudConfig
+
+    default = CloudConfig().store_dir
+    assert not str(default).startswith("/tmp") and "~" not in str(default)
