@@ -94,12 +94,19 @@ def read_file(path: Path | str, what: str) -> bytes:
         raise InvalidRequest(f"{what}: cannot read {path}: {e.strerror or e}") from None
 
 
+def key_name(key: str) -> str:
+    """The name of an unnamed API key: ``key-`` and 8 hex digits of its SHA-256 (32 bits of the hash
+    of a secret of at least 16 characters: it names the key in logs without revealing it)."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
 class ApiKeys:
     """Named bearer tokens. ``identify`` compares a presented token with every key in constant
     time (no early exit: the time does not depend on which key, if any, matched).
 
     Args:
-        keys: ``{name: key}`` (a list is named ``key-0``, ``key-1``... by position).
+        keys: ``{name: key}``; keys of a list are named by ``key_name`` (stable when the list is
+            reordered or grows, so each key's sessions stay its own).
 
     Raises:
         InvalidRequest: an empty key, or keys shorter than 16 characters (guessable).
@@ -108,7 +115,7 @@ class ApiKeys:
     MIN_KEY_CHARS = 16
 
     def __init__(self, keys: Mapping[str, str] | Sequence[str]) -> None:
-        named = dict(keys) if isinstance(keys, Mapping) else {f"key-{i}": k for i, k in enumerate(keys)}
+        named = dict(keys) if isinstance(keys, Mapping) else {key_name(k): k for k in keys}
         for name, key in named.items():
             if len(key) < self.MIN_KEY_CHARS:
                 raise InvalidRequest(f"API key {name!r} is shorter than {self.MIN_KEY_CHARS} characters")

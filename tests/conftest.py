@@ -41,3 +41,32 @@ def tokenizer(manifest, split_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(manifest.tokenizer_dir(split_dir))
+
+
+@pytest.fixture(scope="session")
+def tls(tmp_path_factory):
+    """A throwaway PKI (trustme) for the real stack, as an operator would set it up: a CA, the
+    cloud's and the edge's server certificates (for ``127.0.0.1`` and ``localhost``), client
+    certificates for the edge and for raw test calls, the edge's key at the cloud and an app key."""
+    from types import SimpleNamespace
+
+    import trustme
+
+    root, ca = tmp_path_factory.mktemp("tls"), trustme.CA()
+
+    def leaf(name: str, *ids: str) -> tuple[Path, Path]:
+        cert = ca.issue_cert(*(ids or (name,)), common_name=name)
+        (root / f"{name}.pem").write_bytes(b"".join(b.bytes() for b in cert.cert_chain_pems))
+        (root / f"{name}.key").write_bytes(cert.private_key_pem.bytes())
+        return root / f"{name}.pem", root / f"{name}.key"
+
+    (root / "ca.pem").write_bytes(ca.cert_pem.bytes())
+    return SimpleNamespace(
+        ca_file=root / "ca.pem",
+        cloud=leaf("cloud", "127.0.0.1", "localhost"),
+        edge_server=leaf("edge", "127.0.0.1", "localhost"),
+        edge_client=leaf("edge-1"),
+        raw_client=leaf("raw-test-client"),
+        edge_key="edge-1-key-" + "0" * 16,
+        app_key="app-key-" + "1" * 16,
+    )

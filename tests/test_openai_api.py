@@ -310,6 +310,7 @@ async def test_out_of_range_values_and_huge_bodies_are_400_and_413(stack, client
             f"http://127.0.0.1:{port}/v1/chat/completions", json=big, headers={"authorization": f"Bearer {KEY}"}
         )
         assert r.status_code == 413 and r.json()["error"]["message"]
+
     # a stream read to its end counts as a completed turn, not a cancelled one
     def completed() -> float:  # whichever mode the edge chose
         return sum(REQUESTS.labels(m, "ok")._value.get() for m in ("split", "direct", "local"))

@@ -65,7 +65,9 @@ class SplitClient(AsyncClient):
 
 
 @pytest.fixture(scope="session")
-async def stack(split_dir, tmp_path_factory):
+async def stack(split_dir, tmp_path_factory, tls):
+    """The real stack as an operator deploys it across hosts: mutual TLS and an edge key between
+    edge and cloud, TLS and an API key between the app and the edge (all on loopback here)."""
     from tandem.cloud.config import CloudConfig, EngineConfig
     from tandem.cloud.engines import VllmEngines
     from tandem.cloud.server import create_cloud
@@ -80,27 +82,61 @@ async def stack(split_dir, tmp_path_factory):
         port=0,
         store_dir=tmp_path_factory.mktemp("kv"),
         engine=EngineConfig(max_num_seqs=8, kv_cache_bytes=384 << 20),
+        tls_cert_file=tls.cloud[0],
+        tls_key_file=tls.cloud[1],
+        tls_client_ca_file=tls.ca_file,
+        edge_keys={"edge-1": tls.edge_key},
     )
     engines = VllmEngines(cfg)
     engines.start()
     cloud = await create_cloud(cfg, engines)
-    edge = await create_edge(
-        EdgeConfig(
-            split_dir=split_dir,
-            extra_split_dirs=[k8],
-            cloud_target=f"127.0.0.1:{cloud.port}",
-            host="127.0.0.1",
-            port=0,
-        )
+    edge_cfg = EdgeConfig(
+        split_dir=split_dir,
+        extra_split_dirs=[k8],
+        cloud_target=f"127.0.0.1:{cloud.port}",
+        cloud_ca_file=tls.ca_file,
+        cloud_cert_file=tls.edge_client[0],
+        cloud_key_file=tls.edge_client[1],
+        cloud_api_key=tls.edge_key,
+        host="127.0.0.1",
+        port=0,
+        tls_cert_file=tls.edge_server[0],
+        tls_key_file=tls.edge_server[1],
+        api_keys=[tls.app_key],
     )
-    client = SplitClient(f"127.0.0.1:{edge.port}")
+    edge = await create_edge(edge_cfg)
+    client = SplitClient(f"127.0.0.1:{edge.port}", ca_file=tls.ca_file, api_key=tls.app_key)
     st = {"engines": engines, "cloud": cloud, "gateway": cloud.gateway, "cloud_port": cloud.port, "edge": edge}
-    st.update(client=client, cfg=cfg)
+    st.update(client=client, cfg=cfg, edge_cfg=edge_cfg, tls=tls)
     yield st
     await client.close()
     await edge.stop(1)
     await st["cloud"].stop(1)
     engines.shutdown()
+
+
+def cloud_channel(stack) -> grpc.aio.Channel:
+    """A raw channel to the stack's cloud as its edge (same client CA, same edge key via ``EDGE_MD``)."""
+    from tandem.common.grpcsetup import channel_credentials
+
+    tls = stack["tls"]
+    creds = channel_credentials(tls.ca_file, *tls.raw_client)
+    return grpc.aio.secure_channel(f"127.0.0.1:{stack['cloud_port']}", creds)
+
+
+def edge_metadata(stack) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {stack['tls'].edge_key}"),)
+
+
+def keyed_session_id(stack, session: str) -> str:
+    """The id under which the edge keeps an app's ``session`` (its own table, and at the cloud):
+    scoped by the app's API key."""
+    from tandem.common.security import ApiKeys, Principal, scoped
+
+    key = stack["tls"].app_key
+    name = ApiKeys([key]).identify(key)
+    assert name is not None
+    return scoped(Principal("key", name), session)
 
 
 async def restart_cloud(stack) -> None:
@@ -263,9 +299,9 @@ async def test_persistent_chunk_corruption_is_data_loss(stack):
     assert e.value.code == grpc.StatusCode.DATA_LOSS
 
 
-async def generate_raw(port: int, msgs: list[pb.Uplink]) -> grpc.StatusCode:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        call = pb_grpc.CloudStub(ch).Generate(iter(msgs))
+async def generate_raw(stack, msgs: list[pb.Uplink]) -> grpc.StatusCode:
+    async with cloud_channel(stack) as ch:
+        call = pb_grpc.CloudStub(ch).Generate(iter(msgs), metadata=edge_metadata(stack))
         try:
             async for _ in call:
                 pass
@@ -275,7 +311,7 @@ async def generate_raw(port: int, msgs: list[pb.Uplink]) -> grpc.StatusCode:
 
 
 async def test_bad_uplink_gets_clear_status_and_spares_other_sessions(stack, tokenizer):
-    port, gw = stack["cloud_port"], stack["gateway"]
+    gw = stack["gateway"]
     v = gw.params.params_version
     ok_ids = prompt_ids(tokenizer, PROMPTS[1])
     sp = pb.SamplingParams(max_new_tokens=4)
@@ -304,12 +340,22 @@ async def test_bad_uplink_gets_clear_status_and_spares_other_sessions(stack, tok
         ],
         grpc.StatusCode.FAILED_PRECONDITION: [
             [header(params_version=v + 10**6)],  # a version this link never had (the controller may add v+1)
+            [  # the edge's session holds more than 3 tokens
+                header(
+                    split_layer=gw.manifest.split_layer,
+                    session_id=keyed_session_id(stack, session),
+                    cached_tokens=3,
+                    num_chunks=1,
+                )
+            ],
+        ],
+        grpc.StatusCode.NOT_FOUND: [  # the app's session id outside its key's namespace names nothing
             [header(split_layer=gw.manifest.split_layer, session_id=session, cached_tokens=3, num_chunks=1)],
         ],
     }
     for code, bad in cases.items():
         for i, msgs in enumerate(bad):
-            got = await generate_raw(port, msgs)
+            got = await generate_raw(stack, msgs)
             assert got == code, f"case {i} of {code.name}: got {got.name}"
     # the session that was running before is intact: its next turn still loads only new tokens
     messages = PROMPTS[1]["messages"] + [
@@ -380,12 +426,12 @@ async def test_nan_activations_are_invalid_argument(stack):
 async def test_stalled_uploads_neither_lock_out_the_session_nor_hang(stack, tokenizer):
     """Issue 12 item 7: two streams send a valid header for a session and then nothing; the session's
     owner is served meanwhile, and a stalled stream ends at its deadline with DEADLINE_EXCEEDED."""
-    gw, port, session = stack["gateway"], stack["cloud_port"], f"stalled-{uuid.uuid4().hex}"
+    gw, session = stack["gateway"], f"stalled-{uuid.uuid4().hex}"
     await stack["client"].complete(PROMPTS[1]["messages"], max_new_tokens=4, session_id=session)
     ids = prompt_ids(tokenizer, PROMPTS[1])
     header = pb.RequestHeader(
         request_id="stall",
-        session_id=session,
+        session_id=keyed_session_id(stack, session),  # the edge's session, as the edge names it
         params_version=gw.params.params_version,
         split_layer=gw.manifest.split_layer,
         prompt_token_ids=ids,
@@ -400,11 +446,11 @@ async def test_stalled_uploads_neither_lock_out_the_session_nor_hang(stack, toke
 
     async def stalled_call(ch, timeout_s):
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            async for _ in pb_grpc.CloudStub(ch).Generate(stall(), timeout=timeout_s):
+            async for _ in pb_grpc.CloudStub(ch).Generate(stall(), timeout=timeout_s, metadata=edge_metadata(stack)):
                 pass
         return e.value.code()
 
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+    async with cloud_channel(stack) as ch:
         stalls = [asyncio.create_task(stalled_call(ch, t)) for t in (20.0, 20.0)]
         await asyncio.sleep(0.5)
         messages = PROMPTS[1]["messages"] + [
@@ -453,7 +499,7 @@ async def test_resend_from_token_0_never_reuses_tail_kv_of_other_activations(sta
         return item
 
     honest = await client.complete(x, max_new_tokens=12, session_id=session)
-    svc.sessions.discard(session)  # the edge lost its session state: it resends from token 0
+    svc.sessions.discard(keyed_session_id(stack, session))  # the edge lost its session state: it resends from token 0
     with tampered(stack, to_y):
         resent = await client.complete(x, max_new_tokens=12, session_id=session)
         cold = await client.complete(x, max_new_tokens=12)
@@ -517,18 +563,20 @@ async def test_an_edge_starts_without_its_cloud_serves_local_and_splits_once_the
     import socket
 
     from tandem.cloud.server import create_cloud
-    from tandem.edge.config import EdgeConfig
     from tandem.edge.server import create_edge
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    edge = await create_edge(
-        EdgeConfig(split_dir=split_dir, cloud_target=f"127.0.0.1:{port}", port=0, connect_timeout_s=0.5, poll_s=0.5)
+    cfg = stack["edge_cfg"].model_copy(
+        update=dict(extra_split_dirs=[], cloud_target=f"127.0.0.1:{port}", connect_timeout_s=0.5, poll_s=0.5)
     )
+    edge = await create_edge(cfg)
     second = None
     try:
-        async with AsyncClient(f"127.0.0.1:{edge.port}") as c:
+        async with AsyncClient(
+            f"127.0.0.1:{edge.port}", ca_file=stack["tls"].ca_file, api_key=stack["tls"].app_key
+        ) as c:
             info = await c.info()
             assert info.modes == ("local",) and not info.cloud_connected and "not connected" in info.degraded
             res = await c.complete(PROMPTS[1]["messages"], max_new_tokens=4)
