@@ -472,3 +472,33 @@ def test_store_folders_are_private_and_never_another_users(tmp_path):
 
     default = CloudConfig().store_dir
     assert not str(default).startswith("/tmp") and "~" not in str(default)
+
+
+async def test_the_openai_api_serves_https_with_its_keys(pki):
+    import ssl
+
+    import httpx
+
+    from tandem.edge.openai_api import create_openai_app, serve_openai, stop_openai
+
+    toy = await toy_stack()
+    cert = pki.leaf("edge-http", "localhost", "127.0.0.1")
+    app = create_openai_app(toy.edge, "toy", api_keys=APP_KEYS)
+    server, task, port = await serve_openai(app, "127.0.0.1", 0, tls=cert)
+    trust = ssl.create_default_context(cafile=str(pki.ca_file))
+    try:
+        async with httpx.AsyncClient(verify=trust, timeout=10) as h:
+            url = f"https://127.0.0.1:{port}/v1/models"
+            assert (await h.get(url)).status_code == 401
+            assert (await h.get(url, headers={"authorization": "Bearer wrong-key-0123456789"})).status_code == 401
+            ok = await h.get(url, headers={"authorization": f"Bearer {APP_KEYS[1]}"})
+            assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "toy"
+        async with httpx.AsyncClient(timeout=10) as plain:
+            with pytest.raises(httpx.HTTPError):  # plaintext HTTP to the HTTPS port
+                await plain.get(f"http://127.0.0.1:{port}/v1/models")
+        async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(pki.other_ca_file))) as h:
+            with pytest.raises(httpx.ConnectError):  # a certificate this client does not trust
+                await h.get(f"https://127.0.0.1:{port}/v1/models")
+    finally:
+        await stop_openai(server, task, 1.0)
+        await toy.batcher.stop()
