@@ -8,6 +8,14 @@ waits. Past its share it waits in its own FIFO queue (bounded in length and time
 to the waiting link furthest under its share. ``control_step`` moves each link's weight to meet
 the p99 TTFT / ITL objectives its edge declared.
 
+Cause and victim: a link missing its objective is shrunk only when its share binds it (its peak
+demand, running plus waiting, over the window reached its share): then a smaller share lowers the
+load it puts on the batch. A link that misses while below its share is a victim of the others:
+the links whose demand reached *their* shares are shrunk instead (the victim's share is not).
+With no such cause (the node is simply slower than the objective) nobody shrinks, since a share
+a link does not use changes nothing. Measured with ``tandem-bench-burst``: the rule of the seed
+article alone shrank every link of an overloaded node, the quiet edge's too.
+
 Pure domain code, single event loop. Times are in the injected clock's seconds.
 """
 
@@ -97,6 +105,17 @@ class Link:
     _ttft: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES), init=False)
     _itl: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES), init=False)
     _durations_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_DURATIONS), init=False)
+    _demand: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES), init=False)
+
+    def note_demand(self, now: float) -> None:
+        """Record the link's demand now (requests running plus waiting)."""
+        self._demand.append((now, self.running + self.waiting))
+
+    def peak_demand(self, since: float) -> int:
+        """Most requests running plus waiting at once since ``since`` (and now); drops older samples."""
+        while self._demand and self._demand[0][0] < since:
+            self._demand.popleft()
+        return max([n for _, n in self._demand] + [self.running + self.waiting])
 
 
 class Ticket:
@@ -245,6 +264,7 @@ class LinkTable:
         link._queue.append(waiter)
         link.waiting += 1
         self.waiting += 1
+        link.note_demand(now)
         ticket: Ticket | None = None
         try:
             async with asyncio.timeout(give_up - now):
@@ -288,6 +308,7 @@ class LinkTable:
         link.running_tokens += tokens
         self.running += 1
         self.running_tokens += tokens
+        link.note_demand(self._clock())
         return Ticket(self, link, tokens, queued_ms)
 
     def _dequeue(self, link: Link, waiter: _Waiter) -> None:
@@ -357,6 +378,8 @@ class LinkTable:
         cfg = self.controller
         now = self._clock()
         judged: list[tuple[Link, float | None, float | None, int]] = []
+        missing: list[Link] = []
+        meeting: list[Link] = []
         for link in self._links.values():
             if not self._is_active(link, now):
                 continue
@@ -366,8 +389,22 @@ class LinkTable:
             pairs = ((p99_ttft, link.slo.ttft_ms), (p99_itl, link.slo.itl_p99_ms))
             objectives = [(p, slo) for p, slo in pairs if slo > 0]
             if any(p is not None and p > cfg.high * slo for p, slo in objectives):
-                link.weight = max(cfg.min_weight, link.weight * cfg.shrink)
+                missing.append(link)
             elif objectives and all(p is not None and p < cfg.low * slo for p, slo in objectives):
+                meeting.append(link)
+        bound = {
+            lk.link_id: lk.peak_demand(now - cfg.window_s) >= lk.share[0] for lk, *_ in judged
+        }  # the share binds the link: shrinking it lowers the load it puts on the batch
+        causes: dict[str, Link] = {}
+        for link in missing:
+            if bound[link.link_id]:
+                causes[link.link_id] = link
+            else:  # a victim: the links pressing on their shares are the cause
+                causes.update((lk.link_id, lk) for lk, *_ in judged if lk is not link and bound[lk.link_id])
+        for link in causes.values():
+            link.weight = max(cfg.min_weight, link.weight * cfg.shrink)
+        for link in meeting:
+            if link.link_id not in causes:
                 link.weight = min(cfg.max_weight, link.weight * cfg.grow)
         shares = self._rebalance()
         for link, p99_ttft, p99_itl, n in judged:

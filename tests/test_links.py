@@ -350,7 +350,14 @@ def controlled(slo: LinkSlo = SLO, seqs: int = 4, *, links: str = "a", **kw) -> 
     return t, clock
 
 
-def feed(t: LinkTable, link_id: str, ttft_ms: float | None, itl_ms: float | None, n: int = 10) -> None:
+def feed(
+    t: LinkTable, link_id: str, ttft_ms: float | None, itl_ms: float | None, n: int = 10, demand: int | None = None
+) -> None:
+    """Latency samples of a link, and its peak demand in the window (default: its whole share, so
+    its share binds it)."""
+    link = t.get(link_id)
+    assert link is not None
+    link._demand.append((t._clock(), link.share[0] if demand is None else demand))
     for _ in range(n):
         if ttft_ms is not None:
             t.record_ttft(link_id, ttft_ms)
@@ -478,6 +485,41 @@ def test_trace_points_per_active_link_per_step():
     t.register("b", "edge-b", SLO)
     t.control_step()
     assert [p.link_id for p in t.trace][4:] == ["b"]
+
+
+def test_a_victim_below_its_share_is_not_shrunk_the_links_at_their_shares_are():
+    """Cause and victim (found with tandem-bench-burst): quiet link q misses its objective while
+    flooding link f holds its whole share: f shrinks, q does not; a link that meets its objective
+    but is a cause is not grown in that step."""
+    t, _ = controlled(links="qfm", seqs=6)  # (2, 2) each
+    feed(t, "q", 1000, 1000, demand=1)  # victim: one request at a time, below its share
+    feed(t, "f", 50, 10, demand=9)  # floods: meets its own objective
+    feed(t, "m", 50, 10, demand=1)  # meets its objective, below its share
+    t.control_step()
+    assert weight(t, "q") == 1.0 and weight(t, "f") == pytest.approx(0.8) and weight(t, "m") == pytest.approx(1.15)
+    assert t.share("q")[0] >= 2
+
+
+def test_nobody_shrinks_when_no_share_binds():
+    """A node slower than the objective with every link below its share: shrinking a share nobody
+    uses changes nothing, so no link shrinks and no version moves."""
+    t, _ = controlled(links="ab", seqs=8)
+    t.control_step()  # the shares as both links registered
+    feed(t, "a", 1000, 1000, demand=1)
+    feed(t, "b", 1000, 1000, demand=2)
+    assert t.control_step() == [] and weight(t, "a") == weight(t, "b") == 1.0
+
+
+def test_peak_demand_follows_admissions_within_the_window():
+    t, clock = controlled(links="a", seqs=4)
+    link = t.get("a")
+    assert link is not None
+    tickets = [t._grant(link, 1, 0.0) for _ in range(3)]
+    for tk in tickets:
+        tk.release()
+    assert link.peak_demand(clock.t - 10) == 3
+    clock.t += 11
+    assert link.peak_demand(clock.t - 10) == 0  # older than the window
 
 
 @pytest.mark.asyncio
