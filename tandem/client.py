@@ -496,6 +496,40 @@ class _ClientCore(ABC, Generic[S]):
         """The deadline in seconds of a call that sets none; ``None``: no deadline."""
         return self._timeout_s
 
+    def _connect(
+        self,
+        grpc_module: Any,
+        target: str,
+        timeout_s: float | None,
+        api_key: str | None,
+        tls: bool | None,
+        ca_file: str | Path | None,
+        cert_file: str | Path | None,
+        key_file: str | Path | None,
+        server_name: str | None,
+        insecure: bool,
+    ) -> Any:
+        """Set the deadline, the call metadata and the stub; returns the channel (``grpc_module`` is
+        ``grpc`` or ``grpc.aio``). Arguments and errors as ``Client``'s."""
+        self._timeout_s = _deadline_s(timeout_s, "timeout_s")
+        creds, extra, self._metadata = channel_security(
+            target,
+            api_key=api_key,
+            tls=tls,
+            ca_file=ca_file,
+            cert_file=cert_file,
+            key_file=key_file,
+            server_name=server_name,
+            insecure=insecure,
+        )
+        options = [*CHANNEL_OPTIONS, *extra]
+        if creds is None:
+            channel = grpc_module.insecure_channel(target, options=options)
+        else:
+            channel = grpc_module.secure_channel(target, creds, options=options)
+        self._stub = pb_grpc.EdgeStub(channel)
+        return channel
+
     def _call_timeout(self, timeout_s: float | None) -> float | None:
         if timeout_s is None:
             return self._timeout_s
@@ -628,23 +662,9 @@ class Client(_ClientCore[ChatStream]):
         server_name: str | None = None,
         insecure: bool = False,
     ) -> None:
-        self._timeout_s = _deadline_s(timeout_s, "timeout_s")
-        creds, extra, self._metadata = channel_security(
-            target,
-            api_key=api_key,
-            tls=tls,
-            ca_file=ca_file,
-            cert_file=cert_file,
-            key_file=key_file,
-            server_name=server_name,
-            insecure=insecure,
+        self._channel = self._connect(
+            grpc, target, timeout_s, api_key, tls, ca_file, cert_file, key_file, server_name, insecure
         )
-        options = [*CHANNEL_OPTIONS, *extra]
-        if creds is None:
-            self._channel = grpc.insecure_channel(target, options=options)
-        else:
-            self._channel = grpc.secure_channel(target, creds, options=options)
-        self._stub = pb_grpc.EdgeStub(self._channel)
 
     def _stream(self, call: Any) -> ChatStream:
         return ChatStream(call)
@@ -703,23 +723,9 @@ class AsyncClient(_ClientCore[AsyncChatStream]):
         server_name: str | None = None,
         insecure: bool = False,
     ) -> None:
-        self._timeout_s = _deadline_s(timeout_s, "timeout_s")
-        creds, extra, self._metadata = channel_security(
-            target,
-            api_key=api_key,
-            tls=tls,
-            ca_file=ca_file,
-            cert_file=cert_file,
-            key_file=key_file,
-            server_name=server_name,
-            insecure=insecure,
+        self._channel = self._connect(
+            grpc.aio, target, timeout_s, api_key, tls, ca_file, cert_file, key_file, server_name, insecure
         )
-        options = [*CHANNEL_OPTIONS, *extra]
-        if creds is None:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
-        else:
-            self._channel = grpc.aio.secure_channel(target, creds, options=options)
-        self._stub = pb_grpc.EdgeStub(self._channel)
 
     def _stream(self, call: Any) -> AsyncChatStream:
         return AsyncChatStream(call)
