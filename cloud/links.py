@@ -8,13 +8,15 @@ waits. Past its share it waits in its own FIFO queue (bounded in length and time
 to the waiting link furthest under its share. ``control_step`` moves each link's weight to meet
 the p99 TTFT / ITL objectives its edge declared.
 
-Cause and victim: a link missing its objective is shrunk only when its share binds it (its peak
-demand, running plus waiting, over the window reached its share): then a smaller share lowers the
-load it puts on the batch. A link that misses while below its share is a victim of the others:
-the links whose demand reached *their* shares are shrunk instead (the victim's share is not).
-With no such cause (the node is simply slower than the objective) nobody shrinks, since a share
-a link does not use changes nothing. Measured with ``tandem-bench-burst``: the rule of the seed
-article alone shrank every link of an overloaded node, the quiet edge's too.
+Cause and victim: when a link misses its objective, the links that shrink are those whose peak
+demand over the window (requests running plus waiting) is above an equal split of the node and at
+least as high, relative to that split, as the missing link's: a quiet link hurt by a flooding one
+makes the flooding one shrink, never itself; a link that presses hardest shrinks for its own miss
+(the seed article's case); with nobody above an equal split (the node is simply slower than the
+objective) nobody shrinks, since a share nobody fills changes nothing. Measured with
+``tandem-bench-burst``: the seed article's rule alone shrank every link of an overloaded node,
+the quiet edge's first; so did a rule that compared each link's demand with its own, already
+shrunk, share.
 
 Pure domain code, single event loop. Times are in the injected clock's seconds.
 """
@@ -392,15 +394,19 @@ class LinkTable:
                 missing.append(link)
             elif objectives and all(p is not None and p < cfg.low * slo for p, slo in objectives):
                 meeting.append(link)
-        bound = {
-            lk.link_id: lk.peak_demand(now - cfg.window_s) >= lk.share[0] for lk, *_ in judged
-        }  # the share binds the link: shrinking it lowers the load it puts on the batch
+        # demand relative to an equal split of the node: who presses on it, and how hard
+        fair = max(1, self.max_num_seqs // max(1, len(judged)))
+        pressure = {lk.link_id: lk.peak_demand(now - cfg.window_s) / fair for lk, *_ in judged}
         causes: dict[str, Link] = {}
         for link in missing:
-            if bound[link.link_id]:
-                causes[link.link_id] = link
-            else:  # a victim: the links pressing on their shares are the cause
-                causes.update((lk.link_id, lk) for lk, *_ in judged if lk is not link and bound[lk.link_id])
+            # the links above an equal split that press at least as hard as the missing link: the
+            # missing link itself only if nobody presses harder (and it is above the split itself)
+            p = pressure[link.link_id]
+            hardest = p >= max(pressure.values())
+            for lk, *_ in judged:
+                q = pressure[lk.link_id]
+                if q > 1 and q >= p and (lk is not link or hardest):
+                    causes[lk.link_id] = lk
         for link in causes.values():
             link.weight = max(cfg.min_weight, link.weight * cfg.shrink)
         for link in meeting:

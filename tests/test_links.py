@@ -353,11 +353,11 @@ def controlled(slo: LinkSlo = SLO, seqs: int = 4, *, links: str = "a", **kw) -> 
 def feed(
     t: LinkTable, link_id: str, ttft_ms: float | None, itl_ms: float | None, n: int = 10, demand: int | None = None
 ) -> None:
-    """Latency samples of a link, and its peak demand in the window (default: its whole share, so
-    its share binds it)."""
+    """Latency samples of a link, and its peak demand in the window (default: one more than its
+    share, so it presses above an equal split)."""
     link = t.get(link_id)
     assert link is not None
-    link._demand.append((t._clock(), link.share[0] if demand is None else demand))
+    link._demand.append((t._clock(), link.share[0] + 1 if demand is None else demand))
     for _ in range(n):
         if ttft_ms is not None:
             t.record_ttft(link_id, ttft_ms)
@@ -487,10 +487,10 @@ def test_trace_points_per_active_link_per_step():
     assert [p.link_id for p in t.trace][4:] == ["b"]
 
 
-def test_a_victim_below_its_share_is_not_shrunk_the_links_at_their_shares_are():
+def test_a_victim_is_not_shrunk_the_links_pressing_harder_are():
     """Cause and victim (found with tandem-bench-burst): quiet link q misses its objective while
-    flooding link f holds its whole share: f shrinks, q does not; a link that meets its objective
-    but is a cause is not grown in that step."""
+    flooding link f presses far above an equal split: f shrinks, q does not; a link that meets its
+    objective but is a cause is not grown in that step."""
     t, _ = controlled(links="qfm", seqs=6)  # (2, 2) each
     feed(t, "q", 1000, 1000, demand=1)  # victim: one request at a time, below its share
     feed(t, "f", 50, 10, demand=9)  # floods: meets its own objective
@@ -498,6 +498,16 @@ def test_a_victim_below_its_share_is_not_shrunk_the_links_at_their_shares_are():
     t.control_step()
     assert weight(t, "q") == 1.0 and weight(t, "f") == pytest.approx(0.8) and weight(t, "m") == pytest.approx(1.15)
     assert t.share("q")[0] >= 2
+    # q above an equal split too, but f presses harder: still only f
+    t2, _ = controlled(links="qf", seqs=4)  # fair 2 each
+    feed(t2, "q", 1000, 1000, demand=3)
+    feed(t2, "f", 50, 10, demand=12)
+    t2.control_step()
+    assert weight(t2, "q") == 1.0 and weight(t2, "f") == pytest.approx(0.8)
+    # f misses too, pressing hardest: f shrinks (once per step), q keeps its weight
+    feed(t2, "f", 5000, 1000, demand=12)
+    t2.control_step()
+    assert weight(t2, "q") == 1.0 and weight(t2, "f") == pytest.approx(0.64)
 
 
 def test_nobody_shrinks_when_no_share_binds():
