@@ -216,9 +216,7 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
             cfg.max_sessions,
             cfg.session_bytes,
         )
-        await local.warmup()
-        cost.edge.local_prefill_ms_per_token.add(local.prefill_ms_per_token)
-        cost.edge.local_decode_ms_per_token.add(local.decode_ms_per_token)
+        await local.warmup()  # the first rates, which the cost model reads from the engine
         log.info(
             "local mode: %s (%.2f ms/token prefill, %.1f ms/token decode)",
             local_path,

@@ -131,11 +131,13 @@ class EdgeService:
     ) -> None:
         if not heads and local is None:
             raise ValueError("an edge needs a head (split) or the whole model (local)")
-        self.tok, self.conn, self.local = tokenizer, conn, local
+        self.tok, self.conn = tokenizer, conn
+        self._local_engine: LocalEngine | None = None
+        self._cost = cost or CostModel()
+        self.local = local
         self.heads = {h.k: h for h in heads}
         self.sessions = sessions
         self.turn_timeout_s = turn_timeout_s
-        self.cost = cost or CostModel()
         self.shape = shape  # for wire bytes per token in the cost model (None: wire time not modelled)
         self.renegotiate_wait_s = renegotiate_wait_s
         self._max_prompt_tokens = max_prompt_tokens
@@ -147,6 +149,32 @@ class EdgeService:
         metrics.watch_edge_sessions(sessions)
         if conn is not None:
             metrics.watch_link(conn)
+
+    @property
+    def local(self) -> LocalEngine | None:
+        """The whole model on this edge (local mode), or None."""
+        return self._local_engine
+
+    @local.setter
+    def local(self, engine: LocalEngine | None) -> None:
+        self._local_engine = engine
+        self._share_local_rates()
+
+    @property
+    def cost(self) -> CostModel:
+        """The cost model that predicts each mode's TTFT."""
+        return self._cost
+
+    @cost.setter
+    def cost(self, model: CostModel) -> None:
+        self._cost = model
+        self._share_local_rates()
+
+    def _share_local_rates(self) -> None:
+        """One measurement of the local model's rates: the cost model reads the engine's own EWMAs."""
+        if self._local_engine is not None:
+            self._cost.edge.local_prefill_ms_per_token = self._local_engine.prefill_rate
+            self._cost.edge.local_decode_ms_per_token = self._local_engine.decode_rate
 
     # ------------------------------------------------------------------ what this edge can do now
 
@@ -431,17 +459,8 @@ class EdgeService:
         rest = text.flush()
         if rest:
             yield TextOut(rest, ())
-        self._learn_local()
         clock.since(Stage.TOTAL)
         yield self._turn_done(finish, len(ids), clock, d, text.token_ids, 0, 0, 0, {}, 0)
-
-    def _learn_local(self) -> None:
-        assert self.local is not None
-        e = self.cost.edge
-        e.local_prefill_ms_per_token.value = self.local.prefill_ms_per_token
-        e.local_prefill_ms_per_token.samples = max(1, e.local_prefill_ms_per_token.samples)
-        e.local_decode_ms_per_token.value = self.local.decode_ms_per_token
-        e.local_decode_ms_per_token.samples = max(1, e.local_decode_ms_per_token.samples)
 
     def _turn_done(
         self,

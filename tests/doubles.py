@@ -16,6 +16,7 @@ from tandem.cloud.gateway import Gateway, as_principal
 from tandem.cloud.memory_engines import MemoryEngines
 from tandem.cloud.sessions import CloudSession
 from tandem.common import wire
+from tandem.common.ewma import Ewma
 from tandem.common.kvstore import MemoryBlockStore
 from tandem.common.manifest import ModelShape, SplitManifest
 from tandem.common.params import NegotiateOffer
@@ -166,8 +167,11 @@ class MemoryLocal:
     """The in-memory double of ``edge.local.LocalEngine`` (local mode) for service unit tests:
     ``tokens(n)`` whatever the prompt, no sessions kept."""
 
-    def __init__(self) -> None:
-        self.prefill_ms_per_token, self.decode_ms_per_token, self.active = 0.01, 0.1, 0
+    def __init__(self, prefill_ms_per_token: float = 0.01, decode_ms_per_token: float = 0.1) -> None:
+        """The rates it starts with (as measured at warm-up); each run measures 0.01 ms per token."""
+        self.prefill_rate, self.decode_rate, self.active = Ewma(), Ewma(), 0
+        self.prefill_rate.add(prefill_ms_per_token)
+        self.decode_rate.add(decode_ms_per_token)
         self.calls: list[list[int]] = []
 
     @staticmethod
@@ -181,6 +185,7 @@ class MemoryLocal:
         from tandem.edge.local import LocalToken
 
         self.calls.append(list(prompt_ids))
+        self.prefill_rate.add(0.01)  # what it measures, as LocalEngine does on each run
         toks = self.tokens(sampling.max_new_tokens)
         for i, t in enumerate(toks):
             await asyncio.sleep(0)
