@@ -195,7 +195,8 @@ class LinkTable:
     def register(self, link_id: str, edge_id: str, slo: LinkSlo) -> Link:
         """The link ``link_id`` (created at weight 1, or the known one with its SLO updated).
 
-        Beyond ``max_links`` the least recently seen link with nothing running or waiting is evicted.
+        Beyond ``max_links`` the least recently seen link with nothing running or waiting is evicted
+        (never the anonymous link ``""``).
 
         Raises:
             InvalidRequest: ``link_id`` is registered to another edge.
@@ -209,7 +210,8 @@ class LinkTable:
             link.slo, link.last_seen = slo, now
         else:
             if len(self._links) >= self.max_links:
-                idle = [lk for lk in self._links.values() if not lk.running and not lk.waiting]
+                # the anonymous link "" (headers without a link id) is permanent: never evicted
+                idle = [lk for lk in self._links.values() if not lk.running and not lk.waiting and lk.link_id]
                 if not idle:
                     raise QuotaExceeded(f"{len(self._links)} links, all busy; bound {self.max_links}")
                 victim = min(idle, key=lambda lk: lk.last_seen)

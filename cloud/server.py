@@ -15,12 +15,11 @@ from tandem.cloud.engines import EngineBackend
 from tandem.cloud.gateway import Gateway
 from tandem.cloud.service import CloudServicer
 from tandem.cloud.supervisor import EngineSupervisor, SupervisedEngines
-from tandem.common.grpcsetup import set_health, start_server, tls_credentials
+from tandem.common.grpcsetup import add_service, set_health, start_server, tls_credentials
 from tandem.common.kvstore import DiskBlockStore
 from tandem.common.manifest import SplitManifest
 from tandem.common.security import ApiKeys, Authenticator
 from tandem.v1 import tandem_pb2 as pb
-from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Cloud"].full_name  # "tandem.v1.Cloud"
 HEALTH_NAMES = ("", SERVICE_NAME)
@@ -78,7 +77,7 @@ async def create_cloud(
     auth = Authenticator(ApiKeys(cfg.edge_keys), client_certs=cfg.tls_client_ca_file is not None)
     servicer = CloudServicer(gateway, cfg.cloud_id, auth)
     server, port, hs = await start_server(
-        [lambda s: pb_grpc.add_CloudServicer_to_server(servicer, s)],
+        [lambda s: add_service(s, servicer, "Cloud")],
         [SERVICE_NAME],
         cfg.host,
         cfg.port,

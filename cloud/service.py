@@ -20,6 +20,7 @@ import grpc
 from tandem.cloud.gateway import Gateway, UplinkBody
 from tandem.common.errors import EngineError, InvalidRequest, TandemError, UploadTimeout
 from tandem.common.grpc_errors import abort
+from tandem.common.grpcsetup import Malformed
 from tandem.common.logs import set_ids
 from tandem.common.messages import TurnError, TurnHeader, downlink_to_pb, uplink_from_pb
 from tandem.common.params import NegotiateOffer
@@ -30,10 +31,18 @@ from tandem.v1 import tandem_pb2_grpc as pb_grpc
 log = logging.getLogger("tandem.cloud")
 
 
-async def uplink_body(it: AsyncIterator[pb.Uplink]) -> AsyncIterator[UplinkBody]:
-    """Decode uplink messages after the header. Raises InvalidRequest on a second header or an empty one."""
+def parsed(m: pb.Uplink | Malformed) -> pb.Uplink:
+    """``m`` unless it did not parse (``common.grpcsetup.add_service``). Raises InvalidRequest."""
+    if isinstance(m, Malformed):
+        raise InvalidRequest(str(m))
+    return m
+
+
+async def uplink_body(it: AsyncIterator[pb.Uplink | Malformed]) -> AsyncIterator[UplinkBody]:
+    """Decode uplink messages after the header. Raises InvalidRequest on a second header, an empty
+    one, or a message that does not parse."""
     async for m in it:
-        item = uplink_from_pb(m)
+        item = uplink_from_pb(parsed(m))
         if isinstance(item, TurnHeader):
             raise InvalidRequest("a second header in one turn")
         yield item
@@ -51,8 +60,8 @@ def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else asyncio.get_running_loop().time() + remaining
 
 
-async def drain(it: AsyncIterator[pb.Uplink], timeout_s: float) -> None:
-    """Read and drop uplink messages until the edge half-closes, at most ``timeout_s``."""
+async def drain(it: AsyncIterator[pb.Uplink | Malformed], timeout_s: float) -> None:
+    """Read and drop uplink messages (parsed or not) until the edge half-closes, at most ``timeout_s``."""
     try:
         async with asyncio.timeout(timeout_s):
             async for _ in it:
@@ -119,7 +128,7 @@ class CloudServicer(pb_grpc.CloudServicer):
         try:
             try:
                 async with asyncio.timeout(self.gateway.cfg.upload_timeout_s):
-                    first = uplink_from_pb(await it.__anext__())
+                    first = uplink_from_pb(parsed(await it.__anext__()))
             except TimeoutError:
                 raise UploadTimeout("no request header within the upload timeout") from None
             if not isinstance(first, TurnHeader):

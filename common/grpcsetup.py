@@ -31,16 +31,19 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.common.errors import InvalidRequest
 from tandem.common.security import read_file
+from tandem.v1 import tandem_pb2 as pb
 
 SERVER_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_permit_without_calls", 1),
@@ -88,6 +91,75 @@ async def set_health(hs: health.aio.HealthServicer, serving: bool, names: Iterab
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in names:
         await hs.set(name, status)
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A request message that did not parse (``add_service``): a unary method answers
+    INVALID_ARGUMENT for it; a streaming method finds it in its request stream and decides."""
+
+    method: str
+    error: str
+
+    def __str__(self) -> str:
+        return f"a {self.method} request message does not parse: {self.error}"
+
+
+def _lenient(parse: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as e:
+            return Malformed(method, str(e)[:200])
+
+    return deserialize
+
+
+def _unary(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"InvalidRequest: {request}")
+        return await behavior(request, context)
+
+    return handler
+
+
+def _unary_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"InvalidRequest: {request}")
+        async for response in behavior(request, context):
+            yield response
+
+    return handler
+
+
+def add_service(server: grpc.aio.Server, servicer: Any, service_name: str) -> None:
+    """Register ``servicer`` for ``tandem.v1.<service_name>`` as the generated
+    ``add_<Service>Servicer_to_server`` does, except that a request message that does not parse
+    never surfaces as an exception (gRPC would answer UNKNOWN or INTERNAL): a unary request
+    method answers INVALID_ARGUMENT; a client-streaming method gets a ``Malformed`` item in its
+    request stream (``Cloud.Generate`` sends its verdict, drains and answers INVALID_ARGUMENT).
+
+    Raises:
+        KeyError: no such service in ``tandem.v1``.
+    """
+    service = pb.DESCRIPTOR.services_by_name[service_name]
+    handlers = {}
+    for m in service.methods:
+        request_cls, response_cls = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
+        behavior = getattr(servicer, m.name)
+        if m.client_streaming:
+            make = grpc.stream_stream_rpc_method_handler if m.server_streaming else grpc.stream_unary_rpc_method_handler
+        else:
+            make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+            behavior = _unary_stream(behavior) if m.server_streaming else _unary(behavior)
+        handlers[m.name] = make(
+            behavior,
+            request_deserializer=_lenient(request_cls.FromString, m.name),
+            response_serializer=response_cls.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 def server_credentials(cert_file: Path, key_file: Path, client_ca_file: Path | None) -> grpc.ServerCredentials:

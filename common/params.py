@@ -64,6 +64,9 @@ class Sampling:
         return to_pb(pb.SamplingParams, self, seed=self.seed)  # None leaves the optional field unset
 
 
+MAX_MEASURE = 1e9  # bound on an edge's reported RTT (ms), goodput (Mbit/s) and objectives (ms)
+
+
 @dataclass(frozen=True)
 class NegotiateOffer:
     """What an edge offers in ``Negotiate`` (units in names; see ``NegotiateRequest``).
@@ -90,7 +93,16 @@ class NegotiateOffer:
 
     @classmethod
     def from_pb(cls, m: pb.NegotiateRequest) -> NegotiateOffer:
-        """Raises InvalidRequest for unknown enum values or more than 64 heads."""
+        """Raises InvalidRequest for unknown enum values, more than 64 heads, or measurements and
+        objectives that are not finite numbers in ``[0, MAX_MEASURE]``."""
+        for name, v in (
+            ("link.rtt_ms", m.link.rtt_ms),
+            ("link.goodput_mbps", m.link.goodput_mbps),
+            ("slo.ttft_ms", m.slo.ttft_ms),
+            ("slo.itl_p99_ms", m.slo.itl_p99_ms),
+        ):
+            if not 0.0 <= v <= MAX_MEASURE:  # also false for NaN
+                raise InvalidRequest(f"{name} = {v!r} is not a finite number in [0, {MAX_MEASURE:g}]")
         if len(m.head_keys) > 64 or any(len(v) > 1024 for v in m.head_keys.values()):
             raise InvalidRequest("at most 64 heads with keys of at most 1024 characters")
         known_d, known_c = WireDtype._value2member_map_, Codec._value2member_map_

@@ -24,7 +24,7 @@ from grpc_health.v1 import health
 from tandem import __version__
 from tandem.common.errors import EngineError, IncompatibleModel, TandemError
 from tandem.common.grpc_errors import abort
-from tandem.common.grpcsetup import channel_credentials, set_health, start_server, tls_credentials
+from tandem.common.grpcsetup import add_service, channel_credentials, set_health, start_server, tls_credentials
 from tandem.common.logs import new_request_id, set_ids
 from tandem.common.manifest import FULL_ONNX, SplitManifest
 from tandem.common.params import MAX_STOP_TOKENS, NegotiateOffer
@@ -277,7 +277,7 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
     auth = Authenticator(ApiKeys(cfg.api_keys), client_certs=cfg.tls_client_ca_file is not None)
     servicer = EdgeServicer(service, manifest.model_id, auth)
     server, port, hs = await start_server(
-        [lambda s: pb_grpc.add_EdgeServicer_to_server(servicer, s)],
+        [lambda s: add_service(s, servicer, "Edge")],
         [EDGE_SERVICE],
         cfg.host,
         cfg.port,

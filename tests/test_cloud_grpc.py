@@ -16,7 +16,7 @@ from tandem.cloud.memory_engines import MemoryEngines
 from tandem.cloud.service import CloudServicer
 from tandem.common import wire
 from tandem.common.errors import EngineError, InvalidRequest
-from tandem.common.grpcsetup import channel_options, start_server
+from tandem.common.grpcsetup import add_service, channel_options, start_server
 from tandem.common.kvstore import MemoryBlockStore
 from tandem.common.params import NegotiateOffer, Sampling
 from tandem.edge.batcher import HeadBatcher
@@ -46,7 +46,7 @@ class Cloud:
         self.gateway = Gateway(self.cfg, MANIFEST, self.engines, self.store)
         servicer = CloudServicer(self.gateway, "toy-cloud")
         self.server, self.port, self.health = await start_server(
-            [lambda s: pb_grpc.add_CloudServicer_to_server(servicer, s)],
+            [lambda s: add_service(s, servicer, "Cloud")],
             ["tandem.v1.Cloud"],
             "127.0.0.1",
             self.port,
@@ -147,8 +147,8 @@ async def test_the_verdict_travels_as_a_message_before_the_status(cloud):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{cloud.port}") as ch:
         call = pb_grpc.CloudStub(ch).Generate(iter(msgs))
         got = [m async for m in _until_error(call)]
-        assert got and got[0].WhichOneof("msg") == "error" and got[0].error.kind == "SessionOutOfSync"
-        assert await call.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert got and got[0].WhichOneof("msg") == "error" and got[0].error.kind == "SessionNotFound"
+        assert await call.code() == grpc.StatusCode.NOT_FOUND
 
 
 async def _until_error(call):
@@ -309,7 +309,7 @@ async def test_a_draining_edge_refuses_new_turns_and_finishes_those_in_flight(cl
     edge = await edge_to(f"127.0.0.1:{cloud.port}")
     servicer = EdgeServicer(edge, "toy")
     server, port, _ = await start_server(
-        [lambda s: pb_grpc.add_EdgeServicer_to_server(servicer, s)], [EDGE_SERVICE], "127.0.0.1", 0, 1 << 20
+        [lambda s: add_service(s, servicer, "Edge")], [EDGE_SERVICE], "127.0.0.1", 0, 1 << 20
     )
     try:
         async with AsyncClient(f"127.0.0.1:{port}") as c:

@@ -24,7 +24,7 @@ from tandem.common.errors import (
     QuotaExceeded,
     Unauthenticated,
 )
-from tandem.common.grpcsetup import channel_credentials, server_credentials, start_server
+from tandem.common.grpcsetup import add_service, channel_credentials, server_credentials, start_server
 from tandem.common.kvstore import DiskBlockStore, MemoryBlockStore
 from tandem.common.params import NegotiateOffer, Sampling
 from tandem.common.security import ApiKeys, Authenticator, private_dir
@@ -98,7 +98,7 @@ class TlsCloud:
         servicer = CloudServicer(self.gateway, "toy-cloud", auth)
         creds = server_credentials(self.cert[0], self.cert[1], self.pki.ca_file if self.client_ca else None)
         self.server, self.port, _ = await start_server(
-            [lambda s: pb_grpc.add_CloudServicer_to_server(servicer, s)],
+            [lambda s: add_service(s, servicer, "Cloud")],
             ["tandem.v1.Cloud"],
             "127.0.0.1",
             0,
@@ -376,7 +376,7 @@ async def test_the_edge_serves_apps_over_tls_with_api_keys_and_scopes_sessions_b
     cert = pki.leaf("edge", "localhost")
     servicer = EdgeServicer(toy.edge, "toy", Authenticator(ApiKeys(APP_KEYS)))
     server, port, _ = await start_server(
-        [lambda s: pb_grpc.add_EdgeServicer_to_server(servicer, s)],
+        [lambda s: add_service(s, servicer, "Edge")],
         [EDGE_SERVICE],
         "127.0.0.1",
         0,
