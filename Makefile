@@ -30,7 +30,7 @@ SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 # written last by tandem-model
 MODEL_STAMP := $(MODEL_DIR)/bundles/cloud/bundle.json
 
-.PHONY: setup proto proto-check model run test check bench clean
+.PHONY: setup proto proto-check model run test check bench fuzz clean
 
 setup: $(SETUP_STAMP)
 
@@ -78,6 +78,10 @@ bench: model
 	$(BIN)/tandem-bench --model-dir $(MODEL_DIR) --split-layers $(SPLIT_LAYERS) --out bench-results/latest
 	$(BIN)/tandem-bench-batching --model $(MODEL_DIR)/hf --out bench-results/batching
 	$(BIN)/tandem-bench-burst --model-dir $(MODEL_DIR) --out bench-results/burst
+
+# property-based fuzzing of the gateway and both gRPC services, longer than the tests' run (in-memory engines)
+fuzz: setup
+	$(BIN)/tandem-fuzz --seconds 300
 
 # mypy sees the installed layout (tandem.edge, tandem.cloud, tandem.common) through a tree of links
 check: setup proto-check
