@@ -15,8 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.cloud.config import CloudConfig
+from tandem.common.errors import InvalidRequest
 from tandem.common.grpcsetup import install_stop_signals
-from tandem.common.settings import check_split_dir, parse_command_line, run_cli, setup_observability
+from tandem.common.security import private_dir, read_file
+from tandem.common.settings import UserError, check_split_dir, parse_command_line, run_cli, setup_observability
 
 PROG = "tandem-cloud"
 
@@ -61,6 +63,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = run.settings
     for d in (cfg.split_dir, *cfg.extra_split_dirs):
         check_split_dir(d, ("tail_checkpoint", "full_checkpoint"))
+    try:  # before the engines start (a minute): a store folder another user can reach is a user error
+        private_dir(cfg.store_dir)
+        for path in (cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file):
+            if path is not None:
+                read_file(path, "TLS file")
+    except InvalidRequest as e:
+        raise UserError(str(e)) from None
     setup_observability(cfg, PROG)
     return asyncio.run(serve(cfg, run.ready_file, cfg.drain_grace_s))
 

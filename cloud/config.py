@@ -68,6 +68,12 @@ class CloudConfig(DaemonSettings):
         "(`authorization: Bearer ...`); the name is the edge's identity. Empty = no tokens. Prefer the "
         'environment (`TANDEM_CLOUD_EDGE_KEYS=\'{"edge-a": "..."}\'`) or the config file over a flag.',
     )
+    edge_max_links: int = Field(
+        default=4,
+        ge=1,
+        description="Links one edge (identity) may hold; negotiating one more forgets its least recently used idle "
+        "link (RESOURCE_EXHAUSTED if all are busy).",
+    )
     edge_max_sessions: int = Field(
         default=64, ge=1, description="Sessions one edge (identity) may hold; a new one beyond is RESOURCE_EXHAUSTED."
     )

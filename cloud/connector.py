@@ -62,6 +62,12 @@ log = logging.getLogger("tandem.connector")
 _LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
 
 
+def canonical(block: torch.Tensor) -> np.ndarray:
+    """A KV block as the store keeps it: float32 on the host, whatever the engine's KV dtype (bf16 or
+    fp16 under ``dtype = "auto"``) and device (``[2, Hkv, B, D]`` in, same shape out)."""
+    return block.detach().to(device="cpu", dtype=torch.float32).numpy()
+
+
 @dataclass(frozen=True)
 class PartOp:
     """One block's entry of one layer range: ``key`` in the store."""
@@ -270,7 +276,7 @@ class TandemConnector(KVConnectorBase_V1):
             if buf is None:
                 buf = np.empty((part.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim), np.float32)
                 self._save_buf[op.key] = buf
-            buf[g - part.lo] = self._layout_of(kv_layer).read_block(kv_layer, block_id).numpy()
+            buf[g - part.lo] = canonical(self._layout_of(kv_layer).read_block(kv_layer, block_id))
 
     def wait_for_save(self) -> None:
         """Write the staged blocks to the store (synchronously)."""

@@ -29,7 +29,7 @@ from tandem.cloud.links import ControllerConfig, LinkSlo, LinkTable, Ticket
 from tandem.cloud.negotiation import LinkLimits, LinkVersions, link_params
 from tandem.cloud.rates import CloudRates
 from tandem.cloud.sessions import CloudSession, SessionTable
-from tandem.cloud.tenancy import EdgeLimits
+from tandem.cloud.tenancy import EdgeLimits, EdgeOverLimit
 from tandem.cloud.upload import MAX_ID_BYTES, TurnUpload, check_header, upload_bound_bytes
 from tandem.common import metrics, wire
 from tandem.common.errors import (
@@ -238,6 +238,8 @@ class Gateway:
             )
         owner = str(as_principal(caller))
         known = offer.link_id and offer.link_id in self._versions and self._owners.get(offer.link_id) == owner
+        if not known:
+            self._make_room_for_a_link(owner)
         link_id = offer.link_id if known else f"{offer.edge_id[:48] or 'edge'}-{uuid.uuid4().hex}"
         self._owners[link_id] = owner
         rec = self._register(link_id, offer)
@@ -257,6 +259,31 @@ class Gateway:
             self.manifest.model_id,
             self.instance_id,
         )
+
+    def _make_room_for_a_link(self, owner: str) -> None:
+        """Keep ``owner`` within ``edge_max_links``: forget its least recently used idle links.
+
+        Raises:
+            EdgeOverLimit: all of its links are busy.
+        """
+        mine = [lid for lid, o in self._owners.items() if o == owner]
+        while len(mine) >= self.cfg.edge_max_links:
+            links = {lid: self.links.get(lid) for lid in mine}
+            idle = [
+                (link.last_seen if link is not None else float("-inf"), lid)
+                for lid, link in links.items()
+                if link is None or not link.busy
+            ]
+            if not idle:
+                raise EdgeOverLimit(
+                    f"this edge holds {len(mine)} links, all busy; its bound is {self.cfg.edge_max_links}"
+                )
+            _, victim = min(idle)
+            self.links.forget(victim)
+            self._versions.pop(victim, None)
+            self._owners.pop(victim, None)
+            mine.remove(victim)
+            log.info("link %s forgotten: its edge negotiated more than %d links", victim, self.cfg.edge_max_links)
 
     def _register(self, link_id: str, offer: NegotiateOffer) -> LinkVersions:
         self.links.register(link_id, offer.edge_id, LinkSlo(offer.ttft_slo_ms, offer.itl_p99_slo_ms))

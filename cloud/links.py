@@ -109,6 +109,11 @@ class Link:
     _durations_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_DURATIONS), init=False)
     _demand: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES), init=False)
 
+    @property
+    def busy(self) -> bool:
+        """Requests running or waiting."""
+        return bool(self.running or self.waiting)
+
     def note_demand(self, now: float) -> None:
         """Record the link's demand now (requests running plus waiting)."""
         self._demand.append((now, self.running + self.waiting))
@@ -207,7 +212,7 @@ class LinkTable:
         if link is not None:
             if link.edge_id != edge_id:
                 raise InvalidRequest(f"link {link_id!r} belongs to another edge")
-            link.slo, link.last_seen = slo, now
+            link.slo = slo
         else:
             if len(self._links) >= self.max_links:
                 # the anonymous link "" (headers without a link id) is permanent: never evicted
@@ -217,13 +222,25 @@ class LinkTable:
                 victim = min(idle, key=lambda lk: lk.last_seen)
                 del self._links[victim.link_id]
                 self._changed.discard(victim.link_id)
-            link = self._links[link_id] = Link(link_id, edge_id, slo, last_seen=now)
+            # active (holding a share) only once it sends a request: negotiating alone takes nothing
+            # from the others (an operator trial diluted every share with a few hundred Negotiate calls)
+            link = self._links[link_id] = Link(link_id, edge_id, slo, last_seen=float("-inf"))
             link.share = self._shares(now)[link_id]
         self._rebalance()
         return link
 
     def get(self, link_id: str) -> Link | None:
         return self._links.get(link_id)
+
+    def forget(self, link_id: str) -> bool:
+        """Drop an idle link (nothing running or waiting); False if it is busy or unknown."""
+        link = self._links.get(link_id)
+        if link is None or link.running or link.waiting:
+            return False
+        del self._links[link_id]
+        self._changed.discard(link_id)
+        self._rebalance()
+        return True
 
     def links(self) -> list[Link]:
         return list(self._links.values())

@@ -127,8 +127,10 @@ class TurnUpload:
         base_tokens = s.token_ids if h.cached_tokens else []
         if h.cached_tokens != len(base_tokens) or list(h.prompt_token_ids[: h.cached_tokens]) != base_tokens:
             raise SessionOutOfSync(
-                f"cloud holds {len(s.token_ids)} tokens of session {h.session_id!r}, "
-                f"edge assumed {h.cached_tokens}: resend from token 0"
+                f"cloud holds {len(s.token_ids)} tokens of session {h.session_id!r}; the edge assumed "
+                f"{h.cached_tokens}"
+                + ("" if h.cached_tokens != len(base_tokens) else " with other token ids")
+                + ": resend from token 0"
             )
         self.base_version = s.version
         self.base_hidden = s.hidden if h.cached_tokens else None

@@ -83,8 +83,19 @@ def register_errors() -> None:
         stack.extend(cls.__subclasses__())
 
 
-def error_from_name(name: str, message: str) -> TandemError:
-    """The domain error called ``name`` (``TandemError`` itself for an unknown name)."""
+def error_from_name(name: str, message: str, base_names: tuple[str, ...] = (), retry_after_ms: int = 0) -> TandemError:
+    """The domain error called ``name``, else the first of ``base_names`` (its ancestors, most
+    specific first) this process knows, else ``TandemError``; with ``retry_after_ms`` (> 0) as its
+    retry hint."""
     if not ERRORS_BY_NAME:
         register_errors()
-    return ERRORS_BY_NAME.get(name, TandemError)(message)
+    cls = next((ERRORS_BY_NAME[n] for n in (name, *base_names) if n in ERRORS_BY_NAME), TandemError)
+    err = cls(message)
+    if retry_after_ms > 0:
+        err.retry_after_ms = retry_after_ms  # type: ignore[attr-defined]
+    return err
+
+
+def base_names(err: TandemError) -> tuple[str, ...]:
+    """Names of ``err``'s tandem ancestors, most specific first (``TandemError`` last)."""
+    return tuple(c.__name__ for c in type(err).__mro__[1:] if issubclass(c, TandemError))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.common import wire
-from tandem.common.errors import InvalidRequest, TandemError, error_from_name
+from tandem.common.errors import InvalidRequest, TandemError, base_names, error_from_name
 from tandem.common.params import Sampling, ServerLoad
 from tandem.pbconv import from_pb, to_pb
 from tandem.stages import Timings, timings_from_wire, timings_to_wire
@@ -213,7 +213,14 @@ _DOWN_TO: dict[type, Callable[[Any], pb.Downlink]] = {
     ),
     TokensOut: lambda e: pb.Downlink(tokens=pb.Tokens(token_ids=list(e.token_ids), index=e.index)),
     TurnFinal: lambda e: pb.Downlink(final=_final_to_pb(e)),
-    TurnError: lambda e: pb.Downlink(error=pb.Error(kind=type(e.error).__name__, message=str(e.error))),
+    TurnError: lambda e: pb.Downlink(
+        error=pb.Error(
+            kind=type(e.error).__name__,
+            message=str(e.error),
+            retry_after_ms=max(0, int(getattr(e.error, "retry_after_ms", 0) or 0)),
+            base_kinds=base_names(e.error),
+        )
+    ),
 }
 _DOWN_FROM: dict[str, Callable[[Any], DownEvent]] = {
     "nack": lambda m: Nack(m.seq, m.reason),
@@ -222,7 +229,7 @@ _DOWN_FROM: dict[str, Callable[[Any], DownEvent]] = {
     "upload_ack": lambda m: UploadAck(m.verified_tokens, m.leaf_count, m.merkle_root),
     "tokens": lambda m: TokensOut(tuple(m.token_ids), m.index),
     "final": _final_from_pb,
-    "error": lambda m: TurnError(error_from_name(m.kind, m.message)),
+    "error": lambda m: TurnError(error_from_name(m.kind, m.message, tuple(m.base_kinds[:16]), m.retry_after_ms)),
 }
 
 

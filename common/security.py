@@ -61,10 +61,20 @@ class Principal:
 ANONYMOUS_PEER = Principal("peer", ANONYMOUS)
 
 
+MAX_SCOPED_BYTES = 128  # what the cloud accepts as a session id (``cloud.upload.MAX_ID_BYTES``)
+
+
 def scoped(principal: Principal, ident: str) -> str:
     """``ident`` (a session id, a link id) in ``principal``'s namespace: two principals using the
-    same id never meet. The empty id (stateless) stays empty."""
-    return f"{principal.tag}/{ident}" if ident else ""
+    same id never meet. The empty id (stateless) stays empty. An id too long to fit
+    ``MAX_SCOPED_BYTES`` with its 17-character prefix is replaced by ``#`` and 40 hex digits of its
+    SHA-256, so every id a client may send stays usable in every mode."""
+    if not ident:
+        return ""
+    out = f"{principal.tag}/{ident}"
+    if len(out.encode()) > MAX_SCOPED_BYTES:
+        out = f"{principal.tag}/#{hashlib.sha256(ident.encode()).hexdigest()[:40]}"
+    return out
 
 
 def check_plaintext(address: str, insecure: bool, what: str) -> None:
@@ -210,18 +220,23 @@ def expand_path(path: Path) -> Path:
 
 def private_dir(path: Path) -> Path:
     """Create ``path`` (and missing parents) readable only by this user (mode 0700), or check an
-    existing one: it must be a directory owned by this user; group or other permissions on it
-    are removed (logged by the caller's config echo).
+    existing one: it must be a directory owned by this user; group or other permissions on it are
+    removed. Every ancestor (of the resolved path) must be owned by this user or root and not be
+    writable by others unless sticky (``/tmp``): otherwise another user could swap the folder for
+    one of theirs (the rule of OpenSSH's ``StrictModes``).
 
     Raises:
-        InvalidRequest: ``path`` exists and is not a directory, is a symbolic link, or belongs to
-            another user (a folder someone else made, e.g. in ``/tmp``, is never used).
+        InvalidRequest: ``path`` is not a directory, is a symbolic link, or belongs to another user;
+            or an ancestor lets another user replace it.
     """
     import os
     import stat
 
     path = Path(path)
+    uid = os.getuid()
+    _check_ancestors(path.parent, uid)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _check_ancestors(path.parent, uid)
     try:
         path.mkdir(mode=0o700)
     except FileExistsError:
@@ -229,11 +244,31 @@ def private_dir(path: Path) -> Path:
     st = path.lstat()
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise InvalidRequest(f"{path} is not a directory (a symbolic link or a file): choose another store_dir")
-    if st.st_uid != os.getuid():
+    if st.st_uid != uid:
         raise InvalidRequest(
-            f"{path} belongs to user id {st.st_uid}, not to this user ({os.getuid()}): another user could read or "
+            f"{path} belongs to user id {st.st_uid}, not to this user ({uid}): another user could read or "
             f"plant KV blocks there; choose another store_dir"
         )
     if stat.S_IMODE(st.st_mode) & 0o077:
         path.chmod(0o700)
     return path
+
+
+def _check_ancestors(parent: Path, uid: int) -> None:
+    """Raise InvalidRequest if an existing ancestor of ``parent`` (itself included, resolved) can be
+    changed by a user other than ``uid`` and root."""
+    import stat
+
+    real = parent.resolve()
+    for d in (real, *real.parents):
+        try:
+            st = d.stat()
+        except FileNotFoundError:
+            continue
+        if st.st_uid not in (0, uid):
+            raise InvalidRequest(f"{d} belongs to user id {st.st_uid}: that user could replace the store folder")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise InvalidRequest(
+                f"{d} is writable by others (mode {stat.S_IMODE(st.st_mode):o}) without the sticky bit: another user "
+                f"could replace the store folder"
+            )

@@ -39,7 +39,10 @@ async def serve(cfg: EdgeConfig, ready_file: Path | None, grace_s: float | None 
     )
     if daemon.http_port is not None:
         logging.getLogger("tandem.edge").info(
-            "OpenAI-compatible API on http://%s:%d/v1", cfg.http_host, daemon.http_port
+            "OpenAI-compatible API on %s://%s:%d/v1",
+            "https" if cfg.tls_cert_file else "http",
+            cfg.http_host,
+            daemon.http_port,
         )
     if ready_file:
         ready_file.write_text(str(daemon.port))

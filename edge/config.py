@@ -130,7 +130,8 @@ class EdgeConfig(DaemonSettings):
     )
     http_api_keys: list[str] = Field(
         default_factory=list,
-        description="Bearer tokens the HTTP API accepts (any of them); empty = no authentication. Prefer the "
+        description="More bearer tokens the HTTP API accepts, besides `api_keys` (any of them); with both empty, "
+        "no authentication. Prefer the "
         'environment (`TANDEM_EDGE_HTTP_API_KEYS=\'["k1","k2"]\'`) or the config file over a flag.',
     )
 

@@ -22,7 +22,7 @@ import numpy as np
 from grpc_health.v1 import health
 
 from tandem import __version__
-from tandem.common.errors import EngineError, IncompatibleModel, TandemError
+from tandem.common.errors import EngineError, IncompatibleModel, InvalidRequest, TandemError
 from tandem.common.grpc_errors import abort
 from tandem.common.grpcsetup import add_service, channel_credentials, set_health, start_server, tls_credentials
 from tandem.common.logs import new_request_id, set_ids
@@ -46,6 +46,7 @@ from tandem.v1 import tandem_pb2_grpc as pb_grpc
 log = logging.getLogger("tandem.edge")
 EDGE_SERVICE = pb.DESCRIPTOR.services_by_name["Edge"].full_name
 MAX_MESSAGE_BYTES = 4 << 20  # ChatRequest: a conversation of up to a few MB of text
+MAX_SESSION_ID_BYTES = 128  # as the cloud's bound on ids (cloud.upload.MAX_ID_BYTES)
 WARMUP_TOKENS = 32  # tokens of the warm-up run that times each head
 
 
@@ -68,6 +69,8 @@ class EdgeServicer(pb_grpc.EdgeServicer):
             caller = self._identify(context)
             if self.draining:
                 raise EngineError("this edge is draining (shutting down); retry on another")
+            if len(request.session_id.encode()) > MAX_SESSION_ID_BYTES:  # the same bound in every mode
+                raise InvalidRequest(f"session_id longer than {MAX_SESSION_ID_BYTES} bytes")
             turn = ChatTurn.from_pb(request)
             if self.auth.required and turn.session_id:
                 turn = replace(turn, session_id=scoped(caller, turn.session_id))

@@ -570,9 +570,10 @@ class _ClientCore(ABC, Generic[S]):
             top_p: nucleus sampling probability mass in ``(0, 1]``; default 1.0 = off.
             top_k: sample among the ``top_k`` most likely tokens, >= 0; default 0 = off.
             seed: sampling seed (a 64-bit int); default ``None`` = unseeded.
-            session_id: name of a multi-turn conversation; reuse it on each turn so the edge and
-                the cloud keep the conversation's prefix and only new tokens travel. Default
-                ``None`` = stateless.
+            session_id: name of a multi-turn conversation (at most 128 bytes); reuse it on each
+                turn so the edge and the cloud keep the conversation's prefix and only new tokens
+                travel. Sessions are per API key: another key's same id is another session.
+                Default ``None`` = stateless.
             mode: ``"auto"`` (default: the edge picks, per request, the mode with the lowest
                 predicted time to first token), ``"local"`` (the whole model on the edge),
                 ``"split"`` (edge head, cloud tail) or ``"direct"`` (token ids up, the cloud runs

@@ -10,14 +10,22 @@ import grpc
 
 
 def is_loopback(host: str) -> bool:
-    """True for ``localhost``, 127.0.0.0/8, ``::1`` and ``unix:`` targets (traffic that stays on
-    this host); host may carry a port (``127.0.0.1:50051``, ``[::1]:50051``)."""
+    """True when every address of ``host`` stays on this host: ``localhost``, 127.0.0.0/8, ``::1``
+    (also as ``::ffff:127.x``) and ``unix:`` targets. ``host`` may carry a port and a gRPC scheme,
+    including gRPC's multi-address ``ipv4:a:p,b:p`` / ``ipv6:[a]:p,[b]:p`` form (all must be loopback)."""
     h = host.strip()
     if h.startswith(("unix:", "unix-abstract:")):
         return True
     for prefix in ("ipv4:", "ipv6:", "dns:///", "dns:"):
         if h.startswith(prefix):
             h = h[len(prefix) :]
+            break
+    parts = h.split(",")
+    return bool(parts) and all(_one_is_loopback(p) for p in parts)
+
+
+def _one_is_loopback(h: str) -> bool:
+    h = h.strip()
     if h.startswith("["):
         h = h[1 : h.index("]")] if "]" in h else h[1:]
     elif h.count(":") == 1:
@@ -25,9 +33,11 @@ def is_loopback(host: str) -> bool:
     if h in ("localhost", "localhost.localdomain", "ip6-localhost"):
         return True
     try:
-        return ipaddress.ip_address(h).is_loopback
+        ip = ipaddress.ip_address(h)
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
 def _read(path: str | Path | None, what: str) -> bytes | None:

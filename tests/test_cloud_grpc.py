@@ -332,3 +332,20 @@ async def test_a_port_in_use_is_an_error_not_shared(cloud):
     """Found by an attack run: gRPC's default SO_REUSEPORT let a second daemon share a bound port."""
     with pytest.raises(RuntimeError, match="bind"):
         await start_server([], ["tandem.v1.Cloud"], "127.0.0.1", cloud.port, 1 << 20)
+
+
+def test_a_verdict_the_edge_does_not_know_keeps_its_nearest_kind_and_retry_hint():
+    """Found by an operator trial: the cloud's LinkBusy / EdgeOverLimit (cloud-only subclasses of
+    QuotaExceeded) reached a standalone edge as a bare TandemError (INTERNAL to the client, no local
+    fallback, no retry hint). The verdict names the error's ancestors and its retry hint."""
+    from tandem.cloud.links import LinkBusy
+    from tandem.common.errors import QuotaExceeded
+    from tandem.common.messages import TurnError, downlink_from_pb, downlink_to_pb
+
+    m = downlink_to_pb(TurnError(LinkBusy("link 'x' waited 5007 ms for a slot", retry_after_ms=750)))
+    assert m.error.kind == "LinkBusy" and list(m.error.base_kinds)[:2] == ["QuotaExceeded", "TandemError"]
+    assert m.error.retry_after_ms == 750
+    m.error.kind = "SomeNewerCloudError"  # a kind this process has never heard of
+    ev = downlink_from_pb(m)
+    assert isinstance(ev, TurnError) and type(ev.error) is QuotaExceeded
+    assert ev.error.retry_after_ms == 750 and "waited 5007 ms" in str(ev.error)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tandem.cloud.links import ControllerConfig, LinkBusy, LinkSlo, LinkTable, Ticket
+from tandem.cloud.links import ControllerConfig, Link, LinkBusy, LinkSlo, LinkTable, Ticket
 from tandem.common.errors import InvalidRequest, QuotaExceeded
 
 NO_SLO = LinkSlo(0, 0)
@@ -27,10 +27,17 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+def join(t: LinkTable, link_id: str, slo: LinkSlo) -> Link:
+    """Register a link and mark it active, as its first request does (negotiating alone holds no share)."""
+    link = t.register(link_id, f"edge-{link_id}", slo)
+    link.last_seen = t._clock()
+    return link
+
+
 def table(seqs: int = 4, tokens: int = 10_000, *links: str, **kw) -> LinkTable:
     t = LinkTable(seqs, tokens, **kw)
     for link_id in links:
-        t.register(link_id, f"edge-{link_id}", NO_SLO)
+        join(t, link_id, NO_SLO)
     return t
 
 
@@ -59,11 +66,11 @@ def test_shares_split_by_weight_and_rebalance():
     assert t.share("a") == (6, 600) and t.share("b") == (2, 200)
     assert (a.version, b.version) == (3, 2)  # a: (8,800) alone -> (4,400) with b -> (6,600); b: -> (2,200)
     clock.t += 61  # a goes idle; b is seen again
-    t.register("b", "edge-b", NO_SLO)
+    join(t, "b", NO_SLO)
     assert [lk.link_id for lk in t.active()] == ["b"]
     assert t.share("b") == (8, 800)
     assert t.share("a") == (6, 600)  # an idle link's share as if it came back
-    t.register("c", "edge-c", NO_SLO)
+    join(t, "c", NO_SLO)
     assert t.share("b") == t.share("c") == (4, 400)
     assert t.get("c") is not None and t.get("c").version == 1  # type: ignore[union-attr]
 
@@ -86,19 +93,19 @@ async def test_register_beyond_max_links_evicts_idle_never_busy():
     clock = FakeClock()
     t = table(4, 100, "a", clock=clock, max_links=2)
     clock.t += 1
-    t.register("b", "edge-b", NO_SLO)
+    join(t, "b", NO_SLO)
     clock.t += 1
-    t.register("c", "edge-c", NO_SLO)  # a is the least recently seen idle link
+    join(t, "c", NO_SLO)  # a is the least recently seen idle link
     assert sorted(lk.link_id for lk in t.links()) == ["b", "c"]
     ticket = await t.admit("b", 1, None)  # b busy: c is the only idle link
     clock.t += 1
-    t.register("d", "edge-d", NO_SLO)
+    join(t, "d", NO_SLO)
     assert sorted(lk.link_id for lk in t.links()) == ["b", "d"]
     await t.admit("d", 1, None)
     with pytest.raises(QuotaExceeded):
-        t.register("e", "edge-e", NO_SLO)
+        join(t, "e", NO_SLO)
     ticket.release()
-    t.register("e", "edge-e", NO_SLO)
+    join(t, "e", NO_SLO)
     assert sorted(lk.link_id for lk in t.links()) == ["d", "e"]
 
 
@@ -346,7 +353,7 @@ def controlled(slo: LinkSlo = SLO, seqs: int = 4, *, links: str = "a", **kw) -> 
     clock = FakeClock()
     t = LinkTable(seqs, seqs, clock=clock, **kw)
     for link_id in links:
-        t.register(link_id, f"edge-{link_id}", slo)
+        join(t, link_id, slo)
     return t, clock
 
 
@@ -404,7 +411,7 @@ def test_controller_p99_of_the_window_only():
     t, clock = controlled()
     feed(t, "a", 500, 500)  # bad, but old by the next step
     clock.t += 11
-    t.register("a", "edge-a", SLO)  # still active
+    join(t, "a", SLO)  # still active
     feed(t, "a", 50, 10)
     t.control_step()
     assert weight(t) == pytest.approx(1.15)
@@ -466,11 +473,12 @@ def test_controller_bumps_version_only_when_the_share_changed():
 def test_control_step_reports_changes_from_links_coming_and_going():
     t, clock = controlled(links="a")
     t.control_step()
-    t.register("b", "edge-b", SLO)
+    join(t, "b", SLO)
     assert t.control_step() == ["a"]  # a's share halved when b came
     clock.t += 61
-    t.register("a", "edge-a", SLO)
-    assert t.control_step() == ["a"]  # b went idle: a has everything again (b's own share as if back: same)
+    join(t, "a", SLO)
+    # b went idle: a has everything again (b's share is reported as if it came back)
+    assert "a" in t.control_step() and t.share("a") == (4, 4)
 
 
 def test_trace_points_per_active_link_per_step():
@@ -482,7 +490,7 @@ def test_trace_points_per_active_link_per_step():
     assert t.trace[0].max_concurrent_requests == 1 and t.trace[1].max_concurrent_requests == 2
     assert t.trace[0].p99_ttft_ms == pytest.approx(1000) and t.trace[0].samples == 20
     clock.t += 61
-    t.register("b", "edge-b", SLO)
+    join(t, "b", SLO)
     t.control_step()
     assert [p.link_id for p in t.trace][4:] == ["b"]
 

@@ -405,6 +405,19 @@ async def test_the_edge_serves_apps_over_tls_with_api_keys_and_scopes_sessions_b
         assert r2.head_tokens == r2.prompt_tokens  # key two's "user-42" is not key one's
         assert len([k for k in toy.edge.sessions._s if k.endswith("/user-42")]) == 2
         assert "user-42" not in toy.edge.sessions
+        long_id = "s" * 128  # the longest id a client may send: still a session in split mode
+        first = await one.complete(msg, max_new_tokens=2, session_id=long_id, mode="split")
+        again = await one.complete(
+            [*msg, {"role": "assistant", "content": "x"}, {"role": "user", "content": "more"}],
+            max_new_tokens=2,
+            session_id=long_id,
+            mode="split",
+        )
+        assert first.output_tokens and again.head_tokens < again.prompt_tokens
+        from tandem import InvalidArgument
+
+        with pytest.raises(InvalidArgument, match="session_id longer"):
+            await one.complete(msg, max_new_tokens=2, session_id="s" * 129)
         await one.close()
         await two.close()
     finally:
@@ -421,6 +434,11 @@ def test_the_sdk_sends_plaintext_only_to_this_host_unless_told():
         Client("localhost:1", tls=True, cert_file="x.pem")
     Client("edge.example.com:50061", insecure=True).close()
     Client("127.0.0.1:1").close()
+    # gRPC's multi-address targets: every address must be loopback (an operator trial sent a key in the
+    # clear through the second address of one)
+    with pytest.raises(ValueError, match="loopback"):
+        Client("ipv6:[::1]:1,[::ffff:192.0.2.2]:50999", api_key="app-key-0123456789")
+    Client("ipv4:127.0.0.1:1,127.0.0.2:2").close()
 
 
 def test_daemons_refuse_plaintext_on_other_hosts_unless_told(tmp_path):
@@ -438,6 +456,8 @@ def test_daemons_refuse_plaintext_on_other_hosts_unless_told(tmp_path):
         CloudConfig(tls_cert_file=pem)
     with pytest.raises(ValidationError, match="cloud_insecure"):
         EdgeConfig(cloud_target="10.1.2.3:50051")
+    with pytest.raises(ValidationError, match="cloud_insecure"):
+        EdgeConfig(cloud_target="ipv4:127.0.0.1:50051,10.1.2.3:50051")
     assert EdgeConfig(cloud_target="10.1.2.3:50051", cloud_ca_file=pem).cloud_uses_tls
     with pytest.raises(ValidationError, match="http_host"):
         EdgeConfig(http_port=8000, http_host="0.0.0.0")
@@ -462,12 +482,22 @@ def test_store_folders_are_private_and_never_another_users(tmp_path):
     link.symlink_to(d)
     with pytest.raises(InvalidRequest, match="symbolic link"):
         private_dir(link)
+    # an ancestor another user may write (no sticky bit) lets them swap the folder (operator trial)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(InvalidRequest, match="writable by others"):
+        DiskBlockStore(shared / "kv", 1 << 20)
+    os.chmod(shared, 0o1777)  # sticky, as /tmp: others cannot rename what is ours
+    DiskBlockStore(shared / "kv", 1 << 20).close()
     if os.getuid() == 0:  # only root can make a folder that belongs to someone else
         theirs = tmp_path / "theirs"
         theirs.mkdir()
         os.chown(theirs, 4242, 4242)
         with pytest.raises(InvalidRequest, match="belongs to user id 4242"):
             DiskBlockStore(theirs, 1 << 20)
+        with pytest.raises(InvalidRequest, match="belongs to user id 4242"):
+            DiskBlockStore(theirs / "kv", 1 << 20)  # their folder as the parent
     from tandem.cloud.config import CloudConfig
 
     default = CloudConfig().store_dir
@@ -502,3 +532,23 @@ async def test_the_openai_api_serves_https_with_its_keys(pki):
     finally:
         await stop_openai(server, task, 1.0)
         await toy.batcher.stop()
+
+
+async def test_negotiating_many_links_takes_nothing_from_other_edges():
+    """Operator trial: a few hundred Negotiate calls from one identity diluted every link's share (and
+    past max_links made the cloud forget other edges' links). Negotiating now holds no share until a
+    request comes, and one identity keeps at most edge_max_links links (its least recently used idle
+    one is forgotten)."""
+    from tandem.common.kvstore import MemoryBlockStore as Store
+
+    store = Store(1 << 20)
+    gw = Gateway(cloud_config(edge_max_links=3, max_links=16), MANIFEST, MemoryEngines(store, B, VOCAB), store)
+    offer = NegotiateOffer("e", "toy", {K: MANIFEST.compatibility_key()}, 4)
+    good = gw.negotiate(offer, "good").link_id
+    (await gw.links.admit(good, 1, None)).release()  # the good edge is in use
+    full = gw.links.share(good)
+    for _ in range(300):
+        gw.negotiate(offer, "attacker")
+    assert sum(1 for o in gw._owners.values() if o == "peer:attacker") == 3
+    assert gw.links.share(good) == full  # idle negotiated links hold no share
+    assert gw.server_info(good, "good").link_known  # and pushed nothing out

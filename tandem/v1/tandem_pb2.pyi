@@ -390,12 +390,16 @@ class Final(_message.Message):
     def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., external_tokens: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., received_bytes: _Optional[_Mapping[str, int]] = ..., load: _Optional[_Union[ServerLoad, _Mapping]] = ..., queue_wait_ms: _Optional[float] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("kind", "message")
+    __slots__ = ("kind", "message", "retry_after_ms", "base_kinds")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    BASE_KINDS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     message: str
-    def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    retry_after_ms: int
+    base_kinds: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., base_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Downlink(_message.Message):
     __slots__ = ("nack", "repair", "upload_ack", "tokens", "final", "error", "window_ack")
