@@ -47,6 +47,7 @@ import grpc
 import numpy as np
 from hypothesis import strategies as st
 
+from tandem.benchmarks.toy import HKV, MANIFEST, VOCAB, B, D, H, K, ToyTokenizer
 from tandem.cloud.config import CloudConfig, EngineConfig
 from tandem.cloud.gateway import Gateway, as_principal
 from tandem.cloud.memory_engines import MemoryEngines
@@ -58,7 +59,6 @@ from tandem.common.grpc_errors import status_of
 from tandem.common.grpcsetup import add_service, start_server
 from tandem.common.kvblocks import block_hashes, request_seed
 from tandem.common.kvstore import MemoryBlockStore
-from tandem.common.manifest import ModelShape, SplitManifest
 from tandem.common.messages import (
     Commit,
     KVBlock,
@@ -102,63 +102,14 @@ REFUSALS = frozenset(
 ALLOWED = REFUSALS | {OK}  # what any call or turn may end with (never INTERNAL, UNKNOWN, UNAVAILABLE...)
 TARGETS = ("uplink", "cloud-typed", "cloud-raw", "edge-typed", "edge-raw")
 
-# ------------------------------------------------------------------ the toy model (as tests/doubles.py)
+# ------------------------------------------------------------------ the toy model (tandem.benchmarks.toy)
 
-K, HKV, D, H, B, VOCAB = 2, 1, 4, 8, 32, 1000
 # the good session beside the fuzzed turns of the uplink target: another edge's (``GOOD_EDGE``), so that fuzzed
 # headers (from ``FUZZ_EDGE``) naming the same session id must not reach it
 GOOD_SESSION = "good-session-0c5f1d"
 GOOD_EDGE, FUZZ_EDGE = "good-edge", "fuzz-edge"
 GRPC_GOOD_SESSION = "grpc-good-session-6b2e"  # over gRPC every call is the same principal: no case names it
 OTHER_LINK = "<another edge's link>"  # stands for a link id another edge negotiated (resolved per case)
-
-
-def toy_manifest() -> SplitManifest:
-    """The tiny split model of ``tests/doubles.py`` (k=2 of 6 layers, H=8, one KV head of dim 4); no files."""
-    shape = ModelShape(
-        num_layers=6,
-        hidden_size=H,
-        num_heads=2,
-        num_kv_heads=HKV,
-        head_dim=D,
-        vocab_size=VOCAB,
-        max_position_embeddings=4096,
-    )
-    return SplitManifest(
-        model_id="toy",
-        split_layer=K,
-        dtype="float32",
-        shape=shape,
-        full_checkpoint="hf",
-        checkpoint_blake3="x",
-        head_onnx="h.onnx",
-        head_blake3="y",
-        tail_checkpoint="t",
-        tail_blake3="z",
-        onnx_opset=17,
-    )
-
-
-MANIFEST = toy_manifest()
-
-
-class ToyTokenizer:
-    """Characters to ids; a chat message is ``[role] + chars + [2]``, the generation prompt the assistant's role."""
-
-    def __call__(self, text: str) -> dict[str, list[int]]:
-        return {"input_ids": [5 + ord(c) % 90 for c in text]}
-
-    def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **_: Any
-    ) -> list[int]:
-        ids: list[int] = []
-        roles = {"system": 1, "user": 3, "assistant": 4}
-        for m in messages:
-            ids += [roles[m["role"]], *self(m["content"])["input_ids"], 2]
-        return ids + ([4] if add_generation_prompt else [])
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(97 + i % 26) for i in ids)
 
 
 # the gateways the uplink target runs on: the negotiated wire formats of the anonymous link differ

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+# the toy model, shared with tandem-fuzz
+from tandem.benchmarks.toy import HKV, MANIFEST, VOCAB, B, D, H, K, ToyTokenizer, toy_manifest  # noqa: F401
 from tandem.cloud.config import CloudConfig, EngineConfig
 from tandem.cloud.gateway import Gateway, as_principal
 from tandem.cloud.memory_engines import MemoryEngines
@@ -18,7 +20,6 @@ from tandem.cloud.sessions import CloudSession
 from tandem.common import wire
 from tandem.common.ewma import Ewma
 from tandem.common.kvstore import MemoryBlockStore
-from tandem.common.manifest import ModelShape, SplitManifest
 from tandem.common.params import NegotiateOffer
 from tandem.common.security import scoped
 from tandem.edge.batcher import HeadBatcher
@@ -27,55 +28,6 @@ from tandem.edge.head_runner import MemoryHead
 from tandem.edge.link import CloudLink, InProcessLink, TurnCall
 from tandem.edge.service import EdgeService, Head
 from tandem.edge.session import EdgeSessions
-
-K, HKV, D, H, B, VOCAB = 2, 1, 4, 8, 32, 1000
-
-
-def toy_manifest(vocab_size: int = VOCAB, max_position_embeddings: int = 4096) -> SplitManifest:
-    """A split manifest of the tiny model shape (K, HKV, D, H above); no files behind it."""
-    shape = ModelShape(
-        num_layers=6,
-        hidden_size=H,
-        num_heads=2,
-        num_kv_heads=HKV,
-        head_dim=D,
-        vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings,
-    )
-    return SplitManifest(
-        model_id="toy",
-        split_layer=K,
-        dtype="float32",
-        shape=shape,
-        full_checkpoint="hf",
-        checkpoint_blake3="x",
-        head_onnx="h.onnx",
-        head_blake3="y",
-        tail_checkpoint="t",
-        tail_blake3="z",
-        onnx_opset=17,
-    )
-
-
-MANIFEST = toy_manifest()
-
-
-class ToyTokenizer:
-    """Characters to ids; a chat message is ``[role] + chars + [2]`` and the generation prompt is the
-    assistant's role token, so a next turn extends the previous prompt, as real chat templates do."""
-
-    def __call__(self, text: str) -> dict[str, list[int]]:
-        return {"input_ids": [5 + ord(c) % 90 for c in text]}
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, return_dict=False):
-        ids: list[int] = []
-        roles = {"system": 1, "user": 3, "assistant": 4}
-        for m in messages:
-            ids += [roles[m["role"]], *self(m["content"])["input_ids"], 2]
-        return ids + ([4] if add_generation_prompt else [])
-
-    def decode(self, ids, skip_special_tokens=True) -> str:
-        return "".join(chr(97 + i % 26) for i in ids)
 
 
 def cloud_config(**kw: Any) -> CloudConfig:

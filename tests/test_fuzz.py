@@ -23,7 +23,6 @@ from typer.testing import CliRunner
 from tandem.benchmarks import fuzzing as fz
 from tandem.common.params import NegotiateOffer
 from tandem.v1 import tandem_pb2 as pb
-from tests import doubles
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
@@ -58,21 +57,6 @@ def fuzz(harness: fz.Harness, target: str) -> None:
     before = harness.stats[target].cases
     prop()
     assert harness.stats[target].cases - before >= EXAMPLES[target]
-
-
-def test_the_toy_model_is_the_test_doubles_one():
-    assert fz.MANIFEST.compatibility_key() == doubles.MANIFEST.compatibility_key()
-    assert (fz.K, fz.HKV, fz.D, fz.H, fz.B, fz.VOCAB) == (
-        doubles.K,
-        doubles.HKV,
-        doubles.D,
-        doubles.H,
-        doubles.B,
-        doubles.VOCAB,
-    )
-    convo = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "ok"}]
-    assert fz.ToyTokenizer().apply_chat_template(convo) == doubles.ToyTokenizer().apply_chat_template(convo)
-    assert sum(EXAMPLES.values()) >= 2000
 
 
 def test_uplink_mutations_are_refused_with_their_status_and_disturb_nothing(harness):
