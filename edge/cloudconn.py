@@ -75,6 +75,7 @@ class CloudConnection:
         self._wake = asyncio.Event()
         self._force = False  # renegotiate at the next turn of the loop
         self._connecting = False
+        self._paused = False  # the cloud answered "not serving" at the last poll
         self._uploads = 0  # uploads in flight (polls are no RTT samples meanwhile)
         self._task: asyncio.Task | None = None
 
@@ -128,8 +129,9 @@ class CloudConnection:
 
     @property
     def reconnecting(self) -> bool:
-        """A renegotiation is due or under way (the cloud answers; the link is being set up again)."""
-        return self._force or self._connecting
+        """A renegotiation is due or under way, or the cloud answers but said it is not serving
+        (draining for a restart, engines restarting): worth a short wait before refusing a turn."""
+        return self._force or self._connecting or self._paused
 
     async def wait_connected(self, timeout_s: float) -> bool:
         try:
@@ -153,7 +155,8 @@ class CloudConnection:
                     await self._negotiate()
                 self._wake.clear()
                 try:
-                    async with asyncio.timeout(self.poll_s):
+                    # while the cloud says it is not serving, poll often: a drain for a restart is over in seconds
+                    async with asyncio.timeout(min(self.poll_s, 0.25) if self._paused else self.poll_s):
                         await self._wake.wait()
                 except TimeoutError:
                     pass
@@ -249,8 +252,10 @@ class CloudConnection:
             if self.connected.is_set():
                 log.warning("the cloud is not serving (engines restarting or draining): cloud modes paused")
             self.connected.clear()
+            self._paused = True
             self.last_error = "the cloud is not serving"
             return
+        self._paused = False
         if info.params_by_split and info.params_by_split != n.params_by_split:
             self.negotiated = replace(n, params_by_split=dict(info.params_by_split))
             log.info("link params now v%d (the cloud changed this link's share)", self.negotiated.params_version)

@@ -349,3 +349,27 @@ def test_a_verdict_the_edge_does_not_know_keeps_its_nearest_kind_and_retry_hint(
     ev = downlink_from_pb(m)
     assert isinstance(ev, TurnError) and type(ev.error) is QuotaExceeded
     assert ev.error.retry_after_ms == 750 and "waited 5007 ms" in str(ev.error)
+
+
+async def test_an_explicit_split_turn_waits_out_a_cloud_that_briefly_stops_serving(cloud):
+    """Found by CI: a turn that arrived while the cloud drained for a restart (health NOT_SERVING for a
+    moment) was refused at once; it now waits up to the edge's renegotiation bound for the cloud."""
+    edge = await edge_to(f"127.0.0.1:{cloud.port}")
+    try:
+        cloud.gateway.serving = False
+        for _ in range(50):  # the edge's poll sees it
+            if not edge.conn.connected.is_set():
+                break
+            await asyncio.sleep(0.1)
+        assert not edge.conn.connected.is_set() and edge.conn.reconnecting
+
+        async def back() -> None:
+            await asyncio.sleep(1.0)
+            cloud.gateway.serving = True
+
+        task = asyncio.create_task(back())
+        done = await run(edge, chat("hello after a pause"))
+        await task
+        assert done.mode == "split" and done.output_tokens == 6
+    finally:
+        await close_edge(edge)
