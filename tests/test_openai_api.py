@@ -127,23 +127,30 @@ async def test_completions(client):
 
 
 async def test_stop_strings(client):
+    # one mode throughout: the toy engines answer differently in split and direct mode, and auto may switch
     msgs = [{"role": "user", "content": "stop strings"}]
-    full = (await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)).choices[0]
+    full = (
+        await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, extra_body=SPLIT)
+    ).choices[0]
     text = full.message.content
     stop = text[5:7]
     cut = text[: text.find(stop)]
-    r = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, stop=stop)
+    r = await client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=16, temperature=0, stop=stop, extra_body=SPLIT
+    )
     assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
     s = await client.chat.completions.create(
-        model=MODEL, messages=msgs, max_tokens=16, temperature=0, stop=["zzzz", stop], stream=True
+        model=MODEL, messages=msgs, max_tokens=16, temperature=0, stop=["zzzz", stop], stream=True, extra_body=SPLIT
     )
     chunks = [c async for c in s]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
-    c = await client.completions.create(model=MODEL, prompt="stop strings", max_tokens=16, temperature=0)
+    c = await client.completions.create(
+        model=MODEL, prompt="stop strings", max_tokens=16, temperature=0, extra_body=SPLIT
+    )
     ctext = c.choices[0].text
     c2 = await client.completions.create(
-        model=MODEL, prompt="stop strings", max_tokens=16, temperature=0, stop=[ctext[3:5]]
+        model=MODEL, prompt="stop strings", max_tokens=16, temperature=0, stop=[ctext[3:5]], extra_body=SPLIT
     )
     assert c2.choices[0].text == ctext[: ctext.find(ctext[3:5])] and c2.choices[0].finish_reason == "stop"
 
