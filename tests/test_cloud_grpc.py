@@ -59,11 +59,15 @@ class Cloud:
 
 async def edge_to(target: str, keepalive_s: float = 5.0) -> EdgeService:
     """An edge service over a real gRPC link, its connection loop running (reconnects, renegotiates)."""
-    link = GrpcCloudLink(target, keepalive_s, keepalive_s)
+    return await edge_over(GrpcCloudLink(target, keepalive_s, keepalive_s))
+
+
+async def edge_over(link: GrpcCloudLink, edge_id: str = "e") -> EdgeService:
+    """An edge service over ``link`` (e.g. one with TLS and a key), its connection loop running."""
     key = MANIFEST.compatibility_key()
-    conn = CloudConnection(link, NegotiateOffer("e", "toy", {K: key}, 4), poll_s=0.5, backoff_s=0.1)
+    conn = CloudConnection(link, NegotiateOffer(edge_id, "toy", {K: key}, 4), poll_s=0.5, backoff_s=0.1)
     conn.start()
-    assert await conn.wait_connected(10)
+    assert await conn.wait_connected(10), conn.last_error
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
     return EdgeService(ToyTokenizer(), [Head(batcher, key)], conn, EdgeSessions(64, 1 << 30), 30)

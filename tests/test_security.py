@@ -28,17 +28,14 @@ from tandem.common.grpcsetup import add_service, channel_credentials, server_cre
 from tandem.common.kvstore import DiskBlockStore, MemoryBlockStore
 from tandem.common.params import NegotiateOffer, Sampling
 from tandem.common.security import ApiKeys, Authenticator, private_dir
-from tandem.edge.batcher import HeadBatcher
-from tandem.edge.cloudconn import CloudConnection
 from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.grpc_link import GrpcCloudLink
-from tandem.edge.head_runner import MemoryHead
 from tandem.edge.server import EDGE_SERVICE, EdgeServicer
-from tandem.edge.service import EdgeService, Head
-from tandem.edge.session import EdgeSessions
+from tandem.edge.service import EdgeService
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
-from tests.doubles import HKV, MANIFEST, VOCAB, B, D, H, K, ToyTokenizer, cloud_config, toy_stack
+from tests.doubles import MANIFEST, VOCAB, B, K, ToyTokenizer, cloud_config, toy_stack
+from tests.test_cloud_grpc import close_edge, edge_over
 
 KEYS = {"edge-a": "a" * 24, "edge-b": "b" * 24, "edge-c": "c" * 24}
 APP_KEYS = ["app-key-one-0123456789", "app-key-two-0123456789"]
@@ -121,23 +118,6 @@ def link_to(
 ) -> GrpcCloudLink:
     creds = channel_credentials(ca, *(cert or (None, None)))
     return GrpcCloudLink(f"{host}:{port}", 5.0, 5.0, credentials=creds, server_name=server_name, api_key=api_key)
-
-
-async def edge_over(link: GrpcCloudLink, edge_id: str = "e") -> EdgeService:
-    key = MANIFEST.compatibility_key()
-    conn = CloudConnection(link, NegotiateOffer(edge_id, "toy", {K: key}, 4), poll_s=0.5, backoff_s=0.1)
-    conn.start()
-    assert await conn.wait_connected(10), conn.last_error
-    batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
-    batcher.start()
-    return EdgeService(ToyTokenizer(), [Head(batcher, key)], conn, EdgeSessions(64, 1 << 30), 30)
-
-
-async def close_edge(svc: EdgeService) -> None:
-    await svc.batcher.stop()
-    assert svc.conn is not None
-    await svc.conn.stop()
-    await svc.conn.link.close()
 
 
 async def run(svc: EdgeService, t: ChatTurn) -> TurnDone:
