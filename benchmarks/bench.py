@@ -9,7 +9,10 @@ over emulated links, through ONE cloud (a tail engine per split layer) and ONE e
 and the whole model), all in one run so ratios hold on a noisy machine. Every mode is asked of
 the same edge daemon, one mode after the other per link profile (fixed modes first, auto last),
 so auto's cost model has seen the link, as a live edge that serves mixed traffic has; a
-calibration pass (each fixed mode once per prompt length, not recorded) precedes the matrix.
+calibration pass (each fixed mode once per prompt length, not recorded) precedes the matrix, and
+each (mode, prompt length) block starts with ``--warmup`` unrecorded requests: the first request
+after a switch of mode paid the previous mode's wind-down (up to 2x on a local prefill after a
+cloud block), which the mode that ran before decides, not the mode measured.
 Modes do not take turns request by request: with edge and cloud on the same two cores, the mode
 that ran just before slows the next one (vLLM's engine loop, ONNX Runtime's threads), which
 penalised whichever mode followed a heavy one by 10-50% in a paired run. Writes ``records.jsonl`` (one line
@@ -229,7 +232,10 @@ def main(
         str, typer.Option(help=f"link profiles: {','.join(linkmod.PROFILES)}")
     ] = "loopback,lan,wifi6,5g,4g,wan",
     prompt_lens: Annotated[str, typer.Option(help="target prompt lengths in tokens")] = "64,256,1024",
-    requests: Annotated[int, typer.Option(help="requests per (mode, link, prompt length)")] = 3,
+    requests: Annotated[int, typer.Option(help="requests per (mode, link, prompt length)")] = 4,
+    warmup: Annotated[
+        int, typer.Option(help="unrecorded requests (2 output tokens) before each (mode, prompt length) block")
+    ] = 1,
     concurrency: Annotated[int, typer.Option(help="requests in flight")] = 1,
     max_new_tokens: int = 16,
     max_num_seqs: int = 8,
@@ -256,6 +262,7 @@ def main(
     lens = [int(x) for x in prompt_lens.split(",") if x.strip()]
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "hf")
     prompts = {n: make_prompts(tokenizer, n, requests, seed) for n in lens}
+    warmups = {n: make_prompts(tokenizer, n, max(1, warmup), seed + 13) for n in lens}
     specs = mode_specs(ks, edge_only, auto)
     total = len(lens) * requests * len(profiles) * len(specs)
     records: list[RequestRecord] = []
@@ -280,6 +287,8 @@ def main(
                     asyncio.run(run_remote(eport, warm, spec, prof.name, 16, 1, 2, _Null()))
                 for spec in specs:  # one mode at a time: on these shared cores a mode disturbs the next
                     for n in lens:
+                        if warmup:  # the switch from the previous block's mode/length is not charged to this one
+                            asyncio.run(run_remote(eport, warmups[n][:warmup], spec, prof.name, n, 1, 2, _Null()))
                         records += asyncio.run(
                             run_remote(eport, prompts[n], spec, prof.name, n, concurrency, max_new_tokens, bar)
                         )

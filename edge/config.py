@@ -86,7 +86,7 @@ class EdgeConfig(DaemonSettings):
         default=kib(256), description="Padding of the goodput probe at connect, in bytes; 0 = no probe."
     )
     hysteresis: float = Field(
-        default=0.10, ge=0, description="Auto mode keeps its last mode unless another is predicted this much faster."
+        default=0.05, ge=0, description="Auto mode keeps its last mode unless another is predicted this much faster."
     )
     explore_every: int = Field(
         default=50,

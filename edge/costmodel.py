@@ -11,7 +11,9 @@ runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times
 
 * ``P_*(n) = a + b * n + c * n^2``: the time of each compute stage for ``n`` tokens (a fixed
   part, projections and MLP linear in ``n``, attention over the prompt quadratic), fitted online
-  by exponentially weighted least squares (``Line``, forgetting factor ``LINE_DECAY``) on the
+  by exponentially weighted least squares of the *relative* error (each sample weighted by
+  ``1 / ms^2``: the choice compares ratios, and an unweighted fit let 1024-token samples leave
+  short prompts 20-60% off; ``Line``, forgetting factor ``LINE_DECAY``) on the
   stage timings every request reports: ``local_prefill_ms`` (local), ``edge_head_ms`` (head at
   ``k``), ``cloud_tail_prefill_ms`` (tail at ``k``, from the cloud's ``Final``),
   ``cloud_decode_first_token_ms`` (the cloud's whole-model prefill, direct mode). Until a stage
@@ -30,10 +32,13 @@ runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times
   ``G`` goodput, ``RTT`` round trip, both measured (``edge.cloudconn``).
 * ``r_*``: per-route residual, an exponentially weighted mean (alpha ``RESIDUAL_ALPHA``) of
   measured TTFT minus the formula: what the stages leave out (tokenization, framing, the
-  transport's own overhead). The prediction stays above ``MIN_PREDICTION_FRACTION`` of the formula.
+  transport's own overhead), kept per prompt-length octave (``length_bucket``: 64 and 100
+  tokens share one, 256 another) and read from the nearest octave that has one, so that the
+  noise of long prompts (tens of ms) does not land on short ones. The prediction stays above
+  ``MIN_PREDICTION_FRACTION`` of the formula.
 
 ``choose`` takes the route with the lowest prediction, with hysteresis: the route chosen last
-stays unless another is predicted ``hysteresis`` (10%) faster, so near-ties do not flap. To
+stays unless another is predicted ``hysteresis`` (5%) faster, so near-ties do not flap. To
 keep the fits fresh, a route predicted within ``explore_within`` of the best that has not
 served any request (of any mode: requested ones count) in the last ``explore_every`` choices runs
 once (the cost is bounded by ``explore_within``, at most once per route per ``explore_every``
@@ -55,6 +60,7 @@ LOCAL, SPLIT, DIRECT = "local", "split", "direct"
 ID_BYTES = 5  # a token id as a protobuf varint, at most
 LINE_DECAY = 0.95  # weight of a stage's older samples per new one (about the last 20-40 count)
 RESIDUAL_ALPHA = 0.3
+MIN_WEIGHT_MS = 1.0  # a stage sample below this weighs as if it took this long (no infinite weights)
 MIN_PREDICTION_FRACTION = 0.5
 
 
@@ -73,11 +79,13 @@ class Line:
     samples: int = 0
 
     def add(self, n: float, ms: float) -> None:
+        """One sample: ``n`` tokens took ``ms``; weighted ``1 / ms^2`` (least squares of the relative error)."""
         if not (n > 0 and ms >= 0):
             return
         x = np.array([1.0, n / SCALE, (n / SCALE) ** 2])
-        self.s = self.decay * self.s + np.outer(x, x)
-        self.t = self.decay * self.t + x * ms
+        w = 1.0 / max(ms, MIN_WEIGHT_MS) ** 2
+        self.s = self.decay * self.s + w * np.outer(x, x)
+        self.t = self.decay * self.t + w * x * ms
         self.samples += 1
 
     def coefficients(self, prior_rate: float) -> tuple[float, float, float]:
@@ -91,7 +99,7 @@ class Line:
             b = max(0.0, prior_rate) * SCALE
             return max(0.0, my - b * mx), b / SCALE, 0.0
         try:
-            a, b, c = np.linalg.solve(self.s + 1e-9 * np.eye(3), self.t)
+            a, b, c = np.linalg.solve(self.s + 1e-12 * np.trace(self.s) * np.eye(3), self.t)
         except np.linalg.LinAlgError:
             a = b = c = -1.0
         if min(a, b, c) < 0:  # a line instead (two lengths, or a fit that bends the wrong way)
@@ -120,6 +128,11 @@ class Route:
     @property
     def key(self) -> str:
         return f"{self.mode}-k{self.k}" if self.mode == SPLIT else self.mode
+
+
+def length_bucket(prompt_tokens: int) -> int:
+    """The prompt-length octave a residual is kept for: ``floor(log2(tokens))`` (64..127 -> 6)."""
+    return max(0, int(prompt_tokens).bit_length() - 1)
 
 
 @dataclass(frozen=True)
@@ -167,16 +180,17 @@ class Prediction:
     formula_ms: float  # without the residual
     stages: Mapping[str, tuple[int, float]] = field(default_factory=dict)  # line key -> (n, prior rate)
     rest_ms: float = 0.0  # the formula's terms other than the compute stages (RTT, wire, queues)
+    prompt_tokens: int = 0
 
 
 class CostModel:
     """Predictions per route, online calibration, and the choice (see the module doc)."""
 
-    def __init__(self, hysteresis: float = 0.10, explore_every: int = 50, explore_within: float = 1.5) -> None:
+    def __init__(self, hysteresis: float = 0.05, explore_every: int = 50, explore_within: float = 1.5) -> None:
         self.hysteresis, self.explore_every, self.explore_within = hysteresis, explore_every, explore_within
         self.edge = EdgeRates()
         self.lines: dict[str, Line] = {}  # "local", "direct", "head-k{k}", "tail-k{k}"
-        self.residual: dict[str, Ewma] = {}
+        self.residual: dict[str, dict[int, Ewma]] = {}  # route key -> length octave -> residual (ms)
         self.last: Route | None = None
         self.choices = 0
         self.last_run: dict[str, int] = {}  # route key -> choice count when it last ran
@@ -223,13 +237,22 @@ class CostModel:
         wire = n_up * link.bytes_per_token.get(k, 0.0) / g
         return head + wire + link.rtt_ms + q_cloud + self._stage(f"tail-k{k}", n_tail, p_tail, tokens)
 
+    def residual_ms(self, route: Route, prompt_tokens: int) -> float:
+        """The route's residual (ms) at this prompt length: its octave's, else the nearest octave's
+        (the shorter one on a tie), 0 before any."""
+        octaves = self.residual.get(route.key)
+        if not octaves:
+            return 0.0
+        b = length_bucket(prompt_tokens)
+        return octaves[min(octaves, key=lambda o: (abs(o - b), o))].value
+
     def predict(self, route: Route, shape: RequestShape, link: LinkState) -> Prediction:
         stages: dict[str, tuple[int, float]] = {}
         f = self.formula(route, shape, link, stages)
-        r = self.residual.get(route.key)
-        ttft = max(MIN_PREDICTION_FRACTION * f, f + (r.value if r else 0.0))
+        r = self.residual_ms(route, shape.prompt_tokens)
+        ttft = max(MIN_PREDICTION_FRACTION * f, f + r)
         rest = f - sum(self.lines.get(k, Line()).predict(n, rate) for k, (n, rate) in stages.items())
-        return Prediction(route, ttft, f, stages, rest)
+        return Prediction(route, ttft, f, stages, rest, shape.prompt_tokens)
 
     # ------------------------------------------------------------------ choice and calibration
 
@@ -271,7 +294,9 @@ class CostModel:
                 self.lines.setdefault(key, Line()).add(n, timings[stage])
         # the residual against the formula with the lines just updated: what the stages do not explain
         refit = rest + sum(self.lines.get(k, Line()).predict(n, r) for k, (n, r) in stages.items())
-        self.residual.setdefault(prediction.route.key, Ewma(RESIDUAL_ALPHA)).add(measured_ttft_ms - refit)
+        octaves = self.residual.setdefault(prediction.route.key, {})
+        octave = length_bucket(prediction.prompt_tokens)
+        octaves.setdefault(octave, Ewma(RESIDUAL_ALPHA)).add(measured_ttft_ms - refit)
 
 
 # the stage timing each line is fitted on

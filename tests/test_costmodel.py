@@ -112,6 +112,35 @@ def test_stage_lines_are_fitted_from_stage_timings_and_the_residual_takes_the_re
 def pred(mode: str, ms: float, k: int = 0) -> Prediction:
     return Prediction(Route(mode, k), ms, ms)
 
+def test_short_prompts_stay_accurate_when_long_ones_are_off():
+    """The fit minimises relative error: 1024-token samples 20% below the curve (a quiet spell; the
+    fit then falls back to a line) must not move the 64-token prediction by more than a few percent
+    (an unweighted fit moved it by a third)."""
+    truth = lambda n: 15 + 1.8 * n + 0.0004 * n * n  # noqa: E731 - ms, a local prefill of this shape
+    line = Line()
+    for i in range(40):
+        for n in (64 + i % 5, 256 + i % 7, 1024 + i % 3):
+            line.add(n, truth(n) * (0.8 if n >= 1024 else 1.0))
+    for n in (64, 96):
+        assert line.predict(n, 0.0) == pytest.approx(truth(n), rel=0.08)
+
+
+def test_residuals_are_kept_per_prompt_length_octave():
+    m, lk = model(), link()
+    # transport overhead: 10 ms at short prompts, -150 ms (an over-fitted line) at long ones
+    for _ in range(6):
+        for n, extra in ((64, 10.0), (1024, -150.0)):
+            p = m.predict(Route(DIRECT), RequestShape(n), lk)
+            m.observe(p, p.formula_ms + extra, {})
+    assert m.residual_ms(Route(DIRECT), 64) == pytest.approx(10.0, rel=0.05)
+    assert m.residual_ms(Route(DIRECT), 100) == pytest.approx(10.0, rel=0.05)  # same octave
+    assert m.residual_ms(Route(DIRECT), 2000) == pytest.approx(-150.0, rel=0.05)  # nearest octave
+    assert m.residual_ms(Route(DIRECT), 8) == pytest.approx(10.0, rel=0.05)
+    assert m.residual_ms(Route(LOCAL), 64) == 0.0  # never observed
+    short = m.predict(Route(DIRECT), RequestShape(64), lk)
+    assert short.ttft_ms == pytest.approx(short.formula_ms + 10.0, rel=0.01)
+
+
 
 def test_choice_takes_the_lowest_and_does_not_flap_on_near_ties():
     m = model()
