@@ -112,6 +112,7 @@ def test_stage_lines_are_fitted_from_stage_timings_and_the_residual_takes_the_re
 def pred(mode: str, ms: float, k: int = 0) -> Prediction:
     return Prediction(Route(mode, k), ms, ms)
 
+
 def test_short_prompts_stay_accurate_when_long_ones_are_off():
     """The fit minimises relative error: 1024-token samples 20% below the curve (a quiet spell; the
     fit then falls back to a line) must not move the 64-token prediction by more than a few percent
@@ -139,7 +140,6 @@ def test_residuals_are_kept_per_prompt_length_octave():
     assert m.residual_ms(Route(LOCAL), 64) == 0.0  # never observed
     short = m.predict(Route(DIRECT), RequestShape(64), lk)
     assert short.ttft_ms == pytest.approx(short.formula_ms + 10.0, rel=0.01)
-
 
 
 def test_choice_takes_the_lowest_and_does_not_flap_on_near_ties():
