@@ -7,17 +7,21 @@
 
 over emulated links, through ONE cloud (a tail engine per split layer) and ONE edge (every head
 and the whole model), all in one run so ratios hold on a noisy machine. Every mode is asked of
-the same edge daemon, one mode after the other per link profile (fixed modes first, auto last),
-so auto's cost model has seen the link, as a live edge that serves mixed traffic has; a
-calibration pass (each fixed mode once per prompt length, not recorded) precedes the matrix, and
-each (mode, prompt length) block starts with ``--warmup`` unrecorded requests: the first request
-after a switch of mode paid the previous mode's wind-down (up to 2x on a local prefill after a
-cloud block), which the mode that ran before decides, not the mode measured.
-Modes do not take turns request by request: with edge and cloud on the same two cores, the mode
-that ran just before slows the next one (vLLM's engine loop, ONNX Runtime's threads), which
-penalised whichever mode followed a heavy one by 10-50% in a paired run. Writes ``records.jsonl`` (one line
-per request), ``summary.csv``, ``summary.md``, ``auto.md`` (auto against the best fixed mode per
-cell), ``meta.json`` and PNG plots into ``--out``.
+the same edge daemon, so auto's cost model sees the link and every mode's stage timings, as a
+live edge that serves mixed traffic does; a calibration pass (each fixed mode once per prompt
+length, not recorded) precedes the matrix.
+
+Order (``--order``). ``interleaved`` (default): per (link, prompt length), a warm-up round (each
+mode once, not recorded), then round ``i`` runs every mode once on prompt ``i``, the modes in an
+order rotated by ``i`` (``rotated``). On a 2-core machine the same mode measured in two blocks a
+minute apart differed by up to 1.3x (loopback, 256 tokens, direct mode: block means 343 to 456 ms
+in one run), more than the 10% that auto is judged by; interleaving puts
+that drift, and what one request leaves behind for the next (vLLM's shared-memory readers spin
+for 1 s after each read, ``shm_broadcast.SpinCondition``), on every mode alike. ``blocks``: one
+mode at a time (needed for ``--concurrency`` > 1), each (mode, length) block after ``--warmup``
+unrecorded requests. Writes ``records.jsonl`` (one line per request), ``summary.csv``,
+``summary.md``, ``auto.md`` (auto against the best fixed mode per cell), ``meta.json`` and PNG
+plots into ``--out``.
 """
 
 from __future__ import annotations
@@ -233,6 +237,10 @@ def main(
     ] = "loopback,lan,wifi6,5g,4g,wan",
     prompt_lens: Annotated[str, typer.Option(help="target prompt lengths in tokens")] = "64,256,1024",
     requests: Annotated[int, typer.Option(help="requests per (mode, link, prompt length)")] = 4,
+    order: Annotated[
+        str,
+        typer.Option(help="interleaved (round i: every mode once on prompt i, rotated order) | blocks (mode by mode)"),
+    ] = "interleaved",
     warmup: Annotated[
         int, typer.Option(help="unrecorded requests (2 output tokens) before each (mode, prompt length) block")
     ] = 1,
@@ -254,6 +262,10 @@ def main(
 
     from tandem.benchmarks import netns, report
 
+    if order not in ("interleaved", "blocks"):
+        raise typer.BadParameter(f"--order {order!r}: interleaved or blocks")
+    if order == "interleaved" and concurrency != 1:
+        raise typer.BadParameter("--concurrency > 1 needs --order blocks")
     if shaper == "auto":
         shaper = "netns" if netns.available() else "proxy"
     out.mkdir(parents=True, exist_ok=True)
@@ -285,19 +297,35 @@ def main(
                 warm = make_prompts(tokenizer, 16, 1, seed + 99)
                 for spec in specs:
                     asyncio.run(run_remote(eport, warm, spec, prof.name, 16, 1, 2, _Null()))
-                for spec in specs:  # one mode at a time: on these shared cores a mode disturbs the next
-                    for n in lens:
-                        if warmup:  # the switch from the previous block's mode/length is not charged to this one
-                            asyncio.run(run_remote(eport, warmups[n][:warmup], spec, prof.name, n, 1, 2, _Null()))
-                        records += asyncio.run(
-                            run_remote(eport, prompts[n], spec, prof.name, n, concurrency, max_new_tokens, bar)
-                        )
+                if order == "blocks":  # one mode at a time (what --concurrency > 1 needs)
+                    for spec in specs:
+                        for n in lens:
+                            if warmup:  # the switch from the previous block is not charged to this one
+                                asyncio.run(run_remote(eport, warmups[n][:warmup], spec, prof.name, n, 1, 2, _Null()))
+                            records += asyncio.run(
+                                run_remote(eport, prompts[n], spec, prof.name, n, concurrency, max_new_tokens, bar)
+                            )
+                    continue
+                for n in lens:  # interleaved: round i runs every mode once on prompt i, in rotated order
+                    for spec in specs if warmup else ():
+                        asyncio.run(run_remote(eport, warmups[n][:warmup], spec, prof.name, n, 1, 2, _Null()))
+                    for i, p in enumerate(prompts[n]):
+                        for spec in rotated(specs, i):
+                            records += asyncio.run(run_remote(eport, [p], spec, prof.name, n, 1, max_new_tokens, bar))
         finally:
             stack.stop()
     meta = machine_meta(args) | {"shaper": shaper, "links": [p.as_dict() for p in profiles]}
     report.write_all(out, records, meta)
     print(f"results in {out}: summary.md, summary.csv, records.jsonl, *.png", file=sys.stderr)
     print((out / "summary.md").read_text())
+
+
+def rotated(specs: list[ModeSpec], i: int) -> list[ModeSpec]:
+    """``specs`` starting at index ``i mod len``: over ``len(specs)`` rounds every mode runs in every
+    position once (a cyclic Latin square), so what the previous request leaves behind on these
+    shared cores and the machine's slow drift fall on every mode alike."""
+    j = i % len(specs)
+    return specs[j:] + specs[:j]
 
 
 class _Null:
