@@ -213,7 +213,7 @@ def make_upload(
     kv = (np.random.default_rng([values_seed, 2]).standard_normal((len(hashes), K, 2, HKV, B, D)) * 0.5).astype(
         np.float32
     )
-    leaves = [merkle.leaf_hash(merkle.leaf_data(h, 0, K, kv[j].tobytes())) for j, h in enumerate(hashes)]
+    leaves = [merkle.leaf_hash(merkle.leaf_data(h, 0, K, 1, kv[j].tobytes())) for j, h in enumerate(hashes)]
     first = cached_tokens // B
     blocks = {
         j: KVBlock(
@@ -547,7 +547,8 @@ class BlockPayload:
                 raw = wire.decode_payload(payload, wire.Codec(b.codec), b.raw_nbytes)
             except TandemError:
                 raw = payload
-            b.leaf_hash = merkle.leaf_hash(merkle.leaf_data(b.block_hash, b.layer_lo, b.layer_hi, raw))
+            data = merkle.leaf_data(b.block_hash, b.layer_lo, b.layer_hi, b.wire_dtype or 1, raw)
+            b.leaf_hash = merkle.leaf_hash(data)
         w.items[i] = m
         if self.fix_leaf and self.fix_root:
             _set_root(w)
@@ -578,7 +579,7 @@ class BlockValues:
             return frozenset({OK})
         raw = x.tobytes()
         b.payload = wire.encode_payload(raw, w.params.codec, w.params.codec_level)
-        b.leaf_hash = merkle.leaf_hash(merkle.leaf_data(b.block_hash, b.layer_lo, b.layer_hi, raw))
+        b.leaf_hash = merkle.leaf_hash(merkle.leaf_data(b.block_hash, b.layer_lo, b.layer_hi, b.wire_dtype or 1, raw))
         w.items[i] = m
         _set_root(w)
         return frozenset({INVALID})

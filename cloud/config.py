@@ -17,12 +17,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_settings import SettingsConfigDict
 
 from tandem.common.security import expand_path
-from tandem.common.settings import Bytes, DaemonSettings, Port, enum_by_name, gib, mib
+from tandem.common.settings import Bytes, CodecSetting, DaemonSettings, Port, WireDtypeSetting, gib, mib
 from tandem.common.wire import Codec, WireDtype
 
 DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
-WireDtypeSetting = Annotated[WireDtype, enum_by_name(WireDtype)]  # also "fp16", "FP16"
-CodecSetting = Annotated[Codec, enum_by_name(Codec)]
 
 
 class EngineConfig(BaseModel):
@@ -109,6 +107,13 @@ class CloudConfig(DaemonSettings):
         min_length=1,
         description="Activation formats this cloud accepts (the edge's preferred one among them is used); "
         "fp32 keeps greedy output equal to the unsplit model.",
+    )
+    kv_wire_dtypes: list[WireDtypeSetting] = Field(
+        default_factory=lambda: [WireDtype.FP32],
+        min_length=1,
+        description="Head-KV block formats this cloud accepts (the edge's preferred one among them is used): fp32, "
+        "fp16, bf16, int8 (per token and head), int4 (KIVI: keys per channel, values per token); see "
+        "`tandem-bench-fidelity` for what each does to greedy output.",
     )
     codecs: list[CodecSetting] = Field(
         default_factory=lambda: [Codec.NONE, Codec.ZSTD],

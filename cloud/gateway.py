@@ -164,6 +164,7 @@ class Gateway:
             chunk_tokens=min(cfg.chunk_tokens, cfg.max_chunk_tokens),
             max_chunk_tokens=cfg.max_chunk_tokens,
             wire_dtypes=tuple(cfg.wire_dtypes),
+            kv_wire_dtypes=tuple(cfg.kv_wire_dtypes),
             codecs=tuple(cfg.codecs),
             codec_level=cfg.codec_level,
             kv_block_size_tokens=e.block_size_tokens,
@@ -245,10 +246,16 @@ class Gateway:
         rec = self._register(link_id, offer)
         lacking = sorted(set(offer.head_keys) - set(rec.split_layers))
         note = ""
-        if lacking:
+        if lacking and not set(offer.kv_wire_dtypes) & set(self.limits.kv_wire_dtypes):
+            note = (
+                f"no common KV block format (the edge accepts {[d.name for d in offer.kv_wire_dtypes]}, this cloud "
+                f"{[d.name for d in self.limits.kv_wire_dtypes]}): direct mode only"
+            )
+        elif lacking:
             note = f"this cloud serves tails for k in {sorted(self.tails)}; no tail for the edge's k in {lacking}" + (
                 "" if rec.split_layers else ": direct mode only"
             )
+        if note:
             log.warning("link %s: %s", link_id, note)
         return Negotiated(
             link_id,
@@ -288,6 +295,8 @@ class Gateway:
     def _register(self, link_id: str, offer: NegotiateOffer) -> LinkVersions:
         self.links.register(link_id, offer.edge_id, LinkSlo(offer.ttft_slo_ms, offer.itl_p99_slo_ms))
         common = tuple(sorted(k for k in offer.head_keys if k in self.tails))
+        if not set(offer.kv_wire_dtypes) & set(self.limits.kv_wire_dtypes):  # split needs a KV format
+            common = ()
         rec = self._versions.get(link_id)
         if rec is None:
             rec = self._versions[link_id] = LinkVersions(offer, common)

@@ -4,10 +4,12 @@ For every split layer ``k`` both sides hold (and ``k = 0``, direct mode) a link 
 ``LinkParams``. The transfer parameters follow the link the edge measured; the quotas
 follow the link's share of the engines (``cloud.links.LinkTable``):
 
-* ``wire_dtype`` / ``codec``: the edge's first preference among the formats this cloud
-  allows (``CloudConfig.wire_dtypes``: only formats that meet the fidelity bar; fp32 is
-  exact). The edge offers zstd first only where its measured ratio and speed shorten the
-  transfer (``edge.costmodel.zstd_pays``).
+* ``wire_dtype`` / ``kv_wire_dtype`` / ``codec``: the edge's first preference among the
+  formats this cloud allows (``CloudConfig.wire_dtypes`` for activations, ``kv_wire_dtypes``
+  for head-KV blocks: only formats that meet the fidelity bar, ``tandem-bench-fidelity``;
+  fp32 is exact; no common KV format: split is refused, direct still works). The edge
+  offers zstd first only where its measured ratio and speed shorten the transfer
+  (``edge.costmodel.zstd_pays``).
 * ``chunk_tokens``: a chunk should take about ``CHUNK_TARGET_MS`` on the wire, so a NACKed
   chunk costs little and the cloud can verify chunk i while i+1 travels; a power of two
   in ``[MIN_CHUNK_TOKENS, cfg.max_chunk_tokens]``, ``cfg.chunk_tokens`` when goodput is unknown.
@@ -31,7 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 from tandem.common.errors import InvalidRequest, ParamsVersionMismatch
-from tandem.common.kvblocks import LayerRange, block_nbytes
+from tandem.common.kvwire import kv_raw_nbytes
 from tandem.common.manifest import SplitManifest
 from tandem.common.params import LinkParams, NegotiateOffer
 from tandem.common.wire import Codec, WireDtype, max_payload_bytes, raw_nbytes_of
@@ -51,6 +53,7 @@ class LinkLimits:
     chunk_tokens: int  # default when the link is not measured
     max_chunk_tokens: int
     wire_dtypes: tuple[WireDtype, ...]  # allowed, in the cloud's order of preference
+    kv_wire_dtypes: tuple[WireDtype, ...]  # allowed for head-KV blocks
     codecs: tuple[Codec, ...]
     codec_level: int
     kv_block_size_tokens: int
@@ -87,7 +90,8 @@ def link_params(
     """The params of one link at split layer ``k`` (0 = direct) under ``share`` = (requests, tokens).
 
     Raises:
-        InvalidRequest: the edge accepts none of the wire formats this cloud allows.
+        InvalidRequest: the edge accepts none of the activation formats this cloud allows, or
+            (``k > 0``) none of its KV block formats.
     """
     dtype = next((d for d in offer.wire_dtypes if d in limits.wire_dtypes), None)
     if dtype is None:
@@ -95,12 +99,19 @@ def link_params(
             f"no common wire format: the edge accepts {[d.name for d in offer.wire_dtypes]}, "
             f"this cloud allows {[d.name for d in limits.wire_dtypes]}"
         )
+    kv_dtype = next((d for d in offer.kv_wire_dtypes if d in limits.kv_wire_dtypes), None if k else WireDtype.FP32)
+    if kv_dtype is None:
+        raise InvalidRequest(
+            f"no common KV block format: the edge accepts {[d.name for d in offer.kv_wire_dtypes]}, "
+            f"this cloud allows {[d.name for d in limits.kv_wire_dtypes]}"
+        )
     codec = next((c for c in offer.codecs if c in limits.codecs), Codec.NONE)
     sh = manifest.shape
     act_bytes = raw_nbytes_of(1, dtype, sh.hidden_size)
-    kv_bytes = block_nbytes(LayerRange(0, k), sh.num_kv_heads, 1, sh.head_dim) if k else 0
-    chunk = pick_chunk_tokens(offer.goodput_mbps, act_bytes + kv_bytes, limits.chunk_tokens, limits.max_chunk_tokens)
-    block_bytes = kv_bytes * limits.kv_block_size_tokens
+    B = limits.kv_block_size_tokens
+    block_bytes = kv_raw_nbytes((k, 2, sh.num_kv_heads, B, sh.head_dim), kv_dtype) if k else 0
+    per_token = act_bytes + block_bytes // B
+    chunk = pick_chunk_tokens(offer.goodput_mbps, per_token, limits.chunk_tokens, limits.max_chunk_tokens)
     max_item = max(max_payload_bytes(chunk * act_bytes, codec), max_payload_bytes(block_bytes, codec))
     window = pick_window_bytes(offer.goodput_mbps, offer.rtt_ms, max_item)
     return LinkParams(
@@ -118,6 +129,7 @@ def link_params(
         max_new_tokens=limits.max_new_tokens,
         hidden_size=sh.hidden_size,
         max_chunk_resends=limits.max_chunk_resends,
+        kv_wire_dtype=kv_dtype,
     )
 
 

@@ -27,7 +27,8 @@ from tandem.common.errors import (
     SessionNotFound,
     SessionOutOfSync,
 )
-from tandem.common.kvblocks import LayerRange, block_hashes, block_nbytes
+from tandem.common.kvblocks import LayerRange, block_hashes
+from tandem.common.kvwire import decode_kv, kv_raw_nbytes
 from tandem.common.manifest import SplitManifest
 from tandem.common.messages import KVBlock, TurnHeader
 from tandem.common.params import MAX_STOP_TOKENS, MAX_TEMPERATURE, LinkParams
@@ -89,7 +90,8 @@ def upload_bound_bytes(h: TurnHeader, params: LinkParams, manifest: SplitManifes
     chunk = wire.max_payload_bytes(
         wire.raw_nbytes_of(params.chunk_tokens, params.wire_dtype, sh.hidden_size), params.codec
     )
-    block = block_nbytes(LayerRange(0, manifest.split_layer), sh.num_kv_heads, params.kv_block_size_tokens, sh.head_dim)
+    shape = (manifest.split_layer, 2, sh.num_kv_heads, params.kv_block_size_tokens, sh.head_dim)
+    block = kv_raw_nbytes(shape, params.kv_wire_dtype)
     return h.num_chunks * chunk + h.num_kv_blocks * wire.max_payload_bytes(block, params.codec)
 
 
@@ -147,7 +149,8 @@ class TurnUpload:
             )
         self.part = LayerRange(0, self.manifest.split_layer)
         sh = self.manifest.shape
-        self.block_bytes = block_nbytes(self.part, sh.num_kv_heads, self.bs, sh.head_dim)
+        self.block_shape = (self.part.num_layers, 2, sh.num_kv_heads, self.bs, sh.head_dim)
+        self.block_bytes = kv_raw_nbytes(self.block_shape, self.params.kv_wire_dtype)  # in the link's KV format
         self.max_block_payload = wire.max_payload_bytes(self.block_bytes, self.params.codec)
 
     @property
@@ -231,9 +234,10 @@ class TurnUpload:
                 f"KV block {b.leaf_index} made with params v{b.params_version}; its request runs under "
                 f"v{self.header.params_version}"
             )
-        if b.codec != self.params.codec:
+        if b.codec != self.params.codec or b.wire_dtype != self.params.kv_wire_dtype:
             raise InvalidRequest(
-                f"KV block {b.leaf_index} uses codec {b.codec.name}; the link negotiated {self.params.codec.name}"
+                f"KV block {b.leaf_index} uses {b.wire_dtype.name}/{b.codec.name}; the link negotiated "
+                f"{self.params.kv_wire_dtype.name}/{self.params.codec.name}"
             )
         if b.block_hash != self.hashes[b.leaf_index]:
             raise InvalidRequest(f"KV block {b.leaf_index}: block hash does not match the prompt tokens")
@@ -253,10 +257,11 @@ class TurnUpload:
                 return  # corrupt in transit: it stays missing and is repaired at commit
         if len(raw) != self.block_bytes:
             return
-        leaf = merkle.leaf_hash(merkle.leaf_data(b.block_hash, b.layer_lo, b.layer_hi, raw))
+        leaf = merkle.leaf_hash(merkle.leaf_data(b.block_hash, b.layer_lo, b.layer_hi, b.wire_dtype, raw))
         if leaf == b.leaf_hash:
-            check_values(np.frombuffer(raw, np.float32), self.max_abs, f"KV block {b.leaf_index}")
-            self.blocks[b.leaf_index] = (b, raw)
+            kv = decode_kv(raw, b.wire_dtype, self.block_shape)  # canonical float32, what the store holds
+            check_values(kv, self.max_abs, f"KV block {b.leaf_index}")
+            self.blocks[b.leaf_index] = (b, kv.tobytes())
 
     def missing_leaves(self) -> list[int]:
         return [j for j in self.expected_leaves if j not in self.blocks]

@@ -17,8 +17,9 @@ vectors in tests/test_merkle.py). The module-level functions below delegate to
 root) and the cloud (cloud/upload.py re-hashes received KV blocks and checks the
 committed root) call.
 
-Leaf data for a KV block is ``leaf_data(block_hash, layer_lo, layer_hi, payload)``,
-so a leaf commits to the block's identity, layer range and bytes.
+Leaf data for a KV block is ``leaf_data(block_hash, layer_lo, layer_hi, wire_dtype, data)``,
+so a leaf commits to the block's identity, layer range, wire format and its bytes in that
+format before any codec (``common.kvwire``): exactly what the cloud decodes and stores.
 """
 
 from __future__ import annotations
@@ -204,11 +205,12 @@ SHA256 = MerkleHasher(_sha256, "sha256")
 DEFAULT = BLAKE3
 
 
-def leaf_data(block_hash: bytes, layer_lo: int, layer_hi: int, payload: bytes) -> bytes:
-    """What a KV block's leaf commits to: ``block_hash`` (the block's identity hash),
-    layers ``[layer_lo, layer_hi)`` as two little-endian u32, then the raw payload bytes.
+def leaf_data(block_hash: bytes, layer_lo: int, layer_hi: int, wire_dtype: int, data: bytes) -> bytes:
+    """What a KV block's leaf commits to: ``block_hash`` (the block's identity hash), layers
+    ``[layer_lo, layer_hi)`` as two little-endian u32, the ``WireDtype`` value as one byte, then
+    the block's bytes in that dtype (``common.kvwire.encode_kv``; before the codec).
     Hash-independent; callers pass the result to ``leaf_hash``."""
-    return block_hash + struct.pack("<II", layer_lo, layer_hi) + payload
+    return block_hash + struct.pack("<IIB", layer_lo, layer_hi, wire_dtype) + data
 
 
 def leaf_hash(data: bytes) -> bytes:

@@ -49,7 +49,8 @@ class TurnHeader:
 
 @dataclass(frozen=True)
 class KVBlock:
-    """One full head-KV block: canonical fp32 ``[Lp, 2, Hkv, B, D]`` bytes, maybe compressed."""
+    """One full head-KV block: canonical fp32 ``[Lp, 2, Hkv, B, D]`` in ``wire_dtype``
+    (``common.kvwire``; ``raw_nbytes`` of those bytes), then the codec."""
 
     leaf_index: int
     block_hash: bytes
@@ -60,13 +61,17 @@ class KVBlock:
     payload: bytes
     leaf_hash: bytes
     params_version: int = 0
+    wire_dtype: wire.WireDtype = wire.WireDtype.FP32
 
     @classmethod
     def from_pb(cls, m: pb.KVBlockDelta) -> KVBlock:
-        """Raises InvalidRequest for an unknown codec."""
+        """Raises InvalidRequest for an unknown codec or wire dtype (unset = fp32, an older edge)."""
         if m.codec not in wire.Codec._value2member_map_:
             raise InvalidRequest(f"KV block {m.leaf_index}: unknown codec {m.codec}")
-        return from_pb(cls, m, codec=wire.Codec(m.codec))
+        dtype = m.wire_dtype or wire.WireDtype.FP32
+        if dtype not in wire.WireDtype._value2member_map_:
+            raise InvalidRequest(f"KV block {m.leaf_index}: unknown wire dtype {m.wire_dtype}")
+        return from_pb(cls, m, codec=wire.Codec(m.codec), wire_dtype=wire.WireDtype(dtype))
 
     def to_pb(self) -> pb.KVBlockDelta:
         return to_pb(pb.KVBlockDelta, self)

@@ -35,10 +35,21 @@ class LinkParams:
     max_new_tokens: int
     hidden_size: int
     max_chunk_resends: int
+    kv_wire_dtype: WireDtype = WireDtype.FP32  # format of every head-KV block (``common.kvwire``)
 
     @classmethod
     def from_pb(cls, m: pb.LinkParams) -> LinkParams:
-        return from_pb(cls, m, wire_dtype=WireDtype(m.wire_dtype), codec=Codec(m.codec))
+        """Raises InvalidRequest for an unknown wire dtype or codec (an unset KV dtype is fp32)."""
+        try:
+            return from_pb(
+                cls,
+                m,
+                wire_dtype=WireDtype(m.wire_dtype),
+                codec=Codec(m.codec),
+                kv_wire_dtype=WireDtype(m.kv_wire_dtype or WireDtype.FP32),
+            )
+        except ValueError as e:
+            raise InvalidRequest(f"link params with an unknown format: {e}") from None
 
     def to_pb(self) -> pb.LinkParams:
         return to_pb(pb.LinkParams, self)
@@ -72,8 +83,9 @@ class NegotiateOffer:
     """What an edge offers in ``Negotiate`` (units in names; see ``NegotiateRequest``).
 
     ``head_keys`` maps every split layer ``k`` the edge holds a head for to that head's
-    ``SplitManifest.compatibility_key()``; ``wire_dtypes`` and ``codecs`` are the formats the
-    edge accepts, preferred first; ``link_id`` names the link to renegotiate ("" = new)."""
+    ``SplitManifest.compatibility_key()``; ``wire_dtypes`` (activations), ``kv_wire_dtypes``
+    (head-KV blocks) and ``codecs`` are the formats the edge accepts, preferred first;
+    ``link_id`` names the link to renegotiate ("" = new)."""
 
     edge_id: str
     model_id: str
@@ -86,6 +98,7 @@ class NegotiateOffer:
     wire_dtypes: tuple[WireDtype, ...] = tuple(WireDtype)
     codecs: tuple[Codec, ...] = (Codec.NONE, Codec.ZSTD)
     link_id: str = ""
+    kv_wire_dtypes: tuple[WireDtype, ...] = tuple(WireDtype)
 
     @property
     def split_layers(self) -> tuple[int, ...]:
@@ -93,8 +106,10 @@ class NegotiateOffer:
 
     @classmethod
     def from_pb(cls, m: pb.NegotiateRequest) -> NegotiateOffer:
-        """Raises InvalidRequest for unknown enum values, more than 64 heads, or measurements and
-        objectives that are not finite numbers in ``[0, MAX_MEASURE]``."""
+        """Format values this cloud does not know (a newer edge's) are skipped: the link uses the
+        common ones (none in common: ``link_params`` refuses). Raises InvalidRequest for more than
+        64 heads or 16 formats of a kind, or measurements and objectives that are not finite
+        numbers in ``[0, MAX_MEASURE]``."""
         for name, v in (
             ("link.rtt_ms", m.link.rtt_ms),
             ("link.goodput_mbps", m.link.goodput_mbps),
@@ -105,9 +120,12 @@ class NegotiateOffer:
                 raise InvalidRequest(f"{name} = {v!r} is not a finite number in [0, {MAX_MEASURE:g}]")
         if len(m.head_keys) > 64 or any(len(v) > 1024 for v in m.head_keys.values()):
             raise InvalidRequest("at most 64 heads with keys of at most 1024 characters")
-        known_d, known_c = WireDtype._value2member_map_, Codec._value2member_map_
-        if any(d not in known_d for d in m.wire_dtypes) or any(c not in known_c for c in m.codecs):
-            raise InvalidRequest(f"unknown wire dtype or codec in {list(m.wire_dtypes)} / {list(m.codecs)}")
+        if max(len(m.wire_dtypes), len(m.kv_wire_dtypes), len(m.codecs)) > 16:
+            raise InvalidRequest("at most 16 wire dtypes and codecs each")
+
+        def known(values, enum_cls, default):  # formats of a newer edge are skipped, not refused
+            return tuple(enum_cls(v) for v in values if v in enum_cls._value2member_map_) if values else default
+
         return cls(
             m.edge_id,
             m.model_id,
@@ -117,9 +135,10 @@ class NegotiateOffer:
             m.link.goodput_mbps,
             m.slo.ttft_ms,
             m.slo.itl_p99_ms,
-            tuple(WireDtype(d) for d in m.wire_dtypes) or (WireDtype.FP32,),
-            tuple(Codec(c) for c in m.codecs) or (Codec.NONE,),
+            known(m.wire_dtypes, WireDtype, (WireDtype.FP32,)),
+            known(m.codecs, Codec, (Codec.NONE,)),
             m.link_id,
+            known(m.kv_wire_dtypes, WireDtype, (WireDtype.FP32,)),
         )
 
     def to_pb(self) -> pb.NegotiateRequest:
@@ -129,6 +148,7 @@ class NegotiateOffer:
             head_keys=self.head_keys,
             split_layers=[0, *self.split_layers],
             wire_dtypes=[pb_name(x) for x in self.wire_dtypes],
+            kv_wire_dtypes=[pb_name(x) for x in self.kv_wire_dtypes],
             codecs=[pb_name(x) for x in self.codecs],
             edge_max_batch=self.edge_max_batch,
             link=pb.LinkMeasurement(rtt_ms=self.rtt_ms, goodput_mbps=self.goodput_mbps),

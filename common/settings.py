@@ -54,6 +54,7 @@ from pydantic_settings import (
 )
 
 from tandem.common.security import is_loopback
+from tandem.common.wire import Codec, WireDtype
 
 README_START = "<!-- config-reference:start -->"
 README_END = "<!-- config-reference:end -->"
@@ -94,6 +95,10 @@ def enum_by_name(enum_cls: type[enum.Enum]) -> BeforeValidator:
         return v
 
     return BeforeValidator(parse)
+
+
+WireDtypeSetting = Annotated[WireDtype, enum_by_name(WireDtype)]  # also "fp16", "FP16"
+CodecSetting = Annotated[Codec, enum_by_name(Codec)]
 
 
 def _log_level(v: Any) -> Any:

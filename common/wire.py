@@ -11,6 +11,10 @@ CRC32C is the Castagnoli polynomial (RFC 3720, section 12.1), computed by the
 
 Int8 is symmetric per-token quantisation: ``scale_t = max|h_t| / 127``,
 ``q = round(h / scale_t)``; the reconstruction error per element is at most ``scale_t / 2``.
+Int4 is symmetric per group of ``INT4_GROUP`` channels of a token: ``scale = max|h_g| / 7``
+stored as fp16 (``[T, ceil(H / 32)]`` first), ``q`` in ``[-7, 7]`` two per byte (low nibble
+first, each token's row padded to whole bytes). KV blocks have their own formats
+(``common.kvwire``).
 
 Zstd payloads are exactly one complete zstd frame whose header declares the raw size
 (``encode_payload`` always writes it). On arrival every size is checked against the
@@ -42,6 +46,7 @@ class WireDtype(enum.IntEnum):
     FP16 = 2
     BF16 = 3
     INT8 = 4
+    INT4 = 5
 
 
 class Codec(enum.IntEnum):
@@ -71,6 +76,43 @@ class Chunk:
     params_version: int = 0  # the link params it was made with
 
 
+INT4_GROUP = 32  # channels per int4 scale (activations)
+
+
+def pack_int4(q: np.ndarray) -> bytes:
+    """int8 values in ``[-8, 7]``, shape ``[..., n]`` -> two per byte (low nibble first), each
+    last-axis row padded to whole bytes."""
+    if q.shape[-1] % 2:
+        q = np.concatenate([q, np.zeros((*q.shape[:-1], 1), q.dtype)], axis=-1)
+    u = (q.astype(np.int16) & 0x0F).astype(np.uint8)
+    return np.ascontiguousarray(u[..., 0::2] | (u[..., 1::2] << 4)).tobytes()
+
+
+def unpack_int4(raw: bytes, shape: tuple[int, ...], signed: bool = True) -> np.ndarray:
+    """The inverse of ``pack_int4``: int8 ``shape`` (signed: ``[-8, 7]``, else ``[0, 15]``)."""
+    n = shape[-1]
+    u = np.frombuffer(raw, np.uint8).reshape(*shape[:-1], (n + 1) // 2)
+    out = np.empty((*shape[:-1], 2 * u.shape[-1]), np.int8)
+    out[..., 0::2] = (u & 0x0F).astype(np.int8)
+    out[..., 1::2] = (u >> 4).astype(np.int8)
+    if signed:
+        out -= (out > 7).astype(np.int8) * 16
+    return out[..., :n]
+
+
+def safe_scale(amax: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(scale as fp16, the same as float32)`` for ``amax / levels``, saturated to fp16's range;
+    a scale that rounds to 0 encodes zeros."""
+    s16 = np.minimum(amax / levels, 65504.0).astype("<f2")
+    return s16, s16.astype(np.float32)
+
+
+def quantize(x: np.ndarray, scale: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """``round(x / scale)`` clipped to ``[lo, hi]`` as int8 (0 where ``scale`` is 0)."""
+    q = np.rint(x / np.where(scale > 0, scale, 1.0))
+    return np.clip(np.where(scale > 0, q, 0), lo, hi).astype(np.int8)
+
+
 def crc32c(data: bytes) -> int:
     """CRC32C (Castagnoli) of ``data`` as an unsigned 32-bit int."""
     return int(google_crc32c.value(data))
@@ -82,6 +124,7 @@ def _bytes_per_token(dtype: WireDtype, hidden: int) -> int:
         WireDtype.FP16: 2 * hidden,
         WireDtype.BF16: 2 * hidden,
         WireDtype.INT8: hidden + 4,
+        WireDtype.INT4: 2 * -(-hidden // INT4_GROUP) + (hidden + 1) // 2,
     }[dtype]
 
 
@@ -282,6 +325,15 @@ def encode_dtype(h: np.ndarray, dtype: WireDtype) -> bytes:
         u = np.ascontiguousarray(h, dtype="<f4").view("<u4")
         rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # round to nearest even
         return rounded.astype("<u2").tobytes()
+    if dtype == WireDtype.INT4:
+        t, hidden = h.shape
+        g = -(-hidden // INT4_GROUP)
+        padded = np.zeros((t, g * INT4_GROUP), np.float32)
+        padded[:, :hidden] = h
+        groups = padded.reshape(t, g, INT4_GROUP)
+        s16, s = safe_scale(np.abs(groups).max(axis=2), 7)  # [T, G]
+        q = quantize(groups, s[:, :, None], -7, 7).reshape(t, -1)[:, :hidden]
+        return s16.tobytes() + pack_int4(q)
     scale = np.maximum(np.abs(h).max(axis=1), 1e-30).astype("<f4") / 127.0  # [T]
     q = np.clip(np.rint(h / scale[:, None]), -127, 127).astype(np.int8)
     return scale.tobytes() + q.tobytes()
@@ -305,6 +357,11 @@ def decode_dtype(raw: bytes, dtype: WireDtype, num_tokens: int, hidden: int) -> 
     if dtype == WireDtype.BF16:
         u = np.frombuffer(raw, "<u2").astype("<u4") << 16
         return u.view("<f4").reshape(num_tokens, hidden).copy()
+    if dtype == WireDtype.INT4:
+        g = -(-hidden // INT4_GROUP)
+        s = np.frombuffer(raw[: 2 * g * num_tokens], "<f2").astype(np.float32).reshape(num_tokens, g)
+        q = unpack_int4(raw[2 * g * num_tokens :], (num_tokens, hidden)).astype(np.float32)
+        return q * np.repeat(s, INT4_GROUP, axis=1)[:, :hidden]
     scale = np.frombuffer(raw[: 4 * num_tokens], "<f4")
     q = np.frombuffer(raw[4 * num_tokens :], np.int8).reshape(num_tokens, hidden)
     return q.astype(np.float32) * scale[:, None]

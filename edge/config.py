@@ -16,7 +16,18 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from tandem.common.security import is_loopback
-from tandem.common.settings import Bytes, DaemonSettings, OptionalPath, OptionalPort, OptionalStr, Port, kib, mib
+from tandem.common.settings import (
+    Bytes,
+    DaemonSettings,
+    OptionalPath,
+    OptionalPort,
+    OptionalStr,
+    Port,
+    WireDtypeSetting,
+    kib,
+    mib,
+)
+from tandem.common.wire import WireDtype
 
 DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
 
@@ -84,6 +95,16 @@ class EdgeConfig(DaemonSettings):
     )
     probe_bytes: Bytes = Field(
         default=kib(256), description="Padding of the goodput probe at connect, in bytes; 0 = no probe."
+    )
+    wire_dtypes: list[WireDtypeSetting] = Field(
+        default_factory=lambda: list(WireDtype),
+        min_length=1,
+        description="Activation formats this edge accepts, preferred first (the cloud picks the first it allows).",
+    )
+    kv_wire_dtypes: list[WireDtypeSetting] = Field(
+        default_factory=lambda: list(WireDtype),
+        min_length=1,
+        description="Head-KV block formats this edge accepts, preferred first (the cloud picks the first it allows).",
     )
     hysteresis: float = Field(
         default=0.05, ge=0, description="Auto mode keeps its last mode unless another is predicted this much faster."

@@ -248,6 +248,8 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
         cfg.max_batch,
         ttft_slo_ms=cfg.ttft_slo_ms,
         itl_p99_slo_ms=cfg.itl_p99_slo_ms,
+        wire_dtypes=tuple(cfg.wire_dtypes),
+        kv_wire_dtypes=tuple(cfg.kv_wire_dtypes),
     )
     conn = CloudConnection(
         link,

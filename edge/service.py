@@ -31,6 +31,7 @@ from tandem.common.errors import (
     SessionOutOfSync,
 )
 from tandem.common.kvblocks import LayerRange, block_hashes, request_seed, split_blocks
+from tandem.common.kvwire import encode_kv, kv_raw_nbytes
 from tandem.common.logs import bind_request, current_request_id, new_request_id, turn_log
 from tandem.common.manifest import ModelShape
 from tandem.common.messages import KVBlock, TokensOut, TurnFinal, TurnHeader, UploadAck
@@ -258,18 +259,23 @@ class EdgeService:
             if pk is not None:
                 st.block_size_tokens = pk.kv_block_size_tokens
                 ratio = self.codec_ratio if pk.codec != wire.Codec.NONE else 1.0
-                st.bytes_per_token[k] = self.wire_bytes_per_token(k, pk.wire_dtype) * ratio
+                per_token = self.wire_bytes_per_token(k, pk.wire_dtype, pk.kv_wire_dtype, pk.kv_block_size_tokens)
+                st.bytes_per_token[k] = per_token * ratio
         return st
 
     codec_ratio = 1.0  # compressed / raw size of this model's wire bytes under zstd (measured at start-up)
 
-    def wire_bytes_per_token(self, k: int, dtype: wire.WireDtype) -> float:
+    def wire_bytes_per_token(
+        self, k: int, dtype: wire.WireDtype, kv_dtype: wire.WireDtype = wire.WireDtype.FP32, block_tokens: int = 32
+    ) -> float:
         """Uncompressed uplink bytes per prompt token at split layer ``k``: activations in ``dtype``
-        and fp32 head KV of layers ``[0, k)`` (0 without a model shape)."""
+        and head KV of layers ``[0, k)`` in ``kv_dtype`` (its scales spread over a block of
+        ``block_tokens``); 0 without a model shape."""
         if self.shape is None:
             return 0.0
         sh = self.shape
-        return wire.raw_nbytes_of(1, dtype, sh.hidden_size) + k * 2 * sh.num_kv_heads * sh.head_dim * 4
+        block = kv_raw_nbytes((k, 2, sh.num_kv_heads, block_tokens, sh.head_dim), kv_dtype) if k else 0
+        return wire.raw_nbytes_of(1, dtype, sh.hidden_size) + block / block_tokens
 
     def request_shape(self, turn: ChatTurn, ids: list[int]) -> RequestShape:
         """What the session already holds, per route (for the cost model)."""
@@ -625,10 +631,12 @@ class EdgeService:
         for j, arr in zip(
             range(first, len(hashes)), split_blocks(s.kv, p.kv_block_size_tokens, first, len(hashes)), strict=True
         ):
-            raw = arr.tobytes()
-            leaf = merkle.leaf_hash(merkle.leaf_data(hashes[j], part.lo, part.hi, raw))
+            raw = encode_kv(arr, p.kv_wire_dtype)
+            leaf = merkle.leaf_hash(merkle.leaf_data(hashes[j], part.lo, part.hi, p.kv_wire_dtype, raw))
             payload = wire.encode_payload(raw, p.codec, p.codec_level)
-            blocks[j] = KVBlock(j, hashes[j], part.lo, part.hi, p.codec, len(raw), payload, leaf, p.params_version)
+            blocks[j] = KVBlock(
+                j, hashes[j], part.lo, part.hi, p.codec, len(raw), payload, leaf, p.params_version, p.kv_wire_dtype
+            )
         return blocks
 
     async def _stream(

@@ -51,9 +51,12 @@ class Toy:
         return self.gateway.sessions.get(scoped(as_principal("in-process"), session_id))
 
 
-async def toy_stack(link_wrapper=None, edge_session_bytes: int = 1 << 30, **cloud_kw: Any) -> Toy:
+async def toy_stack(
+    link_wrapper=None, edge_session_bytes: int = 1 << 30, offer_kw: dict[str, Any] | None = None, **cloud_kw: Any
+) -> Toy:
     """A gateway and an edge service in this event loop, joined by an ``InProcessLink``
-    (optionally wrapped, e.g. for fault injection). Call ``await toy.batcher.stop()`` at the end."""
+    (optionally wrapped, e.g. for fault injection); ``offer_kw`` amends the edge's
+    ``NegotiateOffer``. Call ``await toy.batcher.stop()`` at the end."""
     store = MemoryBlockStore(1 << 30)
     engines = MemoryEngines(store, B, VOCAB)
     gw = Gateway(cloud_config(**cloud_kw), MANIFEST, engines, store)
@@ -61,7 +64,7 @@ async def toy_stack(link_wrapper=None, edge_session_bytes: int = 1 << 30, **clou
     if link_wrapper is not None:
         link = link_wrapper(link)
     key = MANIFEST.compatibility_key()
-    conn = CloudConnection(link, NegotiateOffer("e", "toy", {K: key}, 4), probe_bytes=0)
+    conn = CloudConnection(link, NegotiateOffer("e", "toy", {K: key}, 4, **(offer_kw or {})), probe_bytes=0)
     await conn.connect()  # once; the background loop (polls, reconnects) is not started here
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()

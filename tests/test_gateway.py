@@ -11,14 +11,21 @@ import numpy as np
 import pytest
 
 from tandem.common import wire
-from tandem.common.errors import DeadlineExceeded, InvalidRequest, QuotaExceeded, SessionOutOfSync, UploadTimeout
+from tandem.common.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    QuotaExceeded,
+    SessionOutOfSync,
+    TandemError,
+    UploadTimeout,
+)
 from tandem.common.messages import Commit, KVBlock, TurnHeader
 from tandem.common.params import Sampling
 from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.head_runner import HeadInput
 from tandem.edge.service import TurnClock
 from tandem.stages import Stage
-from tests.doubles import B, H, K, TamperLink, ToyTokenizer, rechunk, toy_stack
+from tests.doubles import HKV, B, D, H, K, TamperLink, ToyTokenizer, rechunk, toy_stack
 
 LONG = "The quick brown fox jumps over the lazy dog, again and again, " * 3  # ~200 tokens
 
@@ -362,3 +369,42 @@ async def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(toy):
             await run(toy.edge, replace(turn("hi"), sampling=Sampling(max_new_tokens=2, temperature=3.0)))
     finally:
         tok.apply_chat_template = orig
+
+
+@pytest.mark.parametrize("kv_dtype", [wire.WireDtype.FP16, wire.WireDtype.INT8, wire.WireDtype.INT4])
+async def test_kv_blocks_travel_in_the_negotiated_format_and_are_stored_decoded(kv_dtype):
+    """Each KV format end to end: the link agrees on it, blocks travel in it (and count its bytes),
+    the cloud verifies the leaf over those bytes and stores exactly their float32 decoding; a
+    second turn sends only the new blocks. A cloud that does not allow the edge's formats serves
+    direct only, with a note."""
+    from tandem.common.kvblocks import LayerRange, part_key, split_blocks
+    from tandem.common.kvwire import decode_kv, encode_kv, kv_raw_nbytes
+
+    toy = await toy_stack(kv_wire_dtypes=[kv_dtype], offer_kw={"kv_wire_dtypes": (kv_dtype, wire.WireDtype.FP32)})
+    try:
+        assert toy.edge.conn.params(K).kv_wire_dtype == kv_dtype
+        done = await run(toy.edge, turn(LONG, "s1"))
+        shape = (K, 2, HKV, B, D)
+        n_blocks = done.prompt_tokens // B
+        per_block = kv_raw_nbytes(shape, kv_dtype)  # + the message's hashes and fields, < 128 bytes
+        assert n_blocks * per_block < done.sent_bytes["kv"] < n_blocks * (per_block + 128)
+        cloud, edge = toy.cloud_session("s1"), toy.edge.sessions.peek("s1")
+        assert len(cloud.leaves) == n_blocks
+        for j, (leaf, blk) in enumerate(zip(cloud.leaves, split_blocks(edge.kv, B, 0, n_blocks), strict=True)):
+            stored = toy.store.get(part_key(leaf, LayerRange(0, K)))
+            want = decode_kv(encode_kv(blk, kv_dtype), kv_dtype, shape)
+            assert stored == want.tobytes(), j
+        convo = (("user", LONG), ("assistant", "ok"), ("user", "and more words to make a new block or two, or three."))
+        second = await run(toy.edge, ChatTurn(convo, "", "s1", Sampling(max_new_tokens=8), mode="split"))
+        new_blocks = second.prompt_tokens // B - n_blocks
+        assert new_blocks * per_block < second.sent_bytes["kv"] < new_blocks * (per_block + 128)
+    finally:
+        await toy.batcher.stop()
+    toy = await toy_stack(kv_wire_dtypes=[kv_dtype], offer_kw={"kv_wire_dtypes": (wire.WireDtype.FP32,)})
+    try:
+        assert toy.edge.conn.params(K) is None and "KV block format" in toy.edge.conn.negotiated.note
+        assert (await run(toy.edge, turn(LONG, mode="direct"))).split_layer == 0
+        with pytest.raises(TandemError, match="common split layer"):
+            await run(toy.edge, turn(LONG))
+    finally:
+        await toy.batcher.stop()

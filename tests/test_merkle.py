@@ -54,8 +54,8 @@ def test_consistency_proofs(n):
 
 def test_leaf_data_commits_to_identity_and_layers():
     h = bytes(32)
-    assert merkle.leaf_data(h, 0, 4, b"kv") != merkle.leaf_data(h, 0, 5, b"kv")
-    assert merkle.leaf_data(h, 0, 4, b"kv") != merkle.leaf_data(b"\x01" * 32, 0, 4, b"kv")
+    assert merkle.leaf_data(h, 0, 4, 1, b"kv") != merkle.leaf_data(h, 0, 5, 1, b"kv")
+    assert merkle.leaf_data(h, 0, 4, 1, b"kv") != merkle.leaf_data(b"\x01" * 32, 0, 4, 1, b"kv")
 
 
 # --- The hash is a parameter; BLAKE3 stays the default ---------------------------------------------------------

@@ -116,6 +116,36 @@ async def test_negotiate_gives_a_link_with_params_per_split_and_follows_the_offe
         await toy.batcher.stop()
 
 
+async def test_the_kv_format_is_the_edges_first_choice_among_the_clouds():
+    from tandem.common.wire import WireDtype as W
+
+    toy = await toy_stack(kv_wire_dtypes=[W.INT8, W.FP16, W.FP32], wire_dtypes=[W.FP32, W.INT8])
+    try:
+        gw = toy.gateway
+        got = gw.negotiate(offer(kv_wire_dtypes=(W.INT4, W.FP16, W.INT8), wire_dtypes=(W.INT8,))).params_by_split
+        assert (got[K].kv_wire_dtype, got[K].wire_dtype) == (W.FP16, W.INT8)
+        assert gw.negotiate(offer()).params_by_split[K].kv_wire_dtype == W.FP32  # default offer: fp32 first
+        none = gw.negotiate(offer(kv_wire_dtypes=(W.INT4,)))
+        assert set(none.params_by_split) == {0} and "no common KV block format" in none.note
+        # a newer edge's formats this cloud does not know are skipped, not refused
+        newer = offer().to_pb()
+        newer.wire_dtypes[:] = [99, W.INT8]
+        newer.kv_wire_dtypes[:] = [98, W.FP16]
+        newer.codecs[:] = [97]
+        p = gw.negotiate(NegotiateOffer.from_pb(newer)).params_by_split[K]
+        assert (p.wire_dtype, p.kv_wire_dtype, p.codec) == (W.INT8, W.FP16, Codec.NONE)
+        newer.wire_dtypes[:] = [99]
+        with pytest.raises(InvalidRequest, match="no common wire format"):
+            gw.negotiate(NegotiateOffer.from_pb(newer))
+        # the format shrinks the per-token bytes the chunk size is planned with
+        slow = dict(goodput_mbps=2.0, rtt_ms=50.0)
+        fp32 = gw.negotiate(offer(kv_wire_dtypes=(W.FP32,), **slow)).params_by_split[K].chunk_tokens
+        int8 = gw.negotiate(offer(kv_wire_dtypes=(W.INT8,), **slow)).params_by_split[K].chunk_tokens
+        assert int8 >= fp32
+    finally:
+        await toy.batcher.stop()
+
+
 async def test_negotiate_refuses_another_model_and_says_when_it_lacks_the_edges_split():
     toy = await toy_stack()
     try:

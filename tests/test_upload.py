@@ -32,7 +32,7 @@ def make_turn(ids, cached=0, leaves_before=0):
     blocks = {}
     for j in range(leaves_before, len(hashes)):
         raw = rng.standard_normal((K, 2, HKV, B, D)).astype(np.float32).tobytes()
-        leaf = merkle.leaf_hash(merkle.leaf_data(hashes[j], 0, K, raw))
+        leaf = merkle.leaf_hash(merkle.leaf_data(hashes[j], 0, K, 1, raw))
         blocks[j] = KVBlock(j, hashes[j], 0, K, wire.Codec.NONE, len(raw), raw, leaf, 1)
     header = TurnHeader("r", "s", 1, K, tuple(ids), cached, len(chunks), len(blocks), Sampling(max_new_tokens=4))
     return header, hidden, chunks, blocks
@@ -149,7 +149,7 @@ def test_non_finite_or_huge_values_are_refused():
     u = upload(header)
     raw = np.full((K, 2, HKV, B, D), np.nan, np.float32).tobytes()
     b = blocks[0]
-    leaf = merkle.leaf_hash(merkle.leaf_data(b.block_hash, 0, K, raw))
+    leaf = merkle.leaf_hash(merkle.leaf_data(b.block_hash, 0, K, 1, raw))
     with pytest.raises(InvalidRequest, match="NaN"):
         u.add_block(KVBlock(**{**b.__dict__, "payload": raw, "leaf_hash": leaf}))
 
@@ -170,3 +170,26 @@ def test_duplicates_and_unnegotiated_encodings_are_refused():
         upload(TurnHeader(**{**header.__dict__, "num_kv_blocks": 1}))
     with pytest.raises(InvalidRequest, match="session_id"):
         check_header(TurnHeader(**{**header.__dict__, "session_id": "x" * 200}), PARAMS, MANIFEST)
+
+
+def test_kv_blocks_in_another_format_than_the_links_are_refused():
+    from dataclasses import replace
+
+    from tandem.common.kvwire import encode_kv
+
+    header, _, _, blocks = make_turn(list(range(10)))
+    b = blocks[0]
+    x = np.frombuffer(b.payload, np.float32).reshape(K, 2, HKV, B, D)
+    raw = encode_kv(x, wire.WireDtype.INT8)
+    leaf = merkle.leaf_hash(merkle.leaf_data(b.block_hash, 0, K, wire.WireDtype.INT8, raw))
+    int8 = KVBlock(**{**b.__dict__, "payload": raw, "raw_nbytes": len(raw), "leaf_hash": leaf, "wire_dtype": wire.WireDtype.INT8})
+    with pytest.raises(InvalidRequest, match="negotiated FP32"):
+        upload(header).add_block(int8)
+    # under a link that negotiated int8 the same block verifies and is kept as its float32 decoding
+    u = TurnUpload(header, replace(PARAMS, kv_wire_dtype=wire.WireDtype.INT8), MANIFEST, CloudSession(), SEED)
+    u.add_block(int8)
+    kept = np.frombuffer(u.blocks[0][1], np.float32)
+    assert kept.size == x.size and np.abs(kept - x.ravel()).max() <= np.abs(x).max() / 127
+    # the fp32 block announced as int8: its size is wrong for the format
+    with pytest.raises(InvalidRequest, match="bytes"):
+        u.add_block(KVBlock(**{**b.__dict__, "wire_dtype": wire.WireDtype.INT8, "leaf_index": 1, "block_hash": blocks[1].block_hash}))

@@ -13,6 +13,7 @@ class WireDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WIRE_DTYPE_FP16: _ClassVar[WireDtype]
     WIRE_DTYPE_BF16: _ClassVar[WireDtype]
     WIRE_DTYPE_INT8: _ClassVar[WireDtype]
+    WIRE_DTYPE_INT4: _ClassVar[WireDtype]
 
 class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -32,6 +33,7 @@ WIRE_DTYPE_FP32: WireDtype
 WIRE_DTYPE_FP16: WireDtype
 WIRE_DTYPE_BF16: WireDtype
 WIRE_DTYPE_INT8: WireDtype
+WIRE_DTYPE_INT4: WireDtype
 CODEC_UNSPECIFIED: Codec
 CODEC_NONE: Codec
 CODEC_ZSTD: Codec
@@ -58,7 +60,7 @@ class LatencySlo(_message.Message):
     def __init__(self, ttft_ms: _Optional[float] = ..., itl_p99_ms: _Optional[float] = ...) -> None: ...
 
 class NegotiateRequest(_message.Message):
-    __slots__ = ("edge_id", "model_id", "split_layers", "wire_dtypes", "codecs", "edge_max_batch", "link", "slo", "head_keys", "link_id")
+    __slots__ = ("edge_id", "model_id", "split_layers", "wire_dtypes", "codecs", "edge_max_batch", "link", "slo", "head_keys", "link_id", "kv_wire_dtypes")
     class HeadKeysEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +78,7 @@ class NegotiateRequest(_message.Message):
     SLO_FIELD_NUMBER: _ClassVar[int]
     HEAD_KEYS_FIELD_NUMBER: _ClassVar[int]
     LINK_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_WIRE_DTYPES_FIELD_NUMBER: _ClassVar[int]
     edge_id: str
     model_id: str
     split_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -86,10 +89,11 @@ class NegotiateRequest(_message.Message):
     slo: LatencySlo
     head_keys: _containers.ScalarMap[int, str]
     link_id: str
-    def __init__(self, edge_id: _Optional[str] = ..., model_id: _Optional[str] = ..., split_layers: _Optional[_Iterable[int]] = ..., wire_dtypes: _Optional[_Iterable[_Union[WireDtype, str]]] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., edge_max_batch: _Optional[int] = ..., link: _Optional[_Union[LinkMeasurement, _Mapping]] = ..., slo: _Optional[_Union[LatencySlo, _Mapping]] = ..., head_keys: _Optional[_Mapping[int, str]] = ..., link_id: _Optional[str] = ...) -> None: ...
+    kv_wire_dtypes: _containers.RepeatedScalarFieldContainer[WireDtype]
+    def __init__(self, edge_id: _Optional[str] = ..., model_id: _Optional[str] = ..., split_layers: _Optional[_Iterable[int]] = ..., wire_dtypes: _Optional[_Iterable[_Union[WireDtype, str]]] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., edge_max_batch: _Optional[int] = ..., link: _Optional[_Union[LinkMeasurement, _Mapping]] = ..., slo: _Optional[_Union[LatencySlo, _Mapping]] = ..., head_keys: _Optional[_Mapping[int, str]] = ..., link_id: _Optional[str] = ..., kv_wire_dtypes: _Optional[_Iterable[_Union[WireDtype, str]]] = ...) -> None: ...
 
 class LinkParams(_message.Message):
-    __slots__ = ("params_version", "split_layer", "chunk_tokens", "wire_dtype", "codec", "codec_level", "kv_block_size_tokens", "inflight_window_bytes", "max_concurrent_requests", "max_batched_tokens", "max_prompt_tokens", "max_new_tokens", "hidden_size", "max_chunk_resends")
+    __slots__ = ("params_version", "split_layer", "chunk_tokens", "wire_dtype", "codec", "codec_level", "kv_block_size_tokens", "inflight_window_bytes", "max_concurrent_requests", "max_batched_tokens", "max_prompt_tokens", "max_new_tokens", "hidden_size", "max_chunk_resends", "kv_wire_dtype")
     PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPLIT_LAYER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +108,7 @@ class LinkParams(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_RESENDS_FIELD_NUMBER: _ClassVar[int]
+    KV_WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     params_version: int
     split_layer: int
     chunk_tokens: int
@@ -118,7 +123,8 @@ class LinkParams(_message.Message):
     max_new_tokens: int
     hidden_size: int
     max_chunk_resends: int
-    def __init__(self, params_version: _Optional[int] = ..., split_layer: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., codec_level: _Optional[int] = ..., kv_block_size_tokens: _Optional[int] = ..., inflight_window_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_chunk_resends: _Optional[int] = ...) -> None: ...
+    kv_wire_dtype: WireDtype
+    def __init__(self, params_version: _Optional[int] = ..., split_layer: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., codec_level: _Optional[int] = ..., kv_block_size_tokens: _Optional[int] = ..., inflight_window_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_chunk_resends: _Optional[int] = ..., kv_wire_dtype: _Optional[_Union[WireDtype, str]] = ...) -> None: ...
 
 class NegotiateResponse(_message.Message):
     __slots__ = ("params", "cloud_id", "model_id", "link_id", "split_layers", "note", "instance_id", "params_by_split")
@@ -274,7 +280,7 @@ class ActivationChunk(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., token_offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., params_version: _Optional[int] = ...) -> None: ...
 
 class KVBlockDelta(_message.Message):
-    __slots__ = ("leaf_index", "block_hash", "layer_lo", "layer_hi", "codec", "raw_nbytes", "payload", "leaf_hash", "params_version")
+    __slots__ = ("leaf_index", "block_hash", "layer_lo", "layer_hi", "codec", "raw_nbytes", "payload", "leaf_hash", "params_version", "wire_dtype")
     LEAF_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYER_LO_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +290,7 @@ class KVBlockDelta(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     LEAF_HASH_FIELD_NUMBER: _ClassVar[int]
     PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     leaf_index: int
     block_hash: bytes
     layer_lo: int
@@ -293,7 +300,8 @@ class KVBlockDelta(_message.Message):
     payload: bytes
     leaf_hash: bytes
     params_version: int
-    def __init__(self, leaf_index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., layer_lo: _Optional[int] = ..., layer_hi: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., leaf_hash: _Optional[bytes] = ..., params_version: _Optional[int] = ...) -> None: ...
+    wire_dtype: WireDtype
+    def __init__(self, leaf_index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., layer_lo: _Optional[int] = ..., layer_hi: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., leaf_hash: _Optional[bytes] = ..., params_version: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("leaf_count", "merkle_root")

@@ -1,0 +1,113 @@
+"""KV block wire formats (``common.kvwire``) and activation int4 (``common.wire``): sizes,
+round trips and their error bounds, and what a leaf commits to."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.common import merkle, wire
+from tandem.common.errors import InvalidRequest
+from tandem.common.kvwire import decode_kv, encode_kv, kv_raw_nbytes
+from tandem.common.wire import WireDtype
+
+SHAPE = (4, 2, 3, 32, 64)  # SmolLM2-135M at k = 4, block size 32
+
+
+def block(seed: int = 0, shape=SHAPE) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32) * 2
+    x[:, 0, :, :, 7 % shape[4]] += 15.0  # keys carry outlier channels after RoPE (KIVI, section 3)
+    return x
+
+
+@pytest.mark.parametrize("dtype", list(WireDtype))
+def test_sizes_and_round_trip(dtype):
+    x = block()
+    raw = encode_kv(x, dtype)
+    assert len(raw) == kv_raw_nbytes(SHAPE, dtype)
+    y = decode_kv(raw, dtype, SHAPE)
+    assert y.shape == SHAPE and y.dtype == np.float32
+    rel = float(np.linalg.norm(y - x) / np.linalg.norm(x))
+    assert rel <= {WireDtype.FP32: 0, WireDtype.FP16: 1e-3, WireDtype.BF16: 5e-3, WireDtype.INT8: 2e-2}.get(dtype, 0.1)
+    assert encode_kv(y, dtype) == raw or dtype in (WireDtype.INT8, WireDtype.INT4)  # re-encoding is stable
+
+
+def test_bytes_per_token_at_k4():
+    per_token = {d: kv_raw_nbytes(SHAPE, d) / 32 for d in WireDtype}
+    assert per_token == {
+        WireDtype.FP32: 6144,
+        WireDtype.FP16: 3072,
+        WireDtype.BF16: 3072,
+        WireDtype.INT8: 1584,  # 1536 + an fp16 scale per (layer, K/V, head, token)
+        WireDtype.INT4: 912,  # 768 + fp16 (scale, min) per key channel and per value token
+    }
+
+
+def test_int8_error_is_half_a_step_per_token_and_head():
+    x = block(1)
+    y = decode_kv(encode_kv(x, WireDtype.INT8), WireDtype.INT8, SHAPE)
+    step = np.abs(x).max(axis=4, keepdims=True) / 127
+    assert np.all(np.abs(y - x) <= step * 0.5 * (1 + 2e-3) + 1e-7)  # fp16 scale rounding: 2^-11
+
+
+def test_int4_quantises_keys_per_channel():
+    """An outlier key channel costs only its own channel's resolution (per-token scales would
+    spread it over every channel of the token)."""
+    x = block(2)
+    y = decode_kv(encode_kv(x, WireDtype.INT4), WireDtype.INT4, SHAPE)
+    k, yk = x[:, 0], y[:, 0]
+    normal = [c for c in range(64) if c != 7]
+    per_channel_err = np.abs(yk - k)[..., normal].max()
+    span = (k[..., normal].max(axis=2) - k[..., normal].min(axis=2)).max()
+    assert per_channel_err <= span / 15 * 0.5 * 1.01
+    assert per_channel_err < 15.0 / 15 * 0.5  # below a per-token step stretched by the outlier
+
+
+def test_degenerate_values():
+    zeros = np.zeros(SHAPE, np.float32)
+    for d in WireDtype:
+        assert not decode_kv(encode_kv(zeros, d), d, SHAPE).any()
+    const = np.full(SHAPE, 3.0, np.float32)  # max == min: scale 0, the minimum carries it
+    assert np.allclose(decode_kv(encode_kv(const, WireDtype.INT4), WireDtype.INT4, SHAPE), 3.0)
+    huge = np.full(SHAPE, 1e6, np.float32)
+    assert np.isfinite(decode_kv(encode_kv(huge, WireDtype.FP16), WireDtype.FP16, SHAPE)).all()
+    odd = (1, 2, 1, 3, 5)  # odd D: int4 rows are padded to whole bytes
+    x = block(3, odd)
+    assert len(encode_kv(x, WireDtype.INT4)) == kv_raw_nbytes(odd, WireDtype.INT4)
+    assert decode_kv(encode_kv(x, WireDtype.INT4), WireDtype.INT4, odd).shape == odd
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(InvalidRequest, match="expected"):
+        decode_kv(b"\0" * 10, WireDtype.INT8, SHAPE)
+    with pytest.raises(InvalidRequest):
+        encode_kv(np.zeros((4, 3, 3, 32, 64), np.float32), WireDtype.FP16)
+    with pytest.raises(InvalidRequest):
+        encode_kv(np.zeros(SHAPE, np.float64), WireDtype.FP16)
+    with pytest.raises(InvalidRequest):
+        kv_raw_nbytes((4, 2, 3, 32, 64), 9)  # type: ignore[arg-type]
+
+
+def test_a_leaf_commits_to_the_format():
+    x, h = block(4), bytes(32)
+    leaves = {merkle.leaf_hash(merkle.leaf_data(h, 0, 4, d, encode_kv(x, d))) for d in WireDtype}
+    assert len(leaves) == len(WireDtype)
+    # the same bytes announced under another format are another leaf
+    raw = encode_kv(x, WireDtype.FP16)
+    assert merkle.leaf_data(h, 0, 4, WireDtype.FP16, raw) != merkle.leaf_data(h, 0, 4, WireDtype.BF16, raw)
+
+
+@pytest.mark.parametrize("hidden", [576, 577, 8, 33])
+def test_activation_int4(hidden):
+    rng = np.random.default_rng(hidden)
+    h = rng.standard_normal((5, hidden)).astype(np.float32)
+    raw = wire.encode_dtype(h, WireDtype.INT4)
+    assert len(raw) == wire.raw_nbytes_of(5, WireDtype.INT4, hidden)
+    y = wire.decode_dtype(raw, WireDtype.INT4, 5, hidden)
+    g = -(-hidden // wire.INT4_GROUP)
+    padded = np.zeros((5, g * wire.INT4_GROUP), np.float32)
+    padded[:, :hidden] = np.abs(h)
+    step = np.repeat(padded.reshape(5, g, -1).max(axis=2) / 7, wire.INT4_GROUP, axis=1)[:, :hidden]
+    assert np.all(np.abs(y - h) <= step * 0.5 * 1.01 + 1e-7)
+    assert wire.raw_nbytes_of(1, WireDtype.INT4, 576) == 36 + 288
