@@ -12,16 +12,18 @@ live edge that serves mixed traffic does; a calibration pass (each fixed mode on
 length, not recorded) precedes the matrix.
 
 Order (``--order``). ``interleaved`` (default): per (link, prompt length), a warm-up round (each
-mode once, not recorded), then round ``i`` runs every mode once on prompt ``i``, the modes in an
-order rotated by ``i`` (``rotated``). On a 2-core machine the same mode measured in two blocks a
-minute apart differed by up to 1.3x (loopback, 256 tokens, direct mode: block means 343 to 456 ms
-in one run), more than the 10% that auto is judged by; interleaving puts
-that drift, and what one request leaves behind for the next (vLLM's shared-memory readers spin
-for 1 s after each read, ``shm_broadcast.SpinCondition``), on every mode alike. ``blocks``: one
-mode at a time (needed for ``--concurrency`` > 1), each (mode, length) block after ``--warmup``
-unrecorded requests. Writes ``records.jsonl`` (one line per request), ``summary.csv``,
-``summary.md``, ``auto.md`` (auto against the best fixed mode per cell), ``meta.json`` and PNG
-plots into ``--out``.
+mode once, not recorded), then round ``i`` runs every mode once on prompt ``i``, in the order of a
+row of a Williams square (``round_order``: every mode follows every other about equally often).
+On a 2-core machine the same mode measured in two blocks a minute apart differed by up to 1.3x
+(loopback, 256 tokens, direct mode: block means 343 to 456 ms in one run), more than the 10% that
+auto is judged by; interleaving puts that drift, and what one request leaves behind for the next,
+on every mode alike: a direct request right after a local one took 484 ms, after a direct one 422
+to 435 ms, after a split one 401 ms (loopback, 256 tokens, 16 requests each, with or without
+1.5 s between them); with the modes in a fixed cyclic order auto always followed edge-only and
+lost 10-19% in cells where it served the very mode of the best row. ``blocks``: one mode at a
+time (needed for ``--concurrency`` > 1), each (mode, length) block after ``--warmup`` unrecorded
+requests. Writes ``records.jsonl`` (one line per request), ``summary.csv``, ``summary.md``,
+``auto.md`` (auto against the best fixed mode per cell), ``meta.json`` and PNG plots into ``--out``.
 """
 
 from __future__ import annotations
@@ -239,7 +241,7 @@ def main(
     requests: Annotated[int, typer.Option(help="requests per (mode, link, prompt length)")] = 4,
     order: Annotated[
         str,
-        typer.Option(help="interleaved (round i: every mode once on prompt i, rotated order) | blocks (mode by mode)"),
+        typer.Option(help="interleaved (round i: every mode once on prompt i, Williams order) | blocks (mode by mode)"),
     ] = "interleaved",
     warmup: Annotated[
         int, typer.Option(help="unrecorded requests (2 output tokens) before each (mode, prompt length) block")
@@ -310,7 +312,7 @@ def main(
                     for spec in specs if warmup else ():
                         asyncio.run(run_remote(eport, warmups[n][:warmup], spec, prof.name, n, 1, 2, _Null()))
                     for i, p in enumerate(prompts[n]):
-                        for spec in rotated(specs, i):
+                        for spec in round_order(specs, i):
                             records += asyncio.run(run_remote(eport, [p], spec, prof.name, n, 1, max_new_tokens, bar))
         finally:
             stack.stop()
@@ -320,12 +322,30 @@ def main(
     print((out / "summary.md").read_text())
 
 
-def rotated(specs: list[ModeSpec], i: int) -> list[ModeSpec]:
-    """``specs`` starting at index ``i mod len``: over ``len(specs)`` rounds every mode runs in every
-    position once (a cyclic Latin square), so what the previous request leaves behind on these
-    shared cores and the machine's slow drift fall on every mode alike."""
-    j = i % len(specs)
-    return specs[j:] + specs[:j]
+def williams_base(n: int) -> list[int]:
+    """``0, 1, n-1, 2, n-2, ...``: the first row of a Williams square (Williams, "Experimental designs
+    balanced for the estimation of residual effects of treatments", Aust. J. Sci. Res. 2, 1949)."""
+    out, lo, hi = [0], 1, n - 1
+    while len(out) < n:
+        out.append(lo)
+        lo += 1
+        if len(out) < n:
+            out.append(hi)
+            hi -= 1
+    return out
+
+
+def round_order(specs: list[ModeSpec], i: int) -> list[ModeSpec]:
+    """The order of round ``i``: a row of a Williams square, so that over the rounds every mode
+    follows every other about equally often (exactly, after ``n`` rounds for an even number of modes
+    and ``2n`` for an odd one: rows alternate with their mirror images). On these shared cores the
+    request before matters (a direct request right after a local one took 484 ms against 401 to
+    435 ms after a cloud one; see the module doc), and a cyclic rotation
+    keeps every mode behind the same neighbour."""
+    n = len(specs)
+    row = i if n % 2 == 0 else i // 2
+    order = [specs[(x + row) % n] for x in williams_base(n)]
+    return order[::-1] if n % 2 and i % 2 else order
 
 
 class _Null:

@@ -218,3 +218,47 @@ def test_burst_smoke(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "| on | alone |" in (out / "burst.md").read_text()
     assert (out / "trace-on.jsonl").stat().st_size > 0 and (out / "burst_trace.png").stat().st_size > 0
+
+
+def test_fidelity_prompt_set_and_comparison():
+    from tandem.benchmarks.fidelity import PROMPTS, PairResult, compare, load_prompts
+
+    prompts = load_prompts(PROMPTS, 0)
+    assert len(prompts) >= 200 and len({p["id"] for p in prompts}) == len(prompts)
+    assert len({p["category"] for p in prompts}) >= 15
+    assert len({p["messages"][-1]["content"] for p in prompts}) == len(prompts)  # no prompt twice
+    ref, other = PairResult("a"), PairResult("b")
+    ref.replies = {"x": [1, 2, 3], "y": [4, 5], "z": [6]}
+    other.replies = {"x": [1, 2, 3], "y": [4, 9, 9], "z": [7, 8]}
+    same, per_pos = compare(ref, other, 4)
+    assert same == pytest.approx(1 / 3)
+    assert per_pos == [pytest.approx(1 / 3), pytest.approx(1 / 2), 0.0]
+
+
+@pytest.mark.engines
+def test_fidelity_smoke(tmp_path):
+    out = tmp_path / "fidelity"
+    cmd = [sys.executable, "-m", "tandem.benchmarks.fidelity", "--limit", "3", "--max-new-tokens", "3"]
+    cmd += ["--pairs", "fp32/fp32,int8/int4", "--concurrency", "2", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads((out / "fidelity.json").read_text())
+    assert [r["label"] for r in data["rows"]] == ["fp32/fp32 (again)", "int8/int4"]
+    fp32, small = data["rows"][0]["bytes_per_token"], data["rows"][1]["bytes_per_token"]
+    assert small < fp32 / 4  # int8 activations (581 B) + int4 KV (912 B) against 8448 B at k=4
+    assert (out / "fidelity.png").stat().st_size > 0 and "replies equal" in (out / "fidelity.md").read_text()
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_round_orders_balance_what_runs_before_each_mode(n):
+    """Over n rounds (n even) or 2n (n odd) every mode directly follows every other equally often."""
+    from tandem.benchmarks.bench import ModeSpec, round_order
+
+    specs = [ModeSpec(str(i), "direct") for i in range(n)]
+    follows: dict[tuple[str, str], int] = {}
+    for i in range(n if n % 2 == 0 else 2 * n):
+        order = [s.label for s in round_order(specs, i)]
+        assert sorted(order) == sorted(s.label for s in specs)  # every mode once per round
+        for a, b in zip(order, order[1:], strict=False):
+            follows[(a, b)] = follows.get((a, b), 0) + 1
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1

@@ -182,7 +182,8 @@ def test_kv_blocks_in_another_format_than_the_links_are_refused():
     x = np.frombuffer(b.payload, np.float32).reshape(K, 2, HKV, B, D)
     raw = encode_kv(x, wire.WireDtype.INT8)
     leaf = merkle.leaf_hash(merkle.leaf_data(b.block_hash, 0, K, wire.WireDtype.INT8, raw))
-    int8 = KVBlock(**{**b.__dict__, "payload": raw, "raw_nbytes": len(raw), "leaf_hash": leaf, "wire_dtype": wire.WireDtype.INT8})
+    i8 = wire.WireDtype.INT8
+    int8 = KVBlock(**{**b.__dict__, "payload": raw, "raw_nbytes": len(raw), "leaf_hash": leaf, "wire_dtype": i8})
     with pytest.raises(InvalidRequest, match="negotiated FP32"):
         upload(header).add_block(int8)
     # under a link that negotiated int8 the same block verifies and is kept as its float32 decoding
@@ -192,4 +193,4 @@ def test_kv_blocks_in_another_format_than_the_links_are_refused():
     assert kept.size == x.size and np.abs(kept - x.ravel()).max() <= np.abs(x).max() / 127
     # the fp32 block announced as int8: its size is wrong for the format
     with pytest.raises(InvalidRequest, match="bytes"):
-        u.add_block(KVBlock(**{**b.__dict__, "wire_dtype": wire.WireDtype.INT8, "leaf_index": 1, "block_hash": blocks[1].block_hash}))
+        u.add_block(KVBlock(**{**b.__dict__, "wire_dtype": i8, "leaf_index": 1, "block_hash": blocks[1].block_hash}))
