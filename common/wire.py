@@ -360,8 +360,8 @@ def decode_dtype(raw: bytes, dtype: WireDtype, num_tokens: int, hidden: int) -> 
     if dtype == WireDtype.INT4:
         g = -(-hidden // INT4_GROUP)
         s = np.frombuffer(raw[: 2 * g * num_tokens], "<f2").astype(np.float32).reshape(num_tokens, g)
-        q = unpack_int4(raw[2 * g * num_tokens :], (num_tokens, hidden)).astype(np.float32)
-        return q * np.repeat(s, INT4_GROUP, axis=1)[:, :hidden]
+        q4 = unpack_int4(raw[2 * g * num_tokens :], (num_tokens, hidden)).astype(np.float32)
+        return q4 * np.repeat(s, INT4_GROUP, axis=1)[:, :hidden]
     scale = np.frombuffer(raw[: 4 * num_tokens], "<f4")
     q = np.frombuffer(raw[4 * num_tokens :], np.int8).reshape(num_tokens, hidden)
     return q.astype(np.float32) * scale[:, None]
