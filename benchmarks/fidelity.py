@@ -40,6 +40,7 @@ app = typer.Typer(add_completion=False, help=__doc__)
 PROMPTS = Path(__file__).parent / "data" / "fidelity_prompts.jsonl"
 BAR_AGREEMENT = 0.99
 BAR_BYTES_FACTOR = 10  # below fp32's bytes per prompt token
+LINK_IDLE_S = 2.0
 
 
 @dataclass
@@ -83,10 +84,19 @@ async def run_pair(port: int, label: str, prompts: list[dict], split_layer: int,
     async with AsyncClient(f"127.0.0.1:{port}") as client:
 
         async def one(p: dict) -> None:
+            from tandem import ResourceExhausted
+
             async with sem:
-                s = client.chat(p["messages"], max_new_tokens=max_new, mode="split", split_layer=split_layer)
-                async for _ in s:
-                    pass
+                for attempt in range(10):  # a full share answers RESOURCE_EXHAUSTED with a retry hint
+                    s = client.chat(p["messages"], max_new_tokens=max_new, mode="split", split_layer=split_layer)
+                    try:
+                        async for _ in s:
+                            pass
+                        break
+                    except ResourceExhausted as e:
+                        if attempt == 9:
+                            raise
+                        await asyncio.sleep(e.retry_after_s or 1.0)
                 r = s.result
                 res.replies[p["id"]] = list(r.output_token_ids)
                 res.prompt_tokens += r.head_tokens
@@ -148,7 +158,7 @@ def main(
     prompts_file: Annotated[Path, typer.Option(help="JSONL prompt set")] = PROMPTS,
     limit: Annotated[int, typer.Option(help="first N prompts only (0 = all)")] = 0,
     max_new_tokens: int = 32,
-    concurrency: Annotated[int, typer.Option(help="requests in flight")] = 8,
+    concurrency: Annotated[int, typer.Option(help="requests in flight")] = 4,
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/fidelity"),
 ) -> None:
     """Run every prompt under every format pair and write the agreement table and plot."""
@@ -168,7 +178,10 @@ def main(
     daemons = Daemons()
     results: list[PairResult] = []
     try:
+        # one edge (link) per pair, one after the other: a finished edge's link stops holding a share
+        # after --link-idle-s, so each pair gets the whole cloud
         extra = ["--wire-dtypes", every, "--kv-wire-dtypes", every, "--max-num-seqs", str(max(8, concurrency))]
+        extra += ["--link-idle-s", str(LINK_IDLE_S)]
         cloud = daemons.spawn("tandem-cloud", cloud_command(split_dir, w / "kv", extra=extra), w / "cloud.log", w / "c")
         cport = cloud.wait_ready(900)
         with tqdm(total=len(prompts) * len(runs), desc="replies", unit="req") as bar:
@@ -183,6 +196,7 @@ def main(
                 port = edge.wait_ready(300)
                 results.append(asyncio.run(run_pair(port, lab, prompts, split_layer, max_new_tokens, concurrency, bar)))
                 edge.stop()
+                time.sleep(LINK_IDLE_S + 1)
     finally:
         daemons.stop()
     ref = results[0]
