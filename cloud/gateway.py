@@ -246,7 +246,12 @@ class Gateway:
         rec = self._register(link_id, offer)
         lacking = sorted(set(offer.head_keys) - set(rec.split_layers))
         note = ""
-        if lacking and not set(offer.kv_wire_dtypes) & set(self.limits.kv_wire_dtypes):
+        if lacking and not set(offer.wire_dtypes) & set(self.limits.wire_dtypes):
+            note = (
+                f"no common activation format (the edge accepts {[d.name for d in offer.wire_dtypes]}, this cloud "
+                f"{[d.name for d in self.limits.wire_dtypes]}): direct mode only"
+            )
+        elif lacking and not set(offer.kv_wire_dtypes) & set(self.limits.kv_wire_dtypes):
             note = (
                 f"no common KV block format (the edge accepts {[d.name for d in offer.kv_wire_dtypes]}, this cloud "
                 f"{[d.name for d in self.limits.kv_wire_dtypes]}): direct mode only"
@@ -295,7 +300,10 @@ class Gateway:
     def _register(self, link_id: str, offer: NegotiateOffer) -> LinkVersions:
         self.links.register(link_id, offer.edge_id, LinkSlo(offer.ttft_slo_ms, offer.itl_p99_slo_ms))
         common = tuple(sorted(k for k in offer.head_keys if k in self.tails))
-        if not set(offer.kv_wire_dtypes) & set(self.limits.kv_wire_dtypes):  # split needs a KV format
+        if not (  # split needs a common activation format and a common KV format
+            set(offer.kv_wire_dtypes) & set(self.limits.kv_wire_dtypes)
+            and set(offer.wire_dtypes) & set(self.limits.wire_dtypes)
+        ):
             common = ()
         rec = self._versions.get(link_id)
         if rec is None:

@@ -90,10 +90,11 @@ def link_params(
     """The params of one link at split layer ``k`` (0 = direct) under ``share`` = (requests, tokens).
 
     Raises:
-        InvalidRequest: the edge accepts none of the activation formats this cloud allows, or
-            (``k > 0``) none of its KV block formats.
+        InvalidRequest: (``k > 0``) the edge accepts none of the activation formats or none of
+            the KV block formats this cloud allows.
     """
-    dtype = next((d for d in offer.wire_dtypes if d in limits.wire_dtypes), None)
+    # direct mode (k = 0) sends token ids only: it needs no common format
+    dtype = next((d for d in offer.wire_dtypes if d in limits.wire_dtypes), None if k else WireDtype.FP32)
     if dtype is None:
         raise InvalidRequest(
             f"no common wire format: the edge accepts {[d.name for d in offer.wire_dtypes]}, "

@@ -84,15 +84,22 @@ def check_values(x: np.ndarray, max_abs: float, what: str) -> None:
 
 
 def upload_bound_bytes(h: TurnHeader, params: LinkParams, manifest: SplitManifest) -> int:
-    """Most bytes a checked header's upload may buffer: every chunk and KV block at its largest
-    legal payload. Reserved against the cloud's upload budget before any body arrives."""
+    """Most bytes a checked header's upload may buffer: every chunk and KV block at the larger of
+    its largest legal payload and what is kept of it (float32: activations ``[n, H]``, KV blocks
+    ``[k, 2, Hkv, B, D]``; a quantised format decodes to up to 8x its wire size). Reserved against
+    the cloud's upload budget before any body arrives."""
     sh = manifest.shape
-    chunk = wire.max_payload_bytes(
-        wire.raw_nbytes_of(params.chunk_tokens, params.wire_dtype, sh.hidden_size), params.codec
+    n, B = params.chunk_tokens, params.kv_block_size_tokens
+    chunk = max(
+        wire.max_payload_bytes(wire.raw_nbytes_of(n, params.wire_dtype, sh.hidden_size), params.codec),
+        wire.raw_nbytes_of(n, wire.WireDtype.FP32, sh.hidden_size),
     )
-    shape = (manifest.split_layer, 2, sh.num_kv_heads, params.kv_block_size_tokens, sh.head_dim)
-    block = kv_raw_nbytes(shape, params.kv_wire_dtype)
-    return h.num_chunks * chunk + h.num_kv_blocks * wire.max_payload_bytes(block, params.codec)
+    shape = (manifest.split_layer, 2, sh.num_kv_heads, B, sh.head_dim)
+    block = max(
+        wire.max_payload_bytes(kv_raw_nbytes(shape, params.kv_wire_dtype), params.codec),
+        kv_raw_nbytes(shape, wire.WireDtype.FP32),
+    )
+    return h.num_chunks * chunk + h.num_kv_blocks * block
 
 
 @dataclass

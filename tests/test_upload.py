@@ -194,3 +194,16 @@ def test_kv_blocks_in_another_format_than_the_links_are_refused():
     # the fp32 block announced as int8: its size is wrong for the format
     with pytest.raises(InvalidRequest, match="bytes"):
         u.add_block(KVBlock(**{**b.__dict__, "wire_dtype": i8, "leaf_index": 1, "block_hash": blocks[1].block_hash}))
+
+
+def test_the_upload_budget_covers_what_is_kept_not_only_what_travels():
+    """A quantised upload is kept as float32 (up to 8x its wire size): the reservation covers that."""
+    from dataclasses import replace
+
+    from tandem.cloud.upload import upload_bound_bytes
+
+    header, _, chunks, blocks = make_turn(list(range(10)))
+    fp32 = upload_bound_bytes(header, PARAMS, MANIFEST)
+    small = replace(PARAMS, wire_dtype=wire.WireDtype.INT4, kv_wire_dtype=wire.WireDtype.INT4)
+    kept = header.num_chunks * PARAMS.chunk_tokens * H * 4 + header.num_kv_blocks * K * 2 * HKV * B * D * 4
+    assert upload_bound_bytes(header, small, MANIFEST) >= kept and fp32 >= kept
