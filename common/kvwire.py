@@ -53,6 +53,17 @@ def kv_raw_nbytes(shape: tuple[int, int, int, int, int], dtype: WireDtype) -> in
 
 
 def encode_kv(block: np.ndarray, dtype: WireDtype) -> bytes:
+    """float32 ``[Lp, 2, Hkv, B, D]`` -> its bytes in ``dtype`` (see module doc); NaN and inf are
+    carried, not warned about (the cloud refuses them).
+
+    Raises:
+        InvalidRequest: ``block`` is not a 5-D float32 array with 2 on axis 1.
+    """
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _encode_kv(block, dtype)
+
+
+def _encode_kv(block: np.ndarray, dtype: WireDtype) -> bytes:
     """float32 ``[Lp, 2, Hkv, B, D]`` -> its bytes in ``dtype`` (see module doc).
 
     Raises:
@@ -63,11 +74,12 @@ def encode_kv(block: np.ndarray, dtype: WireDtype) -> bytes:
     x = np.ascontiguousarray(block, dtype="<f4")
     if dtype == WireDtype.FP32:
         return x.tobytes()
-    if dtype == WireDtype.FP16:  # saturated: a value past fp16's range must not become inf
-        return np.clip(x, -65504.0, 65504.0).astype("<f2").tobytes()
+    if dtype == WireDtype.FP16:  # finite values saturate; NaN and inf stay so (the cloud refuses them)
+        return np.where(np.isfinite(x), np.clip(x, -65504.0, 65504.0), x).astype("<f2").tobytes()
     if dtype == WireDtype.BF16:
-        u = x.view("<u4")
-        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2").tobytes()
+        u = x.view("<u4").astype(np.uint64)  # no wrap-around: a NaN must not round to 0
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
+        return np.where(np.isnan(x), np.uint16(0x7FC0), r).astype("<u2").tobytes()
     if dtype == WireDtype.INT8:
         s16, s = safe_scale(np.abs(x).max(axis=4), 127)  # [Lp, 2, Hkv, B]
         return s16.tobytes() + quantize(x, s[..., None], -127, 127).tobytes()
@@ -78,7 +90,7 @@ def encode_kv(block: np.ndarray, dtype: WireDtype) -> bytes:
     v_lo, v_hi = v.min(axis=3), v.max(axis=3)  # per token: [Lp, Hkv, B]
     ks16, ks = safe_scale(k_hi - k_lo, 15)
     vs16, vs = safe_scale(v_hi - v_lo, 15)
-    k_lo16, v_lo16 = k_lo.astype("<f2"), v_lo.astype("<f2")
+    k_lo16, v_lo16 = (np.clip(a, -65504.0, 65504.0).astype("<f2") for a in (k_lo, v_lo))  # no inf minimum
     qk = quantize(k - k_lo16.astype(np.float32)[:, :, None, :], ks[:, :, None, :], 0, 15)
     qv = quantize(v - v_lo16.astype(np.float32)[..., None], vs[..., None], 0, 15)
     q = np.stack([qk, qv], axis=1)  # [Lp, 2, Hkv, B, D]
@@ -86,6 +98,17 @@ def encode_kv(block: np.ndarray, dtype: WireDtype) -> bytes:
 
 
 def decode_kv(raw: bytes, dtype: WireDtype, shape: tuple[int, int, int, int, int]) -> np.ndarray:
+    """Bytes of one block in ``dtype`` -> float32 ``shape = (Lp, 2, Hkv, B, D)`` (NaN and inf
+    decode as such, without warnings: the caller checks the values).
+
+    Raises:
+        InvalidRequest: ``len(raw)`` is not ``kv_raw_nbytes(shape, dtype)``, or an unknown dtype.
+    """
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _decode_kv(raw, dtype, shape)
+
+
+def _decode_kv(raw: bytes, dtype: WireDtype, shape: tuple[int, int, int, int, int]) -> np.ndarray:
     """Bytes of one block in ``dtype`` -> float32 ``shape = (Lp, 2, Hkv, B, D)``.
 
     Raises:

@@ -207,10 +207,13 @@ DEFAULT = BLAKE3
 
 def leaf_data(block_hash: bytes, layer_lo: int, layer_hi: int, wire_dtype: int, data: bytes) -> bytes:
     """What a KV block's leaf commits to: ``block_hash`` (the block's identity hash), layers
-    ``[layer_lo, layer_hi)`` as two little-endian u32, the ``WireDtype`` value as one byte, then
-    the block's bytes in that dtype (``common.kvwire.encode_kv``; before the codec).
-    Hash-independent; callers pass the result to ``leaf_hash``."""
-    return block_hash + struct.pack("<IIB", layer_lo, layer_hi, wire_dtype) + data
+    ``[layer_lo, layer_hi)`` as two little-endian u32, the ``WireDtype`` value as one byte unless
+    it is fp32 (1), then the block's bytes in that dtype (``common.kvwire.encode_kv``; before the
+    codec). Fp32 leaves keep the layout they had before KV formats existed, so edges and clouds
+    of either version agree on them; other formats' data lengths differ from fp32's for any block
+    shape the manifest allows. Hash-independent; callers pass the result to ``leaf_hash``."""
+    tag = b"" if wire_dtype == 1 else struct.pack("<B", wire_dtype)
+    return block_hash + struct.pack("<II", layer_lo, layer_hi) + tag + data
 
 
 def leaf_hash(data: bytes) -> bytes:

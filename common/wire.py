@@ -109,8 +109,9 @@ def safe_scale(amax: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
 
 def quantize(x: np.ndarray, scale: np.ndarray, lo: int, hi: int) -> np.ndarray:
     """``round(x / scale)`` clipped to ``[lo, hi]`` as int8 (0 where ``scale`` is 0)."""
-    q = np.rint(x / np.where(scale > 0, scale, 1.0))
-    return np.clip(np.where(scale > 0, q, 0), lo, hi).astype(np.int8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = np.rint(x / np.where(scale > 0, scale, 1.0))
+        return np.clip(np.where(scale > 0, q, 0), lo, hi).astype(np.int8)
 
 
 def crc32c(data: bytes) -> int:
@@ -322,9 +323,9 @@ def encode_dtype(h: np.ndarray, dtype: WireDtype) -> bytes:
     if dtype == WireDtype.FP16:
         return h.astype("<f2").tobytes()
     if dtype == WireDtype.BF16:
-        u = np.ascontiguousarray(h, dtype="<f4").view("<u4")
-        rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # round to nearest even
-        return rounded.astype("<u2").tobytes()
+        u = np.ascontiguousarray(h, dtype="<f4").view("<u4").astype(np.uint64)  # no wrap-around for NaN
+        rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")  # round to nearest even
+        return np.where(np.isnan(h), np.uint16(0x7FC0), rounded).astype("<u2").tobytes()
     if dtype == WireDtype.INT4:
         t, hidden = h.shape
         g = -(-hidden // INT4_GROUP)

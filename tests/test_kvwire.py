@@ -111,3 +111,32 @@ def test_activation_int4(hidden):
     step = np.repeat(padded.reshape(5, g, -1).max(axis=2) / 7, wire.INT4_GROUP, axis=1)[:, :hidden]
     assert np.all(np.abs(y - h) <= step * 0.5 * 1.01 + 1e-7)
     assert wire.raw_nbytes_of(1, WireDtype.INT4, 576) == 36 + 288
+
+
+def test_fp32_leaves_keep_their_layout_from_before_formats():
+    """An edge or cloud of the version before KV formats hashed fp32 blocks without a dtype byte."""
+    import struct
+
+    raw, h = encode_kv(block(5), WireDtype.FP32), bytes(range(32))
+    assert merkle.leaf_data(h, 0, 4, WireDtype.FP32, raw) == h + struct.pack("<II", 0, 4) + raw
+
+
+def test_non_finite_values_stay_non_finite_and_huge_ones_finite():
+    """The cloud refuses NaN and inf (``upload.check_values``): no format may turn them into
+    numbers; and a finite value past fp16's range must not become inf in a format that saturates."""
+    x = block(6)
+    x.reshape(-1).view("<u4")[:3] = [0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001]  # NaNs that wrapped to 0 in bf16
+    x.reshape(-1)[3] = np.inf
+    for d in WireDtype:
+        y = decode_kv(encode_kv(x, d), d, SHAPE).reshape(-1)
+        assert not np.isfinite(y[:4]).any() or d in (WireDtype.INT8, WireDtype.INT4), d
+        if d in (WireDtype.INT8, WireDtype.INT4):  # the whole group is non-finite or huge: refused too
+            assert not (np.isfinite(y[:4]) & (np.abs(y[:4]) <= 1e5)).all(), d
+    big = block(7)
+    big[0, 0, 0, :, 3] = -70000.0  # a key channel's minimum past fp16's range
+    big[0, 1, 0, 2, :] = 66000.0  # a value token's
+    for d in (WireDtype.FP16, WireDtype.INT4):
+        assert np.isfinite(decode_kv(encode_kv(big, d), d, SHAPE)).all(), d
+    h = np.zeros((2, 8), np.float32)
+    h.view("<u4")[0, :2] = [0x7FFFFFFF, 0xFFFFFFFF]
+    assert np.isnan(wire.decode_dtype(wire.encode_dtype(h, WireDtype.BF16), WireDtype.BF16, 2, 8)[0, :2]).all()
