@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from tandem.common.errors import InvalidRequest
-from tandem.common.wire import WireDtype, pack_int4, quantize, safe_scale, unpack_int4
+from tandem.common.wire import FP16_MAX, WireDtype, bf16_bits, pack_int4, quantize, safe_scale, unpack_int4
 
 
 def kv_raw_nbytes(shape: tuple[int, int, int, int, int], dtype: WireDtype) -> int:
@@ -75,11 +75,9 @@ def _encode_kv(block: np.ndarray, dtype: WireDtype) -> bytes:
     if dtype == WireDtype.FP32:
         return x.tobytes()
     if dtype == WireDtype.FP16:  # finite values saturate; NaN and inf stay so (the cloud refuses them)
-        return np.where(np.isfinite(x), np.clip(x, -65504.0, 65504.0), x).astype("<f2").tobytes()
+        return np.where(np.isfinite(x), np.clip(x, -FP16_MAX, FP16_MAX), x).astype("<f2").tobytes()
     if dtype == WireDtype.BF16:
-        u = x.view("<u4").astype(np.uint64)  # no wrap-around: a NaN must not round to 0
-        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
-        return np.where(np.isnan(x), np.uint16(0x7FC0), r).astype("<u2").tobytes()
+        return bf16_bits(x).tobytes()
     if dtype == WireDtype.INT8:
         s16, s = safe_scale(np.abs(x).max(axis=4), 127)  # [Lp, 2, Hkv, B]
         return s16.tobytes() + quantize(x, s[..., None], -127, 127).tobytes()
@@ -90,7 +88,7 @@ def _encode_kv(block: np.ndarray, dtype: WireDtype) -> bytes:
     v_lo, v_hi = v.min(axis=3), v.max(axis=3)  # per token: [Lp, Hkv, B]
     ks16, ks = safe_scale(k_hi - k_lo, 15)
     vs16, vs = safe_scale(v_hi - v_lo, 15)
-    k_lo16, v_lo16 = (np.clip(a, -65504.0, 65504.0).astype("<f2") for a in (k_lo, v_lo))  # no inf minimum
+    k_lo16, v_lo16 = (np.clip(a, -FP16_MAX, FP16_MAX).astype("<f2") for a in (k_lo, v_lo))  # no inf minimum
     qk = quantize(k - k_lo16.astype(np.float32)[:, :, None, :], ks[:, :, None, :], 0, 15)
     qv = quantize(v - v_lo16.astype(np.float32)[..., None], vs[..., None], 0, 15)
     q = np.stack([qk, qv], axis=1)  # [Lp, 2, Hkv, B, D]

@@ -100,10 +100,21 @@ def unpack_int4(raw: bytes, shape: tuple[int, ...], signed: bool = True) -> np.n
     return out[..., :n]
 
 
+FP16_MAX = 65504.0  # largest finite float16
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (``<u2``), rounded to nearest even; NaN stays NaN (some
+    NaN patterns would wrap around to 0 in 32-bit arithmetic)."""
+    u = np.ascontiguousarray(x, dtype="<f4").view("<u4").astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded).astype("<u2")
+
+
 def safe_scale(amax: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
     """``(scale as fp16, the same as float32)`` for ``amax / levels``, saturated to fp16's range;
     a scale that rounds to 0 encodes zeros."""
-    s16 = np.minimum(amax / levels, 65504.0).astype("<f2")
+    s16 = np.minimum(amax / levels, FP16_MAX).astype("<f2")
     return s16, s16.astype(np.float32)
 
 
@@ -323,9 +334,7 @@ def encode_dtype(h: np.ndarray, dtype: WireDtype) -> bytes:
     if dtype == WireDtype.FP16:
         return h.astype("<f2").tobytes()
     if dtype == WireDtype.BF16:
-        u = np.ascontiguousarray(h, dtype="<f4").view("<u4").astype(np.uint64)  # no wrap-around for NaN
-        rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")  # round to nearest even
-        return np.where(np.isnan(h), np.uint16(0x7FC0), rounded).astype("<u2").tobytes()
+        return bf16_bits(h).tobytes()
     if dtype == WireDtype.INT4:
         t, hidden = h.shape
         g = -(-hidden // INT4_GROUP)
