@@ -27,6 +27,8 @@ class CloudSession:
     token_ids: list[int] = field(default_factory=list)
     hidden: np.ndarray | None = None
     leaves: list[bytes] = field(default_factory=list)
+    split_layer: int = 0  # the k its activations and leaves belong to
+    block_tokens: int = 0  # the KV block size its leaves were cut at
     version: int = 0  # bumped by every committed turn; an upload checked against version v commits only at v
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # held only while a turn commits
 

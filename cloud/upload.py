@@ -127,23 +127,32 @@ class TurnUpload:
 
     def __post_init__(self) -> None:
         h, s = self.header, self.session
-        # cached_tokens == 0 restarts the session (a resend from token 0 after eviction or edits)
-        if h.cached_tokens and not s.token_ids:
+        # cached_tokens == 0 restarts the session (a resend from token 0 after eviction); 0 < cached_tokens
+        # <= what the session holds keeps that verified prefix (an edit or a regenerated answer): its
+        # activations and the leaves of the full blocks inside it, a tree cut to a prefix of its leaves
+        c = h.cached_tokens
+        if c and not s.token_ids:
             raise SessionNotFound(
                 f"this cloud holds no session {h.session_id!r} of this edge (never made, evicted, or another "
                 f"edge's): resend from token 0"
             )
-        base_tokens = s.token_ids if h.cached_tokens else []
-        if h.cached_tokens != len(base_tokens) or list(h.prompt_token_ids[: h.cached_tokens]) != base_tokens:
+        if c > len(s.token_ids) or list(h.prompt_token_ids[:c]) != s.token_ids[:c]:
             raise SessionOutOfSync(
-                f"cloud holds {len(s.token_ids)} tokens of session {h.session_id!r}; the edge assumed "
-                f"{h.cached_tokens}"
-                + ("" if h.cached_tokens != len(base_tokens) else " with other token ids")
-                + ": resend from token 0"
+                f"cloud holds {len(s.token_ids)} tokens of session {h.session_id!r}; the edge assumed {c}"
+                + (" with other token ids" if c <= len(s.token_ids) else "")
+                + ": sync the session or resend from token 0"
             )
+        if c and s.split_layer != h.split_layer:
+            raise SessionOutOfSync(
+                f"session {h.session_id!r} holds activations of split layer {s.split_layer}, the turn is at "
+                f"k={h.split_layer}: resend from token 0"
+            )
+        bs = self.params.kv_block_size_tokens
+        if c and s.block_tokens != bs:
+            raise SessionOutOfSync(f"session {h.session_id!r} was cut in blocks of {s.block_tokens} tokens, not {bs}")
         self.base_version = s.version
-        self.base_hidden = s.hidden if h.cached_tokens else None
-        self.base_leaves = list(s.leaves) if h.cached_tokens else []
+        self.base_hidden = s.hidden[:c] if c and s.hidden is not None else None
+        self.base_leaves = list(s.leaves[: c // bs]) if c else []
         self.bs = self.params.kv_block_size_tokens
         self.hashes = block_hashes(list(h.prompt_token_ids), self.bs, self.hash_seed)
         self.first_new_leaf = len(self.base_leaves)
@@ -318,6 +327,7 @@ class TurnUpload:
         if s.version != self.base_version:
             raise SessionOutOfSync("another turn of this session committed during the upload: resend from token 0")
         s.hidden, s.token_ids, s.leaves = hidden, list(self.header.prompt_token_ids), self.leaves()
+        s.split_layer, s.block_tokens = self.header.split_layer, self.bs
         s.version += 1
 
     def release(self) -> None:

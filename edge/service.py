@@ -284,7 +284,7 @@ class EdgeService:
         head, cloud = {}, {}
         if s is not None and s.k in self.heads:
             head[s.k] = s.common_prefix(ids)
-            cloud[s.k] = s.cloud_tokens if s.common_prefix(ids) >= s.cloud_tokens else 0
+            cloud[s.k] = min(s.cloud_tokens, s.common_prefix(ids))
         return RequestShape(len(ids), local_cached, head, cloud)
 
     def decide(self, turn: ChatTurn, ids: list[int]) -> Decision:
@@ -583,8 +583,8 @@ class EdgeService:
         if not k:
             header = TurnHeader(rid, "", p.params_version, 0, tuple(ids), 0, 0, 0, turn.sampling, link_id)
             return OutgoingTurn(header, [], {}, 0, b"")
-        if resend_all:
-            s.cloud_tokens, s.leaves = 0, []
+        if resend_all or (s.block_tokens and s.block_tokens != p.kv_block_size_tokens):
+            s.forget_cloud_past(0)  # the cloud lost the session, or its leaves were cut at another block size
         if s.hidden is None or s.kv is None:
             raise InvalidRequest("the head produced no output for this turn")
         cached = s.cloud_tokens
@@ -674,6 +674,7 @@ class EdgeService:
                 upload_done()
                 s.cloud_tokens = len(ids)
                 s.leaves = s.leaves + [out.blocks[j].leaf_hash for j in sorted(out.blocks)]
+                s.block_tokens = out.block_tokens
                 clock.timings[Stage.UPLINK] = out.upload_ms
                 clock.acked = True
             elif isinstance(ev, TokensOut):

@@ -29,6 +29,8 @@ class EdgeSession:
     cloud_tokens: int = 0
     leaves: list[bytes] = field(default_factory=list)
     k: int = 0  # the split layer its head KV and activations belong to
+    block_tokens: int = 0  # KV block size of ``leaves`` (0 until the cloud acknowledged a turn)
+    synced_with: str = ""  # the cloud (its instance id) that ``cloud_tokens`` and ``leaves`` describe
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -44,18 +46,31 @@ class EdgeSession:
         return i
 
     def truncate(self, n: int) -> None:
-        """Keep only the first ``n`` processed tokens (a conversation edited in the middle)."""
+        """Keep only the first ``n`` processed tokens (a conversation edited in the middle, or a
+        regenerated answer). What the cloud holds of the common prefix stays valid: its first
+        ``min(cloud_tokens, n)`` activations and the leaves of the full blocks inside them (a Merkle
+        tree cut to a prefix of its leaves is the tree of that prefix), so only the rest is resent."""
         if n < len(self.token_ids):
             self.token_ids = self.token_ids[:n]
             self.kv = None if self.kv is None or n == 0 else np.ascontiguousarray(self.kv[:, :, :, :n])
             self.hidden = None if self.hidden is None or n == 0 else self.hidden[:n]
-            self.cloud_tokens, self.leaves = 0, []  # the cloud's copy no longer matches: resend
+        self.forget_cloud_past(n)
+
+    def forget_cloud_past(self, n: int) -> None:
+        """The cloud's copy is good for the first ``n`` tokens at most: keep ``cloud_tokens <= n`` and
+        only the leaves of full blocks within them."""
+        self.cloud_tokens = min(self.cloud_tokens, n)
+        keep = self.cloud_tokens // self.block_tokens if self.block_tokens else 0
+        self.leaves = self.leaves[:keep]
+        if not self.leaves and not self.cloud_tokens:
+            self.block_tokens = 0
 
     def reset(self, k: int) -> None:
         """Start over at split layer ``k`` (the session moves to another head): nothing is kept."""
         self.truncate(0)
         self.kv = self.hidden = None
         self.k = k
+        self.synced_with = ""
 
     def snapshot(self) -> EdgeSession:
         """A rollback point (shares the arrays, which are never modified in place)."""

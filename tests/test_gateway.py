@@ -71,6 +71,69 @@ async def test_second_turn_sends_only_new_blocks(toy):
     assert second.external_tokens == second.prompt_tokens // B * B
 
 
+def chat(*msgs: str, session: str = "", n: int = 8, **kw) -> ChatTurn:
+    """A conversation alternating user / assistant messages, ending with a user message."""
+    convo = tuple(("user" if i % 2 == 0 else "assistant", m) for i, m in enumerate(msgs))
+    return ChatTurn(convo, "", session, Sampling(max_new_tokens=n), **{"mode": "split", **kw})
+
+
+class Sent:
+    """Records what crosses the uplink: the token ranges of activation chunks and the KV leaves."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.leaves: list[int] = []
+
+    def __call__(self, item, attempt):
+        if isinstance(item, wire.Chunk):
+            self.tokens += range(item.token_offset, item.token_offset + item.num_tokens)
+        elif isinstance(item, KVBlock):
+            self.leaves.append(item.leaf_index)
+        return item
+
+    def take(self) -> tuple[list[int], list[int]]:
+        out = (self.tokens, self.leaves)
+        self.tokens, self.leaves = [], []
+        return out
+
+
+async def test_edits_and_regenerations_send_only_what_changed():
+    """Issue 10 item 6: an edited last message resends only the tokens past the edit (and the KV
+    blocks that hold them); a regenerated answer resends one token. The answers equal those of a
+    fresh session with the same conversation, and the cloud's session is the new conversation."""
+    sent = Sent()
+    toy = await toy_stack(lambda link: TamperLink(link, sent))
+    try:
+        await run(toy.edge, chat(LONG, session="e"))
+        await run(toy.edge, chat(LONG, "ok", "tell me more about the fox", session="e"))
+        cloud = toy.cloud_session("e")
+        assert cloud is not None
+        edited = chat(LONG, "ok", "tell me more about the dog instead", session="e")
+        ids = toy.edge.tokenize(edited)
+        c = next(i for i, (a, b) in enumerate(zip(ids, cloud.token_ids, strict=False)) if a != b)
+        sent.take()
+        done = await run(toy.edge, edited)
+        assert sent.take() == (list(range(c, len(ids))), list(range(c // B, len(ids) // B)))
+        fresh = await run(toy.edge, replace(edited, session_id="fresh"))
+        assert done.output_token_ids == fresh.output_token_ids
+        assert done.external_tokens == len(ids) // B * B
+        assert cloud.token_ids == ids and len(cloud.leaves) == len(ids) // B
+
+        sent.take()
+        again = await run(toy.edge, edited)  # regenerate: the same conversation once more
+        last_block = [len(ids) // B - 1] if len(ids) % B == 0 else []
+        assert sent.take() == ([len(ids) - 1], last_block)
+        assert again.output_token_ids == fresh.output_token_ids
+
+        short = toy.edge.tokenize(chat(LONG))
+        shorter = await run(toy.edge, chat(LONG, session="e"))  # back to the first turn's conversation
+        assert sent.take() == ([len(short) - 1], [len(short) // B - 1] if len(short) % B == 0 else [])
+        first = await run(toy.edge, chat(LONG, session="fresh2"))
+        assert shorter.output_token_ids == first.output_token_ids
+    finally:
+        await toy.batcher.stop()
+
+
 async def test_resend_from_token_0_never_reuses_kv_of_other_activations():
     """Issue 12 item 2: ids X with X's activations, then from token 0 the same ids with the
     activations of another prompt Y: the answer equals a cold request with ids X and Y's activations."""

@@ -482,6 +482,27 @@ async def test_cloud_restart_mid_session_loses_no_turn(stack, hf_model, tokenize
     assert res.head_tokens < res.prompt_tokens  # the edge kept its head work; only the cloud lost the session
 
 
+async def test_an_edit_and_a_regeneration_resend_only_what_changed(stack, hf_model, tokenizer):
+    """Issue 10 item 6: editing the end of a long message, then regenerating the answer, sends only
+    the activations past the edit (one token for the regeneration) and the KV blocks that hold them;
+    both answers are the reference's."""
+    client, session = stack["client"], f"edit-{uuid.uuid4().hex}"
+    first = await client.complete(
+        [{"role": "user", "content": LONG + "What is this about?"}], max_new_tokens=8, session_id=session
+    )
+    edited = [{"role": "user", "content": LONG + "Who made the first printing press?"}]
+    ids = prompt_ids(tokenizer, {"messages": edited})
+    per_token = first.sent_bytes["activations"] / first.prompt_tokens
+    ref, gaps = hf_greedy(hf_model, ids, 8)
+    for what in ("edit", "regeneration"):
+        res = await client.complete(edited, max_new_tokens=8, session_id=session)
+        assert_same_or_near_tie(list(res.output_token_ids), ref, gaps, what)
+        sent_tokens = res.sent_bytes["activations"] / per_token
+        assert sent_tokens < (20 if what == "edit" else 2), (what, res.sent_bytes, first.sent_bytes)
+        assert res.sent_bytes["kv"] <= first.sent_bytes["kv"] / (first.prompt_tokens // 32) * 2.01, what
+        assert res.external_tokens == len(ids) // 32 * 32
+
+
 async def test_resend_from_token_0_never_reuses_tail_kv_of_other_activations(stack, tokenizer):
     """Issue 12 item 2: in one session, ids X with X's activations; then, from token 0, the same ids X
     with the activations of another prompt Y: the answer equals a cold (stateless) request with ids X

@@ -114,15 +114,56 @@ def test_header_limits():
             check_header(TurnHeader(**{**header.__dict__, **bad}), PARAMS, MANIFEST)
 
 
+def held(n=10, **kw):
+    """A session holding ``n`` tokens 0..n-1 at split layer K in blocks of B."""
+    base = dict(
+        token_ids=list(range(n)),
+        hidden=np.zeros((n, H), np.float32),
+        leaves=[bytes([j]) * 32 for j in range(n // B)],
+        split_layer=K,
+        block_tokens=B,
+    )
+    return CloudSession(**{**base, **kw})
+
+
 def test_second_turn_needs_the_sessions_state():
-    s = CloudSession(token_ids=list(range(10)), hidden=np.zeros((10, H), np.float32), leaves=[b"x" * 32] * 2)
+    s = held()
     header, *_ = make_turn(list(range(14)), cached=10, leaves_before=2)
     assert upload(header, s).first_new_leaf == 2
     other, *_ = make_turn([5] + list(range(1, 14)), cached=10, leaves_before=2)
-    with pytest.raises(SessionOutOfSync):
+    with pytest.raises(SessionOutOfSync, match="other token ids"):
         upload(other, s)
+    ahead, *_ = make_turn(list(range(14)), cached=12, leaves_before=3)
+    with pytest.raises(SessionOutOfSync, match="assumed 12"):
+        upload(ahead, s)
     restart, *_ = make_turn([5] + list(range(1, 14)))
     assert upload(restart, s).first_new_leaf == 0  # cached_tokens=0 restarts the session
+    with pytest.raises(SessionOutOfSync, match="split layer"):
+        upload(header, held(split_layer=K + 1))
+    with pytest.raises(SessionOutOfSync, match="blocks of"):
+        upload(header, held(block_tokens=2 * B))
+
+
+@pytest.mark.parametrize("cached", [0, 3, 4, 7, 9])
+def test_an_edit_keeps_the_verified_prefix(cached):
+    """An edit after token ``cached`` (or a regenerated answer, cached = T - 1) keeps the session's
+    first ``cached`` activations and the leaves of the full blocks inside them; only the rest
+    travels, and the committed root covers kept and new leaves together."""
+    s = held()
+    ids = list(range(cached)) + [50 + i for i in range(10 - cached)]
+    header, hidden, chunks, blocks = make_turn(ids, cached=cached, leaves_before=cached // B)
+    u = upload(header, s)
+    assert u.first_new_leaf == cached // B and list(u.expected_leaves) == list(range(cached // B, 2))
+    for c in chunks:
+        assert u.add_chunk(c)
+    for b in blocks.values():
+        u.add_block(b)
+    leaves = s.leaves[: cached // B] + [b.leaf_hash for b in blocks.values()]
+    assert u.commit(len(leaves), merkle.root(leaves)) == []
+    act = u.activations()
+    assert act.shape == (10, H) and np.array_equal(act[cached:], hidden[cached:])
+    u.apply_to(s, act)
+    assert s.token_ids == ids and s.leaves == leaves and s.version == 1
 
 
 def test_session_table_is_bounded_by_count_and_bytes():
