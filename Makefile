@@ -30,7 +30,11 @@ SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 # written last by tandem-model
 MODEL_STAMP := $(MODEL_DIR)/bundles/cloud/bundle.json
 
-.PHONY: setup proto proto-check model run test check bench fuzz clean
+.PHONY: setup proto proto-check model run test check bench fuzz clean redis redis-server
+# Debian's redis-server: the block store several cloud replicas share (tests start their own on a free port)
+SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
+REDIS_PORT ?= 6379
+REDIS_MAXMEMORY ?= 4gb
 
 setup: $(SETUP_STAMP)
 
@@ -63,6 +67,16 @@ proto-check: $(PROTOC_VENV)/.ok
 	  diff -u $$f build/proto-check/$$f || { echo "$$f does not match $(PROTO_SRC): run make proto"; exit 1; }; \
 	done
 
+redis-server:
+	@command -v redis-server >/dev/null || { echo "== installing redis-server (Debian) =="; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server; }
+
+# a shared store for replicas on this host: `tandem-cloud --store-url redis://127.0.0.1:$(REDIS_PORT)/0`
+redis: redis-server
+	redis-cli -p $(REDIS_PORT) ping >/dev/null 2>&1 || redis-server --port $(REDIS_PORT) --bind 127.0.0.1 \
+	  --maxmemory $(REDIS_MAXMEMORY) --maxmemory-policy allkeys-lru --save "" --appendonly no --daemonize yes
+	redis-cli -p $(REDIS_PORT) ping
+
 model: setup $(MODEL_STAMP)
 
 $(MODEL_STAMP):
@@ -71,7 +85,7 @@ $(MODEL_STAMP):
 run: model
 	$(BIN)/python -m tandem.demo --split-dir $(MODEL_DIR)/split-k$(SPLIT)
 
-test: model
+test: model redis-server
 	$(BIN)/python -m pytest -q tests
 
 bench: model

@@ -92,6 +92,11 @@ class CloudConfig(DaemonSettings):
         "owns it (`~` and `$VARS` are expanded).",
     )
     store_bytes: Bytes = Field(default=gib(4), description="Bound of the KV block store in bytes (LRU beyond).")
+    store_url: str = Field(
+        default="",
+        description="A block store shared by several cloud replicas: `redis://host:port/db` (`rediss://` for TLS; "
+        "the password in `$TANDEM_CLOUD_STORE_PASSWORD`, never in the URL). Empty: the disk store in `store_dir`.",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
     extra_split_dirs: list[Path] = Field(
         default_factory=list,

@@ -46,9 +46,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tandem.cloud.kv_layout import layout_for
+from tandem.common.errors import EngineError
 from tandem.common.kvblocks import LayerRange, block_nbytes
 from tandem.common.kvparams import KVTransferSpec
-from tandem.common.kvstore import DiskBlockStore
+from tandem.common.kvstore import open_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -110,7 +111,7 @@ class TandemConnector(KVConnectorBase_V1):
         model_cfg = vllm_config.model_config
         self.num_kv_heads = model_cfg.get_total_num_kv_heads()
         self.head_dim = model_cfg.get_head_size()
-        self.store = DiskBlockStore(extra["store_dir"], int(extra["store_bytes"]))
+        self.store = open_store(extra.get("store_url", ""), extra["store_dir"], int(extra["store_bytes"]))
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         # worker side
@@ -279,10 +280,15 @@ class TandemConnector(KVConnectorBase_V1):
             buf[g - part.lo] = canonical(self._layout_of(kv_layer).read_block(kv_layer, block_id))
 
     def wait_for_save(self) -> None:
-        """Write the staged blocks to the store (synchronously)."""
-        for key, buf in self._save_buf.items():
-            self.store.put(key, buf.tobytes())
-        self._save_buf.clear()
+        """Write the staged blocks to the store (synchronously). A write the store refuses (a
+        shared store out of reach) leaves the block missing: its readers recompute it."""
+        try:
+            for key, buf in self._save_buf.items():
+                self.store.put(key, buf.tobytes())
+        except EngineError as e:
+            log.warning("tandem connector: saving KV blocks failed (%s); readers recompute them", e)
+        finally:
+            self._save_buf.clear()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

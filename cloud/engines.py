@@ -91,6 +91,7 @@ def _kv_transfer(cfg: CloudConfig, role: str, layer_offset: int) -> dict[str, An
         "kv_role": role,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
+            "store_url": cfg.store_url,  # its password reaches the workers in their environment only
             "store_dir": str(cfg.store_dir),
             "store_bytes": cfg.store_bytes,
             "layer_offset": layer_offset,

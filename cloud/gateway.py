@@ -29,11 +29,13 @@ from tandem.cloud.links import ControllerConfig, LinkSlo, LinkTable, Ticket
 from tandem.cloud.negotiation import LinkLimits, LinkVersions, link_params
 from tandem.cloud.rates import CloudRates
 from tandem.cloud.sessions import CloudSession, SessionTable
+from tandem.cloud.sessionstore import SessionStore
 from tandem.cloud.tenancy import EdgeLimits, EdgeOverLimit
 from tandem.cloud.upload import MAX_ID_BYTES, TurnUpload, check_header, upload_bound_bytes
 from tandem.common import metrics, wire
 from tandem.common.errors import (
     DeadlineExceeded,
+    EngineError,
     IncompatibleModel,
     InvalidRequest,
     MerkleMismatch,
@@ -156,6 +158,7 @@ class Gateway:
         self.instance_id = uuid.uuid4().hex  # a restarted cloud has another: edges renegotiate
         self.serving = True  # mirrors the node's health (engines restarting, draining: False)
         self.sessions = SessionTable(cfg.max_sessions, cfg.session_bytes)
+        self.session_store = SessionStore(store, manifest.shape.hidden_size)
         self.budget = UploadBudget(
             cfg.max_uploads, cfg.max_upload_bytes, cfg.max_uploads_per_peer, cfg.max_upload_bytes_per_peer
         )
@@ -503,7 +506,12 @@ class Gateway:
                 return
             with self.budget.reserve(str(turn.caller), upload_bound_bytes(header, params, manifest)):
                 upload = TurnUpload(
-                    header, params, manifest, self._session(turn), self._seed(header), self.cfg.max_abs_activation
+                    header,
+                    params,
+                    manifest,
+                    await self._session(turn.session_key, header.cached_tokens),
+                    self._seed(header),
+                    self.cfg.max_abs_activation,
                 )
                 try:
                     async for ev in self._receive(turn, upload, uplink):
@@ -514,27 +522,57 @@ class Gateway:
                     upload.release()
             yield UploadAck(len(header.prompt_token_ids), len(leaves))
             tail_keys = activation_keys(hidden, params.kv_block_size_tokens, self._tail_seed(turn), self.tail_part(k))
-            tail = await self._tail_prefill(turn, hidden, tail_keys)
-            ticket.prefill_done()
-            yield TokensOut((tail.first_token,), 0)
-            if tail.finish_reason is not None or header.sampling.max_new_tokens == 1:
-                yield self._final(turn, tail.finish_reason or "length", 1, 0)
-                return
-            # decode continues from prompt + first token, loading every layer of the aligned prefix
-            ids = [*header.prompt_token_ids, tail.first_token]
             spec = KVTransferSpec(
                 loads=(PartSpec(self.head_part(k), tuple(leaves)), PartSpec(self.tail_part(k), tuple(tail_keys)))
             )
-            rest = replace(header.sampling, max_new_tokens=header.sampling.max_new_tokens - 1)
-            async for ev in self._decode(turn, ids, spec, rest, 1, ticket):
-                yield ev
+            try:
+                tail = await self._tail_prefill(turn, hidden, tail_keys)
+                ticket.prefill_done()
+                yield TokensOut((tail.first_token,), 0)
+                if tail.finish_reason is not None or header.sampling.max_new_tokens == 1:
+                    yield self._final(turn, tail.finish_reason or "length", 1, 0)
+                    return
+                # decode continues from prompt + first token, loading every layer of the aligned prefix
+                ids = [*header.prompt_token_ids, tail.first_token]
+                rest = replace(header.sampling, max_new_tokens=header.sampling.max_new_tokens - 1)
+                async for ev in self._decode(turn, ids, spec, rest, 1, ticket):
+                    yield ev
+            finally:
+                if not turn.session_key:  # a stateless request's KV is reusable by no one: drop it now
+                    await asyncio.to_thread(self._drop_blocks, spec)
 
     # ------------------------------------------------------------------ stages
 
-    def _session(self, turn: Turn) -> CloudSession:
-        """The session the upload is checked against, in the caller's namespace (a fresh one for
-        new or stateless turns)."""
-        return self.sessions.get(turn.session_key) or CloudSession()
+    async def _session(self, key: str, cached_tokens: int) -> CloudSession:
+        """The session ``key`` (in the caller's namespace) an upload is checked against: from the
+        memory table, else, when the edge assumes the cloud holds some of it, the verified prefix
+        the block store holds (a restarted node, or another replica's session); a fresh one for
+        new or stateless turns."""
+        s = self.sessions.get(key)
+        if s is not None or not key or not cached_tokens:
+            return s or CloudSession()
+        loaded = await asyncio.to_thread(self.session_store.load, key)
+        if loaded is None or not loaded.session.token_ids:
+            return CloudSession()
+        s = self.sessions.get(key)  # loaded by another turn meanwhile: one object per session
+        if s is None:
+            s = loaded.session
+            self.sessions.put(key, s)
+            self.sessions.evict()
+            log.info(
+                "session %s loaded from the block store: %d of %d tokens", key, len(s.token_ids), loaded.stored_tokens
+            )
+            metrics.record_session_load(len(s.token_ids) == loaded.stored_tokens)
+        return s
+
+    def _drop_blocks(self, spec: KVTransferSpec) -> None:
+        """Delete a finished stateless request's head and tail KV blocks from the store."""
+        try:
+            for part in spec.loads:
+                for j in range(len(part.keys)):
+                    self.store.delete(part.store_key(j))
+        except EngineError as e:
+            log.warning("could not drop a stateless request's KV blocks (%s): they age out of the store", e)
 
     def _seed(self, header: TurnHeader) -> bytes:
         """Seed of the head blocks' ids, as the edge computes it (``common.kvblocks.request_seed``)."""
@@ -639,11 +677,20 @@ class Gateway:
                     session = current  # another turn created the session meanwhile: version check fails
                 upload.apply_to(session, hidden)
                 self.sessions.put(sid, session)
+                saved = replace(session, token_ids=list(session.token_ids), leaves=list(session.leaves))
         except TimeoutError:
             raise DeadlineExceeded(f"deadline passed waiting for session {sid!r}") from None
         finally:
             self.sessions.evict()
-        return hidden, list(session.leaves)
+        t0 = time.perf_counter()
+        try:  # beside the blocks, so that a restarted node or another replica can serve its next turn
+            await asyncio.to_thread(self.session_store.save, sid, saved, upload.header.cached_tokens)
+        except EngineError as e:
+            log.warning("session %s not saved to the block store (%s): its next turn elsewhere resends more", sid, e)
+        turn.timings[Stage.CLOUD_STORE_PUT] = (
+            turn.timings.get(Stage.CLOUD_STORE_PUT, 0.0) + (time.perf_counter() - t0) * 1e3
+        )
+        return hidden, list(saved.leaves)
 
     @traced("cloud_store_put")
     def _put_head_blocks(self, blocks: list[tuple[bytes, bytes]], part: LayerRange) -> None:

@@ -16,7 +16,7 @@ from tandem.cloud.gateway import Gateway
 from tandem.cloud.service import CloudServicer
 from tandem.cloud.supervisor import EngineSupervisor, SupervisedEngines
 from tandem.common.grpcsetup import add_service, set_health, start_server, tls_credentials
-from tandem.common.kvstore import DiskBlockStore
+from tandem.common.kvstore import open_store
 from tandem.common.manifest import SplitManifest
 from tandem.common.security import ApiKeys, Authenticator
 from tandem.v1 import tandem_pb2 as pb
@@ -67,12 +67,13 @@ async def create_cloud(
 
     Raises:
         RuntimeError: the port could not be bound.
-        InvalidRequest: a TLS file cannot be read, an edge key is too short, or the store directory
-            belongs to another user.
+        InvalidRequest: a TLS file cannot be read, an edge key is too short, the store directory
+            belongs to another user, or the store URL is malformed.
+        EngineError: the shared block store (``store_url``) does not answer.
     """
     manifest = SplitManifest.load(cfg.split_dir)
     extra = tuple(SplitManifest.load(d) for d in cfg.extra_split_dirs)
-    store = DiskBlockStore(cfg.store_dir, cfg.store_bytes)
+    store = open_store(cfg.store_url, cfg.store_dir, cfg.store_bytes)
     gateway = Gateway(cfg, manifest, engines, store, extra)
     auth = Authenticator(ApiKeys(cfg.edge_keys), client_certs=cfg.tls_client_ca_file is not None)
     servicer = CloudServicer(gateway, cfg.cloud_id, auth)

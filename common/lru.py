@@ -62,6 +62,10 @@ class BoundedLRU(ABC, Generic[V]):
     def clear(self) -> None:
         self._s.clear()
 
+    def keys(self) -> list[str]:
+        """The keys, least recently used first (not marked as used)."""
+        return list(self._s)
+
     def __len__(self) -> int:
         return len(self._s)
 

@@ -116,6 +116,20 @@ KV_REPAIRS = _metric("edge", Counter, "tandem:kv_block_repairs", "KV blocks sent
 SESSION_RESYNCS = _metric(
     "edge", Counter, "tandem:session_resyncs", "Turns resent from token 0 because the cloud lost the session."
 )
+SESSION_SYNCS = _metric(
+    "edge",
+    Counter,
+    "tandem:session_syncs",
+    "SyncSession calls, by outcome: in_sync, partial (the cloud lacked some), lost (it held nothing usable).",
+    ["outcome"],
+)
+SESSION_LOADS = _metric(
+    "cloud",
+    Counter,
+    "tandem:session_loads",
+    "Sessions loaded from the block store (a restarted node, another replica's): whole or partial.",
+    ["outcome"],
+)
 PREDICTION_ERROR = _histogram(
     "edge",
     "tandem:ttft_prediction_error_ratio",
@@ -263,6 +277,15 @@ def record_uplink(sent_bytes: Mapping[str, int], resent_chunks: int, repaired_bl
 
 def record_session_resync() -> None:
     SESSION_RESYNCS.inc()
+
+
+def record_session_sync(outcome: str) -> None:
+    """``outcome``: ``in_sync``, ``partial`` or ``lost``."""
+    SESSION_SYNCS.labels(outcome).inc()
+
+
+def record_session_load(whole: bool) -> None:
+    SESSION_LOADS.labels("whole" if whole else "partial").inc()
 
 
 def record_received(received_bytes: Mapping[str, int], crc_failures: int) -> None:

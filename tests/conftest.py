@@ -70,3 +70,49 @@ def tls(tmp_path_factory):
         edge_key="edge-1-key-" + "0" * 16,
         app_key="app-key-" + "1" * 16,
     )
+
+
+class RedisServer:
+    """A real redis-server (Debian's package, installed by ``make test``) on a free loopback port,
+    without persistence; ``url`` names database 0."""
+
+    def __init__(self, directory: Path, maxmemory_bytes: int = 0, password: str = "") -> None:
+        import shutil
+        import socket
+        import subprocess
+        import time
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed: `make test` (or `make redis-server`) installs it")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--dir", str(directory)]
+        if password:
+            args += ["--requirepass", password]
+        if maxmemory_bytes:
+            args += ["--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", "allkeys-lru"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()

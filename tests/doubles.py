@@ -50,6 +50,14 @@ class Toy:
         namespace of the edge that made them)."""
         return self.gateway.sessions.get(scoped(as_principal("in-process"), session_id))
 
+    def lose_cloud_sessions(self, stored: bool = True) -> None:
+        """The gateway forgets every session (a restart); ``stored``: the block store's session
+        records and activation pieces go too (a restart that lost its store)."""
+        if stored:
+            for key in list(self.gateway.sessions.keys()):
+                self.gateway.session_store.drop(key)
+        self.gateway.sessions.clear()
+
 
 async def toy_stack(
     link_wrapper=None, edge_session_bytes: int = 1 << 30, offer_kw: dict[str, Any] | None = None, **cloud_kw: Any

@@ -156,7 +156,7 @@ async def test_resend_from_token_0_never_reuses_kv_of_other_activations():
         cold = await run(toy.edge, turn(x_text))  # stateless: nothing stored to reuse
         assert resent.output_token_ids == cold.output_token_ids != honest.output_token_ids
         # and again after a "restart" that keeps the store: a fresh session table
-        toy.gateway.sessions.clear()
+        toy.lose_cloud_sessions()
         toy.edge.sessions.discard("victim")
         again = await run(toy.edge, turn(x_text, "victim"))
         assert again.output_token_ids == cold.output_token_ids
@@ -320,9 +320,29 @@ async def test_uploads_in_flight_are_bounded_per_edge_and_in_total():
         await toy.batcher.stop()
 
 
+async def test_a_restarted_cloud_serves_the_next_turn_from_its_store():
+    """Issue 10 item 3: the gateway loses its memory (a restart) but not its store: the next turn
+    sends only its new tokens and answers as a fresh session would."""
+    sent = Sent()
+    toy = await toy_stack(lambda link: TamperLink(link, sent))
+    try:
+        await run(toy.edge, chat(LONG, session="s"))
+        n1 = len(toy.edge.tokenize(chat(LONG)))
+        toy.lose_cloud_sessions(stored=False)  # as after a cloud restart that kept its store
+        sent.take()
+        second = chat(LONG, "ok", "and more", session="s")
+        done = await run(toy.edge, second)
+        n2 = len(toy.edge.tokenize(second))
+        assert sent.take() == (list(range(n1, n2)), list(range(n1 // B, n2 // B)))
+        fresh = await run(toy.edge, replace(second, session_id="fresh"))
+        assert done.output_token_ids == fresh.output_token_ids
+    finally:
+        await toy.batcher.stop()
+
+
 async def test_cloud_session_loss_is_answered_by_a_resend_from_token_0(toy):
     await run(toy.edge, turn("hello there", "s"))
-    toy.gateway.sessions.clear()  # as after a cloud restart
+    toy.lose_cloud_sessions()  # as after a cloud restart that lost its store
     done = await run(toy.edge, turn("hello there, and more", "s"))
     assert done.head_tokens < done.prompt_tokens and done.output_tokens == 8
 
@@ -347,7 +367,7 @@ async def test_a_session_out_of_sync_twice_is_an_error():
     try:
         toy.edge.conn.link = TamperLink(toy.edge.conn.link, lambda i, a: i)
         await run(toy.edge, turn("hi", "s"))
-        toy.gateway.sessions.clear()
+        toy.lose_cloud_sessions()
         toy.edge.conn.link = TamperLink(toy.edge.conn.link, always_stale)
         with pytest.raises((SessionOutOfSync, InvalidRequest)):
             await run(toy.edge, turn("hi there", "s"))

@@ -5,8 +5,18 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
+from tandem.common.errors import EngineError, InvalidRequest
 from tandem.common.kvblocks import LayerRange, block_hashes, hash_seed, part_key, split_blocks
-from tandem.common.kvstore import DiskBlockStore, MemoryBlockStore
+from tandem.common.kvstore import (
+    PASSWORD_ENV,
+    SEAL_BYTES,
+    DiskBlockStore,
+    MemoryBlockStore,
+    RedisBlockStore,
+    open_store,
+    seal,
+    unseal,
+)
 
 
 def test_chained_hashes_share_prefixes():
@@ -31,7 +41,7 @@ def test_split_blocks_shapes():
 
 
 def test_memory_store_is_bounded_lru():
-    s = MemoryBlockStore(size_limit_bytes=10)
+    s = MemoryBlockStore(size_limit_bytes=2 * (SEAL_BYTES + 4) + 10)  # two sealed values fit, not three
     s.put("a", b"1234")
     s.put("b", b"1234")
     assert s.get("a") == b"1234"  # a is now most recent
@@ -63,3 +73,140 @@ def test_disk_store_is_bounded(tmp_path):
         st.put(f"k{i}", bytes(10_000))
     assert st.volume_bytes() < 400_000  # diskcache culls past the limit (SQLite pages count too)
     assert not st.contains("k0") and st.contains("k99")
+
+
+# ---------------------------------------------------------------- one contract, every backend
+
+
+@pytest.fixture(params=["memory", "disk", "redis"])
+def store(request, tmp_path):
+    """Each ``BlockStore`` backend, empty (Redis: a fresh key prefix on the session's server)."""
+    import uuid
+
+    if request.param == "memory":
+        st = MemoryBlockStore(1 << 26)
+    elif request.param == "disk":
+        st = DiskBlockStore(tmp_path / "kv", 1 << 26)
+    else:
+        st = RedisBlockStore(request.getfixturevalue("redis_server").url, 1 << 26, prefix=f"t{uuid.uuid4().hex}:")
+    yield st
+    st.close()
+
+
+def test_contract_put_get_contains_delete(store):
+    assert store.get("k") is None and not store.contains("k")
+    store.put("k", b"value")
+    assert store.get("k") == b"value" and store.contains("k")
+    store.put("k", b"other value")  # a put replaces
+    assert store.get("k") == b"other value"
+    store.put("empty", b"")
+    assert store.get("empty") == b""
+    big = np.random.default_rng(0).bytes(3 << 20)
+    store.put("big", big)
+    assert store.get("big") == big
+    store.delete("k")
+    store.delete("never there")
+    assert store.get("k") is None and not store.contains("k")
+
+
+@pytest.mark.parametrize("offset", [0, 5, 16, -1])
+def test_contract_a_corrupt_value_reads_as_a_miss(store, offset):
+    """A flipped bit anywhere (seal or value) is never returned: a miss, dropped, counted."""
+    store.put("k", b"0123456789abcdef" * 4)
+    before = store.corrupt_reads
+    assert store.corrupt_for_test("k", offset)
+    assert store.get("k") is None and store.corrupt_reads == before + 1
+    assert not store.contains("k")  # dropped: the next reader does not pay for it again
+    assert not store.corrupt_for_test("missing")
+
+
+def test_contract_concurrent_writers_and_readers(store):
+    """Readers never see a torn value while writers replace it (put is atomic)."""
+    import threading
+
+    values = [bytes([i]) * 50_000 for i in range(8)]
+    stop, bad = threading.Event(), []
+
+    def write() -> None:
+        i = 0
+        while not stop.is_set():
+            store.put("shared", values[i % 8])
+            i += 1
+
+    def read() -> None:
+        for _ in range(300):
+            v = store.get("shared")
+            if v is not None and v not in values:
+                bad.append(len(v))
+
+    store.put("shared", values[0])
+    threads = [threading.Thread(target=write), *(threading.Thread(target=read) for _ in range(2))]
+    for t in threads:
+        t.start()
+    for t in threads[1:]:
+        t.join()
+    stop.set()
+    threads[0].join()
+    assert not bad
+
+
+def test_seal_format():
+    raw = seal(b"abc")
+    assert len(raw) == SEAL_BYTES + 3 and unseal(raw) == b"abc"
+    assert unseal(raw[:-1]) is None and unseal(b"short") is None
+
+
+def test_redis_store_is_bounded_lru_at_the_server(tmp_path):
+    """A server without a bound gets the store's byte bound and allkeys-lru at connect; writes past
+    it evict the least recently used keys instead of failing."""
+    from tests.conftest import RedisServer
+
+    server = RedisServer(tmp_path)
+    try:
+        st = RedisBlockStore(server.url, 4 << 20)
+        assert st._r.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+        for i in range(200):
+            st.put(f"k{i}", bytes(100_000))
+        assert st.contains("k199") and not st.contains("k0")
+        assert st.volume_bytes() < 8 << 20
+    finally:
+        server.stop()
+
+
+def test_redis_store_refusals(redis_server, monkeypatch):
+    with pytest.raises(InvalidRequest, match="password"):
+        RedisBlockStore("redis://:secret@127.0.0.1:1/0", 1 << 20)
+    with pytest.raises(InvalidRequest, match="redis://"):
+        open_store("http://127.0.0.1/", "/nonexistent", 1 << 20)
+    with pytest.raises(EngineError):
+        RedisBlockStore("redis://127.0.0.1:1/0", 1 << 20, socket_timeout_s=0.5)
+
+
+def test_redis_password_comes_from_the_environment(tmp_path, monkeypatch):
+    from tests.conftest import RedisServer
+
+    server = RedisServer(tmp_path, password="s3cret-store-pass")
+    try:
+        with pytest.raises(EngineError):  # no password: NOAUTH
+            RedisBlockStore(server.url, 1 << 20).put("k", b"v")
+        monkeypatch.setenv(PASSWORD_ENV, "wrong")
+        with pytest.raises(EngineError):
+            RedisBlockStore(server.url, 1 << 20)
+        monkeypatch.setenv(PASSWORD_ENV, "s3cret-store-pass")
+        st = RedisBlockStore(server.url, 1 << 20)
+        st.put("k", b"v")
+        assert st.get("k") == b"v"
+    finally:
+        server.stop()
+
+
+def test_redis_reads_during_an_outage_are_misses_and_writes_raise(tmp_path):
+    from tests.conftest import RedisServer
+
+    server = RedisServer(tmp_path)
+    st = RedisBlockStore(server.url, 1 << 20, socket_timeout_s=0.5)
+    st.put("k", b"v")
+    server.stop()
+    assert st.get("k") is None and not st.contains("k")
+    with pytest.raises(EngineError):
+        st.put("k", b"v")
