@@ -32,7 +32,7 @@ from tandem.cloud.sessions import CloudSession, SessionTable
 from tandem.cloud.sessionstore import SessionStore
 from tandem.cloud.tenancy import EdgeLimits, EdgeOverLimit
 from tandem.cloud.upload import MAX_ID_BYTES, TurnUpload, check_header, upload_bound_bytes
-from tandem.common import metrics, wire
+from tandem.common import merkle, metrics, wire
 from tandem.common.errors import (
     DeadlineExceeded,
     EngineError,
@@ -69,7 +69,16 @@ from tandem.common.messages import (
     UploadAck,
     WindowAck,
 )
-from tandem.common.params import LinkParams, Negotiated, NegotiateOffer, Sampling, ServerInfo, ServerLoad
+from tandem.common.params import (
+    LinkParams,
+    Negotiated,
+    NegotiateOffer,
+    Sampling,
+    ServerInfo,
+    ServerLoad,
+    SyncReply,
+    SyncRequest,
+)
 from tandem.common.security import ANONYMOUS_PEER, Principal, scoped
 from tandem.common.tracing import span, traced
 from tandem.common.wire import Codec
@@ -402,6 +411,60 @@ class Gateway:
             tuple(sorted(self.tails)),
             self.serving,
         )
+
+    async def sync_session(self, req: SyncRequest, caller: Principal | str = ANONYMOUS_PEER) -> SyncReply:
+        """``SyncSession``: what this cloud holds of the caller's session ``req.session_id``, checked
+        against the edge's view (memory first, else the block store's verified prefix).
+
+        The leaves: when the cloud holds at least the edge's ``n`` leaves, its first ``n`` must
+        hash to the edge's root; when it holds ``m < n``, the edge's consistency proof from ``m``
+        (RFC 6962 2.1.2, verified as RFC 9162 2.1.4.2) must take the cloud's root to the edge's.
+        Otherwise the reply carries the cloud's leaves and the edge names the first wrong one.
+        The tokens: the common prefix of the edge's token ids and the cloud's. Nothing changes
+        here; the next turn's ``cached_tokens`` cuts the session to what the edge accepted.
+
+        Raises:
+            InvalidRequest: ids, token ids, leaf counts, proof or block size outside the limits.
+            QuotaExceeded: the edge is over its request rate.
+        """
+        c = as_principal(caller)
+        lim = self.limits
+        if not req.session_id or len(req.session_id.encode()) > MAX_ID_BYTES or len(req.link_id.encode()) > 256:
+            raise InvalidRequest(f"SyncSession needs a session id of 1..{MAX_ID_BYTES} bytes")
+        vocab = self.manifest.shape.vocab_size
+        if len(req.token_ids) > lim.max_prompt_tokens or any(t >= vocab for t in req.token_ids):
+            raise InvalidRequest(f"at most {lim.max_prompt_tokens} token ids, each below the vocabulary size")
+        bs = lim.kv_block_size_tokens
+        if req.block_size_tokens != bs:
+            raise InvalidRequest(f"this cloud cuts KV blocks of {bs} tokens, not {req.block_size_tokens}")
+        if req.leaf_count > len(req.token_ids) // bs or not 0 <= req.proof_from <= req.leaf_count:
+            raise InvalidRequest(f"{req.leaf_count} leaves (proof {req.proof_from}) for {len(req.token_ids)} tokens")
+        if (
+            len(req.merkle_root) != 32
+            or len(req.consistency_proof) > 64
+            or any(len(p) != 32 for p in req.consistency_proof)
+        ):
+            raise InvalidRequest("a Merkle root and proof hashes are 32 bytes each, at most 64 of them")
+        self.edge_limits.check_rate(c)
+        s = await self._session(scoped(c, req.session_id), 1)
+        if not s.token_ids or s.split_layer != req.split_layer or s.block_tokens != bs:
+            return SyncReply(False)
+        held = 0
+        for a, b in zip(s.token_ids, req.token_ids, strict=False):
+            if a != b:
+                break
+            held += 1
+        m, n, leaves = len(s.leaves), req.leaf_count, list(s.leaves)
+        root = merkle.root(leaves)
+        if m >= n:
+            proven = merkle.root(leaves[:n]) == req.merkle_root
+        elif m == 0:
+            proven = True  # the empty tree is a prefix of every tree
+        else:
+            proven = req.proof_from == m and merkle.verify_consistency(
+                m, n, root, req.merkle_root, list(req.consistency_proof)
+            )
+        return SyncReply(True, held, m, root, proven, () if proven else tuple(leaves))
 
     def _params_for(self, header: TurnHeader, caller: Principal) -> LinkParams:
         """The params the header's request runs under: its link's version ``params_version`` at its k.

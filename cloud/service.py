@@ -23,7 +23,7 @@ from tandem.common.grpc_errors import abort
 from tandem.common.grpcsetup import Malformed
 from tandem.common.logs import set_ids
 from tandem.common.messages import TurnError, TurnHeader, downlink_to_pb, uplink_from_pb
-from tandem.common.params import NegotiateOffer
+from tandem.common.params import NegotiateOffer, SyncRequest
 from tandem.common.security import Authenticator, Principal
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -104,6 +104,14 @@ class CloudServicer(pb_grpc.CloudServicer):
         except TandemError as e:
             await abort(context, e)
         return self.gateway.server_info(request.link_id, caller).to_pb()
+
+    async def SyncSession(self, request: pb.SyncSessionRequest, context: grpc.aio.ServicerContext):
+        try:
+            caller = identify(self.auth, context)
+            reply = await self.gateway.sync_session(SyncRequest.from_pb(request), caller)
+        except TandemError as e:
+            await abort(context, e)
+        return reply.to_pb()
 
     async def Generate(self, request_iterator: AsyncIterator[pb.Uplink], context: grpc.aio.ServicerContext):
         try:

@@ -53,6 +53,7 @@ async def abort(context: grpc.aio.ServicerContext, err: e.TandemError) -> None:
 # A status that names no tandem error (the transport's own: deadline, unreachable peer...).
 DEFAULT_OF_STATUS: dict[grpc.StatusCode, type[e.TandemError]] = {
     grpc.StatusCode.UNAVAILABLE: e.EngineError,
+    grpc.StatusCode.CANCELLED: e.EngineError,  # received by a client that did not cancel: the server went away
     grpc.StatusCode.DEADLINE_EXCEEDED: e.DeadlineExceeded,
     grpc.StatusCode.RESOURCE_EXHAUSTED: e.QuotaExceeded,
     grpc.StatusCode.INVALID_ARGUMENT: e.InvalidRequest,

@@ -116,6 +116,9 @@ KV_REPAIRS = _metric("edge", Counter, "tandem:kv_block_repairs", "KV blocks sent
 SESSION_RESYNCS = _metric(
     "edge", Counter, "tandem:session_resyncs", "Turns resent from token 0 because the cloud lost the session."
 )
+TURN_RESUMES = _metric(
+    "edge", Counter, "tandem:turn_resumes", "Turns continued after their cloud failed mid-stream (no token repeated)."
+)
 SESSION_SYNCS = _metric(
     "edge",
     Counter,
@@ -277,6 +280,10 @@ def record_uplink(sent_bytes: Mapping[str, int], resent_chunks: int, repaired_bl
 
 def record_session_resync() -> None:
     SESSION_RESYNCS.inc()
+
+
+def record_resume() -> None:
+    TURN_RESUMES.inc()
 
 
 def record_session_sync(outcome: str) -> None:

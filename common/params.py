@@ -252,3 +252,48 @@ class ServerInfo:
             split_layers=list(self.split_layers),
             serving=self.serving,
         )
+
+
+@dataclass(frozen=True)
+class SyncRequest:
+    """``SyncSession``'s request (see the proto): the edge's view of one of its sessions. ``leaf_count``
+    leaves with root ``merkle_root`` (32 bytes); ``consistency_proof`` is PROOF(proof_from, D[leaf_count])
+    (RFC 6962 2.1.2), empty when ``proof_from`` is 0 or equals ``leaf_count``."""
+
+    link_id: str
+    session_id: str
+    split_layer: int
+    token_ids: tuple[int, ...]
+    leaf_count: int
+    merkle_root: bytes
+    proof_from: int
+    consistency_proof: tuple[bytes, ...]
+    block_size_tokens: int
+
+    @classmethod
+    def from_pb(cls, m: pb.SyncSessionRequest) -> SyncRequest:
+        return from_pb(cls, m)
+
+    def to_pb(self) -> pb.SyncSessionRequest:
+        return to_pb(pb.SyncSessionRequest, self)
+
+
+@dataclass(frozen=True)
+class SyncReply:
+    """``SyncSession``'s answer (see the proto). ``held_tokens``: leading tokens of the edge's whose
+    activations the cloud holds; ``proven``: the cloud's first ``min(held_leaves, leaf_count)`` leaves
+    are the edge's; else ``leaf_hashes`` carries the cloud's leaves."""
+
+    found: bool
+    held_tokens: int = 0
+    held_leaves: int = 0
+    held_root: bytes = b""
+    proven: bool = False
+    leaf_hashes: tuple[bytes, ...] = ()
+
+    @classmethod
+    def from_pb(cls, m: pb.SyncSessionReply) -> SyncReply:
+        return from_pb(cls, m)
+
+    def to_pb(self) -> pb.SyncSessionReply:
+        return to_pb(pb.SyncSessionReply, self)

@@ -88,6 +88,7 @@ class TurnDone:
     ttft_ms: float = 0.0
     params_version: int = 0
     mode_reason: str = ""
+    resumes: int = 0  # times the turn continued after its cloud failed mid-stream
 
     def to_pb(self) -> pb.ChatEvent:
         done = to_pb(pb.ChatDone, self, exclude=("timings",), timings_ms=timings_to_wire(self.timings))

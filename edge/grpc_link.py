@@ -20,7 +20,7 @@ import grpc
 from tandem.common.grpc_errors import error_from_status
 from tandem.common.grpcsetup import channel_options
 from tandem.common.messages import DownEvent, TurnError, UplinkItem, downlink_from_pb, uplink_to_pb
-from tandem.common.params import Negotiated, NegotiateOffer, ServerInfo
+from tandem.common.params import Negotiated, NegotiateOffer, ServerInfo, SyncReply, SyncRequest
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -130,6 +130,13 @@ class GrpcCloudLink:
             )
         except grpc.aio.AioRpcError as e:
             raise error_from_status(e.code(), e.details() or "") from e
+
+    async def sync_session(self, req: SyncRequest, timeout_s: float = 5.0) -> SyncReply:
+        try:
+            resp = await self.stub.SyncSession(req.to_pb(), timeout=timeout_s, metadata=self.metadata or None)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_status(e.code(), e.details() or "") from e
+        return SyncReply.from_pb(resp)
 
     def open(self, timeout_s: float | None) -> GrpcTurnCall:
         return GrpcTurnCall(self.stub, timeout_s, self.metadata)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from tandem.common.errors import InvalidRequest
 from tandem.common.messages import DownEvent, TurnHeader, UplinkItem, uplink_to_pb
-from tandem.common.params import Negotiated, NegotiateOffer, ServerInfo
+from tandem.common.params import Negotiated, NegotiateOffer, ServerInfo, SyncReply, SyncRequest
 
 
 class TurnCall(Protocol):
@@ -43,6 +43,10 @@ class CloudLink(Protocol):
         ...
 
     def open(self, timeout_s: float | None) -> TurnCall: ...
+
+    async def sync_session(self, req: SyncRequest, timeout_s: float = 5.0) -> SyncReply:
+        """``SyncSession`` (see the proto). Raises the cloud's verdict as a ``TandemError``."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -93,6 +97,9 @@ class InProcessLink:
 
     def open(self, timeout_s: float | None) -> TurnCall:
         return InProcessCall(self.gateway, timeout_s, self.caller)
+
+    async def sync_session(self, req: SyncRequest, timeout_s: float = 5.0) -> SyncReply:
+        return await self.gateway.sync_session(req, self.caller)
 
     async def close(self) -> None:
         return None

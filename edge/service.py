@@ -29,13 +29,14 @@ from tandem.common.errors import (
     ParamsVersionMismatch,
     QuotaExceeded,
     SessionOutOfSync,
+    TandemError,
 )
 from tandem.common.kvblocks import LayerRange, block_hashes, request_seed, split_blocks
 from tandem.common.kvwire import encode_kv, kv_raw_nbytes
 from tandem.common.logs import bind_request, current_request_id, new_request_id, turn_log
 from tandem.common.manifest import ModelShape
 from tandem.common.messages import KVBlock, TokensOut, TurnFinal, TurnHeader, UploadAck
-from tandem.common.params import LinkParams
+from tandem.common.params import LinkParams, SyncRequest
 from tandem.common.tracing import span, traced
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.cloudconn import CloudConnection
@@ -49,6 +50,7 @@ from tandem.edge.uplink import OutgoingTurn, stream_turn
 from tandem.stages import Stage, Timings
 
 log = logging.getLogger("tandem.edge")
+MAX_RESUMES = 3  # continuations of one turn after mid-stream cloud failures
 
 
 @dataclass
@@ -62,6 +64,8 @@ class TurnClock:
     request_id: str = field(default_factory=new_request_id)
     token_times: list[float] = field(default_factory=list)  # perf_counter at each arrival of tokens
     mode: str = "auto"  # the mode that served the turn (the requested one until a mode runs)
+    text: TextStream | None = None  # the turn's output so far, shared by its legs when it resumes
+    resumes: int = 0  # times the turn continued after its cloud failed mid-stream
 
     def since(self, stage: Stage, t0: float | None = None) -> None:
         self.timings[stage] = (time.perf_counter() - (self.t_start if t0 is None else t0)) * 1e3
@@ -388,17 +392,67 @@ class EdgeService:
     async def _chat(
         self, turn: ChatTurn, clock: TurnClock, timeout_s: float | None
     ) -> AsyncGenerator[TextOut | TurnDone, None]:
-        """Decide the route and run it; in auto mode a cloud that refuses before the first token
-        (busy, unreachable) is answered by local mode, and a stale params version by renegotiating
-        and running again, so the client sees one clean stream either way."""
+        """Run the turn's legs (``_legs``) within its deadline. A cloud that fails after tokens
+        reached the client (its process died, the link dropped, an engine died: ``EngineError``)
+        does not end the turn: it resumes from the prompt plus the tokens already emitted, on the
+        cloud once it (or a restarted instance) answers, or at once locally in auto mode, so the
+        client sees one continuous stream in which no token repeats (greedy decoding gives the
+        tokens an unbroken run gives). At most ``MAX_RESUMES`` times; past the deadline, a
+        ``DeadlineExceeded`` that names the failure."""
         timeout_s = self.turn_timeout_s if timeout_s is None else min(timeout_s, self.turn_timeout_s)
+        deadline = asyncio.get_running_loop().time() + timeout_s
         ids = await asyncio.to_thread(self.tokenize, turn)  # long prompts must not stall other requests
         clock.since(Stage.TOKENIZE)
+        text = clock.text = TextStream(self.tok, turn.stop)
+        leg_turn, leg_ids = turn, ids
+        while True:
+            try:
+                async for ev in self._legs(leg_turn, leg_ids, clock, deadline):
+                    if isinstance(ev, TurnDone) and clock.resumes:  # the whole turn's output, not the last leg's
+                        n_out = len(text.token_ids)
+                        ev = replace(ev, prompt_tokens=len(ids), output_tokens=n_out, resumes=clock.resumes)
+                    yield ev
+                return
+            except EngineError as e:
+                left = turn.sampling.max_new_tokens - len(text.token_ids)
+                if not text.token_ids or clock.mode == LOCAL or left <= 0 or clock.resumes >= MAX_RESUMES:
+                    raise
+                # tokens already reached the client: continue from the prompt plus them, never repeat them
+                clock.resumes += 1
+                metrics.record_resume()
+                log.warning("the cloud failed after %d tokens (%s): resuming", len(text.token_ids), e)
+                leg_ids = ids + text.token_ids
+                leg_turn = replace(turn, sampling=replace(turn.sampling, max_new_tokens=left))
+                if turn.mode != "auto" or self.local is None:
+                    await self._wait_for_cloud(deadline, e)
+
+    async def _wait_for_cloud(self, deadline: float, cause: Exception) -> None:
+        """Wait until the cloud (this or a restarted instance) answers again, at most to ``deadline``.
+
+        Raises:
+            DeadlineExceeded: it did not answer in time (the message names the failure).
+        """
+        assert self.conn is not None
+        self.conn.renegotiate_soon(f"a turn's stream failed ({cause})")
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0 or not await self.conn.wait_connected(left):
+            raise DeadlineExceeded(f"the cloud failed mid-stream ({cause}) and did not come back before the deadline")
+
+    async def _legs(
+        self, turn: ChatTurn, ids: list[int], clock: TurnClock, deadline: float
+    ) -> AsyncGenerator[TextOut | TurnDone, None]:
+        """One leg of a turn: decide the route and run it; in auto mode a cloud that refuses before
+        the first token (busy, unreachable) is answered by local mode, and a stale params version
+        by renegotiating and running again."""
+        timeout_s = max(0.001, deadline - asyncio.get_running_loop().time())
+        text = clock.text
+        assert text is not None
         c = self.conn
         if c is not None and c.reconnecting and not c.connected.is_set() and (turn.mode != "auto" or not self.local):
-            await c.wait_connected(self.renegotiate_wait_s)  # the cloud answers: its link is being set up again
+            await c.wait_connected(min(self.renegotiate_wait_s, timeout_s))  # its link is being set up again
         decision = self.decide(turn, ids)
         for attempt in (0, 1, 2):
+            before = len(text.token_ids)
             started = False
             try:
                 async for ev in self._run_route(decision, turn, ids, clock, timeout_s):
@@ -406,12 +460,14 @@ class EdgeService:
                     yield ev
                 return
             except ParamsVersionMismatch as e:
+                started = started or len(text.token_ids) > before
                 if started or attempt or self.conn is None:
                     raise
                 self.conn.renegotiate_soon(f"the cloud refused this link's params ({e})")
                 await self.conn.wait_connected(self.renegotiate_wait_s)
                 decision = self.decide(turn, ids)
             except (QuotaExceeded, EngineError) as e:
+                started = started or len(text.token_ids) > before
                 if started or turn.mode != "auto" or self.local is None or decision.route.mode == LOCAL:
                     raise
                 reason = "cloud busy" if isinstance(e, QuotaExceeded) else "cloud unavailable"
@@ -434,7 +490,7 @@ class EdgeService:
             self._local(turn, ids, clock, d) if d.route.mode == LOCAL else self._cloud(turn, ids, clock, timeout_s, d)
         )
         async for ev in events:
-            if isinstance(ev, TurnDone) and d.prediction is not None and ev.ttft_ms > 0:
+            if isinstance(ev, TurnDone) and d.prediction is not None and ev.ttft_ms > 0 and not clock.resumes:
                 self.cost.observe(d.prediction, ev.ttft_ms, ev.timings)
                 metrics.record_prediction(d.route.mode, d.prediction.ttft_ms, ev.ttft_ms)
             yield ev
@@ -444,7 +500,7 @@ class EdgeService:
     ) -> AsyncIterator[TextOut | TurnDone]:
         """Local mode: the whole model here (``edge.local.LocalEngine``), streamed and detokenized."""
         assert self.local is not None  # decided only when present
-        text = TextStream(self.tok, turn.stop)
+        text = clock.text or TextStream(self.tok, turn.stop)
         out: list[int] = []
         finish = "length"
         t0 = time.perf_counter()
@@ -542,18 +598,75 @@ class EdgeService:
         timeout_s: float,
         d: Decision,
     ) -> AsyncIterator[TextOut | TurnDone]:
-        """Send what the cloud lacks; if the cloud lost the session, resend from token 0 once."""
-        for attempt in (0, 1):
-            out = self._build_turn(s, ids, turn, params, clock, resend_all=attempt == 1)
+        """Send what the cloud lacks. When the cloud's copy may differ from what this edge believes
+        (another cloud instance since the session's last turn, or the cloud refused the turn as out
+        of sync), ``SyncSession`` first finds what it holds and only the rest is sent; if the cloud
+        still refuses, the turn is resent from token 0 once."""
+        for attempt in (0, 1, 2):
+            if params.split_layer and turn.session_id and (attempt == 1 or (attempt == 0 and self._needs_sync(s))):
+                await self._sync(s, turn.session_id, params)
+            out = self._build_turn(s, ids, turn, params, clock, resend_all=attempt == 2)
             try:
                 async for ev in self._stream(out, s, ids, clock, head_tokens, timeout_s, turn.stop, d):
                     yield ev
                 return
-            except SessionOutOfSync:
-                if attempt:
+            except SessionOutOfSync as e:
+                if attempt == 2:
                     raise
-                log.info("the cloud does not hold this session's state: resending from token 0")
-                metrics.record_session_resync()
+                log.info("the cloud's copy of this session differs (%s): %s", e, "sync" if not attempt else "resend")
+                if attempt == 1:
+                    metrics.record_session_resync()
+
+    def _needs_sync(self, s: EdgeSession) -> bool:
+        """The session's cloud state was acknowledged by another cloud instance (a restart, or
+        another replica) than the one connected now."""
+        n = self.conn.negotiated if self.conn is not None else None
+        return bool(s.cloud_tokens) and n is not None and s.synced_with != n.instance_id
+
+    @traced("edge_sync")
+    async def _sync(self, s: EdgeSession, session_id: str, p: LinkParams) -> None:
+        """``SyncSession``: set ``s.cloud_tokens`` and ``s.leaves`` to what the cloud proves it holds.
+
+        The edge sends the Merkle tree of all its full head-KV blocks (``n`` leaves) and a
+        consistency proof from the leaves it believes the cloud holds (RFC 6962 2.1.2); the
+        cloud checks it, or hands back its leaves and the edge finds the first that differs.
+        A cloud that cannot answer (an older one, an error) leaves the session to be resent
+        from token 0."""
+        assert self.conn is not None and s.kv is not None
+        bs, k = p.kv_block_size_tokens, p.split_layer
+        if s.block_tokens != bs:
+            s.forget_cloud_past(0)
+        hashes = block_hashes(s.token_ids, bs, request_seed(self.heads[k].compatibility_key, bs, session_id, ""))
+        believed = list(s.leaves)
+        leaves = believed + [b.leaf_hash for b in self._kv_blocks(s, hashes, LayerRange(0, k), p).values()]
+        m = len(believed)
+        proof = merkle.consistency_proof(leaves, m) if 0 < m < len(leaves) else []
+        req = SyncRequest(
+            self._link_id(), session_id, k, tuple(s.token_ids), len(leaves), merkle.root(leaves), m, tuple(proof), bs
+        )
+        try:
+            reply = await self.conn.link.sync_session(req)
+        except TandemError as e:
+            log.warning("SyncSession failed (%s): resending the session from token 0", e)
+            s.forget_cloud_past(0)
+            metrics.record_session_sync("lost")
+            return
+        if not reply.found:
+            ok = 0
+        elif reply.proven:
+            ok = min(reply.held_leaves, len(leaves))
+        else:
+            ok = 0
+            for mine, theirs in zip(leaves, reply.leaf_hashes, strict=False):
+                if mine != theirs:
+                    break
+                ok += 1
+        held = min(reply.held_tokens, len(s.token_ids), (ok + 1) * bs - 1) if reply.found else 0
+        s.cloud_tokens, s.leaves, s.block_tokens = held, leaves[: held // bs], bs
+        s.synced_with = self.conn.negotiated.instance_id if self.conn.negotiated is not None else ""
+        outcome = "lost" if not held else "in_sync" if held == len(s.token_ids) else "partial"
+        log.info("SyncSession: the cloud holds %d of %d tokens (%s)", held, len(s.token_ids), outcome)
+        metrics.record_session_sync(outcome)
 
     @traced("edge_head")
     async def _run_head(self, s: EdgeSession, ids: list[int], clock: TurnClock, k: int) -> int:
@@ -651,7 +764,7 @@ class EdgeService:
         d: Decision,
     ) -> AsyncIterator[TextOut | TurnDone]:
         assert self.conn is not None
-        text = TextStream(self.tok, stop)
+        text = clock.text or TextStream(self.tok, stop)
         with self.conn.uploading() as upload_done:
             async for ev in self._stream_events(out, s, ids, clock, head_tokens, timeout_s, text, d, upload_done):
                 yield ev
@@ -675,6 +788,7 @@ class EdgeService:
                 s.cloud_tokens = len(ids)
                 s.leaves = s.leaves + [out.blocks[j].leaf_hash for j in sorted(out.blocks)]
                 s.block_tokens = out.block_tokens
+                s.synced_with = self.conn.negotiated.instance_id if self.conn.negotiated is not None else ""
                 clock.timings[Stage.UPLINK] = out.upload_ms
                 clock.acked = True
             elif isinstance(ev, TokensOut):

@@ -90,6 +90,7 @@ class ChatResult:
     ttft_ms: float = 0.0  # measured at the edge
     params_version: int = 0  # link params the turn ran under (0 = local)
     mode_reason: str = ""  # why this mode (auto's choice, requested, a fallback)
+    resumes: int = 0  # times the turn continued after its cloud failed mid-stream (no token repeated)
 
 
 # --- argument checks (before anything is sent) --------------------------------------------------

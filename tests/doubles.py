@@ -97,6 +97,10 @@ class TamperLink:
     def open(self, timeout_s):
         return _TamperCall(self.inner.open(timeout_s), self)
 
+    async def sync_session(self, req, timeout_s=5.0):
+        self.syncs = getattr(self, "syncs", 0) + 1
+        return await self.inner.sync_session(req, timeout_s)
+
     async def close(self) -> None:
         await self.inner.close()
 

@@ -43,6 +43,44 @@ MODE_DIRECT: Mode
 MODE_LOCAL: Mode
 MODE_AUTO: Mode
 
+class SyncSessionRequest(_message.Message):
+    __slots__ = ("link_id", "session_id", "split_layer", "token_ids", "leaf_count", "merkle_root", "proof_from", "consistency_proof", "block_size_tokens")
+    LINK_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEAF_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MERKLE_ROOT_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FROM_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_PROOF_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    link_id: str
+    session_id: str
+    split_layer: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    leaf_count: int
+    merkle_root: bytes
+    proof_from: int
+    consistency_proof: _containers.RepeatedScalarFieldContainer[bytes]
+    block_size_tokens: int
+    def __init__(self, link_id: _Optional[str] = ..., session_id: _Optional[str] = ..., split_layer: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., leaf_count: _Optional[int] = ..., merkle_root: _Optional[bytes] = ..., proof_from: _Optional[int] = ..., consistency_proof: _Optional[_Iterable[bytes]] = ..., block_size_tokens: _Optional[int] = ...) -> None: ...
+
+class SyncSessionReply(_message.Message):
+    __slots__ = ("found", "held_tokens", "held_leaves", "held_root", "proven", "leaf_hashes")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HELD_LEAVES_FIELD_NUMBER: _ClassVar[int]
+    HELD_ROOT_FIELD_NUMBER: _ClassVar[int]
+    PROVEN_FIELD_NUMBER: _ClassVar[int]
+    LEAF_HASHES_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    held_tokens: int
+    held_leaves: int
+    held_root: bytes
+    proven: bool
+    leaf_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, found: bool = ..., held_tokens: _Optional[int] = ..., held_leaves: _Optional[int] = ..., held_root: _Optional[bytes] = ..., proven: bool = ..., leaf_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class LinkMeasurement(_message.Message):
     __slots__ = ("rtt_ms", "goodput_mbps")
     RTT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -494,7 +532,7 @@ class TextDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatDone(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "output_tokens", "head_tokens", "external_tokens", "split_layer", "timings_ms", "sent_bytes", "output_token_ids", "mode", "predicted_ttft_ms", "ttft_ms", "params_version", "mode_reason")
+    __slots__ = ("finish_reason", "prompt_tokens", "output_tokens", "head_tokens", "external_tokens", "split_layer", "timings_ms", "sent_bytes", "output_token_ids", "mode", "predicted_ttft_ms", "ttft_ms", "params_version", "mode_reason", "resumes")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -523,6 +561,7 @@ class ChatDone(_message.Message):
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_REASON_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     output_tokens: int
@@ -537,7 +576,8 @@ class ChatDone(_message.Message):
     ttft_ms: float
     params_version: int
     mode_reason: str
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., head_tokens: _Optional[int] = ..., external_tokens: _Optional[int] = ..., split_layer: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., sent_bytes: _Optional[_Mapping[str, int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., params_version: _Optional[int] = ..., mode_reason: _Optional[str] = ...) -> None: ...
+    resumes: int
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., head_tokens: _Optional[int] = ..., external_tokens: _Optional[int] = ..., split_layer: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., sent_bytes: _Optional[_Mapping[str, int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., params_version: _Optional[int] = ..., mode_reason: _Optional[str] = ..., resumes: _Optional[int] = ...) -> None: ...
 
 class ChatEvent(_message.Message):
     __slots__ = ("delta", "done")

@@ -31,6 +31,11 @@ class CloudStub(object):
                 request_serializer=tandem_dot_v1_dot_tandem__pb2.ServerInfoRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_tandem__pb2.ServerInfo.FromString,
                 )
+        self.SyncSession = channel.unary_unary(
+                '/tandem.v1.Cloud/SyncSession',
+                request_serializer=tandem_dot_v1_dot_tandem__pb2.SyncSessionRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_tandem__pb2.SyncSessionReply.FromString,
+                )
 
 
 class CloudServicer(object):
@@ -64,6 +69,17 @@ class CloudServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SyncSession(self, request, context):
+        """What the cloud holds of one of the caller's sessions, checked against the edge's view: the edge
+        sends its session's token ids and the Merkle tree of the KV leaves it believes the cloud holds;
+        the cloud proves its tree is a prefix of the edge's (RFC 6962 consistency proof, checked here)
+        or hands back its leaves so that the edge names the first wrong one. The next turn then sends
+        only what the cloud lacks (TurnHeader.cached_tokens).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CloudServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +97,11 @@ def add_CloudServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=tandem_dot_v1_dot_tandem__pb2.ServerInfoRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_tandem__pb2.ServerInfo.SerializeToString,
+            ),
+            'SyncSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncSession,
+                    request_deserializer=tandem_dot_v1_dot_tandem__pb2.SyncSessionRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_tandem__pb2.SyncSessionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -142,6 +163,23 @@ class Cloud(object):
         return grpc.experimental.unary_unary(request, target, '/tandem.v1.Cloud/GetServerInfo',
             tandem_dot_v1_dot_tandem__pb2.ServerInfoRequest.SerializeToString,
             tandem_dot_v1_dot_tandem__pb2.ServerInfo.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def SyncSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tandem.v1.Cloud/SyncSession',
+            tandem_dot_v1_dot_tandem__pb2.SyncSessionRequest.SerializeToString,
+            tandem_dot_v1_dot_tandem__pb2.SyncSessionReply.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

@@ -1,0 +1,267 @@
+"""Issue 10 items 1, 3 and 7 on the in-memory doubles: ``SyncSession`` (RFC 6962 consistency
+proofs, the cloud naming what it lacks), a restarted gateway serving a session from its store,
+and corruption at rest (a flipped bit in an activation piece, a session record or a KV block)
+never reaching an answer. Each turn's tokens are checked against a fresh session's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tandem.cloud.gateway import Gateway, as_principal
+from tandem.cloud.sessionstore import piece_key, record_key
+from tandem.common import merkle
+from tandem.common.errors import InvalidRequest
+from tandem.common.kvblocks import LayerRange, part_key
+from tandem.common.params import SyncRequest
+from tandem.common.security import scoped
+from tandem.edge.events import TurnDone
+from tandem.edge.link import InProcessLink
+from tests.doubles import MANIFEST, B, TamperLink, cloud_config, toy_stack
+from tests.test_gateway import LONG, Sent, chat, run
+
+TOY_CALLER = as_principal("in-process")
+
+
+def key_of(session: str) -> str:
+    return scoped(TOY_CALLER, session)
+
+
+@pytest.fixture
+async def toy():
+    sent = Sent()
+    t = await toy_stack(lambda link: TamperLink(link, sent))
+    t.sent = sent  # type: ignore[attr-defined]
+    yield t
+    await t.batcher.stop()
+
+
+async def two_turns(toy, session: str = "s"):
+    """Two turns of one session; returns the third turn's conversation (not yet run)."""
+    await run(toy.edge, chat(LONG, session=session))
+    await run(toy.edge, chat(LONG, "ok", "tell me more", session=session))
+    return chat(LONG, "ok", "tell me more", "fine", "and then what happened to the fox?", session=session)
+
+
+async def answer_of(toy, convo) -> tuple[int, ...]:
+    return (await run(toy.edge, replace(convo, session_id=f"fresh-{id(convo)}"))).output_token_ids
+
+
+async def restart_gateway(toy) -> Gateway:
+    """A new gateway (another instance id) over the same block store, as a cloud process restart
+    that kept its store; the edge reconnects to it."""
+    gw = Gateway(cloud_config(), MANIFEST, toy.engines, toy.store)
+    toy.gateway = gw
+    toy.edge.conn.link.inner = InProcessLink(gw)
+    await toy.edge.conn.connect()
+    return gw
+
+
+async def test_a_restarted_cloud_is_synced_before_the_turn_and_gets_only_new_tokens(toy):
+    third = await two_turns(toy)
+    held = len(toy.cloud_session("s").token_ids)
+    await restart_gateway(toy)
+    syncs = getattr(toy.edge.conn.link, "syncs", 0)
+    toy.sent.take()
+    done = await run(toy.edge, third)
+    n = done.prompt_tokens
+    assert toy.edge.conn.link.syncs == syncs + 1  # the edge saw a new instance: one SyncSession first
+    assert toy.sent.take() == (list(range(held, n)), list(range(held // B, n // B)))
+    assert done.output_token_ids == await answer_of(toy, third)
+
+
+@pytest.mark.parametrize("piece", [0, 3, "last"])
+async def test_a_lost_or_corrupt_activation_piece_is_resent_from_there_only(toy, piece):
+    """The cloud loses its memory, and one activation piece of the session is corrupt at rest:
+    the turn's optimistic upload is refused as out of sync, SyncSession names what the cloud holds
+    (the prefix before the piece), and only the rest travels."""
+    third = await two_turns(toy)
+    s = toy.cloud_session("s")
+    held = len(s.token_ids)
+    pieces = -(-held // B)
+    i = pieces - 1 if piece == "last" else piece
+    data = s.hidden[i * B : (i + 1) * B].tobytes()
+    assert toy.store.corrupt_for_test(piece_key(key_of("s"), data), 40)
+    toy.lose_cloud_sessions(stored=False)
+    toy.sent.take()
+    done = await run(toy.edge, third)
+    n = done.prompt_tokens
+    tokens, leaves = toy.sent.take()
+    # the refused optimistic attempt sent activations from `held`; the synced one from i * B
+    resent = tokens[tokens.index(i * B) :] if i * B in tokens else tokens
+    assert resent == list(range(i * B, n))
+    assert leaves[-(n // B - i) :] == list(range(i, n // B))
+    assert done.output_token_ids == await answer_of(toy, third)
+
+
+async def test_a_corrupt_session_record_means_a_resend_from_token_0(toy):
+    third = await two_turns(toy)
+    assert toy.store.corrupt_for_test(record_key(key_of("s")), 30)
+    toy.lose_cloud_sessions(stored=False)
+    toy.sent.take()
+    done = await run(toy.edge, third)
+    tokens, _ = toy.sent.take()
+    assert tokens[-done.prompt_tokens :] == list(range(done.prompt_tokens))
+    assert done.output_token_ids == await answer_of(toy, third)
+
+
+async def test_a_corrupt_kv_block_at_rest_is_never_loaded(toy):
+    """A flipped bit in the session's first head block: the engines find it missing (their load
+    stops before it; the real engines recompute it, tests/test_split_e2e.py checks those tokens)."""
+    third = await two_turns(toy)
+    first = toy.cloud_session("s").leaves[0]
+    assert toy.store.corrupt_for_test(part_key(first, LayerRange(0, MANIFEST.split_layer)), 100)
+    before = toy.store.corrupt_reads
+    done = await run(toy.edge, third)
+    assert toy.store.corrupt_reads == before + 1
+    assert done.external_tokens == 0  # nothing past the corrupt block was loaded either
+
+
+async def test_sync_proofs_and_the_cloud_naming_its_first_wrong_leaf(toy):
+    await two_turns(toy)
+    gw, s = toy.gateway, toy.cloud_session("s")
+    ids, leaves = list(s.token_ids), list(s.leaves)
+    m = len(leaves)
+    more = [bytes([7]) * 32, bytes([8]) * 32]  # the edge holds two more blocks than the cloud
+
+    def req(leaf_list, proof_from, proof, tokens=ids + [5] * 2 * B) -> SyncRequest:
+        return SyncRequest(
+            "",
+            "s",
+            MANIFEST.split_layer,
+            tuple(tokens),
+            len(leaf_list),
+            merkle.root(leaf_list),
+            proof_from,
+            tuple(proof),
+            B,
+        )
+
+    full = leaves + more
+    good = await gw.sync_session(req(full, m, merkle.consistency_proof(full, m)), TOY_CALLER)
+    assert good.found and good.proven and good.held_tokens == len(ids) and good.held_leaves == m
+    assert good.leaf_hashes == ()
+    # the edge's tree differs at leaf 2: the proof fails, the cloud hands back its leaves
+    other = leaves[:2] + [bytes(32)] + leaves[3:] + more
+    bad = await gw.sync_session(req(other, m, merkle.consistency_proof(other, m)), TOY_CALLER)
+    assert bad.found and not bad.proven and bad.leaf_hashes == tuple(leaves)
+    # the edge holds fewer leaves than the cloud: the cloud checks the prefix root itself
+    short = await gw.sync_session(req(leaves[:3], 0, (), ids[: 3 * B + 1]), TOY_CALLER)
+    assert short.proven and short.held_tokens == 3 * B + 1
+    # another edge's session of the same id, another split layer: nothing
+    assert not (await gw.sync_session(req(full, m, ()), "someone-else")).found
+    assert not (await gw.sync_session(replace(req(full, m, ()), split_layer=1), TOY_CALLER)).found
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(session_id=""),
+        dict(session_id="x" * 200),
+        dict(token_ids=(10**6,)),
+        dict(block_size_tokens=B + 1),
+        dict(leaf_count=99),
+        dict(proof_from=5, leaf_count=1),
+        dict(merkle_root=b"short"),
+        dict(consistency_proof=(b"x" * 31,)),
+        dict(consistency_proof=(bytes(32),) * 65),
+    ],
+)
+async def test_sync_requests_outside_the_limits_are_refused(toy, bad):
+    ok = SyncRequest("", "s", MANIFEST.split_layer, tuple(range(3 * B)), 3, bytes(32), 0, (), B)
+    with pytest.raises(InvalidRequest):
+        await toy.gateway.sync_session(replace(ok, **bad), TOY_CALLER)
+    await toy.gateway.sync_session(ok, TOY_CALLER)  # the same request within the limits is answered
+
+
+class DiesMidDecode:
+    """Wraps ``MemoryEngines``: the first ``times`` decodes raise ``EngineError`` after ``after``
+    tokens, as a cloud whose engine or process died mid-stream."""
+
+    def __init__(self, inner, after: int, times: int = 1, on_death=None) -> None:
+        self.inner, self.after, self.times, self.on_death = inner, after, times, on_death
+        self.prompts: list[list[int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def decode(self, request_id, token_ids, kv, sampling):
+        from tandem.common.errors import EngineError
+
+        self.prompts.append(list(token_ids))
+        n = 0
+        async for step in self.inner.decode(request_id, token_ids, kv, sampling):
+            if self.times and n >= self.after:
+                self.times -= 1
+                if self.on_death is not None:
+                    self.on_death()
+                raise EngineError("decode engine died")
+            n += len(step.token_ids)
+            yield step
+
+
+@pytest.mark.parametrize("mode", ["split", "direct"])
+async def test_a_turn_resumes_after_its_cloud_fails_mid_stream_and_repeats_no_token(mode):
+    """Issue 10 item 2: the decode engine dies after 3 tokens reached the client; the edge waits
+    for the cloud to answer again and continues from the prompt plus the emitted tokens: one
+    stream of max_new_tokens tokens, none repeated, the resumed request's prompt = prompt + output."""
+    toy = await toy_stack()
+    flaky = DiesMidDecode(toy.engines, after=3)
+    toy.gateway.engines = flaky
+    toy.edge.conn.start()
+    try:
+        t = chat(LONG, session="r" if mode == "split" else "", n=12, mode=mode)
+        ids = toy.edge.tokenize(t)
+        deltas, done = [], None
+        async for ev in toy.edge.chat(t):
+            if isinstance(ev, TurnDone):
+                done = ev
+            else:
+                deltas.append(ev.token_ids)
+        assert done is not None and done.resumes == 1 and done.finish_reason == "length"
+        streamed = [tok for d in deltas for tok in d]
+        assert list(done.output_token_ids) == streamed and len(streamed) == done.output_tokens == 12
+        assert done.prompt_tokens == len(ids)
+        # split: the tail's first token, then 2 decoded; the resumed request's prompt carries them
+        emitted = streamed[:4] if mode == "split" else streamed[:3]
+        resumed_prompt = flaky.prompts[-1]
+        assert resumed_prompt[: len(ids) + len(emitted)] == ids + emitted
+    finally:
+        await toy.edge.conn.stop()
+        await toy.batcher.stop()
+
+
+async def test_a_failure_with_no_cloud_to_resume_on_is_a_deadline_error_in_time():
+    """The cloud fails mid-stream and never comes back: the client gets DeadlineExceeded naming
+    the failure, at its deadline (not later)."""
+    import time
+
+    from tandem.common.errors import DeadlineExceeded, EngineError
+
+    class Gone(TamperLink):  # a cloud host that vanished: nothing answers any more
+        down = False
+
+        async def negotiate(self, offer):
+            if self.down:
+                raise EngineError("connection refused")
+            return await self.inner.negotiate(offer)
+
+        async def server_info(self, link_id, padding_bytes=0, timeout_s=5.0):
+            if self.down:
+                raise EngineError("connection refused")
+            return await self.inner.server_info(link_id, padding_bytes, timeout_s)
+
+    toy = await toy_stack(lambda link: Gone(link, lambda i, a: i))
+    link = toy.edge.conn.link
+    toy.gateway.engines = DiesMidDecode(toy.engines, after=2, on_death=lambda: setattr(link, "down", True))
+    toy.edge.conn.start()
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(DeadlineExceeded, match="failed mid-stream"):
+            async for _ in toy.edge.chat(chat(LONG, n=12, mode="direct"), 1.5):
+                pass
+        assert time.perf_counter() - t0 < 1.5 + 1.0
+    finally:
+        await toy.edge.conn.stop()
+        await toy.batcher.stop()
