@@ -92,6 +92,7 @@ bench: model
 	$(BIN)/tandem-bench --model-dir $(MODEL_DIR) --split-layers $(SPLIT_LAYERS) --out bench-results/latest
 	$(BIN)/tandem-bench-batching --model $(MODEL_DIR)/hf --out bench-results/batching
 	$(BIN)/tandem-bench-burst --model-dir $(MODEL_DIR) --out bench-results/burst
+	$(BIN)/tandem-bench-multiturn --model-dir $(MODEL_DIR) --out bench-results/multiturn
 	$(BIN)/tandem-bench-fidelity --model-dir $(MODEL_DIR) --out bench-results/fidelity
 
 # property-based fuzzing of the gateway and both gRPC services, longer than the tests' run (in-memory engines)

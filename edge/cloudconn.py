@@ -120,6 +120,10 @@ class CloudConnection:
                 pass
             self._task = None
 
+    def pin(self, key: str) -> CloudConnection:
+        """The connection a turn keyed ``key`` uses: this one (``edge.replicas.ReplicaSet`` picks)."""
+        return self
+
     def renegotiate_soon(self, reason: str) -> None:
         """Ask the loop to renegotiate now (e.g. the cloud refused a request's params version)."""
         log.info("renegotiating with the cloud: %s", reason)

@@ -61,6 +61,12 @@ class EdgeConfig(DaemonSettings):
     )
     max_prompt_tokens: int = Field(default=1536, ge=1, description="Longest prompt accepted, in tokens.")
     cloud_target: str = Field(default="localhost:50051", description="Address of tandem-cloud, `host:port`.")
+    cloud_replicas: list[str] = Field(
+        default_factory=list,
+        description="More `host:port` targets of the same cloud deployment (replicas sharing one block store, "
+        "`tandem-cloud --store-url`): each session stays on one replica (rendezvous hashing over those that "
+        "answer) and moves, syncing from the shared store, when its replica fails.",
+    )
     cloud_tls: bool = Field(
         default=False,
         description="Speak TLS to the cloud (on by itself when `cloud_ca_file` or `cloud_cert_file` is set); the "
@@ -157,6 +163,11 @@ class EdgeConfig(DaemonSettings):
     )
 
     @property
+    def cloud_targets(self) -> list[str]:
+        """``cloud_target`` and its replicas."""
+        return [self.cloud_target, *self.cloud_replicas]
+
+    @property
     def cloud_uses_tls(self) -> bool:
         return self.cloud_tls or self.cloud_ca_file is not None or self.cloud_cert_file is not None
 
@@ -164,9 +175,12 @@ class EdgeConfig(DaemonSettings):
     def _cloud_channel_consistent(self) -> Self:
         if (self.cloud_cert_file is None) != (self.cloud_key_file is None):
             raise ValueError("cloud_cert_file and cloud_key_file go together: set both or neither")
-        if not self.cloud_uses_tls and not self.cloud_insecure and not is_loopback(self.cloud_target):
+        if len(set(self.cloud_targets)) != len(self.cloud_targets):
+            raise ValueError(f"cloud targets must differ: {self.cloud_targets}")
+        remote = [t for t in self.cloud_targets if not is_loopback(t)]
+        if not self.cloud_uses_tls and not self.cloud_insecure and remote:
             raise ValueError(
-                f"cloud_target {self.cloud_target!r} is not a loopback address: set cloud_tls (and cloud_ca_file), "
+                f"cloud_target {remote[0]!r} is not a loopback address: set cloud_tls (and cloud_ca_file), "
                 "or cloud_insecure = true to send activations and KV in plaintext explicitly"
             )
         if self.http_port is not None and self.tls_cert_file is None and not self.insecure:

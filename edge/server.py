@@ -38,6 +38,7 @@ from tandem.edge.events import ChatTurn
 from tandem.edge.grpc_link import GrpcCloudLink
 from tandem.edge.head_runner import HeadInput, OnnxHead
 from tandem.edge.local import LocalEngine
+from tandem.edge.replicas import ReplicaSet
 from tandem.edge.service import EdgeService, Head
 from tandem.edge.session import EdgeSessions
 from tandem.v1 import tandem_pb2 as pb
@@ -125,7 +126,7 @@ class EdgeDaemon:
     port: int
     service: EdgeService
     servicer: EdgeServicer
-    link: GrpcCloudLink
+    links: list[GrpcCloudLink]  # one per cloud target
     health: health.aio.HealthServicer
     health_task: asyncio.Task
     http: tuple[Any, asyncio.Task, int] | None = None  # OpenAI-compatible API: (uvicorn server, task, port)
@@ -149,7 +150,8 @@ class EdgeDaemon:
             await self.service.conn.stop()
         for h in self.service.heads.values():
             await h.batcher.stop()
-        await self.link.close()
+        for link in self.links:
+            await link.close()
 
 
 def eos_token_ids(tokenizer: Any, tokenizer_dir: Path) -> list[int]:
@@ -229,18 +231,20 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
     elif cfg.local:
         log.warning("local mode off: no %s", local_path)
     ratio, c_mbps, d_mbps = measure_zstd(sample, 3)
-    link = GrpcCloudLink(
-        cfg.cloud_target,
-        cfg.keepalive_time_s,
-        cfg.keepalive_timeout_s,
-        credentials=(
-            channel_credentials(cfg.cloud_ca_file, cfg.cloud_cert_file, cfg.cloud_key_file)
-            if cfg.cloud_uses_tls
-            else None
-        ),
-        server_name=cfg.cloud_server_name,
-        api_key=cfg.cloud_api_key,
+    creds = (
+        channel_credentials(cfg.cloud_ca_file, cfg.cloud_cert_file, cfg.cloud_key_file) if cfg.cloud_uses_tls else None
     )
+    links = [
+        GrpcCloudLink(
+            target,
+            cfg.keepalive_time_s,
+            cfg.keepalive_timeout_s,
+            credentials=creds,
+            server_name=cfg.cloud_server_name,
+            api_key=cfg.cloud_api_key,
+        )
+        for target in cfg.cloud_targets
+    ]
     offer = NegotiateOffer(
         cfg.edge_id,
         manifest.model_id,
@@ -251,20 +255,27 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
         wire_dtypes=tuple(cfg.wire_dtypes),
         kv_wire_dtypes=tuple(cfg.kv_wire_dtypes),
     )
-    conn = CloudConnection(
-        link,
-        offer,
-        poll_s=cfg.poll_s,
-        probe_bytes=cfg.probe_bytes,
-        zstd_pays=lambda g: zstd_pays(ratio, c_mbps, d_mbps, g),
-    )
+    conns = [
+        CloudConnection(
+            link,
+            offer,
+            poll_s=cfg.poll_s,
+            probe_bytes=cfg.probe_bytes,
+            zstd_pays=lambda g: zstd_pays(ratio, c_mbps, d_mbps, g),
+        )
+        for link in links
+    ]
+    conn: CloudConnection | ReplicaSet = conns[0] if len(conns) == 1 else ReplicaSet(conns, cfg.cloud_targets)
     conn.start()
     if not await conn.wait_connected(cfg.connect_timeout_s):
-        if isinstance(conn.last_exc, IncompatibleModel):
+        wrong = next((m.last_exc for m in conns if isinstance(m.last_exc, IncompatibleModel)), None)
+        if wrong is not None:
             await conn.stop()
-            raise conn.last_exc
+            raise wrong
         log.warning(
-            "cloud %s not answering yet (%s): starting degraded", cfg.cloud_target, conn.last_error or "no reply"
+            "cloud %s not answering yet (%s): starting degraded",
+            ", ".join(cfg.cloud_targets),
+            conn.last_error or "no reply",
         )
     sessions = EdgeSessions(cfg.max_sessions, cfg.session_bytes)
     service = EdgeService(
@@ -290,7 +301,7 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
         tls_credentials(cfg),
     )
     task = asyncio.create_task(follow_link(service, hs))
-    daemon = EdgeDaemon(server, port, service, servicer, link, hs, task)
+    daemon = EdgeDaemon(server, port, service, servicer, links, hs, task)
     if cfg.http_port is not None:
         from tandem.edge.openai_api import create_openai_app, serve_openai
 

@@ -45,6 +45,7 @@ from tandem.edge.detok import TextStream
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.head_runner import HeadInput
 from tandem.edge.local import LocalEngine
+from tandem.edge.replicas import ReplicaSet
 from tandem.edge.session import EdgeSession, EdgeSessions
 from tandem.edge.uplink import OutgoingTurn, stream_turn
 from tandem.stages import Stage, Timings
@@ -124,7 +125,7 @@ class EdgeService:
         self,
         tokenizer,
         heads: list[Head],
-        conn: CloudConnection | None,
+        conn: CloudConnection | ReplicaSet | None,
         sessions: EdgeSessions,
         turn_timeout_s: float,
         *,
@@ -426,6 +427,21 @@ class EdgeService:
                 if turn.mode != "auto" or self.local is None:
                     await self._wait_for_cloud(deadline, e)
 
+    def _move_replica(self, turn: ChatTurn, clock: TurnClock, cause: Exception) -> bool:
+        """With several cloud replicas: mark the turn's replica down (its connection reconnects in
+        the background) and pin the turn to the next healthy one. False if there is none."""
+        rs = self.conn
+        if not isinstance(rs, ReplicaSet) or clock.mode == LOCAL:
+            return False
+        failed = rs.current()
+        failed.renegotiate_soon(f"a turn failed on it ({cause})")
+        nxt = rs.pin(turn.session_id or clock.request_id)
+        if nxt is failed or not rs.healthy(nxt):
+            return False
+        log.warning("cloud replica %s failed (%s): turn moves to %s", rs.target_of(failed), cause, rs.target_of(nxt))
+        metrics.record_fallback("replica down")
+        return True
+
     async def _wait_for_cloud(self, deadline: float, cause: Exception) -> None:
         """Wait until the cloud (this or a restarted instance) answers again, at most to ``deadline``.
 
@@ -447,6 +463,8 @@ class EdgeService:
         timeout_s = max(0.001, deadline - asyncio.get_running_loop().time())
         text = clock.text
         assert text is not None
+        if self.conn is not None:  # one replica for the whole leg (the session's, by rendezvous hashing)
+            self.conn.pin(turn.session_id or clock.request_id)
         c = self.conn
         if c is not None and c.reconnecting and not c.connected.is_set() and (turn.mode != "auto" or not self.local):
             await c.wait_connected(min(self.renegotiate_wait_s, timeout_s))  # its link is being set up again
@@ -463,11 +481,15 @@ class EdgeService:
                 started = started or len(text.token_ids) > before
                 if started or attempt or self.conn is None:
                     raise
-                self.conn.renegotiate_soon(f"the cloud refused this link's params ({e})")
-                await self.conn.wait_connected(self.renegotiate_wait_s)
+                m = self.conn.current() if isinstance(self.conn, ReplicaSet) else self.conn  # this replica's link
+                m.renegotiate_soon(f"the cloud refused this link's params ({e})")
+                await m.wait_connected(self.renegotiate_wait_s)
                 decision = self.decide(turn, ids)
             except (QuotaExceeded, EngineError) as e:
                 started = started or len(text.token_ids) > before
+                if not started and isinstance(e, EngineError) and self._move_replica(turn, clock, e):
+                    decision = self.decide(turn, ids)
+                    continue
                 if started or turn.mode != "auto" or self.local is None or decision.route.mode == LOCAL:
                     raise
                 reason = "cloud busy" if isinstance(e, QuotaExceeded) else "cloud unavailable"

@@ -262,3 +262,38 @@ def test_round_orders_balance_what_runs_before_each_mode(n):
         for a, b in zip(order, order[1:], strict=False):
             follows[(a, b)] = follows.get((a, b), 0) + 1
     assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+
+
+def test_multiturn_summary_is_cumulative_per_conversation():
+    from tandem.benchmarks.multiturn import summarise
+
+    rows = [
+        {
+            "conversation": c,
+            "turn": t,
+            "prompt_tokens": 100 * t,
+            "delta_bytes": d,
+            "naive_bytes": 1000 * t,
+            "same_reply": True,
+        }
+        for c in range(2)
+        for t, d in ((1, 1000), (2, 300))
+    ]
+    per_turn = summarise(rows, 2)
+    assert [r["cum_naive_bytes"] for r in per_turn] == [1000, 3000]
+    assert [r["cum_delta_bytes"] for r in per_turn] == [1000, 1300]
+    assert per_turn[0]["saved"] == 0 and per_turn[1]["saved"] == pytest.approx(1 - 1300 / 3000)
+
+
+@pytest.mark.engines
+def test_multiturn_smoke(tmp_path):
+    out = tmp_path / "multiturn"
+    cmd = [sys.executable, "-m", "tandem.benchmarks.multiturn", "--conversations", "1", "--turns", "3"]
+    cmd += ["--max-new-tokens", "4", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    per_turn = json.loads((out / "multiturn.json").read_text())["per_turn"]
+    assert len(per_turn) == 3 and all(r["same_replies"] for r in per_turn)
+    assert per_turn[0]["delta_bytes"] == pytest.approx(per_turn[0]["naive_bytes"], rel=0.05)  # first turn: all
+    assert per_turn[2]["delta_bytes"] < per_turn[2]["naive_bytes"] / 2  # later turns: only what is new
+    assert (out / "multiturn.png").stat().st_size > 0 and "saved" in (out / "multiturn.md").read_text()

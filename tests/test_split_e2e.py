@@ -65,9 +65,10 @@ class SplitClient(AsyncClient):
 
 
 @pytest.fixture(scope="session")
-async def stack(split_dir, tmp_path_factory, tls):
+async def stack(split_dir, tmp_path_factory, tls, redis_server):
     """The real stack as an operator deploys it across hosts: mutual TLS and an edge key between
-    edge and cloud, TLS and an API key between the app and the edge (all on loopback here)."""
+    edge and cloud, TLS and an API key between the app and the edge (all on loopback here); the
+    block store on a Redis server (Debian's redis-server), so replicas can share it."""
     from tandem.cloud.config import CloudConfig, EngineConfig
     from tandem.cloud.engines import VllmEngines
     from tandem.cloud.server import create_cloud
@@ -81,6 +82,7 @@ async def stack(split_dir, tmp_path_factory, tls):
         host="127.0.0.1",
         port=0,
         store_dir=tmp_path_factory.mktemp("kv"),
+        store_url=redis_server.url,
         engine=EngineConfig(max_num_seqs=8, kv_cache_bytes=384 << 20),
         tls_cert_file=tls.cloud[0],
         tls_key_file=tls.cloud[1],
@@ -510,6 +512,58 @@ async def test_a_turn_resumes_across_a_cloud_restart_mid_decode(stack, hf_model,
     ref, gaps = hf_greedy(hf_model, ids, 64)
     ref_ok = len(ref) == 64  # the reference stops at end-of-sequence; the resumed stream ignores it
     assert_same_or_near_tie(streamed[: len(ref)] if not ref_ok else streamed, ref, gaps, "a resumed turn")
+
+
+async def test_a_session_moves_to_another_replica_when_its_replica_dies(stack, hf_model, tokenizer):
+    """Issue 10 item 4: a second cloud replica (its own gateway, port and instance; the same Redis
+    block store; in this test it shares the first one's engine processes) and an edge configured
+    with both. The session's replica is stopped between turns: the next turn moves to the other,
+    which loads the session from Redis, syncs by root, receives only the new tokens, and answers
+    with the reference tokens."""
+    from tandem.cloud.server import create_cloud
+    from tandem.edge.server import create_edge
+
+    replica_b = await create_cloud(
+        stack["cfg"].model_copy(update={"port": 0, "cloud_id": "replica-b"}), stack["engines"]
+    )
+    a_target = f"127.0.0.1:{stack['cloud_port']}"
+    edge_cfg = stack["edge_cfg"].model_copy(update={"cloud_replicas": [f"127.0.0.1:{replica_b.port}"], "port": 0})
+    edge = await create_edge(edge_cfg)
+    client = SplitClient(f"127.0.0.1:{edge.port}", ca_file=stack["tls"].ca_file, api_key=stack["tls"].app_key)
+    stopped_a = False
+    try:
+        assert await edge.service.conn.wait_connected(30)
+        assert [t for t, up in edge.service.conn.status()] == [a_target, f"127.0.0.1:{replica_b.port}"]
+        session = f"move-{uuid.uuid4().hex}"
+        messages = [{"role": "user", "content": LONG + "What is this text about?"}]
+        first = await client.complete(messages, max_new_tokens=8, session_id=session)
+        first_ids = prompt_ids(tokenizer, {"messages": messages})
+
+        def holds(gw) -> bool:
+            return any((s := gw.sessions.get(k)) is not None and s.token_ids == first_ids for k in gw.sessions.keys())
+
+        gateways = {"a": stack["gateway"], "b": replica_b.gateway}
+        (home,) = [name for name, gw in gateways.items() if holds(gw)]
+        if home == "a":
+            await stack["cloud"].stop(0)
+            stopped_a = True
+        else:
+            await replica_b.stop(0)
+        other = gateways["b" if home == "a" else "a"]
+        messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Say more."}]
+        res = await client.complete(messages, max_new_tokens=12, session_id=session)
+        ids = prompt_ids(tokenizer, {"messages": messages})
+        ref, gaps = hf_greedy(hf_model, ids, 12)
+        assert_same_or_near_tie(list(res.output_token_ids), ref, gaps, f"turn 2 after replica {home} died")
+        assert any(s.token_ids == ids for k in other.sessions.keys() if (s := other.sessions.get(k)) is not None)
+        per_token = first.sent_bytes["activations"] / first.prompt_tokens
+        assert res.sent_bytes["activations"] / per_token < len(ids) - len(first_ids) + 2, res.sent_bytes
+    finally:
+        await client.close()
+        await edge.stop(0)
+        await replica_b.stop(0)
+        if stopped_a:
+            await restart_cloud(stack)
 
 
 async def test_a_corrupt_kv_block_in_the_store_is_recomputed_never_served(stack, hf_model, tokenizer):
