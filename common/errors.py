@@ -53,6 +53,11 @@ class EngineError(TandemError):
     """A vLLM engine failed or is not running."""
 
 
+class LinkLost(EngineError):
+    """The connection to the cloud broke under a call (the cloud process died, the link dropped),
+    with no verdict from the cloud: what the edge retries once a cloud answers again."""
+
+
 class Unauthenticated(TandemError):
     """The call carries no valid credentials (API key, client certificate)."""
 

@@ -89,6 +89,7 @@ class TurnDone:
     params_version: int = 0
     mode_reason: str = ""
     resumes: int = 0  # times the turn continued after its cloud failed mid-stream
+    session_expired: bool = False  # the edge had evicted the session (its bound): it started again
 
     def to_pb(self) -> pb.ChatEvent:
         done = to_pb(pb.ChatDone, self, exclude=("timings",), timings_ms=timings_to_wire(self.timings))

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from tandem.common.errors import LinkLost
 from tandem.common.grpc_errors import error_from_status
 from tandem.common.grpcsetup import channel_options
 from tandem.common.messages import DownEvent, TurnError, UplinkItem, downlink_from_pb, uplink_to_pb
@@ -75,6 +76,9 @@ class GrpcTurnCall:
                 yield ev
         except grpc.aio.AioRpcError as e:
             self._stop_sending()
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                # no verdict message came first: the connection broke, not a refusal
+                raise LinkLost(f"{e.code().name}: {e.details() or 'connection lost'}") from e
             raise error_from_status(e.code(), e.details() or "") from e
 
     def cancel(self) -> None:

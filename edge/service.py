@@ -25,6 +25,7 @@ from tandem.common.errors import (
     DeadlineExceeded,
     EngineError,
     InvalidRequest,
+    LinkLost,
     ModeUnavailable,
     ParamsVersionMismatch,
     QuotaExceeded,
@@ -67,6 +68,8 @@ class TurnClock:
     mode: str = "auto"  # the mode that served the turn (the requested one until a mode runs)
     text: TextStream | None = None  # the turn's output so far, shared by its legs when it resumes
     resumes: int = 0  # times the turn continued after its cloud failed mid-stream
+    cloud_called: bool = False  # a Generate call of this turn reached the cloud
+    session_expired: bool = False  # the edge had evicted this turn's session (bounded state)
 
     def since(self, stage: Stage, t0: float | None = None) -> None:
         self.timings[stage] = (time.perf_counter() - (self.t_start if t0 is None else t0)) * 1e3
@@ -416,7 +419,9 @@ class EdgeService:
                 return
             except EngineError as e:
                 left = turn.sampling.max_new_tokens - len(text.token_ids)
-                if not text.token_ids or clock.mode == LOCAL or left <= 0 or clock.resumes >= MAX_RESUMES:
+                # tokens reached the client, or the connection broke under the turn (no verdict): go on
+                began = bool(text.token_ids) or (clock.cloud_called and isinstance(e, LinkLost))
+                if not began or clock.mode == LOCAL or left <= 0 or clock.resumes >= MAX_RESUMES:
                     raise
                 # tokens already reached the client: continue from the prompt plus them, never repeat them
                 clock.resumes += 1
@@ -426,6 +431,9 @@ class EdgeService:
                 leg_turn = replace(turn, sampling=replace(turn.sampling, max_new_tokens=left))
                 if turn.mode != "auto" or self.local is None:
                     await self._wait_for_cloud(deadline, e)
+                    if not text.token_ids:  # nothing streamed yet: back off before sending it all again
+                        left_s = deadline - asyncio.get_running_loop().time()
+                        await asyncio.sleep(max(0.0, min(left_s, 0.25 * 2**clock.resumes)))
 
     def _move_replica(self, turn: ChatTurn, clock: TurnClock, cause: Exception) -> bool:
         """With several cloud replicas: mark the turn's replica down (its connection reconnects in
@@ -574,6 +582,7 @@ class EdgeService:
             ttft_ms=clock.timings.get(Stage.TTFT, 0.0),
             params_version=params_version,
             mode_reason=d.reason,
+            session_expired=clock.session_expired,
         )
 
     async def _cloud(
@@ -586,6 +595,9 @@ class EdgeService:
         if params is None:
             raise EngineError(f"no link params for split layer {k}: the cloud is not connected")
         split = k > 0
+        if split and self.sessions.expired(turn.session_id):
+            clock.session_expired = True
+            log.info("session %s had expired (evicted by the edge's bound): starting it again", turn.session_id)
         session = self.sessions.get(turn.session_id) if split else EdgeSession()
         self._cloud_inflight += 1
         try:
@@ -787,6 +799,7 @@ class EdgeService:
     ) -> AsyncIterator[TextOut | TurnDone]:
         assert self.conn is not None
         text = clock.text or TextStream(self.tok, stop)
+        clock.cloud_called = True
         with self.conn.uploading() as upload_done:
             async for ev in self._stream_events(out, s, ids, clock, head_tokens, timeout_s, text, d, upload_done):
                 yield ev

@@ -14,6 +14,7 @@ turn that fails: a failed turn leaves the session as it was.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
@@ -84,7 +85,27 @@ class EdgeSession:
 
 
 class EdgeSessions(BoundedLRU[EdgeSession]):
-    """LRU of edge sessions bounded by count and bytes (head KV + activations)."""
+    """LRU of edge sessions bounded by count and bytes (head KV + activations). Remembers the ids of
+    the last ``4 * max_entries`` sessions it evicted, so a turn of one can be told its session expired."""
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        super().__init__(max_entries, max_bytes)
+        self._expired: OrderedDict[str, None] = OrderedDict()
+
+    def evict(self) -> list[str]:
+        dropped = super().evict()
+        for key in dropped:
+            self._expired[key] = None
+            self._expired.move_to_end(key)
+        while len(self._expired) > 4 * self.max_entries:
+            self._expired.popitem(last=False)
+        return dropped
+
+    def expired(self, session_id: str) -> bool:
+        """True once for a session this table evicted (its next turn starts it again)."""
+        if not session_id or session_id in self._s:
+            return False
+        return self._expired.pop(session_id, 0) is None
 
     def get(self, session_id: str) -> EdgeSession:
         """The session (created empty if unknown); a stateless request gets a throwaway one."""

@@ -91,6 +91,7 @@ class ChatResult:
     params_version: int = 0  # link params the turn ran under (0 = local)
     mode_reason: str = ""  # why this mode (auto's choice, requested, a fallback)
     resumes: int = 0  # times the turn continued after its cloud failed mid-stream (no token repeated)
+    session_expired: bool = False  # the edge had evicted this session (its state bound): it started again
 
 
 # --- argument checks (before anything is sent) --------------------------------------------------

@@ -265,3 +265,47 @@ async def test_a_failure_with_no_cloud_to_resume_on_is_a_deadline_error_in_time(
     finally:
         await toy.edge.conn.stop()
         await toy.batcher.stop()
+
+
+async def test_a_turn_cut_during_its_upload_is_sent_again_once_the_cloud_answers():
+    """Issue 10 items 2 and 7: the connection dies while chunks are in flight (nothing committed,
+    no token out): the edge waits for the cloud, sends the turn again and the client sees one
+    clean answer, the same as an uncut one's."""
+    from tandem.common import wire
+    from tandem.common.errors import LinkLost
+
+    cut = {"done": False}
+
+    def die_once(item, attempt):
+        if isinstance(item, wire.Chunk) and item.seq == 2 and not cut["done"]:
+            cut["done"] = True
+            raise LinkLost("UNAVAILABLE: connection reset by peer")
+        return item
+
+    toy = await toy_stack(lambda link: TamperLink(link, die_once))
+    toy.edge.conn.start()
+    try:
+        t = chat(LONG * 2, session="u", n=6)
+        done = await run(toy.edge, t)
+        assert cut["done"] and done.resumes == 1 and done.output_tokens == 6
+        assert done.output_token_ids == await answer_of(toy, t)
+    finally:
+        await toy.edge.conn.stop()
+        await toy.batcher.stop()
+
+
+async def test_the_client_is_told_when_its_session_expired_at_the_edge():
+    """Issue 10 item 5: the edge's session table is bounded; a turn of a session it evicted says so
+    (ChatDone.session_expired), once, and still answers as a fresh session would."""
+    toy = await toy_stack(edge_session_bytes=60_000)
+    try:
+        for i in range(6):
+            done = await run(toy.edge, chat(LONG, session=f"x{i}", n=2))
+            assert not done.session_expired
+        assert "x0" not in toy.edge.sessions
+        again = await run(toy.edge, chat(LONG, "ok", "more", session="x0", n=2))
+        assert again.session_expired
+        assert again.output_token_ids == await answer_of(toy, chat(LONG, "ok", "more", session="x0", n=2))
+        assert not (await run(toy.edge, chat(LONG, "ok", "more", session="x0", n=2))).session_expired
+    finally:
+        await toy.batcher.stop()

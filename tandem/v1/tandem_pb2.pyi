@@ -532,7 +532,7 @@ class TextDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatDone(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "output_tokens", "head_tokens", "external_tokens", "split_layer", "timings_ms", "sent_bytes", "output_token_ids", "mode", "predicted_ttft_ms", "ttft_ms", "params_version", "mode_reason", "resumes")
+    __slots__ = ("finish_reason", "prompt_tokens", "output_tokens", "head_tokens", "external_tokens", "split_layer", "timings_ms", "sent_bytes", "output_token_ids", "mode", "predicted_ttft_ms", "ttft_ms", "params_version", "mode_reason", "resumes", "session_expired")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -562,6 +562,7 @@ class ChatDone(_message.Message):
     PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_REASON_FIELD_NUMBER: _ClassVar[int]
     RESUMES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     output_tokens: int
@@ -577,7 +578,8 @@ class ChatDone(_message.Message):
     params_version: int
     mode_reason: str
     resumes: int
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., head_tokens: _Optional[int] = ..., external_tokens: _Optional[int] = ..., split_layer: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., sent_bytes: _Optional[_Mapping[str, int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., params_version: _Optional[int] = ..., mode_reason: _Optional[str] = ..., resumes: _Optional[int] = ...) -> None: ...
+    session_expired: bool
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., head_tokens: _Optional[int] = ..., external_tokens: _Optional[int] = ..., split_layer: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., sent_bytes: _Optional[_Mapping[str, int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., params_version: _Optional[int] = ..., mode_reason: _Optional[str] = ..., resumes: _Optional[int] = ..., session_expired: bool = ...) -> None: ...
 
 class ChatEvent(_message.Message):
     __slots__ = ("delta", "done")
