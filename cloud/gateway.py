@@ -446,7 +446,10 @@ class Gateway:
         ):
             raise InvalidRequest("a Merkle root and proof hashes are 32 bytes each, at most 64 of them")
         self.edge_limits.check_rate(c)
-        s = await self._session(scoped(c, req.session_id), 1)
+        key = scoped(c, req.session_id)
+        if self.sessions.get(key) is None:  # loading it from the store counts against the edge's bounds
+            self.edge_limits.check_state(c, self.sessions, key, len(req.token_ids))
+        s = await self._session(key, 1)
         if not s.token_ids or s.split_layer != req.split_layer or s.block_tokens != bs:
             return SyncReply(False)
         held = 0

@@ -79,8 +79,10 @@ class SessionStore:
         pieces: list[str] = []
         for i in range(-(-len(s.token_ids) // bs)):
             data = np.ascontiguousarray(s.hidden[i * bs : (i + 1) * bs], np.float32).tobytes()
-            key = piece_key(session_key, data)  # earlier pieces: hashed only, already in the store
-            if i >= first_new_token // bs and not self.store.contains(key):
+            key = piece_key(session_key, data)
+            if i < first_new_token // bs:
+                self.store.touch(key)  # in the store since an earlier turn: keep it as recent as the record
+            elif not self.store.contains(key):
                 self.store.put(key, data)
             pieces.append(key)
         record = {

@@ -57,6 +57,8 @@ class BlockStore(Protocol):
 
     def delete(self, key: str) -> None: ...
 
+    def touch(self, key: str) -> None: ...
+
 
 def seal(value: bytes) -> bytes:
     """``blake3(value)[:16] || value``: what a backend stores."""
@@ -108,6 +110,10 @@ class SealedStore:
 
     def delete(self, key: str) -> None:
         self._del(key)
+
+    def touch(self, key: str) -> None:
+        """Mark ``key`` recently used (the LRU keeps it longer); a missing key is a no-op."""
+        self._get(key)
 
     def corrupt_for_test(self, key: str, offset: int = -1) -> bool:
         """Flip one bit of the stored (sealed) value at ``offset``: how fault tests model corruption
@@ -226,7 +232,8 @@ class RedisBlockStore(SealedStore):
         if parts.password:
             raise InvalidRequest(f"store URL must not carry a password: put it in ${PASSWORD_ENV}")
         self.url, self.prefix, self.size_limit_bytes = url, prefix, size_limit_bytes
-        self._errors = (redis.ConnectionError, redis.TimeoutError)
+        # every server-side failure too: OOM under a policy that does not evict, READONLY after a failover
+        self._errors = (redis.RedisError,)
         self._r = redis.Redis.from_url(
             url,
             password=os.environ.get(PASSWORD_ENV) or None,
@@ -236,9 +243,9 @@ class RedisBlockStore(SealedStore):
         )
         try:
             self._r.ping()
-            self._bound()
         except self._errors as e:
             raise EngineError(f"block store {url}: {e}") from None
+        self._bound()
 
     def _bound(self) -> None:
         import redis
@@ -250,12 +257,17 @@ class RedisBlockStore(SealedStore):
                 self._r.config_set("maxmemory", self.size_limit_bytes)
                 self._r.config_set("maxmemory-policy", "allkeys-lru")
                 log.info("block store %s: bounded to %d bytes, allkeys-lru", self.url, self.size_limit_bytes)
-            elif "lru" not in policy and "lfu" not in policy:
+            elif not policy.startswith("allkeys-"):  # volatile-*: only keys with a TTL, and tandem sets none
                 log.warning(
-                    "block store %s: maxmemory-policy %s does not evict; writes fail when full", self.url, policy
+                    "block store %s: maxmemory-policy %s evicts none of tandem's keys; writes fail when full "
+                    "(use allkeys-lru)",
+                    self.url,
+                    policy,
                 )
         except redis.ResponseError as e:  # CONFIG is disabled on managed servers: the operator bounds it
             log.warning("block store %s: cannot read or set its bound (%s); the server's own applies", self.url, e)
+        except redis.RedisError as e:
+            raise EngineError(f"block store {self.url}: {e}") from None
 
     def _set(self, key: str, raw: bytes) -> None:
         try:
@@ -276,6 +288,12 @@ class RedisBlockStore(SealedStore):
             return bool(self._r.exists(self.prefix + key))
         except self._errors:
             return False
+
+    def touch(self, key: str) -> None:
+        try:
+            self._r.touch(self.prefix + key)
+        except self._errors:
+            pass
 
     def _del(self, key: str) -> None:
         try:

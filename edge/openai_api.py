@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import hmac
 import json
@@ -409,9 +410,10 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-async def unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
-    """``aw``'s result, or ``ClientGone`` (``aw`` cancelled) if the client disconnects first."""
-    task = asyncio.ensure_future(aw)
+async def unless_disconnected(request: Request, aw: Awaitable[T], ctx: contextvars.Context | None = None) -> T:
+    """``aw``'s result, or ``ClientGone`` (``aw`` cancelled) if the client disconnects first. ``aw``
+    runs in ``ctx`` when given (a turn's steps share one context: its log ids, its cloud replica)."""
+    task: asyncio.Task[T] = asyncio.get_running_loop().create_task(aw, context=ctx)  # type: ignore[arg-type]
     watch = asyncio.create_task(_until_disconnect(request))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -456,7 +458,7 @@ class EventStream(StreamingResponse):
 
 
 async def _sse_body(
-    call: _Call, first: TextOut | TurnDone, events: AsyncGenerator[Any, None]
+    call: _Call, first: TextOut | TurnDone, events: AsyncGenerator[Any, None], ctx: contextvars.Context
 ) -> AsyncGenerator[str, None]:
     try:
         if call.chat:
@@ -472,7 +474,7 @@ async def _sse_body(
                 if call.include_usage:
                     yield _sse({**call.base(chunk=True), "choices": [], "usage": usage_of(ev)})
                 break
-            ev = await anext(events, None)
+            ev = await asyncio.get_running_loop().create_task(anext(events, None), context=ctx)
     except e.TandemError as err:
         yield _sse(api_error_of(err).body())
     except Exception:
@@ -588,14 +590,15 @@ class _Api:
                 await events.aclose()
                 self.release(call)
             return JSONResponse(call.response(text, done), headers=headers)
+        ctx = contextvars.copy_context()  # every step of the turn runs in it, whichever task drives it
         try:  # the first event before the headers: errors before any output get their HTTP status
-            first = await unless_disconnected(request, anext(events))
+            first = await unless_disconnected(request, anext(events), ctx)
         except BaseException:
             await events.aclose()
             self.release(call)
             raise
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
-        return EventStream(_sse_body(call, first, events), events, headers, lambda: self.release(call))
+        return EventStream(_sse_body(call, first, events, ctx), events, headers, lambda: self.release(call))
 
 
 async def _collect(events: AsyncGenerator[TextOut | TurnDone, None]) -> tuple[str, TurnDone]:

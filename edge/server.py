@@ -289,6 +289,7 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
         cost=cost,
         shape=manifest.shape,
     )
+    service.eos_token_ids = frozenset(eos_token_ids(tokenizer, tok_dir))
     service.codec_ratio = ratio
     auth = Authenticator(ApiKeys(cfg.api_keys), client_certs=cfg.tls_client_ca_file is not None)
     servicer = EdgeServicer(service, manifest.model_id, auth)

@@ -141,6 +141,8 @@ class EdgeService:
         if not heads and local is None:
             raise ValueError("an edge needs a head (split) or the whole model (local)")
         self.tok, self.conn = tokenizer, conn
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else [])  # the server sets all
         self._local_engine: LocalEngine | None = None
         self._cost = cost or CostModel()
         self.local = local
@@ -409,19 +411,35 @@ class EdgeService:
         clock.since(Stage.TOKENIZE)
         text = clock.text = TextStream(self.tok, turn.stop)
         leg_turn, leg_ids = turn, ids
+        finished = False
         while True:
             try:
                 async for ev in self._legs(leg_turn, leg_ids, clock, deadline):
-                    if isinstance(ev, TurnDone) and clock.resumes:  # the whole turn's output, not the last leg's
-                        n_out = len(text.token_ids)
-                        ev = replace(ev, prompt_tokens=len(ids), output_tokens=n_out, resumes=clock.resumes)
+                    if isinstance(ev, TurnDone):
+                        finished = True
+                        if clock.resumes:  # the whole turn's output, not the last leg's
+                            n_out = len(text.token_ids)
+                            ev = replace(ev, prompt_tokens=len(ids), output_tokens=n_out, resumes=clock.resumes)
                     yield ev
                 return
             except EngineError as e:
-                left = turn.sampling.max_new_tokens - len(text.token_ids)
+                if finished:  # the answer ended; the connection broke only afterwards
+                    log.info("the cloud's stream broke after the turn ended (%s): nothing lost", e)
+                    return
+                out = text.token_ids
+                left = turn.sampling.max_new_tokens - len(out)
+                ended = bool(out) and (
+                    out[-1] in turn.sampling.stop_token_ids
+                    or (out[-1] in self.eos_token_ids and not turn.sampling.ignore_eos)
+                )
+                if out and (left <= 0 or ended):  # only the final message was lost: finish here
+                    async for ev in self._finish_without_cloud("stop" if ended else "length", ids, clock):
+                        yield ev
+                    return
                 # tokens reached the client, or the connection broke under the turn (no verdict): go on
-                began = bool(text.token_ids) or (clock.cloud_called and isinstance(e, LinkLost))
-                if not began or clock.mode == LOCAL or left <= 0 or clock.resumes >= MAX_RESUMES:
+                began = bool(out) or (clock.cloud_called and isinstance(e, LinkLost))
+                too_long = len(ids) + len(out) > self.max_prompt_tokens
+                if not began or clock.mode == LOCAL or too_long or clock.resumes >= MAX_RESUMES:
                     raise
                 # tokens already reached the client: continue from the prompt plus them, never repeat them
                 clock.resumes += 1
@@ -434,6 +452,20 @@ class EdgeService:
                     if not text.token_ids:  # nothing streamed yet: back off before sending it all again
                         left_s = deadline - asyncio.get_running_loop().time()
                         await asyncio.sleep(max(0.0, min(left_s, 0.25 * 2**clock.resumes)))
+
+    async def _finish_without_cloud(
+        self, finish: str, ids: list[int], clock: TurnClock
+    ) -> AsyncIterator[TextOut | TurnDone]:
+        """End a turn whose every token reached the client but whose final message was lost."""
+        text = clock.text
+        assert text is not None
+        rest = text.flush()
+        if rest:
+            yield TextOut(rest, ())
+        clock.since(Stage.TOTAL)
+        d = Decision(Route(clock.mode if clock.mode in (LOCAL, SPLIT, DIRECT) else DIRECT), None, "resumed")
+        done = self._turn_done(finish, len(ids), clock, d, text.token_ids, 0, 0, 0, {}, 0)
+        yield replace(done, resumes=clock.resumes)
 
     def _move_replica(self, turn: ChatTurn, clock: TurnClock, cause: Exception) -> bool:
         """With several cloud replicas: mark the turn's replica down (its connection reconnects in
@@ -491,7 +523,7 @@ class EdgeService:
                     raise
                 m = self.conn.current() if isinstance(self.conn, ReplicaSet) else self.conn  # this replica's link
                 m.renegotiate_soon(f"the cloud refused this link's params ({e})")
-                await m.wait_connected(self.renegotiate_wait_s)
+                await m.wait_connected(min(self.renegotiate_wait_s, timeout_s))
                 decision = self.decide(turn, ids)
             except (QuotaExceeded, EngineError) as e:
                 started = started or len(text.token_ids) > before
@@ -638,7 +670,7 @@ class EdgeService:
         still refuses, the turn is resent from token 0 once."""
         for attempt in (0, 1, 2):
             if params.split_layer and turn.session_id and (attempt == 1 or (attempt == 0 and self._needs_sync(s))):
-                await self._sync(s, turn.session_id, params)
+                await self._sync(s, turn.session_id, params, timeout_s)
             out = self._build_turn(s, ids, turn, params, clock, resend_all=attempt == 2)
             try:
                 async for ev in self._stream(out, s, ids, clock, head_tokens, timeout_s, turn.stop, d):
@@ -658,7 +690,7 @@ class EdgeService:
         return bool(s.cloud_tokens) and n is not None and s.synced_with != n.instance_id
 
     @traced("edge_sync")
-    async def _sync(self, s: EdgeSession, session_id: str, p: LinkParams) -> None:
+    async def _sync(self, s: EdgeSession, session_id: str, p: LinkParams, timeout_s: float = 5.0) -> None:
         """``SyncSession``: set ``s.cloud_tokens`` and ``s.leaves`` to what the cloud proves it holds.
 
         The edge sends the Merkle tree of all its full head-KV blocks (``n`` leaves) and a
@@ -679,7 +711,10 @@ class EdgeService:
             self._link_id(), session_id, k, tuple(s.token_ids), len(leaves), merkle.root(leaves), m, tuple(proof), bs
         )
         try:
-            reply = await self.conn.link.sync_session(req)
+            reply = await self.conn.link.sync_session(req, max(0.001, min(5.0, timeout_s)))
+        except QuotaExceeded as e:  # the edge is over its request rate: keep its belief, the turn will tell
+            log.info("SyncSession refused (%s): the turn goes on with what this edge believes", e)
+            return
         except TandemError as e:
             log.warning("SyncSession failed (%s): resending the session from token 0", e)
             s.forget_cloud_past(0)

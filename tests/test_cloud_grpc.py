@@ -15,7 +15,7 @@ from tandem.cloud.gateway import HEADER_SLACK_BYTES, MAX_PROBE_BYTES, Gateway
 from tandem.cloud.memory_engines import MemoryEngines
 from tandem.cloud.service import CloudServicer
 from tandem.common import wire
-from tandem.common.errors import EngineError, InvalidRequest
+from tandem.common.errors import InvalidRequest
 from tandem.common.grpcsetup import add_service, channel_options, start_server
 from tandem.common.kvstore import MemoryBlockStore
 from tandem.common.params import NegotiateOffer, Sampling

@@ -210,3 +210,24 @@ def test_redis_reads_during_an_outage_are_misses_and_writes_raise(tmp_path):
     assert st.get("k") is None and not st.contains("k")
     with pytest.raises(EngineError):
         st.put("k", b"v")
+
+
+def test_redis_server_errors_are_engine_errors_on_write_and_misses_on_read(tmp_path, caplog):
+    """A server that refuses writes (full under a policy that evicts nothing of tandem's, as
+    volatile-lru does with keys without a TTL) makes put raise EngineError, and is warned about."""
+    from tests.conftest import RedisServer
+
+    server = RedisServer(tmp_path, maxmemory_bytes=2 << 20)
+    try:
+        import redis
+
+        redis.Redis.from_url(server.url).config_set("maxmemory-policy", "volatile-lru")
+        with caplog.at_level("WARNING", logger="tandem.store"):
+            st = RedisBlockStore(server.url, 1 << 30)
+        assert "evicts none of tandem's keys" in caplog.text
+        with pytest.raises(EngineError, match="OOM|maxmemory"):
+            for i in range(100):
+                st.put(f"k{i}", bytes(100_000))
+        assert st.get("k0") == bytes(100_000)  # what was written stays readable
+    finally:
+        server.stop()

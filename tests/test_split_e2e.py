@@ -342,10 +342,11 @@ async def test_bad_uplink_gets_clear_status_and_spares_other_sessions(stack, tok
         ],
         grpc.StatusCode.FAILED_PRECONDITION: [
             [header(params_version=v + 10**6)],  # a version this link never had (the controller may add v+1)
-            [  # the edge's session holds more than 3 tokens
+            [  # the session's first 3 tokens are other ids than the header's
                 header(
                     split_layer=gw.manifest.split_layer,
                     session_id=keyed_session_id(stack, session),
+                    prompt_token_ids=[ok_ids[0] + 1, *ok_ids[1:]],
                     cached_tokens=3,
                     num_chunks=1,
                 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from tandem.cloud.gateway import Gateway, as_principal
@@ -18,7 +19,7 @@ from tandem.common.params import SyncRequest
 from tandem.common.security import scoped
 from tandem.edge.events import TurnDone
 from tandem.edge.link import InProcessLink
-from tests.doubles import MANIFEST, B, TamperLink, cloud_config, toy_stack
+from tests.doubles import MANIFEST, B, K, TamperLink, cloud_config, toy_stack
 from tests.test_gateway import LONG, Sent, chat, run
 
 TOY_CALLER = as_principal("in-process")
@@ -309,3 +310,84 @@ async def test_the_client_is_told_when_its_session_expired_at_the_edge():
         assert not (await run(toy.edge, chat(LONG, "ok", "more", session="x0", n=2))).session_expired
     finally:
         await toy.batcher.stop()
+
+
+class LosesFinal:
+    """Wraps ``MemoryEngines``: every token arrives, then the stream breaks before the final message."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def decode(self, request_id, token_ids, kv, sampling):
+        from tandem.common.errors import EngineError
+
+        async for step in self.inner.decode(request_id, token_ids, kv, sampling):
+            if step.finish_reason is not None:
+                yield replace(step, finish_reason=None)
+                raise EngineError("connection lost after the last token")
+            yield step
+
+
+@pytest.mark.parametrize("ends_with", ["length", "eos"])
+async def test_a_stream_that_breaks_after_its_last_token_finishes_without_resuming(ends_with):
+    """Every token reached the client and only the final message was lost: the turn ends there
+    (length, or stop at end-of-sequence), never generating past its end."""
+    toy = await toy_stack()
+    toy.edge.conn.start()
+    try:
+        t = chat(LONG, n=10, mode="direct")
+        normal = await run(toy.edge, t)
+        if ends_with == "eos":
+            eos = normal.output_token_ids[4]
+            toy.engines.eos_token_id = eos
+            toy.edge.eos_token_ids = frozenset([eos])
+            normal = await run(toy.edge, t)
+            assert normal.finish_reason == "stop" and normal.output_token_ids[-1] == eos
+        toy.gateway.engines = LosesFinal(toy.engines)
+        done = await run(toy.edge, t)
+        assert done.resumes == 0 and done.output_token_ids == normal.output_token_ids
+        assert done.finish_reason == ("length" if ends_with == "length" else "stop")
+    finally:
+        await toy.edge.conn.stop()
+        await toy.batcher.stop()
+
+
+async def test_a_sync_that_would_load_a_session_counts_against_the_edges_bounds(toy):
+    """SyncSession may load a session from the store into memory: only within the edge's session bound."""
+    from tandem.common.errors import QuotaExceeded
+
+    await run(toy.edge, chat(LONG, session="one", n=2))
+    await run(toy.edge, chat(LONG, session="two", n=2))
+    toy.lose_cloud_sessions(stored=False)
+    await run(toy.edge, chat(LONG, "ok", "more", session="one", n=2))  # "one" back in memory
+    toy.gateway.edge_limits.max_sessions = 1
+    ids = toy.edge.tokenize(chat(LONG))
+    req = SyncRequest("", "two", MANIFEST.split_layer, tuple(ids), 0, merkle.root([]), 0, (), B)
+    with pytest.raises(QuotaExceeded, match="sessions"):
+        await toy.gateway.sync_session(req, TOY_CALLER)
+    assert toy.cloud_session("two") is None
+
+
+def test_a_save_keeps_the_earlier_pieces_recent():
+    from tandem.cloud.sessions import CloudSession
+    from tandem.cloud.sessionstore import SessionStore
+    from tandem.common.kvstore import MemoryBlockStore
+
+    store = MemoryBlockStore(1 << 20)
+    touched: list[str] = []
+    real_touch = store.touch
+    store.touch = lambda key: (touched.append(key), real_touch(key))  # type: ignore[method-assign]
+    ss = SessionStore(store, 8)
+    hidden = np.arange(10 * B * 8, dtype=np.float32).reshape(10 * B, 8)
+    s = CloudSession(
+        token_ids=list(range(10 * B)), hidden=hidden, leaves=[bytes(32)] * 10, split_layer=K, block_tokens=B
+    )
+    ss.save("k", s, 0)
+    assert touched == []
+    ss.save("k", s, 3 * B + 1)
+    assert touched == [piece_key("k", hidden[i * B : (i + 1) * B].tobytes()) for i in range(3)]
+    loaded = ss.load("k")
+    assert loaded is not None and np.array_equal(loaded.session.hidden, hidden)
