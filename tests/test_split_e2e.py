@@ -563,8 +563,11 @@ async def test_a_session_moves_to_another_replica_when_its_replica_dies(stack, h
         await client.close()
         await edge.stop(0)
         await replica_b.stop(0)
-        if stopped_a:
+        if stopped_a:  # bring the stack's cloud back, and its edge with it, before the next test
             await restart_cloud(stack)
+            conn = stack["edge"].service.conn
+            conn.renegotiate_soon("the test restarted the cloud")
+            assert await conn.wait_connected(60)
 
 
 async def test_a_corrupt_kv_block_in_the_store_is_recomputed_never_served(stack, hf_model, tokenizer):
