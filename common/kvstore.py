@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from pathlib import Path
 from typing import Protocol
@@ -73,23 +74,23 @@ def unseal(raw: bytes) -> bytes | None:
     return value if blake3.blake3(value).digest(length=SEAL_BYTES) == raw[:SEAL_BYTES] else None
 
 
-class SealedStore:
-    """A ``BlockStore`` over four raw primitives of a backend (``_set``, ``_get``, ``_has``, ``_del``):
-    seals on put, checks on get (see module doc)."""
+class SealedStore(ABC):
+    """A ``BlockStore`` over four raw primitives each backend implements (``_set``, ``_get``, ``_has``,
+    ``_del``): seals on put, checks on get (see module doc)."""
 
     corrupt_reads = 0
 
-    def _set(self, key: str, raw: bytes) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _set(self, key: str, raw: bytes) -> None: ...
 
-    def _get(self, key: str) -> bytes | None:
-        raise NotImplementedError
+    @abstractmethod
+    def _get(self, key: str) -> bytes | None: ...
 
-    def _has(self, key: str) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def _has(self, key: str) -> bool: ...
 
-    def _del(self, key: str) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _del(self, key: str) -> None: ...
 
     def put(self, key: str, value: bytes) -> None:
         self._set(key, seal(bytes(value)))

@@ -683,11 +683,16 @@ class EdgeService:
                 if attempt == 1:
                     metrics.record_session_resync()
 
+    def _instance_id(self) -> str:
+        """The instance id of the cloud (the turn's replica) this edge is negotiated with; "" if none."""
+        n = self.conn.negotiated if self.conn is not None else None
+        return n.instance_id if n is not None else ""
+
     def _needs_sync(self, s: EdgeSession) -> bool:
         """The session's cloud state was acknowledged by another cloud instance (a restart, or
         another replica) than the one connected now."""
-        n = self.conn.negotiated if self.conn is not None else None
-        return bool(s.cloud_tokens) and n is not None and s.synced_with != n.instance_id
+        now = self._instance_id()
+        return bool(s.cloud_tokens) and bool(now) and s.synced_with != now
 
     @traced("edge_sync")
     async def _sync(self, s: EdgeSession, session_id: str, p: LinkParams, timeout_s: float = 5.0) -> None:
@@ -732,7 +737,7 @@ class EdgeService:
                 ok += 1
         held = min(reply.held_tokens, len(s.token_ids), (ok + 1) * bs - 1) if reply.found else 0
         s.cloud_tokens, s.leaves, s.block_tokens = held, leaves[: held // bs], bs
-        s.synced_with = self.conn.negotiated.instance_id if self.conn.negotiated is not None else ""
+        s.synced_with = self._instance_id()
         outcome = "lost" if not held else "in_sync" if held == len(s.token_ids) else "partial"
         log.info("SyncSession: the cloud holds %d of %d tokens (%s)", held, len(s.token_ids), outcome)
         metrics.record_session_sync(outcome)
@@ -858,7 +863,7 @@ class EdgeService:
                 s.cloud_tokens = len(ids)
                 s.leaves = s.leaves + [out.blocks[j].leaf_hash for j in sorted(out.blocks)]
                 s.block_tokens = out.block_tokens
-                s.synced_with = self.conn.negotiated.instance_id if self.conn.negotiated is not None else ""
+                s.synced_with = self._instance_id()
                 clock.timings[Stage.UPLINK] = out.upload_ms
                 clock.acked = True
             elif isinstance(ev, TokensOut):
