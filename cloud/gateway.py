@@ -41,6 +41,7 @@ from tandem.common.errors import (
     MerkleMismatch,
     ParamsVersionMismatch,
     PermissionDenied,
+    SessionOutOfSync,
     UploadTimeout,
 )
 from tandem.common.ewma import Ewma
@@ -141,6 +142,63 @@ class Turn:
             self.t_engine = time.perf_counter()
 
 
+class PrefixKeeper:
+    """Makes a session turn's upload resumable when it is cut (issue 10 item 2): at each window
+    ack, the verified prefix of the upload (``TurnUpload.verified_prefix``) is committed into the
+    session and saved beside the blocks (its head KV blocks, ``SessionStore`` record and pieces),
+    off the upload's path; once saved it is acknowledged (``WindowAck.held_tokens``) and a resumed
+    upload, on this node, a restarted one or another replica, starts there. One keep at a time
+    per upload; a keep still running when the upload is cut completes on its own.
+
+    Who calls: ``Gateway._verify_items`` (``kick``) and ``Gateway._run`` (``settle``, before the
+    turn's own commit)."""
+
+    def __init__(self, gateway: Gateway, turn: Turn, upload: TurnUpload) -> None:
+        self.gateway, self.turn, self.upload = gateway, turn, upload
+        self.task: asyncio.Task | None = None
+        self.stopped = False
+
+    def kick(self) -> None:
+        """Start keeping the verified prefix, if it grew and no keep is running."""
+        up = self.upload
+        if self.stopped or (self.task is not None and not self.task.done()):
+            return
+        n = up.verified_prefix()
+        if n <= max(up.kept_tokens, up.header.cached_tokens):
+            return
+        hidden, _, leaves = up.prefix(n)
+        blocks = up.new_blocks(up.kept_leaves, n // up.bs)
+        self.task = asyncio.create_task(self._keep(n, hidden, leaves, blocks))
+        self.gateway._background.add(self.task)
+        self.task.add_done_callback(self.gateway._background.discard)
+
+    async def settle(self) -> None:
+        """No more keeps; wait for the one running (its state is what the turn's commit builds on)."""
+        self.stopped = True
+        if self.task is not None:
+            await asyncio.shield(self.task)
+
+    async def _keep(self, n: int, hidden: np.ndarray, leaves: list[bytes], blocks: list[tuple[bytes, bytes]]) -> None:
+        gw, up, sid = self.gateway, self.upload, self.turn.session_key
+        try:
+            await asyncio.to_thread(gw._put_head_blocks, blocks, gw.head_part(up.header.split_layer))
+            up.kept_leaves = max(up.kept_leaves, n // up.bs)
+            session = up.session
+            async with asyncio.timeout_at(self.turn.deadline), session.lock:
+                current = gw.sessions.get(sid)
+                if current is not None and current is not session:
+                    raise SessionOutOfSync("another turn created the session during the upload")
+                up.apply_prefix(session, n, hidden, leaves)
+                gw.sessions.put(sid, session)
+                saved = replace(session, token_ids=list(session.token_ids), leaves=list(session.leaves))
+            gw.sessions.evict()
+            await asyncio.to_thread(gw.session_store.save, sid, saved, max(up.kept_tokens, up.header.cached_tokens))
+            up.kept_tokens = n
+        except (SessionOutOfSync, TimeoutError, EngineError) as e:
+            self.stopped = True
+            log.info("session %s: the upload's prefix of %d tokens not kept (%s)", sid, n, e)
+
+
 def as_principal(caller: Principal | str) -> Principal:
     """A caller given as a plain string (in-process links, tests) is a ``peer`` principal."""
     return caller if isinstance(caller, Principal) else Principal("peer", caller)
@@ -168,6 +226,7 @@ class Gateway:
         self.serving = True  # mirrors the node's health (engines restarting, draining: False)
         self.sessions = SessionTable(cfg.max_sessions, cfg.session_bytes)
         self.session_store = SessionStore(store, manifest.shape.hidden_size)
+        self._background: set[asyncio.Task] = set()  # saves that outlive their turn (a cut upload's kept prefix)
         self.budget = UploadBudget(
             cfg.max_uploads, cfg.max_upload_bytes, cfg.max_uploads_per_peer, cfg.max_upload_bytes_per_peer
         )
@@ -579,10 +638,18 @@ class Gateway:
                     self._seed(header),
                     self.cfg.max_abs_activation,
                 )
+                keeper = PrefixKeeper(self, turn, upload) if turn.session_key else None
                 try:
-                    async for ev in self._receive(turn, upload, uplink):
+                    async for ev in self._receive(turn, upload, uplink, keeper):
                         yield ev
+                    if keeper is not None:
+                        await keeper.settle()
                     hidden, leaves = await self._commit(turn, upload)
+                except MerkleMismatch:
+                    if keeper is not None and upload.kept_leaves > upload.first_new_leaf:
+                        await keeper.settle()  # kept leaves the edge's root does not cover: drop them all
+                        await self._forget_session(turn.session_key)
+                    raise
                 finally:
                     metrics.record_received(upload.received_bytes, sum(upload.resends.values()))
                     upload.release()
@@ -631,6 +698,14 @@ class Gateway:
             metrics.record_session_load(len(s.token_ids) == loaded.stored_tokens)
         return s
 
+    async def _forget_session(self, key: str) -> None:
+        """Drop the session ``key`` here and in the store (its next turn starts from token 0)."""
+        self.sessions.discard(key)
+        try:
+            await asyncio.to_thread(self.session_store.drop, key)
+        except EngineError as e:
+            log.warning("session %s not dropped from the block store (%s)", key, e)
+
     def _drop_blocks(self, spec: KVTransferSpec) -> None:
         """Delete a finished stateless request's head and tail KV blocks from the store."""
         try:
@@ -660,31 +735,32 @@ class Gateway:
 
     @traced("cloud_upload")
     async def _receive(
-        self, turn: Turn, upload: TurnUpload, uplink: AsyncIterator[UplinkBody]
+        self, turn: Turn, upload: TurnUpload, uplink: AsyncIterator[UplinkBody], keeper: PrefixKeeper | None
     ) -> AsyncIterator[Nack | Repair | WindowAck]:
         """Verify the upload item by item (decoding off the event loop), within the upload deadline."""
 
         def late() -> Exception:
             return UploadTimeout(f"upload not complete within {self.cfg.upload_timeout_s:.0f} s or the deadline")
 
-        async for ev in self._verify_items(upload, bounded(uplink, self._upload_deadline(turn), late)):
+        async for ev in self._verify_items(upload, bounded(uplink, self._upload_deadline(turn), late), keeper):
             yield ev
         turn.time(Stage.CLOUD_UPLOAD_WAIT, turn.t_start)
         turn.received_bytes = dict(upload.received_bytes)
 
     async def _verify_items(
-        self, upload: TurnUpload, uplink: AsyncIterator[UplinkBody]
+        self, upload: TurnUpload, uplink: AsyncIterator[UplinkBody], keeper: PrefixKeeper | None = None
     ) -> AsyncIterator[Nack | Repair | WindowAck]:
         """Check each item as it arrives. Payload received (each chunk and KV block once; resends do
         not count) is acknowledged (``WindowAck``) every half window: the edge's flow control, which
         it honours as a sender honours TCP's window. The cloud's memory does not depend on it: the
         upload's bytes are reserved at its header (``UploadBudget``) and gRPC's flow control holds
-        back what the gateway has not read.
+        back what the gateway has not read. With a session, each such ack also has ``keeper`` keep
+        the verified prefix, and the next ack (``held_tokens``) tells the edge what it may resume from.
 
         Raises:
             InvalidRequest: an unexpected item, an early close.
         """
-        repairs, acked, received = 0, 0, 0
+        repairs, acked, received, told = 0, 0, 0, upload.header.cached_tokens
         window = upload.params.inflight_window_bytes
         # the edge waits only with more than window - (its next item) in flight, so an ack at this
         # threshold always comes: half the window, less where items are large against it (at least
@@ -718,7 +794,13 @@ class Gateway:
                 return
             if received - acked >= threshold:
                 acked = received
-                yield WindowAck(received)
+                if keeper is not None:
+                    keeper.kick()
+                told = max(told, upload.kept_tokens)
+                yield WindowAck(received, told if keeper is not None else 0)
+            elif keeper is not None and upload.kept_tokens > told:  # a keep finished since the last ack
+                told = upload.kept_tokens
+                yield WindowAck(acked, told)
         raise InvalidRequest(
             f"uplink closed before the upload completed ({len(upload.chunks)}/"
             f"{upload.header.num_chunks} chunks, committed={upload.committed})"
@@ -730,7 +812,8 @@ class Gateway:
         activations ``[T, H]`` and head-KV leaves."""
         t0 = time.perf_counter()
         hidden = upload.activations()
-        await asyncio.to_thread(self._put_head_blocks, upload.new_blocks(), self.head_part(upload.header.split_layer))
+        blocks = upload.new_blocks(upload.kept_leaves)  # a kept prefix's blocks are in the store already
+        await asyncio.to_thread(self._put_head_blocks, blocks, self.head_part(upload.header.split_layer))
         turn.time(Stage.CLOUD_STORE_PUT, t0)
         sid = turn.session_key
         if not sid:
@@ -750,7 +833,8 @@ class Gateway:
             self.sessions.evict()
         t0 = time.perf_counter()
         try:  # beside the blocks, so that a restarted node or another replica can serve its next turn
-            await asyncio.to_thread(self.session_store.save, sid, saved, upload.header.cached_tokens)
+            first_new = max(upload.header.cached_tokens, upload.kept_tokens)
+            await asyncio.to_thread(self.session_store.save, sid, saved, first_new)
         except EngineError as e:
             log.warning("session %s not saved to the block store (%s): its next turn elsewhere resends more", sid, e)
         turn.timings[Stage.CLOUD_STORE_PUT] = (

@@ -124,6 +124,8 @@ class TurnUpload:
     blocks: dict[int, tuple[KVBlock, bytes]] = field(default_factory=dict)  # leaf -> (block, raw bytes)
     committed: bool = False
     received_bytes: dict[str, int] = field(default_factory=lambda: {"activations": 0, "kv": 0})
+    kept_tokens: int = 0  # prompt tokens [0, n) of this turn its session holds (memory and store): acknowledged
+    kept_leaves: int = 0  # the session's leaves whose KV blocks are in the store (this turn's kept prefix)
 
     def __post_init__(self) -> None:
         h, s = self.header, self.session
@@ -313,10 +315,56 @@ class TurnUpload:
         parts = ([self.base_hidden] if self.base_hidden is not None else []) + new
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
-    def new_blocks(self) -> list[tuple[bytes, bytes]]:
-        """(Merkle leaf, raw canonical bytes) of the verified new blocks, in leaf order: the leaf
-        commits to the block's identity, layers and bytes, so it is the block's content key."""
-        return [(self.blocks[j][0].leaf_hash, self.blocks[j][1]) for j in self.expected_leaves]
+    def new_blocks(self, first: int | None = None, end: int | None = None) -> list[tuple[bytes, bytes]]:
+        """(Merkle leaf, raw canonical bytes) of the verified new blocks with leaf index in
+        ``[first, end)`` (default: all of them), in leaf order: the leaf commits to the block's
+        identity, layers and bytes, so it is the block's content key."""
+        lo = self.first_new_leaf if first is None else max(first, self.first_new_leaf)
+        hi = len(self.hashes) if end is None else end
+        return [(self.blocks[j][0].leaf_hash, self.blocks[j][1]) for j in range(lo, hi)]
+
+    def verified_prefix(self) -> int:
+        """Prompt tokens ``[0, n)`` of which this upload holds everything a session needs: the
+        activation chunks from the first one on without a gap, and every new full KV block inside
+        them, each checked on arrival (chunks by CRC32C, blocks by their leaf hash; the Merkle root
+        over the leaves is checked by a later commit). At least ``cached_tokens``. What a cut upload
+        leaves the session (``apply_prefix``) and a resumed one starts from."""
+        h = self.header
+        j = 0
+        while j in self.chunks:
+            j += 1
+        n = min(h.cached_tokens + j * self.params.chunk_tokens, len(h.prompt_token_ids))
+        for leaf in range(self.first_new_leaf, n // self.bs):
+            if leaf not in self.blocks:
+                n = leaf * self.bs
+                break
+        return max(n, h.cached_tokens)
+
+    def prefix(self, n: int) -> tuple[np.ndarray, list[int], list[bytes]]:
+        """Activations float32 ``[n, H]``, token ids and leaves (of the ``n // B`` full blocks) of
+        the session holding the first ``n <= verified_prefix()`` prompt tokens (a copy: ``release``
+        does not touch it)."""
+        c, ct = self.header.cached_tokens, self.params.chunk_tokens
+        new = [self.chunks[i] for i in range(-(-(n - c) // ct))]
+        parts = ([self.base_hidden] if self.base_hidden is not None else []) + new
+        hidden = np.ascontiguousarray(np.concatenate(parts)[:n], np.float32)
+        leaves = self.base_leaves + [self.blocks[j][0].leaf_hash for j in range(self.first_new_leaf, n // self.bs)]
+        return hidden, list(self.header.prompt_token_ids[:n]), leaves
+
+    def apply_prefix(self, s: CloudSession, n: int, hidden: np.ndarray, leaves: list[bytes]) -> None:
+        """Commit the first ``n`` prompt tokens (``prefix(n)``: ``hidden`` and ``leaves``) into
+        session ``s`` (its lock held) while the rest of the upload is still on its way; the turn's
+        own commit (``apply_to``) then continues from there.
+
+        Raises:
+            SessionOutOfSync: another turn of the session committed since this upload began.
+        """
+        if s.version != self.base_version:
+            raise SessionOutOfSync("another turn of this session committed during the upload")
+        s.hidden, s.token_ids, s.leaves = hidden, list(self.header.prompt_token_ids[:n]), list(leaves)
+        s.split_layer, s.block_tokens = self.header.split_layer, self.bs
+        s.version += 1
+        self.base_version = s.version
 
     def apply_to(self, s: CloudSession, hidden: np.ndarray) -> None:
         """Commit the verified turn into session ``s`` (its lock held, only after ``complete``).
@@ -329,6 +377,7 @@ class TurnUpload:
         s.hidden, s.token_ids, s.leaves = hidden, list(self.header.prompt_token_ids), self.leaves()
         s.split_layer, s.block_tokens = self.header.split_layer, self.bs
         s.version += 1
+        self.base_version = s.version
 
     def release(self) -> None:
         """Drop buffered payloads (the turn ended, verified or not)."""

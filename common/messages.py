@@ -154,9 +154,11 @@ class Repair:
 @dataclass(frozen=True)
 class WindowAck:
     """The cloud received ``received_bytes`` of the upload's payload, each item once (the edge's
-    send window moves on)."""
+    send window moves on); it keeps the first ``held_tokens`` prompt tokens of the session turn if
+    the upload is cut now (a resumed upload starts there; 0 = nothing kept, stateless)."""
 
     received_bytes: int
+    held_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,7 +213,9 @@ def _final_from_pb(m: pb.Final) -> TurnFinal:
 
 _DOWN_TO: dict[type, Callable[[Any], pb.Downlink]] = {
     Nack: lambda e: pb.Downlink(nack=pb.Nack(seq=e.seq, reason=e.reason)),
-    WindowAck: lambda e: pb.Downlink(window_ack=pb.WindowAck(received_bytes=e.received_bytes)),
+    WindowAck: lambda e: pb.Downlink(
+        window_ack=pb.WindowAck(received_bytes=e.received_bytes, held_tokens=e.held_tokens)
+    ),
     Repair: lambda e: pb.Downlink(repair=pb.RepairRequest(leaf_indices=list(e.leaf_indices), reason=e.reason)),
     UploadAck: lambda e: pb.Downlink(
         upload_ack=pb.UploadAck(verified_tokens=e.verified_tokens, leaf_count=e.leaf_count, merkle_root=e.merkle_root)
@@ -230,7 +234,7 @@ _DOWN_TO: dict[type, Callable[[Any], pb.Downlink]] = {
 _DOWN_FROM: dict[str, Callable[[Any], DownEvent]] = {
     "nack": lambda m: Nack(m.seq, m.reason),
     "repair": lambda m: Repair(tuple(m.leaf_indices), m.reason),
-    "window_ack": lambda m: WindowAck(m.received_bytes),
+    "window_ack": lambda m: WindowAck(m.received_bytes, m.held_tokens),
     "upload_ack": lambda m: UploadAck(m.verified_tokens, m.leaf_count, m.merkle_root),
     "tokens": lambda m: TokensOut(tuple(m.token_ids), m.index),
     "final": _final_from_pb,

@@ -119,6 +119,13 @@ SESSION_RESYNCS = _metric(
 TURN_RESUMES = _metric(
     "edge", Counter, "tandem:turn_resumes", "Turns continued after their cloud failed mid-stream (no token repeated)."
 )
+UPLOAD_KEPT_TOKENS = _metric(
+    "edge",
+    Counter,
+    "tandem:upload_kept_tokens",
+    "Prompt tokens of cut uploads that the cloud had acknowledged keeping (WindowAck.held_tokens): "
+    "a resumed upload does not send them again.",
+)
 SESSION_SYNCS = _metric(
     "edge",
     Counter,
@@ -284,6 +291,10 @@ def record_session_resync() -> None:
 
 def record_resume() -> None:
     TURN_RESUMES.inc()
+
+
+def record_upload_kept(tokens: int) -> None:
+    UPLOAD_KEPT_TOKENS.inc(tokens)
 
 
 def record_session_sync(outcome: str) -> None:

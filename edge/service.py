@@ -857,6 +857,47 @@ class EdgeService:
         upload_done: Callable[[], None],
     ) -> AsyncIterator[TextOut | TurnDone]:
         assert self.conn is not None
+        try:
+            async for ev in self._stream_tokens(out, s, ids, clock, head_tokens, timeout_s, text, d, upload_done):
+                yield ev
+        except BaseException:
+            if not clock.acked and out.held_tokens > s.cloud_tokens:
+                self._keep_acknowledged_prefix(s, out)
+                clock.acked = True  # the cloud's session moved on: the edge's keeps this turn's head work
+            raise
+
+    def _keep_acknowledged_prefix(self, s: EdgeSession, out: OutgoingTurn) -> None:
+        """An upload cut after the cloud acknowledged keeping its first ``out.held_tokens`` prompt
+        tokens (``WindowAck.held_tokens``): the session's cloud state moves there, so a resumed
+        upload (``_build_turn``) sends only the rest."""
+        bs, n = out.block_tokens, out.held_tokens
+        first = len(s.leaves)
+        new: list[bytes] = []
+        for j in range(first, n // bs):
+            if j not in out.blocks:  # not a block this turn sent: hold only what precedes it
+                n = j * bs
+                break
+            new.append(out.blocks[j].leaf_hash)
+        if n <= s.cloud_tokens:
+            return
+        s.cloud_tokens, s.leaves, s.block_tokens = n, s.leaves + new, bs
+        s.synced_with = self._instance_id()
+        metrics.record_upload_kept(n - out.header.cached_tokens)
+        log.info("upload cut with %d of %d prompt tokens acknowledged: a resumed upload starts there", n, len(s.token_ids))
+
+    async def _stream_tokens(
+        self,
+        out: OutgoingTurn,
+        s: EdgeSession,
+        ids: list[int],
+        clock: TurnClock,
+        head_tokens: int,
+        timeout_s: float,
+        text: TextStream,
+        d: Decision,
+        upload_done: Callable[[], None],
+    ) -> AsyncIterator[TextOut | TurnDone]:
+        assert self.conn is not None
         async for ev in stream_turn(self.conn.link, out, timeout_s):
             if isinstance(ev, UploadAck):
                 upload_done()

@@ -50,6 +50,7 @@ class OutgoingTurn:
     next_item: int = 0
     committed: bool = False
     sent_chunks: set[int] = field(default_factory=set)
+    held_tokens: int = 0  # the cloud keeps the first held_tokens prompt tokens if the upload is cut (WindowAck)
 
     def __post_init__(self) -> None:
         self.order = send_order(self.chunks, self.blocks, self.block_tokens)
@@ -147,6 +148,9 @@ async def stream_turn(
         ev: DownEvent
         async for ev in call.events():
             if isinstance(ev, WindowAck):
+                if turn.split and turn.header.session_id:  # within the prompt: a resumed upload starts there
+                    n = min(ev.held_tokens, len(turn.header.prompt_token_ids))
+                    turn.held_tokens = max(turn.held_tokens, n)
                 _send_more(call, turn, ev.received_bytes)
             elif isinstance(ev, Nack):
                 _answer_nack(call, turn, ev)

@@ -295,6 +295,91 @@ async def test_a_turn_cut_during_its_upload_is_sent_again_once_the_cloud_answers
         await toy.batcher.stop()
 
 
+class AckLog(TamperLink):
+    """A ``TamperLink`` that also records the ``held_tokens`` of every ``WindowAck`` the edge gets."""
+
+    def __init__(self, inner, fn) -> None:
+        super().__init__(inner, fn)
+        self.held: list[int] = []
+
+    def open(self, timeout_s):
+        call, log = super().open(timeout_s), self
+
+        class Call:
+            send, close_send, cancel = call.send, call.close_send, call.cancel
+
+            async def events(self):
+                from tandem.common.messages import WindowAck
+
+                async for ev in call.events():
+                    if isinstance(ev, WindowAck):
+                        log.held.append(ev.held_tokens)
+                    yield ev
+
+        return Call()
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["same-cloud", "restarted-cloud"])
+async def test_an_upload_cut_midway_resumes_from_the_last_acknowledged_token(monkeypatch, restart):
+    """Issue 10 item 2: a session turn's upload is cut (LinkLost) after the cloud acknowledged
+    keeping part of it (``WindowAck.held_tokens``); the resumed upload sends exactly the tokens
+    and KV blocks past the last acknowledged token, on the same cloud or on a restarted one (a new
+    instance over the same store, as after ``kill -9``: it learns the kept prefix from the store
+    through ``SyncSession``). The answer equals an uncut turn's."""
+    from tandem.cloud import negotiation
+    from tandem.common import wire
+    from tandem.common.errors import LinkLost
+
+    monkeypatch.setattr(negotiation, "MIN_WINDOW_BYTES", 0)  # a window of a few items: acks as it goes
+    monkeypatch.setattr(negotiation, "MAX_WINDOW_BYTES", 0)
+    sent = Sent()
+    state: dict = {"cut_at": None}
+    toy = None
+
+    def cut_once(item, attempt):
+        sent(item, attempt)
+        if isinstance(item, wire.Chunk) and item.seq == 20 and state["cut_at"] is None:
+            state["cut_at"] = max(toy.edge.conn.link.held, default=0)
+            state["sent_before"] = sent.take()
+            raise LinkLost("UNAVAILABLE: connection reset by peer")
+        return item
+
+    toy = await toy_stack(lambda link: AckLog(link, cut_once))
+    assert toy.edge.conn.params(K).inflight_window_bytes < 64 << 10
+    toy.edge.conn.start()
+    try:
+        t = chat(LONG * 2, session="u", n=6, mode="split")
+        if restart:  # the cut also takes the cloud down; a new instance over the same store answers
+            real_cut = cut_once
+
+            def cut_and_restart(item, attempt):
+                try:
+                    return real_cut(item, attempt)
+                except LinkLost:
+                    gw = Gateway(cloud_config(), MANIFEST, toy.engines, toy.store)
+                    toy.gateway = gw
+                    toy.edge.conn.link.inner = InProcessLink(gw)
+                    raise
+
+            toy.edge.conn.link.fn = cut_and_restart
+        syncs = getattr(toy.edge.conn.link, "syncs", 0)
+        done = await run(toy.edge, t)
+        held, n = state["cut_at"], done.prompt_tokens
+        assert held is not None and 0 < held < n and done.resumes == 1
+        before, after = state["sent_before"], sent.take()
+        assert before[0][0] == 0  # the first attempt started from token 0
+        # only what was not acknowledged; a restarted cloud may hold more (a keep that finished
+        # after the last ack reached the edge), which SyncSession finds
+        start = held if not restart else after[0][0]
+        assert held <= start < n and after == (list(range(start, n)), list(range(start // B, n // B)))
+        assert getattr(toy.edge.conn.link, "syncs", 0) == syncs + (1 if restart else 0)
+        assert done.output_token_ids == await answer_of(toy, t)
+        assert toy.cloud_session("u").token_ids == toy.edge.tokenize(t)
+    finally:
+        await toy.edge.conn.stop()
+        await toy.batcher.stop()
+
+
 async def test_the_client_is_told_when_its_session_expired_at_the_edge():
     """Issue 10 item 5: the edge's session table is bounded; a turn of a session it evicted says so
     (ChatDone.session_expired), once, and still answers as a fresh session would."""

@@ -248,3 +248,68 @@ def test_the_upload_budget_covers_what_is_kept_not_only_what_travels():
     small = replace(PARAMS, wire_dtype=wire.WireDtype.INT4, kv_wire_dtype=wire.WireDtype.INT4)
     kept = header.num_chunks * PARAMS.chunk_tokens * H * 4 + header.num_kv_blocks * K * 2 * HKV * B * D * 4
     assert upload_bound_bytes(header, small, MANIFEST) >= kept and fp32 >= kept
+
+
+def test_the_verified_prefix_is_what_a_cut_upload_leaves_the_session():
+    """Issue 10 item 2: a cut upload keeps the chunks from the first one on without a gap and the
+    full KV blocks inside them; the prefix stops before a gap in either. chunk_tokens = 3, B = 4."""
+    ids = list(range(20))
+    header, hidden, chunks, blocks = make_turn(ids)
+    u = upload(header)
+    assert u.verified_prefix() == 0
+    for c in chunks[:4]:  # tokens [0, 12)
+        assert u.add_chunk(c)
+    assert u.verified_prefix() == 0  # block 0 (tokens 0..3) not here yet
+    u.add_block(blocks[0])
+    assert u.verified_prefix() == 4  # block 1 (4..7) missing
+    u.add_block(blocks[1])
+    u.add_block(blocks[2])
+    assert u.verified_prefix() == 12  # block 2 (8..11) in; chunk 4 (12..14) missing
+    assert u.add_chunk(chunks[5])  # a later chunk does not bridge the gap
+    assert u.verified_prefix() == 12
+    h, got_ids, leaves = u.prefix(12)
+    assert np.array_equal(h, hidden[:12]) and got_ids == ids[:12]
+    assert leaves == [blocks[j].leaf_hash for j in range(3)]
+    s = CloudSession()
+    u.apply_prefix(s, 12, h, leaves)
+    assert s.token_ids == ids[:12] and s.version == 1 and u.base_version == 1
+    # the rest arrives: the turn's own commit continues from the prefix
+    assert u.add_chunk(chunks[4])
+    for c in chunks[6:]:
+        assert u.add_chunk(c)
+    for j in range(3, 5):
+        u.add_block(blocks[j])
+    all_leaves = [b.leaf_hash for b in blocks.values()]
+    assert u.commit(5, merkle.root(all_leaves)) == [] and u.complete
+    u.apply_to(s, u.activations())
+    assert s.token_ids == ids and s.leaves == all_leaves and s.version == 2
+
+
+def test_a_prefix_is_never_kept_over_a_turn_that_committed_meanwhile():
+    ids = list(range(10))
+    header, hidden, chunks, blocks = make_turn(ids)
+    s = CloudSession()
+    u = upload(header, s)
+    for c in chunks:
+        u.add_chunk(c)
+    u.add_block(blocks[0])
+    s.version += 1  # another turn of the session committed
+    h, _, leaves = u.prefix(4)
+    with pytest.raises(SessionOutOfSync):
+        u.apply_prefix(s, 4, h, leaves)
+
+
+def test_the_verified_prefix_of_a_turn_past_an_unaligned_cached_prefix():
+    """cached_tokens = 6 (inside block 1): the prefix never drops below it, and grows once block
+    1 (tokens 4..7) and the chunk holding token 7 are in."""
+    ids = list(range(14))
+    s = held(6)
+    header, hidden, chunks, blocks = make_turn(ids, cached=6, leaves_before=1)
+    u = upload(header, s)
+    assert u.verified_prefix() == 6
+    assert u.add_chunk(chunks[0])  # tokens 6..8
+    assert u.verified_prefix() == 6  # block 1 missing
+    u.add_block(blocks[1])
+    assert u.verified_prefix() == 9
+    h, got, leaves = u.prefix(9)
+    assert got == ids[:9] and len(leaves) == 2 and h.shape == (9, H)

@@ -378,10 +378,12 @@ class RepairRequest(_message.Message):
     def __init__(self, leaf_indices: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class WindowAck(_message.Message):
-    __slots__ = ("received_bytes",)
+    __slots__ = ("received_bytes", "held_tokens")
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     received_bytes: int
-    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+    held_tokens: int
+    def __init__(self, received_bytes: _Optional[int] = ..., held_tokens: _Optional[int] = ...) -> None: ...
 
 class UploadAck(_message.Message):
     __slots__ = ("verified_tokens", "leaf_count", "merkle_root")
