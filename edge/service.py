@@ -862,11 +862,11 @@ class EdgeService:
                 yield ev
         except BaseException:
             if not clock.acked and out.held_tokens > s.cloud_tokens:
-                self._keep_acknowledged_prefix(s, out)
+                self._keep_acknowledged_prefix(s, out, ids)
                 clock.acked = True  # the cloud's session moved on: the edge's keeps this turn's head work
             raise
 
-    def _keep_acknowledged_prefix(self, s: EdgeSession, out: OutgoingTurn) -> None:
+    def _keep_acknowledged_prefix(self, s: EdgeSession, out: OutgoingTurn, ids: list[int]) -> None:
         """An upload cut after the cloud acknowledged keeping its first ``out.held_tokens`` prompt
         tokens (``WindowAck.held_tokens``): the session's cloud state moves there, so a resumed
         upload (``_build_turn``) sends only the rest."""
@@ -883,7 +883,7 @@ class EdgeService:
         s.cloud_tokens, s.leaves, s.block_tokens = n, s.leaves + new, bs
         s.synced_with = self._instance_id()
         metrics.record_upload_kept(n - out.header.cached_tokens)
-        log.info("upload cut with %d of %d prompt tokens acknowledged: a resumed upload starts there", n, len(s.token_ids))
+        log.info("upload cut with %d of %d prompt tokens acknowledged: a resumed upload starts there", n, len(ids))
 
     async def _stream_tokens(
         self,
