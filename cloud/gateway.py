@@ -87,6 +87,8 @@ from tandem.stages import Stage, Timings
 
 UplinkBody = wire.Chunk | KVBlock | Commit
 HEADER_SLACK_BYTES = 4096  # protobuf framing and the header's fixed fields
+PIN_GRACE_S = 60.0  # a request's pins outlive its deadline by this much (then they lapse: its gateway died)
+PIN_NO_DEADLINE_S = 3600.0  # the lease of a request without a deadline (renewed by nothing: it lapses)
 MAX_PROBE_BYTES = 1 << 20  # padding of an edge's goodput probe (GetServerInfo) the server accepts
 T = TypeVar("T")
 log = logging.getLogger("tandem.cloud")
@@ -128,6 +130,8 @@ class Turn:
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     params: LinkParams | None = None  # the link params it runs under (its header's version)
     caller: Principal = ANONYMOUS_PEER  # who sent it (the edge's identity)
+    pinned: set[str] = field(default_factory=set)  # block-store keys pinned for it (owner: engine_id)
+    ended: bool = False  # its call is over (a keep still running unpins what it pinned itself)
 
     @property
     def session_key(self) -> str:
@@ -181,7 +185,9 @@ class PrefixKeeper:
     async def _keep(self, n: int, hidden: np.ndarray, leaves: list[bytes], blocks: list[tuple[bytes, bytes]]) -> None:
         gw, up, sid = self.gateway, self.upload, self.turn.session_key
         try:
-            await asyncio.to_thread(gw._put_head_blocks, blocks, gw.head_part(up.header.split_layer))
+            head = gw.head_part(up.header.split_layer)
+            await gw._pin(self.turn, [part_key(leaf, head) for leaf, _ in blocks])
+            await asyncio.to_thread(gw._put_head_blocks, blocks, head)
             up.kept_leaves = max(up.kept_leaves, n // up.bs)
             session = up.session
             async with asyncio.timeout_at(self.turn.deadline), session.lock:
@@ -197,6 +203,9 @@ class PrefixKeeper:
         except (SessionOutOfSync, TimeoutError, EngineError) as e:
             self.stopped = True
             log.info("session %s: the upload's prefix of %d tokens not kept (%s)", sid, n, e)
+        finally:
+            if self.turn.ended and self.turn.pinned:  # the upload was cut while this keep ran
+                await gw._unpin(self.turn)
 
 
 def as_principal(caller: Principal | str) -> Principal:
@@ -589,19 +598,24 @@ class Gateway:
         ):
             done_fields.update(engine_id=turn.engine_id, link_id=header.link_id)
             t_last: float | None = None
-            async for ev in self._run(turn, uplink):
-                if isinstance(ev, TokensOut) and ev.token_ids:
-                    now = time.perf_counter()
-                    if t_last is None:
-                        self.links.record_ttft(header.link_id, (now - turn.t_start) * 1e3)
-                    else:
-                        self.links.record_itl(header.link_id, (now - t_last) * 1e3 / len(ev.token_ids))
-                    t_last = now
-                if isinstance(ev, TurnFinal):
-                    done_fields.update(
-                        prompt_tokens=ev.prompt_tokens, output_tokens=ev.output_tokens, finish=ev.finish_reason
-                    )
-                yield ev
+            try:
+                async for ev in self._run(turn, uplink):
+                    if isinstance(ev, TokensOut) and ev.token_ids:
+                        now = time.perf_counter()
+                        if t_last is None:
+                            self.links.record_ttft(header.link_id, (now - turn.t_start) * 1e3)
+                        else:
+                            self.links.record_itl(header.link_id, (now - t_last) * 1e3 / len(ev.token_ids))
+                        t_last = now
+                    if isinstance(ev, TurnFinal):
+                        done_fields.update(
+                            prompt_tokens=ev.prompt_tokens, output_tokens=ev.output_tokens, finish=ev.finish_reason
+                        )
+                    yield ev
+            finally:
+                turn.ended = True
+                if turn.pinned:
+                    await self._unpin(turn)
 
     async def _admit(self, turn: Turn) -> Ticket:
         """Wait for a slot in the link's share (``cloud.links``); records the wait.
@@ -659,6 +673,7 @@ class Gateway:
                 loads=(PartSpec(self.head_part(k), tuple(leaves)), PartSpec(self.tail_part(k), tuple(tail_keys)))
             )
             try:
+                await self._pin(turn, [spec.loads[1].store_key(j) for j in range(len(tail_keys))])
                 tail = await self._tail_prefill(turn, hidden, tail_keys)
                 ticket.prefill_done()
                 yield TokensOut((tail.first_token,), 0)
@@ -697,6 +712,27 @@ class Gateway:
             )
             metrics.record_session_load(len(s.token_ids) == loaded.stored_tokens)
         return s
+
+    async def _pin(self, turn: Turn, keys: list[str]) -> None:
+        """Pin the block-store keys ``turn`` reads or writes (``BlockStore.pin``) until it ends: its
+        lease is the turn's deadline plus ``PIN_GRACE_S``, so a dead gateway's pins lapse.
+
+        Raises:
+            EngineError: the store cannot be reached (its writes would fail too).
+        """
+        new = [k for k in keys if k not in turn.pinned]
+        if not new:
+            return
+        left_s = PIN_NO_DEADLINE_S if turn.deadline is None else turn.deadline - asyncio.get_running_loop().time()
+        await asyncio.to_thread(self.store.pin, new, turn.engine_id, max(0.0, left_s) + PIN_GRACE_S)
+        turn.pinned.update(new)
+
+    async def _unpin(self, turn: Turn) -> None:
+        try:
+            await asyncio.to_thread(self.store.unpin, sorted(turn.pinned), turn.engine_id)
+        except EngineError as e:
+            log.warning("could not unpin a request's KV blocks (%s): their lease lapses", e)
+        turn.pinned.clear()
 
     async def _forget_session(self, key: str) -> None:
         """Drop the session ``key`` here and in the store (its next turn starts from token 0)."""
@@ -812,8 +848,10 @@ class Gateway:
         activations ``[T, H]`` and head-KV leaves."""
         t0 = time.perf_counter()
         hidden = upload.activations()
+        head = self.head_part(upload.header.split_layer)
+        await self._pin(turn, [part_key(leaf, head) for leaf in upload.leaves()])  # earlier turns' blocks too
         blocks = upload.new_blocks(upload.kept_leaves)  # a kept prefix's blocks are in the store already
-        await asyncio.to_thread(self._put_head_blocks, blocks, self.head_part(upload.header.split_layer))
+        await asyncio.to_thread(self._put_head_blocks, blocks, head)
         turn.time(Stage.CLOUD_STORE_PUT, t0)
         sid = turn.session_key
         if not sid:

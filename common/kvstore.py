@@ -16,6 +16,12 @@ Backends (one contract, tests/test_kvstore.py runs it against each):
   by the server's ``maxmemory`` with an LRU policy (set at connect when the server has none).
 * ``MemoryBlockStore``: in-process, for unit tests and single-process use.
 
+Pins: the gateway pins the keys a request will read or write (``pin``) for as long as it is in
+flight, and unpins them when it ends. No backend evicts a pinned key (present, or written while
+pinned); a pin is a lease, so the pins of a process that died lapse on their own. The byte bound
+applies to what is not pinned: requests in flight are bounded by the upload budget and the
+engines' ``max_num_seqs``, so the store needs room for those beside its LRU.
+
 Integrity at rest: every value is stored sealed, ``blake3(value)[:16] || value``; ``get`` checks
 the seal and answers a value that fails it (a flipped bit on disk, a torn or foreign write) as a
 miss, drops it and counts it in ``corrupt_reads``. Values are opaque bytes; readers also check
@@ -26,9 +32,12 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -40,6 +49,8 @@ from tandem.common.security import private_dir
 
 SEAL_BYTES = 16  # BLAKE3 digest prefix of a stored value: 128 bits, far past accidental collisions
 PASSWORD_ENV = "TANDEM_CLOUD_STORE_PASSWORD"  # the shared store's password, never in a URL or a log
+DEFAULT_TTL_S = 7 * 86400.0  # Redis: the longest a value stays unused (touch, or unpin, restarts it)
+DISK_POLICY = "tandem-lru-unpinned"  # diskcache eviction policy: least recently used among unpinned keys
 log = logging.getLogger("tandem.store")
 
 
@@ -59,6 +70,13 @@ class BlockStore(Protocol):
     def delete(self, key: str) -> None: ...
 
     def touch(self, key: str) -> None: ...
+
+    def pin(self, keys: Iterable[str], owner: str, lease_s: float) -> None:
+        """Keep ``keys`` (present, or written while pinned) from eviction until ``unpin(keys, owner)``
+        or for ``lease_s`` seconds (a pinner that died). Pins of different owners stack."""
+        ...
+
+    def unpin(self, keys: Iterable[str], owner: str) -> None: ...
 
 
 def seal(value: bytes) -> bytes:
@@ -91,6 +109,14 @@ class SealedStore(ABC):
 
     @abstractmethod
     def _del(self, key: str) -> None: ...
+
+    @abstractmethod
+    def pin(self, keys: Iterable[str], owner: str, lease_s: float) -> None:
+        """See ``BlockStore.pin``. Raises EngineError when a remote store cannot be reached."""
+
+    @abstractmethod
+    def unpin(self, keys: Iterable[str], owner: str) -> None:
+        """See ``BlockStore.pin``. Raises EngineError when a remote store cannot be reached."""
 
     def put(self, key: str, value: bytes) -> None:
         self._set(key, seal(bytes(value)))
@@ -128,14 +154,37 @@ class SealedStore(ABC):
         return True
 
 
+def _register_disk_policy() -> None:
+    """diskcache's least-recently-used eviction, less the keys with a live pin: the cull query of
+    ``diskcache.core.EVICTION_POLICY["least-recently-used"]`` (diskcache 5.6) with a filter on the
+    ``tandem_pins`` table that ``DiskBlockStore`` keeps in the same SQLite database."""
+    from diskcache.core import EVICTION_POLICY
+
+    lru = EVICTION_POLICY["least-recently-used"]
+    EVICTION_POLICY.setdefault(
+        DISK_POLICY,
+        {
+            "init": lru["init"],
+            "get": lru["get"],
+            "cull": "SELECT {fields} FROM Cache WHERE key NOT IN "
+            "(SELECT key FROM tandem_pins WHERE deadline > {now}) ORDER BY access_time LIMIT ?",
+        },
+    )
+
+
 class DiskBlockStore(SealedStore):
-    """Process-safe bounded store in a directory (``diskcache.Cache``)."""
+    """Process-safe bounded store in a directory (``diskcache.Cache``). Pins are rows of a
+    ``tandem_pins`` table in the cache's own SQLite database (shared by every process that opens
+    the directory), which the eviction policy ``DISK_POLICY`` skips while their lease lasts."""
 
     def __init__(self, directory: Path | str, size_limit_bytes: int) -> None:
         import diskcache
 
         self.directory = private_dir(Path(directory))  # mode 0700, owned by this user
         self.size_limit_bytes = size_limit_bytes
+        _register_disk_policy()
+        # the pins table must exist before the policy's first cull, and be made after diskcache set
+        # the database up (its auto_vacuum, which gives culled pages back, only applies to a new file)
         self._cache = diskcache.Cache(
             str(self.directory),
             size_limit=size_limit_bytes,
@@ -143,6 +192,33 @@ class DiskBlockStore(SealedStore):
             statistics=False,
             sqlite_synchronous=1,  # NORMAL: safe across processes, no fsync per put
         )
+        self._pins_db = sqlite3.connect(
+            self.directory / "cache.db", timeout=60, isolation_level=None, check_same_thread=False
+        )
+        self._pins_lock = threading.Lock()
+        with self._pins_lock:
+            self._pins_db.execute(
+                "CREATE TABLE IF NOT EXISTS tandem_pins "
+                "(key TEXT NOT NULL, owner TEXT NOT NULL, deadline REAL NOT NULL, PRIMARY KEY (key, owner))"
+            )
+        self._cache.reset("eviction_policy", DISK_POLICY)
+
+    def pin(self, keys: Iterable[str], owner: str, lease_s: float) -> None:
+        now = time.time()
+        rows = [(k, owner, now + lease_s) for k in keys]
+        with self._pins_lock:
+            self._pins_db.execute("BEGIN IMMEDIATE")
+            try:
+                self._pins_db.execute("DELETE FROM tandem_pins WHERE deadline <= ?", (now,))  # lapsed leases
+                self._pins_db.executemany("INSERT OR REPLACE INTO tandem_pins VALUES (?, ?, ?)", rows)
+                self._pins_db.execute("COMMIT")
+            except BaseException:
+                self._pins_db.execute("ROLLBACK")
+                raise
+
+    def unpin(self, keys: Iterable[str], owner: str) -> None:
+        with self._pins_lock:
+            self._pins_db.executemany("DELETE FROM tandem_pins WHERE key = ? AND owner = ?", [(k, owner) for k in keys])
 
     def _set(self, key: str, raw: bytes) -> None:
         self._cache.set(key, raw)
@@ -162,6 +238,8 @@ class DiskBlockStore(SealedStore):
 
     def close(self) -> None:
         self._cache.close()
+        with self._pins_lock:
+            self._pins_db.close()
 
 
 class MemoryBlockStore(SealedStore):
@@ -172,6 +250,17 @@ class MemoryBlockStore(SealedStore):
         self._data: OrderedDict[str, bytes] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        self._pins: dict[str, dict[str, float]] = {}  # key -> owner -> lease deadline (monotonic s)
+
+    def _pinned(self, key: str, now: float) -> bool:
+        owners = self._pins.get(key)
+        if owners is None:
+            return False
+        for o in [o for o, d in owners.items() if d <= now]:
+            del owners[o]
+        if not owners:
+            del self._pins[key]
+        return bool(owners)
 
     def _set(self, key: str, raw: bytes) -> None:
         with self._lock:
@@ -180,9 +269,27 @@ class MemoryBlockStore(SealedStore):
                 self._bytes -= len(old)
             self._data[key] = raw
             self._bytes += len(raw)
-            while self._bytes > self.size_limit_bytes and self._data:
-                _, v = self._data.popitem(last=False)
-                self._bytes -= len(v)
+            if self._bytes > self.size_limit_bytes:
+                now = time.monotonic()
+                for k in [k for k in self._data if not self._pinned(k, now)]:  # least recently used first
+                    if self._bytes <= self.size_limit_bytes:
+                        break
+                    self._bytes -= len(self._data.pop(k))
+
+    def pin(self, keys: Iterable[str], owner: str, lease_s: float) -> None:
+        deadline = time.monotonic() + lease_s
+        with self._lock:
+            for k in keys:
+                self._pins.setdefault(k, {})[owner] = deadline
+
+    def unpin(self, keys: Iterable[str], owner: str) -> None:
+        with self._lock:
+            for k in keys:
+                owners = self._pins.get(k)
+                if owners is not None:
+                    owners.pop(owner, None)
+                    if not owners:
+                        del self._pins[k]
 
     def _get(self, key: str) -> bytes | None:
         with self._lock:
@@ -209,13 +316,67 @@ class MemoryBlockStore(SealedStore):
         return None
 
 
+# Redis scripts (Lua 5.1, run atomically by the server). A pinned key has no TTL, so the server's
+# volatile-lru policy never evicts it; every other value carries a TTL (``ttl_ms``, restarted by
+# ``touch`` and ``unpin``) and is evicted least recently used first. Pins are members
+# ``owner|key`` of the sorted set ``<prefix>pins`` scored by their lease deadline (ms since the
+# epoch) and counted per key in the hash ``<prefix>pinned``; lapsed leases are swept by each pin.
+_REDIS_PUT = """
+if redis.call('HEXISTS', KEYS[2], ARGV[3]) == 1 then
+  redis.call('SET', KEYS[1], ARGV[1])
+else
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+end
+"""
+_REDIS_RELEASE = """
+local function release(k)
+  if redis.call('HINCRBY', KEYS[2], k, -1) <= 0 then
+    redis.call('HDEL', KEYS[2], k)
+    redis.call('PEXPIRE', ARGV[1] .. k, ARGV[2])
+  end
+end
+"""
+_REDIS_PIN = (
+    _REDIS_RELEASE
+    + """
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[4], 'LIMIT', 0, 512)) do
+  redis.call('ZREM', KEYS[1], m)
+  release(string.sub(m, string.find(m, '|', 1, true) + 1))
+end
+for i = 6, #ARGV do
+  if redis.call('ZADD', KEYS[1], ARGV[5], ARGV[3] .. '|' .. ARGV[i]) == 1 then  -- a new pin (else: lease renewed)
+    redis.call('HINCRBY', KEYS[2], ARGV[i], 1)
+  end
+  redis.call('PERSIST', ARGV[1] .. ARGV[i])
+end
+"""
+)
+_REDIS_UNPIN = (
+    _REDIS_RELEASE
+    + """
+for i = 4, #ARGV do
+  if redis.call('ZREM', KEYS[1], ARGV[3] .. '|' .. ARGV[i]) == 1 then
+    release(ARGV[i])
+  end
+end
+"""
+)
+_REDIS_TOUCH = """
+if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+end
+"""
+
+
 class RedisBlockStore(SealedStore):
     """A store shared by several cloud replicas: a Redis server (``redis://host:port/db``, or
-    ``rediss://`` for TLS). Keys live under ``prefix``. The byte bound is the server's
-    ``maxmemory`` with ``allkeys-lru`` eviction: set at connect when the server has no bound
-    (an operator's own bound and policy are kept, and a policy that does not evict is warned
-    about: its writes fail once full). The password comes from ``$TANDEM_CLOUD_STORE_PASSWORD``,
-    never from the URL, so it is in no config dump or log.
+    ``rediss://`` for TLS; one server or a primary, not Redis Cluster: a script touches a key and
+    the pin tables together). Keys live under ``prefix``. The byte bound is the server's
+    ``maxmemory`` with ``volatile-lru`` eviction, which evicts only keys with a TTL: every value
+    carries one (``ttl_s`` since last used) except pinned ones (see the scripts above). Both are
+    set at connect when the server has no bound; an operator's own bound and policy are kept, and
+    a policy that breaks pins (``allkeys-*``) or does not evict is warned about. The password comes
+    from ``$TANDEM_CLOUD_STORE_PASSWORD``, never from the URL, so it is in no config dump or log.
 
     Reads that fail on the network are misses (the caller recomputes); writes raise.
 
@@ -224,7 +385,14 @@ class RedisBlockStore(SealedStore):
         EngineError: the server does not answer at connect (``socket_timeout_s``).
     """
 
-    def __init__(self, url: str, size_limit_bytes: int, prefix: str = "tandem:", socket_timeout_s: float = 5.0):
+    def __init__(
+        self,
+        url: str,
+        size_limit_bytes: int,
+        prefix: str = "tandem:",
+        socket_timeout_s: float = 5.0,
+        ttl_s: float = DEFAULT_TTL_S,
+    ):
         import redis
 
         parts = urlsplit(url)
@@ -233,6 +401,8 @@ class RedisBlockStore(SealedStore):
         if parts.password:
             raise InvalidRequest(f"store URL must not carry a password: put it in ${PASSWORD_ENV}")
         self.url, self.prefix, self.size_limit_bytes = url, prefix, size_limit_bytes
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self._pins_key, self._pinned_key = prefix + "pins", prefix + "pinned"
         # every server-side failure too: OOM under a policy that does not evict, READONLY after a failover
         self._errors = (redis.RedisError,)
         self._r = redis.Redis.from_url(
@@ -246,6 +416,10 @@ class RedisBlockStore(SealedStore):
             self._r.ping()
         except self._errors as e:
             raise EngineError(f"block store {url}: {e}") from None
+        self._put_script = self._r.register_script(_REDIS_PUT)
+        self._pin_script = self._r.register_script(_REDIS_PIN)
+        self._unpin_script = self._r.register_script(_REDIS_UNPIN)
+        self._touch_script = self._r.register_script(_REDIS_TOUCH)
         self._bound()
 
     def _bound(self) -> None:
@@ -254,14 +428,23 @@ class RedisBlockStore(SealedStore):
         try:
             conf: dict = dict(self._r.config_get("maxmemory*"))  # type: ignore[arg-type]
             maxmemory, policy = int(conf.get("maxmemory") or 0), str(conf.get("maxmemory-policy") or "")
-            if maxmemory == 0:
-                self._r.config_set("maxmemory", self.size_limit_bytes)
-                self._r.config_set("maxmemory-policy", "allkeys-lru")
-                log.info("block store %s: bounded to %d bytes, allkeys-lru", self.url, self.size_limit_bytes)
-            elif not policy.startswith("allkeys-"):  # volatile-*: only keys with a TTL, and tandem sets none
+            if maxmemory == 0:  # the bound is on tandem's values: the server's own memory comes on top
+                used = int(self._r.info("memory").get("used_memory", 0))
+                self._r.config_set("maxmemory", used + self.size_limit_bytes)
+                self._r.config_set("maxmemory-policy", "volatile-lru")
+                log.info(
+                    "block store %s: bounded to %d + %d bytes, volatile-lru", self.url, used, self.size_limit_bytes
+                )
+            elif policy.startswith("allkeys-"):
                 log.warning(
-                    "block store %s: maxmemory-policy %s evicts none of tandem's keys; writes fail when full "
-                    "(use allkeys-lru)",
+                    "block store %s: maxmemory-policy %s may evict KV blocks of requests in flight (the engines "
+                    "recompute them); use volatile-lru",
+                    self.url,
+                    policy,
+                )
+            elif not policy.startswith("volatile-"):
+                log.warning(
+                    "block store %s: maxmemory-policy %s evicts nothing; writes fail when full (use volatile-lru)",
                     self.url,
                     policy,
                 )
@@ -272,7 +455,21 @@ class RedisBlockStore(SealedStore):
 
     def _set(self, key: str, raw: bytes) -> None:
         try:
-            self._r.set(self.prefix + key, raw)
+            self._put_script(keys=[self.prefix + key, self._pinned_key], args=[raw, self.ttl_ms, key])
+        except self._errors as e:
+            raise EngineError(f"block store {self.url}: {e}") from None
+
+    def pin(self, keys: Iterable[str], owner: str, lease_s: float) -> None:
+        now_ms = int(time.time() * 1000)
+        args: list[str | int] = [self.prefix, self.ttl_ms, owner, now_ms, now_ms + int(lease_s * 1000), *keys]
+        try:
+            self._pin_script(keys=[self._pins_key, self._pinned_key], args=args)
+        except self._errors as e:
+            raise EngineError(f"block store {self.url}: {e}") from None
+
+    def unpin(self, keys: Iterable[str], owner: str) -> None:
+        try:
+            self._unpin_script(keys=[self._pins_key, self._pinned_key], args=[self.prefix, self.ttl_ms, owner, *keys])
         except self._errors as e:
             raise EngineError(f"block store {self.url}: {e}") from None
 
@@ -292,7 +489,7 @@ class RedisBlockStore(SealedStore):
 
     def touch(self, key: str) -> None:
         try:
-            self._r.touch(self.prefix + key)
+            self._touch_script(keys=[self.prefix + key, self._pinned_key], args=[self.ttl_ms, key])
         except self._errors:
             pass
 

@@ -491,3 +491,47 @@ async def test_kv_blocks_travel_in_the_negotiated_format_and_are_stored_decoded(
             await run(toy.edge, turn(LONG))
     finally:
         await toy.batcher.stop()
+
+
+@pytest.mark.parametrize("pins", [True, False], ids=["pinned", "control-without-pins"])
+async def test_blocks_of_a_request_in_flight_are_never_evicted(monkeypatch, pins):
+    """Issue 10 item 5: while a turn is in flight, its head and tail KV blocks (this turn's and the
+    session's earlier ones) are pinned: a flood of other writes, many times the store's bound,
+    between the tail prefill and the decode engine's load evicts none of them (the decode loads
+    every block). Once the turn ends nothing stays pinned. The control run without pins shows the
+    flood does evict them (the decode engine then recomputes)."""
+    from tandem.cloud.gateway import Gateway
+
+    if not pins:
+
+        async def no_pin(self, turn, keys):
+            return None
+
+        monkeypatch.setattr(Gateway, "_pin", no_pin)
+    toy = await toy_stack()
+    try:
+        await run(toy.edge, chat(LONG, session="p"))  # a first turn: its blocks are the session's past
+        toy.store.size_limit_bytes = 64 << 10
+        inner = toy.engines.tail_prefill
+        pinned_during: list[int] = []
+
+        async def flood_after(*a, **kw):
+            res = await inner(*a, **kw)
+            pinned_during.append(len(toy.store._pins))
+            for i in range(200):
+                toy.store.put(f"junk{i}", bytes(4096))
+            return res
+
+        toy.engines.tail_prefill = flood_after
+        t = chat(LONG, "ok", "tell me more", session="p")
+        done = await run(toy.edge, t)
+        n = done.prompt_tokens
+        full = (n - 1) // B * B
+        if pins:
+            assert pinned_during[0] >= 2 * (n // B)  # head and tail keys of every full block
+            assert done.external_tokens == full
+        else:
+            assert done.external_tokens < full
+        assert toy.store._pins == {}
+    finally:
+        await toy.batcher.stop()

@@ -157,14 +157,14 @@ def test_seal_format():
 
 
 def test_redis_store_is_bounded_lru_at_the_server(tmp_path):
-    """A server without a bound gets the store's byte bound and allkeys-lru at connect; writes past
-    it evict the least recently used keys instead of failing."""
+    """A server without a bound gets the store's byte bound and volatile-lru at connect (every value
+    but a pinned one has a TTL); writes past it evict the least recently used keys instead of failing."""
     from tests.conftest import RedisServer
 
     server = RedisServer(tmp_path)
     try:
         st = RedisBlockStore(server.url, 4 << 20)
-        assert st._r.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+        assert st._r.config_get("maxmemory-policy")["maxmemory-policy"] == "volatile-lru"
         for i in range(200):
             st.put(f"k{i}", bytes(100_000))
         assert st.contains("k199") and not st.contains("k0")
@@ -213,21 +213,80 @@ def test_redis_reads_during_an_outage_are_misses_and_writes_raise(tmp_path):
 
 
 def test_redis_server_errors_are_engine_errors_on_write_and_misses_on_read(tmp_path, caplog):
-    """A server that refuses writes (full under a policy that evicts nothing of tandem's, as
-    volatile-lru does with keys without a TTL) makes put raise EngineError, and is warned about."""
+    """A server that refuses writes (full under a policy that evicts nothing) makes put raise
+    EngineError, and is warned about."""
     from tests.conftest import RedisServer
 
     server = RedisServer(tmp_path, maxmemory_bytes=2 << 20)
     try:
         import redis
 
-        redis.Redis.from_url(server.url).config_set("maxmemory-policy", "volatile-lru")
+        redis.Redis.from_url(server.url).config_set("maxmemory-policy", "noeviction")
         with caplog.at_level("WARNING", logger="tandem.store"):
             st = RedisBlockStore(server.url, 1 << 30)
-        assert "evicts none of tandem's keys" in caplog.text
+        assert "evicts nothing" in caplog.text
         with pytest.raises(EngineError, match="OOM|maxmemory"):
             for i in range(100):
                 st.put(f"k{i}", bytes(100_000))
         assert st.get("k0") == bytes(100_000)  # what was written stays readable
     finally:
         server.stop()
+
+
+def _fill(store, n: int, size: int, tag: str = "f") -> None:
+    for i in range(n):
+        store.put(f"{tag}{i}", bytes(size))
+
+
+@pytest.fixture(params=["memory", "disk", "redis"])
+def small_store(request, tmp_path):
+    """Each backend bounded to about 1 MB (Redis: its own server, so that the bound is its own)."""
+    bound = 1 << 20
+    if request.param == "memory":
+        st = MemoryBlockStore(bound)
+    elif request.param == "disk":
+        st = DiskBlockStore(tmp_path / "kv", bound)
+    else:
+        from tests.conftest import RedisServer
+
+        server = RedisServer(tmp_path)
+        request.addfinalizer(server.stop)
+        st = RedisBlockStore(server.url, bound)
+    yield st
+    st.close()
+
+
+def test_contract_pinned_keys_are_never_evicted(small_store):
+    """Issue 10 item 5: keys pinned by a request in flight, written before or after the pin, survive
+    writes of many times the bound; unpinned, they are evictable like any other, least recently
+    used first. Pins of two owners stack."""
+    st = small_store
+    st.put("early", b"e" * 50_000)
+    st.pin(["early", "late", "shared"], "req-1", lease_s=600)
+    st.pin(["shared"], "req-2", lease_s=600)
+    st.put("late", b"l" * 50_000)  # written while pinned (a tail block the engine saves later)
+    st.put("shared", b"s" * 50_000)
+    st.put("free", b"f" * 50_000)
+    _fill(st, 200, 100_000)  # 20 MB through a store of a few MB
+    assert st.get("early") == b"e" * 50_000 and st.get("late") == b"l" * 50_000 and st.get("shared")
+    assert not st.contains("free") and not st.contains("f0")  # the LRU did run
+    st.unpin(["early", "late", "shared"], "req-1")
+    _fill(st, 200, 100_000, "g")
+    assert not st.contains("early") and not st.contains("late")
+    assert st.get("shared") == b"s" * 50_000  # req-2 still holds it
+    st.unpin(["shared"], "req-2")
+    _fill(st, 200, 100_000, "h")
+    assert not st.contains("shared")
+
+
+def test_contract_a_lapsed_pin_no_longer_protects(small_store):
+    """A pin is a lease: the pins of a gateway that died lapse on their own."""
+    st = small_store
+    st.put("k", b"k" * 50_000)
+    st.pin(["k"], "dead-gateway", lease_s=0.3)
+    import time
+
+    time.sleep(0.5)
+    st.pin(["other"], "live-gateway", lease_s=600)  # sweeps lapsed leases (Redis), harmless elsewhere
+    _fill(st, 200, 100_000)
+    assert not st.contains("k")
