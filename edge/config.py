@@ -179,8 +179,9 @@ class EdgeConfig(DaemonSettings):
             raise ValueError(f"cloud targets must differ: {self.cloud_targets}")
         remote = [t for t in self.cloud_targets if not is_loopback(t)]
         if not self.cloud_uses_tls and not self.cloud_insecure and remote:
+            which = "cloud_target" if remote[0] == self.cloud_target else "cloud_replicas entry"
             raise ValueError(
-                f"cloud_target {remote[0]!r} is not a loopback address: set cloud_tls (and cloud_ca_file), "
+                f"{which} {remote[0]!r} is not a loopback address: set cloud_tls (and cloud_ca_file), "
                 "or cloud_insecure = true to send activations and KV in plaintext explicitly"
             )
         if self.http_port is not None and self.tls_cert_file is None and not self.insecure:
