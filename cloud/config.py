@@ -18,7 +18,6 @@ from pydantic_settings import SettingsConfigDict
 
 from tandem.common.security import expand_path
 from tandem.common.settings import Bytes, CodecSetting, DaemonSettings, Port, WireDtypeSetting, gib, mib
-from tandem.common.wire import Codec, WireDtype
 
 DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
 
@@ -108,20 +107,23 @@ class CloudConfig(DaemonSettings):
     )
     max_chunk_tokens: int = Field(default=256, ge=1, description="Most tokens per activation chunk on any link.")
     wire_dtypes: list[WireDtypeSetting] = Field(
-        default_factory=lambda: [WireDtype.FP32],
+        default=["fp32"],
+        validate_default=True,
         min_length=1,
         description="Activation formats this cloud accepts (the edge's preferred one among them is used); "
         "fp32 keeps greedy output equal to the unsplit model.",
     )
     kv_wire_dtypes: list[WireDtypeSetting] = Field(
-        default_factory=lambda: [WireDtype.FP32],
+        default=["fp32"],
+        validate_default=True,
         min_length=1,
         description="Head-KV block formats this cloud accepts (the edge's preferred one among them is used): fp32, "
         "fp16, bf16, int8 (per token and head), int4 (KIVI: keys per channel, values per token); see "
         "`tandem-bench-fidelity` for what each does to greedy output.",
     )
     codecs: list[CodecSetting] = Field(
-        default_factory=lambda: [Codec.NONE, Codec.ZSTD],
+        default=["none", "zstd"],
+        validate_default=True,
         min_length=1,
         description="Payload codecs this cloud accepts; the edge asks for zstd only where it shortens the transfer.",
     )

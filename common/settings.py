@@ -457,6 +457,10 @@ def _default_doc(value: Any) -> str:
         return f"`{str(value).lower()}`"
     if isinstance(value, str) and value == "":
         return '`""`'
+    if isinstance(value, list | tuple) and value:
+        return ", ".join(_default_doc(v) for v in value)
+    if isinstance(value, list | tuple):
+        return "`[]`"
     return f"`{value}`"
 
 

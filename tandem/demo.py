@@ -157,9 +157,12 @@ def chat(edge_port: int, prompt: str, max_new_tokens: int) -> tuple[ChatResult, 
         msgs2 = msgs + [{"role": "assistant", "content": split.text}, {"role": "user", "content": FOLLOW_UP}]
         print(f"\nuser> {FOLLOW_UP}\nassistant (split, turn 2)> ", end="", flush=True)
         turn2 = stream(c, msgs2, "demo", "split", max_new_tokens, True)
-        direct = stream(c, msgs, None, "direct", max_new_tokens, False)
-        local = stream(c, msgs, None, "local", max_new_tokens, False)
-        auto = stream(c, msgs, None, "auto", max_new_tokens, False)
+        print("\n", file=sys.stderr)
+        runs = {}
+        for mode, what in (("direct", "plain vLLM (direct)"), ("local", "edge only (local)"), ("auto", "auto")):
+            print(f"tandem: the first prompt again, {what}: {max_new_tokens} tokens ...", file=sys.stderr, flush=True)
+            runs[mode] = stream(c, msgs, None, mode, max_new_tokens, False)
+        direct, local, auto = runs["direct"], runs["local"], runs["auto"]
     return split, turn2, direct, local, auto
 
 
