@@ -438,7 +438,7 @@ def test_daemons_refuse_plaintext_on_other_hosts_unless_told(tmp_path):
         EdgeConfig(cloud_target="10.1.2.3:50051")
     with pytest.raises(ValidationError, match="cloud_insecure"):
         EdgeConfig(cloud_target="ipv4:127.0.0.1:50051,10.1.2.3:50051")
-    with pytest.raises(ValidationError, match="cloud_replicas entry '10.1.2.4:50051'"):  # names the setting it came from
+    with pytest.raises(ValidationError, match="cloud_replicas entry '10.1.2.4:50051'"):  # the setting it came from
         EdgeConfig(cloud_target="127.0.0.1:50051", cloud_replicas=["10.1.2.4:50051"])
     assert EdgeConfig(cloud_target="10.1.2.3:50051", cloud_ca_file=pem).cloud_uses_tls
     with pytest.raises(ValidationError, match="http_host"):
