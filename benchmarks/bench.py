@@ -34,7 +34,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +43,7 @@ import typer
 
 from tandem.benchmarks import links as linkmod
 from tandem.benchmarks.workload import BenchPrompt, make_prompts
-from tandem.daemons import Daemon, Daemons, cloud_command, edge_command
+from tandem.daemons import Daemon, Daemons, cloud_command, edge_command, work_dir
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -280,7 +279,7 @@ def main(
     specs = mode_specs(ks, edge_only, auto)
     total = len(lens) * requests * len(profiles) * len(specs)
     records: list[RequestRecord] = []
-    workdir = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
+    workdir = work_dir("tandem-bench-")  # its block stores are removed at exit, its logs kept
     print(f"tandem-bench: shaper={shaper}, logs in {workdir}", file=sys.stderr)
     stack = Stack([model_dir / f"split-k{k}" for k in ks], shaper, workdir, max_num_seqs)
     with tqdm(total=total, desc="requests", unit="req") as bar:

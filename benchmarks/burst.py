@@ -22,7 +22,6 @@ import asyncio
 import json
 import random
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy as np
 import typer
 
 from tandem.benchmarks.workload import BenchPrompt, make_prompts
-from tandem.daemons import Daemons, cloud_command, edge_command
+from tandem.daemons import Daemons, cloud_command, edge_command, work_dir
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -253,7 +252,7 @@ def main(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
     prompts = make_prompts(tokenizer, prompt_tokens, 32, seed)
-    workdir = Path(tempfile.mkdtemp(prefix="tandem-burst-"))
+    workdir = work_dir("tandem-burst-")  # its block stores are removed at exit, its logs kept
     print(f"tandem-bench-burst: logs in {workdir}", file=sys.stderr)
     samples: list[Sample] = []
     for controller in ("on", "off") if compare else ("on",):

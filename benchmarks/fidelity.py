@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Annotated
 
 import typer
 
-from tandem.daemons import Daemons, cloud_command, edge_command
+from tandem.daemons import Daemons, cloud_command, edge_command, work_dir
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -170,7 +169,7 @@ def main(
             raise typer.BadParameter(f"--pairs: {lab!r} is not <activations>/<kv>, e.g. int8/int4")
     prompts = load_prompts(prompts_file, limit)
     out.mkdir(parents=True, exist_ok=True)
-    w = Path(tempfile.mkdtemp(prefix="tandem-fidelity-"))
+    w = work_dir("tandem-fidelity-")  # its block stores are removed at exit, its logs kept
     split_dir = model_dir / f"split-k{split_layer}"
     every = "fp32,fp16,bf16,int8,int4"
     runs = [*labels[:1], *labels]  # the reference twice: its run-to-run floor

@@ -23,13 +23,12 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from tandem.daemons import Daemons, cloud_command, edge_command
+from tandem.daemons import Daemons, cloud_command, edge_command, work_dir
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -151,7 +150,7 @@ def main(
     if conversations < 1 or turns < 1:
         raise typer.BadParameter("--conversations and --turns must be at least 1")
     out.mkdir(parents=True, exist_ok=True)
-    w = Path(tempfile.mkdtemp(prefix="tandem-multiturn-"))
+    w = work_dir("tandem-multiturn-")  # its block stores are removed at exit, its logs kept
     split_dir = model_dir / f"split-k{split_layer}"
     print(f"tandem-bench-multiturn: {conversations} x {turns} turns; logs in {w}", file=sys.stderr)
     daemons = Daemons()

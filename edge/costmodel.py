@@ -70,8 +70,12 @@ class Line:
     linear in the tokens (projections, MLP) and a part quadratic in them (attention over the
     prompt). Fitted by exponentially weighted least squares of the measured stage time on the
     stage's token count (all coefficients >= 0). With samples of one length only (spread below
-    20% of their mean) the slope is the given prior rate and only ``a`` is fitted; with two or
-    more lengths, ``c = 0`` unless the three-term fit is possible and non-negative."""
+    20% of their mean) the slope is the given prior rate and only ``a`` is fitted, unless that
+    slope alone already overshoots the samples (a rate measured on short requests, whose fixed
+    part it counts per token): then the line runs through the origin and the samples' mean.
+    With two lengths, a line; with three samples or more, ``c = 0`` unless the three-term fit is
+    possible and non-negative. Whatever the branch, the line passes through the samples' mean
+    where its coefficients allow."""
 
     decay: float = LINE_DECAY
     s: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))  # weighted sums of x x^T, x = [1, n, n^2]
@@ -95,18 +99,24 @@ class Line:
             return 0.0, max(0.0, prior_rate), 0.0
         mx, my = self.s[0, 1] / w, self.t[0] / w
         var = self.s[1, 1] / w - mx * mx
-        if self.samples < 3 or var <= (0.2 * mx) ** 2:  # one length: the prior slope, a fitted offset
+        if var <= (0.2 * mx) ** 2:  # one length: the prior slope, a fitted offset
             b = max(0.0, prior_rate) * SCALE
-            return max(0.0, my - b * mx), b / SCALE, 0.0
-        try:
-            a, b, c = np.linalg.solve(self.s + 1e-12 * np.trace(self.s) * np.eye(3), self.t)
-        except np.linalg.LinAlgError:
-            a = b = c = -1.0
+            if my - b * mx < 0 and mx > 0:  # the prior overshoots what was measured: through the origin
+                return 0.0, my / mx / SCALE, 0.0
+            return my - b * mx, b / SCALE, 0.0
+        a = b = c = -1.0
+        if self.samples >= 3:
+            try:
+                a, b, c = np.linalg.solve(self.s + 1e-12 * np.trace(self.s) * np.eye(3), self.t)
+            except np.linalg.LinAlgError:
+                pass
         if min(a, b, c) < 0:  # a line instead (two lengths, or a fit that bends the wrong way)
             b = (self.s[0, 1] * self.t[0] / w - self.t[1]) / (mx * self.s[0, 1] - self.s[1, 1]) if var > 0 else 0.0
             a = my - b * mx
             c = 0.0
-            if a < 0 or b < 0:
+            if b < 0:  # longer prompts measured faster: noise; the mean, flat
+                a, b = my, 0.0
+            elif a < 0:
                 a, b = 0.0, max(0.0, self.t[1] / self.s[1, 1])
         return float(a), float(b) / SCALE, float(c) / SCALE**2
 
@@ -286,17 +296,24 @@ class CostModel:
 
     def observe(self, prediction: Prediction, measured_ttft_ms: float, timings: Mapping[Stage, float]) -> None:
         """Calibrate with a served request: each compute stage's line from its measured time
-        (``timings``, ms), then the route's residual from the measured TTFT (ms)."""
+        (``timings``, ms), then the route's residual from the measured TTFT (ms): what the
+        compute stages, as measured, do not explain (the formula's other terms' error, and what
+        it leaves out). A stage that reported no time counts with its line's prediction. Taking
+        the measured stage times, not the lines, keeps a line's error out of the residual: a
+        line fitted badly at one moment (two samples, a noisy one) would otherwise leave a
+        residual that outlives the line's own correction."""
         stages, rest = prediction.stages, prediction.rest_ms
-        for key, (n, _) in stages.items():
+        explained = rest
+        for key, (n, rate) in stages.items():
             stage = STAGE_OF_LINE[key.split("-")[0]]
             if stage in timings:
                 self.lines.setdefault(key, Line()).add(n, timings[stage])
-        # the residual against the formula with the lines just updated: what the stages do not explain
-        refit = rest + sum(self.lines.get(k, Line()).predict(n, r) for k, (n, r) in stages.items())
+                explained += timings[stage]
+            else:
+                explained += self.lines.get(key, Line()).predict(n, rate)
         octaves = self.residual.setdefault(prediction.route.key, {})
         octave = length_bucket(prediction.prompt_tokens)
-        octaves.setdefault(octave, Ewma(RESIDUAL_ALPHA)).add(measured_ttft_ms - refit)
+        octaves.setdefault(octave, Ewma(RESIDUAL_ALPHA)).add(measured_ttft_ms - explained)
 
 
 # the stage timing each line is fitted on

@@ -12,11 +12,14 @@ Standard library only: ``tandem`` is the light SDK package.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +35,19 @@ def console_script(name: str) -> str:
 
 # Daemons started from here drain briefly, so that drain + engine shutdown stay well inside the SIGKILL grace.
 DRAIN_GRACE_S = 5.0
+
+
+def work_dir(prefix: str) -> Path:
+    """A new temporary folder for a run's daemons (logs, ports, block stores). At exit the block
+    stores in it (``kv*``: gigabytes after a benchmark) are removed; the logs stay for reading."""
+    w = Path(tempfile.mkdtemp(prefix=prefix))
+
+    def drop_stores() -> None:
+        for kv in w.glob("kv*"):
+            shutil.rmtree(kv, ignore_errors=True)
+
+    atexit.register(drop_stores)
+    return w
 
 
 def cloud_command(

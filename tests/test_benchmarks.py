@@ -297,3 +297,30 @@ def test_multiturn_smoke(tmp_path):
     assert per_turn[0]["delta_bytes"] == pytest.approx(per_turn[0]["naive_bytes"], rel=0.05)  # first turn: all
     assert per_turn[2]["delta_bytes"] < per_turn[2]["naive_bytes"] / 2  # later turns: only what is new
     assert (out / "multiturn.png").stat().st_size > 0 and "saved" in (out / "multiturn.md").read_text()
+
+
+def test_a_runs_block_stores_are_removed_at_exit_and_its_logs_kept():
+    """Benchmarks leave gigabytes of KV in their work folder's stores: removed when the process
+    exits (after its daemons stopped), the logs kept for reading."""
+    import subprocess
+    import sys
+
+    code = (
+        "from tandem.daemons import work_dir\n"
+        "w = work_dir('tandem-test-')\n"
+        "for d in ('kv', 'kv-on'):\n"
+        "    (w / d).mkdir(); (w / d / 'cache.db').write_bytes(bytes(1000))\n"
+        "(w / 'cloud.log').write_text('log')\n"
+        "print(w)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    from pathlib import Path
+
+    w = Path(out.strip())
+    try:
+        assert (w / "cloud.log").read_text() == "log"
+        assert not (w / "kv").exists() and not (w / "kv-on").exists()
+    finally:
+        import shutil
+
+        shutil.rmtree(w, ignore_errors=True)

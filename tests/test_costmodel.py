@@ -187,3 +187,40 @@ def test_zstd_pays_only_on_slow_links():
     assert not zstd_pays(0.92, 400, 1500, 10_000.0)  # loopback-class goodput
     assert not zstd_pays(0.92, 400, 1500, 0.0)  # unknown
     assert not zstd_pays(1.01, 400, 1500, 1.0)  # incompressible
+
+
+def test_two_lengths_make_a_line_and_an_overshooting_prior_gives_way():
+    """From a `make run` that chose a mode 18% slower than the best: the cloud's tail rate prior
+    (4.5 ms per token, measured on a 30-token request whose fixed part it counts per token) and
+    two samples, 30 tokens in 140 ms and 65 in 164 ms. The line must go through them (it
+    predicted 296 ms at 65 tokens), and one length with such a prior through its mean."""
+    line = Line()
+    line.add(30, 140.0)
+    line.add(65, 164.5)
+    assert line.predict(65, 4.55) == pytest.approx(164.5, rel=0.02)
+    assert line.predict(30, 4.55) == pytest.approx(140.0, rel=0.02)
+    one = Line()
+    one.add(65, 164.5)
+    assert one.predict(65, 4.55) == pytest.approx(164.5, rel=1e-6)  # 4.55 x 65 = 296 would overshoot
+    assert one.predict(65, 1.0) == pytest.approx(164.5, rel=1e-6)  # a fitting prior keeps its slope
+    assert one.coefficients(1.0)[1] == pytest.approx(1.0)
+    noisy = Line()  # longer measured faster: a flat line at the mean, not one through the origin
+    noisy.add(100, 200.0)
+    noisy.add(300, 150.0)
+    assert noisy.coefficients(1.0) == (pytest.approx(175.0, rel=0.1), 0.0, 0.0)
+
+
+def test_a_line_fitted_badly_once_leaves_no_lasting_residual():
+    """The residual is what the measured stages leave out, not the line's error at that moment: a
+    split turn whose tail line was far off (prior 4.55 ms per token at 65 tokens = 296 ms, measured
+    164 ms) leaves a residual of the unmodelled few ms, so the next prediction is close to the
+    measured TTFT once the line is right (it had left -178 ms and predicted half the formula)."""
+    m = CostModel(hysteresis=0.05, explore_every=0)
+    m.edge.head(4).add(0.4)
+    lk = link(rtt_ms=17.0, goodput_mbps=700.0, cloud_tail_prefill_ms_per_token={4: 4.55})
+    route = Route(SPLIT, 4)
+    for n, head_ms, tail_ms, ttft in ((30, 20.0, 140.0, 185.0), (65, 26.0, 164.5, 215.0)):
+        p = m.predict(route, RequestShape(n), lk)
+        m.observe(p, ttft, {Stage.EDGE_HEAD: head_ms, Stage.CLOUD_TAIL_PREFILL: tail_ms})
+    assert abs(m.residual_ms(route, 65)) < 15.0
+    assert m.predict(route, RequestShape(65), lk).ttft_ms == pytest.approx(215.0, rel=0.1)
