@@ -476,3 +476,25 @@ def test_a_save_keeps_the_earlier_pieces_recent():
     assert touched == [piece_key("k", hidden[i * B : (i + 1) * B].tobytes()) for i in range(3)]
     loaded = ss.load("k")
     assert loaded is not None and np.array_equal(loaded.session.hidden, hidden)
+
+
+async def test_a_session_the_cloud_evicted_is_resent_from_token_0_with_the_same_answer():
+    """Issue 10 item 7, an evicted session: the cloud's session table holds one session, so a
+    second session's turn evicts the first from memory, and the store's LRU has dropped its record
+    too. The first session's next turn finds nothing (SessionNotFound): the edge syncs, learns the
+    cloud holds nothing, and resends from token 0 once; the answer equals a fresh session's."""
+    sent = Sent()
+    toy = await toy_stack(lambda link: TamperLink(link, sent), max_sessions=1)
+    try:
+        third = await two_turns(toy, "a")
+        await run(toy.edge, chat(LONG, "another user", session="b"))  # evicts "a" from the cloud's table
+        assert toy.cloud_session("a") is None
+        toy.store.delete(record_key(key_of("a")))  # and the store's LRU took its record
+        sent.take()
+        done = await run(toy.edge, third)
+        tokens, leaves = sent.take()
+        n = done.prompt_tokens
+        assert tokens[-n:] == list(range(n)) and leaves[-(n // B) :] == list(range(n // B))  # all of it, once more
+        assert done.output_token_ids == await answer_of(toy, third)
+    finally:
+        await toy.batcher.stop()
