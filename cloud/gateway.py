@@ -88,7 +88,9 @@ from tandem.stages import Stage, Timings
 UplinkBody = wire.Chunk | KVBlock | Commit
 HEADER_SLACK_BYTES = 4096  # protobuf framing and the header's fixed fields
 PIN_GRACE_S = 60.0  # a request's pins outlive its deadline by this much (then they lapse: its gateway died)
-PIN_NO_DEADLINE_S = 3600.0  # the lease of a request without a deadline (renewed by nothing: it lapses)
+# the longest a pin lasts without its unpin (a request without a deadline, or with a far one from the
+# client): its blocks matter only until the decode engine loaded them, at the start of its decode
+PIN_MAX_LEASE_S = 3600.0
 MAX_PROBE_BYTES = 1 << 20  # padding of an edge's goodput probe (GetServerInfo) the server accepts
 T = TypeVar("T")
 log = logging.getLogger("tandem.cloud")
@@ -170,9 +172,9 @@ class PrefixKeeper:
         n = up.verified_prefix()
         if n <= max(up.kept_tokens, up.header.cached_tokens):
             return
-        hidden, _, leaves = up.prefix(n)
+        parts, leaves = up.prefix_parts(n)  # references: the copy is made in the keep's thread
         blocks = up.new_blocks(up.kept_leaves, n // up.bs)
-        self.task = asyncio.create_task(self._keep(n, hidden, leaves, blocks))
+        self.task = asyncio.create_task(self._keep(n, parts, leaves, blocks))
         self.gateway._background.add(self.task)
         self.task.add_done_callback(self.gateway._background.discard)
 
@@ -182,9 +184,12 @@ class PrefixKeeper:
         if self.task is not None:
             await asyncio.shield(self.task)
 
-    async def _keep(self, n: int, hidden: np.ndarray, leaves: list[bytes], blocks: list[tuple[bytes, bytes]]) -> None:
+    async def _keep(
+        self, n: int, parts: list[np.ndarray], leaves: list[bytes], blocks: list[tuple[bytes, bytes]]
+    ) -> None:
         gw, up, sid = self.gateway, self.upload, self.turn.session_key
         try:
+            hidden = await asyncio.to_thread(lambda: np.ascontiguousarray(np.concatenate(parts)[:n], np.float32))
             head = gw.head_part(up.header.split_layer)
             await gw._pin(self.turn, [part_key(leaf, head) for leaf, _ in blocks])
             await asyncio.to_thread(gw._put_head_blocks, blocks, head)
@@ -203,9 +208,6 @@ class PrefixKeeper:
         except (SessionOutOfSync, TimeoutError, EngineError) as e:
             self.stopped = True
             log.info("session %s: the upload's prefix of %d tokens not kept (%s)", sid, n, e)
-        finally:
-            if self.turn.ended and self.turn.pinned:  # the upload was cut while this keep ran
-                await gw._unpin(self.turn)
 
 
 def as_principal(caller: Principal | str) -> Principal:
@@ -660,9 +662,10 @@ class Gateway:
                         await keeper.settle()
                     hidden, leaves = await self._commit(turn, upload)
                 except MerkleMismatch:
-                    if keeper is not None and upload.kept_leaves > upload.first_new_leaf:
-                        await keeper.settle()  # kept leaves the edge's root does not cover: drop them all
-                        await self._forget_session(turn.session_key)
+                    if keeper is not None:
+                        await keeper.settle()  # a keep still running may yet keep leaves
+                        if upload.kept_leaves > upload.first_new_leaf:  # leaves the edge's root does not cover
+                            await self._forget_session(turn.session_key)
                     raise
                 finally:
                     metrics.record_received(upload.received_bytes, sum(upload.resends.values()))
@@ -723,16 +726,27 @@ class Gateway:
         new = [k for k in keys if k not in turn.pinned]
         if not new:
             return
-        left_s = PIN_NO_DEADLINE_S if turn.deadline is None else turn.deadline - asyncio.get_running_loop().time()
-        await asyncio.to_thread(self.store.pin, new, turn.engine_id, max(0.0, left_s) + PIN_GRACE_S)
-        turn.pinned.update(new)
+        left_s = PIN_MAX_LEASE_S if turn.deadline is None else turn.deadline - asyncio.get_running_loop().time()
+        lease_s = min(PIN_MAX_LEASE_S, max(0.0, left_s)) + PIN_GRACE_S
+        turn.pinned.update(new)  # before the await: the turn's own unpin, if it comes first, takes these too
+        await asyncio.to_thread(self.store.pin, new, turn.engine_id, lease_s)
+        if turn.ended:  # the turn ended while this pin ran (a keep after a cut upload): release these now
+            turn.pinned.difference_update(new)
+            await self._release(new, turn.engine_id)
 
     async def _unpin(self, turn: Turn) -> None:
+        """Release every pin of ``turn`` (the set is emptied before the store call)."""
+        keys = sorted(turn.pinned)
+        turn.pinned.clear()
+        await self._release(keys, turn.engine_id)
+
+    async def _release(self, keys: list[str], owner: str) -> None:
+        if not keys:
+            return
         try:
-            await asyncio.to_thread(self.store.unpin, sorted(turn.pinned), turn.engine_id)
+            await asyncio.to_thread(self.store.unpin, keys, owner)
         except EngineError as e:
             log.warning("could not unpin a request's KV blocks (%s): their lease lapses", e)
-        turn.pinned.clear()
 
     async def _forget_session(self, key: str) -> None:
         """Drop the session ``key`` here and in the store (its next turn starts from token 0)."""

@@ -340,15 +340,21 @@ class TurnUpload:
                 break
         return max(n, h.cached_tokens)
 
-    def prefix(self, n: int) -> tuple[np.ndarray, list[int], list[bytes]]:
-        """Activations float32 ``[n, H]``, token ids and leaves (of the ``n // B`` full blocks) of
-        the session holding the first ``n <= verified_prefix()`` prompt tokens (a copy: ``release``
-        does not touch it)."""
+    def prefix_parts(self, n: int) -> tuple[list[np.ndarray], list[bytes]]:
+        """The pieces of the session holding the first ``n <= verified_prefix()`` prompt tokens:
+        float32 activation arrays whose concatenation's first ``n`` rows are its ``[n, H]`` (the
+        arrays themselves: ``release`` drops the upload's references, not them), and the leaves of
+        its ``n // B`` full blocks."""
         c, ct = self.header.cached_tokens, self.params.chunk_tokens
         new = [self.chunks[i] for i in range(-(-(n - c) // ct))]
         parts = ([self.base_hidden] if self.base_hidden is not None else []) + new
-        hidden = np.ascontiguousarray(np.concatenate(parts)[:n], np.float32)
         leaves = self.base_leaves + [self.blocks[j][0].leaf_hash for j in range(self.first_new_leaf, n // self.bs)]
+        return parts, leaves
+
+    def prefix(self, n: int) -> tuple[np.ndarray, list[int], list[bytes]]:
+        """Activations float32 ``[n, H]`` (a copy), token ids and leaves of ``prefix_parts(n)``."""
+        parts, leaves = self.prefix_parts(n)
+        hidden = np.ascontiguousarray(np.concatenate(parts)[:n], np.float32)
         return hidden, list(self.header.prompt_token_ids[:n]), leaves
 
     def apply_prefix(self, s: CloudSession, n: int, hidden: np.ndarray, leaves: list[bytes]) -> None:

@@ -197,6 +197,7 @@ class DiskBlockStore(SealedStore):
         )
         self._pins_lock = threading.Lock()
         with self._pins_lock:
+            self._pins_db.execute("PRAGMA synchronous=NORMAL")  # pins need no fsync: leases, rebuilt by use
             self._pins_db.execute(
                 "CREATE TABLE IF NOT EXISTS tandem_pins "
                 "(key TEXT NOT NULL, owner TEXT NOT NULL, deadline REAL NOT NULL, PRIMARY KEY (key, owner))"
@@ -217,8 +218,15 @@ class DiskBlockStore(SealedStore):
                 raise
 
     def unpin(self, keys: Iterable[str], owner: str) -> None:
+        rows = [(k, owner) for k in keys]
         with self._pins_lock:
-            self._pins_db.executemany("DELETE FROM tandem_pins WHERE key = ? AND owner = ?", [(k, owner) for k in keys])
+            self._pins_db.execute("BEGIN IMMEDIATE")  # one transaction, not one per key
+            try:
+                self._pins_db.executemany("DELETE FROM tandem_pins WHERE key = ? AND owner = ?", rows)
+                self._pins_db.execute("COMMIT")
+            except BaseException:
+                self._pins_db.execute("ROLLBACK")
+                raise
 
     def _set(self, key: str, raw: bytes) -> None:
         self._cache.set(key, raw)
@@ -319,8 +327,9 @@ class MemoryBlockStore(SealedStore):
 # Redis scripts (Lua 5.1, run atomically by the server). A pinned key has no TTL, so the server's
 # volatile-lru policy never evicts it; every other value carries a TTL (``ttl_ms``, restarted by
 # ``touch`` and ``unpin``) and is evicted least recently used first. Pins are members
-# ``owner|key`` of the sorted set ``<prefix>pins`` scored by their lease deadline (ms since the
-# epoch) and counted per key in the hash ``<prefix>pinned``; lapsed leases are swept by each pin.
+# ``owner|key`` of the sorted set ``<prefix>pins`` scored by their lease deadline (ms on the
+# server's clock) and counted per key in the hash ``<prefix>pinned``; lapsed leases are swept by
+# each pin.
 _REDIS_PUT = """
 if redis.call('HEXISTS', KEYS[2], ARGV[3]) == 1 then
   redis.call('SET', KEYS[1], ARGV[1])
@@ -339,12 +348,15 @@ end
 _REDIS_PIN = (
     _REDIS_RELEASE
     + """
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[4], 'LIMIT', 0, 512)) do
+local t = redis.call('TIME')  -- the server's clock: replicas' clocks may differ
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local deadline = now + tonumber(ARGV[4])
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 512)) do
   redis.call('ZREM', KEYS[1], m)
   release(string.sub(m, string.find(m, '|', 1, true) + 1))
 end
-for i = 6, #ARGV do
-  if redis.call('ZADD', KEYS[1], ARGV[5], ARGV[3] .. '|' .. ARGV[i]) == 1 then  -- a new pin (else: lease renewed)
+for i = 5, #ARGV do
+  if redis.call('ZADD', KEYS[1], deadline, ARGV[3] .. '|' .. ARGV[i]) == 1 then  -- a new pin (else: lease renewed)
     redis.call('HINCRBY', KEYS[2], ARGV[i], 1)
   end
   redis.call('PERSIST', ARGV[1] .. ARGV[i])
@@ -460,8 +472,7 @@ class RedisBlockStore(SealedStore):
             raise EngineError(f"block store {self.url}: {e}") from None
 
     def pin(self, keys: Iterable[str], owner: str, lease_s: float) -> None:
-        now_ms = int(time.time() * 1000)
-        args: list[str | int] = [self.prefix, self.ttl_ms, owner, now_ms, now_ms + int(lease_s * 1000), *keys]
+        args: list[str | int] = [self.prefix, self.ttl_ms, owner, max(1, int(lease_s * 1000)), *keys]
         try:
             self._pin_script(keys=[self._pins_key, self._pinned_key], args=args)
         except self._errors as e:

@@ -99,11 +99,17 @@ class Line:
             return 0.0, max(0.0, prior_rate), 0.0
         mx, my = self.s[0, 1] / w, self.t[0] / w
         var = self.s[1, 1] / w - mx * mx
-        if var <= (0.2 * mx) ** 2:  # one length: the prior slope, a fitted offset
+
+        def one_length() -> tuple[float, float, float]:  # the prior slope, a fitted offset
             b = max(0.0, prior_rate) * SCALE
             if my - b * mx < 0 and mx > 0:  # the prior overshoots what was measured: through the origin
                 return 0.0, my / mx / SCALE, 0.0
             return my - b * mx, b / SCALE, 0.0
+
+        # lengths too close to tell a slope from noise (30 and 50 tokens: a noisy pair would give a
+        # flat line that predicts 150 ms for 4000 tokens); two lengths at least 2x apart are a line
+        if var <= (0.3 * mx) ** 2:
+            return one_length()
         a = b = c = -1.0
         if self.samples >= 3:
             try:
@@ -114,9 +120,9 @@ class Line:
             b = (self.s[0, 1] * self.t[0] / w - self.t[1]) / (mx * self.s[0, 1] - self.s[1, 1]) if var > 0 else 0.0
             a = my - b * mx
             c = 0.0
-            if b < 0:  # longer prompts measured faster: noise; the mean, flat
-                a, b = my, 0.0
-            elif a < 0:
+            if b < 0:  # longer prompts measured faster: noise; as if of one length
+                return one_length()
+            if a < 0:
                 a, b = 0.0, max(0.0, self.t[1] / self.s[1, 1])
         return float(a), float(b) / SCALE, float(c) / SCALE**2
 

@@ -204,10 +204,15 @@ def test_two_lengths_make_a_line_and_an_overshooting_prior_gives_way():
     assert one.predict(65, 4.55) == pytest.approx(164.5, rel=1e-6)  # 4.55 x 65 = 296 would overshoot
     assert one.predict(65, 1.0) == pytest.approx(164.5, rel=1e-6)  # a fitting prior keeps its slope
     assert one.coefficients(1.0)[1] == pytest.approx(1.0)
-    noisy = Line()  # longer measured faster: a flat line at the mean, not one through the origin
+    noisy = Line()  # longer measured faster: noise; as if of one length (the prior slope)
     noisy.add(100, 200.0)
     noisy.add(300, 150.0)
-    assert noisy.coefficients(1.0) == (pytest.approx(175.0, rel=0.1), 0.0, 0.0)
+    a, b, c = noisy.coefficients(0.1)
+    assert b == pytest.approx(0.1) and c == 0.0 and a > 0
+    close = Line()  # two lengths too close to tell a slope from noise: the prior's, not a flat line
+    close.add(30, 150.0)
+    close.add(50, 148.0)
+    assert close.predict(4000, 4.5) > 1000  # through the origin and the mean: about 3.7 ms per token
 
 
 def test_a_line_fitted_badly_once_leaves_no_lasting_residual():

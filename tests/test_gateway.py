@@ -535,3 +535,43 @@ async def test_blocks_of_a_request_in_flight_are_never_evicted(monkeypatch, pins
         assert toy.store._pins == {}
     finally:
         await toy.batcher.stop()
+
+
+async def test_a_pin_that_finishes_after_its_turn_ended_is_released():
+    """A keep (after a cut upload) pinning while the turn's own unpin runs: whatever the order of
+    the two store calls, nothing stays pinned (a review found one key left until its lease lapsed)."""
+    import time
+
+    from tandem.cloud.gateway import Turn
+
+    toy = await toy_stack()
+    try:
+        gw, st = toy.gateway, toy.store
+        real_pin, real_unpin = st.pin, st.unpin
+
+        def slow_pin(keys, owner, lease):
+            keys = list(keys)
+            if "K2" in keys:
+                time.sleep(0.2)
+            real_pin(keys, owner, lease)
+
+        def slow_unpin(keys, owner):
+            time.sleep(0.4)
+            real_unpin(keys, owner)
+
+        st.pin, st.unpin = slow_pin, slow_unpin
+        turn = Turn(TurnHeader("r", "s", 1, K, (1, 2, 3), 0, 1, 0, Sampling(max_new_tokens=1)), None)
+        await gw._pin(turn, ["K1"])
+
+        async def keep() -> None:
+            await gw._pin(turn, ["K2"])
+
+        async def turn_ends() -> None:
+            await asyncio.sleep(0.05)
+            turn.ended = True
+            await gw._unpin(turn)
+
+        await asyncio.gather(keep(), turn_ends())
+        assert st._pins == {} and not turn.pinned
+    finally:
+        await toy.batcher.stop()

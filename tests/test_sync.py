@@ -498,3 +498,40 @@ async def test_a_session_the_cloud_evicted_is_resent_from_token_0_with_the_same_
         assert done.output_token_ids == await answer_of(toy, third)
     finally:
         await toy.batcher.stop()
+
+
+async def test_a_commit_whose_root_fails_drops_what_a_slow_keep_kept(monkeypatch):
+    """A keep still running when the commit's Merkle root fails: it is waited for, then the session
+    is dropped, so no leaf that the edge's root does not cover survives (found by a review)."""
+    import asyncio
+    import time
+
+    from tandem.cloud import negotiation
+    from tandem.common.errors import TandemError
+    from tandem.common.messages import Commit
+
+    monkeypatch.setattr(negotiation, "MIN_WINDOW_BYTES", 0)
+    monkeypatch.setattr(negotiation, "MAX_WINDOW_BYTES", 0)
+
+    def bad_root(item, attempt):
+        return replace(item, merkle_root=b"\1" * 32) if isinstance(item, Commit) else item
+
+    toy = await toy_stack(lambda link: TamperLink(link, bad_root))
+    try:
+        real, calls = toy.store.pin, [0]
+
+        def slow_first_pin(keys, owner, lease):
+            calls[0] += 1
+            if calls[0] == 1:
+                time.sleep(0.3)
+            real(keys, owner, lease)
+
+        toy.store.pin = slow_first_pin
+        with pytest.raises(TandemError):
+            await run(toy.edge, chat(LONG * 2, session="m", mode="split"))
+        await asyncio.sleep(0.6)
+        s = toy.cloud_session("m")
+        assert calls[0] >= 1 and (s is None or not s.leaves)
+        assert toy.store.get(record_key(key_of("m"))) is None
+    finally:
+        await toy.batcher.stop()
