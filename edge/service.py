@@ -841,30 +841,14 @@ class EdgeService:
         text = clock.text or TextStream(self.tok, stop)
         clock.cloud_called = True
         with self.conn.uploading() as upload_done:
-            async for ev in self._stream_events(out, s, ids, clock, head_tokens, timeout_s, text, d, upload_done):
-                yield ev
-
-    async def _stream_events(
-        self,
-        out: OutgoingTurn,
-        s: EdgeSession,
-        ids: list[int],
-        clock: TurnClock,
-        head_tokens: int,
-        timeout_s: float,
-        text: TextStream,
-        d: Decision,
-        upload_done: Callable[[], None],
-    ) -> AsyncIterator[TextOut | TurnDone]:
-        assert self.conn is not None
-        try:
-            async for ev in self._stream_tokens(out, s, ids, clock, head_tokens, timeout_s, text, d, upload_done):
-                yield ev
-        except BaseException:
-            if not clock.acked and out.held_tokens > s.cloud_tokens:
-                self._keep_acknowledged_prefix(s, out, ids)
-                clock.acked = True  # the cloud's session moved on: the edge's keeps this turn's head work
-            raise
+            try:
+                async for ev in self._stream_events(out, s, ids, clock, head_tokens, timeout_s, text, d, upload_done):
+                    yield ev
+            except BaseException:
+                if not clock.acked and out.held_tokens > s.cloud_tokens:
+                    self._keep_acknowledged_prefix(s, out, ids)
+                    clock.acked = True  # the cloud's session moved on: the edge keeps this turn's head work
+                raise
 
     def _keep_acknowledged_prefix(self, s: EdgeSession, out: OutgoingTurn, ids: list[int]) -> None:
         """An upload cut after the cloud acknowledged keeping its first ``out.held_tokens`` prompt
@@ -885,7 +869,7 @@ class EdgeService:
         metrics.record_upload_kept(n - out.header.cached_tokens)
         log.info("upload cut with %d of %d prompt tokens acknowledged: a resumed upload starts there", n, len(ids))
 
-    async def _stream_tokens(
+    async def _stream_events(
         self,
         out: OutgoingTurn,
         s: EdgeSession,
