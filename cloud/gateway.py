@@ -133,7 +133,7 @@ class Turn:
     params: LinkParams | None = None  # the link params it runs under (its header's version)
     caller: Principal = ANONYMOUS_PEER  # who sent it (the edge's identity)
     pinned: set[str] = field(default_factory=set)  # block-store keys pinned for it (owner: engine_id)
-    ended: bool = False  # its call is over (a keep still running unpins what it pinned itself)
+    ended: bool = False  # its call is over (a pin that finishes later releases its own keys: ``_pin``)
 
     @property
     def session_key(self) -> str:
