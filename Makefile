@@ -30,7 +30,7 @@ SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 # written last by tandem-model
 MODEL_STAMP := $(MODEL_DIR)/bundles/cloud/bundle.json
 
-.PHONY: setup proto proto-check model run test check bench fuzz clean redis redis-server
+.PHONY: setup proto proto-check model run test check bench bench-capacity fuzz clean redis redis-server
 # Debian's redis-server: the block store several cloud replicas share (tests start their own on a free port)
 SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
 REDIS_PORT ?= 6379
@@ -94,6 +94,13 @@ bench: model
 	$(BIN)/tandem-bench-burst --model-dir $(MODEL_DIR) --out bench-results/burst
 	$(BIN)/tandem-bench-multiturn --model-dir $(MODEL_DIR) --out bench-results/multiturn
 	$(BIN)/tandem-bench-fidelity --model-dir $(MODEL_DIR) --out bench-results/fidelity
+	$(MAKE) bench-capacity
+
+# goodput under Poisson load, cloud and edge on separate cores; needs a split at k/L = 1/2 (k = 15 of 30)
+CAPACITY_SPLIT_LAYERS ?= 4,8,15
+bench-capacity: model
+	$(BIN)/tandem-model --out $(MODEL_DIR) --split-layers $(CAPACITY_SPLIT_LAYERS) --no-bundles --no-edge-full
+	$(BIN)/tandem-bench-capacity --model-dir $(MODEL_DIR) --split-layers $(CAPACITY_SPLIT_LAYERS) --out bench-results/capacity
 
 # property-based fuzzing of the gateway and both gRPC services, longer than the tests' run (in-memory engines)
 fuzz: setup

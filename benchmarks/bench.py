@@ -35,9 +35,10 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -73,11 +74,26 @@ class Stack:
     """Cloud (optionally in its own network namespace), link proxy and edge, as child processes. The
     cloud serves a tail per split directory, the edge holds every head and the whole model."""
 
-    def __init__(self, split_dirs: list[Path], shaper: str, workdir: Path, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        split_dirs: list[Path],
+        shaper: str,
+        workdir: Path,
+        max_num_seqs: int,
+        cloud_cpus: str = "",
+        edge_cpus: str = "",
+        edge_extra: Sequence[str] = (),
+    ) -> None:
+        """``cloud_cpus`` / ``edge_cpus``: a ``taskset -c`` CPU list for the cloud (gateway and
+        engines) and for the edge and link proxy; "" = unpinned. ``edge_extra``: more
+        ``tandem-edge`` flags."""
         self.split_dirs, self.shaper, self.workdir, self.max_num_seqs = split_dirs, shaper, workdir, max_num_seqs
+        self.cloud_pin = ["taskset", "-c", cloud_cpus] if cloud_cpus else []
+        self.edge_pin = ["taskset", "-c", edge_cpus] if edge_cpus else []
+        self.edge_extra = list(edge_extra)
         self.daemons = Daemons()
         self.proxy: Daemon | None = None
-        self.ns = None
+        self.ns: Any = None  # a netns.CloudNamespace once started with the netns shaper
 
     def start(self) -> int:
         """Start everything; returns the edge's port."""
@@ -96,14 +112,14 @@ class Stack:
             extra.append("--insecure")
         cloud = self.daemons.spawn(
             "tandem-cloud",
-            [*prefix, *cloud_command(first, w / "kv", host=host, extra=extra)],
+            [*prefix, *self.cloud_pin, *cloud_command(first, w / "kv", host=host, extra=extra)],
             w / "cloud.log",
             w / "cloud.port",
         )
         cport = cloud.wait_ready(900)
         self.proxy = self.daemons.spawn(
             "link proxy",
-            [sys.executable, "-m", "tandem.benchmarks.linkproxy", "0", f"{upstream_host}:{cport}"]
+            [*self.edge_pin, sys.executable, "-m", "tandem.benchmarks.linkproxy", "0", f"{upstream_host}:{cport}"]
             + ["no-rate" if self.shaper == "netns" else "rate"],
             w / "proxy.log",
             w / "proxy.port",
@@ -112,7 +128,10 @@ class Stack:
         pport = self.proxy.wait_ready(30, poll_s=0.05)
         edge = self.daemons.spawn(
             "tandem-edge",
-            edge_command(first, f"127.0.0.1:{pport}", extra=[*splits, "--poll-s", "1"]),
+            [
+                *self.edge_pin,
+                *edge_command(first, f"127.0.0.1:{pport}", extra=[*splits, "--poll-s", "1", *self.edge_extra]),
+            ],
             w / "edge.log",
             w / "edge.port",
         )

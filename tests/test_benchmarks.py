@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tandem.benchmarks.bench import RequestRecord
@@ -324,3 +326,53 @@ def test_a_runs_block_stores_are_removed_at_exit_and_its_logs_kept():
         import shutil
 
         shutil.rmtree(w, ignore_errors=True)
+
+
+def test_poisson_arrivals_are_seeded_and_have_the_offered_rate():
+    from tandem.benchmarks.capacity import poisson_arrivals_s
+
+    a = poisson_arrivals_s(4.0, 4000, seed=3)
+    assert a == poisson_arrivals_s(4.0, 4000, seed=3) and a != poisson_arrivals_s(4.0, 4000, seed=4)
+    assert a[0] == 0.0 and all(x < y for x, y in zip(a, a[1:], strict=False))
+    gaps = np.diff(a)
+    assert abs(gaps.mean() - 0.25) < 0.02  # mean inter-arrival 1 / rate
+    assert abs(gaps.std() / gaps.mean() - 1.0) < 0.1  # exponential: coefficient of variation 1
+    with pytest.raises(ValueError):
+        poisson_arrivals_s(0.0, 3, 0)
+
+
+def test_capacity_goodput_attainment_and_table(tmp_path):
+    from tandem.benchmarks.capacity import Sample, capacity_rps, plot, rate_result, summary_md
+
+    def cell(mode: str, rate: float, ttfts: list[float], failed: int = 0) -> list[Sample]:
+        out = [Sample(mode, rate, i / rate, t, t + 100.0, "ok") for i, t in enumerate(ttfts)]
+        return out + [Sample(mode, rate, len(ttfts) / rate, float("nan"), 50.0, "ResourceExhausted")] * failed
+
+    r = rate_result(cell("cloud-only", 1.0, [100.0, 200.0, 900.0, 3000.0]), slo_ms=1000.0)
+    assert (r.sent, r.served, r.met_slo) == (4, 4, 3) and r.attainment == 0.75
+    assert r.span_s == pytest.approx(3.0 + 3.1)  # first arrival at 0, the last ends at 3 s + 3.1 s
+    assert r.goodput_rps == pytest.approx(3 / 6.1)
+    failed = rate_result(cell("split-k4", 2.0, [100.0], failed=1), slo_ms=1000.0)
+    assert failed.met_slo == 1 and failed.p99_ttft_ms == float("inf")  # a refusal is a miss, not a fast answer
+    with pytest.raises(ValueError):
+        rate_result(cell("a", 1.0, [1.0]) + cell("b", 1.0, [1.0]), 1000.0)
+    results = [
+        rate_result(cell("cloud-only", 1.0, [100.0] * 10), 1000.0),
+        rate_result(cell("cloud-only", 2.0, [100.0] * 9 + [5000.0]), 1000.0),
+        rate_result(cell("split-k15", 1.0, [100.0] * 10), 1000.0),
+        rate_result(cell("split-k15", 2.0, [100.0] * 10), 1000.0),
+    ]
+    assert capacity_rps(results[:2], 0.99) == 1.0 and capacity_rps(results[2:], 0.99) == 2.0
+    assert capacity_rps(results[1:2], 0.99) == 0.0
+    args = dict(ttft_slo_ms=1000.0, attainment=0.99, requests=10, prompt_tokens=256, max_new_tokens=8)
+    md = summary_md(results, args | dict(link="lan", cloud_cpus="1", edge_cpus="0"))
+    assert "| split-k15 | 2 | 2.00x | " in md and md.rstrip().endswith("| yes |")
+    assert "| cloud-only | 2 | 10 | 10 | 100 | 5000 | 90% |" in md  # nearest-rank p99 of 10: the largest
+    plot(results, tmp_path, 1000.0)
+    assert (tmp_path / "capacity.png").stat().st_size > 0
+
+
+def test_capacity_refuses_a_split_layer_not_exported(tmp_path):
+    cmd = [sys.executable, "-m", "tandem.benchmarks.capacity", "--model-dir", str(tmp_path), "--split-layers", "15"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
+    assert res.returncode == 2 and "not exported" in res.stderr and "--split-layers 15" in res.stderr, res.stderr

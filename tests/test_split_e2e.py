@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from dataclasses import replace
 
@@ -729,3 +730,30 @@ async def test_an_edge_starts_without_its_cloud_serves_local_and_splits_once_the
         await edge.stop(1)
         if second is not None:
             await second.stop(0)
+
+
+async def test_capacity_benchmark_smoke(stack, split_dir, tmp_path):
+    """``tandem-bench-capacity`` with tiny arguments against this run's running edge (``--edge-target``:
+    no engines of its own), so the script does not rot; its numbers mean nothing here."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out, tls = tmp_path / "capacity", stack["tls"]
+    cmd = [
+        sys.executable, "-m", "tandem.benchmarks.capacity", "--model-dir", str(split_dir.parent),
+        "--edge-target", f"127.0.0.1:{stack['edge'].port}", "--ca-file", str(tls.ca_file), "--api-key", tls.app_key,
+        "--split-layers", "4", "--rates", "2,4", "--requests", "2", "--prompt-tokens", "32",
+        "--max-new-tokens", "2", "--out", str(out),
+    ]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[1]
+    )
+    so, se = await asyncio.wait_for(proc.communicate(), 600)
+    assert proc.returncode == 0, se.decode()[-3000:]
+    md = (out / "capacity.md").read_text()
+    for mode in ("cloud-only", "split-k4", "auto"):
+        assert f"| {mode} | 2 | 2 | 2 |" in md, md  # every request served
+    samples = json.loads((out / "capacity.json").read_text())["samples"]
+    assert {s["served_mode"] for s in samples if s["mode"] == "split-k4"} == {"split"}
+    assert (out / "capacity.png").stat().st_size > 0

@@ -1,0 +1,358 @@
+"""``tandem-bench-capacity``: goodput under an offered-load sweep, cloud-only against each split and auto.
+
+Where can the split pay? Not in one request's TTFT on an idle cloud (``tandem-bench``: cloud-only
+wins most cells there), but in *capacity*: a split at layer ``k`` takes ``k/L`` of every prompt's
+prefill off the cloud onto the edge's own processor, so a cloud that is the bottleneck should serve
+more requests within its latency objective. This benchmark measures that:
+
+* one ``tandem-cloud`` (real vLLM engines) pinned to ``--cloud-cpus`` and one ``tandem-edge`` (ONNX
+  Runtime heads, link proxy, and this driver) pinned to ``--edge-cpus`` with ``taskset``, so the two
+  sides do not share cores, as on two machines;
+* for each mode (``cloud-only``, ``split-k{k}`` per exported split layer, ``auto``) and each offered
+  rate, ``--requests`` requests with Poisson arrivals (exponential inter-arrival times, the same
+  seeded arrival times and prompts for every mode), open loop: a request is sent at its arrival
+  time whether or not earlier ones have finished;
+* a request *meets the SLO* when it completes and its TTFT is at most ``--ttft-slo-ms``; refused
+  (``RESOURCE_EXHAUSTED``), failed or timed-out requests do not.
+
+Reported per (mode, rate): requests sent, served, p50 / p99 TTFT, SLO attainment, and goodput in
+requests per second: the requests that met the SLO divided by the time from the first arrival to
+the last completion. Per mode, the *capacity* is the highest offered rate at which at least
+``--attainment`` of requests met the SLO, the goodput definition of DistServe (Zhong et al.,
+"DistServe: Disaggregating Prefill and Decoding for Goodput-optimized Large Language Model
+Serving", OSDI 2024, section 2). A mode stops its sweep after the first rate whose attainment is
+below half the target (it is saturated; higher rates only queue longer).
+
+Writes into ``--out``: ``capacity.md`` (the table and the verdict per mode), ``capacity.json``
+(every request), ``capacity.png`` (p99 TTFT and goodput against offered rate, with the SLO).
+
+A split layer must be exported first: ``tandem-model --out MODEL_DIR --split-layers 4,8,15``
+(``make bench-capacity`` does it), where ``15`` is ``k/L = 1/2`` of SmolLM2-135M's 30 layers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+
+from tandem.benchmarks import links as linkmod
+from tandem.benchmarks.bench import ModeSpec, Stack, machine_meta
+from tandem.benchmarks.workload import BenchPrompt, make_prompts
+from tandem.daemons import work_dir
+
+app = typer.Typer(add_completion=False, help=__doc__)
+
+
+@dataclass
+class Sample:
+    mode: str  # cloud-only | split-k{k} | auto
+    offered_rps: float
+    arrival_s: float  # since the rate's first arrival
+    ttft_ms: float  # NaN if no token came
+    e2e_ms: float
+    outcome: str  # "ok" or the error class
+    served_mode: str = ""
+    served_split_layer: int = 0
+
+
+def poisson_arrivals_s(rate_rps: float, n: int, seed: int) -> list[float]:
+    """``n`` arrival times (s, from 0) of a Poisson process of ``rate_rps``: cumulative sums of
+    exponential inter-arrival times with mean ``1 / rate_rps``, the first at 0.
+
+    Raises:
+        ValueError: ``rate_rps`` is not positive.
+    """
+    if rate_rps <= 0:
+        raise ValueError(f"rate must be positive, got {rate_rps}")
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate_rps)
+    return out
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``xs`` by the nearest-rank definition (numpy's ``inverted_cdf``:
+    always one of the values, so a failed request's ``inf`` stays ``inf``); NaN for no values."""
+    return float(np.percentile(xs, q, method="inverted_cdf")) if xs else float("nan")
+
+
+@dataclass(frozen=True)
+class RateResult:
+    mode: str
+    offered_rps: float
+    sent: int
+    served: int
+    met_slo: int
+    p50_ttft_ms: float
+    p99_ttft_ms: float
+    goodput_rps: float
+    span_s: float
+
+    @property
+    def attainment(self) -> float:
+        return self.met_slo / self.sent if self.sent else 0.0
+
+
+def rate_result(samples: list[Sample], slo_ms: float) -> RateResult:
+    """Summarise one (mode, rate): goodput = requests within the SLO / (first arrival .. last completion).
+    A request that failed counts with an infinite TTFT in the percentiles.
+
+    Raises:
+        ValueError: ``samples`` is empty or mixes modes or rates.
+    """
+    if not samples or len({(s.mode, s.offered_rps) for s in samples}) != 1:
+        raise ValueError("rate_result takes the samples of one (mode, rate)")
+    ok = [s for s in samples if s.outcome == "ok"]
+    met = [s for s in ok if s.ttft_ms <= slo_ms]
+    ttfts = [s.ttft_ms if s.outcome == "ok" else float("inf") for s in samples]
+    span_s = max(s.arrival_s + s.e2e_ms / 1e3 for s in samples) - min(s.arrival_s for s in samples)
+    return RateResult(
+        samples[0].mode,
+        samples[0].offered_rps,
+        len(samples),
+        len(ok),
+        len(met),
+        percentile(ttfts, 50),
+        percentile(ttfts, 99),
+        len(met) / span_s if span_s > 0 else 0.0,
+        span_s,
+    )
+
+
+def capacity_rps(results: list[RateResult], attainment: float) -> float:
+    """The highest offered rate of one mode at which at least ``attainment`` of requests met the
+    SLO (DistServe's goodput), 0 if none did."""
+    return max((r.offered_rps for r in results if r.attainment >= attainment), default=0.0)
+
+
+@dataclass(frozen=True)
+class EdgeTarget:
+    """Where the edge daemon listens, and how to reach it (``tandem.AsyncClient``'s arguments)."""
+
+    target: str  # host:port
+    ca_file: str | None = None
+    api_key: str | None = None
+
+    def client(self):
+        from tandem import AsyncClient
+
+        return AsyncClient(self.target, ca_file=self.ca_file, api_key=self.api_key)
+
+
+async def run_rate(
+    edge: EdgeTarget,
+    spec: ModeSpec,
+    prompts: list[BenchPrompt],
+    arrivals_s: list[float],
+    rate: float,
+    max_new_tokens: int,
+    timeout_s: float,
+) -> list[Sample]:
+    """Send ``prompts[i]`` at ``arrivals_s[i]`` (open loop) through the edge in ``spec``'s mode."""
+    from tandem import TandemClientError
+
+    samples: list[Sample] = []
+    async with edge.client() as client:
+        t_start = time.perf_counter()
+
+        async def one(p: BenchPrompt, at_s: float) -> None:
+            await asyncio.sleep(max(0.0, t_start + at_s - time.perf_counter()))
+            t0 = time.perf_counter()
+            ttft, outcome, mode, k = float("nan"), "ok", "", 0
+            try:
+                s = client.chat(
+                    p.as_messages(),
+                    max_new_tokens=max_new_tokens,
+                    mode=spec.mode,
+                    split_layer=spec.split_layer,
+                    ignore_eos=True,
+                    timeout_s=timeout_s,
+                )
+                async for _ in s:
+                    if ttft != ttft:
+                        ttft = (time.perf_counter() - t0) * 1e3
+                mode, k = s.result.mode, s.result.split_layer
+            except TandemClientError as e:
+                outcome = type(e).__name__
+            samples.append(
+                Sample(spec.label, rate, t0 - t_start, ttft, (time.perf_counter() - t0) * 1e3, outcome, mode, k)
+            )
+
+        await asyncio.gather(*(one(p, a) for p, a in zip(prompts, arrivals_s, strict=True)))
+    return samples
+
+
+def summary_md(results: list[RateResult], args: dict) -> str:
+    """The table per (mode, rate) and the capacity per mode against cloud-only."""
+    slo, att = args["ttft_slo_ms"], args["attainment"]
+    lines = [
+        f"Offered-load sweep: {args['requests']} requests per rate with Poisson arrivals, prompt "
+        f"{args['prompt_tokens']} tokens, {args['max_new_tokens']} output tokens, link {args['link']}; cloud on "
+        f"CPUs {args['cloud_cpus']!r}, edge on CPUs {args['edge_cpus']!r} (taskset). SLO: TTFT <= {slo:.0f} ms; "
+        f"capacity = the highest offered rate with >= {att:.0%} of requests within it (DistServe's goodput).",
+        "",
+        "| mode | offered req/s | sent | served | p50 TTFT ms | p99 TTFT ms | within SLO | goodput req/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.mode} | {r.offered_rps:g} | {r.sent} | {r.served} | {r.p50_ttft_ms:.0f} | {r.p99_ttft_ms:.0f} | "
+            f"{r.attainment:.0%} | {r.goodput_rps:.2f} |"
+        )
+    modes = list(dict.fromkeys(r.mode for r in results))
+    caps = {m: capacity_rps([r for r in results if r.mode == m], att) for m in modes}
+    best_goodput = {m: max(r.goodput_rps for r in results if r.mode == m) for m in modes}
+    base = caps.get("cloud-only", 0.0)
+    lines += [
+        "",
+        "| mode | capacity req/s (SLO met) | vs cloud-only | best goodput req/s | pays? |",
+        "|---|---|---|---|---|",
+    ]
+    for m in modes:
+        ratio = caps[m] / base if base else float("nan")
+        pays = "-" if m == "cloud-only" else "yes" if caps[m] > base else "no" if caps[m] < base else "equal"
+        lines.append(f"| {m} | {caps[m]:g} | {ratio:.2f}x | {best_goodput[m]:.2f} | {pays} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[RateResult], out: Path, slo_ms: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
+    for m in dict.fromkeys(r.mode for r in results):
+        rs = [r for r in results if r.mode == m]
+        x = [r.offered_rps for r in rs]
+        top.plot(x, [min(r.p99_ttft_ms, 1e6) for r in rs], marker="o", label=m)
+        bottom.plot(x, [r.goodput_rps for r in rs], marker="o", label=m)
+    top.axhline(slo_ms, color="black", linestyle="--", label="TTFT SLO")
+    top.set_yscale("log")
+    top.set_ylabel("p99 TTFT, ms")
+    top.legend(fontsize=8)
+    bottom.set_ylabel("goodput, req/s within the SLO")
+    bottom.set_xlabel("offered load, req/s (Poisson)")
+    top.set_title("tandem capacity: cloud and edge on separate cores")
+    fig.tight_layout()
+    fig.savefig(out / "capacity.png", dpi=120)
+    plt.close(fig)
+
+
+@app.command()
+def main(
+    model_dir: Annotated[Path, typer.Option(help="prepared model directory")] = Path("models/smollm2-135m"),
+    split_layers: Annotated[str, typer.Option(help="exported split layers to run")] = "4,8,15",
+    rates: Annotated[str, typer.Option(help="offered loads, requests/s, ascending")] = "0.5,1,1.5,2,3",
+    requests: Annotated[int, typer.Option(help="requests per (mode, rate)")] = 30,
+    prompt_tokens: int = 256,
+    max_new_tokens: int = 8,
+    ttft_slo_ms: Annotated[float, typer.Option(help="TTFT objective, ms")] = 1500.0,
+    attainment: Annotated[float, typer.Option(help="share of requests within the SLO for a rate to count")] = 0.99,
+    link: Annotated[str, typer.Option(help=f"link profile: {', '.join(linkmod.PROFILES)}")] = "lan",
+    edge_target: Annotated[
+        str,
+        typer.Option(
+            help="measure a running edge at host:port instead of starting a cloud and an edge here "
+            "(then --link, --cloud-cpus and --edge-cpus do not apply: the deployment is what it is)"
+        ),
+    ] = "",
+    ca_file: Annotated[str, typer.Option(help="with --edge-target: CA (PEM) of the edge's TLS certificate")] = "",
+    api_key: Annotated[str, typer.Option(help="with --edge-target: the edge's API key")] = "",
+    cloud_cpus: Annotated[str, typer.Option(help="taskset CPU list of the cloud; '' = unpinned")] = "1",
+    edge_cpus: Annotated[str, typer.Option(help="taskset CPU list of the edge, proxy and driver; '' = unpinned")] = "0",
+    max_num_seqs: int = 8,
+    auto: Annotated[bool, typer.Option(help="also the auto row")] = True,
+    timeout_s: Annotated[float, typer.Option(help="deadline of one request")] = 60.0,
+    seed: int = 0,
+    out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/capacity"),
+) -> None:
+    """Run the sweep and write the table, samples and plot."""
+    args = {k: str(v) if isinstance(v, Path) else v for k, v in locals().items()}
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    ks = [int(x) for x in split_layers.split(",") if x.strip()]
+    dirs = [model_dir / f"split-k{k}" for k in ks]
+    missing = [d for d in dirs if not (d / "manifest.json").is_file()]
+    if missing and not edge_target:
+        raise typer.BadParameter(
+            f"{', '.join(map(str, missing))} not exported: "
+            f"run tandem-model --out {model_dir} --split-layers {split_layers}"
+        )
+    offered = [float(x) for x in rates.split(",") if x.strip()]
+    if not offered or any(r <= 0 for r in offered) or offered != sorted(offered):
+        raise typer.BadParameter(f"--rates {rates!r}: positive and ascending")
+    profile = linkmod.get(link)[0]
+    if edge_target:
+        link, cloud_cpus, edge_cpus = f"{link} (not applied: a running edge)", "n/a", "n/a"
+        args.update(link=link, cloud_cpus=cloud_cpus, edge_cpus=edge_cpus)
+    elif edge_cpus:  # this driver runs beside the edge, off the cloud's cores
+        os.sched_setaffinity(0, {int(c) for part in edge_cpus.split(",") for c in _cpu_range(part)})
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
+    prompts = make_prompts(tokenizer, prompt_tokens, requests, seed)
+    specs = [ModeSpec("cloud-only", "direct")] + [ModeSpec(f"split-k{k}", "split", k) for k in ks]
+    specs += [ModeSpec("auto", "auto")] if auto else []
+    workdir = work_dir("tandem-capacity-")  # its block stores are removed at exit, its logs kept
+    print(f"tandem-bench-capacity: logs in {workdir}", file=sys.stderr)
+    stack = None if edge_target else Stack(dirs, "proxy", workdir, max_num_seqs, cloud_cpus, edge_cpus)
+    samples: list[Sample] = []
+    results: list[RateResult] = []
+    try:
+        if stack is not None:
+            edge = EdgeTarget(f"127.0.0.1:{stack.start()}")
+            stack.set_link(profile)
+        else:
+            edge = EdgeTarget(edge_target, ca_file or None, api_key or None)
+        warm = make_prompts(tokenizer, prompt_tokens, 2, seed + 99)
+        for spec in specs:  # warm-up and calibration, not recorded: every mode twice, one at a time
+            for p in warm:
+                asyncio.run(run_rate(edge, spec, [p], [0.0], 1.0, 2, timeout_s))
+        with tqdm(total=len(specs) * len(offered), desc="(mode, rate)", unit="cell") as bar:
+            for spec in specs:
+                for i, rate in enumerate(offered):
+                    arrivals = poisson_arrivals_s(rate, requests, seed * 1000 + i)
+                    got = asyncio.run(run_rate(edge, spec, prompts, arrivals, rate, max_new_tokens, timeout_s))
+                    samples += got
+                    r = rate_result(got, ttft_slo_ms)
+                    results.append(r)
+                    bar.set_postfix_str(f"{spec.label} {rate:g} req/s: p99 {r.p99_ttft_ms:.0f} ms, {r.attainment:.0%}")
+                    bar.update(1)
+                    if r.attainment < attainment / 2:  # saturated: higher rates only queue longer
+                        bar.update(len(offered) - i - 1)
+                        break
+    finally:
+        if stack is not None:
+            stack.stop()
+    meta = machine_meta(args) | {"link": None if edge_target else profile.as_dict()}
+    (out / "capacity.json").write_text(
+        json.dumps({"meta": meta, "samples": [asdict(s) for s in samples]}, indent=1, default=str)
+    )
+    md = summary_md(results, args)
+    (out / "capacity.md").write_text(md)
+    plot(results, out, ttft_slo_ms)
+    print(md)
+    print(f"results in {out}: capacity.md, capacity.json, capacity.png", file=sys.stderr)
+
+
+def _cpu_range(part: str) -> range:
+    """``"3"`` or ``"2-5"`` (a ``taskset -c`` list item) -> the CPUs it names."""
+    lo, _, hi = part.strip().partition("-")
+    return range(int(lo), int(hi or lo) + 1)
+
+
+if __name__ == "__main__":
+    app()
