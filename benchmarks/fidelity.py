@@ -32,6 +32,7 @@ from typing import Annotated
 
 import typer
 
+from tandem.common.wire import WireDtype
 from tandem.daemons import Daemons, cloud_command, edge_command, work_dir
 
 app = typer.Typer(add_completion=False, help=__doc__)
@@ -153,7 +154,7 @@ def main(
     split_layer: Annotated[int, typer.Option(help="split layer k (an exported split-k<k> directory)")] = 4,
     pairs: Annotated[
         str, typer.Option(help="activation/KV format pairs, the reference first")
-    ] = "fp32/fp32,fp16/fp16,bf16/bf16,int8/int8,int8/int4,int4/int4",
+    ] = "fp32/fp32,fp16/fp16,bf16/bf16,int8_hadamard/int8_hadamard,fp16/int8_hadamard,int8_hadamard/int4",
     prompts_file: Annotated[Path, typer.Option(help="JSONL prompt set")] = PROMPTS,
     limit: Annotated[int, typer.Option(help="first N prompts only (0 = all)")] = 0,
     max_new_tokens: int = 32,
@@ -171,7 +172,7 @@ def main(
     out.mkdir(parents=True, exist_ok=True)
     w = work_dir("tandem-fidelity-")  # its block stores are removed at exit, its logs kept
     split_dir = model_dir / f"split-k{split_layer}"
-    every = "fp32,fp16,bf16,int8,int4"
+    every = ",".join(d.name.lower() for d in WireDtype)
     runs = [*labels[:1], *labels]  # the reference twice: its run-to-run floor
     print(f"tandem-bench-fidelity: {len(prompts)} prompts x {len(runs)} runs; logs in {w}", file=sys.stderr)
     daemons = Daemons()

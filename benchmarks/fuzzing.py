@@ -117,6 +117,7 @@ FLAVORS: dict[str, dict[str, Any]] = {
     "fp32": {},
     "zstd-fp16": {"codecs": [wire.Codec.ZSTD], "wire_dtypes": [wire.WireDtype.FP16]},
     "int8": {"wire_dtypes": [wire.WireDtype.INT8]},
+    "int8-hadamard": {"wire_dtypes": [wire.WireDtype.INT8_HADAMARD]},
 }
 
 

@@ -118,7 +118,8 @@ class CloudConfig(DaemonSettings):
         validate_default=True,
         min_length=1,
         description="Head-KV block formats this cloud accepts (the edge's preferred one among them is used): fp32, "
-        "fp16, bf16, int8 (per token and head), int4 (KIVI: keys per channel, values per token); see "
+        "fp16, bf16, int8 (per token and head), int8_hadamard (rows rotated, then int8), int4 (KIVI: keys per "
+        "channel, values per token); see "
         "`tandem-bench-fidelity` for what each does to greedy output.",
     )
     codecs: list[CodecSetting] = Field(

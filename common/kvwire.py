@@ -8,6 +8,11 @@ Formats (``WireDtype``), all little-endian:
   to nearest even, as ``common.wire`` does).
 * ``INT8``: symmetric, one fp16 scale per (layer, K/V, head, token) over the ``D`` channels of
   that head: ``scale = max|x| / 127``; layout: scales ``[Lp, 2, Hkv, B]`` then int8 ``[Lp, 2, Hkv, B, D]``.
+* ``INT8_HADAMARD``: ``INT8``'s layout and size, but each ``D``-channel row is first rotated by
+  the orthonormal Hadamard matrix of ``b = hadamard_block(D, 256)`` channels (``common.wire.rotate``;
+  the whole head for ``D`` a power of two), so a key's outlier channels after RoPE no longer set
+  the step of the whole row (QuaRot, Ashkboos et al., arXiv:2404.00456, section 4, rotates keys and
+  values the same way). A row holding NaN or inf gets a NaN scale.
 * ``INT4``: asymmetric 4-bit after KIVI (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit
   Quantization for KV Cache", ICML 2024, arXiv:2402.02750): keys per *channel* (their outliers
   sit in fixed channels), values per *token*; each group stores ``min`` and
@@ -26,7 +31,20 @@ from __future__ import annotations
 import numpy as np
 
 from tandem.common.errors import InvalidRequest
-from tandem.common.wire import FP16_MAX, WireDtype, bf16_bits, pack_int4, quantize, safe_scale, unpack_int4
+from tandem.common.wire import (
+    FP16_MAX,
+    WireDtype,
+    bf16_bits,
+    dequantize_rotated_int8,
+    hadamard_block,
+    pack_int4,
+    quantize,
+    quantize_rotated_int8,
+    safe_scale,
+    unpack_int4,
+)
+
+KV_HADAMARD_MAX = 256  # largest rotation block over a head's D channels (INT8_HADAMARD)
 
 
 def kv_raw_nbytes(shape: tuple[int, int, int, int, int], dtype: WireDtype) -> int:
@@ -47,7 +65,7 @@ def kv_raw_nbytes(shape: tuple[int, int, int, int, int], dtype: WireDtype) -> in
         return 4 * n
     if dtype in (WireDtype.FP16, WireDtype.BF16):
         return 2 * n
-    if dtype == WireDtype.INT8:
+    if dtype in (WireDtype.INT8, WireDtype.INT8_HADAMARD):
         return n + 2 * lp * 2 * hkv * b
     return 2 * 2 * lp * hkv * (d + b) + lp * 2 * hkv * b * ((d + 1) // 2)
 
@@ -81,6 +99,9 @@ def _encode_kv(block: np.ndarray, dtype: WireDtype) -> bytes:
     if dtype == WireDtype.INT8:
         s16, s = safe_scale(np.abs(x).max(axis=4), 127)  # [Lp, 2, Hkv, B]
         return s16.tobytes() + quantize(x, s[..., None], -127, 127).tobytes()
+    if dtype == WireDtype.INT8_HADAMARD:
+        scales, q = quantize_rotated_int8(x, hadamard_block(x.shape[4], KV_HADAMARD_MAX), 2)
+        return scales + q
     if dtype != WireDtype.INT4:
         raise InvalidRequest(f"unknown wire dtype {dtype!r}")
     k, v = x[:, 0], x[:, 1]  # [Lp, Hkv, B, D]
@@ -126,6 +147,11 @@ def _decode_kv(raw: bytes, dtype: WireDtype, shape: tuple[int, int, int, int, in
         ns = lp * 2 * hkv * b
         s = np.frombuffer(raw[: 2 * ns], "<f2").astype(np.float32).reshape(shape[:4])
         return np.frombuffer(raw[2 * ns :], np.int8).reshape(shape).astype(np.float32) * s[..., None]
+    if dtype == WireDtype.INT8_HADAMARD:
+        ns = lp * 2 * hkv * b
+        s = np.frombuffer(raw[: 2 * ns], "<f2").astype(np.float32).reshape(*shape[:4], 1, 1)
+        q = np.frombuffer(raw[2 * ns :], np.int8).reshape(shape)
+        return dequantize_rotated_int8(s, q, hadamard_block(d, KV_HADAMARD_MAX))
     nk, nv = lp * hkv * d, lp * hkv * b
     f16 = np.frombuffer(raw[: 4 * (nk + nv)], "<f2").astype(np.float32)
     ks, k_lo = f16[:nk].reshape(lp, hkv, d), f16[nk : 2 * nk].reshape(lp, hkv, d)

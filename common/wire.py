@@ -13,8 +13,17 @@ Int8 is symmetric per-token quantisation: ``scale_t = max|h_t| / 127``,
 ``q = round(h / scale_t)``; the reconstruction error per element is at most ``scale_t / 2``.
 Int4 is symmetric per group of ``INT4_GROUP`` channels of a token: ``scale = max|h_g| / 7``
 stored as fp16 (``[T, ceil(H / 32)]`` first), ``q`` in ``[-7, 7]`` two per byte (low nibble
-first, each token's row padded to whole bytes). KV blocks have their own formats
-(``common.kvwire``).
+first, each token's row padded to whole bytes). Int8-Hadamard first rotates each block of
+``b = hadamard_block(H)`` (at most ``HADAMARD_BLOCK``) channels of a token by the orthonormal
+Hadamard matrix ``H_b`` (``rotate``), then quantises symmetrically per (token, block):
+``scale = max|y_blk| / 127`` as fp16 (``[T, H / b]`` first), then int8 ``[T, H]``; the cloud
+rotates back (``H_b`` is its own inverse). The rotation spreads a token's few huge channels
+(SmolLM2's residual stream after layer 4 has channels 30-600x its median) over the block, so the
+step follows the block's RMS instead of its largest channel: on the fidelity set, greedy output
+agreed with fp32 on 98.3% of prompts where per-token int8 agreed on 30% and per-32-channel int8 on
+70% (incoherence processing: QuaRot, Ashkboos et al., arXiv:2404.00456, section 3; QuIP#,
+Tseng et al., arXiv:2402.04396). A block holding NaN or inf gets a NaN scale, so it decodes to NaN
+(refused by the cloud) and not to numbers. KV blocks have their own formats (``common.kvwire``).
 
 Zstd payloads are exactly one complete zstd frame whose header declares the raw size
 (``encode_payload`` always writes it). On arrival every size is checked against the
@@ -47,6 +56,7 @@ class WireDtype(enum.IntEnum):
     BF16 = 3
     INT8 = 4
     INT4 = 5
+    INT8_HADAMARD = 6
 
 
 class Codec(enum.IntEnum):
@@ -77,6 +87,70 @@ class Chunk:
 
 
 INT4_GROUP = 32  # channels per int4 scale (activations)
+HADAMARD_BLOCK = 64  # most channels per rotation block and int8 scale (activations)
+
+
+def hadamard_block(n: int, cap: int = HADAMARD_BLOCK) -> int:
+    """The rotation block of ``n`` channels: the largest power of two that divides ``n``, at most ``cap``."""
+    return min(n & -n, cap)
+
+
+_HADAMARD: dict[int, np.ndarray] = {}
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Sylvester Hadamard matrix, float32 ``[n, n]`` for ``n`` a power of two:
+    ``H_1 = [1]``, ``H_2m = [[H_m, H_m], [H_m, -H_m]]``, scaled by ``1 / sqrt(n)`` (Sylvester,
+    "Thoughts on inverse orthogonal matrices...", Phil. Mag. 1867). Symmetric and orthogonal,
+    so it is its own inverse. Cached; do not modify the result.
+
+    Raises:
+        ValueError: ``n`` is not a power of two.
+    """
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power of two, got {n}")
+    if n not in _HADAMARD:
+        m = np.ones((1, 1), np.float64)
+        while m.shape[0] < n:
+            m = np.block([[m, m], [m, -m]])
+        _HADAMARD[n] = (m / np.sqrt(n)).astype(np.float32)
+    return _HADAMARD[n]
+
+
+def rotate(x: np.ndarray, b: int) -> np.ndarray:
+    """``x`` float32 ``[..., n]`` with every block of ``b`` consecutive channels of the last axis
+    multiplied by ``hadamard(b)``; ``rotate(rotate(x, b), b) == x`` up to float32 rounding.
+
+    Raises:
+        ValueError: ``b`` does not divide ``n`` or is not a power of two.
+    """
+    n = x.shape[-1]
+    if n % b:
+        raise ValueError(f"rotation block {b} does not divide {n} channels")
+    return (x.reshape(*x.shape[:-1], n // b, b) @ hadamard(b)).reshape(x.shape)
+
+
+def quantize_rotated_int8(x: np.ndarray, b: int, scale_axes: int) -> tuple[bytes, bytes]:
+    """``rotate(x, b)`` quantised to int8 with one fp16 scale per group of the last ``scale_axes``
+    axes of ``[..., n // b, b]`` (1: per block; 2: per row of ``n``): ``(scales, int8)`` bytes.
+    A group with NaN or inf gets a NaN scale (it decodes to NaN, never to numbers)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = rotate(np.ascontiguousarray(x, np.float32), b)
+        g = y.reshape(*y.shape[:-1], y.shape[-1] // b, b)
+        axes = (-1,) if scale_axes == 1 else (-2, -1)
+        amax = np.abs(g).max(axis=axes, keepdims=True)
+        s16, s = safe_scale(amax, 127)
+        s16 = np.where(np.isfinite(amax), s16, np.float16(np.nan)).astype("<f2")
+        q = quantize(g, s, -127, 127)
+    return s16.tobytes(), q.tobytes()
+
+
+def dequantize_rotated_int8(scales: np.ndarray, q: np.ndarray, b: int) -> np.ndarray:
+    """The inverse of ``quantize_rotated_int8``: ``scales`` float32 broadcastable to
+    ``q.reshape(..., n // b, b)``, ``q`` int8 ``[..., n]`` -> float32 ``[..., n]``."""
+    g = q.reshape(*q.shape[:-1], q.shape[-1] // b, b).astype(np.float32) * scales
+    with np.errstate(invalid="ignore", over="ignore"):
+        return rotate(g.reshape(q.shape), b)
 
 
 def pack_int4(q: np.ndarray) -> bytes:
@@ -137,6 +211,7 @@ def _bytes_per_token(dtype: WireDtype, hidden: int) -> int:
         WireDtype.BF16: 2 * hidden,
         WireDtype.INT8: hidden + 4,
         WireDtype.INT4: 2 * -(-hidden // INT4_GROUP) + (hidden + 1) // 2,
+        WireDtype.INT8_HADAMARD: hidden + 2 * (hidden // hadamard_block(hidden)),
     }[dtype]
 
 
@@ -344,6 +419,9 @@ def encode_dtype(h: np.ndarray, dtype: WireDtype) -> bytes:
         s16, s = safe_scale(np.abs(groups).max(axis=2), 7)  # [T, G]
         q = quantize(groups, s[:, :, None], -7, 7).reshape(t, -1)[:, :hidden]
         return s16.tobytes() + pack_int4(q)
+    if dtype == WireDtype.INT8_HADAMARD:
+        scales, q8 = quantize_rotated_int8(h, hadamard_block(h.shape[1]), 1)
+        return scales + q8
     scale = np.maximum(np.abs(h).max(axis=1), 1e-30).astype("<f4") / 127.0  # [T]
     q = np.clip(np.rint(h / scale[:, None]), -127, 127).astype(np.int8)
     return scale.tobytes() + q.tobytes()
@@ -372,6 +450,12 @@ def decode_dtype(raw: bytes, dtype: WireDtype, num_tokens: int, hidden: int) -> 
         s = np.frombuffer(raw[: 2 * g * num_tokens], "<f2").astype(np.float32).reshape(num_tokens, g)
         q4 = unpack_int4(raw[2 * g * num_tokens :], (num_tokens, hidden)).astype(np.float32)
         return q4 * np.repeat(s, INT4_GROUP, axis=1)[:, :hidden]
+    if dtype == WireDtype.INT8_HADAMARD:
+        b = hadamard_block(hidden)
+        ns = num_tokens * (hidden // b)
+        blk_scales = np.frombuffer(raw[: 2 * ns], "<f2").astype(np.float32).reshape(num_tokens, hidden // b, 1)
+        q8 = np.frombuffer(raw[2 * ns :], np.int8).reshape(num_tokens, hidden)
+        return dequantize_rotated_int8(blk_scales, q8, b)
     scale = np.frombuffer(raw[: 4 * num_tokens], "<f4")
     q = np.frombuffer(raw[4 * num_tokens :], np.int8).reshape(num_tokens, hidden)
     return q.astype(np.float32) * scale[:, None]

@@ -454,7 +454,9 @@ async def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(toy):
         tok.apply_chat_template = orig
 
 
-@pytest.mark.parametrize("kv_dtype", [wire.WireDtype.FP16, wire.WireDtype.INT8, wire.WireDtype.INT4])
+@pytest.mark.parametrize(
+    "kv_dtype", [wire.WireDtype.FP16, wire.WireDtype.INT8, wire.WireDtype.INT4, wire.WireDtype.INT8_HADAMARD]
+)
 async def test_kv_blocks_travel_in_the_negotiated_format_and_are_stored_decoded(kv_dtype):
     """Each KV format end to end: the link agrees on it, blocks travel in it (and count its bytes),
     the cloud verifies the leaf over those bytes and stores exactly their float32 decoding; a

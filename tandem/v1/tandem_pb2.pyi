@@ -14,6 +14,7 @@ class WireDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WIRE_DTYPE_BF16: _ClassVar[WireDtype]
     WIRE_DTYPE_INT8: _ClassVar[WireDtype]
     WIRE_DTYPE_INT4: _ClassVar[WireDtype]
+    WIRE_DTYPE_INT8_HADAMARD: _ClassVar[WireDtype]
 
 class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +35,7 @@ WIRE_DTYPE_FP16: WireDtype
 WIRE_DTYPE_BF16: WireDtype
 WIRE_DTYPE_INT8: WireDtype
 WIRE_DTYPE_INT4: WireDtype
+WIRE_DTYPE_INT8_HADAMARD: WireDtype
 CODEC_UNSPECIFIED: Codec
 CODEC_NONE: Codec
 CODEC_ZSTD: Codec
