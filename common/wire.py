@@ -469,9 +469,11 @@ def split(
     codec: Codec = Codec.NONE,
     level: int = 3,
     params_version: int = 0,
+    first_seq: int = 0,
 ) -> list[Chunk]:
     """Frame activations float32 ``[T, H]`` of tokens ``[token_offset, token_offset+T)``
-    into chunks of at most ``chunk_tokens`` tokens, each naming ``params_version``.
+    into chunks of at most ``chunk_tokens`` tokens, each naming ``params_version``, numbered
+    from ``first_seq`` (a turn framed piece by piece as its head runs numbers on).
 
     Raises:
         InvalidRequest: ``h`` is not 2-D float32, or ``chunk_tokens < 1``.
@@ -481,7 +483,7 @@ def split(
     if chunk_tokens < 1:
         raise InvalidRequest(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     chunks = []
-    for seq, start in enumerate(range(0, h.shape[0], chunk_tokens)):
+    for seq, start in enumerate(range(0, h.shape[0], chunk_tokens), first_seq):
         part = h[start : start + chunk_tokens]
         raw = encode_dtype(part, dtype)
         payload = encode_payload(raw, codec, level)

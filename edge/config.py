@@ -127,6 +127,13 @@ class EdgeConfig(DaemonSettings):
     edge_id: str = Field(default="tandem-edge", description="Name this edge reports in Negotiate.")
     max_batch: int = Field(default=8, ge=1, description="Rows per ONNX head call.")
     intra_op_threads: int = Field(default=0, ge=0, description="ONNX Runtime intra-op threads; 0 = its default.")
+    pipeline_tokens: int = Field(
+        default=128,
+        ge=0,
+        description="Head tokens per piece of a pipelined split turn: a turn with at least twice this many new "
+        "tokens runs its head piece by piece, each piece's chunks and KV blocks on the wire while the next is "
+        "computed; 0 = the head runs whole first.",
+    )
     max_sessions: int = Field(default=256, ge=1, description="Multi-turn sessions kept (LRU beyond).")
     session_bytes: Bytes = Field(
         default=mib(512), description="Head KV + activations kept for sessions, all together, in bytes (LRU beyond)."

@@ -288,6 +288,7 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
         max_prompt_tokens=cfg.max_prompt_tokens,
         cost=cost,
         shape=manifest.shape,
+        pipeline_tokens=cfg.pipeline_tokens,
     )
     service.eos_token_ids = frozenset(eos_token_ids(tokenizer, tok_dir))
     service.codec_ratio = ratio

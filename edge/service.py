@@ -48,7 +48,7 @@ from tandem.edge.head_runner import HeadInput
 from tandem.edge.local import LocalEngine
 from tandem.edge.replicas import ReplicaSet
 from tandem.edge.session import EdgeSession, EdgeSessions
-from tandem.edge.uplink import OutgoingTurn, stream_turn
+from tandem.edge.uplink import OutgoingTurn, Pieces, stream_turn
 from tandem.stages import Stage, Timings
 
 log = logging.getLogger("tandem.edge")
@@ -137,7 +137,10 @@ class EdgeService:
         cost: CostModel | None = None,
         shape: ModelShape | None = None,
         renegotiate_wait_s: float = 5.0,
+        pipeline_tokens: int = 0,
     ) -> None:
+        """``pipeline_tokens``: head tokens per piece of a pipelined split turn (see ``_pieces``);
+        0 = the head runs whole before the upload starts."""
         if not heads and local is None:
             raise ValueError("an edge needs a head (split) or the whole model (local)")
         self.tok, self.conn = tokenizer, conn
@@ -151,6 +154,7 @@ class EdgeService:
         self.turn_timeout_s = turn_timeout_s
         self.shape = shape  # for wire bytes per token in the cost model (None: wire time not modelled)
         self.renegotiate_wait_s = renegotiate_wait_s
+        self.pipeline_tokens = pipeline_tokens
         self._max_prompt_tokens = max_prompt_tokens
         # no text longer than this can fit in max_prompt_tokens: every token covers at most
         # max_token_chars characters, so longer text is refused before it is tokenized
@@ -638,8 +642,14 @@ class EdgeService:
             try:
                 if split and session.k != k:
                     session.reset(k)
-                head_tokens = await self._run_head(session, ids, clock, k) if split else 0
-                async for ev in self._send_and_stream(session, ids, turn, params, clock, head_tokens, timeout_s, d):
+                seg = self._pipeline_tokens(session, ids, params) if split else 0
+                if seg:  # the head runs piece by piece inside the first upload attempt
+                    head_tokens = len(ids) - session.common_prefix(ids)
+                else:
+                    head_tokens = await self._run_head(session, ids, clock, k) if split else 0
+                async for ev in self._send_and_stream(
+                    session, ids, turn, params, clock, head_tokens, timeout_s, d, seg
+                ):
                     yield ev
             except BaseException:
                 if not clock.acked:  # nothing of this turn reached the cloud's session: keep no work of it
@@ -663,17 +673,28 @@ class EdgeService:
         head_tokens: int,
         timeout_s: float,
         d: Decision,
+        pipeline_tokens: int = 0,
     ) -> AsyncIterator[TextOut | TurnDone]:
         """Send what the cloud lacks. When the cloud's copy may differ from what this edge believes
         (another cloud instance since the session's last turn, or the cloud refused the turn as out
         of sync), ``SyncSession`` first finds what it holds and only the rest is sent; if the cloud
-        still refuses, the turn is resent from token 0 once."""
+        still refuses, the turn is resent from token 0 once. With ``pipeline_tokens`` the first
+        attempt runs the head piece by piece while its pieces travel (``_pieces``); a later attempt
+        first finishes a head that attempt left unfinished."""
+        k = params.split_layer
         for attempt in (0, 1, 2):
-            if params.split_layer and turn.session_id and (attempt == 1 or (attempt == 0 and self._needs_sync(s))):
+            seg = pipeline_tokens if attempt == 0 else 0
+            if k and not seg and s.token_ids != list(ids):  # a pipelined attempt ended before its head did
+                await self._run_head(s, ids, clock, k)
+            if k and turn.session_id and (attempt == 1 or (attempt == 0 and self._needs_sync(s))):
                 await self._sync(s, turn.session_id, params, timeout_s)
-            out = self._build_turn(s, ids, turn, params, clock, resend_all=attempt == 2)
+            pieces = None
+            if seg:
+                out, pieces = self._build_pipelined_turn(s, ids, turn, params, clock, seg)
+            else:
+                out = self._build_turn(s, ids, turn, params, clock, resend_all=attempt == 2)
             try:
-                async for ev in self._stream(out, s, ids, clock, head_tokens, timeout_s, turn.stop, d):
+                async for ev in self._stream(out, s, ids, clock, head_tokens, timeout_s, turn.stop, d, pieces):
                     yield ev
                 return
             except SessionOutOfSync as e:
@@ -759,6 +780,109 @@ class EdgeService:
         self.cost.edge.head(k).add(clock.timings[Stage.EDGE_HEAD] / (len(ids) - c))
         return len(ids) - c
 
+    def _pipeline_tokens(self, s: EdgeSession, ids: list[int], p: LinkParams) -> int:
+        """Head tokens per piece if this split turn is to be pipelined, else 0: pipelining is on,
+        the session needs no ``SyncSession`` first (that needs the whole head's KV), and the head
+        has at least two pieces of new tokens. A piece is at least one activation chunk."""
+        if not self.pipeline_tokens or self._needs_sync(s):
+            return 0
+        seg = max(self.pipeline_tokens, p.chunk_tokens)
+        return seg if len(ids) - s.common_prefix(ids) >= 2 * seg else 0
+
+    def _build_pipelined_turn(
+        self, s: EdgeSession, ids: list[int], turn: ChatTurn, p: LinkParams, clock: TurnClock, seg: int
+    ) -> tuple[OutgoingTurn, AsyncIterator[Pieces]]:
+        """``_build_turn`` before the head has run: the header (its chunk and block counts follow
+        from the token ids alone) and an empty turn that ``_pieces`` fills as the head runs."""
+        if s.block_tokens and s.block_tokens != p.kv_block_size_tokens:
+            s.forget_cloud_past(0)
+        c = s.common_prefix(ids)
+        s.truncate(c)
+        rid, k, bs, n = clock.request_id, p.split_layer, p.kv_block_size_tokens, len(ids)
+        cached = s.cloud_tokens
+        hashes = block_hashes(ids, bs, request_seed(self.heads[k].compatibility_key, bs, turn.session_id, rid))
+        num_chunks = -(-(n - cached) // p.chunk_tokens)
+        header = TurnHeader(
+            rid,
+            turn.session_id,
+            p.params_version,
+            k,
+            tuple(ids),
+            cached,
+            num_chunks,
+            len(hashes) - len(s.leaves),
+            turn.sampling,
+            self._link_id(),
+        )
+        out = OutgoingTurn(
+            header,
+            [],
+            {},
+            0,
+            b"",
+            window=p.inflight_window_bytes,
+            block_tokens=bs,
+            complete=False,
+            pipelined=True,
+        )
+        return out, self._pieces(s, ids, out, p, clock, c, seg, hashes)
+
+    async def _pieces(
+        self,
+        s: EdgeSession,
+        ids: list[int],
+        out: OutgoingTurn,
+        p: LinkParams,
+        clock: TurnClock,
+        c: int,
+        seg: int,
+        hashes: list[bytes],
+    ) -> AsyncIterator[Pieces]:
+        """Run the head over ``ids[c:]`` ``seg`` tokens at a time (each piece with the KV of those
+        before it, so the result equals one run up to fp32 rounding) and yield, after each piece,
+        the activation chunks that are now whole and the KV blocks inside them; their upload
+        overlaps the next piece's compute (issue 9 item 4). After the last piece, the turn's
+        commit (leaf count and Merkle root) is set. Updates ``s`` as ``_run_head`` does; the head
+        and encode times are the sums over the pieces.
+
+        Shapes: each piece's head output is float32 hidden ``[seg, H]`` and KV ``[k, 2, Hkv, P, D]``.
+        """
+        k, n, ct, bs = p.split_layer, len(ids), p.chunk_tokens, p.kv_block_size_tokens
+        part = LayerRange(0, k)
+        start, seq, next_block = out.header.cached_tokens, 0, len(s.leaves)
+        head_ms = encode_ms = 0.0
+        e = c
+        while e < n:
+            e2 = min(n, e + seg)
+            t0 = time.perf_counter()
+            with span("edge_head", piece_tokens=e2 - e):
+                r = await self.heads[k].batcher.run(HeadInput(np.asarray(ids[e:e2], np.int64), s.kv))
+            s.kv = r.kv
+            s.hidden = r.hidden if s.hidden is None else np.concatenate([s.hidden, r.hidden])
+            s.token_ids = list(ids[:e2])
+            e = e2
+            t1 = time.perf_counter()
+            end = start
+            while end < n and min(n, end + ct) <= e:  # whole chunks only: the framing of one run
+                end = min(n, end + ct)
+            chunks: list[wire.Chunk] = []
+            with span("encode"):
+                if end > start:
+                    chunks = wire.split(
+                        s.hidden[start:end], start, ct, p.wire_dtype, p.codec, p.codec_level, p.params_version, seq
+                    )
+                seq, start = seq + len(chunks), end
+                last = max(next_block, min(len(hashes), start // bs))
+                blocks = self._kv_blocks(s, hashes, part, p, next_block, last)
+                next_block = last
+            head_ms += (t1 - t0) * 1e3
+            encode_ms += (time.perf_counter() - t1) * 1e3
+            yield chunks, blocks
+        leaves = list(s.leaves) + [out.blocks[j].leaf_hash for j in sorted(out.blocks)]
+        out.finish(len(leaves), merkle.root(leaves))
+        clock.timings[Stage.EDGE_HEAD], clock.timings[Stage.ENCODE] = head_ms, encode_ms
+        self.cost.edge.head(k).add(head_ms / (n - c))
+
     @traced("encode")
     def _build_turn(
         self, s: EdgeSession, ids: list[int], turn: ChatTurn, p: LinkParams, clock: TurnClock, resend_all: bool
@@ -810,14 +934,22 @@ class EdgeService:
         n = self.conn.negotiated if self.conn is not None else None
         return n.link_id if n is not None else ""
 
-    def _kv_blocks(self, s: EdgeSession, hashes: list[bytes], part: LayerRange, p: LinkParams) -> dict[int, KVBlock]:
-        """The session's full head-KV blocks past those the cloud holds, each with its Merkle leaf."""
+    def _kv_blocks(
+        self,
+        s: EdgeSession,
+        hashes: list[bytes],
+        part: LayerRange,
+        p: LinkParams,
+        first: int | None = None,
+        end: int | None = None,
+    ) -> dict[int, KVBlock]:
+        """The session's full head-KV blocks ``[first, end)`` (default: all past those the cloud
+        holds), each with its Merkle leaf."""
         assert s.kv is not None  # checked by the caller
-        first = len(s.leaves)
+        first = len(s.leaves) if first is None else first
+        end = len(hashes) if end is None else end
         blocks: dict[int, KVBlock] = {}
-        for j, arr in zip(
-            range(first, len(hashes)), split_blocks(s.kv, p.kv_block_size_tokens, first, len(hashes)), strict=True
-        ):
+        for j, arr in zip(range(first, end), split_blocks(s.kv, p.kv_block_size_tokens, first, end), strict=True):
             raw = encode_kv(arr, p.kv_wire_dtype)
             leaf = merkle.leaf_hash(merkle.leaf_data(hashes[j], part.lo, part.hi, p.kv_wire_dtype, raw))
             payload = wire.encode_payload(raw, p.codec, p.codec_level)
@@ -836,13 +968,16 @@ class EdgeService:
         timeout_s: float,
         stop: tuple[str, ...],
         d: Decision,
+        pieces: AsyncIterator[Pieces] | None = None,
     ) -> AsyncIterator[TextOut | TurnDone]:
         assert self.conn is not None
         text = clock.text or TextStream(self.tok, stop)
         clock.cloud_called = True
         with self.conn.uploading() as upload_done:
             try:
-                async for ev in self._stream_events(out, s, ids, clock, head_tokens, timeout_s, text, d, upload_done):
+                async for ev in self._stream_events(
+                    out, s, ids, clock, head_tokens, timeout_s, text, d, upload_done, pieces
+                ):
                     yield ev
             except BaseException:
                 if not clock.acked and out.held_tokens > s.cloud_tokens:
@@ -880,9 +1015,10 @@ class EdgeService:
         text: TextStream,
         d: Decision,
         upload_done: Callable[[], None],
+        pieces: AsyncIterator[Pieces] | None = None,
     ) -> AsyncIterator[TextOut | TurnDone]:
         assert self.conn is not None
-        async for ev in stream_turn(self.conn.link, out, timeout_s):
+        async for ev in stream_turn(self.conn.link, out, timeout_s, pieces):
             if isinstance(ev, UploadAck):
                 upload_done()
                 s.cloud_tokens = len(ids)
@@ -908,7 +1044,9 @@ class EdgeService:
                 if out.split:
                     nbytes = out.sent_bytes["activations"] + out.sent_bytes["kv"]
                     wait, queued = ev.timings.get(Stage.CLOUD_UPLOAD_WAIT, 0.0), ev.timings.get(Stage.CLOUD_QUEUE, 0.0)
-                    if queued < 0.1 * wait:  # a turn queued for admission was buffered meanwhile: no sample
+                    # no sample from a turn queued for admission (buffered meanwhile) or pipelined (the
+                    # cloud's wait includes the edge's head)
+                    if queued < 0.1 * wait and not out.pipelined:
                         self.conn.observe_upload(nbytes, wait - queued)
                 yield self._done(ev, out, clock, head_tokens, text.token_ids, d)
 

@@ -9,6 +9,8 @@ the verdict is raised, so a refusal arrives as the cloud meant it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -51,9 +53,33 @@ class OutgoingTurn:
     committed: bool = False
     sent_chunks: set[int] = field(default_factory=set)
     held_tokens: int = 0  # the cloud keeps the first held_tokens prompt tokens if the upload is cut (WindowAck)
+    complete: bool = True  # every chunk and block is known (False while a pipelined head still runs)
+    pipelined: bool = False  # the head ran while the upload went (``edge.service.EdgeService._pieces``)
+    acked_bytes: int = 0  # received_bytes of the cloud's last WindowAck
 
     def __post_init__(self) -> None:
         self.order = send_order(self.chunks, self.blocks, self.block_tokens)
+
+    def extend(self, chunks: list[wire.Chunk], blocks: dict[int, KVBlock]) -> None:
+        """More of a pipelined turn (``complete`` False): the next chunks in ``seq`` order and the
+        KV blocks inside the tokens they end at; they queue behind what is already ordered.
+
+        Raises:
+            InvalidRequest: the turn is complete, a chunk is out of order, or a block is known.
+        """
+        if self.complete:
+            raise InvalidRequest("a complete turn takes no more chunks or blocks")
+        if [c.seq for c in chunks] != list(range(len(self.chunks), len(self.chunks) + len(chunks))):
+            raise InvalidRequest(f"chunks {[c.seq for c in chunks]} do not follow chunk {len(self.chunks) - 1}")
+        if self.blocks.keys() & blocks.keys():
+            raise InvalidRequest(f"KV blocks {sorted(self.blocks.keys() & blocks.keys())} were already queued")
+        self.chunks += chunks
+        self.blocks.update(blocks)
+        self.order += send_order(chunks, blocks, self.block_tokens)
+
+    def finish(self, leaf_count: int, merkle_root: bytes) -> None:
+        """The pipelined head is done: the commit (``leaf_count``, ``merkle_root``) may follow the last item."""
+        self.leaf_count, self.merkle_root, self.complete = leaf_count, merkle_root, True
 
     resent_chunks: int = 0
     repaired_blocks: int = 0
@@ -96,7 +122,7 @@ def _send_more(call: TurnCall, turn: OutgoingTurn, acked: int) -> None:
             turn.sent_bytes["kv"] += call.send(item)
         turn.payload_sent += len(item.payload)
         turn.next_item += 1
-    if turn.split and not turn.committed:
+    if turn.split and turn.complete and not turn.committed:
         turn.committed = True
         turn.sent_bytes["header"] += call.send(Commit(turn.leaf_count, turn.merkle_root))
 
@@ -131,27 +157,75 @@ def _answer_repair(call: TurnCall, turn: OutgoingTurn, repair: Repair) -> None:
     turn.sent_bytes["header"] += call.send(Commit(turn.leaf_count, turn.merkle_root))
 
 
+Pieces = tuple[list[wire.Chunk], dict[int, KVBlock]]
+
+
+async def _guard(events: AsyncIterator[DownEvent], failed: list[Exception]) -> AsyncIterator[DownEvent]:
+    """``events``, except that once the pipelined head failed (``failed``), the call's end (which
+    ``_feed`` caused by cancelling it) is reported as the head's error."""
+    try:
+        async with contextlib.aclosing(events) as evs:  # type: ignore[type-var]
+            async for ev in evs:
+                if failed:
+                    break
+                yield ev
+    except BaseException:
+        if failed:
+            raise failed[0] from None
+        raise
+    if failed:
+        raise failed[0]
+
+
+async def _feed(call: TurnCall, turn: OutgoingTurn, pieces: AsyncIterator[Pieces], failed: list[Exception]) -> None:
+    """Queue a pipelined turn's pieces as its head produces them, within the window; the producer
+    calls ``turn.finish`` after the last, and the commit follows. If the head fails, the error goes
+    to ``failed`` and the call is cancelled, so the turn ends at once with that error rather than
+    the cloud waiting for pieces until the deadline."""
+    try:
+        async for chunks, blocks in pieces:
+            turn.extend(chunks, blocks)
+            _send_more(call, turn, turn.acked_bytes)
+        if not turn.complete:
+            raise InvalidRequest("the pipelined head ended without finishing its turn")
+        _send_more(call, turn, turn.acked_bytes)
+    except Exception as e:
+        failed.append(e)
+        call.cancel()
+
+
 async def stream_turn(
-    link: CloudLink, turn: OutgoingTurn, timeout_s: float | None
+    link: CloudLink,
+    turn: OutgoingTurn,
+    timeout_s: float | None,
+    pieces: AsyncIterator[Pieces] | None = None,
 ) -> AsyncIterator[UploadAck | TokensOut | TurnFinal]:
     """Run one Generate call with deadline ``timeout_s``; yields the upload ack, tokens, the final.
+    With ``pieces`` (a pipelined turn, ``turn.complete`` False), the header and each piece go out
+    while the head computes the next (issue 9 item 4); the commit follows the last piece.
 
     Raises:
         TandemError: the cloud's verdict (SessionOutOfSync, InvalidRequest, DataLoss kinds...),
-            EngineError (UNAVAILABLE: cloud unreachable or dead link), DeadlineExceeded.
+            EngineError (UNAVAILABLE: cloud unreachable or dead link), DeadlineExceeded; whatever
+            ``pieces`` raised (the head failed), the call then cancelled.
     """
     call = link.open(timeout_s)
     t0 = time.perf_counter()
     uplink = start_span("uplink")  # until the cloud verified the upload
+    feeder: asyncio.Task[None] | None = None
+    failed: list[Exception] = []  # the pipelined head's error, if it failed
     try:
         _send_upload(call, turn)
+        if pieces is not None:
+            feeder = asyncio.create_task(_feed(call, turn, pieces, failed))
         ev: DownEvent
-        async for ev in call.events():
+        async for ev in _guard(call.events(), failed):
             if isinstance(ev, WindowAck):
                 if turn.split and turn.header.session_id:  # within the prompt: a resumed upload starts there
                     n = min(ev.held_tokens, len(turn.header.prompt_token_ids))
                     turn.held_tokens = max(turn.held_tokens, n)
-                _send_more(call, turn, ev.received_bytes)
+                turn.acked_bytes = max(turn.acked_bytes, ev.received_bytes)
+                _send_more(call, turn, turn.acked_bytes)
             elif isinstance(ev, Nack):
                 _answer_nack(call, turn, ev)
             elif isinstance(ev, Repair):
@@ -163,6 +237,10 @@ async def stream_turn(
                     call.close_send()
                 yield ev
     finally:
+        if feeder is not None and not feeder.done():
+            feeder.cancel()
+            with contextlib.suppress(BaseException):
+                await feeder
         uplink.end()
         call.cancel()
         metrics.record_uplink(turn.sent_bytes, turn.resent_chunks, turn.repaired_blocks)

@@ -59,12 +59,20 @@ class Toy:
         self.gateway.sessions.clear()
 
 
+PIPELINE_TOKENS = 32  # the toy edge pipelines its head in pieces of 32 tokens (two 16-token chunks)
+
+
 async def toy_stack(
-    link_wrapper=None, edge_session_bytes: int = 1 << 30, offer_kw: dict[str, Any] | None = None, **cloud_kw: Any
+    link_wrapper=None,
+    edge_session_bytes: int = 1 << 30,
+    offer_kw: dict[str, Any] | None = None,
+    pipeline_tokens: int = PIPELINE_TOKENS,
+    **cloud_kw: Any,
 ) -> Toy:
     """A gateway and an edge service in this event loop, joined by an ``InProcessLink``
     (optionally wrapped, e.g. for fault injection); ``offer_kw`` amends the edge's
-    ``NegotiateOffer``. Call ``await toy.batcher.stop()`` at the end."""
+    ``NegotiateOffer``; ``pipeline_tokens`` as the edge's (0: the head runs whole before the
+    upload). Call ``await toy.batcher.stop()`` at the end."""
     store = MemoryBlockStore(1 << 30)
     engines = MemoryEngines(store, B, VOCAB)
     gw = Gateway(cloud_config(**cloud_kw), MANIFEST, engines, store)
@@ -76,7 +84,14 @@ async def toy_stack(
     await conn.connect()  # once; the background loop (polls, reconnects) is not started here
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
-    svc = EdgeService(ToyTokenizer(), [Head(batcher, key)], conn, EdgeSessions(64, edge_session_bytes), 30.0)
+    svc = EdgeService(
+        ToyTokenizer(),
+        [Head(batcher, key)],
+        conn,
+        EdgeSessions(64, edge_session_bytes),
+        30.0,
+        pipeline_tokens=pipeline_tokens,
+    )
     return Toy(gw, engines, store, svc, batcher)
 
 

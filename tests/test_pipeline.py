@@ -1,0 +1,179 @@
+"""Issue 9 item 4: a pipelined split turn (the edge head runs in pieces; each piece's chunks and
+KV blocks travel while the next is computed) sends what one whole run sends, overlaps the two,
+and fails cleanly when the head fails midway. In-memory stack (``tests.doubles``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tandem.common.errors import EngineError, TandemError
+from tandem.common.messages import KVBlock
+from tandem.common.params import Sampling
+from tandem.common.wire import Chunk
+from tandem.edge.events import ChatTurn, TurnDone
+from tandem.edge.head_runner import HeadInput
+from tandem.edge.link import CloudLink, TurnCall
+from tests.doubles import B, toy_stack
+
+LONG = "The quick brown fox jumps over the lazy dog, again and again, " * 3  # ~200 tokens
+LONGER = LONG + " And then the dog woke up and chased the fox around the whole farm, twice. " * 2
+
+
+def turn(text: str, session: str = "", n: int = 8) -> ChatTurn:
+    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode="split")
+
+
+async def run(svc, t: ChatTurn, timeout_s: float | None = None) -> TurnDone:
+    done = None
+    async for ev in svc.chat(t, timeout_s):
+        if isinstance(ev, TurnDone):
+            done = ev
+    assert done is not None
+    return done
+
+
+class Journal:
+    """What happened, in order: head pieces (their new-token counts) and uplink sends."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+
+class JournalLink:
+    """Wraps a ``CloudLink``: records each chunk (token offset) and KV block (leaf index) sent."""
+
+    def __init__(self, inner: CloudLink, journal: Journal) -> None:
+        self.inner, self.journal = inner, journal
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def open(self, timeout_s):
+        call, journal = self.inner.open(timeout_s), self.journal
+
+        class Call:
+            def send(self, item) -> int:
+                if isinstance(item, Chunk):
+                    journal.events.append(("chunk", item.token_offset))
+                elif isinstance(item, KVBlock):
+                    journal.events.append(("block", item.leaf_index))
+                return call.send(item)
+
+            def __getattr__(self, name):
+                return getattr(call, name)
+
+        c: TurnCall = Call()  # type: ignore[assignment]
+        return c
+
+
+def journal_head(toy, journal: Journal, fail_at_piece: int = 0) -> None:
+    """Record each head run on ``journal``; with ``fail_at_piece`` the head raises at that call."""
+    inner = toy.batcher.run
+    calls = [0]
+
+    async def run_logged(row: HeadInput):
+        calls[0] += 1
+        if calls[0] == fail_at_piece:
+            raise EngineError("head failed (injected)")
+        journal.events.append(("head", int(row.token_ids.shape[0])))
+        await asyncio.sleep(0.01)  # a piece takes time: what was framed meanwhile goes out
+        return await inner(row)
+
+    toy.batcher.run = run_logged
+
+
+async def stacks(pipeline_tokens: int):
+    journal = Journal()
+    toy = await toy_stack(link_wrapper=lambda link: JournalLink(link, journal), pipeline_tokens=pipeline_tokens)
+    journal_head(toy, journal)
+    return toy, journal
+
+
+async def test_a_pipelined_turn_sends_what_one_run_sends_and_overlaps_head_and_upload():
+    whole, wj = await stacks(0)
+    piped, pj = await stacks(32)
+    try:
+        for text in (LONG, LONGER):  # the second turn extends the first: only its new tokens run
+            a = await run(whole.edge, turn(text, "s"))
+            b = await run(piped.edge, turn(text, "s"))
+            assert b.output_token_ids == a.output_token_ids
+            assert {k: b.sent_bytes[k] for k in ("activations", "kv")} == {
+                k: a.sent_bytes[k] for k in ("activations", "kv")
+            }
+            assert b.head_tokens == a.head_tokens
+            assert whole.cloud_session("s").leaves == piped.cloud_session("s").leaves
+            assert whole.edge.sessions.peek("s").cloud_tokens == piped.edge.sessions.peek("s").cloud_tokens
+        # one run: the head once, then everything; pipelined: 32-token pieces, sends between them
+        heads = [n for kind, n in pj.events if kind == "head"]
+        assert heads[0] == 32 and len(heads) > 4 and all(n <= 32 for n in heads)
+        first_send = next(i for i, (kind, _) in enumerate(pj.events) if kind != "head")
+        last_head = max(i for i, (kind, _) in enumerate(pj.events) if kind == "head")
+        assert first_send < last_head  # chunk 0 was on the wire before the last piece ran
+        whole_heads = [i for i, (kind, _) in enumerate(wj.events) if kind == "head"]
+        assert len(whole_heads) == 2  # one per turn
+        # the chunks went out in order, each block after the chunk that completes it
+        offsets = [n for kind, n in pj.events if kind == "chunk"]
+        assert offsets == sorted(offsets)
+        sent: list[tuple[str, int]] = [e for e in pj.events if e[0] != "head"]
+        for i, (kind, j) in enumerate(sent):
+            if kind == "block":
+                covered = max((n for kk, n in sent[:i] if kk == "chunk"), default=0) + 16
+                assert (j + 1) * B <= covered + 16 * 2, (j, covered)
+        assert piped.edge.sessions.peek("s").token_ids == whole.edge.sessions.peek("s").token_ids
+    finally:
+        await whole.batcher.stop()
+        await piped.batcher.stop()
+
+
+async def test_a_head_that_fails_midway_fails_the_turn_at_once_and_keeps_the_session(caplog):
+    journal = Journal()
+    toy = await toy_stack(link_wrapper=lambda link: JournalLink(link, journal), pipeline_tokens=32)
+    try:
+        first = await run(toy.edge, turn(LONG[:60], "s"))  # short: not pipelined
+        before = toy.edge.sessions.peek("s").token_ids
+        journal_head(toy, journal, fail_at_piece=3)
+        with caplog.at_level("INFO"), pytest.raises(TandemError, match="head failed"):
+            await run(toy.edge, turn(LONGER, "s"), timeout_s=20.0)
+        # the edge cancelled the call at once: the cloud saw the upload end, it did not wait it out
+        assert "UploadTimeout" not in caplog.text and "DeadlineExceeded" not in caplog.text, caplog.text
+        assert toy.edge.sessions.peek("s").token_ids == before  # the failed turn left nothing behind
+        assert any(kind == "chunk" for kind, _ in journal.events)  # it had started uploading
+        toy.batcher.run = type(toy.batcher).run.__get__(toy.batcher)
+        again = await run(toy.edge, turn(LONGER, "s"))
+        fresh = await toy_stack(pipeline_tokens=0)
+        try:
+            await run(fresh.edge, turn(LONG[:60], "s"))
+            assert again.output_token_ids == (await run(fresh.edge, turn(LONGER, "s"))).output_token_ids
+        finally:
+            await fresh.batcher.stop()
+        assert first.output_token_ids
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_a_pipelined_turn_the_cloud_refuses_as_out_of_sync_finishes_its_head_and_syncs(caplog):
+    """The cloud lost the session (a restart without its store): the pipelined first attempt is
+    refused at its header, the edge finishes its head, syncs, and resends from token 0."""
+    toy = await toy_stack(pipeline_tokens=32)
+    ref = await toy_stack(pipeline_tokens=0)
+    try:
+        for t in (turn(LONG, "s"),):
+            await run(toy.edge, t)
+            await run(ref.edge, t)
+        toy.lose_cloud_sessions(stored=True)
+        journal = Journal()
+        journal_head(toy, journal)
+        with caplog.at_level("INFO", "tandem.edge"):
+            done = await run(toy.edge, turn(LONGER, "s"))
+        assert "differs" in caplog.text  # refused as out of sync
+        pieces = [n for _, n in journal.events]
+        assert pieces[0] == 32 and len(pieces) >= 2  # the refused attempt was pipelined
+        want = await run(ref.edge, turn(LONGER, "s"))
+        assert done.output_token_ids == want.output_token_ids
+        assert toy.edge.sessions.peek("s").token_ids == ref.edge.sessions.peek("s").token_ids
+        assert toy.cloud_session("s").leaves == ref.cloud_session("s").leaves
+    finally:
+        await toy.batcher.stop()
+        await ref.batcher.stop()
