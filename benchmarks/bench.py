@@ -274,6 +274,9 @@ def main(
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/latest"),
     edge_only: Annotated[bool, typer.Option(help="also the edge-only row (the edge's local mode)")] = True,
     auto: Annotated[bool, typer.Option(help="also the auto row (the edge chooses per request)")] = True,
+    pipeline_tokens: Annotated[
+        int, typer.Option(help="the edge's --pipeline-tokens (-1: its default; 0: the head runs whole first)")
+    ] = -1,
 ) -> None:
     """Run the benchmark matrix and write records, tables and plots."""
     args = {k: str(v) if isinstance(v, Path) else v for k, v in locals().items()}
@@ -300,7 +303,8 @@ def main(
     records: list[RequestRecord] = []
     workdir = work_dir("tandem-bench-")  # its block stores are removed at exit, its logs kept
     print(f"tandem-bench: shaper={shaper}, logs in {workdir}", file=sys.stderr)
-    stack = Stack([model_dir / f"split-k{k}" for k in ks], shaper, workdir, max_num_seqs)
+    pipeline = ["--pipeline-tokens", str(pipeline_tokens)] if pipeline_tokens >= 0 else []
+    stack = Stack([model_dir / f"split-k{k}" for k in ks], shaper, workdir, max_num_seqs, edge_extra=pipeline)
     with tqdm(total=total, desc="requests", unit="req") as bar:
         try:
             eport = stack.start()
