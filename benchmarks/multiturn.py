@@ -155,7 +155,8 @@ def main(
     print(f"tandem-bench-multiturn: {conversations} x {turns} turns; logs in {w}", file=sys.stderr)
     daemons = Daemons()
     try:
-        cloud = daemons.spawn("tandem-cloud", cloud_command(split_dir, w / "kv"), w / "cloud.log", w / "c")
+        fp32 = ["--wire-dtypes", "fp32", "--kv-wire-dtypes", "fp32"]  # the table's bytes are fp32's
+        cloud = daemons.spawn("tandem-cloud", cloud_command(split_dir, w / "kv", extra=fp32), w / "cloud.log", w / "c")
         cport = cloud.wait_ready(900)
         edge = daemons.spawn("tandem-edge", edge_command(split_dir, f"127.0.0.1:{cport}"), w / "edge.log", w / "e")
         port = edge.wait_ready(300)

@@ -102,13 +102,13 @@ class EdgeConfig(DaemonSettings):
         default=kib(256), description="Padding of the goodput probe at connect, in bytes; 0 = no probe."
     )
     wire_dtypes: list[WireDtypeSetting] = Field(
-        default=["fp32", "fp16", "bf16", "int8_hadamard", "int8", "int4"],
+        default=["fp16", "fp32", "bf16", "int8_hadamard", "int8", "int4"],
         validate_default=True,
         min_length=1,
         description="Activation formats this edge accepts, preferred first (the cloud picks the first it allows).",
     )
     kv_wire_dtypes: list[WireDtypeSetting] = Field(
-        default=["fp32", "fp16", "bf16", "int8_hadamard", "int8", "int4"],
+        default=["fp16", "fp32", "bf16", "int8_hadamard", "int8", "int4"],
         validate_default=True,
         min_length=1,
         description="Head-KV block formats this edge accepts, preferred first (the cloud picks the first it allows).",

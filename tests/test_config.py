@@ -155,7 +155,11 @@ def test_defaults_new_fields_and_safe_bind_addresses():
         assert (cfg.metrics_port, cfg.metrics_host, cfg.log_format, cfg.log_level) == (0, "127.0.0.1", "text", "INFO")
         assert (cfg.otel_enabled, cfg.otel_endpoint, cfg.drain_grace_s) == (False, None, 30.0)
     assert (e.http_port, e.http_host) == (None, "127.0.0.1")
-    assert (c.wire_dtypes, c.codecs) == ([WireDtype.FP32], [Codec.NONE, Codec.ZSTD])
+    # the negotiated default: the smallest formats that kept >= 99% of the fidelity chats' replies (fp16)
+    assert (c.wire_dtypes, c.kv_wire_dtypes, c.codecs) == ([WireDtype.FP16, WireDtype.FP32],) * 2 + (
+        [Codec.NONE, Codec.ZSTD],
+    )
+    assert e.wire_dtypes[0] == e.kv_wire_dtypes[0] == WireDtype.FP16
     assert (e.local, e.local_model, e.extra_split_dirs, c.extra_split_dirs) == (True, None, [], [])
 
 

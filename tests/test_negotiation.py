@@ -408,3 +408,25 @@ async def test_a_small_window_paces_the_upload_on_the_clouds_acks():
         assert done.sent_bytes["activations"] + done.sent_bytes["kv"] > 3 * 3000  # it took several windows
     finally:
         await toy.batcher.stop()
+
+
+async def test_default_configs_negotiate_the_smallest_formats_that_met_the_fidelity_bar():
+    """Issue 9 item 2: a default edge and a default cloud agree on fp16 activations and fp16 KV
+    (100% of the fidelity chats' replies equal to fp32's; every smaller pair measured < 99%); a
+    cloud set to fp32 only keeps every split reply equal to the unsplit model's."""
+    from tandem.cloud.config import CloudConfig
+    from tandem.common.wire import WireDtype as W
+    from tandem.edge.config import EdgeConfig
+
+    e, c = EdgeConfig(), CloudConfig()
+    edge_offer = offer(wire_dtypes=tuple(e.wire_dtypes), kv_wire_dtypes=tuple(e.kv_wire_dtypes))
+    toy = await toy_stack(wire_dtypes=c.wire_dtypes, kv_wire_dtypes=c.kv_wire_dtypes)
+    exact = await toy_stack(wire_dtypes=[W.FP32], kv_wire_dtypes=[W.FP32])
+    try:
+        p = toy.gateway.negotiate(edge_offer).params_by_split[K]
+        assert (p.wire_dtype, p.kv_wire_dtype) == (W.FP16, W.FP16)
+        q = exact.gateway.negotiate(edge_offer).params_by_split[K]
+        assert (q.wire_dtype, q.kv_wire_dtype) == (W.FP32, W.FP32)
+    finally:
+        await toy.batcher.stop()
+        await exact.batcher.stop()

@@ -58,7 +58,9 @@ def _kill_all(procs) -> None:
 
 
 def cloud_extra(redis_url: str) -> list[str]:
-    return ["--kv-cache-bytes", str(256 << 20), "--max-num-seqs", "4", "--store-url", redis_url]
+    # fp32 on the wire: the answers are checked against the unsplit reference token for token
+    fp32 = ["--wire-dtypes", "fp32", "--kv-wire-dtypes", "fp32"]
+    return ["--kv-cache-bytes", str(256 << 20), "--max-num-seqs", "4", "--store-url", redis_url, *fp32]
 
 
 def kill_tree(daemon: Daemon) -> None:

@@ -85,6 +85,8 @@ async def stack(split_dir, tmp_path_factory, tls, redis_server):
         store_dir=tmp_path_factory.mktemp("kv"),
         store_url=redis_server.url,
         engine=EngineConfig(max_num_seqs=8, kv_cache_bytes=384 << 20),
+        wire_dtypes=["fp32"],  # exactness: the split's greedy tokens must equal the unsplit references
+        kv_wire_dtypes=["fp32"],
         tls_cert_file=tls.cloud[0],
         tls_key_file=tls.cloud[1],
         tls_client_ca_file=tls.ca_file,
