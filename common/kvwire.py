@@ -100,8 +100,8 @@ def _encode_kv(block: np.ndarray, dtype: WireDtype) -> bytes:
         s16, s = safe_scale(np.abs(x).max(axis=4), 127)  # [Lp, 2, Hkv, B]
         return s16.tobytes() + quantize(x, s[..., None], -127, 127).tobytes()
     if dtype == WireDtype.INT8_HADAMARD:
-        scales, q = quantize_rotated_int8(x, hadamard_block(x.shape[4], KV_HADAMARD_MAX), 2)
-        return scales + q
+        scales, q8 = quantize_rotated_int8(x, hadamard_block(x.shape[4], KV_HADAMARD_MAX), 2)
+        return scales + q8
     if dtype != WireDtype.INT4:
         raise InvalidRequest(f"unknown wire dtype {dtype!r}")
     k, v = x[:, 0], x[:, 1]  # [Lp, Hkv, B, D]
