@@ -133,8 +133,14 @@ def rate_result(samples: list[Sample], slo_ms: float) -> RateResult:
 
 def capacity_rps(results: list[RateResult], attainment: float) -> float:
     """The highest offered rate of one mode at which at least ``attainment`` of requests met the
-    SLO (DistServe's goodput), 0 if none did."""
-    return max((r.offered_rps for r in results if r.attainment >= attainment), default=0.0)
+    SLO, and at every lower rate too (DistServe's goodput; a lucky pass above a failed rate is
+    noise, not capacity); 0 if the lowest rate failed."""
+    cap = 0.0
+    for r in sorted(results, key=lambda r: r.offered_rps):
+        if r.attainment < attainment:
+            break
+        cap = r.offered_rps
+    return cap
 
 
 @dataclass(frozen=True)
@@ -299,8 +305,6 @@ def main(
     if edge_target:
         link, cloud_cpus, edge_cpus = f"{link} (not applied: a running edge)", "n/a", "n/a"
         args.update(link=link, cloud_cpus=cloud_cpus, edge_cpus=edge_cpus)
-    elif edge_cpus:  # this driver runs beside the edge, off the cloud's cores
-        os.sched_setaffinity(0, {int(c) for part in edge_cpus.split(",") for c in _cpu_range(part)})
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
     prompts = make_prompts(tokenizer, prompt_tokens, requests, seed)
@@ -315,6 +319,9 @@ def main(
         if stack is not None:
             edge = EdgeTarget(f"127.0.0.1:{stack.start()}")
             stack.set_link(profile)
+            if edge_cpus:  # this driver runs beside the edge, off the cloud's cores (pinned after the
+                # daemons started: they would inherit it)
+                os.sched_setaffinity(0, {int(c) for part in edge_cpus.split(",") for c in _cpu_range(part)})
         else:
             edge = EdgeTarget(edge_target, ca_file or None, api_key or None)
         warm = make_prompts(tokenizer, prompt_tokens, 2, seed + 99)

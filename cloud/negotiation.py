@@ -36,7 +36,7 @@ from tandem.common.errors import InvalidRequest, ParamsVersionMismatch
 from tandem.common.kvwire import kv_raw_nbytes
 from tandem.common.manifest import SplitManifest
 from tandem.common.params import LinkParams, NegotiateOffer
-from tandem.common.wire import Codec, WireDtype, max_payload_bytes, raw_nbytes_of
+from tandem.common.wire import Codec, WireDtype, max_payload_bytes, raw_nbytes_of, suits
 
 CHUNK_TARGET_MS = 10.0
 MIN_CHUNK_TOKENS = 16
@@ -93,21 +93,28 @@ def link_params(
         InvalidRequest: (``k > 0``) the edge accepts none of the activation formats or none of
             the KV block formats this cloud allows.
     """
-    # direct mode (k = 0) sends token ids only: it needs no common format
-    dtype = next((d for d in offer.wire_dtypes if d in limits.wire_dtypes), None if k else WireDtype.FP32)
+    # direct mode (k = 0) sends token ids only: it needs no common format; a format that does not
+    # suit the model's widths (``wire.suits``) is skipped
+    sh = manifest.shape
+    dtype = next(
+        (d for d in offer.wire_dtypes if d in limits.wire_dtypes and suits(d, sh.hidden_size)),
+        None if k else WireDtype.FP32,
+    )
     if dtype is None:
         raise InvalidRequest(
             f"no common wire format: the edge accepts {[d.name for d in offer.wire_dtypes]}, "
             f"this cloud allows {[d.name for d in limits.wire_dtypes]}"
         )
-    kv_dtype = next((d for d in offer.kv_wire_dtypes if d in limits.kv_wire_dtypes), None if k else WireDtype.FP32)
+    kv_dtype = next(
+        (d for d in offer.kv_wire_dtypes if d in limits.kv_wire_dtypes and suits(d, sh.head_dim)),
+        None if k else WireDtype.FP32,
+    )
     if kv_dtype is None:
         raise InvalidRequest(
             f"no common KV block format: the edge accepts {[d.name for d in offer.kv_wire_dtypes]}, "
             f"this cloud allows {[d.name for d in limits.kv_wire_dtypes]}"
         )
     codec = next((c for c in offer.codecs if c in limits.codecs), Codec.NONE)
-    sh = manifest.shape
     act_bytes = raw_nbytes_of(1, dtype, sh.hidden_size)
     B = limits.kv_block_size_tokens
     block_bytes = kv_raw_nbytes((k, 2, sh.num_kv_heads, B, sh.head_dim), kv_dtype) if k else 0

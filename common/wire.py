@@ -95,6 +95,17 @@ def hadamard_block(n: int, cap: int = HADAMARD_BLOCK) -> int:
     return min(n & -n, cap)
 
 
+MIN_HADAMARD_BLOCK = 4  # below it an fp16 scale per block of int8 costs as much as fp16 itself
+
+
+def suits(dtype: WireDtype, channels: int) -> bool:
+    """Whether ``dtype`` makes sense for rows of ``channels`` values: ``INT8_HADAMARD`` needs a
+    rotation block of at least ``MIN_HADAMARD_BLOCK`` channels (for an odd width it would be one
+    channel, each with its own fp16 scale: larger than fp16, and nothing rotated); every other
+    format suits any width. Real models' widths are multiples of 64."""
+    return dtype != WireDtype.INT8_HADAMARD or hadamard_block(channels) >= MIN_HADAMARD_BLOCK
+
+
 _HADAMARD: dict[int, np.ndarray] = {}
 
 

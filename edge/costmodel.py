@@ -202,8 +202,17 @@ class Prediction:
 class CostModel:
     """Predictions per route, online calibration, and the choice (see the module doc)."""
 
-    def __init__(self, hysteresis: float = 0.05, explore_every: int = 50, explore_within: float = 1.5) -> None:
+    def __init__(
+        self,
+        hysteresis: float = 0.05,
+        explore_every: int = 50,
+        explore_within: float = 1.5,
+        pipeline_tokens: int = 0,
+    ) -> None:
+        """``pipeline_tokens``: the edge's head piece size (``EdgeService.pipeline_tokens``; 0 = no
+        pipelining), so split predictions count the head's overlap with the upload."""
         self.hysteresis, self.explore_every, self.explore_within = hysteresis, explore_every, explore_within
+        self.pipeline_tokens = pipeline_tokens
         self.edge = EdgeRates()
         self.lines: dict[str, Line] = {}  # "local", "direct", "head-k{k}", "tail-k{k}"
         self.residual: dict[str, dict[int, Ewma]] = {}  # route key -> length octave -> residual (ms)
@@ -251,7 +260,20 @@ class CostModel:
         p_tail = self._cloud_rate(link.cloud_tail_prefill_ms_per_token.get(k, 0.0), link.num_layers - k, link)
         head = self._stage(f"head-k{k}", n_head, self.edge.head(k).value, tokens)
         wire = n_up * link.bytes_per_token.get(k, 0.0) / g
-        return head + wire + link.rtt_ms + q_cloud + self._stage(f"tail-k{k}", n_tail, p_tail, tokens)
+        overlap = min(head, wire) * (1 - 1 / pieces) if (pieces := self.pipeline_pieces(n_head, head, wire)) else 0.0
+        return head + wire - overlap + link.rtt_ms + q_cloud + self._stage(f"tail-k{k}", n_tail, p_tail, tokens)
+
+    def pipeline_pieces(self, n_head: int, head_ms: float, wire_ms: float) -> int:
+        """Pieces the edge runs a split turn's head in (0: it runs whole first). Pipelined when the
+        head has at least two pieces of new tokens and the upload is predicted to take at least as
+        long as the head: then the head hides under the upload, and the cloud, which holds the
+        turn's admission slot from its header on, waits no longer than for the upload alone (an
+        upload predicted to take no time, on a link not measured, runs the head whole). With
+        ``P`` pieces the two overlap except for one piece: ``head + wire - min(head, wire) (1 - 1/P)``."""
+        seg = self.pipeline_tokens
+        if not seg or n_head < 2 * seg or wire_ms <= 0 or wire_ms < head_ms:  # 0: not measured
+            return 0
+        return -(-n_head // seg)
 
     def residual_ms(self, route: Route, prompt_tokens: int) -> float:
         """The route's residual (ms) at this prompt length: its octave's, else the nearest octave's

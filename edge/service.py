@@ -41,7 +41,7 @@ from tandem.common.params import LinkParams, SyncRequest
 from tandem.common.tracing import span, traced
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.cloudconn import CloudConnection
-from tandem.edge.costmodel import DIRECT, LOCAL, SPLIT, CostModel, LinkState, Prediction, RequestShape, Route
+from tandem.edge.costmodel import DIRECT, LOCAL, SPLIT, CostModel, Line, LinkState, Prediction, RequestShape, Route
 from tandem.edge.detok import TextStream
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.head_runner import HeadInput
@@ -148,13 +148,13 @@ class EdgeService:
         self.eos_token_ids: frozenset[int] = frozenset([eos] if isinstance(eos, int) else [])  # the server sets all
         self._local_engine: LocalEngine | None = None
         self._cost = cost or CostModel()
+        self._cost.pipeline_tokens = pipeline_tokens
         self.local = local
         self.heads = {h.k: h for h in heads}
         self.sessions = sessions
         self.turn_timeout_s = turn_timeout_s
         self.shape = shape  # for wire bytes per token in the cost model (None: wire time not modelled)
         self.renegotiate_wait_s = renegotiate_wait_s
-        self.pipeline_tokens = pipeline_tokens
         self._max_prompt_tokens = max_prompt_tokens
         # no text longer than this can fit in max_prompt_tokens: every token covers at most
         # max_token_chars characters, so longer text is refused before it is tokenized
@@ -182,8 +182,18 @@ class EdgeService:
 
     @cost.setter
     def cost(self, model: CostModel) -> None:
+        model.pipeline_tokens = self._cost.pipeline_tokens
         self._cost = model
         self._share_local_rates()
+
+    @property
+    def pipeline_tokens(self) -> int:
+        """Head tokens per piece of a pipelined split turn (0: off); the cost model reads the same."""
+        return self._cost.pipeline_tokens
+
+    @pipeline_tokens.setter
+    def pipeline_tokens(self, n: int) -> None:
+        self._cost.pipeline_tokens = n
 
     def _share_local_rates(self) -> None:
         """One measurement of the local model's rates: the cost model reads the engine's own EWMAs."""
@@ -782,12 +792,20 @@ class EdgeService:
 
     def _pipeline_tokens(self, s: EdgeSession, ids: list[int], p: LinkParams) -> int:
         """Head tokens per piece if this split turn is to be pipelined, else 0: pipelining is on,
-        the session needs no ``SyncSession`` first (that needs the whole head's KV), and the head
-        has at least two pieces of new tokens. A piece is at least one activation chunk."""
+        the session needs no ``SyncSession`` first (that needs the whole head's KV), and the cost
+        model's rule holds (``CostModel.pipeline_pieces``: at least two pieces of new tokens, and
+        an upload predicted to take at least as long as the head). A piece is at least one
+        activation chunk."""
         if not self.pipeline_tokens or self._needs_sync(s):
             return 0
-        seg = max(self.pipeline_tokens, p.chunk_tokens)
-        return seg if len(ids) - s.common_prefix(ids) >= 2 * seg else 0
+        k, n = p.split_layer, len(ids) - s.common_prefix(ids)
+        link = self.link_state()
+        head_ms = self.cost.lines.get(f"head-k{k}", Line()).predict(n, self.cost.edge.head(k).value)
+        g = link.goodput_mbps * 1e3 / 8  # bytes per ms
+        wire_ms = n * link.bytes_per_token.get(k, 0.0) / g if g > 0 else 0.0
+        if not self.cost.pipeline_pieces(n, head_ms, wire_ms):
+            return 0
+        return max(self.pipeline_tokens, p.chunk_tokens)
 
     def _build_pipelined_turn(
         self, s: EdgeSession, ids: list[int], turn: ChatTurn, p: LinkParams, clock: TurnClock, seg: int
@@ -865,16 +883,22 @@ class EdgeService:
             end = start
             while end < n and min(n, end + ct) <= e:  # whole chunks only: the framing of one run
                 end = min(n, end + ct)
-            chunks: list[wire.Chunk] = []
-            with span("encode"):
-                if end > start:
-                    chunks = wire.split(
-                        s.hidden[start:end], start, ct, p.wire_dtype, p.codec, p.codec_level, p.params_version, seq
+            last = max(next_block, min(len(hashes), end // bs))
+
+            def frame(hidden=s.hidden, a=start, z=end, first_seq=seq, j0=next_block, j1=last):
+                """This piece's chunks and blocks (CPU work: quantise, compress, CRC, leaf hashes)."""
+                with span("encode"):
+                    chunks = (
+                        []
+                        if z == a
+                        else wire.split(
+                            hidden[a:z], a, ct, p.wire_dtype, p.codec, p.codec_level, p.params_version, first_seq
+                        )
                     )
-                seq, start = seq + len(chunks), end
-                last = max(next_block, min(len(hashes), start // bs))
-                blocks = self._kv_blocks(s, hashes, part, p, next_block, last)
-                next_block = last
+                    return chunks, self._kv_blocks(s, hashes, part, p, j0, j1)
+
+            chunks, blocks = await asyncio.to_thread(frame)  # off the loop: acks and sends go on meanwhile
+            seq, start, next_block = seq + len(chunks), end, last
             head_ms += (t1 - t0) * 1e3
             encode_ms += (time.perf_counter() - t1) * 1e3
             yield chunks, blocks

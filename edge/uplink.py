@@ -13,11 +13,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from tandem.common import metrics, wire
-from tandem.common.errors import InvalidRequest
+from tandem.common.errors import EngineError, InvalidRequest
 from tandem.common.messages import (
     Commit,
     DownEvent,
@@ -160,17 +160,24 @@ def _answer_repair(call: TurnCall, turn: OutgoingTurn, repair: Repair) -> None:
 Pieces = tuple[list[wire.Chunk], dict[int, KVBlock]]
 
 
-async def _guard(events: AsyncIterator[DownEvent], failed: list[Exception]) -> AsyncIterator[DownEvent]:
+async def _guard(events: AsyncIterator[DownEvent], failed: list[Exception]) -> AsyncGenerator[DownEvent, None]:
     """``events``, except that once the pipelined head failed (``failed``), the call's end (which
-    ``_feed`` caused by cancelling it) is reported as the head's error."""
+    ``_feed`` caused by cancelling it) is reported as the head's error. A cancellation of the turn
+    itself (its task being cancelled) and the generator's own close pass through unchanged."""
     try:
         async with contextlib.aclosing(events) as evs:  # type: ignore[type-var]
             async for ev in evs:
                 if failed:
                     break
                 yield ev
-    except BaseException:
-        if failed:
+    except GeneratorExit:
+        raise
+    except BaseException as e:
+        task = asyncio.current_task()
+        ours = isinstance(e, Exception) or (
+            isinstance(e, asyncio.CancelledError) and task is not None and not task.cancelling()
+        )
+        if failed and ours:
             raise failed[0] from None
         raise
     if failed:
@@ -179,9 +186,10 @@ async def _guard(events: AsyncIterator[DownEvent], failed: list[Exception]) -> A
 
 async def _feed(call: TurnCall, turn: OutgoingTurn, pieces: AsyncIterator[Pieces], failed: list[Exception]) -> None:
     """Queue a pipelined turn's pieces as its head produces them, within the window; the producer
-    calls ``turn.finish`` after the last, and the commit follows. If the head fails, the error goes
-    to ``failed`` and the call is cancelled, so the turn ends at once with that error rather than
-    the cloud waiting for pieces until the deadline."""
+    calls ``turn.finish`` after the last, and the commit follows. If the head fails (or is
+    cancelled under it: a stopped batcher), the error goes to ``failed`` and the call is cancelled,
+    so the turn ends at once with that error rather than the cloud waiting for pieces until the
+    deadline."""
     try:
         async for chunks, blocks in pieces:
             turn.extend(chunks, blocks)
@@ -192,6 +200,13 @@ async def _feed(call: TurnCall, turn: OutgoingTurn, pieces: AsyncIterator[Pieces
     except Exception as e:
         failed.append(e)
         call.cancel()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and not task.cancelling():  # the head's await was cancelled, not this task
+            failed.append(EngineError("the edge head was cancelled"))
+            call.cancel()
+            return
+        raise
 
 
 async def stream_turn(
@@ -219,28 +234,28 @@ async def stream_turn(
         if pieces is not None:
             feeder = asyncio.create_task(_feed(call, turn, pieces, failed))
         ev: DownEvent
-        async for ev in _guard(call.events(), failed):
-            if isinstance(ev, WindowAck):
-                if turn.split and turn.header.session_id:  # within the prompt: a resumed upload starts there
-                    n = min(ev.held_tokens, len(turn.header.prompt_token_ids))
-                    turn.held_tokens = max(turn.held_tokens, n)
-                turn.acked_bytes = max(turn.acked_bytes, ev.received_bytes)
-                _send_more(call, turn, turn.acked_bytes)
-            elif isinstance(ev, Nack):
-                _answer_nack(call, turn, ev)
-            elif isinstance(ev, Repair):
-                _answer_repair(call, turn, ev)
-            elif isinstance(ev, UploadAck | TokensOut | TurnFinal):
-                if isinstance(ev, UploadAck):
-                    turn.upload_ms = (time.perf_counter() - t0) * 1e3
-                    uplink.end()
-                    call.close_send()
-                yield ev
+        async with contextlib.aclosing(_guard(call.events(), failed)) as events:
+            async for ev in events:
+                if isinstance(ev, WindowAck):
+                    if turn.split and turn.header.session_id:  # within the prompt: a resumed upload starts there
+                        n = min(ev.held_tokens, len(turn.header.prompt_token_ids))
+                        turn.held_tokens = max(turn.held_tokens, n)
+                    turn.acked_bytes = max(turn.acked_bytes, ev.received_bytes)
+                    _send_more(call, turn, turn.acked_bytes)
+                elif isinstance(ev, Nack):
+                    _answer_nack(call, turn, ev)
+                elif isinstance(ev, Repair):
+                    _answer_repair(call, turn, ev)
+                elif isinstance(ev, UploadAck | TokensOut | TurnFinal):
+                    if isinstance(ev, UploadAck):
+                        turn.upload_ms = (time.perf_counter() - t0) * 1e3
+                        uplink.end()
+                        call.close_send()
+                    yield ev
     finally:
         if feeder is not None and not feeder.done():
             feeder.cancel()
-            with contextlib.suppress(BaseException):
-                await feeder
+            await asyncio.wait({feeder})  # its own cancellation stays inside it; ours propagates
         uplink.end()
         call.cancel()
         metrics.record_uplink(turn.sent_bytes, turn.resent_chunks, turn.repaired_blocks)

@@ -364,6 +364,8 @@ def test_capacity_goodput_attainment_and_table(tmp_path):
     ]
     assert capacity_rps(results[:2], 0.99) == 1.0 and capacity_rps(results[2:], 0.99) == 2.0
     assert capacity_rps(results[1:2], 0.99) == 0.0
+    lucky = [results[1], rate_result(cell("cloud-only", 3.0, [100.0] * 10), 1000.0)]
+    assert capacity_rps(lucky + results[:1], 0.99) == 1.0  # a pass above a failed rate does not count
     args = dict(ttft_slo_ms=1000.0, attainment=0.99, requests=10, prompt_tokens=256, max_new_tokens=8)
     md = summary_md(results, args | dict(link="lan", cloud_cpus="1", edge_cpus="0"))
     assert "| split-k15 | 2 | 2.00x | " in md and md.rstrip().endswith("| yes |")

@@ -202,3 +202,11 @@ def test_activation_int8_hadamard(hidden):
     bad[0, 0], bad[1, 0] = np.nan, np.inf
     z = wire.decode_dtype(wire.encode_dtype(bad, WireDtype.INT8_HADAMARD), WireDtype.INT8_HADAMARD, 5, hidden)
     assert np.isnan(z[0, :b]).all() and np.isnan(z[1, :b]).all() and np.isfinite(z[2:]).all()
+
+
+def test_int8_hadamard_is_negotiated_only_for_widths_it_suits():
+    """An odd width would rotate single channels, each with its own scale: more bytes than fp16."""
+    assert wire.suits(WireDtype.INT8_HADAMARD, 576) and wire.suits(WireDtype.INT8_HADAMARD, 72)
+    assert not wire.suits(WireDtype.INT8_HADAMARD, 577) and not wire.suits(WireDtype.INT8_HADAMARD, 6)
+    assert all(wire.suits(d, 577) for d in WireDtype if d != WireDtype.INT8_HADAMARD)
+    assert wire.raw_nbytes_of(1, WireDtype.INT8_HADAMARD, 577) > wire.raw_nbytes_of(1, WireDtype.FP16, 577)

@@ -15,7 +15,7 @@ from tandem.common.wire import Chunk
 from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.head_runner import HeadInput
 from tandem.edge.link import CloudLink, TurnCall
-from tests.doubles import B, toy_stack
+from tests.doubles import MANIFEST, B, toy_stack
 
 LONG = "The quick brown fox jumps over the lazy dog, again and again, " * 3  # ~200 tokens
 LONGER = LONG + " And then the dog woke up and chased the fox around the whole farm, twice. " * 2
@@ -84,10 +84,19 @@ def journal_head(toy, journal: Journal, fail_at_piece: int = 0) -> None:
     toy.batcher.run = run_logged
 
 
+def slow_link(toy, mbps: float = 0.5) -> None:
+    """The edge measured a slow link: uploads are predicted to outlast the head, so split turns
+    with enough new tokens pipeline (``CostModel.pipeline_pieces``). The toy edge is told its
+    model's shape, so the cost model knows its bytes per token."""
+    toy.edge.shape = MANIFEST.shape
+    toy.edge.conn.goodput_mbps.add(mbps)
+
+
 async def stacks(pipeline_tokens: int):
     journal = Journal()
     toy = await toy_stack(link_wrapper=lambda link: JournalLink(link, journal), pipeline_tokens=pipeline_tokens)
     journal_head(toy, journal)
+    slow_link(toy)
     return toy, journal
 
 
@@ -130,6 +139,7 @@ async def test_a_pipelined_turn_sends_what_one_run_sends_and_overlaps_head_and_u
 async def test_a_head_that_fails_midway_fails_the_turn_at_once_and_keeps_the_session(caplog):
     journal = Journal()
     toy = await toy_stack(link_wrapper=lambda link: JournalLink(link, journal), pipeline_tokens=32)
+    slow_link(toy)
     try:
         first = await run(toy.edge, turn(LONG[:60], "s"))  # short: not pipelined
         before = toy.edge.sessions.peek("s").token_ids
@@ -158,6 +168,7 @@ async def test_a_pipelined_turn_the_cloud_refuses_as_out_of_sync_finishes_its_he
     refused at its header, the edge finishes its head, syncs, and resends from token 0."""
     toy = await toy_stack(pipeline_tokens=32)
     ref = await toy_stack(pipeline_tokens=0)
+    slow_link(toy)
     try:
         for t in (turn(LONG, "s"),):
             await run(toy.edge, t)
@@ -177,3 +188,32 @@ async def test_a_pipelined_turn_the_cloud_refuses_as_out_of_sync_finishes_its_he
     finally:
         await toy.batcher.stop()
         await ref.batcher.stop()
+
+
+async def test_a_fast_link_or_a_short_turn_runs_the_head_whole():
+    """Pipelining pays only where the upload outlasts the head (and the cloud, holding the turn's
+    admission slot from its header, would otherwise wait on the edge): an unmeasured or fast
+    link, or fewer than two pieces of new tokens, runs the head in one piece."""
+    toy, journal = await stacks(32)
+    try:
+        g = toy.edge.conn.goodput_mbps
+        toy.edge.conn.goodput_mbps = type(g)(g.alpha)  # forget the measurement
+        await run(toy.edge, turn(LONG, "a"))  # unknown goodput: the upload is predicted free
+        await run(toy.edge, turn(LONG[:50], "b"))
+        slow_link(toy)
+        await run(toy.edge, turn(LONG[:50], "c"))  # slow link, but one piece of new tokens
+        heads = [n for kind, n in journal.events if kind == "head"]
+        assert len(heads) == 3 and heads[0] > 2 * 32  # one head call per turn, the long one too
+    finally:
+        await toy.batcher.stop()
+
+
+def test_the_cost_model_counts_the_overlap_of_a_pipelined_head():
+    from tandem.edge.costmodel import CostModel
+
+    cm = CostModel(pipeline_tokens=128)
+    assert cm.pipeline_pieces(1024, head_ms=500.0, wire_ms=4000.0) == 8
+    assert cm.pipeline_pieces(1024, head_ms=500.0, wire_ms=100.0) == 0  # fast link: whole
+    assert cm.pipeline_pieces(200, head_ms=100.0, wire_ms=4000.0) == 0  # one piece
+    assert cm.pipeline_pieces(1024, head_ms=0.0, wire_ms=0.0) == 0  # a link not measured
+    assert CostModel().pipeline_pieces(1024, 500.0, 4000.0) == 0  # pipelining off
