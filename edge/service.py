@@ -819,18 +819,8 @@ class EdgeService:
         rid, k, bs, n = clock.request_id, p.split_layer, p.kv_block_size_tokens, len(ids)
         cached = s.cloud_tokens
         hashes = block_hashes(ids, bs, request_seed(self.heads[k].compatibility_key, bs, turn.session_id, rid))
-        num_chunks = -(-(n - cached) // p.chunk_tokens)
-        header = TurnHeader(
-            rid,
-            turn.session_id,
-            p.params_version,
-            k,
-            tuple(ids),
-            cached,
-            num_chunks,
-            len(hashes) - len(s.leaves),
-            turn.sampling,
-            self._link_id(),
+        header = self._header(
+            rid, turn, p, ids, cached, -(-(n - cached) // p.chunk_tokens), len(hashes) - len(s.leaves)
         )
         out = OutgoingTurn(
             header,
@@ -931,18 +921,7 @@ class EdgeService:
         hashes = block_hashes(ids, bs, request_seed(key, bs, turn.session_id, rid))
         blocks = self._kv_blocks(s, hashes, LayerRange(0, k), p)
         leaves = list(s.leaves) + [b.leaf_hash for b in blocks.values()]
-        header = TurnHeader(
-            rid,
-            turn.session_id,
-            p.params_version,
-            k,
-            tuple(ids),
-            cached,
-            len(chunks),
-            len(blocks),
-            turn.sampling,
-            link_id,
-        )
+        header = self._header(rid, turn, p, ids, cached, len(chunks), len(blocks))
         clock.since(Stage.ENCODE, t0)
         return OutgoingTurn(
             header,
@@ -953,6 +932,15 @@ class EdgeService:
             window=p.inflight_window_bytes,
             block_tokens=p.kv_block_size_tokens,
         )
+
+    def _header(
+        self, rid: str, turn: ChatTurn, p: LinkParams, ids: list[int], cached: int, chunks: int, blocks: int
+    ) -> TurnHeader:
+        """A split turn's header: ``chunks`` activation chunks from token ``cached`` on, ``blocks`` KV blocks."""
+        return TurnHeader(
+            rid, turn.session_id, p.params_version, p.split_layer, tuple(ids), cached, chunks, blocks, turn.sampling,
+            self._link_id(),
+        )  # fmt: skip
 
     def _link_id(self) -> str:
         n = self.conn.negotiated if self.conn is not None else None
