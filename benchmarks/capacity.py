@@ -287,9 +287,6 @@ def main(
 ) -> None:
     """Run the sweep and write the table, samples and plot."""
     args = {k: str(v) if isinstance(v, Path) else v for k, v in locals().items()}
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-
     ks = [int(x) for x in split_layers.split(",") if x.strip()]
     dirs = [model_dir / f"split-k{k}" for k in ks]
     missing = [d for d in dirs if not (d / "manifest.json").is_file()]
@@ -302,6 +299,9 @@ def main(
     if not offered or any(r <= 0 for r in offered) or offered != sorted(offered):
         raise typer.BadParameter(f"--rates {rates!r}: positive and ascending")
     profile = linkmod.get(link)[0]
+    from tqdm import tqdm  # after the arguments are checked: a bad one fails at once
+    from transformers import AutoTokenizer
+
     if edge_target:
         link, cloud_cpus, edge_cpus = f"{link} (not applied: a running edge)", "n/a", "n/a"
         args.update(link=link, cloud_cpus=cloud_cpus, edge_cpus=edge_cpus)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -374,7 +373,12 @@ def test_capacity_goodput_attainment_and_table(tmp_path):
     assert (tmp_path / "capacity.png").stat().st_size > 0
 
 
-def test_capacity_refuses_a_split_layer_not_exported(tmp_path):
-    cmd = [sys.executable, "-m", "tandem.benchmarks.capacity", "--model-dir", str(tmp_path), "--split-layers", "15"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
-    assert res.returncode == 2 and "not exported" in res.stderr and "--split-layers 15" in res.stderr, res.stderr
+def test_capacity_refuses_a_split_layer_not_exported_and_bad_rates(tmp_path):
+    from typer.testing import CliRunner
+
+    from tandem.benchmarks.capacity import app
+
+    run = CliRunner().invoke(app, ["--model-dir", str(tmp_path), "--split-layers", "15"], env={"COLUMNS": "300"})
+    assert run.exit_code == 2 and "not exported" in run.output and "--split-layers 15" in run.output, run.output
+    bad = CliRunner().invoke(app, ["--edge-target", "x:1", "--rates", "2,1"], env={"COLUMNS": "300"})
+    assert bad.exit_code == 2 and "ascending" in bad.output, bad.output

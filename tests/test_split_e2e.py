@@ -745,7 +745,7 @@ async def test_capacity_benchmark_smoke(stack, split_dir, tmp_path):
     cmd = [
         sys.executable, "-m", "tandem.benchmarks.capacity", "--model-dir", str(split_dir.parent),
         "--edge-target", f"127.0.0.1:{stack['edge'].port}", "--ca-file", str(tls.ca_file), "--api-key", tls.app_key,
-        "--split-layers", "4", "--rates", "2,4", "--requests", "2", "--prompt-tokens", "32",
+        "--split-layers", "4", "--rates", "2", "--requests", "2", "--prompt-tokens", "32",
         "--max-new-tokens", "2", "--out", str(out),
     ]  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
