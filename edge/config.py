@@ -131,8 +131,8 @@ class EdgeConfig(DaemonSettings):
         default=128,
         ge=0,
         description="Head tokens per piece of a pipelined split turn: a turn with at least twice this many new "
-        "tokens runs its head piece by piece, each piece's chunks and KV blocks on the wire while the next is "
-        "computed; 0 = the head runs whole first.",
+        "tokens, whose upload the cost model predicts to outlast its head, runs the head piece by piece, each "
+        "piece's chunks and KV blocks on the wire while the next is computed; 0 = the head always runs whole first.",
     )
     max_sessions: int = Field(default=256, ge=1, description="Multi-turn sessions kept (LRU beyond).")
     session_bytes: Bytes = Field(
