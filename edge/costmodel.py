@@ -263,6 +263,13 @@ class CostModel:
         overlap = min(head, wire) * (1 - 1 / pieces) if (pieces := self.pipeline_pieces(n_head, head, wire)) else 0.0
         return head + wire - overlap + link.rtt_ms + q_cloud + self._stage(f"tail-k{k}", n_tail, p_tail, tokens)
 
+    def split_pipeline_pieces(self, k: int, n_head: int, link: LinkState) -> int:
+        """``pipeline_pieces`` for a split turn at ``k`` whose head runs ``n_head`` new tokens (and
+        uploads them), with this model's head line and ``link``'s goodput and bytes per token."""
+        head = self.lines.get(f"head-k{k}", Line()).predict(n_head, self.edge.head(k).value)
+        wire = n_head * link.bytes_per_token.get(k, 0.0) / self._goodput_bytes_per_ms(link)
+        return self.pipeline_pieces(n_head, head, wire)
+
     def pipeline_pieces(self, n_head: int, head_ms: float, wire_ms: float) -> int:
         """Pieces the edge runs a split turn's head in (0: it runs whole first). Pipelined when the
         head has at least two pieces of new tokens and the upload is predicted to take at least as

@@ -41,7 +41,7 @@ from tandem.common.params import LinkParams, SyncRequest
 from tandem.common.tracing import span, traced
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.cloudconn import CloudConnection
-from tandem.edge.costmodel import DIRECT, LOCAL, SPLIT, CostModel, Line, LinkState, Prediction, RequestShape, Route
+from tandem.edge.costmodel import DIRECT, LOCAL, SPLIT, CostModel, LinkState, Prediction, RequestShape, Route
 from tandem.edge.detok import TextStream
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.head_runner import HeadInput
@@ -798,12 +798,7 @@ class EdgeService:
         activation chunk."""
         if not self.pipeline_tokens or self._needs_sync(s):
             return 0
-        k, n = p.split_layer, len(ids) - s.common_prefix(ids)
-        link = self.link_state()
-        head_ms = self.cost.lines.get(f"head-k{k}", Line()).predict(n, self.cost.edge.head(k).value)
-        g = link.goodput_mbps * 1e3 / 8  # bytes per ms
-        wire_ms = n * link.bytes_per_token.get(k, 0.0) / g if g > 0 else 0.0
-        if not self.cost.pipeline_pieces(n, head_ms, wire_ms):
+        if not self.cost.split_pipeline_pieces(p.split_layer, len(ids) - s.common_prefix(ids), self.link_state()):
             return 0
         return max(self.pipeline_tokens, p.chunk_tokens)
 

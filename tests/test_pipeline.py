@@ -10,28 +10,13 @@ import pytest
 
 from tandem.common.errors import EngineError, TandemError
 from tandem.common.messages import KVBlock
-from tandem.common.params import Sampling
 from tandem.common.wire import Chunk
-from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.head_runner import HeadInput
 from tandem.edge.link import CloudLink, TurnCall
 from tests.doubles import MANIFEST, B, toy_stack
+from tests.test_gateway import LONG, run, turn
 
-LONG = "The quick brown fox jumps over the lazy dog, again and again, " * 3  # ~200 tokens
 LONGER = LONG + " And then the dog woke up and chased the fox around the whole farm, twice. " * 2
-
-
-def turn(text: str, session: str = "", n: int = 8) -> ChatTurn:
-    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode="split")
-
-
-async def run(svc, t: ChatTurn, timeout_s: float | None = None) -> TurnDone:
-    done = None
-    async for ev in svc.chat(t, timeout_s):
-        if isinstance(ev, TurnDone):
-            done = ev
-    assert done is not None
-    return done
 
 
 class Journal:
