@@ -1,12 +1,18 @@
 """Text out of output tokens, with stop strings: what the edge streams to its client.
 
-``TextStream.feed(token_ids)`` decodes the whole output so far (the tokenizer's own
-``decode``, so merges across tokens are right) and returns the new text that is safe
-to emit: text still incomplete (a partial UTF-8 character, shown as U+FFFD) and the
-last ``max(len(stop)) - 1`` characters, which may be the start of a stop string, are
-held back until later tokens decide them (vLLM's stop-string rule: the output ends
-before the first stop string, which is not included). ``flush()`` returns what is
-held back when the output ends for another reason.
+``TextStream.feed(token_ids)`` turns the new tokens into new text and returns the part that
+is safe to emit: text still incomplete (a partial UTF-8 character) and the last
+``max(len(stop)) - 1`` characters, which may be the start of a stop string, are held back
+until later tokens decide them (vLLM's stop-string rule: the output ends before the first
+stop string, which is not included). ``flush()`` returns what is held back when the output
+ends for another reason.
+
+Decoding is incremental where the tokenizer allows it: a fast (Rust ``tokenizers``) tokenizer
+without ``clean_up_tokenization_spaces`` goes through ``tokenizers.decoders.DecodeStream``,
+which keeps a small window of tokens and returns only the new text (O(1) work per token).
+Other tokenizers (slow ones, or those whose clean-up rewrites text across token boundaries)
+decode the whole output on every feed: the same text, O(n) per token. Either way the text
+equals ``tokenizer.decode(all_ids, skip_special_tokens=True)`` (``tests/test_detok.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,18 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
 
+def _stream_decoder(tokenizer: Any) -> tuple[Any, Any] | None:
+    """``(DecodeStream, backend tokenizer)`` where streaming gives the whole decode's text, else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:  # tokenizers < 0.21
+        return None
+    return DecodeStream(skip_special_tokens=True), backend
+
+
 class TextStream:
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
         self.tok, self.stop = tokenizer, tuple(s for s in stop if s)
@@ -26,12 +44,27 @@ class TextStream:
         self.emitted = 0  # characters of the decoded text already returned
         self.text = ""
         self.stopped = False
+        self._stream = _stream_decoder(tokenizer)
+
+    @property
+    def incremental(self) -> bool:
+        """True when decoding goes through ``DecodeStream`` (O(1) per token)."""
+        return self._stream is not None
+
+    def _decode(self, token_ids: Sequence[int]) -> str | None:
+        """The whole text so far, or None while it ends inside an incomplete character."""
+        if self._stream is not None:
+            stream, backend = self._stream
+            chunk = stream.step(backend, list(token_ids)) if token_ids else None
+            return None if chunk is None else self.text + chunk
+        text = self.tok.decode(self.token_ids, skip_special_tokens=True)
+        return None if text.endswith("\ufffd") else text
 
     def feed(self, token_ids: Sequence[int]) -> str:
         """New text to emit after these tokens; sets ``stopped`` when a stop string appeared."""
         self.token_ids.extend(token_ids)
-        text = self.tok.decode(self.token_ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete character: wait for the next token
+        text = self._decode(token_ids)
+        if text is None:  # an incomplete character: wait for the next token
             return ""
         self.text = text
         if self.stop:
