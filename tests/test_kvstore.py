@@ -104,15 +104,19 @@ def test_contract_put_get_contains_delete(store):
     big = np.random.default_rng(0).bytes(3 << 20)
     store.put("big", big)
     assert store.get("big") == big
+    big2 = np.random.default_rng(1).bytes(640 << 10)  # a KV block's size; replaces a file-backed value
+    store.put("big", big2)
+    assert store.get("big") == big2
     store.delete("k")
     store.delete("never there")
     assert store.get("k") is None and not store.contains("k")
 
 
+@pytest.mark.parametrize("size", [64, 100_000])  # in the disk store's SQLite table, and in a file of its own
 @pytest.mark.parametrize("offset", [0, 5, 16, -1])
-def test_contract_a_corrupt_value_reads_as_a_miss(store, offset):
+def test_contract_a_corrupt_value_reads_as_a_miss(store, offset, size):
     """A flipped bit anywhere (seal or value) is never returned: a miss, dropped, counted."""
-    store.put("k", b"0123456789abcdef" * 4)
+    store.put("k", np.random.default_rng(size).bytes(size))
     before = store.corrupt_reads
     assert store.corrupt_for_test("k", offset)
     assert store.get("k") is None and store.corrupt_reads == before + 1
