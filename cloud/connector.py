@@ -63,10 +63,10 @@ log = logging.getLogger("tandem.connector")
 _LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
 
 
-def canonical(block: torch.Tensor) -> np.ndarray:
-    """A KV block as the store keeps it: float32 on the host, whatever the engine's KV dtype (bf16 or
-    fp16 under ``dtype = "auto"``) and device (``[2, Hkv, B, D]`` in, same shape out)."""
-    return block.detach().to(device="cpu", dtype=torch.float32).numpy()
+def canonical(blocks: torch.Tensor) -> np.ndarray:
+    """KV blocks as the store keeps them: float32 on the host, whatever the engine's KV dtype (bf16 or
+    fp16 under ``dtype = "auto"``) and device (``[..., 2, Hkv, B, D]`` in, same shape out)."""
+    return blocks.detach().to(device="cpu", dtype=torch.float32).numpy()
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,8 @@ class TandemConnector(KVConnectorBase_V1):
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Copy this step's planned blocks from the store into vLLM's paged cache, all layers."""
+        """Copy this step's planned blocks from the store into vLLM's paged cache: every part of
+        every block read first, then one scatter per layer over all the blocks loaded."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, TandemMetadata) or not meta.loads:
             return
@@ -238,22 +239,27 @@ class TandemConnector(KVConnectorBase_V1):
             for name, layer in forward_context.no_compile_layers.items()
             if getattr(layer, "kv_cache", None) is not None and _LAYER_RE.search(name)
         }
+        loaded: list[tuple[int, list[tuple[LayerRange, np.ndarray]]]] = []
         for block_id, ops in meta.loads:
             read = [self._read_part(op) for op in ops]
-            blocks = [b for b in read if b is not None]
-            if len(blocks) != len(ops):  # missing or malformed: vLLM recomputes this block
+            if any(b is None for b in read):  # missing or malformed: vLLM recomputes this block
                 self._load_errors.add(block_id)
                 continue
-            for name, layer in layers.items():
-                g = self._global_layer(name)
-                for op, data in zip(ops, blocks, strict=True):
-                    if op.part.lo <= g < op.part.hi:
-                        self._layout_of(layer.kv_cache).write_block(
-                            layer.kv_cache, block_id, torch.from_numpy(data[g - op.part.lo])
-                        )
-                        break
-                else:
+            loaded.append((block_id, [(op.part, b) for op, b in zip(ops, read, strict=True) if b is not None]))
+        for name, layer in layers.items():
+            g = self._global_layer(name)
+            ids: list[int] = []
+            rows: list[np.ndarray] = []
+            for block_id, parts in loaded:
+                row = next((data[g - part.lo] for part, data in parts if part.lo <= g < part.hi), None)
+                if row is None:  # no part covers this layer: the block cannot be complete
                     self._load_errors.add(block_id)
+                    continue
+                ids.append(block_id)
+                rows.append(row)
+            if ids:
+                cache = layer.kv_cache
+                self._layout_of(cache).write_blocks(cache, ids, torch.from_numpy(np.stack(rows)))
 
     def _layout_of(self, cache: torch.Tensor):
         if self._layout is None:
@@ -264,20 +270,22 @@ class TandemConnector(KVConnectorBase_V1):
         return  # loads are synchronous in start_load_kv
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Stage this layer's slice of every block planned for saving this step."""
+        """Stage this layer's slice of every block planned for saving this step (one gather)."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, TandemMetadata) or not meta.saves:
             return
         g = self._global_layer(layer_name)
-        for block_id, op in meta.saves:
+        ops = [(block_id, op) for block_id, op in meta.saves if op.part.lo <= g < op.part.hi]
+        if not ops:
+            return
+        data = canonical(self._layout_of(kv_layer).read_blocks(kv_layer, [block_id for block_id, _ in ops]))
+        for (_, op), block in zip(ops, data, strict=True):
             part = op.part
-            if not part.lo <= g < part.hi:
-                continue
             buf = self._save_buf.get(op.key)
             if buf is None:
                 buf = np.empty((part.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim), np.float32)
                 self._save_buf[op.key] = buf
-            buf[g - part.lo] = canonical(self._layout_of(kv_layer).read_block(kv_layer, block_id))
+            buf[g - part.lo] = block
 
     def wait_for_save(self) -> None:
         """Write the staged blocks to the store (synchronously). A write the store refuses (a

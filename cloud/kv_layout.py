@@ -13,12 +13,15 @@ vLLM's attention backends lay out a layer's cache differently
 * FLASHINFER (``flashinfer.py``): ``[num_blocks, 2, B, Hkv, D]``.
 
 A layout is chosen from the tensor's shape; a shape that fits none raises, so
-an unknown backend fails loudly instead of scrambling KV.
+an unknown backend fails loudly instead of scrambling KV. Every layout reads and
+writes many blocks of a layer in one call (``read_blocks`` / ``write_blocks``,
+canonical ``[n, 2, Hkv, B, D]``): the connector moves a step's blocks with one
+gather or scatter per layer, not one per block and layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,39 +29,45 @@ import torch
 
 @dataclass(frozen=True)
 class PagedLayout:
-    """How one backend stores a block; ``view`` returns the canonical ``[2, Hkv, B, D]`` view
-    (a view, so writes land in the cache)."""
+    """How one backend stores blocks: ``block_axis`` is the cache's block axis, and indexing the
+    cache with ``n`` block ids on that axis gives a tensor whose axes ``perm`` reorders into the
+    canonical ``[n, 2, Hkv, B, D]`` (``perm`` is its own inverse for every layout here)."""
 
     name: str
     matches: Callable[[tuple[int, ...], int, int, int], bool]
-    view: Callable[[torch.Tensor, int, int, int, int], torch.Tensor]
+    block_axis: int
+    perm: tuple[int, ...]
 
-    def read_block(self, cache: torch.Tensor, block_id: int) -> torch.Tensor:
-        hkv, b, d = self._dims
-        return self.view(cache, block_id, hkv, b, d).to("cpu", copy=True).contiguous()
+    def _index(self, block_ids: Sequence[int]) -> tuple[slice | torch.Tensor, ...]:
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        return (slice(None),) * self.block_axis + (ids,)
 
-    def write_block(self, cache: torch.Tensor, block_id: int, block: torch.Tensor) -> None:
-        hkv, b, d = self._dims
-        dst = self.view(cache, block_id, hkv, b, d)
-        if tuple(block.shape) != tuple(dst.shape):
-            raise ValueError(f"block shape {tuple(block.shape)} != cache block {tuple(dst.shape)}")
-        dst.copy_(block.to(dst.device, dst.dtype))
+    def read_blocks(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+        """Canonical ``[n, 2, Hkv, B, D]`` copy of blocks ``block_ids`` (the cache's dtype), one gather."""
+        return cache[self._index(block_ids)].permute(self.perm).to("cpu").contiguous()
 
-    _dims: tuple[int, int, int] = (0, 0, 0)
+    def write_blocks(self, cache: torch.Tensor, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Write canonical ``[n, 2, Hkv, B, D]`` into blocks ``block_ids``, one scatter.
 
-
-def _flash_view(c: torch.Tensor, i: int, hkv: int, b: int, d: int) -> torch.Tensor:
-    return c[:, i].permute(0, 2, 1, 3)  # [2, B, Hkv, D] -> [2, Hkv, B, D]
-
-
-def _flashinfer_view(c: torch.Tensor, i: int, hkv: int, b: int, d: int) -> torch.Tensor:
-    return c[i].permute(0, 2, 1, 3)
+        Raises:
+            ValueError: ``blocks`` is not ``[len(block_ids), 2, Hkv, B, D]``.
+        """
+        idx = self._index(block_ids)
+        native = blocks.permute(self.perm)
+        want = tuple(cache[idx].shape)
+        if tuple(native.shape) != want:
+            raise ValueError(f"blocks shape {tuple(blocks.shape)} does not fit {len(block_ids)} cache blocks")
+        cache[idx] = native.to(cache.device, cache.dtype)
 
 
 LAYOUTS: tuple[PagedLayout, ...] = (
-    PagedLayout("flash_attn", lambda s, hkv, b, d: len(s) == 5 and s[0] == 2 and s[2:] == (b, hkv, d), _flash_view),
+    # [2, num_blocks, B, Hkv, D]: cache[:, ids] is [2, n, B, Hkv, D]
     PagedLayout(
-        "flashinfer", lambda s, hkv, b, d: len(s) == 5 and s[1] == 2 and s[2:] == (b, hkv, d), _flashinfer_view
+        "flash_attn", lambda s, hkv, b, d: len(s) == 5 and s[0] == 2 and s[2:] == (b, hkv, d), 1, (1, 0, 3, 2, 4)
+    ),
+    # [num_blocks, 2, B, Hkv, D]: cache[ids] is [n, 2, B, Hkv, D]
+    PagedLayout(
+        "flashinfer", lambda s, hkv, b, d: len(s) == 5 and s[1] == 2 and s[2:] == (b, hkv, d), 0, (0, 1, 3, 2, 4)
     ),
 )
 
@@ -103,24 +112,37 @@ class CpuPackedLayout:
             raise ValueError(f"CPU KV packing for isa={self.isa} is not a permutation; unsupported")
         return perm
 
-    def read_block(self, cache: torch.Tensor, block_id: int) -> torch.Tensor:
-        """Canonical ``[2, Hkv, B, D]`` copy of block ``block_id``."""
-        native = cache[block_id].reshape(-1)
+    def read_blocks(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+        """Canonical ``[n, 2, Hkv, B, D]`` copy of blocks ``block_ids`` (the cache's dtype), one gather."""
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        native = cache.index_select(0, ids).reshape(len(ids), -1)
         out = torch.empty_like(native)
-        out[self.perm] = native
-        return out.view(2, self.hkv, self.b, self.d)
+        out[:, self.perm] = native
+        return out.view(len(ids), 2, self.hkv, self.b, self.d)
 
-    def write_block(self, cache: torch.Tensor, block_id: int, block: torch.Tensor) -> None:
-        """Write canonical ``[2, Hkv, B, D]`` into block ``block_id`` with vLLM's kernel."""
-        if tuple(block.shape) != (2, self.hkv, self.b, self.d):
-            raise ValueError(f"block shape {tuple(block.shape)} != (2, {self.hkv}, {self.b}, {self.d})")
-        block = block.to(cache.dtype)
-        self._kernel_write(
-            cache, block_id, block[0].transpose(0, 1).contiguous(), block[1].transpose(0, 1).contiguous()
-        )
+    def write_blocks(self, cache: torch.Tensor, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Write canonical ``[n, 2, Hkv, B, D]`` into blocks ``block_ids``: one call of vLLM's kernel
+        over the ``n * B`` slots.
+
+        Raises:
+            ValueError: ``blocks`` is not ``[len(block_ids), 2, Hkv, B, D]``.
+        """
+        from vllm import _custom_ops as ops
+
+        n = len(block_ids)
+        if tuple(blocks.shape) != (n, 2, self.hkv, self.b, self.d):
+            raise ValueError(f"blocks shape {tuple(blocks.shape)} != ({n}, 2, {self.hkv}, {self.b}, {self.d})")
+        blocks = blocks.to(cache.dtype)
+        # kernel input: [n * B, Hkv, D] per K and V, slot s = block_id * B + position in the block
+        k = blocks[:, 0].transpose(1, 2).reshape(n * self.b, self.hkv, self.d).contiguous()
+        v = blocks[:, 1].transpose(1, 2).reshape(n * self.b, self.hkv, self.d).contiguous()
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        slots = (ids[:, None] * self.b + torch.arange(self.b, dtype=torch.int64)).reshape(-1)
+        key_cache, value_cache = self._halves(cache)
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, self.isa)
 
 
-def layout_for(cache: torch.Tensor, num_kv_heads: int, block_size: int, head_dim: int) -> PagedLayout:
+def layout_for(cache: torch.Tensor, num_kv_heads: int, block_size: int, head_dim: int) -> PagedLayout | CpuPackedLayout:
     """The layout whose shape fits ``cache``.
 
     Raises:
@@ -128,8 +150,8 @@ def layout_for(cache: torch.Tensor, num_kv_heads: int, block_size: int, head_dim
     """
     shape = tuple(cache.shape)
     if cache.device.type == "cpu" and len(shape) == 4 and shape[1:] == (num_kv_heads, block_size, 2 * head_dim):
-        return CpuPackedLayout(cache, num_kv_heads, block_size, head_dim)  # type: ignore[return-value]
+        return CpuPackedLayout(cache, num_kv_heads, block_size, head_dim)
     for lay in LAYOUTS:
         if lay.matches(shape, num_kv_heads, block_size, head_dim):
-            return PagedLayout(lay.name, lay.matches, lay.view, (num_kv_heads, block_size, head_dim))
+            return lay
     raise ValueError(f"unknown paged KV layout {shape} for Hkv={num_kv_heads}, B={block_size}, D={head_dim}")
