@@ -62,6 +62,11 @@ def summarize(records) -> list[dict]:
             "header_bytes_per_prompt_token": sent["header"] / prompt,
             "uplink_bytes_mean": sum(sent.values()) / len(rs),
         }
+        # bytes over the time from the first byte sent to the cloud's verified upload (the uplink stage)
+        timed = [(r, r.timings_ms[Stage.UPLINK]) for r in rs if r.timings_ms.get(Stage.UPLINK, 0) > 0]
+        up_bytes = sum(sum(r.sent_bytes.get(k, 0) for k in ("activations", "kv", "header")) for r, _ in timed)
+        up_ms = sum(ms for _, ms in timed)
+        row["uplink_goodput_mbps"] = up_bytes * 8 / (up_ms * 1e3) if up_ms else float("nan")
         for st in STAGES:
             vals = [r.timings_ms[st] for r in rs if st in r.timings_ms]
             row[st.value] = float(np.mean(vals)) if vals else float("nan")
@@ -131,6 +136,30 @@ def ratios_markdown(rows: list[dict]) -> str:
                 f"{best[_cell(r)]['mode']} |"
             )
     return "\n".join(out) + "\n"
+
+
+GOODPUT_TARGET = 0.90  # issue 9: uplink goodput at least 90% of the shaped link rate
+
+
+def goodput_markdown(rows: list[dict], links: list[dict]) -> str:
+    """Uplink goodput of each split row on a shaped link: payload bits over the uplink stage (first
+    byte sent until the cloud verified the upload, one RTT included) against the link's shaped
+    uplink rate. Empty when no split row ran on a shaped link."""
+    rate = {lk["name"]: lk.get("uplink_mbps") for lk in links}
+    out = [
+        "| mode | link | prompt tok | uplink MB | uplink ms | goodput Mbit/s | shaped Mbit/s | goodput / shaped |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        shaped = rate.get(r["link"])
+        if not r["mode"].startswith("split") or not shaped or np.isnan(r["uplink_goodput_mbps"]):
+            continue
+        out.append(
+            f"| {r['mode']} | {r['link']} | {r['prompt_tokens']} | {r['uplink_bytes_mean'] / 1e6:.2f} | "
+            f"{r[Stage.UPLINK.value]:.0f} | {r['uplink_goodput_mbps']:.1f} | {shaped:.0f} | "
+            f"{r['uplink_goodput_mbps'] / shaped:.0%} |"
+        )
+    return "\n".join(out) + "\n" if len(out) > 2 else ""
 
 
 def auto_cells(rows: list[dict], records) -> list[dict]:
@@ -332,6 +361,9 @@ def write_all(out: Path, records, meta: dict) -> list[dict]:
         f"Machine: {meta['platform']}, {meta['cpus']} CPUs; shaper: {meta['shaper']}; "
         f"versions: {meta['versions']}\n\n" + to_markdown(rows) + "\n" + ratios_markdown(rows)
     )
+    goodput = goodput_markdown(rows, meta.get("links", []))
+    if goodput:
+        md += "\nUplink goodput (payload over the uplink stage, one RTT included):\n\n" + goodput
     cells = auto_cells(rows, records)
     if cells:
         md += "\n" + auto_markdown(cells)

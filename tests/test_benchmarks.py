@@ -107,7 +107,10 @@ def test_report_writes_tables_and_plots(tmp_path):
                     sent_bytes={"activations": 2304 * n, "kv": 6144 * n, "header": 100}
                     if mode.startswith("split")
                     else {"header": 100},
-                    timings_ms={"edge_head_ms": 2.0, "cloud_decode_ms": 9.0} if mode.startswith("split") else {},
+                    # an uplink stage at 9 Mbit/s of payload (header included)
+                    timings_ms={"edge_head_ms": 2.0, "cloud_decode_ms": 9.0, "uplink_ms": (8448 * n + 100) * 8 / 9e3}
+                    if mode.startswith("split")
+                    else {},
                     served_mode="direct" if mode in ("auto", "cloud-only") else mode.split("-")[0],
                     predicted_ttft_ms=ttft * n / 32 * 0.9,
                 )
@@ -124,6 +127,8 @@ def test_report_writes_tables_and_plots(tmp_path):
     assert all(type(k) is str for k in split)
     md = (tmp_path / "summary.md").read_text()
     assert "| split-k4 | 4g | 32 | 3.75x | cloud-only |" in md
+    assert "| split-k4 | 4g | 128 | 1.08 | 961 | 9.0 | 10 | 90% |" in md  # uplink goodput on the shaped link
+    assert "| split-k4 | loopback |" not in md.split("Uplink goodput")[1]  # no shaped rate to compare with
     auto = (tmp_path / "auto.md").read_text()
     assert "| 4g | 32 | cloud-only | 160.0 | 170.0 | 1.06x | direct x1 | 10% |" in auto
     assert "auto within 10% of the best fixed mode in 2 of 2 cells" in auto
