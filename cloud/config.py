@@ -36,6 +36,13 @@ class EngineConfig(BaseModel):
         default=4096, ge=1, description="Tokens per engine step (chunked prefill budget)."
     )
     kv_cache_bytes: Bytes = Field(default=gib(1), description="KV cache memory of each engine, in bytes.")
+    worker_busy_poll_s: float = Field(
+        default=0.01,
+        ge=0,
+        description="Seconds each vLLM worker keeps polling for its next step before it sleeps (vLLM's "
+        "own default is 1 s, which keeps a core busy for a second after every request and slows the work "
+        "that shares its cores). Between the steps of a request the worker stays awake either way.",
+    )
     enforce_eager: bool = Field(default=True, description="Run vLLM eagerly (no CUDA graphs / compilation).")
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
         default="float32",

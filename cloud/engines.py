@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tandem.cloud import vllm_plugin
 from tandem.cloud.config import CloudConfig
 from tandem.common import metrics
 from tandem.common.errors import EngineError
@@ -107,6 +108,8 @@ def _engine(model: Path, cfg: CloudConfig, role: str, layer_offset: int, prompt_
     from vllm.v1.engine.async_llm import AsyncLLM
 
     e = cfg.engine
+    # read by tandem's vLLM plugin in the engine processes this start spawns (cloud/vllm_plugin.py)
+    os.environ[vllm_plugin.ENV] = repr(e.worker_busy_poll_s)
     args = AsyncEngineArgs(
         model=str(model),
         dtype=e.dtype,

@@ -1,0 +1,68 @@
+"""tandem's vLLM general plugin (cloud/vllm_plugin.py): installed as an entry point, it sets how long
+an idle vLLM worker busy-polls, only when tandem-cloud asks for it. Each case runs in a fresh
+interpreter, as vLLM's engine processes do, so no global default leaks into this test process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+PROBE = (
+    "import inspect\n"
+    "from vllm.plugins import load_general_plugins\n"
+    "load_general_plugins()\n"
+    "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
+    "print(inspect.signature(SpinCondition.__init__).parameters['busy_loop_s'].default)\n"
+)
+
+
+def _default_after_plugins(env_value: str | None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_VLLM_WORKER_BUSY_POLL_S"}
+    if env_value is not None:
+        env["TANDEM_VLLM_WORKER_BUSY_POLL_S"] = env_value
+    res = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(("env_value", "want"), [("0.01", "0.01"), (None, "1")])
+def test_vllm_loads_the_plugin_which_sets_the_worker_polling_only_when_asked(env_value, want):
+    assert _default_after_plugins(env_value) == want
+
+
+@pytest.mark.parametrize(("env_value", "applied"), [("0.5", [0.5]), ("0", [0.0]), ("soon", []), ("-1", [])])
+def test_the_plugin_applies_only_a_number_of_seconds(monkeypatch, env_value, applied):
+    from tandem.cloud import vllm_plugin
+
+    seen: list[float] = []
+    monkeypatch.setattr(vllm_plugin, "set_worker_busy_poll_s", seen.append)
+    monkeypatch.setenv(vllm_plugin.ENV, env_value)
+    vllm_plugin.register()
+    assert seen == applied
+
+
+def test_the_cloud_passes_its_setting_to_the_engine_processes(monkeypatch):
+    """``_engine`` exports the setting before vLLM spawns the engine core and its worker."""
+    from tandem.cloud import vllm_plugin
+    from tandem.cloud.config import CloudConfig, EngineConfig
+
+    monkeypatch.delenv(vllm_plugin.ENV, raising=False)
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def from_engine_args(args, **kw):
+        calls.append(os.environ.get(vllm_plugin.ENV))
+        raise Stop
+
+    monkeypatch.setattr("vllm.v1.engine.async_llm.AsyncLLM.from_engine_args", from_engine_args)
+    from tandem.cloud.engines import _engine
+
+    cfg = CloudConfig(engine=EngineConfig(worker_busy_poll_s=0.25))
+    with pytest.raises(Stop):
+        _engine(cfg.split_dir, cfg, "kv_consumer", 0, False)
+    assert calls == ["0.25"]
