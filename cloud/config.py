@@ -39,9 +39,9 @@ class EngineConfig(BaseModel):
     worker_busy_poll_s: float = Field(
         default=0.01,
         ge=0,
-        description="Seconds each vLLM worker keeps polling for its next step before it sleeps (vLLM's "
-        "own default is 1 s, which keeps a core busy for a second after every request and slows the work "
-        "that shares its cores). Between the steps of a request the worker stays awake either way.",
+        description="Seconds after it last read a step that each vLLM worker busy-polls for the next one "
+        "before it sleeps (vLLM's own default is 1 s, which keeps a core busy for a second after every request "
+        "and slows the work that shares its cores). A step that comes while it sleeps waits for a socket wake-up.",
     )
     enforce_eager: bool = Field(default=True, description="Run vLLM eagerly (no CUDA graphs / compilation).")
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(

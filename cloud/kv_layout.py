@@ -54,7 +54,8 @@ class PagedLayout:
         """
         idx = self._index(block_ids)
         native = blocks.permute(self.perm)
-        want = tuple(cache[idx].shape)
+        a = self.block_axis
+        want = (*cache.shape[:a], len(block_ids), *cache.shape[a + 1 :])
         if tuple(native.shape) != want:
             raise ValueError(f"blocks shape {tuple(blocks.shape)} does not fit {len(block_ids)} cache blocks")
         cache[idx] = native.to(cache.device, cache.dtype)

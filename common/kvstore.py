@@ -235,7 +235,7 @@ class DiskBlockStore(SealedStore):
         else:
             # as a file-like value: diskcache then writes it in 4 MiB chunks. Given bytes, it writes
             # ``io.BytesIO(value)`` line by line (diskcache 5.6 ``Disk.store``), a write per 0x0A byte:
-            # about 2,000 writes for a 640 KB KV block, 3.5x the time of one chunked write.
+            # about 2,000 writes for 640 KB of KV, 3.5x the time of one chunked write.
             self._cache.set(key, io.BytesIO(raw), read=True)
 
     def _get(self, key: str) -> bytes | None:

@@ -9,10 +9,13 @@ ends for another reason.
 
 Decoding is incremental where the tokenizer allows it: a fast (Rust ``tokenizers``) tokenizer
 without ``clean_up_tokenization_spaces`` goes through ``tokenizers.decoders.DecodeStream``,
-which keeps a small window of tokens and returns only the new text (O(1) work per token).
-Other tokenizers (slow ones, or those whose clean-up rewrites text across token boundaries)
-decode the whole output on every feed: the same text, O(n) per token. Either way the text
-equals ``tokenizer.decode(all_ids, skip_special_tokens=True)`` (``tests/test_detok.py``).
+which keeps a small window of tokens and returns only the new text (the tokenizer's work per
+token is constant). Other tokenizers (slow ones, or those whose clean-up rewrites text across
+token boundaries) decode the whole output on every feed. When the stream refuses a window it
+cannot extend (byte-fallback tokenizers can make it; vLLM's detokenizer meets the same,
+vLLM #17448), the rest of the output goes through the whole decode. Either way the text equals
+``tokenizer.decode(all_ids, skip_special_tokens=True)`` less a trailing incomplete character
+(``tests/test_detok.py``).
 """
 
 from __future__ import annotations
@@ -45,28 +48,37 @@ class TextStream:
         self.text = ""
         self.stopped = False
         self._stream = _stream_decoder(tokenizer)
+        self._pending = ""  # the text the stream returned so far
 
     @property
     def incremental(self) -> bool:
-        """True when decoding goes through ``DecodeStream`` (O(1) per token)."""
+        """True while decoding goes through ``DecodeStream`` (constant tokenizer work per token)."""
         return self._stream is not None
 
-    def _decode(self, token_ids: Sequence[int]) -> str | None:
-        """The whole text so far, or None while it ends inside an incomplete character."""
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        """The whole text so far that is final: less a trailing incomplete character (U+FFFD), which
+        a later token may complete."""
         if self._stream is not None:
             stream, backend = self._stream
-            chunk = stream.step(backend, list(token_ids)) if token_ids else None
-            return None if chunk is None else self.text + chunk
+            try:
+                chunk = None
+                for t in token_ids:  # one id per step: older tokenizers' step takes no list
+                    part = stream.step(backend, int(t))
+                    if part is not None:
+                        chunk = part if chunk is None else chunk + part
+            except Exception:  # noqa: BLE001 - the library refuses a window it cannot extend (vLLM #17448)
+                self._stream = None  # the whole decode from here on, as vLLM's detokenizer does
+            else:
+                if chunk is not None:
+                    self._pending += chunk
+                return self._pending
         text = self.tok.decode(self.token_ids, skip_special_tokens=True)
-        return None if text.endswith("\ufffd") else text
+        return text.rstrip("\ufffd")
 
     def feed(self, token_ids: Sequence[int]) -> str:
         """New text to emit after these tokens; sets ``stopped`` when a stop string appeared."""
         self.token_ids.extend(token_ids)
-        text = self._decode(token_ids)
-        if text is None:  # an incomplete character: wait for the next token
-            return ""
-        self.text = text
+        text = self.text = self._decode(token_ids)
         if self.stop:
             start = max(0, self.emitted - self.hold)
             hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
@@ -76,8 +88,14 @@ class TextStream:
         return self._take(len(text) - self.hold)
 
     def flush(self) -> str:
-        """Everything decoded but not yet returned (the output ended without a stop string)."""
-        return "" if self.stopped else self._take(len(self.text))
+        """Everything decoded but not yet returned (the output ended without a stop string). The
+        output is over, so text the stream still holds for a later token comes from one whole
+        decode (less a trailing incomplete character)."""
+        if self.stopped:
+            return ""
+        if self._stream is not None and self.token_ids:
+            self.text = self.tok.decode(self.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+        return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:
         if upto <= self.emitted:

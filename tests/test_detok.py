@@ -56,3 +56,40 @@ def test_stop_strings_cut_the_streamed_text(tokenizer):
     ids = tokenizer.encode("The answer is 42. Done here, thanks.", add_special_tokens=False)
     got, s = _stream(tokenizer, ids, random.Random(1), stop=("Done",))
     assert s.stopped and got == "The answer is 42. "
+
+
+class _RefusingStream:
+    """A ``DecodeStream`` that refuses its third step, as tokenizers does for a window it cannot extend."""
+
+    def __init__(self, real):
+        self.real, self.n = real, 0
+
+    def step(self, backend, token_id):
+        self.n += 1
+        if self.n == 3:
+            raise Exception("Invalid prefix encountered")  # noqa: TRY002 - what tokenizers raises
+        return self.real.step(backend, token_id)
+
+
+def test_a_stream_that_refuses_a_window_falls_back_to_the_whole_decode(tokenizer):
+    ids = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    s = TextStream(tokenizer)
+    stream, backend = s._stream
+    s._stream = (_RefusingStream(stream), backend)
+    out = "".join(s.feed([t]) for t in ids) + s.flush()
+    assert not s.incremental
+    assert out == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_complete_characters_before_a_partial_one_at_the_end_are_not_lost(tokenizer):
+    """The last feed brings complete characters then the first byte of another: flush returns them."""
+    ids = tokenizer.encode("ab 日本", add_special_tokens=False)
+    want = tokenizer.decode(ids, skip_special_tokens=True)
+    byte_ids = tokenizer.encode("語", add_special_tokens=False)
+    partial = [byte_ids[0]] if len(byte_ids) > 1 else []  # the first of the tokens of a multi-byte character
+    for incremental in (True, False):
+        s = TextStream(tokenizer)
+        if not incremental:
+            s._stream = None
+        out = s.feed(ids[:1]) + s.feed(ids[1:] + partial) + s.flush()
+        assert out == want

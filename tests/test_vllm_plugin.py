@@ -1,6 +1,6 @@
 """tandem's vLLM general plugin (cloud/vllm_plugin.py): installed as an entry point, it sets how long
 an idle vLLM worker busy-polls, only when tandem-cloud asks for it. Each case runs in a fresh
-interpreter, as vLLM's engine processes do, so no global default leaks into this test process."""
+interpreter, as vLLM's engine processes do; the one in-process test undoes what it changes."""
 
 from __future__ import annotations
 
@@ -33,6 +33,18 @@ def test_vllm_loads_the_plugin_which_sets_the_worker_polling_only_when_asked(env
     assert _default_after_plugins(env_value) == want
 
 
+def test_a_vllm_the_plugin_does_not_fit_still_starts(monkeypatch, caplog):
+    from tandem.cloud import vllm_plugin
+
+    def broken(busy_s):
+        raise ImportError("no shm_broadcast in this vLLM")
+
+    monkeypatch.setattr(vllm_plugin, "set_worker_busy_poll_s", broken)
+    monkeypatch.setenv(vllm_plugin.ENV, "0.01")
+    vllm_plugin.register()  # does not raise
+    assert "left as is" in caplog.text
+
+
 @pytest.mark.parametrize(("env_value", "applied"), [("0.5", [0.5]), ("0", [0.0]), ("soon", []), ("-1", [])])
 def test_the_plugin_applies_only_a_number_of_seconds(monkeypatch, env_value, applied):
     from tandem.cloud import vllm_plugin
@@ -46,10 +58,18 @@ def test_the_plugin_applies_only_a_number_of_seconds(monkeypatch, env_value, app
 
 def test_the_cloud_passes_its_setting_to_the_engine_processes(monkeypatch):
     """``_engine`` exports the setting before vLLM spawns the engine core and its worker."""
+    # _engine writes os.environ and builds vLLM's engine args, which load vLLM's plugins in this
+    # process: undo all three afterwards (setenv first, so that the variable is restored even when
+    # it was unset)
+    from vllm import plugins
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
     from tandem.cloud import vllm_plugin
     from tandem.cloud.config import CloudConfig, EngineConfig
 
-    monkeypatch.delenv(vllm_plugin.ENV, raising=False)
+    monkeypatch.setenv(vllm_plugin.ENV, "unset")
+    monkeypatch.setattr(SpinCondition.__init__, "__defaults__", SpinCondition.__init__.__defaults__)
+    monkeypatch.setattr(plugins, "plugins_loaded", plugins.plugins_loaded)
     calls = []
 
     class Stop(Exception):
