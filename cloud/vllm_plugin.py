@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from typing import Any
 
 log = logging.getLogger("tandem.vllm_plugin")
 
@@ -64,17 +65,18 @@ def set_worker_busy_poll_s(busy_s: float) -> bool:
     from vllm.distributed.device_communicators import shm_broadcast
 
     cls = getattr(shm_broadcast, "SpinCondition", None)
-    init = getattr(cls, "__init__", None)
+    init: Any = getattr(cls, "__init__", None)
     params = list(inspect.signature(init).parameters) if init is not None else []
-    if "busy_loop_s" not in params or init.__defaults__ is None:
+    old = getattr(init, "__defaults__", None)
+    if "busy_loop_s" not in params or old is None:
         log.warning("this vLLM's shared-memory queue has no busy_loop_s; worker polling left as is")
         return False
     # keyword-or-positional defaults are __defaults__, aligned to the last parameters
-    names = params[len(params) - len(init.__defaults__) :]
+    names = params[len(params) - len(old) :]
     if "busy_loop_s" not in names:
         log.warning("busy_loop_s has no default in this vLLM; worker polling left as is")
         return False
-    defaults = list(init.__defaults__)
+    defaults = list(old)
     defaults[names.index("busy_loop_s")] = busy_s
     init.__defaults__ = tuple(defaults)
     return True
