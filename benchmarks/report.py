@@ -28,6 +28,9 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
+PAYLOAD_KINDS = ("activations", "kv", "header")  # the uplink bytes a split request sends
+
+
 def summarize(records) -> list[dict]:
     groups = defaultdict(list)
     for r in records:
@@ -40,7 +43,7 @@ def summarize(records) -> list[dict]:
         prompt = sum(r.prompt_tokens for r in rs)
         sent = defaultdict(int)
         for r in rs:
-            for k in ("activations", "kv", "header"):
+            for k in PAYLOAD_KINDS:
                 sent[k] += r.sent_bytes.get(k, 0)
         row = {
             "mode": mode,
@@ -64,7 +67,7 @@ def summarize(records) -> list[dict]:
         }
         # bytes over the time from the first byte sent to the cloud's verified upload (the uplink stage)
         timed = [(r, r.timings_ms[Stage.UPLINK]) for r in rs if r.timings_ms.get(Stage.UPLINK, 0) > 0]
-        up_bytes = sum(sum(r.sent_bytes.get(k, 0) for k in ("activations", "kv", "header")) for r, _ in timed)
+        up_bytes = sum(sum(r.sent_bytes.get(k, 0) for k in PAYLOAD_KINDS) for r, _ in timed)
         up_ms = sum(ms for _, ms in timed)
         row["uplink_goodput_mbps"] = up_bytes * 8 / (up_ms * 1e3) if up_ms else float("nan")
         for st in STAGES:
@@ -136,9 +139,6 @@ def ratios_markdown(rows: list[dict]) -> str:
                 f"{best[_cell(r)]['mode']} |"
             )
     return "\n".join(out) + "\n"
-
-
-GOODPUT_TARGET = 0.90  # issue 9: uplink goodput at least 90% of the shaped link rate
 
 
 def goodput_markdown(rows: list[dict], links: list[dict]) -> str:

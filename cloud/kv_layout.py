@@ -89,13 +89,6 @@ class CpuPackedLayout:
         v = cache.view(cache.shape[0], self.hkv, 2 * self.b, self.d)
         return v[:, :, : self.b], v[:, :, self.b :]
 
-    def _kernel_write(self, cache: torch.Tensor, block_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        from vllm import _custom_ops as ops
-
-        key_cache, value_cache = self._halves(cache)
-        slots = torch.arange(block_id * self.b, (block_id + 1) * self.b, dtype=torch.int64)
-        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, self.isa)
-
     def _probe(self, dtype: torch.dtype) -> torch.Tensor:
         """Learn where the kernel puts each canonical element, in base-64 digits (exact in bf16)."""
         n = 2 * self.hkv * self.b * self.d
@@ -105,8 +98,7 @@ class CpuPackedLayout:
         while scale < n:
             digit = ((idx // scale) % 64).to(dtype).view(2, self.hkv, self.b, self.d)
             scratch = torch.zeros(1, self.hkv, self.b, 2 * self.d, dtype=dtype)
-            # kernel input: [B, Hkv, D] per K and V
-            self._kernel_write(scratch, 0, digit[0].transpose(0, 1).contiguous(), digit[1].transpose(0, 1).contiguous())
+            self.write_blocks(scratch, [0], digit.unsqueeze(0))
             perm += scratch.reshape(-1).to(torch.int64) * scale
             scale *= 64
         if not torch.equal(torch.sort(perm).values, idx):

@@ -72,8 +72,11 @@ class TextStream:
                 if chunk is not None:
                     self._pending += chunk
                 return self._pending
-        text = self.tok.decode(self.token_ids, skip_special_tokens=True)
-        return text.rstrip("\ufffd")
+        return self._whole_text()
+
+    def _whole_text(self) -> str:
+        """One decode of every token so far, less a trailing incomplete character."""
+        return self.tok.decode(self.token_ids, skip_special_tokens=True).rstrip("\ufffd")
 
     def feed(self, token_ids: Sequence[int]) -> str:
         """New text to emit after these tokens; sets ``stopped`` when a stop string appeared."""
@@ -94,7 +97,7 @@ class TextStream:
         if self.stopped:
             return ""
         if self._stream is not None and self.token_ids:
-            self.text = self.tok.decode(self.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+            self.text = self._whole_text()
         return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:
