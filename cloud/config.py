@@ -43,6 +43,11 @@ class EngineConfig(BaseModel):
         "before it sleeps (vLLM's own default is 1 s, which keeps a core busy for a second after every request "
         "and slows the work that shares its cores). A step that comes while it sleeps waits for a socket wake-up.",
     )
+    kv_save_queue_bytes: Bytes = Field(
+        default=mib(256),
+        description="KV block copies each engine may hold for its store writer thread; a step beyond it waits "
+        "for the writer (the first token no longer waits for its prompt's KV writes).",
+    )
     enforce_eager: bool = Field(default=True, description="Run vLLM eagerly (no CUDA graphs / compilation).")
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
         default="float32",
@@ -153,6 +158,12 @@ class CloudConfig(DaemonSettings):
     )
     max_uploads_per_peer: int = Field(default=16, ge=1, description="Split uploads in flight per edge.")
     max_upload_bytes_per_peer: Bytes = Field(default=mib(256), description="Bytes the uploads of one edge may buffer.")
+    tail_save_wait_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Longest wait, after the first token, for the tail engine's KV writes of a turn before its "
+        "decode starts; blocks still missing then are recomputed by the decode engine (logged).",
+    )
     drain_timeout_s: float = Field(
         default=2.0, ge=0, description="Seconds to wait, after refusing a turn, for the edge to stop sending."
     )

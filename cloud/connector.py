@@ -23,17 +23,33 @@ gets ``get_num_new_matched_tokens`` / ``update_state_after_alloc`` /
 ``build_connector_meta`` / ``request_finished`` once per request or step; the
 *worker-side* instance (model-runner process) gets ``start_load_kv`` before
 each forward, ``save_kv_layer`` per attention layer during it and
-``wait_for_save`` after it. Loads and saves are synchronous here: when
-``start_load_kv`` returns the blocks are in vLLM's paged cache, when
-``wait_for_save`` returns they are in the store. A block that cannot be read is
+``wait_for_save`` after it. Loads are synchronous: when ``start_load_kv``
+returns the blocks are in vLLM's paged cache. A block that cannot be read is
 reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it
 (``kv_load_failure_policy="recompute"``); a load never writes wrong data.
+
+Saves are asynchronous past a copy. ``save_kv_layer`` copies each planned
+block out of the paged cache in the backend's own layout (one ``index_select``
+per layer, a memcpy); ``wait_for_save`` hands the step's copies to one
+writer thread, which turns them into canonical blocks and puts them in the
+store, in order, while vLLM samples and returns the first token. The copy is
+taken inside the step, so a block freed or reused afterwards (a finished,
+aborted or preempted request) cannot change what is saved, and vLLM frees
+blocks at once (no ``delay_free_blocks``). Readers learn a block is there by
+its key (``BlockStore.contains``); the gateway waits for a turn's tail keys
+before the decode request (``Gateway._await_tail_saves``). At most
+``save_queue_bytes`` of copies wait for the writer; a step beyond that waits
+in ``wait_for_save`` (backpressure). A put the store refuses leaves the block
+missing and its readers recompute it.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +77,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.connector")
 _LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
+DEFAULT_SAVE_QUEUE_BYTES = 256 << 20
 
 
 def canonical(blocks: torch.Tensor) -> np.ndarray:
@@ -116,7 +133,13 @@ class TandemConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _ReqState] = {}
         # worker side
         self._load_errors: set[int] = set()
-        self._save_buf: dict[str, np.ndarray] = {}  # store key -> staged block
+        # this step's copies: (global layer, the ops it serves, native blocks [n, ...] in op order)
+        self._staged: list[tuple[int, list[PartOp], torch.Tensor]] = []
+        self._save_queue_bytes = int(extra.get("save_queue_bytes", DEFAULT_SAVE_QUEUE_BYTES))
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: deque[tuple[Future[None], int]] = deque()  # submitted jobs and their bytes
+        self._pending_bytes = 0
+        self._pending_lock = threading.Lock()
         self._layout: Any = None  # PagedLayout or CpuPackedLayout, chosen at the first cache seen
         from tandem.cloud import lifeline  # exits this engine process when the gateway dies
 
@@ -270,7 +293,8 @@ class TandemConnector(KVConnectorBase_V1):
         return  # loads are synchronous in start_load_kv
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Stage this layer's slice of every block planned for saving this step (one gather)."""
+        """Copy this layer's slice of every block planned for saving this step (one ``index_select``
+        in the backend's layout); the writer thread makes them canonical and stores them."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, TandemMetadata) or not meta.saves:
             return
@@ -278,25 +302,65 @@ class TandemConnector(KVConnectorBase_V1):
         ops = [(block_id, op) for block_id, op in meta.saves if op.part.lo <= g < op.part.hi]
         if not ops:
             return
-        data = canonical(self._layout_of(kv_layer).read_blocks(kv_layer, [block_id for block_id, _ in ops]))
-        for (_, op), block in zip(ops, data, strict=True):
-            part = op.part
-            buf = self._save_buf.get(op.key)
-            if buf is None:
-                buf = np.empty((part.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim), np.float32)
-                self._save_buf[op.key] = buf
-            buf[g - part.lo] = block
+        native = self._layout_of(kv_layer).snapshot(kv_layer, [block_id for block_id, _ in ops])
+        self._staged.append((g, [op for _, op in ops], native))
 
     def wait_for_save(self) -> None:
-        """Write the staged blocks to the store (synchronously). A write the store refuses (a
-        shared store out of reach) leaves the block missing: its readers recompute it."""
+        """Hand this step's copies to the writer thread and return: the store puts run while vLLM
+        samples. Waits only while more than ``save_queue_bytes`` of copies are queued."""
+        if not self._staged:
+            return
+        staged, self._staged = self._staged, []
+        nbytes = sum(t.numel() * t.element_size() for _, _, t in staged)
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-kv-save")
+        self._drain(self._save_queue_bytes - nbytes)
+        fut = self._writer.submit(self._write, staged)
+        with self._pending_lock:
+            self._pending.append((fut, nbytes))
+            self._pending_bytes += nbytes
+        fut.add_done_callback(self._done)
+
+    def _done(self, fut: Future[None]) -> None:
+        with self._pending_lock:
+            while self._pending and self._pending[0][0].done():
+                self._pending_bytes -= self._pending.popleft()[1]
+
+    def _drain(self, limit_bytes: int) -> None:
+        """Wait for queued writes until at most ``max(limit_bytes, 0)`` bytes of copies are queued."""
+        while True:
+            with self._pending_lock:
+                if self._pending_bytes <= max(limit_bytes, 0) or not self._pending:
+                    return
+                fut = self._pending[0][0]
+            fut.result()  # _write never raises
+            self._done(fut)
+
+    def flush_saves(self) -> None:
+        """Block until every queued save is in the store (or refused); for tests and shutdown."""
+        self._drain(0)
+
+    def _write(self, staged: list[tuple[int, list[PartOp], torch.Tensor]]) -> None:
+        """Writer thread: canonical blocks ``[Lp, 2, Hkv, B, D]`` float32 per key, then one put each.
+        A write the store refuses (a shared store out of reach) leaves the block missing: its readers
+        recompute it. Never raises."""
         try:
-            for key, buf in self._save_buf.items():
+            bufs: dict[str, np.ndarray] = {}
+            for g, ops, native in staged:
+                data = canonical(self._layout.from_snapshot(native))
+                for op, block in zip(ops, data, strict=True):
+                    part = op.part
+                    buf = bufs.get(op.key)
+                    if buf is None:
+                        shape = (part.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+                        buf = bufs[op.key] = np.empty(shape, np.float32)
+                    buf[g - part.lo] = block
+            for key, buf in bufs.items():
                 self.store.put(key, buf.tobytes())
         except EngineError as e:
             log.warning("tandem connector: saving KV blocks failed (%s); readers recompute them", e)
-        finally:
-            self._save_buf.clear()
+        except Exception:
+            log.exception("tandem connector: saving KV blocks failed; readers recompute them")
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -71,9 +71,10 @@ class DecodeStep:
 class EngineBackend(Protocol):
     """Seam between the gateway and the engines.
 
-    ``tail_prefill`` returns the first output token once the tail KV of the prompt's full
-    blocks is in the block store. ``decode`` yields output tokens as they are sampled; the
-    caller owns nothing the engine holds.
+    ``tail_prefill`` returns the first output token as soon as it is sampled; the tail KV of
+    the prompt's full blocks reaches the block store after it (the connector's writer thread),
+    so a reader waits for its keys (``Gateway._await_tail_saves``). ``decode`` yields output
+    tokens as they are sampled; the caller owns nothing the engine holds.
     """
 
     async def tail_prefill(
@@ -96,6 +97,7 @@ def _kv_transfer(cfg: CloudConfig, role: str, layer_offset: int) -> dict[str, An
             "store_dir": str(cfg.store_dir),
             "store_bytes": cfg.store_bytes,
             "layer_offset": layer_offset,
+            "save_queue_bytes": cfg.engine.kv_save_queue_bytes,
             # the connector's lifeline exits the engine processes when this process dies
             "gateway_pid": os.getpid(),
         },

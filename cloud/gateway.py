@@ -675,24 +675,69 @@ class Gateway:
             spec = KVTransferSpec(
                 loads=(PartSpec(self.head_part(k), tuple(leaves)), PartSpec(self.tail_part(k), tuple(tail_keys)))
             )
+            tail_saves: list[str] = []  # tail keys written after the first token, not yet seen in the store
             try:
                 await self._pin(turn, [spec.loads[1].store_key(j) for j in range(len(tail_keys))])
                 tail = await self._tail_prefill(turn, hidden, tail_keys)
                 ticket.prefill_done()
                 yield TokensOut((tail.first_token,), 0)
+                tail_saves = [spec.loads[1].store_key(j) for j in range(len(tail_keys))]
                 if tail.finish_reason is not None or header.sampling.max_new_tokens == 1:
                     yield self._final(turn, tail.finish_reason or "length", 1, 0)
                     return
                 # decode continues from prompt + first token, loading every layer of the aligned prefix
+                await self._await_tail_saves(turn, tail_saves)
+                tail_saves = []
                 ids = [*header.prompt_token_ids, tail.first_token]
                 rest = replace(header.sampling, max_new_tokens=header.sampling.max_new_tokens - 1)
                 async for ev in self._decode(turn, ids, spec, rest, 1, ticket):
                     yield ev
             finally:
                 if not turn.session_key:  # a stateless request's KV is reusable by no one: drop it now
+                    if tail_saves:  # after its writes land, or they would outlive the drop
+                        await self._await_tail_saves(turn, tail_saves, timed=False)
                     await asyncio.to_thread(self._drop_blocks, spec)
 
     # ------------------------------------------------------------------ stages
+
+    def _absent(self, keys: list[str]) -> list[str]:
+        return [k for k in keys if not self.store.contains(k)]
+
+    async def _await_tail_saves(self, turn: Turn, keys: list[str], timed: bool = True) -> int:
+        """Wait until the tail engine's KV writes of ``keys`` are in the store: the connector writes
+        them on its own thread after the first token (``TandemConnector.wait_for_save``). Polls
+        ``BlockStore.contains`` (every 2 ms, backing off to 20 ms) for at most ``tail_save_wait_s``
+        or the turn's deadline. Returns the number of keys still missing, which the decode engine
+        recomputes (``kv_load_failure_policy`` and its own presence check); never raises but for
+        cancellation."""
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        end = loop.time() + self.cfg.tail_save_wait_s
+        if turn.deadline is not None:
+            end = min(end, turn.deadline)
+        missing, pause = list(keys), 0.002
+        while missing:
+            try:
+                missing = await asyncio.to_thread(self._absent, missing)
+            except EngineError as e:
+                log.warning("tail KV writes: the store cannot be read (%s); the decode recomputes", e)
+                break
+            if not missing or loop.time() + pause > end:
+                break
+            await asyncio.sleep(pause)
+            pause = min(pause * 1.5, 0.02)
+        if timed:
+            turn.time(Stage.CLOUD_TAIL_SAVE_WAIT, t0)
+        if missing:
+            metrics.record_tail_save_missing(len(missing))
+            log.warning(
+                "turn %s: %d of %d tail KV blocks not in the store after %.0f ms; the decode engine recomputes them",
+                turn.engine_id,
+                len(missing),
+                len(keys),
+                (time.perf_counter() - t0) * 1e3,
+            )
+        return len(missing)
 
     async def _session(self, key: str, cached_tokens: int) -> CloudSession:
         """The session ``key`` (in the caller's namespace) an upload is checked against: from the

@@ -16,7 +16,10 @@ A layout is chosen from the tensor's shape; a shape that fits none raises, so
 an unknown backend fails loudly instead of scrambling KV. Every layout reads and
 writes many blocks of a layer in one call (``read_blocks`` / ``write_blocks``,
 canonical ``[n, 2, Hkv, B, D]``): the connector moves a step's blocks with one
-gather or scatter per layer, not one per block and layer.
+gather or scatter per layer, not one per block and layer. A read splits in two
+(``read_blocks(c, ids) == from_snapshot(snapshot(c, ids))``): ``snapshot`` is
+the copy out of the cache, in the cache's own layout, that must happen inside
+the step; ``from_snapshot`` (the reordering) can run later on another thread.
 """
 
 from __future__ import annotations
@@ -44,7 +47,16 @@ class PagedLayout:
 
     def read_blocks(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
         """Canonical ``[n, 2, Hkv, B, D]`` copy of blocks ``block_ids`` (the cache's dtype), one gather."""
-        return cache[self._index(block_ids)].permute(self.perm).to("cpu").contiguous()
+        return self.from_snapshot(self.snapshot(cache, block_ids))
+
+    def snapshot(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+        """Host copy of blocks ``block_ids`` in the cache's layout (blocks on ``block_axis``).
+        Synchronous on a GPU: the copy is complete when this returns, whatever stream runs next."""
+        return cache[self._index(block_ids)].to("cpu")
+
+    def from_snapshot(self, native: torch.Tensor) -> torch.Tensor:
+        """Canonical ``[n, 2, Hkv, B, D]`` of a ``snapshot``."""
+        return native.permute(self.perm).contiguous()
 
     def write_blocks(self, cache: torch.Tensor, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Write canonical ``[n, 2, Hkv, B, D]`` into blocks ``block_ids``, one scatter.
@@ -84,6 +96,7 @@ class CpuPackedLayout:
         self.hkv, self.b, self.d = num_kv_heads, block_size, head_dim
         self.isa = _get_attn_isa(cache.dtype, block_size, head_dim)
         self.perm = self._probe(cache.dtype)  # native flat position -> canonical flat index
+        self.inverse = torch.argsort(self.perm)  # canonical flat index -> native flat position
 
     def _halves(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         v = cache.view(cache.shape[0], self.hkv, 2 * self.b, self.d)
@@ -107,11 +120,16 @@ class CpuPackedLayout:
 
     def read_blocks(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
         """Canonical ``[n, 2, Hkv, B, D]`` copy of blocks ``block_ids`` (the cache's dtype), one gather."""
-        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
-        native = cache.index_select(0, ids).reshape(len(ids), -1)
-        out = torch.empty_like(native)
-        out[:, self.perm] = native
-        return out.view(len(ids), 2, self.hkv, self.b, self.d)
+        return self.from_snapshot(self.snapshot(cache, block_ids))
+
+    def snapshot(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copy of blocks ``block_ids`` as packed in the cache, ``[n, Hkv, B, 2*D]`` (one memcpy per block)."""
+        return cache.index_select(0, torch.as_tensor(list(block_ids), dtype=torch.int64))
+
+    def from_snapshot(self, native: torch.Tensor) -> torch.Tensor:
+        """Canonical ``[n, 2, Hkv, B, D]`` of a ``snapshot``: one gather through the probed permutation."""
+        n = native.shape[0]
+        return native.reshape(n, -1).index_select(1, self.inverse).view(n, 2, self.hkv, self.b, self.d)
 
     def write_blocks(self, cache: torch.Tensor, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Write canonical ``[n, 2, Hkv, B, D]`` into blocks ``block_ids``: one call of vLLM's kernel

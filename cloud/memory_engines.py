@@ -4,7 +4,9 @@ of the gateway (and of the edge through ``edge.link.InProcessLink``) without vLL
 It honours the connector contract against a real ``BlockStore``: a request loads the
 longest run of consecutive blocks present for every load part (never the block holding
 the last prompt token, as vLLM's connector API requires), saves the save part's missing
-blocks, and reports ``external_tokens``. Its tokens are a deterministic function of the
+blocks, and reports ``external_tokens``. Like the real connector, it can write its saves
+after it returns the first token (``save_delay_s``; ``None``: never, a store refusing them).
+Its tokens are a deterministic function of the
 prompt *and of the bytes it loaded*, so a test sees when loaded KV differs from KV
 computed from the inputs. Saved tail blocks are a digest of the activations they stand for.
 """
@@ -33,6 +35,7 @@ class MemoryEngines:
     eos_token_id: int | None = None
     alive: bool = True
     step_delay_s: float = 0.0  # per decode step, to emulate a slow engine
+    save_delay_s: float | None = 0.0  # tail saves land this long after the first token (None: never)
     calls: list[tuple[str, str, KVTransferSpec | None]] = field(default_factory=list)  # (engine, request id, spec)
 
     def _load(self, kv: KVTransferSpec | None, num_prompt_tokens: int) -> tuple[int, list[bytes]]:
@@ -69,15 +72,24 @@ class MemoryEngines:
         # so loading correct KV gives the same token as computing it and loading wrong KV does not
         n_full = hidden.shape[0] // B
         effective = values + [self._tail_block(hidden[j * B : (j + 1) * B]) for j in range(loaded, n_full)]
-        saved = 0
+        saves: list[tuple[str, bytes]] = []
         if kv.save is not None:
             for j in range(min(len(kv.save.keys), n_full)):
                 key = kv.save.store_key(j)
                 if not self.store.contains(key):
-                    self.store.put(key, effective[j])
-                    saved += 1
+                    saves.append((key, effective[j]))
+        saved = len(saves)
+        if self.save_delay_s == 0.0:
+            for key, value in saves:
+                self.store.put(key, value)
+        elif self.save_delay_s is not None and saves:
+            asyncio.get_running_loop().call_later(self.save_delay_s, self._put_all, saves)
         tok = self._token(*effective, np.ascontiguousarray(hidden[n_full * B :], np.float32).tobytes())
         return TailResult(tok, "stop" if tok == self.eos_token_id else None, saved, loaded * B, 0.1)
+
+    def _put_all(self, items: list[tuple[str, bytes]]) -> None:
+        for key, value in items:
+            self.store.put(key, value)
 
     async def decode(
         self, request_id: str, token_ids: list[int], kv: KVTransferSpec | None, sampling: Sampling

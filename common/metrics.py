@@ -171,6 +171,18 @@ CLOUD_STORE_PUT = _histogram(
 CLOUD_TAIL = _histogram(
     "cloud", "tandem:cloud_tail_prefill_seconds", "Tail prefill and first token (vLLM), in seconds.", TTFT_BUCKETS
 )
+CLOUD_TAIL_SAVE_WAIT = _histogram(
+    "cloud",
+    "tandem:cloud_tail_save_wait_seconds",
+    "Split turns: wait after the first token for the tail engine's KV writes before the decode, in seconds.",
+    TTFT_BUCKETS,
+)
+TAIL_SAVE_MISSING = _metric(
+    "cloud",
+    Counter,
+    "tandem:cloud_tail_save_missing_blocks",
+    "Tail KV blocks not in the store when the wait for them ended (the decode engine recomputed them).",
+)
 CLOUD_DECODE_FIRST = _histogram(
     "cloud",
     "tandem:cloud_decode_first_token_seconds",
@@ -319,6 +331,10 @@ def record_repair_request(blocks: int) -> None:
     REPAIR_REQUESTS.inc(blocks)
 
 
+def record_tail_save_missing(blocks: int) -> None:
+    TAIL_SAVE_MISSING.inc(blocks)
+
+
 def record_engine_restart() -> None:
     ENGINE_RESTARTS.inc()
 
@@ -413,6 +429,7 @@ def cloud_turn(mode: str, turn: CloudTurnTimes) -> Iterator[None]:
         t = turn.timings
         _observe(CLOUD_STORE_PUT, _seconds(t, Stage.CLOUD_STORE_PUT))
         _observe(CLOUD_TAIL, _seconds(t, Stage.CLOUD_TAIL_PREFILL))
+        _observe(CLOUD_TAIL_SAVE_WAIT, _seconds(t, Stage.CLOUD_TAIL_SAVE_WAIT))
         _observe(CLOUD_DECODE_FIRST.labels(mode), _seconds(t, Stage.CLOUD_DECODE_FIRST_TOKEN))
         _observe(CLOUD_DECODE.labels(mode), _seconds(t, Stage.CLOUD_DECODE))
 

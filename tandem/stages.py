@@ -23,6 +23,7 @@ class Stage(enum.StrEnum):
     CLOUD_UPLOAD_WAIT = "cloud_upload_wait_ms"
     CLOUD_STORE_PUT = "cloud_store_put_ms"
     CLOUD_TAIL_PREFILL = "cloud_tail_prefill_ms"
+    CLOUD_TAIL_SAVE_WAIT = "cloud_tail_save_wait_ms"
     CLOUD_DECODE_FIRST_TOKEN = "cloud_decode_first_token_ms"
     CLOUD_DECODE = "cloud_decode_ms"
     LOCAL_PREFILL = "local_prefill_ms"
@@ -47,6 +48,7 @@ _LABELS = {
     Stage.CLOUD_UPLOAD_WAIT: "cloud: header to verified upload",
     Stage.CLOUD_STORE_PUT: "cloud: store put of head KV",
     Stage.CLOUD_TAIL_PREFILL: "cloud: tail prefill + 1st token (vLLM)",
+    Stage.CLOUD_TAIL_SAVE_WAIT: "cloud: tail KV writes after the 1st token",
     Stage.CLOUD_DECODE_FIRST_TOKEN: "cloud: KV handoff + decode engine's 1st step",
     Stage.CLOUD_DECODE: "cloud: decode engine, whole stream",
     Stage.LOCAL_PREFILL: "edge: whole model prefill + 1st token (local mode)",

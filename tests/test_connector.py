@@ -1,13 +1,20 @@
-"""The connector's conversion to the block store's canonical format (found by an operator trial: a cloud with
-``dtype = "auto"`` runs its engines in bf16 on CPU, and saving a block crashed the tail engine on ``.numpy()``)."""
+"""The connector's paged layouts, its asynchronous saves, and its conversion to the block store's canonical
+format (found by an operator trial: a cloud with ``dtype = "auto"`` runs its engines in bf16 on CPU, and
+saving a block crashed the tail engine on ``.numpy()``)."""
 
 from __future__ import annotations
+
+import collections
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from tandem.cloud.connector import canonical
+from tandem.cloud.connector import PartOp, TandemConnector, TandemMetadata, canonical
+from tandem.common.errors import EngineError
+from tandem.common.kvblocks import LayerRange
+from tandem.common.kvstore import MemoryBlockStore
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -77,3 +84,105 @@ def test_the_cpu_layout_writes_many_blocks_as_vllm_writes_their_tokens():
             slot = torch.tensor([block * B + pos], dtype=torch.int64)
             ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slot, lay.isa)
     torch.testing.assert_close(cache, ref, rtol=0, atol=0)
+
+
+# --- saves: a copy inside the step, the store writes on the writer thread ---------------------------------
+
+LAYERS = 3
+
+
+class GatedStore(MemoryBlockStore):
+    """A store whose puts wait for ``gate`` (a slow disk) or raise (a store out of reach)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__(1 << 30)
+        self.gate, self.fail, self.started = threading.Event(), fail, threading.Event()
+
+    def put(self, key: str, value: bytes) -> None:
+        self.started.set()
+        self.gate.wait(10)
+        if self.fail:
+            raise EngineError("store out of reach")
+        super().put(key, value)
+
+
+def _worker(store, queue_bytes: int = 1 << 30) -> TandemConnector:
+    """The worker-side half of a connector (no vLLM config): what the model runner drives."""
+    c = object.__new__(TandemConnector)
+    c.block_size, c.layer_offset, c.num_kv_heads, c.head_dim = B, 0, HKV, D
+    c.store, c._layout, c._load_errors = store, None, set()
+    c._staged, c._save_queue_bytes, c._writer = [], queue_bytes, None
+    c._pending, c._pending_bytes, c._pending_lock = collections.deque(), 0, threading.Lock()
+    return c
+
+
+def _step(c: TandemConnector, caches: list[torch.Tensor], saves: list[tuple[int, str]]) -> None:
+    """One model-runner step that saves blocks ``saves`` (block id, key) of every layer."""
+    part = LayerRange(0, LAYERS)
+    c.bind_connector_metadata(TandemMetadata(saves=[(bid, PartOp(part, key)) for bid, key in saves]))
+    for layer, cache in enumerate(caches):
+        c.save_kv_layer(f"model.layers.{layer}.self_attn.attn", cache, None)
+    c.wait_for_save()
+    c.clear_connector_metadata()
+
+
+def _stored(store, key: str) -> np.ndarray:
+    return np.frombuffer(store.get(key), np.float32).reshape(LAYERS, 2, HKV, B, D)
+
+
+@pytest.mark.parametrize("which", [0, 2], ids=["flash_attn", "cpu_attn"])
+def test_a_save_stores_what_the_cache_held_during_the_step_though_the_write_comes_later(which):
+    """The block is copied inside the step: a cache block reused right after (a finished or
+    preempted request's block given to another) cannot change what the writer stores."""
+    store = GatedStore()
+    caches = []
+    want = []
+    for layer in range(LAYERS):
+        cache, lay = _layouts()[which]
+        blocks = _canonical_blocks(2, 10 + layer)
+        lay.write_blocks(cache, [3, 8], blocks)
+        caches.append(cache)
+        want.append(blocks)
+    c = _worker(store)
+    _step(c, caches, [(3, "a"), (8, "b")])  # returns with the writes still waiting on the gate
+    assert not store.contains("a")
+    for cache, lay in ((cache, _layouts()[which][1]) for cache in caches):
+        lay.write_blocks(cache, [3, 8], _canonical_blocks(2, 99))  # the blocks are reused
+    store.gate.set()
+    c.flush_saves()
+    for n, key in enumerate(("a", "b")):
+        np.testing.assert_array_equal(_stored(store, key), np.stack([w[n].numpy() for w in want]))
+
+
+def test_a_step_waits_for_the_writer_only_past_the_queue_bound():
+    store = GatedStore()
+    cache, lay = _layouts()[2]
+    caches = [cache.clone() for _ in range(LAYERS)]
+    block_bytes = HKV * B * 2 * D * 4
+    c = _worker(store, queue_bytes=LAYERS * block_bytes)  # room for one block of every layer
+    _step(c, caches, [(1, "a")])
+    assert store.started.wait(5)  # the writer holds "a" at the gate; the step returned
+    second = threading.Thread(target=_step, args=(c, caches, [(2, "b")]))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive()  # "b" would exceed the bound: the step waits for the writer
+    store.gate.set()
+    second.join(5)
+    assert not second.is_alive()
+    c.flush_saves()
+    assert store.contains("a") and store.contains("b") and c._pending_bytes == 0
+
+
+def test_a_store_refusing_the_writes_leaves_the_blocks_missing_and_the_engine_running(caplog):
+    store = GatedStore(fail=True)
+    store.gate.set()
+    cache, _ = _layouts()[2]
+    c = _worker(store)
+    _step(c, [cache] * LAYERS, [(1, "a"), (2, "b")])
+    c.flush_saves()
+    assert not store.contains("a") and not store.contains("b")
+    assert "readers recompute them" in caplog.text
+    store.fail = False
+    _step(c, [cache] * LAYERS, [(3, "c")])  # the next step saves as before
+    c.flush_saves()
+    assert store.contains("c")

@@ -24,7 +24,7 @@ from tandem.common.params import Sampling
 from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.head_runner import HeadInput
 from tandem.edge.service import TurnClock
-from tandem.stages import Stage
+from tandem.stages import TTFT_STAGES, Stage
 from tests.doubles import HKV, B, D, H, K, TamperLink, ToyTokenizer, rechunk, toy_stack
 
 LONG = "The quick brown fox jumps over the lazy dog, again and again, " * 3  # ~200 tokens
@@ -577,3 +577,44 @@ async def test_a_pin_that_finishes_after_its_turn_ended_is_released():
         assert st._pins == {} and not turn.pinned
     finally:
         await toy.batcher.stop()
+
+
+# --- tail KV written after the first token (the connector's writer thread) ------------------------------
+
+
+async def test_the_decode_waits_for_tail_writes_that_land_after_the_first_token(toy):
+    """The tail's KV reaches the store after its first token: the decode still loads every aligned
+    block (none recomputed), and the wait is timed, outside the first token's stages."""
+    ref = await run(toy.edge, turn(LONG, n=6))
+    toy.engines.save_delay_s = 0.05
+    late = await run(toy.edge, turn(LONG, n=6))
+    assert late.external_tokens == ref.external_tokens == late.prompt_tokens // B * B > 0
+    assert late.output_token_ids == ref.output_token_ids
+    assert late.timings[Stage.CLOUD_TAIL_SAVE_WAIT] >= 40
+    assert Stage.CLOUD_TAIL_SAVE_WAIT not in TTFT_STAGES
+
+
+async def test_tail_writes_that_never_land_are_recomputed_after_the_bounded_wait():
+    from tandem.common import metrics
+
+    t = await toy_stack(tail_save_wait_s=0.05)
+    try:
+        ref = await run(t.edge, turn(LONG, n=6))
+        t.engines.save_delay_s = None  # the store refuses the tail's writes
+        before = metrics.TAIL_SAVE_MISSING._value.get()
+        lost = await run(t.edge, turn(LONG + " once more", n=6))
+        # the head blocks load, the tail blocks do not: the decode loads nothing past them and recomputes
+        assert lost.external_tokens == 0 < ref.external_tokens
+        assert lost.output_tokens == 6
+        assert metrics.TAIL_SAVE_MISSING._value.get() - before == lost.prompt_tokens // B
+        assert 40 <= lost.timings[Stage.CLOUD_TAIL_SAVE_WAIT] < 2000
+    finally:
+        await t.batcher.stop()
+
+
+async def test_a_stateless_turn_of_one_token_drops_its_late_tail_writes(toy):
+    toy.engines.save_delay_s = 0.02
+    done = await run(toy.edge, turn(LONG, n=1))
+    assert done.output_tokens == 1
+    await asyncio.sleep(0.05)
+    assert toy.store.volume_bytes() == 0  # waited for the writes, then dropped head and tail blocks
