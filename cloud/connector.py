@@ -1,7 +1,7 @@
 """TandemConnector: vLLM's KV-connector API (``KVConnectorBase_V1``) over tandem's block store.
 
 Loaded by vLLM through ``kv_connector_module_path="tandem.cloud.connector"``,
-``kv_connector="TandemConnector"``; nothing in vLLM is patched. One class
+``kv_connector="TandemConnector"``; the connector patches nothing in vLLM. One class
 serves both cloud engines:
 
 * tail-prefill engine (``kv_both``, ``layer_offset = k``): *loads* tail KV of a
