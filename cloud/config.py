@@ -159,7 +159,7 @@ class CloudConfig(DaemonSettings):
     max_uploads_per_peer: int = Field(default=16, ge=1, description="Split uploads in flight per edge.")
     max_upload_bytes_per_peer: Bytes = Field(default=mib(256), description="Bytes the uploads of one edge may buffer.")
     tail_save_wait_s: float = Field(
-        default=5.0,
+        default=2.0,
         gt=0,
         description="Longest wait, after the first token, for the tail engine's KV writes of a turn before its "
         "decode starts; blocks still missing then are recomputed by the decode engine (logged).",

@@ -29,10 +29,11 @@ reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it
 (``kv_load_failure_policy="recompute"``); a load never writes wrong data.
 
 Saves are asynchronous past a copy. ``save_kv_layer`` copies each planned
-block out of the paged cache in the backend's own layout (one ``index_select``
-per layer, a memcpy); ``wait_for_save`` hands the step's copies to one
-writer thread, which turns them into canonical blocks and puts them in the
-store, in order, while vLLM samples and returns the first token. The copy is
+block out of the paged cache in the backend's own layout (one gather per
+layer: an ``index_select`` memcpy on CPU, a gather and a blocking host copy
+on a GPU); ``wait_for_save`` hands the step's copies to one writer thread,
+which turns them into canonical blocks (numpy) and puts them in the store, in
+order, while vLLM samples and returns the first token. The copy is
 taken inside the step, so a block freed or reused afterwards (a finished,
 aborted or preempted request) cannot change what is saved, and vLLM frees
 blocks at once (no ``delay_free_blocks``). Readers learn a block is there by
@@ -81,8 +82,8 @@ DEFAULT_SAVE_QUEUE_BYTES = 256 << 20
 
 
 def canonical(blocks: torch.Tensor) -> np.ndarray:
-    """KV blocks as the store keeps them: float32 on the host, whatever the engine's KV dtype (bf16 or
-    fp16 under ``dtype = "auto"``) and device (``[..., 2, Hkv, B, D]`` in, same shape out)."""
+    """KV values as the store keeps them: float32 on the host, whatever the engine's KV dtype (bf16 or
+    fp16 under ``dtype = "auto"``) and device (any shape in, same shape out)."""
     return blocks.detach().to(device="cpu", dtype=torch.float32).numpy()
 
 
@@ -337,25 +338,41 @@ class TandemConnector(KVConnectorBase_V1):
             self._done(fut)
 
     def flush_saves(self) -> None:
-        """Block until every queued save is in the store (or refused); for tests and shutdown."""
+        """Block until every queued save is in the store (or refused)."""
         self._drain(0)
+
+    def shutdown(self) -> None:
+        """vLLM's engine shutdown: the queued saves are written (each put is bounded by the store's
+        own timeouts), then the writer thread ends."""
+        self.flush_saves()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        super().shutdown()
 
     def _write(self, staged: list[tuple[int, list[PartOp], torch.Tensor]]) -> None:
         """Writer thread: canonical blocks ``[Lp, 2, Hkv, B, D]`` float32 per key, then one put each.
-        A write the store refuses (a shared store out of reach) leaves the block missing: its readers
-        recompute it. Never raises."""
+        A key whose step did not copy every layer of its part (a forward that failed midway) is not
+        written: a block is stored whole or not at all. A write the store refuses (a shared store
+        out of reach) leaves the block missing: its readers recompute it. Never raises."""
         try:
-            bufs: dict[str, np.ndarray] = {}
+            bufs: dict[str, tuple[np.ndarray, set[int]]] = {}
             for g, ops, native in staged:
-                data = canonical(self._layout.from_snapshot(native))
+                data = self._layout.from_snapshot(canonical(native))
                 for op, block in zip(ops, data, strict=True):
                     part = op.part
-                    buf = bufs.get(op.key)
-                    if buf is None:
+                    entry = bufs.get(op.key)
+                    if entry is None:
                         shape = (part.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
-                        buf = bufs[op.key] = np.empty(shape, np.float32)
-                    buf[g - part.lo] = block
-            for key, buf in bufs.items():
+                        entry = bufs[op.key] = (np.empty(shape, np.float32), set())
+                    entry[0][g - part.lo] = block
+                    entry[1].add(g)
+            for key, (buf, layers) in bufs.items():
+                if len(layers) != buf.shape[0]:
+                    log.warning(
+                        "tandem connector: KV block %s has %d of %d layers; not saved", key, len(layers), buf.shape[0]
+                    )
+                    continue
                 self.store.put(key, buf.tobytes())
         except EngineError as e:
             log.warning("tandem connector: saving KV blocks failed (%s); readers recompute them", e)

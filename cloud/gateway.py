@@ -16,9 +16,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -174,9 +174,7 @@ class PrefixKeeper:
             return
         parts, leaves = up.prefix_parts(n)  # references: the copy is made in the keep's thread
         blocks = up.new_blocks(up.kept_leaves, n // up.bs)
-        self.task = asyncio.create_task(self._keep(n, parts, leaves, blocks))
-        self.gateway._background.add(self.task)
-        self.task.add_done_callback(self.gateway._background.discard)
+        self.task = self.gateway._in_background(self._keep(n, parts, leaves, blocks))
 
     async def settle(self) -> None:
         """No more keeps; wait for the one running (its state is what the turn's commit builds on)."""
@@ -237,7 +235,8 @@ class Gateway:
         self.serving = True  # mirrors the node's health (engines restarting, draining: False)
         self.sessions = SessionTable(cfg.max_sessions, cfg.session_bytes)
         self.session_store = SessionStore(store, manifest.shape.hidden_size)
-        self._background: set[asyncio.Task] = set()  # saves that outlive their turn (a cut upload's kept prefix)
+        # work that outlives its turn: a cut upload's kept prefix, a stateless turn's drop after late writes
+        self._background: set[asyncio.Task] = set()
         self.budget = UploadBudget(
             cfg.max_uploads, cfg.max_upload_bytes, cfg.max_uploads_per_peer, cfg.max_upload_bytes_per_peer
         )
@@ -675,69 +674,93 @@ class Gateway:
             spec = KVTransferSpec(
                 loads=(PartSpec(self.head_part(k), tuple(leaves)), PartSpec(self.tail_part(k), tuple(tail_keys)))
             )
-            tail_saves: list[str] = []  # tail keys written after the first token, not yet seen in the store
+            tail_saves: list[str] = []  # tail keys the tail engine may still be writing (after token 1)
             try:
                 await self._pin(turn, [spec.loads[1].store_key(j) for j in range(len(tail_keys))])
                 tail = await self._tail_prefill(turn, hidden, tail_keys)
+                tail_saves = [spec.loads[1].store_key(j) for j in range(len(tail_keys))]
                 ticket.prefill_done()
                 yield TokensOut((tail.first_token,), 0)
-                tail_saves = [spec.loads[1].store_key(j) for j in range(len(tail_keys))]
                 if tail.finish_reason is not None or header.sampling.max_new_tokens == 1:
                     yield self._final(turn, tail.finish_reason or "length", 1, 0)
                     return
                 # decode continues from prompt + first token, loading every layer of the aligned prefix
-                await self._await_tail_saves(turn, tail_saves)
-                tail_saves = []
+                t0 = time.perf_counter()
+                tail_saves = await self._await_tail_saves(tail_saves, turn.deadline)
+                turn.time(Stage.CLOUD_TAIL_SAVE_WAIT, t0)
+                if tail_saves:
+                    metrics.record_tail_save_missing(len(tail_saves))
+                    log.warning(
+                        "turn %s: %d of %d tail KV blocks not in the store after %.0f ms; the decode engine "
+                        "recomputes them",
+                        turn.engine_id,
+                        len(tail_saves),
+                        len(tail_keys),
+                        turn.timings[Stage.CLOUD_TAIL_SAVE_WAIT],
+                    )
                 ids = [*header.prompt_token_ids, tail.first_token]
                 rest = replace(header.sampling, max_new_tokens=header.sampling.max_new_tokens - 1)
                 async for ev in self._decode(turn, ids, spec, rest, 1, ticket):
                     yield ev
             finally:
-                if not turn.session_key:  # a stateless request's KV is reusable by no one: drop it now
-                    if tail_saves:  # after its writes land, or they would outlive the drop
-                        await self._await_tail_saves(turn, tail_saves, timed=False)
-                    await asyncio.to_thread(self._drop_blocks, spec)
+                if not turn.session_key:  # a stateless request's KV is reusable by no one: drop it
+                    if tail_saves:  # once its late writes land, or they would outlive the drop; off the turn
+                        self._in_background(self._drop_when_written(spec, tail_saves))
+                    else:
+                        await asyncio.to_thread(self._drop_blocks, spec)
 
     # ------------------------------------------------------------------ stages
 
     def _absent(self, keys: list[str]) -> list[str]:
         return [k for k in keys if not self.store.contains(k)]
 
-    async def _await_tail_saves(self, turn: Turn, keys: list[str], timed: bool = True) -> int:
+    async def _await_tail_saves(self, keys: list[str], deadline: float | None) -> list[str]:
         """Wait until the tail engine's KV writes of ``keys`` are in the store: the connector writes
         them on its own thread after the first token (``TandemConnector.wait_for_save``). Polls
-        ``BlockStore.contains`` (every 2 ms, backing off to 20 ms) for at most ``tail_save_wait_s``
-        or the turn's deadline. Returns the number of keys still missing, which the decode engine
-        recomputes (``kv_load_failure_policy`` and its own presence check); never raises but for
-        cancellation."""
+        ``BlockStore.contains`` (every 2 ms, backing off to 20 ms) until all are there, for at most
+        ``tail_save_wait_s`` and never past ``deadline`` (event-loop time). Returns the keys still
+        missing: their readers recompute them (the decode engine: its connector's own presence
+        check). A store that cannot be read counts as missing. Raises only on cancellation."""
         loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
         end = loop.time() + self.cfg.tail_save_wait_s
-        if turn.deadline is not None:
-            end = min(end, turn.deadline)
+        if deadline is not None:
+            end = min(end, deadline)
         missing, pause = list(keys), 0.002
-        while missing:
+        while True:
             try:
                 missing = await asyncio.to_thread(self._absent, missing)
-            except EngineError as e:
-                log.warning("tail KV writes: the store cannot be read (%s); the decode recomputes", e)
-                break
-            if not missing or loop.time() + pause > end:
-                break
-            await asyncio.sleep(pause)
+            except Exception as e:  # noqa: BLE001 - a store error ends the wait; the reader recomputes
+                log.warning("tail KV writes: the store cannot be read (%s); treated as missing", e)
+                return missing
+            left = end - loop.time()
+            if not missing or left <= 0:
+                return missing
+            await asyncio.sleep(min(pause, left))
             pause = min(pause * 1.5, 0.02)
-        if timed:
-            turn.time(Stage.CLOUD_TAIL_SAVE_WAIT, t0)
+
+    def _in_background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
+        """Run ``coro`` past the turn that started it; ``finish_background`` awaits what is left."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def finish_background(self, timeout_s: float) -> None:
+        """At shutdown: wait up to ``timeout_s`` for the background work of finished turns (kept
+        prefixes, late drops), then cancel what is left (its blocks age out of the store)."""
+        if not self._background:
+            return
+        _, pending = await asyncio.wait(set(self._background), timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+
+    async def _drop_when_written(self, spec: KVTransferSpec, pending: list[str]) -> None:
+        """A stateless turn's drop once the tail writes ``pending`` landed (or ``tail_save_wait_s``
+        passed: a write landing later ages out of the store)."""
+        missing = await self._await_tail_saves(pending, None)
         if missing:
-            metrics.record_tail_save_missing(len(missing))
-            log.warning(
-                "turn %s: %d of %d tail KV blocks not in the store after %.0f ms; the decode engine recomputes them",
-                turn.engine_id,
-                len(missing),
-                len(keys),
-                (time.perf_counter() - t0) * 1e3,
-            )
-        return len(missing)
+            log.info("dropping a stateless turn's KV with %d tail blocks not yet written", len(missing))
+        await asyncio.to_thread(self._drop_blocks, spec)
 
     async def _session(self, key: str, cached_tokens: int) -> CloudSession:
         """The session ``key`` (in the caller's namespace) an upload is checked against: from the

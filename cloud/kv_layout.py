@@ -17,9 +17,10 @@ an unknown backend fails loudly instead of scrambling KV. Every layout reads and
 writes many blocks of a layer in one call (``read_blocks`` / ``write_blocks``,
 canonical ``[n, 2, Hkv, B, D]``): the connector moves a step's blocks with one
 gather or scatter per layer, not one per block and layer. A read splits in two
-(``read_blocks(c, ids) == from_snapshot(snapshot(c, ids))``): ``snapshot`` is
-the copy out of the cache, in the cache's own layout, that must happen inside
-the step; ``from_snapshot`` (the reordering) can run later on another thread.
+(``read_blocks``): ``snapshot`` is the copy out of the cache, in the cache's
+own layout, that must happen inside the step; ``from_snapshot`` (the
+reordering, float32, in numpy: one thread, no OpenMP team beside the
+engine's forward) can run later on the connector's writer thread.
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+
+def read_blocks(layout: PagedLayout | CpuPackedLayout, cache: torch.Tensor, block_ids: Sequence[int]) -> np.ndarray:
+    """Canonical float32 ``[n, 2, Hkv, B, D]`` copy of blocks ``block_ids`` of ``cache`` (any
+    float dtype; bf16 and fp16 widen exactly)."""
+    return layout.from_snapshot(layout.snapshot(cache, block_ids).to(torch.float32).numpy())
 
 
 @dataclass(frozen=True)
@@ -45,18 +53,15 @@ class PagedLayout:
         ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
         return (slice(None),) * self.block_axis + (ids,)
 
-    def read_blocks(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
-        """Canonical ``[n, 2, Hkv, B, D]`` copy of blocks ``block_ids`` (the cache's dtype), one gather."""
-        return self.from_snapshot(self.snapshot(cache, block_ids))
-
     def snapshot(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
-        """Host copy of blocks ``block_ids`` in the cache's layout (blocks on ``block_axis``).
-        Synchronous on a GPU: the copy is complete when this returns, whatever stream runs next."""
+        """Host copy of blocks ``block_ids`` in the cache's layout and dtype (blocks on
+        ``block_axis``): an advanced-index gather, then a blocking device-to-host copy on a GPU,
+        so the copy is complete when this returns, whatever stream runs next."""
         return cache[self._index(block_ids)].to("cpu")
 
-    def from_snapshot(self, native: torch.Tensor) -> torch.Tensor:
-        """Canonical ``[n, 2, Hkv, B, D]`` of a ``snapshot``."""
-        return native.permute(self.perm).contiguous()
+    def from_snapshot(self, native: np.ndarray) -> np.ndarray:
+        """Canonical ``[n, 2, Hkv, B, D]`` of a float32 ``snapshot``."""
+        return np.ascontiguousarray(native.transpose(self.perm))
 
     def write_blocks(self, cache: torch.Tensor, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Write canonical ``[n, 2, Hkv, B, D]`` into blocks ``block_ids``, one scatter.
@@ -96,7 +101,7 @@ class CpuPackedLayout:
         self.hkv, self.b, self.d = num_kv_heads, block_size, head_dim
         self.isa = _get_attn_isa(cache.dtype, block_size, head_dim)
         self.perm = self._probe(cache.dtype)  # native flat position -> canonical flat index
-        self.inverse = torch.argsort(self.perm)  # canonical flat index -> native flat position
+        self.inverse = torch.argsort(self.perm).numpy()  # canonical flat index -> native flat position
 
     def _halves(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         v = cache.view(cache.shape[0], self.hkv, 2 * self.b, self.d)
@@ -118,18 +123,15 @@ class CpuPackedLayout:
             raise ValueError(f"CPU KV packing for isa={self.isa} is not a permutation; unsupported")
         return perm
 
-    def read_blocks(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
-        """Canonical ``[n, 2, Hkv, B, D]`` copy of blocks ``block_ids`` (the cache's dtype), one gather."""
-        return self.from_snapshot(self.snapshot(cache, block_ids))
-
     def snapshot(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
         """Copy of blocks ``block_ids`` as packed in the cache, ``[n, Hkv, B, 2*D]`` (one memcpy per block)."""
         return cache.index_select(0, torch.as_tensor(list(block_ids), dtype=torch.int64))
 
-    def from_snapshot(self, native: torch.Tensor) -> torch.Tensor:
-        """Canonical ``[n, 2, Hkv, B, D]`` of a ``snapshot``: one gather through the probed permutation."""
+    def from_snapshot(self, native: np.ndarray) -> np.ndarray:
+        """Canonical ``[n, 2, Hkv, B, D]`` of a float32 ``snapshot``: one gather through the probed
+        permutation."""
         n = native.shape[0]
-        return native.reshape(n, -1).index_select(1, self.inverse).view(n, 2, self.hkv, self.b, self.d)
+        return np.take(native.reshape(n, -1), self.inverse, axis=1).reshape(n, 2, self.hkv, self.b, self.d)
 
     def write_blocks(self, cache: torch.Tensor, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Write canonical ``[n, 2, Hkv, B, D]`` into blocks ``block_ids``: one call of vLLM's kernel

@@ -53,6 +53,7 @@ class CloudServer:
         deadline = time.monotonic() + grace_s
         while self.servicer.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        await self.gateway.finish_background(max(0.0, deadline - time.monotonic()))
         if self.supervisor is not None:
             await self.supervisor.stop()
         await self.server.stop(min(1.0, grace_s))

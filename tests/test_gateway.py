@@ -582,6 +582,13 @@ async def test_a_pin_that_finishes_after_its_turn_ended_is_released():
 # --- tail KV written after the first token (the connector's writer thread) ------------------------------
 
 
+async def _until(cond, timeout_s: float = 5.0) -> None:
+    end = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < end, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
 async def test_the_decode_waits_for_tail_writes_that_land_after_the_first_token(toy):
     """The tail's KV reaches the store after its first token: the decode still loads every aligned
     block (none recomputed), and the wait is timed, outside the first token's stages."""
@@ -590,7 +597,7 @@ async def test_the_decode_waits_for_tail_writes_that_land_after_the_first_token(
     late = await run(toy.edge, turn(LONG, n=6))
     assert late.external_tokens == ref.external_tokens == late.prompt_tokens // B * B > 0
     assert late.output_token_ids == ref.output_token_ids
-    assert late.timings[Stage.CLOUD_TAIL_SAVE_WAIT] >= 40
+    assert late.timings[Stage.CLOUD_TAIL_SAVE_WAIT] > 20
     assert Stage.CLOUD_TAIL_SAVE_WAIT not in TTFT_STAGES
 
 
@@ -607,14 +614,24 @@ async def test_tail_writes_that_never_land_are_recomputed_after_the_bounded_wait
         assert lost.external_tokens == 0 < ref.external_tokens
         assert lost.output_tokens == 6
         assert metrics.TAIL_SAVE_MISSING._value.get() - before == lost.prompt_tokens // B
-        assert 40 <= lost.timings[Stage.CLOUD_TAIL_SAVE_WAIT] < 2000
+        assert 50 <= lost.timings[Stage.CLOUD_TAIL_SAVE_WAIT] < 2000  # the whole bound, not more
     finally:
         await t.batcher.stop()
 
 
-async def test_a_stateless_turn_of_one_token_drops_its_late_tail_writes(toy):
-    toy.engines.save_delay_s = 0.02
-    done = await run(toy.edge, turn(LONG, n=1))
-    assert done.output_tokens == 1
-    await asyncio.sleep(0.05)
-    assert toy.store.volume_bytes() == 0  # waited for the writes, then dropped head and tail blocks
+@pytest.mark.parametrize("n", [1, 6])
+async def test_a_stateless_turn_drops_its_kv_after_the_late_tail_writes_even_when_its_client_leaves(toy, n):
+    """Whether the turn ends at token 1, runs to the end, or loses its client right after token 1,
+    its head and tail blocks leave the store once the tail's late writes have landed."""
+    toy.engines.save_delay_s = 0.1
+    done = await run(toy.edge, turn(LONG, n=n))
+    assert done.output_tokens == n
+    await _until(lambda: toy.store.volume_bytes() == 0)
+    events = toy.edge.chat(turn(LONG + " and one more", n=n), None)
+    async for _ in events:
+        break  # the client leaves at its first event
+    await events.aclose()
+    await asyncio.sleep(0.15)  # past the late writes
+    await _until(lambda: toy.store.volume_bytes() == 0)
+    await toy.gateway.finish_background(1.0)
+    assert not toy.gateway._background
