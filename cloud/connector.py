@@ -294,8 +294,8 @@ class TandemConnector(KVConnectorBase_V1):
         return  # loads are synchronous in start_load_kv
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Copy this layer's slice of every block planned for saving this step (one ``index_select``
-        in the backend's layout); the writer thread makes them canonical and stores them."""
+        """Copy this layer's slice of every block planned for saving this step (one gather, in the
+        backend's layout, complete on return); the writer thread makes them canonical and stores them."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, TandemMetadata) or not meta.saves:
             return
