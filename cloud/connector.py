@@ -62,7 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from tandem.cloud.kv_layout import layout_for
+from tandem.cloud.kv_layout import canonical, layout_for
 from tandem.common.errors import EngineError
 from tandem.common.kvblocks import LayerRange, block_nbytes
 from tandem.common.kvparams import KVTransferSpec
@@ -79,12 +79,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem.connector")
 _LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
 DEFAULT_SAVE_QUEUE_BYTES = 256 << 20
-
-
-def canonical(blocks: torch.Tensor) -> np.ndarray:
-    """KV values as the store keeps them: float32 on the host, whatever the engine's KV dtype (bf16 or
-    fp16 under ``dtype = "auto"``) and device (any shape in, same shape out)."""
-    return blocks.detach().to(device="cpu", dtype=torch.float32).numpy()
 
 
 @dataclass(frozen=True)
@@ -129,22 +123,29 @@ class TandemConnector(KVConnectorBase_V1):
         model_cfg = vllm_config.model_config
         self.num_kv_heads = model_cfg.get_total_num_kv_heads()
         self.head_dim = model_cfg.get_head_size()
-        self.store = open_store(extra.get("store_url", ""), extra["store_dir"], int(extra["store_bytes"]))
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
-        # worker side
+        self._init_worker(
+            open_store(extra.get("store_url", ""), extra["store_dir"], int(extra["store_bytes"])),
+            int(extra.get("save_queue_bytes", DEFAULT_SAVE_QUEUE_BYTES)),
+        )
+        from tandem.cloud import lifeline  # exits this engine process when the gateway dies
+
+        lifeline.watch_parent(extra.get("gateway_pid"))
+
+    def _init_worker(self, store: Any, save_queue_bytes: int) -> None:
+        """The block store and the worker side's state (``block_size``, ``layer_offset``,
+        ``num_kv_heads`` and ``head_dim`` are set before)."""
+        self.store = store
         self._load_errors: set[int] = set()
         # this step's copies: (global layer, the ops it serves, native blocks [n, ...] in op order)
         self._staged: list[tuple[int, list[PartOp], torch.Tensor]] = []
-        self._save_queue_bytes = int(extra.get("save_queue_bytes", DEFAULT_SAVE_QUEUE_BYTES))
+        self._save_queue_bytes = save_queue_bytes
         self._writer: ThreadPoolExecutor | None = None
         self._pending: deque[tuple[Future[None], int]] = deque()  # submitted jobs and their bytes
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
         self._layout: Any = None  # PagedLayout or CpuPackedLayout, chosen at the first cache seen
-        from tandem.cloud import lifeline  # exits this engine process when the gateway dies
-
-        lifeline.watch_parent(extra.get("gateway_pid"))
 
     # ------------------------------------------------------------------ scheduler side
 

@@ -674,11 +674,12 @@ class Gateway:
             spec = KVTransferSpec(
                 loads=(PartSpec(self.head_part(k), tuple(leaves)), PartSpec(self.tail_part(k), tuple(tail_keys)))
             )
+            tail_store_keys = [spec.loads[1].store_key(j) for j in range(len(tail_keys))]
             tail_saves: list[str] = []  # tail keys the tail engine may still be writing (after token 1)
             try:
-                await self._pin(turn, [spec.loads[1].store_key(j) for j in range(len(tail_keys))])
+                await self._pin(turn, tail_store_keys)
                 tail = await self._tail_prefill(turn, hidden, tail_keys)
-                tail_saves = [spec.loads[1].store_key(j) for j in range(len(tail_keys))]
+                tail_saves = tail_store_keys
                 ticket.prefill_done()
                 yield TokensOut((tail.first_token,), 0)
                 if tail.finish_reason is not None or header.sampling.max_new_tokens == 1:

@@ -32,10 +32,16 @@ import numpy as np
 import torch
 
 
+def canonical(blocks: torch.Tensor) -> np.ndarray:
+    """KV values as the store keeps them: float32 on the host, whatever the engine's KV dtype (bf16 or
+    fp16 under ``dtype = "auto"``) and device (any shape in, same shape out)."""
+    return blocks.detach().to(device="cpu", dtype=torch.float32).numpy()
+
+
 def read_blocks(layout: PagedLayout | CpuPackedLayout, cache: torch.Tensor, block_ids: Sequence[int]) -> np.ndarray:
     """Canonical float32 ``[n, 2, Hkv, B, D]`` copy of blocks ``block_ids`` of ``cache`` (any
-    float dtype; bf16 and fp16 widen exactly)."""
-    return layout.from_snapshot(layout.snapshot(cache, block_ids).to(torch.float32).numpy())
+    float dtype; bf16 and fp16 widen exactly): what the connector's writer stores, in one call."""
+    return layout.from_snapshot(canonical(layout.snapshot(cache, block_ids)))
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ longest run of consecutive blocks present for every load part (never the block h
 the last prompt token, as vLLM's connector API requires), saves the save part's missing
 blocks, and reports ``external_tokens``. Like the real connector, it can write its saves
 after it returns the first token (``save_delay_s``; ``None``: never, a store refusing them).
-Its tokens are a deterministic function of the
-prompt *and of the bytes it loaded*, so a test sees when loaded KV differs from KV
-computed from the inputs. Saved tail blocks are a digest of the activations they stand for.
+Its tokens are a deterministic function of the prompt *and of the bytes it loaded*, so a
+test sees when loaded KV differs from KV computed from the inputs. Saved tail blocks are a
+digest of the activations they stand for.
 """
 
 from __future__ import annotations
@@ -80,8 +80,7 @@ class MemoryEngines:
                     saves.append((key, effective[j]))
         saved = len(saves)
         if self.save_delay_s == 0.0:
-            for key, value in saves:
-                self.store.put(key, value)
+            self._put_all(saves)
         elif self.save_delay_s is not None and saves:
             asyncio.get_running_loop().call_later(self.save_delay_s, self._put_all, saves)
         tok = self._token(*effective, np.ascontiguousarray(hidden[n_full * B :], np.float32).tobytes())

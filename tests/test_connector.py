@@ -4,7 +4,6 @@ saving a block crashed the tail engine on ``.numpy()``)."""
 
 from __future__ import annotations
 
-import collections
 import threading
 
 import numpy as np
@@ -111,9 +110,7 @@ def _worker(store, queue_bytes: int = 1 << 30) -> TandemConnector:
     """The worker-side half of a connector (no vLLM config): what the model runner drives."""
     c = object.__new__(TandemConnector)
     c.block_size, c.layer_offset, c.num_kv_heads, c.head_dim = B, 0, HKV, D
-    c.store, c._layout, c._load_errors = store, None, set()
-    c._staged, c._save_queue_bytes, c._writer = [], queue_bytes, None
-    c._pending, c._pending_bytes, c._pending_lock = collections.deque(), 0, threading.Lock()
+    c._init_worker(store, queue_bytes)
     return c
 
 
