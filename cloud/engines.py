@@ -202,10 +202,31 @@ class VllmEngines:
         self._engines[role] = engine
 
     def start(self) -> None:
-        """Start every engine (about 20-30 s each on CPU). Blocking."""
+        """Start every engine, all at once (blocking). Most of an engine's 20-30 s start on CPU is
+        its EngineCore and worker processes importing torch and vLLM, one core each, so the engines'
+        starts overlap: on 2 cores a 3-engine cloud is up in about 35 s instead of 85 s. If one
+        fails, those that started are shut down and its error is raised."""
         self._closed = False
+        started: dict[str, Any] = {}
+        errors: list[BaseException] = []
+
+        def one(role: str) -> None:
+            try:
+                started[role] = self._new_engine(role)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(r,), name=f"engine-start-{r}") for r in self.ROLES]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            for e in started.values():
+                e.shutdown(10.0)
+            raise errors[0]
         for role in self.ROLES:
-            self._set(role, self._new_engine(role))
+            self._set(role, started[role])
 
     @property
     def closed(self) -> bool:

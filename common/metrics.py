@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -439,6 +440,9 @@ def cloud_turn(mode: str, turn: CloudTurnTimes) -> Iterator[None]:
 _VLLM_SHARED: dict[str, Any] = {}
 
 
+_VLLM_LOGGER_LOCK = threading.Lock()
+
+
 def _shared_metric(cls: Any) -> Any:
     """A stand-in for a prometheus_client metric class that creates each metric name once per
     process and returns that one again (re-registered if vLLM unregistered it meanwhile)."""
@@ -470,6 +474,12 @@ def vllm_stat_loggers() -> list[Any]:
         _gauge_cls = _shared_metric(Gauge)
         _counter_cls = _shared_metric(Counter)
         _histogram_cls = _shared_metric(Histogram)
+
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            # engines start in parallel threads (cloud.engines.VllmEngines.start): one logger's
+            # "unregister every vllm: collector" must not fall between another's creations
+            with _VLLM_LOGGER_LOCK:
+                super().__init__(*args, **kw)
 
     return [SharedPrometheusStatLogger]
 

@@ -238,6 +238,20 @@ async def test_three_turn_chat(stack, hf_model, tokenizer):
     assert all(h < n for h, n in head_tokens[1:]), head_tokens
 
 
+async def test_every_engine_exports_its_vllm_metrics(stack):
+    """The engines start together (``VllmEngines.start``); each still exports its ``vllm:`` metrics,
+    told apart by ``model_name`` (one engine's logger unregisters every ``vllm:`` collector)."""
+    from tandem.common.metrics import REGISTRY
+
+    names = {
+        s.labels.get("model_name")
+        for f in REGISTRY.collect()
+        if f.name == "vllm:num_requests_running"
+        for s in f.samples
+    }
+    assert len(names) == 3 and any(n.endswith("split-k4/tail") for n in names), names  # 2 tails, 1 decode
+
+
 async def test_decode_engine_uses_the_loaded_kv(stack, tokenizer, manifest):
     """Put deliberately wrong head KV in the store for a prompt: the split decode must change,
     which it cannot if the engine recomputed the prefix instead of loading it."""

@@ -171,3 +171,51 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+class _Started:
+    def __init__(self, role: str, log: list[str]) -> None:
+        self.role, self.log = role, log
+
+    def shutdown(self, timeout_s: float) -> None:
+        self.log.append(f"shutdown {self.role}")
+
+
+def _engine_set(fail: str = ""):
+    """``VllmEngines`` whose engine starts are stand-ins: each waits until every role has begun
+    (so the test fails if they run one after another) and ``fail`` raises."""
+    import threading
+
+    from tandem.cloud.engines import VllmEngines
+
+    roles = ("tail-k4", "tail-k8", "decode")
+    began = threading.Barrier(len(roles), timeout=5)
+    log: list[str] = []
+
+    class Engines(VllmEngines):
+        def __init__(self) -> None:  # no config, no manifests: only the start logic is under test
+            self.ROLES = roles
+            self._engines = dict.fromkeys(roles)
+            self._closed = True
+            self._lock = threading.Lock()
+
+        def _new_engine(self, role: str):
+            began.wait()  # BrokenBarrierError (a failed start) if the starts do not overlap
+            if role == fail:
+                raise EngineError(f"{role} did not start")
+            return _Started(role, log)
+
+    return Engines(), log
+
+
+def test_engines_start_together_and_a_failed_start_stops_the_others():
+    engines, log = _engine_set()
+    engines.start()
+    assert {r: e.role for r, e in engines._engines.items()} == {r: r for r in engines.ROLES} and not log
+    assert not engines.closed
+
+    engines, log = _engine_set(fail="tail-k8")
+    with pytest.raises(EngineError, match="tail-k8 did not start"):
+        engines.start()
+    assert sorted(log) == ["shutdown decode", "shutdown tail-k4"]  # nothing left running
+    assert all(e is None for e in engines._engines.values())
