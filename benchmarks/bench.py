@@ -83,10 +83,19 @@ class Stack:
         cloud_cpus: str = "",
         edge_cpus: str = "",
         edge_extra: Sequence[str] = (),
+        cloud_target: str = "",
     ) -> None:
         """``cloud_cpus`` / ``edge_cpus``: a ``taskset -c`` CPU list for the cloud (gateway and
         engines) and for the edge and link proxy; "" = unpinned. ``edge_extra``: more
-        ``tandem-edge`` flags."""
+        ``tandem-edge`` flags. ``cloud_target``: ``host:port`` of a running plaintext ``tandem-cloud``
+        to use instead of starting one (then the shaper must be ``proxy``: ``netns`` shapes the link
+        into a cloud it starts in its own namespace).
+
+        Raises:
+            ValueError: ``cloud_target`` with the ``netns`` shaper."""
+        if cloud_target and shaper == "netns":
+            raise ValueError("a running cloud (--cloud) is reached through the proxy shaper only, not netns")
+        self.cloud_target = cloud_target
         self.split_dirs, self.shaper, self.workdir, self.max_num_seqs = split_dirs, shaper, workdir, max_num_seqs
         self.cloud_pin = ["taskset", "-c", cloud_cpus] if cloud_cpus else []
         self.edge_pin = ["taskset", "-c", edge_cpus] if edge_cpus else []
@@ -110,13 +119,17 @@ class Stack:
         extra = ["--max-num-seqs", str(self.max_num_seqs), *splits]
         if host != "127.0.0.1":  # inside the benchmark's own network namespace, reached only by the proxy
             extra.append("--insecure")
-        cloud = self.daemons.spawn(
-            "tandem-cloud",
-            [*prefix, *self.cloud_pin, *cloud_command(first, w / "kv", host=host, extra=extra)],
-            w / "cloud.log",
-            w / "cloud.port",
-        )
-        cport = cloud.wait_ready(900)
+        if self.cloud_target:
+            upstream_host, _, port = self.cloud_target.rpartition(":")
+            cport = int(port)
+        else:
+            cloud = self.daemons.spawn(
+                "tandem-cloud",
+                [*prefix, *self.cloud_pin, *cloud_command(first, w / "kv", host=host, extra=extra)],
+                w / "cloud.log",
+                w / "cloud.port",
+            )
+            cport = cloud.wait_ready(900)
         self.proxy = self.daemons.spawn(
             "link proxy",
             [*self.edge_pin, sys.executable, "-m", "tandem.benchmarks.linkproxy", "0", f"{upstream_host}:{cport}"]
@@ -277,6 +290,13 @@ def main(
     pipeline_tokens: Annotated[
         int, typer.Option(help="the edge's --pipeline-tokens (-1: its default; 0: the head runs whole first)")
     ] = -1,
+    cloud: Annotated[
+        str,
+        typer.Option(
+            help="host:port of a running plaintext tandem-cloud to use instead of starting one (it must "
+            "serve these split layers; the shaper is then proxy)"
+        ),
+    ] = "",
 ) -> None:
     """Run the benchmark matrix and write records, tables and plots."""
     args = {k: str(v) if isinstance(v, Path) else v for k, v in locals().items()}
@@ -289,8 +309,10 @@ def main(
         raise typer.BadParameter(f"--order {order!r}: interleaved or blocks")
     if order == "interleaved" and concurrency != 1:
         raise typer.BadParameter("--concurrency > 1 needs --order blocks")
+    if cloud and shaper == "netns":
+        raise typer.BadParameter("--cloud: a running cloud is reached through --shaper proxy, not netns")
     if shaper == "auto":
-        shaper = "netns" if netns.available() else "proxy"
+        shaper = "netns" if netns.available() and not cloud else "proxy"
     out.mkdir(parents=True, exist_ok=True)
     ks = [int(x) for x in split_layers.split(",") if x.strip()]
     profiles = linkmod.get(links)
@@ -304,7 +326,9 @@ def main(
     workdir = work_dir("tandem-bench-")  # its block stores are removed at exit, its logs kept
     print(f"tandem-bench: shaper={shaper}, logs in {workdir}", file=sys.stderr)
     pipeline = ["--pipeline-tokens", str(pipeline_tokens)] if pipeline_tokens >= 0 else []
-    stack = Stack([model_dir / f"split-k{k}" for k in ks], shaper, workdir, max_num_seqs, edge_extra=pipeline)
+    stack = Stack(
+        [model_dir / f"split-k{k}" for k in ks], shaper, workdir, max_num_seqs, edge_extra=pipeline, cloud_target=cloud
+    )
     with tqdm(total=total, desc="requests", unit="req") as bar:
         try:
             eport = stack.start()

@@ -160,6 +160,13 @@ def main(
     max_new_tokens: int = 32,
     concurrency: Annotated[int, typer.Option(help="requests in flight")] = 4,
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/fidelity"),
+    cloud: Annotated[
+        str,
+        typer.Option(
+            help="host:port of a running plaintext tandem-cloud that allows every format in --pairs "
+            "(default: start one that allows all)"
+        ),
+    ] = "",
 ) -> None:
     """Run every prompt under every format pair and write the agreement table and plot."""
     from tqdm import tqdm
@@ -182,14 +189,15 @@ def main(
         # after --link-idle-s, so each pair gets the whole cloud
         extra = ["--wire-dtypes", every, "--kv-wire-dtypes", every, "--max-num-seqs", str(max(8, concurrency))]
         extra += ["--link-idle-s", str(LINK_IDLE_S)]
-        cloud = daemons.spawn("tandem-cloud", cloud_command(split_dir, w / "kv", extra=extra), w / "cloud.log", w / "c")
-        cport = cloud.wait_ready(900)
+        if not cloud:
+            c = daemons.spawn("tandem-cloud", cloud_command(split_dir, w / "kv", extra=extra), w / "cloud.log", w / "c")
+            cloud = f"127.0.0.1:{c.wait_ready(900)}"
         with tqdm(total=len(prompts) * len(runs), desc="replies", unit="req") as bar:
             for n, lab in enumerate(runs):
                 act, kv = lab.split("/")
                 edge = daemons.spawn(
                     f"tandem-edge {lab}",
-                    edge_command(split_dir, f"127.0.0.1:{cport}", extra=["--wire-dtypes", act, "--kv-wire-dtypes", kv]),
+                    edge_command(split_dir, cloud, extra=["--wire-dtypes", act, "--kv-wire-dtypes", kv]),
                     w / f"edge-{n}.log",
                     w / f"edge-{n}.port",
                 )

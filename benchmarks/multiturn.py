@@ -143,6 +143,9 @@ def main(
     turns: Annotated[int, typer.Option(help="turns per conversation")] = 10,
     max_new_tokens: Annotated[int, typer.Option(help="tokens per reply (greedy; EOS ends a reply)")] = 48,
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/multiturn"),
+    cloud: Annotated[
+        str, typer.Option(help="host:port of a running plaintext tandem-cloud that allows fp32 (default: start one)")
+    ] = "",
 ) -> None:
     """Run the conversations with and without a session and write the per-turn table and figure."""
     from tqdm import tqdm
@@ -156,9 +159,10 @@ def main(
     daemons = Daemons()
     try:
         fp32 = ["--wire-dtypes", "fp32", "--kv-wire-dtypes", "fp32"]  # the table's bytes are fp32's
-        cloud = daemons.spawn("tandem-cloud", cloud_command(split_dir, w / "kv", extra=fp32), w / "cloud.log", w / "c")
-        cport = cloud.wait_ready(900)
-        edge = daemons.spawn("tandem-edge", edge_command(split_dir, f"127.0.0.1:{cport}"), w / "edge.log", w / "e")
+        if not cloud:
+            c = daemons.spawn("tandem-cloud", cloud_command(split_dir, w / "kv", extra=fp32), w / "cloud.log", w / "c")
+            cloud = f"127.0.0.1:{c.wait_ready(900)}"
+        edge = daemons.spawn("tandem-edge", edge_command(split_dir, cloud, extra=fp32), w / "edge.log", w / "e")
         port = edge.wait_ready(300)
         with tqdm(total=conversations * turns, desc="turns", unit="turn") as bar:
             rows = asyncio.run(run_conversations(port, conversations, turns, max_new_tokens, split_layer, bar))

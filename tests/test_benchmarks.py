@@ -18,6 +18,25 @@ from tandem.benchmarks.linkproxy import LinkProxy
 from tandem.benchmarks.links import PROFILES, LinkProfile, get
 from tandem.stages import Stage
 
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench_cloud(split_dir, tmp_path_factory):
+    """One plain ``tandem-cloud`` (every wire format, link shares released after 2 s idle) for the
+    smoke runs of ``tandem-bench``, ``-multiturn`` and ``-fidelity`` (``--cloud``): each would
+    otherwise start its own, a minute apiece. Their own start of a cloud is what ``make bench*``
+    runs; the burst and batching smokes still start theirs (they configure its engines)."""
+    from tandem.common.wire import WireDtype
+    from tandem.daemons import Daemons, cloud_command
+
+    w = tmp_path_factory.mktemp("bench-cloud")
+    every = ",".join(d.name.lower() for d in WireDtype)
+    extra = ["--wire-dtypes", every, "--kv-wire-dtypes", every, "--link-idle-s", "2"]
+    with Daemons() as daemons:
+        cloud = daemons.spawn("tandem-cloud", cloud_command(split_dir, w / "kv", extra=extra), w / "cloud.log", w / "c")
+        yield f"127.0.0.1:{cloud.wait_ready(900)}"
+
 
 async def echo_server():
     async def handle(r, w):
@@ -138,7 +157,7 @@ def test_report_writes_tables_and_plots(tmp_path):
 
 
 @pytest.mark.engines
-def test_bench_smoke(tmp_path):
+def test_bench_smoke(tmp_path, bench_cloud):
     out = tmp_path / "bench"
     cmd = [
         sys.executable,
@@ -154,8 +173,8 @@ def test_bench_smoke(tmp_path):
         "1",
         "--max-new-tokens",
         "2",
-        "--shaper",
-        "auto",
+        "--cloud",
+        bench_cloud,
         "--out",
         str(out),
     ]
@@ -165,7 +184,7 @@ def test_bench_smoke(tmp_path):
     assert len(rows) == 1 + 2 * 4  # header + split-k4, cloud-only, edge-only, auto on 2 links
     assert "auto / best" in (out / "auto.md").read_text()
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["shaper"] in ("netns", "proxy")
+    assert meta["shaper"] == "proxy"  # a running cloud is reached through the proxy
     assert (out / "breakeven.png").stat().st_size > 0
 
 
@@ -242,9 +261,10 @@ def test_fidelity_prompt_set_and_comparison():
 
 
 @pytest.mark.engines
-def test_fidelity_smoke(tmp_path):
+def test_fidelity_smoke(tmp_path, bench_cloud):
     out = tmp_path / "fidelity"
     cmd = [sys.executable, "-m", "tandem.benchmarks.fidelity", "--limit", "3", "--max-new-tokens", "3"]
+    cmd += ["--cloud", bench_cloud]
     cmd += ["--pairs", "fp32/fp32,int8/int4", "--concurrency", "2", "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
     assert res.returncode == 0, res.stderr[-3000:]
@@ -292,9 +312,10 @@ def test_multiturn_summary_is_cumulative_per_conversation():
 
 
 @pytest.mark.engines
-def test_multiturn_smoke(tmp_path):
+def test_multiturn_smoke(tmp_path, bench_cloud):
     out = tmp_path / "multiturn"
     cmd = [sys.executable, "-m", "tandem.benchmarks.multiturn", "--conversations", "1", "--turns", "3"]
+    cmd += ["--cloud", bench_cloud]
     cmd += ["--max-new-tokens", "4", "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
     assert res.returncode == 0, res.stderr[-3000:]
