@@ -26,7 +26,7 @@ from tandem.cloud.admission import UploadBudget
 from tandem.cloud.config import CloudConfig
 from tandem.cloud.engines import EngineBackend, TailResult
 from tandem.cloud.links import ControllerConfig, LinkSlo, LinkTable, Ticket
-from tandem.cloud.negotiation import LinkLimits, LinkVersions, link_params
+from tandem.cloud.negotiation import LinkLimits, LinkVersions, ack_threshold_bytes, link_params
 from tandem.cloud.rates import CloudRates
 from tandem.cloud.sessions import CloudSession, SessionTable
 from tandem.cloud.sessionstore import SessionStore
@@ -870,21 +870,19 @@ class Gateway:
         self, upload: TurnUpload, uplink: AsyncIterator[UplinkBody], keeper: PrefixKeeper | None = None
     ) -> AsyncIterator[Nack | Repair | WindowAck]:
         """Check each item as it arrives. Payload received (each chunk and KV block once; resends do
-        not count) is acknowledged (``WindowAck``) every half window: the edge's flow control, which
-        it honours as a sender honours TCP's window. The cloud's memory does not depend on it: the
-        upload's bytes are reserved at its header (``UploadBudget``) and gRPC's flow control holds
-        back what the gateway has not read. With a session, each such ack also has ``keeper`` keep
-        the verified prefix, and the next ack (``held_tokens``) tells the edge what it may resume from.
+        not count) is acknowledged (``WindowAck``) every quarter window (``ack_threshold_bytes``):
+        the edge's flow control, which it honours as a sender honours TCP's window. The cloud's
+        memory does not depend on it: the upload's bytes are reserved at its header
+        (``UploadBudget``) and gRPC's flow control holds back what the gateway has not read. With a
+        session, each such ack also has ``keeper`` keep the verified prefix, and the next ack
+        (``held_tokens``) tells the edge what it may resume from.
 
         Raises:
             InvalidRequest: an unexpected item, an early close.
         """
         repairs, acked, received, told = 0, 0, 0, upload.header.cached_tokens
         window = upload.params.inflight_window_bytes
-        # the edge waits only with more than window - (its next item) in flight, so an ack at this
-        # threshold always comes: half the window, less where items are large against it (at least
-        # every item)
-        threshold = max(1, min(window // 2, window - upload.max_item_bytes))
+        threshold = ack_threshold_bytes(window, upload.max_item_bytes)  # a quarter window (see there)
         seen: set[tuple[str, int]] = set()
         async for item in uplink:
             if isinstance(item, wire.Chunk | KVBlock):

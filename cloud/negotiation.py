@@ -15,7 +15,8 @@ follow the link's share of the engines (``cloud.links.LinkTable``):
   in ``[MIN_CHUNK_TOKENS, cfg.max_chunk_tokens]``, ``cfg.chunk_tokens`` when goodput is unknown.
 * ``inflight_window_bytes``: twice the bandwidth-delay product (the classic sliding-window rule:
   a window below the BDP leaves the link idle; RFC 7323 s1.1), at least ``MIN_WINDOW_BYTES`` and
-  ``WINDOW_ITEMS`` of the link's largest item (so the cloud's ack every half window always comes),
+  ``WINDOW_ITEMS`` of the link's largest item (so the cloud's ack every quarter window,
+  ``ack_threshold_bytes``, always comes),
   at most ``MAX_WINDOW_BYTES``, which is also the window when the link is not measured. The window
   bounds what waits in the link's queues ahead of anything else the edge sends on the connection
   (keepalive pings, polls): at most about two RTTs' worth.
@@ -71,6 +72,24 @@ def pick_chunk_tokens(goodput_mbps: float, bytes_per_token: int, default: int, m
     tokens = max(1.0, target_bytes / max(1, bytes_per_token))
     p2 = 2 ** round(math.log2(tokens))
     return int(min(max(p2, MIN_CHUNK_TOKENS), max_tokens))
+
+
+ACKS_PER_WINDOW = 4
+
+
+def ack_threshold_bytes(window_bytes: int, max_item_bytes: int) -> int:
+    """Payload bytes received between two ``WindowAck``s: a quarter of the window, less where items
+    are large against it (the edge waits only with more than ``window - its next item`` in flight,
+    so an ack at this threshold always comes), at least 1.
+
+    Why a quarter: the edge may have ``window`` bytes unacknowledged, but up to one threshold of
+    them has already arrived and waits for its ack, so an upload moves at least
+    ``(window - threshold) / RTT``. The window is ``2 x BDP`` of the edge's goodput estimate, so with
+    half-window acks an upload could never measure more than the estimate itself: a link that got
+    faster (a 4g edge now on a fibre line) would keep its old estimate forever. With quarter acks
+    an upload can reach 1.5x the estimate, and the edge renegotiates upward at
+    ``edge.cloudconn.RENEGOTIATE_UP_RATIO`` (1.25x), so the estimate climbs to the link's rate."""
+    return max(1, min(window_bytes // ACKS_PER_WINDOW, window_bytes - max_item_bytes))
 
 
 def pick_window_bytes(goodput_mbps: float, rtt_ms: float, max_item_bytes: int) -> int:

@@ -13,9 +13,12 @@ the link, and the cloud's load.
   calls padded with ``probe_bytes`` (uplink goodput: padding over the extra time); afterwards every
   split upload of at least ``MIN_GOODPUT_SAMPLE_BYTES`` is a goodput sample (bytes over the time
   the cloud took to receive and verify them, on its clock). Both estimates are exponentially weighted
-  (alpha 0.3), so they follow a changed link within a few requests. When goodput moves by more than
-  ``RENEGOTIATE_RATIO`` from the value last offered, the link is renegotiated (chunk size, window,
-  codec follow the link).
+  (alpha 0.3), so they follow a changed link within a few requests. When goodput falls below
+  ``1 / RENEGOTIATE_RATIO`` or rises above ``RENEGOTIATE_UP_RATIO`` times the value last offered, the
+  link is renegotiated (chunk size, window, codec follow the link). Upward the step is smaller:
+  the window the cloud grants is sized from the offered goodput, so an upload measures at most
+  about 1.5x the offer (``cloud.negotiation.ack_threshold_bytes``); a 2x rule would leave an edge
+  whose link got faster on its old, window-limited estimate for good.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ PROBE_SMALL = 3
 PROBE_PADDED = 2
 MIN_GOODPUT_SAMPLE_BYTES = 32 << 10
 RENEGOTIATE_RATIO = 2.0
+RENEGOTIATE_UP_RATIO = 1.25
 LINK_ALPHA = 0.3
 
 
@@ -269,7 +273,7 @@ class CloudConnection:
         g, offered = self.goodput_mbps.value, self.offered_goodput_mbps
         if g <= 0:
             return False
-        return offered <= 0 or not (1 / RENEGOTIATE_RATIO <= g / offered <= RENEGOTIATE_RATIO)
+        return offered <= 0 or not (1 / RENEGOTIATE_RATIO <= g / offered <= RENEGOTIATE_UP_RATIO)
 
     # ------------------------------------------------------------------ passive measurement
 

@@ -126,8 +126,15 @@ def test_report_writes_tables_and_plots(tmp_path):
                     sent_bytes={"activations": 2304 * n, "kv": 6144 * n, "header": 100}
                     if mode.startswith("split")
                     else {"header": 100},
-                    # an uplink stage at 9 Mbit/s of payload (header included)
-                    timings_ms={"edge_head_ms": 2.0, "cloud_decode_ms": 9.0, "uplink_ms": (8448 * n + 100) * 8 / 9e3}
+                    # payload received at 9 Mbit/s on the cloud's clock (header included), after 5 ms
+                    # queued for admission; the edge's uplink stage adds an RTT
+                    timings_ms={
+                        "edge_head_ms": 2.0,
+                        "cloud_decode_ms": 9.0,
+                        "uplink_ms": (8448 * n + 100) * 8 / 9e3 + 55.0,
+                        "cloud_upload_wait_ms": (8448 * n + 100) * 8 / 9e3 + 5.0,
+                        "cloud_queue_ms": 5.0,
+                    }
                     if mode.startswith("split")
                     else {},
                     served_mode="direct" if mode in ("auto", "cloud-only") else mode.split("-")[0],

@@ -345,6 +345,79 @@ class _Call:
         self.sent.append("half-close")
 
 
+def _upload_rate_mbps(estimate_mbps: float, link_mbps: float, rtt_ms: float, threshold_fn) -> float:
+    """One 4 MB upload over a link of ``link_mbps`` and ``rtt_ms`` (a FIFO at the link rate, then
+    RTT/2), with the real edge sender (``_send_more``) under the window the cloud grants for
+    ``estimate_mbps`` (``pick_window_bytes``) and the cloud acking every ``threshold_fn(window,
+    item)`` bytes. Returns payload bits over the receive interval, as the edge's passive sample."""
+    import heapq
+
+    from tandem.cloud.negotiation import pick_window_bytes
+    from tandem.common import wire
+    from tandem.common.messages import TurnHeader
+    from tandem.edge.uplink import OutgoingTurn, _send_more
+
+    chunks = wire.split(np.zeros((1024, 1024), np.float32), 0, 16, params_version=1)  # 64 x 64 KiB
+    header = TurnHeader("r", "", 1, K, tuple(range(1024)), 0, len(chunks), 0, Sampling(max_new_tokens=1))
+    item = len(chunks[0].payload)
+    window = pick_window_bytes(estimate_mbps, rtt_ms, item)
+    turn = OutgoingTurn(header, chunks, {}, 0, bytes(32), window=window, block_tokens=32)
+    rate, half = link_mbps * 1e6 / 8 / 1e3, rtt_ms / 2  # bytes per ms, one-way ms
+    events: list[tuple[float, int, str, int]] = []  # (time ms, order, kind, bytes)
+    clock = {"now": 0.0, "link_free": 0.0, "n": 0}
+
+    class Call:
+        def send(self, it) -> int:
+            n = len(getattr(it, "payload", b""))
+            done = max(clock["now"], clock["link_free"]) + n / rate
+            clock["link_free"] = done
+            clock["n"] += 1
+            heapq.heappush(events, (done + half, clock["n"], "arrive", n))
+            return n
+
+    call, threshold = Call(), threshold_fn(window, item)
+    _send_more(call, turn, 0)
+    received = acked = 0
+    first = last = None
+    while events:
+        t, _, kind, n = heapq.heappop(events)
+        clock["now"] = t
+        if kind == "arrive":
+            first = t - n / rate if first is None else first
+            last, received = t, received + n
+            if received - acked >= threshold:
+                acked = received
+                clock["n"] += 1
+                heapq.heappush(events, (t + half, clock["n"], "ack", received))
+        else:
+            _send_more(call, turn, n)
+    assert received == 64 * item
+    return received * 8 / ((last - first) * 1e3)
+
+
+def test_an_upload_can_measure_more_than_the_estimate_its_window_was_sized_from():
+    """A window-limited upload measures no more than its window lets through. With half-window acks
+    that was the estimate itself, so an edge on a link that got faster (4g, then a 100 Mbit/s 80 ms
+    line) stayed near its old estimate. Quarter acks let an upload reach about 1.5x the estimate,
+    and the edge renegotiates up at 1.25x, so the estimate climbs to the link."""
+    from tandem.cloud.negotiation import ack_threshold_bytes
+    from tandem.edge.cloudconn import RENEGOTIATE_UP_RATIO
+
+    def half(window: int, item: int) -> int:  # the old rule
+        return max(1, min(window // 2, window - item))
+
+    link, rtt = 100.0, 80.0
+    stuck = _upload_rate_mbps(60.0, link, rtt, half)
+    assert stuck < 60.0 * RENEGOTIATE_UP_RATIO  # the old rule: no renegotiation, never more
+    g, steps = 60.0, 0
+    while g < 0.9 * link:  # the edge's estimate after each renegotiation (samples at the window's rate)
+        sample = _upload_rate_mbps(g, link, rtt, ack_threshold_bytes)
+        assert sample >= min(1.3 * g, 0.9 * link), (g, sample)
+        g, steps = sample, steps + 1
+        assert steps <= 3
+    assert _upload_rate_mbps(link, link, rtt, ack_threshold_bytes) >= 0.95 * link  # at the link's rate: full
+
+
 def test_the_edge_sends_within_the_window_and_commits_after_the_last_item():
     from tandem.common import wire
     from tandem.common.messages import Commit, KVBlock, TurnHeader
