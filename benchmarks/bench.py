@@ -120,8 +120,7 @@ class Stack:
         if host != "127.0.0.1":  # inside the benchmark's own network namespace, reached only by the proxy
             extra.append("--insecure")
         if self.cloud_target:
-            upstream_host, _, port = self.cloud_target.rpartition(":")
-            cport = int(port)
+            upstream_host, cport = parse_host_port(self.cloud_target)
         else:
             cloud = self.daemons.spawn(
                 "tandem-cloud",
@@ -162,6 +161,18 @@ class Stack:
         self.daemons.stop()
         if self.ns is not None:
             self.ns.destroy()
+
+
+def parse_host_port(target: str) -> tuple[str, int]:
+    """``host:port`` (``[v6addr]:port`` for IPv6) as (host, port), brackets removed.
+
+    Raises:
+        ValueError: no port, a port that is not a number in 1..65535, or an empty host."""
+    host, sep, port = target.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{target!r} is not host:port (IPv6: [addr]:port)")
+    return host, int(port)
 
 
 @dataclass(frozen=True)
@@ -311,6 +322,11 @@ def main(
         raise typer.BadParameter("--concurrency > 1 needs --order blocks")
     if cloud and shaper == "netns":
         raise typer.BadParameter("--cloud: a running cloud is reached through --shaper proxy, not netns")
+    if cloud:
+        try:
+            parse_host_port(cloud)
+        except ValueError as e:
+            raise typer.BadParameter(f"--cloud: {e}") from None
     if shaper == "auto":
         shaper = "netns" if netns.available() and not cloud else "proxy"
     out.mkdir(parents=True, exist_ok=True)

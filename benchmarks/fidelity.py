@@ -163,8 +163,9 @@ def main(
     cloud: Annotated[
         str,
         typer.Option(
-            help="host:port of a running plaintext tandem-cloud that allows every format in --pairs "
-            "(default: start one that allows all)"
+            help="host:port of a running plaintext tandem-cloud that allows every format in --pairs and "
+            f"releases an idle link's share within {LINK_IDLE_S:g} s (--link-idle-s), so each pair gets the "
+            "whole cloud (default: start one like that)"
         ),
     ] = "",
 ) -> None:

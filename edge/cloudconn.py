@@ -14,11 +14,11 @@ the link, and the cloud's load.
   split upload of at least ``MIN_GOODPUT_SAMPLE_BYTES`` is a goodput sample (bytes over the time
   the cloud took to receive and verify them, on its clock). Both estimates are exponentially weighted
   (alpha 0.3), so they follow a changed link within a few requests. When goodput falls below
-  ``1 / RENEGOTIATE_RATIO`` or rises above ``RENEGOTIATE_UP_RATIO`` times the value last offered, the
-  link is renegotiated (chunk size, window, codec follow the link). Upward the step is smaller:
-  the window the cloud grants is sized from the offered goodput, so an upload measures at most
-  about 1.5x the offer (``cloud.negotiation.ack_threshold_bytes``); a 2x rule would leave an edge
-  whose link got faster on its old, window-limited estimate for good.
+  ``1 / RENEGOTIATE_RATIO`` (1.5) or rises above ``RENEGOTIATE_UP_RATIO`` times the value last offered, the
+  link is renegotiated (chunk size, window, codec follow the link). The band is narrow because
+  the window the cloud grants is sized from the offered goodput: a long upload is guaranteed only
+  about 1.5x the offer (``cloud.negotiation.ack_threshold_bytes``), so a wider band could leave an
+  edge whose link got faster on its old, window-limited estimate for good.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ log = logging.getLogger("tandem.edge")
 PROBE_SMALL = 3
 PROBE_PADDED = 2
 MIN_GOODPUT_SAMPLE_BYTES = 32 << 10
-RENEGOTIATE_RATIO = 2.0
-RENEGOTIATE_UP_RATIO = 1.25
+RENEGOTIATE_RATIO = 1.5  # down: below offered / 1.5
+RENEGOTIATE_UP_RATIO = 1.25  # up: above offered x 1.25
 LINK_ALPHA = 0.3
 
 

@@ -18,25 +18,6 @@ from tandem.benchmarks.linkproxy import LinkProxy
 from tandem.benchmarks.links import PROFILES, LinkProfile, get
 from tandem.stages import Stage
 
-ROOT = Path(__file__).parents[1]
-
-
-@pytest.fixture(scope="module")
-def bench_cloud(split_dir, tmp_path_factory):
-    """One plain ``tandem-cloud`` (every wire format, link shares released after 2 s idle) for the
-    smoke runs of ``tandem-bench``, ``-multiturn`` and ``-fidelity`` (``--cloud``): each would
-    otherwise start its own, a minute apiece. Their own start of a cloud is what ``make bench*``
-    runs; the burst and batching smokes still start theirs (they configure its engines)."""
-    from tandem.common.wire import WireDtype
-    from tandem.daemons import Daemons, cloud_command
-
-    w = tmp_path_factory.mktemp("bench-cloud")
-    every = ",".join(d.name.lower() for d in WireDtype)
-    extra = ["--wire-dtypes", every, "--kv-wire-dtypes", every, "--link-idle-s", "2"]
-    with Daemons() as daemons:
-        cloud = daemons.spawn("tandem-cloud", cloud_command(split_dir, w / "kv", extra=extra), w / "cloud.log", w / "c")
-        yield f"127.0.0.1:{cloud.wait_ready(900)}"
-
 
 async def echo_server():
     async def handle(r, w):
@@ -90,6 +71,16 @@ def test_proxy_process_reports_its_port_and_takes_profiles(tmp_path):
         while "ok" not in proxy.tail() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert proxy.tail().splitlines() == [str(port), "ok"]
+
+
+def test_cloud_targets_parse_with_clear_errors():
+    from tandem.benchmarks.bench import parse_host_port
+
+    assert parse_host_port("127.0.0.1:50051") == ("127.0.0.1", 50051)
+    assert parse_host_port("[::1]:7000") == ("::1", 7000)
+    for bad in ("localhost", ":80", "host:http", "host:0", "host:70000", "[::1]"):
+        with pytest.raises(ValueError, match="not host:port"):
+            parse_host_port(bad)
 
 
 def test_profiles_are_complete():
@@ -164,38 +155,6 @@ def test_report_writes_tables_and_plots(tmp_path):
 
 
 @pytest.mark.engines
-def test_bench_smoke(tmp_path, bench_cloud):
-    out = tmp_path / "bench"
-    cmd = [
-        sys.executable,
-        "-m",
-        "tandem.benchmarks.bench",
-        "--split-layers",
-        "4",
-        "--links",
-        "loopback,4g",
-        "--prompt-lens",
-        "16",
-        "--requests",
-        "1",
-        "--max-new-tokens",
-        "2",
-        "--cloud",
-        bench_cloud,
-        "--out",
-        str(out),
-    ]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = list(open(out / "summary.csv"))
-    assert len(rows) == 1 + 2 * 4  # header + split-k4, cloud-only, edge-only, auto on 2 links
-    assert "auto / best" in (out / "auto.md").read_text()
-    meta = json.loads((out / "meta.json").read_text())
-    assert meta["shaper"] == "proxy"  # a running cloud is reached through the proxy
-    assert (out / "breakeven.png").stat().st_size > 0
-
-
-@pytest.mark.engines
 def test_batching_smoke(tmp_path):
     out = tmp_path / "batching"
     cmd = [
@@ -267,21 +226,6 @@ def test_fidelity_prompt_set_and_comparison():
     assert per_pos == [pytest.approx(1 / 3), pytest.approx(1 / 2), 0.0]
 
 
-@pytest.mark.engines
-def test_fidelity_smoke(tmp_path, bench_cloud):
-    out = tmp_path / "fidelity"
-    cmd = [sys.executable, "-m", "tandem.benchmarks.fidelity", "--limit", "3", "--max-new-tokens", "3"]
-    cmd += ["--cloud", bench_cloud]
-    cmd += ["--pairs", "fp32/fp32,int8/int4", "--concurrency", "2", "--out", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
-    assert res.returncode == 0, res.stderr[-3000:]
-    data = json.loads((out / "fidelity.json").read_text())
-    assert [r["label"] for r in data["rows"]] == ["fp32/fp32 (again)", "int8/int4"]
-    fp32, small = data["rows"][0]["bytes_per_token"], data["rows"][1]["bytes_per_token"]
-    assert small < fp32 / 4  # int8 activations (581 B) + int4 KV (912 B) against 8448 B at k=4
-    assert (out / "fidelity.png").stat().st_size > 0 and "replies equal" in (out / "fidelity.md").read_text()
-
-
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
 def test_round_orders_balance_what_runs_before_each_mode(n):
     """Over n rounds (n even) or 2n (n odd) every mode directly follows every other equally often."""
@@ -319,18 +263,83 @@ def test_multiturn_summary_is_cumulative_per_conversation():
 
 
 @pytest.mark.engines
-def test_multiturn_smoke(tmp_path, bench_cloud):
-    out = tmp_path / "multiturn"
-    cmd = [sys.executable, "-m", "tandem.benchmarks.multiturn", "--conversations", "1", "--turns", "3"]
-    cmd += ["--cloud", bench_cloud]
-    cmd += ["--max-new-tokens", "4", "--out", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
-    assert res.returncode == 0, res.stderr[-3000:]
-    per_turn = json.loads((out / "multiturn.json").read_text())["per_turn"]
-    assert len(per_turn) == 3 and all(r["same_replies"] for r in per_turn)
-    assert per_turn[0]["delta_bytes"] == pytest.approx(per_turn[0]["naive_bytes"], rel=0.05)  # first turn: all
-    assert per_turn[2]["delta_bytes"] < per_turn[2]["naive_bytes"] / 2  # later turns: only what is new
-    assert (out / "multiturn.png").stat().st_size > 0 and "saved" in (out / "multiturn.md").read_text()
+class TestSmokeRunsOnOneCloud:
+    """``tandem-bench``, ``-multiturn`` and ``-fidelity`` with tiny arguments against one shared plain
+    ``tandem-cloud`` (``--cloud``): each would otherwise start its own, a minute apiece on 2 cores.
+    Their own start of a cloud is what ``make bench*`` runs; the burst and batching smokes still
+    start theirs (they configure its engines). Class-scoped, so this cloud is down before others run."""
+
+    @pytest.fixture(scope="class")
+    def bench_cloud(self, split_dir, tmp_path_factory):
+        from tandem.common.wire import WireDtype
+        from tandem.daemons import Daemons, cloud_command
+
+        w = tmp_path_factory.mktemp("bench-cloud")
+        every = ",".join(d.name.lower() for d in WireDtype)
+        extra = ["--wire-dtypes", every, "--kv-wire-dtypes", every, "--link-idle-s", "2"]
+        with Daemons() as daemons:
+            cloud = daemons.spawn(
+                "tandem-cloud", cloud_command(split_dir, w / "kv", extra=extra), w / "cloud.log", w / "c"
+            )
+            yield f"127.0.0.1:{cloud.wait_ready(900)}"
+
+    def test_bench_smoke(self, tmp_path, bench_cloud, split_dir):
+        out = tmp_path / "bench"
+        cmd = [
+            sys.executable,
+            "-m",
+            "tandem.benchmarks.bench",
+            "--split-layers",
+            "4",
+            "--links",
+            "loopback,4g",
+            "--prompt-lens",
+            "16",
+            "--requests",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--cloud",
+            bench_cloud,
+            "--model-dir",
+            str(split_dir.parent),
+            "--out",
+            str(out),
+        ]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
+        assert res.returncode == 0, res.stderr[-3000:]
+        rows = list(open(out / "summary.csv"))
+        assert len(rows) == 1 + 2 * 4  # header + split-k4, cloud-only, edge-only, auto on 2 links
+        assert "auto / best" in (out / "auto.md").read_text()
+        meta = json.loads((out / "meta.json").read_text())
+        assert meta["shaper"] == "proxy"  # a running cloud is reached through the proxy
+        assert (out / "breakeven.png").stat().st_size > 0
+
+    def test_fidelity_smoke(self, tmp_path, bench_cloud, split_dir):
+        out = tmp_path / "fidelity"
+        cmd = [sys.executable, "-m", "tandem.benchmarks.fidelity", "--limit", "3", "--max-new-tokens", "3"]
+        cmd += ["--cloud", bench_cloud, "--model-dir", str(split_dir.parent)]
+        cmd += ["--pairs", "fp32/fp32,int8/int4", "--concurrency", "2", "--out", str(out)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
+        assert res.returncode == 0, res.stderr[-3000:]
+        data = json.loads((out / "fidelity.json").read_text())
+        assert [r["label"] for r in data["rows"]] == ["fp32/fp32 (again)", "int8/int4"]
+        fp32, small = data["rows"][0]["bytes_per_token"], data["rows"][1]["bytes_per_token"]
+        assert small < fp32 / 4  # int8 activations (581 B) + int4 KV (912 B) against 8448 B at k=4
+        assert (out / "fidelity.png").stat().st_size > 0 and "replies equal" in (out / "fidelity.md").read_text()
+
+    def test_multiturn_smoke(self, tmp_path, bench_cloud, split_dir):
+        out = tmp_path / "multiturn"
+        cmd = [sys.executable, "-m", "tandem.benchmarks.multiturn", "--conversations", "1", "--turns", "3"]
+        cmd += ["--cloud", bench_cloud, "--model-dir", str(split_dir.parent)]
+        cmd += ["--max-new-tokens", "4", "--out", str(out)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
+        assert res.returncode == 0, res.stderr[-3000:]
+        per_turn = json.loads((out / "multiturn.json").read_text())["per_turn"]
+        assert len(per_turn) == 3 and all(r["same_replies"] for r in per_turn)
+        assert per_turn[0]["delta_bytes"] == pytest.approx(per_turn[0]["naive_bytes"], rel=0.05)  # first turn: all
+        assert per_turn[2]["delta_bytes"] < per_turn[2]["naive_bytes"] / 2  # later turns: only what is new
+        assert (out / "multiturn.png").stat().st_size > 0 and "saved" in (out / "multiturn.md").read_text()
 
 
 def test_a_runs_block_stores_are_removed_at_exit_and_its_logs_kept():
