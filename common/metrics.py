@@ -476,8 +476,9 @@ def vllm_stat_loggers() -> list[Any]:
         _histogram_cls = _shared_metric(Histogram)
 
         def __init__(self, *args: Any, **kw: Any) -> None:
-            # engines start in parallel threads (cloud.engines.VllmEngines.start): one logger's
-            # "unregister every vllm: collector" must not fall between another's creations
+            # engines start in parallel threads (cloud.engines.VllmEngines.start): two loggers must
+            # not create the same shared metric at once (prometheus_client refuses the second as a
+            # duplicated timeseries), nor one unregister every vllm: collector amid another's creations
             with _VLLM_LOGGER_LOCK:
                 super().__init__(*args, **kw)
 
