@@ -262,26 +262,27 @@ def test_multiturn_summary_is_cumulative_per_conversation():
     assert per_turn[0]["saved"] == 0 and per_turn[1]["saved"] == pytest.approx(1 - 1300 / 3000)
 
 
+@pytest.fixture(scope="class")
+def bench_cloud(split_dir, tmp_path_factory):
+    """A plain ``tandem-cloud`` allowing every wire format and releasing an idle link's share after
+    2 s, for ``TestSmokeRunsOnOneCloud`` (class-scoped: down before the other smokes start theirs)."""
+    from tandem.common.wire import WireDtype
+    from tandem.daemons import Daemons, cloud_command
+
+    w = tmp_path_factory.mktemp("bench-cloud")
+    every = ",".join(d.name.lower() for d in WireDtype)
+    extra = ["--wire-dtypes", every, "--kv-wire-dtypes", every, "--link-idle-s", "2"]
+    with Daemons() as daemons:
+        cloud = daemons.spawn("tandem-cloud", cloud_command(split_dir, w / "kv", extra=extra), w / "cloud.log", w / "c")
+        yield f"127.0.0.1:{cloud.wait_ready(900)}"
+
+
 @pytest.mark.engines
 class TestSmokeRunsOnOneCloud:
     """``tandem-bench``, ``-multiturn`` and ``-fidelity`` with tiny arguments against one shared plain
     ``tandem-cloud`` (``--cloud``): each would otherwise start its own, a minute apiece on 2 cores.
     Their own start of a cloud is what ``make bench*`` runs; the burst and batching smokes still
     start theirs (they configure its engines). Class-scoped, so this cloud is down before others run."""
-
-    @pytest.fixture(scope="class")
-    def bench_cloud(self, split_dir, tmp_path_factory):
-        from tandem.common.wire import WireDtype
-        from tandem.daemons import Daemons, cloud_command
-
-        w = tmp_path_factory.mktemp("bench-cloud")
-        every = ",".join(d.name.lower() for d in WireDtype)
-        extra = ["--wire-dtypes", every, "--kv-wire-dtypes", every, "--link-idle-s", "2"]
-        with Daemons() as daemons:
-            cloud = daemons.spawn(
-                "tandem-cloud", cloud_command(split_dir, w / "kv", extra=extra), w / "cloud.log", w / "c"
-            )
-            yield f"127.0.0.1:{cloud.wait_ready(900)}"
 
     def test_bench_smoke(self, tmp_path, bench_cloud, split_dir):
         out = tmp_path / "bench"
