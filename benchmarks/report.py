@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.edge.cloudconn import upload_receive_ms
 from tandem.stages import TTFT_STAGES, Stage
 
 STAGES = (*TTFT_STAGES, Stage.CLOUD_DECODE)  # mean of each per summary row, keyed by its wire name
@@ -68,7 +69,7 @@ def summarize(records) -> list[dict]:
         # goodput as the receiver sees it: payload over the cloud's receive interval (the header's
         # arrival to the last item verified, less admission queueing), the interval the edge's own
         # passive goodput samples use (edge.cloudconn.observe_upload); the RTT is latency, not rate
-        timed = [(r, ms) for r in rs if (ms := receive_ms(r)) > 0 and not queued(r)]
+        timed = [(r, ms) for r in rs if (ms := upload_receive_ms(r.timings_ms)) > 0]
         up_bytes = sum(sum(r.sent_bytes.get(k, 0) for k in PAYLOAD_KINDS) for r, _ in timed)
         up_ms = sum(ms for _, ms in timed)
         row["cloud_receive_ms"] = up_ms / len(timed) if timed else float("nan")
@@ -144,25 +145,9 @@ def ratios_markdown(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def receive_ms(r) -> float:
-    """A split request's upload time on the cloud's clock: from its header's arrival to its last
-    item verified, less the time it waited for admission. For a pipelined turn it includes the
-    edge head's compute where the head is slower than the link. 0.0 when the record has no such
-    timing (not split)."""
-    wait = r.timings_ms.get(Stage.CLOUD_UPLOAD_WAIT, 0.0)
-    return max(0.0, wait - r.timings_ms.get(Stage.CLOUD_QUEUE, 0.0))
-
-
-def queued(r) -> bool:
-    """Whether a split request waited for admission for at least a tenth of its upload: its bytes
-    then arrived into buffers meanwhile, so its receive interval understates the transfer (the
-    edge takes no goodput sample from such a turn either)."""
-    return r.timings_ms.get(Stage.CLOUD_QUEUE, 0.0) >= 0.1 * r.timings_ms.get(Stage.CLOUD_UPLOAD_WAIT, 0.0) > 0
-
-
 def goodput_markdown(rows: list[dict], links: list[dict]) -> str:
     """Uplink goodput of each split row on a shaped link: payload bits over the cloud's receive
-    interval (``receive_ms``), against the link's shaped uplink rate. Empty when no split row ran
+    interval (``edge.cloudconn.upload_receive_ms``), against the link's shaped uplink rate. Empty when no split row ran
     on a shaped link."""
     rate = {lk["name"]: lk.get("uplink_mbps") for lk in links}
     out = [

@@ -27,13 +27,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 
 from tandem.common.errors import QuotaExceeded, TandemError
 from tandem.common.ewma import Ewma
 from tandem.common.params import LinkParams, Negotiated, NegotiateOffer, ServerLoad
 from tandem.edge.link import CloudLink
+from tandem.stages import Stage
 
 log = logging.getLogger("tandem.edge")
 
@@ -43,6 +44,16 @@ MIN_GOODPUT_SAMPLE_BYTES = 32 << 10
 RENEGOTIATE_RATIO = 1.5  # down: below offered / 1.5
 RENEGOTIATE_UP_RATIO = 1.25  # up: above offered x 1.25
 LINK_ALPHA = 0.3
+
+
+def upload_receive_ms(timings_ms: Mapping[Stage, float] | Mapping[str, float]) -> float:
+    """A finished split upload's receive interval on the cloud's clock (``cloud_upload_wait_ms``, the
+    header's arrival to the last item verified, less ``cloud_queue_ms``), or 0.0 when it waited for
+    admission for a tenth of that or more (its bytes arrived into buffers meanwhile, so the interval
+    would understate the transfer) or has no such timing. The interval of a goodput sample here and
+    in ``tandem-bench``'s goodput table."""
+    wait, queued = timings_ms.get(Stage.CLOUD_UPLOAD_WAIT, 0.0), timings_ms.get(Stage.CLOUD_QUEUE, 0.0)
+    return wait - queued if queued < 0.1 * wait else 0.0
 
 
 class CloudConnection:

@@ -40,7 +40,7 @@ from tandem.common.messages import KVBlock, TokensOut, TurnFinal, TurnHeader, Up
 from tandem.common.params import LinkParams, SyncRequest
 from tandem.common.tracing import span, traced
 from tandem.edge.batcher import HeadBatcher
-from tandem.edge.cloudconn import CloudConnection
+from tandem.edge.cloudconn import CloudConnection, upload_receive_ms
 from tandem.edge.costmodel import DIRECT, LOCAL, SPLIT, CostModel, LinkState, Prediction, RequestShape, Route
 from tandem.edge.detok import TextStream
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
@@ -1050,11 +1050,11 @@ class EdgeService:
                 self.conn.observe_load(ev.load)
                 if out.split:
                     nbytes = out.sent_bytes["activations"] + out.sent_bytes["kv"]
-                    wait, queued = ev.timings.get(Stage.CLOUD_UPLOAD_WAIT, 0.0), ev.timings.get(Stage.CLOUD_QUEUE, 0.0)
                     # no sample from a turn queued for admission (buffered meanwhile) or pipelined (the
                     # cloud's wait includes the edge's head)
-                    if queued < 0.1 * wait and not out.pipelined:
-                        self.conn.observe_upload(nbytes, wait - queued)
+                    receive_ms = upload_receive_ms(ev.timings)
+                    if receive_ms > 0 and not out.pipelined:
+                        self.conn.observe_upload(nbytes, receive_ms)
                 yield self._done(ev, out, clock, head_tokens, text.token_ids, d)
 
     def _done(
