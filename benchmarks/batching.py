@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import os
 import sys
 import time
 import uuid
@@ -118,6 +119,9 @@ def main(
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from tandem.cloud import vllm_plugin
+
+    os.environ[vllm_plugin.FAST_EXIT_ENV] = "1"  # each engine of the sweep stops in about 2 s, not 9
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [prompt_token_ids(tok, p.as_messages()) for p in make_prompts(tok, prompt_tokens, requests, seed=1)]
     rows = []

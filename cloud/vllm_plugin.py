@@ -1,4 +1,5 @@
-"""tandem's vLLM general plugin: how long an idle vLLM worker busy-polls for its next step.
+"""tandem's vLLM general plugin: how long an idle vLLM worker busy-polls for its next step, and
+how vLLM's engine processes end (:func:`install_fast_exit`).
 
 vLLM runs each CPU engine's model in a worker process that reads its steps from a
 shared-memory queue (``vllm/distributed/device_communicators/shm_broadcast.py``). Its reader
@@ -21,6 +22,10 @@ The window counts from the worker's last read of a step, so with steps longer th
 steps on CPU take 50-70 ms) the worker also sleeps between the steps of a request, and each
 step then waits for a socket wake-up (tens of microseconds). ``tandem-bench``'s inter-token
 latency at 256 and 1024 prompt tokens was the same before and after (README, *Hot path*).
+
+With ``TANDEM_VLLM_FAST_EXIT=1`` (also set by ``cloud.engines``) it also installs
+:func:`install_fast_exit` in each engine process, so that an engine stops in about 2 s instead of
+9; unset, nothing changes there either.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 log = logging.getLogger("tandem.vllm_plugin")
 
 ENV = "TANDEM_VLLM_WORKER_BUSY_POLL_S"
+FAST_EXIT_ENV = "TANDEM_VLLM_FAST_EXIT"
 
 
 def register() -> None:
@@ -45,6 +51,8 @@ def register() -> None:
 
 
 def _register() -> None:
+    if os.environ.get(FAST_EXIT_ENV) == "1":
+        install_fast_exit()
     raw = os.environ.get(ENV)
     if raw is None:
         return
@@ -79,4 +87,77 @@ def set_worker_busy_poll_s(busy_s: float) -> bool:
     defaults = list(old)
     defaults[names.index("busy_loop_s")] = busy_s
     init.__defaults__ = tuple(defaults)
+    return True
+
+
+class _SysForSpawn:
+    """``sys`` as ``multiprocessing.spawn`` sees it: every attribute read and write goes to the real
+    module, except ``exit``, which ends the process at once (:func:`exit_now`)."""
+
+    def __init__(self, real: Any) -> None:
+        object.__setattr__(self, "_real", real)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._real, name, value)
+
+    @staticmethod
+    def exit(code: object = None) -> None:
+        exit_now(code)
+
+
+def exit_now(code: object = None) -> None:
+    """End this process the way a forked ``multiprocessing`` child ends: run the ``atexit``
+    handlers, flush stdout and stderr, then ``os._exit``, without the interpreter's finalization.
+    ``code`` is read as ``sys.exit`` reads it (None is 0; anything but an int is printed and is 1)."""
+    import atexit
+    import sys
+
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001, S110 - a closed stream must not stop the exit
+                pass
+        os._exit(status & 0xFF)
+
+
+def install_fast_exit() -> bool:
+    """In a process that ``multiprocessing`` spawned (vLLM's EngineCore and its workers), end it with
+    :func:`exit_now` once its target has returned; False (nothing changed) in any other process.
+
+    Why: a vLLM CPU worker spends 5-7 s after its shutdown in the interpreter's final garbage
+    collection (``gc_collect_main`` under ``Py_FinalizeEx``, seen with ``py-spy dump --native``);
+    vLLM's executor gives it ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (5 s), then SIGTERM (which
+    the shutting-down worker ignores), then SIGKILL 4 s later
+    (``vllm/v1/executor/multiproc_executor.py``, ``_ensure_worker_termination``). So each engine
+    took about 9 s to stop and its worker died by SIGKILL. By the time ``spawn_main`` calls
+    ``sys.exit(exitcode)`` (``multiprocessing/spawn.py``), the target has returned and
+    ``BaseProcess._bootstrap`` has run the process's finalizers, joined its threads and flushed
+    its streams: the worker has closed its queues and unlinked its shared memory. What is left is
+    the interpreter's teardown, which a forked child skips the same way
+    (``multiprocessing/popen_fork.py``: ``os._exit(code)`` after ``_bootstrap``).
+
+    Only ``multiprocessing.spawn``'s ``sys.exit`` changes: it sees ``sys`` through
+    :class:`_SysForSpawn`.
+    """
+    import multiprocessing
+    import sys
+    from multiprocessing import spawn
+
+    if multiprocessing.parent_process() is None:
+        return False
+    if not isinstance(getattr(spawn, "sys", None), _SysForSpawn):
+        setattr(spawn, "sys", _SysForSpawn(sys))  # noqa: B010 - typeshed does not declare spawn.sys
     return True

@@ -87,7 +87,10 @@ async def test_sigterm_drains_and_exits_cleanly(split_dir, tmp_path):
         while alive() and time.monotonic() - t0 < EXIT_S:
             await asyncio.sleep(0.2)
         assert not alive(), f"engine processes left: {[c.pid for c in alive()]}"
-        assert "SIGKILL" not in (tmp_path / "cloud.log").read_text()
+        log = (tmp_path / "cloud.log").read_text()
+        assert "SIGKILL" not in log
+        # each vLLM worker exited by itself within vLLM's grace (cloud.vllm_plugin.install_fast_exit)
+        assert "workers still running after grace period" not in log
     finally:
         if daemon.proc.poll() is None:
             daemon.proc.kill()

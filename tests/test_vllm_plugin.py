@@ -1,5 +1,6 @@
 """tandem's vLLM general plugin (cloud/vllm_plugin.py): installed as an entry point, it sets how long
-an idle vLLM worker busy-polls, only when tandem-cloud asks for it. Each case runs in a fresh
+an idle vLLM worker busy-polls, and ends vLLM's spawned processes without the interpreter's
+teardown, only when tandem-cloud asks for it. Each case runs in a fresh
 interpreter, as vLLM's engine processes do; the one in-process test undoes what it changes."""
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def test_the_plugin_applies_only_a_number_of_seconds(monkeypatch, env_value, app
 
 
 def test_the_cloud_passes_its_setting_to_the_engine_processes(monkeypatch):
-    """``_engine`` exports the setting before vLLM spawns the engine core and its worker."""
+    """``_engine`` exports the setting, and asks for the fast exit, before vLLM spawns the engine
+    core and its worker."""
     # _engine writes os.environ and builds vLLM's engine args, which load vLLM's plugins in this
     # process: undo all three afterwards (setenv first, so that the variable is restored even when
     # it was unset)
@@ -68,6 +70,7 @@ def test_the_cloud_passes_its_setting_to_the_engine_processes(monkeypatch):
     from tandem.cloud.config import CloudConfig, EngineConfig
 
     monkeypatch.setenv(vllm_plugin.ENV, "unset")
+    monkeypatch.setenv(vllm_plugin.FAST_EXIT_ENV, "unset")
     monkeypatch.setattr(SpinCondition.__init__, "__defaults__", SpinCondition.__init__.__defaults__)
     monkeypatch.setattr(plugins, "plugins_loaded", plugins.plugins_loaded)
     calls = []
@@ -76,7 +79,7 @@ def test_the_cloud_passes_its_setting_to_the_engine_processes(monkeypatch):
         pass
 
     def from_engine_args(args, **kw):
-        calls.append(os.environ.get(vllm_plugin.ENV))
+        calls.append((os.environ.get(vllm_plugin.ENV), os.environ.get(vllm_plugin.FAST_EXIT_ENV)))
         raise Stop
 
     monkeypatch.setattr("vllm.v1.engine.async_llm.AsyncLLM.from_engine_args", from_engine_args)
@@ -85,4 +88,59 @@ def test_the_cloud_passes_its_setting_to_the_engine_processes(monkeypatch):
     cfg = CloudConfig(engine=EngineConfig(worker_busy_poll_s=0.25))
     with pytest.raises(Stop):
         _engine(cfg.split_dir, cfg, "kv_consumer", 0, False)
-    assert calls == ["0.25"]
+    assert calls == [("0.25", "1")]
+
+
+class _WritesWhenFinalized:
+    """Writes its file in ``__del__``: at the interpreter's teardown when kept in a module global."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.open = open  # the builtins are gone by then
+
+    def __del__(self) -> None:
+        with self.open(self.path, "w") as f:
+            f.write("finalized")
+
+
+_KEPT: list = []
+
+
+def _child(marker_dir: str, fast: bool, code: int) -> None:
+    import atexit
+    from pathlib import Path
+
+    from tandem.cloud import vllm_plugin
+
+    if fast:
+        assert vllm_plugin.install_fast_exit()
+    atexit.register(lambda: (Path(marker_dir) / "atexit").write_text("ran"))
+    _KEPT.append(_WritesWhenFinalized(str(Path(marker_dir) / "finalized")))
+    print("child output", flush=False)  # buffered: the exit must still flush it
+    sys.exit(code)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_spawned_process_with_fast_exit_skips_only_the_interpreter_teardown(tmp_path, capfd, fast):
+    """``install_fast_exit`` in a spawned child: its exit code and ``atexit`` handlers stay, the
+    interpreter's teardown (here: a module global's ``__del__``) is skipped. The control case
+    without it shows that the teardown would have run."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    p = ctx.Process(target=_child, args=(str(tmp_path), fast, 3))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 3
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "finalized").exists() is not fast
+    assert "child output" in capfd.readouterr().out  # its buffered stdout was flushed
+
+
+def test_fast_exit_changes_nothing_in_a_process_multiprocessing_did_not_start():
+    from multiprocessing import spawn
+
+    from tandem.cloud import vllm_plugin
+
+    assert not vllm_plugin.install_fast_exit()
+    assert spawn.sys is sys
