@@ -235,8 +235,10 @@ async def test_kill_9_of_replicas_during_upload_and_during_decode(
     1. Turn 1 of a session whose replica is A: A is killed (``kill -9``, engines and all) once it
        acknowledged keeping part of the upload (``WindowAck.held_tokens``). The turn moves to B,
        which loads the kept prefix from Redis after a sync and receives only the rest.
-    2. Turn 2 streams from B; B is killed after 4 tokens. A restarts on its port and store; the
-       turn resumes there from the prompt plus the emitted tokens.
+    2. Turn 2 streams from B; B is killed after 4 tokens. A comes back at its address (the link
+       now leads to A2, a fresh ``tandem-cloud`` on the same Redis store, started together with B
+       so that the two starts overlap); the turn resumes there from the prompt plus the emitted
+       tokens.
 
     Both turns equal the unsplit reference; the client's stream repeats no token."""
     from tandem import AsyncClient
@@ -253,12 +255,15 @@ async def test_kill_9_of_replicas_during_upload_and_during_decode(
     b = Daemon(
         "tandem-cloud", cloud_command(split_dir, tmp_path / "kv-b", extra=extra), tmp_path / "b.log", tmp_path / "b"
     )
-    procs, edge = [b], None
+    a2 = Daemon(
+        "tandem-cloud", cloud_command(split_dir, tmp_path / "kv-a2", extra=extra), tmp_path / "a2.log", tmp_path / "a2"
+    )
+    procs, edge = [b, a2], None
     proxy = LinkProxy("127.0.0.1", cloud["port"])
     proxy.set_profile(LinkProfile("slow-uplink", rtt_ms=10.0, uplink_mbps=20.0, downlink_mbps=None))
     link = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
     try:
-        b_port = await asyncio.to_thread(b.wait_ready, 300)
+        b_port, a2_port = await asyncio.gather(asyncio.to_thread(b.wait_ready, 300), asyncio.to_thread(a2.wait_ready, 300))
         targets = [f"127.0.0.1:{link.sockets[0].getsockname()[1]}", f"127.0.0.1:{b_port}"]
         cfg = EdgeConfig(
             split_dir=split_dir,
@@ -309,16 +314,10 @@ async def test_kill_9_of_replicas_during_upload_and_during_decode(
                 streamed += len(delta.token_ids)
                 if streamed >= 4 and restarted is None:
                     t_kill_b = time.monotonic()
-                    kill_tree(b)  # B dies in the middle of the decode; A comes back on its port
-                    restarted = Daemon(
-                        "tandem-cloud",
-                        cloud_command(split_dir, tmp_path / "kv-a2", port=cloud["port"], extra=extra),
-                        tmp_path / "a2.log",
-                        tmp_path / "a2",
-                    )
-                    procs.append(restarted)
-                    cloud["daemon"], cloud["gateway"] = restarted, psutil.Process(restarted.proc.pid)
-                    await asyncio.to_thread(restarted.wait_ready, 300)
+                    kill_tree(b)  # B dies in the middle of the decode; A comes back at its address
+                    restarted = a2
+                    proxy.upstream = ("127.0.0.1", a2_port)
+                    cloud.update(daemon=a2, gateway=psutil.Process(a2.proc.pid), port=a2_port)
                     t_ready = time.monotonic()
             res = stream.result
             t_done = time.monotonic()
@@ -330,8 +329,8 @@ async def test_kill_9_of_replicas_during_upload_and_during_decode(
         got = list(res.output_token_ids)[: len(ref)]  # the reference stops at end-of-sequence; this ignores it
         assert_same_or_near_tie(got, ref, gaps, "turn 2, B killed mid-decode, resumed on the restarted A")
         print(
-            f"turn 2: B killed after 4 tokens; A ready again {t_ready - t_kill_b:.1f} s later; the turn resumed "
-            f"{res.resumes}x and ended {t_done - t_ready:.1f} s after that; 40 tokens, none repeated"
+            f"turn 2: B killed after 4 tokens, A back at its address {t_ready - t_kill_b:.1f} s later; the turn "
+            f"resumed {res.resumes}x and ended {t_done - t_ready:.1f} s after that; 40 tokens, none repeated"
         )
         trace = [r for r in caplog.records if r.name == "tandem.edge" and r.levelno >= 20]
         print("edge log (the replica moves):", *(f"{r.levelname} {r.getMessage()[:160]}" for r in trace), sep="\n  ")
