@@ -263,7 +263,7 @@ async def test_kill_9_of_replicas_during_upload_and_during_decode(
     proxy.set_profile(LinkProfile("slow-uplink", rtt_ms=10.0, uplink_mbps=20.0, downlink_mbps=None))
     link = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
     try:
-        b_port, a2_port = await asyncio.gather(asyncio.to_thread(b.wait_ready, 300), asyncio.to_thread(a2.wait_ready, 300))
+        b_port, a2_port = await asyncio.gather(*(asyncio.to_thread(d.wait_ready, 300) for d in (b, a2)))
         targets = [f"127.0.0.1:{link.sockets[0].getsockname()[1]}", f"127.0.0.1:{b_port}"]
         cfg = EdgeConfig(
             split_dir=split_dir,
