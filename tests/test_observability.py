@@ -165,6 +165,24 @@ def test_shared_vllm_metrics_survive_vllms_unregistering():
     assert REGISTRY.get_sample_value("tandem_test:shared_gauge", {"model_name": "decode"}) == 2
 
 
+def test_kv_cache_usage_is_the_highest_engines_gauge_and_reads_only_it():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    reg = CollectorRegistry()
+    assert metrics.vllm_kv_cache_usage(reg) == 0.0  # no engines
+    g = Gauge("vllm:kv_cache_usage_perc", "d", ["model_name", "engine"], registry=reg)
+    g.labels("tail", "0").set(0.25)
+    g.labels("decode", "0").set(0.75)
+    Gauge("vllm:other_perc", "d", registry=reg).set(0.9)
+
+    class Refuses(Histogram):  # a metric the reader must not collect
+        def collect(self):
+            raise AssertionError("collected a metric other than the KV cache gauge")
+
+    Refuses("vllm:e2e_seconds", "d", registry=reg)
+    assert metrics.vllm_kv_cache_usage(reg) == 0.75
+
+
 @pytest.fixture
 def json_log():
     buf = io.StringIO()

@@ -241,6 +241,7 @@ async def test_three_turn_chat(stack, hf_model, tokenizer):
 async def test_every_engine_exports_its_vllm_metrics(stack):
     """The engines start together (``VllmEngines.start``); each still exports its ``vllm:`` metrics,
     told apart by ``model_name`` (one engine's logger unregisters every ``vllm:`` collector)."""
+    from tandem.common import metrics
     from tandem.common.metrics import REGISTRY
 
     names = {
@@ -250,6 +251,9 @@ async def test_every_engine_exports_its_vllm_metrics(stack):
         for s in f.samples
     }
     assert len(names) == 3 and any(n.endswith("split-k4/tail") for n in names), names  # 2 tails, 1 decode
+    # what GetServerInfo reports as the KV cache use: the highest engine's, read from its gauge alone
+    usage = [s.value for f in REGISTRY.collect() if f.name == "vllm:kv_cache_usage_perc" for s in f.samples]
+    assert len(usage) == 3 and metrics.vllm_kv_cache_usage() == max(usage)
 
 
 async def test_decode_engine_uses_the_loaded_kv(stack, tokenizer, manifest):
