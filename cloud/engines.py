@@ -112,7 +112,7 @@ def _engine(model: Path, cfg: CloudConfig, role: str, layer_offset: int, prompt_
     e = cfg.engine
     # read by tandem's vLLM plugin in the engine processes this start spawns (cloud/vllm_plugin.py)
     os.environ[vllm_plugin.ENV] = repr(e.worker_busy_poll_s)
-    os.environ[vllm_plugin.FAST_EXIT_ENV] = "1"  # each engine stops in about 1 s, not 9 (install_fast_exit)
+    os.environ[vllm_plugin.FAST_EXIT_ENV] = "1"  # each engine stops in about 2 s, not 9 (install_fast_exit)
     args = AsyncEngineArgs(
         model=str(model),
         dtype=e.dtype,

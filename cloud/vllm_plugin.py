@@ -109,9 +109,12 @@ class _SysForSpawn:
 
 
 def exit_now(code: object = None) -> None:
-    """End this process the way a forked ``multiprocessing`` child ends: run the ``atexit``
-    handlers, flush stdout and stderr, then ``os._exit``, without the interpreter's finalization.
-    ``code`` is read as ``sys.exit`` reads it (None is 0; anything but an int is printed and is 1)."""
+    """End this process at once: run the ``atexit`` handlers, flush stdout and stderr, then
+    ``os._exit``, without the interpreter's finalization (module teardown and its final garbage
+    collection). A forked ``multiprocessing`` child ends with ``os._exit`` too, right after
+    ``_bootstrap`` (``multiprocessing/popen_fork.py``); this also runs the ``atexit`` handlers
+    (logging's flush, OpenTelemetry's). ``code`` is read as ``sys.exit`` reads it (None is 0;
+    anything but an int is printed and is 1)."""
     import atexit
     import sys
 
@@ -138,16 +141,18 @@ def install_fast_exit() -> bool:
     :func:`exit_now` once its target has returned; False (nothing changed) in any other process.
 
     Why: a vLLM CPU worker spends 5-7 s after its shutdown in the interpreter's final garbage
-    collection (``gc_collect_main`` under ``Py_FinalizeEx``, seen with ``py-spy dump --native``);
-    vLLM's executor gives it ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (5 s), then SIGTERM (which
-    the shutting-down worker ignores), then SIGKILL 4 s later
+    collection (``gc_collect_main`` under ``Py_FinalizeEx``, seen with ``py-spy dump --native``).
+    vLLM's executor waits ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (5 s) for it, then sends
+    SIGTERM (which a worker already shutting down ignores), then SIGKILL 4 s later
     (``vllm/v1/executor/multiproc_executor.py``, ``_ensure_worker_termination``). So each engine
-    took about 9 s to stop and its worker died by SIGKILL. By the time ``spawn_main`` calls
-    ``sys.exit(exitcode)`` (``multiprocessing/spawn.py``), the target has returned and
-    ``BaseProcess._bootstrap`` has run the process's finalizers, joined its threads and flushed
-    its streams: the worker has closed its queues and unlinked its shared memory. What is left is
-    the interpreter's teardown, which a forked child skips the same way
-    (``multiprocessing/popen_fork.py``: ``os._exit(code)`` after ``_bootstrap``).
+    took about 9 s to stop. By the time ``spawn_main`` calls ``sys.exit(exitcode)``
+    (``multiprocessing/spawn.py``), the target has returned (vLLM's ``WorkerProc.shutdown`` or the
+    EngineCore's shutdown ran: queues shut down, the last ZMQ message sent under its linger, the
+    KV connector's writer drained) and ``BaseProcess._bootstrap`` has run ``multiprocessing``'s
+    finalizers, joined the process's threads and flushed its streams. vLLM's shared-memory queues
+    unlink their segments when that shutdown drops them (``ShmRingBuffer.__del__``): a stop left no
+    ``/dev/shm`` segment behind, and ``tests/test_cloud_drain.py`` fails if the resource tracker
+    finds one. What is left is the interpreter's teardown.
 
     Only ``multiprocessing.spawn``'s ``sys.exit`` changes: it sees ``sys`` through
     :class:`_SysForSpawn`.

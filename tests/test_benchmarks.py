@@ -154,7 +154,6 @@ def test_report_writes_tables_and_plots(tmp_path):
     assert len(report.load_records(tmp_path / "records.jsonl")) == len(recs)
 
 
-@pytest.mark.engines
 def test_batching_rows_table_and_plot(tmp_path):
     """The sweep's per-engine row and its plot over several rows, on made-up timings (the smoke
     below runs one real engine)."""
@@ -176,6 +175,7 @@ def test_batching_rows_table_and_plot(tmp_path):
     assert (tmp_path / "batching.png").stat().st_size > 0
 
 
+@pytest.mark.engines
 def test_batching_smoke(tmp_path):
     out = tmp_path / "batching"
     cmd = [

@@ -91,6 +91,7 @@ async def test_sigterm_drains_and_exits_cleanly(split_dir, tmp_path):
         assert "SIGKILL" not in log
         # each vLLM worker exited by itself within vLLM's grace (cloud.vllm_plugin.install_fast_exit)
         assert "workers still running after grace period" not in log
+        assert "leaked shared_memory" not in log  # multiprocessing's resource tracker found none to unlink
     finally:
         if daemon.proc.poll() is None:
             daemon.proc.kill()

@@ -10,6 +10,7 @@ Time bounds here are correctness bounds (failure detection, restart), not perfor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -252,17 +253,16 @@ async def test_kill_9_of_replicas_during_upload_and_during_decode(
 
     caplog.set_level("INFO", logger="tandem.edge")
     extra = cloud_extra(redis_server.url)
-    b = Daemon(
-        "tandem-cloud", cloud_command(split_dir, tmp_path / "kv-b", extra=extra), tmp_path / "b.log", tmp_path / "b"
-    )
-    a2 = Daemon(
-        "tandem-cloud", cloud_command(split_dir, tmp_path / "kv-a2", extra=extra), tmp_path / "a2.log", tmp_path / "a2"
-    )
-    procs, edge = [b, a2], None
-    proxy = LinkProxy("127.0.0.1", cloud["port"])
-    proxy.set_profile(LinkProfile("slow-uplink", rtt_ms=10.0, uplink_mbps=20.0, downlink_mbps=None))
-    link = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
+    procs: list[Daemon] = []
+    edge, link = None, None
     try:
+        for name in ("b", "a2"):
+            cmd = cloud_command(split_dir, tmp_path / f"kv-{name}", extra=extra)
+            procs.append(Daemon("tandem-cloud", cmd, tmp_path / f"{name}.log", tmp_path / name))
+        b, a2 = procs
+        proxy = LinkProxy("127.0.0.1", cloud["port"])
+        proxy.set_profile(LinkProfile("slow-uplink", rtt_ms=10.0, uplink_mbps=20.0, downlink_mbps=None))
+        link = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
         b_port, a2_port = await asyncio.gather(*(asyncio.to_thread(d.wait_ready, 300) for d in (b, a2)))
         targets = [f"127.0.0.1:{link.sockets[0].getsockname()[1]}", f"127.0.0.1:{b_port}"]
         cfg = EdgeConfig(
@@ -313,12 +313,11 @@ async def test_kill_9_of_replicas_during_upload_and_during_decode(
                 text += delta.text
                 streamed += len(delta.token_ids)
                 if streamed >= 4 and restarted is None:
-                    t_kill_b = time.monotonic()
                     kill_tree(b)  # B dies in the middle of the decode; A comes back at its address
                     restarted = a2
                     proxy.upstream = ("127.0.0.1", a2_port)
                     cloud.update(daemon=a2, gateway=psutil.Process(a2.proc.pid), port=a2_port)
-                    t_ready = time.monotonic()
+                    t_back = time.monotonic()
             res = stream.result
             t_done = time.monotonic()
         assert restarted is not None and res.resumes >= 1
@@ -329,15 +328,21 @@ async def test_kill_9_of_replicas_during_upload_and_during_decode(
         got = list(res.output_token_ids)[: len(ref)]  # the reference stops at end-of-sequence; this ignores it
         assert_same_or_near_tie(got, ref, gaps, "turn 2, B killed mid-decode, resumed on the restarted A")
         print(
-            f"turn 2: B killed after 4 tokens, A back at its address {t_ready - t_kill_b:.1f} s later; the turn "
-            f"resumed {res.resumes}x and ended {t_done - t_ready:.1f} s after that; 40 tokens, none repeated"
+            f"turn 2: B killed after 4 tokens, A back at its address at once; the turn resumed {res.resumes}x "
+            f"and ended {t_done - t_back:.1f} s later; 40 tokens, none repeated"
         )
         trace = [r for r in caplog.records if r.name == "tandem.edge" and r.levelno >= 20]
         print("edge log (the replica moves):", *(f"{r.levelname} {r.getMessage()[:160]}" for r in trace), sep="\n  ")
     finally:
         if edge is not None:
             await edge.stop(0)
-        link.close()
+        if link is not None:
+            link.close()
+        if len(procs) == 2 and cloud["daemon"].proc.poll() is not None and procs[1].proc.poll() is None:
+            # failed after A's kill, before the hand-over: A2 is the module's cloud from here on
+            a2 = procs[1]
+            with contextlib.suppress(Exception):  # A2 did not start either: the test's own error stands
+                cloud.update(port=a2.wait_ready(300), daemon=a2, gateway=psutil.Process(a2.proc.pid))
         for p in procs:
             if p.proc.poll() is None and p is not cloud["daemon"]:
                 kill_tree(p)

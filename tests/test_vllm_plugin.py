@@ -106,35 +106,46 @@ class _WritesWhenFinalized:
 _KEPT: list = []
 
 
-def _child(marker_dir: str, fast: bool, code: int) -> None:
+def _child(marker_dir: str, fast_exit_env: str | None, code: int) -> None:
+    """A spawned process as vLLM's are: the plugin is registered the way vLLM loads it."""
     import atexit
+    from multiprocessing import spawn
     from pathlib import Path
 
     from tandem.cloud import vllm_plugin
 
-    if fast:
-        assert vllm_plugin.install_fast_exit()
+    os.environ.pop(vllm_plugin.ENV, None)
+    os.environ.pop(vllm_plugin.FAST_EXIT_ENV, None)
+    if fast_exit_env is not None:
+        os.environ[vllm_plugin.FAST_EXIT_ENV] = fast_exit_env
+    vllm_plugin.register()
+    (Path(marker_dir) / "installed").write_text(str(spawn.sys is not sys))
+    # an atexit handler's output comes after _bootstrap flushed: only the exit's own flush sends it
+    atexit.register(lambda: print("printed at exit", end="", flush=False))
     atexit.register(lambda: (Path(marker_dir) / "atexit").write_text("ran"))
     _KEPT.append(_WritesWhenFinalized(str(Path(marker_dir) / "finalized")))
-    print("child output", flush=False)  # buffered: the exit must still flush it
     sys.exit(code)
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_a_spawned_process_with_fast_exit_skips_only_the_interpreter_teardown(tmp_path, capfd, fast):
-    """``install_fast_exit`` in a spawned child: its exit code and ``atexit`` handlers stay, the
-    interpreter's teardown (here: a module global's ``__del__``) is skipped. The control case
-    without it shows that the teardown would have run."""
+@pytest.mark.parametrize(("fast_exit_env", "fast"), [("1", True), (None, False), ("0", False)])
+def test_a_spawned_process_with_fast_exit_skips_only_the_interpreter_teardown(
+    tmp_path, capfd, monkeypatch, fast_exit_env, fast
+):
+    """With ``TANDEM_VLLM_FAST_EXIT=1`` the plugin makes a spawned process skip the interpreter's
+    teardown (here: a module global's ``__del__``); its exit code, ``atexit`` handlers and their
+    buffered output stay. Without it (the control cases) nothing changes and the teardown runs."""
     import multiprocessing
 
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # the child's stdout is buffered, as a daemon's is
     ctx = multiprocessing.get_context("spawn")
-    p = ctx.Process(target=_child, args=(str(tmp_path), fast, 3))
+    p = ctx.Process(target=_child, args=(str(tmp_path), fast_exit_env, 3))
     p.start()
     p.join(120)
     assert p.exitcode == 3
+    assert (tmp_path / "installed").read_text() == str(fast)
     assert (tmp_path / "atexit").read_text() == "ran"
     assert (tmp_path / "finalized").exists() is not fast
-    assert "child output" in capfd.readouterr().out  # its buffered stdout was flushed
+    assert "printed at exit" in capfd.readouterr().out
 
 
 def test_fast_exit_changes_nothing_in_a_process_multiprocessing_did_not_start():
