@@ -1,5 +1,6 @@
 """Pooled split/cloud-only TTFT ratios of the hot-path runs beside this file (README, *Hot path*):
-``python benchmarks/results/hotpath-async-save/pooled.py``."""
+``python benchmarks/results/hotpath-async-save/pooled.py``. ``before*``/``after*``: session 10;
+``s12-*``: session 12, at the code with the engines' fast exit and the restricted KV-usage read."""
 
 import json
 import statistics as st
@@ -9,7 +10,7 @@ HERE = Path(__file__).parent
 print("| prompt tok | code | runs | split-k4 TTFT mean ms | cloud-only TTFT mean ms | ratio of means | ratio per run |")
 print("|---|---|---|---|---|---|---|")
 for n in (64, 256, 1024):
-    for label in ("before", "after"):
+    for label in ("before", "after", "s12"):
         runs = sorted(p for p in HERE.iterdir() if p.is_dir() and p.name.startswith(label))
         per_run, split_all, cloud_all = [], [], []
         for run in runs:
