@@ -22,6 +22,7 @@ requests then raise ``EngineDeadError``. Here every failure of an errored engine
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import threading
@@ -248,10 +249,14 @@ class VllmEngines:
                 for t in threads:  # an interrupt: let the starts finish, then stop what they started
                     t.join()
                 _shutdown_all(list(started.values()), 10.0)
+                started.clear()
         if errors:
             raise errors[0][1]
         for role in self.ROLES:
             self._set(role, started[role])
+        # something in vLLM's start keeps a frame of ``one`` (and with it this dict) alive; only the
+        # slots may hold the engines, or VllmEngines.shutdown cannot let them go
+        started.clear()
 
     @property
     def closed(self) -> bool:
@@ -313,6 +318,12 @@ class VllmEngines:
             for role in self.ROLES:
                 self._set(role, None)
         _shutdown_all(engines, timeout_s)
+        # vLLM's AsyncLLM sits in reference cycles, so without a collection here its __del__ (which
+        # shuts down again) would run at interpreter teardown, when the module globals it calls are
+        # already None: a "TypeError: 'NoneType' object is not callable" traceback per engine at
+        # every stop of tandem-cloud
+        del engines
+        gc.collect()
 
     def _engine_for(self, role: str) -> Any:
         """The engine of ``role``, or EngineError at once when it cannot take requests."""
