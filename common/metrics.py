@@ -492,7 +492,7 @@ def vllm_kv_cache_usage(registry: CollectorRegistry | None = None) -> float:
     best = 0.0
     # only the gauge's own collector: REGISTRY.collect() would walk every metric (vLLM's histograms
     # too), about 9 ms of the event loop per call on this machine
-    for family in (registry or REGISTRY).restricted_registry([_KV_USAGE]).collect():
+    for family in (REGISTRY if registry is None else registry).restricted_registry([_KV_USAGE]).collect():
         best = max([best, *(s.value for s in family.samples if s.name == _KV_USAGE)])
     return best
 
