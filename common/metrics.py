@@ -485,6 +485,9 @@ def vllm_stat_loggers() -> list[Any]:
     return [SharedPrometheusStatLogger]
 
 
+_KV_USAGE = "vllm:kv_cache_usage_perc"
+
+
 def vllm_kv_cache_usage(registry: CollectorRegistry | None = None) -> float:
     """The highest ``vllm:kv_cache_usage_perc`` (0..1) among this process's engines; 0.0 without
     engines (vLLM's gauge, exported by ``vllm_stat_loggers``). ``registry``: this process's
@@ -493,11 +496,8 @@ def vllm_kv_cache_usage(registry: CollectorRegistry | None = None) -> float:
     # only the gauge's own collector: REGISTRY.collect() would walk every metric (vLLM's histograms
     # too), about 9 ms of the event loop per call on this machine
     for family in (REGISTRY if registry is None else registry).restricted_registry([_KV_USAGE]).collect():
-        best = max([best, *(s.value for s in family.samples if s.name == _KV_USAGE)])
+        best = max([best, *(s.value for s in family.samples)])  # the restricted registry keeps only its samples
     return best
-
-
-_KV_USAGE = "vllm:kv_cache_usage_perc"
 
 
 def record_prediction(mode: str, predicted_ms: float, measured_ms: float) -> None:
