@@ -42,6 +42,13 @@ before the decode request (``Gateway._await_tail_saves``). At most
 ``save_queue_bytes`` of copies wait for the writer; a step beyond that waits
 in ``wait_for_save`` (backpressure). A put the store refuses leaves the block
 missing and its readers recompute it.
+
+Faults stay inside the request: the paged layout is chosen and checked when vLLM registers
+the engine's caches (``register_kv_caches``; an unsupported backend or shape fails the
+engine's start with ``KVLayoutError``), and any error while planning, loading or saving a
+request's blocks is logged and turns into missing blocks that vLLM recomputes (loads are
+reported through ``get_block_ids_with_load_errors``; a save that fails leaves the block out
+of the store), never into an exception that would end the EngineCore.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ import re
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -62,7 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from tandem.cloud.kv_layout import canonical, layout_for
+from tandem.cloud.kv_layout import KVLayoutError, Layout, canonical, layout_for
 from tandem.common.errors import EngineError
 from tandem.common.kvblocks import LayerRange, block_nbytes
 from tandem.common.kvparams import KVTransferSpec
@@ -93,10 +100,12 @@ class PartOp:
 class TandemMetadata(KVConnectorMetadata):
     """One step's work for the worker side; built by the scheduler side.
     ``loads``: (vLLM block id, every part of it to write into the paged cache);
-    ``saves``: (vLLM block id, the part to read out and store)."""
+    ``saves``: (vLLM block id, the part to read out and store);
+    ``failed_loads``: vLLM block ids to report as load errors (their plan failed)."""
 
     loads: list[tuple[int, tuple[PartOp, ...]]] = field(default_factory=list)
     saves: list[tuple[int, PartOp]] = field(default_factory=list)
+    failed_loads: list[int] = field(default_factory=list)  # vLLM block ids whose load plan failed
 
 
 @dataclass
@@ -145,14 +154,19 @@ class TandemConnector(KVConnectorBase_V1):
         self._pending: deque[tuple[Future[None], int]] = deque()  # submitted jobs and their bytes
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
-        self._layout: Any = None  # PagedLayout or CpuPackedLayout, chosen at the first cache seen
+        self._layout: Layout | None = None  # chosen in register_kv_caches (or at the first cache seen)
 
     # ------------------------------------------------------------------ scheduler side
 
     def _state(self, request: Request) -> _ReqState | None:
         st = self._reqs.get(request.request_id)
         if st is None:
-            spec = KVTransferSpec.from_vllm(request.kv_transfer_params)
+            try:
+                spec = KVTransferSpec.from_vllm(request.kv_transfer_params)
+            except ValueError as e:  # the request runs without the store: vLLM computes all of it
+                log.error("tandem connector: malformed KV params of %s (%s); computing it", request.request_id, e)
+                request.kv_transfer_params = None
+                return None
             if spec is None:
                 return None
             st = _ReqState(spec, request.num_prompt_tokens)
@@ -174,7 +188,12 @@ class TandemConnector(KVConnectorBase_V1):
             return 0, False
         first = num_computed_tokens // self.block_size
         cap_blocks = (st.num_prompt_tokens - 1) // self.block_size
-        n = min(self._present_blocks(st, first), max(0, cap_blocks - first))
+        try:
+            present = self._present_blocks(st, first)
+        except Exception:  # a store out of reach: nothing is loadable, vLLM computes the prompt
+            log.exception("tandem connector: cannot look up blocks of request %s; computing them", request.request_id)
+            return 0, False
+        n = min(present, max(0, cap_blocks - first))
         return n * self.block_size, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
@@ -192,7 +211,7 @@ class TandemConnector(KVConnectorBase_V1):
             st = self._reqs.get(new.req_id)
             if st is not None:
                 st.block_ids = list(new.block_ids[0])
-                self._plan(new.req_id, st, new.num_computed_tokens, scheduler_output, meta)
+                self._plan_guarded(new.req_id, st, new.num_computed_tokens, scheduler_output, meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
@@ -204,8 +223,23 @@ class TandemConnector(KVConnectorBase_V1):
                     st.block_ids = list(new_ids[0])
                 else:
                     st.block_ids.extend(new_ids[0])
-            self._plan(req_id, st, cached.num_computed_tokens[i], scheduler_output, meta)
+            self._plan_guarded(req_id, st, cached.num_computed_tokens[i], scheduler_output, meta)
         return meta
+
+    def _plan_guarded(self, req_id: str, st: _ReqState, num_computed: int, so: SchedulerOutput, meta: TandemMetadata):
+        """``_plan``, never raising: a request whose plan fails saves nothing more, and if it had
+        blocks to load this step, every block of it is reported failed so vLLM recomputes them."""
+        n_loads, n_saves = len(meta.loads), len(meta.saves)
+        try:
+            self._plan(req_id, st, num_computed, so, meta)
+        except Exception:
+            log.exception("tandem connector: planning request %s failed; vLLM computes its blocks", req_id)
+            del meta.saves[n_saves:]
+            if st.load_pending or len(meta.loads) > n_loads:
+                del meta.loads[n_loads:]
+                meta.failed_loads.extend(st.block_ids)
+            st.load_pending = False
+            st.spec = replace(st.spec, save=None)
 
     def _plan(self, req_id: str, st: _ReqState, num_computed: int, so: SchedulerOutput, meta: TandemMetadata) -> None:
         """Add this step's loads (once, at first schedule) and saves (blocks completed by this step)."""
@@ -253,12 +287,48 @@ class TandemConnector(KVConnectorBase_V1):
             part.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim
         )
 
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM's model runner, once at engine start: choose the paged layout from the layers'
+        attention backend and check every layer's cache against it.
+
+        Raises:
+            KVLayoutError: an unsupported backend, cache shape or dtype, different layouts across
+                layers, or tensor-parallel KV shards; the engine does not start.
+        """
+        tp = self._vllm_config.parallel_config.tensor_parallel_size
+        if tp > 1:
+            raise KVLayoutError(f"tandem's KV connector does not support tensor_parallel_size={tp} (KV head shards)")
+        forward = self._vllm_config.compilation_config.static_forward_context
+        for name, cache in kv_caches.items():
+            if not _LAYER_RE.search(name):
+                continue
+            layer = forward.get(name)
+            backend = layer.get_attn_backend().get_name() if hasattr(layer, "get_attn_backend") else None
+            lay = layout_for(cache, self.num_kv_heads, self.block_size, self.head_dim, backend)
+            if self._layout is not None and lay.name != self._layout.name:
+                raise KVLayoutError(f"layer {name} uses KV layout {lay.name}, others {self._layout.name}")
+            self._layout = self._layout or lay
+        if self._layout is None:
+            raise KVLayoutError(f"no decoder layer's KV cache among {sorted(kv_caches)[:4]}")
+        log.info("tandem connector: paged KV layout %s (%d layers)", self._layout.name, len(kv_caches))
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Copy this step's planned blocks from the store into vLLM's paged cache: every part of
-        every block read first, then one scatter per layer over all the blocks loaded."""
+        """Copy this step's planned blocks from the store into vLLM's paged cache. Never raises:
+        blocks that could not be written are reported as load errors and vLLM recomputes them."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, TandemMetadata) or not meta.loads:
+        if not isinstance(meta, TandemMetadata):
             return
+        self._load_errors.update(meta.failed_loads)
+        if not meta.loads:
+            return
+        try:
+            self._load(meta, forward_context)
+        except Exception:
+            log.exception("tandem connector: loading %d KV blocks failed; vLLM recomputes them", len(meta.loads))
+            self._load_errors.update(block_id for block_id, _ in meta.loads)
+
+    def _load(self, meta: TandemMetadata, forward_context: ForwardContext) -> None:
+        """Every part of every block read first, then one scatter per layer over all the blocks loaded."""
         layers = {
             name: layer
             for name, layer in forward_context.no_compile_layers.items()
@@ -286,7 +356,8 @@ class TandemConnector(KVConnectorBase_V1):
                 cache = layer.kv_cache
                 self._layout_of(cache).write_blocks(cache, ids, torch.from_numpy(np.stack(rows)))
 
-    def _layout_of(self, cache: torch.Tensor):
+    def _layout_of(self, cache: torch.Tensor) -> Layout:
+        """The registered layout (a worker that saw no ``register_kv_caches``: chosen from ``cache``)."""
         if self._layout is None:
             self._layout = layout_for(cache, self.num_kv_heads, self.block_size, self.head_dim)
         return self._layout
@@ -300,12 +371,14 @@ class TandemConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, TandemMetadata) or not meta.saves:
             return
-        g = self._global_layer(layer_name)
-        ops = [(block_id, op) for block_id, op in meta.saves if op.part.lo <= g < op.part.hi]
-        if not ops:
-            return
-        native = self._layout_of(kv_layer).snapshot(kv_layer, [block_id for block_id, _ in ops])
-        self._staged.append((g, [op for _, op in ops], native))
+        try:
+            g = self._global_layer(layer_name)
+            ops = [(block_id, op) for block_id, op in meta.saves if op.part.lo <= g < op.part.hi]
+            if ops:
+                native = self._layout_of(kv_layer).snapshot(kv_layer, [block_id for block_id, _ in ops])
+                self._staged.append((g, [op for _, op in ops], native))
+        except Exception:  # this layer is not copied: its blocks are incomplete and not stored
+            log.exception("tandem connector: copying %s of %d KV blocks failed; not saved", layer_name, len(meta.saves))
 
     def wait_for_save(self) -> None:
         """Hand this step's copies to the writer thread and return: the store puts run while vLLM
@@ -358,8 +431,11 @@ class TandemConnector(KVConnectorBase_V1):
         out of reach) leaves the block missing: its readers recompute it. Never raises."""
         try:
             bufs: dict[str, tuple[np.ndarray, set[int]]] = {}
+            layout = self._layout
             for g, ops, native in staged:
-                data = self._layout.from_snapshot(canonical(native))
+                if layout is None:
+                    raise KVLayoutError("no KV layout registered")
+                data = layout.from_snapshot(canonical(native))
                 for op, block in zip(ops, data, strict=True):
                     part = op.part
                     entry = bufs.get(op.key)

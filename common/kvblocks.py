@@ -13,10 +13,11 @@ the tail part by ``activation_keys``, a chain over the activations ``h_k`` that 
 tail layers were computed from. So KV from other inputs is never loaded, even in
 the same session or after a restart that kept the store.
 
-Layout on the wire and in the block store (canonical): float32
+Layout on the wire and in the block store (canonical, ``KV_LAYOUT_VERSION``): float32
 ``[Lp, 2, Hkv, B, D]`` for the ``Lp`` layers of one *part* (a global layer range
 ``[lo, hi)``: the edge's head part ``[0, k)``, the tail engine's ``[k, L)``), K
-before V, keys after RoPE.
+before V, keys after RoPE. An engine's own paged layout never leaves its connector
+(``cloud.kv_layout``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ import blake3
 import numpy as np
 
 HASH_BYTES = 32
+KV_LAYOUT_VERSION = 1
+"""Version of the canonical block layout (float32 ``[Lp, 2, Hkv, B, D]``, K after RoPE, then V).
+Part of every block-store key (``part_key``) and of every KV block's Merkle leaf
+(``common.merkle.leaf_data``), so a block written under one canonical layout is never found, nor
+verified, under another."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +112,9 @@ def block_hashes(token_ids: list[int] | np.ndarray, block_size: int, seed: bytes
 
 def part_key(content_key: bytes, part: LayerRange) -> str:
     """Block-store key of one block's KV for one layer range, from its content key
-    (a Merkle leaf for head blocks, an ``activation_keys`` digest for tail blocks)."""
-    return f"{content_key.hex()}:{part.tag()}"
+    (a Merkle leaf for head blocks, an ``activation_keys`` digest for tail blocks), in canonical
+    layout ``KV_LAYOUT_VERSION``."""
+    return f"{content_key.hex()}:{part.tag()}:kv{KV_LAYOUT_VERSION}"
 
 
 def block_nbytes(part: LayerRange, num_kv_heads: int, block_size: int, head_dim: int) -> int:

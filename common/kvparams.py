@@ -41,8 +41,11 @@ class PartSpec:
         """Raises ValueError for malformed input (wrong types, bad hex, bad range, wrong digest size)."""
         if not isinstance(d, dict) or not isinstance(d.get("keys"), list) or not isinstance(d.get("layers"), list):
             raise ValueError(f"tandem part spec must be {{'layers': [lo, hi], 'keys': [hex, ...]}}, got {d!r:.80}")
-        lo, hi = (int(x) for x in d["layers"])
-        keys = tuple(bytes.fromhex(k) for k in d["keys"])
+        try:
+            lo, hi = (int(x) for x in d["layers"])
+            keys = tuple(bytes.fromhex(k) for k in d["keys"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"malformed tandem part spec: {e}") from None
         if any(len(k) != HASH_BYTES for k in keys):
             raise ValueError(f"tandem block keys must be {HASH_BYTES}-byte hex digests")
         return cls(LayerRange(lo, hi), keys)
@@ -86,8 +89,8 @@ class KVTransferSpec:
         if not params or "tandem" not in params:
             return None
         d = params["tandem"]
-        if not isinstance(d, dict):
-            raise ValueError("tandem kv_transfer_params must be a dict")
+        if not isinstance(d, dict) or not isinstance(d.get("loads") or [], list):
+            raise ValueError(f"tandem kv_transfer_params must be {{'loads': [...], 'save': ...}}, got {d!r:.80}")
         loads = tuple(PartSpec.from_json(p) for p in d.get("loads") or [])
         save = None if d.get("save") is None else PartSpec.from_json(d["save"])
         return cls(loads, save)

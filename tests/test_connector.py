@@ -1,10 +1,12 @@
-"""The connector's paged layouts, its asynchronous saves, and its conversion to the block store's canonical
-format (found by an operator trial: a cloud with ``dtype = "auto"`` runs its engines in bf16 on CPU, and
-saving a block crashed the tail engine on ``.numpy()``)."""
+"""The connector's paged layouts, their start-up check, its asynchronous saves, faults kept inside a request,
+and the conversion of any engine dtype (bf16 and fp16 under ``dtype = "auto"``) to the block store's
+canonical float32."""
 
 from __future__ import annotations
 
+import re
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -35,15 +37,15 @@ def _canonical_blocks(n: int, seed: int) -> torch.Tensor:
 
 
 def _layouts():
+    """(cache, layout) for the packed layout (every CUDA backend) and CPU_ATTN's ISA packing."""
     from tandem.cloud.kv_layout import layout_for
 
-    flash = torch.randn(2, NUM_BLOCKS, B, HKV, D)
-    flashinfer = torch.randn(NUM_BLOCKS, 2, B, HKV, D)
+    packed = torch.randn(NUM_BLOCKS, HKV, B, 2 * D)
     cpu = torch.zeros(NUM_BLOCKS, HKV, B, 2 * D)
-    return [(c, layout_for(c, HKV, B, D)) for c in (flash, flashinfer, cpu)]
+    return [(packed, layout_for(packed, HKV, B, D, "FLASH_ATTN")), (cpu, layout_for(cpu, HKV, B, D, "CPU_ATTN"))]
 
 
-@pytest.mark.parametrize("which", [0, 1, 2], ids=["flash_attn", "flashinfer", "cpu_attn"])
+@pytest.mark.parametrize("which", [0, 1], ids=["packed", "cpu_attn"])
 def test_a_layout_writes_many_blocks_and_reads_them_back(which):
     cache, lay = _layouts()[which]
     before = cache.clone()
@@ -58,12 +60,46 @@ def test_a_layout_writes_many_blocks_and_reads_them_back(which):
         lay.write_blocks(cache, ids, blocks[:2])
 
 
-def test_the_flash_layouts_read_keys_and_values_where_their_backends_keep_them():
-    (flash, lay_f), (flashinfer, lay_fi), _ = _layouts()
-    # flash_attn: [2, num_blocks, B, Hkv, D]; canonical [2, Hkv, B, D] per block
-    np.testing.assert_array_equal(read_blocks(lay_f, flash, [5])[0], flash[:, 5].permute(0, 2, 1, 3))
-    # flashinfer: [num_blocks, 2, B, Hkv, D]
-    np.testing.assert_array_equal(read_blocks(lay_fi, flashinfer, [5])[0], flashinfer[5].permute(0, 2, 1, 3))
+def test_the_packed_layout_reads_keys_and_values_where_flash_attention_keeps_them():
+    """vLLM's FlashAttention: ``key_cache, value_cache = kv_cache.transpose(1, 2).split(D, dim=-1)``,
+    each ``[num_blocks, B, Hkv, D]``; canonical is ``[2, Hkv, B, D]`` per block."""
+    (packed, lay), _ = _layouts()
+    key_cache, value_cache = packed.transpose(1, 2).split(D, dim=-1)
+    got = read_blocks(lay, packed, [5])[0]
+    np.testing.assert_array_equal(got[0], key_cache[5].permute(1, 0, 2))
+    np.testing.assert_array_equal(got[1], value_cache[5].permute(1, 0, 2))
+
+
+def test_the_packed_layout_honours_a_cache_whose_memory_is_in_another_order():
+    """vLLM allocates the packed cache in NHD or HND stride order and hands the connector the logical
+    ``[num_blocks, Hkv, B, 2*D]`` view; reads and writes go through the logical indices."""
+    from tandem.cloud.kv_layout import layout_for
+
+    nhd = torch.zeros(NUM_BLOCKS, B, HKV, 2 * D).permute(0, 2, 1, 3)  # logical shape, NHD memory
+    assert not nhd.is_contiguous()
+    lay = layout_for(nhd, HKV, B, D, "TRITON_ATTN")
+    blocks = _canonical_blocks(2, 3)
+    lay.write_blocks(nhd, [1, 6], blocks)
+    np.testing.assert_array_equal(read_blocks(lay, nhd, [1, 6]), blocks.numpy())
+    key_cache = nhd.transpose(1, 2).split(D, dim=-1)[0]
+    np.testing.assert_array_equal(key_cache[6].permute(1, 0, 2).numpy(), blocks[1, 0].numpy())
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "backend", "says"),
+    [
+        ((2, NUM_BLOCKS, B, HKV, D), torch.float16, "FLASH_ATTN", "unknown paged KV layout"),
+        ((NUM_BLOCKS, HKV, B, 2 * D + 2), torch.bfloat16, "FLASH_ATTN", "expected [num_blocks, Hkv, B, 2*D]"),
+        ((NUM_BLOCKS, HKV, B, 2 * D), torch.uint8, "FLASH_ATTN", "kv_cache_dtype must be 'auto'"),
+        ((NUM_BLOCKS, HKV, B, 2 * D), torch.float16, "FLASHMLA", "does not support the FLASHMLA"),
+    ],
+    ids=["old-flash-shape", "padded-head", "fp8-cache", "unknown-backend"],
+)
+def test_a_cache_no_layout_fits_is_refused_by_name(shape, dtype, backend, says):
+    from tandem.cloud.kv_layout import KVLayoutError, layout_for
+
+    with pytest.raises(KVLayoutError, match=re.escape(says)):
+        layout_for(torch.zeros(shape, dtype=dtype), HKV, B, D, backend)
 
 
 def test_the_cpu_layout_writes_many_blocks_as_vllm_writes_their_tokens():
@@ -71,7 +107,7 @@ def test_the_cpu_layout_writes_many_blocks_as_vllm_writes_their_tokens():
     kernel (slot = block * B + position) put it."""
     from vllm import _custom_ops as ops
 
-    _, _, (cache, lay) = _layouts()
+    _, (cache, lay) = _layouts()
     ids = [4, 1]
     blocks = _canonical_blocks(len(ids), 5)
     lay.write_blocks(cache, ids, blocks)
@@ -128,7 +164,7 @@ def _stored(store, key: str) -> np.ndarray:
     return np.frombuffer(store.get(key), np.float32).reshape(LAYERS, 2, HKV, B, D)
 
 
-@pytest.mark.parametrize("which", [0, 2], ids=["flash_attn", "cpu_attn"])
+@pytest.mark.parametrize("which", [0, 1], ids=["packed", "cpu_attn"])
 def test_a_save_stores_what_the_cache_held_during_the_step_though_the_write_comes_later(which):
     """The block is copied inside the step: a cache block reused right after (a finished or
     preempted request's block given to another) cannot change what the writer stores."""
@@ -142,6 +178,7 @@ def test_a_save_stores_what_the_cache_held_during_the_step_though_the_write_come
         caches.append(cache)
         want.append(blocks)
     c = _worker(store)
+    c._layout = lay  # as register_kv_caches chose it
     _step(c, caches, [(3, "a"), (8, "b")])  # returns with the writes still waiting on the gate
     assert not store.contains("a")
     for cache, lay in ((cache, _layouts()[which][1]) for cache in caches):
@@ -154,7 +191,7 @@ def test_a_save_stores_what_the_cache_held_during_the_step_though_the_write_come
 
 def test_a_step_waits_for_the_writer_only_past_the_queue_bound():
     store = GatedStore()
-    cache, lay = _layouts()[2]
+    cache, lay = _layouts()[1]
     caches = [cache.clone() for _ in range(LAYERS)]
     block_bytes = HKV * B * 2 * D * 4
     c = _worker(store, queue_bytes=LAYERS * block_bytes)  # room for one block of every layer
@@ -174,7 +211,7 @@ def test_a_step_waits_for_the_writer_only_past_the_queue_bound():
 def test_a_store_refusing_the_writes_leaves_the_blocks_missing_and_the_engine_running(caplog):
     store = GatedStore(fail=True)
     store.gate.set()
-    cache, _ = _layouts()[2]
+    cache, _ = _layouts()[1]
     c = _worker(store)
     _step(c, [cache] * LAYERS, [(1, "a"), (2, "b")])
     c.flush_saves()
@@ -191,7 +228,7 @@ def test_a_block_missing_a_layer_in_its_step_is_not_stored(caplog):
     a block is stored whole or not at all, never with rows nobody wrote."""
     store = GatedStore()
     store.gate.set()
-    cache, _ = _layouts()[2]
+    cache, _ = _layouts()[1]
     c = _worker(store)
     part = LayerRange(0, LAYERS)
     c.bind_connector_metadata(TandemMetadata(saves=[(1, PartOp(part, "a"))]))
@@ -206,9 +243,149 @@ def test_a_block_missing_a_layer_in_its_step_is_not_stored(caplog):
 
 def test_shutdown_writes_what_is_queued_and_ends_the_writer():
     store = GatedStore()
-    cache, _ = _layouts()[2]
+    cache, _ = _layouts()[1]
     c = _worker(store)
     _step(c, [cache] * LAYERS, [(1, "a")])
     threading.Timer(0.1, store.gate.set).start()
     c.shutdown()
     assert store.contains("a") and c._writer is None
+
+
+# --- faults stay inside the request ------------------------------------------------------------------------
+
+
+def _vllm_config(backends: dict[str, str], tp: int = 1) -> SimpleNamespace:
+    """The parts of a VllmConfig ``register_kv_caches`` reads: each layer's attention backend name."""
+
+    def layer(name: str) -> SimpleNamespace:
+        backend = SimpleNamespace(get_name=lambda: name)
+        return SimpleNamespace(get_attn_backend=lambda: backend)
+
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        compilation_config=SimpleNamespace(static_forward_context={n: layer(b) for n, b in backends.items()}),
+    )
+
+
+def _names(n: int = LAYERS) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
+
+
+def test_registering_the_caches_chooses_the_layout_of_their_backend():
+    c = _worker(MemoryBlockStore(1 << 20))
+    c._vllm_config = _vllm_config(dict.fromkeys(_names(), "FLASH_ATTN"))
+    c.register_kv_caches({n: torch.zeros(NUM_BLOCKS, HKV, B, 2 * D, dtype=torch.bfloat16) for n in _names()})
+    assert c._layout is not None and c._layout.name == "packed"
+
+
+@pytest.mark.parametrize(
+    ("backends", "tp", "says"),
+    [
+        ({n: "FLASHMLA" for n in _names()}, 1, "does not support the FLASHMLA attention backend"),
+        ({n: "FLASH_ATTN" for n in _names()}, 2, "tensor_parallel_size=2"),
+        ({**{n: "FLASH_ATTN" for n in _names()}, _names()[1]: "CPU_ATTN"}, 1, "uses KV layout"),
+    ],
+    ids=["unknown-backend", "tensor-parallel", "mixed-layouts"],
+)
+def test_an_engine_whose_caches_no_layout_fits_does_not_start(backends, tp, says):
+    from tandem.cloud.kv_layout import KVLayoutError
+
+    c = _worker(MemoryBlockStore(1 << 20))
+    c._vllm_config = _vllm_config(backends, tp)
+    with pytest.raises(KVLayoutError, match=re.escape(says)):
+        c.register_kv_caches({n: torch.zeros(NUM_BLOCKS, HKV, B, 2 * D) for n in _names()})
+
+
+class _BrokenLayout:
+    """A layout whose copies fail (a device fault, an unexpected tensor)."""
+
+    name = "broken"
+
+    def snapshot(self, cache, block_ids):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def write_blocks(self, cache, block_ids, blocks):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_save_that_fails_leaves_its_blocks_out_of_the_store_and_the_engine_running(caplog):
+    store = GatedStore()
+    store.gate.set()
+    cache, lay = _layouts()[0]
+    c = _worker(store)
+    c._layout = _BrokenLayout()
+    _step(c, [cache] * LAYERS, [(1, "a")])  # raises nothing
+    c.flush_saves()
+    assert not store.contains("a")
+    assert "copying model.layers.0.self_attn.attn of 1 KV blocks failed; not saved" in caplog.text
+    c._layout = lay
+    _step(c, [cache] * LAYERS, [(2, "b")])
+    c.flush_saves()
+    assert store.contains("b")
+
+
+def _load_step(c: TandemConnector, caches: list[torch.Tensor], loads: list[tuple[int, str]], failed=()):
+    part = LayerRange(0, LAYERS)
+    c.bind_connector_metadata(
+        TandemMetadata(loads=[(bid, (PartOp(part, key),)) for bid, key in loads], failed_loads=list(failed))
+    )
+    names = _names()
+    ctx = SimpleNamespace(
+        no_compile_layers={n: SimpleNamespace(kv_cache=cache) for n, cache in zip(names, caches, strict=True)}
+    )
+    c.start_load_kv(ctx)
+    c.clear_connector_metadata()
+
+
+def test_a_load_that_fails_is_reported_for_recompute_and_the_engine_keeps_running(caplog):
+    store = MemoryBlockStore(1 << 26)
+    blocks = np.stack([_canonical_blocks(1, 40 + i)[0].numpy() for i in range(LAYERS)])  # [L, 2, Hkv, B, D]
+    store.put("a", blocks.tobytes())
+    cache, lay = _layouts()[0]
+    caches = [cache.clone() for _ in range(LAYERS)]
+    c = _worker(store)
+    c._layout = _BrokenLayout()
+    _load_step(c, caches, [(4, "a")])  # raises nothing
+    assert c.get_block_ids_with_load_errors() == {4}
+    assert "loading 1 KV blocks failed; vLLM recomputes them" in caplog.text
+    c._layout = lay
+    _load_step(c, caches, [(4, "a"), (5, "missing")], failed=[9])
+    assert c.get_block_ids_with_load_errors() == {5, 9}  # a missing block and a failed plan
+    for layer, cache in enumerate(caches):
+        np.testing.assert_array_equal(read_blocks(lay, cache, [4])[0], blocks[layer])
+
+
+def test_malformed_kv_params_run_the_request_as_plain_vllm(caplog):
+    c = object.__new__(TandemConnector)
+    c.block_size, c._reqs = B, {}
+    request = SimpleNamespace(request_id="r1", num_prompt_tokens=100, kv_transfer_params={"tandem": {"loads": 7}})
+    assert c.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert request.kv_transfer_params is None and "malformed KV params of r1" in caplog.text
+
+
+class _UnreachableStore(MemoryBlockStore):
+    """A shared store that stopped answering."""
+
+    def contains(self, key: str) -> bool:
+        raise EngineError("store out of reach")
+
+
+def test_a_plan_that_fails_saves_nothing_and_reports_its_loads_for_recompute(caplog):
+    from tandem.common.kvparams import KVTransferSpec, PartSpec
+
+    c = object.__new__(TandemConnector)
+    c.block_size, c._reqs, c.store = B, {}, _UnreachableStore(1 << 20)
+    part = PartSpec(LayerRange(0, LAYERS), tuple(bytes([i]) * 32 for i in range(4)))
+    spec = KVTransferSpec(loads=(part,), save=part)
+    request = SimpleNamespace(
+        request_id="r1", num_prompt_tokens=4 * B, kv_transfer_params=spec.to_vllm(), num_computed_tokens=0
+    )
+    assert c.get_num_new_matched_tokens(request, 0) == (0, False)  # the lookup failed: nothing loadable
+    c.update_state_after_alloc(request, None, 2 * B)  # as if vLLM had planned two external blocks
+    new = SimpleNamespace(req_id="r1", block_ids=([11, 12, 13, 14],), num_computed_tokens=0)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    so = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached, num_scheduled_tokens={"r1": 4 * B})
+    meta = c.build_connector_meta(so)
+    assert meta.saves == [] and meta.loads == [] and meta.failed_loads == [11, 12, 13, 14]
+    assert "planning request r1 failed" in caplog.text
+    assert c._reqs["r1"].spec.save is None  # later steps of the request save nothing either

@@ -63,8 +63,15 @@ def test_disk_store_across_processes(tmp_path):
     st = DiskBlockStore(tmp_path, 1 << 26)
     assert st.get("k7") == bytes([7]) * 1000
     assert st.get("missing") is None
+
+
+def test_a_store_key_names_the_layer_range_and_the_canonical_layout():
+    """A block written under another canonical layout version is never found under this one."""
+    from tandem.common import kvblocks
+
     key = part_key(bytes(32), LayerRange(0, 4))
-    assert key.endswith(":L0-4")
+    assert key == "00" * 32 + f":L0-4:kv{kvblocks.KV_LAYOUT_VERSION}"
+    assert part_key(bytes(32), LayerRange(0, 5)) != key
 
 
 def test_disk_store_is_bounded(tmp_path):

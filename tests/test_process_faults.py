@@ -249,7 +249,7 @@ async def test_kill_9_of_replicas_during_upload_and_during_decode(
     from tandem.edge.config import EdgeConfig
     from tandem.edge.replicas import rendezvous
     from tandem.edge.server import create_edge
-    from tests.test_split_e2e import LONG, assert_same_or_near_tie, hf_greedy, prompt_ids
+    from tests.references import LONG, assert_same_or_near_tie, hf_greedy, prompt_ids
 
     caplog.set_level("INFO", logger="tandem.edge")
     extra = cloud_extra(redis_server.url)

@@ -1,0 +1,129 @@
+"""The GPU tier: tandem's CUDA paths on a real GPU (vLLM's CUDA build, its attention backends' paged
+KV layout, CUDA engines serving the split) against the unsplit references. Skipped where no CUDA device
+is present; CI runs on CPU, a GPU host runs this tier with ``python -m pytest -m gpu tests/test_gpu.py``
+(``docs/testing.md``: how the H200 kit installs the stack and where the prepared model comes from).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from tests.references import MAX_NEW, PROMPTS, assert_same_or_near_tie, hf_greedy, prompt_ids, vllm_plain
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and vLLM's CUDA build"),
+]
+
+HKV, B, D, NUM_BLOCKS = 3, 32, 64, 16  # SmolLM2-135M's KV heads and head size, the GPU engines' block size
+
+
+def _packed_cache(dtype: torch.dtype, memory: str) -> torch.Tensor:
+    """A layer's paged cache as vLLM hands it to the connector: logical ``[num_blocks, Hkv, B, 2*D]``,
+    memory in HND order or (``NHD``) ``[num_blocks, B, Hkv, 2*D]`` permuted to the logical shape."""
+    if memory == "HND":
+        return torch.zeros(NUM_BLOCKS, HKV, B, 2 * D, dtype=dtype, device="cuda")
+    return torch.zeros(NUM_BLOCKS, B, HKV, 2 * D, dtype=dtype, device="cuda").permute(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("memory", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_the_packed_layout_reads_what_vllms_cuda_kernel_wrote_and_writes_it_back(dtype, memory):
+    """vLLM's own write kernel (``reshape_and_cache_flash``, through the K and V views FlashAttention's
+    ``do_kv_cache_update`` makes) puts tokens in the cache; the connector's layout reads them back as
+    canonical ``[n, 2, Hkv, B, D]`` blocks, and writing those blocks into an empty cache gives the same
+    cache, byte for byte."""
+    from vllm import _custom_ops as ops
+
+    from tandem.cloud.kv_layout import layout_for, read_blocks
+
+    cache = _packed_cache(dtype, memory)
+    key_cache, value_cache = cache.transpose(1, 2).split(D, dim=-1)  # each [num_blocks, B, Hkv, D]
+    ids = [5, 2, 11]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    k = torch.randn(len(ids) * B, HKV, D, device="cuda", generator=gen).to(dtype)  # [tokens, Hkv, D]
+    v = torch.randn(len(ids) * B, HKV, D, device="cuda", generator=gen).to(dtype)
+    slots = (torch.tensor(ids)[:, None] * B + torch.arange(B)).reshape(-1).to("cuda")
+    one = torch.ones(1, device="cuda", dtype=torch.float32)
+    ops.reshape_and_cache_flash(k, v, key_cache, value_cache, slots, "auto", one, one)
+
+    lay = layout_for(cache, HKV, B, D, "FLASH_ATTN")
+    got = read_blocks(lay, cache, ids)  # [n, 2, Hkv, B, D] float32
+    # slot s = block * B + position: token t of block n is k[n * B + t]
+    np.testing.assert_array_equal(got[:, 0], k.view(len(ids), B, HKV, D).permute(0, 2, 1, 3).float().cpu().numpy())
+    np.testing.assert_array_equal(got[:, 1], v.view(len(ids), B, HKV, D).permute(0, 2, 1, 3).float().cpu().numpy())
+
+    fresh = torch.zeros_like(cache)  # same strides (memory order) as ``cache``
+    assert fresh.stride() == cache.stride()
+    lay.write_blocks(fresh, ids, torch.from_numpy(got))
+    assert torch.equal(fresh, cache)
+
+
+@pytest.fixture(scope="module")
+async def gpu_stack(split_dir, tmp_path_factory):
+    """The cloud's CUDA engines in fp32 (tail at k = 4 and decode, eager), its gateway and an edge on
+    loopback, fp32 on the wire: split output must equal the unsplit references."""
+    from tandem import AsyncClient
+    from tandem.cloud.config import CloudConfig, EngineConfig
+    from tandem.cloud.engines import VllmEngines
+    from tandem.cloud.server import create_cloud
+    from tandem.edge.config import EdgeConfig
+    from tandem.edge.server import create_edge
+
+    cfg = CloudConfig(
+        split_dir=split_dir,
+        host="127.0.0.1",
+        port=0,
+        store_dir=tmp_path_factory.mktemp("kv"),
+        engine=EngineConfig(max_num_seqs=8, kv_cache_bytes=1 << 30, dtype="float32"),
+        wire_dtypes=["fp32"],
+        kv_wire_dtypes=["fp32"],
+    )
+    engines = VllmEngines(cfg)
+    engines.start()
+    cloud = await create_cloud(cfg, engines)
+    edge = await create_edge(EdgeConfig(split_dir=split_dir, cloud_target=f"127.0.0.1:{cloud.port}", port=0))
+    client = AsyncClient(f"127.0.0.1:{edge.port}")
+    yield {"engines": engines, "cloud": cloud, "edge": edge, "client": client}
+    await client.close()
+    await edge.stop(1)
+    await cloud.stop(1)
+    engines.shutdown()
+
+
+@pytest.mark.parametrize("idx", range(len(PROMPTS)))
+async def test_split_on_cuda_engines_equals_direct_plain_vllm_and_hf(gpu_stack, hf_model, tokenizer, idx):
+    """The decode engine loads the whole block-aligned prompt prefix (head KV from the edge, tail KV
+    the tail engine saved through the CUDA layout) and its greedy fp32 output equals direct mode's,
+    plain vLLM's on the same GPU and HF's on the CPU (or parts only at a near-tie of the reference)."""
+    p, client = PROMPTS[idx], gpu_stack["client"]
+    ids = prompt_ids(tokenizer, p)
+    split = await client.complete(
+        p.get("messages"), prompt=p.get("prompt"), max_new_tokens=MAX_NEW, mode="split", split_layer=4
+    )
+    direct = await client.complete(p.get("messages"), prompt=p.get("prompt"), max_new_tokens=MAX_NEW, mode="direct")
+    assert split.split_layer == 4 and direct.split_layer == 0
+    assert split.external_tokens == len(ids) // B * B  # loaded from the store, not recomputed
+    plain, plain_gaps = await vllm_plain(gpu_stack["engines"], ids, MAX_NEW)
+    assert_same_or_near_tie(list(direct.output_token_ids), plain, plain_gaps, "direct vs plain vLLM")
+    assert_same_or_near_tie(list(split.output_token_ids), plain, plain_gaps, "split vs plain vLLM")
+    ref, gaps = hf_greedy(hf_model, ids, MAX_NEW)
+    assert_same_or_near_tie(list(split.output_token_ids), ref, gaps, "split vs HF")
+
+
+async def test_a_second_turn_on_cuda_engines_loads_the_first_turns_kv(gpu_stack, hf_model, tokenizer):
+    """Turn 2 of a session runs the head only over its new tokens and the engines load turn 1's head
+    and tail KV from the store; its output equals HF's over the whole conversation."""
+    client, session = gpu_stack["client"], f"gpu-{uuid.uuid4().hex}"
+    messages = [{"role": "user", "content": "Name a famous bridge in San Francisco."}]
+    first = await client.complete(messages, max_new_tokens=MAX_NEW, session_id=session, mode="split", split_layer=4)
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "How long is it?"}]
+    second = await client.complete(messages, max_new_tokens=MAX_NEW, session_id=session, mode="split", split_layer=4)
+    ids = prompt_ids(tokenizer, {"messages": messages})
+    assert second.head_tokens < len(ids) and second.external_tokens == len(ids) // B * B
+    ref, gaps = hf_greedy(hf_model, ids, MAX_NEW)
+    assert_same_or_near_tie(list(second.output_token_ids), ref, gaps, "turn 2 vs HF")
