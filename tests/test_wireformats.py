@@ -1,17 +1,22 @@
-"""Wire formats pinned to their bytes: every activation and KV block format encodes fixed seeded
-tensors to bytes whose SHA-256 is written here, and decodes them to pinned float32 values. Edges
-and clouds of different builds must agree on these bytes, so a change here is a wire change."""
+"""The wire format registry (``common.formats``) and the formats pinned to their bytes: every
+activation and KV block format encodes fixed seeded tensors to bytes whose SHA-256 is written
+here, and decodes them to pinned float32 values. Edges and clouds of different builds must agree
+on these bytes, so a change to a pinned hash is a wire change."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import struct
 
 import numpy as np
 import pytest
 
 from tandem.common import merkle
+from tandem.common.errors import InvalidRequest
+from tandem.common.formats import FORMATS, Fidelity, common_formats, format_of, registry
 from tandem.common.kvwire import decode_kv, encode_kv, kv_raw_nbytes
-from tandem.common.wire import WireDtype, decode_dtype, encode_dtype, raw_nbytes_of
+from tandem.common.wire import Codec, WireDtype, decode_dtype, encode_dtype, raw_nbytes_of
 
 
 def sha(data: bytes) -> str:
@@ -210,3 +215,86 @@ def test_leaf_data_is_pinned(dtype):
     """A KV leaf commits to the block's bytes and its format (fp32 leaves carry no format byte)."""
     data = encode_kv(kv_block((1, 2, 1, 4, 8), 5), dtype)
     assert sha(merkle.leaf_data(b"\x11" * 32, 0, 1, dtype, data)) == LEAF_PINNED[dtype]
+
+
+def test_registry_has_one_entry_per_dtype_in_enum_order():
+    assert list(FORMATS) == list(WireDtype)
+    assert all(f.dtype == d and f.name == d.name for d, f in FORMATS.items())
+    assert format_of(4) is FORMATS[WireDtype.INT8]  # the enum's value, as messages carry it
+
+
+def test_registry_refuses_a_second_entry_or_a_missing_one():
+    entries = list(FORMATS.values())
+    with pytest.raises(ValueError, match="two wire formats for INT4"):
+        registry(*entries, FORMATS[WireDtype.INT4])
+    with pytest.raises(ValueError, match="no wire format for \\['BF16'\\]"):
+        registry(*(f for f in entries if f.dtype != WireDtype.BF16))
+
+
+@pytest.mark.parametrize("bad", [0, 7, 99, -1])
+def test_unknown_dtype_is_an_invalid_request(bad):
+    with pytest.raises(InvalidRequest, match="unknown wire dtype"):
+        format_of(bad)
+    with pytest.raises(InvalidRequest, match="unknown wire dtype"):
+        raw_nbytes_of(1, bad, 64)
+    with pytest.raises(InvalidRequest, match="unknown wire dtype"):
+        encode_kv(kv_block((1, 2, 1, 4, 8), 0), bad)
+
+
+def test_fidelity_classes():
+    assert {d.name: f.fidelity for d, f in FORMATS.items()} == {
+        "FP32": Fidelity.LOSSLESS,
+        "FP16": Fidelity.HALF,
+        "BF16": Fidelity.HALF,
+        "INT8": Fidelity.INT8,
+        "INT4": Fidelity.INT4,
+        "INT8_HADAMARD": Fidelity.INT8,
+    }
+
+
+def relative_error(dtype: WireDtype, kind: str) -> float:
+    rng = np.random.default_rng(6)
+    if kind == "activations":
+        h = rng.standard_normal((16, 576)).astype(np.float32)
+        y = decode_dtype(encode_dtype(h, dtype), dtype, *h.shape)
+    else:
+        h = rng.standard_normal((4, 2, 3, 32, 64)).astype(np.float32)
+        y = decode_kv(encode_kv(h, dtype), dtype, h.shape)
+    return float(np.linalg.norm(y - h) / np.linalg.norm(h))
+
+
+@pytest.mark.parametrize("kind", ["activations", "kv"])
+def test_fidelity_class_orders_the_measured_error(kind):
+    """On normal values every format of a class loses less than any format of a coarser class."""
+    err = {d: relative_error(d, kind) for d in WireDtype}
+    assert err[WireDtype.FP32] == 0
+    for better, worse in itertools.pairwise(Fidelity):
+        worst_of_better = max(e for d, e in err.items() if FORMATS[d].fidelity == better)
+        best_of_worse = min(e for d, e in err.items() if FORMATS[d].fidelity == worse)
+        assert worst_of_better < best_of_worse, (better.name, worse.name, err)
+
+
+def test_leaf_tag_names_every_format_but_fp32():
+    assert FORMATS[WireDtype.FP32].leaf_tag == b""
+    assert all(FORMATS[d].leaf_tag == bytes([d.value]) for d in WireDtype if d != WireDtype.FP32)
+    assert merkle.leaf_data(b"h", 0, 1, 9, b"kv") == b"h" + struct.pack("<II", 0, 1) + b"\x09kv"  # no such format
+
+
+@pytest.mark.parametrize("channels", [576, 64, 72, 8])
+def test_widths_every_format_suits(channels):
+    assert all(f.suits(channels) for f in FORMATS.values())
+
+
+@pytest.mark.parametrize("channels", [577, 6, 2])
+def test_int8_hadamard_needs_a_rotation_block(channels):
+    assert [d for d, f in FORMATS.items() if not f.suits(channels)] == [WireDtype.INT8_HADAMARD]
+
+
+def test_common_formats_keep_the_offered_order():
+    W = WireDtype
+    offered = (W.INT8, W.FP16, W.INT8, W.INT4, W.FP32)
+    assert common_formats(offered, (W.FP32, W.FP16, W.INT8)) == (W.INT8, W.FP16, W.FP32)
+    assert common_formats(offered, (W.FP32, W.INT8), suits=lambda d: d != W.INT8) == (W.FP32,)
+    assert common_formats(offered, (W.BF16,)) == ()
+    assert common_formats((), (W.FP32,)) == ()
+    assert common_formats((Codec.ZSTD, Codec.NONE), (Codec.NONE, Codec.ZSTD)) == (Codec.ZSTD, Codec.NONE)
