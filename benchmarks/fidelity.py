@@ -32,7 +32,7 @@ from typing import Annotated
 
 import typer
 
-from tandem.common.wire import WireDtype
+from tandem.common.formats import FORMATS
 from tandem.daemons import Daemons, cloud_command, edge_command, work_dir
 
 app = typer.Typer(add_completion=False, help=__doc__)
@@ -180,7 +180,7 @@ def main(
     out.mkdir(parents=True, exist_ok=True)
     w = work_dir("tandem-fidelity-")  # its block stores are removed at exit, its logs kept
     split_dir = model_dir / f"split-k{split_layer}"
-    every = ",".join(d.name.lower() for d in WireDtype)
+    every = ",".join(f.name.lower() for f in FORMATS.values())
     runs = [*labels[:1], *labels]  # the reference twice: its run-to-run floor
     print(f"tandem-bench-fidelity: {len(prompts)} prompts x {len(runs)} runs; logs in {w}", file=sys.stderr)
     daemons = Daemons()

@@ -44,6 +44,8 @@ _MAX_TRACE = 10_000
 class LinkBusy(QuotaExceeded):
     """The link's queue is full, or its request waited past its deadline or ``max_queue_wait_s``."""
 
+    wire_name = "LinkBusy"
+
     def __init__(self, message: str = "", retry_after_ms: int = 1000) -> None:
         super().__init__(message)
         self.retry_after_ms = retry_after_ms

@@ -34,10 +34,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 from tandem.common.errors import InvalidRequest, ParamsVersionMismatch
+from tandem.common.formats import FORMATS, common_formats
 from tandem.common.kvwire import kv_raw_nbytes
 from tandem.common.manifest import SplitManifest
 from tandem.common.params import LinkParams, NegotiateOffer
-from tandem.common.wire import Codec, WireDtype, max_payload_bytes, raw_nbytes_of, suits
+from tandem.common.wire import Codec, WireDtype, max_payload_bytes, raw_nbytes_of
 
 CHUNK_TARGET_MS = 10.0
 MIN_CHUNK_TOKENS = 16
@@ -115,27 +116,23 @@ def link_params(
             the KV block formats this cloud allows.
     """
     # direct mode (k = 0) sends token ids only: it needs no common format; a format that does not
-    # suit the model's widths (``wire.suits``) is skipped
+    # suit the model's widths (``WireFormat.suits``) is skipped
     sh = manifest.shape
-    dtype = next(
-        (d for d in offer.wire_dtypes if d in limits.wire_dtypes and suits(d, sh.hidden_size)),
-        None if k else WireDtype.FP32,
-    )
+    acts = common_formats(offer.wire_dtypes, limits.wire_dtypes, suits=lambda d: FORMATS[d].suits(sh.hidden_size))
+    dtype = next(iter(acts), None if k else WireDtype.FP32)
     if dtype is None:
         raise InvalidRequest(
             f"no common wire format: the edge accepts {[d.name for d in offer.wire_dtypes]}, "
             f"this cloud allows {[d.name for d in limits.wire_dtypes]}"
         )
-    kv_dtype = next(
-        (d for d in offer.kv_wire_dtypes if d in limits.kv_wire_dtypes and suits(d, sh.head_dim)),
-        None if k else WireDtype.FP32,
-    )
+    kvs = common_formats(offer.kv_wire_dtypes, limits.kv_wire_dtypes, suits=lambda d: FORMATS[d].suits(sh.head_dim))
+    kv_dtype = next(iter(kvs), None if k else WireDtype.FP32)
     if kv_dtype is None:
         raise InvalidRequest(
             f"no common KV block format: the edge accepts {[d.name for d in offer.kv_wire_dtypes]}, "
             f"this cloud allows {[d.name for d in limits.kv_wire_dtypes]}"
         )
-    codec = next((c for c in offer.codecs if c in limits.codecs), Codec.NONE)
+    codec = next(iter(common_formats(offer.codecs, limits.codecs)), Codec.NONE)
     act_bytes = raw_nbytes_of(1, dtype, sh.hidden_size)
     B = limits.kv_block_size_tokens
     block_bytes = kv_raw_nbytes((k, 2, sh.num_kv_heads, B, sh.head_dim), kv_dtype) if k else 0

@@ -34,6 +34,8 @@ from tandem.common.security import Principal
 class EdgeOverLimit(QuotaExceeded):
     """One edge passed its own bound (rate, sessions or stored bytes)."""
 
+    wire_name = "EdgeOverLimit"
+
     def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
         super().__init__(message)
         self.retry_after_ms = retry_after_ms

@@ -37,6 +37,11 @@ def status_of(err: e.TandemError) -> grpc.StatusCode:
 RETRY_AFTER_MS: dict[type[e.TandemError], int] = {e.QuotaExceeded: 1000, e.EngineError: 2000}
 
 
+def status_details(err: e.TandemError) -> str:
+    """The details of the status that carries ``err``: ``"<wire name>: <message>"``."""
+    return f"{err.wire_name}: {err}"
+
+
 async def abort(context: grpc.aio.ServicerContext, err: e.TandemError) -> None:
     """Abort the RPC with the status mapped from ``err`` and its message (raises AbortError); a
     retryable error carries a ``retry-after-ms`` hint in the trailing metadata (the error's own
@@ -47,7 +52,7 @@ async def abort(context: grpc.aio.ServicerContext, err: e.TandemError) -> None:
     if retry_ms is not None:
         # also as gRPC's own retry pushback (gRFC A6), which channels with a retry policy honour
         context.set_trailing_metadata((("retry-after-ms", str(retry_ms)), ("grpc-retry-pushback-ms", str(retry_ms))))
-    await context.abort(status_of(err), f"{type(err).__name__}: {err}")
+    await context.abort(status_of(err), status_details(err))
 
 
 # A status that names no tandem error (the transport's own: deadline, unreachable peer...).
@@ -62,10 +67,15 @@ DEFAULT_OF_STATUS: dict[grpc.StatusCode, type[e.TandemError]] = {
 }
 
 
+# The errors a status names by their wire name (``status_details``) and that come back as themselves.
+_NAMED: dict[str, type[e.TandemError]] = {cls.wire_name: cls for cls in STATUS_OF}
+
+
 def error_from_status(code: grpc.StatusCode, details: str) -> e.TandemError:
-    """Inverse mapping for clients: a status back to the domain error it came from."""
+    """Inverse mapping for clients: a status back to the domain error it came from (one of
+    ``STATUS_OF`` named by its wire name, with that status), else the status's default error."""
     name, _, message = details.partition(": ")
-    for cls, c in STATUS_OF.items():
-        if cls.__name__ == name and c == code:
-            return cls(message)
+    cls = _NAMED.get(name)
+    if cls is not None and STATUS_OF[cls] == code:
+        return cls(message)
     return DEFAULT_OF_STATUS.get(code, e.TandemError)(f"{code.name}: {details}")

@@ -160,12 +160,12 @@ def setup_logging(fmt: str, level: str, stream: IO[str] | None = None) -> loggin
 
 
 def outcome_of(exc: BaseException | None) -> str:
-    """How a turn ended, as a bounded label: "ok", the domain error's class name, "cancelled"
+    """How a turn ended, as a bounded label: "ok", the domain error's wire name, "cancelled"
     (the caller went away) or "internal" (a bug)."""
     if exc is None:
         return "ok"
     if isinstance(exc, TandemError):
-        return type(exc).__name__
+        return exc.wire_name
     if isinstance(exc, GeneratorExit | asyncio.CancelledError):
         return "cancelled"
     return "internal"

@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 
 import blake3
 
+from tandem.common.errors import InvalidRequest
+from tandem.common.formats import format_of
+
 _LEAF_PREFIX = b"\x00"
 _NODE_PREFIX = b"\x01"
 
@@ -207,12 +210,16 @@ DEFAULT = BLAKE3
 
 def leaf_data(block_hash: bytes, layer_lo: int, layer_hi: int, wire_dtype: int, data: bytes) -> bytes:
     """What a KV block's leaf commits to: ``block_hash`` (the block's identity hash), layers
-    ``[layer_lo, layer_hi)`` as two little-endian u32, the ``WireDtype`` value as one byte unless
-    it is fp32 (1), then the block's bytes in that dtype (``common.kvwire.encode_kv``; before the
-    codec). Fp32 leaves keep the layout they had before KV formats existed, so edges and clouds
-    of either version agree on them; other formats' data lengths differ from fp32's for any block
-    shape the manifest allows. Hash-independent; callers pass the result to ``leaf_hash``."""
-    tag = b"" if wire_dtype == 1 else struct.pack("<B", wire_dtype)
+    ``[layer_lo, layer_hi)`` as two little-endian u32, the format's ``leaf_tag`` (``common.formats``:
+    the ``WireDtype`` value as one byte, nothing for fp32; a value no format has, as one byte), then
+    the block's bytes in that dtype (``common.kvwire.encode_kv``; before the codec). Fp32 leaves keep
+    the layout they had before KV formats existed, so edges and clouds of either version agree on
+    them; other formats' data lengths differ from fp32's for any block shape the manifest allows.
+    Hash-independent; callers pass the result to ``leaf_hash``."""
+    try:
+        tag = format_of(wire_dtype).leaf_tag
+    except InvalidRequest:  # the cloud refuses a block of such a dtype before it hashes one
+        tag = struct.pack("<B", wire_dtype)
     return block_hash + struct.pack("<II", layer_lo, layer_hi) + tag + data
 
 

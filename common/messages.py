@@ -224,7 +224,7 @@ _DOWN_TO: dict[type, Callable[[Any], pb.Downlink]] = {
     TurnFinal: lambda e: pb.Downlink(final=_final_to_pb(e)),
     TurnError: lambda e: pb.Downlink(
         error=pb.Error(
-            kind=type(e.error).__name__,
+            kind=e.error.wire_name,
             message=str(e.error),
             retry_after_ms=max(0, int(getattr(e.error, "retry_after_ms", 0) or 0)),
             base_kinds=base_names(e.error),

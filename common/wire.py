@@ -3,27 +3,15 @@
 A chunk carries activations ``h_k`` of ``num_tokens`` consecutive prompt tokens
 ``[token_offset, token_offset + num_tokens)``, encoded as:
 
-    payload = codec( wire_dtype bytes of [num_tokens, H] )   # int8: fp32 scales [num_tokens] first
+    payload = codec( wire_dtype bytes of [num_tokens, H] )   # quantised formats: scales first
     crc32c  = CRC32C(payload)                               # over the bytes as sent
 
 CRC32C is the Castagnoli polynomial (RFC 3720, section 12.1), computed by the
 ``google-crc32c`` library (hardware-accelerated where the CPU has SSE4.2/ARMv8 CRC).
 
-Int8 is symmetric per-token quantisation: ``scale_t = max|h_t| / 127``,
-``q = round(h / scale_t)``; the reconstruction error per element is at most ``scale_t / 2``.
-Int4 is symmetric per group of ``INT4_GROUP`` channels of a token: ``scale = max|h_g| / 7``
-stored as fp16 (``[T, ceil(H / 32)]`` first), ``q`` in ``[-7, 7]`` two per byte (low nibble
-first, each token's row padded to whole bytes). Int8-Hadamard first rotates each block of
-``b = hadamard_block(H)`` (at most ``HADAMARD_BLOCK``) channels of a token by the orthonormal
-Hadamard matrix ``H_b`` (``rotate``), then quantises symmetrically per (token, block):
-``scale = max|y_blk| / 127`` as fp16 (``[T, H / b]`` first), then int8 ``[T, H]``; the cloud
-rotates back (``H_b`` is its own inverse). The rotation spreads a token's few huge channels
-(SmolLM2's residual stream after layer 4 has channels 30-600x its median) over the block, so the
-step follows the block's RMS instead of its largest channel: on the fidelity set, greedy output
-agreed with fp32 on 98.3% of prompts where per-token int8 agreed on 30% and per-32-channel int8 on
-70% (incoherence processing: QuaRot, Ashkboos et al., arXiv:2404.00456, section 3; QuIP#,
-Tseng et al., arXiv:2402.04396). A block holding NaN or inf gets a NaN scale, so it decodes to NaN
-(refused by the cloud) and not to numbers. KV blocks have their own formats (``common.kvwire``).
+The wire dtypes' byte layouts, their sizes and the widths they suit are registered in
+``common.formats`` (``FORMATS``); this module frames and checks chunks and looks the format up
+there. KV blocks are framed by ``common.kvwire``.
 
 Zstd payloads are exactly one complete zstd frame whose header declares the raw size
 (``encode_payload`` always writes it). On arrival every size is checked against the
@@ -46,17 +34,7 @@ import numpy as np
 import zstandard
 
 from tandem.common.errors import ChecksumMismatch, CorruptPayload, InvalidRequest
-
-
-class WireDtype(enum.IntEnum):
-    """Mirrors ``tandem.v1.WireDtype``."""
-
-    FP32 = 1
-    FP16 = 2
-    BF16 = 3
-    INT8 = 4
-    INT4 = 5
-    INT8_HADAMARD = 6
+from tandem.common.formats import WireDtype, format_of
 
 
 class Codec(enum.IntEnum):
@@ -86,160 +64,21 @@ class Chunk:
     params_version: int = 0  # the link params it was made with
 
 
-INT4_GROUP = 32  # channels per int4 scale (activations)
-HADAMARD_BLOCK = 64  # most channels per rotation block and int8 scale (activations)
-
-
-def hadamard_block(n: int, cap: int = HADAMARD_BLOCK) -> int:
-    """The rotation block of ``n`` channels: the largest power of two that divides ``n``, at most ``cap``."""
-    return min(n & -n, cap)
-
-
-MIN_HADAMARD_BLOCK = 4  # below it an fp16 scale per block of int8 costs as much as fp16 itself
-
-
-def suits(dtype: WireDtype, channels: int) -> bool:
-    """Whether ``dtype`` makes sense for rows of ``channels`` values: ``INT8_HADAMARD`` needs a
-    rotation block of at least ``MIN_HADAMARD_BLOCK`` channels (for an odd width it would be one
-    channel, each with its own fp16 scale: larger than fp16, and nothing rotated); every other
-    format suits any width. Real models' widths are multiples of 64."""
-    return dtype != WireDtype.INT8_HADAMARD or hadamard_block(channels) >= MIN_HADAMARD_BLOCK
-
-
-_HADAMARD: dict[int, np.ndarray] = {}
-
-
-def hadamard(n: int) -> np.ndarray:
-    """The orthonormal Sylvester Hadamard matrix, float32 ``[n, n]`` for ``n`` a power of two:
-    ``H_1 = [1]``, ``H_2m = [[H_m, H_m], [H_m, -H_m]]``, scaled by ``1 / sqrt(n)`` (Sylvester,
-    "Thoughts on inverse orthogonal matrices...", Phil. Mag. 1867). Symmetric and orthogonal,
-    so it is its own inverse. Cached; do not modify the result.
-
-    Raises:
-        ValueError: ``n`` is not a power of two.
-    """
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"a Sylvester Hadamard matrix needs a power of two, got {n}")
-    if n not in _HADAMARD:
-        m = np.ones((1, 1), np.float64)
-        while m.shape[0] < n:
-            m = np.block([[m, m], [m, -m]])
-        _HADAMARD[n] = (m / np.sqrt(n)).astype(np.float32)
-    return _HADAMARD[n]
-
-
-def rotate(x: np.ndarray, b: int) -> np.ndarray:
-    """``x`` float32 ``[..., n]`` with every block of ``b`` consecutive channels of the last axis
-    multiplied by ``hadamard(b)``; ``rotate(rotate(x, b), b) == x`` up to float32 rounding.
-
-    Raises:
-        ValueError: ``b`` does not divide ``n`` or is not a power of two.
-    """
-    n = x.shape[-1]
-    if n % b:
-        raise ValueError(f"rotation block {b} does not divide {n} channels")
-    return (x.reshape(*x.shape[:-1], n // b, b) @ hadamard(b)).reshape(x.shape)
-
-
-def quantize_rotated_int8(x: np.ndarray, b: int, scale_axes: int) -> tuple[bytes, bytes]:
-    """``rotate(x, b)`` quantised to int8 with one fp16 scale per group of the last ``scale_axes``
-    axes of ``[..., n // b, b]`` (1: per block; 2: per row of ``n``): ``(scales, int8)`` bytes.
-    A group with NaN or inf gets a NaN scale (it decodes to NaN, never to numbers)."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        y = rotate(np.ascontiguousarray(x, np.float32), b)
-        g = y.reshape(*y.shape[:-1], y.shape[-1] // b, b)
-        axes = (-1,) if scale_axes == 1 else (-2, -1)
-        amax = np.abs(g).max(axis=axes, keepdims=True)
-        s16, s = safe_scale(amax, 127)
-        s16 = np.where(np.isfinite(amax), s16, np.float16(np.nan)).astype("<f2")
-        q = quantize(g, s, -127, 127)
-    return s16.tobytes(), q.tobytes()
-
-
-def dequantize_rotated_int8(scales: np.ndarray, q: np.ndarray, b: int) -> np.ndarray:
-    """The inverse of ``quantize_rotated_int8``: ``scales`` float32 broadcastable to
-    ``q.reshape(..., n // b, b)``, ``q`` int8 ``[..., n]`` -> float32 ``[..., n]``."""
-    g = q.reshape(*q.shape[:-1], q.shape[-1] // b, b).astype(np.float32) * scales
-    with np.errstate(invalid="ignore", over="ignore"):
-        return rotate(g.reshape(q.shape), b)
-
-
-def pack_int4(q: np.ndarray) -> bytes:
-    """int8 values in ``[-8, 7]``, shape ``[..., n]`` -> two per byte (low nibble first), each
-    last-axis row padded to whole bytes."""
-    if q.shape[-1] % 2:
-        q = np.concatenate([q, np.zeros((*q.shape[:-1], 1), q.dtype)], axis=-1)
-    u = (q.astype(np.int16) & 0x0F).astype(np.uint8)
-    return np.ascontiguousarray(u[..., 0::2] | (u[..., 1::2] << 4)).tobytes()
-
-
-def unpack_int4(raw: bytes, shape: tuple[int, ...], signed: bool = True) -> np.ndarray:
-    """The inverse of ``pack_int4``: int8 ``shape`` (signed: ``[-8, 7]``, else ``[0, 15]``)."""
-    n = shape[-1]
-    u = np.frombuffer(raw, np.uint8).reshape(*shape[:-1], (n + 1) // 2)
-    out = np.empty((*shape[:-1], 2 * u.shape[-1]), np.int8)
-    out[..., 0::2] = (u & 0x0F).astype(np.int8)
-    out[..., 1::2] = (u >> 4).astype(np.int8)
-    if signed:
-        out -= (out > 7).astype(np.int8) * 16
-    return out[..., :n]
-
-
-FP16_MAX = 65504.0  # largest finite float16
-
-
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (``<u2``), rounded to nearest even; NaN stays NaN (some
-    NaN patterns would wrap around to 0 in 32-bit arithmetic)."""
-    u = np.ascontiguousarray(x, dtype="<f4").view("<u4").astype(np.uint64)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
-    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded).astype("<u2")
-
-
-def safe_scale(amax: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(scale as fp16, the same as float32)`` for ``amax / levels``, saturated to fp16's range;
-    a scale that rounds to 0 encodes zeros."""
-    s16 = np.minimum(amax / levels, FP16_MAX).astype("<f2")
-    return s16, s16.astype(np.float32)
-
-
-def quantize(x: np.ndarray, scale: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """``round(x / scale)`` clipped to ``[lo, hi]`` as int8 (0 where ``scale`` is 0)."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        q = np.rint(x / np.where(scale > 0, scale, 1.0))
-        return np.clip(np.where(scale > 0, q, 0), lo, hi).astype(np.int8)
-
-
 def crc32c(data: bytes) -> int:
     """CRC32C (Castagnoli) of ``data`` as an unsigned 32-bit int."""
     return int(google_crc32c.value(data))
 
 
-def _bytes_per_token(dtype: WireDtype, hidden: int) -> int:
-    return {
-        WireDtype.FP32: 4 * hidden,
-        WireDtype.FP16: 2 * hidden,
-        WireDtype.BF16: 2 * hidden,
-        WireDtype.INT8: hidden + 4,
-        WireDtype.INT4: 2 * -(-hidden // INT4_GROUP) + (hidden + 1) // 2,
-        WireDtype.INT8_HADAMARD: hidden + 2 * (hidden // hadamard_block(hidden)),
-    }[dtype]
-
-
 def raw_nbytes_of(num_tokens: int, dtype: WireDtype, hidden: int) -> int:
     """Size in bytes of the uncompressed wire bytes of ``num_tokens`` tokens x ``hidden`` in ``dtype``
-    (int8 includes the fp32 per-token scales).
+    (scales included).
 
     Raises:
         InvalidRequest: ``num_tokens < 0``, ``hidden < 1`` or ``dtype`` not a ``WireDtype``.
     """
     if num_tokens < 0 or hidden < 1:
         raise InvalidRequest(f"num_tokens {num_tokens} and hidden {hidden} must be >= 0 and >= 1")
-    try:
-        dtype = WireDtype(dtype)
-    except ValueError:
-        raise InvalidRequest(f"unknown wire dtype {dtype!r}") from None
-    return num_tokens * _bytes_per_token(dtype, hidden)
+    return format_of(dtype).activations.nbytes((num_tokens, hidden))
 
 
 def max_payload_bytes(raw_nbytes: int, codec: Codec) -> int:
@@ -414,62 +253,28 @@ def decode_payload(payload: bytes, codec: Codec, raw_nbytes: int) -> bytes:
 
 
 def encode_dtype(h: np.ndarray, dtype: WireDtype) -> bytes:
-    """float32 ``[T, H]`` -> wire bytes."""
-    if dtype == WireDtype.FP32:
-        return np.ascontiguousarray(h, dtype="<f4").tobytes()
-    if dtype == WireDtype.FP16:
-        return h.astype("<f2").tobytes()
-    if dtype == WireDtype.BF16:
-        return bf16_bits(h).tobytes()
-    if dtype == WireDtype.INT4:
-        t, hidden = h.shape
-        g = -(-hidden // INT4_GROUP)
-        padded = np.zeros((t, g * INT4_GROUP), np.float32)
-        padded[:, :hidden] = h
-        groups = padded.reshape(t, g, INT4_GROUP)
-        s16, s = safe_scale(np.abs(groups).max(axis=2), 7)  # [T, G]
-        q = quantize(groups, s[:, :, None], -7, 7).reshape(t, -1)[:, :hidden]
-        return s16.tobytes() + pack_int4(q)
-    if dtype == WireDtype.INT8_HADAMARD:
-        scales, q8 = quantize_rotated_int8(h, hadamard_block(h.shape[1]), 1)
-        return scales + q8
-    scale = np.maximum(np.abs(h).max(axis=1), 1e-30).astype("<f4") / 127.0  # [T]
-    q = np.clip(np.rint(h / scale[:, None]), -127, 127).astype(np.int8)
-    return scale.tobytes() + q.tobytes()
+    """float32 ``[T, H]`` -> its wire bytes in ``dtype`` (``common.formats``).
+
+    Raises:
+        InvalidRequest: ``dtype`` is not a ``WireDtype``.
+    """
+    return format_of(dtype).activations.encode(h)
 
 
 def decode_dtype(raw: bytes, dtype: WireDtype, num_tokens: int, hidden: int) -> np.ndarray:
     """Wire bytes -> float32 ``[num_tokens, H]``.
 
     Raises:
-        InvalidRequest: the byte count does not match ``num_tokens x H`` in ``dtype``.
+        InvalidRequest: ``dtype`` is not a ``WireDtype``, or the byte count does not match
+            ``num_tokens x H`` in ``dtype``.
     """
-    want = num_tokens * _bytes_per_token(dtype, hidden)
+    fmt = format_of(dtype)
+    want = fmt.activations.nbytes((num_tokens, hidden))
     if len(raw) != want:
         raise InvalidRequest(
-            f"chunk holds {len(raw)} bytes, expected {want} for {num_tokens} tokens x H={hidden} in {dtype.name}"
+            f"chunk holds {len(raw)} bytes, expected {want} for {num_tokens} tokens x H={hidden} in {fmt.name}"
         )
-    if dtype == WireDtype.FP32:
-        return np.frombuffer(raw, "<f4").reshape(num_tokens, hidden).copy()
-    if dtype == WireDtype.FP16:
-        return np.frombuffer(raw, "<f2").reshape(num_tokens, hidden).astype(np.float32)
-    if dtype == WireDtype.BF16:
-        u = np.frombuffer(raw, "<u2").astype("<u4") << 16
-        return u.view("<f4").reshape(num_tokens, hidden).copy()
-    if dtype == WireDtype.INT4:
-        g = -(-hidden // INT4_GROUP)
-        s = np.frombuffer(raw[: 2 * g * num_tokens], "<f2").astype(np.float32).reshape(num_tokens, g)
-        q4 = unpack_int4(raw[2 * g * num_tokens :], (num_tokens, hidden)).astype(np.float32)
-        return q4 * np.repeat(s, INT4_GROUP, axis=1)[:, :hidden]
-    if dtype == WireDtype.INT8_HADAMARD:
-        b = hadamard_block(hidden)
-        ns = num_tokens * (hidden // b)
-        blk_scales = np.frombuffer(raw[: 2 * ns], "<f2").astype(np.float32).reshape(num_tokens, hidden // b, 1)
-        q8 = np.frombuffer(raw[2 * ns :], np.int8).reshape(num_tokens, hidden)
-        return dequantize_rotated_int8(blk_scales, q8, b)
-    scale = np.frombuffer(raw[: 4 * num_tokens], "<f4")
-    q = np.frombuffer(raw[4 * num_tokens :], np.int8).reshape(num_tokens, hidden)
-    return q.astype(np.float32) * scale[:, None]
+    return fmt.activations.decode(raw, (num_tokens, hidden))
 
 
 def split(

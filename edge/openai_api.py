@@ -135,7 +135,7 @@ STATUS_OF: dict[type[e.TandemError], tuple[int, str]] = {
 def api_error_of(err: e.TandemError) -> ApiError:
     """The HTTP status and OpenAI error type of a domain error (500 server_error if unmapped)."""
     status, type_ = next((STATUS_OF[c] for c in type(err).__mro__ if c in STATUS_OF), (500, "server_error"))
-    return ApiError(status, str(err) or type(err).__name__, type_, None, type(err).__name__)
+    return ApiError(status, str(err) or err.wire_name, type_, None, err.wire_name)
 
 
 MAX_BODY_BYTES = 4 << 20  # as the edge's gRPC message limit: a conversation of a few MB of text

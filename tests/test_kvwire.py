@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.common import merkle, wire
+from tandem.common import formats, merkle, quant, wire
 from tandem.common.errors import InvalidRequest
 from tandem.common.kvwire import decode_kv, encode_kv, kv_raw_nbytes
 from tandem.common.wire import WireDtype
@@ -108,10 +108,10 @@ def test_activation_int4(hidden):
     raw = wire.encode_dtype(h, WireDtype.INT4)
     assert len(raw) == wire.raw_nbytes_of(5, WireDtype.INT4, hidden)
     y = wire.decode_dtype(raw, WireDtype.INT4, 5, hidden)
-    g = -(-hidden // wire.INT4_GROUP)
-    padded = np.zeros((5, g * wire.INT4_GROUP), np.float32)
+    g = -(-hidden // formats.INT4_GROUP)
+    padded = np.zeros((5, g * formats.INT4_GROUP), np.float32)
     padded[:, :hidden] = np.abs(h)
-    step = np.repeat(padded.reshape(5, g, -1).max(axis=2) / 7, wire.INT4_GROUP, axis=1)[:, :hidden]
+    step = np.repeat(padded.reshape(5, g, -1).max(axis=2) / 7, formats.INT4_GROUP, axis=1)[:, :hidden]
     assert np.all(np.abs(y - h) <= step * 0.5 * 1.01 + 1e-7)
     assert wire.raw_nbytes_of(1, WireDtype.INT4, 576) == 36 + 288
 
@@ -159,7 +159,7 @@ def test_int8_hadamard_beats_int8_on_outlier_channels_and_keeps_error_bounded():
     err8 = np.linalg.norm((y8 - x)[:, 0][..., normal])
     errh = np.linalg.norm((yh - x)[:, 0][..., normal])
     assert errh < 0.7 * err8, (errh, err8)
-    rotated = wire.rotate(x, 64)
+    rotated = quant.rotate(x, 64)
     step = np.abs(rotated).max(axis=4, keepdims=True) / 127 * (1 + 2e-3)
     row_err = np.linalg.norm(yh - x, axis=4, keepdims=True)
     assert np.all(row_err <= 0.5 * step * np.sqrt(64) + 1e-5)
@@ -167,15 +167,15 @@ def test_int8_hadamard_beats_int8_on_outlier_channels_and_keeps_error_bounded():
 
 def test_hadamard_is_orthonormal_and_its_own_inverse():
     for n in (1, 2, 8, 64, 256):
-        h = wire.hadamard(n)
+        h = quant.hadamard(n)
         assert h.shape == (n, n) and np.allclose(h @ h, np.eye(n), atol=1e-6) and np.allclose(h, h.T)
     x = np.random.default_rng(0).standard_normal((3, 5, 576)).astype(np.float32)
-    assert np.allclose(wire.rotate(wire.rotate(x, 64), 64), x, atol=1e-5)
-    assert wire.hadamard_block(576) == 64 and wire.hadamard_block(96) == 32 and wire.hadamard_block(577) == 1
+    assert np.allclose(quant.rotate(quant.rotate(x, 64), 64), x, atol=1e-5)
+    assert quant.hadamard_block(576) == 64 and quant.hadamard_block(96) == 32 and quant.hadamard_block(577) == 1
     with pytest.raises(ValueError):
-        wire.hadamard(12)
+        quant.hadamard(12)
     with pytest.raises(ValueError):
-        wire.rotate(x, 128)  # 576 is not a multiple of 128
+        quant.rotate(x, 128)  # 576 is not a multiple of 128
 
 
 @pytest.mark.parametrize("hidden", [576, 96, 577, 8])
@@ -186,10 +186,10 @@ def test_activation_int8_hadamard(hidden):
     h = rng.standard_normal((5, hidden)).astype(np.float32)
     h[:, hidden // 3] = 700.0
     raw = wire.encode_dtype(h, WireDtype.INT8_HADAMARD)
-    b = wire.hadamard_block(hidden)
+    b = quant.hadamard_block(hidden)
     assert len(raw) == wire.raw_nbytes_of(5, WireDtype.INT8_HADAMARD, hidden) == 5 * (hidden + 2 * (hidden // b))
     y = wire.decode_dtype(raw, WireDtype.INT8_HADAMARD, 5, hidden)
-    blocks = wire.rotate(h, b).reshape(5, hidden // b, b)
+    blocks = quant.rotate(h, b).reshape(5, hidden // b, b)
     step = np.abs(blocks).max(axis=2) / 127 * (1 + 2e-3)  # [T, blocks]
     err = np.linalg.norm((y - h).reshape(5, hidden // b, b), axis=2)
     assert np.all(err <= 0.5 * step * np.sqrt(b) + 1e-5)
@@ -206,7 +206,8 @@ def test_activation_int8_hadamard(hidden):
 
 def test_int8_hadamard_is_negotiated_only_for_widths_it_suits():
     """An odd width would rotate single channels, each with its own scale: more bytes than fp16."""
-    assert wire.suits(WireDtype.INT8_HADAMARD, 576) and wire.suits(WireDtype.INT8_HADAMARD, 72)
-    assert not wire.suits(WireDtype.INT8_HADAMARD, 577) and not wire.suits(WireDtype.INT8_HADAMARD, 6)
-    assert all(wire.suits(d, 577) for d in WireDtype if d != WireDtype.INT8_HADAMARD)
+    hadamard = formats.FORMATS[WireDtype.INT8_HADAMARD]
+    assert hadamard.suits(576) and hadamard.suits(72)
+    assert not hadamard.suits(577) and not hadamard.suits(6)
+    assert all(formats.FORMATS[d].suits(577) for d in WireDtype if d != WireDtype.INT8_HADAMARD)
     assert wire.raw_nbytes_of(1, WireDtype.INT8_HADAMARD, 577) > wire.raw_nbytes_of(1, WireDtype.FP16, 577)
