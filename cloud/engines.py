@@ -74,7 +74,7 @@ class EngineBackend(Protocol):
 
     ``tail_prefill`` returns the first output token as soon as it is sampled; the tail KV of
     the prompt's full blocks reaches the block store after it (the connector's writer thread),
-    so a reader waits for its keys (``Gateway._await_tail_saves``). ``decode`` yields output
+    so a reader waits for its keys (``Pins.await_tail_saves``). ``decode`` yields output
     tokens as they are sampled; the caller owns nothing the engine holds.
     """
 

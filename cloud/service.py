@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from tandem.cloud.gateway import Gateway, UplinkBody
+from tandem.cloud.gateway import Gateway
+from tandem.cloud.turn import UplinkBody
 from tandem.common.errors import EngineError, InvalidRequest, TandemError, UploadTimeout
 from tandem.common.grpc_errors import abort
 from tandem.common.grpcsetup import Malformed
