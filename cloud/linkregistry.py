@@ -261,7 +261,13 @@ class LinkRegistry:
     def server_info(self, link_id: str, caller: Principal | str, serving: bool) -> ServerInfo:
         """``GetServerInfo``: the load, and the link's current params when the link is known here and
         was negotiated by ``caller`` (another caller's link is reported unknown); ``serving``: the
-        node's health."""
+        node's health.
+
+        Raises:
+            InvalidRequest: a link id longer than 256 characters.
+        """
+        if len(link_id) > 256:
+            raise InvalidRequest("link_id longer than 256 characters")
         if link_id and self._owners.get(link_id) != str(as_principal(caller)):
             link_id = ""
         rec = self._versions.get(link_id) if link_id else None

@@ -100,11 +100,9 @@ class CloudServicer(pb_grpc.CloudServicer):
     async def GetServerInfo(self, request: pb.ServerInfoRequest, context: grpc.aio.ServicerContext):
         try:
             caller = identify(self.auth, context)
-            if len(request.link_id) > 256:
-                raise InvalidRequest("link_id longer than 256 characters")
+            return self.gateway.server_info(request.link_id, caller).to_pb()
         except TandemError as e:
             await abort(context, e)
-        return self.gateway.server_info(request.link_id, caller).to_pb()
 
     async def SyncSession(self, request: pb.SyncSessionRequest, context: grpc.aio.ServicerContext):
         try:

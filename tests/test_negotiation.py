@@ -159,6 +159,8 @@ async def test_negotiate_refuses_another_model_and_says_when_it_lacks_the_edges_
         assert set(only_direct.params_by_split) == {0} and "no common activation format" in only_direct.note
         with pytest.raises(InvalidRequest):
             gw.negotiate(offer(edge_id="x" * 300))
+        with pytest.raises(InvalidRequest, match="link_id longer"):
+            gw.server_info("x" * 257)
     finally:
         await toy.batcher.stop()
 
