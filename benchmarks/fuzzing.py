@@ -49,10 +49,12 @@ from hypothesis import strategies as st
 
 from tandem.benchmarks.toy import HKV, MANIFEST, VOCAB, B, D, H, K, ToyTokenizer
 from tandem.cloud.config import CloudConfig, EngineConfig
-from tandem.cloud.gateway import Gateway, as_principal
+from tandem.cloud.gateway import Gateway
 from tandem.cloud.memory_engines import MemoryEngines
+from tandem.cloud.server import build_gateway
 from tandem.cloud.service import CloudServicer, uplink_body
 from tandem.cloud.sessions import CloudSession
+from tandem.cloud.turn import as_principal
 from tandem.common import merkle, wire
 from tandem.common.errors import TandemError, error_from_name
 from tandem.common.grpc_errors import status_of
@@ -148,13 +150,13 @@ class CloudStack:
         """A fresh gateway (call in the event loop it will serve)."""
         store = MemoryBlockStore(1 << 30)
         engines = MemoryEngines(store, B, VOCAB)
-        return cls(Gateway(cloud_config(**cfg), MANIFEST, engines, store), engines, store)
+        return cls(build_gateway(cloud_config(**cfg), MANIFEST, engines, store), engines, store)
 
 
 def busy_bookkeeping(gw: Gateway) -> list[str]:
     """What of the gateway's bookkeeping is not idle: upload reservations, admitted or waiting requests."""
     out: list[str] = []
-    b = gw.budget
+    b = gw.receiver.budget
     per_peer = {p: v for p, v in b._per_peer.items() if v != [0, 0]}
     if b.uploads or b.nbytes or per_peer:
         out.append(f"upload budget held: uploads={b.uploads} nbytes={b.nbytes} per peer={per_peer}")
@@ -1250,7 +1252,7 @@ class ServiceStack:
             ["tandem.v1.Cloud"],
             "127.0.0.1",
             0,
-            gw.max_message_bytes(),
+            gw.registry.max_message_bytes(),
         )
         key = MANIFEST.compatibility_key()
         conn = CloudConnection(InProcessLink(gw), NegotiateOffer("e", "toy", {K: key}, 4), probe_bytes=0)

@@ -72,7 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from tandem.cloud.kv_layout import KVLayoutError, Layout, canonical, layout_for
 from tandem.common.errors import EngineError
 from tandem.common.kvblocks import LayerRange, block_nbytes
-from tandem.common.kvparams import KVTransferSpec
+from tandem.common.kvparams import ConnectorReport, KVTransferSpec
 from tandem.common.kvstore import open_store
 
 if TYPE_CHECKING:
@@ -266,7 +266,7 @@ class TandemConnector(KVConnectorBase_V1):
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
-        return False, {"tandem": {"external_tokens": st.external_tokens, "saved_blocks": st.saved_blocks}}
+        return False, ConnectorReport(st.external_tokens, st.saved_blocks).to_vllm()
 
     # ------------------------------------------------------------------ worker side
 

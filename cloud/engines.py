@@ -30,7 +30,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -38,11 +38,43 @@ from tandem.cloud import vllm_plugin
 from tandem.cloud.config import CloudConfig
 from tandem.common import metrics
 from tandem.common.errors import EngineError
-from tandem.common.kvparams import KVTransferSpec
+from tandem.common.kvparams import ConnectorReport, KVTransferSpec
 from tandem.common.manifest import SplitManifest
 from tandem.common.params import Sampling
 
 log = logging.getLogger("tandem.engines")
+
+
+@dataclass(frozen=True)
+class EngineRole:
+    """One engine of a node: the tail-prefill engine of split layer ``split_layer`` (``kind``
+    "tail") or the decode engine (``kind`` "decode", ``split_layer`` 0). ``name`` labels it in
+    logs, thread names and errors ("tail-k4", "decode"); ``str(role)`` is its name.
+
+    Raises:
+        ValueError: a tail role without a split layer, or a decode role with one.
+    """
+
+    kind: Literal["tail", "decode"]
+    split_layer: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.kind == "tail") != (self.split_layer > 0):
+            raise ValueError(f"a tail engine has a split layer > 0 and the decode engine none, not {self!r}")
+
+    @classmethod
+    def tail(cls, split_layer: int) -> EngineRole:
+        return cls("tail", split_layer)
+
+    @property
+    def name(self) -> str:
+        return f"tail-k{self.split_layer}" if self.kind == "tail" else "decode"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+DECODE = EngineRole("decode")
 
 
 @dataclass(frozen=True)
@@ -74,7 +106,7 @@ class EngineBackend(Protocol):
 
     ``tail_prefill`` returns the first output token as soon as it is sampled; the tail KV of
     the prompt's full blocks reaches the block store after it (the connector's writer thread),
-    so a reader waits for its keys (``Gateway._await_tail_saves``). ``decode`` yields output
+    so a reader waits for its keys (``Pins.await_tail_saves``). ``decode`` yields output
     tokens as they are sampled; the caller owns nothing the engine holds.
     """
 
@@ -87,11 +119,11 @@ class EngineBackend(Protocol):
     ) -> AsyncIterator[DecodeStep]: ...
 
 
-def _kv_transfer(cfg: CloudConfig, role: str, layer_offset: int) -> dict[str, Any]:
+def _kv_transfer(cfg: CloudConfig, kv_role: str, layer_offset: int) -> dict[str, Any]:
     return {
         "kv_connector": "TandemConnector",
         "kv_connector_module_path": "tandem.cloud.connector",
-        "kv_role": role,
+        "kv_role": kv_role,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "store_url": cfg.store_url,  # its password reaches the workers in their environment only
@@ -105,7 +137,7 @@ def _kv_transfer(cfg: CloudConfig, role: str, layer_offset: int) -> dict[str, An
     }
 
 
-def _engine(model: Path, cfg: CloudConfig, role: str, layer_offset: int, prompt_embeds: bool):
+def _engine(model: Path, cfg: CloudConfig, kv_role: str, layer_offset: int, prompt_embeds: bool):
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -129,7 +161,7 @@ def _engine(model: Path, cfg: CloudConfig, role: str, layer_offset: int, prompt_
         # cloud's metrics endpoint; its logging stat logger logs only when do_log_stats() is called
         # (never here), so no periodic log lines
         disable_log_stats=False,
-        kv_transfer_config=KVTransferConfig(**_kv_transfer(cfg, role, layer_offset)),
+        kv_transfer_config=KVTransferConfig(**_kv_transfer(cfg, kv_role, layer_offset)),
     )
     # vLLM's Prometheus logger unregisters the vllm: metrics at every engine start; this one keeps
     # one shared family per name, so both engines are exported (told apart by model_name)
@@ -191,8 +223,8 @@ class VllmEngines:
         self.splits = {
             m.split_layer: (m, d) for d in (cfg.split_dir, *cfg.extra_split_dirs) if (m := SplitManifest.load(d))
         }
-        self.ROLES = (*(f"tail-k{k}" for k in sorted(self.splits)), "decode")
-        self._engines: dict[str, Any] = dict.fromkeys(self.ROLES)
+        self.ROLES = (*(EngineRole.tail(k) for k in sorted(self.splits)), DECODE)
+        self._engines: dict[EngineRole, Any] = dict.fromkeys(self.ROLES)
         self._restarting = False
         self._closed = False
         self._lock = threading.Lock()  # _closed and the engine slots, against a restart thread
@@ -200,24 +232,24 @@ class VllmEngines:
     @property
     def tail_engine(self) -> Any:
         """The primary split's tail engine."""
-        return self._engines[f"tail-k{self.manifest.split_layer}"]
+        return self._engines[EngineRole.tail(self.manifest.split_layer)]
 
     @property
     def decode_engine(self) -> Any:
-        return self._engines["decode"]
+        return self._engines[DECODE]
 
-    def _new_engine(self, role: str) -> Any:
+    def _new_engine(self, role: EngineRole) -> Any:
         """Start one engine (blocking, about 20-60 s on CPU)."""
-        if role.startswith("tail-k"):
-            m, d = self.splits[int(role.removeprefix("tail-k"))]
+        if role.kind == "tail":
+            m, d = self.splits[role.split_layer]
             return _engine(m.resolve(d, m.tail_checkpoint), self.cfg, "kv_both", m.split_layer, True)
         m, d = self.manifest, self.cfg.split_dir
         return _engine(m.resolve(d, m.full_checkpoint), self.cfg, "kv_consumer", 0, False)
 
-    def _get(self, role: str) -> Any:
+    def _get(self, role: EngineRole) -> Any:
         return self._engines[role]
 
-    def _set(self, role: str, engine: Any) -> None:
+    def _set(self, role: EngineRole, engine: Any) -> None:
         self._engines[role] = engine
 
     def start(self) -> None:
@@ -227,16 +259,16 @@ class VllmEngines:
         fails, every start error is logged, the engines that did start are shut down (together),
         and the first error is raised."""
         self._closed = False
-        started: dict[str, Any] = {}
-        errors: list[tuple[str, BaseException]] = []
+        started: dict[EngineRole, Any] = {}
+        errors: list[tuple[EngineRole, BaseException]] = []
 
-        def one(role: str) -> None:
+        def one(role: EngineRole) -> None:
             try:
                 started[role] = self._new_engine(role)
             except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
                 errors.append((role, e))
 
-        threads = [threading.Thread(target=one, args=(r,), name=f"engine-start-{r}") for r in self.ROLES]
+        threads = [threading.Thread(target=one, args=(r,), name=f"engine-start-{r.name}") for r in self.ROLES]
         for t in threads:
             t.start()
         try:
@@ -245,7 +277,7 @@ class VllmEngines:
         finally:
             if errors or any(t.is_alive() for t in threads):  # a failed start, or interrupted here
                 for role, e in errors:
-                    log.error("the %s engine did not start: %s", role, e)
+                    log.error("the %s engine did not start: %s", role.name, e)
                 for t in threads:  # an interrupt: let the starts finish, then stop what they started
                     t.join()
                 _shutdown_all(list(started.values()), 10.0)
@@ -288,15 +320,15 @@ class VllmEngines:
                     continue
                 self._set(role, None)
                 if old is not None:
-                    log.warning("shutting down the dead %s engine", role)
+                    log.warning("shutting down the dead %s engine", role.name)
                     await asyncio.to_thread(old.shutdown, 10.0)
-                log.warning("starting a new %s engine", role)
+                log.warning("starting a new %s engine", role.name)
                 await asyncio.to_thread(self._replace, role)
-                log.warning("the %s engine is running again", role)
+                log.warning("the %s engine is running again", role.name)
         finally:
             self._restarting = False
 
-    def _replace(self, role: str) -> None:
+    def _replace(self, role: EngineRole) -> None:
         """Start an engine for ``role`` and install it (worker thread). The thread, not the
         awaiting coroutine, installs it or shuts it down, so a cancelled restart leaks nothing."""
         if self._closed:
@@ -325,15 +357,15 @@ class VllmEngines:
         del engines
         gc.collect()
 
-    def _engine_for(self, role: str) -> Any:
+    def _engine_for(self, role: EngineRole) -> Any:
         """The engine of ``role``, or EngineError at once when it cannot take requests."""
         if self._restarting:
             raise EngineError("engines restarting")
         e = self._get(role)
         if e is None:
-            raise EngineError(f"{role} engine is not running")
+            raise EngineError(f"{role.name} engine is not running")
         if e.errored:
-            raise EngineError(f"{role} engine is dead; the cloud is restarting it")
+            raise EngineError(f"{role.name} engine is dead; the cloud is restarting it")
         return e
 
     async def tail_prefill(
@@ -343,7 +375,7 @@ class VllmEngines:
 
         if split_layer not in self.splits:
             raise EngineError(f"no tail engine for split layer {split_layer}")
-        engine = self._engine_for(f"tail-k{split_layer}")
+        engine = self._engine_for(EngineRole.tail(split_layer))
         t0 = time.perf_counter()
         sp = to_vllm_sampling(sampling, 1, kv)
         final = None
@@ -357,29 +389,29 @@ class VllmEngines:
         if final is None or not final.outputs[0].token_ids:
             raise EngineError(f"tail engine returned no token for request {request_id}")
         c = final.outputs[0]
-        params = (final.kv_transfer_params or {}).get("tandem", {})
+        report = ConnectorReport.from_vllm(final.kv_transfer_params)
         return TailResult(
             c.token_ids[0],
             "stop" if c.finish_reason == "stop" else None,
-            int(params.get("saved_blocks", 0)),
-            int(params.get("external_tokens", 0)),
+            report.saved_blocks,
+            report.external_tokens,
             (time.perf_counter() - t0) * 1e3,
         )
 
     async def decode(
         self, request_id: str, token_ids: list[int], kv: KVTransferSpec | None, sampling: Sampling
     ) -> AsyncIterator[DecodeStep]:
-        engine = self._engine_for("decode")
+        engine = self._engine_for(DECODE)
         sp = to_vllm_sampling(sampling, kv=kv)
         try:
             async for out in engine.generate({"prompt_token_ids": token_ids}, sp, f"dec-{request_id}"):
                 c = out.outputs[0]
                 if out.finished:
-                    params = (out.kv_transfer_params or {}).get("tandem", {})
+                    report = ConnectorReport.from_vllm(out.kv_transfer_params)
                     yield DecodeStep(
                         list(c.token_ids),
                         c.finish_reason or "stop",
-                        int(params.get("external_tokens", 0)),
+                        report.external_tokens,
                         len(out.prompt_token_ids or []),
                     )
                 else:

@@ -4,8 +4,10 @@ of the gateway (and of the edge through ``edge.link.InProcessLink``) without vLL
 It honours the connector contract against a real ``BlockStore``: a request loads the
 longest run of consecutive blocks present for every load part (never the block holding
 the last prompt token, as vLLM's connector API requires), saves the save part's missing
-blocks, and reports ``external_tokens``. Like the real connector, it can write its saves
-after it returns the first token (``save_delay_s``; ``None``: never, a store refusing them).
+blocks, and reports ``external_tokens`` in a ``ConnectorReport``, through the same
+``to_vllm`` / ``from_vllm`` round trip as the connector and ``VllmEngines``. Like the real
+connector, it can write its saves after it returns the first token (``save_delay_s``;
+``None``: never, a store refusing them).
 Its tokens are a deterministic function of the prompt *and of the bytes it loaded*, so a
 test sees when loaded KV differs from KV computed from the inputs. Saved tail blocks are a
 digest of the activations they stand for.
@@ -20,11 +22,18 @@ from dataclasses import dataclass, field
 import blake3
 import numpy as np
 
-from tandem.cloud.engines import DecodeStep, TailResult
+from tandem.cloud.engines import DECODE, DecodeStep, EngineRole, TailResult
 from tandem.common.errors import EngineError
-from tandem.common.kvparams import KVTransferSpec
+from tandem.common.kvparams import ConnectorReport, KVTransferSpec
 from tandem.common.kvstore import BlockStore
 from tandem.common.params import Sampling
+
+
+def _reported(report: ConnectorReport) -> ConnectorReport:
+    """``report`` as the engines read it back: the real connector returns it from
+    ``request_finished`` (``to_vllm``) and ``VllmEngines`` reads vLLM's ``kv_transfer_params``
+    (``from_vllm``); the double takes the same round trip."""
+    return ConnectorReport.from_vllm(report.to_vllm())
 
 
 @dataclass
@@ -36,7 +45,9 @@ class MemoryEngines:
     alive: bool = True
     step_delay_s: float = 0.0  # per decode step, to emulate a slow engine
     save_delay_s: float | None = 0.0  # tail saves land this long after the first token (None: never)
-    calls: list[tuple[str, str, KVTransferSpec | None]] = field(default_factory=list)  # (engine, request id, spec)
+    calls: list[tuple[EngineRole, str, KVTransferSpec | None]] = field(
+        default_factory=list
+    )  # (engine, request id, spec)
 
     def _load(self, kv: KVTransferSpec | None, num_prompt_tokens: int) -> tuple[int, list[bytes]]:
         """(blocks loaded, per loaded block the concatenation of its parts' stored values)."""
@@ -64,7 +75,7 @@ class MemoryEngines:
     ) -> TailResult:
         if not self.alive:
             raise EngineError("tail engine is not running")
-        self.calls.append(("tail", request_id, kv))
+        self.calls.append((EngineRole.tail(split_layer), request_id, kv))
         await asyncio.sleep(0)
         loaded, values = self._load(kv, hidden.shape[0])
         B = self.block_size
@@ -84,7 +95,10 @@ class MemoryEngines:
         elif self.save_delay_s is not None and saves:
             asyncio.get_running_loop().call_later(self.save_delay_s, self._put_all, saves)
         tok = self._token(*effective, np.ascontiguousarray(hidden[n_full * B :], np.float32).tobytes())
-        return TailResult(tok, "stop" if tok == self.eos_token_id else None, saved, loaded * B, 0.1)
+        report = _reported(ConnectorReport(external_tokens=loaded * B, saved_blocks=saved))
+        return TailResult(
+            tok, "stop" if tok == self.eos_token_id else None, report.saved_blocks, report.external_tokens, 0.1
+        )
 
     def _put_all(self, items: list[tuple[str, bytes]]) -> None:
         for key, value in items:
@@ -95,7 +109,7 @@ class MemoryEngines:
     ) -> AsyncIterator[DecodeStep]:
         if not self.alive:
             raise EngineError("decode engine is not running")
-        self.calls.append(("decode", request_id, kv))
+        self.calls.append((DECODE, request_id, kv))
         loaded, values = self._load(kv, len(token_ids))
         digest = blake3.blake3(b"".join(values)).digest()
         ctx = np.asarray(token_ids, "<i8").tobytes()
@@ -107,6 +121,7 @@ class MemoryEngines:
             last = i == sampling.max_new_tokens - 1 or (tok == self.eos_token_id and not sampling.ignore_eos)
             if last:
                 reason = "stop" if tok == self.eos_token_id else "length"
-                yield DecodeStep([tok], reason, loaded * self.block_size, len(token_ids))
+                report = _reported(ConnectorReport(external_tokens=loaded * self.block_size))
+                yield DecodeStep([tok], reason, report.external_tokens, len(token_ids))
                 return
             yield DecodeStep([tok])

@@ -1,7 +1,7 @@
 """The cloud node's measured rates, reported to edges in ``GetServerInfo`` and every ``Final``:
 exponentially weighted moving averages over recent requests (``common.ewma``).
 
-Who writes: the gateway, once per request stage. Who reads: ``Gateway.load``.
+Who writes: the gateway, once per request stage. Who reads: ``LinkRegistry.load``.
 """
 
 from __future__ import annotations

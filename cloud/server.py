@@ -1,4 +1,9 @@
-"""Build and run the cloud gRPC server (gateway + engines + health + reflection + engine supervisor)."""
+"""Build and run the cloud gRPC server (gateway + engines + health + reflection + engine supervisor).
+
+``build_gateway`` assembles a node's gateway from its config: the link limits, the tables
+(links, sessions, upload budget, per-edge bounds), the stores and the collaborators that share
+them; ``create_cloud`` serves it.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +15,29 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health
 
+from tandem.cloud.admission import UploadBudget
 from tandem.cloud.config import CloudConfig
 from tandem.cloud.engines import EngineBackend
 from tandem.cloud.gateway import Gateway
+from tandem.cloud.linkregistry import LinkRegistry
+from tandem.cloud.links import ControllerConfig, LinkTable
+from tandem.cloud.negotiation import LinkLimits
+from tandem.cloud.pins import Pins
+from tandem.cloud.rates import CloudRates
+from tandem.cloud.receive import Receiver
 from tandem.cloud.service import CloudServicer
+from tandem.cloud.sessions import SessionTable
+from tandem.cloud.sessionstore import SessionStore
+from tandem.cloud.sessionsync import SessionSync
+from tandem.cloud.splits import Splits
 from tandem.cloud.supervisor import EngineSupervisor, SupervisedEngines
+from tandem.cloud.tenancy import EdgeLimits
+from tandem.cloud.turn import Background
+from tandem.common import metrics
 from tandem.common.grpcsetup import add_service, set_health, start_server, tls_credentials
-from tandem.common.kvstore import open_store
-from tandem.common.manifest import SplitManifest
+from tandem.common.kvblocks import LayerRange, block_nbytes
+from tandem.common.kvstore import BlockStore, open_store
+from tandem.common.manifest import ModelShape, SplitManifest
 from tandem.common.security import ApiKeys, Authenticator
 from tandem.v1 import tandem_pb2 as pb
 
@@ -53,10 +73,92 @@ class CloudServer:
         deadline = time.monotonic() + grace_s
         while self.servicer.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        await self.gateway.finish_background(max(0.0, deadline - time.monotonic()))
+        await self.gateway.background.finish(max(0.0, deadline - time.monotonic()))
         if self.supervisor is not None:
             await self.supervisor.stop()
         await self.server.stop(min(1.0, grace_s))
+
+
+def link_limits(cfg: CloudConfig) -> LinkLimits:
+    """The cloud-wide limits every link's params live within."""
+    e = cfg.engine
+    return LinkLimits(
+        chunk_tokens=min(cfg.chunk_tokens, cfg.max_chunk_tokens),
+        max_chunk_tokens=cfg.max_chunk_tokens,
+        wire_dtypes=tuple(cfg.wire_dtypes),
+        kv_wire_dtypes=tuple(cfg.kv_wire_dtypes),
+        codecs=tuple(cfg.codecs),
+        codec_level=cfg.codec_level,
+        kv_block_size_tokens=e.block_size_tokens,
+        max_prompt_tokens=min(cfg.max_prompt_tokens, e.max_model_len_tokens - 1),
+        max_new_tokens=cfg.max_new_tokens,
+        max_chunk_resends=cfg.max_chunk_resends,
+    )
+
+
+def link_table(cfg: CloudConfig) -> LinkTable:
+    """The links' shares of the engines' batch and their SLO controller."""
+    e = cfg.engine
+    return LinkTable(
+        e.max_num_seqs,
+        e.max_num_batched_tokens,
+        max_links=cfg.max_links,
+        idle_s=cfg.link_idle_s,
+        max_queue=cfg.max_queue_per_link,
+        max_queue_wait_s=cfg.max_queue_wait_s,
+        controller=ControllerConfig(interval_s=cfg.slo_interval_s, window_s=cfg.slo_window_s),
+    )
+
+
+def edge_limits(cfg: CloudConfig, shape: ModelShape) -> EdgeLimits:
+    """Each edge's own bounds; its stored bytes count KV blocks of every layer and float32 activations."""
+    bs = cfg.engine.block_size_tokens
+    block_bytes = block_nbytes(LayerRange(0, shape.num_layers), shape.num_kv_heads, bs, shape.head_dim)
+    return EdgeLimits(
+        cfg.edge_rate_limit, cfg.edge_max_sessions, cfg.edge_max_stored_bytes, block_bytes, bs, 4 * shape.hidden_size
+    )
+
+
+def build_gateway(
+    cfg: CloudConfig,
+    manifest: SplitManifest,
+    engines: EngineBackend,
+    store: BlockStore,
+    extra_manifests: tuple[SplitManifest, ...] = (),
+) -> Gateway:
+    """The gateway of one node serving the split ``manifest`` (and ``extra_manifests``: splits of
+    the same model at other layers, each with its own tail engine) on ``engines`` over ``store``,
+    with its collaborators and their tables built from ``cfg``; the cloud's metrics watch them.
+
+    Raises:
+        ValueError: an extra split holds another model (weights or shape).
+    """
+    splits = Splits.of(manifest, extra_manifests)
+    limits, links, rates = link_limits(cfg), link_table(cfg), CloudRates()
+    sessions = SessionTable(cfg.max_sessions, cfg.session_bytes)
+    per_edge = edge_limits(cfg, manifest.shape)
+    sync = SessionSync(
+        sessions, SessionStore(store, manifest.shape.hidden_size), per_edge, limits, manifest.shape.vocab_size
+    )
+    budget = UploadBudget(
+        cfg.max_uploads, cfg.max_upload_bytes, cfg.max_uploads_per_peer, cfg.max_upload_bytes_per_peer
+    )
+    background = Background()
+    pins = Pins(store, cfg.tail_save_wait_s, background)
+    gateway = Gateway(
+        cfg,
+        splits,
+        engines,
+        registry=LinkRegistry(cfg, links, limits, splits, rates),
+        sync=sync,
+        receiver=Receiver(cfg, splits, budget, store, sync, pins, background),
+        pins=pins,
+        edge_limits=per_edge,
+        background=background,
+    )
+    metrics.watch_cloud(sessions, budget, store)
+    metrics.watch_links(links)
+    return gateway
 
 
 async def create_cloud(
@@ -75,7 +177,7 @@ async def create_cloud(
     manifest = SplitManifest.load(cfg.split_dir)
     extra = tuple(SplitManifest.load(d) for d in cfg.extra_split_dirs)
     store = open_store(cfg.store_url, cfg.store_dir, cfg.store_bytes)
-    gateway = Gateway(cfg, manifest, engines, store, extra)
+    gateway = build_gateway(cfg, manifest, engines, store, extra)
     auth = Authenticator(ApiKeys(cfg.edge_keys), client_certs=cfg.tls_client_ca_file is not None)
     servicer = CloudServicer(gateway, cfg.cloud_id, auth)
     server, port, hs = await start_server(
@@ -83,11 +185,11 @@ async def create_cloud(
         [SERVICE_NAME],
         cfg.host,
         cfg.port,
-        gateway.max_message_bytes(),  # the largest legal message under the link params
+        gateway.registry.max_message_bytes(),  # the largest legal message under the link params
         tls_credentials(cfg),
     )
     cloud = CloudServer(server, port, gateway, hs, None, servicer)
-    cloud.controller = asyncio.create_task(gateway.control_loop(), name="slo-controller")
+    cloud.controller = asyncio.create_task(gateway.registry.control_loop(), name="slo-controller")
     if isinstance(engines, SupervisedEngines):
         cloud.supervisor = EngineSupervisor(engines, cloud.set_serving, on_give_up=on_give_up)
         cloud.supervisor.start()

@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from tandem.cloud.gateway import Gateway, UplinkBody
+from tandem.cloud.gateway import Gateway
+from tandem.cloud.turn import UplinkBody
 from tandem.common.errors import EngineError, InvalidRequest, TandemError, UploadTimeout
 from tandem.common.grpc_errors import abort
 from tandem.common.grpcsetup import Malformed
@@ -99,11 +100,9 @@ class CloudServicer(pb_grpc.CloudServicer):
     async def GetServerInfo(self, request: pb.ServerInfoRequest, context: grpc.aio.ServicerContext):
         try:
             caller = identify(self.auth, context)
-            if len(request.link_id) > 256:
-                raise InvalidRequest("link_id longer than 256 characters")
+            return self.gateway.server_info(request.link_id, caller).to_pb()
         except TandemError as e:
             await abort(context, e)
-        return self.gateway.server_info(request.link_id, caller).to_pb()
 
     async def SyncSession(self, request: pb.SyncSessionRequest, context: grpc.aio.ServicerContext):
         try:

@@ -109,8 +109,10 @@ class TurnUpload:
     Built from a snapshot of the session (its tokens, leaves and ``version``) without
     holding the session's lock, so a stalled upload never locks out the session's
     owner; ``apply_to`` commits only if the session is still at that version.
-    Who calls: the gateway, ``add_chunk`` / ``add_block`` per arriving item (in a worker
-    thread: they decode and hash), ``commit`` per commit, ``release`` when the turn ends.
+    Who calls: the receive path (``cloud.receive``), ``add_chunk`` / ``add_block`` per arriving
+    item (in a worker thread: they decode and hash), ``commit`` per commit, ``release`` when the
+    turn ends; the prefix keeper (``cloud.prefixkeeper``) ``apply_prefix``, ``blocks_stored`` and
+    ``prefix_kept`` as it keeps a verified prefix.
     """
 
     header: TurnHeader
@@ -124,6 +126,7 @@ class TurnUpload:
     blocks: dict[int, tuple[KVBlock, bytes]] = field(default_factory=dict)  # leaf -> (block, raw bytes)
     committed: bool = False
     received_bytes: dict[str, int] = field(default_factory=lambda: {"activations": 0, "kv": 0})
+    # written through ``prefix_kept`` / ``blocks_stored`` (by ``cloud.prefixkeeper.PrefixKeeper``)
     kept_tokens: int = 0  # prompt tokens [0, n) of this turn its session holds (memory and store): acknowledged
     kept_leaves: int = 0  # the session's leaves whose KV blocks are in the store (this turn's kept prefix)
 
@@ -177,6 +180,22 @@ class TurnUpload:
         p = self.params
         chunk = wire.raw_nbytes_of(p.chunk_tokens, p.wire_dtype, self.manifest.shape.hidden_size)
         return max(wire.max_payload_bytes(chunk, p.codec), self.max_block_payload)
+
+    @property
+    def stored_tokens(self) -> int:
+        """Prompt tokens ``[0, n)`` whose session state the store held before this turn or holds
+        since a kept prefix: a save of the session writes its pieces from there on."""
+        return max(self.kept_tokens, self.header.cached_tokens)
+
+    def blocks_stored(self, n_leaves: int) -> None:
+        """The KV blocks of the session's first ``n_leaves`` leaves are in the store (a kept
+        prefix's): ``new_blocks(kept_leaves)`` leaves them out."""
+        self.kept_leaves = max(self.kept_leaves, n_leaves)
+
+    def prefix_kept(self, n_tokens: int) -> None:
+        """The session holds prompt tokens ``[0, n_tokens)`` of this turn in memory and in the store
+        (``kept_tokens``: what the edge is told it may resume from)."""
+        self.kept_tokens = n_tokens
 
     @property
     def new_tokens(self) -> int:

@@ -5,7 +5,8 @@ connector inside ``SamplingParams.extra_args["kv_transfer_params"]`` (vLLM copie
 that dict to ``Request.kv_transfer_params`` in the EngineCore process) as
 ``{"tandem": spec.to_json()}``, and the connector reads it back with
 ``KVTransferSpec.from_vllm``. A request without the ``"tandem"`` key is a plain
-vLLM request (no load, no save).
+vLLM request (no load, no save). What the connector did comes back the same way, as
+a ``ConnectorReport`` in the finished request's ``RequestOutput.kv_transfer_params``.
 
 Every block of a part is named by a *content key*: a digest that commits to what
 the block's KV was computed from (see ``common.kvblocks``): the head part by its
@@ -94,3 +95,34 @@ class KVTransferSpec:
         loads = tuple(PartSpec.from_json(p) for p in d.get("loads") or [])
         save = None if d.get("save") is None else PartSpec.from_json(d["save"])
         return cls(loads, save)
+
+
+@dataclass(frozen=True)
+class ConnectorReport:
+    """What the connector did for one finished request: ``external_tokens`` prompt tokens whose KV
+    it loaded from the store, ``saved_blocks`` blocks ``[0, saved_blocks)`` of the save part
+    written or already present. The connector returns it from ``request_finished`` (vLLM puts it
+    in ``RequestOutput.kv_transfer_params``); the engines read it back with ``from_vllm``."""
+
+    external_tokens: int = 0
+    saved_blocks: int = 0
+
+    def to_vllm(self) -> dict[str, Any]:
+        """The value ``request_finished`` returns for vLLM's ``RequestOutput.kv_transfer_params``."""
+        return {"tandem": {"external_tokens": self.external_tokens, "saved_blocks": self.saved_blocks}}
+
+    @classmethod
+    def from_vllm(cls, params: dict[str, Any] | None) -> ConnectorReport:
+        """The report in a finished request's ``kv_transfer_params``; all zeros for a request the
+        connector reported nothing for (None, or no ``"tandem"`` key).
+
+        Raises:
+            ValueError: malformed params (not a dict, or counts that are not integers).
+        """
+        d = (params or {}).get("tandem", {})
+        if not isinstance(d, dict):
+            raise ValueError("tandem kv_transfer_params must be a dict")
+        try:
+            return cls(int(d.get("external_tokens", 0)), int(d.get("saved_blocks", 0)))
+        except TypeError as e:
+            raise ValueError(f"tandem connector report counts must be integers: {d!r:.80}") from e

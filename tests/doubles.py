@@ -14,9 +14,11 @@ import numpy as np
 # the toy model, shared with tandem-fuzz
 from tandem.benchmarks.toy import HKV, MANIFEST, VOCAB, B, D, H, K, ToyTokenizer, toy_manifest  # noqa: F401
 from tandem.cloud.config import CloudConfig, EngineConfig
-from tandem.cloud.gateway import Gateway, as_principal
+from tandem.cloud.gateway import Gateway
 from tandem.cloud.memory_engines import MemoryEngines
+from tandem.cloud.server import build_gateway
 from tandem.cloud.sessions import CloudSession
+from tandem.cloud.turn import as_principal
 from tandem.common import wire
 from tandem.common.ewma import Ewma
 from tandem.common.kvstore import MemoryBlockStore
@@ -55,7 +57,7 @@ class Toy:
         records and activation pieces go too (a restart that lost its store)."""
         if stored:
             for key in list(self.gateway.sessions.keys()):
-                self.gateway.session_store.drop(key)
+                self.gateway.sync.store.drop(key)
         self.gateway.sessions.clear()
 
 
@@ -75,7 +77,7 @@ async def toy_stack(
     upload). Call ``await toy.batcher.stop()`` at the end."""
     store = MemoryBlockStore(1 << 30)
     engines = MemoryEngines(store, B, VOCAB)
-    gw = Gateway(cloud_config(**cloud_kw), MANIFEST, engines, store)
+    gw = build_gateway(cloud_config(**cloud_kw), MANIFEST, engines, store)
     link: CloudLink = InProcessLink(gw)
     if link_wrapper is not None:
         link = link_wrapper(link)

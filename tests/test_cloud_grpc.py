@@ -11,8 +11,9 @@ import grpc
 import numpy as np
 import pytest
 
-from tandem.cloud.gateway import HEADER_SLACK_BYTES, MAX_PROBE_BYTES, Gateway
+from tandem.cloud.linkregistry import HEADER_SLACK_BYTES, MAX_PROBE_BYTES
 from tandem.cloud.memory_engines import MemoryEngines
+from tandem.cloud.server import build_gateway
 from tandem.cloud.service import CloudServicer
 from tandem.common import wire
 from tandem.common.errors import InvalidRequest
@@ -43,14 +44,14 @@ class Cloud:
         self.port = 0
 
     async def start(self) -> None:
-        self.gateway = Gateway(self.cfg, MANIFEST, self.engines, self.store)
+        self.gateway = build_gateway(self.cfg, MANIFEST, self.engines, self.store)
         servicer = CloudServicer(self.gateway, "toy-cloud")
         self.server, self.port, self.health = await start_server(
             [lambda s: add_service(s, servicer, "Cloud")],
             ["tandem.v1.Cloud"],
             "127.0.0.1",
             self.port,
-            self.gateway.max_message_bytes(),
+            self.gateway.registry.max_message_bytes(),
         )
 
     async def stop(self) -> None:
@@ -133,7 +134,7 @@ async def test_a_full_size_upload_refused_midway_keeps_its_status(cloud):
         for _ in range(20):
             with pytest.raises(InvalidRequest, match="NaN"):
                 await run(edge, chat(LONG))
-        assert cloud.gateway.budget.uploads == 0
+        assert cloud.gateway.receiver.budget.uploads == 0
     finally:
         await close_edge(edge)
 
@@ -338,7 +339,7 @@ async def test_messages_beyond_the_largest_legal_one_are_refused_by_grpc(cloud):
                 pass
         assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     # the toy link's largest legal message is far below the goodput probe's bound, which sets the limit
-    assert cloud.gateway.max_message_bytes() == MAX_PROBE_BYTES + HEADER_SLACK_BYTES < 5 << 20
+    assert cloud.gateway.registry.max_message_bytes() == MAX_PROBE_BYTES + HEADER_SLACK_BYTES < 5 << 20
 
 
 async def test_a_draining_edge_refuses_new_turns_and_finishes_those_in_flight(cloud):

@@ -185,7 +185,7 @@ async def test_a_failed_upload_leaves_both_sides_unchanged():
         assert s.token_ids == edge_before.token_ids and s.cloud_tokens == edge_before.cloud_tokens
         assert "new-session" not in toy.edge.sessions  # a failed first turn keeps nothing
         assert toy.cloud_session("s").version == v
-        assert toy.gateway.budget.uploads == 0 and toy.gateway.budget.nbytes == 0
+        assert toy.gateway.receiver.budget.uploads == 0 and toy.gateway.receiver.budget.nbytes == 0
     finally:
         await toy.batcher.stop()
 
@@ -266,7 +266,7 @@ async def test_upload_is_bounded_by_the_upload_timeout_and_deadline():
         ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
         with pytest.raises(UploadTimeout):
             await _drain(toy.gateway.run_turn(header_for(toy.gateway, ids), forever()))
-        assert toy.gateway.budget.uploads == 0
+        assert toy.gateway.receiver.budget.uploads == 0
     finally:
         await toy.batcher.stop()
 
@@ -293,7 +293,7 @@ async def test_oversized_payloads_are_refused_on_arrival(toy):
 
     with pytest.raises(InvalidRequest):
         await _drain(gw.run_turn(header, body2()))
-    assert gw.budget.uploads == 0 and gw.max_message_bytes() < 5 << 20
+    assert gw.receiver.budget.uploads == 0 and gw.registry.max_message_bytes() < 5 << 20
 
 
 async def test_uploads_in_flight_are_bounded_per_edge_and_in_total():
@@ -315,7 +315,7 @@ async def test_uploads_in_flight_are_bounded_per_edge_and_in_total():
         for t in [*stalls, other]:
             t.cancel()
         await asyncio.gather(*stalls, other, return_exceptions=True)
-        assert gw.budget.uploads == 0 and gw.budget.nbytes == 0
+        assert gw.receiver.budget.uploads == 0 and gw.receiver.budget.nbytes == 0
     finally:
         await toy.batcher.stop()
 
@@ -427,7 +427,7 @@ async def test_zstd_payloads_must_be_exactly_one_frame_of_the_announced_size():
         try:
             with pytest.raises(err):
                 await run(toy.edge, turn(LONG))
-            assert toy.gateway.budget.uploads == 0
+            assert toy.gateway.receiver.budget.uploads == 0
         finally:
             await toy.batcher.stop()
     toy = await toy_stack(codecs=[wire.Codec.ZSTD])  # the honest zstd link works
@@ -502,14 +502,14 @@ async def test_blocks_of_a_request_in_flight_are_never_evicted(monkeypatch, pins
     between the tail prefill and the decode engine's load evicts none of them (the decode loads
     every block). Once the turn ends nothing stays pinned. The control run without pins shows the
     flood does evict them (the decode engine then recomputes)."""
-    from tandem.cloud.gateway import Gateway
+    from tandem.cloud.pins import Pins
 
     if not pins:
 
         async def no_pin(self, turn, keys):
             return None
 
-        monkeypatch.setattr(Gateway, "_pin", no_pin)
+        monkeypatch.setattr(Pins, "pin", no_pin)
     toy = await toy_stack()
     try:
         await run(toy.edge, chat(LONG, session="p"))  # a first turn: its blocks are the session's past
@@ -544,7 +544,7 @@ async def test_a_pin_that_finishes_after_its_turn_ended_is_released():
     the two store calls, nothing stays pinned (a review found one key left until its lease lapsed)."""
     import time
 
-    from tandem.cloud.gateway import Turn
+    from tandem.cloud.turn import Turn
 
     toy = await toy_stack()
     try:
@@ -563,15 +563,15 @@ async def test_a_pin_that_finishes_after_its_turn_ended_is_released():
 
         st.pin, st.unpin = slow_pin, slow_unpin
         turn = Turn(TurnHeader("r", "s", 1, K, (1, 2, 3), 0, 1, 0, Sampling(max_new_tokens=1)), None)
-        await gw._pin(turn, ["K1"])
+        await gw.pins.pin(turn, ["K1"])
 
         async def keep() -> None:
-            await gw._pin(turn, ["K2"])
+            await gw.pins.pin(turn, ["K2"])
 
         async def turn_ends() -> None:
             await asyncio.sleep(0.05)
             turn.ended = True
-            await gw._unpin(turn)
+            await gw.pins.unpin(turn)
 
         await asyncio.gather(keep(), turn_ends())
         assert st._pins == {} and not turn.pinned
@@ -633,5 +633,5 @@ async def test_a_stateless_turn_drops_its_kv_after_the_late_tail_writes_even_whe
     await events.aclose()
     await asyncio.sleep(0.15)  # past the late writes
     await _until(lambda: toy.store.volume_bytes() == 0)
-    await toy.gateway.finish_background(1.0)
-    assert not toy.gateway._background
+    await toy.gateway.background.finish(1.0)
+    assert not toy.gateway.background.tasks

@@ -99,7 +99,7 @@ async def test_negotiate_gives_a_link_with_params_per_split_and_follows_the_offe
         gw = toy.gateway
         n = gw.negotiate(offer())
         assert set(n.params_by_split) == {0, K} and n.split_layers == (K,) and n.note == ""
-        assert n.link_id.startswith("edge-a-") and n.instance_id == gw.instance_id
+        assert n.link_id.startswith("edge-a-") and n.instance_id == gw.registry.instance_id
         p = n.params_by_split[K]
         assert (p.split_layer, p.chunk_tokens, p.codec, p.params_version) == (K, 64, Codec.NONE, 1)
         # the same link renegotiated with a slow link measured: smaller chunks, zstd first, a new version
@@ -159,6 +159,8 @@ async def test_negotiate_refuses_another_model_and_says_when_it_lacks_the_edges_
         assert set(only_direct.params_by_split) == {0} and "no common activation format" in only_direct.note
         with pytest.raises(InvalidRequest):
             gw.negotiate(offer(edge_id="x" * 300))
+        with pytest.raises(InvalidRequest, match="link_id longer"):
+            gw.server_info("x" * 257)
     finally:
         await toy.batcher.stop()
 
@@ -170,7 +172,7 @@ async def test_a_request_finishes_under_its_params_version_and_new_ones_use_the_
         link_id = edge.conn.negotiated.link_id
         old = edge.conn.params(K)
         # the SLO controller shrinks this link: a new params version
-        rec = gw._versions[link_id]
+        rec = gw.registry._versions[link_id]
         assert rec.update({k: replace(p, max_concurrent_requests=1) for k, p in rec.current.items()})
         assert rec.version == old.params_version + 1
         # the edge has not polled yet: its request names the old version and is served under it
@@ -182,7 +184,7 @@ async def test_a_request_finishes_under_its_params_version_and_new_ones_use_the_
         assert (await run(edge, turn(mode="split"))).params_version == rec.version
         # a chunk made under another version than its header's is refused
         with pytest.raises(ParamsVersionMismatch):
-            gw._versions[link_id].params(999, K)
+            gw.registry._versions[link_id].params(999, K)
     finally:
         await toy.batcher.stop()
 
@@ -193,7 +195,7 @@ async def test_the_edge_renegotiates_when_the_cloud_forgot_its_link():
         edge, gw = toy.edge, toy.gateway
         first = edge.conn.negotiated.link_id
         edge.conn.start()  # the loop renegotiates on request
-        gw._versions.pop(first)  # e.g. a cloud restart: the link is unknown there
+        gw.registry._versions.pop(first)  # e.g. a cloud restart: the link is unknown there
         done = await run(edge, turn(mode="split"))
         assert done.output_tokens == 4 and edge.conn.negotiated.link_id != first
     finally:
@@ -470,7 +472,7 @@ async def test_a_small_window_paces_the_upload_on_the_clouds_acks():
     try:
         edge, gw = toy.edge, toy.gateway
         link_id = edge.conn.negotiated.link_id
-        rec = gw._versions[link_id]
+        rec = gw.registry._versions[link_id]
         rec.update({k: replace(p, inflight_window_bytes=3000) for k, p in rec.current.items()})
         await edge.conn._poll()
         acks = []

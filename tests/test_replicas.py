@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from tandem.cloud.gateway import Gateway
 from tandem.cloud.memory_engines import MemoryEngines
+from tandem.cloud.server import build_gateway
 from tandem.common.errors import EngineError
 from tandem.common.kvstore import MemoryBlockStore
 from tandem.common.params import NegotiateOffer
@@ -65,7 +65,7 @@ class Down(TamperLink):
 async def pair():
     store = MemoryBlockStore(1 << 30)
     engines = MemoryEngines(store, B, VOCAB)
-    gateways = [Gateway(cloud_config(cloud_id=f"replica-{i}"), MANIFEST, engines, store) for i in range(2)]
+    gateways = [build_gateway(cloud_config(cloud_id=f"replica-{i}"), MANIFEST, engines, store) for i in range(2)]
     sent = Sent()
     links = [Down(InProcessLink(gw), sent) for gw in gateways]
     key = MANIFEST.compatibility_key()

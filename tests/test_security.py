@@ -17,6 +17,7 @@ import trustme
 
 from tandem.cloud.gateway import Gateway
 from tandem.cloud.memory_engines import MemoryEngines
+from tandem.cloud.server import build_gateway
 from tandem.cloud.service import CloudServicer
 from tandem.common.errors import (
     EngineError,
@@ -90,7 +91,7 @@ class TlsCloud:
         self.cert = pki.leaf("cloud", "localhost", "127.0.0.1")
 
     async def start(self) -> None:
-        self.gateway = Gateway(self.cfg, MANIFEST, self.engines, self.store)
+        self.gateway = build_gateway(self.cfg, MANIFEST, self.engines, self.store)
         auth = Authenticator(ApiKeys(self.keys), client_certs=self.client_ca)
         servicer = CloudServicer(self.gateway, "toy-cloud", auth)
         creds = server_credentials(self.cert[0], self.cert[1], self.pki.ca_file if self.client_ca else None)
@@ -99,7 +100,7 @@ class TlsCloud:
             ["tandem.v1.Cloud"],
             "127.0.0.1",
             0,
-            self.gateway.max_message_bytes(),
+            self.gateway.registry.max_message_bytes(),
             creds,
         )
 
@@ -188,7 +189,7 @@ async def test_mutual_tls_serves_and_every_bad_certificate_is_refused_while_a_go
         )
         assert results[0] == reference
         # the cloud names the edge by its certificate's subject
-        (owner,) = {o for lid, o in cloud.gateway._owners.items() if lid}
+        (owner,) = {o for lid, o in cloud.gateway.registry._owners.items() if lid}
         assert owner == "cert:edge-a"
     finally:
         await close_edge(good)
@@ -229,7 +230,7 @@ async def test_the_edge_checks_the_clouds_name_and_expiry(pki):
 def raw_header(
     gw: Gateway, session: str, ids: list[int], cached: int, link_id: str = "", version: int = 0
 ) -> pb.Uplink:
-    rec = gw._versions[link_id]
+    rec = gw.registry._versions[link_id]
     v = version or rec.current[K].params_version
     return pb.Uplink(
         header=pb.RequestHeader(
@@ -339,7 +340,7 @@ async def test_stored_bytes_per_edge_are_bounded(pki):
         await run(c, chat([("user", "short")], "small", n=1))
         with pytest.raises(QuotaExceeded, match="bytes"):
             await run(c, chat([("user", LONG * 3)], "big", n=1))
-        assert cloud.gateway.budget.uploads == 0
+        assert cloud.gateway.receiver.budget.uploads == 0
     finally:
         await close_edge(c)
         await cloud.stop()
@@ -524,13 +525,13 @@ async def test_negotiating_many_links_takes_nothing_from_other_edges():
     from tandem.common.kvstore import MemoryBlockStore as Store
 
     store = Store(1 << 20)
-    gw = Gateway(cloud_config(edge_max_links=3, max_links=16), MANIFEST, MemoryEngines(store, B, VOCAB), store)
+    gw = build_gateway(cloud_config(edge_max_links=3, max_links=16), MANIFEST, MemoryEngines(store, B, VOCAB), store)
     offer = NegotiateOffer("e", "toy", {K: MANIFEST.compatibility_key()}, 4)
     good = gw.negotiate(offer, "good").link_id
     (await gw.links.admit(good, 1, None)).release()  # the good edge is in use
     full = gw.links.share(good)
     for _ in range(300):
         gw.negotiate(offer, "attacker")
-    assert sum(1 for o in gw._owners.values() if o == "peer:attacker") == 3
+    assert sum(1 for o in gw.registry._owners.values() if o == "peer:attacker") == 3
     assert gw.links.share(good) == full  # idle negotiated links hold no share
     assert gw.server_info(good, "good").link_known  # and pushed nothing out

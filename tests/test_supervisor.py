@@ -13,6 +13,7 @@ import time
 import grpc
 import pytest
 
+from tandem.cloud.engines import DECODE, EngineRole
 from tandem.cloud.supervisor import EngineSupervisor
 from tandem.common.errors import EngineError
 from tandem.common.grpcsetup import channel_options, start_server
@@ -174,21 +175,21 @@ def _running(pid: int) -> bool:
 
 
 class _Started:
-    def __init__(self, role: str, log: list[str]) -> None:
+    def __init__(self, role: EngineRole, log: list[str]) -> None:
         self.role, self.log = role, log
 
     def shutdown(self, timeout_s: float) -> None:
-        self.log.append(f"shutdown {self.role}")
+        self.log.append(f"shutdown {self.role.name}")
 
 
-def _engine_set(fail: str = ""):
+def _engine_set(fail: EngineRole | None = None):
     """``VllmEngines`` whose engine starts are stand-ins: each waits until every role has begun
     (so the test fails if they run one after another) and ``fail`` raises."""
     import threading
 
     from tandem.cloud.engines import VllmEngines
 
-    roles = ("tail-k4", "tail-k8", "decode")
+    roles = (EngineRole.tail(4), EngineRole.tail(8), DECODE)
     began = threading.Barrier(len(roles), timeout=5)
     log: list[str] = []
 
@@ -199,10 +200,10 @@ def _engine_set(fail: str = ""):
             self._closed = True
             self._lock = threading.Lock()
 
-        def _new_engine(self, role: str):
+        def _new_engine(self, role: EngineRole):
             began.wait()  # BrokenBarrierError (a failed start) if the starts do not overlap
             if role == fail:
-                raise EngineError(f"{role} did not start")
+                raise EngineError(f"{role.name} did not start")
             return _Started(role, log)
 
     return Engines(), log
@@ -214,8 +215,16 @@ def test_engines_start_together_and_a_failed_start_stops_the_others():
     assert {r: e.role for r, e in engines._engines.items()} == {r: r for r in engines.ROLES} and not log
     assert not engines.closed
 
-    engines, log = _engine_set(fail="tail-k8")
+    engines, log = _engine_set(fail=EngineRole.tail(8))
     with pytest.raises(EngineError, match="tail-k8 did not start"):
         engines.start()
     assert sorted(log) == ["shutdown decode", "shutdown tail-k4"]  # nothing left running
     assert all(e is None for e in engines._engines.values())
+
+
+def test_engine_roles_carry_the_names_their_logs_use():
+    assert [r.name for r in (EngineRole.tail(4), EngineRole.tail(12), DECODE)] == ["tail-k4", "tail-k12", "decode"]
+    assert str(EngineRole.tail(4)) == "tail-k4" and EngineRole.tail(4) == EngineRole("tail", 4)
+    for bad in (("tail", 0), ("decode", 4)):
+        with pytest.raises(ValueError):
+            EngineRole(*bad)  # type: ignore[arg-type]

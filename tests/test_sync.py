@@ -10,8 +10,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tandem.cloud.gateway import Gateway, as_principal
+from tandem.cloud.gateway import Gateway
+from tandem.cloud.server import build_gateway
 from tandem.cloud.sessionstore import piece_key, record_key
+from tandem.cloud.turn import as_principal
 from tandem.common import merkle
 from tandem.common.errors import InvalidRequest
 from tandem.common.kvblocks import LayerRange, part_key
@@ -52,7 +54,7 @@ async def answer_of(toy, convo) -> tuple[int, ...]:
 async def restart_gateway(toy) -> Gateway:
     """A new gateway (another instance id) over the same block store, as a cloud process restart
     that kept its store; the edge reconnects to it."""
-    gw = Gateway(cloud_config(), MANIFEST, toy.engines, toy.store)
+    gw = build_gateway(cloud_config(), MANIFEST, toy.engines, toy.store)
     toy.gateway = gw
     toy.edge.conn.link.inner = InProcessLink(gw)
     await toy.edge.conn.connect()
@@ -356,7 +358,7 @@ async def test_an_upload_cut_midway_resumes_from_the_last_acknowledged_token(mon
                 try:
                     return real_cut(item, attempt)
                 except LinkLost:
-                    gw = Gateway(cloud_config(), MANIFEST, toy.engines, toy.store)
+                    gw = build_gateway(cloud_config(), MANIFEST, toy.engines, toy.store)
                     toy.gateway = gw
                     toy.edge.conn.link.inner = InProcessLink(gw)
                     raise
