@@ -38,7 +38,7 @@ taken inside the step, so a block freed or reused afterwards (a finished,
 aborted or preempted request) cannot change what is saved, and vLLM frees
 blocks at once (no ``delay_free_blocks``). Readers learn a block is there by
 its key (``BlockStore.contains``); the gateway waits for a turn's tail keys
-before the decode request (``Gateway._await_tail_saves``). At most
+before the decode request (``Pins.await_tail_saves``). At most
 ``save_queue_bytes`` of copies wait for the writer; a step beyond that waits
 in ``wait_for_save`` (backpressure). A put the store refuses leaves the block
 missing and its readers recompute it.

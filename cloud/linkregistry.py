@@ -30,6 +30,7 @@ from tandem.cloud.turn import as_principal
 from tandem.cloud.upload import MAX_ID_BYTES
 from tandem.common import metrics, wire
 from tandem.common.errors import IncompatibleModel, InvalidRequest, ParamsVersionMismatch, PermissionDenied
+from tandem.common.formats import common_formats
 from tandem.common.kvblocks import block_nbytes
 from tandem.common.messages import TurnHeader
 from tandem.common.params import LinkParams, Negotiated, NegotiateOffer, ServerInfo, ServerLoad
@@ -116,12 +117,12 @@ class LinkRegistry:
         """Why the edge gets fewer splits than it offered ("" when it gets them all)."""
         lacking = sorted(set(offer.head_keys) - set(rec.split_layers))
         note = ""
-        if lacking and not set(offer.wire_dtypes) & set(self.limits.wire_dtypes):
+        if lacking and not common_formats(offer.wire_dtypes, self.limits.wire_dtypes):
             note = (
                 f"no common activation format (the edge accepts {[d.name for d in offer.wire_dtypes]}, this cloud "
                 f"{[d.name for d in self.limits.wire_dtypes]}): direct mode only"
             )
-        elif lacking and not set(offer.kv_wire_dtypes) & set(self.limits.kv_wire_dtypes):
+        elif lacking and not common_formats(offer.kv_wire_dtypes, self.limits.kv_wire_dtypes):
             note = (
                 f"no common KV block format (the edge accepts {[d.name for d in offer.kv_wire_dtypes]}, this cloud "
                 f"{[d.name for d in self.limits.kv_wire_dtypes]}): direct mode only"
@@ -162,8 +163,8 @@ class LinkRegistry:
         self.links.register(link_id, offer.edge_id, LinkSlo(offer.ttft_slo_ms, offer.itl_p99_slo_ms))
         common = tuple(sorted(k for k in offer.head_keys if k in self.splits.by_layer))
         if not (  # split needs a common activation format and a common KV format
-            set(offer.kv_wire_dtypes) & set(self.limits.kv_wire_dtypes)
-            and set(offer.wire_dtypes) & set(self.limits.wire_dtypes)
+            common_formats(offer.kv_wire_dtypes, self.limits.kv_wire_dtypes)
+            and common_formats(offer.wire_dtypes, self.limits.wire_dtypes)
         ):
             common = ()
         rec = self._versions.get(link_id)
