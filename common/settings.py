@@ -57,6 +57,7 @@ from pydantic_settings import (
 from tandem.common.security import is_loopback
 from tandem.common.wire import Codec, WireDtype
 
+
 class UserError(Exception):
     """A mistake in what the user gave (flags, environment, config file, paths): one line, exit code 2."""
 
