@@ -149,7 +149,7 @@ class Turn:
 
 
 class PrefixKeeper:
-    """Makes a session turn's upload resumable when it is cut (issue 10 item 2): at each window
+    """Makes a session turn's upload resumable when it is cut: at each window
     ack, the verified prefix of the upload (``TurnUpload.verified_prefix``) is committed into the
     session and saved beside the blocks (its head KV blocks, ``SessionStore`` record and pieces),
     off the upload's path; once saved it is acknowledged (``WindowAck.held_tokens``) and a resumed

@@ -10,7 +10,7 @@ Formats (``WireDtype``), all little-endian:
   that head: ``scale = max|x| / 127``; layout: scales ``[Lp, 2, Hkv, B]`` then int8 ``[Lp, 2, Hkv, B, D]``.
 * ``INT8_HADAMARD``: ``INT8``'s layout and size, but each ``D``-channel row is first rotated by
   the orthonormal Hadamard matrix of ``b = hadamard_block(D, 256)`` channels (``common.wire.rotate``;
-  the whole head for ``D`` a power of two), so a key's outlier channels after RoPE no longer set
+  the whole head for ``D`` a power of two), so a key's outlier channels after RoPE do not set
   the step of the whole row (QuaRot, Ashkboos et al., arXiv:2404.00456, section 4, rotates keys and
   values the same way). A row holding NaN or inf gets a NaN scale.
 * ``INT4``: asymmetric 4-bit after KIVI (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit

@@ -20,7 +20,7 @@ Hadamard matrix ``H_b`` (``rotate``), then quantises symmetrically per (token, b
 rotates back (``H_b`` is its own inverse). The rotation spreads a token's few huge channels
 (SmolLM2's residual stream after layer 4 has channels 30-600x its median) over the block, so the
 step follows the block's RMS instead of its largest channel: on the fidelity set, greedy output
-agreed with fp32 on 98.3% of prompts where per-token int8 agreed on 30% and per-32-channel int8 on
+agrees with fp32 on 98.3% of prompts where per-token int8 agrees on 30% and per-32-channel int8 on
 70% (incoherence processing: QuaRot, Ashkboos et al., arXiv:2404.00456, section 3; QuIP#,
 Tseng et al., arXiv:2402.04396). A block holding NaN or inf gets a NaN scale, so it decodes to NaN
 (refused by the cloud) and not to numbers. KV blocks have their own formats (``common.kvwire``).

@@ -111,7 +111,7 @@ def test_nested_engine_from_flag_env_and_file(tmp_path, monkeypatch):
     assert (e.max_num_seqs, e.kv_cache_bytes, e.max_model_len_tokens) == (4, 512 << 20, 1024)
     assert (e.block_size_tokens, e.enforce_eager, e.dtype) == (64, False, "bfloat16")
     assert e.max_num_batched_tokens == 4096
-    # the flat flags of earlier versions (tandem/daemons.py, benchmarks) still work
+    # the flat aliases (tandem/daemons.py and the benchmarks pass them)
     e = cloud(["--max-num-seqs", "5", "--kv-cache-bytes", str(256 << 20)]).engine
     assert (e.max_num_seqs, e.kv_cache_bytes) == (5, 256 << 20)
     # dotted TOML keys are the same keys
@@ -148,7 +148,7 @@ def test_sizes_are_ints_and_keyword_ints_still_work():
         CloudConfig(store_bytes="4 parsecs")
 
 
-def test_defaults_new_fields_and_safe_bind_addresses():
+def test_defaults_and_safe_bind_addresses():
     c, e = CloudConfig(), EdgeConfig()
     assert c.host == e.host == "127.0.0.1"
     for cfg in (c, e):

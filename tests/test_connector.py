@@ -1,6 +1,6 @@
 """The connector's paged layouts, its asynchronous saves, and its conversion to the block store's canonical
-format (found by an operator trial: a cloud with ``dtype = "auto"`` runs its engines in bf16 on CPU, and
-saving a block crashed the tail engine on ``.numpy()``)."""
+format, also from a bf16 cache (a cloud with ``dtype = "auto"`` runs its engines in bf16 on CPU, where
+``.numpy()`` of the cache would fail)."""
 
 from __future__ import annotations
 
