@@ -30,7 +30,7 @@ SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 # written last by tandem-model
 MODEL_STAMP := $(MODEL_DIR)/bundles/cloud/bundle.json
 
-.PHONY: setup proto proto-check model run test check bench bench-capacity fuzz clean redis redis-server
+.PHONY: setup proto proto-check model run test check docs bench bench-capacity fuzz clean redis redis-server
 # Debian's redis-server: the block store several cloud replicas share (tests start their own on a free port)
 SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
 REDIS_PORT ?= 6379
@@ -105,6 +105,10 @@ bench-capacity: model
 # property-based fuzzing of the gateway and both gRPC services, longer than the tests' run (in-memory engines)
 fuzz: setup
 	$(BIN)/tandem-fuzz --seconds 300
+
+# docs/configuration.md from the settings models (tests/test_config.py fails when it is stale)
+docs: setup
+	$(BIN)/python docs/gen_configuration.py
 
 # mypy sees the installed layout (tandem.edge, tandem.cloud, tandem.common) through a tree of links
 check: setup proto-check

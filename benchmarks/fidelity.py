@@ -13,8 +13,8 @@ Per pair: bytes per prompt token on the wire (activations + KV blocks, as sent),
 prompts whose whole reply (up to ``--max-new-tokens`` tokens) equals the reference's, and the
 top-1 disagreement rate per position (the share of prompts whose token at position ``i``
 differs from the reference's, among prompts where the reference has one; after a first
-difference later positions usually differ too). The issue's bar: a format at or below 845 bytes
-per prompt token at k = 4 (10x below fp32) with at least 99% of prompts agreeing.
+difference later positions usually differ too). The target (``BAR_*``): a format at or below 845
+bytes per prompt token at k = 4 (10x below fp32) with at least 99% of prompts agreeing.
 
 Writes into ``--out``: ``fidelity.md`` (the table), ``fidelity.json`` (every reply's tokens and
 bytes per pair) and ``fidelity.png`` (bytes per token against agreement; disagreement by position).

@@ -6,8 +6,8 @@ Everything runs in this process against in-memory engines, head and block store 
 wire format for the ``uplink`` target, and a cloud and an edge gRPC server on loopback for the others. Each target
 runs until ``--examples`` cases or its share of ``--seconds``, in rounds of fresh seeds derived from ``--seed``
 (random unless given; printed, so a run can be repeated). A failure is printed with its minimal example (Hypothesis
-shrinks it) and the target stops; the exit status is 1 when any target failed, or when the servers are not idle or
-no longer answer good requests with their reference results at the end.
+shrinks it) and the target stops; the exit status is 1 when any target failed, or when at the end the servers are
+not idle or do not answer good requests with their reference results.
 
 Cases that hit a product bug already known (``fuzzing.KNOWN_BUGS``, each with a strict xfail reproducer in
 ``tests/test_fuzz.py``) are counted and listed but are no failures unless ``--strict``.

@@ -1,5 +1,5 @@
 """Property-based fuzzing (hypothesis) of the cloud's uplink verification and of raw protobuf messages into the
-``Cloud`` and ``Edge`` gRPC services (issue 11, item 5). Shared by ``tests/test_fuzz.py`` (thousands of cases,
+``Cloud`` and ``Edge`` gRPC services. Shared by ``tests/test_fuzz.py`` (thousands of cases,
 fixed seed, fast tier) and ``tandem-fuzz`` (``benchmarks/fuzz.py``: longer runs, random seed).
 
 Everything runs against the in-memory doubles (``MemoryEngines``, ``MemoryBlockStore``, ``MemoryHead``, a toy
@@ -23,8 +23,8 @@ Targets (``TARGETS``), each a strategy of cases and a property (``Harness.check`
   methods), never ``INTERNAL`` or ``UNKNOWN``; a ``Downlink.error`` verdict matches the call's status; the
   servers stay idle afterwards and good requests still return the reference results.
 
-Product bugs the fuzzing found are listed in ``KNOWN_BUGS``; a case that hits one is counted (``Stats.known``)
-and, unless ``strict``, not a failure (tests/test_fuzz.py keeps a strict xfail reproducer for each).
+Open product bugs are listed in ``KNOWN_BUGS``; a case that hits one is counted (``Stats.known``) and, unless
+``strict``, not a failure (tests/test_fuzz.py keeps a strict xfail reproducer for each).
 """
 
 from __future__ import annotations
@@ -1047,8 +1047,8 @@ def strategy_of(target: str) -> st.SearchStrategy[Any]:
 
 @dataclass(frozen=True)
 class KnownBug:
-    """A product bug found and not fixed yet: ``matches(method, messages, outcome, server_errors)`` says
-    whether a call's ending is this bug's signature."""
+    """An open product bug: ``matches(method, messages, outcome, server_errors)`` says whether a call's
+    ending is this bug's signature."""
 
     key: str
     where: str
@@ -1056,10 +1056,10 @@ class KnownBug:
     matches: Callable[[str, Sequence[bytes | Stall], Outcome, Sequence[str]], bool]
 
 
-# Found by this fuzzing and fixed (tests/test_fuzz.py keeps a reproducer of each): undecodable requests answered
-# UNKNOWN/INTERNAL (common.grpcsetup.add_service), an undecodable message after a verdict (cloud.service.drain),
-# Negotiate with infinite or NaN measurements (NegotiateOffer.from_pb), the anonymous link evicted by max_links
-# negotiations (LinkTable.register). A bug found and not fixed yet goes here, keyed by ``KnownBug.key``.
+# tests/test_fuzz.py keeps a reproducer of each case this fuzzing guards against: undecodable requests (answered by
+# common.grpcsetup.add_service), an undecodable message after a verdict (cloud.service.drain), Negotiate with
+# infinite or NaN measurements (NegotiateOffer.from_pb), the anonymous link evicted by max_links negotiations
+# (LinkTable.register). An open bug goes here, keyed by ``KnownBug.key``; none is open.
 KNOWN_BUGS: dict[str, KnownBug] = {}
 
 

@@ -13,7 +13,7 @@ both in split mode at ``--split-layer``:
 
 Both replies must be equal (greedy; a difference is reported). The figure: cumulative uplink
 bytes (activations + KV blocks + headers, as sent) per turn, per mode, and the saving at the
-last turn; the issue's bar is at least 80% saved over 10 turns (the seed article claims 62%).
+last turn; the target is at least 80% saved over 10 turns (the seed article claims 62%).
 
 Writes into ``--out``: ``multiturn.md`` (per-turn table), ``multiturn.json`` and ``multiturn.png``.
 """

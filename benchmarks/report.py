@@ -115,7 +115,7 @@ def to_markdown(rows: list[dict]) -> str:
 
 
 FIXED = ("split", "cloud-only", "edge-only")  # row prefixes of the fixed modes (auto chooses among them)
-AUTO_TARGET = 1.10  # issue 7: auto's mean TTFT within 10% of the best fixed mode of every cell
+AUTO_TARGET = 1.10  # the target: auto's mean TTFT within 10% of the best fixed mode of every cell
 
 
 def _cell(r: dict) -> tuple[str, int]:
@@ -228,7 +228,7 @@ def plot_ttft(rows: list[dict], path: Path) -> None:
     nrows = -(-max(1, len(link_names)) // ncols)
     fig, grid = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.6 * nrows), squeeze=False)
     axes = [list(grid.flat)]
-    edge = sorted(  # records of older runs: edge-only measured once, without a link
+    edge = sorted(  # records where edge-only was measured once, without a link
         (r["prompt_tokens"], r["ttft_mean_ms"]) for r in rows if r["mode"] == "edge-only" and r["link"] == "none"
     )
     for ax, link in zip(axes[0], link_names, strict=False):

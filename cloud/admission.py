@@ -6,8 +6,8 @@ and releases the reservation when the turn's upload ends, verified or not. Past 
 bound the turn is refused at once with ``QuotaExceeded`` (RESOURCE_EXHAUSTED), so a
 few stalled or oversized streams can never hold the cloud's memory.
 
-``peer`` identifies the edge: today the host of its gRPC peer address (until edges
-authenticate; then their identity). Pure domain code, single event loop.
+``peer`` identifies the edge: its principal (``common.security.Principal``: key name,
+certificate subject, or peer host without authentication). Pure domain code, single event loop.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 (``--store-bytes``, nested ``--engine.max-num-seqs``), an environment variable (``TANDEM_CLOUD_STORE_BYTES``,
 ``TANDEM_CLOUD_ENGINE__MAX_NUM_SEQS``) and a key of the TOML config file (``--config FILE`` or
 ``TANDEM_CLOUD_CONFIG``). Precedence: flags > environment > config file > defaults (in code: keyword
-arguments > environment > config file > defaults). See ``tandem.common.settings`` and the README's
-"Configuration reference", generated from these fields.
+arguments > environment > config file > defaults). See ``tandem.common.settings`` and
+docs/configuration.md, generated from these fields by docs/gen_configuration.py.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class EngineConfig(BaseModel):
     kv_save_queue_bytes: Bytes = Field(
         default=mib(256),
         description="KV block copies each engine may hold for its store writer thread; a step beyond it waits "
-        "for the writer (the first token no longer waits for its prompt's KV writes).",
+        "for the writer (the first token does not wait for its prompt's KV writes).",
     )
     enforce_eager: bool = Field(default=True, description="Run vLLM eagerly (no CUDA graphs / compilation).")
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
@@ -60,7 +60,7 @@ class CloudConfig(DaemonSettings):
 
     model_config = SettingsConfigDict(
         env_prefix="TANDEM_CLOUD_",
-        # the flat flags of earlier versions, still used by scripts
+        # flat aliases of two nested flags (tandem/daemons.py and the benchmarks pass them)
         cli_shortcuts={"engine.max-num-seqs": "max-num-seqs", "engine.kv-cache-bytes": "kv-cache-bytes"},
     )
 

@@ -255,7 +255,7 @@ class VllmEngines:
     def start(self) -> None:
         """Start every engine, all at once (blocking). Most of an engine's 20-30 s start on CPU is
         its EngineCore and worker processes importing torch and vLLM, one core each, so the starts
-        overlap: on 2 cores the 3-engine test cloud is up in 78 s instead of 91 s. If any start
+        overlap: on 2 cores the 3-engine test cloud is up in 78 s (91 s one after another). If any start
         fails, every start error is logged, the engines that did start are shut down (together),
         and the first error is raised."""
         self._closed = False

@@ -9,7 +9,7 @@ vLLM (CPU build) runs each ``AsyncLLM`` as a process tree below the gateway::
 
 vLLM ties a Worker to its EngineCore (a death pipe) and the gateway notices a dead
 EngineCore (a sentinel monitor thread), but nothing ties an EngineCore to the gateway:
-after ``kill -9`` of the gateway both engines kept running and holding their memory.
+without this, after ``kill -9`` of the gateway both engines keep running and hold their memory.
 
 Both the EngineCore (scheduler-side connector) and the Worker (worker-side connector)
 instantiate ``TandemConnector``, so the connector starts :func:`watch_parent` once per

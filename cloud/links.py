@@ -14,8 +14,8 @@ least as high, relative to that split, as the missing link's: a quiet link hurt 
 makes the flooding one shrink, never itself; a link that presses hardest shrinks for its own miss
 (the seed article's case); with nobody above an equal split (the node is simply slower than the
 objective) nobody shrinks, since a share nobody fills changes nothing. Measured with
-``tandem-bench-burst``: the seed article's rule alone shrank every link of an overloaded node,
-the quiet edge's first; so did a rule that compared each link's demand with its own, already
+``tandem-bench-burst``: the seed article's rule alone shrinks every link of an overloaded node,
+the quiet edge's first; so does a rule that compares each link's demand with its own, already
 shrunk, share.
 
 Pure domain code, single event loop. Times are in the injected clock's seconds.
@@ -225,7 +225,7 @@ class LinkTable:
                 del self._links[victim.link_id]
                 self._changed.discard(victim.link_id)
             # active (holding a share) only once it sends a request: negotiating alone takes nothing
-            # from the others (an operator trial diluted every share with a few hundred Negotiate calls)
+            # from the others (else a few hundred Negotiate calls would dilute every share)
             link = self._links[link_id] = Link(link_id, edge_id, slo, last_seen=float("-inf"))
             link.share = self._shares(now)[link_id]
         self._rebalance()

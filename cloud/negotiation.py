@@ -86,10 +86,10 @@ def ack_threshold_bytes(window_bytes: int, max_item_bytes: int) -> int:
     Why a quarter: the edge may have ``window`` bytes unacknowledged, but up to one threshold of
     them has already arrived and waits for its ack, so a long upload moves at least
     ``(window - threshold) / RTT`` (and at most ``window / RTT``). The window is ``2 x BDP`` of the
-    edge's goodput estimate, so with half-window acks the guaranteed rate was the estimate itself:
-    measured through the benchmarks' link emulator, an edge whose link got faster (4g, then a
-    100 Mbit/s 80 ms line) stayed at 67% of the new rate, its uploads measuring what its window
-    let through. Quarter acks guarantee 1.5x the estimate, and the edge renegotiates upward at
+    edge's goodput estimate, so with half-window acks the guaranteed rate would be the estimate
+    itself: measured through the benchmarks' link emulator, an edge whose link got faster (4g, then
+    a 100 Mbit/s 80 ms line) then stays at 67% of the new rate, its uploads measuring what its
+    window lets through. Quarter acks guarantee 1.5x the estimate, and the edge renegotiates upward at
     ``edge.cloudconn.RENEGOTIATE_UP_RATIO`` (1.25x), so the estimate climbs to the link's rate
     (94-98% measured). Uploads no larger than the window (at least 1 MiB) are not limited by it."""
     return max(1, min(window_bytes // ACKS_PER_WINDOW, window_bytes - max_item_bytes))

@@ -24,8 +24,8 @@ Activations ``h_k`` are float32 ``[T, H]``; KV blocks are canonical float32 ``[L
   (the whole head for ``D`` a power of two) and ``INT8``'s layout and size. The rotation spreads a
   row's few huge channels (SmolLM2's residual stream after layer 4 has channels 30-600x its median;
   keys have outlier channels after RoPE) over the block, so the step follows the block's RMS
-  instead of its largest channel: on the fidelity set, greedy output agreed with fp32 on 98.3% of
-  prompts where per-token int8 agreed on 30% and per-32-channel int8 on 70% (incoherence
+  instead of its largest channel: on the fidelity set, greedy output agrees with fp32 on 98.3% of
+  prompts where per-token int8 agrees on 30% and per-32-channel int8 on 70% (incoherence
   processing: QuaRot, Ashkboos et al., arXiv:2404.00456, sections 3 and 4; QuIP#, Tseng et al.,
   arXiv:2402.04396). A block holding NaN or inf gets a NaN scale, so it decodes to NaN (refused by
   the cloud) and not to numbers. It suits rows whose rotation block has at least

@@ -1,4 +1,4 @@
-"""Settings of the daemons: sources and their precedence, the command-line runner, the reference generator.
+"""Settings of the daemons: sources and their precedence, the command-line runner, the reference tables.
 
 ``tandem-cloud`` and ``tandem-edge`` each read one typed, frozen pydantic-settings model
 (``tandem.cloud.config.CloudConfig``, ``tandem.edge.config.EdgeConfig``). Every setting can be set
@@ -22,8 +22,9 @@ on an argparse parser that also has ``--version``, ``--config`` and ``--ready-fi
 turns every user error (bad value, unknown flag or key, missing or malformed config file, a split
 directory without a manifest) into one line on stderr, ``PROG: error: ...``, and exit code 2.
 
-``python -m tandem.common.settings --markdown`` prints the configuration reference (README section
-"Configuration reference") from the models; ``--update-readme [PATH]`` rewrites that section.
+``iter_settings`` and ``settings_table`` describe a settings model as reference rows and a markdown
+table; ``docs/gen_configuration.py`` (outside the runtime packages) writes ``docs/configuration.md``
+from them. This module imports neither daemon's config.
 """
 
 from __future__ import annotations
@@ -55,9 +56,6 @@ from pydantic_settings import (
 
 from tandem.common.security import is_loopback
 from tandem.common.wire import Codec, WireDtype
-
-README_START = "<!-- config-reference:start -->"
-README_END = "<!-- config-reference:end -->"
 
 
 class UserError(Exception):
@@ -390,7 +388,7 @@ def setup_observability(settings: Any, service_name: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference generator
+# Reference tables
 
 
 @dataclass(frozen=True)
@@ -511,6 +509,7 @@ def _md_cell(text: str) -> str:
 
 
 def settings_table(settings_cls: type[BaseSettings]) -> str:
+    """A markdown table of ``settings_cls``: a header and one row per ``iter_settings`` row."""
     rows = [
         "| flag | environment variable | TOML key | type | default | description |",
         "|---|---|---|---|---|---|",
@@ -520,120 +519,3 @@ def settings_table(settings_cls: type[BaseSettings]) -> str:
         cells = [flags, f"`{d.env}`", f"`{d.toml_key}`", d.type, d.default, d.description]
         rows.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
     return "\n".join(rows)
-
-
-def _daemons() -> list[tuple[str, type[BaseSettings], str]]:
-    from tandem.cloud.config import CloudConfig
-    from tandem.edge.config import EdgeConfig
-
-    return [
-        ("tandem-cloud", CloudConfig, "`CloudConfig` in `cloud/config.py`"),
-        ("tandem-edge", EdgeConfig, "`EdgeConfig` in `edge/config.py`"),
-    ]
-
-
-def reference_markdown() -> str:
-    """The README's "Configuration reference" section, markers excluded, generated from the models."""
-    daemons = _daemons()
-    out = [
-        "## Configuration reference",
-        "",
-        "Generated from the settings models by `python -m tandem.common.settings --update-readme`",
-        "(`tests/test_config.py` fails when this section is stale). Each daemon reads one frozen",
-        "pydantic-settings model:",
-        " and ".join(f"{src} for `{prog}`" for prog, _, src in daemons) + ".",
-        "Every setting can be set by flag, environment variable and TOML config file; the first of",
-        "these that sets it wins:",
-        "",
-        "1. command-line flag: `--store-bytes 8GiB`, nested `--engine.max-num-seqs 4`;",
-        "2. environment variable: `TANDEM_CLOUD_` / `TANDEM_EDGE_` + the name in capitals, nested",
-        "   settings joined with `__`: `TANDEM_CLOUD_ENGINE__MAX_NUM_SEQS=4`;",
-        "3. config file: `--config FILE`, or without the flag the file named by `TANDEM_CLOUD_CONFIG` /",
-        "   `TANDEM_EDGE_CONFIG`; TOML with the keys below, nested settings in a table (`[engine]`);",
-        "4. the default.",
-        "",
-        "Code that builds a model itself (`CloudConfig(port=0, ...)`) ranks its keyword arguments where",
-        "flags are. Sizes (`*_bytes`) take a byte count or a number with a unit (`512MiB`, `4GiB`;",
-        "`KB`, `MB`, `GB` are powers of 1000); durations end in `_s` (seconds) or `_ms`. Booleans are",
-        "`--x` / `--no-x` on the command line, `true` / `false` elsewhere; `none` clears an optional",
-        "setting. Relative paths are relative to the working directory. Enumerations take their names",
-        "in any case. `host`, `http_host` and `metrics_host` default to `127.0.0.1`: set `0.0.0.0` to",
-        "listen on all interfaces.",
-        "",
-        "Both daemons also take `--version` (prints `tandem VERSION`), `--config FILE` and",
-        "`--ready-file PATH` (writes the bound gRPC port to `PATH` once serving), and `--help`. A user",
-        "error (a bad value, an unknown flag or key, a missing or malformed config file, a split",
-        "directory without `manifest.json`) is one line on stderr, `tandem-cloud: error: ...`, and exit",
-        "code 2, before any model is loaded.",
-        "",
-        "```toml",
-        "# cloud.toml: tandem-cloud --config cloud.toml (or TANDEM_CLOUD_CONFIG=cloud.toml)",
-        'split_dir = "models/smollm2-135m/split-k4"',
-        'host = "0.0.0.0"',
-        'store_bytes = "8GiB"',
-        'log_format = "json"',
-        "",
-        "[engine]",
-        "max_num_seqs = 16",
-        'kv_cache_bytes = "2GiB"',
-        "```",
-    ]
-    for prog, cls, _ in daemons:
-        out += ["", f"### `{prog}`", "", settings_table(cls)]
-    return "\n".join(out) + "\n"
-
-
-def _section_bounds(text: str) -> tuple[int, int] | None:
-    start, end = text.find(README_START), text.find(README_END)
-    if start < 0 or end < start:
-        return None
-    return start + len(README_START), end
-
-
-def readme_section(text: str) -> str | None:
-    """The text between the README's markers, or ``None`` without them."""
-    bounds = _section_bounds(text)
-    return None if bounds is None else text[bounds[0] : bounds[1]].strip("\n") + "\n"
-
-
-def update_readme(path: Path) -> bool:
-    """Rewrite the section between the markers (added after "Edge and cloud on separate machines" if
-    absent); returns whether the file changed."""
-    text = path.read_text()
-    block = "\n" + reference_markdown() + "\n"
-    bounds = _section_bounds(text)
-    if bounds is None:
-        anchor = text.find("## Edge and cloud on separate machines")
-        nxt = text.find("\n## ", anchor + 1) if anchor >= 0 else -1
-        at = nxt + 1 if nxt >= 0 else len(text)
-        new = text[:at] + README_START + block + README_END + "\n\n" + text[at:]
-    else:
-        new = text[: bounds[0]] + block + text[bounds[1] :]
-    if new != text:
-        path.write_text(new)
-    return new != text
-
-
-def _main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tandem.common.settings", description="the configuration reference")
-    g = ap.add_mutually_exclusive_group(required=True)
-    g.add_argument("--markdown", action="store_true", help="print the README section (markdown)")
-    g.add_argument("--update-readme", nargs="?", const="README.md", metavar="PATH", help="rewrite PATH's section")
-    g.add_argument("--check-readme", nargs="?", const="README.md", metavar="PATH", help="exit 1 if PATH is stale")
-    args = ap.parse_args(argv)
-    if args.markdown:
-        sys.stdout.write(reference_markdown())
-        return 0
-    if args.update_readme:
-        changed = update_readme(Path(args.update_readme))
-        print(f"{args.update_readme}: {'updated' if changed else 'up to date'}", file=sys.stderr)
-        return 0
-    current = readme_section(Path(args.check_readme).read_text())
-    if current != reference_markdown():
-        print(f"{args.check_readme}: configuration reference is stale; run --update-readme", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

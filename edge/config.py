@@ -4,7 +4,7 @@
 (``--session-bytes``), an environment variable (``TANDEM_EDGE_SESSION_BYTES``) and a key of the TOML
 config file (``--config FILE`` or ``TANDEM_EDGE_CONFIG``). Precedence: flags > environment > config
 file > defaults (in code: keyword arguments > environment > config file > defaults). See
-``tandem.common.settings`` and the README's "Configuration reference", generated from these fields.
+``tandem.common.settings`` and docs/configuration.md, generated from these fields by docs/gen_configuration.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class EdgeConfig(DaemonSettings):
 
     model_config = SettingsConfigDict(
         env_prefix="TANDEM_EDGE_",
-        cli_shortcuts={"cloud-target": "cloud"},  # `--cloud HOST:PORT`, the flag of earlier versions
+        cli_shortcuts={"cloud-target": "cloud"},  # `--cloud HOST:PORT`, a short alias
     )
 
     split_dir: Path = Field(

@@ -50,7 +50,8 @@ def session_options(intra_op_threads: int = 0):
     """ONNX Runtime session options of every edge model: full graph optimization, and intra-op
     threads that sleep when idle. ONNX Runtime's default lets them spin-wait after each run, which
     on a host it shares (the edge's other models, a co-located cloud) steals the cores of whatever
-    runs next: the benchmark's requests right after a local-mode request were 7-33% slower."""
+    runs next: with spinning threads, the benchmark's requests right after a local-mode request are 7-33%
+    slower."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()

@@ -844,7 +844,7 @@ class EdgeService:
         """Run the head over ``ids[c:]`` ``seg`` tokens at a time (each piece with the KV of those
         before it, so the result equals one run up to fp32 rounding) and yield, after each piece,
         the activation chunks that are now whole and the KV blocks inside them; their upload
-        overlaps the next piece's compute (issue 9 item 4). After the last piece, the turn's
+        overlaps the next piece's compute. After the last piece, the turn's
         commit (leaf count and Merkle root) is set. Updates ``s`` as ``_run_head`` does; the head
         and encode times are the sums over the pieces.
 

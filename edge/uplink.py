@@ -217,7 +217,7 @@ async def stream_turn(
 ) -> AsyncIterator[UploadAck | TokensOut | TurnFinal]:
     """Run one Generate call with deadline ``timeout_s``; yields the upload ack, tokens, the final.
     With ``pieces`` (a pipelined turn, ``turn.complete`` False), the header and each piece go out
-    while the head computes the next (issue 9 item 4); the commit follows the last piece.
+    while the head computes the next; the commit follows the last piece.
 
     Raises:
         TandemError: the cloud's verdict (SessionOutOfSync, InvalidRequest, DataLoss kinds...),

@@ -45,8 +45,8 @@ class TandemClientError(Exception):
     """A call to the edge failed. ``code``: the gRPC status; ``details``: the server's message;
     ``retry_after_s``: the server's hint of when to retry in seconds (``None``: no hint).
 
-    ``tandem.errors.ERROR_OF`` gives the subclass raised for each status; a status without one
-    (none today) raises this class itself.
+    ``tandem.errors.ERROR_OF`` gives the subclass raised for each status (every status other than
+    ``OK`` has one; this class is the fallback).
     """
 
     status: ClassVar[grpc.StatusCode | None] = None  # the status this class stands for

@@ -1,4 +1,4 @@
-"""SIGTERM drains a real ``tandem-cloud`` (issue 8 item 4): health NOT_SERVING at once, new calls
+"""SIGTERM drains a real ``tandem-cloud``: health NOT_SERVING at once, new calls
 refused, a call in flight finishes, the vLLM engines shut down and the process exits by itself
 with code 0, leaving no child process. Bounds are correctness bounds, not performance."""
 

@@ -1,6 +1,6 @@
 """The gateway and the edge over real grpc.aio on loopback, with in-memory engines and head
-(fast): the cloud's verdict always reaches the edge (issue 12 item 1), keepalive pings are
-accepted on silent streams and a cloud that stops answering is detected (item 5)."""
+(fast): the cloud's verdict always reaches the edge, keepalive pings are accepted on silent
+streams and a cloud that stops answering is detected."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ async def cloud():
 
 
 async def test_cloud_restart_mid_session_is_answered_by_a_full_resend(cloud):
-    """Input of issue 12 item 1: two turns, restart the cloud (same store), a third turn through the
+    """Two turns, restart the cloud (same store), a third turn through the
     same edge: the cloud says FAILED_PRECONDITION, the edge resends from token 0, the client gets its
     answer (the upload is many chunks, so the edge is still writing when the cloud refuses)."""
     edge = await edge_to(f"127.0.0.1:{cloud.port}")
@@ -163,7 +163,7 @@ async def _until_error(call):
 
 
 async def test_keepalive_pings_are_accepted_on_a_silent_stream(cloud):
-    """Issue 12 item 5: a client pinging every second while its stream is silent is not cut off."""
+    """A client pinging every second while its stream is silent is not cut off."""
     ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
     p = cloud.gateway.params
     header = pb.RequestHeader(
@@ -220,7 +220,7 @@ class FreezableProxy:
 
 
 async def test_a_cloud_that_stays_silent_fails_the_turn_at_its_deadline(cloud):
-    """Issues 12 item 5 and 10 item 2: the cloud stops answering mid-turn (as under SIGSTOP, or a
+    """The cloud stops answering mid-turn (as under SIGSTOP, or a
     dead host); the edge's keepalive (1 s + 1 s here) ends the call, the edge waits for a cloud to
     resume on, and none answers: the client gets DeadlineExceeded naming the failure at the turn's
     deadline (within 1 s of it), never a hang."""
@@ -247,7 +247,7 @@ async def test_a_cloud_that_stays_silent_fails_the_turn_at_its_deadline(cloud):
 
 
 async def test_a_link_cut_mid_decode_resumes_when_the_link_comes_back(cloud):
-    """Issue 10 items 2 and 7 over a real gRPC link: the link goes silent after some tokens, the
+    """Over a real gRPC link: the link goes silent after some tokens, the
     keepalive ends the call (UNAVAILABLE, no verdict), the link comes back: the turn continues
     from the prompt plus the tokens emitted, and the client's stream repeats none of them."""
     cloud.engines.step_delay_s = 0.2
@@ -276,7 +276,7 @@ async def test_a_link_cut_mid_decode_resumes_when_the_link_comes_back(cloud):
 
 
 async def test_edge_health_follows_the_clouds(cloud):
-    """Issue 12 item 6 (edge side), issue 7 item 7: an edge without a local model says NOT_SERVING
+    """An edge without a local model says NOT_SERVING
     while its cloud is not serving or gone, and SERVING again once it renegotiated with the cloud
     that came back (another instance: a new link)."""
     from grpc_health.v1 import health, health_pb2
@@ -321,7 +321,7 @@ async def test_edge_health_follows_the_clouds(cloud):
 
 
 async def test_messages_beyond_the_largest_legal_one_are_refused_by_grpc(cloud):
-    """Issue 12 item 4: the server's message limit follows the negotiated limits, so a 5 MiB chunk
+    """The server's message limit follows the negotiated limits, so a 5 MiB chunk
     never reaches the gateway's memory: the transport refuses it (RESOURCE_EXHAUSTED)."""
     ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
     p = cloud.gateway.params
@@ -343,7 +343,7 @@ async def test_messages_beyond_the_largest_legal_one_are_refused_by_grpc(cloud):
 
 
 async def test_a_draining_edge_refuses_new_turns_and_finishes_those_in_flight(cloud):
-    """Issue 8 item 4 (edge side): on stop the edge goes NOT_SERVING, a turn in flight completes,
+    """On stop the edge goes NOT_SERVING, a turn in flight completes,
     a new one gets UNAVAILABLE with a retry hint."""
     from tandem import AsyncClient, Unavailable
     from tandem.edge.server import EDGE_SERVICE, EdgeServicer
@@ -372,15 +372,16 @@ async def test_a_draining_edge_refuses_new_turns_and_finishes_those_in_flight(cl
 
 
 async def test_a_port_in_use_is_an_error_not_shared(cloud):
-    """Found by an attack run: gRPC's default SO_REUSEPORT let a second daemon share a bound port."""
+    """Binding a port in use fails: gRPC's default SO_REUSEPORT would let a second daemon share it."""
     with pytest.raises(RuntimeError, match="bind"):
         await start_server([], ["tandem.v1.Cloud"], "127.0.0.1", cloud.port, 1 << 20)
 
 
 def test_a_verdict_the_edge_does_not_know_keeps_its_nearest_kind_and_retry_hint():
-    """Found by an operator trial: the cloud's LinkBusy / EdgeOverLimit (cloud-only subclasses of
-    QuotaExceeded) reached a standalone edge as a bare TandemError (INTERNAL to the client, no local
-    fallback, no retry hint). The verdict names the error's ancestors and its retry hint."""
+    """The cloud's LinkBusy / EdgeOverLimit (cloud-only subclasses of QuotaExceeded) reach a
+    standalone edge as QuotaExceeded with their retry hint, not as a bare TandemError (which would be
+    INTERNAL to the client, with no local fallback and no retry hint): the verdict names the error's
+    ancestors and its retry hint."""
     from tandem.cloud.links import LinkBusy
     from tandem.common.errors import QuotaExceeded
     from tandem.common.messages import TurnError, downlink_from_pb, downlink_to_pb
@@ -395,8 +396,8 @@ def test_a_verdict_the_edge_does_not_know_keeps_its_nearest_kind_and_retry_hint(
 
 
 async def test_an_explicit_split_turn_waits_out_a_cloud_that_briefly_stops_serving(cloud):
-    """Found by CI: a turn that arrived while the cloud drained for a restart (health NOT_SERVING for a
-    moment) was refused at once; it now waits up to the edge's renegotiation bound for the cloud."""
+    """A turn that arrives while the cloud drains for a restart (health NOT_SERVING for a moment) is
+    not refused at once: it waits up to the edge's renegotiation bound for the cloud."""
     edge = await edge_to(f"127.0.0.1:{cloud.port}")
     try:
         cloud.gateway.serving = False

@@ -1,10 +1,12 @@
 """Settings of both daemons: precedence (flag > env > config file > default), nested engine
-settings, sizes with units, ``--version``, one-line user errors with exit code 2, and the README's
-configuration reference being the generated one. No model is loaded, no engine started."""
+settings, sizes with units, ``--version``, one-line user errors with exit code 2, and
+docs/configuration.md being the generated reference. No model is loaded, no engine started."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +20,6 @@ from tandem.common.settings import (
     ConfigFileError,
     UserError,
     parse_command_line,
-    readme_section,
-    reference_markdown,
 )
 from tandem.common.wire import Codec, WireDtype
 from tandem.edge.config import EdgeConfig
@@ -111,7 +111,7 @@ def test_nested_engine_from_flag_env_and_file(tmp_path, monkeypatch):
     assert (e.max_num_seqs, e.kv_cache_bytes, e.max_model_len_tokens) == (4, 512 << 20, 1024)
     assert (e.block_size_tokens, e.enforce_eager, e.dtype) == (64, False, "bfloat16")
     assert e.max_num_batched_tokens == 4096
-    # the flat flags of earlier versions (tandem/daemons.py, benchmarks) still work
+    # the flat aliases (tandem/daemons.py and the benchmarks pass them)
     e = cloud(["--max-num-seqs", "5", "--kv-cache-bytes", str(256 << 20)]).engine
     assert (e.max_num_seqs, e.kv_cache_bytes) == (5, 256 << 20)
     # dotted TOML keys are the same keys
@@ -148,7 +148,7 @@ def test_sizes_are_ints_and_keyword_ints_still_work():
         CloudConfig(store_bytes="4 parsecs")
 
 
-def test_defaults_new_fields_and_safe_bind_addresses():
+def test_defaults_and_safe_bind_addresses():
     c, e = CloudConfig(), EdgeConfig()
     assert c.host == e.host == "127.0.0.1"
     for cfg in (c, e):
@@ -254,17 +254,44 @@ def test_help_lists_every_setting():
         assert flag in r.stdout
 
 
-# --- README -----------------------------------------------------------------------------------
+# --- docs/configuration.md --------------------------------------------------------------------
 
 
-def test_readme_reference_is_generated_and_current():
-    text = (ROOT / "README.md").read_text()
-    section = readme_section(text)
-    assert section is not None, "README has no configuration reference markers"
-    assert section == reference_markdown(), "stale: run `python -m tandem.common.settings --update-readme`"
+def _gen_configuration():
+    spec = importlib.util.spec_from_file_location("gen_configuration", ROOT / "docs" / "gen_configuration.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_configuration_reference_is_generated_and_current():
+    section = (ROOT / "docs" / "configuration.md").read_text()
+    assert section == _gen_configuration().render(), "stale: run `python docs/gen_configuration.py` (make docs)"
     for cls in (CloudConfig, EdgeConfig):
         for name, info in cls.model_fields.items():
             assert info.description, f"{cls.__name__}.{name} has no description"
             assert f"`{name}`" in section or name == "engine"
     for name, info in EngineConfig.model_fields.items():
         assert info.description and f"`engine.{name}`" in section
+
+
+def test_configuration_check_fails_on_a_stale_file(tmp_path):
+    gen = _gen_configuration()
+    out = tmp_path / "configuration.md"
+    assert gen.main(["--check", "--out", str(out)]) == 1  # missing
+    assert gen.main(["--out", str(out)]) == 0 and gen.main(["--check", "--out", str(out)]) == 0
+    out.write_text(out.read_text() + "| a row no model has |\n")
+    assert gen.main(["--check", "--out", str(out)]) == 1
+
+
+def test_common_imports_neither_daemon():
+    """``tandem.common`` is shared by both daemons: none of its modules imports ``tandem.edge`` or
+    ``tandem.cloud`` (the configuration reference's generator lives in docs/)."""
+    offenders = [
+        f"{p.name}:{n}"
+        for p in sorted((ROOT / "common").glob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if re.match(r"\s*(from|import)\s+tandem\.(edge|cloud)\b", line)
+    ]
+    assert not offenders, offenders

@@ -190,10 +190,11 @@ def test_zstd_pays_only_on_slow_links():
 
 
 def test_two_lengths_make_a_line_and_an_overshooting_prior_gives_way():
-    """From a `make run` that chose a mode 18% slower than the best: the cloud's tail rate prior
-    (4.5 ms per token, measured on a 30-token request whose fixed part it counts per token) and
-    two samples, 30 tokens in 140 ms and 65 in 164 ms. The line must go through them (it
-    predicted 296 ms at 65 tokens), and one length with such a prior through its mean."""
+    """A sequence from `make run` where keeping the prior's slope chooses a mode 18% slower than the
+    best: the cloud's tail rate prior (4.5 ms per token, measured on a 30-token request whose fixed
+    part it counts per token) and two samples, 30 tokens in 140 ms and 65 in 164 ms. The line goes
+    through them (the prior's slope would predict 296 ms at 65 tokens), and one length with such a
+    prior through its mean."""
     line = Line()
     line.add(30, 140.0)
     line.add(65, 164.5)
@@ -219,7 +220,8 @@ def test_a_line_fitted_badly_once_leaves_no_lasting_residual():
     """The residual is what the measured stages leave out, not the line's error at that moment: a
     split turn whose tail line was far off (prior 4.55 ms per token at 65 tokens = 296 ms, measured
     164 ms) leaves a residual of the unmodelled few ms, so the next prediction is close to the
-    measured TTFT once the line is right (it had left -178 ms and predicted half the formula)."""
+    measured TTFT once the line is right (a residual against the line's error would be -178 ms and
+    predict half the formula)."""
     m = CostModel(hysteresis=0.05, explore_every=0)
     m.edge.head(4).add(0.4)
     lk = link(rtt_ms=17.0, goodput_mbps=700.0, cloud_tail_prefill_ms_per_token={4: 4.55})

@@ -1,11 +1,10 @@
-"""Property-based fuzzing (issue 11 item 5), fast tier: the cloud's uplink verification and raw protobuf into the
+"""Property-based fuzzing, fast tier: the cloud's uplink verification and raw protobuf into the
 Cloud and Edge gRPC services, on in-memory engines and head (no vLLM, no ONNX Runtime). The strategies and
 properties live in ``tandem.benchmarks.fuzzing`` (shared with ``tandem-fuzz``, the longer run); here each target
 runs ``EXAMPLES[target]`` cases from a fixed seed, 2250 in all.
 
-The five product bugs the fuzzing found are fixed; each keeps its reproducer at the bottom of the file as a
-regression test. A bug found later goes into ``KNOWN_BUGS`` (cases hitting it are counted, not failed) with a
-strict xfail reproducer here until it is fixed.
+The bottom of the file holds a reproducer of each product bug this fuzzing guards against (five cases). An open
+bug goes into ``KNOWN_BUGS`` (cases hitting it are counted, not failed) with a strict xfail reproducer here.
 """
 
 from __future__ import annotations
@@ -135,7 +134,7 @@ def test_after_every_case_the_servers_are_idle_and_answer_good_requests(harness)
     harness.final_check()
 
 
-# ------------------------------------------------------------------ reproducers of the bugs the fuzzing found (fixed)
+# ------------------------------------------------------------------ reproducers of what the fuzzing guards against
 
 
 def status_of_call(harness: fz.Harness, method: str, arity: str, msgs: list[bytes]) -> grpc.StatusCode:

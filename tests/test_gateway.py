@@ -98,7 +98,7 @@ class Sent:
 
 
 async def test_edits_and_regenerations_send_only_what_changed():
-    """Issue 10 item 6: an edited last message resends only the tokens past the edit (and the KV
+    """An edited last message resends only the tokens past the edit (and the KV
     blocks that hold them); a regenerated answer resends one token. The answers equal those of a
     fresh session with the same conversation, and the cloud's session is the new conversation."""
     sent = Sent()
@@ -135,7 +135,7 @@ async def test_edits_and_regenerations_send_only_what_changed():
 
 
 async def test_resend_from_token_0_never_reuses_kv_of_other_activations():
-    """Issue 12 item 2: ids X with X's activations, then from token 0 the same ids with the
+    """Ids X with X's activations, then from token 0 the same ids with the
     activations of another prompt Y: the answer equals a cold request with ids X and Y's activations."""
     swap: dict[str, np.ndarray] = {}
 
@@ -213,7 +213,7 @@ async def forever():
 
 
 async def test_stalled_uploads_cannot_lock_out_the_sessions_owner(toy):
-    """Issue 12 item 7: two streams send a header for a session and then nothing; the owner's
+    """Two streams send a header for a session and then nothing; the owner's
     normal turn still completes while they stall."""
     await run(toy.edge, turn("hello there", "owner"))
     ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
@@ -272,7 +272,7 @@ async def test_upload_is_bounded_by_the_upload_timeout_and_deadline():
 
 
 async def test_oversized_payloads_are_refused_on_arrival(toy):
-    """Issue 12 item 4: a 5 MiB chunk on a link of small chunks is INVALID_ARGUMENT at once."""
+    """A 5 MiB chunk on a link of small chunks is INVALID_ARGUMENT at once."""
     ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
     gw = toy.gateway
     header = header_for(gw, ids)
@@ -321,7 +321,7 @@ async def test_uploads_in_flight_are_bounded_per_edge_and_in_total():
 
 
 async def test_a_restarted_cloud_serves_the_next_turn_from_its_store():
-    """Issue 10 item 3: the gateway loses its memory (a restart) but not its store: the next turn
+    """The gateway loses its memory (a restart) but not its store: the next turn
     sends only its new tokens and answers as a fresh session would."""
     sent = Sent()
     toy = await toy_stack(lambda link: TamperLink(link, sent))
@@ -348,7 +348,7 @@ async def test_cloud_session_loss_is_answered_by_a_resend_from_token_0(toy):
 
 
 async def test_edge_sessions_are_bounded_by_bytes():
-    """Issue 12 item 8: many long sessions stay within the configured byte bound (LRU)."""
+    """Many long sessions stay within the configured byte bound (LRU)."""
     toy = await toy_stack(edge_session_bytes=60_000)
     try:
         for i in range(8):
@@ -403,7 +403,7 @@ def test_text_stream_holds_back_a_possible_stop_string():
 
 
 async def test_zstd_payloads_must_be_exactly_one_frame_of_the_announced_size():
-    """Issue 12 item 3 on a zstd link: a chunk whose payload is a valid frame plus garbage (CRC over
+    """On a zstd link, a chunk whose payload is a valid frame plus garbage (CRC over
     it all) is NACKed like a CRC failure and, sent again the same, ends INVALID_ARGUMENT; a KV block
     that does not decode is asked for again (repair), then the turn fails."""
     from tandem.common.errors import CorruptPayload, MerkleMismatch
@@ -439,7 +439,7 @@ async def test_zstd_payloads_must_be_exactly_one_frame_of_the_announced_size():
 
 
 async def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(toy):
-    """Found by an attack run: the edge tokenized megabytes of text before checking the length."""
+    """The edge checks a prompt's length before tokenizing it, so megabytes of text are never tokenized."""
     calls = []
     tok = toy.edge.tok
     orig = tok.apply_chat_template
@@ -497,7 +497,7 @@ async def test_kv_blocks_travel_in_the_negotiated_format_and_are_stored_decoded(
 
 @pytest.mark.parametrize("pins", [True, False], ids=["pinned", "control-without-pins"])
 async def test_blocks_of_a_request_in_flight_are_never_evicted(monkeypatch, pins):
-    """Issue 10 item 5: while a turn is in flight, its head and tail KV blocks (this turn's and the
+    """While a turn is in flight, its head and tail KV blocks (this turn's and the
     session's earlier ones) are pinned: a flood of other writes, many times the store's bound,
     between the tail prefill and the decode engine's load evicts none of them (the decode loads
     every block). Once the turn ends nothing stays pinned. The control run without pins shows the
@@ -541,7 +541,7 @@ async def test_blocks_of_a_request_in_flight_are_never_evicted(monkeypatch, pins
 
 async def test_a_pin_that_finishes_after_its_turn_ended_is_released():
     """A keep (after a cut upload) pinning while the turn's own unpin runs: whatever the order of
-    the two store calls, nothing stays pinned (a review found one key left until its lease lapsed)."""
+    the two store calls, nothing stays pinned (not even one key until its lease lapses)."""
     import time
 
     from tandem.cloud.turn import Turn

@@ -268,7 +268,7 @@ def small_store(request, tmp_path):
 
 
 def test_contract_pinned_keys_are_never_evicted(small_store):
-    """Issue 10 item 5: keys pinned by a request in flight, written before or after the pin, survive
+    """Keys pinned by a request in flight, written before or after the pin, survive
     writes of many times the bound; unpinned, they are evictable like any other, least recently
     used first. Pins of two owners stack."""
     st = small_store

@@ -116,8 +116,8 @@ def test_activation_int4(hidden):
     assert wire.raw_nbytes_of(1, WireDtype.INT4, 576) == 36 + 288
 
 
-def test_fp32_leaves_keep_their_layout_from_before_formats():
-    """An edge or cloud of the version before KV formats hashed fp32 blocks without a dtype byte."""
+def test_fp32_leaves_carry_no_format_byte():
+    """An fp32 leaf hashes the block without a format byte, the layout every edge and cloud shares for fp32."""
     import struct
 
     raw, h = encode_kv(block(5), WireDtype.FP32), bytes(range(32))

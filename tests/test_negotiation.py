@@ -1,4 +1,4 @@
-"""Negotiation per link (issue 7): params that follow the measured link, refusals and notes,
+"""Negotiation per link: params that follow the measured link, refusals and notes,
 params versions (a request finishes under its own), the link's share enforced with a bounded
 queue, and the edge's modes: fallback to local, renegotiation. In-memory doubles
 (``tests.doubles``) and a grpc loopback cloud where the transport matters."""
@@ -298,7 +298,7 @@ async def test_auto_follows_the_cost_model_and_its_error_is_reported():
 
 
 async def test_the_edge_measures_rtt_and_goodput_over_the_channel_and_follows_a_change():
-    """Issue 7 item 2: probes at connect, then every upload; a link that changes is followed within
+    """Probes at connect, then every upload; a link that changes is followed within
     a few requests. The cloud is a grpc server behind the benchmarks' link emulator."""
     from tandem.benchmarks.linkproxy import LinkProxy
     from tandem.benchmarks.links import LinkProfile
@@ -420,13 +420,13 @@ def _uploads_on_a_faster_link(threshold_fn, start_mbps: float, link_mbps: float,
 
 def test_an_edge_whose_link_got_faster_climbs_to_its_rate():
     """A window-limited upload measures only what its window lets through, and the window is sized
-    from the edge's last offer. With half-window acks the guaranteed rate was the offer itself: an
-    edge moved from a slow link to a 100 Mbit/s 80 ms one stayed near its old estimate. Quarter
+    from the edge's last offer. With half-window acks the guaranteed rate is the offer itself: an
+    edge moved from a slow link to a 100 Mbit/s 80 ms one stays near its old estimate. Quarter
     acks (the cloud's ``ack_threshold_bytes``) guarantee 1.5x it and the edge renegotiates up at
     ``RENEGOTIATE_UP_RATIO``, so within a few uploads it offers the link's rate."""
     from tandem.cloud.negotiation import ack_threshold_bytes
 
-    def half(window: int, item: int) -> int:  # the old rule
+    def half(window: int, item: int) -> int:  # the half-window rule
         return max(1, min(window // 2, window - item))
 
     assert max(_uploads_on_a_faster_link(half, 60.0, 100.0, 80.0, 12)) < 75.0  # stuck at 2/3 of the link
@@ -500,7 +500,7 @@ async def test_a_small_window_paces_the_upload_on_the_clouds_acks():
 
 
 async def test_default_configs_negotiate_the_smallest_formats_that_met_the_fidelity_bar():
-    """Issue 9 item 2: a default edge and a default cloud agree on fp16 activations and fp16 KV
+    """A default edge and a default cloud agree on fp16 activations and fp16 KV
     (100% of the fidelity chats' replies equal to fp32's; every smaller pair measured < 99%); a
     cloud set to fp32 only keeps every split reply equal to the unsplit model's."""
     from tandem.cloud.config import CloudConfig

@@ -305,7 +305,8 @@ async def test_a_client_that_disconnects_stops_the_turn(stack, client):
 
 
 async def test_out_of_range_values_and_huge_bodies_are_400_and_413(stack, client):
-    """Found by an attack run: out-of-range integers were HTTP 500; a 30 MB body took gigabytes."""
+    """Out-of-range integers and temperatures are HTTP 400, not 500; a body over 4 MiB is 413 before it is
+    buffered."""
     import httpx
 
     from tandem.common.metrics import REQUESTS

@@ -1,4 +1,4 @@
-"""Issue 9 item 4: a pipelined split turn (the edge head runs in pieces; each piece's chunks and
+"""A pipelined split turn (the edge head runs in pieces; each piece's chunks and
 KV blocks travel while the next is computed) sends what one whole run sends, overlaps the two,
 and fails cleanly when the head fails midway. In-memory stack (``tests.doubles``)."""
 

@@ -228,7 +228,7 @@ async def test_dead_engine_is_unavailable_then_restarted(cloud, manifest):
 async def test_kill_9_of_replicas_during_upload_and_during_decode(
     cloud, split_dir, hf_model, tokenizer, redis_server, monkeypatch, tmp_path, caplog
 ):
-    """Issue 10 items 2, 4 and 7 with real process faults on two replicas: A (this module's cloud,
+    """Real process faults on two replicas: A (this module's cloud,
     behind a link emulator: 20 Mbit/s up, 10 ms RTT, so that its upload takes a while) and B, each
     a ``tandem-cloud`` process with its own engines, one Redis block store; the edge (in this
     process) is configured with both.

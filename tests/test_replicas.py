@@ -1,4 +1,4 @@
-"""Issue 10 item 4 on the in-memory doubles: two gateways (replicas) sharing one block store, an
+"""On the in-memory doubles: two gateways (replicas) sharing one block store, an
 edge with a ``ReplicaSet`` over both. Sessions stay on their replica (rendezvous hashing) and move
 when it fails, syncing from the shared store so that only what the new replica lacks travels."""
 

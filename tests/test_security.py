@@ -1,4 +1,4 @@
-"""Issue 11: TLS and mutual TLS on both hops, API keys, state scoped by identity, per-edge limits,
+"""TLS and mutual TLS on both hops, API keys, state scoped by identity, per-edge limits,
 private store folders. Real grpc.aio over loopback with a throwaway CA (trustme); in-memory engines
 and head (fast). Every refusal is checked for its status while a good session on the same cloud
 completes with the reference tokens (the same turns on a plaintext in-process stack)."""
@@ -518,10 +518,10 @@ async def test_the_openai_api_serves_https_with_its_keys(pki):
 
 
 async def test_negotiating_many_links_takes_nothing_from_other_edges():
-    """Operator trial: a few hundred Negotiate calls from one identity diluted every link's share (and
-    past max_links made the cloud forget other edges' links). Negotiating now holds no share until a
-    request comes, and one identity keeps at most edge_max_links links (its least recently used idle
-    one is forgotten)."""
+    """A few hundred Negotiate calls from one identity neither dilute other links' shares nor, past
+    max_links, make the cloud forget other edges' links: negotiating holds no share until a request
+    comes, and one identity keeps at most edge_max_links links (its least recently used idle one is
+    forgotten)."""
     from tandem.common.kvstore import MemoryBlockStore as Store
 
     store = Store(1 << 20)

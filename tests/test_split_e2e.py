@@ -377,7 +377,7 @@ async def test_nan_activations_are_invalid_argument(stack):
 
 
 async def test_stalled_uploads_neither_lock_out_the_session_nor_hang(stack, tokenizer):
-    """Issue 12 item 7: two streams send a valid header for a session and then nothing; the session's
+    """Two streams send a valid header for a session and then nothing; the session's
     owner is served meanwhile, and a stalled stream ends at its deadline with DEADLINE_EXCEEDED."""
     gw, session = stack["gateway"], f"stalled-{uuid.uuid4().hex}"
     await stack["client"].complete(PROMPTS[1]["messages"], max_new_tokens=4, session_id=session)
@@ -419,7 +419,7 @@ async def test_stalled_uploads_neither_lock_out_the_session_nor_hang(stack, toke
 
 
 async def test_cloud_restart_mid_session_loses_no_turn(stack, hf_model, tokenizer):
-    """Issues 12 item 1 and 10 item 3: two turns, restart the cloud (same store), a third turn through
+    """Two turns, restart the cloud (same store), a third turn through
     the same edge: the edge renegotiates, syncs the session with the new instance (SyncSession), and
     sends only the new tokens: the restarted cloud serves the rest from its store. The client gets
     the reference answer."""
@@ -443,7 +443,7 @@ async def test_cloud_restart_mid_session_loses_no_turn(stack, hf_model, tokenize
 
 
 async def test_a_turn_resumes_across_a_cloud_restart_mid_decode(stack, hf_model, tokenizer):
-    """Issue 10 item 2: the cloud process goes away after some tokens reached the client (its
+    """The cloud process goes away after some tokens reached the client (its
     server stops, every stream cut) and comes back with the same store: the edge waits for it,
     syncs the session and continues from the prompt plus the tokens emitted. The client's one
     stream holds each token once and equals the reference's."""
@@ -470,7 +470,7 @@ async def test_a_turn_resumes_across_a_cloud_restart_mid_decode(stack, hf_model,
 
 
 async def test_a_session_moves_to_another_replica_when_its_replica_dies(stack, hf_model, tokenizer):
-    """Issue 10 item 4: a second cloud replica (its own gateway, port and instance; the same Redis
+    """A second cloud replica (its own gateway, port and instance; the same Redis
     block store; in this test it shares the first one's engine processes) and an edge configured
     with both. The session's replica is stopped between turns: the next turn moves to the other,
     which loads the session from Redis, syncs by root, receives only the new tokens, and answers
@@ -525,7 +525,7 @@ async def test_a_session_moves_to_another_replica_when_its_replica_dies(stack, h
 
 
 async def test_a_corrupt_kv_block_in_the_store_is_recomputed_never_served(stack, hf_model, tokenizer):
-    """Issue 10 item 7: every head KV block of a session flipped by one bit on disk: the engines'
+    """Every head KV block of a session flipped by one bit on disk: the engines'
     connectors read them as missing (the BLAKE3 seal fails) and vLLM recomputes them; the next
     turn's answer is the reference's."""
     from tandem.common.kvblocks import LayerRange, part_key
@@ -549,7 +549,7 @@ async def test_a_corrupt_kv_block_in_the_store_is_recomputed_never_served(stack,
 
 
 async def test_an_edit_and_a_regeneration_resend_only_what_changed(stack, hf_model, tokenizer):
-    """Issue 10 item 6: editing the end of a long message, then regenerating the answer, sends only
+    """Editing the end of a long message, then regenerating the answer, sends only
     the activations past the edit (one token for the regeneration) and the KV blocks that hold them;
     both answers are the reference's."""
     client, session = stack["client"], f"edit-{uuid.uuid4().hex}"
@@ -570,7 +570,7 @@ async def test_an_edit_and_a_regeneration_resend_only_what_changed(stack, hf_mod
 
 
 async def test_resend_from_token_0_never_reuses_tail_kv_of_other_activations(stack, tokenizer):
-    """Issue 12 item 2: in one session, ids X with X's activations; then, from token 0, the same ids X
+    """In one session, ids X with X's activations; then, from token 0, the same ids X
     with the activations of another prompt Y: the answer equals a cold (stateless) request with ids X
     and Y's activations; the tail KV of the first upload is never loaded for it."""
     from tandem.edge.head_runner import HeadInput
@@ -595,7 +595,7 @@ async def test_resend_from_token_0_never_reuses_tail_kv_of_other_activations(sta
     assert resent.output_token_ids != honest.output_token_ids  # Y's activations did reach the tail
 
 
-# ---------------------------------------------------------------- issue 7: modes, split layers, auto
+# ---------------------------------------------------------------- modes, split layers, auto
 
 
 async def test_the_edge_reports_every_mode_and_both_split_layers(stack):
@@ -645,7 +645,7 @@ async def test_auto_mode_reports_its_choice_and_serves_the_reference(stack, hf_m
 
 
 async def test_an_edge_starts_without_its_cloud_serves_local_and_splits_once_the_cloud_is_up(stack, split_dir):
-    """Issue 7 item 7: no fragile start-up. The edge starts against a port nobody serves yet (local
+    """No fragile start-up. The edge starts against a port nobody serves yet (local
     mode, degraded), then a cloud appears there: the edge negotiates and serves split."""
     import socket
 

@@ -1,4 +1,4 @@
-"""Issue 10 items 1, 3 and 7 on the in-memory doubles: ``SyncSession`` (RFC 6962 consistency
+"""On the in-memory doubles: ``SyncSession`` (RFC 6962 consistency
 proofs, the cloud naming what it lacks), a restarted gateway serving a session from its store,
 and corruption at rest (a flipped bit in an activation piece, a session record or a KV block)
 never reaching an answer. Each turn's tokens are checked against a fresh session's."""
@@ -206,7 +206,7 @@ class DiesMidDecode:
 
 @pytest.mark.parametrize("mode", ["split", "direct"])
 async def test_a_turn_resumes_after_its_cloud_fails_mid_stream_and_repeats_no_token(mode):
-    """Issue 10 item 2: the decode engine dies after 3 tokens reached the client; the edge waits
+    """The decode engine dies after 3 tokens reached the client; the edge waits
     for the cloud to answer again and continues from the prompt plus the emitted tokens: one
     stream of max_new_tokens tokens, none repeated, the resumed request's prompt = prompt + output."""
     toy = await toy_stack()
@@ -271,7 +271,7 @@ async def test_a_failure_with_no_cloud_to_resume_on_is_a_deadline_error_in_time(
 
 
 async def test_a_turn_cut_during_its_upload_is_sent_again_once_the_cloud_answers():
-    """Issue 10 items 2 and 7: the connection dies while chunks are in flight (nothing committed,
+    """The connection dies while chunks are in flight (nothing committed,
     no token out): the edge waits for the cloud, sends the turn again and the client sees one
     clean answer, the same as an uncut one's."""
     from tandem.common import wire
@@ -323,7 +323,7 @@ class AckLog(TamperLink):
 
 @pytest.mark.parametrize("restart", [False, True], ids=["same-cloud", "restarted-cloud"])
 async def test_an_upload_cut_midway_resumes_from_the_last_acknowledged_token(monkeypatch, restart):
-    """Issue 10 item 2: a session turn's upload is cut (LinkLost) after the cloud acknowledged
+    """A session turn's upload is cut (LinkLost) after the cloud acknowledged
     keeping part of it (``WindowAck.held_tokens``); the resumed upload sends exactly the tokens
     and KV blocks past the last acknowledged token, on the same cloud or on a restarted one (a new
     instance over the same store, as after ``kill -9``: it learns the kept prefix from the store
@@ -383,7 +383,7 @@ async def test_an_upload_cut_midway_resumes_from_the_last_acknowledged_token(mon
 
 
 async def test_the_client_is_told_when_its_session_expired_at_the_edge():
-    """Issue 10 item 5: the edge's session table is bounded; a turn of a session it evicted says so
+    """The edge's session table is bounded; a turn of a session it evicted says so
     (ChatDone.session_expired), once, and still answers as a fresh session would."""
     toy = await toy_stack(edge_session_bytes=60_000)
     try:
@@ -481,7 +481,7 @@ def test_a_save_keeps_the_earlier_pieces_recent():
 
 
 async def test_a_session_the_cloud_evicted_is_resent_from_token_0_with_the_same_answer():
-    """Issue 10 item 7, an evicted session: the cloud's session table holds one session, so a
+    """An evicted session: the cloud's session table holds one session, so a
     second session's turn evicts the first from memory, and the store's LRU has dropped its record
     too. The first session's next turn finds nothing (SessionNotFound): the edge syncs, learns the
     cloud holds nothing, and resends from token 0 once; the answer equals a fresh session's."""
@@ -504,7 +504,7 @@ async def test_a_session_the_cloud_evicted_is_resent_from_token_0_with_the_same_
 
 async def test_a_commit_whose_root_fails_drops_what_a_slow_keep_kept(monkeypatch):
     """A keep still running when the commit's Merkle root fails: it is waited for, then the session
-    is dropped, so no leaf that the edge's root does not cover survives (found by a review)."""
+    is dropped, so no leaf that the edge's root does not cover survives."""
     import asyncio
     import time
 

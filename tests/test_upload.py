@@ -251,7 +251,7 @@ def test_the_upload_budget_covers_what_is_kept_not_only_what_travels():
 
 
 def test_the_verified_prefix_is_what_a_cut_upload_leaves_the_session():
-    """Issue 10 item 2: a cut upload keeps the chunks from the first one on without a gap and the
+    """A cut upload keeps the chunks from the first one on without a gap and the
     full KV blocks inside them; the prefix stops before a gap in either. chunk_tokens = 3, B = 4."""
     ids = list(range(20))
     header, hidden, chunks, blocks = make_turn(ids)
