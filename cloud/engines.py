@@ -36,6 +36,7 @@ import numpy as np
 
 from tandem.cloud import vllm_plugin
 from tandem.cloud.config import CloudConfig
+from tandem.cloud.engine_resources import EngineResources, capture, engine_pids
 from tandem.common import metrics
 from tandem.common.errors import EngineError
 from tandem.common.kvparams import ConnectorReport, KVTransferSpec
@@ -193,12 +194,38 @@ def _is_engine_death(err: BaseException, engine: Any) -> bool:
     return isinstance(err, EngineDeadError) or bool(getattr(engine, "errored", False))
 
 
+def _stop_output_handler(engine: Any, wait_s: float = 2.0) -> None:
+    """Cancel ``engine``'s output-handler task (``AsyncLLM.output_handler``) before its shutdown.
+    vLLM 0.26 shuts the EngineCore down first and cancels the handler after, so the handler saw the
+    core go and logged ``EngineDeadError`` with a traceback at ERROR on every normal stop. From a
+    thread other than the handler's event loop this waits (up to ``wait_s``) until the handler has
+    ended; on the loop's own thread the cancellation is queued ahead of anything the shutdown causes."""
+    task = getattr(engine, "output_handler", None)
+    if task is None or task.done():
+        return
+    loop = task.get_loop()
+    try:
+        on_loop = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        on_loop = False
+    if on_loop:
+        task.cancel()
+        return
+    ended = threading.Event()
+    try:
+        loop.call_soon_threadsafe(lambda: (task.cancel(), task.add_done_callback(lambda _: ended.set())))
+    except RuntimeError:  # the loop is closed: nothing can run the handler any more
+        return
+    ended.wait(wait_s)
+
+
 def _shutdown_all(engines: list[Any], timeout_s: float) -> None:
     """``shutdown(timeout_s)`` every engine, in parallel; one that raises is logged and the others
     still stop."""
 
     def stop(e: Any) -> None:
         try:
+            _stop_output_handler(e)
             e.shutdown(timeout_s)
         except Exception:  # noqa: BLE001 - one engine's failure must not leave the others running
             log.exception("an engine failed to shut down")
@@ -225,6 +252,7 @@ class VllmEngines:
         }
         self.ROLES = (*(EngineRole.tail(k) for k in sorted(self.splits)), DECODE)
         self._engines: dict[EngineRole, Any] = dict.fromkeys(self.ROLES)
+        self._resources: dict[EngineRole, EngineResources] = {}  # what each engine would leave if it died
         self._restarting = False
         self._closed = False
         self._lock = threading.Lock()  # _closed and the engine slots, against a restart thread
@@ -251,6 +279,12 @@ class VllmEngines:
 
     def _set(self, role: EngineRole, engine: Any) -> None:
         self._engines[role] = engine
+        if engine is not None:
+            self._resources[role] = capture(engine)
+
+    def _live_pids(self) -> list[int]:
+        """EngineCore pids of the engines in their slots now."""
+        return [pid for r in self.ROLES if (e := self._get(r)) is not None for pid in engine_pids(e)]
 
     def start(self) -> None:
         """Start every engine, all at once (blocking). Most of an engine's 20-30 s start on CPU is
@@ -321,7 +355,10 @@ class VllmEngines:
                 self._set(role, None)
                 if old is not None:
                     log.warning("shutting down the dead %s engine", role.name)
+                    _stop_output_handler(old)
                     await asyncio.to_thread(old.shutdown, 10.0)
+                    if (left := self._resources.pop(role, None)) is not None:
+                        await asyncio.to_thread(left.release, self._live_pids())
                 log.warning("starting a new %s engine", role.name)
                 await asyncio.to_thread(self._replace, role)
                 log.warning("the %s engine is running again", role.name)

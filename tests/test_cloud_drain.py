@@ -93,6 +93,7 @@ async def test_sigterm_drains_and_exits_cleanly(split_dir, tmp_path):
         assert "workers still running after grace period" not in log
         assert "leaked shared_memory" not in log  # multiprocessing's resource tracker found none to unlink
         assert "Exception ignored in" not in log  # nothing left for the interpreter's teardown to finalize
+        assert "Traceback" not in log and "EngineDeadError" not in log  # a normal stop logs no engine error
     finally:
         if daemon.proc.poll() is None:
             daemon.proc.kill()

@@ -64,6 +64,14 @@ def cloud_extra(redis_url: str) -> list[str]:
     return ["--kv-cache-bytes", str(256 << 20), "--max-num-seqs", "4", "--store-url", redis_url, *fp32]
 
 
+def _segments(proc) -> set[str]:
+    """``/dev/shm`` segments ``proc`` maps (vLLM's shared-memory ring buffers)."""
+    try:
+        return {os.path.basename(m.path) for m in proc.memory_maps() if m.path.startswith("/dev/shm/")}
+    except psutil.Error:
+        return set()
+
+
 def kill_tree(daemon: Daemon) -> None:
     """``kill -9`` of a ``tandem-cloud`` process and of its engines (they would follow it anyway)."""
     try:
@@ -206,6 +214,8 @@ async def test_dead_engine_is_unavailable_then_restarted(cloud, manifest):
     assert len(cores) == 2
     victim = cores[-1]  # started second: the decode engine, which a direct request needs
     victim_kids = victim.children(recursive=True)
+    segments = set().union(*(_segments(p) for p in [victim, *victim_kids]))
+    assert segments, "the engine maps no shared-memory segments: nothing to check"
     t0 = time.monotonic()
     os.kill(victim.pid, signal.SIGKILL)
     detect_s = await wait_health(port, NOT_SERVING, DETECT_S)
@@ -222,6 +232,8 @@ async def test_dead_engine_is_unavailable_then_restarted(cloud, manifest):
     assert cloud["daemon"].proc.poll() is None
     new_cores = engine_cores(cloud)
     assert len(new_cores) == 2 and victim.pid not in {c.pid for c in new_cores}
+    # the dead engine's shared memory went with its replacement, not with the cloud's exit
+    assert not [n for n in segments if os.path.exists(f"/dev/shm/{n}")], "a dead engine's shared memory is left"
     print(f"\nNOT_SERVING {detect_s:.1f} s after kill -9; SERVING again {restart_s:.1f} s later")
 
 
