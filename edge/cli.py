@@ -33,7 +33,7 @@ async def serve(cfg: EdgeConfig, ready_file: Path | None, grace_s: float | None 
         cfg.host,
         daemon.port,
         cfg.cloud_target,
-        sorted({r.mode for r in svc.routes()}),
+        sorted({r.mode.value for r in svc.routes()}),
         list(svc.split_layers),
         f"; degraded: {svc.degraded()}" if svc.degraded() else "",
     )

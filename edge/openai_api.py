@@ -87,6 +87,7 @@ from starlette.types import Receive, Scope, Send
 
 from tandem.common import errors as e
 from tandem.common.logs import set_ids
+from tandem.common.modes import Mode
 from tandem.common.params import MAX_STOP_TOKENS, Sampling
 from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
@@ -350,7 +351,7 @@ def tandem_extra(done: TurnDone, session_id: str) -> dict[str, Any]:
         "head_tokens": done.head_tokens,
         "external_tokens": done.external_tokens,
         "timings_ms": timings_to_wire(done.timings),
-        "sent_bytes": dict(done.sent_bytes),
+        "sent_bytes": done.wire_sent_bytes(),
     }
 
 
@@ -547,7 +548,7 @@ class _Api:
         opening = [""] * 2 if r.session_id else _chat_opening(messages)
         stop = _stops(r.stop)
         sid = self.session_for(["chat", key, r.user or "", r.session_id or "", *opening])
-        turn = ChatTurn(messages, "", sid, sampling, mode=r.mode, stop=stop)
+        turn = ChatTurn(messages, "", sid, sampling, mode=Mode.from_name(r.mode), stop=stop)
         return self._call(True, turn, r)
 
     def completion_call(self, r: CompletionRequest, key: str) -> _Call:
@@ -570,7 +571,7 @@ class _Api:
         opening = "" if r.session_id else prompt[:OPENING_CHARS]
         stop = _stops(r.stop)
         sid = self.session_for(["text", key, r.user or "", r.session_id or "", opening])
-        turn = ChatTurn((), prompt, sid, sampling, mode=r.mode, stop=stop)
+        turn = ChatTurn((), prompt, sid, sampling, mode=Mode.from_name(r.mode), stop=stop)
         return self._call(False, turn, r)
 
     def _call(self, chat: bool, turn: ChatTurn, r: _Common) -> _Call:

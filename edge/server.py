@@ -98,7 +98,7 @@ class EdgeServicer(pb_grpc.EdgeServicer):
             max_stop_token_ids=MAX_STOP_TOKENS,
             default_timeout_s=svc.turn_timeout_s,
             version=__version__,
-            modes=sorted({r.mode for r in svc.routes()}),
+            modes=sorted({r.mode.value for r in svc.routes()}),
             split_layers=list(svc.split_layers),
             cloud_connected=svc.conn is not None and svc.conn.connected.is_set(),
             degraded=svc.degraded(),

@@ -37,13 +37,14 @@ from tandem.common.kvwire import encode_kv, kv_raw_nbytes
 from tandem.common.logs import bind_request, current_request_id, new_request_id, turn_log
 from tandem.common.manifest import ModelShape
 from tandem.common.messages import KVBlock, TokensOut, TurnFinal, TurnHeader, UploadAck
+from tandem.common.modes import Mode
 from tandem.common.params import LinkParams, SyncRequest
 from tandem.common.tracing import span, traced
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.cloudconn import CloudConnection, upload_receive_ms
-from tandem.edge.costmodel import DIRECT, LOCAL, SPLIT, CostModel, LinkState, Prediction, RequestShape, Route
+from tandem.edge.costmodel import CostModel, LinkState, Prediction, RequestShape, Route
 from tandem.edge.detok import TextStream
-from tandem.edge.events import ChatTurn, TextOut, TurnDone
+from tandem.edge.events import ChatTurn, SentBytes, TextOut, TurnDone
 from tandem.edge.head_runner import HeadInput
 from tandem.edge.local import LocalEngine
 from tandem.edge.replicas import ReplicaSet
@@ -65,7 +66,7 @@ class TurnClock:
     acked: bool = False  # the cloud verified this turn's upload (its session moved on)
     request_id: str = field(default_factory=new_request_id)
     token_times: list[float] = field(default_factory=list)  # perf_counter at each arrival of tokens
-    mode: str = "auto"  # the mode that served the turn (the requested one until a mode runs)
+    mode: Mode = Mode.AUTO  # the mode that served the turn (the requested one until a mode runs)
     text: TextStream | None = None  # the turn's output so far, shared by its legs when it resumes
     resumes: int = 0  # times the turn continued after its cloud failed mid-stream
     cloud_called: bool = False  # a Generate call of this turn reached the cloud
@@ -233,9 +234,9 @@ class EdgeService:
 
     def routes(self) -> list[Route]:
         """Routes servable now."""
-        out = [Route(LOCAL)] if self.local is not None else []
+        out = [Route(Mode.LOCAL)] if self.local is not None else []
         if self.conn is not None and self.conn.params(0) is not None:
-            out += [Route(SPLIT, k) for k in self.split_layers] + [Route(DIRECT)]
+            out += [Route(Mode.SPLIT, k) for k in self.split_layers] + [Route(Mode.DIRECT)]
         return out
 
     def degraded(self) -> str:
@@ -320,17 +321,17 @@ class EdgeService:
         """
         routes = self.routes()
         want = turn.mode
-        if want == LOCAL:
+        if want is Mode.LOCAL:
             if self.local is None:
                 raise ModeUnavailable("local mode needs the whole model on the edge (edge-full.onnx); none loaded")
-            candidates = [Route(LOCAL)]
-        elif want == DIRECT:
-            if Route(DIRECT) not in routes:
+            candidates = [Route(Mode.LOCAL)]
+        elif want is Mode.DIRECT:
+            if Route(Mode.DIRECT) not in routes:
                 raise EngineError(f"direct mode needs the cloud; {self.degraded() or 'not connected'}")
-            candidates = [Route(DIRECT)]
-        elif want == SPLIT:
+            candidates = [Route(Mode.DIRECT)]
+        elif want is Mode.SPLIT:
             ks = [turn.split_layer] if turn.split_layer else sorted(self.heads)
-            candidates = [Route(SPLIT, k) for k in ks if Route(SPLIT, k) in routes]
+            candidates = [Route(Mode.SPLIT, k) for k in ks if Route(Mode.SPLIT, k) in routes]
             if not candidates:
                 if turn.split_layer and turn.split_layer not in self.heads:
                     raise ModeUnavailable(
@@ -344,9 +345,9 @@ class EdgeService:
         # every turn gets a prediction, so that every turn calibrates the cost model (and reports its error)
         shape, link = self.request_shape(turn, ids), self.link_state()
         preds = [self.cost.predict(r, shape, link) for r in candidates]
-        if len(preds) == 1 and want != "auto":
+        if len(preds) == 1 and want is not Mode.AUTO:
             return Decision(preds[0].route, preds[0], "requested")
-        if want != "auto":
+        if want is not Mode.AUTO:
             best = min(preds, key=lambda p: p.ttft_ms)
             return Decision(best.route, best, f"requested {want}; lowest predicted TTFT of its split layers")
         pick, why = self.cost.choose(preds)
@@ -453,7 +454,7 @@ class EdgeService:
                 # tokens reached the client, or the connection broke under the turn (no verdict): go on
                 began = bool(out) or (clock.cloud_called and isinstance(e, LinkLost))
                 too_long = len(ids) + len(out) > self.max_prompt_tokens
-                if not began or clock.mode == LOCAL or too_long or clock.resumes >= MAX_RESUMES:
+                if not began or clock.mode is Mode.LOCAL or too_long or clock.resumes >= MAX_RESUMES:
                     raise
                 # tokens already reached the client: continue from the prompt plus them, never repeat them
                 clock.resumes += 1
@@ -461,7 +462,7 @@ class EdgeService:
                 log.warning("the cloud failed after %d tokens (%s): resuming", len(text.token_ids), e)
                 leg_ids = ids + text.token_ids
                 leg_turn = replace(turn, sampling=replace(turn.sampling, max_new_tokens=left))
-                if turn.mode != "auto" or self.local is None:
+                if turn.mode is not Mode.AUTO or self.local is None:
                     await self._wait_for_cloud(deadline, e)
                     if not text.token_ids:  # nothing streamed yet: back off before sending it all again
                         left_s = deadline - asyncio.get_running_loop().time()
@@ -477,15 +478,16 @@ class EdgeService:
         if rest:
             yield TextOut(rest, ())
         clock.since(Stage.TOTAL)
-        d = Decision(Route(clock.mode if clock.mode in (LOCAL, SPLIT, DIRECT) else DIRECT), None, "resumed")
-        done = self._turn_done(finish, len(ids), clock, d, text.token_ids, 0, 0, 0, {}, 0)
+        mode = clock.mode if clock.mode in (Mode.LOCAL, Mode.SPLIT, Mode.DIRECT) else Mode.DIRECT
+        d = Decision(Route(mode), None, "resumed")
+        done = self._turn_done(finish, len(ids), clock, d, text.token_ids, 0, 0, 0, None, 0)
         yield replace(done, resumes=clock.resumes)
 
     def _move_replica(self, turn: ChatTurn, clock: TurnClock, cause: Exception) -> bool:
         """With several cloud replicas: mark the turn's replica down (its connection reconnects in
         the background) and pin the turn to the next healthy one. False if there is none."""
         rs = self.conn
-        if not isinstance(rs, ReplicaSet) or clock.mode == LOCAL:
+        if not isinstance(rs, ReplicaSet) or clock.mode is Mode.LOCAL:
             return False
         failed = rs.current()
         failed.renegotiate_soon(f"a turn failed on it ({cause})")
@@ -520,7 +522,8 @@ class EdgeService:
         if self.conn is not None:  # one replica for the whole leg (the session's, by rendezvous hashing)
             self.conn.pin(turn.session_id or clock.request_id)
         c = self.conn
-        if c is not None and c.reconnecting and not c.connected.is_set() and (turn.mode != "auto" or not self.local):
+        may_wait = turn.mode is not Mode.AUTO or self.local is None  # no local mode to serve meanwhile
+        if c is not None and c.reconnecting and not c.connected.is_set() and may_wait:
             await c.wait_connected(min(self.renegotiate_wait_s, timeout_s))  # its link is being set up again
         decision = self.decide(turn, ids)
         for attempt in (0, 1, 2):
@@ -544,12 +547,12 @@ class EdgeService:
                 if not started and isinstance(e, EngineError) and self._move_replica(turn, clock, e):
                     decision = self.decide(turn, ids)
                     continue
-                if started or turn.mode != "auto" or self.local is None or decision.route.mode == LOCAL:
+                if started or turn.mode is not Mode.AUTO or self.local is None or decision.route.mode is Mode.LOCAL:
                     raise
                 reason = "cloud busy" if isinstance(e, QuotaExceeded) else "cloud unavailable"
                 log.info("%s (%s): serving this turn locally", reason, e)
                 metrics.record_fallback(reason)
-                local = Route(LOCAL)
+                local = Route(Mode.LOCAL)
                 decision = Decision(
                     local,
                     self.cost.predict(local, self.request_shape(turn, ids), self.link_state()),
@@ -563,7 +566,9 @@ class EdgeService:
         clock.mode = d.route.mode
         self.cost.ran(d.route)
         events = (
-            self._local(turn, ids, clock, d) if d.route.mode == LOCAL else self._cloud(turn, ids, clock, timeout_s, d)
+            self._local(turn, ids, clock, d)
+            if d.route.mode is Mode.LOCAL
+            else self._cloud(turn, ids, clock, timeout_s, d)
         )
         async for ev in events:
             if isinstance(ev, TurnDone) and d.prediction is not None and ev.ttft_ms > 0 and not clock.resumes:
@@ -598,7 +603,7 @@ class EdgeService:
         if rest:
             yield TextOut(rest, ())
         clock.since(Stage.TOTAL)
-        yield self._turn_done(finish, len(ids), clock, d, text.token_ids, 0, 0, 0, {}, 0)
+        yield self._turn_done(finish, len(ids), clock, d, text.token_ids, 0, 0, 0, None, 0)
 
     def _turn_done(
         self,
@@ -610,8 +615,10 @@ class EdgeService:
         head_tokens: int,
         external_tokens: int,
         k: int,
-        sent: dict[str, int],
+        sent: SentBytes | None,
         params_version: int,
+        resent_chunks: int = 0,
+        repaired_blocks: int = 0,
     ) -> TurnDone:
         return TurnDone(
             finish,
@@ -629,6 +636,8 @@ class EdgeService:
             params_version=params_version,
             mode_reason=d.reason,
             session_expired=clock.session_expired,
+            resent_chunks=resent_chunks,
+            repaired_blocks=repaired_blocks,
         )
 
     async def _cloud(
@@ -1049,7 +1058,7 @@ class EdgeService:
                     yield TextOut(rest, ())
                 self.conn.observe_load(ev.load)
                 if out.split:
-                    nbytes = out.sent_bytes["activations"] + out.sent_bytes["kv"]
+                    nbytes = out.sent_bytes.payload_bytes
                     # no sample from a turn queued for admission (buffered meanwhile) or pipelined (the
                     # cloud's wait includes the edge's head)
                     receive_ms = upload_receive_ms(ev.timings)
@@ -1068,7 +1077,6 @@ class EdgeService:
     ) -> TurnDone:
         clock.since(Stage.TOTAL)
         clock.timings.update({k: v for k, v in f.timings.items() if k.is_cloud})
-        sent = {**out.sent_bytes, "resent_chunks": out.resent_chunks, "repaired_blocks": out.repaired_blocks}
         done = self._turn_done(
             f.finish_reason,
             f.prompt_tokens,
@@ -1078,7 +1086,9 @@ class EdgeService:
             head_tokens,
             f.external_tokens,
             out.header.split_layer,
-            sent,
+            out.sent_bytes,
             out.header.params_version,
+            out.resent_chunks,
+            out.repaired_blocks,
         )
         return replace(done, output_tokens=f.output_tokens)

@@ -18,6 +18,7 @@ from tandem.common import wire
 from tandem.common.errors import InvalidRequest
 from tandem.common.grpcsetup import add_service, channel_options, start_server
 from tandem.common.kvstore import MemoryBlockStore
+from tandem.common.modes import Mode
 from tandem.common.params import NegotiateOffer, Sampling
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.cloudconn import CloudConnection
@@ -81,7 +82,7 @@ async def close_edge(svc: EdgeService) -> None:
 
 
 def chat(text: str, session: str = "", n: int = 6) -> ChatTurn:
-    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode="split")
+    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode=Mode.SPLIT)
 
 
 async def run(svc: EdgeService, t: ChatTurn) -> TurnDone:
@@ -109,7 +110,7 @@ async def test_cloud_restart_mid_session_is_answered_by_a_full_resend(cloud):
     try:
         convo = [("user", LONG)]
         for i in range(5):
-            done = await run(edge, ChatTurn(tuple(convo), "", "s", Sampling(max_new_tokens=6), mode="split"))
+            done = await run(edge, ChatTurn(tuple(convo), "", "s", Sampling(max_new_tokens=6), mode=Mode.SPLIT))
             convo += [("assistant", "sure"), ("user", f"and question {i}?")]
             if i >= 1:
                 await cloud.stop()

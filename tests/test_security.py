@@ -26,6 +26,7 @@ from tandem.common.errors import (
 )
 from tandem.common.grpcsetup import add_service, channel_credentials, server_credentials, start_server
 from tandem.common.kvstore import DiskBlockStore, MemoryBlockStore
+from tandem.common.modes import Mode
 from tandem.common.params import NegotiateOffer, Sampling
 from tandem.common.security import ApiKeys, Authenticator, private_dir
 from tandem.edge.events import ChatTurn, TurnDone
@@ -130,7 +131,7 @@ async def run(svc: EdgeService, t: ChatTurn) -> TurnDone:
 
 
 def chat(convo: list[tuple[str, str]], session: str = "", n: int = 6) -> ChatTurn:
-    return ChatTurn(tuple(convo), "", session, Sampling(max_new_tokens=n), mode="split")
+    return ChatTurn(tuple(convo), "", session, Sampling(max_new_tokens=n), mode=Mode.SPLIT)
 
 
 async def conversation(svc: EdgeService, session: str, turns: int = 3) -> list[tuple[int, ...]]:
