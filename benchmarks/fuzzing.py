@@ -1283,7 +1283,7 @@ class ServiceStack:
 
     def edge_link(self) -> str:
         """The edge's link to the cloud: another principal's than the gRPC callers'."""
-        n = self.edge.conn.negotiated if self.edge.conn is not None else None
+        n = self.edge.conn.current().negotiated if self.edge.conn is not None else None
         return n.link_id if n is not None else ""
 
     async def stop(self) -> None:

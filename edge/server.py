@@ -30,7 +30,7 @@ from tandem.common.manifest import FULL_ONNX, SplitManifest
 from tandem.common.params import MAX_STOP_TOKENS, NegotiateOffer
 from tandem.common.security import ApiKeys, Authenticator, Principal, scoped
 from tandem.edge.batcher import HeadBatcher
-from tandem.edge.cloudconn import CloudConnection
+from tandem.edge.cloudconn import CloudConnection, CloudTarget
 from tandem.edge.config import EdgeConfig
 from tandem.edge.costmodel import CostModel, zstd_pays
 from tandem.edge.detok import MAX_STOP_STRINGS
@@ -100,7 +100,7 @@ class EdgeServicer(pb_grpc.EdgeServicer):
             version=__version__,
             modes=sorted({r.mode.value for r in svc.routes()}),
             split_layers=list(svc.split_layers),
-            cloud_connected=svc.conn is not None and svc.conn.connected.is_set(),
+            cloud_connected=svc.conn is not None and svc.conn.current().connected.is_set(),
             degraded=svc.degraded(),
         )
 
@@ -265,7 +265,7 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
         )
         for link in links
     ]
-    conn: CloudConnection | ReplicaSet = conns[0] if len(conns) == 1 else ReplicaSet(conns, cfg.cloud_targets)
+    conn: CloudTarget = conns[0] if len(conns) == 1 else ReplicaSet(conns, cfg.cloud_targets)
     conn.start()
     if not await conn.wait_connected(cfg.connect_timeout_s):
         wrong = next((m.last_exc for m in conns if isinstance(m.last_exc, IncompatibleModel)), None)
@@ -275,7 +275,7 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
         log.warning(
             "cloud %s not answering yet (%s): starting degraded",
             ", ".join(cfg.cloud_targets),
-            conn.last_error or "no reply",
+            conn.current().last_error or "no reply",
         )
     sessions = EdgeSessions(cfg.max_sessions, cfg.session_bytes)
     service = EdgeService(

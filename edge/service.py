@@ -41,13 +41,12 @@ from tandem.common.modes import Mode
 from tandem.common.params import LinkParams, SyncRequest
 from tandem.common.tracing import span, traced
 from tandem.edge.batcher import HeadBatcher
-from tandem.edge.cloudconn import CloudConnection, upload_receive_ms
+from tandem.edge.cloudconn import CloudTarget, upload_receive_ms
 from tandem.edge.costmodel import CostModel, LinkState, Prediction, RequestShape, Route
 from tandem.edge.detok import TextStream
 from tandem.edge.events import ChatTurn, SentBytes, TextOut, TurnDone
 from tandem.edge.head_runner import HeadInput
 from tandem.edge.local import LocalEngine
-from tandem.edge.replicas import ReplicaSet
 from tandem.edge.session import EdgeSession, EdgeSessions
 from tandem.edge.uplink import OutgoingTurn, Pieces, stream_turn
 from tandem.stages import Stage, Timings
@@ -129,7 +128,7 @@ class EdgeService:
         self,
         tokenizer,
         heads: list[Head],
-        conn: CloudConnection | ReplicaSet | None,
+        conn: CloudTarget | None,
         sessions: EdgeSessions,
         turn_timeout_s: float,
         *,
@@ -212,7 +211,7 @@ class EdgeService:
     @property
     def max_prompt_tokens(self) -> int:
         """Longest prompt accepted: the edge's bound, and the cloud's while connected."""
-        p = self.conn.params(0) if self.conn is not None else None
+        p = self.conn.current().params(0) if self.conn is not None else None
         return min(self._max_prompt_tokens, p.max_prompt_tokens) if p is not None else self._max_prompt_tokens
 
     @property
@@ -222,7 +221,7 @@ class EdgeService:
 
     @property
     def max_new_tokens(self) -> int:
-        p = self.conn.params(0) if self.conn is not None else None
+        p = self.conn.current().params(0) if self.conn is not None else None
         return p.max_new_tokens if p is not None else 4096
 
     @property
@@ -230,12 +229,12 @@ class EdgeService:
         """Split layers usable now: the edge holds the head and the connected cloud the tail."""
         if self.conn is None:
             return ()
-        return tuple(k for k in self.conn.split_layers if k in self.heads)
+        return tuple(k for k in self.conn.current().split_layers if k in self.heads)
 
     def routes(self) -> list[Route]:
         """Routes servable now."""
         out = [Route(Mode.LOCAL)] if self.local is not None else []
-        if self.conn is not None and self.conn.params(0) is not None:
+        if self.conn is not None and self.conn.current().params(0) is not None:
             out += [Route(Mode.SPLIT, k) for k in self.split_layers] + [Route(Mode.DIRECT)]
         return out
 
@@ -243,8 +242,9 @@ class EdgeService:
         """Why not every mode this edge was built for is available ("" when all are)."""
         if self.conn is None:
             return ""
-        if self.conn.params(0) is None:
-            return f"cloud not connected ({self.conn.last_error or 'connecting'}): local mode only"
+        c = self.conn.current()
+        if c.params(0) is None:
+            return f"cloud not connected ({c.last_error or 'connecting'}): local mode only"
         missing = sorted(set(self.heads) - set(self.split_layers))
         return f"the cloud serves no tail for k in {missing}" if missing else ""
 
@@ -268,9 +268,9 @@ class EdgeService:
     def link_state(self) -> LinkState:
         """The cost model's view of the link and the cloud right now."""
         st = LinkState(num_layers=self.shape.num_layers if self.shape else 30)
-        c = self.conn
-        if c is None:
+        if self.conn is None:
             return st
+        c = self.conn.current()
         load = c.load
         st.rtt_ms, st.goodput_mbps = c.rtt_ms.value, c.goodput_mbps.value
         st.cloud_prefill_ms_per_token = load.prefill_ms_per_token
@@ -486,15 +486,10 @@ class EdgeService:
     def _move_replica(self, turn: ChatTurn, clock: TurnClock, cause: Exception) -> bool:
         """With several cloud replicas: mark the turn's replica down (its connection reconnects in
         the background) and pin the turn to the next healthy one. False if there is none."""
-        rs = self.conn
-        if not isinstance(rs, ReplicaSet) or clock.mode is Mode.LOCAL:
+        if self.conn is None or clock.mode is Mode.LOCAL:
             return False
-        failed = rs.current()
-        failed.renegotiate_soon(f"a turn failed on it ({cause})")
-        nxt = rs.pin(turn.session_id or clock.request_id)
-        if nxt is failed or not rs.healthy(nxt):
+        if self.conn.fail_over(self.conn.current(), turn.session_id or clock.request_id, cause) is None:
             return False
-        log.warning("cloud replica %s failed (%s): turn moves to %s", rs.target_of(failed), cause, rs.target_of(nxt))
         metrics.record_fallback("replica down")
         return True
 
@@ -505,7 +500,7 @@ class EdgeService:
             DeadlineExceeded: it did not answer in time (the message names the failure).
         """
         assert self.conn is not None
-        self.conn.renegotiate_soon(f"a turn's stream failed ({cause})")
+        self.conn.current().renegotiate_soon(f"a turn's stream failed ({cause})")
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0 or not await self.conn.wait_connected(left):
             raise DeadlineExceeded(f"the cloud failed mid-stream ({cause}) and did not come back before the deadline")
@@ -520,11 +515,10 @@ class EdgeService:
         text = clock.text
         assert text is not None
         if self.conn is not None:  # one replica for the whole leg (the session's, by rendezvous hashing)
-            self.conn.pin(turn.session_id or clock.request_id)
-        c = self.conn
-        may_wait = turn.mode is not Mode.AUTO or self.local is None  # no local mode to serve meanwhile
-        if c is not None and c.reconnecting and not c.connected.is_set() and may_wait:
-            await c.wait_connected(min(self.renegotiate_wait_s, timeout_s))  # its link is being set up again
+            c = self.conn.pin(turn.session_id or clock.request_id)
+            may_wait = turn.mode is not Mode.AUTO or self.local is None  # no local mode to serve meanwhile
+            if c.reconnecting and not c.connected.is_set() and may_wait:
+                await self.conn.wait_connected(min(self.renegotiate_wait_s, timeout_s))  # its link is set up again
         decision = self.decide(turn, ids)
         for attempt in (0, 1, 2):
             before = len(text.token_ids)
@@ -538,7 +532,7 @@ class EdgeService:
                 started = started or len(text.token_ids) > before
                 if started or attempt or self.conn is None:
                     raise
-                m = self.conn.current() if isinstance(self.conn, ReplicaSet) else self.conn  # this replica's link
+                m = self.conn.current()  # this replica's link
                 m.renegotiate_soon(f"the cloud refused this link's params ({e})")
                 await m.wait_connected(min(self.renegotiate_wait_s, timeout_s))
                 decision = self.decide(turn, ids)
@@ -646,7 +640,7 @@ class EdgeService:
         """Split or direct mode: the turn through the cloud, under the link's current params."""
         assert self.conn is not None
         k = d.route.k
-        params = self.conn.params(k)
+        params = self.conn.current().params(k)
         if params is None:
             raise EngineError(f"no link params for split layer {k}: the cloud is not connected")
         split = k > 0
@@ -725,7 +719,7 @@ class EdgeService:
 
     def _instance_id(self) -> str:
         """The instance id of the cloud (the turn's replica) this edge is negotiated with; "" if none."""
-        n = self.conn.negotiated if self.conn is not None else None
+        n = self.conn.current().negotiated if self.conn is not None else None
         return n.instance_id if n is not None else ""
 
     def _needs_sync(self, s: EdgeSession) -> bool:
@@ -756,7 +750,7 @@ class EdgeService:
             self._link_id(), session_id, k, tuple(s.token_ids), len(leaves), merkle.root(leaves), m, tuple(proof), bs
         )
         try:
-            reply = await self.conn.link.sync_session(req, max(0.001, min(5.0, timeout_s)))
+            reply = await self.conn.current().link.sync_session(req, max(0.001, min(5.0, timeout_s)))
         except QuotaExceeded as e:  # the edge is over its request rate: keep its belief, the turn will tell
             log.info("SyncSession refused (%s): the turn goes on with what this edge believes", e)
             return
@@ -947,7 +941,7 @@ class EdgeService:
         )  # fmt: skip
 
     def _link_id(self) -> str:
-        n = self.conn.negotiated if self.conn is not None else None
+        n = self.conn.current().negotiated if self.conn is not None else None
         return n.link_id if n is not None else ""
 
     def _kv_blocks(
@@ -989,7 +983,7 @@ class EdgeService:
         assert self.conn is not None
         text = clock.text or TextStream(self.tok, stop)
         clock.cloud_called = True
-        with self.conn.uploading() as upload_done:
+        with self.conn.current().uploading() as upload_done:
             try:
                 async for ev in self._stream_events(
                     out, s, ids, clock, head_tokens, timeout_s, text, d, upload_done, pieces
@@ -1034,7 +1028,8 @@ class EdgeService:
         pieces: AsyncIterator[Pieces] | None = None,
     ) -> AsyncIterator[TextOut | TurnDone]:
         assert self.conn is not None
-        async for ev in stream_turn(self.conn.link, out, timeout_s, pieces):
+        conn = self.conn.current()  # the turn's replica
+        async for ev in stream_turn(conn.link, out, timeout_s, pieces):
             if isinstance(ev, UploadAck):
                 upload_done()
                 s.cloud_tokens = len(ids)
@@ -1056,14 +1051,14 @@ class EdgeService:
                 rest = text.flush()
                 if rest:
                     yield TextOut(rest, ())
-                self.conn.observe_load(ev.load)
+                conn.observe_load(ev.load)
                 if out.split:
                     nbytes = out.sent_bytes.payload_bytes
                     # no sample from a turn queued for admission (buffered meanwhile) or pipelined (the
                     # cloud's wait includes the edge's head)
                     receive_ms = upload_receive_ms(ev.timings)
                     if receive_ms > 0 and not out.pipelined:
-                        self.conn.observe_upload(nbytes, receive_ms)
+                        conn.observe_upload(nbytes, receive_ms)
                 yield self._done(ev, out, clock, head_tokens, text.token_ids, d)
 
     def _done(
