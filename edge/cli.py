@@ -27,7 +27,7 @@ async def serve(cfg: EdgeConfig, ready_file: Path | None, grace_s: float | None 
     from tandem.edge.server import create_edge
 
     daemon = await create_edge(cfg)
-    svc = daemon.service
+    svc = daemon.node
     logging.getLogger("tandem.edge").info(
         "tandem-edge serving on %s:%d; cloud %s; modes %s; split layers %s%s",
         cfg.host,

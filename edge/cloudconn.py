@@ -150,7 +150,7 @@ class CloudConnection:
             from tandem.common.wire import Codec
 
             codecs = (Codec.ZSTD, Codec.NONE) if self._zstd_pays(g) else (Codec.NONE, Codec.ZSTD)
-        link_id = self.negotiated.link_id if self.negotiated else ""
+        link_id = self.link_id
         return replace(self.base_offer, rtt_ms=self.rtt_ms.value, goodput_mbps=g, codecs=codecs, link_id=link_id)
 
     # ------------------------------------------------------------------ background loop
@@ -178,6 +178,16 @@ class CloudConnection:
     def fail_over(self, failed: CloudConnection, key: str, cause: Exception) -> CloudConnection | None:
         """None: one cloud, nowhere to move (the turn waits for it or fails)."""
         return None
+
+    @property
+    def link_id(self) -> str:
+        """The negotiated link's id ("" before ``Negotiate`` answered)."""
+        return self.negotiated.link_id if self.negotiated is not None else ""
+
+    @property
+    def instance_id(self) -> str:
+        """The instance id of the cloud this link is negotiated with ("" before ``Negotiate`` answered)."""
+        return self.negotiated.instance_id if self.negotiated is not None else ""
 
     @property
     def healthy(self) -> bool:
@@ -275,7 +285,7 @@ class CloudConnection:
 
     async def probe(self) -> None:
         """RTT and goodput probes over the real channel (see module doc)."""
-        link_id = self.negotiated.link_id if self.negotiated else ""
+        link_id = self.link_id
         small = []
         for _ in range(PROBE_SMALL):
             t0 = time.perf_counter()

@@ -227,7 +227,7 @@ class CostModel:
         explore_within: float = 1.5,
         pipeline_tokens: int = 0,
     ) -> None:
-        """``pipeline_tokens``: the edge's head piece size (``EdgeService.pipeline_tokens``; 0 = no
+        """``pipeline_tokens``: the edge's head piece size (``EdgeNode.pipeline_tokens``; 0 = no
         pipelining), so split predictions count the head's overlap with the upload."""
         self.hysteresis, self.explore_every, self.explore_within = hysteresis, explore_every, explore_within
         self.pipeline_tokens = pipeline_tokens

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP API on the edge, over ``EdgeService.chat``.
+"""An OpenAI-compatible HTTP API on the edge, over ``EdgeNode.chat``.
 
 Endpoints (FastAPI, served by uvicorn in the edge's event loop; see ``serve_openai``):
 
@@ -91,7 +91,7 @@ from tandem.common.modes import Mode
 from tandem.common.params import MAX_STOP_TOKENS, Sampling
 from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
-from tandem.edge.service import EdgeService
+from tandem.edge.node import EdgeNode
 from tandem.stages import timings_to_wire
 
 log = logging.getLogger("tandem.edge.openai")
@@ -490,7 +490,7 @@ async def _sse_body(
 
 
 class _Api:
-    def __init__(self, service: EdgeService, model_id: str, session_secret: bytes) -> None:
+    def __init__(self, service: EdgeNode, model_id: str, session_secret: bytes) -> None:
         self.service, self.model_id, self.secret = service, model_id, session_secret
         self.created = int(time.time())
         self.busy: set[str] = set()  # sessions a turn of this API is using
@@ -637,7 +637,7 @@ def _bearer_check(api_keys: Sequence[str]):
 
 
 def create_openai_app(
-    service: EdgeService, model_id: str, api_keys: Sequence[str] = (), *, session_secret: bytes | None = None
+    service: EdgeNode, model_id: str, api_keys: Sequence[str] = (), *, session_secret: bytes | None = None
 ) -> FastAPI:
     """The OpenAI-compatible API over ``service`` (see the module docstring). ``session_secret`` keys
     the derived session ids (random per app if not given)."""

@@ -2,7 +2,7 @@
 header, activation chunks, KV blocks and commit; answer NACKs and repair requests from
 the frames it kept; hand tokens and the final summary on.
 
-Network handling only: what to send is decided by ``edge.service``; how it travels by
+Network handling only: what to send is framed by ``edge.framing``; how it travels by
 the link. On the cloud's verdict (a ``TurnError``) the link stops writing at once and
 the verdict is raised, so a refusal arrives as the cloud meant it.
 """
@@ -55,7 +55,7 @@ class OutgoingTurn:
     sent_chunks: set[int] = field(default_factory=set)
     held_tokens: int = 0  # the cloud keeps the first held_tokens prompt tokens if the upload is cut (WindowAck)
     complete: bool = True  # every chunk and block is known (False while a pipelined head still runs)
-    pipelined: bool = False  # the head ran while the upload went (``edge.service.EdgeService._pieces``)
+    pipelined: bool = False  # the head ran while the upload went (``edge.headwork.PipelinedHead``)
     acked_bytes: int = 0  # received_bytes of the cloud's last WindowAck
 
     def __post_init__(self) -> None:

@@ -19,14 +19,15 @@ from tandem.common.errors import (
     TandemError,
     UploadTimeout,
 )
+from tandem.common.logs import new_request_id
 from tandem.common.messages import Commit, KVBlock, TurnHeader
 from tandem.common.modes import Mode
 from tandem.common.params import Sampling
+from tandem.edge import framing
 from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.head_runner import HeadInput
-from tandem.edge.service import TurnClock
 from tandem.stages import TTFT_STAGES, Stage
-from tests.doubles import HKV, B, D, H, K, TamperLink, ToyTokenizer, rechunk, toy_stack
+from tests.doubles import HKV, MANIFEST, B, D, H, K, TamperLink, ToyTokenizer, rechunk, toy_stack
 
 LONG = "The quick brown fox jumps over the lazy dog, again and again, " * 3  # ~200 tokens
 
@@ -242,9 +243,12 @@ async def test_waiting_for_the_session_is_bounded_by_the_deadline(toy):
     ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": "hello"}])
     await session.lock.acquire()
     try:
-        body = toy.edge._build_turn(
-            toy.edge.sessions.get("busy"), ids, turn("hello", "busy"), toy.edge.conn.params(K), TurnClock(), True
+        s, p, rid = toy.edge.sessions.get("busy"), toy.edge.conn.params(K), new_request_id()
+        s.forget_cloud_past(0)  # all of it, as a resend from token 0
+        base = TurnHeader(
+            rid, "busy", p.params_version, K, tuple(ids), 0, 0, 0, Sampling(), toy.edge.conn.negotiated.link_id
         )
+        body = framing.split_turn(s, base, p, framing.block_ids(ids, p, MANIFEST.compatibility_key(), "busy", rid))
 
         async def items():
             for c in body.chunks:

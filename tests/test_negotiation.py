@@ -232,14 +232,14 @@ async def test_auto_falls_back_to_local_when_the_cloud_is_busy_or_gone():
         edge = toy.edge
         edge.cost = CostModel(explore_every=0)  # the choice must follow the predictions alone
         edge.local = MemoryLocal(prefill_ms_per_token=1e3)  # local looks slow: auto prefers the cloud
-        before = edge.cost.predict(Route(Mode.LOCAL), RequestShape(30), edge.link_state()).ttft_ms
+        before = edge.cost.predict(Route(Mode.LOCAL), RequestShape(30), edge.router.link_state()).ttft_ms
         hog = asyncio.create_task(run(edge, turn(mode=Mode.DIRECT, n=30)))
         await asyncio.sleep(0.05)
         done = await run(edge, turn("busy now"))
         assert done.mode == "local" and done.mode_reason == "fallback: cloud busy"
         await hog
         # the local run measured its rate, which the cost model reads: local is predicted faster now
-        assert edge.cost.predict(Route(Mode.LOCAL), RequestShape(30), edge.link_state()).ttft_ms < before
+        assert edge.cost.predict(Route(Mode.LOCAL), RequestShape(30), edge.router.link_state()).ttft_ms < before
         edge.cost = CostModel(explore_every=0)  # forget it: local looks slow again
         edge.local = MemoryLocal(prefill_ms_per_token=1e3)
         toy.engines.alive = False  # the engines are down: EngineError (UNAVAILABLE)

@@ -145,7 +145,7 @@ async def test_a_split_turn_a_direct_turn_and_a_refused_turn_leave_their_samples
 
 
 def test_the_metrics_endpoint_serves_tandem_metrics():
-    metrics.register("edge")  # what an EdgeService does
+    metrics.register("edge")  # what an EdgeNode does
     port = metrics.start_metrics_server("127.0.0.1", 0)
     assert port > 0
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:

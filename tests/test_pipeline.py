@@ -73,7 +73,7 @@ def slow_link(toy, mbps: float = 0.5) -> None:
     """The edge measured a slow link: uploads are predicted to outlast the head, so split turns
     with enough new tokens pipeline (``CostModel.pipeline_pieces``). The toy edge is told its
     model's shape, so the cost model knows its bytes per token."""
-    toy.edge.shape = MANIFEST.shape
+    toy.edge.router.shape = MANIFEST.shape
     toy.edge.conn.goodput_mbps.add(mbps)
 
 
