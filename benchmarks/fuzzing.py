@@ -78,9 +78,10 @@ from tandem.common.security import scoped
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.cloudconn import CloudConnection
 from tandem.edge.head_runner import MemoryHead
+from tandem.edge.headwork import Head
 from tandem.edge.link import InProcessLink
-from tandem.edge.server import EdgeServicer
-from tandem.edge.service import EdgeService, Head
+from tandem.edge.node import EdgeNode
+from tandem.edge.service import EdgeServicer
 from tandem.edge.session import EdgeSessions
 from tandem.edge.uplink import send_order
 from tandem.v1 import tandem_pb2 as pb
@@ -1234,7 +1235,7 @@ class ServiceStack:
     cloud: CloudStack
     cloud_servicer: CloudServicer
     cloud_server: grpc.aio.Server
-    edge: EdgeService
+    edge: EdgeNode
     edge_servicer: EdgeServicer
     edge_server: grpc.aio.Server
     batcher: HeadBatcher
@@ -1259,7 +1260,7 @@ class ServiceStack:
         await conn.connect()
         batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
         batcher.start()
-        edge = EdgeService(ToyTokenizer(), [Head(batcher, key)], conn, EdgeSessions(64, 1 << 30), 30.0)
+        edge = EdgeNode(ToyTokenizer(), [Head(batcher, key)], conn, EdgeSessions(64, 1 << 30), 30.0)
         edge_servicer = EdgeServicer(edge, "toy")
         edge_server, edge_port, _ = await start_server(
             [lambda s: add_service(s, edge_servicer, "Edge")],
@@ -1285,8 +1286,7 @@ class ServiceStack:
 
     def edge_link(self) -> str:
         """The edge's link to the cloud: another principal's than the gRPC callers'."""
-        n = self.edge.conn.negotiated if self.edge.conn is not None else None
-        return n.link_id if n is not None else ""
+        return self.edge.conn.current().link_id if self.edge.conn is not None else ""
 
     async def stop(self) -> None:
         await self.cloud_channel.close()
@@ -1364,8 +1364,9 @@ class ServiceStack:
             busy = busy_bookkeeping(self.cloud.gateway)
             if self.cloud_servicer.in_flight:
                 busy.append(f"{self.cloud_servicer.in_flight} Generate calls still in flight")
-            if self.edge._cloud_inflight or self.edge._inflight:
-                busy.append(f"edge turns in flight: {self.edge._cloud_inflight} / {len(self.edge._inflight)}")
+            in_cloud, in_flight = self.edge.turns_in_flight
+            if in_cloud or in_flight:
+                busy.append(f"edge turns in flight: {in_cloud} / {in_flight}")
             if not busy:
                 return
             if time.monotonic() > t_end:

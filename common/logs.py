@@ -2,7 +2,7 @@
 carrying its ``request_id`` and ``session_id``.
 
 The ids live in context variables bound at the start of a turn (``bind_request``: the
-edge's ``EdgeService.chat``, the cloud's ``Gateway.run_turn`` and servicer), so a log line
+edge's ``EdgeNode.chat``, the cloud's ``Gateway.run_turn`` and servicer), so a log line
 anywhere below, also in worker threads started with ``asyncio.to_thread`` (they copy the
 context), carries them without passing them around. A turn logs its start (DEBUG), its end
 (INFO: mode, tokens, time to first token) and a refusal (WARNING, with the error's kind);

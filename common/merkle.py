@@ -13,7 +13,7 @@ Inclusion (audit) paths and consistency proofs are RFC 6962 sections 2.1.1 and
 ``BLAKE3`` (the project's choice and the default) and ``SHA256`` (RFC 6962's own
 hash, used to check the algorithms against the Certificate Transparency reference
 vectors in tests/test_merkle.py). The module-level functions below delegate to
-``BLAKE3``; they are what the edge (edge/service.py builds a turn's leaves and
+``BLAKE3``; they are what the edge (edge/framing.py builds a turn's leaves and
 root) and the cloud (cloud/upload.py re-hashes received KV blocks and checks the
 committed root) call.
 
@@ -224,7 +224,7 @@ def leaf_data(block_hash: bytes, layer_lo: int, layer_hi: int, wire_dtype: int, 
 
 
 def leaf_hash(data: bytes) -> bytes:
-    """RFC 6962 leaf hash of ``data`` with ``BLAKE3`` (edge/service.py, cloud/upload.py)."""
+    """RFC 6962 leaf hash of ``data`` with ``BLAKE3`` (edge/framing.py, cloud/upload.py)."""
     return DEFAULT.leaf_hash(data)
 
 

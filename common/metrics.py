@@ -2,7 +2,7 @@
 with a ``tandem:`` prefix: latencies in seconds with vLLM's buckets, counters exported with
 ``_total``. Labels are bounded (mode, outcome, kind, reason), never request or session ids.
 
-Edge (``EdgeService``): ``tandem:time_to_first_token_seconds{mode}``,
+Edge (``EdgeNode``): ``tandem:time_to_first_token_seconds{mode}``,
 ``tandem:inter_token_latency_seconds{mode}`` (one sample per arrival of new tokens, as vLLM),
 ``tandem:e2e_request_latency_seconds{mode}``, ``tandem:edge_head_seconds``,
 ``tandem:uplink_seconds`` (send until the cloud verified the upload),
@@ -28,7 +28,7 @@ class), ``tandem:received_bytes_total{kind=activations|kv}``, ``tandem:crc_failu
 ``tandem:block_store_bytes``, ``tandem:links_active``, ``tandem:requests_running``, ``tandem:requests_waiting``.
 
 The metric objects are module globals, created once per process and put in the default
-registry by the first ``EdgeService`` or ``Gateway`` (``watch_*``), so each daemon exports only
+registry by the first ``EdgeNode`` or ``Gateway`` (``watch_*``), so each daemon exports only
 its own; the gauges read that daemon's state at scrape time (the latest one ``watch_*``-ed).
 ``start_metrics_server`` serves the default registry, so in the cloud vLLM's own ``vllm:``
 metrics (registered in-process by ``AsyncLLM`` when its stats are on) come out of the same port.
@@ -230,7 +230,7 @@ REQUESTS_WAITING = _metric("cloud", Gauge, "tandem:requests_waiting", "Requests 
 
 def register(role: str) -> None:
     """Put the metrics of ``role`` ("edge" or "cloud") in the default registry (idempotent), so
-    each daemon exports its own only; ``EdgeService`` and ``Gateway`` call it."""
+    each daemon exports its own only; ``EdgeNode`` and ``Gateway`` call it."""
     for m in _BY_ROLE[role]:
         with contextlib.suppress(ValueError):  # registered already
             REGISTRY.register(m)
@@ -510,12 +510,12 @@ def record_fallback(reason: str) -> None:
     MODE_FALLBACKS.labels(reason).inc()
 
 
-def watch_link(conn: Any) -> None:
-    """Export an ``edge.cloudconn.CloudConnection``'s estimates at scrape time."""
+def watch_link(cloud: Any) -> None:
+    """Export the estimates of an ``edge.cloudconn.CloudTarget``'s current connection at scrape time."""
     register("edge")
-    LINK_RTT.set_function(_reader(conn, lambda c: c.rtt_ms.value))
-    LINK_GOODPUT.set_function(_reader(conn, lambda c: c.goodput_mbps.value))
-    CLOUD_CONNECTED.set_function(_reader(conn, lambda c: float(c.connected.is_set())))
+    LINK_RTT.set_function(_reader(cloud, lambda c: c.current().rtt_ms.value))
+    LINK_GOODPUT.set_function(_reader(cloud, lambda c: c.current().goodput_mbps.value))
+    CLOUD_CONNECTED.set_function(_reader(cloud, lambda c: float(c.current().connected.is_set())))
 
 
 def watch_links(table: Any) -> None:

@@ -27,13 +27,13 @@ async def serve(cfg: EdgeConfig, ready_file: Path | None, grace_s: float | None 
     from tandem.edge.server import create_edge
 
     daemon = await create_edge(cfg)
-    svc = daemon.service
+    svc = daemon.node
     logging.getLogger("tandem.edge").info(
         "tandem-edge serving on %s:%d; cloud %s; modes %s; split layers %s%s",
         cfg.host,
         daemon.port,
         cfg.cloud_target,
-        sorted({r.mode for r in svc.routes()}),
+        sorted({r.mode.value for r in svc.routes()}),
         list(svc.split_layers),
         f"; degraded: {svc.degraded()}" if svc.degraded() else "",
     )

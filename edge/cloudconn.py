@@ -19,6 +19,10 @@ the link, and the cloud's load.
   the window the cloud grants is sized from the offered goodput: a long upload is guaranteed only
   about 1.5x the offer (``cloud.negotiation.ack_threshold_bytes``), so a wider band could leave an
   edge whose link got faster on its old, window-limited estimate for good.
+
+``CloudTarget`` is what the edge's domain code sees of its cloud: one ``CloudConnection``, or an
+``edge.replicas.ReplicaSet`` of several. A turn pins itself to one connection and reads params,
+load and measurements from that connection only.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
+from typing import Protocol
 
 from tandem.common.errors import QuotaExceeded, TandemError
 from tandem.common.ewma import Ewma
@@ -56,8 +61,36 @@ def upload_receive_ms(timings_ms: Mapping[Stage, float] | Mapping[str, float]) -
     return wait - queued if queued < 0.1 * wait else 0.0
 
 
+class CloudTarget(Protocol):
+    """The cloud an edge talks to. The edge's domain code calls ``pin`` when a turn (or one leg of
+    it) starts, from the turn's task; ``current`` wherever it needs the cloud's state (inside a
+    turn: the turn's connection, else the first that answers); ``fail_over`` when a turn's call
+    failed on its connection before any token; ``start``/``stop`` once, from the daemon."""
+
+    def start(self) -> None:
+        """Start keeping every connection negotiated in the background."""
+
+    async def stop(self) -> None:
+        """Stop the background work (connections stay as they are)."""
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        """True as soon as some connection is negotiated and answering, False after ``timeout_s``."""
+
+    def pin(self, key: str) -> CloudConnection:
+        """Pin the calling task's turn, keyed by its session id (else its request id), to one
+        connection; returns it."""
+
+    def current(self) -> CloudConnection:
+        """The calling task's pinned connection, else the first that answers (else the first)."""
+
+    def fail_over(self, failed: CloudConnection, key: str, cause: Exception) -> CloudConnection | None:
+        """A turn keyed ``key`` failed on ``failed`` (``cause``): the connection it moves to (pinned),
+        or None when there is no other that answers."""
+
+
 class CloudConnection:
-    """Negotiated params, link estimates and the cloud's load, kept current in the background."""
+    """Negotiated params, link estimates and the cloud's load, kept current in the background.
+    A ``CloudTarget`` of one connection."""
 
     def __init__(
         self,
@@ -117,7 +150,7 @@ class CloudConnection:
             from tandem.common.wire import Codec
 
             codecs = (Codec.ZSTD, Codec.NONE) if self._zstd_pays(g) else (Codec.NONE, Codec.ZSTD)
-        link_id = self.negotiated.link_id if self.negotiated else ""
+        link_id = self.link_id
         return replace(self.base_offer, rtt_ms=self.rtt_ms.value, goodput_mbps=g, codecs=codecs, link_id=link_id)
 
     # ------------------------------------------------------------------ background loop
@@ -138,6 +171,28 @@ class CloudConnection:
     def pin(self, key: str) -> CloudConnection:
         """The connection a turn keyed ``key`` uses: this one (``edge.replicas.ReplicaSet`` picks)."""
         return self
+
+    def current(self) -> CloudConnection:
+        return self
+
+    def fail_over(self, failed: CloudConnection, key: str, cause: Exception) -> CloudConnection | None:
+        """None: one cloud, nowhere to move (the turn waits for it or fails)."""
+        return None
+
+    @property
+    def link_id(self) -> str:
+        """The negotiated link's id ("" before ``Negotiate`` answered)."""
+        return self.negotiated.link_id if self.negotiated is not None else ""
+
+    @property
+    def instance_id(self) -> str:
+        """The instance id of the cloud this link is negotiated with ("" before ``Negotiate`` answered)."""
+        return self.negotiated.instance_id if self.negotiated is not None else ""
+
+    @property
+    def healthy(self) -> bool:
+        """Negotiated, answering, and serving (not draining or restarting its engines)."""
+        return self.connected.is_set() and not self._paused
 
     def renegotiate_soon(self, reason: str) -> None:
         """Ask the loop to renegotiate now (e.g. the cloud refused a request's params version)."""
@@ -230,7 +285,7 @@ class CloudConnection:
 
     async def probe(self) -> None:
         """RTT and goodput probes over the real channel (see module doc)."""
-        link_id = self.negotiated.link_id if self.negotiated else ""
+        link_id = self.link_id
         small = []
         for _ in range(PROBE_SMALL):
             t0 = time.perf_counter()

@@ -48,15 +48,16 @@ Pure domain code: no grpc, no ONNX.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from tandem.common.ewma import Ewma
+from tandem.common.modes import Mode
 from tandem.stages import Stage
 
-LOCAL, SPLIT, DIRECT = "local", "split", "direct"
 ID_BYTES = 5  # a token id as a protobuf varint, at most
 LINE_DECAY = 0.95  # weight of a stage's older samples per new one (about the last 20-40 count)
 RESIDUAL_ALPHA = 0.3
@@ -138,12 +139,29 @@ SCALE = 1000.0  # token counts enter the fit in thousands (a well-conditioned sy
 class Route:
     """A serving mode and its split layer (``k = 0`` for local and direct)."""
 
-    mode: str
+    mode: Mode
     k: int = 0
 
+
+class LineKind(enum.Enum):
+    """The compute stage a ``Line`` times, and the stage timing it is fitted on."""
+
+    LOCAL = Stage.LOCAL_PREFILL  # the whole model on the edge
+    DIRECT = Stage.CLOUD_DECODE_FIRST_TOKEN  # the cloud's whole-model prefill
+    HEAD = Stage.EDGE_HEAD  # the edge head at split layer k
+    TAIL = Stage.CLOUD_TAIL_PREFILL  # the cloud's tail prefill at split layer k
+
     @property
-    def key(self) -> str:
-        return f"{self.mode}-k{self.k}" if self.mode == SPLIT else self.mode
+    def stage(self) -> Stage:
+        return self.value
+
+
+@dataclass(frozen=True)
+class LineKey:
+    """Which ``Line`` of the cost model: a stage kind and its split layer (0 for local and direct)."""
+
+    kind: LineKind
+    k: int = 0
 
 
 def length_bucket(prompt_tokens: int) -> int:
@@ -194,7 +212,7 @@ class Prediction:
     route: Route
     ttft_ms: float
     formula_ms: float  # without the residual
-    stages: Mapping[str, tuple[int, float]] = field(default_factory=dict)  # line key -> (n, prior rate)
+    stages: Mapping[LineKey, tuple[int, float]] = field(default_factory=dict)  # line -> (n, prior rate)
     rest_ms: float = 0.0  # the formula's terms other than the compute stages (RTT, wire, queues)
     prompt_tokens: int = 0
 
@@ -209,16 +227,16 @@ class CostModel:
         explore_within: float = 1.5,
         pipeline_tokens: int = 0,
     ) -> None:
-        """``pipeline_tokens``: the edge's head piece size (``EdgeService.pipeline_tokens``; 0 = no
+        """``pipeline_tokens``: the edge's head piece size (``EdgeNode.pipeline_tokens``; 0 = no
         pipelining), so split predictions count the head's overlap with the upload."""
         self.hysteresis, self.explore_every, self.explore_within = hysteresis, explore_every, explore_within
         self.pipeline_tokens = pipeline_tokens
         self.edge = EdgeRates()
-        self.lines: dict[str, Line] = {}  # "local", "direct", "head-k{k}", "tail-k{k}"
-        self.residual: dict[str, dict[int, Ewma]] = {}  # route key -> length octave -> residual (ms)
+        self.lines: dict[LineKey, Line] = {}
+        self.residual: dict[Route, dict[int, Ewma]] = {}  # route -> length octave -> residual (ms)
         self.last: Route | None = None
         self.choices = 0
-        self.last_run: dict[str, int] = {}  # route key -> choice count when it last ran
+        self.last_run: dict[Route, int] = {}  # route -> choice count when it last ran
 
     # ------------------------------------------------------------------ prediction
 
@@ -231,26 +249,26 @@ class CostModel:
             return measured
         return self.edge.local_prefill_ms_per_token.value * layers / max(1, link.num_layers)
 
-    def _stage(self, key: str, n: int, prior_rate: float, stages: dict[str, tuple[int, float]]) -> float:
+    def _stage(self, key: LineKey, n: int, prior_rate: float, stages: dict[LineKey, tuple[int, float]]) -> float:
         stages[key] = (n, prior_rate)
         return self.lines.get(key, Line()).predict(n, prior_rate)
 
     def formula(
-        self, route: Route, shape: RequestShape, link: LinkState, stages: dict[str, tuple[int, float]] | None = None
+        self, route: Route, shape: RequestShape, link: LinkState, stages: dict[LineKey, tuple[int, float]] | None = None
     ) -> float:
         """The formula part of the prediction (ms), without the residual; ``stages`` receives each
         compute stage's token count and prior rate (for calibration)."""
         tokens = {} if stages is None else stages
         T = shape.prompt_tokens
-        if route.mode == LOCAL:
+        if route.mode is Mode.LOCAL:
             n = T - min(shape.local_cached_tokens, T - 1)
             q = self.edge.local_active * self.edge.local_decode_ms_per_token.value
-            return q + self._stage("local", n, self.edge.local_prefill_ms_per_token.value, tokens)
+            return q + self._stage(LineKey(LineKind.LOCAL), n, self.edge.local_prefill_ms_per_token.value, tokens)
         g = self._goodput_bytes_per_ms(link)
         q_cloud = link.queue_wait_ms if link.cloud_busy else 0.0
-        if route.mode == DIRECT:
+        if route.mode is Mode.DIRECT:
             p = self._cloud_rate(link.cloud_prefill_ms_per_token, link.num_layers, link)
-            return link.rtt_ms + T * ID_BYTES / g + q_cloud + self._stage("direct", T, p, tokens)
+            return link.rtt_ms + T * ID_BYTES / g + q_cloud + self._stage(LineKey(LineKind.DIRECT), T, p, tokens)
         k = route.k
         n_head = T - min(shape.head_cached_tokens.get(k, 0), T - 1)
         n_cloud = min(shape.cloud_cached_tokens.get(k, 0), T)
@@ -258,15 +276,16 @@ class CostModel:
         B = max(1, link.block_size_tokens)
         n_tail = T - B * (n_cloud // B)
         p_tail = self._cloud_rate(link.cloud_tail_prefill_ms_per_token.get(k, 0.0), link.num_layers - k, link)
-        head = self._stage(f"head-k{k}", n_head, self.edge.head(k).value, tokens)
+        head = self._stage(LineKey(LineKind.HEAD, k), n_head, self.edge.head(k).value, tokens)
         wire = n_up * link.bytes_per_token.get(k, 0.0) / g
         overlap = min(head, wire) * (1 - 1 / pieces) if (pieces := self.pipeline_pieces(n_head, head, wire)) else 0.0
-        return head + wire - overlap + link.rtt_ms + q_cloud + self._stage(f"tail-k{k}", n_tail, p_tail, tokens)
+        tail = self._stage(LineKey(LineKind.TAIL, k), n_tail, p_tail, tokens)
+        return head + wire - overlap + link.rtt_ms + q_cloud + tail
 
     def split_pipeline_pieces(self, k: int, n_head: int, link: LinkState) -> int:
         """``pipeline_pieces`` for a split turn at ``k`` whose head runs ``n_head`` new tokens (and
         uploads them), with this model's head line and ``link``'s goodput and bytes per token."""
-        head = self.lines.get(f"head-k{k}", Line()).predict(n_head, self.edge.head(k).value)
+        head = self.lines.get(LineKey(LineKind.HEAD, k), Line()).predict(n_head, self.edge.head(k).value)
         wire = n_head * link.bytes_per_token.get(k, 0.0) / self._goodput_bytes_per_ms(link)
         return self.pipeline_pieces(n_head, head, wire)
 
@@ -285,14 +304,14 @@ class CostModel:
     def residual_ms(self, route: Route, prompt_tokens: int) -> float:
         """The route's residual (ms) at this prompt length: its octave's, else the nearest octave's
         (the shorter one on a tie), 0 before any."""
-        octaves = self.residual.get(route.key)
+        octaves = self.residual.get(route)
         if not octaves:
             return 0.0
         b = length_bucket(prompt_tokens)
         return octaves[min(octaves, key=lambda o: (abs(o - b), o))].value
 
     def predict(self, route: Route, shape: RequestShape, link: LinkState) -> Prediction:
-        stages: dict[str, tuple[int, float]] = {}
+        stages: dict[LineKey, tuple[int, float]] = {}
         f = self.formula(route, shape, link, stages)
         r = self.residual_ms(route, shape.prompt_tokens)
         ttft = max(MIN_PREDICTION_FRACTION * f, f + r)
@@ -317,17 +336,17 @@ class CostModel:
                 for p in predictions
                 if p is not pick
                 and p.ttft_ms <= best.ttft_ms * self.explore_within
-                and self.choices - self.last_run.get(p.route.key, -self.explore_every) >= self.explore_every
+                and self.choices - self.last_run.get(p.route, -self.explore_every) >= self.explore_every
             ]
             if stale:
-                pick = min(stale, key=lambda p: self.last_run.get(p.route.key, -self.explore_every))
+                pick = min(stale, key=lambda p: self.last_run.get(p.route, -self.explore_every))
                 why = "exploration: refresh the calibration of a near route"
         self.last = pick.route if not why.startswith("exploration") else self.last
         return pick, why
 
     def ran(self, route: Route) -> None:
         """Note that ``route`` served a request (for exploration)."""
-        self.last_run[route.key] = self.choices
+        self.last_run[route] = self.choices
 
     def observe(self, prediction: Prediction, measured_ttft_ms: float, timings: Mapping[Stage, float]) -> None:
         """Calibrate with a served request: each compute stage's line from its measured time
@@ -340,24 +359,15 @@ class CostModel:
         stages, rest = prediction.stages, prediction.rest_ms
         explained = rest
         for key, (n, rate) in stages.items():
-            stage = STAGE_OF_LINE[key.split("-")[0]]
+            stage = key.kind.stage
             if stage in timings:
                 self.lines.setdefault(key, Line()).add(n, timings[stage])
                 explained += timings[stage]
             else:
                 explained += self.lines.get(key, Line()).predict(n, rate)
-        octaves = self.residual.setdefault(prediction.route.key, {})
+        octaves = self.residual.setdefault(prediction.route, {})
         octave = length_bucket(prediction.prompt_tokens)
         octaves.setdefault(octave, Ewma(RESIDUAL_ALPHA)).add(measured_ttft_ms - explained)
-
-
-# the stage timing each line is fitted on
-STAGE_OF_LINE = {
-    "local": Stage.LOCAL_PREFILL,
-    "direct": Stage.CLOUD_DECODE_FIRST_TOKEN,
-    "head": Stage.EDGE_HEAD,
-    "tail": Stage.CLOUD_TAIL_PREFILL,
-}
 
 
 def zstd_pays(ratio: float, compress_mb_per_s: float, decompress_mb_per_s: float, goodput_mbps: float) -> bool:

@@ -1,6 +1,7 @@
 """Domain forms of the ``Edge.Chat`` RPC and their protobuf conversion, in one place.
 
-``ChatTurn`` comes in from the SDK; ``TextOut`` and ``TurnDone`` go back.
+``ChatTurn`` comes in from the SDK; ``TextOut`` and ``TurnDone`` go back. ``SentBytes`` is what
+a turn's upload cost on the wire, per stream kind.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.common.errors import InvalidRequest
+from tandem.common.modes import Mode
 from tandem.common.params import MAX_STOP_TOKENS, MAX_TEMPERATURE, Sampling
 from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tandem.pbconv import to_pb
@@ -15,13 +17,6 @@ from tandem.stages import Timings, timings_to_wire
 from tandem.v1 import tandem_pb2 as pb
 
 ROLES = ("system", "user", "assistant")
-MODE_NAMES = {
-    pb.MODE_UNSPECIFIED: "auto",
-    pb.MODE_AUTO: "auto",
-    pb.MODE_SPLIT: "split",
-    pb.MODE_DIRECT: "direct",
-    pb.MODE_LOCAL: "local",
-}
 
 
 @dataclass(frozen=True)
@@ -32,13 +27,9 @@ class ChatTurn:
     prompt: str = ""
     session_id: str = ""
     sampling: Sampling = field(default_factory=Sampling)
-    mode: str = "auto"  # "auto" | "local" | "split" | "direct"
+    mode: Mode = Mode.AUTO
     stop: tuple[str, ...] = ()  # stop strings (the output ends before the first; not included)
-    split_layer: int = 0  # with mode "split": the k to use (0 = the edge's choice)
-
-    @property
-    def direct(self) -> bool:
-        return self.mode == "direct"
+    split_layer: int = 0  # with mode split: the k to use (0 = the edge's choice)
 
     @classmethod
     def from_pb(cls, r: pb.ChatRequest) -> ChatTurn:
@@ -46,9 +37,8 @@ class ChatTurn:
         for m in r.messages:
             if m.role not in ROLES:
                 raise InvalidRequest(f"message role {m.role!r} not in {ROLES}")
-        if r.mode not in MODE_NAMES:
-            raise InvalidRequest(f"unknown mode {r.mode}")
-        if r.split_layer and r.mode != pb.MODE_SPLIT:
+        mode = Mode.from_pb(r.mode)
+        if r.split_layer and mode is not Mode.SPLIT:
             raise InvalidRequest("split_layer is for mode split only")
         s = Sampling.from_pb(r.sampling) if r.HasField("sampling") else Sampling()
         if not 0 <= s.temperature <= MAX_TEMPERATURE or not 0 < s.top_p <= 1 or s.top_k < 0:
@@ -58,9 +48,7 @@ class ChatTurn:
         if len(s.stop_token_ids) > MAX_STOP_TOKENS:
             raise InvalidRequest(f"at most {MAX_STOP_TOKENS} stop token ids")
         messages = tuple((m.role, m.content) for m in r.messages)
-        return cls(
-            messages, r.prompt, r.session_id, s, MODE_NAMES[r.mode], tuple(x for x in r.stop if x), r.split_layer
-        )
+        return cls(messages, r.prompt, r.session_id, s, mode, tuple(x for x in r.stop if x), r.split_layer)
 
 
 @dataclass(frozen=True)
@@ -73,6 +61,32 @@ class TextOut:
 
 
 @dataclass(frozen=True)
+class SentBytes:
+    """Bytes one turn sent to the cloud, per stream kind, as sent (after the codec; resends and
+    repairs included): the header and commits, the activation chunks, the head-KV blocks."""
+
+    header_bytes: int = 0
+    activations_bytes: int = 0
+    kv_bytes: int = 0
+
+    def __add__(self, other: SentBytes) -> SentBytes:
+        return SentBytes(
+            self.header_bytes + other.header_bytes,
+            self.activations_bytes + other.activations_bytes,
+            self.kv_bytes + other.kv_bytes,
+        )
+
+    @property
+    def payload_bytes(self) -> int:
+        """Activation and KV bytes (what a goodput sample counts)."""
+        return self.activations_bytes + self.kv_bytes
+
+    def by_kind(self) -> dict[str, int]:
+        """Bytes keyed by the stream kinds the APIs and metrics name: ``header``, ``activations``, ``kv``."""
+        return {"header": self.header_bytes, "activations": self.activations_bytes, "kv": self.kv_bytes}
+
+
+@dataclass(frozen=True)
 class TurnDone:
     finish_reason: str
     prompt_tokens: int
@@ -81,16 +95,36 @@ class TurnDone:
     external_tokens: int
     split_layer: int
     timings: Timings
-    sent_bytes: dict[str, int]
+    sent_bytes: SentBytes | None  # None: the turn sent nothing to the cloud (local mode)
     output_token_ids: tuple[int, ...]
-    mode: str = ""  # "local" | "split" | "direct"
+    mode: Mode  # the mode that served the turn (local, split or direct)
     predicted_ttft_ms: float = 0.0
     ttft_ms: float = 0.0
     params_version: int = 0
     mode_reason: str = ""
     resumes: int = 0  # times the turn continued after its cloud failed mid-stream
     session_expired: bool = False  # the edge had evicted the session (its bound): it started again
+    resent_chunks: int = 0  # activation chunks sent again after the cloud NACKed them
+    repaired_blocks: int = 0  # KV blocks sent again after the cloud asked for their repair
+
+    def wire_sent_bytes(self) -> dict[str, int]:
+        """``ChatDone.sent_bytes``: bytes per stream kind and the resend and repair counts; empty
+        for a turn that sent nothing."""
+        if self.sent_bytes is None:
+            return {}
+        return {
+            **self.sent_bytes.by_kind(),
+            "resent_chunks": self.resent_chunks,
+            "repaired_blocks": self.repaired_blocks,
+        }
 
     def to_pb(self) -> pb.ChatEvent:
-        done = to_pb(pb.ChatDone, self, exclude=("timings",), timings_ms=timings_to_wire(self.timings))
+        done = to_pb(
+            pb.ChatDone,
+            self,
+            exclude=("timings", "resent_chunks", "repaired_blocks"),
+            timings_ms=timings_to_wire(self.timings),
+            sent_bytes=self.wire_sent_bytes(),
+            mode=self.mode.value,
+        )
         return pb.ChatEvent(done=done)

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP API on the edge, over ``EdgeService.chat``.
+"""An OpenAI-compatible HTTP API on the edge, over ``EdgeNode.chat``.
 
 Endpoints (FastAPI, served by uvicorn in the edge's event loop; see ``serve_openai``):
 
@@ -87,10 +87,11 @@ from starlette.types import Receive, Scope, Send
 
 from tandem.common import errors as e
 from tandem.common.logs import set_ids
+from tandem.common.modes import Mode
 from tandem.common.params import MAX_STOP_TOKENS, Sampling
 from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
-from tandem.edge.service import EdgeService
+from tandem.edge.node import EdgeNode
 from tandem.stages import timings_to_wire
 
 log = logging.getLogger("tandem.edge.openai")
@@ -350,7 +351,7 @@ def tandem_extra(done: TurnDone, session_id: str) -> dict[str, Any]:
         "head_tokens": done.head_tokens,
         "external_tokens": done.external_tokens,
         "timings_ms": timings_to_wire(done.timings),
-        "sent_bytes": dict(done.sent_bytes),
+        "sent_bytes": done.wire_sent_bytes(),
     }
 
 
@@ -489,7 +490,7 @@ async def _sse_body(
 
 
 class _Api:
-    def __init__(self, service: EdgeService, model_id: str, session_secret: bytes) -> None:
+    def __init__(self, service: EdgeNode, model_id: str, session_secret: bytes) -> None:
         self.service, self.model_id, self.secret = service, model_id, session_secret
         self.created = int(time.time())
         self.busy: set[str] = set()  # sessions a turn of this API is using
@@ -547,7 +548,7 @@ class _Api:
         opening = [""] * 2 if r.session_id else _chat_opening(messages)
         stop = _stops(r.stop)
         sid = self.session_for(["chat", key, r.user or "", r.session_id or "", *opening])
-        turn = ChatTurn(messages, "", sid, sampling, mode=r.mode, stop=stop)
+        turn = ChatTurn(messages, "", sid, sampling, mode=Mode.from_name(r.mode), stop=stop)
         return self._call(True, turn, r)
 
     def completion_call(self, r: CompletionRequest, key: str) -> _Call:
@@ -570,7 +571,7 @@ class _Api:
         opening = "" if r.session_id else prompt[:OPENING_CHARS]
         stop = _stops(r.stop)
         sid = self.session_for(["text", key, r.user or "", r.session_id or "", opening])
-        turn = ChatTurn((), prompt, sid, sampling, mode=r.mode, stop=stop)
+        turn = ChatTurn((), prompt, sid, sampling, mode=Mode.from_name(r.mode), stop=stop)
         return self._call(False, turn, r)
 
     def _call(self, chat: bool, turn: ChatTurn, r: _Common) -> _Call:
@@ -636,7 +637,7 @@ def _bearer_check(api_keys: Sequence[str]):
 
 
 def create_openai_app(
-    service: EdgeService, model_id: str, api_keys: Sequence[str] = (), *, session_secret: bytes | None = None
+    service: EdgeNode, model_id: str, api_keys: Sequence[str] = (), *, session_secret: bytes | None = None
 ) -> FastAPI:
     """The OpenAI-compatible API over ``service`` (see the module docstring). ``session_secret`` keys
     the derived session ids (random per app if not given)."""

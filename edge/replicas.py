@@ -1,5 +1,5 @@
 """Several cloud targets of one deployment (``tandem-cloud`` replicas sharing one block store,
-``--store-url``), used by the edge service as one connection.
+``--store-url``), one ``CloudTarget`` for the edge.
 
 Each target has its own ``CloudConnection`` (its own link, params, measurements and load). A
 turn is pinned to one replica when it starts (``pin``): rendezvous hashing (highest random
@@ -11,9 +11,9 @@ finds another ``instance_id`` than the one that acknowledged it, so the edge syn
 (``SyncSession``): the new replica loads the session from the shared store and only what it
 lacks travels. Stateless requests hash their request id (spread over the healthy replicas).
 
-Inside a turn every attribute the service reads (params, link id, load, measurements) is the
-pinned replica's; the pin is a ``contextvars`` value, so concurrent turns (each its own task)
-never see each other's. Outside a turn (health, ``GetInfo``), it is the first healthy replica's.
+Inside a turn ``current`` is the pinned replica (its params, link id, load, measurements); the pin
+is a ``contextvars`` value, so concurrent turns (each its own task) never see each other's. Outside
+a turn (health, ``GetInfo``, metrics), it is the first healthy replica.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from typing import Any
 
 import blake3
 
@@ -38,22 +37,19 @@ def rendezvous(key: str, targets: list[str]) -> list[int]:
 
 
 class ReplicaSet:
-    """The edge's connections to ``targets`` (same order), seen as one ``CloudConnection``."""
+    """The edge's connections to ``targets`` (same order), as one ``CloudTarget``."""
 
     def __init__(self, members: list[CloudConnection], targets: list[str]) -> None:
         if not members or len(members) != len(targets) or len(set(targets)) != len(targets):
             raise ValueError("a replica set needs one connection per distinct target")
         self.members, self.targets = members, targets
 
-    def healthy(self, m: CloudConnection) -> bool:
-        return m.connected.is_set() and not m._paused
-
     def choose(self, key: str) -> CloudConnection:
         """The replica ``key`` goes to: its first healthy one in rendezvous order (the first of all,
         when none answers: the turn then waits for it or fails as with one cloud)."""
         order = rendezvous(key, self.targets)
         for i in order:
-            if self.healthy(self.members[i]):
+            if self.members[i].healthy:
                 return self.members[i]
         return self.members[order[0]]
 
@@ -67,13 +63,22 @@ class ReplicaSet:
         m = _pinned.get()
         if m is not None and m in self.members:
             return m
-        return next((m for m in self.members if self.healthy(m)), self.members[0])
+        return next((m for m in self.members if m.healthy), self.members[0])
+
+    def fail_over(self, failed: CloudConnection, key: str, cause: Exception) -> CloudConnection | None:
+        """Mark ``failed`` down (it reconnects in the background) and pin the turn to the next
+        healthy replica in ``key``'s order; None if there is none."""
+        failed.renegotiate_soon(f"a turn failed on it ({cause})")
+        nxt = self.pin(key)
+        if nxt is failed or not nxt.healthy:
+            return None
+        log.warning(
+            "cloud replica %s failed (%s): turn moves to %s", self.target_of(failed), cause, self.target_of(nxt)
+        )
+        return nxt
 
     def target_of(self, m: CloudConnection) -> str:
         return self.targets[self.members.index(m)]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.current(), name)
 
     def start(self) -> None:
         for m in self.members:
@@ -97,4 +102,4 @@ class ReplicaSet:
 
     def status(self) -> list[tuple[str, bool]]:
         """(target, answering now) per replica."""
-        return [(t, self.healthy(m)) for t, m in zip(self.targets, self.members, strict=True)]
+        return [(t, m.healthy) for t, m in zip(self.targets, self.members, strict=True)]

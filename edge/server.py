@@ -1,9 +1,7 @@
-"""Build the edge daemon: ONNX head + batcher + link to the cloud + the Edge gRPC service.
+"""Build the edge daemon: ONNX heads + batchers, the local model, the link to the cloud, the
+``EdgeNode`` and its gRPC servicer (``edge.service``), and the OpenAI-compatible HTTP API.
 
-The servicer is an adapter: ``ChatTurn.from_pb`` -> ``EdgeService.chat`` -> ``to_pb``.
-The edge's health is SERVING while some mode can serve: local mode needs no cloud, so an
-edge with the whole model stays SERVING (degraded, see ``GetInfo``) while the cloud is down;
-an edge with heads only is NOT_SERVING until its link to the cloud is negotiated.
+``create_edge`` starts it whether or not the cloud answers; ``EdgeDaemon.stop`` drains it.
 """
 
 from __future__ import annotations
@@ -12,8 +10,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,110 +18,34 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health
 
-from tandem import __version__
-from tandem.common.errors import EngineError, IncompatibleModel, InvalidRequest, TandemError
-from tandem.common.grpc_errors import abort
+from tandem.common.errors import IncompatibleModel
 from tandem.common.grpcsetup import add_service, channel_credentials, set_health, start_server, tls_credentials
-from tandem.common.logs import new_request_id, set_ids
-from tandem.common.manifest import FULL_ONNX, SplitManifest
-from tandem.common.params import MAX_STOP_TOKENS, NegotiateOffer
-from tandem.common.security import ApiKeys, Authenticator, Principal, scoped
+from tandem.common.manifest import FULL_ONNX, ModelShape, SplitManifest
+from tandem.common.params import NegotiateOffer
+from tandem.common.security import ApiKeys, Authenticator
 from tandem.edge.batcher import HeadBatcher
-from tandem.edge.cloudconn import CloudConnection
+from tandem.edge.cloudconn import CloudConnection, CloudTarget
 from tandem.edge.config import EdgeConfig
 from tandem.edge.costmodel import CostModel, zstd_pays
-from tandem.edge.detok import MAX_STOP_STRINGS
-from tandem.edge.events import ChatTurn
 from tandem.edge.grpc_link import GrpcCloudLink
 from tandem.edge.head_runner import HeadInput, OnnxHead
+from tandem.edge.headwork import Head
 from tandem.edge.local import LocalEngine
+from tandem.edge.node import EdgeNode
 from tandem.edge.replicas import ReplicaSet
-from tandem.edge.service import EdgeService, Head
+from tandem.edge.service import EDGE_SERVICE, EdgeServicer, follow_link
 from tandem.edge.session import EdgeSessions
-from tandem.v1 import tandem_pb2 as pb
-from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
 log = logging.getLogger("tandem.edge")
-EDGE_SERVICE = pb.DESCRIPTOR.services_by_name["Edge"].full_name
 MAX_MESSAGE_BYTES = 4 << 20  # ChatRequest: a conversation of up to a few MB of text
-MAX_SESSION_ID_BYTES = 128  # as the cloud's bound on ids (cloud.upload.MAX_ID_BYTES)
 WARMUP_TOKENS = 32  # tokens of the warm-up run that times each head
-
-
-class EdgeServicer(pb_grpc.EdgeServicer):
-    """``auth`` says who each call comes from (API keys, client certificates); when it requires
-    credentials, each caller's session ids are its own (``common.security.scoped``): another key
-    sending the same id starts another session."""
-
-    def __init__(self, service: EdgeService, model_id: str, auth: Authenticator | None = None) -> None:
-        self.service, self.model_id = service, model_id
-        self.auth = auth or Authenticator()
-        self.draining = False  # set on SIGTERM: new turns are refused, turns in flight finish
-
-    def _identify(self, context: grpc.aio.ServicerContext) -> Principal:
-        return self.auth.identify(context.invocation_metadata(), context.auth_context(), context.peer() or "")
-
-    async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ChatEvent]:
-        set_ids(new_request_id(), request.session_id)  # this call's own task; EdgeService.chat takes the id
-        try:
-            caller = self._identify(context)
-            if self.draining:
-                raise EngineError("this edge is draining (shutting down); retry on another")
-            if len(request.session_id.encode()) > MAX_SESSION_ID_BYTES:  # the same bound in every mode
-                raise InvalidRequest(f"session_id longer than {MAX_SESSION_ID_BYTES} bytes")
-            turn = ChatTurn.from_pb(request)
-            if self.auth.required and turn.session_id:
-                turn = replace(turn, session_id=scoped(caller, turn.session_id))
-            async for ev in self.service.chat(turn, context.time_remaining()):
-                yield ev.to_pb()
-        except TandemError as e:
-            await abort(context, e)
-        except Exception:
-            log.exception("Chat failed")
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error in the edge daemon (see its log)")
-
-    async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.EdgeInfo:
-        try:
-            self._identify(context)
-        except TandemError as e:
-            await abort(context, e)
-        svc = self.service
-        return pb.EdgeInfo(
-            model_id=self.model_id,
-            split_layer=max(svc.split_layers, default=0),
-            max_prompt_tokens=svc.max_prompt_tokens,
-            max_new_tokens=svc.max_new_tokens,
-            max_stop_strings=MAX_STOP_STRINGS,
-            max_stop_token_ids=MAX_STOP_TOKENS,
-            default_timeout_s=svc.turn_timeout_s,
-            version=__version__,
-            modes=sorted({r.mode for r in svc.routes()}),
-            split_layers=list(svc.split_layers),
-            cloud_connected=svc.conn is not None and svc.conn.connected.is_set(),
-            degraded=svc.degraded(),
-        )
-
-
-async def follow_link(service: EdgeService, hs: health.aio.HealthServicer, period_s: float = 0.5) -> None:
-    """Keep this server's health current until cancelled: SERVING while some mode can serve (local
-    mode, or the cloud connected), NOT_SERVING otherwise. Degraded service (local only) is SERVING;
-    ``GetInfo`` says what is missing."""
-    last: bool | None = None
-    while True:
-        serving = bool(service.routes())
-        if serving != last:
-            await set_health(hs, serving, ["", EDGE_SERVICE])
-            if last is not None:
-                log.warning("edge health: %s (%s)", "SERVING" if serving else "NOT_SERVING", service.degraded() or "ok")
-            last = serving
-        await asyncio.sleep(period_s)
 
 
 @dataclass
 class EdgeDaemon:
     server: grpc.aio.Server
     port: int
-    service: EdgeService
+    node: EdgeNode
     servicer: EdgeServicer
     links: list[GrpcCloudLink]  # one per cloud target
     health: health.aio.HealthServicer
@@ -146,9 +67,9 @@ class EdgeDaemon:
 
             await stop_openai(self.http[0], self.http[1], grace_s)
         await self.server.stop(grace_s)
-        if self.service.conn is not None:
-            await self.service.conn.stop()
-        for h in self.service.heads.values():
+        if self.node.conn is not None:
+            await self.node.conn.stop()
+        for h in self.node.heads.values():
             await h.batcher.stop()
         for link in self.links:
             await link.close()
@@ -178,6 +99,99 @@ def measure_zstd(sample: bytes, level: int) -> tuple[float, float, float]:
     return len(packed) / max(1, len(sample)), mb / max(t1 - t0, 1e-9), mb / max(t2 - t1, 1e-9)
 
 
+async def load_heads(cfg: EdgeConfig, manifests: list[SplitManifest], cost: CostModel) -> tuple[list[Head], bytes]:
+    """Start a batched ONNX head per split directory, warm each up and time it (the cost model's
+    first head rate). Returns the heads and a sample of this model's wire bytes (the last head's
+    activations and KV) for measuring zstd."""
+    heads: list[Head] = []
+    sample = b""
+    for m, d in zip(manifests, (cfg.split_dir, *cfg.extra_split_dirs), strict=True):
+        batcher = HeadBatcher(OnnxHead(d, intra_op_threads=cfg.intra_op_threads), cfg.max_batch)
+        batcher.start()
+        heads.append(Head(batcher, m.compatibility_key()))
+        warm = np.arange(WARMUP_TOKENS, dtype=np.int64) % m.shape.vocab_size
+        await batcher.run(HeadInput(warm))
+        t0 = time.perf_counter()
+        out = await batcher.run(HeadInput(warm))
+        cost.edge.head(m.split_layer).add((time.perf_counter() - t0) * 1e3 / WARMUP_TOKENS)
+        sample = out.hidden.tobytes() + out.kv.tobytes()
+    return heads, sample
+
+
+async def load_local(cfg: EdgeConfig, shape: ModelShape, eos: list[int]) -> LocalEngine | None:
+    """The whole model for local mode (warmed up: its first rates), or None when off or missing."""
+    path = cfg.local_model or cfg.split_dir.parent / FULL_ONNX
+    if not cfg.local:
+        return None
+    if not path.is_file():
+        log.warning("local mode off: no %s", path)
+        return None
+    local = LocalEngine(path, shape, eos, cfg.intra_op_threads, cfg.max_sessions, cfg.session_bytes)
+    await local.warmup()  # the first rates, which the cost model reads from the engine
+    log.info(
+        "local mode: %s (%.2f ms/token prefill, %.1f ms/token decode)",
+        path,
+        local.prefill_ms_per_token,
+        local.decode_ms_per_token,
+    )
+    return local
+
+
+def cloud_links(cfg: EdgeConfig) -> list[GrpcCloudLink]:
+    """A gRPC link per cloud target, with the configured keepalive, TLS and API key."""
+    creds = (
+        channel_credentials(cfg.cloud_ca_file, cfg.cloud_cert_file, cfg.cloud_key_file) if cfg.cloud_uses_tls else None
+    )
+    return [
+        GrpcCloudLink(
+            target,
+            cfg.keepalive_time_s,
+            cfg.keepalive_timeout_s,
+            credentials=creds,
+            server_name=cfg.cloud_server_name,
+            api_key=cfg.cloud_api_key,
+        )
+        for target in cfg.cloud_targets
+    ]
+
+
+async def connect_cloud(
+    cfg: EdgeConfig, offer: NegotiateOffer, zstd: tuple[float, float, float]
+) -> tuple[list[GrpcCloudLink], CloudTarget]:
+    """A link and a ``CloudConnection`` per cloud target (a ``ReplicaSet`` of them for several),
+    started and given ``cfg.connect_timeout_s`` to negotiate; ``zstd``: ``measure_zstd``'s
+    numbers, from which each link's codec order follows its goodput.
+
+    Raises:
+        IncompatibleModel: the cloud answered that the heads are not cut from its model.
+    """
+    ratio, c_mbps, d_mbps = zstd
+    links = cloud_links(cfg)
+    conns = [
+        CloudConnection(
+            link,
+            offer,
+            poll_s=cfg.poll_s,
+            probe_bytes=cfg.probe_bytes,
+            zstd_pays=lambda g: zstd_pays(ratio, c_mbps, d_mbps, g),
+        )
+        for link in links
+    ]
+    cloud: CloudTarget = conns[0] if len(conns) == 1 else ReplicaSet(conns, cfg.cloud_targets)
+    cloud.start()
+    if not await cloud.wait_connected(cfg.connect_timeout_s):
+        wrong = next((m.last_exc for m in conns if isinstance(m.last_exc, IncompatibleModel)), None)
+        if wrong is not None:
+            await cloud.stop()
+            raise wrong
+        log.warning(
+            "cloud %s not answering yet (%s): starting degraded",
+            ", ".join(cfg.cloud_targets),
+            cloud.current().last_error or "no reply",
+        )
+    return links, cloud
+
+
 async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
     """Load the heads and the local model, start the link to the cloud, and start the Edge server
     (port 0 = any free). The edge starts whether or not the cloud answers: while it does not, local
@@ -190,62 +204,73 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
     """
     from transformers import AutoTokenizer
 
+    manifests = load_manifests(cfg)
+    manifest = manifests[0]
+    tok_dir = manifest.tokenizer_dir(cfg.split_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    eos = eos_token_ids(tokenizer, tok_dir)
+    cost = CostModel(cfg.hysteresis, cfg.explore_every)
+    heads, sample = await load_heads(cfg, manifests, cost)
+    local = await load_local(cfg, manifest.shape, eos)
+    zstd = measure_zstd(sample, 3)
+    links, cloud = await connect_cloud(cfg, edge_offer(cfg, manifest, heads), zstd)
+    node = EdgeNode(
+        tokenizer,
+        heads,
+        cloud,
+        EdgeSessions(cfg.max_sessions, cfg.session_bytes),
+        cfg.turn_timeout_s,
+        local=local,
+        max_prompt_tokens=cfg.max_prompt_tokens,
+        cost=cost,
+        shape=manifest.shape,
+        pipeline_tokens=cfg.pipeline_tokens,
+        eos_token_ids=frozenset(eos),
+        codec_ratio=zstd[0],
+    )
+    return await serve_node(cfg, node, manifest.model_id, links)
+
+
+def load_manifests(cfg: EdgeConfig) -> list[SplitManifest]:
+    """The manifests of ``cfg.split_dir`` and the extra split directories, in that order.
+
+    Raises:
+        FileNotFoundError: no manifest in a split directory.
+        ValueError: split directories of different models.
+    """
     manifest = SplitManifest.load(cfg.split_dir)
     manifests = [manifest, *(SplitManifest.load(d) for d in cfg.extra_split_dirs)]
     if any(m.weights_blake3 != manifest.weights_blake3 or m.shape != manifest.shape for m in manifests):
         raise ValueError("every split directory must hold the same model (weights and shape)")
-    tok_dir = manifest.tokenizer_dir(cfg.split_dir)
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    cost = CostModel(cfg.hysteresis, cfg.explore_every)
-    heads: list[Head] = []
-    sample = b""
-    for m, d in zip(manifests, (cfg.split_dir, *cfg.extra_split_dirs), strict=True):
-        batcher = HeadBatcher(OnnxHead(d, intra_op_threads=cfg.intra_op_threads), cfg.max_batch)
-        batcher.start()
-        heads.append(Head(batcher, m.compatibility_key()))
-        # warm up and time the head (the cost model's first head rate)
-        warm = np.arange(WARMUP_TOKENS, dtype=np.int64) % m.shape.vocab_size
-        await batcher.run(HeadInput(warm))
-        t0 = time.perf_counter()
-        out = await batcher.run(HeadInput(warm))
-        cost.edge.head(m.split_layer).add((time.perf_counter() - t0) * 1e3 / WARMUP_TOKENS)
-        sample = out.hidden.tobytes() + out.kv.tobytes()
-    local = None
-    local_path = cfg.local_model or cfg.split_dir.parent / FULL_ONNX
-    if cfg.local and local_path.is_file():
-        local = LocalEngine(
-            local_path,
-            manifest.shape,
-            eos_token_ids(tokenizer, tok_dir),
-            cfg.intra_op_threads,
-            cfg.max_sessions,
-            cfg.session_bytes,
-        )
-        await local.warmup()  # the first rates, which the cost model reads from the engine
-        log.info(
-            "local mode: %s (%.2f ms/token prefill, %.1f ms/token decode)",
-            local_path,
-            local.prefill_ms_per_token,
-            local.decode_ms_per_token,
-        )
-    elif cfg.local:
-        log.warning("local mode off: no %s", local_path)
-    ratio, c_mbps, d_mbps = measure_zstd(sample, 3)
-    creds = (
-        channel_credentials(cfg.cloud_ca_file, cfg.cloud_cert_file, cfg.cloud_key_file) if cfg.cloud_uses_tls else None
+    return manifests
+
+
+async def serve_node(cfg: EdgeConfig, node: EdgeNode, model_id: str, links: list[GrpcCloudLink]) -> EdgeDaemon:
+    """Start the Edge gRPC server over ``node`` (its health following what the node can serve)
+    and, with ``cfg.http_port``, the OpenAI-compatible API."""
+    auth = Authenticator(ApiKeys(cfg.api_keys), client_certs=cfg.tls_client_ca_file is not None)
+    servicer = EdgeServicer(node, model_id, auth)
+    server, port, hs = await start_server(
+        [lambda s: add_service(s, servicer, "Edge")],
+        [EDGE_SERVICE],
+        cfg.host,
+        cfg.port,
+        MAX_MESSAGE_BYTES,
+        tls_credentials(cfg),
     )
-    links = [
-        GrpcCloudLink(
-            target,
-            cfg.keepalive_time_s,
-            cfg.keepalive_timeout_s,
-            credentials=creds,
-            server_name=cfg.cloud_server_name,
-            api_key=cfg.cloud_api_key,
-        )
-        for target in cfg.cloud_targets
-    ]
-    offer = NegotiateOffer(
+    daemon = EdgeDaemon(server, port, node, servicer, links, hs, asyncio.create_task(follow_link(node, hs)))
+    if cfg.http_port is not None:
+        from tandem.edge.openai_api import create_openai_app, serve_openai
+
+        app = create_openai_app(node, model_id, [*cfg.api_keys, *cfg.http_api_keys])
+        tls = (cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file and cfg.tls_key_file else None
+        daemon.http = await serve_openai(app, cfg.http_host, cfg.http_port, tls=tls)
+    return daemon
+
+
+def edge_offer(cfg: EdgeConfig, manifest: SplitManifest, heads: list[Head]) -> NegotiateOffer:
+    """What this edge offers the cloud in ``Negotiate``: its model, heads, batch limit, SLOs and wire dtypes."""
+    return NegotiateOffer(
         cfg.edge_id,
         manifest.model_id,
         {h.k: h.compatibility_key for h in heads},
@@ -255,59 +280,3 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
         wire_dtypes=tuple(cfg.wire_dtypes),
         kv_wire_dtypes=tuple(cfg.kv_wire_dtypes),
     )
-    conns = [
-        CloudConnection(
-            link,
-            offer,
-            poll_s=cfg.poll_s,
-            probe_bytes=cfg.probe_bytes,
-            zstd_pays=lambda g: zstd_pays(ratio, c_mbps, d_mbps, g),
-        )
-        for link in links
-    ]
-    conn: CloudConnection | ReplicaSet = conns[0] if len(conns) == 1 else ReplicaSet(conns, cfg.cloud_targets)
-    conn.start()
-    if not await conn.wait_connected(cfg.connect_timeout_s):
-        wrong = next((m.last_exc for m in conns if isinstance(m.last_exc, IncompatibleModel)), None)
-        if wrong is not None:
-            await conn.stop()
-            raise wrong
-        log.warning(
-            "cloud %s not answering yet (%s): starting degraded",
-            ", ".join(cfg.cloud_targets),
-            conn.last_error or "no reply",
-        )
-    sessions = EdgeSessions(cfg.max_sessions, cfg.session_bytes)
-    service = EdgeService(
-        tokenizer,
-        heads,
-        conn,
-        sessions,
-        cfg.turn_timeout_s,
-        local=local,
-        max_prompt_tokens=cfg.max_prompt_tokens,
-        cost=cost,
-        shape=manifest.shape,
-        pipeline_tokens=cfg.pipeline_tokens,
-    )
-    service.eos_token_ids = frozenset(eos_token_ids(tokenizer, tok_dir))
-    service.codec_ratio = ratio
-    auth = Authenticator(ApiKeys(cfg.api_keys), client_certs=cfg.tls_client_ca_file is not None)
-    servicer = EdgeServicer(service, manifest.model_id, auth)
-    server, port, hs = await start_server(
-        [lambda s: add_service(s, servicer, "Edge")],
-        [EDGE_SERVICE],
-        cfg.host,
-        cfg.port,
-        MAX_MESSAGE_BYTES,
-        tls_credentials(cfg),
-    )
-    task = asyncio.create_task(follow_link(service, hs))
-    daemon = EdgeDaemon(server, port, service, servicer, links, hs, task)
-    if cfg.http_port is not None:
-        from tandem.edge.openai_api import create_openai_app, serve_openai
-
-        app = create_openai_app(service, manifest.model_id, [*cfg.api_keys, *cfg.http_api_keys])
-        tls = (cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file and cfg.tls_key_file else None
-        daemon.http = await serve_openai(app, cfg.http_host, cfg.http_port, tls=tls)
-    return daemon

@@ -2,7 +2,7 @@
 header, activation chunks, KV blocks and commit; answer NACKs and repair requests from
 the frames it kept; hand tokens and the final summary on.
 
-Network handling only: what to send is decided by ``edge.service``; how it travels by
+Network handling only: what to send is framed by ``edge.framing``; how it travels by
 the link. On the cloud's verdict (a ``TurnError``) the link stops writing at once and
 the verdict is raised, so a refusal arrives as the cloud meant it.
 """
@@ -31,6 +31,7 @@ from tandem.common.messages import (
     WindowAck,
 )
 from tandem.common.tracing import start_span
+from tandem.edge.events import SentBytes
 from tandem.edge.link import CloudLink, TurnCall
 
 log = logging.getLogger("tandem.edge")
@@ -47,14 +48,14 @@ class OutgoingTurn:
     merkle_root: bytes
     window: int = 1 << 62  # payload bytes in flight past the cloud's last WindowAck (negotiated)
     block_tokens: int = 0  # KV block size B: block j travels after the chunk holding token (j+1)*B - 1
-    sent_bytes: dict[str, int] = field(default_factory=lambda: {"header": 0, "activations": 0, "kv": 0})
+    sent_bytes: SentBytes = SentBytes()
     payload_sent: int = 0  # payload bytes of first sends (what the window counts)
     next_item: int = 0
     committed: bool = False
     sent_chunks: set[int] = field(default_factory=set)
     held_tokens: int = 0  # the cloud keeps the first held_tokens prompt tokens if the upload is cut (WindowAck)
     complete: bool = True  # every chunk and block is known (False while a pipelined head still runs)
-    pipelined: bool = False  # the head ran while the upload went (``edge.service.EdgeService._pieces``)
+    pipelined: bool = False  # the head ran while the upload went (``edge.headwork.PipelinedHead``)
     acked_bytes: int = 0  # received_bytes of the cloud's last WindowAck
 
     def __post_init__(self) -> None:
@@ -81,8 +82,8 @@ class OutgoingTurn:
         """The pipelined head is done: the commit (``leaf_count``, ``merkle_root``) may follow the last item."""
         self.leaf_count, self.merkle_root, self.complete = leaf_count, merkle_root, True
 
-    resent_chunks: int = 0
-    repaired_blocks: int = 0
+    resent_chunks: int = 0  # chunks sent again on the cloud's NACK (events, not bytes)
+    repaired_blocks: int = 0  # KV blocks sent again on the cloud's repair request
     upload_ms: float = 0.0
 
     @property
@@ -116,20 +117,20 @@ def _send_more(call: TurnCall, turn: OutgoingTurn, acked: int) -> None:
         if in_flight > 0 and in_flight + len(item.payload) > turn.window:
             return
         if isinstance(item, wire.Chunk):
-            turn.sent_bytes["activations"] += call.send(item)
+            turn.sent_bytes += SentBytes(activations_bytes=call.send(item))
             turn.sent_chunks.add(item.seq)
         else:
-            turn.sent_bytes["kv"] += call.send(item)
+            turn.sent_bytes += SentBytes(kv_bytes=call.send(item))
         turn.payload_sent += len(item.payload)
         turn.next_item += 1
     if turn.split and turn.complete and not turn.committed:
         turn.committed = True
-        turn.sent_bytes["header"] += call.send(Commit(turn.leaf_count, turn.merkle_root))
+        turn.sent_bytes += SentBytes(header_bytes=call.send(Commit(turn.leaf_count, turn.merkle_root)))
 
 
 def _send_upload(call: TurnCall, turn: OutgoingTurn) -> None:
     """The header and the first window of the upload; the rest follows the cloud's ``WindowAck``s."""
-    turn.sent_bytes["header"] += call.send(turn.header)
+    turn.sent_bytes += SentBytes(header_bytes=call.send(turn.header))
     if turn.split:
         _send_more(call, turn, 0)
     else:
@@ -142,7 +143,7 @@ def _answer_nack(call: TurnCall, turn: OutgoingTurn, nack: Nack) -> None:
         raise InvalidRequest(f"cloud NACKed chunk {nack.seq}; this turn sent {len(turn.chunks)}")
     turn.resent_chunks += 1
     log.info("cloud NACKed chunk %d (%.100s): sending it again", nack.seq, nack.reason)
-    turn.sent_bytes["activations"] += call.send(turn.chunks[nack.seq])
+    turn.sent_bytes += SentBytes(activations_bytes=call.send(turn.chunks[nack.seq]))
 
 
 def _answer_repair(call: TurnCall, turn: OutgoingTurn, repair: Repair) -> None:
@@ -153,8 +154,8 @@ def _answer_repair(call: TurnCall, turn: OutgoingTurn, repair: Repair) -> None:
     log.info("cloud asked for %d KV blocks again (%.100s)", len(repair.leaf_indices), repair.reason)
     for j in repair.leaf_indices:
         turn.repaired_blocks += 1
-        turn.sent_bytes["kv"] += call.send(turn.blocks[j])
-    turn.sent_bytes["header"] += call.send(Commit(turn.leaf_count, turn.merkle_root))
+        turn.sent_bytes += SentBytes(kv_bytes=call.send(turn.blocks[j]))
+    turn.sent_bytes += SentBytes(header_bytes=call.send(Commit(turn.leaf_count, turn.merkle_root)))
 
 
 Pieces = tuple[list[wire.Chunk], dict[int, KVBlock]]
@@ -258,4 +259,4 @@ async def stream_turn(
             await asyncio.wait({feeder})  # its own cancellation stays inside it; ours propagates
         uplink.end()
         call.cancel()
-        metrics.record_uplink(turn.sent_bytes, turn.resent_chunks, turn.repaired_blocks)
+        metrics.record_uplink(turn.sent_bytes.by_kind(), turn.resent_chunks, turn.repaired_blocks)

@@ -1,6 +1,6 @@
 """In-memory doubles shared by the unit tests of the gateway and the edge service: a tiny
 model shape, a toy tokenizer, and builders wiring ``Gateway`` (with ``MemoryEngines`` and
-``MemoryBlockStore``) to ``EdgeService`` (with ``MemoryHead``) through ``InProcessLink``."""
+``MemoryBlockStore``) to ``EdgeNode`` (with ``MemoryHead``) through ``InProcessLink``."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ from tandem.common.security import scoped
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.cloudconn import CloudConnection
 from tandem.edge.head_runner import MemoryHead
+from tandem.edge.headwork import Head
 from tandem.edge.link import CloudLink, InProcessLink, TurnCall
-from tandem.edge.service import EdgeService, Head
+from tandem.edge.node import EdgeNode
 from tandem.edge.session import EdgeSessions
 
 
@@ -44,7 +45,7 @@ class Toy:
     gateway: Gateway
     engines: MemoryEngines
     store: MemoryBlockStore
-    edge: EdgeService
+    edge: EdgeNode
     batcher: HeadBatcher
 
     def cloud_session(self, session_id: str) -> CloudSession | None:
@@ -86,7 +87,7 @@ async def toy_stack(
     await conn.connect()  # once; the background loop (polls, reconnects) is not started here
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
-    svc = EdgeService(
+    svc = EdgeNode(
         ToyTokenizer(),
         [Head(batcher, key)],
         conn,

@@ -19,13 +19,15 @@ from tandem.common import wire
 from tandem.common.errors import InvalidRequest
 from tandem.common.grpcsetup import add_service, channel_options, start_server
 from tandem.common.kvstore import MemoryBlockStore
+from tandem.common.modes import Mode
 from tandem.common.params import NegotiateOffer, Sampling
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.cloudconn import CloudConnection
 from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.grpc_link import GrpcCloudLink
 from tandem.edge.head_runner import MemoryHead
-from tandem.edge.service import EdgeService, Head
+from tandem.edge.headwork import Head
+from tandem.edge.node import EdgeNode
 from tandem.edge.session import EdgeSessions
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -58,12 +60,12 @@ class Cloud:
         await self.server.stop(0)
 
 
-async def edge_to(target: str, keepalive_s: float = 5.0) -> EdgeService:
+async def edge_to(target: str, keepalive_s: float = 5.0) -> EdgeNode:
     """An edge service over a real gRPC link, its connection loop running (reconnects, renegotiates)."""
     return await edge_over(GrpcCloudLink(target, keepalive_s, keepalive_s))
 
 
-async def edge_over(link: GrpcCloudLink, edge_id: str = "e") -> EdgeService:
+async def edge_over(link: GrpcCloudLink, edge_id: str = "e") -> EdgeNode:
     """An edge service over ``link`` (e.g. one with TLS and a key), its connection loop running."""
     key = MANIFEST.compatibility_key()
     conn = CloudConnection(link, NegotiateOffer(edge_id, "toy", {K: key}, 4), poll_s=0.5, backoff_s=0.1)
@@ -71,10 +73,10 @@ async def edge_over(link: GrpcCloudLink, edge_id: str = "e") -> EdgeService:
     assert await conn.wait_connected(10), conn.last_error
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
-    return EdgeService(ToyTokenizer(), [Head(batcher, key)], conn, EdgeSessions(64, 1 << 30), 30)
+    return EdgeNode(ToyTokenizer(), [Head(batcher, key)], conn, EdgeSessions(64, 1 << 30), 30)
 
 
-async def close_edge(svc: EdgeService) -> None:
+async def close_edge(svc: EdgeNode) -> None:
     await svc.batcher.stop()
     assert svc.conn is not None
     await svc.conn.stop()
@@ -82,10 +84,10 @@ async def close_edge(svc: EdgeService) -> None:
 
 
 def chat(text: str, session: str = "", n: int = 6) -> ChatTurn:
-    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode="split")
+    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode=Mode.SPLIT)
 
 
-async def run(svc: EdgeService, t: ChatTurn) -> TurnDone:
+async def run(svc: EdgeNode, t: ChatTurn) -> TurnDone:
     done = None
     async for ev in svc.chat(t):
         if isinstance(ev, TurnDone):
@@ -110,7 +112,7 @@ async def test_cloud_restart_mid_session_is_answered_by_a_full_resend(cloud):
     try:
         convo = [("user", LONG)]
         for i in range(5):
-            done = await run(edge, ChatTurn(tuple(convo), "", "s", Sampling(max_new_tokens=6), mode="split"))
+            done = await run(edge, ChatTurn(tuple(convo), "", "s", Sampling(max_new_tokens=6), mode=Mode.SPLIT))
             convo += [("assistant", "sure"), ("user", f"and question {i}?")]
             if i >= 1:
                 await cloud.stop()
@@ -282,7 +284,7 @@ async def test_edge_health_follows_the_clouds(cloud):
     from grpc_health.v1 import health, health_pb2
 
     from tandem.common.grpcsetup import set_health
-    from tandem.edge.server import EDGE_SERVICE, follow_link
+    from tandem.edge.service import EDGE_SERVICE, follow_link
 
     async def edge_status() -> int:
         r = await edge_hs.Check(health_pb2.HealthCheckRequest(service=EDGE_SERVICE), None)
@@ -346,7 +348,7 @@ async def test_a_draining_edge_refuses_new_turns_and_finishes_those_in_flight(cl
     """On stop the edge goes NOT_SERVING, a turn in flight completes,
     a new one gets UNAVAILABLE with a retry hint."""
     from tandem import AsyncClient, Unavailable
-    from tandem.edge.server import EDGE_SERVICE, EdgeServicer
+    from tandem.edge.service import EDGE_SERVICE, EdgeServicer
 
     cloud.engines.step_delay_s = 0.05
     edge = await edge_to(f"127.0.0.1:{cloud.port}")

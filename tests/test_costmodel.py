@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.common.modes import Mode
 from tandem.edge.costmodel import (
-    DIRECT,
-    LOCAL,
-    SPLIT,
     CostModel,
     Line,
+    LineKey,
+    LineKind,
     LinkState,
     Prediction,
     RequestShape,
@@ -18,6 +18,8 @@ from tandem.edge.costmodel import (
     zstd_pays,
 )
 from tandem.stages import Stage
+
+LOCAL, SPLIT, DIRECT = Mode.LOCAL, Mode.SPLIT, Mode.DIRECT
 
 
 def model() -> CostModel:
@@ -83,7 +85,7 @@ def test_stage_lines_are_fitted_from_stage_timings_and_the_residual_takes_the_re
         p = m.predict(Route(DIRECT), RequestShape(n), lk)
         measured = 20 + n * 5 / 10_000 + (30 + 0.8 * n) + 12.0  # RTT + ids + prefill + 12 ms unmodelled
         m.observe(p, measured, {Stage.CLOUD_DECODE_FIRST_TOKEN: 30 + 0.8 * n})
-    a, b, c = m.lines["direct"].coefficients(0.5)
+    a, b, c = m.lines[LineKey(LineKind.DIRECT)].coefficients(0.5)
     assert a == pytest.approx(30, abs=1e-3) and b == pytest.approx(0.8, rel=1e-4) and c == pytest.approx(0, abs=1e-7)
     for n in (32, 512, 2048):  # also lengths it never saw
         truth = 20 + n * 5 / 10_000 + 30 + 0.8 * n + 12.0
@@ -92,7 +94,7 @@ def test_stage_lines_are_fitted_from_stage_timings_and_the_residual_takes_the_re
     q = m.predict(Route(LOCAL), RequestShape(200), lk)
     for _ in range(5):
         m.observe(q, 480.0, {Stage.LOCAL_PREFILL: 470.0})
-    a, b, c = m.lines["local"].coefficients(2.0)
+    a, b, c = m.lines[LineKey(LineKind.LOCAL)].coefficients(2.0)
     assert b == pytest.approx(2.0) and a == pytest.approx(70.0) and c == 0
     # attention makes long prefills superlinear: the quadratic term is found
     quad = Line()
@@ -101,10 +103,10 @@ def test_stage_lines_are_fitted_from_stage_timings_and_the_residual_takes_the_re
     qa, qb, qc = quad.coefficients(0.0)
     assert (qa, qb, qc) == (pytest.approx(20, abs=1e-3), pytest.approx(1.0, rel=1e-4), pytest.approx(0.001, rel=1e-3))
     # a line never goes negative, and the prediction keeps at least half of the formula
-    m.lines["tail-k4"] = Line()
+    m.lines[LineKey(LineKind.TAIL, 4)] = Line()
     for n in (800, 900, 1000, 1100):
-        m.lines["tail-k4"].add(n, 10.0)
-    assert all(c >= 0 for c in m.lines["tail-k4"].coefficients(0.4))
+        m.lines[LineKey(LineKind.TAIL, 4)].add(n, 10.0)
+    assert all(c >= 0 for c in m.lines[LineKey(LineKind.TAIL, 4)].coefficients(0.4))
     p = m.predict(Route(SPLIT, 4), RequestShape(2), lk)
     assert p.ttft_ms >= 0.5 * p.formula_ms > 0
 

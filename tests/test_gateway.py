@@ -19,19 +19,21 @@ from tandem.common.errors import (
     TandemError,
     UploadTimeout,
 )
+from tandem.common.logs import new_request_id
 from tandem.common.messages import Commit, KVBlock, TurnHeader
+from tandem.common.modes import Mode
 from tandem.common.params import Sampling
+from tandem.edge import framing
 from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.head_runner import HeadInput
-from tandem.edge.service import TurnClock
 from tandem.stages import TTFT_STAGES, Stage
-from tests.doubles import HKV, B, D, H, K, TamperLink, ToyTokenizer, rechunk, toy_stack
+from tests.doubles import HKV, MANIFEST, B, D, H, K, TamperLink, ToyTokenizer, rechunk, toy_stack
 
 LONG = "The quick brown fox jumps over the lazy dog, again and again, " * 3  # ~200 tokens
 
 
 def turn(text: str, session: str = "", n: int = 8, **kw) -> ChatTurn:
-    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), **{"mode": "split", **kw})
+    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), **{"mode": Mode.SPLIT, **kw})
 
 
 async def run(svc, t: ChatTurn, timeout_s: float | None = None) -> TurnDone:
@@ -58,23 +60,23 @@ async def test_split_turn_loads_the_aligned_prefix_and_times_every_stage(toy):
     assert {Stage.TOKENIZE, Stage.EDGE_HEAD, Stage.ENCODE, Stage.UPLINK, Stage.TTFT, Stage.TOTAL} <= set(done.timings)
     assert {Stage.CLOUD_STORE_PUT, Stage.CLOUD_TAIL_PREFILL, Stage.CLOUD_DECODE} <= set(done.timings)
     # the same prompt computed without the split (direct) gives the same tokens: loads equal computes
-    direct = await run(toy.edge, turn(LONG, mode="direct"))
+    direct = await run(toy.edge, turn(LONG, mode=Mode.DIRECT))
     assert direct.split_layer == 0 and direct.external_tokens == 0
 
 
 async def test_second_turn_sends_only_new_blocks(toy):
     first = await run(toy.edge, turn(LONG, "s1"))
     convo = (("user", LONG), ("assistant", "ok"), ("user", "and more words to make a new block or two, or three."))
-    second = await run(toy.edge, ChatTurn(convo, "", "s1", Sampling(max_new_tokens=8), mode="split"))
+    second = await run(toy.edge, ChatTurn(convo, "", "s1", Sampling(max_new_tokens=8), mode=Mode.SPLIT))
     assert second.head_tokens < second.prompt_tokens
-    assert second.sent_bytes["kv"] < first.sent_bytes["kv"]
+    assert second.sent_bytes.kv_bytes < first.sent_bytes.kv_bytes
     assert second.external_tokens == second.prompt_tokens // B * B
 
 
 def chat(*msgs: str, session: str = "", n: int = 8, **kw) -> ChatTurn:
     """A conversation alternating user / assistant messages, ending with a user message."""
     convo = tuple(("user" if i % 2 == 0 else "assistant", m) for i, m in enumerate(msgs))
-    return ChatTurn(convo, "", session, Sampling(max_new_tokens=n), **{"mode": "split", **kw})
+    return ChatTurn(convo, "", session, Sampling(max_new_tokens=n), **{"mode": Mode.SPLIT, **kw})
 
 
 class Sent:
@@ -241,9 +243,12 @@ async def test_waiting_for_the_session_is_bounded_by_the_deadline(toy):
     ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": "hello"}])
     await session.lock.acquire()
     try:
-        body = toy.edge._build_turn(
-            toy.edge.sessions.get("busy"), ids, turn("hello", "busy"), toy.edge.conn.params(K), TurnClock(), True
+        s, p, rid = toy.edge.sessions.get("busy"), toy.edge.conn.params(K), new_request_id()
+        s.forget_cloud_past(0)  # all of it, as a resend from token 0
+        base = TurnHeader(
+            rid, "busy", p.params_version, K, tuple(ids), 0, 0, 0, Sampling(), toy.edge.conn.negotiated.link_id
         )
+        body = framing.split_turn(s, base, p, framing.block_ids(ids, p, MANIFEST.compatibility_key(), "busy", rid))
 
         async def items():
             for c in body.chunks:
@@ -433,7 +438,7 @@ async def test_zstd_payloads_must_be_exactly_one_frame_of_the_announced_size():
     toy = await toy_stack(codecs=[wire.Codec.ZSTD])  # the honest zstd link works
     try:
         done = await run(toy.edge, turn(LONG))
-        assert done.sent_bytes["kv"] < 2 * done.prompt_tokens // B * (2 * 2 * 4 * B * 4)
+        assert done.sent_bytes.kv_bytes < 2 * done.prompt_tokens // B * (2 * 2 * 4 * B * 4)
     finally:
         await toy.batcher.stop()
 
@@ -472,7 +477,7 @@ async def test_kv_blocks_travel_in_the_negotiated_format_and_are_stored_decoded(
         shape = (K, 2, HKV, B, D)
         n_blocks = done.prompt_tokens // B
         per_block = kv_raw_nbytes(shape, kv_dtype)  # + the message's hashes and fields, < 128 bytes
-        assert n_blocks * per_block < done.sent_bytes["kv"] < n_blocks * (per_block + 128)
+        assert n_blocks * per_block < done.sent_bytes.kv_bytes < n_blocks * (per_block + 128)
         cloud, edge = toy.cloud_session("s1"), toy.edge.sessions.peek("s1")
         assert len(cloud.leaves) == n_blocks
         for j, (leaf, blk) in enumerate(zip(cloud.leaves, split_blocks(edge.kv, B, 0, n_blocks), strict=True)):
@@ -480,15 +485,15 @@ async def test_kv_blocks_travel_in_the_negotiated_format_and_are_stored_decoded(
             want = decode_kv(encode_kv(blk, kv_dtype), kv_dtype, shape)
             assert stored == want.tobytes(), j
         convo = (("user", LONG), ("assistant", "ok"), ("user", "and more words to make a new block or two, or three."))
-        second = await run(toy.edge, ChatTurn(convo, "", "s1", Sampling(max_new_tokens=8), mode="split"))
+        second = await run(toy.edge, ChatTurn(convo, "", "s1", Sampling(max_new_tokens=8), mode=Mode.SPLIT))
         new_blocks = second.prompt_tokens // B - n_blocks
-        assert new_blocks * per_block < second.sent_bytes["kv"] < new_blocks * (per_block + 128)
+        assert new_blocks * per_block < second.sent_bytes.kv_bytes < new_blocks * (per_block + 128)
     finally:
         await toy.batcher.stop()
     toy = await toy_stack(kv_wire_dtypes=[kv_dtype], offer_kw={"kv_wire_dtypes": (wire.WireDtype.FP32,)})
     try:
         assert toy.edge.conn.params(K) is None and "KV block format" in toy.edge.conn.negotiated.note
-        assert (await run(toy.edge, turn(LONG, mode="direct"))).split_layer == 0
+        assert (await run(toy.edge, turn(LONG, mode=Mode.DIRECT))).split_layer == 0
         with pytest.raises(TandemError, match="common split layer"):
             await run(toy.edge, turn(LONG))
     finally:

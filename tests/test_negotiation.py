@@ -28,9 +28,10 @@ from tandem.common.errors import (
     ModeUnavailable,
     ParamsVersionMismatch,
 )
+from tandem.common.modes import Mode
 from tandem.common.params import NegotiateOffer, Sampling
 from tandem.common.wire import Codec, WireDtype
-from tandem.edge.costmodel import LOCAL, CostModel, RequestShape, Route
+from tandem.edge.costmodel import CostModel, RequestShape, Route
 from tandem.edge.events import ChatTurn, TurnDone
 from tests.doubles import MANIFEST, K, MemoryLocal, toy_manifest, toy_stack
 
@@ -50,7 +51,7 @@ async def run(edge, turn: ChatTurn) -> TurnDone:
     return done
 
 
-def turn(text: str = "hello there", mode: str = "auto", session: str = "", n: int = 4, **kw) -> ChatTurn:
+def turn(text: str = "hello there", mode: Mode = Mode.AUTO, session: str = "", n: int = 4, **kw) -> ChatTurn:
     return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode=mode, **kw)
 
 
@@ -176,12 +177,12 @@ async def test_a_request_finishes_under_its_params_version_and_new_ones_use_the_
         assert rec.update({k: replace(p, max_concurrent_requests=1) for k, p in rec.current.items()})
         assert rec.version == old.params_version + 1
         # the edge has not polled yet: its request names the old version and is served under it
-        done = await run(edge, turn(mode="split"))
+        done = await run(edge, turn(mode=Mode.SPLIT))
         assert done.params_version == old.params_version and done.output_tokens == 4
         # a poll brings the new params; the next request names them
         await edge.conn._poll()
         assert edge.conn.params(K).params_version == rec.version
-        assert (await run(edge, turn(mode="split"))).params_version == rec.version
+        assert (await run(edge, turn(mode=Mode.SPLIT))).params_version == rec.version
         # a chunk made under another version than its header's is refused
         with pytest.raises(ParamsVersionMismatch):
             gw.registry._versions[link_id].params(999, K)
@@ -196,7 +197,7 @@ async def test_the_edge_renegotiates_when_the_cloud_forgot_its_link():
         first = edge.conn.negotiated.link_id
         edge.conn.start()  # the loop renegotiates on request
         gw.registry._versions.pop(first)  # e.g. a cloud restart: the link is unknown there
-        done = await run(edge, turn(mode="split"))
+        done = await run(edge, turn(mode=Mode.SPLIT))
         assert done.output_tokens == 4 and edge.conn.negotiated.link_id != first
     finally:
         await edge.conn.stop()
@@ -213,10 +214,10 @@ async def test_a_link_beyond_its_share_waits_then_gets_resource_exhausted_with_a
     try:
         toy.engines.step_delay_s = 0.05
         edge = toy.edge
-        first = asyncio.create_task(run(edge, turn(mode="split", n=30)))
+        first = asyncio.create_task(run(edge, turn(mode=Mode.SPLIT, n=30)))
         await asyncio.sleep(0.05)
         with pytest.raises(LinkBusy) as e:
-            await run(edge, turn("another", mode="direct"))
+            await run(edge, turn("another", mode=Mode.DIRECT))
         assert 100 <= e.value.retry_after_ms <= 10_000
         assert (await first).output_tokens == 30
         assert toy.gateway.links.running == 0 and toy.gateway.links.waiting == 0
@@ -233,21 +234,21 @@ async def test_auto_falls_back_to_local_when_the_cloud_is_busy_or_gone():
         edge = toy.edge
         edge.cost = CostModel(explore_every=0)  # the choice must follow the predictions alone
         edge.local = MemoryLocal(prefill_ms_per_token=1e3)  # local looks slow: auto prefers the cloud
-        before = edge.cost.predict(Route(LOCAL), RequestShape(30), edge.link_state()).ttft_ms
-        hog = asyncio.create_task(run(edge, turn(mode="direct", n=30)))
+        before = edge.cost.predict(Route(Mode.LOCAL), RequestShape(30), edge.router.link_state()).ttft_ms
+        hog = asyncio.create_task(run(edge, turn(mode=Mode.DIRECT, n=30)))
         await asyncio.sleep(0.05)
         done = await run(edge, turn("busy now"))
         assert done.mode == "local" and done.mode_reason == "fallback: cloud busy"
         await hog
         # the local run measured its rate, which the cost model reads: local is predicted faster now
-        assert edge.cost.predict(Route(LOCAL), RequestShape(30), edge.link_state()).ttft_ms < before
+        assert edge.cost.predict(Route(Mode.LOCAL), RequestShape(30), edge.router.link_state()).ttft_ms < before
         edge.cost = CostModel(explore_every=0)  # forget it: local looks slow again
         edge.local = MemoryLocal(prefill_ms_per_token=1e3)
         toy.engines.alive = False  # the engines are down: EngineError (UNAVAILABLE)
         done = await run(edge, turn("down now"))
         assert done.mode == "local" and done.mode_reason == "fallback: cloud unavailable"
         with pytest.raises(EngineError):  # an explicit cloud mode is refused, not rerouted
-            await run(edge, turn("down now", mode="direct"))
+            await run(edge, turn("down now", mode=Mode.DIRECT))
     finally:
         await toy.batcher.stop()
 
@@ -257,21 +258,21 @@ async def test_explicit_modes_are_honoured_or_refused_clearly():
     try:
         edge = toy.edge
         with pytest.raises(ModeUnavailable, match="local mode"):
-            await run(edge, turn(mode="local"))
+            await run(edge, turn(mode=Mode.LOCAL))
         with pytest.raises(ModeUnavailable, match="not k=7"):
-            await run(edge, turn(mode="split", split_layer=7))
-        assert (await run(edge, turn(mode="direct"))).mode == "direct"
-        done = await run(edge, turn(mode="split", split_layer=K))
+            await run(edge, turn(mode=Mode.SPLIT, split_layer=7))
+        assert (await run(edge, turn(mode=Mode.DIRECT))).mode == "direct"
+        done = await run(edge, turn(mode=Mode.SPLIT, split_layer=K))
         assert (done.mode, done.split_layer, done.mode_reason) == ("split", K, "requested")
         assert done.predicted_ttft_ms > 0 and done.ttft_ms > 0
         edge.local = MemoryLocal()
-        local = await run(edge, turn(mode="local", session="s"))
+        local = await run(edge, turn(mode=Mode.LOCAL, session="s"))
         assert local.mode == "local" and local.output_token_ids == MemoryLocal.tokens(4)
         assert {"local", "split", "direct"} == {r.mode for r in edge.routes()}
         edge.conn.connected.clear()  # the cloud went away: only local remains
         assert [r.mode for r in edge.routes()] == ["local"] and "not connected" in edge.degraded()
         with pytest.raises(EngineError):
-            await run(edge, turn(mode="split"))
+            await run(edge, turn(mode=Mode.SPLIT))
         assert (await run(edge, turn())).mode == "local"
     finally:
         await toy.batcher.stop()
@@ -492,9 +493,9 @@ async def test_a_small_window_paces_the_upload_on_the_clouds_acks():
             return call
 
         edge.conn.link.open = counting_open
-        done = await run(edge, turn("a prompt long enough for several chunks of sixteen tokens " * 4, mode="split"))
+        done = await run(edge, turn("a prompt long enough for several chunks of sixteen tokens " * 4, mode=Mode.SPLIT))
         assert done.output_tokens == 4 and len(acks) >= 3 and acks == sorted(acks)
-        assert done.sent_bytes["activations"] + done.sent_bytes["kv"] > 3 * 3000  # it took several windows
+        assert done.sent_bytes.payload_bytes > 3 * 3000  # it took several windows
     finally:
         await toy.batcher.stop()
 

@@ -19,6 +19,7 @@ from tandem.common import metrics, tracing, wire
 from tandem.common.errors import InvalidRequest
 from tandem.common.logs import bind_request, setup_logging
 from tandem.common.messages import KVBlock
+from tandem.common.modes import Mode
 from tandem.common.params import Sampling
 from tandem.edge.events import ChatTurn, TurnDone
 from tests.doubles import TamperLink, toy_stack
@@ -28,7 +29,7 @@ STAGES = {"tokenize", "edge_head", "encode", "uplink", "cloud_upload", "cloud_st
 
 
 def turn(text: str, session: str = "", n: int = 8) -> ChatTurn:
-    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode="split")
+    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode=Mode.SPLIT)
 
 
 async def run(svc, t: ChatTurn) -> TurnDone:
@@ -115,7 +116,7 @@ async def test_a_split_turn_a_direct_turn_and_a_refused_turn_leave_their_samples
             assert s.delta(f"tandem:{name}_seconds_count") == 1
         assert s.delta("tandem:cloud_decode_seconds_count", mode="split") == 1
         for kind in ("activations", "kv", "header"):
-            assert s.delta("tandem:uplink_bytes_total", kind=kind) == done.sent_bytes[kind] > 0
+            assert s.delta("tandem:uplink_bytes_total", kind=kind) == done.sent_bytes.by_kind()[kind] > 0
         for kind in ("activations", "kv"):
             assert s.delta("tandem:received_bytes_total", kind=kind) > 0
         assert s.delta("tandem:crc_failures_total") == s.delta("tandem:chunk_resends_total") == 1
@@ -127,7 +128,7 @@ async def test_a_split_turn_a_direct_turn_and_a_refused_turn_leave_their_samples
         assert Samples.value("tandem:uploads_in_flight") == Samples.value("tandem:upload_bytes_reserved") == 0
         assert REGISTRY.get_sample_value("tandem:block_store_bytes") == toy.store.volume_bytes() > 0
 
-        direct = ChatTurn((("user", "hi"),), "", "", Sampling(max_new_tokens=2), mode="direct")
+        direct = ChatTurn((("user", "hi"),), "", "", Sampling(max_new_tokens=2), mode=Mode.DIRECT)
         await run(toy.edge, direct)
         assert s.delta("tandem:requests_total", mode="direct", outcome="ok") == 1
         assert s.delta("tandem:cloud_queue_time_seconds_count", mode="direct") == 1
@@ -144,7 +145,7 @@ async def test_a_split_turn_a_direct_turn_and_a_refused_turn_leave_their_samples
 
 
 def test_the_metrics_endpoint_serves_tandem_metrics():
-    metrics.register("edge")  # what an EdgeService does
+    metrics.register("edge")  # what an EdgeNode does
     port = metrics.start_metrics_server("127.0.0.1", 0)
     assert port > 0
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:

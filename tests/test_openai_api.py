@@ -1,6 +1,6 @@
 """The edge's OpenAI-compatible HTTP API (``edge/openai_api.py``) driven by the official ``openai``
 client over a real uvicorn server on 127.0.0.1, in front of the in-memory stack (``toy_stack``: a real
-``EdgeService`` and gateway, toy tokenizer, deterministic in-memory engines). No vLLM."""
+``EdgeNode`` and gateway, toy tokenizer, deterministic in-memory engines). No vLLM."""
 
 from __future__ import annotations
 

@@ -287,8 +287,8 @@ async def test_kill_9_of_replicas_during_upload_and_during_decode(
         )
         edge = await create_edge(cfg)
         t0 = time.monotonic()
-        while not all(up for _, up in edge.service.conn.status()):  # both replicas negotiated (A's probe is slow)
-            assert time.monotonic() - t0 < 60, edge.service.conn.status()
+        while not all(up for _, up in edge.node.conn.status()):  # both replicas negotiated (A's probe is slow)
+            assert time.monotonic() - t0 < 60, edge.node.conn.status()
             await asyncio.sleep(0.2)
         session = next(s for s in (f"kill9-{uuid.uuid4().hex}" for _ in range(64)) if rendezvous(s, targets)[0] == 0)
 

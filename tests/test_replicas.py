@@ -16,9 +16,10 @@ from tandem.common.params import NegotiateOffer
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.cloudconn import CloudConnection
 from tandem.edge.head_runner import MemoryHead
+from tandem.edge.headwork import Head
 from tandem.edge.link import InProcessLink
+from tandem.edge.node import EdgeNode
 from tandem.edge.replicas import ReplicaSet, rendezvous
-from tandem.edge.service import EdgeService, Head
 from tandem.edge.session import EdgeSessions
 from tests.doubles import HKV, MANIFEST, VOCAB, B, D, H, K, TamperLink, ToyTokenizer, cloud_config
 from tests.test_gateway import LONG, Sent, chat, run
@@ -79,7 +80,7 @@ async def pair():
         assert await c.wait_connected(5)
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
-    svc = EdgeService(ToyTokenizer(), [Head(batcher, key)], rs, EdgeSessions(64, 1 << 30), 10.0)
+    svc = EdgeNode(ToyTokenizer(), [Head(batcher, key)], rs, EdgeSessions(64, 1 << 30), 10.0)
     yield svc, gateways, links, rs, sent
     await rs.stop()
     await batcher.stop()

@@ -27,12 +27,13 @@ from tandem.common.errors import (
 )
 from tandem.common.grpcsetup import add_service, channel_credentials, server_credentials, start_server
 from tandem.common.kvstore import DiskBlockStore, MemoryBlockStore
+from tandem.common.modes import Mode
 from tandem.common.params import NegotiateOffer, Sampling
 from tandem.common.security import ApiKeys, Authenticator, private_dir
 from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.grpc_link import GrpcCloudLink
-from tandem.edge.server import EDGE_SERVICE, EdgeServicer
-from tandem.edge.service import EdgeService
+from tandem.edge.node import EdgeNode
+from tandem.edge.service import EDGE_SERVICE, EdgeServicer
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.doubles import MANIFEST, VOCAB, B, K, ToyTokenizer, cloud_config, toy_stack
@@ -121,7 +122,7 @@ def link_to(
     return GrpcCloudLink(f"{host}:{port}", 5.0, 5.0, credentials=creds, server_name=server_name, api_key=api_key)
 
 
-async def run(svc: EdgeService, t: ChatTurn) -> TurnDone:
+async def run(svc: EdgeNode, t: ChatTurn) -> TurnDone:
     done = None
     async for ev in svc.chat(t):
         if isinstance(ev, TurnDone):
@@ -131,10 +132,10 @@ async def run(svc: EdgeService, t: ChatTurn) -> TurnDone:
 
 
 def chat(convo: list[tuple[str, str]], session: str = "", n: int = 6) -> ChatTurn:
-    return ChatTurn(tuple(convo), "", session, Sampling(max_new_tokens=n), mode="split")
+    return ChatTurn(tuple(convo), "", session, Sampling(max_new_tokens=n), mode=Mode.SPLIT)
 
 
-async def conversation(svc: EdgeService, session: str, turns: int = 3) -> list[tuple[int, ...]]:
+async def conversation(svc: EdgeNode, session: str, turns: int = 3) -> list[tuple[int, ...]]:
     """A multi-turn chat; returns each turn's output token ids."""
     convo: list[tuple[str, str]] = [("user", LONG)]
     out = []

@@ -212,7 +212,7 @@ async def test_decode_engine_uses_the_loaded_kv(stack, tokenizer, manifest):
 @contextlib.contextmanager
 def tampered(stack, fn):
     """Every uplink item of the edge passes through ``fn(item, attempt)`` (a wrapped link)."""
-    conn = stack["edge"].service.conn
+    conn = stack["edge"].node.conn
     inner = conn.link
     conn.link = TamperLink(inner, fn)
     try:
@@ -321,7 +321,7 @@ async def test_bad_uplink_gets_clear_status_and_spares_other_sessions(stack, tok
 
 async def test_concurrent_requests_all_complete(stack):
     client = stack["client"]
-    batchers = [h.batcher for h in stack["edge"].service.heads.values()]
+    batchers = [h.batcher for h in stack["edge"].node.heads.values()]
     rows_before = sum(b.rows_run for b in batchers)
     results = await asyncio.gather(
         *[
@@ -487,8 +487,8 @@ async def test_a_session_moves_to_another_replica_when_its_replica_dies(stack, h
     client = SplitClient(f"127.0.0.1:{edge.port}", ca_file=stack["tls"].ca_file, api_key=stack["tls"].app_key)
     stopped_a = False
     try:
-        assert await edge.service.conn.wait_connected(30)
-        assert [t for t, up in edge.service.conn.status()] == [a_target, f"127.0.0.1:{replica_b.port}"]
+        assert await edge.node.conn.wait_connected(30)
+        assert [t for t, up in edge.node.conn.status()] == [a_target, f"127.0.0.1:{replica_b.port}"]
         session = f"move-{uuid.uuid4().hex}"
         messages = [{"role": "user", "content": LONG + "What is this text about?"}]
         first = await client.complete(messages, max_new_tokens=8, session_id=session)
@@ -519,7 +519,7 @@ async def test_a_session_moves_to_another_replica_when_its_replica_dies(stack, h
         await replica_b.stop(0)
         if stopped_a:  # bring the stack's cloud back, and its edge with it, before the next test
             await restart_cloud(stack)
-            conn = stack["edge"].service.conn
+            conn = stack["edge"].node.conn
             conn.renegotiate_soon("the test restarted the cloud")
             assert await conn.wait_connected(60)
 
@@ -575,7 +575,7 @@ async def test_resend_from_token_0_never_reuses_tail_kv_of_other_activations(sta
     and Y's activations; the tail KV of the first upload is never loaded for it."""
     from tandem.edge.head_runner import HeadInput
 
-    svc, client, session = stack["edge"].service, stack["client"], f"tailkv-{uuid.uuid4().hex}"
+    svc, client, session = stack["edge"].node, stack["client"], f"tailkv-{uuid.uuid4().hex}"
     x = PROMPTS[3]["messages"]
     y_ids = prompt_ids(tokenizer, {"prompt": LONG.upper() + LONG})
     y_hidden = (await svc.heads[4].batcher.run(HeadInput(np.asarray(y_ids, np.int64)))).hidden
@@ -672,7 +672,7 @@ async def test_an_edge_starts_without_its_cloud_serves_local_and_splits_once_the
                 await c.complete(PROMPTS[1]["messages"], max_new_tokens=4, mode="split")
             assert e.value.code == grpc.StatusCode.UNAVAILABLE
             second = await create_cloud(stack["cfg"].model_copy(update={"port": port}), stack["engines"])
-            assert await edge.service.conn.wait_connected(30)
+            assert await edge.node.conn.wait_connected(30)
             res = await c.complete(PROMPTS[1]["messages"], max_new_tokens=4, mode="split")
             assert res.mode == "split" and res.split_layer == 4
     finally:

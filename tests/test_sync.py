@@ -17,6 +17,7 @@ from tandem.cloud.turn import as_principal
 from tandem.common import merkle
 from tandem.common.errors import InvalidRequest
 from tandem.common.kvblocks import LayerRange, part_key
+from tandem.common.modes import Mode
 from tandem.common.params import SyncRequest
 from tandem.common.security import scoped
 from tandem.edge.events import TurnDone
@@ -204,7 +205,7 @@ class DiesMidDecode:
             yield step
 
 
-@pytest.mark.parametrize("mode", ["split", "direct"])
+@pytest.mark.parametrize("mode", [Mode.SPLIT, Mode.DIRECT])
 async def test_a_turn_resumes_after_its_cloud_fails_mid_stream_and_repeats_no_token(mode):
     """The decode engine dies after 3 tokens reached the client; the edge waits
     for the cloud to answer again and continues from the prompt plus the emitted tokens: one
@@ -262,7 +263,7 @@ async def test_a_failure_with_no_cloud_to_resume_on_is_a_deadline_error_in_time(
     try:
         t0 = time.perf_counter()
         with pytest.raises(DeadlineExceeded, match="failed mid-stream"):
-            async for _ in toy.edge.chat(chat(LONG, n=12, mode="direct"), 1.5):
+            async for _ in toy.edge.chat(chat(LONG, n=12, mode=Mode.DIRECT), 1.5):
                 pass
         assert time.perf_counter() - t0 < 1.5 + 1.0
     finally:
@@ -350,7 +351,7 @@ async def test_an_upload_cut_midway_resumes_from_the_last_acknowledged_token(mon
     assert toy.edge.conn.params(K).inflight_window_bytes < 64 << 10
     toy.edge.conn.start()
     try:
-        t = chat(LONG * 2, session="u", n=6, mode="split")
+        t = chat(LONG * 2, session="u", n=6, mode=Mode.SPLIT)
         if restart:  # the cut also takes the cloud down; a new instance over the same store answers
             real_cut = cut_once
 
@@ -425,7 +426,7 @@ async def test_a_stream_that_breaks_after_its_last_token_finishes_without_resumi
     toy = await toy_stack()
     toy.edge.conn.start()
     try:
-        t = chat(LONG, n=10, mode="direct")
+        t = chat(LONG, n=10, mode=Mode.DIRECT)
         normal = await run(toy.edge, t)
         if ends_with == "eos":
             eos = normal.output_token_ids[4]
@@ -530,7 +531,7 @@ async def test_a_commit_whose_root_fails_drops_what_a_slow_keep_kept(monkeypatch
 
         toy.store.pin = slow_first_pin
         with pytest.raises(TandemError):
-            await run(toy.edge, chat(LONG * 2, session="m", mode="split"))
+            await run(toy.edge, chat(LONG * 2, session="m", mode=Mode.SPLIT))
         await asyncio.sleep(0.6)
         s = toy.cloud_session("m")
         assert calls[0] >= 1 and (s is None or not s.leaves)

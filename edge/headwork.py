@@ -1,0 +1,143 @@
+"""The edge head's work in a split turn: the head over the prompt tokens past the session's
+common prefix, either whole before the upload (``run_head``) or in pieces whose upload overlaps
+the next piece's compute (``PipelinedHead``). Both update the turn's ``EdgeSession`` (its token
+ids, head KV and activations) and calibrate the cost model's head rate (ms per token).
+
+Shapes: ``T`` new tokens, ``P`` tokens before them, ``H`` hidden size, ``k`` head layers,
+``Hkv`` KV heads, ``D`` head dim: the head's output is float32 hidden ``[T, H]`` and KV
+``[k, 2, Hkv, P + T, D]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.common.params import LinkParams
+from tandem.common.tracing import span, traced
+from tandem.edge import framing
+from tandem.edge.batcher import HeadBatcher
+from tandem.edge.costmodel import CostModel
+from tandem.edge.head_runner import HeadInput
+from tandem.edge.turn import Turn
+from tandem.edge.uplink import OutgoingTurn, Pieces
+from tandem.stages import Stage
+
+
+@dataclass
+class Head:
+    """An edge head at split layer ``k``: its batched ONNX runner and the manifest key it was cut with."""
+
+    batcher: HeadBatcher
+    compatibility_key: str
+
+    @property
+    def k(self) -> int:
+        return self.batcher.head.k
+
+
+@traced("edge_head")
+async def run_head(turn: Turn, head: Head, cost: CostModel) -> int:
+    """Run ``head`` over the turn's tokens past its session's common prefix (an identical prompt
+    recomputes its last token, so the turn has input); updates the session. Returns the tokens
+    computed."""
+    s, ids = turn.edge_session, turn.ids
+    t0 = time.perf_counter()
+    c = s.common_prefix(ids)
+    if c == len(ids):
+        c -= 1
+    s.truncate(c)
+    out = await head.batcher.run(HeadInput(np.asarray(ids[c:], np.int64), s.kv))
+    s.kv = out.kv
+    s.hidden = out.hidden if s.hidden is None else np.concatenate([s.hidden, out.hidden])
+    s.token_ids = list(ids)
+    turn.clock.since(Stage.EDGE_HEAD, t0)
+    cost.edge.head(head.k).add(turn.clock.timings[Stage.EDGE_HEAD] / (len(ids) - c))
+    return len(ids) - c
+
+
+@dataclass
+class PipelinedHead:
+    """A split turn whose head runs ``piece_tokens`` tokens at a time while its pieces travel:
+    ``start`` frames the header and truncates the session to its common prefix with the prompt;
+    ``pieces`` then runs the head piece by piece (each with the KV of those before it, so the
+    result equals one run up to fp32 rounding) and yields, after each, the activation chunks now
+    whole and the KV blocks inside them. After the last piece the turn's commit is set. The head
+    and encode times of the turn are the sums over its pieces."""
+
+    turn: Turn
+    head: Head
+    params: LinkParams
+    cost: CostModel
+    piece_tokens: int
+    out: OutgoingTurn | None = None
+    _first: int = 0  # the first token the head computes (the session's common prefix)
+    _hashes: tuple[bytes, ...] = ()
+
+    def start(self, link_id: str) -> OutgoingTurn:
+        """The turn to stream, before the head has run (``framing.pipelined_turn``)."""
+        s, p, ids = self.turn.edge_session, self.params, self.turn.ids
+        if s.block_tokens and s.block_tokens != p.kv_block_size_tokens:
+            s.forget_cloud_past(0)
+        self._first = s.common_prefix(ids)
+        s.truncate(self._first)
+        hashes = framing.block_ids(ids, p, self.head.compatibility_key, self.turn.session_id, self.turn.request_id)
+        self._hashes = tuple(hashes)
+        self.out = framing.pipelined_turn(s, self.turn.header(p, link_id), p, hashes)
+        return self.out
+
+    async def pieces(self) -> AsyncIterator[Pieces]:
+        """The turn's pieces as the head produces them (``start`` first)."""
+        assert self.out is not None, "start() frames the turn first"
+        s, p, ids, out = self.turn.edge_session, self.params, self.turn.ids, self.out
+        hashes, n = list(self._hashes), len(ids)
+        start, seq, next_block = out.header.cached_tokens, 0, len(s.leaves)
+        head_ms = encode_ms = 0.0
+        e = self._first
+        while e < n:
+            e2 = min(n, e + self.piece_tokens)
+            t0 = time.perf_counter()
+            await self._compute(e, e2)
+            e = e2
+            t1 = time.perf_counter()
+            end = framing.whole_chunks_end(start, n, p.chunk_tokens, e)
+            last = max(next_block, min(len(hashes), end // p.kv_block_size_tokens))
+            hidden, kv = s.hidden, s.kv
+            assert hidden is not None and kv is not None  # the piece just computed them
+            chunks, blocks = await asyncio.to_thread(  # off the loop: acks and sends go on meanwhile
+                _frame_piece, hidden, kv, hashes, p, (start, end), seq, (next_block, last)
+            )
+            seq, start, next_block = seq + len(chunks), end, last
+            head_ms += (t1 - t0) * 1e3
+            encode_ms += (time.perf_counter() - t1) * 1e3
+            yield chunks, blocks
+        out.finish(*framing.commit(s.leaves, out.blocks))
+        self.turn.clock.timings[Stage.EDGE_HEAD], self.turn.clock.timings[Stage.ENCODE] = head_ms, encode_ms
+        self.cost.edge.head(self.head.k).add(head_ms / (n - self._first))
+
+    async def _compute(self, e: int, e2: int) -> None:
+        """The head over tokens ``[e, e2)``; the session then holds their KV and activations."""
+        s, ids = self.turn.edge_session, self.turn.ids
+        with span("edge_head", piece_tokens=e2 - e):
+            r = await self.head.batcher.run(HeadInput(np.asarray(ids[e:e2], np.int64), s.kv))
+        s.kv = r.kv
+        s.hidden = r.hidden if s.hidden is None else np.concatenate([s.hidden, r.hidden])
+        s.token_ids = list(ids[:e2])
+
+
+def _frame_piece(
+    hidden: np.ndarray,
+    kv: np.ndarray,
+    hashes: list[bytes],
+    p: LinkParams,
+    tokens: tuple[int, int],
+    first_seq: int,
+    block_range: tuple[int, int],
+) -> Pieces:
+    """``framing.piece`` in an ``encode`` span (CPU work: quantise, compress, CRC, leaf hashes)."""
+    with span("encode"):
+        return framing.piece(hidden, kv, hashes, p, tokens, first_seq, block_range)

@@ -1,0 +1,39 @@
+"""Local mode: a turn on the whole model on this edge (``edge.local.LocalEngine``), its tokens
+detokenized and streamed as they come, its prefill time measured for the cost model. No cloud."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from tandem.edge.costmodel import CostModel
+from tandem.edge.events import TextOut, TurnDone
+from tandem.edge.local import LocalEngine
+from tandem.edge.turn import Turn
+from tandem.stages import Stage
+
+
+async def run_local(turn: Turn, engine: LocalEngine, cost: CostModel) -> AsyncIterator[TextOut | TurnDone]:
+    """Yields the turn's text deltas, then its ``TurnDone`` (finish ``stop`` at a stop string, else
+    the engine's reason)."""
+    text, finish, first = turn.text, "length", True
+    t0 = time.perf_counter()
+    cost.edge.local_active = engine.active
+    async for step in engine.generate(turn.ids, turn.sampling, turn.session_id):
+        if first:
+            turn.clock.since(Stage.LOCAL_PREFILL, t0)
+            first = False
+        turn.clock.tokens_arrived()
+        delta = text.feed([step.token_id])
+        if delta:
+            yield TextOut(delta, (step.token_id,))
+        if text.stopped:
+            finish = "stop"
+            break
+        if step.finish_reason is not None:
+            finish = step.finish_reason
+    rest = text.flush()
+    if rest:
+        yield TextOut(rest, ())
+    turn.clock.since(Stage.TOTAL)
+    yield turn.done(finish, len(turn.ids))

@@ -1,0 +1,373 @@
+"""The edge's domain service: one chat turn from messages to streamed text.
+
+``EdgeNode.chat`` reads like the design's data path: tokenize -> route (``edge.routing``: local,
+split at ``k`` or direct) -> run it: local mode on the whole model here (``edge.localmode``), or
+through the cloud (``edge.cloudcall``: the head over the tokens the edge has not processed,
+activations and new KV blocks framed by ``edge.framing`` and streamed over the pinned
+``CloudConnection``) -> detokenize tokens as they come back. A cloud that fails mid-stream does not
+end the turn: it resumes. No grpc here; ``edge.service`` adapts it, ``edge.grpc_link`` carries it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+from tandem.common import metrics
+from tandem.common.chat import prompt_token_ids
+from tandem.common.errors import EngineError, InvalidRequest, LinkLost, ParamsVersionMismatch, QuotaExceeded
+from tandem.common.logs import bind_request, current_request_id, new_request_id, turn_log
+from tandem.common.manifest import ModelShape
+from tandem.common.modes import Mode
+from tandem.common.tracing import span, traced
+from tandem.edge.batcher import HeadBatcher
+from tandem.edge.cloudcall import CloudCalls
+from tandem.edge.cloudconn import CloudTarget
+from tandem.edge.costmodel import CostModel, Route
+from tandem.edge.detok import TextStream
+from tandem.edge.events import ChatTurn, TextOut, TurnDone
+from tandem.edge.headwork import Head
+from tandem.edge.local import LocalEngine
+from tandem.edge.localmode import run_local
+from tandem.edge.routing import Decision, Router
+from tandem.edge.session import EdgeSessions
+from tandem.edge.turn import Turn, TurnClock
+from tandem.stages import Stage
+
+log = logging.getLogger("tandem.edge")
+MAX_RESUMES = 3  # continuations of one turn after mid-stream cloud failures
+
+Events = AsyncIterator[TextOut | TurnDone]
+
+
+def max_token_chars(tokenizer: Any, default: int = 64) -> int:
+    """Most characters one token of ``tokenizer`` stands for (its longest vocabulary entry; byte-level
+    BPE entries are one character per byte, so this bounds characters too); ``default`` if unknown."""
+    try:
+        return max(len(t) for t in tokenizer.get_vocab()) or default
+    except (AttributeError, TypeError, ValueError):
+        return default
+
+
+class EdgeNode:
+    """Holds the tokenizer, the heads, the local model, sessions, the cloud it talks to and the
+    router that picks a route per request; runs turns."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        heads: list[Head],
+        conn: CloudTarget | None,
+        sessions: EdgeSessions,
+        turn_timeout_s: float,
+        *,
+        local: LocalEngine | None = None,
+        max_prompt_tokens: int = 1536,
+        cost: CostModel | None = None,
+        shape: ModelShape | None = None,
+        renegotiate_wait_s: float = 5.0,
+        pipeline_tokens: int = 0,
+        eos_token_ids: frozenset[int] | None = None,
+        codec_ratio: float = 1.0,
+    ) -> None:
+        """``pipeline_tokens``: head tokens per piece of a pipelined split turn (``edge.headwork``;
+        0 = the head runs whole before the upload starts); ``eos_token_ids``: default the
+        tokenizer's; ``codec_ratio``: zstd's compressed / raw size of this model's wire bytes."""
+        if not heads and local is None:
+            raise ValueError("an edge needs a head (split) or the whole model (local)")
+        self.tok, self.conn, self.sessions = tokenizer, conn, sessions
+        self.heads = {h.k: h for h in heads}
+        self.turn_timeout_s = turn_timeout_s
+        eos = getattr(tokenizer, "eos_token_id", None)
+        default_eos = frozenset([eos] if isinstance(eos, int) else [])
+        self.eos_token_ids = default_eos if eos_token_ids is None else eos_token_ids
+        cost = cost or CostModel()
+        cost.pipeline_tokens = pipeline_tokens
+        self.router = Router(self.heads, conn, sessions, cost, local=local, shape=shape)
+        self.router.codec_ratio = codec_ratio
+        self.calls = CloudCalls(conn, self.heads, sessions, self.router, renegotiate_wait_s)
+        self._max_prompt_tokens = max_prompt_tokens
+        # no text longer than this can fit in max_prompt_tokens: every token covers at most
+        # max_token_chars characters, so longer text is refused before it is tokenized
+        self._token_chars = max_token_chars(tokenizer)
+        self._inflight: set[str] = set()  # request ids of the turns in flight
+        self._runners: dict[Mode, Callable[[Turn], Events]] = {
+            Mode.LOCAL: self._run_local,
+            Mode.SPLIT: self.calls.run,
+            Mode.DIRECT: self.calls.run,
+        }
+        metrics.watch_edge_sessions(sessions)
+        if conn is not None:
+            metrics.watch_link(conn)
+
+    # ------------------------------------------------------------------ what this edge can do now
+
+    @property
+    def local(self) -> LocalEngine | None:
+        """The whole model on this edge (local mode), or None."""
+        return self.router.local
+
+    @local.setter
+    def local(self, engine: LocalEngine | None) -> None:
+        self.router.local = engine
+
+    @property
+    def cost(self) -> CostModel:
+        """The cost model that predicts each mode's TTFT (the router's)."""
+        return self.router.cost
+
+    @cost.setter
+    def cost(self, model: CostModel) -> None:
+        self.router.cost = model
+
+    @property
+    def batcher(self) -> HeadBatcher:
+        """The head batcher of the deepest split held (tests and tools)."""
+        return self.heads[max(self.heads)].batcher
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt accepted: the edge's bound, and the cloud's while connected."""
+        p = self.conn.current().params(0) if self.conn is not None else None
+        return min(self._max_prompt_tokens, p.max_prompt_tokens) if p is not None else self._max_prompt_tokens
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """No text longer than this can fit in ``max_prompt_tokens`` (refused before tokenizing)."""
+        return self.max_prompt_tokens * self._token_chars
+
+    @property
+    def max_new_tokens(self) -> int:
+        p = self.conn.current().params(0) if self.conn is not None else None
+        return p.max_new_tokens if p is not None else 4096
+
+    @property
+    def split_layers(self) -> tuple[int, ...]:
+        """Split layers usable now: the edge holds the head and the connected cloud the tail."""
+        return self.router.split_layers
+
+    @property
+    def cloud_connected(self) -> bool:
+        return self.conn is not None and self.conn.current().connected.is_set()
+
+    @property
+    def turns_in_flight(self) -> tuple[int, int]:
+        """(turns in the cloud now, turns in flight now)."""
+        return self.router.cloud_inflight, len(self._inflight)
+
+    def routes(self) -> list[Route]:
+        """Routes servable now."""
+        return self.router.routes()
+
+    def degraded(self) -> str:
+        """Why not every mode this edge was built for is available ("" when all are)."""
+        return self.router.degraded()
+
+    @traced("tokenize")
+    def tokenize(self, request: ChatTurn) -> list[int]:
+        """Prompt token ids. Raises InvalidRequest for an empty or too long prompt."""
+        if request.messages and request.prompt:
+            raise InvalidRequest("pass messages or a prompt, not both")
+        limit = self.max_prompt_tokens
+        n_chars = len(request.prompt) + sum(len(c) for _, c in request.messages)
+        if n_chars > self.max_prompt_chars:
+            raise InvalidRequest(f"prompt of {n_chars} characters cannot fit in {limit} tokens")
+        messages = [{"role": r, "content": c} for r, c in request.messages]
+        ids = prompt_token_ids(self.tok, messages or None, request.prompt or None)
+        if not 0 < len(ids) <= limit:
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; this edge allows 1..{limit}")
+        return ids
+
+    # ------------------------------------------------------------------ the turn
+
+    async def chat(self, request: ChatTurn, timeout_s: float | None = None) -> Events:
+        """Run one turn within ``timeout_s`` (default ``turn_timeout_s``); yields text deltas then a
+        ``TurnDone``. A turn that fails before the cloud acknowledged its upload leaves the session
+        as it was before the turn. Its request id (``_turn_id``) is on every log line of the turn; its
+        metrics and spans are recorded (``common.metrics``, ``common.tracing``).
+
+        Raises:
+            InvalidRequest: bad prompt or sampling parameters.
+            ModeUnavailable: the requested mode cannot run on this edge.
+            TandemError: the cloud's verdict, EngineError (cloud unreachable), DeadlineExceeded.
+        """
+        clock = TurnClock(mode=request.mode)
+        with (
+            self._turn_id(clock) as rid,
+            bind_request(rid, request.session_id),
+            turn_log(log, request.mode) as done_fields,
+            metrics.edge_turn(clock) as counts,
+            span("edge_turn", mode=request.mode, request_id=rid, session_id=request.session_id),
+        ):
+            inner, finished = self._chat(request, clock, timeout_s), False
+            try:
+                async for ev in inner:
+                    if isinstance(ev, TurnDone):
+                        counts.update(
+                            prompt_tokens=ev.prompt_tokens, output_tokens=ev.output_tokens, head_tokens=ev.head_tokens
+                        )
+                        done_fields.update(
+                            counts,
+                            mode=ev.mode,
+                            k=ev.split_layer,
+                            finish=ev.finish_reason,
+                            ttft_ms=round(ev.ttft_ms, 1),
+                            predicted_ttft_ms=round(ev.predicted_ttft_ms, 1),
+                        )
+                        finished = True
+                    yield ev
+            except GeneratorExit:  # the consumer stopped reading: a cancel, unless the turn had finished
+                await inner.aclose()
+                if not finished:
+                    raise
+
+    @contextlib.contextmanager
+    def _turn_id(self, clock: TurnClock) -> Iterator[str]:
+        """Give the turn (``clock.request_id``) the request id its caller bound (a servicer binds one
+        per call) unless it is not a short ASCII id or a turn in flight has it; else a new one."""
+        rid = current_request_id()
+        if not (0 < len(rid) <= 64 and rid.isascii()) or rid in self._inflight:
+            rid = new_request_id()
+        clock.request_id = rid
+        self._inflight.add(rid)
+        try:
+            yield rid
+        finally:
+            self._inflight.discard(rid)
+
+    async def _chat(
+        self, request: ChatTurn, clock: TurnClock, timeout_s: float | None
+    ) -> AsyncGenerator[TextOut | TurnDone, None]:
+        """Run the turn's legs (``_legs``) within its deadline. A cloud that fails after tokens
+        reached the client (its process died, the link dropped, an engine died: ``EngineError``)
+        does not end the turn: it resumes from the prompt plus the tokens already emitted, on the
+        cloud once it (or a restarted instance) answers, or at once locally in auto mode, so the
+        client sees one continuous stream in which no token repeats (greedy decoding gives the
+        tokens an unbroken run gives). At most ``MAX_RESUMES`` times; past the deadline, a
+        ``DeadlineExceeded`` that names the failure."""
+        timeout_s = self.turn_timeout_s if timeout_s is None else min(timeout_s, self.turn_timeout_s)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        ids = await asyncio.to_thread(self.tokenize, request)  # long prompts must not stall other requests
+        clock.since(Stage.TOKENIZE)
+        first = leg = Turn(request, ids, clock, TextStream(self.tok, request.stop), deadline)
+        finished = False
+        while True:
+            try:
+                async for ev in self._legs(leg):
+                    if isinstance(ev, TurnDone):
+                        finished = True
+                        if clock.resumes:  # the whole turn's output, not the last leg's
+                            n_out = len(first.text.token_ids)
+                            ev = replace(ev, prompt_tokens=len(ids), output_tokens=n_out, resumes=clock.resumes)
+                    yield ev
+                return
+            except EngineError as e:
+                if finished:  # the answer ended; the connection broke only afterwards
+                    log.info("the cloud's stream broke after the turn ended (%s): nothing lost", e)
+                    return
+                finish = self._final_lost(first)
+                if finish:  # only the final message was lost: finish here
+                    for ev in self._finish_without_cloud(first, finish):
+                        yield ev
+                    return
+                if not self._may_resume(first, e):
+                    raise
+                leg = await self._resume(first, leg, e)
+
+    def _final_lost(self, first: Turn) -> str:
+        """The finish reason of a turn whose every token reached the client (its token budget is
+        spent, or its last token ends it) but whose final message was lost; "" otherwise."""
+        out, sampling = first.text.token_ids, first.sampling
+        if not out:
+            return ""
+        ended = out[-1] in sampling.stop_token_ids or (out[-1] in self.eos_token_ids and not sampling.ignore_eos)
+        if ended:
+            return "stop"
+        return "length" if sampling.max_new_tokens - len(out) <= 0 else ""
+
+    def _may_resume(self, first: Turn, cause: EngineError) -> bool:
+        """A turn goes on after ``cause`` if tokens reached the client, or the connection broke
+        under the turn (no verdict), within the prompt bound and ``MAX_RESUMES``, and not locally."""
+        out, clock = first.text.token_ids, first.clock
+        began = bool(out) or (clock.cloud_called and isinstance(cause, LinkLost))
+        too_long = len(first.ids) + len(out) > self.max_prompt_tokens
+        return began and clock.mode is not Mode.LOCAL and not too_long and clock.resumes < MAX_RESUMES
+
+    async def _resume(self, first: Turn, failed: Turn, cause: EngineError) -> Turn:
+        """The next leg of ``first``'s turn, after waiting for the cloud unless auto mode can run
+        it locally (and backing off when no token was streamed yet).
+
+        Raises:
+            DeadlineExceeded: the cloud did not come back before the deadline.
+        """
+        first.clock.resumes += 1
+        metrics.record_resume()
+        log.warning("the cloud failed after %d tokens (%s): resuming", len(first.text.token_ids), cause)
+        if first.requested is not Mode.AUTO or self.local is None:
+            await self.calls.wait_for_cloud(failed, cause)
+            if not first.text.token_ids:  # nothing streamed yet: back off before sending it all again
+                left_s = first.deadline - asyncio.get_running_loop().time()
+                await asyncio.sleep(max(0.0, min(left_s, 0.25 * 2**first.clock.resumes)))
+        return first.continued()
+
+    def _finish_without_cloud(self, first: Turn, finish: str) -> list[TextOut | TurnDone]:
+        """End a turn whose every token reached the client but whose final message was lost: the
+        text held back (for stop strings), then its ``TurnDone``."""
+        rest = first.text.flush()
+        first.clock.since(Stage.TOTAL)
+        mode = first.clock.mode if first.clock.mode in (Mode.LOCAL, Mode.SPLIT, Mode.DIRECT) else Mode.DIRECT
+        closing = Turn(first.request, first.ids, first.clock, first.text, first.deadline)
+        closing.decision = Decision(Route(mode), None, "resumed")
+        events: list[TextOut | TurnDone] = [TextOut(rest, ())] if rest else []
+        return [*events, closing.done(finish, len(first.ids))]
+
+    async def _legs(self, turn: Turn) -> AsyncGenerator[TextOut | TurnDone, None]:
+        """One leg of a turn: decide the route and run it; in auto mode a cloud that refuses before
+        the first token (busy, unreachable) is answered by local mode, and a stale params version
+        by renegotiating and running again."""
+        may_wait = turn.requested is not Mode.AUTO or self.local is None  # no local mode to serve meanwhile
+        await self.calls.pin(turn, may_wait)  # one replica for the whole leg
+        turn.decision = self.router.decide(turn.request, turn.ids)
+        for attempt in (0, 1, 2):
+            before, started = len(turn.text.token_ids), False
+            try:
+                async for ev in self._run_route(turn):
+                    started = True
+                    yield ev
+                return
+            except ParamsVersionMismatch as e:
+                if started or len(turn.text.token_ids) > before or attempt or turn.conn is None:
+                    raise
+                await self.calls.renegotiate(turn, e)
+                turn.decision = self.router.decide(turn.request, turn.ids)
+            except (QuotaExceeded, EngineError) as e:
+                started = started or len(turn.text.token_ids) > before
+                if not started and isinstance(e, EngineError) and self.calls.move_replica(turn, e):
+                    turn.decision = self.router.decide(turn.request, turn.ids)
+                    continue
+                no_fallback = turn.requested is not Mode.AUTO or self.local is None
+                if started or no_fallback or turn.route_decision.route.mode is Mode.LOCAL:
+                    raise
+                reason = "cloud busy" if isinstance(e, QuotaExceeded) else "cloud unavailable"
+                log.info("%s (%s): serving this turn locally", reason, e)
+                metrics.record_fallback(reason)
+                turn.decision = self.router.fallback(turn.request, turn.ids, f"fallback: {reason}")
+        raise EngineError("no mode could serve this turn")  # not reached: the last attempt returns or raises
+
+    async def _run_route(self, turn: Turn) -> Events:
+        d = turn.route_decision
+        turn.clock.mode, turn.head_tokens = d.route.mode, 0
+        self.cost.ran(d.route)
+        async for ev in self._runners[d.route.mode](turn):
+            if isinstance(ev, TurnDone) and d.prediction is not None and ev.ttft_ms > 0 and not turn.clock.resumes:
+                self.cost.observe(d.prediction, ev.ttft_ms, ev.timings)
+                metrics.record_prediction(d.route.mode, d.prediction.ttft_ms, ev.ttft_ms)
+            yield ev
+
+    def _run_local(self, turn: Turn) -> Events:
+        assert self.local is not None  # routed here only when present
+        return run_local(turn, self.local, self.cost)

@@ -1,0 +1,226 @@
+"""Which route a turn takes: the routes this edge can serve now, and the cost model's choice.
+
+``Router.decide`` takes the requested mode (refused with a clear error when it cannot run) or,
+in auto mode, the route with the lowest predicted TTFT (``edge.costmodel``) among those servable
+now. ``link_state`` and ``request_shape`` are what the cost model sees of the link, the cloud and
+the session; the cloud's state is read from ``CloudTarget.current()`` (inside a turn, the
+connection the turn is pinned to). Reads state only: no I/O, no grpc.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from tandem.common import wire
+from tandem.common.errors import EngineError, ModeUnavailable
+from tandem.common.kvwire import kv_raw_nbytes
+from tandem.common.manifest import ModelShape
+from tandem.common.modes import Mode
+from tandem.edge.cloudconn import CloudTarget
+from tandem.edge.costmodel import CostModel, LinkState, Prediction, RequestShape, Route
+from tandem.edge.events import ChatTurn
+from tandem.edge.local import LocalEngine
+from tandem.edge.session import EdgeSessions
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The route a turn runs on, the cost model's prediction for it, and why it was chosen."""
+
+    route: Route
+    prediction: Prediction | None
+    reason: str
+
+
+class Router:
+    """The routes servable now and the choice among them. Holds the cost model (``cost``, which
+    the edge's turns calibrate) and the local model (``local``); both may be replaced while the
+    edge runs, and the cost model then reads the local model's measured rates."""
+
+    codec_ratio = 1.0  # compressed / raw size of this model's wire bytes under zstd (measured at start-up)
+
+    def __init__(
+        self,
+        head_layers: Collection[int],
+        cloud: CloudTarget | None,
+        sessions: EdgeSessions,
+        cost: CostModel,
+        *,
+        local: LocalEngine | None = None,
+        shape: ModelShape | None = None,
+    ) -> None:
+        """``head_layers``: the split layers this edge holds heads for; ``shape``: the model's, for
+        wire bytes per token in the cost model (None: wire time not modelled)."""
+        self.head_layers = frozenset(head_layers)
+        self.cloud, self.sessions, self.shape = cloud, sessions, shape
+        self._cost = cost
+        self._local: LocalEngine | None = None
+        self.local = local
+        self.cloud_inflight = 0  # this edge's turns in the cloud now (``edge.cloudcall`` counts them)
+
+    @property
+    def local(self) -> LocalEngine | None:
+        """The whole model on this edge (local mode), or None."""
+        return self._local
+
+    @local.setter
+    def local(self, engine: LocalEngine | None) -> None:
+        self._local = engine
+        self._share_local_rates()
+
+    @property
+    def cost(self) -> CostModel:
+        """The cost model that predicts each mode's TTFT."""
+        return self._cost
+
+    @cost.setter
+    def cost(self, model: CostModel) -> None:
+        model.pipeline_tokens = self._cost.pipeline_tokens
+        self._cost = model
+        self._share_local_rates()
+
+    def _share_local_rates(self) -> None:
+        """One measurement of the local model's rates: the cost model reads the engine's own EWMAs."""
+        if self._local is not None:
+            self._cost.edge.local_prefill_ms_per_token = self._local.prefill_rate
+            self._cost.edge.local_decode_ms_per_token = self._local.decode_rate
+
+    # ------------------------------------------------------------------ what this edge can do now
+
+    @property
+    def split_layers(self) -> tuple[int, ...]:
+        """Split layers usable now: the edge holds the head and the connected cloud the tail."""
+        if self.cloud is None:
+            return ()
+        return tuple(k for k in self.cloud.current().split_layers if k in self.head_layers)
+
+    def routes(self) -> list[Route]:
+        """Routes servable now."""
+        out = [Route(Mode.LOCAL)] if self.local is not None else []
+        if self.cloud is not None and self.cloud.current().params(0) is not None:
+            out += [Route(Mode.SPLIT, k) for k in self.split_layers] + [Route(Mode.DIRECT)]
+        return out
+
+    def degraded(self) -> str:
+        """Why not every mode this edge was built for is available ("" when all are)."""
+        if self.cloud is None:
+            return ""
+        c = self.cloud.current()
+        if c.params(0) is None:
+            return f"cloud not connected ({c.last_error or 'connecting'}): local mode only"
+        missing = sorted(self.head_layers - set(self.split_layers))
+        return f"the cloud serves no tail for k in {missing}" if missing else ""
+
+    # ------------------------------------------------------------------ what the cost model sees
+
+    def link_state(self) -> LinkState:
+        """The cost model's view of the link and the cloud right now."""
+        st = LinkState(num_layers=self.shape.num_layers if self.shape else 30)
+        if self.cloud is None:
+            return st
+        c = self.cloud.current()
+        load = c.load
+        st.rtt_ms, st.goodput_mbps = c.rtt_ms.value, c.goodput_mbps.value
+        st.cloud_prefill_ms_per_token = load.prefill_ms_per_token
+        st.cloud_tail_prefill_ms_per_token = dict(load.tail_prefill_ms_per_token)
+        st.queue_wait_ms = load.queue_wait_ms
+        p = c.params(0)
+        share = p.max_concurrent_requests if p is not None else 1
+        st.cloud_busy = load.waiting_requests > 0 or self.cloud_inflight >= share
+        for k in self.head_layers:
+            pk = c.params(k)
+            if pk is not None:
+                st.block_size_tokens = pk.kv_block_size_tokens
+                ratio = self.codec_ratio if pk.codec != wire.Codec.NONE else 1.0
+                per_token = self.wire_bytes_per_token(k, pk.wire_dtype, pk.kv_wire_dtype, pk.kv_block_size_tokens)
+                st.bytes_per_token[k] = per_token * ratio
+        return st
+
+    def wire_bytes_per_token(
+        self, k: int, dtype: wire.WireDtype, kv_dtype: wire.WireDtype = wire.WireDtype.FP32, block_tokens: int = 32
+    ) -> float:
+        """Uncompressed uplink bytes per prompt token at split layer ``k``: activations in ``dtype``
+        and head KV of layers ``[0, k)`` in ``kv_dtype`` (its scales spread over a block of
+        ``block_tokens``); 0 without a model shape."""
+        if self.shape is None:
+            return 0.0
+        sh = self.shape
+        block = kv_raw_nbytes((k, 2, sh.num_kv_heads, block_tokens, sh.head_dim), kv_dtype) if k else 0
+        return wire.raw_nbytes_of(1, dtype, sh.hidden_size) + block / block_tokens
+
+    def request_shape(self, request: ChatTurn, ids: list[int]) -> RequestShape:
+        """What the session already holds, per route (for the cost model)."""
+        local_cached = self.local.cached_tokens(request.session_id, ids) if self.local is not None else 0
+        s = self.sessions.peek(request.session_id) if request.session_id else None
+        head, cloud = {}, {}
+        if s is not None and s.k in self.head_layers:
+            head[s.k] = s.common_prefix(ids)
+            cloud[s.k] = min(s.cloud_tokens, s.common_prefix(ids))
+        return RequestShape(len(ids), local_cached, head, cloud)
+
+    # ------------------------------------------------------------------ the choice
+
+    def decide(self, request: ChatTurn, ids: list[int]) -> Decision:
+        """The route for this turn: the requested one (refused with a clear error when it cannot
+        run), or in auto mode the cost model's choice among the routes servable now.
+
+        Raises:
+            ModeUnavailable: the requested mode (or split layer) is not available on this edge now.
+            EngineError: the requested mode needs the cloud, which cannot serve it now.
+        """
+        candidates = self._candidates(request)
+        # every turn gets a prediction, so that every turn calibrates the cost model (and reports its error)
+        shape, link = self.request_shape(request, ids), self.link_state()
+        preds = [self.cost.predict(r, shape, link) for r in candidates]
+        want = request.mode
+        if len(preds) == 1 and want is not Mode.AUTO:
+            return Decision(preds[0].route, preds[0], "requested")
+        if want is not Mode.AUTO:
+            best = min(preds, key=lambda p: p.ttft_ms)
+            return Decision(best.route, best, f"requested {want}; lowest predicted TTFT of its split layers")
+        pick, why = self.cost.choose(preds)
+        return Decision(pick.route, pick, f"auto: {why}")
+
+    def fallback(self, request: ChatTurn, ids: list[int], reason: str) -> Decision:
+        """Local mode for a turn the cloud refused before its first token (auto mode only)."""
+        local = Route(Mode.LOCAL)
+        return Decision(local, self.cost.predict(local, self.request_shape(request, ids), self.link_state()), reason)
+
+    def _candidates(self, request: ChatTurn) -> list[Route]:
+        """The routes the request may take (raises as ``decide``)."""
+        candidates = _CANDIDATES[request.mode](self, request)
+        if not candidates:
+            raise EngineError(f"no mode can serve now: {self.degraded()}")
+        return candidates
+
+    def _local_only(self, request: ChatTurn) -> list[Route]:
+        if self.local is None:
+            raise ModeUnavailable("local mode needs the whole model on the edge (edge-full.onnx); none loaded")
+        return [Route(Mode.LOCAL)]
+
+    def _direct_only(self, request: ChatTurn) -> list[Route]:
+        if Route(Mode.DIRECT) not in self.routes():
+            raise EngineError(f"direct mode needs the cloud; {self.degraded() or 'not connected'}")
+        return [Route(Mode.DIRECT)]
+
+    def _split_only(self, request: ChatTurn) -> list[Route]:
+        routes, k = self.routes(), request.split_layer
+        ks = [k] if k else sorted(self.head_layers)
+        candidates = [Route(Mode.SPLIT, j) for j in ks if Route(Mode.SPLIT, j) in routes]
+        if not candidates:
+            if k and k not in self.head_layers:
+                raise ModeUnavailable(f"this edge holds heads for k in {sorted(self.head_layers)}, not k={k}")
+            raise EngineError(f"split mode needs the cloud and a common split layer; {self.degraded()}")
+        return candidates
+
+    def _any(self, request: ChatTurn) -> list[Route]:
+        return self.routes()
+
+
+_CANDIDATES = {
+    Mode.LOCAL: Router._local_only,
+    Mode.DIRECT: Router._direct_only,
+    Mode.SPLIT: Router._split_only,
+    Mode.AUTO: Router._any,
+}
