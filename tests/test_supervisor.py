@@ -197,6 +197,7 @@ def _engine_set(fail: EngineRole | None = None):
         def __init__(self) -> None:  # no config, no manifests: only the start logic is under test
             self.ROLES = roles
             self._engines = dict.fromkeys(roles)
+            self._resources = {}
             self._closed = True
             self._lock = threading.Lock()
 
