@@ -81,13 +81,15 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from tandem.common import errors as e
 from tandem.common.logs import set_ids
 from tandem.common.params import MAX_STOP_TOKENS, Sampling
+from tandem.common.text import check_text, find_non_text
 from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.service import EdgeService
@@ -181,6 +183,8 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(400, "invalid request")
     first = errs[0]
     loc = [str(x) for x in first.get("loc", ())]
+    if first.get("type") == "not_text":  # found anywhere in the body: its own path
+        loc = ["body", *(str(x) for x in first["ctx"]["path"])]
     param = ".".join(loc[1:] if loc and loc[0] == "body" else loc) or None
     more = f" (and {len(errs) - 1} more errors)" if len(errs) > 1 else ""
     msg = first.get("msg", "invalid value")
@@ -204,6 +208,16 @@ class ChatMessage(_Open):
 
 
 class _Common(_Open):
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        """Every string of the body (keys, extra fields, content parts) is text (``common.text``)."""
+        found = find_non_text(data)
+        if found is not None:
+            path, problem = found
+            raise PydanticCustomError("not_text", "not valid text: {problem}", {"path": path, "problem": problem})
+        return data
+
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -511,6 +525,7 @@ class _Api:
         }
 
     def check_model(self, model: str) -> None:
+        check_text(model, "model")
         if model != self.model_id:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 

@@ -5,6 +5,7 @@ client over a real uvicorn server on 127.0.0.1, in front of the in-memory stack 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -340,3 +341,62 @@ async def test_out_of_range_values_and_huge_bodies_are_400_and_413(stack, client
             break
         await asyncio.sleep(0.02)
     assert completed() == before + 1
+
+
+# every string field of both endpoints, with a lone surrogate (JSON escape) or a NUL in it
+NOT_TEXT_BODIES = [
+    ("chat/completions", {"messages": [{"role": "user", "content": "\ud800 hi"}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "user\x00", "content": "x"}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a\x00b"}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "\ud83d"}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["ok", "\udc00"]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": "\x00"}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "session_id": "s\ud800"}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "user": "\ud800"}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "metadata": {"\ud800": "x"}}),
+    ("completions", {"prompt": "\udfff"}),
+    ("completions", {"prompt": ["\ud800"]}),
+    ("completions", {"prompt": "hi", "stop": ["\x00"]}),
+    ("completions", {"prompt": "hi", "user": "a\x00"}),
+    ("completions", {"prompt": "hi", "suffix": "\ud800"}),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body"), NOT_TEXT_BODIES)
+async def test_strings_that_are_not_text_are_400_in_every_field(stack, endpoint, body):
+    """Found by an attack run: a lone UTF-16 surrogate (``"\\ud800 hi"``) in a chat message, a text
+    content part or a completion prompt was HTTP 500 (the tokenizer's TypeError). Every string of
+    the body is checked as text first (``common.text``): 400 in OpenAI's shape, before any work."""
+    _, port = stack
+    payload = json.dumps({"model": MODEL, "max_tokens": 2, **body})  # ensure_ascii: surrogates stay escapes
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h:
+        r = await h.post(
+            f"/v1/{endpoint}",
+            content=payload.encode(),
+            headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
+        )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "not valid text" in err["message"] and err["type"] == "invalid_request_error"
+
+
+async def test_a_model_name_that_is_not_text_is_400(stack):
+    _, port = stack
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h:
+        r = await h.get("/v1/models/a%00b", headers={"authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400 and "not valid text" in r.json()["error"]["message"]
+        body = json.dumps({"model": "to\ud800y", "messages": [{"role": "user", "content": "hi"}]})
+        r = await h.post(
+            "/v1/chat/completions",
+            content=body.encode(),
+            headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
+        )
+        assert r.status_code == 400 and "not valid text" in r.json()["error"]["message"]
+
+
+async def test_the_openai_client_gets_a_bad_request_for_a_nul(client):
+    with pytest.raises(openai.BadRequestError, match="not valid text"):
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a\x00b"}])
+    with pytest.raises(openai.BadRequestError, match="not valid text"):
+        await client.completions.create(model=MODEL, prompt="hi", stop=["\x00"])
