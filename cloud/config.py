@@ -13,11 +13,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from limits import parse_many
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from tandem.common.security import expand_path
-from tandem.common.settings import Bytes, CodecSetting, DaemonSettings, Port, WireDtypeSetting, gib, mib
+from tandem.common.kvstore import check_store_url
+from tandem.common.security import ApiKeys, expand_path
+from tandem.common.settings import (
+    Bytes,
+    CodecSetting,
+    DaemonSettings,
+    Port,
+    UserError,
+    WireDtypeSetting,
+    checked,
+    gib,
+    mib,
+)
 
 DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
 
@@ -195,3 +207,65 @@ class CloudConfig(DaemonSettings):
     session_bytes: Bytes = Field(
         default=gib(1), description="Activations kept for multi-turn sessions, all together, in bytes."
     )
+
+    @field_validator("edge_keys")
+    @classmethod
+    def _edge_keys(cls, v: dict[str, str]) -> dict[str, str]:
+        checked(ApiKeys, v)
+        return v
+
+    @field_validator("edge_rate_limit")
+    @classmethod
+    def _rate(cls, v: str | None) -> str | None:
+        if v:
+            try:
+                items = parse_many(v)
+            except ValueError as e:
+                raise ValueError(f"{e} (the limits library's notation: N/second;M/minute)") from None
+            if any(item.amount < 1 for item in items):
+                raise ValueError("a rate of 0 requests refuses every request: give at least 1, or none (no bound)")
+        return v
+
+    @field_validator("store_url")
+    @classmethod
+    def _store_url(cls, v: str) -> str:
+        return checked(check_store_url, v) if v else v
+
+    @field_validator("slo_trace_file")
+    @classmethod
+    def _trace_dir(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.parent.is_dir():
+            raise ValueError(f"directory {v.parent} does not exist")
+        return v
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def check_engines_fit(cfg: CloudConfig) -> None:
+    """What the engines' start would refuse, from the split directories' manifests (no model
+    loaded): a ``max_model_len_tokens`` beyond the model's positions, and a ``kv_cache_bytes`` that
+    cannot hold one sequence of that length in the decode engine (vLLM's rule: every layer's KV for
+    ``max_model_len_tokens`` rounded up to whole blocks).
+
+    Raises:
+        UserError: either; the message gives the bound.
+    """
+    from tandem.common.manifest import SplitManifest
+
+    m = SplitManifest.load(cfg.split_dir)
+    e, sh = cfg.engine, m.shape
+    if e.max_model_len_tokens > sh.max_position_embeddings:
+        raise UserError(
+            f"engine.max_model_len_tokens {e.max_model_len_tokens} is beyond the model's "
+            f"{sh.max_position_embeddings} positions"
+        )
+    dtype_bytes = DTYPE_BYTES.get(m.dtype if e.dtype == "auto" else e.dtype, 4)
+    blocks = -(-e.max_model_len_tokens // e.block_size_tokens)
+    needed = sh.num_layers * blocks * 2 * e.block_size_tokens * sh.num_kv_heads * sh.head_dim * dtype_bytes
+    if e.kv_cache_bytes < needed:
+        raise UserError(
+            f"engine.kv_cache_bytes {e.kv_cache_bytes} cannot hold one sequence of engine.max_model_len_tokens "
+            f"({e.max_model_len_tokens}) in the decode engine: it needs {needed} bytes ({sh.num_layers} layers); "
+            "raise the one or lower the other"
+        )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,17 @@ from pathlib import Path
 from tandem.common.errors import InvalidRequest, Unauthenticated
 from tandem.security import is_loopback
 
-__all__ = ["ANONYMOUS_PEER", "ApiKeys", "Authenticator", "Principal", "is_loopback", "scoped"]
+__all__ = [
+    "ANONYMOUS_PEER",
+    "ApiKeys",
+    "Authenticator",
+    "Principal",
+    "check_key",
+    "check_target",
+    "check_tls_files",
+    "is_loopback",
+    "scoped",
+]
 
 BEARER = "bearer "
 ANONYMOUS = "anonymous"
@@ -110,6 +121,24 @@ def key_name(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
+MIN_KEY_CHARS = 16
+
+
+def check_key(key: str, name: str) -> str:
+    """``key`` if it can be a bearer token: at least ``MIN_KEY_CHARS`` characters (shorter ones are
+    guessable), printable ASCII without spaces (it travels in an ``authorization`` header, which
+    gRPC metadata and HTTP carry as ASCII).
+
+    Raises:
+        InvalidRequest: otherwise; the message names the key by ``name``, never shows it.
+    """
+    if len(key) < MIN_KEY_CHARS:
+        raise InvalidRequest(f"{name} is shorter than {MIN_KEY_CHARS} characters")
+    if not all("!" <= c <= "~" for c in key):
+        raise InvalidRequest(f"{name} must be printable ASCII without spaces (it is sent in a header)")
+    return key
+
+
 class ApiKeys:
     """Named bearer tokens. ``identify`` compares a presented token with every key in constant
     time (no early exit: the time does not depend on which key, if any, matched).
@@ -119,16 +148,17 @@ class ApiKeys:
             reordered or grows, so each key's sessions stay its own).
 
     Raises:
-        InvalidRequest: an empty key, or keys shorter than 16 characters (guessable).
+        InvalidRequest: a key ``check_key`` refuses, or an empty name.
     """
 
-    MIN_KEY_CHARS = 16
+    MIN_KEY_CHARS = MIN_KEY_CHARS
 
     def __init__(self, keys: Mapping[str, str] | Sequence[str]) -> None:
         named = dict(keys) if isinstance(keys, Mapping) else {key_name(k): k for k in keys}
         for name, key in named.items():
-            if len(key) < self.MIN_KEY_CHARS:
-                raise InvalidRequest(f"API key {name!r} is shorter than {self.MIN_KEY_CHARS} characters")
+            if not name:
+                raise InvalidRequest("an API key's name (the identity it stands for) is empty")
+            check_key(key, f"API key {name!r}")
         self._keys = [(name, key.encode()) for name, key in named.items()]
 
     def __bool__(self) -> bool:
@@ -208,6 +238,57 @@ class Authenticator:
                 raise Unauthenticated("no verified client certificate")
             return Principal("cert", subject)
         return Principal("peer", peer_host or ANONYMOUS)
+
+
+_TARGET_SCHEMES = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "dns:")
+
+
+def check_target(target: str, what: str) -> str:
+    """``target`` if gRPC can dial it as meant: ``host:port``, ``[v6]:port``, or a gRPC scheme form
+    (``dns:``, ``ipv4:``, ``ipv6:``, ``unix:``). A target without a port is refused: gRPC would dial
+    port 443.
+
+    Raises:
+        InvalidRequest: otherwise (the message names ``what``).
+    """
+    t = target.strip()
+    if t.startswith(_TARGET_SCHEMES) and t.split(":", 1)[1].strip("/"):
+        return target
+    host, sep, port = t.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or any(c.isspace() for c in host) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidRequest(f"{what} {target!r} is not host:port (or [IPv6]:port) with a port in 1..65535")
+    return target
+
+
+def check_tls_files(cert_file: Path | None, key_file: Path | None, ca_file: Path | None, names: str) -> None:
+    """The PEM files of one TLS endpoint load: ``cert_file`` with its ``key_file`` (a certificate
+    chain and the private key that matches it) and ``ca_file`` (certificates to verify the peer);
+    each may be None. ``names`` are the settings' names, ``cert/key/ca`` (``tls_cert_file/...``).
+
+    Raises:
+        InvalidRequest: a file is missing or unreadable, not PEM, or the key is not the certificate's.
+    """
+    cert_name, key_name_, ca_name = names.split("/")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    if cert_file is not None and key_file is not None:
+        read_file(cert_file, cert_name)
+        read_file(key_file, key_name_)
+        try:
+            ctx.load_cert_chain(cert_file, key_file, password=lambda: b"")
+        except (ssl.SSLError, OSError) as e:
+            raise InvalidRequest(
+                f"{cert_name} {cert_file} and {key_name_} {key_file} do not load as a PEM certificate chain and "
+                f"its unencrypted private key: {getattr(e, 'reason', None) or e}"
+            ) from None
+    if ca_file is not None:
+        read_file(ca_file, ca_name)
+        try:
+            ctx.load_verify_locations(cafile=ca_file)
+        except (ssl.SSLError, OSError) as e:
+            reason = getattr(e, "reason", None) or e
+            raise InvalidRequest(f"{ca_name} {ca_file} does not load as PEM certificates: {reason}") from None
 
 
 def expand_path(path: Path) -> Path:

@@ -53,7 +53,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from tandem.common.security import is_loopback
+from tandem.common.errors import InvalidRequest
+from tandem.common.security import check_tls_files, is_loopback
 from tandem.common.wire import Codec, WireDtype
 
 README_START = "<!-- config-reference:start -->"
@@ -112,6 +113,15 @@ def _log_level(v: Any) -> Any:
 
 def _none_str(v: Any) -> Any:
     return None if isinstance(v, str) and v.strip().lower() in ("", "none") else v
+
+
+def checked(check: Callable[..., Any], *args: Any) -> Any:
+    """``check(*args)``, a check shared with run time that raises ``InvalidRequest``, as a pydantic
+    validator: its error becomes a ``ValueError`` (one line of the settings' error)."""
+    try:
+        return check(*args)
+    except InvalidRequest as e:
+        raise ValueError(str(e)) from None
 
 
 Bytes = Annotated[ByteSize, Field(ge=0)]
@@ -186,6 +196,21 @@ class DaemonSettings(BaseSettings):
                 f"host {host!r} is not a loopback address: set tls_cert_file/tls_key_file, or insecure = true "
                 "to serve plaintext explicitly"
             )
+        names = "tls_cert_file/tls_key_file/tls_client_ca_file"
+        checked(check_tls_files, self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file, names)
+        return self
+
+    @model_validator(mode="after")
+    def _ports_distinct(self) -> Self:
+        """Two servers of this daemon on one port: the second bind would fail after the model loaded."""
+        bound: dict[int, tuple[str, str]] = {}
+        for port_name, host_name in (("port", "host"), ("metrics_port", "metrics_host"), ("http_port", "http_host")):
+            port, host = getattr(self, port_name, None), getattr(self, host_name, None)
+            if not port or host is None:
+                continue  # off, or any free port
+            if port in bound and _hosts_overlap(host, bound[port][1]):
+                raise ValueError(f"{port_name} and {bound[port][0]} are both {port}: each server needs its own port")
+            bound[port] = (port_name, host)
         return self
 
     @classmethod
@@ -199,6 +224,12 @@ class DaemonSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The CLI source, when there is one, is put in front of these by pydantic-settings.
         return init_settings, env_settings, TomlFileSource(settings_cls, config_file(settings_cls))
+
+
+def _hosts_overlap(a: str, b: str) -> bool:
+    """Binds on ``a`` and ``b`` can collide: the same host, or either is a wildcard address."""
+    wild = ("", "0.0.0.0", "::", "[::]")
+    return a == b or a in wild or b in wild
 
 
 # The config file chosen by ``--config`` while ``parse_command_line`` builds the settings.
@@ -362,6 +393,24 @@ def check_split_dir(split_dir: Path, parts: Sequence[str]) -> None:
         path = manifest.resolve(split_dir, getattr(manifest, part))
         if not path.exists():
             raise UserError(f"split dir {split_dir}: {part} {path} is missing")
+
+
+def check_split_dirs(split_dirs: Sequence[Path], parts: Sequence[str]) -> None:
+    """``check_split_dir`` for each, and all of them cuts of one model (weights and shape), as the
+    daemons require when they load them.
+
+    Raises:
+        UserError: otherwise.
+    """
+    from tandem.common.manifest import SplitManifest
+
+    for d in split_dirs:
+        check_split_dir(d, parts)
+    first = SplitManifest.load(split_dirs[0])
+    for d in split_dirs[1:]:
+        m = SplitManifest.load(d)
+        if m.weights_blake3 != first.weights_blake3 or m.shape != first.shape:
+            raise UserError(f"split dir {d} holds another model than {split_dirs[0]}: all must be one model's")
 
 
 def setup_observability(settings: Any, service_name: str) -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from tandem.common.security import is_loopback
+from tandem.common.security import ApiKeys, check_key, check_target, check_tls_files, is_loopback
 from tandem.common.settings import (
     Bytes,
     DaemonSettings,
@@ -24,6 +24,7 @@ from tandem.common.settings import (
     OptionalStr,
     Port,
     WireDtypeSetting,
+    checked,
     kib,
     mib,
 )
@@ -179,10 +180,42 @@ class EdgeConfig(DaemonSettings):
     def cloud_uses_tls(self) -> bool:
         return self.cloud_tls or self.cloud_ca_file is not None or self.cloud_cert_file is not None
 
+    @field_validator("api_keys", "http_api_keys")
+    @classmethod
+    def _keys(cls, v: list[str]) -> list[str]:
+        checked(ApiKeys, v)
+        return v
+
+    @field_validator("cloud_api_key")
+    @classmethod
+    def _cloud_key(cls, v: str | None) -> str | None:
+        return v if v is None else checked(check_key, v, "cloud_api_key")
+
+    @field_validator("cloud_target")
+    @classmethod
+    def _target(cls, v: str) -> str:
+        return checked(check_target, v, "cloud_target")
+
+    @field_validator("cloud_replicas")
+    @classmethod
+    def _replicas(cls, v: list[str]) -> list[str]:
+        for t in v:
+            checked(check_target, t, "cloud_replicas entry")
+        return v
+
+    @field_validator("local_model")
+    @classmethod
+    def _local_model(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_file():
+            raise ValueError(f"{v} is not a file (the whole model in ONNX)")
+        return v
+
     @model_validator(mode="after")
     def _cloud_channel_consistent(self) -> Self:
         if (self.cloud_cert_file is None) != (self.cloud_key_file is None):
             raise ValueError("cloud_cert_file and cloud_key_file go together: set both or neither")
+        names = "cloud_cert_file/cloud_key_file/cloud_ca_file"
+        checked(check_tls_files, self.cloud_cert_file, self.cloud_key_file, self.cloud_ca_file, names)
         if len(set(self.cloud_targets)) != len(self.cloud_targets):
             raise ValueError(f"cloud targets must differ: {self.cloud_targets}")
         remote = [t for t in self.cloud_targets if not is_loopback(t)]

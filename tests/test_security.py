@@ -421,7 +421,7 @@ def test_the_sdk_sends_plaintext_only_to_this_host_unless_told():
     Client("ipv4:127.0.0.1:1,127.0.0.2:2").close()
 
 
-def test_daemons_refuse_plaintext_on_other_hosts_unless_told(tmp_path):
+def test_daemons_refuse_plaintext_on_other_hosts_unless_told(pki):
     from pydantic import ValidationError
 
     from tandem.cloud.config import CloudConfig
@@ -430,8 +430,8 @@ def test_daemons_refuse_plaintext_on_other_hosts_unless_told(tmp_path):
     with pytest.raises(ValidationError, match="insecure"):
         CloudConfig(host="0.0.0.0")
     assert CloudConfig(host="0.0.0.0", insecure=True).insecure
-    pem = tmp_path / "x.pem"
-    assert CloudConfig(host="0.0.0.0", tls_cert_file=pem, tls_key_file=pem).tls_cert_file == pem
+    pem, key = pki.leaf("cloud")
+    assert CloudConfig(host="0.0.0.0", tls_cert_file=pem, tls_key_file=key).tls_cert_file == pem
     with pytest.raises(ValidationError, match="together"):
         CloudConfig(tls_cert_file=pem)
     with pytest.raises(ValidationError, match="cloud_insecure"):
@@ -440,7 +440,7 @@ def test_daemons_refuse_plaintext_on_other_hosts_unless_told(tmp_path):
         EdgeConfig(cloud_target="ipv4:127.0.0.1:50051,10.1.2.3:50051")
     with pytest.raises(ValidationError, match="cloud_replicas entry '10.1.2.4:50051'"):  # the setting it came from
         EdgeConfig(cloud_target="127.0.0.1:50051", cloud_replicas=["10.1.2.4:50051"])
-    assert EdgeConfig(cloud_target="10.1.2.3:50051", cloud_ca_file=pem).cloud_uses_tls
+    assert EdgeConfig(cloud_target="10.1.2.3:50051", cloud_ca_file=pki.ca_file).cloud_uses_tls
     with pytest.raises(ValidationError, match="http_host"):
         EdgeConfig(http_port=8000, http_host="0.0.0.0")
     with pytest.raises(InvalidRequest, match="shorter"):
