@@ -55,6 +55,7 @@ from pydantic_settings import (
 
 from tandem.common.errors import InvalidRequest
 from tandem.common.security import check_tls_files, is_loopback
+from tandem.common.text import find_non_text
 from tandem.common.wire import Codec, WireDtype
 
 README_START = "<!-- config-reference:start -->"
@@ -124,7 +125,17 @@ def checked(check: Callable[..., Any], *args: Any) -> Any:
         raise ValueError(str(e)) from None
 
 
-Bytes = Annotated[ByteSize, Field(ge=0)]
+# Bounds every setting of a kind shares, from what its consumers accept:
+MAX_INT32 = 2**31 - 1  # counts fit the wire's int32 / uint32 fields (chunk tokens, prompt tokens, batch)
+MAX_SECONDS = MAX_INT32 / 1000  # 24.8 days: gRPC takes durations as int32 milliseconds (keepalive)
+MAX_BYTES = 2**63 - 1  # sizes fit the stores' int64 (sqlite) bookkeeping
+Count = Annotated[int, Field(ge=1, le=MAX_INT32)]  # at least one
+Count0 = Annotated[int, Field(ge=0, le=MAX_INT32)]  # zero allowed (each field says what 0 means)
+Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]  # a positive, finite duration
+Seconds0 = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+Millis = Annotated[float, Field(gt=0, le=MAX_SECONDS * 1000, allow_inf_nan=False)]
+Bytes = Annotated[ByteSize, Field(ge=0, le=MAX_BYTES)]
+PositiveBytes = Annotated[ByteSize, Field(gt=0, le=MAX_BYTES)]  # 0 would hold nothing
 Port = Annotated[int, Field(ge=0, le=65535)]
 # optional settings: `none` (any case) or an empty string clears them, from every source
 OptionalPort = Annotated[Port | None, BeforeValidator(_none_str)]
@@ -154,9 +165,8 @@ class DaemonSettings(BaseSettings):
     )
 
     # shared by both daemons: drain, logs, metrics, traces
-    drain_grace_s: float = Field(
+    drain_grace_s: Seconds0 = Field(
         default=30.0,
-        ge=0,
         description="Seconds requests in flight may take to finish after SIGTERM/SIGINT before the stop.",
     )
     log_format: LogFormat = Field(default="text", description="Log lines as text or as one JSON object per line.")
@@ -198,6 +208,16 @@ class DaemonSettings(BaseSettings):
             )
         names = "tls_cert_file/tls_key_file/tls_client_ca_file"
         checked(check_tls_files, self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file, names)
+        return self
+
+    @model_validator(mode="after")
+    def _text_only(self) -> Self:
+        """Every string setting (nested, in lists and maps too) is text: a lone surrogate (an environment
+        variable's undecodable byte) or a NUL would fail where the string is sent or logged."""
+        found = find_non_text(self.model_dump(mode="python"))
+        if found is not None:
+            path, problem = found
+            raise ValueError(f"{'.'.join(str(p) for p in path)}: not valid text: {problem}")
         return self
 
     @model_validator(mode="after")
