@@ -27,6 +27,7 @@ from tandem.common.settings import (
     Count,
     Count0,
     DaemonSettings,
+    ListSetting,
     Port,
     PositiveBytes,
     Seconds,
@@ -158,7 +159,7 @@ class CloudConfig(DaemonSettings):
         "the password in `$TANDEM_CLOUD_STORE_PASSWORD`, never in the URL). Empty: the disk store in `store_dir`.",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
-    extra_split_dirs: list[Path] = Field(
+    extra_split_dirs: ListSetting[Path] = Field(
         default_factory=list,
         description="More split directories of the same model at other split layers: one more tail engine each, "
         "so edges with heads at those k can split too.",
@@ -167,7 +168,7 @@ class CloudConfig(DaemonSettings):
         default=64, description="Tokens per activation chunk on a link whose goodput the edge has not measured."
     )
     max_chunk_tokens: Count = Field(default=256, description="Most tokens per activation chunk on any link.")
-    wire_dtypes: list[WireDtypeSetting] = Field(
+    wire_dtypes: ListSetting[WireDtypeSetting] = Field(
         default=["fp16", "fp32"],
         validate_default=True,
         min_length=1,
@@ -175,7 +176,7 @@ class CloudConfig(DaemonSettings):
         "default allows those whose greedy replies equalled fp32's on at least 99% of `tandem-bench-fidelity`'s "
         "200 chats (fp16: 100%); `fp32` alone keeps every split reply equal to the unsplit model's.",
     )
-    kv_wire_dtypes: list[WireDtypeSetting] = Field(
+    kv_wire_dtypes: ListSetting[WireDtypeSetting] = Field(
         default=["fp16", "fp32"],
         validate_default=True,
         min_length=1,
@@ -183,7 +184,7 @@ class CloudConfig(DaemonSettings):
         "fp16, bf16, int8 (per token and head), int8_hadamard (rows rotated, then int8), int4 (KIVI: keys per "
         "channel, values per token); see `tandem-bench-fidelity` for what each does to greedy output.",
     )
-    codecs: list[CodecSetting] = Field(
+    codecs: ListSetting[CodecSetting] = Field(
         default=["none", "zstd"],
         validate_default=True,
         min_length=1,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import json
 import os
 import sys
 import tomllib
@@ -47,6 +48,7 @@ from pydantic_core import PydanticUndefined
 from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
@@ -98,6 +100,29 @@ def enum_by_name(enum_cls: type[enum.Enum]) -> BeforeValidator:
 
     return BeforeValidator(parse)
 
+
+def split_list(v: Any) -> Any:
+    """A list setting given as one string, from any source: a JSON list (``'["fp16", "fp32"]'``) or
+    a comma list (``fp16,fp32``; spaces around items dropped, ``""`` is the empty list); one item
+    that a source already converted (the command line turns ``--codecs ZSTD`` into the enum) is a
+    list of it."""
+    if v is None or isinstance(v, list | tuple):
+        return v
+    if not isinstance(v, str):
+        return [v]
+    text = v.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"not a JSON list: {e}") from None
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+T = TypeVar("T")
+# a list setting: the same forms from flag, environment and config file (``split_list``); NoDecode
+# keeps the environment source from insisting on JSON
+ListSetting = Annotated[list[T], NoDecode, BeforeValidator(split_list)]
 
 WireDtypeSetting = Annotated[WireDtype, enum_by_name(WireDtype)]  # also "fp16", "FP16"
 CodecSetting = Annotated[Codec, enum_by_name(Codec)]

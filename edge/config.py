@@ -28,6 +28,7 @@ from tandem.common.settings import (
     Count,
     Count0,
     DaemonSettings,
+    ListSetting,
     Millis,
     OptionalPath,
     OptionalPort,
@@ -60,7 +61,7 @@ class EdgeConfig(DaemonSettings):
         description="Split directory (`models/<model>/split-k<k>`): head.onnx + manifest.json; tokenizer from the "
         "full checkpoint.",
     )
-    extra_split_dirs: list[Path] = Field(
+    extra_split_dirs: ListSetting[Path] = Field(
         default_factory=list,
         description="More split directories of the same model (heads at other split layers k); the edge may "
         "split at any k the cloud also serves.",
@@ -76,7 +77,7 @@ class EdgeConfig(DaemonSettings):
     )
     max_prompt_tokens: Count = Field(default=1536, description="Longest prompt accepted, in tokens.")
     cloud_target: str = Field(default="localhost:50051", description="Address of tandem-cloud, `host:port`.")
-    cloud_replicas: list[str] = Field(
+    cloud_replicas: ListSetting[str] = Field(
         default_factory=list,
         description="More `host:port` targets of the same cloud deployment (replicas sharing one block store, "
         "`tandem-cloud --store-url`): each session stays on one replica (rendezvous hashing over those that "
@@ -118,13 +119,13 @@ class EdgeConfig(DaemonSettings):
         le=MAX_PROBE_BYTES,
         description="Padding of the goodput probe at connect, in bytes; 0 = no probe.",
     )
-    wire_dtypes: list[WireDtypeSetting] = Field(
+    wire_dtypes: ListSetting[WireDtypeSetting] = Field(
         default=["fp16", "fp32", "bf16", "int8_hadamard", "int8", "int4"],
         validate_default=True,
         min_length=1,
         description="Activation formats this edge accepts, preferred first (the cloud picks the first it allows).",
     )
-    kv_wire_dtypes: list[WireDtypeSetting] = Field(
+    kv_wire_dtypes: ListSetting[WireDtypeSetting] = Field(
         default=["fp16", "fp32", "bf16", "int8_hadamard", "int8", "int4"],
         validate_default=True,
         min_length=1,
@@ -175,13 +176,13 @@ class EdgeConfig(DaemonSettings):
     )
     http_host: str = Field(default="127.0.0.1", description="Bind address of the OpenAI-compatible HTTP API.")
     http_port: OptionalPort = Field(default=None, description="Port of the OpenAI-compatible HTTP API; `none` = off.")
-    api_keys: list[str] = Field(
+    api_keys: ListSetting[str] = Field(
         default_factory=list,
         description="Bearer tokens (at least 16 characters) clients must send, on gRPC (`authorization: Bearer "
         "...`) and on the HTTP API; each key's sessions are its own. Empty = no authentication. Prefer "
         "`TANDEM_EDGE_API_KEYS='[\"k1\"]'` or the config file over a flag.",
     )
-    http_api_keys: list[str] = Field(
+    http_api_keys: ListSetting[str] = Field(
         default_factory=list,
         description="More bearer tokens the HTTP API accepts, besides `api_keys` (any of them); with both empty, "
         "no authentication. Prefer the "
