@@ -17,6 +17,13 @@ Two hops, the same rules:
   else, where neither is configured, the peer's host (one anonymous principal per
   host). State is scoped by it: a session id or link id of one principal is not
   visible to another (``scoped``).
+* **One identity per caller.** With both API keys and mutual TLS configured, a key is bound
+  to the certificate subject it was issued for: its name (the cloud's ``edge_keys`` maps
+  names to keys) must equal the subject of the certificate the call came with (its common
+  name, else its first subject alternative name: the identity the certificate alone would
+  give). A key presented with another identity's certificate is ``Unauthenticated``, so a
+  caller holding one edge's certificate and another edge's key is neither of them. Keys
+  given as a list carry no name to bind, and are refused together with mutual TLS.
 
 Domain code never sees grpc: servicers call ``Authenticator.identify`` with the call's
 metadata and auth context and get a ``Principal`` or ``Unauthenticated``.
@@ -154,6 +161,7 @@ class ApiKeys:
     MIN_KEY_CHARS = MIN_KEY_CHARS
 
     def __init__(self, keys: Mapping[str, str] | Sequence[str]) -> None:
+        self.named = isinstance(keys, Mapping)  # names given (identities), not derived from the keys
         named = dict(keys) if isinstance(keys, Mapping) else {key_name(k): k for k in keys}
         for name, key in named.items():
             if not name:
@@ -201,12 +209,21 @@ class Authenticator:
 
     Args:
         keys: the API keys; when non-empty, every call must carry one (``Unauthenticated``).
-        client_certs: mutual TLS is on (the handshake already checked the certificate).
+        client_certs: mutual TLS is on (the handshake already checked the certificate); with keys
+            too, each key is bound to the certificate subject that is its name.
+
+    Raises:
+        InvalidRequest: keys without names (a list) together with ``client_certs``.
     """
 
     def __init__(self, keys: ApiKeys | None = None, client_certs: bool = False) -> None:
         self.keys = keys or ApiKeys([])
         self.client_certs = client_certs
+        if self.keys and client_certs and not self.keys.named:
+            raise InvalidRequest(
+                "API keys given as a list name no identity to bind to a client certificate: with mutual TLS, "
+                "name each key by the certificate subject it is for"
+            )
 
     @property
     def required(self) -> bool:
@@ -221,9 +238,13 @@ class Authenticator:
         """The caller's principal.
 
         Raises:
-            Unauthenticated: keys are configured and the call has none or a wrong one; or mutual TLS
-                is on and the auth context has no certificate subject.
+            Unauthenticated: keys are configured and the call has none or a wrong one; mutual TLS is
+                on and the auth context has no certificate subject; or both are on and the key's name
+                is not the certificate's subject.
         """
+        subject = cert_subject(auth_context) if self.client_certs else None
+        if self.client_certs and subject is None:
+            raise Unauthenticated("no verified client certificate")
         if self.keys:
             token = bearer_token(metadata)
             if token is None:
@@ -231,11 +252,10 @@ class Authenticator:
             name = self.keys.identify(token)
             if name is None:
                 raise Unauthenticated("invalid API key")
+            if self.client_certs and name != subject:
+                raise Unauthenticated("the API key was not issued for this client certificate's subject")
             return Principal("key", name)
-        if self.client_certs:
-            subject = cert_subject(auth_context)
-            if subject is None:
-                raise Unauthenticated("no verified client certificate")
+        if subject is not None:
             return Principal("cert", subject)
         return Principal("peer", peer_host or ANONYMOUS)
 

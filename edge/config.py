@@ -239,6 +239,11 @@ class EdgeConfig(DaemonSettings):
     def _cloud_channel_consistent(self) -> Self:
         if (self.cloud_cert_file is None) != (self.cloud_key_file is None):
             raise ValueError("cloud_cert_file and cloud_key_file go together: set both or neither")
+        if self.api_keys and self.tls_client_ca_file is not None:
+            raise ValueError(
+                "api_keys with tls_client_ca_file: keys given as a list name no identity to bind to a client "
+                "certificate (common.security); use one of them"
+            )
         names = "cloud_cert_file/cloud_key_file/cloud_ca_file"
         checked(check_tls_files, self.cloud_cert_file, self.cloud_key_file, self.cloud_ca_file, names)
         if len(set(self.cloud_targets)) != len(self.cloud_targets):
