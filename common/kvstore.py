@@ -414,11 +414,7 @@ class RedisBlockStore(SealedStore):
     ):
         import redis
 
-        parts = urlsplit(url)
-        if parts.scheme not in ("redis", "rediss"):
-            raise InvalidRequest(f"store URL {url!r}: only redis:// and rediss:// are supported")
-        if parts.password:
-            raise InvalidRequest(f"store URL must not carry a password: put it in ${PASSWORD_ENV}")
+        check_store_url(url)
         self.url, self.prefix, self.size_limit_bytes = url, prefix, size_limit_bytes
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self._pins_key, self._pinned_key = prefix + "pins", prefix + "pinned"
@@ -526,6 +522,24 @@ class RedisBlockStore(SealedStore):
 
     def close(self) -> None:
         self._r.close()
+
+
+def check_store_url(url: str) -> str:
+    """``url`` if it can name a Redis block store: ``redis://`` or ``rediss://``, with no password in it.
+
+    Raises:
+        InvalidRequest: otherwise.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        raise InvalidRequest(f"store URL {url!r}: only redis:// and rediss:// are supported")
+    if parts.password:
+        raise InvalidRequest(f"store URL must not carry a password: put it in ${PASSWORD_ENV}")
+    try:
+        parts.port  # noqa: B018 (raises on a port that is not a number in 0..65535)
+    except ValueError as e:
+        raise InvalidRequest(f"store URL {url!r}: {e}") from None
+    return url
 
 
 def open_store(url: str, directory: Path | str, size_limit_bytes: int) -> SealedStore:

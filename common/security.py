@@ -17,6 +17,13 @@ Two hops, the same rules:
   else, where neither is configured, the peer's host (one anonymous principal per
   host). State is scoped by it: a session id or link id of one principal is not
   visible to another (``scoped``).
+* **One identity per caller.** With both API keys and mutual TLS configured, a key is bound
+  to the certificate subject it was issued for: its name (the cloud's ``edge_keys`` maps
+  names to keys) must equal the subject of the certificate the call came with (its common
+  name, else its first subject alternative name: the identity the certificate alone would
+  give). A key presented with another identity's certificate is ``Unauthenticated``, so a
+  caller holding one edge's certificate and another edge's key is neither of them. Keys
+  given as a list carry no name to bind, and are refused together with mutual TLS.
 
 Domain code never sees grpc: servicers call ``Authenticator.identify`` with the call's
 metadata and auth context and get a ``Principal`` or ``Unauthenticated``.
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +41,17 @@ from pathlib import Path
 from tandem.common.errors import InvalidRequest, Unauthenticated
 from tandem.security import is_loopback
 
-__all__ = ["ANONYMOUS_PEER", "ApiKeys", "Authenticator", "Principal", "is_loopback", "scoped"]
+__all__ = [
+    "ANONYMOUS_PEER",
+    "ApiKeys",
+    "Authenticator",
+    "Principal",
+    "check_key",
+    "check_target",
+    "check_tls_files",
+    "is_loopback",
+    "scoped",
+]
 
 BEARER = "bearer "
 ANONYMOUS = "anonymous"
@@ -110,6 +128,24 @@ def key_name(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
+MIN_KEY_CHARS = 16
+
+
+def check_key(key: str, name: str) -> str:
+    """``key`` if it can be a bearer token: at least ``MIN_KEY_CHARS`` characters (shorter ones are
+    guessable), printable ASCII without spaces (it travels in an ``authorization`` header, which
+    gRPC metadata and HTTP carry as ASCII).
+
+    Raises:
+        InvalidRequest: otherwise; the message names the key by ``name``, never shows it.
+    """
+    if len(key) < MIN_KEY_CHARS:
+        raise InvalidRequest(f"{name} is shorter than {MIN_KEY_CHARS} characters")
+    if not all("!" <= c <= "~" for c in key):
+        raise InvalidRequest(f"{name} must be printable ASCII without spaces (it is sent in a header)")
+    return key
+
+
 class ApiKeys:
     """Named bearer tokens. ``identify`` compares a presented token with every key in constant
     time (no early exit: the time does not depend on which key, if any, matched).
@@ -119,16 +155,18 @@ class ApiKeys:
             reordered or grows, so each key's sessions stay its own).
 
     Raises:
-        InvalidRequest: an empty key, or keys shorter than 16 characters (guessable).
+        InvalidRequest: a key ``check_key`` refuses, or an empty name.
     """
 
-    MIN_KEY_CHARS = 16
+    MIN_KEY_CHARS = MIN_KEY_CHARS
 
     def __init__(self, keys: Mapping[str, str] | Sequence[str]) -> None:
+        self.named = isinstance(keys, Mapping)  # names given (identities), not derived from the keys
         named = dict(keys) if isinstance(keys, Mapping) else {key_name(k): k for k in keys}
         for name, key in named.items():
-            if len(key) < self.MIN_KEY_CHARS:
-                raise InvalidRequest(f"API key {name!r} is shorter than {self.MIN_KEY_CHARS} characters")
+            if not name:
+                raise InvalidRequest("an API key's name (the identity it stands for) is empty")
+            check_key(key, f"API key {name!r}")
         self._keys = [(name, key.encode()) for name, key in named.items()]
 
     def __bool__(self) -> bool:
@@ -171,12 +209,21 @@ class Authenticator:
 
     Args:
         keys: the API keys; when non-empty, every call must carry one (``Unauthenticated``).
-        client_certs: mutual TLS is on (the handshake already checked the certificate).
+        client_certs: mutual TLS is on (the handshake already checked the certificate); with keys
+            too, each key is bound to the certificate subject that is its name.
+
+    Raises:
+        InvalidRequest: keys without names (a list) together with ``client_certs``.
     """
 
     def __init__(self, keys: ApiKeys | None = None, client_certs: bool = False) -> None:
         self.keys = keys or ApiKeys([])
         self.client_certs = client_certs
+        if self.keys and client_certs and not self.keys.named:
+            raise InvalidRequest(
+                "API keys given as a list name no identity to bind to a client certificate: with mutual TLS, "
+                "name each key by the certificate subject it is for"
+            )
 
     @property
     def required(self) -> bool:
@@ -191,9 +238,13 @@ class Authenticator:
         """The caller's principal.
 
         Raises:
-            Unauthenticated: keys are configured and the call has none or a wrong one; or mutual TLS
-                is on and the auth context has no certificate subject.
+            Unauthenticated: keys are configured and the call has none or a wrong one; mutual TLS is
+                on and the auth context has no certificate subject; or both are on and the key's name
+                is not the certificate's subject.
         """
+        subject = cert_subject(auth_context) if self.client_certs else None
+        if self.client_certs and subject is None:
+            raise Unauthenticated("no verified client certificate")
         if self.keys:
             token = bearer_token(metadata)
             if token is None:
@@ -201,13 +252,63 @@ class Authenticator:
             name = self.keys.identify(token)
             if name is None:
                 raise Unauthenticated("invalid API key")
+            if self.client_certs and name != subject:
+                raise Unauthenticated("the API key was not issued for this client certificate's subject")
             return Principal("key", name)
-        if self.client_certs:
-            subject = cert_subject(auth_context)
-            if subject is None:
-                raise Unauthenticated("no verified client certificate")
+        if subject is not None:
             return Principal("cert", subject)
         return Principal("peer", peer_host or ANONYMOUS)
+
+
+_TARGET_SCHEMES = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "dns:")
+
+
+def check_target(target: str, what: str) -> str:
+    """``target`` if gRPC can dial it as meant: ``host:port``, ``[v6]:port``, or a gRPC scheme form
+    (``dns:``, ``ipv4:``, ``ipv6:``, ``unix:``). A target without a port is refused: gRPC would dial
+    port 443.
+
+    Raises:
+        InvalidRequest: otherwise (the message names ``what``).
+    """
+    t = target.strip()
+    if t.startswith(_TARGET_SCHEMES) and t.split(":", 1)[1].strip("/"):
+        return target
+    host, sep, port = t.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or any(c.isspace() for c in host) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidRequest(f"{what} {target!r} is not host:port (or [IPv6]:port) with a port in 1..65535")
+    return target
+
+
+def check_tls_files(cert_file: Path | None, key_file: Path | None, ca_file: Path | None, names: str) -> None:
+    """The PEM files of one TLS endpoint load: ``cert_file`` with its ``key_file`` (a certificate
+    chain and the private key that matches it) and ``ca_file`` (certificates to verify the peer);
+    each may be None. ``names`` are the settings' names, ``cert/key/ca`` (``tls_cert_file/...``).
+
+    Raises:
+        InvalidRequest: a file is missing or unreadable, not PEM, or the key is not the certificate's.
+    """
+    cert_name, key_name_, ca_name = names.split("/")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    if cert_file is not None and key_file is not None:
+        read_file(cert_file, cert_name)
+        read_file(key_file, key_name_)
+        try:
+            ctx.load_cert_chain(cert_file, key_file, password=lambda: b"")
+        except (ssl.SSLError, OSError) as e:
+            raise InvalidRequest(
+                f"{cert_name} {cert_file} and {key_name_} {key_file} do not load as a PEM certificate chain and "
+                f"its unencrypted private key: {getattr(e, 'reason', None) or e}"
+            ) from None
+    if ca_file is not None:
+        read_file(ca_file, ca_name)
+        try:
+            ctx.load_verify_locations(cafile=ca_file)
+        except (ssl.SSLError, OSError) as e:
+            reason = getattr(e, "reason", None) or e
+            raise InvalidRequest(f"{ca_name} {ca_file} does not load as PEM certificates: {reason}") from None
 
 
 def expand_path(path: Path) -> Path:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import json
 import os
 import sys
 import tomllib
@@ -48,13 +49,16 @@ from pydantic_core import PydanticUndefined
 from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
     TomlConfigSettingsSource,
 )
 
-from tandem.common.security import is_loopback
+from tandem.common.errors import InvalidRequest
+from tandem.common.security import check_tls_files, is_loopback
+from tandem.common.text import find_non_text
 from tandem.common.wire import Codec, WireDtype
 
 
@@ -95,6 +99,29 @@ def enum_by_name(enum_cls: type[enum.Enum]) -> BeforeValidator:
     return BeforeValidator(parse)
 
 
+def split_list(v: Any) -> Any:
+    """A list setting given as one string, from any source: a JSON list (``'["fp16", "fp32"]'``) or
+    a comma list (``fp16,fp32``; spaces around items dropped, ``""`` is the empty list); one item
+    that a source already converted (the command line turns ``--codecs ZSTD`` into the enum) is a
+    list of it."""
+    if v is None or isinstance(v, list | tuple):
+        return v
+    if not isinstance(v, str):
+        return [v]
+    text = v.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"not a JSON list: {e}") from None
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+T = TypeVar("T")
+# a list setting: the same forms from flag, environment and config file (``split_list``); NoDecode
+# keeps the environment source from insisting on JSON
+ListSetting = Annotated[list[T], NoDecode, BeforeValidator(split_list)]
+
 WireDtypeSetting = Annotated[WireDtype, enum_by_name(WireDtype)]  # also "fp16", "FP16"
 CodecSetting = Annotated[Codec, enum_by_name(Codec)]
 
@@ -112,7 +139,26 @@ def _none_str(v: Any) -> Any:
     return None if isinstance(v, str) and v.strip().lower() in ("", "none") else v
 
 
-Bytes = Annotated[ByteSize, Field(ge=0)]
+def checked(check: Callable[..., Any], *args: Any) -> Any:
+    """``check(*args)``, a check shared with run time that raises ``InvalidRequest``, as a pydantic
+    validator: its error becomes a ``ValueError`` (one line of the settings' error)."""
+    try:
+        return check(*args)
+    except InvalidRequest as e:
+        raise ValueError(str(e)) from None
+
+
+# Bounds every setting of a kind shares, from what its consumers accept:
+MAX_INT32 = 2**31 - 1  # counts fit the wire's int32 / uint32 fields (chunk tokens, prompt tokens, batch)
+MAX_SECONDS = MAX_INT32 / 1000  # 24.8 days: gRPC takes durations as int32 milliseconds (keepalive)
+MAX_BYTES = 2**63 - 1  # sizes fit the stores' int64 (sqlite) bookkeeping
+Count = Annotated[int, Field(ge=1, le=MAX_INT32)]  # at least one
+Count0 = Annotated[int, Field(ge=0, le=MAX_INT32)]  # zero allowed (each field says what 0 means)
+Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]  # a positive, finite duration
+Seconds0 = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
+Millis = Annotated[float, Field(gt=0, le=MAX_SECONDS * 1000, allow_inf_nan=False)]
+Bytes = Annotated[ByteSize, Field(ge=0, le=MAX_BYTES)]
+PositiveBytes = Annotated[ByteSize, Field(gt=0, le=MAX_BYTES)]  # 0 would hold nothing
 Port = Annotated[int, Field(ge=0, le=65535)]
 # optional settings: `none` (any case) or an empty string clears them, from every source
 OptionalPort = Annotated[Port | None, BeforeValidator(_none_str)]
@@ -142,9 +188,8 @@ class DaemonSettings(BaseSettings):
     )
 
     # shared by both daemons: drain, logs, metrics, traces
-    drain_grace_s: float = Field(
+    drain_grace_s: Seconds0 = Field(
         default=30.0,
-        ge=0,
         description="Seconds requests in flight may take to finish after SIGTERM/SIGINT before the stop.",
     )
     log_format: LogFormat = Field(default="text", description="Log lines as text or as one JSON object per line.")
@@ -184,6 +229,31 @@ class DaemonSettings(BaseSettings):
                 f"host {host!r} is not a loopback address: set tls_cert_file/tls_key_file, or insecure = true "
                 "to serve plaintext explicitly"
             )
+        names = "tls_cert_file/tls_key_file/tls_client_ca_file"
+        checked(check_tls_files, self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file, names)
+        return self
+
+    @model_validator(mode="after")
+    def _text_only(self) -> Self:
+        """Every string setting (nested, in lists and maps too) is text: a lone surrogate (an environment
+        variable's undecodable byte) or a NUL would fail where the string is sent or logged."""
+        found = find_non_text(self.model_dump(mode="python"))
+        if found is not None:
+            path, problem = found
+            raise ValueError(f"{'.'.join(str(p) for p in path)}: not valid text: {problem}")
+        return self
+
+    @model_validator(mode="after")
+    def _ports_distinct(self) -> Self:
+        """Two servers of this daemon on one port: the second bind would fail after the model loaded."""
+        bound: dict[int, tuple[str, str]] = {}
+        for port_name, host_name in (("port", "host"), ("metrics_port", "metrics_host"), ("http_port", "http_host")):
+            port, host = getattr(self, port_name, None), getattr(self, host_name, None)
+            if not port or host is None:
+                continue  # off, or any free port
+            if port in bound and _hosts_overlap(host, bound[port][1]):
+                raise ValueError(f"{port_name} and {bound[port][0]} are both {port}: each server needs its own port")
+            bound[port] = (port_name, host)
         return self
 
     @classmethod
@@ -197,6 +267,12 @@ class DaemonSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The CLI source, when there is one, is put in front of these by pydantic-settings.
         return init_settings, env_settings, TomlFileSource(settings_cls, config_file(settings_cls))
+
+
+def _hosts_overlap(a: str, b: str) -> bool:
+    """Binds on ``a`` and ``b`` can collide: the same host, or either is a wildcard address."""
+    wild = ("", "0.0.0.0", "::", "[::]")
+    return a == b or a in wild or b in wild
 
 
 # The config file chosen by ``--config`` while ``parse_command_line`` builds the settings.
@@ -360,6 +436,24 @@ def check_split_dir(split_dir: Path, parts: Sequence[str]) -> None:
         path = manifest.resolve(split_dir, getattr(manifest, part))
         if not path.exists():
             raise UserError(f"split dir {split_dir}: {part} {path} is missing")
+
+
+def check_split_dirs(split_dirs: Sequence[Path], parts: Sequence[str]) -> None:
+    """``check_split_dir`` for each, and all of them cuts of one model (weights and shape), as the
+    daemons require when they load them.
+
+    Raises:
+        UserError: otherwise.
+    """
+    from tandem.common.manifest import SplitManifest
+
+    for d in split_dirs:
+        check_split_dir(d, parts)
+    first = SplitManifest.load(split_dirs[0])
+    for d in split_dirs[1:]:
+        m = SplitManifest.load(d)
+        if m.weights_blake3 != first.weights_blake3 or m.shape != first.shape:
+            raise UserError(f"split dir {d} holds another model than {split_dirs[0]}: all must be one model's")
 
 
 def setup_observability(settings: Any, service_name: str) -> None:

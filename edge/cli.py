@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.common.errors import TandemError
-from tandem.common.settings import check_split_dir, parse_command_line, run_cli, setup_observability
+from tandem.common.settings import check_split_dirs, parse_command_line, run_cli, setup_observability
 from tandem.edge.config import EdgeConfig
 
 PROG = "tandem-edge"
@@ -51,10 +51,11 @@ async def serve(cfg: EdgeConfig, ready_file: Path | None, grace_s: float | None 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the command line (raises ``UserError``), check the split directory, serve."""
+    """Parse the command line and check what can be checked before any model loads (the settings:
+    ``EdgeConfig``'s validators; the split directories, one model's); ``UserError`` for any; serve."""
     run = parse_command_line(EdgeConfig, PROG, argv, description=__doc__ or "")
     cfg = run.settings
-    check_split_dir(cfg.split_dir, ("head_onnx", "tokenizer_path"))
+    check_split_dirs([cfg.split_dir, *cfg.extra_split_dirs], ("head_onnx", "tokenizer_path"))
     setup_observability(cfg, PROG)
     try:
         asyncio.run(serve(cfg, run.ready_file, cfg.drain_grace_s))

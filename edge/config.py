@@ -12,23 +12,40 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from tandem.common.security import is_loopback
+from tandem.common.security import (
+    MAX_SCOPED_BYTES,
+    ApiKeys,
+    check_key,
+    check_target,
+    check_tls_files,
+    is_loopback,
+)
 from tandem.common.settings import (
     Bytes,
+    Count,
+    Count0,
     DaemonSettings,
+    ListSetting,
+    Millis,
     OptionalPath,
     OptionalPort,
     OptionalStr,
     Port,
+    PositiveBytes,
+    Seconds,
+    Seconds0,
     WireDtypeSetting,
+    checked,
     kib,
     mib,
 )
 
 DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
+MAX_PROBE_BYTES = 1 << 20  # the padding a cloud accepts in a goodput probe (cloud.gateway.MAX_PROBE_BYTES)
+MAX_ID_BYTES = MAX_SCOPED_BYTES  # the ids a cloud accepts (an edge id longer is refused in Negotiate)
 
 
 class EdgeConfig(DaemonSettings):
@@ -44,7 +61,7 @@ class EdgeConfig(DaemonSettings):
         description="Split directory (`models/<model>/split-k<k>`): head.onnx + manifest.json; tokenizer from the "
         "full checkpoint.",
     )
-    extra_split_dirs: list[Path] = Field(
+    extra_split_dirs: ListSetting[Path] = Field(
         default_factory=list,
         description="More split directories of the same model (heads at other split layers k); the edge may "
         "split at any k the cloud also serves.",
@@ -58,9 +75,9 @@ class EdgeConfig(DaemonSettings):
         default=None,
         description="The whole model in ONNX for local mode; default `edge-full.onnx` beside the split directory.",
     )
-    max_prompt_tokens: int = Field(default=1536, ge=1, description="Longest prompt accepted, in tokens.")
+    max_prompt_tokens: Count = Field(default=1536, description="Longest prompt accepted, in tokens.")
     cloud_target: str = Field(default="localhost:50051", description="Address of tandem-cloud, `host:port`.")
-    cloud_replicas: list[str] = Field(
+    cloud_replicas: ListSetting[str] = Field(
         default_factory=list,
         description="More `host:port` targets of the same cloud deployment (replicas sharing one block store, "
         "`tandem-cloud --store-url`): each session stays on one replica (rendezvous hashing over those that "
@@ -89,81 +106,83 @@ class EdgeConfig(DaemonSettings):
     cloud_insecure: bool = Field(
         default=False, description="Allow plaintext to a cloud target that is not a loopback address."
     )
-    connect_timeout_s: float = Field(
+    connect_timeout_s: Seconds0 = Field(
         default=10.0,
-        ge=0,
         description="Seconds to wait at start-up for the first negotiation; the edge starts anyway (local mode, "
         "degraded) and keeps reconnecting in the background.",
     )
-    poll_s: float = Field(
-        default=2.0, gt=0, description="Seconds between GetServerInfo polls (cloud load, link params, RTT)."
+    poll_s: Seconds = Field(
+        default=2.0, description="Seconds between GetServerInfo polls (cloud load, link params, RTT)."
     )
     probe_bytes: Bytes = Field(
-        default=kib(256), description="Padding of the goodput probe at connect, in bytes; 0 = no probe."
+        default=kib(256),
+        le=MAX_PROBE_BYTES,
+        description="Padding of the goodput probe at connect, in bytes; 0 = no probe.",
     )
-    wire_dtypes: list[WireDtypeSetting] = Field(
+    wire_dtypes: ListSetting[WireDtypeSetting] = Field(
         default=["fp16", "fp32", "bf16", "int8_hadamard", "int8", "int4"],
         validate_default=True,
         min_length=1,
         description="Activation formats this edge accepts, preferred first (the cloud picks the first it allows).",
     )
-    kv_wire_dtypes: list[WireDtypeSetting] = Field(
+    kv_wire_dtypes: ListSetting[WireDtypeSetting] = Field(
         default=["fp16", "fp32", "bf16", "int8_hadamard", "int8", "int4"],
         validate_default=True,
         min_length=1,
         description="Head-KV block formats this edge accepts, preferred first (the cloud picks the first it allows).",
     )
     hysteresis: float = Field(
-        default=0.05, ge=0, description="Auto mode keeps its last mode unless another is predicted this much faster."
-    )
-    explore_every: int = Field(
-        default=50,
+        default=0.05,
         ge=0,
+        lt=1,
+        allow_inf_nan=False,  # a mode predicted 100% faster would still not be taken
+        description="Auto mode keeps its last mode unless another is predicted this much faster.",
+    )
+    explore_every: Count0 = Field(
+        default=50,
         description="A mode predicted within 1.5x of the best that served nothing in this many auto choices runs "
         "once (keeps the cost model calibrated); 0 = never.",
     )
     host: str = Field(default="127.0.0.1", description="gRPC bind address; `0.0.0.0` listens on all interfaces.")
     port: Port = Field(default=50061, description="gRPC port; 0 = any free port (see `--ready-file`).")
-    edge_id: str = Field(default="tandem-edge", description="Name this edge reports in Negotiate.")
-    max_batch: int = Field(default=8, ge=1, description="Rows per ONNX head call.")
-    intra_op_threads: int = Field(default=0, ge=0, description="ONNX Runtime intra-op threads; 0 = its default.")
-    pipeline_tokens: int = Field(
+    edge_id: str = Field(default="tandem-edge", min_length=1, description="Name this edge reports in Negotiate.")
+    max_batch: Count = Field(default=8, description="Rows per ONNX head call.")
+    intra_op_threads: Count0 = Field(default=0, description="ONNX Runtime intra-op threads; 0 = its default.")
+    pipeline_tokens: Count0 = Field(
         default=128,
-        ge=0,
         description="Head tokens per piece of a pipelined split turn: a turn with at least twice this many new "
         "tokens, whose upload the cost model predicts to outlast its head, runs the head piece by piece, each "
         "piece's chunks and KV blocks on the wire while the next is computed; 0 = the head always runs whole first.",
     )
-    max_sessions: int = Field(default=256, ge=1, description="Multi-turn sessions kept (LRU beyond).")
-    session_bytes: Bytes = Field(
+    max_sessions: Count = Field(default=256, description="Multi-turn sessions kept (LRU beyond).")
+    session_bytes: PositiveBytes = Field(
         default=mib(512), description="Head KV + activations kept for sessions, all together, in bytes (LRU beyond)."
     )
-    keepalive_time_s: float = Field(
-        default=5.0, gt=0, description="Seconds without a ping before the edge pings the cloud (HTTP/2 keepalive)."
+    keepalive_time_s: Seconds = Field(
+        default=5.0, description="Seconds without a ping before the edge pings the cloud (HTTP/2 keepalive)."
     )
-    keepalive_timeout_s: float = Field(
+    keepalive_timeout_s: Seconds = Field(
         default=5.0,
-        gt=0,
         description="Seconds to wait for a ping's ack; then the link is dead and calls fail UNAVAILABLE.",
     )
-    turn_timeout_s: float = Field(
-        default=300.0, gt=0, description="Deadline in seconds of one call to the cloud when the client set none."
+    turn_timeout_s: Seconds = Field(
+        default=300.0, description="Deadline in seconds of one call to the cloud when the client set none."
     )
-    ttft_slo_ms: float = Field(
-        default=1000.0, gt=0, description="Time-to-first-token objective reported in Negotiate, in ms."
+    ttft_slo_ms: Millis = Field(
+        default=1000.0, description="Time-to-first-token objective reported in Negotiate, in ms."
     )
-    itl_p99_slo_ms: float = Field(
-        default=200.0, gt=0, description="p99 inter-token latency objective reported in Negotiate, in ms."
+    itl_p99_slo_ms: Millis = Field(
+        default=200.0, description="p99 inter-token latency objective reported in Negotiate, in ms."
     )
     http_host: str = Field(default="127.0.0.1", description="Bind address of the OpenAI-compatible HTTP API.")
     http_port: OptionalPort = Field(default=None, description="Port of the OpenAI-compatible HTTP API; `none` = off.")
-    api_keys: list[str] = Field(
+    api_keys: ListSetting[str] = Field(
         default_factory=list,
         description="Bearer tokens (at least 16 characters) clients must send, on gRPC (`authorization: Bearer "
         "...`) and on the HTTP API; each key's sessions are its own. Empty = no authentication. Prefer "
         "`TANDEM_EDGE_API_KEYS='[\"k1\"]'` or the config file over a flag.",
     )
-    http_api_keys: list[str] = Field(
+    http_api_keys: ListSetting[str] = Field(
         default_factory=list,
         description="More bearer tokens the HTTP API accepts, besides `api_keys` (any of them); with both empty, "
         "no authentication. Prefer the "
@@ -179,10 +198,54 @@ class EdgeConfig(DaemonSettings):
     def cloud_uses_tls(self) -> bool:
         return self.cloud_tls or self.cloud_ca_file is not None or self.cloud_cert_file is not None
 
+    @field_validator("api_keys", "http_api_keys")
+    @classmethod
+    def _keys(cls, v: list[str]) -> list[str]:
+        checked(ApiKeys, v)
+        return v
+
+    @field_validator("cloud_api_key")
+    @classmethod
+    def _cloud_key(cls, v: str | None) -> str | None:
+        return v if v is None else checked(check_key, v, "cloud_api_key")
+
+    @field_validator("edge_id")
+    @classmethod
+    def _edge_id(cls, v: str) -> str:
+        if len(v.encode(errors="surrogatepass")) > MAX_ID_BYTES:
+            raise ValueError(f"at most {MAX_ID_BYTES} bytes (UTF-8): a cloud refuses longer ids")
+        return v
+
+    @field_validator("cloud_target")
+    @classmethod
+    def _target(cls, v: str) -> str:
+        return checked(check_target, v, "cloud_target")
+
+    @field_validator("cloud_replicas")
+    @classmethod
+    def _replicas(cls, v: list[str]) -> list[str]:
+        for t in v:
+            checked(check_target, t, "cloud_replicas entry")
+        return v
+
+    @field_validator("local_model")
+    @classmethod
+    def _local_model(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_file():
+            raise ValueError(f"{v} is not a file (the whole model in ONNX)")
+        return v
+
     @model_validator(mode="after")
     def _cloud_channel_consistent(self) -> Self:
         if (self.cloud_cert_file is None) != (self.cloud_key_file is None):
             raise ValueError("cloud_cert_file and cloud_key_file go together: set both or neither")
+        if self.api_keys and self.tls_client_ca_file is not None:
+            raise ValueError(
+                "api_keys with tls_client_ca_file: keys given as a list name no identity to bind to a client "
+                "certificate (common.security); use one of them"
+            )
+        names = "cloud_cert_file/cloud_key_file/cloud_ca_file"
+        checked(check_tls_files, self.cloud_cert_file, self.cloud_key_file, self.cloud_ca_file, names)
         if len(set(self.cloud_targets)) != len(self.cloud_targets):
             raise ValueError(f"cloud targets must differ: {self.cloud_targets}")
         remote = [t for t in self.cloud_targets if not is_loopback(t)]

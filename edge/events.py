@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from tandem.common.errors import InvalidRequest
 from tandem.common.modes import Mode
 from tandem.common.params import MAX_STOP_TOKENS, MAX_TEMPERATURE, Sampling
+from tandem.common.text import check_text
 from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tandem.pbconv import to_pb
 from tandem.stages import Timings, timings_to_wire
@@ -21,7 +22,13 @@ ROLES = ("system", "user", "assistant")
 
 @dataclass(frozen=True)
 class ChatTurn:
-    """One request from the SDK: ``messages`` (chat template applied) or a raw ``prompt``."""
+    """One request from the SDK: ``messages`` (chat template applied) or a raw ``prompt``.
+
+    Every string is text (``common.text``), whichever API built the turn.
+
+    Raises:
+        InvalidRequest: a role, content, prompt, session id or stop string that is not text.
+    """
 
     messages: tuple[tuple[str, str], ...] = ()
     prompt: str = ""
@@ -31,12 +38,21 @@ class ChatTurn:
     stop: tuple[str, ...] = ()  # stop strings (the output ends before the first; not included)
     split_layer: int = 0  # with mode split: the k to use (0 = the edge's choice)
 
+    def __post_init__(self) -> None:
+        for i, (role, content) in enumerate(self.messages):
+            check_text(role, f"messages[{i}].role")
+            check_text(content, f"messages[{i}].content")
+        check_text(self.prompt, "prompt")
+        check_text(self.session_id, "session_id")
+        for i, s in enumerate(self.stop):
+            check_text(s, f"stop[{i}]")
+
     @classmethod
     def from_pb(cls, r: pb.ChatRequest) -> ChatTurn:
-        """Raises InvalidRequest for unknown roles or mode, or bad sampling values."""
-        for m in r.messages:
-            if m.role not in ROLES:
-                raise InvalidRequest(f"message role {m.role!r} not in {ROLES}")
+        """Raises InvalidRequest for unknown roles or mode, bad sampling values, or strings that are not text."""
+        for i, m in enumerate(r.messages):
+            if check_text(m.role, f"messages[{i}].role") not in ROLES:
+                raise InvalidRequest(f"messages[{i}].role: {m.role!r} is not one of {ROLES}")
         mode = Mode.from_pb(r.mode)
         if r.split_layer and mode is not Mode.SPLIT:
             raise InvalidRequest("split_layer is for mode split only")

@@ -27,11 +27,20 @@ not). The last response / chunk with a ``finish_reason`` has a non-standard fiel
 OpenAI clients ignore it (``response.model_extra["tandem"]``). Every response has the header
 ``x-tandem-session``.
 
-Errors: ``{"error": {"message", "type", "param", "code"}}``. Tandem's domain errors map to statuses
-(``InvalidRequest`` 400, ``QuotaExceeded`` 429, ``EngineError`` 503, ``UploadTimeout`` /
-``DeadlineExceeded`` 504, the rest 500; ``code`` is the error's class name); request validation errors
-are 400 (not FastAPI's 422); an unknown model is 404; with ``api_keys`` set, a missing or wrong
-``Authorization: Bearer`` key is 401 (keys compared in constant time).
+Errors (``edge.openai_errors``): ``{"error": {"message", "type", "param", "code"}}`` as OpenAI writes
+them: ``type`` ``invalid_request_error`` for what the client can fix, ``param`` the parameter at fault
+(``messages.[1].role``), ``code`` OpenAI's (``invalid_value``, ``invalid_type``,
+``missing_required_parameter``, ``integer_above_max_value``...). Validation errors are 400 (not
+FastAPI's 422), a body over 4 MiB 413, an unknown model 404 (``model_not_found``); with ``api_keys``
+set, a missing or wrong ``Authorization: Bearer`` key is 401 (``invalid_api_key``; keys compared in
+constant time). Tandem's domain errors map to statuses (``InvalidRequest`` and ``ModeUnavailable``
+400, ``QuotaExceeded`` 429, ``EngineError`` 503, ``UploadTimeout`` / ``DeadlineExceeded`` 504, the
+rest 500), their ``code`` the error's class name. Every string of a body must be text
+(``common.text``: no lone surrogate, no NUL).
+
+Modules: ``edge.openai_requests`` (request models, request -> turn), ``edge.openai_responses``
+(response and chunk shapes), ``edge.openai_errors`` (error shapes), this one (the app, streaming,
+serving).
 
 Sessions map onto the conversation. OpenAI clients resend the whole conversation every turn and name
 no session, so the edge derives one from the conversation's opening:
@@ -64,339 +73,48 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import hashlib
 import hmac
-import json
 import logging
 import secrets
 import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from tandem.common import errors as e
 from tandem.common.logs import set_ids
 from tandem.common.modes import Mode
-from tandem.common.params import MAX_STOP_TOKENS, Sampling
-from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from tandem.common.text import check_text
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.node import EdgeNode
-from tandem.stages import timings_to_wire
+from tandem.edge.openai_errors import ApiError, BodyLimit, add_error_handlers, api_error_of
+from tandem.edge.openai_requests import (
+    ChatRequest,
+    CompletionRequest,
+    RequestBase,
+    chat_messages,
+    chat_opening,
+    conversation_session_id,
+    prompt_of,
+    refuse_unsupported,
+    sampling,
+    stops,
+)
+from tandem.edge.openai_responses import Call, collect, finish_reason, sse, tandem_extra, usage_of
 
 log = logging.getLogger("tandem.edge.openai")
 
 OPENING_CHARS = 64  # characters of a completion prompt that name its session
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
-ROLE_OF = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-T = TypeVar("T")
-
-
-# ---------------------------------------------------------------- errors
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-# most specific first: the first class in an error's MRO found here decides
-STATUS_OF: dict[type[e.TandemError], tuple[int, str]] = {
-    e.CorruptPayload: (500, "server_error"),  # the edge's own payload, not the client's request
-    e.InvalidRequest: (400, "invalid_request_error"),
-    e.QuotaExceeded: (429, "rate_limit_error"),
-    e.EngineError: (503, "service_unavailable_error"),
-    e.UploadTimeout: (504, "timeout_error"),  # DeadlineExceeded too
-}
-
-
-def api_error_of(err: e.TandemError) -> ApiError:
-    """The HTTP status and OpenAI error type of a domain error (500 server_error if unmapped)."""
-    status, type_ = next((STATUS_OF[c] for c in type(err).__mro__ if c in STATUS_OF), (500, "server_error"))
-    return ApiError(status, str(err) or err.wire_name, type_, None, err.wire_name)
-
-
 MAX_BODY_BYTES = 4 << 20  # as the edge's gRPC message limit: a conversation of a few MB of text
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` (announced or streamed) is answered 413 in
-    OpenAI's shape before it is buffered, so request size never sets the edge's memory."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await self._too_large(scope, receive, send)
-        seen = 0
-
-        async def limited() -> Any:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise ApiError(413, f"request body over {self.max_bytes} bytes")
-            return message
-
-        await self.app(scope, limited, send)
-
-    async def _too_large(self, scope: Any, receive: Any, send: Any) -> None:
-        err = ApiError(413, f"request body over {self.max_bytes} bytes")
-        await _error_response(err)(scope, receive, send)
-
-
-def _error_response(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
-
-
-def _validation_error(exc: RequestValidationError) -> ApiError:
-    errs = list(exc.errors())
-    if not errs:
-        return ApiError(400, "invalid request")
-    first = errs[0]
-    loc = [str(x) for x in first.get("loc", ())]
-    param = ".".join(loc[1:] if loc and loc[0] == "body" else loc) or None
-    more = f" (and {len(errs) - 1} more errors)" if len(errs) > 1 else ""
-    msg = first.get("msg", "invalid value")
-    return ApiError(400, f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param, code="invalid_value")
-
-
-# ---------------------------------------------------------------- request models
-
-
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")  # fields this API does not know are ignored
-
-
-class StreamOptions(_Open):
-    include_usage: bool = False
-
-
-class ChatMessage(_Open):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class _Common(_Open):
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    n: int | None = 1
-    user: str | None = Field(None, max_length=256)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    # vLLM-style extras
-    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
-    ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**32 - 1)]] | None = Field(None, max_length=MAX_STOP_TOKENS)
-    session_id: str | None = Field(None, max_length=128)
-    # tandem's serving mode (``ChatRequest.mode`` of the gRPC API); "auto" lets the edge choose
-    mode: Literal["auto", "local", "split", "direct"] = "auto"
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
-
-
-class CompletionRequest(_Common):
-    prompt: Any
-    echo: bool | None = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-# ---------------------------------------------------------------- request -> turn
-
-
-def conversation_session_id(secret: bytes, parts: Sequence[str]) -> str:
-    """The edge session of a conversation named by ``parts`` (see the module docstring)."""
-    digest = hmac.new(secret, json.dumps(list(parts)).encode(), hashlib.sha256).hexdigest()
-    return "oai:" + digest[:32]
-
-
-def _refuse_unsupported(r: _Common) -> None:
-    if r.n not in (None, 1):
-        raise ApiError(400, "n must be 1: this server returns one choice per request", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(r, name):
-            raise ApiError(400, f"{name} is not supported (only 0)", param=name)
-    if r.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
-
-
-def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise ApiError(
-            400, f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters", param="stop"
-        )
-    return tuple(s for s in stops if s)
-
-
-def _sampling(r: _Common, max_tokens: int | None, default_max: int, limit: int, param: str) -> Sampling:
-    n = default_max if max_tokens is None else max_tokens
-    if n > limit:
-        raise ApiError(400, f"{param} is {n}; this edge allows at most {limit}", param=param)
-    return Sampling(
-        max_new_tokens=n,
-        temperature=1.0 if r.temperature is None else r.temperature,
-        top_p=1.0 if r.top_p is None else r.top_p,
-        top_k=max(0, r.top_k or 0),  # vLLM's -1 and tandem's 0 both mean off
-        seed=r.seed,
-        stop_token_ids=tuple(r.stop_token_ids or ()),
-        ignore_eos=r.ignore_eos,
-    )
-
-
-def _text_of(i: int, m: ChatMessage) -> str:
-    if m.content is None or isinstance(m.content, str):
-        return m.content or ""
-    texts = []
-    for j, part in enumerate(m.content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ApiError(400, "only text content parts are supported", param=f"messages.{i}.content.{j}")
-        texts.append(part["text"])
-    return "\n".join(texts)  # vLLM's join of text parts
-
-
-def chat_messages(r: ChatRequest) -> tuple[tuple[str, str], ...]:
-    """(role, text) pairs; developer messages are system messages. Raises ApiError for other roles,
-    tool calls, or non-text content."""
-    out = []
-    for i, m in enumerate(r.messages):
-        if m.role not in ROLE_OF:
-            raise ApiError(400, f"message role {m.role!r} is not supported (system, user, assistant)", f"messages.{i}")
-        if (m.model_extra or {}).get("tool_calls"):
-            raise ApiError(400, "tool calls are not supported", param=f"messages.{i}.tool_calls")
-        out.append((ROLE_OF[m.role], _text_of(i, m)))
-    return tuple(out)
-
-
-def _chat_opening(messages: Sequence[tuple[str, str]]) -> list[str]:
-    system = next((c for r, c in messages if r == "system"), "")
-    user = next((c for r, c in messages if r == "user"), "")
-    return [system, user]
-
-
-def _prompt_of(r: CompletionRequest) -> str:
-    p = r.prompt
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-        p = p[0]
-    if not isinstance(p, str):
-        raise ApiError(400, "prompt must be a string (token ids and batches of prompts are not supported)", "prompt")
-    return p
-
-
-# ---------------------------------------------------------------- responses
-
-
-def usage_of(done: TurnDone) -> dict[str, int]:
-    return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.output_tokens,
-        "total_tokens": done.prompt_tokens + done.output_tokens,
-    }
-
-
-def _finish_reason(done: TurnDone) -> str:
-    return done.finish_reason if done.finish_reason in ("stop", "length") else "stop"
-
-
-def tandem_extra(done: TurnDone, session_id: str) -> dict[str, Any]:
-    return {
-        "session_id": session_id,
-        "mode": done.mode,
-        "predicted_ttft_ms": done.predicted_ttft_ms,
-        "split_layer": done.split_layer,
-        "head_tokens": done.head_tokens,
-        "external_tokens": done.external_tokens,
-        "timings_ms": timings_to_wire(done.timings),
-        "sent_bytes": done.wire_sent_bytes(),
-    }
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One request, as the response builders need it."""
-
-    chat: bool  # /v1/chat/completions, else /v1/completions
-    id: str
-    created: int
-    model: str
-    turn: ChatTurn
-    include_usage: bool
-
-    def base(self, chunk: bool = False) -> dict[str, Any]:
-        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        out: dict[str, Any] = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-        if self.chat:
-            out["system_fingerprint"] = None
-        return out
-
-    def response(self, text: str, done: TurnDone) -> dict[str, Any]:
-        reason = _finish_reason(done)
-        if self.chat:
-            message = {"role": "assistant", "content": text, "refusal": None}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        extra = tandem_extra(done, self.turn.session_id)
-        return {**self.base(), "choices": [choice], "usage": usage_of(done), "tandem": extra}
-
-    def chunk(self, piece: dict[str, Any] | str, finish: str | None = None) -> dict[str, Any]:
-        """A stream chunk: a chat ``delta`` dict or a completion's text."""
-        if self.chat:
-            choice = {"index": 0, "delta": piece, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
-        out = {**self.base(chunk=True), "choices": [choice]}
-        if self.include_usage:
-            out["usage"] = None
-        return out
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------- streaming and disconnects
@@ -459,28 +177,28 @@ class EventStream(StreamingResponse):
 
 
 async def _sse_body(
-    call: _Call, first: TextOut | TurnDone, events: AsyncGenerator[Any, None], ctx: contextvars.Context
+    call: Call, first: TextOut | TurnDone, events: AsyncGenerator[Any, None], ctx: contextvars.Context
 ) -> AsyncGenerator[str, None]:
     try:
         if call.chat:
-            yield _sse(call.chunk({"role": "assistant", "content": ""}))
+            yield sse(call.chunk({"role": "assistant", "content": ""}))
         ev: TextOut | TurnDone | None = first
         while ev is not None:
             if isinstance(ev, TextOut):
-                yield _sse(call.chunk({"content": ev.text} if call.chat else ev.text))
+                yield sse(call.chunk({"content": ev.text} if call.chat else ev.text))
             else:
-                last = call.chunk({} if call.chat else "", _finish_reason(ev))
+                last = call.chunk({} if call.chat else "", finish_reason(ev))
                 last["tandem"] = tandem_extra(ev, call.turn.session_id)
-                yield _sse(last)
+                yield sse(last)
                 if call.include_usage:
-                    yield _sse({**call.base(chunk=True), "choices": [], "usage": usage_of(ev)})
+                    yield sse({**call.base(chunk=True), "choices": [], "usage": usage_of(ev)})
                 break
             ev = await asyncio.get_running_loop().create_task(anext(events, None), context=ctx)
     except e.TandemError as err:
-        yield _sse(api_error_of(err).body())
+        yield sse(api_error_of(err).body())
     except Exception:
         log.exception("OpenAI stream failed")
-        yield _sse(ApiError(500, "internal error in the edge (see its log)", "server_error").body())
+        yield sse(ApiError(500, "internal error in the edge (see its log)").body())
     finally:
         await events.aclose()
     yield "data: [DONE]\n\n"
@@ -512,6 +230,8 @@ class _Api:
         }
 
     def check_model(self, model: str) -> None:
+        """Raises ApiError (404 ``model_not_found``) unless ``model`` is this edge's model."""
+        check_text(model, "model")
         if model != self.model_id:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
@@ -525,18 +245,12 @@ class _Api:
         self.busy.add(sid)
         return sid
 
-    def release(self, call: _Call) -> None:
+    def release(self, call: Call) -> None:
         self.busy.discard(call.turn.session_id)
 
-    def chat_call(self, r: ChatRequest, key: str) -> _Call:
+    def chat_call(self, r: ChatRequest, key: str) -> Call:
         self.check_model(r.model)
-        _refuse_unsupported(r)
-        if r.logprobs or r.top_logprobs:
-            raise ApiError(400, "logprobs are not supported", param="logprobs")
-        if r.tools or r.functions:
-            raise ApiError(400, "tools and functions are not supported", param="tools")
-        if r.response_format and r.response_format.get("type", "text") != "text":
-            raise ApiError(400, "only the text response format is supported", param="response_format")
+        refuse_unsupported(r)
         messages = chat_messages(r)
         max_new = self.service.max_new_tokens
         max_tokens, param = (
@@ -544,49 +258,39 @@ class _Api:
             if r.max_completion_tokens is not None
             else (r.max_tokens, "max_tokens")
         )
-        sampling = _sampling(r, max_tokens, max_new, max_new, param)
-        opening = [""] * 2 if r.session_id else _chat_opening(messages)
-        stop = _stops(r.stop)
+        sp = sampling(r, max_tokens, max_new, max_new, param)
+        opening = [""] * 2 if r.session_id else chat_opening(messages)
+        stop = stops(r.stop)
         sid = self.session_for(["chat", key, r.user or "", r.session_id or "", *opening])
-        turn = ChatTurn(messages, "", sid, sampling, mode=Mode.from_name(r.mode), stop=stop)
+        turn = ChatTurn(messages, "", sid, sp, mode=Mode.from_name(r.mode), stop=stop)
         return self._call(True, turn, r)
 
-    def completion_call(self, r: CompletionRequest, key: str) -> _Call:
+    def completion_call(self, r: CompletionRequest, key: str) -> Call:
         self.check_model(r.model)
-        _refuse_unsupported(r)
-        for name, bad in (
-            ("echo", bool(r.echo)),
-            ("logprobs", r.logprobs is not None),
-            ("best_of", r.best_of not in (None, 1)),
-            ("suffix", bool(r.suffix)),
-        ):
-            if bad:
-                raise ApiError(400, f"{name} is not supported by this server", param=name)
-        prompt = _prompt_of(r)
-        if not prompt:
-            raise ApiError(400, "prompt is empty", param="prompt")
+        refuse_unsupported(r)
+        prompt = prompt_of(r)
         max_new = self.service.max_new_tokens
         default_max = min(COMPLETIONS_DEFAULT_MAX_TOKENS, max_new)
-        sampling = _sampling(r, r.max_tokens, default_max, max_new, "max_tokens")
+        sp = sampling(r, r.max_tokens, default_max, max_new, "max_tokens")
         opening = "" if r.session_id else prompt[:OPENING_CHARS]
-        stop = _stops(r.stop)
+        stop = stops(r.stop)
         sid = self.session_for(["text", key, r.user or "", r.session_id or "", opening])
-        turn = ChatTurn((), prompt, sid, sampling, mode=Mode.from_name(r.mode), stop=stop)
+        turn = ChatTurn((), prompt, sid, sp, mode=Mode.from_name(r.mode), stop=stop)
         return self._call(False, turn, r)
 
-    def _call(self, chat: bool, turn: ChatTurn, r: _Common) -> _Call:
+    def _call(self, chat: bool, turn: ChatTurn, r: RequestBase) -> Call:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         usage = bool(r.stream and r.stream_options and r.stream_options.include_usage)
-        return _Call(chat, rid, int(time.time()), self.model_id, turn, usage)
+        return Call(chat, rid, int(time.time()), self.model_id, turn, usage)
 
-    async def answer(self, call: _Call, stream: bool, request: Request) -> Response:
+    async def answer(self, call: Call, stream: bool, request: Request) -> Response:
         """Run the turn (its session reserved until it ends) and answer in OpenAI's shape."""
         set_ids(call.id, call.turn.session_id)  # this request's own task: log lines carry the response's id
         headers = {"x-tandem-session": call.turn.session_id}
         events = cast(AsyncGenerator[TextOut | TurnDone, None], self.service.chat(call.turn))
         if not stream:
             try:
-                text, done = await unless_disconnected(request, _collect(events))
+                text, done = await unless_disconnected(request, collect(events))
             finally:
                 await events.aclose()
                 self.release(call)
@@ -600,20 +304,6 @@ class _Api:
             raise
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
         return EventStream(_sse_body(call, first, events, ctx), events, headers, lambda: self.release(call))
-
-
-async def _collect(events: AsyncGenerator[TextOut | TurnDone, None]) -> tuple[str, TurnDone]:
-    parts: list[str] = []
-    done: TurnDone | None = None
-    async with contextlib.aclosing(events):
-        async for ev in events:
-            if isinstance(ev, TextOut):
-                parts.append(ev.text)
-            else:
-                done = ev
-    if done is None:
-        raise e.TandemError("the turn ended without a final event")
-    return "".join(parts), done
 
 
 def _bearer_check(api_keys: Sequence[str]):
@@ -646,33 +336,11 @@ def create_openai_app(
     app.state.tandem = api
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     auth = Depends(_bearer_check(api_keys))
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> Response:
-        headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
-        return _error_response(exc, headers)
-
-    @app.exception_handler(e.TandemError)
-    async def _tandem_error(request: Request, exc: e.TandemError) -> Response:
-        return _error_response(api_error_of(exc))
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
-        return _error_response(_validation_error(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return _error_response(ApiError(exc.status_code, str(exc.detail), type_), dict(exc.headers or {}))
+    add_error_handlers(app)
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> Response:
-        log.exception("OpenAI API request failed", exc_info=exc)
-        return _error_response(ApiError(500, "internal error in the edge (see its log)", "server_error"))
 
     @app.get("/v1/models")
     async def list_models(key: str = auth) -> dict[str, Any]:

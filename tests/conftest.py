@@ -46,8 +46,9 @@ def tokenizer(manifest, split_dir):
 @pytest.fixture(scope="session")
 def tls(tmp_path_factory):
     """A throwaway PKI (trustme) for the real stack, as an operator would set it up: a CA, the
-    cloud's and the edge's server certificates (for ``127.0.0.1`` and ``localhost``), client
-    certificates for the edge and for raw test calls, the edge's key at the cloud and an app key."""
+    cloud's and the edge's server certificates (for ``127.0.0.1`` and ``localhost``), the edge's
+    client certificate (subject ``edge-1``, the name of its key at the cloud), the edge's key at the
+    cloud and an app key."""
     from types import SimpleNamespace
 
     import trustme
@@ -66,7 +67,6 @@ def tls(tmp_path_factory):
         cloud=leaf("cloud", "127.0.0.1", "localhost"),
         edge_server=leaf("edge", "127.0.0.1", "localhost"),
         edge_client=leaf("edge-1"),
-        raw_client=leaf("raw-test-client"),
         edge_key="edge-1-key-" + "0" * 16,
         app_key="app-key-" + "1" * 16,
     )

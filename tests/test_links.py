@@ -112,19 +112,32 @@ async def test_register_beyond_max_links_evicts_idle_never_busy():
 # --- admission ------------------------------------------------------------------------------
 
 
+async def keep_sending(t: LinkTable, clock: FakeClock, link_id: str, n: int = 2) -> None:
+    """``n`` short requests of ``link_id``, one a second."""
+    for _ in range(n):
+        (await t.admit(link_id, 1, None)).release()
+        clock.t += 1
+
+
 @pytest.mark.asyncio
-async def test_lone_link_uses_all_seqs():
+async def test_a_link_borrows_every_free_slot_but_the_one_kept_for_a_link_that_keeps_sending():
     clock = FakeClock()
     t = table(4, 100, "a", "b", max_queue_wait_s=0.2, clock=clock)
-    tickets = [await t.admit("a", 1, None) for _ in range(3)]  # share 2; b active: one slot of headroom kept
-    assert t.running == 3 and t.share("a") == (2, 50)
-    with pytest.raises(LinkBusy):
-        await t.admit("a", 1, None)  # the last slot is b's headroom while b is active
-    clock.t += 61  # b idle past idle_s: a is alone and may use every slot
-    tickets.append(await t.admit("a", 1, None))
-    assert t.running == 4 and t.share("a") == (4, 100)
+    tickets = [await t.admit("a", 1, None) for _ in range(4)]  # share 2; b sent nothing: it keeps no slot
+    assert t.running == 4 and t.share("a") == (2, 50)
     with pytest.raises(LinkBusy):
         await t.admit("a", 1, None)  # engines full
+    for ticket in tickets:
+        ticket.release()
+    await keep_sending(t, clock, "b")
+    tickets = [await t.admit("a", 1, None) for _ in range(3)]  # the last slot is kept for b
+    start = time.monotonic()
+    tickets.append(await t.admit("a", 1, None))  # held back by b's kept slot, lent when the wait ends
+    assert 0.15 < time.monotonic() - start < 1.0 and t.running == 4
+    tickets.pop().release()
+    clock.t += 10  # b's requests are older than the window: it keeps nothing
+    tickets.append(await t.admit("a", 1, None))
+    assert t.running == 4 and tickets[-1].queued_ms == 0.0
     for ticket in tickets:
         ticket.release()
     assert t.running == t.waiting == t.running_tokens == 0
@@ -132,7 +145,9 @@ async def test_lone_link_uses_all_seqs():
 
 @pytest.mark.asyncio
 async def test_flooding_link_is_held_to_its_share():
-    t = table(4, 10_000, "a", "b", max_queue_wait_s=2)
+    clock = FakeClock()
+    t = table(4, 10_000, "a", "b", max_queue_wait_s=2, clock=clock)
+    await keep_sending(t, clock, "b")
     flood = await spawn(t, "a", 8)
     held = [task.result() for task in flood if task.done()]
     assert len(held) == 3 and running(t, "a") == 3 and t.waiting == 5  # b's headroom slot stays free
@@ -358,13 +373,21 @@ def controlled(slo: LinkSlo = SLO, seqs: int = 4, *, links: str = "a", **kw) -> 
 
 
 def feed(
-    t: LinkTable, link_id: str, ttft_ms: float | None, itl_ms: float | None, n: int = 10, demand: int | None = None
+    t: LinkTable,
+    link_id: str,
+    ttft_ms: float | None,
+    itl_ms: float | None,
+    n: int = 10,
+    demand: int | None = None,
+    congested: bool = True,
 ) -> None:
-    """Latency samples of a link, and its peak demand in the window (default: one more than its
-    share, so it presses above an equal split)."""
+    """Latency samples of a link, its peak demand in the window (default: one more than its share,
+    so it presses above an equal split) and, with ``congested``, a request that found the node full."""
     link = t.get(link_id)
     assert link is not None
     link._demand.append((t._clock(), link.share[0] + 1 if demand is None else demand))
+    if congested:
+        t._full_s = t._clock()
     for _ in range(n):
         if ttft_ms is not None:
             t.record_ttft(link_id, ttft_ms)
@@ -541,17 +564,132 @@ def test_peak_demand_follows_admissions_within_the_window():
 
 
 @pytest.mark.asyncio
-async def test_a_link_the_controller_shrank_does_not_borrow():
+async def test_a_link_the_controller_shrank_borrows_free_slots():
+    """A weight is a priority among waiters, not a cap: a shrunk link still takes free slots nobody waits for."""
     t = table(4, 10_000, "a", "b", max_queue_wait_s=0.1)
     a = t.get("a")
     assert a is not None
-    held = [await t.admit("a", 1, None) for _ in range(3)]  # weight 1: borrows up to b's headroom
+    a.weight = 0.1
+    assert t.share("a") == (1, 909)  # 4 * 0.1 / 1.1
+    held = [await t.admit("a", 1, None) for _ in range(4)]
+    assert t.running == 4 and all(tk.queued_ms == 0.0 for tk in held)
     for ticket in held:
         ticket.release()
-    a.weight = 0.8  # missed its SLO once
-    assert t.share("a") == (1, 4444)  # 4 * 0.8 / 1.8
-    first = await t.admit("a", 1, None)
-    with pytest.raises(LinkBusy):
-        await t.admit("a", 1, None)  # at its share, and no longer allowed to borrow
-    first.release()
+    assert t.running == t.waiting == 0
+
+
+# --- an idle node: nobody shrinks, free slots are lent -----------------------------------------
+
+BURST_SLO = LinkSlo(ttft_ms=1000, itl_p99_ms=200)
+
+
+@pytest.mark.asyncio
+async def test_a_busy_link_on_an_idle_node_borrows_and_keeps_its_weight():
+    """Found by an attack run: three links that each sent one request, a quiet link sending one a
+    second, and a busy link with four ~900-token requests missing its 200 ms ITL objective (600 ms).
+    The busy link was shrunk x0.8 per step to the 0.1 floor (share 1 throughout: the idle links count in
+    the equal split) and, shrunk, could not borrow: its requests waited and were refused while at
+    most 2 of 4 slots were in use. Now nobody waits, so nobody shrinks; the busy link runs three at
+    once, the fourth slot kept for the quiet link, whose requests all start at once."""
+    clock = FakeClock()
+    t = LinkTable(4, 4096, clock=clock, max_queue_wait_s=30)
+    for name in ("idle1", "idle2", "idle3", "quiet", "busy"):
+        join(t, name, BURST_SLO)
+    for name in ("idle1", "idle2", "idle3"):
+        (await t.admit(name, 20, None)).release()
+    await keep_sending(t, clock, "quiet")
+    burst = await spawn(t, "busy", 4, tokens=900)
+    assert [task.done() for task in burst] == [True, True, True, False]
+    tickets = [task.result() for task in burst[:3]]
+    for ticket in tickets:
+        ticket.prefill_done()  # decoding now: their ITL is what misses
+    weights, shares = [], []
+    for _ in range(12):
+        for _ in range(2):  # the quiet link: one short request a second, each starts at once
+            quiet = await t.admit("quiet", 20, None)
+            assert quiet.queued_ms == 0.0 and t.running == 4
+            t.record_ttft("quiet", 150)
+            t.record_itl("quiet", 50)
+            quiet.release()
+            clock.t += 1
+        for _ in range(10):
+            t.record_itl("busy", 600)
+        t.control_step()
+        weights.append(weight(t, "busy"))
+        shares.append(t.share("busy")[0])
+    assert weights == [1.0] * 12 and shares == [1] * 12
+    assert running(t, "busy") == 3 and not burst[3].done()
+    tickets[0].release()  # the fourth request takes the freed slot
+    await settle()
+    assert burst[3].done() and running(t, "busy") == 3
+    for ticket in [*tickets[1:], burst[3].result()]:
+        ticket.release()
+    assert t.running == t.waiting == t.running_tokens == 0
+
+
+@pytest.mark.asyncio
+async def test_idle_links_keep_no_slot_and_take_lent_slots_back_at_the_next_release():
+    """Links that each sent one request keep nothing: the busy link borrows every slot. When one of
+    them comes back it waits for the next release, which is its, not the busy link's older waiter's;
+    now links compete for the node, so the busy link, missing its objective, shrinks."""
+    clock = FakeClock()
+    t = LinkTable(4, 10_000, clock=clock, max_queue_wait_s=30)
+    for name in ("idle1", "idle2", "idle3", "busy"):
+        join(t, name, BURST_SLO)
+    for name in ("idle1", "idle2", "idle3"):
+        (await t.admit(name, 1, None)).release()
+    burst = await spawn(t, "busy", 4)
+    assert all(task.done() for task in burst) and t.running == 4
+    for _ in range(10):
+        t.record_itl("busy", 600)
+    t.control_step()
+    assert weight(t, "busy") == 1.0  # every slot in use, but no request found the node full
+    burst += await spawn(t, "busy", 1)
+    [back] = await spawn(t, "idle1", 1)
+    assert not back.done() and not burst[4].done()
+    burst[0].result().release()
+    await settle()
+    assert back.done() and running(t, "idle1") == 1 and running(t, "busy") == 3
+    t.control_step()
+    assert weight(t, "busy") == pytest.approx(0.8)
+    for task in burst[4:]:
+        task.cancel()
+    await asyncio.gather(*burst[4:], return_exceptions=True)
+    for ticket in [back.result(), *(task.result() for task in burst[1:4])]:
+        ticket.release()
+    assert t.running == t.waiting == 0
+
+
+@pytest.mark.asyncio
+async def test_a_decrease_needs_another_link_waiting_or_the_node_full():
+    """A link missing its objective and pressing hardest shrinks only while links compete for the
+    node: another link's request waited in the window, or a request found the node full."""
+    clock = FakeClock()
+    t = LinkTable(4, 10_000, clock=clock, max_queue_wait_s=30)
+    for name in "abc":
+        join(t, name, SLO)
+    await keep_sending(t, clock, "c")
+    held = [await t.admit("a", 1, None) for _ in range(3)]  # every slot but c's kept one
+    feed(t, "a", 1000, 1000, demand=4, congested=False)
+    t.control_step()
+    assert weight(t, "a") == 1.0  # a's misses are its own: the node has room and nobody waits
+    [b_task] = await spawn(t, "b", 1)
+    [b_more] = await spawn(t, "b", 1)  # beyond b's share (1): c's kept slot is not lent to it either
+    assert b_task.done() and not b_more.done()
+    t.control_step()
+    assert weight(t, "a") == pytest.approx(0.8)  # b waits
+    held.pop().release()
+    await settle()
+    assert not b_more.done()  # the freed slot is c's kept one
+    held.pop().release()
+    await settle()
+    assert b_more.done()  # b's wait ended; it still counts within the window
+    t.control_step()
+    assert weight(t, "a") == pytest.approx(0.64)
+    clock.t += 11
+    feed(t, "a", 1000, 1000, demand=4, congested=False)
+    t.control_step()
+    assert weight(t, "a") == pytest.approx(0.64)  # no wait in the window: no decrease
+    for ticket in [*held, b_task.result(), b_more.result()]:
+        ticket.release()
     assert t.running == t.waiting == 0

@@ -5,6 +5,7 @@ client over a real uvicorn server on 127.0.0.1, in front of the in-memory stack 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -341,3 +342,190 @@ async def test_out_of_range_values_and_huge_bodies_are_400_and_413(stack, client
             break
         await asyncio.sleep(0.02)
     assert completed() == before + 1
+
+
+# every string field of both endpoints, with a lone surrogate (JSON escape) or a NUL in it
+NOT_TEXT_BODIES = [
+    ("chat/completions", {"messages": [{"role": "user", "content": "\ud800 hi"}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "user\x00", "content": "x"}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a\x00b"}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "\ud83d"}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["ok", "\udc00"]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": "\x00"}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "session_id": "s\ud800"}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "user": "\ud800"}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "metadata": {"\ud800": "x"}}),
+    ("completions", {"prompt": "\udfff"}),
+    ("completions", {"prompt": ["\ud800"]}),
+    ("completions", {"prompt": "hi", "stop": ["\x00"]}),
+    ("completions", {"prompt": "hi", "user": "a\x00"}),
+    ("completions", {"prompt": "hi", "suffix": "\ud800"}),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body"), NOT_TEXT_BODIES)
+async def test_strings_that_are_not_text_are_400_in_every_field(stack, endpoint, body):
+    """Found by an attack run: a lone UTF-16 surrogate (``"\\ud800 hi"``) in a chat message, a text
+    content part or a completion prompt was HTTP 500 (the tokenizer's TypeError). Every string of
+    the body is checked as text first (``common.text``): 400 in OpenAI's shape, before any work."""
+    _, port = stack
+    payload = json.dumps({"model": MODEL, "max_tokens": 2, **body})  # ensure_ascii: surrogates stay escapes
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h:
+        r = await h.post(
+            f"/v1/{endpoint}",
+            content=payload.encode(),
+            headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
+        )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "not valid text" in err["message"] and err["type"] == "invalid_request_error"
+
+
+async def test_a_model_name_that_is_not_text_is_400(stack):
+    _, port = stack
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h:
+        r = await h.get("/v1/models/a%00b", headers={"authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400 and "not valid text" in r.json()["error"]["message"]
+        body = json.dumps({"model": "to\ud800y", "messages": [{"role": "user", "content": "hi"}]})
+        r = await h.post(
+            "/v1/chat/completions",
+            content=body.encode(),
+            headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
+        )
+        assert r.status_code == 400 and "not valid text" in r.json()["error"]["message"]
+
+
+async def test_the_openai_client_gets_a_bad_request_for_a_nul(client):
+    with pytest.raises(openai.BadRequestError, match="not valid text"):
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a\x00b"}])
+    with pytest.raises(openai.BadRequestError, match="not valid text"):
+        await client.completions.create(model=MODEL, prompt="hi", stop=["\x00"])
+
+
+# --- every validation error in OpenAI's shape -------------------------------------------------------
+
+HI = [{"role": "user", "content": "hi"}]
+# (endpoint, body without "model" unless given, status, param, code): each refusal as OpenAI writes it
+REFUSALS = [
+    (
+        "chat/completions",
+        {"messages": [*HI, {"role": "tool", "content": "x"}]},
+        400,
+        "messages.[1].role",
+        "invalid_value",
+    ),
+    ("chat/completions", {"messages": [{"role": "root", "content": "x"}]}, 400, "messages.[0].role", "invalid_value"),
+    ("chat/completions", {"messages": HI, "n": 2}, 400, "n", "unsupported_value"),
+    ("chat/completions", {"messages": HI, "temperature": 3}, 400, "temperature", "decimal_above_max_value"),
+    ("chat/completions", {"messages": HI, "top_p": 0}, 400, "top_p", "decimal_below_min_value"),
+    ("chat/completions", {"messages": HI, "max_tokens": 0}, 400, "max_tokens", "integer_below_min_value"),
+    ("chat/completions", {"messages": HI, "max_tokens": 10**6}, 400, "max_tokens", "invalid_value"),
+    ("chat/completions", {"messages": HI, "seed": 2**64}, 400, "seed", "integer_above_max_value"),
+    ("chat/completions", {}, 400, "messages", "missing_required_parameter"),
+    ("chat/completions", {"messages": []}, 400, "messages", "empty_array"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.[0].content", "invalid_type"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+        400,
+        "messages.[0].content.[0].type",
+        "unsupported_value",
+    ),
+    ("chat/completions", {"messages": [{"content": "x"}]}, 400, "messages.[0].role", "missing_required_parameter"),
+    ("chat/completions", {"messages": HI, "stop": ["s"] * 17}, 400, "stop", "array_above_max_length"),
+    ("chat/completions", {"messages": HI, "stop": ["ok", "x" * 257]}, 400, "stop.[1]", "string_above_max_length"),
+    ("chat/completions", {"messages": HI, "user": "u" * 257}, 400, "user", "string_above_max_length"),
+    (
+        "chat/completions",
+        {"messages": HI, "stop_token_ids": [3, -1]},
+        400,
+        "stop_token_ids.[1]",
+        "integer_below_min_value",
+    ),
+    ("chat/completions", {"messages": HI, "mode": "fast"}, 400, "mode", "invalid_value"),
+    ("chat/completions", {"messages": HI, "mode": "local"}, 400, "mode", "ModeUnavailable"),
+    ("chat/completions", {"messages": HI, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+    ("chat/completions", {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools", "unsupported_parameter"),
+    ("chat/completions", {"messages": HI, "logit_bias": {"1": 2}}, 400, "logit_bias", "unsupported_parameter"),
+    ("chat/completions", {"messages": HI, "frequency_penalty": 1}, 400, "frequency_penalty", "unsupported_value"),
+    (
+        "chat/completions",
+        {"messages": HI, "response_format": {"type": "json_object"}},
+        400,
+        "response_format.type",
+        "unsupported_value",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "\ud800"}]},
+        400,
+        "messages.[0].content",
+        "invalid_value",
+    ),
+    ("chat/completions", {"model": None, "messages": HI}, 400, "model", "invalid_type"),
+    ("chat/completions", {"model": "gpt-4o", "messages": HI}, 404, "model", "model_not_found"),
+    ("completions", {}, 400, "prompt", "missing_required_parameter"),
+    ("completions", {"prompt": [1, 2, 3]}, 400, "prompt", "invalid_type"),
+    ("completions", {"prompt": ""}, 400, "prompt", "invalid_value"),
+    ("completions", {"prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
+    ("completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix", "unsupported_parameter"),
+    ("completions", {"prompt": "hi", "stop": "x" * 257}, 400, "stop", "string_above_max_length"),
+    ("completions", {"prompt": ["\udfff"]}, 400, "prompt.[0]", "invalid_value"),
+]
+
+
+def _body(body: dict) -> dict:
+    return {"model": MODEL, **body}
+
+
+@pytest.mark.parametrize(("endpoint", "body", "status", "param", "code"), REFUSALS)
+async def test_every_refusal_has_openais_shape(stack, client, endpoint, body, status, param, code):
+    """Found by an attack run: an unsupported role was answered ``"type": "messages.1", "param": null``.
+    Every refusal has its parameter in ``param``, the kind in ``type`` and OpenAI's ``code``, in the raw
+    body and as the ``openai`` client reads it."""
+    _, port = stack
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h:
+        r = await h.post(
+            f"/v1/{endpoint}",
+            content=json.dumps(_body(body)).encode(),
+            headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
+        )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code), err
+    if "\\ud" in json.dumps(body):  # the openai client cannot send a lone surrogate (it encodes UTF-8)
+        return
+    with pytest.raises(openai.APIStatusError) as ei:
+        await client.post(f"/{endpoint}", body=_body(body), cast_to=httpx.Response)
+    assert ei.value.status_code == status
+    assert isinstance(ei.value, openai.NotFoundError if status == 404 else openai.BadRequestError)
+    assert (ei.value.type, ei.value.param, ei.value.code) == ("invalid_request_error", param, code)
+
+
+async def test_transport_level_refusals_have_openais_shape(stack):
+    """A body that is not JSON, a body too large, an unknown URL or method, a wrong key: OpenAI's
+    shape, ``param`` and ``code`` null where OpenAI's are (``invalid_api_key`` for the key)."""
+    _, port = stack
+    auth = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h:
+        cases = [
+            (await h.post("/v1/chat/completions", content=b"{not json", headers=auth), 400, None, "could not parse"),
+            (await h.post("/v1/chat/completions", content=b"[1]", headers=auth), 400, "invalid_type", "dictionary"),
+            (await h.post("/v1/chat/completions", content=b"x" * (5 << 20), headers=auth), 413, None, "over"),
+            (await h.post("/v1/nothing", content=b"{}", headers=auth), 404, None, "Invalid URL (POST /v1/nothing)"),
+            (await h.delete("/v1/models", headers=auth), 405, None, "DELETE /v1/models"),
+            (
+                await h.get("/v1/models", headers={"authorization": "Bearer sk-wrong"}),
+                401,
+                "invalid_api_key",
+                "API key",
+            ),
+        ]
+    for r, status, code, words in cases:
+        err = r.json()["error"]
+        assert r.status_code == status and set(err) == {"message", "type", "param", "code"}, r.text
+        assert err["type"] == "invalid_request_error" and err["param"] is None and err["code"] == code, err
+        assert words in err["message"], err

@@ -248,8 +248,11 @@ def raw_header(
     )
 
 
-async def raw_generate(port: int, pki: Pki, key: str | None, msgs: list[pb.Uplink]) -> grpc.StatusCode:
-    creds = channel_credentials(pki.ca_file, *pki.leaf("raw"))
+async def raw_generate(
+    port: int, pki: Pki, key: str | None, msgs: list[pb.Uplink], cert: str = "raw"
+) -> grpc.StatusCode:
+    """Generate with ``msgs`` as the holder of ``key`` and of a client certificate for ``cert``."""
+    creds = channel_credentials(pki.ca_file, *pki.leaf(cert))
     async with grpc.aio.secure_channel(f"localhost:{port}", creds) as ch:
         stub = pb_grpc.CloudStub(ch)
         md = (("authorization", f"Bearer {key}"),) if key else None
@@ -282,7 +285,7 @@ async def test_tokens_name_edges_and_scope_their_sessions_and_links(pki, referen
         first = await run(a, chat([("user", LONG)], "shared"))
         ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
         code = await raw_generate(
-            cloud.port, pki, KEYS["edge-b"], [raw_header(cloud.gateway, "shared", ids + [5], len(ids))]
+            cloud.port, pki, KEYS["edge-b"], [raw_header(cloud.gateway, "shared", ids + [5], len(ids))], "edge-b"
         )
         assert code == grpc.StatusCode.NOT_FOUND
         # b's own session of the same name is another session (b resends everything)
@@ -291,7 +294,7 @@ async def test_tokens_name_edges_and_scope_their_sessions_and_links(pki, referen
         # b may not use a's link (header) nor read its params
         a_link = a.conn.negotiated.link_id
         code = await raw_generate(
-            cloud.port, pki, KEYS["edge-b"], [raw_header(cloud.gateway, "", ids, 0, link_id=a_link)]
+            cloud.port, pki, KEYS["edge-b"], [raw_header(cloud.gateway, "", ids, 0, link_id=a_link)], "edge-b"
         )
         assert code == grpc.StatusCode.PERMISSION_DENIED
         assert not (await b.conn.link.server_info(a_link)).link_known
@@ -305,6 +308,57 @@ async def test_tokens_name_edges_and_scope_their_sessions_and_links(pki, referen
         await close_edge(a)
         await close_edge(b)
         await cloud.stop()
+
+
+async def test_a_key_is_bound_to_the_certificate_subject_it_was_issued_for(pki, reference):
+    """Found by an attack run: with mutual TLS and edge keys both on, edge-a's certificate with
+    edge-b's key was served as edge-b (the key named the identity; the certificate was not bound to
+    it). A key is now accepted only with a certificate whose subject is the key's name: any other
+    pairing is UNAUTHENTICATED on every RPC, while edge a, with its own pair, is served."""
+    cloud = TlsCloud(pki, keys=KEYS)
+    await cloud.start()
+    a = await edge_over(link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf("edge-a"), api_key=KEYS["edge-a"]), "a")
+    ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": "hi"}])
+    mismatched = {
+        "edge-a's certificate, edge-b's key": ("edge-a", (), KEYS["edge-b"]),
+        "edge-b's certificate, edge-a's key": ("edge-b", (), KEYS["edge-a"]),
+        "a certificate of no key's name, edge-a's key": ("intruder", (), KEYS["edge-a"]),
+        "edge-a only as an alternative name, edge-a's key": ("edge-x", ("edge-x", "edge-a"), KEYS["edge-a"]),
+    }
+    try:
+        for case, (name, alt_names, key) in mismatched.items():
+            link = link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf(name, *alt_names), api_key=key)
+            try:
+                with pytest.raises(Unauthenticated, match="not issued for this client certificate"):
+                    await link.negotiate(NegotiateOffer("x", "toy", {}, 1))
+                with pytest.raises(Unauthenticated):
+                    await link.server_info("")
+            finally:
+                await link.close()
+            code = await raw_generate(cloud.port, pki, key, [raw_header(cloud.gateway, "", ids, 0)], name)
+            assert code == grpc.StatusCode.UNAUTHENTICATED, case
+        assert await conversation(a, "s") == reference
+        assert {o for lid, o in cloud.gateway._owners.items() if lid} == {"key:edge-a"}
+    finally:
+        await close_edge(a)
+        await cloud.stop()
+
+
+def test_keys_without_names_cannot_be_bound_to_certificates(pki):
+    from pydantic import ValidationError
+
+    from tandem.edge.config import EdgeConfig
+
+    with pytest.raises(InvalidRequest, match="name each key"):
+        Authenticator(ApiKeys(APP_KEYS), client_certs=True)
+    assert Authenticator(ApiKeys({"app": APP_KEYS[0]}), client_certs=True).required
+    cert, key = pki.leaf("edge", "localhost")
+    tls = {"tls_cert_file": cert, "tls_key_file": key, "tls_client_ca_file": pki.ca_file}
+    with pytest.raises(ValidationError, match="api_keys"):
+        EdgeConfig(api_keys=APP_KEYS, **tls)
+    assert (
+        EdgeConfig(http_api_keys=APP_KEYS, **tls).tls_client_ca_file == pki.ca_file
+    )  # HTTP has no client certificates
 
 
 async def test_an_edge_over_its_limits_gets_resource_exhausted_and_others_are_served(pki, reference):
@@ -423,7 +477,7 @@ def test_the_sdk_sends_plaintext_only_to_this_host_unless_told():
     Client("ipv4:127.0.0.1:1,127.0.0.2:2").close()
 
 
-def test_daemons_refuse_plaintext_on_other_hosts_unless_told(tmp_path):
+def test_daemons_refuse_plaintext_on_other_hosts_unless_told(pki):
     from pydantic import ValidationError
 
     from tandem.cloud.config import CloudConfig
@@ -432,8 +486,8 @@ def test_daemons_refuse_plaintext_on_other_hosts_unless_told(tmp_path):
     with pytest.raises(ValidationError, match="insecure"):
         CloudConfig(host="0.0.0.0")
     assert CloudConfig(host="0.0.0.0", insecure=True).insecure
-    pem = tmp_path / "x.pem"
-    assert CloudConfig(host="0.0.0.0", tls_cert_file=pem, tls_key_file=pem).tls_cert_file == pem
+    pem, key = pki.leaf("cloud")
+    assert CloudConfig(host="0.0.0.0", tls_cert_file=pem, tls_key_file=key).tls_cert_file == pem
     with pytest.raises(ValidationError, match="together"):
         CloudConfig(tls_cert_file=pem)
     with pytest.raises(ValidationError, match="cloud_insecure"):
@@ -442,7 +496,7 @@ def test_daemons_refuse_plaintext_on_other_hosts_unless_told(tmp_path):
         EdgeConfig(cloud_target="ipv4:127.0.0.1:50051,10.1.2.3:50051")
     with pytest.raises(ValidationError, match="cloud_replicas entry '10.1.2.4:50051'"):  # the setting it came from
         EdgeConfig(cloud_target="127.0.0.1:50051", cloud_replicas=["10.1.2.4:50051"])
-    assert EdgeConfig(cloud_target="10.1.2.3:50051", cloud_ca_file=pem).cloud_uses_tls
+    assert EdgeConfig(cloud_target="10.1.2.3:50051", cloud_ca_file=pki.ca_file).cloud_uses_tls
     with pytest.raises(ValidationError, match="http_host"):
         EdgeConfig(http_port=8000, http_host="0.0.0.0")
     with pytest.raises(InvalidRequest, match="shorter"):

@@ -93,11 +93,12 @@ async def stack(split_dir, tmp_path_factory, tls, redis_server):
 
 
 def cloud_channel(stack) -> grpc.aio.Channel:
-    """A raw channel to the stack's cloud as its edge (same client CA, same edge key via ``EDGE_MD``)."""
+    """A raw channel to the stack's cloud as its edge: the edge's client certificate, to go with its
+    edge key (``edge_metadata``; a key is bound to the certificate subject it was issued for)."""
     from tandem.common.grpcsetup import channel_credentials
 
     tls = stack["tls"]
-    creds = channel_credentials(tls.ca_file, *tls.raw_client)
+    creds = channel_credentials(tls.ca_file, *tls.edge_client)
     return grpc.aio.secure_channel(f"127.0.0.1:{stack['cloud_port']}", creds)
 
 

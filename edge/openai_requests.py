@@ -1,0 +1,209 @@
+"""Requests of the edge's OpenAI-compatible API (``edge.openai_api``): their pydantic models and
+their conversion into a ``ChatTurn``.
+
+The models accept what OpenAI's API accepts for ``/v1/chat/completions`` and ``/v1/completions``
+and ignore fields they do not know; every string of a body is text (``common.text``), checked before
+any other validation. Conversion refuses what the edge cannot honour (``ApiError``, OpenAI's shape:
+``param`` names the parameter, ``code`` is OpenAI's, see ``edge.openai_errors``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from tandem.common.params import MAX_STOP_TOKENS, Sampling
+from tandem.common.text import find_non_text
+from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from tandem.edge.openai_errors import ApiError, param_path
+
+ROLE_OF = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")  # fields this API does not know are ignored
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+
+
+class ChatMessage(_Open):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class RequestBase(_Open):
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        """Every string of the body (keys, extra fields, content parts) is text (``common.text``)."""
+        found = find_non_text(data)
+        if found is not None:
+            path, problem = found
+            raise PydanticCustomError("not_text", "not valid text: {problem}", {"path": path, "problem": problem})
+        return data
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # float bounds: OpenAI's decimal_* codes
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(1, ge=1)
+    user: str | None = Field(None, max_length=256)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM-style extras
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**32 - 1)]] | None = Field(None, max_length=MAX_STOP_TOKENS)
+    session_id: str | None = Field(None, max_length=128)
+    # tandem's serving mode (``ChatRequest.mode`` of the gRPC API); "auto" lets the edge choose
+    mode: Literal["auto", "local", "split", "direct"] = "auto"
+
+
+class ChatRequest(RequestBase):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(RequestBase):
+    prompt: Any
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+# --- request -> turn ------------------------------------------------------------------------------
+
+
+def conversation_session_id(secret: bytes, parts: Sequence[str]) -> str:
+    """The edge session of a conversation named by ``parts`` (see ``edge.openai_api``)."""
+    digest = hmac.new(secret, json.dumps(list(parts)).encode(), hashlib.sha256).hexdigest()
+    return "oai:" + digest[:32]
+
+
+def _at(*loc: str | int) -> str:
+    return param_path(loc) or ""
+
+
+def _refuse(param: str, message: str, code: str = "unsupported_parameter") -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param, code=code)
+
+
+def refuse_unsupported(r: RequestBase) -> None:
+    """Raises ApiError for what both endpoints know but cannot honour."""
+    if r.n not in (None, 1):
+        raise _refuse("n", "must be 1: this server returns one choice per request", "unsupported_value")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(r, name):
+            raise _refuse(name, "is not supported (only 0)", "unsupported_value")
+    if r.logit_bias:
+        raise _refuse("logit_bias", "is not supported")
+    if isinstance(r, ChatRequest):
+        if r.logprobs or r.top_logprobs:
+            raise _refuse("logprobs" if r.logprobs else "top_logprobs", "log probabilities are not supported")
+        if r.tools or r.functions:
+            raise _refuse("tools" if r.tools else "functions", "tools and functions are not supported")
+        if r.response_format and r.response_format.get("type", "text") != "text":
+            raise _refuse("response_format.type", "only the text response format is supported", "unsupported_value")
+    elif isinstance(r, CompletionRequest):
+        for name, bad in (
+            ("echo", bool(r.echo)),
+            ("logprobs", r.logprobs is not None),
+            ("best_of", r.best_of not in (None, 1)),
+            ("suffix", bool(r.suffix)),
+        ):
+            if bad:
+                raise _refuse(name, "is not supported by this server")
+
+
+def stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    """The stop strings, empty ones dropped. Raises ApiError beyond the detokenizer's bounds."""
+    listed = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(listed) > MAX_STOP_STRINGS:
+        raise _refuse("stop", f"at most {MAX_STOP_STRINGS} strings", "array_above_max_length")
+    for i, s in enumerate(listed):
+        if len(s) > MAX_STOP_CHARS:
+            where = "stop" if isinstance(stop, str) else _at("stop", i)
+            raise _refuse(where, f"at most {MAX_STOP_CHARS} characters", "string_above_max_length")
+    return tuple(s for s in listed if s)
+
+
+def sampling(r: RequestBase, max_tokens: int | None, default_max: int, limit: int, param: str) -> Sampling:
+    """The turn's sampling. Raises ApiError for ``max_tokens`` (named ``param``) above ``limit``."""
+    n = default_max if max_tokens is None else max_tokens
+    if n > limit:
+        raise ApiError(400, f"{param} is {n}; this edge allows at most {limit}", param=param, code="invalid_value")
+    return Sampling(
+        max_new_tokens=n,
+        temperature=1.0 if r.temperature is None else r.temperature,
+        top_p=1.0 if r.top_p is None else r.top_p,
+        top_k=max(0, r.top_k or 0),  # vLLM's -1 and tandem's 0 both mean off
+        seed=r.seed,
+        stop_token_ids=tuple(r.stop_token_ids or ()),
+        ignore_eos=r.ignore_eos,
+    )
+
+
+def _text_of(i: int, m: ChatMessage) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    texts = []
+    for j, part in enumerate(m.content):
+        if part.get("type") != "text":
+            where = _at("messages", i, "content", j, "type")
+            raise _refuse(where, "only text content parts are supported", "unsupported_value")
+        if not isinstance(part.get("text"), str):
+            where = _at("messages", i, "content", j, "text")
+            raise _refuse(where, "a text content part needs its text, a string", "invalid_type")
+        texts.append(part["text"])
+    return "\n".join(texts)  # vLLM's join of text parts
+
+
+def chat_messages(r: ChatRequest) -> tuple[tuple[str, str], ...]:
+    """(role, text) pairs; developer messages are system messages. Raises ApiError for other roles,
+    tool calls, or non-text content."""
+    out = []
+    for i, m in enumerate(r.messages):
+        if m.role not in ROLE_OF:
+            where = _at("messages", i, "role")
+            raise _refuse(where, f"message role {m.role!r} is not supported ({', '.join(ROLE_OF)})", "invalid_value")
+        if (m.model_extra or {}).get("tool_calls"):
+            raise _refuse(_at("messages", i, "tool_calls"), "tool calls are not supported")
+        out.append((ROLE_OF[m.role], _text_of(i, m)))
+    return tuple(out)
+
+
+def chat_opening(messages: Sequence[tuple[str, str]]) -> list[str]:
+    system = next((c for r, c in messages if r == "system"), "")
+    user = next((c for r, c in messages if r == "user"), "")
+    return [system, user]
+
+
+def prompt_of(r: CompletionRequest) -> str:
+    """The prompt: a string, or a list of one string. Raises ApiError otherwise, or if it is empty."""
+    p = r.prompt
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if not isinstance(p, str):
+        raise _refuse("prompt", "must be a string (token ids and batches of prompts are not supported)", "invalid_type")
+    if not p:
+        raise _refuse("prompt", "is empty", "invalid_value")
+    return p
