@@ -338,7 +338,7 @@ async def test_a_key_is_bound_to_the_certificate_subject_it_was_issued_for(pki, 
             code = await raw_generate(cloud.port, pki, key, [raw_header(cloud.gateway, "", ids, 0)], name)
             assert code == grpc.StatusCode.UNAUTHENTICATED, case
         assert await conversation(a, "s") == reference
-        assert {o for lid, o in cloud.gateway._owners.items() if lid} == {"key:edge-a"}
+        assert {o for lid, o in cloud.gateway.registry._owners.items() if lid} == {"key:edge-a"}
     finally:
         await close_edge(a)
         await cloud.stop()
