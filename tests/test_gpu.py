@@ -79,7 +79,7 @@ async def gpu_stack(split_dir, tmp_path_factory):
         host="127.0.0.1",
         port=0,
         store_dir=tmp_path_factory.mktemp("kv"),
-        engine=EngineConfig(max_num_seqs=8, kv_cache_bytes=1 << 30, dtype="float32"),
+        engine=EngineConfig(max_num_seqs=8, kv_cache_bytes=1 << 30, dtype="float32", enforce_eager=True),
         wire_dtypes=["fp32"],
         kv_wire_dtypes=["fp32"],
     )
