@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -26,6 +27,8 @@ from tandem.edge.head_runner import HeadInput
 from tandem.edge.turn import Turn
 from tandem.edge.uplink import OutgoingTurn, Pieces
 from tandem.stages import Stage
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -109,7 +112,7 @@ class PipelinedHead:
             hidden, kv = s.hidden, s.kv
             assert hidden is not None and kv is not None  # the piece just computed them
             chunks, blocks = await asyncio.to_thread(  # off the loop: acks and sends go on meanwhile
-                _frame_piece, hidden, kv, hashes, p, (start, end), seq, (next_block, last)
+                _in_span, "encode", framing.piece, hidden, kv, hashes, p, (start, end), seq, (next_block, last)
             )
             seq, start, next_block = seq + len(chunks), end, last
             head_ms += (t1 - t0) * 1e3
@@ -129,15 +132,8 @@ class PipelinedHead:
         s.token_ids = list(ids[:e2])
 
 
-def _frame_piece(
-    hidden: np.ndarray,
-    kv: np.ndarray,
-    hashes: list[bytes],
-    p: LinkParams,
-    tokens: tuple[int, int],
-    first_seq: int,
-    block_range: tuple[int, int],
-) -> Pieces:
-    """``framing.piece`` in an ``encode`` span (CPU work: quantise, compress, CRC, leaf hashes)."""
-    with span("encode"):
-        return framing.piece(hidden, kv, hashes, p, tokens, first_seq, block_range)
+def _in_span(name: str, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` inside a tracing span ``name`` (the encode span of a piece: quantise, compress,
+    CRC, leaf hashes; run in a worker thread)."""
+    with span(name):
+        return fn(*args)
