@@ -36,38 +36,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from tandem.benchmarks import links as linkmod
+from tandem.benchmarks.records import RequestRecord
 from tandem.benchmarks.workload import BenchPrompt, make_prompts
 from tandem.daemons import Daemon, Daemons, cloud_command, edge_command, work_dir
 
 app = typer.Typer(add_completion=False, help=__doc__)
-
-
-@dataclass
-class RequestRecord:
-    mode: str  # split-k{k} | cloud-only | edge-only
-    link: str
-    target_prompt_tokens: int
-    prompt_tokens: int
-    output_tokens: int
-    ttft_ms: float
-    e2e_ms: float
-    itl_ms: list[float]
-    start_s: float
-    end_s: float
-    external_tokens: int = 0
-    head_tokens: int = 0
-    sent_bytes: dict[str, int] = field(default_factory=dict)
-    timings_ms: dict[str, float] = field(default_factory=dict)
-    served_mode: str = ""  # the mode that served it (differs from the row only for auto)
-    served_split_layer: int = 0
-    predicted_ttft_ms: float = 0.0  # the edge's cost-model prediction for the served mode
 
 
 class Stack:

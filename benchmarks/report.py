@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.benchmarks.records import RequestRecord
 from tandem.edge.cloudconn import upload_receive_ms
 from tandem.stages import TTFT_STAGES, Stage
 
@@ -348,8 +349,6 @@ def plot_breakeven(rows: list[dict], path: Path, links: list[dict]) -> None:
 
 def load_records(path: Path) -> list:
     """Records from a ``records.jsonl`` (to re-render a report)."""
-    from tandem.benchmarks.bench import RequestRecord
-
     return [RequestRecord(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.benchmarks.bench import RequestRecord
 from tandem.benchmarks.linkproxy import LinkProxy
 from tandem.benchmarks.links import PROFILES, LinkProfile, get
+from tandem.benchmarks.records import RequestRecord
 from tandem.stages import Stage
 
 
