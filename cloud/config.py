@@ -225,12 +225,16 @@ class CloudConfig(DaemonSettings):
         "link (RESOURCE_EXHAUSTED if all are busy).",
     )
     edge_max_sessions: Count = Field(
-        default=64, description="Sessions one edge (identity) may hold; a new one beyond is RESOURCE_EXHAUSTED."
+        default=64,
+        description="Sessions one edge (identity) may hold in memory; a new one beyond takes the place of the "
+        "edge's least recently used session without a turn in flight (RESOURCE_EXHAUSTED only while every one "
+        "has a turn in flight).",
     )
     edge_max_stored_bytes: PositiveBytes = Field(
         default=gib(1),
-        description="Bytes one edge's sessions may hold here (activations and KV blocks); a turn that would pass "
-        "it is RESOURCE_EXHAUSTED.",
+        description="Bytes one edge's sessions may hold here in memory (activations and KV blocks); past it the "
+        "edge's least recently used sessions without a turn in flight leave memory (RESOURCE_EXHAUSTED only for a "
+        "turn larger than the bound alone, or while every session has a turn in flight).",
     )
     edge_rate_limit: str | None = Field(
         default="50/second;1000/minute",
@@ -334,6 +338,11 @@ class CloudConfig(DaemonSettings):
     max_sessions: Count = Field(default=256, description="Multi-turn sessions kept (LRU beyond).")
     session_bytes: PositiveBytes = Field(
         default=gib(1), description="Activations kept for multi-turn sessions, all together, in bytes."
+    )
+    session_idle_s: Seconds = Field(
+        default=1800.0,
+        description="Seconds without a turn after which a session leaves memory (the block store keeps its "
+        "record: a later turn resyncs from it, else starts over from token 0).",
     )
 
     @field_validator("edge_keys")

@@ -102,6 +102,10 @@ class Gateway:
         """``SyncSession``: see ``SessionSync.sync_session``."""
         return await self.sync.sync_session(req, caller)
 
+    async def end_session(self, session_id: str, caller: Principal | str = ANONYMOUS_PEER) -> bool:
+        """``EndSession``: see ``SessionSync.end_session``."""
+        return await self.sync.end_session(session_id, caller)
+
     async def run_turn(
         self,
         header: TurnHeader,
@@ -158,22 +162,24 @@ class Gateway:
     async def _run(self, turn: Turn, uplink: AsyncIterator[UplinkBody]) -> AsyncIterator[DownEvent]:
         """The turn itself (``run_turn`` adds its log ids, logs, metrics and span): direct mode
         decodes the prompt's token ids; split mode receives the upload, then runs the tail prefill
-        and the decode over it."""
-        self._check(turn)
+        and the decode over it. A split turn's session is in flight throughout: never evicted or
+        expired meanwhile."""
         header = turn.header
-        with await self._admit(turn) as ticket:
-            if not header.split_layer:
-                async for ev in self._decode(turn, list(header.prompt_token_ids), None, header.sampling, 0, ticket):
-                    yield ev
-                return
-            received = Received()
-            async with aclosing(self.receiver.upload(turn, uplink, received)) as upload:  # closed with the turn
-                async for up in upload:
-                    yield up
-            yield UploadAck(len(header.prompt_token_ids), len(received.leaves))
-            async with aclosing(self._split(turn, received, ticket)) as events:
-                async for ev in events:
-                    yield ev
+        with self.sessions.turn(turn.session_key if header.split_layer else ""):
+            self._check(turn)
+            with await self._admit(turn) as ticket:
+                if not header.split_layer:
+                    async for ev in self._decode(turn, list(header.prompt_token_ids), None, header.sampling, 0, ticket):
+                        yield ev
+                    return
+                received = Received()
+                async with aclosing(self.receiver.upload(turn, uplink, received)) as upload:  # closed with the turn
+                    async for up in upload:
+                        yield up
+                yield UploadAck(len(header.prompt_token_ids), len(received.leaves))
+                async with aclosing(self._split(turn, received, ticket)) as events:
+                    async for ev in events:
+                        yield ev
 
     def _check(self, turn: Turn) -> None:
         """Look up the params ``turn`` runs under and check its header and its edge's bounds.

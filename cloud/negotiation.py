@@ -62,6 +62,7 @@ class LinkLimits:
     max_prompt_tokens: int
     max_new_tokens: int
     max_chunk_resends: int
+    max_model_len_tokens: int = 0  # the engines' max_model_len: prompt + max_new_tokens (0 = no bound)
 
 
 def pick_chunk_tokens(goodput_mbps: float, bytes_per_token: int, default: int, max_tokens: int) -> int:
@@ -156,6 +157,8 @@ def link_params(
         hidden_size=sh.hidden_size,
         max_chunk_resends=limits.max_chunk_resends,
         kv_wire_dtype=kv_dtype,
+        max_model_len_tokens=limits.max_model_len_tokens,
+        vocab_size=sh.vocab_size,
     )
 
 

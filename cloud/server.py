@@ -57,6 +57,7 @@ class CloudServer:
     supervisor: EngineSupervisor | None
     servicer: CloudServicer
     controller: asyncio.Task | None = None  # the gateway's SLO control loop
+    sweeper: asyncio.Task | None = None  # expires idle sessions
 
     async def set_serving(self, serving: bool) -> None:
         self.gateway.serving = serving
@@ -68,8 +69,9 @@ class CloudServer:
         stop supervising and stop the server. The engines are the caller's to shut down afterwards."""
         await self.set_serving(False)
         self.servicer.draining = True
-        if self.controller is not None:
-            self.controller.cancel()
+        for task in (self.controller, self.sweeper):
+            if task is not None:
+                task.cancel()
         deadline = time.monotonic() + grace_s
         while self.servicer.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -93,6 +95,7 @@ def link_limits(cfg: CloudConfig) -> LinkLimits:
         max_prompt_tokens=min(cfg.max_prompt_tokens, e.max_model_len_tokens - 1),
         max_new_tokens=cfg.max_new_tokens,
         max_chunk_resends=cfg.max_chunk_resends,
+        max_model_len_tokens=e.max_model_len_tokens,
     )
 
 
@@ -135,7 +138,7 @@ def build_gateway(
     """
     splits = Splits.of(manifest, extra_manifests)
     limits, links, rates = link_limits(cfg), link_table(cfg), CloudRates()
-    sessions = SessionTable(cfg.max_sessions, cfg.session_bytes)
+    sessions = SessionTable(cfg.max_sessions, cfg.session_bytes, cfg.session_idle_s)
     per_edge = edge_limits(cfg, manifest.shape)
     sync = SessionSync(
         sessions, SessionStore(store, manifest.shape.hidden_size), per_edge, limits, manifest.shape.vocab_size
@@ -190,6 +193,8 @@ async def create_cloud(
     )
     cloud = CloudServer(server, port, gateway, hs, None, servicer)
     cloud.controller = asyncio.create_task(gateway.registry.control_loop(), name="slo-controller")
+    sweep_s = min(60.0, cfg.session_idle_s / 4)
+    cloud.sweeper = asyncio.create_task(gateway.sync.sweep_loop(sweep_s), name="session-sweeper")
     if isinstance(engines, SupervisedEngines):
         cloud.supervisor = EngineSupervisor(engines, cloud.set_serving, on_give_up=on_give_up)
         cloud.supervisor.start()

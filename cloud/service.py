@@ -112,6 +112,14 @@ class CloudServicer(pb_grpc.CloudServicer):
             await abort(context, e)
         return reply.to_pb()
 
+    async def EndSession(self, request: pb.EndSessionRequest, context: grpc.aio.ServicerContext):
+        try:
+            caller = identify(self.auth, context)
+            found = await self.gateway.end_session(request.session_id, caller)
+        except TandemError as e:
+            await abort(context, e)
+        return pb.EndSessionReply(found=found)
+
     async def Generate(self, request_iterator: AsyncIterator[pb.Uplink], context: grpc.aio.ServicerContext):
         try:
             caller = identify(self.auth, context)

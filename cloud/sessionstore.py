@@ -142,9 +142,15 @@ class SessionStore:
         )
         return Loaded(s, len(tokens))
 
-    def drop(self, session_key: str) -> None:
-        """Delete a session's record and pieces (its KV blocks age out of the store's LRU)."""
+    def drop(self, session_key: str) -> bool:
+        """Delete a session's record and pieces (its KV blocks age out of the store's LRU); True if
+        the store held a record of it.
+
+        Raises:
+            EngineError: a shared store could not be written.
+        """
         rec = self._record(session_key)
         for key in (rec or {}).get("pieces", []):
             self.store.delete(key)
         self.store.delete(record_key(session_key))
+        return rec is not None

@@ -3,7 +3,9 @@
 ``SessionSync`` looks a session up in the memory table (``cloud.sessions``) and, when the
 table lacks it, in the block store (``cloud.sessionstore``: a restarted node, or another
 replica's session); it answers ``SyncSession`` by comparing the edge's Merkle root and
-token ids with what it holds; it forgets a session in both places. It does not verify
+token ids with what it holds; it forgets a session in both places (``EndSession``, a Merkle
+mismatch). It keeps sessions' lifetime: the table's idle expiry swept every so often
+(``sweep_loop``) and the sessions ended, expired and evicted counted. It does not verify
 uploads or commit turns (``cloud.receive``) and changes nothing on a sync. No grpc.
 """
 
@@ -82,6 +84,34 @@ class SessionSync:
     ) -> None:
         self.sessions, self.store, self.edge_limits = sessions, store, edge_limits
         self.limits, self.vocab_size = limits, vocab_size
+        sessions.on_drop = lambda key, s, reason: metrics.record_cloud_session_end(reason)
+
+    async def end_session(self, session_id: str, caller: Principal | str = ANONYMOUS_PEER) -> bool:
+        """``EndSession``: drop the caller's session ``session_id`` here and in the store, once its
+        turns in flight ended; True if either held it.
+
+        Raises:
+            InvalidRequest: an empty session id or one longer than ``MAX_ID_BYTES`` bytes.
+            EngineError: a shared store could not be written.
+        """
+        if not session_id or len(session_id.encode()) > MAX_ID_BYTES:
+            raise InvalidRequest(f"EndSession needs a session id of 1..{MAX_ID_BYTES} bytes")
+        key = scoped(as_principal(caller), session_id)
+        await self.sessions.wait_quiet(key)
+        held = self.sessions.discard(key) is not None
+        stored = await asyncio.to_thread(self.store.drop, key)
+        if held or stored:
+            metrics.record_cloud_session_end("ended")
+        return held or stored
+
+    async def sweep_loop(self, period_s: float) -> None:
+        """Every ``period_s``, drop the sessions idle past the table's ``idle_s`` (memory only: the
+        store keeps what a later turn resyncs from). Until cancelled."""
+        while True:
+            await asyncio.sleep(period_s)
+            expired = self.sessions.expire()
+            if expired:
+                log.info("%d sessions expired (no turn for %.0f s)", len(expired), self.sessions.idle_s)
 
     async def sync_session(self, req: SyncRequest, caller: Principal | str = ANONYMOUS_PEER) -> SyncReply:
         """``SyncSession``: what this cloud holds of the caller's session ``req.session_id``, checked

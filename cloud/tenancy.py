@@ -9,14 +9,19 @@ may take from the others:
 * **rate**: Generate calls started per window, in the ``limits`` library's notation
   (``"50/second;1000/minute"``, moving windows); past it ``EdgeOverLimit`` with the
   time until the window frees a slot;
-* **sessions**: sessions one edge holds (a new one past the bound is refused; its
-  existing sessions keep working);
+* **sessions**: sessions one edge holds in memory here; a new one past the bound takes
+  the place of the edge's least recently used session without a turn in flight;
 * **stored bytes**: what its sessions hold here, activations ``[T, H]`` float32 plus
   the KV blocks of every layer of each full block (head part from the edge, tail
-  part computed here), counted with the turn's prompt before the upload starts.
+  part computed here), counted with the turn's prompt before the upload starts; past
+  it, the edge's least recently used sessions without a turn in flight make room.
 
-All three answer ``EdgeOverLimit`` (RESOURCE_EXHAUSTED, with ``retry-after-ms`` for the
-rate). Pure domain code, single event loop.
+A session dropped to make room leaves memory only: the block store keeps its record,
+from which its next turn resyncs (``cloud.sessionsync``), else that turn starts over
+from token 0; it never fails. Only when every session of the edge has a turn in flight
+(or one turn alone needs more than the bound) is the turn refused: ``EdgeOverLimit``
+(RESOURCE_EXHAUSTED, with ``retry-after-ms``), as for the rate. Pure domain code, single
+event loop.
 """
 
 from __future__ import annotations
@@ -101,21 +106,35 @@ class EdgeLimits:
         return prompt_tokens * self.hidden_bytes_per_token + (prompt_tokens // self.block_tokens) * self.block_bytes
 
     def check_state(self, principal: Principal, sessions: SessionTable, session_key: str, prompt_tokens: int) -> None:
-        """Before a turn's upload: may ``principal`` hold the session ``session_key`` (``""`` for a
-        stateless turn) with ``prompt_tokens`` tokens?
+        """Before a turn's upload: make room for ``principal`` to hold the session ``session_key``
+        (``""`` for a stateless turn) with ``prompt_tokens`` tokens, dropping from memory the
+        edge's least recently used sessions without a turn in flight (never ``session_key``).
 
         Raises:
-            EdgeOverLimit: a new session past ``max_sessions``, or the edge's sessions would pass
-                ``max_stored_bytes``.
+            EdgeOverLimit: every other session of the edge has a turn in flight, or the turn alone
+                would pass ``max_stored_bytes``; ``retry_after_ms`` when a turn ending may free room.
         """
         mine = sessions.owned_by(principal.tag)
+        others = set(mine) - {session_key}
         new = self.turn_bytes(prompt_tokens)
-        if session_key and session_key not in mine and len(mine) >= self.max_sessions:
+        if new > self.max_stored_bytes:
             raise EdgeOverLimit(
-                f"this edge holds {len(mine)} sessions, its bound is {self.max_sessions}: end or reuse one"
+                f"a turn of {prompt_tokens} tokens holds {new} bytes here, this edge's bound is {self.max_stored_bytes}"
             )
-        held = sum(self.session_bytes(s) for key, s in mine.items() if key != session_key)
-        if held + new > self.max_stored_bytes:
-            raise EdgeOverLimit(
-                f"this edge's sessions would hold {held + new} bytes here, its bound is {self.max_stored_bytes}"
-            )
+        while session_key and session_key not in mine and len(others) >= self.max_sessions:
+            why = f"this edge holds {len(others)} sessions, its bound is {self.max_sessions}"
+            self._make_room(sessions, others, why)
+        while sum(self.session_bytes(mine[k]) for k in others) + new > self.max_stored_bytes:
+            self._make_room(sessions, others, f"this edge's sessions would pass {self.max_stored_bytes} bytes")
+
+    @staticmethod
+    def _make_room(sessions: SessionTable, others: set[str], why: str) -> None:
+        """Drop the least recently used of ``others`` without a turn in flight (removed from ``others``).
+
+        Raises:
+            EdgeOverLimit: each of them has a turn in flight.
+        """
+        victim = sessions.evict_one(among=others)
+        if victim is None:
+            raise EdgeOverLimit(f"{why}, and each has a turn in flight: retry when one ends", retry_after_ms=1000)
+        others.discard(victim)

@@ -31,33 +31,30 @@ from tandem.common.kvblocks import LayerRange, block_hashes
 from tandem.common.kvwire import decode_kv, kv_raw_nbytes
 from tandem.common.manifest import SplitManifest
 from tandem.common.messages import KVBlock, TurnHeader
-from tandem.common.params import MAX_STOP_TOKENS, MAX_TEMPERATURE, LinkParams
+from tandem.common.params import LinkParams
+from tandem.common.requestlimits import MAX_ID_BYTES, RequestLimits
 
-MAX_ID_BYTES = 128
+
+def wire_limits(params: LinkParams, manifest: SplitManifest) -> RequestLimits:
+    """The request limits a turn under ``params`` is checked against: the ones the edge was told
+    (``LinkParams``), so that the edge's own check (``edge.validation``) refuses first, alike."""
+    return RequestLimits(
+        manifest.shape.vocab_size, params.max_prompt_tokens, params.max_new_tokens, params.max_model_len_tokens
+    )
 
 
 def check_header(h: TurnHeader, params: LinkParams, manifest: SplitManifest) -> None:
-    """Raises InvalidRequest / ParamsVersionMismatch for a header outside the negotiated limits."""
+    """Raises InvalidRequest / ParamsVersionMismatch for a header outside the negotiated limits
+    (its prompt and sampling: ``RequestLimits.check``)."""
     for name, value in (("request_id", h.request_id), ("session_id", h.session_id)):
         if len(value.encode()) > MAX_ID_BYTES:
             raise InvalidRequest(f"{name} longer than {MAX_ID_BYTES} bytes")
     if h.params_version != params.params_version:
         raise ParamsVersionMismatch(f"header uses params v{h.params_version}, link is at v{params.params_version}")
-    t = len(h.prompt_token_ids)
-    if not 0 < t <= params.max_prompt_tokens:
-        raise InvalidRequest(f"prompt has {t} tokens; allowed 1..{params.max_prompt_tokens}")
-    vocab = manifest.shape.vocab_size
-    if max(h.prompt_token_ids) >= vocab:
-        raise InvalidRequest(f"token id {max(h.prompt_token_ids)} >= vocab size {vocab}")
+    wire_limits(params, manifest).check(h.prompt_token_ids, h.sampling)
     if h.split_layer not in (0, manifest.split_layer):
         raise InvalidRequest(f"split layer {h.split_layer}; this cloud serves k={manifest.split_layer} or 0")
-    s = h.sampling
-    if not 0 < s.max_new_tokens <= params.max_new_tokens:
-        raise InvalidRequest(f"max_new_tokens {s.max_new_tokens}; allowed 1..{params.max_new_tokens}")
-    if not 0 <= s.temperature <= MAX_TEMPERATURE or not 0 < s.top_p <= 1 or s.top_k < 0:
-        raise InvalidRequest(f"bad sampling: temperature={s.temperature} top_p={s.top_p} top_k={s.top_k}")
-    if len(s.stop_token_ids) > MAX_STOP_TOKENS or any(x >= vocab for x in s.stop_token_ids):
-        raise InvalidRequest(f"stop_token_ids: at most {MAX_STOP_TOKENS}, each below the vocabulary size {vocab}")
+    t = len(h.prompt_token_ids)
     if h.split_layer == 0:
         if h.num_chunks or h.num_kv_blocks or h.cached_tokens:
             raise InvalidRequest("direct mode carries no chunks, KV blocks or cached tokens")

@@ -13,8 +13,9 @@ Edge (``EdgeNode``): ``tandem:time_to_first_token_seconds{mode}``,
 ``tandem:chunk_resends_total``, ``tandem:kv_block_repairs_total``,
 ``tandem:session_resyncs_total`` (resends from token 0), ``tandem:ttft_prediction_error_ratio{mode}``
 (the cost model's relative error), ``tandem:mode_fallbacks_total{reason}`` (auto turns served locally
-because the cloud refused), gauges ``tandem:sessions``, ``tandem:session_bytes``, ``tandem:link_rtt_ms``,
-``tandem:link_goodput_mbps`` and ``tandem:cloud_connected``.
+because the cloud refused), ``tandem:sessions_ended_total{reason=ended|expired|evicted}``, gauges
+``tandem:sessions``, ``tandem:session_bytes``, ``tandem:link_rtt_ms``, ``tandem:link_goodput_mbps`` and
+``tandem:cloud_connected``.
 
 Cloud (``Gateway``): ``tandem:cloud_queue_time_seconds{mode}`` (header to the first engine
 request: upload, store put and session commit in split mode), ``tandem:cloud_store_put_seconds``,
@@ -23,7 +24,8 @@ request: upload, store put and session commit in split mode), ``tandem:cloud_sto
 ``tandem:upload_rejections_total{reason}`` (turns refused before any engine ran, by error
 class), ``tandem:received_bytes_total{kind=activations|kv}``, ``tandem:crc_failures_total``
 (chunks NACKed: CRC32C mismatch or payload not decodable), ``tandem:kv_block_repair_requests_total``
-(KV blocks asked again), ``tandem:engine_restarts_total``, gauges ``tandem:uploads_in_flight``,
+(KV blocks asked again), ``tandem:engine_restarts_total``,
+``tandem:cloud_sessions_ended_total{reason=ended|expired|evicted}``, gauges ``tandem:uploads_in_flight``,
 ``tandem:upload_bytes_reserved``, ``tandem:cloud_sessions``, ``tandem:cloud_session_bytes``,
 ``tandem:block_store_bytes``, ``tandem:links_active``, ``tandem:requests_running``, ``tandem:requests_waiting``.
 
@@ -155,6 +157,13 @@ LINK_RTT = _metric("edge", Gauge, "tandem:link_rtt_ms", "Smoothed round-trip tim
 LINK_GOODPUT = _metric("edge", Gauge, "tandem:link_goodput_mbps", "Smoothed uplink goodput, in Mbit/s.")
 CLOUD_CONNECTED = _metric("edge", Gauge, "tandem:cloud_connected", "1 while the link is negotiated and answering.")
 SESSIONS = _metric("edge", Gauge, "tandem:sessions", "Chat sessions the edge holds.")
+SESSIONS_ENDED = _metric(
+    "edge",
+    Counter,
+    "tandem:sessions_ended",
+    "Edge sessions ended, by reason: ended (EndSession), expired (idle), evicted (the edge's bound).",
+    ["reason"],
+)
 SESSION_BYTES = _metric("edge", Gauge, "tandem:session_bytes", "Head KV and activation bytes of the edge's sessions.")
 
 # ------------------------------------------------------------------ cloud
@@ -219,6 +228,14 @@ UPLOAD_BYTES_RESERVED = _metric(
 CLOUD_SESSIONS = _metric("cloud", Gauge, "tandem:cloud_sessions", "Sessions the cloud holds.")
 CLOUD_SESSION_BYTES = _metric(
     "cloud", Gauge, "tandem:cloud_session_bytes", "Bytes the cloud's sessions hold (activations, leaves)."
+)
+CLOUD_SESSIONS_ENDED = _metric(
+    "cloud",
+    Counter,
+    "tandem:cloud_sessions_ended",
+    "Cloud sessions dropped from memory, by reason: ended (EndSession), expired (idle), evicted "
+    "(a bound: per edge or in total); the block store keeps the expired and evicted ones' records.",
+    ["reason"],
 )
 BLOCK_STORE_BYTES = _metric(
     "cloud", Gauge, "tandem:block_store_bytes", "Bytes in the KV block store (NaN when it cannot tell)."
@@ -313,6 +330,16 @@ def record_upload_kept(tokens: int) -> None:
 def record_session_sync(outcome: str) -> None:
     """``outcome``: ``in_sync``, ``partial`` or ``lost``."""
     SESSION_SYNCS.labels(outcome).inc()
+
+
+def record_edge_session_end(reason: str) -> None:
+    """``reason``: ``ended``, ``expired`` or ``evicted``."""
+    SESSIONS_ENDED.labels(reason).inc()
+
+
+def record_cloud_session_end(reason: str) -> None:
+    """``reason``: ``ended``, ``expired`` or ``evicted``."""
+    CLOUD_SESSIONS_ENDED.labels(reason).inc()
 
 
 def record_session_load(whole: bool) -> None:

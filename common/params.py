@@ -36,6 +36,8 @@ class LinkParams:
     hidden_size: int
     max_chunk_resends: int
     kv_wire_dtype: WireDtype = WireDtype.FP32  # format of every head-KV block (``common.kvwire``)
+    max_model_len_tokens: int = 0  # most prompt + max_new_tokens of one turn (0 = not said)
+    vocab_size: int = 0  # every prompt and stop token id is below it (0 = not said)
 
     @classmethod
     def from_pb(cls, m: pb.LinkParams) -> LinkParams:

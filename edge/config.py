@@ -76,6 +76,10 @@ class EdgeConfig(DaemonSettings):
         description="The whole model in ONNX for local mode; default `edge-full.onnx` beside the split directory.",
     )
     max_prompt_tokens: Count = Field(default=1536, description="Longest prompt accepted, in tokens.")
+    max_new_tokens: Count = Field(
+        default=4096,
+        description="Most output tokens of one turn, in every mode (the cloud's bound narrows it while known).",
+    )
     cloud_target: str = Field(default="localhost:50051", description="Address of tandem-cloud, `host:port`.")
     cloud_replicas: ListSetting[str] = Field(
         default_factory=list,
@@ -157,6 +161,11 @@ class EdgeConfig(DaemonSettings):
     max_sessions: Count = Field(default=256, description="Multi-turn sessions kept (LRU beyond).")
     session_bytes: PositiveBytes = Field(
         default=mib(512), description="Head KV + activations kept for sessions, all together, in bytes (LRU beyond)."
+    )
+    session_idle_s: Seconds = Field(
+        default=1800.0,
+        description="Seconds without a turn after which a session ends (the edge drops its state and tells the "
+        "cloud); its next turn starts over.",
     )
     keepalive_time_s: Seconds = Field(
         default=5.0, description="Seconds without a ping before the edge pings the cloud (HTTP/2 keepalive)."

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from tandem.common.errors import InvalidRequest
 from tandem.common.modes import Mode
-from tandem.common.params import MAX_STOP_TOKENS, MAX_TEMPERATURE, Sampling
+from tandem.common.params import Sampling
 from tandem.common.text import check_text
 from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tandem.pbconv import to_pb
@@ -49,7 +49,9 @@ class ChatTurn:
 
     @classmethod
     def from_pb(cls, r: pb.ChatRequest) -> ChatTurn:
-        """Raises InvalidRequest for unknown roles or mode, bad sampling values, or strings that are not text."""
+        """Raises InvalidRequest for unknown roles or mode, ``split_layer`` with a mode other than
+        split, too many or empty stop strings, or strings that are not text. Sampling values and stop
+        token ids are the node's to check, as in every mode (``edge.validation.check_turn``)."""
         for i, m in enumerate(r.messages):
             if check_text(m.role, f"messages[{i}].role") not in ROLES:
                 raise InvalidRequest(f"messages[{i}].role: {m.role!r} is not one of {ROLES}")
@@ -57,12 +59,8 @@ class ChatTurn:
         if r.split_layer and mode is not Mode.SPLIT:
             raise InvalidRequest("split_layer is for mode split only")
         s = Sampling.from_pb(r.sampling) if r.HasField("sampling") else Sampling()
-        if not 0 <= s.temperature <= MAX_TEMPERATURE or not 0 < s.top_p <= 1 or s.top_k < 0:
-            raise InvalidRequest(f"bad sampling: temperature={s.temperature} top_p={s.top_p}")
         if len(r.stop) > MAX_STOP_STRINGS or any(not 0 < len(x) <= MAX_STOP_CHARS for x in r.stop):
             raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of 1 to {MAX_STOP_CHARS} characters")
-        if len(s.stop_token_ids) > MAX_STOP_TOKENS:
-            raise InvalidRequest(f"at most {MAX_STOP_TOKENS} stop token ids")
         messages = tuple((m.role, m.content) for m in r.messages)
         return cls(messages, r.prompt, r.session_id, s, mode, tuple(x for x in r.stop if x), r.split_layer)
 

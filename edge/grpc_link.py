@@ -142,6 +142,14 @@ class GrpcCloudLink:
             raise error_from_status(e.code(), e.details() or "") from e
         return SyncReply.from_pb(resp)
 
+    async def end_session(self, session_id: str, timeout_s: float = 5.0) -> bool:
+        req = pb.EndSessionRequest(session_id=session_id)
+        try:
+            resp = await self.stub.EndSession(req, timeout=timeout_s, metadata=self.metadata or None)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_status(e.code(), e.details() or "") from e
+        return bool(resp.found)
+
     def open(self, timeout_s: float | None) -> GrpcTurnCall:
         return GrpcTurnCall(self.stub, timeout_s, self.metadata)
 

@@ -48,6 +48,11 @@ class CloudLink(Protocol):
         """``SyncSession`` (see the proto). Raises the cloud's verdict as a ``TandemError``."""
         ...
 
+    async def end_session(self, session_id: str, timeout_s: float = 5.0) -> bool:
+        """``EndSession`` (see the proto): True if the cloud held the session. Raises the cloud's
+        verdict as a ``TandemError`` (EngineError when the cloud is unreachable)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -100,6 +105,9 @@ class InProcessLink:
 
     async def sync_session(self, req: SyncRequest, timeout_s: float = 5.0) -> SyncReply:
         return await self.gateway.sync_session(req, self.caller)
+
+    async def end_session(self, session_id: str, timeout_s: float = 5.0) -> bool:
+        return await self.gateway.end_session(session_id, self.caller)
 
     async def close(self) -> None:
         return None

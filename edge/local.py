@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +40,8 @@ from tandem.common.ewma import Ewma
 from tandem.common.head_io import io_names
 from tandem.common.lru import BoundedLRU
 from tandem.common.manifest import ModelShape
-from tandem.common.params import MAX_TEMPERATURE, Sampling
+from tandem.common.params import Sampling
+from tandem.common.requestlimits import RequestLimits
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 WARMUP_DECODE_STEPS = 4
@@ -122,6 +124,12 @@ def sample_token(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> i
     return int(rng.choice(p.shape[0], p=p))
 
 
+def sampling_rng(seed: int | None) -> np.random.Generator:
+    """The random generator of one turn, taking ``seed`` as vLLM's ``SamplingParams`` does: None or
+    -1 is no seed (from the OS); any other 64-bit int seeds it (a negative one as its two's complement)."""
+    return np.random.default_rng(None if seed is None or seed == -1 else seed % (1 << 64))
+
+
 class LocalEngine:
     """``edge-full.onnx`` in one ONNX Runtime session, serving concurrent turns.
 
@@ -143,9 +151,11 @@ class LocalEngine:
         intra_op_threads: int = 0,
         max_sessions: int = 256,
         session_bytes: int = 512 << 20,
+        session_idle_s: float = math.inf,
     ) -> None:
         """``intra_op_threads``: ONNX Runtime's (0 = its default); ``session_bytes``: bound on the
-        KV bytes of all sessions. Raises what ``onnxruntime.InferenceSession`` raises for a bad file."""
+        KV bytes of all sessions; ``session_idle_s``: a session unused this long is dropped. Raises
+        what ``onnxruntime.InferenceSession`` raises for a bad file."""
         import onnxruntime as ort
 
         from tandem.edge.head_runner import default_providers, session_options
@@ -158,13 +168,23 @@ class LocalEngine:
         inputs, outputs = io_names(shape.num_layers)
         self._past_names = inputs[3:]
         self._out_names = ["logits", *outputs[1:]]
-        self.sessions = LocalSessions(max_sessions, session_bytes)
+        self.sessions = LocalSessions(max_sessions, session_bytes, session_idle_s)
         self._model_lock = asyncio.Lock()
         self.prefill_rate = Ewma()  # ms per prompt token computed, runs of more than one token
         self.decode_rate = Ewma()  # ms per one-token run
         self.active = 0
         self.last_computed_tokens = 0
         self.last_reused_tokens = 0
+
+    async def end_session(self, session_id: str) -> bool:
+        """Drop the session ``session_id`` once no turn uses it; True if it was held."""
+        s = self.sessions.lookup(session_id) if session_id else None
+        if s is None:
+            return False
+        async with s.lock:
+            if self.sessions.lookup(session_id) is s:
+                self.sessions.discard(session_id)
+        return True
 
     def cached_tokens(self, session_id: str, prompt_ids: Sequence[int]) -> int:
         """Prompt tokens whose KV the session ``session_id`` holds (its common prefix); 0 if none."""
@@ -188,31 +208,22 @@ class LocalEngine:
         s = self.shape
         return [np.zeros((1, s.num_kv_heads, 0, s.head_dim), np.float32) for _ in self._past_names]
 
+    @property
+    def limits(self) -> RequestLimits:
+        """What this model takes: token ids in its vocabulary, prompt and output within its positions."""
+        return RequestLimits(self.shape.vocab_size, max_model_len_tokens=self.shape.max_position_embeddings)
+
     def validate(self, prompt_ids: Sequence[int], s: Sampling) -> None:
         """Raises:
-        InvalidRequest: empty prompt, a token id outside ``[0, V)``, ``max_new_tokens < 1``, prompt
-            plus ``max_new_tokens`` beyond ``max_position_embeddings``, or sampling values out of
-            range (temperature in ``[0, MAX_TEMPERATURE]``, top_p in ``(0, 1]``, top_k >= 0).
+        InvalidRequest: prompt ids that are not a flat list of integers, or what
+            ``RequestLimits.check`` refuses under ``limits`` (an empty prompt, a token id outside
+            ``[0, V)``, ``max_new_tokens < 1``, prompt plus ``max_new_tokens`` beyond the model's
+            positions, sampling values or stop token ids out of range).
         """
-        if len(prompt_ids) == 0:
-            raise InvalidRequest("prompt_ids is empty")
         ids = np.asarray(prompt_ids)
-        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        if len(prompt_ids) and (ids.ndim != 1 or ids.dtype.kind not in "iu"):
             raise InvalidRequest("prompt_ids must be a flat list of integers")
-        v = self.shape.vocab_size
-        if int(ids.min()) < 0 or int(ids.max()) >= v:
-            bad = next(int(t) for t in ids if not 0 <= t < v)
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {v})")
-        if s.max_new_tokens < 1:
-            raise InvalidRequest(f"max_new_tokens must be >= 1, got {s.max_new_tokens}")
-        limit = self.shape.max_position_embeddings
-        if len(prompt_ids) + s.max_new_tokens > limit:
-            raise InvalidRequest(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({s.max_new_tokens}) exceeds the "
-                f"model's {limit} positions"
-            )
-        if not 0 <= s.temperature <= MAX_TEMPERATURE or not 0 < s.top_p <= 1 or s.top_k < 0:
-            raise InvalidRequest(f"bad sampling: temperature={s.temperature} top_p={s.top_p} top_k={s.top_k}")
+        self.limits.check(prompt_ids, s)
 
     def forward(self, new_ids: Sequence[int], past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray], float]:
         """One model run over ``new_ids`` (``t >= 1`` tokens) after ``past`` (``2L`` x ``[1, Hkv, P, D]``).
@@ -288,7 +299,7 @@ class LocalEngine:
         c = min(sess.common_prefix(prompt), len(prompt) - 1)
         past = self.empty_past() if c == 0 else [np.ascontiguousarray(a[:, :, :c]) for a in sess.past]
         stops = set(s.stop_token_ids) | (set() if s.ignore_eos else self.eos_token_ids)
-        rng = np.random.default_rng(s.seed)
+        rng = sampling_rng(s.seed)
         new = prompt[c:]
         self.last_computed_tokens, self.last_reused_tokens = len(new), c
         for n in range(1, s.max_new_tokens + 1):
@@ -348,7 +359,7 @@ class LocalGenerator:
         stop = () if eos_token_id is None else (eos_token_id,)
         s = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_token_ids=stop)
         self.engine.validate(prompt_ids, s)
-        rng = np.random.default_rng(seed)
+        rng = sampling_rng(seed)
         past, new = self.engine.empty_past(), list(prompt_ids)
         for _ in range(max_new_tokens):
             logits, past, _ms = self.engine.forward(new, past)

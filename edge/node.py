@@ -23,6 +23,7 @@ from tandem.common.errors import EngineError, InvalidRequest, LinkLost, ParamsVe
 from tandem.common.logs import bind_request, current_request_id, new_request_id, turn_log
 from tandem.common.manifest import ModelShape
 from tandem.common.modes import Mode
+from tandem.common.requestlimits import RequestLimits
 from tandem.common.tracing import span, traced
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.cloudcall import CloudCalls
@@ -31,11 +32,13 @@ from tandem.edge.costmodel import CostModel, Route
 from tandem.edge.detok import TextStream
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.headwork import Head
+from tandem.edge.lifetime import SessionLifetime
 from tandem.edge.local import LocalEngine
 from tandem.edge.localmode import run_local
 from tandem.edge.routing import Decision, Router
 from tandem.edge.session import EdgeSessions
 from tandem.edge.turn import Turn, TurnClock
+from tandem.edge.validation import check_turn, cloud_limits, edge_limits
 from tandem.stages import Stage
 
 log = logging.getLogger("tandem.edge")
@@ -67,6 +70,7 @@ class EdgeNode:
         *,
         local: LocalEngine | None = None,
         max_prompt_tokens: int = 1536,
+        max_new_tokens: int = 4096,
         cost: CostModel | None = None,
         shape: ModelShape | None = None,
         renegotiate_wait_s: float = 5.0,
@@ -74,9 +78,11 @@ class EdgeNode:
         eos_token_ids: frozenset[int] | None = None,
         codec_ratio: float = 1.0,
     ) -> None:
-        """``pipeline_tokens``: head tokens per piece of a pipelined split turn (``edge.headwork``;
-        0 = the head runs whole before the upload starts); ``eos_token_ids``: default the
-        tokenizer's; ``codec_ratio``: zstd's compressed / raw size of this model's wire bytes."""
+        """``max_prompt_tokens`` / ``max_new_tokens``: this edge's own bounds (the cloud's and the
+        model's narrow them, ``limits``); ``shape``: the model's (its vocabulary and positions bound
+        requests too); ``pipeline_tokens``: head tokens per piece of a pipelined split turn
+        (``edge.headwork``; 0 = the head runs whole before the upload starts); ``eos_token_ids``:
+        default the tokenizer's; ``codec_ratio``: zstd's compressed / raw size of this model's wire bytes."""
         if not heads and local is None:
             raise ValueError("an edge needs a head (split) or the whole model (local)")
         self.tok, self.conn, self.sessions = tokenizer, conn, sessions
@@ -90,7 +96,12 @@ class EdgeNode:
         self.router = Router(self.heads, conn, sessions, cost, local=local, shape=shape)
         self.router.codec_ratio = codec_ratio
         self.calls = CloudCalls(conn, self.heads, sessions, self.router, renegotiate_wait_s)
-        self._max_prompt_tokens = max_prompt_tokens
+        self._own_limits = RequestLimits(
+            shape.vocab_size if shape else 0,
+            max_prompt_tokens,
+            max_new_tokens,
+            shape.max_position_embeddings if shape else 0,
+        )
         # no text longer than this can fit in max_prompt_tokens: every token covers at most
         # max_token_chars characters, so longer text is refused before it is tokenized
         self._token_chars = max_token_chars(tokenizer)
@@ -100,6 +111,7 @@ class EdgeNode:
             Mode.SPLIT: self.calls.run,
             Mode.DIRECT: self.calls.run,
         }
+        self.lifetime = SessionLifetime(sessions, conn, lambda: self.local)
         metrics.watch_edge_sessions(sessions)
         if conn is not None:
             metrics.watch_link(conn)
@@ -130,10 +142,17 @@ class EdgeNode:
         return self.heads[max(self.heads)].batcher
 
     @property
+    def limits(self) -> RequestLimits:
+        """What a request may ask for, the same in every mode (``edge.validation``): this edge's
+        bounds narrowed by local mode's and by the cloud's as last negotiated."""
+        n = self.conn.current().negotiated if self.conn is not None else None
+        cloud = cloud_limits(n.params_by_split.get(0) if n is not None else None)
+        return edge_limits(self._own_limits, self.local.limits if self.local is not None else None, cloud)
+
+    @property
     def max_prompt_tokens(self) -> int:
-        """Longest prompt accepted: the edge's bound, and the cloud's while connected."""
-        p = self.conn.current().params(0) if self.conn is not None else None
-        return min(self._max_prompt_tokens, p.max_prompt_tokens) if p is not None else self._max_prompt_tokens
+        """Longest prompt accepted (``limits``)."""
+        return self.limits.max_prompt_tokens
 
     @property
     def max_prompt_chars(self) -> int:
@@ -142,8 +161,8 @@ class EdgeNode:
 
     @property
     def max_new_tokens(self) -> int:
-        p = self.conn.current().params(0) if self.conn is not None else None
-        return p.max_new_tokens if p is not None else 4096
+        """Largest ``max_new_tokens`` accepted (``limits``)."""
+        return self.limits.max_new_tokens
 
     @property
     def split_layers(self) -> tuple[int, ...]:
@@ -172,15 +191,29 @@ class EdgeNode:
         """Prompt token ids. Raises InvalidRequest for an empty or too long prompt."""
         if request.messages and request.prompt:
             raise InvalidRequest("pass messages or a prompt, not both")
-        limit = self.max_prompt_tokens
+        limits = self.limits
         n_chars = len(request.prompt) + sum(len(c) for _, c in request.messages)
-        if n_chars > self.max_prompt_chars:
-            raise InvalidRequest(f"prompt of {n_chars} characters cannot fit in {limit} tokens")
+        if n_chars > limits.max_prompt_tokens * self._token_chars:
+            raise InvalidRequest(f"prompt of {n_chars} characters cannot fit in {limits.max_prompt_tokens} tokens")
         messages = [{"role": r, "content": c} for r, c in request.messages]
         ids = prompt_token_ids(self.tok, messages or None, request.prompt or None)
-        if not 0 < len(ids) <= limit:
-            raise InvalidRequest(f"prompt has {len(ids)} tokens; this edge allows 1..{limit}")
+        limits.check_prompt_length(len(ids))
         return ids
+
+    def validate(self, request: ChatTurn, ids: list[int]) -> None:
+        """The request's verdict, the same in every mode, before a route is chosen
+        (``edge.validation.check_turn`` under ``limits``). Raises InvalidRequest or ModeUnavailable."""
+        check_turn(request, ids, self.limits, self.heads)
+
+    async def end_session(self, session_id: str, timeout_s: float | None = None) -> bool:
+        """End a chat session in every mode, here and in the cloud (``edge.lifetime``); True if
+        either held state of it.
+
+        Raises:
+            InvalidRequest: an empty or too long session id.
+            DeadlineExceeded: a turn of the session was still running after ``timeout_s``.
+        """
+        return await self.lifetime.end(session_id, timeout_s)
 
     # ------------------------------------------------------------------ the turn
 
@@ -191,8 +224,9 @@ class EdgeNode:
         metrics and spans are recorded (``common.metrics``, ``common.tracing``).
 
         Raises:
-            InvalidRequest: bad prompt or sampling parameters.
-            ModeUnavailable: the requested mode cannot run on this edge.
+            InvalidRequest: bad prompt or sampling parameters (the same verdict in every mode:
+                ``validate``, before the route is chosen).
+            ModeUnavailable: the requested mode (or split layer) cannot run on this edge.
             TandemError: the cloud's verdict, EngineError (cloud unreachable), DeadlineExceeded.
         """
         clock = TurnClock(mode=request.mode)
@@ -253,6 +287,7 @@ class EdgeNode:
         deadline = asyncio.get_running_loop().time() + timeout_s
         ids = await asyncio.to_thread(self.tokenize, request)  # long prompts must not stall other requests
         clock.since(Stage.TOKENIZE)
+        self.validate(request, ids)
         first = leg = Turn(request, ids, clock, TextStream(self.tok, request.stop), deadline)
         finished = False
         while True:

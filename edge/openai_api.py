@@ -9,6 +9,9 @@ Endpoints (FastAPI, served by uvicorn in the edge's event loop; see ``serve_open
   ``stream_options.include_usage``, ``user``; ``n`` must be 1.
 - ``POST /v1/completions``: ``prompt`` a string (or a list of one string); same sampling (``max_tokens``
   defaults to 16, OpenAI's); ``echo``, ``logprobs``, ``best_of`` > 1 and ``suffix`` are refused.
+- ``DELETE /v1/conversations/{id}``: end a conversation (OpenAI's Conversations API shape,
+  ``{"id", "object": "conversation.deleted", "deleted": true}``); ``id`` is the ``x-tandem-session``
+  of its responses. Only the API key that made it may end it (else 404, as for one already ended).
 
 vLLM-style extras (``extra_body`` in the openai client): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
 and ``session_id`` (names the conversation explicitly, see below). Fields this API does not know are
@@ -45,8 +48,8 @@ serving).
 Sessions map onto the conversation. OpenAI clients resend the whole conversation every turn and name
 no session, so the edge derives one from the conversation's opening:
 
-    session_id = "oai:" + HMAC-SHA256(secret, json([endpoint, api key, user, explicit session_id,
-                                                    opening]))[:32 hex]
+    session_id = "oai:" + owner_tag(api key) + HMAC-SHA256(secret, json([endpoint, api key, user,
+                                                    explicit session_id, opening]))[:24 hex]
 
 where, for chat, ``opening`` is the first system (or developer) message and the first user message,
 and for completions the first 64 characters of the prompt; an explicit ``session_id`` (extra field)
@@ -66,6 +69,11 @@ from the longest common prefix; the cloud's copy is resent from token 0 when it 
   instead of waiting for it, so identical concurrent requests do not serialize.
 - A completion prompt shorter than 64 characters that later grows changes its opening (a missed reuse).
 - A changed system prompt starts a new session; the old one ages out of the edge's LRU.
+
+A conversation ends when its client deletes it (``DELETE /v1/conversations/{x-tandem-session}``:
+the edge and the cloud drop its state), after ``session_idle_s`` without a turn, or when the edge's
+session bound drops it (least recently used first); a later request of it starts it over. The id's
+first 8 hex digits name the API key (``owner_tag``), so that only that key can end it.
 """
 
 from __future__ import annotations
@@ -102,6 +110,7 @@ from tandem.edge.openai_requests import (
     chat_messages,
     chat_opening,
     conversation_session_id,
+    owned_by,
     prompt_of,
     refuse_unsupported,
     sampling,
@@ -283,6 +292,21 @@ class _Api:
         usage = bool(r.stream and r.stream_options and r.stream_options.include_usage)
         return Call(chat, rid, int(time.time()), self.model_id, turn, usage)
 
+    async def end_conversation(self, conversation_id: str, key: str) -> dict[str, Any]:
+        """``DELETE /v1/conversations/{id}``: end the conversation's session (``x-tandem-session``) on
+        the edge and in the cloud, in OpenAI's ``conversation.deleted`` shape.
+
+        Raises:
+            ApiError: 404 when it is not a conversation of this key or neither side held it.
+        """
+        check_text(conversation_id, "conversation_id")
+        missing = ApiError(404, f"Conversation with id '{conversation_id}' not found.", param="conversation_id")
+        if not owned_by(self.secret, conversation_id, key):
+            raise missing
+        if not await self.service.end_session(conversation_id):
+            raise missing
+        return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
     async def answer(self, call: Call, stream: bool, request: Request) -> Response:
         """Run the turn (its session reserved until it ends) and answer in OpenAI's shape."""
         set_ids(call.id, call.turn.session_id)  # this request's own task: log lines carry the response's id
@@ -358,6 +382,10 @@ def create_openai_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, key: str = auth) -> Response:
         return await api.answer(api.completion_call(body, key), bool(body.stream), request)
+
+    @app.delete("/v1/conversations/{conversation_id}")
+    async def delete_conversation(conversation_id: str, key: str = auth) -> dict[str, Any]:
+        return await api.end_conversation(conversation_id, key)
 
     return app
 

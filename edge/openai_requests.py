@@ -93,10 +93,25 @@ class CompletionRequest(RequestBase):
 # --- request -> turn ------------------------------------------------------------------------------
 
 
+def owner_tag(secret: bytes, api_key: str) -> str:
+    """8 hex digits naming an API key among a conversation id's 32 (who may end it)."""
+    return hmac.new(secret, b"owner\x00" + api_key.encode(), hashlib.sha256).hexdigest()[:8]
+
+
 def conversation_session_id(secret: bytes, parts: Sequence[str]) -> str:
-    """The edge session of a conversation named by ``parts`` (see ``edge.openai_api``)."""
+    """The edge session of a conversation named by ``parts`` (see ``edge.openai_api``; ``parts[1]``
+    is the API key): ``oai:``, the key's ``owner_tag``, then 24 hex digits of the conversation's HMAC."""
     digest = hmac.new(secret, json.dumps(list(parts)).encode(), hashlib.sha256).hexdigest()
-    return "oai:" + digest[:32]
+    return "oai:" + owner_tag(secret, parts[1] if len(parts) > 1 else "") + digest[:24]
+
+
+def owned_by(secret: bytes, session_id: str, api_key: str) -> bool:
+    """Whether ``session_id`` is a conversation of ``api_key`` (``conversation_session_id``)."""
+    return (
+        len(session_id) == 36
+        and session_id.startswith("oai:")
+        and hmac.compare_digest(session_id[4:12], owner_tag(secret, api_key))
+    )
 
 
 def _at(*loc: str | int) -> str:

@@ -51,6 +51,7 @@ class EdgeDaemon:
     health: health.aio.HealthServicer
     health_task: asyncio.Task
     http: tuple[Any, asyncio.Task, int] | None = None  # OpenAI-compatible API: (uvicorn server, task, port)
+    sweeper: asyncio.Task | None = None  # expires idle sessions
 
     @property
     def http_port(self) -> int | None:
@@ -67,6 +68,9 @@ class EdgeDaemon:
 
             await stop_openai(self.http[0], self.http[1], grace_s)
         await self.server.stop(grace_s)
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+        await self.node.lifetime.close()
         if self.node.conn is not None:
             await self.node.conn.stop()
         for h in self.node.heads.values():
@@ -126,7 +130,7 @@ async def load_local(cfg: EdgeConfig, shape: ModelShape, eos: list[int]) -> Loca
     if not path.is_file():
         log.warning("local mode off: no %s", path)
         return None
-    local = LocalEngine(path, shape, eos, cfg.intra_op_threads, cfg.max_sessions, cfg.session_bytes)
+    local = LocalEngine(path, shape, eos, cfg.intra_op_threads, cfg.max_sessions, cfg.session_bytes, cfg.session_idle_s)
     await local.warmup()  # the first rates, which the cost model reads from the engine
     log.info(
         "local mode: %s (%.2f ms/token prefill, %.1f ms/token decode)",
@@ -218,10 +222,11 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
         tokenizer,
         heads,
         cloud,
-        EdgeSessions(cfg.max_sessions, cfg.session_bytes),
+        EdgeSessions(cfg.max_sessions, cfg.session_bytes, cfg.session_idle_s),
         cfg.turn_timeout_s,
         local=local,
         max_prompt_tokens=cfg.max_prompt_tokens,
+        max_new_tokens=cfg.max_new_tokens,
         cost=cost,
         shape=manifest.shape,
         pipeline_tokens=cfg.pipeline_tokens,
@@ -259,6 +264,8 @@ async def serve_node(cfg: EdgeConfig, node: EdgeNode, model_id: str, links: list
         tls_credentials(cfg),
     )
     daemon = EdgeDaemon(server, port, node, servicer, links, hs, asyncio.create_task(follow_link(node, hs)))
+    sweep_s = min(60.0, cfg.session_idle_s / 4)
+    daemon.sweeper = asyncio.create_task(node.lifetime.sweep_loop(sweep_s), name="session-sweeper")
     if cfg.http_port is not None:
         from tandem.edge.openai_api import create_openai_app, serve_openai
 

@@ -49,17 +49,21 @@ class EdgeServicer(pb_grpc.EdgeServicer):
     def _identify(self, context: grpc.aio.ServicerContext) -> Principal:
         return self.auth.identify(context.invocation_metadata(), context.auth_context(), context.peer() or "")
 
+    def _session_id(self, session_id: str, caller: Principal) -> str:
+        """A client's session id as this edge keeps it: in the caller's namespace when credentials
+        are required. Raises InvalidRequest past ``MAX_SESSION_ID_BYTES`` (the same bound in every mode)."""
+        if len(session_id.encode()) > MAX_SESSION_ID_BYTES:
+            raise InvalidRequest(f"session_id longer than {MAX_SESSION_ID_BYTES} bytes")
+        return scoped(caller, session_id) if self.auth.required else session_id
+
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ChatEvent]:
         set_ids(new_request_id(), request.session_id)  # this call's own task; EdgeNode.chat takes the id
         try:
             caller = self._identify(context)
             if self.draining:
                 raise EngineError("this edge is draining (shutting down); retry on another")
-            if len(request.session_id.encode()) > MAX_SESSION_ID_BYTES:  # the same bound in every mode
-                raise InvalidRequest(f"session_id longer than {MAX_SESSION_ID_BYTES} bytes")
-            turn = ChatTurn.from_pb(request)
-            if self.auth.required and turn.session_id:
-                turn = replace(turn, session_id=scoped(caller, turn.session_id))
+            session_id = self._session_id(request.session_id, caller)
+            turn = replace(ChatTurn.from_pb(request), session_id=session_id)
             async for ev in self.node.chat(turn, context.time_remaining()):
                 yield ev.to_pb()
         except TandemError as e:
@@ -67,6 +71,14 @@ class EdgeServicer(pb_grpc.EdgeServicer):
         except Exception:
             log.exception("Chat failed")
             await context.abort(grpc.StatusCode.INTERNAL, "internal error in the edge daemon (see its log)")
+
+    async def EndSession(self, request: pb.EndSessionRequest, context: grpc.aio.ServicerContext) -> pb.EndSessionReply:
+        try:
+            caller = self._identify(context)
+            found = await self.node.end_session(self._session_id(request.session_id, caller), context.time_remaining())
+        except TandemError as e:
+            await abort(context, e)
+        return pb.EndSessionReply(found=found)
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.EdgeInfo:
         try:

@@ -5,8 +5,8 @@ hidden: ``h_k`` float32 ``[S, H]`` (kept so the edge can resend activations the 
 cloud_tokens / leaves: what the cloud acknowledged (activations of the first
 ``cloud_tokens`` tokens and the head-KV Merkle leaves).
 
-Bounded by count and by bytes (head KV + activations of all sessions); least recently
-used sessions that no turn is using are dropped first. Arrays are replaced, never
+Bounded by count and by bytes (head KV + activations of all sessions) and by idle time;
+least recently used sessions that no turn is using are dropped first. Arrays are replaced, never
 written in place, so a snapshot of a session's fields is a cheap rollback point for a
 turn that fails: a failed turn leaves the session as it was.
 """
@@ -14,7 +14,10 @@ turn that fails: a failed turn leaves the session as it was.
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
@@ -85,24 +88,30 @@ class EdgeSession:
 
 
 class EdgeSessions(BoundedLRU[EdgeSession]):
-    """LRU of edge sessions bounded by count and bytes (head KV + activations). Remembers the ids of
-    the last ``4 * max_entries`` sessions it evicted, so a turn of one can be told its session expired."""
+    """LRU of edge sessions bounded by count and bytes (head KV + activations) and by idle time
+    (``idle_s`` without a turn). Remembers the ids of the last ``4 * max_entries`` sessions it
+    dropped, so a turn of one can be told its session expired; ``on_drop`` (the edge node's) is
+    told of each, so that the cloud can drop its copy."""
 
-    def __init__(self, max_entries: int, max_bytes: int) -> None:
-        super().__init__(max_entries, max_bytes)
+    def __init__(
+        self,
+        max_entries: int,
+        max_bytes: int,
+        idle_s: float = math.inf,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(max_entries, max_bytes, idle_s, clock)
         self._expired: OrderedDict[str, None] = OrderedDict()
 
-    def evict(self) -> list[str]:
-        dropped = super().evict()
-        for key in dropped:
-            self._expired[key] = None
-            self._expired.move_to_end(key)
+    def dropped(self, key: str, value: EdgeSession, reason: str) -> None:
+        self._expired[key] = None
+        self._expired.move_to_end(key)
         while len(self._expired) > 4 * self.max_entries:
             self._expired.popitem(last=False)
-        return dropped
+        super().dropped(key, value, reason)
 
     def expired(self, session_id: str) -> bool:
-        """True once for a session this table evicted (its next turn starts it again)."""
+        """True once for a session this table dropped (its next turn starts it again)."""
         if not session_id or session_id in self._s:
             return False
         return self._expired.pop(session_id, 0) is None

@@ -135,6 +135,13 @@ def _stop_token_ids(ids: Iterable[int] | None) -> tuple[int, ...]:
     return out
 
 
+def _end_session_request(session_id: str) -> pb.EndSessionRequest:
+    """``end_session``'s request. Raises ValueError for an empty or non-str ``session_id``."""
+    if not isinstance(session_id, str) or not session_id:
+        raise ValueError(f"session_id must be a non-empty str, got {session_id!r}")
+    return pb.EndSessionRequest(session_id=session_id)
+
+
 def _deadline_s(timeout_s: float | None, what: str) -> float | None:
     """A deadline in seconds for grpc (``inf`` = none); raises ValueError unless > 0."""
     if timeout_s is None:
@@ -697,6 +704,28 @@ class Client(_ClientCore[ChatStream]):
             raise error_from_rpc(e) from e
         return EdgeInfo.from_pb(m)
 
+    def end_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
+        """End the chat session ``session_id`` (``Edge.EndSession``): the edge and the cloud drop
+        what they hold of it, after a turn of it in flight; the next turn with that id starts a new
+        session. Returns whether either held state of it. Sessions not ended this way end after
+        the daemons' ``session_idle_s`` without a turn.
+
+        Args:
+            session_id: the ``session_id`` the turns were sent with (non-empty).
+            timeout_s: deadline in seconds; ``None`` = the client's.
+
+        Raises:
+            ValueError: an empty ``session_id``.
+            TandemClientError: its subclass for the status, e.g. ``DeadlineExceeded`` (a turn of the
+                session ran past the deadline) or ``Unimplemented`` (an edge older than ``EndSession``).
+        """
+        req = _end_session_request(session_id)
+        try:
+            m = self._stub.EndSession(req, timeout=self._call_timeout(timeout_s), metadata=self._metadata or None)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from e
+        return bool(m.found)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -749,6 +778,15 @@ class AsyncClient(_ClientCore[AsyncChatStream]):
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e) from e
         return EdgeInfo.from_pb(m)
+
+    async def end_session(self, session_id: str, *, timeout_s: float | None = None) -> bool:
+        """End the chat session ``session_id`` (``Edge.EndSession``); as ``Client.end_session``."""
+        req = _end_session_request(session_id)
+        try:
+            m = await self._stub.EndSession(req, timeout=self._call_timeout(timeout_s), metadata=self._metadata or None)
+        except grpc.aio.AioRpcError as e:
+            raise error_from_rpc(e) from e
+        return bool(m.found)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -23,6 +23,7 @@ from tandem.common import wire
 from tandem.common.ewma import Ewma
 from tandem.common.kvstore import MemoryBlockStore
 from tandem.common.params import NegotiateOffer
+from tandem.common.requestlimits import RequestLimits
 from tandem.common.security import scoped
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.cloudconn import CloudConnection
@@ -119,6 +120,9 @@ class TamperLink:
         self.syncs = getattr(self, "syncs", 0) + 1
         return await self.inner.sync_session(req, timeout_s)
 
+    async def end_session(self, session_id, timeout_s=5.0):
+        return await self.inner.end_session(session_id, timeout_s)
+
     async def close(self) -> None:
         await self.inner.close()
 
@@ -150,14 +154,19 @@ def rechunk(chunk, h):
 
 class MemoryLocal:
     """The in-memory double of ``edge.local.LocalEngine`` (local mode) for service unit tests:
-    ``tokens(n)`` whatever the prompt, no sessions kept."""
+    ``tokens(n)`` whatever the prompt, no sessions kept; it refuses what ``LocalEngine`` refuses
+    for the toy model (``limits``: its vocabulary and positions)."""
 
-    def __init__(self, prefill_ms_per_token: float = 0.01, decode_ms_per_token: float = 0.1) -> None:
+    def __init__(
+        self, prefill_ms_per_token: float = 0.01, decode_ms_per_token: float = 0.1, shape: Any = MANIFEST.shape
+    ) -> None:
         """The rates it starts with (as measured at warm-up); each run measures 0.01 ms per token."""
         self.prefill_rate, self.decode_rate, self.active = Ewma(), Ewma(), 0
         self.prefill_rate.add(prefill_ms_per_token)
         self.decode_rate.add(decode_ms_per_token)
         self.calls: list[list[int]] = []
+        self.limits = RequestLimits(shape.vocab_size, max_model_len_tokens=shape.max_position_embeddings)
+        self.ended: list[str] = []  # session ids ended (``end_session``)
 
     @staticmethod
     def tokens(n: int) -> tuple[int, ...]:
@@ -166,9 +175,14 @@ class MemoryLocal:
     def cached_tokens(self, session_id: str, prompt_ids) -> int:
         return 0
 
+    async def end_session(self, session_id: str) -> bool:
+        self.ended.append(session_id)
+        return False
+
     async def generate(self, prompt_ids, sampling, session_id: str = ""):
         from tandem.edge.local import LocalToken
 
+        self.limits.check(prompt_ids, sampling)
         self.calls.append(list(prompt_ids))
         self.prefill_rate.add(0.01)  # what it measures, as LocalEngine does on each run
         toks = self.tokens(sampling.max_new_tokens)

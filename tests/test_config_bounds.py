@@ -97,6 +97,8 @@ BAD: list[tuple[type[BaseModel], str, typing.Any, str]] = [
     (CloudConfig, "slo_window_s", INF, "finite"),
     (CloudConfig, "max_sessions", 0, "greater than or equal to 1"),
     (CloudConfig, "session_bytes", 0, "greater than 0"),
+    (CloudConfig, "session_idle_s", 0, "greater than 0"),
+    (CloudConfig, "session_idle_s", INF, "finite"),
     # the edge
     (EdgeConfig, "drain_grace_s", NAN, "finite"),
     (EdgeConfig, "metrics_port", 70000, "less than or equal to 65535"),
@@ -118,6 +120,10 @@ BAD: list[tuple[type[BaseModel], str, typing.Any, str]] = [
     (EdgeConfig, "pipeline_tokens", -1, "greater than or equal to 0"),
     (EdgeConfig, "max_sessions", 0, "greater than or equal to 1"),
     (EdgeConfig, "session_bytes", 0, "greater than 0"),
+    (EdgeConfig, "session_idle_s", -1, "greater than 0"),
+    (EdgeConfig, "session_idle_s", NAN, "finite"),
+    (EdgeConfig, "max_new_tokens", 0, "greater than or equal to 1"),
+    (EdgeConfig, "max_new_tokens", OVER_INT32, "less than or equal"),
     (EdgeConfig, "keepalive_time_s", 0, "greater than 0"),
     (EdgeConfig, "keepalive_time_s", 3e6, "less than or equal"),  # beyond gRPC's int32 milliseconds
     (EdgeConfig, "keepalive_timeout_s", INF, "finite"),

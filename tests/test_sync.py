@@ -444,9 +444,8 @@ async def test_a_stream_that_breaks_after_its_last_token_finishes_without_resumi
 
 
 async def test_a_sync_that_would_load_a_session_counts_against_the_edges_bounds(toy):
-    """SyncSession may load a session from the store into memory: only within the edge's session bound."""
-    from tandem.common.errors import QuotaExceeded
-
+    """SyncSession may load a session from the store into memory: only within the edge's session
+    bound, which the edge's least recently used idle session leaves (to the store) to make room."""
     await run(toy.edge, chat(LONG, session="one", n=2))
     await run(toy.edge, chat(LONG, session="two", n=2))
     toy.lose_cloud_sessions(stored=False)
@@ -454,9 +453,12 @@ async def test_a_sync_that_would_load_a_session_counts_against_the_edges_bounds(
     toy.gateway.edge_limits.max_sessions = 1
     ids = toy.edge.tokenize(chat(LONG))
     req = SyncRequest("", "two", MANIFEST.split_layer, tuple(ids), 0, merkle.root([]), 0, (), B)
-    with pytest.raises(QuotaExceeded, match="sessions"):
-        await toy.gateway.sync_session(req, TOY_CALLER)
-    assert toy.cloud_session("two") is None
+    reply = await toy.gateway.sync_session(req, TOY_CALLER)
+    assert reply.found and reply.held_tokens == len(ids)
+    assert toy.cloud_session("two") is not None and toy.cloud_session("one") is None
+    assert len(toy.gateway.sessions) == 1
+    done = await run(toy.edge, chat(LONG, "ok", "more", "again", session="one", n=2))  # resyncs from the store
+    assert done.mode is Mode.SPLIT and toy.cloud_session("one") is not None and toy.cloud_session("two") is None
 
 
 def test_a_save_keeps_the_earlier_pieces_recent():

@@ -45,6 +45,18 @@ MODE_DIRECT: Mode
 MODE_LOCAL: Mode
 MODE_AUTO: Mode
 
+class EndSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class EndSessionReply(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: bool = ...) -> None: ...
+
 class SyncSessionRequest(_message.Message):
     __slots__ = ("link_id", "session_id", "split_layer", "token_ids", "leaf_count", "merkle_root", "proof_from", "consistency_proof", "block_size_tokens")
     LINK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -133,7 +145,7 @@ class NegotiateRequest(_message.Message):
     def __init__(self, edge_id: _Optional[str] = ..., model_id: _Optional[str] = ..., split_layers: _Optional[_Iterable[int]] = ..., wire_dtypes: _Optional[_Iterable[_Union[WireDtype, str]]] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., edge_max_batch: _Optional[int] = ..., link: _Optional[_Union[LinkMeasurement, _Mapping]] = ..., slo: _Optional[_Union[LatencySlo, _Mapping]] = ..., head_keys: _Optional[_Mapping[int, str]] = ..., link_id: _Optional[str] = ..., kv_wire_dtypes: _Optional[_Iterable[_Union[WireDtype, str]]] = ...) -> None: ...
 
 class LinkParams(_message.Message):
-    __slots__ = ("params_version", "split_layer", "chunk_tokens", "wire_dtype", "codec", "codec_level", "kv_block_size_tokens", "inflight_window_bytes", "max_concurrent_requests", "max_batched_tokens", "max_prompt_tokens", "max_new_tokens", "hidden_size", "max_chunk_resends", "kv_wire_dtype")
+    __slots__ = ("params_version", "split_layer", "chunk_tokens", "wire_dtype", "codec", "codec_level", "kv_block_size_tokens", "inflight_window_bytes", "max_concurrent_requests", "max_batched_tokens", "max_prompt_tokens", "max_new_tokens", "hidden_size", "max_chunk_resends", "kv_wire_dtype", "max_model_len_tokens", "vocab_size")
     PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPLIT_LAYER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +161,8 @@ class LinkParams(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_RESENDS_FIELD_NUMBER: _ClassVar[int]
     KV_WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     params_version: int
     split_layer: int
     chunk_tokens: int
@@ -164,7 +178,9 @@ class LinkParams(_message.Message):
     hidden_size: int
     max_chunk_resends: int
     kv_wire_dtype: WireDtype
-    def __init__(self, params_version: _Optional[int] = ..., split_layer: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., codec_level: _Optional[int] = ..., kv_block_size_tokens: _Optional[int] = ..., inflight_window_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_chunk_resends: _Optional[int] = ..., kv_wire_dtype: _Optional[_Union[WireDtype, str]] = ...) -> None: ...
+    max_model_len_tokens: int
+    vocab_size: int
+    def __init__(self, params_version: _Optional[int] = ..., split_layer: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., codec_level: _Optional[int] = ..., kv_block_size_tokens: _Optional[int] = ..., inflight_window_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_chunk_resends: _Optional[int] = ..., kv_wire_dtype: _Optional[_Union[WireDtype, str]] = ..., max_model_len_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class NegotiateResponse(_message.Message):
     __slots__ = ("params", "cloud_id", "model_id", "link_id", "split_layers", "note", "instance_id", "params_by_split")

@@ -36,6 +36,11 @@ class CloudStub(object):
                 request_serializer=tandem_dot_v1_dot_tandem__pb2.SyncSessionRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_tandem__pb2.SyncSessionReply.FromString,
                 )
+        self.EndSession = channel.unary_unary(
+                '/tandem.v1.Cloud/EndSession',
+                request_serializer=tandem_dot_v1_dot_tandem__pb2.EndSessionRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_tandem__pb2.EndSessionReply.FromString,
+                )
 
 
 class CloudServicer(object):
@@ -80,6 +85,16 @@ class CloudServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndSession(self, request, context):
+        """End one of the caller's sessions: the cloud drops what it holds of it, in memory and its record
+        and activations in the block store (its KV blocks age out there). The edge calls it when it
+        drops a session of its own (ended by its client, expired, or evicted by its bound): that
+        session's next turn starts from token 0. A turn of the session in flight finishes first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CloudServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -102,6 +117,11 @@ def add_CloudServicer_to_server(servicer, server):
                     servicer.SyncSession,
                     request_deserializer=tandem_dot_v1_dot_tandem__pb2.SyncSessionRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_tandem__pb2.SyncSessionReply.SerializeToString,
+            ),
+            'EndSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSession,
+                    request_deserializer=tandem_dot_v1_dot_tandem__pb2.EndSessionRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_tandem__pb2.EndSessionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +203,23 @@ class Cloud(object):
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
+    @staticmethod
+    def EndSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tandem.v1.Cloud/EndSession',
+            tandem_dot_v1_dot_tandem__pb2.EndSessionRequest.SerializeToString,
+            tandem_dot_v1_dot_tandem__pb2.EndSessionReply.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
 
 class EdgeStub(object):
     """---------------------------------------------------------------- Edge service (client SDK)
@@ -205,6 +242,11 @@ class EdgeStub(object):
                 request_serializer=tandem_dot_v1_dot_tandem__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_tandem__pb2.EdgeInfo.FromString,
                 )
+        self.EndSession = channel.unary_unary(
+                '/tandem.v1.Edge/EndSession',
+                request_serializer=tandem_dot_v1_dot_tandem__pb2.EndSessionRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_tandem__pb2.EndSessionReply.FromString,
+                )
 
 
 class EdgeServicer(object):
@@ -226,6 +268,16 @@ class EdgeServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndSession(self, request, context):
+        """End a chat session (ChatRequest.session_id): the edge drops its state of it (head KV,
+        activations, local-mode KV) and tells the cloud, which drops its own. A turn of the session in
+        flight finishes first. The next turn with that id starts a new session. Sessions also end
+        after an idle time (the daemons' session_idle_s) and, past a bound, least recently used first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -238,6 +290,11 @@ def add_EdgeServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=tandem_dot_v1_dot_tandem__pb2.GetInfoRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_tandem__pb2.EdgeInfo.SerializeToString,
+            ),
+            'EndSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSession,
+                    request_deserializer=tandem_dot_v1_dot_tandem__pb2.EndSessionRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_tandem__pb2.EndSessionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -282,5 +339,22 @@ class Edge(object):
         return grpc.experimental.unary_unary(request, target, '/tandem.v1.Edge/GetInfo',
             tandem_dot_v1_dot_tandem__pb2.GetInfoRequest.SerializeToString,
             tandem_dot_v1_dot_tandem__pb2.EdgeInfo.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def EndSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/tandem.v1.Edge/EndSession',
+            tandem_dot_v1_dot_tandem__pb2.EndSessionRequest.SerializeToString,
+            tandem_dot_v1_dot_tandem__pb2.EndSessionReply.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

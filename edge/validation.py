@@ -1,0 +1,51 @@
+"""The edge's one verdict on a request, reached before it chooses a route.
+
+A request is valid or not whatever mode serves it: ``check_turn`` runs once per turn, after
+tokenizing and before routing (``edge.node``), against ``edge_limits``: the edge's own bounds
+(its config and the model's shape), the whole model's when local mode is loaded and the cloud's
+as last negotiated (``LinkParams``: they stay known while the link is down), each narrowing the
+others. Every mode's own check (``edge.local.LocalEngine.validate``, ``cloud.upload.check_header``)
+is ``RequestLimits.check`` under limits at least as wide, so what passes here passes there, and
+what fails here fails with the message and status that mode would give. Pure domain code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from tandem.common.errors import InvalidRequest, ModeUnavailable
+from tandem.common.modes import Mode
+from tandem.common.params import LinkParams
+from tandem.common.requestlimits import RequestLimits, check_session_id
+from tandem.edge.events import ChatTurn
+
+
+def cloud_limits(p: LinkParams | None) -> RequestLimits:
+    """What a cloud that negotiated ``p`` (its direct-mode params; None: never negotiated) accepts."""
+    if p is None:
+        return RequestLimits()
+    return RequestLimits(p.vocab_size, p.max_prompt_tokens, p.max_new_tokens, p.max_model_len_tokens)
+
+
+def edge_limits(own: RequestLimits, local: RequestLimits | None, cloud: RequestLimits) -> RequestLimits:
+    """The limits every mode of this edge accepts: its own narrowed by local mode's (when loaded)
+    and the cloud's (when ever negotiated)."""
+    out = own.narrowed(cloud)
+    return out.narrowed(local) if local is not None else out
+
+
+def check_turn(request: ChatTurn, ids: Sequence[int], limits: RequestLimits, head_layers: Collection[int]) -> None:
+    """The verdict on ``request`` (prompt token ids ``ids``) in every mode.
+
+    Raises:
+        InvalidRequest: a session id too long for the cloud, ``split_layer`` with a mode other than
+            split, or what ``RequestLimits.check`` refuses.
+        ModeUnavailable: ``split_layer`` names a split this edge holds no head for.
+    """
+    check_session_id(request.session_id)
+    k = request.split_layer
+    if k and request.mode is not Mode.SPLIT:
+        raise InvalidRequest("split_layer is for mode split only")
+    if k and k not in head_layers:
+        raise ModeUnavailable(f"this edge holds heads for k in {sorted(head_layers)}, not k={k}")
+    limits.check(ids, request.sampling)
