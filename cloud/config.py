@@ -73,7 +73,7 @@ class EngineSettings:
     ``kv_cache_bytes`` None: vLLM sizes the KV cache from ``gpu_memory_utilization`` (its profiling
     run); ``gpu`` is the device index the engine runs on (None on the CPU build)."""
 
-    dtype: str
+    dtype: Literal["auto", "float16", "bfloat16", "float32"]
     enforce_eager: bool
     kv_cache_bytes: int | None
     gpu_memory_utilization: float

@@ -302,7 +302,7 @@ class TandemConnector(KVConnectorBase_V1):
         for name, cache in kv_caches.items():
             if not _LAYER_RE.search(name):
                 continue
-            layer = forward.get(name)
+            layer: Any = forward.get(name)
             backend = layer.get_attn_backend().get_name() if hasattr(layer, "get_attn_backend") else None
             lay = layout_for(cache, self.num_kv_heads, self.block_size, self.head_dim, backend)
             if self._layout is not None and lay.name != self._layout.name:
