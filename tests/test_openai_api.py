@@ -102,10 +102,10 @@ async def test_content_parts_and_developer_role_are_text(client):
 
 async def test_streaming_equals_non_streaming(client):
     msgs = [{"role": "user", "content": "stream me something"}]
-    ref = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0)
-    stream = await client.chat.completions.create(
-        model=MODEL, messages=msgs, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
-    )
+    # one mode for both (the toy engines answer differently per mode; auto may choose another one)
+    kw = {"model": MODEL, "messages": msgs, "max_tokens": 12, "temperature": 0, "extra_body": SPLIT}
+    ref = await client.chat.completions.create(**kw)
+    stream = await client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
     chunks = [c async for c in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
@@ -204,7 +204,12 @@ async def test_concurrent_turns_of_one_conversation_do_not_wait_for_each_other(s
     try:
         msgs = [{"role": "user", "content": "same opening, same time"}]
         rs = await asyncio.gather(
-            *(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0) for _ in "abc")
+            *(
+                client.chat.completions.create(
+                    model=MODEL, messages=msgs, max_tokens=10, temperature=0, extra_body=SPLIT
+                )
+                for _ in "abc"
+            )
         )
     finally:
         toy.engines.step_delay_s = 0.0
