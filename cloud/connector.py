@@ -7,9 +7,11 @@ serves both cloud engines:
 * tail-prefill engine (``kv_both``, ``layer_offset = k``): *loads* tail KV of a
   session's earlier turns, computes the rest from ``prompt_embeds`` and *saves*
   the tail KV (global layers ``[k, L)``) of every full prompt block;
-* decode engine (``kv_consumer``, ``layer_offset = 0``): *loads* all layers of
+* decode engine (``kv_both``, ``layer_offset = 0``): *loads* all layers of
   the block-aligned prompt prefix (head part from the edge, tail part from the
-  tail engine) and lets vLLM compute the partial last block and decode.
+  tail engine) and lets vLLM compute the partial last block and decode; in remote
+  prefill its one part covers every layer, loaded where the session's earlier turns
+  stored it and *saved* for the prompt's other full blocks (which go down to the edge).
 
 Per request the gateway passes a ``common.kvparams.KVTransferSpec`` in
 ``SamplingParams.extra_args["kv_transfer_params"]`` (``spec.to_vllm()``): the parts
@@ -302,7 +304,7 @@ class TandemConnector(KVConnectorBase_V1):
         for name, cache in kv_caches.items():
             if not _LAYER_RE.search(name):
                 continue
-            layer = forward.get(name)
+            layer: Any = forward.get(name)
             backend = layer.get_attn_backend().get_name() if hasattr(layer, "get_attn_backend") else None
             lay = layout_for(cache, self.num_kv_heads, self.block_size, self.head_dim, backend)
             if self._layout is not None and lay.name != self._layout.name:

@@ -266,7 +266,7 @@ class CostModel:
             return q + self._stage(LineKey(LineKind.LOCAL), n, self.edge.local_prefill_ms_per_token.value, tokens)
         g = self._goodput_bytes_per_ms(link)
         q_cloud = link.queue_wait_ms if link.cloud_busy else 0.0
-        if route.mode is Mode.DIRECT:
+        if route.mode in (Mode.DIRECT, Mode.REMOTE_PREFILL):  # the same prefill, from token ids
             p = self._cloud_rate(link.cloud_prefill_ms_per_token, link.num_layers, link)
             return link.rtt_ms + T * ID_BYTES / g + q_cloud + self._stage(LineKey(LineKind.DIRECT), T, p, tokens)
         k = route.k

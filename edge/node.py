@@ -4,8 +4,10 @@
 split at ``k`` or direct) -> run it: local mode on the whole model here (``edge.localmode``), or
 through the cloud (``edge.cloudcall``: the head over the tokens the edge has not processed,
 activations and new KV blocks framed by ``edge.framing`` and streamed over the pinned
-``CloudConnection``) -> detokenize tokens as they come back. A cloud that fails mid-stream does not
-end the turn: it resumes. No grpc here; ``edge.service`` adapts it, ``edge.grpc_link`` carries it.
+``CloudConnection``), or remote prefill (``edge.remoteprefill``: the cloud prefills, the prompt's KV
+comes down, the whole model here decodes the rest) -> detokenize tokens as they come back. A cloud
+that fails mid-stream does not end the turn: it resumes. No grpc here; ``edge.service`` adapts it,
+``edge.grpc_link`` carries it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.headwork import Head
 from tandem.edge.local import LocalEngine
 from tandem.edge.localmode import run_local
+from tandem.edge.remoteprefill import run_remote_prefill
 from tandem.edge.routing import Decision, Router
 from tandem.edge.session import EdgeSessions
 from tandem.edge.turn import Turn, TurnClock
@@ -73,10 +76,13 @@ class EdgeNode:
         pipeline_tokens: int = 0,
         eos_token_ids: frozenset[int] | None = None,
         codec_ratio: float = 1.0,
+        model_key: str = "",
     ) -> None:
         """``pipeline_tokens``: head tokens per piece of a pipelined split turn (``edge.headwork``;
         0 = the head runs whole before the upload starts); ``eos_token_ids``: default the
-        tokenizer's; ``codec_ratio``: zstd's compressed / raw size of this model's wire bytes."""
+        tokenizer's; ``codec_ratio``: zstd's compressed / raw size of this model's wire bytes;
+        ``model_key``: the whole model's identity (``common.kvdown.full_model_key``), which remote
+        prefill's KV blocks are named from ("": no remote prefill)."""
         if not heads and local is None:
             raise ValueError("an edge needs a head (split) or the whole model (local)")
         self.tok, self.conn, self.sessions = tokenizer, conn, sessions
@@ -87,7 +93,8 @@ class EdgeNode:
         self.eos_token_ids = default_eos if eos_token_ids is None else eos_token_ids
         cost = cost or CostModel()
         cost.pipeline_tokens = pipeline_tokens
-        self.router = Router(self.heads, conn, sessions, cost, local=local, shape=shape)
+        self.router = Router(self.heads, conn, sessions, cost, local=local, shape=shape, remote_prefill=bool(model_key))
+        self.model_key = model_key
         self.router.codec_ratio = codec_ratio
         self.calls = CloudCalls(conn, self.heads, sessions, self.router, renegotiate_wait_s)
         self._max_prompt_tokens = max_prompt_tokens
@@ -99,6 +106,7 @@ class EdgeNode:
             Mode.LOCAL: self._run_local,
             Mode.SPLIT: self.calls.run,
             Mode.DIRECT: self.calls.run,
+            Mode.REMOTE_PREFILL: self._run_remote_prefill,
         }
         metrics.watch_edge_sessions(sessions)
         if conn is not None:
@@ -319,7 +327,7 @@ class EdgeNode:
         text held back (for stop strings), then its ``TurnDone``."""
         rest = first.text.flush()
         first.clock.since(Stage.TOTAL)
-        mode = first.clock.mode if first.clock.mode in (Mode.LOCAL, Mode.SPLIT, Mode.DIRECT) else Mode.DIRECT
+        mode = first.clock.mode if first.clock.mode is not Mode.AUTO else Mode.DIRECT
         closing = Turn(first.request, first.ids, first.clock, first.text, first.deadline)
         closing.decision = Decision(Route(mode), None, "resumed")
         events: list[TextOut | TurnDone] = [TextOut(rest, ())] if rest else []
@@ -371,3 +379,7 @@ class EdgeNode:
     def _run_local(self, turn: Turn) -> Events:
         assert self.local is not None  # routed here only when present
         return run_local(turn, self.local, self.cost)
+
+    def _run_remote_prefill(self, turn: Turn) -> Events:
+        assert self.local is not None  # routed here only when present
+        return run_remote_prefill(turn, self.local, self.model_key, self.router)

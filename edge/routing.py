@@ -49,10 +49,13 @@ class Router:
         *,
         local: LocalEngine | None = None,
         shape: ModelShape | None = None,
+        remote_prefill: bool = False,
     ) -> None:
         """``head_layers``: the split layers this edge holds heads for; ``shape``: the model's, for
-        wire bytes per token in the cost model (None: wire time not modelled)."""
+        wire bytes per token in the cost model (None: wire time not modelled); ``remote_prefill``:
+        this edge names whole-model KV blocks (it can take a remote prefill over, given its local model)."""
         self.head_layers = frozenset(head_layers)
+        self.remote_prefill = remote_prefill
         self.cloud, self.sessions, self.shape = cloud, sessions, shape
         self._cost = cost
         self._local: LocalEngine | None = None
@@ -100,6 +103,8 @@ class Router:
         out = [Route(Mode.LOCAL)] if self.local is not None else []
         if self.cloud is not None and self.cloud.current().params(0) is not None:
             out += [Route(Mode.SPLIT, k) for k in self.split_layers] + [Route(Mode.DIRECT)]
+            if self.local is not None and self.remote_prefill:
+                out.append(Route(Mode.REMOTE_PREFILL))
         return out
 
     def degraded(self) -> str:
@@ -214,13 +219,21 @@ class Router:
             raise EngineError(f"split mode needs the cloud and a common split layer; {self.degraded()}")
         return candidates
 
+    def _remote_prefill_only(self, request: ChatTurn) -> list[Route]:
+        if self.local is None or not self.remote_prefill:
+            raise ModeUnavailable("remote prefill needs the whole model on the edge (edge-full.onnx); none loaded")
+        if Route(Mode.REMOTE_PREFILL) not in self.routes():
+            raise EngineError(f"remote prefill needs the cloud; {self.degraded() or 'not connected'}")
+        return [Route(Mode.REMOTE_PREFILL)]
+
     def _any(self, request: ChatTurn) -> list[Route]:
-        return self.routes()
+        return [r for r in self.routes() if r.mode is not Mode.REMOTE_PREFILL]
 
 
 _CANDIDATES = {
     Mode.LOCAL: Router._local_only,
     Mode.DIRECT: Router._direct_only,
     Mode.SPLIT: Router._split_only,
+    Mode.REMOTE_PREFILL: Router._remote_prefill_only,
     Mode.AUTO: Router._any,
 }

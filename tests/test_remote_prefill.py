@@ -1,0 +1,108 @@
+"""Remote prefill on the in-memory stack: the cloud prefills and streams the first tokens, the
+prompt's whole-model KV comes down verified, the edge takes the decode over. The cloud's decode
+and the edge's whole model are one toy model (``tests.remote_doubles``) whose tokens depend on
+every K and V of the context, so equal tokens mean the KV that came down is the cloud's."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.common import wire
+from tandem.common.modes import Mode
+from tandem.common.params import Sampling
+from tandem.edge.events import ChatTurn, TextOut, TurnDone
+from tests.doubles import B
+from tests.remote_doubles import rp_stack
+
+LONG = "the quick brown fox jumps over the lazy dog and runs far away into the woods " * 3
+
+
+def turn(text: str, mode: Mode, n: int = 40, session: str = "", **kw) -> ChatTurn:
+    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n, **kw), mode=mode)
+
+
+async def stream(toy, t: ChatTurn) -> tuple[list[int], TurnDone]:
+    """The token ids streamed to the client, in order, and the turn's ``TurnDone``."""
+    streamed, done = [], None
+    async for ev in toy.edge.chat(t):
+        if isinstance(ev, TextOut):
+            streamed += ev.token_ids
+        else:
+            done = ev
+    assert done is not None
+    return streamed, done
+
+
+@pytest.fixture(params=[wire.WireDtype.FP32, wire.WireDtype.FP16], ids=["fp32", "fp16"])
+async def toy(request):
+    kv = request.param
+    t = await rp_stack(kv_wire_dtypes=[kv], offer_kw={"kv_wire_dtypes": (kv,)})
+    yield t
+    await t.batcher.stop()
+
+
+@pytest.mark.parametrize("text", ["hi", "what is the capital of France?", LONG], ids=["short", "two-blocks", "long"])
+async def test_remote_prefill_equals_direct_and_local_token_for_token(toy, text):
+    """Greedy: the tokens streamed in remote prefill (the cloud's first ones, then the edge's after
+    the takeover) equal direct mode's and local mode's, none repeated or missing; the edge decoded
+    some of them itself and the cloud stopped early."""
+    direct, d_done = await stream(toy, turn(text, Mode.DIRECT))
+    local, _ = await stream(toy, turn(text, Mode.LOCAL))
+    runs = len(toy.edge.local.runs)
+    got, done = await stream(toy, turn(text, Mode.REMOTE_PREFILL))
+    assert got == direct == local == list(done.output_token_ids) and len(got) == 40
+    assert done.mode is Mode.REMOTE_PREFILL and done.finish_reason == d_done.finish_reason == "length"
+    T = len(toy.edge.tokenize(turn(text, Mode.DIRECT)))
+    assert done.edge_decoded_tokens > 0 and (done.received_kv_bytes > 0) == (T >= B)
+    # the edge computed only the partial last block and the cloud's tokens (one run), then one per token
+    edge_runs = toy.edge.local.runs[runs:]
+    cloud_tokens = 40 - done.edge_decoded_tokens
+    assert sum(edge_runs) <= T % B + cloud_tokens + done.edge_decoded_tokens + 1, edge_runs
+    assert toy.gateway.links.running == 0
+
+
+async def test_a_cloud_that_finishes_before_the_kv_came_down_ends_the_turn_as_direct():
+    """The engine's KV writes land after its 8 tokens: no KV comes down, the cloud decodes all."""
+    toy = await rp_stack()
+    toy.engines.save_delay_s = 1.0
+    try:
+        direct, _ = await stream(toy, turn(LONG, Mode.DIRECT, n=8))
+        got, done = await stream(toy, turn(LONG, Mode.REMOTE_PREFILL, n=8))
+        assert got == direct and done.edge_decoded_tokens == 0 and done.received_kv_bytes == 0
+        assert done.mode is Mode.REMOTE_PREFILL and done.finish_reason == "length"
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_remote_prefill_over_grpc_equals_direct():
+    """The same over real grpc.aio on loopback: the new uplink and downlink messages pass the
+    servicer both ways, and the edge takes over."""
+    from tandem.common.kvdown import full_model_key
+    from tests.doubles import MANIFEST
+    from tests.remote_doubles import ToyLocal, toy_lm
+    from tests.test_cloud_grpc import Cloud, close_edge, edge_to
+
+    cloud = Cloud()
+    await cloud.start()
+    lm = toy_lm()
+    cloud.engines.toy, cloud.engines.step_delay_s = lm, 0.005
+    edge = await edge_to(f"127.0.0.1:{cloud.port}")
+    edge.local, edge.model_key, edge.router.remote_prefill = ToyLocal(lm), full_model_key(MANIFEST), True
+    try:
+        direct, _ = await stream_of(edge, turn(LONG, Mode.DIRECT))
+        got, done = await stream_of(edge, turn(LONG, Mode.REMOTE_PREFILL))
+        assert got == direct and done.edge_decoded_tokens > 0 and done.received_kv_bytes > 0
+    finally:
+        await close_edge(edge)
+        await cloud.stop()
+
+
+async def stream_of(edge, t: ChatTurn) -> tuple[list[int], TurnDone]:
+    streamed, done = [], None
+    async for ev in edge.chat(t):
+        if isinstance(ev, TextOut):
+            streamed += ev.token_ids
+        else:
+            done = ev
+    assert done is not None
+    return streamed, done
