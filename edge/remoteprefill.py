@@ -109,36 +109,45 @@ class RemotePrefillTurn:
         """The Generate call: tokens to the client, KV blocks checked and acked, the takeover sent
         once the session holds the KV; returns at the cloud's final or a stop string."""
         turn = self.turn
-        B = p.kv_block_size_tokens
-        header = replace(turn.header(p, turn.cloud.link_id), remote_prefill=RemotePrefill(down.want.first_block * B))
+        rp = RemotePrefill(down.want.first_block * p.kv_block_size_tokens)
+        header = replace(turn.header(p, turn.cloud.link_id), remote_prefill=rp)
         call = self.call = turn.cloud.link.open(turn.timeout_s)
         turn.clock.cloud_called = True
         self.sent += SentBytes(header_bytes=call.send(header))
-        async for ev in call.events():
-            if isinstance(ev, TokensOut):
-                turn.clock.tokens_arrived()
-                delta = turn.text.feed(ev.token_ids)
-                if delta:
-                    yield TextOut(delta, ev.token_ids)
-                if turn.text.stopped:
-                    self.finish = "stop"
+        async with contextlib.aclosing(call.events()) as events:  # type: ignore[type-var]
+            async for ev in events:
+                if isinstance(ev, TokensOut):
+                    turn.clock.tokens_arrived()
+                    delta = turn.text.feed(ev.token_ids)
+                    if delta:
+                        yield TextOut(delta, ev.token_ids)
+                    if turn.text.stopped:
+                        self.finish = "stop"
+                        return
+                elif isinstance(ev, KVBlockDown | KVCommitDown):
+                    await self._kv(ev, down, call)
+                elif isinstance(ev, TurnFinal):
+                    self._final(ev)
                     return
-            elif isinstance(ev, KVBlockDown):
-                ack = await down.add(ev)
-                if ack is not None:
-                    self.sent += SentBytes(header_bytes=call.send(ack))
-                self._take_over_when_ready(down, call)
-            elif isinstance(ev, KVCommitDown):
-                down.add_commit(ev)
-                self._take_over_when_ready(down, call)
-            elif isinstance(ev, TurnFinal):
-                self.final = ev
-                turn.cloud.observe_load(ev.load)
-                if ev.finish_reason != HANDOVER:
-                    self.finish = ev.finish_reason
-                else:
-                    turn.clock.since(Stage.HANDOVER)
-                return
+
+    async def _kv(self, ev: KVBlockDown | KVCommitDown, down: KVDownload, call: TurnCall) -> None:
+        """One KV message: a block checked and acknowledged, or the commit noted."""
+        if isinstance(ev, KVBlockDown):
+            ack = await down.add(ev)
+            if ack is not None:
+                self.sent += SentBytes(header_bytes=call.send(ack))
+        else:
+            down.add_commit(ev)
+        self._take_over_when_ready(down, call)
+
+    def _final(self, ev: TurnFinal) -> None:
+        """The cloud's final: a handover (the edge decodes on) or the end of the reply."""
+        self.final = ev
+        self.turn.cloud.observe_load(ev.load)
+        if ev.finish_reason == HANDOVER:
+            self.turn.clock.since(Stage.HANDOVER)
+        else:
+            self.finish = ev.finish_reason
 
     def _take_over_when_ready(self, down: KVDownload, call: TurnCall) -> None:
         """Once every block verified: the session takes the KV and computes what follows it, then

@@ -6,6 +6,7 @@ with both, so that direct, local and remote prefill can be compared token for to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -69,3 +70,66 @@ async def rp_stack(step_delay_s: float = 0.005, local_step_s: float = 0.0, **kw)
     toy.edge.model_key = full_model_key(MANIFEST)
     toy.edge.router.remote_prefill = True
     return toy
+
+
+class DownTamperLink:
+    """Wraps a ``CloudLink``: every downlink event passes through ``down(event, n)`` (``n`` counts
+    the events of its type from 1 in this call; None drops it), every uplink item through
+    ``up(item)`` (which may raise ``LinkLost`` to cut the call, or return the item); ``sent``
+    records the uplink items of every call."""
+
+    def __init__(self, inner, down=None, up=None) -> None:
+        self.inner = inner
+        self.down = down or (lambda ev, n: ev)
+        self.up = up or (lambda item: item)
+        self.sent: list = []
+
+    async def negotiate(self, offer):
+        return await self.inner.negotiate(offer)
+
+    async def server_info(self, link_id, padding_bytes=0, timeout_s=5.0):
+        return await self.inner.server_info(link_id, padding_bytes, timeout_s)
+
+    async def sync_session(self, req, timeout_s=5.0):
+        return await self.inner.sync_session(req, timeout_s)
+
+    def open(self, timeout_s):
+        return _DownTamperCall(self.inner.open(timeout_s), self)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class _DownTamperCall:
+    def __init__(self, inner, link: DownTamperLink) -> None:
+        self.inner, self.link = inner, link
+        self.cut: Exception | None = None
+
+    def send(self, item) -> int:
+        self.link.sent.append(item)
+        try:
+            item = self.link.up(item)
+        except Exception as e:  # the call breaks on its next event
+            self.cut = e
+            self.inner.cancel()
+            return 0
+        return self.inner.send(item)
+
+    def close_send(self) -> None:
+        self.inner.close_send()
+
+    async def events(self):
+        counts: dict[type, int] = {}
+        async with contextlib.aclosing(self.inner.events()) as events:
+            async for ev in events:
+                if self.cut is not None:
+                    raise self.cut
+                n = counts[type(ev)] = counts.get(type(ev), 0) + 1
+                out = self.link.down(ev, n)
+                if out is not None:
+                    yield out
+        if self.cut is not None:
+            raise self.cut
+
+    def cancel(self) -> None:
+        self.inner.cancel()

@@ -5,6 +5,8 @@ every K and V of the context, so equal tokens mean the KV that came down is the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tandem.common import wire
@@ -106,3 +108,76 @@ async def stream_of(edge, t: ChatTurn) -> tuple[list[int], TurnDone]:
             done = ev
     assert done is not None
     return streamed, done
+
+
+def chat_of(*msgs: str, session: str, n: int = 40) -> ChatTurn:
+    convo = tuple(("user" if i % 2 == 0 else "assistant", m) for i, m in enumerate(msgs))
+    return ChatTurn(convo, "", session, Sampling(max_new_tokens=n), mode=Mode.REMOTE_PREFILL)
+
+
+def block_bytes() -> int:
+    from tests.doubles import MANIFEST
+
+    sh = MANIFEST.shape
+    return sh.num_layers * 2 * sh.num_kv_heads * B * sh.head_dim * 4  # fp32
+
+
+def held_tokens(toy, first: TurnDone, second: ChatTurn) -> int:
+    """What the edge's session holds of ``second``'s prompt after turn ``first``: the common prefix
+    with turn 1's prompt and output but its last token (whose KV was never computed)."""
+    held = toy.edge.tokenize(chat_of(LONG, session="")) + list(first.output_token_ids[:-1])
+    ids, n = toy.edge.tokenize(second), 0
+    while n < min(len(ids), len(held)) and ids[n] == held[n]:
+        n += 1
+    return n
+
+
+async def two_turns(toy, session: str) -> tuple[ChatTurn, TurnDone, TurnDone]:
+    """Turn 1 of ``session`` in remote prefill, then turn 2 (its answer and a new message)."""
+    _, first = await stream(toy, chat_of(LONG, session=session))
+    answer = toy.edge.tok.decode(first.output_token_ids)
+    second = chat_of(LONG, answer, "and then what happened to the fox in the woods?", session=session)
+    _, done = await stream(toy, second)
+    return second, first, done
+
+
+async def test_the_next_turn_brings_down_only_the_blocks_the_edge_lacks():
+    """Turn 2: the edge holds turn 1's prompt and the tokens it decoded, so only the blocks past
+    them come down; the cloud's prefill loaded turn 1's stored blocks and recomputed the answer's
+    (the edge never uploads KV); the tokens equal a fresh session's and direct mode's."""
+    toy = await rp_stack()
+    try:
+        second, first, done = await two_turns(toy, "s")
+        held, T2 = held_tokens(toy, first, second), len(toy.edge.tokenize(second))
+        assert done.received_kv_bytes == (T2 // B - held // B) * block_bytes() > 0
+        direct, _ = await stream(toy, replace(second, mode=Mode.DIRECT, session_id=""))
+        fresh, _ = await stream(toy, replace(second, session_id="fresh"))
+        assert list(done.output_token_ids) == direct == fresh
+        _, decode_spec = [c for c in toy.engines.calls if c[2] is not None][-1][1:]
+        assert decode_spec.loads and decode_spec.save  # the cloud loads what it stored, saves the rest
+    finally:
+        await toy.batcher.stop()
+
+
+@pytest.mark.parametrize("lost", ["edge", "cloud"])
+async def test_after_a_restart_or_an_eviction_only_missing_blocks_travel(lost):
+    """The edge lost its sessions (a restart, an eviction): turn 2 brings down every block of its
+    prompt. The cloud lost its store: it recomputes the prompt, and only what the edge lacks comes
+    down. Either way the tokens are unchanged."""
+    toy = await rp_stack()
+    try:
+        _, first, _ = await two_turns(toy, "ref")
+        answer = toy.edge.tok.decode(first.output_token_ids)
+        await stream(toy, chat_of(LONG, session="s"))
+        second = chat_of(LONG, answer, "and then what happened to the fox in the woods?", session="s")
+        if lost == "edge":
+            toy.edge.local.sessions.clear()
+        else:
+            toy.store._data.clear()
+        _, done = await stream(toy, second)
+        direct, _ = await stream(toy, replace(second, mode=Mode.DIRECT, session_id=""))
+        assert list(done.output_token_ids) == direct
+        held = 0 if lost == "edge" else held_tokens(toy, first, second)
+        assert done.received_kv_bytes == (len(toy.edge.tokenize(second)) // B - held // B) * block_bytes()
+    finally:
+        await toy.batcher.stop()
