@@ -142,14 +142,15 @@ class Gateway:
             done_fields.update(engine_id=turn.engine_id, link_id=header.link_id)
             t_last: float | None = None
             try:
-                async for ev in self._run(turn, uplink):
-                    if isinstance(ev, TokensOut) and ev.token_ids:
-                        t_last = self._record_latency(turn, len(ev.token_ids), t_last)
-                    if isinstance(ev, TurnFinal):
-                        done_fields.update(
-                            prompt_tokens=ev.prompt_tokens, output_tokens=ev.output_tokens, finish=ev.finish_reason
-                        )
-                    yield ev
+                async with aclosing(self._run(turn, uplink)) as events:  # its slot frees when the caller stops reading
+                    async for ev in events:
+                        if isinstance(ev, TokensOut) and ev.token_ids:
+                            t_last = self._record_latency(turn, len(ev.token_ids), t_last)
+                        if isinstance(ev, TurnFinal):
+                            done_fields.update(
+                                prompt_tokens=ev.prompt_tokens, output_tokens=ev.output_tokens, finish=ev.finish_reason
+                            )
+                        yield ev
             finally:
                 turn.ended = True
                 if turn.pinned:
@@ -165,7 +166,7 @@ class Gateway:
             self.links.record_itl(turn.header.link_id, (now - t_last) * 1e3 / n_tokens)
         return now
 
-    async def _run(self, turn: Turn, uplink: AsyncIterator[UplinkBody]) -> AsyncIterator[DownEvent]:
+    async def _run(self, turn: Turn, uplink: AsyncIterator[UplinkBody]) -> AsyncGenerator[DownEvent, None]:
         """The turn itself (``run_turn`` adds its log ids, logs, metrics and span), run by its mode's
         path once admitted."""
         self._check(turn)

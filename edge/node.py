@@ -374,6 +374,10 @@ class EdgeNode:
             if isinstance(ev, TurnDone) and d.prediction is not None and ev.ttft_ms > 0 and not turn.clock.resumes:
                 self.cost.observe(d.prediction, ev.ttft_ms, ev.timings)
                 metrics.record_prediction(d.route.mode, d.prediction.ttft_ms, ev.ttft_ms)
+                if d.occupancy is not None:
+                    self.router.occupancy.observe(
+                        d.route.mode, d.occupancy, ev.timings, ev.output_tokens, ev.received_kv_bytes
+                    )
             yield ev
 
     def _run_local(self, turn: Turn) -> Events:

@@ -230,6 +230,7 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
         codec_ratio=zstd[0],
         model_key=full_model_key(manifest),
     )
+    node.router.cloud_budget_ms = cfg.cloud_budget_s * 1e3
     return await serve_node(cfg, node, manifest.model_id, links)
 
 

@@ -75,8 +75,9 @@ async def rp_stack(step_delay_s: float = 0.005, local_step_s: float = 0.0, **kw)
 class DownTamperLink:
     """Wraps a ``CloudLink``: every downlink event passes through ``down(event, n)`` (``n`` counts
     the events of its type from 1 in this call; None drops it), every uplink item through
-    ``up(item)`` (which may raise ``LinkLost`` to cut the call, or return the item); ``sent``
-    records the uplink items of every call."""
+    ``up(item)`` (which may raise ``LinkLost``: the item is not sent and the call breaks with it at
+    its next event, as a dropped connection; or return the item); ``sent`` records the uplink
+    items of every call."""
 
     def __init__(self, inner, down=None, up=None) -> None:
         self.inner = inner
@@ -109,11 +110,10 @@ class _DownTamperCall:
         self.link.sent.append(item)
         try:
             item = self.link.up(item)
-        except Exception as e:  # the call breaks on its next event
+        except Exception as e:  # the call breaks on its next event, as a connection that dropped
             self.cut = e
-            self.inner.cancel()
             return 0
-        return self.inner.send(item)
+        return 0 if self.cut is not None else self.inner.send(item)
 
     def close_send(self) -> None:
         self.inner.close_send()
