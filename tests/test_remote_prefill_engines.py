@@ -105,6 +105,11 @@ async def test_remote_prefill_equals_direct_and_local(rp, hf_model, tokenizer):
             assert_same_or_near_tie(toks, ref, gaps, f"prompt {i}: {name} vs HF")
         exact += got == direct == local
         assert done.edge_decoded_tokens > 0, f"prompt {i}: the edge never took over ({done.timings})"
+        t = {k.value: round(v, 1) for k, v in done.timings.items()}
+        print(
+            f"prompt {i}: {done.prompt_tokens} tokens, {done.received_kv_bytes} KV bytes down, "
+            f"{done.edge_decoded_tokens} decoded on the edge; {t}"
+        )
     print(f"remote prefill == direct == local on {exact} of {len(PROMPTS)} prompts")
     assert exact >= len(PROMPTS) - 1
 
@@ -123,6 +128,10 @@ async def test_a_two_turn_chat_brings_down_only_the_new_blocks(rp, tokenizer):
     direct, _ = await stream(node, turn(second, Mode.DIRECT))
     got2, done2 = await stream(node, turn(second, Mode.REMOTE_PREFILL, session))
     assert got2 == direct
+    print(
+        f"turn 2: {done2.prompt_tokens} tokens, {done2.received_kv_bytes} KV bytes down, timings "
+        f"{ {k.value: round(v, 1) for k, v in done2.timings.items()} }"
+    )
     n1, n2 = (len(prompt_ids(tokenizer, p)) // 32 for p in (first, second))
     per_block = done1.received_kv_bytes // n1
     assert done2.received_kv_bytes <= (n2 - n1) * per_block  # only blocks past what the edge holds
