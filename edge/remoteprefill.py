@@ -54,7 +54,8 @@ class RemotePrefillTurn:
         self.final: TurnFinal | None = None
         self.finish = ""  # set when the client's stream ended on the cloud's side (a stop string, a final)
         self.sent = SentBytes()
-        self.adopting: asyncio.Task[None] | None = None
+        self.adopting: asyncio.Task[None] | None = None  # adopt the KV, then compute what follows it
+        self.adopted = asyncio.Event()  # the session holds the KV that came down
         self.call: TurnCall | None = None
         self.edge_tokens = 0
 
@@ -173,15 +174,18 @@ class RemotePrefillTurn:
             own = blocks_from_past(self.held_past)[:, :, :, : want.first_block * B]
             kv = np.concatenate([own, kv], axis=3)
         await self.local.adopt(self.sess, ids[: want.num_blocks * B], past_from_blocks(kv))
+        self.adopted.set()
         await self.local.extend(self.sess, [*ids, *self.turn.text.token_ids])
 
     async def _settle(self) -> None:
-        """The cloud ended the turn: keep the KV that came (the session's next turn reuses it), without
-        waiting for the local run that follows it."""
+        """The cloud ended the turn: the session keeps the KV that came (its next turn reuses it); the
+        local run past it is not waited for (it finishes alone, its result dropped)."""
         if self.adopting is None:
             return
         if not self.adopting.done():
-            await asyncio.sleep(0)  # let an adopt that is about to install finish its step
+            adopted = asyncio.ensure_future(self.adopted.wait())
+            await asyncio.wait({adopted, self.adopting}, return_when=asyncio.FIRST_COMPLETED)
+            adopted.cancel()
             self.adopting.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self.adopting

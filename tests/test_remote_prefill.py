@@ -181,3 +181,50 @@ async def test_after_a_restart_or_an_eviction_only_missing_blocks_travel(lost):
         assert done.received_kv_bytes == (len(toy.edge.tokenize(second)) // B - held // B) * block_bytes()
     finally:
         await toy.batcher.stop()
+
+
+async def test_kv_that_came_down_stays_for_the_next_turn_when_the_cloud_finishes_first():
+    """The edge's whole model is slow (0.3 s a run): the cloud's 10 tokens end the turn while the
+    edge still computes past the KV; the session keeps the blocks, so asking again brings none down."""
+    toy = await rp_stack(step_delay_s=0.001, local_step_s=0.3)
+    try:
+        first_ids, first = await stream(toy, chat_of(LONG, session="k", n=10))
+        assert first.edge_decoded_tokens == 0 and first.received_kv_bytes > 0
+        again_ids, again = await stream(toy, chat_of(LONG, session="k", n=10))
+        assert again.received_kv_bytes == 0 and again_ids == first_ids
+    finally:
+        await toy.batcher.stop()
+
+
+def test_the_apis_name_the_mode_and_chatdone_reports_what_came_down():
+    from tandem.client import build_request
+    from tandem.edge.openai_requests import ChatRequest
+    from tandem.v1 import tandem_pb2 as pb
+
+    r = build_request([{"role": "user", "content": "hi"}], mode="remote_prefill")
+    assert r.mode == pb.MODE_REMOTE_PREFILL and ChatTurn.from_pb(r).mode is Mode.REMOTE_PREFILL
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "mode": "remote_prefill"}
+    assert ChatRequest.model_validate(body).mode == "remote_prefill"
+    done = TurnDone(
+        "length", 5, 8, 0, 0, 0, {}, None, (), Mode.REMOTE_PREFILL, received_kv_bytes=9, edge_decoded_tokens=3
+    )
+    m = done.to_pb().done
+    assert (m.mode, dict(m.received_bytes), m.edge_decoded_tokens) == ("remote_prefill", {"kv": 9}, 3)
+
+
+async def test_remote_prefill_is_refused_without_the_whole_model_or_the_cloud():
+    from tandem.common.errors import EngineError, ModeUnavailable
+
+    toy = await rp_stack()
+    try:
+        local = toy.edge.local
+        toy.edge.local = None
+        with pytest.raises(ModeUnavailable, match="whole model"):
+            await stream(toy, turn("hi", Mode.REMOTE_PREFILL))
+        toy.edge.local = local
+        assert "remote_prefill" in {r.mode.value for r in toy.edge.routes()}
+        toy.edge.conn.connected.clear()  # the cloud is not connected
+        with pytest.raises(EngineError, match="needs the cloud"):
+            await stream(toy, turn("hi", Mode.REMOTE_PREFILL))
+    finally:
+        await toy.batcher.stop()

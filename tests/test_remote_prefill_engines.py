@@ -18,6 +18,7 @@ from tandem.common.kvdown import KVBlockDown, Takeover
 from tandem.common.modes import Mode
 from tandem.common.params import Sampling
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
+from tandem.stages import Stage
 from tests.references import LONG, PROMPTS, assert_same_or_near_tie, hf_greedy, prompt_ids
 from tests.remote_doubles import DownTamperLink
 
@@ -96,7 +97,7 @@ async def test_remote_prefill_equals_direct_and_local(rp, hf_model, tokenizer):
     local and the HF reference; the edge took over for the prompts with at least one full block."""
     node, exact = rp["edge"].node, 0
     for i, p in enumerate(PROMPTS):
-        direct, _ = await stream(node, turn(p, Mode.DIRECT))
+        direct, d_done = await stream(node, turn(p, Mode.DIRECT))
         local, _ = await stream(node, turn(p, Mode.LOCAL))
         got, done = await stream(node, turn(p, Mode.REMOTE_PREFILL))
         assert done.mode is Mode.REMOTE_PREFILL
@@ -106,9 +107,10 @@ async def test_remote_prefill_equals_direct_and_local(rp, hf_model, tokenizer):
         exact += got == direct == local
         assert done.edge_decoded_tokens > 0, f"prompt {i}: the edge never took over ({done.timings})"
         t = {k.value: round(v, 1) for k, v in done.timings.items()}
+        direct_ms = d_done.timings.get(Stage.CLOUD_DECODE, 0.0)
         print(
             f"prompt {i}: {done.prompt_tokens} tokens, {done.received_kv_bytes} KV bytes down, "
-            f"{done.edge_decoded_tokens} decoded on the edge; {t}"
+            f"{done.edge_decoded_tokens} decoded on the edge; direct's cloud_decode_ms {direct_ms:.1f}; {t}"
         )
     print(f"remote prefill == direct == local on {exact} of {len(PROMPTS)} prompts")
     assert exact >= len(PROMPTS) - 1
