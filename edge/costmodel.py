@@ -207,6 +207,7 @@ class LinkState:
     num_layers: int = 30
     cloud_decode_ms_per_token: float = 0.0  # the decode engine's time per output token
     kv_cache_usage: float = 0.0  # the cloud engines' KV cache use, 0..1
+    cloud_waiting: int = 0  # requests waiting for admission at the cloud, all links
     full_kv_block_bytes: float = 0.0  # one whole-model KV block in the link's KV format (remote prefill)
     ttft_slo_ms: float = 0.0  # this edge's objectives (0 = none declared)
     itl_slo_ms: float = 0.0

@@ -22,8 +22,8 @@ KV format, ``G_down`` the downlink goodput measured on earlier downloads (before
 calibrates ``N``, ``G_down`` and ``w``, and its predicted end-to-end time and cloud time are
 compared with the measured ones (``tandem:prediction_error_ratio{mode,quantity}``).
 
-``lightest`` is the choice under cloud pressure (the cloud's queue is not empty, its KV cache
-nearly full, or this edge uses its whole share) or under a cloud budget the edge declares: among
+``lightest`` is the choice under cloud pressure (the cloud reports a queue or a nearly full KV
+cache, ``ServerLoad``) or under a cloud budget the edge declares: among
 the routes whose TTFT is within the objective (else within ``LIGHT_TTFT_SLACK`` of the best) and
 whose decoding side keeps the inter-token objective, the one with the least cloud time (within
 the budget, the fastest of them). Pure domain code: no grpc, no ONNX.
@@ -138,8 +138,8 @@ def _cloud_stage_ms(p: Prediction, cost: CostModel) -> float:
 
 
 def under_pressure(link: LinkState) -> bool:
-    """The cloud reports pressure: a queue, a nearly full KV cache, or this edge using its share."""
-    return link.cloud_busy or link.kv_cache_usage >= KV_PRESSURE
+    """The cloud reports pressure (``ServerLoad``): requests waiting for admission, or a nearly full KV cache."""
+    return link.cloud_waiting > 0 or link.kv_cache_usage >= KV_PRESSURE
 
 
 def lightest(

@@ -70,6 +70,27 @@ class RemotePrefillTurn:
         if p is None:
             raise EngineError("no link params: the cloud is not connected")
         down = self._download(p)
+        try:
+            async for ev in self._from_cloud(p, down):
+                yield ev
+            if not self.finish and (self.final is None or self.final.finish_reason == HANDOVER):
+                async for ev in self._decode_here():
+                    yield ev
+            else:
+                await self._settle()
+        finally:
+            if self.adopting is not None and not self.adopting.done():  # a turn cancelled meanwhile
+                self.adopting.cancel()
+            down.release()
+            if self.turn.session_id:  # the KV that came down counts against the local sessions' bound
+                self.local.sessions.evict()
+        rest = self.turn.text.flush()
+        if rest:
+            yield TextOut(rest, ())
+        yield self._done(p, down.received_bytes)
+
+    async def _from_cloud(self, p: LinkParams, down: KVDownload) -> AsyncIterator[TextOut]:
+        """The cloud's part of the turn; a cloud that fails after tokens reached the client ends it."""
         self.router.cloud_inflight += 1
         try:
             async for ev in self._cloud(p, down):
@@ -82,16 +103,6 @@ class RemotePrefillTurn:
             self.router.cloud_inflight -= 1
             if self.call is not None:
                 self.call.cancel()
-        if not self.finish and (self.final is None or self.final.finish_reason == HANDOVER):
-            async for ev in self._decode_here():
-                yield ev
-        else:
-            await self._settle()
-        down.release()
-        rest = self.turn.text.flush()
-        if rest:
-            yield TextOut(rest, ())
-        yield self._done(p, down.received_bytes)
 
     def _download(self, p: LinkParams) -> KVDownload:
         """What this turn asks the cloud for: the blocks past the ones the session holds."""

@@ -136,6 +136,7 @@ class Router:
         st.cloud_tail_prefill_ms_per_token = dict(load.tail_prefill_ms_per_token)
         st.queue_wait_ms = load.queue_wait_ms
         st.cloud_decode_ms_per_token, st.kv_cache_usage = load.decode_ms_per_token, load.kv_cache_usage
+        st.cloud_waiting = load.waiting_requests
         st.ttft_slo_ms, st.itl_slo_ms = c.base_offer.ttft_slo_ms, c.base_offer.itl_p99_slo_ms
         p = c.params(0)
         share = p.max_concurrent_requests if p is not None else 1

@@ -82,8 +82,9 @@ def test_under_pressure_or_a_budget_auto_holds_the_cloud_least_within_the_object
     its TTFT is within it, else remote prefill; a budget takes the fastest route within it. An edge
     that decodes slower than the inter-token objective takes no decode over."""
     m, occ = model(edge_decode_ms), OccupancyModel()
-    calm, busy = link(), link(cloud_busy=True)
-    assert not under_pressure(calm) and under_pressure(busy) and under_pressure(link(kv_cache_usage=0.95))
+    calm, busy = link(), link(cloud_waiting=1)
+    assert not under_pressure(calm) and not under_pressure(link(cloud_busy=True))  # this edge's own share: no
+    assert under_pressure(busy) and under_pressure(link(kv_cache_usage=0.95))
 
     def choice(T: int, lk: LinkState, budget_ms: float = 0.0):
         shape = RequestShape(T)
@@ -92,7 +93,7 @@ def test_under_pressure_or_a_budget_auto_holds_the_cloud_least_within_the_object
         return lightest(preds, o, lk, budget_ms)
 
     if edge_decode_ms > 40.0:  # outside the 40 ms objective: only the cloud decodes
-        strict = link(cloud_busy=True, itl_slo_ms=40.0)
+        strict = link(cloud_waiting=1, itl_slo_ms=40.0)
         assert choice(256, strict)[0].route == choice(1024, strict)[0].route == SPLIT  # less cloud time than direct
         return
     assert choice(256, busy)[0].route == LOCAL  # 512 ms locally: within 1 s, no cloud time

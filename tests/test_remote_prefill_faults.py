@@ -148,3 +148,22 @@ async def test_blocks_stay_pinned_until_the_edge_acknowledged_them(toy):
     # at each ack the blocks it acknowledges (and those after them) were still pinned
     assert all(pins >= n - v + 1 for v, pins in pinned_at_ack), pinned_at_ack
     assert not toy.store._pins and isinstance(done, TurnDone)
+
+
+async def test_the_kv_that_comes_down_stays_within_the_edges_session_bound():
+    """Sessions whose KV came down count against the local sessions' byte bound like local mode's,
+    also when the cloud decoded the whole reply (the edge's model is slow here): the least recently
+    used go first."""
+    from tests.remote_doubles import ToyLocal, toy_lm
+
+    toy = await rp_stack()
+    bound = 3 * 6144 * 9  # about three sessions of LONG's 7 blocks and its tokens (toy: 6 KB a block)
+    toy.edge.local = ToyLocal(toy_lm(), session_bytes=bound, step_delay_s=0.2)
+    try:
+        for i in range(5):
+            _, done = await stream(toy, chat_of(LONG, session=f"m{i}", n=8))
+            assert done.edge_decoded_tokens == 0 and done.received_kv_bytes > 0
+            assert toy.edge.local.sessions.nbytes() <= bound
+        assert "m4" in toy.edge.local.sessions and "m0" not in toy.edge.local.sessions
+    finally:
+        await toy.batcher.stop()
