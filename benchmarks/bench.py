@@ -3,7 +3,9 @@
 * tandem split at each exported split layer ``k`` (edge head + cloud tail/decode),
 * cloud-only: plain vLLM on the full checkpoint behind the same link (direct mode, token ids up),
 * edge-only: the whole model in ONNX Runtime on the edge (the edge daemon's local mode), no network,
-* auto: the edge's per-request choice among those (``edge.costmodel``),
+* remote-prefill: token ids up, the cloud prefills and streams the first tokens while the prompt's
+  KV comes down, the edge decodes the rest (its cloud engine time is the ``cloud eng ms`` column),
+* auto: the edge's per-request choice among those (``edge.costmodel``, ``edge.occupancy``),
 
 over emulated links, through ONE cloud (a tail engine per split layer) and ONE edge (every head
 and the whole model), all in one run so ratios hold on a noisy machine. Every mode is asked of
@@ -159,15 +161,16 @@ def parse_host_port(target: str) -> tuple[str, int]:
 class ModeSpec:
     """One row of the matrix: the label it is reported under and what the SDK asks the edge."""
 
-    label: str  # split-k{k} | cloud-only | edge-only | auto
+    label: str  # split-k{k} | cloud-only | edge-only | remote-prefill | auto
     mode: str
     split_layer: int = 0
 
 
-def mode_specs(ks: list[int], edge_only: bool, auto: bool) -> list[ModeSpec]:
+def mode_specs(ks: list[int], edge_only: bool, auto: bool, remote_prefill: bool = False) -> list[ModeSpec]:
     """The fixed modes first (they also calibrate the edge's cost model on the current link), auto last."""
     out = [ModeSpec(f"split-k{k}", "split", k) for k in ks] + [ModeSpec("cloud-only", "direct")]
     out += [ModeSpec("edge-only", "local")] if edge_only else []
+    out += [ModeSpec("remote-prefill", "remote_prefill")] if remote_prefill else []
     return out + ([ModeSpec("auto", "auto")] if auto else [])
 
 
@@ -278,6 +281,9 @@ def main(
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/latest"),
     edge_only: Annotated[bool, typer.Option(help="also the edge-only row (the edge's local mode)")] = True,
     auto: Annotated[bool, typer.Option(help="also the auto row (the edge chooses per request)")] = True,
+    remote_prefill: Annotated[
+        bool, typer.Option(help="also the remote-prefill row (the cloud prefills, the edge decodes)")
+    ] = True,
     pipeline_tokens: Annotated[
         int, typer.Option(help="the edge's --pipeline-tokens (-1: its default; 0: the head runs whole first)")
     ] = -1,
@@ -316,7 +322,7 @@ def main(
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "hf")
     prompts = {n: make_prompts(tokenizer, n, requests, seed) for n in lens}
     warmups = {n: make_prompts(tokenizer, n, max(1, warmup), seed + 13) for n in lens}
-    specs = mode_specs(ks, edge_only, auto)
+    specs = mode_specs(ks, edge_only, auto, remote_prefill)
     total = len(lens) * requests * len(profiles) * len(specs)
     records: list[RequestRecord] = []
     workdir = work_dir("tandem-bench-")  # its block stores are removed at exit, its logs kept

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RequestRecord:
-    mode: str  # split-k{k} | cloud-only | edge-only
+    mode: str  # split-k{k} | cloud-only | edge-only | remote-prefill | auto
     link: str
     target_prompt_tokens: int
     prompt_tokens: int

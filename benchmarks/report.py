@@ -78,8 +78,16 @@ def summarize(records) -> list[dict]:
         for st in STAGES:
             vals = [r.timings_ms[st] for r in rs if st in r.timings_ms]
             row[st.value] = float(np.mean(vals)) if vals else float("nan")
+        # what a request held the cloud's engines for: the tail prefill and the decode engine's
+        # request (remote prefill: until the handover); 0 for edge-only
+        row["cloud_engine_ms"] = float(np.mean([cloud_engine_ms(r.timings_ms) for r in rs]))
         rows.append(row)
     return rows
+
+
+def cloud_engine_ms(timings: dict) -> float:
+    """Engine milliseconds one request held the cloud for (its tail prefill and decode requests)."""
+    return float(timings.get(Stage.CLOUD_TAIL_PREFILL, 0.0) + timings.get(Stage.CLOUD_DECODE, 0.0))
 
 
 def to_markdown(rows: list[dict]) -> str:
@@ -93,6 +101,7 @@ def to_markdown(rows: list[dict]) -> str:
         ("itl_p50_ms", "ITL p50 ms"),
         ("itl_p99_ms", "ITL p99 ms"),
         ("e2e_mean_ms", "e2e mean ms"),
+        ("cloud_engine_ms", "cloud eng ms"),
         ("throughput_rps", "req/s"),
         ("output_tokens_per_s", "out tok/s"),
         ("bytes_per_prompt_token", "B/prompt tok"),
@@ -115,7 +124,12 @@ def to_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-FIXED = ("split", "cloud-only", "edge-only")  # row prefixes of the fixed modes (auto chooses among them)
+FIXED = (
+    "split",
+    "cloud-only",
+    "edge-only",
+    "remote-prefill",
+)  # row prefixes of the fixed modes (auto chooses among them)
 AUTO_TARGET = 1.10  # the target: auto's mean TTFT within 10% of the best fixed mode of every cell
 
 

@@ -7,9 +7,11 @@ serves both cloud engines:
 * tail-prefill engine (``kv_both``, ``layer_offset = k``): *loads* tail KV of a
   session's earlier turns, computes the rest from ``prompt_embeds`` and *saves*
   the tail KV (global layers ``[k, L)``) of every full prompt block;
-* decode engine (``kv_consumer``, ``layer_offset = 0``): *loads* all layers of
+* decode engine (``kv_both``, ``layer_offset = 0``): *loads* all layers of
   the block-aligned prompt prefix (head part from the edge, tail part from the
-  tail engine) and lets vLLM compute the partial last block and decode.
+  tail engine) and lets vLLM compute the partial last block and decode; in remote
+  prefill its one part covers every layer, loaded where the session's earlier turns
+  stored it and *saved* for the prompt's other full blocks (which go down to the edge).
 
 Per request the gateway passes a ``common.kvparams.KVTransferSpec`` in
 ``SamplingParams.extra_args["kv_transfer_params"]`` (``spec.to_vllm()``): the parts

@@ -5,7 +5,9 @@ requests batch (continuous batching inside each engine):
   ``prompt_embeds = h_k``; its ``TandemConnector`` (``kv_both``) loads tail KV of
   earlier turns and saves the tail KV of every full prompt block;
 * decode engine: the *full checkpoint*, fed prompt token ids; its connector
-  (``kv_consumer``) loads all layers of the block-aligned prefix.
+  (``kv_both``) loads all layers of the block-aligned prefix (split mode: head KV from the
+  edge, tail KV from the tail engine; remote prefill: the session's earlier blocks) and, in
+  remote prefill, saves every layer of the prompt's other full blocks, which go down to the edge.
 
 Both run with prefix caching off: the block store is the one source of reused
 KV, so a plain request (no tandem params) on the decode engine is plain vLLM.
@@ -321,7 +323,7 @@ class VllmEngines:
             m, d = self.splits[role.split_layer]
             return _engine(m.resolve(d, m.tail_checkpoint), self.cfg, role, "kv_both", m.split_layer)
         m, d = self.manifest, self.cfg.split_dir
-        return _engine(m.resolve(d, m.full_checkpoint), self.cfg, role, "kv_consumer", 0)
+        return _engine(m.resolve(d, m.full_checkpoint), self.cfg, role, "kv_both", 0)
 
     def _get(self, role: EngineRole) -> Any:
         return self._engines[role]

@@ -3,8 +3,10 @@
 ``Gateway.run_turn`` is the main loop of a request and reads like the design's data path:
 admission into its link's share -> receive and verify the upload, commit it into the session
 (head KV blocks into the store) -> tail prefill (prompt_embeds, saves tail KV, samples the
-first token) -> decode (loads all layers of the aligned prefix). It takes domain messages and
-yields domain events; ``cloud.service`` adapts it to gRPC.
+first token) -> decode (loads all layers of the aligned prefix). Direct mode decodes the prompt's
+token ids; remote prefill (``cloud.remoteprefill``) decodes them too, sends the prompt's KV down
+and hands the decode over to the edge. It takes domain messages and yields domain events;
+``cloud.service`` adapts it to gRPC.
 
 The gateway runs the engines and nothing else; its collaborators, assembled at the entry point
 (``cloud.server.build_gateway``), do the rest: links, params and load (``cloud.linkregistry``),
@@ -17,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -29,6 +31,7 @@ from tandem.cloud.linkregistry import LinkRegistry
 from tandem.cloud.links import Ticket
 from tandem.cloud.pins import Pins
 from tandem.cloud.receive import Received, Receiver
+from tandem.cloud.remoteprefill import RemotePrefills, check_remote_prefill
 from tandem.cloud.sessionsync import SessionSync
 from tandem.cloud.splits import Splits
 from tandem.cloud.tenancy import EdgeLimits
@@ -50,6 +53,7 @@ from tandem.stages import Stage
 
 __all__ = ["Gateway", "UplinkBody"]
 log = logging.getLogger("tandem.cloud")
+ModeRun = Callable[[Turn, AsyncIterator[UplinkBody], Ticket], AsyncGenerator[DownEvent, None]]  # one mode's path
 
 
 class Gateway:
@@ -75,6 +79,12 @@ class Gateway:
         self.edge_limits, self.background = edge_limits, background
         self.links, self.rates, self.sessions = registry.links, registry.rates, sync.sessions
         self.serving = True
+        self.remote = RemotePrefills(splits, pins, pins.store, self._decode, self._final, cfg.max_repair_rounds)
+        self._modes: dict[str, ModeRun] = {
+            "direct": self._direct,
+            "split": self._split_turn,
+            "remote_prefill": self.remote.run,
+        }
 
     @property
     def manifest(self) -> SplitManifest:
@@ -126,7 +136,7 @@ class Gateway:
             session state is unchanged on error.
         """
         turn = Turn(header, deadline, caller=as_principal(caller))
-        mode = "split" if header.split_layer else "direct"
+        mode = mode_of(header)
         with (
             bind_request(header.request_id, header.session_id),
             turn_log(log, mode) as done_fields,
@@ -136,14 +146,15 @@ class Gateway:
             done_fields.update(engine_id=turn.engine_id, link_id=header.link_id)
             t_last: float | None = None
             try:
-                async for ev in self._run(turn, uplink):
-                    if isinstance(ev, TokensOut) and ev.token_ids:
-                        t_last = self._record_latency(turn, len(ev.token_ids), t_last)
-                    if isinstance(ev, TurnFinal):
-                        done_fields.update(
-                            prompt_tokens=ev.prompt_tokens, output_tokens=ev.output_tokens, finish=ev.finish_reason
-                        )
-                    yield ev
+                async with aclosing(self._run(turn, uplink)) as events:  # its slot frees when the caller stops reading
+                    async for ev in events:
+                        if isinstance(ev, TokensOut) and ev.token_ids:
+                            t_last = self._record_latency(turn, len(ev.token_ids), t_last)
+                        if isinstance(ev, TurnFinal):
+                            done_fields.update(
+                                prompt_tokens=ev.prompt_tokens, output_tokens=ev.output_tokens, finish=ev.finish_reason
+                            )
+                        yield ev
             finally:
                 turn.ended = True
                 if turn.pinned:
@@ -159,27 +170,38 @@ class Gateway:
             self.links.record_itl(turn.header.link_id, (now - t_last) * 1e3 / n_tokens)
         return now
 
-    async def _run(self, turn: Turn, uplink: AsyncIterator[UplinkBody]) -> AsyncIterator[DownEvent]:
-        """The turn itself (``run_turn`` adds its log ids, logs, metrics and span): direct mode
-        decodes the prompt's token ids; split mode receives the upload, then runs the tail prefill
-        and the decode over it. A split turn's session is in flight throughout: never evicted or
-        expired meanwhile."""
-        header = turn.header
-        with self.sessions.turn(turn.session_key if header.split_layer else ""):
+    async def _run(self, turn: Turn, uplink: AsyncIterator[UplinkBody]) -> AsyncGenerator[DownEvent, None]:
+        """The turn itself (``run_turn`` adds its log ids, logs, metrics and span), run by its mode's
+        path once admitted. A split turn's session is in flight throughout: never evicted or expired
+        meanwhile."""
+        with self.sessions.turn(turn.session_key if turn.header.split_layer else ""):
             self._check(turn)
             with await self._admit(turn) as ticket:
-                if not header.split_layer:
-                    async for ev in self._decode(turn, list(header.prompt_token_ids), None, header.sampling, 0, ticket):
-                        yield ev
-                    return
-                received = Received()
-                async with aclosing(self.receiver.upload(turn, uplink, received)) as upload:  # closed with the turn
-                    async for up in upload:
-                        yield up
-                yield UploadAck(len(header.prompt_token_ids), len(received.leaves))
-                async with aclosing(self._split(turn, received, ticket)) as events:
+                async with aclosing(self._modes[mode_of(turn.header)](turn, uplink, ticket)) as events:
                     async for ev in events:
                         yield ev
+
+    async def _direct(
+        self, turn: Turn, uplink: AsyncIterator[UplinkBody], ticket: Ticket
+    ) -> AsyncGenerator[DownEvent, None]:
+        """Direct mode: decode the prompt's token ids."""
+        header = turn.header
+        async for ev in self._decode(turn, list(header.prompt_token_ids), None, header.sampling, 0, ticket):
+            yield ev
+
+    async def _split_turn(
+        self, turn: Turn, uplink: AsyncIterator[UplinkBody], ticket: Ticket
+    ) -> AsyncGenerator[DownEvent, None]:
+        """Split mode: receive the upload, then run the tail prefill and the decode over it."""
+        header = turn.header
+        received = Received()
+        async with aclosing(self.receiver.upload(turn, uplink, received)) as upload:  # closed with the turn
+            async for up in upload:
+                yield up
+        yield UploadAck(len(header.prompt_token_ids), len(received.leaves))
+        async with aclosing(self._split(turn, received, ticket)) as events:
+            async for ev in events:
+                yield ev
 
     def _check(self, turn: Turn) -> None:
         """Look up the params ``turn`` runs under and check its header and its edge's bounds.
@@ -191,6 +213,8 @@ class Gateway:
         header = turn.header
         params = turn.params = self.registry.params_for(header, turn.caller)
         check_header(header, params, self.splits.manifest(header.split_layer))
+        if header.remote_prefill is not None:
+            check_remote_prefill(turn, self.registry.limits.kv_wire_dtypes)
         self.edge_limits.check_rate(turn.caller)
         if header.split_layer:
             self.edge_limits.check_state(turn.caller, self.sessions, turn.session_key, len(header.prompt_token_ids))
@@ -301,6 +325,7 @@ class Gateway:
                 yield self._final(turn, step.finish_reason, n, step.external_tokens)
 
     def _final(self, turn: Turn, finish_reason: str, output_tokens: int, external_tokens: int) -> TurnFinal:
+        """The turn's final message, with the node's load as it ends."""
         n_prompt = len(turn.header.prompt_token_ids)
         return TurnFinal(
             finish_reason,
@@ -312,3 +337,10 @@ class Gateway:
             self.registry.load(turn.header.link_id),
             turn.timings.get(Stage.CLOUD_QUEUE, 0.0),
         )
+
+
+def mode_of(header: TurnHeader) -> str:
+    """The serving mode a header asks for: "split", "remote_prefill" or "direct"."""
+    if header.split_layer:
+        return "split"
+    return "remote_prefill" if header.remote_prefill is not None else "direct"

@@ -31,7 +31,7 @@ from tandem.cloud.upload import MAX_ID_BYTES
 from tandem.common import metrics, wire
 from tandem.common.errors import IncompatibleModel, InvalidRequest, ParamsVersionMismatch, PermissionDenied
 from tandem.common.formats import common_formats
-from tandem.common.kvblocks import block_nbytes
+from tandem.common.kvblocks import LayerRange, block_nbytes
 from tandem.common.messages import TurnHeader
 from tandem.common.params import LinkParams, Negotiated, NegotiateOffer, ServerInfo, ServerLoad
 from tandem.common.security import ANONYMOUS_PEER, Principal
@@ -284,17 +284,19 @@ class LinkRegistry:
 
     def max_message_bytes(self) -> int:
         """The largest legal message under any link's params: a chunk of ``max_chunk_tokens`` in the
-        widest allowed format, a KV block of the deepest split, a header of ``max_prompt_tokens`` token
-        ids (5 bytes each as varints), or a goodput probe (``MAX_PROBE_BYTES`` of padding)."""
+        widest allowed format, a KV block of the deepest split, a whole-model KV block going down (remote
+        prefill; fp32, the widest), a header of ``max_prompt_tokens`` token ids (5 bytes each as
+        varints), or a goodput probe (``MAX_PROBE_BYTES`` of padding)."""
         lim, sh = self.limits, self.splits.primary.shape
         widest = max(wire.raw_nbytes_of(lim.max_chunk_tokens, d, sh.hidden_size) for d in lim.wire_dtypes)
         deepest = self.splits.head_part(max(self.splits.layers))
         block = block_nbytes(deepest, sh.num_kv_heads, lim.kv_block_size_tokens, sh.head_dim)
+        whole = block_nbytes(LayerRange(0, sh.num_layers), sh.num_kv_heads, lim.kv_block_size_tokens, sh.head_dim)
         codec = Codec.ZSTD if Codec.ZSTD in lim.codecs else Codec.NONE
         return (
             max(
                 wire.max_payload_bytes(widest, codec),
-                wire.max_payload_bytes(block, codec),
+                wire.max_payload_bytes(max(block, whole), codec),
                 5 * lim.max_prompt_tokens,
                 MAX_PROBE_BYTES,
             )

@@ -11,6 +11,14 @@ connector, it can write its saves after it returns the first token (``save_delay
 Its tokens are a deterministic function of the prompt *and of the bytes it loaded*, so a
 test sees when loaded KV differs from KV computed from the inputs. Saved tail blocks are a
 digest of the activations they stand for.
+
+With a ``ToyLM`` (``toy``), direct and remote-prefill decodes (no KV spec, or one whole-model
+part, layers ``[0, L)``) run that toy whole model instead: the KV of every layer of every token is
+a function of the token prefix, the next token a function of the context's KV, loaded blocks are
+used as stored, and the save part's missing blocks are written as canonical float32 blocks (after
+``save_delay_s``, like the tail saves). The edge's double of the whole model runs the same
+``ToyLM`` (``tests.doubles.ToyLocal``), so direct, local and remote prefill give equal tokens
+exactly when the KV that came down is the KV the cloud computed.
 """
 
 from __future__ import annotations
@@ -27,6 +35,50 @@ from tandem.common.errors import EngineError
 from tandem.common.kvparams import ConnectorReport, KVTransferSpec
 from tandem.common.kvstore import BlockStore
 from tandem.common.params import Sampling
+
+KV_STEP = 1.0 / 1024  # the toy's K and V are multiples of this in [-1, 1): exact in fp16 too
+
+
+@dataclass(frozen=True)
+class ToyLM:
+    """A deterministic whole model without weights, of ``L`` layers, ``Hkv`` KV heads of dim ``D``.
+
+    The KV of token ``i`` (float32 ``[L, 2, Hkv, D]``) is drawn from BLAKE3 of the KV of token
+    ``i - 1`` and the id of token ``i``, so it depends on the whole prefix, as a transformer's does;
+    the next token is BLAKE3 of the context's KV (canonical ``[L, 2, Hkv, T, D]`` bytes) modulo the
+    vocabulary, so any change to any stored K or V changes what follows."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    def token_kv(self, prev: np.ndarray | None, token: int) -> np.ndarray:
+        """float32 ``[L, 2, Hkv, D]`` of ``token`` after a token whose KV is ``prev`` (None: first)."""
+        n = self.num_layers * 2 * self.num_kv_heads * self.head_dim
+        seed = (b"" if prev is None else np.ascontiguousarray(prev, np.float32).tobytes()) + int(token).to_bytes(
+            4, "little"
+        )
+        u = np.frombuffer(blake3.blake3(seed).digest(length=2 * n), "<u2")
+        v = (u.astype(np.float32) % 2048 - 1024) * KV_STEP
+        return v.reshape(self.num_layers, 2, self.num_kv_heads, self.head_dim)
+
+    def prompt_kv(self, ids: list[int], past: np.ndarray | None = None) -> np.ndarray:
+        """float32 ``[L, 2, Hkv, P + T, D]``: ``past`` (``[L, 2, Hkv, P, D]``, None = empty) then the
+        KV of ``ids``."""
+        shape = (self.num_layers, 2, self.num_kv_heads, 0, self.head_dim)
+        kv = np.zeros(shape, np.float32) if past is None else np.asarray(past, np.float32)
+        rows = [kv]
+        prev = kv[:, :, :, -1] if kv.shape[3] else None
+        for t in ids:
+            prev = self.token_kv(prev, t)
+            rows.append(prev[:, :, :, None])
+        return np.ascontiguousarray(np.concatenate(rows, axis=3))
+
+    def next_token(self, kv: np.ndarray) -> int:
+        """The token after a context whose KV is ``kv`` (float32 ``[L, 2, Hkv, T, D]``)."""
+        digest = blake3.blake3(np.ascontiguousarray(kv, np.float32).tobytes()).digest()
+        return int.from_bytes(digest[:4], "little") % self.vocab_size
 
 
 def _reported(report: ConnectorReport) -> ConnectorReport:
@@ -45,6 +97,7 @@ class MemoryEngines:
     alive: bool = True
     step_delay_s: float = 0.0  # per decode step, to emulate a slow engine
     save_delay_s: float | None = 0.0  # tail saves land this long after the first token (None: never)
+    toy: ToyLM | None = None  # the whole model of direct and remote-prefill decodes (None: a digest of what loaded)
     calls: list[tuple[EngineRole, str, KVTransferSpec | None]] = field(
         default_factory=list
     )  # (engine, request id, spec)
@@ -104,12 +157,22 @@ class MemoryEngines:
         for key, value in items:
             self.store.put(key, value)
 
+    def _whole_model(self, kv: KVTransferSpec | None) -> bool:
+        """Whether a decode runs the toy whole model: no spec, or one part of every layer."""
+        if self.toy is None:
+            return False
+        return kv is None or all(p.layers.lo == 0 and p.layers.hi == self.toy.num_layers for p in kv.loads)
+
     async def decode(
         self, request_id: str, token_ids: list[int], kv: KVTransferSpec | None, sampling: Sampling
     ) -> AsyncIterator[DecodeStep]:
         if not self.alive:
             raise EngineError("decode engine is not running")
         self.calls.append((DECODE, request_id, kv))
+        if self._whole_model(kv):
+            async for step in self._toy_decode(token_ids, kv, sampling):
+                yield step
+            return
         loaded, values = self._load(kv, len(token_ids))
         digest = blake3.blake3(b"".join(values)).digest()
         ctx = np.asarray(token_ids, "<i8").tobytes()
@@ -122,6 +185,38 @@ class MemoryEngines:
             if last:
                 reason = "stop" if tok == self.eos_token_id else "length"
                 report = _reported(ConnectorReport(external_tokens=loaded * self.block_size))
+                yield DecodeStep([tok], reason, report.external_tokens, len(token_ids))
+                return
+            yield DecodeStep([tok])
+
+    async def _toy_decode(
+        self, token_ids: list[int], kv: KVTransferSpec | None, sampling: Sampling
+    ) -> AsyncIterator[DecodeStep]:
+        """The toy whole model over ``token_ids``: loaded blocks as stored, the rest computed; the save
+        part's missing full prompt blocks written (canonical float32 ``[L, 2, Hkv, B, D]``)."""
+        toy, B = self.toy, self.block_size
+        assert toy is not None  # _whole_model
+        loaded, values = self._load(kv, len(token_ids))
+        shape = (toy.num_layers, 2, toy.num_kv_heads, B, toy.head_dim)
+        past = np.concatenate([np.frombuffer(v, np.float32).reshape(shape) for v in values], axis=3) if values else None
+        ctx = toy.prompt_kv(token_ids[loaded * B :], past)
+        if kv is not None and kv.save is not None:
+            saves = [
+                (kv.save.store_key(j), ctx[:, :, :, j * B : (j + 1) * B].tobytes())
+                for j in range(min(len(kv.save.keys), len(token_ids) // B))
+                if not self.store.contains(kv.save.store_key(j))
+            ]
+            if self.save_delay_s == 0.0:
+                self._put_all(saves)
+            elif self.save_delay_s is not None and saves:
+                asyncio.get_running_loop().call_later(self.save_delay_s, self._put_all, saves)
+        for i in range(sampling.max_new_tokens):
+            await asyncio.sleep(self.step_delay_s)
+            tok = toy.next_token(ctx)
+            ctx = toy.prompt_kv([tok], ctx)
+            if i == sampling.max_new_tokens - 1 or (tok == self.eos_token_id and not sampling.ignore_eos):
+                reason = "stop" if tok == self.eos_token_id else "length"
+                report = _reported(ConnectorReport(external_tokens=loaded * B))
                 yield DecodeStep([tok], reason, report.external_tokens, len(token_ids))
                 return
             yield DecodeStep([tok])

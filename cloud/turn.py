@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tandem.common import wire
+from tandem.common.kvdown import KVDownAck, Takeover
 from tandem.common.messages import Commit, KVBlock, TurnHeader
 from tandem.common.params import LinkParams
 from tandem.common.security import ANONYMOUS_PEER, Principal, scoped
 from tandem.stages import Stage, Timings
 
-UplinkBody = wire.Chunk | KVBlock | Commit
+UplinkBody = wire.Chunk | KVBlock | Commit | KVDownAck | Takeover  # the last two: remote prefill only
 T = TypeVar("T")
 
 

@@ -1,11 +1,13 @@
 """Domain forms of the ``Cloud.Generate`` stream, both directions, and their protobuf
 conversion in one place.
 
-Uplink (edge -> cloud): ``TurnHeader``, then ``wire.Chunk`` / ``KVBlock`` / ``Commit``.
+Uplink (edge -> cloud): ``TurnHeader``, then ``wire.Chunk`` / ``KVBlock`` / ``Commit``, or, in
+remote prefill, ``KVDownAck`` / ``Takeover`` (``common.kvdown``).
 Downlink (cloud -> edge): ``Nack``, ``Repair``, ``WindowAck``, ``UploadAck``, ``TokensOut``,
-``TurnFinal``, ``TurnError``. Domain code passes these frozen dataclasses around;
-only ``uplink_to_pb`` / ``uplink_from_pb`` / ``downlink_to_pb`` / ``downlink_from_pb``
-see protobuf. Dispatch is by type (registries below), never by ``if kind == "..."``.
+``TurnFinal``, ``TurnError``, and remote prefill's ``KVBlockDown`` / ``KVCommitDown``. Domain
+code passes these frozen dataclasses around; only ``uplink_to_pb`` / ``uplink_from_pb`` /
+``downlink_to_pb`` / ``downlink_from_pb`` see protobuf. Dispatch is by type (registries below),
+never by ``if kind == "..."``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from tandem.common import wire
 from tandem.common.errors import InvalidRequest, TandemError, base_names, error_from_name
+from tandem.common.kvdown import KVBlockDown, KVCommitDown, KVDownAck, RemotePrefill, Takeover
 from tandem.common.params import Sampling, ServerLoad
 from tandem.pbconv import from_pb, to_pb
 from tandem.stages import Timings, timings_from_wire, timings_to_wire
@@ -38,13 +41,18 @@ class TurnHeader:
     num_kv_blocks: int
     sampling: Sampling
     link_id: str = ""
+    remote_prefill: RemotePrefill | None = None  # set: remote prefill (``split_layer`` 0)
 
     @classmethod
     def from_pb(cls, m: pb.RequestHeader) -> TurnHeader:
-        return from_pb(cls, m, sampling=Sampling.from_pb(m.sampling))
+        rp = RemotePrefill.from_pb(m.remote_prefill) if m.HasField("remote_prefill") else None
+        return from_pb(cls, m, sampling=Sampling.from_pb(m.sampling), remote_prefill=rp)
 
     def to_pb(self) -> pb.RequestHeader:
-        return to_pb(pb.RequestHeader, self, sampling=self.sampling.to_pb())
+        m = to_pb(pb.RequestHeader, self, exclude=("remote_prefill",), sampling=self.sampling.to_pb())
+        if self.remote_prefill is not None:
+            m.remote_prefill.CopyFrom(self.remote_prefill.to_pb())
+        return m
 
 
 @dataclass(frozen=True)
@@ -103,19 +111,23 @@ def chunk_to_pb(c: wire.Chunk) -> pb.ActivationChunk:
     return to_pb(pb.ActivationChunk, c)
 
 
-UplinkItem = TurnHeader | wire.Chunk | KVBlock | Commit
+UplinkItem = TurnHeader | wire.Chunk | KVBlock | Commit | KVDownAck | Takeover
 
 _UP_TO: dict[type, tuple[str, Callable[[Any], Any]]] = {
     TurnHeader: ("header", TurnHeader.to_pb),
     wire.Chunk: ("chunk", chunk_to_pb),
     KVBlock: ("kv_block", KVBlock.to_pb),
     Commit: ("commit", Commit.to_pb),
+    KVDownAck: ("kv_ack", KVDownAck.to_pb),
+    Takeover: ("takeover", Takeover.to_pb),
 }
 _UP_FROM: dict[str, Callable[[Any], UplinkItem]] = {
     "header": TurnHeader.from_pb,
     "chunk": chunk_from_pb,
     "kv_block": KVBlock.from_pb,
     "commit": Commit.from_pb,
+    "kv_ack": KVDownAck.from_pb,
+    "takeover": Takeover.from_pb,
 }
 
 
@@ -198,7 +210,7 @@ class TurnError:
     error: TandemError
 
 
-DownEvent = Nack | Repair | WindowAck | UploadAck | TokensOut | TurnFinal | TurnError
+DownEvent = Nack | Repair | WindowAck | UploadAck | TokensOut | TurnFinal | TurnError | KVBlockDown | KVCommitDown
 
 
 def _final_to_pb(e: TurnFinal) -> pb.Final:
@@ -222,6 +234,8 @@ _DOWN_TO: dict[type, Callable[[Any], pb.Downlink]] = {
     ),
     TokensOut: lambda e: pb.Downlink(tokens=pb.Tokens(token_ids=list(e.token_ids), index=e.index)),
     TurnFinal: lambda e: pb.Downlink(final=_final_to_pb(e)),
+    KVBlockDown: lambda e: pb.Downlink(kv_block=e.to_pb()),
+    KVCommitDown: lambda e: pb.Downlink(kv_commit=e.to_pb()),
     TurnError: lambda e: pb.Downlink(
         error=pb.Error(
             kind=e.error.wire_name,
@@ -238,6 +252,8 @@ _DOWN_FROM: dict[str, Callable[[Any], DownEvent]] = {
     "upload_ack": lambda m: UploadAck(m.verified_tokens, m.leaf_count, m.merkle_root),
     "tokens": lambda m: TokensOut(tuple(m.token_ids), m.index),
     "final": _final_from_pb,
+    "kv_block": KVBlockDown.from_pb,
+    "kv_commit": KVCommitDown.from_pb,
     "error": lambda m: TurnError(error_from_name(m.kind, m.message, tuple(m.base_kinds[:16]), m.retry_after_ms)),
 }
 

@@ -12,7 +12,8 @@ Edge (``EdgeNode``): ``tandem:time_to_first_token_seconds{mode}``,
 ``tandem:uplink_bytes_total{kind=activations|kv|header}`` (resends included),
 ``tandem:chunk_resends_total``, ``tandem:kv_block_repairs_total``,
 ``tandem:session_resyncs_total`` (resends from token 0), ``tandem:ttft_prediction_error_ratio{mode}``
-(the cost model's relative error), ``tandem:mode_fallbacks_total{reason}`` (auto turns served locally
+(the cost model's relative error; ``tandem:prediction_error_ratio{mode,quantity}`` for its
+end-to-end and cloud engine times), ``tandem:mode_fallbacks_total{reason}`` (auto turns served locally
 because the cloud refused), ``tandem:sessions_ended_total{reason=ended|expired|evicted}``, gauges
 ``tandem:sessions``, ``tandem:session_bytes``, ``tandem:link_rtt_ms``, ``tandem:link_goodput_mbps`` and
 ``tandem:cloud_connected``.
@@ -149,6 +150,13 @@ PREDICTION_ERROR = _histogram(
     "|measured - predicted| / measured TTFT of the cost model, per served mode.",
     (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0),
     ["mode"],
+)
+OTHER_PREDICTION_ERROR = _histogram(
+    "edge",
+    "tandem:prediction_error_ratio",
+    "|measured - predicted| / measured of the cost model's end-to-end time and cloud engine time, per mode.",
+    (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0),
+    ["mode", "quantity"],
 )
 MODE_FALLBACKS = _metric(
     "edge", Counter, "tandem:mode_fallbacks", "Turns the cloud refused and local mode served instead.", ["reason"]
@@ -531,6 +539,13 @@ def record_prediction(mode: str, predicted_ms: float, measured_ms: float) -> Non
     """One cost-model prediction against the TTFT measured for the mode that ran."""
     if measured_ms > 0 and predicted_ms > 0:
         PREDICTION_ERROR.labels(mode).observe(abs(measured_ms - predicted_ms) / measured_ms)
+
+
+def record_prediction_of(mode: str, quantity: str, predicted_ms: float, measured_ms: float) -> None:
+    """One cost-model prediction of ``quantity`` ("e2e": end-to-end time, "cloud_engine": cloud
+    engine time) against the one measured for the mode that ran."""
+    if measured_ms > 0 and predicted_ms > 0:
+        OTHER_PREDICTION_ERROR.labels(mode, quantity).observe(abs(measured_ms - predicted_ms) / measured_ms)
 
 
 def record_fallback(reason: str) -> None:

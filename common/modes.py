@@ -2,9 +2,12 @@
 
 ``AUTO`` lets the edge pick a mode per request (``edge.routing``); ``LOCAL`` runs the whole model
 on the edge, ``SPLIT`` the head on the edge and the tail and decode in the cloud, ``DIRECT`` sends
-token ids up and the cloud runs every layer. A member's value is the name every API uses for it
-(``ChatDone.mode``, ``EdgeInfo.modes``, metric labels, log fields, the OpenAI API's ``mode``), so
-a member formats and compares as that name. Conversion only: no choice of a mode here.
+token ids up and the cloud runs every layer, ``REMOTE_PREFILL`` sends token ids up, the cloud
+prefills and streams the first tokens while the prompt's KV comes down, and the edge decodes the
+rest with its whole model (vLLM's disaggregation names the prefill side "remote prefill"). A
+member's value is the name every API uses for it (``ChatDone.mode``, ``EdgeInfo.modes``, metric
+labels, log fields, the OpenAI API's ``mode``), so a member formats and compares as that name.
+Conversion only: no choice of a mode here.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ class Mode(enum.StrEnum):
     LOCAL = "local"
     SPLIT = "split"
     DIRECT = "direct"
+    REMOTE_PREFILL = "remote_prefill"
 
     @classmethod
     def from_pb(cls, value: int) -> Mode:
@@ -39,7 +43,7 @@ class Mode(enum.StrEnum):
 
     @classmethod
     def from_name(cls, name: str) -> Mode:
-        """The mode named ``name`` (``"auto"``, ``"local"``, ``"split"``, ``"direct"``).
+        """The mode named ``name`` (``"auto"``, ``"local"``, ``"split"``, ``"direct"``, ``"remote_prefill"``).
 
         Raises:
             InvalidRequest: any other name.
@@ -55,5 +59,6 @@ _TO_PB: dict[Mode, int] = {
     Mode.LOCAL: pb.MODE_LOCAL,
     Mode.SPLIT: pb.MODE_SPLIT,
     Mode.DIRECT: pb.MODE_DIRECT,
+    Mode.REMOTE_PREFILL: pb.MODE_REMOTE_PREFILL,
 }
 _FROM_PB: dict[int, Mode] = {pb.MODE_UNSPECIFIED: Mode.AUTO, **{v: m for m, v in _TO_PB.items()}}

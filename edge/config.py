@@ -183,6 +183,12 @@ class EdgeConfig(DaemonSettings):
     itl_p99_slo_ms: Millis = Field(
         default=200.0, description="p99 inter-token latency objective reported in Negotiate, in ms."
     )
+    cloud_budget_s: Seconds0 = Field(
+        default=0.0,
+        description="Cloud engine time per request this edge aims to stay within, in seconds; > 0: auto mode takes "
+        "the fastest route predicted within it and the objectives (local, remote prefill, ...). 0 = none: auto "
+        "minimises TTFT unless the cloud reports pressure.",
+    )
     http_host: str = Field(default="127.0.0.1", description="Bind address of the OpenAI-compatible HTTP API.")
     http_port: OptionalPort = Field(default=None, description="Port of the OpenAI-compatible HTTP API; `none` = off.")
     api_keys: ListSetting[str] = Field(

@@ -205,6 +205,12 @@ class LinkState:
     bytes_per_token: dict[int, float] = field(default_factory=dict)  # k -> wire bytes per prompt token
     block_size_tokens: int = 32
     num_layers: int = 30
+    cloud_decode_ms_per_token: float = 0.0  # the decode engine's time per output token
+    kv_cache_usage: float = 0.0  # the cloud engines' KV cache use, 0..1
+    cloud_waiting: int = 0  # requests waiting for admission at the cloud, all links
+    full_kv_block_bytes: float = 0.0  # one whole-model KV block in the link's KV format (remote prefill)
+    ttft_slo_ms: float = 0.0  # this edge's objectives (0 = none declared)
+    itl_slo_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -266,7 +272,7 @@ class CostModel:
             return q + self._stage(LineKey(LineKind.LOCAL), n, self.edge.local_prefill_ms_per_token.value, tokens)
         g = self._goodput_bytes_per_ms(link)
         q_cloud = link.queue_wait_ms if link.cloud_busy else 0.0
-        if route.mode is Mode.DIRECT:
+        if route.mode in (Mode.DIRECT, Mode.REMOTE_PREFILL):  # the same prefill, from token ids
             p = self._cloud_rate(link.cloud_prefill_ms_per_token, link.num_layers, link)
             return link.rtt_ms + T * ID_BYTES / g + q_cloud + self._stage(LineKey(LineKind.DIRECT), T, p, tokens)
         k = route.k

@@ -120,6 +120,8 @@ class TurnDone:
     session_expired: bool = False  # the edge had evicted the session (its bound): it started again
     resent_chunks: int = 0  # activation chunks sent again after the cloud NACKed them
     repaired_blocks: int = 0  # KV blocks sent again after the cloud asked for their repair
+    received_kv_bytes: int = 0  # remote prefill: KV block bytes received from the cloud (each block once)
+    edge_decoded_tokens: int = 0  # remote prefill: output tokens the edge decoded after it took over
 
     def wire_sent_bytes(self) -> dict[str, int]:
         """``ChatDone.sent_bytes``: bytes per stream kind and the resend and repair counts; empty
@@ -136,9 +138,10 @@ class TurnDone:
         done = to_pb(
             pb.ChatDone,
             self,
-            exclude=("timings", "resent_chunks", "repaired_blocks"),
+            exclude=("timings", "resent_chunks", "repaired_blocks", "received_kv_bytes"),
             timings_ms=timings_to_wire(self.timings),
             sent_bytes=self.wire_sent_bytes(),
             mode=self.mode.value,
+            received_bytes={"kv": self.received_kv_bytes} if self.received_kv_bytes else {},
         )
         return pb.ChatEvent(done=done)

@@ -14,6 +14,7 @@ injection, link emulation) wrap a ``CloudLink``, never production constructors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -83,8 +84,10 @@ class InProcessCall:
             raise InvalidRequest("the first uplink message must be a header")
         loop = asyncio.get_running_loop()
         deadline = None if self._timeout_s is None else loop.time() + self._timeout_s
-        async for ev in self._gateway.run_turn(header, self._body(), self._caller, deadline):
-            yield ev
+        # closed with this stream, so the gateway's turn ends (and frees its slot) when the edge stops reading
+        async with contextlib.aclosing(self._gateway.run_turn(header, self._body(), self._caller, deadline)) as turn:
+            async for ev in turn:
+                yield ev
 
 
 class InProcessLink:

@@ -18,6 +18,8 @@ Sessions: with a ``session_id`` the full-model KV of the conversation is kept be
 (``LocalSessions``, bounded by count and bytes, least recently used dropped first) and the
 longest common token prefix with the next prompt is reused. The session is updated after every
 model run, token ids and KV together, so a turn that fails or is cancelled leaves it consistent.
+Remote prefill (``edge.remoteprefill``) puts the KV that came from the cloud into a session
+(``adopt``), computes the tokens past it (``extend``) and decodes on from there (``generate``).
 
 Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``T`` tokens whose KV is held, ``V``
 vocabulary size; KV float32 ``[1, Hkv, T, D]`` per layer and key/value, in ``io_names`` order.
@@ -89,6 +91,23 @@ class LocalSessions(BoundedLRU[LocalSession]):
 
     def entry_bytes(self, key: str, s: LocalSession) -> int:
         return s.nbytes()
+
+
+def past_from_blocks(kv: np.ndarray) -> list[np.ndarray]:
+    """Whole-model KV float32 ``[L, 2, Hkv, T, D]`` (the canonical block layout, ``common.kvblocks``)
+    as the engine's past: ``2L`` arrays ``[1, Hkv, T, D]``, key then value per layer (contiguous copies).
+
+    Raises:
+        InvalidRequest: ``kv`` is not 5-D float32 with 2 on axis 1.
+    """
+    if kv.ndim != 5 or kv.shape[1] != 2 or kv.dtype != np.float32:
+        raise InvalidRequest(f"whole-model KV must be float32 [L, 2, Hkv, T, D], got {kv.dtype} {kv.shape}")
+    return [np.ascontiguousarray(kv[layer, kind][None]) for layer in range(kv.shape[0]) for kind in (0, 1)]
+
+
+def blocks_from_past(past: Sequence[np.ndarray]) -> np.ndarray:
+    """The inverse of ``past_from_blocks``: ``2L`` arrays ``[1, Hkv, T, D]`` -> ``[L, 2, Hkv, T, D]``."""
+    return np.stack([np.concatenate([past[2 * i], past[2 * i + 1]]) for i in range(len(past) // 2)])
 
 
 @dataclass(frozen=True)
@@ -264,8 +283,35 @@ class LocalEngine:
         if not fut.cancelled():
             fut.exception()  # retrieved here too, for a run whose caller was cancelled
 
+    async def adopt(self, sess: LocalSession, token_ids: Sequence[int], past: list[np.ndarray]) -> None:
+        """Make ``sess`` hold ``past`` (``2L`` float32 ``[1, Hkv, T, D]``) as the KV of ``token_ids``
+        (``T`` of them), under its lock (a turn using it runs first).
+
+        Raises:
+            InvalidRequest: ``past`` is not ``2L`` arrays of the model's shape over ``T`` tokens.
+        """
+        sh, t = self.shape, len(token_ids)
+        want = (1, sh.num_kv_heads, t, sh.head_dim)
+        if len(past) != 2 * sh.num_layers or any(a.shape != want or a.dtype != np.float32 for a in past):
+            got = [a.shape for a in past[:2]]
+            raise InvalidRequest(f"past must be {2 * sh.num_layers} float32 arrays {want}, got {len(past)} like {got}")
+        async with sess.lock:
+            sess.token_ids, sess.past = [int(x) for x in token_ids], list(past)
+
+    async def extend(self, sess: LocalSession, ids: list[int]) -> int:
+        """Compute the KV of the tokens of ``ids`` past its common prefix with ``sess`` (one run) and
+        make ``sess`` hold ``ids``; nothing is sampled. Returns the tokens computed (0: none to)."""
+        async with sess.lock:
+            c = sess.common_prefix(ids)
+            if c == len(ids):
+                return 0
+            past = self.empty_past() if c == 0 else [np.ascontiguousarray(a[:, :, :c]) for a in sess.past]
+            _, past = await self._run(ids[c:], past)
+            sess.token_ids, sess.past = list(ids), past
+            return len(ids) - c
+
     async def generate(
-        self, prompt_ids: list[int], sampling: Sampling, session_id: str = ""
+        self, prompt_ids: list[int], sampling: Sampling, session_id: str = "", *, session: LocalSession | None = None
     ) -> AsyncGenerator[LocalToken, None]:
         """Yield the turn's tokens; the last one carries ``finish_reason``.
 
@@ -273,11 +319,11 @@ class LocalEngine:
         ``sampling.stop_token_ids``; it is yielded (vLLM counts it among the output token ids).
         ``"length"``: ``sampling.max_new_tokens`` tokens yielded.
 
-        With a non-empty ``session_id`` the session's KV of the longest common prefix with
-        ``prompt_ids`` is reused (at least the last prompt token is recomputed, for its logits) and
-        the session keeps the KV of the prompt and every generated token but the last. The session's
-        lock is held for the whole turn; close the iterator (``contextlib.aclosing``) when stopping
-        early, so the lock is released at once.
+        With a non-empty ``session_id`` (or a ``session`` of the caller's, e.g. one remote prefill
+        filled) the session's KV of the longest common prefix with ``prompt_ids`` is reused (at least
+        the last prompt token is recomputed, for its logits) and the session keeps the KV of the
+        prompt and every generated token but the last. The session's lock is held for the whole turn;
+        close the iterator (``contextlib.aclosing``) when stopping early, so the lock is released at once.
 
         Raises:
             InvalidRequest: see ``validate`` (raised on the first iteration).
@@ -286,7 +332,7 @@ class LocalEngine:
         prompt = [int(t) for t in prompt_ids]
         self.active += 1
         try:
-            sess = self.sessions.get(session_id)
+            sess = session if session is not None else self.sessions.get(session_id)
             async with sess.lock:
                 async for tok in self._turn(sess, prompt, sampling):
                     yield tok

@@ -4,8 +4,10 @@
 split at ``k`` or direct) -> run it: local mode on the whole model here (``edge.localmode``), or
 through the cloud (``edge.cloudcall``: the head over the tokens the edge has not processed,
 activations and new KV blocks framed by ``edge.framing`` and streamed over the pinned
-``CloudConnection``) -> detokenize tokens as they come back. A cloud that fails mid-stream does not
-end the turn: it resumes. No grpc here; ``edge.service`` adapts it, ``edge.grpc_link`` carries it.
+``CloudConnection``), or remote prefill (``edge.remoteprefill``: the cloud prefills, the prompt's KV
+comes down, the whole model here decodes the rest) -> detokenize tokens as they come back. A cloud
+that fails mid-stream does not end the turn: it resumes. No grpc here; ``edge.service`` adapts it,
+``edge.grpc_link`` carries it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tandem.edge.headwork import Head
 from tandem.edge.lifetime import SessionLifetime
 from tandem.edge.local import LocalEngine
 from tandem.edge.localmode import run_local
+from tandem.edge.remoteprefill import run_remote_prefill
 from tandem.edge.routing import Decision, Router
 from tandem.edge.session import EdgeSessions
 from tandem.edge.turn import Turn, TurnClock
@@ -77,12 +80,15 @@ class EdgeNode:
         pipeline_tokens: int = 0,
         eos_token_ids: frozenset[int] | None = None,
         codec_ratio: float = 1.0,
+        model_key: str = "",
     ) -> None:
         """``max_prompt_tokens`` / ``max_new_tokens``: this edge's own bounds (the cloud's and the
         model's narrow them, ``limits``); ``shape``: the model's (its vocabulary and positions bound
         requests too); ``pipeline_tokens``: head tokens per piece of a pipelined split turn
         (``edge.headwork``; 0 = the head runs whole before the upload starts); ``eos_token_ids``:
-        default the tokenizer's; ``codec_ratio``: zstd's compressed / raw size of this model's wire bytes."""
+        default the tokenizer's; ``codec_ratio``: zstd's compressed / raw size of this model's wire
+        bytes; ``model_key``: the whole model's identity (``common.kvdown.full_model_key``), which
+        remote prefill's KV blocks are named from ("": no remote prefill)."""
         if not heads and local is None:
             raise ValueError("an edge needs a head (split) or the whole model (local)")
         self.tok, self.conn, self.sessions = tokenizer, conn, sessions
@@ -93,7 +99,8 @@ class EdgeNode:
         self.eos_token_ids = default_eos if eos_token_ids is None else eos_token_ids
         cost = cost or CostModel()
         cost.pipeline_tokens = pipeline_tokens
-        self.router = Router(self.heads, conn, sessions, cost, local=local, shape=shape)
+        self.router = Router(self.heads, conn, sessions, cost, local=local, shape=shape, remote_prefill=bool(model_key))
+        self.model_key = model_key
         self.router.codec_ratio = codec_ratio
         self.calls = CloudCalls(conn, self.heads, sessions, self.router, renegotiate_wait_s)
         self._own_limits = RequestLimits(
@@ -110,6 +117,7 @@ class EdgeNode:
             Mode.LOCAL: self._run_local,
             Mode.SPLIT: self.calls.run,
             Mode.DIRECT: self.calls.run,
+            Mode.REMOTE_PREFILL: self._run_remote_prefill,
         }
         self.lifetime = SessionLifetime(sessions, conn, lambda: self.local)
         metrics.watch_edge_sessions(sessions)
@@ -354,7 +362,7 @@ class EdgeNode:
         text held back (for stop strings), then its ``TurnDone``."""
         rest = first.text.flush()
         first.clock.since(Stage.TOTAL)
-        mode = first.clock.mode if first.clock.mode in (Mode.LOCAL, Mode.SPLIT, Mode.DIRECT) else Mode.DIRECT
+        mode = first.clock.mode if first.clock.mode is not Mode.AUTO else Mode.DIRECT
         closing = Turn(first.request, first.ids, first.clock, first.text, first.deadline)
         closing.decision = Decision(Route(mode), None, "resumed")
         events: list[TextOut | TurnDone] = [TextOut(rest, ())] if rest else []
@@ -401,8 +409,16 @@ class EdgeNode:
             if isinstance(ev, TurnDone) and d.prediction is not None and ev.ttft_ms > 0 and not turn.clock.resumes:
                 self.cost.observe(d.prediction, ev.ttft_ms, ev.timings)
                 metrics.record_prediction(d.route.mode, d.prediction.ttft_ms, ev.ttft_ms)
+                if d.occupancy is not None:
+                    self.router.occupancy.observe(
+                        d.route.mode, d.occupancy, ev.timings, ev.output_tokens, ev.received_kv_bytes
+                    )
             yield ev
 
     def _run_local(self, turn: Turn) -> Events:
         assert self.local is not None  # routed here only when present
         return run_local(turn, self.local, self.cost)
+
+    def _run_remote_prefill(self, turn: Turn) -> Events:
+        assert self.local is not None  # routed here only when present
+        return run_remote_prefill(turn, self.local, self.model_key, self.router)

@@ -69,7 +69,7 @@ class RequestBase(_Open):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=2**32 - 1)]] | None = Field(None, max_length=MAX_STOP_TOKENS)
     session_id: str | None = Field(None, max_length=128)
     # tandem's serving mode (``ChatRequest.mode`` of the gRPC API); "auto" lets the edge choose
-    mode: Literal["auto", "local", "split", "direct"] = "auto"
+    mode: Literal["auto", "local", "split", "direct", "remote_prefill"] = "auto"
 
 
 class ChatRequest(RequestBase):

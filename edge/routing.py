@@ -21,16 +21,19 @@ from tandem.edge.cloudconn import CloudTarget
 from tandem.edge.costmodel import CostModel, LinkState, Prediction, RequestShape, Route
 from tandem.edge.events import ChatTurn
 from tandem.edge.local import LocalEngine
+from tandem.edge.occupancy import Occupancy, OccupancyModel, lightest, under_pressure
 from tandem.edge.session import EdgeSessions
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The route a turn runs on, the cost model's prediction for it, and why it was chosen."""
+    """The route a turn runs on, the cost model's predictions for it (TTFT; end-to-end and cloud
+    time), and why it was chosen."""
 
     route: Route
     prediction: Prediction | None
     reason: str
+    occupancy: Occupancy | None = None
 
 
 class Router:
@@ -49,10 +52,15 @@ class Router:
         *,
         local: LocalEngine | None = None,
         shape: ModelShape | None = None,
+        remote_prefill: bool = False,
     ) -> None:
         """``head_layers``: the split layers this edge holds heads for; ``shape``: the model's, for
-        wire bytes per token in the cost model (None: wire time not modelled)."""
+        wire bytes per token in the cost model (None: wire time not modelled); ``remote_prefill``:
+        this edge names whole-model KV blocks (it can take a remote prefill over, given its local model)."""
         self.head_layers = frozenset(head_layers)
+        self.remote_prefill = remote_prefill
+        self.occupancy = OccupancyModel()  # end-to-end and cloud-time predictions, calibrated by the turns
+        self.cloud_budget_ms = 0.0  # cloud engine time per request this edge declares (0 = none)
         self.cloud, self.sessions, self.shape = cloud, sessions, shape
         self._cost = cost
         self._local: LocalEngine | None = None
@@ -100,6 +108,8 @@ class Router:
         out = [Route(Mode.LOCAL)] if self.local is not None else []
         if self.cloud is not None and self.cloud.current().params(0) is not None:
             out += [Route(Mode.SPLIT, k) for k in self.split_layers] + [Route(Mode.DIRECT)]
+            if self.local is not None and self.remote_prefill:
+                out.append(Route(Mode.REMOTE_PREFILL))
         return out
 
     def degraded(self) -> str:
@@ -125,9 +135,18 @@ class Router:
         st.cloud_prefill_ms_per_token = load.prefill_ms_per_token
         st.cloud_tail_prefill_ms_per_token = dict(load.tail_prefill_ms_per_token)
         st.queue_wait_ms = load.queue_wait_ms
+        st.cloud_decode_ms_per_token, st.kv_cache_usage = load.decode_ms_per_token, load.kv_cache_usage
+        st.cloud_waiting = load.waiting_requests
+        st.ttft_slo_ms, st.itl_slo_ms = c.base_offer.ttft_slo_ms, c.base_offer.itl_p99_slo_ms
         p = c.params(0)
         share = p.max_concurrent_requests if p is not None else 1
         st.cloud_busy = load.waiting_requests > 0 or self.cloud_inflight >= share
+        if p is not None and self.shape is not None:
+            sh = self.shape
+            full = (sh.num_layers, 2, sh.num_kv_heads, p.kv_block_size_tokens, sh.head_dim)
+            st.full_kv_block_bytes = kv_raw_nbytes(full, p.kv_wire_dtype) * (
+                self.codec_ratio if p.codec != wire.Codec.NONE else 1.0
+            )
         for k in self.head_layers:
             pk = c.params(k)
             if pk is not None:
@@ -175,12 +194,30 @@ class Router:
         preds = [self.cost.predict(r, shape, link) for r in candidates]
         want = request.mode
         if len(preds) == 1 and want is not Mode.AUTO:
-            return Decision(preds[0].route, preds[0], "requested")
-        if want is not Mode.AUTO:
-            best = min(preds, key=lambda p: p.ttft_ms)
-            return Decision(best.route, best, f"requested {want}; lowest predicted TTFT of its split layers")
-        pick, why = self.cost.choose(preds)
-        return Decision(pick.route, pick, f"auto: {why}")
+            pick, why = preds[0], "requested"
+        elif want is not Mode.AUTO:
+            pick = min(preds, key=lambda p: p.ttft_ms)
+            why = f"requested {want}; lowest predicted TTFT of its split layers"
+        else:
+            pick, why = self._auto(preds, shape, link, request)
+        occupancy = self.occupancy.predict(pick, shape, link, self.cost, request.sampling.max_new_tokens)
+        return Decision(pick.route, pick, why, occupancy)
+
+    def _auto(
+        self, preds: list[Prediction], shape: RequestShape, link: LinkState, request: ChatTurn
+    ) -> tuple[Prediction, str]:
+        """The lowest predicted TTFT (remote prefill's is direct's: it is chosen for the cloud time it
+        saves, not for its TTFT); under cloud pressure or a declared cloud budget, the route that
+        holds the cloud least within the objectives (``edge.occupancy.lightest``)."""
+        fast = [p for p in preds if p.route.mode is not Mode.REMOTE_PREFILL]
+        pick, why = self.cost.choose(fast or preds)
+        if self.cloud_budget_ms > 0 or under_pressure(link):
+            n = request.sampling.max_new_tokens
+            occ = {p.route: self.occupancy.predict(p, shape, link, self.cost, n) for p in preds}
+            light = lightest(preds, occ, link, self.cloud_budget_ms)
+            if light is not None:
+                pick, why = light
+        return pick, f"auto: {why}"
 
     def fallback(self, request: ChatTurn, ids: list[int], reason: str) -> Decision:
         """Local mode for a turn the cloud refused before its first token (auto mode only)."""
@@ -214,6 +251,13 @@ class Router:
             raise EngineError(f"split mode needs the cloud and a common split layer; {self.degraded()}")
         return candidates
 
+    def _remote_prefill_only(self, request: ChatTurn) -> list[Route]:
+        if self.local is None or not self.remote_prefill:
+            raise ModeUnavailable("remote prefill needs the whole model on the edge (edge-full.onnx); none loaded")
+        if Route(Mode.REMOTE_PREFILL) not in self.routes():
+            raise EngineError(f"remote prefill needs the cloud; {self.degraded() or 'not connected'}")
+        return [Route(Mode.REMOTE_PREFILL)]
+
     def _any(self, request: ChatTurn) -> list[Route]:
         return self.routes()
 
@@ -222,5 +266,6 @@ _CANDIDATES = {
     Mode.LOCAL: Router._local_only,
     Mode.DIRECT: Router._direct_only,
     Mode.SPLIT: Router._split_only,
+    Mode.REMOTE_PREFILL: Router._remote_prefill_only,
     Mode.AUTO: Router._any,
 }

@@ -20,6 +20,7 @@ from grpc_health.v1 import health
 
 from tandem.common.errors import IncompatibleModel
 from tandem.common.grpcsetup import add_service, channel_credentials, set_health, start_server, tls_credentials
+from tandem.common.kvdown import full_model_key
 from tandem.common.manifest import FULL_ONNX, ModelShape, SplitManifest
 from tandem.common.params import NegotiateOffer
 from tandem.common.security import ApiKeys, Authenticator
@@ -232,7 +233,9 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
         pipeline_tokens=cfg.pipeline_tokens,
         eos_token_ids=frozenset(eos),
         codec_ratio=zstd[0],
+        model_key=full_model_key(manifest),
     )
+    node.router.cloud_budget_ms = cfg.cloud_budget_s * 1e3
     return await serve_node(cfg, node, manifest.model_id, links)
 
 

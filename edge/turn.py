@@ -137,9 +137,12 @@ class Turn:
         resent_chunks: int = 0,
         repaired_blocks: int = 0,
         params_version: int = 0,
+        received_kv_bytes: int = 0,
+        edge_decoded_tokens: int = 0,
     ) -> TurnDone:
         """The leg's ``TurnDone``: its decision, the clock's timings and the turn's output so far
-        (``output_tokens`` defaults to its length); what it sent, for a leg through the cloud."""
+        (``output_tokens`` defaults to its length); what it sent, for a leg through the cloud, and what
+        came down and what the edge decoded itself, for a remote-prefill leg."""
         d, out = self.route_decision, self.text.token_ids
         return TurnDone(
             finish_reason,
@@ -160,4 +163,6 @@ class Turn:
             resumes=self.clock.resumes,
             resent_chunks=resent_chunks,
             repaired_blocks=repaired_blocks,
+            received_kv_bytes=received_kv_bytes,
+            edge_decoded_tokens=edge_decoded_tokens,
         )

@@ -57,7 +57,13 @@ Message = Mapping[str, str]  # {"role": "user", "content": "..."}
 
 DEFAULT_TIMEOUT_S = 300.0  # a client's default deadline per call
 # "auto" travels as MODE_UNSPECIFIED (its equivalent), which edges older than MODE_AUTO also accept
-_MODES = {"auto": pb.MODE_UNSPECIFIED, "split": pb.MODE_SPLIT, "direct": pb.MODE_DIRECT, "local": pb.MODE_LOCAL}
+_MODES = {
+    "auto": pb.MODE_UNSPECIFIED,
+    "split": pb.MODE_SPLIT,
+    "direct": pb.MODE_DIRECT,
+    "local": pb.MODE_LOCAL,
+    "remote_prefill": pb.MODE_REMOTE_PREFILL,
+}
 _UINT32 = 1 << 32
 _INT32 = 1 << 31
 _INT64 = 1 << 63
@@ -85,7 +91,7 @@ class ChatResult:
     output_token_ids: tuple[int, ...]
     timings_ms: dict[str, float] = field(default_factory=dict)
     sent_bytes: dict[str, int] = field(default_factory=dict)
-    mode: str = ""  # the mode that served the turn: "local" | "split" | "direct"
+    mode: str = ""  # the mode that served the turn: "local" | "split" | "direct" | "remote_prefill"
     predicted_ttft_ms: float = 0.0  # the edge's cost-model prediction for that mode (0 = none made)
     ttft_ms: float = 0.0  # measured at the edge
     params_version: int = 0  # link params the turn ran under (0 = local)
@@ -267,7 +273,7 @@ class EdgeInfo:
         max_stop_token_ids: the most ``stop_token_ids`` a turn may name.
         default_timeout_s: the deadline the edge gives a turn whose client set none, in seconds.
         version: the edge's tandem version.
-        modes: the modes servable now (``"local"``, ``"split"``, ``"direct"``).
+        modes: the modes servable now (``"local"``, ``"split"``, ``"direct"``, ``"remote_prefill"``).
         split_layers: every split layer usable now (the edge holds the head, the cloud the tail).
         cloud_connected: whether the edge's link to the cloud is up.
         degraded: why not every mode the edge was built for is available ("" = all are).
@@ -585,8 +591,10 @@ class _ClientCore(ABC, Generic[S]):
                 Default ``None`` = stateless.
             mode: ``"auto"`` (default: the edge picks, per request, the mode with the lowest
                 predicted time to first token), ``"local"`` (the whole model on the edge),
-                ``"split"`` (edge head, cloud tail) or ``"direct"`` (token ids up, the cloud runs
-                every layer). An explicit mode the edge cannot serve now is refused:
+                ``"split"`` (edge head, cloud tail), ``"direct"`` (token ids up, the cloud runs
+                every layer) or ``"remote_prefill"`` (token ids up, the cloud prefills and streams
+                the first tokens while the prompt's KV comes down, then the edge decodes the
+                rest with its whole model). An explicit mode the edge cannot serve now is refused:
                 ``FailedPrecondition`` (no model for it on the edge) or ``Unavailable`` (no cloud).
             split_layer: with ``mode="split"``, the split layer ``k`` to use (one of
                 ``EdgeInfo.split_layers``); default 0 = the edge's choice.

@@ -26,7 +26,11 @@ class Stage(enum.StrEnum):
     CLOUD_TAIL_SAVE_WAIT = "cloud_tail_save_wait_ms"
     CLOUD_DECODE_FIRST_TOKEN = "cloud_decode_first_token_ms"
     CLOUD_DECODE = "cloud_decode_ms"
+    CLOUD_KV_SAVE_WAIT = "cloud_kv_save_wait_ms"
+    CLOUD_KV_DOWNLINK = "cloud_kv_downlink_ms"
     LOCAL_PREFILL = "local_prefill_ms"
+    KV_DOWNLINK = "kv_downlink_ms"
+    HANDOVER = "handover_ms"
     TTFT = "ttft_ms"
     TOTAL = "total_ms"
 
@@ -50,8 +54,12 @@ _LABELS = {
     Stage.CLOUD_TAIL_PREFILL: "cloud: tail prefill + 1st token (vLLM)",
     Stage.CLOUD_TAIL_SAVE_WAIT: "cloud: tail KV writes after the 1st token",
     Stage.CLOUD_DECODE_FIRST_TOKEN: "cloud: KV handoff + decode engine's 1st step",
-    Stage.CLOUD_DECODE: "cloud: decode engine, whole stream",
+    Stage.CLOUD_DECODE: "cloud: decode engine, whole stream (remote prefill: until the handover)",
+    Stage.CLOUD_KV_SAVE_WAIT: "cloud: whole-model KV writes after the 1st token (remote prefill)",
+    Stage.CLOUD_KV_DOWNLINK: "cloud: KV blocks down, from the save wait to the commit (remote prefill)",
     Stage.LOCAL_PREFILL: "edge: whole model prefill + 1st token (local mode)",
+    Stage.KV_DOWNLINK: "edge: turn start to the prompt's KV verified (remote prefill)",
+    Stage.HANDOVER: "edge: turn start to the cloud's handover (remote prefill)",
     Stage.TTFT: "time to first token (client)",
     Stage.TOTAL: "end to end",
 }

@@ -133,6 +133,8 @@ BAD: list[tuple[type[BaseModel], str, typing.Any, str]] = [
     (EdgeConfig, "ttft_slo_ms", INF, "finite"),
     (EdgeConfig, "itl_p99_slo_ms", NAN, "finite"),
     (EdgeConfig, "http_port", 65536, "less than or equal to 65535"),
+    (EdgeConfig, "cloud_budget_s", -1, "greater than or equal to 0"),
+    (EdgeConfig, "cloud_budget_s", INF, "finite"),
 ]
 
 

@@ -18,6 +18,7 @@ def test_every_proto_mode_converts_and_unspecified_is_auto():
         pb.MODE_SPLIT: Mode.SPLIT,
         pb.MODE_DIRECT: Mode.DIRECT,
         pb.MODE_LOCAL: Mode.LOCAL,
+        pb.MODE_REMOTE_PREFILL: Mode.REMOTE_PREFILL,
     }
     assert all(Mode.from_pb(m.to_pb()) is m for m in Mode)
     with pytest.raises(InvalidRequest, match="unknown mode 99"):
@@ -25,7 +26,7 @@ def test_every_proto_mode_converts_and_unspecified_is_auto():
 
 
 def test_names_are_the_apis_names():
-    assert [Mode.from_name(n) for n in ("auto", "local", "split", "direct")] == list(Mode)
+    assert [Mode.from_name(n) for n in ("auto", "local", "split", "direct", "remote_prefill")] == list(Mode)
     assert f"{Mode.SPLIT}" == "split" and Mode.DIRECT.value == "direct"
     with pytest.raises(InvalidRequest, match="mode must be one of"):
         Mode.from_name("cloud")

@@ -29,6 +29,7 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_DIRECT: _ClassVar[Mode]
     MODE_LOCAL: _ClassVar[Mode]
     MODE_AUTO: _ClassVar[Mode]
+    MODE_REMOTE_PREFILL: _ClassVar[Mode]
 WIRE_DTYPE_UNSPECIFIED: WireDtype
 WIRE_DTYPE_FP32: WireDtype
 WIRE_DTYPE_FP16: WireDtype
@@ -44,6 +45,7 @@ MODE_SPLIT: Mode
 MODE_DIRECT: Mode
 MODE_LOCAL: Mode
 MODE_AUTO: Mode
+MODE_REMOTE_PREFILL: Mode
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -290,7 +292,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ...) -> None: ...
 
 class RequestHeader(_message.Message):
-    __slots__ = ("request_id", "session_id", "params_version", "split_layer", "prompt_token_ids", "cached_tokens", "num_chunks", "num_kv_blocks", "sampling", "link_id")
+    __slots__ = ("request_id", "session_id", "params_version", "split_layer", "prompt_token_ids", "cached_tokens", "num_chunks", "num_kv_blocks", "sampling", "link_id", "remote_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +303,7 @@ class RequestHeader(_message.Message):
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LINK_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     params_version: int
@@ -311,7 +314,14 @@ class RequestHeader(_message.Message):
     num_kv_blocks: int
     sampling: SamplingParams
     link_id: str
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., params_version: _Optional[int] = ..., split_layer: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., link_id: _Optional[str] = ...) -> None: ...
+    remote_prefill: RemotePrefill
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., params_version: _Optional[int] = ..., split_layer: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., link_id: _Optional[str] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ...) -> None: ...
+
+class RemotePrefill(_message.Message):
+    __slots__ = ("held_tokens",)
+    HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    held_tokens: int
+    def __init__(self, held_tokens: _Optional[int] = ...) -> None: ...
 
 class ActivationChunk(_message.Message):
     __slots__ = ("seq", "token_offset", "num_tokens", "wire_dtype", "codec", "raw_nbytes", "payload", "crc32c", "params_version")
@@ -367,17 +377,37 @@ class Commit(_message.Message):
     merkle_root: bytes
     def __init__(self, leaf_count: _Optional[int] = ..., merkle_root: _Optional[bytes] = ...) -> None: ...
 
+class KVDownAck(_message.Message):
+    __slots__ = ("received_bytes", "verified_blocks", "resend_blocks")
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESEND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    verified_blocks: int
+    resend_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, received_bytes: _Optional[int] = ..., verified_blocks: _Optional[int] = ..., resend_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Takeover(_message.Message):
+    __slots__ = ("output_tokens",)
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    output_tokens: int
+    def __init__(self, output_tokens: _Optional[int] = ...) -> None: ...
+
 class Uplink(_message.Message):
-    __slots__ = ("header", "chunk", "kv_block", "commit")
+    __slots__ = ("header", "chunk", "kv_block", "commit", "kv_ack", "takeover")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    KV_ACK_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVER_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     chunk: ActivationChunk
     kv_block: KVBlockDelta
     commit: Commit
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., chunk: _Optional[_Union[ActivationChunk, _Mapping]] = ..., kv_block: _Optional[_Union[KVBlockDelta, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ...) -> None: ...
+    kv_ack: KVDownAck
+    takeover: Takeover
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., chunk: _Optional[_Union[ActivationChunk, _Mapping]] = ..., kv_block: _Optional[_Union[KVBlockDelta, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., kv_ack: _Optional[_Union[KVDownAck, _Mapping]] = ..., takeover: _Optional[_Union[Takeover, _Mapping]] = ...) -> None: ...
 
 class Nack(_message.Message):
     __slots__ = ("seq", "reason")
@@ -467,8 +497,44 @@ class Error(_message.Message):
     base_kinds: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., base_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class KVBlockDown(_message.Message):
+    __slots__ = ("block_index", "block_hash", "layer_lo", "layer_hi", "wire_dtype", "codec", "raw_nbytes", "payload", "crc32c", "leaf_hash", "params_version")
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    LAYER_LO_FIELD_NUMBER: _ClassVar[int]
+    LAYER_HI_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    RAW_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    LEAF_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    block_index: int
+    block_hash: bytes
+    layer_lo: int
+    layer_hi: int
+    wire_dtype: WireDtype
+    codec: Codec
+    raw_nbytes: int
+    payload: bytes
+    crc32c: int
+    leaf_hash: bytes
+    params_version: int
+    def __init__(self, block_index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., layer_lo: _Optional[int] = ..., layer_hi: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., leaf_hash: _Optional[bytes] = ..., params_version: _Optional[int] = ...) -> None: ...
+
+class KVCommitDown(_message.Message):
+    __slots__ = ("first_block", "leaf_count", "merkle_root")
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    LEAF_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MERKLE_ROOT_FIELD_NUMBER: _ClassVar[int]
+    first_block: int
+    leaf_count: int
+    merkle_root: bytes
+    def __init__(self, first_block: _Optional[int] = ..., leaf_count: _Optional[int] = ..., merkle_root: _Optional[bytes] = ...) -> None: ...
+
 class Downlink(_message.Message):
-    __slots__ = ("nack", "repair", "upload_ack", "tokens", "final", "error", "window_ack")
+    __slots__ = ("nack", "repair", "upload_ack", "tokens", "final", "error", "window_ack", "kv_block", "kv_commit")
     NACK_FIELD_NUMBER: _ClassVar[int]
     REPAIR_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_ACK_FIELD_NUMBER: _ClassVar[int]
@@ -476,6 +542,8 @@ class Downlink(_message.Message):
     FINAL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WINDOW_ACK_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    KV_COMMIT_FIELD_NUMBER: _ClassVar[int]
     nack: Nack
     repair: RepairRequest
     upload_ack: UploadAck
@@ -483,7 +551,9 @@ class Downlink(_message.Message):
     final: Final
     error: Error
     window_ack: WindowAck
-    def __init__(self, nack: _Optional[_Union[Nack, _Mapping]] = ..., repair: _Optional[_Union[RepairRequest, _Mapping]] = ..., upload_ack: _Optional[_Union[UploadAck, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., window_ack: _Optional[_Union[WindowAck, _Mapping]] = ...) -> None: ...
+    kv_block: KVBlockDown
+    kv_commit: KVCommitDown
+    def __init__(self, nack: _Optional[_Union[Nack, _Mapping]] = ..., repair: _Optional[_Union[RepairRequest, _Mapping]] = ..., upload_ack: _Optional[_Union[UploadAck, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., window_ack: _Optional[_Union[WindowAck, _Mapping]] = ..., kv_block: _Optional[_Union[KVBlockDown, _Mapping]] = ..., kv_commit: _Optional[_Union[KVCommitDown, _Mapping]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
@@ -552,7 +622,7 @@ class TextDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatDone(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "output_tokens", "head_tokens", "external_tokens", "split_layer", "timings_ms", "sent_bytes", "output_token_ids", "mode", "predicted_ttft_ms", "ttft_ms", "params_version", "mode_reason", "resumes", "session_expired")
+    __slots__ = ("finish_reason", "prompt_tokens", "output_tokens", "head_tokens", "external_tokens", "split_layer", "timings_ms", "sent_bytes", "output_token_ids", "mode", "predicted_ttft_ms", "ttft_ms", "params_version", "mode_reason", "resumes", "session_expired", "received_bytes", "edge_decoded_tokens")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -561,6 +631,13 @@ class ChatDone(_message.Message):
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     class SentBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ReceivedBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -583,6 +660,8 @@ class ChatDone(_message.Message):
     MODE_REASON_FIELD_NUMBER: _ClassVar[int]
     RESUMES_FIELD_NUMBER: _ClassVar[int]
     SESSION_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EDGE_DECODED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     output_tokens: int
@@ -599,7 +678,9 @@ class ChatDone(_message.Message):
     mode_reason: str
     resumes: int
     session_expired: bool
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., head_tokens: _Optional[int] = ..., external_tokens: _Optional[int] = ..., split_layer: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., sent_bytes: _Optional[_Mapping[str, int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., params_version: _Optional[int] = ..., mode_reason: _Optional[str] = ..., resumes: _Optional[int] = ..., session_expired: bool = ...) -> None: ...
+    received_bytes: _containers.ScalarMap[str, int]
+    edge_decoded_tokens: int
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., head_tokens: _Optional[int] = ..., external_tokens: _Optional[int] = ..., split_layer: _Optional[int] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., sent_bytes: _Optional[_Mapping[str, int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., predicted_ttft_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., params_version: _Optional[int] = ..., mode_reason: _Optional[str] = ..., resumes: _Optional[int] = ..., session_expired: bool = ..., received_bytes: _Optional[_Mapping[str, int]] = ..., edge_decoded_tokens: _Optional[int] = ...) -> None: ...
 
 class ChatEvent(_message.Message):
     __slots__ = ("delta", "done")

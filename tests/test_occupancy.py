@@ -1,0 +1,153 @@
+"""The cost model beyond TTFT (``edge.occupancy``): each route's end-to-end time and cloud engine
+time, remote prefill's handover, the auto choice under cloud pressure or a declared cloud budget,
+and the calibration and prediction errors of served turns."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tandem.common import metrics
+from tandem.common.modes import Mode
+from tandem.edge.costmodel import CostModel, LinkState, RequestShape, Route
+from tandem.edge.occupancy import Occupancy, OccupancyModel, lightest, under_pressure
+from tandem.stages import Stage
+
+LOCAL, SPLIT, DIRECT, RP = Route(Mode.LOCAL), Route(Mode.SPLIT, 4), Route(Mode.DIRECT), Route(Mode.REMOTE_PREFILL)
+BLOCK = 737_280  # a whole-model fp16 block of SmolLM2 (30 layers, 3 KV heads, B = 32, D = 64)
+
+
+def model(local_decode_ms: float = 20.0) -> CostModel:
+    m = CostModel(hysteresis=0.0, explore_every=0)
+    m.edge.local_prefill_ms_per_token.add(2.0)
+    m.edge.local_decode_ms_per_token.add(local_decode_ms)
+    m.edge.head(4).add(0.3)
+    return m
+
+
+def link(**kw) -> LinkState:
+    base = dict(
+        rtt_ms=20.0,
+        goodput_mbps=800.0,  # 100 bytes per microsecond
+        cloud_prefill_ms_per_token=0.5,
+        cloud_tail_prefill_ms_per_token={4: 0.4},
+        bytes_per_token={4: 8448.0},
+        cloud_decode_ms_per_token=30.0,
+        full_kv_block_bytes=BLOCK,
+        ttft_slo_ms=1000.0,
+        itl_slo_ms=200.0,
+    )
+    return LinkState(**{**base, **kw})
+
+
+def test_remote_prefill_has_directs_ttft_and_hands_the_decode_over():
+    """1024-token prompt, 256 new tokens: the handover comes after the 32 blocks' download (236 ms at
+    800 Mbit/s), the edge's run over the tokens meanwhile and a round trip; the cloud decodes until
+    then, the edge the rest at its own rate."""
+    m, lk, occ = model(), link(), OccupancyModel()
+    shape = RequestShape(1024)
+    rp, direct = m.predict(RP, shape, lk), m.predict(DIRECT, shape, lk)
+    assert rp.ttft_ms == pytest.approx(direct.ttft_ms)
+    o_rp, o_d = occ.predict(rp, shape, lk, m, 256), occ.predict(direct, shape, lk, m, 256)
+    wire = 32 * BLOCK * 8 / (800 * 1e3)
+    h = occ.handover_ms(shape, lk, m, 30.0)
+    assert wire < h < wire + 20 + 2.0 * (wire / 30 + 2) + 1e-6
+    m_tokens = 1 + h / 30.0
+    assert o_rp.cloud_tokens == pytest.approx(m_tokens)
+    assert o_rp.e2e_ms == pytest.approx(rp.ttft_ms + h + (256 - m_tokens) * 20.0)
+    assert o_d.e2e_ms == pytest.approx(direct.ttft_ms + 255 * 30.0)
+    assert o_rp.cloud_ms < o_d.cloud_ms / 10  # the cloud is free after about 10 tokens, not 256
+
+
+def test_remote_prefill_is_direct_when_the_cloud_finishes_before_the_handover():
+    m, lk, occ = model(), link(goodput_mbps=10.0), OccupancyModel()  # 19 s to bring 32 blocks down
+    shape = RequestShape(1024)
+    o_rp = occ.predict(m.predict(RP, shape, lk), shape, lk, m, 64)
+    o_d = occ.predict(m.predict(DIRECT, shape, lk), shape, lk, m, 64)
+    assert (o_rp.e2e_ms, o_rp.cloud_ms, o_rp.cloud_tokens) == pytest.approx((o_d.e2e_ms, o_d.cloud_ms, 64))
+
+
+def test_what_the_edge_holds_does_not_come_down_again():
+    m, lk, occ = model(), link(), OccupancyModel()
+    cold = occ.handover_ms(RequestShape(1024), lk, m, 30.0)
+    warm = occ.handover_ms(RequestShape(1024, local_cached_tokens=960), lk, m, 30.0)
+    wire = 30 * BLOCK * 8 / (800 * 1e3)
+    assert wire < cold - warm < wire + 2.0 * wire / 30.0 + 1e-6  # and the edge's run over fewer tokens meanwhile
+
+
+@pytest.mark.parametrize("edge_decode_ms", [20.0, 50.0])
+def test_under_pressure_or_a_budget_auto_holds_the_cloud_least_within_the_objectives(edge_decode_ms):
+    """Under pressure: the route within the TTFT objective that holds the cloud least: local when
+    its TTFT is within it, else remote prefill; a budget takes the fastest route within it. An edge
+    that decodes slower than the inter-token objective takes no decode over."""
+    m, occ = model(edge_decode_ms), OccupancyModel()
+    calm, busy = link(), link(cloud_waiting=1)
+    assert not under_pressure(calm) and not under_pressure(link(cloud_busy=True))  # this edge's own share: no
+    assert under_pressure(busy) and under_pressure(link(kv_cache_usage=0.95))
+
+    def choice(T: int, lk: LinkState, budget_ms: float = 0.0):
+        shape = RequestShape(T)
+        preds = [m.predict(r, shape, lk) for r in (LOCAL, SPLIT, DIRECT, RP)]
+        o = {p.route: occ.predict(p, shape, lk, m, 128) for p in preds}
+        return lightest(preds, o, lk, budget_ms)
+
+    if edge_decode_ms > 40.0:  # outside the 40 ms objective: only the cloud decodes
+        strict = link(cloud_waiting=1, itl_slo_ms=40.0)
+        assert choice(256, strict)[0].route == choice(1024, strict)[0].route == SPLIT  # less cloud time than direct
+        return
+    assert choice(256, busy)[0].route == LOCAL  # 512 ms locally: within 1 s, no cloud time
+    assert choice(1024, busy)[0].route == RP  # 2 s locally: outside; remote prefill holds the cloud least
+    pick, why = choice(1024, calm, budget_ms=2000.0)
+    assert pick.route == RP and "budget" in why  # direct's 4.3 s of engine time is over the budget
+    pick, _ = choice(1024, calm, budget_ms=60_000.0)
+    assert pick.route == DIRECT  # everything is within it: the fastest
+
+
+def test_served_turns_calibrate_and_report_their_errors():
+    occ = OccupancyModel()
+    before = _count("remote_prefill", "e2e"), _count("remote_prefill", "cloud_engine")
+    timings = {
+        Stage.TTFT: 100.0,
+        Stage.CLOUD_KV_SAVE_WAIT: 10.0,
+        Stage.KV_DOWNLINK: 210.0,
+        Stage.TOTAL: 900.0,
+        Stage.CLOUD_DECODE: 400.0,
+    }
+    occ.observe(Mode.REMOTE_PREFILL, Occupancy(1000.0, 300.0, 12, 20.0), timings, 40, 1_000_000)
+    assert occ.output_tokens.value == 40 and occ.kv_save_wait_ms.value == 10.0
+    assert occ.down_goodput_mbps.value == pytest.approx(1_000_000 * 8 / (100 * 1e3))  # 1 MB in 100 ms
+    assert occ.expected_output(16) == 16 and occ.expected_output(64) == 40
+    assert (_count("remote_prefill", "e2e"), _count("remote_prefill", "cloud_engine")) == (before[0] + 1, before[1] + 1)
+
+
+def _count(mode: str, quantity: str) -> float:
+    for family in metrics.OTHER_PREDICTION_ERROR.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_count") and sample.labels == {"mode": mode, "quantity": quantity}:
+                return sample.value
+    return 0.0
+
+
+async def test_an_auto_turn_under_a_cloud_budget_takes_remote_prefill_and_reports_its_errors():
+    """The in-memory stack with a budget no cloud-decoded reply keeps and a local model too slow for
+    the TTFT objective: auto serves the turn in remote prefill, and its end-to-end and cloud-time
+    predictions are compared with what it measured."""
+    from tandem.common.params import Sampling
+    from tandem.edge.events import ChatTurn
+    from tests.remote_doubles import rp_stack
+    from tests.test_remote_prefill import LONG, stream
+
+    toy = await rp_stack(step_delay_s=0.02)
+    try:
+        r = toy.edge.router
+        r.cloud_budget_ms = 200.0
+        for _ in range(20):  # about 240 ms for the prompt here: outside 1.5x direct's TTFT
+            toy.edge.local.prefill_rate.add(1.0)
+        toy.edge.conn.load = replace(toy.edge.conn.load, decode_ms_per_token=20.0, prefill_ms_per_token=0.1)
+        before = _count("remote_prefill", "cloud_engine")
+        _, done = await stream(toy, ChatTurn((("user", LONG),), "", "", Sampling(max_new_tokens=40)))
+        assert done.mode is Mode.REMOTE_PREFILL and "budget" in done.mode_reason and done.edge_decoded_tokens > 0
+        assert _count("remote_prefill", "cloud_engine") == before + 1
+    finally:
+        await toy.batcher.stop()

@@ -1,0 +1,230 @@
+"""Remote prefill on the in-memory stack: the cloud prefills and streams the first tokens, the
+prompt's whole-model KV comes down verified, the edge takes the decode over. The cloud's decode
+and the edge's whole model are one toy model (``tests.remote_doubles``) whose tokens depend on
+every K and V of the context, so equal tokens mean the KV that came down is the cloud's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tandem.common import wire
+from tandem.common.modes import Mode
+from tandem.common.params import Sampling
+from tandem.edge.events import ChatTurn, TextOut, TurnDone
+from tests.doubles import B
+from tests.remote_doubles import rp_stack
+
+LONG = "the quick brown fox jumps over the lazy dog and runs far away into the woods " * 3
+
+
+def turn(text: str, mode: Mode, n: int = 40, session: str = "", **kw) -> ChatTurn:
+    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n, **kw), mode=mode)
+
+
+async def stream(toy, t: ChatTurn) -> tuple[list[int], TurnDone]:
+    """The token ids streamed to the client, in order, and the turn's ``TurnDone``."""
+    streamed, done = [], None
+    async for ev in toy.edge.chat(t):
+        if isinstance(ev, TextOut):
+            streamed += ev.token_ids
+        else:
+            done = ev
+    assert done is not None
+    return streamed, done
+
+
+@pytest.fixture(params=[wire.WireDtype.FP32, wire.WireDtype.FP16], ids=["fp32", "fp16"])
+async def toy(request):
+    kv = request.param
+    t = await rp_stack(kv_wire_dtypes=[kv], offer_kw={"kv_wire_dtypes": (kv,)})
+    yield t
+    await t.batcher.stop()
+
+
+@pytest.mark.parametrize("text", ["hi", "what is the capital of France?", LONG], ids=["short", "two-blocks", "long"])
+async def test_remote_prefill_equals_direct_and_local_token_for_token(toy, text):
+    """Greedy: the tokens streamed in remote prefill (the cloud's first ones, then the edge's after
+    the takeover) equal direct mode's and local mode's, none repeated or missing; the edge decoded
+    some of them itself and the cloud stopped early."""
+    direct, d_done = await stream(toy, turn(text, Mode.DIRECT))
+    local, _ = await stream(toy, turn(text, Mode.LOCAL))
+    runs = len(toy.edge.local.runs)
+    got, done = await stream(toy, turn(text, Mode.REMOTE_PREFILL))
+    assert got == direct == local == list(done.output_token_ids) and len(got) == 40
+    assert done.mode is Mode.REMOTE_PREFILL and done.finish_reason == d_done.finish_reason == "length"
+    T = len(toy.edge.tokenize(turn(text, Mode.DIRECT)))
+    assert done.edge_decoded_tokens > 0 and (done.received_kv_bytes > 0) == (T >= B)
+    # the edge computed only the partial last block and the cloud's tokens (one run), then one per token
+    edge_runs = toy.edge.local.runs[runs:]
+    cloud_tokens = 40 - done.edge_decoded_tokens
+    assert sum(edge_runs) <= T % B + cloud_tokens + done.edge_decoded_tokens + 1, edge_runs
+    assert toy.gateway.links.running == 0
+
+
+async def test_a_cloud_that_finishes_before_the_kv_came_down_ends_the_turn_as_direct():
+    """The engine's KV writes land after its 8 tokens: no KV comes down, the cloud decodes all."""
+    toy = await rp_stack()
+    toy.engines.save_delay_s = 1.0
+    try:
+        direct, _ = await stream(toy, turn(LONG, Mode.DIRECT, n=8))
+        got, done = await stream(toy, turn(LONG, Mode.REMOTE_PREFILL, n=8))
+        assert got == direct and done.edge_decoded_tokens == 0 and done.received_kv_bytes == 0
+        assert done.mode is Mode.REMOTE_PREFILL and done.finish_reason == "length"
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_remote_prefill_over_grpc_equals_direct():
+    """The same over real grpc.aio on loopback: the new uplink and downlink messages pass the
+    servicer both ways, and the edge takes over."""
+    from tandem.common.kvdown import full_model_key
+    from tests.doubles import MANIFEST
+    from tests.remote_doubles import ToyLocal, toy_lm
+    from tests.test_cloud_grpc import Cloud, close_edge, edge_to
+
+    cloud = Cloud()
+    await cloud.start()
+    lm = toy_lm()
+    cloud.engines.toy, cloud.engines.step_delay_s = lm, 0.005
+    edge = await edge_to(f"127.0.0.1:{cloud.port}")
+    edge.local, edge.model_key, edge.router.remote_prefill = ToyLocal(lm), full_model_key(MANIFEST), True
+    try:
+        direct, _ = await stream_of(edge, turn(LONG, Mode.DIRECT))
+        got, done = await stream_of(edge, turn(LONG, Mode.REMOTE_PREFILL))
+        assert got == direct and done.edge_decoded_tokens > 0 and done.received_kv_bytes > 0
+    finally:
+        await close_edge(edge)
+        await cloud.stop()
+
+
+async def stream_of(edge, t: ChatTurn) -> tuple[list[int], TurnDone]:
+    streamed, done = [], None
+    async for ev in edge.chat(t):
+        if isinstance(ev, TextOut):
+            streamed += ev.token_ids
+        else:
+            done = ev
+    assert done is not None
+    return streamed, done
+
+
+def chat_of(*msgs: str, session: str, n: int = 40) -> ChatTurn:
+    convo = tuple(("user" if i % 2 == 0 else "assistant", m) for i, m in enumerate(msgs))
+    return ChatTurn(convo, "", session, Sampling(max_new_tokens=n), mode=Mode.REMOTE_PREFILL)
+
+
+def block_bytes() -> int:
+    from tests.doubles import MANIFEST
+
+    sh = MANIFEST.shape
+    return sh.num_layers * 2 * sh.num_kv_heads * B * sh.head_dim * 4  # fp32
+
+
+def held_tokens(toy, first: TurnDone, second: ChatTurn) -> int:
+    """What the edge's session holds of ``second``'s prompt after turn ``first``: the common prefix
+    with turn 1's prompt and output but its last token (whose KV was never computed)."""
+    held = toy.edge.tokenize(chat_of(LONG, session="")) + list(first.output_token_ids[:-1])
+    ids, n = toy.edge.tokenize(second), 0
+    while n < min(len(ids), len(held)) and ids[n] == held[n]:
+        n += 1
+    return n
+
+
+async def two_turns(toy, session: str) -> tuple[ChatTurn, TurnDone, TurnDone]:
+    """Turn 1 of ``session`` in remote prefill, then turn 2 (its answer and a new message)."""
+    _, first = await stream(toy, chat_of(LONG, session=session))
+    answer = toy.edge.tok.decode(first.output_token_ids)
+    second = chat_of(LONG, answer, "and then what happened to the fox in the woods?", session=session)
+    _, done = await stream(toy, second)
+    return second, first, done
+
+
+async def test_the_next_turn_brings_down_only_the_blocks_the_edge_lacks():
+    """Turn 2: the edge holds turn 1's prompt and the tokens it decoded, so only the blocks past
+    them come down; the cloud's prefill loaded turn 1's stored blocks and recomputed the answer's
+    (the edge never uploads KV); the tokens equal a fresh session's and direct mode's."""
+    toy = await rp_stack()
+    try:
+        second, first, done = await two_turns(toy, "s")
+        held, T2 = held_tokens(toy, first, second), len(toy.edge.tokenize(second))
+        assert done.received_kv_bytes == (T2 // B - held // B) * block_bytes() > 0
+        direct, _ = await stream(toy, replace(second, mode=Mode.DIRECT, session_id=""))
+        fresh, _ = await stream(toy, replace(second, session_id="fresh"))
+        assert list(done.output_token_ids) == direct == fresh
+        _, decode_spec = [c for c in toy.engines.calls if c[2] is not None][-1][1:]
+        assert decode_spec.loads and decode_spec.save  # the cloud loads what it stored, saves the rest
+    finally:
+        await toy.batcher.stop()
+
+
+@pytest.mark.parametrize("lost", ["edge", "cloud"])
+async def test_after_a_restart_or_an_eviction_only_missing_blocks_travel(lost):
+    """The edge lost its sessions (a restart, an eviction): turn 2 brings down every block of its
+    prompt. The cloud lost its store: it recomputes the prompt, and only what the edge lacks comes
+    down. Either way the tokens are unchanged."""
+    toy = await rp_stack()
+    try:
+        _, first, _ = await two_turns(toy, "ref")
+        answer = toy.edge.tok.decode(first.output_token_ids)
+        await stream(toy, chat_of(LONG, session="s"))
+        second = chat_of(LONG, answer, "and then what happened to the fox in the woods?", session="s")
+        if lost == "edge":
+            toy.edge.local.sessions.clear()
+        else:
+            toy.store._data.clear()
+        _, done = await stream(toy, second)
+        direct, _ = await stream(toy, replace(second, mode=Mode.DIRECT, session_id=""))
+        assert list(done.output_token_ids) == direct
+        held = 0 if lost == "edge" else held_tokens(toy, first, second)
+        assert done.received_kv_bytes == (len(toy.edge.tokenize(second)) // B - held // B) * block_bytes()
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_kv_that_came_down_stays_for_the_next_turn_when_the_cloud_finishes_first():
+    """The edge's whole model is slow (0.3 s a run): the cloud's 10 tokens end the turn while the
+    edge still computes past the KV; the session keeps the blocks, so asking again brings none down."""
+    toy = await rp_stack(step_delay_s=0.001, local_step_s=0.3)
+    try:
+        first_ids, first = await stream(toy, chat_of(LONG, session="k", n=10))
+        assert first.edge_decoded_tokens == 0 and first.received_kv_bytes > 0
+        again_ids, again = await stream(toy, chat_of(LONG, session="k", n=10))
+        assert again.received_kv_bytes == 0 and again_ids == first_ids
+    finally:
+        await toy.batcher.stop()
+
+
+def test_the_apis_name_the_mode_and_chatdone_reports_what_came_down():
+    from tandem.client import build_request
+    from tandem.edge.openai_requests import ChatRequest
+    from tandem.v1 import tandem_pb2 as pb
+
+    r = build_request([{"role": "user", "content": "hi"}], mode="remote_prefill")
+    assert r.mode == pb.MODE_REMOTE_PREFILL and ChatTurn.from_pb(r).mode is Mode.REMOTE_PREFILL
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "mode": "remote_prefill"}
+    assert ChatRequest.model_validate(body).mode == "remote_prefill"
+    done = TurnDone(
+        "length", 5, 8, 0, 0, 0, {}, None, (), Mode.REMOTE_PREFILL, received_kv_bytes=9, edge_decoded_tokens=3
+    )
+    m = done.to_pb().done
+    assert (m.mode, dict(m.received_bytes), m.edge_decoded_tokens) == ("remote_prefill", {"kv": 9}, 3)
+
+
+async def test_remote_prefill_is_refused_without_the_whole_model_or_the_cloud():
+    from tandem.common.errors import EngineError, ModeUnavailable
+
+    toy = await rp_stack()
+    try:
+        local = toy.edge.local
+        toy.edge.local = None
+        with pytest.raises(ModeUnavailable, match="whole model"):
+            await stream(toy, turn("hi", Mode.REMOTE_PREFILL))
+        toy.edge.local = local
+        assert "remote_prefill" in {r.mode.value for r in toy.edge.routes()}
+        toy.edge.conn.connected.clear()  # the cloud is not connected
+        with pytest.raises(EngineError, match="needs the cloud"):
+            await stream(toy, turn("hi", Mode.REMOTE_PREFILL))
+    finally:
+        await toy.batcher.stop()
