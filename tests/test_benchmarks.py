@@ -331,7 +331,7 @@ class TestSmokeRunsOnOneCloud:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
         assert res.returncode == 0, res.stderr[-3000:]
         rows = list(open(out / "summary.csv"))
-        assert len(rows) == 1 + 2 * 4  # header + split-k4, cloud-only, edge-only, auto on 2 links
+        assert len(rows) == 1 + 2 * 5  # header + split-k4, cloud-only, edge-only, remote-prefill, auto on 2 links
         assert "auto / best" in (out / "auto.md").read_text()
         meta = json.loads((out / "meta.json").read_text())
         assert meta["shaper"] == "proxy"  # a running cloud is reached through the proxy

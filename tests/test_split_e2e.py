@@ -601,7 +601,7 @@ async def test_resend_from_token_0_never_reuses_tail_kv_of_other_activations(sta
 
 async def test_the_edge_reports_every_mode_and_both_split_layers(stack):
     info = await stack["client"].info()
-    assert set(info.modes) == {"local", "split", "direct"} and info.split_layers == (4, 8)
+    assert set(info.modes) == {"local", "split", "direct", "remote_prefill"} and info.split_layers == (4, 8)
     assert info.cloud_connected and info.degraded == ""
 
 
