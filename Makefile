@@ -30,7 +30,7 @@ SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 # written last by tandem-model
 MODEL_STAMP := $(MODEL_DIR)/bundles/cloud/bundle.json
 
-.PHONY: setup proto proto-check model run test check docs bench bench-capacity fuzz clean redis redis-server
+.PHONY: setup proto proto-check model run test test-fast check docs bench bench-capacity fuzz clean redis redis-server
 # Debian's redis-server: the block store several cloud replicas share (tests start their own on a free port)
 SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
 REDIS_PORT ?= 6379
@@ -85,8 +85,13 @@ $(MODEL_STAMP):
 run: model
 	$(BIN)/python -m tandem.demo --split-dir $(MODEL_DIR)/split-k$(SPLIT)
 
+# pytest exits 5 when it collected no test: make fails then too (a selection that matches nothing)
 test: model redis-server
 	$(BIN)/python -m pytest -q tests
+
+# every tier but the real engines, the installs and the GPU (tests/unit, tests/inprocess, tests/fuzz)
+test-fast: model redis-server
+	$(BIN)/python -m pytest -q -m "not engines and not install and not gpu" tests
 
 bench: model
 	$(BIN)/tandem-bench --model-dir $(MODEL_DIR) --split-layers $(SPLIT_LAYERS) --out bench-results/latest
@@ -104,7 +109,7 @@ bench-capacity: model
 
 # property-based fuzzing of the gateway and both gRPC services, longer than the tests' run (in-memory engines)
 fuzz: setup
-	$(BIN)/tandem-fuzz --seconds 300
+	$(BIN)/python -m tests.fuzz --seconds 300
 
 # docs/configuration.md from the settings models (tests/test_config.py fails when it is stale)
 docs: setup

@@ -5,7 +5,9 @@ this machine. The *quiet* edge sends split requests with Poisson arrivals (``--q
 whole run and declares a p99 TTFT objective (``--quiet-ttft-slo-ms``); after ``--alone-s`` seconds
 the *flood* edge starts ``--flood-concurrency`` closed-loop clients (each sends its next request as
 soon as one ends) for ``--burst-s`` seconds. The cloud runs its per-link shares and the p99 SLO
-controller (``cloud.links``) and writes the controller's trace (``--slo-trace-file``).
+controller (``cloud.links``) and writes the controller's trace (``--slo-trace-file``). With
+``--cloud HOST:PORT`` the edges use a running cloud instead (its own configuration; with
+``--cloud-trace-file`` its controller trace of the run is kept); ``make bench`` starts its own.
 
 With ``--compare`` the same run is repeated with the controller frozen (every weight stays 1; the
 shares and the admission queue still apply), so the controller's own effect shows.
@@ -117,35 +119,63 @@ async def drive(
     return samples
 
 
-def run_once(
-    controller: str, args: dict, prompts: list[BenchPrompt], workdir: Path, model_dir: Path, out: Path
-) -> list[Sample]:
-    split = model_dir / f"split-k{args['split_layer']}"
-    trace = out / f"trace-{controller}.jsonl"
-    trace.unlink(missing_ok=True)
+def start_cloud(ds: Daemons, controller: str, args: dict, split: Path, workdir: Path, trace: Path) -> str:
+    """A ``tandem-cloud`` of this benchmark's configuration (``--max-num-seqs``, the controller stepping
+    every second or, ``off``, never); its ``host:port``."""
     interval = "1" if controller == "on" else "1000000"  # off: the controller never steps
     cloud_extra = [
         *("--max-num-seqs", str(args["max_num_seqs"]), "--slo-interval-s", interval, "--slo-window-s", "10"),
         *("--slo-trace-file", str(trace), "--max-queue-wait-s", "5"),
     ]
-    with Daemons(grace_s=10) as ds:
-        cloud = ds.spawn(
-            "tandem-cloud",
-            cloud_command(split, workdir / f"kv-{controller}", extra=cloud_extra),
-            workdir / f"cloud-{controller}.log",
-            workdir / f"cloud-{controller}.port",
+    cloud = ds.spawn(
+        "tandem-cloud",
+        cloud_command(split, workdir / f"kv-{controller}", extra=cloud_extra),
+        workdir / f"cloud-{controller}.log",
+        workdir / f"cloud-{controller}.port",
+    )
+    return f"127.0.0.1:{cloud.wait_ready(900)}"
+
+
+def start_edges(ds: Daemons, controller: str, args: dict, split: Path, workdir: Path, target: str) -> dict[str, int]:
+    """The quiet and the flood ``tandem-edge`` in front of ``target``, each with its TTFT objective;
+    their gRPC ports by name."""
+    ports = {}
+    for name, slo in (("quiet", args["quiet_ttft_slo_ms"]), ("flood", args["flood_ttft_slo_ms"])):
+        extra = ["--edge-id", name, "--ttft-slo-ms", str(slo), "--no-local", "--poll-s", "1"]
+        d = ds.spawn(
+            f"tandem-edge {name}",
+            edge_command(split, target, extra=extra),
+            workdir / f"edge-{name}-{controller}.log",
+            workdir / f"edge-{name}-{controller}.port",
         )
-        target = f"127.0.0.1:{cloud.wait_ready(900)}"
-        ports = {}
-        for name, slo in (("quiet", args["quiet_ttft_slo_ms"]), ("flood", args["flood_ttft_slo_ms"])):
-            extra = ["--edge-id", name, "--ttft-slo-ms", str(slo), "--no-local", "--poll-s", "1"]
-            d = ds.spawn(
-                f"tandem-edge {name}",
-                edge_command(split, target, extra=extra),
-                workdir / f"edge-{name}-{controller}.log",
-                workdir / f"edge-{name}-{controller}.port",
-            )
-            ports[name] = d.wait_ready(300)
+        ports[name] = d.wait_ready(300)
+    return ports
+
+
+def copy_trace(source: Path, offset_bytes: int, trace: Path) -> None:
+    """The quiet and flood edges' lines of a running cloud's controller trace (``--slo-trace-file``)
+    written past ``offset_bytes``, into ``trace``."""
+    if not source.is_file():
+        return
+    with source.open("rb") as f:
+        f.seek(offset_bytes)
+        lines = f.read().decode().splitlines()
+    ours = [x for x in lines if x.strip() and json.loads(x).get("edge_id") in ("quiet", "flood")]
+    trace.write_text("".join(x + "\n" for x in ours))
+
+
+def run_once(
+    controller: str, args: dict, prompts: list[BenchPrompt], workdir: Path, model_dir: Path, out: Path
+) -> list[Sample]:
+    """One run: the cloud (this benchmark's, or the running one of ``--cloud``), both edges, the load."""
+    split = model_dir / f"split-k{args['split_layer']}"
+    trace = out / f"trace-{controller}.jsonl"
+    trace.unlink(missing_ok=True)
+    source = Path(args["cloud_trace_file"]) if args["cloud_trace_file"] else None
+    offset_bytes = source.stat().st_size if source is not None and source.is_file() else 0
+    with Daemons(grace_s=10) as ds:
+        target = args["cloud"] or start_cloud(ds, controller, args, split, workdir, trace)
+        ports = start_edges(ds, controller, args, split, workdir, target)
         samples = asyncio.run(
             drive(
                 ports["quiet"],
@@ -160,6 +190,8 @@ def run_once(
                 args["seed"],
             )
         )
+    if source is not None:
+        copy_trace(source, offset_bytes, trace)
     return samples
 
 
@@ -242,11 +274,20 @@ def main(
     prompt_tokens: int = 64,
     max_new_tokens: int = 16,
     compare: Annotated[bool, typer.Option(help="repeat with the controller frozen")] = True,
+    cloud: Annotated[
+        str,
+        typer.Option(help="host:port of a running tandem-cloud to use instead of starting one (no --compare)"),
+    ] = "",
+    cloud_trace_file: Annotated[
+        str, typer.Option(help="with --cloud: that cloud's --slo-trace-file, whose lines of this run are kept")
+    ] = "",
     seed: int = 0,
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/burst"),
 ) -> None:
     """Run the burst (and its frozen-controller twin) and write the table, trace and plot."""
     args = {k: str(v) if isinstance(v, Path) else v for k, v in locals().items()}
+    if cloud and compare:
+        raise typer.BadParameter("--compare starts its own cloud twice (controller on, then off): drop --cloud")
     from transformers import AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)

@@ -1,15 +1,36 @@
-"""Shared fixtures. The prepared model comes from `make model` (models/smollm2-135m)."""
+"""Shared fixtures, and each test's tier marked by its folder: ``tests/<tier>/...`` gets the marker
+``<tier>`` (``unit``, ``inprocess``, ``engines``, ``install``, ``gpu``, ``fuzz``), so ``-m engines``
+and ``-m "not engines and not install and not gpu"`` select by folder; a test file in ``tests/``
+itself keeps only the markers it sets. The prepared model comes from `make model`
+(models/smollm2-135m)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL_DIR = Path(os.environ.get("TANDEM_MODEL_DIR", ROOT / "models" / "smollm2-135m"))
-SPLIT_DIR = MODEL_DIR / "split-k4"
+from tests.helpers import SPLIT_DIR, RedisServer
+
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "inprocess", "engines", "install", "gpu", "fuzz")
+
+
+def tier_of(path: Path) -> str | None:
+    """The tier of the test file at ``path``: the folder of ``tests/`` it lies in, or None (``tests/``
+    itself, or a folder that is no tier)."""
+    try:
+        parts = path.resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(item.path)
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture(scope="session")
@@ -70,45 +91,6 @@ def tls(tmp_path_factory):
         edge_key="edge-1-key-" + "0" * 16,
         app_key="app-key-" + "1" * 16,
     )
-
-
-class RedisServer:
-    """A real redis-server (Debian's package, installed by ``make test``) on a free loopback port,
-    without persistence; ``url`` names database 0."""
-
-    def __init__(self, directory: Path, maxmemory_bytes: int = 0, password: str = "") -> None:
-        import shutil
-        import socket
-        import subprocess
-        import time
-
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not installed: `make test` (or `make redis-server`) installs it")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        args += ["--dir", str(directory)]
-        if password:
-            args += ["--requirepass", password]
-        if maxmemory_bytes:
-            args += ["--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", "allkeys-lru"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 @pytest.fixture(scope="session")

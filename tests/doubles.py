@@ -11,8 +11,6 @@ from typing import Any
 
 import numpy as np
 
-# the toy model, shared with tandem-fuzz
-from tandem.benchmarks.toy import HKV, MANIFEST, VOCAB, B, D, H, K, ToyTokenizer, toy_manifest  # noqa: F401
 from tandem.cloud.config import CloudConfig, EngineConfig
 from tandem.cloud.gateway import Gateway
 from tandem.cloud.memory_engines import MemoryEngines
@@ -32,6 +30,9 @@ from tandem.edge.headwork import Head
 from tandem.edge.link import CloudLink, InProcessLink, TurnCall
 from tandem.edge.node import EdgeNode
 from tandem.edge.session import EdgeSessions
+
+# the toy model, shared with the fuzzing (tests/fuzz)
+from tests.toy import HKV, MANIFEST, VOCAB, B, D, H, K, ToyTokenizer, toy_manifest  # noqa: F401
 
 
 def cloud_config(**kw: Any) -> CloudConfig:

@@ -1,6 +1,6 @@
 """The GPU tier: tandem's CUDA paths on a real GPU (vLLM's CUDA build, its attention backends' paged
 KV layout, CUDA engines serving the split) against the unsplit references. Skipped where no CUDA device
-is present; CI runs on CPU, a GPU host runs this tier with ``python -m pytest -m gpu tests/test_gpu.py``
+is present; CI runs on CPU, a GPU host runs this tier with ``python -m pytest -m gpu tests/gpu``
 (``docs/testing.md``: how the H200 kit installs the stack and where the prepared model comes from).
 """
 

@@ -23,7 +23,7 @@ from tandem.common.security import scoped
 from tandem.edge.events import TurnDone
 from tandem.edge.link import InProcessLink
 from tests.doubles import MANIFEST, B, K, TamperLink, cloud_config, toy_stack
-from tests.test_gateway import LONG, Sent, chat, run
+from tests.helpers import LONG, Sent, chat, run
 
 TOY_CALLER = as_principal("in-process")
 
@@ -112,7 +112,7 @@ async def test_a_corrupt_session_record_means_a_resend_from_token_0(toy):
 
 async def test_a_corrupt_kv_block_at_rest_is_never_loaded(toy):
     """A flipped bit in the session's first head block: the engines find it missing (their load
-    stops before it; the real engines recompute it, tests/test_split_e2e.py checks those tokens)."""
+    stops before it; the real engines recompute it, tests/engines/test_split_e2e.py checks those tokens)."""
     third = await two_turns(toy)
     first = toy.cloud_session("s").leaves[0]
     assert toy.store.corrupt_for_test(part_key(first, LayerRange(0, MANIFEST.split_layer)), 100)

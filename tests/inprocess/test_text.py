@@ -1,6 +1,6 @@
 """Strings from clients are text (``common.text``): the check itself, the domain boundary
 (``edge.events.ChatTurn``) and the edge's gRPC API over a real in-process server (toy stack).
-The HTTP API's side is in ``tests/test_openai_api.py``."""
+The HTTP API's side is in ``tests/inprocess/test_openai_api.py``."""
 
 from __future__ import annotations
 

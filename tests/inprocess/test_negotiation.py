@@ -32,23 +32,15 @@ from tandem.common.modes import Mode
 from tandem.common.params import NegotiateOffer, Sampling
 from tandem.common.wire import Codec, WireDtype
 from tandem.edge.costmodel import CostModel, RequestShape, Route
-from tandem.edge.events import ChatTurn, TurnDone
+from tandem.edge.events import ChatTurn
 from tests.doubles import MANIFEST, K, MemoryLocal, toy_manifest, toy_stack
+from tests.helpers import run
 
 KEY = MANIFEST.compatibility_key()
 
 
 def offer(**kw) -> NegotiateOffer:
     return replace(NegotiateOffer("edge-a", "toy", {K: KEY}, 4), **kw)
-
-
-async def run(edge, turn: ChatTurn) -> TurnDone:
-    done = None
-    async for ev in edge.chat(turn):
-        if isinstance(ev, TurnDone):
-            done = ev
-    assert done is not None
-    return done
 
 
 def turn(text: str = "hello there", mode: Mode = Mode.AUTO, session: str = "", n: int = 4, **kw) -> ChatTurn:
@@ -303,8 +295,7 @@ async def test_the_edge_measures_rtt_and_goodput_over_the_channel_and_follows_a_
     a few requests. The cloud is a grpc server behind the benchmarks' link emulator."""
     from tandem.benchmarks.linkproxy import LinkProxy
     from tandem.benchmarks.links import LinkProfile
-    from tests.test_cloud_grpc import LONG, Cloud, chat, close_edge, edge_to
-    from tests.test_cloud_grpc import run as run_grpc
+    from tests.helpers import LONG_UPLOAD, Cloud, chat, close_edge, edge_to
 
     cloud = Cloud(max_chunk_tokens=256)
     await cloud.start()
@@ -318,7 +309,7 @@ async def test_the_edge_measures_rtt_and_goodput_over_the_channel_and_follows_a_
         assert 2.0 <= c.goodput_mbps.value <= 5.0, c.goodput_mbps.value
         proxy.set_profile(LinkProfile("fast", rtt_ms=10.0, uplink_mbps=64.0, downlink_mbps=None))
         for i in range(5):  # ~1300-token uploads of ~125 KB: each one a goodput sample
-            await run_grpc(edge, chat(LONG * 3 + str(i)))
+            await run(edge, chat(LONG_UPLOAD * 3 + str(i), n=6))
         # the passive estimate is the upload pipeline's rate (bytes over the cloud's receive-and-verify
         # time): on this toy model ~50 tiny items per upload cost the cloud more than the wire does
         # (about 10-18 Mbit/s here), so it lands below the shaped rate, but at least twice the 4 it

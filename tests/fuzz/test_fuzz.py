@@ -1,7 +1,7 @@
 """Property-based fuzzing, fast tier: the cloud's uplink verification and raw protobuf into the
 Cloud and Edge gRPC services, on in-memory engines and head (no vLLM, no ONNX Runtime). The strategies and
-properties live in ``tandem.benchmarks.fuzzing`` (shared with ``tandem-fuzz``, the longer run); here each target
-runs ``EXAMPLES[target]`` cases from a fixed seed, 2250 in all.
+properties live beside this file (``uploads``, ``strategies``, ``harness``; shared with ``python -m tests.fuzz``,
+the longer run); here each target runs ``EXAMPLES[target]`` cases from a fixed seed, 2250 in all.
 
 The bottom of the file holds a reproducer of each product bug this fuzzing guards against (five cases). An open
 bug goes into ``KNOWN_BUGS`` (cases hitting it are counted, not failed) with a strict xfail reproducer here.
@@ -19,25 +19,46 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from typer.testing import CliRunner
 
-from tandem.benchmarks import fuzzing as fz
 from tandem.common.params import NegotiateOffer
 from tandem.v1 import tandem_pb2 as pb
+from tests.fuzz.harness import Harness, PropertyFailure, call, describe, run_good
+from tests.fuzz.strategies import strategy_of
+from tests.fuzz.uploads import (
+    DATA_LOSS,
+    GOOD_SESSION,
+    MANIFEST,
+    TARGETS,
+    BlockEdit,
+    ChunkEdit,
+    ChunkValues,
+    CloudStack,
+    CommitEdit,
+    Expect,
+    HeaderEdit,
+    K,
+    Reorder,
+    UplinkPlan,
+    Work,
+    make_upload,
+    token_ids,
+    uplink_to_pb,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 EXAMPLES = {"uplink": 900, "cloud-typed": 350, "cloud-raw": 400, "edge-typed": 350, "edge-raw": 250}
-SEEDS = {t: 1000 + i for i, t in enumerate(fz.TARGETS)}
+SEEDS = {t: 1000 + i for i, t in enumerate(TARGETS)}
 
 
 @pytest.fixture(scope="module")
-def harness() -> Iterator[fz.Harness]:
-    h = fz.Harness(hang_s=20.0)
+def harness() -> Iterator[Harness]:
+    h = Harness(hang_s=20.0)
     yield h
-    print("\n" + fz.describe(h.stats))
+    print("\n" + describe(h.stats))
     h.close()
 
 
-def fuzz(harness: fz.Harness, target: str) -> None:
+def fuzz(harness: Harness, target: str) -> None:
     """``EXAMPLES[target]`` cases of ``target`` from its fixed seed; each must keep the target's property."""
 
     @hypothesis_seed(SEEDS[target])
@@ -49,7 +70,7 @@ def fuzz(harness: fz.Harness, target: str) -> None:
         suppress_health_check=list(HealthCheck),
         phases=(Phase.generate, Phase.shrink),
     )
-    @given(fz.strategy_of(target))
+    @given(strategy_of(target))
     def prop(case: object) -> None:
         harness.check(target, case)
 
@@ -86,45 +107,45 @@ def test_raw_bytes_into_the_edge_end_with_a_refusal_status(harness):
 def test_a_valid_upload_completes_and_each_single_mutation_is_judged(harness):
     """Hand-picked plans through the same property (what the fuzzing relies on: the unmutated upload completes,
     a mutation's expected status is the one the gateway gives)."""
-    plan = fz.UplinkPlan("fp32", "next", 40, 60, 1, ())
+    plan = UplinkPlan("fp32", "next", 40, 60, 1, ())
     cases = [
         plan,
-        fz.UplinkPlan("zstd-fp16", "new", 0, 70, 2, (fz.ChunkEdit(1, "crc32c", 7),), "replay"),
-        fz.UplinkPlan("int8", "stateless", 0, 70, 3, (fz.ChunkValues(0, 1, 2, math.nan),)),
-        fz.UplinkPlan("fp32", "next", 40, 60, 4, (fz.BlockEdit(0, "leaf_hash", b"x" * 32),), "honest"),
-        fz.UplinkPlan("fp32", "new", 0, 70, 5, (fz.CommitEdit("merkle_root", b"r" * 32),)),
-        fz.UplinkPlan("fp32", "new", 0, 70, 6, (fz.HeaderEdit("session_id", fz.GOOD_SESSION),)),
-        fz.UplinkPlan("fp32", "new", 0, 70, 7, (fz.Reorder("stall", 0, 1),)),
+        UplinkPlan("zstd-fp16", "new", 0, 70, 2, (ChunkEdit(1, "crc32c", 7),), "replay"),
+        UplinkPlan("int8", "stateless", 0, 70, 3, (ChunkValues(0, 1, 2, math.nan),)),
+        UplinkPlan("fp32", "next", 40, 60, 4, (BlockEdit(0, "leaf_hash", b"x" * 32),), "honest"),
+        UplinkPlan("fp32", "new", 0, 70, 5, (CommitEdit("merkle_root", b"r" * 32),)),
+        UplinkPlan("fp32", "new", 0, 70, 6, (HeaderEdit("session_id", GOOD_SESSION),)),
+        UplinkPlan("fp32", "new", 0, 70, 7, (Reorder("stall", 0, 1),)),
     ]
     before = Counter(harness.stats["uplink"].outcomes)
     for case in cases:
         harness.check("uplink", case)
     new = harness.stats["uplink"].outcomes - before
     assert set(new) == {"OK", "DATA_LOSS", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED"}
-    with pytest.raises(fz.PropertyFailure, match="expected"):  # a wrong expectation is caught
-        harness.check("uplink", fz.UplinkPlan("fp32", "new", 0, 70, 8, (_Wrong(),)))
+    with pytest.raises(PropertyFailure, match="expected"):  # a wrong expectation is caught
+        harness.check("uplink", UplinkPlan("fp32", "new", 0, 70, 8, (_Wrong(),)))
 
 
 class _Wrong:
     """A mutation that changes nothing but claims the upload must be refused (checks the checker)."""
 
-    def apply(self, w: fz.Work) -> fz.Expect:
-        return frozenset({fz.DATA_LOSS})
+    def apply(self, w: Work) -> Expect:
+        return frozenset({DATA_LOSS})
 
 
 def test_the_fuzz_script_runs_every_target_and_reports(monkeypatch):
-    from tandem.benchmarks.fuzz import app
+    from tests.fuzz.cli import app
 
     r = CliRunner().invoke(app, ["--examples", "4", "--seconds", "120", "--seed", "3"])
     assert r.exit_code == 0, r.output
     assert "seed 3" in r.output and "no failures" in r.output
-    for t in fz.TARGETS:
+    for t in TARGETS:
         assert f"{t}: 4 cases" in r.output
 
     def broken(self, target, case):  # a property that always fails: exit 1, the minimal example printed
-        raise fz.PropertyFailure(f"broken on purpose: {type(case).__name__}")
+        raise PropertyFailure(f"broken on purpose: {type(case).__name__}")
 
-    monkeypatch.setattr(fz.Harness, "check", broken)
+    monkeypatch.setattr(Harness, "check", broken)
     r = CliRunner().invoke(app, ["--examples", "3", "--target", "edge-typed", "--seed", "5"])
     assert r.exit_code == 1, r.output
     assert "broken on purpose: TypedCall" in r.output and "minimal example" in r.output
@@ -137,18 +158,18 @@ def test_after_every_case_the_servers_are_idle_and_answer_good_requests(harness)
 # ------------------------------------------------------------------ reproducers of what the fuzzing guards against
 
 
-def status_of_call(harness: fz.Harness, method: str, arity: str, msgs: list[bytes]) -> grpc.StatusCode:
+def status_of_call(harness: Harness, method: str, arity: str, msgs: list[bytes]) -> grpc.StatusCode:
     channel = harness.services.edge_channel if method.startswith("/tandem.v1.Edge/") else harness.services.cloud_channel
-    out = harness.loop.run(fz.call(channel, method, arity, msgs, 10.0), 20.0)
+    out = harness.loop.run(call(channel, method, arity, msgs, 10.0), 20.0)
     harness.loop.run(harness.services.wait_idle(), 20.0)
     return out.status
 
 
-def good_header(harness: fz.Harness, **fields: object) -> bytes:
+def good_header(harness: Harness, **fields: object) -> bytes:
     gw = harness.services.cloud.gateway
-    u = fz.make_upload(gw.params, fz.token_ids(1, 40), "", "repro")
+    u = make_upload(gw.params, token_ids(1, 40), "", "repro")
     m = pb.Uplink()
-    m.CopyFrom(fz.uplink_to_pb(u.header))
+    m.CopyFrom(uplink_to_pb(u.header))
     for k, v in fields.items():
         setattr(m.header, k, v)
     return m.SerializeToString()
@@ -181,7 +202,7 @@ def test_an_undecodable_uplink_message_after_the_verdict_keeps_the_verdicts_stat
 
 @pytest.mark.parametrize("goodput_mbps, rtt_ms", [(math.inf, 0.0), (1e308, 10.0), (math.nan, 5.0), (5.0, math.inf)])
 def test_negotiate_with_absurd_link_measurements_is_answered(harness, goodput_mbps, rtt_ms):
-    offer = NegotiateOffer("e", "toy", {fz.K: fz.MANIFEST.compatibility_key()}, 4, rtt_ms, goodput_mbps).to_pb()
+    offer = NegotiateOffer("e", "toy", {K: MANIFEST.compatibility_key()}, 4, rtt_ms, goodput_mbps).to_pb()
     status = status_of_call(harness, "/tandem.v1.Cloud/Negotiate", "uu", [offer.SerializeToString()])
     assert status in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT)
 
@@ -191,11 +212,11 @@ def test_the_anonymous_link_survives_max_links_negotiations(harness):
     the first in LRU order (its last_seen is -inf); every header without a link id fails from then on."""
 
     async def turn_after_negotiations() -> tuple[int, ...]:
-        gw = fz.CloudStack.create(max_links=2).gateway
-        offer = NegotiateOffer("e", "toy", {fz.K: fz.MANIFEST.compatibility_key()}, 4)
+        gw = CloudStack.create(max_links=2).gateway
+        offer = NegotiateOffer("e", "toy", {K: MANIFEST.compatibility_key()}, 4)
         for i in range(2):
             gw.negotiate(offer, f"edge-{i}")
-        u = fz.make_upload(gw.params, fz.token_ids(1, 40), "", "after-negotiations")
-        return await fz.run_good(gw, u, "a turn on the anonymous link")
+        u = make_upload(gw.params, token_ids(1, 40), "", "after-negotiations")
+        return await run_good(gw, u, "a turn on the anonymous link")
 
     assert harness.loop.run(turn_after_negotiations(), 20.0)

@@ -35,7 +35,7 @@ import pytest
 
 from tandem.common.manifest import BundleManifest, ModelShape, SplitManifest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get("TANDEM_MODEL_DIR", ROOT / "models" / "smollm2-135m"))
 GENERIC_NAMES = {"edge", "cloud", "common", "benchmarks", "tests", "proto"}
 PIP_TIMEOUT_S = 900

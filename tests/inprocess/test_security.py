@@ -30,14 +30,14 @@ from tandem.common.kvstore import DiskBlockStore, MemoryBlockStore
 from tandem.common.modes import Mode
 from tandem.common.params import NegotiateOffer, Sampling
 from tandem.common.security import ApiKeys, Authenticator, private_dir
-from tandem.edge.events import ChatTurn, TurnDone
+from tandem.edge.events import ChatTurn
 from tandem.edge.grpc_link import GrpcCloudLink
 from tandem.edge.node import EdgeNode
 from tandem.edge.service import EDGE_SERVICE, EdgeServicer
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.doubles import MANIFEST, VOCAB, B, K, ToyTokenizer, cloud_config, toy_stack
-from tests.test_cloud_grpc import close_edge, edge_over
+from tests.helpers import close_edge, edge_over, run
 
 KEYS = {"edge-a": "a" * 24, "edge-b": "b" * 24, "edge-c": "c" * 24}
 APP_KEYS = ["app-key-one-0123456789", "app-key-two-0123456789"]
@@ -120,15 +120,6 @@ def link_to(
 ) -> GrpcCloudLink:
     creds = channel_credentials(ca, *(cert or (None, None)))
     return GrpcCloudLink(f"{host}:{port}", 5.0, 5.0, credentials=creds, server_name=server_name, api_key=api_key)
-
-
-async def run(svc: EdgeNode, t: ChatTurn) -> TurnDone:
-    done = None
-    async for ev in svc.chat(t):
-        if isinstance(ev, TurnDone):
-            done = ev
-    assert done is not None
-    return done
 
 
 def chat(convo: list[tuple[str, str]], session: str = "", n: int = 6) -> ChatTurn:

@@ -11,28 +11,10 @@ import pytest
 
 from tandem.common import wire
 from tandem.common.modes import Mode
-from tandem.common.params import Sampling
-from tandem.edge.events import ChatTurn, TextOut, TurnDone
+from tandem.edge.events import ChatTurn, TurnDone
 from tests.doubles import B
+from tests.helpers import RP_LONG, rp_chat, rp_turn, stream
 from tests.remote_doubles import rp_stack
-
-LONG = "the quick brown fox jumps over the lazy dog and runs far away into the woods " * 3
-
-
-def turn(text: str, mode: Mode, n: int = 40, session: str = "", **kw) -> ChatTurn:
-    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n, **kw), mode=mode)
-
-
-async def stream(toy, t: ChatTurn) -> tuple[list[int], TurnDone]:
-    """The token ids streamed to the client, in order, and the turn's ``TurnDone``."""
-    streamed, done = [], None
-    async for ev in toy.edge.chat(t):
-        if isinstance(ev, TextOut):
-            streamed += ev.token_ids
-        else:
-            done = ev
-    assert done is not None
-    return streamed, done
 
 
 @pytest.fixture(params=[wire.WireDtype.FP32, wire.WireDtype.FP16], ids=["fp32", "fp16"])
@@ -43,18 +25,18 @@ async def toy(request):
     await t.batcher.stop()
 
 
-@pytest.mark.parametrize("text", ["hi", "what is the capital of France?", LONG], ids=["short", "two-blocks", "long"])
+@pytest.mark.parametrize("text", ["hi", "what is the capital of France?", RP_LONG], ids=["short", "two-blocks", "long"])
 async def test_remote_prefill_equals_direct_and_local_token_for_token(toy, text):
     """Greedy: the tokens streamed in remote prefill (the cloud's first ones, then the edge's after
     the takeover) equal direct mode's and local mode's, none repeated or missing; the edge decoded
     some of them itself and the cloud stopped early."""
-    direct, d_done = await stream(toy, turn(text, Mode.DIRECT))
-    local, _ = await stream(toy, turn(text, Mode.LOCAL))
+    direct, d_done = await stream(toy.edge, rp_turn(text, Mode.DIRECT))
+    local, _ = await stream(toy.edge, rp_turn(text, Mode.LOCAL))
     runs = len(toy.edge.local.runs)
-    got, done = await stream(toy, turn(text, Mode.REMOTE_PREFILL))
+    got, done = await stream(toy.edge, rp_turn(text, Mode.REMOTE_PREFILL))
     assert got == direct == local == list(done.output_token_ids) and len(got) == 40
     assert done.mode is Mode.REMOTE_PREFILL and done.finish_reason == d_done.finish_reason == "length"
-    T = len(toy.edge.tokenize(turn(text, Mode.DIRECT)))
+    T = len(toy.edge.tokenize(rp_turn(text, Mode.DIRECT)))
     assert done.edge_decoded_tokens > 0 and (done.received_kv_bytes > 0) == (T >= B)
     # the edge computed only the partial last block and the cloud's tokens (one run), then one per token
     edge_runs = toy.edge.local.runs[runs:]
@@ -68,8 +50,8 @@ async def test_a_cloud_that_finishes_before_the_kv_came_down_ends_the_turn_as_di
     toy = await rp_stack()
     toy.engines.save_delay_s = 1.0
     try:
-        direct, _ = await stream(toy, turn(LONG, Mode.DIRECT, n=8))
-        got, done = await stream(toy, turn(LONG, Mode.REMOTE_PREFILL, n=8))
+        direct, _ = await stream(toy.edge, rp_turn(RP_LONG, Mode.DIRECT, n=8))
+        got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL, n=8))
         assert got == direct and done.edge_decoded_tokens == 0 and done.received_kv_bytes == 0
         assert done.mode is Mode.REMOTE_PREFILL and done.finish_reason == "length"
     finally:
@@ -81,8 +63,8 @@ async def test_remote_prefill_over_grpc_equals_direct():
     servicer both ways, and the edge takes over."""
     from tandem.common.kvdown import full_model_key
     from tests.doubles import MANIFEST
+    from tests.helpers import Cloud, close_edge, edge_to
     from tests.remote_doubles import ToyLocal, toy_lm
-    from tests.test_cloud_grpc import Cloud, close_edge, edge_to
 
     cloud = Cloud()
     await cloud.start()
@@ -91,28 +73,12 @@ async def test_remote_prefill_over_grpc_equals_direct():
     edge = await edge_to(f"127.0.0.1:{cloud.port}")
     edge.local, edge.model_key, edge.router.remote_prefill = ToyLocal(lm), full_model_key(MANIFEST), True
     try:
-        direct, _ = await stream_of(edge, turn(LONG, Mode.DIRECT))
-        got, done = await stream_of(edge, turn(LONG, Mode.REMOTE_PREFILL))
+        direct, _ = await stream(edge, rp_turn(RP_LONG, Mode.DIRECT))
+        got, done = await stream(edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
         assert got == direct and done.edge_decoded_tokens > 0 and done.received_kv_bytes > 0
     finally:
         await close_edge(edge)
         await cloud.stop()
-
-
-async def stream_of(edge, t: ChatTurn) -> tuple[list[int], TurnDone]:
-    streamed, done = [], None
-    async for ev in edge.chat(t):
-        if isinstance(ev, TextOut):
-            streamed += ev.token_ids
-        else:
-            done = ev
-    assert done is not None
-    return streamed, done
-
-
-def chat_of(*msgs: str, session: str, n: int = 40) -> ChatTurn:
-    convo = tuple(("user" if i % 2 == 0 else "assistant", m) for i, m in enumerate(msgs))
-    return ChatTurn(convo, "", session, Sampling(max_new_tokens=n), mode=Mode.REMOTE_PREFILL)
 
 
 def block_bytes() -> int:
@@ -125,7 +91,7 @@ def block_bytes() -> int:
 def held_tokens(toy, first: TurnDone, second: ChatTurn) -> int:
     """What the edge's session holds of ``second``'s prompt after turn ``first``: the common prefix
     with turn 1's prompt and output but its last token (whose KV was never computed)."""
-    held = toy.edge.tokenize(chat_of(LONG, session="")) + list(first.output_token_ids[:-1])
+    held = toy.edge.tokenize(rp_chat(RP_LONG, session="")) + list(first.output_token_ids[:-1])
     ids, n = toy.edge.tokenize(second), 0
     while n < min(len(ids), len(held)) and ids[n] == held[n]:
         n += 1
@@ -134,10 +100,10 @@ def held_tokens(toy, first: TurnDone, second: ChatTurn) -> int:
 
 async def two_turns(toy, session: str) -> tuple[ChatTurn, TurnDone, TurnDone]:
     """Turn 1 of ``session`` in remote prefill, then turn 2 (its answer and a new message)."""
-    _, first = await stream(toy, chat_of(LONG, session=session))
+    _, first = await stream(toy.edge, rp_chat(RP_LONG, session=session))
     answer = toy.edge.tok.decode(first.output_token_ids)
-    second = chat_of(LONG, answer, "and then what happened to the fox in the woods?", session=session)
-    _, done = await stream(toy, second)
+    second = rp_chat(RP_LONG, answer, "and then what happened to the fox in the woods?", session=session)
+    _, done = await stream(toy.edge, second)
     return second, first, done
 
 
@@ -150,8 +116,8 @@ async def test_the_next_turn_brings_down_only_the_blocks_the_edge_lacks():
         second, first, done = await two_turns(toy, "s")
         held, T2 = held_tokens(toy, first, second), len(toy.edge.tokenize(second))
         assert done.received_kv_bytes == (T2 // B - held // B) * block_bytes() > 0
-        direct, _ = await stream(toy, replace(second, mode=Mode.DIRECT, session_id=""))
-        fresh, _ = await stream(toy, replace(second, session_id="fresh"))
+        direct, _ = await stream(toy.edge, replace(second, mode=Mode.DIRECT, session_id=""))
+        fresh, _ = await stream(toy.edge, replace(second, session_id="fresh"))
         assert list(done.output_token_ids) == direct == fresh
         _, decode_spec = [c for c in toy.engines.calls if c[2] is not None][-1][1:]
         assert decode_spec.loads and decode_spec.save  # the cloud loads what it stored, saves the rest
@@ -168,14 +134,14 @@ async def test_after_a_restart_or_an_eviction_only_missing_blocks_travel(lost):
     try:
         _, first, _ = await two_turns(toy, "ref")
         answer = toy.edge.tok.decode(first.output_token_ids)
-        await stream(toy, chat_of(LONG, session="s"))
-        second = chat_of(LONG, answer, "and then what happened to the fox in the woods?", session="s")
+        await stream(toy.edge, rp_chat(RP_LONG, session="s"))
+        second = rp_chat(RP_LONG, answer, "and then what happened to the fox in the woods?", session="s")
         if lost == "edge":
             toy.edge.local.sessions.clear()
         else:
             toy.store._data.clear()
-        _, done = await stream(toy, second)
-        direct, _ = await stream(toy, replace(second, mode=Mode.DIRECT, session_id=""))
+        _, done = await stream(toy.edge, second)
+        direct, _ = await stream(toy.edge, replace(second, mode=Mode.DIRECT, session_id=""))
         assert list(done.output_token_ids) == direct
         held = 0 if lost == "edge" else held_tokens(toy, first, second)
         assert done.received_kv_bytes == (len(toy.edge.tokenize(second)) // B - held // B) * block_bytes()
@@ -188,9 +154,9 @@ async def test_kv_that_came_down_stays_for_the_next_turn_when_the_cloud_finishes
     edge still computes past the KV; the session keeps the blocks, so asking again brings none down."""
     toy = await rp_stack(step_delay_s=0.001, local_step_s=0.3)
     try:
-        first_ids, first = await stream(toy, chat_of(LONG, session="k", n=10))
+        first_ids, first = await stream(toy.edge, rp_chat(RP_LONG, session="k", n=10))
         assert first.edge_decoded_tokens == 0 and first.received_kv_bytes > 0
-        again_ids, again = await stream(toy, chat_of(LONG, session="k", n=10))
+        again_ids, again = await stream(toy.edge, rp_chat(RP_LONG, session="k", n=10))
         assert again.received_kv_bytes == 0 and again_ids == first_ids
     finally:
         await toy.batcher.stop()
@@ -220,11 +186,11 @@ async def test_remote_prefill_is_refused_without_the_whole_model_or_the_cloud():
         local = toy.edge.local
         toy.edge.local = None
         with pytest.raises(ModeUnavailable, match="whole model"):
-            await stream(toy, turn("hi", Mode.REMOTE_PREFILL))
+            await stream(toy.edge, rp_turn("hi", Mode.REMOTE_PREFILL))
         toy.edge.local = local
         assert "remote_prefill" in {r.mode.value for r in toy.edge.routes()}
         toy.edge.conn.connected.clear()  # the cloud is not connected
         with pytest.raises(EngineError, match="needs the cloud"):
-            await stream(toy, turn("hi", Mode.REMOTE_PREFILL))
+            await stream(toy.edge, rp_turn("hi", Mode.REMOTE_PREFILL))
     finally:
         await toy.batcher.stop()

@@ -1,6 +1,6 @@
-"""The toy split model of the fast tiers (unit tests, ``tandem-fuzz``): 6 layers split at k=2, hidden size 8,
-one KV head of dim 4, 32-token KV blocks, 1000-token vocabulary; no files behind it. Served by the in-memory
-engines (``cloud.memory_engines``) and head (``edge.head_runner.MemoryHead``)."""
+"""The toy split model of the fast tiers (unit and in-process tests, the fuzzing of ``tests/fuzz``): 6 layers split at
+k=2, hidden size 8, one KV head of dim 4, 32-token KV blocks, 1000-token vocabulary; no files behind it. Served by
+the in-memory engines (``cloud.memory_engines``) and head (``edge.head_runner.MemoryHead``)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from tandem.common.wire import Chunk
 from tandem.edge.head_runner import HeadInput
 from tandem.edge.link import CloudLink, TurnCall
 from tests.doubles import MANIFEST, B, toy_stack
-from tests.test_gateway import LONG, run, turn
+from tests.helpers import LONG, run, turn
 
 LONGER = LONG + " And then the dog woke up and chased the fox around the whole farm, twice. " * 2
 

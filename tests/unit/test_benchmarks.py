@@ -175,31 +175,6 @@ def test_batching_rows_table_and_plot(tmp_path):
     assert (tmp_path / "batching.png").stat().st_size > 0
 
 
-@pytest.mark.engines
-def test_batching_smoke(tmp_path):
-    out = tmp_path / "batching"
-    cmd = [
-        sys.executable,
-        "-m",
-        "tandem.benchmarks.batching",
-        "--max-num-seqs",
-        "2",
-        "--requests",
-        "2",
-        "--max-new-tokens",
-        "2",
-        "--prompt-tokens",
-        "16",
-        "--out",
-        str(out),
-    ]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
-    assert res.returncode == 0, res.stderr[-3000:]
-    data = json.loads((out / "batching.json").read_text())
-    assert [r["max_num_seqs"] for r in data["rows"]] == [2]
-    assert (out / "batching.png").stat().st_size > 0
-
-
 def test_burst_summary_and_plot(tmp_path):
     from tandem.benchmarks.burst import Sample, plot, summary
 
@@ -217,19 +192,6 @@ def test_burst_summary_and_plot(tmp_path):
     assert "| on | burst | 10 |" in md and "| 13 | 7 |" in md  # flood: 13 served, 7 refused
     plot(samples, tmp_path, args)
     assert (tmp_path / "burst_trace.png").stat().st_size > 0
-
-
-@pytest.mark.engines
-def test_burst_smoke(tmp_path):
-    out = tmp_path / "burst"
-    cmd = [
-        sys.executable, "-m", "tandem.benchmarks.burst", "--alone-s", "2", "--burst-s", "4",
-        "--flood-concurrency", "2", "--no-compare", "--max-new-tokens", "2", "--out", str(out),
-    ]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "| on | alone |" in (out / "burst.md").read_text()
-    assert (out / "trace-on.jsonl").stat().st_size > 0 and (out / "burst_trace.png").stat().st_size > 0
 
 
 def test_fidelity_prompt_set_and_comparison():
@@ -283,87 +245,6 @@ def test_multiturn_summary_is_cumulative_per_conversation():
     assert per_turn[0]["saved"] == 0 and per_turn[1]["saved"] == pytest.approx(1 - 1300 / 3000)
 
 
-@pytest.fixture(scope="class")
-def bench_cloud(split_dir, tmp_path_factory):
-    """A plain ``tandem-cloud`` allowing every wire format and releasing an idle link's share after
-    2 s, for ``TestSmokeRunsOnOneCloud`` (class-scoped: down before the other smokes start theirs)."""
-    from tandem.common.wire import WireDtype
-    from tandem.daemons import Daemons, cloud_command
-
-    w = tmp_path_factory.mktemp("bench-cloud")
-    every = ",".join(d.name.lower() for d in WireDtype)
-    extra = ["--wire-dtypes", every, "--kv-wire-dtypes", every, "--link-idle-s", "2"]
-    with Daemons() as daemons:
-        cloud = daemons.spawn("tandem-cloud", cloud_command(split_dir, w / "kv", extra=extra), w / "cloud.log", w / "c")
-        yield f"127.0.0.1:{cloud.wait_ready(900)}"
-
-
-@pytest.mark.engines
-class TestSmokeRunsOnOneCloud:
-    """``tandem-bench``, ``-multiturn`` and ``-fidelity`` with tiny arguments against one shared plain
-    ``tandem-cloud`` (``--cloud``): each would otherwise start its own, a minute apiece on 2 cores.
-    Their own start of a cloud is what ``make bench*`` runs; the burst and batching smokes still
-    start theirs (they configure its engines). Class-scoped, so this cloud is down before others run."""
-
-    def test_bench_smoke(self, tmp_path, bench_cloud, split_dir):
-        out = tmp_path / "bench"
-        cmd = [
-            sys.executable,
-            "-m",
-            "tandem.benchmarks.bench",
-            "--split-layers",
-            "4",
-            "--links",
-            "loopback,4g",
-            "--prompt-lens",
-            "16",
-            "--requests",
-            "1",
-            "--max-new-tokens",
-            "2",
-            "--cloud",
-            bench_cloud,
-            "--model-dir",
-            str(split_dir.parent),
-            "--out",
-            str(out),
-        ]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
-        assert res.returncode == 0, res.stderr[-3000:]
-        rows = list(open(out / "summary.csv"))
-        assert len(rows) == 1 + 2 * 5  # header + split-k4, cloud-only, edge-only, remote-prefill, auto on 2 links
-        assert "auto / best" in (out / "auto.md").read_text()
-        meta = json.loads((out / "meta.json").read_text())
-        assert meta["shaper"] == "proxy"  # a running cloud is reached through the proxy
-        assert (out / "breakeven.png").stat().st_size > 0
-
-    def test_fidelity_smoke(self, tmp_path, bench_cloud, split_dir):
-        out = tmp_path / "fidelity"
-        cmd = [sys.executable, "-m", "tandem.benchmarks.fidelity", "--limit", "3", "--max-new-tokens", "3"]
-        cmd += ["--cloud", bench_cloud, "--model-dir", str(split_dir.parent)]
-        cmd += ["--pairs", "fp32/fp32,int8/int4", "--concurrency", "2", "--out", str(out)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
-        assert res.returncode == 0, res.stderr[-3000:]
-        data = json.loads((out / "fidelity.json").read_text())
-        assert [r["label"] for r in data["rows"]] == ["fp32/fp32 (again)", "int8/int4"]
-        fp32, small = data["rows"][0]["bytes_per_token"], data["rows"][1]["bytes_per_token"]
-        assert small < fp32 / 4  # int8 activations (581 B) + int4 KV (912 B) against 8448 B at k=4
-        assert (out / "fidelity.png").stat().st_size > 0 and "replies equal" in (out / "fidelity.md").read_text()
-
-    def test_multiturn_smoke(self, tmp_path, bench_cloud, split_dir):
-        out = tmp_path / "multiturn"
-        cmd = [sys.executable, "-m", "tandem.benchmarks.multiturn", "--conversations", "1", "--turns", "3"]
-        cmd += ["--cloud", bench_cloud, "--model-dir", str(split_dir.parent)]
-        cmd += ["--max-new-tokens", "4", "--out", str(out)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
-        assert res.returncode == 0, res.stderr[-3000:]
-        per_turn = json.loads((out / "multiturn.json").read_text())["per_turn"]
-        assert len(per_turn) == 3 and all(r["same_replies"] for r in per_turn)
-        assert per_turn[0]["delta_bytes"] == pytest.approx(per_turn[0]["naive_bytes"], rel=0.05)  # first turn: all
-        assert per_turn[2]["delta_bytes"] < per_turn[2]["naive_bytes"] / 2  # later turns: only what is new
-        assert (out / "multiturn.png").stat().st_size > 0 and "saved" in (out / "multiturn.md").read_text()
-
-
 def test_a_runs_block_stores_are_removed_at_exit_and_its_logs_kept():
     """Benchmarks leave gigabytes of KV in their work folder's stores: removed when the process
     exits (after its daemons stopped), the logs kept for reading."""
@@ -379,7 +260,6 @@ def test_a_runs_block_stores_are_removed_at_exit_and_its_logs_kept():
         "print(w)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    from pathlib import Path
 
     w = Path(out.strip())
     try:

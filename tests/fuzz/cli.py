@@ -1,6 +1,6 @@
-"""``tandem-fuzz``: property-based fuzzing of the cloud's uplink verification and of raw protobuf messages into the
-``Cloud`` and ``Edge`` gRPC services, for longer than the test suite does (``tests/test_fuzz.py`` runs the same
-properties, ``tandem.benchmarks.fuzzing``, on fixed seeds).
+"""``python -m tests.fuzz``: property-based fuzzing of the cloud's uplink verification and of raw protobuf messages
+into the ``Cloud`` and ``Edge`` gRPC services, for longer than the test suite does (``tests/fuzz/test_fuzz.py`` runs
+the same properties, ``tests/fuzz/harness.py``, on fixed seeds).
 
 Everything runs in this process against in-memory engines, head and block store (no model, no GPU): a gateway per
 wire format for the ``uplink`` target, and a cloud and an edge gRPC server on loopback for the others. Each target
@@ -9,8 +9,8 @@ runs until ``--examples`` cases or its share of ``--seconds``, in rounds of fres
 shrinks it) and the target stops; the exit status is 1 when any target failed, or when at the end the servers are
 not idle or do not answer good requests with their reference results.
 
-Cases that hit a product bug already known (``fuzzing.KNOWN_BUGS``, each with a strict xfail reproducer in
-``tests/test_fuzz.py``) are counted and listed but are no failures unless ``--strict``.
+Cases that hit a product bug already known (``harness.KNOWN_BUGS``, each with a strict xfail reproducer in
+``tests/fuzz/test_fuzz.py``) are counted and listed but are no failures unless ``--strict``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ import typer
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 
-from tandem.benchmarks import fuzzing as fz
+from tests.fuzz.harness import KNOWN_BUGS, Harness, describe
+from tests.fuzz.strategies import strategy_of
+from tests.fuzz.uploads import TARGETS
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -59,7 +61,7 @@ def failure_text(e: BaseException) -> str:
     return "\n\n".join(parts)
 
 
-def run_round(harness: fz.Harness, target: str, n: int, seed: int, verbose: bool) -> BaseException | None:
+def run_round(harness: Harness, target: str, n: int, seed: int, verbose: bool) -> BaseException | None:
     """Up to ``n`` cases of ``target`` from ``seed``; the failure (after shrinking), or None."""
 
     @hypothesis_seed(seed)
@@ -73,7 +75,7 @@ def run_round(harness: fz.Harness, target: str, n: int, seed: int, verbose: bool
         phases=(Phase.generate, Phase.shrink),
         verbosity=Verbosity.verbose if verbose else Verbosity.normal,  # normal: the failing example is reported
     )
-    @given(fz.strategy_of(target))
+    @given(strategy_of(target))
     def prop(case: Any) -> None:
         harness.check(target, case)
 
@@ -85,7 +87,7 @@ def run_round(harness: fz.Harness, target: str, n: int, seed: int, verbose: bool
 
 
 def run_target(
-    harness: fz.Harness, target: str, examples: int, seconds: float, seed: int, verbose: bool
+    harness: Harness, target: str, examples: int, seconds: float, seed: int, verbose: bool
 ) -> BaseException | None:
     """Rounds of ``target`` until ``examples`` cases or ``seconds``; the first failure, or None."""
     stats = harness.stats[target]
@@ -107,7 +109,7 @@ def main(
     examples: Annotated[int, typer.Option(help="cases per target (at most)")] = 5000,
     seconds: Annotated[float, typer.Option(help="wall-clock budget of the whole run, split among the targets")] = 300,
     target: Annotated[
-        list[str] | None, typer.Option(help=f"a target to run (repeat the option); default all of {fz.TARGETS}")
+        list[str] | None, typer.Option(help=f"a target to run (repeat the option); default all of {TARGETS}")
     ] = None,
     seed: Annotated[int | None, typer.Option(help="random seed (default: a random one, printed)")] = None,
     strict: Annotated[bool, typer.Option(help="a case that hits a known product bug fails too")] = False,
@@ -116,17 +118,17 @@ def main(
 ) -> None:
     """Fuzz the targets; print cases and outcomes per target, failures with their minimal examples, and the
     known product bugs hit. Exit 1 on any failure."""
-    targets = list(target or fz.TARGETS)
-    unknown = [t for t in targets if t not in fz.TARGETS]
+    targets = list(target or TARGETS)
+    unknown = [t for t in targets if t not in TARGETS]
     if unknown:
-        raise typer.BadParameter(f"unknown target(s) {unknown}; choose from {fz.TARGETS}", param_hint="--target")
+        raise typer.BadParameter(f"unknown target(s) {unknown}; choose from {TARGETS}", param_hint="--target")
     if seed is None:
         seed = random.SystemRandom().randrange(1 << 31)
-    print(f"tandem-fuzz: seed {seed} (repeat with --seed {seed}); targets {', '.join(targets)}")
+    print(f"tests.fuzz: seed {seed} (repeat with --seed {seed}); targets {', '.join(targets)}")
     print(f"up to {examples} cases per target, {seconds:.0f} s in all", flush=True)
     failures: dict[str, str] = {}
     with quiet_logs():
-        harness = fz.Harness(hang_s=hang_s, strict=strict)
+        harness = Harness(hang_s=hang_s, strict=strict)
         try:
             for i, t in enumerate(targets):
                 t0 = time.monotonic()
@@ -144,20 +146,16 @@ def main(
         finally:
             harness.close()
     print("\ncases and outcomes per target:")
-    print(fz.describe(harness.stats))
+    print(describe(harness.stats))
     hit = {k for s in harness.stats.values() for k in s.known}
     if hit:
         print(
             "\nknown product bugs hit" + (" (failures: --strict)" if strict else " (no failures; --strict makes them)")
         )
         for k in sorted(hit):
-            bug = fz.KNOWN_BUGS[k]
+            bug = KNOWN_BUGS[k]
             print(f"  {k}: {bug.summary}\n    where: {bug.where}")
     if failures:
         print(f"\nFAILED: {', '.join(failures)} (seed {seed})", file=sys.stderr)
         raise typer.Exit(1)
     print(f"\nno failures (seed {seed})")
-
-
-if __name__ == "__main__":
-    app()

@@ -170,7 +170,7 @@ def test_seal_format():
 def test_redis_store_is_bounded_lru_at_the_server(tmp_path):
     """A server without a bound gets the store's byte bound and volatile-lru at connect (every value
     but a pinned one has a TTL); writes past it evict the least recently used keys instead of failing."""
-    from tests.conftest import RedisServer
+    from tests.helpers import RedisServer
 
     server = RedisServer(tmp_path)
     try:
@@ -194,7 +194,7 @@ def test_redis_store_refusals(redis_server, monkeypatch):
 
 
 def test_redis_password_comes_from_the_environment(tmp_path, monkeypatch):
-    from tests.conftest import RedisServer
+    from tests.helpers import RedisServer
 
     server = RedisServer(tmp_path, password="s3cret-store-pass")
     try:
@@ -212,7 +212,7 @@ def test_redis_password_comes_from_the_environment(tmp_path, monkeypatch):
 
 
 def test_redis_reads_during_an_outage_are_misses_and_writes_raise(tmp_path):
-    from tests.conftest import RedisServer
+    from tests.helpers import RedisServer
 
     server = RedisServer(tmp_path)
     st = RedisBlockStore(server.url, 1 << 20, socket_timeout_s=0.5)
@@ -226,7 +226,7 @@ def test_redis_reads_during_an_outage_are_misses_and_writes_raise(tmp_path):
 def test_redis_server_errors_are_engine_errors_on_write_and_misses_on_read(tmp_path, caplog):
     """A server that refuses writes (full under a policy that evicts nothing) makes put raise
     EngineError, and is warned about."""
-    from tests.conftest import RedisServer
+    from tests.helpers import RedisServer
 
     server = RedisServer(tmp_path, maxmemory_bytes=2 << 20)
     try:
@@ -258,7 +258,7 @@ def small_store(request, tmp_path):
     elif request.param == "disk":
         st = DiskBlockStore(tmp_path / "kv", bound)
     else:
-        from tests.conftest import RedisServer
+        from tests.helpers import RedisServer
 
         server = RedisServer(tmp_path)
         request.addfinalizer(server.stop)

@@ -22,7 +22,7 @@ from tandem.edge.node import EdgeNode
 from tandem.edge.replicas import ReplicaSet, rendezvous
 from tandem.edge.session import EdgeSessions
 from tests.doubles import HKV, MANIFEST, VOCAB, B, D, H, K, TamperLink, ToyTokenizer, cloud_config
-from tests.test_gateway import LONG, Sent, chat, run
+from tests.helpers import LONG, Sent, chat, run
 
 
 def test_rendezvous_moves_only_the_keys_of_a_removed_target():

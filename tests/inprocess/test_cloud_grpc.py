@@ -12,88 +12,20 @@ import numpy as np
 import pytest
 
 from tandem.cloud.linkregistry import HEADER_SLACK_BYTES, MAX_PROBE_BYTES
-from tandem.cloud.memory_engines import MemoryEngines
-from tandem.cloud.server import build_gateway
-from tandem.cloud.service import CloudServicer
 from tandem.common import wire
 from tandem.common.errors import InvalidRequest
 from tandem.common.grpcsetup import add_service, channel_options, start_server
-from tandem.common.kvstore import MemoryBlockStore
 from tandem.common.modes import Mode
 from tandem.common.params import NegotiateOffer, Sampling
-from tandem.edge.batcher import HeadBatcher
-from tandem.edge.cloudconn import CloudConnection
 from tandem.edge.events import ChatTurn, TurnDone
-from tandem.edge.grpc_link import GrpcCloudLink
-from tandem.edge.head_runner import MemoryHead
-from tandem.edge.headwork import Head
-from tandem.edge.node import EdgeNode
-from tandem.edge.session import EdgeSessions
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
-from tests.doubles import HKV, MANIFEST, VOCAB, B, D, H, K, TamperLink, ToyTokenizer, cloud_config, rechunk
-
-LONG = "Tell me everything about the history of bridges, arches and the Romans. " * 6  # ~440 tokens, 28 chunks
-
-
-class Cloud:
-    """A gateway on a grpc server that can be restarted on the same port, keeping its store."""
-
-    def __init__(self, **cfg) -> None:
-        self.store = MemoryBlockStore(1 << 30)
-        self.engines = MemoryEngines(self.store, B, VOCAB)
-        self.cfg = cloud_config(**cfg)
-        self.port = 0
-
-    async def start(self) -> None:
-        self.gateway = build_gateway(self.cfg, MANIFEST, self.engines, self.store)
-        servicer = CloudServicer(self.gateway, "toy-cloud")
-        self.server, self.port, self.health = await start_server(
-            [lambda s: add_service(s, servicer, "Cloud")],
-            ["tandem.v1.Cloud"],
-            "127.0.0.1",
-            self.port,
-            self.gateway.registry.max_message_bytes(),
-        )
-
-    async def stop(self) -> None:
-        await self.server.stop(0)
-
-
-async def edge_to(target: str, keepalive_s: float = 5.0) -> EdgeNode:
-    """An edge service over a real gRPC link, its connection loop running (reconnects, renegotiates)."""
-    return await edge_over(GrpcCloudLink(target, keepalive_s, keepalive_s))
-
-
-async def edge_over(link: GrpcCloudLink, edge_id: str = "e") -> EdgeNode:
-    """An edge service over ``link`` (e.g. one with TLS and a key), its connection loop running."""
-    key = MANIFEST.compatibility_key()
-    conn = CloudConnection(link, NegotiateOffer(edge_id, "toy", {K: key}, 4), poll_s=0.5, backoff_s=0.1)
-    conn.start()
-    assert await conn.wait_connected(10), conn.last_error
-    batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
-    batcher.start()
-    return EdgeNode(ToyTokenizer(), [Head(batcher, key)], conn, EdgeSessions(64, 1 << 30), 30)
-
-
-async def close_edge(svc: EdgeNode) -> None:
-    await svc.batcher.stop()
-    assert svc.conn is not None
-    await svc.conn.stop()
-    await svc.conn.link.close()
+from tests.doubles import MANIFEST, B, H, K, TamperLink, ToyTokenizer, rechunk
+from tests.helpers import LONG_UPLOAD, Cloud, close_edge, edge_to, run
 
 
 def chat(text: str, session: str = "", n: int = 6) -> ChatTurn:
     return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode=Mode.SPLIT)
-
-
-async def run(svc: EdgeNode, t: ChatTurn) -> TurnDone:
-    done = None
-    async for ev in svc.chat(t):
-        if isinstance(ev, TurnDone):
-            done = ev
-    assert done is not None
-    return done
 
 
 @pytest.fixture
@@ -110,7 +42,7 @@ async def test_cloud_restart_mid_session_is_answered_by_a_full_resend(cloud):
     answer (the upload is many chunks, so the edge is still writing when the cloud refuses)."""
     edge = await edge_to(f"127.0.0.1:{cloud.port}")
     try:
-        convo = [("user", LONG)]
+        convo = [("user", LONG_UPLOAD)]
         for i in range(5):
             done = await run(edge, ChatTurn(tuple(convo), "", "s", Sampling(max_new_tokens=6), mode=Mode.SPLIT))
             convo += [("assistant", "sure"), ("user", f"and question {i}?")]
@@ -135,14 +67,14 @@ async def test_a_full_size_upload_refused_midway_keeps_its_status(cloud):
     try:
         for _ in range(20):
             with pytest.raises(InvalidRequest, match="NaN"):
-                await run(edge, chat(LONG))
+                await run(edge, chat(LONG_UPLOAD))
         assert cloud.gateway.receiver.budget.uploads == 0
     finally:
         await close_edge(edge)
 
 
 async def test_the_verdict_travels_as_a_message_before_the_status(cloud):
-    ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
+    ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG_UPLOAD}])
     p = cloud.gateway.params
     header = pb.RequestHeader(
         request_id="r", session_id="never-seen", params_version=p.params_version, split_layer=K,
@@ -166,7 +98,7 @@ async def _until_error(call):
 
 async def test_keepalive_pings_are_accepted_on_a_silent_stream(cloud):
     """A client pinging every second while its stream is silent is not cut off."""
-    ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
+    ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG_UPLOAD}])
     p = cloud.gateway.params
     header = pb.RequestHeader(
         request_id="r", session_id="quiet", params_version=p.params_version, split_layer=K, prompt_token_ids=ids,
@@ -239,7 +171,7 @@ async def test_a_cloud_that_stays_silent_fails_the_turn_at_its_deadline(cloud):
         proxy.running.clear()  # silent from now on, for up to 30 s
         t0 = time.perf_counter()
         with pytest.raises(DeadlineExceeded):
-            async for _ in edge.chat(chat(LONG, n=50), 6.0):
+            async for _ in edge.chat(chat(LONG_UPLOAD, n=50), 6.0):
                 pass
         assert time.perf_counter() - t0 < 6.0 + 1.0
     finally:
@@ -260,7 +192,7 @@ async def test_a_link_cut_mid_decode_resumes_when_the_link_comes_back(cloud):
         await run(edge, chat("warm up"))
         streamed: list[int] = []
         done = None
-        async for ev in edge.chat(chat(LONG, session="cut", n=20), 60.0):
+        async for ev in edge.chat(chat(LONG_UPLOAD, session="cut", n=20), 60.0):
             if isinstance(ev, TurnDone):
                 done = ev
                 continue
@@ -325,7 +257,7 @@ async def test_edge_health_follows_the_clouds(cloud):
 async def test_messages_beyond_the_largest_legal_one_are_refused_by_grpc(cloud):
     """The server's message limit follows the negotiated limits, so a 5 MiB chunk
     never reaches the gateway's memory: the transport refuses it (RESOURCE_EXHAUSTED)."""
-    ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG}])
+    ids = ToyTokenizer().apply_chat_template([{"role": "user", "content": LONG_UPLOAD}])
     p = cloud.gateway.params
     header = pb.RequestHeader(
         request_id="r", session_id="", params_version=p.params_version, split_layer=K, prompt_token_ids=ids,

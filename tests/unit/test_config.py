@@ -24,7 +24,7 @@ from tandem.common.settings import (
 from tandem.common.wire import Codec, WireDtype
 from tandem.edge.config import EdgeConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 

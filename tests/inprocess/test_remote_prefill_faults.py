@@ -16,8 +16,8 @@ from tandem.common.kvdown import KVBlockDown, KVDownAck, Takeover
 from tandem.common.modes import Mode
 from tandem.edge.events import TurnDone
 from tests.doubles import B
+from tests.helpers import RP_LONG, rp_chat, rp_turn, stream
 from tests.remote_doubles import DownTamperLink, rp_stack
-from tests.test_remote_prefill import LONG, chat_of, stream, turn
 
 
 @pytest.fixture
@@ -33,8 +33,8 @@ def tamper(toy, **kw) -> DownTamperLink:
     return link
 
 
-async def direct_of(toy, text: str = LONG) -> list[int]:
-    return (await stream(toy, turn(text, Mode.DIRECT)))[0]
+async def direct_of(toy, text: str = RP_LONG) -> list[int]:
+    return (await stream(toy.edge, rp_turn(text, Mode.DIRECT)))[0]
 
 
 async def test_a_downlink_cut_mid_kv_leaves_the_whole_reply_to_the_cloud(toy):
@@ -42,7 +42,7 @@ async def test_a_downlink_cut_mid_kv_leaves_the_whole_reply_to_the_cloud(toy):
     complete and equal to direct mode's."""
     direct = await direct_of(toy)
     tamper(toy, down=lambda ev, n: None if isinstance(ev, KVBlockDown) and n > 2 else ev)
-    got, done = await stream(toy, turn(LONG, Mode.REMOTE_PREFILL))
+    got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
     assert got == direct and len(got) == 40 and done.edge_decoded_tokens == 0
     assert toy.gateway.links.running == 0
 
@@ -59,7 +59,7 @@ async def test_a_corrupt_block_is_asked_for_again_and_never_used(toy, recrc):
     copy verifies, the edge takes over and the tokens equal direct mode's."""
     direct = await direct_of(toy)
     link = tamper(toy, down=lambda ev, n: flip(ev, recrc) if isinstance(ev, KVBlockDown) and n == 3 else ev)
-    got, done = await stream(toy, turn(LONG, Mode.REMOTE_PREFILL))
+    got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
     asked = [a.resend_blocks for a in link.sent if isinstance(a, KVDownAck) and a.resend_blocks]
     assert asked == [(2,)] and got == direct and done.edge_decoded_tokens > 0
 
@@ -69,7 +69,7 @@ async def test_a_block_that_stays_corrupt_is_never_used_and_the_cloud_finishes(t
     link = tamper(
         toy, down=lambda ev, n: flip(ev, False) if isinstance(ev, KVBlockDown) and ev.block_index == 1 else ev
     )
-    got, done = await stream(toy, turn(LONG, Mode.REMOTE_PREFILL))
+    got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
     asked = [a.resend_blocks for a in link.sent if isinstance(a, KVDownAck) and a.resend_blocks]
     assert asked == [(1,), (1,)] and got == direct and done.edge_decoded_tokens == 0
 
@@ -82,7 +82,7 @@ async def test_a_block_outside_the_links_limits_drops_the_download(toy, change):
     params: a block outside them ends the download, and the cloud finishes the reply."""
     direct = await direct_of(toy)
     tamper(toy, down=lambda ev, n: replace(ev, **change) if isinstance(ev, KVBlockDown) and n == 2 else ev)
-    got, done = await stream(toy, turn(LONG, Mode.REMOTE_PREFILL))
+    got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
     assert got == direct and done.edge_decoded_tokens == 0
 
 
@@ -97,7 +97,7 @@ async def test_the_reply_completes_on_the_edge_when_the_cloud_goes_after_the_tak
         return item
 
     tamper(toy, up=gone)
-    got, done = await stream(toy, turn(LONG, Mode.REMOTE_PREFILL))
+    got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
     assert got == direct and done.edge_decoded_tokens > 0 and done.resumes == 0
 
 
@@ -111,23 +111,23 @@ async def test_the_reply_completes_on_the_edge_when_the_cloud_dies_before_the_kv
         return None if isinstance(ev, KVBlockDown) else ev
 
     tamper(toy, down=cut)
-    got, done = await stream(toy, turn(LONG, Mode.REMOTE_PREFILL))
+    got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
     assert got == direct and done.edge_decoded_tokens == 35
 
 
 async def test_an_edge_restarted_after_the_switch_resyncs_on_its_next_turn(toy):
     """The edge took turn 1 over, then restarted (its sessions gone): turn 2 brings down every
     block of its prompt from the cloud's store and answers as a fresh session does."""
-    _, first = await stream(toy, chat_of(LONG, session="s"))
+    _, first = await stream(toy.edge, rp_chat(RP_LONG, session="s"))
     assert first.edge_decoded_tokens > 0
     toy.edge.local.sessions.clear()
     answer = toy.edge.tok.decode(first.output_token_ids)
-    second = chat_of(LONG, answer, "what next?", session="s")
-    _, done = await stream(toy, second)
-    fresh, _ = await stream(toy, replace(second, session_id="fresh"))
+    second = rp_chat(RP_LONG, answer, "what next?", session="s")
+    _, done = await stream(toy.edge, second)
+    fresh, _ = await stream(toy.edge, replace(second, session_id="fresh"))
     assert list(done.output_token_ids) == fresh
     assert done.received_kv_bytes == len(toy.edge.tokenize(second)) // B * first.received_kv_bytes // (
-        len(toy.edge.tokenize(chat_of(LONG, session="s"))) // B
+        len(toy.edge.tokenize(rp_chat(RP_LONG, session="s"))) // B
     )
 
 
@@ -142,8 +142,8 @@ async def test_blocks_stay_pinned_until_the_edge_acknowledged_them(toy):
         return item
 
     tamper(toy, up=watch)
-    _, done = await stream(toy, chat_of(LONG, session="p"))
-    n = len(toy.edge.tokenize(chat_of(LONG, session="p"))) // B
+    _, done = await stream(toy.edge, rp_chat(RP_LONG, session="p"))
+    n = len(toy.edge.tokenize(rp_chat(RP_LONG, session="p"))) // B
     assert [v for v, _ in pinned_at_ack] == list(range(1, n + 1))
     # at each ack the blocks it acknowledges (and those after them) were still pinned
     assert all(pins >= n - v + 1 for v, pins in pinned_at_ack), pinned_at_ack
@@ -157,11 +157,11 @@ async def test_the_kv_that_comes_down_stays_within_the_edges_session_bound():
     from tests.remote_doubles import ToyLocal, toy_lm
 
     toy = await rp_stack()
-    bound = 3 * 6144 * 9  # about three sessions of LONG's 7 blocks and its tokens (toy: 6 KB a block)
+    bound = 3 * 6144 * 9  # about three sessions of RP_LONG's 7 blocks and its tokens (toy: 6 KB a block)
     toy.edge.local = ToyLocal(toy_lm(), session_bytes=bound, step_delay_s=0.2)
     try:
         for i in range(5):
-            _, done = await stream(toy, chat_of(LONG, session=f"m{i}", n=8))
+            _, done = await stream(toy.edge, rp_chat(RP_LONG, session=f"m{i}", n=8))
             assert done.edge_decoded_tokens == 0 and done.received_kv_bytes > 0
             assert toy.edge.local.sessions.nbytes() <= bound
         assert "m4" in toy.edge.local.sessions and "m0" not in toy.edge.local.sessions

@@ -697,7 +697,7 @@ async def test_capacity_benchmark_smoke(stack, split_dir, tmp_path):
         "--max-new-tokens", "2", "--out", str(out),
     ]  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
-        *cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[1]
+        *cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[2]
     )
     so, se = await asyncio.wait_for(proc.communicate(), 600)
     assert proc.returncode == 0, se.decode()[-3000:]

@@ -32,6 +32,7 @@ from tandem.edge.link import InProcessLink
 from tandem.edge.node import EdgeNode
 from tandem.edge.session import EdgeSessions
 from tests.doubles import HKV, MANIFEST, D, H, K, MemoryLocal, ToyTokenizer, toy_stack
+from tests.helpers import run
 
 CALLER = "in-process"  # the identity of every in-process edge: two of them share it, as two edges without keys do
 OPENING = "Tell me about the arches and bridges of the Romans, and how they were built. " * 2  # ~160 tokens
@@ -52,15 +53,6 @@ def chat(session: str, *texts: str, n: int = 2, mode: Mode = Mode.SPLIT) -> Chat
             msgs.append(("assistant", "ok"))
         msgs.append(("user", t))
     return ChatTurn(tuple(msgs), "", session, Sampling(max_new_tokens=n), mode=mode)
-
-
-async def run(edge: EdgeNode, t: ChatTurn) -> TurnDone:
-    done = None
-    async for ev in edge.chat(t):
-        if isinstance(ev, TurnDone):
-            done = ev
-    assert done is not None
-    return done
 
 
 def ended(role: str, reason: str) -> float:

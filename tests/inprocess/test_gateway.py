@@ -28,21 +28,7 @@ from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.head_runner import HeadInput
 from tandem.stages import TTFT_STAGES, Stage
 from tests.doubles import HKV, MANIFEST, B, D, H, K, TamperLink, ToyTokenizer, rechunk, toy_stack
-
-LONG = "The quick brown fox jumps over the lazy dog, again and again, " * 3  # ~200 tokens
-
-
-def turn(text: str, session: str = "", n: int = 8, **kw) -> ChatTurn:
-    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), **{"mode": Mode.SPLIT, **kw})
-
-
-async def run(svc, t: ChatTurn, timeout_s: float | None = None) -> TurnDone:
-    done = None
-    async for ev in svc.chat(t, timeout_s):
-        if isinstance(ev, TurnDone):
-            done = ev
-    assert done is not None
-    return done
+from tests.helpers import LONG, Sent, chat, run, turn
 
 
 @pytest.fixture
@@ -71,32 +57,6 @@ async def test_second_turn_sends_only_new_blocks(toy):
     assert second.head_tokens < second.prompt_tokens
     assert second.sent_bytes.kv_bytes < first.sent_bytes.kv_bytes
     assert second.external_tokens == second.prompt_tokens // B * B
-
-
-def chat(*msgs: str, session: str = "", n: int = 8, **kw) -> ChatTurn:
-    """A conversation alternating user / assistant messages, ending with a user message."""
-    convo = tuple(("user" if i % 2 == 0 else "assistant", m) for i, m in enumerate(msgs))
-    return ChatTurn(convo, "", session, Sampling(max_new_tokens=n), **{"mode": Mode.SPLIT, **kw})
-
-
-class Sent:
-    """Records what crosses the uplink: the token ranges of activation chunks and the KV leaves."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.leaves: list[int] = []
-
-    def __call__(self, item, attempt):
-        if isinstance(item, wire.Chunk):
-            self.tokens += range(item.token_offset, item.token_offset + item.num_tokens)
-        elif isinstance(item, KVBlock):
-            self.leaves.append(item.leaf_index)
-        return item
-
-    def take(self) -> tuple[list[int], list[int]]:
-        out = (self.tokens, self.leaves)
-        self.tokens, self.leaves = [], []
-        return out
 
 
 async def test_edits_and_regenerations_send_only_what_changed():

@@ -21,24 +21,11 @@ from tandem.common.logs import bind_request, setup_logging
 from tandem.common.messages import KVBlock
 from tandem.common.modes import Mode
 from tandem.common.params import Sampling
-from tandem.edge.events import ChatTurn, TurnDone
+from tandem.edge.events import ChatTurn
 from tests.doubles import TamperLink, toy_stack
+from tests.helpers import LONG, run, turn
 
-LONG = "The quick brown fox jumps over the lazy dog, again and again, " * 3  # ~200 tokens
 STAGES = {"tokenize", "edge_head", "encode", "uplink", "cloud_upload", "cloud_store_put", "cloud_tail_prefill"}
-
-
-def turn(text: str, session: str = "", n: int = 8) -> ChatTurn:
-    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode=Mode.SPLIT)
-
-
-async def run(svc, t: ChatTurn) -> TurnDone:
-    done = None
-    async for ev in svc.chat(t):
-        if isinstance(ev, TurnDone):
-            done = ev
-    assert done is not None
-    return done
 
 
 def corrupt_first_sends(item, attempt):

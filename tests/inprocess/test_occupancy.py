@@ -135,8 +135,8 @@ async def test_an_auto_turn_under_a_cloud_budget_takes_remote_prefill_and_report
     predictions are compared with what it measured."""
     from tandem.common.params import Sampling
     from tandem.edge.events import ChatTurn
+    from tests.helpers import RP_LONG, stream
     from tests.remote_doubles import rp_stack
-    from tests.test_remote_prefill import LONG, stream
 
     toy = await rp_stack(step_delay_s=0.02)
     try:
@@ -146,7 +146,7 @@ async def test_an_auto_turn_under_a_cloud_budget_takes_remote_prefill_and_report
             toy.edge.local.prefill_rate.add(1.0)
         toy.edge.conn.load = replace(toy.edge.conn.load, decode_ms_per_token=20.0, prefill_ms_per_token=0.1)
         before = _count("remote_prefill", "cloud_engine")
-        _, done = await stream(toy, ChatTurn((("user", LONG),), "", "", Sampling(max_new_tokens=40)))
+        _, done = await stream(toy.edge, ChatTurn((("user", RP_LONG),), "", "", Sampling(max_new_tokens=40)))
         assert done.mode is Mode.REMOTE_PREFILL and "budget" in done.mode_reason and done.edge_decoded_tokens > 0
         assert _count("remote_prefill", "cloud_engine") == before + 1
     finally:

@@ -1,0 +1,143 @@
+"""Smoke runs of the benchmark scripts on real vLLM engines, with tiny arguments (results
+meaningless): each script runs end to end and writes its tables and plots, so none rots. The link
+emulator, the report and the benchmarks' arithmetic are unit-tested in ``tests/unit/test_benchmarks.py``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+
+@pytest.fixture(scope="class")
+def bench_cloud(split_dir, tmp_path_factory):
+    """A plain ``tandem-cloud`` allowing every wire format, releasing an idle link's share after 2 s
+    and stepping its SLO controller every second (its trace in ``trace.jsonl`` beside its log), for
+    ``TestSmokeRunsOnOneCloud`` (class-scoped: down before the batching smoke starts its engine).
+    Yields ``(host:port, trace file)``."""
+    from tandem.common.wire import WireDtype
+    from tandem.daemons import Daemons, cloud_command
+
+    w = tmp_path_factory.mktemp("bench-cloud")
+    every = ",".join(d.name.lower() for d in WireDtype)
+    extra = ["--wire-dtypes", every, "--kv-wire-dtypes", every, "--link-idle-s", "2"]
+    extra += ["--slo-interval-s", "1", "--slo-trace-file", str(w / "trace.jsonl"), "--max-queue-wait-s", "5"]
+    with Daemons() as daemons:
+        cloud = daemons.spawn("tandem-cloud", cloud_command(split_dir, w / "kv", extra=extra), w / "cloud.log", w / "c")
+        yield f"127.0.0.1:{cloud.wait_ready(900)}", w / "trace.jsonl"
+
+
+class TestSmokeRunsOnOneCloud:
+    """``tandem-bench``, ``-multiturn``, ``-fidelity`` and ``-burst`` run end to end with tiny
+    arguments against one shared ``tandem-cloud`` (``--cloud``) and write every output file; each would
+    otherwise start its own, a minute apiece on 2 cores. Their own start of a cloud (with the engine
+    configuration of each) is what ``make bench`` runs."""
+
+    def test_bench_smoke(self, tmp_path, bench_cloud, split_dir):
+        target, _ = bench_cloud
+        out = tmp_path / "bench"
+        cmd = [
+            sys.executable,
+            "-m",
+            "tandem.benchmarks.bench",
+            "--split-layers",
+            "4",
+            "--links",
+            "loopback,4g",
+            "--prompt-lens",
+            "16",
+            "--requests",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--cloud",
+            target,
+            "--model-dir",
+            str(split_dir.parent),
+            "--out",
+            str(out),
+        ]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-3000:]
+        rows = list(open(out / "summary.csv"))
+        assert len(rows) == 1 + 2 * 5  # header + split-k4, cloud-only, edge-only, remote-prefill, auto on 2 links
+        assert "auto / best" in (out / "auto.md").read_text()
+        meta = json.loads((out / "meta.json").read_text())
+        assert meta["shaper"] == "proxy"  # a running cloud is reached through the proxy
+        assert (out / "breakeven.png").stat().st_size > 0
+
+    def test_fidelity_smoke(self, tmp_path, bench_cloud, split_dir):
+        target, _ = bench_cloud
+        out = tmp_path / "fidelity"
+        cmd = [sys.executable, "-m", "tandem.benchmarks.fidelity", "--limit", "3", "--max-new-tokens", "3"]
+        cmd += ["--cloud", target, "--model-dir", str(split_dir.parent)]
+        cmd += ["--pairs", "fp32/fp32,int8/int4", "--concurrency", "2", "--out", str(out)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-3000:]
+        data = json.loads((out / "fidelity.json").read_text())
+        assert [r["label"] for r in data["rows"]] == ["fp32/fp32 (again)", "int8/int4"]
+        fp32, small = data["rows"][0]["bytes_per_token"], data["rows"][1]["bytes_per_token"]
+        assert small < fp32 / 4  # int8 activations (581 B) + int4 KV (912 B) against 8448 B at k=4
+        assert (out / "fidelity.png").stat().st_size > 0 and "replies equal" in (out / "fidelity.md").read_text()
+
+    def test_multiturn_smoke(self, tmp_path, bench_cloud, split_dir):
+        target, _ = bench_cloud
+        out = tmp_path / "multiturn"
+        cmd = [sys.executable, "-m", "tandem.benchmarks.multiturn", "--conversations", "1", "--turns", "3"]
+        cmd += ["--cloud", target, "--model-dir", str(split_dir.parent)]
+        cmd += ["--max-new-tokens", "4", "--out", str(out)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-3000:]
+        per_turn = json.loads((out / "multiturn.json").read_text())["per_turn"]
+        assert len(per_turn) == 3 and all(r["same_replies"] for r in per_turn)
+        assert per_turn[0]["delta_bytes"] == pytest.approx(per_turn[0]["naive_bytes"], rel=0.05)  # first turn: all
+        assert per_turn[2]["delta_bytes"] < per_turn[2]["naive_bytes"] / 2  # later turns: only what is new
+        assert (out / "multiturn.png").stat().st_size > 0 and "saved" in (out / "multiturn.md").read_text()
+
+    def test_burst_smoke(self, tmp_path, bench_cloud, split_dir):
+        """Two edges on the shared cloud, one flooding it: the table, every request and the
+        controller's trace of the run (the cloud's lines of the quiet and flood links) are written."""
+        target, trace = bench_cloud
+        out = tmp_path / "burst"
+        cmd = [
+            sys.executable, "-m", "tandem.benchmarks.burst", "--alone-s", "2", "--burst-s", "4",
+            "--flood-concurrency", "2", "--no-compare", "--max-new-tokens", "2", "--out", str(out),
+            "--cloud", target, "--cloud-trace-file", str(trace), "--model-dir", str(split_dir.parent),
+        ]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "| on | alone |" in (out / "burst.md").read_text()
+        lines = (out / "trace-on.jsonl").read_text().splitlines()
+        assert lines and {json.loads(x)["edge_id"] for x in lines} <= {"quiet", "flood"}
+        assert (out / "burst_trace.png").stat().st_size > 0
+
+
+def test_batching_smoke(tmp_path):
+    """``tandem-bench-batching`` runs end to end with tiny arguments and writes its table and plot.
+    It measures vLLM's ``AsyncLLM`` itself at each ``max_num_seqs`` (one engine per setting, no
+    tandem cloud), so it cannot use the shared cloud."""
+    out = tmp_path / "batching"
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem.benchmarks.batching",
+        "--max-num-seqs",
+        "2",
+        "--requests",
+        "2",
+        "--max-new-tokens",
+        "2",
+        "--prompt-tokens",
+        "16",
+        "--out",
+        str(out),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads((out / "batching.json").read_text())
+    assert [r["max_num_seqs"] for r in data["rows"]] == [2]
+    assert (out / "batching.png").stat().st_size > 0
