@@ -22,10 +22,11 @@ import pytest
 
 import tandem
 from tandem import AsyncClient, Cancelled, ChatResult, Client, Delta, EdgeInfo, TandemClientError
-from tandem.client import DEFAULT_TIMEOUT_S, _Accumulator, build_request
+from tandem.client import DEFAULT_TIMEOUT_S, build_request
 from tandem.daemons import Daemon, Daemons, stop_all
 from tandem.errors import ERROR_OF, ResourceExhausted, error_from_status, retry_after_s
 from tandem.stages import Stage
+from tandem.streams import _Accumulator
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
