@@ -15,10 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.cloud.config import CloudConfig, check_engines_fit
+from tandem.common.daemon_cli import check_split_dirs, parse_command_line, run_cli, setup_observability
 from tandem.common.errors import InvalidRequest
 from tandem.common.grpcsetup import install_stop_signals
 from tandem.common.security import private_dir
-from tandem.common.settings import UserError, check_split_dirs, parse_command_line, run_cli, setup_observability
+from tandem.common.settings import UserError
 
 PROG = "tandem-cloud"
 

@@ -1,4 +1,4 @@
-"""Settings of the daemons: sources and their precedence, the command-line runner, the reference tables.
+"""Settings of the daemons: the base model, its sources and their precedence, the units of sizes and durations.
 
 ``tandem-cloud`` and ``tandem-edge`` each read one typed, frozen pydantic-settings model
 (``tandem.cloud.config.CloudConfig``, ``tandem.edge.config.EdgeConfig``). Every setting can be set
@@ -17,42 +17,30 @@ flags: keyword > environment > config file > default.
 Sizes (fields ending ``_bytes``) are ``pydantic.ByteSize``: an int, or a number with a unit
 (``512MiB``, ``4GiB``; ``KB``/``MB``/``GB`` are powers of 1000); durations end in ``_s`` or ``_ms``.
 
-``parse_command_line`` builds the flags from the model with pydantic-settings' ``CliSettingsSource``
-on an argparse parser that also has ``--version``, ``--config`` and ``--ready-file``; ``run_cli``
-turns every user error (bad value, unknown flag or key, missing or malformed config file, a split
-directory without a manifest) into one line on stderr, ``PROG: error: ...``, and exit code 2.
-
-``iter_settings`` and ``settings_table`` describe a settings model as reference rows and a markdown
-table; ``docs/gen_configuration.py`` (outside the runtime packages) writes ``docs/configuration.md``
-from them. This module imports neither daemon's config.
+The command line (``parse_command_line``, ``run_cli``: flags built with pydantic-settings'
+``CliSettingsSource``, user errors as one line and exit code 2) is ``tandem.common.daemon_cli``; the
+reference rows and table of a settings model (``iter_settings``, ``settings_table``, from which
+``docs/gen_configuration.py`` writes ``docs/configuration.md``) are ``tandem.common.settings_doc``.
+This module imports neither daemon's config.
 """
 
 from __future__ import annotations
 
-import argparse
 import enum
 import json
 import os
-import sys
 import tomllib
-import types
-import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Generic, Literal, NoReturn, Self, TypeVar
+from typing import Annotated, Any, Literal, Self, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ByteSize, Field, ValidationError, model_validator
-from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
+from pydantic import BeforeValidator, ByteSize, Field, model_validator
 from pydantic_settings import (
     BaseSettings,
-    CliSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    SettingsError,
     TomlConfigSettingsSource,
 )
 
@@ -312,304 +300,6 @@ class TomlFileSource(TomlConfigSettingsSource):
 # ---------------------------------------------------------------------------------------------
 # Command line
 
-S = TypeVar("S", bound=BaseSettings)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises ``UserError`` instead of printing usage and exiting."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UserError(message)
-
-
-@dataclass(frozen=True)
-class Invocation(Generic[S]):
-    """What a daemon's command line asked for."""
-
-    settings: S
-    ready_file: Path | None
-    config_file: Path | None
-
-
-def _version() -> str:
-    from tandem import __version__
-
-    return f"tandem {__version__}"
-
-
-def make_parser(
-    settings_cls: type[BaseSettings], prog: str, description: str = ""
-) -> tuple[_Parser, CliSettingsSource]:
-    """The argparse parser of a daemon: ``--version``, ``--config``, ``--ready-file`` and a flag per setting."""
-    parser = _Parser(
-        prog=prog,
-        description=description,
-        allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            f"Precedence: flags > environment ({settings_cls.model_config.get('env_prefix')}...) > config file > "
-            "defaults. Sizes take units (512MiB, 4GiB); `none` clears an optional setting."
-        ),
-    )
-    parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
-    parser.add_argument(
-        "--config",
-        type=Path,
-        metavar="FILE",
-        help=f"TOML config file (default: ${config_env_var(settings_cls)} if set)",
-    )
-    parser.add_argument("--ready-file", type=Path, metavar="PATH", help="write the bound port here once serving")
-    cli: CliSettingsSource = CliSettingsSource(settings_cls, root_parser=parser, case_sensitive=True)
-    return parser, cli
-
-
-def parse_command_line(
-    settings_cls: type[S], prog: str, argv: Sequence[str] | None = None, *, description: str = ""
-) -> Invocation[S]:
-    """Parse ``argv`` (default ``sys.argv[1:]``) into settings: flags > env > config file > defaults.
-
-    Raises:
-        UserError: an unknown flag, a bad value, a missing or malformed config file.
-    """
-    parser, cli = make_parser(settings_cls, prog, description)
-    args = vars(parser.parse_args(list(sys.argv[1:] if argv is None else argv)))
-    chosen: Path | None = args.pop("config")
-    ready_file: Path | None = args.pop("ready_file")
-    token = _CONFIG_FILE.set(chosen)
-    try:
-        settings = settings_cls(_cli_settings_source=cli(parsed_args=args))
-        return Invocation(settings, ready_file, config_file(settings_cls))
-    except ValidationError as e:
-        raise UserError(format_validation_error(e)) from None
-    except SettingsError as e:
-        raise UserError(str(e)) from None
-    finally:
-        _CONFIG_FILE.reset(token)
-
-
-def format_validation_error(err: ValidationError) -> str:
-    """A ``ValidationError`` as one line: ``engine.max_num_seqs: Input should be ... (got 'x'); ...``."""
-    parts = []
-    for e in err.errors(include_url=False):
-        loc = ".".join(str(x) for x in e["loc"])
-        if e["type"] == "extra_forbidden":
-            parts.append(f"unknown setting {loc!r}")
-            continue
-        msg = e["msg"].removeprefix("Value error, ")
-        got = e.get("input")
-        part = f"{loc}: {msg}" if loc else msg
-        if got is not None and not isinstance(got, dict | BaseModel) and e["type"] != "missing":
-            part += f" (got {got!r})"
-        parts.append(part)
-    return "invalid settings: " + "; ".join(parts)
-
-
-def one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def run_cli(prog: str, main: Callable[[], int | None]) -> int:
-    """Run a daemon's ``main``; a ``UserError`` becomes ``PROG: error: MESSAGE`` on stderr and exit code 2."""
-    try:
-        return main() or 0
-    except UserError as e:
-        print(f"{prog}: error: {one_line(str(e))}", file=sys.stderr)
-        return 2
-
-
-def check_split_dir(split_dir: Path, parts: Sequence[str]) -> None:
-    """A split directory with a valid ``manifest.json`` and the manifest's ``parts`` (``head_onnx``...) present.
-
-    Raises:
-        UserError: otherwise.
-    """
-    from tandem.common.manifest import MANIFEST_NAME, SplitManifest
-
-    if not (Path(split_dir) / MANIFEST_NAME).is_file():
-        what = "is not a directory" if not Path(split_dir).is_dir() else f"has no {MANIFEST_NAME}"
-        raise UserError(f"split dir {split_dir} {what} (prepare the model with `make model` or `tandem-model`)")
-    try:
-        manifest = SplitManifest.load(split_dir)
-    except (OSError, ValueError) as e:  # pydantic.ValidationError and json's errors are ValueErrors
-        raise UserError(f"split dir {split_dir}: unreadable {MANIFEST_NAME}: {one_line(str(e))[:300]}") from None
-    for part in parts:
-        path = manifest.resolve(split_dir, getattr(manifest, part))
-        if not path.exists():
-            raise UserError(f"split dir {split_dir}: {part} {path} is missing")
-
-
-def check_split_dirs(split_dirs: Sequence[Path], parts: Sequence[str]) -> None:
-    """``check_split_dir`` for each, and all of them cuts of one model (weights and shape), as the
-    daemons require when they load them.
-
-    Raises:
-        UserError: otherwise.
-    """
-    from tandem.common.manifest import SplitManifest
-
-    for d in split_dirs:
-        check_split_dir(d, parts)
-    first = SplitManifest.load(split_dirs[0])
-    for d in split_dirs[1:]:
-        m = SplitManifest.load(d)
-        if m.weights_blake3 != first.weights_blake3 or m.shape != first.shape:
-            raise UserError(f"split dir {d} holds another model than {split_dirs[0]}: all must be one model's")
-
-
-def setup_observability(settings: Any, service_name: str) -> None:
-    """Logging (``log_format``, ``log_level``), OpenTelemetry spans when ``otel_enabled`` (named
-    ``service_name``, to ``otel_endpoint``), and the metrics endpoint when ``metrics_port`` is set.
-
-    Raises:
-        UserError: the metrics endpoint cannot start.
-    """
-    from tandem.common.logs import setup_logging
-    from tandem.common.tracing import setup_tracing
-
-    setup_logging(settings.log_format, settings.log_level)
-    setup_tracing(settings.otel_enabled, service_name, settings.otel_endpoint)
-    if settings.metrics_port:
-        try:
-            from tandem.common.metrics import start_metrics_server
-        except ImportError as e:
-            raise UserError(f"metrics_port is set but this build has no metrics server ({e})") from None
-        try:
-            start_metrics_server(settings.metrics_host, settings.metrics_port)
-        except OSError as e:
-            raise UserError(
-                f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {e.strerror or e}"
-            ) from None
-
 
 # ---------------------------------------------------------------------------------------------
 # Reference tables
-
-
-@dataclass(frozen=True)
-class SettingDoc:
-    """One row of the reference."""
-
-    flags: tuple[str, ...]
-    env: str
-    toml_key: str
-    type: str
-    default: str
-    description: str
-
-
-def _kebab(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
-
-
-def _strip_annotated(tp: Any) -> Any:
-    while typing.get_origin(tp) is Annotated:
-        tp = typing.get_args(tp)[0]
-    return tp
-
-
-def _type_doc(name: str, tp: Any) -> str:
-    tp = _strip_annotated(tp)
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        inner = _type_doc(name, args[0]) if len(args) == 1 else " or ".join(_type_doc(name, a) for a in args)
-        return f"{inner} or `none`"
-    if origin is Literal:
-        return ", ".join(f"`{a}`" for a in typing.get_args(tp))
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return ", ".join(f"`{m.name.lower()}`" for m in tp)
-    if isinstance(tp, type) and issubclass(tp, ByteSize):
-        return "size (bytes)"
-    if tp is bool:
-        return "bool"
-    if isinstance(tp, type) and issubclass(tp, Path):
-        return "path"
-    base = getattr(tp, "__name__", str(tp))
-    for suffix, unit in (("_s", "seconds"), ("_ms", "ms"), ("_tokens", "tokens"), ("_mbps", "Mbit/s")):
-        if name.endswith(suffix):
-            return f"{base} ({unit})"
-    return base
-
-
-def _default_doc(value: Any) -> str:
-    if value is None:
-        return "`none`"
-    if isinstance(value, ByteSize):
-        return f"`{_fmt_bytes(int(value))}`"
-    if isinstance(value, enum.Enum):
-        return f"`{value.name.lower()}`"
-    if isinstance(value, bool):
-        return f"`{str(value).lower()}`"
-    if isinstance(value, str) and value == "":
-        return '`""`'
-    if isinstance(value, list | tuple) and value:
-        return ", ".join(_default_doc(v) for v in value)
-    if isinstance(value, list | tuple):
-        return "`[]`"
-    return f"`{value}`"
-
-
-def _default_of(info: FieldInfo) -> Any:
-    if info.default is not PydanticUndefined:
-        return info.default
-    if info.default_factory is not None:
-        return info.get_default(call_default_factory=True)
-    return PydanticUndefined
-
-
-def iter_settings(settings_cls: type[BaseSettings]) -> Iterator[SettingDoc]:
-    """The reference rows of ``settings_cls``: one per leaf setting, nested models flattened."""
-    cfg = settings_cls.model_config
-    prefix = str(cfg.get("env_prefix", "")).upper()
-    delim = cfg.get("env_nested_delimiter") or "__"
-    shortcuts: Mapping[str, str | list[str]] = cfg.get("cli_shortcuts") or {}
-
-    def walk(model: type[BaseModel], path: tuple[str, ...]) -> Iterator[SettingDoc]:
-        for name, info in model.model_fields.items():
-            tp = _strip_annotated(info.annotation)
-            full = (*path, name)
-            if isinstance(tp, type) and issubclass(tp, BaseModel):
-                yield from walk(tp, full)
-                continue
-            flag = ".".join(_kebab(p) for p in full)
-            extra = shortcuts.get(flag, [])
-            names = [flag, *([extra] if isinstance(extra, str) else extra)]
-            if tp is bool:
-                flags = tuple(f for n in names for f in (f"--{n}", f"--no-{n}"))
-            else:
-                flags = tuple(f"--{n}" for n in names)
-            default = _default_of(info)
-            yield SettingDoc(
-                flags=flags,
-                env=prefix + delim.join(full).upper(),
-                toml_key=".".join(full),
-                type=_type_doc(name, info.annotation),
-                default="(required)" if default is PydanticUndefined else _default_doc(default),
-                description=one_line(info.description or ""),
-            )
-
-    yield from walk(settings_cls, ())
-
-
-def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-def settings_table(settings_cls: type[BaseSettings]) -> str:
-    """A markdown table of ``settings_cls``: a header and one row per ``iter_settings`` row."""
-    rows = [
-        "| flag | environment variable | TOML key | type | default | description |",
-        "|---|---|---|---|---|---|",
-    ]
-    for d in iter_settings(settings_cls):
-        flags = " ".join(f"`{f}`" for f in d.flags)
-        cells = [flags, f"`{d.env}`", f"`{d.toml_key}`", d.type, d.default, d.description]
-        rows.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
-    return "\n".join(rows)

@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic_settings import BaseSettings
 
 from tandem.cloud.config import CloudConfig
-from tandem.common.settings import settings_table
+from tandem.common.settings_doc import settings_table
 from tandem.edge.config import EdgeConfig
 
 OUT = Path(__file__).resolve().parent / "configuration.md"

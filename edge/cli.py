@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from tandem.common.daemon_cli import check_split_dirs, parse_command_line, run_cli, setup_observability
 from tandem.common.errors import TandemError
-from tandem.common.settings import check_split_dirs, parse_command_line, run_cli, setup_observability
 from tandem.edge.config import EdgeConfig
 
 PROG = "tandem-edge"

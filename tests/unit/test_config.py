@@ -16,11 +16,8 @@ from pydantic import ByteSize, ValidationError
 
 from tandem import __version__
 from tandem.cloud.config import CloudConfig, EngineConfig
-from tandem.common.settings import (
-    ConfigFileError,
-    UserError,
-    parse_command_line,
-)
+from tandem.common.daemon_cli import parse_command_line
+from tandem.common.settings import ConfigFileError, UserError
 from tandem.common.wire import Codec, WireDtype
 from tandem.edge.config import EdgeConfig
 

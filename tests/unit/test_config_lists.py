@@ -13,7 +13,8 @@ import pytest
 from pydantic import BaseModel
 
 from tandem.cloud.config import CloudConfig
-from tandem.common.settings import UserError, parse_command_line
+from tandem.common.daemon_cli import parse_command_line
+from tandem.common.settings import UserError
 from tandem.common.wire import Codec, WireDtype
 from tandem.edge.config import EdgeConfig
 
