@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 from prometheus_client import REGISTRY, Gauge
 
-from tandem.common import metrics, tracing, wire
+from tandem.common import metrics, tracing, vllm_metrics, wire
 from tandem.common.errors import InvalidRequest
 from tandem.common.logs import bind_request, setup_logging
 from tandem.common.messages import KVBlock
@@ -143,7 +143,7 @@ def test_the_metrics_endpoint_serves_tandem_metrics():
 
 
 def test_shared_vllm_metrics_survive_vllms_unregistering():
-    shared = metrics._shared_metric(Gauge)
+    shared = vllm_metrics._shared_metric(Gauge)
     a = shared(name="tandem_test:shared_gauge", documentation="d", labelnames=["model_name"])
     a.labels("tail").set(1)
     REGISTRY.unregister(a)  # what vLLM's PrometheusStatLogger does when the next engine starts
