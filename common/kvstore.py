@@ -8,12 +8,13 @@ engines' connectors get blocks. Writers and readers live in different processes 
 on different hosts). A miss is normal (never written, evicted, or failed its check): callers fall
 back to recomputing or resending, never to wrong data.
 
-Backends (one contract, tests/test_kvstore.py runs it against each):
+Backends (one contract, tests/unit/test_kvstore.py runs it against each):
 
-* ``DiskBlockStore``: one node's default, a directory (``diskcache``: SQLite index, atomic
-  writes, bounded by ``size_limit_bytes`` with least-recently-used eviction).
-* ``RedisBlockStore``: shared by several cloud replicas (``redis://`` or ``rediss://``); bounded
-  by the server's ``maxmemory`` with an LRU policy (set at connect when the server has none).
+* ``DiskBlockStore`` (``common.kvstore_disk``): one node's default, a directory (``diskcache``:
+  SQLite index, atomic writes, bounded by ``size_limit_bytes`` with least-recently-used eviction).
+* ``RedisBlockStore`` (``common.kvstore_redis``): shared by several cloud replicas (``redis://`` or
+  ``rediss://``); bounded by the server's ``maxmemory`` with an LRU policy (set at connect when the
+  server has none).
 * ``MemoryBlockStore``: in-process, for unit tests and single-process use.
 
 Pins: the gateway pins the keys a request will read or write (``pin``) for as long as it is in
@@ -30,10 +31,7 @@ their length against the part's shape.
 
 from __future__ import annotations
 
-import io
 import logging
-import os
-import sqlite3
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -45,8 +43,7 @@ from urllib.parse import urlsplit
 
 import blake3
 
-from tandem.common.errors import EngineError, InvalidRequest
-from tandem.common.security import private_dir
+from tandem.common.errors import InvalidRequest
 
 SEAL_BYTES = 16  # BLAKE3 digest prefix of a stored value: 128 bits, far past accidental collisions
 PASSWORD_ENV = "TANDEM_CLOUD_STORE_PASSWORD"  # the shared store's password, never in a URL or a log
@@ -155,108 +152,6 @@ class SealedStore(ABC):
         return True
 
 
-def _register_disk_policy() -> None:
-    """diskcache's least-recently-used eviction, less the keys with a live pin: the cull query of
-    ``diskcache.core.EVICTION_POLICY["least-recently-used"]`` (diskcache 5.6) with a filter on the
-    ``tandem_pins`` table that ``DiskBlockStore`` keeps in the same SQLite database."""
-    from diskcache.core import EVICTION_POLICY
-
-    lru = EVICTION_POLICY["least-recently-used"]
-    EVICTION_POLICY.setdefault(
-        DISK_POLICY,
-        {
-            "init": lru["init"],
-            "get": lru["get"],
-            "cull": "SELECT {fields} FROM Cache WHERE key NOT IN "
-            "(SELECT key FROM tandem_pins WHERE deadline > {now}) ORDER BY access_time LIMIT ?",
-        },
-    )
-
-
-class DiskBlockStore(SealedStore):
-    """Process-safe bounded store in a directory (``diskcache.Cache``). Pins are rows of a
-    ``tandem_pins`` table in the cache's own SQLite database (shared by every process that opens
-    the directory), which the eviction policy ``DISK_POLICY`` skips while their lease lasts."""
-
-    def __init__(self, directory: Path | str, size_limit_bytes: int) -> None:
-        import diskcache
-
-        self.directory = private_dir(Path(directory))  # mode 0700, owned by this user
-        self.size_limit_bytes = size_limit_bytes
-        _register_disk_policy()
-        # the pins table must exist before the policy's first cull, and be made after diskcache set
-        # the database up (its auto_vacuum, which gives culled pages back, only applies to a new file)
-        self._cache = diskcache.Cache(
-            str(self.directory),
-            size_limit=size_limit_bytes,
-            eviction_policy="least-recently-used",
-            statistics=False,
-            sqlite_synchronous=1,  # NORMAL: safe across processes, no fsync per put
-        )
-        self._pins_db = sqlite3.connect(
-            self.directory / "cache.db", timeout=60, isolation_level=None, check_same_thread=False
-        )
-        self._pins_lock = threading.Lock()
-        with self._pins_lock:
-            self._pins_db.execute("PRAGMA synchronous=NORMAL")  # pins need no fsync: leases, rebuilt by use
-            self._pins_db.execute(
-                "CREATE TABLE IF NOT EXISTS tandem_pins "
-                "(key TEXT NOT NULL, owner TEXT NOT NULL, deadline REAL NOT NULL, PRIMARY KEY (key, owner))"
-            )
-        self._cache.reset("eviction_policy", DISK_POLICY)
-
-    def pin(self, keys: Iterable[str], owner: str, lease_s: float) -> None:
-        now = time.time()
-        rows = [(k, owner, now + lease_s) for k in keys]
-        with self._pins_lock:
-            self._pins_db.execute("BEGIN IMMEDIATE")
-            try:
-                self._pins_db.execute("DELETE FROM tandem_pins WHERE deadline <= ?", (now,))  # lapsed leases
-                self._pins_db.executemany("INSERT OR REPLACE INTO tandem_pins VALUES (?, ?, ?)", rows)
-                self._pins_db.execute("COMMIT")
-            except BaseException:
-                self._pins_db.execute("ROLLBACK")
-                raise
-
-    def unpin(self, keys: Iterable[str], owner: str) -> None:
-        rows = [(k, owner) for k in keys]
-        with self._pins_lock:
-            self._pins_db.execute("BEGIN IMMEDIATE")  # one transaction, not one per key
-            try:
-                self._pins_db.executemany("DELETE FROM tandem_pins WHERE key = ? AND owner = ?", rows)
-                self._pins_db.execute("COMMIT")
-            except BaseException:
-                self._pins_db.execute("ROLLBACK")
-                raise
-
-    def _set(self, key: str, raw: bytes) -> None:
-        if len(raw) < self._cache.disk_min_file_size:  # small values live in SQLite itself
-            self._cache.set(key, raw)
-        else:
-            # as a file-like value: diskcache then writes it in 4 MiB chunks. Given bytes, it writes
-            # ``io.BytesIO(value)`` line by line (diskcache 5.6 ``Disk.store``), a write per 0x0A byte:
-            # about 2,000 writes for 640 KB of KV, 3.5x the time of one chunked write.
-            self._cache.set(key, io.BytesIO(raw), read=True)
-
-    def _get(self, key: str) -> bytes | None:
-        v = self._cache.get(key)
-        return None if v is None else bytes(v)
-
-    def _has(self, key: str) -> bool:
-        return key in self._cache
-
-    def _del(self, key: str) -> None:
-        self._cache.delete(key)
-
-    def volume_bytes(self) -> int:
-        return int(self._cache.volume())
-
-    def close(self) -> None:
-        self._cache.close()
-        with self._pins_lock:
-            self._pins_db.close()
-
-
 class MemoryBlockStore(SealedStore):
     """In-process LRU store bounded by bytes: for unit tests and single-process use."""
 
@@ -331,199 +226,6 @@ class MemoryBlockStore(SealedStore):
         return None
 
 
-# Redis scripts (Lua 5.1, run atomically by the server). A pinned key has no TTL, so the server's
-# volatile-lru policy never evicts it; every other value carries a TTL (``ttl_ms``, restarted by
-# ``touch`` and ``unpin``) and is evicted least recently used first. Pins are members
-# ``owner|key`` of the sorted set ``<prefix>pins`` scored by their lease deadline (ms on the
-# server's clock) and counted per key in the hash ``<prefix>pinned``; lapsed leases are swept by
-# each pin.
-_REDIS_PUT = """
-if redis.call('HEXISTS', KEYS[2], ARGV[3]) == 1 then
-  redis.call('SET', KEYS[1], ARGV[1])
-else
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-end
-"""
-_REDIS_RELEASE = """
-local function release(k)
-  if redis.call('HINCRBY', KEYS[2], k, -1) <= 0 then
-    redis.call('HDEL', KEYS[2], k)
-    redis.call('PEXPIRE', ARGV[1] .. k, ARGV[2])
-  end
-end
-"""
-_REDIS_PIN = (
-    _REDIS_RELEASE
-    + """
-local t = redis.call('TIME')  -- the server's clock: replicas' clocks may differ
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local deadline = now + tonumber(ARGV[4])
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 512)) do
-  redis.call('ZREM', KEYS[1], m)
-  release(string.sub(m, string.find(m, '|', 1, true) + 1))
-end
-for i = 5, #ARGV do
-  if redis.call('ZADD', KEYS[1], deadline, ARGV[3] .. '|' .. ARGV[i]) == 1 then  -- a new pin (else: lease renewed)
-    redis.call('HINCRBY', KEYS[2], ARGV[i], 1)
-  end
-  redis.call('PERSIST', ARGV[1] .. ARGV[i])
-end
-"""
-)
-_REDIS_UNPIN = (
-    _REDIS_RELEASE
-    + """
-for i = 4, #ARGV do
-  if redis.call('ZREM', KEYS[1], ARGV[3] .. '|' .. ARGV[i]) == 1 then
-    release(ARGV[i])
-  end
-end
-"""
-)
-_REDIS_TOUCH = """
-if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 0 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[1])
-end
-"""
-
-
-class RedisBlockStore(SealedStore):
-    """A store shared by several cloud replicas: a Redis server (``redis://host:port/db``, or
-    ``rediss://`` for TLS; one server or a primary, not Redis Cluster: a script touches a key and
-    the pin tables together). Keys live under ``prefix``. The byte bound is the server's
-    ``maxmemory`` with ``volatile-lru`` eviction, which evicts only keys with a TTL: every value
-    carries one (``ttl_s`` since last used) except pinned ones (see the scripts above). Both are
-    set at connect when the server has no bound; an operator's own bound and policy are kept, and
-    a policy that breaks pins (``allkeys-*``) or does not evict is warned about. The password comes
-    from ``$TANDEM_CLOUD_STORE_PASSWORD``, never from the URL, so it is in no config dump or log.
-
-    Reads that fail on the network are misses (the caller recomputes); writes raise.
-
-    Raises:
-        InvalidRequest: the URL is not ``redis://`` / ``rediss://``, or carries a password.
-        EngineError: the server does not answer at connect (``socket_timeout_s``).
-    """
-
-    def __init__(
-        self,
-        url: str,
-        size_limit_bytes: int,
-        prefix: str = "tandem:",
-        socket_timeout_s: float = 5.0,
-        ttl_s: float = DEFAULT_TTL_S,
-    ):
-        import redis
-
-        check_store_url(url)
-        self.url, self.prefix, self.size_limit_bytes = url, prefix, size_limit_bytes
-        self.ttl_ms = max(1, int(ttl_s * 1000))
-        self._pins_key, self._pinned_key = prefix + "pins", prefix + "pinned"
-        # every server-side failure too: OOM under a policy that does not evict, READONLY after a failover
-        self._errors = (redis.RedisError,)
-        self._r = redis.Redis.from_url(
-            url,
-            password=os.environ.get(PASSWORD_ENV) or None,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s,
-            health_check_interval=30,
-        )
-        try:
-            self._r.ping()
-        except self._errors as e:
-            raise EngineError(f"block store {url}: {e}") from None
-        self._put_script = self._r.register_script(_REDIS_PUT)
-        self._pin_script = self._r.register_script(_REDIS_PIN)
-        self._unpin_script = self._r.register_script(_REDIS_UNPIN)
-        self._touch_script = self._r.register_script(_REDIS_TOUCH)
-        self._bound()
-
-    def _bound(self) -> None:
-        import redis
-
-        try:
-            conf: dict = dict(self._r.config_get("maxmemory*"))  # type: ignore[arg-type]
-            maxmemory, policy = int(conf.get("maxmemory") or 0), str(conf.get("maxmemory-policy") or "")
-            if maxmemory == 0:  # the bound is on tandem's values: the server's own memory comes on top
-                used = int(self._r.info("memory").get("used_memory", 0))
-                self._r.config_set("maxmemory", used + self.size_limit_bytes)
-                self._r.config_set("maxmemory-policy", "volatile-lru")
-                log.info(
-                    "block store %s: bounded to %d + %d bytes, volatile-lru", self.url, used, self.size_limit_bytes
-                )
-            elif policy.startswith("allkeys-"):
-                log.warning(
-                    "block store %s: maxmemory-policy %s may evict KV blocks of requests in flight (the engines "
-                    "recompute them); use volatile-lru",
-                    self.url,
-                    policy,
-                )
-            elif not policy.startswith("volatile-"):
-                log.warning(
-                    "block store %s: maxmemory-policy %s evicts nothing; writes fail when full (use volatile-lru)",
-                    self.url,
-                    policy,
-                )
-        except redis.ResponseError as e:  # CONFIG is disabled on managed servers: the operator bounds it
-            log.warning("block store %s: cannot read or set its bound (%s); the server's own applies", self.url, e)
-        except redis.RedisError as e:
-            raise EngineError(f"block store {self.url}: {e}") from None
-
-    def _set(self, key: str, raw: bytes) -> None:
-        try:
-            self._put_script(keys=[self.prefix + key, self._pinned_key], args=[raw, self.ttl_ms, key])
-        except self._errors as e:
-            raise EngineError(f"block store {self.url}: {e}") from None
-
-    def pin(self, keys: Iterable[str], owner: str, lease_s: float) -> None:
-        args: list[str | int] = [self.prefix, self.ttl_ms, owner, max(1, int(lease_s * 1000)), *keys]
-        try:
-            self._pin_script(keys=[self._pins_key, self._pinned_key], args=args)
-        except self._errors as e:
-            raise EngineError(f"block store {self.url}: {e}") from None
-
-    def unpin(self, keys: Iterable[str], owner: str) -> None:
-        try:
-            self._unpin_script(keys=[self._pins_key, self._pinned_key], args=[self.prefix, self.ttl_ms, owner, *keys])
-        except self._errors as e:
-            raise EngineError(f"block store {self.url}: {e}") from None
-
-    def _get(self, key: str) -> bytes | None:
-        try:
-            v = self._r.get(self.prefix + key)
-        except self._errors as e:
-            log.warning("block store %s: read of %s failed (%s): a miss", self.url, key, e)
-            return None
-        return None if v is None else bytes(v)  # type: ignore[arg-type]
-
-    def _has(self, key: str) -> bool:
-        try:
-            return bool(self._r.exists(self.prefix + key))
-        except self._errors:
-            return False
-
-    def touch(self, key: str) -> None:
-        try:
-            self._touch_script(keys=[self.prefix + key, self._pinned_key], args=[self.ttl_ms, key])
-        except self._errors:
-            pass
-
-    def _del(self, key: str) -> None:
-        try:
-            self._r.delete(self.prefix + key)
-        except self._errors as e:
-            raise EngineError(f"block store {self.url}: {e}") from None
-
-    def volume_bytes(self) -> int:
-        """The server's memory in use (all of its keys, not only tandem's)."""
-        try:
-            return int(self._r.info("memory").get("used_memory", 0))
-        except self._errors:
-            return 0
-
-    def close(self) -> None:
-        self._r.close()
-
-
 def check_store_url(url: str) -> str:
     """``url`` if it can name a Redis block store: ``redis://`` or ``rediss://``, with no password in it.
 
@@ -550,5 +252,9 @@ def open_store(url: str, directory: Path | str, size_limit_bytes: int) -> Sealed
         InvalidRequest, EngineError: see ``RedisBlockStore`` and ``DiskBlockStore``.
     """
     if url:
+        from tandem.common.kvstore_redis import RedisBlockStore
+
         return RedisBlockStore(url, size_limit_bytes)
+    from tandem.common.kvstore_disk import DiskBlockStore
+
     return DiskBlockStore(directory, size_limit_bytes)

@@ -26,7 +26,8 @@ from tandem.common.errors import (
     Unauthenticated,
 )
 from tandem.common.grpcsetup import add_service, channel_credentials, server_credentials, start_server
-from tandem.common.kvstore import DiskBlockStore, MemoryBlockStore
+from tandem.common.kvstore import MemoryBlockStore
+from tandem.common.kvstore_disk import DiskBlockStore
 from tandem.common.modes import Mode
 from tandem.common.params import NegotiateOffer, Sampling
 from tandem.common.security import ApiKeys, Authenticator, private_dir

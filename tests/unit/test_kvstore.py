@@ -10,13 +10,13 @@ from tandem.common.kvblocks import LayerRange, block_hashes, hash_seed, part_key
 from tandem.common.kvstore import (
     PASSWORD_ENV,
     SEAL_BYTES,
-    DiskBlockStore,
     MemoryBlockStore,
-    RedisBlockStore,
     open_store,
     seal,
     unseal,
 )
+from tandem.common.kvstore_disk import DiskBlockStore
+from tandem.common.kvstore_redis import RedisBlockStore
 
 
 def test_chained_hashes_share_prefixes():
