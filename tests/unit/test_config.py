@@ -325,22 +325,22 @@ def test_engines_on_one_gpu_must_fit_it_together():
 
 
 def test_an_engine_is_placed_on_its_devices_among_those_visible(monkeypatch):
-    from tandem.cloud.engines import _placed, _visible_devices
+    from tandem.cloud.engine_start import placed_on, visible_devices
     from tandem.common.errors import EngineError
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert _visible_devices(1, 2) == "1,2"
+    assert visible_devices(1, 2) == "1,2"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
-    assert _visible_devices(1, 2) == "6,7"
+    assert visible_devices(1, 2) == "6,7"
     with pytest.raises(EngineError, match="CUDA_VISIBLE_DEVICES=4,6,7"):
-        _visible_devices(2, 2)
+        visible_devices(2, 2)
     import os
 
-    with _placed(1, 1):
+    with placed_on(1, 1):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "6"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6,7"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    with _placed(0, 1):
+    with placed_on(0, 1):
         assert "CUDA_VISIBLE_DEVICES" not in os.environ  # device 0 alone: nothing to change
-    with _placed(None, 1):
+    with placed_on(None, 1):
         assert "CUDA_VISIBLE_DEVICES" not in os.environ  # the CPU build
