@@ -111,7 +111,7 @@ bench-capacity: model
 fuzz: setup
 	$(BIN)/python -m tests.fuzz --seconds 300
 
-# docs/configuration.md from the settings models (tests/test_config.py fails when it is stale)
+# docs/configuration.md from the settings models (tests/unit/test_config.py fails when it is stale)
 docs: setup
 	$(BIN)/python docs/gen_configuration.py
 

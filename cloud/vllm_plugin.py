@@ -151,7 +151,7 @@ def install_fast_exit() -> bool:
     KV connector's writer drained) and ``BaseProcess._bootstrap`` has run ``multiprocessing``'s
     finalizers, joined the process's threads and flushed its streams. vLLM's shared-memory queues
     unlink their segments when that shutdown drops them (``ShmRingBuffer.__del__``): a stop left no
-    ``/dev/shm`` segment behind, and ``tests/test_cloud_drain.py`` fails if the resource tracker
+    ``/dev/shm`` segment behind, and ``tests/engines/test_cloud_drain.py`` fails if the resource tracker
     finds one. What is left is the interpreter's teardown.
 
     Only ``multiprocessing.spawn``'s ``sys.exit`` changes: it sees ``sys`` through

@@ -12,7 +12,7 @@ Inclusion (audit) paths and consistency proofs are RFC 6962 sections 2.1.1 and
 ``MerkleHasher`` binds all of this to one hash function ``H``. Two instances ship:
 ``BLAKE3`` (the project's choice and the default) and ``SHA256`` (RFC 6962's own
 hash, used to check the algorithms against the Certificate Transparency reference
-vectors in tests/test_merkle.py). The module-level functions below delegate to
+vectors in tests/unit/test_merkle.py). The module-level functions below delegate to
 ``BLAKE3``; they are what the edge (edge/framing.py builds a turn's leaves and
 root) and the cloud (cloud/upload.py re-hashes received KV blocks and checks the
 committed root) call.

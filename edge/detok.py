@@ -15,7 +15,7 @@ token boundaries) decode the whole output on every feed. When the stream refuses
 cannot extend (byte-fallback tokenizers can make it; vLLM's detokenizer meets the same,
 vLLM #17448), the rest of the output goes through the whole decode. Either way the text equals
 ``tokenizer.decode(all_ids, skip_special_tokens=True)`` less a trailing incomplete character
-(``tests/test_detok.py``).
+(``tests/inprocess/test_detok.py``).
 """
 
 from __future__ import annotations

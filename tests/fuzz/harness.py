@@ -1,5 +1,5 @@
 """Property-based fuzzing (hypothesis) of the cloud's uplink verification and of raw protobuf messages into the
-``Cloud`` and ``Edge`` gRPC services. Shared by ``tests/test_fuzz.py`` (thousands of cases,
+``Cloud`` and ``Edge`` gRPC services. Shared by ``tests/fuzz/test_fuzz.py`` (thousands of cases,
 fixed seed, fast tier) and ``python -m tests.fuzz`` (``tests/fuzz/cli.py``: longer runs, random seed). The
 cases live in ``tests/fuzz/uploads.py`` (valid uploads and their mutations) and ``tests/fuzz/strategies.py``;
 this module runs them and checks the properties.
@@ -26,7 +26,7 @@ Targets (``TARGETS``), each a strategy of cases and a property (``Harness.check`
   servers stay idle afterwards and good requests still return the reference results.
 
 Open product bugs are listed in ``KNOWN_BUGS``; a case that hits one is counted (``Stats.known``) and, unless
-``strict``, not a failure (tests/test_fuzz.py keeps a strict xfail reproducer for each).
+``strict``, not a failure (tests/fuzz/test_fuzz.py keeps a strict xfail reproducer for each).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Unit tests of the gateway's and the edge service's logic with in-memory doubles at every
 seam (``MemoryEngines``, ``MemoryBlockStore``, ``MemoryHead``, ``InProcessLink``); no vLLM,
-no ONNX Runtime, no network. The real-engine tests in test_split_e2e.py stay beside them."""
+no ONNX Runtime, no network. The same paths on real engines are in ``tests/engines/test_split_e2e.py``."""
 
 from __future__ import annotations
 
