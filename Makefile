@@ -115,12 +115,12 @@ fuzz: setup
 docs: setup
 	$(BIN)/python docs/gen_configuration.py
 
-# mypy sees the installed layout (tandem.edge, tandem.cloud, tandem.common) through a tree of links
+# mypy sees the installed layout (tandem.edge, tandem.cloud, tandem.common, tandem.benchmarks) through a tree of links
 check: setup proto-check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	rm -rf build/typecheck && mkdir -p build/typecheck && cp -r tandem build/typecheck/tandem
-	for d in edge cloud common; do ln -s ../../../$$d build/typecheck/tandem/$$d; done
+	for d in edge cloud common benchmarks; do ln -s ../../../$$d build/typecheck/tandem/$$d; done
 	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p tandem
 
 clean:

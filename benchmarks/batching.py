@@ -21,7 +21,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal, get_args
 
 import numpy as np
 import typer
@@ -30,6 +30,9 @@ from tandem.benchmarks.workload import make_prompts
 from tandem.common.chat import prompt_token_ids
 
 app = typer.Typer(add_completion=False, help=__doc__)
+
+ModelDType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]  # vLLM's ``dtype`` values
+DTYPES: tuple[ModelDType, ...] = get_args(ModelDType)
 
 
 async def burst(engine, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
@@ -110,10 +113,13 @@ def main(
     prompt_tokens: int = 128,
     max_new_tokens: int = 32,
     kv_cache_bytes: int = 1 << 30,
-    dtype: str = "float32",
+    dtype: Annotated[str, typer.Option(help="vLLM's dtype: " + ", ".join(DTYPES))] = "float32",
     out: Path = Path("bench-results/batching"),
 ) -> None:
     """Sweep max_num_seqs and write batching.md / .csv / .json / .png."""
+    model_dtype = next((d for d in DTYPES if d == dtype), None)
+    if model_dtype is None:
+        raise typer.BadParameter(f"{dtype!r}: one of {', '.join(DTYPES)}", param_hint="--dtype")
     from tqdm import tqdm
     from transformers import AutoTokenizer
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -129,7 +135,7 @@ def main(
         engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
                 model=str(model),
-                dtype=dtype,
+                dtype=model_dtype,
                 max_model_len=2048,
                 max_num_seqs=n,
                 kv_cache_memory_bytes=kv_cache_bytes,
@@ -142,7 +148,7 @@ def main(
             rows.append(row_of(n, kv_cache_bytes, asyncio.run(warm_then_burst(engine, prompts, max_new_tokens))))
         finally:
             engine.shutdown()
-            engine = None  # let it go now, not at interpreter exit
+            del engine  # let it go now, not at interpreter exit
     out.mkdir(parents=True, exist_ok=True)
     (out / "batching.json").write_text(
         json.dumps(

@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 SHAPES = {
     # SmolLM2-135M-Instruct (the embedded default)
@@ -74,11 +75,13 @@ def main() -> None:
     rows = []
     for name, shape in SHAPES.items():
         ks = [int(x) for x in a.splits.split(",")]
-        models = {}
+        models: dict[int, torch.nn.Module] = {}
         for n_layers in [*ks, shape["num_hidden_layers"]]:
-            cfg = LlamaConfig(**{**shape, "num_hidden_layers": n_layers}, max_position_embeddings=16384)
+            kw: dict[str, Any] = {**shape, "num_hidden_layers": n_layers, "max_position_embeddings": 16384}
+            cfg = LlamaConfig(**kw)
             cfg._attn_implementation = "sdpa"
-            models[n_layers] = LlamaModel(cfg).to(dev, torch.bfloat16).eval()
+            model: torch.nn.Module = LlamaModel(cfg)
+            models[n_layers] = model.to(dev, torch.bfloat16).eval()
         d = shape["hidden_size"] // shape["num_attention_heads"]
         for t in (int(x) for x in a.lens.split(",")):
             ids = torch.randint(0, shape["vocab_size"], (1, t), device=dev)

@@ -60,6 +60,7 @@ async def run_conversations(port: int, conversations: int, turns: int, max_new: 
     import uuid
 
     from tandem import AsyncClient
+    from tandem.client import ChatOptions
 
     rows = []
     async with AsyncClient(f"127.0.0.1:{port}") as client:
@@ -67,8 +68,9 @@ async def run_conversations(port: int, conversations: int, turns: int, max_new: 
             session = f"multiturn-{c}-{uuid.uuid4().hex[:8]}"
             messages = [{"role": "user", "content": OPENERS[c % len(OPENERS)]}]
             for t in range(turns):
-                kw = dict(max_new_tokens=max_new, mode="split", split_layer=split_layer)
-                delta = await client.complete(messages, session_id=session, **kw)
+                kw: ChatOptions = {"max_new_tokens": max_new, "mode": "split", "split_layer": split_layer}
+                in_session: ChatOptions = {**kw, "session_id": session}
+                delta = await client.complete(messages, **in_session)
                 naive = await client.complete(messages, **kw)
                 rows.append(
                     {

@@ -43,7 +43,7 @@ def summarize(records) -> list[dict]:
         itl = [x for r in rs for x in r.itl_ms]
         wall_s = max(r.end_s for r in rs) - min(r.start_s for r in rs)
         prompt = sum(r.prompt_tokens for r in rs)
-        sent = defaultdict(int)
+        sent: defaultdict[str, int] = defaultdict(int)
         for r in rs:
             for k in PAYLOAD_KINDS:
                 sent[k] += r.sent_bytes.get(k, 0)
@@ -195,7 +195,7 @@ def auto_cells(rows: list[dict], records) -> list[dict]:
         if r["mode"] != "auto" or _cell(r) not in best:
             continue
         b, recs = best[_cell(r)], served.get(_cell(r), [])
-        picks = defaultdict(int)
+        picks: defaultdict[str, int] = defaultdict(int)
         for rec in recs:
             picks[rec.served_mode + (f"-k{rec.served_split_layer}" if rec.served_mode == "split" else "")] += 1
         errs = [abs(rec.ttft_ms - rec.predicted_ttft_ms) / rec.ttft_ms for rec in recs if rec.predicted_ttft_ms > 0]
@@ -319,7 +319,7 @@ def plot_breakeven(rows: list[dict], path: Path, links: list[dict]) -> None:
     if not loop or not modes:
         return
     lens = sorted({r["prompt_tokens"] for r in loop if r["mode"] == modes[0]})
-    cmap = ListedColormap(plt.cm.tab10.colors[: len(modes)])
+    cmap = ListedColormap(plt.get_cmap("tab10")(np.arange(len(modes))))  # tab10's first colours
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     # left: uplink rate x prompt length at a fixed RTT
     rate_edges = np.logspace(np.log10(0.5), np.log10(1000), 61)
