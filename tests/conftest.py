@@ -10,20 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import SPLIT_DIR, RedisServer
-
-TESTS = Path(__file__).resolve().parent
-TIERS = ("unit", "inprocess", "engines", "install", "gpu", "fuzz")
-
-
-def tier_of(path: Path) -> str | None:
-    """The tier of the test file at ``path``: the folder of ``tests/`` it lies in, or None (``tests/``
-    itself, or a folder that is no tier)."""
-    try:
-        parts = path.resolve().relative_to(TESTS).parts
-    except ValueError:
-        return None
-    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
+from tests.helpers import SPLIT_DIR, RedisServer, tier_of
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

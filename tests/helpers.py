@@ -21,6 +21,19 @@ SPLIT_DIR = MODEL_DIR / "split-k4"
 
 LONG = "The quick brown fox jumps over the lazy dog, again and again, " * 3  # ~200 tokens
 LONG_UPLOAD = "Tell me everything about the history of bridges, arches and the Romans. " * 6  # ~440 tokens, 28 chunks
+TIERS = ("unit", "inprocess", "engines", "install", "gpu", "fuzz")  # the folders of tests/, one marker each
+
+
+def tier_of(path: Path) -> str | None:
+    """The tier of the test file at ``path``: the folder of ``tests/`` it lies in, or None (``tests/``
+    itself, or a folder that is no tier)."""
+    try:
+        parts = path.resolve().relative_to(ROOT / "tests").parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
+
+
 RP_LONG = "the quick brown fox jumps over the lazy dog and runs far away into the woods " * 3  # 7 toy KV blocks
 
 
