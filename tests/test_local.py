@@ -264,3 +264,54 @@ def test_local_generator_wrapper(edge_full, manifest, prompts, ref, eos):
     steps = list(gen.generate(prompts[0], MAX_NEW, eos[0]))
     assert [s.token_id for s in steps] == want
     assert all(b.t_s >= a.t_s for a, b in zip(steps, steps[1:], strict=False))
+
+
+async def test_kv_bound_through_io_binding_stays_an_ort_tensor_and_answers_alike(
+    edge_full, manifest, eos, prompts, tokenizer, ref
+):
+    """The IO-binding path the CUDA provider takes (``kv_device``), run on the CPU: the session's KV
+    is kept as ``OrtValue`` tensors between decode steps and turns, greedy tokens equal HF's over two
+    turns of one session (the second reusing the first's KV without a copy), and what remote prefill
+    reads back (``blocks_from_past``) equals the unbound engine's KV of the same tokens."""
+    import onnxruntime as ort
+
+    from tandem.edge.local import blocks_from_past
+
+    bound = LocalEngine(edge_full, manifest.shape, eos, intra_op_threads=2, kv_device="cpu")
+    plain = LocalEngine(edge_full, manifest.shape, eos, intra_op_threads=2)
+    sid = f"s-{uuid.uuid4().hex}"
+    p1 = prompts[0]
+    a1 = toks(await run(bound, p1, session_id=sid))
+    assert a1 == ref(p1)
+    sess = bound.sessions.peek(sid)
+    assert sess is not None and all(isinstance(a, ort.OrtValue) for a in sess.past)
+    assert all(a.shape()[2] == len(sess.token_ids) for a in sess.past)
+    assert (
+        sess.nbytes()
+        == 2
+        * manifest.shape.num_layers
+        * manifest.shape.num_kv_heads
+        * len(sess.token_ids)
+        * manifest.shape.head_dim
+        * 4
+    )
+    tail = ("" if a1[-1] == tokenizer.eos_token_id else "<|im_end|>") + (
+        "\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    p2 = p1 + a1 + tokenizer(tail, add_special_tokens=False)["input_ids"]
+    a2 = toks(await run(bound, p2, session_id=sid))
+    assert a2 == ref(p2) and bound.last_reused_tokens == len(p1) + len(a1) - 1
+    psid = f"p-{uuid.uuid4().hex}"
+    await run(plain, p1, session_id=psid)
+    held = bound.sessions.peek(sid)
+    other = plain.sessions.peek(psid)
+    n = len(other.token_ids)
+    assert held.token_ids[:n] == other.token_ids
+    np.testing.assert_allclose(blocks_from_past(held.past)[:, :, :, :n], blocks_from_past(other.past), atol=1e-5)
+
+
+def test_kv_device_is_checked_against_the_active_providers(edge_full, manifest, eos):
+    with pytest.raises(ValueError, match="kv_device 'gpu'"):
+        LocalEngine(edge_full, manifest.shape, eos, kv_device="gpu")
+    with pytest.raises(ValueError, match="CUDA provider"):
+        LocalEngine(edge_full, manifest.shape, eos, providers=["CPUExecutionProvider"], kv_device="cuda")
