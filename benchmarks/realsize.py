@@ -76,12 +76,12 @@ SHAPES: dict[str, dict[str, Any]] = {
     | {
         "vocab_size": 49152,
         "max_position_embeddings": 8192,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": 128,
+        "intermediate_size": 256,
         "num_hidden_layers": 4,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 16,
+        "head_dim": 32,  # vLLM's CPU attention takes head sizes of 32 and up
         "tie_word_embeddings": True,
         "rope_scaling": _LLAMA3_ROPE | {"factor": 8.0, "original_max_position_embeddings": 2048},
     },

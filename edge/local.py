@@ -195,6 +195,9 @@ class LocalEngine:
             than one new token only. 0 until measured.
         decode_ms_per_token: EWMA of one-token run time (ms). 0 until measured.
         active: ``generate`` calls in flight.
+        pending_prefill_tokens / pending_prefills: prompt tokens and number of the prefills waiting
+            for the model or running now (``generate``'s first run, ``extend``): the queue a new
+            turn's prefill joins.
         last_computed_tokens / last_reused_tokens: prompt tokens the latest prefill ran, and the
             session tokens it reused (of whichever turn prefilled last).
         sessions: the session table.
@@ -238,16 +241,22 @@ class LocalEngine:
         if kv_device == "cuda" and "CUDAExecutionProvider" not in active:
             raise ValueError(f"kv_device 'cuda' needs ONNX Runtime's CUDA provider; active: {active}")
         self.kv_device = kv_device
+        self._init_state(shape, eos_token_ids, LocalSessions(max_sessions, session_bytes, session_idle_s))
+
+    def _init_state(self, shape: ModelShape, eos_token_ids: Sequence[int], sessions: LocalSessions) -> None:
+        """Everything but the ONNX Runtime session: names, sessions, lock, rates and counters."""
         self.shape = shape
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         inputs, outputs = io_names(shape.num_layers)
         self._past_names = inputs[3:]
         self._out_names = ["logits", *outputs[1:]]
-        self.sessions = LocalSessions(max_sessions, session_bytes, session_idle_s)
+        self.sessions = sessions
         self._model_lock = asyncio.Lock()
         self.prefill_rate = Ewma()  # ms per prompt token computed, runs of more than one token
         self.decode_rate = Ewma()  # ms per one-token run
         self.active = 0
+        self.pending_prefill_tokens = 0
+        self.pending_prefills = 0
         self.last_computed_tokens = 0
         self.last_reused_tokens = 0
 
@@ -389,9 +398,19 @@ class LocalEngine:
             if c == len(ids):
                 return 0
             past = self.empty_past() if c == 0 else kv_prefix(sess.past, c)
-            _, past = await self._run(ids[c:], past)
+            _, past = await self._prefill(ids[c:], past)
             sess.token_ids, sess.past = list(ids), past
             return len(ids) - c
+
+    async def _prefill(self, new_ids: list[int], past: list[KV]) -> tuple[np.ndarray, list[KV]]:
+        """``_run`` of a prefill, counted in ``pending_prefill_tokens`` while it waits and runs."""
+        self.pending_prefill_tokens += len(new_ids)
+        self.pending_prefills += 1
+        try:
+            return await self._run(new_ids, past)
+        finally:
+            self.pending_prefill_tokens -= len(new_ids)
+            self.pending_prefills -= 1
 
     async def generate(
         self, prompt_ids: list[int], sampling: Sampling, session_id: str = "", *, session: LocalSession | None = None
@@ -432,7 +451,7 @@ class LocalEngine:
         new = prompt[c:]
         self.last_computed_tokens, self.last_reused_tokens = len(new), c
         for n in range(1, s.max_new_tokens + 1):
-            logits, past = await self._run(new, past)
+            logits, past = await (self._prefill(new, past) if n == 1 else self._run(new, past))
             # Commit token ids and KV together (no await in between): the session stays consistent.
             if n == 1:
                 sess.token_ids, sess.past = list(prompt), past

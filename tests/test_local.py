@@ -207,10 +207,21 @@ async def test_concurrent_turns_interleave_and_stay_correct(engine, prompts, ref
             out.append(t.token_id)
         return out
 
+    seen: list[tuple[int, int]] = []  # (pending prefills, their prompt tokens) while the turns run
+
+    async def watch() -> None:
+        while True:
+            seen.append((engine.pending_prefills, engine.pending_prefill_tokens))
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
     a, b = await asyncio.gather(one(1), one(2))
+    watcher.cancel()
     assert a == ref(prompts[1]) and b == ref(prompts[2])
     assert arrivals.index(2) < len(arrivals) - 1 - arrivals[::-1].index(1)  # b started before a ended
-    assert engine.active == 0
+    # both prefills were queued at once (the second waiting for the first's run), then none
+    assert (2, len(prompts[1]) + len(prompts[2])) in seen
+    assert engine.active == 0 and engine.pending_prefills == 0 and engine.pending_prefill_tokens == 0
 
 
 async def test_cancel_mid_decode_leaves_session_usable(engine, prompts, ref):
@@ -240,6 +251,24 @@ async def test_cancel_mid_decode_leaves_session_usable(engine, prompts, ref):
     # A different prompt on the same session: the diverging part is recomputed.
     assert toks(await run(engine, prompts[2], session_id=sid)) == ref(prompts[2])
     assert consistent(engine.sessions.peek(sid)) and engine.active == 0
+
+
+async def test_a_turn_cancelled_while_its_prefill_waits_leaves_no_queue_behind(engine, prompts):
+    """The prefill queue the cost model reads (``pending_prefill_tokens``) counts a waiting prefill
+    and forgets it when its turn is cancelled before it ran."""
+    await engine._model_lock.acquire()  # the model is busy: the turn's prefill waits
+    try:
+        it = engine.generate(prompts[1], Sampling(max_new_tokens=2))
+        task = asyncio.create_task(it.__anext__())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert engine.pending_prefills == 1 and engine.pending_prefill_tokens == len(prompts[1])
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await it.aclose()
+    finally:
+        engine._model_lock.release()
+    assert engine.pending_prefills == 0 and engine.pending_prefill_tokens == 0 and engine.active == 0
 
 
 def test_sessions_are_bounded_lru():
