@@ -39,7 +39,7 @@ import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any
 
 import numpy as np
 
@@ -50,38 +50,13 @@ from tandem.common.lru import BoundedLRU
 from tandem.common.manifest import ModelShape
 from tandem.common.params import Sampling
 from tandem.common.requestlimits import RequestLimits
+from tandem.edge.localkv import KV, blocks_from_past, host_kv, kv_nbytes, kv_prefix, kv_tokens, past_from_blocks
+
+__all__ = ["KV", "LocalEngine", "LocalGenerator", "LocalSession", "LocalSessions", "LocalToken"]
+__all__ += ["blocks_from_past", "past_from_blocks", "sample_token", "sampling_rng"]
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 WARMUP_DECODE_STEPS = 4
-
-if TYPE_CHECKING:
-    import onnxruntime as ort
-
-KV: TypeAlias = "np.ndarray | ort.OrtValue"  # float32 [1, Hkv, T, D]: host array or device tensor
-
-
-def kv_tokens(a: KV) -> int:
-    """``T`` of one KV tensor ``[1, Hkv, T, D]``, on the host or the device."""
-    return int(a.shape[2]) if isinstance(a, np.ndarray) else int(a.shape()[2])
-
-
-def kv_nbytes(a: KV) -> int:
-    """Bytes of one float32 KV tensor, on the host or the device."""
-    return int(a.nbytes) if isinstance(a, np.ndarray) else 4 * math.prod(a.shape())
-
-
-def host_kv(a: KV) -> np.ndarray:
-    """One KV tensor as a numpy array (a copy from the device for an ``OrtValue``)."""
-    return a if isinstance(a, np.ndarray) else a.numpy()
-
-
-def kv_prefix(past: Sequence[KV], c: int) -> list[KV]:
-    """The KV of the first ``c`` tokens of ``past``: the same tensors when they hold exactly ``c``
-    tokens (a turn that follows its session's last one: no copy on the device), else contiguous host
-    copies of the prefix (moved back to the device by the next bound run)."""
-    if all(kv_tokens(a) == c for a in past):
-        return list(past)
-    return [np.ascontiguousarray(host_kv(a)[:, :, :c]) for a in past]
 
 
 @dataclass
@@ -127,25 +102,6 @@ class LocalSessions(BoundedLRU[LocalSession]):
 
     def entry_bytes(self, key: str, s: LocalSession) -> int:
         return s.nbytes()
-
-
-def past_from_blocks(kv: np.ndarray) -> list[np.ndarray]:
-    """Whole-model KV float32 ``[L, 2, Hkv, T, D]`` (the canonical block layout, ``common.kvblocks``)
-    as the engine's past: ``2L`` arrays ``[1, Hkv, T, D]``, key then value per layer (contiguous copies).
-
-    Raises:
-        InvalidRequest: ``kv`` is not 5-D float32 with 2 on axis 1.
-    """
-    if kv.ndim != 5 or kv.shape[1] != 2 or kv.dtype != np.float32:
-        raise InvalidRequest(f"whole-model KV must be float32 [L, 2, Hkv, T, D], got {kv.dtype} {kv.shape}")
-    return [np.ascontiguousarray(kv[layer, kind][None]) for layer in range(kv.shape[0]) for kind in (0, 1)]
-
-
-def blocks_from_past(past: Sequence[KV]) -> np.ndarray:
-    """The inverse of ``past_from_blocks``: ``2L`` tensors ``[1, Hkv, T, D]`` (host or device) ->
-    a host array ``[L, 2, Hkv, T, D]``."""
-    host = [host_kv(a) for a in past]
-    return np.stack([np.concatenate([host[2 * i], host[2 * i + 1]]) for i in range(len(host) // 2)])
 
 
 @dataclass(frozen=True)
