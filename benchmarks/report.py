@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.benchmarks import links as linkmod
 from tandem.benchmarks.records import RequestRecord
 from tandem.edge.cloudconn import upload_receive_ms
 from tandem.stages import TTFT_STAGES, Stage
@@ -81,8 +82,38 @@ def summarize(records) -> list[dict]:
         # what a request held the cloud's engines for: the tail prefill and the decode engine's
         # request (remote prefill: until the handover); 0 for edge-only
         row["cloud_engine_ms"] = float(np.mean([cloud_engine_ms(r.timings_ms) for r in rs]))
+        floors = [f for r in rs if not np.isnan(f := ttft_floor_ms(r))]
+        row["ttft_floor_ms"] = float(np.mean(floors)) if floors else float("nan")
+        row["ttft_over_floor"] = row["ttft_mean_ms"] / row["ttft_floor_ms"] if floors else float("nan")
         rows.append(row)
     return rows
+
+
+def ttft_floor_ms(r: RequestRecord) -> float:
+    """The physical floor of one request's TTFT: its own measured compute before the first token plus
+    what its link cannot go below, ``uplink_bytes * 8 / uplink rate + RTT`` (the profile's, see
+    ``benchmarks.links``; an unshaped rate adds nothing). Queueing, encoding, verification, the
+    proxy's jitter and stalls are left out: they are what the system adds above the floor.
+
+    Compute per served mode, from ``timings_ms``: split: the edge head plus the tail prefill with its
+    first token; direct and remote prefill: the decode engine's prefill with its first token; local:
+    the whole model's prefill with its first token (and no link). NaN when the stages are missing.
+    """
+    t = r.timings_ms
+    if Stage.LOCAL_PREFILL in t:
+        return float(t[Stage.LOCAL_PREFILL])
+    if Stage.CLOUD_TAIL_PREFILL in t:
+        compute = t.get(Stage.EDGE_HEAD, 0.0) + t[Stage.CLOUD_TAIL_PREFILL]
+    elif Stage.CLOUD_DECODE_FIRST_TOKEN in t:
+        compute = t[Stage.CLOUD_DECODE_FIRST_TOKEN]
+    else:
+        return float("nan")
+    prof = linkmod.PROFILES.get(r.link)
+    if prof is None:
+        return float("nan")
+    up_bytes = sum(r.sent_bytes.get(k, 0) for k in PAYLOAD_KINDS)
+    wire_ms = up_bytes * 8 / (prof.uplink_mbps * 1e3) if prof.uplink_mbps else 0.0
+    return float(compute + wire_ms + prof.rtt_ms)
 
 
 def cloud_engine_ms(timings: dict) -> float:
@@ -97,6 +128,8 @@ def to_markdown(rows: list[dict]) -> str:
         ("prompt_tokens", "prompt tok"),
         ("ttft_mean_ms", "TTFT mean ms"),
         ("ttft_p99_ms", "TTFT p99 ms"),
+        ("ttft_floor_ms", "TTFT floor ms"),
+        ("ttft_over_floor", "TTFT / floor"),
         ("itl_mean_ms", "ITL mean ms"),
         ("itl_p50_ms", "ITL p50 ms"),
         ("itl_p99_ms", "ITL p99 ms"),

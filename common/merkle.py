@@ -18,8 +18,8 @@ root) and the cloud (cloud/upload.py re-hashes received KV blocks and checks the
 committed root) call.
 
 Leaf data for a KV block is ``leaf_data(block_hash, layer_lo, layer_hi, wire_dtype, data)``,
-so a leaf commits to the block's identity, layer range, wire format and its bytes in that
-format before any codec (``common.kvwire``): exactly what the cloud decodes and stores.
+so a leaf commits to the block's identity, layer range, wire format, canonical KV layout and its
+bytes in that format before any codec (``common.kvwire``): exactly what the cloud decodes and stores.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import blake3
 
 from tandem.common.errors import InvalidRequest
 from tandem.common.formats import format_of
+from tandem.common.kvblocks import KV_LAYOUT_VERSION
 
 _LEAF_PREFIX = b"\x00"
 _NODE_PREFIX = b"\x01"
@@ -208,19 +209,43 @@ SHA256 = MerkleHasher(_sha256, "sha256")
 DEFAULT = BLAKE3
 
 
-def leaf_data(block_hash: bytes, layer_lo: int, layer_hi: int, wire_dtype: int, data: bytes) -> bytes:
+def layout_tag(layout_version: int) -> bytes:
+    """The canonical KV layout's part of a leaf (``common.kvblocks.KV_LAYOUT_VERSION``): nothing for
+    layout 1, ``0xFF`` and the version as one byte for any later one. Layout 1's leaves are the ones
+    edges and clouds have always computed; a later layout's leaf is longer than layout 1's for the
+    same block, so the two can never verify each other's blocks.
+
+    Raises:
+        ValueError: a version outside 1..255."""
+    if not 1 <= layout_version <= 255:
+        raise ValueError(f"KV layout version {layout_version} outside 1..255")
+    return b"" if layout_version == 1 else struct.pack("<BB", 0xFF, layout_version)
+
+
+def leaf_data(
+    block_hash: bytes,
+    layer_lo: int,
+    layer_hi: int,
+    wire_dtype: int,
+    data: bytes,
+    layout_version: int = KV_LAYOUT_VERSION,
+) -> bytes:
     """What a KV block's leaf commits to: ``block_hash`` (the block's identity hash), layers
     ``[layer_lo, layer_hi)`` as two little-endian u32, the format's ``leaf_tag`` (``common.formats``:
-    the ``WireDtype`` value as one byte, nothing for fp32; a value no format has, as one byte), then
-    the block's bytes in that dtype (``common.kvwire.encode_kv``; before the codec). Fp32 leaves keep
-    the layout they had before KV formats existed, so edges and clouds of either version agree on
-    them; other formats' data lengths differ from fp32's for any block shape the manifest allows.
-    Hash-independent; callers pass the result to ``leaf_hash``."""
+    the ``WireDtype`` value as one byte, nothing for fp32; a value no format has, as one byte), the
+    canonical layout's ``layout_tag`` (nothing for layout 1), then the block's bytes in that dtype
+    (``common.kvwire.encode_kv``; before the codec). Fp32 leaves of layout 1 keep the bytes they had
+    before KV formats existed, so edges and clouds of either version agree on them; other formats'
+    data lengths differ from fp32's for any block shape the manifest allows. Hash-independent;
+    callers pass the result to ``leaf_hash``.
+
+    Raises:
+        ValueError: see ``layout_tag``."""
     try:
         tag = format_of(wire_dtype).leaf_tag
     except InvalidRequest:  # the cloud refuses a block of such a dtype before it hashes one
         tag = struct.pack("<B", wire_dtype)
-    return block_hash + struct.pack("<II", layer_lo, layer_hi) + tag + data
+    return block_hash + struct.pack("<II", layer_lo, layer_hi) + tag + layout_tag(layout_version) + data
 
 
 def leaf_hash(data: bytes) -> bytes:

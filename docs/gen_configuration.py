@@ -48,7 +48,9 @@ flags are. Sizes (`*_bytes`) take a byte count or a number with a unit (`512MiB`
 `KB`, `MB`, `GB` are powers of 1000); durations end in `_s` (seconds) or `_ms`. Booleans are
 `--x` / `--no-x` on the command line, `true` / `false` elsewhere; `none` clears an optional
 setting. Relative paths are relative to the working directory. Enumerations take their names
-in any case. `host`, `http_host` and `metrics_host` default to `127.0.0.1`: set `0.0.0.0` to
+in any case. Lists take the same forms from a flag and from the environment, a comma list
+(`fp16,fp32`) or a JSON array (`'["fp16","fp32"]'`), and a TOML array in the file. `host`, `http_host`
+and `metrics_host` default to `127.0.0.1`: set `0.0.0.0` to
 listen on all interfaces.
 
 Both daemons also take `--version` (prints `tandem VERSION`), `--config FILE` and

@@ -24,9 +24,11 @@ runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times
   common prefix with the state of the previous turn is reused); ``n_up``: tokens whose
   activations the cloud lacks; ``n_tail = T - B * floor(n_cloud / B)`` (tail KV of full blocks
   the cloud computed in earlier turns is loaded, not recomputed; ``B`` the KV block size).
-* ``q_local``: other local requests in flight x the local decode step (they interleave per
-  step); ``q_cloud``: the cloud's mean admission wait when its queue is not empty or this edge
-  already uses its share, else 0.
+* ``q_local``: the local engine's queue this prefill joins (its runs are FIFO, one at a time): the
+  prompt tokens of the prefills waiting or running x the local prefill rate, plus the other
+  requests decoding x the local decode step (each runs one step before it); ``q_cloud``: the
+  cloud's mean admission wait when its queue is not empty or this edge already uses its share
+  (its own requests in the cloud count from when it sends them), else 0.
 * ``b_split[k]``: bytes per prompt token on the wire (activations in the link's wire dtype and
   head KV of layers ``[0, k)``, times the codec's measured ratio); ``b_ids`` = 5 bytes (a varint);
   ``G`` goodput, ``RTT`` round trip, both measured (``edge.cloudconn``).
@@ -186,7 +188,9 @@ class EdgeRates:
     local_prefill_ms_per_token: Ewma = field(default_factory=Ewma)
     local_decode_ms_per_token: Ewma = field(default_factory=Ewma)
     head_ms_per_token: dict[int, Ewma] = field(default_factory=dict)
-    local_active: int = 0
+    local_active: int = 0  # local turns in flight (prefilling or decoding)
+    local_pending_prefill_tokens: int = 0  # prompt tokens of the local prefills waiting or running
+    local_pending_prefills: int = 0  # those prefills
 
     def head(self, k: int) -> Ewma:
         return self.head_ms_per_token.setdefault(k, Ewma())
@@ -268,7 +272,12 @@ class CostModel:
         T = shape.prompt_tokens
         if route.mode is Mode.LOCAL:
             n = T - min(shape.local_cached_tokens, T - 1)
-            q = self.edge.local_active * self.edge.local_decode_ms_per_token.value
+            e = self.edge
+            decoding = max(0, e.local_active - e.local_pending_prefills)
+            q = (
+                e.local_pending_prefill_tokens * e.local_prefill_ms_per_token.value
+                + decoding * e.local_decode_ms_per_token.value
+            )
             return q + self._stage(LineKey(LineKind.LOCAL), n, self.edge.local_prefill_ms_per_token.value, tokens)
         g = self._goodput_bytes_per_ms(link)
         q_cloud = link.queue_wait_ms if link.cloud_busy else 0.0

@@ -23,6 +23,11 @@ Remote prefill (``edge.remoteprefill``) puts the KV that came from the cloud int
 
 Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``T`` tokens whose KV is held, ``V``
 vocabulary size; KV float32 ``[1, Hkv, T, D]`` per layer and key/value, in ``io_names`` order.
+
+Where the KV lives: on ONNX Runtime's CUDA provider the runs use IO binding (``kv_device``), so a
+session's KV stays in GPU memory (``onnxruntime.OrtValue``) between decode steps and between turns,
+and only the logits of the last token come back to the host each run; on the CPU provider the KV
+is numpy arrays. ``host_kv`` gives either as numpy (the remote-prefill download's delta, the tests).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +50,10 @@ from tandem.common.lru import BoundedLRU
 from tandem.common.manifest import ModelShape
 from tandem.common.params import Sampling
 from tandem.common.requestlimits import RequestLimits
+from tandem.edge.localkv import KV, blocks_from_past, host_kv, kv_nbytes, kv_prefix, kv_tokens, past_from_blocks
+
+__all__ = ["KV", "LocalEngine", "LocalGenerator", "LocalSession", "LocalSessions", "LocalToken"]
+__all__ += ["blocks_from_past", "past_from_blocks", "sample_token", "sampling_rng"]
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 WARMUP_DECODE_STEPS = 4
@@ -54,18 +64,19 @@ class LocalSession:
     """Full-model KV of one chat session, for prefix reuse across turns.
 
     token_ids: the tokens whose KV ``past`` holds (``len(token_ids) == T``).
-    past: ``2L`` arrays float32 ``[1, Hkv, T, D]`` (key then value per layer, ``io_names`` order),
-    empty before the first turn. Arrays are replaced, never written in place.
+    past: ``2L`` tensors float32 ``[1, Hkv, T, D]`` (key then value per layer, ``io_names`` order;
+    numpy arrays, or ``OrtValue`` on the device where the engine binds its KV there), empty before
+    the first turn. Tensors are replaced, never written in place.
     lock: held by the turn using the session, for the whole turn.
     """
 
     token_ids: list[int] = field(default_factory=list)
-    past: list[np.ndarray] = field(default_factory=list)
+    past: list[KV] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def nbytes(self) -> int:
-        """KV bytes held."""
-        return sum(int(a.nbytes) for a in self.past)
+        """KV bytes held (host or device memory)."""
+        return sum(kv_nbytes(a) for a in self.past)
 
     def common_prefix(self, ids: Sequence[int]) -> int:
         """Length of the longest common prefix of ``ids`` and ``token_ids``."""
@@ -91,23 +102,6 @@ class LocalSessions(BoundedLRU[LocalSession]):
 
     def entry_bytes(self, key: str, s: LocalSession) -> int:
         return s.nbytes()
-
-
-def past_from_blocks(kv: np.ndarray) -> list[np.ndarray]:
-    """Whole-model KV float32 ``[L, 2, Hkv, T, D]`` (the canonical block layout, ``common.kvblocks``)
-    as the engine's past: ``2L`` arrays ``[1, Hkv, T, D]``, key then value per layer (contiguous copies).
-
-    Raises:
-        InvalidRequest: ``kv`` is not 5-D float32 with 2 on axis 1.
-    """
-    if kv.ndim != 5 or kv.shape[1] != 2 or kv.dtype != np.float32:
-        raise InvalidRequest(f"whole-model KV must be float32 [L, 2, Hkv, T, D], got {kv.dtype} {kv.shape}")
-    return [np.ascontiguousarray(kv[layer, kind][None]) for layer in range(kv.shape[0]) for kind in (0, 1)]
-
-
-def blocks_from_past(past: Sequence[np.ndarray]) -> np.ndarray:
-    """The inverse of ``past_from_blocks``: ``2L`` arrays ``[1, Hkv, T, D]`` -> ``[L, 2, Hkv, T, D]``."""
-    return np.stack([np.concatenate([past[2 * i], past[2 * i + 1]]) for i in range(len(past) // 2)])
 
 
 @dataclass(frozen=True)
@@ -157,6 +151,9 @@ class LocalEngine:
             than one new token only. 0 until measured.
         decode_ms_per_token: EWMA of one-token run time (ms). 0 until measured.
         active: ``generate`` calls in flight.
+        pending_prefill_tokens / pending_prefills: prompt tokens and number of the prefills waiting
+            for the model or running now (``generate``'s first run, ``extend``): the queue a new
+            turn's prefill joins.
         last_computed_tokens / last_reused_tokens: prompt tokens the latest prefill ran, and the
             session tokens it reused (of whichever turn prefilled last).
         sessions: the session table.
@@ -171,27 +168,51 @@ class LocalEngine:
         max_sessions: int = 256,
         session_bytes: int = 512 << 20,
         session_idle_s: float = math.inf,
+        providers: Sequence[str] | None = None,
+        kv_device: str = "auto",
     ) -> None:
         """``intra_op_threads``: ONNX Runtime's (0 = its default); ``session_bytes``: bound on the
-        KV bytes of all sessions; ``session_idle_s``: a session unused this long is dropped. Raises
-        what ``onnxruntime.InferenceSession`` raises for a bad file."""
+        KV bytes of all sessions; ``session_idle_s``: a session unused this long is dropped;
+        ``providers``: ONNX Runtime's execution providers (default: CUDA where onnxruntime-gpu has a
+        GPU, then CPU); ``kv_device``: where the KV is kept between runs, through IO binding:
+        ``"auto"`` (the GPU when the CUDA provider is active, else host numpy arrays without
+        binding), ``"cuda"``, ``"cpu"`` (bound host tensors: the same code path, no GPU) or ``"none"``.
+
+        Raises:
+            ValueError: an unknown ``kv_device``, or ``"cuda"`` without the CUDA provider active.
+            What ``onnxruntime.InferenceSession`` raises for a bad file.
+        """
         import onnxruntime as ort
 
         from tandem.edge.head_runner import default_providers, session_options
 
         self.session = ort.InferenceSession(
-            str(onnx_path), session_options(intra_op_threads), providers=default_providers()
+            str(onnx_path), session_options(intra_op_threads), providers=list(providers or default_providers())
         )
+        active = self.session.get_providers()
+        if kv_device == "auto":
+            kv_device = "cuda" if "CUDAExecutionProvider" in active else "none"
+        if kv_device not in ("cuda", "cpu", "none"):
+            raise ValueError(f"kv_device {kv_device!r}: auto, cuda, cpu or none")
+        if kv_device == "cuda" and "CUDAExecutionProvider" not in active:
+            raise ValueError(f"kv_device 'cuda' needs ONNX Runtime's CUDA provider; active: {active}")
+        self.kv_device = kv_device
+        self._init_state(shape, eos_token_ids, LocalSessions(max_sessions, session_bytes, session_idle_s))
+
+    def _init_state(self, shape: ModelShape, eos_token_ids: Sequence[int], sessions: LocalSessions) -> None:
+        """Everything but the ONNX Runtime session: names, sessions, lock, rates and counters."""
         self.shape = shape
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         inputs, outputs = io_names(shape.num_layers)
         self._past_names = inputs[3:]
         self._out_names = ["logits", *outputs[1:]]
-        self.sessions = LocalSessions(max_sessions, session_bytes, session_idle_s)
+        self.sessions = sessions
         self._model_lock = asyncio.Lock()
         self.prefill_rate = Ewma()  # ms per prompt token computed, runs of more than one token
         self.decode_rate = Ewma()  # ms per one-token run
         self.active = 0
+        self.pending_prefill_tokens = 0
+        self.pending_prefills = 0
         self.last_computed_tokens = 0
         self.last_reused_tokens = 0
 
@@ -222,7 +243,7 @@ class LocalEngine:
     def providers(self) -> list[str]:
         return self.session.get_providers()
 
-    def empty_past(self) -> list[np.ndarray]:
+    def empty_past(self) -> list[KV]:
         """``2L`` float32 arrays ``[1, Hkv, 0, D]``."""
         s = self.shape
         return [np.zeros((1, s.num_kv_heads, 0, s.head_dim), np.float32) for _ in self._past_names]
@@ -244,25 +265,52 @@ class LocalEngine:
             raise InvalidRequest("prompt_ids must be a flat list of integers")
         self.limits.check(prompt_ids, s)
 
-    def forward(self, new_ids: Sequence[int], past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray], float]:
+    def forward(self, new_ids: Sequence[int], past: list[KV]) -> tuple[np.ndarray, list[KV], float]:
         """One model run over ``new_ids`` (``t >= 1`` tokens) after ``past`` (``2L`` x ``[1, Hkv, P, D]``).
 
         Blocking; thread-safe (ONNX Runtime's ``run`` is). Returns the logits of the last new token,
-        float32 ``[V]``; the KV of all ``P + t`` tokens, ``2L`` x float32 ``[1, Hkv, P + t, D]`` (new
-        arrays, owned by the caller); and the run time in ms.
+        float32 ``[V]`` on the host; the KV of all ``P + t`` tokens, ``2L`` x float32
+        ``[1, Hkv, P + t, D]`` (new tensors owned by the caller: ``OrtValue`` on ``kv_device`` when it
+        binds, else numpy); and the run time in ms.
         """
-        p, t = int(past[0].shape[2]), len(new_ids)
-        feeds = {
+        p, t = kv_tokens(past[0]), len(new_ids)
+        feeds: dict[str, Any] = {
             "input_ids": np.asarray([new_ids], np.int64),
             "position_ids": np.arange(p, p + t, dtype=np.int64)[None],
             "attention_mask": np.ones((1, p + t), np.int64),
         }
-        feeds.update(zip(self._past_names, past, strict=True))
+        if self.kv_device != "none":
+            return self._forward_bound(feeds, past)
+        feeds.update(zip(self._past_names, (host_kv(a) for a in past), strict=True))
         t0 = time.perf_counter()
         logits, *present = self.session.run(self._out_names, feeds)
         return logits[0], present, (time.perf_counter() - t0) * 1e3
 
-    async def _run(self, new_ids: list[int], past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    def _forward_bound(self, feeds: dict[str, Any], past: list[KV]) -> tuple[np.ndarray, list[KV], float]:
+        """``forward`` through IO binding: the past KV bound where it lives (a host array is copied
+        to ``kv_device`` first), the present KV left by ONNX Runtime on ``kv_device``, the logits
+        bound to the host."""
+        import onnxruntime as ort
+
+        b = self.session.io_binding()
+        for name, arr in feeds.items():
+            b.bind_cpu_input(name, arr)
+        for name, a in zip(self._past_names, past, strict=True):
+            v = (
+                ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.kv_device, 0)
+                if isinstance(a, np.ndarray)
+                else a
+            )
+            b.bind_ortvalue_input(name, v)
+        b.bind_output("logits", "cpu")
+        for name in self._out_names[1:]:
+            b.bind_output(name, self.kv_device, 0)
+        t0 = time.perf_counter()
+        self.session.run_with_iobinding(b)
+        logits, *present = b.get_outputs()
+        return logits.numpy()[0], present, (time.perf_counter() - t0) * 1e3
+
+    async def _run(self, new_ids: list[int], past: list[KV]) -> tuple[np.ndarray, list[KV]]:
         """``forward`` in a worker thread under the model lock; updates the measured rates.
 
         The lock is released when the run ends, not when the caller leaves: a cancelled caller
@@ -305,10 +353,20 @@ class LocalEngine:
             c = sess.common_prefix(ids)
             if c == len(ids):
                 return 0
-            past = self.empty_past() if c == 0 else [np.ascontiguousarray(a[:, :, :c]) for a in sess.past]
-            _, past = await self._run(ids[c:], past)
+            past = self.empty_past() if c == 0 else kv_prefix(sess.past, c)
+            _, past = await self._prefill(ids[c:], past)
             sess.token_ids, sess.past = list(ids), past
             return len(ids) - c
+
+    async def _prefill(self, new_ids: list[int], past: list[KV]) -> tuple[np.ndarray, list[KV]]:
+        """``_run`` of a prefill, counted in ``pending_prefill_tokens`` while it waits and runs."""
+        self.pending_prefill_tokens += len(new_ids)
+        self.pending_prefills += 1
+        try:
+            return await self._run(new_ids, past)
+        finally:
+            self.pending_prefill_tokens -= len(new_ids)
+            self.pending_prefills -= 1
 
     async def generate(
         self, prompt_ids: list[int], sampling: Sampling, session_id: str = "", *, session: LocalSession | None = None
@@ -343,13 +401,13 @@ class LocalEngine:
 
     async def _turn(self, sess: LocalSession, prompt: list[int], s: Sampling) -> AsyncGenerator[LocalToken, None]:
         c = min(sess.common_prefix(prompt), len(prompt) - 1)
-        past = self.empty_past() if c == 0 else [np.ascontiguousarray(a[:, :, :c]) for a in sess.past]
+        past = self.empty_past() if c == 0 else kv_prefix(sess.past, c)
         stops = set(s.stop_token_ids) | (set() if s.ignore_eos else self.eos_token_ids)
         rng = sampling_rng(s.seed)
         new = prompt[c:]
         self.last_computed_tokens, self.last_reused_tokens = len(new), c
         for n in range(1, s.max_new_tokens + 1):
-            logits, past = await self._run(new, past)
+            logits, past = await (self._prefill(new, past) if n == 1 else self._run(new, past))
             # Commit token ids and KV together (no await in between): the session stays consistent.
             if n == 1:
                 sess.token_ids, sess.past = list(prompt), past

@@ -6,19 +6,17 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from tandem.edge.costmodel import CostModel
 from tandem.edge.events import TextOut, TurnDone
 from tandem.edge.local import LocalEngine
 from tandem.edge.turn import Turn
 from tandem.stages import Stage
 
 
-async def run_local(turn: Turn, engine: LocalEngine, cost: CostModel) -> AsyncIterator[TextOut | TurnDone]:
+async def run_local(turn: Turn, engine: LocalEngine) -> AsyncIterator[TextOut | TurnDone]:
     """Yields the turn's text deltas, then its ``TurnDone`` (finish ``stop`` at a stop string, else
     the engine's reason)."""
     text, finish, first = turn.text, "length", True
     t0 = time.perf_counter()
-    cost.edge.local_active = engine.active
     async for step in engine.generate(turn.ids, turn.sampling, turn.session_id):
         if first:
             turn.clock.since(Stage.LOCAL_PREFILL, t0)

@@ -417,7 +417,7 @@ class EdgeNode:
 
     def _run_local(self, turn: Turn) -> Events:
         assert self.local is not None  # routed here only when present
-        return run_local(turn, self.local, self.cost)
+        return run_local(turn, self.local)
 
     def _run_remote_prefill(self, turn: Turn) -> Events:
         assert self.local is not None  # routed here only when present

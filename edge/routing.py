@@ -189,6 +189,10 @@ class Router:
             EngineError: the requested mode needs the cloud, which cannot serve it now.
         """
         candidates = self._candidates(request)
+        if self.local is not None:  # the local engine's queue as it is now
+            self.cost.edge.local_active = self.local.active
+            self.cost.edge.local_pending_prefill_tokens = self.local.pending_prefill_tokens
+            self.cost.edge.local_pending_prefills = self.local.pending_prefills
         # every turn gets a prediction, so that every turn calibrates the cost model (and reports its error)
         shape, link = self.request_shape(request, ids), self.link_state()
         preds = [self.cost.predict(r, shape, link) for r in candidates]

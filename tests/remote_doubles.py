@@ -5,7 +5,6 @@ with both, so that direct, local and remote prefill can be compared token for to
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
@@ -13,7 +12,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from tandem.cloud.memory_engines import ToyLM
-from tandem.common.ewma import Ewma
 from tandem.common.kvdown import full_model_key
 from tandem.common.manifest import ModelShape
 from tandem.edge.local import LocalEngine, LocalSessions, blocks_from_past, past_from_blocks
@@ -37,15 +35,10 @@ class ToyLocal(LocalEngine):
         session_bytes: int = 1 << 30,
         step_delay_s: float = 0.0,
     ) -> None:
-        self.toy, self.shape, self.step_delay_s = toy, shape, step_delay_s
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self._past_names = [f"past_{i}" for i in range(2 * shape.num_layers)]
-        self.sessions = LocalSessions(64, session_bytes)
-        self._model_lock = asyncio.Lock()
-        self.prefill_rate, self.decode_rate = Ewma(), Ewma()
+        self.toy, self.step_delay_s, self.kv_device = toy, step_delay_s, "none"
+        self._init_state(shape, eos_token_ids, LocalSessions(64, session_bytes))
         self.prefill_rate.add(0.01)
         self.decode_rate.add(max(0.1, step_delay_s * 1e3))
-        self.active = self.last_computed_tokens = self.last_reused_tokens = 0
         self.runs: list[int] = []
 
     def forward(self, new_ids: Sequence[int], past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray], float]:

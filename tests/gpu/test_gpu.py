@@ -127,3 +127,35 @@ async def test_a_second_turn_on_cuda_engines_loads_the_first_turns_kv(gpu_stack,
     assert second.head_tokens < len(ids) and second.external_tokens == len(ids) // B * B
     ref, gaps = hf_greedy(hf_model, ids, MAX_NEW)
     assert_same_or_near_tie(list(second.output_token_ids), ref, gaps, "turn 2 vs HF")
+
+
+async def test_the_local_model_on_onnx_runtimes_cuda_provider_keeps_its_kv_on_the_gpu(
+    split_dir, manifest, hf_model, tokenizer
+):
+    """The edge's whole model (``edge-full.onnx``) on ONNX Runtime's CUDA provider binds its KV on the
+    device: a session's KV is CUDA ``OrtValue`` tensors between decode steps and turns, and its greedy
+    fp32 output equals HF's on the CPU (or parts only at a near-tie of the reference), over two turns."""
+    import onnxruntime as ort
+
+    from tandem.common.params import Sampling
+    from tandem.edge.local import LocalEngine
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu's CUDA provider is not installed")
+    eos = hf_model.generation_config.eos_token_id
+    engine = LocalEngine(split_dir.parent / "edge-full.onnx", manifest.shape, eos if isinstance(eos, list) else [eos])
+    assert engine.providers[0] == "CUDAExecutionProvider" and engine.kv_device == "cuda"
+    messages = [{"role": "user", "content": "Name a famous bridge in San Francisco."}]
+    sid = f"local-{uuid.uuid4().hex}"
+    for turn in range(2):
+        ids = prompt_ids(tokenizer, {"messages": messages})
+        out = [t.token_id async for t in engine.generate(ids, Sampling(max_new_tokens=MAX_NEW), sid)]
+        ref, gaps = hf_greedy(hf_model, ids, MAX_NEW)
+        assert_same_or_near_tie(out, ref, gaps, f"local on CUDA, turn {turn + 1}, vs HF")
+        sess = engine.sessions.peek(sid)
+        assert sess is not None and all(isinstance(a, ort.OrtValue) and a.device_name() == "cuda" for a in sess.past)
+        messages += [
+            {"role": "assistant", "content": tokenizer.decode(out, skip_special_tokens=True)},
+            {"role": "user", "content": "How long is it?"},
+        ]
+    assert engine.last_reused_tokens > 0  # turn 2 ran over its new tokens only

@@ -207,10 +207,21 @@ async def test_concurrent_turns_interleave_and_stay_correct(engine, prompts, ref
             out.append(t.token_id)
         return out
 
+    seen: list[tuple[int, int]] = []  # (pending prefills, their prompt tokens) while the turns run
+
+    async def watch() -> None:
+        while True:
+            seen.append((engine.pending_prefills, engine.pending_prefill_tokens))
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
     a, b = await asyncio.gather(one(1), one(2))
+    watcher.cancel()
     assert a == ref(prompts[1]) and b == ref(prompts[2])
     assert arrivals.index(2) < len(arrivals) - 1 - arrivals[::-1].index(1)  # b started before a ended
-    assert engine.active == 0
+    # both prefills were queued at once (the second waiting for the first's run), then none
+    assert (2, len(prompts[1]) + len(prompts[2])) in seen
+    assert engine.active == 0 and engine.pending_prefills == 0 and engine.pending_prefill_tokens == 0
 
 
 async def test_cancel_mid_decode_leaves_session_usable(engine, prompts, ref):
@@ -242,6 +253,24 @@ async def test_cancel_mid_decode_leaves_session_usable(engine, prompts, ref):
     assert consistent(engine.sessions.peek(sid)) and engine.active == 0
 
 
+async def test_a_turn_cancelled_while_its_prefill_waits_leaves_no_queue_behind(engine, prompts):
+    """The prefill queue the cost model reads (``pending_prefill_tokens``) counts a waiting prefill
+    and forgets it when its turn is cancelled before it ran."""
+    await engine._model_lock.acquire()  # the model is busy: the turn's prefill waits
+    try:
+        it = engine.generate(prompts[1], Sampling(max_new_tokens=2))
+        task = asyncio.create_task(it.__anext__())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert engine.pending_prefills == 1 and engine.pending_prefill_tokens == len(prompts[1])
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await it.aclose()
+    finally:
+        engine._model_lock.release()
+    assert engine.pending_prefills == 0 and engine.pending_prefill_tokens == 0 and engine.active == 0
+
+
 def test_sessions_are_bounded_lru():
     def sess(n_tokens: int) -> LocalSession:
         return LocalSession(list(range(n_tokens)), [np.zeros((1, 3, n_tokens, 64), np.float32)] * 2)
@@ -264,3 +293,54 @@ def test_local_generator_wrapper(edge_full, manifest, prompts, ref, eos):
     steps = list(gen.generate(prompts[0], MAX_NEW, eos[0]))
     assert [s.token_id for s in steps] == want
     assert all(b.t_s >= a.t_s for a, b in zip(steps, steps[1:], strict=False))
+
+
+async def test_kv_bound_through_io_binding_stays_an_ort_tensor_and_answers_alike(
+    edge_full, manifest, eos, prompts, tokenizer, ref
+):
+    """The IO-binding path the CUDA provider takes (``kv_device``), run on the CPU: the session's KV
+    is kept as ``OrtValue`` tensors between decode steps and turns, greedy tokens equal HF's over two
+    turns of one session (the second reusing the first's KV without a copy), and what remote prefill
+    reads back (``blocks_from_past``) equals the unbound engine's KV of the same tokens."""
+    import onnxruntime as ort
+
+    from tandem.edge.local import blocks_from_past
+
+    bound = LocalEngine(edge_full, manifest.shape, eos, intra_op_threads=2, kv_device="cpu")
+    plain = LocalEngine(edge_full, manifest.shape, eos, intra_op_threads=2)
+    sid = f"s-{uuid.uuid4().hex}"
+    p1 = prompts[0]
+    a1 = toks(await run(bound, p1, session_id=sid))
+    assert a1 == ref(p1)
+    sess = bound.sessions.peek(sid)
+    assert sess is not None and all(isinstance(a, ort.OrtValue) for a in sess.past)
+    assert all(a.shape()[2] == len(sess.token_ids) for a in sess.past)
+    assert (
+        sess.nbytes()
+        == 2
+        * manifest.shape.num_layers
+        * manifest.shape.num_kv_heads
+        * len(sess.token_ids)
+        * manifest.shape.head_dim
+        * 4
+    )
+    tail = ("" if a1[-1] == tokenizer.eos_token_id else "<|im_end|>") + (
+        "\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    p2 = p1 + a1 + tokenizer(tail, add_special_tokens=False)["input_ids"]
+    a2 = toks(await run(bound, p2, session_id=sid))
+    assert a2 == ref(p2) and bound.last_reused_tokens == len(p1) + len(a1) - 1
+    psid = f"p-{uuid.uuid4().hex}"
+    await run(plain, p1, session_id=psid)
+    held = bound.sessions.peek(sid)
+    other = plain.sessions.peek(psid)
+    n = len(other.token_ids)
+    assert held.token_ids[:n] == other.token_ids
+    np.testing.assert_allclose(blocks_from_past(held.past)[:, :, :, :n], blocks_from_past(other.past), atol=1e-5)
+
+
+def test_kv_device_is_checked_against_the_active_providers(edge_full, manifest, eos):
+    with pytest.raises(ValueError, match="kv_device 'gpu'"):
+        LocalEngine(edge_full, manifest.shape, eos, kv_device="gpu")
+    with pytest.raises(ValueError, match="CUDA provider"):
+        LocalEngine(edge_full, manifest.shape, eos, providers=["CPUExecutionProvider"], kv_device="cuda")

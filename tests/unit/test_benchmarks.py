@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import subprocess
 import sys
 import time
@@ -326,3 +327,26 @@ def test_capacity_refuses_a_split_layer_not_exported_and_bad_rates(tmp_path):
     assert run.exit_code == 2 and "not exported" in run.output and "--split-layers 15" in run.output, run.output
     bad = CliRunner().invoke(app, ["--edge-target", "x:1", "--rates", "2,1"], env={"COLUMNS": "300"})
     assert bad.exit_code == 2 and "ascending" in bad.output, bad.output
+
+
+def test_ttft_floor_is_the_measured_compute_plus_bytes_over_the_rate_plus_the_rtt():
+    """The floor beside each row: split = head + tail prefill + uplink bytes at the profile's rate +
+    RTT; direct = the decode engine's first token + its header's bytes + RTT; local = its prefill;
+    an unknown link or missing stages give NaN, never a number."""
+    from tandem.benchmarks.report import ttft_floor_ms
+
+    g4 = PROFILES["4g"]
+    split = RequestRecord("split-k4", "4g", 64, 64, 4, 900.0, 1000.0, [], 0.0, 1.0)
+    split.sent_bytes = {"activations": 10_000, "kv": 30_000, "header": 200, "resent_chunks": 3}
+    split.timings_ms = {"edge_head_ms": 20.0, "cloud_tail_prefill_ms": 50.0, "uplink_ms": 99.0}
+    wire_ms = 40_200 * 8 / (g4.uplink_mbps * 1e3)
+    assert ttft_floor_ms(split) == pytest.approx(70.0 + wire_ms + g4.rtt_ms)
+    direct = RequestRecord("cloud-only", "loopback", 64, 64, 4, 30.0, 100.0, [], 0.0, 1.0)
+    direct.sent_bytes, direct.timings_ms = {"header": 200}, {"cloud_decode_first_token_ms": 25.0}
+    assert ttft_floor_ms(direct) == pytest.approx(25.0)  # loopback: unshaped, no RTT
+    local = RequestRecord("edge-only", "4g", 64, 64, 4, 90.0, 100.0, [], 0.0, 1.0)
+    local.timings_ms = {"local_prefill_ms": 80.0}
+    assert ttft_floor_ms(local) == 80.0  # no link
+    assert math.isnan(ttft_floor_ms(RequestRecord("auto", "4g", 64, 64, 4, 1.0, 1.0, [], 0.0, 1.0)))
+    direct.link = "no-such-link"
+    assert math.isnan(ttft_floor_ms(direct))

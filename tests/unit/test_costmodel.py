@@ -68,6 +68,11 @@ def test_queues_and_unknowns():
     m = model()
     m.edge.local_active = 2
     assert m.formula(Route(LOCAL), RequestShape(10), link()) == pytest.approx(2 * 40 + 10 * 2.0)
+    # the local engine runs FIFO: a prefill of 500 tokens waiting ahead costs its prefill, and the
+    # turn it belongs to does not also count as decoding
+    m.edge.local_active, m.edge.local_pending_prefill_tokens, m.edge.local_pending_prefills = 3, 500, 1
+    assert m.formula(Route(LOCAL), RequestShape(10), link()) == pytest.approx(500 * 2.0 + 2 * 40 + 10 * 2.0)
+    m.edge.local_active = m.edge.local_pending_prefill_tokens = m.edge.local_pending_prefills = 0
     busy = link(cloud_busy=True, queue_wait_ms=300.0)
     assert m.formula(Route(DIRECT), RequestShape(10), busy) == pytest.approx(
         m.formula(Route(DIRECT), RequestShape(10), link()) + 300

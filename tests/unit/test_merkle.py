@@ -7,6 +7,7 @@ the module-level functions) against its defining formulas, and both against a na
 
 import hashlib
 import random
+import struct
 
 import blake3
 import pytest
@@ -442,3 +443,20 @@ def test_every_size_up_to_33_against_reference(hasher):
         assert hasher.root(d) == ref_root(hasher, d)
         assert all(hasher.inclusion_proof(d, i) == ref_path(hasher, i, d) for i in range(n))
         assert all(hasher.consistency_proof(d, m) == ref_subproof(hasher, m, d, True) for m in range(1, n + 1))
+
+
+def test_a_leaf_commits_to_the_canonical_kv_layout():
+    """Layout 1 adds nothing to a leaf (the leaves edges and clouds have always computed); any later
+    layout adds its tag, so the same bytes under another layout give another leaf, never the same."""
+    from tandem.common.kvblocks import KV_LAYOUT_VERSION
+
+    h = b"\x07" * 32
+    v1 = merkle.leaf_data(h, 0, 4, 1, b"kv", layout_version=1)
+    assert KV_LAYOUT_VERSION == 1 and merkle.leaf_data(h, 0, 4, 1, b"kv") == v1
+    assert v1 == h + struct.pack("<II", 0, 4) + merkle.format_of(1).leaf_tag + b"kv"
+    v2 = merkle.leaf_data(h, 0, 4, 1, b"kv", layout_version=2)
+    assert v2 != v1 and merkle.leaf_hash(v2) != merkle.leaf_hash(v1)
+    assert merkle.leaf_data(h, 0, 4, 1, b"kv", layout_version=3) not in (v1, v2)
+    for bad in (0, 256):
+        with pytest.raises(ValueError, match="outside 1..255"):
+            merkle.layout_tag(bad)

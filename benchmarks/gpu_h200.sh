@@ -1,0 +1,97 @@
+#!/bin/bash
+# The GPU runs behind benchmarks/results/gpu/ on one NVIDIA H200, after the kit of
+# ../shared/gpu/README.md installed the stack (`source .gpucarry/install.sh`). Run from the project
+# root: `bash benchmarks/gpu_h200.sh STEP...`, results under $OUT (default /var/tmp/tandem-gpu/out).
+#
+#   tier      the GPU test tier (tests/gpu) on SmolLM2-135M prepared from the carried GGUF
+#   bench-1b  tandem-bench on a random-weight Llama-3.2-1B shape: split k=4, cloud-only, edge-only
+#             (ONNX Runtime CUDA on the same GPU), remote prefill and auto; loopback and wifi6;
+#             64/256/1024/4096-token prompts
+#   bench-8b  tandem-bench on a Llama-3.1-8B shape (split k=4 and cloud-only; no whole-model ONNX
+#             export: 32 GB in fp32), then tandem-bench-capacity (cloud-only, split, auto)
+#
+# Python runs from outside the project root: its tandem/ folder (the SDK alone) would shadow the
+# installed package. The engines run eagerly (--engine.enforce-eager): CUDA graphs and torch.compile
+# take minutes per engine on a fresh host, more than a run's limit; prefill is barely affected,
+# decode steps are slower than with graphs.
+set -uo pipefail
+ROOT=$(pwd)
+W=/var/tmp/tandem-gpu
+OUT=${OUT:-$W/out}
+SMOL=$W/model
+mkdir -p "$OUT" "$W"
+export TANDEM_CLOUD_ENGINE__ENFORCE_EAGER=true
+export TANDEM_CLOUD_ENGINE__MAX_MODEL_LEN_TOKENS=8192
+export TANDEM_CLOUD_ENGINE__MAX_NUM_BATCHED_TOKENS=8192
+export TANDEM_CLOUD_ENGINE__MAX_NUM_SEQS=32
+export TANDEM_CLOUD_ENGINE__TAIL_GPU_MEMORY_UTILIZATION=0.25
+export TANDEM_CLOUD_ENGINE__DECODE_GPU_MEMORY_UTILIZATION=0.45
+
+log() { echo "[$(date +%T)] $*" | tee -a "$OUT/steps.log"; }
+
+smollm2() {
+  if [ ! -f "$SMOL/split-k4/manifest.json" ] || [ ! -f "$SMOL/edge-full.onnx" ]; then
+    log "prepare SmolLM2-135M (k=4, whole model)"
+    (cd "$W" && tandem-model --out "$SMOL" --split-layers 4 --no-bundles) > "$OUT/prepare_smollm2.log" 2>&1
+  fi
+}
+
+realsize() {  # realsize SHAPE DIR SPLIT_LAYERS [tandem-model flags...]
+  local shape=$1 dir=$2 ks=$3
+  shift 3
+  if [ ! -f "$dir/split-k${ks##*,}/manifest.json" ]; then
+    log "random-weight $shape checkpoint"
+    (cd "$W" && python -m tandem.benchmarks.realsize --shape "$shape" --out "$dir-ckpt" --tokenizer "$SMOL/hf") \
+      > "$OUT/realsize_$shape.log" 2>&1
+    log "tandem-model $shape k=$ks $*"
+    (cd "$W" && tandem-model --checkpoint "$dir-ckpt" --out "$dir" --split-layers "$ks" \
+      --no-bundles "$@") > "$OUT/prepare_$shape.log" 2>&1
+    log "prepared $shape: $(du -sh "$dir" | cut -f1)"
+  fi
+}
+
+step_tier() {
+  smollm2
+  rm -rf "$W/t" && mkdir -p "$W/t" && cp -r "$ROOT/tests" "$ROOT/pyproject.toml" "$W/t/"
+  log "GPU test tier"
+  (cd "$W/t" && TANDEM_MODEL_DIR=$SMOL python -m pytest -m gpu tests/gpu -v -p no:cacheprovider) \
+    2>&1 | tee "$OUT/gpu_tier.log" | tail -25
+}
+
+step_bench_1b() {
+  smollm2
+  realsize llama-3.2-1b "$W/l1b" 4
+  log "tandem-bench 1B"
+  (cd "$W" && tandem-bench --model-dir "$W/l1b" --split-layers 4 --links loopback,wifi6 \
+    --prompt-lens 64,256,1024,4096 --requests 3 --max-new-tokens 16 --shaper proxy --out "$OUT/bench-1b") \
+    > "$OUT/bench-1b.log" 2>&1
+  tail -40 "$OUT/bench-1b.log"
+}
+
+step_bench_8b() {
+  smollm2
+  # the 8B shape takes about 36 GB (checkpoint, tail, fp32 head): make room on a 64 GiB disk
+  if [ "$(df --output=avail -B1G "$W" | tail -1)" -lt 45 ]; then rm -rf "$W/l1b" "$W/l1b-ckpt"; fi
+  realsize llama-3.1-8b "$W/l8b" 4 --no-edge-full
+  log "tandem-bench 8B"
+  (cd "$W" && tandem-bench --model-dir "$W/l8b" --split-layers 4 --links loopback,wifi6 \
+    --prompt-lens 256,1024,4096 --requests 3 --max-new-tokens 16 --shaper proxy --no-edge-only \
+    --no-remote-prefill --out "$OUT/bench-8b") > "$OUT/bench-8b.log" 2>&1
+  tail -30 "$OUT/bench-8b.log"
+  log "tandem-bench-capacity 8B"
+  (cd "$W" && tandem-bench-capacity --model-dir "$W/l8b" --split-layers 4 --rates 4,8,16,32 --requests 40 \
+    --prompt-tokens 1024 --max-new-tokens 16 --ttft-slo-ms 500 --link wifi6 --cloud-cpus "" --edge-cpus "" \
+    --max-num-seqs 32 --out "$OUT/capacity-8b") > "$OUT/capacity-8b.log" 2>&1
+  tail -20 "$OUT/capacity-8b.log"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+for s in "$@"; do
+  case $s in
+    tier) step_tier ;;
+    bench-1b) step_bench_1b ;;
+    bench-8b) step_bench_8b ;;
+    *) echo "unknown step $s (tier | bench-1b | bench-8b)" >&2; exit 2 ;;
+  esac
+done
+log "done: $*"
