@@ -117,7 +117,7 @@ def write_checkpoint(shape: str, out: Path, tokenizer_dir: Path, device: str = "
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     eos = tok.eos_token_id
     bos = tok.bos_token_id if tok.bos_token_id is not None else eos
-    cfg = LlamaConfig(**SHAPES[shape], bos_token_id=bos, eos_token_id=eos, torch_dtype="bfloat16")
+    cfg = LlamaConfig(**SHAPES[shape], bos_token_id=bos, eos_token_id=eos, dtype="bfloat16")
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     torch.manual_seed(seed)
     prev = torch.get_default_dtype()
