@@ -163,6 +163,7 @@ class MemoryLocal:
     ) -> None:
         """The rates it starts with (as measured at warm-up); each run measures 0.01 ms per token."""
         self.prefill_rate, self.decode_rate, self.active = Ewma(), Ewma(), 0
+        self.pending_prefill_tokens = self.pending_prefills = 0  # its runs never queue
         self.prefill_rate.add(prefill_ms_per_token)
         self.decode_rate.add(decode_ms_per_token)
         self.calls: list[list[int]] = []
