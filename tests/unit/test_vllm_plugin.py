@@ -58,9 +58,9 @@ def test_the_plugin_applies_only_a_number_of_seconds(monkeypatch, env_value, app
 
 
 def test_the_cloud_passes_its_setting_to_the_engine_processes(monkeypatch):
-    """``_engine`` exports the setting, and asks for the fast exit, before vLLM spawns the engine
+    """``start_engine`` exports the setting, and asks for the fast exit, before vLLM spawns the engine
     core and its worker."""
-    # _engine writes os.environ and builds vLLM's engine args, which load vLLM's plugins in this
+    # start_engine writes os.environ and builds vLLM's engine args, which load vLLM's plugins in this
     # process: undo all three afterwards (setenv first, so that the variable is restored even when
     # it was unset)
     from vllm import plugins
@@ -83,11 +83,12 @@ def test_the_cloud_passes_its_setting_to_the_engine_processes(monkeypatch):
         raise Stop
 
     monkeypatch.setattr("vllm.v1.engine.async_llm.AsyncLLM.from_engine_args", from_engine_args)
-    from tandem.cloud.engines import DECODE, _engine
+    from tandem.cloud.engine_start import start_engine
+    from tandem.cloud.engines import DECODE
 
     cfg = CloudConfig(engine=EngineConfig(worker_busy_poll_s=0.25))
     with pytest.raises(Stop):
-        _engine(cfg.split_dir, cfg, DECODE, "kv_consumer", 0)
+        start_engine(cfg.split_dir, cfg, DECODE, "kv_consumer", 0)
     assert calls == [("0.25", "1")]
 
 
