@@ -255,6 +255,82 @@ def machine_meta(args: dict) -> dict:
     }
 
 
+def checked_shaper(order: str, concurrency: int, cloud: str, shaper: str) -> str:
+    """The link shaper to use (``auto`` resolved: netns where available and no ``--cloud``, else proxy).
+
+    Raises:
+        typer.BadParameter: options that do not go together, or a ``--cloud`` that is no host:port.
+    """
+    from tandem.benchmarks import netns
+
+    if order not in ("interleaved", "blocks"):
+        raise typer.BadParameter(f"--order {order!r}: interleaved or blocks")
+    if order == "interleaved" and concurrency != 1:
+        raise typer.BadParameter("--concurrency > 1 needs --order blocks")
+    if cloud and shaper == "netns":
+        raise typer.BadParameter("--cloud: a running cloud is reached through --shaper proxy, not netns")
+    if cloud:
+        try:
+            parse_host_port(cloud)
+        except ValueError as e:
+            raise typer.BadParameter(f"--cloud: {e}") from None
+    if shaper == "auto":
+        shaper = "netns" if netns.available() and not cloud else "proxy"
+    return shaper
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run of the matrix sends on each link: the modes, prompt lengths and prompts (recorded,
+    warm-ups, the calibration pass's, the link's warm-up), the order and the requests' shape."""
+
+    specs: list[ModeSpec]
+    lens: list[int]
+    prompts: dict[int, list[BenchPrompt]]
+    warmups: dict[int, list[BenchPrompt]]
+    calibration: dict[int, list[BenchPrompt]]
+    link_warmup: list[BenchPrompt]
+    order: str
+    warmup: int
+    concurrency: int
+    max_new_tokens: int
+
+
+def calibrate(eport: int, plan: Plan, link: str) -> None:
+    """The calibration pass (not recorded): each fixed mode once per prompt length, so the edge's cost
+    model has seen every compute stage at every length, as a live edge has."""
+    for n in plan.lens:
+        for spec in plan.specs:
+            if spec.mode != "auto":
+                asyncio.run(run_remote(eport, plan.calibration[n], spec, link, n, 1, 2, _Null()))
+
+
+def run_link(eport: int, plan: Plan, link: str, bar: Any) -> list[RequestRecord]:
+    """Every mode and prompt length on the link now set: ``blocks`` runs one mode at a time (what
+    ``--concurrency > 1`` needs); ``interleaved`` runs, in round i, every mode once on prompt i in the
+    Williams order of ``round_order``. Warm-ups (2 tokens, not recorded) before each block or round set."""
+    records: list[RequestRecord] = []
+    for spec in plan.specs:
+        asyncio.run(run_remote(eport, plan.link_warmup, spec, link, 16, 1, 2, _Null()))
+    if plan.order == "blocks":
+        for spec in plan.specs:
+            for n in plan.lens:
+                if plan.warmup:  # the switch from the previous block is not charged to this one
+                    asyncio.run(run_remote(eport, plan.warmups[n][: plan.warmup], spec, link, n, 1, 2, _Null()))
+                prompts = plan.prompts[n]
+                records += asyncio.run(
+                    run_remote(eport, prompts, spec, link, n, plan.concurrency, plan.max_new_tokens, bar)
+                )
+        return records
+    for n in plan.lens:
+        for spec in plan.specs if plan.warmup else ():
+            asyncio.run(run_remote(eport, plan.warmups[n][: plan.warmup], spec, link, n, 1, 2, _Null()))
+        for i, p in enumerate(plan.prompts[n]):
+            for spec in round_order(plan.specs, i):
+                records += asyncio.run(run_remote(eport, [p], spec, link, n, 1, plan.max_new_tokens, bar))
+    return records
+
+
 @app.command()
 def main(
     model_dir: Annotated[Path, typer.Option(help="prepared model directory")] = Path("models/smollm2-135m"),
@@ -300,30 +376,26 @@ def main(
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from tandem.benchmarks import netns, report
+    from tandem.benchmarks import report
 
-    if order not in ("interleaved", "blocks"):
-        raise typer.BadParameter(f"--order {order!r}: interleaved or blocks")
-    if order == "interleaved" and concurrency != 1:
-        raise typer.BadParameter("--concurrency > 1 needs --order blocks")
-    if cloud and shaper == "netns":
-        raise typer.BadParameter("--cloud: a running cloud is reached through --shaper proxy, not netns")
-    if cloud:
-        try:
-            parse_host_port(cloud)
-        except ValueError as e:
-            raise typer.BadParameter(f"--cloud: {e}") from None
-    if shaper == "auto":
-        shaper = "netns" if netns.available() and not cloud else "proxy"
+    shaper = checked_shaper(order, concurrency, cloud, shaper)
     out.mkdir(parents=True, exist_ok=True)
     ks = [int(x) for x in split_layers.split(",") if x.strip()]
     profiles = linkmod.get(links)
     lens = [int(x) for x in prompt_lens.split(",") if x.strip()]
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "hf")
-    prompts = {n: make_prompts(tokenizer, n, requests, seed) for n in lens}
-    warmups = {n: make_prompts(tokenizer, n, max(1, warmup), seed + 13) for n in lens}
-    specs = mode_specs(ks, edge_only, auto, remote_prefill)
-    total = len(lens) * requests * len(profiles) * len(specs)
+    plan = Plan(
+        specs=mode_specs(ks, edge_only, auto, remote_prefill),
+        lens=lens,
+        prompts={n: make_prompts(tokenizer, n, requests, seed) for n in lens},
+        warmups={n: make_prompts(tokenizer, n, max(1, warmup), seed + 13) for n in lens},
+        calibration={n: make_prompts(tokenizer, n, 1, seed + 7) for n in lens},
+        link_warmup=make_prompts(tokenizer, 16, 1, seed + 99),
+        order=order,
+        warmup=warmup,
+        concurrency=concurrency,
+        max_new_tokens=max_new_tokens,
+    )
     records: list[RequestRecord] = []
     workdir = work_dir("tandem-bench-")  # its block stores are removed at exit, its logs kept
     print(f"tandem-bench: shaper={shaper}, logs in {workdir}", file=sys.stderr)
@@ -331,37 +403,14 @@ def main(
     stack = Stack(
         [model_dir / f"split-k{k}" for k in ks], shaper, workdir, max_num_seqs, edge_extra=pipeline, cloud_target=cloud
     )
-    with tqdm(total=total, desc="requests", unit="req") as bar:
+    with tqdm(total=len(lens) * requests * len(profiles) * len(plan.specs), desc="requests", unit="req") as bar:
         try:
             eport = stack.start()
-            # calibration pass (not recorded): each fixed mode once per prompt length, so the edge's
-            # cost model has seen every compute stage at every length, as a live edge has
             stack.set_link(profiles[0])
-            calib = {n: make_prompts(tokenizer, n, 1, seed + 7) for n in lens}
-            for n in lens:
-                for spec in specs:
-                    if spec.mode != "auto":
-                        asyncio.run(run_remote(eport, calib[n], spec, profiles[0].name, n, 1, 2, _Null()))
+            calibrate(eport, plan, profiles[0].name)
             for prof in profiles:
                 stack.set_link(prof)
-                warm = make_prompts(tokenizer, 16, 1, seed + 99)
-                for spec in specs:
-                    asyncio.run(run_remote(eport, warm, spec, prof.name, 16, 1, 2, _Null()))
-                if order == "blocks":  # one mode at a time (what --concurrency > 1 needs)
-                    for spec in specs:
-                        for n in lens:
-                            if warmup:  # the switch from the previous block is not charged to this one
-                                asyncio.run(run_remote(eport, warmups[n][:warmup], spec, prof.name, n, 1, 2, _Null()))
-                            records += asyncio.run(
-                                run_remote(eport, prompts[n], spec, prof.name, n, concurrency, max_new_tokens, bar)
-                            )
-                    continue
-                for n in lens:  # interleaved: round i runs every mode once on prompt i, in rotated order
-                    for spec in specs if warmup else ():
-                        asyncio.run(run_remote(eport, warmups[n][:warmup], spec, prof.name, n, 1, 2, _Null()))
-                    for i, p in enumerate(prompts[n]):
-                        for spec in round_order(specs, i):
-                            records += asyncio.run(run_remote(eport, [p], spec, prof.name, n, 1, max_new_tokens, bar))
+                records += run_link(eport, plan, prof.name, bar)
         finally:
             stack.stop()
     meta = machine_meta(args) | {"shaper": shaper, "links": [p.as_dict() for p in profiles]}
