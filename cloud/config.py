@@ -279,6 +279,12 @@ class CloudConfig(DaemonSettings):
         "fp16, bf16, int8 (per token and head), int8_hadamard (rows rotated, then int8), int4 (KIVI: keys per "
         "channel, values per token); see `tandem-bench-fidelity` for what each does to greedy output.",
     )
+    fidelity_tables: ListSetting[Path] = Field(
+        default_factory=list,
+        description="More fidelity tables (`tandem-bench-fidelity`'s `fidelity-table.json`) beside the packaged "
+        "ones: at each split layer a link gets the smallest format pair the table of this model's weights puts "
+        "within the noise floor, among the formats both sides accept.",
+    )
     codecs: ListSetting[CodecSetting] = Field(
         default=["none", "zstd"],
         validate_default=True,

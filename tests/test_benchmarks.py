@@ -232,19 +232,25 @@ def test_burst_smoke(tmp_path):
     assert (out / "trace-on.jsonl").stat().st_size > 0 and (out / "burst_trace.png").stat().st_size > 0
 
 
-def test_fidelity_prompt_set_and_comparison():
-    from tandem.benchmarks.fidelity import PROMPTS, PairResult, compare, load_prompts
+def test_fidelity_prompt_set_sample_and_pairs():
+    import typer
+
+    from tandem.benchmarks.fidelity import PROMPTS, load_prompts, parse_pairs
+    from tandem.common.wire import WireDtype as W
 
     prompts = load_prompts(PROMPTS, 0)
     assert len(prompts) >= 200 and len({p["id"] for p in prompts}) == len(prompts)
     assert len({p["category"] for p in prompts}) >= 15
     assert len({p["messages"][-1]["content"] for p in prompts}) == len(prompts)  # no prompt twice
-    ref, other = PairResult("a"), PairResult("b")
-    ref.replies = {"x": [1, 2, 3], "y": [4, 5], "z": [6]}
-    other.replies = {"x": [1, 2, 3], "y": [4, 9, 9], "z": [7, 8]}
-    same, per_pos = compare(ref, other, 4)
-    assert same == pytest.approx(1 / 3)
-    assert per_pos == [pytest.approx(1 / 3), pytest.approx(1 / 2), 0.0]
+    sample = load_prompts(PROMPTS, 0, 40)
+    assert [p["id"] for p in sample] == [p["id"] for p in prompts[::5]]
+    assert parse_pairs("int8_hadamard/int4, fp16/fp16") == [
+        (W.FP32, W.FP32),
+        (W.INT8_HADAMARD, W.INT4),
+        (W.FP16, W.FP16),
+    ]
+    with pytest.raises(typer.BadParameter, match="int3"):
+        parse_pairs("int3/fp16")
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
@@ -299,8 +305,29 @@ def bench_cloud(split_dir, tmp_path_factory):
 
 
 @pytest.mark.engines
+def test_fidelity_smoke(tmp_path, split_dir):
+    """Three chats, three tokens: the engine references and floors (three vLLM engines in turn),
+    the in-process teacher-forced pass, the tables, the plot and the fidelity table."""
+    out = tmp_path / "fidelity"
+    cmd = [sys.executable, "-m", "tandem.benchmarks.fidelity", "--limit", "3", "--max-new-tokens", "3"]
+    cmd += ["--model-dir", str(split_dir.parent), "--pairs", "int8_hadamard/int4", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=Path(__file__).parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads((out / "fidelity.json").read_text())
+    assert [r["pair"] for r in data["rows"]] == ["fp32/fp32", "int8_hadamard/int4"]
+    fp32, small = data["rows"]
+    assert fp32["kl_full_mean"] == 0 and fp32["flip_rate"] == 0  # the reference against itself
+    assert small["kl_full_mean"] > 0 and small["bytes_per_token"] < fp32["bytes_per_token"] / 5
+    assert set(data["floors"]) == {"batching", "bf16", "in_process"}
+    assert data["floors"]["in_process"]["kl_mean"] < 1e-3  # in-process fp32 computes what the engine does
+    assert (out / "fidelity.png").stat().st_size > 0 and "within the floor" in (out / "fidelity.md").read_text()
+    table = json.loads((out / "fidelity-table.json").read_text())
+    assert [e["kv"] for e in table["splits"]["4"]] == ["int4", "fp32"]  # smallest first
+
+
+@pytest.mark.engines
 class TestSmokeRunsOnOneCloud:
-    """``tandem-bench``, ``-multiturn`` and ``-fidelity`` with tiny arguments against one shared plain
+    """``tandem-bench`` and ``-multiturn`` with tiny arguments against one shared plain
     ``tandem-cloud`` (``--cloud``): each would otherwise start its own, a minute apiece on 2 cores.
     Their own start of a cloud is what ``make bench*`` runs; the burst and batching smokes still
     start theirs (they configure its engines). Class-scoped, so this cloud is down before others run."""
@@ -336,19 +363,6 @@ class TestSmokeRunsOnOneCloud:
         meta = json.loads((out / "meta.json").read_text())
         assert meta["shaper"] == "proxy"  # a running cloud is reached through the proxy
         assert (out / "breakeven.png").stat().st_size > 0
-
-    def test_fidelity_smoke(self, tmp_path, bench_cloud, split_dir):
-        out = tmp_path / "fidelity"
-        cmd = [sys.executable, "-m", "tandem.benchmarks.fidelity", "--limit", "3", "--max-new-tokens", "3"]
-        cmd += ["--cloud", bench_cloud, "--model-dir", str(split_dir.parent)]
-        cmd += ["--pairs", "fp32/fp32,int8/int4", "--concurrency", "2", "--out", str(out)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
-        assert res.returncode == 0, res.stderr[-3000:]
-        data = json.loads((out / "fidelity.json").read_text())
-        assert [r["label"] for r in data["rows"]] == ["fp32/fp32 (again)", "int8/int4"]
-        fp32, small = data["rows"][0]["bytes_per_token"], data["rows"][1]["bytes_per_token"]
-        assert small < fp32 / 4  # int8 activations (581 B) + int4 KV (912 B) against 8448 B at k=4
-        assert (out / "fidelity.png").stat().st_size > 0 and "replies equal" in (out / "fidelity.md").read_text()
 
     def test_multiturn_smoke(self, tmp_path, bench_cloud, split_dir):
         out = tmp_path / "multiturn"
