@@ -142,3 +142,20 @@ def test_the_packaged_tables_load_and_name_their_weights():
     for path in PACKAGED.glob("*.json"):
         data = json.loads(path.read_text())
         assert tables[data["weights_blake3"]].pairs.keys() == {int(k) for k in data["splits"]}
+
+
+def test_default_offers_are_fp16_fp32_and_the_formats_the_tables_qualify():
+    """A format is offered (edge) and allowed (cloud) by default only where a packaged table puts a
+    pair holding it within the noise floor; fp16 (the default where nothing smaller qualifies) and
+    fp32 (exact) always."""
+    from tandem.cloud.config import CloudConfig
+    from tandem.edge.config import EdgeConfig
+
+    acts, kvs = {W.FP16, W.FP32}, {W.FP16, W.FP32}
+    for t in load_tables().values():
+        a, v = t.formats()
+        acts, kvs = acts | a, kvs | v
+    e, c = EdgeConfig(), CloudConfig()
+    assert e.wire_dtypes[0] == e.kv_wire_dtypes[0] == W.FP16
+    assert set(e.wire_dtypes) == set(c.wire_dtypes) == acts
+    assert set(e.kv_wire_dtypes) == set(c.kv_wire_dtypes) == kvs
