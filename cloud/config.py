@@ -264,7 +264,7 @@ class CloudConfig(DaemonSettings):
     )
     max_chunk_tokens: Count = Field(default=256, description="Most tokens per activation chunk on any link.")
     wire_dtypes: ListSetting[WireDtypeSetting] = Field(
-        default=["fp16", "fp32"],
+        default=["fp16", "fp32", "int8_hadamard"],
         validate_default=True,
         min_length=1,
         description="Activation formats this cloud accepts. A link gets the smallest pair both sides accept that "
@@ -273,7 +273,7 @@ class CloudConfig(DaemonSettings):
         "`fp32` alone keeps every split reply equal to the unsplit model's.",
     )
     kv_wire_dtypes: ListSetting[WireDtypeSetting] = Field(
-        default=["fp16", "fp32"],
+        default=["fp16", "fp32", "int4", "int8_hadamard"],
         validate_default=True,
         min_length=1,
         description="Head-KV block formats this cloud accepts, chosen as `wire_dtypes`: fp32, fp16, bf16, int8 "
