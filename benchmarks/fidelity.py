@@ -1,63 +1,76 @@
-"""``tandem-bench-fidelity``: what each wire format does to greedy output, and what it saves.
+"""``tandem-bench-fidelity``: what each wire format pair does to the model's next-token
+distributions, against the noise of the unquantized system, and what it saves on the wire.
 
-One ``tandem-cloud`` (real vLLM engines) that allows every activation and KV block format, and
-one ``tandem-edge`` per format pair under test (its offer names only that pair, so the link
-negotiates it), all child processes on this machine. Every prompt of the fixed set
-(``benchmarks/data/fidelity_prompts.jsonl``: 200 hand-written chats in 28 categories, 31 of them
-multi-turn) runs in split mode at ``--split-layer`` with greedy decoding for
-``--max-new-tokens`` tokens (EOS ends a reply, as in use). The first pair (default fp32/fp32) is
-the reference; it also runs twice, so the table shows the run-to-run floor (vLLM's CPU kernels
-are deterministic for a fixed batch, but requests in flight together batch differently).
+Over the fixed chat set (``benchmarks/data/fidelity_prompts.jsonl``: 200 hand-written chats in
+28 categories, 31 of them multi-turn; ``--sample N`` takes every ``200 / N``-th chat):
 
-Per pair: bytes per prompt token on the wire (activations + KV blocks, as sent), the share of
-prompts whose whole reply (up to ``--max-new-tokens`` tokens) equals the reference's, and the
-top-1 disagreement rate per position (the share of prompts whose token at position ``i``
-differs from the reference's, among prompts where the reference has one; after a first
-difference later positions usually differ too). The target (``BAR_*``): a format at or below 845
-bytes per prompt token at k = 4 (10x below fp32) with at least 99% of prompts agreeing.
+1. **References.** A real vLLM engine (``benchmarks.engine_logprobs``: the decode engine's
+   settings, fp32, one request at a time) writes each chat's greedy reply of up to
+   ``--max-new-tokens`` tokens (EOS ends a reply, as in use): the fp32 reference replies.
+2. **Noise floor.** The same engine's teacher-forced distributions (``prompt + reference reply``
+   as the prompt, vLLM's ``prompt_logprobs`` at every reply position, the top ``--top-k``) at
+   concurrency 1, then again at concurrency 4 (fp32, batching differs) and from a bfloat16 engine
+   (concurrency 1). The two comparisons are the floor rows.
+3. **Formats.** Per split layer and per activation/KV pair of ``--pairs``, the split path's
+   teacher-forced distributions over the whole vocabulary, computed in this process with the ONNX
+   head, the format round trip and the tail and full checkpoints in transformers
+   (``benchmarks.teacher``: why that is the same computation); each compared with the fp32 pair's.
+   A third floor row compares that in-process fp32 with the fp32 engine: the size of the
+   difference between the two computations.
 
-Writes into ``--out``: ``fidelity.md`` (the table), ``fidelity.json`` (every reply's tokens and
-bytes per pair) and ``fidelity.png`` (bytes per token against agreement; disagreement by position).
+Measures per row (``benchmarks.fidelity_stats``): next-token KL divergence (mean and p99 over
+positions; top-K coarsened for every row, which the engines' top-K lists allow, and over the full
+vocabulary for the formats), top-1 agreement where the reference's top-2 gap exceeds
+``GAP_NATS``, the flip rate at near-ties and overall, the perplexity of the reference replies,
+and per prompt-length bucket. Greedy agreement is the secondary column: under teacher forcing a
+greedy reply equals the reference up to the first position whose top-1 differs from the
+reference's token, so the share of identical replies and the first divergence follow exactly.
+Bytes per prompt token are counted as the edge sends them (every token's activations, the full
+KV blocks of ``B = 32`` tokens) against fp32, bf16 and direct mode's token ids.
+
+A pair qualifies (``fidelity_stats.qualifies``) where its mean KL and its flip rate are each
+within ``FLOOR_FACTOR`` of the fp32-vs-bf16 engines' floor. Writes into ``--out``:
+``fidelity.md`` (the tables), ``fidelity.json`` (every row and its buckets),
+``fidelity.png`` (KL vs bytes per prompt token, one point per pair, the floor as a band) and
+``fidelity-table.json`` (the qualifying pairs per split layer, the form ``cloud.fidelity`` reads).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
+import os
+import pickle
+import subprocess
 import sys
+import tempfile
+import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
+import numpy as np
 import typer
 
-from tandem.common.formats import FORMATS
-from tandem.daemons import Daemons, cloud_command, edge_command, work_dir
+from tandem.benchmarks import fidelity_stats as fs
+from tandem.common.formats import WireDtype
+from tandem.common.kvwire import kv_raw_nbytes
+from tandem.common.manifest import SplitManifest
+from tandem.common.wire import raw_nbytes_of
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
 PROMPTS = Path(__file__).parent / "data" / "fidelity_prompts.jsonl"
-BAR_AGREEMENT = 0.99
-BAR_BYTES_FACTOR = 10  # below fp32's bytes per prompt token
-LINK_IDLE_S = 2.0
+BLOCK_TOKENS = 32  # the cloud's KV block size (EngineConfig.block_size_tokens)
+FP32_PAIR = (WireDtype.FP32, WireDtype.FP32)
+DEFAULT_PAIRS = (
+    "fp32/fp32,fp16/fp16,bf16/bf16,int8_hadamard/int8_hadamard,int8_hadamard/int4,"
+    "int4_hadamard/int4_hadamard,int4_hadamard/int4"
+)
 
 
-@dataclass
-class PairResult:
-    label: str  # "<activations>/<kv>"
-    replies: dict[str, list[int]] = field(default_factory=dict)  # prompt id -> output token ids
-    prompt_tokens: int = 0
-    sent_bytes: int = 0  # activations + KV blocks
-    wall_s: float = 0.0
-
-    @property
-    def bytes_per_token(self) -> float:
-        return self.sent_bytes / max(1, self.prompt_tokens)
-
-
-def load_prompts(path: Path, limit: int) -> list[dict]:
-    """The prompt set: ``{"id", "category", "messages"}`` per line.
+def load_prompts(path: Path, limit: int = 0, sample: int = 0) -> list[dict]:
+    """The prompt set: ``{"id", "category", "messages"}`` per line; the first ``limit`` (0: all),
+    then every ``len / sample``-th of them (0: all).
 
     Raises:
         typer.BadParameter: the file is missing or a line is not a chat ending with a user turn.
@@ -72,181 +85,333 @@ def load_prompts(path: Path, limit: int) -> list[dict]:
         if not p.get("messages") or p["messages"][-1].get("role") != "user":
             raise typer.BadParameter(f"{path}:{n}: messages must end with a user turn")
         out.append(p)
-    return out[:limit] if limit else out
+    out = out[:limit] if limit else out
+    if sample and sample < len(out):
+        step = len(out) / sample
+        out = [out[int(i * step)] for i in range(sample)]
+    return out
 
 
-async def run_pair(port: int, label: str, prompts: list[dict], split_layer: int, max_new: int, conc: int, bar):
-    """Every prompt once through the edge at ``port`` in split mode; greedy."""
-    from tandem import AsyncClient
+def parse_pairs(pairs: str) -> list[tuple[WireDtype, WireDtype]]:
+    """``"act/kv,..."`` -> format pairs, fp32/fp32 (the reference) first whether listed or not.
 
-    res, sem = PairResult(label), asyncio.Semaphore(conc)
-    t0 = time.perf_counter()
-    async with AsyncClient(f"127.0.0.1:{port}") as client:
-
-        async def one(p: dict) -> None:
-            from tandem import ResourceExhausted
-
-            async with sem:
-                for attempt in range(10):  # a full share answers RESOURCE_EXHAUSTED with a retry hint
-                    s = client.chat(p["messages"], max_new_tokens=max_new, mode="split", split_layer=split_layer)
-                    try:
-                        async for _ in s:
-                            pass
-                        break
-                    except ResourceExhausted as e:
-                        if attempt == 9:
-                            raise
-                        await asyncio.sleep(e.retry_after_s or 1.0)
-                r = s.result
-                res.replies[p["id"]] = list(r.output_token_ids)
-                res.prompt_tokens += r.head_tokens
-                res.sent_bytes += r.sent_bytes.get("activations", 0) + r.sent_bytes.get("kv", 0)
-                bar.update(1)
-
-        await asyncio.gather(*(one(p) for p in prompts))
-    res.wall_s = time.perf_counter() - t0
-    return res
+    Raises:
+        typer.BadParameter: an item is not ``<activations>/<kv>`` of known format names.
+    """
+    out = [FP32_PAIR]
+    for lab in (p.strip() for p in pairs.split(",") if p.strip()):
+        try:
+            a, k = lab.split("/")
+            pair = (WireDtype[a.strip().upper()], WireDtype[k.strip().upper()])
+        except (ValueError, KeyError):
+            raise typer.BadParameter(f"--pairs: {lab!r} is not <activations>/<kv>, e.g. int8_hadamard/int4") from None
+        if pair not in out:
+            out.append(pair)
+    return out
 
 
-def compare(ref: PairResult, other: PairResult, max_new: int) -> tuple[float, list[float]]:
-    """(share of prompts whose reply equals the reference's, disagreement rate per position)."""
-    ids = sorted(ref.replies)
-    same = sum(ref.replies[i] == other.replies.get(i) for i in ids) / len(ids)
-    per_pos = []
-    for pos in range(max_new):
-        have = [i for i in ids if len(ref.replies[i]) > pos]
-        if not have:
-            break
-        diff = sum(len(other.replies[i]) <= pos or other.replies[i][pos] != ref.replies[i][pos] for i in have)
-        per_pos.append(diff / len(have))
-    return same, per_pos
+def label(pair: tuple[WireDtype, WireDtype]) -> str:
+    return f"{pair[0].name.lower()}/{pair[1].name.lower()}"
 
 
-def plot(path: Path, rows: list[dict]) -> None:
+def bytes_per_prompt_token(pair: tuple[WireDtype, WireDtype], m: SplitManifest, lengths: list[int]) -> float:
+    """Activations of every prompt token plus the full KV blocks, over all prompts, per prompt token."""
+    s = m.shape
+    act = raw_nbytes_of(1, pair[0], s.hidden_size)
+    blk = kv_raw_nbytes((m.split_layer, 2, s.num_kv_heads, BLOCK_TOKENS, s.head_dim), pair[1])
+    return sum(t * act + (t // BLOCK_TOKENS) * blk for t in lengths) / sum(lengths)
+
+
+def run_engine(model: Path, requests: list[dict], out: Path, dtype: str, concurrency: int, top_k: int, max_new: int):
+    """``benchmarks.engine_logprobs`` in a child process: {id: {reply, ids, lps, own}}.
+
+    Raises:
+        RuntimeError: the engine run failed (its log's tail in the message).
+    """
+    req = out.with_suffix(".json")
+    req.write_text(json.dumps(requests))
+    cmd = [sys.executable, "-m", "tandem.benchmarks.engine_logprobs", "--model", str(model), "--requests", str(req)]
+    cmd += ["--out", str(out), "--dtype", dtype, "--concurrency", str(concurrency), "--top-k", str(top_k)]
+    cmd += ["--max-new-tokens", str(max_new), "--no-greedy"]
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"})
+    if rc.returncode:
+        raise RuntimeError(f"engine run {dtype} c={concurrency} failed:\n{log.read_text()[-3000:]}")
+    z = np.load(out)
+    return {r["id"]: {f: z[f"{r['id']}/{f}"] for f in ("reply", "ids", "lps", "own")} for r in requests}
+
+
+def greedy_from_forced(reply: np.ndarray, top1: np.ndarray) -> list[int]:
+    """The greedy reply of a system whose teacher-forced top-1 along ``reply`` is ``top1``: equal
+    to ``reply`` up to and including the first position where they differ."""
+    diff = np.flatnonzero(top1 != reply)
+    return [int(x) for x in reply] if not diff.size else [*map(int, reply[: diff[0]]), int(top1[diff[0]])]
+
+
+def compare_engines(ref: dict, other: dict, lengths: dict[str, int]) -> tuple[dict, dict]:
+    """(summary, greedy agreement) of engine run ``other`` against engine run ``ref``."""
+    pos = fs.Positions()
+    greedy_ref, greedy_other = {}, {}
+    for i, r in ref.items():
+        o = other[i]
+        pos.add_turn((r["ids"], r["lps"]), (o["ids"], o["lps"]), o["own"], lengths[i])
+        greedy_ref[i], greedy_other[i] = list(map(int, r["reply"])), greedy_from_forced(r["reply"], o["ids"][:, 0])
+    return fs.summarize(pos), fs.greedy_agreement(greedy_ref, greedy_other)
+
+
+def plot(path: Path, rows: list[dict], floors: dict[str, dict]) -> None:
+    """KL vs bytes per prompt token, one point per pair; the floor (batching to fp32-vs-bf16) as a
+    band, the qualifying limit (``FLOOR_FACTOR`` x the bf16 floor) dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    lo = 1e-9
+    fig, ax = plt.subplots(figsize=(8, 5))
+    batching, bf16 = floors["batching"]["kl_mean"], floors["bf16"]["kl_mean"]
+    ax.axhspan(max(batching, lo), max(bf16, lo), color="tab:green", alpha=0.2, label="noise floor (batching .. bf16)")
+    ax.axhline(
+        fs.FLOOR_FACTOR * max(bf16, lo), color="tab:green", ls="--", lw=1, label=f"{fs.FLOOR_FACTOR:g}x the floor"
+    )
     for r in rows:
-        a.scatter(r["bytes_per_token"], 100 * r["agreement"], s=40)
-        a.annotate(r["label"], (r["bytes_per_token"], 100 * r["agreement"]), textcoords="offset points", xytext=(4, 4))
-        b.plot(range(1, len(r["disagreement_by_position"]) + 1), r["disagreement_by_position"], label=r["label"])
-    a.axhline(100 * BAR_AGREEMENT, color="grey", ls="--", lw=1)
-    if rows:
-        a.axvline(rows[0]["bytes_per_token"] / BAR_BYTES_FACTOR, color="grey", ls=":", lw=1)
-    a.set_xscale("log")
-    a.set_xlabel("bytes per prompt token on the wire (log)")
-    a.set_ylabel("prompts whose reply equals the fp32 reference (%)")
-    a.set_title("agreement vs bytes (dashed: 99% bar; dotted: 10x below the reference)")
-    b.set_xlabel("output position")
-    b.set_ylabel("top-1 disagreement rate")
-    b.set_title("disagreement by position")
-    b.legend(fontsize=8)
+        if r["pair"] == "fp32/fp32":
+            continue
+        y = max(r["kl_mean"], lo)
+        ax.scatter(r["bytes_per_token"], y, s=40, color="tab:blue" if r["qualifies"] else "tab:red")
+        ax.annotate(
+            f"{r['pair']} k={r['k']}", (r["bytes_per_token"], y), textcoords="offset points", xytext=(4, 4), fontsize=8
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes per prompt token on the wire (log)")
+    ax.set_ylabel(f"mean next-token KL from fp32, nats (top-{floors['bf16'].get('top_k', '')} coarsened, log)")
+    ax.set_title("teacher-forced KL vs bytes (blue: within the floor rule, red: not)")
+    ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def table_lines(rows: list[dict], floors: dict[str, dict], meta: dict) -> list[str]:
+    """The markdown tables: one row per floor and per (k, pair), then KL by prompt-length bucket."""
+    head = (
+        "| row | B per prompt token | fp32 B / this | bf16 B / this | this / token-id B | "
+        "KL mean | KL p99 | KL mean (full) | "
+        f"top-1 agree (gap > {fs.GAP_NATS:g}) | flips at near-ties | flip rate | PPL | "
+        "greedy: identical | greedy: 1st divergence | within the floor |"
+    )
+    lines = [
+        f"{meta['prompts']} chats ({meta['selection']}), greedy fp32 reference replies of up to "
+        f"{meta['max_new_tokens']} tokens ({meta['positions']} teacher-forced positions); KL in nats, "
+        f"top-{meta['top_k']} coarsened unless marked full; near-tie: reference top-2 gap <= {fs.GAP_NATS:g} nats; "
+        f"within the floor: KL mean and flip rate <= {fs.FLOOR_FACTOR:g}x the fp32-vs-bf16 engines'.",
+        "",
+        head,
+        "|" + "---|" * 15,
+    ]
+
+    def cells(s: dict, g: dict) -> str:
+        full = "" if s.get("kl_full_mean") is None else f"{s['kl_full_mean']:.2e}"
+        first = "-" if g["first_divergence_mean"] is None else f"{g['first_divergence_mean']:.1f}"
+        return (
+            f"{s['kl_mean']:.2e} | {s['kl_p99']:.2e} | {full} | {100 * s['top1_decisive']:.2f}% | "
+            f"{100 * s['flip_near_tie']:.1f}% | {100 * s['flip_rate']:.2f}% | {s['ppl']:.3f} | "
+            f"{100 * g['identical']:.1f}% | {first}"
+        )
+
+    for f in floors.values():
+        lines.append(f"| floor: {f['title']} | | | | | {cells(f, f['greedy'])} | |")
+    for r in rows:
+        lines.append(
+            f"| k={r['k']} {r['pair']} | {r['bytes_per_token']:.0f} | {r['vs_fp32']:.1f}x | "
+            f"{r['vs_bf16']:.1f}x | {r['vs_token_ids']:.0f}x | {cells(r, r['greedy'])} | "
+            f"{'reference' if r['pair'] == 'fp32/fp32' else 'yes' if r['qualifies'] else 'no'} |"
+        )
+    buckets = sorted({b for r in rows for b in r["buckets"]}, key=lambda s: int(s.split("-")[0].lstrip(">=")))
+    lines += ["", "KL mean / flip rate by prompt length (tokens; positions in the reference row):", ""]
+    lines.append("| row | " + " | ".join(buckets) + " |")
+    lines.append("|" + "---|" * (len(buckets) + 1))
+    ref_b = floors["bf16"]["buckets"]
+    lines.append("| positions | " + " | ".join(str(ref_b.get(b, {}).get("positions", 0)) for b in buckets) + " |")
+    for f in floors.values():
+        cols = [
+            f"{f['buckets'][b]['kl_mean']:.1e} / {100 * f['buckets'][b]['flip_rate']:.1f}%" if b in f["buckets"] else ""
+            for b in buckets
+        ]
+        lines.append(f"| floor: {f['title']} | " + " | ".join(cols) + " |")
+    for r in rows:
+        cols = [
+            f"{r['buckets'][b]['kl_mean']:.1e} / {100 * r['buckets'][b]['flip_rate']:.1f}%" if b in r["buckets"] else ""
+            for b in buckets
+        ]
+        lines.append(f"| k={r['k']} {r['pair']} | " + " | ".join(cols) + " |")
+    return lines
+
+
+def default_table(rows: list[dict], floors: dict[str, dict], meta: dict, weights_blake3: str) -> dict:
+    """The qualifying pairs per split layer, smallest first (``cloud.fidelity.FidelityTable``'s form)."""
+    splits: dict[str, list[dict]] = {}
+    for r in sorted(rows, key=lambda r: (r["k"], r["bytes_per_token"])):
+        a, k = r["pair"].split("/")
+        entry = {"activations": a, "kv": k, "bytes_per_token": round(r["bytes_per_token"], 1)}
+        entry |= {"kl_mean": r["kl_mean"], "flip_rate": r["flip_rate"], "qualifies": r["qualifies"]}
+        splits.setdefault(str(r["k"]), []).append(entry)
+    bf = floors["bf16"]
+    return {
+        "weights_blake3": weights_blake3,
+        "measured": meta,
+        "rule": f"kl_mean and flip_rate each <= {fs.FLOOR_FACTOR:g}x the fp32-vs-bf16 engines' floor",
+        "floor": {"kl_mean": bf["kl_mean"], "flip_rate": bf["flip_rate"]},
+        "splits": splits,
+    }
 
 
 @app.command()
 def main(
     model_dir: Annotated[Path, typer.Option(help="prepared model directory")] = Path("models/smollm2-135m"),
-    split_layer: Annotated[int, typer.Option(help="split layer k (an exported split-k<k> directory)")] = 4,
+    split_layers: Annotated[str, typer.Option(help="split layers k (exported split-k<k> directories)")] = "4",
     pairs: Annotated[
-        str, typer.Option(help="activation/KV format pairs, the reference first")
-    ] = "fp32/fp32,fp16/fp16,bf16/bf16,int8_hadamard/int8_hadamard,fp16/int8_hadamard,int8_hadamard/int4",
+        str, typer.Option(help="activation/KV format pairs (fp32/fp32 is always the reference)")
+    ] = DEFAULT_PAIRS,
     prompts_file: Annotated[Path, typer.Option(help="JSONL prompt set")] = PROMPTS,
     limit: Annotated[int, typer.Option(help="first N prompts only (0 = all)")] = 0,
+    sample: Annotated[int, typer.Option(help="every (prompts / N)-th prompt, N in all (0 = all)")] = 0,
     max_new_tokens: int = 32,
-    concurrency: Annotated[int, typer.Option(help="requests in flight")] = 4,
+    top_k: Annotated[int, typer.Option(help="engine prompt_logprobs per position (vLLM max_logprobs)")] = 64,
+    threads: Annotated[int, typer.Option(help="torch and ONNX Runtime threads in this process (0 = default)")] = 0,
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/fidelity"),
-    cloud: Annotated[
-        str,
-        typer.Option(
-            help="host:port of a running plaintext tandem-cloud that allows every format in --pairs and "
-            f"releases an idle link's share within {LINK_IDLE_S:g} s (--link-idle-s), so each pair gets the "
-            "whole cloud (default: start one like that)"
-        ),
-    ] = "",
+    render: Annotated[bool, typer.Option(help="only write the tables, plot and table again from out/fidelity.json")] = (
+        False
+    ),
 ) -> None:
-    """Run every prompt under every format pair and write the agreement table and plot."""
+    """Measure every pair at every split layer against the engines' noise floor; write the tables and plot."""
     from tqdm import tqdm
+    from transformers import AutoTokenizer
 
-    labels = [p.strip().lower() for p in pairs.split(",") if p.strip()]
-    for lab in labels:
-        if lab.count("/") != 1:
-            raise typer.BadParameter(f"--pairs: {lab!r} is not <activations>/<kv>, e.g. int8/int4")
-    prompts = load_prompts(prompts_file, limit)
+    if render:
+        k0 = int(split_layers.split(",")[0])
+        write_outputs(out, SplitManifest.load(model_dir / f"split-k{k0}").weights_blake3)
+        return
+
+    from tandem.benchmarks.teacher import SplitTeacher
+    from tandem.common.chat import prompt_token_ids
+
+    ks = [int(k) for k in split_layers.split(",") if k.strip()]
+    plist = parse_pairs(pairs)
+    prompts = load_prompts(prompts_file, limit, sample)
     out.mkdir(parents=True, exist_ok=True)
-    w = work_dir("tandem-fidelity-")  # its block stores are removed at exit, its logs kept
-    split_dir = model_dir / f"split-k{split_layer}"
-    every = ",".join(f.name.lower() for f in FORMATS.values())
-    runs = [*labels[:1], *labels]  # the reference twice: its run-to-run floor
-    print(f"tandem-bench-fidelity: {len(prompts)} prompts x {len(runs)} runs; logs in {w}", file=sys.stderr)
-    daemons = Daemons()
-    results: list[PairResult] = []
-    try:
-        # one edge (link) per pair, one after the other: a finished edge's link stops holding a share
-        # after --link-idle-s, so each pair gets the whole cloud
-        extra = ["--wire-dtypes", every, "--kv-wire-dtypes", every, "--max-num-seqs", str(max(8, concurrency))]
-        extra += ["--link-idle-s", str(LINK_IDLE_S)]
-        if not cloud:
-            c = daemons.spawn("tandem-cloud", cloud_command(split_dir, w / "kv", extra=extra), w / "cloud.log", w / "c")
-            cloud = f"127.0.0.1:{c.wait_ready(900)}"
-        with tqdm(total=len(prompts) * len(runs), desc="replies", unit="req") as bar:
-            for n, lab in enumerate(runs):
-                act, kv = lab.split("/")
-                edge = daemons.spawn(
-                    f"tandem-edge {lab}",
-                    edge_command(split_dir, cloud, extra=["--wire-dtypes", act, "--kv-wire-dtypes", kv]),
-                    w / f"edge-{n}.log",
-                    w / f"edge-{n}.port",
-                )
-                port = edge.wait_ready(300)
-                results.append(asyncio.run(run_pair(port, lab, prompts, split_layer, max_new_tokens, concurrency, bar)))
-                edge.stop()
-                time.sleep(LINK_IDLE_S + 1)
-    finally:
-        daemons.stop()
-    ref = results[0]
-    rows = []
-    for n, r in enumerate(results[1:], 1):
-        same, per_pos = compare(ref, r, max_new_tokens)
-        rows.append(
-            {
-                "label": r.label + (" (again)" if n == 1 else ""),
-                "bytes_per_token": r.bytes_per_token,
-                "agreement": same,
-                "disagreement_by_position": per_pos,
-                "first_token_disagreement": per_pos[0] if per_pos else 0.0,
-                "wall_s": r.wall_s,
-            }
-        )
-    fp32_bytes = ref.bytes_per_token
-    lines = [
-        f"{len(prompts)} prompts, split at k={split_layer}, greedy, up to {max_new_tokens} tokens, "
-        f"concurrency {concurrency}; reference {ref.label} ({fp32_bytes:.0f} B per prompt token)",
-        "",
-        "| activations/KV | B per prompt token | vs reference | replies equal to the reference | "
-        "1st-token disagreement | mean disagreement per position | "
-        f"meets the bar (>= {100 * BAR_AGREEMENT:.0f}% equal at <= 1/{BAR_BYTES_FACTOR:g} of the reference's bytes) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        meets = r["agreement"] >= BAR_AGREEMENT and r["bytes_per_token"] <= fp32_bytes / BAR_BYTES_FACTOR
-        pos = r["disagreement_by_position"]
-        lines.append(
-            f"| {r['label']} | {r['bytes_per_token']:.0f} | {fp32_bytes / max(1.0, r['bytes_per_token']):.1f}x less | "
-            f"{100 * r['agreement']:.1f}% | {100 * r['first_token_disagreement']:.1f}% | "
-            f"{100 * sum(pos) / max(1, len(pos)):.1f}% | {'yes' if meets else 'no'} |"
-        )
-    (out / "fidelity.md").write_text("\n".join(lines) + "\n")
-    (out / "fidelity.json").write_text(
-        json.dumps({"rows": rows, "replies": {r.label: r.replies for r in results}, "prompts": len(prompts)})
+    manifests = {k: SplitManifest.load(model_dir / f"split-k{k}") for k in ks}
+    m0 = manifests[ks[0]]
+    hf = m0.resolve(model_dir / f"split-k{ks[0]}", m0.full_checkpoint)
+    tok = AutoTokenizer.from_pretrained(
+        str(m0.resolve(model_dir / f"split-k{ks[0]}", m0.tokenizer or m0.full_checkpoint))
     )
-    plot(out / "fidelity.png", rows)
+    reqs = [{"id": p["id"], "prompt": prompt_token_ids(tok, p["messages"]), "reply": None} for p in prompts]
+    lengths = {r["id"]: len(r["prompt"]) for r in reqs}
+    w = Path(tempfile.mkdtemp(prefix="tandem-fidelity-"))
+    t0 = time.perf_counter()
+    print(f"tandem-bench-fidelity: {len(reqs)} chats, k={ks}, {len(plist)} pairs; engine logs in {w}", file=sys.stderr)
+
+    ref = run_engine(hf, reqs, w / "fp32-c1.npz", "float32", 1, top_k, max_new_tokens)
+    for r in reqs:
+        r["reply"] = [int(x) for x in ref[r["id"]]["reply"]]
+    engines: dict[str, dict] = {}
+    failed: list[BaseException] = []
+
+    def floor_runs() -> None:  # beside the in-process pass: the engines are child processes
+        try:
+            engines["batching"] = run_engine(hf, reqs, w / "fp32-c4.npz", "float32", 4, top_k, max_new_tokens)
+            engines["bf16"] = run_engine(hf, reqs, w / "bf16-c1.npz", "bfloat16", 1, top_k, max_new_tokens)
+        except BaseException as e:  # re-raised in the main thread
+            failed.append(e)
+
+    floor_thread = threading.Thread(target=floor_runs, name="fidelity-floor")
+    floor_thread.start()
+
+    rows: list[dict] = []
+    check = fs.Positions()  # in-process fp32 against the fp32 engine
+    check_greedy: dict[str, list[int]] = {}
+    for k in ks:
+        teacher = SplitTeacher(model_dir / f"split-k{k}", BLOCK_TOKENS, threads)
+        per_pair = {p: fs.Positions() for p in plist}
+        greedy = {p: {} for p in plist}
+        for r in tqdm(reqs, desc=f"teacher-forced k={k}", unit="chat"):
+            reply = np.asarray(r["reply"])
+            dists = teacher.forced(teacher.head_pass(r["prompt"]), r["reply"], plist)  # [P, n, V]
+            ref_lp = dists[0]
+            ref_top = fs.topk(ref_lp, top_k)
+            for n, p in enumerate(plist):
+                top = ref_top if n == 0 else fs.topk(dists[n], top_k)
+                own = dists[n][np.arange(len(reply)), reply]  # log-probability of the reference reply's token
+                per_pair[p].add_turn(ref_top, top, own, len(r["prompt"]), kl_full=fs.full_kl(ref_lp, dists[n]))
+                greedy[p][r["id"]] = greedy_from_forced(reply, top[0][:, 0])
+            if k == ks[0]:
+                e = ref[r["id"]]
+                check.add_turn((e["ids"], e["lps"]), ref_top, ref_lp[np.arange(len(reply)), reply], len(r["prompt"]))
+                check_greedy[r["id"]] = greedy_from_forced(reply, ref_top[0][:, 0])
+        lens = [len(r["prompt"]) for r in reqs]
+        fp32_b = bytes_per_prompt_token(FP32_PAIR, manifests[k], lens)
+        bf16_b = bytes_per_prompt_token((WireDtype.BF16, WireDtype.BF16), manifests[k], lens)
+        ids_b = sum(fs.varint_bytes(t) for r in reqs for t in r["prompt"]) / sum(lens)
+        refs = {r["id"]: r["reply"] for r in reqs}
+        for p in plist:
+            b = bytes_per_prompt_token(p, manifests[k], lens)
+            row = {"k": k, "pair": label(p), "bytes_per_token": b, "vs_fp32": fp32_b / b, "vs_bf16": bf16_b / b}
+            row |= {
+                "vs_token_ids": b / ids_b,
+                **fs.summarize(per_pair[p]),
+                "greedy": fs.greedy_agreement(refs, greedy[p]),
+            }
+            rows.append(row)
+        del teacher
+
+    floor_thread.join()
+    if failed:
+        raise failed[0]
+    with open(w / "state.pkl", "wb") as f:  # everything measured, for reading again without a rerun
+        pickle.dump({"rows": rows, "check": check, "check_greedy": check_greedy, "ref": ref, "engines": engines}, f)
+    floors = {}
+    for key, title in (("batching", "fp32 engine, concurrency 1 vs 4"), ("bf16", "fp32 vs bf16 engines")):
+        s, g = compare_engines(ref, engines[key], lengths)
+        floors[key] = {"title": title, "top_k": top_k, **s, "greedy": g}
+    floors["in_process"] = {
+        "title": "fp32 engine vs in-process fp32",
+        "top_k": top_k,
+        **fs.summarize(check),
+        "greedy": fs.greedy_agreement({r["id"]: r["reply"] for r in reqs}, check_greedy),
+    }
+    for r in rows:
+        r["qualifies"] = r["pair"] != "fp32/fp32" and fs.qualifies(r, floors["bf16"])
+    meta = {
+        "prompts": len(reqs),
+        "selection": f"every {200 // max(1, len(reqs))}th of 200"
+        if sample
+        else ("first " + str(len(reqs)) if limit else "all"),
+        "max_new_tokens": max_new_tokens,
+        "top_k": top_k,
+        "positions": floors["bf16"]["positions"],
+        "split_layers": ks,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    (out / "fidelity.json").write_text(json.dumps({"meta": meta, "floors": floors, "rows": rows}, indent=1))
+    write_outputs(out, m0.weights_blake3)
+
+
+def write_outputs(out: Path, weights_blake3: str) -> None:
+    """From ``out/fidelity.json``: ``fidelity.md``, ``fidelity.png`` and ``fidelity-table.json``
+    (qualifying again by the current rule), and the tables on stdout."""
+    data = json.loads((out / "fidelity.json").read_text())
+    rows, floors, meta = data["rows"], data["floors"], data["meta"]
+    for r in rows:
+        r["qualifies"] = r["pair"] != "fp32/fp32" and fs.qualifies(r, floors["bf16"])
+    lines = table_lines(rows, floors, meta)
+    (out / "fidelity.md").write_text("\n".join(lines) + "\n")
+    table = default_table(rows, floors, meta, weights_blake3)
+    (out / "fidelity-table.json").write_text(json.dumps(table, indent=1) + "\n")
+    plot(out / "fidelity.png", rows, floors)
     print("\n".join(lines))
-    print(f"results in {out}: fidelity.md, fidelity.json, fidelity.png", file=sys.stderr)
+    print(f"results in {out}: fidelity.md, fidelity.json, fidelity.png, fidelity-table.json", file=sys.stderr)
 
 
 if __name__ == "__main__":

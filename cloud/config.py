@@ -264,20 +264,27 @@ class CloudConfig(DaemonSettings):
     )
     max_chunk_tokens: Count = Field(default=256, description="Most tokens per activation chunk on any link.")
     wire_dtypes: ListSetting[WireDtypeSetting] = Field(
-        default=["fp16", "fp32"],
+        default=["fp16", "fp32", "int8_hadamard"],
         validate_default=True,
         min_length=1,
-        description="Activation formats this cloud accepts (the edge's preferred one among them is used). The "
-        "default allows those whose greedy replies equalled fp32's on at least 99% of `tandem-bench-fidelity`'s "
-        "200 chats (fp16: 100%); `fp32` alone keeps every split reply equal to the unsplit model's.",
+        description="Activation formats this cloud accepts. A link gets the smallest pair both sides accept that "
+        "the model's fidelity table puts within the noise floor, else the edge's first preference. The default "
+        "allows fp16, fp32 and the formats of pairs the packaged tables qualify (`tandem-bench-fidelity`); "
+        "`fp32` alone keeps every split reply equal to the unsplit model's.",
     )
     kv_wire_dtypes: ListSetting[WireDtypeSetting] = Field(
-        default=["fp16", "fp32"],
+        default=["fp16", "fp32", "int4", "int8_hadamard"],
         validate_default=True,
         min_length=1,
-        description="Head-KV block formats this cloud accepts (the edge's preferred one among them is used): fp32, "
-        "fp16, bf16, int8 (per token and head), int8_hadamard (rows rotated, then int8), int4 (KIVI: keys per "
-        "channel, values per token); see `tandem-bench-fidelity` for what each does to greedy output.",
+        description="Head-KV block formats this cloud accepts, chosen as `wire_dtypes`: fp32, fp16, bf16, int8 "
+        "(per token and head), int8_hadamard (rows rotated, then int8), int4 (KIVI: keys per channel, values per "
+        "token), int4_hadamard (rows rotated, then int4); `tandem-bench-fidelity` measures what each does.",
+    )
+    fidelity_tables: ListSetting[Path] = Field(
+        default_factory=list,
+        description="More fidelity tables (`tandem-bench-fidelity`'s `fidelity-table.json`) beside the packaged "
+        "ones: at each split layer a link gets the smallest format pair the table of this model's weights puts "
+        "within the noise floor, among the formats both sides accept.",
     )
     codecs: ListSetting[CodecSetting] = Field(
         default=["none", "zstd"],

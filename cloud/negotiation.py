@@ -4,12 +4,14 @@ For every split layer ``k`` both sides hold (and ``k = 0``, direct mode) a link 
 ``LinkParams``. The transfer parameters follow the link the edge measured; the quotas
 follow the link's share of the engines (``cloud.links.LinkTable``):
 
-* ``wire_dtype`` / ``kv_wire_dtype`` / ``codec``: the edge's first preference among the
-  formats this cloud allows (``CloudConfig.wire_dtypes`` for activations, ``kv_wire_dtypes``
-  for head-KV blocks: only formats that meet the fidelity bar, ``tandem-bench-fidelity``;
-  fp32 is exact; no common KV format: split is refused, direct still works). The edge
-  offers zstd first only where its measured ratio and speed shorten the transfer
-  (``edge.costmodel.zstd_pays``).
+* ``wire_dtype`` / ``kv_wire_dtype``: among the formats both sides accept (the edge's offer and
+  ``CloudConfig.wire_dtypes`` for activations, ``kv_wire_dtypes`` for head-KV blocks), the
+  smallest pair that the model's fidelity table (``cloud.fidelity``, measured by
+  ``tandem-bench-fidelity``) puts within the unquantized system's noise floor at this ``k``;
+  where none is (or no table names the weights), the edge's first preference (fp16 by
+  default; fp32 is exact). No common KV format: split is refused, direct still works.
+* ``codec``: the edge's first preference; it offers zstd first only where its measured ratio
+  and speed shorten the transfer (``edge.costmodel.zstd_pays``).
 * ``chunk_tokens``: a chunk should take about ``CHUNK_TARGET_MS`` on the wire, so a NACKed
   chunk costs little and the cloud can verify chunk i while i+1 travels; a power of two
   in ``[MIN_CHUNK_TOKENS, cfg.max_chunk_tokens]``, ``cfg.chunk_tokens`` when goodput is unknown.
@@ -31,8 +33,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
+from tandem.cloud.fidelity import FidelityTable
 from tandem.common.errors import InvalidRequest, ParamsVersionMismatch
 from tandem.common.formats import FORMATS, common_formats
 from tandem.common.kvwire import kv_raw_nbytes
@@ -63,6 +68,8 @@ class LinkLimits:
     max_new_tokens: int
     max_chunk_resends: int
     max_model_len_tokens: int = 0  # the engines' max_model_len: prompt + max_new_tokens (0 = no bound)
+    # fidelity tables by weights_blake3 (cloud.fidelity.load_tables); none: the edge's preference
+    fidelity: Mapping[str, FidelityTable] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def pick_chunk_tokens(goodput_mbps: float, bytes_per_token: int, default: int, max_tokens: int) -> int:
@@ -133,6 +140,10 @@ def link_params(
             f"no common KV block format: the edge accepts {[d.name for d in offer.kv_wire_dtypes]}, "
             f"this cloud allows {[d.name for d in limits.kv_wire_dtypes]}"
         )
+    table = limits.fidelity.get(manifest.weights_blake3) if k and manifest.weights_blake3 else None
+    smallest = table.smallest(k, acts, kvs) if table is not None else None
+    if smallest is not None:
+        dtype, kv_dtype = smallest
     codec = next(iter(common_formats(offer.codecs, limits.codecs)), Codec.NONE)
     act_bytes = raw_nbytes_of(1, dtype, sh.hidden_size)
     B = limits.kv_block_size_tokens

@@ -18,6 +18,7 @@ from grpc_health.v1 import health
 from tandem.cloud.admission import UploadBudget
 from tandem.cloud.config import CloudConfig
 from tandem.cloud.engines import EngineBackend
+from tandem.cloud.fidelity import load_tables
 from tandem.cloud.gateway import Gateway
 from tandem.cloud.linkregistry import LinkRegistry
 from tandem.cloud.links import ControllerConfig, LinkTable
@@ -96,6 +97,7 @@ def link_limits(cfg: CloudConfig) -> LinkLimits:
         max_new_tokens=cfg.max_new_tokens,
         max_chunk_resends=cfg.max_chunk_resends,
         max_model_len_tokens=e.max_model_len_tokens,
+        fidelity=load_tables(cfg.fidelity_tables),
     )
 
 

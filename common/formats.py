@@ -39,6 +39,14 @@ Activations ``h_k`` are float32 ``[T, H]``; KV blocks are canonical float32 ``[L
   ``q = round((x - min) / scale)`` in ``[0, 15]``. Layout: key ``(scale, min)`` ``[2, Lp, Hkv, D]``,
   value ``(scale, min)`` ``[2, Lp, Hkv, B]`` (fp16), then ``q`` of ``[Lp, 2, Hkv, B, D]`` two per
   byte (low nibble first, ``D`` rows padded to whole bytes).
+* ``INT4_HADAMARD`` (4-bit): ``INT8_HADAMARD``'s rotation, then symmetric int4 with one fp16 scale
+  ``max|y| / 7`` per (row, rotation block), ``q`` in ``[-7, 7]`` two per byte (low nibble first).
+  Activations: ``b = hadamard_block(H)``, scales ``[T, H / b]`` first, then ``q`` of ``[T, H]``.
+  KV blocks: ``b = hadamard_block(D, KV_HADAMARD_MAX)``, scales ``[Lp, 2, Hkv, B, D / b]`` first,
+  then ``q`` of ``[Lp, 2, Hkv, B, D]``. At 4 bits the rotation is what makes per-token scales
+  usable: QuaRot quantises activations and KV caches to 4 bits per token after exactly this kind
+  of rotation (Ashkboos et al., arXiv:2404.00456, section 4). The scales are part of the bytes,
+  so a KV leaf commits to them. It suits the widths ``INT8_HADAMARD`` suits.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ from tandem.common.quant import (
     hadamard_block,
     pack_int4,
     quantize,
+    quantize_rotated,
     quantize_rotated_int8,
     safe_scale,
     unpack_int4,
@@ -76,6 +85,7 @@ class WireDtype(enum.IntEnum):
     INT8 = 4
     INT4 = 5
     INT8_HADAMARD = 6
+    INT4_HADAMARD = 7
 
 
 class Fidelity(enum.IntEnum):
@@ -312,6 +322,46 @@ def _kv_int4_decode(raw: bytes, shape: BlockShape) -> np.ndarray:
     return out
 
 
+# --- INT4_HADAMARD: activations float32 [T, H] and KV blocks [Lp, 2, Hkv, B, D], rows of n channels
+
+
+def _rot4_nbytes(rows: int, n: int, b: int) -> int:
+    return rows * (2 * (n // b) + (n + 1) // 2)
+
+
+def _rot4_encode(x: np.ndarray, b: int) -> bytes:
+    scales, q = quantize_rotated(x, b, 1, 7)
+    return scales + pack_int4(q)
+
+
+def _rot4_decode(raw: bytes, shape: tuple[int, ...], b: int) -> np.ndarray:
+    rows, n = math.prod(shape[:-1]), shape[-1]
+    ns = rows * (n // b)
+    s = np.frombuffer(raw[: 2 * ns], "<f2").astype(np.float32).reshape(*shape[:-1], n // b, 1)
+    q = unpack_int4(raw[2 * ns :], shape)
+    return dequantize_rotated_int8(s, q, b)
+
+
+def _act_int4h_nbytes(shape: TokensShape) -> int:
+    return _rot4_nbytes(shape[0], shape[1], hadamard_block(shape[1]))
+
+
+def _kv_int4h_nbytes(shape: BlockShape) -> int:
+    return _rot4_nbytes(math.prod(shape[:4]), shape[4], hadamard_block(shape[4], KV_HADAMARD_MAX))
+
+
+_ACT_INT4H = Layout(
+    _act_int4h_nbytes,
+    lambda h: _rot4_encode(h, hadamard_block(h.shape[1])),
+    lambda raw, shape: _rot4_decode(raw, shape, hadamard_block(shape[1])),
+)
+_KV_INT4H = Layout(
+    _kv_int4h_nbytes,
+    lambda x: _rot4_encode(x, hadamard_block(x.shape[4], KV_HADAMARD_MAX)),
+    lambda raw, shape: _rot4_decode(raw, shape, hadamard_block(shape[4], KV_HADAMARD_MAX)),
+)
+
+
 def registry(*formats: WireFormat) -> Mapping[WireDtype, WireFormat]:
     """A read-only index of ``formats`` by ``dtype``, in ``WireDtype`` order.
 
@@ -361,6 +411,7 @@ FORMATS: Mapping[WireDtype, WireFormat] = registry(
         Layout(_kv_int8_nbytes, _kv_int8h_encode, _kv_int8h_decode),
         suits=_rotation_fits,
     ),
+    WireFormat(WireDtype.INT4_HADAMARD, Fidelity.INT4, _ACT_INT4H, _KV_INT4H, suits=_rotation_fits),
 )
 """Every wire format by its ``WireDtype``."""
 

@@ -51,23 +51,30 @@ def rotate(x: np.ndarray, b: int) -> np.ndarray:
     return (x.reshape(*x.shape[:-1], n // b, b) @ hadamard(b)).reshape(x.shape)
 
 
-def quantize_rotated_int8(x: np.ndarray, b: int, scale_axes: int) -> tuple[bytes, bytes]:
-    """``rotate(x, b)`` quantised to int8 with one fp16 scale per group of the last ``scale_axes``
-    axes of ``[..., n // b, b]`` (1: per block; 2: per row of ``n``): ``(scales, int8)`` bytes.
+def quantize_rotated(x: np.ndarray, b: int, scale_axes: int, levels: int = 127) -> tuple[bytes, np.ndarray]:
+    """``rotate(x, b)`` quantised symmetrically to integers in ``[-levels, levels]`` with one fp16
+    scale ``max|y| / levels`` per group of the last ``scale_axes`` axes of ``[..., n // b, b]``
+    (1: per block; 2: per row of ``n``): ``(scales as bytes, q)``, ``q`` int8 of ``x``'s shape.
     A group with NaN or inf gets a NaN scale (it decodes to NaN, never to numbers)."""
     with np.errstate(invalid="ignore", over="ignore"):
         y = rotate(np.ascontiguousarray(x, np.float32), b)
         g = y.reshape(*y.shape[:-1], y.shape[-1] // b, b)
         axes = (-1,) if scale_axes == 1 else (-2, -1)
         amax = np.abs(g).max(axis=axes, keepdims=True)
-        s16, s = safe_scale(amax, 127)
+        s16, s = safe_scale(amax, levels)
         s16 = np.where(np.isfinite(amax), s16, np.float16(np.nan)).astype("<f2")
-        q = quantize(g, s, -127, 127)
-    return s16.tobytes(), q.tobytes()
+        q = quantize(g, s, -levels, levels)
+    return s16.tobytes(), q.reshape(x.shape)
+
+
+def quantize_rotated_int8(x: np.ndarray, b: int, scale_axes: int) -> tuple[bytes, bytes]:
+    """``quantize_rotated`` to int8 (``levels`` 127): ``(scales, int8)`` bytes."""
+    scales, q = quantize_rotated(x, b, scale_axes)
+    return scales, q.tobytes()
 
 
 def dequantize_rotated_int8(scales: np.ndarray, q: np.ndarray, b: int) -> np.ndarray:
-    """The inverse of ``quantize_rotated_int8``: ``scales`` float32 broadcastable to
+    """The inverse of ``quantize_rotated`` (any ``levels``): ``scales`` float32 broadcastable to
     ``q.reshape(..., n // b, b)``, ``q`` int8 ``[..., n]`` -> float32 ``[..., n]``."""
     g = q.reshape(*q.shape[:-1], q.shape[-1] // b, b).astype(np.float32) * scales
     with np.errstate(invalid="ignore", over="ignore"):

@@ -124,16 +124,18 @@ class EdgeConfig(DaemonSettings):
         description="Padding of the goodput probe at connect, in bytes; 0 = no probe.",
     )
     wire_dtypes: ListSetting[WireDtypeSetting] = Field(
-        default=["fp16", "fp32", "bf16", "int8_hadamard", "int8", "int4"],
+        default=["fp16", "fp32", "int8_hadamard"],
         validate_default=True,
         min_length=1,
-        description="Activation formats this edge accepts, preferred first (the cloud picks the first it allows).",
+        description="Activation formats this edge accepts, preferred first: the cloud picks the smallest pair "
+        "its fidelity table qualifies among them, else the first it allows. The default offers fp16, fp32 and the "
+        "formats the packaged fidelity tables qualify.",
     )
     kv_wire_dtypes: ListSetting[WireDtypeSetting] = Field(
-        default=["fp16", "fp32", "bf16", "int8_hadamard", "int8", "int4"],
+        default=["fp16", "fp32", "int4", "int8_hadamard"],
         validate_default=True,
         min_length=1,
-        description="Head-KV block formats this edge accepts, preferred first (the cloud picks the first it allows).",
+        description="Head-KV block formats this edge accepts, preferred first, chosen as `wire_dtypes`.",
     )
     hysteresis: float = Field(
         default=0.05,

@@ -15,6 +15,7 @@ class WireDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WIRE_DTYPE_INT8: _ClassVar[WireDtype]
     WIRE_DTYPE_INT4: _ClassVar[WireDtype]
     WIRE_DTYPE_INT8_HADAMARD: _ClassVar[WireDtype]
+    WIRE_DTYPE_INT4_HADAMARD: _ClassVar[WireDtype]
 
 class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ WIRE_DTYPE_BF16: WireDtype
 WIRE_DTYPE_INT8: WireDtype
 WIRE_DTYPE_INT4: WireDtype
 WIRE_DTYPE_INT8_HADAMARD: WireDtype
+WIRE_DTYPE_INT4_HADAMARD: WireDtype
 CODEC_UNSPECIFIED: Codec
 CODEC_NONE: Codec
 CODEC_ZSTD: Codec

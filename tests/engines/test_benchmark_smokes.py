@@ -32,7 +32,7 @@ def bench_cloud(split_dir, tmp_path_factory):
 
 
 class TestSmokeRunsOnOneCloud:
-    """``tandem-bench``, ``-multiturn``, ``-fidelity`` and ``-burst`` run end to end with tiny
+    """``tandem-bench``, ``-multiturn`` and ``-burst`` run end to end with tiny
     arguments against one shared ``tandem-cloud`` (``--cloud``) and write every output file; each would
     otherwise start its own, a minute apiece on 2 cores. Their own start of a cloud (with the engine
     configuration of each) is what ``make bench`` runs."""
@@ -69,20 +69,6 @@ class TestSmokeRunsOnOneCloud:
         meta = json.loads((out / "meta.json").read_text())
         assert meta["shaper"] == "proxy"  # a running cloud is reached through the proxy
         assert (out / "breakeven.png").stat().st_size > 0
-
-    def test_fidelity_smoke(self, tmp_path, bench_cloud, split_dir):
-        target, _ = bench_cloud
-        out = tmp_path / "fidelity"
-        cmd = [sys.executable, "-m", "tandem.benchmarks.fidelity", "--limit", "3", "--max-new-tokens", "3"]
-        cmd += ["--cloud", target, "--model-dir", str(split_dir.parent)]
-        cmd += ["--pairs", "fp32/fp32,int8/int4", "--concurrency", "2", "--out", str(out)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
-        assert res.returncode == 0, res.stderr[-3000:]
-        data = json.loads((out / "fidelity.json").read_text())
-        assert [r["label"] for r in data["rows"]] == ["fp32/fp32 (again)", "int8/int4"]
-        fp32, small = data["rows"][0]["bytes_per_token"], data["rows"][1]["bytes_per_token"]
-        assert small < fp32 / 4  # int8 activations (581 B) + int4 KV (912 B) against 8448 B at k=4
-        assert (out / "fidelity.png").stat().st_size > 0 and "replies equal" in (out / "fidelity.md").read_text()
 
     def test_multiturn_smoke(self, tmp_path, bench_cloud, split_dir):
         target, _ = bench_cloud
@@ -141,3 +127,24 @@ def test_batching_smoke(tmp_path):
     data = json.loads((out / "batching.json").read_text())
     assert [r["max_num_seqs"] for r in data["rows"]] == [2]
     assert (out / "batching.png").stat().st_size > 0
+
+
+def test_fidelity_smoke(tmp_path, split_dir):
+    """``tandem-bench-fidelity`` with three chats and three tokens: the engine references and floors
+    (three vLLM engines in turn, none of them the shared cloud), the in-process teacher-forced pass,
+    the tables, the plot and the fidelity table."""
+    out = tmp_path / "fidelity"
+    cmd = [sys.executable, "-m", "tandem.benchmarks.fidelity", "--limit", "3", "--max-new-tokens", "3"]
+    cmd += ["--model-dir", str(split_dir.parent), "--pairs", "int8_hadamard/int4", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads((out / "fidelity.json").read_text())
+    assert [r["pair"] for r in data["rows"]] == ["fp32/fp32", "int8_hadamard/int4"]
+    fp32, small = data["rows"]
+    assert fp32["kl_full_mean"] == 0 and fp32["flip_rate"] == 0  # the reference against itself
+    assert small["kl_full_mean"] > 0 and small["bytes_per_token"] < fp32["bytes_per_token"] / 5
+    assert set(data["floors"]) == {"batching", "bf16", "in_process"}
+    assert data["floors"]["in_process"]["kl_mean"] < 1e-3  # in-process fp32 computes what the engine does
+    assert (out / "fidelity.png").stat().st_size > 0 and "within the floor" in (out / "fidelity.md").read_text()
+    table = json.loads((out / "fidelity-table.json").read_text())
+    assert [e["kv"] for e in table["splits"]["4"]] == ["int4", "fp32"]  # smallest first

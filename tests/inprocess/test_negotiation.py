@@ -491,10 +491,10 @@ async def test_a_small_window_paces_the_upload_on_the_clouds_acks():
         await toy.batcher.stop()
 
 
-async def test_default_configs_negotiate_the_smallest_formats_that_met_the_fidelity_bar():
-    """A default edge and a default cloud agree on fp16 activations and fp16 KV
-    (100% of the fidelity chats' replies equal to fp32's; every smaller pair measured < 99%); a
-    cloud set to fp32 only keeps every split reply equal to the unsplit model's."""
+async def test_default_configs_negotiate_fp16_for_weights_without_a_fidelity_table():
+    """A default edge and a default cloud serving weights no fidelity table names (the toy model)
+    agree on the edge's first preference, fp16 activations and fp16 KV; a cloud set to fp32 only
+    keeps every split reply equal to the unsplit model's. (With a table: ``test_fidelity.py``.)"""
     from tandem.cloud.config import CloudConfig
     from tandem.common.wire import WireDtype as W
     from tandem.edge.config import EdgeConfig

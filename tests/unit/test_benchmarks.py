@@ -195,19 +195,25 @@ def test_burst_summary_and_plot(tmp_path):
     assert (tmp_path / "burst_trace.png").stat().st_size > 0
 
 
-def test_fidelity_prompt_set_and_comparison():
-    from tandem.benchmarks.fidelity import PROMPTS, PairResult, compare, load_prompts
+def test_fidelity_prompt_set_sample_and_pairs():
+    import typer
+
+    from tandem.benchmarks.fidelity import PROMPTS, load_prompts, parse_pairs
+    from tandem.common.wire import WireDtype as W
 
     prompts = load_prompts(PROMPTS, 0)
     assert len(prompts) >= 200 and len({p["id"] for p in prompts}) == len(prompts)
     assert len({p["category"] for p in prompts}) >= 15
     assert len({p["messages"][-1]["content"] for p in prompts}) == len(prompts)  # no prompt twice
-    ref, other = PairResult("a"), PairResult("b")
-    ref.replies = {"x": [1, 2, 3], "y": [4, 5], "z": [6]}
-    other.replies = {"x": [1, 2, 3], "y": [4, 9, 9], "z": [7, 8]}
-    same, per_pos = compare(ref, other, 4)
-    assert same == pytest.approx(1 / 3)
-    assert per_pos == [pytest.approx(1 / 3), pytest.approx(1 / 2), 0.0]
+    sample = load_prompts(PROMPTS, 0, 40)
+    assert [p["id"] for p in sample] == [p["id"] for p in prompts[::5]]
+    assert parse_pairs("int8_hadamard/int4, fp16/fp16") == [
+        (W.FP32, W.FP32),
+        (W.INT8_HADAMARD, W.INT4),
+        (W.FP16, W.FP16),
+    ]
+    with pytest.raises(typer.BadParameter, match="int3"):
+        parse_pairs("int3/fp16")
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])

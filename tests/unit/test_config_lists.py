@@ -23,6 +23,7 @@ K1, K2 = "key-one-" + "1" * 16, "key-two-" + "2" * 16
 # (daemon, field, items as given, the setting's value)
 LISTS: list[tuple[type[BaseModel], str, list[str], list[typing.Any]]] = [
     (CloudConfig, "extra_split_dirs", ["a", "b/c"], [Path("a"), Path("b/c")]),
+    (CloudConfig, "fidelity_tables", ["a.json", "b/c.json"], [Path("a.json"), Path("b/c.json")]),
     (CloudConfig, "wire_dtypes", ["fp32", "int4"], [WireDtype.FP32, WireDtype.INT4]),
     (CloudConfig, "kv_wire_dtypes", ["FP16", "int8_hadamard"], [WireDtype.FP16, WireDtype.INT8_HADAMARD]),
     (CloudConfig, "codecs", ["zstd", "none"], [Codec.ZSTD, Codec.NONE]),

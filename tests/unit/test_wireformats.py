@@ -72,6 +72,10 @@ ACT_PINNED: dict[tuple[str, WireDtype], tuple[str, str]] = {
         "92d2b3918aa988685e1e232ae8a6bc074571cc9c309a74f590898813164e2535",
         "cdef2070fa98cfd32fdd69bbcad985bc36e3aa3242ed06859c2fa1cbf302d1ee",
     ),
+    ("t5-h96", WireDtype.INT4_HADAMARD): (
+        "509dd966dd21c90236e5ba3ed62b20eb0414d8dd1eded126573853f7ea0eabb3",
+        "d3b7e7d1b4a794e189e76ed75003dfc7ce7d2a12fa29f8ae94d3bcba43bc559d",
+    ),
     ("t3-h64", WireDtype.FP32): (
         "4f04f5077eec90b1f04b2d51627f0208d79cc116f5e44ffa756e0fc21663ea47",
         "4f04f5077eec90b1f04b2d51627f0208d79cc116f5e44ffa756e0fc21663ea47",
@@ -96,6 +100,10 @@ ACT_PINNED: dict[tuple[str, WireDtype], tuple[str, str]] = {
         "eb7c9d3ffce57583feacf6f8c1c8c8e3aa122d08bb94f0219994c2a7226a4e84",
         "35cc2f75cb8182ebd980eb0735946b8f8904119b2ca60e08d04a157b82fc5bb2",
     ),
+    ("t3-h64", WireDtype.INT4_HADAMARD): (
+        "836d3ed66b586e815e7f0d15389e94a3519ebe0d38171214dca29292c0252fa9",
+        "afebbe730a84371b29472b6f326f471a956e8ae1841fabf8b5d73f97d4e1a824",
+    ),
     ("t4-h37", WireDtype.FP32): (
         "c6f62ca048c2bb21cd7e717f89970bfa63a0e001b0e2cb1397d63307b6616d20",
         "c6f62ca048c2bb21cd7e717f89970bfa63a0e001b0e2cb1397d63307b6616d20",
@@ -119,6 +127,10 @@ ACT_PINNED: dict[tuple[str, WireDtype], tuple[str, str]] = {
     ("t4-h37", WireDtype.INT8_HADAMARD): (
         "495816a5385e29bb7f5cc3196f4990d6bd809995e513cd906cb4c7cb88a4c647",
         "8ab77a63005544055ace5af4ea9f826d3fab6f635dc6a8aedc70fde1d316177c",
+    ),
+    ("t4-h37", WireDtype.INT4_HADAMARD): (
+        "63c458b9729588fcafc4083d0ac80c6f3a606d66c897fe6611503ea8b742b859",
+        "aba5933eef64ca589a6ed4cc7a2f43bc4c93163cfa069399b54b51653869a6cb",
     ),
 }
 
@@ -149,6 +161,10 @@ KV_PINNED: dict[tuple[str, WireDtype], tuple[str, str]] = {
         "3d1d994d77385dfc198fdd32a6728c0c5f700183815f46760198c74ce5e5e16a",
         "f20405e10f8e62130695903e6c43f6efe08810d45471b98d58deefa64c2e31d6",
     ),
+    ("lp2-hkv3-b8-d64", WireDtype.INT4_HADAMARD): (
+        "d4ef7393c5b264989f2d182afc3dccfe7b508f3badeaf6a3ed92b30814d0ba41",
+        "8a1d7c4273f3eb7e2093bf62512af4f90f87f90bf4993166274ff05651954cd2",
+    ),
     ("lp1-hkv2-b5-d7", WireDtype.FP32): (
         "4cf3e03782695c37def7c50cd0472713edda22ec0524ff99cbd62de009b6581f",
         "4cf3e03782695c37def7c50cd0472713edda22ec0524ff99cbd62de009b6581f",
@@ -172,6 +188,10 @@ KV_PINNED: dict[tuple[str, WireDtype], tuple[str, str]] = {
     ("lp1-hkv2-b5-d7", WireDtype.INT8_HADAMARD): (
         "6adfbf05cc99f18ae0370584e0d46f38688350376f6466009ae01fb450e6fbf3",
         "1195d2f36ae7de658f3f6b71025eb6820054f65b2b749b8d78d441942fcfd965",
+    ),
+    ("lp1-hkv2-b5-d7", WireDtype.INT4_HADAMARD): (
+        "3657f93bf4573a355f3a3eb3afec787cb997f519f4e6702d59cb18faf9344f70",
+        "20970e99f8c418bdc9a8ced1ace542d9c6d372ebe2f9ab1473ecbd366c6648a3",
     ),
 }
 
@@ -207,6 +227,7 @@ LEAF_PINNED: dict[WireDtype, str] = {
     WireDtype.INT8: "68059db3b9b4d0aafaf2346741a850d07c1eb9ed91ef9af817ce3c8ed03a323d",
     WireDtype.INT4: "12d32633f1110bba0a3dfdaf1ad7025829a5c55b6da2f80a1ce90589efaedd39",
     WireDtype.INT8_HADAMARD: "680046505014ffa5431891458d33a094f6077090137a68d7c975def5f427df89",
+    WireDtype.INT4_HADAMARD: "e0fda5e177cdcb28fe895620437d3839e613c890e188d5e443582cba1b0fa7c1",
 }
 
 
@@ -231,7 +252,7 @@ def test_registry_refuses_a_second_entry_or_a_missing_one():
         registry(*(f for f in entries if f.dtype != WireDtype.BF16))
 
 
-@pytest.mark.parametrize("bad", [0, 7, 99, -1])
+@pytest.mark.parametrize("bad", [0, 8, 99, -1])
 def test_unknown_dtype_is_an_invalid_request(bad):
     with pytest.raises(InvalidRequest, match="unknown wire dtype"):
         format_of(bad)
@@ -249,6 +270,7 @@ def test_fidelity_classes():
         "INT8": Fidelity.INT8,
         "INT4": Fidelity.INT4,
         "INT8_HADAMARD": Fidelity.INT8,
+        "INT4_HADAMARD": Fidelity.INT4,
     }
 
 
@@ -286,8 +308,9 @@ def test_widths_every_format_suits(channels):
 
 
 @pytest.mark.parametrize("channels", [577, 6, 2])
-def test_int8_hadamard_needs_a_rotation_block(channels):
-    assert [d for d, f in FORMATS.items() if not f.suits(channels)] == [WireDtype.INT8_HADAMARD]
+def test_rotated_formats_need_a_rotation_block(channels):
+    rotated = [WireDtype.INT8_HADAMARD, WireDtype.INT4_HADAMARD]
+    assert [d for d, f in FORMATS.items() if not f.suits(channels)] == rotated
 
 
 def test_common_formats_keep_the_offered_order():

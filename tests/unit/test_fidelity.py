@@ -1,0 +1,161 @@
+"""Fidelity: the measures of ``tandem-bench-fidelity`` (``benchmarks.fidelity_stats``) on known
+distributions, the format round trips of its teacher-forced pass, and the fidelity tables the
+negotiation chooses format pairs by (``cloud.fidelity``, ``cloud.negotiation.link_params``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from tandem.benchmarks import fidelity_stats as fs
+from tandem.benchmarks.fidelity import greedy_from_forced
+from tandem.benchmarks.teacher import round_trip_hidden, round_trip_kv
+from tandem.cloud.fidelity import PACKAGED, FidelityTable, load_tables
+from tandem.cloud.negotiation import LinkLimits, link_params
+from tandem.common.params import NegotiateOffer
+from tandem.common.wire import Codec, WireDtype
+from tests.doubles import MANIFEST, K
+
+W = WireDtype
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_topk_kl_is_a_lower_bound_of_the_full_kl_and_exact_with_the_whole_vocabulary():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        p = log_softmax(rng.standard_normal(300) * 3)
+        q = log_softmax(np.log(np.exp(p)) + rng.standard_normal(300) * 0.3)
+        full = float(fs.full_kl(p, q))
+        for k in (8, 64):
+            approx = fs.topk_kl(*fs.topk(p, k), *fs.topk(q, k))
+            assert 0 <= approx <= full + 1e-9
+        assert fs.topk_kl(*fs.topk(p, 299), *fs.topk(q, 299)) == pytest.approx(full, rel=1e-4, abs=1e-9)
+    assert fs.topk_kl(*fs.topk(p, 8), *fs.topk(p, 8)) == pytest.approx(0, abs=1e-12)
+
+
+def test_summary_splits_near_ties_from_decisive_positions():
+    pos = fs.Positions()
+    ids = np.array([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    ref_lp = np.log(np.array([[0.5, 0.45, 0.05], [0.9, 0.05, 0.05], [0.9, 0.05, 0.05], [0.9, 0.05, 0.05]]))
+    other_ids = np.array([[2, 1, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3]])  # a flip at the near-tie only
+    other_lp = np.log(np.array([[0.5, 0.45, 0.05], [0.9, 0.05, 0.05], [0.8, 0.15, 0.05], [0.9, 0.05, 0.05]]))
+    pos.add_turn((ids, ref_lp), (other_ids, other_lp), np.log([0.45, 0.9, 0.8, 0.9]), prompt_tokens=70)
+    s = fs.summarize(pos)
+    assert (s["positions"], s["near_ties"]) == (4, 1)
+    assert (s["top1_decisive"], s["flip_near_tie"], s["flip_rate"]) == (1.0, 1.0, 0.25)
+    assert s["ppl"] == pytest.approx(np.exp(-np.mean(np.log([0.45, 0.9, 0.8, 0.9]))))
+    assert list(s["buckets"]) == ["64-127"] and s["buckets"]["64-127"]["positions"] == 4
+    assert s["kl_mean"] > 0 and s["kl_full_mean"] is None
+
+
+def test_greedy_agreement_follows_from_teacher_forcing():
+    reply = np.array([5, 6, 7, 2])
+    assert greedy_from_forced(reply, np.array([5, 6, 7, 2])) == [5, 6, 7, 2]
+    assert greedy_from_forced(reply, np.array([5, 9, 7, 2])) == [5, 9]  # the greedy run parts at the flip
+    g = fs.greedy_agreement({"a": [5, 6, 7, 2], "b": [1, 2]}, {"a": [5, 9], "b": [1, 2]})
+    assert g == {"replies": 2, "identical": 0.5, "first_divergence_mean": 2.0}
+
+
+def test_qualifying_needs_both_kl_and_flip_rate_within_the_factor():
+    floor = {"kl_mean": 1e-3, "flip_rate": 0.01}
+    assert fs.qualifies({"kl_mean": 2e-3, "flip_rate": 0.02}, floor)
+    assert not fs.qualifies({"kl_mean": 2.1e-3, "flip_rate": 0.0}, floor)
+    assert not fs.qualifies({"kl_mean": 0.0, "flip_rate": 0.021}, floor)
+    assert [fs.varint_bytes(t) for t in (0, 127, 128, 16383, 16384, 49151)] == [1, 1, 2, 2, 3, 3]
+
+
+def test_round_trips_send_only_full_blocks_each_in_the_format():
+    rng = np.random.default_rng(1)
+    kv = rng.standard_normal((2, 2, 3, 70, 64)).astype(np.float32)
+    out = round_trip_kv(kv, W.INT4, 32)
+    assert out.shape == (2, 2, 3, 64, 64)  # the partial block stays at the edge
+    assert np.array_equal(round_trip_kv(kv, W.FP32, 32), kv[:, :, :, :64])
+    assert 0 < np.abs(out - kv[:, :, :, :64]).max() < 1.0
+    h = rng.standard_normal((5, 576)).astype(np.float32)
+    assert round_trip_hidden(h, W.FP32) is h
+    assert 0 < np.abs(round_trip_hidden(h, W.INT4_HADAMARD) - h).max() < 1.0
+
+
+def table_json(weights: str = "w", k: int = K) -> dict:
+    def e(a, v, b, ok):
+        return {"activations": a, "kv": v, "bytes_per_token": b, "kl_mean": 0, "flip_rate": 0, "qualifies": ok}
+
+    entries = [
+        e("fp32", "fp32", 8000, False),
+        e("fp16", "fp16", 4000, True),
+        e("bf16", "bf16", 4000, True),
+        e("int8_hadamard", "int8_hadamard", 2000, True),
+        e("int8_hadamard", "int4", 1300, True),
+        e("int4_hadamard", "int4_hadamard", 1000, False),
+    ]
+    return {"weights_blake3": weights, "splits": {str(k): entries}}
+
+
+def test_a_table_keeps_the_qualifying_pairs_smaller_than_fp16_smallest_first():
+    t = FidelityTable.from_json(table_json())
+    assert t.pairs[K] == ((W.INT8_HADAMARD, W.INT4), (W.INT8_HADAMARD, W.INT8_HADAMARD))
+    assert t.smallest(K, [W.FP16, W.INT8_HADAMARD], [W.FP16, W.INT8_HADAMARD, W.INT4]) == (W.INT8_HADAMARD, W.INT4)
+    assert t.smallest(K, [W.INT8_HADAMARD], [W.INT8_HADAMARD]) == (W.INT8_HADAMARD, W.INT8_HADAMARD)
+    assert t.smallest(K, [W.FP16], [W.INT4]) is None and t.smallest(K + 1, [W.INT8_HADAMARD], [W.INT4]) is None
+    with pytest.raises(ValueError, match="not a fidelity table"):
+        FidelityTable.from_json({"splits": {}})
+    with pytest.raises(ValueError, match="not a fidelity table"):
+        FidelityTable.from_json(table_json() | {"splits": {"4": [{"activations": "int3", "kv": "fp16"}]}})
+
+
+def limits(**kw) -> LinkLimits:
+    every = tuple(WireDtype)
+    base = LinkLimits(64, 256, every, every, (Codec.NONE,), 3, 32, 1024, 64, 3)
+    return replace(base, **kw)
+
+
+def params(lim: LinkLimits, manifest=MANIFEST, acts=(W.FP16, W.FP32, W.INT8_HADAMARD), kvs=None):
+    o = NegotiateOffer("edge-a", "toy", {K: manifest.compatibility_key()}, 4)
+    o = replace(o, wire_dtypes=tuple(acts), kv_wire_dtypes=tuple(kvs or (W.FP16, W.FP32, W.INT8_HADAMARD, W.INT4)))
+    p = link_params(lim, manifest, K, o, (4, 4096), 1)
+    return p.wire_dtype, p.kv_wire_dtype
+
+
+def test_the_link_gets_the_smallest_qualifying_pair_both_sides_accept():
+    m = MANIFEST.model_copy(update={"weights_blake3": "w"})
+    lim = limits(fidelity={"w": FidelityTable.from_json(table_json())})
+    assert params(lim, m) == (W.INT8_HADAMARD, W.INT4)
+    assert params(lim, m, kvs=(W.FP16, W.INT8_HADAMARD)) == (W.INT8_HADAMARD, W.INT8_HADAMARD)
+    # nothing smaller qualifies among what both accept: the edge's first preference (fp16)
+    assert params(lim, m, acts=(W.FP16, W.FP32)) == (W.FP16, W.FP16)
+    assert params(replace(lim, kv_wire_dtypes=(W.FP16, W.FP32)), m) == (W.FP16, W.FP16)
+    # a table of other weights, or none, never applies
+    assert params(lim, MANIFEST.model_copy(update={"weights_blake3": "other"})) == (W.FP16, W.FP16)
+    assert params(limits(), m) == (W.FP16, W.FP16)
+
+
+def test_the_packaged_tables_load_and_name_their_weights():
+    tables = load_tables()
+    assert len(tables) == len(list(PACKAGED.glob("*.json"))) >= 1
+    for path in PACKAGED.glob("*.json"):
+        data = json.loads(path.read_text())
+        assert tables[data["weights_blake3"]].pairs.keys() == {int(k) for k in data["splits"]}
+
+
+def test_default_offers_are_fp16_fp32_and_the_formats_the_tables_qualify():
+    """A format is offered (edge) and allowed (cloud) by default only where a packaged table puts a
+    pair holding it within the noise floor; fp16 (the default where nothing smaller qualifies) and
+    fp32 (exact) always."""
+    from tandem.cloud.config import CloudConfig
+    from tandem.edge.config import EdgeConfig
+
+    acts, kvs = {W.FP16, W.FP32}, {W.FP16, W.FP32}
+    for t in load_tables().values():
+        a, v = t.formats()
+        acts, kvs = acts | a, kvs | v
+    e, c = EdgeConfig(), CloudConfig()
+    assert e.wire_dtypes[0] == e.kv_wire_dtypes[0] == W.FP16
+    assert set(e.wire_dtypes) == set(c.wire_dtypes) == acts
+    assert set(e.kv_wire_dtypes) == set(c.kv_wire_dtypes) == kvs
