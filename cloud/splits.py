@@ -36,6 +36,12 @@ class Splits:
         return cls(primary, {m.split_layer: m for m in (primary, *extra)})
 
     @property
+    def checked_layers(self) -> tuple[int, ...]:
+        """The split layers whose head passed its check against HF (``SplitManifest.passed_check``):
+        the only ones ``Negotiate`` offers; a split without one serves direct mode only."""
+        return tuple(k for k in self.layers if self.by_layer[k].passed_check)
+
+    @property
     def layers(self) -> tuple[int, ...]:
         """The split layers served, ascending."""
         return tuple(sorted(self.by_layer))
