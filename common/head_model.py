@@ -92,7 +92,7 @@ def family_of(config: Any) -> Family:
     named = ", ".join(archs) or "none named in config.json"
     raise UnsupportedArchitecture(
         f"tandem cannot split architecture {named}; it splits {', '.join(sorted(FAMILIES))}. "
-        "A cloud can still serve the checkpoint in direct mode (plain vLLM)."
+        "`tandem-model --direct-only` prepares it for direct mode (plain vLLM on the cloud)."
     )
 
 

@@ -63,6 +63,7 @@ DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ONNX_OPSET = 17
 TOKENIZER_DIR = "tokenizer"
+DIRECT_DIR = "direct"  # the manifest of a checkpoint prepared for direct mode only (``--direct-only``)
 BUNDLES_DIR = "bundles"
 # what the edge needs of a checkpoint to tokenize, apply the chat template and stop (EOS)
 _TOKENIZER_FILES = ("chat_template.jinja", "generation_config.json", "special_tokens_map.json")
@@ -195,6 +196,53 @@ def model_shape(cfg: dict) -> ModelShape:
         vocab_size=cfg["vocab_size"],
         max_position_embeddings=cfg["max_position_embeddings"],
     )
+
+
+def shape_of(hf: Path) -> ModelShape:
+    """The ``ModelShape`` of any HF checkpoint transformers can read (its config's standard
+    attribute names, e.g. GPT-2's ``n_embd`` as ``hidden_size``)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(hf).get_text_config()
+    heads = c.num_attention_heads
+    return ModelShape(
+        num_layers=c.num_hidden_layers,
+        hidden_size=c.hidden_size,
+        num_heads=heads,
+        num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        vocab_size=c.vocab_size,
+        max_position_embeddings=c.max_position_embeddings,
+    )
+
+
+def prepare_direct(out: Path, hf: Path, model_id: str) -> SplitManifest:
+    """Write ``out/direct/manifest.json``: the checkpoint ``hf`` for direct mode only (``split_layer``
+    0, no head, no tail), so a cloud serves it as plain vLLM and an edge relays to it. Any
+    architecture vLLM serves; nothing is exported or checked."""
+    from transformers import AutoConfig
+
+    arch = (AutoConfig.from_pretrained(hf).architectures or [""])[0]
+    manifest = SplitManifest(
+        model_id=model_id,
+        split_layer=0,
+        dtype="float32",
+        shape=shape_of(hf),
+        full_checkpoint=str(Path("..") / "hf"),
+        checkpoint_blake3=file_blake3(hf),
+        head_onnx="",
+        head_blake3="",
+        tail_checkpoint="",
+        tail_blake3="",
+        onnx_opset=0,
+        weights_blake3=weights_blake3(hf),
+        tokenizer=str(Path("..") / TOKENIZER_DIR),
+        architecture=arch,
+    )
+    (out / DIRECT_DIR).mkdir(parents=True, exist_ok=True)
+    manifest.save(out / DIRECT_DIR)
+    console.print(f"[bold]model[/] {arch} prepared for direct mode only in {out / DIRECT_DIR}")
+    return manifest
 
 
 def make_tail(src: Path, dst: Path, k: int) -> Path:
@@ -532,23 +580,26 @@ def write_bundles(out: Path) -> dict[str, Path]:
         ValueError: a split manifest predates the tokenizer directory or records no passing check of
             its head, or ``edge-full.onnx`` failed its check (run ``tandem-model`` again).
     """
-    splits = sorted(out.glob(f"split-k*/{MANIFEST_NAME}"))
-    if not splits:
+    found = sorted(out.glob(f"split-k*/{MANIFEST_NAME}")) + sorted(out.glob(f"{DIRECT_DIR}/{MANIFEST_NAME}"))
+    if not found:
         raise FileNotFoundError(f"no prepared split under {out}: run tandem-model first")
-    manifests = sorted((SplitManifest.load(p.parent) for p in splits), key=lambda m: m.split_layer)
+    dirs = sorted(((SplitManifest.load(p.parent), Path(p.parent.name)) for p in found), key=lambda x: x[0].split_layer)
+    manifests = [m for m, _ in dirs]
     edge: list[tuple[Path, Path]] = []
     cloud: list[tuple[Path, Path]] = []
-    for m in manifests:
-        split = Path(f"split-k{m.split_layer}")
+    for m, split in dirs:
         if not m.tokenizer:
             raise ValueError(f"{out / split / MANIFEST_NAME} names no tokenizer directory: run tandem-model again")
-        if not m.passed_check:
+        if m.split_layer and not m.passed_check:
             raise ValueError(
                 f"{out / split / MANIFEST_NAME} records no passing check of its head: run tandem-model again"
             )
         manifest = (out / split / MANIFEST_NAME, split / MANIFEST_NAME)
-        edge += [manifest, *_tree(out / _inside(split, m.head_onnx), _inside(split, m.head_onnx))]
-        cloud += [manifest, *_tree(out / _inside(split, m.tail_checkpoint), _inside(split, m.tail_checkpoint))]
+        edge.append(manifest)
+        cloud.append(manifest)
+        if m.split_layer:  # a direct manifest (k = 0) has no head and no tail
+            edge += _tree(out / _inside(split, m.head_onnx), _inside(split, m.head_onnx))
+            cloud += _tree(out / _inside(split, m.tail_checkpoint), _inside(split, m.tail_checkpoint))
         for rel, plan in ((_inside(split, m.tokenizer), edge), (_inside(split, m.full_checkpoint), cloud)):
             if not any(dst == rel or rel in dst.parents for _, dst in plan):
                 plan += _tree(out / rel, rel)
@@ -604,9 +655,11 @@ def prepare_model(
     model_id: str = DEFAULT_MODEL_ID,
     edge_full: bool = True,
     bundles: bool = True,
+    direct_only: bool = False,
 ) -> list[SplitManifest]:
     """Prepare the full checkpoint, the checked ONNX heads, tail checkpoints and role bundles under
-    ``out`` (idempotent); returns the split manifests.
+    ``out`` (idempotent); returns the split manifests. ``direct_only``: no split, no ONNX, any
+    architecture (``prepare_direct``).
 
     Raises:
         UnsupportedArchitecture: the checkpoint's architecture cannot be split (nothing written
@@ -619,11 +672,18 @@ def prepare_model(
     if checkpoint is not None:
         if not (checkpoint / "config.json").is_file():
             raise FileNotFoundError(f"{checkpoint} is not an HF checkpoint (no config.json)")
-        check_architecture(checkpoint)
+        if not direct_only:
+            check_architecture(checkpoint)
         if not hf.exists():
             hf.symlink_to(checkpoint.resolve())
     elif not (hf / "config.json").is_file():
         convert_embedded_gguf(hf)
+    if direct_only:
+        write_tokenizer(hf, out / TOKENIZER_DIR)
+        manifest = prepare_direct(out, hf, model_id)
+        if bundles:
+            write_bundles(out)
+        return [manifest]
     check_architecture(hf)
     write_tokenizer(hf, out / TOKENIZER_DIR)
     checkpoint_hash, weights_hash = file_blake3(hf), weights_blake3(hf)
@@ -652,13 +712,16 @@ def prepare(
     model_id: Annotated[str, typer.Option(help="model id recorded in the manifest")] = DEFAULT_MODEL_ID,
     edge_full: Annotated[bool, typer.Option(help="also export the whole model (edge-only baseline)")] = True,
     bundles: Annotated[bool, typer.Option(help="also write the role bundles OUT/bundles/{edge,cloud}")] = True,
+    direct_only: Annotated[
+        bool, typer.Option(help="no split: OUT/direct/manifest.json for direct mode (any architecture vLLM serves)")
+    ] = False,
 ) -> None:
     """Prepare the full checkpoint, ONNX heads (each checked against HF), tail checkpoints and role
     bundles (idempotent). Exit status 2: the architecture is not supported or an export failed its check."""
     from tandem.common.head_model import UnsupportedArchitecture
 
     try:
-        prepare_model(out, checkpoint, split_layers, model_id, edge_full, bundles)
+        prepare_model(out, checkpoint, split_layers, model_id, edge_full, bundles, direct_only)
     except FileNotFoundError as e:
         raise typer.BadParameter(str(e)) from None
     except (UnsupportedArchitecture, ExportCheckFailed) as e:

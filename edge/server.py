@@ -111,6 +111,8 @@ async def load_heads(cfg: EdgeConfig, manifests: list[SplitManifest], cost: Cost
     heads: list[Head] = []
     sample = b""
     for m, d in zip(manifests, (cfg.split_dir, *cfg.extra_split_dirs), strict=True):
+        if not m.split_layer:  # a direct manifest: no head
+            continue
         batcher = HeadBatcher(OnnxHead(d, intra_op_threads=cfg.intra_op_threads), cfg.max_batch)
         batcher.start()
         heads.append(Head(batcher, m.compatibility_key()))

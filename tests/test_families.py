@@ -2,9 +2,9 @@
 random-weight checkpoint (``tests.families``): the exported head at two split layers and
 ``edge-full.onnx`` against HF over a prompt that crosses the sliding windows, fed in three steps
 through the past-KV inputs; the checks recorded in the manifests; and what is refused: an
-unsupported architecture (by name, with the supported list), an export that differs from HF (no
-bundle), a manifest without a passing check (no bundle, no split in ``Negotiate``) and a whole-model
-graph without one (no local mode)."""
+unsupported architecture (by name, with the supported list; ``--direct-only`` prepares it for direct
+mode), an export that differs from HF (no bundle), a manifest without a passing check (no bundle, no
+split in ``Negotiate``) and a whole-model graph without one (no local mode)."""
 
 from __future__ import annotations
 
@@ -105,20 +105,56 @@ def test_head_and_whole_model_match_hf_at_two_split_layers(prepared, name):
 
 
 def test_an_unsupported_architecture_is_refused_by_name_with_the_supported_list(tmp_path):
-    import transformers as tf
-
-    ckpt = tmp_path / "gpt2"
-    cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64)
-    tf.GPT2LMHeadModel(cfg).save_pretrained(ckpt)
+    ckpt = gpt2_checkpoint(tmp_path / "gpt2")
     out = tmp_path / "out"
     result = CliRunner().invoke(modelprep.app, ["--out", str(out), "--checkpoint", str(ckpt), "--split-layers", "1"])
     assert result.exit_code == 2, result.output
     text = " ".join(result.output.split())  # rich wraps long lines
     assert "GPT2LMHeadModel" in text and all(a in text for a in FAMILIES), text
-    assert "direct mode" in text
+    assert "--direct-only" in text
     assert not (out / "bundles").exists() and not list(out.glob("split-k*"))
     with pytest.raises(UnsupportedArchitecture, match="GPT2LMHeadModel"):
         modelprep.prepare_model(out, ckpt, "1")
+
+
+def gpt2_checkpoint(out: Path) -> Path:
+    """A tiny GPT-2 (an architecture tandem does not split; vLLM serves it) with the SmolLM2 tokenizer."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=512, initializer_range=0.2)
+    tf.GPT2LMHeadModel(cfg).save_pretrained(out)
+    for f in TOKENIZER_DIR.iterdir():
+        if f.is_file() and f.name != "generation_config.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_direct_only_prepares_any_architecture_without_heads(tmp_path):
+    """``--direct-only``: a manifest at split layer 0 and bundles without ONNX or tail; a cloud on it
+    serves no split (``Splits.layers`` empty) and negotiates direct mode."""
+    from tandem.cloud.memory_engines import MemoryEngines
+    from tandem.cloud.server import build_gateway
+    from tandem.common.kvstore import MemoryBlockStore
+    from tandem.common.params import NegotiateOffer
+    from tests.doubles import B, cloud_config
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        modelprep.app, ["--out", str(out), "--checkpoint", str(gpt2_checkpoint(tmp_path / "gpt2")), "--direct-only"]
+    )
+    assert result.exit_code == 0, result.output
+    m = SplitManifest.load(out / "direct")
+    assert (m.split_layer, m.architecture, m.head_onnx, m.tail_checkpoint) == (0, "GPT2LMHeadModel", "", "")
+    assert (m.shape.num_layers, m.shape.hidden_size, m.shape.head_dim, m.shape.vocab_size) == (2, 128, 32, VOCAB)
+    edge = json.loads((out / "bundles" / "edge" / "bundle.json").read_text())
+    cloud = json.loads((out / "bundles" / "cloud" / "bundle.json").read_text())
+    assert not any(f["path"].endswith(".onnx") for f in edge["files"] + cloud["files"])
+    assert {f["path"] for f in edge["files"]} >= {"direct/manifest.json", "tokenizer/tokenizer.json"}
+    assert {f["path"] for f in cloud["files"]} >= {"direct/manifest.json", "hf/model.safetensors", "hf/config.json"}
+    store = MemoryBlockStore(1 << 20)
+    gw = build_gateway(cloud_config(), m, MemoryEngines(store, B, VOCAB), store)
+    assert gw.splits.layers == () and set(gw.negotiate(NegotiateOffer("e", m.model_id, {}, 4)).params_by_split) == {0}
 
 
 def test_an_export_that_differs_from_hf_stops_preparation_before_any_bundle(tmp_path, monkeypatch):
