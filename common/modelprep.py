@@ -68,10 +68,10 @@ BUNDLES_DIR = "bundles"
 # what the edge needs of a checkpoint to tokenize, apply the chat template and stop (EOS)
 _TOKENIZER_FILES = ("chat_template.jinja", "generation_config.json", "special_tokens_map.json")
 # An export passes its check when max |ONNX - HF| <= CHECK_RTOL * max(1, max |HF|) over all its outputs:
-# fp32 graphs of the same function differ by reordered sums (about 1e-7 relative, measured up to 4e-7
-# on the families' test checkpoints); a wrong layer (a missing q/k norm or soft-cap, another mask) is
-# off by far more
-CHECK_RTOL = 1e-5
+# fp32 graphs of the same function differ by reordered sums, measured at up to 2.7e-6 of the largest
+# value on the families' test checkpoints (tests/families.py) and 5.5e-7 on SmolLM2-135M; a wrong
+# layer (a missing q/k norm or soft-cap, another mask, other weights) is off by far more
+CHECK_RTOL = 5e-5
 CHECK_TOKENS = (24, 20)  # check rows: the second left-padded to the first's length
 CHECK_STEP_SLOTS = 16  # first step: slots [0, 16), second step: the rest (exercises the past KV inputs)
 console = Console(stderr=True)
