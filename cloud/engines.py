@@ -199,9 +199,12 @@ class VllmEngines:
     def __init__(self, cfg: CloudConfig) -> None:
         self.cfg = cfg
         self.manifest = SplitManifest.load(cfg.split_dir)
-        # one tail engine per split layer served: the primary split and the extra ones
+        # one tail engine per split layer served: the primary split and the extra ones (none for a
+        # direct manifest, split layer 0: the decode engine alone serves direct mode)
         self.splits = {
-            m.split_layer: (m, d) for d in (cfg.split_dir, *cfg.extra_split_dirs) if (m := SplitManifest.load(d))
+            m.split_layer: (m, d)
+            for d in (cfg.split_dir, *cfg.extra_split_dirs)
+            if (m := SplitManifest.load(d)).split_layer
         }
         self.ROLES = (*(EngineRole.tail(k) for k in sorted(self.splits)), DECODE)
         self._engines: dict[EngineRole, Any] = dict.fromkeys(self.ROLES)

@@ -116,8 +116,14 @@ class LinkRegistry:
     def _note(self, offer: NegotiateOffer, rec: LinkVersions) -> str:
         """Why the edge gets fewer splits than it offered ("" when it gets them all)."""
         lacking = sorted(set(offer.head_keys) - set(rec.split_layers))
+        unchecked = sorted(set(lacking) & set(self.splits.by_layer) - set(self.splits.checked_layers))
         note = ""
-        if lacking and not common_formats(offer.wire_dtypes, self.limits.wire_dtypes):
+        if unchecked:
+            note = (
+                f"the heads at k in {unchecked} were not checked against HF (their manifests record no passing "
+                "check: run tandem-model again)" + ("" if rec.split_layers else ": direct mode only")
+            )
+        elif lacking and not common_formats(offer.wire_dtypes, self.limits.wire_dtypes):
             note = (
                 f"no common activation format (the edge accepts {[d.name for d in offer.wire_dtypes]}, this cloud "
                 f"{[d.name for d in self.limits.wire_dtypes]}): direct mode only"
@@ -161,7 +167,7 @@ class LinkRegistry:
 
     def _register(self, link_id: str, offer: NegotiateOffer) -> LinkVersions:
         self.links.register(link_id, offer.edge_id, LinkSlo(offer.ttft_slo_ms, offer.itl_p99_slo_ms))
-        common = tuple(sorted(k for k in offer.head_keys if k in self.splits.by_layer))
+        common = tuple(sorted(k for k in offer.head_keys if k in self.splits.checked_layers))
         if not (  # split needs a common activation format and a common KV format
             common_formats(offer.kv_wire_dtypes, self.limits.kv_wire_dtypes)
             and common_formats(offer.wire_dtypes, self.limits.wire_dtypes)

@@ -19,7 +19,8 @@ from tandem.common.messages import TurnHeader
 
 @dataclass(frozen=True, eq=False)
 class Splits:
-    """``by_layer[k]``: the manifest of the split at layer ``k`` (the primary one among them)."""
+    """``by_layer[k]``: the manifest of the split at layer ``k`` (the primary one among them, unless it is a
+    direct manifest, ``split_layer`` 0: a checkpoint served in direct mode only)."""
 
     primary: SplitManifest
     by_layer: Mapping[int, SplitManifest]
@@ -33,7 +34,13 @@ class Splits:
         """
         if any(m.weights_blake3 != primary.weights_blake3 or m.shape != primary.shape for m in extra):
             raise ValueError("every split directory must hold the same model (weights and shape)")
-        return cls(primary, {m.split_layer: m for m in (primary, *extra)})
+        return cls(primary, {m.split_layer: m for m in (primary, *extra) if m.split_layer})
+
+    @property
+    def checked_layers(self) -> tuple[int, ...]:
+        """The split layers whose head passed its check against HF (``SplitManifest.passed_check``):
+        the only ones ``Negotiate`` offers; a split without one serves direct mode only."""
+        return tuple(k for k in self.layers if self.by_layer[k].passed_check)
 
     @property
     def layers(self) -> tuple[int, ...]:

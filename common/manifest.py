@@ -16,6 +16,32 @@ from pydantic import BaseModel, ConfigDict
 MANIFEST_NAME = "manifest.json"
 FULL_ONNX = "edge-full.onnx"  # the whole model with lm_head: local mode on the edge
 BUNDLE_MANIFEST_NAME = "bundle.json"
+FULL_CHECK_NAME = "edge-full.check.json"  # the check of edge-full.onnx against HF (``ExportCheck``)
+
+
+class ExportCheck(BaseModel):
+    """The check of an exported ONNX graph against the HF model it was exported from
+    (``common.modelprep.check_export``): the largest absolute difference over every output (the
+    hidden state entering layer ``k`` or the logits, and every present key and value) on the check
+    prompts, against ``tolerance``, in float32."""
+
+    model_config = ConfigDict(frozen=True)
+
+    architecture: str  # HF ``config.architectures[0]``, e.g. "Qwen3ForCausalLM"
+    max_abs_error: float  # max |ONNX - HF| over all outputs and check tokens
+    tolerance: float  # the bound it was checked against (``modelprep.check_tolerance``)
+    tokens: int  # check tokens run through the graph (two rows, two steps)
+    passed: bool
+
+    def save(self, path: Path) -> Path:
+        return _write_atomic(Path(path), self.model_dump_json(indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> ExportCheck:
+        """Raises:
+        FileNotFoundError: no check at ``path``.
+        pydantic.ValidationError: the file is not a check."""
+        return cls.model_validate(json.loads(Path(path).read_text()))
 
 
 class ModelShape(BaseModel):
@@ -58,6 +84,15 @@ class SplitManifest(BaseModel):
     # directory of the tokenizer files and chat template (all the edge needs of the checkpoint);
     # "" in model directories prepared before it existed: the full checkpoint's
     tokenizer: str = ""
+    # HF architecture of the checkpoint and the check of ``head_onnx`` against HF; absent in manifests
+    # written before the check existed (such a head is not served: ``passed_check``)
+    architecture: str = ""
+    head_check: ExportCheck | None = None
+
+    @property
+    def passed_check(self) -> bool:
+        """Whether the head was checked against HF and matched (``head_check.passed``)."""
+        return self.head_check is not None and self.head_check.passed
 
     @property
     def head_kv_bytes_per_token(self) -> int:

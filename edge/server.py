@@ -21,7 +21,7 @@ from grpc_health.v1 import health
 from tandem.common.errors import IncompatibleModel
 from tandem.common.grpcsetup import add_service, channel_credentials, set_health, start_server, tls_credentials
 from tandem.common.kvdown import full_model_key
-from tandem.common.manifest import FULL_ONNX, ModelShape, SplitManifest
+from tandem.common.manifest import FULL_ONNX, ExportCheck, ModelShape, SplitManifest
 from tandem.common.params import NegotiateOffer
 from tandem.common.security import ApiKeys, Authenticator
 from tandem.edge.batcher import HeadBatcher
@@ -111,6 +111,8 @@ async def load_heads(cfg: EdgeConfig, manifests: list[SplitManifest], cost: Cost
     heads: list[Head] = []
     sample = b""
     for m, d in zip(manifests, (cfg.split_dir, *cfg.extra_split_dirs), strict=True):
+        if not m.split_layer:  # a direct manifest: no head
+            continue
         batcher = HeadBatcher(OnnxHead(d, intra_op_threads=cfg.intra_op_threads), cfg.max_batch)
         batcher.start()
         heads.append(Head(batcher, m.compatibility_key()))
@@ -123,6 +125,22 @@ async def load_heads(cfg: EdgeConfig, manifests: list[SplitManifest], cost: Cost
     return heads, sample
 
 
+def local_check_problem(path: Path) -> str:
+    """Why the whole-model graph at ``path`` must not serve local mode ("" when it may): its check
+    against HF (``path.with_suffix(".check.json")``, written by ``tandem-model``) is missing,
+    unreadable or failed."""
+    check_path = path.with_suffix(".check.json")
+    try:
+        check = ExportCheck.load(check_path)
+    except FileNotFoundError:
+        return f"{path} has no check against HF ({check_path.name}): run tandem-model again"
+    except ValueError as e:
+        return f"{check_path} is not a check ({e.__class__.__name__}): run tandem-model again"
+    if not check.passed:
+        return f"{path} failed its check against HF (max |ONNX - HF| {check.max_abs_error:.2e} > {check.tolerance:.2e})"
+    return ""
+
+
 async def load_local(cfg: EdgeConfig, shape: ModelShape, eos: list[int]) -> LocalEngine | None:
     """The whole model for local mode (warmed up: its first rates), or None when off or missing."""
     path = cfg.local_model or cfg.split_dir.parent / FULL_ONNX
@@ -130,6 +148,10 @@ async def load_local(cfg: EdgeConfig, shape: ModelShape, eos: list[int]) -> Loca
         return None
     if not path.is_file():
         log.warning("local mode off: no %s", path)
+        return None
+    problem = local_check_problem(path)
+    if problem:
+        log.warning("local mode off: %s", problem)
         return None
     local = LocalEngine(path, shape, eos, cfg.intra_op_threads, cfg.max_sessions, cfg.session_bytes, cfg.session_idle_s)
     await local.warmup()  # the first rates, which the cost model reads from the engine

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.common.manifest import BundleManifest, ModelShape, SplitManifest
+from tandem.common.manifest import BundleManifest, ExportCheck, ModelShape, SplitManifest
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get("TANDEM_MODEL_DIR", ROOT / "models" / "smollm2-135m"))
@@ -281,6 +281,8 @@ def _manifest(k: int = 2, **kw) -> SplitManifest:
         onnx_opset=17,
         weights_blake3="w",
         tokenizer="../tokenizer",
+        architecture="LlamaForCausalLM",
+        head_check=_check(),
     )
     return SplitManifest(**{**base, **kw})
 
@@ -312,6 +314,10 @@ def test_tokenizer_dir_falls_back_to_the_full_checkpoint(tmp_path):
     assert _manifest(tokenizer="").tokenizer_path == "../hf"
 
 
+def _check() -> ExportCheck:
+    return ExportCheck(architecture="LlamaForCausalLM", max_abs_error=0.0, tolerance=1e-5, tokens=1, passed=True)
+
+
 def _toy_model_dir(out: Path, splits=(2, 3)) -> None:
     """A prepared model directory of made-up bytes (the bundler only moves and hashes files)."""
     (out / "hf").mkdir(parents=True)
@@ -320,6 +326,7 @@ def _toy_model_dir(out: Path, splits=(2, 3)) -> None:
         (out / "hf" / name).write_text(name)
     shutil.copytree(out / "hf", out / "tokenizer", ignore=shutil.ignore_patterns("model.*", "config.json"))
     (out / "edge-full.onnx").write_bytes(b"full")
+    _check().save(out / "edge-full.check.json")
     for k in splits:
         d = out / f"split-k{k}"
         (d / "tail").mkdir(parents=True)
@@ -345,6 +352,7 @@ def test_write_bundles_per_role(tmp_path):
         "tokenizer/tokenizer_config.json",
         "tokenizer/chat_template.jinja",
         "edge-full.onnx",
+        "edge-full.check.json",
     }
     assert {f.path for f in cloud.files} == {
         "split-k2/manifest.json",
@@ -396,7 +404,7 @@ def test_prepared_model_bundles():
     edge, cloud = BundleManifest.load(root / "edge"), BundleManifest.load(root / "cloud")
     assert edge.verify(root / "edge", hashes=False) == [] and cloud.verify(root / "cloud", hashes=False) == []
     for f in edge.files:
-        assert f.path.endswith((".onnx", "manifest.json")) or f.path.startswith("tokenizer/"), f.path
+        assert f.path.endswith((".onnx", ".check.json", "manifest.json")) or f.path.startswith("tokenizer/"), f.path
     assert not any(f.path.endswith(".onnx") for f in cloud.files)
     for k, key in edge.compatibility_keys.items():
         assert cloud.compatibility_keys[k] == key == SplitManifest.load(MODEL_DIR / f"split-k{k}").compatibility_key()
@@ -417,6 +425,7 @@ def test_prepare_writes_tokenizer_keys_and_bundles(tmp_path, monkeypatch):
         vocab_size=32,
         max_position_embeddings=64,
         transformers_version="0.0.1",
+        architectures=["LlamaForCausalLM"],
     )
     (ckpt / "config.json").write_text(json.dumps(cfg))
     _safetensors(ckpt / "model.safetensors", {"w": np.ones(4, np.float32)})
@@ -436,6 +445,7 @@ def test_prepare_writes_tokenizer_keys_and_bundles(tmp_path, monkeypatch):
 
     monkeypatch.setattr(modelprep, "export_head", export_head)
     monkeypatch.setattr(modelprep, "make_tail", make_tail)
+    monkeypatch.setattr(modelprep, "check_export", lambda *a, **kw: _check())
     out = tmp_path / "out"
     modelprep.prepare(out=out, checkpoint=ckpt, split_layers="2,3", model_id="toy", edge_full=True, bundles=True)
     m = SplitManifest.load(out / "split-k2")

@@ -1,0 +1,159 @@
+"""Every supported decoder family end to end on the real engines (vLLM's CPU build for the tails and
+the decode engine, ONNX Runtime heads and ``edge-full.onnx``, grpc.aio on loopback): a tiny
+random-weight checkpoint per family (``tests.families``) prepared by ``tandem-model`` at two split
+layers, then split at each layer, direct and local greedy fp32 output against HF's over chat
+prompts longer than the sliding windows, and a second turn of a session in split mode. One stack
+per family (two tail engines, one decode engine); and a tiny GPT-2, which tandem cannot split,
+prepared with ``--direct-only`` and served in direct mode (the decode engine alone)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tandem import AsyncClient, TandemClientError
+from tandem.common import modelprep
+from tests.families import FAMILY_NAMES, TOKENIZER_DIR, build_checkpoint
+from tests.references import assert_same_or_near_tie, hf_greedy, prompt_ids
+
+pytestmark = [
+    pytest.mark.engines,
+    pytest.mark.skipif(not TOKENIZER_DIR.is_dir(), reason="no models/smollm2-135m/tokenizer: make model"),
+]
+
+SPLITS = (1, 3)
+MAX_NEW = 12
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Name two primary colours and say why they are called primary."},
+    ],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+]
+FOLLOW_UP = "And why is that?"
+
+
+@pytest.fixture(scope="module", params=FAMILY_NAMES)
+async def family(request, tmp_path_factory):
+    """(name, HF reference model, tokenizer, SDK client) of one family's running stack."""
+    from transformers import AutoTokenizer
+
+    from tandem.cloud.config import CloudConfig, EngineConfig
+    from tandem.cloud.engines import VllmEngines
+    from tandem.cloud.server import create_cloud
+    from tandem.edge.config import EdgeConfig
+    from tandem.edge.server import create_edge
+
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    out = root / "model"
+    modelprep.prepare_model(out, build_checkpoint(name, root / "ckpt"), ",".join(map(str, SPLITS)), f"tiny-{name}")
+    splits = [out / f"split-k{k}" for k in SPLITS]
+    cfg = CloudConfig(
+        split_dir=splits[0],
+        extra_split_dirs=splits[1:],
+        host="127.0.0.1",
+        port=0,
+        store_dir=root / "kv",
+        engine=EngineConfig(max_num_seqs=4, max_model_len_tokens=512, kv_cache_bytes=64 << 20),
+        wire_dtypes=["fp32"],  # exactness: greedy fp32 output must equal HF's
+        kv_wire_dtypes=["fp32"],
+    )
+    engines = VllmEngines(cfg)
+    engines.start()
+    cloud = await create_cloud(cfg, engines)
+    edge = await create_edge(
+        EdgeConfig(
+            split_dir=splits[0],
+            extra_split_dirs=splits[1:],
+            cloud_target=f"127.0.0.1:{cloud.port}",
+            host="127.0.0.1",
+            port=0,
+        )
+    )
+    client = AsyncClient(f"127.0.0.1:{edge.port}")
+    yield name, modelprep.load_hf(out / "hf"), AutoTokenizer.from_pretrained(out / "tokenizer"), client
+    await client.close()
+    await edge.stop(1)
+    await cloud.stop(1)
+    engines.shutdown()
+
+
+MODES = [("split", k) for k in SPLITS] + [("direct", 0), ("local", 0)]
+
+
+@pytest.mark.parametrize("idx", range(len(CHATS)))
+async def test_split_direct_and_local_equal_hf(family, idx):
+    name, model, tokenizer, client = family
+    ids = prompt_ids(tokenizer, {"messages": CHATS[idx]})
+    ref, gaps = hf_greedy(model, ids, MAX_NEW)
+    for mode, k in MODES:
+        res = await client.complete(CHATS[idx], max_new_tokens=MAX_NEW, mode=mode, split_layer=k)
+        assert (res.mode, res.split_layer) == (mode, k)
+        assert_same_or_near_tie(list(res.output_token_ids), ref, gaps, f"{name} {mode} k={k} vs HF")
+
+
+@pytest.mark.parametrize("k", SPLITS)
+async def test_a_second_turn_equals_hf(family, k):
+    name, model, tokenizer, client = family
+    session = f"{name}-{uuid.uuid4().hex}"
+    messages = list(CHATS[1])
+    for turn in range(2):
+        res = await client.complete(messages, max_new_tokens=MAX_NEW, mode="split", split_layer=k, session_id=session)
+        ref, gaps = hf_greedy(model, prompt_ids(tokenizer, {"messages": messages}), MAX_NEW)
+        assert_same_or_near_tie(list(res.output_token_ids), ref, gaps, f"{name} k={k} turn {turn + 1} vs HF")
+        messages += [{"role": "assistant", "content": res.text}, {"role": "user", "content": FOLLOW_UP}]
+    assert res.head_tokens < len(prompt_ids(tokenizer, {"messages": messages[:-2]}))  # the head reused turn 1's KV
+
+
+@pytest.fixture(scope="module")
+async def direct_only(tmp_path_factory):
+    """(HF model, tokenizer, client) of a stack on a tiny GPT-2 prepared with ``--direct-only``: the
+    decode engine alone, an edge without heads or local model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tandem.cloud.config import CloudConfig, EngineConfig
+    from tandem.cloud.engines import VllmEngines
+    from tandem.cloud.server import create_cloud
+    from tandem.edge.config import EdgeConfig
+    from tandem.edge.server import create_edge
+    from tests.test_families import gpt2_checkpoint
+
+    root = tmp_path_factory.mktemp("gpt2")
+    out = root / "model"
+    modelprep.prepare_model(out, gpt2_checkpoint(root / "ckpt"), model_id="tiny-gpt2", direct_only=True)
+    cfg = CloudConfig(
+        split_dir=out / "direct",
+        host="127.0.0.1",
+        port=0,
+        store_dir=root / "kv",
+        engine=EngineConfig(max_num_seqs=4, max_model_len_tokens=512, kv_cache_bytes=64 << 20),
+    )
+    engines = VllmEngines(cfg)
+    engines.start()
+    cloud = await create_cloud(cfg, engines)
+    edge = await create_edge(
+        EdgeConfig(split_dir=out / "direct", cloud_target=f"127.0.0.1:{cloud.port}", host="127.0.0.1", port=0)
+    )
+    client = AsyncClient(f"127.0.0.1:{edge.port}")
+    model = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    yield model, AutoTokenizer.from_pretrained(out / "tokenizer"), client
+    await client.close()
+    await edge.stop(1)
+    await cloud.stop(1)
+    engines.shutdown()
+
+
+async def test_a_checkpoint_tandem_cannot_split_is_served_in_direct_mode(direct_only):
+    model, tokenizer, client = direct_only
+    for chat in CHATS:
+        ref, gaps = hf_greedy(model, prompt_ids(tokenizer, {"messages": chat}), MAX_NEW)
+        res = await client.complete(chat, max_new_tokens=MAX_NEW)
+        assert (res.mode, res.split_layer, res.head_tokens) == ("direct", 0, 0)
+        assert_same_or_near_tie(list(res.output_token_ids), ref, gaps, "GPT-2 direct vs HF")
+    info = await client.info()
+    assert info.modes == ("direct",) and info.split_layers == ()
+    with pytest.raises(TandemClientError):
+        await client.complete(CHATS[0], max_new_tokens=MAX_NEW, mode="split")

@@ -1,0 +1,82 @@
+"""Tiny random-weight checkpoints of every supported decoder family (``common.head_model.FAMILIES``),
+built from transformers' configs (no hub), for the families' tests.
+
+Each has 4 layers, hidden size 128, 4 query and 2 KV heads of dim 32 (the smallest head size vLLM's
+CPU attention takes), the SmolLM2 tokenizer
+(``models/smollm2-135m/tokenizer``) and a vocabulary sized to it. Sliding windows are 8 tokens, so
+the test prompts cross them; Llama carries Llama-3 rope scaling, Gemma2/3 their soft-caps and
+alternating sliding/global layers, Qwen3 and Gemma3 their q/k norms, Phi3 its fused projections.
+Weights are drawn with ``initializer_range`` ``INIT_STD`` (transformers' default 0.02 makes every
+next-token logit nearly equal, so greedy decoding would be decided by rounding): over 16 greedy steps
+the gap between the two best logits is then 0.25 to 0.65 in the median and at least 0.015 (measured),
+while fp32 implementations of one model differ by about 1e-5.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m"
+TOKENIZER_DIR = MODEL_DIR / "tokenizer"
+VOCAB = 49152  # the SmolLM2 tokenizer's
+INIT_STD = 0.2
+WINDOW_TOKENS = 8
+FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+ALTERNATING = ["sliding_attention", "full_attention"] * 2
+
+
+def family_config(name: str) -> Any:
+    """The transformers config of family ``name`` (one of ``FAMILY_NAMES``) at the tiny shape."""
+    import transformers as tf
+
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        initializer_range=INIT_STD,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+    )
+    llama3_rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    # untied: with the tied embedding scaled by sqrt(H), every greedy step picks one token
+    gemma = dict(sliding_window=WINDOW_TOKENS, query_pre_attn_scalar=32, layer_types=ALTERNATING)
+    configs = {
+        "llama": lambda: tf.LlamaConfig(**common, rope_parameters=llama3_rope),
+        "mistral": lambda: tf.MistralConfig(**common, sliding_window=WINDOW_TOKENS),
+        "qwen2": lambda: tf.Qwen2Config(**common),
+        "qwen3": lambda: tf.Qwen3Config(**common),
+        "gemma2": lambda: tf.Gemma2Config(**{**common, "tie_word_embeddings": False}, **gemma),
+        "gemma3": lambda: tf.Gemma3TextConfig(**{**common, "tie_word_embeddings": False}, **gemma),
+        "phi3": lambda: tf.Phi3Config(**{k: v for k, v in common.items() if k != "head_dim"}),
+    }
+    return configs[name]()
+
+
+def build_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
+    """Save a random-weight fp32 checkpoint of family ``name`` with the SmolLM2 tokenizer at ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(name), dtype=torch.float32)
+    model.save_pretrained(out)
+    for f in TOKENIZER_DIR.iterdir():
+        if f.is_file() and f.name != "generation_config.json":
+            shutil.copy(f, out / f.name)
+    return out

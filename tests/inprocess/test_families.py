@@ -1,0 +1,219 @@
+"""Every supported decoder family (``common.head_model.FAMILIES``) through ``tandem-model`` on a tiny
+random-weight checkpoint (``tests.families``): the exported head at two split layers and
+``edge-full.onnx`` against HF over a prompt that crosses the sliding windows, fed in three steps
+through the past-KV inputs; the checks recorded in the manifests; and what is refused: an
+unsupported architecture (by name, with the supported list; ``--direct-only`` prepares it for direct
+mode), an export that differs from HF (no bundle), a manifest without a passing check (no bundle, no
+split in ``Negotiate``) and a whole-model graph without one (no local mode)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tandem.common import modelprep
+from tandem.common.head_io import io_names
+from tandem.common.head_model import FAMILIES, UnsupportedArchitecture
+from tandem.common.manifest import FULL_CHECK_NAME, FULL_ONNX, ExportCheck, SplitManifest
+from tests.families import FAMILY_NAMES, TOKENIZER_DIR, VOCAB, build_checkpoint
+
+SPLITS = (1, 3)  # two split layers of the 4-layer checkpoints
+STEPS = (0, 11, 23, 30)  # the prompt's slots fed per step: [0, 11), [11, 23), [23, 30)
+ARCH = {f.name.lower(): f.architecture for f in FAMILIES.values()}
+
+pytestmark = pytest.mark.skipif(not TOKENIZER_DIR.is_dir(), reason="no models/smollm2-135m/tokenizer: make model")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> dict[str, Path]:
+    """Family name -> its prepared model directory (splits ``SPLITS``, edge-full, bundles)."""
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for name in FAMILY_NAMES:
+        ckpt = build_checkpoint(name, root / f"{name}-ckpt")
+        out[name] = root / name
+        modelprep.prepare_model(out[name], ckpt, ",".join(map(str, SPLITS)), model_id=f"tiny-{name}")
+    return out
+
+
+def _hf(out: Path):
+    return modelprep.load_hf(out / "hf")
+
+
+def _run_steps(path: Path, n: int, ids: list[int], cfg) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The graph at ``path`` (``n`` layers of KV) over ``ids`` in the ``STEPS`` chunks: each step's
+    first output ``[1, T, ...]`` and the final presents ``[1, Hkv, S, D]``."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    inputs, _ = io_names(n)
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    past = [np.zeros((1, cfg.num_key_value_heads, 0, d), np.float32) for _ in range(2 * n)]
+    firsts = []
+    for lo, hi in zip(STEPS, STEPS[1:], strict=False):
+        feed = {
+            "input_ids": np.array([ids[lo:hi]], np.int64),
+            "position_ids": np.arange(lo, hi, dtype=np.int64)[None],
+            "attention_mask": np.ones((1, hi), np.int64),
+            **dict(zip(inputs[3:], past, strict=True)),
+        }
+        first, *past = session.run(None, feed)
+        firsts.append(first)
+    return firsts, past
+
+
+def _hf_run(model, ids: list[int]):
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        return model(torch.tensor([ids]), output_hidden_states=True, past_key_values=DynamicCache())
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_head_and_whole_model_match_hf_at_two_split_layers(prepared, name):
+    out = prepared[name]
+    model = _hf(out)
+    ids = np.random.default_rng(7).integers(0, VOCAB, STEPS[-1]).tolist()
+    ref = _hf_run(model, ids)
+    kv = [t[0].numpy() for layer in ref.past_key_values.layers for t in (layer.keys, layer.values)]
+    for k in SPLITS:
+        m = SplitManifest.load(out / f"split-k{k}")
+        assert m.architecture == ARCH[name] and m.passed_check, m.head_check
+        assert m.head_check is not None and m.head_check.max_abs_error <= m.head_check.tolerance
+        firsts, presents = _run_steps(out / f"split-k{k}" / m.head_onnx, k, ids, model.config)
+        want = ref.hidden_states[k][0].numpy()
+        tol = modelprep.CHECK_RTOL * max(1.0, float(np.abs(want).max()))
+        assert np.abs(np.concatenate(firsts, axis=1)[0] - want).max() <= tol, (name, k)
+        for got, w in zip(presents, kv[: 2 * k], strict=True):
+            assert np.abs(got[0] - w).max() <= tol, (name, k)
+    full = ExportCheck.load(out / FULL_CHECK_NAME)
+    assert full.passed and full.architecture == ARCH[name]
+    logits, _ = _run_steps(out / FULL_ONNX, model.config.num_hidden_layers, ids, model.config)
+    for step_logits, hi in zip(logits, STEPS[1:], strict=True):
+        want = ref.logits[0, hi - 1].numpy()
+        assert np.abs(step_logits[0] - want).max() <= modelprep.CHECK_RTOL * max(1.0, float(np.abs(want).max()))
+        assert int(step_logits[0].argmax()) == int(want.argmax())
+    edge = json.loads((out / "bundles" / "edge" / "bundle.json").read_text())
+    assert set(edge["compatibility_keys"]) == {str(k) for k in SPLITS}
+    assert FULL_CHECK_NAME in {f["path"] for f in edge["files"]}
+
+
+def test_an_unsupported_architecture_is_refused_by_name_with_the_supported_list(tmp_path):
+    ckpt = gpt2_checkpoint(tmp_path / "gpt2")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(modelprep.app, ["--out", str(out), "--checkpoint", str(ckpt), "--split-layers", "1"])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())  # rich wraps long lines
+    assert "GPT2LMHeadModel" in text and all(a in text for a in FAMILIES), text
+    assert "--direct-only" in text
+    assert not (out / "bundles").exists() and not list(out.glob("split-k*"))
+    with pytest.raises(UnsupportedArchitecture, match="GPT2LMHeadModel"):
+        modelprep.prepare_model(out, ckpt, "1")
+
+
+def gpt2_checkpoint(out: Path) -> Path:
+    """A tiny GPT-2 (an architecture tandem does not split; vLLM serves it) with the SmolLM2 tokenizer."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=512, initializer_range=0.2)
+    tf.GPT2LMHeadModel(cfg).save_pretrained(out)
+    for f in TOKENIZER_DIR.iterdir():
+        if f.is_file() and f.name != "generation_config.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_direct_only_prepares_any_architecture_without_heads(tmp_path):
+    """``--direct-only``: a manifest at split layer 0 and bundles without ONNX or tail; a cloud on it
+    serves no split (``Splits.layers`` empty) and negotiates direct mode."""
+    from tandem.cloud.memory_engines import MemoryEngines
+    from tandem.cloud.server import build_gateway
+    from tandem.common.kvstore import MemoryBlockStore
+    from tandem.common.params import NegotiateOffer
+    from tests.doubles import B, cloud_config
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        modelprep.app, ["--out", str(out), "--checkpoint", str(gpt2_checkpoint(tmp_path / "gpt2")), "--direct-only"]
+    )
+    assert result.exit_code == 0, result.output
+    m = SplitManifest.load(out / "direct")
+    assert (m.split_layer, m.architecture, m.head_onnx, m.tail_checkpoint) == (0, "GPT2LMHeadModel", "", "")
+    assert (m.shape.num_layers, m.shape.hidden_size, m.shape.head_dim, m.shape.vocab_size) == (2, 128, 32, VOCAB)
+    edge = json.loads((out / "bundles" / "edge" / "bundle.json").read_text())
+    cloud = json.loads((out / "bundles" / "cloud" / "bundle.json").read_text())
+    assert not any(f["path"].endswith(".onnx") for f in edge["files"] + cloud["files"])
+    assert {f["path"] for f in edge["files"]} >= {"direct/manifest.json", "tokenizer/tokenizer.json"}
+    assert {f["path"] for f in cloud["files"]} >= {"direct/manifest.json", "hf/model.safetensors", "hf/config.json"}
+    store = MemoryBlockStore(1 << 20)
+    gw = build_gateway(cloud_config(), m, MemoryEngines(store, B, VOCAB), store)
+    assert gw.splits.layers == () and set(gw.negotiate(NegotiateOffer("e", m.model_id, {}, 4)).params_by_split) == {0}
+
+
+def test_an_export_that_differs_from_hf_stops_preparation_before_any_bundle(tmp_path, monkeypatch):
+    """The head is exported from other weights than the checkpoint's (a scaled copy): the check
+    sees the difference and ``tandem-model`` writes neither manifest nor bundle."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = build_checkpoint("qwen3", tmp_path / "ckpt")
+    other = tmp_path / "other"
+    shutil.copytree(ckpt, other)
+    tensors = load_file(other / "model.safetensors")
+    save_file({n: t * 1.01 if "q_norm" in n else t for n, t in tensors.items()}, str(other / "model.safetensors"))
+    real_export = modelprep.export_head
+    monkeypatch.setattr(modelprep, "export_head", lambda src, out, k, full=False: real_export(other, out, k, full))
+    out = tmp_path / "out"
+    with pytest.raises(modelprep.ExportCheckFailed, match=r"Qwen3ForCausalLM.*max \|ONNX - HF\|"):
+        modelprep.prepare_model(out, ckpt, "2")
+    assert not (out / "split-k2" / "manifest.json").exists() and not (out / "bundles").exists()
+
+
+def test_a_manifest_without_a_passing_check_is_not_bundled_nor_offered(prepared, tmp_path):
+    from tandem.cloud.memory_engines import MemoryEngines
+    from tandem.cloud.server import build_gateway
+    from tandem.common.kvstore import MemoryBlockStore
+    from tandem.common.params import NegotiateOffer
+    from tests.doubles import MANIFEST, B, K, cloud_config
+
+    out = tmp_path / "llama"
+    shutil.copytree(prepared["llama"], out, symlinks=True, ignore=shutil.ignore_patterns("bundles"))
+    m = SplitManifest.load(out / "split-k1")
+    m.model_copy(update={"head_check": None}).save(out / "split-k1")
+    with pytest.raises(ValueError, match="no passing check"):
+        modelprep.write_bundles(out)
+    failed = m.head_check.model_copy(update={"passed": False, "max_abs_error": 1.0})  # type: ignore[union-attr]
+    m.model_copy(update={"head_check": failed}).save(out / "split-k1")
+    with pytest.raises(ValueError, match="no passing check"):
+        modelprep.write_bundles(out)
+    # the cloud: a split whose manifest records no passing check gets direct mode and a note
+    store = MemoryBlockStore(1 << 20)
+    unchecked = MANIFEST.model_copy(update={"head_check": None})
+    gw = build_gateway(cloud_config(), unchecked, MemoryEngines(store, B, 1000), store)
+    n = gw.negotiate(NegotiateOffer("e", "toy", {K: unchecked.compatibility_key()}, 4))
+    assert set(n.params_by_split) == {0}
+    assert "not checked against HF" in n.note and "direct mode only" in n.note
+    checked = build_gateway(cloud_config(), MANIFEST, MemoryEngines(store, B, 1000), store)
+    assert set(checked.negotiate(NegotiateOffer("e", "toy", {K: MANIFEST.compatibility_key()}, 4)).params_by_split) == {
+        0,
+        K,
+    }
+
+
+def test_local_mode_needs_a_passing_check_of_the_whole_model(prepared, tmp_path):
+    from tandem.edge.server import local_check_problem
+
+    path = tmp_path / FULL_ONNX
+    shutil.copy(prepared["gemma2"] / FULL_ONNX, path)
+    assert "no check against HF" in local_check_problem(path)
+    check = ExportCheck.load(prepared["gemma2"] / FULL_CHECK_NAME)
+    check.model_copy(update={"passed": False}).save(tmp_path / FULL_CHECK_NAME)
+    assert "failed its check" in local_check_problem(path)
+    check.save(tmp_path / FULL_CHECK_NAME)
+    assert local_check_problem(path) == ""
