@@ -21,6 +21,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -72,26 +73,35 @@ async def one(client: Any, messages: list[dict], mode: str, max_new: int, sessio
     return Reply(list(r.output_token_ids), r.edge_decoded_tokens, r.received_bytes.get("kv", 0))
 
 
-async def run_chats(port: int, prompts: list[dict], max_new: int, bar=None) -> dict[str, dict[str, Reply]]:
-    """Every chat once per mode, one request at a time: ``{chat id: {mode: Reply}}``."""
+async def run_chats(
+    port: int, prompts: list[dict], max_new: int, into: dict | None = None, done: Callable[[], None] = lambda: None
+) -> dict[str, dict[str, Reply]]:
+    """Every chat once per mode, one request at a time: ``{chat id: {mode: Reply}}`` (``into``,
+    filled chat by chat; ``done`` is called after each)."""
     from tandem import AsyncClient
 
-    out: dict[str, dict[str, Reply]] = {}
+    out: dict[str, dict[str, Reply]] = {} if into is None else into
     async with AsyncClient(f"127.0.0.1:{port}", timeout_s=600) as client:
         for p in prompts:
             out[p["id"]] = {m: await one(client, p["messages"], m, max_new) for m in MODES}
-            if bar is not None:
-                bar.update(1)
+            done()
     return out
 
 
 async def run_sessions(
-    port: int, prompts: list[dict], turns: int, max_new: int, tokenizer: Any, bar=None
+    port: int,
+    prompts: list[dict],
+    turns: int,
+    max_new: int,
+    tokenizer: Any,
+    into: dict | None = None,
+    done: Callable[[], None] = lambda: None,
 ) -> dict[str, dict[str, list[Reply]]]:
-    """``turns`` turns of a session per chat and mode (see module doc): ``{chat id: {mode: [Reply]}}``."""
+    """``turns`` turns of a session per chat and mode (see module doc): ``{chat id: {mode: [Reply]}}``
+    (``into``, filled chat by chat; ``done`` is called after each)."""
     from tandem import AsyncClient
 
-    out: dict[str, dict[str, list[Reply]]] = {}
+    out: dict[str, dict[str, list[Reply]]] = {} if into is None else into
     async with AsyncClient(f"127.0.0.1:{port}", timeout_s=600) as client:
         for p in prompts:
             per_mode: dict[str, list[Reply]] = {}
@@ -106,8 +116,7 @@ async def run_sessions(
                 per_mode[m] = replies
                 await client.end_session(session)
             out[p["id"]] = per_mode
-            if bar is not None:
-                bar.update(1)
+            done()
     return out
 
 
@@ -185,6 +194,21 @@ def main(
     w = work_dir("tandem-exactness-")
     print(f"tandem-bench-exactness: {len(prompts)} chats x 3 modes, {chats} sessions; logs in {w}", file=sys.stderr)
     t0 = time.perf_counter()
+    replies: dict[str, dict[str, Reply]] = {}
+    sessions: dict[str, dict[str, list[Reply]]] = {}
+
+    def save() -> None:
+        """The counts so far (a run cut short leaves what it finished)."""
+        c = count(replies, sessions)
+        (out / "exactness.md").write_text(table(c, command, max_new_tokens, turns) + "\n")
+        data = {
+            "counts": c.as_dict(),
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "chats": {k: {m: r.__dict__ for m, r in v.items()} for k, v in replies.items()},
+            "sessions": {k: {m: [r.__dict__ for r in rs] for m, rs in v.items()} for k, v in sessions.items()},
+        }
+        (out / "exactness.json").write_text(json.dumps(data))
+
     with Daemons() as daemons:
         if not edge:
             extra = ["--max-num-seqs", "4", *FP32]
@@ -195,19 +219,16 @@ def main(
         port = int(edge)
         asyncio.run(wait_serving(port))
         with tqdm(total=len(prompts) + chats, desc="chats", unit="chat") as bar:
-            replies = asyncio.run(run_chats(port, prompts, max_new_tokens, bar))
-            sessions = asyncio.run(run_sessions(port, prompts[:chats], turns, max_new_tokens, tokenizer, bar))
-    c = count(replies, sessions)
-    md = table(c, command, max_new_tokens, turns)
-    (out / "exactness.md").write_text(md + "\n")
-    data = {
-        "counts": c.as_dict(),
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "chats": {k: {m: r.__dict__ for m, r in v.items()} for k, v in replies.items()},
-        "sessions": {k: {m: [r.__dict__ for r in rs] for m, rs in v.items()} for k, v in sessions.items()},
-    }
-    (out / "exactness.json").write_text(json.dumps(data))
-    print(md)
+
+            def done() -> None:
+                save()
+                bar.update(1)
+
+            # the sessions first: a run cut short still has some of both
+            asyncio.run(run_sessions(port, prompts[:chats], turns, max_new_tokens, tokenizer, sessions, done))
+            asyncio.run(run_chats(port, prompts, max_new_tokens, replies, done))
+    save()
+    print((out / "exactness.md").read_text())
     print(f"results in {out}: exactness.md, exactness.json", file=sys.stderr)
 
 
