@@ -70,11 +70,6 @@ class TextOut:
     text: str
     token_ids: tuple[int, ...]
 
-    def wire_received_bytes(self) -> dict[str, int]:
-        """``ChatDone.received_bytes``: bytes per stream kind received from the cloud (remote
-        prefill's KV blocks, each once); empty when none came."""
-        return {"kv": self.received_kv_bytes} if self.received_kv_bytes else {}
-
     def to_pb(self) -> pb.ChatEvent:
         return pb.ChatEvent(delta=pb.TextDelta(text=self.text, token_ids=list(self.token_ids)))
 
