@@ -102,6 +102,7 @@ bench: model
 	$(BIN)/tandem-bench-burst --model-dir $(MODEL_DIR) --out bench-results/burst
 	$(BIN)/tandem-bench-multiturn --model-dir $(MODEL_DIR) --out bench-results/multiturn
 	$(BIN)/tandem-bench-fidelity --model-dir $(MODEL_DIR) --out bench-results/fidelity
+	$(BIN)/tandem-bench-exactness --model-dir $(MODEL_DIR) --out bench-results/exactness
 	$(MAKE) bench-capacity
 
 # goodput under Poisson load, cloud and edge on separate cores; needs a split at k/L = 1/2 (k = 15 of 30)

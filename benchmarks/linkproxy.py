@@ -11,6 +11,13 @@ connections of that direction, like one bottleneck link), and arrives one-way
 delay + |N(0, jitter)| later, never before the previous arrival (TCP is in order).
 With probability ``1-(1-p)^segments`` the read also waits one extra RTT.
 
+A ``Tap`` (``LinkProxy.tap``) sees the gRPC messages of each direction as they pass: the proxy
+reads plaintext HTTP/2 frame by frame (RFC 9113 section 4.1: a 9-byte header, then the payload;
+DATA frames carry gRPC's length-prefixed messages, section "Length-Prefixed-Message" of gRPC's
+PROTOCOL-HTTP2.md) and forwards whole frames. A tap may change a message's bytes in place (a
+corrupted link) or raise ``CutLink`` (the connection is reset, both ways, at that point); new
+connections go through as usual.
+
 Run as a process: ``python -m benchmarks.linkproxy LISTEN_PORT UPSTREAM_HOST:PORT [rate|no-rate]
 [--ready-file PATH]``; it prints its port (and writes it to the ready file, as the tandem
 daemons do), then reads JSON ``LinkProfile`` lines on stdin and answers ``ok``.
@@ -24,12 +31,124 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.benchmarks.links import PROFILES, LinkProfile
 
 MSS_BYTES = 1448
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # the client's first bytes (RFC 9113 section 3.4)
+H2_FRAME_HEADER_BYTES = 9
+H2_DATA, H2_HEADERS = 0x0, 0x1
+H2_END_STREAM, H2_PADDED = 0x1, 0x8
+GRPC_PREFIX_BYTES = 5  # compressed flag (1 byte), message length (4 bytes, big-endian)
+
+
+class CutLink(Exception):
+    """Raised by a ``Tap``: the proxy resets the connection (both directions) there."""
+
+
+@dataclass
+class GrpcMessage:
+    """One gRPC message on an HTTP/2 stream: ``length`` bytes of protobuf; ``tag`` is its first byte
+    (for a message that is a oneof of submessages: ``field_number << 3 | 2``), -1 while unseen or
+    for an empty message; ``index`` counts the stream's messages from 0."""
+
+    stream_id: int
+    index: int
+    length: int
+    tag: int = -1
+
+
+class Tap:
+    """What a test sees of the link, message by message. ``up`` is the client -> server direction."""
+
+    def data(self, up: bool, msg: GrpcMessage, offset: int, body: memoryview) -> None:
+        """Bytes ``[offset, offset + len(body))`` of ``msg``, writable in place; may raise ``CutLink``."""
+
+    def end_stream(self, up: bool, stream_id: int) -> None:
+        """A frame that ends ``stream_id`` in that direction (gRPC's trailers, downward); may raise ``CutLink``."""
+
+
+@dataclass
+class _Stream:
+    prefix: bytearray = field(default_factory=bytearray)
+    msg: GrpcMessage | None = None
+    left: int = 0  # body bytes of ``msg`` still to come
+    count: int = 0
+
+
+class H2Reader:
+    """One direction of a plaintext HTTP/2 connection, cut into whole frames whose gRPC message
+    bytes pass through the tap ``tap_of()`` returns at that moment (none: they only pass)."""
+
+    def __init__(self, tap_of: Callable[[], Tap | None], up: bool) -> None:
+        self.tap_of, self.up = tap_of, up
+        self.buf = bytearray()
+        self.preface = len(H2_PREFACE) if up else 0
+        self.streams: dict[int, _Stream] = {}
+
+    def feed(self, data: bytes) -> bytes:
+        """The whole frames ``data`` completes (changed in place by the tap); the rest waits.
+
+        Raises:
+            CutLink: the tap cut the link.
+        """
+        self.buf += data
+        out = bytearray()
+        if self.preface:
+            n = min(self.preface, len(self.buf))
+            out += self.buf[:n]
+            del self.buf[:n]
+            self.preface -= n
+        while len(self.buf) >= H2_FRAME_HEADER_BYTES:
+            length = int.from_bytes(self.buf[:3], "big")
+            end = H2_FRAME_HEADER_BYTES + length
+            if len(self.buf) < end:
+                break
+            kind, flags = self.buf[3], self.buf[4]
+            sid = int.from_bytes(self.buf[5:9], "big") & 0x7FFFFFFF
+            frame = bytearray(self.buf[:end])
+            del self.buf[:end]
+            if kind == H2_DATA and length:
+                lo, hi = H2_FRAME_HEADER_BYTES, end
+                if flags & H2_PADDED:  # a pad-length byte, then the data, then that many padding bytes
+                    lo, hi = lo + 1, hi - frame[lo]
+                self._data(sid, memoryview(frame)[lo:hi])
+            if kind in (H2_DATA, H2_HEADERS) and flags & H2_END_STREAM:
+                self.streams.pop(sid, None)
+                if (tap := self.tap_of()) is not None:
+                    tap.end_stream(self.up, sid)
+            out += frame
+        return bytes(out)
+
+    def _data(self, sid: int, payload: memoryview) -> None:
+        s = self.streams.setdefault(sid, _Stream())
+        i = 0
+        while i < len(payload):
+            if s.msg is None:
+                take = min(GRPC_PREFIX_BYTES - len(s.prefix), len(payload) - i)
+                s.prefix += payload[i : i + take]
+                i += take
+                if len(s.prefix) == GRPC_PREFIX_BYTES:
+                    s.msg = GrpcMessage(sid, s.count, int.from_bytes(s.prefix[1:], "big"))
+                    s.left, s.prefix = s.msg.length, bytearray()
+                    s.count += 1
+                    if not s.left:
+                        s.msg = None
+                continue
+            take = min(s.left, len(payload) - i)
+            offset = s.msg.length - s.left
+            if offset == 0:
+                s.msg.tag = payload[i]
+            s.left -= take
+            msg = s.msg
+            if not s.left:
+                s.msg = None
+            if (tap := self.tap_of()) is not None:
+                tap.data(self.up, msg, offset, payload[i : i + take])
+            i += take
 
 
 @dataclass
@@ -41,12 +160,19 @@ class Direction:
 
 
 class LinkProxy:
-    def __init__(self, upstream_host: str, upstream_port: int, shape_rate: bool = True, seed: int = 0) -> None:
+    """The link (see module doc). ``h2``: read each connection as HTTP/2 so that ``tap`` sees its
+    gRPC messages (set or replace ``tap`` at any time; None: they pass untouched)."""
+
+    def __init__(
+        self, upstream_host: str, upstream_port: int, shape_rate: bool = True, seed: int = 0, h2: bool = False
+    ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.shape_rate = shape_rate
         self.profile = PROFILES["loopback"]
         self.rng = random.Random(seed)
         self.up, self.down = Direction(), Direction()
+        self.h2 = h2
+        self.tap: Tap | None = None
 
     def set_profile(self, p: LinkProfile) -> None:
         self.profile = p
@@ -65,7 +191,10 @@ class LinkProxy:
         d.bytes += n
         return d.last_arrival
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, d: Direction) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, d: Direction, h2: H2Reader | None = None
+    ) -> None:
+        """Bytes from ``reader`` to ``writer`` on the link's schedule; raises ``CutLink`` where the tap cut it."""
         queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
 
         async def deliver() -> None:
@@ -81,6 +210,8 @@ class LinkProxy:
         task = asyncio.create_task(deliver())
         try:
             while data := await reader.read(65536):
+                if h2 is not None:
+                    data = h2.feed(data)
                 queue.put_nowait((self._arrival(d, len(data)), data))
         except ConnectionError:
             pass
@@ -94,9 +225,27 @@ class LinkProxy:
         except OSError:
             c_writer.close()
             return
-        await asyncio.gather(
-            self._pipe(c_reader, u_writer, self.up), self._pipe(u_reader, c_writer, self.down), return_exceptions=True
-        )
+
+        def tap() -> Tap | None:
+            return self.tap
+
+        up, down = (H2Reader(tap, True), H2Reader(tap, False)) if self.h2 else (None, None)
+        pipes = [
+            asyncio.ensure_future(self._pipe(c_reader, u_writer, self.up, up)),
+            asyncio.ensure_future(self._pipe(u_reader, c_writer, self.down, down)),
+        ]
+        for done in asyncio.as_completed(pipes):
+            try:
+                await done
+            except CutLink:  # a reset, both ways, with nothing more delivered
+                for w in (c_writer, u_writer):
+                    w.transport.abort()
+                for p in pipes:
+                    p.cancel()
+                await asyncio.gather(*pipes, return_exceptions=True)
+                return
+            except Exception:  # noqa: BLE001 - one direction's error ends only that direction
+                pass
 
 
 async def _control(proxy: LinkProxy) -> None:

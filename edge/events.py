@@ -134,6 +134,11 @@ class TurnDone:
             "repaired_blocks": self.repaired_blocks,
         }
 
+    def wire_received_bytes(self) -> dict[str, int]:
+        """``ChatDone.received_bytes``: bytes per stream kind received from the cloud (remote
+        prefill's KV blocks, each once); empty when none came."""
+        return {"kv": self.received_kv_bytes} if self.received_kv_bytes else {}
+
     def to_pb(self) -> pb.ChatEvent:
         done = to_pb(
             pb.ChatDone,
@@ -142,6 +147,6 @@ class TurnDone:
             timings_ms=timings_to_wire(self.timings),
             sent_bytes=self.wire_sent_bytes(),
             mode=self.mode.value,
-            received_bytes={"kv": self.received_kv_bytes} if self.received_kv_bytes else {},
+            received_bytes=self.wire_received_bytes(),
         )
         return pb.ChatEvent(done=done)

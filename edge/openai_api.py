@@ -26,7 +26,7 @@ is sent as ``data: {"error": ...}`` (the openai client raises ``APIError``). A c
 ends the turn: the edge's turn generator is closed, which cancels the call to the cloud (streaming or
 not). The last response / chunk with a ``finish_reason`` has a non-standard field ``tandem``
 (``session_id``, ``mode``, ``predicted_ttft_ms``, ``split_layer``, ``head_tokens``, ``external_tokens``,
-``timings_ms``, ``sent_bytes``);
+``timings_ms``, ``sent_bytes``, ``received_bytes``, ``edge_decoded_tokens``, ``resumes``);
 OpenAI clients ignore it (``response.model_extra["tandem"]``). Every response has the header
 ``x-tandem-session``.
 

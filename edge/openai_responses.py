@@ -36,6 +36,9 @@ def tandem_extra(done: TurnDone, session_id: str) -> dict[str, Any]:
         "external_tokens": done.external_tokens,
         "timings_ms": timings_to_wire(done.timings),
         "sent_bytes": done.wire_sent_bytes(),
+        "received_bytes": done.wire_received_bytes(),
+        "edge_decoded_tokens": done.edge_decoded_tokens,
+        "resumes": done.resumes,
     }
 
 

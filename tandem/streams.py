@@ -46,6 +46,8 @@ class ChatResult:
     mode_reason: str = ""  # why this mode (auto's choice, requested, a fallback)
     resumes: int = 0  # times the turn continued after its cloud failed mid-stream (no token repeated)
     session_expired: bool = False  # the edge had evicted this session (its state bound): it started again
+    received_bytes: dict[str, int] = field(default_factory=dict)  # from the cloud, per kind: "kv"
+    edge_decoded_tokens: int = 0  # remote prefill: output tokens the edge decoded after it took over (0: the cloud did)
 
 
 class _Accumulator:

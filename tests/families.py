@@ -80,3 +80,17 @@ def build_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
         if f.is_file() and f.name != "generation_config.json":
             shutil.copy(f, out / f.name)
     return out
+
+
+def gpt2_checkpoint(out: Path) -> Path:
+    """A tiny GPT-2 (an architecture tandem does not split; vLLM serves it) with the SmolLM2 tokenizer."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=512, initializer_range=0.2)
+    tf.GPT2LMHeadModel(cfg).save_pretrained(out)
+    for f in TOKENIZER_DIR.iterdir():
+        if f.is_file() and f.name != "generation_config.json":
+            shutil.copy(f, out / f.name)
+    return out

@@ -119,7 +119,7 @@ async def direct_only(tmp_path_factory):
     from tandem.cloud.server import create_cloud
     from tandem.edge.config import EdgeConfig
     from tandem.edge.server import create_edge
-    from tests.test_families import gpt2_checkpoint
+    from tests.families import gpt2_checkpoint
 
     root = tmp_path_factory.mktemp("gpt2")
     out = root / "model"

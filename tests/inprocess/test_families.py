@@ -21,7 +21,7 @@ from tandem.common import modelprep
 from tandem.common.head_io import io_names
 from tandem.common.head_model import FAMILIES, UnsupportedArchitecture
 from tandem.common.manifest import FULL_CHECK_NAME, FULL_ONNX, ExportCheck, SplitManifest
-from tests.families import FAMILY_NAMES, TOKENIZER_DIR, VOCAB, build_checkpoint
+from tests.families import FAMILY_NAMES, TOKENIZER_DIR, VOCAB, build_checkpoint, gpt2_checkpoint
 
 SPLITS = (1, 3)  # two split layers of the 4-layer checkpoints
 STEPS = (0, 11, 23, 30)  # the prompt's slots fed per step: [0, 11), [11, 23), [23, 30)
@@ -115,19 +115,6 @@ def test_an_unsupported_architecture_is_refused_by_name_with_the_supported_list(
     assert not (out / "bundles").exists() and not list(out.glob("split-k*"))
     with pytest.raises(UnsupportedArchitecture, match="GPT2LMHeadModel"):
         modelprep.prepare_model(out, ckpt, "1")
-
-
-def gpt2_checkpoint(out: Path) -> Path:
-    """A tiny GPT-2 (an architecture tandem does not split; vLLM serves it) with the SmolLM2 tokenizer."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=512, initializer_range=0.2)
-    tf.GPT2LMHeadModel(cfg).save_pretrained(out)
-    for f in TOKENIZER_DIR.iterdir():
-        if f.is_file() and f.name != "generation_config.json":
-            shutil.copy(f, out / f.name)
-    return out
 
 
 def test_direct_only_prepares_any_architecture_without_heads(tmp_path):

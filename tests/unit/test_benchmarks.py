@@ -55,6 +55,66 @@ async def test_proxy_adds_rtt_and_serialisation_delay():
     assert proxy.up.bytes == 100_001
 
 
+async def test_proxy_taps_grpc_messages_changes_them_and_cuts_the_link():
+    """A real grpc.aio server (the Health service) behind the proxy reading HTTP/2: the tap sees
+    the request go up and the answer and the stream's end come down; a byte it changes arrives
+    changed (an unknown service's name); ``CutLink`` resets the connection (UNAVAILABLE) and the
+    next call connects again."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from tandem.benchmarks.linkproxy import CutLink, Tap
+
+    class Watch(Tap):
+        def __init__(self) -> None:
+            self.seen: list[tuple[bool, int, int, bytes]] = []
+            self.ends: list[bool] = []
+            self.flip = self.cut = False
+
+        def data(self, up, msg, offset, body):
+            self.seen.append((up, msg.tag, msg.length, bytes(body)))
+            if up and self.flip:
+                body[-1] ^= 0x20  # "tandem" -> "tandeM"
+            if not up and self.cut:
+                raise CutLink
+
+        def end_stream(self, up, stream_id):
+            self.ends.append(up)
+
+    server = grpc.aio.server()
+    hs = health.aio.HealthServicer()
+    await hs.set("tandem", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    upstream = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    proxy = LinkProxy("127.0.0.1", upstream, h2=True)
+    link = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
+    proxy.tap = tap = Watch()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{link.sockets[0].getsockname()[1]}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            req = health_pb2.HealthCheckRequest(service="tandem")
+            assert (await stub.Check(req, timeout=5)).status == health_pb2.HealthCheckResponse.SERVING
+            answer = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING).SerializeToString()
+            assert (True, 0x0A, len(req.SerializeToString()), req.SerializeToString()) in tap.seen
+            assert (False, 0x08, len(answer), answer) in tap.seen and tap.ends == [True, False]
+            tap.flip = True
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Check(req, timeout=5)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND  # the server got "tandeM"
+            tap.flip, tap.cut = False, True
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Check(req, timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            tap.cut = False
+            assert (
+                await stub.Check(req, timeout=5, wait_for_ready=True)
+            ).status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        link.close()
+        await server.stop(0)
+
+
 def test_proxy_process_reports_its_port_and_takes_profiles(tmp_path):
     import socket
 
