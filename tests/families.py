@@ -54,15 +54,14 @@ def family_config(name: str) -> Any:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
     }
-    # untied: with the tied embedding scaled by sqrt(H), every greedy step picks one token
     gemma = dict(sliding_window=WINDOW_TOKENS, query_pre_attn_scalar=32, layer_types=ALTERNATING)
     configs = {
         "llama": lambda: tf.LlamaConfig(**common, rope_parameters=llama3_rope),
         "mistral": lambda: tf.MistralConfig(**common, sliding_window=WINDOW_TOKENS),
         "qwen2": lambda: tf.Qwen2Config(**common),
         "qwen3": lambda: tf.Qwen3Config(**common),
-        "gemma2": lambda: tf.Gemma2Config(**{**common, "tie_word_embeddings": False}, **gemma),
-        "gemma3": lambda: tf.Gemma3TextConfig(**{**common, "tie_word_embeddings": False}, **gemma),
+        "gemma2": lambda: tf.Gemma2Config(**common, **gemma),
+        "gemma3": lambda: tf.Gemma3TextConfig(**common, **gemma),
         "phi3": lambda: tf.Phi3Config(**{k: v for k, v in common.items() if k != "head_dim"}),
     }
     return configs[name]()
@@ -75,6 +74,14 @@ def build_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(family_config(name), dtype=torch.float32)
+    if name.startswith("gemma"):
+        # Gemma ties its output layer to the embedding (vLLM's Gemma models require it) and scales
+        # the embedding by sqrt(H): drawn at INIT_STD, the embedding dominates the residual stream and
+        # every greedy step repeats the input token. A 10x smaller embedding lets the layers decide,
+        # and a final norm of 10 (Gemma's RMSNorm scales by 1 + weight) keeps the logits apart.
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(0.1)
+            model.model.norm.weight.fill_(9.0)
     model.save_pretrained(out)
     for f in TOKENIZER_DIR.iterdir():
         if f.is_file() and f.name != "generation_config.json":
