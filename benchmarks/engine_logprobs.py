@@ -51,7 +51,7 @@ def main(
     reqs = json.loads(requests.read_text())
     llm = LLM(
         model=str(model),
-        dtype=dtype,
+        dtype=dtype,  # type: ignore[arg-type]
         enforce_eager=True,
         max_logprobs=top_k,
         max_model_len=2048,
@@ -83,14 +83,15 @@ def main(
             ids, lps = np.zeros((n, top_k), np.int32), np.full((n, top_k), -np.inf, np.float32)
             mine = np.zeros(n, np.float32)
             for j, tok in enumerate(r["reply"]):
-                d = o.prompt_logprobs[t + j]
+                d = o.prompt_logprobs[t + j]  # type: ignore[index]
+                assert d is not None  # every position past the first has its log-probabilities
                 top = sorted((v.rank, tid, v.logprob) for tid, v in d.items() if v.rank is not None and v.rank <= top_k)
                 for m, (_, tid, lp) in enumerate(top[:top_k]):
                     ids[j, m], lps[j, m] = tid, lp
                 mine[j] = d[tok].logprob
             arrays |= {f"{r['id']}/reply": np.asarray(r["reply"], np.int32), f"{r['id']}/ids": ids}
             arrays |= {f"{r['id']}/lps": lps, f"{r['id']}/own": mine}
-    np.savez_compressed(out, **arrays)
+    np.savez_compressed(out, **arrays)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 import typer
@@ -335,7 +335,7 @@ def main(
     for k in ks:
         teacher = SplitTeacher(model_dir / f"split-k{k}", BLOCK_TOKENS, threads)
         per_pair = {p: fs.Positions() for p in plist}
-        greedy = {p: {} for p in plist}
+        greedy: dict[Any, dict[str, list[int]]] = {p: {} for p in plist}
         for r in tqdm(reqs, desc=f"teacher-forced k={k}", unit="chat"):
             reply = np.asarray(r["reply"])
             dists = teacher.forced(teacher.head_pass(r["prompt"]), r["reply"], plist)  # [P, n, V]

@@ -18,7 +18,7 @@ by it is like with like when both are measured the same way.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -134,7 +134,7 @@ def summarize(pos: Positions, gap_nats: float = GAP_NATS) -> dict:
     }
 
 
-def greedy_agreement(ref: dict[str, Sequence[int]], other: dict[str, Sequence[int]]) -> dict:
+def greedy_agreement(ref: Mapping[str, Sequence[int]], other: Mapping[str, Sequence[int]]) -> dict:
     """Greedy replies against the reference's, over the ids both hold: the share identical and the
     mean first divergence position (1-based, over the replies that diverge; None if none do)."""
     ids = sorted(set(ref) & set(other))
