@@ -228,7 +228,9 @@ class VllmEngines:
             m, d = self.splits[role.split_layer]
             return start_engine(m.resolve(d, m.tail_checkpoint), self.cfg, role, "kv_both", m.split_layer)
         m, d = self.manifest, self.cfg.split_dir
-        return start_engine(m.resolve(d, m.full_checkpoint), self.cfg, role, "kv_both", 0)
+        # a direct-only checkpoint (split layer 0: no head, no tail) needs no KV moved: plain vLLM
+        kv_role = "kv_both" if m.split_layer > 0 else None
+        return start_engine(m.resolve(d, m.full_checkpoint), self.cfg, role, kv_role, 0)
 
     def _get(self, role: EngineRole) -> Any:
         return self._engines[role]

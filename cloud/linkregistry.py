@@ -295,8 +295,12 @@ class LinkRegistry:
         varints), or a goodput probe (``MAX_PROBE_BYTES`` of padding)."""
         lim, sh = self.limits, self.splits.primary.shape
         widest = max(wire.raw_nbytes_of(lim.max_chunk_tokens, d, sh.hidden_size) for d in lim.wire_dtypes)
-        deepest = self.splits.head_part(max(self.splits.layers))
-        block = block_nbytes(deepest, sh.num_kv_heads, lim.kv_block_size_tokens, sh.head_dim)
+        k_max = max(self.splits.layers, default=0)  # 0: a direct-only checkpoint, no head blocks
+        block = (
+            block_nbytes(self.splits.head_part(k_max), sh.num_kv_heads, lim.kv_block_size_tokens, sh.head_dim)
+            if k_max
+            else 0
+        )
         whole = block_nbytes(LayerRange(0, sh.num_layers), sh.num_kv_heads, lim.kv_block_size_tokens, sh.head_dim)
         codec = Codec.ZSTD if Codec.ZSTD in lim.codecs else Codec.NONE
         return (

@@ -89,8 +89,8 @@ class EdgeNode:
         default the tokenizer's; ``codec_ratio``: zstd's compressed / raw size of this model's wire
         bytes; ``model_key``: the whole model's identity (``common.kvdown.full_model_key``), which
         remote prefill's KV blocks are named from ("": no remote prefill)."""
-        if not heads and local is None:
-            raise ValueError("an edge needs a head (split) or the whole model (local)")
+        if not heads and local is None and conn is None:
+            raise ValueError("an edge needs a head (split), the whole model (local) or a cloud (direct)")
         self.tok, self.conn, self.sessions = tokenizer, conn, sessions
         self.heads = {h.k: h for h in heads}
         self.turn_timeout_s = turn_timeout_s
