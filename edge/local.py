@@ -295,12 +295,14 @@ class LocalEngine:
         b = self.session.io_binding()
         for name, arr in feeds.items():
             b.bind_cpu_input(name, arr)
+        held: list[Any] = []  # the bound values (and the host arrays they wrap) stay alive until the run ends
         for name, a in zip(self._past_names, past, strict=True):
             v = (
                 ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.kv_device, 0)
                 if isinstance(a, np.ndarray)
                 else a
             )
+            held.append(v)
             b.bind_ortvalue_input(name, v)
         b.bind_output("logits", "cpu")
         for name in self._out_names[1:]:
