@@ -67,6 +67,14 @@ def family_config(name: str) -> Any:
     return configs[name]()
 
 
+def with_tokenizer(out: Path) -> Path:
+    """Copy the SmolLM2 tokenizer files (not its generation config) into checkpoint ``out``."""
+    for f in TOKENIZER_DIR.iterdir():
+        if f.is_file() and f.name != "generation_config.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def build_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
     """Save a random-weight fp32 checkpoint of family ``name`` with the SmolLM2 tokenizer at ``out``."""
     import torch
@@ -83,10 +91,7 @@ def build_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
             model.get_input_embeddings().weight.mul_(0.1)
             model.model.norm.weight.fill_(9.0)
     model.save_pretrained(out)
-    for f in TOKENIZER_DIR.iterdir():
-        if f.is_file() and f.name != "generation_config.json":
-            shutil.copy(f, out / f.name)
-    return out
+    return with_tokenizer(out)
 
 
 def gpt2_checkpoint(out: Path) -> Path:
@@ -97,7 +102,4 @@ def gpt2_checkpoint(out: Path) -> Path:
     torch.manual_seed(0)
     cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=512, initializer_range=0.2)
     tf.GPT2LMHeadModel(cfg).save_pretrained(out)
-    for f in TOKENIZER_DIR.iterdir():
-        if f.is_file() and f.name != "generation_config.json":
-            shutil.copy(f, out / f.name)
-    return out
+    return with_tokenizer(out)
