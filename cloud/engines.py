@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -40,6 +41,7 @@ import numpy as np
 from tandem.cloud.config import CloudConfig
 from tandem.cloud.engine_resources import EngineResources, capture, engine_pids
 from tandem.cloud.engine_start import start_engine
+from tandem.common import metrics
 from tandem.common.errors import EngineError
 from tandem.common.kvparams import ConnectorReport, KVTransferSpec
 from tandem.common.manifest import SplitManifest
@@ -222,15 +224,21 @@ class VllmEngines:
     def decode_engine(self) -> Any:
         return self._engines[DECODE]
 
+    def _checkpoint(self, role: EngineRole) -> Path:
+        """The checkpoint ``role``'s engine serves (its ``model_name`` in the ``vllm:`` metrics)."""
+        if role.kind == "tail":
+            m, d = self.splits[role.split_layer]
+            return m.resolve(d, m.tail_checkpoint)
+        return self.manifest.resolve(self.cfg.split_dir, self.manifest.full_checkpoint)
+
     def _new_engine(self, role: EngineRole) -> Any:
         """Start one engine (blocking, about 20-60 s on CPU)."""
         if role.kind == "tail":
-            m, d = self.splits[role.split_layer]
-            return start_engine(m.resolve(d, m.tail_checkpoint), self.cfg, role, "kv_both", m.split_layer)
-        m, d = self.manifest, self.cfg.split_dir
+            k = role.split_layer
+            return start_engine(self._checkpoint(role), self.cfg, role, "kv_both", k)
         # a direct-only checkpoint (split layer 0: no head, no tail) needs no KV moved: plain vLLM
-        kv_role = "kv_both" if m.split_layer > 0 else None
-        return start_engine(m.resolve(d, m.full_checkpoint), self.cfg, role, kv_role, 0)
+        kv_role = "kv_both" if self.manifest.split_layer > 0 else None
+        return start_engine(self._checkpoint(role), self.cfg, role, kv_role, 0)
 
     def _get(self, role: EngineRole) -> Any:
         return self._engines[role]
@@ -345,6 +353,8 @@ class VllmEngines:
             for role in self.ROLES:
                 self._set(role, None)
         _shutdown_all(engines, timeout_s)
+        # their last gauge values would still be exported (and count as this node's KV use)
+        metrics.forget_vllm_engines({str(self._checkpoint(r)) for r in self.ROLES})
         # vLLM's AsyncLLM sits in reference cycles, so without a collection here its __del__ (which
         # shuts down again) would run at interpreter teardown, when the module globals it calls are
         # already None: a "TypeError: 'NoneType' object is not callable" traceback per engine at

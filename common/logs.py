@@ -106,8 +106,9 @@ class _StdlibJsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        skip = _RECORD_ATTRS | factory_attrs()
         for k, v in record.__dict__.items():
-            if k not in _RECORD_ATTRS and isinstance(v, str | int | float | bool | None):
+            if k not in skip and isinstance(v, str | int | float | bool | None):
                 out[k] = v
         if record.exc_info:
             out["exc_info"] = self.formatException(record.exc_info)
@@ -115,16 +116,38 @@ class _StdlibJsonFormatter(logging.Formatter):
 
 
 _RECORD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName"}
+_FACTORY_ATTRS: tuple[Any, frozenset[str]] = (None, frozenset())
+
+
+def factory_attrs() -> frozenset[str]:
+    """The attributes the process's log record factory (``logging.getLogRecordFactory()``) puts on
+    every record beyond a plain ``LogRecord``'s: library metadata, not a call's ``extra``, so the
+    JSON formatters leave them out. vLLM installs such a factory when it is imported (it adds
+    ``vllm_process_name`` for its own format). Cached per factory."""
+    global _FACTORY_ATTRS
+    factory = logging.getLogRecordFactory()
+    if _FACTORY_ATTRS[0] is not factory:
+        blank = factory("", logging.INFO, "", 0, "", None, None)
+        _FACTORY_ATTRS = (factory, frozenset(blank.__dict__) - _RECORD_ATTRS)
+    return _FACTORY_ATTRS[1]
 
 
 def json_formatter() -> logging.Formatter:
     """One JSON object per line: ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``message``,
-    ``request_id`` / ``session_id`` when bound, ``exc_info`` with a traceback, and any ``extra``."""
+    ``request_id`` / ``session_id`` when bound, ``exc_info`` with a traceback, and any ``extra`` (not
+    what the record factory adds to every record: ``factory_attrs``)."""
     try:
         from pythonjsonlogger.json import JsonFormatter
     except ImportError:
         return _StdlibJsonFormatter()
-    return JsonFormatter(
+
+    class TandemJsonFormatter(JsonFormatter):
+        def add_fields(self, log_data: dict[str, Any], record: logging.LogRecord, message_dict: dict[str, Any]) -> None:
+            super().add_fields(log_data, record, message_dict)
+            for name in factory_attrs():  # the record factory's metadata (``factory_attrs``)
+                log_data.pop(name, None)
+
+    return TandemJsonFormatter(
         "{levelname}{name}{message}",
         style="{",
         rename_fields={"levelname": "level", "name": "logger"},

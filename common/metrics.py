@@ -50,6 +50,7 @@ from typing import Any, Protocol
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 
 from tandem.common.logs import outcome_of
+from tandem.common.vllm_metrics import forget_vllm_engines as forget_vllm_engines
 from tandem.common.vllm_metrics import vllm_kv_cache_usage as vllm_kv_cache_usage
 from tandem.common.vllm_metrics import vllm_stat_loggers as vllm_stat_loggers
 from tandem.stages import Stage

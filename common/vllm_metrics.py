@@ -1,11 +1,13 @@
 """vLLM's own ``vllm:`` metrics of every engine in this process, in the default registry beside
 tandem's (``vllm_stat_loggers``: one shared metric per name, whichever engine started last), and the
-highest KV cache usage among them (``vllm_kv_cache_usage``)."""
+highest KV cache usage among them (``vllm_kv_cache_usage``); a stopped engine's series leave with it
+(``forget_vllm_engines``)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Collection
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -56,6 +58,30 @@ def vllm_stat_loggers() -> list[Any]:
                 super().__init__(*args, **kw)
 
     return [SharedPrometheusStatLogger]
+
+
+def forget_vllm_engines(model_names: Collection[str]) -> int:
+    """Remove the series of the engines labelled ``model_name`` in ``model_names`` from every shared
+    ``vllm:`` metric: a stopped engine's last values are no longer exported nor counted by
+    ``vllm_kv_cache_usage``; an engine started again on the same checkpoint creates its series anew.
+    Returns the number of series removed.
+
+    A series' label values are read back from its samples (their labels in the metric's label
+    order, without a histogram bucket's ``le``), so only prometheus_client's public API is used."""
+    names = set(model_names)
+    removed = 0
+    for metric in list(_VLLM_SHARED.values()):
+        series = {
+            tuple(v for n, v in s.labels.items() if n != "le")
+            for family in metric.collect()
+            for s in family.samples
+            if s.labels.get("model_name") in names
+        }
+        for values in series:
+            with contextlib.suppress(KeyError):  # a sample of a series removed a line above
+                metric.remove(*values)
+                removed += 1
+    return removed
 
 
 _KV_USAGE = "vllm:kv_cache_usage_perc"

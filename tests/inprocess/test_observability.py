@@ -154,6 +154,32 @@ def test_shared_vllm_metrics_survive_vllms_unregistering():
     assert REGISTRY.get_sample_value("tandem_test:shared_gauge", {"model_name": "decode"}) == 2
 
 
+def test_a_stopped_engines_vllm_series_leave_the_shared_metrics():
+    from prometheus_client import Counter, Histogram
+
+    names = ("tandem_test:forget_gauge", "tandem_test:forget_requests", "tandem_test:forget_seconds")
+    kinds = (Gauge, Counter, Histogram)
+    made = [
+        vllm_metrics._shared_metric(kind)(name=n, documentation="d", labelnames=["model_name", "engine"])
+        for kind, n in zip(kinds, names, strict=True)
+    ]
+    for m in made:
+        for model in ("/m/split-k4/tail", "/m/hf"):
+            child = m.labels(model, "0")
+            (child.set(0.5) if isinstance(m, Gauge) else child.inc() if isinstance(m, Counter) else child.observe(0.2))
+    try:
+        assert metrics.forget_vllm_engines({"/m/split-k4/tail"}) == 3
+        assert REGISTRY.get_sample_value(names[0], {"model_name": "/m/split-k4/tail", "engine": "0"}) is None
+        assert REGISTRY.get_sample_value(names[1] + "_total", {"model_name": "/m/split-k4/tail", "engine": "0"}) is None
+        assert REGISTRY.get_sample_value(names[2] + "_count", {"model_name": "/m/split-k4/tail", "engine": "0"}) is None
+        assert REGISTRY.get_sample_value(names[0], {"model_name": "/m/hf", "engine": "0"}) == 0.5  # the other stays
+        assert metrics.forget_vllm_engines({"/m/split-k4/tail"}) == 0
+    finally:
+        for m, n in zip(made, names, strict=True):
+            REGISTRY.unregister(m)
+            vllm_metrics._VLLM_SHARED.pop(n)
+
+
 def test_kv_cache_usage_is_the_highest_engines_gauge_and_reads_only_it():
     from prometheus_client import CollectorRegistry, Histogram
 
@@ -221,16 +247,30 @@ async def test_json_logs_of_a_turn_carry_its_ids_on_every_line(json_log):
     assert "quick brown fox" not in json_log.getvalue()  # no prompt text
 
 
-def test_json_logs_without_python_json_logger(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pythonjsonlogger.json", None)  # an edge-only install
+@pytest.mark.parametrize("json_logger", ["python-json-logger", "stdlib"])
+def test_json_log_lines_hold_the_fields_and_the_calls_extra_only(monkeypatch, json_logger):
+    """Both formatters (python-json-logger's and the stdlib one of an edge-only install) write the
+    same line; what a record factory adds to every record (vLLM's adds ``vllm_process_name``) is
+    library metadata, not an ``extra`` of the call."""
+    if json_logger == "stdlib":
+        monkeypatch.setitem(sys.modules, "pythonjsonlogger.json", None)
     buf = io.StringIO()
     root = logging.getLogger()
     level = root.level
+    plain = logging.getLogRecordFactory()
+
+    def factory(*args, **kw):
+        record = plain(*args, **kw)
+        record.library_process_name = "MainProcess"
+        return record
+
+    logging.setLogRecordFactory(factory)
     handler = setup_logging("json", "INFO", stream=buf)
     try:
         with bind_request("r1", ""):
             logging.getLogger("tandem.test").info("hello %s", "world", extra={"tokens": 3})
     finally:
+        logging.setLogRecordFactory(plain)
         root.removeHandler(handler)
         root.setLevel(level)
     line = json.loads(buf.getvalue())
