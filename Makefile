@@ -33,7 +33,7 @@ SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 # written last by tandem-model
 MODEL_STAMP := $(MODEL_DIR)/bundles/cloud/bundle.json
 
-.PHONY: setup proto proto-check model run test test-fast check docs bench bench-capacity fuzz clean redis redis-server
+.PHONY: setup proto proto-check model run test test-fast test-families check docs bench bench-capacity fuzz clean redis redis-server
 # Debian's redis-server: the block store several cloud replicas share (tests start their own on a free port)
 SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
 REDIS_PORT ?= 6379
@@ -90,11 +90,15 @@ run: model
 
 # pytest exits 5 when it collected no test: make fails then too (a selection that matches nothing)
 test: model redis-server
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=20 tests
 
 # every tier but the real engines, the installs and the GPU (tests/unit, tests/inprocess, tests/fuzz)
 test-fast: model redis-server
 	$(BIN)/python -m pytest -q -m "not engines and not install and not gpu" tests
+
+# every supported family end to end on the real engines (make test runs two of them)
+test-families: model
+	TANDEM_TEST_FAMILIES=all $(BIN)/python -m pytest -q tests/engines/test_families_e2e.py
 
 bench: model
 	$(BIN)/tandem-bench --model-dir $(MODEL_DIR) --split-layers $(SPLIT_LAYERS) --out bench-results/latest

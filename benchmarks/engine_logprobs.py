@@ -1,12 +1,15 @@
 """Greedy replies and teacher-forced next-token distributions from one real vLLM engine, for the
 noise floor of ``tandem-bench-fidelity``. Run as a child process (vLLM spawns its own; one
 engine per process): ``python -m tandem.benchmarks.engine_logprobs --model HF_DIR --dtype float32
---concurrency 1 --requests IN.json --out OUT.npz``.
+--concurrency 1 --out C1.npz [--concurrency 4 --out C4.npz ...] --requests IN.json``: one pass over
+the requests per ``--concurrency``, each written to its ``--out``, on the same engine (prefix
+caching off, so a later pass computes every position again, as a fresh engine would).
 
 The engine is the decode engine's: the full checkpoint, ``enforce_eager``, ``block_size`` 32,
 prefix caching off and a 1 GiB KV cache (``cloud.config.EngineConfig``'s CPU defaults), at the
 given dtype. Requests go in groups of ``--concurrency``, each group in one ``LLM.generate`` call,
-so they batch as that many requests in flight do.
+so they batch as that many requests in flight do. The first pass generates the replies that are
+null; later passes force the same replies.
 
 ``IN.json``: ``[{"id", "prompt": [token ids], "reply": [token ids] | null}]``. A null reply is
 first generated greedily (up to ``--max-new-tokens``, EOS included and last). Then every request
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 import typer
@@ -37,16 +40,17 @@ app = typer.Typer(add_completion=False, help=__doc__)
 def main(
     model: Annotated[Path, typer.Option(help="HF checkpoint directory (the full model)")],
     requests: Annotated[Path, typer.Option(help="JSON list of {id, prompt, reply}")],
-    out: Annotated[Path, typer.Option(help="output .npz")],
+    out: Annotated[list[Path], typer.Option(help="output .npz, one per --concurrency")],
     dtype: Annotated[str, typer.Option(help="engine dtype: float32 or bfloat16")] = "float32",
-    concurrency: Annotated[int, typer.Option(help="requests per engine call (in flight together)")] = 1,
+    concurrency: Annotated[
+        list[int], typer.Option(help="requests per engine call (in flight together), one pass each")
+    ] = [1],  # noqa: B006 - typer reads the default, never mutated
     top_k: Annotated[int, typer.Option(help="prompt_logprobs: top tokens per position")] = 64,
     max_new_tokens: int = 32,
     greedy: Annotated[bool, typer.Option(help="also generate this engine's own greedy replies")] = True,
 ) -> None:
     """Write the greedy replies and teacher-forced top-K log-probabilities of every request."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     reqs = json.loads(requests.read_text())
     llm = LLM(
@@ -61,6 +65,18 @@ def main(
         kv_cache_memory_bytes=1 << 30,
         seed=0,
     )
+    if len(out) != len(concurrency):
+        raise typer.BadParameter(f"{len(out)} --out for {len(concurrency)} --concurrency: one each")
+    for path, n in zip(out, concurrency, strict=True):
+        np.savez_compressed(path, **one_pass(llm, reqs, n, top_k, max_new_tokens, greedy))
+
+
+def one_pass(llm: Any, reqs: list[dict], concurrency: int, top_k: int, max_new_tokens: int, greedy: bool) -> dict:
+    """Every request in groups of ``concurrency``: the arrays of ``OUT.npz`` (module doc). Fills a
+    null ``reply`` in ``reqs`` with the greedy one."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     sample = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
     forced = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k)
     arrays: dict[str, np.ndarray] = {}
@@ -83,7 +99,7 @@ def main(
             ids, lps = np.zeros((n, top_k), np.int32), np.full((n, top_k), -np.inf, np.float32)
             mine = np.zeros(n, np.float32)
             for j, tok in enumerate(r["reply"]):
-                d = o.prompt_logprobs[t + j]  # type: ignore[index]
+                d = o.prompt_logprobs[t + j]
                 assert d is not None  # every position past the first has its log-probabilities
                 top = sorted((v.rank, tid, v.logprob) for tid, v in d.items() if v.rank is not None and v.rank <= top_k)
                 for m, (_, tid, lp) in enumerate(top[:top_k]):
@@ -91,7 +107,7 @@ def main(
                 mine[j] = d[tok].logprob
             arrays |= {f"{r['id']}/reply": np.asarray(r["reply"], np.int32), f"{r['id']}/ids": ids}
             arrays |= {f"{r['id']}/lps": lps, f"{r['id']}/own": mine}
-    np.savez_compressed(out, **arrays)  # type: ignore[arg-type]
+    return arrays
 
 
 if __name__ == "__main__":

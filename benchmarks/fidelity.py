@@ -122,24 +122,32 @@ def bytes_per_prompt_token(pair: tuple[WireDtype, WireDtype], m: SplitManifest, 
     return sum(t * act + (t // BLOCK_TOKENS) * blk for t in lengths) / sum(lengths)
 
 
-def run_engine(model: Path, requests: list[dict], out: Path, dtype: str, concurrency: int, top_k: int, max_new: int):
-    """``benchmarks.engine_logprobs`` in a child process: {id: {reply, ids, lps, own}}.
+def run_engine(
+    model: Path, requests: list[dict], outs: list[tuple[Path, int]], dtype: str, top_k: int, max_new: int
+) -> list[dict]:
+    """``benchmarks.engine_logprobs`` in a child process, one engine, a pass per ``(out.npz,
+    concurrency)`` of ``outs``: per pass {id: {reply, ids, lps, own}}.
 
     Raises:
         RuntimeError: the engine run failed (its log's tail in the message).
     """
-    req = out.with_suffix(".json")
+    first = outs[0][0]
+    req = first.with_suffix(".json")
     req.write_text(json.dumps(requests))
     cmd = [sys.executable, "-m", "tandem.benchmarks.engine_logprobs", "--model", str(model), "--requests", str(req)]
-    cmd += ["--out", str(out), "--dtype", dtype, "--concurrency", str(concurrency), "--top-k", str(top_k)]
-    cmd += ["--max-new-tokens", str(max_new), "--no-greedy"]
-    log = out.with_suffix(".log")
+    for path, concurrency in outs:
+        cmd += ["--out", str(path), "--concurrency", str(concurrency)]
+    cmd += ["--dtype", dtype, "--top-k", str(top_k), "--max-new-tokens", str(max_new), "--no-greedy"]
+    log = first.with_suffix(".log")
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"})
     if rc.returncode:
-        raise RuntimeError(f"engine run {dtype} c={concurrency} failed:\n{log.read_text()[-3000:]}")
-    z = np.load(out)
-    return {r["id"]: {f: z[f"{r['id']}/{f}"] for f in ("reply", "ids", "lps", "own")} for r in requests}
+        raise RuntimeError(f"engine run {dtype} c={[c for _, c in outs]} failed:\n{log.read_text()[-3000:]}")
+    passes = []
+    for path, _ in outs:
+        z = np.load(path)
+        passes.append({r["id"]: {f: z[f"{r['id']}/{f}"] for f in ("reply", "ids", "lps", "own")} for r in requests})
+    return passes
 
 
 def greedy_from_forced(reply: np.ndarray, top1: np.ndarray) -> list[int]:
@@ -313,16 +321,19 @@ def main(
     t0 = time.perf_counter()
     print(f"tandem-bench-fidelity: {len(reqs)} chats, k={ks}, {len(plist)} pairs; engine logs in {w}", file=sys.stderr)
 
-    ref = run_engine(hf, reqs, w / "fp32-c1.npz", "float32", 1, top_k, max_new_tokens)
+    # one fp32 engine: the reference (its greedy replies, one request at a time), then the same
+    # replies four at a time (the batching floor)
+    engines: dict[str, dict] = {}
+    ref, engines["batching"] = run_engine(
+        hf, reqs, [(w / "fp32-c1.npz", 1), (w / "fp32-c4.npz", 4)], "float32", top_k, max_new_tokens
+    )
     for r in reqs:
         r["reply"] = [int(x) for x in ref[r["id"]]["reply"]]
-    engines: dict[str, dict] = {}
     failed: list[BaseException] = []
 
-    def floor_runs() -> None:  # beside the in-process pass: the engines are child processes
+    def floor_runs() -> None:  # beside the in-process pass: the engine is a child process
         try:
-            engines["batching"] = run_engine(hf, reqs, w / "fp32-c4.npz", "float32", 4, top_k, max_new_tokens)
-            engines["bf16"] = run_engine(hf, reqs, w / "bf16-c1.npz", "bfloat16", 1, top_k, max_new_tokens)
+            (engines["bf16"],) = run_engine(hf, reqs, [(w / "bf16-c1.npz", 1)], "bfloat16", top_k, max_new_tokens)
         except BaseException as e:  # re-raised in the main thread
             failed.append(e)
 

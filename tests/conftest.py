@@ -85,3 +85,26 @@ def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def prepared_families(tmp_path_factory):
+    """``prepare(name) -> Path``: family ``name``'s tiny checkpoint (``tests.families``) prepared by
+    ``tandem-model`` at ``FAMILY_SPLITS`` (heads, ``edge-full.onnx``, checks, bundles), once per test
+    run: the in-process family tests and the engines' end-to-end tests read the same directories
+    (tests copy before they change one)."""
+    from tandem.common import modelprep
+    from tests.families import FAMILY_SPLITS, build_checkpoint
+
+    root = tmp_path_factory.mktemp("families")
+    done: dict[str, Path] = {}
+
+    def prepare(name: str) -> Path:
+        if name not in done:
+            out = root / name
+            ckpt = build_checkpoint(name, root / f"{name}-ckpt")
+            modelprep.prepare_model(out, ckpt, ",".join(map(str, FAMILY_SPLITS)), model_id=f"tiny-{name}")
+            done[name] = out
+        return done[name]
+
+    return prepare

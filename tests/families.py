@@ -25,6 +25,7 @@ INIT_STD = 0.2
 WINDOW_TOKENS = 8
 FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 ALTERNATING = ["sliding_attention", "full_attention"] * 2
+FAMILY_SPLITS = (1, 3)  # the split layers the checkpoints are prepared at (of their 4 layers)
 
 
 def family_config(name: str) -> Any:

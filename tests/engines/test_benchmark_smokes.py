@@ -131,8 +131,8 @@ def test_batching_smoke(tmp_path):
 
 def test_fidelity_smoke(tmp_path, split_dir):
     """``tandem-bench-fidelity`` with three chats and three tokens: the engine references and floors
-    (three vLLM engines in turn, none of them the shared cloud), the in-process teacher-forced pass,
-    the tables, the plot and the fidelity table."""
+    (two vLLM engines, none of them the shared cloud: fp32 one request at a time then four at a
+    time, and bf16), the in-process teacher-forced pass, the tables, the plot and the fidelity table."""
     out = tmp_path / "fidelity"
     cmd = [sys.executable, "-m", "tandem.benchmarks.fidelity", "--limit", "3", "--max-new-tokens", "3"]
     cmd += ["--model-dir", str(split_dir.parent), "--pairs", "int8_hadamard/int4", "--out", str(out)]

@@ -21,9 +21,9 @@ from tandem.common import modelprep
 from tandem.common.head_io import io_names
 from tandem.common.head_model import FAMILIES, UnsupportedArchitecture
 from tandem.common.manifest import FULL_CHECK_NAME, FULL_ONNX, ExportCheck, SplitManifest
-from tests.families import FAMILY_NAMES, TOKENIZER_DIR, VOCAB, build_checkpoint, gpt2_checkpoint
+from tests.families import FAMILY_NAMES, FAMILY_SPLITS, TOKENIZER_DIR, VOCAB, build_checkpoint, gpt2_checkpoint
 
-SPLITS = (1, 3)  # two split layers of the 4-layer checkpoints
+SPLITS = FAMILY_SPLITS  # two split layers of the 4-layer checkpoints
 STEPS = (0, 11, 23, 30)  # the prompt's slots fed per step: [0, 11), [11, 23), [23, 30)
 ARCH = {f.name.lower(): f.architecture for f in FAMILIES.values()}
 
@@ -31,15 +31,9 @@ pytestmark = pytest.mark.skipif(not TOKENIZER_DIR.is_dir(), reason="no models/sm
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> dict[str, Path]:
+def prepared(prepared_families) -> dict[str, Path]:
     """Family name -> its prepared model directory (splits ``SPLITS``, edge-full, bundles)."""
-    root = tmp_path_factory.mktemp("families")
-    out = {}
-    for name in FAMILY_NAMES:
-        ckpt = build_checkpoint(name, root / f"{name}-ckpt")
-        out[name] = root / name
-        modelprep.prepare_model(out[name], ckpt, ",".join(map(str, SPLITS)), model_id=f"tiny-{name}")
-    return out
+    return {name: prepared_families(name) for name in FAMILY_NAMES}
 
 
 def _hf(out: Path):
