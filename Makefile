@@ -96,7 +96,7 @@ test: model redis-server
 test-fast: model redis-server
 	$(BIN)/python -m pytest -q -m "not engines and not install and not gpu" tests
 
-# every supported family end to end on the real engines (make test runs two of them)
+# every supported family end to end on the real engines (make test runs Gemma3)
 test-families: model
 	TANDEM_TEST_FAMILIES=all $(BIN)/python -m pytest -q tests/engines/test_families_e2e.py
 
