@@ -52,6 +52,8 @@ def main(
     """Write the greedy replies and teacher-forced top-K log-probabilities of every request."""
     from vllm import LLM
 
+    if len(out) != len(concurrency):
+        raise typer.BadParameter(f"{len(out)} --out for {len(concurrency)} --concurrency: one each")
     reqs = json.loads(requests.read_text())
     llm = LLM(
         model=str(model),
@@ -65,8 +67,6 @@ def main(
         kv_cache_memory_bytes=1 << 30,
         seed=0,
     )
-    if len(out) != len(concurrency):
-        raise typer.BadParameter(f"{len(out)} --out for {len(concurrency)} --concurrency: one each")
     for path, n in zip(out, concurrency, strict=True):
         np.savez_compressed(path, **one_pass(llm, reqs, n, top_k, max_new_tokens, greedy))
 
