@@ -234,8 +234,7 @@ class VllmEngines:
     def _new_engine(self, role: EngineRole) -> Any:
         """Start one engine (blocking, about 20-60 s on CPU)."""
         if role.kind == "tail":
-            k = role.split_layer
-            return start_engine(self._checkpoint(role), self.cfg, role, "kv_both", k)
+            return start_engine(self._checkpoint(role), self.cfg, role, "kv_both", role.split_layer)
         # a direct-only checkpoint (split layer 0: no head, no tail) needs no KV moved: plain vLLM
         kv_role = "kv_both" if self.manifest.split_layer > 0 else None
         return start_engine(self._checkpoint(role), self.cfg, role, kv_role, 0)

@@ -78,7 +78,7 @@ def forget_vllm_engines(model_names: Collection[str]) -> int:
             if s.labels.get("model_name") in names
         }
         for values in series:
-            with contextlib.suppress(KeyError):  # a sample of a series removed a line above
+            with contextlib.suppress(KeyError):  # removed meanwhile (another thread's shutdown)
                 metric.remove(*values)
                 removed += 1
     return removed
