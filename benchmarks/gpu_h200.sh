@@ -3,12 +3,19 @@
 # ../shared/gpu/README.md installed the stack (`source .gpucarry/install.sh`). Run from the project
 # root: `bash benchmarks/gpu_h200.sh STEP...`, results under $OUT (default /var/tmp/tandem-gpu/out).
 #
-#   tier      the GPU test tier (tests/gpu) on SmolLM2-135M prepared from the carried GGUF
-#   bench-1b  tandem-bench on a random-weight Llama-3.2-1B shape: split k=4, cloud-only, edge-only
-#             (ONNX Runtime CUDA on the same GPU), remote prefill and auto; loopback and wifi6;
-#             64/256/1024/4096-token prompts
-#   bench-8b  tandem-bench on a Llama-3.1-8B shape (split k=4 and cloud-only; no whole-model ONNX
-#             export: 32 GB in fp32), then tandem-bench-capacity (cloud-only, split, auto)
+#   smollm2      SmolLM2-135M prepared from the carried GGUF (k=4 and the whole model)
+#   prep-1b      a random-weight Llama-3.2-1B shape prepared at k=2,4,8 (k/L = 1/8, 1/4, 1/2) and whole
+#   tier         the GPU test tier (tests/gpu) on SmolLM2-135M
+#   bench-1b     tandem-bench on the 1B shape: split k=4, cloud-only, edge-only (ONNX Runtime CUDA on
+#                the same GPU), remote prefill and auto; loopback and wifi6; 64/256/1024/4096 tokens
+#   capacity-1b  tandem-bench-capacity on the 1B shape: cloud-only, split k=2,4,8, auto
+#   bench-8b     tandem-bench on a Llama-3.1-8B shape (split k=4 and cloud-only; no whole-model ONNX
+#                export: 32 GB in fp32)
+#   capacity-8b  tandem-bench-capacity on the 8B shape: cloud-only, split k=4, auto; k/L = 1/4 and
+#                1/2 do not fit the host's 64 GiB disk with fp32 heads beside the checkpoint and its
+#                tails
+# The capacity runs use the unshaped loopback: one proxy would be one link shared by every request,
+# where the deployment measured gives each edge client its own.
 #
 # Python runs from outside the project root: its tandem/ folder (the SDK alone) would shadow the
 # installed package. The engines run eagerly (--engine.enforce-eager): CUDA graphs and torch.compile
@@ -50,6 +57,11 @@ realsize() {  # realsize SHAPE DIR SPLIT_LAYERS [tandem-model flags...]
   fi
 }
 
+step_prep_1b() {
+  smollm2
+  realsize llama-3.2-1b "$W/l1b" 2,4,8
+}
+
 step_tier() {
   smollm2
   rm -rf "$W/t" && mkdir -p "$W/t" && cp -r "$ROOT/tests" "$ROOT/pyproject.toml" "$W/t/"
@@ -60,12 +72,24 @@ step_tier() {
 
 step_bench_1b() {
   smollm2
-  realsize llama-3.2-1b "$W/l1b" 4
+  realsize llama-3.2-1b "$W/l1b" 2,4,8
   log "tandem-bench 1B"
   (cd "$W" && tandem-bench --model-dir "$W/l1b" --split-layers 4 --links loopback,wifi6 \
     --prompt-lens 64,256,1024,4096 --requests 3 --max-new-tokens 16 --shaper proxy --out "$OUT/bench-1b") \
     > "$OUT/bench-1b.log" 2>&1
   tail -40 "$OUT/bench-1b.log"
+}
+
+step_capacity_1b() {
+  smollm2
+  realsize llama-3.2-1b "$W/l1b" 2,4,8
+  log "tandem-bench-capacity 1B"
+  # three tail engines (k = 2, 4, 8) and the decode engine share the GPU
+  (cd "$W" && TANDEM_CLOUD_ENGINE__TAIL_GPU_MEMORY_UTILIZATION=0.12 tandem-bench-capacity --model-dir "$W/l1b" \
+    --split-layers 2,4,8 --rates 8,16,32,64 --requests 64 --prompt-tokens 1024 --max-new-tokens 16 \
+    --ttft-slo-ms 500 --link loopback --cloud-cpus "" --edge-cpus "" --max-num-seqs 32 --out "$OUT/capacity-1b") \
+    > "$OUT/capacity-1b.log" 2>&1
+  tail -20 "$OUT/capacity-1b.log"
 }
 
 step_bench_8b() {
@@ -78,9 +102,15 @@ step_bench_8b() {
     --prompt-lens 256,1024,4096 --requests 3 --max-new-tokens 16 --shaper proxy --no-edge-only \
     --no-remote-prefill --out "$OUT/bench-8b") > "$OUT/bench-8b.log" 2>&1
   tail -30 "$OUT/bench-8b.log"
+}
+
+step_capacity_8b() {
+  smollm2
+  if [ "$(df --output=avail -B1G "$W" | tail -1)" -lt 45 ]; then rm -rf "$W/l1b" "$W/l1b-ckpt"; fi
+  realsize llama-3.1-8b "$W/l8b" 4 --no-edge-full
   log "tandem-bench-capacity 8B"
-  (cd "$W" && tandem-bench-capacity --model-dir "$W/l8b" --split-layers 4 --rates 4,8,16,32 --requests 40 \
-    --prompt-tokens 1024 --max-new-tokens 16 --ttft-slo-ms 500 --link wifi6 --cloud-cpus "" --edge-cpus "" \
+  (cd "$W" && tandem-bench-capacity --model-dir "$W/l8b" --split-layers 4 --rates 4,8,16,32 --requests 48 \
+    --prompt-tokens 1024 --max-new-tokens 16 --ttft-slo-ms 500 --link loopback --cloud-cpus "" --edge-cpus "" \
     --max-num-seqs 32 --out "$OUT/capacity-8b") > "$OUT/capacity-8b.log" 2>&1
   tail -20 "$OUT/capacity-8b.log"
 }
@@ -88,10 +118,14 @@ step_bench_8b() {
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 for s in "$@"; do
   case $s in
+    smollm2) smollm2 ;;
+    prep-1b) step_prep_1b ;;
     tier) step_tier ;;
+    capacity-1b) step_capacity_1b ;;
     bench-1b) step_bench_1b ;;
     bench-8b) step_bench_8b ;;
-    *) echo "unknown step $s (tier | bench-1b | bench-8b)" >&2; exit 2 ;;
+    capacity-8b) step_capacity_8b ;;
+    *) echo "unknown step $s (smollm2 | prep-1b | tier | bench-1b | capacity-1b | bench-8b | capacity-8b)" >&2; exit 2 ;;
   esac
 done
 log "done: $*"
