@@ -66,10 +66,13 @@ class Stack:
         edge_cpus: str = "",
         edge_extra: Sequence[str] = (),
         cloud_target: str = "",
+        max_prompt_tokens: int = 0,
     ) -> None:
         """``cloud_cpus`` / ``edge_cpus``: a ``taskset -c`` CPU list for the cloud (gateway and
         engines) and for the edge and link proxy; "" = unpinned. ``edge_extra``: more
-        ``tandem-edge`` flags. ``cloud_target``: ``host:port`` of a running plaintext ``tandem-cloud``
+        ``tandem-edge`` flags. ``max_prompt_tokens``: the longest prompt the run sends; where it
+        exceeds the daemons' default limit, both are started with ``--max-prompt-tokens`` at that
+        length (the cloud still caps it below its engines' ``max_model_len``). ``cloud_target``: ``host:port`` of a running plaintext ``tandem-cloud``
         to use instead of starting one (then the shaper must be ``proxy``: ``netns`` shapes the link
         into a cloud it starts in its own namespace).
 
@@ -82,6 +85,7 @@ class Stack:
         self.cloud_pin = ["taskset", "-c", cloud_cpus] if cloud_cpus else []
         self.edge_pin = ["taskset", "-c", edge_cpus] if edge_cpus else []
         self.edge_extra = list(edge_extra)
+        self.limit_args = prompt_limit_args(max_prompt_tokens)
         self.daemons = Daemons()
         self.proxy: Daemon | None = None
         self.ns: Any = None  # a netns.CloudNamespace once started with the netns shaper
@@ -98,7 +102,7 @@ class Stack:
             prefix, host, upstream_host = self.ns.exec_prefix(), "0.0.0.0", self.ns.cloud_ip
         first, *more = self.split_dirs
         splits = [a for d in more for a in ("--extra-split-dirs", str(d))]
-        extra = ["--max-num-seqs", str(self.max_num_seqs), *splits]
+        extra = ["--max-num-seqs", str(self.max_num_seqs), *splits, *self.limit_args]
         if host != "127.0.0.1":  # inside the benchmark's own network namespace, reached only by the proxy
             extra.append("--insecure")
         if self.cloud_target:
@@ -124,7 +128,7 @@ class Stack:
             "tandem-edge",
             [
                 *self.edge_pin,
-                *edge_command(first, f"127.0.0.1:{pport}", extra=[*splits, "--poll-s", "1", *self.edge_extra]),
+                *edge_command(first, f"127.0.0.1:{pport}", extra=[*splits, "--poll-s", "1", *self.limit_args, *self.edge_extra]),
             ],
             w / "edge.log",
             w / "edge.port",
@@ -143,6 +147,16 @@ class Stack:
         self.daemons.stop()
         if self.ns is not None:
             self.ns.destroy()
+
+
+def prompt_limit_args(max_prompt_tokens: int) -> list[str]:
+    """``--max-prompt-tokens N`` for the cloud and the edge where ``N`` exceeds either one's default
+    limit (``CloudConfig`` / ``EdgeConfig.max_prompt_tokens``); none otherwise."""
+    from tandem.cloud.config import CloudConfig
+    from tandem.edge.config import EdgeConfig
+
+    default = min(c.model_fields["max_prompt_tokens"].default for c in (CloudConfig, EdgeConfig))
+    return ["--max-prompt-tokens", str(max_prompt_tokens)] if max_prompt_tokens > default else []
 
 
 def parse_host_port(target: str) -> tuple[str, int]:
@@ -400,8 +414,15 @@ def main(
     workdir = work_dir("tandem-bench-")  # its block stores are removed at exit, its logs kept
     print(f"tandem-bench: shaper={shaper}, logs in {workdir}", file=sys.stderr)
     pipeline = ["--pipeline-tokens", str(pipeline_tokens)] if pipeline_tokens >= 0 else []
+    longest = max(p.prompt_tokens for ps in [*plan.prompts.values(), *plan.warmups.values(), *plan.calibration.values()] for p in ps)
     stack = Stack(
-        [model_dir / f"split-k{k}" for k in ks], shaper, workdir, max_num_seqs, edge_extra=pipeline, cloud_target=cloud
+        [model_dir / f"split-k{k}" for k in ks],
+        shaper,
+        workdir,
+        max_num_seqs,
+        edge_extra=pipeline,
+        cloud_target=cloud,
+        max_prompt_tokens=longest,
     )
     with tqdm(total=len(lens) * requests * len(profiles) * len(plan.specs), desc="requests", unit="req") as bar:
         try:

@@ -29,8 +29,20 @@ Arg = str | os.PathLike[str]
 
 
 def console_script(name: str) -> str:
-    """Path of an installed console script (``tandem-cloud``, ``tandem-edge``) next to this interpreter."""
-    return str(Path(sys.executable).parent / name)
+    """Path of an installed console script (``tandem-cloud``, ``tandem-edge``): the one next to this
+    interpreter (a virtual environment's ``bin/``), else the first on ``PATH`` (an install with
+    ``pip --target`` or ``--user`` puts its scripts elsewhere).
+
+    Raises:
+        FileNotFoundError: neither place has it; the message names both.
+    """
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"console script {name!r} is neither beside {sys.executable} nor on PATH: install tandem")
+    return found
 
 
 # Daemons started from here drain briefly, so that drain + engine shutdown stay well inside the SIGKILL grace.

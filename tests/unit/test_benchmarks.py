@@ -134,6 +134,37 @@ def test_proxy_process_reports_its_port_and_takes_profiles(tmp_path):
         assert proxy.tail().splitlines() == [str(port), "ok"]
 
 
+def test_console_scripts_are_found_beside_the_interpreter_or_on_path(tmp_path, monkeypatch):
+    """An install with ``pip --target`` keeps its scripts off the interpreter's ``bin/``: the
+    daemons' commands then come from ``PATH``, and a script in neither place is named in the error."""
+    from tandem import daemons
+
+    venv_bin, other_bin = tmp_path / "venv" / "bin", tmp_path / "site" / "bin"
+    for d in (venv_bin, other_bin):
+        d.mkdir(parents=True)
+    monkeypatch.setattr(sys, "executable", str(venv_bin / "python3"))
+    monkeypatch.setenv("PATH", str(other_bin))
+    with pytest.raises(FileNotFoundError, match="tandem-cloud.*neither beside.*nor on PATH"):
+        daemons.console_script("tandem-cloud")
+    on_path = other_bin / "tandem-cloud"
+    on_path.write_text("#!/bin/sh\n")
+    on_path.chmod(0o755)
+    assert daemons.console_script("tandem-cloud") == str(on_path)
+    beside = venv_bin / "tandem-cloud"
+    beside.write_text("#!/bin/sh\n")
+    beside.chmod(0o755)
+    assert daemons.console_script("tandem-cloud") == str(beside)
+
+
+def test_a_run_with_longer_prompts_raises_both_daemons_limits():
+    from tandem.benchmarks.bench import prompt_limit_args
+    from tandem.edge.config import EdgeConfig
+
+    default = EdgeConfig.model_fields["max_prompt_tokens"].default
+    assert prompt_limit_args(default) == []
+    assert prompt_limit_args(4100) == ["--max-prompt-tokens", "4100"]
+
+
 def test_cloud_targets_parse_with_clear_errors():
     from tandem.benchmarks.bench import parse_host_port
 
