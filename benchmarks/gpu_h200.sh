@@ -36,6 +36,13 @@ export TANDEM_CLOUD_ENGINE__DECODE_GPU_MEMORY_UTILIZATION=0.45
 
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/steps.log"; }
 
+keep_logs() {  # keep_logs NAME: the daemons' logs of the runs so far, one archive (few files come back)
+  local dirs
+  dirs=$(ls -d /tmp/tandem-bench-* /tmp/tandem-capacity-* 2>/dev/null)
+  [ -n "$dirs" ] || return 0
+  tar czf "$OUT/logs-$1.tgz" --exclude='kv*' $dirs 2>/dev/null && rm -rf $dirs
+}
+
 smollm2() {
   if [ ! -f "$SMOL/split-k4/manifest.json" ] || [ ! -f "$SMOL/edge-full.onnx" ]; then
     log "prepare SmolLM2-135M (k=4, whole model)"
@@ -77,6 +84,7 @@ step_bench_1b() {
   (cd "$W" && tandem-bench --model-dir "$W/l1b" --split-layers 4 --links loopback,wifi6 \
     --prompt-lens 64,256,1024,4096 --requests 3 --max-new-tokens 16 --shaper proxy --out "$OUT/bench-1b") \
     > "$OUT/bench-1b.log" 2>&1
+  keep_logs bench-1b
   tail -40 "$OUT/bench-1b.log"
 }
 
@@ -89,6 +97,7 @@ step_capacity_1b() {
     --split-layers 2,4,8 --rates 8,16,32,64 --requests 64 --prompt-tokens 1024 --max-new-tokens 16 \
     --ttft-slo-ms 500 --link loopback --cloud-cpus "" --edge-cpus "" --max-num-seqs 32 --out "$OUT/capacity-1b") \
     > "$OUT/capacity-1b.log" 2>&1
+  keep_logs capacity-1b
   tail -20 "$OUT/capacity-1b.log"
 }
 
@@ -101,6 +110,7 @@ step_bench_8b() {
   (cd "$W" && tandem-bench --model-dir "$W/l8b" --split-layers 4 --links loopback,wifi6 \
     --prompt-lens 256,1024,4096 --requests 3 --max-new-tokens 16 --shaper proxy --no-edge-only \
     --no-remote-prefill --out "$OUT/bench-8b") > "$OUT/bench-8b.log" 2>&1
+  keep_logs bench-8b
   tail -30 "$OUT/bench-8b.log"
 }
 
@@ -112,6 +122,7 @@ step_capacity_8b() {
   (cd "$W" && tandem-bench-capacity --model-dir "$W/l8b" --split-layers 4 --rates 4,8,16,32 --requests 48 \
     --prompt-tokens 1024 --max-new-tokens 16 --ttft-slo-ms 500 --link loopback --cloud-cpus "" --edge-cpus "" \
     --max-num-seqs 32 --out "$OUT/capacity-8b") > "$OUT/capacity-8b.log" 2>&1
+  keep_logs capacity-8b
   tail -20 "$OUT/capacity-8b.log"
 }
 
