@@ -72,9 +72,10 @@ class Stack:
         engines) and for the edge and link proxy; "" = unpinned. ``edge_extra``: more
         ``tandem-edge`` flags. ``max_prompt_tokens``: the longest prompt the run sends; where it
         exceeds the daemons' default limit, both are started with ``--max-prompt-tokens`` at that
-        length (the cloud still caps it below its engines' ``max_model_len``). ``cloud_target``: ``host:port`` of a running plaintext ``tandem-cloud``
-        to use instead of starting one (then the shaper must be ``proxy``: ``netns`` shapes the link
-        into a cloud it starts in its own namespace).
+        length (the cloud still caps it below its engines' ``max_model_len``). ``cloud_target``:
+        ``host:port`` of a running plaintext ``tandem-cloud`` to use instead of starting one (then
+        the shaper must be ``proxy``: ``netns`` shapes the link into a cloud it starts in its own
+        namespace).
 
         Raises:
             ValueError: ``cloud_target`` with the ``netns`` shaper."""
@@ -128,7 +129,9 @@ class Stack:
             "tandem-edge",
             [
                 *self.edge_pin,
-                *edge_command(first, f"127.0.0.1:{pport}", extra=[*splits, "--poll-s", "1", *self.limit_args, *self.edge_extra]),
+                *edge_command(
+                    first, f"127.0.0.1:{pport}", extra=[*splits, "--poll-s", "1", *self.limit_args, *self.edge_extra]
+                ),
             ],
             w / "edge.log",
             w / "edge.port",
@@ -436,7 +439,11 @@ def main(
     workdir = work_dir("tandem-bench-")  # its block stores are removed at exit, its logs kept
     print(f"tandem-bench: shaper={shaper}, logs in {workdir}", file=sys.stderr)
     pipeline = ["--pipeline-tokens", str(pipeline_tokens)] if pipeline_tokens >= 0 else []
-    longest = max(p.prompt_tokens for ps in [*plan.prompts.values(), *plan.warmups.values(), *plan.calibration.values()] for p in ps)
+    longest = max(
+        p.prompt_tokens
+        for ps in [*plan.prompts.values(), *plan.warmups.values(), *plan.calibration.values()]
+        for p in ps
+    )
     stack = Stack(
         [model_dir / f"split-k{k}" for k in ks],
         shaper,

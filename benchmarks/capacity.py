@@ -312,14 +312,18 @@ def main(
     specs += [ModeSpec("auto", "auto")] if auto else []
     workdir = work_dir("tandem-capacity-")  # its block stores are removed at exit, its logs kept
     print(f"tandem-bench-capacity: logs in {workdir}", file=sys.stderr)
-    stack = None if edge_target else Stack(
-        dirs,
-        "proxy",
-        workdir,
-        max_num_seqs,
-        cloud_cpus,
-        edge_cpus,
-        max_prompt_tokens=max(p.prompt_tokens for p in prompts),
+    stack = (
+        None
+        if edge_target
+        else Stack(
+            dirs,
+            "proxy",
+            workdir,
+            max_num_seqs,
+            cloud_cpus,
+            edge_cpus,
+            max_prompt_tokens=max(p.prompt_tokens for p in prompts),
+        )
     )
     samples: list[Sample] = []
     results: list[RateResult] = []

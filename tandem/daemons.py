@@ -41,7 +41,9 @@ def console_script(name: str) -> str:
         return str(beside)
     found = shutil.which(name)
     if found is None:
-        raise FileNotFoundError(f"console script {name!r} is neither beside {sys.executable} nor on PATH: install tandem")
+        raise FileNotFoundError(
+            f"console script {name!r} is neither beside {sys.executable} nor on PATH: install tandem"
+        )
     return found
 
 
