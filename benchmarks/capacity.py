@@ -8,7 +8,8 @@ more requests within its latency objective. This benchmark measures that:
 * one ``tandem-cloud`` (real vLLM engines) pinned to ``--cloud-cpus`` and one ``tandem-edge`` (ONNX
   Runtime heads, link proxy, and this driver) pinned to ``--edge-cpus`` with ``taskset``, so the two
   sides do not share cores, as on two machines;
-* for each mode (``cloud-only``, ``split-k{k}`` per exported split layer, ``auto``) and each offered
+* for each mode (``cloud-only``, ``split-k{k}`` per exported split layer, ``edge-only``,
+  ``remote-prefill``, ``auto``) and each offered
   rate, ``--requests`` requests with Poisson arrivals (exponential inter-arrival times, the same
   seeded arrival times and prompts for every mode), open loop: a request is sent at its arrival
   time whether or not earlier ones have finished;
@@ -21,7 +22,8 @@ the last completion. Per mode, the *capacity* is the highest offered rate at whi
 ``--attainment`` of requests met the SLO, the goodput definition of DistServe (Zhong et al.,
 "DistServe: Disaggregating Prefill and Decoding for Goodput-optimized Large Language Model
 Serving", OSDI 2024, section 2). A mode stops its sweep after the first rate whose attainment is
-below half the target (it is saturated; higher rates only queue longer).
+below half the target (it is saturated; higher rates only queue longer). With an auto row, a third
+table sets auto's goodput at each rate beside the best fixed mode's measured at that rate.
 
 Writes into ``--out``: ``capacity.md`` (the table and the verdict per mode), ``capacity.json``
 (every request), ``capacity.png`` (p99 TTFT and goodput against offered rate, with the SLO).
@@ -230,7 +232,36 @@ def summary_md(results: list[RateResult], args: dict) -> str:
         ratio = caps[m] / base if base else float("nan")
         pays = "-" if m == "cloud-only" else "yes" if caps[m] > base else "no" if caps[m] < base else "equal"
         lines.append(f"| {m} | {caps[m]:g} | {ratio:.2f}x | {best_goodput[m]:.2f} | {pays} |")
+    versus = auto_vs_best(results)
+    if versus:
+        lines += [
+            "",
+            "Auto against the best fixed mode measured at each offered rate (goodput within the SLO):",
+            "",
+            "| offered req/s | best fixed mode | its goodput req/s | auto goodput req/s | auto / best |",
+            "|---|---|---|---|---|",
+        ]
+        for rate, best, best_rps, auto_rps in versus:
+            ratio = auto_rps / best_rps if best_rps else float("nan")
+            flag = " **under**" if auto_rps < best_rps else ""
+            lines.append(f"| {rate:g} | {best} | {best_rps:.2f} | {auto_rps:.2f} | {ratio:.2f}x{flag} |")
+        under = sum(a < b for _, _, b, a in versus)
+        lines += ["", f"auto at least the best fixed mode's goodput at {len(versus) - under} of {len(versus)} rates"]
     return "\n".join(lines) + "\n"
+
+
+def auto_vs_best(results: list[RateResult]) -> list[tuple[float, str, float, float]]:
+    """Per offered rate at which auto ran: ``(rate, best fixed mode, its goodput, auto's goodput)``,
+    the best among the fixed modes measured at that rate (a mode that stopped its sweep below it,
+    saturated, is not counted there). [] without an auto row."""
+    auto = {r.offered_rps: r.goodput_rps for r in results if r.mode == "auto"}
+    out = []
+    for rate, auto_rps in auto.items():
+        fixed = [r for r in results if r.mode != "auto" and r.offered_rps == rate]
+        if fixed:
+            best = max(fixed, key=lambda r: r.goodput_rps)
+            out.append((rate, best.mode, best.goodput_rps, auto_rps))
+    return out
 
 
 def plot(results: list[RateResult], out: Path, slo_ms: float) -> None:
@@ -280,6 +311,10 @@ def main(
     cloud_cpus: Annotated[str, typer.Option(help="taskset CPU list of the cloud; '' = unpinned")] = "1",
     edge_cpus: Annotated[str, typer.Option(help="taskset CPU list of the edge, proxy and driver; '' = unpinned")] = "0",
     max_num_seqs: int = 8,
+    edge_only: Annotated[bool, typer.Option(help="also the edge-only row (local mode: the edge's whole model)")] = True,
+    remote_prefill: Annotated[
+        bool, typer.Option(help="also the remote-prefill row (the cloud prefills, the edge decodes)")
+    ] = True,
     auto: Annotated[bool, typer.Option(help="also the auto row")] = True,
     timeout_s: Annotated[float, typer.Option(help="deadline of one request")] = 60.0,
     seed: int = 0,
@@ -309,6 +344,8 @@ def main(
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
     prompts = make_prompts(tokenizer, prompt_tokens, requests, seed)
     specs = [ModeSpec("cloud-only", "direct")] + [ModeSpec(f"split-k{k}", "split", k) for k in ks]
+    specs += [ModeSpec("edge-only", "local")] if edge_only else []
+    specs += [ModeSpec("remote-prefill", "remote_prefill")] if remote_prefill else []
     specs += [ModeSpec("auto", "auto")] if auto else []
     workdir = work_dir("tandem-capacity-")  # its block stores are removed at exit, its logs kept
     print(f"tandem-bench-capacity: logs in {workdir}", file=sys.stderr)

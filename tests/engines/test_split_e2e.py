@@ -702,8 +702,9 @@ async def test_capacity_benchmark_smoke(stack, split_dir, tmp_path):
     so, se = await asyncio.wait_for(proc.communicate(), 600)
     assert proc.returncode == 0, se.decode()[-3000:]
     md = (out / "capacity.md").read_text()
-    for mode in ("cloud-only", "split-k4", "auto"):
+    for mode in ("cloud-only", "split-k4", "edge-only", "remote-prefill", "auto"):
         assert f"| {mode} | 2 | 2 | 2 |" in md, md  # every request served
+    assert "auto at least the best fixed mode's goodput at" in md
     samples = json.loads((out / "capacity.json").read_text())["samples"]
     assert {s["served_mode"] for s in samples if s["mode"] == "split-k4"} == {"split"}
     assert (out / "capacity.png").stat().st_size > 0

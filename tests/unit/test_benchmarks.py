@@ -415,6 +415,27 @@ def test_capacity_goodput_attainment_and_table(tmp_path):
     assert (tmp_path / "capacity.png").stat().st_size > 0
 
 
+def test_capacity_sets_auto_beside_the_best_fixed_mode_at_each_rate():
+    from tandem.benchmarks.capacity import RateResult, auto_vs_best, summary_md
+
+    def res(mode: str, rate: float, goodput: float) -> RateResult:
+        return RateResult(mode, rate, 10, 10, 10, 100.0, 200.0, goodput, 10.0)
+
+    results = [
+        res("cloud-only", 1.0, 0.9),
+        res("cloud-only", 2.0, 1.5),
+        res("split-k4", 1.0, 0.95),  # stopped after 1 req/s: not a candidate at 2
+        res("auto", 1.0, 0.95),
+        res("auto", 2.0, 1.2),
+    ]
+    assert auto_vs_best(results) == [(1.0, "split-k4", 0.95, 0.95), (2.0, "cloud-only", 1.5, 1.2)]
+    assert auto_vs_best(results[:3]) == []
+    args = dict(ttft_slo_ms=1000.0, attainment=0.99, requests=10, prompt_tokens=256, max_new_tokens=8)
+    md = summary_md(results, args | dict(link="lan", cloud_cpus="1", edge_cpus="0"))
+    assert "| 2 | cloud-only | 1.50 | 1.20 | 0.80x **under** |" in md
+    assert md.rstrip().endswith("auto at least the best fixed mode's goodput at 1 of 2 rates")
+
+
 def test_capacity_refuses_a_split_layer_not_exported_and_bad_rates(tmp_path):
     from typer.testing import CliRunner
 
