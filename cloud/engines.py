@@ -98,7 +98,10 @@ class TailResult:
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """New output tokens; ``finish_reason`` and ``external_tokens`` set on the last step."""
+    """New output tokens; ``finish_reason`` set on the last step. ``external_tokens``: the prompt
+    tokens the engine loaded through the connector instead of computing them, on the first step
+    (vLLM's ``num_cached_tokens``: the engines run without prefix caching) and on the last (the
+    connector's own report), 0 on the steps between."""
 
     token_ids: list[int]
     finish_reason: str | None = None
@@ -408,6 +411,7 @@ class VllmEngines:
         engine = self._engine_for(DECODE)
         sp = to_vllm_sampling(sampling, kv=kv)
         try:
+            first = True
             async for out in engine.generate({"prompt_token_ids": token_ids}, sp, f"dec-{request_id}"):
                 c = out.outputs[0]
                 if out.finished:
@@ -418,8 +422,9 @@ class VllmEngines:
                         report.external_tokens,
                         len(out.prompt_token_ids or []),
                     )
-                else:
-                    yield DecodeStep(list(c.token_ids))
+                else:  # the engines run without prefix caching: every cached token came through the connector
+                    yield DecodeStep(list(c.token_ids), None, (out.num_cached_tokens or 0) if first else 0)
+                first = False
         except Exception as e:
             if _is_engine_death(e, engine):
                 raise EngineError(f"decode engine died during request {request_id}") from e

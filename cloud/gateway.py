@@ -310,6 +310,7 @@ class Gateway:
         async for step in bounded(steps, turn.deadline, lambda: DeadlineExceeded("deadline passed while decoding")):
             if step.token_ids:
                 if n == first_index:
+                    turn.external_tokens = step.external_tokens
                     turn.time(Stage.CLOUD_DECODE_FIRST_TOKEN, t0)
                     t_first = time.perf_counter()
                     ticket.prefill_done()

@@ -187,7 +187,7 @@ class MemoryEngines:
                 report = _reported(ConnectorReport(external_tokens=loaded * self.block_size))
                 yield DecodeStep([tok], reason, report.external_tokens, len(token_ids))
                 return
-            yield DecodeStep([tok])
+            yield DecodeStep([tok], None, loaded * self.block_size if i == 0 else 0)
 
     async def _toy_decode(
         self, token_ids: list[int], kv: KVTransferSpec | None, sampling: Sampling
@@ -219,4 +219,4 @@ class MemoryEngines:
                 report = _reported(ConnectorReport(external_tokens=loaded * B))
                 yield DecodeStep([tok], reason, report.external_tokens, len(token_ids))
                 return
-            yield DecodeStep([tok])
+            yield DecodeStep([tok], None, loaded * B if i == 0 else 0)

@@ -195,7 +195,7 @@ class RemotePrefills:
                     elif isinstance(rest, TurnFinal):  # the decode ended before it was aborted
                         yield rest
                         return
-                yield self.final(turn, HANDOVER, n_out, 0)
+                yield self.final(turn, HANDOVER, n_out, turn.external_tokens)
                 return
             if isinstance(ev, TokensOut):
                 n_out += len(ev.token_ids)

@@ -60,6 +60,7 @@ class Turn:
     t_start: float = field(default_factory=time.perf_counter)
     timings: Timings = field(default_factory=dict)
     received_bytes: dict[str, int] = field(default_factory=dict)
+    external_tokens: int = 0  # prompt tokens the decode engine loaded, not computed (its first step says)
     t_engine: float | None = None  # when its first engine request started (queue time)
     # the engines' request id: the cloud's own, so that an id from the wire can never name (and
     # collide with or abort) another edge's request inside vLLM; logs carry both

@@ -242,6 +242,7 @@ class RemotePrefillTurn:
         return turn.done(
             self.finish or "stop",
             len(turn.ids),
+            external_tokens=f.external_tokens if f is not None else 0,
             sent_bytes=self.sent,
             params_version=p.params_version,
             received_kv_bytes=received_kv_bytes,

@@ -137,6 +137,8 @@ async def test_a_two_turn_chat_brings_down_only_the_new_blocks(rp, tokenizer):
     n1, n2 = (len(prompt_ids(tokenizer, p)) // 32 for p in (first, second))
     per_block = done1.received_kv_bytes // n1
     assert done2.received_kv_bytes <= (n2 - n1) * per_block  # only blocks past what the edge holds
+    # the cloud's prefill loaded turn 1's stored blocks, whether the edge took over or the cloud finished
+    assert done2.external_tokens == n1 * 32 > 0
 
 
 async def test_a_downlink_cut_mid_kv_leaves_the_reply_to_the_cloud(rp):

@@ -116,6 +116,8 @@ async def test_the_next_turn_brings_down_only_the_blocks_the_edge_lacks():
         second, first, done = await two_turns(toy, "s")
         held, T2 = held_tokens(toy, first, second), len(toy.edge.tokenize(second))
         assert done.received_kv_bytes == (T2 // B - held // B) * block_bytes() > 0
+        T1 = len(toy.edge.tokenize(rp_chat(RP_LONG, session="")))
+        assert done.edge_decoded_tokens > 0 and done.external_tokens == T1 // B * B > 0  # turn 1's stored blocks
         direct, _ = await stream(toy.edge, replace(second, mode=Mode.DIRECT, session_id=""))
         fresh, _ = await stream(toy.edge, replace(second, session_id="fresh"))
         assert list(done.output_token_ids) == direct == fresh
