@@ -18,6 +18,12 @@ Over the fixed chat set (``benchmarks/data/fidelity_prompts.jsonl``: 200 hand-wr
    A third floor row compares that in-process fp32 with the fp32 engine: the size of the
    difference between the two computations.
 
+With ``--dtype bfloat16`` (``--device cuda`` on a GPU host) the engines and the in-process tail
+and full model compute in bf16, as a GPU cloud does: the references are the bf16 engine's, the
+batching floor is direct mode's own run-to-run noise in bf16, the precision floor compares it
+with an fp32 engine, and the third row is the split's agreement with direct in bf16 (the bf16
+engine against the in-process split: the edge's fp32 head, fp32 on the wire, the bf16 tail).
+
 Measures per row (``benchmarks.fidelity_stats``): next-token KL divergence (mean and p99 over
 positions; top-K coarsened for every row, which the engines' top-K lists allow, and over the full
 vocabulary for the formats), top-1 agreement where the reference's top-2 gap exceeds
@@ -209,8 +215,9 @@ def table_lines(rows: list[dict], floors: dict[str, dict], meta: dict) -> list[s
         f"top-1 agree (gap > {fs.GAP_NATS:g}) | flips at near-ties | flip rate | PPL | "
         "greedy: identical | greedy: 1st divergence | within the floor |"
     )
+    ref = {"float32": "fp32", "bfloat16": "bf16"}[meta.get("dtype", "float32")]
     lines = [
-        f"{meta['prompts']} chats ({meta['selection']}), greedy fp32 reference replies of up to "
+        f"{meta['prompts']} chats ({meta['selection']}), greedy {ref} reference replies of up to "
         f"{meta['max_new_tokens']} tokens ({meta['positions']} teacher-forced positions); KL in nats, "
         f"top-{meta['top_k']} coarsened unless marked full; near-tie: reference top-2 gap <= {fs.GAP_NATS:g} nats; "
         f"within the floor: KL mean and flip rate <= {fs.FLOOR_FACTOR:g}x the fp32-vs-bf16 engines'.",
@@ -288,6 +295,16 @@ def main(
     max_new_tokens: int = 32,
     top_k: Annotated[int, typer.Option(help="engine prompt_logprobs per position (vLLM max_logprobs)")] = 64,
     threads: Annotated[int, typer.Option(help="torch and ONNX Runtime threads in this process (0 = default)")] = 0,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="compute dtype of the reference engine and the in-process tail and full model: float32 "
+            "(the wire formats' reference) or bfloat16 (a GPU cloud's: the split against direct in bf16)"
+        ),
+    ] = "float32",
+    device: Annotated[str, typer.Option(help="torch device of the in-process tail and full model: cpu or cuda")] = (
+        "cpu"
+    ),
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/fidelity"),
     render: Annotated[bool, typer.Option(help="only write the tables, plot and table again from out/fidelity.json")] = (
         False
@@ -305,6 +322,9 @@ def main(
     from tandem.benchmarks.teacher import SplitTeacher
     from tandem.common.chat import prompt_token_ids
 
+    if dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter(f"--dtype {dtype!r}: float32 or bfloat16")
+    other = "bfloat16" if dtype == "float32" else "float32"  # the second engine: the precision floor
     ks = [int(k) for k in split_layers.split(",") if k.strip()]
     plist = parse_pairs(pairs)
     prompts = load_prompts(prompts_file, limit, sample)
@@ -321,11 +341,11 @@ def main(
     t0 = time.perf_counter()
     print(f"tandem-bench-fidelity: {len(reqs)} chats, k={ks}, {len(plist)} pairs; engine logs in {w}", file=sys.stderr)
 
-    # one fp32 engine: the reference (its greedy replies, one request at a time), then the same
-    # replies four at a time (the batching floor)
+    # one engine in the compute dtype: the reference (its greedy replies, one request at a time),
+    # then the same replies four at a time (the batching floor)
     engines: dict[str, dict] = {}
     ref, engines["batching"] = run_engine(
-        hf, reqs, [(w / "fp32-c1.npz", 1), (w / "fp32-c4.npz", 4)], "float32", top_k, max_new_tokens
+        hf, reqs, [(w / f"{dtype}-c1.npz", 1), (w / f"{dtype}-c4.npz", 4)], dtype, top_k, max_new_tokens
     )
     for r in reqs:
         r["reply"] = [int(x) for x in ref[r["id"]]["reply"]]
@@ -333,7 +353,7 @@ def main(
 
     def floor_runs() -> None:  # beside the in-process pass: the engine is a child process
         try:
-            (engines["bf16"],) = run_engine(hf, reqs, [(w / "bf16-c1.npz", 1)], "bfloat16", top_k, max_new_tokens)
+            (engines["bf16"],) = run_engine(hf, reqs, [(w / f"{other}-c1.npz", 1)], other, top_k, max_new_tokens)
         except BaseException as e:  # re-raised in the main thread
             failed.append(e)
 
@@ -344,7 +364,7 @@ def main(
     check = fs.Positions()  # in-process fp32 against the fp32 engine
     check_greedy: dict[str, list[int]] = {}
     for k in ks:
-        teacher = SplitTeacher(model_dir / f"split-k{k}", BLOCK_TOKENS, threads)
+        teacher = SplitTeacher(model_dir / f"split-k{k}", BLOCK_TOKENS, threads, device, dtype)
         per_pair = {p: fs.Positions() for p in plist}
         greedy: dict[Any, dict[str, list[int]]] = {p: {} for p in plist}
         for r in tqdm(reqs, desc=f"teacher-forced k={k}", unit="chat"):
@@ -383,11 +403,18 @@ def main(
     with open(w / "state.pkl", "wb") as f:  # everything measured, for reading again without a rerun
         pickle.dump({"rows": rows, "check": check, "check_greedy": check_greedy, "ref": ref, "engines": engines}, f)
     floors = {}
-    for key, title in (("batching", "fp32 engine, concurrency 1 vs 4"), ("bf16", "fp32 vs bf16 engines")):
+    short = {"float32": "fp32", "bfloat16": "bf16"}
+    titles = (
+        ("batching", f"{short[dtype]} engine, concurrency 1 vs 4"),
+        ("bf16", f"{short[dtype]} vs {short[other]} engines"),
+    )
+    for key, title in titles:
         s, g = compare_engines(ref, engines[key], lengths)
         floors[key] = {"title": title, "top_k": top_k, **s, "greedy": g}
-    floors["in_process"] = {
-        "title": "fp32 engine vs in-process fp32",
+    floors["in_process"] = {  # in bf16: direct mode (the engine) against the split (fp32 head, fp32 wire, bf16 tail)
+        "title": "fp32 engine vs in-process fp32"
+        if dtype == "float32"
+        else f"bf16 engine (direct) vs in-process split (fp32 wire, bf16 tail on {device})",
         "top_k": top_k,
         **fs.summarize(check),
         "greedy": fs.greedy_agreement({r["id"]: r["reply"] for r in reqs}, check_greedy),
@@ -401,6 +428,8 @@ def main(
         else ("first " + str(len(reqs)) if limit else "all"),
         "max_new_tokens": max_new_tokens,
         "top_k": top_k,
+        "dtype": dtype,
+        "device": device,
         "positions": floors["bf16"]["positions"],
         "split_layers": ks,
         "wall_s": round(time.perf_counter() - t0, 1),

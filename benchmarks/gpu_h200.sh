@@ -14,6 +14,10 @@
 #   capacity-8b  tandem-bench-capacity on the 8B shape: cloud-only, split k=4, auto; k/L = 1/4 and
 #                1/2 do not fit the host's 64 GiB disk with fp32 heads beside the checkpoint and its
 #                tails
+#   fidelity     tandem-bench-fidelity on SmolLM2 over all 200 chats, k = 4 and 8, every default pair:
+#                fp32 CUDA engines, the in-process tail and full model on the GPU
+#   fidelity-bf16  the same in bf16 (--dtype bfloat16): the split's agreement with direct beside
+#                direct's own bf16 run-to-run floor
 # The capacity runs use the unshaped loopback: one proxy would be one link shared by every request,
 # where the deployment measured gives each edge client its own.
 #
@@ -126,6 +130,17 @@ step_capacity_8b() {
   tail -20 "$OUT/capacity-8b.log"
 }
 
+step_fidelity() {  # step_fidelity DTYPE
+  smollm2
+  if [ ! -f "$SMOL/split-k8/manifest.json" ]; then
+    (cd "$W" && tandem-model --out "$SMOL" --split-layers 4,8 --no-bundles) >> "$OUT/prepare_smollm2.log" 2>&1
+  fi
+  log "tandem-bench-fidelity $1"
+  (cd "$W" && tandem-bench-fidelity --model-dir "$SMOL" --split-layers 4,8 --dtype "$1" --device cuda \
+    --out "$OUT/fidelity-$1") > "$OUT/fidelity-$1.log" 2>&1
+  tail -30 "$OUT/fidelity-$1.log"
+}
+
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 for s in "$@"; do
   case $s in
@@ -136,7 +151,9 @@ for s in "$@"; do
     bench-1b) step_bench_1b ;;
     bench-8b) step_bench_8b ;;
     capacity-8b) step_capacity_8b ;;
-    *) echo "unknown step $s (smollm2 | prep-1b | tier | bench-1b | capacity-1b | bench-8b | capacity-8b)" >&2; exit 2 ;;
+    fidelity) step_fidelity float32 ;;
+    fidelity-bf16) step_fidelity bfloat16 ;;
+    *) echo "unknown step $s (smollm2 | prep-1b | tier | bench-1b | capacity-1b | bench-8b | capacity-8b | fidelity | fidelity-bf16)" >&2; exit 2 ;;
   esac
 done
 log "done: $*"

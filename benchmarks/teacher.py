@@ -14,11 +14,12 @@ full KV blocks) and reply ``R`` (``n`` tokens):
    (layers ``[0, k)`` from the decoded head KV, ``[k, L)`` from step 3): its distributions give
    ``R[1:]``.
 
-Here steps 3 and 4 run in Hugging Face transformers (float32, on the same checkpoints vLLM loads)
-instead of vLLM. That is the same computation, because vLLM's output depends only on the
-checkpoint, the input embeddings or ids and the KV it loads; the kernels differ in float32
-rounding only. ``tandem-bench-fidelity`` measures that difference itself (the in-process fp32
-reference against the fp32 engine, beside the engines' own batching floor). Teacher forcing
+Here steps 3 and 4 run in Hugging Face transformers (float32 by default, or the engines' compute
+dtype such as bfloat16, on the CPU or a GPU; on the same checkpoints vLLM loads) instead of vLLM.
+That is the same computation, because vLLM's output depends only on the checkpoint, the input
+embeddings or ids and the KV it loads; the kernels differ in rounding only.
+``tandem-bench-fidelity`` measures that difference itself (the in-process fp32 reference against
+the fp32 engine, beside the engines' own batching floor). Teacher forcing
 (feeding the reference's own tokens back) is what lets every position be compared: one flipped
 token changes nothing after it. The full vocabulary's distribution is available at every
 position, so KL divergences here are exact.
@@ -69,23 +70,38 @@ def round_trip_kv(kv: np.ndarray, dtype: WireDtype, block_tokens: int) -> np.nda
 
 
 class SplitTeacher:
-    """The split path's parts for one split directory (``split-k<k>``): the ONNX head, the tail
-    checkpoint and the full checkpoint in transformers (float32, CPU)."""
+    """The split path's parts for one split directory (``split-k<k>``): the ONNX head (float32, as
+    the edge runs it; on ONNX Runtime's CUDA provider where there is one), the tail checkpoint and
+    the full checkpoint in transformers in ``dtype`` (``float32`` or ``bfloat16``: the cloud
+    engines' compute dtype) on ``device`` (``cpu``, ``cuda``).
 
-    def __init__(self, split_dir: Path, block_tokens: int = 32, threads: int = 0) -> None:
+    Raises:
+        ValueError: ``dtype`` is neither float32 nor bfloat16."""
+
+    def __init__(
+        self, split_dir: Path, block_tokens: int = 32, threads: int = 0, device: str = "cpu", dtype: str = "float32"
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         from tandem.edge.head_runner import OnnxHead
 
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"teacher dtype {dtype!r}: float32 or bfloat16")
         if threads:
             torch.set_num_threads(threads)
         m = SplitManifest.load(split_dir)
         self.manifest, self.k, self.block_tokens = m, m.split_layer, block_tokens
+        self.device, self.dtype = torch.device(device), getattr(torch, dtype)
         self.head = OnnxHead(split_dir, intra_op_threads=threads)
-        load = dict(dtype=torch.float32, attn_implementation="sdpa")
-        self.tail = AutoModelForCausalLM.from_pretrained(str(m.resolve(split_dir, m.tail_checkpoint)), **load).eval()
-        self.full = AutoModelForCausalLM.from_pretrained(str(m.resolve(split_dir, m.full_checkpoint)), **load).eval()
+        load = dict(dtype=self.dtype, attn_implementation="sdpa")
+        tail, full = (m.resolve(split_dir, c) for c in (m.tail_checkpoint, m.full_checkpoint))
+        self.tail = AutoModelForCausalLM.from_pretrained(str(tail), **load).to(self.device).eval()
+        self.full = AutoModelForCausalLM.from_pretrained(str(full), **load).to(self.device).eval()
+
+    def _on(self, t):
+        """A float32 CPU tensor in the teacher's dtype on its device."""
+        return t.to(self.device, self.dtype)
 
     def head_pass(self, prompt: list[int]) -> HeadPass:
         """The ONNX head over the whole prompt."""
@@ -100,10 +116,10 @@ class SplitTeacher:
         layers, one batch row per format)."""
         import torch
 
-        h = torch.from_numpy(np.stack([round_trip_hidden(hp.hidden, a) for a in acts]))
+        h = self._on(torch.from_numpy(np.stack([round_trip_hidden(hp.hidden, a) for a in acts])))
         with torch.inference_mode():
             o = self.tail(inputs_embeds=h, use_cache=True, logits_to_keep=1)
-        return torch.log_softmax(o.logits[:, -1].float(), -1).numpy(), o.past_key_values
+        return torch.log_softmax(o.logits[:, -1].float(), -1).cpu().numpy(), o.past_key_values
 
     def _cache(self, hp: HeadPass, pairs: list[tuple[WireDtype, WireDtype]], acts: list[WireDtype], tail_cache):
         """The decode engine's loaded KV for each pair (one batch row each): full blocks only,
@@ -116,8 +132,8 @@ class SplitTeacher:
         if tf == 0:
             return None, 0
         by_kv = {kv: torch.from_numpy(round_trip_kv(hp.kv, kv, self.block_tokens)) for kv in {kv for _, kv in pairs}}
-        head = torch.stack([by_kv[kv] for _, kv in pairs])  # [P, k, 2, Hkv, Tf, D]
-        rows = torch.tensor([acts.index(a) for a, _ in pairs])
+        head = self._on(torch.stack([by_kv[kv] for _, kv in pairs]))  # [P, k, 2, Hkv, Tf, D]
+        rows = torch.tensor([acts.index(a) for a, _ in pairs], device=self.device)
         cache = DynamicCache(config=self.full.config)
         for i in range(self.k):
             cache.update(head[:, i, 0].contiguous(), head[:, i, 1].contiguous(), i)
@@ -137,10 +153,10 @@ class SplitTeacher:
         out[:, 0] = first[[acts.index(a) for a, _ in pairs]]
         if len(reply) > 1:
             cache, tf = self._cache(hp, pairs, acts, tail_cache)
-            ids = torch.tensor([hp.prompt[tf:] + reply[:-1]] * len(pairs))
-            pos = torch.arange(tf, tf + ids.shape[1])[None].expand(len(pairs), -1)
+            ids = torch.tensor([hp.prompt[tf:] + reply[:-1]] * len(pairs), device=self.device)
+            pos = torch.arange(tf, tf + ids.shape[1], device=self.device)[None].expand(len(pairs), -1)
             keep = len(reply) - 1
             with torch.inference_mode():
                 o = self.full(input_ids=ids, position_ids=pos, past_key_values=cache, logits_to_keep=keep)
-            out[:, 1:] = torch.log_softmax(o.logits.float(), -1).numpy()
+            out[:, 1:] = torch.log_softmax(o.logits.float(), -1).cpu().numpy()
         return out

@@ -1,0 +1,45 @@
+"""The fidelity benchmark's in-process split path (``benchmarks.teacher.SplitTeacher``) on the real
+SmolLM2 split: the ONNX head, the format round trips and the tail and full checkpoints in
+transformers, in float32 and in bfloat16 (a GPU cloud's compute dtype)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.benchmarks.teacher import SplitTeacher
+from tandem.common.formats import WireDtype
+
+FP32 = (WireDtype.FP32, WireDtype.FP32)
+FP16 = (WireDtype.FP16, WireDtype.FP16)
+
+
+@pytest.fixture(scope="module")
+def teachers(split_dir):
+    return {d: SplitTeacher(split_dir, 32, threads=2, dtype=d) for d in ("float32", "bfloat16")}
+
+
+def test_the_split_path_in_bf16_stays_near_fp32_and_its_formats_differ_from_each_other(teachers, tokenizer):
+    """Teacher-forced over a prompt past one KV block: every row a log-distribution over the
+    vocabulary; bf16's rows near fp32's but not equal to them; within bf16 the fp16 wire pair is
+    not bit-identical to the fp32 pair (the round trip reaches the tail)."""
+    from tandem.common.chat import prompt_token_ids
+
+    prompt = prompt_token_ids(tokenizer, [{"role": "user", "content": "Tell me about foxes. " * 6}])
+    assert len(prompt) > 32
+    reply = [int(t) for t in tokenizer.encode(" Foxes are small wild dogs.")]
+    got = {}
+    for dtype, t in teachers.items():
+        got[dtype] = t.forced(t.head_pass(prompt), reply, [FP32, FP16])  # [2, n, V]
+        assert got[dtype].shape == (2, len(reply), t.full.config.vocab_size)
+        np.testing.assert_allclose(np.exp(got[dtype]).sum(-1), 1.0, atol=1e-3)
+    p32, p16 = np.exp(got["float32"][0]), np.exp(got["bfloat16"][0])
+    kl = (p32 * (got["float32"][0] - got["bfloat16"][0])).sum(-1)
+    assert 0 < kl.max() < 0.5  # bf16 rounding moves the distributions a little, never far
+    assert not np.array_equal(got["bfloat16"][0], got["bfloat16"][1])
+    assert np.abs(p16 - p32).max() < 0.2
+
+
+def test_a_teacher_dtype_other_than_fp32_or_bf16_is_refused(split_dir):
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        SplitTeacher(split_dir, dtype="float16")
