@@ -159,3 +159,13 @@ def test_default_offers_are_fp16_fp32_and_the_formats_the_tables_qualify():
     assert e.wire_dtypes[0] == e.kv_wire_dtypes[0] == W.FP16
     assert set(e.wire_dtypes) == set(c.wire_dtypes) == acts
     assert set(e.kv_wire_dtypes) == set(c.kv_wire_dtypes) == kvs
+
+
+def test_the_benchmark_refuses_a_compute_dtype_it_cannot_run(tmp_path):
+    from typer.testing import CliRunner
+
+    from tandem.benchmarks.fidelity import app
+
+    res = CliRunner().invoke(app, ["--dtype", "float16", "--out", str(tmp_path / "f")])
+    assert res.exit_code == 2 and "float32 or bfloat16" in res.output
+    assert not (tmp_path / "f").exists()  # refused before anything ran
