@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -388,6 +388,13 @@ def main(
     ] = 1,
     concurrency: Annotated[int, typer.Option(help="requests in flight")] = 1,
     max_new_tokens: int = 16,
+    output_lens: Annotated[
+        str,
+        typer.Option(
+            help="output lengths in tokens, e.g. 16,128,512: the whole matrix once per length on one stack, "
+            "each under OUT/out-<n>, with OUT/outputs.md and outputs.png across them ('' = --max-new-tokens)"
+        ),
+    ] = "",
     max_num_seqs: int = 8,
     shaper: Annotated[
         str, typer.Option(help="auto | netns (tc tbf rate + proxy delay) | proxy (all in proxy)")
@@ -422,6 +429,9 @@ def main(
     ks = [int(x) for x in split_layers.split(",") if x.strip()]
     profiles = linkmod.get(links)
     lens = [int(x) for x in prompt_lens.split(",") if x.strip()]
+    outs = [int(x) for x in output_lens.split(",") if x.strip()] or [max_new_tokens]
+    if any(n < 1 for n in outs) or len(set(outs)) != len(outs):
+        raise typer.BadParameter(f"--output-lens {output_lens!r}: distinct positive token counts")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "hf")
     plan = Plan(
         specs=mode_specs(ks, edge_only, auto, remote_prefill),
@@ -435,7 +445,6 @@ def main(
         concurrency=concurrency,
         max_new_tokens=max_new_tokens,
     )
-    records: list[RequestRecord] = []
     workdir = work_dir("tandem-bench-")  # its block stores are removed at exit, its logs kept
     print(f"tandem-bench: shaper={shaper}, logs in {workdir}", file=sys.stderr)
     pipeline = ["--pipeline-tokens", str(pipeline_tokens)] if pipeline_tokens >= 0 else []
@@ -453,20 +462,29 @@ def main(
         cloud_target=cloud,
         max_prompt_tokens=longest,
     )
-    with tqdm(total=len(lens) * requests * len(profiles) * len(plan.specs), desc="requests", unit="req") as bar:
+    by_output: dict[int, list[RequestRecord]] = {n: [] for n in outs}
+    total = len(lens) * requests * len(profiles) * len(plan.specs) * len(outs)
+    with tqdm(total=total, desc="requests", unit="req") as bar:
         try:
             eport = stack.start()
             stack.set_link(profiles[0])
             calibrate(eport, plan, profiles[0].name)
-            for prof in profiles:
-                stack.set_link(prof)
-                records += run_link(eport, plan, prof.name, bar)
+            for n_out in outs:
+                for prof in profiles:
+                    stack.set_link(prof)
+                    by_output[n_out] += run_link(eport, replace(plan, max_new_tokens=n_out), prof.name, bar)
         finally:
             stack.stop()
     meta = machine_meta(args) | {"shaper": shaper, "links": [p.as_dict() for p in profiles]}
-    report.write_all(out, records, meta)
-    print(f"results in {out}: summary.md, summary.csv, records.jsonl, *.png", file=sys.stderr)
-    print((out / "summary.md").read_text())
+    if not output_lens:
+        report.write_all(out, by_output[max_new_tokens], meta)
+        print(f"results in {out}: summary.md, summary.csv, records.jsonl, *.png", file=sys.stderr)
+        print((out / "summary.md").read_text())
+        return
+    rows = {n: report.write_all(out / f"out-{n}", recs, meta | {"max_new_tokens": n}) for n, recs in by_output.items()}
+    report.write_output_matrix(out, rows)
+    print(f"results in {out}: outputs.md, outputs.png, out-<n>/ per output length", file=sys.stderr)
+    print((out / "outputs.md").read_text())
 
 
 def williams_base(n: int) -> list[int]:

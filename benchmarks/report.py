@@ -427,3 +427,82 @@ def write_all(out: Path, records, meta: dict) -> list[dict]:
     plot_ttft(rows, out / "ttft_vs_prompt.png")
     plot_breakeven(rows, out / "breakeven.png", meta.get("links", []))
     return rows
+
+
+def output_matrix_markdown(rows_by_output: dict[int, list[dict]]) -> str:
+    """One row per (link, prompt length, output length, mode): TTFT, ITL, end to end and the cloud's
+    engine time per request; then per (link, prompt, output) the mode with the lowest end-to-end
+    time and the one holding the cloud's engines least (cloud engine ms; edge-only holds none)."""
+    lines = [
+        "| link | prompt tok | output tok | mode | TTFT mean ms | ITL mean ms | e2e mean ms | cloud engine ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    cells: dict[tuple[str, int, int], list[dict]] = defaultdict(list)
+    for n_out, rows in sorted(rows_by_output.items()):
+        for r in rows:
+            cells[(r["link"], r["prompt_tokens"] // 8 * 8, n_out)].append(r)
+    for (link, _, n_out), rs in sorted(cells.items()):
+        for r in sorted(rs, key=lambda r: r["mode"]):
+            eng = r.get("cloud_engine_ms", float("nan"))
+            lines.append(
+                f"| {link} | {r['prompt_tokens']} | {n_out} | {r['mode']} | {r['ttft_mean_ms']:.0f} | "
+                f"{r['itl_mean_ms']:.1f} | {r['e2e_mean_ms']:.0f} | {0.0 if eng != eng else eng:.0f} |"
+            )
+    lines += [
+        "",
+        "| link | prompt tok | output tok | lowest e2e (ms) | least cloud engine time among cloud modes (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for (link, _, n_out), rs in sorted(cells.items()):
+        fixed = [r for r in rs if r["mode"] != "auto"]
+        fastest = min(fixed, key=lambda r: r["e2e_mean_ms"])
+        cloud = [r for r in fixed if r["mode"] != "edge-only" and r.get("cloud_engine_ms") == r.get("cloud_engine_ms")]
+        lightest = min(cloud, key=lambda r: r["cloud_engine_ms"]) if cloud else None
+        light = f"{lightest['mode']} ({lightest['cloud_engine_ms']:.0f})" if lightest else "-"
+        lines.append(
+            f"| {link} | {rs[0]['prompt_tokens']} | {n_out} | {fastest['mode']} ({fastest['e2e_mean_ms']:.0f}) | "
+            f"{light} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_output_matrix(rows_by_output: dict[int, list[dict]], path: Path) -> None:
+    """End-to-end time against output length, a panel per (link, prompt length), a line per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    flat = [(n, r) for n, rows in rows_by_output.items() for r in rows]
+    links = list(dict.fromkeys(r["link"] for _, r in flat))
+    prompts = sorted({r["prompt_tokens"] // 8 * 8 for _, r in flat})
+    fig, grid = plt.subplots(
+        len(links), len(prompts), figsize=(4.2 * len(prompts), 3.3 * len(links)), squeeze=False, sharex=True
+    )
+    for i, link in enumerate(links):
+        for j, p in enumerate(prompts):
+            ax = grid[i][j]
+            here = [(n, r) for n, r in flat if r["link"] == link and r["prompt_tokens"] // 8 * 8 == p]
+            for mode in sorted({r["mode"] for _, r in here}):
+                pts = sorted((n, r["e2e_mean_ms"]) for n, r in here if r["mode"] == mode)
+                style = {"linewidth": 2.5, "color": "black", "marker": "*"} if mode == "auto" else {"marker": "o"}
+                ax.plot(*zip(*pts, strict=True), label=mode, **style)
+            ax.set_title(f"{link}, ~{p} prompt tokens", fontsize=9)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            if i == len(links) - 1:
+                ax.set_xlabel("output tokens")
+            if j == 0:
+                ax.set_ylabel("end to end, mean ms")
+    grid[0][0].legend(fontsize=7)
+    fig.suptitle("End-to-end time vs output length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_output_matrix(out: Path, rows_by_output: dict[int, list[dict]]) -> None:
+    """``outputs.md`` and ``outputs.png`` across the runs of ``tandem-bench --output-lens``."""
+    (out / "outputs.md").write_text(output_matrix_markdown(rows_by_output))
+    plot_output_matrix(rows_by_output, out / "outputs.png")

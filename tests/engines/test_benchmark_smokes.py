@@ -52,8 +52,8 @@ class TestSmokeRunsOnOneCloud:
             "16",
             "--requests",
             "1",
-            "--max-new-tokens",
-            "2",
+            "--output-lens",
+            "2,3",
             "--cloud",
             target,
             "--model-dir",
@@ -63,12 +63,16 @@ class TestSmokeRunsOnOneCloud:
         ]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
         assert res.returncode == 0, res.stderr[-3000:]
-        rows = list(open(out / "summary.csv"))
-        assert len(rows) == 1 + 2 * 5  # header + split-k4, cloud-only, edge-only, remote-prefill, auto on 2 links
-        assert "auto / best" in (out / "auto.md").read_text()
-        meta = json.loads((out / "meta.json").read_text())
-        assert meta["shaper"] == "proxy"  # a running cloud is reached through the proxy
-        assert (out / "breakeven.png").stat().st_size > 0
+        for n in (2, 3):  # the matrix once per output length, on one stack
+            run = out / f"out-{n}"
+            rows = list(open(run / "summary.csv"))
+            assert len(rows) == 1 + 2 * 5  # header + split-k4, cloud-only, edge-only, remote-prefill, auto on 2 links
+            assert "auto / best" in (run / "auto.md").read_text()
+            meta = json.loads((run / "meta.json").read_text())
+            assert meta["shaper"] == "proxy" and meta["max_new_tokens"] == n  # a running cloud: through the proxy
+            assert (run / "breakeven.png").stat().st_size > 0
+            assert all(json.loads(x)["output_tokens"] == n for x in open(run / "records.jsonl"))
+        assert "| 4g | " in (out / "outputs.md").read_text() and (out / "outputs.png").stat().st_size > 0
 
     def test_multiturn_smoke(self, tmp_path, bench_cloud, split_dir):
         target, _ = bench_cloud

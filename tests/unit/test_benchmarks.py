@@ -468,3 +468,24 @@ def test_ttft_floor_is_the_measured_compute_plus_bytes_over_the_rate_plus_the_rt
     assert math.isnan(ttft_floor_ms(RequestRecord("auto", "4g", 64, 64, 4, 1.0, 1.0, [], 0.0, 1.0)))
     direct.link = "no-such-link"
     assert math.isnan(ttft_floor_ms(direct))
+
+
+def test_the_output_length_matrix_names_the_fastest_mode_and_the_lightest_on_the_cloud(tmp_path):
+    from tandem.benchmarks.report import write_output_matrix
+
+    def row(mode: str, prompt: int, ttft: float, e2e: float, engine: float) -> dict:
+        head = {"mode": mode, "link": "wifi6", "prompt_tokens": prompt, "ttft_mean_ms": ttft}
+        return head | {"itl_mean_ms": 20.0, "e2e_mean_ms": e2e, "cloud_engine_ms": engine}
+
+    rows = {
+        16: [row("cloud-only", 257, 100, 400, 390), row("remote-prefill", 258, 110, 500, 200)]
+        + [row("edge-only", 257, 300, 450, 0.0), row("auto", 257, 100, 390, 380)],
+        128: [row("cloud-only", 257, 100, 2600, 2590), row("remote-prefill", 258, 110, 2000, 300)]
+        + [row("edge-only", 257, 300, 2200, 0.0), row("auto", 257, 110, 2100, 290)],
+    }
+    write_output_matrix(tmp_path, rows)
+    md = (tmp_path / "outputs.md").read_text()
+    assert "| wifi6 | 257 | 16 | cloud-only | 100 | 20.0 | 400 | 390 |" in md
+    assert "| wifi6 | 257 | 16 | cloud-only (400) | remote-prefill (200) |" in md  # auto is not a fixed mode
+    assert "| wifi6 | 257 | 128 | remote-prefill (2000) | remote-prefill (300) |" in md
+    assert (tmp_path / "outputs.png").stat().st_size > 0
