@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -96,8 +97,8 @@ class SplitTeacher:
         self.head = OnnxHead(split_dir, intra_op_threads=threads)
         load = dict(dtype=self.dtype, attn_implementation="sdpa")
         tail, full = (m.resolve(split_dir, c) for c in (m.tail_checkpoint, m.full_checkpoint))
-        self.tail = AutoModelForCausalLM.from_pretrained(str(tail), **load).to(self.device).eval()
-        self.full = AutoModelForCausalLM.from_pretrained(str(full), **load).to(self.device).eval()
+        models: list[Any] = [AutoModelForCausalLM.from_pretrained(str(c), **load) for c in (tail, full)]
+        self.tail, self.full = (mdl.to(self.device).eval() for mdl in models)
 
     def _on(self, t):
         """A float32 CPU tensor in the teacher's dtype on its device."""
