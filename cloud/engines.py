@@ -423,7 +423,8 @@ class VllmEngines:
                         len(out.prompt_token_ids or []),
                     )
                 else:  # the engines run without prefix caching: every cached token came through the connector
-                    yield DecodeStep(list(c.token_ids), None, (out.num_cached_tokens or 0) if first else 0)
+                    cached = (getattr(out, "num_cached_tokens", None) or 0) if first else 0  # absent: not reported
+                    yield DecodeStep(list(c.token_ids), None, cached)
                 first = False
         except Exception as e:
             if _is_engine_death(e, engine):
