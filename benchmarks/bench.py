@@ -276,7 +276,6 @@ def machine_meta(args: dict) -> dict:
 def gpu_meta() -> list[dict[str, str]]:
     """The host's NVIDIA GPUs as ``nvidia-smi`` reports them (name, driver, memory); [] without one."""
     import shutil
-    import subprocess
 
     smi = shutil.which("nvidia-smi")
     if smi is None:

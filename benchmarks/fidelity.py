@@ -68,6 +68,7 @@ app = typer.Typer(add_completion=False, help=__doc__)
 PROMPTS = Path(__file__).parent / "data" / "fidelity_prompts.jsonl"
 BLOCK_TOKENS = 32  # the cloud's KV block size (EngineConfig.block_size_tokens)
 FP32_PAIR = (WireDtype.FP32, WireDtype.FP32)
+SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}  # --dtype's values as the tables name them
 DEFAULT_PAIRS = (
     "fp32/fp32,fp16/fp16,bf16/bf16,int8_hadamard/int8_hadamard,int8_hadamard/int4,"
     "int4_hadamard/int4_hadamard,int4_hadamard/int4"
@@ -215,7 +216,7 @@ def table_lines(rows: list[dict], floors: dict[str, dict], meta: dict) -> list[s
         f"top-1 agree (gap > {fs.GAP_NATS:g}) | flips at near-ties | flip rate | PPL | "
         "greedy: identical | greedy: 1st divergence | within the floor |"
     )
-    ref = {"float32": "fp32", "bfloat16": "bf16"}[meta.get("dtype", "float32")]
+    ref = SHORT_DTYPE[meta.get("dtype", "float32")]
     lines = [
         f"{meta['prompts']} chats ({meta['selection']}), greedy {ref} reference replies of up to "
         f"{meta['max_new_tokens']} tokens ({meta['positions']} teacher-forced positions); KL in nats, "
@@ -322,7 +323,7 @@ def main(
     from tandem.benchmarks.teacher import SplitTeacher
     from tandem.common.chat import prompt_token_ids
 
-    if dtype not in ("float32", "bfloat16"):
+    if dtype not in SHORT_DTYPE:
         raise typer.BadParameter(f"--dtype {dtype!r}: float32 or bfloat16")
     other = "bfloat16" if dtype == "float32" else "float32"  # the second engine: the precision floor
     ks = [int(k) for k in split_layers.split(",") if k.strip()]
@@ -403,10 +404,9 @@ def main(
     with open(w / "state.pkl", "wb") as f:  # everything measured, for reading again without a rerun
         pickle.dump({"rows": rows, "check": check, "check_greedy": check_greedy, "ref": ref, "engines": engines}, f)
     floors = {}
-    short = {"float32": "fp32", "bfloat16": "bf16"}
     titles = (
-        ("batching", f"{short[dtype]} engine, concurrency 1 vs 4"),
-        ("bf16", f"{short[dtype]} vs {short[other]} engines"),
+        ("batching", f"{SHORT_DTYPE[dtype]} engine, concurrency 1 vs 4"),
+        ("bf16", f"{SHORT_DTYPE[dtype]} vs {SHORT_DTYPE[other]} engines"),
     )
     for key, title in titles:
         s, g = compare_engines(ref, engines[key], lengths)

@@ -105,11 +105,15 @@ step_capacity_1b() {
   tail -20 "$OUT/capacity-1b.log"
 }
 
-step_bench_8b() {
+prep_8b() {
   smollm2
   # the 8B shape takes about 36 GB (checkpoint, tail, fp32 head): make room on a 64 GiB disk
   if [ "$(df --output=avail -B1G "$W" | tail -1)" -lt 45 ]; then rm -rf "$W/l1b" "$W/l1b-ckpt"; fi
   realsize llama-3.1-8b "$W/l8b" 4 --no-edge-full
+}
+
+step_bench_8b() {
+  prep_8b
   log "tandem-bench 8B"
   (cd "$W" && tandem-bench --model-dir "$W/l8b" --split-layers 4 --links loopback,wifi6 \
     --prompt-lens 256,1024,4096 --requests 3 --max-new-tokens 16 --shaper proxy --no-edge-only \
@@ -119,9 +123,7 @@ step_bench_8b() {
 }
 
 step_capacity_8b() {
-  smollm2
-  if [ "$(df --output=avail -B1G "$W" | tail -1)" -lt 45 ]; then rm -rf "$W/l1b" "$W/l1b-ckpt"; fi
-  realsize llama-3.1-8b "$W/l8b" 4 --no-edge-full
+  prep_8b
   log "tandem-bench-capacity 8B"
   (cd "$W" && tandem-bench-capacity --model-dir "$W/l8b" --split-layers 4 --rates 4,8,16,32 --requests 48 \
     --prompt-tokens 1024 --max-new-tokens 16 --ttft-slo-ms 500 --link loopback --cloud-cpus "" --edge-cpus "" \

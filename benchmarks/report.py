@@ -440,13 +440,12 @@ def output_matrix_markdown(rows_by_output: dict[int, list[dict]]) -> str:
     cells: dict[tuple[str, int, int], list[dict]] = defaultdict(list)
     for n_out, rows in sorted(rows_by_output.items()):
         for r in rows:
-            cells[(r["link"], r["prompt_tokens"] // 8 * 8, n_out)].append(r)
+            cells[(*_cell(r), n_out)].append(r)
     for (link, _, n_out), rs in sorted(cells.items()):
         for r in sorted(rs, key=lambda r: r["mode"]):
-            eng = r.get("cloud_engine_ms", float("nan"))
             lines.append(
                 f"| {link} | {r['prompt_tokens']} | {n_out} | {r['mode']} | {r['ttft_mean_ms']:.0f} | "
-                f"{r['itl_mean_ms']:.1f} | {r['e2e_mean_ms']:.0f} | {0.0 if eng != eng else eng:.0f} |"
+                f"{r['itl_mean_ms']:.1f} | {r['e2e_mean_ms']:.0f} | {r['cloud_engine_ms']:.0f} |"
             )
     lines += [
         "",
@@ -456,7 +455,7 @@ def output_matrix_markdown(rows_by_output: dict[int, list[dict]]) -> str:
     for (link, _, n_out), rs in sorted(cells.items()):
         fixed = [r for r in rs if r["mode"] != "auto"]
         fastest = min(fixed, key=lambda r: r["e2e_mean_ms"])
-        cloud = [r for r in fixed if r["mode"] != "edge-only" and r.get("cloud_engine_ms") == r.get("cloud_engine_ms")]
+        cloud = [r for r in fixed if r["mode"] != "edge-only"]  # edge-only holds no cloud engine
         lightest = min(cloud, key=lambda r: r["cloud_engine_ms"]) if cloud else None
         light = f"{lightest['mode']} ({lightest['cloud_engine_ms']:.0f})" if lightest else "-"
         lines.append(
@@ -475,19 +474,19 @@ def plot_output_matrix(rows_by_output: dict[int, list[dict]], path: Path) -> Non
 
     flat = [(n, r) for n, rows in rows_by_output.items() for r in rows]
     links = list(dict.fromkeys(r["link"] for _, r in flat))
-    prompts = sorted({r["prompt_tokens"] // 8 * 8 for _, r in flat})
+    prompts = sorted({_cell(r)[1] for _, r in flat})
     fig, grid = plt.subplots(
         len(links), len(prompts), figsize=(4.2 * len(prompts), 3.3 * len(links)), squeeze=False, sharex=True
     )
     for i, link in enumerate(links):
         for j, p in enumerate(prompts):
             ax = grid[i][j]
-            here = [(n, r) for n, r in flat if r["link"] == link and r["prompt_tokens"] // 8 * 8 == p]
+            here = [(n, r) for n, r in flat if _cell(r) == (link, p)]
             for mode in sorted({r["mode"] for _, r in here}):
                 pts = sorted((n, r["e2e_mean_ms"]) for n, r in here if r["mode"] == mode)
                 style = {"linewidth": 2.5, "color": "black", "marker": "*"} if mode == "auto" else {"marker": "o"}
                 ax.plot(*zip(*pts, strict=True), label=mode, **style)
-            ax.set_title(f"{link}, ~{p} prompt tokens", fontsize=9)
+            ax.set_title(f"{link}, ~{p * 8} prompt tokens", fontsize=9)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.grid(alpha=0.3)
