@@ -415,13 +415,23 @@ def main(
             "serve these split layers; the shaper is then proxy)"
         ),
     ] = "",
+    render: Annotated[
+        bool,
+        typer.Option(
+            help="only write the tables and plots again from OUT's records.jsonl and meta.json (or those of "
+            "each OUT/out-<n> of an --output-lens run)"
+        ),
+    ] = False,
 ) -> None:
     """Run the benchmark matrix and write records, tables and plots."""
     args = {k: str(v) if isinstance(v, Path) else v for k, v in locals().items()}
+    from tandem.benchmarks import report
+
+    if render:
+        rerender(out)
+        return
     from tqdm import tqdm
     from transformers import AutoTokenizer
-
-    from tandem.benchmarks import report
 
     shaper = checked_shaper(order, concurrency, cloud, shaper)
     out.mkdir(parents=True, exist_ok=True)
@@ -483,6 +493,29 @@ def main(
     rows = {n: report.write_all(out / f"out-{n}", recs, meta | {"max_new_tokens": n}) for n, recs in by_output.items()}
     report.write_output_matrix(out, rows)
     print(f"results in {out}: outputs.md, outputs.png, out-<n>/ per output length", file=sys.stderr)
+    print((out / "outputs.md").read_text())
+
+
+def rerender(out: Path) -> None:
+    """``summary.md``, ``summary.csv``, ``auto.md`` and the plots again from a run's ``records.jsonl``
+    and ``meta.json`` (the ``out-<n>`` folders and ``outputs.md`` of an ``--output-lens`` run).
+
+    Raises: typer.BadParameter when ``out`` holds neither.
+    """
+    from tandem.benchmarks import report
+
+    def one(d: Path) -> list[dict]:
+        meta = json.loads((d / "meta.json").read_text())
+        return report.write_all(d, report.load_records(d / "records.jsonl"), meta)
+
+    if (out / "records.jsonl").is_file():
+        one(out)
+        print((out / "summary.md").read_text())
+        return
+    runs = {int(d.name.removeprefix("out-")): d for d in out.glob("out-*") if (d / "records.jsonl").is_file()}
+    if not runs:
+        raise typer.BadParameter(f"{out}: no records.jsonl (nor out-<n>/records.jsonl) to render", param_hint="--out")
+    report.write_output_matrix(out, {n: one(d) for n, d in sorted(runs.items())})
     print((out / "outputs.md").read_text())
 
 

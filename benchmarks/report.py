@@ -90,30 +90,31 @@ def summarize(records) -> list[dict]:
 
 
 def ttft_floor_ms(r: RequestRecord) -> float:
-    """The physical floor of one request's TTFT: its own measured compute before the first token plus
-    what its link cannot go below, ``uplink_bytes * 8 / uplink rate + RTT`` (the profile's, see
+    """The physical floor of one request's TTFT: its own measured compute before the first token and
+    what its link cannot go below, the uplink's ``bytes * 8 / rate`` and one RTT (the profile's, see
     ``benchmarks.links``; an unshaped rate adds nothing). Queueing, encoding, verification, the
     proxy's jitter and stalls are left out: they are what the system adds above the floor.
 
-    Compute per served mode, from ``timings_ms``: split: the edge head plus the tail prefill with its
-    first token; direct and remote prefill: the decode engine's prefill with its first token; local:
-    the whole model's prefill with its first token (and no link). NaN when the stages are missing.
+    Per served mode, from ``timings_ms``: split: ``max(edge head, uplink wire time) + tail prefill
+    with its first token + RTT`` (the head's chunks stream while later ones are computed, so the
+    two overlap at best; the tail starts only when the last chunk has arrived); direct and remote
+    prefill: the decode engine's prefill with its first token plus the header's wire time and the
+    RTT; local: the whole model's prefill with its first token (no link). NaN when the stages or
+    the link profile are unknown.
     """
     t = r.timings_ms
     if Stage.LOCAL_PREFILL in t:
         return float(t[Stage.LOCAL_PREFILL])
-    if Stage.CLOUD_TAIL_PREFILL in t:
-        compute = t.get(Stage.EDGE_HEAD, 0.0) + t[Stage.CLOUD_TAIL_PREFILL]
-    elif Stage.CLOUD_DECODE_FIRST_TOKEN in t:
-        compute = t[Stage.CLOUD_DECODE_FIRST_TOKEN]
-    else:
-        return float("nan")
     prof = linkmod.PROFILES.get(r.link)
     if prof is None:
         return float("nan")
     up_bytes = sum(r.sent_bytes.get(k, 0) for k in PAYLOAD_KINDS)
     wire_ms = up_bytes * 8 / (prof.uplink_mbps * 1e3) if prof.uplink_mbps else 0.0
-    return float(compute + wire_ms + prof.rtt_ms)
+    if Stage.CLOUD_TAIL_PREFILL in t:
+        return float(max(t.get(Stage.EDGE_HEAD, 0.0), wire_ms) + t[Stage.CLOUD_TAIL_PREFILL] + prof.rtt_ms)
+    if Stage.CLOUD_DECODE_FIRST_TOKEN in t:
+        return float(t[Stage.CLOUD_DECODE_FIRST_TOKEN] + wire_ms + prof.rtt_ms)
+    return float("nan")
 
 
 def cloud_engine_ms(timings: dict) -> float:

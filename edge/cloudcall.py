@@ -156,15 +156,16 @@ class CloudCalls:
         """Head tokens per piece if this split leg is to be pipelined, else 0: pipelining is on,
         the session needs no ``SyncSession`` first (that needs the whole head's KV), and the cost
         model's rule holds (``CostModel.pipeline_pieces``: at least two pieces of new tokens, and
-        an upload predicted to take at least as long as the head). A piece is at least one
-        activation chunk."""
+        an upload predicted to take at least as long as the head; at most
+        ``MAX_PIPELINE_PIECES`` pieces). A piece is at least one activation chunk."""
         cost, s = self.router.cost, turn.edge_session
         if not cost.pipeline_tokens or sync.needs_sync(s, turn.cloud):
             return 0
         n_head = len(turn.ids) - s.common_prefix(turn.ids)
-        if not cost.split_pipeline_pieces(p.split_layer, n_head, self.router.link_state()):
+        pieces = cost.split_pipeline_pieces(p.split_layer, n_head, self.router.link_state())
+        if not pieces:
             return 0
-        return max(cost.pipeline_tokens, p.chunk_tokens)
+        return max(cost.pipeline_piece_tokens(n_head, pieces), p.chunk_tokens)
 
     async def _send_and_stream(self, turn: Turn, p: LinkParams, piece_tokens: int) -> AsyncIterator[TextOut | TurnDone]:
         """Send what the cloud lacks. When the cloud's copy may differ from what this edge believes

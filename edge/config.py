@@ -158,7 +158,8 @@ class EdgeConfig(DaemonSettings):
         default=128,
         description="Head tokens per piece of a pipelined split turn: a turn with at least twice this many new "
         "tokens, whose upload the cost model predicts to outlast its head, runs the head piece by piece, each "
-        "piece's chunks and KV blocks on the wire while the next is computed; 0 = the head always runs whole first.",
+        "piece's chunks and KV blocks on the wire while the next is computed (at most 8 pieces: longer prompts "
+        "get longer pieces); 0 = the head always runs whole first.",
     )
     max_sessions: Count = Field(default=256, description="Multi-turn sessions kept (LRU beyond).")
     session_bytes: PositiveBytes = Field(

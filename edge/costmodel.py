@@ -65,6 +65,10 @@ LINE_DECAY = 0.95  # weight of a stage's older samples per new one (about the la
 RESIDUAL_ALPHA = 0.3
 MIN_WEIGHT_MS = 1.0  # a stage sample below this weighs as if it took this long (no infinite weights)
 MIN_PREDICTION_FRACTION = 0.5
+# Most pieces a pipelined head runs in: the overlap keeps 1 - 1/8 of its ideal, and the head KV
+# the pieces re-read stays within 4x one pass (on the H200, 32 pieces of a 4096-token prompt at
+# the 1B shape's 16 KB of head KV per token spent 1.5 s moving it; docs/benchmarks.md).
+MAX_PIPELINE_PIECES = 8
 
 
 @dataclass
@@ -310,11 +314,20 @@ class CostModel:
         long as the head: then the head hides under the upload, and the cloud, which holds the
         turn's admission slot from its header on, waits no longer than for the upload alone (an
         upload predicted to take no time, on a link not measured, runs the head whole). With
-        ``P`` pieces the two overlap except for one piece: ``head + wire - min(head, wire) (1 - 1/P)``."""
+        ``P`` pieces the two overlap except for one piece: ``head + wire - min(head, wire) (1 - 1/P)``.
+
+        ``P`` is at most ``MAX_PIPELINE_PIECES``: each piece reads the KV of every token before it
+        (host to device and back on a GPU), so ``P`` pieces move about ``P/2`` times the turn's head
+        KV; past that many pieces longer prompts get longer pieces (``pipeline_piece_tokens``)."""
         seg = self.pipeline_tokens
         if not seg or n_head < 2 * seg or wire_ms <= 0 or wire_ms < head_ms:  # 0: not measured
             return 0
-        return -(-n_head // seg)
+        return min(MAX_PIPELINE_PIECES, -(-n_head // seg))
+
+    def pipeline_piece_tokens(self, n_head: int, pieces: int) -> int:
+        """Head tokens per piece when ``n_head`` new tokens run in ``pieces`` pieces: at least the
+        configured ``pipeline_tokens``."""
+        return max(self.pipeline_tokens, -(-n_head // max(1, pieces)))
 
     def residual_ms(self, route: Route, prompt_tokens: int) -> float:
         """The route's residual (ms) at this prompt length: its octave's, else the nearest octave's

@@ -112,6 +112,8 @@ class OnnxHead:
             return []
         for r in rows:
             self._check(r)
+        if len(rows) == 1:
+            return [self._run_one(rows[0])]
         bt = len(rows)
         t_max = max(r.token_ids.shape[0] for r in rows)
         p_max = max(r.past_tokens for r in rows)
@@ -141,6 +143,24 @@ class OnnxHead:
             kv = np.concatenate([stacked[:, :, b, :, :p], stacked[:, :, b, :, p_max : p_max + t]], axis=3)
             out.append(HeadOutput(hidden=np.ascontiguousarray(hidden[b, :t]), kv=np.ascontiguousarray(kv)))
         return out
+
+    def _run_one(self, r: HeadInput) -> HeadOutput:
+        """One row without the batch's padding: the past KV goes in as views of ``r.past_kv`` and
+        the presents come out in one copy, so a pipelined head's pieces (each re-reading the KV
+        before it) copy that KV once per piece rather than four times."""
+        t, p = r.token_ids.shape[0], r.past_tokens
+        feeds: dict[str, np.ndarray] = {
+            "input_ids": r.token_ids.astype(np.int64, copy=False)[None],
+            "position_ids": np.arange(p, p + t, dtype=np.int64)[None],
+            "attention_mask": np.ones((1, p + t), np.int64),
+        }
+        empty = np.zeros((1, self.hkv, 0, self.d), np.float32)
+        for i in range(self.k):
+            feeds[f"past_key_{i}"] = r.past_kv[i, 0][None] if r.past_kv is not None else empty
+            feeds[f"past_value_{i}"] = r.past_kv[i, 1][None] if r.past_kv is not None else empty
+        hidden, *presents = self.session.run(self._outputs, feeds)
+        kv = np.stack([x[0] for x in presents]).reshape(self.k, 2, self.hkv, p + t, self.d)
+        return HeadOutput(hidden=np.ascontiguousarray(hidden[0]), kv=kv)
 
 
 class HeadRunner(Protocol):

@@ -61,6 +61,23 @@ def test_second_turn_with_past_kv_matches_hf(head, hf_model):
         assert close(o.kv, ref_kv)
 
 
+def test_one_row_equals_that_row_in_a_batch_and_takes_a_truncated_past(head, hf_model):
+    """A row run alone (no batch padding; the past KV passed as views) gives what it gives inside a
+    ragged batch, and a past that is a view of a longer KV (a session truncated to its common
+    prefix) gives what a fresh run of those tokens gives."""
+    rng = np.random.default_rng(2)
+    a, b, c = (rng.integers(0, 49152, n).tolist() for n in (50, 17, 8))
+    whole = head.run([HeadInput(np.array(a + b))])[0]
+    past = whole.kv[:, :, :, : len(a)]  # non-contiguous: the first len(a) tokens of a longer KV
+    assert not past.flags.c_contiguous
+    alone = head.run([HeadInput(np.array(c), past)])[0]
+    batched = head.run([HeadInput(np.array(c), np.ascontiguousarray(past)), HeadInput(np.array(b))])[0]
+    assert np.abs(alone.hidden - batched.hidden).max() <= 1e-5 * np.abs(batched.hidden).max()
+    assert np.abs(alone.kv - batched.kv).max() <= 1e-5 * np.abs(batched.kv).max()
+    ref_h, ref_kv = hf_run(hf_model, a + c, head.k)
+    assert close(alone.hidden, ref_h[len(a) :]) and close(alone.kv, ref_kv)
+
+
 def test_bad_past_shape_is_rejected(head):
     from tandem.common.errors import InvalidRequest
 

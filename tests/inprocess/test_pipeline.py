@@ -195,7 +195,7 @@ async def test_a_fast_link_or_a_short_turn_runs_the_head_whole():
 
 
 def test_the_cost_model_counts_the_overlap_of_a_pipelined_head():
-    from tandem.edge.costmodel import CostModel
+    from tandem.edge.costmodel import MAX_PIPELINE_PIECES, CostModel
 
     cm = CostModel(pipeline_tokens=128)
     assert cm.pipeline_pieces(1024, head_ms=500.0, wire_ms=4000.0) == 8
@@ -203,3 +203,7 @@ def test_the_cost_model_counts_the_overlap_of_a_pipelined_head():
     assert cm.pipeline_pieces(200, head_ms=100.0, wire_ms=4000.0) == 0  # one piece
     assert cm.pipeline_pieces(1024, head_ms=0.0, wire_ms=0.0) == 0  # a link not measured
     assert CostModel().pipeline_pieces(1024, 500.0, 4000.0) == 0  # pipelining off
+    # a long prompt: at most MAX_PIPELINE_PIECES pieces, each longer (every piece re-reads the KV before it)
+    assert cm.pipeline_pieces(4096, head_ms=500.0, wire_ms=4000.0) == MAX_PIPELINE_PIECES == 8
+    assert cm.pipeline_piece_tokens(4096, 8) == 512 and cm.pipeline_piece_tokens(1024, 8) == 128
+    assert cm.pipeline_piece_tokens(1000, 8) == 128  # never below --pipeline-tokens

@@ -252,6 +252,23 @@ def test_report_writes_tables_and_plots(tmp_path):
         assert (tmp_path / f).stat().st_size > 0
     assert len(report.load_records(tmp_path / "records.jsonl")) == len(recs)
 
+    from tandem.benchmarks.bench import rerender
+
+    (tmp_path / "summary.md").write_text("stale")
+    (tmp_path / "auto.md").unlink()
+    rerender(tmp_path)  # tandem-bench --render: the same report from records.jsonl and meta.json
+    assert (tmp_path / "summary.md").read_text() == md and (tmp_path / "auto.md").read_text() == auto
+
+
+def test_render_refuses_a_folder_without_records(tmp_path):
+    """``tandem-bench --render`` on a folder with no run in it names the folder (exit 2)."""
+    from typer.testing import CliRunner
+
+    from tandem.benchmarks.bench import app
+
+    run = CliRunner().invoke(app, ["--render", "--out", str(tmp_path)], env={"COLUMNS": "300"})
+    assert run.exit_code == 2 and "no records.jsonl" in run.output, run.output
+
 
 def test_batching_rows_table_and_plot(tmp_path):
     """The sweep's per-engine row and its plot over several rows, on made-up timings (the smoke
@@ -455,9 +472,10 @@ def test_capacity_refuses_a_split_layer_not_exported_and_bad_rates(tmp_path):
 
 
 def test_ttft_floor_is_the_measured_compute_plus_bytes_over_the_rate_plus_the_rtt():
-    """The floor beside each row: split = head + tail prefill + uplink bytes at the profile's rate +
-    RTT; direct = the decode engine's first token + its header's bytes + RTT; local = its prefill;
-    an unknown link or missing stages give NaN, never a number."""
+    """The floor beside each row: split = max(head, uplink bytes at the profile's rate) + tail
+    prefill + RTT (the pipelined upload overlaps the head); direct = the decode engine's first
+    token + its header's bytes + RTT; local = its prefill; an unknown link or missing stages give
+    NaN, never a number."""
     from tandem.benchmarks.report import ttft_floor_ms
 
     g4 = PROFILES["4g"]
@@ -465,7 +483,9 @@ def test_ttft_floor_is_the_measured_compute_plus_bytes_over_the_rate_plus_the_rt
     split.sent_bytes = {"activations": 10_000, "kv": 30_000, "header": 200, "resent_chunks": 3}
     split.timings_ms = {"edge_head_ms": 20.0, "cloud_tail_prefill_ms": 50.0, "uplink_ms": 99.0}
     wire_ms = 40_200 * 8 / (g4.uplink_mbps * 1e3)
-    assert ttft_floor_ms(split) == pytest.approx(70.0 + wire_ms + g4.rtt_ms)
+    assert wire_ms > 20.0 and ttft_floor_ms(split) == pytest.approx(wire_ms + 50.0 + g4.rtt_ms)
+    split.timings_ms["edge_head_ms"] = wire_ms + 30.0  # a head slower than the link
+    assert ttft_floor_ms(split) == pytest.approx(wire_ms + 30.0 + 50.0 + g4.rtt_ms)
     direct = RequestRecord("cloud-only", "loopback", 64, 64, 4, 30.0, 100.0, [], 0.0, 1.0)
     direct.sent_bytes, direct.timings_ms = {"header": 200}, {"cloud_decode_first_token_ms": 25.0}
     assert ttft_floor_ms(direct) == pytest.approx(25.0)  # loopback: unshaped, no RTT
