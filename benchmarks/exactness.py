@@ -178,6 +178,9 @@ def main(
     max_new_tokens: int = 32,
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/exactness"),
     edge: Annotated[str, typer.Option(help="port of a running fp32 tandem-edge (default: start both daemons)")] = "",
+    resume: Annotated[
+        bool, typer.Option(help="keep the chats and sessions of OUT/exactness.json and run only the rest")
+    ] = False,
 ) -> None:
     """Run the chats and sessions in the three modes and write the counts."""
     from tqdm import tqdm
@@ -194,8 +197,9 @@ def main(
     w = work_dir("tandem-exactness-")
     print(f"tandem-bench-exactness: {len(prompts)} chats x 3 modes, {chats} sessions; logs in {w}", file=sys.stderr)
     t0 = time.perf_counter()
-    replies: dict[str, dict[str, Reply]] = {}
-    sessions: dict[str, dict[str, list[Reply]]] = {}
+    replies, sessions = load_results(out / "exactness.json") if resume else ({}, {})
+    todo_sessions = [p for p in prompts[:chats] if p["id"] not in sessions]
+    todo_chats = [p for p in prompts if p["id"] not in replies]
 
     def save() -> None:
         """The counts so far (a run cut short leaves what it finished)."""
@@ -211,25 +215,43 @@ def main(
 
     with Daemons() as daemons:
         if not edge:
-            extra = ["--max-num-seqs", "4", *FP32]
+            extra = ["--max-num-seqs", "4", "--engine.dtype", "float32", *FP32]
             c = daemons.spawn("tandem-cloud", cloud_command(split_dir, w / "kv", extra=extra), w / "cloud.log", w / "c")
             target = f"127.0.0.1:{c.wait_ready(900)}"
             e = daemons.spawn("tandem-edge", edge_command(split_dir, target, extra=FP32), w / "edge.log", w / "e")
             edge = str(e.wait_ready(600))
         port = int(edge)
         asyncio.run(wait_serving(port))
-        with tqdm(total=len(prompts) + chats, desc="chats", unit="chat") as bar:
+        with tqdm(total=len(todo_chats) + len(todo_sessions), desc="chats", unit="chat") as bar:
 
             def done() -> None:
                 save()
                 bar.update(1)
 
             # the sessions first: a run cut short still has some of both
-            asyncio.run(run_sessions(port, prompts[:chats], turns, max_new_tokens, tokenizer, sessions, done))
-            asyncio.run(run_chats(port, prompts, max_new_tokens, replies, done))
+            asyncio.run(run_sessions(port, todo_sessions, turns, max_new_tokens, tokenizer, sessions, done))
+            asyncio.run(run_chats(port, todo_chats, max_new_tokens, replies, done))
     save()
     print((out / "exactness.md").read_text())
     print(f"results in {out}: exactness.md, exactness.json", file=sys.stderr)
+
+
+def load_results(path: Path) -> tuple[dict[str, dict[str, Reply]], dict[str, dict[str, list[Reply]]]]:
+    """The chats and sessions of an earlier run's ``exactness.json`` (``--resume``); none where it
+    does not exist.
+
+    Raises: ValueError (the file is not an exactness result)."""
+    if not path.is_file():
+        return {}, {}
+    try:
+        data = json.loads(path.read_text())
+        chats = {cid: {m: Reply(**r) for m, r in per.items()} for cid, per in data["chats"].items()}
+        sessions = {
+            cid: {m: [Reply(**r) for r in rs] for m, rs in per.items()} for cid, per in data["sessions"].items()
+        }
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a tandem-bench-exactness result: {e!r}") from None
+    return chats, sessions
 
 
 async def wait_serving(port: int, timeout_s: float = 600.0) -> None:

@@ -18,6 +18,12 @@
 #                fp32 CUDA engines, the in-process tail and full model on the GPU
 #   fidelity-bf16  the same in bf16 (--dtype bfloat16): the split's agreement with direct beside
 #                direct's own bf16 run-to-run floor
+#   exactness    tandem-bench-exactness on SmolLM2, fp32 CUDA engines: remote prefill, direct and
+#                local over all 200 chats and 20 three-turn sessions; it resumes what an earlier
+#                call on the same host finished (the host keeps /var/tmp while it stays up), so a
+#                run cut by a call's time limit goes on in the next call
+#   matrix-1b    tandem-bench on the 1B shape per output length (16/128/512 tokens), wifi6 and 4g,
+#                256 and 1024 prompt tokens: end to end and cloud engine time per mode
 # The capacity runs use the unshaped loopback: one proxy would be one link shared by every request,
 # where the deployment measured gives each edge client its own.
 #
@@ -42,7 +48,7 @@ log() { echo "[$(date +%T)] $*" | tee -a "$OUT/steps.log"; }
 
 keep_logs() {  # keep_logs NAME: the daemons' logs of the runs so far, one archive (few files come back)
   local dirs
-  dirs=$(ls -d /tmp/tandem-bench-* /tmp/tandem-capacity-* 2>/dev/null)
+  dirs=$(ls -d /tmp/tandem-bench-* /tmp/tandem-capacity-* /tmp/tandem-exactness-* 2>/dev/null)
   [ -n "$dirs" ] || return 0
   tar czf "$OUT/logs-$1.tgz" --exclude='kv*' $dirs 2>/dev/null && rm -rf $dirs
 }
@@ -143,6 +149,25 @@ step_fidelity() {  # step_fidelity DTYPE
   tail -30 "$OUT/fidelity-$1.log"
 }
 
+step_exactness() {
+  smollm2
+  log "tandem-bench-exactness (resumes $W/exactness)"
+  (cd "$W" && tandem-bench-exactness --model-dir "$SMOL" --resume --out "$W/exactness") > "$OUT/exactness.log" 2>&1
+  cp "$W/exactness/exactness.md" "$W/exactness/exactness.json" "$OUT/" 2>/dev/null
+  keep_logs exactness
+  tail -15 "$OUT/exactness.log"
+}
+
+step_matrix_1b() {
+  smollm2
+  realsize llama-3.2-1b "$W/l1b" 2,4,8
+  log "tandem-bench 1B output-length matrix"
+  (cd "$W" && tandem-bench --model-dir "$W/l1b" --split-layers 4 --links wifi6,4g --prompt-lens 256,1024 \
+    --output-lens 16,128,512 --requests 1 --shaper proxy --out "$OUT/matrix-1b") > "$OUT/matrix-1b.log" 2>&1
+  keep_logs matrix-1b
+  tail -40 "$OUT/matrix-1b.log"
+}
+
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 for s in "$@"; do
   case $s in
@@ -155,7 +180,9 @@ for s in "$@"; do
     capacity-8b) step_capacity_8b ;;
     fidelity) step_fidelity float32 ;;
     fidelity-bf16) step_fidelity bfloat16 ;;
-    *) echo "unknown step $s (smollm2 | prep-1b | tier | bench-1b | capacity-1b | bench-8b | capacity-8b | fidelity | fidelity-bf16)" >&2; exit 2 ;;
+    exactness) step_exactness ;;
+    matrix-1b) step_matrix_1b ;;
+    *) echo "unknown step $s (smollm2 | prep-1b | tier | bench-1b | capacity-1b | bench-8b | capacity-8b | fidelity | fidelity-bf16 | exactness | matrix-1b)" >&2; exit 2 ;;
   esac
 done
 log "done: $*"

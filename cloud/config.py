@@ -117,8 +117,9 @@ class EngineConfig(BaseModel):
     )
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
         default_factory=lambda: "float32" if vllm_is_cpu_build() else "auto",
-        description="Engine weights and activations dtype (`auto`: the checkpoint's). Default: float32 on the CPU "
-        "build, which keeps greedy output equal to the fp32 model; `auto` on a GPU (bf16 for a bf16 checkpoint).",
+        description="Engine weights and activations dtype (`auto`: vLLM's choice, the checkpoint's dtype except that "
+        "an fp32 checkpoint runs in the GPU's preferred 16-bit type, bf16 where supported). Default: float32 on the "
+        "CPU build, which keeps greedy output equal to the fp32 model; `auto` on a GPU.",
     )
     tail_gpu_memory_utilization: Fraction = Field(
         default=0.2,

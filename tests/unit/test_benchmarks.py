@@ -516,3 +516,30 @@ def test_the_output_length_matrix_names_the_fastest_mode_and_the_lightest_on_the
     assert "| wifi6 | 257 | 16 | cloud-only (400) | remote-prefill (200) |" in md  # auto is not a fixed mode
     assert "| wifi6 | 257 | 128 | remote-prefill (2000) | remote-prefill (300) |" in md
     assert (tmp_path / "outputs.png").stat().st_size > 0
+
+
+def test_exactness_resume_reads_back_what_a_run_saved(tmp_path):
+    """``tandem-bench-exactness --resume`` keeps the chats and sessions its ``exactness.json``
+    holds (the form ``save`` writes), starts afresh without one, and refuses another file."""
+    from tandem.benchmarks.exactness import Reply, count, load_results
+
+    chats = {"c1": {m: Reply([1, 2], 0, 0) for m in ("remote_prefill", "direct", "local")}}
+    chats["c1"]["remote_prefill"] = Reply([1, 2], 1, 640)
+    sessions = {"c1": {m: [Reply([3]), Reply([4, 5])] for m in ("remote_prefill", "direct", "local")}}
+    path = tmp_path / "exactness.json"
+    path.write_text(
+        json.dumps(
+            {
+                "counts": {},
+                "chats": {k: {m: r.__dict__ for m, r in v.items()} for k, v in chats.items()},
+                "sessions": {k: {m: [r.__dict__ for r in rs] for m, rs in v.items()} for k, v in sessions.items()},
+            }
+        )
+    )
+    got_chats, got_sessions = load_results(path)
+    assert got_chats == chats and got_sessions == sessions
+    assert count(got_chats, got_sessions).as_dict() == count(chats, sessions).as_dict()
+    assert load_results(tmp_path / "none.json") == ({}, {})
+    path.write_text('{"chats": 3}')
+    with pytest.raises(ValueError, match="not a tandem-bench-exactness result"):
+        load_results(path)
