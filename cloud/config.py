@@ -143,6 +143,19 @@ class EngineConfig(BaseModel):
         "device index up.",
     )
 
+    def compute_dtype(self, checkpoint_dtype: str) -> str:
+        """The dtype the engines compute in for a checkpoint stored in ``checkpoint_dtype``: ``dtype``
+        where it is set; under ``auto``, vLLM's rule (``ModelConfig``'s auto dtype): a 16-bit
+        checkpoint's own, an fp32 checkpoint's the platform's first supported dtype
+        (``vllm.platforms.current_platform.supported_dtypes``: bf16 on a GPU that has it)."""
+        if self.dtype != "auto":
+            return self.dtype
+        if checkpoint_dtype in ("float16", "bfloat16"):
+            return checkpoint_dtype
+        from vllm.platforms import current_platform
+
+        return str(current_platform.supported_dtypes[0]).removeprefix("torch.")
+
     @field_validator("block_size_tokens")
     @classmethod
     def _block_size(cls, v: int) -> int:
@@ -284,8 +297,8 @@ class CloudConfig(DaemonSettings):
     fidelity_tables: ListSetting[Path] = Field(
         default_factory=list,
         description="More fidelity tables (`tandem-bench-fidelity`'s `fidelity-table.json`) beside the packaged "
-        "ones: at each split layer a link gets the smallest format pair the table of this model's weights puts "
-        "within the noise floor, among the formats both sides accept.",
+        "ones: at each split layer a link gets the smallest format pair the table of this model's weights and "
+        "the engines' compute dtype puts within the noise floor, among the formats both sides accept.",
     )
     codecs: ListSetting[CodecSetting] = Field(
         default=["none", "zstd"],
@@ -416,7 +429,7 @@ def check_engines_fit(cfg: CloudConfig) -> None:
     decode = e.for_engine("decode")
     if decode.kv_cache_bytes is None:  # a GPU sizes its caches from the memory shares (vLLM checks them at start)
         return
-    dtype_bytes = DTYPE_BYTES.get(m.dtype if decode.dtype == "auto" else decode.dtype, 4)
+    dtype_bytes = DTYPE_BYTES.get(e.compute_dtype(m.dtype), 4)
     blocks = -(-e.max_model_len_tokens // e.block_size_tokens)
     needed = sh.num_layers * blocks * 2 * e.block_size_tokens * sh.num_kv_heads * sh.head_dim * dtype_bytes
     if decode.kv_cache_bytes < needed:

@@ -4,8 +4,10 @@ model and split layer, as ``tandem-bench-fidelity`` measured them (``fidelity-ta
 A table is JSON: ``{"weights_blake3", "rule", "floor", "measured", "splits": {"<k>": [{"activations",
 "kv", "bytes_per_token", "kl_mean", "flip_rate", "qualifies"}, ...]}}``. It applies to the weights
 whose ``SplitManifest.weights_blake3`` it names (the weights' content, so the same model prepared
-anywhere matches and other weights never do). The tables of the models tandem has measured ship
-in ``cloud/fidelity_tables/``; ``CloudConfig.fidelity_tables`` adds others.
+anywhere matches and other weights never do) on engines that compute in the dtype it was measured
+in (``measured.dtype``, float32 where absent): its floor and its verdicts are that precision's.
+The tables of the models tandem has measured ship in ``cloud/fidelity_tables/``;
+``CloudConfig.fidelity_tables`` adds others.
 
 Negotiation (``cloud.negotiation.link_params``) takes, at split layer ``k``, the smallest
 qualifying pair whose two formats both sides accept and that is smaller than fp16/fp16; without
@@ -33,6 +35,7 @@ class FidelityTable:
 
     weights_blake3: str
     pairs: Mapping[int, tuple[Pair, ...]] = field(default_factory=dict)
+    dtype: str = "float32"  # the engines' compute dtype it was measured with
 
     @classmethod
     def from_json(cls, data: Mapping) -> FidelityTable:
@@ -49,7 +52,8 @@ class FidelityTable:
                 bound = half[0] if half else float("inf")
                 ok = sorted((e for e in entries if e["qualifies"] and e["bytes_per_token"] < bound), key=_bytes)
                 by_k[int(k)] = tuple((WireDtype[e["activations"].upper()], WireDtype[e["kv"].upper()]) for e in ok)
-            return cls(str(data["weights_blake3"]), MappingProxyType(by_k))
+            dtype = str(data.get("measured", {}).get("dtype", "float32"))
+            return cls(str(data["weights_blake3"]), MappingProxyType(by_k), dtype)
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a fidelity table: {e!r}") from None
 
@@ -73,9 +77,9 @@ class FidelityTable:
         return {a for a, _ in every}, {v for _, v in every}
 
 
-def load_tables(extra: Iterable[Path] = ()) -> Mapping[str, FidelityTable]:
-    """The packaged tables and ``extra`` ones by ``weights_blake3`` (a later one for the same
-    weights replaces an earlier one).
+def load_tables(extra: Iterable[Path] = (), dtype: str = "float32") -> Mapping[str, FidelityTable]:
+    """The packaged tables and ``extra`` ones measured in compute ``dtype``, by
+    ``weights_blake3`` (a later one for the same weights replaces an earlier one).
 
     Raises:
         ValueError: a file is not a fidelity table.
@@ -83,7 +87,8 @@ def load_tables(extra: Iterable[Path] = ()) -> Mapping[str, FidelityTable]:
     out: dict[str, FidelityTable] = {}
     for path in [*sorted(PACKAGED.glob("*.json")), *extra]:
         t = FidelityTable.load(path)
-        out[t.weights_blake3] = t
+        if t.dtype == dtype:
+            out[t.weights_blake3] = t
     return MappingProxyType(out)
 
 

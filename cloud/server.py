@@ -82,8 +82,9 @@ class CloudServer:
         await self.server.stop(min(1.0, grace_s))
 
 
-def link_limits(cfg: CloudConfig) -> LinkLimits:
-    """The cloud-wide limits every link's params live within."""
+def link_limits(cfg: CloudConfig, manifest: SplitManifest) -> LinkLimits:
+    """The cloud-wide limits every link's params live within; the fidelity tables are those
+    measured in the dtype the engines compute ``manifest``'s checkpoint in."""
     e = cfg.engine
     return LinkLimits(
         chunk_tokens=min(cfg.chunk_tokens, cfg.max_chunk_tokens),
@@ -97,7 +98,7 @@ def link_limits(cfg: CloudConfig) -> LinkLimits:
         max_new_tokens=cfg.max_new_tokens,
         max_chunk_resends=cfg.max_chunk_resends,
         max_model_len_tokens=e.max_model_len_tokens,
-        fidelity=load_tables(cfg.fidelity_tables),
+        fidelity=load_tables(cfg.fidelity_tables, e.compute_dtype(manifest.dtype)),
     )
 
 
@@ -139,7 +140,7 @@ def build_gateway(
         ValueError: an extra split holds another model (weights or shape).
     """
     splits = Splits.of(manifest, extra_manifests)
-    limits, links, rates = link_limits(cfg), link_table(cfg), CloudRates()
+    limits, links, rates = link_limits(cfg, manifest), link_table(cfg), CloudRates()
     sessions = SessionTable(cfg.max_sessions, cfg.session_bytes, cfg.session_idle_s)
     per_edge = edge_limits(cfg, manifest.shape)
     sync = SessionSync(

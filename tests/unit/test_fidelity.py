@@ -136,12 +136,44 @@ def test_the_link_gets_the_smallest_qualifying_pair_both_sides_accept():
     assert params(limits(), m) == (W.FP16, W.FP16)
 
 
-def test_the_packaged_tables_load_and_name_their_weights():
-    tables = load_tables()
-    assert len(tables) == len(list(PACKAGED.glob("*.json"))) >= 1
-    for path in PACKAGED.glob("*.json"):
+DTYPES = ("float32", "bfloat16")  # the compute dtypes the packaged tables are measured in
+
+
+def test_the_packaged_tables_load_and_name_their_weights_and_dtype():
+    paths = list(PACKAGED.glob("*.json"))
+    assert sum(len(load_tables(dtype=d)) for d in DTYPES) == len(paths) >= 1
+    for path in paths:
         data = json.loads(path.read_text())
-        assert tables[data["weights_blake3"]].pairs.keys() == {int(k) for k in data["splits"]}
+        t = load_tables(dtype=data["measured"]["dtype"])[data["weights_blake3"]]
+        assert t.pairs.keys() == {int(k) for k in data["splits"]} and t.dtype == data["measured"]["dtype"]
+    assert not load_tables(dtype="float16")  # nothing measured in fp16: such a cloud keeps fp16 on the wire
+
+
+def test_a_table_applies_to_the_engines_compute_dtype_only(tmp_path):
+    """The tables a cloud negotiates by are those measured in the dtype its engines compute in
+    (``EngineConfig.compute_dtype``): an fp32 table's verdicts say nothing of a bf16 cloud's floor."""
+    fp32 = table_json() | {"measured": {"dtype": "float32"}}
+    bf16 = table_json() | {"measured": {"dtype": "bfloat16"}}
+    bf16["splits"][str(K)] = [e for e in bf16["splits"][str(K)] if e["kv"] != "int4"]
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, data in zip(paths, (fp32, bf16), strict=True):
+        path.write_text(json.dumps(data))
+    m = MANIFEST.model_copy(update={"weights_blake3": "w"})
+    lim32, lim16 = (limits(fidelity=load_tables(paths, d)) for d in ("float32", "bfloat16"))
+    assert lim32.fidelity["w"].dtype == "float32" and lim16.fidelity["w"].dtype == "bfloat16"
+    assert params(lim32, m) == (W.INT8_HADAMARD, W.INT4)
+    assert params(lim16, m) == (W.INT8_HADAMARD, W.INT8_HADAMARD)
+
+
+def test_the_engines_compute_dtype_follows_vllms_auto_rule():
+    from tandem.cloud.config import EngineConfig
+
+    assert EngineConfig(dtype="float32").compute_dtype("bfloat16") == "float32"  # set: as set
+    assert EngineConfig(dtype="auto").compute_dtype("bfloat16") == "bfloat16"  # a 16-bit checkpoint: its own
+    from vllm.platforms import current_platform
+
+    first = str(current_platform.supported_dtypes[0]).removeprefix("torch.")
+    assert EngineConfig(dtype="auto").compute_dtype("float32") == first  # fp32: the platform's first
 
 
 def test_default_offers_are_fp16_fp32_and_the_formats_the_tables_qualify():
@@ -152,7 +184,7 @@ def test_default_offers_are_fp16_fp32_and_the_formats_the_tables_qualify():
     from tandem.edge.config import EdgeConfig
 
     acts, kvs = {W.FP16, W.FP32}, {W.FP16, W.FP32}
-    for t in load_tables().values():
+    for t in (t for d in DTYPES for t in load_tables(dtype=d).values()):
         a, v = t.formats()
         acts, kvs = acts | a, kvs | v
     e, c = EdgeConfig(), CloudConfig()
