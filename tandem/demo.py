@@ -43,18 +43,6 @@ def stream(
 
 def report(results: dict[str, ChatResult]) -> None:
     names = list(results)
-    print("\nPer-stage latency (ms)")
-    print(f"{'stage':<44}" + "".join(f"{n:>16}" for n in names))
-    for st in STAGES:
-        cells = (results[n].timings_ms.get(st) for n in names)
-        print(f"{st.label:<44}" + "".join(f"{'-':>16}" if v is None else f"{v:>16.1f}" for v in cells))
-    print(f"{'decode rate (tokens/s)':<44}" + "".join(f"{decode_rate(results[n]):>16.1f}" for n in names))
-    print(f"{'mode that served it':<44}" + "".join(f"{mode_of(results[n]):>16}" for n in names))
-    print(
-        f"{'predicted TTFT (edge cost model, ms)':<44}"
-        + "".join(f"{results[n].predicted_ttft_ms:>16.1f}" for n in names)
-    )
-    print("\nTokens and bytes")
     rows = [
         ("prompt tokens", lambda r: r.prompt_tokens),
         ("tokens through the edge head", lambda r: r.head_tokens),
@@ -65,8 +53,21 @@ def report(results: dict[str, ChatResult]) -> None:
         ("bytes sent: header+commit", lambda r: r.sent_bytes.get("header", 0)),
         ("bytes per new prompt token", bytes_per_new_token),
     ]
+    w = max(len(label) for label in [*(st.label for st in STAGES), *(label for label, _ in rows)]) + 2
+    print("\nPer-stage latency (ms)")
+    print(f"{'stage':<{w}}" + "".join(f"{n:>16}" for n in names))
+    for st in STAGES:
+        cells = (results[n].timings_ms.get(st) for n in names)
+        print(f"{st.label:<{w}}" + "".join(f"{'-':>16}" if v is None else f"{v:>16.1f}" for v in cells))
+    print(f"{'decode rate (tokens/s)':<{w}}" + "".join(f"{decode_rate(results[n]):>16.1f}" for n in names))
+    print(f"{'mode that served it':<{w}}" + "".join(f"{mode_of(results[n]):>16}" for n in names))
+    print(
+        f"{'predicted TTFT (edge cost model, ms)':<{w}}"
+        + "".join(f"{results[n].predicted_ttft_ms:>16.1f}" for n in names)
+    )
+    print("\nTokens and bytes")
     for label, f in rows:
-        print(f"{label:<44}" + "".join(f"{f(results[n]):>16}" for n in names))
+        print(f"{label:<{w}}" + "".join(f"{f(results[n]):>16}" for n in names))
 
 
 def mode_of(r: ChatResult) -> str:

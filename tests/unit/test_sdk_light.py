@@ -29,3 +29,17 @@ def test_sdk_imports_without_heavy_packages():
     out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok Client AsyncClient")
+
+
+def test_the_demo_report_keeps_its_columns_aligned_whatever_the_label(capsys):
+    """``make run``'s per-stage table: every row's numbers start in the same column, the longest
+    stage label (the remote-prefill ones) included."""
+    from tandem.demo import report
+    from tandem.stages import Stage
+    from tandem.streams import ChatResult
+
+    r = ChatResult("x", "length", 10, 4, 10, 0, 4, (1, 2, 3, 4), timings_ms={Stage.CLOUD_DECODE: 12.5}, mode="split")
+    report({"split k=4": r, "plain vLLM": r})
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip() and not ln.startswith(("Per-", "Tokens"))]
+    assert len(lines) > 10
+    assert len({len(ln) for ln in lines}) == 1, "\n".join(lines)
