@@ -48,7 +48,8 @@ import numpy as np
 import typer
 
 from tandem.benchmarks import links as linkmod
-from tandem.benchmarks.bench import ModeSpec, Stack, machine_meta
+from tandem.benchmarks.bench import ModeSpec
+from tandem.benchmarks.stack import Stack, machine_meta
 from tandem.benchmarks.workload import BenchPrompt, make_prompts
 from tandem.daemons import work_dir
 

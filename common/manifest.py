@@ -21,7 +21,7 @@ FULL_CHECK_NAME = "edge-full.check.json"  # the check of edge-full.onnx against 
 
 class ExportCheck(BaseModel):
     """The check of an exported ONNX graph against the HF model it was exported from
-    (``common.modelprep.check_export``): the largest absolute difference over every output (the
+    (``common.onnx_export.check_export``): the largest absolute difference over every output (the
     hidden state entering layer ``k`` or the logits, and every present key and value) on the check
     prompts, against ``tolerance``, in float32."""
 
@@ -29,7 +29,7 @@ class ExportCheck(BaseModel):
 
     architecture: str  # HF ``config.architectures[0]``, e.g. "Qwen3ForCausalLM"
     max_abs_error: float  # max |ONNX - HF| over all outputs and check tokens
-    tolerance: float  # the bound it was checked against (``modelprep.check_tolerance``)
+    tolerance: float  # the bound it was checked against (``onnx_export.CHECK_RTOL * max(1, max |HF|)``)
     tokens: int  # check tokens run through the graph (two rows, two steps)
     passed: bool
 

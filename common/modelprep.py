@@ -37,43 +37,30 @@ from __future__ import annotations
 import filecmp
 import importlib.util
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 from typing import Annotated, Any
 
-import numpy as np
 import typer
 from rich.console import Console
 
+from tandem.common.bundles import DIRECT_DIR, write_bundles
 from tandem.common.manifest import (
     FULL_CHECK_NAME,
     FULL_ONNX,
     MANIFEST_NAME,
-    BundleFile,
-    BundleManifest,
     ExportCheck,
     ModelShape,
     SplitManifest,
-    blake3_file,
 )
+from tandem.common.onnx_export import ONNX_OPSET, ExportCheckFailed, check_export, export_head
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ONNX_OPSET = 17
 TOKENIZER_DIR = "tokenizer"
-DIRECT_DIR = "direct"  # the manifest of a checkpoint prepared for direct mode only (``--direct-only``)
-BUNDLES_DIR = "bundles"
 # what the edge needs of a checkpoint to tokenize, apply the chat template and stop (EOS)
 _TOKENIZER_FILES = ("chat_template.jinja", "generation_config.json", "special_tokens_map.json")
-# An export passes its check when max |ONNX - HF| <= CHECK_RTOL * max(1, max |HF|) over all its outputs:
-# fp32 graphs of the same function differ by reordered sums, measured at up to 2.7e-6 of the largest
-# value on the families' test checkpoints (tests/families.py) and 5.5e-7 on SmolLM2-135M; a wrong
-# layer (a missing q/k norm or soft-cap, another mask, other weights) is off by far more
-CHECK_RTOL = 5e-5
-CHECK_TOKENS = (24, 20)  # check rows: the second left-padded to the first's length
-CHECK_STEP_SLOTS = 16  # first step: slots [0, 16), second step: the rest (exercises the past KV inputs)
 console = Console(stderr=True)
 app = typer.Typer(add_completion=False, help="Prepare split models for tandem.")
 
@@ -285,157 +272,6 @@ def make_tail(src: Path, dst: Path, k: int) -> Path:
     return dst
 
 
-class ExportCheckFailed(ValueError):
-    """An exported graph differs from HF beyond the tolerance; nothing is bundled."""
-
-
-def load_hf(src: Path) -> Any:
-    """The HF causal LM at ``src`` in float32 with eager attention (the head's export source and
-    the check's reference), in eval mode.
-
-    Raises:
-        UnsupportedArchitecture: its architecture is not in ``common.head_model.FAMILIES``.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from tandem.common.head_model import family_of
-
-    family_of(json.loads((Path(src) / "config.json").read_text()))
-    return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def export_head(src: Path, out: Path, k: int, full: bool = False) -> Path:
-    """Export embedding + layers [0, k) to ONNX (TorchScript exporter, opset 17); with ``full``
-    the whole model with final norm and lm_head (``EdgeFull``, edge-only baseline), ``k = L``.
-
-    Dynamic axes: batch ``Bt``, new tokens ``T``, past ``P`` (see ``common.head_model.EdgeHead``).
-
-    Raises:
-        UnsupportedArchitecture: the checkpoint's architecture is not supported.
-    """
-    import torch
-
-    from tandem.common.head_io import io_names
-    from tandem.common.head_model import EdgeFull, EdgeHead
-
-    model = load_hf(src)
-    head = (EdgeFull(model) if full else EdgeHead(model, k)).eval()
-    cfg = model.config
-    hkv = cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    bt, t, p = 2, 5, 3
-    ids = torch.randint(0, cfg.vocab_size, (bt, t))
-    pos = torch.arange(p, p + t).repeat(bt, 1)
-    mask = torch.ones(bt, p + t, dtype=torch.int64)
-    past = [torch.randn(bt, hkv, p, d) for _ in range(2 * k)]
-    inputs, outputs = io_names(k)
-    if full:
-        outputs[0] = "logits"  # [Bt, V]
-    dyn = {
-        "input_ids": {0: "batch", 1: "new"},
-        "position_ids": {0: "batch", 1: "new"},
-        "attention_mask": {0: "batch", 1: "total"},
-        outputs[0]: {0: "batch"} if full else {0: "batch", 1: "new"},
-    }
-    for n in inputs[3:]:
-        dyn[n] = {0: "batch", 2: "past"}
-    for n in outputs[1:]:
-        dyn[n] = {0: "batch", 2: "total"}
-    tmp = out.with_name(out.name + ".tmp")
-    with torch.no_grad():
-        torch.onnx.export(
-            head,
-            (ids, pos, mask, *past),
-            str(tmp),
-            input_names=inputs,
-            output_names=outputs,
-            dynamic_axes=dyn,
-            opset_version=ONNX_OPSET,
-            dynamo=False,
-        )
-    tmp.rename(out)
-    return out
-
-
-def _check_rows(vocab_size: int) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
-    """The check prompts (fixed token ids), their slot mask ``[2, S]`` (row 1 left-padded) and
-    positions ``[2, S]`` (0 on padding slots), ``S = max(CHECK_TOKENS)``."""
-    rng = np.random.default_rng(0)
-    rows = [rng.integers(0, vocab_size, n).tolist() for n in CHECK_TOKENS]
-    slots = max(CHECK_TOKENS)
-    mask = np.zeros((len(rows), slots), np.int64)
-    pos = np.zeros((len(rows), slots), np.int64)
-    for r, ids in enumerate(rows):
-        mask[r, slots - len(ids) :] = 1
-        pos[r, slots - len(ids) :] = np.arange(len(ids))
-    return rows, mask, pos
-
-
-def check_export(src: Path, onnx_path: Path, k: int, full: bool = False) -> ExportCheck:
-    """Run the exported head (``full``: ``edge-full.onnx``) with ONNX Runtime against the HF model
-    at ``src`` on the check prompts (``CHECK_TOKENS``, the second row left-padded, in two steps
-    split at ``CHECK_STEP_SLOTS`` so the second feeds the first's presents back as past KV).
-
-    Compared: ``hidden`` against HF ``hidden_states[k]`` at every real slot (``full``: ``logits`` of
-    each step's last slot against HF's logits there) and every ``present_key_i`` /
-    ``present_value_i`` at the real slots against HF's cache (the keys after RoPE). Passes when the
-    largest absolute difference is within ``CHECK_RTOL * max(1, max |HF|)``.
-
-    Raises:
-        UnsupportedArchitecture: the checkpoint's architecture is not supported.
-    """
-    import onnxruntime as ort
-    import torch
-    from transformers import DynamicCache
-
-    from tandem.common.head_io import io_names
-
-    model = load_hf(src)
-    cfg = model.config
-    n = cfg.num_hidden_layers if full else k
-    rows, mask, pos = _check_rows(cfg.vocab_size)
-    slots = mask.shape[1]
-    ids = np.zeros_like(mask)
-    refs: list[tuple[np.ndarray, list[np.ndarray]]] = []  # per row: output at its real slots, KV [Hkv, T, D]
-    with torch.no_grad():
-        for r, row in enumerate(rows):
-            ids[r, slots - len(row) :] = row
-            out = model(torch.tensor([row]), output_hidden_states=True, past_key_values=DynamicCache())
-            main = out.logits[0] if full else out.hidden_states[k][0]
-            kv = [t[0].numpy() for layer in out.past_key_values.layers[:n] for t in (layer.keys, layer.values)]
-            refs.append((main.numpy(), kv))
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 2
-    session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
-    inputs, _ = io_names(n)
-    hkv = cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    past = [np.zeros((len(rows), hkv, 0, d), np.float32) for _ in range(2 * n)]
-    outs = []
-    for lo, hi in ((0, CHECK_STEP_SLOTS), (CHECK_STEP_SLOTS, slots)):
-        feed = {"input_ids": ids[:, lo:hi], "position_ids": pos[:, lo:hi], "attention_mask": mask[:, :hi]}
-        feed.update(zip(inputs[3:], past, strict=True))
-        main, *past = session.run(None, feed)
-        outs.append(main)
-    err, scale = 0.0, 1.0
-    for r, row in enumerate(rows):
-        first = slots - len(row)  # the row's first real slot
-        ref_main, ref_kv = refs[r]
-        if full:  # logits of each step's last slot, at the row's positions there
-            got, want = [o[r] for o in outs], [ref_main[CHECK_STEP_SLOTS - 1 - first], ref_main[-1]]
-        else:
-            got, want = [np.concatenate(outs, axis=1)[r, first:]], [ref_main]
-        got += [p[r][:, first:] for p in past]
-        want += ref_kv
-        for g, w in zip(got, want, strict=True):
-            err = max(err, float(np.abs(g - w).max()))
-            scale = max(scale, float(np.abs(w).max()))
-    tol = CHECK_RTOL * scale
-    arch = cfg.architectures[0]
-    return ExportCheck(architecture=arch, max_abs_error=err, tolerance=tol, tokens=sum(CHECK_TOKENS), passed=err <= tol)
-
-
 def _checked(check: ExportCheck, what: str) -> ExportCheck:
     """``check``, printed; raises ``ExportCheckFailed`` when it did not pass."""
     line = (
@@ -501,117 +337,6 @@ def prepare_split(
     manifest.save(split_dir)
     console.print(f"[bold]model[/] split k={k} ready in {split_dir}")
     return manifest
-
-
-def _tree(root: Path, rel: Path) -> list[tuple[Path, Path]]:
-    """(source, path in the bundle) of every file under ``root`` (a file or a directory), placed at ``rel``."""
-    if root.is_file():
-        return [(root, rel)]
-    return [(f, rel / f.relative_to(root)) for f in sorted(root.rglob("*")) if f.is_file()]
-
-
-def _inside(split: Path, rel: str) -> Path:
-    """``split / rel`` normalised, relative to the model directory.
-
-    Raises:
-        ValueError: it points out of the model directory.
-    """
-    path = Path(os.path.normpath(split / rel))
-    if path.is_absolute() or path.parts[0] == "..":
-        raise ValueError(f"{split}/{MANIFEST_NAME} names {rel!r}, outside the model directory")
-    return path
-
-
-def _place(src: Path, dst: Path) -> None:
-    """Hard-link ``src`` at ``dst``, or copy it where a link cannot be made (another file system)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _bundle_current(bundle: Path, plan: list[tuple[Path, Path]]) -> bool:
-    """Whether ``bundle`` already holds exactly ``plan``'s files as links to the same sources (a bundle
-    of copies, made where links cannot be, is written anew each time)."""
-    try:
-        m = BundleManifest.load(bundle)
-    except (FileNotFoundError, ValueError):
-        return False
-    if {f.path for f in m.files} != {rel.as_posix() for _, rel in plan}:
-        return False
-    return all((bundle / rel).is_file() and os.path.samefile(src, bundle / rel) for src, rel in plan)
-
-
-def _write_bundle(bundle: Path, role: str, plan: list[tuple[Path, Path]], manifests: list[SplitManifest]) -> Path:
-    if _bundle_current(bundle, plan):
-        console.print(f"[bold]model[/] {role} bundle up to date ({bundle})")
-        return bundle
-    tmp = bundle.with_name(bundle.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    files = []
-    for src, rel in plan:
-        _place(src, tmp / rel)
-        files.append(BundleFile(path=rel.as_posix(), size=src.stat().st_size, blake3=blake3_file(tmp / rel)))
-    BundleManifest(
-        role=role,
-        model_id=manifests[0].model_id,
-        compatibility_keys={m.split_layer: m.compatibility_key() for m in manifests},
-        files=tuple(files),
-    ).save(tmp)
-    shutil.rmtree(bundle, ignore_errors=True)
-    tmp.rename(bundle)
-    total = sum(f.size for f in files)
-    console.print(f"[bold]model[/] {role} bundle: {len(files)} files, {total / 1e6:.0f} MB in {bundle}")
-    return bundle
-
-
-def write_bundles(out: Path) -> dict[str, Path]:
-    """Write ``out/bundles/edge`` and ``out/bundles/cloud`` from the prepared model directory ``out``
-    (idempotent). Each has the model directory's layout, holds only its role's files and a
-    ``bundle.json`` (see ``BundleManifest``); the split manifests are the same files in both.
-
-    edge: ``split-k{k}/head.onnx`` and ``manifest.json`` per split, ``tokenizer/``, ``edge-full.onnx``
-    (edge-only generation) and its check if prepared and checked. cloud: ``hf/`` (decode engine),
-    ``split-k{k}/tail/`` and ``manifest.json`` per split.
-
-    Raises:
-        FileNotFoundError: ``out`` has no prepared split.
-        ValueError: a split manifest predates the tokenizer directory or records no passing check of
-            its head, or ``edge-full.onnx`` failed its check (run ``tandem-model`` again).
-    """
-    found = sorted(out.glob(f"split-k*/{MANIFEST_NAME}")) + sorted(out.glob(f"{DIRECT_DIR}/{MANIFEST_NAME}"))
-    if not found:
-        raise FileNotFoundError(f"no prepared split under {out}: run tandem-model first")
-    dirs = sorted(((SplitManifest.load(p.parent), Path(p.parent.name)) for p in found), key=lambda x: x[0].split_layer)
-    manifests = [m for m, _ in dirs]
-    edge: list[tuple[Path, Path]] = []
-    cloud: list[tuple[Path, Path]] = []
-    for m, split in dirs:
-        if not m.tokenizer:
-            raise ValueError(f"{out / split / MANIFEST_NAME} names no tokenizer directory: run tandem-model again")
-        if m.split_layer and not m.passed_check:
-            raise ValueError(
-                f"{out / split / MANIFEST_NAME} records no passing check of its head: run tandem-model again"
-            )
-        manifest = (out / split / MANIFEST_NAME, split / MANIFEST_NAME)
-        edge.append(manifest)
-        cloud.append(manifest)
-        if m.split_layer:  # a direct manifest (k = 0) has no head and no tail
-            edge += _tree(out / _inside(split, m.head_onnx), _inside(split, m.head_onnx))
-            cloud += _tree(out / _inside(split, m.tail_checkpoint), _inside(split, m.tail_checkpoint))
-        for rel, plan in ((_inside(split, m.tokenizer), edge), (_inside(split, m.full_checkpoint), cloud)):
-            if not any(dst == rel or rel in dst.parents for _, dst in plan):
-                plan += _tree(out / rel, rel)
-    if (out / FULL_ONNX).is_file() and (out / FULL_CHECK_NAME).is_file():
-        if not ExportCheck.load(out / FULL_CHECK_NAME).passed:
-            raise ValueError(f"{out / FULL_ONNX} failed its check against HF: run tandem-model again")
-        edge += [(out / FULL_ONNX, Path(FULL_ONNX)), (out / FULL_CHECK_NAME, Path(FULL_CHECK_NAME))]
-    root = out / BUNDLES_DIR
-    return {
-        "edge": _write_bundle(root / "edge", "edge", edge, manifests),
-        "cloud": _write_bundle(root / "cloud", "cloud", cloud, manifests),
-    }
 
 
 def check_architecture(hf: Path) -> str:

@@ -21,7 +21,7 @@ import uuid
 import pytest
 
 from tandem import AsyncClient, TandemClientError
-from tandem.common import modelprep
+from tandem.common import modelprep, onnx_export
 from tests.families import FAMILY_NAMES, FAMILY_SPLITS, TOKENIZER_DIR
 from tests.references import assert_same_or_near_tie, hf_greedy, prompt_ids
 
@@ -82,7 +82,7 @@ async def family(request, tmp_path_factory, prepared_families):
         )
     )
     client = AsyncClient(f"127.0.0.1:{edge.port}")
-    yield name, modelprep.load_hf(out / "hf"), AutoTokenizer.from_pretrained(out / "tokenizer"), client
+    yield name, onnx_export.load_hf(out / "hf"), AutoTokenizer.from_pretrained(out / "tokenizer"), client
     await client.close()
     await edge.stop(1)
     await cloud.stop(1)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tandem.common import modelprep
+from tandem.common import modelprep, onnx_export
 from tandem.common.head_io import io_names
 from tandem.common.head_model import FAMILIES, UnsupportedArchitecture
 from tandem.common.manifest import FULL_CHECK_NAME, FULL_ONNX, ExportCheck, SplitManifest
@@ -37,7 +37,7 @@ def prepared(prepared_families) -> dict[str, Path]:
 
 
 def _hf(out: Path):
-    return modelprep.load_hf(out / "hf")
+    return onnx_export.load_hf(out / "hf")
 
 
 def _run_steps(path: Path, n: int, ids: list[int], cfg) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -82,7 +82,7 @@ def test_head_and_whole_model_match_hf_at_two_split_layers(prepared, name):
         assert m.head_check is not None and m.head_check.max_abs_error <= m.head_check.tolerance
         firsts, presents = _run_steps(out / f"split-k{k}" / m.head_onnx, k, ids, model.config)
         want = ref.hidden_states[k][0].numpy()
-        tol = modelprep.CHECK_RTOL * max(1.0, float(np.abs(want).max()))
+        tol = onnx_export.CHECK_RTOL * max(1.0, float(np.abs(want).max()))
         assert np.abs(np.concatenate(firsts, axis=1)[0] - want).max() <= tol, (name, k)
         for got, w in zip(presents, kv[: 2 * k], strict=True):
             assert np.abs(got[0] - w).max() <= tol, (name, k)
@@ -91,7 +91,7 @@ def test_head_and_whole_model_match_hf_at_two_split_layers(prepared, name):
     logits, _ = _run_steps(out / FULL_ONNX, model.config.num_hidden_layers, ids, model.config)
     for step_logits, hi in zip(logits, STEPS[1:], strict=True):
         want = ref.logits[0, hi - 1].numpy()
-        assert np.abs(step_logits[0] - want).max() <= modelprep.CHECK_RTOL * max(1.0, float(np.abs(want).max()))
+        assert np.abs(step_logits[0] - want).max() <= onnx_export.CHECK_RTOL * max(1.0, float(np.abs(want).max()))
         assert int(step_logits[0].argmax()) == int(want.argmax())
     edge = json.loads((out / "bundles" / "edge" / "bundle.json").read_text())
     assert set(edge["compatibility_keys"]) == {str(k) for k in SPLITS}

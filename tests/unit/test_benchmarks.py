@@ -164,7 +164,7 @@ def test_console_scripts_are_found_beside_the_interpreter_or_on_path(tmp_path, m
 
 
 def test_a_run_with_longer_prompts_raises_both_daemons_limits():
-    from tandem.benchmarks.bench import prompt_limit_args
+    from tandem.benchmarks.stack import prompt_limit_args
     from tandem.edge.config import EdgeConfig
 
     default = EdgeConfig.model_fields["max_prompt_tokens"].default
@@ -173,7 +173,7 @@ def test_a_run_with_longer_prompts_raises_both_daemons_limits():
 
 
 def test_cloud_targets_parse_with_clear_errors():
-    from tandem.benchmarks.bench import parse_host_port
+    from tandem.benchmarks.stack import parse_host_port
 
     assert parse_host_port("127.0.0.1:50051") == ("127.0.0.1", 50051)
     assert parse_host_port("[::1]:7000") == ("::1", 7000)
