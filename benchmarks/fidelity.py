@@ -190,13 +190,16 @@ def plot(path: Path, rows: list[dict], floors: dict[str, dict]) -> None:
     ax.axhline(
         fs.FLOOR_FACTOR * max(bf16, lo), color="tab:green", ls="--", lw=1, label=f"{fs.FLOOR_FACTOR:g}x the floor"
     )
-    for r in rows:
-        if r["pair"] == "fp32/fp32":
-            continue
+    shown = sorted((r for r in rows if r["pair"] != "fp32/fp32"), key=lambda r: r["bytes_per_token"])
+    for i, r in enumerate(shown):  # labels alternate above and below, so neighbours in bytes do not overlap
         y = max(r["kl_mean"], lo)
         ax.scatter(r["bytes_per_token"], y, s=40, color="tab:blue" if r["qualifies"] else "tab:red")
         ax.annotate(
-            f"{r['pair']} k={r['k']}", (r["bytes_per_token"], y), textcoords="offset points", xytext=(4, 4), fontsize=8
+            f"{r['pair']} k={r['k']}",
+            (r["bytes_per_token"], y),
+            textcoords="offset points",
+            xytext=(4, 4 if i % 2 == 0 else -11),
+            fontsize=8,
         )
     ax.set_xscale("log")
     ax.set_yscale("log")
