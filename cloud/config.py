@@ -11,6 +11,7 @@ docs/configuration.md, generated from these fields by docs/gen_configuration.py.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal, Self
@@ -143,15 +144,20 @@ class EngineConfig(BaseModel):
         "device index up.",
     )
 
-    def compute_dtype(self, checkpoint_dtype: str) -> str:
-        """The dtype the engines compute in for a checkpoint stored in ``checkpoint_dtype``: ``dtype``
-        where it is set; under ``auto``, vLLM's rule (``ModelConfig``'s auto dtype): a 16-bit
-        checkpoint's own, an fp32 checkpoint's the platform's first supported dtype
-        (``vllm.platforms.current_platform.supported_dtypes``: bf16 on a GPU that has it)."""
+    def compute_dtype(self, checkpoint: Path) -> str:
+        """The dtype the engines compute the HF checkpoint at ``checkpoint`` in: ``dtype`` where it is
+        set; under ``auto``, vLLM's rule (``ModelConfig``'s auto dtype) on the dtype its
+        ``config.json`` stores (``dtype``, or ``torch_dtype`` of older transformers; float32 where
+        neither): a 16-bit checkpoint's own, an fp32 checkpoint's the platform's first supported
+        dtype (``vllm.platforms.current_platform.supported_dtypes``: bf16 on a GPU that has it).
+
+        Raises: OSError or ValueError (under ``auto``: its ``config.json`` unreadable or not JSON)."""
         if self.dtype != "auto":
             return self.dtype
-        if checkpoint_dtype in ("float16", "bfloat16"):
-            return checkpoint_dtype
+        cfg = json.loads((checkpoint / "config.json").read_text())
+        stored = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+        if stored in ("float16", "bfloat16"):
+            return stored
         from vllm.platforms import current_platform
 
         return str(current_platform.supported_dtypes[0]).removeprefix("torch.")
@@ -429,7 +435,7 @@ def check_engines_fit(cfg: CloudConfig) -> None:
     decode = e.for_engine("decode")
     if decode.kv_cache_bytes is None:  # a GPU sizes its caches from the memory shares (vLLM checks them at start)
         return
-    dtype_bytes = DTYPE_BYTES.get(e.compute_dtype(m.dtype), 4)
+    dtype_bytes = DTYPE_BYTES.get(e.compute_dtype(m.resolve(cfg.split_dir, m.full_checkpoint)), 4)
     blocks = -(-e.max_model_len_tokens // e.block_size_tokens)
     needed = sh.num_layers * blocks * 2 * e.block_size_tokens * sh.num_kv_heads * sh.head_dim * dtype_bytes
     if decode.kv_cache_bytes < needed:

@@ -98,7 +98,9 @@ def link_limits(cfg: CloudConfig, manifest: SplitManifest) -> LinkLimits:
         max_new_tokens=cfg.max_new_tokens,
         max_chunk_resends=cfg.max_chunk_resends,
         max_model_len_tokens=e.max_model_len_tokens,
-        fidelity=load_tables(cfg.fidelity_tables, e.compute_dtype(manifest.dtype)),
+        fidelity=load_tables(
+            cfg.fidelity_tables, e.compute_dtype(manifest.resolve(cfg.split_dir, manifest.full_checkpoint))
+        ),
     )
 
 

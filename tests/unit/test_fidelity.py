@@ -165,32 +165,25 @@ def test_a_table_applies_to_the_engines_compute_dtype_only(tmp_path):
     assert params(lim16, m) == (W.INT8_HADAMARD, W.INT8_HADAMARD)
 
 
-def test_the_engines_compute_dtype_follows_vllms_auto_rule():
-    from tandem.cloud.config import EngineConfig
-
-    assert EngineConfig(dtype="float32").compute_dtype("bfloat16") == "float32"  # set: as set
-    assert EngineConfig(dtype="auto").compute_dtype("bfloat16") == "bfloat16"  # a 16-bit checkpoint: its own
+def test_the_engines_compute_dtype_follows_vllms_auto_rule(tmp_path):
+    """Set: as set; ``auto``: the dtype the checkpoint's config.json stores where it is 16-bit, the
+    platform's first supported dtype for an fp32 (or unstated) one."""
     from vllm.platforms import current_platform
 
+    from tandem.cloud.config import EngineConfig
+
     first = str(current_platform.supported_dtypes[0]).removeprefix("torch.")
-    assert EngineConfig(dtype="auto").compute_dtype("float32") == first  # fp32: the platform's first
-
-
-def test_default_offers_are_fp16_fp32_and_the_formats_the_tables_qualify():
-    """A format is offered (edge) and allowed (cloud) by default only where a packaged table puts a
-    pair holding it within the noise floor; fp16 (the default where nothing smaller qualifies) and
-    fp32 (exact) always."""
-    from tandem.cloud.config import CloudConfig
-    from tandem.edge.config import EdgeConfig
-
-    acts, kvs = {W.FP16, W.FP32}, {W.FP16, W.FP32}
-    for t in (t for d in DTYPES for t in load_tables(dtype=d).values()):
-        a, v = t.formats()
-        acts, kvs = acts | a, kvs | v
-    e, c = EdgeConfig(), CloudConfig()
-    assert e.wire_dtypes[0] == e.kv_wire_dtypes[0] == W.FP16
-    assert set(e.wire_dtypes) == set(c.wire_dtypes) == acts
-    assert set(e.kv_wire_dtypes) == set(c.kv_wire_dtypes) == kvs
+    for name, cfg, want in (
+        ("bf16", {"dtype": "bfloat16"}, "bfloat16"),
+        ("fp16-old", {"torch_dtype": "float16"}, "float16"),
+        ("fp32", {"dtype": "float32"}, first),
+        ("unstated", {}, first),
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        assert EngineConfig(dtype="auto").compute_dtype(tmp_path / name) == want, name
+        assert EngineConfig(dtype="float32").compute_dtype(tmp_path / name) == "float32"  # set: as set
+    assert EngineConfig(dtype="bfloat16").compute_dtype(tmp_path / "missing") == "bfloat16"  # nothing read
 
 
 def test_the_benchmark_refuses_a_compute_dtype_it_cannot_run(tmp_path):
