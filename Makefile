@@ -88,9 +88,19 @@ $(MODEL_STAMP):
 run: model
 	$(BIN)/python -m tandem.demo --split-dir $(MODEL_DIR)/split-k$(SPLIT)
 
-# pytest exits 5 when it collected no test: make fails then too (a selection that matches nothing)
+# pytest exits 5 when it collected no test: make fails then too (a selection that matches nothing).
+# The install tier (fresh venvs, plain pip: mostly downloads and unpacking) runs beside the others,
+# its report printed after theirs; make fails when either run fails.
+INSTALL_LOG := build/test-install.log
 test: model redis-server
-	$(BIN)/python -m pytest -q --durations=20 tests
+	@mkdir -p build
+	@$(BIN)/python -m pytest -q -p no:cacheprovider tests/install > $(INSTALL_LOG) 2>&1 & pid=$$!; \
+	$(BIN)/python -m pytest -q --durations=20 -m "not install" tests; rc=$$?; \
+	wait $$pid; irc=$$?; \
+	echo "---------------- install tier (tests/install, run beside the others) ----------------"; \
+	cat $(INSTALL_LOG); \
+	echo "make test: pytest exit $$rc, install tier exit $$irc"; \
+	test $$rc = 0 && test $$irc = 0
 
 # every tier but the real engines, the installs and the GPU (tests/unit, tests/inprocess, tests/fuzz)
 test-fast: model redis-server

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tandem import AsyncClient
 from tandem.common import wire
 from tandem.common.messages import KVBlock
 from tandem.common.modes import Mode
@@ -83,6 +84,17 @@ async def stream(edge: Any, t: ChatTurn) -> tuple[list[int], TurnDone]:
             done = ev
     assert isinstance(done, TurnDone)
     return streamed, done
+
+
+class SplitClient(AsyncClient):
+    """The SDK client with ``mode="split"`` at ``k = 4`` by default (the engines tier's split tests;
+    a test of another mode or of ``k = 8`` asks for it)."""
+
+    def chat(self, messages=None, **kw):
+        kw.setdefault("mode", "split")
+        if kw["mode"] == "split":
+            kw.setdefault("split_layer", 4)  # the primary split; tests of k = 8 ask for it
+        return super().chat(messages, **kw)
 
 
 class Sent:

@@ -27,38 +27,10 @@ MAX_NEW = 32
 
 
 @pytest.fixture(scope="module")
-async def rp(split_dir, tmp_path_factory):
-    """The decode engine (no tail engine: remote prefill needs none), a plaintext cloud and edge on
-    loopback, fp32 everywhere."""
-    from tandem.cloud.config import CloudConfig, EngineConfig
-    from tandem.cloud.engines import DECODE, VllmEngines
-    from tandem.cloud.server import create_cloud
-    from tandem.edge.config import EdgeConfig
-    from tandem.edge.server import create_edge
-
-    cfg = CloudConfig(
-        split_dir=split_dir,
-        host="127.0.0.1",
-        port=0,
-        store_dir=tmp_path_factory.mktemp("kv"),
-        engine=EngineConfig(max_num_seqs=4, kv_cache_bytes=256 << 20),
-        wire_dtypes=["fp32"],
-        kv_wire_dtypes=["fp32"],
-    )
-    engines = VllmEngines(cfg)
-    engines.ROLES = (DECODE,)  # one engine starts (the tail engine serves split mode only)
-    engines._engines = {DECODE: None}
-    engines.start()
-    cloud = await create_cloud(cfg, engines)
-    edge_cfg = EdgeConfig(
-        split_dir=split_dir, cloud_target=f"127.0.0.1:{cloud.port}", host="127.0.0.1", port=0, kv_wire_dtypes=["fp32"]
-    )
-    edge = await create_edge(edge_cfg)
-    st = {"engines": engines, "cloud": cloud, "edge": edge, "cfg": cfg, "edge_cfg": edge_cfg}
-    yield st
-    await st["edge"].stop(1)
-    await st["cloud"].stop(1)
-    engines.shutdown()
+def rp(stack):
+    """The engines tier's shared stack (``tests/engines/conftest.py``): its decode engine prefills
+    for remote prefill, fp32 in the engines and on the wire, its edge over mutual TLS."""
+    return stack
 
 
 def turn(p: dict, mode: Mode, session: str = "", n: int = MAX_NEW) -> ChatTurn:

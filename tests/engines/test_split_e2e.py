@@ -21,75 +21,10 @@ from tandem.common.messages import KVBlock
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.doubles import TamperLink, rechunk
+from tests.helpers import SplitClient
 from tests.references import LONG, MAX_NEW, PROMPTS, assert_same_or_near_tie, hf_greedy, prompt_ids, vllm_plain
 
 pytestmark = [pytest.mark.engines]
-
-
-class SplitClient(AsyncClient):
-    """The SDK client with ``mode="split"`` at ``k = 4`` by default: these tests are about the split
-    path (auto mode, local mode and ``k = 8`` have their own tests below)."""
-
-    def chat(self, messages=None, **kw):
-        kw.setdefault("mode", "split")
-        if kw["mode"] == "split":
-            kw.setdefault("split_layer", 4)  # the primary split; tests of k = 8 ask for it
-        return super().chat(messages, **kw)
-
-
-@pytest.fixture(scope="session")
-async def stack(split_dir, tmp_path_factory, tls, redis_server):
-    """The real stack as an operator deploys it across hosts: mutual TLS and an edge key between
-    edge and cloud, TLS and an API key between the app and the edge (all on loopback here); the
-    block store on a Redis server (Debian's redis-server), so replicas can share it."""
-    from tandem.cloud.config import CloudConfig, EngineConfig
-    from tandem.cloud.engines import VllmEngines
-    from tandem.cloud.server import create_cloud
-    from tandem.edge.config import EdgeConfig
-    from tandem.edge.server import create_edge
-
-    k8 = split_dir.parent / "split-k8"  # a second split layer: one more tail engine, one more head
-    cfg = CloudConfig(
-        split_dir=split_dir,
-        extra_split_dirs=[k8],
-        host="127.0.0.1",
-        port=0,
-        store_dir=tmp_path_factory.mktemp("kv"),
-        store_url=redis_server.url,
-        engine=EngineConfig(max_num_seqs=8, kv_cache_bytes=384 << 20),
-        wire_dtypes=["fp32"],  # exactness: the split's greedy tokens must equal the unsplit references
-        kv_wire_dtypes=["fp32"],
-        tls_cert_file=tls.cloud[0],
-        tls_key_file=tls.cloud[1],
-        tls_client_ca_file=tls.ca_file,
-        edge_keys={"edge-1": tls.edge_key},
-    )
-    engines = VllmEngines(cfg)
-    engines.start()
-    cloud = await create_cloud(cfg, engines)
-    edge_cfg = EdgeConfig(
-        split_dir=split_dir,
-        extra_split_dirs=[k8],
-        cloud_target=f"127.0.0.1:{cloud.port}",
-        cloud_ca_file=tls.ca_file,
-        cloud_cert_file=tls.edge_client[0],
-        cloud_key_file=tls.edge_client[1],
-        cloud_api_key=tls.edge_key,
-        host="127.0.0.1",
-        port=0,
-        tls_cert_file=tls.edge_server[0],
-        tls_key_file=tls.edge_server[1],
-        api_keys=[tls.app_key],
-    )
-    edge = await create_edge(edge_cfg)
-    client = SplitClient(f"127.0.0.1:{edge.port}", ca_file=tls.ca_file, api_key=tls.app_key)
-    st = {"engines": engines, "cloud": cloud, "gateway": cloud.gateway, "cloud_port": cloud.port, "edge": edge}
-    st.update(client=client, cfg=cfg, edge_cfg=edge_cfg, tls=tls)
-    yield st
-    await client.close()
-    await edge.stop(1)
-    await st["cloud"].stop(1)
-    engines.shutdown()
 
 
 def cloud_channel(stack) -> grpc.aio.Channel:

@@ -312,10 +312,10 @@ async def test_the_edge_measures_rtt_and_goodput_over_the_channel_and_follows_a_
             await run(edge, chat(LONG_UPLOAD * 3 + str(i), n=6))
         # the passive estimate is the upload pipeline's rate (bytes over the cloud's receive-and-verify
         # time): on this toy model ~50 tiny items per upload cost the cloud more than the wire does
-        # (about 10-18 Mbit/s here), so it lands below the shaped rate, but at least twice the 4 it
-        # started at; the probe over the same fast link measures ~31 (a separate, pure-wire number).
-        # Never above the shaped 64 Mbit/s (10% for the token bucket's burst).
-        assert 8.0 <= c.goodput_mbps.value <= 64.0 * 1.1, c.goodput_mbps.value
+        # (about 7-18 Mbit/s on two loaded cores), so it lands below the shaped rate; what shows that
+        # it followed the change is that it is above anything the slow link could carry (its shaped
+        # 4 Mbit/s plus 10% for the token bucket's burst), and never above the fast link's 64 (+10%).
+        assert 4.0 * 1.1 < c.goodput_mbps.value <= 64.0 * 1.1, c.goodput_mbps.value
         await asyncio.sleep(8 * c.poll_s)  # polls follow the RTT (alpha 0.3: 8 samples leave 6% of the old value)
         assert 10.0 <= c.rtt_ms.value < 30.0, c.rtt_ms.value
     finally:
