@@ -17,6 +17,7 @@ from tandem.common.kvdown import (
     Expected,
     KVBlockDown,
     KVCommitDown,
+    RemotePrefill,
     block_ids,
     check_block,
     check_commit,
@@ -148,3 +149,35 @@ async def test_a_block_failing_three_times_ends_the_download():
         assert ack is not None and ack.resend_blocks == (0,)
     assert await down.add(_corrupt(block)) is None and "failed 3 times" in down.failed
     assert await down.add(block) is None and not down.ready  # never used once it failed
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"split_layer": 4}, "token ids only"),  # remote prefill from a split's activations
+        ({"num_chunks": 1}, "token ids only"),
+        ({"num_kv_blocks": 1}, "token ids only"),
+        ({"cached_tokens": B}, "token ids only"),
+        ({"remote_prefill": RemotePrefill(len(IDS) + 1)}, "held_tokens"),
+        ({"remote_prefill": None}, "not a remote-prefill turn"),
+    ],
+)
+def test_a_remote_prefill_header_that_is_not_direct_shaped_is_refused(change, says):
+    """The cloud prefills from token ids: a header that also names a split layer, chunks, blocks or
+    cached tokens, or holds more than its prompt, is an ``InvalidRequest`` (gRPC INVALID_ARGUMENT)."""
+    from types import SimpleNamespace
+
+    from tandem.cloud.remoteprefill import check_remote_prefill
+    from tandem.common.messages import TurnHeader
+    from tandem.common.params import Sampling
+
+    ok = TurnHeader("r", "s", 3, 0, tuple(IDS), 0, 0, 0, Sampling(max_new_tokens=4), remote_prefill=RemotePrefill(0))
+    check_remote_prefill(SimpleNamespace(header=ok, link_params=params()), (wire.WireDtype.FP32,))
+    with pytest.raises(InvalidRequest, match=says):
+        check_remote_prefill(
+            SimpleNamespace(header=replace(ok, **change), link_params=params()), (wire.WireDtype.FP32,)
+        )
+    with pytest.raises(InvalidRequest, match="sends KV blocks in"):  # a KV format this cloud does not send
+        check_remote_prefill(
+            SimpleNamespace(header=ok, link_params=params(wire.WireDtype.FP16)), (wire.WireDtype.FP32,)
+        )
