@@ -25,8 +25,13 @@ Serving", OSDI 2024, section 2). A mode stops its sweep after the first rate who
 below half the target (it is saturated; higher rates only queue longer). With an auto row, a third
 table sets auto's goodput at each rate beside the best fixed mode's measured at that rate.
 
+Per cell the cloud's work is measured too (``benchmarks.cloudwork``): CPU ms per served request of
+the ``tandem-cloud`` process and of its engines, and GPU ms where NVML is present, with each mode's
+difference from cloud-only's at the same rate (the split's extra work: receive and verify, store
+writes, the decode engine's KV load), when this run starts the cloud (not with ``--edge-target``).
+
 Writes into ``--out``: ``capacity.md`` (the table and the verdict per mode), ``capacity.json``
-(every request), ``capacity.png`` (p99 TTFT and goodput against offered rate, with the SLO).
+(every cell and every request), ``capacity.png`` (p99 TTFT and goodput against offered rate, with the SLO).
 
 A split layer must be exported first: ``tandem-model --out MODEL_DIR --split-layers 4,8,15``
 (``make bench-capacity`` does it), where ``15`` is ``k/L = 1/2`` of SmolLM2-135M's 30 layers.
@@ -49,6 +54,7 @@ import typer
 
 from tandem.benchmarks import links as linkmod
 from tandem.benchmarks.bench import ModeSpec
+from tandem.benchmarks.cloudwork import CloudMeter, CloudWork
 from tandem.benchmarks.stack import Stack, machine_meta
 from tandem.benchmarks.workload import BenchPrompt, make_prompts
 from tandem.daemons import work_dir
@@ -102,15 +108,20 @@ class RateResult:
     p99_ttft_ms: float
     goodput_rps: float
     span_s: float
+    # the cloud's work per served request (``benchmarks.cloudwork``): NaN / None where not measured
+    gateway_cpu_ms: float = float("nan")
+    engines_cpu_ms: float = float("nan")
+    gpu_ms: float | None = None
 
     @property
     def attainment(self) -> float:
         return self.met_slo / self.sent if self.sent else 0.0
 
 
-def rate_result(samples: list[Sample], slo_ms: float) -> RateResult:
+def rate_result(samples: list[Sample], slo_ms: float, work: CloudWork | None = None) -> RateResult:
     """Summarise one (mode, rate): goodput = requests within the SLO / (first arrival .. last completion).
-    A request that failed counts with an infinite TTFT in the percentiles.
+    A request that failed counts with an infinite TTFT in the percentiles. ``work``: the cloud's work
+    over the cell (``CloudMeter`` reads after minus before), reported per served request.
 
     Raises:
         ValueError: ``samples`` is empty or mixes modes or rates.
@@ -121,6 +132,7 @@ def rate_result(samples: list[Sample], slo_ms: float) -> RateResult:
     met = [s for s in ok if s.ttft_ms <= slo_ms]
     ttfts = [s.ttft_ms if s.outcome == "ok" else float("inf") for s in samples]
     span_s = max(s.arrival_s + s.e2e_ms / 1e3 for s in samples) - min(s.arrival_s for s in samples)
+    per = work.per_request(len(ok)) if work is not None else CloudWork(float("nan"), float("nan"), None)
     return RateResult(
         samples[0].mode,
         samples[0].offered_rps,
@@ -131,6 +143,9 @@ def rate_result(samples: list[Sample], slo_ms: float) -> RateResult:
         percentile(ttfts, 99),
         len(met) / span_s if span_s > 0 else 0.0,
         span_s,
+        per.gateway_cpu_ms,
+        per.engines_cpu_ms,
+        per.gpu_ms,
     )
 
 
@@ -233,6 +248,7 @@ def summary_md(results: list[RateResult], args: dict) -> str:
         ratio = caps[m] / base if base else float("nan")
         pays = "-" if m == "cloud-only" else "yes" if caps[m] > base else "no" if caps[m] < base else "equal"
         lines.append(f"| {m} | {caps[m]:g} | {ratio:.2f}x | {best_goodput[m]:.2f} | {pays} |")
+    lines += work_lines(results)
     versus = auto_vs_best(results)
     if versus:
         lines += [
@@ -249,6 +265,46 @@ def summary_md(results: list[RateResult], args: dict) -> str:
         under = sum(a < b for _, _, b, a in versus)
         lines += ["", f"auto at least the best fixed mode's goodput at {len(versus) - under} of {len(versus)} rates"]
     return "\n".join(lines) + "\n"
+
+
+def work_lines(results: list[RateResult]) -> list[str]:
+    """The cloud's work per served request per (mode, rate), and its difference from cloud-only's
+    at the same rate (what the mode adds to, or takes off, the cloud); [] where none was measured."""
+    if all(r.gateway_cpu_ms != r.gateway_cpu_ms for r in results):  # NaN: a running edge, no meter
+        return []
+    gpu = any(r.gpu_ms is not None for r in results)
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None or x != x else f"{x:.1f}"
+
+    base = {r.offered_rps: r for r in results if r.mode == "cloud-only"}
+    lines = [
+        "",
+        "The cloud's work per served request, ms (`benchmarks/cloudwork.py`): CPU time of the "
+        "`tandem-cloud` process (receive and verify, framing, block-store writes and reads) and of its "
+        "vLLM engine processes"
+        + (", and the GPU busy time of the cloud's processes (NVML per-process SM samples)" if gpu else "")
+        + "; beside it, the difference from cloud-only's at the same offered rate.",
+        "",
+        "| mode | offered req/s | gateway CPU | engines CPU |"
+        + (" GPU |" if gpu else "")
+        + " CPU vs cloud-only |"
+        + (" GPU vs cloud-only |" if gpu else ""),
+        "|---|---|---|---|" + ("---|" if gpu else "") + "---|" + ("---|" if gpu else ""),
+    ]
+    for r in results:
+        b = base.get(r.offered_rps)
+        cpu = r.gateway_cpu_ms + r.engines_cpu_ms
+        d_cpu = None if b is None or r.mode == "cloud-only" else cpu - (b.gateway_cpu_ms + b.engines_cpu_ms)
+        d_gpu = (
+            None if b is None or r.mode == "cloud-only" or r.gpu_ms is None or b.gpu_ms is None else r.gpu_ms - b.gpu_ms
+        )
+        row = f"| {r.mode} | {r.offered_rps:g} | {ms(r.gateway_cpu_ms)} | {ms(r.engines_cpu_ms)} |"
+        row += f" {ms(r.gpu_ms)} |" if gpu else ""
+        row += f" {'-' if d_cpu is None or d_cpu != d_cpu else f'{d_cpu:+.1f}'} |"
+        row += f" {'-' if d_gpu is None or d_gpu != d_gpu else f'{d_gpu:+.1f}'} |" if gpu else ""
+        lines.append(row)
+    return lines
 
 
 def auto_vs_best(results: list[RateResult]) -> list[tuple[float, str, float, float]]:
@@ -365,10 +421,13 @@ def main(
     )
     samples: list[Sample] = []
     results: list[RateResult] = []
+    meter: CloudMeter | None = None
     try:
         if stack is not None:
             edge = EdgeTarget(f"127.0.0.1:{stack.start()}")
             stack.set_link(profile)
+            assert stack.cloud is not None
+            meter = CloudMeter(stack.cloud.proc.pid)
             if edge_cpus:  # this driver runs beside the edge, off the cloud's cores (pinned after the
                 # daemons started: they would inherit it)
                 os.sched_setaffinity(0, {int(c) for part in edge_cpus.split(",") for c in _cpu_range(part)})
@@ -382,9 +441,11 @@ def main(
             for spec in specs:
                 for i, rate in enumerate(offered):
                     arrivals = poisson_arrivals_s(rate, requests, seed * 1000 + i)
+                    before = meter.read() if meter is not None else None
                     got = asyncio.run(run_rate(edge, spec, prompts, arrivals, rate, max_new_tokens, timeout_s))
+                    work = meter.read().minus(before) if meter is not None and before is not None else None
                     samples += got
-                    r = rate_result(got, ttft_slo_ms)
+                    r = rate_result(got, ttft_slo_ms, work)
                     results.append(r)
                     bar.set_postfix_str(f"{spec.label} {rate:g} req/s: p99 {r.p99_ttft_ms:.0f} ms, {r.attainment:.0%}")
                     bar.update(1)
@@ -392,11 +453,17 @@ def main(
                         bar.update(len(offered) - i - 1)
                         break
     finally:
+        if meter is not None:
+            meter.close()
         if stack is not None:
             stack.stop()
     meta = machine_meta(args) | {"link": None if edge_target else profile.as_dict()}
     (out / "capacity.json").write_text(
-        json.dumps({"meta": meta, "samples": [asdict(s) for s in samples]}, indent=1, default=str)
+        json.dumps(
+            {"meta": meta, "cells": [asdict(r) for r in results], "samples": [asdict(s) for s in samples]},
+            indent=1,
+            default=str,
+        )
     )
     md = summary_md(results, args)
     (out / "capacity.md").write_text(md)

@@ -55,6 +55,7 @@ class Stack:
         self.limit_args = prompt_limit_args(max_prompt_tokens)
         self.daemons = Daemons()
         self.proxy: Daemon | None = None
+        self.cloud: Daemon | None = None  # the tandem-cloud process this stack started (none with cloud_target)
         self.ns: Any = None  # a netns.CloudNamespace once started with the netns shaper
 
     def start(self) -> int:
@@ -82,6 +83,7 @@ class Stack:
                 w / "cloud.port",
             )
             cport = cloud.wait_ready(900)
+            self.cloud = cloud
         self.proxy = self.daemons.spawn(
             "link proxy",
             [*self.edge_pin, sys.executable, "-m", "tandem.benchmarks.linkproxy", "0", f"{upstream_host}:{cport}"]

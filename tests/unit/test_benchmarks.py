@@ -460,6 +460,68 @@ def test_capacity_sets_auto_beside_the_best_fixed_mode_at_each_rate():
     assert md.rstrip().endswith("auto at least the best fixed mode's goodput at 1 of 2 rates")
 
 
+def test_cloud_work_is_per_served_request_and_set_beside_cloud_onlys():
+    from tandem.benchmarks.capacity import Sample, rate_result, summary_md
+    from tandem.benchmarks.cloudwork import CloudWork
+
+    def cell(mode: str, work: CloudWork, served: int = 4) -> object:
+        ok = [Sample(mode, 1.0, float(i), 100.0, 200.0, "ok") for i in range(served)]
+        return rate_result(ok + [Sample(mode, 1.0, 9.0, float("nan"), 10.0, "ResourceExhausted")], 1000.0, work)
+
+    before, after = CloudWork(1000.0, 5000.0, 20.0), CloudWork(1400.0, 9000.0, 60.0)
+    assert after.minus(before) == CloudWork(400.0, 4000.0, 40.0)
+    assert after.minus(CloudWork(0.0, 0.0, None)).gpu_ms is None  # no GPU time on one side: none
+    direct = cell("cloud-only", CloudWork(400.0, 4000.0, 40.0))
+    assert (direct.gateway_cpu_ms, direct.engines_cpu_ms, direct.gpu_ms) == (100.0, 1000.0, 10.0)  # 4 served
+    split = cell("split-k4", CloudWork(1200.0, 4400.0, 36.0))
+    assert math.isnan(cell("edge-only", CloudWork(0.0, 0.0, 0.0), served=0).gateway_cpu_ms)
+    args = dict(ttft_slo_ms=1000.0, attainment=0.99, requests=5, prompt_tokens=256, max_new_tokens=8)
+    md = summary_md([direct, split], args | dict(link="lan", cloud_cpus="1", edge_cpus="0"))
+    assert "| cloud-only | 1 | 100.0 | 1000.0 | 10.0 | - | - |" in md
+    assert "| split-k4 | 1 | 300.0 | 1100.0 | 9.0 | +300.0 | -1.0 |" in md
+    unmetered = summary_md([rate_result([Sample("cloud-only", 1.0, 0.0, 1.0, 2.0, "ok")], 1000.0)], args | dict(
+        link="lan", cloud_cpus="1", edge_cpus="0"))  # fmt: skip
+    assert "work per served request" not in unmetered  # a running edge's cloud is not measured
+
+
+def test_integrated_gpu_samples_count_only_the_clouds_processes_over_their_periods():
+    from tandem.benchmarks.cloudwork import integrate_sm_samples
+
+    last: dict[int, int] = {}
+    # pid 7 (the cloud) first seen at t=0 (its clock starts), then 50% over 100 ms and 100% over 200 ms;
+    # pid 9 (an edge on the same GPU) is not counted; a repeated sample is skipped
+    samples = [(7, 0, 80), (9, 50_000, 100), (7, 100_000, 50), (7, 300_000, 100), (7, 300_000, 100)]
+    assert integrate_sm_samples(samples, {7}, last) == pytest.approx(50.0 + 200.0)
+    assert last == {7: 300_000}
+    assert integrate_sm_samples([(7, 400_000, 250)], {7}, last) == pytest.approx(100.0)  # clamped to 100%
+
+
+def test_the_cloud_meter_reads_the_cpu_time_of_the_process_and_its_descendants():
+    """A real process tree: a parent that sleeps and a grandchild that burns CPU for about 0.4 s."""
+    pytest.importorskip("psutil")
+    from tandem.benchmarks.cloudwork import CloudMeter
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(30)"
+    parent = "import subprocess, sys, time\np = subprocess.Popen([sys.executable, '-c', sys.argv[1]])\ntime.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", parent, burn])
+    try:
+        meter = CloudMeter(proc.pid)
+        t0 = time.monotonic()
+        while (w := meter.read()).engines_cpu_ms < 350.0:
+            assert time.monotonic() - t0 < 60, w
+            time.sleep(0.1)
+        assert w.gateway_cpu_ms < w.engines_cpu_ms  # the parent only sleeps
+        assert w.gpu_ms is None or w.gpu_ms >= 0.0
+        meter.close()
+    finally:
+        import psutil
+
+        for c in psutil.Process(proc.pid).children(recursive=True):
+            c.kill()
+        proc.kill()
+        proc.wait()
+
+
 def test_capacity_refuses_a_split_layer_not_exported_and_bad_rates(tmp_path):
     from typer.testing import CliRunner
 
