@@ -426,8 +426,8 @@ def main(
         if stack is not None:
             edge = EdgeTarget(f"127.0.0.1:{stack.start()}")
             stack.set_link(profile)
-            assert stack.cloud is not None
-            meter = CloudMeter(stack.cloud.proc.pid)
+            if stack.cloud is not None:  # the tandem-cloud process this run started
+                meter = CloudMeter(stack.cloud.proc.pid)
             if edge_cpus:  # this driver runs beside the edge, off the cloud's cores (pinned after the
                 # daemons started: they would inherit it)
                 os.sched_setaffinity(0, {int(c) for part in edge_cpus.split(",") for c in _cpu_range(part)})
