@@ -274,10 +274,15 @@ def work_lines(results: list[RateResult]) -> list[str]:
         return []
     gpu = any(r.gpu_ms is not None for r in results)
 
-    def ms(x: float | None) -> str:
-        return "-" if x is None or x != x else f"{x:.1f}"
+    def ms(x: float | None, signed: bool = False) -> str:
+        return "-" if x is None or x != x else f"{x:+.1f}" if signed else f"{x:.1f}"
+
+    def cpu(r: RateResult) -> float:
+        return r.gateway_cpu_ms + r.engines_cpu_ms
 
     base = {r.offered_rps: r for r in results if r.mode == "cloud-only"}
+    heads = ["mode", "offered req/s", "gateway CPU", "engines CPU"] + ["GPU"] * gpu + ["CPU vs cloud-only"]
+    heads += ["GPU vs cloud-only"] * gpu
     lines = [
         "",
         "The cloud's work per served request, ms (`benchmarks/cloudwork.py`): CPU time of the "
@@ -286,24 +291,15 @@ def work_lines(results: list[RateResult]) -> list[str]:
         + (", and the GPU busy time of the cloud's processes (NVML per-process SM samples)" if gpu else "")
         + "; beside it, the difference from cloud-only's at the same offered rate.",
         "",
-        "| mode | offered req/s | gateway CPU | engines CPU |"
-        + (" GPU |" if gpu else "")
-        + " CPU vs cloud-only |"
-        + (" GPU vs cloud-only |" if gpu else ""),
-        "|---|---|---|---|" + ("---|" if gpu else "") + "---|" + ("---|" if gpu else ""),
+        "| " + " | ".join(heads) + " |",
+        "|" + "---|" * len(heads),
     ]
     for r in results:
-        b = base.get(r.offered_rps)
-        cpu = r.gateway_cpu_ms + r.engines_cpu_ms
-        d_cpu = None if b is None or r.mode == "cloud-only" else cpu - (b.gateway_cpu_ms + b.engines_cpu_ms)
-        d_gpu = (
-            None if b is None or r.mode == "cloud-only" or r.gpu_ms is None or b.gpu_ms is None else r.gpu_ms - b.gpu_ms
-        )
-        row = f"| {r.mode} | {r.offered_rps:g} | {ms(r.gateway_cpu_ms)} | {ms(r.engines_cpu_ms)} |"
-        row += f" {ms(r.gpu_ms)} |" if gpu else ""
-        row += f" {'-' if d_cpu is None or d_cpu != d_cpu else f'{d_cpu:+.1f}'} |"
-        row += f" {'-' if d_gpu is None or d_gpu != d_gpu else f'{d_gpu:+.1f}'} |" if gpu else ""
-        lines.append(row)
+        b = None if r.mode == "cloud-only" else base.get(r.offered_rps)
+        d_gpu = None if b is None or r.gpu_ms is None or b.gpu_ms is None else r.gpu_ms - b.gpu_ms
+        cells = [r.mode, f"{r.offered_rps:g}", ms(r.gateway_cpu_ms), ms(r.engines_cpu_ms)] + [ms(r.gpu_ms)] * gpu
+        cells += [ms(None if b is None else cpu(r) - cpu(b), signed=True)] + [ms(d_gpu, signed=True)] * gpu
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 

@@ -1,10 +1,10 @@
 """Remote prefill on the real system on CPU: vLLM's decode engine prefills (its connector saving
 every layer of the prompt's full blocks), the gateway streams tokens and the KV down over grpc.aio
-on loopback, the edge verifies it and takes the decode over on ``edge-full.onnx``. In fp32 (engine,
-KV wire format) the greedy tokens must equal direct mode's and local mode's; where they part,
-the parting token must be a near-tie of the unsplit HF model (top-2 log-prob gap < 1e-3). Faults
-with real processes: the downlink cut mid-KV, a corrupt block, the cloud gone after the takeover,
-the edge restarted between turns."""
+on loopback (the engines tier's shared stack, ``tests/engines/conftest.py``), the edge verifies it
+and takes the decode over on ``edge-full.onnx``. In fp32 (engine, KV wire format) the greedy tokens
+must equal direct mode's and local mode's; where they part, the parting token must be a near-tie of
+the unsplit HF model (top-2 log-prob gap < 1e-3). Faults: the downlink cut mid-KV, a corrupt block,
+the cloud gone after the takeover, the edge restarted between turns."""
 
 from __future__ import annotations
 
@@ -24,13 +24,6 @@ from tests.remote_doubles import DownTamperLink
 
 pytestmark = [pytest.mark.engines]
 MAX_NEW = 32
-
-
-@pytest.fixture(scope="module")
-def rp(stack):
-    """The engines tier's shared stack (``tests/engines/conftest.py``): its decode engine prefills
-    for remote prefill, fp32 in the engines and on the wire, its edge over mutual TLS."""
-    return stack
 
 
 def turn(p: dict, mode: Mode, session: str = "", n: int = MAX_NEW) -> ChatTurn:
@@ -54,8 +47,8 @@ async def stream(node, t: ChatTurn) -> tuple[list[int], TurnDone]:
 
 
 @contextlib.contextmanager
-def tampered(rp, **kw):
-    conn = rp["edge"].node.conn
+def tampered(stack, **kw):
+    conn = stack["edge"].node.conn
     inner = conn.link
     conn.link = link = DownTamperLink(inner, **kw)
     try:
@@ -64,10 +57,10 @@ def tampered(rp, **kw):
         conn.link = inner
 
 
-async def test_remote_prefill_equals_direct_and_local(rp, hf_model, tokenizer):
+async def test_remote_prefill_equals_direct_and_local(stack, hf_model, tokenizer):
     """Every prompt: remote prefill's streamed tokens (the cloud's, then the edge's) against direct,
     local and the HF reference; the edge took over for the prompts with at least one full block."""
-    node, exact = rp["edge"].node, 0
+    node, exact = stack["edge"].node, 0
     for i, p in enumerate(PROMPTS):
         direct, d_done = await stream(node, turn(p, Mode.DIRECT))
         local, _ = await stream(node, turn(p, Mode.LOCAL))
@@ -88,8 +81,8 @@ async def test_remote_prefill_equals_direct_and_local(rp, hf_model, tokenizer):
     assert exact >= len(PROMPTS) - 1
 
 
-async def test_a_two_turn_chat_brings_down_only_the_new_blocks(rp, tokenizer):
-    node, session = rp["edge"].node, f"chat-{uuid.uuid4().hex}"
+async def test_a_two_turn_chat_brings_down_only_the_new_blocks(stack, tokenizer):
+    node, session = stack["edge"].node, f"chat-{uuid.uuid4().hex}"
     first = {"messages": [{"role": "user", "content": LONG + "Summarise this text in two sentences."}]}
     got1, done1 = await stream(node, turn(first, Mode.REMOTE_PREFILL, session))
     second = {
@@ -113,16 +106,16 @@ async def test_a_two_turn_chat_brings_down_only_the_new_blocks(rp, tokenizer):
     assert done2.external_tokens == n1 * 32 > 0
 
 
-async def test_a_downlink_cut_mid_kv_leaves_the_reply_to_the_cloud(rp):
-    node, p = rp["edge"].node, PROMPTS[3]
+async def test_a_downlink_cut_mid_kv_leaves_the_reply_to_the_cloud(stack):
+    node, p = stack["edge"].node, PROMPTS[3]
     direct, _ = await stream(node, turn(p, Mode.DIRECT))
-    with tampered(rp, down=lambda ev, n: None if isinstance(ev, KVBlockDown) and n > 2 else ev):
+    with tampered(stack, down=lambda ev, n: None if isinstance(ev, KVBlockDown) and n > 2 else ev):
         got, done = await stream(node, turn(p, Mode.REMOTE_PREFILL))
     assert got == direct and done.edge_decoded_tokens == 0 and done.finish_reason == "length"
 
 
-async def test_a_corrupt_block_is_asked_again_and_never_used(rp):
-    node, p = rp["edge"].node, PROMPTS[3]
+async def test_a_corrupt_block_is_asked_again_and_never_used(stack):
+    node, p = stack["edge"].node, PROMPTS[3]
     direct, _ = await stream(node, turn(p, Mode.DIRECT))
 
     def corrupt_once(ev, n):
@@ -130,14 +123,14 @@ async def test_a_corrupt_block_is_asked_again_and_never_used(rp):
             return type(ev)(**{**ev.__dict__, "payload": bytes([ev.payload[0] ^ 0xFF]) + ev.payload[1:]})
         return ev
 
-    with tampered(rp, down=corrupt_once) as link:
+    with tampered(stack, down=corrupt_once) as link:
         got, done = await stream(node, turn(p, Mode.REMOTE_PREFILL))
     resends = [a for a in link.sent if getattr(a, "resend_blocks", ())]
     assert len(resends) == 1 and got == direct and done.edge_decoded_tokens > 0
 
 
-async def test_the_reply_completes_on_the_edge_when_the_cloud_goes_after_the_takeover(rp):
-    node, p = rp["edge"].node, PROMPTS[3]
+async def test_the_reply_completes_on_the_edge_when_the_cloud_goes_after_the_takeover(stack):
+    node, p = stack["edge"].node, PROMPTS[3]
     direct, _ = await stream(node, turn(p, Mode.DIRECT))
 
     def gone(item):
@@ -145,15 +138,15 @@ async def test_the_reply_completes_on_the_edge_when_the_cloud_goes_after_the_tak
             raise LinkLost("the cloud went away after the takeover")
         return item
 
-    with tampered(rp, up=gone):
+    with tampered(stack, up=gone):
         got, done = await stream(node, turn(p, Mode.REMOTE_PREFILL))
     assert got == direct and done.edge_decoded_tokens > 0
 
 
-async def test_a_restarted_edge_resyncs_its_session(rp, tokenizer):
+async def test_a_restarted_edge_resyncs_its_session(stack, tokenizer):
     """The edge loses its sessions (a restart): the next turn brings down every block again, from
     the cloud's store, and the reply is unchanged."""
-    node, session = rp["edge"].node, f"chat-{uuid.uuid4().hex}"
+    node, session = stack["edge"].node, f"chat-{uuid.uuid4().hex}"
     p = PROMPTS[3]
     _, first = await stream(node, turn(p, Mode.REMOTE_PREFILL, session))
     node.local.sessions.clear()

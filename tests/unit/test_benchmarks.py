@@ -476,11 +476,11 @@ def test_cloud_work_is_per_served_request_and_set_beside_cloud_onlys():
     split = cell("split-k4", CloudWork(1200.0, 4400.0, 36.0))
     assert math.isnan(cell("edge-only", CloudWork(0.0, 0.0, 0.0), served=0).gateway_cpu_ms)
     args = dict(ttft_slo_ms=1000.0, attainment=0.99, requests=5, prompt_tokens=256, max_new_tokens=8)
-    md = summary_md([direct, split], args | dict(link="lan", cloud_cpus="1", edge_cpus="0"))
+    args |= dict(link="lan", cloud_cpus="1", edge_cpus="0")
+    md = summary_md([direct, split], args)
     assert "| cloud-only | 1 | 100.0 | 1000.0 | 10.0 | - | - |" in md
     assert "| split-k4 | 1 | 300.0 | 1100.0 | 9.0 | +300.0 | -1.0 |" in md
-    unmetered = summary_md([rate_result([Sample("cloud-only", 1.0, 0.0, 1.0, 2.0, "ok")], 1000.0)], args | dict(
-        link="lan", cloud_cpus="1", edge_cpus="0"))  # fmt: skip
+    unmetered = summary_md([rate_result([Sample("cloud-only", 1.0, 0.0, 1.0, 2.0, "ok")], 1000.0)], args)
     assert "work per served request" not in unmetered  # a running edge's cloud is not measured
 
 
