@@ -454,6 +454,8 @@ def main(
         if stack is not None:
             stack.stop()
     meta = machine_meta(args) | {"link": None if edge_target else profile.as_dict()}
+    if meter is not None:
+        meta["gpu_work"] = meter.gpu_report()
     (out / "capacity.json").write_text(
         json.dumps(
             {"meta": meta, "cells": [asdict(r) for r in results], "samples": [asdict(s) for s in samples]},

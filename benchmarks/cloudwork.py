@@ -8,7 +8,9 @@
   utilisation samples (``nvmlDeviceGetProcessUtilization``: percent of each sample period in which a
   kernel of that process ran) integrated over their periods. It is busy time, not a cost in FLOPs: a
   kernel that uses a fraction of the SMs counts whole. An edge on the same GPU is a process of its
-  own and not counted.
+  own and not counted. Where the driver does not give per-process samples (``NOT_SUPPORTED``, some
+  virtualised GPUs) GPU time is None, never 0; ``CloudMeter.gpu_report()`` says which PIDs NVML
+  sampled, so a 0 from a PID namespace NVML does not share (a container) can be told apart.
 
 ``CloudMeter.read()`` returns cumulative totals; a cell's work is the difference of two reads
 divided by the requests it served (``CloudWork.per_request``). No grpc, no engine imports.
@@ -102,6 +104,9 @@ class CloudMeter:
         self._seen: dict[int, float] = {}
         self._nvml = _nvml()
         self._gpu_ms = 0.0
+        self._gpu_error = ""  # the NVML error that stopped GPU sampling, "" while it works
+        self._sampled_pids: set[int] = set()  # every pid NVML gave a sample for
+        self._matched_pids: set[int] = set()  # those of them that were the cloud's
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -126,7 +131,11 @@ class CloudMeter:
             for i, h in enumerate(self._handles):
                 try:
                     raw = self._nvml.nvmlDeviceGetProcessUtilization(h, self._since_us[i])
-                except Exception:  # noqa: BLE001 - NVMLError_NotFound: no sample since the last call
+                except Exception as e:  # noqa: BLE001 - NVMLError_NotFound: no sample since the last call
+                    if getattr(e, "value", None) != getattr(self._nvml, "NVML_ERROR_NOT_FOUND", 6):
+                        with self._lock:  # NOT_SUPPORTED, NO_PERMISSION, ...: no GPU time from here
+                            self._gpu_error = f"{type(e).__name__}: {e}"
+                        return
                     continue
                 samples = [(s.pid, s.timeStamp, s.smUtil) for s in raw]
                 if samples:
@@ -134,6 +143,8 @@ class CloudMeter:
                 busy = integrate_sm_samples(samples, pids, self._last_ts[i])
                 with self._lock:
                     self._gpu_ms += busy
+                    self._sampled_pids.update(s[0] for s in samples)
+                    self._matched_pids.update(s[0] for s in samples if s[0] in pids)
 
     def read(self) -> CloudWork:
         """The cumulative work so far."""
@@ -149,8 +160,20 @@ class CloudMeter:
         self._gone_ms += sum(ms for pid, ms in self._seen.items() if pid not in live)
         self._seen = live
         with self._lock:
-            gpu = self._gpu_ms if self._nvml is not None else None
+            gpu = self._gpu_ms if self._nvml is not None and not self._gpu_error else None
         return CloudWork(gateway, self._gone_ms + sum(live.values()), gpu)
+
+    def gpu_report(self) -> dict[str, Any]:
+        """How GPU time was measured, for a run's metadata: ``nvml`` (present), ``error`` (the NVML
+        error that stopped sampling, or ""), ``sampled_pids`` (every process NVML gave samples for)
+        and ``cloud_pids`` (those that were the cloud's)."""
+        with self._lock:
+            return {
+                "nvml": self._nvml is not None,
+                "error": self._gpu_error,
+                "sampled_pids": sorted(self._sampled_pids),
+                "cloud_pids": sorted(self._matched_pids),
+            }
 
     def close(self) -> None:
         self._stop.set()

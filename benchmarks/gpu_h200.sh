@@ -10,10 +10,10 @@
 #                the same GPU), remote prefill and auto; loopback and wifi6; 64/256/1024/4096 tokens
 #   capacity-1b  tandem-bench-capacity on the 1B shape: cloud-only, split k=2,4,8, auto
 #   bench-8b     tandem-bench on a Llama-3.1-8B shape (split k=4 and cloud-only; no whole-model ONNX
-#                export: 32 GB in fp32)
-#   capacity-8b  tandem-bench-capacity on the 8B shape: cloud-only, split k=4, auto; k/L = 1/4 and
-#                1/2 do not fit the host's 64 GiB disk with fp32 heads beside the checkpoint and its
-#                tails
+#                export: 32 GB in fp32); its head is a float16-compute ONNX export (tandem-model
+#                --onnx-dtype float16: what a GPU edge runs, half the disk of an fp32 head)
+#   capacity-8b  tandem-bench-capacity on the 8B shape: cloud-only, split k=4 (k/L = 1/8), auto; k/L = 1/4 and
+#                1/2 are not run: with their tails beside the checkpoint they pass the host's 64 GiB disk
 #   fidelity     tandem-bench-fidelity on SmolLM2 over all 200 chats, k = 4 and 8, every default pair:
 #                fp32 CUDA engines, the in-process tail and full model on the GPU
 #   fidelity-bf16  the same in bf16 (--dtype bfloat16): the split's agreement with direct beside
@@ -113,9 +113,9 @@ step_capacity_1b() {
 
 prep_8b() {
   smollm2
-  # the 8B shape takes about 36 GB (checkpoint, tail, fp32 head): make room on a 64 GiB disk
+  # the 8B shape takes about 33 GB (checkpoint, tail, float16 head): make room on a 64 GiB disk
   if [ "$(df --output=avail -B1G "$W" | tail -1)" -lt 45 ]; then rm -rf "$W/l1b" "$W/l1b-ckpt"; fi
-  realsize llama-3.1-8b "$W/l8b" 4 --no-edge-full
+  realsize llama-3.1-8b "$W/l8b" 4 --no-edge-full --onnx-dtype float16
 }
 
 step_bench_8b() {

@@ -272,3 +272,28 @@ class EdgeFull(nn.Module):
             logits_to_keep=1,
         )
         return (out.logits[:, -1], *cache.presents())
+
+
+class Float16Compute(nn.Module):
+    """``inner`` (an ``EdgeHead`` or ``EdgeFull``) with float16 weights and arithmetic behind its
+    float32 interface: the past KV inputs are cast to float16 on entry and every output back to
+    float32, so the graph's inputs and outputs (and the wire, the block store and the KV layout
+    after it) are those of the float32 export. What HF computes in float32 inside a half-precision
+    model stays float32: the RMSNorm variance and the attention softmax (HF casts there) and the
+    rotary embedding, whose inverse frequencies are kept float32 here (``module.half()`` would round
+    them to 11 bits: an angle error of radians at a few thousand positions).
+
+    Takes ``inner`` over (its parameters become float16).
+    """
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        keep = {name: buf.detach().clone() for name, buf in inner.named_buffers() if name.endswith("inv_freq")}
+        self.inner = inner.half()
+        for name, buf in keep.items():
+            owner, _, attr = name.rpartition(".")
+            setattr(self.inner.get_submodule(owner) if owner else self.inner, attr, buf)
+
+    def forward(self, input_ids, position_ids, attention_mask, *past: torch.Tensor):
+        out = self.inner(input_ids, position_ids, attention_mask, *(p.half() for p in past))
+        return tuple(o.float() for o in out)

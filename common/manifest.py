@@ -32,6 +32,8 @@ class ExportCheck(BaseModel):
     tolerance: float  # the bound it was checked against (``onnx_export.CHECK_RTOL * max(1, max |HF|)``)
     tokens: int  # check tokens run through the graph (two rows, two steps)
     passed: bool
+    # the graph's arithmetic (``onnx_export.COMPUTE_DTYPES``); its inputs and outputs are float32 either way
+    compute_dtype: str = "float32"
 
     def save(self, path: Path) -> Path:
         return _write_atomic(Path(path), self.model_dump_json(indent=2))

@@ -54,7 +54,14 @@ from tandem.common.manifest import (
     ModelShape,
     SplitManifest,
 )
-from tandem.common.onnx_export import ONNX_OPSET, ExportCheckFailed, check_export, export_head
+from tandem.common.onnx_export import (
+    COMPUTE_DTYPES,
+    ONNX_OPSET,
+    ExportCheckFailed,
+    check_export,
+    check_rtol,
+    export_head,
+)
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -284,12 +291,20 @@ def _checked(check: ExportCheck, what: str) -> ExportCheck:
 
 
 def prepare_split(
-    out: Path, hf: Path, k: int, model_id: str, checkpoint_hash: str = "", weights_hash: str = ""
+    out: Path,
+    hf: Path,
+    k: int,
+    model_id: str,
+    checkpoint_hash: str = "",
+    weights_hash: str = "",
+    compute_dtype: str = "float32",
 ) -> SplitManifest:
     """Cut ``hf`` at layer ``k`` under ``out/split-k{k}`` and write its manifest (idempotent: a split
-    cut from the same checkpoint files is kept, its manifest only brought up to date).
+    cut from the same checkpoint files with a head of the same ``compute_dtype`` is kept, its
+    manifest only brought up to date; a head of another one is exported again).
 
     ``checkpoint_hash`` / ``weights_hash``: ``file_blake3(hf)`` / ``weights_blake3(hf)`` if already known.
+    ``compute_dtype``: the head's arithmetic (``onnx_export.export_head``).
     """
     cfg = json.loads((hf / "config.json").read_text())
     checkpoint_hash = checkpoint_hash or file_blake3(hf)
@@ -299,7 +314,8 @@ def prepare_split(
     existing = split_dir / MANIFEST_NAME
     if existing.is_file():
         m = SplitManifest.load(split_dir)
-        if m.checkpoint_blake3 == checkpoint_hash:
+        same_head = m.head_check is None or m.head_check.compute_dtype == compute_dtype
+        if m.checkpoint_blake3 == checkpoint_hash and same_head:
             if not m.passed_check:  # prepared before the check: check the head there
                 check = _checked(check_export(hf, split_dir / m.head_onnx, k), f"head k={k}")
                 m = m.model_copy(update={"architecture": check.architecture, "head_check": check})
@@ -311,10 +327,10 @@ def prepare_split(
             return m
     split_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with console.status(f"exporting ONNX head (layers [0, {k})) ..."):
-        export_head(hf, split_dir / "head.onnx", k)
-    console.print(f"[bold]model[/] ONNX head k={k} exported in {time.perf_counter() - t0:.1f} s")
-    check = _checked(check_export(hf, split_dir / "head.onnx", k), f"head k={k}")
+    with console.status(f"exporting ONNX head (layers [0, {k}), {compute_dtype}) ..."):
+        export_head(hf, split_dir / "head.onnx", k, compute_dtype=compute_dtype)
+    console.print(f"[bold]model[/] ONNX head k={k} ({compute_dtype}) exported in {time.perf_counter() - t0:.1f} s")
+    check = _checked(check_export(hf, split_dir / "head.onnx", k, compute_dtype=compute_dtype), f"head k={k}")
     with console.status(f"writing tail checkpoint (layers [{k}, {cfg['num_hidden_layers']})) ..."):
         make_tail(hf, split_dir / "tail", k)
     manifest = SplitManifest(
@@ -350,9 +366,9 @@ def check_architecture(hf: Path) -> str:
     return family_of(json.loads((hf / "config.json").read_text())).architecture
 
 
-def prepare_full(out: Path, hf: Path) -> ExportCheck:
-    """Export ``edge-full.onnx`` (when missing) and check it (when unchecked), writing its check
-    to ``edge-full.check.json``.
+def prepare_full(out: Path, hf: Path, compute_dtype: str = "float32") -> ExportCheck:
+    """Export ``edge-full.onnx`` (when missing, or exported with another ``compute_dtype``) and
+    check it (when unchecked), writing its check to ``edge-full.check.json``.
 
     Raises:
         ExportCheckFailed: the graph differs from HF beyond the tolerance.
@@ -360,15 +376,17 @@ def prepare_full(out: Path, hf: Path) -> ExportCheck:
     path, check_path = out / FULL_ONNX, out / FULL_CHECK_NAME
     if path.is_file() and check_path.is_file():
         check = ExportCheck.load(check_path)
-        if check.passed:
+        if check.compute_dtype != compute_dtype:
+            path.unlink()
+        elif check.passed:
             return check
     check_path.unlink(missing_ok=True)
     if not path.is_file():
         n = json.loads((hf / "config.json").read_text())["num_hidden_layers"]
-        with console.status("exporting the whole model to ONNX (edge-only baseline) ..."):
-            export_head(hf, path, n, full=True)
+        with console.status(f"exporting the whole model to ONNX (edge-only baseline, {compute_dtype}) ..."):
+            export_head(hf, path, n, full=True, compute_dtype=compute_dtype)
         console.print(f"[bold]model[/] edge-only ONNX model written to {path}")
-    check = _checked(check_export(hf, path, 0, full=True), "edge-full.onnx")
+    check = _checked(check_export(hf, path, 0, full=True, compute_dtype=compute_dtype), "edge-full.onnx")
     check.save(check_path)
     return check
 
@@ -381,17 +399,22 @@ def prepare_model(
     edge_full: bool = True,
     bundles: bool = True,
     direct_only: bool = False,
+    onnx_dtype: str = "float32",
 ) -> list[SplitManifest]:
     """Prepare the full checkpoint, the checked ONNX heads, tail checkpoints and role bundles under
     ``out`` (idempotent); returns the split manifests. ``direct_only``: no split, no ONNX, any
-    architecture (``prepare_direct``).
+    architecture (``prepare_direct``). ``onnx_dtype``: the ONNX graphs' arithmetic
+    (``onnx_export.COMPUTE_DTYPES``; float32 is exact against the float32 references, float16 is for
+    a GPU edge).
 
     Raises:
         UnsupportedArchitecture: the checkpoint's architecture cannot be split (nothing written
             under ``out`` but the link to the checkpoint).
         ExportCheckFailed: an exported graph differs from HF; no bundle is written.
         FileNotFoundError: ``checkpoint`` has no ``config.json``.
+        ValueError: ``onnx_dtype`` is not one of ``onnx_export.COMPUTE_DTYPES``.
     """
+    check_rtol(onnx_dtype)  # refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
     hf = out / "hf"
     if checkpoint is not None:
@@ -413,11 +436,11 @@ def prepare_model(
     write_tokenizer(hf, out / TOKENIZER_DIR)
     checkpoint_hash, weights_hash = file_blake3(hf), weights_blake3(hf)
     manifests = [
-        prepare_split(out, hf, k, model_id, checkpoint_hash, weights_hash)
+        prepare_split(out, hf, k, model_id, checkpoint_hash, weights_hash, onnx_dtype)
         for k in sorted({int(x) for x in split_layers.split(",") if x.strip()})
     ]
     if edge_full:
-        prepare_full(out, hf)
+        prepare_full(out, hf, onnx_dtype)
     if bundles:
         write_bundles(out)
     return manifests
@@ -440,13 +463,23 @@ def prepare(
     direct_only: Annotated[
         bool, typer.Option(help="no split: OUT/direct/manifest.json for direct mode (any architecture vLLM serves)")
     ] = False,
+    onnx_dtype: Annotated[
+        str,
+        typer.Option(
+            help="arithmetic of the ONNX heads and whole model: float32 (exact against the float32 references) "
+            "or float16 (for ONNX Runtime's CUDA provider: half the memory, tensor cores; inputs and outputs "
+            "stay float32)"
+        ),
+    ] = "float32",
 ) -> None:
     """Prepare the full checkpoint, ONNX heads (each checked against HF), tail checkpoints and role
     bundles (idempotent). Exit status 2: the architecture is not supported or an export failed its check."""
     from tandem.common.head_model import UnsupportedArchitecture
 
+    if onnx_dtype not in COMPUTE_DTYPES:
+        raise typer.BadParameter(f"must be one of {', '.join(COMPUTE_DTYPES)}", param_hint="--onnx-dtype")
     try:
-        prepare_model(out, checkpoint, split_layers, model_id, edge_full, bundles, direct_only)
+        prepare_model(out, checkpoint, split_layers, model_id, edge_full, bundles, direct_only, onnx_dtype)
     except FileNotFoundError as e:
         raise typer.BadParameter(str(e)) from None
     except (UnsupportedArchitecture, ExportCheckFailed) as e:

@@ -23,6 +23,13 @@ ONNX_OPSET = 17
 # value on the families' test checkpoints (tests/families.py) and 5.5e-7 on SmolLM2-135M; a wrong
 # layer (a missing q/k norm or soft-cap, another mask, other weights) is off by far more
 CHECK_RTOL = 5e-5
+# The same bound for a float16-compute graph (``head_model.Float16Compute``) against the float32 HF
+# model: float16 rounds to 2^-11 (4.9e-4) of each value, and the difference grows through the layers;
+# measured at up to 9.0e-4 of the largest value on SmolLM2-135M (heads at k = 4 and 8, the whole
+# model) and up to 1.7e-2 on the families' random-weight test checkpoints (tests/families.py, the
+# whole qwen2 model). A wrong layer is still off by the order of the values themselves
+CHECK_RTOL_FLOAT16 = 5e-2
+COMPUTE_DTYPES = ("float32", "float16")  # the arithmetic of an exported graph; its interface is float32
 CHECK_TOKENS = (24, 20)  # check rows: the second left-padded to the first's length
 CHECK_STEP_SLOTS = 16  # first step: slots [0, 16), second step: the rest (exercises the past KV inputs)
 
@@ -47,22 +54,50 @@ def load_hf(src: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def export_head(src: Path, out: Path, k: int, full: bool = False) -> Path:
+def _compute_dtype(compute_dtype: str) -> str:
+    """``compute_dtype`` if it is one of ``COMPUTE_DTYPES``.
+
+    Raises:
+        ValueError: it is not.
+    """
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"ONNX compute dtype must be one of {', '.join(COMPUTE_DTYPES)}, not {compute_dtype!r}")
+    return compute_dtype
+
+
+def check_rtol(compute_dtype: str) -> float:
+    """The check's relative bound for a graph computing in ``compute_dtype`` (``CHECK_RTOL`` or
+    ``CHECK_RTOL_FLOAT16``).
+
+    Raises:
+        ValueError: not one of ``COMPUTE_DTYPES``.
+    """
+    return CHECK_RTOL_FLOAT16 if _compute_dtype(compute_dtype) == "float16" else CHECK_RTOL
+
+
+def export_head(src: Path, out: Path, k: int, full: bool = False, compute_dtype: str = "float32") -> Path:
     """Export embedding + layers [0, k) to ONNX (TorchScript exporter, opset 17); with ``full``
     the whole model with final norm and lm_head (``EdgeFull``, edge-only baseline), ``k = L``.
+    ``compute_dtype="float16"``: float16 weights and arithmetic behind the same float32 inputs and
+    outputs (``head_model.Float16Compute``; half the file and memory, tensor cores on a GPU; ONNX
+    Runtime's CPU provider runs it too, slower than float32).
 
     Dynamic axes: batch ``Bt``, new tokens ``T``, past ``P`` (see ``common.head_model.EdgeHead``).
 
     Raises:
         UnsupportedArchitecture: the checkpoint's architecture is not supported.
+        ValueError: ``compute_dtype`` is not one of ``COMPUTE_DTYPES``.
     """
     import torch
 
     from tandem.common.head_io import io_names
-    from tandem.common.head_model import EdgeFull, EdgeHead
+    from tandem.common.head_model import EdgeFull, EdgeHead, Float16Compute
 
+    _compute_dtype(compute_dtype)
     model = load_hf(src)
     head = (EdgeFull(model) if full else EdgeHead(model, k)).eval()
+    if compute_dtype == "float16":
+        head = Float16Compute(head).eval()
     cfg = model.config
     hkv = cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -114,7 +149,7 @@ def _check_rows(vocab_size: int) -> tuple[list[list[int]], np.ndarray, np.ndarra
     return rows, mask, pos
 
 
-def check_export(src: Path, onnx_path: Path, k: int, full: bool = False) -> ExportCheck:
+def check_export(src: Path, onnx_path: Path, k: int, full: bool = False, compute_dtype: str = "float32") -> ExportCheck:
     """Run the exported head (``full``: ``edge-full.onnx``) with ONNX Runtime against the HF model
     at ``src`` on the check prompts (``CHECK_TOKENS``, the second row left-padded, in two steps
     split at ``CHECK_STEP_SLOTS`` so the second feeds the first's presents back as past KV).
@@ -122,10 +157,12 @@ def check_export(src: Path, onnx_path: Path, k: int, full: bool = False) -> Expo
     Compared: ``hidden`` against HF ``hidden_states[k]`` at every real slot (``full``: ``logits`` of
     each step's last slot against HF's logits there) and every ``present_key_i`` /
     ``present_value_i`` at the real slots against HF's cache (the keys after RoPE). Passes when the
-    largest absolute difference is within ``CHECK_RTOL * max(1, max |HF|)``.
+    largest absolute difference is within ``check_rtol(compute_dtype) * max(1, max |HF|)``; an
+    output that is not finite (a float16 overflow) fails it.
 
     Raises:
         UnsupportedArchitecture: the checkpoint's architecture is not supported.
+        ValueError: ``compute_dtype`` is not one of ``COMPUTE_DTYPES``.
     """
     import onnxruntime as ort
     import torch
@@ -133,6 +170,7 @@ def check_export(src: Path, onnx_path: Path, k: int, full: bool = False) -> Expo
 
     from tandem.common.head_io import io_names
 
+    rtol = check_rtol(compute_dtype)
     model = load_hf(src)
     cfg = model.config
     n = cfg.num_hidden_layers if full else k
@@ -171,8 +209,15 @@ def check_export(src: Path, onnx_path: Path, k: int, full: bool = False) -> Expo
         got += [p[r][:, first:] for p in past]
         want += ref_kv
         for g, w in zip(got, want, strict=True):
-            err = max(err, float(np.abs(g - w).max()))
+            diff = float(np.abs(g - w).max()) if np.isfinite(g).all() else float("inf")
+            err = max(err, diff)
             scale = max(scale, float(np.abs(w).max()))
-    tol = CHECK_RTOL * scale
-    arch = cfg.architectures[0]
-    return ExportCheck(architecture=arch, max_abs_error=err, tolerance=tol, tokens=sum(CHECK_TOKENS), passed=err <= tol)
+    tol = rtol * scale
+    return ExportCheck(
+        architecture=cfg.architectures[0],
+        max_abs_error=err,
+        tolerance=tol,
+        tokens=sum(CHECK_TOKENS),
+        passed=err <= tol,
+        compute_dtype=compute_dtype,
+    )

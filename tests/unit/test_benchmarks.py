@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -494,6 +495,57 @@ def test_integrated_gpu_samples_count_only_the_clouds_processes_over_their_perio
     assert integrate_sm_samples(samples, {7}, last) == pytest.approx(50.0 + 200.0)
     assert last == {7: 300_000}
     assert integrate_sm_samples([(7, 400_000, 250)], {7}, last) == pytest.approx(100.0)  # clamped to 100%
+
+
+def test_the_cloud_meter_integrates_nvml_samples_of_the_cloud_and_reports_none_where_nvml_refuses(monkeypatch):
+    """An NVML-shaped double: samples of this process (the cloud) and of another (an edge); a driver
+    that refuses per-process samples gives no GPU time (None), never 0."""
+    pytest.importorskip("psutil")
+    import types
+
+    from tandem.benchmarks import cloudwork
+
+    class NVMLError(Exception):
+        def __init__(self, value: int) -> None:
+            super().__init__(f"NVML error {value}")
+            self.value = value
+
+    def fake_nvml(refuse: int | None) -> types.SimpleNamespace:
+        me, t = os.getpid(), [0]
+
+        def utilisation(handle: object, since_us: int) -> list[types.SimpleNamespace]:
+            if refuse is not None:
+                raise NVMLError(refuse)
+            t[0] += 100_000  # 100 ms per poll: the cloud 50% busy, the edge 100%
+            if t[0] % 300_000 == 0:
+                raise NVMLError(6)  # NOT_FOUND: no sample since the last call
+            return [types.SimpleNamespace(pid=me, timeStamp=t[0], smUtil=50),
+                    types.SimpleNamespace(pid=me + 10**6, timeStamp=t[0], smUtil=100)]
+
+        return types.SimpleNamespace(NVML_ERROR_NOT_FOUND=6, nvmlDeviceGetCount=lambda: 1,
+                                     nvmlDeviceGetHandleByIndex=lambda i: i,
+                                     nvmlDeviceGetProcessUtilization=utilisation)
+
+    monkeypatch.setattr(cloudwork, "_nvml", lambda: fake_nvml(None))
+    meter = cloudwork.CloudMeter(os.getpid(), poll_s=0.01)
+    t0 = time.monotonic()
+    while (meter.read().gpu_ms or 0.0) < 200.0:
+        assert time.monotonic() - t0 < 30
+        time.sleep(0.02)
+    meter.close()
+    report = meter.gpu_report()
+    assert report["error"] == "" and report["cloud_pids"] == [os.getpid()]
+    assert set(report["sampled_pids"]) == {os.getpid(), os.getpid() + 10**6}
+    assert meter.read().gpu_ms % 50.0 == pytest.approx(0.0)  # whole 100 ms periods at 50%, the edge's none
+
+    monkeypatch.setattr(cloudwork, "_nvml", lambda: fake_nvml(3))  # NVML_ERROR_NOT_SUPPORTED
+    meter = cloudwork.CloudMeter(os.getpid(), poll_s=0.01)
+    t0 = time.monotonic()
+    while not meter.gpu_report()["error"]:
+        assert time.monotonic() - t0 < 30
+        time.sleep(0.02)
+    meter.close()
+    assert meter.read().gpu_ms is None and "NVML error 3" in meter.gpu_report()["error"]
 
 
 def test_the_cloud_meter_reads_the_cpu_time_of_the_process_and_its_descendants():
