@@ -42,7 +42,7 @@ import typer
 
 from tandem.benchmarks import links as linkmod
 from tandem.benchmarks.records import RequestRecord
-from tandem.benchmarks.stack import Stack, machine_meta, parse_host_port
+from tandem.benchmarks.stack import Stack, local_rows, machine_meta, parse_host_port
 from tandem.benchmarks.workload import BenchPrompt, make_prompts
 from tandem.daemons import work_dir
 
@@ -75,9 +75,12 @@ async def run_remote(
     concurrency: int,
     max_new_tokens: int,
     progress,
+    failures: list[dict] | None = None,
 ) -> list[RequestRecord]:
-    """Send ``prompts`` through the edge daemon with at most ``concurrency`` in flight."""
-    from tandem import AsyncClient
+    """Send ``prompts`` through the edge daemon with at most ``concurrency`` in flight. With
+    ``failures``, a request the SDK reports failed (``TandemClientError``: refused, timed out, an
+    engine error) is appended there and said on stderr, and the others go on; without, it raises."""
+    from tandem import AsyncClient, TandemClientError
 
     sem = asyncio.Semaphore(concurrency)
     records: list[RequestRecord] = []
@@ -94,8 +97,23 @@ async def run_remote(
                     split_layer=spec.split_layer,
                     ignore_eos=True,
                 )
-                async for d in s:
-                    arrivals.append((time.perf_counter(), max(1, len(d.token_ids))))
+                try:
+                    async for d in s:
+                        arrivals.append((time.perf_counter(), max(1, len(d.token_ids))))
+                except TandemClientError as e:
+                    if failures is None:
+                        raise
+                    failures.append(
+                        {
+                            "mode": spec.label,
+                            "link": link,
+                            "target_prompt_tokens": target,
+                            "error": f"{type(e).__name__}: {e}",
+                        }
+                    )
+                    print(f"tandem-bench: {spec.label} on {link} at {target} tokens failed: {e}", file=sys.stderr)
+                    progress.update(1)
+                    return
                 t1 = time.perf_counter()
                 r = s.result
                 ttft = (arrivals[0][0] - t0) * 1e3 if arrivals else (t1 - t0) * 1e3
@@ -177,10 +195,11 @@ def calibrate(eport: int, plan: Plan, link: str) -> None:
                 asyncio.run(run_remote(eport, plan.calibration[n], spec, link, n, 1, 2, _Null()))
 
 
-def run_link(eport: int, plan: Plan, link: str, bar: Any) -> list[RequestRecord]:
+def run_link(eport: int, plan: Plan, link: str, bar: Any, failures: list[dict]) -> list[RequestRecord]:
     """Every mode and prompt length on the link now set: ``blocks`` runs one mode at a time (what
     ``--concurrency > 1`` needs); ``interleaved`` runs, in round i, every mode once on prompt i in the
-    Williams order of ``round_order``. Warm-ups (2 tokens, not recorded) before each block or round set."""
+    Williams order of ``round_order``. Warm-ups (2 tokens, not recorded) before each block or round set.
+    A recorded request that fails goes to ``failures`` (``run_remote``); a failed warm-up raises."""
     records: list[RequestRecord] = []
     for spec in plan.specs:
         asyncio.run(run_remote(eport, plan.link_warmup, spec, link, 16, 1, 2, _Null()))
@@ -191,7 +210,7 @@ def run_link(eport: int, plan: Plan, link: str, bar: Any) -> list[RequestRecord]
                     asyncio.run(run_remote(eport, plan.warmups[n][: plan.warmup], spec, link, n, 1, 2, _Null()))
                 prompts = plan.prompts[n]
                 records += asyncio.run(
-                    run_remote(eport, prompts, spec, link, n, plan.concurrency, plan.max_new_tokens, bar)
+                    run_remote(eport, prompts, spec, link, n, plan.concurrency, plan.max_new_tokens, bar, failures)
                 )
         return records
     for n in plan.lens:
@@ -199,7 +218,7 @@ def run_link(eport: int, plan: Plan, link: str, bar: Any) -> list[RequestRecord]
             asyncio.run(run_remote(eport, plan.warmups[n][: plan.warmup], spec, link, n, 1, 2, _Null()))
         for i, p in enumerate(plan.prompts[n]):
             for spec in round_order(plan.specs, i):
-                records += asyncio.run(run_remote(eport, [p], spec, link, n, 1, plan.max_new_tokens, bar))
+                records += asyncio.run(run_remote(eport, [p], spec, link, n, 1, plan.max_new_tokens, bar, failures))
     return records
 
 
@@ -276,6 +295,7 @@ def main(
     if any(n < 1 for n in outs) or len(set(outs)) != len(outs):
         raise typer.BadParameter(f"--output-lens {output_lens!r}: distinct positive token counts")
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "hf")
+    edge_only, remote_prefill = local_rows(model_dir, edge_only, remote_prefill)
     plan = Plan(
         specs=mode_specs(ks, edge_only, auto, remote_prefill),
         lens=lens,
@@ -306,6 +326,7 @@ def main(
         max_prompt_tokens=longest,
     )
     by_output: dict[int, list[RequestRecord]] = {n: [] for n in outs}
+    failures: dict[int, list[dict]] = {n: [] for n in outs}
     total = len(lens) * requests * len(profiles) * len(plan.specs) * len(outs)
     with tqdm(total=total, desc="requests", unit="req") as bar:
         try:
@@ -315,16 +336,29 @@ def main(
             for n_out in outs:
                 for prof in profiles:
                     stack.set_link(prof)
-                    by_output[n_out] += run_link(eport, replace(plan, max_new_tokens=n_out), prof.name, bar)
+                    plan_n = replace(plan, max_new_tokens=n_out)
+                    by_output[n_out] += run_link(eport, plan_n, prof.name, bar, failures[n_out])
         finally:
             stack.stop()
     meta = machine_meta(args) | {"shaper": shaper, "links": [p.as_dict() for p in profiles]}
+    failed = sum(len(f) for f in failures.values())
+    if failed:
+        print(
+            f"tandem-bench: {failed} requests failed, left out of the tables (meta.json: failed_requests)",
+            file=sys.stderr,
+        )
+    if not all(by_output.values()):
+        print("tandem-bench: no request was served: nothing to tabulate", file=sys.stderr)
+        raise typer.Exit(1)
     if not output_lens:
-        report.write_all(out, by_output[max_new_tokens], meta)
+        report.write_all(out, by_output[max_new_tokens], meta | {"failed_requests": failures[max_new_tokens]})
         print(f"results in {out}: summary.md, summary.csv, records.jsonl, *.png", file=sys.stderr)
         print((out / "summary.md").read_text())
         return
-    rows = {n: report.write_all(out / f"out-{n}", recs, meta | {"max_new_tokens": n}) for n, recs in by_output.items()}
+    rows = {
+        n: report.write_all(out / f"out-{n}", recs, meta | {"max_new_tokens": n, "failed_requests": failures[n]})
+        for n, recs in by_output.items()
+    }
     report.write_output_matrix(out, rows)
     print(f"results in {out}: outputs.md, outputs.png, out-<n>/ per output length", file=sys.stderr)
     print((out / "outputs.md").read_text())

@@ -16,14 +16,18 @@ more requests within its latency objective. This benchmark measures that:
 * a request *meets the SLO* when it completes and its TTFT is at most ``--ttft-slo-ms``; refused
   (``RESOURCE_EXHAUSTED``), failed or timed-out requests do not.
 
-Reported per (mode, rate): requests sent, served, p50 / p99 TTFT, SLO attainment, and goodput in
-requests per second: the requests that met the SLO divided by the time from the first arrival to
-the last completion. Per mode, the *capacity* is the highest offered rate at which at least
-``--attainment`` of requests met the SLO, the goodput definition of DistServe (Zhong et al.,
-"DistServe: Disaggregating Prefill and Decoding for Goodput-optimized Large Language Model
-Serving", OSDI 2024, section 2). A mode stops its sweep after the first rate whose attainment is
-below half the target (it is saturated; higher rates only queue longer). With an auto row, a third
-table sets auto's goodput at each rate beside the best fixed mode's measured at that rate.
+Reported per (mode, rate): requests sent, served, p50 / p99 TTFT, SLO attainment, goodput and
+served throughput. *Goodput* is the requests per second that met the SLO at that offered load: SLO
+attainment times the offered rate (every mode at a rate gets the same seeded schedule, so two modes
+that meet the SLO equally have the same goodput; DistServe's per-rate goodput: the attainment at an
+offered rate). *Served req/s* is the requests served over the first arrival to the last completion
+(vLLM's benchmark's request throughput), which also counts how long the last requests drain. Per
+mode, the *capacity* is the highest offered rate at which at least ``--attainment`` of requests met
+the SLO, the goodput definition of DistServe (Zhong et al., "DistServe: Disaggregating Prefill and
+Decoding for Goodput-optimized Large Language Model Serving", OSDI 2024, section 2). A mode stops
+its sweep after the first rate whose attainment is below half the target (it is saturated; higher
+rates only queue longer). With an auto row, a third table sets auto's goodput at each rate beside
+the best fixed mode's measured at that rate.
 
 Per cell the cloud's work is measured too (``benchmarks.cloudwork``): CPU ms per served request of
 the ``tandem-cloud`` process and of its engines, and GPU ms where NVML is present, with each mode's
@@ -55,7 +59,7 @@ import typer
 from tandem.benchmarks import links as linkmod
 from tandem.benchmarks.bench import ModeSpec
 from tandem.benchmarks.cloudwork import CloudMeter, CloudWork
-from tandem.benchmarks.stack import Stack, machine_meta
+from tandem.benchmarks.stack import Stack, local_rows, machine_meta
 from tandem.benchmarks.workload import BenchPrompt, make_prompts
 from tandem.daemons import work_dir
 
@@ -72,6 +76,16 @@ class Sample:
     outcome: str  # "ok" or the error class
     served_mode: str = ""
     served_split_layer: int = 0
+    output_tokens: int = 0  # tokens streamed (0 in runs recorded before it was)
+
+    def mean_itl_ms(self, max_new_tokens: int) -> float:
+        """The request's mean inter-token latency (TPOT): ``(e2e - TTFT) / (tokens - 1)``, with
+        ``max_new_tokens`` where the tokens were not recorded (every request runs to it,
+        ``ignore_eos``); 0 for one token; inf for a request that failed."""
+        if self.outcome != "ok":
+            return float("inf")
+        n = self.output_tokens or max_new_tokens
+        return (self.e2e_ms - self.ttft_ms) / (n - 1) if n > 1 else 0.0
 
 
 def poisson_arrivals_s(rate_rps: float, n: int, seed: int) -> list[float]:
@@ -106,22 +120,38 @@ class RateResult:
     met_slo: int
     p50_ttft_ms: float
     p99_ttft_ms: float
-    goodput_rps: float
-    span_s: float
+    goodput_rps: float  # requests within the SLO(s) per second of offered load (``rate_result``)
+    span_s: float  # first arrival to last completion
     # the cloud's work per served request (``benchmarks.cloudwork``): NaN / None where not measured
     gateway_cpu_ms: float = float("nan")
     engines_cpu_ms: float = float("nan")
     gpu_ms: float | None = None
+    p99_itl_ms: float = float("nan")  # p99 over the requests of their mean ITL (``Sample.mean_itl_ms``)
 
     @property
     def attainment(self) -> float:
         return self.met_slo / self.sent if self.sent else 0.0
 
+    @property
+    def served_rps(self) -> float:
+        """Requests served per second over ``span_s`` (vLLM's benchmark's request throughput)."""
+        return self.served / self.span_s if self.span_s > 0 else 0.0
 
-def rate_result(samples: list[Sample], slo_ms: float, work: CloudWork | None = None) -> RateResult:
-    """Summarise one (mode, rate): goodput = requests within the SLO / (first arrival .. last completion).
-    A request that failed counts with an infinite TTFT in the percentiles. ``work``: the cloud's work
-    over the cell (``CloudMeter`` reads after minus before), reported per served request.
+
+def rate_result(
+    samples: list[Sample],
+    slo_ms: float,
+    work: CloudWork | None = None,
+    itl_slo_ms: float = 0.0,
+    max_new_tokens: int = 0,
+) -> RateResult:
+    """Summarise one (mode, rate). A request meets the SLO when it completed with TTFT <= ``slo_ms``
+    and, with ``itl_slo_ms`` > 0, a mean ITL (``Sample.mean_itl_ms``; ``max_new_tokens`` where its
+    tokens were not recorded) <= ``itl_slo_ms`` (DistServe's TTFT and TPOT objectives). Goodput =
+    SLO attainment x the offered rate: requests within the SLO per second of offered load,
+    independent of how long the last ones drain. A request that failed counts with an infinite TTFT
+    and ITL in the percentiles. ``work``: the cloud's work over the cell (``CloudMeter`` reads after
+    minus before), reported per served request.
 
     Raises:
         ValueError: ``samples`` is empty or mixes modes or rates.
@@ -129,7 +159,8 @@ def rate_result(samples: list[Sample], slo_ms: float, work: CloudWork | None = N
     if not samples or len({(s.mode, s.offered_rps) for s in samples}) != 1:
         raise ValueError("rate_result takes the samples of one (mode, rate)")
     ok = [s for s in samples if s.outcome == "ok"]
-    met = [s for s in ok if s.ttft_ms <= slo_ms]
+    itls = [s.mean_itl_ms(max_new_tokens) for s in samples]
+    met = [s for s in ok if s.ttft_ms <= slo_ms and (itl_slo_ms <= 0 or s.mean_itl_ms(max_new_tokens) <= itl_slo_ms)]
     ttfts = [s.ttft_ms if s.outcome == "ok" else float("inf") for s in samples]
     span_s = max(s.arrival_s + s.e2e_ms / 1e3 for s in samples) - min(s.arrival_s for s in samples)
     per = work.per_request(len(ok)) if work is not None else CloudWork(float("nan"), float("nan"), None)
@@ -141,11 +172,12 @@ def rate_result(samples: list[Sample], slo_ms: float, work: CloudWork | None = N
         len(met),
         percentile(ttfts, 50),
         percentile(ttfts, 99),
-        len(met) / span_s if span_s > 0 else 0.0,
+        len(met) / len(samples) * samples[0].offered_rps,
         span_s,
         per.gateway_cpu_ms,
         per.engines_cpu_ms,
         per.gpu_ms,
+        percentile(itls, 99),
     )
 
 
@@ -194,7 +226,7 @@ async def run_rate(
         async def one(p: BenchPrompt, at_s: float) -> None:
             await asyncio.sleep(max(0.0, t_start + at_s - time.perf_counter()))
             t0 = time.perf_counter()
-            ttft, outcome, mode, k = float("nan"), "ok", "", 0
+            ttft, outcome, mode, k, tokens = float("nan"), "ok", "", 0, 0
             try:
                 s = client.chat(
                     p.as_messages(),
@@ -204,14 +236,15 @@ async def run_rate(
                     ignore_eos=True,
                     timeout_s=timeout_s,
                 )
-                async for _ in s:
+                async for d in s:
                     if ttft != ttft:
                         ttft = (time.perf_counter() - t0) * 1e3
+                    tokens += len(d.token_ids)
                 mode, k = s.result.mode, s.result.split_layer
             except TandemClientError as e:
                 outcome = type(e).__name__
             samples.append(
-                Sample(spec.label, rate, t0 - t_start, ttft, (time.perf_counter() - t0) * 1e3, outcome, mode, k)
+                Sample(spec.label, rate, t0 - t_start, ttft, (time.perf_counter() - t0) * 1e3, outcome, mode, k, tokens)
             )
 
         await asyncio.gather(*(one(p, a) for p, a in zip(prompts, arrivals_s, strict=True)))
@@ -220,20 +253,24 @@ async def run_rate(
 
 def summary_md(results: list[RateResult], args: dict) -> str:
     """The table per (mode, rate) and the capacity per mode against cloud-only."""
-    slo, att = args["ttft_slo_ms"], args["attainment"]
+    slo, att, itl_slo = args["ttft_slo_ms"], args["attainment"], args.get("itl_slo_ms", 0.0)
+    objective = f"TTFT <= {slo:.0f} ms" + (f" and mean ITL <= {itl_slo:g} ms" if itl_slo > 0 else "")
     lines = [
         f"Offered-load sweep: {args['requests']} requests per rate with Poisson arrivals, prompt "
         f"{args['prompt_tokens']} tokens, {args['max_new_tokens']} output tokens, link {args['link']}; cloud on "
-        f"CPUs {args['cloud_cpus']!r}, edge on CPUs {args['edge_cpus']!r} (taskset). SLO: TTFT <= {slo:.0f} ms; "
-        f"capacity = the highest offered rate with >= {att:.0%} of requests within it (DistServe's goodput).",
+        f"CPUs {args['cloud_cpus']!r}, edge on CPUs {args['edge_cpus']!r} (taskset). SLO: {objective}; "
+        f"capacity = the highest offered rate with >= {att:.0%} of requests within it (DistServe's goodput). "
+        "Goodput: requests within the SLO per second of offered load (attainment x the offered rate); "
+        "served req/s: requests served over the first arrival to the last completion.",
         "",
-        "| mode | offered req/s | sent | served | p50 TTFT ms | p99 TTFT ms | within SLO | goodput req/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | offered req/s | sent | served | p50 TTFT ms | p99 TTFT ms | p99 mean ITL ms | within SLO "
+        "| goodput req/s | served req/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.mode} | {r.offered_rps:g} | {r.sent} | {r.served} | {r.p50_ttft_ms:.0f} | {r.p99_ttft_ms:.0f} | "
-            f"{r.attainment:.0%} | {r.goodput_rps:.2f} |"
+            f"{r.p99_itl_ms:.1f} | {r.attainment:.0%} | {r.goodput_rps:.2f} | {r.served_rps:.2f} |"
         )
     modes = list(dict.fromkeys(r.mode for r in results))
     caps = {m: capacity_rps([r for r in results if r.mode == m], att) for m in modes}
@@ -245,9 +282,9 @@ def summary_md(results: list[RateResult], args: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for m in modes:
-        ratio = caps[m] / base if base else float("nan")
+        ratio = f"{caps[m] / base:.2f}x" if base else "-"  # cloud-only met the SLO at no rate run
         pays = "-" if m == "cloud-only" else "yes" if caps[m] > base else "no" if caps[m] < base else "equal"
-        lines.append(f"| {m} | {caps[m]:g} | {ratio:.2f}x | {best_goodput[m]:.2f} | {pays} |")
+        lines.append(f"| {m} | {caps[m]:g} | {ratio} | {best_goodput[m]:.2f} | {pays} |")
     lines += work_lines(results)
     versus = auto_vs_best(results)
     if versus:
@@ -350,6 +387,10 @@ def main(
     prompt_tokens: int = 256,
     max_new_tokens: int = 8,
     ttft_slo_ms: Annotated[float, typer.Option(help="TTFT objective, ms")] = 1500.0,
+    itl_slo_ms: Annotated[
+        float,
+        typer.Option(help="mean inter-token latency objective per request (TPOT), ms; 0 = TTFT only"),
+    ] = 0.0,
     attainment: Annotated[float, typer.Option(help="share of requests within the SLO for a rate to count")] = 0.99,
     link: Annotated[str, typer.Option(help=f"link profile: {', '.join(linkmod.PROFILES)}")] = "lan",
     edge_target: Annotated[
@@ -372,9 +413,15 @@ def main(
     timeout_s: Annotated[float, typer.Option(help="deadline of one request")] = 60.0,
     seed: int = 0,
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/capacity"),
+    render: Annotated[
+        bool, typer.Option(help="only write the tables and plot again from OUT/capacity.json (its samples and meta)")
+    ] = False,
 ) -> None:
     """Run the sweep and write the table, samples and plot."""
     args = {k: str(v) if isinstance(v, Path) else v for k, v in locals().items()}
+    if render:
+        rerender(out)
+        return
     ks = [int(x) for x in split_layers.split(",") if x.strip()]
     dirs = [model_dir / f"split-k{k}" for k in ks]
     missing = [d for d in dirs if not (d / "manifest.json").is_file()]
@@ -396,6 +443,8 @@ def main(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
     prompts = make_prompts(tokenizer, prompt_tokens, requests, seed)
+    if not edge_target:
+        edge_only, remote_prefill = local_rows(model_dir, edge_only, remote_prefill)
     specs = [ModeSpec("cloud-only", "direct")] + [ModeSpec(f"split-k{k}", "split", k) for k in ks]
     specs += [ModeSpec("edge-only", "local")] if edge_only else []
     specs += [ModeSpec("remote-prefill", "remote_prefill")] if remote_prefill else []
@@ -441,7 +490,7 @@ def main(
                     got = asyncio.run(run_rate(edge, spec, prompts, arrivals, rate, max_new_tokens, timeout_s))
                     work = meter.read().minus(before) if meter is not None and before is not None else None
                     samples += got
-                    r = rate_result(got, ttft_slo_ms, work)
+                    r = rate_result(got, ttft_slo_ms, work, itl_slo_ms, max_new_tokens)
                     results.append(r)
                     bar.set_postfix_str(f"{spec.label} {rate:g} req/s: p99 {r.p99_ttft_ms:.0f} ms, {r.attainment:.0%}")
                     bar.update(1)
@@ -456,6 +505,11 @@ def main(
     meta = machine_meta(args) | {"link": None if edge_target else profile.as_dict()}
     if meter is not None:
         meta["gpu_work"] = meter.gpu_report()
+    write_results(out, meta, results, samples)
+
+
+def write_results(out: Path, meta: dict, results: list[RateResult], samples: list[Sample]) -> None:
+    """``capacity.json`` (meta, cells, samples), ``capacity.md`` and ``capacity.png`` under ``out``."""
     (out / "capacity.json").write_text(
         json.dumps(
             {"meta": meta, "cells": [asdict(r) for r in results], "samples": [asdict(s) for s in samples]},
@@ -463,11 +517,38 @@ def main(
             default=str,
         )
     )
-    md = summary_md(results, args)
+    md = summary_md(results, meta["args"])
     (out / "capacity.md").write_text(md)
-    plot(results, out, ttft_slo_ms)
+    plot(results, out, meta["args"]["ttft_slo_ms"])
     print(md)
     print(f"results in {out}: capacity.md, capacity.json, capacity.png", file=sys.stderr)
+
+
+def rerender(out: Path) -> None:
+    """Summarise ``out/capacity.json`` again (``--render``): every (mode, rate) cell from its samples,
+    in the order they ran, with the cloud's work of the cell where the file has it.
+
+    Raises:
+        typer.BadParameter: ``out`` has no ``capacity.json``.
+    """
+    path = out / "capacity.json"
+    if not path.is_file():
+        raise typer.BadParameter(f"{path} not found: nothing to render")
+    data = json.loads(path.read_text())
+    samples = [Sample(**s) for s in data["samples"]]
+    work = {(c["mode"], c["offered_rps"]): c for c in data.get("cells", [])}
+    results = []
+    for mode, rate in dict.fromkeys((s.mode, s.offered_rps) for s in samples):
+        c = work.get((mode, rate))
+        w = None
+        if c is not None:  # per served request in the file: back to the cell's totals
+            n = max(c["served"], 1)
+            gpu = None if c.get("gpu_ms") is None else c["gpu_ms"] * n
+            w = CloudWork(c["gateway_cpu_ms"] * n, c["engines_cpu_ms"] * n, gpu)
+        args = data["meta"]["args"]
+        cell = [s for s in samples if (s.mode, s.offered_rps) == (mode, rate)]
+        results.append(rate_result(cell, args["ttft_slo_ms"], w, args.get("itl_slo_ms", 0.0), args["max_new_tokens"]))
+    write_results(out, data["meta"], results, samples)
 
 
 def _cpu_range(part: str) -> range:

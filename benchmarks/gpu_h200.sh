@@ -24,6 +24,8 @@
 #                run cut by a call's time limit goes on in the next call
 #   matrix-1b    tandem-bench on the 1B shape per output length (16/128/512 tokens), wifi6 and 4g,
 #                256 and 1024 prompt tokens: end to end and cloud engine time per mode
+#   matrix-smollm2  the same matrix on SmolLM2-135M (prepared from the carried GGUF, nothing to
+#                export first), fp32 engines
 # The capacity runs use the unshaped loopback: one proxy would be one link shared by every request,
 # where the deployment measured gives each edge client its own.
 #
@@ -43,6 +45,9 @@ export TANDEM_CLOUD_ENGINE__MAX_NUM_BATCHED_TOKENS=8192
 export TANDEM_CLOUD_ENGINE__MAX_NUM_SEQS=32
 export TANDEM_CLOUD_ENGINE__TAIL_GPU_MEMORY_UTILIZATION=0.25
 export TANDEM_CLOUD_ENGINE__DECODE_GPU_MEMORY_UTILIZATION=0.45
+# one edge stands for every client here: a 4096-token turn of the 8B shape holds 1.1 GB of KV and
+# activations in the cloud, past the default 1 GiB bound per edge
+export TANDEM_CLOUD_EDGE_MAX_STORED_BYTES=17179869184
 
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/steps.log"; }
 
@@ -168,6 +173,15 @@ step_matrix_1b() {
   tail -40 "$OUT/matrix-1b.log"
 }
 
+step_matrix_smollm2() {
+  smollm2
+  log "tandem-bench SmolLM2 output-length matrix"
+  (cd "$W" && tandem-bench --model-dir "$SMOL" --split-layers 4 --links wifi6,4g --prompt-lens 256,1024 \
+    --output-lens 16,128,512 --requests 1 --shaper proxy --out "$OUT/matrix-smollm2") > "$OUT/matrix-smollm2.log" 2>&1
+  keep_logs matrix-smollm2
+  tail -40 "$OUT/matrix-smollm2.log"
+}
+
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 for s in "$@"; do
   case $s in
@@ -182,7 +196,8 @@ for s in "$@"; do
     fidelity-bf16) step_fidelity bfloat16 ;;
     exactness) step_exactness ;;
     matrix-1b) step_matrix_1b ;;
-    *) echo "unknown step $s (smollm2 | prep-1b | tier | bench-1b | capacity-1b | bench-8b | capacity-8b | fidelity | fidelity-bf16 | exactness | matrix-1b)" >&2; exit 2 ;;
+    matrix-smollm2) step_matrix_smollm2 ;;
+    *) echo "unknown step $s (smollm2 | prep-1b | tier | bench-1b | capacity-1b | bench-8b | capacity-8b | fidelity | fidelity-bf16 | exactness | matrix-1b | matrix-smollm2)" >&2; exit 2 ;;
   esac
 done
 log "done: $*"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
@@ -400,6 +400,21 @@ def load_records(path: Path) -> list:
     return [RequestRecord(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
+def failed_markdown(failed: list[dict]) -> str:
+    """The requests that failed (``meta["failed_requests"]``: mode, link, target_prompt_tokens,
+    error), counted per cell and error; "" for none."""
+    if not failed:
+        return ""
+    counts = Counter((f["mode"], f["link"], f["target_prompt_tokens"], f["error"]) for f in failed)
+    lines = [
+        f"\n{len(failed)} requests failed and are not in the tables above:\n",
+        "| mode | link | prompt tok | error | requests |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {m} | {link} | {n} | {err} | {c} |" for (m, link, n, err), c in counts.items()]
+    return "\n".join(lines) + "\n"
+
+
 def write_all(out: Path, records, meta: dict) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "records.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))
@@ -413,6 +428,7 @@ def write_all(out: Path, records, meta: dict) -> list[dict]:
         f"Machine: {meta['platform']}, {meta['cpus']} CPUs; shaper: {meta['shaper']}; "
         f"versions: {meta['versions']}\n\n" + to_markdown(rows) + "\n" + ratios_markdown(rows)
     )
+    md += failed_markdown(meta.get("failed_requests", []))
     goodput = goodput_markdown(rows, meta.get("links", []))
     if goodput:
         md += (

@@ -130,6 +130,25 @@ def prompt_limit_args(max_prompt_tokens: int) -> list[str]:
     return ["--max-prompt-tokens", str(max_prompt_tokens)] if max_prompt_tokens > default else []
 
 
+def local_rows(model_dir: Path, edge_only: bool, remote_prefill: bool) -> tuple[bool, bool]:
+    """``(edge_only, remote_prefill)`` as asked, both False where ``model_dir`` holds no whole model
+    that passed its check (``edge-full.onnx``, prepared without ``--no-edge-full``): each of those modes
+    runs the edge's whole model, and every one of its requests would fail. Says so on stderr."""
+    from tandem.common.manifest import FULL_CHECK_NAME, FULL_ONNX, ExportCheck
+
+    check = Path(model_dir) / FULL_CHECK_NAME
+    ready = (Path(model_dir) / FULL_ONNX).is_file() and check.is_file() and ExportCheck.load(check).passed
+    if not ready and (edge_only or remote_prefill):
+        left = [name for name, on in (("edge-only", edge_only), ("remote-prefill", remote_prefill)) if on]
+        print(
+            f"{model_dir} has no checked whole model ({FULL_ONNX}): the {' and '.join(left)} rows are left out "
+            "(the edge decodes them with it)",
+            file=sys.stderr,
+        )
+        return False, False
+    return edge_only, remote_prefill
+
+
 def parse_host_port(target: str) -> tuple[str, int]:
     """``host:port`` (``[v6addr]:port`` for IPv6) as (host, port), brackets removed.
 

@@ -6,8 +6,9 @@ runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times
 
     local(T)    = q_local + P_local(n_local)                                        + r_local
     direct(T)   = RTT + T * b_ids / G + q_cloud + P_cloud(T)                        + r_direct
-    split(T, k) = P_head[k](n_head) + n_up * b_split[k] / G + RTT + q_cloud
-                  + P_tail[k](n_tail)                                               + r_split[k]
+    split(T, k) = h + min(h, W_local) + n_up * b_split[k] / G + RTT + q_cloud
+                  + P_tail[k](n_tail)                                               + r_split[k],
+                  h = P_head[k](n_head)
 
 * ``P_*(n) = a + b * n + c * n^2``: the time of each compute stage for ``n`` tokens (a fixed
   part, projections and MLP linear in ``n``, attention over the prompt quadratic), fitted online
@@ -25,10 +26,15 @@ runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times
   activations the cloud lacks; ``n_tail = T - B * floor(n_cloud / B)`` (tail KV of full blocks
   the cloud computed in earlier turns is loaded, not recomputed; ``B`` the KV block size).
 * ``q_local``: the local engine's queue this prefill joins (its runs are FIFO, one at a time): the
-  prompt tokens of the prefills waiting or running x the local prefill rate, plus the other
-  requests decoding x the local decode step (each runs one step before it); ``q_cloud``: the
+  prompt tokens of the prefills waiting or running x the local prefill rate (``W_local``), plus the
+  other requests decoding x the local decode step (each runs one step before it). The split's head
+  runs on the same processor as those prefills, beside them rather than behind them: shared with that
+  one stream of ``W_local`` ms of work, a head of ``h`` ms alone finishes after ``h + min(h, W_local)``
+  (processor sharing: both run at half speed until the shorter is done). ``q_cloud``: the
   cloud's mean admission wait when its queue is not empty or this edge already uses its share
-  (its own requests in the cloud count from when it sends them), else 0.
+  (its own requests in the cloud count from when it sends them), else 0, and at least the predicted
+  cloud compute of this edge's turns in the cloud that have not had their first token (``W_cloud``:
+  their prefills run before or beside this one, as the local queue's do).
 * ``b_split[k]``: bytes per prompt token on the wire (activations in the link's wire dtype and
   head KV of layers ``[0, k)``, times the codec's measured ratio); ``b_ids`` = 5 bytes (a varint);
   ``G`` goodput, ``RTT`` round trip, both measured (``edge.cloudconn``).
@@ -210,6 +216,7 @@ class LinkState:
     cloud_tail_prefill_ms_per_token: dict[int, float] = field(default_factory=dict)
     queue_wait_ms: float = 0.0  # the cloud's recent mean admission wait
     cloud_busy: bool = False  # the cloud's queue is not empty, or this edge uses its whole share
+    own_cloud_prefill_ms: float = 0.0  # predicted cloud compute of this edge's turns before their first token
     bytes_per_token: dict[int, float] = field(default_factory=dict)  # k -> wire bytes per prompt token
     block_size_tokens: int = 32
     num_layers: int = 30
@@ -284,7 +291,7 @@ class CostModel:
             )
             return q + self._stage(LineKey(LineKind.LOCAL), n, self.edge.local_prefill_ms_per_token.value, tokens)
         g = self._goodput_bytes_per_ms(link)
-        q_cloud = link.queue_wait_ms if link.cloud_busy else 0.0
+        q_cloud = max(link.queue_wait_ms if link.cloud_busy else 0.0, link.own_cloud_prefill_ms)
         if route.mode in (Mode.DIRECT, Mode.REMOTE_PREFILL):  # the same prefill, from token ids
             p = self._cloud_rate(link.cloud_prefill_ms_per_token, link.num_layers, link)
             return link.rtt_ms + T * ID_BYTES / g + q_cloud + self._stage(LineKey(LineKind.DIRECT), T, p, tokens)
@@ -296,6 +303,8 @@ class CostModel:
         n_tail = T - B * (n_cloud // B)
         p_tail = self._cloud_rate(link.cloud_tail_prefill_ms_per_token.get(k, 0.0), link.num_layers - k, link)
         head = self._stage(LineKey(LineKind.HEAD, k), n_head, self.edge.head(k).value, tokens)
+        local_work = self.edge.local_pending_prefill_tokens * self.edge.local_prefill_ms_per_token.value
+        head += min(head, local_work)  # sharing the edge's processor with the local prefills queued
         wire = n_up * link.bytes_per_token.get(k, 0.0) / g
         overlap = min(head, wire) * (1 - 1 / pieces) if (pieces := self.pipeline_pieces(n_head, head, wire)) else 0.0
         tail = self._stage(LineKey(LineKind.TAIL, k), n_tail, p_tail, tokens)

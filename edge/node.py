@@ -411,7 +411,7 @@ class EdgeNode:
                 metrics.record_prediction(d.route.mode, d.prediction.ttft_ms, ev.ttft_ms)
                 if d.occupancy is not None:
                     self.router.occupancy.observe(
-                        d.route.mode, d.occupancy, ev.timings, ev.output_tokens, ev.received_kv_bytes
+                        d.route.mode, d.occupancy, ev.timings, ev.output_tokens, ev.received_kv_bytes, ev.prompt_tokens
                     )
             yield ev
 

@@ -7,14 +7,18 @@ the request's ``max_new_tokens``), with the TTFT prediction ``F`` of the route, 
 time per token ``d_c`` and the edge's ``d_e`` (both measured), all in ms:
 
     local           e2e = F + (N - 1) d_e                    cloud = 0
-    direct, split   e2e = F + (N - 1) d_c                    cloud = P_c + (N - 1) d_c
+    direct          e2e = F + (N - 1) d_c                    cloud = P_c + (N - 1) d_c
+    split           e2e = F + (N - 1) d_c                    cloud = P_c + T x_c + (N - 1) d_c
     remote prefill  handover h = w + n_down * b / G_down + P_local(T mod B + m) + RTT
                     m = min(N, 1 + h / d_c) tokens come from the cloud
                     e2e = F + h + (N - m) d_e                cloud = P_c + h
                     (m = N: the cloud decodes all, as direct)
 
 ``P_c`` is the route's cloud compute stage as the TTFT model predicts it (the whole-model prefill,
-or the tail prefill at ``k``), the engine time until the first token.
+or the tail prefill at ``k``), the engine time until the first token. A split then hands the prompt
+over to the decode engine, which loads the KV of every layer before its first step: ``x_c`` is that
+hand-off's measured time per prompt token (``cloud_decode_first_token_ms`` of split turns), so that
+a split does not look lighter on the cloud than it is.
 
 ``n_down`` is the blocks the edge's session lacks, ``b`` a whole-model block's bytes in the link's
 KV format, ``G_down`` the downlink goodput measured on earlier downloads (before one: the uplink's),
@@ -73,6 +77,7 @@ class OccupancyModel:
     output_tokens: Ewma = field(default_factory=Ewma)
     down_goodput_mbps: Ewma = field(default_factory=Ewma)
     kv_save_wait_ms: Ewma = field(default_factory=Ewma)
+    split_handoff_ms_per_token: Ewma = field(default_factory=Ewma)  # ``x_c``
 
     def expected_output(self, max_new_tokens: int) -> float:
         n = self.output_tokens.value
@@ -87,7 +92,9 @@ class OccupancyModel:
         mode = p.route.mode
         if mode is Mode.LOCAL:
             return Occupancy(p.ttft_ms + (N - 1) * d_e, 0.0, 0.0, d_e)
-        cloud_first = _cloud_stage_ms(p, cost)
+        cloud_first = cloud_stage_ms(p, cost)
+        if mode is Mode.SPLIT:
+            cloud_first += shape.prompt_tokens * self.split_handoff_ms_per_token.value
         cloud_all = Occupancy(p.ttft_ms + (N - 1) * d_c, cloud_first + (N - 1) * d_c, N, d_c)
         if mode is not Mode.REMOTE_PREFILL or d_c <= 0:
             return cloud_all
@@ -111,11 +118,21 @@ class OccupancyModel:
         local = cost.lines.get(LineKey(LineKind.LOCAL), Line()).predict(T % B + m0 + 1, rate)
         return before + local + link.rtt_ms
 
-    def observe(self, mode: Mode, predicted: Occupancy, timings: Timings, output_tokens: int, kv_bytes: int) -> None:
+    def observe(
+        self,
+        mode: Mode,
+        predicted: Occupancy,
+        timings: Timings,
+        output_tokens: int,
+        kv_bytes: int,
+        prompt_tokens: int = 0,
+    ) -> None:
         """Calibrate with a served turn and record the prediction errors of its end-to-end time and
         cloud time (``timings``: its stages, ms)."""
         if output_tokens > 0:
             self.output_tokens.add(output_tokens)
+        if mode is Mode.SPLIT and prompt_tokens > 0 and Stage.CLOUD_DECODE_FIRST_TOKEN in timings:
+            self.split_handoff_ms_per_token.add(timings[Stage.CLOUD_DECODE_FIRST_TOKEN] / prompt_tokens)
         if Stage.CLOUD_KV_SAVE_WAIT in timings:
             self.kv_save_wait_ms.add(timings[Stage.CLOUD_KV_SAVE_WAIT])
         down_ms = timings.get(Stage.KV_DOWNLINK, 0.0) - timings.get(Stage.TTFT, 0.0)
@@ -128,7 +145,7 @@ class OccupancyModel:
             metrics.record_prediction_of(mode, "cloud_engine", predicted.cloud_ms, cloud)
 
 
-def _cloud_stage_ms(p: Prediction, cost: CostModel) -> float:
+def cloud_stage_ms(p: Prediction, cost: CostModel) -> float:
     """The cloud compute stages of ``p`` as its lines predict them (ms)."""
     return sum(
         cost.lines.get(key, Line()).predict(n, rate)

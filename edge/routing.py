@@ -9,7 +9,7 @@ connection the turn is pinned to). Reads state only: no I/O, no grpc.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from tandem.common import wire
@@ -21,7 +21,7 @@ from tandem.edge.cloudconn import CloudTarget
 from tandem.edge.costmodel import CostModel, LinkState, Prediction, RequestShape, Route
 from tandem.edge.events import ChatTurn
 from tandem.edge.local import LocalEngine
-from tandem.edge.occupancy import Occupancy, OccupancyModel, lightest, under_pressure
+from tandem.edge.occupancy import Occupancy, OccupancyModel, cloud_stage_ms, lightest, under_pressure
 from tandem.edge.session import EdgeSessions
 
 
@@ -66,6 +66,23 @@ class Router:
         self._local: LocalEngine | None = None
         self.local = local
         self.cloud_inflight = 0  # this edge's turns in the cloud now (``edge.cloudcall`` counts them)
+        self.cloud_prefill_ms = 0.0  # predicted cloud compute of those not yet at their first token
+
+    def cloud_prefill_started(self, decision: Decision) -> Callable[[], None]:
+        """Count ``decision``'s predicted cloud compute (its prefill, or tail prefill at ``k``) in
+        ``cloud_prefill_ms`` until the returned function is called (at the turn's first token or its
+        end; calling it again does nothing): the cloud work this edge's later turns queue behind."""
+        ms = cloud_stage_ms(decision.prediction, self.cost) if decision.prediction is not None else 0.0
+        self.cloud_prefill_ms += ms
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.cloud_prefill_ms = max(0.0, self.cloud_prefill_ms - ms)
+
+        return release
 
     @property
     def local(self) -> LocalEngine | None:
@@ -141,6 +158,7 @@ class Router:
         p = c.params(0)
         share = p.max_concurrent_requests if p is not None else 1
         st.cloud_busy = load.waiting_requests > 0 or self.cloud_inflight >= share
+        st.own_cloud_prefill_ms = self.cloud_prefill_ms
         if p is not None and self.shape is not None:
             sh = self.shape
             full = (sh.num_layers, 2, sh.num_kv_heads, p.kv_block_size_tokens, sh.head_dim)

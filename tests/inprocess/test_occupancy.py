@@ -121,6 +121,26 @@ def test_served_turns_calibrate_and_report_their_errors():
     assert (_count("remote_prefill", "e2e"), _count("remote_prefill", "cloud_engine")) == (before[0] + 1, before[1] + 1)
 
 
+def test_a_split_counts_its_hand_off_into_the_decode_engine_as_cloud_time():
+    """The decode engine loads every layer's KV of a split turn before its first step: measured per
+    prompt token on split turns, added to the split's cloud time; with it a split at 1024 tokens holds
+    the cloud longer than direct here (0.4 ms tail + 0.3 ms hand-off per token against 0.5 ms)."""
+    m, lk, occ = model(), link(cloud_waiting=1), OccupancyModel()
+    shape = RequestShape(1024)
+    split, direct = m.predict(SPLIT, shape, lk), m.predict(DIRECT, shape, lk)
+    before = occ.predict(split, shape, lk, m, 128).cloud_ms
+    assert before < occ.predict(direct, shape, lk, m, 128).cloud_ms  # uncalibrated: the tail alone
+    occ.observe(Mode.SPLIT, Occupancy(1.0, 1.0, 1, 30.0), {Stage.CLOUD_DECODE_FIRST_TOKEN: 300.0}, 0, 0, 1000)
+    occ.observe(Mode.DIRECT, Occupancy(1.0, 1.0, 1, 30.0), {Stage.CLOUD_DECODE_FIRST_TOKEN: 900.0}, 0, 0, 1000)
+    assert occ.split_handoff_ms_per_token.value == pytest.approx(0.3)  # split turns only
+    after = occ.predict(split, shape, lk, m, 128).cloud_ms
+    assert after == pytest.approx(before + 1024 * 0.3)
+    assert after > occ.predict(direct, shape, lk, m, 128).cloud_ms
+    preds = [m.predict(r, shape, lk) for r in (SPLIT, DIRECT)]
+    pick, _ = lightest(preds, {p.route: occ.predict(p, shape, lk, m, 128) for p in preds}, lk, 0.0)
+    assert pick.route == DIRECT  # under pressure the lighter of the two is direct
+
+
 def _count(mode: str, quantity: str) -> float:
     for family in metrics.OTHER_PREDICTION_ERROR.collect():
         for sample in family.samples:

@@ -417,7 +417,25 @@ def test_capacity_goodput_attainment_and_table(tmp_path):
     r = rate_result(cell("cloud-only", 1.0, [100.0, 200.0, 900.0, 3000.0]), slo_ms=1000.0)
     assert (r.sent, r.served, r.met_slo) == (4, 4, 3) and r.attainment == 0.75
     assert r.span_s == pytest.approx(3.0 + 3.1)  # first arrival at 0, the last ends at 3 s + 3.1 s
-    assert r.goodput_rps == pytest.approx(3 / 6.1)
+    assert r.served_rps == pytest.approx(4 / 6.1)  # served over first arrival .. last completion
+    assert r.goodput_rps == 0.75 * 1.0  # attainment x the offered rate
+    # the same schedule and attainment with a slower drain: the same goodput, a lower served rate
+    slow = rate_result(
+        [
+            Sample("auto", 1.0, x.arrival_s, x.ttft_ms, x.e2e_ms + 2000.0, "ok")
+            for x in cell("auto", 1.0, [100.0, 200.0, 900.0, 3000.0])
+        ],
+        slo_ms=1000.0,
+    )
+    assert slow.goodput_rps == r.goodput_rps and slow.served_rps < r.served_rps
+    # an ITL objective too: mean ITL 50, 100, 150, 200 ms over 8 tokens each; 120 ms admits two
+    itl = [Sample("auto", 1.0, float(i), 100.0, 100.0 + 50.0 * (i + 1) * 7, "ok", output_tokens=8) for i in range(4)]
+    assert [x.mean_itl_ms(0) for x in itl] == pytest.approx([50.0, 100.0, 150.0, 200.0])
+    by_itl = rate_result(itl, 1000.0, itl_slo_ms=120.0)
+    assert by_itl.met_slo == 2 and by_itl.goodput_rps == 0.5 and by_itl.p99_itl_ms == pytest.approx(200.0)
+    assert rate_result(itl, 1000.0).met_slo == 4  # TTFT alone
+    assert Sample("a", 1.0, 0.0, 100.0, 800.0, "ok").mean_itl_ms(8) == 100.0  # tokens not recorded: the run's
+    assert Sample("a", 1.0, 0.0, float("nan"), 5.0, "Unavailable").mean_itl_ms(8) == float("inf")
     failed = rate_result(cell("split-k4", 2.0, [100.0], failed=1), slo_ms=1000.0)
     assert failed.met_slo == 1 and failed.p99_ttft_ms == float("inf")  # a refusal is a miss, not a fast answer
     with pytest.raises(ValueError):
@@ -435,9 +453,54 @@ def test_capacity_goodput_attainment_and_table(tmp_path):
     args = dict(ttft_slo_ms=1000.0, attainment=0.99, requests=10, prompt_tokens=256, max_new_tokens=8)
     md = summary_md(results, args | dict(link="lan", cloud_cpus="1", edge_cpus="0"))
     assert "| split-k15 | 2 | 2.00x | " in md and md.rstrip().endswith("| yes |")
-    assert "| cloud-only | 2 | 10 | 10 | 100 | 5000 | 90% |" in md  # nearest-rank p99 of 10: the largest
+    assert "| cloud-only | 2 | 10 | 10 | 100 | 5000 | 0.0 | 90% |" in md  # nearest-rank p99 of 10: the largest
     plot(results, tmp_path, 1000.0)
     assert (tmp_path / "capacity.png").stat().st_size > 0
+
+
+def test_capacity_render_summarises_a_runs_samples_again(tmp_path):
+    """``--render`` on a capacity.json: the same cells from its samples, the cloud's work kept."""
+    from dataclasses import asdict
+
+    from typer.testing import CliRunner
+
+    from tandem.benchmarks.capacity import Sample, app, rate_result
+    from tandem.benchmarks.cloudwork import CloudWork
+
+    args = dict(
+        ttft_slo_ms=1000.0,
+        attainment=0.99,
+        requests=3,
+        prompt_tokens=256,
+        max_new_tokens=8,
+        link="lan",
+        cloud_cpus="1",
+        edge_cpus="0",
+    )
+    samples = [
+        Sample(m, 1.0, float(i), 100.0 * (i + 1), 400.0, "ok", "direct")
+        for m in ("cloud-only", "auto")
+        for i in range(3)
+    ]
+    cells = [rate_result(samples[:3], 1000.0, CloudWork(30.0, 300.0, 6.0)), rate_result(samples[3:], 1000.0)]
+    (tmp_path / "capacity.json").write_text(
+        json.dumps(
+            {"meta": {"args": args}, "cells": [asdict(c) for c in cells], "samples": [asdict(s) for s in samples]}
+        )
+    )
+    run = CliRunner().invoke(app, ["--render", "--out", str(tmp_path)], env={"COLUMNS": "300"})
+    assert run.exit_code == 0, run.output
+    again = json.loads((tmp_path / "capacity.json").read_text())["cells"]
+    assert [(c["mode"], c["goodput_rps"], c["gateway_cpu_ms"], c["gpu_ms"]) for c in again] == [
+        ("cloud-only", 1.0, 10.0, 2.0),
+        ("auto", 1.0, pytest.approx(float("nan"), nan_ok=True), None),
+    ]
+    md = (tmp_path / "capacity.md").read_text()
+    # mean ITL (400 - TTFT) / 7 with the run's 8 output tokens: p99 of 42.9, 28.6 and 14.3 ms
+    assert "| cloud-only | 1 | 3 | 3 | 200 | 300 | 42.9 | 100% | 1.00 | 1.25 |" in md
+    assert (tmp_path / "capacity.png").stat().st_size > 0
+    missing = CliRunner().invoke(app, ["--render", "--out", str(tmp_path / "none")], env={"COLUMNS": "300"})
+    assert missing.exit_code == 2 and "nothing to render" in missing.output
 
 
 def test_capacity_sets_auto_beside_the_best_fixed_mode_at_each_rate():
@@ -519,12 +582,17 @@ def test_the_cloud_meter_integrates_nvml_samples_of_the_cloud_and_reports_none_w
             t[0] += 100_000  # 100 ms per poll: the cloud 50% busy, the edge 100%
             if t[0] % 300_000 == 0:
                 raise NVMLError(6)  # NOT_FOUND: no sample since the last call
-            return [types.SimpleNamespace(pid=me, timeStamp=t[0], smUtil=50),
-                    types.SimpleNamespace(pid=me + 10**6, timeStamp=t[0], smUtil=100)]
+            return [
+                types.SimpleNamespace(pid=me, timeStamp=t[0], smUtil=50),
+                types.SimpleNamespace(pid=me + 10**6, timeStamp=t[0], smUtil=100),
+            ]
 
-        return types.SimpleNamespace(NVML_ERROR_NOT_FOUND=6, nvmlDeviceGetCount=lambda: 1,
-                                     nvmlDeviceGetHandleByIndex=lambda i: i,
-                                     nvmlDeviceGetProcessUtilization=utilisation)
+        return types.SimpleNamespace(
+            NVML_ERROR_NOT_FOUND=6,
+            nvmlDeviceGetCount=lambda: 1,
+            nvmlDeviceGetHandleByIndex=lambda i: i,
+            nvmlDeviceGetProcessUtilization=utilisation,
+        )
 
     monkeypatch.setattr(cloudwork, "_nvml", lambda: fake_nvml(None))
     meter = cloudwork.CloudMeter(os.getpid(), poll_s=0.01)
@@ -657,3 +725,20 @@ def test_exactness_resume_reads_back_what_a_run_saved(tmp_path):
     path.write_text('{"chats": 3}')
     with pytest.raises(ValueError, match="not a tandem-bench-exactness result"):
         load_results(path)
+
+
+def test_local_rows_need_a_checked_whole_model(tmp_path, capsys):
+    """edge-only and remote prefill decode with the edge's whole model: without a checked
+    ``edge-full.onnx`` the benchmarks leave their rows out and say so."""
+    from tandem.benchmarks.stack import local_rows
+    from tandem.common.manifest import FULL_CHECK_NAME, FULL_ONNX, ExportCheck
+
+    assert local_rows(tmp_path, True, True) == (False, False)
+    assert "no checked whole model" in capsys.readouterr().err
+    assert local_rows(tmp_path, False, False) == (False, False) and capsys.readouterr().err == ""
+    (tmp_path / FULL_ONNX).write_bytes(b"onnx")
+    check = dict(architecture="LlamaForCausalLM", max_abs_error=1.0, tolerance=0.1, tokens=44, passed=False)
+    ExportCheck(**check).save(tmp_path / FULL_CHECK_NAME)
+    assert local_rows(tmp_path, True, False) == (False, False)  # its check failed
+    ExportCheck(**check | dict(max_abs_error=0.01, passed=True)).save(tmp_path / FULL_CHECK_NAME)
+    assert local_rows(tmp_path, True, True) == (True, True) and local_rows(tmp_path, False, True) == (False, True)

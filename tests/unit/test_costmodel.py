@@ -72,11 +72,24 @@ def test_queues_and_unknowns():
     # turn it belongs to does not also count as decoding
     m.edge.local_active, m.edge.local_pending_prefill_tokens, m.edge.local_pending_prefills = 3, 500, 1
     assert m.formula(Route(LOCAL), RequestShape(10), link()) == pytest.approx(500 * 2.0 + 2 * 40 + 10 * 2.0)
+    # the split's head shares the edge's processor with those prefills: 30 ms of head beside 1000 ms
+    # of local work finishes after 60 ms; beside 10 ms of it, after 40
+    alone = 100 * 0.3 + 100 * 8448 / 10_000 + 20 + 100 * 0.4
+    assert m.formula(Route(SPLIT, 4), RequestShape(100), link()) == pytest.approx(alone + 30.0)
+    m.edge.local_pending_prefill_tokens = 5
+    assert m.formula(Route(SPLIT, 4), RequestShape(100), link()) == pytest.approx(alone + 10.0)
     m.edge.local_active = m.edge.local_pending_prefill_tokens = m.edge.local_pending_prefills = 0
+    assert m.formula(Route(SPLIT, 4), RequestShape(100), link()) == pytest.approx(alone)
     busy = link(cloud_busy=True, queue_wait_ms=300.0)
     assert m.formula(Route(DIRECT), RequestShape(10), busy) == pytest.approx(
         m.formula(Route(DIRECT), RequestShape(10), link()) + 300
     )
+    # this edge's own turns in the cloud before their first token: at least their compute is ahead
+    for route in (Route(DIRECT), Route(SPLIT, 4)):
+        idle = m.formula(route, RequestShape(10), link())
+        assert m.formula(route, RequestShape(10), link(own_cloud_prefill_ms=500.0)) == pytest.approx(idle + 500)
+        both = link(cloud_busy=True, queue_wait_ms=300.0, own_cloud_prefill_ms=200.0)
+        assert m.formula(route, RequestShape(10), both) == pytest.approx(idle + 300)  # the larger of the two
     # before the cloud measured a rate, the prior is the edge's own rate scaled to the layers run
     unknown = link(cloud_prefill_ms_per_token=0.0, cloud_tail_prefill_ms_per_token={}, goodput_mbps=0.0)
     assert m.formula(Route(DIRECT), RequestShape(10), unknown) == pytest.approx(20 + 10 * 2.0)
@@ -238,3 +251,25 @@ def test_a_line_fitted_badly_once_leaves_no_lasting_residual():
         m.observe(p, ttft, {Stage.EDGE_HEAD: head_ms, Stage.CLOUD_TAIL_PREFILL: tail_ms})
     assert abs(m.residual_ms(route, 65)) < 15.0
     assert m.predict(route, RequestShape(65), lk).ttft_ms == pytest.approx(215.0, rel=0.1)
+
+
+def test_the_router_counts_its_cloud_turns_prefill_until_their_first_token():
+    """``Router.cloud_prefill_started``: a turn's predicted cloud compute counts in what later turns
+    queue behind until its first token (or its end), once."""
+    from tandem.edge.routing import Decision, Router
+    from tandem.edge.session import EdgeSessions
+
+    m = model()
+    router = Router([4], None, EdgeSessions(8, 1 << 20), m)
+    lk = link()
+    direct = m.predict(Route(DIRECT), RequestShape(100), lk)  # its cloud stage: 100 x 0.5 ms
+    first = router.cloud_prefill_started(Decision(Route(DIRECT), direct, "test"))
+    second = router.cloud_prefill_started(Decision(Route(DIRECT), direct, "test"))
+    assert router.cloud_prefill_ms == pytest.approx(100.0)
+    first()
+    first()  # a second call does nothing
+    assert router.cloud_prefill_ms == pytest.approx(50.0)
+    second()
+    assert router.cloud_prefill_ms == 0.0
+    router.cloud_prefill_started(Decision(Route(LOCAL), None, "no prediction"))()
+    assert router.cloud_prefill_ms == 0.0
