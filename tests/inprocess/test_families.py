@@ -149,7 +149,9 @@ def test_an_export_that_differs_from_hf_stops_preparation_before_any_bundle(tmp_
     tensors = load_file(other / "model.safetensors")
     save_file({n: t * 1.01 if "q_norm" in n else t for n, t in tensors.items()}, str(other / "model.safetensors"))
     real_export = modelprep.export_head
-    monkeypatch.setattr(modelprep, "export_head", lambda src, out, k, full=False: real_export(other, out, k, full))
+    monkeypatch.setattr(
+        modelprep, "export_head", lambda src, out, k, full=False, **kw: real_export(other, out, k, full, **kw)
+    )
     out = tmp_path / "out"
     with pytest.raises(modelprep.ExportCheckFailed, match=r"Qwen3ForCausalLM.*max \|ONNX - HF\|"):
         modelprep.prepare_model(out, ckpt, "2")
