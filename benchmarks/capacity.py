@@ -160,7 +160,11 @@ def rate_result(
         raise ValueError("rate_result takes the samples of one (mode, rate)")
     ok = [s for s in samples if s.outcome == "ok"]
     itls = [s.mean_itl_ms(max_new_tokens) for s in samples]
-    met = [s for s in ok if s.ttft_ms <= slo_ms and (itl_slo_ms <= 0 or s.mean_itl_ms(max_new_tokens) <= itl_slo_ms)]
+    met = [
+        s
+        for s, itl in zip(samples, itls, strict=True)
+        if s.outcome == "ok" and s.ttft_ms <= slo_ms and (itl_slo_ms <= 0 or itl <= itl_slo_ms)
+    ]
     ttfts = [s.ttft_ms if s.outcome == "ok" else float("inf") for s in samples]
     span_s = max(s.arrival_s + s.e2e_ms / 1e3 for s in samples) - min(s.arrival_s for s in samples)
     per = work.per_request(len(ok)) if work is not None else CloudWork(float("nan"), float("nan"), None)
@@ -537,6 +541,7 @@ def rerender(out: Path) -> None:
     data = json.loads(path.read_text())
     samples = [Sample(**s) for s in data["samples"]]
     work = {(c["mode"], c["offered_rps"]): c for c in data.get("cells", [])}
+    args = data["meta"]["args"]
     results = []
     for mode, rate in dict.fromkeys((s.mode, s.offered_rps) for s in samples):
         c = work.get((mode, rate))
@@ -545,7 +550,6 @@ def rerender(out: Path) -> None:
             n = max(c["served"], 1)
             gpu = None if c.get("gpu_ms") is None else c["gpu_ms"] * n
             w = CloudWork(c["gateway_cpu_ms"] * n, c["engines_cpu_ms"] * n, gpu)
-        args = data["meta"]["args"]
         cell = [s for s in samples if (s.mode, s.offered_rps) == (mode, rate)]
         results.append(rate_result(cell, args["ttft_slo_ms"], w, args.get("itl_slo_ms", 0.0), args["max_new_tokens"]))
     write_results(out, data["meta"], results, samples)

@@ -270,6 +270,10 @@ class CostModel:
             return measured
         return self.edge.local_prefill_ms_per_token.value * layers / max(1, link.num_layers)
 
+    def _local_prefill_queue_ms(self) -> float:
+        """``W_local``: the local engine's prefills waiting or running, at the local prefill rate (ms)."""
+        return self.edge.local_pending_prefill_tokens * self.edge.local_prefill_ms_per_token.value
+
     def _stage(self, key: LineKey, n: int, prior_rate: float, stages: dict[LineKey, tuple[int, float]]) -> float:
         stages[key] = (n, prior_rate)
         return self.lines.get(key, Line()).predict(n, prior_rate)
@@ -285,10 +289,7 @@ class CostModel:
             n = T - min(shape.local_cached_tokens, T - 1)
             e = self.edge
             decoding = max(0, e.local_active - e.local_pending_prefills)
-            q = (
-                e.local_pending_prefill_tokens * e.local_prefill_ms_per_token.value
-                + decoding * e.local_decode_ms_per_token.value
-            )
+            q = self._local_prefill_queue_ms() + decoding * e.local_decode_ms_per_token.value
             return q + self._stage(LineKey(LineKind.LOCAL), n, self.edge.local_prefill_ms_per_token.value, tokens)
         g = self._goodput_bytes_per_ms(link)
         q_cloud = max(link.queue_wait_ms if link.cloud_busy else 0.0, link.own_cloud_prefill_ms)
@@ -303,8 +304,7 @@ class CostModel:
         n_tail = T - B * (n_cloud // B)
         p_tail = self._cloud_rate(link.cloud_tail_prefill_ms_per_token.get(k, 0.0), link.num_layers - k, link)
         head = self._stage(LineKey(LineKind.HEAD, k), n_head, self.edge.head(k).value, tokens)
-        local_work = self.edge.local_pending_prefill_tokens * self.edge.local_prefill_ms_per_token.value
-        head += min(head, local_work)  # sharing the edge's processor with the local prefills queued
+        head += min(head, self._local_prefill_queue_ms())  # sharing the edge's processor with the local prefills
         wire = n_up * link.bytes_per_token.get(k, 0.0) / g
         overlap = min(head, wire) * (1 - 1 / pieces) if (pieces := self.pipeline_pieces(n_head, head, wire)) else 0.0
         tail = self._stage(LineKey(LineKind.TAIL, k), n_tail, p_tail, tokens)
