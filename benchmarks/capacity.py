@@ -286,9 +286,9 @@ def summary_md(results: list[RateResult], args: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for m in modes:
-        ratio = f"{caps[m] / base:.2f}x" if base else "-"  # cloud-only met the SLO at no rate run
+        vs_base = f"{caps[m] / base:.2f}x" if base else "-"  # cloud-only met the SLO at no rate run
         pays = "-" if m == "cloud-only" else "yes" if caps[m] > base else "no" if caps[m] < base else "equal"
-        lines.append(f"| {m} | {caps[m]:g} | {ratio} | {best_goodput[m]:.2f} | {pays} |")
+        lines.append(f"| {m} | {caps[m]:g} | {vs_base} | {best_goodput[m]:.2f} | {pays} |")
     lines += work_lines(results)
     versus = auto_vs_best(results)
     if versus:

@@ -95,7 +95,7 @@ def export_head(src: Path, out: Path, k: int, full: bool = False, compute_dtype:
 
     _compute_dtype(compute_dtype)
     model = load_hf(src)
-    head = (EdgeFull(model) if full else EdgeHead(model, k)).eval()
+    head: torch.nn.Module = (EdgeFull(model) if full else EdgeHead(model, k)).eval()
     if compute_dtype == "float16":
         head = Float16Compute(head).eval()
     cfg = model.config
