@@ -50,6 +50,14 @@ class Toy:
     edge: EdgeNode
     batcher: HeadBatcher
 
+    async def another_edge(self, edge_id: str) -> EdgeNode:
+        """A second edge ``edge_id`` on this toy's cloud (its own link and negotiation, this
+        toy's head batcher): another client whose turns load the same engines."""
+        key = MANIFEST.compatibility_key()
+        conn = CloudConnection(InProcessLink(self.gateway), NegotiateOffer(edge_id, "toy", {K: key}, 4), probe_bytes=0)
+        await conn.connect()
+        return EdgeNode(ToyTokenizer(), [Head(self.batcher, key)], conn, EdgeSessions(64, 1 << 30), 30.0)
+
     def cloud_session(self, session_id: str) -> CloudSession | None:
         """The gateway's session ``session_id`` of this toy edge (cloud sessions live in the
         namespace of the edge that made them)."""

@@ -227,7 +227,9 @@ async def test_auto_falls_back_to_local_when_the_cloud_is_busy_or_gone():
         edge.cost = CostModel(explore_every=0)  # the choice must follow the predictions alone
         edge.local = MemoryLocal(prefill_ms_per_token=1e3)  # local looks slow: auto prefers the cloud
         before = edge.cost.predict(Route(Mode.LOCAL), RequestShape(30), edge.router.link_state()).ttft_ms
-        hog = asyncio.create_task(run(edge, turn(mode=Mode.DIRECT, n=30)))
+        # another edge holds the cloud's one sequence: only the cloud's admission tells this edge
+        other = await toy.another_edge("other")
+        hog = asyncio.create_task(run(other, turn(mode=Mode.DIRECT, n=30)))
         await asyncio.sleep(0.05)
         done = await run(edge, turn("busy now"))
         assert done.mode == "local" and done.mode_reason == "fallback: cloud busy"
@@ -279,7 +281,7 @@ async def test_auto_follows_the_cost_model_and_its_error_is_reported():
         done = await run(edge, turn())
         assert done.mode == "local" and done.mode_reason.startswith("auto")
         edge.cost = type(edge.cost)(hysteresis=0.1, explore_every=0)
-        edge.local = MemoryLocal(prefill_ms_per_token=1e4)  # now prohibitively slow
+        edge.local = MemoryLocal(prefill_ms_per_token=1e3)  # now prohibitively slow
         done = await run(edge, turn())
         assert done.mode in ("split", "direct") and done.predicted_ttft_ms > 0
         assert np.isfinite(done.ttft_ms)

@@ -433,7 +433,7 @@ def test_prepare_writes_tokenizer_keys_and_bundles(tmp_path, monkeypatch):
         (ckpt / name).write_text(name)
     exports: list[Path] = []
 
-    def export_head(src: Path, out: Path, k: int, full: bool = False) -> Path:
+    def export_head(src: Path, out: Path, k: int, full: bool = False, compute_dtype: str = "float32") -> Path:
         exports.append(out)
         out.write_bytes(b"onnx %d %s" % (k, str(full).encode()))
         return out
