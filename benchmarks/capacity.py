@@ -49,7 +49,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -77,6 +77,8 @@ class Sample:
     served_mode: str = ""
     served_split_layer: int = 0
     output_tokens: int = 0  # tokens streamed (0 in runs recorded before it was)
+    predicted_ttft_ms: float = 0.0  # the edge's cost-model prediction for the mode served (0 = none made)
+    timings_ms: dict[str, float] = field(default_factory=dict)  # ChatDone's stage timings (ms)
 
     def mean_itl_ms(self, max_new_tokens: int) -> float:
         """The request's mean inter-token latency (TPOT): ``(e2e - TTFT) / (tokens - 1)``, with
@@ -231,6 +233,7 @@ async def run_rate(
             await asyncio.sleep(max(0.0, t_start + at_s - time.perf_counter()))
             t0 = time.perf_counter()
             ttft, outcome, mode, k, tokens = float("nan"), "ok", "", 0, 0
+            predicted, timings = 0.0, {}
             try:
                 s = client.chat(
                     p.as_messages(),
@@ -245,18 +248,21 @@ async def run_rate(
                         ttft = (time.perf_counter() - t0) * 1e3
                     tokens += len(d.token_ids)
                 mode, k = s.result.mode, s.result.split_layer
+                predicted, timings = s.result.predicted_ttft_ms, dict(s.result.timings_ms)
             except TandemClientError as e:
                 outcome = type(e).__name__
+            e2e_ms = (time.perf_counter() - t0) * 1e3
             samples.append(
-                Sample(spec.label, rate, t0 - t_start, ttft, (time.perf_counter() - t0) * 1e3, outcome, mode, k, tokens)
+                Sample(spec.label, rate, t0 - t_start, ttft, e2e_ms, outcome, mode, k, tokens, predicted, timings)
             )
 
         await asyncio.gather(*(one(p, a) for p, a in zip(prompts, arrivals_s, strict=True)))
     return samples
 
 
-def summary_md(results: list[RateResult], args: dict) -> str:
-    """The table per (mode, rate) and the capacity per mode against cloud-only."""
+def summary_md(results: list[RateResult], args: dict, samples: list[Sample] | None = None) -> str:
+    """The table per (mode, rate), the capacity per mode against cloud-only, and with ``samples``
+    auto's prediction error per rate (``prediction_lines``)."""
     slo, att, itl_slo = args["ttft_slo_ms"], args["attainment"], args.get("itl_slo_ms", 0.0)
     objective = f"TTFT <= {slo:.0f} ms" + (f" and mean ITL <= {itl_slo:g} ms" if itl_slo > 0 else "")
     lines = [
@@ -305,7 +311,36 @@ def summary_md(results: list[RateResult], args: dict) -> str:
             lines.append(f"| {rate:g} | {best} | {best_rps:.2f} | {auto_rps:.2f} | {ratio:.2f}x{flag} |")
         under = sum(a < b for _, _, b, a in versus)
         lines += ["", f"auto at least the best fixed mode's goodput at {len(versus) - under} of {len(versus)} rates"]
+    lines += prediction_lines(samples or [])
     return "\n".join(lines) + "\n"
+
+
+def prediction_lines(samples: list[Sample]) -> list[str]:
+    """Auto's TTFT predictions against the measured TTFT, per offered rate and mode served: the
+    requests, their median measured and predicted TTFT (ms) and the median of measured / predicted
+    (the cost model's error under that load: 1.0 is exact, 2.0 a TTFT twice the prediction);
+    [] where no auto request carried a prediction."""
+    cells: dict[tuple[float, str], list[Sample]] = {}
+    for s in samples:
+        if s.mode == "auto" and s.outcome == "ok" and s.predicted_ttft_ms > 0:
+            served = f"split-k{s.served_split_layer}" if s.served_mode == "split" else s.served_mode
+            cells.setdefault((s.offered_rps, served), []).append(s)
+    if not cells:
+        return []
+    lines = [
+        "",
+        "Auto's predictions under load: per offered rate and mode served, the median measured and "
+        "predicted TTFT and the median of their ratio (measured / predicted).",
+        "",
+        "| offered req/s | served mode | requests | median TTFT ms | median predicted ms | measured / predicted |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (rate, served), got in sorted(cells.items()):
+        ratio = float(np.median([s.ttft_ms / s.predicted_ttft_ms for s in got]))
+        measured = float(np.median([s.ttft_ms for s in got]))
+        predicted = float(np.median([s.predicted_ttft_ms for s in got]))
+        lines.append(f"| {rate:g} | {served} | {len(got)} | {measured:.0f} | {predicted:.0f} | {ratio:.2f} |")
+    return lines
 
 
 def work_lines(results: list[RateResult]) -> list[str]:
@@ -521,7 +556,7 @@ def write_results(out: Path, meta: dict, results: list[RateResult], samples: lis
             default=str,
         )
     )
-    md = summary_md(results, meta["args"])
+    md = summary_md(results, meta["args"], samples)
     (out / "capacity.md").write_text(md)
     plot(results, out, meta["args"]["ttft_slo_ms"])
     print(md)

@@ -12,8 +12,11 @@
 #   bench-8b     tandem-bench on a Llama-3.1-8B shape (split k=4 and cloud-only; no whole-model ONNX
 #                export: 32 GB in fp32); its head is a float16-compute ONNX export (tandem-model
 #                --onnx-dtype float16: what a GPU edge runs, half the disk of an fp32 head)
-#   capacity-8b  tandem-bench-capacity on the 8B shape: cloud-only, split k=4 (k/L = 1/8), auto; k/L = 1/4 and
-#                1/2 are not run: with their tails beside the checkpoint they pass the host's 64 GiB disk
+#   capacity-8b  tandem-bench-capacity on the 8B shape: cloud-only, split k=4 (k/L = 1/8), auto
+#   prep-8b-k8, capacity-8b-k8, prep-8b-k16, capacity-8b-k16
+#                the same at k = 8 and 16 (k/L = 1/4, 1/2), one split layer prepared at a time: the
+#                checkpoint with every tail beside it passes the host's 64 GiB disk, so preparing one
+#                k removes the others' tails and heads first
 #   fidelity     tandem-bench-fidelity on SmolLM2 over all 200 chats, k = 4 and 8, every default pair:
 #                fp32 CUDA engines, the in-process tail and full model on the GPU
 #   fidelity-bf16  the same in bf16 (--dtype bfloat16): the split's agreement with direct beside
@@ -116,11 +119,19 @@ step_capacity_1b() {
   tail -20 "$OUT/capacity-1b.log"
 }
 
-prep_8b() {
+prep_8b() {  # prep_8b [K]: the 8B shape split at K (default 4), the other split layers' files removed
+  local k=${1:-4} d
   smollm2
+  for d in "$W"/l8b/split-k*; do [ -d "$d" ] && [ "$d" != "$W/l8b/split-k$k" ] && rm -rf "$d"; done
   # the 8B shape takes about 33 GB (checkpoint, tail, float16 head): make room on a 64 GiB disk
   if [ "$(df --output=avail -B1G "$W" | tail -1)" -lt 45 ]; then rm -rf "$W/l1b" "$W/l1b-ckpt"; fi
-  realsize llama-3.1-8b "$W/l8b" 4 --no-edge-full --onnx-dtype float16
+  if [ -d "$W/l8b-ckpt" ] && [ ! -f "$W/l8b/split-k$k/manifest.json" ]; then  # the checkpoint is kept
+    log "tandem-model llama-3.1-8b k=$k"
+    (cd "$W" && tandem-model --checkpoint "$W/l8b-ckpt" --out "$W/l8b" --split-layers "$k" --no-bundles \
+      --no-edge-full --onnx-dtype float16) >> "$OUT/prepare_llama-3.1-8b.log" 2>&1
+  fi
+  realsize llama-3.1-8b "$W/l8b" "$k" --no-edge-full --onnx-dtype float16
+  log "8B split k=$k: $(du -sh "$W/l8b" | cut -f1), $(df -h --output=avail "$W" | tail -1) free"
 }
 
 step_bench_8b() {
@@ -133,14 +144,16 @@ step_bench_8b() {
   tail -30 "$OUT/bench-8b.log"
 }
 
-step_capacity_8b() {
-  prep_8b
-  log "tandem-bench-capacity 8B"
-  (cd "$W" && tandem-bench-capacity --model-dir "$W/l8b" --split-layers 4 --rates 4,8,16,32 --requests 48 \
+step_capacity_8b() {  # step_capacity_8b [K]: results in capacity-8b (K = 4) or capacity-8b-kK
+  local k=${1:-4} name=capacity-8b
+  [ "$k" = 4 ] || name=capacity-8b-k$k
+  prep_8b "$k"
+  log "tandem-bench-capacity 8B k=$k"
+  (cd "$W" && tandem-bench-capacity --model-dir "$W/l8b" --split-layers "$k" --rates 4,8,16,32 --requests 48 \
     --prompt-tokens 1024 --max-new-tokens 16 --ttft-slo-ms 500 --link loopback --cloud-cpus "" --edge-cpus "" \
-    --max-num-seqs 32 --out "$OUT/capacity-8b") > "$OUT/capacity-8b.log" 2>&1
-  keep_logs capacity-8b
-  tail -20 "$OUT/capacity-8b.log"
+    --max-num-seqs 32 --out "$OUT/$name") > "$OUT/$name.log" 2>&1
+  keep_logs "$name"
+  tail -20 "$OUT/$name.log"
 }
 
 step_fidelity() {  # step_fidelity DTYPE
@@ -192,12 +205,16 @@ for s in "$@"; do
     bench-1b) step_bench_1b ;;
     bench-8b) step_bench_8b ;;
     capacity-8b) step_capacity_8b ;;
+    prep-8b-k8) prep_8b 8 ;;
+    capacity-8b-k8) step_capacity_8b 8 ;;
+    prep-8b-k16) prep_8b 16 ;;
+    capacity-8b-k16) step_capacity_8b 16 ;;
     fidelity) step_fidelity float32 ;;
     fidelity-bf16) step_fidelity bfloat16 ;;
     exactness) step_exactness ;;
     matrix-1b) step_matrix_1b ;;
     matrix-smollm2) step_matrix_smollm2 ;;
-    *) echo "unknown step $s (smollm2 | prep-1b | tier | bench-1b | capacity-1b | bench-8b | capacity-8b | fidelity | fidelity-bf16 | exactness | matrix-1b | matrix-smollm2)" >&2; exit 2 ;;
+    *) echo "unknown step $s (smollm2 | prep-1b | tier | bench-1b | capacity-1b | bench-8b | capacity-8b | prep-8b-k8 | capacity-8b-k8 | prep-8b-k16 | capacity-8b-k16 | fidelity | fidelity-bf16 | exactness | matrix-1b | matrix-smollm2)" >&2; exit 2 ;;
   esac
 done
 log "done: $*"

@@ -548,6 +548,27 @@ def test_cloud_work_is_per_served_request_and_set_beside_cloud_onlys():
     assert "work per served request" not in unmetered  # a running edge's cloud is not measured
 
 
+def test_capacity_reports_autos_prediction_error_per_rate_and_served_mode():
+    from tandem.benchmarks.capacity import Sample, prediction_lines
+
+    def auto(rate: float, mode: str, k: int, ttft: float, predicted: float, outcome: str = "ok") -> Sample:
+        return Sample("auto", rate, 0.0, ttft, ttft + 10, outcome, mode, k, 8, predicted)
+
+    samples = [
+        auto(1.0, "local", 0, 300.0, 200.0),
+        auto(1.0, "local", 0, 500.0, 250.0),
+        auto(1.0, "split", 4, 2000.0, 500.0),
+        auto(1.0, "split", 4, 900.0, 0.0),  # no prediction made: not counted
+        auto(1.0, "direct", 0, float("nan"), 100.0, "ResourceExhausted"),  # failed: not counted
+        Sample("cloud-only", 1.0, 0.0, 100.0, 110.0, "ok", "direct", 0, 8, 90.0),  # a fixed mode's row
+    ]
+    lines = prediction_lines(samples)
+    assert "| 1 | local | 2 | 400 | 225 | 1.75 |" in lines  # ratios 1.5 and 2.0
+    assert "| 1 | split-k4 | 1 | 2000 | 500 | 4.00 |" in lines
+    assert not any("direct" in line for line in lines[4:])
+    assert prediction_lines(samples[-1:]) == []
+
+
 def test_integrated_gpu_samples_count_only_the_clouds_processes_over_their_periods():
     from tandem.benchmarks.cloudwork import integrate_sm_samples
 
