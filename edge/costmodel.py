@@ -4,10 +4,10 @@ Modes (``Route``): ``local`` (the whole model in ONNX Runtime here), ``split`` a
 layer ``k`` (head here, tail and decode in the cloud), ``direct`` (token ids up, the cloud
 runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times in ms):
 
-    local(T)    = (q_local + P_local(n_local)                                        + r_local) * m_local
-    direct(T)   = (RTT + T * b_ids / G + q_cloud + P_cloud(T)                        + r_direct) * m_direct
-    split(T, k) = (h + min(h, W_local) + n_up * b_split[k] / G + RTT + q_cloud
-                   + P_tail[k](n_tail)                                               + r_split[k]) * m_split[k],
+    local(T)    = q_local + P_local(n_local)                                        + r_local
+    direct(T)   = RTT + T * b_ids / G + q_cloud + P_cloud(T)                        + r_direct
+    split(T, k) = h + min(h, W_local) + n_up * b_split[k] / G + RTT + q_cloud
+                  + P_tail[k](n_tail)                                               + r_split[k],
                   h = P_head[k](n_head)
 
 * ``P_*(n) = a + b * n + c * n^2``: the time of each compute stage for ``n`` tokens (a fixed
@@ -44,17 +44,6 @@ runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times
   tokens share one, 256 another) and read from the nearest octave that has one, so that the
   noise of long prompts (tens of ms) does not land on short ones. The prediction stays above
   ``MIN_PREDICTION_FRACTION`` of the formula.
-* ``m_*``: per-route bias of the compute stages, an exponentially weighted mean (alpha
-  ``BIAS_ALPHA``, clamped to ``BIAS_RANGE``) over the route's requests of the formula with each
-  stage's measured time over the formula with the lines once that request is in their fit (both
-  with the residual, before the bias): what the lines have not learnt. The lines follow the
-  stages' times only as fast as their fit forgets, so a stage that
-  runs slower than its line while the route is chosen (a cloud engine loaded by other work, a
-  processor shared with the edge) and the choice's own optimism (a route is chosen when its
-  prediction is low: its errors are the low ones) stay in the prediction until ``m`` sees them:
-  under load the TTFT of the routes auto chose ran 1.3-2.2x their predictions without it
-  (``tandem-bench-capacity``, docs/benchmarks.md). What the stages leave out is the residual's,
-  not the bias's. 1.0 before a route served any.
 
 ``choose`` takes the route with the lowest prediction, with hysteresis: the route chosen last
 stays unless another is predicted ``hysteresis`` (5%) faster, so near-ties do not flap. To
@@ -82,8 +71,6 @@ LINE_DECAY = 0.95  # weight of a stage's older samples per new one (about the la
 RESIDUAL_ALPHA = 0.3
 MIN_WEIGHT_MS = 1.0  # a stage sample below this weighs as if it took this long (no infinite weights)
 MIN_PREDICTION_FRACTION = 0.5
-BIAS_ALPHA = 0.2  # weight of a route's newest measured / predicted TTFT in its bias (about the last 5-10)
-BIAS_RANGE = (0.5, 4.0)  # the bias's bounds: one outlier (a stall, a GC pause) cannot run away with it
 # Most pieces a pipelined head runs in: the overlap keeps 1 - 1/8 of its ideal, and the head KV
 # the pieces re-read stays within 4x one pass (on the H200, 32 pieces of a 4096-token prompt at
 # the 1B shape's 16 KB of head KV per token spent 1.5 s moving it; docs/benchmarks.md).
@@ -249,7 +236,6 @@ class Prediction:
     stages: Mapping[LineKey, tuple[int, float]] = field(default_factory=dict)  # line -> (n, prior rate)
     rest_ms: float = 0.0  # the formula's terms other than the compute stages (RTT, wire, queues)
     prompt_tokens: int = 0
-    unbiased_ms: float = 0.0  # the prediction before the route's bias (``CostModel.bias``): what it learns from
 
 
 class CostModel:
@@ -269,7 +255,6 @@ class CostModel:
         self.edge = EdgeRates()
         self.lines: dict[LineKey, Line] = {}
         self.residual: dict[Route, dict[int, Ewma]] = {}  # route -> length octave -> residual (ms)
-        self.bias: dict[Route, Ewma] = {}  # route -> measured / predicted TTFT (``m`` in the module doc)
         self.last: Route | None = None
         self.choices = 0
         self.last_run: dict[Route, int] = {}  # route -> choice count when it last ran
@@ -366,14 +351,9 @@ class CostModel:
         stages: dict[LineKey, tuple[int, float]] = {}
         f = self.formula(route, shape, link, stages)
         r = self.residual_ms(route, shape.prompt_tokens)
-        unbiased = max(MIN_PREDICTION_FRACTION * f, f + r)
+        ttft = max(MIN_PREDICTION_FRACTION * f, f + r)
         rest = f - sum(self.lines.get(k, Line()).predict(n, rate) for k, (n, rate) in stages.items())
-        return Prediction(route, unbiased * self.bias_of(route), f, stages, rest, shape.prompt_tokens, unbiased)
-
-    def bias_of(self, route: Route) -> float:
-        """The route's bias ``m`` (measured / predicted TTFT, see the module doc); 1.0 before any."""
-        b = self.bias.get(route)
-        return b.value if b is not None and b.samples else 1.0
+        return Prediction(route, ttft, f, stages, rest, shape.prompt_tokens)
 
     # ------------------------------------------------------------------ choice and calibration
 
@@ -412,8 +392,7 @@ class CostModel:
         it leaves out). A stage that reported no time counts with its line's prediction. Taking
         the measured stage times, not the lines, keeps a line's error out of the residual: a
         line fitted badly at one moment (two samples, a noisy one) would otherwise leave a
-        residual that outlives the line's own correction. Last, the route's bias: the formula with
-        the stages' measured times over the formula with the updated lines (module doc)."""
+        residual that outlives the line's own correction."""
         stages, rest = prediction.stages, prediction.rest_ms
         explained = rest
         for key, (n, rate) in stages.items():
@@ -426,15 +405,6 @@ class CostModel:
         octaves = self.residual.setdefault(prediction.route, {})
         octave = length_bucket(prediction.prompt_tokens)
         octaves.setdefault(octave, Ewma(RESIDUAL_ALPHA)).add(measured_ttft_ms - explained)
-        if prediction.unbiased_ms > 0 and stages:
-            # the formula with the stages' measured times over the formula with the lines as they
-            # are now, this sample in them: what the lines have not learnt yet
-            lines = rest + sum(self.lines.get(key, Line()).predict(n, rate) for key, (n, rate) in stages.items())
-            r = prediction.unbiased_ms - prediction.formula_ms
-            lo, hi = BIAS_RANGE
-            if lines + r > 0:
-                ratio = min(hi, max(lo, (explained + r) / (lines + r)))
-                self.bias.setdefault(prediction.route, Ewma(BIAS_ALPHA)).add(ratio)
 
 
 def zstd_pays(ratio: float, compress_mb_per_s: float, decompress_mb_per_s: float, goodput_mbps: float) -> bool:

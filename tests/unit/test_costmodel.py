@@ -96,31 +96,6 @@ def test_queues_and_unknowns():
     assert m.formula(Route(SPLIT, 4), RequestShape(10), unknown) == pytest.approx(10 * 0.3 + 20 + 10 * 2.0 * 26 / 30)
 
 
-def test_a_stage_slower_than_its_long_fitted_line_raises_the_routes_bias_until_the_line_learns_it():
-    m, lk = model(), link()
-    shape = RequestShape(256)
-
-    def serve(prefill_ms: float) -> None:
-        p = m.predict(Route(DIRECT), shape, lk)
-        m.observe(p, 20 + 256 * 5 / 10_000 + prefill_ms, {Stage.CLOUD_DECODE_FIRST_TOKEN: prefill_ms})
-
-    for _ in range(40):  # a long history at 100 ms: the line knows it, the bias is 1
-        serve(100.0)
-    assert m.bias_of(Route(DIRECT)) == pytest.approx(1.0, abs=1e-3)
-    assert m.bias_of(Route(LOCAL)) == 1.0  # never served
-    for _ in range(6):  # the cloud now takes twice as long (loaded by other work)
-        serve(200.0)
-    p = m.predict(Route(DIRECT), shape, lk)
-    truth = 20 + 256 * 5 / 10_000 + 200.0
-    line_only = p.unbiased_ms  # the line has moved a little of the way
-    assert line_only < 0.85 * truth
-    assert p.ttft_ms == pytest.approx(truth, rel=0.1)  # the bias carries the rest
-    for _ in range(200):  # the line learns the new time: the bias goes back to 1
-        serve(200.0)
-    assert m.bias_of(Route(DIRECT)) == pytest.approx(1.0, abs=0.02)
-    assert m.predict(Route(DIRECT), shape, lk).ttft_ms == pytest.approx(truth, rel=0.02)
-
-
 def test_stage_lines_are_fitted_from_stage_timings_and_the_residual_takes_the_rest():
     m, lk = model(), link()
     # the cloud's whole-model prefill really costs 30 ms + 0.8 ms per token; the measured rate said 0.5
