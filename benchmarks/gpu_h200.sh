@@ -5,7 +5,9 @@
 #
 #   smollm2      SmolLM2-135M prepared from the carried GGUF (k=4 and the whole model)
 #   prep-1b      a random-weight Llama-3.2-1B shape prepared at k=2,4,8 (k/L = 1/8, 1/4, 1/2) and whole
-#   tier         the GPU test tier (tests/gpu) on SmolLM2-135M
+#   prep-tier    the Llama-3.2-1B shape at k=4 (no whole-model export) for the GPU tier's real-size test
+#   tier         the GPU test tier (tests/gpu) on SmolLM2-135M, and the 1B shape of prep-tier (the test
+#                prepares it itself where prep-tier has not)
 #   bench-1b     tandem-bench on the 1B shape: split k=4, cloud-only, edge-only (ONNX Runtime CUDA on
 #                the same GPU), remote prefill and auto; loopback and wifi6; 64/256/1024/4096 tokens
 #   capacity-1b  tandem-bench-capacity on the 1B shape: cloud-only, split k=2,4,8, auto
@@ -29,6 +31,8 @@
 #                256 and 1024 prompt tokens: end to end and cloud engine time per mode
 #   matrix-smollm2  the same matrix on SmolLM2-135M (prepared from the carried GGUF, nothing to
 #                export first), fp32 engines
+#   graphs-smollm2  tandem-bench on SmolLM2, loopback, 256 prompt and 128 output tokens, every mode:
+#                eager engines, then the GPU defaults (CUDA graphs and torch.compile), each start timed
 # The capacity runs use the unshaped loopback: one proxy would be one link shared by every request,
 # where the deployment measured gives each edge client its own.
 #
@@ -87,8 +91,14 @@ step_prep_1b() {
   realsize llama-3.2-1b "$W/l1b" 2,4,8
 }
 
+step_prep_tier() {
+  smollm2
+  realsize llama-3.2-1b "$W/l1b-tier" 4 --no-edge-full
+}
+
 step_tier() {
   smollm2
+  export TANDEM_GPU_REALSIZE_DIR=$W/l1b-tier
   rm -rf "$W/t" && mkdir -p "$W/t" && cp -r "$ROOT/tests" "$ROOT/pyproject.toml" "$W/t/"
   log "GPU test tier"
   (cd "$W/t" && TANDEM_MODEL_DIR=$SMOL python -m pytest -m gpu tests/gpu -v -p no:cacheprovider) \
@@ -195,12 +205,28 @@ step_matrix_smollm2() {
   tail -40 "$OUT/matrix-smollm2.log"
 }
 
+step_graphs_smollm2() {
+  local eager t0
+  smollm2
+  for eager in true false; do
+    log "tandem-bench SmolLM2, enforce_eager=$eager"
+    t0=$(date +%s)
+    (cd "$W" && TANDEM_CLOUD_ENGINE__ENFORCE_EAGER=$eager tandem-bench --model-dir "$SMOL" --split-layers 4 \
+      --links loopback --prompt-lens 256 --output-lens 128 --requests 2 --out "$OUT/graphs-smollm2-eager-$eager") \
+      > "$OUT/graphs-smollm2-eager-$eager.log" 2>&1
+    log "enforce_eager=$eager: rc $?, $(( $(date +%s) - t0 )) s with the stack's start"
+    keep_logs "graphs-smollm2-eager-$eager"
+  done
+}
+
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 for s in "$@"; do
   case $s in
     smollm2) smollm2 ;;
     prep-1b) step_prep_1b ;;
+    prep-tier) step_prep_tier ;;
     tier) step_tier ;;
+    graphs-smollm2) step_graphs_smollm2 ;;
     capacity-1b) step_capacity_1b ;;
     bench-1b) step_bench_1b ;;
     bench-8b) step_bench_8b ;;
@@ -214,7 +240,7 @@ for s in "$@"; do
     exactness) step_exactness ;;
     matrix-1b) step_matrix_1b ;;
     matrix-smollm2) step_matrix_smollm2 ;;
-    *) echo "unknown step $s (smollm2 | prep-1b | tier | bench-1b | capacity-1b | bench-8b | capacity-8b | prep-8b-k8 | capacity-8b-k8 | prep-8b-k16 | capacity-8b-k16 | fidelity | fidelity-bf16 | exactness | matrix-1b | matrix-smollm2)" >&2; exit 2 ;;
+    *) echo "unknown step $s (smollm2 | prep-1b | prep-tier | tier | graphs-smollm2 | bench-1b | capacity-1b | bench-8b | capacity-8b | prep-8b-k8 | capacity-8b-k8 | prep-8b-k16 | capacity-8b-k16 | fidelity | fidelity-bf16 | exactness | matrix-1b | matrix-smollm2)" >&2; exit 2 ;;
   esac
 done
 log "done: $*"

@@ -115,6 +115,25 @@ async def test_split_on_cuda_engines_equals_direct_plain_vllm_and_hf(gpu_stack, 
     assert_same_or_near_tie(list(split.output_token_ids), ref, gaps, "split vs HF")
 
 
+@pytest.mark.parametrize("idx", range(len(PROMPTS)))
+async def test_remote_prefill_on_cuda_engines_equals_direct_and_plain_vllm(gpu_stack, tokenizer, idx):
+    """The decode engine prefills and saves every layer's KV through the CUDA layout, the gateway
+    streams it down, the edge verifies it and decodes the rest on ONNX Runtime's CUDA provider: the
+    streamed greedy fp32 tokens equal direct mode's and plain vLLM's (or part only at a near-tie of
+    plain vLLM), and the edge took over wherever the prompt holds a full KV block."""
+    p, client = PROMPTS[idx], gpu_stack["client"]
+    ids = prompt_ids(tokenizer, p)
+    kw = {"prompt": p.get("prompt"), "max_new_tokens": MAX_NEW}
+    got = await client.complete(p.get("messages"), mode="remote_prefill", **kw)
+    direct = await client.complete(p.get("messages"), mode="direct", **kw)
+    assert got.mode == "remote_prefill" and direct.mode == "direct"
+    if len(ids) >= B:
+        assert got.edge_decoded_tokens > 0 and got.received_bytes.get("kv", 0) > 0, "the edge never took over"
+    plain, plain_gaps = await vllm_plain(gpu_stack["engines"], ids, MAX_NEW)
+    assert_same_or_near_tie(list(direct.output_token_ids), plain, plain_gaps, "direct vs plain vLLM")
+    assert_same_or_near_tie(list(got.output_token_ids), plain, plain_gaps, "remote prefill vs plain vLLM")
+
+
 async def test_a_second_turn_on_cuda_engines_loads_the_first_turns_kv(gpu_stack, hf_model, tokenizer):
     """Turn 2 of a session runs the head only over its new tokens and the engines load turn 1's head
     and tail KV from the store; its output equals HF's over the whole conversation."""
