@@ -3,7 +3,8 @@ noise floor of ``tandem-bench-fidelity``. Run as a child process (vLLM spawns it
 engine per process): ``python -m tandem.benchmarks.engine_logprobs --model HF_DIR --dtype float32
 --concurrency 1 --out C1.npz [--concurrency 4 --out C4.npz ...] --requests IN.json``: one pass over
 the requests per ``--concurrency``, each written to its ``--out``, on the same engine (prefix
-caching off, so a later pass computes every position again, as a fresh engine would).
+caching off, so a later pass computes every position again, as a fresh engine would). Each
+``--out`` is written whole or not at all (``children.write_npz``).
 
 The engine is the decode engine's: the full checkpoint, ``enforce_eager``, ``block_size`` 32,
 prefix caching off and a 1 GiB KV cache (``cloud.config.EngineConfig``'s CPU defaults), at the
@@ -32,6 +33,8 @@ from typing import Annotated, Any
 
 import numpy as np
 import typer
+
+from tandem.benchmarks.children import write_npz
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -68,7 +71,7 @@ def main(
         seed=0,
     )
     for path, n in zip(out, concurrency, strict=True):
-        np.savez_compressed(path, **one_pass(llm, reqs, n, top_k, max_new_tokens, greedy))
+        write_npz(path, one_pass(llm, reqs, n, top_k, max_new_tokens, greedy))
 
 
 def one_pass(llm: Any, reqs: list[dict], concurrency: int, top_k: int, max_new_tokens: int, greedy: bool) -> dict:

@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 import threading
@@ -58,6 +57,7 @@ import numpy as np
 import typer
 
 from tandem.benchmarks import fidelity_stats as fs
+from tandem.benchmarks.children import run_child
 from tandem.common.formats import WireDtype
 from tandem.common.kvwire import kv_raw_nbytes
 from tandem.common.manifest import SplitManifest
@@ -133,10 +133,11 @@ def run_engine(
     model: Path, requests: list[dict], outs: list[tuple[Path, int]], dtype: str, top_k: int, max_new: int
 ) -> list[dict]:
     """``benchmarks.engine_logprobs`` in a child process, one engine, a pass per ``(out.npz,
-    concurrency)`` of ``outs``: per pass {id: {reply, ids, lps, own}}.
+    concurrency)`` of ``outs``: per pass {id: {reply, ids, lps, own}}. A child that exits non-zero
+    (vLLM may abort at interpreter exit) after writing every pass is accepted (``children.run_child``).
 
     Raises:
-        RuntimeError: the engine run failed (its log's tail in the message).
+        ChildFailed: a pass is missing or incomplete (the status and the log's error lines in the message).
     """
     first = outs[0][0]
     req = first.with_suffix(".json")
@@ -145,16 +146,14 @@ def run_engine(
     for path, concurrency in outs:
         cmd += ["--out", str(path), "--concurrency", str(concurrency)]
     cmd += ["--dtype", dtype, "--top-k", str(top_k), "--max-new-tokens", str(max_new), "--no-greedy"]
-    log = first.with_suffix(".log")
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"})
-    if rc.returncode:
-        raise RuntimeError(f"engine run {dtype} c={[c for _, c in outs]} failed:\n{log.read_text()[-3000:]}")
-    passes = []
-    for path, _ in outs:
-        z = np.load(path)
-        passes.append({r["id"]: {f: z[f"{r['id']}/{f}"] for f in ("reply", "ids", "lps", "own")} for r in requests})
-    return passes
+
+    def load(path: Path) -> dict:
+        with np.load(path) as z:
+            return {r["id"]: {f: z[f"{r['id']}/{f}"] for f in ("reply", "ids", "lps", "own")} for r in requests}
+
+    name = f"engine run {dtype} c={[c for _, c in outs]}"
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    return run_child(name, cmd, first.with_suffix(".log"), [p for p, _ in outs], load, env)
 
 
 def greedy_from_forced(reply: np.ndarray, top1: np.ndarray) -> list[int]:
