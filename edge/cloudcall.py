@@ -256,14 +256,14 @@ class CloudCalls:
                 turn.clock.tokens_arrived()
                 delta = text.feed(ev.token_ids)
                 if delta:
-                    yield TextOut(delta, ev.token_ids)
+                    yield TextOut(delta, text.take_ids())
                 if text.stopped:  # leaving the loop cancels the call: the cloud stops decoding
                     yield self._done(turn, out, TurnFinal("stop", len(turn.ids), len(text.token_ids), 0))
                     return
             elif isinstance(ev, TurnFinal):
-                rest = text.flush()
-                if rest:
-                    yield TextOut(rest, ())
+                rest, ids = text.flush(), text.take_ids()
+                if rest or ids:
+                    yield TextOut(rest, ids)
                 _observe(conn, out, ev)
                 yield self._done(turn, out, ev)
 

@@ -45,6 +45,7 @@ class TextStream:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.emitted = 0  # characters of the decoded text already returned
+        self.ids_taken = 0  # token ids already handed out by ``take_ids``
         self.text = ""
         self.stopped = False
         self._stream = _stream_decoder(tokenizer)
@@ -89,6 +90,13 @@ class TextStream:
                 self.stopped = True
                 return self._take(min(hits))
         return self._take(len(text) - self.hold)
+
+    def take_ids(self) -> tuple[int, ...]:
+        """The token ids fed since the last call: what a streamed delta carries, so that the ids of
+        tokens whose text was held back travel with the next text (none is left out of the stream)."""
+        out = tuple(self.token_ids[self.ids_taken :])
+        self.ids_taken = len(self.token_ids)
+        return out
 
     def flush(self) -> str:
         """Everything decoded but not yet returned (the output ended without a stop string). The

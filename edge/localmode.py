@@ -24,14 +24,14 @@ async def run_local(turn: Turn, engine: LocalEngine) -> AsyncIterator[TextOut | 
         turn.clock.tokens_arrived()
         delta = text.feed([step.token_id])
         if delta:
-            yield TextOut(delta, (step.token_id,))
+            yield TextOut(delta, text.take_ids())
         if text.stopped:
             finish = "stop"
             break
         if step.finish_reason is not None:
             finish = step.finish_reason
-    rest = text.flush()
-    if rest:
-        yield TextOut(rest, ())
+    rest, ids = text.flush(), text.take_ids()
+    if rest or ids:
+        yield TextOut(rest, ids)
     turn.clock.since(Stage.TOTAL)
     yield turn.done(finish, len(turn.ids))

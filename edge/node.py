@@ -360,12 +360,12 @@ class EdgeNode:
     def _finish_without_cloud(self, first: Turn, finish: str) -> list[TextOut | TurnDone]:
         """End a turn whose every token reached the client but whose final message was lost: the
         text held back (for stop strings), then its ``TurnDone``."""
-        rest = first.text.flush()
+        rest, ids = first.text.flush(), first.text.take_ids()
         first.clock.since(Stage.TOTAL)
         mode = first.clock.mode if first.clock.mode is not Mode.AUTO else Mode.DIRECT
         closing = Turn(first.request, first.ids, first.clock, first.text, first.deadline)
         closing.decision = Decision(Route(mode), None, "resumed")
-        events: list[TextOut | TurnDone] = [TextOut(rest, ())] if rest else []
+        events: list[TextOut | TurnDone] = [TextOut(rest, ids)] if rest or ids else []
         return [*events, closing.done(finish, len(first.ids))]
 
     async def _legs(self, turn: Turn) -> AsyncGenerator[TextOut | TurnDone, None]:

@@ -84,9 +84,9 @@ class RemotePrefillTurn:
             down.release()
             if self.turn.session_id:  # the KV that came down counts against the local sessions' bound
                 self.local.sessions.evict()
-        rest = self.turn.text.flush()
-        if rest:
-            yield TextOut(rest, ())
+        rest, ids = self.turn.text.flush(), self.turn.text.take_ids()
+        if rest or ids:
+            yield TextOut(rest, ids)
         yield self._done(p, down.received_bytes)
 
     async def _from_cloud(self, p: LinkParams, down: KVDownload) -> AsyncIterator[TextOut]:
@@ -135,7 +135,7 @@ class RemotePrefillTurn:
                     turn.clock.tokens_arrived()
                     delta = turn.text.feed(ev.token_ids)
                     if delta:
-                        yield TextOut(delta, ev.token_ids)
+                        yield TextOut(delta, turn.text.take_ids())
                     if turn.text.stopped:
                         self.finish = "stop"
                         return
@@ -226,7 +226,7 @@ class RemotePrefillTurn:
                 turn.clock.tokens_arrived()
                 delta = text.feed([step.token_id])
                 if delta:
-                    yield TextOut(delta, (step.token_id,))
+                    yield TextOut(delta, text.take_ids())
                 if text.stopped:
                     self.finish = "stop"
                     return

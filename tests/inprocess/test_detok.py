@@ -93,3 +93,17 @@ def test_complete_characters_before_a_partial_one_at_the_end_are_not_lost(tokeni
             s._stream = None
         out = s.feed(ids[:1]) + s.feed(ids[1:] + partial) + s.flush()
         assert out == want
+
+
+def test_every_token_id_is_handed_out_once_with_the_text_that_follows_a_hold(tokenizer):
+    """A stop-string prefix holds text back; the ids of the tokens it held travel with the next
+    text (``take_ids``), and flushing hands out the rest: the ids handed out are every id fed."""
+    ids = tokenizer.encode("Hello there, general Kenobi. You are a bold one.", add_special_tokens=False)
+    s, streamed = TextStream(tokenizer, stop=["a bold one, " * 8]), []  # holds 95 characters
+    for t in ids:
+        if s.feed([t]):
+            streamed += s.take_ids()
+    assert streamed == []  # the stop prefix held all the text back
+    s.flush()
+    streamed += s.take_ids()
+    assert streamed == ids and s.take_ids() == ()
