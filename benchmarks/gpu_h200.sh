@@ -38,10 +38,10 @@
 #
 # Python runs from outside the project root: its tandem/ folder (the SDK alone) would shadow the
 # installed package. The engines run with the GPU defaults, CUDA graphs and torch.compile
-# (TANDEM_CLOUD_ENGINE__ENFORCE_EAGER=true for eager engines): on a fresh host the SmolLM2 stack started in
-# 93 s with compilation against 77 s eager, and decode steps ran 9x faster (graphs-smollm2; larger
-# shapes compile longer). The
-# results under benchmarks/results/gpu/ other than h200-graphs-smollm2/eager-false ran eager.
+# (TANDEM_CLOUD_ENGINE__ENFORCE_EAGER=true for eager engines): on a fresh host the SmolLM2 stack
+# started in 93 s with compilation against 77 s eager, and decode steps ran 9x faster
+# (graphs-smollm2; larger shapes compile longer). The results under benchmarks/results/gpu/ other
+# than h200-graphs-smollm2/eager-false ran eager.
 set -uo pipefail
 ROOT=$(pwd)
 W=/var/tmp/tandem-gpu
