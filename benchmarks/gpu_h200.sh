@@ -11,6 +11,9 @@
 #   bench-1b     tandem-bench on the 1B shape: split k=4, cloud-only, edge-only (ONNX Runtime CUDA on
 #                the same GPU), remote prefill and auto; loopback and wifi6; 64/256/1024/4096 tokens
 #   capacity-1b  tandem-bench-capacity on the 1B shape: cloud-only, split k=2,4,8, auto
+#   capacity-rp-1b  tandem-bench-capacity on the 1B shape prepared at k=4 with its whole model: cloud-only,
+#                split k=4, edge-only (ONNX Runtime CUDA on the same GPU), remote prefill and auto,
+#                128 output tokens, TTFT and mean-ITL objectives
 #   bench-8b     tandem-bench on a Llama-3.1-8B shape (split k=4 and cloud-only; no whole-model ONNX
 #                export: 32 GB in fp32); its head is a float16-compute ONNX export (tandem-model
 #                --onnx-dtype float16: what a GPU edge runs, half the disk of an fp32 head)
@@ -135,6 +138,17 @@ step_capacity_1b() {
   tail -20 "$OUT/capacity-1b.log"
 }
 
+step_capacity_rp_1b() {
+  smollm2
+  realsize llama-3.2-1b "$W/l1b-rp" 4
+  log "tandem-bench-capacity 1B, remote prefill and edge-only"
+  (cd "$W" && tandem-bench-capacity --model-dir "$W/l1b-rp" --split-layers 4 --rates 4,8,16,32 --requests 48 \
+    --prompt-tokens 1024 --max-new-tokens 128 --ttft-slo-ms 500 --itl-slo-ms 50 --link loopback \
+    --cloud-cpus "" --edge-cpus "" --max-num-seqs 32 --out "$OUT/capacity-rp-1b") > "$OUT/capacity-rp-1b.log" 2>&1
+  keep_logs capacity-rp-1b
+  tail -30 "$OUT/capacity-rp-1b.log"
+}
+
 prep_8b() {  # prep_8b [K]: the 8B shape split at K (default 4), the other split layers' files removed
   local k=${1:-4} d
   smollm2
@@ -234,6 +248,7 @@ for s in "$@"; do
     tier) step_tier ;;
     graphs-smollm2) step_graphs_smollm2 ;;
     capacity-1b) step_capacity_1b ;;
+    capacity-rp-1b) step_capacity_rp_1b ;;
     bench-1b) step_bench_1b ;;
     bench-8b) step_bench_8b ;;
     capacity-8b) step_capacity_8b ;;
@@ -246,7 +261,7 @@ for s in "$@"; do
     exactness) step_exactness ;;
     matrix-1b) step_matrix_1b ;;
     matrix-smollm2) step_matrix_smollm2 ;;
-    *) echo "unknown step $s (smollm2 | prep-1b | prep-tier | tier | graphs-smollm2 | bench-1b | capacity-1b | bench-8b | capacity-8b | prep-8b-k8 | capacity-8b-k8 | prep-8b-k16 | capacity-8b-k16 | fidelity | fidelity-bf16 | exactness | matrix-1b | matrix-smollm2)" >&2; exit 2 ;;
+    *) echo "unknown step $s (smollm2 | prep-1b | prep-tier | tier | graphs-smollm2 | bench-1b | capacity-1b | capacity-rp-1b | bench-8b | capacity-8b | prep-8b-k8 | capacity-8b-k8 | prep-8b-k16 | capacity-8b-k16 | fidelity | fidelity-bf16 | exactness | matrix-1b | matrix-smollm2)" >&2; exit 2 ;;
   esac
 done
 log "done: $*"

@@ -4,10 +4,10 @@ Modes (``Route``): ``local`` (the whole model in ONNX Runtime here), ``split`` a
 layer ``k`` (head here, tail and decode in the cloud), ``direct`` (token ids up, the cloud
 runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times in ms):
 
-    local(T)    = q_local + P_local(n_local)                                        + r_local
+    local(T)    = q_local + p + min(p, W_heads),  p = P_local(n_local)               + r_local
     direct(T)   = RTT + T * b_ids / G + q_cloud + P_cloud(T)                        + r_direct
-    split(T, k) = h + min(h, W_local) + n_up * b_split[k] / G + RTT + q_cloud
-                  + P_tail[k](n_tail)                                               + r_split[k],
+    split(T, k) = W_head[k] + h + min(h, W_local + W_heads - W_head[k]) + n_up * b_split[k] / G
+                  + RTT + q_cloud + P_tail[k](n_tail)                               + r_split[k],
                   h = P_head[k](n_head)
 
 * ``P_*(n) = a + b * n + c * n^2``: the time of each compute stage for ``n`` tokens (a fixed
@@ -27,14 +27,22 @@ runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times
   the cloud computed in earlier turns is loaded, not recomputed; ``B`` the KV block size).
 * ``q_local``: the local engine's queue this prefill joins (its runs are FIFO, one at a time): the
   prompt tokens of the prefills waiting or running x the local prefill rate (``W_local``), plus the
-  other requests decoding x the local decode step (each runs one step before it). The split's head
-  runs on the same processor as those prefills, beside them rather than behind them: shared with that
-  one stream of ``W_local`` ms of work, a head of ``h`` ms alone finishes after ``h + min(h, W_local)``
-  (processor sharing: both run at half speed until the shorter is done). ``q_cloud``: the
+  other requests decoding x the local decode step (each runs one step before it). ``W_head[k]``:
+  the head batcher's queue at ``k`` (FIFO), the new tokens of its rows waiting or running x the
+  head's rate; ``W_heads`` the sum over every ``k``. The heads and the local engine run on the same
+  processor, beside each other rather than behind: shared with one other stream of ``W`` ms of
+  work, a run of ``p`` ms alone finishes after ``p + min(p, W)`` (processor sharing: both run at
+  half speed until the shorter is done). ``q_cloud``: the
   cloud's mean admission wait when its queue is not empty or this edge already uses its share
   (its own requests in the cloud count from when it sends them), else 0, and at least the predicted
   cloud compute of this edge's turns in the cloud that have not had their first token (``W_cloud``:
   their prefills run before or beside this one, as the local queue's do).
+* What a stage's measured time holds beyond the stage's own compute (``Prediction.within``): the
+  sharing terms above, and the part of ``q_cloud`` beyond the admission wait (``W_cloud``, spent
+  inside the engine beside the other prefills). The stage timings are the runs alone
+  (``local_queue_ms`` and ``edge_head_queue_ms`` are the waits before them, timed apart), so a line
+  is fitted on the measured time less that predicted contention, and the residual sees the measured stage as a whole: counting a queue both in its term
+  and inside a stage time would make the residual cancel the queue term.
 * ``b_split[k]``: bytes per prompt token on the wire (activations in the link's wire dtype and
   head KV of layers ``[0, k)``, times the codec's measured ratio); ``b_ids`` = 5 bytes (a varint);
   ``G`` goodput, ``RTT`` round trip, both measured (``edge.cloudconn``).
@@ -201,6 +209,7 @@ class EdgeRates:
     local_active: int = 0  # local turns in flight (prefilling or decoding)
     local_pending_prefill_tokens: int = 0  # prompt tokens of the local prefills waiting or running
     local_pending_prefills: int = 0  # those prefills
+    head_pending_tokens: dict[int, int] = field(default_factory=dict)  # k -> new tokens in that head's batcher
 
     def head(self, k: int) -> Ewma:
         return self.head_ms_per_token.setdefault(k, Ewma())
@@ -234,8 +243,9 @@ class Prediction:
     ttft_ms: float
     formula_ms: float  # without the residual
     stages: Mapping[LineKey, tuple[int, float]] = field(default_factory=dict)  # line -> (n, prior rate)
-    rest_ms: float = 0.0  # the formula's terms other than the compute stages (RTT, wire, queues)
+    rest_ms: float = 0.0  # the formula's terms other than the compute stages and ``within`` (RTT, wire, queues)
     prompt_tokens: int = 0
+    within: Mapping[LineKey, float] = field(default_factory=dict)  # line -> contention its measured time holds (ms)
 
 
 class CostModel:
@@ -274,28 +284,49 @@ class CostModel:
         """``W_local``: the local engine's prefills waiting or running, at the local prefill rate (ms)."""
         return self.edge.local_pending_prefill_tokens * self.edge.local_prefill_ms_per_token.value
 
+    def _head_queue_ms(self, k: int) -> float:
+        """``W_head[k]``: the new tokens in the head batcher at ``k``, at the head's rate (ms)."""
+        return self.edge.head_pending_tokens.get(k, 0) * self.edge.head(k).value
+
+    def _heads_ms(self) -> float:
+        """``W_heads``: every head batcher's queue (ms)."""
+        return sum(self._head_queue_ms(k) for k in self.edge.head_pending_tokens)
+
     def _stage(self, key: LineKey, n: int, prior_rate: float, stages: dict[LineKey, tuple[int, float]]) -> float:
         stages[key] = (n, prior_rate)
         return self.lines.get(key, Line()).predict(n, prior_rate)
 
     def formula(
-        self, route: Route, shape: RequestShape, link: LinkState, stages: dict[LineKey, tuple[int, float]] | None = None
+        self,
+        route: Route,
+        shape: RequestShape,
+        link: LinkState,
+        stages: dict[LineKey, tuple[int, float]] | None = None,
+        within: dict[LineKey, float] | None = None,
     ) -> float:
         """The formula part of the prediction (ms), without the residual; ``stages`` receives each
-        compute stage's token count and prior rate (for calibration)."""
+        compute stage's token count and prior rate (for calibration), ``within`` the contention each
+        stage's measured time holds (ms)."""
         tokens = {} if stages is None else stages
+        inside = {} if within is None else within
         T = shape.prompt_tokens
         if route.mode is Mode.LOCAL:
             n = T - min(shape.local_cached_tokens, T - 1)
             e = self.edge
             decoding = max(0, e.local_active - e.local_pending_prefills)
             q = self._local_prefill_queue_ms() + decoding * e.local_decode_ms_per_token.value
-            return q + self._stage(LineKey(LineKind.LOCAL), n, self.edge.local_prefill_ms_per_token.value, tokens)
+            key = LineKey(LineKind.LOCAL)
+            p = self._stage(key, n, self.edge.local_prefill_ms_per_token.value, tokens)
+            inside[key] = min(p, self._heads_ms())  # the heads running beside it
+            return q + p + inside[key]
         g = self._goodput_bytes_per_ms(link)
-        q_cloud = max(link.queue_wait_ms if link.cloud_busy else 0.0, link.own_cloud_prefill_ms)
+        admission = link.queue_wait_ms if link.cloud_busy else 0.0
+        q_cloud = max(admission, link.own_cloud_prefill_ms)
         if route.mode in (Mode.DIRECT, Mode.REMOTE_PREFILL):  # the same prefill, from token ids
             p = self._cloud_rate(link.cloud_prefill_ms_per_token, link.num_layers, link)
-            return link.rtt_ms + T * ID_BYTES / g + q_cloud + self._stage(LineKey(LineKind.DIRECT), T, p, tokens)
+            key = LineKey(LineKind.DIRECT)
+            inside[key] = q_cloud - admission  # beside this edge's other prefills, in the engine
+            return link.rtt_ms + T * ID_BYTES / g + q_cloud + self._stage(key, T, p, tokens)
         k = route.k
         n_head = T - min(shape.head_cached_tokens.get(k, 0), T - 1)
         n_cloud = min(shape.cloud_cached_tokens.get(k, 0), T)
@@ -303,12 +334,17 @@ class CostModel:
         B = max(1, link.block_size_tokens)
         n_tail = T - B * (n_cloud // B)
         p_tail = self._cloud_rate(link.cloud_tail_prefill_ms_per_token.get(k, 0.0), link.num_layers - k, link)
-        head = self._stage(LineKey(LineKind.HEAD, k), n_head, self.edge.head(k).value, tokens)
-        head += min(head, self._local_prefill_queue_ms())  # sharing the edge's processor with the local prefills
+        head_key, tail_key = LineKey(LineKind.HEAD, k), LineKey(LineKind.TAIL, k)
+        head = self._stage(head_key, n_head, self.edge.head(k).value, tokens)
+        w_head = self._head_queue_ms(k)
+        # sharing the edge's processor with the local prefills and the other split layers' heads
+        inside[head_key] = min(head, self._local_prefill_queue_ms() + self._heads_ms() - w_head)
+        head += inside[head_key]
         wire = n_up * link.bytes_per_token.get(k, 0.0) / g
         overlap = min(head, wire) * (1 - 1 / pieces) if (pieces := self.pipeline_pieces(n_head, head, wire)) else 0.0
-        tail = self._stage(LineKey(LineKind.TAIL, k), n_tail, p_tail, tokens)
-        return head + wire - overlap + link.rtt_ms + q_cloud + tail
+        tail = self._stage(tail_key, n_tail, p_tail, tokens)
+        inside[tail_key] = q_cloud - admission
+        return w_head + head + wire - overlap + link.rtt_ms + q_cloud + tail
 
     def split_pipeline_pieces(self, k: int, n_head: int, link: LinkState) -> int:
         """``pipeline_pieces`` for a split turn at ``k`` whose head runs ``n_head`` new tokens (and
@@ -349,11 +385,13 @@ class CostModel:
 
     def predict(self, route: Route, shape: RequestShape, link: LinkState) -> Prediction:
         stages: dict[LineKey, tuple[int, float]] = {}
-        f = self.formula(route, shape, link, stages)
+        within: dict[LineKey, float] = {}
+        f = self.formula(route, shape, link, stages, within)
         r = self.residual_ms(route, shape.prompt_tokens)
         ttft = max(MIN_PREDICTION_FRACTION * f, f + r)
         rest = f - sum(self.lines.get(k, Line()).predict(n, rate) for k, (n, rate) in stages.items())
-        return Prediction(route, ttft, f, stages, rest, shape.prompt_tokens)
+        rest -= sum(within.values())
+        return Prediction(route, ttft, f, stages, rest, shape.prompt_tokens, within)
 
     # ------------------------------------------------------------------ choice and calibration
 
@@ -387,21 +425,26 @@ class CostModel:
 
     def observe(self, prediction: Prediction, measured_ttft_ms: float, timings: Mapping[Stage, float]) -> None:
         """Calibrate with a served request: each compute stage's line from its measured time
-        (``timings``, ms), then the route's residual from the measured TTFT (ms): what the
-        compute stages, as measured, do not explain (the formula's other terms' error, and what
-        it leaves out). A stage that reported no time counts with its line's prediction. Taking
+        (``timings``, ms) less the contention predicted inside it (``Prediction.within``; at least
+        ``MIN_PREDICTION_FRACTION`` of what the line predicted, so that an overstated contention does
+        not drag the line towards zero, where a sample's weight ``1 / ms^2`` would dominate), then the route's residual from the measured
+        TTFT (ms): what the compute stages, as measured, do not explain (the formula's other terms'
+        error, and what it leaves out). A stage that reported no time counts with its line's
+        prediction and its predicted contention. Taking
         the measured stage times, not the lines, keeps a line's error out of the residual: a
         line fitted badly at one moment (two samples, a noisy one) would otherwise leave a
         residual that outlives the line's own correction."""
         stages, rest = prediction.stages, prediction.rest_ms
         explained = rest
         for key, (n, rate) in stages.items():
-            stage = key.kind.stage
+            stage, inside = key.kind.stage, prediction.within.get(key, 0.0)
             if stage in timings:
-                self.lines.setdefault(key, Line()).add(n, timings[stage])
-                explained += timings[stage]
+                ms, line = timings[stage], self.lines.setdefault(key, Line())
+                floor = min(ms, MIN_PREDICTION_FRACTION * line.predict(n, rate))  # an overstated contention
+                line.add(n, max(ms - inside, floor))
+                explained += ms
             else:
-                explained += self.lines.get(key, Line()).predict(n, rate)
+                explained += self.lines.get(key, Line()).predict(n, rate) + inside
         octaves = self.residual.setdefault(prediction.route, {})
         octave = length_bucket(prediction.prompt_tokens)
         octaves.setdefault(octave, Ewma(RESIDUAL_ALPHA)).add(measured_ttft_ms - explained)

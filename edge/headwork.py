@@ -49,17 +49,17 @@ async def run_head(turn: Turn, head: Head, cost: CostModel) -> int:
     recomputes its last token, so the turn has input); updates the session. Returns the tokens
     computed."""
     s, ids = turn.edge_session, turn.ids
-    t0 = time.perf_counter()
     c = s.common_prefix(ids)
     if c == len(ids):
         c -= 1
     s.truncate(c)
-    out = await head.batcher.run(HeadInput(np.asarray(ids[c:], np.int64), s.kv))
+    r = await head.batcher.run_timed(HeadInput(np.asarray(ids[c:], np.int64), s.kv))
+    out = r.out
     s.kv = out.kv
     s.hidden = out.hidden if s.hidden is None else np.concatenate([s.hidden, out.hidden])
     s.token_ids = list(ids)
-    turn.clock.since(Stage.EDGE_HEAD, t0)
-    cost.edge.head(head.k).add(turn.clock.timings[Stage.EDGE_HEAD] / (len(ids) - c))
+    turn.clock.timings[Stage.EDGE_HEAD_QUEUE], turn.clock.timings[Stage.EDGE_HEAD] = r.wait_ms, r.run_ms
+    cost.edge.head(head.k).add(r.run_ms / (len(ids) - c))
     return len(ids) - c
 
 
@@ -70,7 +70,8 @@ class PipelinedHead:
     ``pieces`` then runs the head piece by piece (each with the KV of those before it, so the
     result equals one run up to fp32 rounding) and yields, after each, the activation chunks now
     whole and the KV blocks inside them. After the last piece the turn's commit is set. The head
-    and encode times of the turn are the sums over its pieces."""
+    (its batches' run times), head queue (the waits for the batcher) and encode times of the turn
+    are the sums over its pieces."""
 
     turn: Turn
     head: Head
@@ -99,12 +100,11 @@ class PipelinedHead:
         s, p, ids, out = self.turn.edge_session, self.params, self.turn.ids, self.out
         hashes, n = list(self._hashes), len(ids)
         start, seq, next_block = out.header.cached_tokens, 0, len(s.leaves)
-        head_ms = encode_ms = 0.0
+        head_ms = queue_ms = encode_ms = 0.0
         e = self._first
         while e < n:
             e2 = min(n, e + self.piece_tokens)
-            t0 = time.perf_counter()
-            await self._compute(e, e2)
+            wait_ms, run_ms = await self._compute(e, e2)
             e = e2
             t1 = time.perf_counter()
             end = framing.whole_chunks_end(start, n, p.chunk_tokens, e)
@@ -115,21 +115,26 @@ class PipelinedHead:
                 _in_span, "encode", framing.piece, hidden, kv, hashes, p, (start, end), seq, (next_block, last)
             )
             seq, start, next_block = seq + len(chunks), end, last
-            head_ms += (t1 - t0) * 1e3
+            head_ms += run_ms
+            queue_ms += wait_ms
             encode_ms += (time.perf_counter() - t1) * 1e3
             yield chunks, blocks
         out.finish(*framing.commit(s.leaves, out.blocks))
-        self.turn.clock.timings[Stage.EDGE_HEAD], self.turn.clock.timings[Stage.ENCODE] = head_ms, encode_ms
+        timings = self.turn.clock.timings
+        timings[Stage.EDGE_HEAD], timings[Stage.EDGE_HEAD_QUEUE], timings[Stage.ENCODE] = head_ms, queue_ms, encode_ms
         self.cost.edge.head(self.head.k).add(head_ms / (n - self._first))
 
-    async def _compute(self, e: int, e2: int) -> None:
-        """The head over tokens ``[e, e2)``; the session then holds their KV and activations."""
+    async def _compute(self, e: int, e2: int) -> tuple[float, float]:
+        """The head over tokens ``[e, e2)``; the session then holds their KV and activations.
+        Returns the piece's wait for the batcher and its batch's run time (ms)."""
         s, ids = self.turn.edge_session, self.turn.ids
         with span("edge_head", piece_tokens=e2 - e):
-            r = await self.head.batcher.run(HeadInput(np.asarray(ids[e:e2], np.int64), s.kv))
+            t = await self.head.batcher.run_timed(HeadInput(np.asarray(ids[e:e2], np.int64), s.kv))
+        r = t.out
         s.kv = r.kv
         s.hidden = r.hidden if s.hidden is None else np.concatenate([s.hidden, r.hidden])
         s.token_ids = list(ids[:e2])
+        return t.wait_ms, t.run_ms
 
 
 def _in_span(name: str, fn: Callable[..., T], *args: Any) -> T:

@@ -106,10 +106,14 @@ class LocalSessions(BoundedLRU[LocalSession]):
 
 @dataclass(frozen=True)
 class LocalToken:
-    """One sampled token; ``finish_reason`` is ``"stop"`` or ``"length"`` on the turn's last one."""
+    """One sampled token; ``finish_reason`` is ``"stop"`` or ``"length"`` on the turn's last one.
+    ``wait_ms`` / ``run_ms``: the model run that produced it, its wait for the model (the runs queued
+    ahead of it, FIFO) and its own run time (ms)."""
 
     token_id: int
     finish_reason: str | None = None
+    wait_ms: float = 0.0
+    run_ms: float = 0.0
 
 
 def sample_token(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
@@ -312,13 +316,17 @@ class LocalEngine:
         logits, *present = b.get_outputs()
         return logits.numpy()[0], present, (time.perf_counter() - t0) * 1e3
 
-    async def _run(self, new_ids: list[int], past: list[KV]) -> tuple[np.ndarray, list[KV]]:
-        """``forward`` in a worker thread under the model lock; updates the measured rates.
+    async def _run(self, new_ids: list[int], past: list[KV]) -> tuple[np.ndarray, list[KV], float, float]:
+        """``forward`` in a worker thread under the model lock (FIFO: ``asyncio.Lock`` wakes its
+        waiters in order); updates the measured rates. Returns the logits, the present KV, the wait
+        for the lock and the run time (ms).
 
         The lock is released when the run ends, not when the caller leaves: a cancelled caller
         returns at once while its run (which cannot be interrupted) finishes alone, its result dropped.
         """
+        t0 = time.perf_counter()
         await self._model_lock.acquire()
+        wait_ms = (time.perf_counter() - t0) * 1e3
         fut = asyncio.ensure_future(asyncio.to_thread(self.forward, new_ids, past))
         fut.add_done_callback(self._run_done)
         logits, present, ms = await asyncio.shield(fut)
@@ -326,7 +334,7 @@ class LocalEngine:
             self.prefill_rate.add(ms / len(new_ids))
         else:
             self.decode_rate.add(ms)
-        return logits, present
+        return logits, present, wait_ms, ms
 
     def _run_done(self, fut: asyncio.Future) -> None:
         self._model_lock.release()
@@ -356,11 +364,11 @@ class LocalEngine:
             if c == len(ids):
                 return 0
             past = self.empty_past() if c == 0 else kv_prefix(sess.past, c)
-            _, past = await self._prefill(ids[c:], past)
+            _, past, _, _ = await self._prefill(ids[c:], past)
             sess.token_ids, sess.past = list(ids), past
             return len(ids) - c
 
-    async def _prefill(self, new_ids: list[int], past: list[KV]) -> tuple[np.ndarray, list[KV]]:
+    async def _prefill(self, new_ids: list[int], past: list[KV]) -> tuple[np.ndarray, list[KV], float, float]:
         """``_run`` of a prefill, counted in ``pending_prefill_tokens`` while it waits and runs."""
         self.pending_prefill_tokens += len(new_ids)
         self.pending_prefills += 1
@@ -409,7 +417,7 @@ class LocalEngine:
         new = prompt[c:]
         self.last_computed_tokens, self.last_reused_tokens = len(new), c
         for n in range(1, s.max_new_tokens + 1):
-            logits, past = await (self._prefill(new, past) if n == 1 else self._run(new, past))
+            logits, past, wait_ms, run_ms = await (self._prefill(new, past) if n == 1 else self._run(new, past))
             # Commit token ids and KV together (no await in between): the session stays consistent.
             if n == 1:
                 sess.token_ids, sess.past = list(prompt), past
@@ -418,7 +426,7 @@ class LocalEngine:
                 sess.past = past
             tok = sample_token(logits, s, rng)
             finish = "stop" if tok in stops else "length" if n == s.max_new_tokens else None
-            yield LocalToken(tok, finish)
+            yield LocalToken(tok, finish, wait_ms, run_ms)
             if finish:
                 return
             new = [tok]

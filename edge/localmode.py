@@ -1,9 +1,8 @@
 """Local mode: a turn on the whole model on this edge (``edge.local.LocalEngine``), its tokens
-detokenized and streamed as they come, its prefill time measured for the cost model. No cloud."""
+detokenized and streamed as they come, its prefill's wait for the engine and its run measured for the cost model. No cloud."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 from tandem.edge.events import TextOut, TurnDone
@@ -16,10 +15,10 @@ async def run_local(turn: Turn, engine: LocalEngine) -> AsyncIterator[TextOut | 
     """Yields the turn's text deltas, then its ``TurnDone`` (finish ``stop`` at a stop string, else
     the engine's reason)."""
     text, finish, first = turn.text, "length", True
-    t0 = time.perf_counter()
     async for step in engine.generate(turn.ids, turn.sampling, turn.session_id):
-        if first:
-            turn.clock.since(Stage.LOCAL_PREFILL, t0)
+        if first:  # the prefill's run apart from its wait for the runs ahead (the cost model's queue term)
+            turn.clock.timings[Stage.LOCAL_QUEUE] = step.wait_ms
+            turn.clock.timings[Stage.LOCAL_PREFILL] = step.run_ms
             first = False
         turn.clock.tokens_arrived()
         delta = text.feed([step.token_id])

@@ -99,7 +99,16 @@ class EdgeNode:
         self.eos_token_ids = default_eos if eos_token_ids is None else eos_token_ids
         cost = cost or CostModel()
         cost.pipeline_tokens = pipeline_tokens
-        self.router = Router(self.heads, conn, sessions, cost, local=local, shape=shape, remote_prefill=bool(model_key))
+        self.router = Router(
+            self.heads,
+            conn,
+            sessions,
+            cost,
+            local=local,
+            shape=shape,
+            remote_prefill=bool(model_key),
+            head_pending_tokens=lambda: {k: h.batcher.pending_tokens for k, h in self.heads.items()},
+        )
         self.model_key = model_key
         self.router.codec_ratio = codec_ratio
         self.calls = CloudCalls(conn, self.heads, sessions, self.router, renegotiate_wait_s)

@@ -9,7 +9,7 @@ connection the turn is pinned to). Reads state only: no I/O, no grpc.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from tandem.common import wire
@@ -53,11 +53,15 @@ class Router:
         local: LocalEngine | None = None,
         shape: ModelShape | None = None,
         remote_prefill: bool = False,
+        head_pending_tokens: Callable[[], Mapping[int, int]] | None = None,
     ) -> None:
         """``head_layers``: the split layers this edge holds heads for; ``shape``: the model's, for
         wire bytes per token in the cost model (None: wire time not modelled); ``remote_prefill``:
-        this edge names whole-model KV blocks (it can take a remote prefill over, given its local model)."""
+        this edge names whole-model KV blocks (it can take a remote prefill over, given its local model);
+        ``head_pending_tokens``: the new tokens waiting or running in each head's batcher now (k ->
+        tokens; ``HeadBatcher.pending_tokens``), the head queues the cost model counts."""
         self.head_layers = frozenset(head_layers)
+        self.head_pending_tokens = head_pending_tokens
         self.remote_prefill = remote_prefill
         self.occupancy = OccupancyModel()  # end-to-end and cloud-time predictions, calibrated by the turns
         self.cloud_budget_ms = 0.0  # cloud engine time per request this edge declares (0 = none)
@@ -211,6 +215,8 @@ class Router:
             self.cost.edge.local_active = self.local.active
             self.cost.edge.local_pending_prefill_tokens = self.local.pending_prefill_tokens
             self.cost.edge.local_pending_prefills = self.local.pending_prefills
+        if self.head_pending_tokens is not None:  # and the heads'
+            self.cost.edge.head_pending_tokens = dict(self.head_pending_tokens())
         # every turn gets a prediction, so that every turn calibrates the cost model (and reports its error)
         shape, link = self.request_shape(request, ids), self.link_state()
         preds = [self.cost.predict(r, shape, link) for r in candidates]

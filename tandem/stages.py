@@ -16,6 +16,7 @@ class Stage(enum.StrEnum):
     """One timed stage; ``label`` is how tables print it."""
 
     TOKENIZE = "tokenize_ms"
+    EDGE_HEAD_QUEUE = "edge_head_queue_ms"
     EDGE_HEAD = "edge_head_ms"
     ENCODE = "encode_ms"
     UPLINK = "uplink_ms"
@@ -28,6 +29,7 @@ class Stage(enum.StrEnum):
     CLOUD_DECODE = "cloud_decode_ms"
     CLOUD_KV_SAVE_WAIT = "cloud_kv_save_wait_ms"
     CLOUD_KV_DOWNLINK = "cloud_kv_downlink_ms"
+    LOCAL_QUEUE = "local_queue_ms"
     LOCAL_PREFILL = "local_prefill_ms"
     KV_DOWNLINK = "kv_downlink_ms"
     HANDOVER = "handover_ms"
@@ -45,6 +47,7 @@ class Stage(enum.StrEnum):
 
 _LABELS = {
     Stage.TOKENIZE: "tokenize (edge)",
+    Stage.EDGE_HEAD_QUEUE: "edge head: wait for the head batcher (batches ahead)",
     Stage.EDGE_HEAD: "edge head: ONNX layers [0,k)",
     Stage.ENCODE: "encode: chunks+CRC32C, KV blocks+BLAKE3",
     Stage.UPLINK: "uplink: send until cloud verified",
@@ -57,6 +60,7 @@ _LABELS = {
     Stage.CLOUD_DECODE: "cloud: decode engine, whole stream (remote prefill: until the handover)",
     Stage.CLOUD_KV_SAVE_WAIT: "cloud: whole-model KV writes after the 1st token (remote prefill)",
     Stage.CLOUD_KV_DOWNLINK: "cloud: KV blocks down, from the save wait to the commit (remote prefill)",
+    Stage.LOCAL_QUEUE: "edge: wait for the local engine (runs ahead of the prefill)",
     Stage.LOCAL_PREFILL: "edge: whole model prefill + 1st token (local mode)",
     Stage.KV_DOWNLINK: "edge: turn start to the prompt's KV verified (remote prefill)",
     Stage.HANDOVER: "edge: turn start to the cloud's handover (remote prefill)",

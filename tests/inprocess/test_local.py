@@ -200,10 +200,13 @@ async def test_invalid_requests(engine, ids, sampling):
 async def test_concurrent_turns_interleave_and_stay_correct(engine, prompts, ref):
     arrivals: list[int] = []
 
+    firsts: dict[int, LocalToken] = {}
+
     async def one(i: int) -> list[int]:
         out = []
         async for t in engine.generate(prompts[i], Sampling(max_new_tokens=MAX_NEW)):
             arrivals.append(i)
+            firsts.setdefault(i, t)
             out.append(t.token_id)
         return out
 
@@ -221,6 +224,9 @@ async def test_concurrent_turns_interleave_and_stay_correct(engine, prompts, ref
     assert arrivals.index(2) < len(arrivals) - 1 - arrivals[::-1].index(1)  # b started before a ended
     # both prefills were queued at once (the second waiting for the first's run), then none
     assert (2, len(prompts[1]) + len(prompts[2])) in seen
+    # each first token reports its prefill's run, and the second its wait for the first's run
+    assert firsts[1].run_ms > 0 and firsts[2].run_ms > 0
+    assert firsts[2].wait_ms >= 0.9 * firsts[1].run_ms
     assert engine.active == 0 and engine.pending_prefills == 0 and engine.pending_prefill_tokens == 0
 
 

@@ -55,7 +55,7 @@ class JournalLink:
 
 def journal_head(toy, journal: Journal, fail_at_piece: int = 0) -> None:
     """Record each head run on ``journal``; with ``fail_at_piece`` the head raises at that call."""
-    inner = toy.batcher.run
+    inner = toy.batcher.run_timed
     calls = [0]
 
     async def run_logged(row: HeadInput):
@@ -66,7 +66,7 @@ def journal_head(toy, journal: Journal, fail_at_piece: int = 0) -> None:
         await asyncio.sleep(0.01)  # a piece takes time: what was framed meanwhile goes out
         return await inner(row)
 
-    toy.batcher.run = run_logged
+    toy.batcher.run_timed = run_logged
 
 
 def slow_link(toy, mbps: float = 0.5) -> None:
@@ -136,7 +136,7 @@ async def test_a_head_that_fails_midway_fails_the_turn_at_once_and_keeps_the_ses
         assert "UploadTimeout" not in caplog.text and "DeadlineExceeded" not in caplog.text, caplog.text
         assert toy.edge.sessions.peek("s").token_ids == before  # the failed turn left nothing behind
         assert any(kind == "chunk" for kind, _ in journal.events)  # it had started uploading
-        toy.batcher.run = type(toy.batcher).run.__get__(toy.batcher)
+        toy.batcher.run_timed = type(toy.batcher).run_timed.__get__(toy.batcher)
         again = await run(toy.edge, turn(LONGER, "s"))
         fresh = await toy_stack(pipeline_tokens=0)
         try:

@@ -96,6 +96,44 @@ def test_queues_and_unknowns():
     assert m.formula(Route(SPLIT, 4), RequestShape(10), unknown) == pytest.approx(10 * 0.3 + 20 + 10 * 2.0 * 26 / 30)
 
 
+def test_head_batchers_queue_the_split_and_share_the_processor_with_the_local_engine():
+    m = model()
+    alone = 100 * 0.3 + 100 * 8448 / 10_000 + 20 + 100 * 0.4
+    local_alone = m.formula(Route(LOCAL), RequestShape(100), link())
+    # 400 tokens in the k=4 batcher (120 ms at 0.3 ms per token): a k=4 head waits for them (FIFO)
+    m.edge.head_pending_tokens = {4: 400}
+    assert m.formula(Route(SPLIT, 4), RequestShape(100), link()) == pytest.approx(alone + 120)
+    # a local prefill (200 ms) runs beside them: it finishes after 200 + min(200, 120)
+    assert m.formula(Route(LOCAL), RequestShape(100), link()) == pytest.approx(local_alone + 120)
+    # a head at another split layer shares the processor with that batcher rather than queueing
+    m.edge.head(8).add(0.5)
+    m.edge.head_pending_tokens = {4: 40, 8: 0}  # 12 ms of k=4 work beside a 50 ms head at k=8
+    k8 = m.formula(Route(SPLIT, 8), RequestShape(100), link(bytes_per_token={8: 0.0}))
+    m.edge.head_pending_tokens = {}
+    assert k8 - m.formula(Route(SPLIT, 8), RequestShape(100), link(bytes_per_token={8: 0.0})) == pytest.approx(12)
+    p = m.predict(Route(LOCAL), RequestShape(100), link())
+    assert p.within == {LineKey(LineKind.LOCAL): 0.0}
+
+
+def test_contention_inside_a_stage_is_not_left_to_the_residual():
+    """A stage's measured time holds the contention the formula predicts inside it (this edge's other
+    prefills in the cloud engine, the heads beside a local prefill): the line learns the compute
+    without it and the residual stays near zero, rather than cancelling the queue term."""
+    m, lk = model(), link(own_cloud_prefill_ms=400.0)
+    for n in (64, 256, 1024, 100, 700):
+        p = m.predict(Route(DIRECT), RequestShape(n), lk)
+        assert p.within[LineKey(LineKind.DIRECT)] == pytest.approx(400.0)
+        compute = 30 + 0.8 * n
+        measured = 20 + n * 5 / 10_000 + 400 + compute
+        m.observe(p, measured, {Stage.CLOUD_DECODE_FIRST_TOKEN: 400 + compute})
+    a, b, _ = m.lines[LineKey(LineKind.DIRECT)].coefficients(0.5)
+    assert a == pytest.approx(30, abs=1e-3) and b == pytest.approx(0.8, rel=1e-4)
+    assert abs(m.residual_ms(Route(DIRECT), 256)) < 1e-6
+    # the same load, now measured: the prediction holds the queue
+    truth = 20 + 256 * 5 / 10_000 + 400 + 30 + 0.8 * 256
+    assert m.predict(Route(DIRECT), RequestShape(256), lk).ttft_ms == pytest.approx(truth, rel=1e-6)
+
+
 def test_stage_lines_are_fitted_from_stage_timings_and_the_residual_takes_the_rest():
     m, lk = model(), link()
     # the cloud's whole-model prefill really costs 30 ms + 0.8 ms per token; the measured rate said 0.5
