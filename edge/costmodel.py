@@ -41,8 +41,9 @@ runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times
   sharing terms above, and the part of ``q_cloud`` beyond the admission wait (``W_cloud``, spent
   inside the engine beside the other prefills). The stage timings are the runs alone
   (``local_queue_ms`` and ``edge_head_queue_ms`` are the waits before them, timed apart), so a line
-  is fitted on the measured time less that predicted contention, and the residual sees the measured stage as a whole: counting a queue both in its term
-  and inside a stage time would make the residual cancel the queue term.
+  is fitted on the measured time less that predicted contention, and the residual sees the measured
+  stage as a whole: counting a queue both in its term and inside a stage time would make the
+  residual cancel the queue term.
 * ``b_split[k]``: bytes per prompt token on the wire (activations in the link's wire dtype and
   head KV of layers ``[0, k)``, times the codec's measured ratio); ``b_ids`` = 5 bytes (a varint);
   ``G`` goodput, ``RTT`` round trip, both measured (``edge.cloudconn``).
@@ -427,13 +428,13 @@ class CostModel:
         """Calibrate with a served request: each compute stage's line from its measured time
         (``timings``, ms) less the contention predicted inside it (``Prediction.within``; at least
         ``MIN_PREDICTION_FRACTION`` of what the line predicted, so that an overstated contention does
-        not drag the line towards zero, where a sample's weight ``1 / ms^2`` would dominate), then the route's residual from the measured
-        TTFT (ms): what the compute stages, as measured, do not explain (the formula's other terms'
-        error, and what it leaves out). A stage that reported no time counts with its line's
-        prediction and its predicted contention. Taking
-        the measured stage times, not the lines, keeps a line's error out of the residual: a
-        line fitted badly at one moment (two samples, a noisy one) would otherwise leave a
-        residual that outlives the line's own correction."""
+        not drag the line towards zero, where a sample's weight ``1 / ms^2`` would dominate), then the
+        route's residual from the measured TTFT (ms): what the compute stages, as measured, do not
+        explain (the formula's other terms' error, and what it leaves out). A stage that reported no
+        time counts with its line's prediction and its predicted contention. Taking the measured
+        stage times, not the lines, keeps a line's error out of the residual: a line fitted badly at
+        one moment (two samples, a noisy one) would otherwise leave a residual that outlives the
+        line's own correction."""
         stages, rest = prediction.stages, prediction.rest_ms
         explained = rest
         for key, (n, rate) in stages.items():

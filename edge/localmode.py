@@ -1,5 +1,6 @@
 """Local mode: a turn on the whole model on this edge (``edge.local.LocalEngine``), its tokens
-detokenized and streamed as they come, its prefill's wait for the engine and its run measured for the cost model. No cloud."""
+detokenized and streamed as they come, its prefill's wait for the engine and its run measured for
+the cost model. No cloud."""
 
 from __future__ import annotations
 
