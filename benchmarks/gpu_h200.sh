@@ -13,7 +13,7 @@
 #   capacity-1b  tandem-bench-capacity on the 1B shape: cloud-only, split k=2,4,8, auto
 #   capacity-rp-1b  tandem-bench-capacity on the 1B shape prepared at k=4 with its whole model: cloud-only,
 #                split k=4, edge-only (ONNX Runtime CUDA on the same GPU), remote prefill and auto,
-#                128 output tokens, TTFT and mean-ITL objectives
+#                64 output tokens, TTFT and mean-ITL objectives
 #   bench-8b     tandem-bench on a Llama-3.1-8B shape (split k=4 and cloud-only; no whole-model ONNX
 #                export: 32 GB in fp32); its head is a float16-compute ONNX export (tandem-model
 #                --onnx-dtype float16: what a GPU edge runs, half the disk of an fp32 head)
@@ -142,8 +142,8 @@ step_capacity_rp_1b() {
   smollm2
   realsize llama-3.2-1b "$W/l1b-rp" 4
   log "tandem-bench-capacity 1B, remote prefill and edge-only"
-  (cd "$W" && tandem-bench-capacity --model-dir "$W/l1b-rp" --split-layers 4 --rates 4,8,16,32 --requests 48 \
-    --prompt-tokens 1024 --max-new-tokens 128 --ttft-slo-ms 500 --itl-slo-ms 50 --link loopback \
+  (cd "$W" && tandem-bench-capacity --model-dir "$W/l1b-rp" --split-layers 4 --rates 4,8 --requests 32 \
+    --prompt-tokens 1024 --max-new-tokens 64 --ttft-slo-ms 500 --itl-slo-ms 50 --link loopback \
     --cloud-cpus "" --edge-cpus "" --max-num-seqs 32 --out "$OUT/capacity-rp-1b") > "$OUT/capacity-rp-1b.log" 2>&1
   keep_logs capacity-rp-1b
   tail -30 "$OUT/capacity-rp-1b.log"

@@ -121,13 +121,13 @@ class CloudCalls:
             log.info("session %s had expired (evicted by the edge's bound): starting it again", turn.session_id)
         session = turn.session = self.sessions.get(turn.session_id) if k else EdgeSession()
         self.router.cloud_inflight += 1
-        first_token = self.router.cloud_prefill_started(turn.route_decision)
+        load = self.router.cloud_turn_started(turn.route_decision)
         try:
             await _acquire(session.lock, turn.timeout_s, turn.session_id)
             before = session.snapshot()
             try:
                 async for ev in self._locked(turn, params):
-                    first_token()  # the cloud's prefill of this turn is done
+                    load.first_token()  # the cloud's prefill of this turn is done
                     yield ev
             except BaseException:
                 if not turn.clock.acked:  # nothing of this turn reached the cloud's session: keep no work of it
@@ -136,7 +136,7 @@ class CloudCalls:
             finally:
                 session.lock.release()
         finally:
-            first_token()
+            load.end()
             self.router.cloud_inflight -= 1
             if k and turn.session_id:
                 self.sessions.discard_if_empty(turn.session_id)

@@ -5,10 +5,10 @@ layer ``k`` (head here, tail and decode in the cloud), ``direct`` (token ids up,
 runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times in ms):
 
     local(T)    = q_local + p + min(p, W_heads),  p = P_local(n_local)               + r_local
-    direct(T)   = RTT + T * b_ids / G + q_cloud + P_cloud(T)                        + r_direct
+    direct(T)   = RTT + T * b_ids / G + q_cloud + c + s_dec(c),  c = P_cloud(T)      + r_direct
     split(T, k) = W_head[k] + h + min(h, W_local + W_heads - W_head[k]) + n_up * b_split[k] / G
-                  + RTT + q_cloud + P_tail[k](n_tail)                               + r_split[k],
-                  h = P_head[k](n_head)
+                  + RTT + q_cloud + t + s_dec(t),  t = P_tail[k](n_tail)            + r_split[k],
+                  h = P_head[k](n_head),   s_dec(p) = alpha_dec * min(p, W_dec)
 
 * ``P_*(n) = a + b * n + c * n^2``: the time of each compute stage for ``n`` tokens (a fixed
   part, projections and MLP linear in ``n``, attention over the prompt quadratic), fitted online
@@ -36,7 +36,13 @@ runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times
   cloud's mean admission wait when its queue is not empty or this edge already uses its share
   (its own requests in the cloud count from when it sends them), else 0, and at least the predicted
   cloud compute of this edge's turns in the cloud that have not had their first token (``W_cloud``:
-  their prefills run before or beside this one, as the local queue's do).
+  their prefills run before or beside this one, as the local queue's do). ``W_dec``: how long this
+  edge's turns decoding in the cloud keep its decode engine busy (``Router.cloud_decode_ms``); a
+  cloud prefill beside them shares the engines' processor with that stream, by a fraction
+  ``alpha_dec`` of the processor-sharing bound: 1 where the engines share CPU cores one step at a
+  time, near 0 on a GPU whose decode steps batch beside a prefill almost for free. ``alpha_dec`` is
+  learnt from the cloud stages measured beside decodes (``DECODE_OVERLAP_ALPHA``; before any,
+  ``DECODE_OVERLAP_PRIOR``).
 * What a stage's measured time holds beyond the stage's own compute (``Prediction.within``): the
   sharing terms above, and the part of ``q_cloud`` beyond the admission wait (``W_cloud``, spent
   inside the engine beside the other prefills). The stage timings are the runs alone
@@ -84,6 +90,8 @@ MIN_PREDICTION_FRACTION = 0.5
 # the pieces re-read stays within 4x one pass (on the H200, 32 pieces of a 4096-token prompt at
 # the 1B shape's 16 KB of head KV per token spent 1.5 s moving it; docs/benchmarks.md).
 MAX_PIPELINE_PIECES = 8
+DECODE_OVERLAP_PRIOR = 0.5  # alpha_dec before a cloud stage was measured beside decodes: between GPU and CPU
+DECODE_OVERLAP_ALPHA = 0.2  # the weight of each new alpha_dec sample
 
 
 @dataclass
@@ -185,6 +193,9 @@ class LineKey:
     k: int = 0
 
 
+CLOUD_KINDS = frozenset({LineKind.DIRECT, LineKind.TAIL})  # the stages the cloud's engines run
+
+
 def length_bucket(prompt_tokens: int) -> int:
     """The prompt-length octave a residual is kept for: ``floor(log2(tokens))`` (64..127 -> 6)."""
     return max(0, int(prompt_tokens).bit_length() - 1)
@@ -227,6 +238,7 @@ class LinkState:
     queue_wait_ms: float = 0.0  # the cloud's recent mean admission wait
     cloud_busy: bool = False  # the cloud's queue is not empty, or this edge uses its whole share
     own_cloud_prefill_ms: float = 0.0  # predicted cloud compute of this edge's turns before their first token
+    own_cloud_decode_ms: float = 0.0  # W_dec: how long this edge's turns decoding in the cloud keep it busy
     bytes_per_token: dict[int, float] = field(default_factory=dict)  # k -> wire bytes per prompt token
     block_size_tokens: int = 32
     num_layers: int = 30
@@ -247,6 +259,7 @@ class Prediction:
     rest_ms: float = 0.0  # the formula's terms other than the compute stages and ``within`` (RTT, wire, queues)
     prompt_tokens: int = 0
     within: Mapping[LineKey, float] = field(default_factory=dict)  # line -> contention its measured time holds (ms)
+    decode_overlap_ms: float = 0.0  # min(p, W_dec) of its cloud stage, before alpha_dec (ms)
 
 
 class CostModel:
@@ -269,6 +282,12 @@ class CostModel:
         self.last: Route | None = None
         self.choices = 0
         self.last_run: dict[Route, int] = {}  # route -> choice count when it last ran
+        self.decode_overlap = Ewma(DECODE_OVERLAP_ALPHA)  # alpha_dec's samples
+
+    @property
+    def alpha_dec(self) -> float:
+        """The fraction of ``min(p, W_dec)`` a cloud prefill beside decodes is slowed by (module doc)."""
+        return self.decode_overlap.value if self.decode_overlap.samples else DECODE_OVERLAP_PRIOR
 
     # ------------------------------------------------------------------ prediction
 
@@ -326,8 +345,10 @@ class CostModel:
         if route.mode in (Mode.DIRECT, Mode.REMOTE_PREFILL):  # the same prefill, from token ids
             p = self._cloud_rate(link.cloud_prefill_ms_per_token, link.num_layers, link)
             key = LineKey(LineKind.DIRECT)
-            inside[key] = q_cloud - admission  # beside this edge's other prefills, in the engine
-            return link.rtt_ms + T * ID_BYTES / g + q_cloud + self._stage(key, T, p, tokens)
+            c = self._stage(key, T, p, tokens)
+            dec = self.alpha_dec * min(c, link.own_cloud_decode_ms)
+            inside[key] = q_cloud - admission + dec  # beside this edge's other prefills and decodes, in the engine
+            return link.rtt_ms + T * ID_BYTES / g + q_cloud + c + dec
         k = route.k
         n_head = T - min(shape.head_cached_tokens.get(k, 0), T - 1)
         n_cloud = min(shape.cloud_cached_tokens.get(k, 0), T)
@@ -344,8 +365,9 @@ class CostModel:
         wire = n_up * link.bytes_per_token.get(k, 0.0) / g
         overlap = min(head, wire) * (1 - 1 / pieces) if (pieces := self.pipeline_pieces(n_head, head, wire)) else 0.0
         tail = self._stage(tail_key, n_tail, p_tail, tokens)
-        inside[tail_key] = q_cloud - admission
-        return w_head + head + wire - overlap + link.rtt_ms + q_cloud + tail
+        dec = self.alpha_dec * min(tail, link.own_cloud_decode_ms)
+        inside[tail_key] = q_cloud - admission + dec
+        return w_head + head + wire - overlap + link.rtt_ms + q_cloud + tail + dec
 
     def split_pipeline_pieces(self, k: int, n_head: int, link: LinkState) -> int:
         """``pipeline_pieces`` for a split turn at ``k`` whose head runs ``n_head`` new tokens (and
@@ -392,7 +414,9 @@ class CostModel:
         ttft = max(MIN_PREDICTION_FRACTION * f, f + r)
         rest = f - sum(self.lines.get(k, Line()).predict(n, rate) for k, (n, rate) in stages.items())
         rest -= sum(within.values())
-        return Prediction(route, ttft, f, stages, rest, shape.prompt_tokens, within)
+        cloud = sum(self.lines.get(k, Line()).predict(n, r) for k, (n, r) in stages.items() if k.kind in CLOUD_KINDS)
+        overlap = min(cloud, link.own_cloud_decode_ms)
+        return Prediction(route, ttft, f, stages, rest, shape.prompt_tokens, within, overlap)
 
     # ------------------------------------------------------------------ choice and calibration
 
@@ -424,6 +448,19 @@ class CostModel:
         """Note that ``route`` served a request (for exploration)."""
         self.last_run[route] = self.choices
 
+    def _observe_decode_overlap(self, prediction: Prediction, timings: Mapping[Stage, float]) -> None:
+        """An ``alpha_dec`` sample from a cloud stage measured beside this edge's decodes: what it took
+        beyond its line and the other contention predicted inside it, over ``min(p, W_dec)``, in [0, 1]."""
+        s = prediction.decode_overlap_ms
+        if s <= 0:
+            return
+        for key, (n, rate) in prediction.stages.items():
+            if key.kind in CLOUD_KINDS and key.kind.stage in timings:
+                other = prediction.within.get(key, 0.0) - self.alpha_dec * s
+                extra = timings[key.kind.stage] - self.lines.get(key, Line()).predict(n, rate) - other
+                self.decode_overlap.add(_clamp01(extra / s))
+                return
+
     def observe(self, prediction: Prediction, measured_ttft_ms: float, timings: Mapping[Stage, float]) -> None:
         """Calibrate with a served request: each compute stage's line from its measured time
         (``timings``, ms) less the contention predicted inside it (``Prediction.within``; at least
@@ -434,7 +471,10 @@ class CostModel:
         time counts with its line's prediction and its predicted contention. Taking the measured
         stage times, not the lines, keeps a line's error out of the residual: a line fitted badly at
         one moment (two samples, a noisy one) would otherwise leave a residual that outlives the
-        line's own correction."""
+        line's own correction. A cloud stage measured beside this edge's decodes teaches
+        ``alpha_dec`` instead of its line: the line and that fraction cannot both be fitted from one
+        sample."""
+        self._observe_decode_overlap(prediction, timings)  # against the lines before this sample
         stages, rest = prediction.stages, prediction.rest_ms
         explained = rest
         for key, (n, rate) in stages.items():
@@ -442,13 +482,18 @@ class CostModel:
             if stage in timings:
                 ms, line = timings[stage], self.lines.setdefault(key, Line())
                 floor = min(ms, MIN_PREDICTION_FRACTION * line.predict(n, rate))  # an overstated contention
-                line.add(n, max(ms - inside, floor))
+                if not (key.kind in CLOUD_KINDS and prediction.decode_overlap_ms > 0):  # that one teaches alpha_dec
+                    line.add(n, max(ms - inside, floor))
                 explained += ms
             else:
                 explained += self.lines.get(key, Line()).predict(n, rate) + inside
         octaves = self.residual.setdefault(prediction.route, {})
         octave = length_bucket(prediction.prompt_tokens)
         octaves.setdefault(octave, Ewma(RESIDUAL_ALPHA)).add(measured_ttft_ms - explained)
+
+
+def _clamp01(x: float) -> float:
+    return min(1.0, max(0.0, x))
 
 
 def zstd_pays(ratio: float, compress_mb_per_s: float, decompress_mb_per_s: float, goodput_mbps: float) -> bool:

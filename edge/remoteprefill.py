@@ -92,17 +92,17 @@ class RemotePrefillTurn:
     async def _from_cloud(self, p: LinkParams, down: KVDownload) -> AsyncIterator[TextOut]:
         """The cloud's part of the turn; a cloud that fails after tokens reached the client ends it."""
         self.router.cloud_inflight += 1
-        first_token = self.router.cloud_prefill_started(self.turn.route_decision)
+        load = self.router.cloud_turn_started(self.turn.route_decision)
         try:
             async for ev in self._cloud(p, down):
-                first_token()  # the cloud's prefill of this turn is done
+                load.first_token()  # the cloud's prefill of this turn is done
                 yield ev
         except EngineError as e:
             if not self.turn.text.token_ids:
                 raise
             log.warning("the cloud failed after %d tokens (%s): decoding on here", len(self.turn.text.token_ids), e)
         finally:
-            first_token()
+            load.end()
             self.router.cloud_inflight -= 1
             if self.call is not None:
                 self.call.cancel()

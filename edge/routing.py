@@ -9,6 +9,7 @@ connection the turn is pinned to). Reads state only: no I/O, no grpc.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
@@ -34,6 +35,34 @@ class Decision:
     prediction: Prediction | None
     reason: str
     occupancy: Occupancy | None = None
+
+
+class CloudTurnLoad:
+    """One turn of this edge in the cloud, as ``Router`` counts it for the turns after it: its
+    predicted prefill compute (ms) until ``first_token``, then its ``decode_tokens`` expected output
+    tokens after the first until ``end``. Each call after the first does nothing more."""
+
+    def __init__(self, router: Router, prefill_ms: float, decode_tokens: float) -> None:
+        self._router, self._prefill_ms, self._decode_tokens = router, prefill_ms, decode_tokens
+        self._first = self._ended = False
+
+    def first_token(self) -> None:
+        """The cloud's prefill of this turn is done: it decodes from now on."""
+        if self._first or self._ended:
+            return
+        self._first = True
+        r = self._router
+        r.cloud_prefill_ms = max(0.0, r.cloud_prefill_ms - self._prefill_ms)
+        if self._decode_tokens > 0:
+            r._decoding[self] = (time.perf_counter(), self._decode_tokens)
+
+    def end(self) -> None:
+        """The turn left the cloud (its last token, a handover, an error)."""
+        if not self._first:  # ended before a first token: its prefill no longer counts
+            self._first = True
+            self._router.cloud_prefill_ms = max(0.0, self._router.cloud_prefill_ms - self._prefill_ms)
+        self._ended = True
+        self._router._decoding.pop(self, None)
 
 
 class Router:
@@ -71,22 +100,27 @@ class Router:
         self.local = local
         self.cloud_inflight = 0  # this edge's turns in the cloud now (``edge.cloudcall`` counts them)
         self.cloud_prefill_ms = 0.0  # predicted cloud compute of those not yet at their first token
+        self._decoding: dict[CloudTurnLoad, tuple[float, float]] = {}  # past it: (first token's time, tokens left)
 
-    def cloud_prefill_started(self, decision: Decision) -> Callable[[], None]:
-        """Count ``decision``'s predicted cloud compute (its prefill, or tail prefill at ``k``) in
-        ``cloud_prefill_ms`` until the returned function is called (at the turn's first token or its
-        end; calling it again does nothing): the cloud work this edge's later turns queue behind."""
+    def cloud_turn_started(self, decision: Decision) -> CloudTurnLoad:
+        """Count ``decision``'s turn in the cloud work this edge's later turns meet there: its
+        predicted prefill (or tail prefill at ``k``) in ``cloud_prefill_ms`` until its first token,
+        then its decode in ``cloud_decode_ms`` until its end (``CloudTurnLoad``)."""
         ms = cloud_stage_ms(decision.prediction, self.cost) if decision.prediction is not None else 0.0
+        tokens = max(0.0, decision.occupancy.cloud_tokens - 1) if decision.occupancy is not None else 0.0
         self.cloud_prefill_ms += ms
-        done = False
+        return CloudTurnLoad(self, ms, tokens)
 
-        def release() -> None:
-            nonlocal done
-            if not done:
-                done = True
-                self.cloud_prefill_ms = max(0.0, self.cloud_prefill_ms - ms)
-
-        return release
+    def cloud_decode_ms(self) -> float:
+        """``W_dec``: how long this edge's turns decoding in the cloud keep its decode engine busy
+        from now (ms): the longest of their expected remaining outputs at the cloud's measured
+        decode time per token (one batched stream: every step advances them all); 0 before the
+        cloud measured that time."""
+        d_c = self.cloud.current().load.decode_ms_per_token if self.cloud is not None else 0.0
+        if d_c <= 0 or not self._decoding:
+            return 0.0
+        now = time.perf_counter()
+        return max(0.0, max(tokens * d_c - (now - t0) * 1e3 for t0, tokens in self._decoding.values()))
 
     @property
     def local(self) -> LocalEngine | None:
@@ -163,6 +197,7 @@ class Router:
         share = p.max_concurrent_requests if p is not None else 1
         st.cloud_busy = load.waiting_requests > 0 or self.cloud_inflight >= share
         st.own_cloud_prefill_ms = self.cloud_prefill_ms
+        st.own_cloud_decode_ms = self.cloud_decode_ms()
         if p is not None and self.shape is not None:
             sh = self.shape
             full = (sh.num_layers, 2, sh.num_kv_heads, p.kv_block_size_tokens, sh.head_dim)

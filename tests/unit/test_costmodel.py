@@ -291,23 +291,62 @@ def test_a_line_fitted_badly_once_leaves_no_lasting_residual():
     assert m.predict(route, RequestShape(65), lk).ttft_ms == pytest.approx(215.0, rel=0.1)
 
 
-def test_the_router_counts_its_cloud_turns_prefill_until_their_first_token():
-    """``Router.cloud_prefill_started``: a turn's predicted cloud compute counts in what later turns
-    queue behind until its first token (or its end), once."""
+def test_the_router_counts_its_cloud_turns_prefill_until_their_first_token_then_their_decode():
+    """``Router.cloud_turn_started``: a turn's predicted cloud compute counts in what later turns
+    queue behind until its first token (or its end), once; then its expected decode counts in
+    ``cloud_decode_ms`` (the longest remaining, at the cloud's decode time per token) until its end."""
+    from tandem.edge.cloudconn import CloudTarget
+    from tandem.edge.occupancy import Occupancy
     from tandem.edge.routing import Decision, Router
     from tandem.edge.session import EdgeSessions
 
+    class Conn:  # what the router reads of the cloud: its measured decode time per token
+        class load:
+            decode_ms_per_token = 20.0
+
+    class Target(CloudTarget):
+        def current(self):
+            return Conn()
+
     m = model()
-    router = Router([4], None, EdgeSessions(8, 1 << 20), m)
+    router = Router([4], Target(), EdgeSessions(8, 1 << 20), m)
     lk = link()
     direct = m.predict(Route(DIRECT), RequestShape(100), lk)  # its cloud stage: 100 x 0.5 ms
-    first = router.cloud_prefill_started(Decision(Route(DIRECT), direct, "test"))
-    second = router.cloud_prefill_started(Decision(Route(DIRECT), direct, "test"))
-    assert router.cloud_prefill_ms == pytest.approx(100.0)
-    first()
-    first()  # a second call does nothing
+    occ = Occupancy(0.0, 0.0, cloud_tokens=11, decode_ms_per_token=20.0)  # 10 tokens after the first
+    first = router.cloud_turn_started(Decision(Route(DIRECT), direct, "test", occ))
+    second = router.cloud_turn_started(Decision(Route(DIRECT), direct, "test"))
+    assert router.cloud_prefill_ms == pytest.approx(100.0) and router.cloud_decode_ms() == 0.0
+    first.first_token()
+    first.first_token()  # a second call does nothing
     assert router.cloud_prefill_ms == pytest.approx(50.0)
-    second()
+    assert 150.0 < router.cloud_decode_ms() <= 200.0  # 10 x 20 ms, less the time since
+    second.end()  # ended before its first token: its prefill no longer counts
     assert router.cloud_prefill_ms == 0.0
-    router.cloud_prefill_started(Decision(Route(LOCAL), None, "no prediction"))()
+    first.end()
+    first.first_token()  # after its end: nothing
+    assert router.cloud_decode_ms() == 0.0 and router.cloud_prefill_ms == 0.0
+    router.cloud_turn_started(Decision(Route(LOCAL), None, "no prediction")).end()
     assert router.cloud_prefill_ms == 0.0
+
+
+def test_a_cloud_prefill_beside_this_edges_decodes_learns_how_much_they_slow_it():
+    """``s_dec = alpha_dec * min(p, W_dec)``: from the prior 0.5, alpha_dec follows what the cloud
+    stages measured beside decodes took beyond their lines: all of the bound (cores shared), or none
+    (a GPU batching the decode steps beside the prefill)."""
+    for truth in (1.0, 0.0):
+        m, lk = model(), link()
+        for n in (64, 256, 1024, 100, 700):  # the lines first, on a quiet cloud
+            p = m.predict(Route(DIRECT), RequestShape(n), lk)
+            m.observe(p, 20 + n * 0.0005 + 30 + 0.8 * n, {Stage.CLOUD_DECODE_FIRST_TOKEN: 30 + 0.8 * n})
+        quiet = m.predict(Route(DIRECT), RequestShape(256), lk).ttft_ms
+        busy = link(own_cloud_decode_ms=1000.0)
+        p = m.predict(Route(DIRECT), RequestShape(256), busy)
+        assert p.ttft_ms == pytest.approx(quiet + 0.5 * (30 + 0.8 * 256), rel=1e-3)
+        for _ in range(30):
+            p = m.predict(Route(DIRECT), RequestShape(256), busy)
+            stage = (30 + 0.8 * 256) * (1 + truth)
+            m.observe(p, 20 + 256 * 0.0005 + stage, {Stage.CLOUD_DECODE_FIRST_TOKEN: stage})
+        assert m.alpha_dec == pytest.approx(truth, abs=0.01)
+        assert m.predict(Route(DIRECT), RequestShape(256), busy).ttft_ms == pytest.approx(
+            quiet + truth * (30 + 0.8 * 256), rel=0.03
+        )
