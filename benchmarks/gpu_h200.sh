@@ -31,7 +31,8 @@
 #                call on the same host finished (the host keeps /var/tmp while it stays up), so a
 #                run cut by a call's time limit goes on in the next call
 #   matrix-1b    tandem-bench on the 1B shape per output length (16/128/512 tokens), wifi6 and 4g,
-#                256 and 1024 prompt tokens: end to end and cloud engine time per mode
+#                64, 256 and 1024 prompt tokens: end to end and cloud engine time per mode, on the 1B
+#                shape capacity-rp-1b prepares; MATRIX_LINKS=wifi6 (or 4g) runs one link per call
 #   matrix-smollm2  the same matrix on SmolLM2-135M (prepared from the carried GGUF, nothing to
 #                export first), fp32 engines
 #   graphs-smollm2  tandem-bench on SmolLM2, loopback, 256 prompt and 128 output tokens, every mode:
@@ -206,14 +207,16 @@ step_exactness() {
   tail -15 "$OUT/exactness.log"
 }
 
-step_matrix_1b() {
+step_matrix_1b() {  # MATRIX_LINKS (default wifi6,4g): the link profiles, one call's time limit each if need be
+  local links=${MATRIX_LINKS:-wifi6,4g} name
+  name=matrix-1b-${links//,/-}
   smollm2
-  realsize llama-3.2-1b "$W/l1b" 2,4,8
-  log "tandem-bench 1B output-length matrix"
-  (cd "$W" && tandem-bench --model-dir "$W/l1b" --split-layers 4 --links wifi6,4g --prompt-lens 256,1024 \
-    --output-lens 16,128,512 --requests 1 --shaper proxy --out "$OUT/matrix-1b") > "$OUT/matrix-1b.log" 2>&1
-  keep_logs matrix-1b
-  tail -40 "$OUT/matrix-1b.log"
+  realsize llama-3.2-1b "$W/l1b-rp" 4
+  log "tandem-bench 1B output-length matrix, $links"
+  (cd "$W" && tandem-bench --model-dir "$W/l1b-rp" --split-layers 4 --links "$links" --prompt-lens 64,256,1024 \
+    --output-lens 16,128,512 --requests 1 --shaper proxy --out "$OUT/$name") > "$OUT/$name.log" 2>&1
+  keep_logs "$name"
+  tail -40 "$OUT/$name.log"
 }
 
 step_matrix_smollm2() {

@@ -260,6 +260,7 @@ class Prediction:
     prompt_tokens: int = 0
     within: Mapping[LineKey, float] = field(default_factory=dict)  # line -> contention its measured time holds (ms)
     decode_overlap_ms: float = 0.0  # min(p, W_dec) of its cloud stage, before alpha_dec (ms)
+    alpha_dec: float = DECODE_OVERLAP_PRIOR  # the alpha_dec its ``within`` was predicted with
 
 
 class CostModel:
@@ -414,9 +415,9 @@ class CostModel:
         ttft = max(MIN_PREDICTION_FRACTION * f, f + r)
         rest = f - sum(self.lines.get(k, Line()).predict(n, rate) for k, (n, rate) in stages.items())
         rest -= sum(within.values())
-        cloud = sum(self.lines.get(k, Line()).predict(n, r) for k, (n, r) in stages.items() if k.kind in CLOUD_KINDS)
+        cloud = sum(self.lines.get(k, Line()).predict(n, rt) for k, (n, rt) in stages.items() if k.kind in CLOUD_KINDS)
         overlap = min(cloud, link.own_cloud_decode_ms)
-        return Prediction(route, ttft, f, stages, rest, shape.prompt_tokens, within, overlap)
+        return Prediction(route, ttft, f, stages, rest, shape.prompt_tokens, within, overlap, self.alpha_dec)
 
     # ------------------------------------------------------------------ choice and calibration
 
@@ -456,7 +457,7 @@ class CostModel:
             return
         for key, (n, rate) in prediction.stages.items():
             if key.kind in CLOUD_KINDS and key.kind.stage in timings:
-                other = prediction.within.get(key, 0.0) - self.alpha_dec * s
+                other = prediction.within.get(key, 0.0) - prediction.alpha_dec * s
                 extra = timings[key.kind.stage] - self.lines.get(key, Line()).predict(n, rate) - other
                 self.decode_overlap.add(_clamp01(extra / s))
                 return

@@ -350,3 +350,22 @@ def test_a_cloud_prefill_beside_this_edges_decodes_learns_how_much_they_slow_it(
         assert m.predict(Route(DIRECT), RequestShape(256), busy).ttft_ms == pytest.approx(
             quiet + truth * (30 + 0.8 * 256), rel=0.03
         )
+
+
+def test_a_decode_overlap_sample_is_taken_against_the_fraction_its_prediction_used():
+    """Requests observed out of order: a prediction made while ``alpha_dec`` was the prior, observed
+    after others moved it, still yields the true fraction (its ``within`` held the prior's share)."""
+    m, lk = model(), link()
+    for n in (64, 256, 1024, 100, 700):
+        p = m.predict(Route(DIRECT), RequestShape(n), lk)
+        m.observe(p, 20 + n * 0.0005 + 30 + 0.8 * n, {Stage.CLOUD_DECODE_FIRST_TOKEN: 30 + 0.8 * n})
+    busy = link(own_cloud_decode_ms=1000.0)
+    stage = (30 + 0.8 * 256) * 1.5  # half the bound: the truth is 0.5, the prior
+    early = m.predict(Route(DIRECT), RequestShape(256), busy)
+    assert early.alpha_dec == pytest.approx(0.5)
+    later = m.predict(Route(DIRECT), RequestShape(256), busy)
+    m.observe(later, 20 + stage, {Stage.CLOUD_DECODE_FIRST_TOKEN: (30 + 0.8 * 256) * 2.0})  # one sample of 1.0
+    moved = m.alpha_dec
+    assert moved > 0.55
+    m.observe(early, 20 + stage, {Stage.CLOUD_DECODE_FIRST_TOKEN: stage})
+    assert m.alpha_dec == pytest.approx(moved + 0.2 * (0.5 - moved), abs=1e-6)  # a sample of 0.5 exactly
