@@ -64,6 +64,7 @@ from tandem.benchmarks.workload import BenchPrompt, make_prompts
 from tandem.daemons import work_dir
 
 app = typer.Typer(add_completion=False, help=__doc__)
+MAX_ERROR_CHARS = 300  # of a failed request's message kept in its sample
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Sample:
     output_tokens: int = 0  # tokens streamed (0 in runs recorded before it was)
     predicted_ttft_ms: float = 0.0  # the edge's cost-model prediction for the mode served (0 = none made)
     timings_ms: dict[str, float] = field(default_factory=dict)  # ChatDone's stage timings (ms)
+    error: str = ""  # a failed request's server message (``TandemClientError.details``, at most 300 characters)
 
     def mean_itl_ms(self, max_new_tokens: int) -> float:
         """The request's mean inter-token latency (TPOT): ``(e2e - TTFT) / (tokens - 1)``, with
@@ -233,7 +235,7 @@ async def run_rate(
             await asyncio.sleep(max(0.0, t_start + at_s - time.perf_counter()))
             t0 = time.perf_counter()
             ttft, outcome, mode, k, tokens = float("nan"), "ok", "", 0, 0
-            predicted, timings = 0.0, {}
+            predicted, timings, error = 0.0, {}, ""
             try:
                 s = client.chat(
                     p.as_messages(),
@@ -250,10 +252,12 @@ async def run_rate(
                 mode, k = s.result.mode, s.result.split_layer
                 predicted, timings = s.result.predicted_ttft_ms, dict(s.result.timings_ms)
             except TandemClientError as e:
-                outcome = type(e).__name__
+                outcome, error = type(e).__name__, e.details[:MAX_ERROR_CHARS]
             e2e_ms = (time.perf_counter() - t0) * 1e3
             samples.append(
-                Sample(spec.label, rate, t0 - t_start, ttft, e2e_ms, outcome, mode, k, tokens, predicted, timings)
+                Sample(
+                    spec.label, rate, t0 - t_start, ttft, e2e_ms, outcome, mode, k, tokens, predicted, timings, error
+                )
             )
 
         await asyncio.gather(*(one(p, a) for p, a in zip(prompts, arrivals_s, strict=True)))
@@ -312,7 +316,25 @@ def summary_md(results: list[RateResult], args: dict, samples: list[Sample] | No
         under = sum(a < b for _, _, b, a in versus)
         lines += ["", f"auto at least the best fixed mode's goodput at {len(versus) - under} of {len(versus)} rates"]
     lines += prediction_lines(samples or [])
+    lines += failure_lines(samples or [])
     return "\n".join(lines) + "\n"
+
+
+def failure_lines(samples: list[Sample]) -> list[str]:
+    """The failed requests per mode, offered rate, error class and server message, with their
+    count; [] where every request was served. Samples recorded without a message show "-"."""
+    counts: dict[tuple[str, float, str, str], int] = {}
+    for s in samples:
+        if s.outcome != "ok":
+            key = (s.mode, s.offered_rps, s.outcome, s.error.replace("|", "/").replace("\n", " ") or "-")
+            counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return []
+    lines = ["", "Failed requests:", "", "| mode | offered req/s | error | requests | message |"]
+    lines.append("|---|---|---|---|---|")
+    for (mode, rate, outcome, message), n in counts.items():
+        lines.append(f"| {mode} | {rate:g} | {outcome} | {n} | {message} |")
+    return lines
 
 
 def prediction_lines(samples: list[Sample]) -> list[str]:

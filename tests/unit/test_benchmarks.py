@@ -763,3 +763,19 @@ def test_local_rows_need_a_checked_whole_model(tmp_path, capsys):
     assert local_rows(tmp_path, True, False) == (False, False)  # its check failed
     ExportCheck(**check | dict(max_abs_error=0.01, passed=True)).save(tmp_path / FULL_CHECK_NAME)
     assert local_rows(tmp_path, True, True) == (True, True) and local_rows(tmp_path, False, True) == (False, True)
+
+
+def test_capacity_lists_failed_requests_with_their_server_message():
+    from tandem.benchmarks.capacity import Sample, failure_lines
+
+    def failed(mode: str, outcome: str, error: str = "") -> Sample:
+        return Sample(mode, 8.0, 0.0, float("nan"), 5.0, outcome, error=error)
+
+    samples = [Sample("auto", 8.0, 0.0, 100.0, 200.0, "ok")] * 3
+    assert failure_lines(samples) == []
+    samples += [failed("split-k8", "Internal", "tail engine died | restarting\nretry")] * 2
+    samples += [failed("split-k8", "ResourceExhausted", "upload bound")] + [failed("auto", "Unavailable")]
+    lines = failure_lines(samples)
+    assert "| split-k8 | 8 | Internal | 2 | tail engine died / restarting retry |" in lines
+    assert "| split-k8 | 8 | ResourceExhausted | 1 | upload bound |" in lines
+    assert "| auto | 8 | Unavailable | 1 | - |" in lines  # recorded without a message
