@@ -37,7 +37,8 @@ runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times
   (its own requests in the cloud count from when it sends them), else 0, and at least the predicted
   cloud compute of this edge's turns in the cloud that have not had their first token (``W_cloud``:
   their prefills run before or beside this one, as the local queue's do). ``W_dec``: how long this
-  edge's turns decoding in the cloud keep its decode engine busy (``Router.cloud_decode_ms``); a
+  edge's turns in the cloud keep its decode engine busy decoding (``Router.cloud_decode_ms``; a
+  turn still in prefill with all of its output to come, since it decodes next); a
   cloud prefill beside them shares the engines' processor with that stream, by a fraction
   ``alpha_dec`` of the processor-sharing bound: 1 where the engines share CPU cores one step at a
   time, near 0 on a GPU whose decode steps batch beside a prefill almost for free. ``alpha_dec`` is

@@ -39,12 +39,16 @@ class Decision:
 
 class CloudTurnLoad:
     """One turn of this edge in the cloud, as ``Router`` counts it for the turns after it: its
-    predicted prefill compute (ms) until ``first_token``, then its ``decode_tokens`` expected output
-    tokens after the first until ``end``. Each call after the first does nothing more."""
+    predicted prefill compute (ms) until ``first_token``, and its ``decode_tokens`` expected output
+    tokens after the first until ``end`` (all of them before its first token: a turn still in
+    prefill decodes next, beside the prefills queued after it). Each call after the first does
+    nothing more."""
 
     def __init__(self, router: Router, prefill_ms: float, decode_tokens: float) -> None:
         self._router, self._prefill_ms, self._decode_tokens = router, prefill_ms, decode_tokens
         self._first = self._ended = False
+        if decode_tokens > 0:
+            router._decoding[self] = (None, decode_tokens)
 
     def first_token(self) -> None:
         """The cloud's prefill of this turn is done: it decodes from now on."""
@@ -100,27 +104,30 @@ class Router:
         self.local = local
         self.cloud_inflight = 0  # this edge's turns in the cloud now (``edge.cloudcall`` counts them)
         self.cloud_prefill_ms = 0.0  # predicted cloud compute of those not yet at their first token
-        self._decoding: dict[CloudTurnLoad, tuple[float, float]] = {}  # past it: (first token's time, tokens left)
+        # its turns' decodes: (first token's time, None before it; expected tokens after the first)
+        self._decoding: dict[CloudTurnLoad, tuple[float | None, float]] = {}
 
     def cloud_turn_started(self, decision: Decision) -> CloudTurnLoad:
         """Count ``decision``'s turn in the cloud work this edge's later turns meet there: its
         predicted prefill (or tail prefill at ``k``) in ``cloud_prefill_ms`` until its first token,
-        then its decode in ``cloud_decode_ms`` until its end (``CloudTurnLoad``)."""
+        and its decode in ``cloud_decode_ms`` until its end (``CloudTurnLoad``)."""
         ms = cloud_stage_ms(decision.prediction, self.cost) if decision.prediction is not None else 0.0
         tokens = max(0.0, decision.occupancy.cloud_tokens - 1) if decision.occupancy is not None else 0.0
         self.cloud_prefill_ms += ms
         return CloudTurnLoad(self, ms, tokens)
 
     def cloud_decode_ms(self) -> float:
-        """``W_dec``: how long this edge's turns decoding in the cloud keep its decode engine busy
-        from now (ms): the longest of their expected remaining outputs at the cloud's measured
-        decode time per token (one batched stream: every step advances them all); 0 before the
-        cloud measured that time."""
+        """``W_dec``: how long this edge's turns in the cloud keep its decode engine busy decoding
+        (ms): the longest of their expected remaining outputs at the cloud's measured decode time
+        per token (one batched stream: every step advances them all), a turn before its first token
+        with all of its output (it decodes once its prefill, which the prefills after it wait for,
+        is done); 0 before the cloud measured that time."""
         d_c = self.cloud.current().load.decode_ms_per_token if self.cloud is not None else 0.0
         if d_c <= 0 or not self._decoding:
             return 0.0
         now = time.perf_counter()
-        return max(0.0, max(tokens * d_c - (now - t0) * 1e3 for t0, tokens in self._decoding.values()))
+        left = (tokens * d_c - (0.0 if t0 is None else (now - t0) * 1e3) for t0, tokens in self._decoding.values())
+        return max(0.0, max(left))
 
     @property
     def local(self) -> LocalEngine | None:

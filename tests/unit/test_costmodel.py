@@ -3,6 +3,8 @@ with hysteresis and exploration, and when zstd pays."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tandem.common.modes import Mode
@@ -291,10 +293,11 @@ def test_a_line_fitted_badly_once_leaves_no_lasting_residual():
     assert m.predict(route, RequestShape(65), lk).ttft_ms == pytest.approx(215.0, rel=0.1)
 
 
-def test_the_router_counts_its_cloud_turns_prefill_until_their_first_token_then_their_decode():
+def test_the_router_counts_its_cloud_turns_prefill_until_their_first_token_and_their_decode_until_their_end():
     """``Router.cloud_turn_started``: a turn's predicted cloud compute counts in what later turns
-    queue behind until its first token (or its end), once; then its expected decode counts in
-    ``cloud_decode_ms`` (the longest remaining, at the cloud's decode time per token) until its end."""
+    queue behind until its first token (or its end), once; its expected decode counts in
+    ``cloud_decode_ms`` (the longest remaining, at the cloud's decode time per token) until its end,
+    whole while it prefills, counted down from its first token."""
     from tandem.edge.cloudconn import CloudTarget
     from tandem.edge.occupancy import Occupancy
     from tandem.edge.routing import Decision, Router
@@ -315,7 +318,10 @@ def test_the_router_counts_its_cloud_turns_prefill_until_their_first_token_then_
     occ = Occupancy(0.0, 0.0, cloud_tokens=11, decode_ms_per_token=20.0)  # 10 tokens after the first
     first = router.cloud_turn_started(Decision(Route(DIRECT), direct, "test", occ))
     second = router.cloud_turn_started(Decision(Route(DIRECT), direct, "test"))
-    assert router.cloud_prefill_ms == pytest.approx(100.0) and router.cloud_decode_ms() == 0.0
+    assert router.cloud_prefill_ms == pytest.approx(100.0)
+    assert router.cloud_decode_ms() == pytest.approx(200.0)  # before its first token: all 10 x 20 ms to come
+    time.sleep(0.02)
+    assert router.cloud_decode_ms() == pytest.approx(200.0)  # and not counted down while it prefills
     first.first_token()
     first.first_token()  # a second call does nothing
     assert router.cloud_prefill_ms == pytest.approx(50.0)
