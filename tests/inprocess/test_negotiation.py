@@ -303,11 +303,13 @@ async def test_the_edge_measures_rtt_and_goodput_over_the_channel_and_follows_a_
     await cloud.start()
     proxy = LinkProxy("127.0.0.1", cloud.port)
     server = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
-    proxy.set_profile(LinkProfile("slow", rtt_ms=40.0, uplink_mbps=4.0, downlink_mbps=None))
+    # RTTs far apart: the cloud, the emulator and the edge share one event loop, whose delays on
+    # two loaded cores add tens of ms to a poll's round trip
+    proxy.set_profile(LinkProfile("slow", rtt_ms=120.0, uplink_mbps=4.0, downlink_mbps=None))
     edge = await edge_to(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
     try:
         c = edge.conn
-        assert 40.0 <= c.rtt_ms.value < 80.0
+        assert 120.0 <= c.rtt_ms.value < 200.0, c.rtt_ms.value
         assert 2.0 <= c.goodput_mbps.value <= 5.0, c.goodput_mbps.value
         proxy.set_profile(LinkProfile("fast", rtt_ms=10.0, uplink_mbps=64.0, downlink_mbps=None))
         for i in range(5):  # ~1300-token uploads of ~125 KB: each one a goodput sample
@@ -319,7 +321,7 @@ async def test_the_edge_measures_rtt_and_goodput_over_the_channel_and_follows_a_
         # 4 Mbit/s plus 10% for the token bucket's burst), and never above the fast link's 64 (+10%).
         assert 4.0 * 1.1 < c.goodput_mbps.value <= 64.0 * 1.1, c.goodput_mbps.value
         await asyncio.sleep(8 * c.poll_s)  # polls follow the RTT (alpha 0.3: 8 samples leave 6% of the old value)
-        assert 10.0 <= c.rtt_ms.value < 30.0, c.rtt_ms.value
+        assert 10.0 <= c.rtt_ms.value < 60.0, c.rtt_ms.value  # under half the slow link's
     finally:
         await close_edge(edge)
         server.close()
