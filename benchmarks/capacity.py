@@ -80,7 +80,7 @@ class Sample:
     output_tokens: int = 0  # tokens streamed (0 in runs recorded before it was)
     predicted_ttft_ms: float = 0.0  # the edge's cost-model prediction for the mode served (0 = none made)
     timings_ms: dict[str, float] = field(default_factory=dict)  # ChatDone's stage timings (ms)
-    error: str = ""  # a failed request's server message (``TandemClientError.details``, at most 300 characters)
+    error: str = ""  # a failed request's server message (``TandemClientError.details``, its first ``MAX_ERROR_CHARS``)
 
     def mean_itl_ms(self, max_new_tokens: int) -> float:
         """The request's mean inter-token latency (TPOT): ``(e2e - TTFT) / (tokens - 1)``, with

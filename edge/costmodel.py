@@ -239,7 +239,7 @@ class LinkState:
     queue_wait_ms: float = 0.0  # the cloud's recent mean admission wait
     cloud_busy: bool = False  # the cloud's queue is not empty, or this edge uses its whole share
     own_cloud_prefill_ms: float = 0.0  # predicted cloud compute of this edge's turns before their first token
-    own_cloud_decode_ms: float = 0.0  # W_dec: how long this edge's turns decoding in the cloud keep it busy
+    own_cloud_decode_ms: float = 0.0  # W_dec: how long this edge's turns in the cloud keep it busy decoding
     bytes_per_token: dict[int, float] = field(default_factory=dict)  # k -> wire bytes per prompt token
     block_size_tokens: int = 32
     num_layers: int = 30
@@ -416,9 +416,15 @@ class CostModel:
         ttft = max(MIN_PREDICTION_FRACTION * f, f + r)
         rest = f - sum(self.lines.get(k, Line()).predict(n, rate) for k, (n, rate) in stages.items())
         rest -= sum(within.values())
-        cloud = sum(self.lines.get(k, Line()).predict(n, rt) for k, (n, rt) in stages.items() if k.kind in CLOUD_KINDS)
-        overlap = min(cloud, link.own_cloud_decode_ms)
+        overlap = min(self.cloud_stages_ms(stages), link.own_cloud_decode_ms)
         return Prediction(route, ttft, f, stages, rest, shape.prompt_tokens, within, overlap, self.alpha_dec)
+
+    def cloud_stages_ms(self, stages: Mapping[LineKey, tuple[int, float]]) -> float:
+        """The cloud's compute stages among ``stages`` (``Prediction.stages``) as their lines predict
+        them now (ms)."""
+        return sum(
+            self.lines.get(k, Line()).predict(n, rate) for k, (n, rate) in stages.items() if k.kind in CLOUD_KINDS
+        )
 
     # ------------------------------------------------------------------ choice and calibration
 
@@ -460,7 +466,7 @@ class CostModel:
             if key.kind in CLOUD_KINDS and key.kind.stage in timings:
                 other = prediction.within.get(key, 0.0) - prediction.alpha_dec * s
                 extra = timings[key.kind.stage] - self.lines.get(key, Line()).predict(n, rate) - other
-                self.decode_overlap.add(_clamp01(extra / s))
+                self.decode_overlap.add(min(1.0, max(0.0, extra / s)))
                 return
 
     def observe(self, prediction: Prediction, measured_ttft_ms: float, timings: Mapping[Stage, float]) -> None:
@@ -492,10 +498,6 @@ class CostModel:
         octaves = self.residual.setdefault(prediction.route, {})
         octave = length_bucket(prediction.prompt_tokens)
         octaves.setdefault(octave, Ewma(RESIDUAL_ALPHA)).add(measured_ttft_ms - explained)
-
-
-def _clamp01(x: float) -> float:
-    return min(1.0, max(0.0, x))
 
 
 def zstd_pays(ratio: float, compress_mb_per_s: float, decompress_mb_per_s: float, goodput_mbps: float) -> bool:

@@ -147,11 +147,7 @@ class OccupancyModel:
 
 def cloud_stage_ms(p: Prediction, cost: CostModel) -> float:
     """The cloud compute stages of ``p`` as its lines predict them (ms)."""
-    return sum(
-        cost.lines.get(key, Line()).predict(n, rate)
-        for key, (n, rate) in p.stages.items()
-        if key.kind in (LineKind.DIRECT, LineKind.TAIL)
-    )
+    return cost.cloud_stages_ms(p.stages)
 
 
 def under_pressure(link: LinkState) -> bool:
