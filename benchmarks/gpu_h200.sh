@@ -11,6 +11,7 @@
 #   bench-1b     tandem-bench on the 1B shape: split k=4, cloud-only, edge-only (ONNX Runtime CUDA on
 #                the same GPU), remote prefill and auto; loopback and wifi6; 64/256/1024/4096 tokens
 #   capacity-1b  tandem-bench-capacity on the 1B shape: cloud-only, split k=2,4,8, auto
+#   prep-rp-1b   the 1B shape at k=4 with its whole model (what capacity-rp-1b and matrix-1b run on)
 #   capacity-rp-1b  tandem-bench-capacity on the 1B shape prepared at k=4 with its whole model: cloud-only,
 #                split k=4, edge-only (ONNX Runtime CUDA on the same GPU), remote prefill and auto,
 #                64 output tokens, TTFT and mean-ITL objectives
@@ -251,6 +252,7 @@ for s in "$@"; do
     tier) step_tier ;;
     graphs-smollm2) step_graphs_smollm2 ;;
     capacity-1b) step_capacity_1b ;;
+    prep-rp-1b) smollm2; realsize llama-3.2-1b "$W/l1b-rp" 4 ;;
     capacity-rp-1b) step_capacity_rp_1b ;;
     bench-1b) step_bench_1b ;;
     bench-8b) step_bench_8b ;;
@@ -264,7 +266,7 @@ for s in "$@"; do
     exactness) step_exactness ;;
     matrix-1b) step_matrix_1b ;;
     matrix-smollm2) step_matrix_smollm2 ;;
-    *) echo "unknown step $s (smollm2 | prep-1b | prep-tier | tier | graphs-smollm2 | bench-1b | capacity-1b | capacity-rp-1b | bench-8b | capacity-8b | prep-8b-k8 | capacity-8b-k8 | prep-8b-k16 | capacity-8b-k16 | fidelity | fidelity-bf16 | exactness | matrix-1b | matrix-smollm2)" >&2; exit 2 ;;
+    *) echo "unknown step $s (smollm2 | prep-1b | prep-rp-1b | prep-tier | tier | graphs-smollm2 | bench-1b | capacity-1b | capacity-rp-1b | bench-8b | capacity-8b | prep-8b-k8 | capacity-8b-k8 | prep-8b-k16 | capacity-8b-k16 | fidelity | fidelity-bf16 | exactness | matrix-1b | matrix-smollm2)" >&2; exit 2 ;;
   esac
 done
 log "done: $*"

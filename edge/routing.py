@@ -39,34 +39,37 @@ class Decision:
 
 class CloudTurnLoad:
     """One turn of this edge in the cloud, as ``Router`` counts it for the turns after it: its
-    predicted prefill compute (ms) until ``first_token``, and its ``decode_tokens`` expected output
-    tokens after the first until ``end`` (all of them before its first token: a turn still in
-    prefill decodes next, beside the prefills queued after it). Each call after the first does
-    nothing more."""
+    predicted prefill compute (``prefill_ms``) until ``first_token``, and its ``decode_tokens``
+    expected output tokens after the first until ``end`` (all of them before its first token: a
+    turn still in prefill decodes next, beside the prefills queued after it). It counts while it is
+    in ``live`` (the router's set of this edge's cloud turns); ``end`` takes it out. Each call after
+    the first does nothing more."""
 
-    def __init__(self, router: Router, prefill_ms: float, decode_tokens: float) -> None:
-        self._router, self._prefill_ms, self._decode_tokens = router, prefill_ms, decode_tokens
-        self._first = self._ended = False
-        if decode_tokens > 0:
-            router._decoding[self] = (None, decode_tokens)
+    def __init__(self, live: set[CloudTurnLoad], prefill_ms: float, decode_tokens: float) -> None:
+        self.prefill_ms, self.decode_tokens = prefill_ms, decode_tokens
+        self.first_token_at: float | None = None  # ``time.perf_counter()`` of its first token
+        self._live = live
+        live.add(self)
+
+    @property
+    def prefilling(self) -> bool:
+        """In the cloud and before its first token."""
+        return self.first_token_at is None and self in self._live
 
     def first_token(self) -> None:
         """The cloud's prefill of this turn is done: it decodes from now on."""
-        if self._first or self._ended:
-            return
-        self._first = True
-        r = self._router
-        r.cloud_prefill_ms = max(0.0, r.cloud_prefill_ms - self._prefill_ms)
-        if self._decode_tokens > 0:
-            r._decoding[self] = (time.perf_counter(), self._decode_tokens)
+        if self.prefilling:
+            self.first_token_at = time.perf_counter()
 
     def end(self) -> None:
         """The turn left the cloud (its last token, a handover, an error)."""
-        if not self._first:  # ended before a first token: its prefill no longer counts
-            self._first = True
-            self._router.cloud_prefill_ms = max(0.0, self._router.cloud_prefill_ms - self._prefill_ms)
-        self._ended = True
-        self._router._decoding.pop(self, None)
+        self._live.discard(self)
+
+    def decode_left_ms(self, decode_ms_per_token: float, now: float) -> float:
+        """Its expected decode still to come at ``decode_ms_per_token`` (ms): all of it before its
+        first token, counted down by the time since then."""
+        since_ms = 0.0 if self.first_token_at is None else (now - self.first_token_at) * 1e3
+        return self.decode_tokens * decode_ms_per_token - since_ms
 
 
 class Router:
@@ -103,9 +106,7 @@ class Router:
         self._local: LocalEngine | None = None
         self.local = local
         self.cloud_inflight = 0  # this edge's turns in the cloud now (``edge.cloudcall`` counts them)
-        self.cloud_prefill_ms = 0.0  # predicted cloud compute of those not yet at their first token
-        # its turns' decodes: (first token's time, None before it; expected tokens after the first)
-        self._decoding: dict[CloudTurnLoad, tuple[float | None, float]] = {}
+        self._cloud_turns: set[CloudTurnLoad] = set()  # this edge's turns in the cloud now, as predicted
 
     def cloud_turn_started(self, decision: Decision) -> CloudTurnLoad:
         """Count ``decision``'s turn in the cloud work this edge's later turns meet there: its
@@ -113,8 +114,13 @@ class Router:
         and its decode in ``cloud_decode_ms`` until its end (``CloudTurnLoad``)."""
         ms = cloud_stage_ms(decision.prediction, self.cost) if decision.prediction is not None else 0.0
         tokens = max(0.0, decision.occupancy.cloud_tokens - 1) if decision.occupancy is not None else 0.0
-        self.cloud_prefill_ms += ms
-        return CloudTurnLoad(self, ms, tokens)
+        return CloudTurnLoad(self._cloud_turns, ms, tokens)
+
+    @property
+    def cloud_prefill_ms(self) -> float:
+        """The predicted cloud compute (ms) of this edge's cloud turns not yet at their first token:
+        what a turn sent now queues behind there."""
+        return sum(t.prefill_ms for t in self._cloud_turns if t.prefilling)
 
     def cloud_decode_ms(self) -> float:
         """``W_dec``: how long this edge's turns in the cloud keep its decode engine busy decoding
@@ -123,11 +129,11 @@ class Router:
         with all of its output (it decodes once its prefill, which the prefills after it wait for,
         is done); 0 before the cloud measured that time."""
         d_c = self.cloud.current().load.decode_ms_per_token if self.cloud is not None else 0.0
-        if d_c <= 0 or not self._decoding:
+        if d_c <= 0:
             return 0.0
         now = time.perf_counter()
-        left = (tokens * d_c - (0.0 if t0 is None else (now - t0) * 1e3) for t0, tokens in self._decoding.values())
-        return max(0.0, max(left))
+        left = (t.decode_left_ms(d_c, now) for t in self._cloud_turns if t.decode_tokens > 0)
+        return max(0.0, max(left, default=0.0))
 
     @property
     def local(self) -> LocalEngine | None:
