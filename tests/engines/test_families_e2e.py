@@ -2,8 +2,9 @@
 the decode engine, ONNX Runtime heads and ``edge-full.onnx``, grpc.aio on loopback): a tiny
 random-weight checkpoint per family (``tests.families``, prepared once per test run with the
 in-process family tests, which check both heads at both split layers against HF), then split,
-direct and local greedy fp32 output against HF's over chat prompts longer than the sliding windows,
-and a second turn of a session in split mode. One stack per family: a tail engine at ``k = 1`` (an
+direct, local and remote prefill greedy fp32 output against HF's over chat prompts longer than the
+sliding windows (in remote prefill the edge decodes on from every layer's KV as the cloud's engine
+saved it, sliding and global layers alike), and a second turn of a session in split mode. One stack per family: a tail engine at ``k = 1`` (an
 odd layer offset with three of the four layers: the tail must keep the alternation of sliding and
 global layers) and the decode engine; and a tiny GPT-2, which tandem cannot split, prepared with
 ``--direct-only`` and served in direct mode (the decode engine alone).
@@ -34,6 +35,7 @@ CI_FAMILIES = ("gemma3",)
 E2E_FAMILIES = FAMILY_NAMES if os.environ.get("TANDEM_TEST_FAMILIES") == "all" else CI_FAMILIES
 SPLIT = 1  # the tail engine's split layer (the checkpoints are prepared at FAMILY_SPLITS)
 MAX_NEW = 12
+MAX_NEW_REMOTE_PREFILL = 32  # long enough that the edge takes the decode over
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [
@@ -101,6 +103,18 @@ async def test_split_direct_and_local_equal_hf(family, idx):
         res = await client.complete(CHATS[idx], max_new_tokens=MAX_NEW, mode=mode, split_layer=k)
         assert (res.mode, res.split_layer) == (mode, k)
         assert_same_or_near_tie(list(res.output_token_ids), ref, gaps, f"{name} {mode} k={k} vs HF")
+
+
+@pytest.mark.parametrize("idx", range(len(CHATS)))
+async def test_remote_prefill_equals_hf_after_the_edge_takes_over(family, idx):
+    """The cloud prefills, the prompt's KV of every layer comes down, the edge decodes the rest."""
+    name, model, tokenizer, client = family
+    ids = prompt_ids(tokenizer, {"messages": CHATS[idx]})
+    ref, gaps = hf_greedy(model, ids, MAX_NEW_REMOTE_PREFILL)
+    res = await client.complete(CHATS[idx], max_new_tokens=MAX_NEW_REMOTE_PREFILL, mode="remote_prefill")
+    assert res.mode == "remote_prefill"
+    assert_same_or_near_tie(list(res.output_token_ids), ref, gaps, f"{name} remote prefill vs HF")
+    assert res.edge_decoded_tokens > 0, f"{name}: the edge never took over ({res.timings_ms})"
 
 
 async def test_a_second_turn_equals_hf(family):
