@@ -35,7 +35,7 @@
 #                64, 256 and 1024 prompt tokens: end to end and cloud engine time per mode, on the 1B
 #                shape capacity-rp-1b prepares; MATRIX_LINKS=wifi6 (or 4g) runs one link per call
 #   matrix-smollm2  the same matrix on SmolLM2-135M (prepared from the carried GGUF, nothing to
-#                export first), fp32 engines
+#                export first), fp32 engines, both links in one call
 #   graphs-smollm2  tandem-bench on SmolLM2, loopback, 256 prompt and 128 output tokens, every mode:
 #                eager engines, then the GPU defaults (CUDA graphs and torch.compile), each start timed
 # The capacity runs use the unshaped loopback: one proxy would be one link shared by every request,
@@ -223,7 +223,7 @@ step_matrix_1b() {  # MATRIX_LINKS (default wifi6,4g): the link profiles, one ca
 step_matrix_smollm2() {
   smollm2
   log "tandem-bench SmolLM2 output-length matrix"
-  (cd "$W" && tandem-bench --model-dir "$SMOL" --split-layers 4 --links wifi6,4g --prompt-lens 256,1024 \
+  (cd "$W" && tandem-bench --model-dir "$SMOL" --split-layers 4 --links wifi6,4g --prompt-lens 64,256,1024 \
     --output-lens 16,128,512 --requests 1 --shaper proxy --out "$OUT/matrix-smollm2") > "$OUT/matrix-smollm2.log" 2>&1
   keep_logs matrix-smollm2
   tail -40 "$OUT/matrix-smollm2.log"
