@@ -4,10 +4,11 @@ random-weight checkpoint per family (``tests.families``, prepared once per test 
 in-process family tests, which check both heads at both split layers against HF), then split,
 direct, local and remote prefill greedy fp32 output against HF's over chat prompts longer than the
 sliding windows (in remote prefill the edge decodes on from every layer's KV as the cloud's engine
-saved it, sliding and global layers alike), and a second turn of a session in split mode. One stack per family: a tail engine at ``k = 1`` (an
-odd layer offset with three of the four layers: the tail must keep the alternation of sliding and
-global layers) and the decode engine; and a tiny GPT-2, which tandem cannot split, prepared with
-``--direct-only`` and served in direct mode (the decode engine alone).
+saved it, sliding and global layers alike), and a second turn of a session in split mode. One
+stack per family: a tail engine at ``k = 1`` (an odd layer offset with three of the four layers: the
+tail must keep the alternation of sliding and global layers) and the decode engine; and a tiny
+GPT-2, which tandem cannot split, prepared with ``--direct-only`` and served in direct mode (the
+decode engine alone).
 
 Each family's stack starts two vLLM engines (about a minute on 2 cores), so ``make test`` runs the
 family whose tail differs most from SmolLM2's Llama (``CI_FAMILIES``: Gemma 3's alternating
