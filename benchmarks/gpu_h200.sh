@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU runs behind benchmarks/results/gpu/ on one NVIDIA H200, after the kit of
+# The GPU runs behind benchmarks/results/gpu/ on one NVIDIA H200 or H100, after the kit of
 # ../shared/gpu/README.md installed the stack (`source .gpucarry/install.sh`). Run from the project
 # root: `bash benchmarks/gpu_h200.sh STEP...`, results under $OUT (default /var/tmp/tandem-gpu/out).
 #
@@ -15,6 +15,8 @@
 #   capacity-rp-1b  tandem-bench-capacity on the 1B shape prepared at k=4 with its whole model: cloud-only,
 #                split k=4, edge-only (ONNX Runtime CUDA on the same GPU), remote prefill and auto,
 #                64 output tokens, TTFT and mean-ITL objectives
+#   capacity-rp-smollm2  capacity-rp-1b's sweep on SmolLM2-135M (prepared from the carried GGUF: no export
+#                first), the engines in bf16 (`dtype auto` on a GPU)
 #   bench-8b     tandem-bench on a Llama-3.1-8B shape (split k=4 and cloud-only; no whole-model ONNX
 #                export: 32 GB in fp32); its head is a float16-compute ONNX export (tandem-model
 #                --onnx-dtype float16: what a GPU edge runs, half the disk of an fp32 head)
@@ -35,7 +37,7 @@
 #                64, 256 and 1024 prompt tokens: end to end and cloud engine time per mode, on the 1B
 #                shape capacity-rp-1b prepares; MATRIX_LINKS=wifi6 (or 4g) runs one link per call
 #   matrix-smollm2  the same matrix on SmolLM2-135M (prepared from the carried GGUF, nothing to
-#                export first), fp32 engines, both links in one call
+#                export first), the engines in bf16 (`dtype auto` on a GPU), both links in one call
 #   graphs-smollm2  tandem-bench on SmolLM2, loopback, 256 prompt and 128 output tokens, every mode:
 #                eager engines, then the GPU defaults (CUDA graphs and torch.compile), each start timed
 # The capacity runs use the unshaped loopback: one proxy would be one link shared by every request,
@@ -151,6 +153,16 @@ step_capacity_rp_1b() {
   tail -30 "$OUT/capacity-rp-1b.log"
 }
 
+step_capacity_rp_smollm2() {
+  smollm2
+  log "tandem-bench-capacity SmolLM2, remote prefill and edge-only"
+  (cd "$W" && tandem-bench-capacity --model-dir "$SMOL" --split-layers 4 --rates 4,8 --requests 32 \
+    --prompt-tokens 1024 --max-new-tokens 64 --ttft-slo-ms 500 --itl-slo-ms 50 --link loopback \
+    --cloud-cpus "" --edge-cpus "" --max-num-seqs 32 --out "$OUT/capacity-rp-smollm2") > "$OUT/capacity-rp-smollm2.log" 2>&1
+  keep_logs capacity-rp-smollm2
+  tail -30 "$OUT/capacity-rp-smollm2.log"
+}
+
 prep_8b() {  # prep_8b [K]: the 8B shape split at K (default 4), the other split layers' files removed
   local k=${1:-4} d
   smollm2
@@ -254,6 +266,7 @@ for s in "$@"; do
     capacity-1b) step_capacity_1b ;;
     prep-rp-1b) smollm2; realsize llama-3.2-1b "$W/l1b-rp" 4 ;;
     capacity-rp-1b) step_capacity_rp_1b ;;
+    capacity-rp-smollm2) step_capacity_rp_smollm2 ;;
     bench-1b) step_bench_1b ;;
     bench-8b) step_bench_8b ;;
     capacity-8b) step_capacity_8b ;;
