@@ -37,6 +37,7 @@ class ChatTurn:
     mode: Mode = Mode.AUTO
     stop: tuple[str, ...] = ()  # stop strings (the output ends before the first; not included)
     split_layer: int = 0  # with mode split: the k to use (0 = the edge's choice)
+    whole_reply: bool = False  # the client uses the reply only whole: auto minimises end-to-end time, not TTFT
 
     def __post_init__(self) -> None:
         for i, (role, content) in enumerate(self.messages):
@@ -62,7 +63,8 @@ class ChatTurn:
         if len(r.stop) > MAX_STOP_STRINGS or any(not 0 < len(x) <= MAX_STOP_CHARS for x in r.stop):
             raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of 1 to {MAX_STOP_CHARS} characters")
         messages = tuple((m.role, m.content) for m in r.messages)
-        return cls(messages, r.prompt, r.session_id, s, mode, tuple(x for x in r.stop if x), r.split_layer)
+        stop = tuple(x for x in r.stop if x)
+        return cls(messages, r.prompt, r.session_id, s, mode, stop, r.split_layer, r.whole_reply)
 
 
 @dataclass(frozen=True)

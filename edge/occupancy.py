@@ -175,5 +175,15 @@ def lightest(
     return pick, "cloud under pressure: least cloud time within the objectives"
 
 
+def quickest(preds: list[Prediction], occ: Mapping[Route, Occupancy]) -> tuple[Prediction, str]:
+    """The route with the lowest predicted end-to-end time (``Occupancy.e2e_ms``), with why: the
+    choice for a client that uses the reply only whole, to which the time to the first token is
+    the time to the last. Raises ValueError when ``preds`` is empty."""
+    if not preds:
+        raise ValueError("no route to choose from")
+    pick = min(preds, key=lambda p: (occ[p.route].e2e_ms, occ[p.route].cloud_ms))
+    return pick, "whole reply: lowest predicted end-to-end time"
+
+
 def _keeps_itl(o: Occupancy, link: LinkState) -> bool:
     return link.itl_slo_ms <= 0 or o.decode_ms_per_token <= link.itl_slo_ms

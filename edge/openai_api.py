@@ -14,7 +14,10 @@ Endpoints (FastAPI, served by uvicorn in the edge's event loop; see ``serve_open
   of its responses. Only the API key that made it may end it (else 404, as for one already ended).
 
 vLLM-style extras (``extra_body`` in the openai client): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
-and ``session_id`` (names the conversation explicitly, see below). Fields this API does not know are
+and ``session_id`` (names the conversation explicitly, see below); tandem's ``mode`` (default
+``auto``). A request without ``stream`` is a whole-reply turn (``ChatTurn.whole_reply``): auto
+takes the mode with the lowest predicted end-to-end time, since its client sees nothing before the
+last token; a streamed one the lowest predicted time to first token. Fields this API does not know are
 ignored; fields it knows but cannot honour (tools, logprobs, penalties, logit_bias, non-text
 response formats or content parts) are refused with 400 rather than silently ignored.
 
@@ -271,7 +274,7 @@ class _Api:
         opening = [""] * 2 if r.session_id else chat_opening(messages)
         stop = stops(r.stop)
         sid = self.session_for(["chat", key, r.user or "", r.session_id or "", *opening])
-        turn = ChatTurn(messages, "", sid, sp, mode=Mode.from_name(r.mode), stop=stop)
+        turn = ChatTurn(messages, "", sid, sp, mode=Mode.from_name(r.mode), stop=stop, whole_reply=not r.stream)
         return self._call(True, turn, r)
 
     def completion_call(self, r: CompletionRequest, key: str) -> Call:
@@ -284,7 +287,7 @@ class _Api:
         opening = "" if r.session_id else prompt[:OPENING_CHARS]
         stop = stops(r.stop)
         sid = self.session_for(["text", key, r.user or "", r.session_id or "", opening])
-        turn = ChatTurn((), prompt, sid, sp, mode=Mode.from_name(r.mode), stop=stop)
+        turn = ChatTurn((), prompt, sid, sp, mode=Mode.from_name(r.mode), stop=stop, whole_reply=not r.stream)
         return self._call(False, turn, r)
 
     def _call(self, chat: bool, turn: ChatTurn, r: RequestBase) -> Call:

@@ -2,9 +2,11 @@
 
 ``Router.decide`` takes the requested mode (refused with a clear error when it cannot run) or,
 in auto mode, the route with the lowest predicted TTFT (``edge.costmodel``) among those servable
-now. ``link_state`` and ``request_shape`` are what the cost model sees of the link, the cloud and
-the session; the cloud's state is read from ``CloudTarget.current()`` (inside a turn, the
-connection the turn is pinned to). Reads state only: no I/O, no grpc.
+now; for a turn whose client uses the reply only whole, the lowest predicted end-to-end time
+(``edge.occupancy``); under cloud pressure or a cloud budget, the lightest on the cloud.
+``link_state`` and ``request_shape`` are what the cost model sees of the link, the cloud and the
+session; the cloud's state is read from ``CloudTarget.current()`` (inside a turn, the connection
+the turn is pinned to). Reads state only: no I/O, no grpc.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tandem.edge.cloudconn import CloudTarget
 from tandem.edge.costmodel import CostModel, LinkState, Prediction, RequestShape, Route
 from tandem.edge.events import ChatTurn
 from tandem.edge.local import LocalEngine
-from tandem.edge.occupancy import Occupancy, OccupancyModel, cloud_stage_ms, lightest, under_pressure
+from tandem.edge.occupancy import Occupancy, OccupancyModel, cloud_stage_ms, lightest, quickest, under_pressure
 from tandem.edge.session import EdgeSessions
 
 
@@ -283,14 +285,22 @@ class Router:
         self, preds: list[Prediction], shape: RequestShape, link: LinkState, request: ChatTurn
     ) -> tuple[Prediction, str]:
         """The lowest predicted TTFT (remote prefill's is direct's: it is chosen for the cloud time it
-        saves, not for its TTFT); under cloud pressure or a declared cloud budget, the route that
-        holds the cloud least within the objectives (``edge.occupancy.lightest``)."""
-        fast = [p for p in preds if p.route.mode is not Mode.REMOTE_PREFILL]
-        pick, why = self.cost.choose(fast or preds)
+        saves, not for its TTFT), or for a turn whose client uses the reply only whole
+        (``ChatTurn.whole_reply``) the lowest predicted end-to-end time (``edge.occupancy.quickest``);
+        under cloud pressure or a declared cloud budget, the route that holds the cloud least within
+        the objectives (``edge.occupancy.lightest``)."""
+        n = request.sampling.max_new_tokens
+
+        def occupancy() -> dict[Route, Occupancy]:
+            return {p.route: self.occupancy.predict(p, shape, link, self.cost, n) for p in preds}
+
+        if request.whole_reply:
+            pick, why = quickest(preds, occupancy())
+        else:
+            fast = [p for p in preds if p.route.mode is not Mode.REMOTE_PREFILL]
+            pick, why = self.cost.choose(fast or preds)
         if self.cloud_budget_ms > 0 or under_pressure(link):
-            n = request.sampling.max_new_tokens
-            occ = {p.route: self.occupancy.predict(p, shape, link, self.cost, n) for p in preds}
-            light = lightest(preds, occ, link, self.cloud_budget_ms)
+            light = lightest(preds, occupancy(), link, self.cloud_budget_ms)
             if light is not None:
                 pick, why = light
         return pick, f"auto: {why}"

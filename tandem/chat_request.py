@@ -100,6 +100,7 @@ def build_request(
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     split_layer: int = 0,
+    whole_reply: bool = False,
 ) -> pb.ChatRequest:
     """The ``ChatRequest`` of one turn. ``Client.chat`` / ``AsyncClient.chat`` take the same
     arguments (plus ``timeout_s``) and document them.
@@ -117,6 +118,8 @@ def build_request(
         raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
     if not _is_int(split_layer) or not 0 <= split_layer < _UINT32 or (split_layer and mode != "split"):
         raise ValueError(f"split_layer must be an int >= 0, given with mode='split' only; got {split_layer!r}")
+    if not isinstance(whole_reply, bool):
+        raise TypeError(f"whole_reply must be a bool, got {whole_reply!r}")
     if not _is_int(max_new_tokens) or not 1 <= max_new_tokens < _UINT32:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if not 0 <= temperature <= 2:  # NaN fails too; vLLM's (and OpenAI's) range
@@ -149,6 +152,7 @@ def build_request(
         messages=msgs,
         stop=_stop_strings(stop),
         split_layer=split_layer,
+        whole_reply=whole_reply,
     )
 
 
@@ -168,3 +172,4 @@ class ChatOptions(TypedDict, total=False):
     stop: str | Sequence[str] | None
     stop_token_ids: Sequence[int] | None
     split_layer: int
+    whole_reply: bool

@@ -165,6 +165,7 @@ class _ClientCore(ABC, Generic[S]):
         stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         split_layer: int = 0,
+        whole_reply: bool = False,
     ) -> S:
         """Start a chat turn; iterate the returned stream for text ``Delta``s, then read its ``.result``.
 
@@ -188,7 +189,8 @@ class _ClientCore(ABC, Generic[S]):
                 travel. Sessions are per API key: another key's same id is another session.
                 Default ``None`` = stateless.
             mode: ``"auto"`` (default: the edge picks, per request, the mode with the lowest
-                predicted time to first token), ``"local"`` (the whole model on the edge),
+                predicted time to first token, or end-to-end time with ``whole_reply``),
+                ``"local"`` (the whole model on the edge),
                 ``"split"`` (edge head, cloud tail), ``"direct"`` (token ids up, the cloud runs
                 every layer) or ``"remote_prefill"`` (token ids up, the cloud prefills and streams
                 the first tokens while the prompt's KV comes down, then the edge decodes the
@@ -196,6 +198,11 @@ class _ClientCore(ABC, Generic[S]):
                 ``FailedPrecondition`` (no model for it on the edge) or ``Unavailable`` (no cloud).
             split_layer: with ``mode="split"``, the split layer ``k`` to use (one of
                 ``EdgeInfo.split_layers``); default 0 = the edge's choice.
+            whole_reply: True where the caller uses the reply only once it is whole, not as it
+                streams (a batch job, a tool call; ``complete`` leaves it to the caller): then
+                ``mode="auto"`` picks the mode with the lowest predicted end-to-end time instead
+                of time to first token, so a cloud that decodes faster than the edge serves long
+                replies. Default False.
             timeout_s: deadline of the whole call in seconds (> 0; ``math.inf``: no deadline
                 for this call). Default ``None`` = the client's ``timeout_s`` (300 s unless the
                 client was made with another; a client made with ``timeout_s=None`` sets none,
@@ -238,6 +245,7 @@ class _ClientCore(ABC, Generic[S]):
             stop=stop,
             split_layer=split_layer,
             stop_token_ids=stop_token_ids,
+            whole_reply=whole_reply,
         )
         call = self._stub.Chat(req, timeout=self._call_timeout(timeout_s), metadata=self._metadata or None)
         return self._stream(call)

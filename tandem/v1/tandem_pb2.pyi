@@ -598,7 +598,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("session_id", "messages", "prompt", "sampling", "mode", "stop", "split_layer")
+    __slots__ = ("session_id", "messages", "prompt", "sampling", "mode", "stop", "split_layer", "whole_reply")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -606,6 +606,7 @@ class ChatRequest(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SPLIT_LAYER_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_REPLY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     prompt: str
@@ -613,7 +614,8 @@ class ChatRequest(_message.Message):
     mode: Mode
     stop: _containers.RepeatedScalarFieldContainer[str]
     split_layer: int
-    def __init__(self, session_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., stop: _Optional[_Iterable[str]] = ..., split_layer: _Optional[int] = ...) -> None: ...
+    whole_reply: bool
+    def __init__(self, session_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., stop: _Optional[_Iterable[str]] = ..., split_layer: _Optional[int] = ..., whole_reply: bool = ...) -> None: ...
 
 class TextDelta(_message.Message):
     __slots__ = ("text", "token_ids")

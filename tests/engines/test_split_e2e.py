@@ -84,6 +84,17 @@ async def test_split_equals_unsplit_references(stack, hf_model, tokenizer, idx):
         assert len(ids) < bs and res.external_tokens == 0
 
 
+async def test_a_whole_reply_turn_in_auto_mode_equals_the_reference(stack, hf_model, tokenizer):
+    """Auto chooses a whole-reply turn's mode by its predicted end-to-end time (the reason says so);
+    whichever mode that is, the tokens are the unsplit model's."""
+    p = PROMPTS[1]
+    ids = prompt_ids(tokenizer, p)
+    res = await stack["client"].complete(p["messages"], max_new_tokens=MAX_NEW, mode="auto", whole_reply=True)
+    assert "end-to-end" in res.mode_reason, res.mode_reason
+    ref, gaps = hf_greedy(hf_model, ids, MAX_NEW)
+    assert_same_or_near_tie(list(res.output_token_ids), ref, gaps, f"auto ({res.mode}) vs HF")
+
+
 async def test_three_turn_chat(stack, hf_model, tokenizer):
     client, session = stack["client"], f"chat-{uuid.uuid4().hex}"
     messages = [{"role": "user", "content": "Name a famous bridge in San Francisco."}]

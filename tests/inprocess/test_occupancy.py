@@ -1,6 +1,7 @@
 """The cost model beyond TTFT (``edge.occupancy``): each route's end-to-end time and cloud engine
-time, remote prefill's handover, the auto choice under cloud pressure or a declared cloud budget,
-and the calibration and prediction errors of served turns."""
+time, remote prefill's handover, the auto choice under cloud pressure or a declared cloud budget
+and for a client that uses the reply only whole, and the calibration and prediction errors of
+served turns."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from tandem.common import metrics
 from tandem.common.modes import Mode
 from tandem.edge.costmodel import CostModel, LinkState, RequestShape, Route
-from tandem.edge.occupancy import Occupancy, OccupancyModel, lightest, under_pressure
+from tandem.edge.occupancy import Occupancy, OccupancyModel, lightest, quickest, under_pressure
 from tandem.stages import Stage
 
 LOCAL, SPLIT, DIRECT, RP = Route(Mode.LOCAL), Route(Mode.SPLIT, 4), Route(Mode.DIRECT), Route(Mode.REMOTE_PREFILL)
@@ -102,6 +103,47 @@ def test_under_pressure_or_a_budget_auto_holds_the_cloud_least_within_the_object
     assert pick.route == RP and "budget" in why  # direct's 4.3 s of engine time is over the budget
     pick, _ = choice(1024, calm, budget_ms=60_000.0)
     assert pick.route == DIRECT  # everything is within it: the fastest
+
+
+def test_a_whole_reply_takes_the_route_that_finishes_first():
+    """For a client that uses the reply only whole the first token is not the end: a cloud that
+    decodes 10x faster than the edge serves a 256-token reply though the edge's first token comes
+    first (128 ms locally against a 200 ms round trip); for a one-token reply the two coincide."""
+    m, lk, occ = model(local_decode_ms=20.0), link(cloud_decode_ms_per_token=2.0, rtt_ms=200.0), OccupancyModel()
+    shape = RequestShape(64)
+    preds = [m.predict(r, shape, lk) for r in (LOCAL, SPLIT, DIRECT, RP)]
+    assert min(preds, key=lambda p: p.ttft_ms).route == LOCAL
+
+    def pick(max_new_tokens: int):
+        return quickest(preds, {p.route: occ.predict(p, shape, lk, m, max_new_tokens) for p in preds})
+
+    route, why = pick(256)
+    assert route.route == DIRECT and "end-to-end" in why  # 255 x 2 ms against 255 x 20 ms of decode
+    assert pick(1)[0].route == LOCAL
+    with pytest.raises(ValueError):
+        quickest([], {})
+
+
+async def test_auto_streams_from_the_edge_and_takes_the_faster_decoder_for_a_whole_reply():
+    """The in-memory stack with an edge that prefills fast and decodes at 30 ms per token and a cloud
+    that decodes at about 1 ms: a whole-reply turn goes to the cloud (lowest predicted end-to-end
+    time), a streamed one to the edge (lowest predicted TTFT)."""
+    from tandem.common.params import Sampling
+    from tandem.edge.events import ChatTurn
+    from tests.helpers import RP_LONG, stream
+    from tests.remote_doubles import rp_stack
+
+    toy = await rp_stack(step_delay_s=0.001, local_step_s=0.03)
+    try:
+        toy.edge.conn.load = replace(toy.edge.conn.load, decode_ms_per_token=1.0, prefill_ms_per_token=0.1)
+        toy.edge.router.cost.explore_every = 0  # the choice itself, not the refresh of a near route
+        turn = ChatTurn((("user", RP_LONG),), "", "", Sampling(max_new_tokens=24), whole_reply=True)
+        _, whole = await stream(toy.edge, turn)
+        assert whole.mode is not Mode.LOCAL and "end-to-end" in whole.mode_reason, (whole.mode, whole.mode_reason)
+        _, streamed = await stream(toy.edge, replace(turn, whole_reply=False))
+        assert streamed.mode is Mode.LOCAL and "TTFT" in streamed.mode_reason, streamed.mode_reason
+    finally:
+        await toy.batcher.stop()
 
 
 def test_served_turns_calibrate_and_report_their_errors():

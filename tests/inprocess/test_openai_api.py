@@ -118,6 +118,25 @@ async def test_streaming_equals_non_streaming(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+async def test_a_request_without_stream_is_a_whole_reply_turn(client, stack, monkeypatch):
+    """Its client sees nothing before the last token, so auto weighs the end-to-end time
+    (``ChatTurn.whole_reply``); a streamed request is not one."""
+    toy, _ = stack
+    turns, chat = [], toy.edge.chat
+
+    def recording(turn, *a, **kw):
+        turns.append(turn)
+        return chat(turn, *a, **kw)
+
+    monkeypatch.setattr(toy.edge, "chat", recording)
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    await client.chat.completions.create(**kw)
+    async for _ in await client.chat.completions.create(**kw, stream=True):
+        pass
+    await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
+    assert [t.whole_reply for t in turns] == [True, False, True]
+
+
 async def test_completions(client):
     # one mode throughout (as the chat tests): the toy engines answer differently per mode, and auto may
     # choose another mode for the second request (seen under CI load)

@@ -61,6 +61,7 @@ def test_build_request_defaults_and_fields():
     assert sp.HasField("seed") and sp.seed == 0  # 0 is a seed, not "unset"
     assert build_request(HI, mode="split").mode == pb.MODE_SPLIT
     assert not r.stop and not sp.stop_token_ids
+    assert not r.whole_reply and build_request(HI, whole_reply=True).whole_reply
 
 
 def test_build_request_stop_strings_and_ids():
@@ -101,8 +102,9 @@ def test_build_request_rejects(kw):
 
 
 @pytest.mark.parametrize(
-    "kw", [{"stop": [b"x"]}, {"stop": [1]}, {"stop_token_ids": [1.0]}, {"stop_token_ids": [True]}],
-    ids=["bytes-stop", "int-stop", "float-id", "bool-id"],
+    "kw",
+    [{"stop": [b"x"]}, {"stop": [1]}, {"stop_token_ids": [1.0]}, {"stop_token_ids": [True]}, {"whole_reply": 1}],
+    ids=["bytes-stop", "int-stop", "float-id", "bool-id", "int-whole-reply"],
 )  # fmt: skip
 def test_build_request_rejects_wrong_types(kw):
     with pytest.raises(TypeError):

@@ -40,3 +40,8 @@ def test_a_chat_request_takes_its_mode_and_split_layer_only_with_split():
         ChatTurn.from_pb(pb.ChatRequest(prompt="hi", mode=pb.MODE_DIRECT, split_layer=4))
     with pytest.raises(InvalidRequest, match="unknown mode 17"):
         ChatTurn.from_pb(pb.ChatRequest(prompt="hi", mode=17))
+
+
+def test_a_chat_request_says_whether_its_client_uses_the_reply_only_whole():
+    assert ChatTurn.from_pb(pb.ChatRequest(prompt="hi", whole_reply=True)).whole_reply
+    assert not ChatTurn.from_pb(pb.ChatRequest(prompt="hi")).whole_reply  # unset: a streamed turn
