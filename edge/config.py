@@ -190,7 +190,7 @@ class EdgeConfig(DaemonSettings):
         default=0.0,
         description="Cloud engine time per request this edge aims to stay within, in seconds; > 0: auto mode takes "
         "the fastest route predicted within it and the objectives (local, remote prefill, ...). 0 = none: auto "
-        "minimises TTFT unless the cloud reports pressure.",
+        "minimises TTFT (end-to-end time for a whole-reply turn) unless the cloud reports pressure.",
     )
     http_host: str = Field(default="127.0.0.1", description="Bind address of the OpenAI-compatible HTTP API.")
     http_port: OptionalPort = Field(default=None, description="Port of the OpenAI-compatible HTTP API; `none` = off.")

@@ -17,8 +17,8 @@ vLLM-style extras (``extra_body`` in the openai client): ``top_k``, ``ignore_eos
 and ``session_id`` (names the conversation explicitly, see below); tandem's ``mode`` (default
 ``auto``). A request without ``stream`` is a whole-reply turn (``ChatTurn.whole_reply``): auto
 takes the mode with the lowest predicted end-to-end time, since its client sees nothing before the
-last token; a streamed one the lowest predicted time to first token. Fields this API does not know are
-ignored; fields it knows but cannot honour (tools, logprobs, penalties, logit_bias, non-text
+last token; a streamed one the lowest predicted time to first token. Fields this API does not know
+are ignored; fields it knows but cannot honour (tools, logprobs, penalties, logit_bias, non-text
 response formats or content parts) are refused with 400 rather than silently ignored.
 
 Responses have OpenAI's shapes (``chat.completion``, ``chat.completion.chunk``, ``text_completion``,
