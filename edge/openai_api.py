@@ -15,11 +15,12 @@ Endpoints (FastAPI, served by uvicorn in the edge's event loop; see ``serve_open
 
 vLLM-style extras (``extra_body`` in the openai client): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
 and ``session_id`` (names the conversation explicitly, see below); tandem's ``mode`` (default
-``auto``). A request without ``stream`` is a whole-reply turn (``ChatTurn.whole_reply``): auto
-takes the mode with the lowest predicted end-to-end time, since its client sees nothing before the
-last token; a streamed one the lowest predicted time to first token. Fields this API does not know
-are ignored; fields it knows but cannot honour (tools, logprobs, penalties, logit_bias, non-text
-response formats or content parts) are refused with 400 rather than silently ignored.
+``auto``). A request with ``stream`` absent or false is a whole-reply turn
+(``ChatTurn.whole_reply``): auto takes the mode with the lowest predicted end-to-end time, since its
+client sees nothing before the last token; a streamed one the lowest predicted time to first token.
+Fields this API does not know are ignored; fields it knows but cannot honour (tools, logprobs,
+penalties, logit_bias, non-text response formats or content parts) are refused with 400 rather than
+silently ignored.
 
 Responses have OpenAI's shapes (``chat.completion``, ``chat.completion.chunk``, ``text_completion``,
 ``usage``, ``finish_reason`` stop|length). Streams are server-sent events ``data: {json}`` ending with
@@ -28,8 +29,8 @@ Responses have OpenAI's shapes (``chat.completion``, ``chat.completion.chunk``, 
 is sent as ``data: {"error": ...}`` (the openai client raises ``APIError``). A client that goes away
 ends the turn: the edge's turn generator is closed, which cancels the call to the cloud (streaming or
 not). The last response / chunk with a ``finish_reason`` has a non-standard field ``tandem``
-(``session_id``, ``mode``, ``predicted_ttft_ms``, ``split_layer``, ``head_tokens``, ``external_tokens``,
-``timings_ms``, ``sent_bytes``, ``received_bytes``, ``edge_decoded_tokens``, ``resumes``);
+(``session_id``, ``mode``, ``mode_reason``, ``predicted_ttft_ms``, ``split_layer``, ``head_tokens``,
+``external_tokens``, ``timings_ms``, ``sent_bytes``, ``received_bytes``, ``edge_decoded_tokens``, ``resumes``);
 OpenAI clients ignore it (``response.model_extra["tandem"]``). Every response has the header
 ``x-tandem-session``.
 

@@ -30,6 +30,7 @@ def tandem_extra(done: TurnDone, session_id: str) -> dict[str, Any]:
     return {
         "session_id": session_id,
         "mode": done.mode,
+        "mode_reason": done.mode_reason,
         "predicted_ttft_ms": done.predicted_ttft_ms,
         "split_layer": done.split_layer,
         "head_tokens": done.head_tokens,

@@ -130,11 +130,12 @@ async def test_a_request_without_stream_is_a_whole_reply_turn(client, stack, mon
 
     monkeypatch.setattr(toy.edge, "chat", recording)
     kw = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
-    await client.chat.completions.create(**kw)
+    whole = await client.chat.completions.create(**kw)
     async for _ in await client.chat.completions.create(**kw, stream=True):
         pass
-    await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
+    await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0, stream=False)
     assert [t.whole_reply for t in turns] == [True, False, True]
+    assert "end-to-end" in tandem_of(whole)["mode_reason"]  # the response says which objective chose
 
 
 async def test_completions(client):
