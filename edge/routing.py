@@ -289,18 +289,18 @@ class Router:
         (``ChatTurn.whole_reply``) the lowest predicted end-to-end time (``edge.occupancy.quickest``);
         under cloud pressure or a declared cloud budget, the route that holds the cloud least within
         the objectives (``edge.occupancy.lightest``)."""
-        n = request.sampling.max_new_tokens
-
-        def occupancy() -> dict[Route, Occupancy]:
-            return {p.route: self.occupancy.predict(p, shape, link, self.cost, n) for p in preds}
-
+        hold_cloud_least = self.cloud_budget_ms > 0 or under_pressure(link)
+        occ: dict[Route, Occupancy] = {}
+        if request.whole_reply or hold_cloud_least:
+            n = request.sampling.max_new_tokens
+            occ = {p.route: self.occupancy.predict(p, shape, link, self.cost, n) for p in preds}
         if request.whole_reply:
-            pick, why = quickest(preds, occupancy())
+            pick, why = quickest(preds, occ)
         else:
             fast = [p for p in preds if p.route.mode is not Mode.REMOTE_PREFILL]
             pick, why = self.cost.choose(fast or preds)
-        if self.cloud_budget_ms > 0 or under_pressure(link):
-            light = lightest(preds, occupancy(), link, self.cloud_budget_ms)
+        if hold_cloud_least:
+            light = lightest(preds, occ, link, self.cloud_budget_ms)
             if light is not None:
                 pick, why = light
         return pick, f"auto: {why}"
