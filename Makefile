@@ -9,13 +9,13 @@ SPLIT ?= 4
 # CPU variants unless an NVIDIA GPU is present.
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ifeq ($(HAS_GPU),1)
-EXTRAS := cloud,edge-gpu,model,bench,dev
+EXTRAS := cloud,edge-gpu,model,builder-gpu,bench,dev
 # the combination checked on an H200: vLLM 0.26.0 (pins torch 2.11, CUDA 13 wheels) and the
 # onnxruntime-gpu built for the same CUDA major; override with `make setup GPU_PINS=...`
 GPU_PINS ?= vllm==0.26.0 onnxruntime-gpu==1.31.1
 PINS := $(GPU_PINS)
 else
-EXTRAS := cloud-cpu,edge,model,bench,dev
+EXTRAS := cloud-cpu,edge,model,builder,bench,dev
 PINS := torch==2.13.0
 endif
 FIND_LINKS := $(shell test -d /opt/wheels && echo --find-links /opt/wheels)

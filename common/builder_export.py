@@ -1,0 +1,152 @@
+"""The edge's whole model built by ONNX Runtime GenAI's model builder (``onnxruntime_genai.models.builder``).
+
+The builder writes the field's decoder graph for ONNX Runtime: ``GroupQueryAttention`` with rotary
+fused, past and present KV in one shared buffer, fused ``SkipSimplifiedLayerNormalization``,
+``MatMulNBits`` for int4. tandem drives that graph itself (``edge.decoder``), so preparation adds
+one output to it: ``next_token_ids`` int64 ``[B, S]``, the argmax of the logits of each row, so a
+greedy decode step returns a token id instead of ``V`` logits.
+
+``build_decoder(hf, out, precision, execution_provider)`` writes ``out/model.onnx`` (+ its external
+weights), ``genai_config.json`` and the tokenizer files the builder copies, and records what it
+built in ``out/tandem_build.json``. ``check_decoder`` runs the built graph against HF's logits.
+
+Precisions (the builder's ``-p``): ``fp32`` (the CPU build: exact against the float32 references),
+``fp16`` and ``bf16`` (the GPU paths: ONNX Runtime GenAI's fp32 CUDA graph does not load), ``int4``
+(``MatMulNBits`` weights, fp32 activations on the CPU, fp16 on the GPU). Needs the ``model`` extra
+plus ``onnxruntime-genai`` (or ``onnxruntime-genai-cuda``) and ``onnx_ir``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+BUILD_RECORD = "tandem_build.json"
+PRECISIONS = ("fp32", "fp16", "bf16", "int4")
+EXECUTION_PROVIDERS = ("cpu", "cuda")
+NEXT_TOKEN = "next_token_ids"
+
+
+class BuilderFailed(RuntimeError):
+    """The model builder exited with an error (its last line is in the message)."""
+
+
+class DecoderBuild(BaseModel):
+    """What ``build_decoder`` wrote: the builder's precision and execution provider, the builder's
+    version, and the check against HF (largest absolute logit difference, its bound, tokens run)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    precision: str
+    execution_provider: str
+    builder_version: str
+    max_abs_error: float | None = None
+    tolerance: float | None = None
+    checked_tokens: int = 0
+    passed: bool | None = None
+
+
+def build_decoder(hf: Path, out: Path, precision: str = "fp32", execution_provider: str = "cpu") -> DecoderBuild:
+    """Build the whole model of the HF checkpoint ``hf`` into ``out`` and add ``next_token_ids``.
+
+    Raises:
+        ValueError: an unknown ``precision`` or ``execution_provider``, or a pair the builder does
+            not serve (fp32 on CUDA: ONNX Runtime GenAI's fp32 CUDA graph does not load).
+        ImportError: onnxruntime-genai is not installed.
+        BuilderFailed: the builder refused the checkpoint (an architecture it does not know, ...).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    if execution_provider not in EXECUTION_PROVIDERS:
+        raise ValueError(f"execution provider {execution_provider!r}: one of {', '.join(EXECUTION_PROVIDERS)}")
+    if precision == "fp32" and execution_provider == "cuda":
+        raise ValueError("fp32 on CUDA: the builder's fp32 CUDA graph does not load; use fp16 or bf16")
+    import onnxruntime_genai
+
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out)]
+    cmd += ["-p", precision, "-e", execution_provider, "-c", str(out / ".builder-cache")]
+    r = subprocess.run(cmd, capture_output=True, text=True)  # the builder's own CLI: its stable interface
+    shutil.rmtree(out / ".builder-cache", ignore_errors=True)
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise BuilderFailed(
+            f"onnxruntime_genai's model builder failed on {hf} ({precision}, {execution_provider}): {tail[0]}"
+        )
+    add_next_token(out / "model.onnx")
+    build = DecoderBuild(
+        precision=precision,
+        execution_provider=execution_provider,
+        builder_version=getattr(onnxruntime_genai, "__version__", "unknown"),
+    )
+    save_build(out, build)
+    return build
+
+
+def add_next_token(model_path: Path) -> None:
+    """Append ``next_token_ids = ArgMax(logits, axis=-1)`` (int64 ``[B, S]``, the first index of
+    a tie, as ``numpy.argmax``) to the graph at ``model_path``, once; the weights stay external."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    m = onnx.load(str(model_path), load_external_data=False)
+    if any(o.name == NEXT_TOKEN for o in m.graph.output):
+        return
+    m.graph.node.append(helper.make_node("ArgMax", ["logits"], [NEXT_TOKEN], axis=-1, keepdims=0))
+    m.graph.output.append(
+        helper.make_tensor_value_info(NEXT_TOKEN, TensorProto.INT64, ["batch_size", "sequence_length"])
+    )
+    onnx.save(m, str(model_path))
+
+
+def save_build(out: Path, build: DecoderBuild) -> None:
+    (out / BUILD_RECORD).write_text(build.model_dump_json(indent=2))
+
+
+def load_build(out: Path) -> DecoderBuild:
+    """Raises: FileNotFoundError: ``out`` holds no build record."""
+    return DecoderBuild.model_validate(json.loads((out / BUILD_RECORD).read_text()))
+
+
+def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-3) -> DecoderBuild:
+    """Run ``prompt_ids`` through the built graph in two chunks (a prefill, then the rest with the
+    first chunk's KV held, as a later turn runs) and compare the logits of every token with HF's,
+    in float32; the result is saved in the build record.
+
+    The bound is ``rtol * max(1, max |HF logit|)``; fp16/bf16/int4 builds get the wider bounds of
+    their arithmetic (``1e-3`` fp32, ``5e-2`` fp16, ``1e-1`` bf16 and int4).
+
+    Raises:
+        ValueError: fewer than 2 prompt ids.
+    """
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem.edge.decoder import DecoderGraph
+
+    if len(prompt_ids) < 2:
+        raise ValueError("the check needs at least 2 prompt ids")
+    build = load_build(out)
+    rtol = {"fp32": rtol, "fp16": 5e-2}.get(build.precision, 1e-1)
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if build.execution_provider == "cuda" else None
+    graph = DecoderGraph(out, providers=providers or ["CPUExecutionProvider"], cuda_graph=False)
+    slot = graph.new_slot(len(prompt_ids))
+    half = len(prompt_ids) // 2
+    rows = [graph.run_rows(slot, prompt_ids[:half]), graph.run_rows(slot, prompt_ids[half:])]
+    got = np.concatenate(rows)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt_ids])).logits[0].numpy()
+    err = float(np.abs(got - ref).max())
+    tol = rtol * max(1.0, float(np.abs(ref).max()))
+    checked = build.model_copy(
+        update={"max_abs_error": err, "tolerance": tol, "checked_tokens": len(prompt_ids), "passed": err <= tol}
+    )
+    save_build(out, checked)
+    return checked
