@@ -104,7 +104,6 @@ class KVSlot:
     step_next: Any
     graph_id: int
     tokens: int = 0
-    captured: bool = False
     binding: Any = field(default=None, repr=False)
 
     def nbytes(self) -> int:
