@@ -113,33 +113,49 @@ def load_build(out: Path) -> DecoderBuild:
     return DecoderBuild.model_validate(json.loads((out / BUILD_RECORD).read_text()))
 
 
+def decoder_problem(out: Path) -> str:
+    """Why the built decoder at ``out`` must not serve (no graph, no record, never checked or failed
+    its check), or "" when it may."""
+    if not (out / "genai_config.json").is_file():
+        return f"{out} holds no built decoder (genai_config.json)"
+    try:
+        build = load_build(out)
+    except (FileNotFoundError, ValueError) as e:
+        return f"{out}/{BUILD_RECORD} is missing or unreadable ({e.__class__.__name__}): run tandem-model again"
+    if not build.passed:
+        err = (
+            "never checked"
+            if build.passed is None
+            else f"max |ONNX - HF| {build.max_abs_error:.2e} > {build.tolerance:.2e}"
+        )
+        return f"{out} failed its check against HF ({err}): run tandem-model again"
+    return ""
+
+
 def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-3) -> DecoderBuild:
-    """Run ``prompt_ids`` through the built graph in two chunks (a prefill, then the rest with the
-    first chunk's KV held, as a later turn runs) and compare the logits of every token with HF's,
-    in float32; the result is saved in the build record.
+    """Run ``prompt_ids`` through the built graph in two chunks (a prefill, then the rest after the
+    first chunk's KV, as a later turn runs) and compare the logits of every token with HF's, in
+    float32; the result is saved in the build record. The graph runs on ONNX Runtime's CPU provider
+    for a CPU build, else on its CUDA provider.
 
     The bound is ``rtol * max(1, max |HF logit|)``; fp16/bf16/int4 builds get the wider bounds of
     their arithmetic (``1e-3`` fp32, ``5e-2`` fp16, ``1e-1`` bf16 and int4).
 
     Raises:
-        ValueError: fewer than 2 prompt ids.
+        ValueError: fewer than 2 prompt ids, or a bf16 build.
     """
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tandem.edge.decoder import DecoderGraph
-
     if len(prompt_ids) < 2:
         raise ValueError("the check needs at least 2 prompt ids")
     build = load_build(out)
     rtol = {"fp32": rtol, "fp16": 5e-2}.get(build.precision, 1e-1)
-    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if build.execution_provider == "cuda" else None
-    graph = DecoderGraph(out, providers=providers or ["CPUExecutionProvider"], cuda_graph=False)
-    slot = graph.new_slot(len(prompt_ids))
     half = len(prompt_ids) // 2
-    rows = [graph.run_rows(slot, prompt_ids[:half]), graph.run_rows(slot, prompt_ids[half:])]
-    got = np.concatenate(rows)
+    first, past = _run_plain(out, build.execution_provider, prompt_ids[:half], None)
+    second, _ = _run_plain(out, build.execution_provider, prompt_ids[half:], past)
+    got = np.concatenate([first, second])
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = model(torch.tensor([prompt_ids])).logits[0].numpy()
@@ -150,3 +166,33 @@ def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-3
     )
     save_build(out, checked)
     return checked
+
+
+def _run_plain(out: Path, provider: str, ids: list[int], past: dict | None) -> tuple:
+    """One run of the built graph with plain (unshared) KV tensors: ``ids`` after ``past`` (the
+    previous run's presents by input name, or none). Returns the logits float32 ``[S, V]`` and this
+    run's presents by the input names they feed next."""
+    import numpy as np
+    import onnxruntime as ort
+
+    cfg = json.loads((out / "genai_config.json").read_text())["model"]
+    dec = cfg["decoder"]
+    names = ["CUDAExecutionProvider", "CPUExecutionProvider"] if provider == "cuda" else ["CPUExecutionProvider"]
+    sess = ort.InferenceSession(str(out / dec["filename"]), providers=names)
+    inputs = {i.name: i for i in sess.get_inputs()}
+    if any("bfloat16" in t.type for t in [*sess.get_inputs(), *sess.get_outputs()]):
+        raise ValueError("a bf16 build is not checked against HF here (numpy has no bfloat16): build fp16")
+    held = 0 if past is None else next(iter(past.values())).shape[2]
+    feeds: dict = {"input_ids": np.asarray([ids], np.int64), "attention_mask": np.ones((1, held + len(ids)), np.int64)}
+    dtype = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+    kv_names = [n for n in inputs if n.startswith("past_key_values.")]
+    for n in kv_names:
+        if past is not None:
+            feeds[n] = past[n]
+        else:
+            shape = [1, dec["num_key_value_heads"], 0, dec["head_size"]]
+            feeds[n] = np.zeros(shape, dtype.get(inputs[n].type, np.float32))
+    outs = [o.name for o in sess.get_outputs()]
+    values = dict(zip(outs, sess.run(outs, feeds), strict=True))
+    presents = {n: values[n.replace("past_key_values.", "present.")] for n in kv_names}
+    return np.asarray(values["logits"][0], np.float32), presents

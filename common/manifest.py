@@ -17,6 +17,7 @@ MANIFEST_NAME = "manifest.json"
 FULL_ONNX = "edge-full.onnx"  # the whole model with lm_head: local mode on the edge
 BUNDLE_MANIFEST_NAME = "bundle.json"
 FULL_CHECK_NAME = "edge-full.check.json"  # the check of edge-full.onnx against HF (``ExportCheck``)
+FULL_DECODER = "edge-decoder"  # the whole model built by ONNX Runtime GenAI's model builder (local mode)
 
 
 class ExportCheck(BaseModel):

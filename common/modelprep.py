@@ -22,8 +22,11 @@ Layout written under ``OUT``::
     OUT/split-k{k}/manifest.json
     OUT/edge-full.onnx            the whole model, for edge-only (local) generation
     OUT/edge-full.check.json      its check against HF (``ExportCheck``)
+    OUT/edge-decoder/             the whole model built by ONNX Runtime GenAI's model builder, with
+                                  ``next_token_ids`` and its check against HF (``tandem_build.json``):
+                                  local mode's runtime (``edge.decoder``), where the builder serves
     OUT/bundles/edge/             what an edge host needs, in the same layout (hard links, else copies):
-                                  split-k{k}/{head.onnx,manifest.json}, tokenizer/, edge-full.onnx,
+                                  split-k{k}/{head.onnx,manifest.json}, tokenizer/, edge-full.onnx, edge-decoder/,
                                   bundle.json (every file with size and BLAKE3, the compatibility keys)
     OUT/bundles/cloud/            what a cloud host needs: hf/, split-k{k}/{tail/,manifest.json}, bundle.json
 
@@ -48,6 +51,7 @@ from rich.console import Console
 from tandem.common.bundles import DIRECT_DIR, write_bundles
 from tandem.common.manifest import (
     FULL_CHECK_NAME,
+    FULL_DECODER,
     FULL_ONNX,
     MANIFEST_NAME,
     ExportCheck,
@@ -391,6 +395,45 @@ def prepare_full(out: Path, hf: Path, compute_dtype: str = "float32") -> ExportC
     return check
 
 
+DECODER_CHECK_TOKENS = 32
+
+
+def prepare_decoder(out: Path, hf: Path, precision: str = "fp32") -> str:
+    """Build ``OUT/edge-decoder`` with ONNX Runtime GenAI's model builder (``common.builder_export``;
+    fp32 for the CPU build, fp16/bf16/int4 for CUDA) and check it against HF (when missing, built
+    at another precision or unchecked). Returns "" when it is ready, else why local mode keeps
+    ``edge-full.onnx``: the builder is not installed, refuses the checkpoint, or its graph failed
+    the check (then the folder is removed).
+    """
+    from tandem.common.builder_export import BuilderFailed, build_decoder, check_decoder, decoder_problem, load_build
+
+    path = out / FULL_DECODER
+    if not decoder_problem(path) and load_build(path).precision == precision:
+        return ""
+    shutil.rmtree(path, ignore_errors=True)
+    provider = "cpu" if precision == "fp32" else "cuda"
+    try:
+        with console.status(f"building the whole model with ONNX Runtime GenAI's model builder ({precision}) ..."):
+            build_decoder(hf, path, precision, provider)
+            vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+            ids = [(1 + 7919 * i) % vocab for i in range(DECODER_CHECK_TOKENS)]
+            checked = check_decoder(hf, path, ids)
+    except ImportError as e:
+        return f"the model builder is not installed ({e.name}): pip install tandem[builder]"
+    except (BuilderFailed, ValueError) as e:
+        shutil.rmtree(path, ignore_errors=True)
+        return str(e)
+    if not checked.passed:
+        shutil.rmtree(path, ignore_errors=True)
+        return (
+            f"the built decoder differs from HF: max |ONNX - HF| {checked.max_abs_error:.2e} > {checked.tolerance:.2e}"
+        )
+    console.print(
+        f"[bold]model[/] edge decoder ({precision}) written to {path}, max |ONNX - HF| {checked.max_abs_error:.1e}"
+    )
+    return ""
+
+
 def prepare_model(
     out: Path,
     checkpoint: Path | None = None,
@@ -400,6 +443,8 @@ def prepare_model(
     bundles: bool = True,
     direct_only: bool = False,
     onnx_dtype: str = "float32",
+    edge_decoder: bool = True,
+    decoder_precision: str = "fp32",
 ) -> list[SplitManifest]:
     """Prepare the full checkpoint, the checked ONNX heads, tail checkpoints and role bundles under
     ``out`` (idempotent); returns the split manifests. ``direct_only``: no split, no ONNX, any
@@ -441,6 +486,10 @@ def prepare_model(
     ]
     if edge_full:
         prepare_full(out, hf, onnx_dtype)
+    if edge_decoder:
+        why = prepare_decoder(out, hf, decoder_precision)
+        if why:
+            console.print(f"[yellow]edge decoder not built[/]: {why}; local mode runs {FULL_ONNX}")
     if bundles:
         write_bundles(out)
     return manifests
@@ -471,6 +520,14 @@ def prepare(
             "stay float32)"
         ),
     ] = "float32",
+    edge_decoder: Annotated[
+        bool,
+        typer.Option(help="also build the whole model with ONNX Runtime GenAI's model builder (local mode's runtime)"),
+    ] = True,
+    decoder_precision: Annotated[
+        str,
+        typer.Option(help="the built decoder's precision: fp32 (CPU build), fp16 or bf16 (CUDA), int4 (CUDA)"),
+    ] = "fp32",
 ) -> None:
     """Prepare the full checkpoint, ONNX heads (each checked against HF), tail checkpoints and role
     bundles (idempotent). Exit status 2: the architecture is not supported or an export failed its check."""
@@ -478,8 +535,23 @@ def prepare(
 
     if onnx_dtype not in COMPUTE_DTYPES:
         raise typer.BadParameter(f"must be one of {', '.join(COMPUTE_DTYPES)}", param_hint="--onnx-dtype")
+    from tandem.common.builder_export import PRECISIONS
+
+    if decoder_precision not in PRECISIONS:
+        raise typer.BadParameter(f"must be one of {', '.join(PRECISIONS)}", param_hint="--decoder-precision")
     try:
-        prepare_model(out, checkpoint, split_layers, model_id, edge_full, bundles, direct_only, onnx_dtype)
+        prepare_model(
+            out,
+            checkpoint,
+            split_layers,
+            model_id,
+            edge_full,
+            bundles,
+            direct_only,
+            onnx_dtype,
+            edge_decoder,
+            decoder_precision,
+        )
     except FileNotFoundError as e:
         raise typer.BadParameter(str(e)) from None
     except (UnsupportedArchitecture, ExportCheckFailed) as e:

@@ -73,7 +73,9 @@ class EdgeConfig(DaemonSettings):
     )
     local_model: Path | None = Field(
         default=None,
-        description="The whole model in ONNX for local mode; default `edge-full.onnx` beside the split directory.",
+        description="The whole model for local mode: a folder built by ONNX Runtime GenAI's model builder "
+        "(`tandem-model` writes `edge-decoder/`) or an ONNX file (`edge-full.onnx`); default `edge-decoder/` "
+        "beside the split directory where it passed its check, else `edge-full.onnx` there.",
     )
     max_prompt_tokens: Count = Field(default=1536, description="Longest prompt accepted, in tokens.")
     max_new_tokens: Count = Field(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,12 @@ from tandem.common.errors import InvalidRequest
 
 GENAI_CONFIG = "genai_config.json"
 NEXT_TOKEN = "next_token_ids"  # the argmax output tandem adds to the builder's graph
+MIN_SLOT_TOKENS = 256  # a session's first slot holds at least this many tokens; slots grow by doubling
+FREE_SLOTS_PER_CAPACITY = 4  # released slots kept per capacity for the next sessions (graph and all)
 # ONNX Runtime's type name -> ONNX element type; bfloat16 has no numpy dtype, so its tensors are held as
 # uint16 bit patterns and bound by address with their ONNX type
 ONNX_TYPES = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16}
+ITEM_BYTES = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(uint16)": 2}  # of the KV as held
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ class KVSlot:
 
     def nbytes(self) -> int:
         """Device (or host) bytes of the KV buffers."""
-        return sum(int(np.prod(v.shape())) * v.element_size() for v in self.kv)
+        return sum(int(np.prod(v.shape())) * ITEM_BYTES[v.data_type()] for v in self.kv)
 
 
 class DecoderGraph:
@@ -154,7 +158,9 @@ class DecoderGraph:
             if t not in ONNX_TYPES:
                 raise ValueError(f"{self.spec.path}: KV and logits must be float32, float16 or bfloat16, got {t}")
         self.has_next_token = NEXT_TOKEN in {o.name for o in self.session.get_outputs()}
+        self.providers: list[str] = self.session.get_providers()
         self._next_graph_id = 1
+        self._free: dict[int, list[KVSlot]] = {}
 
     # ---- slots ------------------------------------------------------------------------------
 
@@ -205,18 +211,19 @@ class DecoderGraph:
 
     def run(self, slot: KVSlot, new_ids: list[int], greedy: bool) -> tuple[int | None, np.ndarray | None, float]:
         """Compute ``new_ids`` (``S >= 1`` tokens) after the ``slot.tokens`` the slot holds, in
-        place: afterwards the slot holds ``tokens + S``.
+        place: afterwards the slot holds ``tokens + S`` (grown first where it must).
 
         Returns ``(token, logits, ms)``: with ``greedy`` and the graph's argmax output the argmax
         token of the last new row and no logits; otherwise ``None`` and the last row's logits,
         float32 ``[V]`` on the host; and the run time in ms.
 
         Raises:
-            InvalidRequest: the slot cannot hold ``tokens + S`` tokens.
+            InvalidRequest: no new token, or ``tokens + S`` exceeds the model's positions.
         """
         t, n = slot.tokens, len(new_ids)
-        if n < 1 or t + n > slot.capacity_tokens:
-            raise InvalidRequest(f"{t} held + {n} new tokens exceed the slot's {slot.capacity_tokens}")
+        if n < 1:
+            raise InvalidRequest("a run needs at least one new token")
+        self._fit(slot, t + n)
         slot.mask_host[0, t : t + n] = 1
         t0 = time.perf_counter()
         if n == 1 and self.cuda_graph:
@@ -256,8 +263,9 @@ class DecoderGraph:
         import onnxruntime as ort
 
         t, n = slot.tokens, len(new_ids)
-        if n < 1 or t + n > slot.capacity_tokens:
-            raise InvalidRequest(f"{t} held + {n} new tokens exceed the slot's {slot.capacity_tokens}")
+        if n < 1:
+            raise InvalidRequest("a run needs at least one new token")
+        self._fit(slot, t + n)
         slot.mask_host[0, t : t + n] = 1
         b = self.session.io_binding()
         b.bind_cpu_input("input_ids", np.asarray([new_ids], np.int64))
@@ -315,36 +323,90 @@ class DecoderGraph:
         """The first ``tokens`` (default: all held) of the slot's KV as ``2L`` float32 host arrays
         ``[1, Hkv, tokens, D]`` (a copy)."""
         n = slot.tokens if tokens is None else tokens
-        return [_as_float32(v)[:, :, :n].copy() for v in slot.kv]
+        return [np.ascontiguousarray(_as_float32(v)[:, :, :n]) for v in slot.kv]
 
-    def write_kv(self, slot: KVSlot, past: list[np.ndarray]) -> None:
-        """Make the slot hold ``past`` (``2L`` float32 ``[1, Hkv, T, D]``): one copy per layer into
-        its buffers, cast to the KV dtype.
+    def write_kv(self, slot: KVSlot, past: Sequence[np.ndarray], start: int = 0) -> None:
+        """Make the slot hold ``past`` (``2L`` float32 ``[1, Hkv, T, D]``) after its first ``start``
+        tokens: one host round trip per layer tensor, cast to the KV dtype; the slot grows when
+        ``start + T`` exceeds its capacity.
 
         Raises:
-            InvalidRequest: ``past`` is not ``2L`` arrays of the model's shape, or ``T`` exceeds
-                the slot's capacity.
+            InvalidRequest: ``past`` is not ``2L`` float32 arrays of the model's shape, ``start``
+                exceeds the tokens held, or ``start + T`` exceeds the model's positions.
         """
         s = self.spec
-        t = int(past[0].shape[2]) if past else 0
+        t = int(past[0].shape[2]) if len(past) else -1
         want = (1, s.num_kv_heads, t, s.head_dim)
-        if len(past) != 2 * s.num_layers or any(a.shape != want for a in past):
-            raise InvalidRequest(f"past must be {2 * s.num_layers} arrays {want}, got {len(past)}")
-        if t > slot.capacity_tokens:
-            raise InvalidRequest(f"{t} tokens of KV exceed the slot's {slot.capacity_tokens}")
+        if len(past) != 2 * s.num_layers or any(a.shape != want or a.dtype != np.float32 for a in past):
+            got = [getattr(a, "shape", None) for a in list(past)[:2]]
+            raise InvalidRequest(f"past must be {2 * s.num_layers} float32 arrays {want}, got {len(past)} like {got}")
+        if not 0 <= start <= slot.tokens:
+            raise InvalidRequest(f"KV written after token {start}: the slot holds {slot.tokens}")
+        self._fit(slot, start + t)
         for v, a in zip(slot.kv, past, strict=True):
-            host = _as_float32(v)
-            host[:, :, :t] = a
+            host = _as_float32(v).copy()
+            host[:, :, start : start + t] = a
             _store(v, host, self.kv_type)
         slot.mask_host[:] = 0
-        slot.mask_host[0, :t] = 1
-        slot.tokens = t
+        slot.mask_host[0, : start + t] = 1
+        slot.tokens = start + t
 
     def truncate(self, slot: KVSlot, tokens: int) -> None:
         """Keep the first ``tokens`` held (the rest is overwritten by the next run)."""
         tokens = max(0, min(tokens, slot.tokens))
         slot.mask_host[0, tokens:] = 0
         slot.tokens = tokens
+
+    # ---- slots as sessions' KV (``edge.localmodel.LocalModel``) -------------------------------
+
+    def new_kv(self, tokens_hint: int) -> KVSlot:
+        """An empty slot for about ``tokens_hint`` tokens: a released slot of the capacity that fits
+        (its CUDA graph reused), else a new one of the next power of two from ``MIN_SLOT_TOKENS``."""
+        cap = self._capacity_for(max(1, tokens_hint))
+        pool = self._free.get(cap)
+        return pool.pop() if pool else self.new_slot(cap)
+
+    def release(self, slot: KVSlot) -> None:
+        """Give the slot's buffers back: up to ``FREE_SLOTS_PER_CAPACITY`` per capacity wait for the
+        next session (with their captured graph), the rest are freed."""
+        if not slot.kv:
+            return
+        spare = KVSlot(**{f: getattr(slot, f) for f in KVSlot.__dataclass_fields__})
+        self.truncate(spare, 0)
+        pool = self._free.setdefault(spare.capacity_tokens, [])
+        if len(pool) < FREE_SLOTS_PER_CAPACITY:
+            pool.append(spare)
+        slot.kv, slot.tokens, slot.capacity_tokens, slot.binding = [], 0, 0, None
+
+    def _capacity_for(self, tokens: int) -> int:
+        """The power of two from ``MIN_SLOT_TOKENS`` that holds ``tokens``, within the model's positions.
+
+        Raises:
+            InvalidRequest: ``tokens`` exceeds the model's positions."""
+        if tokens > self.spec.context_tokens:
+            raise InvalidRequest(f"{tokens} tokens exceed the model's {self.spec.context_tokens} positions")
+        cap = MIN_SLOT_TOKENS
+        while cap < tokens:
+            cap *= 2
+        return min(cap, self.spec.context_tokens)
+
+    def _fit(self, slot: KVSlot, tokens: int) -> None:
+        """Grow ``slot`` in place to hold ``tokens``: new buffers of the next fitting capacity (a new
+        CUDA graph), the held KV copied over through the host, the old buffers released. Growth
+        doubles the capacity, so a session grows a few times at most.
+
+        Raises:
+            InvalidRequest: ``tokens`` exceeds the model's positions."""
+        if tokens <= slot.capacity_tokens:
+            return
+        bigger = self.new_kv(tokens)
+        held = slot.tokens
+        if held:
+            self.write_kv(bigger, self.read_kv(slot, held))
+        old = KVSlot(**{f: getattr(slot, f) for f in KVSlot.__dataclass_fields__})
+        for f in KVSlot.__dataclass_fields__:
+            setattr(slot, f, getattr(bigger, f))
+        self.release(old)
 
 
 def _storage(onnx_type: str) -> type:

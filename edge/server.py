@@ -21,7 +21,7 @@ from grpc_health.v1 import health
 from tandem.common.errors import IncompatibleModel
 from tandem.common.grpcsetup import add_service, channel_credentials, set_health, start_server, tls_credentials
 from tandem.common.kvdown import full_model_key
-from tandem.common.manifest import FULL_ONNX, ExportCheck, ModelShape, SplitManifest
+from tandem.common.manifest import FULL_DECODER, FULL_ONNX, ExportCheck, ModelShape, SplitManifest
 from tandem.common.params import NegotiateOffer
 from tandem.common.security import ApiKeys, Authenticator
 from tandem.edge.batcher import HeadBatcher
@@ -141,16 +141,35 @@ def local_check_problem(path: Path) -> str:
     return ""
 
 
+def local_model_path(cfg: EdgeConfig) -> tuple[Path | None, str]:
+    """The whole model local mode runs and "" , or None and why not: ``cfg.local_model`` when set
+    (a builder folder or an ``.onnx`` file), else ``edge-decoder/`` beside the split directory
+    (ONNX Runtime GenAI's builder graph), else ``edge-full.onnx`` there; each must have passed its
+    check against HF."""
+    from tandem.common.builder_export import decoder_problem
+
+    model_dir = cfg.split_dir.parent
+    candidates = [cfg.local_model] if cfg.local_model else [model_dir / FULL_DECODER, model_dir / FULL_ONNX]
+    why = []
+    for path in candidates:
+        if path.is_dir():
+            problem = decoder_problem(path)
+        elif path.is_file():
+            problem = local_check_problem(path)
+        else:
+            problem = f"no {path}"
+        if not problem:
+            return path, ""
+        why.append(problem)
+    return None, "; ".join(why)
+
+
 async def load_local(cfg: EdgeConfig, shape: ModelShape, eos: list[int]) -> LocalEngine | None:
     """The whole model for local mode (warmed up: its first rates), or None when off or missing."""
-    path = cfg.local_model or cfg.split_dir.parent / FULL_ONNX
     if not cfg.local:
         return None
-    if not path.is_file():
-        log.warning("local mode off: no %s", path)
-        return None
-    problem = local_check_problem(path)
-    if problem:
+    path, problem = local_model_path(cfg)
+    if path is None:
         log.warning("local mode off: %s", problem)
         return None
     local = LocalEngine(path, shape, eos, cfg.intra_op_threads, cfg.max_sessions, cfg.session_bytes, cfg.session_idle_s)

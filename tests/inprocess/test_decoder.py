@@ -129,17 +129,37 @@ def test_truncation_recomputes_from_the_kept_prefix(graph, hf_model, prompts):
     assert np.abs(logits - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
 
 
-def test_a_slot_refuses_what_it_cannot_hold(graph):
+def test_a_slot_grows_keeping_its_kv_and_refuses_past_the_model(graph, hf_model, prompts):
+    ids = prompts[0]
     slot = graph.new_slot(4)
-    with pytest.raises(InvalidRequest, match="exceed the slot's 4"):
-        graph.run(slot, [1, 2, 3, 4, 5], greedy=True)
-    assert slot.tokens == 0
+    graph.run(slot, ids[:3], greedy=True)
+    first = slot.graph_id
+    _, logits, _ = graph.run(slot, ids[3:], greedy=False)  # past the 4 tokens: new buffers, KV copied over
+    assert slot.capacity_tokens >= len(ids) and slot.tokens == len(ids) and slot.graph_id != first
+    ref = hf_logits(hf_model, ids)[-1]
+    assert np.abs(logits - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
+    with pytest.raises(InvalidRequest, match="exceed the model's"):
+        graph.run(slot, [1] * (graph.spec.context_tokens - slot.tokens + 1), greedy=True)
+    assert slot.tokens == len(ids)
     with pytest.raises(InvalidRequest, match="past must be"):
         graph.write_kv(slot, [np.zeros((1, 3, 2, 64), np.float32)])
+    with pytest.raises(InvalidRequest, match="after token 99"):
+        graph.write_kv(slot, graph.read_kv(slot, 2), start=99)
     with pytest.raises(ValueError, match="capacity_tokens 0"):
         graph.new_slot(0)
-    with pytest.raises(ValueError, match="capacity_tokens"):
-        graph.new_slot(graph.spec.context_tokens + 1)
+
+
+def test_released_slots_serve_the_next_session_with_their_graph(graph):
+    a = graph.new_kv(300)
+    assert a.capacity_tokens == 512
+    graph.run(a, [1, 2, 3], greedy=True)
+    kv, gid = a.kv, a.graph_id
+    graph.release(a)
+    assert a.kv == [] and a.tokens == 0
+    b = graph.new_kv(400)
+    assert b.kv is kv and b.graph_id == gid and b.tokens == 0 and b.mask_host.sum() == 0
+    graph.release(b)
+    graph.release(b)  # twice: nothing more
 
 
 def test_bfloat16_storage_round_trips_and_rounds_to_nearest_even():
