@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from contextlib import aclosing
+from contextlib import AbstractContextManager, aclosing, nullcontext
 from dataclasses import replace
 
 import numpy as np
@@ -173,10 +173,11 @@ class Gateway:
     async def _run(self, turn: Turn, uplink: AsyncIterator[UplinkBody]) -> AsyncGenerator[DownEvent, None]:
         """The turn itself (``run_turn`` adds its log ids, logs, metrics and span), run by its mode's
         path once admitted. A split turn's session is in flight throughout: never evicted or expired
-        meanwhile."""
+        meanwhile, and its place and bytes count against the edge's and the node's bounds from
+        before its admission to its end."""
         with self.sessions.turn(turn.session_key if turn.header.split_layer else ""):
             self._check(turn)
-            with await self._admit(turn) as ticket:
+            with self._hold_state(turn), await self._admit(turn) as ticket:
                 async with aclosing(self._modes[mode_of(turn.header)](turn, uplink, ticket)) as events:
                     async for ev in events:
                         yield ev
@@ -204,11 +205,11 @@ class Gateway:
                 yield ev
 
     def _check(self, turn: Turn) -> None:
-        """Look up the params ``turn`` runs under and check its header and its edge's bounds.
+        """Look up the params ``turn`` runs under and check its header and its edge's rate.
 
         Raises:
             ParamsVersionMismatch, PermissionDenied: see ``LinkRegistry.params_for``.
-            InvalidRequest: the header is outside the params. EdgeOverLimit: the edge's rate or state.
+            InvalidRequest: the header is outside the params. EdgeOverLimit: the edge's rate.
         """
         header = turn.header
         params = turn.params = self.registry.params_for(header, turn.caller)
@@ -216,8 +217,18 @@ class Gateway:
         if header.remote_prefill is not None:
             check_remote_prefill(turn, self.registry.limits.kv_wire_dtypes)
         self.edge_limits.check_rate(turn.caller)
-        if header.split_layer:
-            self.edge_limits.check_state(turn.caller, self.sessions, turn.session_key, len(header.prompt_token_ids))
+
+    def _hold_state(self, turn: Turn) -> AbstractContextManager[None]:
+        """A split turn's hold on its edge's state bounds and the node's session table until it
+        ends (``EdgeLimits.hold_state``); nothing for the other modes, which keep no state here.
+
+        Raises:
+            EdgeOverLimit, SessionTableFull: no room, every session in the way with a turn in flight.
+        """
+        h = turn.header
+        if not h.split_layer:
+            return nullcontext()
+        return self.edge_limits.hold_state(turn.caller, self.sessions, turn.session_key, len(h.prompt_token_ids))
 
     async def _admit(self, turn: Turn) -> Ticket:
         """Wait for a slot in the link's share (``cloud.links``); records the wait.
