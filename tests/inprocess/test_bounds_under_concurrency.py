@@ -3,7 +3,8 @@ requests are admitted exactly up to it: sessions per edge, bytes an edge stores,
 table, uploads (count and bytes, per edge and in total) and links per edge. Many turns are held in
 flight at once (their uplinks wait behind a gate after the header), exactly the bound's number are
 admitted, the rest are refused with RESOURCE_EXHAUSTED (``QuotaExceeded``), and once they end, by
-success, error or cancellation, nothing is left held. In-memory stack (``tests/doubles.py``)."""
+success, error or cancellation, nothing is left held. The engines' slots are held the other way:
+no turn waits while one is free. In-memory stack (``tests/doubles.py``)."""
 
 from __future__ import annotations
 
@@ -230,5 +231,45 @@ async def test_concurrent_negotiations_hold_the_edges_link_bound():
         assert len(held) == 2 and results[-1].link_id in held
         nothing_held(toy)
     finally:
+        await other.batcher.stop()
+        await toy.batcher.stop()
+
+
+# ------------------------------------------------------------------ engine slots
+
+
+async def test_no_turn_waits_on_the_gateway_while_a_slot_is_free():
+    """``max_num_seqs`` 4: two busy edges (four closed-loop clients each, their links at the
+    controller's floor) beside an edge that sent one turn and went quiet (weight 1, the larger
+    share). Sampled at every step of the event loop, whenever a turn waits for a slot all four run."""
+    toy = await toy_stack(engine=EngineConfig(block_size_tokens=B, max_num_seqs=4), max_queue_wait_s=30)
+    gw = toy.gateway
+    quiet, other = await toy.another_edge("quiet"), await toy.another_edge("b2")
+    samples: list[tuple[int, int]] = []
+    try:
+        await run(quiet, turn(PROMPT, n=2))
+        for edge in (toy.edge, other):
+            link = gw.links.get(edge.conn.link_id)
+            assert link is not None
+            link.weight = 0.1
+
+        async def sample() -> None:
+            while True:
+                samples.append((gw.links.running, gw.links.waiting))
+                await asyncio.sleep(0)
+
+        async def client(edge, i: int) -> None:
+            for j in range(3):
+                assert (await run(edge, turn(f"{PROMPT} {i} {j}", n=8))).mode is Mode.SPLIT
+
+        sampler = asyncio.create_task(sample())
+        await asyncio.gather(*(client(edge, i) for edge in (toy.edge, other) for i in range(4)))
+        sampler.cancel()
+        assert gw.links.share(quiet.conn.link_id)[0] == 3  # with both busy links active
+        waiting = [running for running, w in samples if w]
+        assert waiting and all(running == 4 for running in waiting), sorted(set(waiting))
+        nothing_held(toy)
+    finally:
+        await quiet.batcher.stop()
         await other.batcher.stop()
         await toy.batcher.stop()
