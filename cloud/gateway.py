@@ -1,12 +1,12 @@
 """The cloud gateway: a turn from verified upload to streamed tokens.
 
 ``Gateway.run_turn`` is the main loop of a request and reads like the design's data path:
-admission into its link's share -> receive and verify the upload, commit it into the session
-(head KV blocks into the store) -> tail prefill (prompt_embeds, saves tail KV, samples the
-first token) -> decode (loads all layers of the aligned prefix). Direct mode decodes the prompt's
-token ids; remote prefill (``cloud.remoteprefill``) decodes them too, sends the prompt's KV down
-and hands the decode over to the edge. It takes domain messages and yields domain events;
-``cloud.service`` adapts it to gRPC.
+admission into an engine slot (its link's share orders the waiters) -> receive and verify the
+upload, commit it into the session (head KV blocks into the store) -> tail prefill (prompt_embeds,
+saves tail KV, samples the first token) -> decode (loads all layers of the aligned prefix). Direct
+mode decodes the prompt's token ids; remote prefill (``cloud.remoteprefill``) decodes them too,
+sends the prompt's KV down and hands the decode over to the edge. It takes domain messages and
+yields domain events; ``cloud.service`` adapts it to gRPC.
 
 The gateway runs the engines and nothing else; its collaborators, assembled at the entry point
 (``cloud.server.build_gateway``), do the rest: links, params and load (``cloud.linkregistry``),
@@ -123,7 +123,7 @@ class Gateway:
         caller: Principal | str = ANONYMOUS_PEER,
         deadline: float | None = None,
     ) -> AsyncIterator[DownEvent]:
-        """One request: the edge's own bounds (``cloud.tenancy``), admission into its link's share,
+        """One request: the edge's own bounds (``cloud.tenancy``), admission into an engine slot,
         upload (split mode), tail prefill (samples the first token), decode. ``caller`` is the
         edge's identity: it scopes the session and bounds the upload; ``deadline`` is
         event-loop time or None. Yields events to send down. Records the request's TTFT and
@@ -231,10 +231,12 @@ class Gateway:
         return self.edge_limits.hold_state(turn.caller, self.sessions, turn.session_key, len(h.prompt_token_ids))
 
     async def _admit(self, turn: Turn) -> Ticket:
-        """Wait for a slot in the link's share (``cloud.links``); records the wait.
+        """An engine slot: at once while one is free, else after waiting in the link's queue, where
+        the link's share orders it among the waiters (``cloud.links``); records the wait.
 
         Raises:
-            QuotaExceeded: ``LinkBusy`` (queue full, or no slot before the deadline / queue wait bound).
+            QuotaExceeded: ``LinkBusy`` (every slot taken and the queue full, or still taken at the
+                deadline / queue wait bound).
         """
         ticket = await self.links.admit(turn.header.link_id, len(turn.header.prompt_token_ids), turn.deadline)
         turn.timings[Stage.CLOUD_QUEUE] = ticket.queued_ms
