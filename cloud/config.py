@@ -246,15 +246,16 @@ class CloudConfig(DaemonSettings):
     )
     edge_max_sessions: Count = Field(
         default=64,
-        description="Sessions one edge (identity) may hold in memory; a new one beyond takes the place of the "
-        "edge's least recently used session without a turn in flight (RESOURCE_EXHAUSTED only while every one "
-        "has a turn in flight).",
+        description="Sessions one edge (identity) may hold in memory, counting those of its turns in flight; a new "
+        "one beyond takes the place of the edge's least recently used session without a turn in flight "
+        "(RESOURCE_EXHAUSTED only while every one has a turn in flight).",
     )
     edge_max_stored_bytes: PositiveBytes = Field(
         default=gib(1),
-        description="Bytes one edge's sessions may hold here in memory (activations and KV blocks); past it the "
-        "edge's least recently used sessions without a turn in flight leave memory (RESOURCE_EXHAUSTED only for a "
-        "turn larger than the bound alone, or while every session has a turn in flight).",
+        description="Bytes one edge's sessions may hold here in memory (activations and KV blocks), counting what "
+        "its turns in flight will hold; past it the edge's least recently used sessions without a turn in flight "
+        "leave memory (RESOURCE_EXHAUSTED only for a turn larger than the bound alone, or while every session has "
+        "a turn in flight).",
     )
     edge_rate_limit: str | None = Field(
         default="50/second;1000/minute",
@@ -348,10 +349,12 @@ class CloudConfig(DaemonSettings):
         default=60.0, description="Seconds without a request after which a link no longer holds a share."
     )
     max_queue_per_link: Count0 = Field(
-        default=32, description="Requests of one link waiting for its share; beyond, RESOURCE_EXHAUSTED at once."
+        default=32,
+        description="Requests of one link waiting for a slot (only while every slot is taken); beyond, "
+        "RESOURCE_EXHAUSTED at once.",
     )
     max_queue_wait_s: Seconds0 = Field(
-        default=5.0, description="Longest wait for a link's share before RESOURCE_EXHAUSTED (or the deadline)."
+        default=5.0, description="Longest wait for a free slot before RESOURCE_EXHAUSTED (or the deadline)."
     )
     slo_interval_s: Seconds = Field(
         default=2.0, description="Period of the p99 SLO controller that resizes each link's share."
@@ -362,9 +365,15 @@ class CloudConfig(DaemonSettings):
         description="Append the SLO controller's trace here, one JSON line per link per step (weight, share, "
         "p99 TTFT and ITL); `none` = off.",
     )
-    max_sessions: Count = Field(default=256, description="Multi-turn sessions kept (LRU beyond).")
+    max_sessions: Count = Field(
+        default=256,
+        description="Multi-turn sessions kept, counting those of turns in flight (LRU beyond; RESOURCE_EXHAUSTED "
+        "only while every one has a turn in flight).",
+    )
     session_bytes: PositiveBytes = Field(
-        default=gib(1), description="Activations kept for multi-turn sessions, all together, in bytes."
+        default=gib(1),
+        description="Activations kept for multi-turn sessions, all together, in bytes, counting what turns in "
+        "flight will hold.",
     )
     session_idle_s: Seconds = Field(
         default=1800.0,

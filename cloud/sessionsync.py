@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import nullcontext
 
 from tandem.cloud.negotiation import LinkLimits
 from tandem.cloud.sessions import CloudSession, SessionTable
@@ -126,15 +127,19 @@ class SessionSync:
 
         Raises:
             InvalidRequest: ids, token ids, leaf counts, proof or block size outside the limits.
-            QuotaExceeded: the edge is over its request rate.
+            QuotaExceeded: the edge is over its request rate, or loading the session would pass the
+                edge's or the node's session bounds with every session in the way in flight.
         """
         c = as_principal(caller)
         check_sync_request(req, self.limits, self.vocab_size)
         self.edge_limits.check_rate(c)
         key = scoped(c, req.session_id)
-        if self.sessions.get(key) is None:  # loading it from the store counts against the edge's bounds
-            self.edge_limits.check_state(c, self.sessions, key, len(req.token_ids))
-        s = await self.session(key, 1)
+        load = self.sessions.get(key) is None  # loading it from the store counts against the bounds
+        with (
+            self.sessions.turn(key),
+            self.edge_limits.hold_state(c, self.sessions, key, len(req.token_ids)) if load else nullcontext(),
+        ):
+            s = await self.session(key, 1)
         if not s.token_ids or s.split_layer != req.split_layer or s.block_tokens != self.limits.kv_block_size_tokens:
             return SyncReply(False)
         return compare(s, req)

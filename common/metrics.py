@@ -253,7 +253,7 @@ BLOCK_STORE_BYTES = _metric(
 )
 LINKS_ACTIVE = _metric("cloud", Gauge, "tandem:links_active", "Edge links holding a share of the engines.")
 REQUESTS_RUNNING = _metric("cloud", Gauge, "tandem:requests_running", "Requests admitted into the engines.")
-REQUESTS_WAITING = _metric("cloud", Gauge, "tandem:requests_waiting", "Requests waiting for their link's share.")
+REQUESTS_WAITING = _metric("cloud", Gauge, "tandem:requests_waiting", "Requests waiting for an engine slot.")
 
 
 def register(role: str) -> None:

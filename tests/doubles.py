@@ -20,6 +20,7 @@ from tandem.cloud.turn import as_principal
 from tandem.common import wire
 from tandem.common.ewma import Ewma
 from tandem.common.kvstore import MemoryBlockStore
+from tandem.common.messages import TurnHeader, uplink_to_pb
 from tandem.common.params import NegotiateOffer
 from tandem.common.requestlimits import RequestLimits
 from tandem.common.security import scoped
@@ -147,6 +148,72 @@ class _TamperCall:
 
     def close_send(self) -> None:
         self.inner.close_send()
+
+    def events(self):
+        return self.inner.events()
+
+    def cancel(self) -> None:
+        self.inner.cancel()
+
+
+class GatedLink:
+    """Wraps a ``CloudLink``: each turn's uplink after its header waits for ``gate`` (an
+    ``asyncio.Event``), so that many turns are admitted and in flight on the cloud at once. With
+    ``cut`` set when the gate opens, the held uplinks are closed instead (the upload fails)."""
+
+    def __init__(self, inner: CloudLink, gate: asyncio.Event) -> None:
+        self.inner, self.gate, self.cut = inner, gate, False
+
+    async def negotiate(self, offer):
+        return await self.inner.negotiate(offer)
+
+    async def server_info(self, link_id, padding_bytes=0, timeout_s=5.0):
+        return await self.inner.server_info(link_id, padding_bytes, timeout_s)
+
+    def open(self, timeout_s):
+        return _GatedCall(self.inner.open(timeout_s), self)
+
+    async def sync_session(self, req, timeout_s=5.0):
+        return await self.inner.sync_session(req, timeout_s)
+
+    async def end_session(self, session_id, timeout_s=5.0):
+        return await self.inner.end_session(session_id, timeout_s)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class _GatedCall:
+    def __init__(self, inner: TurnCall, link: GatedLink) -> None:
+        self.inner, self.link = inner, link
+        self.held: list[Any] = []  # items waiting for the gate, in order (None: close_send)
+        self.flusher: asyncio.Task | None = None
+
+    def _hold(self, item: Any) -> None:
+        self.held.append(item)
+        if self.flusher is None:
+            self.flusher = asyncio.create_task(self._flush())
+
+    async def _flush(self) -> None:
+        await self.link.gate.wait()
+        if self.link.cut:
+            self.inner.close_send()
+        else:
+            for item in self.held:
+                self.inner.close_send() if item is None else self.inner.send(item)
+        self.held.clear()
+
+    def send(self, item) -> int:
+        if isinstance(item, TurnHeader) or (self.link.gate.is_set() and not self.held):
+            return self.inner.send(item)
+        self._hold(item)
+        return uplink_to_pb(item).ByteSize()
+
+    def close_send(self) -> None:
+        if self.link.gate.is_set() and not self.held:
+            self.inner.close_send()
+        else:
+            self._hold(None)
 
     def events(self):
         return self.inner.events()
