@@ -22,7 +22,7 @@ from typing import Any
 from tandem.common import metrics
 from tandem.common.chat import prompt_token_ids
 from tandem.common.errors import EngineError, InvalidRequest, LinkLost, ParamsVersionMismatch, QuotaExceeded
-from tandem.common.logs import bind_request, current_request_id, new_request_id, turn_log
+from tandem.common.logs import bind_request, current_caller, current_request_id, new_request_id, turn_log
 from tandem.common.manifest import ModelShape
 from tandem.common.modes import Mode
 from tandem.common.requestlimits import RequestLimits
@@ -252,7 +252,13 @@ class EdgeNode:
             bind_request(rid, request.session_id),
             turn_log(log, request.mode) as done_fields,
             metrics.edge_turn(clock) as counts,
-            span("edge_turn", mode=request.mode, request_id=rid, session_id=request.session_id),
+            span(
+                "edge_turn",
+                mode=request.mode,
+                request_id=rid,
+                session_id=request.session_id,
+                **({"caller": c} if (c := current_caller()) else {}),
+            ),
         ):
             inner, finished = self._chat(request, clock, timeout_s), False
             try:

@@ -22,7 +22,7 @@ from tandem import __version__
 from tandem.common.errors import EngineError, InvalidRequest, TandemError
 from tandem.common.grpc_errors import abort
 from tandem.common.grpcsetup import set_health
-from tandem.common.logs import new_request_id, set_ids
+from tandem.common.logs import new_request_id, set_caller, set_ids
 from tandem.common.params import MAX_STOP_TOKENS
 from tandem.common.security import Authenticator, Principal, scoped
 from tandem.edge.detok import MAX_STOP_STRINGS
@@ -47,7 +47,10 @@ class EdgeServicer(pb_grpc.EdgeServicer):
         self.draining = False  # set on SIGTERM: new turns are refused, turns in flight finish
 
     def _identify(self, context: grpc.aio.ServicerContext) -> Principal:
-        return self.auth.identify(context.invocation_metadata(), context.auth_context(), context.peer() or "")
+        """The caller, bound for the call's log lines (``caller``). Raises Unauthenticated."""
+        caller = self.auth.identify(context.invocation_metadata(), context.auth_context(), context.peer() or "")
+        set_caller(caller)  # the handler's own task: every line of this call names it
+        return caller
 
     def _session_id(self, session_id: str, caller: Principal) -> str:
         """A client's session id as this edge keeps it: in the caller's namespace when credentials
