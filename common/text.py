@@ -45,11 +45,12 @@ def check_text(value: str, where: str) -> str:
     """``value`` unchanged if it is text.
 
     Raises:
-        InvalidRequest: it is not: ``"{where}: not valid text: a NUL character at character 3"``.
+        InvalidRequest: it is not: ``"{where}: not valid text: a NUL character at character 3"``, its
+            ``param`` ``where`` (the field, as OpenAI writes it: ``messages.[0].content``).
     """
     problem = text_problem(value)
     if problem is not None:
-        raise InvalidRequest(f"{where}: not valid text: {problem}")
+        raise InvalidRequest(f"{where}: not valid text: {problem}", param=where, code="invalid_value")
     return value
 
 

@@ -207,14 +207,19 @@ class EdgeNode:
     def tokenize(self, request: ChatTurn) -> list[int]:
         """Prompt token ids. Raises InvalidRequest for an empty or too long prompt."""
         if request.messages and request.prompt:
-            raise InvalidRequest("pass messages or a prompt, not both")
+            raise InvalidRequest("pass messages or a prompt, not both", param="prompt")
         limits = self.limits
+        param = "prompt" if request.prompt else "messages"
         n_chars = len(request.prompt) + sum(len(c) for _, c in request.messages)
         if n_chars > limits.max_prompt_tokens * self._token_chars:
-            raise InvalidRequest(f"prompt of {n_chars} characters cannot fit in {limits.max_prompt_tokens} tokens")
+            raise InvalidRequest(
+                f"prompt of {n_chars} characters cannot fit in {limits.max_prompt_tokens} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
         messages = [{"role": r, "content": c} for r, c in request.messages]
         ids = prompt_token_ids(self.tok, messages or None, request.prompt or None)
-        limits.check_prompt_length(len(ids))
+        limits.check_prompt_length(len(ids), param)
         return ids
 
     def validate(self, request: ChatTurn, ids: list[int]) -> None:

@@ -103,6 +103,7 @@ from starlette.types import Receive, Scope, Send
 from tandem.common import errors as e
 from tandem.common.logs import set_ids
 from tandem.common.modes import Mode
+from tandem.common.requestlimits import check_session_id
 from tandem.common.text import check_text
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.node import EdgeNode
@@ -208,7 +209,7 @@ async def _sse_body(
                 break
             ev = await asyncio.get_running_loop().create_task(anext(events, None), context=ctx)
     except e.TandemError as err:
-        yield sse(api_error_of(err).body())
+        yield sse(api_error_of(err, call.renamed).body())
     except Exception:
         log.exception("OpenAI stream failed")
         yield sse(ApiError(500, "internal error in the edge (see its log)").body())
@@ -274,9 +275,11 @@ class _Api:
         sp = sampling(r, max_tokens, max_new, max_new, param)
         opening = [""] * 2 if r.session_id else chat_opening(messages)
         stop = stops(r.stop)
+        check_session_id(r.session_id or "")
+        mode = Mode.from_name(r.mode)
         sid = self.session_for(["chat", key, r.user or "", r.session_id or "", *opening])
-        turn = ChatTurn(messages, "", sid, sp, mode=Mode.from_name(r.mode), stop=stop, whole_reply=not r.stream)
-        return self._call(True, turn, r)
+        turn = ChatTurn(messages, "", sid, sp, mode, stop, r.split_layer, whole_reply=not r.stream)
+        return self._call(True, turn, r, param)
 
     def completion_call(self, r: CompletionRequest, key: str) -> Call:
         self.check_model(r.model)
@@ -287,14 +290,16 @@ class _Api:
         sp = sampling(r, r.max_tokens, default_max, max_new, "max_tokens")
         opening = "" if r.session_id else prompt[:OPENING_CHARS]
         stop = stops(r.stop)
+        check_session_id(r.session_id or "")
+        mode = Mode.from_name(r.mode)
         sid = self.session_for(["text", key, r.user or "", r.session_id or "", opening])
-        turn = ChatTurn((), prompt, sid, sp, mode=Mode.from_name(r.mode), stop=stop, whole_reply=not r.stream)
-        return self._call(False, turn, r)
+        turn = ChatTurn((), prompt, sid, sp, mode, stop, r.split_layer, whole_reply=not r.stream)
+        return self._call(False, turn, r, "max_tokens")
 
-    def _call(self, chat: bool, turn: ChatTurn, r: RequestBase) -> Call:
+    def _call(self, chat: bool, turn: ChatTurn, r: RequestBase, max_tokens_param: str) -> Call:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         usage = bool(r.stream and r.stream_options and r.stream_options.include_usage)
-        return Call(chat, rid, int(time.time()), self.model_id, turn, usage)
+        return Call(chat, rid, int(time.time()), self.model_id, turn, usage, max_tokens_param)
 
     async def end_conversation(self, conversation_id: str, key: str) -> dict[str, Any]:
         """``DELETE /v1/conversations/{id}``: end the conversation's session (``x-tandem-session``) on
@@ -314,6 +319,12 @@ class _Api:
     async def answer(self, call: Call, stream: bool, request: Request) -> Response:
         """Run the turn (its session reserved until it ends) and answer in OpenAI's shape."""
         set_ids(call.id, call.turn.session_id)  # this request's own task: log lines carry the response's id
+        try:
+            return await self._answer(call, stream, request)
+        except e.TandemError as err:  # the request's own names for the domain's fields
+            raise api_error_of(err, call.renamed) from err
+
+    async def _answer(self, call: Call, stream: bool, request: Request) -> Response:
         headers = {"x-tandem-session": call.turn.session_id}
         events = cast(AsyncGenerator[TextOut | TurnDone, None], self.service.chat(call.turn))
         if not stream:

@@ -191,4 +191,5 @@ async def test_local_mode_of_the_real_model_takes_any_64_bit_seed_and_refuses_st
     with pytest.raises(TandemError) as e:
         async for _ in engine.generate([1, 2, 3], Sampling(max_new_tokens=2, stop_token_ids=(v,))):
             pass
-    assert str(e.value) == f"stop_token_ids: at most 64, each in the vocabulary [0, {v})"
+    assert str(e.value) == f"stop_token_ids.[0]: {v} is outside the vocabulary [0, {v})"
+    assert (e.value.param, e.value.code) == ("stop_token_ids.[0]", "integer_above_max_value")
