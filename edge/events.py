@@ -28,9 +28,11 @@ def chat_role(role: str, i: int) -> str:
     """The chat template's role for message ``i``'s ``role``.
 
     Raises:
-        InvalidRequest: a role not in ``ROLE_OF`` (``param`` ``messages.[i].role``).
+        InvalidRequest: a role not in ``ROLE_OF``, or none (``param`` ``messages.[i].role``).
     """
     where = f"messages.[{i}].role"
+    if not role:  # protobuf's unset string: a message without its role
+        raise InvalidRequest(f"{where}: a message needs its role", param=where, code="missing_required_parameter")
     if check_text(role, where) not in ROLE_OF:
         raise InvalidRequest(f"{where}: {role!r} is not one of {list(ROLE_OF)}", param=where)
     return ROLE_OF[role]

@@ -205,9 +205,12 @@ class EdgeNode:
 
     @traced("tokenize")
     def tokenize(self, request: ChatTurn) -> list[int]:
-        """Prompt token ids. Raises InvalidRequest for an empty or too long prompt."""
+        """Prompt token ids. Raises InvalidRequest (``param`` ``messages`` or ``prompt``) for no
+        prompt, both kinds, or one too long (``context_length_exceeded``)."""
         if request.messages and request.prompt:
             raise InvalidRequest("pass messages or a prompt, not both", param="prompt")
+        if not request.messages and not request.prompt:
+            raise InvalidRequest("messages: a request needs messages or a prompt", param="messages", code="empty_array")
         limits = self.limits
         param = "prompt" if request.prompt else "messages"
         n_chars = len(request.prompt) + sum(len(c) for _, c in request.messages)

@@ -102,10 +102,9 @@ def _stop_strings(stop: str | Iterable[str] | None) -> tuple[str, ...]:
     """
     if stop is None:
         return ()
-    one = isinstance(stop, str)
     items = (stop,) if isinstance(stop, str) else tuple(stop)
     for i, s in enumerate(items):
-        param = "stop" if one else f"stop.[{i}]"
+        param = f"stop.[{i}]"  # as the edge names it: one string travels as a list of one
         _text(s, param)
         if not s:
             raise BadArgument(f"{param}: stop strings must not be empty", param=param)
