@@ -122,8 +122,11 @@ class LinkRegistry:
 
     def _check_offer(self, offer: NegotiateOffer) -> None:
         """Raises InvalidRequest (ids too long) or IncompatibleModel (a head of other weights)."""
-        if len(offer.edge_id.encode()) > MAX_ID_BYTES or len(offer.link_id.encode()) > MAX_ID_BYTES:
-            raise InvalidRequest(f"edge_id and link_id are at most {MAX_ID_BYTES} bytes")
+        for name, value in (("edge_id", offer.edge_id), ("link_id", offer.link_id)):
+            if len(value.encode()) > MAX_ID_BYTES:
+                raise InvalidRequest(
+                    f"edge_id and link_id are at most {MAX_ID_BYTES} bytes", param=name, code="string_above_max_length"
+                )
         tails = self.splits.by_layer
         bad = {k: key for k, key in offer.head_keys.items() if k in tails and key != tails[k].compatibility_key()}
         if bad:

@@ -114,7 +114,7 @@ def check_stop_token_ids(stops: Sequence[int], vocab_size: int = 0) -> None:
 def _out_of_range(param: str, value: float, low: float, high: float, integer: bool) -> InvalidRequest:
     kind = "integer" if integer else "decimal"
     code = f"{kind}_below_min_value" if value < low else f"{kind}_above_max_value" if value > high else "invalid_value"
-    return InvalidRequest(f"{param} {value} is outside its range", param=param, code=code)
+    return InvalidRequest(f"{param} {value} is outside [{low}, {high}]", param=param, code=code)
 
 
 def check_sampling(s: Sampling) -> None:
