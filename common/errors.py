@@ -79,8 +79,8 @@ class TandemError(Exception):
         self.param = param if param is not None else self.default_param
         self.code = code if code is not None else self.default_code
 
-    def __reduce__(self) -> tuple[Any, ...]:  # picklable with its field and code
-        return (_rebuild, (type(self), self.args, self.param, self.code))
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable with its field, code and other attributes
+        return (_rebuild, (type(self), self.args, self.param, self.code), dict(self.__dict__))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

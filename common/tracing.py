@@ -4,7 +4,7 @@ Edge: ``edge_turn`` > ``tokenize``, ``edge_head``, ``encode``, ``uplink`` (send 
 verified the upload). Cloud: ``cloud_turn`` > ``cloud_upload``, ``cloud_store_put``,
 ``cloud_tail_prefill``, ``cloud_decode``. With the in-process link (tests) the cloud's turn
 nests in the edge's; over gRPC each daemon exports its own trace, and the spans share the
-``tandem.request_id`` attribute.
+``request_id`` attribute.
 
 ``setup_tracing(True, ...)`` turns it on once per process; until then (or when the
 OpenTelemetry SDK is not installed) ``span`` returns a shared no-op context manager and

@@ -15,12 +15,13 @@ Endpoints (FastAPI, served by uvicorn in the edge's event loop; see ``serve_open
 
 vLLM-style extras (``extra_body`` in the openai client): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
 and ``session_id`` (names the conversation explicitly, see below); tandem's ``mode`` (default
-``auto``). A request with ``stream`` absent or false is a whole-reply turn
+``auto``) and ``split_layer`` (with mode split). A request with ``stream`` absent or false is a whole-reply turn
 (``ChatTurn.whole_reply``): auto takes the mode with the lowest predicted end-to-end time, since its
 client sees nothing before the last token; a streamed one the lowest predicted time to first token.
-Fields this API does not know are ignored; fields it knows but cannot honour (tools, logprobs,
-penalties, logit_bias, non-text response formats or content parts) are refused with 400 rather than
-silently ignored.
+A field this API does not know is refused (400 ``unknown_parameter`` naming it), except OpenAI's
+fields accepted and ignored by design (``edge.openai_requests.IGNORED_FIELDS``, listed in
+docs/clients.md); fields it knows but cannot honour (tools, logprobs, penalties, logit_bias,
+non-text response formats or content parts) are refused with 400 rather than silently ignored.
 
 Responses have OpenAI's shapes (``chat.completion``, ``chat.completion.chunk``, ``text_completion``,
 ``usage``, ``finish_reason`` stop|length). Streams are server-sent events ``data: {json}`` ending with
@@ -42,7 +43,9 @@ FastAPI's 422), a body over 4 MiB 413, an unknown model 404 (``model_not_found``
 set, a missing or wrong ``Authorization: Bearer`` key is 401 (``invalid_api_key``; keys compared in
 constant time). Tandem's domain errors map to statuses (``InvalidRequest`` and ``ModeUnavailable``
 400, ``QuotaExceeded`` 429, ``EngineError`` 503, ``UploadTimeout`` / ``DeadlineExceeded`` 504, the
-rest 500), their ``code`` the error's class name. Every string of a body must be text
+rest 500); one about a field (``InvalidRequest``, ``ModeUnavailable``) has its own ``param`` and OpenAI
+``code``, the same the gRPC API and the SDK report (``common.errors``), the others their class name
+as ``code``. Every string of a body must be text
 (``common.text``: no lone surrogate, no NUL).
 
 Modules: ``edge.openai_requests`` (request models, request -> turn), ``edge.openai_responses``
@@ -101,9 +104,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tandem.common import errors as e
-from tandem.common.logs import set_ids
+from tandem.common.logs import set_caller, set_ids
 from tandem.common.modes import Mode
 from tandem.common.requestlimits import check_session_id
+from tandem.common.security import Principal, key_name
 from tandem.common.text import check_text
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.node import EdgeNode
@@ -360,6 +364,7 @@ def _bearer_check(api_keys: Sequence[str]):
                 raise ApiError(
                     401, "Incorrect or missing API key (Authorization: Bearer <key>)", code="invalid_api_key"
                 )
+            set_caller(Principal("key", key_name(presented)))  # the request's log lines name the key, never the key
         return presented
 
     return bearer

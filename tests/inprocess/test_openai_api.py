@@ -554,3 +554,27 @@ async def test_transport_level_refusals_have_openais_shape(stack):
         assert r.status_code == status and set(err) == {"message", "type", "param", "code"}, r.text
         assert err["type"] == "invalid_request_error" and err["param"] is None and err["code"] == code, err
         assert words in err["message"], err
+
+
+async def test_the_log_lines_of_a_request_name_its_api_key_by_its_name(client):
+    """Every line of an authenticated request carries ``caller=key:<the key's name>`` (never the key)."""
+    import io
+    import logging
+
+    from tandem.common.logs import setup_logging
+    from tandem.common.security import key_name
+
+    buf = io.StringIO()
+    root = logging.getLogger()
+    level = root.level
+    handler = setup_logging("text", "DEBUG", stream=buf)
+    try:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 20_000}])
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    turns = [x for x in buf.getvalue().splitlines() if " tandem.edge " in x and "turn " in x]
+    assert any("turn done" in x for x in turns) and any("turn refused" in x for x in turns)
+    assert all(f"caller=key:{key_name(KEY)}]" in x for x in turns) and KEY not in buf.getvalue()

@@ -354,20 +354,23 @@ async def _grpc_verdict(port: int, request) -> tuple[str, str | None, str | None
 async def _sdk_verdict(client, kw: dict) -> tuple[str, str | None, str | None]:
     import tandem
 
+    base = {"max_new_tokens": 4} if "prompt" in kw else {"messages": HI, "max_new_tokens": 4}
     try:
-        async for _ in client.chat(**{"messages": HI, "max_new_tokens": 4, **kw}):
+        async for _ in client.chat(**{**base, **kw}):
             pass
     except tandem.TandemClientError as e:
         return e.code.name, e.param, e.error_code
     return "OK", None, None
 
 
-async def _http_verdict(port: int, body: dict) -> tuple[int, str | None, str | None]:
+async def _http_verdict(
+    port: int, body: dict, endpoint: str = "chat/completions"
+) -> tuple[int, str | None, str | None]:
     import httpx
 
-    payload = {"model": SURFACE_MODEL, "messages": HI, "max_tokens": 4, **body}
+    base = {"model": SURFACE_MODEL, "max_tokens": 4} | ({"messages": HI} if endpoint == "chat/completions" else {})
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as h:
-        r = await h.post("/v1/chat/completions", json=payload)
+        r = await h.post(f"/v1/{endpoint}", json={**base, **body})
     if r.status_code == 200:
         return 200, None, None
     err = r.json()["error"]
@@ -393,6 +396,24 @@ async def test_a_bad_field_gets_one_verdict_on_every_surface(surfaces, what, sdk
         raw(request)
         assert await _grpc_verdict(port, request) == (status, param, code)
     assert await _http_verdict(http_port, http) == (400, http_param or param, code)
+
+
+# (what, the SDK's chat(prompt=...) arguments and the /v1/completions body, the field, OpenAI's code)
+PROMPT_FIELDS = [
+    ("a prompt too long", dict(prompt="x" * 20_000), "prompt", "context_length_exceeded"),
+    ("a NUL in the prompt", dict(prompt="a\x00"), "prompt", "invalid_value"),
+    ("a stop token id out of the vocabulary", dict(prompt="hi", stop_token_ids=[VOCAB]), "stop_token_ids.[0]",
+     "integer_above_max_value"),
+    ("top_p above 1", dict(prompt="hi", top_p=2.0), "top_p", "decimal_above_max_value"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "kw", "param", "code"), PROMPT_FIELDS, ids=[row[0] for row in PROMPT_FIELDS])
+async def test_a_bad_field_of_a_raw_prompt_gets_one_verdict_on_every_surface(surfaces, what, kw, param, code):
+    """A raw prompt (the SDK's ``prompt=``, ``/v1/completions``): the same field and code on both."""
+    _, _, client, http_port = surfaces
+    assert await _sdk_verdict(client, kw) == ("INVALID_ARGUMENT", param, code)
+    assert await _http_verdict(http_port, kw, "completions") == (400, param, code)
 
 
 # (what, the SDK's chat() arguments, the HTTP body's fields): accepted alike on every surface
