@@ -37,6 +37,7 @@ TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 MAX_ID_CHARS = 128  # ids come from the wire: bounded and printable before they reach a log line
 MAX_MESSAGE_CHARS = 4096  # a log message (its arguments substituted), before the cut's marker
 MAX_EXTRA_CHARS = 1024  # a string ``extra`` of a JSON line
+MAX_TRACEBACK_CHARS = 16384  # a traceback (its exception's message included), before the cut's marker
 TRACEBACK_INDENT = "  "  # the text format's traceback lines: none of them can look like a record
 
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("tandem_request_id", default="")
@@ -109,9 +110,16 @@ def message_of(record: logging.LogRecord) -> str:
     return printable(record.getMessage(), MAX_MESSAGE_CHARS)
 
 
+def _traceback_lines(text: str) -> list[str]:
+    """A traceback's lines, each printable, the whole cut at ``MAX_TRACEBACK_CHARS``."""
+    if len(text) > MAX_TRACEBACK_CHARS:
+        text = f"{text[:MAX_TRACEBACK_CHARS]}\n...({len(text) - MAX_TRACEBACK_CHARS} more characters)"
+    return [printable(line, MAX_MESSAGE_CHARS) for line in text.splitlines()]
+
+
 def _indented(text: str) -> str:
-    """A traceback as lines that each start with ``TRACEBACK_INDENT`` and are printable."""
-    return "\n".join(TRACEBACK_INDENT + printable(line, MAX_MESSAGE_CHARS) for line in text.splitlines())
+    """A traceback as lines that each start with ``TRACEBACK_INDENT`` and are printable, bounded."""
+    return "\n".join(TRACEBACK_INDENT + line for line in _traceback_lines(text))
 
 
 class TextFormatter(logging.Formatter):
@@ -146,7 +154,7 @@ def _printable_fields(out: dict[str, Any]) -> None:
         if not isinstance(v, str):
             continue
         if k in ("exc_info", "stack_info"):
-            out[k] = "\n".join(printable(line, MAX_MESSAGE_CHARS) for line in v.splitlines())
+            out[k] = "\n".join(_traceback_lines(v))
         else:
             out[k] = printable(v, MAX_MESSAGE_CHARS if k == "message" else MAX_EXTRA_CHARS)
 

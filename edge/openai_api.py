@@ -310,9 +310,10 @@ class _Api:
         the edge and in the cloud, in OpenAI's ``conversation.deleted`` shape.
 
         Raises:
+            InvalidRequest: an id ``check_session_id`` refuses (not text, over 128 bytes), as ``EndSession``.
             ApiError: 404 when it is not a conversation of this key or neither side held it.
         """
-        check_text(conversation_id, "conversation_id")
+        check_session_id(conversation_id, "conversation_id")  # as EndSession checks a session id
         missing = ApiError(404, f"Conversation with id '{conversation_id}' not found.", param="conversation_id")
         if not owned_by(self.secret, conversation_id, key):
             raise missing

@@ -163,6 +163,12 @@ def of_validation(errors: Sequence[Any], body: Any) -> ApiError:
         where: list[str | int] = list(first["ctx"]["path"])
     else:
         where = _where(loc, body, first["type"] == "missing")
+        # a union's members each report: the one that reached deepest into the value names the part at
+        # fault (``stop: ["ok", 5]`` is ``stop.[1]``, not ``stop``)
+        for err in errs[1:]:
+            deeper = _where([x for x in err.get("loc", ()) if x != "body"], body, False)
+            if len(deeper) > len(where) and deeper[: len(where)] == where:
+                first, where = err, deeper
     param = param_path(where)
     if param is None and first["type"] == "missing":
         return ApiError(400, "a JSON object body is required", code="missing_required_parameter")

@@ -39,7 +39,9 @@ IGNORED_FIELDS = {
 
 
 class _Closed(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # a field this API does not know is refused: unknown_parameter
+    # a field this API does not know is refused (unknown_parameter); a value of another JSON type is
+    # refused too (invalid_type: "5" is not an integer, 1 not a boolean), as OpenAI's API and the SDK do
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Closed):

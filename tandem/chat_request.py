@@ -7,6 +7,7 @@ ranges, deadlines in seconds > 0 and the names of the modes. A refused argument 
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TypedDict
@@ -41,7 +42,7 @@ def _is_int(x: object) -> bool:
 
 
 def _is_number(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)  # numpy's floats too
 
 
 _NOT_TEXT = re.compile("[\x00\ud800-\udfff]")
@@ -85,7 +86,7 @@ def _decimal_in(value: object, param: str, low: float, high: float, low_open: bo
     """
     if not _is_number(value):
         raise BadArgumentType(f"{param} must be a number, got {value!r}", param=param)
-    assert isinstance(value, int | float)
+    assert isinstance(value, numbers.Real)
     if (low < value if low_open else low <= value) and value <= high:
         return float(value)
     code = "decimal_below_min_value" if value <= low else "decimal_above_max_value" if value > high else "invalid_value"

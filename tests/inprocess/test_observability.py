@@ -412,6 +412,7 @@ def test_peer_strings_reach_a_log_line_printable_and_bounded(monkeypatch, fmt, v
         root.setLevel(level)
     lines = buf.getvalue().splitlines()
     assert all(_readable(x) and len(x) < 3 * MAX_MESSAGE_CHARS for x in lines)
+    assert len(buf.getvalue()) < 12 * MAX_MESSAGE_CHARS  # the whole, traceback included, is bounded too
     assert not [x for x in lines if x.startswith(FORGED)]  # a traceback line is indented
     if fmt == "text":
         records = [x for x in lines if not x.startswith("  ")]

@@ -324,6 +324,13 @@ FIELDS = [
      "session_id", None, "invalid_value"),
     ("a session id over 128 bytes", dict(session_id="é" * 65), _field(session_id="é" * 65),
      dict(session_id="é" * 65), "session_id", None, "string_above_max_length"),
+    ("max_new_tokens a string", dict(max_new_tokens="5"), None, dict(max_tokens="5"), "max_new_tokens",
+     "max_tokens", "invalid_type"),
+    ("temperature a string", dict(temperature="0.5"), None, dict(temperature="0.5"), "temperature", None,
+     "invalid_type"),
+    ("ignore_eos not a bool", dict(ignore_eos=1), None, dict(ignore_eos=1), "ignore_eos", None, "invalid_type"),
+    ("a stop string not a string", dict(stop=["ok", 5]), None, dict(stop=["ok", 5]), "stop.[1]", None,
+     "invalid_type"),
     ("an unknown mode", dict(mode="fast"), _field(mode=99), dict(mode="fast"), "mode", None, "invalid_value"),
     ("a mode this edge lacks", dict(mode="local"), _field(mode=pb.MODE_LOCAL), dict(mode="local"), "mode", None,
      "unsupported_value"),
@@ -457,12 +464,13 @@ async def test_end_session_and_url_ids_get_the_verdict_chat_gives(surfaces):
         assert gi.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert (md.get("tandem-error-param"), md.get("tandem-error-code")) == ("session_id", code), sid
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}") as h:
-        for r, param in (
-            (await h.delete("/v1/conversations/a%00b"), "conversation_id"),
-            (await h.get("/v1/models/a%00b"), "model"),
+        for r, param, code in (
+            (await h.delete("/v1/conversations/a%00b"), "conversation_id", "invalid_value"),
+            (await h.delete("/v1/conversations/" + "%C3%A9" * 65), "conversation_id", "string_above_max_length"),
+            (await h.get("/v1/models/a%00b"), "model", "invalid_value"),
         ):
             err = r.json()["error"]
-            assert r.status_code == 400 and (err["param"], err["code"]) == (param, "invalid_value"), err
+            assert r.status_code == 400 and (err["param"], err["code"]) == (param, code), err
 
 
 @pytest.mark.parametrize(
