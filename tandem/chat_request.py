@@ -86,10 +86,10 @@ def _decimal_in(value: object, param: str, low: float, high: float, low_open: bo
     """
     if not _is_number(value):
         raise BadArgumentType(f"{param} must be a number, got {value!r}", param=param)
-    assert isinstance(value, numbers.Real)
-    if (low < value if low_open else low <= value) and value <= high:
-        return float(value)
-    code = "decimal_below_min_value" if value <= low else "decimal_above_max_value" if value > high else "invalid_value"
+    x = float(value)  # type: ignore[arg-type]  # a numbers.Real
+    if (low < x if low_open else low <= x) and x <= high:
+        return x
+    code = "decimal_below_min_value" if x <= low else "decimal_above_max_value" if x > high else "invalid_value"
     where = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
     raise BadArgument(f"{param} must be in {where}, got {value!r}", param=param, error_code=code)
 

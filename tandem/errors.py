@@ -85,7 +85,7 @@ def _rebuild(
     error_code: str | None = None,
 ) -> Any:
     if issubclass(cls, BadArgument):
-        return cls(details, param=param, error_code=error_code)
+        return cls(details, param=param, error_code=error_code or "invalid_value")
     return cls(code, details, retry_after_s=retry_after_s, param=param, error_code=error_code)
 
 
