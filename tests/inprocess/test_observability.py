@@ -435,6 +435,8 @@ def test_peer_strings_reach_a_metric_label_printable_and_bounded(value):
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
+    every = [m for role in metrics._BY_ROLE.values() for m in role]
+    assert every and all(isinstance(m, metrics._PrintableLabels) for m in every)  # every metric's labels
     reg = CollectorRegistry()
     reg.register(metrics.MODE_FALLBACKS)
     metrics.record_fallback(value)
