@@ -138,10 +138,17 @@ class Gateway:
         turn = Turn(header, deadline, caller=as_principal(caller))
         mode = mode_of(header)
         with (
-            bind_request(header.request_id, header.session_id),
+            bind_request(header.request_id, header.session_id, turn.caller),
             turn_log(log, mode) as done_fields,
             metrics.cloud_turn(mode, turn),
-            span("cloud_turn", mode=mode, request_id=header.request_id, session_id=header.session_id),
+            span(
+                "cloud_turn",
+                mode=mode,
+                request_id=header.request_id,
+                session_id=header.session_id,
+                caller=str(turn.caller),
+                link_id=header.link_id,
+            ),
         ):
             done_fields.update(engine_id=turn.engine_id, link_id=header.link_id)
             t_last: float | None = None

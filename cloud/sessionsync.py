@@ -20,10 +20,10 @@ from tandem.cloud.sessions import CloudSession, SessionTable
 from tandem.cloud.sessionstore import SessionStore
 from tandem.cloud.tenancy import EdgeLimits
 from tandem.cloud.turn import as_principal
-from tandem.cloud.upload import MAX_ID_BYTES
 from tandem.common import merkle, metrics
 from tandem.common.errors import EngineError, InvalidRequest
 from tandem.common.params import SyncReply, SyncRequest
+from tandem.common.requestlimits import check_session_id
 from tandem.common.security import ANONYMOUS_PEER, Principal, scoped
 
 log = logging.getLogger("tandem.cloud")
@@ -31,8 +31,11 @@ log = logging.getLogger("tandem.cloud")
 
 def check_sync_request(req: SyncRequest, limits: LinkLimits, vocab_size: int) -> None:
     """Raises InvalidRequest for ids, token ids, leaf counts, proof or block size outside the limits."""
-    if not req.session_id or len(req.session_id.encode()) > MAX_ID_BYTES or len(req.link_id.encode()) > 256:
-        raise InvalidRequest(f"SyncSession needs a session id of 1..{MAX_ID_BYTES} bytes")
+    if not req.session_id:
+        raise InvalidRequest("SyncSession needs a session id", param="session_id", code="missing_required_parameter")
+    check_session_id(req.session_id)
+    if len(req.link_id.encode()) > 256:
+        raise InvalidRequest("link_id longer than 256 bytes", param="link_id", code="string_above_max_length")
     if len(req.token_ids) > limits.max_prompt_tokens or any(t >= vocab_size for t in req.token_ids):
         raise InvalidRequest(f"at most {limits.max_prompt_tokens} token ids, each below the vocabulary size")
     bs = limits.kv_block_size_tokens
@@ -92,11 +95,13 @@ class SessionSync:
         turns in flight ended; True if either held it.
 
         Raises:
-            InvalidRequest: an empty session id or one longer than ``MAX_ID_BYTES`` bytes.
+            InvalidRequest: an empty session id, or one ``check_session_id`` refuses (not text, longer
+                than ``MAX_ID_BYTES`` bytes).
             EngineError: a shared store could not be written.
         """
-        if not session_id or len(session_id.encode()) > MAX_ID_BYTES:
-            raise InvalidRequest(f"EndSession needs a session id of 1..{MAX_ID_BYTES} bytes")
+        if not session_id:
+            raise InvalidRequest("EndSession needs a session id", param="session_id", code="missing_required_parameter")
+        check_session_id(session_id)
         key = scoped(as_principal(caller), session_id)
         await self.sessions.wait_quiet(key)
         held = self.sessions.discard(key) is not None

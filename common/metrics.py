@@ -1,6 +1,8 @@
 """Prometheus metrics of both daemons, named in vLLM's style (``vllm:time_to_first_token_seconds``)
 with a ``tandem:`` prefix: latencies in seconds with vLLM's buckets, counters exported with
-``_total``. Labels are bounded (mode, outcome, kind, reason), never request or session ids.
+``_total``. Labels are bounded (mode, outcome, kind, reason), never request or session ids; every
+label value goes through ``common.text.printable`` (escaped, at most ``MAX_LABEL_CHARS``) in the
+metric objects' own ``labels``, whoever calls it.
 
 Edge (``EdgeNode``): ``tandem:time_to_first_token_seconds{mode}``,
 ``tandem:inter_token_latency_seconds{mode}`` (one sample per arrival of new tokens, as vLLM),
@@ -50,6 +52,7 @@ from typing import Any, Protocol
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 
 from tandem.common.logs import outcome_of
+from tandem.common.text import printable
 from tandem.common.vllm_metrics import forget_vllm_engines as forget_vllm_engines
 from tandem.common.vllm_metrics import vllm_kv_cache_usage as vllm_kv_cache_usage
 from tandem.common.vllm_metrics import vllm_stat_loggers as vllm_stat_loggers
@@ -69,11 +72,30 @@ REQUEST_LATENCY_BUCKETS = (
 )  # fmt: skip
 
 _BY_ROLE: dict[str, list[Any]] = {"edge": [], "cloud": []}
+MAX_LABEL_CHARS = 64  # a label value, before the cut's marker
+
+
+def label(value: object) -> str:
+    """A label value as Prometheus gets it: printable and bounded (``common.text.printable``)."""
+    return printable(value, MAX_LABEL_CHARS)
+
+
+class _PrintableLabels:
+    """Mixin of the metric classes: ``labels`` takes every value through ``label``."""
+
+    def labels(self, *values: Any, **by_name: Any) -> Any:
+        return super().labels(*map(label, values), **{k: label(v) for k, v in by_name.items()})  # type: ignore[misc]
+
+
+_KINDS: dict[type, type] = {
+    k: type(k.__name__, (_PrintableLabels, k), {"__module__": __name__}) for k in (Counter, Gauge, Histogram)
+}
 
 
 def _metric(role: str, kind: type, name: str, doc: str, labels: Sequence[str] = (), **kw: Any) -> Any:
-    """A metric of ``role`` ("edge" or "cloud"), put in the default registry by ``register(role)``."""
-    metric = kind(name, doc, labels, registry=None, **kw)
+    """A metric of ``role`` ("edge" or "cloud"), put in the default registry by ``register(role)``;
+    its label values printable and bounded (``label``)."""
+    metric = _KINDS[kind](name, doc, labels, registry=None, **kw)
     _BY_ROLE[role].append(metric)
     return metric
 
