@@ -57,9 +57,7 @@ async def cluster(tmp_path):
     for a in ADDRESSES[:2]:
         start(a)
     dns.set(ADDRESSES[:2])
-    cfg = EdgeConfig(
-        cloud_target=dns.target(port), cloud_insecure=True, cloud_resolve_s=0.3, poll_s=0.2, probe_bytes=0
-    )
+    cfg = EdgeConfig(cloud_target=dns.target(port), cloud_insecure=True, cloud_resolve_s=0.3, poll_s=0.2, probe_bytes=0)
     key = MANIFEST.compatibility_key()
     links, rs = await connect_cloud(cfg, NegotiateOffer("e", "toy", {K: key}, 4), (1.0, 1.0, 1.0))
     assert isinstance(rs, ReplicaSet)
