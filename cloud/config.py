@@ -270,8 +270,10 @@ class CloudConfig(DaemonSettings):
     store_bytes: PositiveBytes = Field(default=gib(4), description="Bound of the KV block store in bytes (LRU beyond).")
     store_url: str = Field(
         default="",
-        description="A block store shared by several cloud replicas: `redis://host:port/db` (`rediss://` for TLS; "
-        "the password in `$TANDEM_CLOUD_STORE_PASSWORD`, never in the URL). Empty: the disk store in `store_dir`.",
+        description="A block store shared by several cloud replicas: one Redis server `redis://host:port/db`, a Redis "
+        "Cluster `redis+cluster://host:port[,host:port...]` or Sentinel's primary "
+        "`redis+sentinel://host:port[,host:port...]/service[/db]` (`rediss` for TLS; the password in "
+        "`$TANDEM_CLOUD_STORE_PASSWORD`, never in the URL). Empty: the disk store in `store_dir`.",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
     extra_split_dirs: ListSetting[Path] = Field(

@@ -335,7 +335,6 @@ def connect_redis(url: str, password: str | None, socket_timeout_s: float) -> An
             password=password,
             ssl=tls,
             # a primary's loss: a few quick tries while its replica is promoted, then the caller's miss
-            cluster_error_retry_attempts=3,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
             **timeouts,
         )

@@ -1,8 +1,9 @@
 """Real parts of a cloud cluster on loopback for the cluster tests (no tests here): ``Dnsmasq``
 (Debian's dnsmasq answering one name with several 127.0.0.x addresses, changed while it runs),
 ``ToyReplica`` (a toy cloud replica in its own process: the gateway over the in-memory engines,
-real grpc.aio, a shared Redis block store) and ``RedisCluster`` (Debian's redis-server: three
-primaries and three replicas made with ``redis-cli --cluster create``). Run as
+real grpc.aio, a shared Redis block store), ``RedisCluster`` (Debian's redis-server: three
+primaries and three replicas made with ``redis-cli --cluster create``) and ``RedisSentinel`` (a
+primary, a replica and a Sentinel watching them). Run as
 ``python -m tests.cluster HOST PORT STORE_URL CLOUD_ID STEP_DELAY_S``, it serves one toy replica."""
 
 from __future__ import annotations
@@ -156,7 +157,9 @@ class RedisCluster:
             d.mkdir()
             args = [exe, "--port", str(p), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)]
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-            args += ["--cluster-node-timeout", str(node_timeout_ms)]
+            args += ["--cluster-node-timeout", str(node_timeout_ms), "--cluster-port", str(free_port())]
+            args += ["--cluster-replica-validity-factor", "0", "--repl-diskless-sync", "yes"]
+            args += ["--repl-diskless-sync-delay", "0"]
             self.procs[p] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for p in self.ports:
             _wait(f"redis-server on {p}", lambda p=p: self._pings(p), proc=self.procs[p])
@@ -169,6 +172,7 @@ class RedisCluster:
             timeout=30,
         )
         _wait("the cluster", lambda: all(self.info(p).get("cluster_state") == "ok" for p in self.ports), 20)
+        _wait("the replicas' first sync", lambda: sum(self._synced(p) for p in self.ports) == 3, 20)
         self.url = "redis+cluster://" + ",".join(nodes[:2])
 
     @staticmethod
@@ -178,6 +182,18 @@ class RedisCluster:
             return True
         except OSError:
             return False
+
+    @staticmethod
+    def _synced(port: int) -> bool:
+        """The node on ``port`` is a replica whose link to its primary is up."""
+        import redis
+
+        r = redis.Redis(port=port, socket_timeout=1)
+        try:
+            info = r.info("replication")
+            return info.get("role") == "slave" and info.get("master_link_status") == "up"
+        finally:
+            r.close()
 
     def info(self, port: int) -> dict[str, str]:
         out = subprocess.run(
@@ -220,10 +236,66 @@ class RedisCluster:
         self.procs[port].kill()
         self.procs[port].wait()
 
+    def wait_promoted(self, port: int, timeout_s: float = 20.0) -> None:
+        """Until the node on ``port`` is a primary and every live node says the cluster is ok."""
+        import redis
+
+        def promoted() -> bool:
+            r = redis.Redis(port=port, socket_timeout=1)
+            try:
+                return r.info("replication").get("role") == "master"
+            finally:
+                r.close()
+
+        _wait(f"the promotion of {port}", promoted, timeout_s)
+        self.wait_ok(timeout_s)
+
     def wait_ok(self, timeout_s: float = 20.0) -> None:
-        """Until every live node says the cluster is ok (every slot served again)."""
+        """Until every live node says the cluster is ok (every slot served)."""
         ok = lambda: all(self.info(p).get("cluster_state") == "ok" for p in self.live())  # noqa: E731
         _wait("the cluster's failover", ok, timeout_s)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+class RedisSentinel:
+    """A redis-server primary, one replica, and one Sentinel watching them as ``service`` (quorum 1,
+    down after ``down_after_ms``) on loopback ports; ``url`` is the store's ``redis+sentinel://``."""
+
+    def __init__(self, directory: Path, service: str = "tandem", down_after_ms: int = 500) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed: `make test` (or `make redis-server`) installs it")
+        self.primary, self.replica, self.sentinel = free_port(), free_port(), free_port()
+        base = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(directory)]
+        self.procs = {
+            self.primary: subprocess.Popen([exe, "--port", str(self.primary), *base], stdout=subprocess.DEVNULL),
+            self.replica: subprocess.Popen(
+                [exe, "--port", str(self.replica), *base, "--replicaof", "127.0.0.1", str(self.primary)],
+                stdout=subprocess.DEVNULL,
+            ),
+        }
+        for p in (self.primary, self.replica):
+            _wait(f"redis-server on {p}", lambda p=p: RedisCluster._pings(p), proc=self.procs[p])
+        _wait("the replica's first sync", lambda: RedisCluster._synced(self.replica))
+        conf = directory / "sentinel.conf"
+        conf.write_text(
+            f"port {self.sentinel}\nbind 127.0.0.1\ndir {directory}\n"
+            f"sentinel monitor {service} 127.0.0.1 {self.primary} 1\n"
+            f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
+            f"sentinel failover-timeout {service} 2000\n"
+        )
+        self.procs[self.sentinel] = subprocess.Popen([exe, str(conf), "--sentinel"], stdout=subprocess.DEVNULL)
+        _wait("redis-sentinel", lambda: RedisCluster._pings(self.sentinel), proc=self.procs[self.sentinel])
+        self.url = f"redis+sentinel://127.0.0.1:{self.sentinel}/{service}/0"
+
+    def kill(self, port: int) -> None:
+        self.procs[port].kill()
+        self.procs[port].wait()
 
     def stop(self) -> None:
         for proc in self.procs.values():
