@@ -1,6 +1,7 @@
 """Prometheus metrics of both daemons, named in vLLM's style (``vllm:time_to_first_token_seconds``)
 with a ``tandem:`` prefix: latencies in seconds with vLLM's buckets, counters exported with
-``_total``. Labels are bounded (mode, outcome, kind, reason), never request or session ids.
+``_total``. Labels are bounded (mode, outcome, kind, reason, state, and the cloud's per-link edge and
+link ids, at most ``max_links``), never request or session ids.
 
 Edge (``EdgeNode``): ``tandem:time_to_first_token_seconds{mode}``,
 ``tandem:inter_token_latency_seconds{mode}`` (one sample per arrival of new tokens, as vLLM),
