@@ -323,7 +323,7 @@ def connect_redis(url: str, password: str | None, socket_timeout_s: float) -> An
 
     parts = urlsplit(url)
     scheme, tls = parts.scheme, parts.scheme.startswith("rediss")
-    timeouts = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
+    timeouts: dict[str, Any] = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
     if scheme in ("redis", "rediss"):
         return redis.Redis.from_url(url, password=password, health_check_interval=30, **timeouts)
     nodes = [_host_port(n) for n in parts.netloc.rpartition("@")[2].split(",")]

@@ -220,9 +220,9 @@ async def connect_cloud(
     resolvers = {t: DnsResolver(n) for t in cfg.cloud_targets if (n := parse_dns_target(t)) is not None}
     found_by: dict[str, str] = {}  # resolved target -> the DNS name it was found by
 
-    def connect(target: str) -> CloudConnection:
+    def connect(target: str, link: GrpcCloudLink | None = None) -> CloudConnection:
         return CloudConnection(
-            cloud_link(cfg, target, found_by.get(target)),
+            link or cloud_link(cfg, target, found_by.get(target)),
             offer,
             poll_s=cfg.poll_s,
             probe_bytes=cfg.probe_bytes,
@@ -235,8 +235,8 @@ async def connect_cloud(
             targets = await discover_targets(cfg, resolvers, found_by) or targets
         except TandemError as e:
             log.warning("cloud replica discovery failed at start-up (%s): dialling %s as named", e, targets)
-    conns = [connect(t) for t in targets]
-    links = [c.link for c in conns]
+    links = [cloud_link(cfg, t, found_by.get(t)) for t in targets]
+    conns = [connect(t, link) for t, link in zip(targets, links, strict=True)]
     cloud: CloudTarget
     if resolvers:
         cloud = ReplicaSet(
