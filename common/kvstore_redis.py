@@ -192,10 +192,11 @@ class RedisBlockStore(SealedStore):
 
     def _bound(self) -> None:
         import redis
+        from redis.cluster import RedisCluster
 
         servers = self._servers()
-        primaries = max(1, len(servers) // 2) if len(servers) > 1 else 1
-        limit = -(-self.size_limit_bytes // primaries)  # a cluster splits the bound over its primaries
+        primaries = len(self._r.get_primaries()) if isinstance(self._r, RedisCluster) else 1
+        limit = -(-self.size_limit_bytes // max(1, primaries))  # a cluster splits the bound over its primaries
         for server in servers:
             where = server.get_connection_kwargs().get("host", "?"), server.get_connection_kwargs().get("port", "?")
             try:

@@ -92,7 +92,7 @@ class ReplicaSet:
 
     def current(self) -> CloudConnection:
         m = _pinned.get()
-        if m is not None and m in self.members:
+        if m is not None and (m in self.members or m in self._retired):  # a turn on a replica that left ends there
             return m
         return next((m for m in self.members if m.healthy), self.members[0])
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -134,3 +135,66 @@ async def test_dns_discovery_join_and_a_replica_killed_mid_stream(cluster):
     for s in survivors:
         await run(edge, chat(LONG, "ok", "and next?", "fine", "more", session=s, n=2))
     assert syncs() == before  # no survivor resynced
+
+
+async def tls_replica(address: str, port: int, cert: tuple[Path, Path]):
+    """A toy gateway on ``address:port`` over TLS with the certificate ``cert`` (chain, key)."""
+    from tandem.cloud.memory_engines import MemoryEngines
+    from tandem.cloud.server import build_gateway
+    from tandem.cloud.service import CloudServicer
+    from tandem.common.grpcsetup import add_service, server_credentials, start_server
+    from tandem.common.kvstore import MemoryBlockStore
+    from tests.doubles import VOCAB, B, cloud_config
+
+    store = MemoryBlockStore(1 << 20)
+    gateway = build_gateway(cloud_config(), MANIFEST, MemoryEngines(store, B, VOCAB), store)
+    servicer = CloudServicer(gateway, "toy-cloud")
+    server, _, _ = await start_server(
+        [lambda s: add_service(s, servicer, "Cloud")],
+        ["tandem.v1.Cloud"],
+        address,
+        port,
+        gateway.registry.max_message_bytes(),
+        server_credentials(cert[0], cert[1], None),
+    )
+    return server
+
+
+def issue(tmp_path: Path, ca, name: str) -> tuple[Path, Path]:
+    cert = ca.issue_cert(name)
+    chain, key = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
+    chain.write_bytes(b"".join(b.bytes() for b in cert.cert_chain_pems))
+    key.write_bytes(cert.private_key_pem.bytes())
+    return chain, key
+
+
+async def test_replicas_found_by_dns_are_checked_against_the_name_over_tls(tmp_path):
+    """Each replica is dialled by address and its certificate checked against the DNS name: one for
+    that name is accepted, one for another name is refused."""
+    import trustme
+
+    ca = trustme.CA()
+    ca_file = tmp_path / "ca.pem"
+    ca_file.write_bytes(ca.cert_pem.bytes())
+    dns = Dnsmasq(tmp_path)
+    port = free_port(ADDRESSES[0])
+    servers = [
+        await tls_replica(ADDRESSES[0], port, issue(tmp_path, ca, dns.name)),
+        await tls_replica(ADDRESSES[1], port, issue(tmp_path, ca, "someone-else.test")),
+    ]
+    dns.set(ADDRESSES[:2])
+    cfg = EdgeConfig(cloud_target=dns.target(port), cloud_ca_file=ca_file, poll_s=0.2, probe_bytes=0)
+    offer = NegotiateOffer("e", "toy", {K: MANIFEST.compatibility_key()}, 4)
+    links, rs = await connect_cloud(cfg, offer, (1.0, 1.0, 1.0))
+    try:
+        assert isinstance(rs, ReplicaSet) and len(rs.targets) == 2
+        await until(lambda: rs.members[rs.targets.index(f"{ADDRESSES[0]}:{port}")].healthy)
+        other = rs.members[rs.targets.index(f"{ADDRESSES[1]}:{port}")]
+        assert not other.healthy and "UNAVAILABLE" in other.last_error  # its certificate names another host
+    finally:
+        await rs.stop()
+        for link in links:
+            await link.close()
+        for s in servers:
+            await s.stop(0)
+        dns.stop()
