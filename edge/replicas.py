@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 
 import blake3
 
+from tandem.common.errors import TandemError
 from tandem.edge.cloudconn import CloudConnection
 
 log = logging.getLogger("tandem.edge")
@@ -156,14 +157,17 @@ class ReplicaSet:
         return True
 
     async def refresh(self) -> bool:
-        """Resolve the replicas now and ``update``; False (logged) when discovery failed."""
-        assert self._discover is not None
-        from tandem.common.errors import TandemError
-
+        """Resolve the replicas now and ``update``; False (logged) when discovery failed or found
+        nothing, or the set has no discovery."""
+        if self._discover is None:
+            return False
         try:
             targets = await self._discover()
         except TandemError as e:
             log.warning("cloud replica discovery failed (%s): keeping %s", e, self.targets)
+            return False
+        except Exception:  # a resolver's own bug must not end discovery: the next period tries again
+            log.exception("cloud replica discovery failed: keeping %s", self.targets)
             return False
         self.resolutions += 1
         if not targets:

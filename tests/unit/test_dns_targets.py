@@ -79,3 +79,31 @@ async def test_membership_changes_move_only_the_sessions_they_must():
     assert not await rs.refresh() and not await rs.refresh()  # failed, empty: the set stays
     assert rs.targets == ["a:1", "c:1"]
     await rs.stop()
+
+
+async def test_a_failed_turn_resolves_again_at_once_and_the_period_otherwise():
+    import asyncio
+
+    calls: list[float] = []
+
+    async def discover() -> list[str]:
+        calls.append(asyncio.get_running_loop().time())
+        return ["a:1", "b:1"]
+
+    rs = ReplicaSet(
+        [conn(), conn()], ["a:1", "b:1"], discover=discover, connect=lambda t: conn(), resolve_s=60, min_resolve_s=0.2
+    )
+    for m in rs.members:
+        m.start = lambda: None  # no link behind them: only the discovery loop runs
+    rs.start()
+    await asyncio.sleep(0.05)
+    assert len(calls) == 1  # at start, then not before the period
+    rs.members[0].connected.set()
+    rs.fail_over(rs.members[0], "k", EngineError("refused"))
+    await asyncio.sleep(0.4)
+    assert len(calls) == 2 and calls[1] - calls[0] >= 0.2  # at once, but no sooner than min_resolve_s
+    rs.fail_over(rs.members[0], "k", EngineError("refused"))
+    rs.fail_over(rs.members[1], "k", EngineError("refused"))
+    await asyncio.sleep(0.4)
+    assert len(calls) == 3  # failures close together: one resolution
+    await rs.stop()
