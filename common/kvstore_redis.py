@@ -13,18 +13,27 @@ requires, and a session's record and pieces move, fail over or are lost together
 primary's loss is a failover (its replica is promoted; meanwhile its reads are misses and its
 writes fail) and a lost shard reads as misses: the engines recompute, the edge resends, never a
 wrong value (values are sealed, KV is checked against its Merkle leaf).
+
+A server that refused a connection or timed out is held off for ``HOLD_OFF_S``: its keys' reads
+are misses and its writes fail at once instead of each waiting for the network, so a request that
+touches many blocks of a dead shard costs one failure, not one per block; the shards that answer
+serve as usual.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from tandem.common.errors import EngineError
 from tandem.common.kvstore import DEFAULT_TTL_S, PASSWORD_ENV, SealedStore, check_store_url, log, slot_tag
+
+HOLD_OFF_S = 1.0  # a server that refused or timed out is not asked again for this long
+T = TypeVar("T")
 
 # Redis scripts (Lua 5.1, run atomically by the server). A pinned key has no TTL, so the server's
 # volatile-lru policy never evicts it; every other value carries a TTL (``ttl_ms``, restarted by
@@ -150,6 +159,8 @@ class RedisBlockStore(SealedStore):
         self.ttl_ms = max(1, int(ttl_s * 1000))
         # every server-side failure too: OOM under a policy that does not evict, READONLY after a failover
         self._errors = (redis.RedisError,)
+        self._unreachable = (redis.ConnectionError, redis.TimeoutError)
+        self._held_until: dict[str, float] = {}  # server ("" = the one server) -> monotonic deadline
         try:
             self._r: Any = connect_redis(url, os.environ.get(PASSWORD_ENV) or None, socket_timeout_s)
             self._r.ping()
@@ -178,6 +189,35 @@ class RedisBlockStore(SealedStore):
         for k in keys:
             groups[self._group(k)].append(k)
         return groups
+
+    def _server_of(self, redis_key: str) -> str:
+        """The name of the server holding ``redis_key`` ("" for one server or Sentinel's primary)."""
+        from redis.cluster import RedisCluster
+
+        if not isinstance(self._r, RedisCluster):
+            return ""
+        try:
+            return str(self._r.get_node_from_key(redis_key).name)
+        except self._errors:
+            return ""
+
+    def _on(self, redis_key: str, call: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """``call(*args, **kw)``, a command on the server holding ``redis_key``; that server held off
+        for ``HOLD_OFF_S`` after it refused or timed out.
+
+        Raises:
+            redis.RedisError: the command failed, or the server is held off (``ConnectionError``).
+        """
+        import redis
+
+        server = self._server_of(redis_key)
+        if self._held_until.get(server, 0.0) > time.monotonic():
+            raise redis.ConnectionError(f"{server or 'the server'} failed less than {HOLD_OFF_S} s ago")
+        try:
+            return call(*args, **kw)
+        except self._unreachable:
+            self._held_until[server] = time.monotonic() + HOLD_OFF_S
+            raise
 
     # ------------------------------------------------------------------ bound
 
@@ -209,74 +249,97 @@ class RedisBlockStore(SealedStore):
     # ------------------------------------------------------------------ primitives
 
     def _set(self, key: str, raw: bytes) -> None:
-        g = self._group(key)
+        k, g = self._key(key), self._group(key)
         try:
-            self._put_script(keys=[self._key(key), g + "#pinned"], args=[raw, self.ttl_ms, key])
+            self._on(k, self._put_script, keys=[k, g + "#pinned"], args=[raw, self.ttl_ms, key])
         except self._errors as e:
             raise EngineError(f"block store {self.url}: {e}") from None
 
     def pin(self, keys: Iterable[str], owner: str, lease_s: float) -> None:
         lease_ms = max(1, int(lease_s * 1000))
+        self._sweep_due()
+        deadlines: dict[str, int] = {}
+        failure: Exception | None = None
         try:
-            self._sweep_due()
             for g, ks in self._by_group(keys).items():
                 args: list[str | int] = [g + "/", self.ttl_ms, owner, lease_ms, *ks]
-                deadline = self._pin_script(keys=[g + "#pins", g + "#pinned"], args=args)
-                self._r.zadd(self._due_key, {g: int(deadline)}, lt=True)  # a new tag, or an earlier lease
+                pins = g + "#pins"
+                deadlines[g] = int(self._on(pins, self._pin_script, keys=[pins, g + "#pinned"], args=args))
         except self._errors as e:
-            raise EngineError(f"block store {self.url}: {e}") from None
+            failure = e
+        try:  # the index is a hint: a tag missing from it is swept by its next pin
+            if deadlines:
+                self._on(self._due_key, self._r.zadd, self._due_key, deadlines, lt=True)
+        except self._errors as e:
+            log.info("block store %s: lease index not updated (%s)", self.url, e)
+        if failure is not None:
+            raise EngineError(f"block store {self.url}: {failure}") from None
 
     def _sweep_due(self) -> None:
-        """Sweep the tags whose earliest lease has lapsed (see the scripts above)."""
-        for raw in self._due_script(keys=[self._due_key]):
-            g = raw.decode() if isinstance(raw, bytes) else str(raw)
-            first = int(self._sweep_script(keys=[g + "#pins", g + "#pinned"], args=[g + "/", self.ttl_ms]))
-            if first < 0:
-                self._r.zrem(self._due_key, g)
-            else:
-                self._r.zadd(self._due_key, {g: first}, xx=True)
+        """Sweep the tags whose earliest lease has lapsed (see the scripts above); a server that
+        fails leaves its tags for a later sweep."""
+        try:
+            due = self._on(self._due_key, self._due_script, keys=[self._due_key])
+            for raw in due:
+                g = raw.decode() if isinstance(raw, bytes) else str(raw)
+                pins = g + "#pins"
+                first = int(self._on(pins, self._sweep_script, keys=[pins, g + "#pinned"], args=[g + "/", self.ttl_ms]))
+                if first < 0:
+                    self._r.zrem(self._due_key, g)
+                else:
+                    self._r.zadd(self._due_key, {g: first}, xx=True)
+        except self._errors as e:
+            log.info("block store %s: lapsed leases not swept now (%s)", self.url, e)
 
     def unpin(self, keys: Iterable[str], owner: str) -> None:
         try:
             for g, ks in self._by_group(keys).items():
-                self._unpin_script(keys=[g + "#pins", g + "#pinned"], args=[g + "/", self.ttl_ms, owner, *ks])
+                pins, args = g + "#pins", [g + "/", self.ttl_ms, owner, *ks]
+                self._on(pins, self._unpin_script, keys=[pins, g + "#pinned"], args=args)
         except self._errors as e:
             raise EngineError(f"block store {self.url}: {e}") from None
 
     def _get(self, key: str) -> bytes | None:
+        k = self._key(key)
         try:
-            v = self._r.get(self._key(key))
+            v = self._on(k, self._r.get, k)
         except self._errors as e:
             log.warning("block store %s: read of %s failed (%s): a miss", self.url, key, e)
             return None
         return None if v is None else bytes(v)
 
     def _has(self, key: str) -> bool:
+        k = self._key(key)
         try:
-            return bool(self._r.exists(self._key(key)))
+            return bool(self._on(k, self._r.exists, k))
         except self._errors:
             return False
 
     def touch(self, key: str) -> None:
+        k, g = self._key(key), self._group(key)
         try:
-            self._touch_script(keys=[self._key(key), self._group(key) + "#pinned"], args=[self.ttl_ms, key])
+            self._on(k, self._touch_script, keys=[k, g + "#pinned"], args=[self.ttl_ms, key])
         except self._errors:
             pass
 
     def _del(self, key: str) -> None:
+        k = self._key(key)
         try:
-            self._r.delete(self._key(key))
+            self._on(k, self._r.delete, k)
         except self._errors as e:
             raise EngineError(f"block store {self.url}: {e}") from None
 
     def volume_bytes(self) -> int:
         """The servers' memory in use (all of their keys, not only tandem's; a cluster's primaries)."""
+        from redis.cluster import RedisCluster
+
+        servers = self._servers()
         total = 0
-        for server in self._servers():
+        for server in servers:
             try:
-                info = server.info("replication")
-                if info.get("role") == "master":
-                    total += int(server.info("memory").get("used_memory", 0))
+                if isinstance(self._r, RedisCluster) and server.info("replication").get("role") != "master":
+                    continue  # a replica holds a copy of its primary's keys
+                total += int(server.info("memory").get("used_memory", 0))
             except self._errors:
                 continue
         return total
@@ -333,10 +396,11 @@ def connect_redis(url: str, password: str | None, socket_timeout_s: float) -> An
 
         return RedisCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in nodes],
+            require_full_coverage=False,  # a shard lost with its replicas: the others still serve
             password=password,
             ssl=tls,
-            # a primary's loss: a few quick tries while its replica is promoted, then the caller's miss
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+            # one quick retry (the client re-reads the slot map after a connection error), then a miss
+            retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 1),
             **timeouts,
         )
     from redis.sentinel import Sentinel

@@ -158,7 +158,8 @@ class RedisCluster:
             args = [exe, "--port", str(p), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)]
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
             args += ["--cluster-node-timeout", str(node_timeout_ms), "--cluster-port", str(free_port())]
-            args += ["--cluster-replica-validity-factor", "0", "--repl-diskless-sync", "yes"]
+            args += ["--cluster-replica-validity-factor", "0", "--cluster-require-full-coverage", "no"]
+            args += ["--repl-diskless-sync", "yes"]
             args += ["--repl-diskless-sync-delay", "0"]
             self.procs[p] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for p in self.ports:

@@ -186,6 +186,26 @@ async def test_a_shard_whose_data_is_lost_gives_misses_and_resends_never_wrong_t
     assert store.corrupt_reads == 0
 
 
+def test_a_shard_lost_with_its_replica_reads_as_misses_and_the_others_serve(cluster):
+    st = RedisBlockStore(cluster.url, 1 << 26, prefix="whole-shard:", socket_timeout_s=0.5)
+    keys = [f"{i:02x}block:0-2:kv1" for i in range(64)]
+    for k in keys:
+        st.put(k, k.encode())
+    gone = cluster.primary_of(st._key(keys[0]))
+    lost = {k for k in keys if cluster.primary_of(st._key(k)) == gone}
+    replica = cluster.replica_of(gone)
+    cluster.kill(gone)
+    cluster.kill(replica)
+    time.sleep(2.5)  # past cluster-node-timeout: the shard is marked failed, nobody to promote
+    t0 = time.monotonic()
+    for k in keys:
+        assert st.get(k) == (None if k in lost else k.encode())  # a miss, never a wrong value
+    assert time.monotonic() - t0 < 2.0  # the dead shard is held off: one failure, not one wait per key
+    kept = next(k for k in keys if k not in lost)
+    st.put(kept, b"rewritten")  # writes to the shards that remain go on
+    assert st.get(kept) == b"rewritten" and st.corrupt_reads == 0
+
+
 def test_the_store_through_sentinel_follows_a_failover(tmp_path):
     sentinel = RedisSentinel(tmp_path)
     try:
