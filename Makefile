@@ -76,7 +76,7 @@ redis-server:
 
 # Debian's dnsmasq (the binary only, no system service): the cluster tests' DNS server on loopback
 dnsmasq:
-	@command -v dnsmasq >/dev/null || { echo "== installing dnsmasq-base (Debian) =="; \
+	@command -v dnsmasq >/dev/null || test -x /usr/sbin/dnsmasq || { echo "== installing dnsmasq-base (Debian) =="; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq dnsmasq-base; }
 
 # a shared store for replicas on this host: `tandem-cloud --store-url redis://127.0.0.1:$(REDIS_PORT)/0`

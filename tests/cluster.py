@@ -43,7 +43,7 @@ class Dnsmasq:
     given to ``set`` (A records, TTL 0); nothing else, no upstream."""
 
     def __init__(self, directory: Path, name: str = "tandem-cloud.test") -> None:
-        exe = shutil.which("dnsmasq")
+        exe = shutil.which("dnsmasq", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")  # not on a user's PATH
         if exe is None:
             raise RuntimeError("dnsmasq is not installed: `make test` (or `make dnsmasq`) installs it")
         self.name, self.hosts = name, directory / "hosts"
