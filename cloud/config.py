@@ -30,6 +30,7 @@ from tandem.common.settings import (
     Count0,
     DaemonSettings,
     ListSetting,
+    OptionalPort,
     Port,
     PositiveBytes,
     Seconds,
@@ -232,6 +233,13 @@ class CloudConfig(DaemonSettings):
     )
     host: str = Field(default="127.0.0.1", description="gRPC bind address; `0.0.0.0` listens on all interfaces.")
     port: Port = Field(default=50051, description="gRPC port; 0 = any free port (see `--ready-file`).")
+    health_port: OptionalPort = Field(
+        default=None,
+        description="A plaintext gRPC port serving only `grpc.health.v1.Health` (the same states as `port`, plus "
+        "`liveness`, SERVING while the process answers): for Kubernetes' native gRPC probes, which speak no TLS. "
+        "`none` = off.",
+    )
+    health_host: str = Field(default="127.0.0.1", description="Bind address of `health_port`.")
     cloud_id: str = Field(default="tandem-cloud", description="Name this cloud reports in Negotiate.")
     edge_keys: dict[str, str] = Field(
         default_factory=dict,
@@ -271,8 +279,10 @@ class CloudConfig(DaemonSettings):
     store_bytes: PositiveBytes = Field(default=gib(4), description="Bound of the KV block store in bytes (LRU beyond).")
     store_url: str = Field(
         default="",
-        description="A block store shared by several cloud replicas: `redis://host:port/db` (`rediss://` for TLS; "
-        "the password in `$TANDEM_CLOUD_STORE_PASSWORD`, never in the URL). Empty: the disk store in `store_dir`.",
+        description="A block store shared by several cloud replicas: one Redis server `redis://host:port/db`, a Redis "
+        "Cluster `redis+cluster://host:port[,host:port...]` or Sentinel's primary "
+        "`redis+sentinel://host:port[,host:port...]/service[/db]` (`rediss` for TLS; the password in "
+        "`$TANDEM_CLOUD_STORE_PASSWORD`, never in the URL). Empty: the disk store in `store_dir`.",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
     extra_split_dirs: ListSetting[Path] = Field(

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health
 
-from tandem.common.errors import IncompatibleModel
+from tandem.common.errors import IncompatibleModel, TandemError
 from tandem.common.grpcsetup import add_service, channel_credentials, set_health, start_server, tls_credentials
 from tandem.common.kvdown import full_model_key
 from tandem.common.manifest import FULL_DECODER, FULL_ONNX, ExportCheck, ModelShape, SplitManifest
@@ -28,6 +29,7 @@ from tandem.edge.batcher import HeadBatcher
 from tandem.edge.cloudconn import CloudConnection, CloudTarget
 from tandem.edge.config import EdgeConfig
 from tandem.edge.costmodel import CostModel, zstd_pays
+from tandem.edge.discovery import DnsResolver, parse_dns_target
 from tandem.edge.grpc_link import GrpcCloudLink
 from tandem.edge.head_runner import HeadInput, OnnxHead
 from tandem.edge.headwork import Head
@@ -183,47 +185,88 @@ async def load_local(cfg: EdgeConfig, shape: ModelShape, eos: list[int]) -> Loca
     return local
 
 
-def cloud_links(cfg: EdgeConfig) -> list[GrpcCloudLink]:
-    """A gRPC link per cloud target, with the configured keepalive, TLS and API key."""
+def cloud_link(cfg: EdgeConfig, target: str, server_name: str | None = None) -> GrpcCloudLink:
+    """A gRPC link to ``target`` with the configured keepalive, TLS and API key; ``server_name``: the
+    name the cloud's certificate must carry when ``cfg.cloud_server_name`` does not say (a replica
+    found by DNS is dialled by address and checked against the name it was found by)."""
     creds = (
         channel_credentials(cfg.cloud_ca_file, cfg.cloud_cert_file, cfg.cloud_key_file) if cfg.cloud_uses_tls else None
     )
-    return [
-        GrpcCloudLink(
-            target,
-            cfg.keepalive_time_s,
-            cfg.keepalive_timeout_s,
-            credentials=creds,
-            server_name=cfg.cloud_server_name,
-            api_key=cfg.cloud_api_key,
-        )
-        for target in cfg.cloud_targets
-    ]
+    return GrpcCloudLink(
+        target,
+        cfg.keepalive_time_s,
+        cfg.keepalive_timeout_s,
+        credentials=creds,
+        server_name=cfg.cloud_server_name or server_name,
+        api_key=cfg.cloud_api_key,
+    )
+
+
+async def discover_targets(
+    cfg: EdgeConfig, resolvers: Mapping[str, DnsResolver], found_by: dict[str, str]
+) -> list[str]:
+    """The cloud's targets now: each static ``host:port`` target as it is, each ``dns:`` target
+    (a key of ``resolvers``) as the addresses it resolves to; ``found_by`` gets each resolved
+    target's DNS name.
+
+    Raises:
+        EngineError: a DNS server did not answer.
+    """
+    out: list[str] = []
+    for t in cfg.cloud_targets:
+        if t not in resolvers:
+            out.append(t)
+            continue
+        found = await resolvers[t].resolve()
+        found_by.update((f, resolvers[t].name.host) for f in found)
+        out += found
+    return list(dict.fromkeys(out))
 
 
 async def connect_cloud(
     cfg: EdgeConfig, offer: NegotiateOffer, zstd: tuple[float, float, float]
 ) -> tuple[list[GrpcCloudLink], CloudTarget]:
-    """A link and a ``CloudConnection`` per cloud target (a ``ReplicaSet`` of them for several),
-    started and given ``cfg.connect_timeout_s`` to negotiate; ``zstd``: ``measure_zstd``'s
-    numbers, from which each link's codec order follows its goodput.
+    """A link and a ``CloudConnection`` per cloud target (a ``ReplicaSet`` of them for several, or
+    for a ``dns:`` target: one per address it resolves to, kept current every
+    ``cfg.cloud_resolve_s``), started and given ``cfg.connect_timeout_s`` to negotiate; ``zstd``:
+    ``measure_zstd``'s numbers, from which each link's codec order follows its goodput. A ``dns:``
+    target that does not resolve at start-up is dialled as it is (gRPC resolves it) until it does.
 
     Raises:
         IncompatibleModel: the cloud answered that the heads are not cut from its model.
     """
     ratio, c_mbps, d_mbps = zstd
-    links = cloud_links(cfg)
-    conns = [
-        CloudConnection(
-            link,
+    resolvers = {t: DnsResolver(n) for t in cfg.cloud_targets if (n := parse_dns_target(t)) is not None}
+    found_by: dict[str, str] = {}  # resolved target -> the DNS name it was found by
+
+    def connect(target: str, link: GrpcCloudLink | None = None) -> CloudConnection:
+        return CloudConnection(
+            link or cloud_link(cfg, target, found_by.get(target)),
             offer,
             poll_s=cfg.poll_s,
             probe_bytes=cfg.probe_bytes,
             zstd_pays=lambda g: zstd_pays(ratio, c_mbps, d_mbps, g),
         )
-        for link in links
-    ]
-    cloud: CloudTarget = conns[0] if len(conns) == 1 else ReplicaSet(conns, cfg.cloud_targets)
+
+    targets = list(cfg.cloud_targets)
+    if resolvers:
+        try:
+            targets = await discover_targets(cfg, resolvers, found_by) or targets
+        except TandemError as e:
+            log.warning("cloud replica discovery failed at start-up (%s): dialling %s as named", e, targets)
+    links = [cloud_link(cfg, t, found_by.get(t)) for t in targets]
+    conns = [connect(t, link) for t, link in zip(targets, links, strict=True)]
+    cloud: CloudTarget
+    if resolvers:
+        cloud = ReplicaSet(
+            conns,
+            targets,
+            discover=lambda: discover_targets(cfg, resolvers, found_by),
+            connect=connect,
+            resolve_s=cfg.cloud_resolve_s,
+        )
+    else:
+        cloud = conns[0] if len(conns) == 1 else ReplicaSet(conns, targets)
     cloud.start()
     if not await cloud.wait_connected(cfg.connect_timeout_s):
         wrong = next((m.last_exc for m in conns if isinstance(m.last_exc, IncompatibleModel)), None)

@@ -18,6 +18,7 @@ from tandem.cloud.server import build_gateway
 from tandem.cloud.sessions import CloudSession
 from tandem.cloud.turn import as_principal
 from tandem.common import wire
+from tandem.common.errors import EngineError
 from tandem.common.ewma import Ewma
 from tandem.common.kvstore import MemoryBlockStore
 from tandem.common.messages import TurnHeader, uplink_to_pb
@@ -81,13 +82,15 @@ async def toy_stack(
     edge_session_bytes: int = 1 << 30,
     offer_kw: dict[str, Any] | None = None,
     pipeline_tokens: int = PIPELINE_TOKENS,
+    store: Any = None,
     **cloud_kw: Any,
 ) -> Toy:
     """A gateway and an edge service in this event loop, joined by an ``InProcessLink``
     (optionally wrapped, e.g. for fault injection); ``offer_kw`` amends the edge's
     ``NegotiateOffer``; ``pipeline_tokens`` as the edge's (0: the head runs whole before the
-    upload). Call ``await toy.batcher.stop()`` at the end."""
-    store = MemoryBlockStore(1 << 30)
+    upload); ``store``: the block store (default: a ``MemoryBlockStore``). Call
+    ``await toy.batcher.stop()`` at the end."""
+    store = MemoryBlockStore(1 << 30) if store is None else store
     engines = MemoryEngines(store, B, VOCAB)
     gw = build_gateway(cloud_config(**cloud_kw), MANIFEST, engines, store)
     link: CloudLink = InProcessLink(gw)
@@ -266,3 +269,29 @@ class MemoryLocal:
         for i, t in enumerate(toks):
             await asyncio.sleep(0)
             yield LocalToken(t, "length" if i == len(toks) - 1 else None)
+
+
+class Down(TamperLink):
+    """A replica link that can be cut: every call fails as with a dead host."""
+
+    down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise EngineError("connection refused")
+
+    async def negotiate(self, offer):
+        self._check()
+        return await self.inner.negotiate(offer)
+
+    async def server_info(self, link_id, padding_bytes=0, timeout_s=5.0):
+        self._check()
+        return await self.inner.server_info(link_id, padding_bytes, timeout_s)
+
+    async def sync_session(self, req, timeout_s=5.0):
+        self._check()
+        return await self.inner.sync_session(req, timeout_s)
+
+    def open(self, timeout_s):
+        self._check()
+        return super().open(timeout_s)

@@ -491,3 +491,27 @@ async def test_a_turn_with_a_hostile_session_id_logs_and_traces_it_printable(spa
     turn_spans = [s for s in spans.get_finished_spans() if s.name in ("edge_turn", "cloud_turn")]
     assert len(turn_spans) == 2
     assert all(s.attributes["session_id"] == "s\\r\\n" + FORGED + "\\x1b[2J\\u2028" for s in turn_spans)
+
+
+def samples_of(name: str) -> list[tuple[dict[str, str], float]]:
+    return [(s.labels, s.value) for fam in REGISTRY.collect() for s in fam.samples if s.name == name]
+
+
+async def test_each_links_share_weight_and_objectives_and_the_replicas_are_exported():
+    toy = await toy_stack(offer_kw={"ttft_slo_ms": 800.0, "itl_p99_slo_ms": 90.0})
+    try:
+        await run(toy.edge, turn(LONG, "shares"))
+        link_id = toy.edge.conn.link_id
+        table = toy.gateway.registry.links
+        (share,) = [v for labels, v in samples_of("tandem:link_share_seqs") if labels["link"] == link_id]
+        assert share == table.share(link_id)[0] >= 1
+        assert Samples.value("tandem:max_num_seqs") == table.max_num_seqs
+        (weight,) = [v for labels, v in samples_of("tandem:link_weight") if labels["link"] == link_id]
+        assert weight == 1.0  # a new link's, before the controller moved it
+        (ttft,) = [v for labels, v in samples_of("tandem:link_slo_ttft_seconds") if labels["link"] == link_id]
+        (itl,) = [v for labels, v in samples_of("tandem:link_slo_itl_seconds") if labels["link"] == link_id]
+        assert (ttft, itl) == (0.8, 0.09)
+        assert Samples.value("tandem:cloud_replicas", state="answering") == 1
+        assert Samples.value("tandem:cloud_replicas", state="down") == 0
+    finally:
+        await toy.batcher.stop()
