@@ -83,9 +83,10 @@ keep_logs() {  # keep_logs NAME: the daemons' logs of the runs so far, one archi
 }
 
 smollm2() {
-  if [ ! -f "$SMOL/split-k4/manifest.json" ] || [ ! -f "$SMOL/edge-full.onnx" ]; then
-    log "prepare SmolLM2-135M (k=4, whole model)"
-    (cd "$W" && tandem-model --out "$SMOL" --split-layers 4 --no-bundles) > "$OUT/prepare_smollm2.log" 2>&1
+  if [ ! -f "$SMOL/split-k4/manifest.json" ] || [ ! -f "$SMOL/edge-full.onnx" ] || [ ! -f "$SMOL/edge-decoder/tandem_build.json" ]; then
+    log "prepare SmolLM2-135M (k=4, whole model, the builder's decoder, bf16 on a GPU)"
+    (cd "$W" && tandem-model --out "$SMOL" --split-layers 4 --no-bundles) \
+      > "$OUT/prepare_smollm2.log" 2>&1
   fi
 }
 
@@ -207,7 +208,8 @@ step_capacity_8b() {  # step_capacity_8b [K]: results in capacity-8b (K = 4) or 
 step_fidelity() {  # step_fidelity DTYPE
   smollm2
   if [ ! -f "$SMOL/split-k8/manifest.json" ]; then
-    (cd "$W" && tandem-model --out "$SMOL" --split-layers 4,8 --no-bundles) >> "$OUT/prepare_smollm2.log" 2>&1
+    (cd "$W" && tandem-model --out "$SMOL" --split-layers 4,8 --no-bundles) \
+      >> "$OUT/prepare_smollm2.log" 2>&1
   fi
   log "tandem-bench-fidelity $1"
   (cd "$W" && tandem-bench-fidelity --model-dir "$SMOL" --split-layers 4,8 --dtype "$1" --device cuda \

@@ -23,11 +23,24 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 BUILD_RECORD = "tandem_build.json"
 PRECISIONS = ("fp32", "fp16", "bf16", "int4")
+
+
+def default_precision() -> str:
+    """bf16 where ONNX Runtime has its CUDA provider (the dtype of the cloud's vLLM engines, and
+    the range of fp32), else fp32 (the CPU build, exact against the float32 references)."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return "fp32"
+    return "bf16" if "CUDAExecutionProvider" in ort.get_available_providers() else "fp32"
+
+
 EXECUTION_PROVIDERS = ("cpu", "cuda")
 NEXT_TOKEN = "next_token_ids"
 
@@ -142,7 +155,7 @@ def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-3
     their arithmetic (``1e-3`` fp32, ``5e-2`` fp16, ``1e-1`` bf16 and int4).
 
     Raises:
-        ValueError: fewer than 2 prompt ids, or a bf16 build.
+        ValueError: fewer than 2 prompt ids.
     """
     import numpy as np
     import torch
@@ -170,8 +183,9 @@ def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-3
 
 def _run_plain(out: Path, provider: str, ids: list[int], past: dict | None) -> tuple:
     """One run of the built graph with plain (unshared) KV tensors: ``ids`` after ``past`` (the
-    previous run's presents by input name, or none). Returns the logits float32 ``[S, V]`` and this
-    run's presents by the input names they feed next."""
+    previous run's presents by the input names they feed, or none). Every output is bound to the
+    host; bfloat16 tensors are read through their bits. Returns the logits float32 ``[S, V]`` and
+    this run's presents (``OrtValue``) by the input names they feed next."""
     import numpy as np
     import onnxruntime as ort
 
@@ -179,20 +193,38 @@ def _run_plain(out: Path, provider: str, ids: list[int], past: dict | None) -> t
     dec = cfg["decoder"]
     names = ["CUDAExecutionProvider", "CPUExecutionProvider"] if provider == "cuda" else ["CPUExecutionProvider"]
     sess = ort.InferenceSession(str(out / dec["filename"]), providers=names)
-    inputs = {i.name: i for i in sess.get_inputs()}
-    if any("bfloat16" in t.type for t in [*sess.get_inputs(), *sess.get_outputs()]):
-        raise ValueError("a bf16 build is not checked against HF here (numpy has no bfloat16): build fp16")
-    held = 0 if past is None else next(iter(past.values())).shape[2]
-    feeds: dict = {"input_ids": np.asarray([ids], np.int64), "attention_mask": np.ones((1, held + len(ids)), np.int64)}
-    dtype = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-    kv_names = [n for n in inputs if n.startswith("past_key_values.")]
-    for n in kv_names:
+    kv_inputs = {i.name: i.type for i in sess.get_inputs() if i.name.startswith("past_key_values.")}
+    held = 0 if past is None else next(iter(past.values())).shape()[2]
+    b = sess.io_binding()
+    b.bind_cpu_input("input_ids", np.asarray([ids], np.int64))
+    b.bind_cpu_input("attention_mask", np.ones((1, held + len(ids)), np.int64))
+    for name, onnx_type in kv_inputs.items():
         if past is not None:
-            feeds[n] = past[n]
+            b.bind_ortvalue_input(name, past[name])
         else:
             shape = [1, dec["num_key_value_heads"], 0, dec["head_size"]]
-            feeds[n] = np.zeros(shape, dtype.get(inputs[n].type, np.float32))
+            b.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_shape_and_type(shape, ONNX_ELEMENT[onnx_type]))
     outs = [o.name for o in sess.get_outputs()]
-    values = dict(zip(outs, sess.run(outs, feeds), strict=True))
-    presents = {n: values[n.replace("past_key_values.", "present.")] for n in kv_names}
-    return np.asarray(values["logits"][0], np.float32), presents
+    for name in outs:
+        b.bind_output(name, "cpu")
+    sess.run_with_iobinding(b)
+    values = dict(zip(outs, b.get_outputs(), strict=True))
+    presents = {n: values[n.replace("past_key_values.", "present.")] for n in kv_inputs}
+    return host_float32(values["logits"])[0], presents
+
+
+ONNX_ELEMENT = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16}
+
+
+def host_float32(v: Any) -> Any:
+    """A host ``OrtValue`` of float32, float16 or bfloat16 as a float32 numpy array (bfloat16
+    widened exactly from its bits, which numpy cannot hold as a dtype)."""
+    import ctypes
+
+    import numpy as np
+
+    if v.data_type() != "tensor(bfloat16)":
+        return np.asarray(v.numpy(), np.float32)
+    n = int(np.prod(v.shape()))
+    bits = np.ctypeslib.as_array((ctypes.c_uint16 * n).from_address(v.data_ptr())).copy()
+    return (bits.astype(np.uint32) << 16).view(np.float32).reshape(v.shape())

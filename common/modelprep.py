@@ -526,8 +526,11 @@ def prepare(
     ] = True,
     decoder_precision: Annotated[
         str,
-        typer.Option(help="the built decoder's precision: fp32 (CPU build), fp16 or bf16 (CUDA), int4 (CUDA)"),
-    ] = "fp32",
+        typer.Option(
+            help="the built decoder's precision: fp32 (CPU build), fp16 or bf16 (CUDA), int4 (CUDA); "
+            "auto: bf16 where ONNX Runtime has its CUDA provider, else fp32"
+        ),
+    ] = "auto",
 ) -> None:
     """Prepare the full checkpoint, ONNX heads (each checked against HF), tail checkpoints and role
     bundles (idempotent). Exit status 2: the architecture is not supported or an export failed its check."""
@@ -535,10 +538,12 @@ def prepare(
 
     if onnx_dtype not in COMPUTE_DTYPES:
         raise typer.BadParameter(f"must be one of {', '.join(COMPUTE_DTYPES)}", param_hint="--onnx-dtype")
-    from tandem.common.builder_export import PRECISIONS
+    from tandem.common.builder_export import PRECISIONS, default_precision
 
+    if decoder_precision == "auto":
+        decoder_precision = default_precision()
     if decoder_precision not in PRECISIONS:
-        raise typer.BadParameter(f"must be one of {', '.join(PRECISIONS)}", param_hint="--decoder-precision")
+        raise typer.BadParameter(f"must be auto or one of {', '.join(PRECISIONS)}", param_hint="--decoder-precision")
     try:
         prepare_model(
             out,

@@ -183,8 +183,9 @@ def load_local_model(
     kv_device: str = "auto",
 ) -> LocalModel:
     """The whole model at ``path``: a folder built by ONNX Runtime GenAI's model builder
-    (``genai_config.json``: ``edge.decoder.DecoderGraph``) or tandem's ``edge-full.onnx``
-    (``edge.localmodel.OnnxForward``; ``kv_device`` applies to it alone).
+    (``genai_config.json``: ``edge.decoder.DecoderGraph``; a CPU build runs on the CPU provider
+    unless ``providers`` says otherwise) or tandem's ``edge-full.onnx`` (``edge.localmodel.OnnxForward``;
+    ``kv_device`` applies to it alone).
 
     Raises:
         ValueError: see ``OnnxForward`` and ``DecoderGraph``; a builder folder whose shape is not
@@ -194,6 +195,10 @@ def load_local_model(
     from tandem.edge.decoder import GENAI_CONFIG, DecoderGraph
 
     if Path(path).is_dir() and (Path(path) / GENAI_CONFIG).is_file():
+        from tandem.common.builder_export import load_build
+
+        if providers is None and load_build(Path(path)).execution_provider == "cpu":
+            providers = ["CPUExecutionProvider"]  # a CPU build (fp32 GroupQueryAttention) runs where it was built for
         graph = DecoderGraph(Path(path), list(providers) if providers else None, intra_op_threads)
         sp = graph.spec
         got = (sp.num_layers, sp.num_kv_heads, sp.head_dim, sp.vocab_size)

@@ -148,6 +148,41 @@ async def test_a_second_turn_on_cuda_engines_loads_the_first_turns_kv(gpu_stack,
     assert_same_or_near_tie(list(second.output_token_ids), ref, gaps, "turn 2 vs HF")
 
 
+async def test_the_builder_decoder_serves_local_turns_from_cuda_graphs(split_dir, manifest, hf_model, tokenizer):
+    """The whole model as ONNX Runtime GenAI's builder wrote it (``edge-decoder/``, bf16 for CUDA) under
+    ``LocalEngine``: a session's KV is one CUDA slot, the decode steps replay its CUDA graph, and the
+    greedy output equals HF's fp32 one (or parts only at a near-tie of the reference), over two turns."""
+    import onnxruntime as ort
+
+    from tandem.common.params import Sampling
+    from tandem.edge.decoder import DecoderGraph
+    from tandem.edge.local import LocalEngine
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu's CUDA provider is not installed")
+    path = split_dir.parent / "edge-decoder"
+    if not (path / "tandem_build.json").is_file():
+        pytest.fail(f"no {path}: tandem-model builds it (bf16 where ONNX Runtime has its CUDA provider)")
+    eos = hf_model.generation_config.eos_token_id
+    engine = LocalEngine(path, manifest.shape, eos if isinstance(eos, list) else [eos])
+    assert isinstance(engine.model, DecoderGraph) and engine.model.cuda_graph and engine.kv_device == "cuda"
+    messages = [{"role": "user", "content": "Name a famous bridge in San Francisco."}]
+    sid = f"decoder-{uuid.uuid4().hex}"
+    for turn in range(2):
+        ids = prompt_ids(tokenizer, {"messages": messages})
+        out = [t.token_id async for t in engine.generate(ids, Sampling(max_new_tokens=MAX_NEW), sid)]
+        ref, gaps = hf_greedy(hf_model, ids, MAX_NEW)
+        assert_same_or_near_tie(out, ref, gaps, f"builder decoder on CUDA, turn {turn + 1}, vs HF", near=0.25)
+        sess = engine.sessions.peek(sid)
+        assert sess is not None and sess.kv.tokens == len(sess.token_ids)
+        assert all(v.device_name() == "cuda" for v in sess.kv.kv) and sess.kv.binding is not None
+        messages += [
+            {"role": "assistant", "content": tokenizer.decode(out, skip_special_tokens=True)},
+            {"role": "user", "content": "How long is it?"},
+        ]
+    assert engine.last_reused_tokens > 0
+
+
 async def test_the_local_model_on_onnx_runtimes_cuda_provider_keeps_its_kv_on_the_gpu(
     split_dir, manifest, hf_model, tokenizer
 ):
@@ -172,7 +207,7 @@ async def test_the_local_model_on_onnx_runtimes_cuda_provider_keeps_its_kv_on_th
         ref, gaps = hf_greedy(hf_model, ids, MAX_NEW)
         assert_same_or_near_tie(out, ref, gaps, f"local on CUDA, turn {turn + 1}, vs HF")
         sess = engine.sessions.peek(sid)
-        assert sess is not None and all(isinstance(a, ort.OrtValue) and a.device_name() == "cuda" for a in sess.past)
+        assert sess is not None and all(isinstance(a, ort.OrtValue) and a.device_name() == "cuda" for a in sess.kv.past)
         messages += [
             {"role": "assistant", "content": tokenizer.decode(out, skip_special_tokens=True)},
             {"role": "user", "content": "How long is it?"},
