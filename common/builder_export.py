@@ -58,6 +58,7 @@ class DecoderBuild(BaseModel):
     precision: str
     execution_provider: str
     builder_version: str
+    window_tokens: int = 0  # the largest sliding window of the graph's attention (0: none); a KV buffer holds more
     max_abs_error: float | None = None
     tolerance: float | None = None
     checked_tokens: int = 0
@@ -96,6 +97,7 @@ def build_decoder(hf: Path, out: Path, precision: str = "fp32", execution_provid
         precision=precision,
         execution_provider=execution_provider,
         builder_version=getattr(onnxruntime_genai, "__version__", "unknown"),
+        window_tokens=attention_window(out / "model.onnx"),
     )
     save_build(out, build)
     return build
@@ -115,6 +117,22 @@ def add_next_token(model_path: Path) -> None:
         helper.make_tensor_value_info(NEXT_TOKEN, TensorProto.INT64, ["batch_size", "sequence_length"])
     )
     onnx.save(m, str(model_path))
+
+
+def attention_window(model_path: Path) -> int:
+    """The largest ``local_window_size`` of the graph's ``GroupQueryAttention`` nodes (0 when none
+    slides): ONNX Runtime refuses a KV buffer that holds fewer tokens."""
+    import onnx
+
+    m = onnx.load(str(model_path), load_external_data=False)
+    sizes = [
+        int(onnx.helper.get_attribute_value(a))
+        for n in m.graph.node
+        if n.op_type == "GroupQueryAttention"
+        for a in n.attribute
+        if a.name == "local_window_size"
+    ]
+    return max([0, *sizes])
 
 
 def save_build(out: Path, build: DecoderBuild) -> None:
@@ -166,8 +184,9 @@ def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-3
     build = load_build(out)
     rtol = {"fp32": rtol, "fp16": 5e-2}.get(build.precision, 1e-1)
     half = len(prompt_ids) // 2
-    first, past = _run_plain(out, build.execution_provider, prompt_ids[:half], None)
-    second, _ = _run_plain(out, build.execution_provider, prompt_ids[half:], past)
+    kv = _KVBuffers(out, build, max(len(prompt_ids), build.window_tokens + 1))
+    first = kv.run(prompt_ids[:half])
+    second = kv.run(prompt_ids[half:])
     got = np.concatenate([first, second])
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -181,36 +200,42 @@ def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-3
     return checked
 
 
-def _run_plain(out: Path, provider: str, ids: list[int], past: dict | None) -> tuple:
-    """One run of the built graph with plain (unshared) KV tensors: ``ids`` after ``past`` (the
-    previous run's presents by the input names they feed, or none). Every output is bound to the
-    host; bfloat16 tensors are read through their bits. Returns the logits float32 ``[S, V]`` and
-    this run's presents (``OrtValue``) by the input names they feed next."""
-    import numpy as np
-    import onnxruntime as ort
+class _KVBuffers:
+    """The built graph run as the edge runs it (``edge.decoder``): one KV buffer per layer input of
+    ``capacity`` tokens bound as past and present, the mask over the tokens held and new; every
+    other output bound to the host. The preparation's own copy of that binding (``common`` does not
+    import the edge)."""
 
-    cfg = json.loads((out / "genai_config.json").read_text())["model"]
-    dec = cfg["decoder"]
-    names = ["CUDAExecutionProvider", "CPUExecutionProvider"] if provider == "cuda" else ["CPUExecutionProvider"]
-    sess = ort.InferenceSession(str(out / dec["filename"]), providers=names)
-    kv_inputs = {i.name: i.type for i in sess.get_inputs() if i.name.startswith("past_key_values.")}
-    held = 0 if past is None else next(iter(past.values())).shape()[2]
-    b = sess.io_binding()
-    b.bind_cpu_input("input_ids", np.asarray([ids], np.int64))
-    b.bind_cpu_input("attention_mask", np.ones((1, held + len(ids)), np.int64))
-    for name, onnx_type in kv_inputs.items():
-        if past is not None:
-            b.bind_ortvalue_input(name, past[name])
-        else:
-            shape = [1, dec["num_key_value_heads"], 0, dec["head_size"]]
-            b.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_shape_and_type(shape, ONNX_ELEMENT[onnx_type]))
-    outs = [o.name for o in sess.get_outputs()]
-    for name in outs:
-        b.bind_output(name, "cpu")
-    sess.run_with_iobinding(b)
-    values = dict(zip(outs, b.get_outputs(), strict=True))
-    presents = {n: values[n.replace("past_key_values.", "present.")] for n in kv_inputs}
-    return host_float32(values["logits"])[0], presents
+    def __init__(self, out: Path, build: DecoderBuild, capacity: int) -> None:
+        import onnxruntime as ort
+
+        dec = json.loads((out / "genai_config.json").read_text())["model"]["decoder"]
+        cuda = build.execution_provider == "cuda"
+        names = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else ["CPUExecutionProvider"]
+        self.sess = ort.InferenceSession(str(out / dec["filename"]), providers=names)
+        device = "cuda" if "CUDAExecutionProvider" in self.sess.get_providers() else "cpu"
+        shape = [1, dec["num_key_value_heads"], capacity, dec["head_size"]]
+        self.kv = {
+            i.name: ort.OrtValue.ortvalue_from_shape_and_type(shape, ONNX_ELEMENT[i.type], device, 0)
+            for i in self.sess.get_inputs()
+            if i.name.startswith("past_key_values.")
+        }
+        self.held = 0
+
+    def run(self, ids: list[int]) -> Any:
+        """Logits float32 ``[S, V]`` of ``ids`` after the tokens held."""
+        import numpy as np
+
+        b = self.sess.io_binding()
+        b.bind_cpu_input("input_ids", np.asarray([ids], np.int64))
+        b.bind_cpu_input("attention_mask", np.ones((1, self.held + len(ids)), np.int64))
+        for name, v in self.kv.items():
+            b.bind_ortvalue_input(name, v)
+            b.bind_ortvalue_output(name.replace("past_key_values.", "present."), v)
+        b.bind_output("logits", "cpu")
+        self.sess.run_with_iobinding(b)
+        self.held += len(ids)
+        return host_float32(b.get_outputs()[-1])[0]
 
 
 ONNX_ELEMENT = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16}

@@ -423,6 +423,9 @@ def prepare_decoder(out: Path, hf: Path, precision: str = "fp32") -> str:
     except (BuilderFailed, ValueError) as e:
         shutil.rmtree(path, ignore_errors=True)
         return str(e)
+    except Exception as e:  # noqa: BLE001 - ONNX Runtime refusing the built graph: local mode keeps edge-full.onnx
+        shutil.rmtree(path, ignore_errors=True)
+        return f"ONNX Runtime could not run the built graph ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
     if not checked.passed:
         shutil.rmtree(path, ignore_errors=True)
         return (

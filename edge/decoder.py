@@ -159,6 +159,8 @@ class DecoderGraph:
                 raise ValueError(f"{self.spec.path}: KV and logits must be float32, float16 or bfloat16, got {t}")
         self.has_next_token = NEXT_TOKEN in {o.name for o in self.session.get_outputs()}
         self.providers: list[str] = self.session.get_providers()
+        # a slot holds more than the graph's sliding window (ONNX Runtime refuses a smaller KV buffer)
+        self.min_slot_tokens = max(MIN_SLOT_TOKENS, _window_tokens(model_dir) + 1)
         self._next_graph_id = 1
         self._free: dict[int, list[KVSlot]] = {}
 
@@ -385,7 +387,7 @@ class DecoderGraph:
             InvalidRequest: ``tokens`` exceeds the model's positions."""
         if tokens > self.spec.context_tokens:
             raise InvalidRequest(f"{tokens} tokens exceed the model's {self.spec.context_tokens} positions")
-        cap = MIN_SLOT_TOKENS
+        cap = self.min_slot_tokens
         while cap < tokens:
             cap *= 2
         return min(cap, self.spec.context_tokens)
@@ -407,6 +409,14 @@ class DecoderGraph:
         for f in KVSlot.__dataclass_fields__:
             setattr(slot, f, getattr(bigger, f))
         self.release(old)
+
+
+def _window_tokens(model_dir: Path) -> int:
+    """The graph's largest sliding window as preparation recorded it (``tandem_build.json``), or 0."""
+    try:
+        return int(json.loads((Path(model_dir) / "tandem_build.json").read_text()).get("window_tokens", 0))
+    except (FileNotFoundError, ValueError):
+        return 0
 
 
 def _storage(onnx_type: str) -> type:
