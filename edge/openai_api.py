@@ -431,13 +431,16 @@ async def serve_openai(
     ``stop_openai``.
 
     Raises:
-        OSError: the address cannot be bound.
+        OSError: the address cannot be bound (the message names it).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot bind the HTTP API to {host}:{port}: {e.strerror or e}") from None
     except BaseException:
         sock.close()
         raise
