@@ -54,10 +54,8 @@ def cut_note(r: ChatResult, max_new: int) -> str:
     return f" [cut at {max_new} tokens: --max-new-tokens]"
 
 
-def table(title: str, names: list[str], rows: list[tuple[str, list[str]]], label_chars: int) -> str:
-    """A table: row labels in ``label_chars``, then a right-aligned column per name, each as wide as
-    its widest cell."""
-    widths = [max(len(n), *(len(cells[i]) for _, cells in rows)) + 2 for i, n in enumerate(names)]
+def table(title: str, names: list[str], rows: list[tuple[str, list[str]]], label_chars: int, widths: list[int]) -> str:
+    """A table: row labels in ``label_chars``, then a right-aligned column per name of ``widths``."""
     lines = [title, " " * label_chars + "".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))]
     for label, cells in rows:
         lines.append(f"{label:<{label_chars}}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
@@ -88,11 +86,13 @@ def report(results: dict[str, ChatResult]) -> str:
         ("bytes per new prompt token", [bytes_per_new_token(r) for r in rs]),
     ]
     tokens = [(label, [str(v) for v in values]) for label, values in counts]
-    label_chars = max(len(label) for label, _ in [*latency, *tokens]) + 1
+    every = [*latency, *tokens]  # both tables share their columns: each as wide as its widest cell
+    label_chars = max(len(label) for label, _ in every) + 1
+    widths = [max(len(n), *(len(cells[i]) for _, cells in every)) + 2 for i, n in enumerate(names)]
     return "\n\n".join(
         [
-            table("Per-stage latency (ms)", names, latency, label_chars),
-            table("Tokens and bytes", names, tokens, label_chars),
+            table("Per-stage latency (ms)", names, latency, label_chars, widths),
+            table("Tokens and bytes", names, tokens, label_chars, widths),
         ]
     )
 
