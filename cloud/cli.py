@@ -87,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = parse_command_line(CloudConfig, PROG, argv, description=__doc__ or "")
     cfg = run.settings
     check_start(cfg, split_parts=SPLIT_PARTS, ready_file=run.ready_file, extra=start_checks(cfg))
+    if run.ready_file is not None:  # one left by an earlier run: present again once this process serves
+        run.ready_file.unlink(missing_ok=True)
     setup_observability(cfg, PROG)
     try:
         return asyncio.run(serve(cfg, run.ready_file, cfg.drain_grace_s))

@@ -54,7 +54,8 @@ and `metrics_host` default to `127.0.0.1`: set `0.0.0.0` to
 listen on all interfaces.
 
 Both daemons also take `--version` (prints `tandem VERSION`), `--config FILE` and
-`--ready-file PATH` (writes the bound gRPC port to `PATH` once serving), and `--help`. A user
+`--ready-file PATH` (writes the bound gRPC port to `PATH` once serving; a file left there by an
+earlier run is removed at start), and `--help`. A user
 error is one line on stderr, `tandem-cloud: error: ...`, and exit code 2, before any model is
 loaded: a bad value, an unknown flag or key, a missing or malformed config file, and whatever
 the start-up check (`tandem.common.startup.check_start`) finds when it opens, connects and binds

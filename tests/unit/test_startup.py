@@ -542,3 +542,15 @@ def test_settings_paths_walks_nested_and_listed_paths(tmp_path):
     found = {(name, role) for name, _path, role in settings_paths(cfg)}
     assert ("fidelity_tables", FileRole.INPUT) in found and ("slo_trace_file", FileRole.APPEND) in found
     assert sum(1 for name, _p, _r in settings_paths(cfg) if name == "fidelity_tables") == 2
+
+
+def test_a_stale_ready_file_is_removed_before_serving(tmp_path, served, capsys):
+    """A ready file left by an earlier run would say "serving" before this process does."""
+    from tandem.cloud.cli import app as cloud_app
+    from tandem.edge.cli import app as edge_app
+
+    for app, base in ((cloud_app, cloud_base(tmp_path)), (edge_app, edge_base(tmp_path))):
+        ready = _write(tmp_path / "ready", "50051")
+        code, err, _ = run(app, [*base, "--ready-file", str(ready)], capsys)
+        assert code == 0 and not ready.exists(), err  # serve (replaced here) writes it
+    assert served == ["cloud", "edge"]
