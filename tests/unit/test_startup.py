@@ -202,6 +202,9 @@ CLOUD_CASES = [
     ("fidelity table that is missing", ["--fidelity-tables", "{tmp}/none.json"], {}, "fidelity_tables"),
     ("store dir that is a file", ["--store-dir", "{garbage}"], {}, "store_dir"),
     ("ready file in no directory", ["--ready-file", "{tmp}/no/ready"], {}, "--ready-file"),
+    ("ready file that is a FIFO", ["--ready-file", "{fifo}"], {}, "is a FIFO"),
+    ("config file that is a FIFO", ["--config", "{fifo}"], {}, "not a file"),
+    ("config file that is a device", ["--config", "/dev/zero"], {}, "not a file"),
     ("extra split dir of another model", ["--extra-split-dirs", "{other}"], {}, "another model"),
     ("max_model_len beyond the model", ["--engine.max-model-len-tokens", "8192"], {}, "4096 positions"),
     ("KV cache too small for max_model_len", ["--engine.kv-cache-bytes", "256KiB"], {}, "cannot hold one sequence"),
@@ -233,6 +236,7 @@ EDGE_CASES = [
     ("extra split dir of another model", ["--extra-split-dirs", "{other}"], {}, "another model"),
     ("local model that is not there", ["--local-model", "{tmp}/none.onnx"], {}, "local_model"),
     ("ready file that is a directory", ["--ready-file", "{tmp}"], {}, "--ready-file"),
+    ("config file that is a FIFO", ["--config", "{fifo}"], {}, "not a file"),
 ]
 
 
@@ -256,7 +260,7 @@ def edge_base(tmp_path: Path) -> list[str]:
 
 @pytest.mark.parametrize(("case", "argv", "env", "words"), CLOUD_CASES, ids=[c[0] for c in CLOUD_CASES])
 def test_cloud_refuses_bad_settings_before_any_engine_starts(
-    tmp_path, tls, served, capsys, monkeypatch, busy_port, closed_port, redis_server, case, argv, env, words
+    tmp_path, tls, served, capsys, monkeypatch, busy_port, closed_port, redis_server, fifo, case, argv, env, words
 ):
     """An edge key shorter than 16 characters, a store URL with no host, a db that is not a number
     (with a reachable Redis it served on db 0), a db out of range, an unknown query parameter, the
@@ -265,7 +269,7 @@ def test_cloud_refuses_bad_settings_before_any_engine_starts(
 
     base = cloud_base(tmp_path)
     assert run(app, base, capsys)[0] == 0 and served == ["cloud"]  # the base command line is good
-    more = {"busy_port": busy_port, "closed_port": closed_port, "redis_port": redis_server.port}
+    more = {"busy_port": busy_port, "closed_port": closed_port, "redis_port": redis_server.port, "fifo": fifo}
     words = words.format(busy_port=busy_port)
     check_refused(app, "tandem-cloud", base, _fill(argv, tmp_path, tls, **more), env, words, capsys, monkeypatch)
     assert served == ["cloud"]
@@ -281,7 +285,7 @@ def test_cloud_starts_with_a_reachable_store(tmp_path, served, capsys, redis_ser
 
 @pytest.mark.parametrize(("case", "argv", "env", "words"), EDGE_CASES, ids=[c[0] for c in EDGE_CASES])
 def test_edge_refuses_bad_settings_before_any_model_loads(
-    tmp_path, tls, served, capsys, monkeypatch, busy_port, case, argv, env, words
+    tmp_path, tls, served, capsys, monkeypatch, busy_port, fifo, case, argv, env, words
 ):
     """An API key shorter than 16 characters was found after the heads and the local model loaded
     (exit 1 after 6 s); the HTTP port in use printed an OSError without the port, then a traceback."""
@@ -290,7 +294,7 @@ def test_edge_refuses_bad_settings_before_any_model_loads(
     base = edge_base(tmp_path)
     assert run(app, base, capsys)[0] == 0 and served == ["edge"]
     words = words.format(busy_port=busy_port)
-    argv = _fill(argv, tmp_path, tls, busy_port=busy_port)
+    argv = _fill(argv, tmp_path, tls, busy_port=busy_port, fifo=fifo)
     check_refused(app, "tandem-edge", base, argv, env, words, capsys, monkeypatch)
     assert served == ["edge"]
 
@@ -533,6 +537,23 @@ def test_store_reachability_is_checked_without_changing_the_server(redis_server)
     with pytest.raises(EngineError, match="cannot connect"):
         check_store_reachable("redis://127.0.0.1:1/0", timeout_s=0.5)
     r.close()
+
+
+def test_a_store_password_the_server_refuses_is_found_at_start(tmp_path, monkeypatch):
+    from tandem.common.kvstore import PASSWORD_ENV
+    from tandem.common.kvstore_redis import check_store_reachable
+    from tests.helpers import RedisServer
+
+    server = RedisServer(tmp_path, password="right-password-16")
+    try:
+        for given in ("", "wrong-password-16"):
+            monkeypatch.setenv(PASSWORD_ENV, given)
+            with pytest.raises(InvalidRequest, match="the server refused"):
+                check_store_reachable(server.url)
+        monkeypatch.setenv(PASSWORD_ENV, "right-password-16")
+        check_store_reachable(server.url)
+    finally:
+        server.stop()
 
 
 def test_settings_paths_walks_nested_and_listed_paths(tmp_path):
