@@ -66,7 +66,8 @@ what the settings name:
   type, never opened;
 * each split directory has its `manifest.json` and every part the daemon loads (the cloud: the
   tail and full checkpoints, each with `config.json` and `*.safetensors` weights; the edge: the
-  ONNX head and the tokenizer), of regular files, with the BLAKE3 the manifest records;
+  ONNX head and the tokenizer), of regular files, with the BLAKE3 the manifest records (hashing
+  reads the weights once: about half a second for SmolLM2's split directory on the cloud);
 * every port the daemon serves on (`port`, `metrics_port`, `http_port`) is bound once and
   released: a port in use is named;
 * the cloud's `store_url` has a host, a numeric database and no query parameters, and the server
