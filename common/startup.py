@@ -405,11 +405,14 @@ def check_start(
 
 
 __all__ = [
+    "SPLIT_PARTS",
     "FileRole",
     "check_bind",
     "check_input_file",
     "check_model",
     "check_output_file",
+    "check_split_dir",
+    "check_split_dirs",
     "check_start",
     "check_tree",
     "file_kind",
