@@ -175,6 +175,12 @@ CLOUD_CASES = [
     ("store URL with an unknown parameter", ["--store-url", "redis://cache:6379/0?foo=bar"], {}, "query"),
     ("store URL with a db parameter", ["--store-url", "redis://cache:6379?db=3"], {}, "query"),
     ("store URL with a fragment", ["--store-url", "redis://cache:6379/0#x"], {}, "fragment"),
+    ("cluster URL with a database", ["--store-url", "redis+cluster://a:7000,b:7001/2"], {}, "no databases"),
+    ("cluster URL with an unknown parameter", ["--store-url", "redis+cluster://a:7000?foo=bar"], {}, "query"),
+    ("cluster URL with a node of no port", ["--store-url", "redis+cluster://a:7000,b"], {}, "host:port"),
+    ("sentinel URL without its service", ["--store-url", "redis+sentinel://s:26379"], {}, "service"),
+    ("sentinel URL with a db not a number", ["--store-url", "redis+sentinel://s:26379/svc/x"], {}, "not a number"),
+    ("sentinel URL with a longer path", ["--store-url", "redis+sentinel://s:26379/svc/0/1"], {}, "/SERVICE[/DB]"),
     ("store URL of no server", ["--store-url", "redis://127.0.0.1:{closed_port}/0"], {}, "cannot connect"),
     ("store URL with a db beyond the server's", ["--store-url", "redis://127.0.0.1:{redis_port}/99999"], {}, "range"),
     (
@@ -336,8 +342,9 @@ COMPANIONS = {
 }
 
 
-def _input_settings(settings_cls) -> list[str]:
-    return [name for name, role in _file_settings(settings_cls) if role is FileRole.INPUT]
+def _input_settings(settings_cls) -> list[tuple[str, FileRole]]:
+    roles = (FileRole.INPUT, FileRole.MODEL)
+    return [(name, role) for name, role in _file_settings(settings_cls) if role in roles]
 
 
 def _flag(name: str) -> str:
@@ -350,8 +357,9 @@ def _file_cases() -> list[tuple[str, str, str]]:
 
     cases = []
     for daemon, cls in (("cloud", CloudConfig), ("edge", EdgeConfig)):
-        for name in _input_settings(cls):
-            cases += [(daemon, name, kind) for kind in ("fifo", "device", "directory")]
+        for name, role in _input_settings(cls):  # a model may be a folder: one holding a FIFO is refused
+            folder = "directory" if role is FileRole.INPUT else "directory with a FIFO"
+            cases += [(daemon, name, kind) for kind in ("fifo", "device", folder)]
     return cases
 
 
@@ -371,13 +379,17 @@ def test_every_input_file_setting_refuses_what_is_not_a_regular_file(
         else (edge_app, "tandem-edge", edge_base(tmp_path))
     )
     own = tls.cloud if daemon == "cloud" else tls.edge_server
-    bad = {"fifo": fifo, "device": Path(os.devnull), "directory": tmp_path}[kind]
+    holder = tmp_path / "model-folder"
+    holder.mkdir()
+    os.mkfifo(holder / "model.onnx")
+    bad = {"fifo": fifo, "device": Path(os.devnull), "directory": tmp_path, "directory with a FIFO": holder}[kind]
     argv = [_flag(setting), str(bad)]
     for other, value in COMPANIONS.get(setting, {}).items():
         argv += [_flag(other), value]
     argv = _fill(argv, tmp_path, tls, own_cert=own[0], own_key=own[1])
     err = check_refused(app, prog, base, argv, {}, setting, capsys, monkeypatch)
-    assert {"fifo": "is a FIFO", "device": "is a character device", "directory": "is a directory"}[kind] in err, err
+    words = {"fifo": "is a FIFO", "device": "is a character device", "directory": "is a directory"}
+    assert words.get(kind, "model.onnx is a FIFO") in err, err
 
 
 def _port_cases() -> list[tuple[str, str]]:
@@ -391,6 +403,19 @@ def _port_cases() -> list[tuple[str, str]]:
         for port_name, _host in SERVER_PORTS
         if port_name in cls.model_fields
     ]
+
+
+def test_every_port_setting_is_a_server_the_check_binds():
+    """A port setting outside ``SERVER_PORTS`` would be neither bound at start nor kept apart from
+    the others."""
+    from tandem.cloud.config import CloudConfig
+    from tandem.common.startup import SERVER_PORTS
+    from tandem.edge.config import EdgeConfig
+
+    for cls in (CloudConfig, EdgeConfig):
+        ports = {n for n in cls.model_fields if n == "port" or n.endswith("_port")}
+        assert ports == {p for p, h in SERVER_PORTS if p in cls.model_fields}, ports
+        assert all(h in cls.model_fields for p, h in SERVER_PORTS if p in cls.model_fields)
 
 
 @pytest.mark.parametrize(("daemon", "setting"), _port_cases(), ids=lambda v: str(v))
@@ -575,3 +600,16 @@ def test_a_stale_ready_file_is_removed_before_serving(tmp_path, served, capsys):
         code, err, _ = run(app, [*base, "--ready-file", str(ready)], capsys)
         assert code == 0 and not ready.exists(), err  # serve (replaced here) writes it
     assert served == ["cloud", "edge"]
+
+
+def test_the_default_local_model_is_checked_by_type_too(tmp_path, served, capsys, monkeypatch):
+    """Without ``local_model``, the edge reads ``edge-decoder/`` or ``edge-full.onnx`` beside the split
+    directory: a FIFO there is refused before anything reads it."""
+    from tandem.common.manifest import FULL_ONNX
+    from tandem.edge.cli import app
+
+    base = edge_base(tmp_path)
+    os.mkfifo(tmp_path / FULL_ONNX)
+    check_refused(app, "tandem-edge", base, [], {}, "local model", capsys, monkeypatch)
+    code, err, _ = run(app, [*base, "--no-local"], capsys)  # local mode off: not read, not checked
+    assert code == 0 and served == ["edge"], err
