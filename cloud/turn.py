@@ -69,6 +69,9 @@ class Turn:
     caller: Principal = ANONYMOUS_PEER  # who sent it (the edge's identity)
     pinned: set[str] = field(default_factory=set)  # block-store keys pinned for it (owner: engine_id)
     ended: bool = False  # its call is over (a pin that finishes later releases its own keys: ``Pins.pin``)
+    # its ``TurnFinal`` went to the caller: the turn completed, and a cancel after it (the edge ends
+    # a remote-prefill call as soon as it has the final) does not make it a cancelled turn
+    final_sent: bool = False
 
     @property
     def session_key(self) -> str:

@@ -1,8 +1,8 @@
 """A daemon's command line: the argparse parser with a flag per setting (pydantic-settings'
 ``CliSettingsSource``) and ``--version``, ``--config``, ``--ready-file`` (``parse_command_line``);
 ``run_cli``, which turns every user error (bad value, unknown flag or key, missing or malformed config
-file, a split directory without a manifest) into one line on stderr, ``PROG: error: ...``, and exit
-code 2; the start-up checks of split directories; logging, tracing and the metrics endpoint."""
+file, and whatever ``tandem.common.startup.check_start`` finds before any model loads) into one line
+on stderr, ``PROG: error: ...``, and exit code 2; logging, tracing and the metrics endpoint."""
 
 from __future__ import annotations
 
@@ -125,45 +125,6 @@ def run_cli(prog: str, main: Callable[[], int | None]) -> int:
     except UserError as e:
         print(f"{prog}: error: {one_line(str(e))}", file=sys.stderr)
         return 2
-
-
-def check_split_dir(split_dir: Path, parts: Sequence[str]) -> None:
-    """A split directory with a valid ``manifest.json`` and the manifest's ``parts`` (``head_onnx``...) present.
-
-    Raises:
-        UserError: otherwise.
-    """
-    from tandem.common.manifest import MANIFEST_NAME, SplitManifest
-
-    if not (Path(split_dir) / MANIFEST_NAME).is_file():
-        what = "is not a directory" if not Path(split_dir).is_dir() else f"has no {MANIFEST_NAME}"
-        raise UserError(f"split dir {split_dir} {what} (prepare the model with `make model` or `tandem-model`)")
-    try:
-        manifest = SplitManifest.load(split_dir)
-    except (OSError, ValueError) as e:  # pydantic.ValidationError and json's errors are ValueErrors
-        raise UserError(f"split dir {split_dir}: unreadable {MANIFEST_NAME}: {one_line(str(e))[:300]}") from None
-    for part in parts:
-        path = manifest.resolve(split_dir, getattr(manifest, part))
-        if not path.exists():
-            raise UserError(f"split dir {split_dir}: {part} {path} is missing")
-
-
-def check_split_dirs(split_dirs: Sequence[Path], parts: Sequence[str]) -> None:
-    """``check_split_dir`` for each, and all of them cuts of one model (weights and shape), as the
-    daemons require when they load them.
-
-    Raises:
-        UserError: otherwise.
-    """
-    from tandem.common.manifest import SplitManifest
-
-    for d in split_dirs:
-        check_split_dir(d, parts)
-    first = SplitManifest.load(split_dirs[0])
-    for d in split_dirs[1:]:
-        m = SplitManifest.load(d)
-        if m.weights_blake3 != first.weights_blake3 or m.shape != first.shape:
-            raise UserError(f"split dir {d} holds another model than {split_dirs[0]}: all must be one model's")
 
 
 def setup_observability(settings: Any, service_name: str) -> None:

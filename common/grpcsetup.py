@@ -235,7 +235,8 @@ async def start_server(
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
-        raise RuntimeError(f"could not bind {host}:{port}")
+        await server.stop(None)
+        raise RuntimeError(f"could not bind {host}:{port} (in use, or not an address of this machine)")
     await server.start()
     return server, bound, hs
 

@@ -242,12 +242,18 @@ STORE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "redis+se
 
 
 def check_store_url(url: str) -> str:
-    """``url`` if it can name a Redis block store, with no password in it: ``redis[s]://HOST:PORT[/DB]``
-    (one server), ``redis[s]+cluster://HOST:PORT[,HOST:PORT...]`` (nodes of a Redis Cluster) or
-    ``redis[s]+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]`` (Sentinels and the service they watch).
+    """``url`` if it names a Redis block store as ``kvstore_redis.connect_redis`` connects to it:
+    ``redis[s]://HOST[:PORT][/DB]`` (one server), ``redis[s]+cluster://HOST:PORT[,HOST:PORT...]``
+    (nodes of a Redis Cluster, which has no databases: no path) or
+    ``redis[s]+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]`` (Sentinels and the service they
+    watch). Every host named, every port in 1..65535, a database the path's one decimal number; no
+    password (it comes from ``$TANDEM_CLOUD_STORE_PASSWORD``), no query parameters and no fragment
+    (redis-py takes unknown parameters as connection arguments and fails later, and reads a
+    database path that is not a number as database 0). Whether the server has that database is
+    known only by connecting (``kvstore_redis.check_store_reachable``).
 
     Raises:
-        InvalidRequest: otherwise.
+        InvalidRequest: otherwise (the message names the part).
     """
     parts = urlsplit(url)
     if parts.scheme not in STORE_SCHEMES:
@@ -255,19 +261,46 @@ def check_store_url(url: str) -> str:
         raise InvalidRequest(f"store URL {url!r}: the scheme must be one of {schemes}")
     if parts.password or "@" in parts.netloc and ":" in parts.netloc.rpartition("@")[0]:
         raise InvalidRequest(f"store URL must not carry a password: put it in ${PASSWORD_ENV}")
+    if parts.query or parts.fragment or url.rstrip().endswith(("?", "#")):
+        raise InvalidRequest(
+            f"store URL {url!r}: takes no query parameters or fragment (the password in ${PASSWORD_ENV})"
+        )
+    path = [x for x in parts.path.split("/") if x]
     if "+" not in parts.scheme:
+        if not parts.hostname:
+            raise InvalidRequest(f"store URL {url!r} names no host (redis://HOST:PORT/DB)")
         try:
-            parts.port  # noqa: B018 (raises on a port that is not a number in 0..65535)
+            port = parts.port
         except ValueError as e:
             raise InvalidRequest(f"store URL {url!r}: {e} (several hosts need redis+cluster:// or +sentinel)") from None
+        if port == 0:
+            raise InvalidRequest(f"store URL {url!r}: port 0 cannot be connected to (give 1..65535)")
+        _check_db(url, parts.path.removeprefix("/"), "redis://HOST:PORT/DB")
         return url
     for node in parts.netloc.rpartition("@")[2].split(","):
-        host, _, port = node.rpartition(":")
-        if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        host, _, port_text = node.rpartition(":")
+        if not host.strip("[]") or not port_text.isdigit() or not 0 < int(port_text) < 65536:
             raise InvalidRequest(f"store URL {url!r}: {node!r} is not host:port with a port in 1..65535")
-    if parts.scheme.endswith("+sentinel") and not parts.path.strip("/"):
+    if parts.scheme.endswith("+cluster"):
+        if path:
+            raise InvalidRequest(f"store URL {url!r}: a Redis Cluster has no databases: give no path")
+        return url
+    if not path:
         raise InvalidRequest(f"store URL {url!r}: name the service Sentinel watches (/SERVICE[/DB])")
+    if len(path) > 2:
+        raise InvalidRequest(f"store URL {url!r}: the path is /SERVICE[/DB]")
+    _check_db(url, path[1] if len(path) > 1 else "", "redis+sentinel://HOST:PORT/SERVICE/DB")
     return url
+
+
+def _check_db(url: str, db: str, form: str) -> None:
+    """``db`` ("" for the default, 0) is a database index: decimal digits.
+
+    Raises:
+        InvalidRequest: otherwise.
+    """
+    if db and not (db.isascii() and db.isdigit()):
+        raise InvalidRequest(f"store URL {url!r}: the database {db!r} is not a number ({form}, DB 0..)")
 
 
 def open_store(url: str, directory: Path | str, size_limit_bytes: int) -> SealedStore:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from tandem.common.errors import EngineError
+from tandem.common.errors import EngineError, InvalidRequest
 from tandem.common.kvstore import DEFAULT_TTL_S, PASSWORD_ENV, SealedStore, check_store_url, log, slot_tag
 
 HOLD_OFF_S = 1.0  # a server that refused or timed out is not asked again for this long
@@ -375,21 +375,24 @@ def bound_server(server: Any, limit_bytes: int, name: str) -> None:
         )
 
 
-def connect_redis(url: str, password: str | None, socket_timeout_s: float) -> Any:
+def connect_redis(url: str, password: str | None, socket_timeout_s: float, retries: int | None = None) -> Any:
     """redis-py's client for ``url`` (checked by ``check_store_url``): ``redis.Redis`` for
     ``redis://`` / ``rediss://``, ``redis.cluster.RedisCluster`` over the listed nodes for
     ``redis+cluster://`` (it learns the rest of the cluster and follows failovers), or the primary
     of ``redis+sentinel://HOST:PORT[,...]/SERVICE[/DB]`` as its Sentinels name it (re-asked on
-    every reconnect, so a promoted replica is found)."""
+    every reconnect, so a promoted replica is found). ``retries``: of a command that failed on the
+    network (None: redis-py's own, one quick retry on a cluster; 0 where an answer is wanted at
+    once, as the start-up check)."""
     import redis
-    from redis.backoff import ExponentialBackoff
+    from redis.backoff import ExponentialBackoff, NoBackoff
     from redis.retry import Retry
 
     parts = urlsplit(url)
     scheme, tls = parts.scheme, parts.scheme.startswith("rediss")
     timeouts: dict[str, Any] = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
+    retry: dict[str, Any] = {} if retries is None else {"retry": Retry(NoBackoff(), retries)}
     if scheme in ("redis", "rediss"):
-        return redis.Redis.from_url(url, password=password, health_check_interval=30, **timeouts)
+        return redis.Redis.from_url(url, password=password, health_check_interval=30, **timeouts, **retry)
     nodes = [_host_port(n) for n in parts.netloc.rpartition("@")[2].split(",")]
     if scheme.endswith("+cluster"):
         from redis.cluster import ClusterNode, RedisCluster
@@ -400,7 +403,7 @@ def connect_redis(url: str, password: str | None, socket_timeout_s: float) -> An
             password=password,
             ssl=tls,
             # one quick retry (the client re-reads the slot map after a connection error), then a miss
-            retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 1),
+            retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 1 if retries is None else retries),
             **timeouts,
         )
     from redis.sentinel import Sentinel
@@ -408,9 +411,37 @@ def connect_redis(url: str, password: str | None, socket_timeout_s: float) -> An
     path = [unquote(x) for x in parts.path.split("/") if x]
     service, db = path[0], int(path[1]) if len(path) > 1 else 0
     sentinel = Sentinel(nodes, sentinel_kwargs={"password": password, "ssl": tls, **timeouts}, **timeouts)
-    return sentinel.master_for(service, db=db, password=password, ssl=tls)
+    return sentinel.master_for(service, db=db, password=password, ssl=tls, **retry)
 
 
 def _host_port(node: str) -> tuple[str, int]:
     host, _, port = node.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+def check_store_reachable(url: str, timeout_s: float = 5.0) -> None:
+    """Connect to the store at ``url`` as ``RedisBlockStore`` does (``connect_redis``, the password
+    from ``$TANDEM_CLOUD_STORE_PASSWORD``; a server's database selected, a cluster's nodes or
+    Sentinel's primary found) and ping it; then disconnect. Changes nothing on the server
+    (``RedisBlockStore`` sets the bound when it opens the store).
+
+    Raises:
+        InvalidRequest: the URL does not parse (``check_store_url``), or the server refused the
+            connection's set-up (a database index beyond its ``databases``, a wrong password, an
+            unknown Sentinel service).
+        EngineError: no server answered within ``timeout_s``.
+    """
+    import redis
+
+    check_store_url(url)
+    client = None
+    try:
+        client = connect_redis(url, os.environ.get(PASSWORD_ENV) or None, timeout_s, retries=0)
+        client.ping()
+    except (redis.ResponseError, redis.AuthenticationError) as e:
+        raise InvalidRequest(f"store URL {url!r}: the server refused: {e}") from None
+    except redis.RedisError as e:
+        raise EngineError(f"store URL {url!r}: cannot connect: {e}") from None
+    finally:
+        if client is not None:
+            client.close()

@@ -264,7 +264,9 @@ def outcome_of(exc: BaseException | None) -> str:
 def turn_log(log: logging.Logger, mode: str) -> Iterator[dict[str, Any]]:
     """Log a turn's start (DEBUG) and its end: INFO "turn done" with the fields the block put in
     the yielded dict (tokens, ttft_ms...), WARNING "turn refused" with the error's kind, INFO
-    "turn cancelled". An unexpected exception is left to the servicer, which logs its traceback."""
+    "turn cancelled" (but "turn done" for a turn whose fields hold its ``finish`` reason: it
+    completed, and the caller went away after its end). An unexpected exception is left to the
+    servicer, which logs its traceback."""
     fields: dict[str, Any] = {}
     log.debug("turn start: mode=%s", mode)
     try:
@@ -273,6 +275,8 @@ def turn_log(log: logging.Logger, mode: str) -> Iterator[dict[str, Any]]:
         outcome = outcome_of(e)
         if isinstance(e, TandemError):
             log.warning("turn refused: mode=%s %s: %s", mode, outcome, e)
+        elif outcome == "cancelled" and "finish" in fields:
+            log.info("turn done: mode=%s %s", mode, " ".join(f"{k}={v}" for k, v in fields.items()))
         elif outcome == "cancelled":
             log.info("turn cancelled: mode=%s", mode)
         raise

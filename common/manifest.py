@@ -44,7 +44,7 @@ class ExportCheck(BaseModel):
         """Raises:
         FileNotFoundError: no check at ``path``.
         pydantic.ValidationError: the file is not a check."""
-        return cls.model_validate(json.loads(Path(path).read_text()))
+        return cls.model_validate(json.loads(_read_json_file(Path(path))))
 
 
 class ModelShape(BaseModel):
@@ -145,11 +145,12 @@ class SplitManifest(BaseModel):
         Raises:
             FileNotFoundError: no manifest there (run ``make model``).
             pydantic.ValidationError: the file is not a manifest.
+            InvalidRequest: the file is not a regular file (a FIFO, a device) or is unreadable.
         """
         path = Path(directory) / MANIFEST_NAME
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"no split manifest at {path}; run `make model` first")
-        return cls.model_validate(json.loads(path.read_text()))
+        return cls.model_validate(json.loads(_read_json_file(path)))
 
     def resolve(self, directory: Path, rel: str) -> Path:
         return (Path(directory) / rel).resolve()
@@ -207,6 +208,47 @@ class BundleManifest(BaseModel):
             elif hashes and blake3_file(path) != f.blake3:
                 problems.append(f"{f.path}: BLAKE3 differs")
         return problems
+
+
+def _read_json_file(path: Path) -> bytes:
+    """The bytes of a small JSON file, read without blocking on a FIFO (``startup.read_regular``).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        InvalidRequest: not a regular file, or unreadable.
+    """
+    from tandem.common.startup import read_regular
+
+    if not path.exists():
+        raise FileNotFoundError(f"no such file: {path}")
+    return read_regular(path, path.name)
+
+
+def part_blake3(path: Path) -> str:
+    """Hex BLAKE3 of a split's part as the manifest records it (``head_blake3``, ``tail_blake3``,
+    ``checkpoint_blake3``): of the file, or of a folder's ``*.safetensors`` and ``*.json`` files
+    in name order; each file hashed as its name and then its bytes. Files are opened by
+    ``startup.open_regular`` (a FIFO is refused, never read).
+
+    Raises:
+        InvalidRequest: a file is not a regular file or is unreadable.
+    """
+    import blake3
+
+    from tandem.common.startup import open_regular
+
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
+    )
+    for f in files:
+        h.update(f.name.encode())
+        with os.fdopen(open_regular(f, str(f)), "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+    return h.hexdigest()
 
 
 def blake3_file(path: Path) -> str:

@@ -511,6 +511,9 @@ class CloudTurnTimes(Protocol):
     @property
     def timings(self) -> Mapping[Stage, float]: ...
 
+    @property
+    def final_sent(self) -> bool: ...  # its final went to the caller: the turn completed
+
 
 def _seconds(timings: Mapping[Stage, float], stage: Stage) -> float | None:
     ms = timings.get(stage)
@@ -559,7 +562,9 @@ def edge_turn(clock: EdgeTurnTimes) -> Iterator[dict[str, int]]:
 
 @contextlib.contextmanager
 def cloud_turn(mode: str, turn: CloudTurnTimes) -> Iterator[None]:
-    """Record one cloud turn's metrics when the ``with`` block ends, however it ends."""
+    """Record one cloud turn's metrics when the ``with`` block ends, however it ends: a turn whose
+    final went to the caller is ``ok`` even when the caller's cancel ends the block (an edge ends a
+    remote-prefill call as soon as it has the final)."""
     exc: BaseException | None = None
     try:
         yield
@@ -568,6 +573,8 @@ def cloud_turn(mode: str, turn: CloudTurnTimes) -> Iterator[None]:
         raise
     finally:
         outcome = outcome_of(exc)
+        if outcome == "cancelled" and turn.final_sent:
+            outcome = "ok"
         CLOUD_REQUESTS.labels(mode, outcome).inc()
         if turn.t_engine is None:
             if outcome not in ("ok", "cancelled", "internal"):

@@ -57,6 +57,7 @@ from tandem.common.manifest import (
     ExportCheck,
     ModelShape,
     SplitManifest,
+    part_blake3,
 )
 from tandem.common.onnx_export import (
     COMPUTE_DTYPES,
@@ -77,21 +78,8 @@ app = typer.Typer(add_completion=False, help="Prepare split models for tandem.")
 
 
 def file_blake3(path: Path) -> str:
-    """Hex BLAKE3 of a file's bytes (or of a directory's sorted safetensors/config files)."""
-    import blake3
-
-    h = blake3.blake3()
-    files = (
-        [path]
-        if path.is_file()
-        else sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
-    )
-    for f in files:
-        h.update(f.name.encode())
-        with f.open("rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
+    """What the manifest records for a part at ``path`` (``manifest.part_blake3``)."""
+    return part_blake3(path)
 
 
 def weights_blake3(checkpoint: Path) -> str:

@@ -111,15 +111,16 @@ def check_plaintext(address: str, insecure: bool, what: str) -> None:
 
 
 def read_file(path: Path | str, what: str) -> bytes:
-    """The bytes of a PEM file.
+    """The bytes of a PEM file, a regular file read without blocking (``startup.read_regular``: a
+    FIFO or a device is refused by its type, never opened).
 
     Raises:
-        InvalidRequest: the file is missing or unreadable (the message names the setting).
+        InvalidRequest: the file is missing, unreadable or not a regular file (the message names
+            the setting).
     """
-    try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise InvalidRequest(f"{what}: cannot read {path}: {e.strerror or e}") from None
+    from tandem.common.startup import read_regular
+
+    return read_regular(path, what)
 
 
 def key_name(key: str) -> str:

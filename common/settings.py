@@ -46,6 +46,7 @@ from pydantic_settings import (
 
 from tandem.common.errors import InvalidRequest
 from tandem.common.security import check_tls_files, is_loopback
+from tandem.common.startup import FileRole, server_ports
 from tandem.common.text import find_non_text
 from tandem.common.wire import Codec, WireDtype
 
@@ -152,6 +153,12 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 OptionalPort = Annotated[Port | None, BeforeValidator(_none_str)]
 OptionalStr = Annotated[str | None, BeforeValidator(_none_str)]
 OptionalPath = Annotated[Path | None, BeforeValidator(_none_str)]
+# paths by what the daemon does with them, which decides how ``common.startup.check_start`` checks
+# them before any model loads; every Path setting has one of these types (tests/unit/test_startup.py)
+InputFile = Annotated[Path, FileRole.INPUT]
+OptionalInputFile = Annotated[Path | None, BeforeValidator(_none_str), FileRole.INPUT]
+OptionalAppendFile = Annotated[Path | None, BeforeValidator(_none_str), FileRole.APPEND]
+SplitDir = Annotated[Path, FileRole.SPLIT_DIR]
 LogFormat = Literal["text", "json"]
 LogLevel = Annotated[str, BeforeValidator(_log_level)]
 
@@ -186,11 +193,11 @@ class DaemonSettings(BaseSettings):
     metrics_port: Port = Field(
         default=0, description="Port of the Prometheus metrics endpoint (HTTP); 0 = no endpoint."
     )
-    tls_cert_file: OptionalPath = Field(
+    tls_cert_file: OptionalInputFile = Field(
         default=None, description="TLS certificate chain (PEM) of the gRPC server; with `tls_key_file`, TLS is on."
     )
-    tls_key_file: OptionalPath = Field(default=None, description="Private key (PEM) of `tls_cert_file`.")
-    tls_client_ca_file: OptionalPath = Field(
+    tls_key_file: OptionalInputFile = Field(default=None, description="Private key (PEM) of `tls_cert_file`.")
+    tls_client_ca_file: OptionalInputFile = Field(
         default=None,
         description="CA (PEM) that signs client certificates: mutual TLS; a client without a valid certificate is "
         "refused in the handshake, and its certificate's subject is its identity.",
@@ -235,9 +242,8 @@ class DaemonSettings(BaseSettings):
     def _ports_distinct(self) -> Self:
         """Two servers of this daemon on one port: the second bind would fail after the model loaded."""
         bound: dict[int, tuple[str, str]] = {}
-        for port_name, host_name in (("port", "host"), ("metrics_port", "metrics_host"), ("http_port", "http_host")):
-            port, host = getattr(self, port_name, None), getattr(self, host_name, None)
-            if not port or host is None:
+        for port_name, host, port in server_ports(self):
+            if not port:
                 continue  # off, or any free port
             if port in bound and _hosts_overlap(host, bound[port][1]):
                 raise ValueError(f"{port_name} and {bound[port][0]} are both {port}: each server needs its own port")

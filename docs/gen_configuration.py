@@ -54,10 +54,27 @@ and `metrics_host` default to `127.0.0.1`: set `0.0.0.0` to
 listen on all interfaces.
 
 Both daemons also take `--version` (prints `tandem VERSION`), `--config FILE` and
-`--ready-file PATH` (writes the bound gRPC port to `PATH` once serving), and `--help`. A user
-error (a bad value, an unknown flag or key, a missing or malformed config file, a split
-directory without `manifest.json`) is one line on stderr, `tandem-cloud: error: ...`, and exit
-code 2, before any model is loaded.
+`--ready-file PATH` (writes the bound gRPC port to `PATH` once serving; a file left there by an
+earlier run is removed at start), and `--help`. A user
+error is one line on stderr, `tandem-cloud: error: ...`, and exit code 2, before any model is
+loaded: a bad value, an unknown flag or key, a missing or malformed config file, and whatever
+the start-up check (`tandem.common.startup.check_start`) finds when it opens, connects and binds
+what the settings name:
+
+* every file setting is opened for reading (TLS files, fidelity tables, `local_model`) or checked
+  writable (`slo_trace_file`, `--ready-file`); a FIFO, a device or a directory is refused by its
+  type, never opened;
+* each split directory has its `manifest.json` and every part the daemon loads (the cloud: the
+  tail and full checkpoints, each with `config.json` and `*.safetensors` weights; the edge: the
+  ONNX head and the tokenizer), of regular files, with the BLAKE3 the manifest records (hashing
+  reads the weights once: about half a second for SmolLM2's split directory on the cloud);
+* every port the daemon serves on (`port`, `metrics_port`, `http_port`) is bound once and
+  released: a port in use is named;
+* the cloud's `store_url` has a host, a numeric database and no query parameters, and the server
+  answers and has that database; `store_dir` is a directory of this user only.
+
+A failure to start after the check (a port taken in the meantime, the cloud refusing the edge's
+heads) is one line and exit code 1.
 
 ```toml
 # cloud.toml: tandem-cloud --config cloud.toml (or TANDEM_CLOUD_CONFIG=cloud.toml)

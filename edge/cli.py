@@ -14,11 +14,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tandem.common.daemon_cli import check_split_dirs, parse_command_line, run_cli, setup_observability
+from tandem.common.daemon_cli import parse_command_line, run_cli, setup_observability
 from tandem.common.errors import TandemError
+from tandem.common.startup import check_start
 from tandem.edge.config import EdgeConfig
 
 PROG = "tandem-edge"
+SPLIT_PARTS = ("head_onnx", "tokenizer_path")  # what the edge loads of each split directory
 
 
 async def serve(cfg: EdgeConfig, ready_file: Path | None, grace_s: float | None = None) -> None:
@@ -50,12 +52,34 @@ async def serve(cfg: EdgeConfig, ready_file: Path | None, grace_s: float | None 
     await daemon.stop(cfg.drain_grace_s if grace_s is None else grace_s)
 
 
+def default_local_models(cfg: EdgeConfig) -> None:
+    """The whole models local mode would look for beside the split directory (``local_model``
+    unset), each one there a regular file or a folder of regular files (``check_model``): its
+    check is read before it loads.
+
+    Raises:
+        InvalidRequest: one is a FIFO, a device, or a folder holding one.
+    """
+    from tandem.common.manifest import FULL_DECODER, FULL_ONNX
+    from tandem.common.startup import check_model
+
+    if not cfg.local or cfg.local_model is not None:
+        return
+    for path in (cfg.split_dir.parent / FULL_DECODER, cfg.split_dir.parent / FULL_ONNX):
+        if path.exists() or path.is_symlink():
+            check_model(path, "local model")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the command line and check what can be checked before any model loads (the settings:
-    ``EdgeConfig``'s validators; the split directories, one model's); ``UserError`` for any; serve."""
+    """Parse the command line, then check everything it names before any model loads
+    (``check_start``: every file opened, the split directories against their manifests, every port
+    bound); ``UserError`` for any. Then serve: a failure to start after that (a port taken since,
+    the cloud refusing the heads) is one line and exit code 1."""
     run = parse_command_line(EdgeConfig, PROG, argv, description=__doc__ or "")
     cfg = run.settings
-    check_split_dirs([cfg.split_dir, *cfg.extra_split_dirs], ("head_onnx", "tokenizer_path"))
+    check_start(cfg, split_parts=SPLIT_PARTS, ready_file=run.ready_file, extra=[lambda: default_local_models(cfg)])
+    if run.ready_file is not None:  # one left by an earlier run: present again once this process serves
+        run.ready_file.unlink(missing_ok=True)
     setup_observability(cfg, PROG)
     try:
         asyncio.run(serve(cfg, run.ready_file, cfg.drain_grace_s))
@@ -66,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def app(argv: Sequence[str] | None = None) -> int:
-    """The ``tandem-edge`` console script: exit code 0, or 2 on a user error."""
+    """The ``tandem-edge`` console script: exit code 0, 1 (could not start) or 2 (user error)."""
     return run_cli(PROG, lambda: main(argv))
 
 

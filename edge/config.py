@@ -10,7 +10,7 @@ file > defaults (in code: keyword arguments > environment > config file > defaul
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Self
+from typing import Annotated, Self
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -30,18 +30,20 @@ from tandem.common.settings import (
     DaemonSettings,
     ListSetting,
     Millis,
-    OptionalPath,
+    OptionalInputFile,
     OptionalPort,
     OptionalStr,
     Port,
     PositiveBytes,
     Seconds,
     Seconds0,
+    SplitDir,
     WireDtypeSetting,
     checked,
     kib,
     mib,
 )
+from tandem.common.startup import FileRole, check_model
 from tandem.edge.discovery import parse_dns_target
 
 DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
@@ -57,12 +59,12 @@ class EdgeConfig(DaemonSettings):
         cli_shortcuts={"cloud-target": "cloud"},  # `--cloud HOST:PORT`, a short alias
     )
 
-    split_dir: Path = Field(
+    split_dir: SplitDir = Field(
         default=DEFAULT_SPLIT_DIR,
         description="Split directory (`models/<model>/split-k<k>`): head.onnx + manifest.json; tokenizer from the "
         "full checkpoint.",
     )
-    extra_split_dirs: ListSetting[Path] = Field(
+    extra_split_dirs: Annotated[ListSetting[Path], FileRole.SPLIT_DIR] = Field(
         default_factory=list,
         description="More split directories of the same model (heads at other split layers k); the edge may "
         "split at any k the cloud also serves.",
@@ -72,7 +74,7 @@ class EdgeConfig(DaemonSettings):
         description="Serve local mode (the whole model here) when the local model file exists; also the fallback "
         "while the cloud is down or busy.",
     )
-    local_model: Path | None = Field(
+    local_model: Annotated[Path | None, FileRole.MODEL] = Field(
         default=None,
         description="The whole model for local mode: a folder built by ONNX Runtime GenAI's model builder "
         "(`tandem-model` writes `edge-decoder/`) or an ONNX file (`edge-full.onnx`); default `edge-decoder/` "
@@ -107,11 +109,13 @@ class EdgeConfig(DaemonSettings):
         description="Speak TLS to the cloud (on by itself when `cloud_ca_file` or `cloud_cert_file` is set); the "
         "cloud's certificate must match `cloud_ca_file` (else the system's roots) and the target's host name.",
     )
-    cloud_ca_file: OptionalPath = Field(default=None, description="CA (PEM) the cloud's certificate must chain to.")
-    cloud_cert_file: OptionalPath = Field(
+    cloud_ca_file: OptionalInputFile = Field(
+        default=None, description="CA (PEM) the cloud's certificate must chain to."
+    )
+    cloud_cert_file: OptionalInputFile = Field(
         default=None, description="This edge's client certificate (PEM) for mutual TLS with the cloud."
     )
-    cloud_key_file: OptionalPath = Field(default=None, description="Private key (PEM) of `cloud_cert_file`.")
+    cloud_key_file: OptionalInputFile = Field(default=None, description="Private key (PEM) of `cloud_cert_file`.")
     cloud_server_name: OptionalStr = Field(
         default=None,
         description="Name the cloud's certificate must carry when it differs from the target's host (e.g. an IP "
@@ -266,8 +270,8 @@ class EdgeConfig(DaemonSettings):
     @field_validator("local_model")
     @classmethod
     def _local_model(cls, v: Path | None) -> Path | None:
-        if v is not None and not v.is_file():
-            raise ValueError(f"{v} is not a file (the whole model in ONNX)")
+        if v is not None:
+            checked(check_model, v, "the whole model (a builder folder or an ONNX file)")
         return v
 
     @model_validator(mode="after")

@@ -9,6 +9,11 @@ Endpoints (FastAPI, served by uvicorn in the edge's event loop; see ``serve_open
   ``stream_options.include_usage``, ``user``; ``n`` must be 1.
 - ``POST /v1/completions``: ``prompt`` a string (or a list of one string); same sampling (``max_tokens``
   defaults to 16, OpenAI's); ``echo``, ``logprobs``, ``best_of`` > 1 and ``suffix`` are refused.
+- ``GET /health`` (as vLLM's server): 200 ``{"status": "SERVING", "modes": [...], "degraded": ...}``
+  while some mode can serve (local mode alone too, as the gRPC health service says), else 503
+  ``NOT_SERVING``; no API key needed.
+- ``GET /metrics`` (as vLLM's server): the edge's Prometheus metrics (``common.metrics``) in the text
+  format; no API key needed (the labels carry no ids or text).
 - ``DELETE /v1/conversations/{id}``: end a conversation (OpenAI's Conversations API shape,
   ``{"id", "object": "conversation.deleted", "deleted": true}``); ``id`` is the ``x-tandem-session``
   of its responses. Only the API key that made it may end it (else 404, as for one already ended).
@@ -387,6 +392,22 @@ def create_openai_app(
     async def _gone(request: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
 
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        routes = service.routes()
+        body = {
+            "status": "SERVING" if routes else "NOT_SERVING",
+            "modes": sorted({r.mode.value for r in routes}),
+            "degraded": service.degraded(),
+        }
+        return JSONResponse(body, status_code=200 if routes else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def list_models(key: str = auth) -> dict[str, Any]:
         return {"object": "list", "data": [api.model_card()]}
@@ -431,13 +452,16 @@ async def serve_openai(
     ``stop_openai``.
 
     Raises:
-        OSError: the address cannot be bound.
+        OSError: the address cannot be bound (the message names it).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot bind the HTTP API to {host}:{port}: {e.strerror or e}") from None
     except BaseException:
         sock.close()
         raise

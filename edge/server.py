@@ -358,7 +358,11 @@ async def serve_node(cfg: EdgeConfig, node: EdgeNode, model_id: str, links: list
 
         app = create_openai_app(node, model_id, [*cfg.api_keys, *cfg.http_api_keys])
         tls = (cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file and cfg.tls_key_file else None
-        daemon.http = await serve_openai(app, cfg.http_host, cfg.http_port, tls=tls)
+        try:
+            daemon.http = await serve_openai(app, cfg.http_host, cfg.http_port, tls=tls)
+        except BaseException:  # the gRPC server and the tasks started above stop with it
+            await daemon.stop(0.0)
+            raise
     return daemon
 
 

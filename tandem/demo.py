@@ -14,6 +14,7 @@ import argparse
 import shutil
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 from tandem.client import ChatResult, Client
@@ -29,45 +30,89 @@ FOLLOW_UP = "Now do the same for Sunday, but keep it cheaper."
 STAGES = [*TTFT_STAGES, Stage.TTFT, Stage.CLOUD_DECODE, Stage.TOTAL]  # rows of the latency table
 
 
+TABLE_COLUMNS = 100  # the report's tables fit a terminal this wide
+
+
 def stream(
     client: Client, messages: list[dict], session: str | None, mode: str, max_new: int, show: bool
 ) -> ChatResult:
+    """One turn; with ``show`` its text is printed as it streams, and a reply cut at ``max_new``
+    tokens says so."""
     s = client.chat(messages, max_new_tokens=max_new, session_id=session, mode=mode)
     for d in s:
         if show:
             print(d.text, end="", flush=True)
     if show:
-        print()
+        print(cut_note(s.result, max_new))
     return s.result
 
 
-def report(results: dict[str, ChatResult]) -> None:
-    names = list(results)
-    rows = [
-        ("prompt tokens", lambda r: r.prompt_tokens),
-        ("tokens through the edge head", lambda r: r.head_tokens),
-        ("prompt tokens loaded via KV connector", lambda r: r.external_tokens),
-        ("output tokens", lambda r: r.output_tokens),
-        ("bytes sent: activations", lambda r: r.sent_bytes.get("activations", 0)),
-        ("bytes sent: KV blocks", lambda r: r.sent_bytes.get("kv", 0)),
-        ("bytes sent: header+commit", lambda r: r.sent_bytes.get("header", 0)),
-        ("bytes per new prompt token", bytes_per_new_token),
+def cut_note(r: ChatResult, max_new: int) -> str:
+    """What follows a printed reply: a note when it stopped at ``max_new`` tokens, else nothing."""
+    if r.finish_reason != "length":
+        return ""
+    return f" [cut at {max_new} tokens: --max-new-tokens]"
+
+
+def table(title: str, names: list[str], rows: list[tuple[str, list[str]]], label_chars: int, widths: list[int]) -> str:
+    """A table: row labels in ``label_chars``, then a right-aligned column per name of ``widths``."""
+    lines = [title, " " * label_chars + "".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))]
+    for label, cells in rows:
+        lines.append(f"{label:<{label_chars}}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+    return "\n".join(lines)
+
+
+def report(results: dict[str, ChatResult]) -> str:
+    """The latency table and the tokens-and-bytes table of the demo's turns, by column name."""
+    names, rs = list(results), list(results.values())
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    latency = [(st.short_label, [ms(r.timings_ms.get(st)) for r in rs]) for st in STAGES]
+    latency += [
+        ("decode rate (tokens/s)", [f"{decode_rate(r):.1f}" for r in rs]),
+        ("mode that served it", [mode_of(r) for r in rs]),
+        ("predicted TTFT (ms)", [f"{r.predicted_ttft_ms:.1f}" for r in rs]),
     ]
-    w = max(len(label) for label in [*(st.label for st in STAGES), *(label for label, _ in rows)]) + 2
-    print("\nPer-stage latency (ms)")
-    print(f"{'stage':<{w}}" + "".join(f"{n:>16}" for n in names))
-    for st in STAGES:
-        cells = (results[n].timings_ms.get(st) for n in names)
-        print(f"{st.label:<{w}}" + "".join(f"{'-':>16}" if v is None else f"{v:>16.1f}" for v in cells))
-    print(f"{'decode rate (tokens/s)':<{w}}" + "".join(f"{decode_rate(results[n]):>16.1f}" for n in names))
-    print(f"{'mode that served it':<{w}}" + "".join(f"{mode_of(results[n]):>16}" for n in names))
-    print(
-        f"{'predicted TTFT (edge cost model, ms)':<{w}}"
-        + "".join(f"{results[n].predicted_ttft_ms:>16.1f}" for n in names)
+    counts = [
+        ("prompt tokens", [r.prompt_tokens for r in rs]),
+        ("tokens through the edge head", [r.head_tokens for r in rs]),
+        ("tokens loaded via KV connector", [r.external_tokens for r in rs]),
+        ("output tokens", [r.output_tokens for r in rs]),
+        ("bytes sent: activations", [r.sent_bytes.get("activations", 0) for r in rs]),
+        ("bytes sent: KV blocks", [r.sent_bytes.get("kv", 0) for r in rs]),
+        ("bytes sent: header+commit", [r.sent_bytes.get("header", 0) for r in rs]),
+        ("bytes per new prompt token", [bytes_per_new_token(r) for r in rs]),
+    ]
+    tokens = [(label, [str(v) for v in values]) for label, values in counts]
+    every = [*latency, *tokens]  # both tables share their columns: each as wide as its widest cell
+    label_chars = max(len(label) for label, _ in every) + 1
+    widths = [max(len(n), *(len(cells[i]) for _, cells in every)) + 2 for i, n in enumerate(names)]
+    return "\n\n".join(
+        [
+            table("Per-stage latency (ms)", names, latency, label_chars, widths),
+            table("Tokens and bytes", names, tokens, label_chars, widths),
+        ]
     )
-    print("\nTokens and bytes")
-    for label, f in rows:
-        print(f"{label:<{w}}" + "".join(f"{f(results[n]):>16}" for n in names))
+
+
+def summary(split: ChatResult, direct: ChatResult, local: ChatResult, auto: ChatResult) -> str:
+    """The comparison under the tables, wrapped to ``TABLE_COLUMNS``: split against plain vLLM, and
+    what auto chose against the fastest fixed mode."""
+    same = "same" if direct.output_token_ids == split.output_token_ids else "DIFFERENT"
+    ratio = split.timings_ms[Stage.TTFT] / direct.timings_ms[Stage.TTFT]
+    best = min((split, direct, local), key=lambda r: r.timings_ms[Stage.TTFT])
+    every = {direct.output_token_ids, local.output_token_ids, auto.output_token_ids} == {split.output_token_ids}
+    lines = [
+        f"split answer vs plain vLLM on the same prompt: {same} tokens; "
+        f"TTFT split/plain = {ratio:.2f}x (loopback, CPU)",
+        f"auto chose {mode_of(auto)} ({auto.mode_reason}): TTFT {auto.ttft_ms:.0f} ms, predicted "
+        f"{auto.predicted_ttft_ms:.0f} ms; the fastest fixed mode on this prompt was {mode_of(best)} "
+        f"({best.timings_ms[Stage.TTFT]:.0f} ms); every mode gave the "
+        + ("same tokens" if every else "DIFFERENT tokens (see above)"),
+    ]
+    return "\n".join(textwrap.fill(line, TABLE_COLUMNS, subsequent_indent="  ") for line in lines)
 
 
 def mode_of(r: ChatResult) -> str:
@@ -111,32 +156,15 @@ def main() -> None:
             eport = edge.wait_ready(300)
             split, turn2, direct, local, auto = chat(eport, args.prompt, args.max_new_tokens)
         print("tandem: edge and cloud stopped", file=sys.stderr)
-        report(
-            {
-                f"split k={split.split_layer}": split,
-                "split turn 2": turn2,
-                "plain vLLM": direct,
-                "edge only": local,
-                "auto": auto,
-            }
-        )
-        same = "same" if direct.output_token_ids == split.output_token_ids else "DIFFERENT"
-        ratio = split.timings_ms[Stage.TTFT] / direct.timings_ms[Stage.TTFT]
-        print(
-            f"\nsplit answer vs plain vLLM on the same prompt: {same} tokens; "
-            f"TTFT split/plain = {ratio:.2f}x (loopback, CPU)"
-        )
-        best = min((split, direct, local), key=lambda r: r.timings_ms[Stage.TTFT])
-        print(
-            f"auto chose {mode_of(auto)} ({auto.mode_reason}): TTFT {auto.ttft_ms:.0f} ms, predicted "
-            f"{auto.predicted_ttft_ms:.0f} ms; the fastest fixed mode on this prompt was {mode_of(best)} "
-            f"({best.timings_ms[Stage.TTFT]:.0f} ms); every mode gave the "
-            + (
-                "same tokens"
-                if {direct.output_token_ids, local.output_token_ids, auto.output_token_ids} == {split.output_token_ids}
-                else "DIFFERENT tokens (see above)"
-            )
-        )
+        results = {
+            f"split k={split.split_layer}": split,
+            "split turn 2": turn2,
+            "plain vLLM": direct,
+            "edge only": local,
+            "auto": auto,
+        }
+        print("\n" + report(results))
+        print("\n" + summary(split, direct, local, auto))
         ok = True
     finally:
         if ok:
@@ -153,7 +181,7 @@ def chat(edge_port: int, prompt: str, max_new_tokens: int) -> tuple[ChatResult, 
         stream(c, [{"role": "user", "content": "Hi"}], None, "split", 4, False)  # warm both paths once
         stream(c, [{"role": "user", "content": "Hi"}], None, "direct", 4, False)
         stream(c, [{"role": "user", "content": "Hi"}], None, "local", 4, False)
-        print(f"\nuser> {prompt}\nassistant (split, streamed)> ", end="", flush=True)
+        print(f"\n{textwrap.fill('user> ' + prompt, TABLE_COLUMNS)}\nassistant (split, streamed)> ", end="", flush=True)
         split = stream(c, msgs, "demo", "split", max_new_tokens, True)
         msgs2 = msgs + [{"role": "assistant", "content": split.text}, {"role": "user", "content": FOLLOW_UP}]
         print(f"\nuser> {FOLLOW_UP}\nassistant (split, turn 2)> ", end="", flush=True)

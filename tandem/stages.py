@@ -41,6 +41,12 @@ class Stage(enum.StrEnum):
         return _LABELS[self]
 
     @property
+    def short_label(self) -> str:
+        """``label`` in at most ``SHORT_LABEL_CHARS`` characters, for tables that must fit a
+        terminal (``make run``'s)."""
+        return _SHORT_LABELS.get(self, _LABELS[self])
+
+    @property
     def is_cloud(self) -> bool:
         return self.value.startswith("cloud_")
 
@@ -66,6 +72,24 @@ _LABELS = {
     Stage.HANDOVER: "edge: turn start to the cloud's handover (remote prefill)",
     Stage.TTFT: "time to first token (client)",
     Stage.TOTAL: "end to end",
+}
+
+SHORT_LABEL_CHARS = 32
+_SHORT_LABELS = {  # the labels longer than SHORT_LABEL_CHARS
+    Stage.EDGE_HEAD_QUEUE: "edge head: wait for the batcher",
+    Stage.ENCODE: "encode: chunks, KV blocks",
+    Stage.UPLINK: "uplink: until cloud verified",
+    Stage.CLOUD_QUEUE: "cloud: wait for the link's share",
+    Stage.CLOUD_TAIL_PREFILL: "cloud: tail prefill + 1st token",
+    Stage.CLOUD_TAIL_SAVE_WAIT: "cloud: tail KV writes after 1st",
+    Stage.CLOUD_DECODE_FIRST_TOKEN: "cloud: KV handoff + decode 1st",
+    Stage.CLOUD_DECODE: "cloud: decode engine, stream",
+    Stage.CLOUD_KV_SAVE_WAIT: "cloud: whole-model KV writes",
+    Stage.CLOUD_KV_DOWNLINK: "cloud: KV blocks down to commit",
+    Stage.LOCAL_QUEUE: "edge: wait for the local engine",
+    Stage.LOCAL_PREFILL: "edge: local prefill + 1st token",
+    Stage.KV_DOWNLINK: "edge: start to KV verified",
+    Stage.HANDOVER: "edge: start to the handover",
 }
 
 # The stages that add up to a split request's time to first token, in order.

@@ -578,3 +578,31 @@ async def test_the_log_lines_of_a_request_name_its_api_key_by_its_name(client):
     turns = [x for x in buf.getvalue().splitlines() if " tandem.edge " in x and "turn " in x]
     assert any("turn done" in x for x in turns) and any("turn refused" in x for x in turns)
     assert all(f"caller=key:{key_name(KEY)}]" in x for x in turns) and KEY not in buf.getvalue()
+
+
+async def test_health_and_metrics_answer_without_a_key(stack, monkeypatch):
+    """``/health`` and ``/metrics`` where the HTTP API listens, as vLLM's server has them: a probe or a
+    scraper needs no API key; health is 503 once no mode can serve."""
+    toy, port = stack
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+        r = await http.get("/health")
+        assert r.status_code == 200 and r.json()["status"] == "SERVING" and "split" in r.json()["modes"]
+        r = await http.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        assert "tandem:requests_total" in r.text
+        monkeypatch.setattr(toy.edge, "routes", lambda: [])
+        r = await http.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "NOT_SERVING"
+        assert (await http.get("/v1/models")).status_code == 401  # the API itself still needs its key
+
+
+async def test_a_port_in_use_is_an_oserror_that_names_it(stack):
+    import socket
+
+    toy, _ = stack
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot bind the HTTP API to 127.0.0.1:{port}"):
+            await serve_openai(create_openai_app(toy.edge, MODEL), "127.0.0.1", port)

@@ -5,6 +5,7 @@ every K and V of the context, so equal tokens mean the KV that came down is the 
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
@@ -194,5 +195,30 @@ async def test_remote_prefill_is_refused_without_the_whole_model_or_the_cloud():
         toy.edge.conn.connected.clear()  # the cloud is not connected
         with pytest.raises(EngineError, match="needs the cloud"):
             await stream(toy.edge, rp_turn("hi", Mode.REMOTE_PREFILL))
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_completed_remote_prefill_turns_count_as_ok_at_the_cloud():
+    """The edge cancels its call once the cloud's final came (a handover or the end of the reply);
+    the cloud counts such a turn by how it ended, ``ok``, not by the cancel that followed it."""
+    from prometheus_client import REGISTRY
+
+    def count(outcome: str) -> float:
+        labels = {"mode": "remote_prefill", "outcome": outcome}
+        return REGISTRY.get_sample_value("tandem:cloud_requests_total", labels) or 0.0
+
+    toy = await rp_stack()
+    try:
+        ok, cancelled = count("ok"), count("cancelled")
+        _, handed = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
+        toy.engines.save_delay_s = 1.0  # the cloud decodes all 8 tokens: its own final ends the turn
+        _, whole = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL, n=8))
+        assert handed.edge_decoded_tokens > 0 and whole.edge_decoded_tokens == 0
+        for _ in range(100):  # the cloud's side of each call ends after the edge has its reply
+            if count("ok") - ok == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert (count("ok") - ok, count("cancelled") - cancelled) == (2, 0)
     finally:
         await toy.batcher.stop()

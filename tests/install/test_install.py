@@ -6,6 +6,8 @@ package installed from a clean clone into fresh venvs, per role:
 * SDK: ``pip install CLONE`` with ``grpcio`` and ``protobuf`` pinned to the floors that
   ``pyproject.toml`` declares: the package imports, a ``Client`` and an ``AsyncClient`` chat with a
   stand-in Edge server over loopback, and nothing but ``tandem`` lands at the top of site-packages.
+* the CPU set-up's torch on a clean machine (no pip configuration, no local wheel folder): the CPU
+  build or a clear stop, never the CUDA build or an NVIDIA wheel;
 * edge: ``pip install 'CLONE[edge]'``: no torch, no vLLM; ``tandem-edge --help`` exits 0 and the
   modules the daemon loads at start-up import; with a prepared model (``make model``), the edge
   bundle's ONNX head runs on a chat prompt tokenized with the bundle's tokenizer.
@@ -184,6 +186,46 @@ def test_sdk_installs_with_the_declared_floors(clone, tmp_path):
         assert f in info["files"], f"{f} not installed"
     assert info["heavy"] == [], info["heavy"]
     print(f"SDK install {t_install:.0f} s")
+
+
+def _clean_machine_env() -> dict[str, str]:
+    """This environment as on a clean machine: no pip configuration and no local wheel folder
+    (``/opt/wheels``, file indexes), only PyPI; the CA bundle and the timeout are kept."""
+    keep = {"PIP_CERT", "PIP_DEFAULT_TIMEOUT", "PIP_DISABLE_PIP_VERSION_CHECK"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k in keep}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    return env
+
+
+def _installed(python: Path, env: dict[str, str]) -> dict[str, str]:
+    out = _run([str(python), "-m", "pip", "list", "--format", "json"], timeout=120, env=env).stdout
+    return {d["name"].lower(): d["version"] for d in json.loads(out)}
+
+
+@pytest.mark.install
+def test_cpu_setup_installs_torch_cpu_build_or_stops_before_any_cuda_wheel(clone, tmp_path):
+    """PyPI's ``torch==2.13.0`` is the CUDA build with about 20 NVIDIA wheels. Without a GPU and
+    without a local wheel folder, the set-up's torch step (``make torch-cpu``, which ``make setup``
+    runs first on such a host) installs the CPU build from PyTorch's CPU index, after which the rest
+    of the set-up resolves without a CUDA wheel; where that index does not answer, it stops with its
+    message. Either way no NVIDIA wheel and no CUDA build of torch is installed."""
+    python = _venv(tmp_path / "venv")
+    env = _clean_machine_env()
+    step = ["make", "--no-print-directory", "-C", str(clone), "torch-cpu", f"BIN={python.parent}", "FIND_LINKS="]
+    out = subprocess.run([*step, "HAS_GPU="], capture_output=True, text=True, env=env, timeout=PIP_TIMEOUT_S)
+    installed = _installed(python, env)
+    assert not [n for n in installed if n.startswith("nvidia")], installed
+    if out.returncode != 0:
+        assert "cannot install the CPU build of torch" in out.stdout, out.stdout + out.stderr
+        assert "torch" not in installed, installed
+        return
+    assert installed["torch"].endswith("+cpu"), installed
+    extras = _run(["make", "--no-print-directory", "-s", "-C", str(clone), "print-EXTRAS", "HAS_GPU="]).stdout.strip()
+    report = tmp_path / "report.json"
+    resolve = ["install", "--dry-run", "--quiet", "--report", str(report), "torch==2.13.0+cpu", f"{clone}[{extras}]"]
+    _run([str(python), "-m", "pip", *resolve], env=env)
+    names = [i["metadata"]["name"].lower() for i in json.loads(report.read_text())["install"]]
+    assert "torch" not in names and not [n for n in names if n.startswith("nvidia")], names
 
 
 @pytest.mark.install

@@ -1,0 +1,58 @@
+"""``make run``'s report (``tandem.demo``): its tables and summary fit ``TABLE_COLUMNS`` with the
+widest values a run prints, and a streamed reply cut at ``--max-new-tokens`` says so."""
+
+from __future__ import annotations
+
+from tandem.demo import STAGES, TABLE_COLUMNS, cut_note, report, summary
+from tandem.stages import SHORT_LABEL_CHARS, Stage
+from tandem.streams import ChatResult
+
+
+def result(mode: str, split_layer: int = 0, **kw) -> ChatResult:
+    """A turn with the widest values of a run: long prompts, megabytes sent, seconds of decode."""
+    base = dict(
+        text="x",
+        finish_reason="length",
+        prompt_tokens=1536,
+        output_tokens=512,
+        head_tokens=1536,
+        external_tokens=1504,
+        split_layer=split_layer,
+        output_token_ids=(1, 2, 3),
+        timings_ms={st.value: 123456.7 for st in STAGES},
+        sent_bytes={"activations": 123_456_789, "kv": 987_654_321, "header": 12_345},
+        mode=mode,
+        predicted_ttft_ms=98765.4,
+        ttft_ms=1234.5,
+        mode_reason="auto: whole reply: lowest predicted end-to-end time",
+    )
+    return ChatResult(**{**base, **kw})
+
+
+def test_the_report_fits_a_terminal_of_table_columns():
+    """The tables were 168 columns wide (the longest stage label is 71 characters)."""
+    split = result("split", 4)
+    results = {
+        "split k=4": split,
+        "split turn 2": result("split", 4),
+        "plain vLLM": result("direct"),
+        "edge only": result("local"),
+        "auto": result("remote_prefill"),
+    }
+    text = report(results) + "\n" + summary(split, results["plain vLLM"], results["edge only"], results["auto"])
+    widest = max(text.splitlines(), key=len)
+    assert len(widest) <= TABLE_COLUMNS, widest
+    assert "123456.7" in text and "987654321" in text and "remote_prefill" in text
+    for st in STAGES:
+        assert st.short_label in text
+
+
+def test_every_short_label_is_short_and_names_its_stage_alone():
+    labels = [st.short_label for st in Stage]
+    assert max(len(label) for label in labels) <= SHORT_LABEL_CHARS
+    assert len(set(labels)) == len(labels)
+
+
+def test_a_reply_cut_at_max_new_tokens_says_so():
+    assert cut_note(result("split", 4), 64) == " [cut at 64 tokens: --max-new-tokens]"
+    assert cut_note(result("split", 4, finish_reason="stop"), 64) == ""
