@@ -163,14 +163,15 @@ def decoder_problem(out: Path) -> str:
     return ""
 
 
-def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-3) -> DecoderBuild:
+def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-4) -> DecoderBuild:
     """Run ``prompt_ids`` through the built graph in two chunks (a prefill, then the rest after the
     first chunk's KV, as a later turn runs) and compare the logits of every token with HF's, in
     float32; the result is saved in the build record. The graph runs on ONNX Runtime's CPU provider
     for a CPU build, else on its CUDA provider.
 
     The bound is ``rtol * max(1, max |HF logit|)``; fp16/bf16/int4 builds get the wider bounds of
-    their arithmetic (``1e-3`` fp32, ``5e-2`` fp16, ``1e-1`` bf16 and int4).
+    their arithmetic (``1e-4`` fp32: the builds of the families that pass differ by 2e-5 of the
+    largest logit at most; ``5e-2`` fp16, ``1e-1`` bf16 and int4).
 
     Raises:
         ValueError: fewer than 2 prompt ids.
