@@ -445,9 +445,12 @@ def test_peer_strings_reach_a_metric_label_printable_and_bounded(value):
         text = generate_latest(reg).decode()
         assert not [x for x in text.splitlines() if x.startswith(FORGED)]
         (family,) = [f for f in text_string_to_metric_families(text) if f.name == "tandem:mode_fallbacks"]
-        (sample,) = [x for x in family.samples if x.name.endswith("_total")]
+        # other tests of the run may have recorded fallbacks of their own: this value's series is one
+        (sample,) = [
+            x for x in family.samples if x.name.endswith("_total") and x.labels["reason"] == metrics.label(value)
+        ]
         reason = sample.labels["reason"]
-        assert reason == metrics.label(value) and _readable(reason)
+        assert sample.value >= 1 and _readable(reason)
         assert len(reason) <= metrics.MAX_LABEL_CHARS + len("...(200000 more characters)")
     finally:
         metrics.MODE_FALLBACKS.remove(metrics.label(value))
