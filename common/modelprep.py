@@ -47,14 +47,17 @@ from rich.console import Console
 
 from tandem.common.bundles import DIRECT_DIR, write_bundles
 from tandem.common.manifest import (
+    DEFAULT_MAX_MODEL_LEN_TOKENS,
     FULL_CHECK_NAME,
     FULL_ONNX,
     MANIFEST_NAME,
+    EngineAgreement,
     ExportCheck,
     ModelShape,
     SplitManifest,
 )
 from tandem.common.onnx_export import (
+    CHECK_TOKENS,
     COMPUTE_DTYPES,
     ONNX_OPSET,
     ExportCheckFailed,
@@ -62,6 +65,7 @@ from tandem.common.onnx_export import (
     check_rtol,
     export_head,
 )
+from tandem.common.switches import Unservable, plan, tail_config
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -210,10 +214,32 @@ def shape_of(hf: Path) -> ModelShape:
     )
 
 
-def prepare_direct(out: Path, hf: Path, model_id: str) -> SplitManifest:
+def _direct_agreement(hf: Path, max_model_len_tokens: int | None) -> EngineAgreement | None:
+    """For a direct-only checkpoint of a supported family, what its engine needs of ``switches.plan``
+    (the refusals and ``hf_overrides``; no graph, so every length up to its positions); None for
+    another architecture (plain vLLM).
+
+    Raises:
+        Unservable: the pinned vLLM cannot serve it as HF computes it.
+    """
+    from tandem.common.head_model import UnsupportedArchitecture
+
+    try:
+        agreement = plan_deployment(hf, max_model_len_tokens)
+    except UnsupportedArchitecture:
+        return None
+    return EngineAgreement(
+        max_model_len_max_tokens=shape_of(hf).max_position_embeddings,
+        hf_overrides=agreement.hf_overrides,
+        notes=tuple(n for n in agreement.notes if n.startswith("sliding window")),
+    )
+
+
+def prepare_direct(out: Path, hf: Path, model_id: str, agreement: EngineAgreement | None = None) -> SplitManifest:
     """Write ``out/direct/manifest.json``: the checkpoint ``hf`` for direct mode only (``split_layer``
-    0, no head, no tail), so a cloud serves it as plain vLLM and an edge relays to it. Any
-    architecture vLLM serves; nothing is exported or checked."""
+    0, no head, no tail), so a cloud serves it as plain vLLM (started with ``agreement``'s
+    ``hf_overrides``, if any) and an edge relays to it. Any architecture vLLM serves; nothing is
+    exported or checked."""
     from transformers import AutoConfig
 
     arch = (AutoConfig.from_pretrained(hf).architectures or [""])[0]
@@ -232,6 +258,7 @@ def prepare_direct(out: Path, hf: Path, model_id: str) -> SplitManifest:
         weights_blake3=weights_blake3(hf),
         tokenizer=str(Path("..") / TOKENIZER_DIR),
         architecture=arch,
+        engine_agreement=agreement,
     )
     (out / DIRECT_DIR).mkdir(parents=True, exist_ok=True)
     manifest.save(out / DIRECT_DIR)
@@ -243,12 +270,12 @@ def make_tail(src: Path, dst: Path, k: int) -> Path:
     """Write the tail checkpoint: layers [k, L) of ``src`` renumbered from 0.
 
     Keeps ``embed_tokens`` (tied to lm_head in SmolLM2), the final norm and lm_head,
-    the tokenizer and the chat template, so vLLM loads it as an ordinary model.
+    the tokenizer and the chat template, so vLLM loads it as an ordinary model; its config is
+    ``switches.tail_config`` (each tail layer keeps its global layer's attention).
     """
     from safetensors.torch import load_file, save_file
 
     cfg = json.loads((src / "config.json").read_text())
-    n = cfg["num_hidden_layers"]
     tensors = {}
     for f in sorted(src.glob("*.safetensors")):
         for name, t in load_file(f).items():
@@ -262,11 +289,7 @@ def make_tail(src: Path, dst: Path, k: int) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    cfg["num_hidden_layers"] = n - k
-    for key in ("layer_types",):  # per-layer lists must shrink with the layer count
-        if isinstance(cfg.get(key), list):
-            cfg[key] = cfg[key][k:]
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    (tmp / "config.json").write_text(json.dumps(tail_config(cfg, k), indent=1))
     for f in src.iterdir():
         if f.name.startswith("tokenizer") or f.name in (
             "chat_template.jinja",
@@ -298,15 +321,19 @@ def prepare_split(
     checkpoint_hash: str = "",
     weights_hash: str = "",
     compute_dtype: str = "float32",
+    agreement: EngineAgreement | None = None,
 ) -> SplitManifest:
     """Cut ``hf`` at layer ``k`` under ``out/split-k{k}`` and write its manifest (idempotent: a split
-    cut from the same checkpoint files with a head of the same ``compute_dtype`` is kept, its
-    manifest only brought up to date; a head of another one is exported again).
+    cut from the same checkpoint files with a head of the same ``compute_dtype`` under the same
+    ``agreement`` is kept, its manifest only brought up to date; another one is exported again).
 
     ``checkpoint_hash`` / ``weights_hash``: ``file_blake3(hf)`` / ``weights_blake3(hf)`` if already known.
-    ``compute_dtype``: the head's arithmetic (``onnx_export.export_head``).
+    ``compute_dtype``: the head's arithmetic (``onnx_export.export_head``). ``agreement``: the
+    deployment's ``switches.plan`` (default: the plan at ``DEFAULT_MAX_MODEL_LEN_TOKENS``), recorded
+    in the manifest; the head is exported and checked under it.
     """
     cfg = json.loads((hf / "config.json").read_text())
+    agreement = agreement or plan_deployment(hf)
     checkpoint_hash = checkpoint_hash or file_blake3(hf)
     weights_hash = weights_hash or weights_blake3(hf)
     tokenizer = str(Path("..") / TOKENIZER_DIR)
@@ -315,22 +342,25 @@ def prepare_split(
     if existing.is_file():
         m = SplitManifest.load(split_dir)
         same_head = m.head_check is None or m.head_check.compute_dtype == compute_dtype
-        if m.checkpoint_blake3 == checkpoint_hash and same_head:
+        if m.checkpoint_blake3 == checkpoint_hash and same_head and _same_agreement(m.engine_agreement, agreement):
             if not m.passed_check:  # prepared before the check: check the head there
-                check = _checked(check_export(hf, split_dir / m.head_onnx, k), f"head k={k}")
+                check = _checked(check_export(hf, split_dir / m.head_onnx, k, agreement=agreement), f"head k={k}")
                 m = m.model_copy(update={"architecture": check.architecture, "head_check": check})
                 m.save(split_dir)
-            if (m.weights_blake3, m.tokenizer) != (weights_hash, tokenizer):
-                m = m.model_copy(update={"weights_blake3": weights_hash, "tokenizer": tokenizer})
+            update = {"weights_blake3": weights_hash, "tokenizer": tokenizer, "engine_agreement": agreement}
+            if any(getattr(m, key) != value for key, value in update.items()):
+                m = m.model_copy(update=update)
                 m.save(split_dir)
             console.print(f"[bold]model[/] split k={k} up to date ({split_dir})")
             return m
     split_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with console.status(f"exporting ONNX head (layers [0, {k}), {compute_dtype}) ..."):
-        export_head(hf, split_dir / "head.onnx", k, compute_dtype=compute_dtype)
+        export_head(hf, split_dir / "head.onnx", k, compute_dtype=compute_dtype, overrides=agreement.export_overrides)
     console.print(f"[bold]model[/] ONNX head k={k} ({compute_dtype}) exported in {time.perf_counter() - t0:.1f} s")
-    check = _checked(check_export(hf, split_dir / "head.onnx", k, compute_dtype=compute_dtype), f"head k={k}")
+    check = _checked(
+        check_export(hf, split_dir / "head.onnx", k, compute_dtype=compute_dtype, agreement=agreement), f"head k={k}"
+    )
     with console.status(f"writing tail checkpoint (layers [{k}, {cfg['num_hidden_layers']})) ..."):
         make_tail(hf, split_dir / "tail", k)
     manifest = SplitManifest(
@@ -349,10 +379,37 @@ def prepare_split(
         tokenizer=tokenizer,
         architecture=check.architecture,
         head_check=check,
+        engine_agreement=agreement,
     )
     manifest.save(split_dir)
     console.print(f"[bold]model[/] split k={k} ready in {split_dir}")
     return manifest
+
+
+def plan_deployment(hf: Path, max_model_len_tokens: int | None = None) -> EngineAgreement:
+    """How the edge's graphs and the cloud's engines compute one function for the checkpoint at
+    ``hf`` under engines of ``max_model_len_tokens`` (default: ``DEFAULT_MAX_MODEL_LEN_TOKENS``,
+    or the model's positions when it has fewer): ``switches.plan``.
+
+    Raises:
+        UnsupportedArchitecture: not a supported family.
+        Unservable: the checkpoint or the length cannot be served alike (one line: what and why).
+    """
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(hf)
+    if max_model_len_tokens is None:
+        max_model_len_tokens = min(DEFAULT_MAX_MODEL_LEN_TOKENS, cfg.max_position_embeddings)
+    return plan(cfg, max_model_len_tokens)
+
+
+def _same_agreement(prepared: EngineAgreement | None, wanted: EngineAgreement) -> bool:
+    """Whether graphs exported and checked under ``prepared`` (None: before agreements were recorded:
+    the checkpoint's config, the check's fixed rows) hold under ``wanted``: the same export overrides
+    and a check at least as long."""
+    if prepared is None:
+        return not wanted.export_overrides and wanted.check_tokens <= max(CHECK_TOKENS)
+    return prepared.export_overrides == wanted.export_overrides and prepared.check_tokens >= wanted.check_tokens
 
 
 def check_architecture(hf: Path) -> str:
@@ -366,27 +423,35 @@ def check_architecture(hf: Path) -> str:
     return family_of(json.loads((hf / "config.json").read_text())).architecture
 
 
-def prepare_full(out: Path, hf: Path, compute_dtype: str = "float32") -> ExportCheck:
-    """Export ``edge-full.onnx`` (when missing, or exported with another ``compute_dtype``) and
-    check it (when unchecked), writing its check to ``edge-full.check.json``.
+def prepare_full(
+    out: Path, hf: Path, compute_dtype: str = "float32", agreement: EngineAgreement | None = None
+) -> ExportCheck:
+    """Export ``edge-full.onnx`` (when missing, or exported with another ``compute_dtype`` or under
+    another ``agreement``) and check it (when unchecked), writing its check to ``edge-full.check.json``.
 
     Raises:
         ExportCheckFailed: the graph differs from HF beyond the tolerance.
     """
+    agreement = agreement or plan_deployment(hf)
     path, check_path = out / FULL_ONNX, out / FULL_CHECK_NAME
     if path.is_file() and check_path.is_file():
         check = ExportCheck.load(check_path)
-        if check.compute_dtype != compute_dtype:
+        if check.compute_dtype != compute_dtype or not _same_agreement(check.engine_agreement, agreement):
             path.unlink()
         elif check.passed:
+            if check.engine_agreement != agreement:
+                check = check.model_copy(update={"engine_agreement": agreement})
+                check.save(check_path)
             return check
     check_path.unlink(missing_ok=True)
     if not path.is_file():
         n = json.loads((hf / "config.json").read_text())["num_hidden_layers"]
         with console.status(f"exporting the whole model to ONNX (edge-only baseline, {compute_dtype}) ..."):
-            export_head(hf, path, n, full=True, compute_dtype=compute_dtype)
+            export_head(hf, path, n, full=True, compute_dtype=compute_dtype, overrides=agreement.export_overrides)
         console.print(f"[bold]model[/] edge-only ONNX model written to {path}")
-    check = _checked(check_export(hf, path, 0, full=True, compute_dtype=compute_dtype), "edge-full.onnx")
+    check = _checked(
+        check_export(hf, path, 0, full=True, compute_dtype=compute_dtype, agreement=agreement), "edge-full.onnx"
+    )
     check.save(check_path)
     return check
 
@@ -400,16 +465,20 @@ def prepare_model(
     bundles: bool = True,
     direct_only: bool = False,
     onnx_dtype: str = "float32",
+    max_model_len_tokens: int | None = None,
 ) -> list[SplitManifest]:
     """Prepare the full checkpoint, the checked ONNX heads, tail checkpoints and role bundles under
     ``out`` (idempotent); returns the split manifests. ``direct_only``: no split, no ONNX, any
     architecture (``prepare_direct``). ``onnx_dtype``: the ONNX graphs' arithmetic
     (``onnx_export.COMPUTE_DTYPES``; float32 is exact against the float32 references, float16 is for
-    a GPU edge).
+    a GPU edge). ``max_model_len_tokens``: the cloud engines' ``max_model_len`` the graphs are
+    prepared for (``plan_deployment``; the manifests record the range it holds for).
 
     Raises:
         UnsupportedArchitecture: the checkpoint's architecture cannot be split (nothing written
             under ``out`` but the link to the checkpoint).
+        Unservable: the edge's graphs and the pinned vLLM cannot compute one function for the
+            checkpoint (``switches.plan``; nothing written under ``out`` but the link).
         ExportCheckFailed: an exported graph differs from HF; no bundle is written.
         FileNotFoundError: ``checkpoint`` has no ``config.json``.
         ValueError: ``onnx_dtype`` is not one of ``onnx_export.COMPUTE_DTYPES``.
@@ -422,25 +491,30 @@ def prepare_model(
             raise FileNotFoundError(f"{checkpoint} is not an HF checkpoint (no config.json)")
         if not direct_only:
             check_architecture(checkpoint)
+            plan_deployment(checkpoint, max_model_len_tokens)
         if not hf.exists():
             hf.symlink_to(checkpoint.resolve())
     elif not (hf / "config.json").is_file():
         convert_embedded_gguf(hf)
     if direct_only:
+        agreement = _direct_agreement(hf, max_model_len_tokens)
         write_tokenizer(hf, out / TOKENIZER_DIR)
-        manifest = prepare_direct(out, hf, model_id)
+        manifest = prepare_direct(out, hf, model_id, agreement)
         if bundles:
             write_bundles(out)
         return [manifest]
     check_architecture(hf)
+    agreement = plan_deployment(hf, max_model_len_tokens)
+    for note in agreement.notes:
+        console.print(f"[bold]model[/] {note}")
     write_tokenizer(hf, out / TOKENIZER_DIR)
     checkpoint_hash, weights_hash = file_blake3(hf), weights_blake3(hf)
     manifests = [
-        prepare_split(out, hf, k, model_id, checkpoint_hash, weights_hash, onnx_dtype)
+        prepare_split(out, hf, k, model_id, checkpoint_hash, weights_hash, onnx_dtype, agreement)
         for k in sorted({int(x) for x in split_layers.split(",") if x.strip()})
     ]
     if edge_full:
-        prepare_full(out, hf, onnx_dtype)
+        prepare_full(out, hf, onnx_dtype, agreement)
     if bundles:
         write_bundles(out)
     return manifests
@@ -471,18 +545,30 @@ def prepare(
             "stay float32)"
         ),
     ] = "float32",
+    max_model_len_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="the cloud engines' max_model_len (tandem-cloud's engine.max_model_len_tokens) the graphs are "
+            f"prepared and checked for; default {DEFAULT_MAX_MODEL_LEN_TOKENS} or the model's positions if fewer. "
+            "A cloud outside the range the manifest records refuses to start"
+        ),
+    ] = None,
 ) -> None:
     """Prepare the full checkpoint, ONNX heads (each checked against HF), tail checkpoints and role
-    bundles (idempotent). Exit status 2: the architecture is not supported or an export failed its check."""
+    bundles (idempotent). Exit status 2: the architecture is not supported, the edge's graphs and
+    vLLM cannot compute the checkpoint alike (its sliding windows, rope scaling or a field vLLM
+    ignores), or an export failed its check."""
     from tandem.common.head_model import UnsupportedArchitecture
 
     if onnx_dtype not in COMPUTE_DTYPES:
         raise typer.BadParameter(f"must be one of {', '.join(COMPUTE_DTYPES)}", param_hint="--onnx-dtype")
     try:
-        prepare_model(out, checkpoint, split_layers, model_id, edge_full, bundles, direct_only, onnx_dtype)
+        prepare_model(
+            out, checkpoint, split_layers, model_id, edge_full, bundles, direct_only, onnx_dtype, max_model_len_tokens
+        )
     except FileNotFoundError as e:
         raise typer.BadParameter(str(e)) from None
-    except (UnsupportedArchitecture, ExportCheckFailed) as e:
+    except (UnsupportedArchitecture, Unservable, ExportCheckFailed) as e:
         console.print(f"[bold red]refused[/] {e}")
         raise typer.Exit(2) from None
 

@@ -142,7 +142,8 @@ def local_check_problem(path: Path) -> str:
 
 
 async def load_local(cfg: EdgeConfig, shape: ModelShape, eos: list[int]) -> LocalEngine | None:
-    """The whole model for local mode (warmed up: its first rates), or None when off or missing."""
+    """The whole model for local mode (warmed up: its first rates), or None when off or missing.
+    It serves sequences up to the highest ``max_model_len`` its check's ``EngineAgreement`` holds for."""
     path = cfg.local_model or cfg.split_dir.parent / FULL_ONNX
     if not cfg.local:
         return None
@@ -153,6 +154,10 @@ async def load_local(cfg: EdgeConfig, shape: ModelShape, eos: list[int]) -> Loca
     if problem:
         log.warning("local mode off: %s", problem)
         return None
+    agreement = ExportCheck.load(path.with_suffix(".check.json")).engine_agreement
+    if agreement is not None:  # the positions the graph was prepared for (a LongRoPE model's short factors end there)
+        positions = min(shape.max_position_embeddings, agreement.max_model_len_max_tokens)
+        shape = shape.model_copy(update={"max_position_embeddings": positions})
     local = LocalEngine(path, shape, eos, cfg.intra_op_threads, cfg.max_sessions, cfg.session_bytes, cfg.session_idle_s)
     await local.warmup()  # the first rates, which the cost model reads from the engine
     log.info(

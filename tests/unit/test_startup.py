@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.common.manifest import SplitManifest
+from tandem.common.manifest import EngineAgreement, SplitManifest
 from tests.doubles import toy_manifest
 
 KEY = "k" * 24
@@ -76,11 +76,18 @@ def _write(path: Path, text: str) -> Path:
 
 def _fill(argv: list[str], tmp: Path, tls) -> list[str]:
     """Placeholders of the case tables: ``{tmp}``, ``{other}`` (a split dir of another model),
-    ``{garbage}`` (a file that is not PEM) and the test PKI's files (conftest's ``tls``)."""
+    ``{longrope}`` (a split prepared for engines of at most 1024 tokens, as a LongRoPE model's short
+    factors are), ``{garbage}`` (a file that is not PEM) and the test PKI's files (conftest's ``tls``)."""
     other = split_dir(tmp, "other", toy_manifest().model_copy(update={"weights_blake3": "another-model"}))
+    short_rope = EngineAgreement(
+        max_model_len_max_tokens=1024,
+        notes=("longrope: max_model_len 1024 <= original_max_position_embeddings 1024: the short factors",),
+    )
+    longrope = split_dir(tmp, "longrope", toy_manifest().model_copy(update={"engine_agreement": short_rope}))
     files = {
         "tmp": tmp,
         "other": other,
+        "longrope": longrope,
         "garbage": _write(tmp / "garbage.pem", "not a certificate\n"),
         "cloud_cert": tls.cloud[0],
         "cloud_key": tls.cloud[1],
@@ -118,6 +125,12 @@ CLOUD_CASES = [
     ("trace file in no directory", ["--slo-trace-file", "{tmp}/no/trace.jsonl"], {}, "does not exist"),
     ("extra split dir of another model", ["--extra-split-dirs", "{other}"], {}, "another model"),
     ("max_model_len beyond the model", ["--engine.max-model-len-tokens", "8192"], {}, "4096 positions"),
+    (
+        "max_model_len past the range the manifest was checked for",
+        ["--split-dir", "{longrope}"],
+        {},
+        "outside 2..1024, the range this model was prepared and checked for (longrope",
+    ),
     ("KV cache too small for max_model_len", ["--engine.kv-cache-bytes", "256KiB"], {}, "cannot hold one sequence"),
 ]
 
