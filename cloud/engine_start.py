@@ -121,7 +121,7 @@ def start_engine(
         # (never here), so no periodic log lines
         disable_log_stats=False,
         kv_transfer_config=KVTransferConfig(**_kv_transfer(cfg, kv_role, layer_offset)) if kv_role else None,
-        hf_overrides=dict(hf_overrides) if hf_overrides else None,
+        hf_overrides=dict(hf_overrides or {}),
     )
     # vLLM's Prometheus logger unregisters the vllm: metrics at every engine start; this one keeps
     # one shared family per name, so both engines are exported (told apart by model_name)

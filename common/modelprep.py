@@ -7,11 +7,17 @@ downloads weights. A local HF directory of any family in ``common.head_model.FAM
 (Llama, Mistral, Qwen2, Qwen3, Gemma2, Gemma3, Phi3) works in its place; another architecture
 is refused by name (``UnsupportedArchitecture``).
 
+Before anything is exported, ``switches.plan`` decides how the edge's graphs and the cloud's vLLM
+engines compute one function across the checkpoint's behaviour switches (rope scaling thresholds,
+sliding windows) for engines of ``--max-model-len-tokens``, or refuses the checkpoint by name and
+reason (``Unservable``); the manifests record the result (``EngineAgreement``).
+
 Every exported graph is checked against HF before anything is bundled (``check_export``): the
 hidden state entering layer ``k`` (the logits for ``edge-full.onnx``) and every present key and
-value, on two rows (one left-padded) in two steps, within ``CHECK_RTOL`` of the largest HF value;
-the result goes into the split manifest (``head_check``) or ``edge-full.check.json``, and a graph
-that fails stops preparation (``ExportCheckFailed``) before any bundle is written.
+value, on two rows (one left-padded) in two steps and one row past the switches, within
+``CHECK_RTOL`` of the largest HF value; the result goes into the split manifest (``head_check``) or
+``edge-full.check.json``, and a graph that fails stops preparation (``ExportCheckFailed``) before
+any bundle is written.
 
 Layout written under ``OUT``::
 
@@ -489,7 +495,9 @@ def prepare_model(
     if checkpoint is not None:
         if not (checkpoint / "config.json").is_file():
             raise FileNotFoundError(f"{checkpoint} is not an HF checkpoint (no config.json)")
-        if not direct_only:
+        if direct_only:
+            _direct_agreement(checkpoint, max_model_len_tokens)
+        else:
             check_architecture(checkpoint)
             plan_deployment(checkpoint, max_model_len_tokens)
         if not hf.exists():

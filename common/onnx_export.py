@@ -22,7 +22,7 @@ from tandem.common.manifest import EngineAgreement, ExportCheck
 
 ONNX_OPSET = 17
 # An export passes its check when max |ONNX - HF| <= CHECK_RTOL * max(1, max |HF|) over all its outputs:
-# fp32 graphs of the same function differ by reordered sums, measured at up to 2.7e-6 of the largest
+# fp32 graphs of the same function differ by reordered sums, measured at up to 3.6e-6 of the largest
 # value on the families' test checkpoints (tests/families.py) and 5.5e-7 on SmolLM2-135M; a wrong
 # layer (a missing q/k norm or soft-cap, another mask, other weights) is off by far more
 CHECK_RTOL = 5e-5
