@@ -69,17 +69,24 @@ RopeKind = Literal["static", "length_switch", "refused"]
 class RopeType:
     """How HF and vLLM treat one ``rope_type``: ``static`` (one function of the position on both
     sides), ``length_switch`` (``longrope``: HF switches per call, vLLM per deployment) or ``refused``
-    (with ``reason``)."""
+    (with ``reason``); ``vllm_positions``: the rows of vLLM's cos/sin table, when fewer than the
+    model's positions (yarn's: ``original_max_position_embeddings * factor``)."""
 
     kind: RopeKind
     reason: str = ""
+    vllm_positions: Callable[[dict[str, Any]], int | None] | None = None
+
+
+def _yarn_positions(rp: dict[str, Any]) -> int | None:
+    orig, factor = rp.get("original_max_position_embeddings"), rp.get("factor")
+    return int(orig * factor) if orig and factor else None
 
 
 ROPE_TYPES: dict[str, RopeType] = {
     "default": RopeType("static"),
     "linear": RopeType("static"),
     "llama3": RopeType("static"),
-    "yarn": RopeType("static"),
+    "yarn": RopeType("static", vllm_positions=_yarn_positions),
     "longrope": RopeType("length_switch"),
     "dynamic": RopeType(
         "refused",
@@ -126,6 +133,7 @@ def _rope_plan(arch: str, cfg: Any, max_model_len: int) -> _RopePlan:
             attention factor HF and vLLM compute differently.
     """
     sets = _rope_parameter_sets(cfg)
+    table = None  # the fewest rows of a vLLM rope table
     for rp in sets:
         name = rp.get("rope_type") or rp.get("type") or "default"
         rule = ROPE_TYPES.get(name)
@@ -136,9 +144,18 @@ def _rope_plan(arch: str, cfg: Any, max_model_len: int) -> _RopePlan:
             )
         if rule.kind == "refused":
             raise Unservable(f"{arch} uses rope_type {name!r}: {rule.reason}")
+        rows = rule.vllm_positions(rp) if rule.vllm_positions else None
+        if rows is not None and rows < cfg.max_position_embeddings:
+            if max_model_len > rows:
+                raise Unservable(
+                    f"{arch}'s {name} rope: vLLM computes it for {rows} positions (original_max_position_embeddings "
+                    f"x factor), fewer than max_model_len {max_model_len}"
+                )
+            table = rows if table is None else min(table, rows)
     longs = [rp for rp in sets if (rp.get("rope_type") or rp.get("type")) == "longrope"]
     if not longs:
-        return _RopePlan(None, 2, None, None, "")
+        note = f"rope: vLLM's table holds {table} positions (max_model_len up to {table})" if table else ""
+        return _RopePlan(None, 2, table, None, note)
     if len(sets) != 1:
         raise Unservable(f"{arch} uses longrope per layer type, which tandem does not export")
     rp = longs[0]

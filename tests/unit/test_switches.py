@@ -191,3 +191,99 @@ def test_a_manifest_without_an_agreement_holds_for_every_length_up_to_its_positi
         update={"engine_agreement": EngineAgreement(max_model_len_max_tokens=8, export_overrides={"x": 1})}
     )
     assert longrope.compatibility_key().startswith(m.compatibility_key() + "|export=")
+
+
+STATIC_ROPES = [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 500000.0,
+    },
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "rope_theta": 1e6},
+    {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 64,
+        "attention_factor": 1.3,
+        "rope_theta": 1e6,
+    },
+]
+
+
+def _vllm_cos_sin(cfg, max_model_len: int, monkeypatch):
+    """vLLM's cos and sin ``[max_model_len, D/2]`` (mscale applied) for positions ``0 ..
+    max_model_len - 1`` of ``cfg``'s rope, built as its engines build it."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers import rotary_embedding
+    from vllm.model_executor.layers.rotary_embedding import get_rope, phi3_long_rope_scaled_rope
+
+    engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=max_model_len))
+    monkeypatch.setattr(phi3_long_rope_scaled_rope, "get_current_vllm_config", lambda: engine)
+    monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {})  # get_rope's cache is keyed without max_model_len
+    d = cfg.hidden_size // cfg.num_attention_heads
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(d, max_position=cfg.max_position_embeddings, rope_parameters=dict(cfg.rope_parameters))
+    if hasattr(rope, "long_short_cos_sin_cache"):  # LongRoPE: the short rows, then the long ones
+        offset = rope.original_max_position_embeddings if rope.use_long_rope else 0
+        cache = rope.long_short_cos_sin_cache[offset : offset + max_model_len]
+    else:
+        cache = rope.cos_sin_cache[:max_model_len]
+    return cache[:, : d // 2], cache[:, d // 2 :]
+
+
+def _hf_cos_sin(cfg, positions: int, overrides: dict):
+    """HF's cos and sin ``[positions, D/2]`` (attention factor applied) for one call over positions
+    ``0 .. positions - 1``, the config's values replaced by ``overrides``."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    hf_cfg = switches._with(cfg, overrides)
+    rotary = (Phi3RotaryEmbedding if hf_cfg.architectures[0] == "Phi3ForCausalLM" else LlamaRotaryEmbedding)(hf_cfg)
+    d = cfg.hidden_size // cfg.num_attention_heads
+    cos, sin = rotary(torch.zeros(1, 1, d), torch.arange(positions)[None])
+    return cos[0, :, : d // 2], sin[0, :, : d // 2]
+
+
+@pytest.mark.parametrize("rope", STATIC_ROPES, ids=[f"{r['rope_type']}-{i}" for i, r in enumerate(STATIC_ROPES)])
+def test_a_static_rope_is_one_function_in_hf_and_vllm(rope, monkeypatch):
+    pytest.importorskip("vllm")
+    cfg = config("llama", rope_parameters=rope)
+    assert switches.plan(cfg, 512).export_overrides == {}
+    want = _vllm_cos_sin(cfg, 512, monkeypatch)
+    for got, w in zip(_hf_cos_sin(cfg, 512, {}), want, strict=True):
+        assert float((got - w).abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("max_model_len", [ORIGINAL_POSITIONS, 512])
+def test_longrope_exported_as_planned_is_vllms_rope_at_every_position(max_model_len, monkeypatch):
+    """On either side of the threshold, HF loaded with the plan's export overrides computes vLLM's
+    rope at every position the deployment reaches, in a call of any length (HF alone switches by the
+    call's length: a short call would take the short factors)."""
+    pytest.importorskip("vllm")
+    cfg = config("phi3-longrope")
+    overrides = switches.plan(cfg, max_model_len).export_overrides
+    want = _vllm_cos_sin(cfg, max_model_len, monkeypatch)
+    for positions in (16, max_model_len):  # a short call and one over every position
+        for got, w in zip(_hf_cos_sin(cfg, positions, overrides), want, strict=True):
+            assert float((got - w[:positions]).abs().max()) < 1e-6, (max_model_len, positions)
+    if max_model_len > ORIGINAL_POSITIONS:  # the checkpoint's own config differs from vLLM for a short call
+        got, _ = _hf_cos_sin(cfg, 16, {})
+        assert float((got - want[0][:16]).abs().max()) > 1e-2
+
+
+def test_a_yarn_rope_bounds_max_model_len_at_vllms_table():
+    """vLLM's YaRN table holds ``original_max_position_embeddings * factor`` rows."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e6}
+    cfg = config("llama", rope_parameters=rope)
+    assert switches.plan(cfg, 256).max_model_len_max_tokens == 256
+    with pytest.raises(switches.Unservable, match="vLLM computes it for 256 positions") as e:
+        switches.plan(cfg, 512)
+    one_line(e)
