@@ -71,7 +71,7 @@ from tandem.common.onnx_export import (
     check_rtol,
     export_head,
 )
-from tandem.common.switches import Unservable, plan, tail_config
+from tandem.common.switches import Unservable, check_tail, plan, tail_config
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -369,6 +369,7 @@ def prepare_split(
     )
     with console.status(f"writing tail checkpoint (layers [{k}, {cfg['num_hidden_layers']})) ..."):
         make_tail(hf, split_dir / "tail", k)
+    _check_tail(hf, split_dir / "tail", k, agreement)
     manifest = SplitManifest(
         model_id=model_id,
         split_layer=k,
@@ -407,6 +408,17 @@ def plan_deployment(hf: Path, max_model_len_tokens: int | None = None) -> Engine
     if max_model_len_tokens is None:
         max_model_len_tokens = min(DEFAULT_MAX_MODEL_LEN_TOKENS, cfg.max_position_embeddings)
     return plan(cfg, max_model_len_tokens)
+
+
+def _check_tail(hf: Path, tail: Path, k: int, agreement: EngineAgreement) -> None:
+    """``switches.check_tail`` on the configs as transformers (and vLLM) read them.
+
+    Raises:
+        Unservable: a tail layer's attention differs from its global layer's.
+    """
+    from transformers import AutoConfig
+
+    check_tail(AutoConfig.from_pretrained(hf), AutoConfig.from_pretrained(tail), k, agreement.hf_overrides)
 
 
 def _same_agreement(prepared: EngineAgreement | None, wanted: EngineAgreement) -> bool:

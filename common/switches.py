@@ -46,6 +46,7 @@ __all__ = [
     "VLLM_WINDOWS",
     "Unservable",
     "hf_windows",
+    "check_tail",
     "plan",
     "tail_config",
     "vllm_windows",
@@ -355,3 +356,19 @@ def tail_config(cfg: dict[str, Any], k: int) -> dict[str, Any]:
     if isinstance(cfg.get("max_window_layers"), int):
         out["max_window_layers"] = max(0, cfg["max_window_layers"] - k)
     return out
+
+
+def check_tail(cfg: Any, tail_cfg: Any, k: int, hf_overrides: dict[str, Any]) -> None:
+    """That vLLM, started with ``hf_overrides`` on the tail checkpoint's config ``tail_cfg`` (layers
+    ``[k, L)``), places each layer's window as HF does on global layer ``i + k`` of ``cfg``.
+
+    Raises:
+        Unservable: a tail layer's window differs (one line, both lists).
+    """
+    from tandem.common.head_model import family_of
+
+    family = family_of(cfg)
+    want = hf_windows(family, cfg)[k:]
+    got = vllm_windows(family.architecture, _with(tail_cfg, hf_overrides))
+    if got != want:
+        raise Unservable(f"the tail at k={k} would slide windows {got} in vLLM where HF slides {want}")

@@ -223,7 +223,16 @@ def test_local_mode_needs_a_passing_check_of_the_whole_model(prepared, tmp_path)
     assert local_check_problem(path) == ""
 
 
-def test_longrope_graphs_equal_hf_past_the_threshold_and_pair_only_with_their_side(prepared_families, tmp_path):
+@pytest.fixture(scope="module")
+def longrope_short(prepared_families, tmp_path_factory) -> Path:
+    """The LongRoPE checkpoint prepared for engines of 64 tokens (its threshold: the short factors)."""
+    out = tmp_path_factory.mktemp("longrope-short") / "out"
+    ckpt = prepared_families("phi3-longrope") / "hf"
+    modelprep.prepare_model(out, ckpt, "1", model_id="tiny-phi3-longrope", max_model_len_tokens=ORIGINAL_POSITIONS)
+    return out
+
+
+def test_longrope_graphs_equal_hf_past_the_threshold_and_pair_only_with_their_side(prepared_families, longrope_short):
     """The LongRoPE checkpoint prepared for engines of 512 tokens (past its 64-token threshold:
     vLLM uses the long factors at every position) computes what HF computes for a prompt past the
     threshold, at its first positions too; prepared for 64 it computes HF's short factors. Each
@@ -239,10 +248,7 @@ def test_longrope_graphs_equal_hf_past_the_threshold_and_pair_only_with_their_si
     logits, _ = _run_steps(long_out / FULL_ONNX, 4, ids, native.config)
     for step_logits, hi in zip(logits, STEPS[1:], strict=True):
         assert np.abs(step_logits[0] - want[hi - 1]).max() <= onnx_export.CHECK_RTOL * max(1.0, np.abs(want).max())
-    short_out = tmp_path / "short"
-    modelprep.prepare_model(
-        short_out, long_out / "hf", "1", model_id="tiny-phi3-longrope", max_model_len_tokens=ORIGINAL_POSITIONS
-    )
+    short_out = longrope_short
     short = SplitManifest.load(short_out / "split-k1")
     assert (short.agreement.max_model_len_max_tokens, short.agreement.export_overrides) == (ORIGINAL_POSITIONS, {})
     assert short.compatibility_key() != m.compatibility_key()
@@ -253,6 +259,18 @@ def test_longrope_graphs_equal_hf_past_the_threshold_and_pair_only_with_their_si
     assert np.abs(np.concatenate(firsts, axis=1)[0] - want).max() <= onnx_export.CHECK_RTOL * max(
         1.0, np.abs(want).max()
     )
+
+
+async def test_local_mode_serves_the_lengths_its_graph_was_prepared_for(prepared_families, longrope_short):
+    """``edge-full.onnx`` with the short factors serves sequences up to the threshold only (past it
+    HF switches to the long factors); the one with the long factors every position of the model."""
+    from tandem.edge.config import EdgeConfig
+    from tandem.edge.server import load_local
+
+    for out, positions in ((longrope_short, ORIGINAL_POSITIONS), (prepared_families("phi3-longrope"), 512)):
+        m = SplitManifest.load(out / "split-k1")
+        local = await load_local(EdgeConfig(split_dir=out / "split-k1", intra_op_threads=1), m.shape, [2])
+        assert local is not None and local.limits.max_model_len_tokens == positions
 
 
 def test_a_head_exported_with_the_short_factors_fails_a_long_deployments_check(

@@ -287,3 +287,17 @@ def test_a_yarn_rope_bounds_max_model_len_at_vllms_table():
     with pytest.raises(switches.Unservable, match="vLLM computes it for 256 positions") as e:
         switches.plan(cfg, 512)
     one_line(e)
+
+
+def test_a_tail_whose_windows_differ_from_its_layers_is_refused():
+    """A tail config that kept ``max_window_layers`` while its layers moved down would slide on
+    other layers than the full model's (Qwen2 derives ``layer_types`` from it)."""
+    import transformers as tf
+
+    full = config("qwen2", use_sliding_window=True, sliding_window=WINDOW_TOKENS, max_window_layers=0)
+    full.layer_types = ["sliding_attention"] * 4
+    good = tf.Qwen2Config(**switches.tail_config(full.to_dict(), 1))
+    switches.check_tail(full, good, 1, {})
+    stale = tf.Qwen2Config(**{**switches.tail_config(full.to_dict(), 1), "layer_types": ["full_attention"] * 3})
+    with pytest.raises(switches.Unservable, match="the tail at k=1"):
+        switches.check_tail(full, stale, 1, {})
