@@ -9,13 +9,13 @@ SPLIT ?= 4
 # CPU variants unless an NVIDIA GPU is present.
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ifeq ($(HAS_GPU),1)
-EXTRAS := cloud,edge-gpu,model,bench,dev
+EXTRAS := cloud,edge-gpu,model,builder-gpu,bench,dev
 # the combination checked on an H200: vLLM 0.26.0 (pins torch 2.11, CUDA 13 wheels) and the
 # onnxruntime-gpu built for the same CUDA major; override with `make setup GPU_PINS=...`
 GPU_PINS ?= vllm==0.26.0 onnxruntime-gpu==1.31.1
 PINS := $(GPU_PINS)
 else
-EXTRAS := cloud-cpu,edge,model,bench,dev
+EXTRAS := cloud-cpu,edge,model,builder,bench,dev
 PINS := torch==2.13.0
 endif
 FIND_LINKS := $(shell test -d /opt/wheels && echo --find-links /opt/wheels)
@@ -33,7 +33,7 @@ SETUP_STAMP := $(VENV)/.setup-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 # written last by tandem-model
 MODEL_STAMP := $(MODEL_DIR)/bundles/cloud/bundle.json
 
-.PHONY: setup proto proto-check model run test test-fast test-families check docs bench bench-capacity fuzz clean redis redis-server
+.PHONY: setup proto proto-check model run test test-fast test-families check docs bench bench-capacity fuzz clean redis redis-server dnsmasq
 # Debian's redis-server: the block store several cloud replicas share (tests start their own on a free port)
 SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
 REDIS_PORT ?= 6379
@@ -74,6 +74,11 @@ redis-server:
 	@command -v redis-server >/dev/null || { echo "== installing redis-server (Debian) =="; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server; }
 
+# Debian's dnsmasq (the binary only, no system service): the cluster tests' DNS server on loopback
+dnsmasq:
+	@command -v dnsmasq >/dev/null || test -x /usr/sbin/dnsmasq || { echo "== installing dnsmasq-base (Debian) =="; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq dnsmasq-base; }
+
 # a shared store for replicas on this host: `tandem-cloud --store-url redis://127.0.0.1:$(REDIS_PORT)/0`
 redis: redis-server
 	redis-cli -p $(REDIS_PORT) ping >/dev/null 2>&1 || redis-server --port $(REDIS_PORT) --bind 127.0.0.1 \
@@ -92,7 +97,7 @@ run: model
 # The install tier (fresh venvs, plain pip: mostly downloads and unpacking) runs beside the others,
 # its report printed after theirs; make fails when either run fails.
 INSTALL_LOG := build/test-install.log
-test: model redis-server
+test: model redis-server dnsmasq
 	@mkdir -p build
 	@$(BIN)/python -m pytest -q -p no:cacheprovider tests/install > $(INSTALL_LOG) 2>&1 & pid=$$!; \
 	$(BIN)/python -m pytest -q --durations=20 -m "not install" tests; rc=$$?; \
@@ -103,7 +108,7 @@ test: model redis-server
 	test $$rc = 0 && test $$irc = 0
 
 # every tier but the real engines, the installs and the GPU (tests/unit, tests/inprocess, tests/fuzz)
-test-fast: model redis-server
+test-fast: model redis-server dnsmasq
 	$(BIN)/python -m pytest -q -m "not engines and not install and not gpu" tests
 
 # every supported family end to end on the real engines (make test runs Gemma3)

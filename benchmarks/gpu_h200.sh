@@ -38,6 +38,10 @@
 #                shape capacity-rp-1b prepares; MATRIX_LINKS=wifi6 (or 4g) runs one link per call
 #   matrix-smollm2  the same matrix on SmolLM2-135M (prepared from the carried GGUF, nothing to
 #                export first), the engines in bf16 (`dtype auto` on a GPU), both links in one call
+#   edge-decode  tandem-bench-edge: the edge's runtimes at batch 1 (tandem's DecoderGraph on the builder's
+#                fp16 graph with and without a CUDA graph, ONNX Runtime GenAI's Generator on the same graph,
+#                the torch.onnx edge-full.onnx on SmolLM2) and the weights-read floor, on SmolLM2-135M and
+#                the Llama-3.2-1B shape; EDGE_VLLM=1 adds vLLM single-stream
 #   graphs-smollm2  tandem-bench on SmolLM2, loopback, 256 prompt and 128 output tokens, every mode:
 #                eager engines, then the GPU defaults (CUDA graphs and torch.compile), each start timed
 # The capacity runs use the unshaped loopback: one proxy would be one link shared by every request,
@@ -255,6 +259,23 @@ step_graphs_smollm2() {
   done
 }
 
+step_edge_decode() {
+  smollm2
+  local vllm=()
+  [ "${EDGE_VLLM:-0}" = 1 ] && vllm=(--vllm)
+  log "edge decode: SmolLM2-135M"
+  (cd "$W" && python -m tandem.benchmarks.edge_decode --hf "$SMOL/hf" --out "$OUT/edge-smollm2" \
+    --build-dir "$W/edge-build-smollm2" --legacy-onnx "$SMOL/edge-full.onnx" --name smollm2-135m "${vllm[@]}") \
+    2>&1 | tee "$OUT/edge_smollm2.log" | tail -12
+  if [ ! -f "$W/l1b-ckpt/config.json" ]; then
+    (cd "$W" && python -m tandem.benchmarks.realsize --shape llama-3.2-1b --out "$W/l1b-ckpt" --tokenizer "$SMOL/hf") \
+      > "$OUT/realsize_llama-3.2-1b.log" 2>&1
+  fi
+  log "edge decode: Llama-3.2-1B shape"
+  (cd "$W" && python -m tandem.benchmarks.edge_decode --hf "$W/l1b-ckpt" --out "$OUT/edge-l1b" \
+    --build-dir "$W/edge-build-l1b" --name llama-3.2-1b "${vllm[@]}") 2>&1 | tee "$OUT/edge_l1b.log" | tail -12
+}
+
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 for s in "$@"; do
   case $s in
@@ -263,6 +284,7 @@ for s in "$@"; do
     prep-tier) step_prep_tier ;;
     tier) step_tier ;;
     graphs-smollm2) step_graphs_smollm2 ;;
+    edge-decode) step_edge_decode ;;
     capacity-1b) step_capacity_1b ;;
     prep-rp-1b) smollm2; realsize llama-3.2-1b "$W/l1b-rp" 4 ;;
     capacity-rp-1b) step_capacity_rp_1b ;;
@@ -279,7 +301,7 @@ for s in "$@"; do
     exactness) step_exactness ;;
     matrix-1b) step_matrix_1b ;;
     matrix-smollm2) step_matrix_smollm2 ;;
-    *) echo "unknown step $s (smollm2 | prep-1b | prep-rp-1b | prep-tier | tier | graphs-smollm2 | bench-1b | capacity-1b | capacity-rp-1b | bench-8b | capacity-8b | prep-8b-k8 | capacity-8b-k8 | prep-8b-k16 | capacity-8b-k16 | fidelity | fidelity-bf16 | exactness | matrix-1b | matrix-smollm2)" >&2; exit 2 ;;
+    *) echo "unknown step $s (smollm2 | edge-decode | prep-1b | prep-rp-1b | prep-tier | tier | graphs-smollm2 | bench-1b | capacity-1b | capacity-rp-1b | bench-8b | capacity-8b | prep-8b-k8 | capacity-8b-k8 | prep-8b-k16 | capacity-8b-k16 | fidelity | fidelity-bf16 | exactness | matrix-1b | matrix-smollm2)" >&2; exit 2 ;;
   esac
 done
 log "done: $*"

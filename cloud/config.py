@@ -31,6 +31,7 @@ from tandem.common.settings import (
     Count0,
     DaemonSettings,
     ListSetting,
+    OptionalPort,
     Port,
     PositiveBytes,
     Seconds,
@@ -235,6 +236,13 @@ class CloudConfig(DaemonSettings):
     )
     host: str = Field(default="127.0.0.1", description="gRPC bind address; `0.0.0.0` listens on all interfaces.")
     port: Port = Field(default=50051, description="gRPC port; 0 = any free port (see `--ready-file`).")
+    health_port: OptionalPort = Field(
+        default=None,
+        description="A plaintext gRPC port serving only `grpc.health.v1.Health` (the same states as `port`, plus "
+        "`liveness`, SERVING while the process answers): for Kubernetes' native gRPC probes, which speak no TLS. "
+        "`none` = off.",
+    )
+    health_host: str = Field(default="127.0.0.1", description="Bind address of `health_port`.")
     cloud_id: str = Field(default="tandem-cloud", description="Name this cloud reports in Negotiate.")
     edge_keys: dict[str, str] = Field(
         default_factory=dict,
@@ -249,15 +257,16 @@ class CloudConfig(DaemonSettings):
     )
     edge_max_sessions: Count = Field(
         default=64,
-        description="Sessions one edge (identity) may hold in memory; a new one beyond takes the place of the "
-        "edge's least recently used session without a turn in flight (RESOURCE_EXHAUSTED only while every one "
-        "has a turn in flight).",
+        description="Sessions one edge (identity) may hold in memory, counting those of its turns in flight; a new "
+        "one beyond takes the place of the edge's least recently used session without a turn in flight "
+        "(RESOURCE_EXHAUSTED only while every one has a turn in flight).",
     )
     edge_max_stored_bytes: PositiveBytes = Field(
         default=gib(1),
-        description="Bytes one edge's sessions may hold here in memory (activations and KV blocks); past it the "
-        "edge's least recently used sessions without a turn in flight leave memory (RESOURCE_EXHAUSTED only for a "
-        "turn larger than the bound alone, or while every session has a turn in flight).",
+        description="Bytes one edge's sessions may hold here in memory (activations and KV blocks), counting what "
+        "its turns in flight will hold; past it the edge's least recently used sessions without a turn in flight "
+        "leave memory (RESOURCE_EXHAUSTED only for a turn larger than the bound alone, or while every session has "
+        "a turn in flight).",
     )
     edge_rate_limit: str | None = Field(
         default="50/second;1000/minute",
@@ -273,8 +282,10 @@ class CloudConfig(DaemonSettings):
     store_bytes: PositiveBytes = Field(default=gib(4), description="Bound of the KV block store in bytes (LRU beyond).")
     store_url: str = Field(
         default="",
-        description="A block store shared by several cloud replicas: `redis://host:port/db` (`rediss://` for TLS; "
-        "the password in `$TANDEM_CLOUD_STORE_PASSWORD`, never in the URL). Empty: the disk store in `store_dir`.",
+        description="A block store shared by several cloud replicas: one Redis server `redis://host:port/db`, a Redis "
+        "Cluster `redis+cluster://host:port[,host:port...]` or Sentinel's primary "
+        "`redis+sentinel://host:port[,host:port...]/service[/db]` (`rediss` for TLS; the password in "
+        "`$TANDEM_CLOUD_STORE_PASSWORD`, never in the URL). Empty: the disk store in `store_dir`.",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
     extra_split_dirs: ListSetting[Path] = Field(
@@ -351,10 +362,12 @@ class CloudConfig(DaemonSettings):
         default=60.0, description="Seconds without a request after which a link no longer holds a share."
     )
     max_queue_per_link: Count0 = Field(
-        default=32, description="Requests of one link waiting for its share; beyond, RESOURCE_EXHAUSTED at once."
+        default=32,
+        description="Requests of one link waiting for a slot (only while every slot is taken); beyond, "
+        "RESOURCE_EXHAUSTED at once.",
     )
     max_queue_wait_s: Seconds0 = Field(
-        default=5.0, description="Longest wait for a link's share before RESOURCE_EXHAUSTED (or the deadline)."
+        default=5.0, description="Longest wait for a free slot before RESOURCE_EXHAUSTED (or the deadline)."
     )
     slo_interval_s: Seconds = Field(
         default=2.0, description="Period of the p99 SLO controller that resizes each link's share."
@@ -365,9 +378,15 @@ class CloudConfig(DaemonSettings):
         description="Append the SLO controller's trace here, one JSON line per link per step (weight, share, "
         "p99 TTFT and ITL); `none` = off.",
     )
-    max_sessions: Count = Field(default=256, description="Multi-turn sessions kept (LRU beyond).")
+    max_sessions: Count = Field(
+        default=256,
+        description="Multi-turn sessions kept, counting those of turns in flight (LRU beyond; RESOURCE_EXHAUSTED "
+        "only while every one has a turn in flight).",
+    )
     session_bytes: PositiveBytes = Field(
-        default=gib(1), description="Activations kept for multi-turn sessions, all together, in bytes."
+        default=gib(1),
+        description="Activations kept for multi-turn sessions, all together, in bytes, counting what turns in "
+        "flight will hold.",
     )
     session_idle_s: Seconds = Field(
         default=1800.0,

@@ -1,12 +1,12 @@
 """The cloud gateway: a turn from verified upload to streamed tokens.
 
 ``Gateway.run_turn`` is the main loop of a request and reads like the design's data path:
-admission into its link's share -> receive and verify the upload, commit it into the session
-(head KV blocks into the store) -> tail prefill (prompt_embeds, saves tail KV, samples the
-first token) -> decode (loads all layers of the aligned prefix). Direct mode decodes the prompt's
-token ids; remote prefill (``cloud.remoteprefill``) decodes them too, sends the prompt's KV down
-and hands the decode over to the edge. It takes domain messages and yields domain events;
-``cloud.service`` adapts it to gRPC.
+admission into an engine slot (its link's share orders the waiters) -> receive and verify the
+upload, commit it into the session (head KV blocks into the store) -> tail prefill (prompt_embeds,
+saves tail KV, samples the first token) -> decode (loads all layers of the aligned prefix). Direct
+mode decodes the prompt's token ids; remote prefill (``cloud.remoteprefill``) decodes them too,
+sends the prompt's KV down and hands the decode over to the edge. It takes domain messages and
+yields domain events; ``cloud.service`` adapts it to gRPC.
 
 The gateway runs the engines and nothing else; its collaborators, assembled at the entry point
 (``cloud.server.build_gateway``), do the rest: links, params and load (``cloud.linkregistry``),
@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from contextlib import aclosing
+from contextlib import AbstractContextManager, aclosing, nullcontext
 from dataclasses import replace
 
 import numpy as np
@@ -123,7 +123,7 @@ class Gateway:
         caller: Principal | str = ANONYMOUS_PEER,
         deadline: float | None = None,
     ) -> AsyncIterator[DownEvent]:
-        """One request: the edge's own bounds (``cloud.tenancy``), admission into its link's share,
+        """One request: the edge's own bounds (``cloud.tenancy``), admission into an engine slot,
         upload (split mode), tail prefill (samples the first token), decode. ``caller`` is the
         edge's identity: it scopes the session and bounds the upload; ``deadline`` is
         event-loop time or None. Yields events to send down. Records the request's TTFT and
@@ -138,10 +138,17 @@ class Gateway:
         turn = Turn(header, deadline, caller=as_principal(caller))
         mode = mode_of(header)
         with (
-            bind_request(header.request_id, header.session_id),
+            bind_request(header.request_id, header.session_id, turn.caller),
             turn_log(log, mode) as done_fields,
             metrics.cloud_turn(mode, turn),
-            span("cloud_turn", mode=mode, request_id=header.request_id, session_id=header.session_id),
+            span(
+                "cloud_turn",
+                mode=mode,
+                request_id=header.request_id,
+                session_id=header.session_id,
+                caller=str(turn.caller),
+                link_id=header.link_id,
+            ),
         ):
             done_fields.update(engine_id=turn.engine_id, link_id=header.link_id)
             t_last: float | None = None
@@ -173,10 +180,11 @@ class Gateway:
     async def _run(self, turn: Turn, uplink: AsyncIterator[UplinkBody]) -> AsyncGenerator[DownEvent, None]:
         """The turn itself (``run_turn`` adds its log ids, logs, metrics and span), run by its mode's
         path once admitted. A split turn's session is in flight throughout: never evicted or expired
-        meanwhile."""
+        meanwhile, and its place and bytes count against the edge's and the node's bounds from
+        before its admission to its end."""
         with self.sessions.turn(turn.session_key if turn.header.split_layer else ""):
             self._check(turn)
-            with await self._admit(turn) as ticket:
+            with self._hold_state(turn), await self._admit(turn) as ticket:
                 async with aclosing(self._modes[mode_of(turn.header)](turn, uplink, ticket)) as events:
                     async for ev in events:
                         yield ev
@@ -204,11 +212,11 @@ class Gateway:
                 yield ev
 
     def _check(self, turn: Turn) -> None:
-        """Look up the params ``turn`` runs under and check its header and its edge's bounds.
+        """Look up the params ``turn`` runs under and check its header and its edge's rate.
 
         Raises:
             ParamsVersionMismatch, PermissionDenied: see ``LinkRegistry.params_for``.
-            InvalidRequest: the header is outside the params. EdgeOverLimit: the edge's rate or state.
+            InvalidRequest: the header is outside the params. EdgeOverLimit: the edge's rate.
         """
         header = turn.header
         params = turn.params = self.registry.params_for(header, turn.caller)
@@ -216,14 +224,26 @@ class Gateway:
         if header.remote_prefill is not None:
             check_remote_prefill(turn, self.registry.limits.kv_wire_dtypes)
         self.edge_limits.check_rate(turn.caller)
-        if header.split_layer:
-            self.edge_limits.check_state(turn.caller, self.sessions, turn.session_key, len(header.prompt_token_ids))
 
-    async def _admit(self, turn: Turn) -> Ticket:
-        """Wait for a slot in the link's share (``cloud.links``); records the wait.
+    def _hold_state(self, turn: Turn) -> AbstractContextManager[None]:
+        """A split turn's hold on its edge's state bounds and the node's session table until it
+        ends (``EdgeLimits.hold_state``); nothing for the other modes, which keep no state here.
 
         Raises:
-            QuotaExceeded: ``LinkBusy`` (queue full, or no slot before the deadline / queue wait bound).
+            EdgeOverLimit, SessionTableFull: no room, every session in the way with a turn in flight.
+        """
+        h = turn.header
+        if not h.split_layer:
+            return nullcontext()
+        return self.edge_limits.hold_state(turn.caller, self.sessions, turn.session_key, len(h.prompt_token_ids))
+
+    async def _admit(self, turn: Turn) -> Ticket:
+        """An engine slot: at once while one is free, else after waiting in the link's queue, where
+        the link's share orders it among the waiters (``cloud.links``); records the wait.
+
+        Raises:
+            QuotaExceeded: ``LinkBusy`` (every slot taken and the queue full, or still taken at the
+                deadline / queue wait bound).
         """
         ticket = await self.links.admit(turn.header.link_id, len(turn.header.prompt_token_ids), turn.deadline)
         turn.timings[Stage.CLOUD_QUEUE] = ticket.queued_ms

@@ -1,8 +1,8 @@
 """What ``cloud.links.LinkTable`` keeps per link and says about it: a link's objectives (``LinkSlo``),
-its weight, requests running and waiting, recent latencies, durations and arrivals (``Link``, each
+its weight, requests running and waiting, recent latencies, durations and demand (``Link``, each
 history bounded); the controller's settings (``ControllerConfig``) and trace (``TracePoint``); the
-refusal of a link past its share (``LinkBusy``); the nearest-rank p99 over a window. Pure data and
-arithmetic, no event loop."""
+refusal of a request that found every slot taken (``LinkBusy``); the nearest-rank p99 over a window.
+Pure data and arithmetic, no event loop."""
 
 from __future__ import annotations
 
@@ -24,14 +24,12 @@ _MAX_SAMPLES = 4096  # per link and metric: bounds memory whatever the window
 _MAX_DURATIONS = 64  # recent request durations per link, for the retry estimate
 
 
-_MAX_ARRIVALS = 16  # recent request arrival times per link: does it keep sending?
-
-
 _MAX_TRACE = 10_000
 
 
 class LinkBusy(QuotaExceeded):
-    """The link's queue is full, or its request waited past its deadline or ``max_queue_wait_s``."""
+    """Every slot is taken and the link's queue is full, or its request waited past its deadline or
+    ``max_queue_wait_s`` with every slot still taken."""
 
     wire_name = "LinkBusy"
 
@@ -93,27 +91,17 @@ class Link:
     running_tokens: int = 0  # prompt tokens of admitted requests still in prefill
     waiting: int = 0
     last_seen: float = 0.0
-    last_waited_s: float = float("-inf")  # last time one of its requests was waiting for a slot
     share: tuple[int, int] = (1, 1)  # (max_concurrent_requests, max_batched_tokens) last computed
     _queue: deque[_Waiter] = field(default_factory=deque, init=False, repr=False)
     _ttft: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES), init=False)
     _itl: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES), init=False)
     _durations_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_DURATIONS), init=False)
     _demand: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=_MAX_SAMPLES), init=False)
-    _arrivals: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_ARRIVALS), init=False)
 
     @property
     def busy(self) -> bool:
         """Requests running or waiting."""
         return bool(self.running or self.waiting)
-
-    def keeps_sending(self, since: float) -> bool:
-        """At least two of its requests arrived at or after ``since``: a slot kept for it is likely used soon."""
-        return sum(1 for t in self._arrivals if t >= since) >= 2
-
-    def waited_since(self, since: float) -> bool:
-        """One of its requests is waiting now or waited at or after ``since``."""
-        return bool(self.waiting) or self.last_waited_s >= since
 
     def note_demand(self, now: float) -> None:
         """Record the link's demand now (requests running plus waiting)."""

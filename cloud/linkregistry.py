@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import re
 import time
 import uuid
 
@@ -37,9 +38,24 @@ from tandem.common.params import LinkParams, Negotiated, NegotiateOffer, ServerI
 from tandem.common.security import ANONYMOUS_PEER, Principal
 from tandem.common.wire import Codec
 
+LINK_NAME_CHARS = 48  # the name a link id starts with, before its uuid
+_NOT_NAME = re.compile(r"[^A-Za-z0-9._-]")
 HEADER_SLACK_BYTES = 4096  # protobuf framing and the header's fixed fields
 MAX_PROBE_BYTES = 1 << 20  # padding of an edge's goodput probe (GetServerInfo) the server accepts
 log = logging.getLogger("tandem.cloud")
+
+
+def edge_name(offer: NegotiateOffer, caller: Principal) -> str:
+    """Whom a link belongs to, as its id and the controller's trace name it: the caller's
+    authenticated name (an API key's name, a client certificate's subject) when the call was
+    authenticated, else (a ``peer`` principal: no credentials configured) the ``edge_id`` it claims."""
+    return offer.edge_id if caller.kind == "peer" else caller.name
+
+
+def link_id_for(name: str) -> str:
+    """A new link's id: ``name`` in letters, digits, ``.``, ``_`` and ``-`` (any other character
+    ``_``), at most ``LINK_NAME_CHARS`` of them ("edge" if none), then ``-`` and 32 hex digits."""
+    return f"{_NOT_NAME.sub('_', name[:LINK_NAME_CHARS]) or 'edge'}-{uuid.uuid4().hex}"
 
 
 class LinkRegistry:
@@ -57,7 +73,7 @@ class LinkRegistry:
         self._kv_usage = (float("-inf"), 0.0)  # (when read, value)
         # the anonymous link (headers without a link id): every split this cloud serves, no measurements
         keys = {k: m.compatibility_key() for k, m in splits.by_layer.items()}
-        self._register("", NegotiateOffer("", splits.primary.model_id, keys))
+        self._register("", NegotiateOffer("", splits.primary.model_id, keys), "")
         anonymous = self.links.get("")
         assert anonymous is not None
         anonymous.last_seen = float("-inf")  # holds no share until a request uses it
@@ -72,7 +88,8 @@ class LinkRegistry:
         An edge whose heads this cloud has no tail for gets direct mode and a note saying so,
         never a silent change. Renegotiating (``offer.link_id`` known and negotiated by the same
         ``caller``) keeps the link and its share and makes a new params version if anything
-        changed; a link id of another caller is never reused (the caller gets a new link).
+        changed; a link id of another caller is never reused (the caller gets a new link). A new
+        link is named by ``edge_name``: an authenticated caller's identity, never the id it claims.
 
         Raises:
             IncompatibleModel: a head of the edge differs from this cloud's tail at the same ``k``
@@ -80,13 +97,16 @@ class LinkRegistry:
             InvalidRequest: bad ids, or no wire format in common.
         """
         self._check_offer(offer)
-        owner = str(as_principal(caller))
+        principal = as_principal(caller)
+        owner, name = str(principal), edge_name(offer, principal)
         known = offer.link_id and offer.link_id in self._versions and self._owners.get(offer.link_id) == owner
         if not known:
             self._make_room_for_a_link(owner)
-        link_id = offer.link_id if known else f"{offer.edge_id[:48] or 'edge'}-{uuid.uuid4().hex}"
+        link_id = offer.link_id if known else link_id_for(name)
         self._owners[link_id] = owner
-        rec = self._register(link_id, offer)
+        rec = self._register(link_id, offer, name)
+        if not known:
+            log.debug("link %s negotiated by %s (edge_id %s)", link_id, owner, offer.edge_id)
         note = self._note(offer, rec)
         if note:
             log.warning("link %s: %s", link_id, note)
@@ -102,8 +122,11 @@ class LinkRegistry:
 
     def _check_offer(self, offer: NegotiateOffer) -> None:
         """Raises InvalidRequest (ids too long) or IncompatibleModel (a head of other weights)."""
-        if len(offer.edge_id.encode()) > MAX_ID_BYTES or len(offer.link_id.encode()) > MAX_ID_BYTES:
-            raise InvalidRequest(f"edge_id and link_id are at most {MAX_ID_BYTES} bytes")
+        for name, value in (("edge_id", offer.edge_id), ("link_id", offer.link_id)):
+            if len(value.encode()) > MAX_ID_BYTES:
+                raise InvalidRequest(
+                    f"edge_id and link_id are at most {MAX_ID_BYTES} bytes", param=name, code="string_above_max_length"
+                )
         tails = self.splits.by_layer
         bad = {k: key for k, key in offer.head_keys.items() if k in tails and key != tails[k].compatibility_key()}
         if bad:
@@ -165,8 +188,8 @@ class LinkRegistry:
             mine.remove(victim)
             log.info("link %s forgotten: its edge negotiated more than %d links", victim, self.cfg.edge_max_links)
 
-    def _register(self, link_id: str, offer: NegotiateOffer) -> LinkVersions:
-        self.links.register(link_id, offer.edge_id, LinkSlo(offer.ttft_slo_ms, offer.itl_p99_slo_ms))
+    def _register(self, link_id: str, offer: NegotiateOffer, name: str) -> LinkVersions:
+        self.links.register(link_id, name, LinkSlo(offer.ttft_slo_ms, offer.itl_p99_slo_ms))
         common = tuple(sorted(k for k in offer.head_keys if k in self.splits.checked_layers))
         if not (  # split needs a common activation format and a common KV format
             common_formats(offer.kv_wire_dtypes, self.limits.kv_wire_dtypes)

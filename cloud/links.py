@@ -1,17 +1,17 @@
 """Per-link shares of the vLLM engines' batch, a bounded wait queue, and a p99 SLO controller.
 
-The engines batch at most ``max_num_seqs`` sequences and ``max_batched_tokens`` prompt tokens per
-step. Each connected link (one edge's channel) is guaranteed ``max_num_seqs * w / W`` sequences
-and ``max_batched_tokens * w / W`` tokens (floored, at least 1), ``W`` the sum of the weights of
-the active links (seen within ``idle_s``). A guarantee is a priority, not a reservation: free slots
-are lent to whoever asks while no other link waits, whatever its weight, and a lent slot goes back
-to its owner at its next release (freed slots go to the waiting link furthest under its share;
-vLLM's sequences are not preempted). The one slot a borrower may not take at once is the last free
-one of a link below its share whose requests keep coming (two or more in the controller's window):
-its next request starts at once, so a flooding edge cannot hold every slot between a quiet edge's
-requests. A link that sent one request and went quiet keeps nothing. A borrower held back only by
-such a kept slot gets it when its wait reaches ``max_queue_wait_s``: ``LinkBusy`` comes only when
-the node itself has no room (or the request's deadline passed, or the link's queue is full).
+The engines batch at most ``max_num_seqs`` sequences (vLLM chunks any prefill within its step's
+``max_batched_tokens``, so a sequence slot is the one resource a request waits for). Admission is
+work-conserving: a request starts at once whenever a slot is free, whatever its link's share, and
+no request ever waits while a slot is free. Shares only order the waiters when slots are short:
+each active link (one edge's channel, seen within ``idle_s`` or with requests running or waiting)
+is guaranteed ``max_num_seqs * w / W`` sequences and ``max_batched_tokens * w / W`` prompt tokens
+in prefill (floored, at least 1), ``W`` the sum of the active links' weights, and a freed slot goes
+to the waiting link furthest under its share (its running requests, or its prompt tokens in prefill,
+over its share; the oldest request first among equals). A link over its share keeps what it runs
+(vLLM's sequences are not preempted) and gives way at the next release to any waiting link under
+its share. ``LinkBusy`` comes only when the link's queue is full, or the wait reaches
+``max_queue_wait_s`` or the request's deadline with every slot still taken.
 
 ``control_step`` moves each link's weight to meet the p99 TTFT / ITL objectives its edge declared.
 Cause and victim: when a link misses its objective, the links that shrink are those whose peak
@@ -20,9 +20,9 @@ least as high, relative to that split, as the missing link's: a quiet link hurt 
 makes the flooding one shrink, never itself; a link that presses hardest shrinks for its own miss
 (the seed article's case); with nobody above an equal split (the node is simply slower than the
 objective) nobody shrinks, since a share nobody fills changes nothing. A decrease also needs
-congestion in the window, another link's request waiting or a request that found the node full
-(every sequence slot or the token budget taken): a share matters only when links compete for the
-node, so a link missing its objective on a node with room keeps its weight. Measured with
+congestion in the window, a request that found every slot taken: a share matters only when links
+compete for the node, so a link missing its objective on a node with room keeps its weight. A weight
+never idles a slot: it decides who goes first, not how many run. Measured with
 ``tandem-bench-burst``: the seed article's rule alone shrinks every link of an overloaded node,
 the quiet edge's first; so does a rule that compares each link's demand with its own, already
 shrunk, share.
@@ -58,11 +58,10 @@ class Ticket:
         self._released = False
 
     def prefill_done(self) -> None:
-        """The request's prompt tokens stop counting against the token share (idempotent)."""
+        """The request's prompt tokens stop counting against its link's token share (idempotent)."""
         if self._in_prefill and not self._released:
             self._in_prefill = False
             self._table._free_tokens(self._link, self.prompt_tokens)
-            self._table._wake()
 
     def release(self) -> None:
         """Free the slot and wake the next waiter (idempotent)."""
@@ -113,7 +112,7 @@ class LinkTable:
         self.running = 0
         self.running_tokens = 0
         self.waiting = 0
-        self._full_s = float("-inf")  # last time a request found the node full (slots or token budget)
+        self._full_s = float("-inf")  # last time a request found every slot taken
 
     # --- links and shares ---------------------------------------------------------------------
 
@@ -182,37 +181,34 @@ class LinkTable:
     # --- admission ----------------------------------------------------------------------------
 
     async def admit(self, link_id: str, prompt_tokens: int, deadline: float | None) -> Ticket:
-        """A slot for one request of ``prompt_tokens`` tokens, at once or after waiting in the link's queue.
+        """A slot for one request of ``prompt_tokens`` tokens: at once while a slot is free, else
+        after waiting in the link's queue until a release hands it one (module docstring: who goes
+        first).
 
-        ``deadline`` is in the clock's time (None: none); waiting ends at it or ``max_queue_wait_s``. A
-        wait that reaches ``max_queue_wait_s`` while the node has room takes it (a slot kept for
-        another link's next request is lent then).
+        ``deadline`` is in the clock's time (None: none); waiting ends at it or ``max_queue_wait_s``.
 
         Raises:
             InvalidRequest: the link is not registered.
-            LinkBusy: the link's queue is full, or the wait ended without a slot (the node full, or the
-                request's deadline passed).
+            LinkBusy: every slot is taken and the link's queue is full, or the wait ended with every
+                slot still taken (``max_queue_wait_s`` or the request's deadline).
         """
         link = self._get(link_id)
         now = self._clock()
         link.last_seen = now
-        link._arrivals.append(now)
-        shares = self._rebalance()
-        if not link._queue and self._can_admit(link, prompt_tokens, shares):
+        self._rebalance()
+        if self.running < self.max_num_seqs:  # work-conserving: a free slot means nobody waits
             return self._grant(link, prompt_tokens, 0.0)
+        self._full_s = now
         queue_bound = now + self.max_queue_wait_s
         give_up = queue_bound if deadline is None else min(deadline, queue_bound)
         if link.waiting >= self.max_queue:
             raise self._busy(link, f"link {link_id!r} has {link.waiting} requests waiting (bound {self.max_queue})")
         if give_up <= now:
-            raise self._busy(link, f"link {link_id!r} has no room now and the request's deadline has passed")
-        if not self._node_has_room(prompt_tokens):
-            self._full_s = now
+            raise self._busy(link, f"every slot is taken and the request's deadline has passed (link {link_id!r})")
         waiter = _Waiter(prompt_tokens, next(self._seq), now, asyncio.get_running_loop().create_future())
         link._queue.append(waiter)
         link.waiting += 1
         self.waiting += 1
-        link.last_waited_s = now
         link.note_demand(now)
         ticket: Ticket | None = None
         try:
@@ -221,43 +217,12 @@ class LinkTable:
             return ticket
         except TimeoutError:
             waited_ms = (self._clock() - now) * 1000
-            if waiter.queued and give_up == queue_bound and self._node_has_room(prompt_tokens):
-                self._dequeue(link, waiter)
-                ticket = self._grant(link, prompt_tokens, waited_ms)
-                return ticket
-            raise self._busy(link, f"link {link_id!r} waited {waited_ms:.0f} ms for a slot") from None
+            raise self._busy(link, f"link {link_id!r} waited {waited_ms:.0f} ms with every slot taken") from None
         finally:
             if waiter.queued:  # timed out or cancelled while queued
                 self._dequeue(link, waiter)
-                self._wake()
             elif ticket is None and waiter.future.done() and not waiter.future.cancelled():
                 waiter.future.result().release()  # granted just as the wait ended: give the slot back
-
-    def _node_has_room(self, tokens: int) -> bool:
-        """A free sequence slot and room for ``tokens`` in the token budget (a prompt longer than the
-        whole budget fits an empty one: vLLM chunks long prefills)."""
-        if self.running >= self.max_num_seqs:
-            return False
-        return self.running_tokens + tokens <= self.max_batched_tokens or (
-            tokens > self.max_batched_tokens and self.running_tokens == 0
-        )
-
-    def _can_admit(self, link: Link, tokens: int, shares: dict[str, tuple[int, int]]) -> bool:
-        if not self._node_has_room(tokens):
-            return False
-        seqs, toks = shares[link.link_id]
-        if link.running < seqs and (link.running_tokens + tokens <= toks or link.running_tokens == 0):
-            return True
-        # beyond its share the link borrows, whatever its weight, while no other link waits: any free
-        # slot but the last free one of each other link below its share that keeps sending, whose next
-        # request then starts at once (a flooding edge cannot hold every slot between a quiet edge's
-        # requests; a link that sent one request and went quiet keeps none)
-        others = [lk for lk in self._links.values() if lk is not link]
-        if any(lk.waiting for lk in others):
-            return False
-        since = self._clock() - self.controller.window_s
-        kept = sum(1 for lk in others if lk.running < shares[lk.link_id][0] and lk.keeps_sending(since))
-        return self.running + kept < self.max_num_seqs
 
     def _grant(self, link: Link, tokens: int, queued_ms: float) -> Ticket:
         link.running += 1
@@ -272,12 +237,17 @@ class LinkTable:
         link._queue.remove(waiter)
         link.waiting -= 1
         self.waiting -= 1
-        link.last_waited_s = self._clock()
+
+    @staticmethod
+    def _fill(link: Link, share: tuple[int, int]) -> float:
+        """How full ``link`` is against its share: the larger of its running requests over its
+        sequence share and its prompt tokens in prefill over its token share (below 1: under it)."""
+        return max(link.running / share[0], link.running_tokens / share[1])
 
     def _wake(self) -> None:
-        """Grant freed room to waiters: the admissible link with the lowest running/share first."""
+        """Hand every free slot to a waiter: the link furthest under its share first, its oldest request."""
         shares = self._rebalance()
-        while True:
+        while self.running < self.max_num_seqs:
             best: tuple[float, int, Link, _Waiter] | None = None
             for link in self._links.values():
                 while link._queue and link._queue[0].future.done():  # cancelled, its task not yet resumed
@@ -285,10 +255,9 @@ class LinkTable:
                 if not link._queue:
                     continue
                 head = link._queue[0]
-                if self._can_admit(link, head.tokens, shares):
-                    key = (link.running / shares[link.link_id][0], head.seq, link, head)
-                    if best is None or key[:2] < best[:2]:
-                        best = key
+                key = (self._fill(link, shares[link.link_id]), head.seq, link, head)
+                if best is None or key[:2] < best[:2]:
+                    best = key
             if best is None:
                 return
             _, _, link, waiter = best
@@ -366,25 +335,22 @@ class LinkTable:
     def _causes(self, judged: list[Link], missing: list[Link], since: float) -> dict[str, Link]:
         """The links to shrink for the ``missing`` ones' misses (cause and victim, module docstring):
         above an equal split and pressing at least as hard as a missing link (the missing link itself
-        only if nobody presses harder), and only while links compete for the node (``_congested``)."""
+        only if nobody presses harder), and only while links compete for the node: a request found
+        every slot taken since ``since``."""
         fair = max(1, self.max_num_seqs // max(1, len(judged)))
         pressure = {lk.link_id: lk.peak_demand(since) / fair for lk in judged}
-        if any(lk._queue and not self._node_has_room(lk._queue[0].tokens) for lk in judged):
-            self._full_s = self._clock()  # a request waits for the node right now
+        if self.waiting:
+            self._full_s = self._clock()  # a request waits for a slot right now
+        congested = self._full_s >= since
         causes: dict[str, Link] = {}
         for link in missing:
             p = pressure[link.link_id]
             hardest = p >= max(pressure.values())
             for lk in judged:
                 q = pressure[lk.link_id]
-                if q > 1 and q >= p and (lk is not link or hardest) and self._congested(lk, since):
+                if congested and q > 1 and q >= p and (lk is not link or hardest):
                     causes[lk.link_id] = lk
         return causes
-
-    def _congested(self, link: Link, since: float) -> bool:
-        """Links competed for the node since ``since``: a request found it full, or a request of
-        another link than ``link`` waited (shrinking ``link`` then gives someone a slot sooner)."""
-        return self._full_s >= since or any(lk.waited_since(since) for lk in self._links.values() if lk is not link)
 
     # --- helpers ------------------------------------------------------------------------------
 

@@ -22,7 +22,8 @@ follow the link's share of the engines (``cloud.links.LinkTable``):
   at most ``MAX_WINDOW_BYTES``, which is also the window when the link is not measured. The window
   bounds what waits in the link's queues ahead of anything else the edge sends on the connection
   (keepalive pings, polls): at most about two RTTs' worth.
-* ``max_concurrent_requests`` / ``max_batched_tokens``: the link's current share.
+* ``max_concurrent_requests`` / ``max_batched_tokens``: the link's current share (``cloud.links``: who goes
+  first when every slot is taken, never a cap on free slots).
 
 ``LinkVersions`` keeps the last ``KEPT_VERSIONS`` parameter sets of a link: a new set
 gets the next ``params_version``; a request names the version it started with and

@@ -35,7 +35,7 @@ from tandem.cloud.supervisor import EngineSupervisor, SupervisedEngines
 from tandem.cloud.tenancy import EdgeLimits
 from tandem.cloud.turn import Background
 from tandem.common import metrics
-from tandem.common.grpcsetup import add_service, set_health, start_server, tls_credentials
+from tandem.common.grpcsetup import add_service, set_health, start_health_server, start_server, tls_credentials
 from tandem.common.kvblocks import LayerRange, block_nbytes
 from tandem.common.kvstore import BlockStore, open_store
 from tandem.common.manifest import ModelShape, SplitManifest
@@ -59,6 +59,8 @@ class CloudServer:
     servicer: CloudServicer
     controller: asyncio.Task | None = None  # the gateway's SLO control loop
     sweeper: asyncio.Task | None = None  # expires idle sessions
+    health_server: grpc.aio.Server | None = None  # plaintext health only (``health_port``)
+    health_port: int | None = None
 
     async def set_serving(self, serving: bool) -> None:
         self.gateway.serving = serving
@@ -80,6 +82,8 @@ class CloudServer:
         if self.supervisor is not None:
             await self.supervisor.stop()
         await self.server.stop(min(1.0, grace_s))
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
 def link_limits(cfg: CloudConfig, manifest: SplitManifest) -> LinkLimits:
@@ -197,6 +201,8 @@ async def create_cloud(
         tls_credentials(cfg),
     )
     cloud = CloudServer(server, port, gateway, hs, None, servicer)
+    if cfg.health_port is not None:
+        cloud.health_server, cloud.health_port = await start_health_server(hs, cfg.health_host, cfg.health_port)
     cloud.controller = asyncio.create_task(gateway.registry.control_loop(), name="slo-controller")
     sweep_s = min(60.0, cfg.session_idle_s / 4)
     cloud.sweeper = asyncio.create_task(gateway.sync.sweep_loop(sweep_s), name="session-sweeper")

@@ -22,7 +22,7 @@ from tandem.cloud.turn import UplinkBody
 from tandem.common.errors import EngineError, InvalidRequest, TandemError, UploadTimeout
 from tandem.common.grpc_errors import abort
 from tandem.common.grpcsetup import Malformed
-from tandem.common.logs import set_ids
+from tandem.common.logs import set_caller, set_ids
 from tandem.common.messages import TurnError, TurnHeader, downlink_to_pb, uplink_from_pb
 from tandem.common.params import NegotiateOffer, SyncRequest
 from tandem.common.security import Authenticator, Principal
@@ -72,12 +72,14 @@ async def drain(it: AsyncIterator[pb.Uplink | Malformed], timeout_s: float) -> N
 
 
 def identify(auth: Authenticator, context: grpc.aio.ServicerContext) -> Principal:
-    """The calling edge's principal (``common.security``).
+    """The calling edge's principal (``common.security``), bound for the call's log lines (``caller``).
 
     Raises:
         Unauthenticated: credentials required and missing or wrong.
     """
-    return auth.identify(context.invocation_metadata(), context.auth_context(), peer_host(context))
+    caller = auth.identify(context.invocation_metadata(), context.auth_context(), peer_host(context))
+    set_caller(caller)  # the handler's own task: every line of this call names it
+    return caller
 
 
 class CloudServicer(pb_grpc.CloudServicer):

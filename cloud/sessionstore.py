@@ -5,9 +5,11 @@ A session is kept as one *record* and its activations as *pieces*:
 
 * record ``sess/<blake3(session key)>``: JSON of the session's prompt token ids, split layer,
   KV block size, Merkle leaves (hex) and the keys of its activation pieces, in order.
-* piece ``act/<blake3(session key || piece bytes)>``: float32 activations ``[n, H]`` of tokens
-  ``[i * B, i * B + n)``, ``n <= B`` (the block size), the last one possibly partial. The key
-  commits to the bytes: a loaded piece is re-hashed and a mismatch is a piece the cloud lacks.
+* piece ``act/<blake3(session key)[:16]>/<blake3(session key || piece bytes)>``: float32
+  activations ``[n, H]`` of tokens ``[i * B, i * B + n)``, ``n <= B`` (the block size), the last
+  one possibly partial. The key commits to the session (its first part groups a session's record
+  and pieces: ``kvstore.slot_tag``) and to the bytes: a loaded piece is re-hashed and a mismatch is
+  a piece the cloud lacks.
 
 Both are sealed by the store as well (``common.kvstore``: a flipped bit reads as a miss). A
 session loads as the longest prefix whose pieces all verify: its token ids and activations are
@@ -41,10 +43,12 @@ def record_key(session_key: str) -> str:
 
 
 def piece_key(session_key: str, data: bytes) -> str:
-    """Store key of an activation piece: a BLAKE3 commitment to the session and the piece's bytes."""
+    """Store key of an activation piece: the session's hash as in ``record_key`` (first 16 hex
+    digits: ``kvstore.slot_tag`` keeps a session's record and pieces together), then a BLAKE3
+    commitment to the session and the piece's bytes."""
     h = blake3.blake3(session_key.encode() + b"\x00")
     h.update(data)
-    return "act/" + h.hexdigest()
+    return "act/" + blake3.blake3(session_key.encode()).hexdigest()[:16] + "/" + h.hexdigest()
 
 
 @dataclass

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import nullcontext
 
 from tandem.cloud.negotiation import LinkLimits
 from tandem.cloud.sessions import CloudSession, SessionTable
 from tandem.cloud.sessionstore import SessionStore
 from tandem.cloud.tenancy import EdgeLimits
 from tandem.cloud.turn import as_principal
-from tandem.cloud.upload import MAX_ID_BYTES
 from tandem.common import merkle, metrics
 from tandem.common.errors import EngineError, InvalidRequest
 from tandem.common.params import SyncReply, SyncRequest
+from tandem.common.requestlimits import check_session_id
 from tandem.common.security import ANONYMOUS_PEER, Principal, scoped
 
 log = logging.getLogger("tandem.cloud")
@@ -30,8 +31,11 @@ log = logging.getLogger("tandem.cloud")
 
 def check_sync_request(req: SyncRequest, limits: LinkLimits, vocab_size: int) -> None:
     """Raises InvalidRequest for ids, token ids, leaf counts, proof or block size outside the limits."""
-    if not req.session_id or len(req.session_id.encode()) > MAX_ID_BYTES or len(req.link_id.encode()) > 256:
-        raise InvalidRequest(f"SyncSession needs a session id of 1..{MAX_ID_BYTES} bytes")
+    if not req.session_id:
+        raise InvalidRequest("SyncSession needs a session id", param="session_id", code="missing_required_parameter")
+    check_session_id(req.session_id)
+    if len(req.link_id.encode()) > 256:
+        raise InvalidRequest("link_id longer than 256 bytes", param="link_id", code="string_above_max_length")
     if len(req.token_ids) > limits.max_prompt_tokens or any(t >= vocab_size for t in req.token_ids):
         raise InvalidRequest(f"at most {limits.max_prompt_tokens} token ids, each below the vocabulary size")
     bs = limits.kv_block_size_tokens
@@ -91,11 +95,13 @@ class SessionSync:
         turns in flight ended; True if either held it.
 
         Raises:
-            InvalidRequest: an empty session id or one longer than ``MAX_ID_BYTES`` bytes.
+            InvalidRequest: an empty session id, or one ``check_session_id`` refuses (not text, longer
+                than ``MAX_ID_BYTES`` bytes).
             EngineError: a shared store could not be written.
         """
-        if not session_id or len(session_id.encode()) > MAX_ID_BYTES:
-            raise InvalidRequest(f"EndSession needs a session id of 1..{MAX_ID_BYTES} bytes")
+        if not session_id:
+            raise InvalidRequest("EndSession needs a session id", param="session_id", code="missing_required_parameter")
+        check_session_id(session_id)
         key = scoped(as_principal(caller), session_id)
         await self.sessions.wait_quiet(key)
         held = self.sessions.discard(key) is not None
@@ -126,15 +132,19 @@ class SessionSync:
 
         Raises:
             InvalidRequest: ids, token ids, leaf counts, proof or block size outside the limits.
-            QuotaExceeded: the edge is over its request rate.
+            QuotaExceeded: the edge is over its request rate, or loading the session would pass the
+                edge's or the node's session bounds with every session in the way in flight.
         """
         c = as_principal(caller)
         check_sync_request(req, self.limits, self.vocab_size)
         self.edge_limits.check_rate(c)
         key = scoped(c, req.session_id)
-        if self.sessions.get(key) is None:  # loading it from the store counts against the edge's bounds
-            self.edge_limits.check_state(c, self.sessions, key, len(req.token_ids))
-        s = await self.session(key, 1)
+        load = self.sessions.get(key) is None  # loading it from the store counts against the bounds
+        with (
+            self.sessions.turn(key),
+            self.edge_limits.hold_state(c, self.sessions, key, len(req.token_ids)) if load else nullcontext(),
+        ):
+            s = await self.session(key, 1)
         if not s.token_ids or s.split_layer != req.split_layer or s.block_tokens != self.limits.kv_block_size_tokens:
             return SyncReply(False)
         return compare(s, req)

@@ -32,7 +32,8 @@ from tandem.common.kvwire import decode_kv, kv_raw_nbytes
 from tandem.common.manifest import SplitManifest
 from tandem.common.messages import KVBlock, TurnHeader
 from tandem.common.params import LinkParams
-from tandem.common.requestlimits import MAX_ID_BYTES, RequestLimits
+from tandem.common.requestlimits import MAX_ID_BYTES as MAX_ID_BYTES
+from tandem.common.requestlimits import RequestLimits, check_session_id
 
 
 def wire_limits(params: LinkParams, manifest: SplitManifest) -> RequestLimits:
@@ -47,8 +48,7 @@ def check_header(h: TurnHeader, params: LinkParams, manifest: SplitManifest) -> 
     """Raises InvalidRequest / ParamsVersionMismatch for a header outside the negotiated limits
     (its prompt and sampling: ``RequestLimits.check``)."""
     for name, value in (("request_id", h.request_id), ("session_id", h.session_id)):
-        if len(value.encode()) > MAX_ID_BYTES:
-            raise InvalidRequest(f"{name} longer than {MAX_ID_BYTES} bytes")
+        check_session_id(value, name)  # text of at most MAX_ID_BYTES bytes, as the edge checks them
     if h.params_version != params.params_version:
         raise ParamsVersionMismatch(f"header uses params v{h.params_version}, link is at v{params.params_version}")
     wire_limits(params, manifest).check(h.prompt_token_ids, h.sampling)

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from tandem.common.manifest import (
     FULL_CHECK_NAME,
+    FULL_DECODER,
     FULL_ONNX,
     MANIFEST_NAME,
     BundleFile,
@@ -96,13 +97,13 @@ def write_bundles(out: Path) -> dict[str, Path]:
     ``bundle.json`` (see ``BundleManifest``); the split manifests are the same files in both.
 
     edge: ``split-k{k}/head.onnx`` and ``manifest.json`` per split, ``tokenizer/``, ``edge-full.onnx``
-    (edge-only generation) and its check if prepared and checked. cloud: ``hf/`` (decode engine),
-    ``split-k{k}/tail/`` and ``manifest.json`` per split.
+    (edge-only generation) and its check if prepared and checked, ``edge-decoder/`` if built and
+    checked. cloud: ``hf/`` (decode engine), ``split-k{k}/tail/`` and ``manifest.json`` per split.
 
     Raises:
         FileNotFoundError: ``out`` has no prepared split.
         ValueError: a split manifest predates the tokenizer directory or records no passing check of
-            its head, or ``edge-full.onnx`` failed its check (run ``tandem-model`` again).
+            its head, or ``edge-full.onnx`` or ``edge-decoder/`` failed its check (run ``tandem-model`` again).
     """
     found = sorted(out.glob(f"split-k*/{MANIFEST_NAME}")) + sorted(out.glob(f"{DIRECT_DIR}/{MANIFEST_NAME}"))
     if not found:
@@ -131,6 +132,13 @@ def write_bundles(out: Path) -> dict[str, Path]:
         if not ExportCheck.load(out / FULL_CHECK_NAME).passed:
             raise ValueError(f"{out / FULL_ONNX} failed its check against HF: run tandem-model again")
         edge += [(out / FULL_ONNX, Path(FULL_ONNX)), (out / FULL_CHECK_NAME, Path(FULL_CHECK_NAME))]
+    if (out / FULL_DECODER).is_dir():
+        from tandem.common.builder_export import decoder_problem
+
+        problem = decoder_problem(out / FULL_DECODER)
+        if problem:
+            raise ValueError(problem)
+        edge += _tree(out / FULL_DECODER, Path(FULL_DECODER))
     root = out / BUNDLES_DIR
     return {
         "edge": _write_bundle(root / "edge", "edge", edge, manifests),

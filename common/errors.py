@@ -6,6 +6,13 @@ Each error class declares its ``wire_name``: how the error is named between proc
 turn). It is fixed, so renaming or moving a class leaves the wire as it is; a class defined without
 one, or with one another class has, fails at its definition (``TypeError``). ``ERRORS_BY_NAME``
 indexes every class defined so far by it.
+
+An error about one field of a request names it: ``param`` is the field's path as OpenAI writes it
+(``temperature``, ``messages.[1].role``, ``stop_token_ids.[0]``) and ``code`` OpenAI's code for the
+case (one of ``OPENAI_CODES``); a class may give defaults (``InvalidRequest``'s code is
+``invalid_value``). Every surface answers them the same way: the HTTP API in its error body, gRPC
+in the trailing metadata ``tandem-error-param`` / ``tandem-error-code`` (``common.grpc_errors``),
+the SDK as ``TandemClientError.param`` / ``.error_code``.
 """
 
 from __future__ import annotations
@@ -13,6 +20,30 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 ERRORS_BY_NAME: dict[str, type[TandemError]] = {}
+
+# OpenAI's error codes for a field of a request (``error.code`` of its API, as its client reads them)
+OPENAI_CODES = frozenset(
+    {
+        "missing_required_parameter",
+        "unknown_parameter",
+        "invalid_type",
+        "invalid_value",
+        "unsupported_parameter",
+        "unsupported_value",
+        "integer_above_max_value",
+        "integer_below_min_value",
+        "decimal_above_max_value",
+        "decimal_below_min_value",
+        "string_above_max_length",
+        "string_below_min_length",
+        "array_above_max_length",
+        "array_below_min_length",
+        "empty_array",
+        "context_length_exceeded",
+        "model_not_found",
+        "invalid_api_key",
+    }
+)
 
 
 def _register(cls: type[TandemError]) -> None:
@@ -35,9 +66,21 @@ def _register(cls: type[TandemError]) -> None:
 
 
 class TandemError(Exception):
-    """Base of tandem's domain errors."""
+    """Base of tandem's domain errors. ``param``: the request's field at fault (OpenAI's path, None
+    when no one field is); ``code``: OpenAI's code for the case (None: none applies, the error is
+    not about a field)."""
 
     wire_name: ClassVar[str] = "TandemError"
+    default_param: ClassVar[str | None] = None
+    default_code: ClassVar[str | None] = None
+
+    def __init__(self, *args: object, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param if param is not None else self.default_param
+        self.code = code if code is not None else self.default_code
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable with its field, code and other attributes
+        return (_rebuild, (type(self), self.args, self.param, self.code), dict(self.__dict__))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -47,10 +90,15 @@ class TandemError(Exception):
 _register(TandemError)
 
 
+def _rebuild(cls: type[TandemError], args: tuple[object, ...], param: str | None, code: str | None) -> TandemError:
+    return cls(*args, param=param, code=code)
+
+
 class InvalidRequest(TandemError):
     """A field, length, index, shape or dtype is out of the negotiated limits."""
 
     wire_name = "InvalidRequest"
+    default_code = "invalid_value"
 
 
 class ChecksumMismatch(TandemError):
@@ -94,6 +142,8 @@ class ModeUnavailable(TandemError):
     """The requested serving mode (or split layer) cannot run on this edge (no model for it)."""
 
     wire_name = "ModeUnavailable"
+    default_param = "mode"
+    default_code = "unsupported_value"
 
 
 class IncompatibleModel(TandemError):

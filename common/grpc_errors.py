@@ -5,6 +5,9 @@ from __future__ import annotations
 import grpc
 
 from tandem.common import errors as e
+from tandem.common.text import printable
+
+MAX_PARAM_CHARS = 256  # a field's path in the trailing metadata (printable ASCII, as gRPC requires)
 
 STATUS_OF: dict[type[e.TandemError], grpc.StatusCode] = {
     e.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -37,21 +40,41 @@ def status_of(err: e.TandemError) -> grpc.StatusCode:
 RETRY_AFTER_MS: dict[type[e.TandemError], int] = {e.QuotaExceeded: 1000, e.EngineError: 2000}
 
 
+# Trailing metadata naming the request's field at fault and OpenAI's code for it (``TandemError.param``
+# / ``.code``): the SDK's ``TandemClientError.param`` / ``.error_code``.
+PARAM_KEY, CODE_KEY = "tandem-error-param", "tandem-error-code"
+
+
+def error_metadata(err: e.TandemError) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata of a status that carries ``err``: its retry hint (``retry-after-ms``, as
+    gRPC's own ``grpc-retry-pushback-ms`` too), its field and its code, where it has them."""
+    retry_ms = getattr(err, "retry_after_ms", None) or next(
+        (ms for cls, ms in RETRY_AFTER_MS.items() if isinstance(err, cls)), None
+    )
+    md: list[tuple[str, str]] = []
+    if retry_ms is not None:
+        # also as gRPC's own retry pushback (gRFC A6), which channels with a retry policy honour
+        md += [("retry-after-ms", str(retry_ms)), ("grpc-retry-pushback-ms", str(retry_ms))]
+    if err.param:
+        md.append((PARAM_KEY, printable(err.param, MAX_PARAM_CHARS).encode("ascii", "backslashreplace").decode()))
+    if err.code:
+        md.append((CODE_KEY, err.code))
+    return tuple(md)
+
+
 def status_details(err: e.TandemError) -> str:
     """The details of the status that carries ``err``: ``"<wire name>: <message>"``."""
     return f"{err.wire_name}: {err}"
 
 
 async def abort(context: grpc.aio.ServicerContext, err: e.TandemError) -> None:
-    """Abort the RPC with the status mapped from ``err`` and its message (raises AbortError); a
-    retryable error carries a ``retry-after-ms`` hint in the trailing metadata (the error's own
-    ``retry_after_ms`` when it has one, e.g. ``cloud.links.LinkBusy``)."""
-    retry_ms = getattr(err, "retry_after_ms", None) or next(
-        (ms for cls, ms in RETRY_AFTER_MS.items() if isinstance(err, cls)), None
-    )
-    if retry_ms is not None:
-        # also as gRPC's own retry pushback (gRFC A6), which channels with a retry policy honour
-        context.set_trailing_metadata((("retry-after-ms", str(retry_ms)), ("grpc-retry-pushback-ms", str(retry_ms))))
+    """Abort the RPC with the status mapped from ``err`` and its message (raises AbortError); the
+    trailing metadata (``error_metadata``) carries a retryable error's ``retry-after-ms`` hint (the
+    error's own ``retry_after_ms`` when it has one, e.g. ``cloud.links.LinkBusy``) and the field at
+    fault with OpenAI's code for it."""
+    md = error_metadata(err)
+    if md:
+        context.set_trailing_metadata(md)
     await context.abort(status_of(err), status_details(err))
 
 

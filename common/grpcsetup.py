@@ -240,6 +240,29 @@ async def start_server(
     return server, bound, hs
 
 
+LIVENESS_SERVICE = "liveness"  # health name SERVING while the process answers (draining or not)
+
+
+async def start_health_server(hs: health.aio.HealthServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """A plaintext grpc.aio server on ``host:port`` with only ``grpc.health.v1.Health``, answered by
+    ``hs`` (the main server's servicer, so every name reads as it does there), and
+    ``LIVENESS_SERVICE`` SERVING: for Kubernetes' native gRPC probes, which speak no TLS. It
+    carries no data, only serving states. Returns (server, bound port).
+
+    Raises:
+        RuntimeError: ``host:port`` could not be bound.
+    """
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    await set_health(hs, True, [LIVENESS_SERVICE])
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise RuntimeError(f"could not bind the health port {host}:{port}")
+    await server.start()
+    return server, bound
+
+
 def install_stop_signals(loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Event:
     """An event set on SIGINT or SIGTERM (handlers on ``loop``, default the running loop)."""
     loop = loop or asyncio.get_running_loop()

@@ -12,9 +12,10 @@ Backends (one contract, tests/unit/test_kvstore.py runs it against each):
 
 * ``DiskBlockStore`` (``common.kvstore_disk``): one node's default, a directory (``diskcache``:
   SQLite index, atomic writes, bounded by ``size_limit_bytes`` with least-recently-used eviction).
-* ``RedisBlockStore`` (``common.kvstore_redis``): shared by several cloud replicas (``redis://`` or
-  ``rediss://``); bounded by the server's ``maxmemory`` with an LRU policy (set at connect when the
-  server has none).
+* ``RedisBlockStore`` (``common.kvstore_redis``): shared by several cloud replicas: one server
+  (``redis://``, ``rediss://``), a Redis Cluster (``redis+cluster://``) or Sentinel's primary
+  (``redis+sentinel://``); bounded by the servers' ``maxmemory`` with an LRU policy (set at connect
+  when a server has none).
 * ``MemoryBlockStore``: in-process, for unit tests and single-process use.
 
 Pins: the gateway pins the keys a request will read or write (``pin``) for as long as it is in
@@ -226,21 +227,46 @@ class MemoryBlockStore(SealedStore):
         return None
 
 
+def slot_tag(key: str) -> str:
+    """The group a store key belongs to (a Redis Cluster hash tag, ``common.kvstore_redis``): a
+    session's record (``sess/<h>``) and activation pieces (``act/<h>/...``) the session's ``h[:16]``;
+    any other key (a KV block's ``<content key hex>:...``) its first two characters."""
+    if key.startswith("sess/"):
+        return key[5:21]
+    if key.startswith("act/"):
+        return key[4:20]
+    return key[:2]
+
+
+STORE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
+
+
 def check_store_url(url: str) -> str:
-    """``url`` if it can name a Redis block store: ``redis://`` or ``rediss://``, with no password in it.
+    """``url`` if it can name a Redis block store, with no password in it: ``redis[s]://HOST:PORT[/DB]``
+    (one server), ``redis[s]+cluster://HOST:PORT[,HOST:PORT...]`` (nodes of a Redis Cluster) or
+    ``redis[s]+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]`` (Sentinels and the service they watch).
 
     Raises:
         InvalidRequest: otherwise.
     """
     parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss"):
-        raise InvalidRequest(f"store URL {url!r}: only redis:// and rediss:// are supported")
-    if parts.password:
+    if parts.scheme not in STORE_SCHEMES:
+        schemes = ", ".join(x + "://" for x in STORE_SCHEMES)
+        raise InvalidRequest(f"store URL {url!r}: the scheme must be one of {schemes}")
+    if parts.password or "@" in parts.netloc and ":" in parts.netloc.rpartition("@")[0]:
         raise InvalidRequest(f"store URL must not carry a password: put it in ${PASSWORD_ENV}")
-    try:
-        parts.port  # noqa: B018 (raises on a port that is not a number in 0..65535)
-    except ValueError as e:
-        raise InvalidRequest(f"store URL {url!r}: {e}") from None
+    if "+" not in parts.scheme:
+        try:
+            parts.port  # noqa: B018 (raises on a port that is not a number in 0..65535)
+        except ValueError as e:
+            raise InvalidRequest(f"store URL {url!r}: {e} (several hosts need redis+cluster:// or +sentinel)") from None
+        return url
+    for node in parts.netloc.rpartition("@")[2].split(","):
+        host, _, port = node.rpartition(":")
+        if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidRequest(f"store URL {url!r}: {node!r} is not host:port with a port in 1..65535")
+    if parts.scheme.endswith("+sentinel") and not parts.path.strip("/"):
+        raise InvalidRequest(f"store URL {url!r}: name the service Sentinel watches (/SERVICE[/DB])")
     return url
 
 

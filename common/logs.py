@@ -6,7 +6,15 @@ edge's ``EdgeNode.chat``, the cloud's ``Gateway.run_turn`` and servicer), so a l
 anywhere below, also in worker threads started with ``asyncio.to_thread`` (they copy the
 context), carries them without passing them around. A turn logs its start (DEBUG), its end
 (INFO: mode, tokens, time to first token) and a refusal (WARNING, with the error's kind);
-no line carries a payload or prompt text.
+no line carries a payload or prompt text. A servicer that authenticated its caller binds the
+caller's identity (``set_caller``: ``key:edge-1``, ``cert:edge-1``), and every line of the call
+carries it as ``caller``: the identity the credentials prove, whatever id the request claims.
+
+Every line is one printable line in both formats: the formatters write the message, the ids and
+every string ``extra`` through ``common.text.printable`` (controls, CR, LF, NUL, ANSI escapes and
+lone surrogates escaped; each bounded), and the text format indents a traceback's lines, so no
+string a peer sends (an id, a name, a header, a model name, an error message quoting it) can end
+a line or start a forged one.
 """
 
 from __future__ import annotations
@@ -23,17 +31,23 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 from tandem.common.errors import TandemError
+from tandem.common.text import printable
 
 TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 MAX_ID_CHARS = 128  # ids come from the wire: bounded and printable before they reach a log line
+MAX_MESSAGE_CHARS = 4096  # a log message (its arguments substituted), before the cut's marker
+MAX_EXTRA_CHARS = 1024  # a string ``extra`` of a JSON line
+MAX_TRACEBACK_CHARS = 16384  # a traceback (its exception's message included), before the cut's marker
+TRACEBACK_INDENT = "  "  # the text format's traceback lines: none of them can look like a record
 
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("tandem_request_id", default="")
 _session_id: contextvars.ContextVar[str] = contextvars.ContextVar("tandem_session_id", default="")
+_caller: contextvars.ContextVar[str] = contextvars.ContextVar("tandem_caller", default="")
+_BOUND = ("request_id", "session_id", "caller")
 
 
 def _clean(value: str) -> str:
-    value = value[:MAX_ID_CHARS]
-    return value if value.isprintable() else "".join(c if c.isprintable() else "?" for c in value)
+    return printable(value, MAX_ID_CHARS)
 
 
 def new_request_id() -> str:
@@ -51,14 +65,29 @@ def set_ids(request_id: str, session_id: str) -> None:
     _session_id.set(_clean(session_id))
 
 
+def set_caller(caller: object) -> None:
+    """Bind the authenticated caller (a ``common.security.Principal``, as ``kind:name``) for the rest
+    of this context: a servicer's call, right after ``identify``."""
+    _caller.set(_clean(str(caller)))
+
+
+def current_caller() -> str:
+    """The caller bound in this context ("" when none)."""
+    return _caller.get()
+
+
 @contextmanager
-def bind_request(request_id: str, session_id: str) -> Iterator[None]:
-    """Bind the ids for the ``with`` block (also across the yields of an async generator)."""
-    tokens = (_request_id.set(_clean(request_id)), _session_id.set(_clean(session_id)))
+def bind_request(request_id: str, session_id: str, caller: object | None = None) -> Iterator[None]:
+    """Bind the ids (and ``caller``, when given: see ``set_caller``) for the ``with`` block (also
+    across the yields of an async generator)."""
+    pairs = [(_request_id, request_id), (_session_id, session_id)]
+    if caller is not None:
+        pairs.append((_caller, str(caller)))
+    tokens = [(var, var.set(_clean(value))) for var, value in pairs]
     try:
         yield
     finally:
-        for var, token in zip((_request_id, _session_id), tokens, strict=True):
+        for var, token in tokens:
             try:
                 var.reset(token)
             except ValueError:  # an async generator closed from another context (e.g. by the GC)
@@ -66,33 +95,68 @@ def bind_request(request_id: str, session_id: str) -> Iterator[None]:
 
 
 class RequestIdsFilter(logging.Filter):
-    """Adds ``request_id`` / ``session_id`` to a record when bound (never fails a record)."""
+    """Adds ``request_id`` / ``session_id`` / ``caller`` to a record when bound (never fails a record)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        rid, sid = _request_id.get(), _session_id.get()
-        if rid:
-            record.request_id = rid
-        if sid:
-            record.session_id = sid
+        for name, var in zip(_BOUND, (_request_id, _session_id, _caller), strict=True):
+            value = var.get()
+            if value:
+                setattr(record, name, value)
         return True
 
 
+def message_of(record: logging.LogRecord) -> str:
+    """The record's message, its arguments substituted, as one printable line (``printable``)."""
+    return printable(record.getMessage(), MAX_MESSAGE_CHARS)
+
+
+def _traceback_lines(text: str) -> list[str]:
+    """A traceback's lines, each printable, the whole cut at ``MAX_TRACEBACK_CHARS``."""
+    if len(text) > MAX_TRACEBACK_CHARS:
+        text = f"{text[:MAX_TRACEBACK_CHARS]}\n...({len(text) - MAX_TRACEBACK_CHARS} more characters)"
+    return [printable(line, MAX_MESSAGE_CHARS) for line in text.splitlines()]
+
+
+def _indented(text: str) -> str:
+    """A traceback as lines that each start with ``TRACEBACK_INDENT`` and are printable, bounded."""
+    return "\n".join(TRACEBACK_INDENT + line for line in _traceback_lines(text))
+
+
 class TextFormatter(logging.Formatter):
-    """The daemons' text format, with ``[request_id=... session_id=...]`` when bound."""
+    """The daemons' text format, with ``[request_id=... session_id=... caller=...]`` when bound; one
+    printable line per record (a traceback follows on indented lines)."""
 
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT)
 
     def format(self, record: logging.LogRecord) -> str:
-        ids = [f"{k}={v}" for k in ("request_id", "session_id") if (v := getattr(record, k, ""))]
-        if not ids:
-            return super().format(record)
-        saved = record.msg, record.args
-        record.msg, record.args = f"[{' '.join(ids)}] {record.getMessage()}", None
+        ids = [f"{k}={_clean(str(v))}" for k in _BOUND if (v := getattr(record, k, ""))]
+        message = message_of(record)
+        saved = record.msg, record.args, record.exc_text
+        # exc_text: another handler's formatter may have cached its own (unindented) traceback
+        record.msg, record.args, record.exc_text = (f"[{' '.join(ids)}] {message}" if ids else message), None, None
         try:
             return super().format(record)
         finally:
-            record.msg, record.args = saved
+            record.msg, record.args, record.exc_text = saved
+
+    def formatException(self, ei: Any) -> str:
+        return _indented(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _indented(stack_info)
+
+
+def _printable_fields(out: dict[str, Any]) -> None:
+    """Every string field of a JSON line printable and bounded; ``exc_info`` and ``stack_info`` keep
+    their lines (JSON escapes the breaks), each line made printable."""
+    for k, v in out.items():
+        if not isinstance(v, str):
+            continue
+        if k in ("exc_info", "stack_info"):
+            out[k] = "\n".join(_traceback_lines(v))
+        else:
+            out[k] = printable(v, MAX_MESSAGE_CHARS if k == "message" else MAX_EXTRA_CHARS)
 
 
 class _StdlibJsonFormatter(logging.Formatter):
@@ -104,7 +168,7 @@ class _StdlibJsonFormatter(logging.Formatter):
             "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(),
             "level": record.levelname,
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": message_of(record),
         }
         skip = _RECORD_ATTRS | factory_attrs()
         for k, v in record.__dict__.items():
@@ -112,6 +176,7 @@ class _StdlibJsonFormatter(logging.Formatter):
                 out[k] = v
         if record.exc_info:
             out["exc_info"] = self.formatException(record.exc_info)
+        _printable_fields(out)
         return json.dumps(out, ensure_ascii=False)
 
 
@@ -134,7 +199,7 @@ def factory_attrs() -> frozenset[str]:
 
 def json_formatter() -> logging.Formatter:
     """One JSON object per line: ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``message``,
-    ``request_id`` / ``session_id`` when bound, ``exc_info`` with a traceback, and any ``extra`` (not
+    ``request_id`` / ``session_id`` / ``caller`` when bound, ``exc_info`` with a traceback, and any ``extra`` (not
     what the record factory adds to every record: ``factory_attrs``)."""
     try:
         from pythonjsonlogger.json import JsonFormatter
@@ -146,6 +211,7 @@ def json_formatter() -> logging.Formatter:
             super().add_fields(log_data, record, message_dict)
             for name in factory_attrs():  # the record factory's metadata (``factory_attrs``)
                 log_data.pop(name, None)
+            _printable_fields(log_data)
 
     return TandemJsonFormatter(
         "{levelname}{name}{message}",

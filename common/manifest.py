@@ -19,6 +19,7 @@ FULL_ONNX = "edge-full.onnx"  # the whole model with lm_head: local mode on the 
 BUNDLE_MANIFEST_NAME = "bundle.json"
 FULL_CHECK_NAME = "edge-full.check.json"  # the check of edge-full.onnx against HF (``ExportCheck``)
 DEFAULT_MAX_MODEL_LEN_TOKENS = 2048  # the engines' max_model_len unless set (the cloud's and tandem-model's)
+FULL_DECODER = "edge-decoder"  # the whole model built by ONNX Runtime GenAI's model builder (local mode)
 
 
 class EngineAgreement(BaseModel):

@@ -1,6 +1,9 @@
 """Prometheus metrics of both daemons, named in vLLM's style (``vllm:time_to_first_token_seconds``)
 with a ``tandem:`` prefix: latencies in seconds with vLLM's buckets, counters exported with
-``_total``. Labels are bounded (mode, outcome, kind, reason), never request or session ids.
+``_total``. Labels are bounded (mode, outcome, kind, reason, state, and the cloud's per-link edge and
+link ids, at most ``max_links``), never request or session ids; every label value goes through
+``common.text.printable`` (escaped, at most ``MAX_LABEL_CHARS``) in the metric objects' own
+``labels`` and in the per-link collector, whoever calls it.
 
 Edge (``EdgeNode``): ``tandem:time_to_first_token_seconds{mode}``,
 ``tandem:inter_token_latency_seconds{mode}`` (one sample per arrival of new tokens, as vLLM),
@@ -15,8 +18,9 @@ Edge (``EdgeNode``): ``tandem:time_to_first_token_seconds{mode}``,
 (the cost model's relative error; ``tandem:prediction_error_ratio{mode,quantity}`` for its
 end-to-end and cloud engine times), ``tandem:mode_fallbacks_total{reason}`` (auto turns served locally
 because the cloud refused), ``tandem:sessions_ended_total{reason=ended|expired|evicted}``, gauges
-``tandem:sessions``, ``tandem:session_bytes``, ``tandem:link_rtt_ms``, ``tandem:link_goodput_mbps`` and
-``tandem:cloud_connected``.
+``tandem:sessions``, ``tandem:session_bytes``, ``tandem:link_rtt_ms``, ``tandem:link_goodput_mbps``,
+``tandem:cloud_connected`` and ``tandem:cloud_replicas{state=answering|down}`` (the replicas known
+now, by DNS or by list).
 
 Cloud (``Gateway``): ``tandem:cloud_queue_time_seconds{mode}`` (header to the first engine
 request: upload, store put and session commit in split mode), ``tandem:cloud_store_put_seconds``,
@@ -28,7 +32,12 @@ class), ``tandem:received_bytes_total{kind=activations|kv}``, ``tandem:crc_failu
 (KV blocks asked again), ``tandem:engine_restarts_total``,
 ``tandem:cloud_sessions_ended_total{reason=ended|expired|evicted}``, gauges ``tandem:uploads_in_flight``,
 ``tandem:upload_bytes_reserved``, ``tandem:cloud_sessions``, ``tandem:cloud_session_bytes``,
-``tandem:block_store_bytes``, ``tandem:links_active``, ``tandem:requests_running``, ``tandem:requests_waiting``.
+``tandem:block_store_bytes``, ``tandem:links_active``, ``tandem:requests_running``, ``tandem:requests_waiting``,
+``tandem:max_num_seqs``, and per link (bounded by ``max_links``; ``edge`` is the edge's id):
+``tandem:link_share_seqs{edge,link}`` (its guaranteed share of ``max_num_seqs``),
+``tandem:link_weight{edge,link}`` (the SLO controller's weight), ``tandem:link_slo_ttft_seconds`` and
+``tandem:link_slo_itl_seconds`` (the p99 objectives its edge declared; 0 = none) and
+``tandem:link_p99_ttft_seconds`` / ``tandem:link_p99_itl_seconds`` (the controller's last measurement).
 
 The metric objects are module globals, created once per process and put in the default
 registry by the first ``EdgeNode`` or ``Gateway`` (``watch_*``), so each daemon exports only
@@ -48,8 +57,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 from tandem.common.logs import outcome_of
+from tandem.common.text import printable
 from tandem.common.vllm_metrics import forget_vllm_engines as forget_vllm_engines
 from tandem.common.vllm_metrics import vllm_kv_cache_usage as vllm_kv_cache_usage
 from tandem.common.vllm_metrics import vllm_stat_loggers as vllm_stat_loggers
@@ -69,11 +80,30 @@ REQUEST_LATENCY_BUCKETS = (
 )  # fmt: skip
 
 _BY_ROLE: dict[str, list[Any]] = {"edge": [], "cloud": []}
+MAX_LABEL_CHARS = 64  # a label value, before the cut's marker
+
+
+def label(value: object) -> str:
+    """A label value as Prometheus gets it: printable and bounded (``common.text.printable``)."""
+    return printable(value, MAX_LABEL_CHARS)
+
+
+class _PrintableLabels:
+    """Mixin of the metric classes: ``labels`` takes every value through ``label``."""
+
+    def labels(self, *values: Any, **by_name: Any) -> Any:
+        return super().labels(*map(label, values), **{k: label(v) for k, v in by_name.items()})  # type: ignore[misc]
+
+
+_KINDS: dict[type, type] = {
+    k: type(k.__name__, (_PrintableLabels, k), {"__module__": __name__}) for k in (Counter, Gauge, Histogram)
+}
 
 
 def _metric(role: str, kind: type, name: str, doc: str, labels: Sequence[str] = (), **kw: Any) -> Any:
-    """A metric of ``role`` ("edge" or "cloud"), put in the default registry by ``register(role)``."""
-    metric = kind(name, doc, labels, registry=None, **kw)
+    """A metric of ``role`` ("edge" or "cloud"), put in the default registry by ``register(role)``;
+    its label values printable and bounded (``label``)."""
+    metric = _KINDS[kind](name, doc, labels, registry=None, **kw)
     _BY_ROLE[role].append(metric)
     return metric
 
@@ -167,6 +197,13 @@ MODE_FALLBACKS = _metric(
 LINK_RTT = _metric("edge", Gauge, "tandem:link_rtt_ms", "Smoothed round-trip time edge <-> cloud, in ms.")
 LINK_GOODPUT = _metric("edge", Gauge, "tandem:link_goodput_mbps", "Smoothed uplink goodput, in Mbit/s.")
 CLOUD_CONNECTED = _metric("edge", Gauge, "tandem:cloud_connected", "1 while the link is negotiated and answering.")
+CLOUD_REPLICAS = _metric(
+    "edge",
+    Gauge,
+    "tandem:cloud_replicas",
+    "Cloud replicas the edge knows now (by DNS or by list), answering or down.",
+    ["state"],
+)
 SESSIONS = _metric("edge", Gauge, "tandem:sessions", "Chat sessions the edge holds.")
 SESSIONS_ENDED = _metric(
     "edge",
@@ -253,7 +290,79 @@ BLOCK_STORE_BYTES = _metric(
 )
 LINKS_ACTIVE = _metric("cloud", Gauge, "tandem:links_active", "Edge links holding a share of the engines.")
 REQUESTS_RUNNING = _metric("cloud", Gauge, "tandem:requests_running", "Requests admitted into the engines.")
-REQUESTS_WAITING = _metric("cloud", Gauge, "tandem:requests_waiting", "Requests waiting for their link's share.")
+REQUESTS_WAITING = _metric("cloud", Gauge, "tandem:requests_waiting", "Requests waiting for an engine slot.")
+
+
+class _LinkShares:
+    """Per-link gauges read from a ``cloud.links.LinkTable`` at scrape time (see module doc); one
+    collector per process, reading the table ``watch_links`` named last."""
+
+    LINK = ("edge", "link")
+    FAMILIES = (
+        ("tandem:max_num_seqs", "Sequences the engines batch at most (the links' shares add up to it).", ()),
+        ("tandem:link_share_seqs", "A link's share of max_num_seqs: its priority when every slot is taken.", LINK),
+        ("tandem:link_weight", "A link's weight, which the SLO controller moves.", LINK),
+        ("tandem:link_slo_ttft_seconds", "The p99 TTFT objective the link's edge declared (0 = none).", LINK),
+        ("tandem:link_slo_itl_seconds", "The p99 ITL objective the link's edge declared (0 = none).", LINK),
+        ("tandem:link_p99_ttft_seconds", "The link's p99 TTFT at the controller's last step.", LINK),
+        ("tandem:link_p99_itl_seconds", "The link's p99 ITL at the controller's last step.", LINK),
+    )
+
+    def __init__(self) -> None:
+        self.table: Callable[[], Any] = lambda: None
+
+    def describe(self) -> list[Any]:
+        return [GaugeMetricFamily(name, doc, labels=list(labels)) for name, doc, labels in self.FAMILIES]
+
+    def collect(self) -> Iterator[Any]:
+        fams = {name: GaugeMetricFamily(name, doc, labels=list(labels)) for name, doc, labels in self.FAMILIES}
+        table = self.table()
+        if table is not None:
+            try:
+                self._read(table, fams)
+            except (RuntimeError, AttributeError):  # changed by the event loop meanwhile: this scrape has none
+                fams = {name: GaugeMetricFamily(name, doc, labels=list(lb)) for name, doc, lb in self.FAMILIES}
+        yield from fams.values()
+
+    @staticmethod
+    def _read(table: Any, fams: dict[str, Any]) -> None:
+        fams["tandem:max_num_seqs"].add_metric([], table.max_num_seqs)
+        last: dict[str, Any] = {}
+        for point in list(table.trace)[-4 * max(1, len(table.links())) :]:
+            last[point.link_id] = point
+        for lk in table.links():
+            ids = [printable(lk.edge_id, MAX_LABEL_CHARS), printable(lk.link_id, MAX_LABEL_CHARS)]
+            fams["tandem:link_share_seqs"].add_metric(ids, lk.share[0])
+            fams["tandem:link_weight"].add_metric(ids, lk.weight)
+            fams["tandem:link_slo_ttft_seconds"].add_metric(ids, lk.slo.ttft_ms / 1e3)
+            fams["tandem:link_slo_itl_seconds"].add_metric(ids, lk.slo.itl_p99_ms / 1e3)
+            p = last.get(lk.link_id)
+            if p is not None and p.p99_ttft_ms is not None:
+                fams["tandem:link_p99_ttft_seconds"].add_metric(ids, p.p99_ttft_ms / 1e3)
+            if p is not None and p.p99_itl_ms is not None:
+                fams["tandem:link_p99_itl_seconds"].add_metric(ids, p.p99_itl_ms / 1e3)
+
+
+LINK_SHARES = _LinkShares()
+_BY_ROLE["cloud"].append(LINK_SHARES)
+
+
+def exported_labels(role: str) -> dict[str, set[str]]:
+    """The sample names ``role``'s daemon exports ("edge" or "cloud"), each with its label names:
+    counters with ``_total``, histograms with ``_bucket`` (and its ``le``), ``_sum`` and ``_count``,
+    gauges as named. For dashboards and alerts to be checked against (tests/unit/test_dashboard.py)."""
+    out: dict[str, set[str]] = {}
+    for m in _BY_ROLE[role]:
+        if isinstance(m, _LinkShares):
+            out |= {name: set(labels) for name, _, labels in m.FAMILIES}
+        elif isinstance(m, Counter):
+            out[m._name + "_total"] = set(m._labelnames)
+        elif isinstance(m, Histogram):
+            out |= {m._name + x: set(m._labelnames) for x in ("_sum", "_count")}
+            out[m._name + "_bucket"] = {*m._labelnames, "le"}
+        else:
+            out[m._name] = set(m._labelnames)
+    return out
 
 
 def register(role: str) -> None:
@@ -496,6 +605,9 @@ def watch_link(cloud: Any) -> None:
     LINK_RTT.set_function(_reader(cloud, lambda c: c.current().rtt_ms.value))
     LINK_GOODPUT.set_function(_reader(cloud, lambda c: c.current().goodput_mbps.value))
     CLOUD_CONNECTED.set_function(_reader(cloud, lambda c: float(c.current().connected.is_set())))
+    members = lambda c: getattr(c, "members", [c])  # noqa: E731 (a ReplicaSet, or one connection)
+    CLOUD_REPLICAS.labels("answering").set_function(_reader(cloud, lambda c: sum(m.healthy for m in members(c))))
+    CLOUD_REPLICAS.labels("down").set_function(_reader(cloud, lambda c: sum(not m.healthy for m in members(c))))
 
 
 def watch_links(table: Any) -> None:
@@ -504,3 +616,4 @@ def watch_links(table: Any) -> None:
     LINKS_ACTIVE.set_function(_reader(table, lambda t: len(t.active())))
     REQUESTS_RUNNING.set_function(_reader(table, lambda t: t.running))
     REQUESTS_WAITING.set_function(_reader(table, lambda t: t.waiting))
+    LINK_SHARES.table = weakref.ref(table)

@@ -28,8 +28,11 @@ Layout written under ``OUT``::
     OUT/split-k{k}/manifest.json
     OUT/edge-full.onnx            the whole model, for edge-only (local) generation
     OUT/edge-full.check.json      its check against HF (``ExportCheck``)
+    OUT/edge-decoder/             the whole model built by ONNX Runtime GenAI's model builder, with
+                                  ``next_token_ids`` and its check against HF (``tandem_build.json``):
+                                  local mode's runtime (``edge.decoder``), where the builder serves
     OUT/bundles/edge/             what an edge host needs, in the same layout (hard links, else copies):
-                                  split-k{k}/{head.onnx,manifest.json}, tokenizer/, edge-full.onnx,
+                                  split-k{k}/{head.onnx,manifest.json}, tokenizer/, edge-full.onnx, edge-decoder/,
                                   bundle.json (every file with size and BLAKE3, the compatibility keys)
     OUT/bundles/cloud/            what a cloud host needs: hf/, split-k{k}/{tail/,manifest.json}, bundle.json
 
@@ -40,11 +43,14 @@ only adds what is missing.
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import importlib.util
 import json
 import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -55,6 +61,7 @@ from tandem.common.bundles import DIRECT_DIR, write_bundles
 from tandem.common.manifest import (
     DEFAULT_MAX_MODEL_LEN_TOKENS,
     FULL_CHECK_NAME,
+    FULL_DECODER,
     FULL_ONNX,
     MANIFEST_NAME,
     EngineAgreement,
@@ -474,6 +481,87 @@ def prepare_full(
     return check
 
 
+DECODER_CHECK_TOKENS = 32
+
+
+def prepare_decoder(out: Path, hf: Path, precision: str = "fp32", agreement: EngineAgreement | None = None) -> str:
+    """Build ``OUT/edge-decoder`` with ONNX Runtime GenAI's model builder (``common.builder_export``;
+    fp32 for the CPU build, fp16/bf16/int4 for CUDA) and check it against HF (when missing, built
+    at another precision or under another ``agreement``, or unchecked). Returns "" when it is ready,
+    else why local mode keeps ``edge-full.onnx``: the builder is not installed, refuses the
+    checkpoint, or its graph failed the check (then the folder is removed). It is built from, and
+    checked against, the checkpoint with ``agreement.export_overrides`` in its config (``_deployed``),
+    on a prompt past every switch the deployment reaches.
+    """
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    from tandem.common.builder_export import (
+        BuilderFailed,
+        build_decoder,
+        check_decoder,
+        decoder_problem,
+        load_build,
+        save_build,
+    )
+
+    agreement = agreement or plan_deployment(hf)
+    path = out / FULL_DECODER
+    if not decoder_problem(path):
+        build = load_build(path)
+        if build.precision == precision and _same_agreement(build.engine_agreement, agreement):
+            return ""
+    shutil.rmtree(path, ignore_errors=True)
+    provider = "cpu" if precision == "fp32" else "cuda"
+    try:
+        with (
+            console.status(f"building the whole model with ONNX Runtime GenAI's model builder ({precision}) ..."),
+            _deployed(hf, agreement) as src,
+        ):
+            build_decoder(src, path, precision, provider)
+            vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+            ids = [(1 + 7919 * i) % vocab for i in range(max(DECODER_CHECK_TOKENS, agreement.check_tokens))]
+            checked = check_decoder(src, path, ids)
+    except ImportError as e:
+        return f"the model builder is not installed ({e.name}): pip install tandem[builder]"
+    except (BuilderFailed, ValueError) as e:
+        shutil.rmtree(path, ignore_errors=True)
+        return str(e)
+    except (Fail, InvalidArgument, RuntimeException) as e:  # the built graph does not run the check's prompt
+        shutil.rmtree(path, ignore_errors=True)
+        return f"the built decoder does not run the check ({str(e).splitlines()[0][-200:]})"
+    if not checked.passed:
+        shutil.rmtree(path, ignore_errors=True)
+        return (
+            f"the built decoder differs from HF: max |ONNX - HF| {checked.max_abs_error:.2e} > {checked.tolerance:.2e}"
+        )
+    save_build(path, checked.model_copy(update={"engine_agreement": agreement}))
+    console.print(
+        f"[bold]model[/] edge decoder ({precision}) written to {path}, max |ONNX - HF| {checked.max_abs_error:.1e}"
+    )
+    return ""
+
+
+@contextlib.contextmanager
+def _deployed(hf: Path, agreement: EngineAgreement) -> Iterator[Path]:
+    """``hf`` itself, or with ``agreement.export_overrides`` a temporary checkpoint of links to its
+    files and its ``config.json`` with the overrides in place (what a tool that reads a checkpoint
+    directory, such as the model builder, is given)."""
+    if not agreement.export_overrides:
+        yield hf
+        return
+    with tempfile.TemporaryDirectory(prefix="tandem-deployed-") as tmp:
+        view = Path(tmp)
+        for f in Path(hf).iterdir():
+            if f.name != "config.json":
+                (view / f.name).symlink_to(f.resolve())
+        cfg = json.loads((hf / "config.json").read_text())
+        if "rope_parameters" in agreement.export_overrides:
+            cfg.pop("rope_scaling", None)  # the older spelling of the same field
+        cfg.update(agreement.export_overrides)
+        (view / "config.json").write_text(json.dumps(cfg, indent=1))
+        yield view
+
+
 def prepare_model(
     out: Path,
     checkpoint: Path | None = None,
@@ -484,6 +572,8 @@ def prepare_model(
     direct_only: bool = False,
     onnx_dtype: str = "float32",
     max_model_len_tokens: int | None = None,
+    edge_decoder: bool = True,
+    decoder_precision: str = "fp32",
 ) -> list[SplitManifest]:
     """Prepare the full checkpoint, the checked ONNX heads, tail checkpoints and role bundles under
     ``out`` (idempotent); returns the split manifests. ``direct_only``: no split, no ONNX, any
@@ -535,6 +625,10 @@ def prepare_model(
     ]
     if edge_full:
         prepare_full(out, hf, onnx_dtype, agreement)
+    if edge_decoder:
+        why = prepare_decoder(out, hf, decoder_precision, agreement)
+        if why:
+            console.print(f"[yellow]edge decoder not built[/]: {why}; local mode runs {FULL_ONNX}")
     if bundles:
         write_bundles(out)
     return manifests
@@ -573,6 +667,14 @@ def prepare(
             "A cloud outside the range the manifest records refuses to start"
         ),
     ] = None,
+    edge_decoder: Annotated[
+        bool,
+        typer.Option(help="also build the whole model with ONNX Runtime GenAI's model builder (local mode's runtime)"),
+    ] = True,
+    decoder_precision: Annotated[
+        str,
+        typer.Option(help="the built decoder's precision: fp32 (CPU build), fp16 or bf16 (CUDA), int4 (CUDA)"),
+    ] = "fp32",
 ) -> None:
     """Prepare the full checkpoint, ONNX heads (each checked against HF), tail checkpoints and role
     bundles (idempotent). Exit status 2: the architecture is not supported, the edge's graphs and
@@ -582,9 +684,23 @@ def prepare(
 
     if onnx_dtype not in COMPUTE_DTYPES:
         raise typer.BadParameter(f"must be one of {', '.join(COMPUTE_DTYPES)}", param_hint="--onnx-dtype")
+    from tandem.common.builder_export import PRECISIONS
+
+    if decoder_precision not in PRECISIONS:
+        raise typer.BadParameter(f"must be one of {', '.join(PRECISIONS)}", param_hint="--decoder-precision")
     try:
         prepare_model(
-            out, checkpoint, split_layers, model_id, edge_full, bundles, direct_only, onnx_dtype, max_model_len_tokens
+            out,
+            checkpoint,
+            split_layers,
+            model_id,
+            edge_full,
+            bundles,
+            direct_only,
+            onnx_dtype,
+            max_model_len_tokens=max_model_len_tokens,
+            edge_decoder=edge_decoder,
+            decoder_precision=decoder_precision,
         )
     except FileNotFoundError as e:
         raise typer.BadParameter(str(e)) from None

@@ -35,7 +35,7 @@ class Mode(enum.StrEnum):
         try:
             return _FROM_PB[value]
         except KeyError:
-            raise InvalidRequest(f"unknown mode {value}") from None
+            raise InvalidRequest(f"unknown mode {value}", param="mode") from None
 
     def to_pb(self) -> int:
         """The ``tandem.v1.Mode`` value (``AUTO`` is ``MODE_AUTO``)."""
@@ -51,7 +51,7 @@ class Mode(enum.StrEnum):
         try:
             return cls(name)
         except ValueError:
-            raise InvalidRequest(f"mode must be one of {[m.value for m in cls]}, got {name!r}") from None
+            raise InvalidRequest(f"mode must be one of {[m.value for m in cls]}, got {name!r}", param="mode") from None
 
 
 _TO_PB: dict[Mode, int] = {

@@ -12,6 +12,10 @@ Over gRPC only NUL comes through: protobuf's parser (upb) refuses bad UTF-8 in a
 a surrogate encoded as UTF-8 is bad UTF-8. ``check_text`` is called where a request becomes a
 domain object (``edge.events.ChatTurn``); the HTTP API also runs ``find_non_text`` over the whole
 JSON body, so its error names the parameter.
+
+``printable`` is the other direction: what a peer sent, made safe to write where an operator reads
+it (a log line, a metric label, a span attribute): every character that is not printable escaped,
+the whole bounded.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 from tandem.common.errors import InvalidRequest
 
 _NOT_TEXT = re.compile("[\x00\ud800-\udfff]")
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 Path = tuple[str | int, ...]
 
@@ -40,11 +45,12 @@ def check_text(value: str, where: str) -> str:
     """``value`` unchanged if it is text.
 
     Raises:
-        InvalidRequest: it is not: ``"{where}: not valid text: a NUL character at character 3"``.
+        InvalidRequest: it is not: ``"{where}: not valid text: a NUL character at character 3"``, its
+            ``param`` ``where`` (the field, as OpenAI writes it: ``messages.[0].content``).
     """
     problem = text_problem(value)
     if problem is not None:
-        raise InvalidRequest(f"{where}: not valid text: {problem}")
+        raise InvalidRequest(f"{where}: not valid text: {problem}", param=where, code="invalid_value")
     return value
 
 
@@ -67,3 +73,31 @@ def find_non_text(obj: Any, path: Path = ()) -> tuple[Path, str] | None:
             if found is not None:
                 return found
     return None
+
+
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    if ch in _ESCAPES:
+        return _ESCAPES[ch]
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def printable(value: object, max_chars: int) -> str:
+    """``str(value)`` as one printable line of at most ``max_chars`` characters plus the cut's
+    marker: each character ``str.isprintable`` refuses (CR, LF, NUL, ESC and the other controls,
+    lone surrogates, U+2028, U+0085...) written as its Python escape (``\\n``, ``\\x1b``, ``\\ud800``),
+    and what does not fit left out, the line then ending ``...(N more characters)`` (N of ``value``'s
+    characters). For peer-supplied strings (ids, names, headers, model names) on their way to a log
+    line, a metric label or a span attribute."""
+    s = value if isinstance(value, str) else str(value)
+    if len(s) <= max_chars and s.isprintable():
+        return s
+    out: list[str] = []
+    used = 0
+    for i, c in enumerate(s):
+        piece = c if c.isprintable() else _escape(c)
+        if used + len(piece) > max_chars:
+            return f"{''.join(out)}...({len(s) - i} more characters)"
+        out.append(piece)
+        used += len(piece)
+    return "".join(out)

@@ -4,7 +4,7 @@ Edge: ``edge_turn`` > ``tokenize``, ``edge_head``, ``encode``, ``uplink`` (send 
 verified the upload). Cloud: ``cloud_turn`` > ``cloud_upload``, ``cloud_store_put``,
 ``cloud_tail_prefill``, ``cloud_decode``. With the in-process link (tests) the cloud's turn
 nests in the edge's; over gRPC each daemon exports its own trace, and the spans share the
-``tandem.request_id`` attribute.
+``request_id`` attribute.
 
 ``setup_tracing(True, ...)`` turns it on once per process; until then (or when the
 OpenTelemetry SDK is not installed) ``span`` returns a shared no-op context manager and
@@ -13,6 +13,10 @@ OpenTelemetry SDK is not installed) ``span`` returns a shared no-op context mana
 The span in progress is kept in this module's own context variable, not in OpenTelemetry's
 current context, so a span that lives across the yields of an async generator never leaves
 another task's context attached (a generator may be closed from another context).
+
+Every string attribute, and the message of a recorded exception, is written through
+``common.text.printable`` (escaped, at most ``MAX_ATTR_CHARS``): span attributes carry ids and
+names a peer chose.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar, cast
 
+from tandem.common.text import printable
+
 log = logging.getLogger("tandem.tracing")
+MAX_ATTR_CHARS = 256  # a string span attribute, before the cut's marker
 
 F = TypeVar("F", bound=Callable[..., Any])
 AttrValue = str | bool | int | float
@@ -86,6 +93,11 @@ def enabled() -> bool:
     return _tracer is not None
 
 
+def _printable(attrs: dict[str, AttrValue]) -> dict[str, AttrValue] | None:
+    """Span attributes with every string printable and bounded (None for none)."""
+    return {k: printable(v, MAX_ATTR_CHARS) if isinstance(v, str) else v for k, v in attrs.items()} or None
+
+
 @contextlib.contextmanager
 def _span(name: str, attrs: dict[str, AttrValue]) -> Iterator[Any]:
     from opentelemetry import trace
@@ -93,13 +105,13 @@ def _span(name: str, attrs: dict[str, AttrValue]) -> Iterator[Any]:
 
     parent = _current.get()
     ctx = trace.set_span_in_context(parent) if parent is not None else None
-    s = _tracer.start_span(name, context=ctx, attributes=attrs or None)
+    s = _tracer.start_span(name, context=ctx, attributes=_printable(attrs))
     token = _current.set(s)
     try:
         yield s
     except BaseException as e:
         if not isinstance(e, GeneratorExit | asyncio.CancelledError):
-            s.record_exception(e)
+            s.record_exception(e, attributes={"exception.message": printable(e, MAX_ATTR_CHARS)})
             s.set_status(Status(StatusCode.ERROR, type(e).__name__))
         raise
     finally:
@@ -140,7 +152,7 @@ def start_span(name: str, **attrs: AttrValue) -> _Handle:
 
     parent = _current.get()
     ctx = trace.set_span_in_context(parent) if parent is not None else None
-    return _Handle(_tracer.start_span(name, context=ctx, attributes=attrs or None))
+    return _Handle(_tracer.start_span(name, context=ctx, attributes=_printable(attrs)))
 
 
 async def _traced_agen(name: str, gen: AsyncIterator[Any]) -> AsyncIterator[Any]:

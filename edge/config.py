@@ -42,6 +42,7 @@ from tandem.common.settings import (
     kib,
     mib,
 )
+from tandem.edge.discovery import parse_dns_target
 
 DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
 MAX_PROBE_BYTES = 1 << 20  # the padding a cloud accepts in a goodput probe (cloud.gateway.MAX_PROBE_BYTES)
@@ -73,19 +74,33 @@ class EdgeConfig(DaemonSettings):
     )
     local_model: Path | None = Field(
         default=None,
-        description="The whole model in ONNX for local mode; default `edge-full.onnx` beside the split directory.",
+        description="The whole model for local mode: a folder built by ONNX Runtime GenAI's model builder "
+        "(`tandem-model` writes `edge-decoder/`) or an ONNX file (`edge-full.onnx`); default `edge-decoder/` "
+        "beside the split directory where it passed its check, else `edge-full.onnx` there.",
     )
     max_prompt_tokens: Count = Field(default=1536, description="Longest prompt accepted, in tokens.")
     max_new_tokens: Count = Field(
         default=4096,
         description="Most output tokens of one turn, in every mode (the cloud's bound narrows it while known).",
     )
-    cloud_target: str = Field(default="localhost:50051", description="Address of tandem-cloud, `host:port`.")
+    cloud_target: str = Field(
+        default="localhost:50051",
+        description="Address of tandem-cloud, `host:port`; or a DNS name of all its replicas, "
+        "`dns:///NAME:PORT` (a Kubernetes headless Service; `dns://DNS-SERVER/NAME:PORT` asks that server): "
+        "the edge resolves it every `cloud_resolve_s` and holds one link per address, as with `cloud_replicas`.",
+    )
     cloud_replicas: ListSetting[str] = Field(
         default_factory=list,
         description="More `host:port` targets of the same cloud deployment (replicas sharing one block store, "
         "`tandem-cloud --store-url`): each session stays on one replica (rendezvous hashing over those that "
-        "answer) and moves, syncing from the shared store, when its replica fails.",
+        "answer) and moves, syncing from the shared store, when its replica fails. `dns:` names as in "
+        "`cloud_target`.",
+    )
+    cloud_resolve_s: Seconds = Field(
+        default=30.0,
+        description="Seconds between resolutions of a `dns:` cloud target (also resolved, at most once a second, "
+        "when a turn fails on a replica); replicas that join get their share of sessions, those that leave move "
+        "only their own.",
     )
     cloud_tls: bool = Field(
         default=False,
@@ -237,12 +252,14 @@ class EdgeConfig(DaemonSettings):
     @field_validator("cloud_target")
     @classmethod
     def _target(cls, v: str) -> str:
+        checked(parse_dns_target, v)
         return checked(check_target, v, "cloud_target")
 
     @field_validator("cloud_replicas")
     @classmethod
     def _replicas(cls, v: list[str]) -> list[str]:
         for t in v:
+            checked(parse_dns_target, t)
             checked(check_target, t, "cloud_replicas entry")
         return v
 

@@ -1,23 +1,64 @@
 """Domain forms of the ``Edge.Chat`` RPC and their protobuf conversion, in one place.
 
 ``ChatTurn`` comes in from the SDK; ``TextOut`` and ``TurnDone`` go back. ``SentBytes`` is what
-a turn's upload cost on the wire, per stream kind.
+a turn's upload cost on the wire, per stream kind. ``chat_role`` and ``check_stops`` are the one
+check of a message's role and of stop strings, for the gRPC API and the HTTP API alike.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 from tandem.common.errors import InvalidRequest
 from tandem.common.modes import Mode
 from tandem.common.params import Sampling
+from tandem.common.requestlimits import check_session_id
 from tandem.common.text import check_text
 from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tandem.pbconv import to_pb
 from tandem.stages import Timings, timings_to_wire
 from tandem.v1 import tandem_pb2 as pb
 
-ROLES = ("system", "user", "assistant")
+# a message's role -> the role the chat template gets (OpenAI's developer messages are system messages)
+ROLE_OF = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def chat_role(role: str, i: int) -> str:
+    """The chat template's role for message ``i``'s ``role``.
+
+    Raises:
+        InvalidRequest: a role not in ``ROLE_OF``, or none (``param`` ``messages.[i].role``).
+    """
+    where = f"messages.[{i}].role"
+    if not role:  # protobuf's unset string: a message without its role
+        raise InvalidRequest(f"{where}: a message needs its role", param=where, code="missing_required_parameter")
+    if check_text(role, where) not in ROLE_OF:
+        raise InvalidRequest(f"{where}: {role!r} is not one of {list(ROLE_OF)}", param=where)
+    return ROLE_OF[role]
+
+
+def check_stops(stop: Sequence[str], one: bool = False) -> tuple[str, ...]:
+    """Stop strings as a tuple: at most ``MAX_STOP_STRINGS``, each text of 1 to ``MAX_STOP_CHARS``
+    characters. ``one``: the request gave one string (its field is ``stop``, not ``stop.[0]``).
+
+    Raises:
+        InvalidRequest: ``param`` ``stop`` (too many) or the string's ``stop.[i]``.
+    """
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(
+            f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop", code="array_above_max_length"
+        )
+    for i, x in enumerate(stop):
+        where = "stop" if one else f"stop.[{i}]"
+        check_text(x, where)
+        if not x:
+            raise InvalidRequest(f"{where}: a stop string is not empty", param=where)
+        if len(x) > MAX_STOP_CHARS:
+            raise InvalidRequest(
+                f"{where}: at most {MAX_STOP_CHARS} characters", param=where, code="string_above_max_length"
+            )
+    return tuple(stop)
 
 
 @dataclass(frozen=True)
@@ -41,30 +82,35 @@ class ChatTurn:
 
     def __post_init__(self) -> None:
         for i, (role, content) in enumerate(self.messages):
-            check_text(role, f"messages[{i}].role")
-            check_text(content, f"messages[{i}].content")
+            check_text(role, f"messages.[{i}].role")
+            check_text(content, f"messages.[{i}].content")
         check_text(self.prompt, "prompt")
         check_text(self.session_id, "session_id")
         for i, s in enumerate(self.stop):
-            check_text(s, f"stop[{i}]")
+            check_text(s, f"stop.[{i}]")
 
     @classmethod
     def from_pb(cls, r: pb.ChatRequest) -> ChatTurn:
-        """Raises InvalidRequest for unknown roles or mode, ``split_layer`` with a mode other than
-        split, too many or empty stop strings, or strings that are not text. Sampling values and stop
-        token ids are the node's to check, as in every mode (``edge.validation.check_turn``)."""
-        for i, m in enumerate(r.messages):
-            if check_text(m.role, f"messages[{i}].role") not in ROLES:
-                raise InvalidRequest(f"messages[{i}].role: {m.role!r} is not one of {ROLES}")
+        """Raises InvalidRequest (``param`` the field) for unknown roles (``developer`` is ``system``)
+        or mode, ``split_layer`` with a mode other than split, too many or empty stop strings, a
+        session id too long, or strings that are not text. A top_k of -1 is off, as 0 (vLLM's).
+        Sampling values and stop token ids are the node's to check, as in every mode
+        (``edge.validation.check_turn``)."""
+        messages = tuple((chat_role(m.role, i), m.content) for i, m in enumerate(r.messages))
         mode = Mode.from_pb(r.mode)
-        if r.split_layer and mode is not Mode.SPLIT:
-            raise InvalidRequest("split_layer is for mode split only")
+        check_split_layer(r.split_layer, mode)
         s = Sampling.from_pb(r.sampling) if r.HasField("sampling") else Sampling()
-        if len(r.stop) > MAX_STOP_STRINGS or any(not 0 < len(x) <= MAX_STOP_CHARS for x in r.stop):
-            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of 1 to {MAX_STOP_CHARS} characters")
-        messages = tuple((m.role, m.content) for m in r.messages)
-        stop = tuple(x for x in r.stop if x)
+        if s.top_k == -1:
+            s = replace(s, top_k=0)
+        stop = check_stops(r.stop)
+        check_session_id(r.session_id)
         return cls(messages, r.prompt, r.session_id, s, mode, stop, r.split_layer, r.whole_reply)
+
+
+def check_split_layer(split_layer: int, mode: Mode) -> None:
+    """Raises InvalidRequest (``param`` ``split_layer``) for a split layer with a mode other than split."""
+    if split_layer and mode is not Mode.SPLIT:
+        raise InvalidRequest("split_layer is for mode split only", param="split_layer")
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class SessionLifetime:
             DeadlineExceeded: a turn of the session was still running after ``timeout_s``.
         """
         if not session_id:
-            raise InvalidRequest("EndSession needs a session_id")
+            raise InvalidRequest("EndSession needs a session_id", param="session_id", code="missing_required_parameter")
         check_session_id(session_id)
         try:
             async with asyncio.timeout(timeout_s):

@@ -1,59 +1,57 @@
-"""Edge-only serving: the whole model in ONNX Runtime on the edge, no network.
+"""Edge-only serving: the whole model on the edge, no network.
 
-``LocalEngine`` runs ``edge-full.onnx`` (see ``common.modelprep``: embedding, all ``L`` layers and
-the LM head; inputs and outputs named by ``common.head_io.io_names(L)``, ``logits`` float32
-``[1, V]`` of the last new token) token by token, batch 1, with the sampling and stop semantics
-of vLLM so the local mode answers like the cloud. ``LocalGenerator`` is the synchronous,
-benchmark-only driver of the same forward pass (the edge-only baseline of ``benchmarks.bench``).
+``LocalEngine`` runs a ``LocalModel`` (``edge.localmodel``: ONNX Runtime GenAI's builder graph
+through ``edge.decoder.DecoderGraph``, or tandem's ``edge-full.onnx``) token by token, batch 1,
+with the sampling and stop semantics of vLLM so the local mode answers like the cloud.
+``LocalGenerator`` is the synchronous, benchmark-only driver of the same runs.
 
 Who calls: the edge's local mode (``LocalEngine.generate``, one call per turn, from the event
-loop) and the benchmarks (``LocalGenerator``).
+loop), remote prefill (``adopt``, ``extend``, ``generate``) and the benchmarks (``LocalGenerator``).
 
-Concurrency: every ONNX Runtime call (one prefill or one decode step) runs in a worker thread
-under one ``asyncio.Lock``, so the event loop stays free and concurrent turns interleave token by
-token in FIFO order. A run that a cancelled turn started keeps the lock until it ends (ONNX
-Runtime cannot be interrupted), so runs never overlap; the cancelled turn itself returns at once.
+Concurrency: every model run (one prefill or one decode step) runs in a worker thread under one
+``asyncio.Lock``, so the event loop stays free and concurrent turns interleave token by token in
+FIFO order. A run that a cancelled turn started keeps the lock until it ends (ONNX Runtime cannot
+be interrupted), so runs never overlap; the cancelled turn itself returns at once.
 
-Sessions: with a ``session_id`` the full-model KV of the conversation is kept between turns
-(``LocalSessions``, bounded by count and bytes, least recently used dropped first) and the
-longest common token prefix with the next prompt is reused. The session is updated after every
-model run, token ids and KV together, so a turn that fails or is cancelled leaves it consistent.
-Remote prefill (``edge.remoteprefill``) puts the KV that came from the cloud into a session
-(``adopt``), computes the tokens past it (``extend``) and decodes on from there (``generate``).
+Sessions: with a ``session_id`` the whole model's KV of the conversation is kept between turns
+(``LocalSessions``, bounded by count and bytes, least recently used dropped first) and the longest
+common token prefix with the next prompt is reused. A session's token ids and its KV change only
+together, inside the worker thread of a run (the prefix kept, the new tokens run, the ids
+appended), so a turn that fails or is cancelled leaves the session consistent. Remote prefill
+(``edge.remoteprefill``) puts the KV that came from the cloud into a session (``adopt``),
+computes the tokens past it (``extend``) and decodes on from there (``generate``).
 
 Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``T`` tokens whose KV is held, ``V``
-vocabulary size; KV float32 ``[1, Hkv, T, D]`` per layer and key/value, in ``io_names`` order.
-
-Where the KV lives: on ONNX Runtime's CUDA provider the runs use IO binding (``kv_device``), so a
-session's KV stays in GPU memory (``onnxruntime.OrtValue``) between decode steps and between turns,
-and only the logits of the last token come back to the host each run; on the CPU provider the KV
-is numpy arrays. ``host_kv`` gives either as numpy (the remote-prefill download's delta, the tests).
+vocabulary size; KV crosses this module as ``2L`` float32 ``[1, Hkv, T, D]`` host arrays.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from tandem.common.errors import InvalidRequest
+from tandem.common.errors import EngineError, InvalidRequest
 from tandem.common.ewma import Ewma
-from tandem.common.head_io import io_names
 from tandem.common.lru import BoundedLRU
 from tandem.common.manifest import ModelShape
 from tandem.common.params import Sampling
 from tandem.common.requestlimits import RequestLimits
-from tandem.edge.localkv import KV, blocks_from_past, host_kv, kv_nbytes, kv_prefix, kv_tokens, past_from_blocks
+from tandem.edge.localkv import KV, blocks_from_past, past_from_blocks
+from tandem.edge.localmodel import LocalModel, OnnxForward
 
-__all__ = ["KV", "LocalEngine", "LocalGenerator", "LocalSession", "LocalSessions", "LocalToken"]
+__all__ = ["KV", "LocalEngine", "LocalGenerator", "LocalSession", "LocalSessions", "LocalToken", "load_local_model"]
 __all__ += ["blocks_from_past", "past_from_blocks", "sample_token", "sampling_rng"]
+
+R = TypeVar("R")
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 WARMUP_DECODE_STEPS = 4
@@ -61,22 +59,22 @@ WARMUP_DECODE_STEPS = 4
 
 @dataclass
 class LocalSession:
-    """Full-model KV of one chat session, for prefix reuse across turns.
+    """The whole model's KV of one chat session, for prefix reuse across turns.
 
-    token_ids: the tokens whose KV ``past`` holds (``len(token_ids) == T``).
-    past: ``2L`` tensors float32 ``[1, Hkv, T, D]`` (key then value per layer, ``io_names`` order;
-    numpy arrays, or ``OrtValue`` on the device where the engine binds its KV there), empty before
-    the first turn. Tensors are replaced, never written in place.
+    token_ids: the tokens whose KV ``kv`` holds (``len(token_ids) == kv.tokens``).
+    kv: the model's ``SessionKV`` (``edge.localmodel``), None before the session's first run.
     lock: held by the turn using the session, for the whole turn.
+    release: gives ``kv``'s buffers back to its model once the session is dropped.
     """
 
     token_ids: list[int] = field(default_factory=list)
-    past: list[KV] = field(default_factory=list)
+    kv: Any = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    release: Callable[[Any], None] | None = field(default=None, repr=False)
 
     def nbytes(self) -> int:
         """KV bytes held (host or device memory)."""
-        return sum(kv_nbytes(a) for a in self.past)
+        return self.kv.nbytes() if self.kv is not None else 0
 
     def common_prefix(self, ids: Sequence[int]) -> int:
         """Length of the longest common prefix of ``ids`` and ``token_ids``."""
@@ -85,6 +83,12 @@ class LocalSession:
         while i < n and ids[i] == self.token_ids[i]:
             i += 1
         return i
+
+    def drop(self) -> None:
+        """Give the KV back to the model (the session is gone)."""
+        if self.kv is not None and self.release is not None:
+            self.release(self.kv)
+        self.kv, self.token_ids = None, []
 
 
 class LocalSessions(BoundedLRU[LocalSession]):
@@ -102,6 +106,18 @@ class LocalSessions(BoundedLRU[LocalSession]):
 
     def entry_bytes(self, key: str, s: LocalSession) -> int:
         return s.nbytes()
+
+    def _drop(self, key: str, reason: str) -> None:
+        s = self.lookup(key)
+        super()._drop(key, reason)
+        if s is not None:
+            s.drop()
+
+    def discard(self, key: str) -> LocalSession | None:
+        s = super().discard(key)
+        if s is not None:
+            s.drop()
+        return s
 
 
 @dataclass(frozen=True)
@@ -141,14 +157,55 @@ def sample_token(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> i
     return int(rng.choice(p.shape[0], p=p))
 
 
+def next_token(token: int | None, logits: np.ndarray | None, s: Sampling, rng: np.random.Generator) -> int:
+    """The token a run gave (its own argmax, greedy) or the one sampled from the logits it gave.
+
+    Raises:
+        EngineError: the run gave neither."""
+    if token is not None:
+        return token
+    if logits is None:
+        raise EngineError("the local model's run returned neither a token nor logits")
+    return sample_token(logits, s, rng)
+
+
 def sampling_rng(seed: int | None) -> np.random.Generator:
     """The random generator of one turn, taking ``seed`` as vLLM's ``SamplingParams`` does: None or
     -1 is no seed (from the OS); any other 64-bit int seeds it (a negative one as its two's complement)."""
     return np.random.default_rng(None if seed is None or seed == -1 else seed % (1 << 64))
 
 
+def load_local_model(
+    path: Path,
+    shape: ModelShape,
+    intra_op_threads: int = 0,
+    providers: Sequence[str] | None = None,
+    kv_device: str = "auto",
+) -> LocalModel:
+    """The whole model at ``path``: a folder built by ONNX Runtime GenAI's model builder
+    (``genai_config.json``: ``edge.decoder.DecoderGraph``) or tandem's ``edge-full.onnx``
+    (``edge.localmodel.OnnxForward``; ``kv_device`` applies to it alone).
+
+    Raises:
+        ValueError: see ``OnnxForward`` and ``DecoderGraph``; a builder folder whose shape is not
+            ``shape``'s.
+        What ``onnxruntime.InferenceSession`` raises for a bad file.
+    """
+    from tandem.edge.decoder import GENAI_CONFIG, DecoderGraph
+
+    if Path(path).is_dir() and (Path(path) / GENAI_CONFIG).is_file():
+        graph = DecoderGraph(Path(path), list(providers) if providers else None, intra_op_threads)
+        sp = graph.spec
+        got = (sp.num_layers, sp.num_kv_heads, sp.head_dim, sp.vocab_size)
+        want = (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.vocab_size)
+        if got != want:
+            raise ValueError(f"{path}: (layers, KV heads, head dim, vocabulary) {got}, the manifest says {want}")
+        return graph
+    return OnnxForward(Path(path), shape, intra_op_threads, providers, kv_device)
+
+
 class LocalEngine:
-    """``edge-full.onnx`` in one ONNX Runtime session, serving concurrent turns.
+    """The whole model (``LocalModel``) serving concurrent turns.
 
     Attributes (read them, don't set them):
         prefill_ms_per_token: EWMA of prefill run time per prompt token computed (ms); runs of more
@@ -165,7 +222,7 @@ class LocalEngine:
 
     def __init__(
         self,
-        onnx_path: Path,
+        model: LocalModel | Path,
         shape: ModelShape,
         eos_token_ids: Sequence[int],
         intra_op_threads: int = 0,
@@ -175,43 +232,27 @@ class LocalEngine:
         providers: Sequence[str] | None = None,
         kv_device: str = "auto",
     ) -> None:
-        """``intra_op_threads``: ONNX Runtime's (0 = its default); ``session_bytes``: bound on the
-        KV bytes of all sessions; ``session_idle_s``: a session unused this long is dropped;
-        ``providers``: ONNX Runtime's execution providers (default: CUDA where onnxruntime-gpu has a
-        GPU, then CPU); ``kv_device``: where the KV is kept between runs, through IO binding:
-        ``"auto"`` (the GPU when the CUDA provider is active, else host numpy arrays without
-        binding), ``"cuda"``, ``"cpu"`` (bound host tensors: the same code path, no GPU) or ``"none"``.
+        """``model``: a ``LocalModel``, or a path ``load_local_model`` loads (with
+        ``intra_op_threads``, ONNX Runtime's (0 = its default); ``providers``, its execution providers
+        (default: CUDA where onnxruntime-gpu has a GPU, then CPU); ``kv_device``, see
+        ``OnnxForward``); ``session_bytes``: bound on the KV bytes of all sessions;
+        ``session_idle_s``: a session unused this long is dropped.
 
         Raises:
-            ValueError: an unknown ``kv_device``, or ``"cuda"`` without the CUDA provider active.
-            What ``onnxruntime.InferenceSession`` raises for a bad file.
+            What ``load_local_model`` raises.
         """
-        import onnxruntime as ort
-
-        from tandem.edge.head_runner import default_providers, session_options
-
-        self.session = ort.InferenceSession(
-            str(onnx_path), session_options(intra_op_threads), providers=list(providers or default_providers())
-        )
-        active = self.session.get_providers()
-        if kv_device == "auto":
-            kv_device = "cuda" if "CUDAExecutionProvider" in active else "none"
-        if kv_device not in ("cuda", "cpu", "none"):
-            raise ValueError(f"kv_device {kv_device!r}: auto, cuda, cpu or none")
-        if kv_device == "cuda" and "CUDAExecutionProvider" not in active:
-            raise ValueError(f"kv_device 'cuda' needs ONNX Runtime's CUDA provider; active: {active}")
-        self.kv_device = kv_device
+        if isinstance(model, Path | str):
+            model = load_local_model(Path(model), shape, intra_op_threads, providers, kv_device)
+        self.model = model
         self._init_state(shape, eos_token_ids, LocalSessions(max_sessions, session_bytes, session_idle_s))
 
     def _init_state(self, shape: ModelShape, eos_token_ids: Sequence[int], sessions: LocalSessions) -> None:
-        """Everything but the ONNX Runtime session: names, sessions, lock, rates and counters."""
+        """Everything but the model: sessions, lock, rates and counters."""
         self.shape = shape
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        inputs, outputs = io_names(shape.num_layers)
-        self._past_names = inputs[3:]
-        self._out_names = ["logits", *outputs[1:]]
         self.sessions = sessions
         self._model_lock = asyncio.Lock()
+        self._released: list[Any] = []  # KV of dropped sessions, given back to the model by the next run
         self.prefill_rate = Ewma()  # ms per prompt token computed, runs of more than one token
         self.decode_rate = Ewma()  # ms per one-token run
         self.active = 0
@@ -219,6 +260,17 @@ class LocalEngine:
         self.pending_prefills = 0
         self.last_computed_tokens = 0
         self.last_reused_tokens = 0
+
+    @property
+    def kv_device(self) -> str:
+        """Where the KV lives between runs: ``"cuda"`` or ``"cpu"`` (``OnnxForward``: its setting)."""
+        return getattr(self.model, "kv_device", None) or (
+            "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
+        )
+
+    def new_session(self) -> LocalSession:
+        """An empty session whose KV goes back to this engine's model when it is dropped."""
+        return LocalSession(release=self._released.append)
 
     async def end_session(self, session_id: str) -> bool:
         """Drop the session ``session_id`` once no turn uses it; True if it was held."""
@@ -245,12 +297,7 @@ class LocalEngine:
 
     @property
     def providers(self) -> list[str]:
-        return self.session.get_providers()
-
-    def empty_past(self) -> list[KV]:
-        """``2L`` float32 arrays ``[1, Hkv, 0, D]``."""
-        s = self.shape
-        return [np.zeros((1, s.num_kv_heads, 0, s.head_dim), np.float32) for _ in self._past_names]
+        return list(self.model.providers)
 
     @property
     def limits(self) -> RequestLimits:
@@ -269,92 +316,90 @@ class LocalEngine:
             raise InvalidRequest("prompt_ids must be a flat list of integers")
         self.limits.check(prompt_ids, s)
 
-    def forward(self, new_ids: Sequence[int], past: list[KV]) -> tuple[np.ndarray, list[KV], float]:
-        """One model run over ``new_ids`` (``t >= 1`` tokens) after ``past`` (``2L`` x ``[1, Hkv, P, D]``).
+    # ---- runs: each one job in a worker thread under the model lock ----------------------------
 
-        Blocking; thread-safe (ONNX Runtime's ``run`` is). Returns the logits of the last new token,
-        float32 ``[V]`` on the host; the KV of all ``P + t`` tokens, ``2L`` x float32
-        ``[1, Hkv, P + t, D]`` (new tensors owned by the caller: ``OrtValue`` on ``kv_device`` when it
-        binds, else numpy); and the run time in ms.
-        """
-        p, t = kv_tokens(past[0]), len(new_ids)
-        feeds: dict[str, Any] = {
-            "input_ids": np.asarray([new_ids], np.int64),
-            "position_ids": np.arange(p, p + t, dtype=np.int64)[None],
-            "attention_mask": np.ones((1, p + t), np.int64),
-        }
-        if self.kv_device != "none":
-            return self._forward_bound(feeds, past)
-        feeds.update(zip(self._past_names, (host_kv(a) for a in past), strict=True))
-        t0 = time.perf_counter()
-        logits, *present = self.session.run(self._out_names, feeds)
-        return logits[0], present, (time.perf_counter() - t0) * 1e3
+    async def _locked(self, job: Callable[[], R]) -> tuple[R, float]:
+        """``job`` in a worker thread under the model lock (FIFO: ``asyncio.Lock`` wakes its waiters
+        in order), the KV of dropped sessions given back to the model first. Returns its result and
+        the wait for the lock (ms).
 
-    def _forward_bound(self, feeds: dict[str, Any], past: list[KV]) -> tuple[np.ndarray, list[KV], float]:
-        """``forward`` through IO binding: the past KV bound where it lives (a host array is copied
-        to ``kv_device`` first), the present KV left by ONNX Runtime on ``kv_device``, the logits
-        bound to the host."""
-        import onnxruntime as ort
-
-        b = self.session.io_binding()
-        for name, arr in feeds.items():
-            b.bind_cpu_input(name, arr)
-        held: list[Any] = []  # the bound values (and the host arrays they wrap) stay alive until the run ends
-        for name, a in zip(self._past_names, past, strict=True):
-            v = (
-                ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.kv_device, 0)
-                if isinstance(a, np.ndarray)
-                else a
-            )
-            held.append(v)
-            b.bind_ortvalue_input(name, v)
-        b.bind_output("logits", "cpu")
-        for name in self._out_names[1:]:
-            b.bind_output(name, self.kv_device, 0)
-        t0 = time.perf_counter()
-        self.session.run_with_iobinding(b)
-        logits, *present = b.get_outputs()
-        return logits.numpy()[0], present, (time.perf_counter() - t0) * 1e3
-
-    async def _run(self, new_ids: list[int], past: list[KV]) -> tuple[np.ndarray, list[KV], float, float]:
-        """``forward`` in a worker thread under the model lock (FIFO: ``asyncio.Lock`` wakes its
-        waiters in order); updates the measured rates. Returns the logits, the present KV, the wait
-        for the lock and the run time (ms).
-
-        The lock is released when the run ends, not when the caller leaves: a cancelled caller
-        returns at once while its run (which cannot be interrupted) finishes alone, its result dropped.
+        The lock is released when the job ends, not when the caller leaves: a cancelled caller
+        returns at once while its job (which cannot be interrupted) finishes alone, its result dropped.
         """
         t0 = time.perf_counter()
         await self._model_lock.acquire()
         wait_ms = (time.perf_counter() - t0) * 1e3
-        fut = asyncio.ensure_future(asyncio.to_thread(self.forward, new_ids, past))
+
+        def locked_job() -> R:
+            while self._released:
+                self.model.release(self._released.pop())
+            return job()
+
+        fut = asyncio.ensure_future(asyncio.to_thread(locked_job))
         fut.add_done_callback(self._run_done)
-        logits, present, ms = await asyncio.shield(fut)
-        if len(new_ids) > 1:
-            self.prefill_rate.add(ms / len(new_ids))
-        else:
-            self.decode_rate.add(ms)
-        return logits, present, wait_ms, ms
+        return await asyncio.shield(fut), wait_ms
 
     def _run_done(self, fut: asyncio.Future) -> None:
         self._model_lock.release()
         if not fut.cancelled():
             fut.exception()  # retrieved here too, for a run whose caller was cancelled
 
-    async def adopt(self, sess: LocalSession, token_ids: Sequence[int], past: list[np.ndarray]) -> None:
-        """Make ``sess`` hold ``past`` (``2L`` float32 ``[1, Hkv, T, D]``) as the KV of ``token_ids``
-        (``T`` of them), under its lock (a turn using it runs first).
+    def _kv(self, sess: LocalSession, tokens_hint: int) -> Any:
+        """The session's KV, allocated on its first run (inside a job)."""
+        if sess.kv is None:
+            sess.kv, sess.token_ids = self.model.new_kv(tokens_hint), []
+            if sess.release is None:
+                sess.release = self._released.append
+        return sess.kv
+
+    def _advance(
+        self, sess: LocalSession, ids: list[int], keep: int, greedy: bool, tokens_hint: int
+    ) -> tuple[int | None, np.ndarray | None, float]:
+        """Inside a job: keep the session's first ``keep`` tokens, run ``ids`` after them, and hold
+        the token ids with the KV (both change together, here)."""
+        kv = self._kv(sess, tokens_hint)
+        self.model.truncate(kv, keep)
+        del sess.token_ids[keep:]
+        tok, logits, ms = self.model.run(kv, ids, greedy)
+        sess.token_ids.extend(ids)
+        return tok, logits, ms
+
+    def _measured(self, tokens: int, ms: float) -> None:
+        if tokens > 1:
+            self.prefill_rate.add(ms / tokens)
+        else:
+            self.decode_rate.add(ms)
+
+    async def adopt(
+        self, sess: LocalSession, token_ids: Sequence[int], past: Sequence[np.ndarray], keep_tokens: int = 0
+    ) -> None:
+        """Make ``sess`` hold ``past`` (``2L`` float32 ``[1, Hkv, T, D]``) as the KV of
+        ``token_ids[keep_tokens:]`` after its own first ``keep_tokens`` tokens (which must be
+        ``token_ids[:keep_tokens]``), under its lock (a turn using it runs first).
 
         Raises:
-            InvalidRequest: ``past`` is not ``2L`` arrays of the model's shape over ``T`` tokens.
+            InvalidRequest: ``past`` is not ``2L`` arrays of the model's shape over
+                ``len(token_ids) - keep_tokens`` tokens, or the session no longer holds
+                ``token_ids[:keep_tokens]``.
         """
-        sh, t = self.shape, len(token_ids)
-        want = (1, sh.num_kv_heads, t, sh.head_dim)
-        if len(past) != 2 * sh.num_layers or any(a.shape != want or a.dtype != np.float32 for a in past):
-            got = [a.shape for a in past[:2]]
-            raise InvalidRequest(f"past must be {2 * sh.num_layers} float32 arrays {want}, got {len(past)} like {got}")
+        ids = [int(x) for x in token_ids]
+        t = len(ids) - keep_tokens
+        want = (1, self.shape.num_kv_heads, t, self.shape.head_dim)
+        if len(past) != 2 * self.shape.num_layers or any(a.shape != want or a.dtype != np.float32 for a in past):
+            got = [getattr(a, "shape", None) for a in list(past)[:2]]
+            raise InvalidRequest(
+                f"past must be {2 * self.shape.num_layers} float32 arrays {want}, got {len(past)} like {got}"
+            )
+
+        def job() -> None:
+            if keep_tokens and sess.token_ids[:keep_tokens] != ids[:keep_tokens]:
+                raise InvalidRequest(f"the session no longer holds the {keep_tokens} tokens the KV follows")
+            kv = self._kv(sess, len(ids))
+            self.model.write_kv(kv, past, keep_tokens)
+            sess.token_ids = ids
+
         async with sess.lock:
-            sess.token_ids, sess.past = [int(x) for x in token_ids], list(past)
+            await self._locked(job)
 
     async def extend(self, sess: LocalSession, ids: list[int]) -> int:
         """Compute the KV of the tokens of ``ids`` past its common prefix with ``sess`` (one run) and
@@ -363,20 +408,38 @@ class LocalEngine:
             c = sess.common_prefix(ids)
             if c == len(ids):
                 return 0
-            past = self.empty_past() if c == 0 else kv_prefix(sess.past, c)
-            _, past, _, _ = await self._prefill(ids[c:], past)
-            sess.token_ids, sess.past = list(ids), past
+            await self._prefill(sess, list(ids), c, greedy=True, tokens_hint=len(ids))
             return len(ids) - c
 
-    async def _prefill(self, new_ids: list[int], past: list[KV]) -> tuple[np.ndarray, list[KV], float, float]:
-        """``_run`` of a prefill, counted in ``pending_prefill_tokens`` while it waits and runs."""
-        self.pending_prefill_tokens += len(new_ids)
+    async def read_kv(self, sess: LocalSession, tokens: int) -> list[np.ndarray]:
+        """The session's KV of its first ``tokens`` tokens, ``2L`` float32 host arrays (a copy)."""
+
+        def job() -> list[np.ndarray]:
+            if sess.kv is None or sess.kv.tokens < tokens:
+                raise InvalidRequest(
+                    f"the session holds {0 if sess.kv is None else sess.kv.tokens} tokens, not {tokens}"
+                )
+            return self.model.read_kv(sess.kv, tokens)
+
+        return (await self._locked(job))[0]
+
+    async def _prefill(
+        self, sess: LocalSession, ids: list[int], keep: int, greedy: bool, tokens_hint: int
+    ) -> tuple[int | None, np.ndarray | None, float, float]:
+        """The prefill job (``ids[keep:]`` after the session's first ``keep`` tokens), counted in
+        ``pending_prefill_tokens`` while it waits and runs. Returns token, logits, wait and run ms."""
+        n = len(ids) - keep
+        self.pending_prefill_tokens += n
         self.pending_prefills += 1
         try:
-            return await self._run(new_ids, past)
+            (tok, logits, ms), wait_ms = await self._locked(
+                lambda: self._advance(sess, ids[keep:], keep, greedy, tokens_hint)
+            )
         finally:
-            self.pending_prefill_tokens -= len(new_ids)
+            self.pending_prefill_tokens -= n
             self.pending_prefills -= 1
+        self._measured(n, ms)
+        return tok, logits, wait_ms, ms
 
     async def generate(
         self, prompt_ids: list[int], sampling: Sampling, session_id: str = "", *, session: LocalSession | None = None
@@ -401,6 +464,8 @@ class LocalEngine:
         self.active += 1
         try:
             sess = session if session is not None else self.sessions.get(session_id)
+            if sess.release is None:
+                sess.release = self._released.append
             async with sess.lock:
                 async for tok in self._turn(sess, prompt, sampling):
                     yield tok
@@ -408,33 +473,33 @@ class LocalEngine:
             self.active -= 1
             if session_id:
                 self.sessions.evict()
+            elif session is None:
+                sess.drop()  # a stateless turn's KV goes back at once
 
     async def _turn(self, sess: LocalSession, prompt: list[int], s: Sampling) -> AsyncGenerator[LocalToken, None]:
-        c = min(sess.common_prefix(prompt), len(prompt) - 1)
-        past = self.empty_past() if c == 0 else kv_prefix(sess.past, c)
+        keep = min(sess.common_prefix(prompt), len(prompt) - 1)
         stops = set(s.stop_token_ids) | (set() if s.ignore_eos else self.eos_token_ids)
+        greedy = s.temperature < SAMPLING_EPS
         rng = sampling_rng(s.seed)
-        new = prompt[c:]
-        self.last_computed_tokens, self.last_reused_tokens = len(new), c
+        self.last_computed_tokens, self.last_reused_tokens = len(prompt) - keep, keep
+        hint = len(prompt) + s.max_new_tokens
+        tok_, logits, wait_ms, run_ms = await self._prefill(sess, prompt, keep, greedy, hint)
         for n in range(1, s.max_new_tokens + 1):
-            logits, past, wait_ms, run_ms = await (self._prefill(new, past) if n == 1 else self._run(new, past))
-            # Commit token ids and KV together (no await in between): the session stays consistent.
-            if n == 1:
-                sess.token_ids, sess.past = list(prompt), past
-            else:
-                sess.token_ids.append(new[0])
-                sess.past = past
-            tok = sample_token(logits, s, rng)
+            tok = next_token(tok_, logits, s, rng)
             finish = "stop" if tok in stops else "length" if n == s.max_new_tokens else None
             yield LocalToken(tok, finish, wait_ms, run_ms)
             if finish:
                 return
-            new = [tok]
+            step = functools.partial(self._advance, sess, [tok], len(sess.token_ids), greedy, hint)
+            (tok_, logits, run_ms), wait_ms = await self._locked(step)
+            self._measured(1, run_ms)
 
     async def warmup(self, n_tokens: int = 32) -> None:
         """One untimed one-token run (ONNX Runtime's first run allocates), then a prefill of
         ``n_tokens`` (at least 2) and a few decode steps, which set the measured rates. Stateless."""
-        await self._run([1], self.empty_past())
+        sess = self.new_session()
+        await self._locked(lambda: self._advance(sess, [1], 0, True, 1 + WARMUP_DECODE_STEPS))
+        sess.drop()
         n = max(2, min(n_tokens, self.shape.max_position_embeddings - WARMUP_DECODE_STEPS))
         ids = [(1 + 7919 * i) % self.shape.vocab_size for i in range(n)]
         sampling = Sampling(max_new_tokens=WARMUP_DECODE_STEPS, ignore_eos=True)
@@ -450,11 +515,12 @@ class LocalStep:
 
 
 class LocalGenerator:
-    """Synchronous, stateless driver of ``LocalEngine``'s forward pass, for the edge-only baseline
-    of the benchmarks (no event loop, no sessions)."""
+    """Synchronous, stateless driver of a ``LocalModel``'s runs, for the edge-only baseline of the
+    benchmarks (no event loop, no sessions)."""
 
-    def __init__(self, onnx_path: Path, shape: ModelShape, intra_op_threads: int = 0) -> None:
-        self.engine = LocalEngine(onnx_path, shape, (), intra_op_threads)
+    def __init__(self, model_path: Path, shape: ModelShape, intra_op_threads: int = 0) -> None:
+        self.model = load_local_model(model_path, shape, intra_op_threads)
+        self.engine = LocalEngine(self.model, shape, ())
         self.shape = shape
 
     def generate(
@@ -474,11 +540,16 @@ class LocalGenerator:
         s = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_token_ids=stop)
         self.engine.validate(prompt_ids, s)
         rng = sampling_rng(seed)
-        past, new = self.engine.empty_past(), list(prompt_ids)
-        for _ in range(max_new_tokens):
-            logits, past, _ms = self.engine.forward(new, past)
-            tok = sample_token(logits, s, rng)
-            yield LocalStep(tok, time.perf_counter())
-            if tok in stop:
-                return
-            new = [tok]
+        greedy = temperature < SAMPLING_EPS
+        kv = self.model.new_kv(len(prompt_ids) + max_new_tokens)
+        new = list(prompt_ids)
+        try:
+            for _ in range(max_new_tokens):
+                tok_, logits, _ms = self.model.run(kv, new, greedy)
+                tok = next_token(tok_, logits, s, rng)
+                yield LocalStep(tok, time.perf_counter())
+                if tok in stop:
+                    return
+                new = [tok]
+        finally:
+            self.model.release(kv)

@@ -22,7 +22,7 @@ from typing import Any
 from tandem.common import metrics
 from tandem.common.chat import prompt_token_ids
 from tandem.common.errors import EngineError, InvalidRequest, LinkLost, ParamsVersionMismatch, QuotaExceeded
-from tandem.common.logs import bind_request, current_request_id, new_request_id, turn_log
+from tandem.common.logs import bind_request, current_caller, current_request_id, new_request_id, turn_log
 from tandem.common.manifest import ModelShape
 from tandem.common.modes import Mode
 from tandem.common.requestlimits import RequestLimits
@@ -205,16 +205,24 @@ class EdgeNode:
 
     @traced("tokenize")
     def tokenize(self, request: ChatTurn) -> list[int]:
-        """Prompt token ids. Raises InvalidRequest for an empty or too long prompt."""
+        """Prompt token ids. Raises InvalidRequest (``param`` ``messages`` or ``prompt``) for no
+        prompt, both kinds, or one too long (``context_length_exceeded``)."""
         if request.messages and request.prompt:
-            raise InvalidRequest("pass messages or a prompt, not both")
+            raise InvalidRequest("pass messages or a prompt, not both", param="prompt")
+        if not request.messages and not request.prompt:
+            raise InvalidRequest("messages: a request needs messages or a prompt", param="messages", code="empty_array")
         limits = self.limits
+        param = "prompt" if request.prompt else "messages"
         n_chars = len(request.prompt) + sum(len(c) for _, c in request.messages)
         if n_chars > limits.max_prompt_tokens * self._token_chars:
-            raise InvalidRequest(f"prompt of {n_chars} characters cannot fit in {limits.max_prompt_tokens} tokens")
+            raise InvalidRequest(
+                f"prompt of {n_chars} characters cannot fit in {limits.max_prompt_tokens} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
         messages = [{"role": r, "content": c} for r, c in request.messages]
         ids = prompt_token_ids(self.tok, messages or None, request.prompt or None)
-        limits.check_prompt_length(len(ids))
+        limits.check_prompt_length(len(ids), param)
         return ids
 
     def validate(self, request: ChatTurn, ids: list[int]) -> None:
@@ -252,7 +260,13 @@ class EdgeNode:
             bind_request(rid, request.session_id),
             turn_log(log, request.mode) as done_fields,
             metrics.edge_turn(clock) as counts,
-            span("edge_turn", mode=request.mode, request_id=rid, session_id=request.session_id),
+            span(
+                "edge_turn",
+                mode=request.mode,
+                request_id=rid,
+                session_id=request.session_id,
+                **({"caller": c} if (c := current_caller()) else {}),
+            ),
         ):
             inner, finished = self._chat(request, clock, timeout_s), False
             try:

@@ -15,12 +15,13 @@ Endpoints (FastAPI, served by uvicorn in the edge's event loop; see ``serve_open
 
 vLLM-style extras (``extra_body`` in the openai client): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
 and ``session_id`` (names the conversation explicitly, see below); tandem's ``mode`` (default
-``auto``). A request with ``stream`` absent or false is a whole-reply turn
+``auto``) and ``split_layer`` (with mode split). A request with ``stream`` absent or false is a whole-reply turn
 (``ChatTurn.whole_reply``): auto takes the mode with the lowest predicted end-to-end time, since its
 client sees nothing before the last token; a streamed one the lowest predicted time to first token.
-Fields this API does not know are ignored; fields it knows but cannot honour (tools, logprobs,
-penalties, logit_bias, non-text response formats or content parts) are refused with 400 rather than
-silently ignored.
+A field this API does not know is refused (400 ``unknown_parameter`` naming it), except OpenAI's
+fields accepted and ignored by design (``edge.openai_requests.IGNORED_FIELDS``, listed in
+docs/clients.md); fields it knows but cannot honour (tools, logprobs, penalties, logit_bias,
+non-text response formats or content parts) are refused with 400 rather than silently ignored.
 
 Responses have OpenAI's shapes (``chat.completion``, ``chat.completion.chunk``, ``text_completion``,
 ``usage``, ``finish_reason`` stop|length). Streams are server-sent events ``data: {json}`` ending with
@@ -42,7 +43,9 @@ FastAPI's 422), a body over 4 MiB 413, an unknown model 404 (``model_not_found``
 set, a missing or wrong ``Authorization: Bearer`` key is 401 (``invalid_api_key``; keys compared in
 constant time). Tandem's domain errors map to statuses (``InvalidRequest`` and ``ModeUnavailable``
 400, ``QuotaExceeded`` 429, ``EngineError`` 503, ``UploadTimeout`` / ``DeadlineExceeded`` 504, the
-rest 500), their ``code`` the error's class name. Every string of a body must be text
+rest 500); one about a field (``InvalidRequest``, ``ModeUnavailable``) has its own ``param`` and OpenAI
+``code``, the same the gRPC API and the SDK report (``common.errors``), the others their class name
+as ``code``. Every string of a body must be text
 (``common.text``: no lone surrogate, no NUL).
 
 Modules: ``edge.openai_requests`` (request models, request -> turn), ``edge.openai_responses``
@@ -101,8 +104,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tandem.common import errors as e
-from tandem.common.logs import set_ids
+from tandem.common.logs import set_caller, set_ids
 from tandem.common.modes import Mode
+from tandem.common.requestlimits import check_session_id
+from tandem.common.security import Principal, key_name
 from tandem.common.text import check_text
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.node import EdgeNode
@@ -208,7 +213,7 @@ async def _sse_body(
                 break
             ev = await asyncio.get_running_loop().create_task(anext(events, None), context=ctx)
     except e.TandemError as err:
-        yield sse(api_error_of(err).body())
+        yield sse(api_error_of(err, call.renamed).body())
     except Exception:
         log.exception("OpenAI stream failed")
         yield sse(ApiError(500, "internal error in the edge (see its log)").body())
@@ -274,9 +279,11 @@ class _Api:
         sp = sampling(r, max_tokens, max_new, max_new, param)
         opening = [""] * 2 if r.session_id else chat_opening(messages)
         stop = stops(r.stop)
+        check_session_id(r.session_id or "")
+        mode = Mode.from_name(r.mode)
         sid = self.session_for(["chat", key, r.user or "", r.session_id or "", *opening])
-        turn = ChatTurn(messages, "", sid, sp, mode=Mode.from_name(r.mode), stop=stop, whole_reply=not r.stream)
-        return self._call(True, turn, r)
+        turn = ChatTurn(messages, "", sid, sp, mode, stop, r.split_layer, whole_reply=not r.stream)
+        return self._call(True, turn, r, param)
 
     def completion_call(self, r: CompletionRequest, key: str) -> Call:
         self.check_model(r.model)
@@ -287,23 +294,26 @@ class _Api:
         sp = sampling(r, r.max_tokens, default_max, max_new, "max_tokens")
         opening = "" if r.session_id else prompt[:OPENING_CHARS]
         stop = stops(r.stop)
+        check_session_id(r.session_id or "")
+        mode = Mode.from_name(r.mode)
         sid = self.session_for(["text", key, r.user or "", r.session_id or "", opening])
-        turn = ChatTurn((), prompt, sid, sp, mode=Mode.from_name(r.mode), stop=stop, whole_reply=not r.stream)
-        return self._call(False, turn, r)
+        turn = ChatTurn((), prompt, sid, sp, mode, stop, r.split_layer, whole_reply=not r.stream)
+        return self._call(False, turn, r, "max_tokens")
 
-    def _call(self, chat: bool, turn: ChatTurn, r: RequestBase) -> Call:
+    def _call(self, chat: bool, turn: ChatTurn, r: RequestBase, max_tokens_param: str) -> Call:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         usage = bool(r.stream and r.stream_options and r.stream_options.include_usage)
-        return Call(chat, rid, int(time.time()), self.model_id, turn, usage)
+        return Call(chat, rid, int(time.time()), self.model_id, turn, usage, max_tokens_param)
 
     async def end_conversation(self, conversation_id: str, key: str) -> dict[str, Any]:
         """``DELETE /v1/conversations/{id}``: end the conversation's session (``x-tandem-session``) on
         the edge and in the cloud, in OpenAI's ``conversation.deleted`` shape.
 
         Raises:
+            InvalidRequest: an id ``check_session_id`` refuses (not text, over 128 bytes), as ``EndSession``.
             ApiError: 404 when it is not a conversation of this key or neither side held it.
         """
-        check_text(conversation_id, "conversation_id")
+        check_session_id(conversation_id, "conversation_id")  # as EndSession checks a session id
         missing = ApiError(404, f"Conversation with id '{conversation_id}' not found.", param="conversation_id")
         if not owned_by(self.secret, conversation_id, key):
             raise missing
@@ -314,6 +324,12 @@ class _Api:
     async def answer(self, call: Call, stream: bool, request: Request) -> Response:
         """Run the turn (its session reserved until it ends) and answer in OpenAI's shape."""
         set_ids(call.id, call.turn.session_id)  # this request's own task: log lines carry the response's id
+        try:
+            return await self._answer(call, stream, request)
+        except e.TandemError as err:  # the request's own names for the domain's fields
+            raise api_error_of(err, call.renamed) from err
+
+    async def _answer(self, call: Call, stream: bool, request: Request) -> Response:
         headers = {"x-tandem-session": call.turn.session_id}
         events = cast(AsyncGenerator[TextOut | TurnDone, None], self.service.chat(call.turn))
         if not stream:
@@ -349,6 +365,7 @@ def _bearer_check(api_keys: Sequence[str]):
                 raise ApiError(
                     401, "Incorrect or missing API key (Authorization: Bearer <key>)", code="invalid_api_key"
                 )
+            set_caller(Principal("key", key_name(presented)))  # the request's log lines name the key, never the key
         return presented
 
     return bearer

@@ -12,9 +12,12 @@ the official API writes it and the ``openai`` client reads it (``BadRequestError
 * ``code``: OpenAI's code for the case: ``missing_required_parameter``, ``invalid_type``,
   ``invalid_value``, ``unsupported_parameter``, ``unsupported_value``, ``integer_above_max_value``
   (and ``integer_below_min_value``, ``decimal_above_max_value``, ``decimal_below_min_value``),
-  ``string_above_max_length``, ``array_above_max_length``, ``empty_array``, ``model_not_found``,
-  ``invalid_api_key``; null where OpenAI has none (a body that is not JSON or too large, an unknown
-  URL); for tandem's domain errors (``EngineError``, ``QuotaExceeded``...) the error's class name.
+  ``string_above_max_length``, ``array_above_max_length``, ``empty_array``, ``unknown_parameter``,
+  ``context_length_exceeded``, ``model_not_found``, ``invalid_api_key``; null where OpenAI has none
+  (a body that is not JSON or too large, an unknown URL). A domain error about a field
+  (``InvalidRequest``, ``ModeUnavailable``) brings its own ``param`` and ``code``
+  (``common.errors``), the same the gRPC API sends; tandem's other domain errors (``EngineError``,
+  ``QuotaExceeded``...) have the error's class name as ``code``.
 
 ``ApiError`` is raised by the API's own refusals; ``api_error_of`` maps domain errors, ``of_validation``
 pydantic's (FastAPI's ``RequestValidationError``: 400, not FastAPI's 422), ``of_http`` Starlette's
@@ -80,16 +83,19 @@ STATUS_OF: dict[type[e.TandemError], tuple[int, str]] = {
     e.EngineError: (503, "service_unavailable_error"),
     e.UploadTimeout: (504, "timeout_error"),  # DeadlineExceeded too
 }
-PARAM_OF: dict[type[e.TandemError], str] = {e.ModeUnavailable: "mode"}
 
 
-def api_error_of(err: e.TandemError) -> ApiError:
+def api_error_of(err: e.TandemError, renamed: dict[str, str] | None = None) -> ApiError:
     """The HTTP status and OpenAI error type of a domain error (500 ``server_error`` if unmapped);
-    ``code`` is its class name."""
+    ``param`` and ``code`` the error's own (``code`` its class name where it has none). ``renamed``
+    maps a domain field to this request's name for it (``max_new_tokens`` -> ``max_tokens``)."""
     mro = type(err).__mro__
     status, type_ = next((STATUS_OF[c] for c in mro if c in STATUS_OF), (500, "server_error"))
-    param = next((PARAM_OF[c] for c in mro if c in PARAM_OF), None)
-    return ApiError(status, str(err) or err.wire_name, param=param, code=err.wire_name, type_=type_)
+    param = err.param
+    message = str(err) or err.wire_name
+    if param is not None and renamed and param in renamed:
+        message, param = message.replace(param, renamed[param]), renamed[param]
+    return ApiError(status, message, param=param, code=err.code or err.wire_name, type_=type_)
 
 
 # --- pydantic's validation errors -----------------------------------------------------------------
@@ -108,6 +114,8 @@ def _code_of(err: dict[str, Any]) -> str:
     kind, ctx = err["type"], err.get("ctx") or {}
     if kind == "missing":
         return "missing_required_parameter"
+    if kind == "extra_forbidden":
+        return "unknown_parameter"
     if kind in _BOUNDS:
         limit = next(iter(ctx.values()), 0)
         return f"{'decimal' if isinstance(limit, float) else 'integer'}_{_BOUNDS[kind]}"
@@ -155,12 +163,20 @@ def of_validation(errors: Sequence[Any], body: Any) -> ApiError:
         where: list[str | int] = list(first["ctx"]["path"])
     else:
         where = _where(loc, body, first["type"] == "missing")
+        # a union's members each report: the one that reached deepest into the value names the part at
+        # fault (``stop: ["ok", 5]`` is ``stop.[1]``, not ``stop``)
+        for err in errs[1:]:
+            deeper = _where([x for x in err.get("loc", ()) if x != "body"], body, False)
+            if len(deeper) > len(where) and deeper[: len(where)] == where:
+                first, where = err, deeper
     param = param_path(where)
     if param is None and first["type"] == "missing":
         return ApiError(400, "a JSON object body is required", code="missing_required_parameter")
     params = {param_path(_where([x for x in err.get("loc", ()) if x != "body"], body, False)) for err in errs}
     more = f" (and {len(params) - 1} more parameters)" if len(params) > 1 else ""
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "Unrecognized request argument supplied (see docs/clients.md for the fields this server takes)"
     text = f"{param}: {msg}{more}" if param else f"{msg}{more}"
     return ApiError(400, text, param=param, code=_code_of(first))
 

@@ -1,10 +1,15 @@
 """Requests of the edge's OpenAI-compatible API (``edge.openai_api``): their pydantic models and
 their conversion into a ``ChatTurn``.
 
-The models accept what OpenAI's API accepts for ``/v1/chat/completions`` and ``/v1/completions``
-and ignore fields they do not know; every string of a body is text (``common.text``), checked before
-any other validation. Conversion refuses what the edge cannot honour (``ApiError``, OpenAI's shape:
-``param`` names the parameter, ``code`` is OpenAI's, see ``edge.openai_errors``).
+The models accept the fields of OpenAI's API for ``/v1/chat/completions`` and ``/v1/completions``,
+vLLM's extras tandem honours and tandem's own (``mode``, ``split_layer``, ``session_id``); a field
+they do not know is refused (400 ``unknown_parameter`` naming it), except the OpenAI fields that
+change nothing tandem does and are accepted and ignored by design (``IGNORED_FIELDS``, listed in
+docs/clients.md). Every string of a body is text (``common.text``), checked before any other
+validation. Conversion refuses what the edge cannot honour (``ApiError``, OpenAI's shape: ``param``
+names the parameter, ``code`` is OpenAI's, see ``edge.openai_errors``); the checks a field shares
+with the gRPC API (roles, stop strings, session ids, sampling, limits) are the same functions
+(``edge.events``, ``common.requestlimits``), so both give one verdict.
 """
 
 from __future__ import annotations
@@ -20,26 +25,39 @@ from pydantic_core import PydanticCustomError
 
 from tandem.common.params import MAX_STOP_TOKENS, Sampling
 from tandem.common.text import find_non_text
-from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from tandem.edge.events import chat_role, check_stops
 from tandem.edge.openai_errors import ApiError, param_path
 
-ROLE_OF = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+Ignored = Any  # an OpenAI field accepted and ignored by design: it changes nothing tandem does
+
+# the OpenAI fields accepted and ignored by design, per object (docs/clients.md lists them)
+IGNORED_FIELDS = {
+    "request": ("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls"),
+    "message": ("name",),
+    "stream_options": ("include_obfuscation",),
+}
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")  # fields this API does not know are ignored
+class _Closed(BaseModel):
+    # a field this API does not know is refused (unknown_parameter); a value of another JSON type is
+    # refused too (invalid_type: "5" is not an integer, 1 not a boolean), as OpenAI's API and the SDK do
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(_Open):
+class StreamOptions(_Closed):
     include_usage: bool = False
+    include_obfuscation: Ignored = None
 
 
-class ChatMessage(_Open):
+class ChatMessage(_Closed):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: Ignored = None
+    tool_calls: list[Any] | None = None  # refused when present (``chat_messages``)
+    tool_call_id: str | None = None  # a tool message's: its role is refused
 
 
-class RequestBase(_Open):
+class RequestBase(_Closed):
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, data: Any) -> Any:
@@ -67,9 +85,30 @@ class RequestBase(_Open):
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0, le=2**32 - 1)]] | None = Field(None, max_length=MAX_STOP_TOKENS)
-    session_id: str | None = Field(None, max_length=128)
+    session_id: str | None = None  # at most 128 bytes (``check_session_id``, as over gRPC)
     # tandem's serving mode (``ChatRequest.mode`` of the gRPC API); "auto" lets the edge choose
     mode: Literal["auto", "local", "split", "direct", "remote_prefill"] = "auto"
+    split_layer: int = Field(0, ge=0, le=2**32 - 1)  # with mode split: the k to use (0: the edge's choice)
+    # OpenAI's fields accepted and ignored by design (``IGNORED_FIELDS``)
+    metadata: Ignored = None
+    store: Ignored = None
+    service_tier: Ignored = None
+    prompt_cache_key: Ignored = None
+    safety_identifier: Ignored = None
+    parallel_tool_calls: Ignored = None
+
+
+# OpenAI's chat fields tandem cannot honour: refused when given (400 ``unsupported_parameter``)
+UNSUPPORTED_CHAT_FIELDS = (
+    "tool_choice",
+    "function_call",
+    "audio",
+    "modalities",
+    "prediction",
+    "reasoning_effort",
+    "verbosity",
+    "web_search_options",
+)
 
 
 class ChatRequest(RequestBase):
@@ -80,6 +119,14 @@ class ChatRequest(RequestBase):
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
 
 
 class CompletionRequest(RequestBase):
@@ -136,6 +183,9 @@ def refuse_unsupported(r: RequestBase) -> None:
             raise _refuse("logprobs" if r.logprobs else "top_logprobs", "log probabilities are not supported")
         if r.tools or r.functions:
             raise _refuse("tools" if r.tools else "functions", "tools and functions are not supported")
+        for name in UNSUPPORTED_CHAT_FIELDS:
+            if getattr(r, name) is not None:
+                raise _refuse(name, "is not supported by this server")
         if r.response_format and r.response_format.get("type", "text") != "text":
             raise _refuse("response_format.type", "only the text response format is supported", "unsupported_value")
     elif isinstance(r, CompletionRequest):
@@ -150,22 +200,17 @@ def refuse_unsupported(r: RequestBase) -> None:
 
 
 def stops(stop: str | list[str] | None) -> tuple[str, ...]:
-    """The stop strings, empty ones dropped. Raises ApiError beyond the detokenizer's bounds."""
-    listed = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if len(listed) > MAX_STOP_STRINGS:
-        raise _refuse("stop", f"at most {MAX_STOP_STRINGS} strings", "array_above_max_length")
-    for i, s in enumerate(listed):
-        if len(s) > MAX_STOP_CHARS:
-            where = "stop" if isinstance(stop, str) else _at("stop", i)
-            raise _refuse(where, f"at most {MAX_STOP_CHARS} characters", "string_above_max_length")
-    return tuple(s for s in listed if s)
+    """The stop strings (``edge.events.check_stops``, as over gRPC). Raises InvalidRequest."""
+    return check_stops((stop,) if isinstance(stop, str) else tuple(stop or ()), one=isinstance(stop, str))
 
 
 def sampling(r: RequestBase, max_tokens: int | None, default_max: int, limit: int, param: str) -> Sampling:
     """The turn's sampling. Raises ApiError for ``max_tokens`` (named ``param``) above ``limit``."""
     n = default_max if max_tokens is None else max_tokens
     if n > limit:
-        raise ApiError(400, f"{param} is {n}; this edge allows at most {limit}", param=param, code="invalid_value")
+        raise ApiError(
+            400, f"{param} is {n}; this edge allows at most {limit}", param=param, code="integer_above_max_value"
+        )
     return Sampling(
         max_new_tokens=n,
         temperature=1.0 if r.temperature is None else r.temperature,
@@ -193,16 +238,14 @@ def _text_of(i: int, m: ChatMessage) -> str:
 
 
 def chat_messages(r: ChatRequest) -> tuple[tuple[str, str], ...]:
-    """(role, text) pairs; developer messages are system messages. Raises ApiError for other roles,
-    tool calls, or non-text content."""
+    """(role, text) pairs; developer messages are system messages (``edge.events.chat_role``, as over
+    gRPC). Raises InvalidRequest for other roles, ApiError for tool calls or non-text content."""
     out = []
     for i, m in enumerate(r.messages):
-        if m.role not in ROLE_OF:
-            where = _at("messages", i, "role")
-            raise _refuse(where, f"message role {m.role!r} is not supported ({', '.join(ROLE_OF)})", "invalid_value")
-        if (m.model_extra or {}).get("tool_calls"):
+        role = chat_role(m.role, i)
+        if m.tool_calls:
             raise _refuse(_at("messages", i, "tool_calls"), "tool calls are not supported")
-        out.append((ROLE_OF[m.role], _text_of(i, m)))
+        out.append((role, _text_of(i, m)))
     return tuple(out)
 
 

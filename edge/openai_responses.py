@@ -53,6 +53,12 @@ class Call:
     model: str
     turn: ChatTurn
     include_usage: bool
+    max_tokens_param: str = "max_tokens"  # the request's name for ``max_new_tokens`` (or max_completion_tokens)
+
+    @property
+    def renamed(self) -> dict[str, str]:
+        """The domain's field names that this request names otherwise (``edge.openai_errors.api_error_of``)."""
+        return {"max_new_tokens": self.max_tokens_param}
 
     def base(self, chunk: bool = False) -> dict[str, Any]:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"

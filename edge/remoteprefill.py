@@ -25,8 +25,6 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-import numpy as np
-
 from tandem.common.errors import EngineError
 from tandem.common.kvdown import Expected, KVBlockDown, KVCommitDown, RemotePrefill, Takeover, block_ids
 from tandem.common.messages import TokensOut, TurnFinal
@@ -34,7 +32,7 @@ from tandem.common.params import LinkParams
 from tandem.edge.events import SentBytes, TextOut, TurnDone
 from tandem.edge.kvdownload import KVDownload
 from tandem.edge.link import TurnCall
-from tandem.edge.local import LocalEngine, LocalSession, blocks_from_past, past_from_blocks
+from tandem.edge.local import LocalEngine, LocalSession, past_from_blocks
 from tandem.edge.routing import Router
 from tandem.edge.turn import Turn
 from tandem.stages import Stage
@@ -50,7 +48,7 @@ class RemotePrefillTurn:
     def __init__(self, turn: Turn, local: LocalEngine, model_key: str, router: Router) -> None:
         self.turn, self.local, self.model_key, self.router = turn, local, model_key, router
         self.sess: LocalSession = local.sessions.get(turn.session_id)
-        self.held_ids, self.held_past = list(self.sess.token_ids), self.sess.past  # arrays: never changed in place
+        self.held_ids = list(self.sess.token_ids)  # what the session holds as the turn starts
         self.final: TurnFinal | None = None
         self.finish = ""  # set when the client's stream ended on the cloud's side (a stop string, a final)
         self.sent = SentBytes()
@@ -183,11 +181,9 @@ class RemotePrefillTurn:
         down), then the KV of the partial last block and of the tokens received so far."""
         want, ids = down.want, self.turn.ids
         B = want.params.kv_block_size_tokens
-        kv = down.kv()
-        if want.first_block:
-            own = blocks_from_past(self.held_past)[:, :, :, : want.first_block * B]
-            kv = np.concatenate([own, kv], axis=3)
-        await self.local.adopt(self.sess, ids[: want.num_blocks * B], past_from_blocks(kv))
+        # the session keeps its own first blocks; the blocks that came down follow them
+        keep = want.first_block * B
+        await self.local.adopt(self.sess, ids[: want.num_blocks * B], past_from_blocks(down.kv()), keep_tokens=keep)
         self.adopted.set()
         await self.local.extend(self.sess, [*ids, *self.turn.text.token_ids])
 

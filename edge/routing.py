@@ -333,7 +333,9 @@ class Router:
         candidates = [Route(Mode.SPLIT, j) for j in ks if Route(Mode.SPLIT, j) in routes]
         if not candidates:
             if k and k not in self.head_layers:
-                raise ModeUnavailable(f"this edge holds heads for k in {sorted(self.head_layers)}, not k={k}")
+                raise ModeUnavailable(
+                    f"this edge holds heads for k in {sorted(self.head_layers)}, not k={k}", param="split_layer"
+                )
             raise EngineError(f"split mode needs the cloud and a common split layer; {self.degraded()}")
         return candidates
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,16 +19,17 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health
 
-from tandem.common.errors import IncompatibleModel
+from tandem.common.errors import IncompatibleModel, TandemError
 from tandem.common.grpcsetup import add_service, channel_credentials, set_health, start_server, tls_credentials
 from tandem.common.kvdown import full_model_key
-from tandem.common.manifest import FULL_ONNX, ExportCheck, ModelShape, SplitManifest
+from tandem.common.manifest import FULL_DECODER, FULL_ONNX, ExportCheck, ModelShape, SplitManifest
 from tandem.common.params import NegotiateOffer
 from tandem.common.security import ApiKeys, Authenticator
 from tandem.edge.batcher import HeadBatcher
 from tandem.edge.cloudconn import CloudConnection, CloudTarget
 from tandem.edge.config import EdgeConfig
 from tandem.edge.costmodel import CostModel, zstd_pays
+from tandem.edge.discovery import DnsResolver, parse_dns_target
 from tandem.edge.grpc_link import GrpcCloudLink
 from tandem.edge.head_runner import HeadInput, OnnxHead
 from tandem.edge.headwork import Head
@@ -141,23 +143,43 @@ def local_check_problem(path: Path) -> str:
     return ""
 
 
-async def load_local(cfg: EdgeConfig, shape: ModelShape, eos: list[int]) -> LocalEngine | None:
+def local_model_path(cfg: EdgeConfig) -> tuple[Path | None, str]:
+    """The whole model local mode runs and "" , or None and why not: ``cfg.local_model`` when set
+    (a builder folder or an ``.onnx`` file), else ``edge-decoder/`` beside the split directory
+    (ONNX Runtime GenAI's builder graph), else ``edge-full.onnx`` there; each must have passed its
+    check against HF."""
+    from tandem.common.builder_export import decoder_problem
+
+    model_dir = cfg.split_dir.parent
+    candidates = [cfg.local_model] if cfg.local_model else [model_dir / FULL_DECODER, model_dir / FULL_ONNX]
+    why = []
+    for path in candidates:
+        if path.is_dir():
+            problem = decoder_problem(path)
+        elif path.is_file():
+            problem = local_check_problem(path)
+        else:
+            problem = f"no {path}"
+        if not problem:
+            return path, ""
+        why.append(problem)
+    return None, "; ".join(why)
+
+
+async def load_local(
+    cfg: EdgeConfig, shape: ModelShape, eos: list[int], max_positions: int | None = None
+) -> LocalEngine | None:
     """The whole model for local mode (warmed up: its first rates), or None when off or missing.
-    It serves sequences up to the highest ``max_model_len`` its check's ``EngineAgreement`` holds for."""
-    path = cfg.local_model or cfg.split_dir.parent / FULL_ONNX
+    It serves sequences up to ``max_positions`` (the highest ``max_model_len`` its preparation's
+    ``EngineAgreement`` holds for: a LongRoPE model's short factors end at its threshold)."""
     if not cfg.local:
         return None
-    if not path.is_file():
-        log.warning("local mode off: no %s", path)
-        return None
-    problem = local_check_problem(path)
-    if problem:
+    path, problem = local_model_path(cfg)
+    if path is None:
         log.warning("local mode off: %s", problem)
         return None
-    agreement = ExportCheck.load(path.with_suffix(".check.json")).engine_agreement
-    if agreement is not None:  # the positions the graph was prepared for (a LongRoPE model's short factors end there)
-        positions = min(shape.max_position_embeddings, agreement.max_model_len_max_tokens)
-        shape = shape.model_copy(update={"max_position_embeddings": positions})
+    if max_positions is not None and max_positions < shape.max_position_embeddings:
+        shape = shape.model_copy(update={"max_position_embeddings": max_positions})
     local = LocalEngine(path, shape, eos, cfg.intra_op_threads, cfg.max_sessions, cfg.session_bytes, cfg.session_idle_s)
     await local.warmup()  # the first rates, which the cost model reads from the engine
     log.info(
@@ -169,47 +191,88 @@ async def load_local(cfg: EdgeConfig, shape: ModelShape, eos: list[int]) -> Loca
     return local
 
 
-def cloud_links(cfg: EdgeConfig) -> list[GrpcCloudLink]:
-    """A gRPC link per cloud target, with the configured keepalive, TLS and API key."""
+def cloud_link(cfg: EdgeConfig, target: str, server_name: str | None = None) -> GrpcCloudLink:
+    """A gRPC link to ``target`` with the configured keepalive, TLS and API key; ``server_name``: the
+    name the cloud's certificate must carry when ``cfg.cloud_server_name`` does not say (a replica
+    found by DNS is dialled by address and checked against the name it was found by)."""
     creds = (
         channel_credentials(cfg.cloud_ca_file, cfg.cloud_cert_file, cfg.cloud_key_file) if cfg.cloud_uses_tls else None
     )
-    return [
-        GrpcCloudLink(
-            target,
-            cfg.keepalive_time_s,
-            cfg.keepalive_timeout_s,
-            credentials=creds,
-            server_name=cfg.cloud_server_name,
-            api_key=cfg.cloud_api_key,
-        )
-        for target in cfg.cloud_targets
-    ]
+    return GrpcCloudLink(
+        target,
+        cfg.keepalive_time_s,
+        cfg.keepalive_timeout_s,
+        credentials=creds,
+        server_name=cfg.cloud_server_name or server_name,
+        api_key=cfg.cloud_api_key,
+    )
+
+
+async def discover_targets(
+    cfg: EdgeConfig, resolvers: Mapping[str, DnsResolver], found_by: dict[str, str]
+) -> list[str]:
+    """The cloud's targets now: each static ``host:port`` target as it is, each ``dns:`` target
+    (a key of ``resolvers``) as the addresses it resolves to; ``found_by`` gets each resolved
+    target's DNS name.
+
+    Raises:
+        EngineError: a DNS server did not answer.
+    """
+    out: list[str] = []
+    for t in cfg.cloud_targets:
+        if t not in resolvers:
+            out.append(t)
+            continue
+        found = await resolvers[t].resolve()
+        found_by.update((f, resolvers[t].name.host) for f in found)
+        out += found
+    return list(dict.fromkeys(out))
 
 
 async def connect_cloud(
     cfg: EdgeConfig, offer: NegotiateOffer, zstd: tuple[float, float, float]
 ) -> tuple[list[GrpcCloudLink], CloudTarget]:
-    """A link and a ``CloudConnection`` per cloud target (a ``ReplicaSet`` of them for several),
-    started and given ``cfg.connect_timeout_s`` to negotiate; ``zstd``: ``measure_zstd``'s
-    numbers, from which each link's codec order follows its goodput.
+    """A link and a ``CloudConnection`` per cloud target (a ``ReplicaSet`` of them for several, or
+    for a ``dns:`` target: one per address it resolves to, kept current every
+    ``cfg.cloud_resolve_s``), started and given ``cfg.connect_timeout_s`` to negotiate; ``zstd``:
+    ``measure_zstd``'s numbers, from which each link's codec order follows its goodput. A ``dns:``
+    target that does not resolve at start-up is dialled as it is (gRPC resolves it) until it does.
 
     Raises:
         IncompatibleModel: the cloud answered that the heads are not cut from its model.
     """
     ratio, c_mbps, d_mbps = zstd
-    links = cloud_links(cfg)
-    conns = [
-        CloudConnection(
-            link,
+    resolvers = {t: DnsResolver(n) for t in cfg.cloud_targets if (n := parse_dns_target(t)) is not None}
+    found_by: dict[str, str] = {}  # resolved target -> the DNS name it was found by
+
+    def connect(target: str, link: GrpcCloudLink | None = None) -> CloudConnection:
+        return CloudConnection(
+            link or cloud_link(cfg, target, found_by.get(target)),
             offer,
             poll_s=cfg.poll_s,
             probe_bytes=cfg.probe_bytes,
             zstd_pays=lambda g: zstd_pays(ratio, c_mbps, d_mbps, g),
         )
-        for link in links
-    ]
-    cloud: CloudTarget = conns[0] if len(conns) == 1 else ReplicaSet(conns, cfg.cloud_targets)
+
+    targets = list(cfg.cloud_targets)
+    if resolvers:
+        try:
+            targets = await discover_targets(cfg, resolvers, found_by) or targets
+        except TandemError as e:
+            log.warning("cloud replica discovery failed at start-up (%s): dialling %s as named", e, targets)
+    links = [cloud_link(cfg, t, found_by.get(t)) for t in targets]
+    conns = [connect(t, link) for t, link in zip(targets, links, strict=True)]
+    cloud: CloudTarget
+    if resolvers:
+        cloud = ReplicaSet(
+            conns,
+            targets,
+            discover=lambda: discover_targets(cfg, resolvers, found_by),
+            connect=connect,
+            resolve_s=cfg.cloud_resolve_s,
+        )
+    else:
+        cloud = conns[0] if len(conns) == 1 else ReplicaSet(conns, targets)
     cloud.start()
     if not await cloud.wait_connected(cfg.connect_timeout_s):
         wrong = next((m.last_exc for m in conns if isinstance(m.last_exc, IncompatibleModel)), None)
@@ -243,7 +306,7 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
     eos = eos_token_ids(tokenizer, tok_dir)
     cost = CostModel(cfg.hysteresis, cfg.explore_every)
     heads, sample = await load_heads(cfg, manifests, cost)
-    local = await load_local(cfg, manifest.shape, eos)
+    local = await load_local(cfg, manifest.shape, eos, manifest.agreement.max_model_len_max_tokens)
     zstd = measure_zstd(sample, 3)
     links, cloud = await connect_cloud(cfg, edge_offer(cfg, manifest, heads), zstd)
     node = EdgeNode(

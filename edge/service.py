@@ -19,11 +19,12 @@ import grpc
 from grpc_health.v1 import health
 
 from tandem import __version__
-from tandem.common.errors import EngineError, InvalidRequest, TandemError
+from tandem.common.errors import EngineError, TandemError
 from tandem.common.grpc_errors import abort
 from tandem.common.grpcsetup import set_health
-from tandem.common.logs import new_request_id, set_ids
+from tandem.common.logs import new_request_id, set_caller, set_ids
 from tandem.common.params import MAX_STOP_TOKENS
+from tandem.common.requestlimits import check_session_id
 from tandem.common.security import Authenticator, Principal, scoped
 from tandem.edge.detok import MAX_STOP_STRINGS
 from tandem.edge.events import ChatTurn
@@ -33,7 +34,6 @@ from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
 log = logging.getLogger("tandem.edge")
 EDGE_SERVICE = pb.DESCRIPTOR.services_by_name["Edge"].full_name
-MAX_SESSION_ID_BYTES = 128  # as the cloud's bound on ids (cloud.upload.MAX_ID_BYTES)
 
 
 class EdgeServicer(pb_grpc.EdgeServicer):
@@ -47,13 +47,16 @@ class EdgeServicer(pb_grpc.EdgeServicer):
         self.draining = False  # set on SIGTERM: new turns are refused, turns in flight finish
 
     def _identify(self, context: grpc.aio.ServicerContext) -> Principal:
-        return self.auth.identify(context.invocation_metadata(), context.auth_context(), context.peer() or "")
+        """The caller, bound for the call's log lines (``caller``). Raises Unauthenticated."""
+        caller = self.auth.identify(context.invocation_metadata(), context.auth_context(), context.peer() or "")
+        set_caller(caller)  # the handler's own task: every line of this call names it
+        return caller
 
     def _session_id(self, session_id: str, caller: Principal) -> str:
         """A client's session id as this edge keeps it: in the caller's namespace when credentials
-        are required. Raises InvalidRequest past ``MAX_SESSION_ID_BYTES`` (the same bound in every mode)."""
-        if len(session_id.encode()) > MAX_SESSION_ID_BYTES:
-            raise InvalidRequest(f"session_id longer than {MAX_SESSION_ID_BYTES} bytes")
+        are required. Raises InvalidRequest for one that ``check_session_id`` refuses (the same
+        verdict for ``Chat`` and ``EndSession``, and in every mode)."""
+        check_session_id(session_id)
         return scoped(caller, session_id) if self.auth.required else session_id
 
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ChatEvent]:

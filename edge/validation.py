@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from tandem.common.errors import InvalidRequest, ModeUnavailable
-from tandem.common.modes import Mode
+from tandem.common.errors import ModeUnavailable
 from tandem.common.params import LinkParams
 from tandem.common.requestlimits import RequestLimits, check_session_id
-from tandem.edge.events import ChatTurn
+from tandem.edge.events import ChatTurn, check_split_layer
 
 
 def cloud_limits(p: LinkParams | None) -> RequestLimits:
@@ -39,13 +38,14 @@ def check_turn(request: ChatTurn, ids: Sequence[int], limits: RequestLimits, hea
 
     Raises:
         InvalidRequest: a session id too long for the cloud, ``split_layer`` with a mode other than
-            split, or what ``RequestLimits.check`` refuses.
-        ModeUnavailable: ``split_layer`` names a split this edge holds no head for.
+            split, or what ``RequestLimits.check`` refuses (the prompt's field: ``messages`` for a
+            chat, else ``prompt``).
+        ModeUnavailable: ``split_layer`` names a split this edge holds no head for (``param``
+            ``split_layer``).
     """
     check_session_id(request.session_id)
     k = request.split_layer
-    if k and request.mode is not Mode.SPLIT:
-        raise InvalidRequest("split_layer is for mode split only")
+    check_split_layer(k, request.mode)
     if k and k not in head_layers:
-        raise ModeUnavailable(f"this edge holds heads for k in {sorted(head_layers)}, not k={k}")
-    limits.check(ids, request.sampling)
+        raise ModeUnavailable(f"this edge holds heads for k in {sorted(head_layers)}, not k={k}", param="split_layer")
+    limits.check(ids, request.sampling, "messages" if request.messages else "prompt")

@@ -33,6 +33,8 @@ from tandem.client import (  # noqa: E402
 from tandem.errors import (  # noqa: E402
     Aborted,
     AlreadyExists,
+    BadArgument,
+    BadArgumentType,
     Cancelled,
     DataLoss,
     DeadlineExceeded,
@@ -56,6 +58,8 @@ __all__ = [
     "AlreadyExists",
     "AsyncChatStream",
     "AsyncClient",
+    "BadArgument",
+    "BadArgumentType",
     "Cancelled",
     "ChatResult",
     "ChatStream",

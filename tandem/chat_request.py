@@ -1,12 +1,18 @@
-"""``chat()``'s arguments into a ``ChatRequest`` (``build_request``), with their checks: stop strings,
-stop token ids in ``[0, 2**32)``, deadlines in seconds > 0 and the names of the modes."""
+"""``chat()``'s arguments into a ``ChatRequest`` (``build_request``), with their checks: the messages'
+shape, text (no NUL, no lone surrogate), stop strings, stop token ids in ``[0, 2**32)``, sampling
+ranges, deadlines in seconds > 0 and the names of the modes. A refused argument raises
+``tandem.errors.BadArgument`` (an ``InvalidArgument`` and a ``ValueError``; ``BadArgumentType`` is a
+``TypeError`` too) naming the field as the edge would (``param``, OpenAI's ``error_code``)."""
 
 from __future__ import annotations
 
 import math
+import numbers
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TypedDict
 
+from tandem.errors import BadArgument, BadArgumentType
 from tandem.v1 import tandem_pb2 as pb
 
 Message = Mapping[str, str]  # {"role": "user", "content": "..."}
@@ -35,21 +41,74 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _stop_strings(stop: str | Iterable[str] | None) -> tuple[str, ...]:
-    """``chat``'s ``stop`` as a tuple: one string, or a sequence of them, each non-empty.
+def _is_number(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)  # numpy's floats too
+
+
+_NOT_TEXT = re.compile("[\x00\ud800-\udfff]")
+
+
+def _text(value: object, param: str) -> str:
+    """``value`` if it is a str that is text (no NUL, no lone surrogate: what the edge refuses).
 
     Raises:
-        TypeError: not a string or strings.
-        ValueError: an empty stop string.
+        BadArgumentType: not a str. BadArgument: not text.
+    """
+    if not isinstance(value, str):
+        raise BadArgumentType(f"{param} must be a str, got {type(value).__name__}", param=param)
+    m = _NOT_TEXT.search(value)
+    if m is not None:
+        what = "a NUL character" if m.group() == "\x00" else f"a lone surrogate U+{ord(m.group()):04X}"
+        raise BadArgument(f"{param}: not valid text: {what} at character {m.start()}", param=param)
+    return value
+
+
+def _int_in(value: object, param: str, low: int, high: int) -> int:
+    """``value`` if it is an int in ``[low, high]``.
+
+    Raises:
+        BadArgumentType: not an int (bools are not). BadArgument: outside the range.
+    """
+    if not _is_int(value):
+        raise BadArgumentType(f"{param} must be an int, got {value!r}", param=param)
+    assert isinstance(value, int)
+    if not low <= value <= high:
+        code = "integer_below_min_value" if value < low else "integer_above_max_value"
+        raise BadArgument(f"{param} must be in [{low}, {high}], got {value!r}", param=param, error_code=code)
+    return value
+
+
+def _decimal_in(value: object, param: str, low: float, high: float, low_open: bool = False) -> float:
+    """``value`` if it is a number in ``[low, high]`` (``(low, high]`` with ``low_open``).
+
+    Raises:
+        BadArgumentType: not a number. BadArgument: outside the range (NaN: ``invalid_value``).
+    """
+    if not _is_number(value):
+        raise BadArgumentType(f"{param} must be a number, got {value!r}", param=param)
+    x = float(value)  # type: ignore[arg-type]  # a numbers.Real
+    if (low < x if low_open else low <= x) and x <= high:
+        return x
+    code = "decimal_below_min_value" if x <= low else "decimal_above_max_value" if x > high else "invalid_value"
+    where = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+    raise BadArgument(f"{param} must be in {where}, got {value!r}", param=param, error_code=code)
+
+
+def _stop_strings(stop: str | Iterable[str] | None) -> tuple[str, ...]:
+    """``chat``'s ``stop`` as a tuple: one string, or a sequence of them, each non-empty text.
+
+    Raises:
+        BadArgumentType: not a string or strings.
+        BadArgument: an empty stop string, or one that is not text.
     """
     if stop is None:
         return ()
     items = (stop,) if isinstance(stop, str) else tuple(stop)
-    for s in items:
-        if not isinstance(s, str):
-            raise TypeError(f"stop strings must be str, got {type(s).__name__}")
+    for i, s in enumerate(items):
+        param = f"stop.[{i}]"  # as the edge names it: one string travels as a list of one
+        _text(s, param)
         if not s:
-            raise ValueError("stop strings must not be empty")
+            raise BadArgument(f"{param}: stop strings must not be empty", param=param)
     return items
 
 
@@ -57,23 +116,53 @@ def _stop_token_ids(ids: Iterable[int] | None) -> tuple[int, ...]:
     """``chat``'s ``stop_token_ids`` as a tuple of ints in ``[0, 2**32)``.
 
     Raises:
-        TypeError: an id that is not an int (bools are not ids).
-        ValueError: a negative id or one that does not fit the wire's uint32.
+        BadArgumentType: an id that is not an int (bools are not ids).
+        BadArgument: a negative id or one that does not fit the wire's uint32.
     """
     out = tuple(ids or ())
-    for t in out:
-        if not _is_int(t):
-            raise TypeError(f"stop token ids must be int, got {type(t).__name__}")
-        if not 0 <= t < _UINT32:
-            raise ValueError(f"stop token id {t} out of range [0, 2**32)")
+    for i, t in enumerate(out):
+        _int_in(t, f"stop_token_ids.[{i}]", 0, _UINT32 - 1)
+    return out
+
+
+def _messages(messages: Sequence[Message]) -> list[pb.ChatMessage]:
+    """``chat``'s ``messages``: a sequence of mappings with a str ``role`` and a str ``content``
+    (``None``: empty), as OpenAI's API takes them.
+
+    Raises:
+        BadArgumentType: not a sequence of mappings (a str is not), a role or content not a str.
+        BadArgument: a message without its role, or a string that is not text.
+    """
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise BadArgumentType(
+            f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {type(messages).__name__}",
+            param="messages",
+        )
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise BadArgumentType(f"messages.[{i}] must be a dict, got {type(m).__name__}", param=f"messages.[{i}]")
+        if "role" not in m:
+            raise BadArgument(
+                f"messages.[{i}] needs a 'role'", param=f"messages.[{i}].role", error_code="missing_required_parameter"
+            )
+        content = m.get("content")
+        role = _text(m["role"], f"messages.[{i}].role")
+        out.append(
+            pb.ChatMessage(role=role, content=_text("" if content is None else content, f"messages.[{i}].content"))
+        )
     return out
 
 
 def _end_session_request(session_id: str) -> pb.EndSessionRequest:
-    """``end_session``'s request. Raises ValueError for an empty or non-str ``session_id``."""
-    if not isinstance(session_id, str) or not session_id:
-        raise ValueError(f"session_id must be a non-empty str, got {session_id!r}")
-    return pb.EndSessionRequest(session_id=session_id)
+    """``end_session``'s request.
+
+    Raises:
+        BadArgument: an empty ``session_id`` or one that is not text. BadArgumentType: not a str.
+    """
+    if isinstance(session_id, str) and not session_id:
+        raise BadArgument("session_id must not be empty", param="session_id", error_code="missing_required_parameter")
+    return pb.EndSessionRequest(session_id=_text(session_id, "session_id"))
 
 
 def _deadline_s(timeout_s: float | None, what: str) -> float | None:
@@ -103,37 +192,41 @@ def build_request(
     whole_reply: bool = False,
 ) -> pb.ChatRequest:
     """The ``ChatRequest`` of one turn. ``Client.chat`` / ``AsyncClient.chat`` take the same
-    arguments (plus ``timeout_s``) and document them.
+    arguments (plus ``timeout_s``) and document them. Each check gives the verdict the edge would
+    give (its field in ``param``, OpenAI's code in ``error_code``); ``top_k`` -1 is off, as 0
+    (vLLM's).
 
     Raises:
-        ValueError: neither or both of ``messages`` and ``prompt``, an unknown ``mode``, a
-            message without ``role`` / ``content``, or a value out of its range
-            (``max_new_tokens < 1``, ``temperature < 0``, ``top_p`` outside ``(0, 1]``,
-            ``top_k < 0``, an empty stop string, a negative stop token id, ...).
-        TypeError: a value of the wrong type (a non-int token count or id, a non-str stop string).
+        BadArgument (an ``InvalidArgument`` and a ``ValueError``): neither or both of ``messages``
+            and ``prompt``, an unknown ``mode``, a message without ``role``, a string that is not
+            text, or a value out of its range (``max_new_tokens < 1``, ``temperature`` outside
+            ``[0, 2]``, ``top_p`` outside ``(0, 1]``, ``top_k < -1``, an empty stop string, a
+            negative stop token id, ...).
+        BadArgumentType (a ``TypeError`` too): a value of the wrong type (``messages`` a str, a
+            non-int token count or id, a non-str stop string).
     """
-    if (messages is None) == (prompt is None):
-        raise ValueError("pass exactly one of messages= or prompt=")
+    if messages is not None and prompt is not None:
+        raise BadArgument("pass exactly one of messages= or prompt=, not both", param="prompt")
+    if messages is None and prompt is None:
+        raise BadArgument(
+            "pass exactly one of messages= or prompt=", param="messages", error_code="missing_required_parameter"
+        )
     if mode not in _MODES:
-        raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
-    if not _is_int(split_layer) or not 0 <= split_layer < _UINT32 or (split_layer and mode != "split"):
-        raise ValueError(f"split_layer must be an int >= 0, given with mode='split' only; got {split_layer!r}")
+        raise BadArgument(f"mode must be one of {sorted(_MODES)}, got {mode!r}", param="mode")
+    _int_in(split_layer, "split_layer", 0, _UINT32 - 1)
+    if split_layer and mode != "split":
+        raise BadArgument(f"split_layer is for mode='split' only; got {split_layer!r}", param="split_layer")
     if not isinstance(whole_reply, bool):
-        raise TypeError(f"whole_reply must be a bool, got {whole_reply!r}")
-    if not _is_int(max_new_tokens) or not 1 <= max_new_tokens < _UINT32:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not 0 <= temperature <= 2:  # NaN fails too; vLLM's (and OpenAI's) range
-        raise ValueError(f"temperature must be in [0, 2], got {temperature!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not _is_int(top_k) or not 0 <= top_k < _INT32:
-        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    if seed is not None and (not _is_int(seed) or not -_INT64 <= seed < _INT64):
-        raise ValueError(f"seed must be a 64-bit int or None, got {seed!r}")
-    try:
-        msgs = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in (messages or [])]
-    except KeyError as e:
-        raise ValueError(f"each message needs 'role' and 'content'; one lacks {e}") from None
+        raise BadArgumentType(f"whole_reply must be a bool, got {whole_reply!r}", param="whole_reply")
+    if not isinstance(ignore_eos, bool):
+        raise BadArgumentType(f"ignore_eos must be a bool, got {ignore_eos!r}", param="ignore_eos")
+    _int_in(max_new_tokens, "max_new_tokens", 1, _UINT32 - 1)
+    _decimal_in(temperature, "temperature", 0.0, 2.0)  # NaN fails too; vLLM's (and OpenAI's) range
+    _decimal_in(top_p, "top_p", 0.0, 1.0, low_open=True)
+    top_k = max(0, _int_in(top_k, "top_k", -1, _INT32 - 1))  # -1 and 0: off
+    if seed is not None:
+        _int_in(seed, "seed", -_INT64, _INT64 - 1)
+    msgs = _messages(messages) if messages is not None else []
     sp = pb.SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -145,8 +238,8 @@ def build_request(
     if seed is not None:
         sp.seed = seed
     return pb.ChatRequest(
-        session_id=session_id or "",
-        prompt=prompt or "",
+        session_id=_text(session_id or "", "session_id"),
+        prompt=_text(prompt or "", "prompt"),
         sampling=sp,
         mode=_MODES[mode],
         messages=msgs,

@@ -222,8 +222,9 @@ class _ClientCore(ABC, Generic[S]):
             or calling its ``cancel()`` cancels the call.
 
         Raises:
-            ValueError: invalid arguments (before anything is sent; see ``build_request``).
-            TypeError: arguments of the wrong type (before anything is sent).
+            BadArgument: invalid arguments, before anything is sent (see ``build_request``): an
+                ``InvalidArgument`` naming the field (``param``, ``error_code``) as the edge would,
+                and a ``ValueError``; ``BadArgumentType`` for the wrong type (a ``TypeError`` too).
 
         Iterating the stream raises the ``TandemClientError`` subclass of the call's status if
         it fails (``tandem.errors``): ``InvalidArgument`` (the edge refused the request, e.g. over
@@ -329,7 +330,7 @@ class Client(_ClientCore[ChatStream]):
             timeout_s: deadline in seconds; ``None`` = the client's.
 
         Raises:
-            ValueError: an empty ``session_id``.
+            BadArgument: an empty ``session_id`` or one that is not text (a ``ValueError`` too).
             TandemClientError: its subclass for the status, e.g. ``DeadlineExceeded`` (a turn of the
                 session ran past the deadline) or ``Unimplemented`` (an edge older than ``EndSession``).
         """

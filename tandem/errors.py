@@ -2,8 +2,13 @@
 
 Every error the SDK raises for a failed call is a ``TandemClientError`` carrying the status
 (``.code``), the server's message (``.details``) and, when the server sent a hint in its
-trailing metadata (``retry-after-ms`` or ``retry-after-s``), ``.retry_after_s``. Catch the
-base class for "the call failed", or a subclass for one status::
+trailing metadata (``retry-after-ms`` or ``retry-after-s``), ``.retry_after_s``. A refusal of one
+field names it as OpenAI does: ``.param`` (``temperature``, ``messages.[1].role``,
+``stop_token_ids.[0]``) and ``.error_code`` (OpenAI's code: ``invalid_value``,
+``decimal_above_max_value``, ``context_length_exceeded``...), the same the edge's HTTP API answers.
+A bad argument the SDK catches before sending is ``BadArgument``: an ``InvalidArgument`` (with
+``.param`` and ``.error_code`` alike) and a ``ValueError``, or ``BadArgumentType``, a ``TypeError``
+too. Catch the base class for "the call failed", or a subclass for one status::
 
     try:
         r = client.complete(messages)
@@ -39,11 +44,14 @@ from typing import Any, ClassVar
 import grpc
 
 RETRY_AFTER_KEYS = {"retry-after-ms": 1e-3, "retry-after-s": 1.0}  # trailing metadata key -> seconds per unit
+PARAM_KEY, CODE_KEY = "tandem-error-param", "tandem-error-code"  # trailing metadata: the field at fault, its code
 
 
 class TandemClientError(Exception):
     """A call to the edge failed. ``code``: the gRPC status; ``details``: the server's message;
-    ``retry_after_s``: the server's hint of when to retry in seconds (``None``: no hint).
+    ``retry_after_s``: the server's hint of when to retry in seconds (``None``: no hint);
+    ``param``: the request's field at fault, as OpenAI writes it (``None``: no one field);
+    ``error_code``: OpenAI's code for it (``invalid_value``...; ``None``: none).
 
     ``tandem.errors.ERROR_OF`` gives the subclass raised for each status (every status other than
     ``OK`` has one; this class is the fallback).
@@ -51,16 +59,34 @@ class TandemClientError(Exception):
 
     status: ClassVar[grpc.StatusCode | None] = None  # the status this class stands for
 
-    def __init__(self, code: grpc.StatusCode, details: str = "", *, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        details: str = "",
+        *,
+        retry_after_s: float | None = None,
+        param: str | None = None,
+        error_code: str | None = None,
+    ) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code, self.details, self.retry_after_s = code, details, retry_after_s
+        self.param, self.error_code = param, error_code
 
     def __reduce__(self) -> tuple[Any, ...]:  # picklable although __init__ takes more than a message
-        return (_rebuild, (type(self), self.code, self.details, self.retry_after_s))
+        return (_rebuild, (type(self), self.code, self.details, self.retry_after_s, self.param, self.error_code))
 
 
-def _rebuild(cls: type[TandemClientError], code: grpc.StatusCode, details: str, retry_after_s: float | None) -> Any:
-    return cls(code, details, retry_after_s=retry_after_s)
+def _rebuild(
+    cls: type[TandemClientError],
+    code: grpc.StatusCode,
+    details: str,
+    retry_after_s: float | None,
+    param: str | None = None,
+    error_code: str | None = None,
+) -> Any:
+    if issubclass(cls, BadArgument):
+        return cls(details, param=param, error_code=error_code or "invalid_value")
+    return cls(code, details, retry_after_s=retry_after_s, param=param, error_code=error_code)
 
 
 class Cancelled(TandemClientError):
@@ -147,6 +173,23 @@ class Unauthenticated(TandemClientError):
     status = grpc.StatusCode.UNAUTHENTICATED
 
 
+class BadArgument(InvalidArgument, ValueError):
+    """An argument the SDK refused before sending anything, as the edge would have (``param``, ``error_code``)."""
+
+    def __init__(self, details: str, *, param: str | None = None, error_code: str = "invalid_value") -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, details, param=param, error_code=error_code)
+
+    def __str__(self) -> str:
+        return self.details
+
+
+class BadArgumentType(BadArgument, TypeError):
+    """An argument of the wrong type, refused before sending anything (``error_code`` ``invalid_type``)."""
+
+    def __init__(self, details: str, *, param: str | None = None, error_code: str = "invalid_type") -> None:
+        super().__init__(details, param=param, error_code=error_code)
+
+
 # The one mapping: status -> error class.
 ERROR_OF: dict[grpc.StatusCode, type[TandemClientError]] = {
     c.status: c
@@ -188,12 +231,27 @@ def retry_after_s(metadata: Iterable[tuple[str, Any]] | None) -> float | None:
     return None
 
 
+def _metadata_value(metadata: Iterable[tuple[str, Any]] | None, key: str) -> str | None:
+    for k, v in metadata or ():
+        if k.lower() == key:
+            return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+    return None
+
+
 def error_from_status(
     code: grpc.StatusCode, details: str = "", trailing_metadata: Iterable[tuple[str, Any]] | None = None
 ) -> TandemClientError:
-    """The error for a status: its class from ``ERROR_OF`` (else ``TandemClientError``)."""
+    """The error for a status: its class from ``ERROR_OF`` (else ``TandemClientError``), with the
+    retry hint, the field and the code of the trailing metadata."""
     cls = ERROR_OF.get(code, TandemClientError)
-    return cls(code, details, retry_after_s=retry_after_s(trailing_metadata))
+    md = list(trailing_metadata or ())
+    return cls(
+        code,
+        details,
+        retry_after_s=retry_after_s(md),
+        param=_metadata_value(md, PARAM_KEY),
+        error_code=_metadata_value(md, CODE_KEY),
+    )
 
 
 def error_from_rpc(e: Any) -> TandemClientError:

@@ -18,8 +18,10 @@ from tandem.cloud.server import build_gateway
 from tandem.cloud.sessions import CloudSession
 from tandem.cloud.turn import as_principal
 from tandem.common import wire
+from tandem.common.errors import EngineError
 from tandem.common.ewma import Ewma
 from tandem.common.kvstore import MemoryBlockStore
+from tandem.common.messages import TurnHeader, uplink_to_pb
 from tandem.common.params import NegotiateOffer
 from tandem.common.requestlimits import RequestLimits
 from tandem.common.security import scoped
@@ -80,13 +82,15 @@ async def toy_stack(
     edge_session_bytes: int = 1 << 30,
     offer_kw: dict[str, Any] | None = None,
     pipeline_tokens: int = PIPELINE_TOKENS,
+    store: Any = None,
     **cloud_kw: Any,
 ) -> Toy:
     """A gateway and an edge service in this event loop, joined by an ``InProcessLink``
     (optionally wrapped, e.g. for fault injection); ``offer_kw`` amends the edge's
     ``NegotiateOffer``; ``pipeline_tokens`` as the edge's (0: the head runs whole before the
-    upload). Call ``await toy.batcher.stop()`` at the end."""
-    store = MemoryBlockStore(1 << 30)
+    upload); ``store``: the block store (default: a ``MemoryBlockStore``). Call
+    ``await toy.batcher.stop()`` at the end."""
+    store = MemoryBlockStore(1 << 30) if store is None else store
     engines = MemoryEngines(store, B, VOCAB)
     gw = build_gateway(cloud_config(**cloud_kw), MANIFEST, engines, store)
     link: CloudLink = InProcessLink(gw)
@@ -155,6 +159,72 @@ class _TamperCall:
         self.inner.cancel()
 
 
+class GatedLink:
+    """Wraps a ``CloudLink``: each turn's uplink after its header waits for ``gate`` (an
+    ``asyncio.Event``), so that many turns are admitted and in flight on the cloud at once. With
+    ``cut`` set when the gate opens, the held uplinks are closed instead (the upload fails)."""
+
+    def __init__(self, inner: CloudLink, gate: asyncio.Event) -> None:
+        self.inner, self.gate, self.cut = inner, gate, False
+
+    async def negotiate(self, offer):
+        return await self.inner.negotiate(offer)
+
+    async def server_info(self, link_id, padding_bytes=0, timeout_s=5.0):
+        return await self.inner.server_info(link_id, padding_bytes, timeout_s)
+
+    def open(self, timeout_s):
+        return _GatedCall(self.inner.open(timeout_s), self)
+
+    async def sync_session(self, req, timeout_s=5.0):
+        return await self.inner.sync_session(req, timeout_s)
+
+    async def end_session(self, session_id, timeout_s=5.0):
+        return await self.inner.end_session(session_id, timeout_s)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class _GatedCall:
+    def __init__(self, inner: TurnCall, link: GatedLink) -> None:
+        self.inner, self.link = inner, link
+        self.held: list[Any] = []  # items waiting for the gate, in order (None: close_send)
+        self.flusher: asyncio.Task | None = None
+
+    def _hold(self, item: Any) -> None:
+        self.held.append(item)
+        if self.flusher is None:
+            self.flusher = asyncio.create_task(self._flush())
+
+    async def _flush(self) -> None:
+        await self.link.gate.wait()
+        if self.link.cut:
+            self.inner.close_send()
+        else:
+            for item in self.held:
+                self.inner.close_send() if item is None else self.inner.send(item)
+        self.held.clear()
+
+    def send(self, item) -> int:
+        if isinstance(item, TurnHeader) or (self.link.gate.is_set() and not self.held):
+            return self.inner.send(item)
+        self._hold(item)
+        return uplink_to_pb(item).ByteSize()
+
+    def close_send(self) -> None:
+        if self.link.gate.is_set() and not self.held:
+            self.inner.close_send()
+        else:
+            self._hold(None)
+
+    def events(self):
+        return self.inner.events()
+
+    def cancel(self) -> None:
+        self.inner.cancel()
+
+
 def rechunk(chunk, h):
     """``chunk`` carrying other activations float32 ``[n, H]`` (fp32, CRC recomputed: it arrives intact)."""
     payload = np.ascontiguousarray(h, np.float32).tobytes()
@@ -199,3 +269,29 @@ class MemoryLocal:
         for i, t in enumerate(toks):
             await asyncio.sleep(0)
             yield LocalToken(t, "length" if i == len(toks) - 1 else None)
+
+
+class Down(TamperLink):
+    """A replica link that can be cut: every call fails as with a dead host."""
+
+    down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise EngineError("connection refused")
+
+    async def negotiate(self, offer):
+        self._check()
+        return await self.inner.negotiate(offer)
+
+    async def server_info(self, link_id, padding_bytes=0, timeout_s=5.0):
+        self._check()
+        return await self.inner.server_info(link_id, padding_bytes, timeout_s)
+
+    async def sync_session(self, req, timeout_s=5.0):
+        self._check()
+        return await self.inner.sync_session(req, timeout_s)
+
+    def open(self, timeout_s):
+        self._check()
+        return super().open(timeout_s)

@@ -15,6 +15,7 @@ from tandem.cloud.memory_engines import ToyLM
 from tandem.common.kvdown import full_model_key
 from tandem.common.manifest import ModelShape
 from tandem.edge.local import LocalEngine, LocalSessions, blocks_from_past, past_from_blocks
+from tandem.edge.localmodel import ForwardModel
 from tests.doubles import MANIFEST, Toy, toy_stack
 
 
@@ -22,26 +23,16 @@ def toy_lm(shape: ModelShape = MANIFEST.shape) -> ToyLM:
     return ToyLM(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.vocab_size)
 
 
-class ToyLocal(LocalEngine):
-    """``LocalEngine`` whose forward pass is ``ToyLM``'s (everything else is the real engine's:
-    sessions, prefix reuse, adopt, extend, sampling, stops). ``runs`` lists the new tokens of every
-    forward pass."""
+class ToyForward(ForwardModel):
+    """``ToyLM`` as the whole model: its forward pass over growing KV (``edge.localmodel``).
+    ``runs`` lists the new tokens of every forward pass."""
 
-    def __init__(
-        self,
-        toy: ToyLM,
-        shape: ModelShape = MANIFEST.shape,
-        eos_token_ids: Sequence[int] = (),
-        session_bytes: int = 1 << 30,
-        step_delay_s: float = 0.0,
-    ) -> None:
-        self.toy, self.step_delay_s, self.kv_device = toy, step_delay_s, "none"
-        self._init_state(shape, eos_token_ids, LocalSessions(64, session_bytes))
-        self.prefill_rate.add(0.01)
-        self.decode_rate.add(max(0.1, step_delay_s * 1e3))
+    def __init__(self, toy: ToyLM, shape: ModelShape, step_delay_s: float = 0.0) -> None:
+        self.toy, self.shape, self.step_delay_s = toy, shape, step_delay_s
+        self.providers = ["CPUExecutionProvider"]
         self.runs: list[int] = []
 
-    def forward(self, new_ids: Sequence[int], past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray], float]:
+    def forward(self, new_ids: Sequence[int], past: list) -> tuple[np.ndarray, list, float]:
         t0 = time.perf_counter()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
@@ -51,6 +42,29 @@ class ToyLocal(LocalEngine):
         logits = np.zeros(self.shape.vocab_size, np.float32)
         logits[self.toy.next_token(full)] = 1.0
         return logits, past_from_blocks(full), (time.perf_counter() - t0) * 1e3
+
+
+class ToyLocal(LocalEngine):
+    """``LocalEngine`` whose model is ``ToyForward`` (everything else is the real engine's: sessions,
+    prefix reuse, adopt, extend, sampling, stops). ``runs`` lists the new tokens of every forward pass."""
+
+    def __init__(
+        self,
+        toy: ToyLM,
+        shape: ModelShape = MANIFEST.shape,
+        eos_token_ids: Sequence[int] = (),
+        session_bytes: int = 1 << 30,
+        step_delay_s: float = 0.0,
+    ) -> None:
+        self.toy = toy
+        self.model = ToyForward(toy, shape, step_delay_s)
+        self._init_state(shape, eos_token_ids, LocalSessions(64, session_bytes))
+        self.prefill_rate.add(0.01)
+        self.decode_rate.add(max(0.1, step_delay_s * 1e3))
+
+    @property
+    def runs(self) -> list[int]:
+        return self.model.runs
 
 
 async def rp_stack(step_delay_s: float = 0.005, local_step_s: float = 0.0, **kw) -> Toy:

@@ -101,12 +101,16 @@ class CloudStack:
 
 
 def busy_bookkeeping(gw: Gateway) -> list[str]:
-    """What of the gateway's bookkeeping is not idle: upload reservations, admitted or waiting requests."""
+    """What of the gateway's bookkeeping is not idle: upload reservations, holds on the edges' and
+    the node's session bounds, admitted or waiting requests."""
     out: list[str] = []
     b = gw.receiver.budget
     per_peer = {p: v for p, v in b._per_peer.items() if v != [0, 0]}
     if b.uploads or b.nbytes or per_peer:
         out.append(f"upload budget held: uploads={b.uploads} nbytes={b.nbytes} per peer={per_peer}")
+    holds = {tag: len(h) for tag, h in gw.edge_limits._holds.items()}
+    if holds or gw.sessions.holding():
+        out.append(f"session bounds held: per edge {holds}, node {gw.sessions.holding()}")
     t = gw.links
     if t.running or t.waiting or t.running_tokens:
         out.append(f"link table busy: running={t.running} waiting={t.waiting} tokens={t.running_tokens}")

@@ -242,6 +242,13 @@ def test_longrope_graphs_equal_hf_past_the_threshold_and_pair_only_with_their_si
     a = m.agreement
     assert (a.max_model_len_min_tokens, a.max_model_len_max_tokens) == (ORIGINAL_POSITIONS + 1, 512)
     assert m.head_check is not None and m.head_check.tokens > a.check_tokens > ORIGINAL_POSITIONS  # a row past it
+    # the model builder's graph serves local mode only when checked past the threshold under the same factors
+    from tandem.common.builder_export import decoder_problem, load_build
+    from tandem.common.manifest import FULL_DECODER
+
+    if not decoder_problem(long_out / FULL_DECODER):
+        build = load_build(long_out / FULL_DECODER)
+        assert build.engine_agreement == a and build.checked_tokens >= a.check_tokens
     native = onnx_export.load_hf(long_out / "hf")  # HF's own switch: the long factors for a prompt past 64
     ids = np.random.default_rng(3).integers(0, VOCAB, STEPS[-1]).tolist()
     want = _hf_run(native, ids).logits[0].numpy()
@@ -269,7 +276,8 @@ async def test_local_mode_serves_the_lengths_its_graph_was_prepared_for(prepared
 
     for out, positions in ((longrope_short, ORIGINAL_POSITIONS), (prepared_families("phi3-longrope"), 512)):
         m = SplitManifest.load(out / "split-k1")
-        local = await load_local(EdgeConfig(split_dir=out / "split-k1", intra_op_threads=1), m.shape, [2])
+        cfg = EdgeConfig(split_dir=out / "split-k1", intra_op_threads=1)
+        local = await load_local(cfg, m.shape, [2], m.agreement.max_model_len_max_tokens)
         assert local is not None and local.limits.max_model_len_tokens == positions
 
 

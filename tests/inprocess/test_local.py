@@ -1,6 +1,8 @@
-"""Edge-only serving (``edge.local.LocalEngine``) on the real ``edge-full.onnx`` against HF greedy
-references: greedy tokens, session prefix reuse, stops, sampling, validation, concurrency and
-cancellation. Short chat prompts, 16 new tokens; one engine per module."""
+"""Edge-only serving (``edge.local.LocalEngine``) on both of the edge's runtimes, ONNX Runtime GenAI's
+builder graph (``edge-decoder/``, ``edge.decoder.DecoderGraph``) and tandem's ``edge-full.onnx``
+(``edge.localmodel.OnnxForward``), against HF greedy references: greedy tokens, session prefix
+reuse, stops, sampling, validation, concurrency and cancellation. Short chat prompts, 16 new
+tokens; one engine per runtime."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from tandem.common.chat import prompt_token_ids
 from tandem.common.errors import InvalidRequest
 from tandem.common.params import Sampling
 from tandem.edge.local import LocalEngine, LocalGenerator, LocalSession, LocalSessions, LocalToken, sample_token
+from tandem.edge.localmodel import GrowingKV
 
 MAX_NEW = 16
 CHATS = [
@@ -42,9 +45,12 @@ def eos(hf_model) -> tuple[int, ...]:
     return tuple(e) if isinstance(e, list) else (e,)
 
 
-@pytest.fixture(scope="module")
-def engine(edge_full, manifest, eos):
-    return LocalEngine(edge_full, manifest.shape, eos, intra_op_threads=2)
+@pytest.fixture(scope="module", params=["edge-decoder", "edge-full.onnx"])
+def engine(request, split_dir, manifest, eos):
+    path = split_dir.parent / request.param
+    if not path.exists():
+        pytest.fail(f"no {path}: run `make model` (make test does it)")
+    return LocalEngine(path, manifest.shape, eos, intra_op_threads=2)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +93,7 @@ def toks(out: list[LocalToken]) -> list[int]:
 
 
 def consistent(s: LocalSession) -> bool:
-    return all(a.shape[2] == len(s.token_ids) for a in s.past) and not s.lock.locked()
+    return s.kv is not None and s.kv.tokens == len(s.token_ids) and not s.lock.locked()
 
 
 async def test_warmup_measures_rates(engine):
@@ -279,7 +285,9 @@ async def test_a_turn_cancelled_while_its_prefill_waits_leaves_no_queue_behind(e
 
 def test_sessions_are_bounded_lru():
     def sess(n_tokens: int) -> LocalSession:
-        return LocalSession(list(range(n_tokens)), [np.zeros((1, 3, n_tokens, 64), np.float32)] * 2)
+        return LocalSession(
+            list(range(n_tokens)), GrowingKV([np.zeros((1, 3, n_tokens, 64), np.float32)] * 2, n_tokens)
+        )
 
     table = LocalSessions(max_entries=2, max_bytes=10 * 2 * 3 * 64 * 4)  # 10 tokens of 2 arrays
     table.put("a", sess(4))
@@ -319,8 +327,8 @@ async def test_kv_bound_through_io_binding_stays_an_ort_tensor_and_answers_alike
     a1 = toks(await run(bound, p1, session_id=sid))
     assert a1 == ref(p1)
     sess = bound.sessions.peek(sid)
-    assert sess is not None and all(isinstance(a, ort.OrtValue) for a in sess.past)
-    assert all(a.shape()[2] == len(sess.token_ids) for a in sess.past)
+    assert sess is not None and all(isinstance(a, ort.OrtValue) for a in sess.kv.past)
+    assert all(a.shape()[2] == len(sess.token_ids) for a in sess.kv.past)
     assert (
         sess.nbytes()
         == 2
@@ -342,7 +350,7 @@ async def test_kv_bound_through_io_binding_stays_an_ort_tensor_and_answers_alike
     other = plain.sessions.peek(psid)
     n = len(other.token_ids)
     assert held.token_ids[:n] == other.token_ids
-    np.testing.assert_allclose(blocks_from_past(held.past)[:, :, :, :n], blocks_from_past(other.past), atol=1e-5)
+    np.testing.assert_allclose(blocks_from_past(held.kv.past)[:, :, :, :n], blocks_from_past(other.kv.past), atol=1e-5)
 
 
 def test_kv_device_is_checked_against_the_active_providers(edge_full, manifest, eos):

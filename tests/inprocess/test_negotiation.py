@@ -86,6 +86,24 @@ def toy_params():
 # ---------------------------------------------------------------- Negotiate in the gateway
 
 
+@pytest.mark.parametrize(
+    "edge_id",
+    ["x\n2026-12-06 05:00:00,000 tandem.cloud ERROR FORGED", "a\x00b\r\x1b[31m", "\u2028/../é", "e" * 128, ""],
+)
+async def test_a_link_id_is_a_bounded_name_whatever_edge_id_the_edge_claims(edge_id):
+    """A link id is sent back, echoed in headers, logged and traced: it is the claimed edge id (of an
+    unauthenticated peer) in letters, digits, ``._-`` only, at most 48 of them, then a uuid."""
+    import re
+
+    toy = await toy_stack()
+    try:
+        link_id = toy.gateway.negotiate(offer(edge_id=edge_id)).link_id
+        assert re.fullmatch(r"[A-Za-z0-9._-]{1,48}-[0-9a-f]{32}", link_id), link_id
+        assert toy.gateway.links.get(link_id).edge_id == edge_id  # who it claims to be, for the trace
+    finally:
+        await toy.batcher.stop()
+
+
 async def test_negotiate_gives_a_link_with_params_per_split_and_follows_the_offer():
     toy = await toy_stack(codecs=[Codec.NONE, Codec.ZSTD], max_chunk_tokens=256, chunk_tokens=64)
     try:

@@ -292,7 +292,7 @@ def test_text_logs_carry_the_ids_and_ids_are_printable():
         root.removeHandler(handler)
         root.setLevel(level)
     first, second = buf.getvalue().splitlines()
-    assert first.endswith("tandem.test INFO [request_id=r1?forged line session_id=s1] hello world")
+    assert first.endswith("tandem.test INFO [request_id=r1\\nforged line session_id=s1] hello world")
     assert second.endswith("tandem.test INFO outside")
 
 
@@ -359,5 +359,159 @@ async def test_tracing_off_creates_no_spans(monkeypatch):
     toy = await toy_stack()
     try:
         await run(toy.edge, turn(LONG, "s-off"))
+    finally:
+        await toy.batcher.stop()
+
+
+# --- what a peer sends is printable and bounded wherever an operator reads it ---------------------
+
+FORGED = "2026-12-06 05:00:00,000 tandem.cloud ERROR FORGED"
+HOSTILE = {
+    "LF": f"x\n{FORGED}",
+    "CR": f"x\r{FORGED}",
+    "NUL": "a\x00b",
+    "ANSI": "\x1b[31mred\x1b[0m\x1b]0;title\x07",
+    "lone surrogate": "a\ud800b\udfff",
+    "line separators": f"a\u2028{FORGED}\x85{FORGED}",
+    "very long": "y" * 200_000,
+}
+LOG_FORMATS = ["text", "json", "stdlib-json"]
+
+
+def _readable(text: str) -> bool:
+    """Printable (a line's own text) and encodable as UTF-8 (what a log stream writes)."""
+    text.encode()
+    return text.isprintable()
+
+
+@pytest.mark.parametrize("fmt", LOG_FORMATS)
+@pytest.mark.parametrize("value", list(HOSTILE.values()), ids=list(HOSTILE))
+def test_peer_strings_reach_a_log_line_printable_and_bounded(monkeypatch, fmt, value):
+    """A peer's string as a request id, a session id, a message argument, a call's ``extra`` and an
+    exception's message: each record is one line (a text traceback's lines indented), every line
+    printable, UTF-8 and bounded, in both formats (and the stdlib JSON one of an edge-only install)."""
+    from tandem.common.logs import MAX_MESSAGE_CHARS, set_caller
+
+    if fmt == "stdlib-json":
+        monkeypatch.setitem(sys.modules, "pythonjsonlogger.json", None)
+    buf = io.StringIO()
+    root = logging.getLogger()
+    level = root.level
+    handler = setup_logging("text" if fmt == "text" else "json", "INFO", stream=buf)
+    log = logging.getLogger("tandem.test")
+    try:
+        with bind_request(value, value):
+            set_caller(value)
+            log.warning("link %s: %r", value, value, extra={"edge_id": value})
+            try:
+                raise InvalidRequest(f"edge_id {value}")
+            except InvalidRequest:
+                log.exception("refused %s", value)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    lines = buf.getvalue().splitlines()
+    assert all(_readable(x) and len(x) < 3 * MAX_MESSAGE_CHARS for x in lines)
+    assert len(buf.getvalue()) < 12 * MAX_MESSAGE_CHARS  # the whole, traceback included, is bounded too
+    assert not [x for x in lines if x.startswith(FORGED)]  # a traceback line is indented
+    if fmt == "text":
+        records = [x for x in lines if not x.startswith("  ")]
+        assert len(records) == 2 and all(x.startswith(lines[0][:10]) for x in records)
+        assert "ERROR" in records[1] and any(x.startswith("  ") and "InvalidRequest: edge_id" in x for x in lines)
+    else:
+        records = [json.loads(x) for x in lines]
+        assert len(records) == 2
+        for r in records:
+            assert all(_readable(v) for v in r.values() if isinstance(v, str) and v is not r.get("exc_info"))
+            assert r["request_id"] == r["session_id"] == r["caller"] and len(r["request_id"]) < 200
+        assert "edge_id" in records[0] and len(records[0]["edge_id"]) < 2 * MAX_MESSAGE_CHARS
+        assert all(_readable(x) for x in records[1]["exc_info"].splitlines())
+
+
+@pytest.mark.parametrize("value", list(HOSTILE.values()), ids=list(HOSTILE))
+def test_peer_strings_reach_a_metric_label_printable_and_bounded(value):
+    """Every metric's ``labels`` takes its values printable and bounded, whoever calls it; the
+    exposition stays parseable and one series per line."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    every = [m for role in metrics._BY_ROLE.values() for m in role]
+    assert every and all(isinstance(m, metrics._PrintableLabels) for m in every)  # every metric's labels
+    reg = CollectorRegistry()
+    reg.register(metrics.MODE_FALLBACKS)
+    metrics.record_fallback(value)
+    try:
+        text = generate_latest(reg).decode()
+        assert not [x for x in text.splitlines() if x.startswith(FORGED)]
+        (family,) = [f for f in text_string_to_metric_families(text) if f.name == "tandem:mode_fallbacks"]
+        (sample,) = [x for x in family.samples if x.name.endswith("_total")]
+        reason = sample.labels["reason"]
+        assert reason == metrics.label(value) and _readable(reason)
+        assert len(reason) <= metrics.MAX_LABEL_CHARS + len("...(200000 more characters)")
+    finally:
+        metrics.MODE_FALLBACKS.remove(metrics.label(value))
+
+
+@pytest.mark.parametrize("value", list(HOSTILE.values()), ids=list(HOSTILE))
+def test_peer_strings_reach_a_span_printable_and_bounded(spans, value):
+    """Span attributes and a recorded exception's message are printable and bounded."""
+    with pytest.raises(InvalidRequest):
+        with tracing.span("edge_turn", session_id=value, request_id=value):
+            tracing.start_span("uplink", link_id=value).end()
+            raise InvalidRequest(f"edge_id {value}")
+    finished = spans.get_finished_spans()
+    assert {s.name for s in finished} == {"edge_turn", "uplink"}
+    for s in finished:
+        texts = [v for v in s.attributes.values() if isinstance(v, str)]
+        texts += [v for ev in s.events for v in ev.attributes.values() if isinstance(v, str)]
+        texts = [v for v in texts if "Traceback" not in v]  # the stack trace: lines of the daemon's code
+        assert texts and all(_readable(v) and len(v) <= tracing.MAX_ATTR_CHARS + 40 for v in texts)
+
+
+async def test_a_turn_with_a_hostile_session_id_logs_and_traces_it_printable(spans):
+    """A real turn whose session id holds a line break, an ANSI escape and a forged record: every log
+    line of the turn and every span attribute carries it escaped."""
+    buf = io.StringIO()
+    root = logging.getLogger()
+    level = root.level
+    handler = setup_logging("text", "DEBUG", stream=buf)
+    session = f"s\r\n{FORGED}\x1b[2J\u2028"
+    toy = await toy_stack()
+    try:
+        await run(toy.edge, turn(LONG, session))
+    finally:
+        await toy.batcher.stop()
+        root.removeHandler(handler)
+        root.setLevel(level)
+    lines = buf.getvalue().splitlines()
+    assert not [x for x in lines if x.startswith(FORGED)]
+    ours = [x for x in lines if " tandem." in x]
+    assert ours and all(_readable(x) for x in ours)
+    assert any("session_id=s\\r\\n2026-12-06" in x for x in ours)
+    turn_spans = [s for s in spans.get_finished_spans() if s.name in ("edge_turn", "cloud_turn")]
+    assert len(turn_spans) == 2
+    assert all(s.attributes["session_id"] == "s\\r\\n" + FORGED + "\\x1b[2J\\u2028" for s in turn_spans)
+
+
+def samples_of(name: str) -> list[tuple[dict[str, str], float]]:
+    return [(s.labels, s.value) for fam in REGISTRY.collect() for s in fam.samples if s.name == name]
+
+
+async def test_each_links_share_weight_and_objectives_and_the_replicas_are_exported():
+    toy = await toy_stack(offer_kw={"ttft_slo_ms": 800.0, "itl_p99_slo_ms": 90.0})
+    try:
+        await run(toy.edge, turn(LONG, "shares"))
+        link_id = toy.edge.conn.link_id
+        table = toy.gateway.registry.links
+        (share,) = [v for labels, v in samples_of("tandem:link_share_seqs") if labels["link"] == link_id]
+        assert share == table.share(link_id)[0] >= 1
+        assert Samples.value("tandem:max_num_seqs") == table.max_num_seqs
+        (weight,) = [v for labels, v in samples_of("tandem:link_weight") if labels["link"] == link_id]
+        assert weight == 1.0  # a new link's, before the controller moved it
+        (ttft,) = [v for labels, v in samples_of("tandem:link_slo_ttft_seconds") if labels["link"] == link_id]
+        (itl,) = [v for labels, v in samples_of("tandem:link_slo_itl_seconds") if labels["link"] == link_id]
+        assert (ttft, itl) == (0.8, 0.09)
+        assert Samples.value("tandem:cloud_replicas", state="answering") == 1
+        assert Samples.value("tandem:cloud_replicas", state="down") == 0
     finally:
         await toy.batcher.stop()

@@ -445,7 +445,7 @@ REFUSALS = [
     ("chat/completions", {"messages": HI, "temperature": 3}, 400, "temperature", "decimal_above_max_value"),
     ("chat/completions", {"messages": HI, "top_p": 0}, 400, "top_p", "decimal_below_min_value"),
     ("chat/completions", {"messages": HI, "max_tokens": 0}, 400, "max_tokens", "integer_below_min_value"),
-    ("chat/completions", {"messages": HI, "max_tokens": 10**6}, 400, "max_tokens", "invalid_value"),
+    ("chat/completions", {"messages": HI, "max_tokens": 10**6}, 400, "max_tokens", "integer_above_max_value"),
     ("chat/completions", {"messages": HI, "seed": 2**64}, 400, "seed", "integer_above_max_value"),
     ("chat/completions", {}, 400, "messages", "missing_required_parameter"),
     ("chat/completions", {"messages": []}, 400, "messages", "empty_array"),
@@ -469,7 +469,7 @@ REFUSALS = [
         "integer_below_min_value",
     ),
     ("chat/completions", {"messages": HI, "mode": "fast"}, 400, "mode", "invalid_value"),
-    ("chat/completions", {"messages": HI, "mode": "local"}, 400, "mode", "ModeUnavailable"),
+    ("chat/completions", {"messages": HI, "mode": "local"}, 400, "mode", "unsupported_value"),
     ("chat/completions", {"messages": HI, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
     ("chat/completions", {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools", "unsupported_parameter"),
     ("chat/completions", {"messages": HI, "logit_bias": {"1": 2}}, 400, "logit_bias", "unsupported_parameter"),
@@ -554,3 +554,27 @@ async def test_transport_level_refusals_have_openais_shape(stack):
         assert r.status_code == status and set(err) == {"message", "type", "param", "code"}, r.text
         assert err["type"] == "invalid_request_error" and err["param"] is None and err["code"] == code, err
         assert words in err["message"], err
+
+
+async def test_the_log_lines_of_a_request_name_its_api_key_by_its_name(client):
+    """Every line of an authenticated request carries ``caller=key:<the key's name>`` (never the key)."""
+    import io
+    import logging
+
+    from tandem.common.logs import setup_logging
+    from tandem.common.security import key_name
+
+    buf = io.StringIO()
+    root = logging.getLogger()
+    level = root.level
+    handler = setup_logging("text", "DEBUG", stream=buf)
+    try:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 20_000}])
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    turns = [x for x in buf.getvalue().splitlines() if " tandem.edge " in x and "turn " in x]
+    assert any("turn done" in x for x in turns) and any("turn refused" in x for x in turns)
+    assert all(f"caller=key:{key_name(KEY)}]" in x for x in turns) and KEY not in buf.getvalue()

@@ -21,7 +21,7 @@ from tandem.edge.link import InProcessLink
 from tandem.edge.node import EdgeNode
 from tandem.edge.replicas import ReplicaSet, rendezvous
 from tandem.edge.session import EdgeSessions
-from tests.doubles import HKV, MANIFEST, VOCAB, B, D, H, K, TamperLink, ToyTokenizer, cloud_config
+from tests.doubles import HKV, MANIFEST, VOCAB, B, D, Down, H, K, ToyTokenizer, cloud_config
 from tests.helpers import LONG, Sent, chat, run
 
 
@@ -34,32 +34,6 @@ def test_rendezvous_moves_only_the_keys_of_a_removed_target():
     after = {k: without_b[rendezvous(k, without_b)[0]] for k in keys}
     assert all(after[k] == first[k] for k in keys if first[k] != "b:1")  # only b's sessions moved
     assert rendezvous("x", targets) == rendezvous("x", targets)
-
-
-class Down(TamperLink):
-    """A replica link that can be cut: every call fails as with a dead host."""
-
-    down = False
-
-    def _check(self) -> None:
-        if self.down:
-            raise EngineError("connection refused")
-
-    async def negotiate(self, offer):
-        self._check()
-        return await self.inner.negotiate(offer)
-
-    async def server_info(self, link_id, padding_bytes=0, timeout_s=5.0):
-        self._check()
-        return await self.inner.server_info(link_id, padding_bytes, timeout_s)
-
-    async def sync_session(self, req, timeout_s=5.0):
-        self._check()
-        return await self.inner.sync_session(req, timeout_s)
-
-    def open(self, timeout_s):
-        self._check()
-        return super().open(timeout_s)
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import io
+import logging
 import os
 import stat
 from pathlib import Path
@@ -334,6 +336,48 @@ async def test_a_key_is_bound_to_the_certificate_subject_it_was_issued_for(pki, 
     finally:
         await close_edge(a)
         await cloud.stop()
+
+
+async def test_a_caller_claiming_another_edge_id_is_logged_and_traced_as_the_identity_it_proved(pki):
+    """A caller with edge-a's credentials claiming ``edge_id`` "edge-b" (with a forged log line in it)
+    is served as edge-a, and its link is named, logged and traced as edge-a: the link id starts with
+    the authenticated name, the SLO controller knows the link as edge-a's, and every log line and span
+    of its calls names ``caller=key:edge-a``."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tandem.common import tracing
+    from tandem.common.logs import setup_logging
+
+    buf = io.StringIO()
+    root = logging.getLogger()
+    level = root.level
+    handler = setup_logging("text", "DEBUG", stream=buf)
+    exporter = InMemorySpanExporter()
+    assert tracing.setup_tracing(True, "tandem-test", exporter=exporter)
+    cloud = TlsCloud(pki, keys=KEYS)
+    await cloud.start()
+    claimed = "edge-b\n2026-12-06 05:00:00,000 tandem.cloud ERROR FORGED"
+    a = await edge_over(link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf("edge-a"), api_key=KEYS["edge-a"]), claimed)
+    try:
+        await run(a, chat([("user", "hi")], "s"))
+    finally:
+        await close_edge(a)
+        await cloud.stop()
+        tracing.setup_tracing(False, "tandem-test")
+        root.removeHandler(handler)
+        root.setLevel(level)
+    link_id = a.conn.negotiated.link_id
+    assert link_id.startswith("edge-a-") and cloud.gateway.links.get(link_id).edge_id == "edge-a"
+    lines = buf.getvalue().splitlines()
+    assert not [x for x in lines if x.startswith("2026-12-06 05:00:00,000")]  # no forged line
+    assert all("edge-b\\n2026-12-06 05:00:00,000 tandem.cloud ERROR FORGED" in x for x in lines if "FORGED" in x)
+    cloud_lines = [x for x in lines if " tandem.cloud " in x]
+    negotiated = [x for x in cloud_lines if f"link {link_id} negotiated" in x]
+    assert negotiated and "caller=key:edge-a]" in negotiated[0] and "edge-b\\n2026" in negotiated[0]
+    done = [x for x in cloud_lines if "turn done" in x]
+    assert done and all("caller=key:edge-a]" in x and f"link_id={link_id}" in x for x in done)
+    (turn_span,) = [s for s in exporter.get_finished_spans() if s.name == "cloud_turn"]
+    assert turn_span.attributes["caller"] == "key:edge-a" and turn_span.attributes["link_id"] == link_id
 
 
 def test_keys_without_names_cannot_be_bound_to_certificates(pki):

@@ -47,16 +47,17 @@ def test_find_non_text_walks_keys_lists_and_nesting():
 @pytest.mark.parametrize(
     ("kw", "where"),
     [
-        ({"messages": (("user", "\ud800 hi"),)}, "messages[0].content"),
-        ({"messages": (("user", "hi"), ("us\x00er", "x"))}, "messages[1].role"),
+        ({"messages": (("user", "\ud800 hi"),)}, "messages.[0].content"),
+        ({"messages": (("user", "hi"), ("us\x00er", "x"))}, "messages.[1].role"),
         ({"prompt": "\udfff"}, "prompt"),
         ({"prompt": "hi", "session_id": "s\x00"}, "session_id"),
-        ({"prompt": "hi", "stop": ("ok", "\ud800")}, "stop[1]"),
+        ({"prompt": "hi", "stop": ("ok", "\ud800")}, "stop.[1]"),
     ],
 )
 def test_a_chat_turn_holds_text_only(kw, where):
-    with pytest.raises(InvalidRequest, match=rf"^{re.escape(where)}: not valid text"):
+    with pytest.raises(InvalidRequest, match=rf"^{re.escape(where)}: not valid text") as ei:
         ChatTurn(**kw)
+    assert (ei.value.param, ei.value.code) == (where, "invalid_value")
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,15 @@ import pytest
 
 from tandem.cloud.config import EngineConfig
 from tandem.cloud.upload import check_header
-from tandem.common.errors import TandemError
+from tandem.common.errors import OPENAI_CODES, TandemError
 from tandem.common.grpc_errors import status_details, status_of
 from tandem.common.messages import TurnHeader
 from tandem.common.modes import Mode
 from tandem.common.params import Sampling
 from tandem.common.requestlimits import RequestLimits
 from tandem.edge.events import ChatTurn, TurnDone
-from tests.doubles import MANIFEST, VOCAB, B, MemoryLocal, toy_stack
+from tandem.v1 import tandem_pb2 as pb
+from tests.doubles import MANIFEST, VOCAB, B, K, MemoryLocal, toy_stack
 
 MAX_PROMPT_TOKENS = 100  # the cloud's bound on prompts (the edge's own is 1536)
 MAX_MODEL_LEN_TOKENS = 300  # the cloud's engines' max_model_len (the local model's positions are 4096)
@@ -74,15 +75,16 @@ BAD = [
 ]
 
 
-async def verdict(toy, turn: ChatTurn) -> tuple[str, str]:
-    """(gRPC status name, status details) of a refused turn, ("OK", "") of one that ran."""
+async def verdict(toy, turn: ChatTurn) -> tuple[str, str, str | None, str | None]:
+    """(gRPC status name, status details, field, OpenAI code) of a refused turn, ("OK", "", None,
+    None) of one that ran."""
     try:
         async for ev in toy.edge.chat(turn):
             if isinstance(ev, TurnDone):
                 assert ev.mode in (Mode.LOCAL, Mode.SPLIT, Mode.DIRECT)
     except TandemError as e:
-        return status_of(e).name, status_details(e)
-    return "OK", ""
+        return status_of(e).name, status_details(e), e.param, e.code
+    return "OK", "", None, None
 
 
 def split_args(args: dict) -> tuple[dict, dict]:
@@ -98,6 +100,7 @@ async def test_a_bad_request_gets_one_verdict_in_every_mode(toy, what, args):
     verdicts[Mode.AUTO, "again"] = {await verdict(toy, request(Mode.AUTO, **turn_kw, **sampling)) for _ in range(12)}
     first = verdicts[Mode.AUTO]
     assert first[0] == "INVALID_ARGUMENT", (what, verdicts)
+    assert first[2] and first[3] in OPENAI_CODES, (what, first)  # the field named, OpenAI's code
     assert all(v == first for m, v in verdicts.items() if m in MODES), (what, verdicts)
     assert verdicts[Mode.AUTO, "again"] == {first}, (what, verdicts)
     assert not toy.edge.local.calls and not toy.engines.calls  # refused before any mode ran
@@ -117,7 +120,7 @@ async def test_requests_at_the_bounds_run_in_every_mode(toy):
     for args in edge_cases:
         turn_kw, sampling = split_args(args)
         for m in MODES:
-            assert await verdict(toy, request(m, **turn_kw, **sampling)) == ("OK", ""), (args, m)
+            assert (await verdict(toy, request(m, **turn_kw, **sampling)))[0] == "OK", (args, m)
 
 
 async def test_the_cloud_bounds_stay_while_its_link_is_down(toy):
@@ -167,7 +170,7 @@ async def test_the_cloud_checks_the_header_with_the_limits_it_negotiated(toy):
         header = TurnHeader("r", "", p.params_version, 0, tuple(ids), 0, 0, 0, t.sampling, toy.edge.conn.link_id)
         with pytest.raises(TandemError) as e:
             check_header(header, p, MANIFEST)
-        assert (status_of(e.value).name, status_details(e.value)) == edge
+        assert (status_of(e.value).name, status_details(e.value)) == edge[:2]
 
 
 def test_limits_narrow_bound_by_bound():
@@ -191,4 +194,313 @@ async def test_local_mode_of_the_real_model_takes_any_64_bit_seed_and_refuses_st
     with pytest.raises(TandemError) as e:
         async for _ in engine.generate([1, 2, 3], Sampling(max_new_tokens=2, stop_token_ids=(v,))):
             pass
-    assert str(e.value) == f"stop_token_ids: at most 64, each in the vocabulary [0, {v})"
+    assert str(e.value) == f"stop_token_ids.[0]: {v} is outside the vocabulary [0, {v})"
+    assert (e.value.param, e.value.code) == ("stop_token_ids.[0]", "integer_above_max_value")
+
+
+# --- one verdict per field on every surface: gRPC, the SDK, the HTTP API ----------------------------
+
+SURFACE_MODEL = "toy"
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+async def surfaces():
+    """The toy edge behind its gRPC API (raw stub and the SDK's ``AsyncClient``) and its HTTP API."""
+    import tandem
+    from tandem.common.grpcsetup import add_service, start_server
+    from tandem.edge.openai_api import create_openai_app, serve_openai, stop_openai
+    from tandem.edge.service import EDGE_SERVICE, EdgeServicer
+
+    toy = await toy_stack()
+    server, port, _ = await start_server(
+        [lambda s: add_service(s, EdgeServicer(toy.edge, "toy"), "Edge")], [EDGE_SERVICE], "127.0.0.1", 0, 1 << 20
+    )
+    app = create_openai_app(toy.edge, SURFACE_MODEL)
+    http, task, http_port = await serve_openai(app, "127.0.0.1", 0)
+    client = tandem.AsyncClient(f"127.0.0.1:{port}", timeout_s=20)
+    yield toy, port, client, http_port
+    await client.close()
+    await stop_openai(http, task, grace_s=1.0)
+    await server.stop(0)
+    await toy.batcher.stop()
+
+
+def _role(r, role: str) -> None:
+    r.messages[0].role = role
+
+
+def _content(r, content: str) -> None:
+    r.messages[0].content = content
+
+
+def _sampling(**kw):
+    def set_(r) -> None:
+        for k, v in kw.items():
+            setattr(r.sampling, k, v)
+
+    return set_
+
+
+def _stop(*stop: str):
+    def set_(r) -> None:
+        del r.stop[:]
+        r.stop.extend(stop)
+
+    return set_
+
+
+def _stop_ids(*ids: int):
+    def set_(r) -> None:
+        del r.sampling.stop_token_ids[:]
+        r.sampling.stop_token_ids.extend(ids)
+
+    return set_
+
+
+def _field(**kw):
+    def set_(r) -> None:
+        for k, v in kw.items():
+            setattr(r, k, v)
+
+    return set_
+
+
+def _no_messages(r) -> None:
+    del r.messages[:]
+
+
+# (what, the SDK's chat() arguments, the raw gRPC request's change (None: protobuf cannot carry the
+# value), the HTTP body's fields, the field (the SDK's and gRPC's name, then HTTP's when it differs),
+# OpenAI's code). Each row's verdict is a refusal naming that field with that code on every surface.
+FIELDS = [
+    ("temperature above 2", dict(temperature=3.0), _sampling(temperature=3.0), dict(temperature=3.0),
+     "temperature", None, "decimal_above_max_value"),
+    ("negative temperature", dict(temperature=-0.5), _sampling(temperature=-0.5), dict(temperature=-0.5),
+     "temperature", None, "decimal_below_min_value"),
+    ("top_p above 1", dict(top_p=1.5), _sampling(top_p=1.5), dict(top_p=1.5), "top_p", None,
+     "decimal_above_max_value"),
+    ("negative top_p", dict(top_p=-0.1), _sampling(top_p=-0.1), dict(top_p=-0.1), "top_p", None,
+     "decimal_below_min_value"),
+    ("top_k below -1", dict(top_k=-2), _sampling(top_k=-2), dict(top_k=-2), "top_k", None,
+     "integer_below_min_value"),
+    ("top_k past int32", dict(top_k=2**31), None, dict(top_k=2**31), "top_k", None, "integer_above_max_value"),
+    ("seed past 64 bits", dict(seed=2**63), None, dict(seed=2**63), "seed", None, "integer_above_max_value"),
+    ("max_new_tokens 0", dict(max_new_tokens=0), _sampling(max_new_tokens=0), dict(max_tokens=0),
+     "max_new_tokens", "max_tokens", "integer_below_min_value"),
+    ("max_new_tokens past the edge's bound", dict(max_new_tokens=10**6), _sampling(max_new_tokens=10**6),
+     dict(max_tokens=10**6), "max_new_tokens", "max_tokens", "integer_above_max_value"),
+    ("max_completion_tokens past the edge's bound", dict(max_new_tokens=10**6), _sampling(max_new_tokens=10**6),
+     dict(max_completion_tokens=10**6), "max_new_tokens", "max_completion_tokens", "integer_above_max_value"),
+    ("stop token id out of the vocabulary", dict(stop_token_ids=[1, VOCAB]), _stop_ids(1, VOCAB),
+     dict(stop_token_ids=[1, VOCAB]), "stop_token_ids.[1]", None, "integer_above_max_value"),
+    ("negative stop token id", dict(stop_token_ids=[-1]), None, dict(stop_token_ids=[-1]), "stop_token_ids.[0]",
+     None, "integer_below_min_value"),
+    ("65 stop token ids", dict(stop_token_ids=list(range(65))), _stop_ids(*range(65)),
+     dict(stop_token_ids=list(range(65))), "stop_token_ids", None, "array_above_max_length"),
+    ("an empty stop string", dict(stop=["ok", ""]), _stop("ok", ""), dict(stop=["ok", ""]), "stop.[1]", None,
+     "invalid_value"),
+    ("17 stop strings", dict(stop=["s"] * 17), _stop(*["s"] * 17), dict(stop=["s"] * 17), "stop", None,
+     "array_above_max_length"),
+    ("a stop string too long", dict(stop=["x" * 257]), _stop("x" * 257), dict(stop=["x" * 257]), "stop.[0]", None,
+     "string_above_max_length"),
+    ("one stop string too long", dict(stop="x" * 257), _stop("x" * 257), dict(stop="x" * 257), "stop.[0]", "stop",
+     "string_above_max_length"),
+    ("one empty stop string", dict(stop=""), _stop(""), dict(stop=""), "stop.[0]", "stop", "invalid_value"),
+    ("a NUL in a stop string", dict(stop=["a\x00"]), _stop("a\x00"), dict(stop=["a\x00"]), "stop.[0]", None,
+     "invalid_value"),
+    ("role tool", dict(messages=[{"role": "tool", "content": "x"}]), lambda r: _role(r, "tool"),
+     dict(messages=[{"role": "tool", "content": "x"}]), "messages.[0].role", None, "invalid_value"),
+    ("no role", dict(messages=[{"content": "x"}]), lambda r: _role(r, ""), dict(messages=[{"content": "x"}]),
+     "messages.[0].role", None, "missing_required_parameter"),
+    ("messages a string", dict(messages="Hi"), None, dict(messages="Hi"), "messages", None, "invalid_type"),
+    ("no messages", dict(messages=[]), _no_messages, dict(messages=[]), "messages", None, "empty_array"),
+    ("a NUL in a message", dict(messages=[{"role": "user", "content": "a\x00b"}]), lambda r: _content(r, "a\x00b"),
+     dict(messages=[{"role": "user", "content": "a\x00b"}]), "messages.[0].content", None, "invalid_value"),
+    ("a prompt too long", dict(messages=[{"role": "user", "content": "x" * 20_000}]),
+     lambda r: _content(r, "x" * 20_000), dict(messages=[{"role": "user", "content": "x" * 20_000}]), "messages",
+     None, "context_length_exceeded"),
+    ("a NUL in the session id", dict(session_id="s\x00"), _field(session_id="s\x00"), dict(session_id="s\x00"),
+     "session_id", None, "invalid_value"),
+    ("a session id over 128 bytes", dict(session_id="é" * 65), _field(session_id="é" * 65),
+     dict(session_id="é" * 65), "session_id", None, "string_above_max_length"),
+    ("max_new_tokens a string", dict(max_new_tokens="5"), None, dict(max_tokens="5"), "max_new_tokens",
+     "max_tokens", "invalid_type"),
+    ("temperature a string", dict(temperature="0.5"), None, dict(temperature="0.5"), "temperature", None,
+     "invalid_type"),
+    ("ignore_eos not a bool", dict(ignore_eos=1), None, dict(ignore_eos=1), "ignore_eos", None, "invalid_type"),
+    ("a stop string not a string", dict(stop=["ok", 5]), None, dict(stop=["ok", 5]), "stop.[1]", None,
+     "invalid_type"),
+    ("an unknown mode", dict(mode="fast"), _field(mode=99), dict(mode="fast"), "mode", None, "invalid_value"),
+    ("a mode this edge lacks", dict(mode="local"), _field(mode=pb.MODE_LOCAL), dict(mode="local"), "mode", None,
+     "unsupported_value"),
+    ("split_layer without mode split", dict(split_layer=K), _field(split_layer=K), dict(split_layer=K),
+     "split_layer", None, "invalid_value"),
+    ("a split layer this edge lacks", dict(mode="split", split_layer=K + 5),
+     _field(mode=pb.MODE_SPLIT, split_layer=K + 5), dict(mode="split", split_layer=K + 5), "split_layer", None,
+     "unsupported_value"),
+]  # fmt: skip
+
+
+async def _grpc_verdict(port: int, request) -> tuple[str, str | None, str | None]:
+    import grpc
+
+    from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        call = pb_grpc.EdgeStub(ch).Chat(request, timeout=20)
+        try:
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as e:
+            md = dict(e.trailing_metadata() or ())
+            return e.code().name, md.get("tandem-error-param"), md.get("tandem-error-code")
+    return "OK", None, None
+
+
+async def _sdk_verdict(client, kw: dict) -> tuple[str, str | None, str | None]:
+    import tandem
+
+    base = {"max_new_tokens": 4} if "prompt" in kw else {"messages": HI, "max_new_tokens": 4}
+    try:
+        async for _ in client.chat(**{**base, **kw}):
+            pass
+    except tandem.TandemClientError as e:
+        return e.code.name, e.param, e.error_code
+    return "OK", None, None
+
+
+async def _http_verdict(
+    port: int, body: dict, endpoint: str = "chat/completions"
+) -> tuple[int, str | None, str | None]:
+    import httpx
+
+    base = {"model": SURFACE_MODEL, "max_tokens": 4} | ({"messages": HI} if endpoint == "chat/completions" else {})
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as h:
+        r = await h.post(f"/v1/{endpoint}", json={**base, **body})
+    if r.status_code == 200:
+        return 200, None, None
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error", err
+    return r.status_code, err["param"], err["code"]
+
+
+@pytest.mark.parametrize(
+    ("what", "sdk", "raw", "http", "param", "http_param", "code"), FIELDS, ids=[row[0] for row in FIELDS]
+)
+async def test_a_bad_field_gets_one_verdict_on_every_surface(surfaces, what, sdk, raw, http, param, http_param, code):
+    """The same bad value sent through the SDK, as a raw gRPC ``Chat`` and over HTTP is refused on
+    each, naming the same field (``param``; HTTP's own name where it has one) with the same code from
+    OpenAI's set: one check per field, whichever surface the request came in by."""
+    from tandem.chat_request import build_request
+
+    _, port, client, http_port = surfaces
+    status = "FAILED_PRECONDITION" if code == "unsupported_value" else "INVALID_ARGUMENT"
+    assert code in OPENAI_CODES
+    assert await _sdk_verdict(client, sdk) == (status, param, code)
+    if raw is not None:
+        request = build_request(HI, max_new_tokens=4)
+        raw(request)
+        assert await _grpc_verdict(port, request) == (status, param, code)
+    assert await _http_verdict(http_port, http) == (400, http_param or param, code)
+
+
+# (what, the SDK's chat(prompt=...) arguments and the /v1/completions body, the field, OpenAI's code)
+PROMPT_FIELDS = [
+    ("a prompt too long", dict(prompt="x" * 20_000), "prompt", "context_length_exceeded"),
+    ("a NUL in the prompt", dict(prompt="a\x00"), "prompt", "invalid_value"),
+    ("a stop token id out of the vocabulary", dict(prompt="hi", stop_token_ids=[VOCAB]), "stop_token_ids.[0]",
+     "integer_above_max_value"),
+    ("top_p above 1", dict(prompt="hi", top_p=2.0), "top_p", "decimal_above_max_value"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "kw", "param", "code"), PROMPT_FIELDS, ids=[row[0] for row in PROMPT_FIELDS])
+async def test_a_bad_field_of_a_raw_prompt_gets_one_verdict_on_every_surface(surfaces, what, kw, param, code):
+    """A raw prompt (the SDK's ``prompt=``, ``/v1/completions``): the same field and code on both."""
+    _, _, client, http_port = surfaces
+    assert await _sdk_verdict(client, kw) == ("INVALID_ARGUMENT", param, code)
+    assert await _http_verdict(http_port, kw, "completions") == (400, param, code)
+
+
+# (what, the SDK's chat() arguments, the HTTP body's fields): accepted alike on every surface
+ACCEPTED = [
+    ("role developer", dict(messages=[{"role": "developer", "content": "x"}, *HI]),
+     dict(messages=[{"role": "developer", "content": "x"}, *HI])),
+    ("top_k -1 (off, as vLLM's)", dict(top_k=-1), dict(top_k=-1)),
+    ("a message without content", dict(messages=[{"role": "system"}, *HI]), dict(messages=[{"role": "system"}, *HI])),
+    ("split_layer with mode split", dict(mode="split", split_layer=K), dict(mode="split", split_layer=K)),
+    ("a session id of 128 bytes", dict(session_id="é" * 64), dict(session_id="é" * 64)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "sdk", "http"), ACCEPTED, ids=[row[0] for row in ACCEPTED])
+async def test_what_one_surface_accepts_every_surface_accepts(surfaces, what, sdk, http):
+    _, _, client, http_port = surfaces
+    assert await _sdk_verdict(client, sdk) == ("OK", None, None)
+    assert await _http_verdict(http_port, http) == (200, None, None)
+
+
+async def test_end_session_and_url_ids_get_the_verdict_chat_gives(surfaces):
+    """A session id ``Chat`` refuses is refused by ``EndSession`` (gRPC and SDK) with the same field
+    and code; a NUL in a URL's id (``DELETE /v1/conversations/%00``, ``GET /v1/models/%00``) is a 400
+    naming the path parameter."""
+    import grpc
+    import httpx
+
+    import tandem
+    from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+    _, port, client, http_port = surfaces
+    for sid, code in (("s\x00", "invalid_value"), ("é" * 65, "string_above_max_length"),
+                      ("", "missing_required_parameter")):  # fmt: skip
+        with pytest.raises(tandem.InvalidArgument) as ei:
+            await client.end_session(sid)
+        assert (ei.value.param, ei.value.error_code) == ("session_id", code), sid
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as gi:
+                await pb_grpc.EdgeStub(ch).EndSession(pb.EndSessionRequest(session_id=sid), timeout=10)
+        md = dict(gi.value.trailing_metadata() or ())
+        assert gi.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (md.get("tandem-error-param"), md.get("tandem-error-code")) == ("session_id", code), sid
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}") as h:
+        for r, param, code in (
+            (await h.delete("/v1/conversations/a%00b"), "conversation_id", "invalid_value"),
+            (await h.delete("/v1/conversations/" + "%C3%A9" * 65), "conversation_id", "string_above_max_length"),
+            (await h.get("/v1/models/a%00b"), "model", "invalid_value"),
+        ):
+            err = r.json()["error"]
+            assert r.status_code == 400 and (err["param"], err["code"]) == (param, code), err
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"split_layers": 2}, "split_layers"),
+        ({"min_p": 0.1}, "min_p"),
+        ({"messages": [{"role": "user", "content": "hi", "weight": 1}]}, "messages.[0].weight"),
+        ({"stream": True, "stream_options": {"include_usage": True, "chunk_size": 3}}, "stream_options.chunk_size"),
+    ],
+)
+async def test_an_unknown_http_field_is_refused_by_name(surfaces, body, param):
+    """A field the HTTP API does not know is 400 ``unknown_parameter`` naming it, never ignored."""
+    assert await _http_verdict(surfaces[3], body) == (400, param, "unknown_parameter")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"metadata": {"app": "x"}, "store": False, "service_tier": "auto", "parallel_tool_calls": False},
+        {"prompt_cache_key": "k", "safety_identifier": "u1"},
+        {"messages": [{"role": "user", "content": "hi", "name": "ann"}]},
+        {"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}},
+    ],
+)
+async def test_the_openai_fields_ignored_by_design_are_accepted(surfaces, body):
+    """The OpenAI fields that change nothing tandem does (docs/clients.md lists them) are accepted."""
+    assert (await _http_verdict(surfaces[3], body))[0] == 200
+
+
+@pytest.mark.parametrize("field", ["tool_choice", "reasoning_effort", "modalities"])
+async def test_an_openai_field_tandem_cannot_honour_is_refused_by_name(surfaces, field):
+    assert await _http_verdict(surfaces[3], {field: "auto"}) == (400, field, "unsupported_parameter")

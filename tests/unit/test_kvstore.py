@@ -11,6 +11,7 @@ from tandem.common.kvstore import (
     PASSWORD_ENV,
     SEAL_BYTES,
     MemoryBlockStore,
+    check_store_url,
     open_store,
     seal,
     unseal,
@@ -301,3 +302,44 @@ def test_contract_a_lapsed_pin_no_longer_protects(small_store):
     st.pin(["other"], "live-gateway", lease_s=600)  # sweeps lapsed leases (Redis), harmless elsewhere
     _fill(st, 200, 100_000)
     assert not st.contains("k")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6379/0",
+        "rediss://redis.example:6380/1",
+        "redis://localhost/0",
+        "redis+cluster://10.0.0.1:6379,10.0.0.2:6379",
+        "rediss+cluster://redis-0.redis:6379",
+        "redis+sentinel://10.0.0.1:26379,10.0.0.2:26379/tandem/0",
+        "redis+sentinel://s:26379/tandem",
+    ],
+)
+def test_store_urls_of_a_server_a_cluster_or_sentinel_are_accepted(url):
+    assert check_store_url(url) == url
+
+
+@pytest.mark.parametrize(
+    "url, match",
+    [
+        ("redis://a:1,b:2/0", "several hosts"),
+        ("redis+cluster://a:1,b", "not host:port"),
+        ("redis+cluster://:pw@a:1", "password"),
+        ("redis+sentinel://a:26379", "service"),
+        ("memcached://a:1", "scheme"),
+    ],
+)
+def test_malformed_store_urls_are_refused(url, match):
+    with pytest.raises(InvalidRequest, match=match):
+        check_store_url(url)
+
+
+def test_a_sessions_record_and_pieces_share_a_group_and_blocks_spread():
+    from tandem.cloud.sessionstore import piece_key, record_key
+    from tandem.common.kvstore import slot_tag
+
+    tags = {slot_tag(record_key("e/s"))} | {slot_tag(piece_key("e/s", bytes([i]))) for i in range(4)}
+    assert len(tags) == 1 and slot_tag(record_key("e/t")) not in tags
+    blocks = {slot_tag(f"{i:064x}:L0-2:kv1") for i in range(0, 1 << 256, 1 << 248)}
+    assert len(blocks) == 256

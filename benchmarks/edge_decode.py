@@ -1,0 +1,322 @@
+"""The edge's own speed: time to first token and time per output token of the edge's runtimes on one
+device, beside ONNX Runtime GenAI's ``Generator`` on the same graph, vLLM single-stream, and the
+floor of reading the weights once per token.
+
+``tandem-bench-edge --hf DIR --out DIR`` builds the whole model of the checkpoint with ONNX Runtime
+GenAI's model builder (``common.builder_export``; fp32 on the CPU build, fp16 or bf16 on CUDA), then
+runs batch 1, ``--prompt-tokens`` random prompt ids, ``--new-tokens`` greedy tokens (EOS ignored),
+``--repeats`` times per runtime:
+
+* ``tandem``: ``edge.decoder.DecoderGraph`` (preallocated KV bound as past and present, the token id
+  read back, the decode step a CUDA graph on a GPU), and ``tandem-eager`` (no CUDA graph);
+* ``genai``: the library's own ``Generator`` on the same graph (CUDA graph on where the device has
+  one), the reference for what ONNX Runtime can do;
+* ``legacy`` (``--legacy-onnx``): ``edge.local.LocalGenerator`` on tandem's torch.onnx export
+  (``edge-full.onnx``), one ``run`` per token with growing KV tensors;
+* ``vllm`` (``--vllm``): an in-process vLLM engine on the same checkpoint, one request at a time;
+  ITL = (time of N tokens - time of 1 token) / (N - 1).
+
+Columns: ``ttft_ms`` (median), ``itl_ms`` (median over every step of every repeat), ``tokens_per_s``
+(1000 / itl), and ``floor_ms`` = parameter bytes at the run's dtype / the device's memory bandwidth
+(NVIDIA's datasheets: H100 SXM 3.35 TB/s, H200 4.8 TB/s; ``--bandwidth-gbs`` for others). Writes
+``edge_decode.json``, ``edge_decode.md`` and ``edge_decode.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+
+app = typer.Typer(add_completion=False, help=__doc__)
+
+# bytes/s, from NVIDIA's datasheets (HBM3 of the H100 SXM 80GB, HBM3e of the H200)
+BANDWIDTH_BPS = {"H100": 3.35e12, "H200": 4.8e12}
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int4": 0.5}
+
+
+def gpu_name() -> str:
+    """The first GPU's name from nvidia-smi, or "" without one."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else ""
+    except FileNotFoundError:
+        return ""
+
+
+def parameter_count(hf: Path) -> int:
+    """Parameters of the checkpoint, from its safetensors headers (tied embeddings counted once)."""
+    n = 0
+    for f in sorted(hf.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        n += sum(int(np.prod(v["shape"])) for k, v in header.items() if k != "__metadata__")
+    return n
+
+
+def genai_copy(build_dir: Path, out: Path, cuda_graph: bool) -> Path:
+    """A folder for ONNX Runtime GenAI's ``Generator``: the build's files linked, its graph without the
+    ``next_token_ids`` output tandem adds, the CUDA provider (graph capture on or off) in its config."""
+    import onnx
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in build_dir.iterdir():
+        if f.name not in ("model.onnx", "genai_config.json") and not (out / f.name).exists():
+            try:  # ONNX Runtime refuses external weights behind a symbolic link: a hard link, else a copy
+                os.link(f, out / f.name)
+            except OSError:
+                shutil.copy2(f, out / f.name)
+    m = onnx.load(str(build_dir / "model.onnx"), load_external_data=False)
+    keep = [n for n in m.graph.node if "next_token_ids" not in n.output]
+    del m.graph.node[:]
+    m.graph.node.extend(keep)
+    outs = [o for o in m.graph.output if o.name != "next_token_ids"]
+    del m.graph.output[:]
+    m.graph.output.extend(outs)
+    onnx.save(m, str(out / "model.onnx"))
+    cfg = json.loads((build_dir / "genai_config.json").read_text())
+    if gpu_name():
+        opts = [{"cuda": {"enable_cuda_graph": "1" if cuda_graph else "0"}}]
+        cfg["model"]["decoder"]["session_options"]["provider_options"] = opts
+    (out / "genai_config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def time_tandem(build_dir: Path, prompt: list[int], new_tokens: int, repeats: int, cuda_graph: bool) -> dict:
+    from tandem.edge.decoder import DecoderGraph
+
+    g = DecoderGraph(build_dir, cuda_graph=cuda_graph)
+    ttft, itl = [], []
+    slot = g.new_slot(len(prompt) + new_tokens)
+    for _ in range(repeats + 1):  # the first repeat warms up (and captures the graph)
+        g.truncate(slot, 0)
+        t0 = time.perf_counter()
+        tok, _, _ = g.run(slot, prompt, greedy=True)
+        first = (time.perf_counter() - t0) * 1e3
+        steps = []
+        for _ in range(new_tokens - 1):
+            t1 = time.perf_counter()
+            tok, _, _ = g.run(slot, [int(tok or 0)], greedy=True)
+            steps.append((time.perf_counter() - t1) * 1e3)
+        ttft.append(first)
+        itl.append(steps)
+    return _summary(ttft[1:], itl[1:], providers=g.session.get_providers()[0])
+
+
+def time_genai(build_dir: Path, work: Path, prompt: list[int], new_tokens: int, repeats: int, cuda_graph: bool) -> dict:
+    import onnxruntime_genai as og
+
+    model = og.Model(str(genai_copy(build_dir, work, cuda_graph)))
+    ttft, itl = [], []
+    for _ in range(repeats + 1):
+        params = og.GeneratorParams(model)
+        params.set_search_options(
+            max_length=len(prompt) + new_tokens, do_sample=False, min_length=len(prompt) + new_tokens
+        )
+        gen = og.Generator(model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(np.asarray([prompt], np.int32))
+        gen.generate_next_token()
+        gen.get_next_tokens()
+        first = (time.perf_counter() - t0) * 1e3
+        steps = []
+        while not gen.is_done():
+            t1 = time.perf_counter()
+            gen.generate_next_token()
+            gen.get_next_tokens()
+            steps.append((time.perf_counter() - t1) * 1e3)
+        ttft.append(first)
+        itl.append(steps)
+        del gen
+    return _summary(ttft[1:], itl[1:], providers="genai")
+
+
+def time_legacy(onnx_path: Path, hf: Path, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+    from tandem.common.head_model import family_of
+    from tandem.common.modelprep import model_shape
+    from tandem.edge.local import LocalGenerator
+
+    cfg = json.loads((hf / "config.json").read_text())
+    family_of(cfg)
+    gen = LocalGenerator(onnx_path, model_shape(cfg))
+    ttft, itl = [], []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        times = [s.t_s for s in gen.generate(list(prompt), new_tokens)]
+        ttft.append((times[0] - t0) * 1e3)
+        itl.append([(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)])
+    return _summary(ttft[1:], itl[1:], providers=gen.engine.providers[0])
+
+
+def time_vllm(hf: Path, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(str(hf), dtype="bfloat16", max_model_len=len(prompt) + new_tokens + 16, gpu_memory_utilization=0.3)
+    p = TokensPrompt(prompt_token_ids=list(prompt))
+
+    def one(n: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate([p], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        return (time.perf_counter() - t0) * 1e3
+
+    one(new_tokens)  # warm-up
+    firsts = [one(1) for _ in range(repeats)]
+    wholes = [one(new_tokens) for _ in range(repeats)]
+    ttft = statistics.median(firsts)
+    itl = (statistics.median(wholes) - ttft) / (new_tokens - 1)
+    return {"ttft_ms": ttft, "itl_ms": itl, "itl_p90_ms": itl, "tokens_per_s": 1e3 / itl, "provider": "vllm"}
+
+
+def _summary(ttft: list[float], itl: list[list[float]], providers: str) -> dict:
+    steps = [x for r in itl for x in r]
+    return {
+        "ttft_ms": statistics.median(ttft),
+        "itl_ms": statistics.median(steps),
+        "itl_p90_ms": float(np.percentile(steps, 90)),
+        "tokens_per_s": 1e3 / statistics.median(steps),
+        "provider": providers,
+    }
+
+
+def to_markdown(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| model | runtime | dtype | device | ttft_ms | itl_ms | itl_p90_ms | tokens_per_s | itl / genai | floor_ms |"
+    )
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        if "error" in r:
+            lines.append(
+                f"| {r['model']} | {r['runtime']} | {r['dtype']} | {r['device']} | failed: {r['error'][:80]} |||||"
+            )
+            continue
+        ratio = f"{r['vs_genai']:.2f}" if r.get("vs_genai") else ""
+        lines.append(
+            f"| {r['model']} | {r['runtime']} | {r['dtype']} | {r['device']} | {r['ttft_ms']:.2f} | {r['itl_ms']:.3f} "
+            f"| {r['itl_p90_ms']:.3f} | {r['tokens_per_s']:.0f} | {ratio} | {r.get('floor_ms', float('nan')):.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    models = sorted({r["model"] for r in ok})
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, m in zip(axes[0], models, strict=True):
+        mine = [r for r in ok if r["model"] == m]
+        ax.bar([r["runtime"] for r in mine], [r["itl_ms"] for r in mine], color="tab:blue")
+        floors = [r["floor_ms"] for r in mine if r.get("floor_ms")]
+        if floors:
+            ax.axhline(floors[0], color="black", ls="--", label="weights-read floor")
+            ax.legend()
+        ax.set_title(m)
+        ax.set_ylabel("time per output token (ms), batch 1")
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@app.command()
+def main(
+    hf: Annotated[Path, typer.Option(help="HF checkpoint folder")] = Path("models/smollm2-135m/hf"),
+    out: Annotated[Path, typer.Option(help="results folder")] = Path("bench-results/edge"),
+    build_dir: Annotated[Path | None, typer.Option(help="built graph folder (default OUT/build-PRECISION)")] = None,
+    precision: Annotated[str, typer.Option(help="fp32 (CPU), fp16 or bf16 (GPU), int4")] = "",
+    legacy_onnx: Annotated[Path | None, typer.Option(help="tandem's torch.onnx edge-full.onnx to time too")] = None,
+    vllm: Annotated[bool, typer.Option(help="time vLLM single-stream on the same checkpoint (GPU)")] = False,
+    prompt_tokens: int = 64,
+    new_tokens: int = 256,
+    repeats: int = 3,
+    bandwidth_gbs: Annotated[float, typer.Option(help="memory bandwidth for the floor (GB/s; 0: datasheet)")] = 0.0,
+    name: Annotated[str, typer.Option(help="model name in the table (default: the folder's)")] = "",
+) -> None:
+    """Time the edge's runtimes on one checkpoint (module doc)."""
+    from tandem.common.builder_export import build_decoder
+
+    gpu = gpu_name()
+    device = gpu or "cpu"
+    precision = precision or ("fp16" if gpu else "fp32")
+    out.mkdir(parents=True, exist_ok=True)
+    build_dir = build_dir or out / f"build-{precision}"
+    if not (build_dir / "genai_config.json").is_file():
+        t0 = time.perf_counter()
+        build_decoder(hf, build_dir, precision, "cuda" if gpu else "cpu")
+        print(f"built {precision} in {time.perf_counter() - t0:.1f} s -> {build_dir}", file=sys.stderr)
+    work = build_dir.parent / f"{build_dir.name}-genai"  # the Generator's copies, beside the build
+    cfg = json.loads((hf / "config.json").read_text())
+    rng = np.random.default_rng(0)
+    prompt = [int(x) for x in rng.integers(3, min(cfg["vocab_size"], 32000), prompt_tokens)]
+    bw = bandwidth_gbs * 1e9 or next((v for k, v in BANDWIDTH_BPS.items() if k in gpu), 0.0)
+    params = parameter_count(hf)
+    model = name or (hf.resolve().parent.name if hf.name == "hf" else hf.name)
+    runs: list[tuple[str, str, Any]] = [
+        ("tandem", precision, lambda: time_tandem(build_dir, prompt, new_tokens, repeats, cuda_graph=True)),
+        ("genai", precision, lambda: time_genai(build_dir, work / "genai", prompt, new_tokens, repeats, True)),
+    ]
+    if gpu:
+        runs.append(("tandem-eager", precision, lambda: time_tandem(build_dir, prompt, new_tokens, repeats, False)))
+        runs.append(
+            (
+                "genai-eager",
+                precision,
+                lambda: time_genai(build_dir, work / "genai-eager", prompt, new_tokens, repeats, False),
+            )
+        )
+    if legacy_onnx is not None:
+        runs.append(("legacy", "fp32", lambda: time_legacy(legacy_onnx, hf, prompt, new_tokens, repeats)))
+    if vllm:
+        runs.append(("vllm", "bf16", lambda: time_vllm(hf, prompt, new_tokens, repeats)))
+    rows: list[dict[str, Any]] = []
+    for runtime, dtype, fn in runs:
+        row: dict[str, Any] = {"model": model, "runtime": runtime, "dtype": dtype, "device": device}
+        print(f"timing {runtime} ({dtype}) on {device} ...", file=sys.stderr, flush=True)
+        try:
+            row.update(fn())
+        except Exception as e:  # a runtime that fails is reported in the table; the others still run
+            row["error"] = f"{type(e).__name__}: {e}"
+        if bw and "error" not in row:
+            row["floor_ms"] = params * DTYPE_BYTES.get(dtype, 2) / bw * 1e3
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    genai = next((r["itl_ms"] for r in rows if r["runtime"] == "genai" and "error" not in r), None)
+    for r in rows:
+        if genai and "error" not in r:
+            r["vs_genai"] = r["itl_ms"] / genai
+    meta = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeats": repeats, "device": device}
+    meta |= {"parameters": params, "bandwidth_bps": bw, "versions": _versions()}
+    (out / "edge_decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (out / "edge_decode.md").write_text(to_markdown(rows))
+    plot(rows, out / "edge_decode.png")
+    print(to_markdown(rows))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for p in ("onnxruntime", "onnxruntime-gpu", "onnxruntime-genai", "onnxruntime-genai-cuda", "vllm", "torch"):
+        try:
+            found[p] = version(p)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,210 @@
+"""The builder-graph runtime (``edge.decoder.DecoderGraph``) on SmolLM2 built by ONNX Runtime GenAI's
+model builder in fp32 for the CPU (``common.builder_export``), against HF float32: greedy tokens,
+logits of a prefill split in two runs, KV written into and read out of a slot, truncation, the
+slot's bounds, the bfloat16 storage conversions, the preparation's check and the edge benchmark's
+smoke run. One build per module (about 10 s)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.common.builder_export import BuilderFailed, add_next_token, build_decoder, check_decoder, load_build
+from tandem.common.chat import prompt_token_ids
+from tandem.common.errors import InvalidRequest
+from tandem.edge.decoder import NEXT_TOKEN, DecoderGraph, _as_float32, _store
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+]
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def hf_dir(manifest, split_dir):
+    return manifest.resolve(split_dir, manifest.full_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def build(hf_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("decoder") / "build-fp32"
+    build_decoder(hf_dir, out, "fp32", "cpu")
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph(build):
+    return DecoderGraph(build, providers=["CPUExecutionProvider"], intra_op_threads=2)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    return [prompt_token_ids(tokenizer, m) for m in CHATS]
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
+
+
+def hf_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def test_the_build_adds_the_argmax_output_once(build, graph):
+    import onnx
+
+    m = onnx.load(str(build / "model.onnx"), load_external_data=False)
+    add_next_token(build / "model.onnx")
+    again = onnx.load(str(build / "model.onnx"), load_external_data=False)
+    assert [o.name for o in again.graph.output].count(NEXT_TOKEN) == 1
+    assert len(again.graph.node) == len(m.graph.node)
+    assert graph.has_next_token and graph.kv_type == "tensor(float)"
+    assert load_build(build).precision == "fp32"
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_greedy_tokens_equal_hf(graph, hf_model, prompts, which):
+    ids = prompts[which]
+    slot = graph.new_slot(len(ids) + MAX_NEW)
+    got, new = [], ids
+    for _ in range(MAX_NEW):
+        tok, logits, _ = graph.run(slot, new, greedy=True)
+        assert logits is None and tok is not None
+        got.append(tok)
+        new = [tok]
+    assert got == hf_greedy(hf_model, ids, MAX_NEW)
+    assert slot.tokens == len(ids) + MAX_NEW - 1  # the last token sampled is not run yet
+
+
+def test_the_logits_path_samples_what_the_argmax_path_returns(graph, prompts):
+    ids = prompts[0]
+    a, b = graph.new_slot(len(ids) + 4), graph.new_slot(len(ids) + 4)
+    tok, _, _ = graph.run(a, ids, greedy=True)
+    none, logits, _ = graph.run(b, ids, greedy=False)
+    assert none is None and logits.shape == (graph.spec.vocab_size,) and logits.dtype == np.float32
+    assert tok == int(np.argmax(logits))
+
+
+def test_a_prefill_in_two_runs_gives_hf_logits(graph, hf_model, prompts):
+    ids = prompts[1]
+    slot = graph.new_slot(len(ids))
+    half = len(ids) // 2
+    rows = np.concatenate([graph.run_rows(slot, ids[:half]), graph.run_rows(slot, ids[half:])])
+    ref = hf_logits(hf_model, ids)
+    assert rows.shape == ref.shape
+    assert np.abs(rows - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
+
+
+def test_kv_written_into_a_slot_continues_as_computed_kv(graph, hf_model, prompts):
+    ids = prompts[0]
+    src = graph.new_slot(len(ids))
+    graph.run_rows(src, ids[:-1])
+    past = graph.read_kv(src)
+    assert len(past) == 2 * graph.spec.num_layers
+    assert past[0].shape == (1, graph.spec.num_kv_heads, len(ids) - 1, graph.spec.head_dim)
+    dst = graph.new_slot(len(ids) + 8)
+    graph.write_kv(dst, past)
+    assert dst.tokens == len(ids) - 1
+    _, logits, _ = graph.run(dst, ids[-1:], greedy=False)
+    ref = hf_logits(hf_model, ids)[-1]
+    assert np.abs(logits - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
+    np.testing.assert_array_equal(graph.read_kv(dst, len(ids) - 1)[5], past[5])
+
+
+def test_truncation_recomputes_from_the_kept_prefix(graph, hf_model, prompts):
+    ids = prompts[1]
+    slot = graph.new_slot(len(ids) + 4)
+    graph.run(slot, ids, greedy=True)
+    graph.truncate(slot, 5)
+    assert slot.tokens == 5 and slot.mask_host[0, 5:].sum() == 0
+    _, logits, _ = graph.run(slot, ids[5:], greedy=False)
+    ref = hf_logits(hf_model, ids)[-1]
+    assert np.abs(logits - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
+
+
+def test_a_slot_grows_keeping_its_kv_and_refuses_past_the_model(graph, hf_model, prompts):
+    ids = prompts[0]
+    slot = graph.new_slot(4)
+    graph.run(slot, ids[:3], greedy=True)
+    first = slot.graph_id
+    _, logits, _ = graph.run(slot, ids[3:], greedy=False)  # past the 4 tokens: new buffers, KV copied over
+    assert slot.capacity_tokens >= len(ids) and slot.tokens == len(ids) and slot.graph_id != first
+    ref = hf_logits(hf_model, ids)[-1]
+    assert np.abs(logits - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
+    with pytest.raises(InvalidRequest, match="exceed the model's"):
+        graph.run(slot, [1] * (graph.spec.context_tokens - slot.tokens + 1), greedy=True)
+    assert slot.tokens == len(ids)
+    with pytest.raises(InvalidRequest, match="past must be"):
+        graph.write_kv(slot, [np.zeros((1, 3, 2, 64), np.float32)])
+    with pytest.raises(InvalidRequest, match="after token 99"):
+        graph.write_kv(slot, graph.read_kv(slot, 2), start=99)
+    with pytest.raises(ValueError, match="capacity_tokens 0"):
+        graph.new_slot(0)
+
+
+def test_released_slots_serve_the_next_session_with_their_graph(graph):
+    a = graph.new_kv(300)
+    assert a.capacity_tokens == 512
+    graph.run(a, [1, 2, 3], greedy=True)
+    kv, gid = a.kv, a.graph_id
+    graph.release(a)
+    assert a.kv == [] and a.tokens == 0
+    b = graph.new_kv(400)
+    assert b.kv is kv and b.graph_id == gid and b.tokens == 0 and b.mask_host.sum() == 0
+    graph.release(b)
+    graph.release(b)  # twice: nothing more
+
+
+def test_bfloat16_storage_round_trips_and_rounds_to_nearest_even():
+    import onnxruntime as ort
+
+    exact = np.array([1.0, -2.5, 0.0, 3.140625, 2.0**100], np.float32)  # representable in bfloat16
+    v = ort.OrtValue.ortvalue_from_numpy(np.zeros(5, np.uint16))
+    _store(v, exact, "tensor(bfloat16)")
+    np.testing.assert_array_equal(_as_float32(v), exact)
+    # 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: it rounds to the even neighbour, 1.0;
+    # 1 + 3 * 2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: it rounds up to the even one
+    halfway = np.array([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-12], np.float32)
+    _store(v, np.concatenate([halfway, [0, 0]]).astype(np.float32), "tensor(bfloat16)")
+    np.testing.assert_array_equal(_as_float32(v)[:3], np.array([1.0, 1 + 2**-6, 1 + 2**-7], np.float32))
+
+
+def test_the_preparation_check_passes_and_is_recorded(build, hf_dir, prompts):
+    checked = check_decoder(hf_dir, build, prompts[0])
+    assert checked.passed and checked.max_abs_error <= checked.tolerance
+    assert load_build(build).checked_tokens == len(prompts[0])
+
+
+def test_the_builder_refuses_what_it_cannot_build(hf_dir, tmp_path):
+    with pytest.raises(ValueError, match="fp32 on CUDA"):
+        build_decoder(hf_dir, tmp_path / "x", "fp32", "cuda")
+    with pytest.raises(ValueError, match="precision 'fp8'"):
+        build_decoder(hf_dir, tmp_path / "x", "fp8", "cpu")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch"}))
+    with pytest.raises(BuilderFailed, match="model builder failed"):
+        build_decoder(bad, tmp_path / "y", "fp32", "cpu")
+
+
+def test_edge_benchmark_smoke(build, hf_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from tandem.benchmarks.edge_decode import app
+
+    out = tmp_path / "edge"
+    args = ["--hf", str(hf_dir), "--out", str(out), "--build-dir", str(build)]
+    r = CliRunner().invoke(app, [*args, "--prompt-tokens", "8", "--new-tokens", "3", "--repeats", "1"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads((out / "edge_decode.json").read_text())["rows"]
+    assert {r["runtime"] for r in rows} == {"tandem", "genai"}
+    assert all("error" not in r and r["itl_ms"] > 0 for r in rows), rows
+    assert (out / "edge_decode.md").read_text().count("| smollm2-135m |") == 2
+    assert (out / "edge_decode.png").stat().st_size > 0
