@@ -360,6 +360,12 @@ def prepare_split(
                 check = _checked(check_export(hf, split_dir / m.head_onnx, k, agreement=agreement), f"head k={k}")
                 m = m.model_copy(update={"architecture": check.architecture, "head_check": check})
                 m.save(split_dir)
+            tail = split_dir / m.tail_checkpoint
+            if json.loads((tail / "config.json").read_text()) != tail_config(cfg, k):  # cut by an older make_tail
+                make_tail(hf, tail, k)
+                m = m.model_copy(update={"tail_blake3": file_blake3(tail)})
+                m.save(split_dir)
+            _check_tail(hf, tail, k, agreement)
             update = {"weights_blake3": weights_hash, "tokenizer": tokenizer, "engine_agreement": agreement}
             if any(getattr(m, key) != value for key, value in update.items()):
                 m = m.model_copy(update=update)
