@@ -21,6 +21,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_settings import SettingsConfigDict
 
 from tandem.common.kvstore import check_store_url
+from tandem.common.manifest import DEFAULT_MAX_MODEL_LEN_TOKENS
 from tandem.common.security import ApiKeys, expand_path
 from tandem.common.settings import (
     MAX_INT32,
@@ -94,7 +95,9 @@ class EngineConfig(BaseModel):
         default=32, description="Tokens per KV block (vLLM block size; the CPU backend wants a multiple of 32)."
     )
     max_model_len_tokens: Annotated[int, Field(ge=2, le=MAX_INT32)] = Field(
-        default=2048, description="Longest sequence (prompt + output) in tokens."
+        default=DEFAULT_MAX_MODEL_LEN_TOKENS,
+        description="Longest sequence (prompt + output) in tokens. It must lie in the range the split "
+        "directories' manifests were prepared and checked for (`tandem-model --max-model-len-tokens`).",
     )
     max_num_seqs: Count = Field(default=8, description="Sequences each engine batches at once.")
     max_num_batched_tokens: Count = Field(default=4096, description="Tokens per engine step (chunked prefill budget).")
@@ -438,12 +441,15 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def check_engines_fit(cfg: CloudConfig) -> None:
     """What the engines' start would refuse, from the split directories' manifests (no model
-    loaded): a ``max_model_len_tokens`` beyond the model's positions, and a ``kv_cache_bytes`` that
+    loaded): a ``max_model_len_tokens`` beyond the model's positions, one outside the range a
+    manifest was prepared and checked for (``EngineAgreement``: e.g. a LongRoPE model whose heads use
+    the short factors, which vLLM replaces by the long ones past ``original_max_position_embeddings``),
+    manifests that start the engines with different config overrides, and a ``kv_cache_bytes`` that
     cannot hold one sequence of that length in the decode engine (vLLM's rule: every layer's KV for
     ``max_model_len_tokens`` rounded up to whole blocks).
 
     Raises:
-        UserError: either; the message gives the bound.
+        UserError: any of them; the message gives the bound.
     """
     from tandem.common.manifest import SplitManifest
 
@@ -454,6 +460,12 @@ def check_engines_fit(cfg: CloudConfig) -> None:
             f"engine.max_model_len_tokens {e.max_model_len_tokens} is beyond the model's "
             f"{sh.max_position_embeddings} positions"
         )
+    for d in (cfg.split_dir, *cfg.extra_split_dirs):
+        agreement = SplitManifest.load(d).agreement
+        if problem := agreement.refusal(e.max_model_len_tokens):
+            raise UserError(f"{d}: {problem}")
+        if agreement.hf_overrides != m.agreement.hf_overrides:
+            raise UserError(f"split dir {d} starts vLLM with other config overrides than {cfg.split_dir}")
     decode = e.for_engine("decode")
     if decode.kv_cache_bytes is None:  # a GPU sizes its caches from the memory shares (vLLM checks them at start)
         return

@@ -79,12 +79,21 @@ def placed_on(gpu: int | None, tensor_parallel_size: int) -> Iterator[None]:
                 os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
-def start_engine(model: Path, cfg: CloudConfig, role: EngineRole, kv_role: str | None, layer_offset: int):
+def start_engine(
+    model: Path,
+    cfg: CloudConfig,
+    role: EngineRole,
+    kv_role: str | None,
+    layer_offset: int,
+    hf_overrides: dict[str, Any] | None = None,
+):
     """Start one ``AsyncLLM`` for ``role`` (blocking) with the engine settings resolved for the
     installed vLLM build (``EngineConfig.for_engine``: fp32 and eager on the CPU build, the
     checkpoint's dtype with CUDA graphs and its memory share on a GPU). ``kv_role`` None starts it
     without tandem's KV connector (plain vLLM: a direct-only checkpoint, whose layers tandem does not
-    name and whose KV never moves)."""
+    name and whose KV never moves). ``hf_overrides``: config values vLLM reads in place of the
+    checkpoint's (the manifest's ``EngineAgreement.hf_overrides``: e.g. a Llama's ``sliding_window``,
+    which HF ignores, set to None)."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -112,6 +121,7 @@ def start_engine(model: Path, cfg: CloudConfig, role: EngineRole, kv_role: str |
         # (never here), so no periodic log lines
         disable_log_stats=False,
         kv_transfer_config=KVTransferConfig(**_kv_transfer(cfg, kv_role, layer_offset)) if kv_role else None,
+        hf_overrides=dict(hf_overrides or {}),
     )
     # vLLM's Prometheus logger unregisters the vllm: metrics at every engine start; this one keeps
     # one shared family per name, so both engines are exported (told apart by model_name)

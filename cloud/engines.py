@@ -237,10 +237,12 @@ class VllmEngines:
     def _new_engine(self, role: EngineRole) -> Any:
         """Start one engine (blocking, about 20-60 s on CPU)."""
         if role.kind == "tail":
-            return start_engine(self._checkpoint(role), self.cfg, role, "kv_both", role.split_layer)
+            m, _ = self.splits[role.split_layer]
+            overrides = m.agreement.hf_overrides
+            return start_engine(self._checkpoint(role), self.cfg, role, "kv_both", role.split_layer, overrides)
         # a direct-only checkpoint (split layer 0: no head, no tail) needs no KV moved: plain vLLM
         kv_role = "kv_both" if self.manifest.split_layer > 0 else None
-        return start_engine(self._checkpoint(role), self.cfg, role, kv_role, 0)
+        return start_engine(self._checkpoint(role), self.cfg, role, kv_role, 0, self.manifest.agreement.hf_overrides)
 
     def _get(self, role: EngineRole) -> Any:
         return self._engines[role]

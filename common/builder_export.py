@@ -27,6 +27,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from tandem.common.manifest import EngineAgreement
+
 BUILD_RECORD = "tandem_build.json"
 PRECISIONS = ("fp32", "fp16", "bf16", "int4")
 
@@ -63,6 +65,8 @@ class DecoderBuild(BaseModel):
     tolerance: float | None = None
     checked_tokens: int = 0
     passed: bool | None = None
+    # the agreement it was built and checked under (``common.switches``; None: before it was recorded)
+    engine_agreement: EngineAgreement | None = None
 
 
 def build_decoder(hf: Path, out: Path, precision: str = "fp32", execution_provider: str = "cpu") -> DecoderBuild:

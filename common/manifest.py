@@ -10,14 +10,56 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 MANIFEST_NAME = "manifest.json"
 FULL_ONNX = "edge-full.onnx"  # the whole model with lm_head: local mode on the edge
 BUNDLE_MANIFEST_NAME = "bundle.json"
 FULL_CHECK_NAME = "edge-full.check.json"  # the check of edge-full.onnx against HF (``ExportCheck``)
+DEFAULT_MAX_MODEL_LEN_TOKENS = 2048  # the engines' max_model_len unless set (the cloud's and tandem-model's)
 FULL_DECODER = "edge-decoder"  # the whole model built by ONNX Runtime GenAI's model builder (local mode)
+
+
+class EngineAgreement(BaseModel):
+    """How a preparation makes the edge's graphs and the cloud's vLLM engines compute one function
+    (``common.switches.plan``): the range of the engines' ``max_model_len`` it holds for, the config
+    values the engines start with, the config values HF was exported and checked with, and what was
+    found at each behaviour switch (rope scaling thresholds, sliding windows)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_model_len_min_tokens: int = 2
+    max_model_len_max_tokens: int  # beyond it a switch the check did not pass, or another rope choice
+    # config values every vLLM engine of the model starts with (vLLM's ``hf_overrides``)
+    hf_overrides: dict[str, Any] = Field(default_factory=dict)
+    # config values the HF model was loaded with for the export and the check (e.g. longrope's factors)
+    export_overrides: dict[str, Any] = Field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # one line per switch found and how it is met
+    check_tokens: int = 0  # the longest check row: past every switch the deployment reaches (0: none needed)
+
+    def refusal(self, max_model_len_tokens: int) -> str:
+        """Why engines of ``max_model_len_tokens`` must not pair with this preparation ("" when they may)."""
+        lo, hi = self.max_model_len_min_tokens, self.max_model_len_max_tokens
+        if lo <= max_model_len_tokens <= hi:
+            return ""
+        why = "; ".join(self.notes) or "a behaviour switch the check did not pass"
+        return (
+            f"engine.max_model_len_tokens {max_model_len_tokens} is outside {lo}..{hi}, the range this model was "
+            f"prepared and checked for ({why}): prepare it again with tandem-model --max-model-len-tokens "
+            f"{max_model_len_tokens}"
+        )
+
+    def key(self) -> str:
+        """What of the agreement the edge's graphs depend on, for ``SplitManifest.compatibility_key``:
+        "" without export overrides (the checkpoint's own config)."""
+        if not self.export_overrides:
+            return ""
+        import blake3
+
+        text = json.dumps(self.export_overrides, sort_keys=True, separators=(",", ":"))
+        return blake3.blake3(text.encode()).hexdigest()[:16]
 
 
 class ExportCheck(BaseModel):
@@ -35,6 +77,8 @@ class ExportCheck(BaseModel):
     passed: bool
     # the graph's arithmetic (``onnx_export.COMPUTE_DTYPES``); its inputs and outputs are float32 either way
     compute_dtype: str = "float32"
+    # the agreement the graph was exported and checked under (None: before it was recorded)
+    engine_agreement: EngineAgreement | None = None
 
     def save(self, path: Path) -> Path:
         return _write_atomic(Path(path), self.model_dump_json(indent=2))
@@ -91,6 +135,14 @@ class SplitManifest(BaseModel):
     # written before the check existed (such a head is not served: ``passed_check``)
     architecture: str = ""
     head_check: ExportCheck | None = None
+    # how the head and the tail engines compute one function (``common.switches``); None in manifests
+    # written before it was recorded: every max_model_len up to the model's positions, no overrides
+    engine_agreement: EngineAgreement | None = None
+
+    @property
+    def agreement(self) -> EngineAgreement:
+        """``engine_agreement``, or for a manifest without one the model's whole range of positions."""
+        return self.engine_agreement or EngineAgreement(max_model_len_max_tokens=self.shape.max_position_embeddings)
 
     @property
     def passed_check(self) -> bool:
@@ -110,7 +162,9 @@ class SplitManifest(BaseModel):
         onnx, transformers or safetensors version prepared them: ``weights_blake3`` hashes the
         tensors, not the files (no ``transformers_version`` in a config, no file layout), and the
         ONNX head's bytes, which change with the exporter, are left out (the head is a function of
-        these weights and ``k``; ``head_blake3`` still checks its file). Not covered: config fields
+        these weights and ``k``; ``head_blake3`` still checks its file). The config values the head
+        was exported with in place of the checkpoint's (``EngineAgreement.export_overrides``, e.g.
+        longrope's long factors) are in the key when there are any. Not covered: other config fields
         beyond ``shape`` (RoPE, norm epsilon), the model id (a label). A manifest written before
         ``weights_blake3`` keys on its file hashes as before.
         """
@@ -121,7 +175,9 @@ class SplitManifest(BaseModel):
             f"L{s.num_layers}.H{s.hidden_size}.Hq{s.num_heads}.Hkv{s.num_kv_heads}.D{s.head_dim}"
             f".V{s.vocab_size}.P{s.max_position_embeddings}"
         )
-        return f"tandem-split-v1|weights={self.weights_blake3}|k={self.split_layer}|{self.dtype}|{shape}"
+        key = f"tandem-split-v1|weights={self.weights_blake3}|k={self.split_layer}|{self.dtype}|{shape}"
+        export = self.agreement.key()
+        return f"{key}|export={export}" if export else key
 
     @property
     def tokenizer_path(self) -> str:

@@ -3,8 +3,11 @@
 ``export_head`` writes embedding + layers ``[0, k)`` (or the whole model, ``edge-full.onnx``) with
 PyTorch's TorchScript ONNX exporter from the family's module in ``common.head_model``;
 ``check_export`` runs the graph in ONNX Runtime against the HF model on two rows (one left-padded)
-in two steps and measures the largest difference over every output. ``common.modelprep`` refuses
-a graph whose check fails (``ExportCheckFailed``) before anything is bundled.
+in two steps, and on one row past every behaviour switch the deployment reaches (a sliding window,
+a rope scaling threshold: ``common.switches``), and measures the largest difference over every
+output. Both load HF with the config values the preparation's ``EngineAgreement`` sets in place of
+the checkpoint's (``export_overrides``: the rope vLLM will use). ``common.modelprep`` refuses a
+graph whose check fails (``ExportCheckFailed``) before anything is bundled.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from tandem.common.manifest import ExportCheck
+from tandem.common.manifest import EngineAgreement, ExportCheck
 
 ONNX_OPSET = 17
 # An export passes its check when max |ONNX - HF| <= CHECK_RTOL * max(1, max |HF|) over all its outputs:
-# fp32 graphs of the same function differ by reordered sums, measured at up to 2.7e-6 of the largest
+# fp32 graphs of the same function differ by reordered sums, measured at up to 3.6e-6 of the largest
 # value on the families' test checkpoints (tests/families.py) and 5.5e-7 on SmolLM2-135M; a wrong
 # layer (a missing q/k norm or soft-cap, another mask, other weights) is off by far more
 CHECK_RTOL = 5e-5
@@ -38,20 +41,26 @@ class ExportCheckFailed(ValueError):
     """An exported graph differs from HF beyond the tolerance; nothing is bundled."""
 
 
-def load_hf(src: Path) -> Any:
+def load_hf(src: Path, overrides: dict[str, Any] | None = None) -> Any:
     """The HF causal LM at ``src`` in float32 with eager attention (the head's export source and
-    the check's reference), in eval mode.
+    the check's reference), in eval mode, its config's values replaced by ``overrides``
+    (``EngineAgreement.export_overrides``).
 
     Raises:
         UnsupportedArchitecture: its architecture is not in ``common.head_model.FAMILIES``.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from tandem.common.head_model import family_of
 
     family_of(json.loads((Path(src) / "config.json").read_text()))
-    return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
+    config = AutoConfig.from_pretrained(src)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    return AutoModelForCausalLM.from_pretrained(
+        src, config=config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def _compute_dtype(compute_dtype: str) -> str:
@@ -75,7 +84,14 @@ def check_rtol(compute_dtype: str) -> float:
     return CHECK_RTOL_FLOAT16 if _compute_dtype(compute_dtype) == "float16" else CHECK_RTOL
 
 
-def export_head(src: Path, out: Path, k: int, full: bool = False, compute_dtype: str = "float32") -> Path:
+def export_head(
+    src: Path,
+    out: Path,
+    k: int,
+    full: bool = False,
+    compute_dtype: str = "float32",
+    overrides: dict[str, Any] | None = None,
+) -> Path:
     """Export embedding + layers [0, k) to ONNX (TorchScript exporter, opset 17); with ``full``
     the whole model with final norm and lm_head (``EdgeFull``, edge-only baseline), ``k = L``.
     ``compute_dtype="float16"``: float16 weights and arithmetic behind the same float32 inputs and
@@ -83,6 +99,7 @@ def export_head(src: Path, out: Path, k: int, full: bool = False, compute_dtype:
     Runtime's CPU provider runs it too, slower than float32).
 
     Dynamic axes: batch ``Bt``, new tokens ``T``, past ``P`` (see ``common.head_model.EdgeHead``).
+    ``overrides``: config values the HF model is loaded with (``load_hf``).
 
     Raises:
         UnsupportedArchitecture: the checkpoint's architecture is not supported.
@@ -94,7 +111,7 @@ def export_head(src: Path, out: Path, k: int, full: bool = False, compute_dtype:
     from tandem.common.head_model import EdgeFull, EdgeHead, Float16Compute
 
     _compute_dtype(compute_dtype)
-    model = load_hf(src)
+    model = load_hf(src, overrides)
     head: torch.nn.Module = (EdgeFull(model) if full else EdgeHead(model, k)).eval()
     if compute_dtype == "float16":
         head = Float16Compute(head).eval()
@@ -135,12 +152,12 @@ def export_head(src: Path, out: Path, k: int, full: bool = False, compute_dtype:
     return out
 
 
-def _check_rows(vocab_size: int) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
-    """The check prompts (fixed token ids), their slot mask ``[2, S]`` (row 1 left-padded) and
-    positions ``[2, S]`` (0 on padding slots), ``S = max(CHECK_TOKENS)``."""
+def _check_rows(vocab_size: int, lengths: tuple[int, ...]) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
+    """Check prompts of ``lengths`` tokens (fixed token ids), their slot mask ``[R, S]`` (shorter rows
+    left-padded) and positions ``[R, S]`` (0 on padding slots), ``S = max(lengths)``."""
     rng = np.random.default_rng(0)
-    rows = [rng.integers(0, vocab_size, n).tolist() for n in CHECK_TOKENS]
-    slots = max(CHECK_TOKENS)
+    rows = [rng.integers(0, vocab_size, n).tolist() for n in lengths]
+    slots = max(lengths)
     mask = np.zeros((len(rows), slots), np.int64)
     pos = np.zeros((len(rows), slots), np.int64)
     for r, ids in enumerate(rows):
@@ -149,32 +166,19 @@ def _check_rows(vocab_size: int) -> tuple[list[list[int]], np.ndarray, np.ndarra
     return rows, mask, pos
 
 
-def check_export(src: Path, onnx_path: Path, k: int, full: bool = False, compute_dtype: str = "float32") -> ExportCheck:
-    """Run the exported head (``full``: ``edge-full.onnx``) with ONNX Runtime against the HF model
-    at ``src`` on the check prompts (``CHECK_TOKENS``, the second row left-padded, in two steps
-    split at ``CHECK_STEP_SLOTS`` so the second feeds the first's presents back as past KV).
-
-    Compared: ``hidden`` against HF ``hidden_states[k]`` at every real slot (``full``: ``logits`` of
-    each step's last slot against HF's logits there) and every ``present_key_i`` /
-    ``present_value_i`` at the real slots against HF's cache (the keys after RoPE). Passes when the
-    largest absolute difference is within ``check_rtol(compute_dtype) * max(1, max |HF|)``; an
-    output that is not finite (a float16 overflow) fails it.
-
-    Raises:
-        UnsupportedArchitecture: the checkpoint's architecture is not supported.
-        ValueError: ``compute_dtype`` is not one of ``COMPUTE_DTYPES``.
-    """
-    import onnxruntime as ort
+def _check_batch(
+    session: Any, model: Any, k: int, full: bool, lengths: tuple[int, ...], step_slots: int
+) -> tuple[float, float]:
+    """The largest |ONNX - HF| over every output on rows of ``lengths`` tokens fed in two steps
+    (slots ``[0, step_slots)``, then the rest through the past-KV inputs), and the largest |HF|."""
     import torch
     from transformers import DynamicCache
 
     from tandem.common.head_io import io_names
 
-    rtol = check_rtol(compute_dtype)
-    model = load_hf(src)
     cfg = model.config
     n = cfg.num_hidden_layers if full else k
-    rows, mask, pos = _check_rows(cfg.vocab_size)
+    rows, mask, pos = _check_rows(cfg.vocab_size, lengths)
     slots = mask.shape[1]
     ids = np.zeros_like(mask)
     refs: list[tuple[np.ndarray, list[np.ndarray]]] = []  # per row: output at its real slots, KV [Hkv, T, D]
@@ -185,15 +189,12 @@ def check_export(src: Path, onnx_path: Path, k: int, full: bool = False, compute
             main = out.logits[0] if full else out.hidden_states[k][0]
             kv = [t[0].numpy() for layer in out.past_key_values.layers[:n] for t in (layer.keys, layer.values)]
             refs.append((main.numpy(), kv))
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 2
-    session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
     inputs, _ = io_names(n)
     hkv = cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     past = [np.zeros((len(rows), hkv, 0, d), np.float32) for _ in range(2 * n)]
     outs = []
-    for lo, hi in ((0, CHECK_STEP_SLOTS), (CHECK_STEP_SLOTS, slots)):
+    for lo, hi in ((0, step_slots), (step_slots, slots)):
         feed = {"input_ids": ids[:, lo:hi], "position_ids": pos[:, lo:hi], "attention_mask": mask[:, :hi]}
         feed.update(zip(inputs[3:], past, strict=True))
         main, *past = session.run(None, feed)
@@ -203,7 +204,7 @@ def check_export(src: Path, onnx_path: Path, k: int, full: bool = False, compute
         first = slots - len(row)  # the row's first real slot
         ref_main, ref_kv = refs[r]
         if full:  # logits of each step's last slot, at the row's positions there
-            got, want = [o[r] for o in outs], [ref_main[CHECK_STEP_SLOTS - 1 - first], ref_main[-1]]
+            got, want = [o[r] for o in outs], [ref_main[step_slots - 1 - first], ref_main[-1]]
         else:
             got, want = [np.concatenate(outs, axis=1)[r, first:]], [ref_main]
         got += [p[r][:, first:] for p in past]
@@ -212,12 +213,53 @@ def check_export(src: Path, onnx_path: Path, k: int, full: bool = False, compute
             diff = float(np.abs(g - w).max()) if np.isfinite(g).all() else float("inf")
             err = max(err, diff)
             scale = max(scale, float(np.abs(w).max()))
+    return err, scale
+
+
+def check_export(
+    src: Path,
+    onnx_path: Path,
+    k: int,
+    full: bool = False,
+    compute_dtype: str = "float32",
+    agreement: EngineAgreement | None = None,
+) -> ExportCheck:
+    """Run the exported head (``full``: ``edge-full.onnx``) with ONNX Runtime against the HF model
+    at ``src`` on the check prompts (``CHECK_TOKENS``, the second row left-padded, in two steps
+    split at ``CHECK_STEP_SLOTS`` so the second feeds the first's presents back as past KV) and,
+    when ``agreement.check_tokens`` is longer, on one row of that many tokens (past every behaviour
+    switch the deployment reaches) in two halves. HF is loaded with ``agreement.export_overrides``.
+
+    Compared: ``hidden`` against HF ``hidden_states[k]`` at every real slot (``full``: ``logits`` of
+    each step's last slot against HF's logits there) and every ``present_key_i`` /
+    ``present_value_i`` at the real slots against HF's cache (the keys after RoPE). Passes when the
+    largest absolute difference is within ``check_rtol(compute_dtype) * max(1, max |HF|)``; an
+    output that is not finite (a float16 overflow) fails it. The check records ``agreement``.
+
+    Raises:
+        UnsupportedArchitecture: the checkpoint's architecture is not supported.
+        ValueError: ``compute_dtype`` is not one of ``COMPUTE_DTYPES``.
+    """
+    import onnxruntime as ort
+
+    rtol = check_rtol(compute_dtype)
+    model = load_hf(src, agreement.export_overrides if agreement else None)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+    err, scale = _check_batch(session, model, k, full, CHECK_TOKENS, CHECK_STEP_SLOTS)
+    tokens = sum(CHECK_TOKENS)
+    long_tokens = agreement.check_tokens if agreement else 0
+    if long_tokens > max(CHECK_TOKENS):
+        long_err, long_scale = _check_batch(session, model, k, full, (long_tokens,), long_tokens // 2)
+        err, scale, tokens = max(err, long_err), max(scale, long_scale), tokens + long_tokens
     tol = rtol * scale
     return ExportCheck(
-        architecture=cfg.architectures[0],
+        architecture=model.config.architectures[0],
         max_abs_error=err,
         tolerance=tol,
-        tokens=sum(CHECK_TOKENS),
+        tokens=tokens,
         passed=err <= tol,
         compute_dtype=compute_dtype,
+        engine_agreement=agreement,
     )

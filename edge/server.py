@@ -166,14 +166,20 @@ def local_model_path(cfg: EdgeConfig) -> tuple[Path | None, str]:
     return None, "; ".join(why)
 
 
-async def load_local(cfg: EdgeConfig, shape: ModelShape, eos: list[int]) -> LocalEngine | None:
-    """The whole model for local mode (warmed up: its first rates), or None when off or missing."""
+async def load_local(
+    cfg: EdgeConfig, shape: ModelShape, eos: list[int], max_positions: int | None = None
+) -> LocalEngine | None:
+    """The whole model for local mode (warmed up: its first rates), or None when off or missing.
+    It serves sequences up to ``max_positions`` (the highest ``max_model_len`` its preparation's
+    ``EngineAgreement`` holds for: a LongRoPE model's short factors end at its threshold)."""
     if not cfg.local:
         return None
     path, problem = local_model_path(cfg)
     if path is None:
         log.warning("local mode off: %s", problem)
         return None
+    if max_positions is not None and max_positions < shape.max_position_embeddings:
+        shape = shape.model_copy(update={"max_position_embeddings": max_positions})
     local = LocalEngine(path, shape, eos, cfg.intra_op_threads, cfg.max_sessions, cfg.session_bytes, cfg.session_idle_s)
     await local.warmup()  # the first rates, which the cost model reads from the engine
     log.info(
@@ -300,7 +306,7 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
     eos = eos_token_ids(tokenizer, tok_dir)
     cost = CostModel(cfg.hysteresis, cfg.explore_every)
     heads, sample = await load_heads(cfg, manifests, cost)
-    local = await load_local(cfg, manifest.shape, eos)
+    local = await load_local(cfg, manifest.shape, eos, manifest.agreement.max_model_len_max_tokens)
     zstd = measure_zstd(sample, 3)
     links, cloud = await connect_cloud(cfg, edge_offer(cfg, manifest, heads), zstd)
     node = EdgeNode(

@@ -26,10 +26,17 @@ WINDOW_TOKENS = 8
 FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 ALTERNATING = ["sliding_attention", "full_attention"] * 2
 FAMILY_SPLITS = (1, 3)  # the split layers the checkpoints are prepared at (of their 4 layers)
+# checkpoints whose behaviour switches with the length or the layer in ways HF and vLLM treat differently
+# (``common.switches``): a LongRoPE Phi3 (the rope of Phi-3-128k, Phi-3.5-mini, Phi-4-mini) switching at 64
+# tokens, a Llama whose config sets a window HF's Llama ignores, a Qwen2 sliding on its upper two layers
+# only, a Qwen2 whose head_dim is not hidden / heads
+ORIGINAL_POSITIONS = 64  # the LongRoPE checkpoint's original_max_position_embeddings
+SWITCH_NAMES = ("phi3-longrope", "llama-window", "qwen2-partial-window", "qwen2-head-dim")
 
 
 def family_config(name: str) -> Any:
-    """The transformers config of family ``name`` (one of ``FAMILY_NAMES``) at the tiny shape."""
+    """The transformers config of family ``name`` (one of ``FAMILY_NAMES`` or ``SWITCH_NAMES``) at
+    the tiny shape."""
     import transformers as tf
 
     common: dict[str, Any] = dict(
@@ -55,6 +62,13 @@ def family_config(name: str) -> Any:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
     }
+    phi3 = {k: v for k, v in common.items() if k != "head_dim"}
+    half = common["head_dim"] // 2  # one factor per rotary frequency
+    longrope = {
+        "type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(half)],
+        "long_factor": [1.0 + 0.5 * i for i in range(half)],
+    }
     gemma = dict(sliding_window=WINDOW_TOKENS, query_pre_attn_scalar=32, layer_types=ALTERNATING)
     configs = {
         "llama": lambda: tf.LlamaConfig(**common, rope_parameters=llama3_rope),
@@ -63,7 +77,15 @@ def family_config(name: str) -> Any:
         "qwen3": lambda: tf.Qwen3Config(**common),
         "gemma2": lambda: tf.Gemma2Config(**common, **gemma),
         "gemma3": lambda: tf.Gemma3TextConfig(**common, **gemma),
-        "phi3": lambda: tf.Phi3Config(**{k: v for k, v in common.items() if k != "head_dim"}),
+        "phi3": lambda: tf.Phi3Config(**phi3),
+        "phi3-longrope": lambda: tf.Phi3Config(
+            **phi3, original_max_position_embeddings=ORIGINAL_POSITIONS, rope_scaling=longrope
+        ),
+        "llama-window": lambda: tf.LlamaConfig(**common, sliding_window=WINDOW_TOKENS),
+        "qwen2-partial-window": lambda: tf.Qwen2Config(
+            **common, use_sliding_window=True, sliding_window=WINDOW_TOKENS, max_window_layers=2
+        ),
+        "qwen2-head-dim": lambda: tf.Qwen2Config(**{**common, "head_dim": 64}),
     }
     return configs[name]()
 
@@ -77,12 +99,17 @@ def with_tokenizer(out: Path) -> Path:
 
 
 def build_checkpoint(name: str, out: Path, seed: int = 0) -> Path:
-    """Save a random-weight fp32 checkpoint of family ``name`` with the SmolLM2 tokenizer at ``out``."""
+    """Save a random-weight fp32 checkpoint of family ``name`` with the SmolLM2 tokenizer at ``out``.
+    Biases (Qwen2's q/k/v) are drawn like the weights: HF initialises them to zero."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(family_config(name), dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith(".bias"):
+                p.normal_(0.0, INIT_STD)
     if name.startswith("gemma"):
         # Gemma ties its output layer to the embedding (vLLM's Gemma models require it) and scales
         # the embedding by sqrt(H): drawn at INIT_STD, the embedding dominates the residual stream and

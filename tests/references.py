@@ -43,13 +43,16 @@ def prompt_ids(tokenizer, p: dict) -> list[int]:
     return prompt_token_ids(tokenizer, p.get("messages"), p.get("prompt"))
 
 
-def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
-    """Reference tokens and, per step, the top-1 minus top-2 log-prob gap."""
+def hf_greedy(model, ids: list[int], n: int, use_cache: bool = True) -> tuple[list[int], list[float]]:
+    """Reference tokens and, per step, the top-1 minus top-2 log-prob gap. ``use_cache=False``: each
+    step a forward over the whole sequence (HF's generate builds its cache from the config, e.g.
+    sliding-window layers from a ``sliding_window`` that the model's attention ignores)."""
     with torch.no_grad():
         out = model.generate(
             torch.tensor([ids]),
             max_new_tokens=n,
             do_sample=False,
+            use_cache=use_cache,
             output_scores=True,
             return_dict_in_generate=True,
             pad_token_id=model.config.eos_token_id,

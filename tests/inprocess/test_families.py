@@ -1,10 +1,12 @@
 """Every supported decoder family (``common.head_model.FAMILIES``) through ``tandem-model`` on a tiny
 random-weight checkpoint (``tests.families``): the exported head at two split layers and
-``edge-full.onnx`` against HF over a prompt that crosses the sliding windows, fed in three steps
-through the past-KV inputs; the checks recorded in the manifests; and what is refused: an
-unsupported architecture (by name, with the supported list; ``--direct-only`` prepares it for direct
-mode), an export that differs from HF (no bundle), a manifest without a passing check (no bundle, no
-split in ``Negotiate``) and a whole-model graph without one (no local mode)."""
+``edge-full.onnx`` against HF over a prompt that crosses the sliding windows and a LongRoPE
+threshold, fed in five steps through the past-KV inputs; the checks recorded in the manifests; the
+checkpoints whose behaviour switches with the length or the layer (``common.switches``): served
+equal to HF across the switch or refused by name before anything is exported; and what else is
+refused: an unsupported architecture (by name, with the supported list; ``--direct-only`` prepares
+it for direct mode), an export that differs from HF (no bundle), a manifest without a passing check
+(no bundle, no split in ``Negotiate``) and a whole-model graph without one (no local mode)."""
 
 from __future__ import annotations
 
@@ -21,10 +23,26 @@ from tandem.common import modelprep, onnx_export
 from tandem.common.head_io import io_names
 from tandem.common.head_model import FAMILIES, UnsupportedArchitecture
 from tandem.common.manifest import FULL_CHECK_NAME, FULL_ONNX, ExportCheck, SplitManifest
-from tests.families import FAMILY_NAMES, FAMILY_SPLITS, TOKENIZER_DIR, VOCAB, build_checkpoint, gpt2_checkpoint
+from tandem.common.switches import Unservable
+from tests.families import (
+    FAMILY_NAMES,
+    FAMILY_SPLITS,
+    ORIGINAL_POSITIONS,
+    TOKENIZER_DIR,
+    VOCAB,
+    build_checkpoint,
+    gpt2_checkpoint,
+)
 
 SPLITS = FAMILY_SPLITS  # two split layers of the 4-layer checkpoints
-STEPS = (0, 11, 23, 30)  # the prompt's slots fed per step: [0, 11), [11, 23), [23, 30)
+# the prompt's slots fed per step: [0, 11), [11, 23), [23, 30), [30, 57), [57, 80): past the 8-token
+# windows and the LongRoPE checkpoint's 64-token threshold
+STEPS = (0, 11, 23, 30, 57, 80)
+SERVED_SWITCHES = ("phi3-longrope", "llama-window")  # served, equal to HF across the switch
+REFUSED_SWITCHES = {  # refused by tandem-model: checkpoint -> words of the one-line reason
+    "qwen2-partial-window": "slides a window of 8 tokens on 2 of its 4 layers",
+    "qwen2-head-dim": "sets head_dim 64, but vLLM 0.32's model of it ignores head_dim",
+}
 ARCH = {f.name.lower(): f.architecture for f in FAMILIES.values()}
 
 pytestmark = pytest.mark.skipif(not TOKENIZER_DIR.is_dir(), reason="no models/smollm2-135m/tokenizer: make model")
@@ -36,12 +54,15 @@ def prepared(prepared_families) -> dict[str, Path]:
     return {name: prepared_families(name) for name in FAMILY_NAMES}
 
 
-def _hf(out: Path):
-    return onnx_export.load_hf(out / "hf")
+def _hf(out: Path, k: int = FAMILY_SPLITS[0]):
+    """HF as the prepared graphs compute it: with the manifest's export overrides (LongRoPE's factors)."""
+    return onnx_export.load_hf(out / "hf", SplitManifest.load(out / f"split-k{k}").agreement.export_overrides)
 
 
-def _run_steps(path: Path, n: int, ids: list[int], cfg) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """The graph at ``path`` (``n`` layers of KV) over ``ids`` in the ``STEPS`` chunks: each step's
+def _run_steps(
+    path: Path, n: int, ids: list[int], cfg, steps: tuple[int, ...] = STEPS
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The graph at ``path`` (``n`` layers of KV) over ``ids`` in the ``steps`` chunks: each step's
     first output ``[1, T, ...]`` and the final presents ``[1, Hkv, S, D]``."""
     import onnxruntime as ort
 
@@ -50,7 +71,7 @@ def _run_steps(path: Path, n: int, ids: list[int], cfg) -> tuple[list[np.ndarray
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     past = [np.zeros((1, cfg.num_key_value_heads, 0, d), np.float32) for _ in range(2 * n)]
     firsts = []
-    for lo, hi in zip(STEPS, STEPS[1:], strict=False):
+    for lo, hi in zip(steps, steps[1:], strict=False):
         feed = {
             "input_ids": np.array([ids[lo:hi]], np.int64),
             "position_ids": np.arange(lo, hi, dtype=np.int64)[None],
@@ -69,16 +90,16 @@ def _hf_run(model, ids: list[int]):
         return model(torch.tensor([ids]), output_hidden_states=True, past_key_values=DynamicCache())
 
 
-@pytest.mark.parametrize("name", FAMILY_NAMES)
-def test_head_and_whole_model_match_hf_at_two_split_layers(prepared, name):
-    out = prepared[name]
+@pytest.mark.parametrize("name", FAMILY_NAMES + SERVED_SWITCHES)
+def test_head_and_whole_model_match_hf_at_two_split_layers(prepared, prepared_families, name):
+    out = prepared[name] if name in prepared else prepared_families(name)
     model = _hf(out)
     ids = np.random.default_rng(7).integers(0, VOCAB, STEPS[-1]).tolist()
     ref = _hf_run(model, ids)
     kv = [t[0].numpy() for layer in ref.past_key_values.layers for t in (layer.keys, layer.values)]
     for k in SPLITS:
         m = SplitManifest.load(out / f"split-k{k}")
-        assert m.architecture == ARCH[name] and m.passed_check, m.head_check
+        assert m.architecture == ARCH[name.split("-")[0]] and m.passed_check, m.head_check
         assert m.head_check is not None and m.head_check.max_abs_error <= m.head_check.tolerance
         firsts, presents = _run_steps(out / f"split-k{k}" / m.head_onnx, k, ids, model.config)
         want = ref.hidden_states[k][0].numpy()
@@ -87,7 +108,7 @@ def test_head_and_whole_model_match_hf_at_two_split_layers(prepared, name):
         for got, w in zip(presents, kv[: 2 * k], strict=True):
             assert np.abs(got[0] - w).max() <= tol, (name, k)
     full = ExportCheck.load(out / FULL_CHECK_NAME)
-    assert full.passed and full.architecture == ARCH[name]
+    assert full.passed and full.architecture == ARCH[name.split("-")[0]]
     logits, _ = _run_steps(out / FULL_ONNX, model.config.num_hidden_layers, ids, model.config)
     for step_logits, hi in zip(logits, STEPS[1:], strict=True):
         want = ref.logits[0, hi - 1].numpy()
@@ -200,3 +221,103 @@ def test_local_mode_needs_a_passing_check_of_the_whole_model(prepared, tmp_path)
     assert "failed its check" in local_check_problem(path)
     check.save(tmp_path / FULL_CHECK_NAME)
     assert local_check_problem(path) == ""
+
+
+@pytest.fixture(scope="module")
+def longrope_short(prepared_families, tmp_path_factory) -> Path:
+    """The LongRoPE checkpoint prepared for engines of 64 tokens (its threshold: the short factors)."""
+    out = tmp_path_factory.mktemp("longrope-short") / "out"
+    ckpt = prepared_families("phi3-longrope") / "hf"
+    modelprep.prepare_model(out, ckpt, "1", model_id="tiny-phi3-longrope", max_model_len_tokens=ORIGINAL_POSITIONS)
+    return out
+
+
+def test_longrope_graphs_equal_hf_past_the_threshold_and_pair_only_with_their_side(prepared_families, longrope_short):
+    """The LongRoPE checkpoint prepared for engines of 512 tokens (past its 64-token threshold:
+    vLLM uses the long factors at every position) computes what HF computes for a prompt past the
+    threshold, at its first positions too; prepared for 64 it computes HF's short factors. Each
+    manifest records its side, and the two do not pair (other compatibility keys)."""
+    long_out = prepared_families("phi3-longrope")  # tandem-model's default: the model's 512 positions
+    m = SplitManifest.load(long_out / "split-k1")
+    a = m.agreement
+    assert (a.max_model_len_min_tokens, a.max_model_len_max_tokens) == (ORIGINAL_POSITIONS + 1, 512)
+    assert m.head_check is not None and m.head_check.tokens > a.check_tokens > ORIGINAL_POSITIONS  # a row past it
+    # the model builder's graph serves local mode only when checked past the threshold under the same factors
+    from tandem.common.builder_export import decoder_problem, load_build
+    from tandem.common.manifest import FULL_DECODER
+
+    if not decoder_problem(long_out / FULL_DECODER):
+        build = load_build(long_out / FULL_DECODER)
+        assert build.engine_agreement == a and build.checked_tokens >= a.check_tokens
+    native = onnx_export.load_hf(long_out / "hf")  # HF's own switch: the long factors for a prompt past 64
+    ids = np.random.default_rng(3).integers(0, VOCAB, STEPS[-1]).tolist()
+    want = _hf_run(native, ids).logits[0].numpy()
+    logits, _ = _run_steps(long_out / FULL_ONNX, 4, ids, native.config)
+    for step_logits, hi in zip(logits, STEPS[1:], strict=True):
+        assert np.abs(step_logits[0] - want[hi - 1]).max() <= onnx_export.CHECK_RTOL * max(1.0, np.abs(want).max())
+    short_out = longrope_short
+    short = SplitManifest.load(short_out / "split-k1")
+    assert (short.agreement.max_model_len_max_tokens, short.agreement.export_overrides) == (ORIGINAL_POSITIONS, {})
+    assert short.compatibility_key() != m.compatibility_key()
+    assert "--max-model-len-tokens 512" in short.agreement.refusal(512)
+    ids = ids[: ORIGINAL_POSITIONS - 8]  # within the short side: HF's short factors
+    want = _hf_run(native, ids).hidden_states[1][0].numpy()
+    firsts, _ = _run_steps(short_out / "split-k1" / short.head_onnx, 1, ids, native.config, (0, 11, 23, len(ids)))
+    assert np.abs(np.concatenate(firsts, axis=1)[0] - want).max() <= onnx_export.CHECK_RTOL * max(
+        1.0, np.abs(want).max()
+    )
+
+
+async def test_local_mode_serves_the_lengths_its_graph_was_prepared_for(prepared_families, longrope_short):
+    """``edge-full.onnx`` with the short factors serves sequences up to the threshold only (past it
+    HF switches to the long factors); the one with the long factors every position of the model."""
+    from tandem.edge.config import EdgeConfig
+    from tandem.edge.server import load_local
+
+    for out, positions in ((longrope_short, ORIGINAL_POSITIONS), (prepared_families("phi3-longrope"), 512)):
+        m = SplitManifest.load(out / "split-k1")
+        cfg = EdgeConfig(split_dir=out / "split-k1", intra_op_threads=1)
+        local = await load_local(cfg, m.shape, [2], m.agreement.max_model_len_max_tokens)
+        assert local is not None and local.limits.max_model_len_tokens == positions
+
+
+def test_a_head_exported_with_the_short_factors_fails_a_long_deployments_check(
+    prepared_families, tmp_path, monkeypatch
+):
+    """The check runs HF as vLLM will compute the deployment (the long factors) on a row past the
+    threshold: a head exported with the checkpoint's short factors is stopped, no bundle written."""
+    real_export = modelprep.export_head
+    monkeypatch.setattr(
+        modelprep,
+        "export_head",
+        lambda src, out, k, full=False, **kw: real_export(src, out, k, full, kw["compute_dtype"]),
+    )
+    out = tmp_path / "out"
+    with pytest.raises(modelprep.ExportCheckFailed, match="Phi3ForCausalLM"):
+        modelprep.prepare_model(out, prepared_families("phi3-longrope") / "hf", "1")
+    assert not (out / "split-k1" / "manifest.json").exists() and not (out / "bundles").exists()
+
+
+def test_a_window_hf_ignores_is_dropped_from_the_engines(prepared_families):
+    """A Llama whose config sets ``sliding_window``: HF's Llama (and the graphs) ignore it, so the
+    manifest starts vLLM's engines without it."""
+    out = prepared_families("llama-window")
+    for k in FAMILY_SPLITS:
+        a = SplitManifest.load(out / f"split-k{k}").agreement
+        assert a.hf_overrides == {"sliding_window": None} and a.export_overrides == {}
+        assert (a.max_model_len_min_tokens, a.max_model_len_max_tokens, a.check_tokens) == (2, 512, 0)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_SWITCHES))
+def test_a_checkpoint_vllm_cannot_serve_as_hf_computes_it_is_refused_before_export(tmp_path, name):
+    ckpt = build_checkpoint(name, tmp_path / "ckpt")
+    for extra in ([], ["--direct-only"]):
+        out = tmp_path / f"out{len(extra)}"
+        argv = ["--out", str(out), "--checkpoint", str(ckpt), "--split-layers", "1", *extra]
+        result = CliRunner().invoke(modelprep.app, argv)
+        assert result.exit_code == 2, result.output
+        text = " ".join(result.output.split())  # rich wraps long lines
+        assert text.startswith("refused ") and REFUSED_SWITCHES[name] in text, text
+        assert not out.exists() or [p.name for p in out.iterdir()] == []
+    with pytest.raises(Unservable, match=REFUSED_SWITCHES[name]):
+        modelprep.prepare_model(tmp_path / "again", ckpt, "1")

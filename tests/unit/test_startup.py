@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tandem.common.errors import EngineError, InvalidRequest
-from tandem.common.manifest import SplitManifest, part_blake3
+from tandem.common.manifest import EngineAgreement, SplitManifest, part_blake3
 from tandem.common.startup import FileRole, check_bind, open_regular, read_regular, settings_paths
 from tests.doubles import toy_manifest
 
@@ -139,11 +139,19 @@ def fifo(tmp_path) -> Path:
 
 def _fill(argv: list[str], tmp: Path, tls, **more) -> list[str]:
     """Placeholders of the case tables: ``{tmp}``, ``{other}`` (a split dir of another model),
-    ``{garbage}`` (a file that is not PEM), the test PKI's files (conftest's ``tls``) and ``more``."""
+    ``{longrope}`` (a split prepared for engines of at most 1024 tokens, as a LongRoPE model's short
+    factors are), ``{garbage}`` (a file that is not PEM), the test PKI's files (conftest's ``tls``)
+    and ``more``."""
     other = split_dir(tmp, "other", toy_manifest().model_copy(update={"weights_blake3": "another-model"}))
+    short_rope = EngineAgreement(
+        max_model_len_max_tokens=1024,
+        notes=("longrope: max_model_len 1024 <= original_max_position_embeddings 1024: the short factors",),
+    )
+    longrope = split_dir(tmp, "longrope", toy_manifest().model_copy(update={"engine_agreement": short_rope}))
     files = {
         "tmp": tmp,
         "other": other,
+        "longrope": longrope,
         "garbage": _write(tmp / "garbage.pem", "not a certificate\n"),
         "notjson": _write(tmp / "table.json", "{not json"),
         "ca": tls.ca_file,
@@ -213,6 +221,12 @@ CLOUD_CASES = [
     ("config file that is a device", ["--config", "/dev/zero"], {}, "not a file"),
     ("extra split dir of another model", ["--extra-split-dirs", "{other}"], {}, "another model"),
     ("max_model_len beyond the model", ["--engine.max-model-len-tokens", "8192"], {}, "4096 positions"),
+    (
+        "max_model_len past the range the manifest was checked for",
+        ["--split-dir", "{longrope}"],
+        {},
+        "outside 2..1024, the range this model was prepared and checked for (longrope",
+    ),
     ("KV cache too small for max_model_len", ["--engine.kv-cache-bytes", "256KiB"], {}, "cannot hold one sequence"),
 ]
 
