@@ -295,3 +295,19 @@ class Down(TamperLink):
     def open(self, timeout_s):
         self._check()
         return super().open(timeout_s)
+
+
+class FakeClock:
+    """A settable monotonic clock (seconds) for the link table's tests."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def settle() -> None:
+    """Let the event loop run the callbacks and tasks that are ready (a few passes)."""
+    for _ in range(10):
+        await asyncio.sleep(0)

@@ -9,22 +9,10 @@ import pytest
 
 from tandem.cloud.links import ControllerConfig, Link, LinkBusy, LinkSlo, LinkTable, Ticket
 from tandem.common.errors import InvalidRequest, QuotaExceeded
+from tests.doubles import FakeClock, settle
 
 NO_SLO = LinkSlo(0, 0)
 SLO = LinkSlo(ttft_ms=100, itl_p99_ms=20)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-async def settle() -> None:
-    for _ in range(10):
-        await asyncio.sleep(0)
 
 
 def join(t: LinkTable, link_id: str, slo: LinkSlo) -> Link:

@@ -15,21 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.cloud.links import LinkBusy, LinkSlo, LinkTable, Ticket
+from tests.doubles import FakeClock, settle
 
 OBJECTIVES = st.sampled_from([LinkSlo(0, 0), LinkSlo(100, 20), LinkSlo(1000, 200), LinkSlo(50, 0), LinkSlo(0, 5)])
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-async def settle() -> None:
-    for _ in range(10):
-        await asyncio.sleep(0)
 
 
 @dataclass
