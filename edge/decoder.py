@@ -37,7 +37,7 @@ from tandem.common.errors import InvalidRequest
 GENAI_CONFIG = "genai_config.json"
 NEXT_TOKEN = "next_token_ids"  # the argmax output tandem adds to the builder's graph
 MIN_SLOT_TOKENS = 256  # a session's first slot holds at least this many tokens; slots grow by doubling
-FREE_SLOTS_PER_CAPACITY = 4  # released slots kept per capacity for the next sessions (graph and all)
+FREE_SLOTS_PER_CAPACITY = 4  # released slots kept per capacity for the next sessions, without CUDA graphs
 # ONNX Runtime's type name -> ONNX element type; bfloat16 has no numpy dtype, so its tensors are held as
 # uint16 bit patterns and bound by address with their ONNX type
 ONNX_TYPES = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16}
@@ -184,9 +184,7 @@ class DecoderGraph:
         slot = KVSlot(
             capacity_tokens=capacity_tokens,
             kv=kv,
-            mask=ort.OrtValue.ortvalue_from_numpy(mask_host, dev, 0)
-            if self.on_cuda
-            else ort.OrtValue.ortvalue_from_numpy(mask_host),
+            mask=ort.OrtValue.ortvalue_from_numpy(mask_host.copy(), dev, 0),
             mask_host=mask_host,
             step_ids=ort.OrtValue.ortvalue_from_shape_and_type([1, 1], np.int64, dev, 0),
             step_logits=self._empty_logits(1),
@@ -369,14 +367,16 @@ class DecoderGraph:
         return pool.pop() if pool else self.new_slot(cap)
 
     def release(self, slot: KVSlot) -> None:
-        """Give the slot's buffers back: up to ``FREE_SLOTS_PER_CAPACITY`` per capacity wait for the
-        next session (with their captured graph), the rest are freed."""
+        """Give the slot's buffers back for the next session of that capacity. With CUDA graphs every
+        released slot is kept (ONNX Runtime cannot drop a captured graph, and the graph replays only
+        on the buffers it was captured on), so the slots held are the most sessions ever alive at
+        once; without, up to ``FREE_SLOTS_PER_CAPACITY`` per capacity wait and the rest are freed."""
         if not slot.kv:
             return
         spare = KVSlot(**{f: getattr(slot, f) for f in KVSlot.__dataclass_fields__})
         self.truncate(spare, 0)
         pool = self._free.setdefault(spare.capacity_tokens, [])
-        if len(pool) < FREE_SLOTS_PER_CAPACITY:
+        if self.cuda_graph or len(pool) < FREE_SLOTS_PER_CAPACITY:
             pool.append(spare)
         slot.kv, slot.tokens, slot.capacity_tokens, slot.binding = [], 0, 0, None
 
