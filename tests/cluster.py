@@ -251,6 +251,22 @@ class RedisCluster:
         _wait(f"the promotion of {port}", promoted, timeout_s)
         self.wait_ok(timeout_s)
 
+    def wait_serving(self, redis_key: str, port: int, timeout_s: float = 20.0) -> int:
+        """Until the live nodes' slot table (the first node that answers) names ``port`` as the primary
+        of ``redis_key``'s slot (the gossip that follows a promotion reaches the nodes one by one);
+        returns the primary the last look found."""
+        found = [-1]
+
+        def serving() -> bool:
+            found[0] = self.primary_of(redis_key)
+            return found[0] == port
+
+        try:
+            _wait(f"{port} serving {redis_key!r}", serving, timeout_s)
+        except RuntimeError:
+            pass  # the caller's assertion names what was found instead
+        return found[0]
+
     def wait_ok(self, timeout_s: float = 20.0) -> None:
         """Until every live node says the cluster is ok (every slot served)."""
         ok = lambda: all(self.info(p).get("cluster_state") == "ok" for p in self.live())  # noqa: E731

@@ -120,7 +120,8 @@ async def test_a_primary_killed_during_uploads_and_decodes_fails_over(cluster, t
     killer.join()
     assert killed_at[0] < finished_at
     await asyncio.to_thread(cluster.wait_promoted, promoted)
-    now = cluster.primary_of(store._key(record_key(session_key(sessions[0]))))
+    key = store._key(record_key(session_key(sessions[0])))
+    now = await asyncio.to_thread(cluster.wait_serving, key, promoted)
     assert now == promoted, (victim, promoted, now, cluster.live())  # the replica took over
     # direct: every token (the toy whole model's depend on the KV alone); split: the tail's first token
     # (the in-memory decode's later ones also depend on how many blocks it loaded, not only on their values)

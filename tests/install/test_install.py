@@ -438,16 +438,18 @@ def test_write_bundles_needs_a_tokenizer_directory(tmp_path):
 
 
 def test_prepared_model_bundles():
-    """The bundles ``make model`` wrote: the edge's holds ONNX, tokenizer and manifests only, the
-    cloud's no ONNX; both carry the split manifests' keys."""
+    """The bundles ``make model`` wrote: the edge's holds ONNX, tokenizer, manifests and the built
+    decoder only, the cloud's no ONNX; both carry the split manifests' keys."""
     root = MODEL_DIR / "bundles"
     if not (root / "cloud" / "bundle.json").is_file():
         pytest.skip(f"no bundles under {root}: make model writes them")
     edge, cloud = BundleManifest.load(root / "edge"), BundleManifest.load(root / "cloud")
     assert edge.verify(root / "edge", hashes=False) == [] and cloud.verify(root / "cloud", hashes=False) == []
     for f in edge.files:
-        assert f.path.endswith((".onnx", ".check.json", "manifest.json")) or f.path.startswith("tokenizer/"), f.path
-    assert not any(f.path.endswith(".onnx") for f in cloud.files)
+        assert f.path.endswith((".onnx", ".check.json", "manifest.json")) or f.path.startswith(
+            ("tokenizer/", "edge-decoder/")
+        ), f.path
+    assert not any(f.path.endswith(".onnx") or f.path.startswith("edge-decoder/") for f in cloud.files)
     for k, key in edge.compatibility_keys.items():
         assert cloud.compatibility_keys[k] == key == SplitManifest.load(MODEL_DIR / f"split-k{k}").compatibility_key()
 
@@ -468,6 +470,7 @@ def test_prepare_writes_tokenizer_keys_and_bundles(tmp_path, monkeypatch):
         max_position_embeddings=64,
         transformers_version="0.0.1",
         architectures=["LlamaForCausalLM"],
+        model_type="llama",
     )
     (ckpt / "config.json").write_text(json.dumps(cfg))
     _safetensors(ckpt / "model.safetensors", {"w": np.ones(4, np.float32)})
@@ -475,21 +478,26 @@ def test_prepare_writes_tokenizer_keys_and_bundles(tmp_path, monkeypatch):
         (ckpt / name).write_text(name)
     exports: list[Path] = []
 
-    def export_head(src: Path, out: Path, k: int, full: bool = False, compute_dtype: str = "float32") -> Path:
+    def export_head(
+        src: Path, out: Path, k: int, full: bool = False, compute_dtype: str = "float32", **_: object
+    ) -> Path:
         exports.append(out)
         out.write_bytes(b"onnx %d %s" % (k, str(full).encode()))
         return out
 
-    def make_tail(src: Path, dst: Path, k: int) -> Path:
+    def make_tail(src: Path, dst: Path, k: int, **_: object) -> Path:
         dst.mkdir(parents=True, exist_ok=True)
         (dst / "model.safetensors").write_bytes(b"tail")
+        (dst / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=cfg["num_hidden_layers"] - k)))
         return dst
 
     monkeypatch.setattr(modelprep, "export_head", export_head)
     monkeypatch.setattr(modelprep, "make_tail", make_tail)
     monkeypatch.setattr(modelprep, "check_export", lambda *a, **kw: _check())
     out = tmp_path / "out"
-    modelprep.prepare(out=out, checkpoint=ckpt, split_layers="2,3", model_id="toy", edge_full=True, bundles=True)
+    modelprep.prepare(
+        out=out, checkpoint=ckpt, split_layers="2,3", model_id="toy", edge_full=True, bundles=True, edge_decoder=False
+    )
     m = SplitManifest.load(out / "split-k2")
     assert m.weights_blake3 == modelprep.weights_blake3(ckpt) and m.tokenizer == "../tokenizer"
     assert sorted(p.name for p in (out / "tokenizer").iterdir()) == sorted(
@@ -499,5 +507,7 @@ def test_prepare_writes_tokenizer_keys_and_bundles(tmp_path, monkeypatch):
     assert edge.compatibility_keys == {k: SplitManifest.load(out / f"split-k{k}").compatibility_key() for k in (2, 3)}
     assert "edge-full.onnx" in {f.path for f in edge.files} and len(exports) == 3
     stamp = (out / "bundles" / "cloud" / "bundle.json").stat().st_ino
-    modelprep.prepare(out=out, checkpoint=ckpt, split_layers="2,3", model_id="toy", edge_full=True, bundles=True)
+    modelprep.prepare(
+        out=out, checkpoint=ckpt, split_layers="2,3", model_id="toy", edge_full=True, bundles=True, edge_decoder=False
+    )
     assert len(exports) == 3 and (out / "bundles" / "cloud" / "bundle.json").stat().st_ino == stamp
