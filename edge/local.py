@@ -71,6 +71,7 @@ class LocalSession:
     kv: Any = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     release: Callable[[Any], None] | None = field(default=None, repr=False)
+    dropped: bool = False
 
     def nbytes(self) -> int:
         """KV bytes held (host or device memory)."""
@@ -84,11 +85,13 @@ class LocalSession:
             i += 1
         return i
 
-    def drop(self) -> None:
-        """Give the KV back to the model (the session is gone)."""
+    def drop(self, final: bool = True) -> None:
+        """Give the KV back to the model. ``final`` (a stateless turn's session, at its end): a run
+        still queued for it allocates nothing (``LocalEngine`` refuses it); otherwise (the session
+        table let it go) a turn that still holds it computes anew."""
         if self.kv is not None and self.release is not None:
             self.release(self.kv)
-        self.kv, self.token_ids = None, []
+        self.kv, self.token_ids, self.dropped = None, [], final
 
 
 class LocalSessions(BoundedLRU[LocalSession]):
@@ -111,12 +114,12 @@ class LocalSessions(BoundedLRU[LocalSession]):
         s = self.lookup(key)
         super()._drop(key, reason)
         if s is not None:
-            s.drop()
+            s.drop(final=False)
 
     def discard(self, key: str) -> LocalSession | None:
         s = super().discard(key)
         if s is not None:
-            s.drop()
+            s.drop(final=False)
         return s
 
 
@@ -350,7 +353,12 @@ class LocalEngine:
             fut.exception()  # retrieved here too, for a run whose caller was cancelled
 
     def _kv(self, sess: LocalSession, tokens_hint: int) -> Any:
-        """The session's KV, allocated on its first run (inside a job)."""
+        """The session's KV, allocated on its first run (inside a job).
+
+        Raises:
+            EngineError: the session was dropped meanwhile (its turn was cancelled or ended)."""
+        if sess.dropped:
+            raise EngineError("the local session was dropped")
         if sess.kv is None:
             sess.kv, sess.token_ids = self.model.new_kv(tokens_hint), []
             if sess.release is None:

@@ -82,6 +82,8 @@ class RemotePrefillTurn:
             down.release()
             if self.turn.session_id:  # the KV that came down counts against the local sessions' bound
                 self.local.sessions.evict()
+            else:  # a stateless turn's KV goes back to the model
+                self.sess.drop()
         rest, ids = self.turn.text.flush(), self.turn.text.take_ids()
         if rest or ids:
             yield TextOut(rest, ids)

@@ -358,3 +358,18 @@ def test_kv_device_is_checked_against_the_active_providers(edge_full, manifest, 
         LocalEngine(edge_full, manifest.shape, eos, kv_device="gpu")
     with pytest.raises(ValueError, match="CUDA provider"):
         LocalEngine(edge_full, manifest.shape, eos, providers=["CPUExecutionProvider"], kv_device="cuda")
+
+
+async def test_a_stateless_turns_kv_goes_back_to_the_model(engine, prompts):
+    """A turn without a session gives its KV back at its end (taken by the model at the next run),
+    and a run still queued for a session dropped that way allocates nothing."""
+    from tandem.common.errors import EngineError
+
+    await run(engine, prompts[0], Sampling(max_new_tokens=2))
+    await run(engine, prompts[1], Sampling(max_new_tokens=2))
+    assert len(engine._released) == 1  # the second turn's; the first's went back at the second's first run
+    dropped = engine.new_session()
+    dropped.drop()
+    with pytest.raises(EngineError, match="dropped"):
+        await engine._locked(lambda: engine._advance(dropped, [1], 0, True, 4))
+    assert dropped.kv is None
