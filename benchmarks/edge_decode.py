@@ -141,12 +141,10 @@ def time_genai(build_dir: Path, work: Path, prompt: list[int], new_tokens: int, 
 
 
 def time_legacy(onnx_path: Path, hf: Path, prompt: list[int], new_tokens: int, repeats: int) -> dict:
-    from tandem.common.head_model import family_of
     from tandem.common.modelprep import model_shape
     from tandem.edge.local import LocalGenerator
 
     cfg = json.loads((hf / "config.json").read_text())
-    family_of(cfg)
     gen = LocalGenerator(onnx_path, model_shape(cfg))
     ttft, itl = [], []
     for _ in range(repeats + 1):
