@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict
 from tandem.common.manifest import EngineAgreement
 
 BUILD_RECORD = "tandem_build.json"
+GENAI_CONFIG = "genai_config.json"  # the builder's description of the graph
 PRECISIONS = ("fp32", "fp16", "bf16", "int4")
 
 
@@ -151,8 +152,8 @@ def load_build(out: Path) -> DecoderBuild:
 def decoder_problem(out: Path) -> str:
     """Why the built decoder at ``out`` must not serve (no graph, no record, never checked or failed
     its check), or "" when it may."""
-    if not (out / "genai_config.json").is_file():
-        return f"{out} holds no built decoder (genai_config.json)"
+    if not (out / GENAI_CONFIG).is_file():
+        return f"{out} holds no built decoder ({GENAI_CONFIG})"
     try:
         build = load_build(out)
     except (FileNotFoundError, ValueError) as e:
@@ -214,7 +215,7 @@ class _KVBuffers:
     def __init__(self, out: Path, build: DecoderBuild, capacity: int) -> None:
         import onnxruntime as ort
 
-        dec = json.loads((out / "genai_config.json").read_text())["model"]["decoder"]
+        dec = json.loads((out / GENAI_CONFIG).read_text())["model"]["decoder"]
         cuda = build.execution_provider == "cuda"
         names = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else ["CPUExecutionProvider"]
         self.sess = ort.InferenceSession(str(out / dec["filename"]), providers=names)

@@ -32,15 +32,14 @@ from typing import Any
 
 import numpy as np
 
+from tandem.common.builder_export import GENAI_CONFIG, NEXT_TOKEN, ONNX_ELEMENT, load_build
 from tandem.common.errors import InvalidRequest
 
-GENAI_CONFIG = "genai_config.json"
-NEXT_TOKEN = "next_token_ids"  # the argmax output tandem adds to the builder's graph
 MIN_SLOT_TOKENS = 256  # a session's first slot holds at least this many tokens; slots grow by doubling
 FREE_SLOTS_PER_CAPACITY = 4  # released slots kept per capacity for the next sessions, without CUDA graphs
-# ONNX Runtime's type name -> ONNX element type; bfloat16 has no numpy dtype, so its tensors are held as
-# uint16 bit patterns and bound by address with their ONNX type
-ONNX_TYPES = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16}
+# KV and logits types (ONNX Runtime's name -> ONNX element type); bfloat16 has no numpy dtype, so its
+# tensors are held as uint16 bit patterns and bound by address with their ONNX type
+ONNX_TYPES = ONNX_ELEMENT
 ITEM_BYTES = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(uint16)": 2}  # of the KV as held
 
 
@@ -412,9 +411,10 @@ class DecoderGraph:
 
 
 def _window_tokens(model_dir: Path) -> int:
-    """The graph's largest sliding window as preparation recorded it (``tandem_build.json``), or 0."""
+    """The graph's largest sliding window as preparation recorded it (``tandem_build.json``), or 0
+    for a graph without a build record."""
     try:
-        return int(json.loads((Path(model_dir) / "tandem_build.json").read_text()).get("window_tokens", 0))
+        return load_build(Path(model_dir)).window_tokens
     except (FileNotFoundError, ValueError):
         return 0
 

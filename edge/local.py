@@ -46,7 +46,7 @@ from tandem.common.manifest import ModelShape
 from tandem.common.params import Sampling
 from tandem.common.requestlimits import RequestLimits
 from tandem.edge.localkv import KV, blocks_from_past, past_from_blocks
-from tandem.edge.localmodel import LocalModel, OnnxForward
+from tandem.edge.localmodel import LocalModel, OnnxForward, check_past
 
 __all__ = ["KV", "LocalEngine", "LocalGenerator", "LocalSession", "LocalSessions", "LocalToken", "load_local_model"]
 __all__ += ["blocks_from_past", "past_from_blocks", "sample_token", "sampling_rng"]
@@ -397,12 +397,7 @@ class LocalEngine:
         """
         ids = [int(x) for x in token_ids]
         t = len(ids) - keep_tokens
-        want = (1, self.shape.num_kv_heads, t, self.shape.head_dim)
-        if len(past) != 2 * self.shape.num_layers or any(a.shape != want or a.dtype != np.float32 for a in past):
-            got = [getattr(a, "shape", None) for a in list(past)[:2]]
-            raise InvalidRequest(
-                f"past must be {2 * self.shape.num_layers} float32 arrays {want}, got {len(past)} like {got}"
-            )
+        check_past(self.shape, past, tokens=t)
 
         def job() -> None:
             if keep_tokens and sess.token_ids[:keep_tokens] != ids[:keep_tokens]:

@@ -137,7 +137,7 @@ class ForwardModel(ABC):
         return [np.ascontiguousarray(host_kv(a)[:, :, :n]) for a in kv.past]
 
     def write_kv(self, kv: GrowingKV, past: Sequence[np.ndarray], start: int = 0) -> None:
-        _check_past(self.shape, past, start, kv.tokens)
+        check_past(self.shape, past, start, kv.tokens)
         held = self.read_kv(kv, start) if start else None
         new = [np.ascontiguousarray(a, np.float32) for a in past]
         kv.past = [np.concatenate([h, a], axis=2) for h, a in zip(held, new, strict=True)] if held else new
@@ -147,10 +147,12 @@ class ForwardModel(ABC):
         kv.past, kv.tokens = [], 0
 
 
-def _check_past(shape: ModelShape, past: Sequence[np.ndarray], start: int, held: int) -> None:
-    """Raises: InvalidRequest: ``past`` is not ``2L`` float32 arrays ``[1, Hkv, T, D]`` of one ``T``,
-    or ``start`` exceeds ``held``."""
-    t = int(past[0].shape[2]) if len(past) else -1
+def check_past(
+    shape: ModelShape, past: Sequence[np.ndarray], start: int = 0, held: int = 0, tokens: int | None = None
+) -> None:
+    """Raises: InvalidRequest: ``past`` is not ``2L`` float32 arrays ``[1, Hkv, T, D]`` of one ``T``
+    (``tokens`` when given), or ``start`` exceeds ``held``."""
+    t = (int(past[0].shape[2]) if len(past) else -1) if tokens is None else tokens
     want = (1, shape.num_kv_heads, t, shape.head_dim)
     if len(past) != 2 * shape.num_layers or any(a.shape != want or a.dtype != np.float32 for a in past):
         got = [getattr(a, "shape", None) for a in list(past)[:2]]
