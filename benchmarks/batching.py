@@ -27,7 +27,7 @@ import numpy as np
 import typer
 
 from tandem.benchmarks.workload import make_prompts
-from tandem.common.chat import prompt_token_ids
+from tandem.common.protocol.chat import prompt_token_ids
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -125,7 +125,7 @@ def main(
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from tandem.cloud import vllm_plugin
+    from tandem.cloud.engines import vllm_plugin
 
     os.environ[vllm_plugin.FAST_EXIT_ENV] = "1"  # each engine of the sweep stops in about 2 s, not 9
     tok = AutoTokenizer.from_pretrained(model)

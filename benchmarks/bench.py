@@ -5,7 +5,7 @@
 * edge-only: the whole model in ONNX Runtime on the edge (the edge daemon's local mode), no network,
 * remote-prefill: token ids up, the cloud prefills and streams the first tokens while the prompt's
   KV comes down, the edge decodes the rest (its cloud engine time is the ``cloud eng ms`` column),
-* auto: the edge's per-request choice among those (``edge.costmodel``, ``edge.occupancy``),
+* auto: the edge's per-request choice among those (``edge.routing.costmodel``, ``edge.routing.occupancy``),
 
 over emulated links, through ONE cloud (a tail engine per split layer) and ONE edge (every head
 and the whole model), all in one run so ratios hold on a noisy machine. Every mode is asked of

@@ -5,7 +5,7 @@ this machine. The *quiet* edge sends split requests with Poisson arrivals (``--q
 whole run and declares a p99 TTFT objective (``--quiet-ttft-slo-ms``); after ``--alone-s`` seconds
 the *flood* edge starts ``--flood-concurrency`` closed-loop clients (each sends its next request as
 soon as one ends) for ``--burst-s`` seconds. The cloud runs its per-link shares and the p99 SLO
-controller (``cloud.links``) and writes the controller's trace (``--slo-trace-file``). With
+controller (``cloud.links.table``) and writes the controller's trace (``--slo-trace-file``). With
 ``--cloud HOST:PORT`` the edges use a running cloud instead (its own configuration; with
 ``--cloud-trace-file`` its controller trace of the run is kept); ``make bench`` starts its own.
 

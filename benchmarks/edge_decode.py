@@ -3,15 +3,15 @@ device, beside ONNX Runtime GenAI's ``Generator`` on the same graph, vLLM single
 floor of reading the weights once per token.
 
 ``tandem-bench-edge --hf DIR --out DIR`` builds the whole model of the checkpoint with ONNX Runtime
-GenAI's model builder (``common.builder_export``; fp32 on the CPU build, fp16 or bf16 on CUDA), then
+GenAI's model builder (``common.model.builder_export``; fp32 on the CPU build, fp16 or bf16 on CUDA), then
 runs batch 1, ``--prompt-tokens`` random prompt ids, ``--new-tokens`` greedy tokens (EOS ignored),
 ``--repeats`` times per runtime:
 
-* ``tandem``: ``edge.decoder.DecoderGraph`` (preallocated KV bound as past and present, the token id
+* ``tandem``: ``edge.compute.decoder.DecoderGraph`` (preallocated KV bound as past and present, the token id
   read back, the decode step a CUDA graph on a GPU), and ``tandem-eager`` (no CUDA graph);
 * ``genai``: the library's own ``Generator`` on the same graph (CUDA graph on where the device has
   one), the reference for what ONNX Runtime can do;
-* ``legacy`` (``--legacy-onnx``): ``edge.local.LocalGenerator`` on tandem's torch.onnx export
+* ``legacy`` (``--legacy-onnx``): ``edge.compute.local.LocalGenerator`` on tandem's torch.onnx export
   (``edge-full.onnx``), one ``run`` per token with growing KV tensors;
 * ``vllm`` (``--vllm``): an in-process vLLM engine on the same checkpoint, one request at a time;
   ITL = (time of N tokens - time of 1 token) / (N - 1).
@@ -92,7 +92,7 @@ def genai_copy(build_dir: Path, out: Path, cuda_graph: bool) -> Path:
 
 
 def time_tandem(build_dir: Path, prompt: list[int], new_tokens: int, repeats: int, cuda_graph: bool) -> dict:
-    from tandem.edge.decoder import DecoderGraph
+    from tandem.edge.compute.decoder import DecoderGraph
 
     g = DecoderGraph(build_dir, cuda_graph=cuda_graph)
     ttft, itl = [], []
@@ -141,8 +141,8 @@ def time_genai(build_dir: Path, work: Path, prompt: list[int], new_tokens: int, 
 
 
 def time_legacy(onnx_path: Path, hf: Path, prompt: list[int], new_tokens: int, repeats: int) -> dict:
-    from tandem.common.modelprep import model_shape
-    from tandem.edge.local import LocalGenerator
+    from tandem.common.model.prepare import model_shape
+    from tandem.edge.compute.local import LocalGenerator
 
     cfg = json.loads((hf / "config.json").read_text())
     gen = LocalGenerator(onnx_path, model_shape(cfg))
@@ -244,7 +244,7 @@ def main(
     name: Annotated[str, typer.Option(help="model name in the table (default: the folder's)")] = "",
 ) -> None:
     """Time the edge's runtimes on one checkpoint (module doc)."""
-    from tandem.common.builder_export import build_decoder
+    from tandem.common.model.builder_export import build_decoder
 
     gpu = gpu_name()
     device = gpu or "cpu"

@@ -187,7 +187,7 @@ def main(
     from transformers import AutoTokenizer
 
     from tandem.benchmarks.fidelity import load_prompts
-    from tandem.common.manifest import SplitManifest
+    from tandem.common.protocol.manifest import SplitManifest
 
     prompts = load_prompts(prompts_file, limit)
     out.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ A pair qualifies (``fidelity_stats.qualifies``) where its mean KL and its flip r
 within ``FLOOR_FACTOR`` of the fp32-vs-bf16 engines' floor. Writes into ``--out``:
 ``fidelity.md`` (the tables), ``fidelity.json`` (every row and its buckets),
 ``fidelity.png`` (KL vs bytes per prompt token, one point per pair, the floor as a band) and
-``fidelity-table.json`` (the qualifying pairs per split layer, the form ``cloud.fidelity`` reads).
+``fidelity-table.json`` (the qualifying pairs per split layer, the form ``cloud.links.fidelity`` reads).
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ import typer
 
 from tandem.benchmarks import fidelity_stats as fs
 from tandem.benchmarks.children import run_child
-from tandem.common.formats import WireDtype
-from tandem.common.kvwire import kv_raw_nbytes
-from tandem.common.manifest import SplitManifest
-from tandem.common.wire import raw_nbytes_of
+from tandem.common.protocol.manifest import SplitManifest
+from tandem.common.wire.chunks import raw_nbytes_of
+from tandem.common.wire.formats import WireDtype
+from tandem.common.wire.kvwire import kv_raw_nbytes
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -268,7 +268,7 @@ def table_lines(rows: list[dict], floors: dict[str, dict], meta: dict) -> list[s
 
 
 def default_table(rows: list[dict], floors: dict[str, dict], meta: dict, weights_blake3: str) -> dict:
-    """The qualifying pairs per split layer, smallest first (``cloud.fidelity.FidelityTable``'s form)."""
+    """The qualifying pairs per split layer, smallest first (``cloud.links.fidelity.FidelityTable``'s form)."""
     splits: dict[str, list[dict]] = {}
     for r in sorted(rows, key=lambda r: (r["k"], r["bytes_per_token"])):
         a, k = r["pair"].split("/")
@@ -323,7 +323,7 @@ def main(
         return
 
     from tandem.benchmarks.teacher import SplitTeacher
-    from tandem.common.chat import prompt_token_ids
+    from tandem.common.protocol.chat import prompt_token_ids
 
     if dtype not in SHORT_DTYPE:
         raise typer.BadParameter(f"--dtype {dtype!r}: float32 or bfloat16")

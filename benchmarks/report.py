@@ -19,7 +19,7 @@ import numpy as np
 
 from tandem.benchmarks import links as linkmod
 from tandem.benchmarks.records import RequestRecord
-from tandem.edge.cloudconn import upload_receive_ms
+from tandem.edge.link.connection import upload_receive_ms
 from tandem.stages import TTFT_STAGES, Stage
 
 STAGES = (*TTFT_STAGES, Stage.CLOUD_DECODE)  # mean of each per summary row, keyed by its wire name
@@ -70,7 +70,7 @@ def summarize(records) -> list[dict]:
         }
         # goodput as the receiver sees it: payload over the cloud's receive interval (the header's
         # arrival to the last item verified, less admission queueing), the interval the edge's own
-        # passive goodput samples use (edge.cloudconn.observe_upload); the RTT is latency, not rate
+        # passive goodput samples use (edge.link.connection.observe_upload); the RTT is latency, not rate
         timed = [(r, ms) for r in rs if (ms := upload_receive_ms(r.timings_ms)) > 0]
         up_bytes = sum(sum(r.sent_bytes.get(k, 0) for k in PAYLOAD_KINDS) for r, _ in timed)
         up_ms = sum(ms for _, ms in timed)
@@ -196,8 +196,8 @@ def ratios_markdown(rows: list[dict]) -> str:
 
 def goodput_markdown(rows: list[dict], links: list[dict]) -> str:
     """Uplink goodput of each split row on a shaped link: payload bits over the cloud's receive
-    interval (``edge.cloudconn.upload_receive_ms``), against the link's shaped uplink rate. Empty when no split row ran
-    on a shaped link."""
+    interval (``edge.link.connection.upload_receive_ms``), against the link's shaped uplink rate.
+    Empty when no split row ran on a shaped link."""
     rate = {lk["name"]: lk.get("uplink_mbps") for lk in links}
     out = [
         "| mode | link | prompt tok | uplink MB | cloud receive ms | goodput Mbit/s | shaped Mbit/s "

@@ -134,7 +134,7 @@ def local_rows(model_dir: Path, edge_only: bool, remote_prefill: bool) -> tuple[
     """``(edge_only, remote_prefill)`` as asked, both False where ``model_dir`` holds no whole model
     that passed its check (``edge-full.onnx``, prepared without ``--no-edge-full``): each of those modes
     runs the edge's whole model, and every one of its requests would fail. Says so on stderr."""
-    from tandem.common.manifest import FULL_CHECK_NAME, FULL_ONNX, ExportCheck
+    from tandem.common.protocol.manifest import FULL_CHECK_NAME, FULL_ONNX, ExportCheck
 
     check = Path(model_dir) / FULL_CHECK_NAME
     ready = (Path(model_dir) / FULL_ONNX).is_file() and check.is_file() and ExportCheck.load(check).passed

@@ -4,10 +4,10 @@ in this process with the parts the split path runs (``tandem-bench-fidelity``).
 The split path of a turn with prompt ``P`` (``T`` tokens, ``Tf = B * floor(T / B)`` of them in
 full KV blocks) and reply ``R`` (``n`` tokens):
 
-1. the edge's ONNX head (``edge.head_runner.OnnxHead``, the exported ``head.onnx``) gives ``h_k``
+1. the edge's ONNX head (``edge.compute.head.OnnxHead``, the exported ``head.onnx``) gives ``h_k``
    float32 ``[T, H]`` and the head KV ``[k, 2, Hkv, T, D]``;
 2. ``h_k`` crosses the wire in the link's activation format and the full KV blocks
-   ``[k, 2, Hkv, B, D]`` in its KV format (``common.formats``: encode, then decode);
+   ``[k, 2, Hkv, B, D]`` in its KV format (``common.wire.formats``: encode, then decode);
 3. the tail engine runs the tail checkpoint (layers ``[k, L)`` renumbered) on the decoded ``h_k``:
    its last position's distribution gives ``R[0]``, and its KV of the full blocks is stored;
 4. the decode engine runs the full checkpoint on ``P[Tf:] + R`` with the full blocks' KV loaded
@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from tandem.common.formats import WireDtype
-from tandem.common.kvwire import decode_kv, encode_kv
-from tandem.common.manifest import SplitManifest
-from tandem.common.wire import decode_dtype, encode_dtype
+from tandem.common.protocol.manifest import SplitManifest
+from tandem.common.wire.chunks import decode_dtype, encode_dtype
+from tandem.common.wire.formats import WireDtype
+from tandem.common.wire.kvwire import decode_kv, encode_kv
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class SplitTeacher:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from tandem.edge.head_runner import OnnxHead
+        from tandem.edge.compute.head import OnnxHead
 
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"teacher dtype {dtype!r}: float32 or bfloat16")
@@ -106,7 +106,7 @@ class SplitTeacher:
 
     def head_pass(self, prompt: list[int]) -> HeadPass:
         """The ONNX head over the whole prompt."""
-        from tandem.edge.head_runner import HeadInput
+        from tandem.edge.compute.head import HeadInput
 
         out = self.head.run([HeadInput(np.asarray(prompt, np.int64))])[0]
         return HeadPass(prompt, out.hidden, out.kv)

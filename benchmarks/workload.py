@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from tandem.common.chat import prompt_token_ids
+from tandem.common.protocol.chat import prompt_token_ids
 
 WORDS = (
     "network model layer token cache block edge cloud latency request batch stream river mountain city "

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.cloud.config import CloudConfig, check_engines_fit
-from tandem.common.daemon_cli import parse_command_line, run_cli, setup_observability
-from tandem.common.errors import InvalidRequest, TandemError
-from tandem.common.grpcsetup import install_stop_signals
-from tandem.common.startup import Check, check_start
+from tandem.common.protocol.errors import InvalidRequest, TandemError
+from tandem.common.runtime.cli import parse_command_line, run_cli, setup_observability
+from tandem.common.runtime.grpc_setup import install_stop_signals
+from tandem.common.runtime.startup import Check, check_start
 
 PROG = "tandem-cloud"
 SPLIT_PARTS = ("tail_checkpoint", "full_checkpoint")  # what the engines load of each split directory
@@ -31,7 +31,7 @@ async def serve(cfg: CloudConfig, ready_file: Path | None = None, grace_s: float
     the engines shut down (SIGTERM to their processes, SIGKILL only if they hang). Returns the
     exit code: 0 after a signal, 1 when the supervisor gave up restarting a dead engine.
     """
-    from tandem.cloud.engines import VllmEngines
+    from tandem.cloud.engines.vllm_engines import VllmEngines
     from tandem.cloud.server import create_cloud
 
     log = logging.getLogger("tandem.cloud")
@@ -63,7 +63,7 @@ def start_checks(cfg: CloudConfig) -> list[Check]:
     against the manifests, the fidelity tables parse, the shared block store answers."""
 
     def fidelity_tables() -> None:
-        from tandem.cloud.fidelity import FidelityTable
+        from tandem.cloud.links.fidelity import FidelityTable
 
         for path in cfg.fidelity_tables:
             try:
@@ -72,7 +72,7 @@ def start_checks(cfg: CloudConfig) -> list[Check]:
                 raise InvalidRequest(f"fidelity_tables: {path}: {e}") from None
 
     def store() -> None:
-        from tandem.common.kvstore_redis import check_store_reachable
+        from tandem.cloud.store.redis_store import check_store_reachable
 
         check_store_reachable(cfg.store_url)
 

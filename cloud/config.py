@@ -4,7 +4,7 @@
 (``--store-bytes``, nested ``--engine.max-num-seqs``), an environment variable (``TANDEM_CLOUD_STORE_BYTES``,
 ``TANDEM_CLOUD_ENGINE__MAX_NUM_SEQS``) and a key of the TOML config file (``--config FILE`` or
 ``TANDEM_CLOUD_CONFIG``). Precedence: flags > environment > config file > defaults (in code: keyword
-arguments > environment > config file > defaults). See ``tandem.common.settings`` and
+arguments > environment > config file > defaults). See ``tandem.common.runtime.settings`` and
 docs/configuration.md, generated from these fields by docs/gen_configuration.py.
 """
 
@@ -20,10 +20,10 @@ from limits import parse_many
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from tandem.common.kvstore import check_store_url
-from tandem.common.manifest import DEFAULT_MAX_MODEL_LEN_TOKENS
-from tandem.common.security import ApiKeys, expand_path
-from tandem.common.settings import (
+from tandem.cloud.store.blocks import check_store_url
+from tandem.common.protocol.manifest import DEFAULT_MAX_MODEL_LEN_TOKENS
+from tandem.common.runtime.security import ApiKeys, expand_path
+from tandem.common.runtime.settings import (
     MAX_INT32,
     Bytes,
     CodecSetting,
@@ -43,7 +43,7 @@ from tandem.common.settings import (
     gib,
     mib,
 )
-from tandem.common.startup import FileRole
+from tandem.common.runtime.startup import FileRole
 
 ZSTD_MIN_LEVEL = -(1 << 17)  # libzstd's ZSTD_minCLevel(): the fastest of its negative levels
 ZSTD_MAX_LEVEL = 22  # ZSTD_maxCLevel(); zstandard refuses 23 and above
@@ -451,7 +451,7 @@ def check_engines_fit(cfg: CloudConfig) -> None:
     Raises:
         UserError: any of them; the message gives the bound.
     """
-    from tandem.common.manifest import SplitManifest
+    from tandem.common.protocol.manifest import SplitManifest
 
     m = SplitManifest.load(cfg.split_dir)
     e, sh = cfg.engine, m.shape

@@ -4,14 +4,14 @@
 admission into an engine slot (its link's share orders the waiters) -> receive and verify the
 upload, commit it into the session (head KV blocks into the store) -> tail prefill (prompt_embeds,
 saves tail KV, samples the first token) -> decode (loads all layers of the aligned prefix). Direct
-mode decodes the prompt's token ids; remote prefill (``cloud.remoteprefill``) decodes them too,
+mode decodes the prompt's token ids; remote prefill (``cloud.remote_prefill``) decodes them too,
 sends the prompt's KV down and hands the decode over to the edge. It takes domain messages and
 yields domain events; ``cloud.service`` adapts it to gRPC.
 
 The gateway runs the engines and nothing else; its collaborators, assembled at the entry point
-(``cloud.server.build_gateway``), do the rest: links, params and load (``cloud.linkregistry``),
-sessions (``cloud.sessionsync``), the receive path (``cloud.receive``) and the block store's
-pins (``cloud.pins``).
+(``cloud.server.build_gateway``), do the rest: links, params and load (``cloud.links.registry``),
+sessions (``cloud.sessions.sync``), the receive path (``cloud.uploads.receive``) and the block store's
+pins (``cloud.uploads.pins``).
 """
 
 from __future__ import annotations
@@ -26,29 +26,37 @@ from dataclasses import replace
 import numpy as np
 
 from tandem.cloud.config import CloudConfig
-from tandem.cloud.engines import EngineBackend, TailResult
-from tandem.cloud.linkregistry import LinkRegistry
-from tandem.cloud.links import Ticket
-from tandem.cloud.pins import Pins
-from tandem.cloud.receive import Received, Receiver
-from tandem.cloud.remoteprefill import RemotePrefills, check_remote_prefill
-from tandem.cloud.sessionsync import SessionSync
+from tandem.cloud.engines.kvparams import KVTransferSpec, PartSpec
+from tandem.cloud.engines.vllm_engines import EngineBackend, TailResult
+from tandem.cloud.links.registry import LinkRegistry
+from tandem.cloud.links.table import Ticket
+from tandem.cloud.links.tenancy import EdgeLimits
+from tandem.cloud.remote_prefill import RemotePrefills, check_remote_prefill
+from tandem.cloud.sessions.sync import SessionSync
 from tandem.cloud.splits import Splits
-from tandem.cloud.tenancy import EdgeLimits
+from tandem.cloud.store.blocks import BlockStore
 from tandem.cloud.turn import Background, Turn, UplinkBody, as_principal, bounded
-from tandem.cloud.upload import check_header
-from tandem.common import metrics
-from tandem.common.errors import DeadlineExceeded
-from tandem.common.ewma import Ewma
-from tandem.common.kvblocks import activation_keys
-from tandem.common.kvparams import KVTransferSpec, PartSpec
-from tandem.common.kvstore import BlockStore
-from tandem.common.logs import bind_request, turn_log
-from tandem.common.manifest import SplitManifest
-from tandem.common.messages import DownEvent, TokensOut, TurnFinal, TurnHeader, UploadAck
-from tandem.common.params import LinkParams, Negotiated, NegotiateOffer, Sampling, ServerInfo, SyncReply, SyncRequest
-from tandem.common.security import ANONYMOUS_PEER, Principal
-from tandem.common.tracing import span, traced
+from tandem.cloud.uploads.pins import Pins
+from tandem.cloud.uploads.receive import Received, Receiver
+from tandem.cloud.uploads.upload import check_header
+from tandem.common.protocol.errors import DeadlineExceeded
+from tandem.common.protocol.manifest import SplitManifest
+from tandem.common.protocol.messages import DownEvent, TokensOut, TurnFinal, TurnHeader, UploadAck
+from tandem.common.protocol.params import (
+    LinkParams,
+    Negotiated,
+    NegotiateOffer,
+    Sampling,
+    ServerInfo,
+    SyncReply,
+    SyncRequest,
+)
+from tandem.common.runtime import metrics
+from tandem.common.runtime.ewma import Ewma
+from tandem.common.runtime.logs import bind_request, turn_log
+from tandem.common.runtime.security import ANONYMOUS_PEER, Principal
+from tandem.common.runtime.tracing import span, traced
+from tandem.common.wire.kvblocks import activation_keys
 from tandem.stages import Stage
 
 __all__ = ["Gateway", "UplinkBody"]
@@ -123,7 +131,7 @@ class Gateway:
         caller: Principal | str = ANONYMOUS_PEER,
         deadline: float | None = None,
     ) -> AsyncIterator[DownEvent]:
-        """One request: the edge's own bounds (``cloud.tenancy``), admission into an engine slot,
+        """One request: the edge's own bounds (``cloud.links.tenancy``), admission into an engine slot,
         upload (split mode), tail prefill (samples the first token), decode. ``caller`` is the
         edge's identity: it scopes the session and bounds the upload; ``deadline`` is
         event-loop time or None. Yields events to send down. Records the request's TTFT and
@@ -240,7 +248,7 @@ class Gateway:
 
     async def _admit(self, turn: Turn) -> Ticket:
         """An engine slot: at once while one is free, else after waiting in the link's queue, where
-        the link's share orders it among the waiters (``cloud.links``); records the wait.
+        the link's share orders it among the waiters (``cloud.links.table``); records the wait.
 
         Raises:
             QuotaExceeded: ``LinkBusy`` (every slot taken and the queue full, or still taken at the

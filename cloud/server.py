@@ -15,31 +15,31 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health
 
-from tandem.cloud.admission import UploadBudget
 from tandem.cloud.config import CloudConfig
-from tandem.cloud.engines import EngineBackend
-from tandem.cloud.fidelity import load_tables
+from tandem.cloud.engines.supervisor import EngineSupervisor, SupervisedEngines
+from tandem.cloud.engines.vllm_engines import EngineBackend
 from tandem.cloud.gateway import Gateway
-from tandem.cloud.linkregistry import LinkRegistry
-from tandem.cloud.links import ControllerConfig, LinkTable
-from tandem.cloud.negotiation import LinkLimits
-from tandem.cloud.pins import Pins
-from tandem.cloud.rates import CloudRates
-from tandem.cloud.receive import Receiver
+from tandem.cloud.links.fidelity import load_tables
+from tandem.cloud.links.negotiation import LinkLimits
+from tandem.cloud.links.rates import CloudRates
+from tandem.cloud.links.registry import LinkRegistry
+from tandem.cloud.links.table import ControllerConfig, LinkTable
+from tandem.cloud.links.tenancy import EdgeLimits
 from tandem.cloud.service import CloudServicer
-from tandem.cloud.sessions import SessionTable
-from tandem.cloud.sessionstore import SessionStore
-from tandem.cloud.sessionsync import SessionSync
+from tandem.cloud.sessions.store import SessionStore
+from tandem.cloud.sessions.sync import SessionSync
+from tandem.cloud.sessions.table import SessionTable
 from tandem.cloud.splits import Splits
-from tandem.cloud.supervisor import EngineSupervisor, SupervisedEngines
-from tandem.cloud.tenancy import EdgeLimits
+from tandem.cloud.store.blocks import BlockStore, open_store
 from tandem.cloud.turn import Background
-from tandem.common import metrics
-from tandem.common.grpcsetup import add_service, set_health, start_health_server, start_server, tls_credentials
-from tandem.common.kvblocks import LayerRange, block_nbytes
-from tandem.common.kvstore import BlockStore, open_store
-from tandem.common.manifest import ModelShape, SplitManifest
-from tandem.common.security import ApiKeys, Authenticator
+from tandem.cloud.uploads.admission import UploadBudget
+from tandem.cloud.uploads.pins import Pins
+from tandem.cloud.uploads.receive import Receiver
+from tandem.common.protocol.manifest import ModelShape, SplitManifest
+from tandem.common.runtime import metrics
+from tandem.common.runtime.grpc_setup import add_service, set_health, start_health_server, start_server, tls_credentials
+from tandem.common.runtime.security import ApiKeys, Authenticator
+from tandem.common.wire.kvblocks import LayerRange, block_nbytes
 from tandem.v1 import tandem_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Cloud"].full_name  # "tandem.v1.Cloud"

@@ -1,7 +1,7 @@
 """gRPC adapter of the gateway: decode messages, call ``Gateway``, encode events.
 
 Servicer methods stay thin; every domain error becomes a status in
-``common.grpc_errors``. A refused turn is answered with its verdict as a
+``common.protocol.grpc_errors``. A refused turn is answered with its verdict as a
 ``Downlink.error`` message first, then the servicer reads (and drops) what the
 edge still had in flight until it half-closes (at most ``drain_timeout_s``), and
 only then ends the call with the matching status. A client that is still writing
@@ -19,13 +19,13 @@ import grpc
 
 from tandem.cloud.gateway import Gateway
 from tandem.cloud.turn import UplinkBody
-from tandem.common.errors import EngineError, InvalidRequest, TandemError, UploadTimeout
-from tandem.common.grpc_errors import abort
-from tandem.common.grpcsetup import Malformed
-from tandem.common.logs import set_caller, set_ids
-from tandem.common.messages import TurnError, TurnHeader, downlink_to_pb, uplink_from_pb
-from tandem.common.params import NegotiateOffer, SyncRequest
-from tandem.common.security import Authenticator, Principal
+from tandem.common.protocol.errors import EngineError, InvalidRequest, TandemError, UploadTimeout
+from tandem.common.protocol.grpc_errors import abort
+from tandem.common.protocol.messages import TurnError, TurnHeader, downlink_to_pb, uplink_from_pb
+from tandem.common.protocol.params import NegotiateOffer, SyncRequest
+from tandem.common.runtime.grpc_setup import Malformed
+from tandem.common.runtime.logs import set_caller, set_ids
+from tandem.common.runtime.security import Authenticator, Principal
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 
@@ -33,7 +33,7 @@ log = logging.getLogger("tandem.cloud")
 
 
 def parsed(m: pb.Uplink | Malformed) -> pb.Uplink:
-    """``m`` unless it did not parse (``common.grpcsetup.add_service``). Raises InvalidRequest."""
+    """``m`` unless it did not parse (``common.runtime.grpc_setup.add_service``). Raises InvalidRequest."""
     if isinstance(m, Malformed):
         raise InvalidRequest(str(m))
     return m
@@ -72,7 +72,7 @@ async def drain(it: AsyncIterator[pb.Uplink | Malformed], timeout_s: float) -> N
 
 
 def identify(auth: Authenticator, context: grpc.aio.ServicerContext) -> Principal:
-    """The calling edge's principal (``common.security``), bound for the call's log lines (``caller``).
+    """The calling edge's principal (``common.runtime.security``), bound for the call's log lines (``caller``).
 
     Raises:
         Unauthenticated: credentials required and missing or wrong.

@@ -4,7 +4,7 @@ from a split layer ``k``: the layer ranges of the head (``[0, k)``, from the edg
 (``[k, L)``, computed here), and the seeds of their KV blocks' ids.
 
 Built once at the entry point (``cloud.server.build_gateway``) and shared, read-only. It does
-not negotiate (``cloud.linkregistry``) and holds no state of requests.
+not negotiate (``cloud.links.registry``) and holds no state of requests.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tandem.common.kvblocks import LayerRange, hash_seed, kv_scope, request_seed
-from tandem.common.manifest import SplitManifest
-from tandem.common.messages import TurnHeader
+from tandem.common.protocol.manifest import SplitManifest
+from tandem.common.protocol.messages import TurnHeader
+from tandem.common.wire.kvblocks import LayerRange, hash_seed, kv_scope, request_seed
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,7 +58,7 @@ class Splits:
         return LayerRange(k, self.primary.shape.num_layers)
 
     def request_seed(self, header: TurnHeader, block_tokens: int) -> bytes:
-        """Seed of the head blocks' ids, as the edge computes it (``common.kvblocks.request_seed``)."""
+        """Seed of the head blocks' ids, as the edge computes it (``common.wire.kvblocks.request_seed``)."""
         key = self.manifest(header.split_layer).compatibility_key()
         return request_seed(key, block_tokens, header.session_id, header.request_id)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic_settings import BaseSettings
 
 from tandem.cloud.config import CloudConfig
-from tandem.common.settings_doc import settings_table
+from tandem.common.runtime.settings_doc import settings_table
 from tandem.edge.config import EdgeConfig
 
 OUT = Path(__file__).resolve().parent / "configuration.md"
@@ -58,7 +58,7 @@ Both daemons also take `--version` (prints `tandem VERSION`), `--config FILE` an
 earlier run is removed at start), and `--help`. A user
 error is one line on stderr, `tandem-cloud: error: ...`, and exit code 2, before any model is
 loaded: a bad value, an unknown flag or key, a missing or malformed config file, and whatever
-the start-up check (`tandem.common.startup.check_start`) finds when it opens, connects and binds
+the start-up check (`tandem.common.runtime.startup.check_start`) finds when it opens, connects and binds
 what the settings name:
 
 * every file setting is opened for reading (TLS files, fidelity tables, `local_model`) or checked

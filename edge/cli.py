@@ -14,9 +14,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tandem.common.daemon_cli import parse_command_line, run_cli, setup_observability
-from tandem.common.errors import TandemError
-from tandem.common.startup import check_start
+from tandem.common.protocol.errors import TandemError
+from tandem.common.runtime.cli import parse_command_line, run_cli, setup_observability
+from tandem.common.runtime.startup import check_start
 from tandem.edge.config import EdgeConfig
 
 PROG = "tandem-edge"
@@ -25,7 +25,7 @@ SPLIT_PARTS = ("head_onnx", "tokenizer_path")  # what the edge loads of each spl
 
 async def serve(cfg: EdgeConfig, ready_file: Path | None, grace_s: float | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then drain: turns in flight get ``grace_s`` (default ``cfg.drain_grace_s``)."""
-    from tandem.common.grpcsetup import install_stop_signals
+    from tandem.common.runtime.grpc_setup import install_stop_signals
     from tandem.edge.server import create_edge
 
     daemon = await create_edge(cfg)
@@ -60,8 +60,8 @@ def default_local_models(cfg: EdgeConfig) -> None:
     Raises:
         InvalidRequest: one is a FIFO, a device, or a folder holding one.
     """
-    from tandem.common.manifest import FULL_DECODER, FULL_ONNX
-    from tandem.common.startup import check_model
+    from tandem.common.protocol.manifest import FULL_DECODER, FULL_ONNX
+    from tandem.common.runtime.startup import check_model
 
     if not cfg.local or cfg.local_model is not None:
         return

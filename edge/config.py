@@ -4,7 +4,7 @@
 (``--session-bytes``), an environment variable (``TANDEM_EDGE_SESSION_BYTES``) and a key of the TOML
 config file (``--config FILE`` or ``TANDEM_EDGE_CONFIG``). Precedence: flags > environment > config
 file > defaults (in code: keyword arguments > environment > config file > defaults). See
-``tandem.common.settings`` and docs/configuration.md, generated from these fields by docs/gen_configuration.py.
+``tandem.common.runtime.settings`` and docs/configuration.md, generated from these fields by docs/gen_configuration.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Annotated, Self
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from tandem.common.security import (
+from tandem.common.runtime.security import (
     MAX_SCOPED_BYTES,
     ApiKeys,
     check_key,
@@ -23,7 +23,7 @@ from tandem.common.security import (
     check_tls_files,
     is_loopback,
 )
-from tandem.common.settings import (
+from tandem.common.runtime.settings import (
     Bytes,
     Count,
     Count0,
@@ -43,8 +43,8 @@ from tandem.common.settings import (
     kib,
     mib,
 )
-from tandem.common.startup import FileRole, check_model
-from tandem.edge.discovery import parse_dns_target
+from tandem.common.runtime.startup import FileRole, check_model
+from tandem.edge.link.discovery import parse_dns_target
 
 DEFAULT_SPLIT_DIR = Path("models/smollm2-135m/split-k4")
 MAX_PROBE_BYTES = 1 << 20  # the padding a cloud accepts in a goodput probe (cloud.gateway.MAX_PROBE_BYTES)
@@ -281,7 +281,7 @@ class EdgeConfig(DaemonSettings):
         if self.api_keys and self.tls_client_ca_file is not None:
             raise ValueError(
                 "api_keys with tls_client_ca_file: keys given as a list name no identity to bind to a client "
-                "certificate (common.security); use one of them"
+                "certificate (common.runtime.security); use one of them"
             )
         names = "cloud_cert_file/cloud_key_file/cloud_ca_file"
         checked(check_tls_files, self.cloud_cert_file, self.cloud_key_file, self.cloud_ca_file, names)

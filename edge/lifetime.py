@@ -23,11 +23,11 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from tandem.common import metrics
-from tandem.common.errors import DeadlineExceeded, InvalidRequest, TandemError
-from tandem.common.requestlimits import check_session_id
-from tandem.edge.cloudconn import CloudTarget
-from tandem.edge.local import LocalEngine
+from tandem.common.protocol.errors import DeadlineExceeded, InvalidRequest, TandemError
+from tandem.common.protocol.limits import check_session_id
+from tandem.common.runtime import metrics
+from tandem.edge.compute.local import LocalEngine
+from tandem.edge.link.connection import CloudTarget
 from tandem.edge.session import EdgeSession, EdgeSessions
 
 log = logging.getLogger("tandem.edge")

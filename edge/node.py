@@ -1,13 +1,13 @@
 """The edge's domain service: one chat turn from messages to streamed text.
 
-``EdgeNode.chat`` reads like the design's data path: tokenize -> route (``edge.routing``: local,
-split at ``k`` or direct) -> run it: local mode on the whole model here (``edge.localmode``), or
-through the cloud (``edge.cloudcall``: the head over the tokens the edge has not processed,
-activations and new KV blocks framed by ``edge.framing`` and streamed over the pinned
-``CloudConnection``), or remote prefill (``edge.remoteprefill``: the cloud prefills, the prompt's KV
+``EdgeNode.chat`` reads like the design's data path: tokenize -> route (``edge.routing.router``: local,
+split at ``k`` or direct) -> run it: local mode on the whole model here (``edge.modes.local``), or
+through the cloud (``edge.modes.cloud``: the head over the tokens the edge has not processed,
+activations and new KV blocks framed by ``edge.link.framing`` and streamed over the pinned
+``CloudConnection``), or remote prefill (``edge.modes.remote_prefill``: the cloud prefills, the prompt's KV
 comes down, the whole model here decodes the rest) -> detokenize tokens as they come back. A cloud
-that fails mid-stream does not end the turn: it resumes. No grpc here; ``edge.service`` adapts it,
-``edge.grpc_link`` carries it.
+that fails mid-stream does not end the turn: it resumes. No grpc here; ``edge.api.grpc_service`` adapts it,
+``edge.link.grpc_link`` carries it.
 """
 
 from __future__ import annotations
@@ -19,26 +19,26 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from tandem.common import metrics
-from tandem.common.chat import prompt_token_ids
-from tandem.common.errors import EngineError, InvalidRequest, LinkLost, ParamsVersionMismatch, QuotaExceeded
-from tandem.common.logs import bind_request, current_caller, current_request_id, new_request_id, turn_log
-from tandem.common.manifest import ModelShape
-from tandem.common.modes import Mode
-from tandem.common.requestlimits import RequestLimits
-from tandem.common.tracing import span, traced
-from tandem.edge.batcher import HeadBatcher
-from tandem.edge.cloudcall import CloudCalls
-from tandem.edge.cloudconn import CloudTarget
-from tandem.edge.costmodel import CostModel, Route
+from tandem.common.protocol.chat import prompt_token_ids
+from tandem.common.protocol.errors import EngineError, InvalidRequest, LinkLost, ParamsVersionMismatch, QuotaExceeded
+from tandem.common.protocol.limits import RequestLimits
+from tandem.common.protocol.manifest import ModelShape
+from tandem.common.protocol.modes import Mode
+from tandem.common.runtime import metrics
+from tandem.common.runtime.logs import bind_request, current_caller, current_request_id, new_request_id, turn_log
+from tandem.common.runtime.tracing import span, traced
+from tandem.edge.api.events import ChatTurn, TextOut, TurnDone
+from tandem.edge.compute.batcher import HeadBatcher
+from tandem.edge.compute.local import LocalEngine
 from tandem.edge.detok import TextStream
-from tandem.edge.events import ChatTurn, TextOut, TurnDone
-from tandem.edge.headwork import Head
 from tandem.edge.lifetime import SessionLifetime
-from tandem.edge.local import LocalEngine
-from tandem.edge.localmode import run_local
-from tandem.edge.remoteprefill import run_remote_prefill
-from tandem.edge.routing import Decision, Router
+from tandem.edge.link.connection import CloudTarget
+from tandem.edge.modes.cloud import CloudCalls
+from tandem.edge.modes.local import run_local
+from tandem.edge.modes.remote_prefill import run_remote_prefill
+from tandem.edge.modes.split_head import Head
+from tandem.edge.routing.costmodel import CostModel, Route
+from tandem.edge.routing.router import Decision, Router
 from tandem.edge.session import EdgeSessions
 from tandem.edge.turn import Turn, TurnClock
 from tandem.edge.validation import check_turn, cloud_limits, edge_limits
@@ -85,9 +85,9 @@ class EdgeNode:
         """``max_prompt_tokens`` / ``max_new_tokens``: this edge's own bounds (the cloud's and the
         model's narrow them, ``limits``); ``shape``: the model's (its vocabulary and positions bound
         requests too); ``pipeline_tokens``: head tokens per piece of a pipelined split turn
-        (``edge.headwork``; 0 = the head runs whole before the upload starts); ``eos_token_ids``:
+        (``edge.modes.split_head``; 0 = the head runs whole before the upload starts); ``eos_token_ids``:
         default the tokenizer's; ``codec_ratio``: zstd's compressed / raw size of this model's wire
-        bytes; ``model_key``: the whole model's identity (``common.kvdown.full_model_key``), which
+        bytes; ``model_key``: the whole model's identity (``common.wire.kvdown.full_model_key``), which
         remote prefill's KV blocks are named from ("": no remote prefill)."""
         if not heads and local is None and conn is None:
             raise ValueError("an edge needs a head (split), the whole model (local) or a cloud (direct)")
@@ -246,7 +246,7 @@ class EdgeNode:
         """Run one turn within ``timeout_s`` (default ``turn_timeout_s``); yields text deltas then a
         ``TurnDone``. A turn that fails before the cloud acknowledged its upload leaves the session
         as it was before the turn. Its request id (``_turn_id``) is on every log line of the turn; its
-        metrics and spans are recorded (``common.metrics``, ``common.tracing``).
+        metrics and spans are recorded (``common.runtime.metrics``, ``common.runtime.tracing``).
 
         Raises:
             InvalidRequest: bad prompt or sampling parameters (the same verdict in every mode:

@@ -1,5 +1,5 @@
 """Build the edge daemon: ONNX heads + batchers, the local model, the link to the cloud, the
-``EdgeNode`` and its gRPC servicer (``edge.service``), and the OpenAI-compatible HTTP API.
+``EdgeNode`` and its gRPC servicer (``edge.api.grpc_service``), and the OpenAI-compatible HTTP API.
 
 ``create_edge`` starts it whether or not the cloud answers; ``EdgeDaemon.stop`` drains it.
 """
@@ -19,24 +19,24 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health
 
-from tandem.common.errors import IncompatibleModel, TandemError
-from tandem.common.grpcsetup import add_service, channel_credentials, set_health, start_server, tls_credentials
-from tandem.common.kvdown import full_model_key
-from tandem.common.manifest import FULL_DECODER, FULL_ONNX, ExportCheck, ModelShape, SplitManifest
-from tandem.common.params import NegotiateOffer
-from tandem.common.security import ApiKeys, Authenticator
-from tandem.edge.batcher import HeadBatcher
-from tandem.edge.cloudconn import CloudConnection, CloudTarget
+from tandem.common.protocol.errors import IncompatibleModel, TandemError
+from tandem.common.protocol.manifest import FULL_DECODER, FULL_ONNX, ExportCheck, ModelShape, SplitManifest
+from tandem.common.protocol.params import NegotiateOffer
+from tandem.common.runtime.grpc_setup import add_service, channel_credentials, set_health, start_server, tls_credentials
+from tandem.common.runtime.security import ApiKeys, Authenticator
+from tandem.common.wire.kvdown import full_model_key
+from tandem.edge.api.grpc_service import EDGE_SERVICE, EdgeServicer, follow_link
+from tandem.edge.compute.batcher import HeadBatcher
+from tandem.edge.compute.head import HeadInput, OnnxHead
+from tandem.edge.compute.local import LocalEngine
 from tandem.edge.config import EdgeConfig
-from tandem.edge.costmodel import CostModel, zstd_pays
-from tandem.edge.discovery import DnsResolver, parse_dns_target
-from tandem.edge.grpc_link import GrpcCloudLink
-from tandem.edge.head_runner import HeadInput, OnnxHead
-from tandem.edge.headwork import Head
-from tandem.edge.local import LocalEngine
+from tandem.edge.link.connection import CloudConnection, CloudTarget
+from tandem.edge.link.discovery import DnsResolver, parse_dns_target
+from tandem.edge.link.grpc_link import GrpcCloudLink
+from tandem.edge.link.replicas import ReplicaSet
+from tandem.edge.modes.split_head import Head
 from tandem.edge.node import EdgeNode
-from tandem.edge.replicas import ReplicaSet
-from tandem.edge.service import EDGE_SERVICE, EdgeServicer, follow_link
+from tandem.edge.routing.costmodel import CostModel, zstd_pays
 from tandem.edge.session import EdgeSessions
 
 log = logging.getLogger("tandem.edge")
@@ -67,7 +67,7 @@ class EdgeDaemon:
         await set_health(self.health, False, ["", EDGE_SERVICE])
         self.servicer.draining = True
         if self.http is not None:
-            from tandem.edge.openai_api import stop_openai
+            from tandem.edge.api.http_api import stop_openai
 
             await stop_openai(self.http[0], self.http[1], grace_s)
         await self.server.stop(grace_s)
@@ -148,7 +148,7 @@ def local_model_path(cfg: EdgeConfig) -> tuple[Path | None, str]:
     (a builder folder or an ``.onnx`` file), else ``edge-decoder/`` beside the split directory
     (ONNX Runtime GenAI's builder graph), else ``edge-full.onnx`` there; each must have passed its
     check against HF."""
-    from tandem.common.builder_export import decoder_problem
+    from tandem.common.model.builder_export import decoder_problem
 
     model_dir = cfg.split_dir.parent
     candidates = [cfg.local_model] if cfg.local_model else [model_dir / FULL_DECODER, model_dir / FULL_ONNX]
@@ -360,7 +360,7 @@ async def serve_node(cfg: EdgeConfig, node: EdgeNode, model_id: str, links: list
     sweep_s = min(60.0, cfg.session_idle_s / 4)
     daemon.sweeper = asyncio.create_task(node.lifetime.sweep_loop(sweep_s), name="session-sweeper")
     if cfg.http_port is not None:
-        from tandem.edge.openai_api import create_openai_app, serve_openai
+        from tandem.edge.api.http_api import create_openai_app, serve_openai
 
         app = create_openai_app(node, model_id, [*cfg.api_keys, *cfg.http_api_keys])
         tls = (cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file and cfg.tls_key_file else None

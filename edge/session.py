@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
-from tandem.common.lru import BoundedLRU
+from tandem.common.runtime.lru import BoundedLRU
 
 
 @dataclass

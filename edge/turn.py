@@ -1,7 +1,7 @@
 """One chat turn as the edge runs it: ``Turn`` (the request, its token ids, its deadline, its
 route, its cloud connection and session) and ``TurnClock`` (its id, stage timings and what
-happened to it). Every step of a turn (``edge.node``, ``edge.cloudcall``, ``edge.headwork``,
-``edge.localmode``, ``edge.sync``) takes the ``Turn`` rather than its parts. State only: no
+happened to it). Every step of a turn (``edge.node``, ``edge.modes.cloud``, ``edge.modes.split_head``,
+``edge.modes.local``, ``edge.link.sync``) takes the ``Turn`` rather than its parts. State only: no
 decision and no I/O here.
 """
 
@@ -11,14 +11,14 @@ import asyncio
 import time
 from dataclasses import dataclass, field, replace
 
-from tandem.common.logs import new_request_id
-from tandem.common.messages import TurnHeader
-from tandem.common.modes import Mode
-from tandem.common.params import LinkParams, Sampling
-from tandem.edge.cloudconn import CloudConnection
+from tandem.common.protocol.messages import TurnHeader
+from tandem.common.protocol.modes import Mode
+from tandem.common.protocol.params import LinkParams, Sampling
+from tandem.common.runtime.logs import new_request_id
+from tandem.edge.api.events import ChatTurn, SentBytes, TurnDone
 from tandem.edge.detok import TextStream
-from tandem.edge.events import ChatTurn, SentBytes, TurnDone
-from tandem.edge.routing import Decision
+from tandem.edge.link.connection import CloudConnection
+from tandem.edge.routing.router import Decision
 from tandem.edge.session import EdgeSession
 from tandem.stages import Stage, Timings
 
@@ -119,7 +119,7 @@ class Turn:
 
     def header(self, p: LinkParams, link_id: str) -> TurnHeader:
         """The leg's request header under params ``p``, with no cached tokens, chunks or blocks
-        (``edge.framing`` fills those in)."""
+        (``edge.link.framing`` fills those in)."""
         return TurnHeader(
             self.request_id, self.session_id, p.params_version, p.split_layer, tuple(self.ids), 0, 0, 0,
             self.sampling, link_id,

@@ -4,7 +4,7 @@ A request is valid or not whatever mode serves it: ``check_turn`` runs once per 
 tokenizing and before routing (``edge.node``), against ``edge_limits``: the edge's own bounds
 (its config and the model's shape), the whole model's when local mode is loaded and the cloud's
 as last negotiated (``LinkParams``: they stay known while the link is down), each narrowing the
-others. Every mode's own check (``edge.local.LocalEngine.validate``, ``cloud.upload.check_header``)
+others. Every mode's own check (``edge.compute.local.LocalEngine.validate``, ``cloud.uploads.upload.check_header``)
 is ``RequestLimits.check`` under limits at least as wide, so what passes here passes there, and
 what fails here fails with the message and status that mode would give. Pure domain code.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from tandem.common.errors import ModeUnavailable
-from tandem.common.params import LinkParams
-from tandem.common.requestlimits import RequestLimits, check_session_id
-from tandem.edge.events import ChatTurn, check_split_layer
+from tandem.common.protocol.errors import ModeUnavailable
+from tandem.common.protocol.limits import RequestLimits, check_session_id
+from tandem.common.protocol.params import LinkParams
+from tandem.edge.api.events import ChatTurn, check_split_layer
 
 
 def cloud_limits(p: LinkParams | None) -> RequestLimits:

@@ -114,11 +114,11 @@ class ToyReplica:
 
 
 async def _serve_replica(host: str, port: int, store_url: str, cloud_id: str, step_delay_s: float) -> None:
-    from tandem.cloud.memory_engines import MemoryEngines
+    from tandem.cloud.engines.memory import MemoryEngines
     from tandem.cloud.server import build_gateway
     from tandem.cloud.service import CloudServicer
-    from tandem.common.grpcsetup import add_service, start_server
-    from tandem.common.kvstore import open_store
+    from tandem.cloud.store.blocks import open_store
+    from tandem.common.runtime.grpc_setup import add_service, start_server
     from tests.doubles import MANIFEST, VOCAB, B, cloud_config
     from tests.remote_doubles import toy_lm
 

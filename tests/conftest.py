@@ -29,7 +29,7 @@ def split_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def manifest(split_dir):
-    from tandem.common.manifest import SplitManifest
+    from tandem.common.protocol.manifest import SplitManifest
 
     return SplitManifest.load(split_dir)
 
@@ -93,7 +93,7 @@ def prepared_families(tmp_path_factory):
     ``tandem-model`` at ``FAMILY_SPLITS`` (heads, ``edge-full.onnx``, checks, bundles), once per test
     run: the in-process family tests and the engines' end-to-end tests read the same directories
     (tests copy before they change one)."""
-    from tandem.common import modelprep
+    from tandem.common.model import prepare as modelprep
     from tests.families import FAMILY_SPLITS, build_checkpoint
 
     root = tmp_path_factory.mktemp("families")

@@ -12,24 +12,24 @@ from typing import Any
 import numpy as np
 
 from tandem.cloud.config import CloudConfig, EngineConfig
+from tandem.cloud.engines.memory import MemoryEngines
 from tandem.cloud.gateway import Gateway
-from tandem.cloud.memory_engines import MemoryEngines
 from tandem.cloud.server import build_gateway
-from tandem.cloud.sessions import CloudSession
+from tandem.cloud.sessions.table import CloudSession
+from tandem.cloud.store.blocks import MemoryBlockStore
 from tandem.cloud.turn import as_principal
-from tandem.common import wire
-from tandem.common.errors import EngineError
-from tandem.common.ewma import Ewma
-from tandem.common.kvstore import MemoryBlockStore
-from tandem.common.messages import TurnHeader, uplink_to_pb
-from tandem.common.params import NegotiateOffer
-from tandem.common.requestlimits import RequestLimits
-from tandem.common.security import scoped
-from tandem.edge.batcher import HeadBatcher
-from tandem.edge.cloudconn import CloudConnection
-from tandem.edge.head_runner import MemoryHead
-from tandem.edge.headwork import Head
-from tandem.edge.link import CloudLink, InProcessLink, TurnCall
+from tandem.common.protocol.errors import EngineError
+from tandem.common.protocol.limits import RequestLimits
+from tandem.common.protocol.messages import TurnHeader, uplink_to_pb
+from tandem.common.protocol.params import NegotiateOffer
+from tandem.common.runtime.ewma import Ewma
+from tandem.common.runtime.security import scoped
+from tandem.common.wire import chunks as wire
+from tandem.edge.compute.batcher import HeadBatcher
+from tandem.edge.compute.head import MemoryHead
+from tandem.edge.link.base import CloudLink, InProcessLink, TurnCall
+from tandem.edge.link.connection import CloudConnection
+from tandem.edge.modes.split_head import Head
 from tandem.edge.node import EdgeNode
 from tandem.edge.session import EdgeSessions
 
@@ -232,7 +232,7 @@ def rechunk(chunk, h):
 
 
 class MemoryLocal:
-    """The in-memory double of ``edge.local.LocalEngine`` (local mode) for service unit tests:
+    """The in-memory double of ``edge.compute.local.LocalEngine`` (local mode) for service unit tests:
     ``tokens(n)`` whatever the prompt, no sessions kept; it refuses what ``LocalEngine`` refuses
     for the toy model (``limits``: its vocabulary and positions)."""
 
@@ -260,7 +260,7 @@ class MemoryLocal:
         return False
 
     async def generate(self, prompt_ids, sampling, session_id: str = ""):
-        from tandem.edge.local import LocalToken
+        from tandem.edge.compute.local import LocalToken
 
         self.limits.check(prompt_ids, sampling)
         self.calls.append(list(prompt_ids))

@@ -1,4 +1,4 @@
-"""Tiny random-weight checkpoints of every supported decoder family (``common.head_model.FAMILIES``),
+"""Tiny random-weight checkpoints of every supported decoder family (``common.model.head_model.FAMILIES``),
 built from transformers' configs (no hub), for the families' tests.
 
 Each has 4 layers, hidden size 128, 4 query and 2 KV heads of dim 32 (the smallest head size vLLM's
@@ -27,7 +27,7 @@ FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"
 ALTERNATING = ["sliding_attention", "full_attention"] * 2
 FAMILY_SPLITS = (1, 3)  # the split layers the checkpoints are prepared at (of their 4 layers)
 # checkpoints whose behaviour switches with the length or the layer in ways HF and vLLM treat differently
-# (``common.switches``): a LongRoPE Phi3 (the rope of Phi-3-128k, Phi-3.5-mini, Phi-4-mini) switching at 64
+# (``common.model.switches``): a LongRoPE Phi3 (the rope of Phi-3-128k, Phi-3.5-mini, Phi-4-mini) switching at 64
 # tokens, a Llama whose config sets a window HF's Llama ignores, a Qwen2 sliding on its upper two layers
 # only, a Qwen2 whose head_dim is not hidden / heads
 ORIGINAL_POSITIONS = 64  # the LongRoPE checkpoint's original_max_position_embeddings

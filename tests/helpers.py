@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from tandem import AsyncClient
-from tandem.common import wire
-from tandem.common.messages import KVBlock
-from tandem.common.modes import Mode
-from tandem.common.params import Sampling
-from tandem.edge.events import ChatTurn, TextOut, TurnDone
+from tandem.common.protocol.messages import KVBlock
+from tandem.common.protocol.modes import Mode
+from tandem.common.protocol.params import Sampling
+from tandem.common.wire import chunks as wire
+from tandem.edge.api.events import ChatTurn, TextOut, TurnDone
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = Path(os.environ.get("TANDEM_MODEL_DIR", ROOT / "models" / "smollm2-135m"))
@@ -126,8 +126,8 @@ class Cloud:
     can be restarted on the same port, keeping its store; ``cfg`` overrides ``cloud_config``."""
 
     def __init__(self, **cfg: Any) -> None:
-        from tandem.cloud.memory_engines import MemoryEngines
-        from tandem.common.kvstore import MemoryBlockStore
+        from tandem.cloud.engines.memory import MemoryEngines
+        from tandem.cloud.store.blocks import MemoryBlockStore
         from tests.doubles import VOCAB, B, cloud_config
 
         self.store = MemoryBlockStore(1 << 30)
@@ -138,7 +138,7 @@ class Cloud:
     async def start(self) -> None:
         from tandem.cloud.server import build_gateway
         from tandem.cloud.service import CloudServicer
-        from tandem.common.grpcsetup import add_service, start_server
+        from tandem.common.runtime.grpc_setup import add_service, start_server
         from tests.doubles import MANIFEST
 
         self.gateway = build_gateway(self.cfg, MANIFEST, self.engines, self.store)
@@ -158,18 +158,18 @@ class Cloud:
 async def edge_to(target: str, keepalive_s: float = 5.0) -> Any:
     """A toy ``EdgeNode`` over a real gRPC link to ``target``, its connection loop running (reconnects,
     renegotiates)."""
-    from tandem.edge.grpc_link import GrpcCloudLink
+    from tandem.edge.link.grpc_link import GrpcCloudLink
 
     return await edge_over(GrpcCloudLink(target, keepalive_s, keepalive_s))
 
 
 async def edge_over(link: Any, edge_id: str = "e") -> Any:
     """A toy ``EdgeNode`` over ``link`` (a ``GrpcCloudLink``, e.g. with TLS and a key), connected."""
-    from tandem.common.params import NegotiateOffer
-    from tandem.edge.batcher import HeadBatcher
-    from tandem.edge.cloudconn import CloudConnection
-    from tandem.edge.head_runner import MemoryHead
-    from tandem.edge.headwork import Head
+    from tandem.common.protocol.params import NegotiateOffer
+    from tandem.edge.compute.batcher import HeadBatcher
+    from tandem.edge.compute.head import MemoryHead
+    from tandem.edge.link.connection import CloudConnection
+    from tandem.edge.modes.split_head import Head
     from tandem.edge.node import EdgeNode
     from tandem.edge.session import EdgeSessions
     from tests.doubles import HKV, MANIFEST, D, H, K, ToyTokenizer

@@ -8,7 +8,7 @@ import uuid
 
 import torch
 
-from tandem.common.chat import prompt_token_ids
+from tandem.common.protocol.chat import prompt_token_ids
 
 NEAR_TIE = 1e-3  # top-1 minus top-2 log-prob below which a reference's greedy choice is a near-tie
 MAX_NEW = 32

@@ -1,5 +1,5 @@
 """In-memory doubles of remote prefill's whole model: ``ToyLocal``, the edge's ``LocalEngine`` with
-``edge-full.onnx`` replaced by the toy whole model (``cloud.memory_engines.ToyLM``) that the cloud's
+``edge-full.onnx`` replaced by the toy whole model (``cloud.engines.memory.ToyLM``) that the cloud's
 ``MemoryEngines`` runs too, and ``rp_stack``, the in-memory stack (``tests.doubles.toy_stack``)
 with both, so that direct, local and remote prefill can be compared token for token."""
 
@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tandem.cloud.memory_engines import ToyLM
-from tandem.common.kvdown import full_model_key
-from tandem.common.manifest import ModelShape
-from tandem.edge.local import LocalEngine, LocalSessions, blocks_from_past, past_from_blocks
-from tandem.edge.localmodel import ForwardModel
+from tandem.cloud.engines.memory import ToyLM
+from tandem.common.protocol.manifest import ModelShape
+from tandem.common.wire.kvdown import full_model_key
+from tandem.edge.compute.local import LocalEngine, LocalSessions, blocks_from_past, past_from_blocks
+from tandem.edge.compute.localmodel import ForwardModel
 from tests.doubles import MANIFEST, Toy, toy_stack
 
 
@@ -24,7 +24,7 @@ def toy_lm(shape: ModelShape = MANIFEST.shape) -> ToyLM:
 
 
 class ToyForward(ForwardModel):
-    """``ToyLM`` as the whole model: its forward pass over growing KV (``edge.localmodel``).
+    """``ToyLM`` as the whole model: its forward pass over growing KV (``edge.compute.localmodel``).
     ``runs`` lists the new tokens of every forward pass."""
 
     def __init__(self, toy: ToyLM, shape: ModelShape, step_delay_s: float = 0.0) -> None:

@@ -1,13 +1,13 @@
 """The toy split model of the fast tiers (unit and in-process tests, the fuzzing of ``tests/fuzz``): 6 layers split at
 k=2, hidden size 8, one KV head of dim 4, 32-token KV blocks, 1000-token vocabulary; no files behind it. Served by
-the in-memory engines (``cloud.memory_engines``) and head (``edge.head_runner.MemoryHead``)."""
+the in-memory engines (``cloud.engines.memory``) and head (``edge.compute.head.MemoryHead``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.common.manifest import ExportCheck, ModelShape, SplitManifest
+from tandem.common.protocol.manifest import ExportCheck, ModelShape, SplitManifest
 
 K, HKV, D, H, B, VOCAB = 2, 1, 4, 8, 32, 1000
 
@@ -36,7 +36,7 @@ def toy_manifest(vocab_size: int = VOCAB, max_position_embeddings: int = 4096) -
         tail_blake3="z",
         onnx_opset=17,
         architecture="toy",
-        # the toy head and tail are one function (``cloud.memory_engines.ToyLM``): exact by construction
+        # the toy head and tail are one function (``cloud.engines.memory.ToyLM``): exact by construction
         head_check=ExportCheck(architecture="toy", max_abs_error=0.0, tolerance=0.0, tokens=0, passed=True),
     )
 

@@ -16,7 +16,7 @@ async def stack(split_dir, tmp_path_factory, tls, redis_server):
     edge and cloud, TLS and an API key between the app and the edge (all on loopback here); the
     block store on a Redis server (Debian's redis-server), so replicas can share it."""
     from tandem.cloud.config import CloudConfig, EngineConfig
-    from tandem.cloud.engines import VllmEngines
+    from tandem.cloud.engines.vllm_engines import VllmEngines
     from tandem.cloud.server import create_cloud
     from tandem.edge.config import EdgeConfig
     from tandem.edge.server import create_edge

@@ -89,7 +89,7 @@ async def test_sigterm_drains_and_exits_cleanly(split_dir, tmp_path):
         assert not alive(), f"engine processes left: {[c.pid for c in alive()]}"
         log = (tmp_path / "cloud.log").read_text()
         assert "SIGKILL" not in log
-        # each vLLM worker exited by itself within vLLM's grace (cloud.vllm_plugin.install_fast_exit)
+        # each vLLM worker exited by itself within vLLM's grace (cloud.engines.vllm_plugin.install_fast_exit)
         assert "workers still running after grace period" not in log
         assert "leaked shared_memory" not in log  # multiprocessing's resource tracker found none to unlink
         assert "Exception ignored in" not in log  # nothing left for the interpreter's teardown to finalize

@@ -23,7 +23,8 @@ import uuid
 import pytest
 
 from tandem import AsyncClient, TandemClientError
-from tandem.common import modelprep, onnx_export
+from tandem.common.model import onnx_export
+from tandem.common.model import prepare as modelprep
 from tests.families import FAMILY_NAMES, FAMILY_SPLITS, TOKENIZER_DIR
 from tests.references import assert_same_or_near_tie, hf_greedy, prompt_ids
 
@@ -54,7 +55,7 @@ async def family(request, tmp_path_factory, prepared_families):
     from transformers import AutoTokenizer
 
     from tandem.cloud.config import CloudConfig, EngineConfig
-    from tandem.cloud.engines import VllmEngines
+    from tandem.cloud.engines.vllm_engines import VllmEngines
     from tandem.cloud.server import create_cloud
     from tandem.edge.config import EdgeConfig
     from tandem.edge.server import create_edge
@@ -138,7 +139,7 @@ async def direct_only(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tandem.cloud.config import CloudConfig, EngineConfig
-    from tandem.cloud.engines import VllmEngines
+    from tandem.cloud.engines.vllm_engines import VllmEngines
     from tandem.cloud.server import create_cloud
     from tandem.edge.config import EdgeConfig
     from tandem.edge.server import create_edge

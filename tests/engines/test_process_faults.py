@@ -21,7 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.common.grpcsetup import channel_options
+from tandem.common.runtime.grpc_setup import channel_options
 from tandem.daemons import Daemon, cloud_command
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -257,9 +257,9 @@ async def test_kill_9_of_replicas_during_upload_and_during_decode(
     from tandem import AsyncClient
     from tandem.benchmarks.linkproxy import LinkProxy
     from tandem.benchmarks.links import LinkProfile
-    from tandem.edge import uplink
     from tandem.edge.config import EdgeConfig
-    from tandem.edge.replicas import rendezvous
+    from tandem.edge.link import uplink
+    from tandem.edge.link.replicas import rendezvous
     from tandem.edge.server import create_edge
     from tests.references import LONG, assert_same_or_near_tie, hf_greedy, prompt_ids
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from tandem import AsyncClient, TandemClientError
-from tandem.common import wire
-from tandem.common.messages import KVBlock
+from tandem.common.protocol.messages import KVBlock
+from tandem.common.wire import chunks as wire
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.doubles import TamperLink, rechunk
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.engines]
 def cloud_channel(stack) -> grpc.aio.Channel:
     """A raw channel to the stack's cloud as its edge: the edge's client certificate, to go with its
     edge key (``edge_metadata``; a key is bound to the certificate subject it was issued for)."""
-    from tandem.common.grpcsetup import channel_credentials
+    from tandem.common.runtime.grpc_setup import channel_credentials
 
     tls = stack["tls"]
     creds = channel_credentials(tls.ca_file, *tls.edge_client)
@@ -44,7 +44,7 @@ def edge_metadata(stack) -> tuple[tuple[str, str], ...]:
 def keyed_session_id(stack, session: str) -> str:
     """The id under which the edge keeps an app's ``session`` (its own table, and at the cloud):
     scoped by the app's API key."""
-    from tandem.common.security import ApiKeys, Principal, scoped
+    from tandem.common.runtime.security import ApiKeys, Principal, scoped
 
     key = stack["tls"].app_key
     name = ApiKeys([key]).identify(key)
@@ -117,8 +117,8 @@ async def test_three_turn_chat(stack, hf_model, tokenizer):
 async def test_every_engine_exports_its_vllm_metrics(stack):
     """The engines start together (``VllmEngines.start``); each still exports its ``vllm:`` metrics,
     told apart by ``model_name`` (one engine's logger unregisters every ``vllm:`` collector)."""
-    from tandem.common import metrics
-    from tandem.common.metrics import REGISTRY
+    from tandem.common.runtime import metrics
+    from tandem.common.runtime.metrics import REGISTRY
 
     names = {
         s.labels.get("model_name")
@@ -135,9 +135,9 @@ async def test_every_engine_exports_its_vllm_metrics(stack):
 async def test_decode_engine_uses_the_loaded_kv(stack, tokenizer, manifest):
     """Put deliberately wrong head KV in the store for a prompt: the split decode must change,
     which it cannot if the engine recomputed the prefix instead of loading it."""
-    from tandem.common.kvblocks import LayerRange, block_hashes, hash_seed
-    from tandem.common.kvparams import KVTransferSpec, PartSpec
-    from tandem.common.params import Sampling
+    from tandem.cloud.engines.kvparams import KVTransferSpec, PartSpec
+    from tandem.common.protocol.params import Sampling
+    from tandem.common.wire.kvblocks import LayerRange, block_hashes, hash_seed
 
     gw, engines = stack["gateway"], stack["engines"]
     ids = prompt_ids(tokenizer, PROMPTS[2])
@@ -475,7 +475,7 @@ async def test_a_corrupt_kv_block_in_the_store_is_recomputed_never_served(stack,
     """Every head KV block of a session flipped by one bit on disk: the engines'
     connectors read them as missing (the BLAKE3 seal fails) and vLLM recomputes them; the next
     turn's answer is the reference's."""
-    from tandem.common.kvblocks import LayerRange, part_key
+    from tandem.common.wire.kvblocks import LayerRange, part_key
 
     client, session = stack["client"], f"corrupt-{uuid.uuid4().hex}"
     messages = [{"role": "user", "content": LONG + "What is this text about?"}]
@@ -520,7 +520,7 @@ async def test_resend_from_token_0_never_reuses_tail_kv_of_other_activations(sta
     """In one session, ids X with X's activations; then, from token 0, the same ids X
     with the activations of another prompt Y: the answer equals a cold (stateless) request with ids X
     and Y's activations; the tail KV of the first upload is never loaded for it."""
-    from tandem.edge.head_runner import HeadInput
+    from tandem.edge.compute.head import HeadInput
 
     svc, client, session = stack["edge"].node, stack["client"], f"tailkv-{uuid.uuid4().hex}"
     x = PROMPTS[3]["messages"]

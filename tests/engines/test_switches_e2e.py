@@ -1,6 +1,6 @@
 """Checkpoints whose behaviour switches with the length or the layer, end to end on the real engines
 (vLLM's CPU build, ONNX Runtime, grpc.aio on loopback): split, direct and local greedy fp32 output
-equal to HF's on prompts on both sides of the switch (``common.switches``, ``tests.families``).
+equal to HF's on prompts on both sides of the switch (``common.model.switches``, ``tests.families``).
 
 * A LongRoPE Phi3 (threshold 64 tokens) on engines of 512 tokens: vLLM uses the long factors at
   every position, the graphs were exported with them; HF computes the same for a prompt past the
@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 
 from tandem import AsyncClient
-from tandem.common import onnx_export
-from tandem.common.manifest import SplitManifest
+from tandem.common.model import onnx_export
+from tandem.common.protocol.manifest import SplitManifest
 from tests.families import ORIGINAL_POSITIONS, TOKENIZER_DIR
 from tests.references import assert_same_or_near_tie, hf_greedy, prompt_ids
 
@@ -48,7 +48,7 @@ async def switched(request, tmp_path_factory, prepared_families):
     from transformers import AutoTokenizer
 
     from tandem.cloud.config import CloudConfig, EngineConfig, check_engines_fit
-    from tandem.cloud.engines import VllmEngines
+    from tandem.cloud.engines.vllm_engines import VllmEngines
     from tandem.cloud.server import create_cloud
     from tandem.edge.config import EdgeConfig
     from tandem.edge.server import create_edge

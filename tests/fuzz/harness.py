@@ -47,12 +47,11 @@ import grpc
 
 from tandem.cloud.gateway import Gateway
 from tandem.cloud.service import CloudServicer, uplink_body
-from tandem.cloud.sessions import CloudSession
+from tandem.cloud.sessions.table import CloudSession
 from tandem.cloud.turn import as_principal
-from tandem.common.errors import TandemError, error_from_name
-from tandem.common.grpc_errors import status_of
-from tandem.common.grpcsetup import add_service, start_server
-from tandem.common.messages import (
+from tandem.common.protocol.errors import TandemError, error_from_name
+from tandem.common.protocol.grpc_errors import status_of
+from tandem.common.protocol.messages import (
     Nack,
     Repair,
     TokensOut,
@@ -62,15 +61,16 @@ from tandem.common.messages import (
     uplink_from_pb,
     uplink_to_pb,
 )
-from tandem.common.params import LinkParams, NegotiateOffer, Sampling
-from tandem.common.security import scoped
-from tandem.edge.batcher import HeadBatcher
-from tandem.edge.cloudconn import CloudConnection
-from tandem.edge.head_runner import MemoryHead
-from tandem.edge.headwork import Head
-from tandem.edge.link import InProcessLink
+from tandem.common.protocol.params import LinkParams, NegotiateOffer, Sampling
+from tandem.common.runtime.grpc_setup import add_service, start_server
+from tandem.common.runtime.security import scoped
+from tandem.edge.api.grpc_service import EdgeServicer
+from tandem.edge.compute.batcher import HeadBatcher
+from tandem.edge.compute.head import MemoryHead
+from tandem.edge.link.base import InProcessLink
+from tandem.edge.link.connection import CloudConnection
+from tandem.edge.modes.split_head import Head
 from tandem.edge.node import EdgeNode
-from tandem.edge.service import EdgeServicer
 from tandem.edge.session import EdgeSessions
 from tandem.v1 import tandem_pb2 as pb
 from tests.fuzz.strategies import CLOUD_METHODS, EDGE_METHODS, UNKNOWN_METHODS, RawCall, TypedCall, overridden
@@ -117,7 +117,7 @@ class KnownBug:
 
 
 # tests/fuzz/test_fuzz.py keeps a reproducer of each case this fuzzing guards against: undecodable requests (answered by
-# common.grpcsetup.add_service), an undecodable message after a verdict (cloud.service.drain), Negotiate with
+# common.runtime.grpc_setup.add_service), an undecodable message after a verdict (cloud.service.drain), Negotiate with
 # infinite or NaN measurements (NegotiateOffer.from_pb), the anonymous link evicted by max_links negotiations
 # (LinkTable.register). An open bug goes here, keyed by ``KnownBug.key``; none is open.
 KNOWN_BUGS: dict[str, KnownBug] = {}

@@ -11,11 +11,11 @@ from typing import Any, TypeVar
 
 from hypothesis import strategies as st
 
-from tandem.common import wire
-from tandem.common.messages import (
+from tandem.common.protocol.messages import (
     uplink_to_pb,
 )
-from tandem.common.params import LinkParams, NegotiateOffer
+from tandem.common.protocol.params import LinkParams, NegotiateOffer
+from tandem.common.wire import chunks as wire
 from tandem.v1 import tandem_pb2 as pb
 from tests.fuzz.uploads import (
     FLAVORS,

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from typer.testing import CliRunner
 
-from tandem.common.params import NegotiateOffer
+from tandem.common.protocol.params import NegotiateOffer
 from tandem.v1 import tandem_pb2 as pb
 from tests.fuzz.harness import Harness, PropertyFailure, call, describe, run_good
 from tests.fuzz.strategies import strategy_of

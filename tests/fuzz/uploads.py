@@ -14,21 +14,22 @@ import grpc
 import numpy as np
 
 from tandem.cloud.config import CloudConfig, EngineConfig
+from tandem.cloud.engines.memory import MemoryEngines
 from tandem.cloud.gateway import Gateway
-from tandem.cloud.memory_engines import MemoryEngines
 from tandem.cloud.server import build_gateway
-from tandem.common import merkle, wire
-from tandem.common.errors import TandemError
-from tandem.common.kvblocks import block_hashes, request_seed
-from tandem.common.kvstore import MemoryBlockStore
-from tandem.common.messages import (
+from tandem.cloud.store.blocks import MemoryBlockStore
+from tandem.common.protocol.errors import TandemError
+from tandem.common.protocol.messages import (
     Commit,
     KVBlock,
     TurnHeader,
     uplink_to_pb,
 )
-from tandem.common.params import LinkParams, Sampling
-from tandem.edge.uplink import send_order
+from tandem.common.protocol.params import LinkParams, Sampling
+from tandem.common.wire import chunks as wire
+from tandem.common.wire import merkle
+from tandem.common.wire.kvblocks import block_hashes, request_seed
+from tandem.edge.link.uplink import send_order
 from tandem.v1 import tandem_pb2 as pb
 from tests.toy import HKV, MANIFEST, VOCAB, B, D, H, K
 
@@ -77,7 +78,7 @@ def cloud_config(**kw: Any) -> CloudConfig:
         chunk_tokens=16,
         max_chunk_tokens=16,
         engine=EngineConfig(block_size_tokens=B),
-        # thousands of cases from one edge: its own bounds (cloud.tenancy) are not what is fuzzed here
+        # thousands of cases from one edge: its own bounds (cloud.links.tenancy) are not what is fuzzed here
         edge_rate_limit=None,
         edge_max_sessions=1 << 30,
     )

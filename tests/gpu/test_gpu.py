@@ -39,7 +39,7 @@ def test_the_packed_layout_reads_what_vllms_cuda_kernel_wrote_and_writes_it_back
     cache, byte for byte."""
     from vllm import _custom_ops as ops
 
-    from tandem.cloud.kv_layout import layout_for, read_blocks
+    from tandem.cloud.engines.kv_layout import layout_for, read_blocks
 
     cache = _packed_cache(dtype, memory)
     key_cache, value_cache = cache.transpose(1, 2).split(D, dim=-1)  # each [num_blocks, B, Hkv, D]
@@ -69,7 +69,7 @@ async def gpu_stack(split_dir, tmp_path_factory):
     loopback, fp32 on the wire: split output must equal the unsplit references."""
     from tandem import AsyncClient
     from tandem.cloud.config import CloudConfig, EngineConfig
-    from tandem.cloud.engines import VllmEngines
+    from tandem.cloud.engines.vllm_engines import VllmEngines
     from tandem.cloud.server import create_cloud
     from tandem.edge.config import EdgeConfig
     from tandem.edge.server import create_edge
@@ -154,9 +154,9 @@ async def test_the_builder_decoder_serves_local_turns_from_cuda_graphs(split_dir
     greedy output equals HF's fp32 one (or parts only at a near-tie of the reference), over two turns."""
     import onnxruntime as ort
 
-    from tandem.common.params import Sampling
-    from tandem.edge.decoder import DecoderGraph
-    from tandem.edge.local import LocalEngine
+    from tandem.common.protocol.params import Sampling
+    from tandem.edge.compute.decoder import DecoderGraph
+    from tandem.edge.compute.local import LocalEngine
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime-gpu's CUDA provider is not installed")
@@ -191,8 +191,8 @@ async def test_the_local_model_on_onnx_runtimes_cuda_provider_keeps_its_kv_on_th
     fp32 output equals HF's on the CPU (or parts only at a near-tie of the reference), over two turns."""
     import onnxruntime as ort
 
-    from tandem.common.params import Sampling
-    from tandem.edge.local import LocalEngine
+    from tandem.common.protocol.params import Sampling
+    from tandem.edge.compute.local import LocalEngine
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime-gpu's CUDA provider is not installed")

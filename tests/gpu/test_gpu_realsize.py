@@ -45,7 +45,7 @@ def realsize_split_dir(manifest, split_dir, tmp_path_factory) -> Path:
         "--tokenizer", str(tok),
     ])  # fmt: skip
     _run([
-        sys.executable, "-m", "tandem.common.modelprep", "--checkpoint", str(ckpt), "--out", str(out),
+        sys.executable, "-m", "tandem.common.model.prepare", "--checkpoint", str(ckpt), "--out", str(out),
         "--split-layers", str(K), "--no-bundles", "--no-edge-full",
     ])  # fmt: skip
     return out / f"split-k{K}"
@@ -57,7 +57,7 @@ async def realsize_stack(realsize_split_dir, tmp_path_factory):
     loopback, fp32 on the wire."""
     from tandem import AsyncClient
     from tandem.cloud.config import CloudConfig, EngineConfig
-    from tandem.cloud.engines import VllmEngines
+    from tandem.cloud.engines.vllm_engines import VllmEngines
     from tandem.cloud.server import create_cloud
     from tandem.edge.config import EdgeConfig
     from tandem.edge.server import create_edge
@@ -92,8 +92,8 @@ async def test_a_real_size_shape_split_on_cuda_engines_equals_direct_and_plain_v
     direct's and plain vLLM's greedy tokens, or parts only at a near-tie of plain vLLM."""
     from transformers import AutoTokenizer
 
-    from tandem.common.chat import prompt_token_ids
-    from tandem.common.manifest import SplitManifest
+    from tandem.common.protocol.chat import prompt_token_ids
+    from tandem.common.protocol.manifest import SplitManifest
 
     client = realsize_stack["client"]
     split_dir = realsize_stack["engines"].cfg.split_dir

@@ -14,13 +14,13 @@ from collections.abc import Callable
 import pytest
 
 from tandem.cloud.config import EngineConfig
-from tandem.cloud.sessions import SessionTableFull
-from tandem.cloud.tenancy import EdgeOverLimit
+from tandem.cloud.links.tenancy import EdgeOverLimit
+from tandem.cloud.sessions.table import SessionTableFull
 from tandem.cloud.turn import as_principal
-from tandem.common.errors import QuotaExceeded
-from tandem.common.modes import Mode
-from tandem.common.params import NegotiateOffer
-from tandem.edge.link import InProcessLink
+from tandem.common.protocol.errors import QuotaExceeded
+from tandem.common.protocol.modes import Mode
+from tandem.common.protocol.params import NegotiateOffer
+from tandem.edge.link.base import InProcessLink
 from tests.doubles import MANIFEST, B, GatedLink, K, Toy, toy_stack
 from tests.helpers import run, turn
 

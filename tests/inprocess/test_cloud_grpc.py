@@ -11,13 +11,13 @@ import grpc
 import numpy as np
 import pytest
 
-from tandem.cloud.linkregistry import HEADER_SLACK_BYTES, MAX_PROBE_BYTES
-from tandem.common import wire
-from tandem.common.errors import InvalidRequest
-from tandem.common.grpcsetup import add_service, channel_options, start_server
-from tandem.common.modes import Mode
-from tandem.common.params import NegotiateOffer, Sampling
-from tandem.edge.events import ChatTurn, TurnDone
+from tandem.cloud.links.registry import HEADER_SLACK_BYTES, MAX_PROBE_BYTES
+from tandem.common.protocol.errors import InvalidRequest
+from tandem.common.protocol.modes import Mode
+from tandem.common.protocol.params import NegotiateOffer, Sampling
+from tandem.common.runtime.grpc_setup import add_service, channel_options, start_server
+from tandem.common.wire import chunks as wire
+from tandem.edge.api.events import ChatTurn, TurnDone
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.doubles import MANIFEST, B, H, K, TamperLink, ToyTokenizer, rechunk
@@ -160,7 +160,7 @@ async def test_a_cloud_that_stays_silent_fails_the_turn_at_its_deadline(cloud):
     deadline (within 1 s of it), never a hang."""
     import time
 
-    from tandem.common.errors import DeadlineExceeded
+    from tandem.common.protocol.errors import DeadlineExceeded
 
     cloud.engines.step_delay_s = 0.2
     proxy = FreezableProxy(cloud.port)
@@ -215,8 +215,8 @@ async def test_edge_health_follows_the_clouds(cloud):
     that came back (another instance: a new link)."""
     from grpc_health.v1 import health, health_pb2
 
-    from tandem.common.grpcsetup import set_health
-    from tandem.edge.service import EDGE_SERVICE, follow_link
+    from tandem.common.runtime.grpc_setup import set_health
+    from tandem.edge.api.grpc_service import EDGE_SERVICE, follow_link
 
     async def edge_status() -> int:
         r = await edge_hs.Check(health_pb2.HealthCheckRequest(service=EDGE_SERVICE), None)
@@ -280,7 +280,7 @@ async def test_a_draining_edge_refuses_new_turns_and_finishes_those_in_flight(cl
     """On stop the edge goes NOT_SERVING, a turn in flight completes,
     a new one gets UNAVAILABLE with a retry hint."""
     from tandem import AsyncClient, Unavailable
-    from tandem.edge.service import EDGE_SERVICE, EdgeServicer
+    from tandem.edge.api.grpc_service import EDGE_SERVICE, EdgeServicer
 
     cloud.engines.step_delay_s = 0.05
     edge = await edge_to(f"127.0.0.1:{cloud.port}")
@@ -316,9 +316,9 @@ def test_a_verdict_the_edge_does_not_know_keeps_its_nearest_kind_and_retry_hint(
     standalone edge as QuotaExceeded with their retry hint, not as a bare TandemError (which would be
     INTERNAL to the client, with no local fallback and no retry hint): the verdict names the error's
     ancestors and its retry hint."""
-    from tandem.cloud.links import LinkBusy
-    from tandem.common.errors import QuotaExceeded
-    from tandem.common.messages import TurnError, downlink_from_pb, downlink_to_pb
+    from tandem.cloud.links.table import LinkBusy
+    from tandem.common.protocol.errors import QuotaExceeded
+    from tandem.common.protocol.messages import TurnError, downlink_from_pb, downlink_to_pb
 
     m = downlink_to_pb(TurnError(LinkBusy("link 'x' waited 5007 ms for a slot", retry_after_ms=750)))
     assert m.error.kind == "LinkBusy" and list(m.error.base_kinds)[:2] == ["QuotaExceeded", "TandemError"]

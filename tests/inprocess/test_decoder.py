@@ -1,5 +1,5 @@
-"""The builder-graph runtime (``edge.decoder.DecoderGraph``) on SmolLM2 built by ONNX Runtime GenAI's
-model builder in fp32 for the CPU (``common.builder_export``), against HF float32: greedy tokens,
+"""The builder-graph runtime (``edge.compute.decoder.DecoderGraph``) on SmolLM2 built by ONNX Runtime GenAI's
+model builder in fp32 for the CPU (``common.model.builder_export``), against HF float32: greedy tokens,
 logits of a prefill split in two runs, KV written into and read out of a slot, truncation, the
 slot's bounds, the bfloat16 storage conversions, the preparation's check and the edge benchmark's
 smoke run. One build per module (about 10 s)."""
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.common.builder_export import BuilderFailed, add_next_token, build_decoder, check_decoder, load_build
-from tandem.common.chat import prompt_token_ids
-from tandem.common.errors import InvalidRequest
-from tandem.edge.decoder import NEXT_TOKEN, DecoderGraph, _as_float32, _store
+from tandem.common.model.builder_export import BuilderFailed, add_next_token, build_decoder, check_decoder, load_build
+from tandem.common.protocol.chat import prompt_token_ids
+from tandem.common.protocol.errors import InvalidRequest
+from tandem.edge.compute.decoder import NEXT_TOKEN, DecoderGraph, _as_float32, _store
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from tandem.common import metrics
-from tandem.common.modes import Mode
-from tandem.common.params import NegotiateOffer
-from tandem.edge.batcher import HeadBatcher
+from tandem.common.protocol.modes import Mode
+from tandem.common.protocol.params import NegotiateOffer
+from tandem.common.runtime import metrics
+from tandem.edge.api.events import TextOut, TurnDone
+from tandem.edge.compute.batcher import HeadBatcher
+from tandem.edge.compute.head import MemoryHead
 from tandem.edge.config import EdgeConfig
-from tandem.edge.events import TextOut, TurnDone
-from tandem.edge.head_runner import MemoryHead
-from tandem.edge.headwork import Head
+from tandem.edge.link.replicas import ReplicaSet, rendezvous
+from tandem.edge.modes.split_head import Head
 from tandem.edge.node import EdgeNode
-from tandem.edge.replicas import ReplicaSet, rendezvous
 from tandem.edge.server import connect_cloud
 from tandem.edge.session import EdgeSessions
 from tests.cluster import Dnsmasq, ToyReplica, free_port
@@ -139,11 +139,11 @@ async def test_dns_discovery_join_and_a_replica_killed_mid_stream(cluster):
 
 async def tls_replica(address: str, port: int, cert: tuple[Path, Path]):
     """A toy gateway on ``address:port`` over TLS with the certificate ``cert`` (chain, key)."""
-    from tandem.cloud.memory_engines import MemoryEngines
+    from tandem.cloud.engines.memory import MemoryEngines
     from tandem.cloud.server import build_gateway
     from tandem.cloud.service import CloudServicer
-    from tandem.common.grpcsetup import add_service, server_credentials, start_server
-    from tandem.common.kvstore import MemoryBlockStore
+    from tandem.cloud.store.blocks import MemoryBlockStore
+    from tandem.common.runtime.grpc_setup import add_service, server_credentials, start_server
     from tests.doubles import VOCAB, B, cloud_config
 
     store = MemoryBlockStore(1 << 20)

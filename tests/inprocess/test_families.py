@@ -1,8 +1,8 @@
-"""Every supported decoder family (``common.head_model.FAMILIES``) through ``tandem-model`` on a tiny
+"""Every supported decoder family (``common.model.head_model.FAMILIES``) through ``tandem-model`` on a tiny
 random-weight checkpoint (``tests.families``): the exported head at two split layers and
 ``edge-full.onnx`` against HF over a prompt that crosses the sliding windows and a LongRoPE
 threshold, fed in five steps through the past-KV inputs; the checks recorded in the manifests; the
-checkpoints whose behaviour switches with the length or the layer (``common.switches``): served
+checkpoints whose behaviour switches with the length or the layer (``common.model.switches``): served
 equal to HF across the switch or refused by name before anything is exported; and what else is
 refused: an unsupported architecture (by name, with the supported list; ``--direct-only`` prepares
 it for direct mode), an export that differs from HF (no bundle), a manifest without a passing check
@@ -19,11 +19,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tandem.common import modelprep, onnx_export
-from tandem.common.head_io import io_names
-from tandem.common.head_model import FAMILIES, UnsupportedArchitecture
-from tandem.common.manifest import FULL_CHECK_NAME, FULL_ONNX, ExportCheck, SplitManifest
-from tandem.common.switches import Unservable
+from tandem.common.model import onnx_export
+from tandem.common.model import prepare as modelprep
+from tandem.common.model.head_io import io_names
+from tandem.common.model.head_model import FAMILIES, UnsupportedArchitecture
+from tandem.common.model.switches import Unservable
+from tandem.common.protocol.manifest import FULL_CHECK_NAME, FULL_ONNX, ExportCheck, SplitManifest
 from tests.families import (
     FAMILY_NAMES,
     FAMILY_SPLITS,
@@ -135,10 +136,10 @@ def test_an_unsupported_architecture_is_refused_by_name_with_the_supported_list(
 def test_direct_only_prepares_any_architecture_without_heads(tmp_path):
     """``--direct-only``: a manifest at split layer 0 and bundles without ONNX or tail; a cloud on it
     serves no split (``Splits.layers`` empty) and negotiates direct mode."""
-    from tandem.cloud.memory_engines import MemoryEngines
+    from tandem.cloud.engines.memory import MemoryEngines
     from tandem.cloud.server import build_gateway
-    from tandem.common.kvstore import MemoryBlockStore
-    from tandem.common.params import NegotiateOffer
+    from tandem.cloud.store.blocks import MemoryBlockStore
+    from tandem.common.protocol.params import NegotiateOffer
     from tests.doubles import B, cloud_config
 
     out = tmp_path / "out"
@@ -180,10 +181,10 @@ def test_an_export_that_differs_from_hf_stops_preparation_before_any_bundle(tmp_
 
 
 def test_a_manifest_without_a_passing_check_is_not_bundled_nor_offered(prepared, tmp_path):
-    from tandem.cloud.memory_engines import MemoryEngines
+    from tandem.cloud.engines.memory import MemoryEngines
     from tandem.cloud.server import build_gateway
-    from tandem.common.kvstore import MemoryBlockStore
-    from tandem.common.params import NegotiateOffer
+    from tandem.cloud.store.blocks import MemoryBlockStore
+    from tandem.common.protocol.params import NegotiateOffer
     from tests.doubles import MANIFEST, B, K, cloud_config
 
     out = tmp_path / "llama"
@@ -243,8 +244,8 @@ def test_longrope_graphs_equal_hf_past_the_threshold_and_pair_only_with_their_si
     assert (a.max_model_len_min_tokens, a.max_model_len_max_tokens) == (ORIGINAL_POSITIONS + 1, 512)
     assert m.head_check is not None and m.head_check.tokens > a.check_tokens > ORIGINAL_POSITIONS  # a row past it
     # the model builder's graph serves local mode only when checked past the threshold under the same factors
-    from tandem.common.builder_export import decoder_problem, load_build
-    from tandem.common.manifest import FULL_DECODER
+    from tandem.common.model.builder_export import decoder_problem, load_build
+    from tandem.common.protocol.manifest import FULL_DECODER
 
     if not decoder_problem(long_out / FULL_DECODER):
         build = load_build(long_out / FULL_DECODER)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tandem.benchmarks.teacher import SplitTeacher
-from tandem.common.formats import WireDtype
+from tandem.common.wire.formats import WireDtype
 
 FP32 = (WireDtype.FP32, WireDtype.FP32)
 FP16 = (WireDtype.FP16, WireDtype.FP16)
@@ -23,7 +23,7 @@ def test_the_split_path_in_bf16_stays_near_fp32_and_its_formats_differ_from_each
     """Teacher-forced over a prompt past one KV block: every row a log-distribution over the
     vocabulary; bf16's rows near fp32's but not equal to them; within bf16 the fp16 wire pair is
     not bit-identical to the fp32 pair (the round trip reaches the tail)."""
-    from tandem.common.chat import prompt_token_ids
+    from tandem.common.protocol.chat import prompt_token_ids
 
     prompt = prompt_token_ids(tokenizer, [{"role": "user", "content": "Tell me about foxes. " * 6}])
     assert len(prompt) > 32

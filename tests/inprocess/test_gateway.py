@@ -10,8 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tandem.common import wire
-from tandem.common.errors import (
+from tandem.common.protocol.errors import (
     DeadlineExceeded,
     InvalidRequest,
     QuotaExceeded,
@@ -19,13 +18,14 @@ from tandem.common.errors import (
     TandemError,
     UploadTimeout,
 )
-from tandem.common.logs import new_request_id
-from tandem.common.messages import Commit, KVBlock, TurnHeader
-from tandem.common.modes import Mode
-from tandem.common.params import Sampling
-from tandem.edge import framing
-from tandem.edge.events import ChatTurn, TurnDone
-from tandem.edge.head_runner import HeadInput
+from tandem.common.protocol.messages import Commit, KVBlock, TurnHeader
+from tandem.common.protocol.modes import Mode
+from tandem.common.protocol.params import Sampling
+from tandem.common.runtime.logs import new_request_id
+from tandem.common.wire import chunks as wire
+from tandem.edge.api.events import ChatTurn, TurnDone
+from tandem.edge.compute.head import HeadInput
+from tandem.edge.link import framing
 from tandem.stages import TTFT_STAGES, Stage
 from tests.doubles import HKV, MANIFEST, B, D, H, K, TamperLink, ToyTokenizer, rechunk, toy_stack
 from tests.helpers import LONG, Sent, chat, run, turn
@@ -371,7 +371,7 @@ async def test_zstd_payloads_must_be_exactly_one_frame_of_the_announced_size():
     """On a zstd link, a chunk whose payload is a valid frame plus garbage (CRC over
     it all) is NACKed like a CRC failure and, sent again the same, ends INVALID_ARGUMENT; a KV block
     that does not decode is asked for again (repair), then the turn fails."""
-    from tandem.common.errors import CorruptPayload, MerkleMismatch
+    from tandem.common.protocol.errors import CorruptPayload, MerkleMismatch
 
     def garbage_after_frame(item, attempt):
         if isinstance(item, wire.Chunk) and item.seq == 0:
@@ -427,8 +427,8 @@ async def test_kv_blocks_travel_in_the_negotiated_format_and_are_stored_decoded(
     the cloud verifies the leaf over those bytes and stores exactly their float32 decoding; a
     second turn sends only the new blocks. A cloud that does not allow the edge's formats serves
     direct only, with a note."""
-    from tandem.common.kvblocks import LayerRange, part_key, split_blocks
-    from tandem.common.kvwire import decode_kv, encode_kv, kv_raw_nbytes
+    from tandem.common.wire.kvblocks import LayerRange, part_key, split_blocks
+    from tandem.common.wire.kvwire import decode_kv, encode_kv, kv_raw_nbytes
 
     toy = await toy_stack(kv_wire_dtypes=[kv_dtype], offer_kw={"kv_wire_dtypes": (kv_dtype, wire.WireDtype.FP32)})
     try:
@@ -467,7 +467,7 @@ async def test_blocks_of_a_request_in_flight_are_never_evicted(monkeypatch, pins
     between the tail prefill and the decode engine's load evicts none of them (the decode loads
     every block). Once the turn ends nothing stays pinned. The control run without pins shows the
     flood does evict them (the decode engine then recomputes)."""
-    from tandem.cloud.pins import Pins
+    from tandem.cloud.uploads.pins import Pins
 
     if not pins:
 
@@ -567,7 +567,7 @@ async def test_the_decode_waits_for_tail_writes_that_land_after_the_first_token(
 
 
 async def test_tail_writes_that_never_land_are_recomputed_after_the_bounded_wait():
-    from tandem.common import metrics
+    from tandem.common.runtime import metrics
 
     t = await toy_stack(tail_save_wait_s=0.05)
     try:

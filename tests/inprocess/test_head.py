@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.edge.head_runner import HeadInput, OnnxHead
+from tandem.edge.compute.head import HeadInput, OnnxHead
 
 RTOL = 2e-5  # max |ort - hf| / max |hf|; measured ~5e-6 for h_4 of SmolLM2 on CPU
 
@@ -79,7 +79,7 @@ def test_one_row_equals_that_row_in_a_batch_and_takes_a_truncated_past(head, hf_
 
 
 def test_bad_past_shape_is_rejected(head):
-    from tandem.common.errors import InvalidRequest
+    from tandem.common.protocol.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="past_kv"):
         head.run([HeadInput(np.array([1, 2]), np.zeros((head.k, 2, 3, 4, 32), np.float32))])

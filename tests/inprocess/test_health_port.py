@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.common.grpcsetup import LIVENESS_SERVICE, set_health, start_health_server, start_server
+from tandem.common.runtime.grpc_setup import LIVENESS_SERVICE, set_health, start_health_server, start_server
 
 
 async def status(port: int, service: str) -> int:

@@ -1,6 +1,6 @@
-"""Edge-only serving (``edge.local.LocalEngine``) on both of the edge's runtimes, ONNX Runtime GenAI's
-builder graph (``edge-decoder/``, ``edge.decoder.DecoderGraph``) and tandem's ``edge-full.onnx``
-(``edge.localmodel.OnnxForward``), against HF greedy references: greedy tokens, session prefix
+"""Edge-only serving (``edge.compute.local.LocalEngine``) on both of the edge's runtimes, ONNX Runtime GenAI's
+builder graph (``edge-decoder/``, ``edge.compute.decoder.DecoderGraph``) and tandem's ``edge-full.onnx``
+(``edge.compute.localmodel.OnnxForward``), against HF greedy references: greedy tokens, session prefix
 reuse, stops, sampling, validation, concurrency and cancellation. Short chat prompts, 16 new
 tokens; one engine per runtime."""
 
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.common.chat import prompt_token_ids
-from tandem.common.errors import InvalidRequest
-from tandem.common.params import Sampling
-from tandem.edge.local import LocalEngine, LocalGenerator, LocalSession, LocalSessions, LocalToken, sample_token
-from tandem.edge.localmodel import GrowingKV
+from tandem.common.protocol.chat import prompt_token_ids
+from tandem.common.protocol.errors import InvalidRequest
+from tandem.common.protocol.params import Sampling
+from tandem.edge.compute.local import LocalEngine, LocalGenerator, LocalSession, LocalSessions, LocalToken, sample_token
+from tandem.edge.compute.localmodel import GrowingKV
 
 MAX_NEW = 16
 CHATS = [
@@ -318,7 +318,7 @@ async def test_kv_bound_through_io_binding_stays_an_ort_tensor_and_answers_alike
     reads back (``blocks_from_past``) equals the unbound engine's KV of the same tokens."""
     import onnxruntime as ort
 
-    from tandem.edge.local import blocks_from_past
+    from tandem.edge.compute.local import blocks_from_past
 
     bound = LocalEngine(edge_full, manifest.shape, eos, intra_op_threads=2, kv_device="cpu")
     plain = LocalEngine(edge_full, manifest.shape, eos, intra_op_threads=2)
@@ -363,7 +363,7 @@ def test_kv_device_is_checked_against_the_active_providers(edge_full, manifest, 
 async def test_a_stateless_turns_kv_goes_back_to_the_model(engine, prompts):
     """A turn without a session gives its KV back at its end (taken by the model at the next run),
     and a run still queued for a session dropped that way allocates nothing."""
-    from tandem.common.errors import EngineError
+    from tandem.common.protocol.errors import EngineError
 
     await run(engine, prompts[0], Sampling(max_new_tokens=2))
     await run(engine, prompts[1], Sampling(max_new_tokens=2))

@@ -11,8 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tandem.cloud.links import LinkBusy
-from tandem.cloud.negotiation import (
+from tandem.cloud.links.negotiation import (
     KEPT_VERSIONS,
     MAX_WINDOW_BYTES,
     MIN_CHUNK_TOKENS,
@@ -21,18 +20,19 @@ from tandem.cloud.negotiation import (
     pick_chunk_tokens,
     pick_window_bytes,
 )
-from tandem.common.errors import (
+from tandem.cloud.links.table import LinkBusy
+from tandem.common.protocol.errors import (
     EngineError,
     IncompatibleModel,
     InvalidRequest,
     ModeUnavailable,
     ParamsVersionMismatch,
 )
-from tandem.common.modes import Mode
-from tandem.common.params import NegotiateOffer, Sampling
-from tandem.common.wire import Codec, WireDtype
-from tandem.edge.costmodel import CostModel, RequestShape, Route
-from tandem.edge.events import ChatTurn
+from tandem.common.protocol.modes import Mode
+from tandem.common.protocol.params import NegotiateOffer, Sampling
+from tandem.common.wire.chunks import Codec, WireDtype
+from tandem.edge.api.events import ChatTurn
+from tandem.edge.routing.costmodel import CostModel, RequestShape, Route
 from tests.doubles import MANIFEST, K, MemoryLocal, toy_manifest, toy_stack
 from tests.helpers import run
 
@@ -78,7 +78,7 @@ def test_link_versions_keep_recent_sets_and_only_change_on_a_difference():
 
 
 def toy_params():
-    from tandem.common.params import LinkParams
+    from tandem.common.protocol.params import LinkParams
 
     return LinkParams(1, 0, 16, WireDtype.FP32, Codec.NONE, 3, 32, 1 << 20, 4, 64, 100, 16, 8, 2)
 
@@ -128,7 +128,7 @@ async def test_negotiate_gives_a_link_with_params_per_split_and_follows_the_offe
 
 
 async def test_the_kv_format_is_the_edges_first_choice_among_the_clouds():
-    from tandem.common.wire import WireDtype as W
+    from tandem.common.wire.chunks import WireDtype as W
 
     toy = await toy_stack(kv_wire_dtypes=[W.INT8, W.FP16, W.FP32], wire_dtypes=[W.FP32, W.INT8])
     try:
@@ -368,10 +368,10 @@ def _upload_rate_mbps(estimate_mbps: float, link_mbps: float, rtt_ms: float, thr
     item)`` bytes. Returns payload bits over the receive interval, as the edge's passive sample."""
     import heapq
 
-    from tandem.cloud.negotiation import pick_window_bytes
-    from tandem.common import wire
-    from tandem.common.messages import TurnHeader
-    from tandem.edge.uplink import OutgoingTurn, _send_more
+    from tandem.cloud.links.negotiation import pick_window_bytes
+    from tandem.common.protocol.messages import TurnHeader
+    from tandem.common.wire import chunks as wire
+    from tandem.edge.link.uplink import OutgoingTurn, _send_more
 
     chunks = wire.split(np.zeros((1024, 1024), np.float32), 0, 16, params_version=1)  # 64 x 64 KiB
     header = TurnHeader("r", "", 1, K, tuple(range(1024)), 0, len(chunks), 0, Sampling(max_new_tokens=1))
@@ -415,8 +415,8 @@ def _uploads_on_a_faster_link(threshold_fn, start_mbps: float, link_mbps: float,
     """The rates of ``n`` 4 MB uploads on a link faster than the edge's estimate ``start_mbps``: the
     real ``CloudConnection`` estimate (EWMA of passive samples) and renegotiation rule, each upload at
     the rate the window negotiated from the last offer lets through (``_upload_rate_mbps``)."""
-    from tandem.common.params import NegotiateOffer
-    from tandem.edge.cloudconn import CloudConnection
+    from tandem.common.protocol.params import NegotiateOffer
+    from tandem.edge.link.connection import CloudConnection
 
     conn = CloudConnection(None, NegotiateOffer("e", "m", {K: "k"}))  # type: ignore[arg-type]
     conn.goodput_mbps.add(start_mbps)
@@ -438,7 +438,7 @@ def test_an_edge_whose_link_got_faster_climbs_to_its_rate():
     edge moved from a slow link to a 100 Mbit/s 80 ms one stays near its old estimate. Quarter
     acks (the cloud's ``ack_threshold_bytes``) guarantee 1.5x it and the edge renegotiates up at
     ``RENEGOTIATE_UP_RATIO``, so within a few uploads it offers the link's rate."""
-    from tandem.cloud.negotiation import ack_threshold_bytes
+    from tandem.cloud.links.negotiation import ack_threshold_bytes
 
     def half(window: int, item: int) -> int:  # the half-window rule
         return max(1, min(window // 2, window - item))
@@ -449,9 +449,9 @@ def test_an_edge_whose_link_got_faster_climbs_to_its_rate():
 
 
 def test_the_edge_sends_within_the_window_and_commits_after_the_last_item():
-    from tandem.common import wire
-    from tandem.common.messages import Commit, KVBlock, TurnHeader
-    from tandem.edge.uplink import OutgoingTurn, _send_more, _send_upload
+    from tandem.common.protocol.messages import Commit, KVBlock, TurnHeader
+    from tandem.common.wire import chunks as wire
+    from tandem.edge.link.uplink import OutgoingTurn, _send_more, _send_upload
 
     h = np.zeros((64, 8), np.float32)
     chunks = wire.split(h, 0, 16, params_version=1)  # 4 chunks of 512 B, tokens [0, 64)
@@ -518,7 +518,7 @@ async def test_default_configs_negotiate_fp16_for_weights_without_a_fidelity_tab
     agree on the edge's first preference, fp16 activations and fp16 KV; a cloud set to fp32 only
     keeps every split reply equal to the unsplit model's. (With a table: ``test_fidelity.py``.)"""
     from tandem.cloud.config import CloudConfig
-    from tandem.common.wire import WireDtype as W
+    from tandem.common.wire.chunks import WireDtype as W
     from tandem.edge.config import EdgeConfig
 
     e, c = EdgeConfig(), CloudConfig()

@@ -15,13 +15,15 @@ from dataclasses import replace
 import pytest
 from prometheus_client import REGISTRY, Gauge
 
-from tandem.common import metrics, tracing, vllm_metrics, wire
-from tandem.common.errors import InvalidRequest
-from tandem.common.logs import bind_request, setup_logging
-from tandem.common.messages import KVBlock
-from tandem.common.modes import Mode
-from tandem.common.params import Sampling
-from tandem.edge.events import ChatTurn
+from tandem.cloud.engines import vllm_metrics
+from tandem.common.protocol.errors import InvalidRequest
+from tandem.common.protocol.messages import KVBlock
+from tandem.common.protocol.modes import Mode
+from tandem.common.protocol.params import Sampling
+from tandem.common.runtime import metrics, tracing
+from tandem.common.runtime.logs import bind_request, setup_logging
+from tandem.common.wire import chunks as wire
+from tandem.edge.api.events import ChatTurn
 from tests.doubles import TamperLink, toy_stack
 from tests.helpers import LONG, run, turn
 
@@ -390,7 +392,7 @@ def test_peer_strings_reach_a_log_line_printable_and_bounded(monkeypatch, fmt, v
     """A peer's string as a request id, a session id, a message argument, a call's ``extra`` and an
     exception's message: each record is one line (a text traceback's lines indented), every line
     printable, UTF-8 and bounded, in both formats (and the stdlib JSON one of an edge-only install)."""
-    from tandem.common.logs import MAX_MESSAGE_CHARS, set_caller
+    from tandem.common.runtime.logs import MAX_MESSAGE_CHARS, set_caller
 
     if fmt == "stdlib-json":
         monkeypatch.setitem(sys.modules, "pythonjsonlogger.json", None)

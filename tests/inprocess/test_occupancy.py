@@ -1,4 +1,4 @@
-"""The cost model beyond TTFT (``edge.occupancy``): each route's end-to-end time and cloud engine
+"""The cost model beyond TTFT (``edge.routing.occupancy``): each route's end-to-end time and cloud engine
 time, remote prefill's handover, the auto choice under cloud pressure or a declared cloud budget
 and for a client that uses the reply only whole, and the calibration and prediction errors of
 served turns."""
@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from tandem.common import metrics
-from tandem.common.modes import Mode
-from tandem.edge.costmodel import CostModel, LinkState, RequestShape, Route
-from tandem.edge.occupancy import Occupancy, OccupancyModel, lightest, quickest, under_pressure
+from tandem.common.protocol.modes import Mode
+from tandem.common.runtime import metrics
+from tandem.edge.routing.costmodel import CostModel, LinkState, RequestShape, Route
+from tandem.edge.routing.occupancy import Occupancy, OccupancyModel, lightest, quickest, under_pressure
 from tandem.stages import Stage
 
 LOCAL, SPLIT, DIRECT, RP = Route(Mode.LOCAL), Route(Mode.SPLIT, 4), Route(Mode.DIRECT), Route(Mode.REMOTE_PREFILL)
@@ -128,8 +128,8 @@ async def test_auto_streams_from_the_edge_and_takes_the_faster_decoder_for_a_who
     """The in-memory stack with an edge that prefills fast and decodes at 30 ms per token and a cloud
     that decodes at about 1 ms: a whole-reply turn goes to the cloud (lowest predicted end-to-end
     time), a streamed one to the edge (lowest predicted TTFT)."""
-    from tandem.common.params import Sampling
-    from tandem.edge.events import ChatTurn
+    from tandem.common.protocol.params import Sampling
+    from tandem.edge.api.events import ChatTurn
     from tests.helpers import RP_LONG, stream
     from tests.remote_doubles import rp_stack
 
@@ -195,8 +195,8 @@ async def test_an_auto_turn_under_a_cloud_budget_takes_remote_prefill_and_report
     """The in-memory stack with a budget no cloud-decoded reply keeps and a local model too slow for
     the TTFT objective: auto serves the turn in remote prefill, and its end-to-end and cloud-time
     predictions are compared with what it measured."""
-    from tandem.common.params import Sampling
-    from tandem.edge.events import ChatTurn
+    from tandem.common.protocol.params import Sampling
+    from tandem.edge.api.events import ChatTurn
     from tests.helpers import RP_LONG, stream
     from tests.remote_doubles import rp_stack
 

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from tandem.common import modelprep, onnx_export
-from tandem.common.manifest import FULL_CHECK_NAME, FULL_ONNX, ExportCheck, SplitManifest
-from tandem.edge.head_runner import HeadInput, OnnxHead
+from tandem.common.model import onnx_export
+from tandem.common.model import prepare as modelprep
+from tandem.common.protocol.manifest import FULL_CHECK_NAME, FULL_ONNX, ExportCheck, SplitManifest
+from tandem.edge.compute.head import HeadInput, OnnxHead
 from tests.families import TOKENIZER_DIR, VOCAB, build_checkpoint
 
 pytestmark = pytest.mark.skipif(not TOKENIZER_DIR.is_dir(), reason="no models/smollm2-135m/tokenizer: make model")

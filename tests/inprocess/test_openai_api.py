@@ -1,4 +1,4 @@
-"""The edge's OpenAI-compatible HTTP API (``edge/openai_api.py``) driven by the official ``openai``
+"""The edge's OpenAI-compatible HTTP API (``edge/api/http_api.py``) driven by the official ``openai``
 client over a real uvicorn server on 127.0.0.1, in front of the in-memory stack (``toy_stack``: a real
 ``EdgeNode`` and gateway, toy tokenizer, deterministic in-memory engines). No vLLM."""
 
@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tandem.edge.openai_api import (
+from tandem.edge.api.http_api import (
     conversation_session_id,
     create_openai_app,
     serve_openai,
@@ -335,7 +335,7 @@ async def test_out_of_range_values_and_huge_bodies_are_400_and_413(stack, client
     buffered."""
     import httpx
 
-    from tandem.common.metrics import REQUESTS
+    from tandem.common.runtime.metrics import REQUESTS
 
     for extra in ({"stop_token_ids": [-1]}, {"stop_token_ids": [2**32]}, {"top_k": 2**31}):
         with pytest.raises(openai.BadRequestError):
@@ -393,7 +393,7 @@ NOT_TEXT_BODIES = [
 async def test_strings_that_are_not_text_are_400_in_every_field(stack, endpoint, body):
     """Found by an attack run: a lone UTF-16 surrogate (``"\\ud800 hi"``) in a chat message, a text
     content part or a completion prompt was HTTP 500 (the tokenizer's TypeError). Every string of
-    the body is checked as text first (``common.text``): 400 in OpenAI's shape, before any work."""
+    the body is checked as text first (``common.protocol.text``): 400 in OpenAI's shape, before any work."""
     _, port = stack
     payload = json.dumps({"model": MODEL, "max_tokens": 2, **body})  # ensure_ascii: surrogates stay escapes
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h:
@@ -561,8 +561,8 @@ async def test_the_log_lines_of_a_request_name_its_api_key_by_its_name(client):
     import io
     import logging
 
-    from tandem.common.logs import setup_logging
-    from tandem.common.security import key_name
+    from tandem.common.runtime.logs import setup_logging
+    from tandem.common.runtime.security import key_name
 
     buf = io.StringIO()
     root = logging.getLogger()

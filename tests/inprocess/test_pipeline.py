@@ -8,11 +8,11 @@ import asyncio
 
 import pytest
 
-from tandem.common.errors import EngineError, TandemError
-from tandem.common.messages import KVBlock
-from tandem.common.wire import Chunk
-from tandem.edge.head_runner import HeadInput
-from tandem.edge.link import CloudLink, TurnCall
+from tandem.common.protocol.errors import EngineError, TandemError
+from tandem.common.protocol.messages import KVBlock
+from tandem.common.wire.chunks import Chunk
+from tandem.edge.compute.head import HeadInput
+from tandem.edge.link.base import CloudLink, TurnCall
 from tests.doubles import MANIFEST, B, toy_stack
 from tests.helpers import LONG, run, turn
 
@@ -195,7 +195,7 @@ async def test_a_fast_link_or_a_short_turn_runs_the_head_whole():
 
 
 def test_the_cost_model_counts_the_overlap_of_a_pipelined_head():
-    from tandem.edge.costmodel import MAX_PIPELINE_PIECES, CostModel
+    from tandem.edge.routing.costmodel import MAX_PIPELINE_PIECES, CostModel
 
     cm = CostModel(pipeline_tokens=128)
     assert cm.pipeline_pieces(1024, head_ms=500.0, wire_ms=4000.0) == 8

@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 
-from tandem.common import wire
-from tandem.common.modes import Mode
-from tandem.edge.events import ChatTurn, TurnDone
+from tandem.common.protocol.modes import Mode
+from tandem.common.wire import chunks as wire
+from tandem.edge.api.events import ChatTurn, TurnDone
 from tests.doubles import B
 from tests.helpers import RP_LONG, rp_chat, rp_turn, stream
 from tests.remote_doubles import rp_stack
@@ -62,7 +62,7 @@ async def test_a_cloud_that_finishes_before_the_kv_came_down_ends_the_turn_as_di
 async def test_remote_prefill_over_grpc_equals_direct():
     """The same over real grpc.aio on loopback: the new uplink and downlink messages pass the
     servicer both ways, and the edge takes over."""
-    from tandem.common.kvdown import full_model_key
+    from tandem.common.wire.kvdown import full_model_key
     from tests.doubles import MANIFEST
     from tests.helpers import Cloud, close_edge, edge_to
     from tests.remote_doubles import ToyLocal, toy_lm
@@ -167,7 +167,7 @@ async def test_kv_that_came_down_stays_for_the_next_turn_when_the_cloud_finishes
 
 def test_the_apis_name_the_mode_and_chatdone_reports_what_came_down():
     from tandem.client import build_request
-    from tandem.edge.openai_requests import ChatRequest
+    from tandem.edge.api.request_models import ChatRequest
     from tandem.v1 import tandem_pb2 as pb
 
     r = build_request([{"role": "user", "content": "hi"}], mode="remote_prefill")
@@ -182,7 +182,7 @@ def test_the_apis_name_the_mode_and_chatdone_reports_what_came_down():
 
 
 async def test_remote_prefill_is_refused_without_the_whole_model_or_the_cloud():
-    from tandem.common.errors import EngineError, ModeUnavailable
+    from tandem.common.protocol.errors import EngineError, ModeUnavailable
 
     toy = await rp_stack()
     try:

@@ -8,18 +8,18 @@ from dataclasses import replace
 
 import pytest
 
-from tandem.cloud.memory_engines import MemoryEngines
+from tandem.cloud.engines.memory import MemoryEngines
 from tandem.cloud.server import build_gateway
-from tandem.common.errors import EngineError
-from tandem.common.kvstore import MemoryBlockStore
-from tandem.common.params import NegotiateOffer
-from tandem.edge.batcher import HeadBatcher
-from tandem.edge.cloudconn import CloudConnection
-from tandem.edge.head_runner import MemoryHead
-from tandem.edge.headwork import Head
-from tandem.edge.link import InProcessLink
+from tandem.cloud.store.blocks import MemoryBlockStore
+from tandem.common.protocol.errors import EngineError
+from tandem.common.protocol.params import NegotiateOffer
+from tandem.edge.compute.batcher import HeadBatcher
+from tandem.edge.compute.head import MemoryHead
+from tandem.edge.link.base import InProcessLink
+from tandem.edge.link.connection import CloudConnection
+from tandem.edge.link.replicas import ReplicaSet, rendezvous
+from tandem.edge.modes.split_head import Head
 from tandem.edge.node import EdgeNode
-from tandem.edge.replicas import ReplicaSet, rendezvous
 from tandem.edge.session import EdgeSessions
 from tests.doubles import HKV, MANIFEST, VOCAB, B, D, Down, H, K, ToyTokenizer, cloud_config
 from tests.helpers import LONG, Sent, chat, run

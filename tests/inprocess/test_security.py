@@ -17,26 +17,26 @@ import grpc
 import pytest
 import trustme
 
+from tandem.cloud.engines.memory import MemoryEngines
 from tandem.cloud.gateway import Gateway
-from tandem.cloud.memory_engines import MemoryEngines
 from tandem.cloud.server import build_gateway
 from tandem.cloud.service import CloudServicer
-from tandem.common.errors import (
+from tandem.cloud.store.blocks import MemoryBlockStore
+from tandem.cloud.store.disk import DiskBlockStore
+from tandem.common.protocol.errors import (
     EngineError,
     InvalidRequest,
     QuotaExceeded,
     Unauthenticated,
 )
-from tandem.common.grpcsetup import add_service, channel_credentials, server_credentials, start_server
-from tandem.common.kvstore import MemoryBlockStore
-from tandem.common.kvstore_disk import DiskBlockStore
-from tandem.common.modes import Mode
-from tandem.common.params import NegotiateOffer, Sampling
-from tandem.common.security import ApiKeys, Authenticator, private_dir
-from tandem.edge.events import ChatTurn
-from tandem.edge.grpc_link import GrpcCloudLink
+from tandem.common.protocol.modes import Mode
+from tandem.common.protocol.params import NegotiateOffer, Sampling
+from tandem.common.runtime.grpc_setup import add_service, channel_credentials, server_credentials, start_server
+from tandem.common.runtime.security import ApiKeys, Authenticator, private_dir
+from tandem.edge.api.events import ChatTurn
+from tandem.edge.api.grpc_service import EDGE_SERVICE, EdgeServicer
+from tandem.edge.link.grpc_link import GrpcCloudLink
 from tandem.edge.node import EdgeNode
-from tandem.edge.service import EDGE_SERVICE, EdgeServicer
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.doubles import MANIFEST, VOCAB, B, K, ToyTokenizer, cloud_config, toy_stack
@@ -345,8 +345,8 @@ async def test_a_caller_claiming_another_edge_id_is_logged_and_traced_as_the_ide
     of its calls names ``caller=key:edge-a``."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from tandem.common import tracing
-    from tandem.common.logs import setup_logging
+    from tandem.common.runtime import tracing
+    from tandem.common.runtime.logs import setup_logging
 
     buf = io.StringIO()
     root = logging.getLogger()
@@ -584,7 +584,7 @@ async def test_the_openai_api_serves_https_with_its_keys(pki):
 
     import httpx
 
-    from tandem.edge.openai_api import create_openai_app, serve_openai, stop_openai
+    from tandem.edge.api.http_api import create_openai_app, serve_openai, stop_openai
 
     toy = await toy_stack()
     cert = pki.leaf("edge-http", "localhost", "127.0.0.1")
@@ -614,7 +614,7 @@ async def test_negotiating_many_links_takes_nothing_from_other_edges():
     max_links, make the cloud forget other edges' links: negotiating holds no share until a request
     comes, and one identity keeps at most edge_max_links links (its least recently used idle one is
     forgotten)."""
-    from tandem.common.kvstore import MemoryBlockStore as Store
+    from tandem.cloud.store.blocks import MemoryBlockStore as Store
 
     store = Store(1 << 20)
     gw = build_gateway(cloud_config(edge_max_links=3, max_links=16), MANIFEST, MemoryEngines(store, B, VOCAB), store)

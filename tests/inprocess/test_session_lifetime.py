@@ -14,21 +14,21 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from tandem.cloud.sessionstore import record_key
-from tandem.cloud.tenancy import EdgeOverLimit
+from tandem.cloud.links.tenancy import EdgeOverLimit
+from tandem.cloud.sessions.store import record_key
 from tandem.cloud.turn import as_principal
-from tandem.common import wire
-from tandem.common.errors import QuotaExceeded
-from tandem.common.grpcsetup import add_service, start_server
-from tandem.common.modes import Mode
-from tandem.common.params import NegotiateOffer, Sampling
-from tandem.common.security import scoped
-from tandem.edge.batcher import HeadBatcher
-from tandem.edge.cloudconn import CloudConnection
-from tandem.edge.events import ChatTurn, TurnDone
-from tandem.edge.head_runner import MemoryHead
-from tandem.edge.headwork import Head
-from tandem.edge.link import InProcessLink
+from tandem.common.protocol.errors import QuotaExceeded
+from tandem.common.protocol.modes import Mode
+from tandem.common.protocol.params import NegotiateOffer, Sampling
+from tandem.common.runtime.grpc_setup import add_service, start_server
+from tandem.common.runtime.security import scoped
+from tandem.common.wire import chunks as wire
+from tandem.edge.api.events import ChatTurn, TurnDone
+from tandem.edge.compute.batcher import HeadBatcher
+from tandem.edge.compute.head import MemoryHead
+from tandem.edge.link.base import InProcessLink
+from tandem.edge.link.connection import CloudConnection
+from tandem.edge.modes.split_head import Head
 from tandem.edge.node import EdgeNode
 from tandem.edge.session import EdgeSessions
 from tests.doubles import HKV, MANIFEST, D, H, K, MemoryLocal, ToyTokenizer, toy_stack
@@ -317,8 +317,8 @@ async def test_end_session_over_grpc_from_the_sdk_and_from_the_edge_to_the_cloud
     ``Cloud.EndSession`` over a real gRPC link."""
     from tandem import AsyncClient, Client, InvalidArgument
     from tandem.cloud.service import CloudServicer
-    from tandem.edge.grpc_link import GrpcCloudLink
-    from tandem.edge.service import EDGE_SERVICE, EdgeServicer
+    from tandem.edge.api.grpc_service import EDGE_SERVICE, EdgeServicer
+    from tandem.edge.link.grpc_link import GrpcCloudLink
 
     toy = await toy_stack()
     cloud_server, cloud_port, _ = await start_server(
@@ -363,7 +363,7 @@ async def test_end_session_over_grpc_from_the_sdk_and_from_the_edge_to_the_cloud
 
 
 async def test_the_openai_api_ends_a_conversation_of_its_key_only():
-    from tandem.edge.openai_api import create_openai_app
+    from tandem.edge.api.http_api import create_openai_app
 
     toy = await toy_stack()
     app = create_openai_app(toy.edge, "toy", api_keys=("sk-one-0123456789", "sk-two-0123456789"))

@@ -14,23 +14,23 @@ from dataclasses import replace
 import pytest
 import redis
 
-from tandem.cloud.memory_engines import MemoryEngines
+from tandem.cloud.engines.memory import MemoryEngines
 from tandem.cloud.server import build_gateway
-from tandem.cloud.sessionstore import piece_key, record_key
+from tandem.cloud.sessions.store import piece_key, record_key
+from tandem.cloud.store.redis_store import RedisBlockStore
 from tandem.cloud.turn import as_principal
-from tandem.common import metrics
-from tandem.common.errors import TandemError
-from tandem.common.kvstore_redis import RedisBlockStore
-from tandem.common.modes import Mode
-from tandem.common.params import NegotiateOffer
-from tandem.common.security import scoped
-from tandem.edge.batcher import HeadBatcher
-from tandem.edge.cloudconn import CloudConnection
-from tandem.edge.head_runner import MemoryHead
-from tandem.edge.headwork import Head
-from tandem.edge.link import InProcessLink
+from tandem.common.protocol.errors import TandemError
+from tandem.common.protocol.modes import Mode
+from tandem.common.protocol.params import NegotiateOffer
+from tandem.common.runtime import metrics
+from tandem.common.runtime.security import scoped
+from tandem.edge.compute.batcher import HeadBatcher
+from tandem.edge.compute.head import MemoryHead
+from tandem.edge.link.base import InProcessLink
+from tandem.edge.link.connection import CloudConnection
+from tandem.edge.link.replicas import ReplicaSet
+from tandem.edge.modes.split_head import Head
 from tandem.edge.node import EdgeNode
-from tandem.edge.replicas import ReplicaSet
 from tandem.edge.session import EdgeSessions
 from tests.cluster import RedisCluster, RedisSentinel
 from tests.doubles import HKV, MANIFEST, VOCAB, B, D, Down, H, K, ToyTokenizer, cloud_config, toy_stack

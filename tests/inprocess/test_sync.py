@@ -12,16 +12,16 @@ import pytest
 
 from tandem.cloud.gateway import Gateway
 from tandem.cloud.server import build_gateway
-from tandem.cloud.sessionstore import piece_key, record_key
+from tandem.cloud.sessions.store import piece_key, record_key
 from tandem.cloud.turn import as_principal
-from tandem.common import merkle
-from tandem.common.errors import InvalidRequest
-from tandem.common.kvblocks import LayerRange, part_key
-from tandem.common.modes import Mode
-from tandem.common.params import SyncRequest
-from tandem.common.security import scoped
-from tandem.edge.events import TurnDone
-from tandem.edge.link import InProcessLink
+from tandem.common.protocol.errors import InvalidRequest
+from tandem.common.protocol.modes import Mode
+from tandem.common.protocol.params import SyncRequest
+from tandem.common.runtime.security import scoped
+from tandem.common.wire import merkle
+from tandem.common.wire.kvblocks import LayerRange, part_key
+from tandem.edge.api.events import TurnDone
+from tandem.edge.link.base import InProcessLink
 from tests.doubles import MANIFEST, B, K, TamperLink, cloud_config, toy_stack
 from tests.helpers import LONG, Sent, chat, run
 
@@ -191,7 +191,7 @@ class DiesMidDecode:
         return getattr(self.inner, name)
 
     async def decode(self, request_id, token_ids, kv, sampling):
-        from tandem.common.errors import EngineError
+        from tandem.common.protocol.errors import EngineError
 
         self.prompts.append(list(token_ids))
         n = 0
@@ -241,7 +241,7 @@ async def test_a_failure_with_no_cloud_to_resume_on_is_a_deadline_error_in_time(
     the failure, at its deadline (not later)."""
     import time
 
-    from tandem.common.errors import DeadlineExceeded, EngineError
+    from tandem.common.protocol.errors import DeadlineExceeded, EngineError
 
     class Gone(TamperLink):  # a cloud host that vanished: nothing answers any more
         down = False
@@ -275,8 +275,8 @@ async def test_a_turn_cut_during_its_upload_is_sent_again_once_the_cloud_answers
     """The connection dies while chunks are in flight (nothing committed,
     no token out): the edge waits for the cloud, sends the turn again and the client sees one
     clean answer, the same as an uncut one's."""
-    from tandem.common import wire
-    from tandem.common.errors import LinkLost
+    from tandem.common.protocol.errors import LinkLost
+    from tandem.common.wire import chunks as wire
 
     cut = {"done": False}
 
@@ -312,7 +312,7 @@ class AckLog(TamperLink):
             send, close_send, cancel = call.send, call.close_send, call.cancel
 
             async def events(self):
-                from tandem.common.messages import WindowAck
+                from tandem.common.protocol.messages import WindowAck
 
                 async for ev in call.events():
                     if isinstance(ev, WindowAck):
@@ -329,9 +329,9 @@ async def test_an_upload_cut_midway_resumes_from_the_last_acknowledged_token(mon
     and KV blocks past the last acknowledged token, on the same cloud or on a restarted one (a new
     instance over the same store, as after ``kill -9``: it learns the kept prefix from the store
     through ``SyncSession``). The answer equals an uncut turn's."""
-    from tandem.cloud import negotiation
-    from tandem.common import wire
-    from tandem.common.errors import LinkLost
+    from tandem.cloud.links import negotiation
+    from tandem.common.protocol.errors import LinkLost
+    from tandem.common.wire import chunks as wire
 
     monkeypatch.setattr(negotiation, "MIN_WINDOW_BYTES", 0)  # a window of a few items: acks as it goes
     monkeypatch.setattr(negotiation, "MAX_WINDOW_BYTES", 0)
@@ -410,7 +410,7 @@ class LosesFinal:
         return getattr(self.inner, name)
 
     async def decode(self, request_id, token_ids, kv, sampling):
-        from tandem.common.errors import EngineError
+        from tandem.common.protocol.errors import EngineError
 
         async for step in self.inner.decode(request_id, token_ids, kv, sampling):
             if step.finish_reason is not None:
@@ -462,9 +462,9 @@ async def test_a_sync_that_would_load_a_session_counts_against_the_edges_bounds(
 
 
 def test_a_save_keeps_the_earlier_pieces_recent():
-    from tandem.cloud.sessions import CloudSession
-    from tandem.cloud.sessionstore import SessionStore
-    from tandem.common.kvstore import MemoryBlockStore
+    from tandem.cloud.sessions.store import SessionStore
+    from tandem.cloud.sessions.table import CloudSession
+    from tandem.cloud.store.blocks import MemoryBlockStore
 
     store = MemoryBlockStore(1 << 20)
     touched: list[str] = []
@@ -511,9 +511,9 @@ async def test_a_commit_whose_root_fails_drops_what_a_slow_keep_kept(monkeypatch
     import asyncio
     import time
 
-    from tandem.cloud import negotiation
-    from tandem.common.errors import TandemError
-    from tandem.common.messages import Commit
+    from tandem.cloud.links import negotiation
+    from tandem.common.protocol.errors import TandemError
+    from tandem.common.protocol.messages import Commit
 
     monkeypatch.setattr(negotiation, "MIN_WINDOW_BYTES", 0)
     monkeypatch.setattr(negotiation, "MAX_WINDOW_BYTES", 0)

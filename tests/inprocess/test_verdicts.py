@@ -12,14 +12,14 @@ from dataclasses import replace
 import pytest
 
 from tandem.cloud.config import EngineConfig
-from tandem.cloud.upload import check_header
-from tandem.common.errors import OPENAI_CODES, TandemError
-from tandem.common.grpc_errors import status_details, status_of
-from tandem.common.messages import TurnHeader
-from tandem.common.modes import Mode
-from tandem.common.params import Sampling
-from tandem.common.requestlimits import RequestLimits
-from tandem.edge.events import ChatTurn, TurnDone
+from tandem.cloud.uploads.upload import check_header
+from tandem.common.protocol.errors import OPENAI_CODES, TandemError
+from tandem.common.protocol.grpc_errors import status_details, status_of
+from tandem.common.protocol.limits import RequestLimits
+from tandem.common.protocol.messages import TurnHeader
+from tandem.common.protocol.modes import Mode
+from tandem.common.protocol.params import Sampling
+from tandem.edge.api.events import ChatTurn, TurnDone
 from tandem.v1 import tandem_pb2 as pb
 from tests.doubles import MANIFEST, VOCAB, B, K, MemoryLocal, toy_stack
 
@@ -182,8 +182,8 @@ def test_limits_narrow_bound_by_bound():
 async def test_local_mode_of_the_real_model_takes_any_64_bit_seed_and_refuses_stop_ids_past_its_vocabulary(split_dir):
     """``LocalEngine`` (``edge-full.onnx``): a negative seed is a seed there as in vLLM, and a stop
     id past the vocabulary is refused with the cloud's message."""
-    from tandem.common.manifest import FULL_ONNX, SplitManifest
-    from tandem.edge.local import LocalEngine
+    from tandem.common.protocol.manifest import FULL_ONNX, SplitManifest
+    from tandem.edge.compute.local import LocalEngine
 
     shape = SplitManifest.load(split_dir).shape
     engine = LocalEngine(split_dir.parent / FULL_ONNX, shape, (), 1)
@@ -208,9 +208,9 @@ HI = [{"role": "user", "content": "hi"}]
 async def surfaces():
     """The toy edge behind its gRPC API (raw stub and the SDK's ``AsyncClient``) and its HTTP API."""
     import tandem
-    from tandem.common.grpcsetup import add_service, start_server
-    from tandem.edge.openai_api import create_openai_app, serve_openai, stop_openai
-    from tandem.edge.service import EDGE_SERVICE, EdgeServicer
+    from tandem.common.runtime.grpc_setup import add_service, start_server
+    from tandem.edge.api.grpc_service import EDGE_SERVICE, EdgeServicer
+    from tandem.edge.api.http_api import create_openai_app, serve_openai, stop_openai
 
     toy = await toy_stack()
     server, port, _ = await start_server(

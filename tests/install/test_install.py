@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.common.manifest import BundleManifest, ExportCheck, ModelShape, SplitManifest
+from tandem.common.protocol.manifest import BundleManifest, ExportCheck, ModelShape, SplitManifest
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get("TANDEM_MODEL_DIR", ROOT / "models" / "smollm2-135m"))
@@ -151,9 +151,9 @@ bundle = Path(sys.argv[1]) if len(sys.argv) > 1 else None
 if bundle is not None:
     import numpy as np
     from transformers import AutoTokenizer
-    from tandem.common.chat import prompt_token_ids
-    from tandem.common.manifest import BundleManifest, SplitManifest
-    from tandem.edge.head_runner import HeadInput, OnnxHead
+    from tandem.common.protocol.chat import prompt_token_ids
+    from tandem.common.protocol.manifest import BundleManifest, SplitManifest
+    from tandem.edge.compute.head import HeadInput, OnnxHead
 
     assert BundleManifest.load(bundle).verify(bundle, hashes=False) == []
     split = sorted(bundle.glob("split-k*"))[0]
@@ -267,7 +267,7 @@ import tandem.edge
 
 for mod in pkgutil.iter_modules(tandem.edge.__path__, "tandem.edge."):
     importlib.import_module(mod.name)
-importlib.import_module("tandem.common.head_io")
+importlib.import_module("tandem.common.model.head_io")
 print("ok", len(list(pkgutil.iter_modules(tandem.edge.__path__))))
 """
 
@@ -290,7 +290,7 @@ def _safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str,
 
 
 def test_weights_hash_is_content_not_files(tmp_path):
-    from tandem.common.modelprep import weights_blake3
+    from tandem.common.model.prepare import weights_blake3
 
     rng = np.random.default_rng(0)
     t = {"a.weight": rng.standard_normal((3, 4)).astype(np.float32), "b.bias": np.arange(5, dtype=np.float32)}
@@ -379,7 +379,7 @@ def _toy_model_dir(out: Path, splits=(2, 3)) -> None:
 
 
 def test_write_bundles_per_role(tmp_path):
-    from tandem.common.modelprep import write_bundles
+    from tandem.common.model.prepare import write_bundles
 
     out = tmp_path / "m"
     _toy_model_dir(out)
@@ -428,7 +428,7 @@ def test_write_bundles_per_role(tmp_path):
 
 
 def test_write_bundles_needs_a_tokenizer_directory(tmp_path):
-    from tandem.common.modelprep import write_bundles
+    from tandem.common.model.prepare import write_bundles
 
     out = tmp_path / "m"
     _toy_model_dir(out, splits=(2,))
@@ -457,7 +457,7 @@ def test_prepared_model_bundles():
 def test_prepare_writes_tokenizer_keys_and_bundles(tmp_path, monkeypatch):
     """``tandem-model`` end to end on a toy checkpoint, exporters stubbed: manifests carry the weights
     hash and the tokenizer directory, bundles are written, and a second run changes nothing."""
-    from tandem.common import modelprep
+    from tandem.common.model import prepare as modelprep
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

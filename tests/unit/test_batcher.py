@@ -1,4 +1,4 @@
-"""The edge's head batcher (``edge.batcher``): rows queued while a batch runs share the next call;
+"""The edge's head batcher (``edge.compute.batcher``): rows queued while a batch runs share the next call;
 the queue it holds (``pending_tokens``) and each row's wait and run time are what the cost model reads."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from tandem.common.errors import InvalidRequest
-from tandem.edge.batcher import HeadBatcher
-from tandem.edge.head_runner import HeadInput, MemoryHead
+from tandem.common.protocol.errors import InvalidRequest
+from tandem.edge.compute.batcher import HeadBatcher
+from tandem.edge.compute.head import HeadInput, MemoryHead
 
 
 class GatedHead(MemoryHead):

@@ -315,7 +315,7 @@ def test_fidelity_prompt_set_sample_and_pairs():
     import typer
 
     from tandem.benchmarks.fidelity import PROMPTS, load_prompts, parse_pairs
-    from tandem.common.wire import WireDtype as W
+    from tandem.common.wire.chunks import WireDtype as W
 
     prompts = load_prompts(PROMPTS, 0)
     assert len(prompts) >= 200 and len({p["id"] for p in prompts}) == len(prompts)
@@ -752,7 +752,7 @@ def test_local_rows_need_a_checked_whole_model(tmp_path, capsys):
     """edge-only and remote prefill decode with the edge's whole model: without a checked
     ``edge-full.onnx`` the benchmarks leave their rows out and say so."""
     from tandem.benchmarks.stack import local_rows
-    from tandem.common.manifest import FULL_CHECK_NAME, FULL_ONNX, ExportCheck
+    from tandem.common.protocol.manifest import FULL_CHECK_NAME, FULL_ONNX, ExportCheck
 
     assert local_rows(tmp_path, True, True) == (False, False)
     assert "no checked whole model" in capsys.readouterr().err

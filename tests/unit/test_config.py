@@ -16,9 +16,9 @@ from pydantic import ByteSize, ValidationError
 
 from tandem import __version__
 from tandem.cloud.config import CloudConfig, EngineConfig
-from tandem.common.daemon_cli import parse_command_line
-from tandem.common.settings import ConfigFileError, UserError
-from tandem.common.wire import Codec, WireDtype
+from tandem.common.runtime.cli import parse_command_line
+from tandem.common.runtime.settings import ConfigFileError, UserError
+from tandem.common.wire.chunks import Codec, WireDtype
 from tandem.edge.config import EdgeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -324,8 +324,8 @@ def test_engines_on_one_gpu_must_fit_it_together():
 
 
 def test_an_engine_is_placed_on_its_devices_among_those_visible(monkeypatch):
-    from tandem.cloud.engine_start import placed_on, visible_devices
-    from tandem.common.errors import EngineError
+    from tandem.cloud.engines.start import placed_on, visible_devices
+    from tandem.common.protocol.errors import EngineError
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert visible_devices(1, 2) == "1,2"

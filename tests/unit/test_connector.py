@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.cloud.connector import PartOp, TandemConnector, TandemMetadata, canonical
-from tandem.cloud.kv_layout import read_blocks
-from tandem.common.errors import EngineError
-from tandem.common.kvblocks import LayerRange
-from tandem.common.kvstore import MemoryBlockStore
+from tandem.cloud.engines.connector import PartOp, TandemConnector, TandemMetadata, canonical
+from tandem.cloud.engines.kv_layout import read_blocks
+from tandem.cloud.store.blocks import MemoryBlockStore
+from tandem.common.protocol.errors import EngineError
+from tandem.common.wire.kvblocks import LayerRange
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -38,7 +38,7 @@ def _canonical_blocks(n: int, seed: int) -> torch.Tensor:
 
 def _layouts():
     """(cache, layout) for the packed layout (every CUDA backend) and CPU_ATTN's ISA packing."""
-    from tandem.cloud.kv_layout import layout_for
+    from tandem.cloud.engines.kv_layout import layout_for
 
     packed = torch.randn(NUM_BLOCKS, HKV, B, 2 * D)
     cpu = torch.zeros(NUM_BLOCKS, HKV, B, 2 * D)
@@ -73,7 +73,7 @@ def test_the_packed_layout_reads_keys_and_values_where_flash_attention_keeps_the
 def test_the_packed_layout_honours_a_cache_whose_memory_is_in_another_order():
     """vLLM allocates the packed cache in NHD or HND stride order and hands the connector the logical
     ``[num_blocks, Hkv, B, 2*D]`` view; reads and writes go through the logical indices."""
-    from tandem.cloud.kv_layout import layout_for
+    from tandem.cloud.engines.kv_layout import layout_for
 
     nhd = torch.zeros(NUM_BLOCKS, B, HKV, 2 * D).permute(0, 2, 1, 3)  # logical shape, NHD memory
     assert not nhd.is_contiguous()
@@ -96,7 +96,7 @@ def test_the_packed_layout_honours_a_cache_whose_memory_is_in_another_order():
     ids=["old-flash-shape", "padded-head", "fp8-cache", "unknown-backend"],
 )
 def test_a_cache_no_layout_fits_is_refused_by_name(shape, dtype, backend, says):
-    from tandem.cloud.kv_layout import KVLayoutError, layout_for
+    from tandem.cloud.engines.kv_layout import KVLayoutError, layout_for
 
     with pytest.raises(KVLayoutError, match=re.escape(says)):
         layout_for(torch.zeros(shape, dtype=dtype), HKV, B, D, backend)
@@ -288,7 +288,7 @@ def test_registering_the_caches_chooses_the_layout_of_their_backend():
     ids=["unknown-backend", "tensor-parallel", "mixed-layouts"],
 )
 def test_an_engine_whose_caches_no_layout_fits_does_not_start(backends, tp, says):
-    from tandem.cloud.kv_layout import KVLayoutError
+    from tandem.cloud.engines.kv_layout import KVLayoutError
 
     c = _worker(MemoryBlockStore(1 << 20))
     c._vllm_config = _vllm_config(backends, tp)
@@ -371,7 +371,7 @@ class _UnreachableStore(MemoryBlockStore):
 
 
 def test_a_plan_that_fails_saves_nothing_and_reports_its_loads_for_recompute(caplog):
-    from tandem.common.kvparams import KVTransferSpec, PartSpec
+    from tandem.cloud.engines.kvparams import KVTransferSpec, PartSpec
 
     c = object.__new__(TandemConnector)
     c.block_size, c._reqs, c.store = B, {}, _UnreachableStore(1 << 20)

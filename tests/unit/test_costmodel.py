@@ -1,4 +1,4 @@
-"""The edge's cost model (``edge.costmodel``): formula per mode, online calibration, the choice
+"""The edge's cost model (``edge.routing.costmodel``): formula per mode, online calibration, the choice
 with hysteresis and exploration, and when zstd pays."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tandem.common.modes import Mode
-from tandem.edge.costmodel import (
+from tandem.common.protocol.modes import Mode
+from tandem.edge.routing.costmodel import (
     CostModel,
     Line,
     LineKey,
@@ -298,9 +298,9 @@ def test_the_router_counts_its_cloud_turns_prefill_until_their_first_token_and_t
     queue behind until its first token (or its end), once; its expected decode counts in
     ``cloud_decode_ms`` (the longest remaining, at the cloud's decode time per token) until its end,
     whole while it prefills, counted down from its first token."""
-    from tandem.edge.cloudconn import CloudTarget
-    from tandem.edge.occupancy import Occupancy
-    from tandem.edge.routing import Decision, Router
+    from tandem.edge.link.connection import CloudTarget
+    from tandem.edge.routing.occupancy import Occupancy
+    from tandem.edge.routing.router import Decision, Router
     from tandem.edge.session import EdgeSessions
 
     class Conn:  # what the router reads of the cloud: its measured decode time per token

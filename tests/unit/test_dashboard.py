@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import re
 
-from tandem.common import metrics, vllm_metrics
+from tandem.cloud.engines import vllm_metrics
+from tandem.common.runtime import metrics
 from tests.helpers import ROOT
 
 DASHBOARD = ROOT / "docs" / "deploy" / "grafana" / "tandem-dashboard.json"

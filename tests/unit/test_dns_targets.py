@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.common.errors import EngineError, InvalidRequest
-from tandem.common.params import NegotiateOffer
-from tandem.edge.cloudconn import CloudConnection
-from tandem.edge.discovery import DnsName, parse_dns_target
-from tandem.edge.replicas import ReplicaSet
+from tandem.common.protocol.errors import EngineError, InvalidRequest
+from tandem.common.protocol.params import NegotiateOffer
+from tandem.edge.link.connection import CloudConnection
+from tandem.edge.link.discovery import DnsName, parse_dns_target
+from tandem.edge.link.replicas import ReplicaSet
 
 
 @pytest.mark.parametrize(

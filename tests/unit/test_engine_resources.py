@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from tandem.cloud.engine_resources import capture
+from tandem.cloud.engines.resources import capture
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shared memory in /dev/shm")
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tandem.cloud.links import LinkBusy
-from tandem.cloud.tenancy import EdgeOverLimit
-from tandem.common import errors as e
-from tandem.common.grpc_errors import STATUS_OF, error_from_status, status_details
-from tandem.common.messages import TurnError, downlink_from_pb, downlink_to_pb
-from tandem.edge.openai_api import api_error_of
+from tandem.cloud.links.table import LinkBusy
+from tandem.cloud.links.tenancy import EdgeOverLimit
+from tandem.common.protocol import errors as e
+from tandem.common.protocol.grpc_errors import STATUS_OF, error_from_status, status_details
+from tandem.common.protocol.messages import TurnError, downlink_from_pb, downlink_to_pb
+from tandem.edge.api.http_api import api_error_of
 
 # What edges and clouds of every version call these errors: changing one breaks interoperation.
 WIRE_NAMES: dict[type[e.TandemError], str] = {
@@ -69,7 +69,9 @@ def test_wire_names_are_unique():
 
 
 def test_a_taken_wire_name_is_refused_at_definition(registry_restored):
-    with pytest.raises(TypeError, match="'QuotaExceeded' of .*Impostor is tandem.common.errors.QuotaExceeded's"):
+    with pytest.raises(
+        TypeError, match="'QuotaExceeded' of .*Impostor is tandem.common.protocol.errors.QuotaExceeded's"
+    ):
 
         class Impostor(e.TandemError):
             wire_name = "QuotaExceeded"

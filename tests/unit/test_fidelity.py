@@ -1,6 +1,6 @@
 """Fidelity: the measures of ``tandem-bench-fidelity`` (``benchmarks.fidelity_stats``) on known
 distributions, the format round trips of its teacher-forced pass, and the fidelity tables the
-negotiation chooses format pairs by (``cloud.fidelity``, ``cloud.negotiation.link_params``)."""
+negotiation chooses format pairs by (``cloud.links.fidelity``, ``cloud.links.negotiation.link_params``)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 from tandem.benchmarks import fidelity_stats as fs
 from tandem.benchmarks.fidelity import greedy_from_forced
 from tandem.benchmarks.teacher import round_trip_hidden, round_trip_kv
-from tandem.cloud.fidelity import PACKAGED, FidelityTable, load_tables
-from tandem.cloud.negotiation import LinkLimits, link_params
-from tandem.common.params import NegotiateOffer
-from tandem.common.wire import Codec, WireDtype
+from tandem.cloud.links.fidelity import PACKAGED, FidelityTable, load_tables
+from tandem.cloud.links.negotiation import LinkLimits, link_params
+from tandem.common.protocol.params import NegotiateOffer
+from tandem.common.wire.chunks import Codec, WireDtype
 from tests.doubles import MANIFEST, K
 
 W = WireDtype

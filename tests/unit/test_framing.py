@@ -1,19 +1,20 @@
-"""The edge's framing of a turn's upload (``edge.framing``): pure functions, checked without a
-network against the decoders the cloud uses (``common.wire.combine``, ``common.kvwire``,
-``common.merkle``), and a pipelined turn's pieces against the turn framed in one run."""
+"""The edge's framing of a turn's upload (``edge.link.framing``): pure functions, checked without a
+network against the decoders the cloud uses (``common.wire.chunks.combine``, ``common.wire.kvwire``,
+``common.wire.merkle``), and a pipelined turn's pieces against the turn framed in one run."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tandem.common import merkle, wire
-from tandem.common.kvwire import decode_kv
-from tandem.common.messages import TurnHeader
-from tandem.common.modes import Mode
-from tandem.common.params import LinkParams, Sampling
-from tandem.edge import framing
-from tandem.edge.events import SentBytes, TurnDone
+from tandem.common.protocol.messages import TurnHeader
+from tandem.common.protocol.modes import Mode
+from tandem.common.protocol.params import LinkParams, Sampling
+from tandem.common.wire import chunks as wire
+from tandem.common.wire import merkle
+from tandem.common.wire.kvwire import decode_kv
+from tandem.edge.api.events import SentBytes, TurnDone
+from tandem.edge.link import framing
 from tandem.edge.session import EdgeSession
 from tests.doubles import HKV, MANIFEST, B, D, H, K
 

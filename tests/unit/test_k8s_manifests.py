@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from tandem.cloud.config import CloudConfig, EngineConfig
-from tandem.common.grpcsetup import LIVENESS_SERVICE
+from tandem.common.runtime.grpc_setup import LIVENESS_SERVICE
 from tandem.edge.config import EdgeConfig
-from tandem.edge.discovery import parse_dns_target
+from tandem.edge.link.discovery import parse_dns_target
 from tests.helpers import ROOT
 
 K8S = ROOT / "docs" / "deploy" / "k8s"

@@ -1,8 +1,8 @@
 """Remote prefill's KV on the downlink, without a network: a block framed by the cloud
-(``common.kvdown.frame_block``) opens on the edge to the same float32 in every lossless format;
+(``common.wire.kvdown.frame_block``) opens on the edge to the same float32 in every lossless format;
 every size, index, id, layer range, format and version is checked before the payload is touched;
 a flipped bit fails the CRC32C or the leaf, and the edge asks for exactly that block again
-(``edge.kvdownload.KVDownload``); the commit's root covers the blocks in order."""
+(``edge.link.downlink.KVDownload``); the commit's root covers the blocks in order."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tandem.common import merkle, wire
-from tandem.common.errors import ChecksumMismatch, InvalidRequest, MerkleMismatch
-from tandem.common.kvdown import (
+from tandem.common.protocol.errors import ChecksumMismatch, InvalidRequest, MerkleMismatch
+from tandem.common.protocol.params import LinkParams
+from tandem.common.wire import chunks as wire
+from tandem.common.wire import merkle
+from tandem.common.wire.kvdown import (
     Expected,
     KVBlockDown,
     KVCommitDown,
@@ -25,8 +27,7 @@ from tandem.common.kvdown import (
     full_model_key,
     open_block,
 )
-from tandem.common.params import LinkParams
-from tandem.edge.kvdownload import KVDownload
+from tandem.edge.link.downlink import KVDownload
 from tests.doubles import MANIFEST, B
 
 SHAPE = MANIFEST.shape
@@ -167,9 +168,9 @@ def test_a_remote_prefill_header_that_is_not_direct_shaped_is_refused(change, sa
     cached tokens, or holds more than its prompt, is an ``InvalidRequest`` (gRPC INVALID_ARGUMENT)."""
     from types import SimpleNamespace
 
-    from tandem.cloud.remoteprefill import check_remote_prefill
-    from tandem.common.messages import TurnHeader
-    from tandem.common.params import Sampling
+    from tandem.cloud.remote_prefill import check_remote_prefill
+    from tandem.common.protocol.messages import TurnHeader
+    from tandem.common.protocol.params import Sampling
 
     ok = TurnHeader("r", "s", 3, 0, tuple(IDS), 0, 0, 0, Sampling(max_new_tokens=4), remote_prefill=RemotePrefill(0))
     check_remote_prefill(SimpleNamespace(header=ok, link_params=params()), (wire.WireDtype.FP32,))

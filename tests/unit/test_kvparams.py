@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.common.kvblocks import LayerRange
-from tandem.common.kvparams import ConnectorReport, KVTransferSpec, PartSpec
+from tandem.cloud.engines.kvparams import ConnectorReport, KVTransferSpec, PartSpec
+from tandem.common.wire.kvblocks import LayerRange
 
 
 def test_a_spec_round_trips_through_vllm_params():

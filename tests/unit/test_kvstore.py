@@ -5,9 +5,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from tandem.common.errors import EngineError, InvalidRequest
-from tandem.common.kvblocks import LayerRange, block_hashes, hash_seed, part_key, split_blocks
-from tandem.common.kvstore import (
+from tandem.cloud.store.blocks import (
     PASSWORD_ENV,
     SEAL_BYTES,
     MemoryBlockStore,
@@ -16,8 +14,10 @@ from tandem.common.kvstore import (
     seal,
     unseal,
 )
-from tandem.common.kvstore_disk import DiskBlockStore
-from tandem.common.kvstore_redis import RedisBlockStore
+from tandem.cloud.store.disk import DiskBlockStore
+from tandem.cloud.store.redis_store import RedisBlockStore
+from tandem.common.protocol.errors import EngineError, InvalidRequest
+from tandem.common.wire.kvblocks import LayerRange, block_hashes, hash_seed, part_key, split_blocks
 
 
 def test_chained_hashes_share_prefixes():
@@ -68,7 +68,7 @@ def test_disk_store_across_processes(tmp_path):
 
 def test_a_store_key_names_the_layer_range_and_the_canonical_layout():
     """A block written under another canonical layout version is never found under this one."""
-    from tandem.common import kvblocks
+    from tandem.common.wire import kvblocks
 
     key = part_key(bytes(32), LayerRange(0, 4))
     assert key == "00" * 32 + f":L0-4:kv{kvblocks.KV_LAYOUT_VERSION}"
@@ -336,8 +336,8 @@ def test_malformed_store_urls_are_refused(url, match):
 
 
 def test_a_sessions_record_and_pieces_share_a_group_and_blocks_spread():
-    from tandem.cloud.sessionstore import piece_key, record_key
-    from tandem.common.kvstore import slot_tag
+    from tandem.cloud.sessions.store import piece_key, record_key
+    from tandem.cloud.store.blocks import slot_tag
 
     tags = {slot_tag(record_key("e/s"))} | {slot_tag(piece_key("e/s", bytes([i]))) for i in range(4)}
     assert len(tags) == 1 and slot_tag(record_key("e/t")) not in tags

@@ -1,4 +1,4 @@
-"""KV block wire formats (``common.kvwire``) and activation int4 (``common.wire``): sizes,
+"""KV block wire formats (``common.wire.kvwire``) and activation int4 (``common.wire.chunks``): sizes,
 round trips and their error bounds, and what a leaf commits to."""
 
 from __future__ import annotations
@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.common import formats, merkle, quant, wire
-from tandem.common.errors import InvalidRequest
-from tandem.common.kvwire import decode_kv, encode_kv, kv_raw_nbytes
-from tandem.common.wire import WireDtype
+from tandem.common.protocol.errors import InvalidRequest
+from tandem.common.wire import chunks as wire
+from tandem.common.wire import formats, merkle, quant
+from tandem.common.wire.chunks import WireDtype
+from tandem.common.wire.kvwire import decode_kv, encode_kv, kv_raw_nbytes
 
 SHAPE = (4, 2, 3, 32, 64)  # SmolLM2-135M at k = 4, block size 32
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tandem.cloud.links import ControllerConfig, Link, LinkBusy, LinkSlo, LinkTable, Ticket
-from tandem.common.errors import InvalidRequest, QuotaExceeded
+from tandem.cloud.links.table import ControllerConfig, Link, LinkBusy, LinkSlo, LinkTable, Ticket
+from tandem.common.protocol.errors import InvalidRequest, QuotaExceeded
 from tests.doubles import FakeClock, settle
 
 NO_SLO = LinkSlo(0, 0)

@@ -12,7 +12,7 @@ import struct
 import blake3
 import pytest
 
-from tandem.common import merkle
+from tandem.common.wire import merkle
 
 HASHERS = [merkle.BLAKE3, merkle.SHA256]
 
@@ -448,7 +448,7 @@ def test_every_size_up_to_33_against_reference(hasher):
 def test_a_leaf_commits_to_the_canonical_kv_layout():
     """Layout 1 adds nothing to a leaf (the leaves edges and clouds have always computed); any later
     layout adds its tag, so the same bytes under another layout give another leaf, never the same."""
-    from tandem.common.kvblocks import KV_LAYOUT_VERSION
+    from tandem.common.wire.kvblocks import KV_LAYOUT_VERSION
 
     h = b"\x07" * 32
     v1 = merkle.leaf_data(h, 0, 4, 1, b"kv", layout_version=1)

@@ -1,13 +1,13 @@
-"""The serving modes as one enum (``common.modes.Mode``) and their conversions at the API
+"""The serving modes as one enum (``common.protocol.modes.Mode``) and their conversions at the API
 boundaries: protobuf ``tandem.v1.Mode``, the names the SDK and the OpenAI API take, ``ChatTurn.from_pb``."""
 
 from __future__ import annotations
 
 import pytest
 
-from tandem.common.errors import InvalidRequest
-from tandem.common.modes import Mode
-from tandem.edge.events import ChatTurn
+from tandem.common.protocol.errors import InvalidRequest
+from tandem.common.protocol.modes import Mode
+from tandem.edge.api.events import ChatTurn
 from tandem.v1 import tandem_pb2 as pb
 
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tandem.benchmarks.realsize import SHAPES, write_checkpoint
-from tandem.common.chat import prompt_token_ids
+from tandem.common.protocol.chat import prompt_token_ids
 
 # parameter counts of meta-llama/Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B (tied embeddings
 # counted once), as their model cards and safetensors index files give them

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.common.errors import EngineError, InvalidRequest
-from tandem.common.manifest import EngineAgreement, SplitManifest, part_blake3
-from tandem.common.startup import FileRole, check_bind, open_regular, read_regular, settings_paths
+from tandem.common.protocol.errors import EngineError, InvalidRequest
+from tandem.common.protocol.manifest import EngineAgreement, SplitManifest, part_blake3
+from tandem.common.runtime.startup import FileRole, check_bind, open_regular, read_regular, settings_paths
 from tests.doubles import toy_manifest
 
 KEY = "k" * 24
@@ -74,10 +74,10 @@ def served(monkeypatch) -> list[str]:
     async def edge_serve(cfg, ready_file, grace_s=None) -> None:
         reached.append("edge")
 
-    monkeypatch.setattr("tandem.cloud.engines.VllmEngines.__init__", refuse)
+    monkeypatch.setattr("tandem.cloud.engines.vllm_engines.VllmEngines.__init__", refuse)
     monkeypatch.setattr("tandem.cloud.server.create_cloud", refuse)
     monkeypatch.setattr("tandem.edge.server.create_edge", refuse)
-    monkeypatch.setattr("tandem.edge.head_runner.OnnxHead.__init__", refuse)
+    monkeypatch.setattr("tandem.edge.compute.head.OnnxHead.__init__", refuse)
     monkeypatch.setattr("tandem.cloud.cli.serve", cloud_serve)
     monkeypatch.setattr("tandem.edge.cli.serve", edge_serve)
     return reached
@@ -408,7 +408,7 @@ def test_every_input_file_setting_refuses_what_is_not_a_regular_file(
 
 def _port_cases() -> list[tuple[str, str]]:
     from tandem.cloud.config import CloudConfig
-    from tandem.common.startup import SERVER_PORTS
+    from tandem.common.runtime.startup import SERVER_PORTS
     from tandem.edge.config import EdgeConfig
 
     return [
@@ -423,7 +423,7 @@ def test_every_port_setting_is_a_server_the_check_binds():
     """A port setting outside ``SERVER_PORTS`` would be neither bound at start nor kept apart from
     the others."""
     from tandem.cloud.config import CloudConfig
-    from tandem.common.startup import SERVER_PORTS
+    from tandem.common.runtime.startup import SERVER_PORTS
     from tandem.edge.config import EdgeConfig
 
     for cls in (CloudConfig, EdgeConfig):
@@ -549,7 +549,7 @@ def test_open_regular_refuses_by_type_without_opening(tmp_path, fifo):
 
 def test_tls_file_reads_refuse_a_fifo_at_run_time_too(fifo):
     """The servers' credentials read their PEM files with the same reader."""
-    from tandem.common.grpcsetup import server_credentials
+    from tandem.common.runtime.grpc_setup import server_credentials
 
     with pytest.raises(InvalidRequest, match="tls_key_file: .* is a FIFO"):
         server_credentials(fifo, fifo, None)
@@ -565,7 +565,7 @@ def test_check_bind_names_the_port_in_use(busy_port):
 def test_store_reachability_is_checked_without_changing_the_server(redis_server):
     import redis
 
-    from tandem.common.kvstore_redis import check_store_reachable
+    from tandem.cloud.store.redis_store import check_store_reachable
 
     r = redis.Redis.from_url(redis_server.url)
     before = r.config_get("maxmemory*")
@@ -579,8 +579,8 @@ def test_store_reachability_is_checked_without_changing_the_server(redis_server)
 
 
 def test_a_store_password_the_server_refuses_is_found_at_start(tmp_path, monkeypatch):
-    from tandem.common.kvstore import PASSWORD_ENV
-    from tandem.common.kvstore_redis import check_store_reachable
+    from tandem.cloud.store.blocks import PASSWORD_ENV
+    from tandem.cloud.store.redis_store import check_store_reachable
     from tests.helpers import RedisServer
 
     server = RedisServer(tmp_path, password="right-password-16")
@@ -619,7 +619,7 @@ def test_a_stale_ready_file_is_removed_before_serving(tmp_path, served, capsys):
 def test_the_default_local_model_is_checked_by_type_too(tmp_path, served, capsys, monkeypatch):
     """Without ``local_model``, the edge reads ``edge-decoder/`` or ``edge-full.onnx`` beside the split
     directory: a FIFO there is refused before anything reads it."""
-    from tandem.common.manifest import FULL_ONNX
+    from tandem.common.protocol.manifest import FULL_ONNX
     from tandem.edge.cli import app
 
     base = edge_base(tmp_path)

@@ -13,10 +13,10 @@ import time
 import grpc
 import pytest
 
-from tandem.cloud.engines import DECODE, EngineRole
-from tandem.cloud.supervisor import EngineSupervisor
-from tandem.common.errors import EngineError
-from tandem.common.grpcsetup import channel_options, start_server
+from tandem.cloud.engines.supervisor import EngineSupervisor
+from tandem.cloud.engines.vllm_engines import DECODE, EngineRole
+from tandem.common.protocol.errors import EngineError
+from tandem.common.runtime.grpc_setup import channel_options, start_server
 
 
 class FakeEngines:
@@ -122,7 +122,7 @@ def test_lifeline_exits_engine_processes_when_the_gateway_dies(tmp_path):
     worker = textwrap.dedent(
         f"""
         import os, sys, time
-        from tandem.cloud import lifeline
+        from tandem.cloud.engines import lifeline
         lifeline.watch_parent(int(sys.argv[1]), interval_s=0.2)
         open({str(pids)!r}, "a").write(f"{{os.getpid()}}\\n")
         time.sleep(60)
@@ -131,7 +131,7 @@ def test_lifeline_exits_engine_processes_when_the_gateway_dies(tmp_path):
     engine = textwrap.dedent(
         f"""
         import os, subprocess, sys, time
-        from tandem.cloud import lifeline
+        from tandem.cloud.engines import lifeline
         lifeline.watch_parent(int(sys.argv[1]), interval_s=0.2)
         subprocess.Popen([sys.executable, "-c", {worker!r}, sys.argv[1]])
         open({str(pids)!r}, "a").write(f"{{os.getpid()}}\\n")
@@ -187,7 +187,7 @@ def _engine_set(fail: EngineRole | None = None):
     (so the test fails if they run one after another) and ``fail`` raises."""
     import threading
 
-    from tandem.cloud.engines import VllmEngines
+    from tandem.cloud.engines.vllm_engines import VllmEngines
 
     roles = (EngineRole.tail(4), EngineRole.tail(8), DECODE)
     began = threading.Barrier(len(roles), timeout=5)

@@ -1,4 +1,4 @@
-"""The behaviour switches table (``common.switches.plan``) on transformers configs (no weights): what
+"""The behaviour switches table (``common.model.switches.plan``) on transformers configs (no weights): what
 is refused with one line, which side of a LongRoPE threshold a deployment's graphs are exported at,
 the vLLM overrides that make its sliding windows HF's, the range of ``max_model_len`` a plan holds
 for and the length of the check row past the switches; the tail config keeps each layer's attention."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.common import switches
-from tandem.common.head_model import FAMILIES, UnsupportedArchitecture
-from tandem.common.manifest import EngineAgreement
+from tandem.common.model import switches
+from tandem.common.model.head_model import FAMILIES, UnsupportedArchitecture
+from tandem.common.protocol.manifest import EngineAgreement
 from tests.families import FAMILY_NAMES, ORIGINAL_POSITIONS, WINDOW_TOKENS, family_config
 
 ARCH = {

@@ -3,19 +3,20 @@
 import numpy as np
 import pytest
 
-from tandem.cloud.sessions import CloudSession, SessionTable
-from tandem.cloud.upload import TurnUpload, check_header
-from tandem.common import merkle, wire
-from tandem.common.errors import (
+from tandem.cloud.sessions.table import CloudSession, SessionTable
+from tandem.cloud.uploads.upload import TurnUpload, check_header
+from tandem.common.protocol.errors import (
     ChecksumMismatch,
     InvalidRequest,
     MerkleMismatch,
     ParamsVersionMismatch,
     SessionOutOfSync,
 )
-from tandem.common.kvblocks import block_hashes, hash_seed
-from tandem.common.messages import KVBlock, TurnHeader
-from tandem.common.params import LinkParams, Sampling
+from tandem.common.protocol.messages import KVBlock, TurnHeader
+from tandem.common.protocol.params import LinkParams, Sampling
+from tandem.common.wire import chunks as wire
+from tandem.common.wire import merkle
+from tandem.common.wire.kvblocks import block_hashes, hash_seed
 from tests.doubles import HKV, D, H, K, toy_manifest
 
 B = 4  # smaller blocks than the shared doubles' (32): prompts of a few tokens cover whole blocks
@@ -216,7 +217,7 @@ def test_duplicates_and_unnegotiated_encodings_are_refused():
 def test_kv_blocks_in_another_format_than_the_links_are_refused():
     from dataclasses import replace
 
-    from tandem.common.kvwire import encode_kv
+    from tandem.common.wire.kvwire import encode_kv
 
     header, _, _, blocks = make_turn(list(range(10)))
     b = blocks[0]
@@ -241,7 +242,7 @@ def test_the_upload_budget_covers_what_is_kept_not_only_what_travels():
     """A quantised upload is kept as float32 (up to 8x its wire size): the reservation covers that."""
     from dataclasses import replace
 
-    from tandem.cloud.upload import upload_bound_bytes
+    from tandem.cloud.uploads.upload import upload_bound_bytes
 
     header, _, chunks, blocks = make_turn(list(range(10)))
     fp32 = upload_bound_bytes(header, PARAMS, MANIFEST)

@@ -1,4 +1,4 @@
-"""tandem's vLLM general plugin (cloud/vllm_plugin.py): installed as an entry point, it sets how long
+"""tandem's vLLM general plugin (cloud/engines/vllm_plugin.py): installed as an entry point, it sets how long
 an idle vLLM worker busy-polls, and ends vLLM's spawned processes without the interpreter's
 teardown, only when tandem-cloud asks for it. Each case runs in a fresh
 interpreter, as vLLM's engine processes do; the one in-process test undoes what it changes."""
@@ -35,7 +35,7 @@ def test_vllm_loads_the_plugin_which_sets_the_worker_polling_only_when_asked(env
 
 
 def test_a_vllm_the_plugin_does_not_fit_still_starts(monkeypatch, caplog):
-    from tandem.cloud import vllm_plugin
+    from tandem.cloud.engines import vllm_plugin
 
     def broken(busy_s):
         raise ImportError("no shm_broadcast in this vLLM")
@@ -48,7 +48,7 @@ def test_a_vllm_the_plugin_does_not_fit_still_starts(monkeypatch, caplog):
 
 @pytest.mark.parametrize(("env_value", "applied"), [("0.5", [0.5]), ("0", [0.0]), ("soon", []), ("-1", [])])
 def test_the_plugin_applies_only_a_number_of_seconds(monkeypatch, env_value, applied):
-    from tandem.cloud import vllm_plugin
+    from tandem.cloud.engines import vllm_plugin
 
     seen: list[float] = []
     monkeypatch.setattr(vllm_plugin, "set_worker_busy_poll_s", seen.append)
@@ -66,8 +66,8 @@ def test_the_cloud_passes_its_setting_to_the_engine_processes(monkeypatch):
     from vllm import plugins
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
-    from tandem.cloud import vllm_plugin
     from tandem.cloud.config import CloudConfig, EngineConfig
+    from tandem.cloud.engines import vllm_plugin
 
     monkeypatch.setenv(vllm_plugin.ENV, "unset")
     monkeypatch.setenv(vllm_plugin.FAST_EXIT_ENV, "unset")
@@ -83,8 +83,8 @@ def test_the_cloud_passes_its_setting_to_the_engine_processes(monkeypatch):
         raise Stop
 
     monkeypatch.setattr("vllm.v1.engine.async_llm.AsyncLLM.from_engine_args", from_engine_args)
-    from tandem.cloud.engine_start import start_engine
-    from tandem.cloud.engines import DECODE
+    from tandem.cloud.engines.start import start_engine
+    from tandem.cloud.engines.vllm_engines import DECODE
 
     cfg = CloudConfig(engine=EngineConfig(worker_busy_poll_s=0.25))
     with pytest.raises(Stop):
@@ -113,7 +113,7 @@ def _child(marker_dir: str, fast_exit_env: str | None, code: int) -> None:
     from multiprocessing import spawn
     from pathlib import Path
 
-    from tandem.cloud import vllm_plugin
+    from tandem.cloud.engines import vllm_plugin
 
     os.environ.pop(vllm_plugin.ENV, None)
     os.environ.pop(vllm_plugin.FAST_EXIT_ENV, None)
@@ -152,7 +152,7 @@ def test_a_spawned_process_with_fast_exit_skips_only_the_interpreter_teardown(
 def test_fast_exit_changes_nothing_in_a_process_multiprocessing_did_not_start():
     from multiprocessing import spawn
 
-    from tandem.cloud import vllm_plugin
+    from tandem.cloud.engines import vllm_plugin
 
     assert not vllm_plugin.install_fast_exit()
     assert spawn.sys is sys

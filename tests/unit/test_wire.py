@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import zstandard
 
-from tandem.common import wire
-from tandem.common.errors import ChecksumMismatch, CorruptPayload, InvalidRequest
+from tandem.common.protocol.errors import ChecksumMismatch, CorruptPayload, InvalidRequest
+from tandem.common.wire import chunks as wire
 
 
 def h(t=37, hidden=16, seed=0):

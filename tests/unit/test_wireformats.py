@@ -1,4 +1,4 @@
-"""The wire format registry (``common.formats``) and the formats pinned to their bytes: every
+"""The wire format registry (``common.wire.formats``) and the formats pinned to their bytes: every
 activation and KV block format encodes fixed seeded tensors to bytes whose SHA-256 is written
 here, and decodes them to pinned float32 values. Edges and clouds of different builds must agree
 on these bytes, so a change to a pinned hash is a wire change."""
@@ -12,11 +12,11 @@ import struct
 import numpy as np
 import pytest
 
-from tandem.common import merkle
-from tandem.common.errors import InvalidRequest
-from tandem.common.formats import FORMATS, Fidelity, common_formats, format_of, registry
-from tandem.common.kvwire import decode_kv, encode_kv, kv_raw_nbytes
-from tandem.common.wire import Codec, WireDtype, decode_dtype, encode_dtype, raw_nbytes_of
+from tandem.common.protocol.errors import InvalidRequest
+from tandem.common.wire import merkle
+from tandem.common.wire.chunks import Codec, WireDtype, decode_dtype, encode_dtype, raw_nbytes_of
+from tandem.common.wire.formats import FORMATS, Fidelity, common_formats, format_of, registry
+from tandem.common.wire.kvwire import decode_kv, encode_kv, kv_raw_nbytes
 
 
 def sha(data: bytes) -> str:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.cloud.links import LinkBusy, LinkSlo, LinkTable, Ticket
+from tandem.cloud.links.table import LinkBusy, LinkSlo, LinkTable, Ticket
 from tests.doubles import FakeClock, settle
 
 OBJECTIVES = st.sampled_from([LinkSlo(0, 0), LinkSlo(100, 20), LinkSlo(1000, 200), LinkSlo(50, 0), LinkSlo(0, 5)])

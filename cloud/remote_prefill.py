@@ -1,0 +1,305 @@
+"""Remote prefill on the cloud: one turn whose prompt the decode engine prefills from token ids,
+whose tokens stream as in direct mode, and whose prompt KV (every layer of its full blocks) goes
+down the same call so that the edge can take the decode over.
+
+``RemotePrefills.run`` reads like the data path: pin the prompt's blocks -> the decode engine
+prefills with the connector loading the session's blocks already stored and saving the others
+(``KVTransferSpec`` with one part, layers ``[0, L)``) -> tokens go down as they come -> after the
+first token, once the engine's writes landed (``Pins.await_tail_saves``), the blocks the edge
+lacks go down (``common.wire.kvdown.frame_block``) within a window the edge's ``KVDownAck``s move,
+then the commit (their Merkle root) -> on the edge's ``Takeover`` the engine request is aborted
+(vLLM frees its KV slots), the tokens decoded past the edge's position follow, then a ``Final``
+with finish reason ``handover``. A decode that ends first ends the turn as in direct mode, and a
+downlink that is cut or slow only means the edge never takes over.
+
+Block ids (what the edge verifies) are chained over the prompt's token ids from the whole model's
+key and the request's scope; store keys chain the same ids from a seed in the caller's namespace,
+so one edge's blocks are never another's cache hit. A session's blocks stay in the store for its
+next turns (the engine loads them, ``Pins`` holds them until the edge acknowledged them); a
+stateless turn's are dropped at its end. No grpc here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tandem.cloud.engines.kvparams import KVTransferSpec, PartSpec
+from tandem.cloud.links.table import Ticket
+from tandem.cloud.splits import Splits
+from tandem.cloud.store.blocks import BlockStore
+from tandem.cloud.turn import Turn, UplinkBody
+from tandem.cloud.uploads.pins import Pins
+from tandem.common.protocol.errors import InvalidRequest
+from tandem.common.protocol.messages import DownEvent, TokensOut, TurnFinal
+from tandem.common.protocol.params import Sampling
+from tandem.common.wire import chunks as wire
+from tandem.common.wire import merkle
+from tandem.common.wire.kvblocks import LayerRange, block_hashes, hash_seed, kv_scope
+from tandem.common.wire.kvdown import (
+    KVBlockDown,
+    KVCommitDown,
+    KVDownAck,
+    Takeover,
+    block_ids,
+    block_shape,
+    frame_block,
+    full_model_key,
+)
+from tandem.common.wire.kvwire import kv_raw_nbytes
+from tandem.stages import Stage
+
+log = logging.getLogger("tandem.cloud")
+HANDOVER = "handover"  # Final.finish_reason of a turn the edge took over
+WINDOW_BLOCKS = 4  # the downlink window holds at least this many blocks (a link's window counts uplink items)
+
+Decode = Callable[[Turn, list[int], KVTransferSpec | None, Sampling, int, Ticket], AsyncIterator[DownEvent]]
+Final = Callable[[Turn, str, int, int], TurnFinal]  # (turn, finish reason, output tokens, external tokens)
+
+
+def check_remote_prefill(turn: Turn, kv_dtypes: tuple[wire.WireDtype, ...]) -> None:
+    """Raises InvalidRequest for a remote-prefill header that is not direct-shaped, holds more than
+    the prompt, or runs on a link whose KV format this cloud does not allow."""
+    h, p = turn.header, turn.link_params
+    rp = h.remote_prefill
+    if rp is None:
+        raise InvalidRequest("not a remote-prefill turn")
+    if h.split_layer or h.num_chunks or h.num_kv_blocks or h.cached_tokens:
+        raise InvalidRequest("remote prefill sends token ids only: split layer 0, no chunks, blocks or cached tokens")
+    if rp.held_tokens > len(h.prompt_token_ids):
+        raise InvalidRequest(f"held_tokens {rp.held_tokens} > prompt length {len(h.prompt_token_ids)}")
+    if p.kv_wire_dtype not in kv_dtypes:
+        raise InvalidRequest(f"this cloud sends KV blocks in {[d.name for d in kv_dtypes]}, not {p.kv_wire_dtype.name}")
+
+
+@dataclass
+class _Window:
+    """Flow control of the blocks going down: payload bytes sent (each block once) and acknowledged."""
+
+    window_bytes: int
+    sent_bytes: int = 0
+    acked_bytes: int = 0
+    moved: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def room(self, n: int) -> None:
+        """Wait until ``n`` more bytes fit (or nothing is in flight)."""
+        while 0 < self.sent_bytes - self.acked_bytes and self.sent_bytes - self.acked_bytes + n > self.window_bytes:
+            self.moved.clear()
+            await self.moved.wait()
+
+    def ack(self, received_bytes: int) -> None:
+        self.acked_bytes = max(self.acked_bytes, min(received_bytes, self.sent_bytes))
+        self.moved.set()
+
+
+@dataclass
+class _Blocks:
+    """One turn's blocks: their ids (what the edge checks), content keys in the caller's namespace
+    and store keys, the first the edge lacks, what was sent and resent."""
+
+    ids: list[bytes]
+    content: list[bytes]
+    keys: list[str]
+    first: int
+    layers: LayerRange
+    sent: dict[int, KVBlockDown] = field(default_factory=dict)
+    resends: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def down(self) -> range:
+        return range(self.first, len(self.ids))
+
+    @property
+    def spec(self) -> KVTransferSpec:
+        """Load the blocks the store holds, save the others: one part, every layer."""
+        part = PartSpec(self.layers, tuple(self.content))
+        return KVTransferSpec(loads=(part,), save=part)
+
+
+_TAKEOVER = object()  # the edge's Takeover, queued behind the events before it
+
+
+class RemotePrefills:
+    """The remote-prefill turns of one node. ``decode`` is the gateway's token stream
+    (``Gateway._decode``) and ``final`` its final message; ``max_resends`` bounds the resends of
+    one block."""
+
+    def __init__(
+        self, splits: Splits, pins: Pins, store: BlockStore, decode: Decode, final: Final, max_resends: int
+    ) -> None:
+        self.splits, self.pins, self.store, self.decode, self.final = splits, pins, store, decode, final
+        self.max_resends = max_resends
+        self.model_key = full_model_key(splits.primary)
+
+    def _blocks(self, turn: Turn) -> _Blocks:
+        h, bs = turn.header, turn.link_params.kv_block_size_tokens
+        ids = list(h.prompt_token_ids)
+        layers = LayerRange(0, self.splits.primary.shape.num_layers)
+        scope = f"{turn.caller.tag}|full|{kv_scope(h.session_id, h.request_id)}"
+        content = block_hashes(ids, bs, hash_seed(self.model_key, bs, scope))
+        keys = [PartSpec(layers, tuple(content)).store_key(j) for j in range(len(content))]
+        first = min((h.remote_prefill.held_tokens if h.remote_prefill else 0) // bs, len(content))
+        return _Blocks(block_ids(ids, bs, self.model_key, h.session_id, h.request_id), content, keys, first, layers)
+
+    async def run(
+        self, turn: Turn, uplink: AsyncIterator[UplinkBody], ticket: Ticket
+    ) -> AsyncGenerator[DownEvent, None]:
+        """The turn (see module doc): yields tokens, KV blocks, the commit and a ``Final``.
+
+        Raises:
+            InvalidRequest: an uplink item other than ``KVDownAck`` or ``Takeover``, or an ack of
+                blocks never sent. What the decode raises (EngineError, DeadlineExceeded).
+        """
+        blocks = self._blocks(turn)
+        spec = blocks.spec
+        await self.pins.pin(turn, blocks.keys)
+        q: asyncio.Queue = asyncio.Queue()
+        first_token, window = asyncio.Event(), _Window(self._window_bytes(turn))
+        t0 = time.perf_counter()
+        tasks = [
+            asyncio.create_task(self._tokens(turn, spec, ticket, q, first_token)),
+            asyncio.create_task(self._send(turn, blocks, window, q, first_token)),
+            asyncio.create_task(self._acks(turn, uplink, blocks, window, q)),
+        ]
+        try:
+            async for ev in self._merge(turn, q, tasks[0], t0):
+                yield ev
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if not turn.session_key:  # a stateless request's KV is reusable by no one
+                await self.pins.drop_stateless(spec, blocks.keys)
+
+    async def _merge(self, turn: Turn, q: asyncio.Queue, decoding: asyncio.Task, t0: float) -> AsyncIterator[DownEvent]:
+        """The queued events in order; on the edge's takeover, the decode is aborted and the turn ends
+        with the tokens it produced meanwhile and a ``handover`` final."""
+        n_out = 0
+        while True:
+            ev = await q.get()
+            if isinstance(ev, BaseException):
+                raise ev
+            if ev is _TAKEOVER:
+                decoding.cancel()  # closes the engine's stream: vLLM aborts the request
+                await asyncio.gather(decoding, return_exceptions=True)
+                turn.time(Stage.CLOUD_DECODE, t0)
+                while not q.empty():
+                    rest = q.get_nowait()
+                    if isinstance(rest, TokensOut):
+                        n_out += len(rest.token_ids)
+                        yield rest
+                    elif isinstance(rest, TurnFinal):  # the decode ended before it was aborted
+                        yield rest
+                        return
+                yield self.final(turn, HANDOVER, n_out, turn.external_tokens)
+                return
+            if isinstance(ev, TokensOut):
+                n_out += len(ev.token_ids)
+            yield ev
+            if isinstance(ev, TurnFinal):
+                return
+
+    def _window_bytes(self, turn: Turn) -> int:
+        p, sh = turn.link_params, self.splits.primary.shape
+        raw = kv_raw_nbytes(block_shape(sh, p.kv_block_size_tokens), p.kv_wire_dtype)
+        return max(p.inflight_window_bytes, WINDOW_BLOCKS * wire.max_payload_bytes(raw, p.codec))
+
+    async def _tokens(
+        self, turn: Turn, spec: KVTransferSpec, ticket: Ticket, q: asyncio.Queue, first_token: asyncio.Event
+    ) -> None:
+        """The decode engine's events into ``q`` (an error too); ``first_token`` once tokens came."""
+        h = turn.header
+        try:
+            async for ev in self.decode(turn, list(h.prompt_token_ids), spec, h.sampling, 0, ticket):
+                q.put_nowait(ev)
+                if isinstance(ev, TokensOut):
+                    first_token.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the turn, which raises it
+            q.put_nowait(e)
+
+    async def _send(
+        self, turn: Turn, b: _Blocks, window: _Window, q: asyncio.Queue, first_token: asyncio.Event
+    ) -> None:
+        """After the first token: wait for the engine's writes of the blocks the edge lacks, then
+        send them within the window, then the commit. A block missing from the store ends the
+        downlink (the decode goes on: the edge never takes over)."""
+        await first_token.wait()
+        await self.pins.release(b.keys[: b.first], turn.engine_id)  # loaded by now; the edge holds them
+        turn.pinned.difference_update(b.keys[: b.first])
+        t0 = time.perf_counter()
+        missing = await self.pins.await_tail_saves(b.keys[b.first :], turn.deadline)
+        turn.time(Stage.CLOUD_KV_SAVE_WAIT, t0)
+        if missing:
+            log.warning("remote prefill: %d of %d KV blocks not stored; no KV goes down", len(missing), len(b.down))
+            return
+        leaves = []
+        for j in b.down:
+            down = await asyncio.to_thread(self._frame, turn, b, j)
+            if down is None:
+                log.warning("remote prefill: KV block %d left the store; no more KV goes down", j)
+                return
+            await window.room(len(down.payload))
+            window.sent_bytes += len(down.payload)
+            b.sent[j] = down
+            leaves.append(down.leaf_hash)
+            q.put_nowait(down)
+        q.put_nowait(KVCommitDown(b.first, len(leaves), merkle.root(leaves)))
+        turn.time(Stage.CLOUD_KV_DOWNLINK, t0)
+
+    def _frame(self, turn: Turn, b: _Blocks, j: int) -> KVBlockDown | None:
+        """Block ``j`` read from the store and framed (blocking); None if it is not there."""
+        raw = self.store.get(b.keys[j])
+        sh, p = self.splits.primary.shape, turn.link_params
+        shape = block_shape(sh, p.kv_block_size_tokens)
+        if raw is None or len(raw) != int(np.prod(shape)) * 4:
+            return None
+        block = np.frombuffer(raw, np.float32).reshape(shape)
+        return frame_block(block, j, b.ids[j], p, turn.header.params_version)[0]
+
+    async def _acks(
+        self, turn: Turn, uplink: AsyncIterator[UplinkBody], b: _Blocks, window: _Window, q: asyncio.Queue
+    ) -> None:
+        """The edge's acks (window, unpins, resends) and its takeover, queued behind what went before."""
+        unpinned = b.first
+        try:
+            async for item in uplink:
+                if isinstance(item, Takeover):
+                    q.put_nowait(_TAKEOVER)
+                    return
+                if not isinstance(item, KVDownAck):
+                    raise InvalidRequest(f"remote prefill takes KV acks and a takeover, not {type(item).__name__}")
+                window.ack(item.received_bytes)
+                verified = min(b.first + item.verified_blocks, len(b.ids))
+                if verified > unpinned:  # the edge holds them: they follow the store's normal eviction
+                    keys = b.keys[unpinned:verified]
+                    turn.pinned.difference_update(keys)
+                    await self.pins.release(keys, turn.engine_id)
+                    unpinned = verified
+                self._resend(b, item.resend_blocks, q)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the turn, which raises it
+            q.put_nowait(e)
+
+    def _resend(self, b: _Blocks, indices: tuple[int, ...], q: asyncio.Queue) -> None:
+        """Queue the blocks the edge asks for again, each at most ``max_resends`` times.
+
+        Raises:
+            InvalidRequest: a block this turn did not send.
+        """
+        for j in indices:
+            if j not in b.sent:
+                raise InvalidRequest(f"the edge asked for KV block {j} again; this turn sent {sorted(b.sent)[:8]}")
+            n = b.resends[j] = b.resends.get(j, 0) + 1
+            if n > self.max_resends:
+                log.warning("remote prefill: KV block %d asked for %d times; not sent again", j, n)
+                continue
+            log.info("remote prefill: the edge asked for KV block %d again", j)
+            q.put_nowait(b.sent[j])

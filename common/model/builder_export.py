@@ -1,0 +1,261 @@
+"""The edge's whole model built by ONNX Runtime GenAI's model builder (``onnxruntime_genai.models.builder``).
+
+The builder writes the field's decoder graph for ONNX Runtime: ``GroupQueryAttention`` with rotary
+fused, past and present KV in one shared buffer, fused ``SkipSimplifiedLayerNormalization``,
+``MatMulNBits`` for int4. tandem drives that graph itself (``edge.compute.decoder``), so preparation adds
+one output to it: ``next_token_ids`` int64 ``[B, S]``, the argmax of the logits of each row, so a
+greedy decode step returns a token id instead of ``V`` logits.
+
+``build_decoder(hf, out, precision, execution_provider)`` writes ``out/model.onnx`` (+ its external
+weights), ``genai_config.json`` and the tokenizer files the builder copies, and records what it
+built in ``out/tandem_build.json``. ``check_decoder`` runs the built graph against HF's logits.
+
+Precisions (the builder's ``-p``): ``fp32`` (the CPU build: exact against the float32 references),
+``fp16`` and ``bf16`` (the GPU paths: ONNX Runtime GenAI's fp32 CUDA graph does not load), ``int4``
+(``MatMulNBits`` weights, fp32 activations on the CPU, fp16 on the GPU). Needs the ``model`` extra
+plus ``onnxruntime-genai`` (or ``onnxruntime-genai-cuda``) and ``onnx_ir``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from tandem.common.protocol.manifest import EngineAgreement
+
+BUILD_RECORD = "tandem_build.json"
+GENAI_CONFIG = "genai_config.json"  # the builder's description of the graph
+PRECISIONS = ("fp32", "fp16", "bf16", "int4")
+
+
+def default_precision() -> str:
+    """bf16 where ONNX Runtime has its CUDA provider (the dtype of the cloud's vLLM engines, and
+    the range of fp32), else fp32 (the CPU build, exact against the float32 references)."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return "fp32"
+    return "bf16" if "CUDAExecutionProvider" in ort.get_available_providers() else "fp32"
+
+
+EXECUTION_PROVIDERS = ("cpu", "cuda")
+NEXT_TOKEN = "next_token_ids"
+
+
+class BuilderFailed(RuntimeError):
+    """The model builder exited with an error (its last line is in the message)."""
+
+
+class DecoderBuild(BaseModel):
+    """What ``build_decoder`` wrote: the builder's precision and execution provider, the builder's
+    version, and the check against HF (largest absolute logit difference, its bound, tokens run)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    precision: str
+    execution_provider: str
+    builder_version: str
+    window_tokens: int = 0  # the largest sliding window of the graph's attention (0: none); a KV buffer holds more
+    max_abs_error: float | None = None
+    tolerance: float | None = None
+    checked_tokens: int = 0
+    passed: bool | None = None
+    # the agreement it was built and checked under (``common.model.switches``; None: before it was recorded)
+    engine_agreement: EngineAgreement | None = None
+
+
+def build_decoder(hf: Path, out: Path, precision: str = "fp32", execution_provider: str = "cpu") -> DecoderBuild:
+    """Build the whole model of the HF checkpoint ``hf`` into ``out`` and add ``next_token_ids``.
+
+    Raises:
+        ValueError: an unknown ``precision`` or ``execution_provider``, or a pair the builder does
+            not serve (fp32 on CUDA: ONNX Runtime GenAI's fp32 CUDA graph does not load).
+        ImportError: onnxruntime-genai is not installed.
+        BuilderFailed: the builder refused the checkpoint (an architecture it does not know, ...).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    if execution_provider not in EXECUTION_PROVIDERS:
+        raise ValueError(f"execution provider {execution_provider!r}: one of {', '.join(EXECUTION_PROVIDERS)}")
+    if precision == "fp32" and execution_provider == "cuda":
+        raise ValueError("fp32 on CUDA: the builder's fp32 CUDA graph does not load; use fp16 or bf16")
+    import onnxruntime_genai
+
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out)]
+    cmd += ["-p", precision, "-e", execution_provider, "-c", str(out / ".builder-cache")]
+    r = subprocess.run(cmd, capture_output=True, text=True)  # the builder's own CLI: its stable interface
+    shutil.rmtree(out / ".builder-cache", ignore_errors=True)
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise BuilderFailed(
+            f"onnxruntime_genai's model builder failed on {hf} ({precision}, {execution_provider}): {tail[0]}"
+        )
+    add_next_token(out / "model.onnx")
+    build = DecoderBuild(
+        precision=precision,
+        execution_provider=execution_provider,
+        builder_version=getattr(onnxruntime_genai, "__version__", "unknown"),
+        window_tokens=attention_window(out / "model.onnx"),
+    )
+    save_build(out, build)
+    return build
+
+
+def add_next_token(model_path: Path) -> None:
+    """Append ``next_token_ids = ArgMax(logits, axis=-1)`` (int64 ``[B, S]``, the first index of
+    a tie, as ``numpy.argmax``) to the graph at ``model_path``, once; the weights stay external."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    m = onnx.load(str(model_path), load_external_data=False)
+    if any(o.name == NEXT_TOKEN for o in m.graph.output):
+        return
+    m.graph.node.append(helper.make_node("ArgMax", ["logits"], [NEXT_TOKEN], axis=-1, keepdims=0))
+    m.graph.output.append(
+        helper.make_tensor_value_info(NEXT_TOKEN, TensorProto.INT64, ["batch_size", "sequence_length"])
+    )
+    onnx.save(m, str(model_path))
+
+
+def attention_window(model_path: Path) -> int:
+    """The largest ``local_window_size`` of the graph's ``GroupQueryAttention`` nodes (0 when none
+    slides): ONNX Runtime refuses a KV buffer that holds fewer tokens."""
+    import onnx
+
+    m = onnx.load(str(model_path), load_external_data=False)
+    sizes = [
+        int(onnx.helper.get_attribute_value(a))
+        for n in m.graph.node
+        if n.op_type == "GroupQueryAttention"
+        for a in n.attribute
+        if a.name == "local_window_size"
+    ]
+    return max([0, *sizes])
+
+
+def save_build(out: Path, build: DecoderBuild) -> None:
+    (out / BUILD_RECORD).write_text(build.model_dump_json(indent=2))
+
+
+def load_build(out: Path) -> DecoderBuild:
+    """Raises: FileNotFoundError: ``out`` holds no build record."""
+    return DecoderBuild.model_validate(json.loads((out / BUILD_RECORD).read_text()))
+
+
+def decoder_problem(out: Path) -> str:
+    """Why the built decoder at ``out`` must not serve (no graph, no record, never checked or failed
+    its check), or "" when it may."""
+    if not (out / GENAI_CONFIG).is_file():
+        return f"{out} holds no built decoder ({GENAI_CONFIG})"
+    try:
+        build = load_build(out)
+    except (FileNotFoundError, ValueError) as e:
+        return f"{out}/{BUILD_RECORD} is missing or unreadable ({e.__class__.__name__}): run tandem-model again"
+    if not build.passed:
+        err = (
+            "never checked"
+            if build.passed is None
+            else f"max |ONNX - HF| {build.max_abs_error:.2e} > {build.tolerance:.2e}"
+        )
+        return f"{out} failed its check against HF ({err}): run tandem-model again"
+    return ""
+
+
+def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-4) -> DecoderBuild:
+    """Run ``prompt_ids`` through the built graph in two chunks (a prefill, then the rest after the
+    first chunk's KV, as a later turn runs) and compare the logits of every token with HF's, in
+    float32; the result is saved in the build record. The graph runs on ONNX Runtime's CPU provider
+    for a CPU build, else on its CUDA provider.
+
+    The bound is ``rtol * max(1, max |HF logit|)``; fp16/bf16/int4 builds get the wider bounds of
+    their arithmetic (``1e-4`` fp32: the builds of the families that pass differ by 2e-5 of the
+    largest logit at most; ``5e-2`` fp16, ``1e-1`` bf16 and int4).
+
+    Raises:
+        ValueError: fewer than 2 prompt ids.
+    """
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if len(prompt_ids) < 2:
+        raise ValueError("the check needs at least 2 prompt ids")
+    build = load_build(out)
+    rtol = {"fp32": rtol, "fp16": 5e-2}.get(build.precision, 1e-1)
+    half = len(prompt_ids) // 2
+    kv = _KVBuffers(out, build, max(len(prompt_ids), build.window_tokens + 1))
+    first = kv.run(prompt_ids[:half])
+    second = kv.run(prompt_ids[half:])
+    got = np.concatenate([first, second])
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt_ids])).logits[0].numpy()
+    err = float(np.abs(got - ref).max())
+    tol = rtol * max(1.0, float(np.abs(ref).max()))
+    checked = build.model_copy(
+        update={"max_abs_error": err, "tolerance": tol, "checked_tokens": len(prompt_ids), "passed": err <= tol}
+    )
+    save_build(out, checked)
+    return checked
+
+
+class _KVBuffers:
+    """The built graph run as the edge runs it (``edge.compute.decoder``): one KV buffer per layer input of
+    ``capacity`` tokens bound as past and present, the mask over the tokens held and new; every
+    other output bound to the host. The preparation's own copy of that binding (``common`` does not
+    import the edge)."""
+
+    def __init__(self, out: Path, build: DecoderBuild, capacity: int) -> None:
+        import onnxruntime as ort
+
+        dec = json.loads((out / GENAI_CONFIG).read_text())["model"]["decoder"]
+        cuda = build.execution_provider == "cuda"
+        names = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else ["CPUExecutionProvider"]
+        self.sess = ort.InferenceSession(str(out / dec["filename"]), providers=names)
+        device = "cuda" if "CUDAExecutionProvider" in self.sess.get_providers() else "cpu"
+        shape = [1, dec["num_key_value_heads"], capacity, dec["head_size"]]
+        self.kv = {
+            i.name: ort.OrtValue.ortvalue_from_shape_and_type(shape, ONNX_ELEMENT[i.type], device, 0)
+            for i in self.sess.get_inputs()
+            if i.name.startswith("past_key_values.")
+        }
+        self.held = 0
+
+    def run(self, ids: list[int]) -> Any:
+        """Logits float32 ``[S, V]`` of ``ids`` after the tokens held."""
+        import numpy as np
+
+        b = self.sess.io_binding()
+        b.bind_cpu_input("input_ids", np.asarray([ids], np.int64))
+        b.bind_cpu_input("attention_mask", np.ones((1, self.held + len(ids)), np.int64))
+        for name, v in self.kv.items():
+            b.bind_ortvalue_input(name, v)
+            b.bind_ortvalue_output(name.replace("past_key_values.", "present."), v)
+        b.bind_output("logits", "cpu")
+        self.sess.run_with_iobinding(b)
+        self.held += len(ids)
+        return host_float32(b.get_outputs()[-1])[0]
+
+
+ONNX_ELEMENT = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16}
+
+
+def host_float32(v: Any) -> Any:
+    """A host ``OrtValue`` of float32, float16 or bfloat16 as a float32 numpy array (bfloat16
+    widened exactly from its bits, which numpy cannot hold as a dtype)."""
+    import ctypes
+
+    import numpy as np
+
+    if v.data_type() != "tensor(bfloat16)":
+        return np.asarray(v.numpy(), np.float32)
+    n = int(np.prod(v.shape()))
+    bits = np.ctypeslib.as_array((ctypes.c_uint16 * n).from_address(v.data_ptr())).copy()
+    return (bits.astype(np.uint32) << 16).view(np.float32).reshape(v.shape())

@@ -1,0 +1,563 @@
+"""Edge-only serving: the whole model on the edge, no network.
+
+``LocalEngine`` runs a ``LocalModel`` (``edge.compute.localmodel``: ONNX Runtime GenAI's builder graph
+through ``edge.compute.decoder.DecoderGraph``, or tandem's ``edge-full.onnx``) token by token, batch 1,
+with the sampling and stop semantics of vLLM so the local mode answers like the cloud.
+``LocalGenerator`` is the synchronous, benchmark-only driver of the same runs.
+
+Who calls: the edge's local mode (``LocalEngine.generate``, one call per turn, from the event
+loop), remote prefill (``adopt``, ``extend``, ``generate``) and the benchmarks (``LocalGenerator``).
+
+Concurrency: every model run (one prefill or one decode step) runs in a worker thread under one
+``asyncio.Lock``, so the event loop stays free and concurrent turns interleave token by token in
+FIFO order. A run that a cancelled turn started keeps the lock until it ends (ONNX Runtime cannot
+be interrupted), so runs never overlap; the cancelled turn itself returns at once.
+
+Sessions: with a ``session_id`` the whole model's KV of the conversation is kept between turns
+(``LocalSessions``, bounded by count and bytes, least recently used dropped first) and the longest
+common token prefix with the next prompt is reused. A session's token ids and its KV change only
+together, inside the worker thread of a run (the prefix kept, the new tokens run, the ids
+appended), so a turn that fails or is cancelled leaves the session consistent. Remote prefill
+(``edge.modes.remote_prefill``) puts the KV that came from the cloud into a session (``adopt``),
+computes the tokens past it (``extend``) and decodes on from there (``generate``).
+
+Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``T`` tokens whose KV is held, ``V``
+vocabulary size; KV crosses this module as ``2L`` float32 ``[1, Hkv, T, D]`` host arrays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import math
+import time
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from tandem.common.protocol.errors import EngineError, InvalidRequest
+from tandem.common.protocol.limits import RequestLimits
+from tandem.common.protocol.manifest import ModelShape
+from tandem.common.protocol.params import Sampling
+from tandem.common.runtime.ewma import Ewma
+from tandem.common.runtime.lru import BoundedLRU
+from tandem.edge.compute.localkv import KV, blocks_from_past, past_from_blocks
+from tandem.edge.compute.localmodel import LocalModel, OnnxForward, check_past
+
+__all__ = ["KV", "LocalEngine", "LocalGenerator", "LocalSession", "LocalSessions", "LocalToken", "load_local_model"]
+__all__ += ["blocks_from_past", "past_from_blocks", "sample_token", "sampling_rng"]
+
+R = TypeVar("R")
+
+SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
+WARMUP_DECODE_STEPS = 4
+
+
+@dataclass
+class LocalSession:
+    """The whole model's KV of one chat session, for prefix reuse across turns.
+
+    token_ids: the tokens whose KV ``kv`` holds (``len(token_ids) == kv.tokens``).
+    kv: the model's ``SessionKV`` (``edge.compute.localmodel``), None before the session's first run.
+    lock: held by the turn using the session, for the whole turn.
+    release: gives ``kv``'s buffers back to its model once the session is dropped.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    kv: Any = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    release: Callable[[Any], None] | None = field(default=None, repr=False)
+    dropped: bool = False
+
+    def nbytes(self) -> int:
+        """KV bytes held (host or device memory)."""
+        return self.kv.nbytes() if self.kv is not None else 0
+
+    def common_prefix(self, ids: Sequence[int]) -> int:
+        """Length of the longest common prefix of ``ids`` and ``token_ids``."""
+        n = min(len(ids), len(self.token_ids))
+        i = 0
+        while i < n and ids[i] == self.token_ids[i]:
+            i += 1
+        return i
+
+    def drop(self, final: bool = True) -> None:
+        """Give the KV back to the model. ``final`` (a stateless turn's session, at its end): a run
+        still queued for it allocates nothing (``LocalEngine`` refuses it); otherwise (the session
+        table let it go) a turn that still holds it computes anew."""
+        if self.kv is not None and self.release is not None:
+            self.release(self.kv)
+        self.kv, self.token_ids, self.dropped = None, [], final
+
+
+class LocalSessions(BoundedLRU[LocalSession]):
+    """LRU of local sessions bounded by count and KV bytes; sessions in use are never dropped."""
+
+    def get(self, session_id: str) -> LocalSession:
+        """The session (created empty if unknown); an empty id gets a throwaway one (stateless)."""
+        if not session_id:
+            return LocalSession()
+        s = self.peek(session_id)
+        if s is None:
+            s = LocalSession()
+            self.put(session_id, s)
+        return s
+
+    def entry_bytes(self, key: str, s: LocalSession) -> int:
+        return s.nbytes()
+
+    def _drop(self, key: str, reason: str) -> None:
+        s = self.lookup(key)
+        super()._drop(key, reason)
+        if s is not None:
+            s.drop(final=False)
+
+    def discard(self, key: str) -> LocalSession | None:
+        s = super().discard(key)
+        if s is not None:
+            s.drop(final=False)
+        return s
+
+
+@dataclass(frozen=True)
+class LocalToken:
+    """One sampled token; ``finish_reason`` is ``"stop"`` or ``"length"`` on the turn's last one.
+    ``wait_ms`` / ``run_ms``: the model run that produced it, its wait for the model (the runs queued
+    ahead of it, FIFO) and its own run time (ms)."""
+
+    token_id: int
+    finish_reason: str | None = None
+    wait_ms: float = 0.0
+    run_ms: float = 0.0
+
+
+def sample_token(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
+    """The next token from ``logits`` (float ``[V]``), as vLLM samples it.
+
+    Greedy (argmax) when ``s.temperature < SAMPLING_EPS``; otherwise, in float64: divide by the
+    temperature, keep the ``top_k`` largest logits (``0`` = off; ties with the k-th are kept),
+    stable softmax, keep the smallest set of most probable tokens whose mass reaches ``top_p``
+    (``1.0`` = off; the most probable token always stays), renormalise and draw with ``rng``.
+    """
+    if s.temperature < SAMPLING_EPS:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / s.temperature
+    if 0 < s.top_k < z.shape[0]:
+        kth = np.partition(z, -s.top_k)[-s.top_k]
+        z[z < kth] = -np.inf
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if s.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        sp = p[order]
+        before = np.cumsum(sp) - sp  # mass of the more probable tokens
+        p[order[before >= s.top_p]] = 0.0
+        p /= p.sum()
+    return int(rng.choice(p.shape[0], p=p))
+
+
+def next_token(token: int | None, logits: np.ndarray | None, s: Sampling, rng: np.random.Generator) -> int:
+    """The token a run gave (its own argmax, greedy) or the one sampled from the logits it gave.
+
+    Raises:
+        EngineError: the run gave neither."""
+    if token is not None:
+        return token
+    if logits is None:
+        raise EngineError("the local model's run returned neither a token nor logits")
+    return sample_token(logits, s, rng)
+
+
+def sampling_rng(seed: int | None) -> np.random.Generator:
+    """The random generator of one turn, taking ``seed`` as vLLM's ``SamplingParams`` does: None or
+    -1 is no seed (from the OS); any other 64-bit int seeds it (a negative one as its two's complement)."""
+    return np.random.default_rng(None if seed is None or seed == -1 else seed % (1 << 64))
+
+
+def load_local_model(
+    path: Path,
+    shape: ModelShape,
+    intra_op_threads: int = 0,
+    providers: Sequence[str] | None = None,
+    kv_device: str = "auto",
+) -> LocalModel:
+    """The whole model at ``path``: a folder built by ONNX Runtime GenAI's model builder
+    (``genai_config.json``: ``edge.compute.decoder.DecoderGraph``; a CPU build runs on the CPU provider
+    unless ``providers`` says otherwise) or tandem's ``edge-full.onnx`` (``edge.compute.localmodel.OnnxForward``;
+    ``kv_device`` applies to it alone).
+
+    Raises:
+        ValueError: see ``OnnxForward`` and ``DecoderGraph``; a builder folder whose shape is not
+            ``shape``'s.
+        What ``onnxruntime.InferenceSession`` raises for a bad file.
+    """
+    from tandem.edge.compute.decoder import GENAI_CONFIG, DecoderGraph
+
+    if Path(path).is_dir() and (Path(path) / GENAI_CONFIG).is_file():
+        from tandem.common.model.builder_export import load_build
+
+        if providers is None and load_build(Path(path)).execution_provider == "cpu":
+            providers = ["CPUExecutionProvider"]  # a CPU build (fp32 GroupQueryAttention) runs where it was built for
+        graph = DecoderGraph(Path(path), list(providers) if providers else None, intra_op_threads)
+        sp = graph.spec
+        got = (sp.num_layers, sp.num_kv_heads, sp.head_dim, sp.vocab_size)
+        want = (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.vocab_size)
+        if got != want:
+            raise ValueError(f"{path}: (layers, KV heads, head dim, vocabulary) {got}, the manifest says {want}")
+        return graph
+    return OnnxForward(Path(path), shape, intra_op_threads, providers, kv_device)
+
+
+class LocalEngine:
+    """The whole model (``LocalModel``) serving concurrent turns.
+
+    Attributes (read them, don't set them):
+        prefill_ms_per_token: EWMA of prefill run time per prompt token computed (ms); runs of more
+            than one new token only. 0 until measured.
+        decode_ms_per_token: EWMA of one-token run time (ms). 0 until measured.
+        active: ``generate`` calls in flight.
+        pending_prefill_tokens / pending_prefills: prompt tokens and number of the prefills waiting
+            for the model or running now (``generate``'s first run, ``extend``): the queue a new
+            turn's prefill joins.
+        last_computed_tokens / last_reused_tokens: prompt tokens the latest prefill ran, and the
+            session tokens it reused (of whichever turn prefilled last).
+        sessions: the session table.
+    """
+
+    def __init__(
+        self,
+        model: LocalModel | Path,
+        shape: ModelShape,
+        eos_token_ids: Sequence[int],
+        intra_op_threads: int = 0,
+        max_sessions: int = 256,
+        session_bytes: int = 512 << 20,
+        session_idle_s: float = math.inf,
+        providers: Sequence[str] | None = None,
+        kv_device: str = "auto",
+    ) -> None:
+        """``model``: a ``LocalModel``, or a path ``load_local_model`` loads (with
+        ``intra_op_threads``, ONNX Runtime's (0 = its default); ``providers``, its execution providers
+        (default: CUDA where onnxruntime-gpu has a GPU, then CPU); ``kv_device``, see
+        ``OnnxForward``); ``session_bytes``: bound on the KV bytes of all sessions;
+        ``session_idle_s``: a session unused this long is dropped.
+
+        Raises:
+            What ``load_local_model`` raises.
+        """
+        if isinstance(model, Path | str):
+            model = load_local_model(Path(model), shape, intra_op_threads, providers, kv_device)
+        self.model = model
+        self._init_state(shape, eos_token_ids, LocalSessions(max_sessions, session_bytes, session_idle_s))
+
+    def _init_state(self, shape: ModelShape, eos_token_ids: Sequence[int], sessions: LocalSessions) -> None:
+        """Everything but the model: sessions, lock, rates and counters."""
+        self.shape = shape
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.sessions = sessions
+        self._model_lock = asyncio.Lock()
+        self._released: list[Any] = []  # KV of dropped sessions, given back to the model by the next run
+        self.prefill_rate = Ewma()  # ms per prompt token computed, runs of more than one token
+        self.decode_rate = Ewma()  # ms per one-token run
+        self.active = 0
+        self.pending_prefill_tokens = 0
+        self.pending_prefills = 0
+        self.last_computed_tokens = 0
+        self.last_reused_tokens = 0
+
+    @property
+    def kv_device(self) -> str:
+        """Where the KV lives between runs: ``"cuda"`` or ``"cpu"`` (``OnnxForward``: its setting)."""
+        return getattr(self.model, "kv_device", None) or (
+            "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
+        )
+
+    def new_session(self) -> LocalSession:
+        """An empty session whose KV goes back to this engine's model when it is dropped."""
+        return LocalSession(release=self._released.append)
+
+    async def end_session(self, session_id: str) -> bool:
+        """Drop the session ``session_id`` once no turn uses it; True if it was held."""
+        s = self.sessions.lookup(session_id) if session_id else None
+        if s is None:
+            return False
+        async with s.lock:
+            if self.sessions.lookup(session_id) is s:
+                self.sessions.discard(session_id)
+        return True
+
+    def cached_tokens(self, session_id: str, prompt_ids: Sequence[int]) -> int:
+        """Prompt tokens whose KV the session ``session_id`` holds (its common prefix); 0 if none."""
+        s = self.sessions.peek(session_id) if session_id else None
+        return s.common_prefix(prompt_ids) if s is not None else 0
+
+    @property
+    def prefill_ms_per_token(self) -> float:
+        return self.prefill_rate.value
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        return self.decode_rate.value
+
+    @property
+    def providers(self) -> list[str]:
+        return list(self.model.providers)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What this model takes: token ids in its vocabulary, prompt and output within its positions."""
+        return RequestLimits(self.shape.vocab_size, max_model_len_tokens=self.shape.max_position_embeddings)
+
+    def validate(self, prompt_ids: Sequence[int], s: Sampling) -> None:
+        """Raises:
+        InvalidRequest: prompt ids that are not a flat list of integers, or what
+            ``RequestLimits.check`` refuses under ``limits`` (an empty prompt, a token id outside
+            ``[0, V)``, ``max_new_tokens < 1``, prompt plus ``max_new_tokens`` beyond the model's
+            positions, sampling values or stop token ids out of range).
+        """
+        ids = np.asarray(prompt_ids)
+        if len(prompt_ids) and (ids.ndim != 1 or ids.dtype.kind not in "iu"):
+            raise InvalidRequest("prompt_ids must be a flat list of integers")
+        self.limits.check(prompt_ids, s)
+
+    # ---- runs: each one job in a worker thread under the model lock ----------------------------
+
+    async def _locked(self, job: Callable[[], R]) -> tuple[R, float]:
+        """``job`` in a worker thread under the model lock (FIFO: ``asyncio.Lock`` wakes its waiters
+        in order), the KV of dropped sessions given back to the model first. Returns its result and
+        the wait for the lock (ms).
+
+        The lock is released when the job ends, not when the caller leaves: a cancelled caller
+        returns at once while its job (which cannot be interrupted) finishes alone, its result dropped.
+        """
+        t0 = time.perf_counter()
+        await self._model_lock.acquire()
+        wait_ms = (time.perf_counter() - t0) * 1e3
+
+        def locked_job() -> R:
+            while self._released:
+                self.model.release(self._released.pop())
+            return job()
+
+        fut = asyncio.ensure_future(asyncio.to_thread(locked_job))
+        fut.add_done_callback(self._run_done)
+        return await asyncio.shield(fut), wait_ms
+
+    def _run_done(self, fut: asyncio.Future) -> None:
+        self._model_lock.release()
+        if not fut.cancelled():
+            fut.exception()  # retrieved here too, for a run whose caller was cancelled
+
+    def _kv(self, sess: LocalSession, tokens_hint: int) -> Any:
+        """The session's KV, allocated on its first run (inside a job).
+
+        Raises:
+            EngineError: the session was dropped meanwhile (its turn was cancelled or ended)."""
+        if sess.dropped:
+            raise EngineError("the local session was dropped")
+        if sess.kv is None:
+            sess.kv, sess.token_ids = self.model.new_kv(tokens_hint), []
+            if sess.release is None:
+                sess.release = self._released.append
+        return sess.kv
+
+    def _advance(
+        self, sess: LocalSession, ids: list[int], keep: int, greedy: bool, tokens_hint: int
+    ) -> tuple[int | None, np.ndarray | None, float]:
+        """Inside a job: keep the session's first ``keep`` tokens, run ``ids`` after them, and hold
+        the token ids with the KV (both change together, here)."""
+        kv = self._kv(sess, tokens_hint)
+        self.model.truncate(kv, keep)
+        del sess.token_ids[keep:]
+        tok, logits, ms = self.model.run(kv, ids, greedy)
+        sess.token_ids.extend(ids)
+        return tok, logits, ms
+
+    def _measured(self, tokens: int, ms: float) -> None:
+        if tokens > 1:
+            self.prefill_rate.add(ms / tokens)
+        else:
+            self.decode_rate.add(ms)
+
+    async def adopt(
+        self, sess: LocalSession, token_ids: Sequence[int], past: Sequence[np.ndarray], keep_tokens: int = 0
+    ) -> None:
+        """Make ``sess`` hold ``past`` (``2L`` float32 ``[1, Hkv, T, D]``) as the KV of
+        ``token_ids[keep_tokens:]`` after its own first ``keep_tokens`` tokens (which must be
+        ``token_ids[:keep_tokens]``), under its lock (a turn using it runs first).
+
+        Raises:
+            InvalidRequest: ``past`` is not ``2L`` arrays of the model's shape over
+                ``len(token_ids) - keep_tokens`` tokens, or the session no longer holds
+                ``token_ids[:keep_tokens]``.
+        """
+        ids = [int(x) for x in token_ids]
+        t = len(ids) - keep_tokens
+        check_past(self.shape, past, tokens=t)
+
+        def job() -> None:
+            if keep_tokens and sess.token_ids[:keep_tokens] != ids[:keep_tokens]:
+                raise InvalidRequest(f"the session no longer holds the {keep_tokens} tokens the KV follows")
+            kv = self._kv(sess, len(ids))
+            self.model.write_kv(kv, past, keep_tokens)
+            sess.token_ids = ids
+
+        async with sess.lock:
+            await self._locked(job)
+
+    async def extend(self, sess: LocalSession, ids: list[int]) -> int:
+        """Compute the KV of the tokens of ``ids`` past its common prefix with ``sess`` (one run) and
+        make ``sess`` hold ``ids``; nothing is sampled. Returns the tokens computed (0: none to)."""
+        async with sess.lock:
+            c = sess.common_prefix(ids)
+            if c == len(ids):
+                return 0
+            await self._prefill(sess, list(ids), c, greedy=True, tokens_hint=len(ids))
+            return len(ids) - c
+
+    async def read_kv(self, sess: LocalSession, tokens: int) -> list[np.ndarray]:
+        """The session's KV of its first ``tokens`` tokens, ``2L`` float32 host arrays (a copy)."""
+
+        def job() -> list[np.ndarray]:
+            if sess.kv is None or sess.kv.tokens < tokens:
+                raise InvalidRequest(
+                    f"the session holds {0 if sess.kv is None else sess.kv.tokens} tokens, not {tokens}"
+                )
+            return self.model.read_kv(sess.kv, tokens)
+
+        return (await self._locked(job))[0]
+
+    async def _prefill(
+        self, sess: LocalSession, ids: list[int], keep: int, greedy: bool, tokens_hint: int
+    ) -> tuple[int | None, np.ndarray | None, float, float]:
+        """The prefill job (``ids[keep:]`` after the session's first ``keep`` tokens), counted in
+        ``pending_prefill_tokens`` while it waits and runs. Returns token, logits, wait and run ms."""
+        n = len(ids) - keep
+        self.pending_prefill_tokens += n
+        self.pending_prefills += 1
+        try:
+            (tok, logits, ms), wait_ms = await self._locked(
+                lambda: self._advance(sess, ids[keep:], keep, greedy, tokens_hint)
+            )
+        finally:
+            self.pending_prefill_tokens -= n
+            self.pending_prefills -= 1
+        self._measured(n, ms)
+        return tok, logits, wait_ms, ms
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: Sampling, session_id: str = "", *, session: LocalSession | None = None
+    ) -> AsyncGenerator[LocalToken, None]:
+        """Yield the turn's tokens; the last one carries ``finish_reason``.
+
+        ``"stop"``: the token is in ``eos_token_ids`` (unless ``sampling.ignore_eos``) or in
+        ``sampling.stop_token_ids``; it is yielded (vLLM counts it among the output token ids).
+        ``"length"``: ``sampling.max_new_tokens`` tokens yielded.
+
+        With a non-empty ``session_id`` (or a ``session`` of the caller's, e.g. one remote prefill
+        filled) the session's KV of the longest common prefix with ``prompt_ids`` is reused (at least
+        the last prompt token is recomputed, for its logits) and the session keeps the KV of the
+        prompt and every generated token but the last. The session's lock is held for the whole turn;
+        close the iterator (``contextlib.aclosing``) when stopping early, so the lock is released at once.
+
+        Raises:
+            InvalidRequest: see ``validate`` (raised on the first iteration).
+        """
+        self.validate(prompt_ids, sampling)
+        prompt = [int(t) for t in prompt_ids]
+        self.active += 1
+        try:
+            sess = session if session is not None else self.sessions.get(session_id)
+            if sess.release is None:
+                sess.release = self._released.append
+            async with sess.lock:
+                async for tok in self._turn(sess, prompt, sampling):
+                    yield tok
+        finally:
+            self.active -= 1
+            if session_id:
+                self.sessions.evict()
+            elif session is None:
+                sess.drop()  # a stateless turn's KV goes back at once
+
+    async def _turn(self, sess: LocalSession, prompt: list[int], s: Sampling) -> AsyncGenerator[LocalToken, None]:
+        keep = min(sess.common_prefix(prompt), len(prompt) - 1)
+        stops = set(s.stop_token_ids) | (set() if s.ignore_eos else self.eos_token_ids)
+        greedy = s.temperature < SAMPLING_EPS
+        rng = sampling_rng(s.seed)
+        self.last_computed_tokens, self.last_reused_tokens = len(prompt) - keep, keep
+        hint = len(prompt) + s.max_new_tokens
+        tok_, logits, wait_ms, run_ms = await self._prefill(sess, prompt, keep, greedy, hint)
+        for n in range(1, s.max_new_tokens + 1):
+            tok = next_token(tok_, logits, s, rng)
+            finish = "stop" if tok in stops else "length" if n == s.max_new_tokens else None
+            yield LocalToken(tok, finish, wait_ms, run_ms)
+            if finish:
+                return
+            step = functools.partial(self._advance, sess, [tok], len(sess.token_ids), greedy, hint)
+            (tok_, logits, run_ms), wait_ms = await self._locked(step)
+            self._measured(1, run_ms)
+
+    async def warmup(self, n_tokens: int = 32) -> None:
+        """One untimed one-token run (ONNX Runtime's first run allocates), then a prefill of
+        ``n_tokens`` (at least 2) and a few decode steps, which set the measured rates. Stateless."""
+        sess = self.new_session()
+        await self._locked(lambda: self._advance(sess, [1], 0, True, 1 + WARMUP_DECODE_STEPS))
+        sess.drop()
+        n = max(2, min(n_tokens, self.shape.max_position_embeddings - WARMUP_DECODE_STEPS))
+        ids = [(1 + 7919 * i) % self.shape.vocab_size for i in range(n)]
+        sampling = Sampling(max_new_tokens=WARMUP_DECODE_STEPS, ignore_eos=True)
+        async with contextlib.aclosing(self.generate(ids, sampling)) as it:
+            async for _ in it:
+                pass
+
+
+@dataclass(frozen=True)
+class LocalStep:
+    token_id: int
+    t_s: float  # perf_counter() when the token was sampled
+
+
+class LocalGenerator:
+    """Synchronous, stateless driver of a ``LocalModel``'s runs, for the edge-only baseline of the
+    benchmarks (no event loop, no sessions)."""
+
+    def __init__(self, model_path: Path, shape: ModelShape, intra_op_threads: int = 0) -> None:
+        self.model = load_local_model(model_path, shape, intra_op_threads)
+        self.engine = LocalEngine(self.model, shape, ())
+        self.shape = shape
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        eos_token_id: int | None = None,
+        temperature: float = 0.0,
+        seed: int = 0,
+    ) -> Iterator[LocalStep]:
+        """Yield sampled tokens; stops at ``eos_token_id`` (yielded) or ``max_new_tokens``.
+
+        Raises:
+            InvalidRequest: see ``LocalEngine.validate``.
+        """
+        stop = () if eos_token_id is None else (eos_token_id,)
+        s = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_token_ids=stop)
+        self.engine.validate(prompt_ids, s)
+        rng = sampling_rng(seed)
+        greedy = temperature < SAMPLING_EPS
+        kv = self.model.new_kv(len(prompt_ids) + max_new_tokens)
+        new = list(prompt_ids)
+        try:
+            for _ in range(max_new_tokens):
+                tok_, logits, _ms = self.model.run(kv, new, greedy)
+                tok = next_token(tok_, logits, s, rng)
+                yield LocalStep(tok, time.perf_counter())
+                if tok in stop:
+                    return
+                new = [tok]
+        finally:
+            self.model.release(kv)

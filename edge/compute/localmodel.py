@@ -1,0 +1,255 @@
+"""The whole model under the edge's local engine (``edge.compute.local.LocalEngine``): one interface, two
+runtimes.
+
+``LocalModel`` is the seam: a session's KV is an opaque ``SessionKV`` the model allocates, runs new
+tokens into in place, truncates, reads out and writes into. Its implementations:
+
+* ``edge.compute.decoder.DecoderGraph``: ONNX Runtime GenAI's builder graph (``edge-decoder/`` of
+  ``tandem-model``), KV preallocated per session and bound as past and present, the decode step a
+  CUDA graph on a GPU: the runtime local mode and remote prefill use where the model was built so.
+* ``OnnxForward``: tandem's torch.onnx export ``edge-full.onnx`` (``common.model.prepare``), one run per
+  call over growing KV tensors; kept for models prepared without the builder. ``ForwardModel`` is
+  its KV bookkeeping over any ``forward(new_ids, past)`` (the tests' toy model uses it too).
+
+Calling contract: the engine calls every method from one worker thread at a time (it serialises
+runs under its model lock); a ``SessionKV`` belongs to one session and is released once.
+
+Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``T`` tokens held, ``V`` vocabulary; KV
+read and written as ``2L`` float32 host arrays ``[1, Hkv, T, D]``, key then value per layer.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from tandem.common.model.head_io import io_names
+from tandem.common.protocol.errors import InvalidRequest
+from tandem.common.protocol.manifest import ModelShape
+from tandem.edge.compute.localkv import KV, host_kv, kv_nbytes, kv_prefix
+
+
+class SessionKV(Protocol):
+    """One session's KV as its model holds it; ``tokens``: how many tokens' KV it holds."""
+
+    tokens: int
+
+    def nbytes(self) -> int: ...
+
+
+class LocalModel(Protocol):
+    """The whole model a ``LocalEngine`` drives (module doc: who calls, how often)."""
+
+    providers: list[str]
+
+    def new_kv(self, tokens_hint: int) -> SessionKV:
+        """An empty session KV, sized for about ``tokens_hint`` tokens (it grows as needed)."""
+        ...
+
+    def run(self, kv: Any, new_ids: list[int], greedy: bool) -> tuple[int | None, np.ndarray | None, float]:
+        """Compute ``new_ids`` after the ``kv.tokens`` held, in place (``kv.tokens`` grows by
+        ``len(new_ids)``). Returns the argmax token of the last row when ``greedy`` and the model
+        computes it itself (else None), the last row's logits float32 ``[V]`` when no token is
+        returned (else None), and the run's time in ms. A run that raises leaves ``kv.tokens`` as it was.
+
+        Raises:
+            InvalidRequest: the KV cannot grow to ``kv.tokens + len(new_ids)`` tokens.
+        """
+        ...
+
+    def truncate(self, kv: Any, tokens: int) -> None:
+        """Keep the KV of the first ``tokens`` tokens held."""
+        ...
+
+    def read_kv(self, kv: Any, tokens: int | None = None) -> list[np.ndarray]:
+        """The KV of the first ``tokens`` (default: all) as ``2L`` float32 host arrays (copies)."""
+        ...
+
+    def write_kv(self, kv: Any, past: Sequence[np.ndarray], start: int = 0) -> None:
+        """Hold ``past`` (``2L`` float32 ``[1, Hkv, T, D]``) after the first ``start`` tokens held:
+        afterwards ``kv.tokens == start + T``.
+
+        Raises:
+            InvalidRequest: ``past`` is not ``2L`` arrays of the model's shape, ``start`` exceeds
+                the tokens held, or the KV cannot hold ``start + T`` tokens.
+        """
+        ...
+
+    def release(self, kv: Any) -> None:
+        """The session is gone: its buffers may serve another session."""
+        ...
+
+
+@dataclass
+class GrowingKV:
+    """``ForwardModel``'s session KV: ``2L`` tensors ``[1, Hkv, T, D]`` (numpy, or ``OrtValue`` on
+    the device), replaced by each run, never written in place."""
+
+    past: list[KV] = field(default_factory=list)
+    tokens: int = 0
+
+    def nbytes(self) -> int:
+        return sum(kv_nbytes(a) for a in self.past)
+
+
+class ForwardModel(ABC):
+    """``LocalModel`` over a ``forward(new_ids, past) -> (logits [V], present, ms)`` whose present KV
+    is new tensors over every token (past and new). Subclasses set ``shape`` and ``providers`` and
+    implement ``forward``."""
+
+    shape: ModelShape
+    providers: list[str]
+
+    @abstractmethod
+    def forward(self, new_ids: Sequence[int], past: list[KV]) -> tuple[np.ndarray, list[KV], float]:
+        """One run over ``new_ids`` after ``past``: the last row's logits float32 ``[V]``, the KV of
+        every token (new tensors) and the run's time in ms."""
+
+    def empty_past(self) -> list[KV]:
+        """``2L`` float32 arrays ``[1, Hkv, 0, D]``."""
+        s = self.shape
+        return [np.zeros((1, s.num_kv_heads, 0, s.head_dim), np.float32) for _ in range(2 * s.num_layers)]
+
+    def new_kv(self, tokens_hint: int) -> GrowingKV:
+        return GrowingKV()
+
+    def run(self, kv: GrowingKV, new_ids: list[int], greedy: bool) -> tuple[int | None, np.ndarray | None, float]:
+        logits, present, ms = self.forward(new_ids, kv.past if kv.tokens else self.empty_past())
+        kv.past, kv.tokens = present, kv.tokens + len(new_ids)
+        return None, logits, ms
+
+    def truncate(self, kv: GrowingKV, tokens: int) -> None:
+        tokens = max(0, min(tokens, kv.tokens))
+        if tokens < kv.tokens:
+            kv.past = kv_prefix(kv.past, tokens) if tokens else []
+            kv.tokens = tokens
+
+    def read_kv(self, kv: GrowingKV, tokens: int | None = None) -> list[np.ndarray]:
+        n = kv.tokens if tokens is None else tokens
+        if not kv.tokens:
+            return [a[:, :, :0] for a in self.empty_past()]
+        return [np.ascontiguousarray(host_kv(a)[:, :, :n]) for a in kv.past]
+
+    def write_kv(self, kv: GrowingKV, past: Sequence[np.ndarray], start: int = 0) -> None:
+        check_past(self.shape, past, start, kv.tokens)
+        held = self.read_kv(kv, start) if start else None
+        new = [np.ascontiguousarray(a, np.float32) for a in past]
+        kv.past = [np.concatenate([h, a], axis=2) for h, a in zip(held, new, strict=True)] if held else new
+        kv.tokens = start + int(past[0].shape[2])
+
+    def release(self, kv: GrowingKV) -> None:
+        kv.past, kv.tokens = [], 0
+
+
+def check_past(
+    shape: ModelShape, past: Sequence[np.ndarray], start: int = 0, held: int = 0, tokens: int | None = None
+) -> None:
+    """Raises: InvalidRequest: ``past`` is not ``2L`` float32 arrays ``[1, Hkv, T, D]`` of one ``T``
+    (``tokens`` when given), or ``start`` exceeds ``held``."""
+    t = (int(past[0].shape[2]) if len(past) else -1) if tokens is None else tokens
+    want = (1, shape.num_kv_heads, t, shape.head_dim)
+    if len(past) != 2 * shape.num_layers or any(a.shape != want or a.dtype != np.float32 for a in past):
+        got = [getattr(a, "shape", None) for a in list(past)[:2]]
+        raise InvalidRequest(f"past must be {2 * shape.num_layers} float32 arrays {want}, got {len(past)} like {got}")
+    if not 0 <= start <= held:
+        raise InvalidRequest(f"KV written after token {start}: the session holds {held}")
+
+
+class OnnxForward(ForwardModel):
+    """``edge-full.onnx`` (tandem's torch.onnx export: inputs and outputs named by
+    ``common.model.head_io.io_names(L)``, ``logits`` float32 ``[1, V]`` of the last new token) in one ONNX
+    Runtime session.
+
+    Where the KV lives: on ONNX Runtime's CUDA provider the runs use IO binding (``kv_device``), so a
+    session's KV stays in GPU memory (``OrtValue``) between runs, and only the logits of the last
+    token come back to the host; on the CPU provider the KV is numpy arrays.
+    """
+
+    def __init__(
+        self,
+        onnx_path: Path,
+        shape: ModelShape,
+        intra_op_threads: int = 0,
+        providers: Sequence[str] | None = None,
+        kv_device: str = "auto",
+    ) -> None:
+        """``kv_device``: where the KV is kept between runs, through IO binding: ``"auto"`` (the GPU
+        when the CUDA provider is active, else host numpy arrays without binding), ``"cuda"``,
+        ``"cpu"`` (bound host tensors: the same code path, no GPU) or ``"none"``.
+
+        Raises:
+            ValueError: an unknown ``kv_device``, or ``"cuda"`` without the CUDA provider active.
+            What ``onnxruntime.InferenceSession`` raises for a bad file.
+        """
+        import onnxruntime as ort
+
+        from tandem.edge.compute.head import default_providers, session_options
+
+        self.shape = shape
+        self.session = ort.InferenceSession(
+            str(onnx_path), session_options(intra_op_threads), providers=list(providers or default_providers())
+        )
+        self.providers = self.session.get_providers()
+        if kv_device == "auto":
+            kv_device = "cuda" if "CUDAExecutionProvider" in self.providers else "none"
+        if kv_device not in ("cuda", "cpu", "none"):
+            raise ValueError(f"kv_device {kv_device!r}: auto, cuda, cpu or none")
+        if kv_device == "cuda" and "CUDAExecutionProvider" not in self.providers:
+            raise ValueError(f"kv_device 'cuda' needs ONNX Runtime's CUDA provider; active: {self.providers}")
+        self.kv_device = kv_device
+        inputs, outputs = io_names(shape.num_layers)
+        self._past_names = inputs[3:]
+        self._out_names = ["logits", *outputs[1:]]
+
+    def forward(self, new_ids: Sequence[int], past: list[KV]) -> tuple[np.ndarray, list[KV], float]:
+        """One model run over ``new_ids`` (``t >= 1`` tokens) after ``past`` (``2L`` x ``[1, Hkv, P, D]``).
+
+        Blocking; thread-safe (ONNX Runtime's ``run`` is). Returns the logits of the last new token,
+        float32 ``[V]`` on the host; the KV of all ``P + t`` tokens, ``2L`` x float32
+        ``[1, Hkv, P + t, D]`` (new tensors owned by the caller: ``OrtValue`` on ``kv_device`` when it
+        binds, else numpy); and the run time in ms.
+        """
+        p, t = (int(past[0].shape[2]) if isinstance(past[0], np.ndarray) else int(past[0].shape()[2])), len(new_ids)
+        feeds: dict[str, Any] = {
+            "input_ids": np.asarray([new_ids], np.int64),
+            "position_ids": np.arange(p, p + t, dtype=np.int64)[None],
+            "attention_mask": np.ones((1, p + t), np.int64),
+        }
+        if self.kv_device != "none":
+            return self._forward_bound(feeds, past)
+        feeds.update(zip(self._past_names, (host_kv(a) for a in past), strict=True))
+        t0 = time.perf_counter()
+        logits, *present = self.session.run(self._out_names, feeds)
+        return logits[0], present, (time.perf_counter() - t0) * 1e3
+
+    def _forward_bound(self, feeds: dict[str, Any], past: list[KV]) -> tuple[np.ndarray, list[KV], float]:
+        """``forward`` through IO binding: the past KV bound where it lives (a host array is copied
+        to ``kv_device`` first), the present KV left by ONNX Runtime on ``kv_device``, the logits
+        bound to the host."""
+        import onnxruntime as ort
+
+        b = self.session.io_binding()
+        for name, arr in feeds.items():
+            b.bind_cpu_input(name, arr)
+        held: list[Any] = []  # the bound values (and the host arrays they wrap) stay alive until the run ends
+        for name, a in zip(self._past_names, past, strict=True):
+            v = (
+                ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self.kv_device, 0)
+                if isinstance(a, np.ndarray)
+                else a
+            )
+            held.append(v)
+            b.bind_ortvalue_input(name, v)
+        b.bind_output("logits", "cpu")
+        for name in self._out_names[1:]:
+            b.bind_output(name, self.kv_device, 0)
+        t0 = time.perf_counter()
+        self.session.run_with_iobinding(b)
+        logits, *present = b.get_outputs()
+        return logits.numpy()[0], present, (time.perf_counter() - t0) * 1e3

@@ -1,0 +1,37 @@
+"""Local mode: a turn on the whole model on this edge (``edge.compute.local.LocalEngine``), its tokens
+detokenized and streamed as they come, its prefill's wait for the engine and its run measured for
+the cost model. No cloud."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from tandem.edge.api.events import TextOut, TurnDone
+from tandem.edge.compute.local import LocalEngine
+from tandem.edge.turn import Turn
+from tandem.stages import Stage
+
+
+async def run_local(turn: Turn, engine: LocalEngine) -> AsyncIterator[TextOut | TurnDone]:
+    """Yields the turn's text deltas, then its ``TurnDone`` (finish ``stop`` at a stop string, else
+    the engine's reason)."""
+    text, finish, first = turn.text, "length", True
+    async for step in engine.generate(turn.ids, turn.sampling, turn.session_id):
+        if first:  # the prefill's run apart from its wait for the runs ahead (the cost model's queue term)
+            turn.clock.timings[Stage.LOCAL_QUEUE] = step.wait_ms
+            turn.clock.timings[Stage.LOCAL_PREFILL] = step.run_ms
+            first = False
+        turn.clock.tokens_arrived()
+        delta = text.feed([step.token_id])
+        if delta:
+            yield TextOut(delta, text.take_ids())
+        if text.stopped:
+            finish = "stop"
+            break
+        if step.finish_reason is not None:
+            finish = step.finish_reason
+    rest, ids = text.flush(), text.take_ids()
+    if rest or ids:
+        yield TextOut(rest, ids)
+    turn.clock.since(Stage.TOTAL)
+    yield turn.done(finish, len(turn.ids))

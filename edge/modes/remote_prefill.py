@@ -1,0 +1,258 @@
+"""Remote prefill on the edge: the cloud prefills the prompt and streams the first tokens, the
+prompt's KV comes down the same call, and the edge decodes the rest with its whole model.
+
+``RemotePrefillTurn.run`` reads like the data path: the header (token ids, and how many prompt
+tokens' KV the local session already holds) -> tokens from the cloud go to the client as they
+come, while the KV blocks the edge lacks come down and are checked (``edge.link.downlink``) -> once
+they all verified, the session takes them (``LocalEngine.adopt``) and computes the partial last
+block and the tokens received so far (``LocalEngine.extend``), the cloud still streaming -> the
+edge sends ``Takeover``; the cloud aborts its request and ends with the tokens decoded past that
+point and a ``handover`` final -> the edge decodes on locally from every token it has
+(``LocalEngine.generate`` reuses the session's KV: one short run, then a step per token). The
+client's stream neither pauses for the switch beyond one local run nor repeats a token.
+
+A cloud that ends the turn first (the downlink was slow or cut, the output short) ends it as in
+direct mode; the KV, if it all came, stays in the session for the next turn. A cloud that fails
+after tokens reached the client does not end the turn: the edge decodes on from what it has. No
+grpc here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from tandem.common.protocol.errors import EngineError
+from tandem.common.protocol.messages import TokensOut, TurnFinal
+from tandem.common.protocol.params import LinkParams
+from tandem.common.wire.kvdown import Expected, KVBlockDown, KVCommitDown, RemotePrefill, Takeover, block_ids
+from tandem.edge.api.events import SentBytes, TextOut, TurnDone
+from tandem.edge.compute.local import LocalEngine, LocalSession, past_from_blocks
+from tandem.edge.link.base import TurnCall
+from tandem.edge.link.downlink import KVDownload
+from tandem.edge.routing.router import Router
+from tandem.edge.turn import Turn
+from tandem.stages import Stage
+
+log = logging.getLogger("tandem.edge")
+HANDOVER = "handover"  # the cloud's finish reason when the edge took the decode over
+
+
+class RemotePrefillTurn:
+    """One remote-prefill leg (see module doc). ``model_key``: the whole model's
+    (``common.wire.kvdown.full_model_key``); ``router`` counts the turns in the cloud."""
+
+    def __init__(self, turn: Turn, local: LocalEngine, model_key: str, router: Router) -> None:
+        self.turn, self.local, self.model_key, self.router = turn, local, model_key, router
+        self.sess: LocalSession = local.sessions.get(turn.session_id)
+        self.held_ids = list(self.sess.token_ids)  # what the session holds as the turn starts
+        self.final: TurnFinal | None = None
+        self.finish = ""  # set when the client's stream ended on the cloud's side (a stop string, a final)
+        self.sent = SentBytes()
+        self.adopting: asyncio.Task[None] | None = None  # adopt the KV, then compute what follows it
+        self.adopted = asyncio.Event()  # the session holds the KV that came down
+        self.call: TurnCall | None = None
+        self.edge_tokens = 0
+
+    async def run(self) -> AsyncIterator[TextOut | TurnDone]:
+        """Yields the turn's text deltas, then its ``TurnDone``.
+
+        Raises:
+            EngineError: no link params (the cloud is not connected), or the cloud failed before any
+                token reached the client. TandemError: the cloud's verdict before the first token.
+        """
+        p = self.turn.cloud.params(0)
+        if p is None:
+            raise EngineError("no link params: the cloud is not connected")
+        down = self._download(p)
+        try:
+            async for ev in self._from_cloud(p, down):
+                yield ev
+            if not self.finish and (self.final is None or self.final.finish_reason == HANDOVER):
+                async for ev in self._decode_here():
+                    yield ev
+            else:
+                await self._settle()
+        finally:
+            if self.adopting is not None and not self.adopting.done():  # a turn cancelled meanwhile
+                self.adopting.cancel()
+            down.release()
+            if self.turn.session_id:  # the KV that came down counts against the local sessions' bound
+                self.local.sessions.evict()
+            else:  # a stateless turn's KV goes back to the model
+                self.sess.drop()
+        rest, ids = self.turn.text.flush(), self.turn.text.take_ids()
+        if rest or ids:
+            yield TextOut(rest, ids)
+        yield self._done(p, down.received_bytes)
+
+    async def _from_cloud(self, p: LinkParams, down: KVDownload) -> AsyncIterator[TextOut]:
+        """The cloud's part of the turn; a cloud that fails after tokens reached the client ends it."""
+        self.router.cloud_inflight += 1
+        load = self.router.cloud_turn_started(self.turn.route_decision)
+        try:
+            async for ev in self._cloud(p, down):
+                load.first_token()  # the cloud's prefill of this turn is done
+                yield ev
+        except EngineError as e:
+            if not self.turn.text.token_ids:
+                raise
+            log.warning("the cloud failed after %d tokens (%s): decoding on here", len(self.turn.text.token_ids), e)
+        finally:
+            load.end()
+            self.router.cloud_inflight -= 1
+            if self.call is not None:
+                self.call.cancel()
+
+    def _download(self, p: LinkParams) -> KVDownload:
+        """What this turn asks the cloud for: the blocks past the ones the session holds."""
+        ids, B = self.turn.ids, p.kv_block_size_tokens
+        held = LocalSession(self.held_ids).common_prefix(ids)
+        want = Expected(
+            tuple(block_ids(ids, B, self.model_key, self.turn.session_id, self.turn.request_id)),
+            min(held // B, len(ids) // B),
+            p,
+            p.params_version,
+            self.local.shape,
+        )
+        return KVDownload(want)
+
+    async def _cloud(self, p: LinkParams, down: KVDownload) -> AsyncIterator[TextOut]:
+        """The Generate call: tokens to the client, KV blocks checked and acked, the takeover sent
+        once the session holds the KV; returns at the cloud's final or a stop string."""
+        turn = self.turn
+        rp = RemotePrefill(down.want.first_block * p.kv_block_size_tokens)
+        header = replace(turn.header(p, turn.cloud.link_id), remote_prefill=rp)
+        call = self.call = turn.cloud.link.open(turn.timeout_s)
+        turn.clock.cloud_called = True
+        self.sent += SentBytes(header_bytes=call.send(header))
+        async with contextlib.aclosing(call.events()) as events:  # type: ignore[type-var]
+            async for ev in events:
+                if isinstance(ev, TokensOut):
+                    turn.clock.tokens_arrived()
+                    delta = turn.text.feed(ev.token_ids)
+                    if delta:
+                        yield TextOut(delta, turn.text.take_ids())
+                    if turn.text.stopped:
+                        self.finish = "stop"
+                        return
+                elif isinstance(ev, KVBlockDown | KVCommitDown):
+                    await self._kv(ev, down, call)
+                elif isinstance(ev, TurnFinal):
+                    self._final(ev)
+                    return
+
+    async def _kv(self, ev: KVBlockDown | KVCommitDown, down: KVDownload, call: TurnCall) -> None:
+        """One KV message: a block checked and acknowledged, or the commit noted."""
+        if isinstance(ev, KVBlockDown):
+            ack = await down.add(ev)
+            if ack is not None:
+                self.sent += SentBytes(header_bytes=call.send(ack))
+        else:
+            down.add_commit(ev)
+        self._take_over_when_ready(down, call)
+
+    def _final(self, ev: TurnFinal) -> None:
+        """The cloud's final: a handover (the edge decodes on) or the end of the reply."""
+        self.final = ev
+        self.turn.cloud.observe_load(ev.load)
+        if ev.finish_reason == HANDOVER:
+            self.turn.clock.since(Stage.HANDOVER)
+        else:
+            self.finish = ev.finish_reason
+
+    def _take_over_when_ready(self, down: KVDownload, call: TurnCall) -> None:
+        """Once every block verified: the session takes the KV and computes what follows it, then
+        the takeover goes up (while the call is open)."""
+        if not down.ready or self.adopting is not None:
+            return
+        self.turn.clock.since(Stage.KV_DOWNLINK)
+        self.adopting = asyncio.create_task(self._adopt(down))
+
+        def send_takeover(task: asyncio.Task[None]) -> None:
+            if not task.cancelled() and task.exception() is None and self.final is None and not self.finish:
+                self.sent += SentBytes(header_bytes=call.send(Takeover(len(self.turn.text.token_ids))))
+
+        self.adopting.add_done_callback(send_takeover)
+
+    async def _adopt(self, down: KVDownload) -> None:
+        """The session holds the prompt's full blocks (its own first ones, then those that came
+        down), then the KV of the partial last block and of the tokens received so far."""
+        want, ids = down.want, self.turn.ids
+        B = want.params.kv_block_size_tokens
+        # the session keeps its own first blocks; the blocks that came down follow them
+        keep = want.first_block * B
+        await self.local.adopt(self.sess, ids[: want.num_blocks * B], past_from_blocks(down.kv()), keep_tokens=keep)
+        self.adopted.set()
+        await self.local.extend(self.sess, [*ids, *self.turn.text.token_ids])
+
+    async def _settle(self) -> None:
+        """The cloud ended the turn: the session keeps the KV that came (its next turn reuses it); the
+        local run past it is not waited for (it finishes alone, its result dropped)."""
+        if self.adopting is None:
+            return
+        if not self.adopting.done():
+            adopted = asyncio.ensure_future(self.adopted.wait())
+            await asyncio.wait({adopted, self.adopting}, return_when=asyncio.FIRST_COMPLETED)
+            adopted.cancel()
+            self.adopting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.adopting
+
+    async def _decode_here(self) -> AsyncIterator[TextOut]:
+        """Decode the rest on the edge from the prompt and every token received."""
+        turn, text = self.turn, self.turn.text
+        if self.adopting is not None:
+            try:
+                await self.adopting
+            except Exception as e:  # noqa: BLE001 - the session then computes what it lacks itself
+                log.warning("remote prefill: the downloaded KV could not be used (%s): computing it here", e)
+        out = list(text.token_ids)
+        left = turn.sampling.max_new_tokens - len(out)
+        if left <= 0 or (out and self._ends(out[-1])):
+            self.finish = "length" if left <= 0 else "stop"
+            return
+        sampling = replace(turn.sampling, max_new_tokens=left)
+        self.finish = "length"
+        gen = self.local.generate([*turn.ids, *out], sampling, turn.session_id, session=self.sess)
+        async with contextlib.aclosing(gen) as steps:
+            async for step in steps:
+                self.edge_tokens += 1
+                turn.clock.tokens_arrived()
+                delta = text.feed([step.token_id])
+                if delta:
+                    yield TextOut(delta, text.take_ids())
+                if text.stopped:
+                    self.finish = "stop"
+                    return
+                if step.finish_reason is not None:
+                    self.finish = step.finish_reason
+
+    def _ends(self, token: int) -> bool:
+        s = self.turn.sampling
+        return token in s.stop_token_ids or (token in self.local.eos_token_ids and not s.ignore_eos)
+
+    def _done(self, p: LinkParams, received_kv_bytes: int) -> TurnDone:
+        turn, f = self.turn, self.final
+        turn.clock.since(Stage.TOTAL)
+        if f is not None:
+            turn.clock.timings.update({k: v for k, v in f.timings.items() if k.is_cloud})
+        return turn.done(
+            self.finish or "stop",
+            len(turn.ids),
+            external_tokens=f.external_tokens if f is not None else 0,
+            sent_bytes=self.sent,
+            params_version=p.params_version,
+            received_kv_bytes=received_kv_bytes,
+            edge_decoded_tokens=self.edge_tokens,
+        )
+
+
+def run_remote_prefill(
+    turn: Turn, local: LocalEngine, model_key: str, router: Router
+) -> AsyncIterator[TextOut | TurnDone]:
+    """Remote prefill of ``turn`` (see module doc)."""
+    return RemotePrefillTurn(turn, local, model_key, router).run()

@@ -1,0 +1,189 @@
+"""Beyond the time to first token: each route's predicted end-to-end time and cloud occupancy
+(engine milliseconds per request), from the same measurements as the TTFT model
+(``edge.routing.costmodel``), and the auto choice that holds the cloud least within the objectives.
+
+For a prompt of ``T`` tokens and ``N`` expected output tokens (the recent outputs' mean, at most
+the request's ``max_new_tokens``), with the TTFT prediction ``F`` of the route, the cloud's decode
+time per token ``d_c`` and the edge's ``d_e`` (both measured), all in ms:
+
+    local           e2e = F + (N - 1) d_e                    cloud = 0
+    direct          e2e = F + (N - 1) d_c                    cloud = P_c + (N - 1) d_c
+    split           e2e = F + (N - 1) d_c                    cloud = P_c + T x_c + (N - 1) d_c
+    remote prefill  handover h = w + n_down * b / G_down + P_local(T mod B + m) + RTT
+                    m = min(N, 1 + h / d_c) tokens come from the cloud
+                    e2e = F + h + (N - m) d_e                cloud = P_c + h
+                    (m = N: the cloud decodes all, as direct)
+
+``P_c`` is the route's cloud compute stage as the TTFT model predicts it (the whole-model prefill,
+or the tail prefill at ``k``), the engine time until the first token. A split then hands the prompt
+over to the decode engine, which loads the KV of every layer before its first step: ``x_c`` is that
+hand-off's measured time per prompt token (``cloud_decode_first_token_ms`` of split turns), so that
+a split does not look lighter on the cloud than it is.
+
+``n_down`` is the blocks the edge's session lacks, ``b`` a whole-model block's bytes in the link's
+KV format, ``G_down`` the downlink goodput measured on earlier downloads (before one: the uplink's),
+``w`` the measured wait for the engine's KV writes after the first token. Every served turn
+calibrates ``N``, ``G_down`` and ``w``, and its predicted end-to-end time and cloud time are
+compared with the measured ones (``tandem:prediction_error_ratio{mode,quantity}``).
+
+``lightest`` is the choice under cloud pressure (the cloud reports a queue or a nearly full KV
+cache, ``ServerLoad``) or under a cloud budget the edge declares: among
+the routes whose TTFT is within the objective (else within ``LIGHT_TTFT_SLACK`` of the best) and
+whose decoding side keeps the inter-token objective, the one with the least cloud time (within
+the budget, the fastest of them). Pure domain code: no grpc, no ONNX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from tandem.common.protocol.modes import Mode
+from tandem.common.runtime import metrics
+from tandem.common.runtime.ewma import Ewma
+from tandem.edge.routing.costmodel import (
+    CostModel,
+    Line,
+    LineKey,
+    LineKind,
+    LinkState,
+    Prediction,
+    RequestShape,
+    Route,
+)
+from tandem.stages import Stage, Timings
+
+LIGHT_TTFT_SLACK = 1.5  # without a TTFT objective: within this factor of the best TTFT
+KV_PRESSURE = 0.9  # the cloud's KV cache use from which it is under pressure
+CLOUD_MODES = (Mode.DIRECT, Mode.SPLIT, Mode.REMOTE_PREFILL)
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """One route's predicted end-to-end time and cloud engine time (ms), and the output tokens
+    the cloud decodes (remote prefill: before the handover)."""
+
+    e2e_ms: float
+    cloud_ms: float
+    cloud_tokens: float
+    decode_ms_per_token: float  # the decoding side's time per token after the handover (or throughout)
+
+
+@dataclass
+class OccupancyModel:
+    """The measurements beyond the TTFT model's: output lengths, the downlink's goodput and the
+    wait for the cloud's KV writes, each an exponentially weighted mean."""
+
+    output_tokens: Ewma = field(default_factory=Ewma)
+    down_goodput_mbps: Ewma = field(default_factory=Ewma)
+    kv_save_wait_ms: Ewma = field(default_factory=Ewma)
+    split_handoff_ms_per_token: Ewma = field(default_factory=Ewma)  # ``x_c``
+
+    def expected_output(self, max_new_tokens: int) -> float:
+        n = self.output_tokens.value
+        return float(max_new_tokens) if n <= 0 else min(float(max_new_tokens), n)
+
+    def predict(
+        self, p: Prediction, shape: RequestShape, link: LinkState, cost: CostModel, max_new_tokens: int
+    ) -> Occupancy:
+        """``p``'s route's end-to-end time and cloud time (see the module doc)."""
+        N = self.expected_output(max_new_tokens)
+        d_e, d_c = cost.edge.local_decode_ms_per_token.value, link.cloud_decode_ms_per_token
+        mode = p.route.mode
+        if mode is Mode.LOCAL:
+            return Occupancy(p.ttft_ms + (N - 1) * d_e, 0.0, 0.0, d_e)
+        cloud_first = cloud_stage_ms(p, cost)
+        if mode is Mode.SPLIT:
+            cloud_first += shape.prompt_tokens * self.split_handoff_ms_per_token.value
+        cloud_all = Occupancy(p.ttft_ms + (N - 1) * d_c, cloud_first + (N - 1) * d_c, N, d_c)
+        if mode is not Mode.REMOTE_PREFILL or d_c <= 0:
+            return cloud_all
+        h = self.handover_ms(shape, link, cost, d_c)
+        m = min(N, 1 + h / d_c)
+        if m >= N:
+            return cloud_all
+        return Occupancy(p.ttft_ms + h + (N - m) * d_e, cloud_first + h, m, d_e)
+
+    def handover_ms(self, shape: RequestShape, link: LinkState, cost: CostModel, d_c: float) -> float:
+        """From the first token to the cloud's handover: the KV writes, the blocks the edge lacks on
+        the downlink, the edge's run over the partial block and the tokens meanwhile, a round trip."""
+        B = max(1, link.block_size_tokens)
+        T = shape.prompt_tokens
+        n_down = max(0, T // B - min(shape.local_cached_tokens, T) // B)
+        g = self.down_goodput_mbps.value or link.goodput_mbps
+        wire = n_down * link.full_kv_block_bytes * 8 / (g * 1e3) if g > 0 else 0.0
+        before = self.kv_save_wait_ms.value + wire
+        m0 = before / d_c if d_c > 0 else 0.0
+        rate = cost.edge.local_prefill_ms_per_token.value
+        local = cost.lines.get(LineKey(LineKind.LOCAL), Line()).predict(T % B + m0 + 1, rate)
+        return before + local + link.rtt_ms
+
+    def observe(
+        self,
+        mode: Mode,
+        predicted: Occupancy,
+        timings: Timings,
+        output_tokens: int,
+        kv_bytes: int,
+        prompt_tokens: int = 0,
+    ) -> None:
+        """Calibrate with a served turn and record the prediction errors of its end-to-end time and
+        cloud time (``timings``: its stages, ms)."""
+        if output_tokens > 0:
+            self.output_tokens.add(output_tokens)
+        if mode is Mode.SPLIT and prompt_tokens > 0 and Stage.CLOUD_DECODE_FIRST_TOKEN in timings:
+            self.split_handoff_ms_per_token.add(timings[Stage.CLOUD_DECODE_FIRST_TOKEN] / prompt_tokens)
+        if Stage.CLOUD_KV_SAVE_WAIT in timings:
+            self.kv_save_wait_ms.add(timings[Stage.CLOUD_KV_SAVE_WAIT])
+        down_ms = timings.get(Stage.KV_DOWNLINK, 0.0) - timings.get(Stage.TTFT, 0.0)
+        down_ms -= timings.get(Stage.CLOUD_KV_SAVE_WAIT, 0.0)
+        if kv_bytes >= 32 << 10 and down_ms > 0:
+            self.down_goodput_mbps.add(kv_bytes * 8 / (down_ms * 1e3))
+        metrics.record_prediction_of(mode, "e2e", predicted.e2e_ms, timings.get(Stage.TOTAL, 0.0))
+        if mode in CLOUD_MODES:
+            cloud = timings.get(Stage.CLOUD_DECODE, 0.0) + timings.get(Stage.CLOUD_TAIL_PREFILL, 0.0)
+            metrics.record_prediction_of(mode, "cloud_engine", predicted.cloud_ms, cloud)
+
+
+def cloud_stage_ms(p: Prediction, cost: CostModel) -> float:
+    """The cloud compute stages of ``p`` as its lines predict them (ms)."""
+    return cost.cloud_stages_ms(p.stages)
+
+
+def under_pressure(link: LinkState) -> bool:
+    """The cloud reports pressure (``ServerLoad``): requests waiting for admission, or a nearly full KV cache."""
+    return link.cloud_waiting > 0 or link.kv_cache_usage >= KV_PRESSURE
+
+
+def lightest(
+    preds: list[Prediction], occ: Mapping[Route, Occupancy], link: LinkState, budget_ms: float
+) -> tuple[Prediction, str] | None:
+    """The route that holds the cloud least within the objectives (see the module doc), with why;
+    None when no route keeps them."""
+    if not preds:
+        return None
+    best = min(p.ttft_ms for p in preds)
+    bound = link.ttft_slo_ms if link.ttft_slo_ms > 0 else best * LIGHT_TTFT_SLACK
+    ok = [p for p in preds if p.ttft_ms <= max(bound, best) and _keeps_itl(occ[p.route], link)]
+    if not ok:
+        return None
+    if budget_ms > 0:
+        within = [p for p in ok if occ[p.route].cloud_ms <= budget_ms]
+        if within:
+            return min(within, key=lambda p: p.ttft_ms), f"cloud budget {budget_ms:.0f} ms: fastest within it"
+    pick = min(ok, key=lambda p: (occ[p.route].cloud_ms, p.ttft_ms))
+    return pick, "cloud under pressure: least cloud time within the objectives"
+
+
+def quickest(preds: list[Prediction], occ: Mapping[Route, Occupancy]) -> tuple[Prediction, str]:
+    """The route with the lowest predicted end-to-end time (``Occupancy.e2e_ms``), with why: the
+    choice for a client that uses the reply only whole, to which the time to the first token is
+    the time to the last. Raises ValueError when ``preds`` is empty."""
+    if not preds:
+        raise ValueError("no route to choose from")
+    pick = min(preds, key=lambda p: (occ[p.route].e2e_ms, occ[p.route].cloud_ms))
+    return pick, "whole reply: lowest predicted end-to-end time"
+
+
+def _keeps_itl(o: Occupancy, link: LinkState) -> bool:
+    return link.itl_slo_ms <= 0 or o.decode_ms_per_token <= link.itl_slo_ms
