@@ -59,8 +59,8 @@ import typer
 from tandem.benchmarks import fidelity_stats as fs
 from tandem.benchmarks.children import run_child
 from tandem.common.protocol.manifest import SplitManifest
+from tandem.common.protocol.params import WireDtype
 from tandem.common.wire.chunks import raw_nbytes_of
-from tandem.common.wire.formats import WireDtype
 from tandem.common.wire.kvwire import kv_raw_nbytes
 
 app = typer.Typer(add_completion=False, help=__doc__)

@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from tandem.common.protocol.manifest import SplitManifest
+from tandem.common.protocol.params import WireDtype
 from tandem.common.wire.chunks import decode_dtype, encode_dtype
-from tandem.common.wire.formats import WireDtype
 from tandem.common.wire.kvwire import decode_kv, encode_kv
 
 

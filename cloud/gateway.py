@@ -41,7 +41,6 @@ from tandem.cloud.uploads.receive import Received, Receiver
 from tandem.cloud.uploads.upload import check_header
 from tandem.common.protocol.errors import DeadlineExceeded
 from tandem.common.protocol.manifest import SplitManifest
-from tandem.common.protocol.messages import DownEvent, TokensOut, TurnFinal, TurnHeader, UploadAck
 from tandem.common.protocol.params import (
     LinkParams,
     Negotiated,
@@ -57,6 +56,7 @@ from tandem.common.runtime.logs import bind_request, turn_log
 from tandem.common.runtime.security import ANONYMOUS_PEER, Principal
 from tandem.common.runtime.tracing import span, traced
 from tandem.common.wire.kvblocks import activation_keys
+from tandem.common.wire.messages import DownEvent, TokensOut, TurnFinal, TurnHeader, UploadAck
 from tandem.stages import Stage
 
 __all__ = ["Gateway", "UplinkBody"]

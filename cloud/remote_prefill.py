@@ -36,7 +36,6 @@ from tandem.cloud.store.blocks import BlockStore
 from tandem.cloud.turn import Turn, UplinkBody
 from tandem.cloud.uploads.pins import Pins
 from tandem.common.protocol.errors import InvalidRequest
-from tandem.common.protocol.messages import DownEvent, TokensOut, TurnFinal
 from tandem.common.protocol.params import Sampling
 from tandem.common.wire import chunks as wire
 from tandem.common.wire import merkle
@@ -52,6 +51,7 @@ from tandem.common.wire.kvdown import (
     full_model_key,
 )
 from tandem.common.wire.kvwire import kv_raw_nbytes
+from tandem.common.wire.messages import DownEvent, TokensOut, TurnFinal
 from tandem.stages import Stage
 
 log = logging.getLogger("tandem.cloud")

@@ -21,11 +21,11 @@ from tandem.cloud.gateway import Gateway
 from tandem.cloud.turn import UplinkBody
 from tandem.common.protocol.errors import EngineError, InvalidRequest, TandemError, UploadTimeout
 from tandem.common.protocol.grpc_errors import abort
-from tandem.common.protocol.messages import TurnError, TurnHeader, downlink_to_pb, uplink_from_pb
 from tandem.common.protocol.params import NegotiateOffer, SyncRequest
 from tandem.common.runtime.grpc_setup import Malformed
 from tandem.common.runtime.logs import set_caller, set_ids
 from tandem.common.runtime.security import Authenticator, Principal
+from tandem.common.wire.messages import TurnError, TurnHeader, downlink_to_pb, uplink_from_pb
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 

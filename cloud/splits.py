@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tandem.common.protocol.manifest import SplitManifest
-from tandem.common.protocol.messages import TurnHeader
 from tandem.common.wire.kvblocks import LayerRange, hash_seed, kv_scope, request_seed
+from tandem.common.wire.messages import TurnHeader
 
 
 @dataclass(frozen=True, eq=False)

@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tandem.common.protocol.messages import Commit, KVBlock, TurnHeader
 from tandem.common.protocol.params import LinkParams
 from tandem.common.runtime.security import ANONYMOUS_PEER, Principal, scoped
 from tandem.common.wire import chunks as wire
 from tandem.common.wire.kvdown import KVDownAck, Takeover
+from tandem.common.wire.messages import Commit, KVBlock, TurnHeader
 from tandem.stages import Stage, Timings
 
 UplinkBody = wire.Chunk | KVBlock | Commit | KVDownAck | Takeover  # the last two: remote prefill only

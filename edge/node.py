@@ -27,10 +27,10 @@ from tandem.common.protocol.modes import Mode
 from tandem.common.runtime import metrics
 from tandem.common.runtime.logs import bind_request, current_caller, current_request_id, new_request_id, turn_log
 from tandem.common.runtime.tracing import span, traced
-from tandem.edge.api.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.compute.batcher import HeadBatcher
 from tandem.edge.compute.local import LocalEngine
 from tandem.edge.detok import TextStream
+from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.lifetime import SessionLifetime
 from tandem.edge.link.connection import CloudTarget
 from tandem.edge.modes.cloud import CloudCalls

@@ -1,7 +1,7 @@
 """One chat turn as the edge runs it: ``Turn`` (the request, its token ids, its deadline, its
 route, its cloud connection and session) and ``TurnClock`` (its id, stage timings and what
 happened to it). Every step of a turn (``edge.node``, ``edge.modes.cloud``, ``edge.modes.split_head``,
-``edge.modes.local``, ``edge.link.sync``) takes the ``Turn`` rather than its parts. State only: no
+``edge.modes.local``, ``edge.modes.sync``) takes the ``Turn`` rather than its parts. State only: no
 decision and no I/O here.
 """
 
@@ -11,12 +11,12 @@ import asyncio
 import time
 from dataclasses import dataclass, field, replace
 
-from tandem.common.protocol.messages import TurnHeader
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import LinkParams, Sampling
 from tandem.common.runtime.logs import new_request_id
-from tandem.edge.api.events import ChatTurn, SentBytes, TurnDone
+from tandem.common.wire.messages import TurnHeader
 from tandem.edge.detok import TextStream
+from tandem.edge.events import ChatTurn, SentBytes, TurnDone
 from tandem.edge.link.connection import CloudConnection
 from tandem.edge.routing.router import Decision
 from tandem.edge.session import EdgeSession

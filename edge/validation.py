@@ -16,7 +16,7 @@ from collections.abc import Collection, Sequence
 from tandem.common.protocol.errors import ModeUnavailable
 from tandem.common.protocol.limits import RequestLimits, check_session_id
 from tandem.common.protocol.params import LinkParams
-from tandem.edge.api.events import ChatTurn, check_split_layer
+from tandem.edge.events import ChatTurn, check_split_layer
 
 
 def cloud_limits(p: LinkParams | None) -> RequestLimits:

@@ -20,11 +20,11 @@ from tandem.cloud.store.blocks import MemoryBlockStore
 from tandem.cloud.turn import as_principal
 from tandem.common.protocol.errors import EngineError
 from tandem.common.protocol.limits import RequestLimits
-from tandem.common.protocol.messages import TurnHeader, uplink_to_pb
 from tandem.common.protocol.params import NegotiateOffer
 from tandem.common.runtime.ewma import Ewma
 from tandem.common.runtime.security import scoped
 from tandem.common.wire import chunks as wire
+from tandem.common.wire.messages import TurnHeader, uplink_to_pb
 from tandem.edge.compute.batcher import HeadBatcher
 from tandem.edge.compute.head import MemoryHead
 from tandem.edge.link.base import CloudLink, InProcessLink, TurnCall

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from tandem import AsyncClient
-from tandem.common.protocol.messages import KVBlock
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import Sampling
 from tandem.common.wire import chunks as wire
-from tandem.edge.api.events import ChatTurn, TextOut, TurnDone
+from tandem.common.wire.messages import KVBlock
+from tandem.edge.events import ChatTurn, TextOut, TurnDone
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = Path(os.environ.get("TANDEM_MODEL_DIR", ROOT / "models" / "smollm2-135m"))

@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.cloud.config import CloudConfig
-from tandem.cloud.engines import vllm_plugin
+from tandem.cloud.engines import vllm_metrics, vllm_plugin
 from tandem.common.protocol.errors import EngineError
-from tandem.common.runtime import metrics
 
 if TYPE_CHECKING:
     from tandem.cloud.engines.vllm_engines import EngineRole
@@ -126,4 +125,4 @@ def start_engine(
     # vLLM's Prometheus logger unregisters the vllm: metrics at every engine start; this one keeps
     # one shared family per name, so both engines are exported (told apart by model_name)
     with placed_on(placed.gpu, placed.tensor_parallel_size):
-        return AsyncLLM.from_engine_args(args, stat_loggers=metrics.vllm_stat_loggers())
+        return AsyncLLM.from_engine_args(args, stat_loggers=vllm_metrics.vllm_stat_loggers())

@@ -39,13 +39,13 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from tandem.cloud.config import CloudConfig
+from tandem.cloud.engines import vllm_metrics
 from tandem.cloud.engines.kvparams import ConnectorReport, KVTransferSpec
 from tandem.cloud.engines.resources import EngineResources, capture, engine_pids
 from tandem.cloud.engines.start import start_engine
 from tandem.common.protocol.errors import EngineError
 from tandem.common.protocol.manifest import SplitManifest
 from tandem.common.protocol.params import Sampling
-from tandem.common.runtime import metrics
 
 log = logging.getLogger("tandem.engines")
 
@@ -358,7 +358,7 @@ class VllmEngines:
                 self._set(role, None)
         _shutdown_all(engines, timeout_s)
         # their last gauge values would still be exported (and count as this node's KV use)
-        metrics.forget_vllm_engines({str(self._checkpoint(r)) for r in self.ROLES})
+        vllm_metrics.forget_vllm_engines({str(self._checkpoint(r)) for r in self.ROLES})
         # vLLM's AsyncLLM sits in reference cycles, so without a collection here its __del__ (which
         # shuts down again) would run at interpreter teardown, when the module globals it calls are
         # already None: a "TypeError: 'NoneType' object is not callable" traceback per engine at

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from tandem.common.wire.formats import WireDtype
+from tandem.common.protocol.params import WireDtype
 
 PACKAGED = Path(__file__).parent / "fidelity_tables"
 Pair = tuple[WireDtype, WireDtype]  # (activations, KV blocks)
@@ -60,8 +60,8 @@ class FidelityTable:
     @classmethod
     def load(cls, path: Path) -> FidelityTable:
         """Raises: ValueError (not a table, or not JSON), InvalidRequest (missing, unreadable, or not a
-        regular file: ``startup.read_regular``)."""
-        from tandem.common.runtime.startup import read_regular
+        regular file: ``files.read_regular``)."""
+        from tandem.common.protocol.files import read_regular
 
         try:
             return cls.from_json(json.loads(read_regular(path, "fidelity table")))

@@ -41,8 +41,8 @@ from types import MappingProxyType
 from tandem.cloud.links.fidelity import FidelityTable
 from tandem.common.protocol.errors import InvalidRequest, ParamsVersionMismatch
 from tandem.common.protocol.manifest import SplitManifest
-from tandem.common.protocol.params import LinkParams, NegotiateOffer
-from tandem.common.wire.chunks import Codec, WireDtype, max_payload_bytes, raw_nbytes_of
+from tandem.common.protocol.params import Codec, LinkParams, NegotiateOffer, WireDtype
+from tandem.common.wire.chunks import max_payload_bytes, raw_nbytes_of
 from tandem.common.wire.formats import FORMATS, common_formats
 from tandem.common.wire.kvwire import kv_raw_nbytes
 

@@ -28,16 +28,15 @@ from tandem.cloud.links.table import LinkSlo, LinkTable
 from tandem.cloud.links.tenancy import EdgeOverLimit
 from tandem.cloud.splits import Splits
 from tandem.cloud.turn import as_principal
-from tandem.cloud.uploads.upload import MAX_ID_BYTES
 from tandem.common.protocol.errors import IncompatibleModel, InvalidRequest, ParamsVersionMismatch, PermissionDenied
-from tandem.common.protocol.messages import TurnHeader
-from tandem.common.protocol.params import LinkParams, Negotiated, NegotiateOffer, ServerInfo, ServerLoad
+from tandem.common.protocol.limits import MAX_ID_BYTES
+from tandem.common.protocol.params import Codec, LinkParams, Negotiated, NegotiateOffer, ServerInfo, ServerLoad
 from tandem.common.runtime import metrics
 from tandem.common.runtime.security import ANONYMOUS_PEER, Principal
 from tandem.common.wire import chunks as wire
-from tandem.common.wire.chunks import Codec
 from tandem.common.wire.formats import common_formats
 from tandem.common.wire.kvblocks import LayerRange, block_nbytes
+from tandem.common.wire.messages import TurnHeader
 
 LINK_NAME_CHARS = 48  # the name a link id starts with, before its uuid
 _NOT_NAME = re.compile(r"[^A-Za-z0-9._-]")

@@ -30,11 +30,11 @@ from tandem.cloud.uploads.pins import Pins
 from tandem.cloud.uploads.prefixkeeper import PrefixKeeper
 from tandem.cloud.uploads.upload import TurnUpload, upload_bound_bytes
 from tandem.common.protocol.errors import DeadlineExceeded, EngineError, InvalidRequest, MerkleMismatch, UploadTimeout
-from tandem.common.protocol.messages import Commit, KVBlock, Nack, Repair, WindowAck
 from tandem.common.runtime import metrics
 from tandem.common.runtime.tracing import traced
 from tandem.common.wire import chunks as wire
 from tandem.common.wire.kvblocks import LayerRange, part_key
+from tandem.common.wire.messages import Commit, KVBlock, Nack, Repair, WindowAck
 from tandem.stages import Stage
 
 log = logging.getLogger("tandem.cloud")

@@ -29,12 +29,12 @@ from tandem.common.protocol.errors import (
 from tandem.common.protocol.limits import MAX_ID_BYTES as MAX_ID_BYTES
 from tandem.common.protocol.limits import RequestLimits, check_session_id
 from tandem.common.protocol.manifest import SplitManifest
-from tandem.common.protocol.messages import KVBlock, TurnHeader
 from tandem.common.protocol.params import LinkParams
 from tandem.common.wire import chunks as wire
 from tandem.common.wire import merkle
 from tandem.common.wire.kvblocks import LayerRange, block_hashes
 from tandem.common.wire.kvwire import decode_kv, kv_raw_nbytes
+from tandem.common.wire.messages import KVBlock, TurnHeader
 
 
 def wire_limits(params: LinkParams, manifest: SplitManifest) -> RequestLimits:

@@ -13,7 +13,7 @@ Every refusal names its field as OpenAI writes it (``InvalidRequest.param``: ``m
 (``context_length_exceeded`` for a prompt too long, ``integer_above_max_value``...), so each surface
 (gRPC, HTTP, the SDK) answers the same field and code.
 
-What it does not check: stop strings and the message structure (``edge.api.events.ChatTurn``), the
+What it does not check: stop strings and the message structure (``edge.events.ChatTurn``), the
 route (``edge.routing.router``), the upload's framing (``cloud.uploads.upload``). Pure domain code.
 """
 

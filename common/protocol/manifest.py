@@ -267,13 +267,13 @@ class BundleManifest(BaseModel):
 
 
 def _read_json_file(path: Path) -> bytes:
-    """The bytes of a small JSON file, read without blocking on a FIFO (``startup.read_regular``).
+    """The bytes of a small JSON file, read without blocking on a FIFO (``files.read_regular``).
 
     Raises:
         FileNotFoundError: no file at ``path``.
         InvalidRequest: not a regular file, or unreadable.
     """
-    from tandem.common.runtime.startup import read_regular
+    from tandem.common.protocol.files import read_regular
 
     if not path.exists():
         raise FileNotFoundError(f"no such file: {path}")
@@ -284,14 +284,14 @@ def part_blake3(path: Path) -> str:
     """Hex BLAKE3 of a split's part as the manifest records it (``head_blake3``, ``tail_blake3``,
     ``checkpoint_blake3``): of the file, or of a folder's ``*.safetensors`` and ``*.json`` files
     in name order; each file hashed as its name and then its bytes. Files are opened by
-    ``startup.open_regular`` (a FIFO is refused, never read).
+    ``files.open_regular`` (a FIFO is refused, never read).
 
     Raises:
         InvalidRequest: a file is not a regular file or is unreadable.
     """
     import blake3
 
-    from tandem.common.runtime.startup import open_regular
+    from tandem.common.protocol.files import open_regular
 
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     files = (

@@ -6,15 +6,39 @@ are what edge and cloud code pass around.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 
 from tandem.common.protocol.errors import InvalidRequest
-from tandem.common.wire.chunks import Codec, WireDtype, pb_name
 from tandem.pbconv import from_pb, to_pb
 from tandem.v1 import tandem_pb2 as pb
 
 MAX_STOP_TOKENS = 64  # stop token ids one request may name
 MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more (and OpenAI's API allows 0..2)
+
+
+class WireDtype(enum.IntEnum):
+    """Mirrors ``tandem.v1.WireDtype``."""
+
+    FP32 = 1
+    FP16 = 2
+    BF16 = 3
+    INT8 = 4
+    INT4 = 5
+    INT8_HADAMARD = 6
+    INT4_HADAMARD = 7
+
+
+class Codec(enum.IntEnum):
+    """Mirrors ``tandem.v1.Codec``."""
+
+    NONE = 1
+    ZSTD = 2
+
+
+def pb_name(v: WireDtype | Codec) -> str:
+    """The ``tandem.v1`` enum value name (``WIRE_DTYPE_FP32``, ``CODEC_ZSTD``...) of a domain enum."""
+    return ("WIRE_DTYPE_" if isinstance(v, WireDtype) else "CODEC_") + v.name
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ a Python ``str``:
 
 Over gRPC only NUL comes through: protobuf's parser (upb) refuses bad UTF-8 in a string field, and
 a surrogate encoded as UTF-8 is bad UTF-8. ``check_text`` is called where a request becomes a
-domain object (``edge.api.events.ChatTurn``); the HTTP API also runs ``find_non_text`` over the whole
+domain object (``edge.events.ChatTurn``); the HTTP API also runs ``find_non_text`` over the whole
 JSON body, so its error names the parameter.
 
 ``printable`` is the other direction: what a peer sent, made safe to write where an operator reads

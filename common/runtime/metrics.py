@@ -59,9 +59,6 @@ from typing import Any, Protocol
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from tandem.cloud.engines.vllm_metrics import forget_vllm_engines as forget_vllm_engines
-from tandem.cloud.engines.vllm_metrics import vllm_kv_cache_usage as vllm_kv_cache_usage
-from tandem.cloud.engines.vllm_metrics import vllm_stat_loggers as vllm_stat_loggers
 from tandem.common.protocol.text import printable
 from tandem.common.runtime.logs import outcome_of
 from tandem.stages import Stage

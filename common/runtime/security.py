@@ -111,14 +111,14 @@ def check_plaintext(address: str, insecure: bool, what: str) -> None:
 
 
 def read_file(path: Path | str, what: str) -> bytes:
-    """The bytes of a PEM file, a regular file read without blocking (``startup.read_regular``: a
+    """The bytes of a PEM file, a regular file read without blocking (``files.read_regular``: a
     FIFO or a device is refused by its type, never opened).
 
     Raises:
         InvalidRequest: the file is missing, unreadable or not a regular file (the message names
             the setting).
     """
-    from tandem.common.runtime.startup import read_regular
+    from tandem.common.protocol.files import read_regular
 
     return read_regular(path, what)
 

@@ -45,10 +45,10 @@ from pydantic_settings import (
 )
 
 from tandem.common.protocol.errors import InvalidRequest
+from tandem.common.protocol.params import Codec, WireDtype
 from tandem.common.protocol.text import find_non_text
 from tandem.common.runtime.security import check_tls_files, is_loopback
 from tandem.common.runtime.startup import FileRole, server_ports
-from tandem.common.wire.chunks import Codec, WireDtype
 
 
 class UserError(Exception):

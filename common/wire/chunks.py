@@ -25,7 +25,6 @@ worker thread, off the event loop.
 
 from __future__ import annotations
 
-import enum
 import threading
 from dataclasses import dataclass
 
@@ -34,19 +33,8 @@ import numpy as np
 import zstandard
 
 from tandem.common.protocol.errors import ChecksumMismatch, CorruptPayload, InvalidRequest
-from tandem.common.wire.formats import WireDtype, format_of
-
-
-class Codec(enum.IntEnum):
-    """Mirrors ``tandem.v1.Codec``."""
-
-    NONE = 1
-    ZSTD = 2
-
-
-def pb_name(v: WireDtype | Codec) -> str:
-    """The ``tandem.v1`` enum value name (``WIRE_DTYPE_FP32``, ``CODEC_ZSTD``...) of a domain enum."""
-    return ("WIRE_DTYPE_" if isinstance(v, WireDtype) else "CODEC_") + v.name
+from tandem.common.protocol.params import Codec, WireDtype
+from tandem.common.wire.formats import format_of
 
 
 @dataclass(frozen=True)

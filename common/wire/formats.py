@@ -62,6 +62,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from tandem.common.protocol.errors import InvalidRequest
+from tandem.common.protocol.params import WireDtype
 from tandem.common.wire.quant import (
     FP16_MAX,
     bf16_bits,
@@ -74,18 +75,6 @@ from tandem.common.wire.quant import (
     safe_scale,
     unpack_int4,
 )
-
-
-class WireDtype(enum.IntEnum):
-    """Mirrors ``tandem.v1.WireDtype``."""
-
-    FP32 = 1
-    FP16 = 2
-    BF16 = 3
-    INT8 = 4
-    INT4 = 5
-    INT8_HADAMARD = 6
-    INT4_HADAMARD = 7
 
 
 class Fidelity(enum.IntEnum):

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from tandem.common.protocol.errors import InvalidRequest
-from tandem.common.wire.formats import BlockShape, WireDtype, format_of
+from tandem.common.protocol.params import WireDtype
+from tandem.common.wire.formats import BlockShape, format_of
 
 
 def kv_raw_nbytes(shape: BlockShape, dtype: WireDtype) -> int:

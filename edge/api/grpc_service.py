@@ -26,8 +26,8 @@ from tandem.common.protocol.params import MAX_STOP_TOKENS
 from tandem.common.runtime.grpc_setup import set_health
 from tandem.common.runtime.logs import new_request_id, set_caller, set_ids
 from tandem.common.runtime.security import Authenticator, Principal, scoped
-from tandem.edge.api.events import ChatTurn
 from tandem.edge.detok import MAX_STOP_STRINGS
+from tandem.edge.events import ChatTurn
 from tandem.edge.node import EdgeNode
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc

@@ -115,7 +115,6 @@ from tandem.common.protocol.text import check_text
 from tandem.common.runtime.logs import set_caller, set_ids
 from tandem.common.runtime.security import Principal, key_name
 from tandem.edge.api.errors import ApiError, BodyLimit, add_error_handlers, api_error_of
-from tandem.edge.api.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.api.request_models import (
     ChatRequest,
     CompletionRequest,
@@ -130,6 +129,7 @@ from tandem.edge.api.request_models import (
     stops,
 )
 from tandem.edge.api.responses import Call, collect, finish_reason, sse, tandem_extra, usage_of
+from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.edge.node import EdgeNode
 
 log = logging.getLogger("tandem.edge.openai")

@@ -9,7 +9,7 @@ docs/clients.md). Every string of a body is text (``common.protocol.text``), che
 validation. Conversion refuses what the edge cannot honour (``ApiError``, OpenAI's shape: ``param``
 names the parameter, ``code`` is OpenAI's, see ``edge.api.errors``); the checks a field shares
 with the gRPC API (roles, stop strings, session ids, sampling, limits) are the same functions
-(``edge.api.events``, ``common.protocol.limits``), so both give one verdict.
+(``edge.events``, ``common.protocol.limits``), so both give one verdict.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pydantic_core import PydanticCustomError
 from tandem.common.protocol.params import MAX_STOP_TOKENS, Sampling
 from tandem.common.protocol.text import find_non_text
 from tandem.edge.api.errors import ApiError, param_path
-from tandem.edge.api.events import chat_role, check_stops
+from tandem.edge.events import chat_role, check_stops
 
 Ignored = Any  # an OpenAI field accepted and ignored by design: it changes nothing tandem does
 
@@ -200,7 +200,7 @@ def refuse_unsupported(r: RequestBase) -> None:
 
 
 def stops(stop: str | list[str] | None) -> tuple[str, ...]:
-    """The stop strings (``edge.api.events.check_stops``, as over gRPC). Raises InvalidRequest."""
+    """The stop strings (``edge.events.check_stops``, as over gRPC). Raises InvalidRequest."""
     return check_stops((stop,) if isinstance(stop, str) else tuple(stop or ()), one=isinstance(stop, str))
 
 
@@ -238,7 +238,7 @@ def _text_of(i: int, m: ChatMessage) -> str:
 
 
 def chat_messages(r: ChatRequest) -> tuple[tuple[str, str], ...]:
-    """(role, text) pairs; developer messages are system messages (``edge.api.events.chat_role``, as over
+    """(role, text) pairs; developer messages are system messages (``edge.events.chat_role``, as over
     gRPC). Raises InvalidRequest for other roles, ApiError for tool calls or non-text content."""
     out = []
     for i, m in enumerate(r.messages):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.common.protocol import errors as e
-from tandem.edge.api.events import ChatTurn, TextOut, TurnDone
+from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.stages import timings_to_wire
 
 

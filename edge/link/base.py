@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from tandem.common.protocol.errors import InvalidRequest
-from tandem.common.protocol.messages import DownEvent, TurnHeader, UplinkItem, uplink_to_pb
 from tandem.common.protocol.params import Negotiated, NegotiateOffer, ServerInfo, SyncReply, SyncRequest
+from tandem.common.wire.messages import DownEvent, TurnHeader, UplinkItem, uplink_to_pb
 
 
 class TurnCall(Protocol):

@@ -147,7 +147,7 @@ class CloudConnection:
         g = self.goodput_mbps.value
         codecs = self.base_offer.codecs
         if self._zstd_pays is not None:
-            from tandem.common.wire.chunks import Codec
+            from tandem.common.protocol.params import Codec
 
             codecs = (Codec.ZSTD, Codec.NONE) if self._zstd_pays(g) else (Codec.NONE, Codec.ZSTD)
         link_id = self.link_id

@@ -25,12 +25,12 @@ from dataclasses import replace
 import numpy as np
 
 from tandem.common.protocol.errors import InvalidRequest
-from tandem.common.protocol.messages import KVBlock, TurnHeader
 from tandem.common.protocol.params import LinkParams, SyncRequest
 from tandem.common.wire import chunks as wire
 from tandem.common.wire import merkle
 from tandem.common.wire.kvblocks import LayerRange, block_hashes, request_seed, split_blocks
 from tandem.common.wire.kvwire import encode_kv
+from tandem.common.wire.messages import KVBlock, TurnHeader
 from tandem.edge.link.uplink import OutgoingTurn, Pieces
 from tandem.edge.session import EdgeSession
 

@@ -19,9 +19,9 @@ import grpc
 
 from tandem.common.protocol.errors import LinkLost
 from tandem.common.protocol.grpc_errors import error_from_status
-from tandem.common.protocol.messages import DownEvent, TurnError, UplinkItem, downlink_from_pb, uplink_to_pb
 from tandem.common.protocol.params import Negotiated, NegotiateOffer, ServerInfo, SyncReply, SyncRequest
 from tandem.common.runtime.grpc_setup import channel_options
+from tandem.common.wire.messages import DownEvent, TurnError, UplinkItem, downlink_from_pb, uplink_to_pb
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 

@@ -17,7 +17,10 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from tandem.common.protocol.errors import EngineError, InvalidRequest
-from tandem.common.protocol.messages import (
+from tandem.common.runtime import metrics
+from tandem.common.runtime.tracing import start_span
+from tandem.common.wire import chunks as wire
+from tandem.common.wire.messages import (
     Commit,
     DownEvent,
     KVBlock,
@@ -29,10 +32,7 @@ from tandem.common.protocol.messages import (
     UploadAck,
     WindowAck,
 )
-from tandem.common.runtime import metrics
-from tandem.common.runtime.tracing import start_span
-from tandem.common.wire import chunks as wire
-from tandem.edge.api.events import SentBytes
+from tandem.edge.events import SentBytes
 from tandem.edge.link.base import CloudLink, TurnCall
 
 log = logging.getLogger("tandem.edge")

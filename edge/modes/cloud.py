@@ -1,5 +1,5 @@
 """Split and direct turns through the cloud: the turn's session under its lock, the head
-(``edge.modes.split_head``), a ``SyncSession`` where the cloud's copy may differ (``edge.link.sync``), the
+(``edge.modes.split_head``), a ``SyncSession`` where the cloud's copy may differ (``edge.modes.sync``), the
 framed upload (``edge.link.framing``) streamed over the pinned connection (``edge.link.uplink``), and the
 tokens coming back detokenized. A turn that fails before the cloud acknowledged its upload leaves
 the session as it was.
@@ -17,15 +17,16 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
 from tandem.common.protocol.errors import DeadlineExceeded, EngineError, SessionOutOfSync
-from tandem.common.protocol.messages import TokensOut, TurnFinal, UploadAck
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import LinkParams
 from tandem.common.runtime import metrics
 from tandem.common.runtime.tracing import traced
-from tandem.edge.api.events import TextOut, TurnDone
-from tandem.edge.link import framing, sync
+from tandem.common.wire.messages import TokensOut, TurnFinal, UploadAck
+from tandem.edge.events import TextOut, TurnDone
+from tandem.edge.link import framing
 from tandem.edge.link.connection import CloudConnection, CloudTarget, upload_receive_ms
 from tandem.edge.link.uplink import OutgoingTurn, Pieces, stream_turn
+from tandem.edge.modes import sync
 from tandem.edge.modes.split_head import Head, PipelinedHead, run_head
 from tandem.edge.routing.router import Router
 from tandem.edge.session import EdgeSession, EdgeSessions

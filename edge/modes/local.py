@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from tandem.edge.api.events import TextOut, TurnDone
 from tandem.edge.compute.local import LocalEngine
+from tandem.edge.events import TextOut, TurnDone
 from tandem.edge.turn import Turn
 from tandem.stages import Stage
 

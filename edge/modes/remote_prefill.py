@@ -26,11 +26,11 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from tandem.common.protocol.errors import EngineError
-from tandem.common.protocol.messages import TokensOut, TurnFinal
 from tandem.common.protocol.params import LinkParams
 from tandem.common.wire.kvdown import Expected, KVBlockDown, KVCommitDown, RemotePrefill, Takeover, block_ids
-from tandem.edge.api.events import SentBytes, TextOut, TurnDone
+from tandem.common.wire.messages import TokensOut, TurnFinal
 from tandem.edge.compute.local import LocalEngine, LocalSession, past_from_blocks
+from tandem.edge.events import SentBytes, TextOut, TurnDone
 from tandem.edge.link.base import TurnCall
 from tandem.edge.link.downlink import KVDownload
 from tandem.edge.routing.router import Router

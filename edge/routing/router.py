@@ -20,8 +20,8 @@ from tandem.common.protocol.manifest import ModelShape
 from tandem.common.protocol.modes import Mode
 from tandem.common.wire import chunks as wire
 from tandem.common.wire.kvwire import kv_raw_nbytes
-from tandem.edge.api.events import ChatTurn
 from tandem.edge.compute.local import LocalEngine
+from tandem.edge.events import ChatTurn
 from tandem.edge.link.connection import CloudTarget
 from tandem.edge.routing.costmodel import CostModel, LinkState, Prediction, RequestShape, Route
 from tandem.edge.routing.occupancy import Occupancy, OccupancyModel, cloud_stage_ms, lightest, quickest, under_pressure

@@ -19,7 +19,7 @@ def bench_cloud(split_dir, tmp_path_factory):
     and stepping its SLO controller every second (its trace in ``trace.jsonl`` beside its log), for
     ``TestSmokeRunsOnOneCloud`` (class-scoped: down before the batching smoke starts its engine).
     Yields ``(host:port, trace file)``."""
-    from tandem.common.wire.chunks import WireDtype
+    from tandem.common.protocol.params import WireDtype
     from tandem.daemons import Daemons, cloud_command
 
     w = tmp_path_factory.mktemp("bench-cloud")

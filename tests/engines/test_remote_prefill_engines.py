@@ -17,7 +17,7 @@ from tandem.common.protocol.errors import LinkLost
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import Sampling
 from tandem.common.wire.kvdown import KVBlockDown, Takeover
-from tandem.edge.api.events import ChatTurn, TextOut, TurnDone
+from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.stages import Stage
 from tests.references import LONG, PROMPTS, assert_same_or_near_tie, hf_greedy, prompt_ids
 from tests.remote_doubles import DownTamperLink

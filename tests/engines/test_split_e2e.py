@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from tandem import AsyncClient, TandemClientError
-from tandem.common.protocol.messages import KVBlock
 from tandem.common.wire import chunks as wire
+from tandem.common.wire.messages import KVBlock
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.doubles import TamperLink, rechunk
@@ -117,7 +117,7 @@ async def test_three_turn_chat(stack, hf_model, tokenizer):
 async def test_every_engine_exports_its_vllm_metrics(stack):
     """The engines start together (``VllmEngines.start``); each still exports its ``vllm:`` metrics,
     told apart by ``model_name`` (one engine's logger unregisters every ``vllm:`` collector)."""
-    from tandem.common.runtime import metrics
+    from tandem.cloud.engines import vllm_metrics
     from tandem.common.runtime.metrics import REGISTRY
 
     names = {
@@ -129,7 +129,7 @@ async def test_every_engine_exports_its_vllm_metrics(stack):
     assert len(names) == 3 and any(n.endswith("split-k4/tail") for n in names), names  # 2 tails, 1 decode
     # what GetServerInfo reports as the KV cache use: the highest engine's, read from its gauge alone
     usage = [s.value for f in REGISTRY.collect() if f.name == "vllm:kv_cache_usage_perc" for s in f.samples]
-    assert len(usage) == 3 and metrics.vllm_kv_cache_usage() == max(usage)
+    assert len(usage) == 3 and vllm_metrics.vllm_kv_cache_usage() == max(usage)
 
 
 async def test_decode_engine_uses_the_loaded_kv(stack, tokenizer, manifest):

@@ -51,7 +51,10 @@ from tandem.cloud.sessions.table import CloudSession
 from tandem.cloud.turn import as_principal
 from tandem.common.protocol.errors import TandemError, error_from_name
 from tandem.common.protocol.grpc_errors import status_of
-from tandem.common.protocol.messages import (
+from tandem.common.protocol.params import LinkParams, NegotiateOffer, Sampling
+from tandem.common.runtime.grpc_setup import add_service, start_server
+from tandem.common.runtime.security import scoped
+from tandem.common.wire.messages import (
     Nack,
     Repair,
     TokensOut,
@@ -61,9 +64,6 @@ from tandem.common.protocol.messages import (
     uplink_from_pb,
     uplink_to_pb,
 )
-from tandem.common.protocol.params import LinkParams, NegotiateOffer, Sampling
-from tandem.common.runtime.grpc_setup import add_service, start_server
-from tandem.common.runtime.security import scoped
 from tandem.edge.api.grpc_service import EdgeServicer
 from tandem.edge.compute.batcher import HeadBatcher
 from tandem.edge.compute.head import MemoryHead

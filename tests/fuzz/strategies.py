@@ -11,11 +11,11 @@ from typing import Any, TypeVar
 
 from hypothesis import strategies as st
 
-from tandem.common.protocol.messages import (
-    uplink_to_pb,
-)
 from tandem.common.protocol.params import LinkParams, NegotiateOffer
 from tandem.common.wire import chunks as wire
+from tandem.common.wire.messages import (
+    uplink_to_pb,
+)
 from tandem.v1 import tandem_pb2 as pb
 from tests.fuzz.uploads import (
     FLAVORS,

@@ -19,16 +19,16 @@ from tandem.cloud.gateway import Gateway
 from tandem.cloud.server import build_gateway
 from tandem.cloud.store.blocks import MemoryBlockStore
 from tandem.common.protocol.errors import TandemError
-from tandem.common.protocol.messages import (
+from tandem.common.protocol.params import LinkParams, Sampling
+from tandem.common.wire import chunks as wire
+from tandem.common.wire import merkle
+from tandem.common.wire.kvblocks import block_hashes, request_seed
+from tandem.common.wire.messages import (
     Commit,
     KVBlock,
     TurnHeader,
     uplink_to_pb,
 )
-from tandem.common.protocol.params import LinkParams, Sampling
-from tandem.common.wire import chunks as wire
-from tandem.common.wire import merkle
-from tandem.common.wire.kvblocks import block_hashes, request_seed
 from tandem.edge.link.uplink import send_order
 from tandem.v1 import tandem_pb2 as pb
 from tests.toy import HKV, MANIFEST, VOCAB, B, D, H, K

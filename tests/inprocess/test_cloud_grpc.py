@@ -17,7 +17,7 @@ from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import NegotiateOffer, Sampling
 from tandem.common.runtime.grpc_setup import add_service, channel_options, start_server
 from tandem.common.wire import chunks as wire
-from tandem.edge.api.events import ChatTurn, TurnDone
+from tandem.edge.events import ChatTurn, TurnDone
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.doubles import MANIFEST, B, H, K, TamperLink, ToyTokenizer, rechunk
@@ -318,7 +318,7 @@ def test_a_verdict_the_edge_does_not_know_keeps_its_nearest_kind_and_retry_hint(
     ancestors and its retry hint."""
     from tandem.cloud.links.table import LinkBusy
     from tandem.common.protocol.errors import QuotaExceeded
-    from tandem.common.protocol.messages import TurnError, downlink_from_pb, downlink_to_pb
+    from tandem.common.wire.messages import TurnError, downlink_from_pb, downlink_to_pb
 
     m = downlink_to_pb(TurnError(LinkBusy("link 'x' waited 5007 ms for a slot", retry_after_ms=750)))
     assert m.error.kind == "LinkBusy" and list(m.error.base_kinds)[:2] == ["QuotaExceeded", "TandemError"]

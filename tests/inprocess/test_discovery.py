@@ -16,10 +16,10 @@ import pytest
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import NegotiateOffer
 from tandem.common.runtime import metrics
-from tandem.edge.api.events import TextOut, TurnDone
 from tandem.edge.compute.batcher import HeadBatcher
 from tandem.edge.compute.head import MemoryHead
 from tandem.edge.config import EdgeConfig
+from tandem.edge.events import TextOut, TurnDone
 from tandem.edge.link.replicas import ReplicaSet, rendezvous
 from tandem.edge.modes.split_head import Head
 from tandem.edge.node import EdgeNode

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tandem.benchmarks.teacher import SplitTeacher
-from tandem.common.wire.formats import WireDtype
+from tandem.common.protocol.params import WireDtype
 
 FP32 = (WireDtype.FP32, WireDtype.FP32)
 FP16 = (WireDtype.FP16, WireDtype.FP16)

@@ -18,13 +18,13 @@ from tandem.common.protocol.errors import (
     TandemError,
     UploadTimeout,
 )
-from tandem.common.protocol.messages import Commit, KVBlock, TurnHeader
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import Sampling
 from tandem.common.runtime.logs import new_request_id
 from tandem.common.wire import chunks as wire
-from tandem.edge.api.events import ChatTurn, TurnDone
+from tandem.common.wire.messages import Commit, KVBlock, TurnHeader
 from tandem.edge.compute.head import HeadInput
+from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.link import framing
 from tandem.stages import TTFT_STAGES, Stage
 from tests.doubles import HKV, MANIFEST, B, D, H, K, TamperLink, ToyTokenizer, rechunk, toy_stack

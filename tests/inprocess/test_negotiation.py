@@ -29,9 +29,8 @@ from tandem.common.protocol.errors import (
     ParamsVersionMismatch,
 )
 from tandem.common.protocol.modes import Mode
-from tandem.common.protocol.params import NegotiateOffer, Sampling
-from tandem.common.wire.chunks import Codec, WireDtype
-from tandem.edge.api.events import ChatTurn
+from tandem.common.protocol.params import Codec, NegotiateOffer, Sampling, WireDtype
+from tandem.edge.events import ChatTurn
 from tandem.edge.routing.costmodel import CostModel, RequestShape, Route
 from tests.doubles import MANIFEST, K, MemoryLocal, toy_manifest, toy_stack
 from tests.helpers import run
@@ -128,7 +127,7 @@ async def test_negotiate_gives_a_link_with_params_per_split_and_follows_the_offe
 
 
 async def test_the_kv_format_is_the_edges_first_choice_among_the_clouds():
-    from tandem.common.wire.chunks import WireDtype as W
+    from tandem.common.protocol.params import WireDtype as W
 
     toy = await toy_stack(kv_wire_dtypes=[W.INT8, W.FP16, W.FP32], wire_dtypes=[W.FP32, W.INT8])
     try:
@@ -369,8 +368,8 @@ def _upload_rate_mbps(estimate_mbps: float, link_mbps: float, rtt_ms: float, thr
     import heapq
 
     from tandem.cloud.links.negotiation import pick_window_bytes
-    from tandem.common.protocol.messages import TurnHeader
     from tandem.common.wire import chunks as wire
+    from tandem.common.wire.messages import TurnHeader
     from tandem.edge.link.uplink import OutgoingTurn, _send_more
 
     chunks = wire.split(np.zeros((1024, 1024), np.float32), 0, 16, params_version=1)  # 64 x 64 KiB
@@ -449,8 +448,8 @@ def test_an_edge_whose_link_got_faster_climbs_to_its_rate():
 
 
 def test_the_edge_sends_within_the_window_and_commits_after_the_last_item():
-    from tandem.common.protocol.messages import Commit, KVBlock, TurnHeader
     from tandem.common.wire import chunks as wire
+    from tandem.common.wire.messages import Commit, KVBlock, TurnHeader
     from tandem.edge.link.uplink import OutgoingTurn, _send_more, _send_upload
 
     h = np.zeros((64, 8), np.float32)
@@ -518,7 +517,7 @@ async def test_default_configs_negotiate_fp16_for_weights_without_a_fidelity_tab
     agree on the edge's first preference, fp16 activations and fp16 KV; a cloud set to fp32 only
     keeps every split reply equal to the unsplit model's. (With a table: ``test_fidelity.py``.)"""
     from tandem.cloud.config import CloudConfig
-    from tandem.common.wire.chunks import WireDtype as W
+    from tandem.common.protocol.params import WireDtype as W
     from tandem.edge.config import EdgeConfig
 
     e, c = EdgeConfig(), CloudConfig()

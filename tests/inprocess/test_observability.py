@@ -17,13 +17,13 @@ from prometheus_client import REGISTRY, Gauge
 
 from tandem.cloud.engines import vllm_metrics
 from tandem.common.protocol.errors import InvalidRequest
-from tandem.common.protocol.messages import KVBlock
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import Sampling
 from tandem.common.runtime import metrics, tracing
 from tandem.common.runtime.logs import bind_request, setup_logging
 from tandem.common.wire import chunks as wire
-from tandem.edge.api.events import ChatTurn
+from tandem.common.wire.messages import KVBlock
+from tandem.edge.events import ChatTurn
 from tests.doubles import TamperLink, toy_stack
 from tests.helpers import LONG, run, turn
 
@@ -170,12 +170,12 @@ def test_a_stopped_engines_vllm_series_leave_the_shared_metrics():
             child = m.labels(model, "0")
             (child.set(0.5) if isinstance(m, Gauge) else child.inc() if isinstance(m, Counter) else child.observe(0.2))
     try:
-        assert metrics.forget_vllm_engines({"/m/split-k4/tail"}) == 3
+        assert vllm_metrics.forget_vllm_engines({"/m/split-k4/tail"}) == 3
         assert REGISTRY.get_sample_value(names[0], {"model_name": "/m/split-k4/tail", "engine": "0"}) is None
         assert REGISTRY.get_sample_value(names[1] + "_total", {"model_name": "/m/split-k4/tail", "engine": "0"}) is None
         assert REGISTRY.get_sample_value(names[2] + "_count", {"model_name": "/m/split-k4/tail", "engine": "0"}) is None
         assert REGISTRY.get_sample_value(names[0], {"model_name": "/m/hf", "engine": "0"}) == 0.5  # the other stays
-        assert metrics.forget_vllm_engines({"/m/split-k4/tail"}) == 0
+        assert vllm_metrics.forget_vllm_engines({"/m/split-k4/tail"}) == 0
     finally:
         for m, n in zip(made, names, strict=True):
             REGISTRY.unregister(m)
@@ -186,7 +186,7 @@ def test_kv_cache_usage_is_the_highest_engines_gauge_and_reads_only_it():
     from prometheus_client import CollectorRegistry, Histogram
 
     reg = CollectorRegistry()
-    assert metrics.vllm_kv_cache_usage(reg) == 0.0  # no engines
+    assert vllm_metrics.vllm_kv_cache_usage(reg) == 0.0  # no engines
     g = Gauge("vllm:kv_cache_usage_perc", "d", ["model_name", "engine"], registry=reg)
     g.labels("tail", "0").set(0.25)
     g.labels("decode", "0").set(0.75)
@@ -197,7 +197,7 @@ def test_kv_cache_usage_is_the_highest_engines_gauge_and_reads_only_it():
             raise AssertionError("collected a metric other than the KV cache gauge")
 
     Refuses("vllm:e2e_seconds", "d", registry=reg)
-    assert metrics.vllm_kv_cache_usage(reg) == 0.75
+    assert vllm_metrics.vllm_kv_cache_usage(reg) == 0.75
 
 
 @pytest.fixture

@@ -129,7 +129,7 @@ async def test_auto_streams_from_the_edge_and_takes_the_faster_decoder_for_a_who
     that decodes at about 1 ms: a whole-reply turn goes to the cloud (lowest predicted end-to-end
     time), a streamed one to the edge (lowest predicted TTFT)."""
     from tandem.common.protocol.params import Sampling
-    from tandem.edge.api.events import ChatTurn
+    from tandem.edge.events import ChatTurn
     from tests.helpers import RP_LONG, stream
     from tests.remote_doubles import rp_stack
 
@@ -196,7 +196,7 @@ async def test_an_auto_turn_under_a_cloud_budget_takes_remote_prefill_and_report
     the TTFT objective: auto serves the turn in remote prefill, and its end-to-end and cloud-time
     predictions are compared with what it measured."""
     from tandem.common.protocol.params import Sampling
-    from tandem.edge.api.events import ChatTurn
+    from tandem.edge.events import ChatTurn
     from tests.helpers import RP_LONG, stream
     from tests.remote_doubles import rp_stack
 

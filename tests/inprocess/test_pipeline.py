@@ -9,8 +9,8 @@ import asyncio
 import pytest
 
 from tandem.common.protocol.errors import EngineError, TandemError
-from tandem.common.protocol.messages import KVBlock
 from tandem.common.wire.chunks import Chunk
+from tandem.common.wire.messages import KVBlock
 from tandem.edge.compute.head import HeadInput
 from tandem.edge.link.base import CloudLink, TurnCall
 from tests.doubles import MANIFEST, B, toy_stack

@@ -12,7 +12,7 @@ import pytest
 
 from tandem.common.protocol.modes import Mode
 from tandem.common.wire import chunks as wire
-from tandem.edge.api.events import ChatTurn, TurnDone
+from tandem.edge.events import ChatTurn, TurnDone
 from tests.doubles import B
 from tests.helpers import RP_LONG, rp_chat, rp_turn, stream
 from tests.remote_doubles import rp_stack

@@ -14,7 +14,7 @@ from tandem.common.protocol.errors import LinkLost
 from tandem.common.protocol.modes import Mode
 from tandem.common.wire import chunks as wire
 from tandem.common.wire.kvdown import KVBlockDown, KVDownAck, Takeover
-from tandem.edge.api.events import TurnDone
+from tandem.edge.events import TurnDone
 from tests.doubles import B
 from tests.helpers import RP_LONG, rp_chat, rp_turn, stream
 from tests.remote_doubles import DownTamperLink, rp_stack

@@ -10,9 +10,9 @@ import pytest
 
 from tandem import AsyncClient
 from tandem.common.runtime.grpc_setup import add_service, start_server
-from tandem.edge.api.events import TurnDone
 from tandem.edge.api.grpc_service import EDGE_SERVICE, EdgeServicer
 from tandem.edge.api.http_api import create_openai_app
+from tandem.edge.events import TurnDone
 from tests.helpers import RP_LONG as LONG
 from tests.remote_doubles import rp_stack
 

@@ -33,8 +33,8 @@ from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import NegotiateOffer, Sampling
 from tandem.common.runtime.grpc_setup import add_service, channel_credentials, server_credentials, start_server
 from tandem.common.runtime.security import ApiKeys, Authenticator, private_dir
-from tandem.edge.api.events import ChatTurn
 from tandem.edge.api.grpc_service import EDGE_SERVICE, EdgeServicer
+from tandem.edge.events import ChatTurn
 from tandem.edge.link.grpc_link import GrpcCloudLink
 from tandem.edge.node import EdgeNode
 from tandem.v1 import tandem_pb2 as pb

@@ -23,9 +23,9 @@ from tandem.common.protocol.params import NegotiateOffer, Sampling
 from tandem.common.runtime.grpc_setup import add_service, start_server
 from tandem.common.runtime.security import scoped
 from tandem.common.wire import chunks as wire
-from tandem.edge.api.events import ChatTurn, TurnDone
 from tandem.edge.compute.batcher import HeadBatcher
 from tandem.edge.compute.head import MemoryHead
+from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.link.base import InProcessLink
 from tandem.edge.link.connection import CloudConnection
 from tandem.edge.modes.split_head import Head

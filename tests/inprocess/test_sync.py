@@ -20,7 +20,7 @@ from tandem.common.protocol.params import SyncRequest
 from tandem.common.runtime.security import scoped
 from tandem.common.wire import merkle
 from tandem.common.wire.kvblocks import LayerRange, part_key
-from tandem.edge.api.events import TurnDone
+from tandem.edge.events import TurnDone
 from tandem.edge.link.base import InProcessLink
 from tests.doubles import MANIFEST, B, K, TamperLink, cloud_config, toy_stack
 from tests.helpers import LONG, Sent, chat, run
@@ -312,7 +312,7 @@ class AckLog(TamperLink):
             send, close_send, cancel = call.send, call.close_send, call.cancel
 
             async def events(self):
-                from tandem.common.protocol.messages import WindowAck
+                from tandem.common.wire.messages import WindowAck
 
                 async for ev in call.events():
                     if isinstance(ev, WindowAck):
@@ -513,7 +513,7 @@ async def test_a_commit_whose_root_fails_drops_what_a_slow_keep_kept(monkeypatch
 
     from tandem.cloud.links import negotiation
     from tandem.common.protocol.errors import TandemError
-    from tandem.common.protocol.messages import Commit
+    from tandem.common.wire.messages import Commit
 
     monkeypatch.setattr(negotiation, "MIN_WINDOW_BYTES", 0)
     monkeypatch.setattr(negotiation, "MAX_WINDOW_BYTES", 0)

@@ -1,5 +1,5 @@
 """Strings from clients are text (``common.protocol.text``): the check itself, the domain boundary
-(``edge.api.events.ChatTurn``) and the edge's gRPC API over a real in-process server (toy stack).
+(``edge.events.ChatTurn``) and the edge's gRPC API over a real in-process server (toy stack).
 The HTTP API's side is in ``tests/inprocess/test_openai_api.py``."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from tandem.common.protocol.errors import InvalidRequest
 from tandem.common.protocol.text import check_text, find_non_text, text_problem
 from tandem.common.runtime.grpc_setup import add_service, start_server
-from tandem.edge.api.events import ChatTurn
+from tandem.edge.events import ChatTurn
 from tandem.edge.server import EDGE_SERVICE, EdgeServicer
 from tandem.v1 import tandem_pb2 as pb
 from tests.doubles import toy_stack

@@ -16,10 +16,10 @@ from tandem.cloud.uploads.upload import check_header
 from tandem.common.protocol.errors import OPENAI_CODES, TandemError
 from tandem.common.protocol.grpc_errors import status_details, status_of
 from tandem.common.protocol.limits import RequestLimits
-from tandem.common.protocol.messages import TurnHeader
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import Sampling
-from tandem.edge.api.events import ChatTurn, TurnDone
+from tandem.common.wire.messages import TurnHeader
+from tandem.edge.events import ChatTurn, TurnDone
 from tandem.v1 import tandem_pb2 as pb
 from tests.doubles import MANIFEST, VOCAB, B, K, MemoryLocal, toy_stack
 

@@ -315,7 +315,7 @@ def test_fidelity_prompt_set_sample_and_pairs():
     import typer
 
     from tandem.benchmarks.fidelity import PROMPTS, load_prompts, parse_pairs
-    from tandem.common.wire.chunks import WireDtype as W
+    from tandem.common.protocol.params import WireDtype as W
 
     prompts = load_prompts(PROMPTS, 0)
     assert len(prompts) >= 200 and len({p["id"] for p in prompts}) == len(prompts)

@@ -16,9 +16,9 @@ from pydantic import ByteSize, ValidationError
 
 from tandem import __version__
 from tandem.cloud.config import CloudConfig, EngineConfig
+from tandem.common.protocol.params import Codec, WireDtype
 from tandem.common.runtime.cli import parse_command_line
 from tandem.common.runtime.settings import ConfigFileError, UserError
-from tandem.common.wire.chunks import Codec, WireDtype
 from tandem.edge.config import EdgeConfig
 
 ROOT = Path(__file__).resolve().parents[2]

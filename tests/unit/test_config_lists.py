@@ -13,9 +13,9 @@ import pytest
 from pydantic import BaseModel
 
 from tandem.cloud.config import CloudConfig
+from tandem.common.protocol.params import Codec, WireDtype
 from tandem.common.runtime.cli import parse_command_line
 from tandem.common.runtime.settings import UserError
-from tandem.common.wire.chunks import Codec, WireDtype
 from tandem.edge.config import EdgeConfig
 
 K1, K2 = "key-one-" + "1" * 16, "key-two-" + "2" * 16

@@ -11,7 +11,7 @@ from tandem.cloud.links.table import LinkBusy
 from tandem.cloud.links.tenancy import EdgeOverLimit
 from tandem.common.protocol import errors as e
 from tandem.common.protocol.grpc_errors import STATUS_OF, error_from_status, status_details
-from tandem.common.protocol.messages import TurnError, downlink_from_pb, downlink_to_pb
+from tandem.common.wire.messages import TurnError, downlink_from_pb, downlink_to_pb
 from tandem.edge.api.http_api import api_error_of
 
 # What edges and clouds of every version call these errors: changing one breaks interoperation.

@@ -15,8 +15,7 @@ from tandem.benchmarks.fidelity import greedy_from_forced
 from tandem.benchmarks.teacher import round_trip_hidden, round_trip_kv
 from tandem.cloud.links.fidelity import PACKAGED, FidelityTable, load_tables
 from tandem.cloud.links.negotiation import LinkLimits, link_params
-from tandem.common.protocol.params import NegotiateOffer
-from tandem.common.wire.chunks import Codec, WireDtype
+from tandem.common.protocol.params import Codec, NegotiateOffer, WireDtype
 from tests.doubles import MANIFEST, K
 
 W = WireDtype

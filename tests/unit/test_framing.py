@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.common.protocol.messages import TurnHeader
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import LinkParams, Sampling
 from tandem.common.wire import chunks as wire
 from tandem.common.wire import merkle
 from tandem.common.wire.kvwire import decode_kv
-from tandem.edge.api.events import SentBytes, TurnDone
+from tandem.common.wire.messages import TurnHeader
+from tandem.edge.events import SentBytes, TurnDone
 from tandem.edge.link import framing
 from tandem.edge.session import EdgeSession
 from tests.doubles import HKV, MANIFEST, B, D, H, K

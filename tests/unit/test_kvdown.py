@@ -169,8 +169,8 @@ def test_a_remote_prefill_header_that_is_not_direct_shaped_is_refused(change, sa
     from types import SimpleNamespace
 
     from tandem.cloud.remote_prefill import check_remote_prefill
-    from tandem.common.protocol.messages import TurnHeader
     from tandem.common.protocol.params import Sampling
+    from tandem.common.wire.messages import TurnHeader
 
     ok = TurnHeader("r", "s", 3, 0, tuple(IDS), 0, 0, 0, Sampling(max_new_tokens=4), remote_prefill=RemotePrefill(0))
     check_remote_prefill(SimpleNamespace(header=ok, link_params=params()), (wire.WireDtype.FP32,))

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from tandem.common.protocol.errors import InvalidRequest
+from tandem.common.protocol.params import WireDtype
 from tandem.common.wire import chunks as wire
 from tandem.common.wire import formats, merkle, quant
-from tandem.common.wire.chunks import WireDtype
 from tandem.common.wire.kvwire import decode_kv, encode_kv, kv_raw_nbytes
 
 SHAPE = (4, 2, 3, 32, 64)  # SmolLM2-135M at k = 4, block size 32

@@ -7,7 +7,7 @@ import pytest
 
 from tandem.common.protocol.errors import InvalidRequest
 from tandem.common.protocol.modes import Mode
-from tandem.edge.api.events import ChatTurn
+from tandem.edge.events import ChatTurn
 from tandem.v1 import tandem_pb2 as pb
 
 

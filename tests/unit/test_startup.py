@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 
 from tandem.common.protocol.errors import EngineError, InvalidRequest
+from tandem.common.protocol.files import open_regular, read_regular
 from tandem.common.protocol.manifest import EngineAgreement, SplitManifest, part_blake3
-from tandem.common.runtime.startup import FileRole, check_bind, open_regular, read_regular, settings_paths
+from tandem.common.runtime.startup import FileRole, check_bind, settings_paths
 from tests.doubles import toy_manifest
 
 KEY = "k" * 24

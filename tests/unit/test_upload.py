@@ -12,11 +12,11 @@ from tandem.common.protocol.errors import (
     ParamsVersionMismatch,
     SessionOutOfSync,
 )
-from tandem.common.protocol.messages import KVBlock, TurnHeader
 from tandem.common.protocol.params import LinkParams, Sampling
 from tandem.common.wire import chunks as wire
 from tandem.common.wire import merkle
 from tandem.common.wire.kvblocks import block_hashes, hash_seed
+from tandem.common.wire.messages import KVBlock, TurnHeader
 from tests.doubles import HKV, D, H, K, toy_manifest
 
 B = 4  # smaller blocks than the shared doubles' (32): prompts of a few tokens cover whole blocks

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from tandem.common.protocol.errors import InvalidRequest
+from tandem.common.protocol.params import Codec, WireDtype
 from tandem.common.wire import merkle
-from tandem.common.wire.chunks import Codec, WireDtype, decode_dtype, encode_dtype, raw_nbytes_of
+from tandem.common.wire.chunks import decode_dtype, encode_dtype, raw_nbytes_of
 from tandem.common.wire.formats import FORMATS, Fidelity, common_formats, format_of, registry
 from tandem.common.wire.kvwire import decode_kv, encode_kv, kv_raw_nbytes
 
