@@ -104,9 +104,14 @@ _CACHE: dict[str, Path] = {}
 
 
 def tandem_modules_cache() -> dict[str, Path]:
+    """``tandem_modules``, read once per test run."""
     if not _CACHE:
         _CACHE.update(tandem_modules())
     return _CACHE
+
+
+def _across(module: str, target: str, a: str, b: str) -> bool:
+    return (_under(module, a) and _under(target, b)) or (_under(module, b) and _under(target, a))
 
 
 def violations() -> list[str]:
@@ -117,7 +122,7 @@ def violations() -> list[str]:
             if target.startswith("tandem.v1"):
                 continue
             where = f"{path.relative_to(ROOT)}:{line}"
-            if any(_under(module, a) and _under(target, b) or _under(module, b) and _under(target, a) for a, b in APART):
+            if any(_across(module, target, a, b) for a, b in APART):
                 found.append(f"{where}: {module} imports {target} across the edge/cloud divide")
             elif layer_of(target) > here:
                 found.append(f"{where}: {module} (layer {here}) imports {target} (layer {layer_of(target)}) upward")
