@@ -17,7 +17,9 @@ cache in the backend's own layout (one gather per layer: an ``index_select`` mem
 and a blocking host copy on a GPU); ``wait_for_save`` hands the step's copies to one writer thread,
 which turns them into canonical blocks (numpy) and puts them in the store, in order, while vLLM
 samples and returns the first token. The copy is taken inside the step, so a block freed or reused
-afterwards (a finished, aborted or preempted request) cannot change what is saved. At most
+afterwards (a finished, aborted or preempted request) cannot change what is saved, and vLLM frees
+blocks at once. Readers learn a block is there by its key (``BlockStore.contains``); the gateway
+waits for a turn's tail keys before the decode request (``Pins.await_tail_saves``). At most
 ``save_queue_bytes`` of copies wait for the writer; a step beyond that waits in ``wait_for_save``
 (backpressure). A put the store refuses leaves the block missing and its readers recompute it.
 
