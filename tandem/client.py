@@ -6,11 +6,13 @@ Both clients talk to a ``tandem-edge`` daemon's ``Edge.Chat`` RPC and yield
 ``info()`` asks the edge (``Edge.GetInfo``) what it serves and its limits, as an
 ``EdgeInfo`` whose ``check(...)`` validates a request before it is sent.
 
-One core serves both: ``build_request`` (``tandem.chat_request``) turns ``chat()``'s
-arguments into the ``ChatRequest``, ``_Accumulator`` (``tandem.streams``) turns the
-``ChatEvent`` stream into ``Delta``s and the ``ChatResult``, and ``_ClientCore.chat``
-starts the call; ``Client`` / ``ChatStream`` and ``AsyncClient`` / ``AsyncChatStream``
-only add the blocking or asyncio iteration and channel handling. ``EdgeInfo`` is in
+One core serves both: a ``Connection`` (``tandem.connection``) holds the target, TLS
+credentials, the API key's metadata, the channel options (gRPC's service config and retry
+policy included) and the default deadline; ``build_request`` (``tandem.chat_request``) turns
+``chat()``'s arguments into the ``ChatRequest``, ``_Accumulator`` (``tandem.streams``) turns
+the ``ChatEvent`` stream into ``Delta``s and the ``ChatResult``, and ``_ClientCore`` starts
+every call on the connection's terms. ``Client`` / ``ChatStream`` and ``AsyncClient`` /
+``AsyncChatStream`` only add the blocking or asyncio channel and iteration. ``EdgeInfo`` is in
 ``tandem.edge_info``; every name of ``__all__`` imports from here.
 
 Every call has a deadline: the call's ``timeout_s``, else the client's (300 s unless
@@ -33,13 +35,12 @@ import grpc
 from tandem.chat_request import (
     ChatOptions,
     Message,
-    _deadline_s,
     _end_session_request,
     build_request,
 )
+from tandem.connection import DEFAULT_TIMEOUT_S, Connection
 from tandem.edge_info import EdgeInfo
 from tandem.errors import TandemClientError, error_from_rpc
-from tandem.security import channel_security
 from tandem.streams import AsyncChatStream, ChatResult, ChatStream, _StreamBase
 from tandem.streams import Delta as Delta
 from tandem.v1 import tandem_pb2 as pb
@@ -61,72 +62,30 @@ __all__ = [
 ]
 
 
-DEFAULT_TIMEOUT_S = 300.0  # a client's default deadline per call
-
-
-# --- argument checks (before anything is sent) --------------------------------------------------
-
-
-# Keepalive to the edge: a stopped or unreachable edge fails the call with UNAVAILABLE within
-# about 10 s instead of leaving it silent until its deadline; quick reconnects once it is back.
-CHANNEL_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.keepalive_time_ms", 5000),
-    ("grpc.keepalive_timeout_ms", 5000),
-    ("grpc.http2.ping_timeout_ms", 5000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-
-
-# --- what the edge serves -------------------------------------------------------------------------
-
-
-# --- the stream of one turn -----------------------------------------------------------------------
-
-
-# --- the clients ------------------------------------------------------------------------------------
-
-
 S = TypeVar("S", bound=_StreamBase)
 
 
 class _ClientCore(ABC, Generic[S]):
-    """``chat()`` for both clients; a subclass supplies the stub and wraps the call in its stream."""
+    """What both clients share: the ``Connection`` made from their arguments and ``chat()``; a
+    subclass opens the connection's channel (blocking or asyncio) and wraps a call in its stream."""
 
-    _stub: pb_grpc.EdgeStub
-    _timeout_s: float | None
-    _metadata: tuple[tuple[str, str], ...] = ()
-
-    @abstractmethod
-    def _stream(self, call: Any) -> S:
-        """Wrap a started call in this client's (sync or async) stream."""
-
-    @property
-    def timeout_s(self) -> float | None:
-        """The deadline in seconds of a call that sets none; ``None``: no deadline."""
-        return self._timeout_s
-
-    def _connect(
+    def __init__(
         self,
-        grpc_module: Any,
         target: str,
-        timeout_s: float | None,
-        api_key: str | None,
-        tls: bool | None,
-        ca_file: str | Path | None,
-        cert_file: str | Path | None,
-        key_file: str | Path | None,
-        server_name: str | None,
-        insecure: bool,
-    ) -> Any:
-        """Set the deadline, the call metadata and the stub; returns the channel (``grpc_module`` is
-        ``grpc`` or ``grpc.aio``). Arguments and errors as ``Client``'s."""
-        self._timeout_s = _deadline_s(timeout_s, "timeout_s")
-        creds, extra, self._metadata = channel_security(
+        *,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+        tls: bool | None = None,
+        ca_file: str | Path | None = None,
+        cert_file: str | Path | None = None,
+        key_file: str | Path | None = None,
+        server_name: str | None = None,
+        insecure: bool = False,
+    ) -> None:
+        """Arguments and errors as ``Client``'s."""
+        self._connection = Connection.of(
             target,
+            timeout_s=timeout_s,
             api_key=api_key,
             tls=tls,
             ca_file=ca_file,
@@ -135,18 +94,21 @@ class _ClientCore(ABC, Generic[S]):
             server_name=server_name,
             insecure=insecure,
         )
-        options = [*CHANNEL_OPTIONS, *extra]
-        if creds is None:
-            channel = grpc_module.insecure_channel(target, options=options)
-        else:
-            channel = grpc_module.secure_channel(target, creds, options=options)
-        self._stub = pb_grpc.EdgeStub(channel)
-        return channel
+        self._channel = self._open(self._connection)
+        self._stub = pb_grpc.EdgeStub(self._channel)
 
-    def _call_timeout(self, timeout_s: float | None) -> float | None:
-        if timeout_s is None:
-            return self._timeout_s
-        return _deadline_s(timeout_s, "timeout_s")
+    @abstractmethod
+    def _open(self, connection: Connection) -> Any:
+        """A new channel of ``connection``, of this client's kind."""
+
+    @abstractmethod
+    def _stream(self, call: Any) -> S:
+        """Wrap a started call in this client's (sync or async) stream."""
+
+    @property
+    def timeout_s(self) -> float | None:
+        """The deadline in seconds of a call that sets none; ``None``: no deadline."""
+        return self._connection.timeout_s
 
     def chat(
         self,
@@ -248,7 +210,7 @@ class _ClientCore(ABC, Generic[S]):
             stop_token_ids=stop_token_ids,
             whole_reply=whole_reply,
         )
-        call = self._stub.Chat(req, timeout=self._call_timeout(timeout_s), metadata=self._metadata or None)
+        call = self._stub.Chat(req, **self._connection.call_options(timeout_s))
         return self._stream(call)
 
 
@@ -274,22 +236,10 @@ class Client(_ClientCore[ChatStream]):
             only one of ``cert_file`` and ``key_file``; a file that cannot be read.
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout_s: float | None = DEFAULT_TIMEOUT_S,
-        api_key: str | None = None,
-        tls: bool | None = None,
-        ca_file: str | Path | None = None,
-        cert_file: str | Path | None = None,
-        key_file: str | Path | None = None,
-        server_name: str | None = None,
-        insecure: bool = False,
-    ) -> None:
-        self._channel = self._connect(
-            grpc, target, timeout_s, api_key, tls, ca_file, cert_file, key_file, server_name, insecure
-        )
+    _channel: grpc.Channel
+
+    def _open(self, connection: Connection) -> grpc.Channel:
+        return connection.channel()
 
     def _stream(self, call: Any) -> ChatStream:
         return ChatStream(call)
@@ -302,7 +252,8 @@ class Client(_ClientCore[ChatStream]):
         return s.result
 
     def info(self, *, timeout_s: float | None = None) -> EdgeInfo:
-        """What the edge serves and its limits (``Edge.GetInfo``).
+        """What the edge serves and its limits (``Edge.GetInfo``). gRPC retries it, up to 3 attempts
+        within the deadline, while the edge answers ``UNAVAILABLE`` (``tandem.connection``).
 
         Args:
             timeout_s: deadline in seconds; ``None`` = the client's.
@@ -312,9 +263,7 @@ class Client(_ClientCore[ChatStream]):
                 reachable) or ``Unimplemented`` (an edge older than ``GetInfo``).
         """
         try:
-            m = self._stub.GetInfo(
-                pb.GetInfoRequest(), timeout=self._call_timeout(timeout_s), metadata=self._metadata or None
-            )
+            m = self._stub.GetInfo(pb.GetInfoRequest(), **self._connection.call_options(timeout_s))
         except grpc.RpcError as e:
             raise error_from_rpc(e) from e
         return EdgeInfo.from_pb(m)
@@ -336,7 +285,7 @@ class Client(_ClientCore[ChatStream]):
         """
         req = _end_session_request(session_id)
         try:
-            m = self._stub.EndSession(req, timeout=self._call_timeout(timeout_s), metadata=self._metadata or None)
+            m = self._stub.EndSession(req, **self._connection.call_options(timeout_s))
         except grpc.RpcError as e:
             raise error_from_rpc(e) from e
         return bool(m.found)
@@ -357,22 +306,10 @@ class AsyncClient(_ClientCore[AsyncChatStream]):
     Arguments as ``Client``'s. Make it, and call ``chat``, inside the event loop that runs it.
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout_s: float | None = DEFAULT_TIMEOUT_S,
-        api_key: str | None = None,
-        tls: bool | None = None,
-        ca_file: str | Path | None = None,
-        cert_file: str | Path | None = None,
-        key_file: str | Path | None = None,
-        server_name: str | None = None,
-        insecure: bool = False,
-    ) -> None:
-        self._channel = self._connect(
-            grpc.aio, target, timeout_s, api_key, tls, ca_file, cert_file, key_file, server_name, insecure
-        )
+    _channel: grpc.aio.Channel
+
+    def _open(self, connection: Connection) -> grpc.aio.Channel:
+        return connection.aio_channel()
 
     def _stream(self, call: Any) -> AsyncChatStream:
         return AsyncChatStream(call)
@@ -387,9 +324,7 @@ class AsyncClient(_ClientCore[AsyncChatStream]):
     async def info(self, *, timeout_s: float | None = None) -> EdgeInfo:
         """What the edge serves and its limits (``Edge.GetInfo``); as ``Client.info``."""
         try:
-            m = await self._stub.GetInfo(
-                pb.GetInfoRequest(), timeout=self._call_timeout(timeout_s), metadata=self._metadata or None
-            )
+            m = await self._stub.GetInfo(pb.GetInfoRequest(), **self._connection.call_options(timeout_s))
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e) from e
         return EdgeInfo.from_pb(m)
@@ -398,7 +333,7 @@ class AsyncClient(_ClientCore[AsyncChatStream]):
         """End the chat session ``session_id`` (``Edge.EndSession``); as ``Client.end_session``."""
         req = _end_session_request(session_id)
         try:
-            m = await self._stub.EndSession(req, timeout=self._call_timeout(timeout_s), metadata=self._metadata or None)
+            m = await self._stub.EndSession(req, **self._connection.call_options(timeout_s))
         except grpc.aio.AioRpcError as e:
             raise error_from_rpc(e) from e
         return bool(m.found)

@@ -18,7 +18,7 @@ lay out a layer's cache in one of two ways in the supported vLLM range
   writing index values with that same kernel, so every ISA's packing is honoured exactly.
 
 The layout is chosen by the backend's name (``BACKEND_LAYOUTS``) when the engine registers
-its caches (``TandemConnector.register_kv_caches``) and checked against the tensor's shape
+its caches (``TandemConnectorWorker.register_kv_caches``) and checked against the tensor's shape
 and dtype there: an unknown backend, an unexpected shape or a quantized cache is refused at
 engine start (``KVLayoutError``), never discovered by a request. Every layout reads and
 writes many blocks of a layer in one call (``read_blocks`` / ``write_blocks``, canonical

@@ -1,13 +1,15 @@
 """The client SDK without the daemons: request building (stop strings, stop token ids, argument
 checks), the event accumulator, the error classes, both clients against a tiny in-process
 ``Edge`` server (streaming, one error class per status, the default deadline, cancellation
-when a stream is left early or by ``cancel()`` from another thread or task, ``info()``), and the
-daemon helpers of ``tandem.daemons`` on toy child processes."""
+when a stream is left early or by ``cancel()`` from another thread or task, ``info()``, one
+connection's terms on every call of either client), and the daemon helpers of ``tandem.daemons``
+on toy child processes."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import pickle
 import signal
@@ -23,6 +25,7 @@ import pytest
 import tandem
 from tandem import AsyncClient, Cancelled, ChatResult, Client, Delta, EdgeInfo, TandemClientError
 from tandem.client import DEFAULT_TIMEOUT_S, build_request
+from tandem.connection import SERVICE_CONFIG, Connection
 from tandem.daemons import Daemon, Daemons, stop_all
 from tandem.errors import ERROR_OF, ResourceExhausted, error_from_status, retry_after_s
 from tandem.stages import Stage
@@ -229,6 +232,7 @@ def test_accumulator_stream_without_final_event():
 class CallRecord:
     request: pb.ChatRequest
     time_remaining_s: float  # the deadline the server saw (huge: none)
+    authorization: str = ""  # the call's authorization metadata
     ended: threading.Event = field(default_factory=threading.Event)  # the server saw the RPC terminate
     sent: int = 0
     completed: bool = False  # the handler streamed everything, ChatDone included
@@ -237,13 +241,22 @@ class CallRecord:
 class FakeEdge(pb_grpc.EdgeServicer):
     """Streams one delta per ``max_new_tokens`` every DELAY_S, then ``ChatDone``; records each call
     by session id. Prompt ``"fail"`` is refused with INVALID_ARGUMENT, ``"abort:<CODE>"`` with that
-    status (RESOURCE_EXHAUSTED with a retry hint of 1.5 s). ``GetInfo`` answers ``INFO``."""
+    status (RESOURCE_EXHAUSTED with a retry hint of 1.5 s). ``GetInfo`` answers ``INFO`` after
+    refusing the next ``info_refusals`` calls as UNAVAILABLE; ``info_calls`` records each (the
+    deadline and authorization it saw). ``EndSession`` records its call under ``"end:<id>"``."""
 
     def __init__(self) -> None:
         self.calls: dict[str, CallRecord] = {}
+        self.info_refusals = 0
+        self.info_calls: list[CallRecord] = []
+
+    @staticmethod
+    def _record(request, context) -> CallRecord:
+        auth = dict(context.invocation_metadata()).get("authorization", "")
+        return CallRecord(request, context.time_remaining(), authorization=auth)
 
     def Chat(self, request, context):
-        rec = self.calls[request.session_id] = CallRecord(request, context.time_remaining())
+        rec = self.calls[request.session_id] = self._record(request, context)
         context.add_callback(rec.ended.set)
         if request.prompt == "fail":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no such prompt")
@@ -261,7 +274,15 @@ class FakeEdge(pb_grpc.EdgeServicer):
         yield done(finish_reason="length", output_tokens=n, output_token_ids=range(n), timings_ms={"ttft_ms": 1.5})
 
     def GetInfo(self, request, context):
+        self.info_calls.append(self._record(request, context))
+        if self.info_refusals > 0:
+            self.info_refusals -= 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "edge restarting")
         return pb.EdgeInfo(**dataclasses.asdict(INFO))
+
+    def EndSession(self, request, context):
+        self.calls[f"end:{request.session_id}"] = self._record(request, context)
+        return pb.EndSessionReply(found=True)
 
 
 @pytest.fixture(scope="module")
@@ -586,3 +607,63 @@ def test_daemons_stop_all_and_kill_after_grace(tmp_path):
     assert time.monotonic() - t0 < 5
     assert a.proc.returncode == -signal.SIGTERM and b.proc.returncode == -signal.SIGKILL
     assert not ds.daemons
+
+
+# --- one connection: both clients call on the same terms ----------------------------------------------
+
+
+def test_a_connection_refuses_what_a_client_would_before_any_channel():
+    with pytest.raises(ValueError, match="not a loopback address"):
+        Connection.of("edge.example.com:50061")
+    with pytest.raises(ValueError, match="both cert_file and key_file"):
+        Connection.of("localhost:1", cert_file="c.pem")
+    with pytest.raises(ValueError, match="timeout_s"):
+        Connection.of("localhost:1", timeout_s=0)
+    conn = Connection.of("10.0.0.7:50061", insecure=True, api_key="k" * 16, timeout_s=12)
+    assert conn.call_options() == {"timeout": 12.0, "metadata": (("authorization", "Bearer " + "k" * 16),)}
+    assert conn.call_options(math.inf) == {"timeout": None, "metadata": (("authorization", "Bearer " + "k" * 16),)}
+    options = dict(conn.options)
+    assert json.loads(options["grpc.service_config"]) == SERVICE_CONFIG and options["grpc.enable_retries"] == 1
+    assert options["grpc.keepalive_time_ms"] == 5000
+
+
+async def _async_calls(target: str, sid: str, **kw) -> bool:
+    async with AsyncClient(target, **kw) as c:
+        await c.complete(HI, max_new_tokens=1, session_id=sid)
+        await c.info()
+        return await c.end_session(sid)
+
+
+def test_both_clients_send_every_call_with_the_same_key_and_deadline(edge):
+    fake, target = edge
+    key = "app-key-" + "x" * 16
+    with Client(target, api_key=key, timeout_s=40) as c:
+        c.complete(HI, max_new_tokens=1, session_id="conn-sync")
+        c.info()
+        assert c.end_session("conn-sync")
+    assert asyncio.run(_async_calls(target, "conn-async", api_key=key, timeout_s=40))
+    recs = [fake.calls[s] for s in ("conn-sync", "end:conn-sync", "conn-async", "end:conn-async")]
+    recs += fake.info_calls[-2:]
+    for rec in recs:
+        assert rec.authorization == f"Bearer {key}"
+        assert 30 < rec.time_remaining_s <= 42
+
+
+def test_both_clients_retry_info_while_the_edge_is_unavailable(edge):
+    """gRPC's retry policy from the connection's service config: up to 3 attempts of ``GetInfo``."""
+    fake, target = edge
+    fake.info_refusals, before = 2, len(fake.info_calls)
+    with Client(target) as c:
+        assert c.info() == INFO
+    fake.info_refusals = 2
+
+    async def ask() -> EdgeInfo:
+        async with AsyncClient(target) as c:
+            return await c.info()
+
+    assert asyncio.run(ask()) == INFO
+    assert len(fake.info_calls) - before == 6
+    fake.info_refusals = 3
+    with Client(target) as c, pytest.raises(tandem.Unavailable, match="edge restarting"):
+        c.info()
+    fake.info_refusals = 0

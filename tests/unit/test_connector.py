@@ -1,9 +1,12 @@
 """The connector's paged layouts, their start-up check, its asynchronous saves, faults kept inside a request,
-and the conversion of any engine dtype (bf16 and fp16 under ``dtype = "auto"``) to the block store's
-canonical float32."""
+the conversion of any engine dtype (bf16 and fp16 under ``dtype = "auto"``) to the block store's
+canonical float32, and its two sides: each process builds only its role's side, and the sides meet only
+through the store and the per-step metadata."""
 
 from __future__ import annotations
 
+import os
+import pickle
 import re
 import threading
 from types import SimpleNamespace
@@ -12,8 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.cloud.engines.connector import PartOp, TandemConnector, TandemMetadata, canonical
-from tandem.cloud.engines.kv_layout import read_blocks
+from tandem.cloud.engines.connector import (
+    ConnectorSettings,
+    PartOp,
+    TandemConnector,
+    TandemConnectorScheduler,
+    TandemConnectorWorker,
+    TandemMetadata,
+)
+from tandem.cloud.engines.kv_layout import canonical, read_blocks
 from tandem.cloud.store.blocks import MemoryBlockStore
 from tandem.common.protocol.errors import EngineError
 from tandem.common.wire.kvblocks import LayerRange
@@ -142,22 +152,31 @@ class GatedStore(MemoryBlockStore):
         super().put(key, value)
 
 
-def _worker(store, queue_bytes: int = 1 << 30) -> TandemConnector:
-    """The worker-side half of a connector (no vLLM config): what the model runner drives."""
-    c = object.__new__(TandemConnector)
-    c.block_size, c.layer_offset, c.num_kv_heads, c.head_dim = B, 0, HKV, D
-    c._init_worker(store, queue_bytes)
-    return c
+def _settings(queue_bytes: int = 1 << 30) -> ConnectorSettings:
+    return ConnectorSettings(
+        block_size=B,
+        layer_offset=0,
+        num_kv_heads=HKV,
+        head_dim=D,
+        store_url="",
+        store_dir="",
+        store_bytes=0,
+        save_queue_bytes=queue_bytes,
+    )
 
 
-def _step(c: TandemConnector, caches: list[torch.Tensor], saves: list[tuple[int, str]]) -> None:
+def _worker(store, queue_bytes: int = 1 << 30, vllm_config=None) -> TandemConnectorWorker:
+    """The worker side of a connector: what the model runner drives."""
+    return TandemConnectorWorker(_settings(queue_bytes), store, vllm_config)
+
+
+def _step(c: TandemConnectorWorker, caches: list[torch.Tensor], saves: list[tuple[int, str]]) -> None:
     """One model-runner step that saves blocks ``saves`` (block id, key) of every layer."""
     part = LayerRange(0, LAYERS)
-    c.bind_connector_metadata(TandemMetadata(saves=[(bid, PartOp(part, key)) for bid, key in saves]))
+    meta = TandemMetadata(saves=[(bid, PartOp(part, key)) for bid, key in saves])
     for layer, cache in enumerate(caches):
-        c.save_kv_layer(f"model.layers.{layer}.self_attn.attn", cache, None)
+        c.save_kv_layer(meta, f"model.layers.{layer}.self_attn.attn", cache)
     c.wait_for_save()
-    c.clear_connector_metadata()
 
 
 def _stored(store, key: str) -> np.ndarray:
@@ -230,12 +249,10 @@ def test_a_block_missing_a_layer_in_its_step_is_not_stored(caplog):
     store.gate.set()
     cache, _ = _layouts()[1]
     c = _worker(store)
-    part = LayerRange(0, LAYERS)
-    c.bind_connector_metadata(TandemMetadata(saves=[(1, PartOp(part, "a"))]))
+    meta = TandemMetadata(saves=[(1, PartOp(LayerRange(0, LAYERS), "a"))])
     for layer in range(LAYERS - 1):  # the last layer never ran
-        c.save_kv_layer(f"model.layers.{layer}.self_attn.attn", cache, None)
+        c.save_kv_layer(meta, f"model.layers.{layer}.self_attn.attn", cache)
     c.wait_for_save()
-    c.clear_connector_metadata()
     c.flush_saves()
     assert not store.contains("a")
     assert "has 2 of 3 layers; not saved" in caplog.text
@@ -272,8 +289,7 @@ def _names(n: int = LAYERS) -> list[str]:
 
 
 def test_registering_the_caches_chooses_the_layout_of_their_backend():
-    c = _worker(MemoryBlockStore(1 << 20))
-    c._vllm_config = _vllm_config(dict.fromkeys(_names(), "FLASH_ATTN"))
+    c = _worker(MemoryBlockStore(1 << 20), vllm_config=_vllm_config(dict.fromkeys(_names(), "FLASH_ATTN")))
     c.register_kv_caches({n: torch.zeros(NUM_BLOCKS, HKV, B, 2 * D, dtype=torch.bfloat16) for n in _names()})
     assert c._layout is not None and c._layout.name == "packed"
 
@@ -290,8 +306,7 @@ def test_registering_the_caches_chooses_the_layout_of_their_backend():
 def test_an_engine_whose_caches_no_layout_fits_does_not_start(backends, tp, says):
     from tandem.cloud.engines.kv_layout import KVLayoutError
 
-    c = _worker(MemoryBlockStore(1 << 20))
-    c._vllm_config = _vllm_config(backends, tp)
+    c = _worker(MemoryBlockStore(1 << 20), vllm_config=_vllm_config(backends, tp))
     with pytest.raises(KVLayoutError, match=re.escape(says)):
         c.register_kv_caches({n: torch.zeros(NUM_BLOCKS, HKV, B, 2 * D) for n in _names()})
 
@@ -324,17 +339,18 @@ def test_a_save_that_fails_leaves_its_blocks_out_of_the_store_and_the_engine_run
     assert store.contains("b")
 
 
-def _load_step(c: TandemConnector, caches: list[torch.Tensor], loads: list[tuple[int, str]], failed=()):
-    part = LayerRange(0, LAYERS)
-    c.bind_connector_metadata(
-        TandemMetadata(loads=[(bid, (PartOp(part, key),)) for bid, key in loads], failed_loads=list(failed))
-    )
-    names = _names()
-    ctx = SimpleNamespace(
+def _forward_context(caches: list[torch.Tensor]) -> SimpleNamespace:
+    """The part of vLLM's ``ForwardContext`` a load reads: each attention layer and its paged cache."""
+    names = _names(len(caches))
+    return SimpleNamespace(
         no_compile_layers={n: SimpleNamespace(kv_cache=cache) for n, cache in zip(names, caches, strict=True)}
     )
-    c.start_load_kv(ctx)
-    c.clear_connector_metadata()
+
+
+def _load_step(c: TandemConnectorWorker, caches: list[torch.Tensor], loads: list[tuple[int, str]], failed=()):
+    part = LayerRange(0, LAYERS)
+    meta = TandemMetadata(loads=[(bid, (PartOp(part, key),)) for bid, key in loads], failed_loads=list(failed))
+    c.start_load_kv(meta, _forward_context(caches))
 
 
 def test_a_load_that_fails_is_reported_for_recompute_and_the_engine_keeps_running(caplog):
@@ -356,8 +372,7 @@ def test_a_load_that_fails_is_reported_for_recompute_and_the_engine_keeps_runnin
 
 
 def test_malformed_kv_params_run_the_request_as_plain_vllm(caplog):
-    c = object.__new__(TandemConnector)
-    c.block_size, c._reqs = B, {}
+    c = TandemConnectorScheduler(_settings(), MemoryBlockStore(1 << 20))
     request = SimpleNamespace(request_id="r1", num_prompt_tokens=100, kv_transfer_params={"tandem": {"loads": 7}})
     assert c.get_num_new_matched_tokens(request, 0) == (0, False)
     assert request.kv_transfer_params is None and "malformed KV params of r1" in caplog.text
@@ -373,8 +388,7 @@ class _UnreachableStore(MemoryBlockStore):
 def test_a_plan_that_fails_saves_nothing_and_reports_its_loads_for_recompute(caplog):
     from tandem.cloud.engines.kvparams import KVTransferSpec, PartSpec
 
-    c = object.__new__(TandemConnector)
-    c.block_size, c._reqs, c.store = B, {}, _UnreachableStore(1 << 20)
+    c = TandemConnectorScheduler(_settings(), _UnreachableStore(1 << 20))
     part = PartSpec(LayerRange(0, LAYERS), tuple(bytes([i]) * 32 for i in range(4)))
     spec = KVTransferSpec(loads=(part,), save=part)
     request = SimpleNamespace(
@@ -389,3 +403,127 @@ def test_a_plan_that_fails_saves_nothing_and_reports_its_loads_for_recompute(cap
     assert meta.saves == [] and meta.loads == [] and meta.failed_loads == [11, 12, 13, 14]
     assert "planning request r1 failed" in caplog.text
     assert c._reqs["r1"].spec.save is None  # later steps of the request save nothing either
+
+
+# --- the two sides: each process builds its own, they meet through the store and the step's metadata -----
+
+
+def _engine_config(store_dir, **extra) -> SimpleNamespace:
+    """The parts of a VllmConfig the connector reads in either role (``gateway_pid``: this process, so
+    the lifeline stays off)."""
+    entries = {"store_dir": str(store_dir), "store_bytes": 1 << 26, "gateway_pid": os.getpid(), **extra}
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=entries),
+        cache_config=SimpleNamespace(block_size=B),
+        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: HKV, get_head_size=lambda: D),
+        **vars(_vllm_config(dict.fromkeys(_names(), "CPU_ATTN"))),
+    )
+
+
+def test_each_role_builds_only_its_own_side(tmp_path):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    cfg = _engine_config(tmp_path, layer_offset=2, save_queue_bytes=1 << 20)
+    sched = TandemConnector(cfg, KVConnectorRole.SCHEDULER, None)
+    worker = TandemConnector(cfg, KVConnectorRole.WORKER, None)
+    assert isinstance(sched.connector_scheduler, TandemConnectorScheduler) and sched.connector_worker is None
+    assert isinstance(worker.connector_worker, TandemConnectorWorker) and worker.connector_scheduler is None
+    assert worker.worker.layer_offset == 2 and worker.worker._save_queue_bytes == 1 << 20
+    with pytest.raises(RuntimeError, match="worker-side call on tandem's SCHEDULER connector"):
+        sched.register_kv_caches({})
+    with pytest.raises(RuntimeError, match="scheduler-side call on tandem's WORKER connector"):
+        worker.get_num_new_matched_tokens(SimpleNamespace(request_id="r1"), 0)
+    sched.shutdown()
+    worker.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({"store_dir": None}, "'store_dir'"),
+        ({"store_bytes": "lots"}, "bad kv_connector_extra_config"),
+    ],
+    ids=["no-store-dir", "bad-store-bytes"],
+)
+def test_an_engine_whose_connector_settings_are_malformed_does_not_start(tmp_path, extra, says):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    cfg = _engine_config(tmp_path)
+    entries = cfg.kv_transfer_config.kv_connector_extra_config
+    for k, v in extra.items():
+        entries.pop(k) if v is None else entries.__setitem__(k, v)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        TandemConnector(cfg, KVConnectorRole.WORKER, None)
+
+
+def _schedule(c: TandemConnector, request: SimpleNamespace, block_ids: list[int]) -> TandemMetadata:
+    """vLLM's scheduler for one new request scheduled whole in one step: the tokens the store supplies,
+    the allocation, the step's metadata, sent to the workers in a pickle."""
+    hit, _ = c.get_num_new_matched_tokens(request, 0)
+    c.update_state_after_alloc(request, None, hit)
+    new = SimpleNamespace(req_id=request.request_id, block_ids=(block_ids,), num_computed_tokens=0)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    so = SimpleNamespace(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={request.request_id: request.num_prompt_tokens - hit},
+    )
+    meta = pickle.loads(pickle.dumps(c.build_connector_meta(so)))
+    assert isinstance(meta, TandemMetadata)
+    return meta
+
+
+def _run_step(c: TandemConnector, meta: TandemMetadata, caches: list[torch.Tensor]) -> set[int]:
+    """vLLM's model runner for one step: bind, load, forward (a save per layer), wait, unbind."""
+    c.bind_connector_metadata(meta)
+    c.start_load_kv(_forward_context(caches))
+    for name, cache in zip(_names(), caches, strict=True):
+        c.save_kv_layer(name, cache, None)
+    c.wait_for_save()
+    c.clear_connector_metadata()
+    c.worker.flush_saves()
+    return c.get_block_ids_with_load_errors()
+
+
+def test_blocks_one_engine_saves_another_loads_through_the_two_sides(tmp_path):
+    """A prefill engine's sides save a prompt's full blocks; a decode engine's sides, in other
+    instances over the same store, load them into other block ids of another cache, bit for bit."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tandem.cloud.engines.kvparams import ConnectorReport, KVTransferSpec, PartSpec
+
+    cfg = _engine_config(tmp_path)
+    part = PartSpec(LayerRange(0, LAYERS), tuple(bytes([i]) * 32 for i in range(3)))
+    prompt_tokens = 3 * B + 5  # three full blocks and a partial one
+    caches = [torch.zeros(NUM_BLOCKS, HKV, B, 2 * D) for _ in range(LAYERS)]
+    lay = _layouts()[1][1]
+    want = [_canonical_blocks(3, 60 + layer) for layer in range(LAYERS)]
+    for cache, blocks in zip(caches, want, strict=True):
+        lay.write_blocks(cache, [5, 2, 7], blocks)
+
+    prefill = [TandemConnector(cfg, role, None) for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)]
+    prefill[1].register_kv_caches(dict(zip(_names(), caches, strict=True)))
+    saving = SimpleNamespace(
+        request_id="p1", num_prompt_tokens=prompt_tokens, num_computed_tokens=0,
+        kv_transfer_params=KVTransferSpec(save=part).to_vllm(),
+    )  # fmt: skip
+    meta = _schedule(prefill[0], saving, [5, 2, 7, 9])
+    assert meta.loads == [] and [bid for bid, _ in meta.saves] == [5, 2, 7]
+    assert _run_step(prefill[1], meta, caches) == set()
+    assert ConnectorReport.from_vllm(prefill[0].request_finished(saving, [])[1]) == ConnectorReport(0, 3)
+
+    decode = [TandemConnector(cfg, role, None) for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)]
+    other = [torch.zeros(NUM_BLOCKS, HKV, B, 2 * D) for _ in range(LAYERS)]
+    decode[1].register_kv_caches(dict(zip(_names(), other, strict=True)))
+    loading = SimpleNamespace(
+        request_id="d1", num_prompt_tokens=prompt_tokens, num_computed_tokens=0,
+        kv_transfer_params=KVTransferSpec(loads=(part,)).to_vllm(),
+    )  # fmt: skip
+    meta = _schedule(decode[0], loading, [1, 10, 3, 4])
+    assert meta.saves == [] and [bid for bid, _ in meta.loads] == [1, 10, 3]
+    assert _run_step(decode[1], meta, other) == set()
+    assert ConnectorReport.from_vllm(decode[0].request_finished(loading, [])[1]) == ConnectorReport(3 * B, 3)
+    for cache, blocks in zip(other, want, strict=True):
+        np.testing.assert_array_equal(read_blocks(lay, cache, [1, 10, 3]), blocks.numpy())
+    for c in (*prefill, *decode):
+        c.shutdown()
