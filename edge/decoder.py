@@ -49,7 +49,7 @@ from tandem.edge.decoder_batch import KVCopier, RowTable, bucket_rows
 
 MIN_SLOT_TOKENS = 256  # a session's first slot holds at least this many tokens; slots grow by doubling
 FREE_SLOTS_PER_CAPACITY = 4  # released slots kept per capacity for the next sessions, without CUDA graphs
-MIN_POOL_ROWS = 4  # a batch pool's first row count; it doubles when a session finds no free row
+MIN_POOL_ROWS = 1  # a batch pool starts with the rows of its first step (at least these); it doubles when full
 # KV and logits types (ONNX Runtime's name -> ONNX element type); bfloat16 has no numpy dtype, so its
 # tensors are held as uint16 bit patterns and bound by address with their ONNX type
 ONNX_TYPES = ONNX_ELEMENT
@@ -402,7 +402,10 @@ class DecoderGraph:
         logits: list[np.ndarray | None] = [None] * n
         for cap, idx in groups.items():
             toks, rows = self._step_pool(
-                self._pool(cap), [slots[i] for i in idx], [int(token_ids[i]) for i in idx], [greedy[i] for i in idx]
+                self._pool(cap, max(MIN_POOL_ROWS, bucket_rows(len(idx)))),
+                [slots[i] for i in idx],
+                [int(token_ids[i]) for i in idx],
+                [greedy[i] for i in idx],
             )
             for j, i in enumerate(idx):
                 tokens[i], logits[i] = toks[j], rows[j]

@@ -483,6 +483,7 @@ class LocalEngine:
             for i, kv in live:
                 st = batch[i]
                 try:
+                    self.model.truncate(kv, st.keep)  # a step the failed run did complete runs again
                     tok, lg, one_ms = self.model.run(kv, [st.token_id], st.greedy)
                     st.sess.token_ids.append(st.token_id)
                     results[i] = (tok, lg, one_ms, waits[i])

@@ -16,7 +16,7 @@ import pytest
 from tandem.common.chat import prompt_token_ids
 from tandem.common.errors import InvalidRequest
 from tandem.common.params import Sampling
-from tandem.edge.decoder import MIN_POOL_ROWS, DecoderGraph
+from tandem.edge.decoder import DecoderGraph
 from tandem.edge.decoder_batch import IDLE_STEPS
 from tandem.edge.local import LocalEngine
 
@@ -94,7 +94,7 @@ def test_a_batch_of_sessions_decodes_what_each_decodes_alone(graph, prompts):
     assert slots[2].capacity_tokens > len(prompts[2]) + 3 and slots[2].pool is not None
     assert all(s.tokens == len(p) + NEW - 1 for s, p in zip(slots, prompts, strict=True))
     pool = slots[3].pool
-    assert pool.rows >= MIN_POOL_ROWS and pool.table.members() == [m for m in pool.table.members() if m.pool is pool]
+    assert pool.rows == 8 and pool.table.members() == [m for m in pool.table.members() if m.pool is pool]
     for s in slots:
         graph.release(s)
     assert all(len(p.table) == 0 for p in graph._pools.values())
@@ -253,3 +253,32 @@ async def test_a_session_grows_past_its_capacity_inside_a_batch(engine, tokenize
         return out[0]
 
     assert await two_turns(f"g-{uuid.uuid4().hex}", True) == await two_turns(f"g-{uuid.uuid4().hex}", False)
+
+
+async def test_a_step_that_fails_fails_alone(engine, prompts):
+    """In one batched job, a dropped session's step and a step past the model's positions raise for
+    their own turns; the other session's step runs and stays consistent."""
+    from tandem.common.errors import EngineError
+    from tandem.edge.local import DecodeStep
+
+    loop = asyncio.get_running_loop()
+    good, full, dropped = engine.new_session(), engine.new_session(), engine.new_session()
+    await engine.extend(good, prompts[1])
+    await engine.extend(full, prompts[0])
+    dropped.drop()
+
+    def step(sess, tok: int) -> DecodeStep:
+        return DecodeStep(sess, tok, len(sess.token_ids), True, 64, loop.create_future(), 0.0)
+
+    full.kv.tokens = engine.model.spec.context_tokens  # as if it held the model's every position
+    full.token_ids = [1] * full.kv.tokens
+    batch = [step(dropped, 5), step(good, 7), step(full, 9)]
+    (results, _run_ms), _wait_ms = await engine._locked(lambda: engine._advance_batch(batch))
+    assert isinstance(results[0], EngineError) and isinstance(results[2], InvalidRequest)
+    assert (
+        isinstance(results[1][0], int) and good.token_ids == [*prompts[1], 7] and good.kv.tokens == len(good.token_ids)
+    )
+    assert full.kv.tokens == engine.model.spec.context_tokens
+    full.kv.tokens, full.token_ids = 0, []
+    for s in (good, full):
+        s.drop()
