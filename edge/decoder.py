@@ -475,18 +475,13 @@ class DecoderGraph:
             self._bind_at(b, NEXT_TOKEN, pool.next_ids.data_ptr(), [rows, 1], "tensor(int64)", output=True)
 
     def _run_bucket(self, pool: BatchPool, rows: int, mask_tokens: int) -> None:
-        """An uncaptured step over the first ``rows`` rows, the mask bound over its first
-        ``mask_tokens`` positions (every row's length fits)."""
-        import onnxruntime as ort
-
+        """A step over the first ``rows`` rows where no CUDA graph is captured, the mask bound over
+        its first ``mask_tokens`` positions (every row's length fits)."""
         b = self.session.io_binding()
         b.bind_cpu_input("input_ids", np.ascontiguousarray(pool.ids_host[:rows]))
         b.bind_cpu_input("attention_mask", np.ascontiguousarray(pool.mask_host[:rows, :mask_tokens]))
         self._bind_rows(b, pool, rows)
-        opts = ort.RunOptions()
-        if self.on_cuda:
-            opts.add_run_config_entry("gpu_graph_id", "-1")
-        self.session.run_with_iobinding(b, opts)
+        self.session.run_with_iobinding(b)
 
     def _replay_bucket(self, pool: BatchPool, rows: int) -> None:
         """A step over the first ``rows`` rows through the pool's CUDA graph of that bucket (captured
