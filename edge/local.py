@@ -247,6 +247,7 @@ class LocalEngine:
             turn's prefill joins.
         last_computed_tokens / last_reused_tokens: prompt tokens the latest prefill ran, and the
             session tokens it reused (of whichever turn prefilled last).
+        last_batch_size: decode steps in the latest batched run (models with ``batched_decode``).
         sessions: the session table.
     """
 
