@@ -161,7 +161,8 @@ class DecoderGraph:
     """A builder-format decoder in one ONNX Runtime session, run into ``KVSlot`` buffers.
 
     Who calls: ``edge.local.LocalEngine`` (one run at a time, from a worker thread) and the
-    benchmarks. Thread-safety: ``run`` on different slots may not overlap (the engine serialises).
+    benchmarks. Thread-safety: no two calls may overlap, on any slots (``run_batch`` moves other
+    sessions' rows; the engine serialises every call under its model lock).
     """
 
     batched_decode = True  # ``run_batch`` runs several sessions' decode steps in one run
