@@ -16,10 +16,22 @@ runs batch 1, ``--prompt-tokens`` random prompt ids, ``--new-tokens`` greedy tok
 * ``vllm`` (``--vllm``): an in-process vLLM engine on the same checkpoint, one request at a time;
   ITL = (time of N tokens - time of 1 token) / (N - 1).
 
-Columns: ``ttft_ms`` (median), ``itl_ms`` (median over every step of every repeat), ``tokens_per_s``
-(1000 / itl), and ``floor_ms`` = parameter bytes at the run's dtype / the device's memory bandwidth
-(NVIDIA's datasheets: H100 SXM 3.35 TB/s, H200 4.8 TB/s; ``--bandwidth-gbs`` for others). Writes
-``edge_decode.json``, ``edge_decode.md`` and ``edge_decode.png``.
+Batched decode (``--batch-sizes 1,4,16``), at each batch size ``B``, ``B`` turns of different
+random prompts of ``--prompt-tokens`` each, started together:
+
+* ``tandem-engine``: ``edge.compute.local.LocalEngine`` over ``DecoderGraph``, the turns' decode steps run as
+  one batched step (continuous batching; the prefills one after the other, between steps);
+* ``genai-batch``: the library's ``Generator`` with ``batch_size=B`` (``set_search_options``) and the
+  ``[B, prompt]`` ids appended at once (equal lengths: no padding), one step for all rows.
+
+Columns: ``batch`` (turns decoding together), ``ttft_ms`` (median over turns and repeats, queueing
+behind the other turns' prefills included), ``itl_ms`` (median over every step of every turn and
+repeat), ``tokens_per_s`` (one turn's, 1000 / itl), ``aggregate_tokens_per_s`` (all turns' output
+tokens / the wall time from the start to the last token, prefills included), and ``floor_ms`` =
+parameter bytes at the run's dtype / the device's memory bandwidth (NVIDIA's datasheets: H100 SXM
+3.35 TB/s, H200 4.8 TB/s; ``--bandwidth-gbs`` for others). Writes ``edge_decode.json``,
+``edge_decode.md`` and ``edge_decode.png`` (time per output token at batch 1; aggregate tokens/s
+against the batch size).
 """
 
 from __future__ import annotations
@@ -140,6 +152,71 @@ def time_genai(build_dir: Path, work: Path, prompt: list[int], new_tokens: int, 
     return _summary(ttft[1:], itl[1:], providers="genai")
 
 
+def batch_prompts(prompt_tokens: int, batch: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """``batch`` random prompts of ``prompt_tokens`` ids each, all different."""
+    rng = np.random.default_rng(seed)
+    return [[int(x) for x in rng.integers(3, min(vocab_size, 32000), prompt_tokens)] for _ in range(batch)]
+
+
+def time_engine(build_dir: Path, hf: Path, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
+    """``len(prompts)`` turns through ``LocalEngine`` at once, every repeat (one warm-up first)."""
+    import asyncio
+
+    from tandem.common.model.prepare import model_shape
+    from tandem.common.protocol.params import Sampling
+    from tandem.edge.compute.decoder import DecoderGraph
+    from tandem.edge.compute.local import LocalEngine
+
+    engine = LocalEngine(DecoderGraph(build_dir), model_shape(json.loads((hf / "config.json").read_text())), ())
+    sampling = Sampling(max_new_tokens=new_tokens, ignore_eos=True)
+
+    async def one(ids: list[int]) -> list[float]:
+        return [time.perf_counter() async for _ in engine.generate(ids, sampling)]
+
+    async def timed() -> list[tuple[float, list[list[float]]]]:
+        out = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            out.append((t0, list(await asyncio.gather(*(one(p) for p in prompts)))))
+        return out[1:]
+
+    return _batch_summary(asyncio.run(timed()), providers=engine.providers[0])
+
+
+def time_genai_batch(build_dir: Path, work: Path, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
+    """The ``Generator`` over ``len(prompts)`` rows of equal length, every repeat (one warm-up first)."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(genai_copy(build_dir, work, cuda_graph=True)))
+    ids = np.asarray(prompts, np.int32)
+    runs = []
+    for _ in range(repeats + 1):
+        params = og.GeneratorParams(model)
+        total = ids.shape[1] + new_tokens
+        params.set_search_options(batch_size=len(prompts), max_length=total, min_length=total, do_sample=False)
+        gen = og.Generator(model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(ids)
+        times = []
+        while not gen.is_done():
+            gen.generate_next_token()
+            gen.get_next_tokens()
+            times.append(time.perf_counter())
+        runs.append((t0, [times] * len(prompts)))  # every row gets its token at each step
+        del gen
+    return _batch_summary(runs[1:], providers="genai")
+
+
+def _batch_summary(runs: list[tuple[float, list[list[float]]]], providers: str) -> dict:
+    """Per repeat, its start and every turn's token times (``perf_counter()`` s)."""
+    ttft = [(times[0] - t0) * 1e3 for t0, turns in runs for times in turns]
+    itl = [[(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)] for _, turns in runs for times in turns]
+    agg = [sum(len(t) for t in turns) / (max(t[-1] for t in turns) - t0) for t0, turns in runs]
+    row = _summary(ttft, itl, providers)
+    row |= {"batch": len(runs[0][1]), "aggregate_tokens_per_s": statistics.median(agg)}
+    return row
+
+
 def time_legacy(onnx_path: Path, hf: Path, prompt: list[int], new_tokens: int, repeats: int) -> dict:
     from tandem.common.model.prepare import model_shape
     from tandem.edge.compute.local import LocalGenerator
@@ -188,19 +265,20 @@ def _summary(ttft: list[float], itl: list[list[float]], providers: str) -> dict:
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| model | runtime | dtype | device | ttft_ms | itl_ms | itl_p90_ms | tokens_per_s | itl / genai | floor_ms |"
+        "| model | runtime | dtype | device | batch | ttft_ms | itl_ms | itl_p90_ms | tokens_per_s "
+        "| aggregate_tokens_per_s | itl / genai | floor_ms |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
+        first = f"| {r['model']} | {r['runtime']} | {r['dtype']} | {r['device']} | {r.get('batch', 1)} "
         if "error" in r:
-            lines.append(
-                f"| {r['model']} | {r['runtime']} | {r['dtype']} | {r['device']} | failed: {r['error'][:80]} |||||"
-            )
+            lines.append(first + f"| failed: {r['error'][:80]} |||||||")
             continue
         ratio = f"{r['vs_genai']:.2f}" if r.get("vs_genai") else ""
         lines.append(
-            f"| {r['model']} | {r['runtime']} | {r['dtype']} | {r['device']} | {r['ttft_ms']:.2f} | {r['itl_ms']:.3f} "
-            f"| {r['itl_p90_ms']:.3f} | {r['tokens_per_s']:.0f} | {ratio} | {r.get('floor_ms', float('nan')):.3f} |"
+            first + f"| {r['ttft_ms']:.2f} | {r['itl_ms']:.3f} | {r['itl_p90_ms']:.3f} | {r['tokens_per_s']:.0f} "
+            f"| {r.get('aggregate_tokens_per_s', r['tokens_per_s']):.0f} | {ratio} "
+            f"| {r.get('floor_ms', float('nan')):.3f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -213,9 +291,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     ok = [r for r in rows if "error" not in r]
     models = sorted({r["model"] for r in ok})
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 8), squeeze=False)
+    for ax, m in zip(axes[1], models, strict=True):
+        for runtime in sorted({r["runtime"] for r in ok if r["model"] == m and r.get("batch_run")}):
+            mine = sorted((r for r in ok if r["model"] == m and r["runtime"] == runtime), key=lambda r: r["batch"])
+            ax.plot([r["batch"] for r in mine], [r["aggregate_tokens_per_s"] for r in mine], marker="o", label=runtime)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("turns decoding together (batch)")
+        ax.set_ylabel("aggregate output tokens/s")
+        ax.legend()
     for ax, m in zip(axes[0], models, strict=True):
-        mine = [r for r in ok if r["model"] == m]
+        mine = [r for r in ok if r["model"] == m and not r.get("batch_run")]
         ax.bar([r["runtime"] for r in mine], [r["itl_ms"] for r in mine], color="tab:blue")
         floors = [r["floor_ms"] for r in mine if r.get("floor_ms")]
         if floors:
@@ -242,6 +328,7 @@ def main(
     repeats: int = 3,
     bandwidth_gbs: Annotated[float, typer.Option(help="memory bandwidth for the floor (GB/s; 0: datasheet)")] = 0.0,
     name: Annotated[str, typer.Option(help="model name in the table (default: the folder's)")] = "",
+    batch_sizes: Annotated[str, typer.Option(help="turns decoding together, comma-separated ('' for none)")] = "1",
 ) -> None:
     """Time the edge's runtimes on one checkpoint (module doc)."""
     from tandem.common.model.builder_export import build_decoder
@@ -279,9 +366,19 @@ def main(
         runs.append(("legacy", "fp32", lambda: time_legacy(legacy_onnx, hf, prompt, new_tokens, repeats)))
     if vllm:
         runs.append(("vllm", "bf16", lambda: time_vllm(hf, prompt, new_tokens, repeats)))
+    batches = [int(b) for b in batch_sizes.split(",") if b.strip()]
+    batch_of: dict[int, int] = {}  # index in runs -> turns decoding together, for the batched runs
+    if any(b < 1 for b in batches):
+        raise typer.BadParameter(f"batch sizes must be >= 1: {batch_sizes}")
+    for b in batches:
+        turns = batch_prompts(prompt_tokens, b, cfg["vocab_size"], seed=b)
+        runs.append(("tandem-engine", precision, _engine_run(build_dir, hf, turns, new_tokens, repeats)))
+        runs.append(("genai-batch", precision, _genai_run(build_dir, work / f"genai-b{b}", turns, new_tokens, repeats)))
+        batch_of[len(runs) - 2] = batch_of[len(runs) - 1] = b
     rows: list[dict[str, Any]] = []
-    for runtime, dtype, fn in runs:
+    for i, (runtime, dtype, fn) in enumerate(runs):
         row: dict[str, Any] = {"model": model, "runtime": runtime, "dtype": dtype, "device": device}
+        row |= {"batch": batch_of.get(i, 1), "batch_run": i in batch_of}
         print(f"timing {runtime} ({dtype}) on {device} ...", file=sys.stderr, flush=True)
         try:
             row.update(fn())
@@ -296,12 +393,21 @@ def main(
         if genai and "error" not in r:
             r["vs_genai"] = r["itl_ms"] / genai
     meta = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeats": repeats, "device": device}
+    meta["batch_sizes"] = batches
     meta |= {"parameters": params, "bandwidth_bps": bw, "versions": _versions()}
     (out / "edge_decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     (out / "edge_decode.md").write_text(to_markdown(rows))
     plot(rows, out / "edge_decode.png")
     print(to_markdown(rows))
     shutil.rmtree(work, ignore_errors=True)
+
+
+def _engine_run(build_dir: Path, hf: Path, turns: list[list[int]], new_tokens: int, repeats: int) -> Any:
+    return lambda: time_engine(build_dir, hf, turns, new_tokens, repeats)
+
+
+def _genai_run(build_dir: Path, work: Path, turns: list[list[int]], new_tokens: int, repeats: int) -> Any:
+    return lambda: time_genai_batch(build_dir, work, turns, new_tokens, repeats)
 
 
 def _versions() -> dict[str, str]:

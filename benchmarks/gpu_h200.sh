@@ -41,7 +41,9 @@
 #   edge-decode  tandem-bench-edge: the edge's runtimes at batch 1 (tandem's DecoderGraph on the builder's
 #                fp16 graph with and without a CUDA graph, ONNX Runtime GenAI's Generator on the same graph,
 #                the torch.onnx edge-full.onnx on SmolLM2) and the weights-read floor, on SmolLM2-135M and
-#                the Llama-3.2-1B shape; EDGE_VLLM=1 adds vLLM single-stream
+#                the Llama-3.2-1B shape, then 1, 4 and 16 turns decoding together (LocalEngine's batched
+#                steps, one CUDA graph per batch size, against the Generator at that batch size);
+#                EDGE_VLLM=1 adds vLLM single-stream
 #   graphs-smollm2  tandem-bench on SmolLM2, loopback, 256 prompt and 128 output tokens, every mode:
 #                eager engines, then the GPU defaults (CUDA graphs and torch.compile), each start timed
 # The capacity runs use the unshaped loopback: one proxy would be one link shared by every request,
@@ -267,15 +269,17 @@ step_edge_decode() {
   [ "${EDGE_VLLM:-0}" = 1 ] && vllm=(--vllm)
   log "edge decode: SmolLM2-135M"
   (cd "$W" && python -m tandem.benchmarks.edge_decode --hf "$SMOL/hf" --out "$OUT/edge-smollm2" \
-    --build-dir "$W/edge-build-smollm2" --legacy-onnx "$SMOL/edge-full.onnx" --name smollm2-135m "${vllm[@]}") \
-    2>&1 | tee "$OUT/edge_smollm2.log" | tail -12
+    --build-dir "$W/edge-build-smollm2" --legacy-onnx "$SMOL/edge-full.onnx" --name smollm2-135m \
+    --batch-sizes 1,4,16 "${vllm[@]}") \
+    2>&1 | tee "$OUT/edge_smollm2.log" | tail -16
   if [ ! -f "$W/l1b-ckpt/config.json" ]; then
     (cd "$W" && python -m tandem.benchmarks.realsize --shape llama-3.2-1b --out "$W/l1b-ckpt" --tokenizer "$SMOL/hf") \
       > "$OUT/realsize_llama-3.2-1b.log" 2>&1
   fi
   log "edge decode: Llama-3.2-1B shape"
   (cd "$W" && python -m tandem.benchmarks.edge_decode --hf "$W/l1b-ckpt" --out "$OUT/edge-l1b" \
-    --build-dir "$W/edge-build-l1b" --name llama-3.2-1b "${vllm[@]}") 2>&1 | tee "$OUT/edge_l1b.log" | tail -12
+    --build-dir "$W/edge-build-l1b" --name llama-3.2-1b --batch-sizes 1,4,16 "${vllm[@]}") 2>&1 \
+    | tee "$OUT/edge_l1b.log" | tail -16
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1

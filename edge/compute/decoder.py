@@ -16,6 +16,17 @@ outputs keep their addresses and ONNX Runtime's CUDA provider can replay it as a
 the CUDA graph captured on them (one graph id per slot). ``DecoderGraph.run`` computes new tokens
 into a slot; greedy turns read back only the token id, others the logits of the last token.
 
+Batched decode (``DecoderGraph.run_batch``): several sessions' one-token steps in one run, with
+``input_ids`` ``[B, 1]``, ``attention_mask`` ``[B, C]`` right-padded (per row ones over its held
+tokens and the new one; GroupQueryAttention takes each row's length from it) and KV ``[B, Hkv, C,
+D]``. The sessions of one capacity decode in a ``BatchPool``: per layer one buffer ``[R, Hkv, C,
+D]`` whose first rows the sessions occupy (``edge.compute.decoder_batch.RowTable``); a step binds the first
+``b`` rows by address (``b`` = the power of two that covers them, the rows past the sessions
+padding that write only their position 0), so each pool captures one CUDA graph per ``b``. A
+session's KV moves into a row when it first steps in a batch and back to its slot when a
+per-session call needs it, when it sat out ``IDLE_STEPS`` steps or when it must grow; the moves are
+device copies (``edge.compute.decoder_batch.KVCopier``) of the held tokens only.
+
 Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``C`` a slot's capacity in tokens, ``T``
 tokens held, ``V`` vocabulary; the KV dtype is the graph's (float32 on the CPU build, float16 or
 bfloat16 on a GPU). Not here: sampling, sessions, locks (``edge.compute.local``).
@@ -34,9 +45,11 @@ import numpy as np
 
 from tandem.common.model.builder_export import GENAI_CONFIG, NEXT_TOKEN, ONNX_ELEMENT, load_build
 from tandem.common.protocol.errors import InvalidRequest
+from tandem.edge.compute.decoder_batch import KVCopier, RowTable, bucket_rows
 
 MIN_SLOT_TOKENS = 256  # a session's first slot holds at least this many tokens; slots grow by doubling
 FREE_SLOTS_PER_CAPACITY = 4  # released slots kept per capacity for the next sessions, without CUDA graphs
+MIN_POOL_ROWS = 1  # a batch pool starts with the rows of its first step (at least these); it doubles when full
 # KV and logits types (ONNX Runtime's name -> ONNX element type); bfloat16 has no numpy dtype, so its
 # tensors are held as uint16 bit patterns and bound by address with their ONNX type
 ONNX_TYPES = ONNX_ELEMENT
@@ -96,6 +109,8 @@ class KVSlot:
     step_ids / step_logits / step_next: a decode step's input ``[1, 1]`` int64 and outputs
         ``[1, 1, V]`` and ``[1, 1]`` int64, at fixed addresses (what a CUDA graph replays).
     graph_id: the CUDA graph id of this slot's decode step (``>= 1``).
+    pool: the ``BatchPool`` whose row holds the slot's KV while it decodes in batches (its own
+        ``kv`` is stale meanwhile), else None.
     """
 
     capacity_tokens: int
@@ -108,18 +123,49 @@ class KVSlot:
     graph_id: int
     tokens: int = 0
     binding: Any = field(default=None, repr=False)
+    pool: Any = field(default=None, repr=False)
 
     def nbytes(self) -> int:
-        """Device (or host) bytes of the KV buffers."""
+        """Device (or host) bytes of the KV buffers (a pool row it occupies is the pool's)."""
         return sum(int(np.prod(v.shape())) * ITEM_BYTES[v.data_type()] for v in self.kv)
+
+
+@dataclass
+class BatchPool:
+    """The decode rows of the sessions of one capacity ``C``, ``R`` rows, owned by its ``DecoderGraph``.
+
+    kv: ``2L`` tensors ``[R, Hkv, C, D]`` (KV dtype), key then value per layer; row ``r`` of each is
+        the KV of ``table``'s member in row ``r``.
+    ids / ids_host: int64 ``[R, 1]``, a step's input ids (device buffer and its host copy).
+    mask / mask_host: int64 ``[R, C]``, a step's attention mask.
+    next_ids: int64 ``[R, 1]``, the argmax output; logits: ``[R, 1, V]``.
+    graph_ids / bindings: per bucket ``b`` (rows run), the CUDA graph id and the IO binding it was
+        captured with (the buffers' first ``b`` rows bound by address).
+    """
+
+    capacity_tokens: int
+    rows: int
+    kv: list[Any]
+    ids: Any
+    ids_host: np.ndarray
+    mask: Any
+    mask_host: np.ndarray
+    next_ids: Any
+    logits: Any
+    table: RowTable[KVSlot] = field(default_factory=RowTable)
+    graph_ids: dict[int, int] = field(default_factory=dict)
+    bindings: dict[int, Any] = field(default_factory=dict)
 
 
 class DecoderGraph:
     """A builder-format decoder in one ONNX Runtime session, run into ``KVSlot`` buffers.
 
     Who calls: ``edge.compute.local.LocalEngine`` (one run at a time, from a worker thread) and the
-    benchmarks. Thread-safety: ``run`` on different slots may not overlap (the engine serialises).
+    benchmarks. Thread-safety: no two calls may overlap, on any slots (``run_batch`` moves other
+    sessions' rows; the engine serialises every call under its model lock).
     """
+
+    batched_decode = True  # ``run_batch`` runs several sessions' decode steps in one run
 
     def __init__(
         self,
@@ -162,6 +208,9 @@ class DecoderGraph:
         self.min_slot_tokens = max(MIN_SLOT_TOKENS, _window_tokens(model_dir) + 1)
         self._next_graph_id = 1
         self._free: dict[int, list[KVSlot]] = {}
+        self._pools: dict[int, BatchPool] = {}
+        self._copier = KVCopier(names, self.device)
+        self._item_bytes = int(np.dtype(_storage(self.kv_type)).itemsize)
 
     # ---- slots ------------------------------------------------------------------------------
 
@@ -222,6 +271,7 @@ class DecoderGraph:
         t, n = slot.tokens, len(new_ids)
         if n < 1:
             raise InvalidRequest("a run needs at least one new token")
+        self._settle(slot)
         self._fit(slot, t + n)
         slot.mask_host[0, t : t + n] = 1
         t0 = time.perf_counter()
@@ -264,6 +314,7 @@ class DecoderGraph:
         t, n = slot.tokens, len(new_ids)
         if n < 1:
             raise InvalidRequest("a run needs at least one new token")
+        self._settle(slot)
         self._fit(slot, t + n)
         slot.mask_host[0, t : t + n] = 1
         b = self.session.io_binding()
@@ -316,12 +367,247 @@ class DecoderGraph:
         bind = b.bind_output if output else b.bind_input
         bind(name, self.device, 0, ONNX_TYPES[onnx_type], v.shape(), v.data_ptr())
 
+    # ---- batched decode steps ---------------------------------------------------------------
+
+    def run_batch(
+        self, slots: Sequence[KVSlot], token_ids: Sequence[int], greedy: Sequence[bool]
+    ) -> tuple[list[int | None], list[np.ndarray | None], float]:
+        """One decode step of each slot, ``token_ids[i]`` after ``slots[i].tokens``, in one run per
+        capacity among the slots (one run where they share one): afterwards each slot holds one
+        token more (grown first where it must, which moves it to the pool of its new capacity).
+
+        Returns, per slot in order, the argmax token (``greedy[i]`` and the graph's argmax output)
+        or None, the new token's logits float32 ``[V]`` on the host where no token is returned, else
+        None; and the run time in ms (all runs, moves included).
+
+        Raises:
+            InvalidRequest: lengths that differ, no slot, a slot twice or released, or a slot whose
+                ``tokens + 1`` exceeds the model's positions; nothing changes then.
+        """
+        n = len(slots)
+        if n < 1 or len(token_ids) != n or len(greedy) != n:
+            raise InvalidRequest(f"a batched step takes one token per slot: {n} slots, {len(token_ids)} tokens")
+        if len({id(s) for s in slots}) != n or any(not s.kv for s in slots):
+            raise InvalidRequest("a batched step takes each live slot once")
+        for s in slots:
+            self._capacity_for(s.tokens + 1)
+        t0 = time.perf_counter()
+        for s in slots:
+            if s.tokens + 1 > s.capacity_tokens:
+                self._settle(s)
+                self._fit(s, s.tokens + 1)
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(slots):
+            groups.setdefault(s.capacity_tokens, []).append(i)
+        tokens: list[int | None] = [None] * n
+        logits: list[np.ndarray | None] = [None] * n
+        for cap, idx in groups.items():
+            toks, rows = self._step_pool(
+                self._pool(cap, max(MIN_POOL_ROWS, bucket_rows(len(idx)))),
+                [slots[i] for i in idx],
+                [int(token_ids[i]) for i in idx],
+                [greedy[i] for i in idx],
+            )
+            for j, i in enumerate(idx):
+                tokens[i], logits[i] = toks[j], rows[j]
+        return tokens, logits, (time.perf_counter() - t0) * 1e3
+
+    def _step_pool(
+        self, pool: BatchPool, slots: list[KVSlot], token_ids: list[int], greedy: list[bool]
+    ) -> tuple[list[int | None], list[np.ndarray | None]]:
+        """One run over the first ``bucket_rows(n)`` rows of ``pool``: the slots join it first, the
+        members that sat out ``IDLE_STEPS`` steps (or whose rows are full) leave it; a member that
+        does not step computes one scratch token at its position ``tokens`` (past what it holds),
+        a padding row one at position 0 of a free row."""
+        for s in slots:
+            if s.pool is not pool:
+                self._settle(s)
+                self._join(s)
+        pool = self._pools[pool.capacity_tokens]  # joining may have grown it
+        stepping = {id(s) for s in slots}
+        for m in pool.table.step(slots):
+            self._settle(m)
+        for m in pool.table.members():
+            if id(m) not in stepping and m.tokens >= pool.capacity_tokens:
+                self._settle(m)  # no scratch position left in its row
+        b = bucket_rows(len(pool.table))
+        lengths = np.ones(b, np.int64)  # per row: held tokens + the one computed now
+        pool.ids_host[:] = 0
+        for m in pool.table.members():
+            r = pool.table.row(m)
+            lengths[r] = m.tokens + 1
+        for s, tok in zip(slots, token_ids, strict=True):
+            pool.ids_host[pool.table.row(s), 0] = tok
+        pool.mask_host[:b] = np.arange(pool.capacity_tokens)[None, :] < lengths[:, None]
+        if self.cuda_graph:
+            self._replay_bucket(pool, b)
+        else:
+            self._run_bucket(pool, b, int(lengths.max()))
+        for s in slots:
+            s.mask_host[0, s.tokens] = 1
+            s.tokens += 1
+        return self._step_outputs(pool, [pool.table.row(s) for s in slots], greedy)
+
+    def _step_outputs(
+        self, pool: BatchPool, rows: list[int], greedy: list[bool]
+    ) -> tuple[list[int | None], list[np.ndarray | None]]:
+        """Per row, its argmax token (greedy, where the graph computes it) or its logits row."""
+        argmax = [g and self.has_next_token for g in greedy]
+        ids = pool.next_ids.numpy()[:, 0] if any(argmax) else None
+        logits = _as_float32(pool.logits) if not all(argmax) else None
+        tokens: list[int | None] = [
+            int(ids[r]) if a and ids is not None else None for r, a in zip(rows, argmax, strict=True)
+        ]
+        rows_out: list[np.ndarray | None] = [
+            None if a or logits is None else np.asarray(logits[r, -1], np.float32)
+            for r, a in zip(rows, argmax, strict=True)
+        ]
+        return tokens, rows_out
+
+    def _bind_rows(self, b: Any, pool: BatchPool, rows: int) -> None:
+        """Bind the pool's first ``rows`` rows of KV (past and present) and outputs by address."""
+        s = self.spec
+        shape = [rows, s.num_kv_heads, pool.capacity_tokens, s.head_dim]
+        for past, present, v in zip(s.past_names(), s.present_names(), pool.kv, strict=True):
+            self._bind_at(b, past, v.data_ptr(), shape, self.kv_type, output=False)
+            self._bind_at(b, present, v.data_ptr(), shape, self.kv_type, output=True)
+        self._bind_at(b, "logits", pool.logits.data_ptr(), [rows, 1, s.vocab_size], self.logits_type, output=True)
+        if self.has_next_token:
+            self._bind_at(b, NEXT_TOKEN, pool.next_ids.data_ptr(), [rows, 1], "tensor(int64)", output=True)
+
+    def _run_bucket(self, pool: BatchPool, rows: int, mask_tokens: int) -> None:
+        """A step over the first ``rows`` rows where no CUDA graph is captured, the mask bound over
+        its first ``mask_tokens`` positions (every row's length fits)."""
+        b = self.session.io_binding()
+        b.bind_cpu_input("input_ids", np.ascontiguousarray(pool.ids_host[:rows]))
+        b.bind_cpu_input("attention_mask", np.ascontiguousarray(pool.mask_host[:rows, :mask_tokens]))
+        self._bind_rows(b, pool, rows)
+        self.session.run_with_iobinding(b)
+
+    def _replay_bucket(self, pool: BatchPool, rows: int) -> None:
+        """A step over the first ``rows`` rows through the pool's CUDA graph of that bucket (captured
+        on its first use): the ids and the whole mask ``[R, C]`` copied into their fixed buffers, the
+        first ``rows`` rows of each bound by address."""
+        import onnxruntime as ort
+
+        pool.ids.update_inplace(pool.ids_host)
+        pool.mask.update_inplace(pool.mask_host)
+        if rows not in pool.bindings:
+            b = self.session.io_binding()
+            self._bind_at(b, "input_ids", pool.ids.data_ptr(), [rows, 1], "tensor(int64)", output=False)
+            self._bind_at(
+                b, "attention_mask", pool.mask.data_ptr(), [rows, pool.capacity_tokens], "tensor(int64)", output=False
+            )
+            self._bind_rows(b, pool, rows)
+            pool.bindings[rows] = b
+            pool.graph_ids[rows] = self._next_graph_id
+            self._next_graph_id += 1
+        opts = ort.RunOptions()
+        opts.add_run_config_entry("gpu_graph_id", str(pool.graph_ids[rows]))
+        self.session.run_with_iobinding(pool.bindings[rows], opts)
+
+    def _bind_at(self, b: Any, name: str, address: int, shape: list[int], onnx_type: str, output: bool) -> None:
+        """Bind the tensor ``shape`` of ``onnx_type`` at ``address`` on the device as ``name``."""
+        element = np.int64 if onnx_type == "tensor(int64)" else ONNX_TYPES[onnx_type]
+        (b.bind_output if output else b.bind_input)(name, self.device, 0, element, shape, address)
+
+    # ---- pools: rows, joins, leaves ---------------------------------------------------------
+
+    def _pool(self, capacity_tokens: int, rows: int = MIN_POOL_ROWS) -> BatchPool:
+        """The pool of ``capacity_tokens`` (allocated with ``rows`` rows on first use)."""
+        if capacity_tokens not in self._pools:
+            self._pools[capacity_tokens] = self._new_pool(capacity_tokens, rows)
+        return self._pools[capacity_tokens]
+
+    def _new_pool(self, capacity_tokens: int, rows: int) -> BatchPool:
+        import onnxruntime as ort
+
+        s, dev = self.spec, self.device
+        ids_host = np.zeros((rows, 1), np.int64)
+        mask_host = np.zeros((rows, capacity_tokens), np.int64)
+        return BatchPool(
+            capacity_tokens=capacity_tokens,
+            rows=rows,
+            kv=[self._zeros([rows, s.num_kv_heads, capacity_tokens, s.head_dim]) for _ in range(2 * s.num_layers)],
+            ids=ort.OrtValue.ortvalue_from_numpy(ids_host.copy(), dev, 0),
+            ids_host=ids_host,
+            mask=ort.OrtValue.ortvalue_from_numpy(mask_host.copy(), dev, 0),
+            mask_host=mask_host,
+            next_ids=ort.OrtValue.ortvalue_from_shape_and_type([rows, 1], np.int64, dev, 0),
+            logits=ort.OrtValue.ortvalue_from_shape_and_type(
+                [rows, 1, s.vocab_size], _storage(self.logits_type), dev, 0
+            ),
+        )
+
+    def _row_bytes(self, capacity_tokens: int) -> int:
+        return self.spec.num_kv_heads * capacity_tokens * self.spec.head_dim * self._item_bytes
+
+    def _row_ptrs(self, pool: BatchPool, row: int) -> list[int]:
+        return [v.data_ptr() + row * self._row_bytes(pool.capacity_tokens) for v in pool.kv]
+
+    def _head_ranges(
+        self, src: list[int], src_tokens: int, dst: list[int], dst_tokens: int, tokens: int
+    ) -> list[tuple[int, int, int]]:
+        """The copies of the first ``tokens`` of each KV head between tensors ``[1, Hkv, *, D]`` at
+        ``src`` (``src_tokens`` positions) and ``dst`` (``dst_tokens``): ``2L * Hkv`` ranges."""
+        d = self.spec.head_dim * self._item_bytes
+        return [
+            (a + h * src_tokens * d, z + h * dst_tokens * d, tokens * d)
+            for a, z in zip(src, dst, strict=True)
+            for h in range(self.spec.num_kv_heads)
+        ]
+
+    def _join(self, slot: KVSlot) -> None:
+        """Move ``slot``'s held KV into a free row of the pool of its capacity (doubled when full)."""
+        pool = self._pool(slot.capacity_tokens)
+        if len(pool.table) == pool.rows:
+            pool = self._grow_pool(pool)
+        row = pool.table.add(slot)
+        cap = slot.capacity_tokens
+        self._copier.copy(self._head_ranges(_ptrs(slot.kv), cap, self._row_ptrs(pool, row), cap, slot.tokens))
+        slot.pool = pool
+
+    def _leave(self, pool: BatchPool, slot: KVSlot) -> None:
+        """Free ``slot``'s row; the last row's session moves into it (its held KV copied)."""
+        moved = pool.table.remove(slot)
+        slot.pool = None
+        if moved is not None:
+            src, dst = moved
+            m = pool.table.members()[dst]
+            cap = pool.capacity_tokens
+            self._copier.copy(
+                self._head_ranges(self._row_ptrs(pool, src), cap, self._row_ptrs(pool, dst), cap, m.tokens)
+            )
+
+    def _settle(self, slot: KVSlot) -> None:
+        """Bring ``slot``'s KV back from its pool row into its own buffers (nothing if in none)."""
+        pool = slot.pool
+        if pool is None:
+            return
+        cap = pool.capacity_tokens
+        src = self._row_ptrs(pool, pool.table.row(slot))
+        self._copier.copy(self._head_ranges(src, cap, _ptrs(slot.kv), cap, slot.tokens))
+        self._leave(pool, slot)
+
+    def _grow_pool(self, pool: BatchPool) -> BatchPool:
+        """A pool of twice the rows in place of ``pool``, its occupied rows copied over (new CUDA
+        graphs: the old ones replay only on the old buffers, which are freed)."""
+        bigger = self._new_pool(pool.capacity_tokens, 2 * pool.rows)
+        used = len(pool.table) * self._row_bytes(pool.capacity_tokens)
+        self._copier.copy([(a.data_ptr(), z.data_ptr(), used) for a, z in zip(pool.kv, bigger.kv, strict=True)])
+        bigger.table = pool.table
+        for m in bigger.table.members():
+            m.pool = bigger
+        self._pools[pool.capacity_tokens] = bigger
+        return bigger
+
     # ---- KV in and out ----------------------------------------------------------------------
 
     def read_kv(self, slot: KVSlot, tokens: int | None = None) -> list[np.ndarray]:
         """The first ``tokens`` (default: all held) of the slot's KV as ``2L`` float32 host arrays
         ``[1, Hkv, tokens, D]`` (a copy)."""
         n = slot.tokens if tokens is None else tokens
+        self._settle(slot)
         return [np.ascontiguousarray(_as_float32(v)[:, :, :n]) for v in slot.kv]
 
     def write_kv(self, slot: KVSlot, past: Sequence[np.ndarray], start: int = 0) -> None:
@@ -341,6 +627,7 @@ class DecoderGraph:
             raise InvalidRequest(f"past must be {2 * s.num_layers} float32 arrays {want}, got {len(past)} like {got}")
         if not 0 <= start <= slot.tokens:
             raise InvalidRequest(f"KV written after token {start}: the slot holds {slot.tokens}")
+        self._settle(slot)
         self._fit(slot, start + t)
         for v, a in zip(slot.kv, past, strict=True):
             host = _as_float32(v).copy()
@@ -351,7 +638,8 @@ class DecoderGraph:
         slot.tokens = start + t
 
     def truncate(self, slot: KVSlot, tokens: int) -> None:
-        """Keep the first ``tokens`` held (the rest is overwritten by the next run)."""
+        """Keep the first ``tokens`` held (the rest is overwritten by the next run; a pool row's mask
+        is made from ``tokens`` at each step)."""
         tokens = max(0, min(tokens, slot.tokens))
         slot.mask_host[0, tokens:] = 0
         slot.tokens = tokens
@@ -372,6 +660,8 @@ class DecoderGraph:
         once; without, up to ``FREE_SLOTS_PER_CAPACITY`` per capacity wait and the rest are freed."""
         if not slot.kv:
             return
+        if slot.pool is not None:
+            self._leave(slot.pool, slot)  # its KV is dropped, not copied back
         spare = KVSlot(**{f: getattr(slot, f) for f in KVSlot.__dataclass_fields__})
         self.truncate(spare, 0)
         pool = self._free.setdefault(spare.capacity_tokens, [])
@@ -392,9 +682,9 @@ class DecoderGraph:
         return min(cap, self.spec.context_tokens)
 
     def _fit(self, slot: KVSlot, tokens: int) -> None:
-        """Grow ``slot`` in place to hold ``tokens``: new buffers of the next fitting capacity (a new
-        CUDA graph), the held KV copied over through the host, the old buffers released. Growth
-        doubles the capacity, so a session grows a few times at most.
+        """Grow ``slot`` (not in a pool) in place to hold ``tokens``: new buffers of the next fitting
+        capacity (a new CUDA graph), the held KV copied over on the device, the old buffers released.
+        Growth doubles the capacity, so a session grows a few times at most.
 
         Raises:
             InvalidRequest: ``tokens`` exceeds the model's positions."""
@@ -402,12 +692,20 @@ class DecoderGraph:
             return
         bigger = self.new_kv(tokens)
         held = slot.tokens
-        if held:
-            self.write_kv(bigger, self.read_kv(slot, held))
+        self._copier.copy(
+            self._head_ranges(_ptrs(slot.kv), slot.capacity_tokens, _ptrs(bigger.kv), bigger.capacity_tokens, held)
+        )
+        bigger.tokens = held
+        bigger.mask_host[0, :held] = 1
         old = KVSlot(**{f: getattr(slot, f) for f in KVSlot.__dataclass_fields__})
         for f in KVSlot.__dataclass_fields__:
             setattr(slot, f, getattr(bigger, f))
         self.release(old)
+
+
+def _ptrs(kv: list[Any]) -> list[int]:
+    """The addresses of ``kv``'s tensors."""
+    return [v.data_ptr() for v in kv]
 
 
 def _window_tokens(model_dir: Path) -> int:

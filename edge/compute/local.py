@@ -1,17 +1,23 @@
 """Edge-only serving: the whole model on the edge, no network.
 
 ``LocalEngine`` runs a ``LocalModel`` (``edge.compute.localmodel``: ONNX Runtime GenAI's builder graph
-through ``edge.compute.decoder.DecoderGraph``, or tandem's ``edge-full.onnx``) token by token, batch 1,
-with the sampling and stop semantics of vLLM so the local mode answers like the cloud.
+through ``edge.compute.decoder.DecoderGraph``, or tandem's ``edge-full.onnx``) token by token, with the
+sampling and stop semantics of vLLM so the local mode answers like the cloud.
 ``LocalGenerator`` is the synchronous, benchmark-only driver of the same runs.
 
 Who calls: the edge's local mode (``LocalEngine.generate``, one call per turn, from the event
 loop), remote prefill (``adopt``, ``extend``, ``generate``) and the benchmarks (``LocalGenerator``).
 
-Concurrency: every model run (one prefill or one decode step) runs in a worker thread under one
-``asyncio.Lock``, so the event loop stays free and concurrent turns interleave token by token in
-FIFO order. A run that a cancelled turn started keeps the lock until it ends (ONNX Runtime cannot
-be interrupted), so runs never overlap; the cancelled turn itself returns at once.
+Concurrency: every model run (a prefill, a decode step, a KV read or write) runs in a worker thread
+under one ``asyncio.Lock`` (FIFO), so the event loop stays free and runs never overlap. Where the
+model batches decode steps (``LocalModel.batched_decode``: the builder graph) the concurrent turns'
+next tokens are gathered and computed in one run per step (continuous batching, as vLLM's
+scheduler does): a turn queues its step, one stepper task takes every step queued once the decoding
+turns have all queued theirs (or a few event-loop passes went by) and runs them as one job, and a
+prefill queued meanwhile runs between two steps. Otherwise each decode step is a job of its own
+and concurrent turns interleave token by token. A run that a cancelled turn started keeps the lock
+until it ends (ONNX Runtime cannot be interrupted); the cancelled turn itself returns at once, and a
+step it queued that has not started is dropped.
 
 Sessions: with a ``session_id`` the whole model's KV of the conversation is kept between turns
 (``LocalSessions``, bounded by count and bytes, least recently used dropped first) and the longest
@@ -55,6 +61,7 @@ R = TypeVar("R")
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 WARMUP_DECODE_STEPS = 4
+GATHER_PASSES = 8  # event-loop passes a batched step waits for the decoding turns to queue their next steps
 
 
 @dataclass
@@ -121,6 +128,21 @@ class LocalSessions(BoundedLRU[LocalSession]):
         if s is not None:
             s.drop(final=False)
         return s
+
+
+@dataclass
+class DecodeStep:
+    """One turn's decode step queued for the next batched run: ``token_id`` computed after the
+    session's first ``keep`` tokens. ``done`` gets ``(token, logits, run_ms, wait_ms)`` or the
+    exception; ``queued_s``: ``perf_counter()`` when queued."""
+
+    sess: LocalSession
+    token_id: int
+    keep: int
+    greedy: bool
+    tokens_hint: int
+    done: asyncio.Future
+    queued_s: float
 
 
 @dataclass(frozen=True)
@@ -225,6 +247,7 @@ class LocalEngine:
             turn's prefill joins.
         last_computed_tokens / last_reused_tokens: prompt tokens the latest prefill ran, and the
             session tokens it reused (of whichever turn prefilled last).
+        last_batch_size: decode steps in the latest batched run (models with ``batched_decode``).
         sessions: the session table.
     """
 
@@ -268,6 +291,10 @@ class LocalEngine:
         self.pending_prefills = 0
         self.last_computed_tokens = 0
         self.last_reused_tokens = 0
+        self._steps: list[DecodeStep] = []  # queued for the next batched run
+        self._stepper: asyncio.Task | None = None
+        self._decoding: set[int] = set()  # id() of the sessions whose turns are decoding
+        self.last_batch_size = 0  # decode steps of the latest batched run
 
     @property
     def kv_device(self) -> str:
@@ -337,6 +364,11 @@ class LocalEngine:
         t0 = time.perf_counter()
         await self._model_lock.acquire()
         wait_ms = (time.perf_counter() - t0) * 1e3
+        return await self._holding_lock(job), wait_ms
+
+    async def _holding_lock(self, job: Callable[[], R]) -> R:
+        """``job`` in a worker thread, the model lock (acquired by the caller, no await since) released
+        when it ends."""
 
         def locked_job() -> R:
             while self._released:
@@ -345,7 +377,7 @@ class LocalEngine:
 
         fut = asyncio.ensure_future(asyncio.to_thread(locked_job))
         fut.add_done_callback(self._run_done)
-        return await asyncio.shield(fut), wait_ms
+        return await asyncio.shield(fut)
 
     def _run_done(self, fut: asyncio.Future) -> None:
         self._model_lock.release()
@@ -376,6 +408,93 @@ class LocalEngine:
         tok, logits, ms = self.model.run(kv, ids, greedy)
         sess.token_ids.extend(ids)
         return tok, logits, ms
+
+    # ---- batched decode steps (models with ``batched_decode``) --------------------------------
+
+    async def _step(
+        self, sess: LocalSession, token_id: int, greedy: bool, tokens_hint: int
+    ) -> tuple[int | None, np.ndarray | None, float, float]:
+        """Queue the session's next decode step for the next batched run and wait for it. Returns
+        token, logits, run ms (of the whole batched run) and wait ms (queued until it ran).
+        Cancelled before its run starts, the step is dropped (the session unchanged); after, it
+        completes alone (ids and KV together) and its result is dropped."""
+        loop = asyncio.get_running_loop()
+        step = DecodeStep(sess, token_id, len(sess.token_ids), greedy, tokens_hint, loop.create_future(), 0.0)
+        step.queued_s = time.perf_counter()
+        self._steps.append(step)
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.create_task(self._run_steps())
+        return await step.done
+
+    async def _run_steps(self) -> None:
+        """The stepper: while steps are queued, gather them (``_gather``), take the model lock, take
+        every step still wanted and run them as one job (``_advance_batch``)."""
+        while self._steps:
+            await self._gather()
+            await self._model_lock.acquire()
+            batch = [st for st in self._steps if not st.done.done()]
+            self._steps.clear()
+            if not batch:
+                self._model_lock.release()
+                continue
+            self.last_batch_size = len(batch)
+            try:
+                results, ms = await self._holding_lock(functools.partial(self._advance_batch, batch))
+            except Exception as e:  # the job itself failed: every step hears it
+                results, ms = [e] * len(batch), 0.0
+            if ms:
+                self._measured(1, ms)
+            for st, r in zip(batch, results, strict=True):
+                if not st.done.done():
+                    (st.done.set_exception if isinstance(r, BaseException) else st.done.set_result)(r)
+
+    async def _gather(self) -> None:
+        """Let the decoding turns queue their next steps: up to ``GATHER_PASSES`` event-loop passes,
+        fewer once every decoding session has one queued."""
+        for _ in range(GATHER_PASSES):
+            if self._decoding <= {id(st.sess) for st in self._steps}:
+                return
+            await asyncio.sleep(0)
+
+    def _advance_batch(self, batch: list[DecodeStep]) -> tuple[list[Any], float]:
+        """Inside a job: each step's token run after its session's first ``keep`` tokens, all in one
+        ``run_batch``, the ids held with the KV (both change together, here). Returns per step
+        ``(token, logits, run_ms, wait_ms)`` or the exception that step raised, and the run's ms. A
+        batched run that raises (one session's bad state) is run again step by step, so only that
+        session's step fails."""
+        start = time.perf_counter()
+        results: list[Any] = [None] * len(batch)
+        live: list[tuple[int, Any]] = []
+        for i, st in enumerate(batch):
+            try:
+                kv = self._kv(st.sess, st.tokens_hint)
+                self.model.truncate(kv, st.keep)
+                del st.sess.token_ids[st.keep :]
+                live.append((i, kv))
+            except Exception as e:
+                results[i] = e
+        if not live:
+            return results, 0.0
+        waits = [(start - st.queued_s) * 1e3 for st in batch]
+        try:
+            toks, logits, ms = self.model.run_batch(
+                [kv for _, kv in live], [batch[i].token_id for i, _ in live], [batch[i].greedy for i, _ in live]
+            )
+        except Exception:
+            for i, kv in live:
+                st = batch[i]
+                try:
+                    self.model.truncate(kv, st.keep)  # a step the failed run did complete runs again
+                    tok, lg, one_ms = self.model.run(kv, [st.token_id], st.greedy)
+                    st.sess.token_ids.append(st.token_id)
+                    results[i] = (tok, lg, one_ms, waits[i])
+                except Exception as e:
+                    results[i] = e
+            return results, 0.0
+        for j, (i, _) in enumerate(live):
+            batch[i].sess.token_ids.append(batch[i].token_id)
+            results[i] = (toks[j], logits[j], ms, waits[i])
+        return results, ms
 
     def _measured(self, tokens: int, ms: float) -> None:
         if tokens > 1:
@@ -492,15 +611,24 @@ class LocalEngine:
         self.last_computed_tokens, self.last_reused_tokens = len(prompt) - keep, keep
         hint = len(prompt) + s.max_new_tokens
         tok_, logits, wait_ms, run_ms = await self._prefill(sess, prompt, keep, greedy, hint)
-        for n in range(1, s.max_new_tokens + 1):
-            tok = next_token(tok_, logits, s, rng)
-            finish = "stop" if tok in stops else "length" if n == s.max_new_tokens else None
-            yield LocalToken(tok, finish, wait_ms, run_ms)
-            if finish:
-                return
-            step = functools.partial(self._advance, sess, [tok], len(sess.token_ids), greedy, hint)
-            (tok_, logits, run_ms), wait_ms = await self._locked(step)
-            self._measured(1, run_ms)
+        batched = bool(getattr(self.model, "batched_decode", False))
+        if batched:
+            self._decoding.add(id(sess))
+        try:
+            for n in range(1, s.max_new_tokens + 1):
+                tok = next_token(tok_, logits, s, rng)
+                finish = "stop" if tok in stops else "length" if n == s.max_new_tokens else None
+                yield LocalToken(tok, finish, wait_ms, run_ms)
+                if finish:
+                    return
+                if batched:
+                    tok_, logits, run_ms, wait_ms = await self._step(sess, tok, greedy, hint)
+                    continue
+                step = functools.partial(self._advance, sess, [tok], len(sess.token_ids), greedy, hint)
+                (tok_, logits, run_ms), wait_ms = await self._locked(step)
+                self._measured(1, run_ms)
+        finally:
+            self._decoding.discard(id(sess))
 
     async def warmup(self, n_tokens: int = 32) -> None:
         """One untimed one-token run (ONNX Runtime's first run allocates), then a prefill of

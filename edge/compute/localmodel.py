@@ -12,7 +12,9 @@ tokens into in place, truncates, reads out and writes into. Its implementations:
   its KV bookkeeping over any ``forward(new_ids, past)`` (the tests' toy model uses it too).
 
 Calling contract: the engine calls every method from one worker thread at a time (it serialises
-runs under its model lock); a ``SessionKV`` belongs to one session and is released once.
+runs under its model lock); a ``SessionKV`` belongs to one session and is released once. Where
+``batched_decode`` is set, the engine computes concurrent turns' decode steps with one
+``run_batch`` per step; otherwise with one ``run`` each.
 
 Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``T`` tokens held, ``V`` vocabulary; KV
 read and written as ``2L`` float32 host arrays ``[1, Hkv, T, D]``, key then value per layer.
@@ -44,9 +46,14 @@ class SessionKV(Protocol):
 
 
 class LocalModel(Protocol):
-    """The whole model a ``LocalEngine`` drives (module doc: who calls, how often)."""
+    """The whole model a ``LocalEngine`` drives (module doc: who calls, how often).
+
+    ``batched_decode``: ``run_batch`` computes several sessions' decode steps in one run (the
+    engine then gathers concurrent turns' steps); False: it runs them one after the other and the
+    engine runs each step as a job of its own."""
 
     providers: list[str]
+    batched_decode: bool
 
     def new_kv(self, tokens_hint: int) -> SessionKV:
         """An empty session KV, sized for about ``tokens_hint`` tokens (it grows as needed)."""
@@ -60,6 +67,19 @@ class LocalModel(Protocol):
 
         Raises:
             InvalidRequest: the KV cannot grow to ``kv.tokens + len(new_ids)`` tokens.
+        """
+        ...
+
+    def run_batch(
+        self, kvs: Sequence[Any], token_ids: Sequence[int], greedy: Sequence[bool]
+    ) -> tuple[list[int | None], list[np.ndarray | None], float]:
+        """One decode step per session KV: ``token_ids[i]`` after ``kvs[i].tokens`` (each grows by
+        one). Returns per KV what ``run`` returns for it (token or None, logits or None) and the
+        whole run's time in ms.
+
+        Raises:
+            InvalidRequest: lengths that differ, a KV twice, or a KV that cannot grow by one token;
+                nothing changes then.
         """
         ...
 
@@ -105,6 +125,7 @@ class ForwardModel(ABC):
 
     shape: ModelShape
     providers: list[str]
+    batched_decode = False  # one forward pass per session
 
     @abstractmethod
     def forward(self, new_ids: Sequence[int], past: list[KV]) -> tuple[np.ndarray, list[KV], float]:
@@ -123,6 +144,15 @@ class ForwardModel(ABC):
         logits, present, ms = self.forward(new_ids, kv.past if kv.tokens else self.empty_past())
         kv.past, kv.tokens = present, kv.tokens + len(new_ids)
         return None, logits, ms
+
+    def run_batch(
+        self, kvs: Sequence[GrowingKV], token_ids: Sequence[int], greedy: Sequence[bool]
+    ) -> tuple[list[int | None], list[np.ndarray | None], float]:
+        """``run`` of each KV in turn (no batched forward pass)."""
+        if len(token_ids) != len(kvs) or len(greedy) != len(kvs) or len({id(k) for k in kvs}) != len(kvs):
+            raise InvalidRequest(f"a batched step takes each KV once with one token: {len(kvs)}, {len(token_ids)}")
+        out = [self.run(kv, [int(t)], g) for kv, t, g in zip(kvs, token_ids, greedy, strict=True)]
+        return [o[0] for o in out], [o[1] for o in out], sum(o[2] for o in out)
 
     def truncate(self, kv: GrowingKV, tokens: int) -> None:
         tokens = max(0, min(tokens, kv.tokens))

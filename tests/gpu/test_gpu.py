@@ -175,12 +175,48 @@ async def test_the_builder_decoder_serves_local_turns_from_cuda_graphs(split_dir
         assert_same_or_near_tie(out, ref, gaps, f"builder decoder on CUDA, turn {turn + 1}, vs HF", near=0.25)
         sess = engine.sessions.peek(sid)
         assert sess is not None and sess.kv.tokens == len(sess.token_ids)
-        assert all(v.device_name() == "cuda" for v in sess.kv.kv) and sess.kv.binding is not None
+        assert all(v.device_name() == "cuda" for v in sess.kv.kv)
+        assert any(1 in pool.graph_ids for pool in engine.model._pools.values())  # its steps replayed a graph
         messages += [
             {"role": "assistant", "content": tokenizer.decode(out, skip_special_tokens=True)},
             {"role": "user", "content": "How long is it?"},
         ]
     assert engine.last_reused_tokens > 0
+
+
+async def test_the_builder_decoder_batches_concurrent_turns_in_cuda_graphs(split_dir, manifest, hf_model, tokenizer):
+    """Concurrent local turns on ``edge-decoder/`` decode in batched steps: each bucket's step is a
+    CUDA graph over the pool's rows, bf16 KV bound by address, and each turn's greedy output equals
+    HF's (or parts only at a near-tie of the reference); a turn alone afterwards still does."""
+    import asyncio
+
+    import onnxruntime as ort
+
+    from tandem.common.protocol.params import Sampling
+    from tandem.edge.compute.local import LocalEngine
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu's CUDA provider is not installed")
+    path = split_dir.parent / "edge-decoder"
+    if not (path / "tandem_build.json").is_file():
+        pytest.fail(f"no {path}: tandem-model builds it (bf16 where ONNX Runtime has its CUDA provider)")
+    eos = hf_model.generation_config.eos_token_id
+    engine = LocalEngine(path, manifest.shape, eos if isinstance(eos, list) else [eos])
+    assert engine.model.batched_decode and engine.model.cuda_graph
+    prompts = [prompt_ids(tokenizer, p) for p in PROMPTS[:4]]
+
+    async def one(ids: list[int]) -> list[int]:
+        return [t.token_id async for t in engine.generate(ids, Sampling(max_new_tokens=MAX_NEW, ignore_eos=True))]
+
+    outs = await asyncio.gather(*(one(ids) for ids in prompts))
+    for i, (ids, out) in enumerate(zip(prompts, outs, strict=True)):
+        ref, gaps = hf_greedy(hf_model, ids, MAX_NEW)
+        assert_same_or_near_tie(out, ref, gaps, f"turn {i} of 4 in batched CUDA graphs vs HF", near=0.25)
+    alone = await one(prompts[0])
+    ref, gaps = hf_greedy(hf_model, prompts[0], MAX_NEW)
+    assert_same_or_near_tie(alone, ref, gaps, "a turn alone after the batch vs HF", near=0.25)
+    pools = list(engine.model._pools.values())
+    assert any(4 in p.graph_ids for p in pools) and all(v.device_name() == "cuda" for p in pools for v in p.kv)
 
 
 async def test_the_local_model_on_onnx_runtimes_cuda_provider_keeps_its_kv_on_the_gpu(

@@ -201,10 +201,17 @@ def test_edge_benchmark_smoke(build, hf_dir, tmp_path):
 
     out = tmp_path / "edge"
     args = ["--hf", str(hf_dir), "--out", str(out), "--build-dir", str(build)]
-    r = CliRunner().invoke(app, [*args, "--prompt-tokens", "8", "--new-tokens", "3", "--repeats", "1"])
+    small = ["--prompt-tokens", "8", "--new-tokens", "3", "--repeats", "1", "--batch-sizes", "1,3"]
+    r = CliRunner().invoke(app, [*args, *small])
     assert r.exit_code == 0, r.output
     rows = json.loads((out / "edge_decode.json").read_text())["rows"]
-    assert {r["runtime"] for r in rows} == {"tandem", "genai"}
-    assert all("error" not in r and r["itl_ms"] > 0 for r in rows), rows
-    assert (out / "edge_decode.md").read_text().count("| smollm2-135m |") == 2
+    assert {(r["runtime"], r["batch"]) for r in rows} == {
+        ("tandem", 1),
+        ("genai", 1),
+        *((runtime, b) for runtime in ("tandem-engine", "genai-batch") for b in (1, 3)),
+    }
+    assert all("error" not in r and r["itl_ms"] > 0 and r["ttft_ms"] > 0 for r in rows), rows
+    three = [r for r in rows if r["batch"] == 3]
+    assert len(three) == 2 and all(r["aggregate_tokens_per_s"] > 0 for r in three), three
+    assert (out / "edge_decode.md").read_text().count("| smollm2-135m |") == 6
     assert (out / "edge_decode.png").stat().st_size > 0
