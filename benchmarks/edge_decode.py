@@ -233,6 +233,10 @@ def time_legacy(onnx_path: Path, hf: Path, prompt: list[int], new_tokens: int, r
 
 
 def time_vllm(hf: Path, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+    """vLLM single-stream on ``hf`` (bf16): TTFT as one-token requests, ITL from whole replies.
+    Its engine core is spawned, not forked: this process already holds a CUDA context (ONNX
+    Runtime's), which a forked child cannot use (``CUDA error: initialization error``)."""
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
