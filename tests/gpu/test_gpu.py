@@ -206,7 +206,7 @@ async def test_the_builder_decoder_batches_concurrent_turns_in_cuda_graphs(split
     prompts = [prompt_ids(tokenizer, p) for p in PROMPTS[:4]]
 
     async def one(ids: list[int]) -> list[int]:
-        return [t.token_id async for t in engine.generate(ids, Sampling(max_new_tokens=MAX_NEW, ignore_eos=True))]
+        return [t.token_id async for t in engine.generate(ids, Sampling(max_new_tokens=MAX_NEW))]
 
     outs = await asyncio.gather(*(one(ids) for ids in prompts))
     for i, (ids, out) in enumerate(zip(prompts, outs, strict=True)):
