@@ -108,9 +108,9 @@ class EdgeNode:
             shape=shape,
             remote_prefill=bool(model_key),
             head_pending_tokens=lambda: {k: h.batcher.pending_tokens for k, h in self.heads.items()},
+            codec_ratio=codec_ratio,
         )
         self.model_key = model_key
-        self.router.codec_ratio = codec_ratio
         self.calls = CloudCalls(conn, self.heads, sessions, self.router, renegotiate_wait_s)
         self._own_limits = RequestLimits(
             shape.vocab_size if shape else 0,
@@ -425,18 +425,18 @@ class EdgeNode:
         raise EngineError("no mode could serve this turn")  # not reached: the last attempt returns or raises
 
     async def _run_route(self, turn: Turn) -> Events:
+        """Run the leg on its decided route, inside the router's accounting of it (``Router.track``:
+        counted until the leg ends however it ends; its first event is its first token; its
+        ``TurnDone`` is its outcome)."""
         d = turn.route_decision
         turn.clock.mode, turn.head_tokens = d.route.mode, 0
-        self.cost.ran(d.route)
-        async for ev in self._runners[d.route.mode](turn):
-            if isinstance(ev, TurnDone) and d.prediction is not None and ev.ttft_ms > 0 and not turn.clock.resumes:
-                self.cost.observe(d.prediction, ev.ttft_ms, ev.timings)
-                metrics.record_prediction(d.route.mode, d.prediction.ttft_ms, ev.ttft_ms)
-                if d.occupancy is not None:
-                    self.router.occupancy.observe(
-                        d.route.mode, d.occupancy, ev.timings, ev.output_tokens, ev.received_kv_bytes, ev.prompt_tokens
-                    )
-            yield ev
+        with self.router.track(d) as account:
+            turn.account = account
+            async for ev in self._runners[d.route.mode](turn):
+                account.first_token()
+                if isinstance(ev, TurnDone):
+                    account.finished(ev, resumed=bool(turn.clock.resumes))
+                yield ev
 
     def _run_local(self, turn: Turn) -> Events:
         assert self.local is not None  # routed here only when present
@@ -444,4 +444,4 @@ class EdgeNode:
 
     def _run_remote_prefill(self, turn: Turn) -> Events:
         assert self.local is not None  # routed here only when present
-        return run_remote_prefill(turn, self.local, self.model_key, self.router)
+        return run_remote_prefill(turn, self.local, self.model_key)
