@@ -431,7 +431,7 @@ async def test_a_stream_that_breaks_after_its_last_token_finishes_without_resumi
         if ends_with == "eos":
             eos = normal.output_token_ids[4]
             toy.engines.eos_token_id = eos
-            toy.edge.eos_token_ids = frozenset([eos])
+            toy.edge.compute.eos_token_ids = frozenset([eos])
             normal = await run(toy.edge, t)
             assert normal.finish_reason == "stop" and normal.output_token_ids[-1] == eos
         toy.gateway.calls.engines = LosesFinal(toy.engines)
