@@ -8,26 +8,26 @@ mode decodes the prompt's token ids; remote prefill (``cloud.remote_prefill``) d
 sends the prompt's KV down and hands the decode over to the edge. It takes domain messages and
 yields domain events; ``cloud.service`` adapts it to gRPC.
 
-The gateway runs the engines and nothing else; its collaborators, assembled at the entry point
-(``cloud.server.build_gateway``), do the rest: links, params and load (``cloud.links.registry``),
-sessions (``cloud.sessions.sync``), the receive path (``cloud.uploads.receive``) and the block store's
-pins (``cloud.uploads.pins``).
+The gateway runs a turn's mode on the engines and nothing else; its collaborators, assembled at
+the entry point (``cloud.server.build_gateway``), do the rest: the engine calls every mode makes
+(``cloud.engine_calls``, which remote prefill shares), links, params and load
+(``cloud.links.registry``), sessions (``cloud.sessions.sync``), the receive path
+(``cloud.uploads.receive``) and the block store's pins (``cloud.uploads.pins``). A turn's mode is
+a ``Mode`` (``mode_of``), the key of its path; its name appears only in logs, metric labels and
+spans.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import AbstractContextManager, aclosing, nullcontext
 from dataclasses import replace
 
-import numpy as np
-
 from tandem.cloud.config import CloudConfig
+from tandem.cloud.engine_calls import EngineCalls
 from tandem.cloud.engines.kvparams import KVTransferSpec, PartSpec
-from tandem.cloud.engines.vllm_engines import EngineBackend, TailResult
 from tandem.cloud.links.registry import LinkRegistry
 from tandem.cloud.links.table import Ticket
 from tandem.cloud.links.tenancy import EdgeLimits
@@ -35,26 +35,24 @@ from tandem.cloud.remote_prefill import RemotePrefills, check_remote_prefill
 from tandem.cloud.sessions.sync import SessionSync
 from tandem.cloud.splits import Splits
 from tandem.cloud.store.blocks import BlockStore
-from tandem.cloud.turn import Background, Turn, UplinkBody, as_principal, bounded
+from tandem.cloud.turn import Background, Turn, UplinkBody, as_principal
 from tandem.cloud.uploads.pins import Pins
 from tandem.cloud.uploads.receive import Received, Receiver
 from tandem.cloud.uploads.upload import check_header
-from tandem.common.protocol.errors import DeadlineExceeded
 from tandem.common.protocol.manifest import SplitManifest
+from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import (
     LinkParams,
     Negotiated,
     NegotiateOffer,
-    Sampling,
     ServerInfo,
     SyncReply,
     SyncRequest,
 )
 from tandem.common.runtime import metrics
-from tandem.common.runtime.ewma import Ewma
 from tandem.common.runtime.logs import bind_request, turn_log
 from tandem.common.runtime.security import ANONYMOUS_PEER, Principal
-from tandem.common.runtime.tracing import span, traced
+from tandem.common.runtime.tracing import span
 from tandem.common.wire.kvblocks import activation_keys
 from tandem.common.wire.messages import DownEvent, TokensOut, TurnFinal, TurnHeader, UploadAck
 from tandem.stages import Stage
@@ -73,8 +71,9 @@ class Gateway:
         self,
         cfg: CloudConfig,
         splits: Splits,
-        engines: EngineBackend,
+        calls: EngineCalls,
         *,
+        remote: RemotePrefills,
         registry: LinkRegistry,
         sync: SessionSync,
         receiver: Receiver,
@@ -82,16 +81,15 @@ class Gateway:
         edge_limits: EdgeLimits,
         background: Background,
     ) -> None:
-        self.cfg, self.splits, self.engines = cfg, splits, engines
+        self.cfg, self.splits, self.calls, self.remote = cfg, splits, calls, remote
         self.registry, self.sync, self.receiver, self.pins = registry, sync, receiver, pins
         self.edge_limits, self.background = edge_limits, background
         self.links, self.rates, self.sessions = registry.links, registry.rates, sync.sessions
         self.serving = True
-        self.remote = RemotePrefills(splits, pins, pins.store, self._decode, self._final, cfg.max_repair_rounds)
-        self._modes: dict[str, ModeRun] = {
-            "direct": self._direct,
-            "split": self._split_turn,
-            "remote_prefill": self.remote.run,
+        self._modes: dict[Mode, ModeRun] = {
+            Mode.DIRECT: self._direct,
+            Mode.SPLIT: self._split_turn,
+            Mode.REMOTE_PREFILL: self.remote.run,
         }
 
     @property
@@ -203,7 +201,7 @@ class Gateway:
     ) -> AsyncGenerator[DownEvent, None]:
         """Direct mode: decode the prompt's token ids."""
         header = turn.header
-        async for ev in self._decode(turn, list(header.prompt_token_ids), None, header.sampling, 0, ticket):
+        async for ev in self.calls.decode(turn, list(header.prompt_token_ids), None, header.sampling, 0, ticket):
             yield ev
 
     async def _split_turn(
@@ -271,17 +269,17 @@ class Gateway:
         tail_saves: list[str] = []  # tail keys the tail engine may still be writing (after token 1)
         try:
             await self.pins.pin(turn, tail_store_keys)
-            first = await self._tail_prefill(turn, received.hidden, tail)
+            first = await self.calls.tail_prefill(turn, received.hidden, tail)
             tail_saves = tail_store_keys
             ticket.prefill_done()
             yield TokensOut((first.first_token,), 0)
             if first.finish_reason is not None or header.sampling.max_new_tokens == 1:
-                yield self._final(turn, first.finish_reason or "length", 1, 0)
+                yield self.calls.final(turn, first.finish_reason or "length", 1, 0)
                 return
             tail_saves = await self.pins.wait_for_tail(turn, tail_saves)
             ids = [*header.prompt_token_ids, first.first_token]
             rest = replace(header.sampling, max_new_tokens=header.sampling.max_new_tokens - 1)
-            async for ev in self._decode(turn, ids, spec, rest, 1, ticket):
+            async for ev in self.calls.decode(turn, ids, spec, rest, 1, ticket):
                 yield ev
         finally:
             if not turn.session_key:  # a stateless request's KV is reusable by no one
@@ -295,82 +293,9 @@ class Gateway:
         tail_keys = activation_keys(received.hidden, bs, self.splits.tail_seed(h, turn.caller.tag, bs), tail)
         return KVTransferSpec(loads=(PartSpec(head, tuple(received.leaves)), PartSpec(tail, tuple(tail_keys))))
 
-    @traced("cloud_tail_prefill")
-    async def _tail_prefill(self, turn: Turn, hidden: np.ndarray, part: PartSpec) -> TailResult:
-        """Tail engine over ``prompt_embeds = hidden`` (float32 ``[T, H]``): loads the tail KV of
-        ``part``'s blocks computed from the same activations before, saves the rest, samples the
-        first output token.
 
-        Raises:
-            DeadlineExceeded: the deadline passed. EngineError: the engine failed.
-        """
-        turn.engine_start()
-        k = turn.header.split_layer
-        try:
-            async with asyncio.timeout_at(turn.deadline):
-                tail = await self.engines.tail_prefill(
-                    turn.engine_id, k, hidden, KVTransferSpec(loads=(part,), save=part), turn.header.sampling
-                )
-        except TimeoutError:
-            raise DeadlineExceeded("deadline passed during the tail prefill") from None
-        turn.timings[Stage.CLOUD_TAIL_PREFILL] = tail.elapsed_ms
-        computed = hidden.shape[0] - tail.external_tokens
-        if computed > 0:
-            self.rates.tail_prefill_ms_per_token.setdefault(k, Ewma()).add(tail.elapsed_ms / computed)
-        return tail
-
-    @traced("cloud_decode")
-    async def _decode(
-        self,
-        turn: Turn,
-        ids: list[int],
-        kv: KVTransferSpec | None,
-        sampling: Sampling,
-        first_index: int,
-        ticket: Ticket,
-    ) -> AsyncIterator[DownEvent]:
-        """Stream the decode engine's tokens; output indices start at ``first_index``. Updates the
-        node's rates: prefill per prompt token (direct mode's first token) and time per output token."""
-        t0 = time.perf_counter()
-        turn.engine_start()
-        n = first_index
-        t_first: float | None = None
-        steps = self.engines.decode(turn.engine_id, ids, kv, sampling)
-        async for step in bounded(steps, turn.deadline, lambda: DeadlineExceeded("deadline passed while decoding")):
-            if step.token_ids:
-                if n == first_index:
-                    turn.external_tokens = step.external_tokens
-                    turn.time(Stage.CLOUD_DECODE_FIRST_TOKEN, t0)
-                    t_first = time.perf_counter()
-                    ticket.prefill_done()
-                    if kv is None:  # direct mode: the whole prompt was prefilled here
-                        self.rates.prefill_ms_per_token.add(turn.timings[Stage.CLOUD_DECODE_FIRST_TOKEN] / len(ids))
-                yield TokensOut(tuple(step.token_ids), n)
-                n += len(step.token_ids)
-            if step.finish_reason is not None:
-                turn.time(Stage.CLOUD_DECODE, t0)
-                if t_first is not None and n - first_index > 1:
-                    per_token = (time.perf_counter() - t_first) * 1e3 / (n - first_index - 1)
-                    self.rates.decode_ms_per_token.add(per_token)
-                yield self._final(turn, step.finish_reason, n, step.external_tokens)
-
-    def _final(self, turn: Turn, finish_reason: str, output_tokens: int, external_tokens: int) -> TurnFinal:
-        """The turn's final message, with the node's load as it ends."""
-        n_prompt = len(turn.header.prompt_token_ids)
-        return TurnFinal(
-            finish_reason,
-            n_prompt,
-            output_tokens,
-            external_tokens,
-            turn.timings,
-            turn.received_bytes,
-            self.registry.load(turn.header.link_id),
-            turn.timings.get(Stage.CLOUD_QUEUE, 0.0),
-        )
-
-
-def mode_of(header: TurnHeader) -> str:
-    """The serving mode a header asks for: "split", "remote_prefill" or "direct"."""
+def mode_of(header: TurnHeader) -> Mode:
+    """The serving mode a header asks for: ``SPLIT`` (a split layer), ``REMOTE_PREFILL`` or ``DIRECT``."""
     if header.split_layer:
-        return "split"
-    return "remote_prefill" if header.remote_prefill is not None else "direct"
+        return Mode.SPLIT
+    return Mode.REMOTE_PREFILL if header.remote_prefill is not None else Mode.DIRECT

@@ -24,11 +24,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from tandem.cloud.engine_calls import EngineCalls
 from tandem.cloud.engines.kvparams import KVTransferSpec, PartSpec
 from tandem.cloud.links.table import Ticket
 from tandem.cloud.splits import Splits
@@ -36,7 +37,6 @@ from tandem.cloud.store.blocks import BlockStore
 from tandem.cloud.turn import Turn, UplinkBody
 from tandem.cloud.uploads.pins import Pins
 from tandem.common.protocol.errors import InvalidRequest
-from tandem.common.protocol.params import Sampling
 from tandem.common.wire import chunks as wire
 from tandem.common.wire import merkle
 from tandem.common.wire.kvblocks import LayerRange, block_hashes, hash_seed, kv_scope
@@ -57,9 +57,6 @@ from tandem.stages import Stage
 log = logging.getLogger("tandem.cloud")
 HANDOVER = "handover"  # Final.finish_reason of a turn the edge took over
 WINDOW_BLOCKS = 4  # the downlink window holds at least this many blocks (a link's window counts uplink items)
-
-Decode = Callable[[Turn, list[int], KVTransferSpec | None, Sampling, int, Ticket], AsyncIterator[DownEvent]]
-Final = Callable[[Turn, str, int, int], TurnFinal]  # (turn, finish reason, output tokens, external tokens)
 
 
 def check_remote_prefill(turn: Turn, kv_dtypes: tuple[wire.WireDtype, ...]) -> None:
@@ -125,14 +122,12 @@ _TAKEOVER = object()  # the edge's Takeover, queued behind the events before it
 
 
 class RemotePrefills:
-    """The remote-prefill turns of one node. ``decode`` is the gateway's token stream
-    (``Gateway._decode``) and ``final`` its final message; ``max_resends`` bounds the resends of
-    one block."""
+    """The remote-prefill turns of one node. ``calls``: the engine calls the gateway's modes make
+    too (the decode's token stream, the final message); ``max_resends`` bounds the resends of one
+    block."""
 
-    def __init__(
-        self, splits: Splits, pins: Pins, store: BlockStore, decode: Decode, final: Final, max_resends: int
-    ) -> None:
-        self.splits, self.pins, self.store, self.decode, self.final = splits, pins, store, decode, final
+    def __init__(self, splits: Splits, pins: Pins, store: BlockStore, calls: EngineCalls, max_resends: int) -> None:
+        self.splits, self.pins, self.store, self.calls = splits, pins, store, calls
         self.max_resends = max_resends
         self.model_key = full_model_key(splits.primary)
 
@@ -196,7 +191,7 @@ class RemotePrefills:
                     elif isinstance(rest, TurnFinal):  # the decode ended before it was aborted
                         yield rest
                         return
-                yield self.final(turn, HANDOVER, n_out, turn.external_tokens)
+                yield self.calls.final(turn, HANDOVER, n_out, turn.external_tokens)
                 return
             if isinstance(ev, TokensOut):
                 n_out += len(ev.token_ids)
@@ -215,7 +210,7 @@ class RemotePrefills:
         """The decode engine's events into ``q`` (an error too); ``first_token`` once tokens came."""
         h = turn.header
         try:
-            async for ev in self.decode(turn, list(h.prompt_token_ids), spec, h.sampling, 0, ticket):
+            async for ev in self.calls.decode(turn, list(h.prompt_token_ids), spec, h.sampling, 0, ticket):
                 q.put_nowait(ev)
                 if isinstance(ev, TokensOut):
                     first_token.set()

@@ -2,7 +2,7 @@
 
 ``build_gateway`` assembles a node's gateway from its config: the link limits, the tables
 (links, sessions, upload budget, per-edge bounds), the stores and the collaborators that share
-them; ``create_cloud`` serves it.
+them (the engine calls, which the gateway and remote prefill both make); ``create_cloud`` serves it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health
 
 from tandem.cloud.config import CloudConfig
+from tandem.cloud.engine_calls import EngineCalls
 from tandem.cloud.engines.supervisor import EngineSupervisor, SupervisedEngines
 from tandem.cloud.engines.vllm_engines import EngineBackend
 from tandem.cloud.gateway import Gateway
@@ -25,6 +26,7 @@ from tandem.cloud.links.rates import CloudRates
 from tandem.cloud.links.registry import LinkRegistry
 from tandem.cloud.links.table import ControllerConfig, LinkTable
 from tandem.cloud.links.tenancy import EdgeLimits
+from tandem.cloud.remote_prefill import RemotePrefills
 from tandem.cloud.service import CloudServicer
 from tandem.cloud.sessions.store import SessionStore
 from tandem.cloud.sessions.sync import SessionSync
@@ -157,11 +159,14 @@ def build_gateway(
     )
     background = Background()
     pins = Pins(store, cfg.tail_save_wait_s, background)
+    registry = LinkRegistry(cfg, links, limits, splits, rates)
+    calls = EngineCalls(engines, rates, registry.load)
     gateway = Gateway(
         cfg,
         splits,
-        engines,
-        registry=LinkRegistry(cfg, links, limits, splits, rates),
+        calls,
+        remote=RemotePrefills(splits, pins, store, calls, cfg.max_repair_rounds),
+        registry=registry,
         sync=sync,
         receiver=Receiver(cfg, splits, budget, store, sync, pins, background),
         pins=pins,

@@ -6,8 +6,9 @@ through the cloud (``edge.modes.cloud``: the head over the tokens the edge has n
 activations and new KV blocks framed by ``edge.link.framing`` and streamed over the pinned
 ``CloudConnection``), or remote prefill (``edge.modes.remote_prefill``: the cloud prefills, the prompt's KV
 comes down, the whole model here decodes the rest) -> detokenize tokens as they come back. A cloud
-that fails mid-stream does not end the turn: it resumes. No grpc here; ``edge.api.grpc_service`` adapts it,
-``edge.link.grpc_link`` carries it.
+that fails mid-stream does not end the turn: it resumes. Each leg runs inside the router's
+accounting of it (``Router.track``). ``edge.server.build_node`` assembles a node from the config.
+No grpc here; ``edge.api.grpc_service`` adapts it, ``edge.link.grpc_link`` carries it.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.common.protocol.chat import prompt_token_ids
 from tandem.common.protocol.errors import EngineError, InvalidRequest, LinkLost, ParamsVersionMismatch, QuotaExceeded
 from tandem.common.protocol.limits import RequestLimits
-from tandem.common.protocol.manifest import ModelShape
 from tandem.common.protocol.modes import Mode
 from tandem.common.runtime import metrics
 from tandem.common.runtime.logs import bind_request, current_caller, current_request_id, new_request_id, turn_log
@@ -59,68 +59,42 @@ def max_token_chars(tokenizer: Any, default: int = 64) -> int:
         return default
 
 
+@dataclass
+class EdgeCompute:
+    """What this edge computes a turn with besides the router's local model: the tokenizer, the
+    heads by split layer, the ids that end a sequence, and the whole model's identity
+    (``common.wire.kvdown.full_model_key``), which remote prefill's KV blocks are named from ("": no
+    remote prefill)."""
+
+    tokenizer: Any
+    heads: dict[int, Head]
+    eos_token_ids: frozenset[int]
+    model_key: str = ""
+
+
 class EdgeNode:
-    """Holds the tokenizer, the heads, the local model, sessions, the cloud it talks to and the
-    router that picks a route per request; runs turns."""
+    """Runs turns over its collaborators, built at the entry point (``edge.server.build_node``):
+    ``compute`` (tokenizer, heads), ``router`` (the route per request, the local model, the cost
+    model, the sessions, the accounting of the turns), ``calls`` (the turns through the cloud it talks
+    to), and the bounds of a turn."""
 
     def __init__(
-        self,
-        tokenizer: Any,
-        heads: list[Head],
-        conn: CloudTarget | None,
-        sessions: EdgeSessions,
-        turn_timeout_s: float,
-        *,
-        local: LocalEngine | None = None,
-        max_prompt_tokens: int = 1536,
-        max_new_tokens: int = 4096,
-        cost: CostModel | None = None,
-        shape: ModelShape | None = None,
-        renegotiate_wait_s: float = 5.0,
-        pipeline_tokens: int = 0,
-        eos_token_ids: frozenset[int] | None = None,
-        codec_ratio: float = 1.0,
-        model_key: str = "",
+        self, compute: EdgeCompute, router: Router, calls: CloudCalls, limits: RequestLimits, turn_timeout_s: float
     ) -> None:
-        """``max_prompt_tokens`` / ``max_new_tokens``: this edge's own bounds (the cloud's and the
-        model's narrow them, ``limits``); ``shape``: the model's (its vocabulary and positions bound
-        requests too); ``pipeline_tokens``: head tokens per piece of a pipelined split turn
-        (``edge.modes.split_head``; 0 = the head runs whole before the upload starts); ``eos_token_ids``:
-        default the tokenizer's; ``codec_ratio``: zstd's compressed / raw size of this model's wire
-        bytes; ``model_key``: the whole model's identity (``common.wire.kvdown.full_model_key``), which
-        remote prefill's KV blocks are named from ("": no remote prefill)."""
-        if not heads and local is None and conn is None:
+        """``limits``: this edge's own bounds (the cloud's and the local model's narrow them,
+        ``limits``); ``turn_timeout_s``: a turn's deadline when its caller sets none.
+
+        Raises:
+            ValueError: nothing to serve (no head, no local model, no cloud).
+        """
+        if not compute.heads and router.local is None and calls.cloud is None:
             raise ValueError("an edge needs a head (split), the whole model (local) or a cloud (direct)")
-        self.tok, self.conn, self.sessions = tokenizer, conn, sessions
-        self.heads = {h.k: h for h in heads}
+        self.compute, self.router, self.calls = compute, router, calls
         self.turn_timeout_s = turn_timeout_s
-        eos = getattr(tokenizer, "eos_token_id", None)
-        default_eos = frozenset([eos] if isinstance(eos, int) else [])
-        self.eos_token_ids = default_eos if eos_token_ids is None else eos_token_ids
-        cost = cost or CostModel()
-        cost.pipeline_tokens = pipeline_tokens
-        self.router = Router(
-            self.heads,
-            conn,
-            sessions,
-            cost,
-            local=local,
-            shape=shape,
-            remote_prefill=bool(model_key),
-            head_pending_tokens=lambda: {k: h.batcher.pending_tokens for k, h in self.heads.items()},
-        )
-        self.model_key = model_key
-        self.router.codec_ratio = codec_ratio
-        self.calls = CloudCalls(conn, self.heads, sessions, self.router, renegotiate_wait_s)
-        self._own_limits = RequestLimits(
-            shape.vocab_size if shape else 0,
-            max_prompt_tokens,
-            max_new_tokens,
-            shape.max_position_embeddings if shape else 0,
-        )
+        self._own_limits = limits
         # no text longer than this can fit in max_prompt_tokens: every token covers at most
         # max_token_chars characters, so longer text is refused before it is tokenized
-        self._token_chars = max_token_chars(tokenizer)
+        self._token_chars = max_token_chars(compute.tokenizer)
         self._inflight: set[str] = set()  # request ids of the turns in flight
         self._runners: dict[Mode, Callable[[Turn], Events]] = {
             Mode.LOCAL: self._run_local,
@@ -128,10 +102,31 @@ class EdgeNode:
             Mode.DIRECT: self.calls.run,
             Mode.REMOTE_PREFILL: self._run_remote_prefill,
         }
-        self.lifetime = SessionLifetime(sessions, conn, lambda: self.local)
-        metrics.watch_edge_sessions(sessions)
-        if conn is not None:
-            metrics.watch_link(conn)
+        self.lifetime = SessionLifetime(router.sessions, calls.cloud, lambda: self.local)
+
+    @property
+    def tok(self) -> Any:
+        """The tokenizer."""
+        return self.compute.tokenizer
+
+    @property
+    def heads(self) -> dict[int, Head]:
+        """The heads this edge holds, by split layer."""
+        return self.compute.heads
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.compute.eos_token_ids
+
+    @property
+    def conn(self) -> CloudTarget | None:
+        """The cloud this edge talks to (None: none)."""
+        return self.calls.cloud
+
+    @property
+    def sessions(self) -> EdgeSessions:
+        """The split and direct sessions (the router's)."""
+        return self.router.sessions
 
     # ------------------------------------------------------------------ what this edge can do now
 
@@ -425,18 +420,18 @@ class EdgeNode:
         raise EngineError("no mode could serve this turn")  # not reached: the last attempt returns or raises
 
     async def _run_route(self, turn: Turn) -> Events:
+        """Run the leg on its decided route, inside the router's accounting of it (``Router.track``:
+        counted until the leg ends however it ends; its first event is its first token; its
+        ``TurnDone`` is its outcome)."""
         d = turn.route_decision
         turn.clock.mode, turn.head_tokens = d.route.mode, 0
-        self.cost.ran(d.route)
-        async for ev in self._runners[d.route.mode](turn):
-            if isinstance(ev, TurnDone) and d.prediction is not None and ev.ttft_ms > 0 and not turn.clock.resumes:
-                self.cost.observe(d.prediction, ev.ttft_ms, ev.timings)
-                metrics.record_prediction(d.route.mode, d.prediction.ttft_ms, ev.ttft_ms)
-                if d.occupancy is not None:
-                    self.router.occupancy.observe(
-                        d.route.mode, d.occupancy, ev.timings, ev.output_tokens, ev.received_kv_bytes, ev.prompt_tokens
-                    )
-            yield ev
+        with self.router.track(d) as account:
+            turn.account = account
+            async for ev in self._runners[d.route.mode](turn):
+                account.first_token()
+                if isinstance(ev, TurnDone):
+                    account.finished(ev, resumed=bool(turn.clock.resumes))
+                yield ev
 
     def _run_local(self, turn: Turn) -> Events:
         assert self.local is not None  # routed here only when present
@@ -444,4 +439,4 @@ class EdgeNode:
 
     def _run_remote_prefill(self, turn: Turn) -> Events:
         assert self.local is not None  # routed here only when present
-        return run_remote_prefill(turn, self.local, self.model_key, self.router)
+        return run_remote_prefill(turn, self.local, self.compute.model_key)

@@ -1,7 +1,9 @@
 """Build the edge daemon: ONNX heads + batchers, the local model, the link to the cloud, the
 ``EdgeNode`` and its gRPC servicer (``edge.api.grpc_service``), and the OpenAI-compatible HTTP API.
 
-``create_edge`` starts it whether or not the cloud answers; ``EdgeDaemon.stop`` drains it.
+``build_node`` assembles a node from its config and its loaded parts: the sessions, the cost model,
+the router, the cloud calls and the turn's bounds; ``create_edge`` loads the parts, starts the node
+whether or not the cloud answers, and serves it; ``EdgeDaemon.stop`` drains it.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +22,10 @@ import numpy as np
 from grpc_health.v1 import health
 
 from tandem.common.protocol.errors import IncompatibleModel, TandemError
+from tandem.common.protocol.limits import RequestLimits
 from tandem.common.protocol.manifest import FULL_DECODER, FULL_ONNX, ExportCheck, ModelShape, SplitManifest
 from tandem.common.protocol.params import NegotiateOffer
+from tandem.common.runtime import metrics
 from tandem.common.runtime.grpc_setup import add_service, channel_credentials, set_health, start_server, tls_credentials
 from tandem.common.runtime.security import ApiKeys, Authenticator
 from tandem.common.wire.kvdown import full_model_key
@@ -34,9 +38,11 @@ from tandem.edge.link.connection import CloudConnection, CloudTarget
 from tandem.edge.link.discovery import DnsResolver, parse_dns_target
 from tandem.edge.link.grpc_link import GrpcCloudLink
 from tandem.edge.link.replicas import ReplicaSet
+from tandem.edge.modes.cloud import CloudCalls
 from tandem.edge.modes.split_head import Head
-from tandem.edge.node import EdgeNode
+from tandem.edge.node import EdgeCompute, EdgeNode
 from tandem.edge.routing.costmodel import CostModel, zstd_pays
+from tandem.edge.routing.router import Router
 from tandem.edge.session import EdgeSessions
 
 log = logging.getLogger("tandem.edge")
@@ -304,29 +310,91 @@ async def create_edge(cfg: EdgeConfig) -> EdgeDaemon:
     tok_dir = manifest.tokenizer_dir(cfg.split_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     eos = eos_token_ids(tokenizer, tok_dir)
-    cost = CostModel(cfg.hysteresis, cfg.explore_every)
+    cost = cost_model(cfg)
     heads, sample = await load_heads(cfg, manifests, cost)
     local = await load_local(cfg, manifest.shape, eos, manifest.agreement.max_model_len_max_tokens)
     zstd = measure_zstd(sample, 3)
     links, cloud = await connect_cloud(cfg, edge_offer(cfg, manifest, heads), zstd)
-    node = EdgeNode(
+    node = build_node(
+        cfg,
         tokenizer,
         heads,
         cloud,
-        EdgeSessions(cfg.max_sessions, cfg.session_bytes, cfg.session_idle_s),
-        cfg.turn_timeout_s,
         local=local,
-        max_prompt_tokens=cfg.max_prompt_tokens,
-        max_new_tokens=cfg.max_new_tokens,
-        cost=cost,
         shape=manifest.shape,
-        pipeline_tokens=cfg.pipeline_tokens,
+        cost=cost,
         eos_token_ids=frozenset(eos),
         codec_ratio=zstd[0],
         model_key=full_model_key(manifest),
     )
-    node.router.cloud_budget_ms = cfg.cloud_budget_s * 1e3
     return await serve_node(cfg, node, manifest.model_id, links)
+
+
+def cost_model(cfg: EdgeConfig) -> CostModel:
+    """The TTFT cost model with the configured choice (hysteresis, exploration) and head pieces."""
+    return CostModel(cfg.hysteresis, cfg.explore_every, pipeline_tokens=cfg.pipeline_tokens)
+
+
+def build_node(
+    cfg: EdgeConfig,
+    tokenizer: Any,
+    heads: Sequence[Head],
+    cloud: CloudTarget | None,
+    *,
+    local: LocalEngine | None = None,
+    shape: ModelShape | None = None,
+    sessions: EdgeSessions | None = None,
+    cost: CostModel | None = None,
+    eos_token_ids: frozenset[int] | None = None,
+    codec_ratio: float = 1.0,
+    model_key: str = "",
+) -> EdgeNode:
+    """The ``EdgeNode`` over ``heads``, the whole model ``local`` and ``cloud`` (None: none), its
+    parts built from ``cfg``: the sessions (``sessions`` when given), the cost model (``cost`` when
+    given: ``cost_model(cfg)``), the router, the cloud calls and the turn's bounds; the edge's
+    metrics watch them. ``shape``: the model's (its vocabulary and positions bound requests; the
+    cost model's wire bytes per token); ``eos_token_ids``: default the tokenizer's;
+    ``codec_ratio``: zstd's compressed / raw size of this model's wire bytes; ``model_key``: the
+    whole model's identity (``common.wire.kvdown.full_model_key``; "": no remote prefill).
+
+    Raises:
+        ValueError: nothing to serve (no head, no local model, no cloud).
+    """
+    by_k = {h.k: h for h in heads}
+    if sessions is None:
+        sessions = EdgeSessions(cfg.max_sessions, cfg.session_bytes, cfg.session_idle_s)
+    router = Router(
+        by_k,
+        cloud,
+        sessions,
+        cost if cost is not None else cost_model(cfg),
+        local=local,
+        shape=shape,
+        remote_prefill=bool(model_key),
+        head_pending_tokens=lambda: {k: h.batcher.pending_tokens for k, h in by_k.items()},
+        codec_ratio=codec_ratio,
+        cloud_budget_ms=cfg.cloud_budget_s * 1e3,
+    )
+    if eos_token_ids is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        eos_token_ids = frozenset([eos] if isinstance(eos, int) else [])
+    limits = RequestLimits(
+        shape.vocab_size if shape else 0,
+        cfg.max_prompt_tokens,
+        cfg.max_new_tokens,
+        shape.max_position_embeddings if shape else 0,
+    )
+    node = EdgeNode(
+        EdgeCompute(tokenizer, by_k, eos_token_ids, model_key),
+        router,
+        CloudCalls(cloud, by_k, sessions, router),
+        limits,
+        cfg.turn_timeout_s,
+    )
+    metrics.watch_edge_sessions(sessions)
+    if cloud is not None:
+        metrics.watch_link(cloud)
+    return node
 
 
 def load_manifests(cfg: EdgeConfig) -> list[SplitManifest]:

@@ -18,6 +18,7 @@ from tandem.common.wire.messages import TurnHeader
 from tandem.edge.detok import TextStream
 from tandem.edge.events import ChatTurn, SentBytes, TurnDone
 from tandem.edge.link.connection import CloudConnection
+from tandem.edge.routing.accounting import RoutedTurn
 from tandem.edge.routing.router import Decision
 from tandem.edge.session import EdgeSession
 from tandem.stages import Stage, Timings
@@ -53,9 +54,10 @@ class Turn:
     """One leg of a chat turn. A turn is one leg unless its cloud fails after tokens reached the
     client: it then goes on as another leg (``continued``) from the prompt plus the tokens already
     emitted, with the same clock and text stream, so the client sees one stream. ``timeout_s`` is
-    the leg's budget, fixed when the leg is made; ``decision``, ``conn`` (the cloud connection the
-    leg is pinned to), ``session`` (its edge session, split and direct) and ``head_tokens`` are
-    set as the leg runs."""
+    the leg's budget, fixed when the leg is made; ``decision``, ``account`` (the router's
+    accounting of the leg on that route, ``Router.track``), ``conn`` (the cloud connection the leg
+    is pinned to), ``session`` (its edge session, split and direct) and ``head_tokens`` are set as
+    the leg runs."""
 
     request: ChatTurn  # this leg's request (a continued leg asks only for the tokens left)
     ids: list[int]  # this leg's prompt token ids
@@ -64,6 +66,7 @@ class Turn:
     deadline: float  # event-loop time by which the whole turn ends
     timeout_s: float = field(init=False)
     decision: Decision | None = None
+    account: RoutedTurn | None = None
     conn: CloudConnection | None = None
     session: EdgeSession | None = None
     head_tokens: int = 0  # prompt tokens the edge head computed in this leg
@@ -108,6 +111,11 @@ class Turn:
         if self.conn is None:
             raise RuntimeError("the turn is pinned to no cloud connection")
         return self.conn
+
+    def left_cloud(self) -> None:
+        """Tell the router the leg's part in the cloud ended (``RoutedTurn.left_cloud``)."""
+        if self.account is not None:
+            self.account.left_cloud()
 
     def continued(self) -> Turn:
         """The leg that continues this turn (called on its first leg): its prompt plus the tokens

@@ -27,10 +27,12 @@ from tandem.common.wire import chunks as wire
 from tandem.common.wire.messages import TurnHeader, uplink_to_pb
 from tandem.edge.compute.batcher import HeadBatcher
 from tandem.edge.compute.head import MemoryHead
+from tandem.edge.config import EdgeConfig
 from tandem.edge.link.base import CloudLink, InProcessLink, TurnCall
-from tandem.edge.link.connection import CloudConnection
+from tandem.edge.link.connection import CloudConnection, CloudTarget
 from tandem.edge.modes.split_head import Head
 from tandem.edge.node import EdgeNode
+from tandem.edge.server import build_node
 from tandem.edge.session import EdgeSessions
 
 # the toy model, shared with the fuzzing (tests/fuzz)
@@ -42,6 +44,22 @@ def cloud_config(**kw: Any) -> CloudConfig:
         split_dir=Path("/nonexistent"), chunk_tokens=16, max_chunk_tokens=16, engine=EngineConfig(block_size_tokens=B)
     )
     return CloudConfig(**{**base, **kw})
+
+
+def toy_node(
+    heads: list[Head],
+    cloud: CloudTarget | None,
+    sessions: EdgeSessions | None = None,
+    turn_timeout_s: float = 30.0,
+    pipeline_tokens: int = 0,
+    **node_kw: Any,
+) -> EdgeNode:
+    """An ``EdgeNode`` of the toy model (``ToyTokenizer``) over ``heads`` and ``cloud``, built as the
+    daemon builds one (``edge.server.build_node``); ``sessions`` default 64 sessions of 1 GiB in all;
+    ``node_kw`` as ``build_node``'s."""
+    cfg = EdgeConfig(turn_timeout_s=turn_timeout_s, pipeline_tokens=pipeline_tokens)
+    sessions = sessions if sessions is not None else EdgeSessions(64, 1 << 30)
+    return build_node(cfg, ToyTokenizer(), heads, cloud, sessions=sessions, **node_kw)
 
 
 @dataclass
@@ -58,7 +76,7 @@ class Toy:
         key = MANIFEST.compatibility_key()
         conn = CloudConnection(InProcessLink(self.gateway), NegotiateOffer(edge_id, "toy", {K: key}, 4), probe_bytes=0)
         await conn.connect()
-        return EdgeNode(ToyTokenizer(), [Head(self.batcher, key)], conn, EdgeSessions(64, 1 << 30), 30.0)
+        return toy_node([Head(self.batcher, key)], conn)
 
     def cloud_session(self, session_id: str) -> CloudSession | None:
         """The gateway's session ``session_id`` of this toy edge (cloud sessions live in the
@@ -83,12 +101,14 @@ async def toy_stack(
     offer_kw: dict[str, Any] | None = None,
     pipeline_tokens: int = PIPELINE_TOKENS,
     store: Any = None,
+    node_kw: dict[str, Any] | None = None,
     **cloud_kw: Any,
 ) -> Toy:
     """A gateway and an edge service in this event loop, joined by an ``InProcessLink``
     (optionally wrapped, e.g. for fault injection); ``offer_kw`` amends the edge's
     ``NegotiateOffer``; ``pipeline_tokens`` as the edge's (0: the head runs whole before the
-    upload); ``store``: the block store (default: a ``MemoryBlockStore``). Call
+    upload); ``store``: the block store (default: a ``MemoryBlockStore``); ``node_kw``: the edge's
+    parts as ``edge.server.build_node`` takes them (a local model, ``model_key``). Call
     ``await toy.batcher.stop()`` at the end."""
     store = MemoryBlockStore(1 << 30) if store is None else store
     engines = MemoryEngines(store, B, VOCAB)
@@ -101,13 +121,12 @@ async def toy_stack(
     await conn.connect()  # once; the background loop (polls, reconnects) is not started here
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
-    svc = EdgeNode(
-        ToyTokenizer(),
+    svc = toy_node(
         [Head(batcher, key)],
         conn,
         EdgeSessions(64, edge_session_bytes),
-        30.0,
         pipeline_tokens=pipeline_tokens,
+        **(node_kw or {}),
     )
     return Toy(gw, engines, store, svc, batcher)
 

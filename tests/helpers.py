@@ -155,24 +155,23 @@ class Cloud:
         await self.server.stop(0)
 
 
-async def edge_to(target: str, keepalive_s: float = 5.0) -> Any:
+async def edge_to(target: str, keepalive_s: float = 5.0, **node_kw: Any) -> Any:
     """A toy ``EdgeNode`` over a real gRPC link to ``target``, its connection loop running (reconnects,
-    renegotiates)."""
+    renegotiates); ``node_kw`` as ``edge.server.build_node``'s."""
     from tandem.edge.link.grpc_link import GrpcCloudLink
 
-    return await edge_over(GrpcCloudLink(target, keepalive_s, keepalive_s))
+    return await edge_over(GrpcCloudLink(target, keepalive_s, keepalive_s), **node_kw)
 
 
-async def edge_over(link: Any, edge_id: str = "e") -> Any:
-    """A toy ``EdgeNode`` over ``link`` (a ``GrpcCloudLink``, e.g. with TLS and a key), connected."""
+async def edge_over(link: Any, edge_id: str = "e", **node_kw: Any) -> Any:
+    """A toy ``EdgeNode`` over ``link`` (a ``GrpcCloudLink``, e.g. with TLS and a key), connected;
+    ``node_kw`` as ``edge.server.build_node``'s."""
     from tandem.common.protocol.params import NegotiateOffer
     from tandem.edge.compute.batcher import HeadBatcher
     from tandem.edge.compute.head import MemoryHead
     from tandem.edge.link.connection import CloudConnection
     from tandem.edge.modes.split_head import Head
-    from tandem.edge.node import EdgeNode
-    from tandem.edge.session import EdgeSessions
-    from tests.doubles import HKV, MANIFEST, D, H, K, ToyTokenizer
+    from tests.doubles import HKV, MANIFEST, D, H, K, toy_node
 
     key = MANIFEST.compatibility_key()
     conn = CloudConnection(link, NegotiateOffer(edge_id, "toy", {K: key}, 4), poll_s=0.5, backoff_s=0.1)
@@ -180,7 +179,7 @@ async def edge_over(link: Any, edge_id: str = "e") -> Any:
     assert await conn.wait_connected(10), conn.last_error
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
-    return EdgeNode(ToyTokenizer(), [Head(batcher, key)], conn, EdgeSessions(64, 1 << 30), 30)
+    return toy_node([Head(batcher, key)], conn, **node_kw)
 
 
 async def close_edge(edge: Any) -> None:

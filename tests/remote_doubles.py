@@ -70,12 +70,10 @@ class ToyLocal(LocalEngine):
 async def rp_stack(step_delay_s: float = 0.005, local_step_s: float = 0.0, **kw) -> Toy:
     """``toy_stack(**kw)`` whose cloud decodes with ``ToyLM`` (``step_delay_s`` per token) and whose
     edge holds ``ToyLocal`` (``local_step_s`` per forward pass) and names whole-model KV blocks."""
-    toy = await toy_stack(**kw)
     lm = toy_lm()
+    local = ToyLocal(lm, step_delay_s=local_step_s)
+    toy = await toy_stack(node_kw={"local": local, "model_key": full_model_key(MANIFEST)}, **kw)
     toy.engines.toy, toy.engines.step_delay_s = lm, step_delay_s
-    toy.edge.local = ToyLocal(lm, step_delay_s=local_step_s)
-    toy.edge.model_key = full_model_key(MANIFEST)
-    toy.edge.router.remote_prefill = True
     return toy
 
 

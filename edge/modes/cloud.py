@@ -56,7 +56,7 @@ class CloudCalls:
         router: Router,
         renegotiate_wait_s: float = 5.0,
     ) -> None:
-        """``router``: its cost model is calibrated by the turns, its ``cloud_inflight`` counts them;
+        """``router``: its cost model times the heads and decides on pipelining;
         ``renegotiate_wait_s``: the longest wait for a link being set up again."""
         self.cloud, self.heads, self.sessions, self.router = cloud, heads, sessions, router
         self.renegotiate_wait_s = renegotiate_wait_s
@@ -121,14 +121,11 @@ class CloudCalls:
             turn.clock.session_expired = True
             log.info("session %s had expired (evicted by the edge's bound): starting it again", turn.session_id)
         session = turn.session = self.sessions.get(turn.session_id) if k else EdgeSession()
-        self.router.cloud_inflight += 1
-        load = self.router.cloud_turn_started(turn.route_decision)
         try:
             await _acquire(session.lock, turn.timeout_s, turn.session_id)
             before = session.snapshot()
             try:
                 async for ev in self._locked(turn, params):
-                    load.first_token()  # the cloud's prefill of this turn is done
                     yield ev
             except BaseException:
                 if not turn.clock.acked:  # nothing of this turn reached the cloud's session: keep no work of it
@@ -137,8 +134,6 @@ class CloudCalls:
             finally:
                 session.lock.release()
         finally:
-            load.end()
-            self.router.cloud_inflight -= 1
             if k and turn.session_id:
                 self.sessions.discard_if_empty(turn.session_id)
                 self.sessions.evict()

@@ -33,7 +33,6 @@ from tandem.edge.compute.local import LocalEngine, LocalSession, past_from_block
 from tandem.edge.events import SentBytes, TextOut, TurnDone
 from tandem.edge.link.base import TurnCall
 from tandem.edge.link.downlink import KVDownload
-from tandem.edge.routing.router import Router
 from tandem.edge.turn import Turn
 from tandem.stages import Stage
 
@@ -43,10 +42,10 @@ HANDOVER = "handover"  # the cloud's finish reason when the edge took the decode
 
 class RemotePrefillTurn:
     """One remote-prefill leg (see module doc). ``model_key``: the whole model's
-    (``common.wire.kvdown.full_model_key``); ``router`` counts the turns in the cloud."""
+    (``common.wire.kvdown.full_model_key``)."""
 
-    def __init__(self, turn: Turn, local: LocalEngine, model_key: str, router: Router) -> None:
-        self.turn, self.local, self.model_key, self.router = turn, local, model_key, router
+    def __init__(self, turn: Turn, local: LocalEngine, model_key: str) -> None:
+        self.turn, self.local, self.model_key = turn, local, model_key
         self.sess: LocalSession = local.sessions.get(turn.session_id)
         self.held_ids = list(self.sess.token_ids)  # what the session holds as the turn starts
         self.final: TurnFinal | None = None
@@ -90,20 +89,17 @@ class RemotePrefillTurn:
         yield self._done(p, down.received_bytes)
 
     async def _from_cloud(self, p: LinkParams, down: KVDownload) -> AsyncIterator[TextOut]:
-        """The cloud's part of the turn; a cloud that fails after tokens reached the client ends it."""
-        self.router.cloud_inflight += 1
-        load = self.router.cloud_turn_started(self.turn.route_decision)
+        """The cloud's part of the turn; a cloud that fails after tokens reached the client ends it
+        (the router hears that the turn left the cloud either way: ``Turn.left_cloud``)."""
         try:
             async for ev in self._cloud(p, down):
-                load.first_token()  # the cloud's prefill of this turn is done
                 yield ev
         except EngineError as e:
             if not self.turn.text.token_ids:
                 raise
             log.warning("the cloud failed after %d tokens (%s): decoding on here", len(self.turn.text.token_ids), e)
         finally:
-            load.end()
-            self.router.cloud_inflight -= 1
+            self.turn.left_cloud()
             if self.call is not None:
                 self.call.cancel()
 
@@ -251,8 +247,6 @@ class RemotePrefillTurn:
         )
 
 
-def run_remote_prefill(
-    turn: Turn, local: LocalEngine, model_key: str, router: Router
-) -> AsyncIterator[TextOut | TurnDone]:
+def run_remote_prefill(turn: Turn, local: LocalEngine, model_key: str) -> AsyncIterator[TextOut | TurnDone]:
     """Remote prefill of ``turn`` (see module doc)."""
-    return RemotePrefillTurn(turn, local, model_key, router).run()
+    return RemotePrefillTurn(turn, local, model_key).run()

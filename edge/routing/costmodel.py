@@ -29,15 +29,17 @@ runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times
   prompt tokens of the prefills waiting or running x the local prefill rate (``W_local``), plus the
   other requests decoding x the local decode step (each runs one step before it). ``W_head[k]``:
   the head batcher's queue at ``k`` (FIFO), the new tokens of its rows waiting or running x the
-  head's rate; ``W_heads`` the sum over every ``k``. The heads and the local engine run on the same
-  processor, beside each other rather than behind: shared with one other stream of ``W`` ms of
+  head's rate; ``W_heads`` the sum over every ``k`` (these queues come with each prediction, an
+  ``EdgeLoad`` the router reads when it decides; the model keeps no load of its own). The heads
+  and the local engine run on the same processor, beside each other rather than behind: shared
+  with one other stream of ``W`` ms of
   work, a run of ``p`` ms alone finishes after ``p + min(p, W)`` (processor sharing: both run at
   half speed until the shorter is done). ``q_cloud``: the
   cloud's mean admission wait when its queue is not empty or this edge already uses its share
   (its own requests in the cloud count from when it sends them), else 0, and at least the predicted
   cloud compute of this edge's turns in the cloud that have not had their first token (``W_cloud``:
   their prefills run before or beside this one, as the local queue's do). ``W_dec``: how long this
-  edge's turns in the cloud keep its decode engine busy decoding (``Router.cloud_decode_ms``; a
+  edge's turns in the cloud keep its decode engine busy decoding (``InFlight.cloud_decode_ms``; a
   turn still in prefill with all of its output to come, since it decodes next); a
   cloud prefill beside them shares the engines' processor with that stream, by a fraction
   ``alpha_dec`` of the processor-sharing bound: 1 where the engines share CPU cores one step at a
@@ -214,18 +216,27 @@ class RequestShape:
 
 @dataclass
 class EdgeRates:
-    """The edge's own measured rates (ms per token) and its local load."""
+    """The edge's own measured rates (ms per token)."""
 
     local_prefill_ms_per_token: Ewma = field(default_factory=Ewma)
     local_decode_ms_per_token: Ewma = field(default_factory=Ewma)
     head_ms_per_token: dict[int, Ewma] = field(default_factory=dict)
-    local_active: int = 0  # local turns in flight (prefilling or decoding)
-    local_pending_prefill_tokens: int = 0  # prompt tokens of the local prefills waiting or running
-    local_pending_prefills: int = 0  # those prefills
-    head_pending_tokens: dict[int, int] = field(default_factory=dict)  # k -> new tokens in that head's batcher
 
     def head(self, k: int) -> Ewma:
         return self.head_ms_per_token.setdefault(k, Ewma())
+
+
+@dataclass(frozen=True)
+class EdgeLoad:
+    """The edge's own queues at one moment (``Router.load``), an input of each prediction."""
+
+    local_active: int = 0  # local turns in flight (prefilling or decoding)
+    local_pending_prefill_tokens: int = 0  # prompt tokens of the local prefills waiting or running
+    local_pending_prefills: int = 0  # those prefills
+    head_pending_tokens: Mapping[int, int] = field(default_factory=dict)  # k -> new tokens in that head's batcher
+
+
+IDLE = EdgeLoad()  # no queue on the edge
 
 
 @dataclass
@@ -302,17 +313,17 @@ class CostModel:
             return measured
         return self.edge.local_prefill_ms_per_token.value * layers / max(1, link.num_layers)
 
-    def _local_prefill_queue_ms(self) -> float:
+    def _local_prefill_queue_ms(self, load: EdgeLoad) -> float:
         """``W_local``: the local engine's prefills waiting or running, at the local prefill rate (ms)."""
-        return self.edge.local_pending_prefill_tokens * self.edge.local_prefill_ms_per_token.value
+        return load.local_pending_prefill_tokens * self.edge.local_prefill_ms_per_token.value
 
-    def _head_queue_ms(self, k: int) -> float:
+    def _head_queue_ms(self, load: EdgeLoad, k: int) -> float:
         """``W_head[k]``: the new tokens in the head batcher at ``k``, at the head's rate (ms)."""
-        return self.edge.head_pending_tokens.get(k, 0) * self.edge.head(k).value
+        return load.head_pending_tokens.get(k, 0) * self.edge.head(k).value
 
-    def _heads_ms(self) -> float:
+    def _heads_ms(self, load: EdgeLoad) -> float:
         """``W_heads``: every head batcher's queue (ms)."""
-        return sum(self._head_queue_ms(k) for k in self.edge.head_pending_tokens)
+        return sum(self._head_queue_ms(load, k) for k in load.head_pending_tokens)
 
     def _stage(self, key: LineKey, n: int, prior_rate: float, stages: dict[LineKey, tuple[int, float]]) -> float:
         stages[key] = (n, prior_rate)
@@ -325,21 +336,21 @@ class CostModel:
         link: LinkState,
         stages: dict[LineKey, tuple[int, float]] | None = None,
         within: dict[LineKey, float] | None = None,
+        load: EdgeLoad = IDLE,
     ) -> float:
-        """The formula part of the prediction (ms), without the residual; ``stages`` receives each
-        compute stage's token count and prior rate (for calibration), ``within`` the contention each
-        stage's measured time holds (ms)."""
+        """The formula part of the prediction (ms), without the residual, with the edge's queues as
+        ``load`` holds them; ``stages`` receives each compute stage's token count and prior rate (for
+        calibration), ``within`` the contention each stage's measured time holds (ms)."""
         tokens = {} if stages is None else stages
         inside = {} if within is None else within
         T = shape.prompt_tokens
         if route.mode is Mode.LOCAL:
             n = T - min(shape.local_cached_tokens, T - 1)
-            e = self.edge
-            decoding = max(0, e.local_active - e.local_pending_prefills)
-            q = self._local_prefill_queue_ms() + decoding * e.local_decode_ms_per_token.value
+            decoding = max(0, load.local_active - load.local_pending_prefills)
+            q = self._local_prefill_queue_ms(load) + decoding * self.edge.local_decode_ms_per_token.value
             key = LineKey(LineKind.LOCAL)
             p = self._stage(key, n, self.edge.local_prefill_ms_per_token.value, tokens)
-            inside[key] = min(p, self._heads_ms())  # the heads running beside it
+            inside[key] = min(p, self._heads_ms(load))  # the heads running beside it
             return q + p + inside[key]
         g = self._goodput_bytes_per_ms(link)
         admission = link.queue_wait_ms if link.cloud_busy else 0.0
@@ -360,9 +371,9 @@ class CostModel:
         p_tail = self._cloud_rate(link.cloud_tail_prefill_ms_per_token.get(k, 0.0), link.num_layers - k, link)
         head_key, tail_key = LineKey(LineKind.HEAD, k), LineKey(LineKind.TAIL, k)
         head = self._stage(head_key, n_head, self.edge.head(k).value, tokens)
-        w_head = self._head_queue_ms(k)
+        w_head = self._head_queue_ms(load, k)
         # sharing the edge's processor with the local prefills and the other split layers' heads
-        inside[head_key] = min(head, self._local_prefill_queue_ms() + self._heads_ms() - w_head)
+        inside[head_key] = min(head, self._local_prefill_queue_ms(load) + self._heads_ms(load) - w_head)
         head += inside[head_key]
         wire = n_up * link.bytes_per_token.get(k, 0.0) / g
         overlap = min(head, wire) * (1 - 1 / pieces) if (pieces := self.pipeline_pieces(n_head, head, wire)) else 0.0
@@ -408,10 +419,11 @@ class CostModel:
         b = length_bucket(prompt_tokens)
         return octaves[min(octaves, key=lambda o: (abs(o - b), o))].value
 
-    def predict(self, route: Route, shape: RequestShape, link: LinkState) -> Prediction:
+    def predict(self, route: Route, shape: RequestShape, link: LinkState, load: EdgeLoad = IDLE) -> Prediction:
+        """``route``'s TTFT for a request of ``shape`` over ``link`` with the edge's queues ``load``."""
         stages: dict[LineKey, tuple[int, float]] = {}
         within: dict[LineKey, float] = {}
-        f = self.formula(route, shape, link, stages, within)
+        f = self.formula(route, shape, link, stages, within, load)
         r = self.residual_ms(route, shape.prompt_tokens)
         ttft = max(MIN_PREDICTION_FRACTION * f, f + r)
         rest = f - sum(self.lines.get(k, Line()).predict(n, rate) for k, (n, rate) in stages.items())

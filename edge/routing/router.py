@@ -4,26 +4,30 @@
 in auto mode, the route with the lowest predicted TTFT (``edge.routing.costmodel``) among those servable
 now; for a turn whose client uses the reply only whole, the lowest predicted end-to-end time
 (``edge.routing.occupancy``); under cloud pressure or a cloud budget, the lightest on the cloud.
-``link_state`` and ``request_shape`` are what the cost model sees of the link, the cloud and the
-session; the cloud's state is read from ``CloudTarget.current()`` (inside a turn, the connection
-the turn is pinned to). Reads state only: no I/O, no grpc.
+``link_state``, ``request_shape`` and ``load`` are what the cost model sees of the link, the cloud,
+the session and the edge's own queues, each passed to its predictions; the cloud's state is read
+from ``CloudTarget.current()`` (inside a turn, the connection the turn is pinned to). ``track``
+accounts for each routed turn from the choice to its end (``edge.routing.accounting``: in-flight
+counts, this edge's own work in the cloud, the outcome that calibrates the models). Reads state
+only: no I/O, no grpc.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from tandem.common.protocol.errors import EngineError, ModeUnavailable
 from tandem.common.protocol.manifest import ModelShape
 from tandem.common.protocol.modes import Mode
+from tandem.common.runtime import metrics
 from tandem.common.wire import chunks as wire
 from tandem.common.wire.kvwire import kv_raw_nbytes
 from tandem.edge.compute.local import LocalEngine
-from tandem.edge.events import ChatTurn
+from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.link.connection import CloudTarget
-from tandem.edge.routing.costmodel import CostModel, LinkState, Prediction, RequestShape, Route
+from tandem.edge.routing.accounting import InFlight, RoutedTurn
+from tandem.edge.routing.costmodel import CostModel, EdgeLoad, LinkState, Prediction, RequestShape, Route
 from tandem.edge.routing.occupancy import Occupancy, OccupancyModel, cloud_stage_ms, lightest, quickest, under_pressure
 from tandem.edge.session import EdgeSessions
 
@@ -39,47 +43,11 @@ class Decision:
     occupancy: Occupancy | None = None
 
 
-class CloudTurnLoad:
-    """One turn of this edge in the cloud, as ``Router`` counts it for the turns after it: its
-    predicted prefill compute (``prefill_ms``) until ``first_token``, and its ``decode_tokens``
-    expected output tokens after the first until ``end`` (all of them before its first token: a
-    turn still in prefill decodes next, beside the prefills queued after it). It counts while it is
-    in ``live`` (the router's set of this edge's cloud turns); ``end`` takes it out. Each call after
-    the first does nothing more."""
-
-    def __init__(self, live: set[CloudTurnLoad], prefill_ms: float, decode_tokens: float) -> None:
-        self.prefill_ms, self.decode_tokens = prefill_ms, decode_tokens
-        self.first_token_at: float | None = None  # ``time.perf_counter()`` of its first token
-        self._live = live
-        live.add(self)
-
-    @property
-    def prefilling(self) -> bool:
-        """In the cloud and before its first token."""
-        return self.first_token_at is None and self in self._live
-
-    def first_token(self) -> None:
-        """The cloud's prefill of this turn is done: it decodes from now on."""
-        if self.prefilling:
-            self.first_token_at = time.perf_counter()
-
-    def end(self) -> None:
-        """The turn left the cloud (its last token, a handover, an error)."""
-        self._live.discard(self)
-
-    def decode_left_ms(self, decode_ms_per_token: float, now: float) -> float:
-        """Its expected decode still to come at ``decode_ms_per_token`` (ms): all of it before its
-        first token, counted down by the time since then."""
-        since_ms = 0.0 if self.first_token_at is None else (now - self.first_token_at) * 1e3
-        return self.decode_tokens * decode_ms_per_token - since_ms
-
-
 class Router:
-    """The routes servable now and the choice among them. Holds the cost model (``cost``, which
-    the edge's turns calibrate) and the local model (``local``); both may be replaced while the
-    edge runs, and the cost model then reads the local model's measured rates."""
-
-    codec_ratio = 1.0  # compressed / raw size of this model's wire bytes under zstd (measured at start-up)
+    """The routes servable now, the choice among them, and the accounting of the turns it routed
+    (``track``: the one place that hears how they run and end). Holds the cost model (``cost``,
+    which the edge's turns calibrate) and the local model (``local``); both may be replaced while
+    the edge runs, and the cost model then reads the local model's measured rates."""
 
     def __init__(
         self,
@@ -92,50 +60,77 @@ class Router:
         shape: ModelShape | None = None,
         remote_prefill: bool = False,
         head_pending_tokens: Callable[[], Mapping[int, int]] | None = None,
+        codec_ratio: float = 1.0,
+        cloud_budget_ms: float = 0.0,
     ) -> None:
         """``head_layers``: the split layers this edge holds heads for; ``shape``: the model's, for
         wire bytes per token in the cost model (None: wire time not modelled); ``remote_prefill``:
         this edge names whole-model KV blocks (it can take a remote prefill over, given its local model);
         ``head_pending_tokens``: the new tokens waiting or running in each head's batcher now (k ->
-        tokens; ``HeadBatcher.pending_tokens``), the head queues the cost model counts."""
+        tokens; ``HeadBatcher.pending_tokens``), the head queues the cost model counts;
+        ``codec_ratio``: compressed / raw size of this model's wire bytes under zstd (measured at
+        start-up); ``cloud_budget_ms``: cloud engine time per request this edge declares (0 = none)."""
         self.head_layers = frozenset(head_layers)
         self.head_pending_tokens = head_pending_tokens
         self.remote_prefill = remote_prefill
+        self.codec_ratio, self.cloud_budget_ms = codec_ratio, cloud_budget_ms
         self.occupancy = OccupancyModel()  # end-to-end and cloud-time predictions, calibrated by the turns
-        self.cloud_budget_ms = 0.0  # cloud engine time per request this edge declares (0 = none)
         self.cloud, self.sessions, self.shape = cloud, sessions, shape
         self._cost = cost
         self._local: LocalEngine | None = None
         self.local = local
-        self.cloud_inflight = 0  # this edge's turns in the cloud now (``edge.modes.cloud`` counts them)
-        self._cloud_turns: set[CloudTurnLoad] = set()  # this edge's turns in the cloud now, as predicted
+        self.inflight = InFlight()  # the turns this router routed, from ``track`` to their end
 
-    def cloud_turn_started(self, decision: Decision) -> CloudTurnLoad:
-        """Count ``decision``'s turn in the cloud work this edge's later turns meet there: its
-        predicted prefill (or tail prefill at ``k``) in ``cloud_prefill_ms`` until its first token,
-        and its decode in ``cloud_decode_ms`` until its end (``CloudTurnLoad``)."""
+    # ------------------------------------------------------------------ the turns it routed
+
+    def track(self, decision: Decision) -> RoutedTurn:
+        """The accounting of ``decision``'s turn, to run the turn inside (``with``): it counts from
+        the block's start to its end, however the block ends; a cloud route's predicted prefill (or
+        tail prefill at ``k``) counts in ``cloud_prefill_ms`` until its first token, and its decode
+        in ``cloud_decode_ms`` until it leaves the cloud. Notes the route as run (the cost model's
+        exploration)."""
         ms = cloud_stage_ms(decision.prediction, self.cost) if decision.prediction is not None else 0.0
         tokens = max(0.0, decision.occupancy.cloud_tokens - 1) if decision.occupancy is not None else 0.0
-        return CloudTurnLoad(self._cloud_turns, ms, tokens)
+        self.cost.ran(decision.route)
+        return RoutedTurn(decision, self.inflight, ms, tokens, self._heard)
+
+    def _heard(self, d: Decision, done: TurnDone) -> None:
+        """A routed turn's outcome: calibrate the cost model and the occupancy model with what it
+        measured, and record the prediction errors."""
+        assert d.prediction is not None  # ``RoutedTurn.finished`` reports only predicted turns
+        self.cost.observe(d.prediction, done.ttft_ms, done.timings)
+        metrics.record_prediction(d.route.mode, d.prediction.ttft_ms, done.ttft_ms)
+        if d.occupancy is not None:
+            self.occupancy.observe(
+                d.route.mode, d.occupancy, done.timings, done.output_tokens, done.received_kv_bytes, done.prompt_tokens
+            )
+
+    @property
+    def cloud_inflight(self) -> int:
+        """This edge's turns in the cloud now."""
+        return self.inflight.in_cloud
 
     @property
     def cloud_prefill_ms(self) -> float:
         """The predicted cloud compute (ms) of this edge's cloud turns not yet at their first token:
-        what a turn sent now queues behind there."""
-        return sum(t.prefill_ms for t in self._cloud_turns if t.prefilling)
+        what a turn sent now queues behind there (``InFlight.cloud_prefill_ms``)."""
+        return self.inflight.cloud_prefill_ms
 
     def cloud_decode_ms(self) -> float:
-        """``W_dec``: how long this edge's turns in the cloud keep its decode engine busy decoding
-        (ms): the longest of their expected remaining outputs at the cloud's measured decode time
-        per token (one batched stream: every step advances them all), a turn before its first token
-        with all of its output (it decodes once its prefill, which the prefills after it wait for,
-        is done); 0 before the cloud measured that time."""
+        """``W_dec`` at the cloud's measured decode time per token (``InFlight.cloud_decode_ms``);
+        0 before the cloud measured that time."""
         d_c = self.cloud.current().load.decode_ms_per_token if self.cloud is not None else 0.0
-        if d_c <= 0:
-            return 0.0
-        now = time.perf_counter()
-        left = (t.decode_left_ms(d_c, now) for t in self._cloud_turns if t.decode_tokens > 0)
-        return max(0.0, max(left, default=0.0))
+        return self.inflight.cloud_decode_ms(d_c)
+
+    def load(self) -> EdgeLoad:
+        """The edge's own queues now, as the cost model takes them: the local engine's and the heads'."""
+        local, heads = self.local, self.head_pending_tokens
+        return EdgeLoad(
+            local.active if local is not None else 0,
+            local.pending_prefill_tokens if local is not None else 0,
+            local.pending_prefills if local is not None else 0,
+            dict(heads()) if heads is not None else {},
+        )
 
     @property
     def local(self) -> LocalEngine | None:
@@ -261,15 +256,9 @@ class Router:
             EngineError: the requested mode needs the cloud, which cannot serve it now.
         """
         candidates = self._candidates(request)
-        if self.local is not None:  # the local engine's queue as it is now
-            self.cost.edge.local_active = self.local.active
-            self.cost.edge.local_pending_prefill_tokens = self.local.pending_prefill_tokens
-            self.cost.edge.local_pending_prefills = self.local.pending_prefills
-        if self.head_pending_tokens is not None:  # and the heads'
-            self.cost.edge.head_pending_tokens = dict(self.head_pending_tokens())
         # every turn gets a prediction, so that every turn calibrates the cost model (and reports its error)
-        shape, link = self.request_shape(request, ids), self.link_state()
-        preds = [self.cost.predict(r, shape, link) for r in candidates]
+        shape, link, load = self.request_shape(request, ids), self.link_state(), self.load()
+        preds = [self.cost.predict(r, shape, link, load) for r in candidates]
         want = request.mode
         if len(preds) == 1 and want is not Mode.AUTO:
             pick, why = preds[0], "requested"
@@ -308,7 +297,8 @@ class Router:
     def fallback(self, request: ChatTurn, ids: list[int], reason: str) -> Decision:
         """Local mode for a turn the cloud refused before its first token (auto mode only)."""
         local = Route(Mode.LOCAL)
-        return Decision(local, self.cost.predict(local, self.request_shape(request, ids), self.link_state()), reason)
+        p = self.cost.predict(local, self.request_shape(request, ids), self.link_state(), self.load())
+        return Decision(local, p, reason)
 
     def _candidates(self, request: ChatTurn) -> list[Route]:
         """The routes the request may take (raises as ``decide``)."""

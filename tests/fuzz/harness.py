@@ -71,8 +71,8 @@ from tandem.edge.link.base import InProcessLink
 from tandem.edge.link.connection import CloudConnection
 from tandem.edge.modes.split_head import Head
 from tandem.edge.node import EdgeNode
-from tandem.edge.session import EdgeSessions
 from tandem.v1 import tandem_pb2 as pb
+from tests.doubles import toy_node
 from tests.fuzz.strategies import CLOUD_METHODS, EDGE_METHODS, UNKNOWN_METHODS, RawCall, TypedCall, overridden
 from tests.fuzz.uploads import (
     ALLOWED,
@@ -98,7 +98,7 @@ from tests.fuzz.uploads import (
     make_upload,
     token_ids,
 )
-from tests.toy import HKV, MANIFEST, D, H, K, ToyTokenizer
+from tests.toy import HKV, MANIFEST, D, H, K
 
 T = TypeVar("T")
 
@@ -319,7 +319,7 @@ class ServiceStack:
         await conn.connect()
         batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
         batcher.start()
-        edge = EdgeNode(ToyTokenizer(), [Head(batcher, key)], conn, EdgeSessions(64, 1 << 30), 30.0)
+        edge = toy_node([Head(batcher, key)], conn)
         edge_servicer = EdgeServicer(edge, "toy")
         edge_server, edge_port, _ = await start_server(
             [lambda s: add_service(s, edge_servicer, "Edge")],

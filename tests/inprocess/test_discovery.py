@@ -22,11 +22,9 @@ from tandem.edge.config import EdgeConfig
 from tandem.edge.events import TextOut, TurnDone
 from tandem.edge.link.replicas import ReplicaSet, rendezvous
 from tandem.edge.modes.split_head import Head
-from tandem.edge.node import EdgeNode
 from tandem.edge.server import connect_cloud
-from tandem.edge.session import EdgeSessions
 from tests.cluster import Dnsmasq, ToyReplica, free_port
-from tests.doubles import HKV, MANIFEST, D, H, K, ToyTokenizer
+from tests.doubles import HKV, MANIFEST, D, H, K, toy_node
 from tests.helpers import LONG, RedisServer, chat, run
 
 ADDRESSES = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
@@ -64,7 +62,7 @@ async def cluster(tmp_path):
     assert isinstance(rs, ReplicaSet)
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
-    edge = EdgeNode(ToyTokenizer(), [Head(batcher, key)], rs, EdgeSessions(64, 1 << 30), 30.0)
+    edge = toy_node([Head(batcher, key)], rs)
     try:
         await until(lambda: all(m.healthy for m in rs.members) and len(rs.members) == 2)
         yield edge, rs, dns, replicas, start

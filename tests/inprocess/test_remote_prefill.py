@@ -71,8 +71,7 @@ async def test_remote_prefill_over_grpc_equals_direct():
     await cloud.start()
     lm = toy_lm()
     cloud.engines.toy, cloud.engines.step_delay_s = lm, 0.005
-    edge = await edge_to(f"127.0.0.1:{cloud.port}")
-    edge.local, edge.model_key, edge.router.remote_prefill = ToyLocal(lm), full_model_key(MANIFEST), True
+    edge = await edge_to(f"127.0.0.1:{cloud.port}", local=ToyLocal(lm), model_key=full_model_key(MANIFEST))
     try:
         direct, _ = await stream(edge, rp_turn(RP_LONG, Mode.DIRECT))
         got, done = await stream(edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))

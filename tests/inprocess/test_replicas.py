@@ -19,9 +19,7 @@ from tandem.edge.link.base import InProcessLink
 from tandem.edge.link.connection import CloudConnection
 from tandem.edge.link.replicas import ReplicaSet, rendezvous
 from tandem.edge.modes.split_head import Head
-from tandem.edge.node import EdgeNode
-from tandem.edge.session import EdgeSessions
-from tests.doubles import HKV, MANIFEST, VOCAB, B, D, Down, H, K, ToyTokenizer, cloud_config
+from tests.doubles import HKV, MANIFEST, VOCAB, B, D, Down, H, K, cloud_config, toy_node
 from tests.helpers import LONG, Sent, chat, run
 
 
@@ -54,7 +52,7 @@ async def pair():
         assert await c.wait_connected(5)
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
-    svc = EdgeNode(ToyTokenizer(), [Head(batcher, key)], rs, EdgeSessions(64, 1 << 30), 10.0)
+    svc = toy_node([Head(batcher, key)], rs, turn_timeout_s=10.0)
     yield svc, gateways, links, rs, sent
     await rs.stop()
     await batcher.stop()
@@ -96,7 +94,7 @@ async def test_a_stream_cut_mid_decode_resumes_on_the_other_replica(pair):
     svc, gateways, links, rs, _ = pair
     await run(svc, chat(LONG, session="d", n=2))
     (home,) = held_by(gateways, "d")
-    real = gateways[home].engines
+    real = gateways[home].calls.engines
 
     class Dies:
         def __getattr__(self, name):
@@ -111,7 +109,7 @@ async def test_a_stream_cut_mid_decode_resumes_on_the_other_replica(pair):
                 n += len(step.token_ids)
                 yield step
 
-    gateways[home].engines = Dies()
+    gateways[home].calls.engines = Dies()
     done = await run(svc, chat(LONG, "ok", "go on", session="d", n=10))
     assert done.resumes == 1 and done.output_tokens == len(done.output_token_ids) == 10
     assert held_by(gateways, "d") == [0, 1]

@@ -31,7 +31,7 @@ from tandem.edge.link.connection import CloudConnection
 from tandem.edge.modes.split_head import Head
 from tandem.edge.node import EdgeNode
 from tandem.edge.session import EdgeSessions
-from tests.doubles import HKV, MANIFEST, D, H, K, MemoryLocal, ToyTokenizer, toy_stack
+from tests.doubles import HKV, MANIFEST, D, H, K, MemoryLocal, toy_node, toy_stack
 from tests.helpers import run
 
 CALLER = "in-process"  # the identity of every in-process edge: two of them share it, as two edges without keys do
@@ -67,7 +67,7 @@ async def second_edge(toy, sessions: EdgeSessions | None = None) -> EdgeNode:
     await conn.connect()
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
-    return EdgeNode(ToyTokenizer(), [Head(batcher, key)], conn, sessions or EdgeSessions(64, 1 << 30), 30.0)
+    return toy_node([Head(batcher, key)], conn, sessions)
 
 
 def sent_tokens(toy, done: TurnDone) -> float:
@@ -332,7 +332,7 @@ async def test_end_session_over_grpc_from_the_sdk_and_from_the_edge_to_the_cloud
     key = MANIFEST.compatibility_key()
     conn = CloudConnection(link, NegotiateOffer("g", "toy", {K: key}, 4), probe_bytes=0)
     await conn.connect()
-    edge = EdgeNode(ToyTokenizer(), [Head(toy.batcher, key)], conn, EdgeSessions(64, 1 << 30), 30.0)
+    edge = toy_node([Head(toy.batcher, key)], conn)
     edge_server, edge_port, _ = await start_server(
         [lambda s: add_service(s, EdgeServicer(edge, "toy"), "Edge")], [EDGE_SERVICE], "127.0.0.1", 0, 1 << 20
     )

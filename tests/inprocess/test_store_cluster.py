@@ -30,10 +30,8 @@ from tandem.edge.link.base import InProcessLink
 from tandem.edge.link.connection import CloudConnection
 from tandem.edge.link.replicas import ReplicaSet
 from tandem.edge.modes.split_head import Head
-from tandem.edge.node import EdgeNode
-from tandem.edge.session import EdgeSessions
 from tests.cluster import RedisCluster, RedisSentinel
-from tests.doubles import HKV, MANIFEST, VOCAB, B, D, Down, H, K, ToyTokenizer, cloud_config, toy_stack
+from tests.doubles import HKV, MANIFEST, VOCAB, B, D, Down, H, K, cloud_config, toy_node, toy_stack
 from tests.helpers import LONG, chat, run
 from tests.remote_doubles import toy_lm
 
@@ -153,7 +151,7 @@ async def pair(cluster):
         assert await c.wait_connected(5)
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
-    edge = EdgeNode(ToyTokenizer(), [Head(batcher, key)], rs, EdgeSessions(64, 1 << 30), 10.0)
+    edge = toy_node([Head(batcher, key)], rs, turn_timeout_s=10.0)
     yield edge, store, links, rs
     await rs.stop()
     await batcher.stop()

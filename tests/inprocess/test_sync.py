@@ -212,7 +212,7 @@ async def test_a_turn_resumes_after_its_cloud_fails_mid_stream_and_repeats_no_to
     stream of max_new_tokens tokens, none repeated, the resumed request's prompt = prompt + output."""
     toy = await toy_stack()
     flaky = DiesMidDecode(toy.engines, after=3)
-    toy.gateway.engines = flaky
+    toy.gateway.calls.engines = flaky
     toy.edge.conn.start()
     try:
         t = chat(LONG, session="r" if mode == "split" else "", n=12, mode=mode)
@@ -258,7 +258,7 @@ async def test_a_failure_with_no_cloud_to_resume_on_is_a_deadline_error_in_time(
 
     toy = await toy_stack(lambda link: Gone(link, lambda i, a: i))
     link = toy.edge.conn.link
-    toy.gateway.engines = DiesMidDecode(toy.engines, after=2, on_death=lambda: setattr(link, "down", True))
+    toy.gateway.calls.engines = DiesMidDecode(toy.engines, after=2, on_death=lambda: setattr(link, "down", True))
     toy.edge.conn.start()
     try:
         t0 = time.perf_counter()
@@ -431,10 +431,10 @@ async def test_a_stream_that_breaks_after_its_last_token_finishes_without_resumi
         if ends_with == "eos":
             eos = normal.output_token_ids[4]
             toy.engines.eos_token_id = eos
-            toy.edge.eos_token_ids = frozenset([eos])
+            toy.edge.compute.eos_token_ids = frozenset([eos])
             normal = await run(toy.edge, t)
             assert normal.finish_reason == "stop" and normal.output_token_ids[-1] == eos
-        toy.gateway.engines = LosesFinal(toy.engines)
+        toy.gateway.calls.engines = LosesFinal(toy.engines)
         done = await run(toy.edge, t)
         assert done.resumes == 0 and done.output_token_ids == normal.output_token_ids
         assert done.finish_reason == ("length" if ends_with == "length" else "stop")

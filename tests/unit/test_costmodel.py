@@ -10,6 +10,7 @@ import pytest
 from tandem.common.protocol.modes import Mode
 from tandem.edge.routing.costmodel import (
     CostModel,
+    EdgeLoad,
     Line,
     LineKey,
     LineKind,
@@ -68,20 +69,26 @@ def test_what_a_session_holds_is_not_paid_again():
 
 def test_queues_and_unknowns():
     m = model()
-    m.edge.local_active = 2
-    assert m.formula(Route(LOCAL), RequestShape(10), link()) == pytest.approx(2 * 40 + 10 * 2.0)
+    assert m.formula(Route(LOCAL), RequestShape(10), link(), load=EdgeLoad(2)) == pytest.approx(2 * 40 + 10 * 2.0)
     # the local engine runs FIFO: a prefill of 500 tokens waiting ahead costs its prefill, and the
     # turn it belongs to does not also count as decoding
-    m.edge.local_active, m.edge.local_pending_prefill_tokens, m.edge.local_pending_prefills = 3, 500, 1
-    assert m.formula(Route(LOCAL), RequestShape(10), link()) == pytest.approx(500 * 2.0 + 2 * 40 + 10 * 2.0)
+    queued = EdgeLoad(local_active=3, local_pending_prefill_tokens=500, local_pending_prefills=1)
+    assert m.formula(Route(LOCAL), RequestShape(10), link(), load=queued) == pytest.approx(
+        500 * 2.0 + 2 * 40 + 10 * 2.0
+    )
     # the split's head shares the edge's processor with those prefills: 30 ms of head beside 1000 ms
     # of local work finishes after 60 ms; beside 10 ms of it, after 40
     alone = 100 * 0.3 + 100 * 8448 / 10_000 + 20 + 100 * 0.4
-    assert m.formula(Route(SPLIT, 4), RequestShape(100), link()) == pytest.approx(alone + 30.0)
-    m.edge.local_pending_prefill_tokens = 5
-    assert m.formula(Route(SPLIT, 4), RequestShape(100), link()) == pytest.approx(alone + 10.0)
-    m.edge.local_active = m.edge.local_pending_prefill_tokens = m.edge.local_pending_prefills = 0
+    assert m.formula(Route(SPLIT, 4), RequestShape(100), link(), load=queued) == pytest.approx(alone + 30.0)
+    few = EdgeLoad(local_active=3, local_pending_prefill_tokens=5, local_pending_prefills=1)
+    assert m.formula(Route(SPLIT, 4), RequestShape(100), link(), load=few) == pytest.approx(alone + 10.0)
     assert m.formula(Route(SPLIT, 4), RequestShape(100), link()) == pytest.approx(alone)
+    # the load is an input of the prediction alone: the model keeps none of it
+    assert (
+        m.predict(Route(LOCAL), RequestShape(10), link(), queued).ttft_ms
+        > m.predict(Route(LOCAL), RequestShape(10), link()).ttft_ms
+    )
+    assert m.formula(Route(LOCAL), RequestShape(10), link()) == pytest.approx(10 * 2.0)
     busy = link(cloud_busy=True, queue_wait_ms=300.0)
     assert m.formula(Route(DIRECT), RequestShape(10), busy) == pytest.approx(
         m.formula(Route(DIRECT), RequestShape(10), link()) + 300
@@ -103,15 +110,14 @@ def test_head_batchers_queue_the_split_and_share_the_processor_with_the_local_en
     alone = 100 * 0.3 + 100 * 8448 / 10_000 + 20 + 100 * 0.4
     local_alone = m.formula(Route(LOCAL), RequestShape(100), link())
     # 400 tokens in the k=4 batcher (120 ms at 0.3 ms per token): a k=4 head waits for them (FIFO)
-    m.edge.head_pending_tokens = {4: 400}
-    assert m.formula(Route(SPLIT, 4), RequestShape(100), link()) == pytest.approx(alone + 120)
+    k4 = EdgeLoad(head_pending_tokens={4: 400})
+    assert m.formula(Route(SPLIT, 4), RequestShape(100), link(), load=k4) == pytest.approx(alone + 120)
     # a local prefill (200 ms) runs beside them: it finishes after 200 + min(200, 120)
-    assert m.formula(Route(LOCAL), RequestShape(100), link()) == pytest.approx(local_alone + 120)
+    assert m.formula(Route(LOCAL), RequestShape(100), link(), load=k4) == pytest.approx(local_alone + 120)
     # a head at another split layer shares the processor with that batcher rather than queueing
     m.edge.head(8).add(0.5)
-    m.edge.head_pending_tokens = {4: 40, 8: 0}  # 12 ms of k=4 work beside a 50 ms head at k=8
-    k8 = m.formula(Route(SPLIT, 8), RequestShape(100), link(bytes_per_token={8: 0.0}))
-    m.edge.head_pending_tokens = {}
+    both = EdgeLoad(head_pending_tokens={4: 40, 8: 0})  # 12 ms of k=4 work beside a 50 ms head at k=8
+    k8 = m.formula(Route(SPLIT, 8), RequestShape(100), link(bytes_per_token={8: 0.0}), load=both)
     assert k8 - m.formula(Route(SPLIT, 8), RequestShape(100), link(bytes_per_token={8: 0.0})) == pytest.approx(12)
     p = m.predict(Route(LOCAL), RequestShape(100), link())
     assert p.within == {LineKey(LineKind.LOCAL): 0.0}
@@ -293,14 +299,10 @@ def test_a_line_fitted_badly_once_leaves_no_lasting_residual():
     assert m.predict(route, RequestShape(65), lk).ttft_ms == pytest.approx(215.0, rel=0.1)
 
 
-def test_the_router_counts_its_cloud_turns_prefill_until_their_first_token_and_their_decode_until_their_end():
-    """``Router.cloud_turn_started``: a turn's predicted cloud compute counts in what later turns
-    queue behind until its first token (or its end), once; its expected decode counts in
-    ``cloud_decode_ms`` (the longest remaining, at the cloud's decode time per token) until its end,
-    whole while it prefills, counted down from its first token."""
+def _router(m: CostModel, **kw):
+    """A ``Router`` over ``m`` with a head at k=4 and a cloud whose measured decode time per token is 20 ms."""
     from tandem.edge.link.connection import CloudTarget
-    from tandem.edge.routing.occupancy import Occupancy
-    from tandem.edge.routing.router import Decision, Router
+    from tandem.edge.routing.router import Router
     from tandem.edge.session import EdgeSessions
 
     class Conn:  # what the router reads of the cloud: its measured decode time per token
@@ -311,28 +313,137 @@ def test_the_router_counts_its_cloud_turns_prefill_until_their_first_token_and_t
         def current(self):
             return Conn()
 
+    return Router([4], Target(), EdgeSessions(8, 1 << 20), m, **kw)
+
+
+def test_the_router_counts_its_cloud_turns_prefill_until_their_first_token_and_their_decode_until_their_end():
+    """``Router.track``: a cloud turn's predicted cloud compute counts in what later turns queue
+    behind until its first token (or its end), once; its expected decode counts in
+    ``cloud_decode_ms`` (the longest remaining, at the cloud's decode time per token) until its end,
+    whole while it prefills, counted down from its first token; a remote-prefill turn's decode no
+    longer counts once it left the cloud."""
+    from tandem.edge.routing.occupancy import Occupancy
+    from tandem.edge.routing.router import Decision
+
     m = model()
-    router = Router([4], Target(), EdgeSessions(8, 1 << 20), m)
+    router = _router(m)
     lk = link()
     direct = m.predict(Route(DIRECT), RequestShape(100), lk)  # its cloud stage: 100 x 0.5 ms
     occ = Occupancy(0.0, 0.0, cloud_tokens=11, decode_ms_per_token=20.0)  # 10 tokens after the first
-    first = router.cloud_turn_started(Decision(Route(DIRECT), direct, "test", occ))
-    second = router.cloud_turn_started(Decision(Route(DIRECT), direct, "test"))
-    assert router.cloud_prefill_ms == pytest.approx(100.0)
-    assert router.cloud_decode_ms() == pytest.approx(200.0)  # before its first token: all 10 x 20 ms to come
-    time.sleep(0.02)
-    assert router.cloud_decode_ms() == pytest.approx(200.0)  # and not counted down while it prefills
-    first.first_token()
-    first.first_token()  # a second call does nothing
-    assert router.cloud_prefill_ms == pytest.approx(50.0)
-    assert 150.0 < router.cloud_decode_ms() <= 200.0  # 10 x 20 ms, less the time since
-    second.end()  # ended before its first token: its prefill no longer counts
-    assert router.cloud_prefill_ms == 0.0
-    first.end()
-    first.first_token()  # after its end: nothing
-    assert router.cloud_decode_ms() == 0.0 and router.cloud_prefill_ms == 0.0
-    router.cloud_turn_started(Decision(Route(LOCAL), None, "no prediction")).end()
-    assert router.cloud_prefill_ms == 0.0
+    with router.track(Decision(Route(DIRECT), direct, "test", occ)) as first:
+        with router.track(Decision(Route(DIRECT), direct, "test")) as second:
+            assert router.cloud_prefill_ms == pytest.approx(100.0) and router.cloud_inflight == 2
+            assert router.cloud_decode_ms() == pytest.approx(200.0)  # before its first token: all 10 x 20 ms to come
+            time.sleep(0.02)
+            assert router.cloud_decode_ms() == pytest.approx(200.0)  # and not counted down while it prefills
+            first.first_token()
+            first.first_token()  # a second call does nothing
+            assert router.cloud_prefill_ms == pytest.approx(50.0)
+            assert 150.0 < router.cloud_decode_ms() <= 200.0  # 10 x 20 ms, less the time since
+        assert router.cloud_prefill_ms == 0.0  # ended before its first token: its prefill no longer counts
+        second.first_token()  # after its end: nothing
+        assert router.cloud_prefill_ms == 0.0 and router.cloud_inflight == 1
+    assert router.cloud_decode_ms() == 0.0 and router.cloud_prefill_ms == 0.0 and router.cloud_inflight == 0
+    with router.track(Decision(Route(LOCAL), None, "no prediction")):
+        assert router.cloud_prefill_ms == 0.0 and router.cloud_inflight == 0 and len(router.inflight) == 1
+    rp = Decision(Route(Mode.REMOTE_PREFILL), direct, "test", occ)
+    with router.track(rp) as turn:
+        turn.first_token()
+        assert router.cloud_decode_ms() > 0 and router.cloud_inflight == 1
+        turn.left_cloud()  # the edge decodes on: the cloud no longer holds it
+        assert router.cloud_decode_ms() == 0.0 and router.cloud_inflight == 0 and len(router.inflight) == 1
+    assert len(router.inflight) == 0
+
+
+async def test_a_routed_turn_ends_once_however_its_block_ends():
+    """Whatever ends a turn's block (its last event, an error, a cancel of the task running it, a
+    consumer that stops reading its events), the router counts it no longer, and ending twice does
+    not count it out twice; the counts per route follow the turns running."""
+    import asyncio
+
+    from tandem.edge.routing.router import Decision
+
+    m = model()
+    router = _router(m)
+    direct = m.predict(Route(DIRECT), RequestShape(100), link())
+
+    async def events(started: asyncio.Event | None = None):
+        with router.track(Decision(Route(DIRECT), direct, "test")) as turn:
+            for i in range(3):
+                yield i
+                turn.first_token()
+                if started is not None:
+                    started.set()
+                    await asyncio.sleep(3600)
+
+    assert [i async for i in events()] == [0, 1, 2] and router.cloud_inflight == 0
+    with pytest.raises(RuntimeError), router.track(Decision(Route(SPLIT, 4), direct, "test")):
+        assert router.inflight.by_route() == {Route(SPLIT, 4): 1}
+        raise RuntimeError("the cloud failed")
+    assert router.cloud_inflight == 0 and not router.inflight.by_route()
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in events(started):
+            pass
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    assert router.cloud_inflight == 1 and router.cloud_decode_ms() == 0.0  # no expected output predicted
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert router.cloud_inflight == 0
+    gen = events()
+    assert await anext(gen) == 0 and router.cloud_inflight == 1
+    await gen.aclose()  # the consumer stopped reading
+    assert router.cloud_inflight == 0
+    with router.track(Decision(Route(DIRECT), direct, "test")) as turn:
+        turn.end()
+        turn.end()
+        with router.track(Decision(Route(DIRECT), direct, "test")):
+            assert router.cloud_inflight == 1
+    assert router.cloud_inflight == 0 and len(router.inflight) == 0
+
+
+def test_the_router_hears_each_turns_outcome_once_and_decides_without_writing_into_the_cost_model():
+    """A routed turn's ``TurnDone`` calibrates the cost model once (a second report, or a resumed
+    leg's, does not); ``decide`` passes the edge's queues to each prediction (``Router.load``) and
+    leaves the cost model's state as it was."""
+    from tandem.common.protocol.params import Sampling
+    from tandem.edge.events import ChatTurn, TurnDone
+    from tandem.edge.routing.router import Decision, Router
+    from tandem.edge.session import EdgeSessions
+
+    m = model()
+
+    class Local:  # what the router reads of a local engine: its rates and its queue
+        prefill_rate, decode_rate = m.edge.local_prefill_ms_per_token, m.edge.local_decode_ms_per_token
+        active, pending_prefill_tokens, pending_prefills = 3, 500, 1
+
+        def cached_tokens(self, session_id, ids):
+            return 0
+
+    router = Router([4], None, EdgeSessions(8, 1 << 20), m, local=Local())  # type: ignore[arg-type]
+    assert router.load() == EdgeLoad(3, 500, 1, {})
+    before = vars(m.edge).copy()
+    request = ChatTurn((("user", "hi"),), "", "", Sampling(max_new_tokens=4), mode=LOCAL)
+    d = router.decide(request, list(range(10)))
+    assert d.prediction is not None
+    lk = router.link_state()
+    assert d.prediction.ttft_ms == pytest.approx(m.predict(Route(LOCAL), RequestShape(10), lk, router.load()).ttft_ms)
+    assert d.prediction.ttft_ms > m.predict(Route(LOCAL), RequestShape(10), lk).ttft_ms  # the queue counted
+    assert vars(m.edge) == before
+    done = TurnDone("stop", 10, 4, 0, 0, 0, {Stage.LOCAL_PREFILL: 20.0}, None, (), mode=LOCAL, ttft_ms=1500.0)
+    with router.track(d) as turn:
+        turn.finished(done)
+        turn.finished(done)
+    assert m.lines[LineKey(LineKind.LOCAL)].samples == 1
+    with router.track(d) as turn:
+        turn.finished(done, resumed=True)
+    with router.track(Decision(Route(LOCAL), None, "no prediction")) as turn:
+        turn.finished(done)
+    assert m.lines[LineKey(LineKind.LOCAL)].samples == 1
 
 
 def test_a_cloud_prefill_beside_this_edges_decodes_learns_how_much_they_slow_it():

@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tandem.cloud.links",),
     ("tandem.cloud.sessions.sync",),
     ("tandem.cloud.uploads",),
+    ("tandem.cloud.engine_calls",),
     ("tandem.cloud.remote_prefill", "tandem.cloud.gateway"),
     ("tandem.cloud.service",),
     ("tandem.cloud.server", "tandem.cloud.cli", "tandem.cloud"),
