@@ -57,21 +57,11 @@ class OutgoingTurn:
     held_tokens: int = 0  # the cloud keeps the first held_tokens prompt tokens if the upload is cut (WindowAck)
     complete: bool = True  # every chunk and block is known (False while a pipelined head still runs)
     pipelined: bool = False  # the head ran while the upload went (``edge.modes.split_head.PipelinedHead``)
-    flow: SendWindow = field(init=False)  # payload of first sends against the cloud's WindowAcks
+    flow: SendWindow = field(init=False)  # payload bytes of first sends against the cloud's WindowAcks
 
     def __post_init__(self) -> None:
         self.order = send_order(self.chunks, self.blocks, self.block_tokens)
         self.flow = SendWindow(self.window)
-
-    @property
-    def payload_sent(self) -> int:
-        """Payload bytes of first sends (what the window counts)."""
-        return self.flow.sent_bytes
-
-    @property
-    def acked_bytes(self) -> int:
-        """``received_bytes`` of the cloud's last ``WindowAck``."""
-        return self.flow.acked_bytes
 
     def extend(self, chunks: list[wire.Chunk], blocks: dict[int, KVBlock]) -> None:
         """More of a pipelined turn (``complete`` False): the next chunks in ``seq`` order and the
@@ -206,10 +196,10 @@ async def _feed(call: TurnCall, turn: OutgoingTurn, pieces: AsyncIterator[Pieces
     try:
         async for chunks, blocks in pieces:
             turn.extend(chunks, blocks)
-            _send_more(call, turn, turn.acked_bytes)
+            _send_more(call, turn, turn.flow.acked_bytes)
         if not turn.complete:
             raise InvalidRequest("the pipelined head ended without finishing its turn")
-        _send_more(call, turn, turn.acked_bytes)
+        _send_more(call, turn, turn.flow.acked_bytes)
     except Exception as e:
         failed.append(e)
         call.cancel()
