@@ -7,10 +7,10 @@ CRC32C, payload and leaf off the event loop (``open_block``), keeps the canonica
 and answers a ``KVDownAck`` (bytes received for the cloud's window, each block once:
 ``common.wire.flow.ReceivedBytes``; blocks verified so far; the block to send again when it failed
 its CRC32C or leaf). The commit is checked once every block verified (``check_commit``: the
-Merkle root over their leaves).
-A block failing more than ``max_failures`` times, or anything outside the limits, ends the
-download (``failed`` says why): the turn then never takes over and the cloud finishes it. Memory:
-at most the prompt's full blocks, which the link's ``max_prompt_tokens`` bounds.
+Merkle root over their leaves). A block failing more than ``max_failures`` times, or anything
+outside the limits, ends the download (``failed`` says why): the turn then never takes over and
+the cloud finishes it. Memory: at most the prompt's full blocks, which the link's
+``max_prompt_tokens`` bounds.
 """
 
 from __future__ import annotations
