@@ -6,11 +6,13 @@ down the same call so that the edge can take the decode over.
 prefills with the connector loading the session's blocks already stored and saving the others
 (``KVTransferSpec`` with one part, layers ``[0, L)``) -> tokens go down as they come -> after the
 first token, once the engine's writes landed (``Pins.await_tail_saves``), the blocks the edge
-lacks go down (``common.wire.kvdown.frame_block``) within a window the edge's ``KVDownAck``s move,
-then the commit (their Merkle root) -> on the edge's ``Takeover`` the engine request is aborted
-(vLLM frees its KV slots), the tokens decoded past the edge's position follow, then a ``Final``
-with finish reason ``handover``. A decode that ends first ends the turn as in direct mode, and a
-downlink that is cut or slow only means the edge never takes over.
+lacks go down, framed by the one KV-block codec (``common.wire.kvcodec.encode_block``, as the
+edge's uplink frames its head blocks), within a window the edge's ``KVDownAck``s move
+(``common.wire.flow.SendWindow``), then the commit (their Merkle root) -> on the edge's
+``Takeover`` the engine request is aborted (vLLM frees its KV slots), the tokens decoded past the
+edge's position follow, then a ``Final`` with finish reason ``handover``. A decode that ends first
+ends the turn as in direct mode, and a downlink that is cut or slow only means the edge never takes
+over.
 
 Block ids (what the edge verifies) are chained over the prompt's token ids from the whole model's
 key and the request's scope; store keys chain the same ids from a seed in the caller's namespace,
@@ -39,23 +41,14 @@ from tandem.cloud.uploads.pins import Pins
 from tandem.common.protocol.errors import InvalidRequest
 from tandem.common.wire import chunks as wire
 from tandem.common.wire import merkle
+from tandem.common.wire.flow import SendWindow
 from tandem.common.wire.kvblocks import LayerRange, block_hashes, hash_seed, kv_scope
-from tandem.common.wire.kvdown import (
-    KVBlockDown,
-    KVCommitDown,
-    KVDownAck,
-    Takeover,
-    block_ids,
-    block_shape,
-    frame_block,
-    full_model_key,
-)
-from tandem.common.wire.kvwire import kv_raw_nbytes
+from tandem.common.wire.kvcodec import BlockSpec, Commit, KVBlock, encode_block
+from tandem.common.wire.kvdown import HANDOVER, KVDownAck, Takeover, down_spec, full_model_key
 from tandem.common.wire.messages import DownEvent, TokensOut, TurnFinal
 from tandem.stages import Stage
 
 log = logging.getLogger("tandem.cloud")
-HANDOVER = "handover"  # Final.finish_reason of a turn the edge took over
 WINDOW_BLOCKS = 4  # the downlink window holds at least this many blocks (a link's window counts uplink items)
 
 
@@ -76,45 +69,45 @@ def check_remote_prefill(turn: Turn, kv_dtypes: tuple[wire.WireDtype, ...]) -> N
 
 @dataclass
 class _Window:
-    """Flow control of the blocks going down: payload bytes sent (each block once) and acknowledged."""
+    """Flow control of the blocks going down (``SendWindow``: payload bytes sent, each block once,
+    and acknowledged), awaited by the sender."""
 
-    window_bytes: int
-    sent_bytes: int = 0
-    acked_bytes: int = 0
+    flow: SendWindow
     moved: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def room(self, n: int) -> None:
-        """Wait until ``n`` more bytes fit (or nothing is in flight)."""
-        while 0 < self.sent_bytes - self.acked_bytes and self.sent_bytes - self.acked_bytes + n > self.window_bytes:
+    async def send(self, n: int) -> None:
+        """Wait until ``n`` more bytes fit (or nothing is in flight), and count them sent."""
+        while not self.flow.fits(n):
             self.moved.clear()
             await self.moved.wait()
+        self.flow.sent(n)
 
     def ack(self, received_bytes: int) -> None:
-        self.acked_bytes = max(self.acked_bytes, min(received_bytes, self.sent_bytes))
+        self.flow.ack(received_bytes)
         self.moved.set()
 
 
 @dataclass
 class _Blocks:
-    """One turn's blocks: their ids (what the edge checks), content keys in the caller's namespace
-    and store keys, the first the edge lacks, what was sent and resent."""
+    """One turn's blocks: what the edge expects of them (``want``: their ids, the first it lacks,
+    layers and format), content keys in the caller's namespace and store keys, what was sent and
+    resent."""
 
-    ids: list[bytes]
+    want: BlockSpec
     content: list[bytes]
     keys: list[str]
-    first: int
-    layers: LayerRange
-    sent: dict[int, KVBlockDown] = field(default_factory=dict)
+    sent: dict[int, KVBlock] = field(default_factory=dict)
     resends: dict[int, int] = field(default_factory=dict)
 
     @property
-    def down(self) -> range:
-        return range(self.first, len(self.ids))
+    def first(self) -> int:
+        """The first block the edge lacks."""
+        return self.want.first
 
     @property
     def spec(self) -> KVTransferSpec:
         """Load the blocks the store holds, save the others: one part, every layer."""
-        part = PartSpec(self.layers, tuple(self.content))
+        part = PartSpec(self.want.layers, tuple(self.content))
         return KVTransferSpec(loads=(part,), save=part)
 
 
@@ -132,14 +125,15 @@ class RemotePrefills:
         self.model_key = full_model_key(splits.primary)
 
     def _blocks(self, turn: Turn) -> _Blocks:
-        h, bs = turn.header, turn.link_params.kv_block_size_tokens
-        ids = list(h.prompt_token_ids)
-        layers = LayerRange(0, self.splits.primary.shape.num_layers)
+        h, p = turn.header, turn.link_params
+        ids, bs, shape = list(h.prompt_token_ids), p.kv_block_size_tokens, self.splits.primary.shape
+        layers = LayerRange(0, shape.num_layers)
         scope = f"{turn.caller.tag}|full|{kv_scope(h.session_id, h.request_id)}"
         content = block_hashes(ids, bs, hash_seed(self.model_key, bs, scope))
         keys = [PartSpec(layers, tuple(content)).store_key(j) for j in range(len(content))]
         first = min((h.remote_prefill.held_tokens if h.remote_prefill else 0) // bs, len(content))
-        return _Blocks(block_ids(ids, bs, self.model_key, h.session_id, h.request_id), content, keys, first, layers)
+        want = down_spec(ids, first, self.model_key, h.session_id, h.request_id, shape, p, h.params_version)
+        return _Blocks(want, content, keys)
 
     async def run(
         self, turn: Turn, uplink: AsyncIterator[UplinkBody], ticket: Ticket
@@ -154,7 +148,7 @@ class RemotePrefills:
         spec = blocks.spec
         await self.pins.pin(turn, blocks.keys)
         q: asyncio.Queue = asyncio.Queue()
-        first_token, window = asyncio.Event(), _Window(self._window_bytes(turn))
+        first_token, window = asyncio.Event(), _Window(SendWindow(self._window_bytes(turn, blocks.want)))
         t0 = time.perf_counter()
         tasks = [
             asyncio.create_task(self._tokens(turn, spec, ticket, q, first_token)),
@@ -199,10 +193,8 @@ class RemotePrefills:
             if isinstance(ev, TurnFinal):
                 return
 
-    def _window_bytes(self, turn: Turn) -> int:
-        p, sh = turn.link_params, self.splits.primary.shape
-        raw = kv_raw_nbytes(block_shape(sh, p.kv_block_size_tokens), p.kv_wire_dtype)
-        return max(p.inflight_window_bytes, WINDOW_BLOCKS * wire.max_payload_bytes(raw, p.codec))
+    def _window_bytes(self, turn: Turn, want: BlockSpec) -> int:
+        return max(turn.link_params.inflight_window_bytes, WINDOW_BLOCKS * want.max_payload_bytes)
 
     async def _tokens(
         self, turn: Turn, spec: KVTransferSpec, ticket: Ticket, q: asyncio.Queue, first_token: asyncio.Event
@@ -232,31 +224,31 @@ class RemotePrefills:
         missing = await self.pins.await_tail_saves(b.keys[b.first :], turn.deadline)
         turn.time(Stage.CLOUD_KV_SAVE_WAIT, t0)
         if missing:
-            log.warning("remote prefill: %d of %d KV blocks not stored; no KV goes down", len(missing), len(b.down))
+            n = len(b.want.indices)
+            log.warning("remote prefill: %d of %d KV blocks not stored; no KV goes down", len(missing), n)
             return
         leaves = []
-        for j in b.down:
+        for j in b.want.indices:
             down = await asyncio.to_thread(self._frame, turn, b, j)
             if down is None:
                 log.warning("remote prefill: KV block %d left the store; no more KV goes down", j)
                 return
-            await window.room(len(down.payload))
-            window.sent_bytes += len(down.payload)
+            await window.send(len(down.payload))
             b.sent[j] = down
             leaves.append(down.leaf_hash)
             q.put_nowait(down)
-        q.put_nowait(KVCommitDown(b.first, len(leaves), merkle.root(leaves)))
+        q.put_nowait(Commit(len(leaves), merkle.root(leaves), b.first))
         turn.time(Stage.CLOUD_KV_DOWNLINK, t0)
 
-    def _frame(self, turn: Turn, b: _Blocks, j: int) -> KVBlockDown | None:
-        """Block ``j`` read from the store and framed (blocking); None if it is not there."""
+    def _frame(self, turn: Turn, b: _Blocks, j: int) -> KVBlock | None:
+        """Block ``j`` read from the store and framed by the one KV-block codec (blocking); None if
+        it is not there."""
         raw = self.store.get(b.keys[j])
-        sh, p = self.splits.primary.shape, turn.link_params
-        shape = block_shape(sh, p.kv_block_size_tokens)
+        shape = b.want.block_shape
         if raw is None or len(raw) != int(np.prod(shape)) * 4:
             return None
         block = np.frombuffer(raw, np.float32).reshape(shape)
-        return frame_block(block, j, b.ids[j], p, turn.header.params_version)[0]
+        return encode_block(block, j, b.want.ids[j], b.want.layers, turn.link_params, b.want.params_version)
 
     async def _acks(
         self, turn: Turn, uplink: AsyncIterator[UplinkBody], b: _Blocks, window: _Window, q: asyncio.Queue
@@ -271,7 +263,7 @@ class RemotePrefills:
                 if not isinstance(item, KVDownAck):
                     raise InvalidRequest(f"remote prefill takes KV acks and a takeover, not {type(item).__name__}")
                 window.ack(item.received_bytes)
-                verified = min(b.first + item.verified_blocks, len(b.ids))
+                verified = min(b.first + item.verified_blocks, len(b.want.ids))
                 if verified > unpinned:  # the edge holds them: they follow the store's normal eviction
                     keys = b.keys[unpinned:verified]
                     turn.pinned.difference_update(keys)

@@ -1,11 +1,12 @@
 """The receive path of a split turn: from the header's reservation to the session's commit.
 
 ``Receiver.upload`` reserves the upload's bytes (``cloud.uploads.admission``), checks every item as
-it arrives (``cloud.uploads.upload.TurnUpload``: CRC32C per chunk, leaf hash per KV block, Merkle root
-at the commit) within the upload deadline, answers NACKs, repair requests and window acks,
-has a session's verified prefix kept as it grows (``cloud.uploads.prefixkeeper``), then puts the
-head KV blocks in the store and commits the turn into its session. It runs no engine
-(``cloud.gateway`` does, with what it received) and holds no state between turns. No grpc.
+it arrives (``cloud.uploads.upload.TurnUpload``: CRC32C per chunk; per KV block the checks of the one
+KV-block codec, ``common.wire.kvcodec``; the Merkle root at the commit) within the upload deadline,
+answers NACKs, repair requests and window acks, has a session's verified prefix kept as it grows
+(``cloud.uploads.prefixkeeper``), then puts the head KV blocks in the store and commits the turn
+into its session. It runs no engine (``cloud.gateway`` does, with what it received) and holds no
+state between turns. No grpc.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tandem.common.protocol.errors import DeadlineExceeded, EngineError, Invalid
 from tandem.common.runtime import metrics
 from tandem.common.runtime.tracing import traced
 from tandem.common.wire import chunks as wire
+from tandem.common.wire.flow import ReceivedBytes
 from tandem.common.wire.kvblocks import LayerRange, part_key
 from tandem.common.wire.messages import Commit, KVBlock, Nack, Repair, WindowAck
 from tandem.stages import Stage
@@ -52,21 +54,24 @@ class Received:
 
 @dataclass
 class _Window:
-    """The edge's flow control of one upload: payload received (each chunk and KV block once;
-    resends do not count), what was last acknowledged, and the held tokens the edge was told."""
+    """The edge's flow control of one upload: payload received (``common.wire.flow.ReceivedBytes``:
+    each chunk and KV block once; resends do not count), what was last acknowledged, and the held
+    tokens the edge was told."""
 
     threshold_bytes: int
     told_tokens: int
-    received_bytes: int = 0
+    received: ReceivedBytes = field(default_factory=ReceivedBytes)
     acked_bytes: int = 0
-    seen: set[tuple[str, int]] = field(default_factory=set)
+
+    @property
+    def received_bytes(self) -> int:
+        return self.received.received_bytes
 
     def count(self, item: UplinkBody) -> None:
-        if isinstance(item, wire.Chunk | KVBlock):
-            key = ("chunk", item.seq) if isinstance(item, wire.Chunk) else ("kv", item.leaf_index)
-            if key not in self.seen:
-                self.seen.add(key)
-                self.received_bytes += len(item.payload)
+        if isinstance(item, wire.Chunk):
+            self.received.count(("chunk", item.seq), len(item.payload))
+        elif isinstance(item, KVBlock):
+            self.received.count(("kv", item.leaf_index), len(item.payload))
 
     def ack(self, upload: TurnUpload, keeper: PrefixKeeper | None) -> WindowAck | None:
         """A ``WindowAck`` every ``threshold_bytes`` received (which also kicks the keeper), or when

@@ -21,7 +21,6 @@ from tandem.common.protocol.errors import (
     ChecksumMismatch,
     CorruptPayload,
     InvalidRequest,
-    MerkleMismatch,
     ParamsVersionMismatch,
     SessionNotFound,
     SessionOutOfSync,
@@ -31,10 +30,18 @@ from tandem.common.protocol.limits import RequestLimits, check_session_id
 from tandem.common.protocol.manifest import SplitManifest
 from tandem.common.protocol.params import LinkParams
 from tandem.common.wire import chunks as wire
-from tandem.common.wire import merkle
 from tandem.common.wire.kvblocks import LayerRange, block_hashes
-from tandem.common.wire.kvwire import decode_kv, kv_raw_nbytes
-from tandem.common.wire.messages import KVBlock, TurnHeader
+from tandem.common.wire.kvcodec import (
+    BlockSpec,
+    Commit,
+    KVBlock,
+    check_block,
+    check_commit,
+    check_commit_span,
+    open_block,
+)
+from tandem.common.wire.kvwire import kv_raw_nbytes
+from tandem.common.wire.messages import TurnHeader
 
 
 def wire_limits(params: LinkParams, manifest: SplitManifest) -> RequestLimits:
@@ -167,17 +174,18 @@ class TurnUpload:
                 f"{len(self.expected_leaves)} new full blocks"
             )
         self.part = LayerRange(0, self.manifest.split_layer)
-        sh = self.manifest.shape
-        self.block_shape = (self.part.num_layers, 2, sh.num_kv_heads, self.bs, sh.head_dim)
-        self.block_bytes = kv_raw_nbytes(self.block_shape, self.params.kv_wire_dtype)  # in the link's KV format
-        self.max_block_payload = wire.max_payload_bytes(self.block_bytes, self.params.codec)
+        # what every KV block of this upload must be (the one KV-block codec checks it)
+        self.block_spec = BlockSpec.of(
+            self.hashes, self.first_new_leaf, self.part, self.manifest.shape, self.params, h.params_version,
+            self.max_abs,
+        )  # fmt: skip
 
     @property
     def max_item_bytes(self) -> int:
         """The largest legal payload of one chunk or KV block of this upload."""
         p = self.params
         chunk = wire.raw_nbytes_of(p.chunk_tokens, p.wire_dtype, self.manifest.shape.hidden_size)
-        return max(wire.max_payload_bytes(chunk, p.codec), self.max_block_payload)
+        return max(wire.max_payload_bytes(chunk, p.codec), self.block_spec.max_payload_bytes)
 
     @property
     def stored_tokens(self) -> int:
@@ -253,67 +261,42 @@ class TurnUpload:
         return True
 
     def add_block(self, b: KVBlock) -> None:
-        """Check and keep a KV block; a block that does not decode or whose leaf does not match is
-        kept out and requested again at commit.
+        """Check and keep a KV block (``common.wire.kvcodec``: ``check_block``, then ``open_block``); a
+        block that fails its CRC32C or leaf, or does not decode, is kept out and requested again at
+        the commit.
 
         Raises:
-            InvalidRequest: index, identity, layer range or size inconsistent with the prompt and the
-                link's limits (checked before the payload is touched), or values out of range.
+            InvalidRequest: index, identity, layer range, format or size inconsistent with the prompt
+                and the link's limits (checked before the payload is touched), a block sent again
+                after it verified, or values out of range.
+            ParamsVersionMismatch: made with other link params than the request's.
         """
-        if b.leaf_index not in self.expected_leaves:
-            raise InvalidRequest(f"KV block leaf {b.leaf_index} outside expected {self.expected_leaves}")
+        check_block(b, self.block_spec)
         if b.leaf_index in self.blocks:
             raise InvalidRequest(f"KV block leaf {b.leaf_index} sent again after it verified")
-        if b.params_version != self.header.params_version:
-            raise ParamsVersionMismatch(
-                f"KV block {b.leaf_index} made with params v{b.params_version}; its request runs under "
-                f"v{self.header.params_version}"
-            )
-        if b.codec != self.params.codec or b.wire_dtype != self.params.kv_wire_dtype:
-            raise InvalidRequest(
-                f"KV block {b.leaf_index} uses {b.wire_dtype.name}/{b.codec.name}; the link negotiated "
-                f"{self.params.kv_wire_dtype.name}/{self.params.codec.name}"
-            )
-        if b.block_hash != self.hashes[b.leaf_index]:
-            raise InvalidRequest(f"KV block {b.leaf_index}: block hash does not match the prompt tokens")
-        if (b.layer_lo, b.layer_hi) != (self.part.lo, self.part.hi) or b.raw_nbytes != self.block_bytes:
-            raise InvalidRequest(
-                f"KV block {b.leaf_index}: layers [{b.layer_lo}, {b.layer_hi}) and "
-                f"{b.raw_nbytes} bytes, expected {self.part.tag()} and {self.block_bytes}"
-            )
-        if len(b.payload) > self.max_block_payload:
-            raise InvalidRequest(f"KV block {b.leaf_index}: {len(b.payload)} payload bytes > {self.max_block_payload}")
         self.received_bytes["kv"] += len(b.payload)
-        raw = b.payload
-        if b.codec == wire.Codec.ZSTD:
-            try:
-                raw = wire.decompress_exact(b.payload, self.block_bytes)
-            except CorruptPayload:
-                return  # corrupt in transit: it stays missing and is repaired at commit
-        if len(raw) != self.block_bytes:
-            return
-        leaf = merkle.leaf_hash(merkle.leaf_data(b.block_hash, b.layer_lo, b.layer_hi, b.wire_dtype, raw))
-        if leaf == b.leaf_hash:
-            kv = decode_kv(raw, b.wire_dtype, self.block_shape)  # canonical float32, what the store holds
-            check_values(kv, self.max_abs, f"KV block {b.leaf_index}")
-            self.blocks[b.leaf_index] = (b, kv.tobytes())
+        try:
+            kv = open_block(b, self.block_spec)  # canonical float32, what the store holds
+        except (ChecksumMismatch, CorruptPayload):
+            return  # corrupt in transit: it stays missing and is repaired at commit
+        self.blocks[b.leaf_index] = (b, kv.tobytes())
 
     def missing_leaves(self) -> list[int]:
         return [j for j in self.expected_leaves if j not in self.blocks]
 
     def commit(self, leaf_count: int, root: bytes) -> list[int]:
-        """Check the committed tree; returns leaves to repair (empty when verified).
+        """Check the committed tree (the session's, from leaf 0: ``common.wire.kvcodec.check_commit``);
+        returns leaves to repair (empty when verified).
 
         Raises:
             MerkleMismatch: leaf count wrong, or every leaf verified but the root does not.
         """
-        if leaf_count != len(self.hashes):
-            raise MerkleMismatch(f"commit names {leaf_count} leaves; the prompt has {len(self.hashes)} full blocks")
+        c = Commit(leaf_count, root)
+        check_commit_span(c, 0, len(self.hashes))
         missing = self.missing_leaves()
         if missing:
             return missing
-        if merkle.root(self.leaves()) != root:
-            raise MerkleMismatch(f"Merkle root over {len(self.hashes)} leaves does not match the commit")
+        check_commit(c, 0, self.leaves())
         self.committed = True
         return []
 

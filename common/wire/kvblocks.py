@@ -22,6 +22,7 @@ before V, keys after RoPE. An engine's own paged layout never leaves its connect
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import blake3
@@ -72,6 +73,15 @@ def kv_scope(session_id: str, request_id: str) -> str:
 def request_seed(model_key: str, block_size: int, session_id: str, request_id: str) -> bytes:
     """The chain seed of one request's block ids (edge and cloud both call this)."""
     return hash_seed(model_key, block_size, kv_scope(session_id, request_id))
+
+
+def block_ids(
+    token_ids: Sequence[int], block_size: int, model_key: str, session_id: str, request_id: str
+) -> list[bytes]:
+    """The ids of the full blocks of one request's ``token_ids`` (``block_hashes``), seeded with the
+    model's key and the request's scope (``request_seed``): the ids both sides of a link compute
+    for the KV blocks that travel, either way, and check every block's ``block_hash`` against."""
+    return block_hashes(list(token_ids), block_size, request_seed(model_key, block_size, session_id, request_id))
 
 
 def activation_keys(hidden: np.ndarray, block_size: int, seed: bytes, part: LayerRange) -> list[bytes]:

@@ -4,7 +4,9 @@ conversion in one place.
 Uplink (edge -> cloud): ``TurnHeader``, then ``wire.Chunk`` / ``KVBlock`` / ``Commit``, or, in
 remote prefill, ``KVDownAck`` / ``Takeover`` (``common.wire.kvdown``).
 Downlink (cloud -> edge): ``Nack``, ``Repair``, ``WindowAck``, ``UploadAck``, ``TokensOut``,
-``TurnFinal``, ``TurnError``, and remote prefill's ``KVBlockDown`` / ``KVCommitDown``. Domain
+``TurnFinal``, ``TurnError``, and remote prefill's ``KVBlock`` / ``Commit``. A KV block and a commit
+are one domain type each (``common.wire.kvcodec``) whichever way they travel; the direction picks
+their protobuf message (``KVBlockDelta`` / ``Commit`` up, ``KVBlockDown`` / ``KVCommitDown`` down). Domain
 code passes these frozen dataclasses around; only ``uplink_to_pb`` / ``uplink_from_pb`` /
 ``downlink_to_pb`` / ``downlink_from_pb`` see protobuf. Dispatch is by type (registries below),
 never by ``if kind == "..."``.
@@ -19,7 +21,8 @@ from typing import Any
 from tandem.common.protocol.errors import InvalidRequest, TandemError, base_names, error_from_name
 from tandem.common.protocol.params import Sampling, ServerLoad
 from tandem.common.wire import chunks as wire
-from tandem.common.wire.kvdown import KVBlockDown, KVCommitDown, KVDownAck, RemotePrefill, Takeover
+from tandem.common.wire.kvcodec import Commit, KVBlock
+from tandem.common.wire.kvdown import KVDownAck, RemotePrefill, Takeover
 from tandem.pbconv import from_pb, to_pb
 from tandem.stages import Timings, timings_from_wire, timings_to_wire
 from tandem.v1 import tandem_pb2 as pb
@@ -55,51 +58,6 @@ class TurnHeader:
         return m
 
 
-@dataclass(frozen=True)
-class KVBlock:
-    """One full head-KV block: canonical fp32 ``[Lp, 2, Hkv, B, D]`` in ``wire_dtype``
-    (``common.wire.kvwire``; ``raw_nbytes`` of those bytes), then the codec."""
-
-    leaf_index: int
-    block_hash: bytes
-    layer_lo: int
-    layer_hi: int
-    codec: wire.Codec
-    raw_nbytes: int
-    payload: bytes
-    leaf_hash: bytes
-    params_version: int = 0
-    wire_dtype: wire.WireDtype = wire.WireDtype.FP32
-
-    @classmethod
-    def from_pb(cls, m: pb.KVBlockDelta) -> KVBlock:
-        """Raises InvalidRequest for an unknown codec or wire dtype (unset = fp32, an older edge)."""
-        if m.codec not in wire.Codec._value2member_map_:
-            raise InvalidRequest(f"KV block {m.leaf_index}: unknown codec {m.codec}")
-        dtype = m.wire_dtype or wire.WireDtype.FP32
-        if dtype not in wire.WireDtype._value2member_map_:
-            raise InvalidRequest(f"KV block {m.leaf_index}: unknown wire dtype {m.wire_dtype}")
-        return from_pb(cls, m, codec=wire.Codec(m.codec), wire_dtype=wire.WireDtype(dtype))
-
-    def to_pb(self) -> pb.KVBlockDelta:
-        return to_pb(pb.KVBlockDelta, self)
-
-
-@dataclass(frozen=True)
-class Commit:
-    """The session's head-KV tree after this turn: ``leaf_count`` leaves with ``merkle_root``."""
-
-    leaf_count: int
-    merkle_root: bytes
-
-    @classmethod
-    def from_pb(cls, m: pb.Commit) -> Commit:
-        return cls(m.leaf_count, m.merkle_root)
-
-    def to_pb(self) -> pb.Commit:
-        return pb.Commit(leaf_count=self.leaf_count, merkle_root=self.merkle_root)
-
-
 def chunk_from_pb(m: pb.ActivationChunk) -> wire.Chunk:
     """Raises InvalidRequest for unknown enum values."""
     if m.wire_dtype not in wire.WireDtype._value2member_map_ or m.codec not in wire.Codec._value2member_map_:
@@ -116,16 +74,16 @@ UplinkItem = TurnHeader | wire.Chunk | KVBlock | Commit | KVDownAck | Takeover
 _UP_TO: dict[type, tuple[str, Callable[[Any], Any]]] = {
     TurnHeader: ("header", TurnHeader.to_pb),
     wire.Chunk: ("chunk", chunk_to_pb),
-    KVBlock: ("kv_block", KVBlock.to_pb),
-    Commit: ("commit", Commit.to_pb),
+    KVBlock: ("kv_block", KVBlock.to_up_pb),
+    Commit: ("commit", Commit.to_up_pb),
     KVDownAck: ("kv_ack", KVDownAck.to_pb),
     Takeover: ("takeover", Takeover.to_pb),
 }
 _UP_FROM: dict[str, Callable[[Any], UplinkItem]] = {
     "header": TurnHeader.from_pb,
     "chunk": chunk_from_pb,
-    "kv_block": KVBlock.from_pb,
-    "commit": Commit.from_pb,
+    "kv_block": KVBlock.from_up_pb,
+    "commit": Commit.from_up_pb,
     "kv_ack": KVDownAck.from_pb,
     "takeover": Takeover.from_pb,
 }
@@ -210,7 +168,7 @@ class TurnError:
     error: TandemError
 
 
-DownEvent = Nack | Repair | WindowAck | UploadAck | TokensOut | TurnFinal | TurnError | KVBlockDown | KVCommitDown
+DownEvent = Nack | Repair | WindowAck | UploadAck | TokensOut | TurnFinal | TurnError | KVBlock | Commit
 
 
 def _final_to_pb(e: TurnFinal) -> pb.Final:
@@ -234,8 +192,8 @@ _DOWN_TO: dict[type, Callable[[Any], pb.Downlink]] = {
     ),
     TokensOut: lambda e: pb.Downlink(tokens=pb.Tokens(token_ids=list(e.token_ids), index=e.index)),
     TurnFinal: lambda e: pb.Downlink(final=_final_to_pb(e)),
-    KVBlockDown: lambda e: pb.Downlink(kv_block=e.to_pb()),
-    KVCommitDown: lambda e: pb.Downlink(kv_commit=e.to_pb()),
+    KVBlock: lambda e: pb.Downlink(kv_block=e.to_down_pb()),
+    Commit: lambda e: pb.Downlink(kv_commit=e.to_down_pb()),
     TurnError: lambda e: pb.Downlink(
         error=pb.Error(
             kind=e.error.wire_name,
@@ -252,8 +210,8 @@ _DOWN_FROM: dict[str, Callable[[Any], DownEvent]] = {
     "upload_ack": lambda m: UploadAck(m.verified_tokens, m.leaf_count, m.merkle_root),
     "tokens": lambda m: TokensOut(tuple(m.token_ids), m.index),
     "final": _final_from_pb,
-    "kv_block": KVBlockDown.from_pb,
-    "kv_commit": KVCommitDown.from_pb,
+    "kv_block": KVBlock.from_down_pb,
+    "kv_commit": Commit.from_down_pb,
     "error": lambda m: TurnError(error_from_name(m.kind, m.message, tuple(m.base_kinds[:16]), m.retry_after_ms)),
 }
 

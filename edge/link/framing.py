@@ -3,8 +3,9 @@ params that build what goes to the cloud.
 
 * ``direct_turn``: just the header (token ids up, ``k = 0``);
 * ``split_turn``: the activations past what the cloud holds as chunks (``common.wire.chunks.split``:
-  wire dtype, codec, CRC32C), the full head-KV blocks past its leaves (``kv_blocks``: each with
-  its BLAKE3 Merkle leaf), and the commit (leaf count, RFC 6962 root; ``commit``);
+  wire dtype, codec, CRC32C), the full head-KV blocks past its leaves (``kv_blocks``, framed by
+  the one KV-block codec ``common.wire.kvcodec``: each with its BLAKE3 Merkle leaf and CRC32C),
+  and the commit (leaf count, RFC 6962 root; ``commit``);
 * ``pipelined_turn`` and ``piece``: the same turn framed while its head runs in pieces, the
   header first (its counts follow from the token ids alone), then each piece's whole chunks and
   the blocks inside them;
@@ -27,10 +28,10 @@ import numpy as np
 from tandem.common.protocol.errors import InvalidRequest
 from tandem.common.protocol.params import LinkParams, SyncRequest
 from tandem.common.wire import chunks as wire
-from tandem.common.wire import merkle
-from tandem.common.wire.kvblocks import LayerRange, block_hashes, request_seed, split_blocks
-from tandem.common.wire.kvwire import encode_kv
-from tandem.common.wire.messages import KVBlock, TurnHeader
+from tandem.common.wire import kvblocks, merkle
+from tandem.common.wire.kvblocks import LayerRange, split_blocks
+from tandem.common.wire.kvcodec import KVBlock, encode_block
+from tandem.common.wire.messages import TurnHeader
 from tandem.edge.link.uplink import OutgoingTurn, Pieces
 from tandem.edge.session import EdgeSession
 
@@ -40,24 +41,20 @@ def block_ids(
 ) -> list[bytes]:
     """Chained ids of the full KV blocks of ``ids`` at ``p``'s block size, seeded with the head's
     manifest key and the turn's session (or, stateless, its request)."""
-    bs = p.kv_block_size_tokens
-    return block_hashes(list(ids), bs, request_seed(compatibility_key, bs, session_id, request_id))
+    return kvblocks.block_ids(ids, p.kv_block_size_tokens, compatibility_key, session_id, request_id)
 
 
 def kv_blocks(kv: np.ndarray, hashes: list[bytes], p: LinkParams, first: int, end: int) -> dict[int, KVBlock]:
     """Blocks ``[first, end)`` of the head KV ``kv`` (float32 ``[k, 2, Hkv, T, D]``, ``k =
-    p.split_layer``) in ``p``'s KV wire dtype and codec, each with its Merkle leaf over the
-    block's id (``hashes[j]``), layers and bytes."""
+    p.split_layer``) framed by the one KV-block codec (``common.wire.kvcodec.encode_block``): in
+    ``p``'s KV wire dtype and codec, each with its Merkle leaf over the block's id (``hashes[j]``),
+    layers and bytes, and its payload's CRC32C."""
     part = LayerRange(0, p.split_layer)
-    blocks: dict[int, KVBlock] = {}
-    for j, arr in zip(range(first, end), split_blocks(kv, p.kv_block_size_tokens, first, end), strict=True):
-        raw = encode_kv(arr, p.kv_wire_dtype)
-        leaf = merkle.leaf_hash(merkle.leaf_data(hashes[j], part.lo, part.hi, p.kv_wire_dtype, raw))
-        payload = wire.encode_payload(raw, p.codec, p.codec_level)
-        blocks[j] = KVBlock(
-            j, hashes[j], part.lo, part.hi, p.codec, len(raw), payload, leaf, p.params_version, p.kv_wire_dtype
-        )
-    return blocks
+    arrays = split_blocks(kv, p.kv_block_size_tokens, first, end)
+    return {
+        j: encode_block(arr, j, hashes[j], part, p, p.params_version)
+        for j, arr in zip(range(first, end), arrays, strict=True)
+    }
 
 
 def commit(held_leaves: Sequence[bytes], blocks: Mapping[int, KVBlock]) -> tuple[int, bytes]:

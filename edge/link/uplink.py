@@ -20,6 +20,7 @@ from tandem.common.protocol.errors import EngineError, InvalidRequest
 from tandem.common.runtime import metrics
 from tandem.common.runtime.tracing import start_span
 from tandem.common.wire import chunks as wire
+from tandem.common.wire.flow import SendWindow
 from tandem.common.wire.messages import (
     Commit,
     DownEvent,
@@ -50,17 +51,17 @@ class OutgoingTurn:
     window: int = 1 << 62  # payload bytes in flight past the cloud's last WindowAck (negotiated)
     block_tokens: int = 0  # KV block size B: block j travels after the chunk holding token (j+1)*B - 1
     sent_bytes: SentBytes = SentBytes()
-    payload_sent: int = 0  # payload bytes of first sends (what the window counts)
     next_item: int = 0
     committed: bool = False
     sent_chunks: set[int] = field(default_factory=set)
     held_tokens: int = 0  # the cloud keeps the first held_tokens prompt tokens if the upload is cut (WindowAck)
     complete: bool = True  # every chunk and block is known (False while a pipelined head still runs)
     pipelined: bool = False  # the head ran while the upload went (``edge.modes.split_head.PipelinedHead``)
-    acked_bytes: int = 0  # received_bytes of the cloud's last WindowAck
+    flow: SendWindow = field(init=False)  # payload bytes of first sends against the cloud's WindowAcks
 
     def __post_init__(self) -> None:
         self.order = send_order(self.chunks, self.blocks, self.block_tokens)
+        self.flow = SendWindow(self.window)
 
     def extend(self, chunks: list[wire.Chunk], blocks: dict[int, KVBlock]) -> None:
         """More of a pipelined turn (``complete`` False): the next chunks in ``seq`` order and the
@@ -108,21 +109,21 @@ def send_order(chunks: list[wire.Chunk], blocks: dict[int, KVBlock], block_token
     return order + [b for _, b in pending]
 
 
-def _send_more(call: TurnCall, turn: OutgoingTurn, acked: int) -> None:
-    """Send chunks and KV blocks in ``turn.order`` while the payload in flight past ``acked`` (the
-    cloud's last ``WindowAck``) stays within the window, or nothing is in flight; the commit after
-    the last of them."""
+def _send_more(call: TurnCall, turn: OutgoingTurn, received_bytes: int) -> None:
+    """The cloud received ``received_bytes`` of the upload's payload (its last ``WindowAck``): send
+    chunks and KV blocks in ``turn.order`` while the payload in flight past that stays within the
+    window (``turn.flow``), or nothing is in flight; the commit after the last of them."""
+    turn.flow.ack(received_bytes)
     while turn.next_item < len(turn.order):
         item = turn.order[turn.next_item]
-        in_flight = turn.payload_sent - acked
-        if in_flight > 0 and in_flight + len(item.payload) > turn.window:
+        if not turn.flow.fits(len(item.payload)):
             return
         if isinstance(item, wire.Chunk):
             turn.sent_bytes += SentBytes(activations_bytes=call.send(item))
             turn.sent_chunks.add(item.seq)
         else:
             turn.sent_bytes += SentBytes(kv_bytes=call.send(item))
-        turn.payload_sent += len(item.payload)
+        turn.flow.sent(len(item.payload))
         turn.next_item += 1
     if turn.split and turn.complete and not turn.committed:
         turn.committed = True
@@ -195,10 +196,10 @@ async def _feed(call: TurnCall, turn: OutgoingTurn, pieces: AsyncIterator[Pieces
     try:
         async for chunks, blocks in pieces:
             turn.extend(chunks, blocks)
-            _send_more(call, turn, turn.acked_bytes)
+            _send_more(call, turn, turn.flow.acked_bytes)
         if not turn.complete:
             raise InvalidRequest("the pipelined head ended without finishing its turn")
-        _send_more(call, turn, turn.acked_bytes)
+        _send_more(call, turn, turn.flow.acked_bytes)
     except Exception as e:
         failed.append(e)
         call.cancel()
@@ -242,8 +243,7 @@ async def stream_turn(
                     if turn.split and turn.header.session_id:  # within the prompt: a resumed upload starts there
                         n = min(ev.held_tokens, len(turn.header.prompt_token_ids))
                         turn.held_tokens = max(turn.held_tokens, n)
-                    turn.acked_bytes = max(turn.acked_bytes, ev.received_bytes)
-                    _send_more(call, turn, turn.acked_bytes)
+                    _send_more(call, turn, ev.received_bytes)
                 elif isinstance(ev, Nack):
                     _answer_nack(call, turn, ev)
                 elif isinstance(ev, Repair):

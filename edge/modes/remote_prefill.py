@@ -27,7 +27,8 @@ from dataclasses import replace
 
 from tandem.common.protocol.errors import EngineError
 from tandem.common.protocol.params import LinkParams
-from tandem.common.wire.kvdown import Expected, KVBlockDown, KVCommitDown, RemotePrefill, Takeover, block_ids
+from tandem.common.wire.kvcodec import Commit, KVBlock
+from tandem.common.wire.kvdown import HANDOVER, RemotePrefill, Takeover, down_spec
 from tandem.common.wire.messages import TokensOut, TurnFinal
 from tandem.edge.compute.local import LocalEngine, LocalSession, past_from_blocks
 from tandem.edge.events import SentBytes, TextOut, TurnDone
@@ -37,7 +38,6 @@ from tandem.edge.turn import Turn
 from tandem.stages import Stage
 
 log = logging.getLogger("tandem.edge")
-HANDOVER = "handover"  # the cloud's finish reason when the edge took the decode over
 
 
 class RemotePrefillTurn:
@@ -107,20 +107,15 @@ class RemotePrefillTurn:
         """What this turn asks the cloud for: the blocks past the ones the session holds."""
         ids, B = self.turn.ids, p.kv_block_size_tokens
         held = LocalSession(self.held_ids).common_prefix(ids)
-        want = Expected(
-            tuple(block_ids(ids, B, self.model_key, self.turn.session_id, self.turn.request_id)),
-            min(held // B, len(ids) // B),
-            p,
-            p.params_version,
-            self.local.shape,
-        )
+        first, t = min(held // B, len(ids) // B), self.turn
+        want = down_spec(ids, first, self.model_key, t.session_id, t.request_id, self.local.shape, p, p.params_version)
         return KVDownload(want)
 
     async def _cloud(self, p: LinkParams, down: KVDownload) -> AsyncIterator[TextOut]:
         """The Generate call: tokens to the client, KV blocks checked and acked, the takeover sent
         once the session holds the KV; returns at the cloud's final or a stop string."""
         turn = self.turn
-        rp = RemotePrefill(down.want.first_block * p.kv_block_size_tokens)
+        rp = RemotePrefill(down.want.first * p.kv_block_size_tokens)
         header = replace(turn.header(p, turn.cloud.link_id), remote_prefill=rp)
         call = self.call = turn.cloud.link.open(turn.timeout_s)
         turn.clock.cloud_called = True
@@ -135,15 +130,15 @@ class RemotePrefillTurn:
                     if turn.text.stopped:
                         self.finish = "stop"
                         return
-                elif isinstance(ev, KVBlockDown | KVCommitDown):
+                elif isinstance(ev, KVBlock | Commit):
                     await self._kv(ev, down, call)
                 elif isinstance(ev, TurnFinal):
                     self._final(ev)
                     return
 
-    async def _kv(self, ev: KVBlockDown | KVCommitDown, down: KVDownload, call: TurnCall) -> None:
+    async def _kv(self, ev: KVBlock | Commit, down: KVDownload, call: TurnCall) -> None:
         """One KV message: a block checked and acknowledged, or the commit noted."""
-        if isinstance(ev, KVBlockDown):
+        if isinstance(ev, KVBlock):
             ack = await down.add(ev)
             if ack is not None:
                 self.sent += SentBytes(header_bytes=call.send(ack))
@@ -178,10 +173,10 @@ class RemotePrefillTurn:
         """The session holds the prompt's full blocks (its own first ones, then those that came
         down), then the KV of the partial last block and of the tokens received so far."""
         want, ids = down.want, self.turn.ids
-        B = want.params.kv_block_size_tokens
+        B = want.block_tokens
         # the session keeps its own first blocks; the blocks that came down follow them
-        keep = want.first_block * B
-        await self.local.adopt(self.sess, ids[: want.num_blocks * B], past_from_blocks(down.kv()), keep_tokens=keep)
+        keep = want.first * B
+        await self.local.adopt(self.sess, ids[: len(want.ids) * B], past_from_blocks(down.kv()), keep_tokens=keep)
         self.adopted.set()
         await self.local.extend(self.sess, [*ids, *self.turn.text.token_ids])
 

@@ -348,7 +348,7 @@ class ActivationChunk(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., token_offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., params_version: _Optional[int] = ...) -> None: ...
 
 class KVBlockDelta(_message.Message):
-    __slots__ = ("leaf_index", "block_hash", "layer_lo", "layer_hi", "codec", "raw_nbytes", "payload", "leaf_hash", "params_version", "wire_dtype")
+    __slots__ = ("leaf_index", "block_hash", "layer_lo", "layer_hi", "codec", "raw_nbytes", "payload", "leaf_hash", "params_version", "wire_dtype", "crc32c")
     LEAF_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYER_LO_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +359,7 @@ class KVBlockDelta(_message.Message):
     LEAF_HASH_FIELD_NUMBER: _ClassVar[int]
     PARAMS_VERSION_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     leaf_index: int
     block_hash: bytes
     layer_lo: int
@@ -369,7 +370,8 @@ class KVBlockDelta(_message.Message):
     leaf_hash: bytes
     params_version: int
     wire_dtype: WireDtype
-    def __init__(self, leaf_index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., layer_lo: _Optional[int] = ..., layer_hi: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., leaf_hash: _Optional[bytes] = ..., params_version: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ...) -> None: ...
+    crc32c: int
+    def __init__(self, leaf_index: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., layer_lo: _Optional[int] = ..., layer_hi: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., raw_nbytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., leaf_hash: _Optional[bytes] = ..., params_version: _Optional[int] = ..., wire_dtype: _Optional[_Union[WireDtype, str]] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("leaf_count", "merkle_root")

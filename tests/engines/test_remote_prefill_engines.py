@@ -16,7 +16,8 @@ import pytest
 from tandem.common.protocol.errors import LinkLost
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import Sampling
-from tandem.common.wire.kvdown import KVBlockDown, Takeover
+from tandem.common.wire.kvcodec import KVBlock
+from tandem.common.wire.kvdown import Takeover
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
 from tandem.stages import Stage
 from tests.references import LONG, PROMPTS, assert_same_or_near_tie, hf_greedy, prompt_ids
@@ -109,7 +110,7 @@ async def test_a_two_turn_chat_brings_down_only_the_new_blocks(stack, tokenizer)
 async def test_a_downlink_cut_mid_kv_leaves_the_reply_to_the_cloud(stack):
     node, p = stack["edge"].node, PROMPTS[3]
     direct, _ = await stream(node, turn(p, Mode.DIRECT))
-    with tampered(stack, down=lambda ev, n: None if isinstance(ev, KVBlockDown) and n > 2 else ev):
+    with tampered(stack, down=lambda ev, n: None if isinstance(ev, KVBlock) and n > 2 else ev):
         got, done = await stream(node, turn(p, Mode.REMOTE_PREFILL))
     assert got == direct and done.edge_decoded_tokens == 0 and done.finish_reason == "length"
 
@@ -119,7 +120,7 @@ async def test_a_corrupt_block_is_asked_again_and_never_used(stack):
     direct, _ = await stream(node, turn(p, Mode.DIRECT))
 
     def corrupt_once(ev, n):
-        if isinstance(ev, KVBlockDown) and n == 2:
+        if isinstance(ev, KVBlock) and n == 2:
             return type(ev)(**{**ev.__dict__, "payload": bytes([ev.payload[0] ^ 0xFF]) + ev.payload[1:]})
         return ev
 

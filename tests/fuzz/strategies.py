@@ -129,6 +129,7 @@ BLOCK_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "raw_nbytes": u32,
     "leaf_hash": hashes,
     "params_version": u64,
+    "crc32c": u32,
 }
 
 

@@ -22,7 +22,8 @@ from tandem.common.protocol.errors import TandemError
 from tandem.common.protocol.params import LinkParams, Sampling
 from tandem.common.wire import chunks as wire
 from tandem.common.wire import merkle
-from tandem.common.wire.kvblocks import block_hashes, request_seed
+from tandem.common.wire.kvblocks import LayerRange, block_hashes, request_seed
+from tandem.common.wire.kvcodec import encode_block
 from tandem.common.wire.messages import (
     Commit,
     KVBlock,
@@ -168,22 +169,11 @@ def make_upload(
     kv = (np.random.default_rng([values_seed, 2]).standard_normal((len(hashes), K, 2, HKV, B, D)) * 0.5).astype(
         np.float32
     )
-    leaves = [merkle.leaf_hash(merkle.leaf_data(h, 0, K, 1, kv[j].tobytes())) for j, h in enumerate(hashes)]
+    # every block framed as the edge frames it (the one KV-block codec: leaf and CRC32C)
+    framed = [encode_block(kv[j], j, h, LayerRange(0, K), params, params.params_version) for j, h in enumerate(hashes)]
+    leaves = [b.leaf_hash for b in framed]
     first = cached_tokens // B
-    blocks = {
-        j: KVBlock(
-            j,
-            hashes[j],
-            0,
-            K,
-            params.codec,
-            kv[j].nbytes,
-            wire.encode_payload(kv[j].tobytes(), params.codec, params.codec_level),
-            leaves[j],
-            params.params_version,
-        )
-        for j in range(first, len(hashes))
-    }
+    blocks = {j: framed[j] for j in range(first, len(hashes))}
     header = TurnHeader(
         request_id,
         session_id,
@@ -472,15 +462,15 @@ class BlockEdit:
             return frozenset({OK})
         setattr(m.kv_block, self.name, self.value)
         w.items[i] = m
-        if self.name == "leaf_hash":
+        if self.name in ("leaf_hash", "crc32c"):  # corrupt in transit: asked for again at the commit
             return _repair_like(w.policy)
         return frozenset({PRECONDITION} if self.name == "params_version" else {INVALID})
 
 
 @dataclass(frozen=True)
 class BlockPayload:
-    """Change the payload bytes of KV block ``index``; ``fix_leaf``: with the leaf hash over the new bytes (and
-    ``fix_root``: the commit's root over the new leaves), as a dishonest but consistent edge would."""
+    """Change the payload bytes of KV block ``index``; ``fix_leaf``: with the leaf hash and the CRC32C over the new
+    bytes (and ``fix_root``: the commit's root over the new leaves), as a dishonest but consistent edge would."""
 
     index: int
     op: PayloadOp
@@ -504,6 +494,7 @@ class BlockPayload:
                 raw = payload
             data = merkle.leaf_data(b.block_hash, b.layer_lo, b.layer_hi, b.wire_dtype or 1, raw)
             b.leaf_hash = merkle.leaf_hash(data)
+            b.crc32c = wire.crc32c(payload)
         w.items[i] = m
         if self.fix_leaf and self.fix_root:
             _set_root(w)
@@ -535,6 +526,7 @@ class BlockValues:
         raw = x.tobytes()
         b.payload = wire.encode_payload(raw, w.params.codec, w.params.codec_level)
         b.leaf_hash = merkle.leaf_hash(merkle.leaf_data(b.block_hash, b.layer_lo, b.layer_hi, b.wire_dtype or 1, raw))
+        b.crc32c = wire.crc32c(b.payload)
         w.items[i] = m
         _set_root(w)
         return frozenset({INVALID})

@@ -468,16 +468,16 @@ def test_the_edge_sends_within_the_window_and_commits_after_the_last_item():
     ]
     call = _Call()
     _send_upload(call, turn)
-    assert turn.payload_sent == 1024  # c0 c1; b0 (1000 B) would pass the 2000-byte window
+    assert turn.flow.sent_bytes == 1024  # c0 c1; b0 (1000 B) would pass the 2000-byte window
     _send_more(call, turn, 512)  # the cloud received c0: 512 in flight + 1000 fits
-    assert turn.payload_sent == 2024 and not turn.committed
+    assert turn.flow.sent_bytes == 2024 and not turn.committed
     _send_more(call, turn, 2024)  # all received: c2 c3; b1 would pass the window again
-    assert turn.payload_sent == 3048 and not turn.committed
+    assert turn.flow.sent_bytes == 3048 and not turn.committed
     _send_more(call, turn, 3048)  # the last block, then the commit
-    assert turn.payload_sent == 4048 and turn.committed and isinstance(call.sent[-1], Commit)
+    assert turn.flow.sent_bytes == 4048 and turn.committed and isinstance(call.sent[-1], Commit)
     big = OutgoingTurn(header, chunks, blocks, 2, bytes(32), window=100, block_tokens=32)
     _send_upload(_Call(), big)
-    assert big.payload_sent == 512  # an item larger than the window goes when nothing is in flight
+    assert big.flow.sent_bytes == 512  # an item larger than the window goes when nothing is in flight
 
 
 async def test_a_small_window_paces_the_upload_on_the_clouds_acks():

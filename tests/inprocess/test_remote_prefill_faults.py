@@ -13,7 +13,8 @@ import pytest
 from tandem.common.protocol.errors import LinkLost
 from tandem.common.protocol.modes import Mode
 from tandem.common.wire import chunks as wire
-from tandem.common.wire.kvdown import KVBlockDown, KVDownAck, Takeover
+from tandem.common.wire.kvcodec import KVBlock
+from tandem.common.wire.kvdown import KVDownAck, Takeover
 from tandem.edge.events import TurnDone
 from tests.doubles import B
 from tests.helpers import RP_LONG, rp_chat, rp_turn, stream
@@ -41,13 +42,13 @@ async def test_a_downlink_cut_mid_kv_leaves_the_whole_reply_to_the_cloud(toy):
     """Blocks after the second never arrive: the edge never takes over and the cloud's reply is
     complete and equal to direct mode's."""
     direct = await direct_of(toy)
-    tamper(toy, down=lambda ev, n: None if isinstance(ev, KVBlockDown) and n > 2 else ev)
+    tamper(toy, down=lambda ev, n: None if isinstance(ev, KVBlock) and n > 2 else ev)
     got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
     assert got == direct and len(got) == 40 and done.edge_decoded_tokens == 0
     assert toy.gateway.links.running == 0
 
 
-def flip(b: KVBlockDown, recrc: bool) -> KVBlockDown:
+def flip(b: KVBlock, recrc: bool) -> KVBlock:
     payload = bytes([b.payload[0] ^ 0x01]) + b.payload[1:]
     return replace(b, payload=payload, crc32c=wire.crc32c(payload) if recrc else b.crc32c)
 
@@ -58,7 +59,7 @@ async def test_a_corrupt_block_is_asked_for_again_and_never_used(toy, recrc):
     flip so that only its leaf catches it): the edge asks for exactly that block again, the resent
     copy verifies, the edge takes over and the tokens equal direct mode's."""
     direct = await direct_of(toy)
-    link = tamper(toy, down=lambda ev, n: flip(ev, recrc) if isinstance(ev, KVBlockDown) and n == 3 else ev)
+    link = tamper(toy, down=lambda ev, n: flip(ev, recrc) if isinstance(ev, KVBlock) and n == 3 else ev)
     got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
     asked = [a.resend_blocks for a in link.sent if isinstance(a, KVDownAck) and a.resend_blocks]
     assert asked == [(2,)] and got == direct and done.edge_decoded_tokens > 0
@@ -66,22 +67,20 @@ async def test_a_corrupt_block_is_asked_for_again_and_never_used(toy, recrc):
 
 async def test_a_block_that_stays_corrupt_is_never_used_and_the_cloud_finishes(toy):
     direct = await direct_of(toy)
-    link = tamper(
-        toy, down=lambda ev, n: flip(ev, False) if isinstance(ev, KVBlockDown) and ev.block_index == 1 else ev
-    )
+    link = tamper(toy, down=lambda ev, n: flip(ev, False) if isinstance(ev, KVBlock) and ev.leaf_index == 1 else ev)
     got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
     asked = [a.resend_blocks for a in link.sent if isinstance(a, KVDownAck) and a.resend_blocks]
     assert asked == [(1,), (1,)] and got == direct and done.edge_decoded_tokens == 0
 
 
 @pytest.mark.parametrize(
-    "change", [{"raw_nbytes": 4}, {"block_index": 999}, {"layer_hi": 2}, {"wire_dtype": wire.WireDtype.INT8}]
+    "change", [{"raw_nbytes": 4}, {"leaf_index": 999}, {"layer_hi": 2}, {"wire_dtype": wire.WireDtype.INT8}]
 )
 async def test_a_block_outside_the_links_limits_drops_the_download(toy, change):
     """Sizes, indices, layers and format are checked on arrival against the turn and the link's
     params: a block outside them ends the download, and the cloud finishes the reply."""
     direct = await direct_of(toy)
-    tamper(toy, down=lambda ev, n: replace(ev, **change) if isinstance(ev, KVBlockDown) and n == 2 else ev)
+    tamper(toy, down=lambda ev, n: replace(ev, **change) if isinstance(ev, KVBlock) and n == 2 else ev)
     got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
     assert got == direct and done.edge_decoded_tokens == 0
 
@@ -108,7 +107,7 @@ async def test_the_reply_completes_on_the_edge_when_the_cloud_dies_before_the_kv
     def cut(ev, n):
         if n > 5 and type(ev).__name__ == "TokensOut":
             raise LinkLost("the cloud went away")
-        return None if isinstance(ev, KVBlockDown) else ev
+        return None if isinstance(ev, KVBlock) else ev
 
     tamper(toy, down=cut)
     got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))

@@ -1,5 +1,5 @@
 """Remote prefill's KV on the downlink, without a network: a block framed by the cloud
-(``common.wire.kvdown.frame_block``) opens on the edge to the same float32 in every lossless format;
+(``common.wire.kvcodec.encode_block``) opens on the edge to the same float32 in every lossless format;
 every size, index, id, layer range, format and version is checked before the payload is touched;
 a flipped bit fails the CRC32C or the leaf, and the edge asks for exactly that block again
 (``edge.link.downlink.KVDownload``); the commit's root covers the blocks in order."""
@@ -11,22 +11,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tandem.common.protocol.errors import ChecksumMismatch, InvalidRequest, MerkleMismatch
+from tandem.common.protocol.errors import ChecksumMismatch, InvalidRequest, MerkleMismatch, ParamsVersionMismatch
 from tandem.common.protocol.params import LinkParams
 from tandem.common.wire import chunks as wire
 from tandem.common.wire import merkle
-from tandem.common.wire.kvdown import (
-    Expected,
-    KVBlockDown,
-    KVCommitDown,
-    RemotePrefill,
-    block_ids,
-    check_block,
-    check_commit,
-    frame_block,
-    full_model_key,
-    open_block,
-)
+from tandem.common.wire.kvblocks import LayerRange
+from tandem.common.wire.kvcodec import BlockSpec, Commit, KVBlock, check_block, check_commit, encode_block, open_block
+from tandem.common.wire.kvdown import RemotePrefill, down_spec, full_model_key
 from tandem.edge.link.downlink import KVDownload
 from tests.doubles import MANIFEST, B
 
@@ -45,9 +36,14 @@ def blocks(n: int = 3) -> list[np.ndarray]:
     return [(rng.integers(-1024, 1024, (L, 2, HKV, B, D)) / 1024).astype(np.float32) for _ in range(n)]
 
 
-def expected(p: LinkParams, first: int = 0) -> Expected:
-    ids = tuple(block_ids(IDS, B, full_model_key(MANIFEST), "s", "r"))
-    return Expected(ids, first, p, p.params_version, SHAPE)
+def expected(p: LinkParams, first: int = 0) -> BlockSpec:
+    return down_spec(IDS, first, full_model_key(MANIFEST), "s", "r", SHAPE, p, p.params_version)
+
+
+def frame_block(block: np.ndarray, j: int, block_hash: bytes, p: LinkParams, version: int) -> tuple[KVBlock, bytes]:
+    """Block ``j`` as the cloud sends it, and its leaf (the commit's input)."""
+    down = encode_block(block, j, block_hash, LayerRange(0, L), p, version)
+    return down, down.leaf_hash
 
 
 @pytest.mark.parametrize(
@@ -70,7 +66,7 @@ def test_a_framed_block_opens_to_its_float32(kv, codec):
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"block_index": 3}, "outside"),
+        ({"leaf_index": 3}, "outside"),
         ({"params_version": 2}, "params v2"),
         ({"wire_dtype": wire.WireDtype.FP16}, "negotiated"),
         ({"codec": wire.Codec.ZSTD}, "negotiated"),
@@ -84,7 +80,7 @@ def test_a_block_outside_the_turn_or_the_link_is_refused_before_its_payload(chan
     p = params()
     want = expected(p)
     down, _ = frame_block(blocks(1)[0], 0, want.ids[0], p, p.params_version)
-    with pytest.raises(InvalidRequest, match=match):
+    with pytest.raises(ParamsVersionMismatch if "params_version" in change else InvalidRequest, match=match):
         check_block(replace(down, **change), want)
     with pytest.raises(InvalidRequest, match="outside"):
         check_block(down, expected(p, first=1))  # the edge holds block 0 already
@@ -112,13 +108,13 @@ def test_the_commit_covers_the_blocks_in_order():
     p = params()
     want = expected(p, first=1)
     leaves = [frame_block(b, j, want.ids[j], p, 3)[1] for j, b in zip((1, 2), blocks(2), strict=True)]
-    check_commit(KVCommitDown(1, 2, merkle.root(leaves)), want, leaves)
-    for bad in (KVCommitDown(0, 3, merkle.root(leaves)), KVCommitDown(1, 2, merkle.root(leaves[::-1]))):
+    check_commit(Commit(2, merkle.root(leaves), 1), want.first, leaves)
+    for bad in (Commit(3, merkle.root(leaves), 0), Commit(2, merkle.root(leaves[::-1]), 1)):
         with pytest.raises(MerkleMismatch):
-            check_commit(bad, want, leaves)
+            check_commit(bad, want.first, leaves)
 
 
-def _corrupt(b: KVBlockDown) -> KVBlockDown:
+def _corrupt(b: KVBlock) -> KVBlock:
     payload = bytearray(b.payload)
     payload[7] ^= 0x40
     return replace(b, payload=bytes(payload))
@@ -132,7 +128,7 @@ async def test_the_edge_asks_for_a_corrupt_block_again_and_never_uses_it():
     bad = await down.add(_corrupt(framed[1][0]))
     assert a0 is not None and a0.verified_blocks == 1 and not a0.resend_blocks
     assert bad is not None and bad.resend_blocks == (1,) and 1 not in down.blocks
-    down.add_commit(KVCommitDown(0, 3, merkle.root([leaf for _, leaf in framed])))
+    down.add_commit(Commit(3, merkle.root([leaf for _, leaf in framed]), 0))
     assert not down.ready  # the commit waits for the resent block
     await down.add(framed[2][0])
     again = await down.add(framed[1][0])
