@@ -436,8 +436,8 @@ def main(
     edge_dir = edge_decoder_dir(edge_decoder, model_dir)
     try:  # loaded first: a graph that cannot run on --device is refused before the engines run
         edge_teacher = None if edge_dir is None else EdgeTeacher(edge_dir, device, threads)
-    except ValueError as e:
-        raise typer.BadParameter(f"--edge-decoder: {e}") from None
+    except ValueError as refused:
+        raise typer.BadParameter(f"--edge-decoder: {refused}") from None
     other = "bfloat16" if dtype == "float32" else "float32"  # the second engine: the precision floor
     ks = [int(k) for k in split_layers.split(",") if k.strip()]
     plist = parse_pairs(pairs)
