@@ -17,12 +17,19 @@ Over the fixed chat set (``benchmarks/data/fidelity_prompts.jsonl``: 200 hand-wr
    (``benchmarks.teacher``: why that is the same computation); each compared with the fp32 pair's.
    A third floor row compares that in-process fp32 with the fp32 engine: the size of the
    difference between the two computations.
+4. **Edge whole model.** The graph the edge's local mode and remote prefill run (``--edge-decoder``,
+   default the model directory's ``edge-decoder/`` where it holds one: ONNX Runtime GenAI's model
+   builder's graph, fp32 on a CPU build, bf16 on a GPU), teacher-forced as the edge runs a turn
+   (``benchmarks.edge_teacher``: the prompt in one run, then one decode step per reply token) on
+   ``--device``, compared with the reference engine as the floor rows are (its top-K coarsened
+   KL, flips, greedy agreement): the edge's agreement with direct mode, beside the floors.
 
 With ``--dtype bfloat16`` (``--device cuda`` on a GPU host) the engines and the in-process tail
 and full model compute in bf16, as a GPU cloud does: the references are the bf16 engine's, the
 batching floor is direct mode's own run-to-run noise in bf16, the precision floor compares it
 with an fp32 engine, and the third row is the split's agreement with direct in bf16 (the bf16
-engine against the in-process split: the edge's fp32 head, fp32 on the wire, the bf16 tail).
+engine against the in-process split: the edge's fp32 head, fp32 on the wire, the bf16 tail); the
+edge row is then the GPU's bf16 builder graph against the bf16 engine.
 
 Measures per row (``benchmarks.fidelity_stats``): next-token KL divergence (mean and p99 over
 positions; top-K coarsened for every row, which the engines' top-K lists allow, and over the full
@@ -31,12 +38,16 @@ vocabulary for the formats), top-1 agreement where the reference's top-2 gap exc
 and per prompt-length bucket. Greedy agreement is the secondary column: under teacher forcing a
 greedy reply equals the reference up to the first position whose top-1 differs from the
 reference's token, so the share of identical replies and the first divergence follow exactly.
-Bytes per prompt token are counted as the edge sends them (every token's activations, the full
-KV blocks of ``B = 32`` tokens) against fp32, bf16 and direct mode's token ids.
+At each reply's first greedy divergence the reference engine's top-2 gap (and the row's own)
+tells a near-tie going the other way (a gap of at most ``GAP_NATS``) from an error
+(``fidelity_stats.Divergences``: how many divergences fall at near-ties, the median and smallest
+gaps). Bytes per prompt token are counted as the edge sends them (every token's activations, the
+full KV blocks of ``B = 32`` tokens) against fp32, bf16 and direct mode's token ids.
 
 A pair qualifies (``fidelity_stats.qualifies``) where its mean KL and its flip rate are each
-within ``FLOOR_FACTOR`` of the fp32-vs-bf16 engines' floor. Writes into ``--out``:
-``fidelity.md`` (the tables), ``fidelity.json`` (every row and its buckets),
+within ``FLOOR_FACTOR`` of the fp32-vs-bf16 engines' floor; the edge row is judged by the same
+rule. Writes into ``--out``:
+``fidelity.md`` (the tables), ``fidelity.json`` (every row and its buckets, the edge row under ``edge``),
 ``fidelity.png`` (KL vs bytes per prompt token, one point per pair, the floor as a band) and
 ``fidelity-table.json`` (the qualifying pairs per split layer, the form ``cloud.links.fidelity`` reads).
 """
@@ -50,6 +61,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -163,15 +175,62 @@ def greedy_from_forced(reply: np.ndarray, top1: np.ndarray) -> list[int]:
     return [int(x) for x in reply] if not diff.size else [*map(int, reply[: diff[0]]), int(top1[diff[0]])]
 
 
-def compare_engines(ref: dict, other: dict, lengths: dict[str, int]) -> tuple[dict, dict]:
-    """(summary, greedy agreement) of engine run ``other`` against engine run ``ref``."""
-    pos = fs.Positions()
+def compare_engines(ref: dict, other: dict, lengths: dict[str, int]) -> dict:
+    """Engine run ``other`` against engine run ``ref``: the summary, with its greedy agreement
+    (``greedy``) and the gaps at its first divergences (``divergence``)."""
+    pos, div = fs.Positions(), fs.Divergences()
     greedy_ref, greedy_other = {}, {}
     for i, r in ref.items():
         o = other[i]
         pos.add_turn((r["ids"], r["lps"]), (o["ids"], o["lps"]), o["own"], lengths[i])
+        div.add_turn(r["reply"], r["lps"], o["ids"], o["lps"])
         greedy_ref[i], greedy_other[i] = list(map(int, r["reply"])), greedy_from_forced(r["reply"], o["ids"][:, 0])
-    return fs.summarize(pos), fs.greedy_agreement(greedy_ref, greedy_other)
+    g = fs.greedy_agreement(greedy_ref, greedy_other)
+    return {**fs.summarize(pos), "greedy": g, "divergence": fs.summarize_divergences(div)}
+
+
+def edge_decoder_dir(option: str, model_dir: Path) -> Path | None:
+    """``--edge-decoder``: ``auto`` -> the model directory's ``edge-decoder/`` where it holds a built
+    graph (else None: no edge row), ``none`` -> None, else that directory.
+
+    Raises:
+        typer.BadParameter: a named directory holds no built graph.
+    """
+    from tandem.common.model.builder_export import GENAI_CONFIG
+    from tandem.common.protocol.manifest import FULL_DECODER
+
+    if option in ("auto", "none"):
+        found = model_dir / FULL_DECODER
+        return found if option == "auto" and (found / GENAI_CONFIG).is_file() else None
+    if not (Path(option) / GENAI_CONFIG).is_file():
+        raise typer.BadParameter(f"--edge-decoder {option}: no built graph there ({GENAI_CONFIG})")
+    return Path(option)
+
+
+def edge_row(teacher: Any, reqs: list[dict], ref: dict, top_k: int, ref_dtype: str) -> dict:
+    """The edge whole model (``edge_teacher.EdgeTeacher``) teacher-forced over every chat's
+    reference reply and compared with the reference engine ``ref`` as the floor rows are: the
+    summary, ``greedy`` and ``divergence``, and the row's ``title``."""
+    from tqdm import tqdm
+
+    pos, div, greedy = fs.Positions(), fs.Divergences(), {}
+    for r in tqdm(reqs, desc="teacher-forced edge", unit="chat"):
+        reply, e = np.asarray(r["reply"]), ref[r["id"]]
+        lp = teacher.forced(r["prompt"], r["reply"])  # [n, V]
+        top = fs.topk(lp, top_k)
+        pos.add_turn((e["ids"], e["lps"]), top, lp[np.arange(len(reply)), reply], len(r["prompt"]))
+        div.add_turn(reply, e["lps"], *top)
+        greedy[r["id"]] = greedy_from_forced(reply, top[0][:, 0])
+    return {
+        "title": f"{SHORT_DTYPE[ref_dtype]} engine vs {teacher.title}",
+        "decoder_dir": str(teacher.decoder_dir),
+        "precision": teacher.precision,
+        "device": teacher.device,
+        "top_k": top_k,
+        **fs.summarize(pos),
+        "greedy": fs.greedy_agreement({r["id"]: r["reply"] for r in reqs}, greedy),
+        "divergence": fs.summarize_divergences(div),
+    }
 
 
 def plot(path: Path, rows: list[dict], floors: dict[str, dict]) -> None:
@@ -210,8 +269,9 @@ def plot(path: Path, rows: list[dict], floors: dict[str, dict]) -> None:
     fig.savefig(path, dpi=110)
 
 
-def table_lines(rows: list[dict], floors: dict[str, dict], meta: dict) -> list[str]:
-    """The markdown tables: one row per floor and per (k, pair), then KL by prompt-length bucket."""
+def table_lines(rows: list[dict], floors: dict[str, dict], meta: dict, edge: Sequence[dict] = ()) -> list[str]:
+    """The markdown tables: one row per floor, per edge whole model and per (k, pair), then KL by
+    prompt-length bucket, then the gaps at the first greedy divergences."""
     head = (
         "| row | B per prompt token | fp32 B / this | bf16 B / this | this / token-id B | "
         "KL mean | KL p99 | KL mean (full) | "
@@ -240,6 +300,8 @@ def table_lines(rows: list[dict], floors: dict[str, dict], meta: dict) -> list[s
 
     for f in floors.values():
         lines.append(f"| floor: {f['title']} | | | | | {cells(f, f['greedy'])} | |")
+    for e in edge:
+        lines.append(f"| edge: {e['title']} | | | | | {cells(e, e['greedy'])} | {'yes' if e['qualifies'] else 'no'} |")
     for r in rows:
         lines.append(
             f"| k={r['k']} {r['pair']} | {r['bytes_per_token']:.0f} | {r['vs_fp32']:.1f}x | "
@@ -258,12 +320,47 @@ def table_lines(rows: list[dict], floors: dict[str, dict], meta: dict) -> list[s
             for b in buckets
         ]
         lines.append(f"| floor: {f['title']} | " + " | ".join(cols) + " |")
+    for e in edge:
+        cols = [
+            f"{e['buckets'][b]['kl_mean']:.1e} / {100 * e['buckets'][b]['flip_rate']:.1f}%" if b in e["buckets"] else ""
+            for b in buckets
+        ]
+        lines.append(f"| edge: {e['title']} | " + " | ".join(cols) + " |")
     for r in rows:
         cols = [
             f"{r['buckets'][b]['kl_mean']:.1e} / {100 * r['buckets'][b]['flip_rate']:.1f}%" if b in r["buckets"] else ""
             for b in buckets
         ]
         lines.append(f"| k={r['k']} {r['pair']} | " + " | ".join(cols) + " |")
+    named = [(f"floor: {f['title']}", f) for f in floors.values()] + [(f"edge: {e['title']}", e) for e in edge]
+    return lines + divergence_lines(named + [(f"k={r['k']} {r['pair']}", r) for r in rows])
+
+
+def divergence_lines(named: list[tuple[str, dict]]) -> list[str]:
+    """The table of the gaps at the first greedy divergences, one line per ``(name, row)`` (rows
+    measured without them are left out)."""
+    lines = [
+        "",
+        f"At each reply's first greedy divergence from the reference: the reference's top-2 gap (nats; "
+        f"a near-tie at <= {fs.GAP_NATS:g}) and the row's own:",
+        "",
+        "| row | replies diverging | at near-ties | reference gap: median | reference gap: min | "
+        "own gap: median | own gap: min |",
+        "|" + "---|" * 7,
+    ]
+
+    def gap(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    for name, r in named:
+        d = r.get("divergence")
+        if d is None:
+            continue
+        lines.append(
+            f"| {name} | {d['divergences']} of {r['greedy']['replies']} | {d['at_near_ties']} | "
+            f"{gap(d['ref_gap_median'])} | {gap(d['ref_gap_min'])} | {gap(d['own_gap_median'])} | "
+            f"{gap(d['own_gap_min'])} |"
+        )
     return lines
 
 
@@ -308,6 +405,14 @@ def main(
     device: Annotated[str, typer.Option(help="torch device of the in-process tail and full model: cpu or cuda")] = (
         "cpu"
     ),
+    edge_decoder: Annotated[
+        str,
+        typer.Option(
+            help="the edge's whole model for the edge row: a built decoder directory (tandem-model's "
+            "edge-decoder/, built for --device), auto (the model directory's edge-decoder/ where it holds "
+            "one) or none"
+        ),
+    ] = "auto",
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/fidelity"),
     render: Annotated[bool, typer.Option(help="only write the tables, plot and table again from out/fidelity.json")] = (
         False
@@ -322,11 +427,17 @@ def main(
         write_outputs(out, SplitManifest.load(model_dir / f"split-k{k0}").weights_blake3)
         return
 
+    from tandem.benchmarks.edge_teacher import EdgeTeacher
     from tandem.benchmarks.teacher import SplitTeacher
     from tandem.common.protocol.chat import prompt_token_ids
 
     if dtype not in SHORT_DTYPE:
         raise typer.BadParameter(f"--dtype {dtype!r}: float32 or bfloat16")
+    edge_dir = edge_decoder_dir(edge_decoder, model_dir)
+    try:  # loaded first: a graph that cannot run on --device is refused before the engines run
+        edge_teacher = None if edge_dir is None else EdgeTeacher(edge_dir, device, threads)
+    except ValueError as refused:
+        raise typer.BadParameter(f"--edge-decoder: {refused}") from None
     other = "bfloat16" if dtype == "float32" else "float32"  # the second engine: the precision floor
     ks = [int(k) for k in split_layers.split(",") if k.strip()]
     plist = parse_pairs(pairs)
@@ -342,7 +453,11 @@ def main(
     lengths = {r["id"]: len(r["prompt"]) for r in reqs}
     w = Path(tempfile.mkdtemp(prefix="tandem-fidelity-"))
     t0 = time.perf_counter()
-    print(f"tandem-bench-fidelity: {len(reqs)} chats, k={ks}, {len(plist)} pairs; engine logs in {w}", file=sys.stderr)
+    edge_note = "no edge row" if edge_teacher is None else f"edge row: {edge_teacher.title} from {edge_dir}"
+    print(
+        f"tandem-bench-fidelity: {len(reqs)} chats, k={ks}, {len(plist)} pairs, {edge_note}; engine logs in {w}",
+        file=sys.stderr,
+    )
 
     # one engine in the compute dtype: the reference (its greedy replies, one request at a time),
     # then the same replies four at a time (the batching floor)
@@ -364,25 +479,28 @@ def main(
     floor_thread.start()
 
     rows: list[dict] = []
-    check = fs.Positions()  # in-process fp32 against the fp32 engine
+    check, check_div = fs.Positions(), fs.Divergences()  # in-process fp32 against the fp32 engine
     check_greedy: dict[str, list[int]] = {}
     for k in ks:
         teacher = SplitTeacher(model_dir / f"split-k{k}", BLOCK_TOKENS, threads, device, dtype)
         per_pair = {p: fs.Positions() for p in plist}
+        divs = {p: fs.Divergences() for p in plist}
         greedy: dict[Any, dict[str, list[int]]] = {p: {} for p in plist}
         for r in tqdm(reqs, desc=f"teacher-forced k={k}", unit="chat"):
             reply = np.asarray(r["reply"])
             dists = teacher.forced(teacher.head_pass(r["prompt"]), r["reply"], plist)  # [P, n, V]
             ref_lp = dists[0]
             ref_top = fs.topk(ref_lp, top_k)
+            e = ref[r["id"]]  # the reference engine's: its top-2 gaps at the divergences
             for n, p in enumerate(plist):
                 top = ref_top if n == 0 else fs.topk(dists[n], top_k)
                 own = dists[n][np.arange(len(reply)), reply]  # log-probability of the reference reply's token
                 per_pair[p].add_turn(ref_top, top, own, len(r["prompt"]), kl_full=fs.full_kl(ref_lp, dists[n]))
+                divs[p].add_turn(reply, e["lps"], *top)
                 greedy[p][r["id"]] = greedy_from_forced(reply, top[0][:, 0])
             if k == ks[0]:
-                e = ref[r["id"]]
                 check.add_turn((e["ids"], e["lps"]), ref_top, ref_lp[np.arange(len(reply)), reply], len(r["prompt"]))
+                check_div.add_turn(reply, e["lps"], *ref_top)
                 check_greedy[r["id"]] = greedy_from_forced(reply, ref_top[0][:, 0])
         lens = [len(r["prompt"]) for r in reqs]
         fp32_b = bytes_per_prompt_token(FP32_PAIR, manifests[k], lens)
@@ -396,23 +514,26 @@ def main(
                 "vs_token_ids": b / ids_b,
                 **fs.summarize(per_pair[p]),
                 "greedy": fs.greedy_agreement(refs, greedy[p]),
+                "divergence": fs.summarize_divergences(divs[p]),
             }
             rows.append(row)
         del teacher
+    edge = [] if edge_teacher is None else [edge_row(edge_teacher, reqs, ref, top_k, dtype)]
+    del edge_teacher
 
     floor_thread.join()
     if failed:
         raise failed[0]
     with open(w / "state.pkl", "wb") as f:  # everything measured, for reading again without a rerun
-        pickle.dump({"rows": rows, "check": check, "check_greedy": check_greedy, "ref": ref, "engines": engines}, f)
+        state = {"rows": rows, "edge": edge, "check": check, "check_greedy": check_greedy, "check_div": check_div}
+        pickle.dump(state | {"ref": ref, "engines": engines}, f)
     floors = {}
     titles = (
         ("batching", f"{SHORT_DTYPE[dtype]} engine, concurrency 1 vs 4"),
         ("bf16", f"{SHORT_DTYPE[dtype]} vs {SHORT_DTYPE[other]} engines"),
     )
     for key, title in titles:
-        s, g = compare_engines(ref, engines[key], lengths)
-        floors[key] = {"title": title, "top_k": top_k, **s, "greedy": g}
+        floors[key] = {"title": title, "top_k": top_k, **compare_engines(ref, engines[key], lengths)}
     floors["in_process"] = {  # in bf16: direct mode (the engine) against the split (fp32 head, fp32 wire, bf16 tail)
         "title": "fp32 engine vs in-process fp32"
         if dtype == "float32"
@@ -420,6 +541,7 @@ def main(
         "top_k": top_k,
         **fs.summarize(check),
         "greedy": fs.greedy_agreement({r["id"]: r["reply"] for r in reqs}, check_greedy),
+        "divergence": fs.summarize_divergences(check_div),
     }
     for r in rows:
         r["qualifies"] = r["pair"] != "fp32/fp32" and fs.qualifies(r, floors["bf16"])
@@ -436,7 +558,8 @@ def main(
         "split_layers": ks,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    (out / "fidelity.json").write_text(json.dumps({"meta": meta, "floors": floors, "rows": rows}, indent=1))
+    data = {"meta": meta, "floors": floors, "edge": edge, "rows": rows}
+    (out / "fidelity.json").write_text(json.dumps(data, indent=1))
     write_outputs(out, m0.weights_blake3)
 
 
@@ -444,10 +567,12 @@ def write_outputs(out: Path, weights_blake3: str) -> None:
     """From ``out/fidelity.json``: ``fidelity.md``, ``fidelity.png`` and ``fidelity-table.json``
     (qualifying again by the current rule), and the tables on stdout."""
     data = json.loads((out / "fidelity.json").read_text())
-    rows, floors, meta = data["rows"], data["floors"], data["meta"]
+    rows, floors, meta, edge = data["rows"], data["floors"], data["meta"], data.get("edge", [])
     for r in rows:
         r["qualifies"] = r["pair"] != "fp32/fp32" and fs.qualifies(r, floors["bf16"])
-    lines = table_lines(rows, floors, meta)
+    for e in edge:  # the edge's whole model against direct mode, by the same rule
+        e["qualifies"] = fs.qualifies(e, floors["bf16"])
+    lines = table_lines(rows, floors, meta, edge)
     (out / "fidelity.md").write_text("\n".join(lines) + "\n")
     table = default_table(rows, floors, meta, weights_blake3)
     (out / "fidelity-table.json").write_text(json.dumps(table, indent=1) + "\n")

@@ -152,6 +152,55 @@ def greedy_agreement(ref: Mapping[str, Sequence[int]], other: Mapping[str, Seque
     }
 
 
+def first_divergence(reply: np.ndarray, top1: np.ndarray) -> int | None:
+    """Where a greedy reply parts from the reference ``reply`` int ``[n]``, given the system's
+    teacher-forced top-1 tokens ``top1`` int ``[n]`` along it: the first position (0-based) where
+    they differ, or None where they never do."""
+    diff = np.flatnonzero(np.asarray(top1) != np.asarray(reply))
+    return int(diff[0]) if diff.size else None
+
+
+@dataclass
+class Divergences:
+    """At each reply's first greedy divergence, the top-2 log-probability gaps (nats; the logits'
+    gap, which a softmax keeps) of the reference and of the other system at that position: a
+    divergence at a small reference gap is a near-tie going the other way, one at a large gap an
+    error. Lists of equal length, one entry per diverging reply."""
+
+    ref_gap: list[float] = field(default_factory=list)
+    own_gap: list[float] = field(default_factory=list)
+    position: list[int] = field(default_factory=list)
+
+    def add_turn(self, reply: np.ndarray, ref_lps: np.ndarray, other_ids: np.ndarray, other_lps: np.ndarray) -> None:
+        """One reply of ``n`` tokens: ``reply`` int ``[n]`` the reference's, ``ref_lps`` float
+        ``[n, K]`` the reference's top-K log-probabilities, ``other_ids`` int ``[n, K]`` and
+        ``other_lps`` float ``[n, K]`` the other's top K (best first, ``K >= 2``)."""
+        j = first_divergence(reply, other_ids[:, 0])
+        if j is None:
+            return
+        self.ref_gap.append(float(ref_lps[j, 0] - ref_lps[j, 1]))
+        self.own_gap.append(float(other_lps[j, 0] - other_lps[j, 1]))
+        self.position.append(j)
+
+
+def summarize_divergences(d: Divergences, gap_nats: float = GAP_NATS) -> dict:
+    """The first divergences' gaps: how many replies diverge, how many of them at a near-tie of the
+    reference (gap ``<= gap_nats``), the median and smallest gap of the reference and of the other
+    system (None where no reply diverges), and every gap (``ref_gaps``, ``own_gaps``, nats)."""
+    ref, own = np.asarray(d.ref_gap), np.asarray(d.own_gap)
+    some = ref.size > 0
+    return {
+        "divergences": int(ref.size),
+        "at_near_ties": int((ref <= gap_nats).sum()),
+        "ref_gap_median": float(np.median(ref)) if some else None,
+        "ref_gap_min": float(ref.min()) if some else None,
+        "own_gap_median": float(np.median(own)) if some else None,
+        "own_gap_min": float(own.min()) if some else None,
+        "ref_gaps": [round(g, 4) for g in d.ref_gap],
+        "own_gaps": [round(g, 4) for g in d.own_gap],
+    }
+
+
 def qualifies(row: dict, floor: dict, factor: float = FLOOR_FACTOR) -> bool:
     """A format is within the noise floor: its mean top-K KL and its flip rate each at most
     ``factor`` times the floor's."""

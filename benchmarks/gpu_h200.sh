@@ -26,9 +26,11 @@
 #                checkpoint with every tail beside it passes the host's 64 GiB disk, so preparing one
 #                k removes the others' tails and heads first
 #   fidelity     tandem-bench-fidelity on SmolLM2 over all 200 chats, k = 4 and 8, every default pair:
-#                fp32 CUDA engines, the in-process tail and full model on the GPU
+#                fp32 CUDA engines, the in-process tail and full model on the GPU; its edge row is the
+#                bf16 builder graph smollm2 prepares ($SMOL/edge-decoder) on ONNX Runtime's CUDA provider
 #   fidelity-bf16  the same in bf16 (--dtype bfloat16): the split's agreement with direct beside
-#                direct's own bf16 run-to-run floor
+#                direct's own bf16 run-to-run floor, and the edge row (the bf16 builder graph, as
+#                local mode and remote prefill run it) against the bf16 engine
 #   exactness    tandem-bench-exactness on SmolLM2, fp32 CUDA engines: remote prefill, direct and
 #                local over all 200 chats and 20 three-turn sessions; it resumes what an earlier
 #                call on the same host finished (the host keeps /var/tmp while it stays up), so a
@@ -215,7 +217,7 @@ step_fidelity() {  # step_fidelity DTYPE
   fi
   log "tandem-bench-fidelity $1"
   (cd "$W" && tandem-bench-fidelity --model-dir "$SMOL" --split-layers 4,8 --dtype "$1" --device cuda \
-    --out "$OUT/fidelity-$1") > "$OUT/fidelity-$1.log" 2>&1
+    --edge-decoder "$SMOL/edge-decoder" --out "$OUT/fidelity-$1") > "$OUT/fidelity-$1.log" 2>&1
   tail -30 "$OUT/fidelity-$1.log"
 }
 

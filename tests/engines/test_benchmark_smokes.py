@@ -136,7 +136,9 @@ def test_batching_smoke(tmp_path):
 def test_fidelity_smoke(tmp_path, split_dir):
     """``tandem-bench-fidelity`` with three chats and three tokens: the engine references and floors
     (two vLLM engines, none of them the shared cloud: fp32 one request at a time then four at a
-    time, and bf16), the in-process teacher-forced pass, the tables, the plot and the fidelity table."""
+    time, and bf16), the in-process teacher-forced pass, the edge row of the prepared fp32 builder
+    graph (``edge-decoder/``), the divergence gaps of every row, the tables, the plot and the
+    fidelity table."""
     out = tmp_path / "fidelity"
     cmd = [sys.executable, "-m", "tandem.benchmarks.fidelity", "--limit", "3", "--max-new-tokens", "3"]
     cmd += ["--model-dir", str(split_dir.parent), "--pairs", "int8_hadamard/int4", "--out", str(out)]
@@ -149,6 +151,12 @@ def test_fidelity_smoke(tmp_path, split_dir):
     assert small["kl_full_mean"] > 0 and small["bytes_per_token"] < fp32["bytes_per_token"] / 5
     assert set(data["floors"]) == {"batching", "bf16", "in_process"}
     assert data["floors"]["in_process"]["kl_mean"] < 1e-3  # in-process fp32 computes what the engine does
-    assert (out / "fidelity.png").stat().st_size > 0 and "within the floor" in (out / "fidelity.md").read_text()
+    (edge,) = data["edge"]  # the model directory's edge-decoder/, found by default
+    assert edge["title"] == "fp32 engine vs edge whole model (builder graph, fp32 on cpu)"
+    assert edge["kl_mean"] < 1e-3 and edge["positions"] == data["floors"]["bf16"]["positions"]
+    assert all(r["divergence"]["divergences"] <= 3 for r in [edge, *data["rows"], *data["floors"].values()])
+    md = (out / "fidelity.md").read_text()
+    assert (out / "fidelity.png").stat().st_size > 0 and "within the floor" in md
+    assert f"| edge: {edge['title']} |" in md and "At each reply's first greedy divergence" in md
     table = json.loads((out / "fidelity-table.json").read_text())
     assert [e["kv"] for e in table["splits"]["4"]] == ["int4", "fp32"]  # smallest first

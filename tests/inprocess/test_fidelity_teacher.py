@@ -1,13 +1,17 @@
 """The fidelity benchmark's in-process split path (``benchmarks.teacher.SplitTeacher``) on the real
 SmolLM2 split: the ONNX head, the format round trips and the tail and full checkpoints in
-transformers, in float32 and in bfloat16 (a GPU cloud's compute dtype)."""
+transformers, in float32 and in bfloat16 (a GPU cloud's compute dtype); and its edge row's
+teacher-forced whole model (``benchmarks.edge_teacher.EdgeTeacher``) on the prepared fp32
+``edge-decoder/``."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from tandem.benchmarks.edge_teacher import EdgeTeacher
 from tandem.benchmarks.teacher import SplitTeacher
+from tandem.common.protocol.manifest import FULL_DECODER
 from tandem.common.protocol.params import WireDtype
 
 FP32 = (WireDtype.FP32, WireDtype.FP32)
@@ -43,3 +47,54 @@ def test_the_split_path_in_bf16_stays_near_fp32_and_its_formats_differ_from_each
 def test_a_teacher_dtype_other_than_fp32_or_bf16_is_refused(split_dir):
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         SplitTeacher(split_dir, dtype="float16")
+
+
+@pytest.fixture(scope="module")
+def edge_teacher(split_dir):
+    return EdgeTeacher(split_dir.parent / FULL_DECODER, "cpu", threads=2)
+
+
+def test_the_edge_whole_model_forced_along_its_own_greedy_reply_gives_it_back_and_matches_the_split(
+    edge_teacher, teachers, tokenizer
+):
+    """Teacher-forced along the graph's own greedy reply (prefill, then greedy decode steps, as the
+    edge runs a turn): every row a log-distribution whose top-1 is that reply's token, and the
+    fp32 split path's distributions (the same model) within fp32 rounding."""
+    from tandem.common.protocol.chat import prompt_token_ids
+
+    prompt = prompt_token_ids(tokenizer, [{"role": "user", "content": "Tell me about foxes. " * 6}])
+    g = edge_teacher.graph
+    slot = g.new_kv(len(prompt) + 8)
+    greedy = [g.run(slot, prompt, greedy=True)[0]]
+    while len(greedy) < 8:
+        greedy.append(g.run(slot, [greedy[-1]], greedy=True)[0])
+    g.release(slot)
+    lp = edge_teacher.forced(prompt, greedy)
+    assert lp.shape == (8, g.spec.vocab_size) and edge_teacher.title.endswith("(builder graph, fp32 on cpu)")
+    np.testing.assert_allclose(np.exp(lp).sum(-1), 1.0, atol=1e-4)
+    assert lp.argmax(-1).tolist() == greedy
+    t = teachers["float32"]
+    split = t.forced(t.head_pass(prompt), greedy, [FP32])[0]
+    assert 0 <= (np.exp(split) * (split - lp)).sum(-1).max() < 1e-4
+
+
+def test_the_edge_teacher_refuses_a_graph_it_cannot_run_as_built(split_dir, tmp_path):
+    """A graph built for another device than the run's, an unchecked build, and an unknown device
+    are refused before anything runs."""
+    import json
+
+    src = split_dir.parent / FULL_DECODER
+    for f in src.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    build = json.loads((src / "tandem_build.json").read_text())
+    (tmp_path / "tandem_build.json").unlink()
+    (tmp_path / "tandem_build.json").write_text(json.dumps(build | {"execution_provider": "cuda"}))
+    with pytest.raises(ValueError, match="built for cuda"):
+        EdgeTeacher(tmp_path, "cpu")
+    with pytest.raises(ValueError, match="built for cpu"):
+        EdgeTeacher(src, "cuda")
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        EdgeTeacher(src, "tpu")
+    (tmp_path / "tandem_build.json").write_text(json.dumps(build | {"passed": False}))
+    with pytest.raises(ValueError, match="failed its check"):
+        EdgeTeacher(tmp_path, "cpu")

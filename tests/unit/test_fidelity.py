@@ -193,3 +193,80 @@ def test_the_benchmark_refuses_a_compute_dtype_it_cannot_run(tmp_path):
     res = CliRunner().invoke(app, ["--dtype", "float16", "--out", str(tmp_path / "f")])
     assert res.exit_code == 2 and "float32 or bfloat16" in res.output
     assert not (tmp_path / "f").exists()  # refused before anything ran
+
+
+def test_divergence_gaps_are_read_at_each_replys_first_divergence_only():
+    """The first position whose top-1 parts from the reference reply gives the reference's and the
+    system's own top-2 gaps; a reply that never parts adds nothing; near-ties counted at <= GAP_NATS."""
+    reply = np.array([5, 6, 7])
+    ref_lps = np.log(np.array([[0.9, 0.1], [0.5, 0.4], [0.6, 0.4]]))
+    other_ids = np.array([[5, 1], [8, 6], [9, 7]])  # parts at 1 (a near-tie) and again at 2: 1 counts
+    other_lps = np.log(np.array([[0.8, 0.2], [0.6, 0.3], [0.7, 0.3]]))
+    assert fs.first_divergence(reply, other_ids[:, 0]) == 1 and fs.first_divergence(reply, reply) is None
+    d = fs.Divergences()
+    d.add_turn(reply, ref_lps, other_ids, other_lps)
+    d.add_turn(reply, ref_lps, np.stack([reply, reply], 1), other_lps)  # identical greedy: nothing
+    big = np.log(np.array([[0.95, 0.01], [0.5, 0.4], [0.6, 0.4]]))
+    d.add_turn(reply, big, np.array([[4, 5], [6, 1], [7, 1]]), other_lps)  # parts at 0, a decisive gap
+    s = fs.summarize_divergences(d)
+    assert (s["divergences"], s["at_near_ties"]) == (2, 1) and d.position == [1, 0]
+    assert s["ref_gap_min"] == pytest.approx(np.log(0.5 / 0.4))
+    assert s["ref_gap_median"] == pytest.approx((np.log(0.5 / 0.4) + np.log(95)) / 2)
+    assert s["own_gap_min"] == pytest.approx(np.log(2)) and len(s["own_gaps"]) == 2
+    assert fs.summarize_divergences(fs.Divergences())["ref_gap_median"] is None
+
+
+def test_the_edge_decoder_option_finds_the_model_dirs_graph_or_none(tmp_path):
+    import typer
+
+    from tandem.benchmarks.fidelity import edge_decoder_dir
+
+    assert edge_decoder_dir("auto", tmp_path) is None  # no edge-decoder/: no edge row
+    (tmp_path / "edge-decoder").mkdir()
+    (tmp_path / "edge-decoder" / "genai_config.json").write_text("{}")
+    assert edge_decoder_dir("auto", tmp_path) == tmp_path / "edge-decoder"
+    assert edge_decoder_dir("none", tmp_path) is None
+    assert edge_decoder_dir(str(tmp_path / "edge-decoder"), tmp_path / "x") == tmp_path / "edge-decoder"
+    with pytest.raises(typer.BadParameter, match="no built graph"):
+        edge_decoder_dir(str(tmp_path), tmp_path)
+
+
+def fidelity_result(edge: bool) -> dict:
+    """A ``fidelity.json`` of one floor pair, one split row and (``edge``) an edge row."""
+    buckets = {"0-63": {"positions": 4, "kl_mean": 1e-4, "flip_rate": 0.0}}
+    greedy = {"replies": 2, "identical": 0.5, "first_divergence_mean": 3.0}
+    div = {"divergences": 1, "at_near_ties": 1, "ref_gap_median": 0.12, "ref_gap_min": 0.12}
+    div |= {"own_gap_median": 0.05, "own_gap_min": 0.05, "ref_gaps": [0.12], "own_gaps": [0.05]}
+    summary = {"positions": 4, "near_ties": 1, "kl_mean": 1e-4, "kl_p99": 2e-4, "kl_full_mean": None}
+    summary |= {"top1_decisive": 1.0, "flip_near_tie": 0.5, "flip_rate": 0.25, "ppl": 1.5, "buckets": buckets}
+    row = {"title": "t", "top_k": 8, **summary, "greedy": greedy, "divergence": div}
+    floors = {key: row | {"title": key} for key in ("batching", "bf16", "in_process")}
+    split = row | {"k": 4, "pair": "fp32/fp32", "bytes_per_token": 1e4, "vs_fp32": 1.0, "vs_bf16": 0.5}
+    split |= {"vs_token_ids": 5000.0, "kl_full_mean": 0.0}
+    meta = {"prompts": 2, "selection": "all", "max_new_tokens": 2, "top_k": 8, "positions": 4}
+    edges = [row | {"title": "fp32 engine vs edge whole model (builder graph, fp32 on cpu)"}] if edge else []
+    return {"meta": meta, "floors": floors, "edge": edges, "rows": [split]}
+
+
+@pytest.mark.parametrize("edge", [True, False])
+def test_the_tables_show_the_edge_row_beside_the_floors_and_every_rows_divergence_gaps(tmp_path, edge):
+    """``fidelity.md`` from ``fidelity.json``: the edge row after the floor rows, judged by the floor
+    rule; the divergence table with a line per floor, edge row and split row; a result without an
+    edge row (or written before there was one) renders without it."""
+    from tandem.benchmarks.fidelity import write_outputs
+
+    data = fidelity_result(edge)
+    if not edge:
+        del data["edge"]
+    (tmp_path / "fidelity.json").write_text(json.dumps(data))
+    write_outputs(tmp_path, "w")
+    md = (tmp_path / "fidelity.md").read_text().splitlines()
+    edge_lines = [n for n, line in enumerate(md) if line.startswith("| edge: fp32 engine vs edge whole model")]
+    assert len(edge_lines) == (3 if edge else 0)  # main table, buckets, divergences
+    if edge:
+        floor_bf16 = md.index(next(line for line in md if line.startswith("| floor: bf16 | |")))
+        assert edge_lines[0] == floor_bf16 + 2 and md[edge_lines[0]].endswith("| yes |")
+    div = md[md.index(next(line for line in md if line.startswith("At each reply's first greedy"))) :]
+    assert "| k=4 fp32/fp32 | 1 of 2 | 1 | 0.120 | 0.120 | 0.050 | 0.050 |" in div
+    assert sum(line.startswith("| floor: ") for line in div) == 3
+    assert "edge" not in json.loads((tmp_path / "fidelity-table.json").read_text())["splits"]
