@@ -22,6 +22,7 @@ import time
 import uuid
 
 from tandem.cloud.config import CloudConfig
+from tandem.cloud.engines import vllm_metrics
 from tandem.cloud.links.negotiation import LinkLimits, LinkVersions, link_params
 from tandem.cloud.links.rates import CloudRates
 from tandem.cloud.links.table import LinkSlo, LinkTable
@@ -31,7 +32,6 @@ from tandem.cloud.turn import as_principal
 from tandem.common.protocol.errors import IncompatibleModel, InvalidRequest, ParamsVersionMismatch, PermissionDenied
 from tandem.common.protocol.limits import MAX_ID_BYTES
 from tandem.common.protocol.params import Codec, LinkParams, Negotiated, NegotiateOffer, ServerInfo, ServerLoad
-from tandem.common.runtime import metrics
 from tandem.common.runtime.security import ANONYMOUS_PEER, Principal
 from tandem.common.wire import chunks as wire
 from tandem.common.wire.formats import common_formats
@@ -285,7 +285,7 @@ class LinkRegistry:
         """vLLM's KV cache use, read from the metrics registry at most once a second (it walks every metric)."""
         now = time.monotonic()
         if now - self._kv_usage[0] >= 1.0:
-            self._kv_usage = (now, metrics.vllm_kv_cache_usage())
+            self._kv_usage = (now, vllm_metrics.vllm_kv_cache_usage())
         return self._kv_usage[1]
 
     def server_info(self, link_id: str, caller: Principal | str, serving: bool) -> ServerInfo:
