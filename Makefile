@@ -137,19 +137,19 @@ test-families: model
 	TANDEM_TEST_FAMILIES=all $(BIN)/python -m pytest -q tests/engines/test_families_e2e.py
 
 bench: model
-	$(BIN)/tandem-bench --model-dir $(MODEL_DIR) --split-layers $(SPLIT_LAYERS) --out bench-results/latest
-	$(BIN)/tandem-bench-batching --model $(MODEL_DIR)/hf --out bench-results/batching
-	$(BIN)/tandem-bench-burst --model-dir $(MODEL_DIR) --out bench-results/burst
-	$(BIN)/tandem-bench-multiturn --model-dir $(MODEL_DIR) --out bench-results/multiturn
-	$(BIN)/tandem-bench-fidelity --model-dir $(MODEL_DIR) --out bench-results/fidelity
-	$(BIN)/tandem-bench-exactness --model-dir $(MODEL_DIR) --out bench-results/exactness
+	$(BIN)/tandem-bench modes --model-dir $(MODEL_DIR) --split-layers $(SPLIT_LAYERS) --out bench-results/latest
+	$(BIN)/tandem-bench batching --model $(MODEL_DIR)/hf --out bench-results/batching
+	$(BIN)/tandem-bench burst --model-dir $(MODEL_DIR) --out bench-results/burst
+	$(BIN)/tandem-bench multiturn --model-dir $(MODEL_DIR) --out bench-results/multiturn
+	$(BIN)/tandem-bench fidelity --model-dir $(MODEL_DIR) --out bench-results/fidelity
+	$(BIN)/tandem-bench exactness --model-dir $(MODEL_DIR) --out bench-results/exactness
 	$(MAKE) bench-capacity
 
 # goodput under Poisson load, cloud and edge on separate cores; needs a split at k/L = 1/2 (k = 15 of 30)
 CAPACITY_SPLIT_LAYERS ?= 4,8,15
 bench-capacity: model
 	$(BIN)/tandem-model --out $(MODEL_DIR) --split-layers $(CAPACITY_SPLIT_LAYERS) --no-bundles --no-edge-full
-	$(BIN)/tandem-bench-capacity --model-dir $(MODEL_DIR) --split-layers $(CAPACITY_SPLIT_LAYERS) --out bench-results/capacity
+	$(BIN)/tandem-bench capacity --model-dir $(MODEL_DIR) --split-layers $(CAPACITY_SPLIT_LAYERS) --out bench-results/capacity
 
 # property-based fuzzing of the gateway and both gRPC services, longer than the tests' run (in-memory engines)
 fuzz: setup

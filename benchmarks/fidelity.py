@@ -1,4 +1,4 @@
-"""``tandem-bench-fidelity``: what each wire format pair does to the model's next-token
+"""``tandem-bench fidelity``: what each wire format pair does to the model's next-token
 distributions, against the noise of the unquantized system, and what it saves on the wire.
 
 Over the fixed chat set (``benchmarks/data/fidelity_prompts.jsonl``: 200 hand-written chats in
@@ -342,7 +342,7 @@ def main(
     lengths = {r["id"]: len(r["prompt"]) for r in reqs}
     w = Path(tempfile.mkdtemp(prefix="tandem-fidelity-"))
     t0 = time.perf_counter()
-    print(f"tandem-bench-fidelity: {len(reqs)} chats, k={ks}, {len(plist)} pairs; engine logs in {w}", file=sys.stderr)
+    print(f"tandem-bench fidelity: {len(reqs)} chats, k={ks}, {len(plist)} pairs; engine logs in {w}", file=sys.stderr)
 
     # one engine in the compute dtype: the reference (its greedy replies, one request at a time),
     # then the same replies four at a time (the batching floor)
