@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from tandem.cloud import metrics
 from tandem.cloud.config import CloudConfig
 from tandem.cloud.engines.kvparams import KVTransferSpec, PartSpec
 from tandem.cloud.engines.vllm_engines import EngineBackend, TailResult
@@ -50,7 +51,6 @@ from tandem.common.protocol.params import (
     SyncReply,
     SyncRequest,
 )
-from tandem.common.runtime import metrics
 from tandem.common.runtime.ewma import Ewma
 from tandem.common.runtime.logs import bind_request, turn_log
 from tandem.common.runtime.security import ANONYMOUS_PEER, Principal
