@@ -1,8 +1,8 @@
 """``tandem-bench``: every benchmark behind one command, one subcommand each (``tandem-bench capacity
 --model-dir DIR``), as ``vllm bench`` is. A subcommand is its module's Typer command with that module's
-flags (``tandem-bench SUB --help``); the module is imported when its subcommand runs or shows its help,
-so a run imports only its own benchmark. ``tandem-bench --help`` lists them all with ``BENCHMARKS``'
-summaries. What each measures, and its results: docs/benchmarks.md."""
+flags (``tandem-bench SUB --help``), its module imported only when the subcommand is looked up: a run
+imports its own benchmark alone; ``tandem-bench --help`` lists them all (importing each) with
+``BENCHMARKS``' summaries. What each measures, and its results: docs/benchmarks.md."""
 
 from __future__ import annotations
 
