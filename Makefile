@@ -137,19 +137,19 @@ test-families: model
 	TANDEM_TEST_FAMILIES=all $(BIN)/python -m pytest -q tests/engines/test_families_e2e.py
 
 bench: model
-	$(BIN)/tandem-bench --model-dir $(MODEL_DIR) --split-layers $(SPLIT_LAYERS) --out bench-results/latest
-	$(BIN)/tandem-bench-batching --model $(MODEL_DIR)/hf --out bench-results/batching
-	$(BIN)/tandem-bench-burst --model-dir $(MODEL_DIR) --out bench-results/burst
-	$(BIN)/tandem-bench-multiturn --model-dir $(MODEL_DIR) --out bench-results/multiturn
-	$(BIN)/tandem-bench-fidelity --model-dir $(MODEL_DIR) --out bench-results/fidelity
-	$(BIN)/tandem-bench-exactness --model-dir $(MODEL_DIR) --out bench-results/exactness
+	$(BIN)/tandem-bench modes --model-dir $(MODEL_DIR) --split-layers $(SPLIT_LAYERS) --out bench-results/latest
+	$(BIN)/tandem-bench batching --model $(MODEL_DIR)/hf --out bench-results/batching
+	$(BIN)/tandem-bench burst --model-dir $(MODEL_DIR) --out bench-results/burst
+	$(BIN)/tandem-bench multiturn --model-dir $(MODEL_DIR) --out bench-results/multiturn
+	$(BIN)/tandem-bench fidelity --model-dir $(MODEL_DIR) --out bench-results/fidelity
+	$(BIN)/tandem-bench exactness --model-dir $(MODEL_DIR) --out bench-results/exactness
 	$(MAKE) bench-capacity
 
 # goodput under Poisson load, cloud and edge on separate cores; needs a split at k/L = 1/2 (k = 15 of 30)
 CAPACITY_SPLIT_LAYERS ?= 4,8,15
 bench-capacity: model
 	$(BIN)/tandem-model --out $(MODEL_DIR) --split-layers $(CAPACITY_SPLIT_LAYERS) --no-bundles --no-edge-full
-	$(BIN)/tandem-bench-capacity --model-dir $(MODEL_DIR) --split-layers $(CAPACITY_SPLIT_LAYERS) --out bench-results/capacity
+	$(BIN)/tandem-bench capacity --model-dir $(MODEL_DIR) --split-layers $(CAPACITY_SPLIT_LAYERS) --out bench-results/capacity
 
 # property-based fuzzing of the gateway and both gRPC services, longer than the tests' run (in-memory engines)
 fuzz: setup
@@ -159,13 +159,13 @@ fuzz: setup
 docs: setup
 	$(BIN)/python docs/gen_configuration.py
 
-# mypy sees the installed layout (tandem.edge, tandem.cloud, tandem.common, tandem.benchmarks) through a tree of links
+# mypy over the package by its installed names (tandem.edge, tandem.cloud, tandem.common, tandem.benchmarks):
+# tools/typecheck.py hands mypy each real file under the name pyproject's package-dir gives it, so errors
+# name the files in edge/, cloud/, ... (no copy, no link tree, no install)
 check: setup proto-check
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	rm -rf build/typecheck && mkdir -p build/typecheck && cp -r tandem build/typecheck/tandem
-	for d in edge cloud common benchmarks; do ln -s ../../../$$d build/typecheck/tandem/$$d; done
-	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p tandem
+	$(BIN)/python tools/typecheck.py
 
 clean:
 	rm -rf $(VENV) $(MODEL_DIR) build

@@ -1,4 +1,4 @@
-"""``tandem-bench-batching``: the cloud engine's continuous batching against ``max_num_seqs``.
+"""``tandem-bench batching``: the cloud engine's continuous batching against ``max_num_seqs``.
 
 For each ``max_num_seqs`` a fresh vLLM ``AsyncLLM`` on the full checkpoint gets
 the same burst of requests (all submitted at once, deterministic prompts); the

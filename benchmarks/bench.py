@@ -1,4 +1,4 @@
-"""``tandem-bench``: TTFT, inter-token latency, throughput and bytes on the wire of
+"""``tandem-bench modes``: TTFT, inter-token latency, throughput and bytes on the wire of
 
 * tandem split at each exported split layer ``k`` (edge head + cloud tail/decode),
 * cloud-only: plain vLLM on the full checkpoint behind the same link (direct mode, token ids up),
@@ -111,7 +111,7 @@ async def run_remote(
                             "error": f"{type(e).__name__}: {e}",
                         }
                     )
-                    print(f"tandem-bench: {spec.label} on {link} at {target} tokens failed: {e}", file=sys.stderr)
+                    print(f"tandem-bench modes: {spec.label} on {link} at {target} tokens failed: {e}", file=sys.stderr)
                     progress.update(1)
                     return
                 t1 = time.perf_counter()
@@ -309,7 +309,7 @@ def main(
         max_new_tokens=max_new_tokens,
     )
     workdir = work_dir("tandem-bench-")  # its block stores are removed at exit, its logs kept
-    print(f"tandem-bench: shaper={shaper}, logs in {workdir}", file=sys.stderr)
+    print(f"tandem-bench modes: shaper={shaper}, logs in {workdir}", file=sys.stderr)
     pipeline = ["--pipeline-tokens", str(pipeline_tokens)] if pipeline_tokens >= 0 else []
     longest = max(
         p.prompt_tokens
@@ -344,11 +344,11 @@ def main(
     failed = sum(len(f) for f in failures.values())
     if failed:
         print(
-            f"tandem-bench: {failed} requests failed, left out of the tables (meta.json: failed_requests)",
+            f"tandem-bench modes: {failed} requests failed, left out of the tables (meta.json: failed_requests)",
             file=sys.stderr,
         )
     if not all(by_output.values()):
-        print("tandem-bench: no request was served: nothing to tabulate", file=sys.stderr)
+        print("tandem-bench modes: no request was served: nothing to tabulate", file=sys.stderr)
         raise typer.Exit(1)
     if not output_lens:
         report.write_all(out, by_output[max_new_tokens], meta | {"failed_requests": failures[max_new_tokens]})

@@ -1,4 +1,4 @@
-"""``tandem-bench-burst``: two edges on one cloud, one flooding it; does the quiet one keep its SLO?
+"""``tandem-bench burst``: two edges on one cloud, one flooding it; does the quiet one keep its SLO?
 
 One ``tandem-cloud`` (real vLLM engines) and two ``tandem-edge`` daemons, all child processes on
 this machine. The *quiet* edge sends split requests with Poisson arrivals (``--quiet-rps``) the
@@ -294,7 +294,7 @@ def main(
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "tokenizer")
     prompts = make_prompts(tokenizer, prompt_tokens, 32, seed)
     workdir = work_dir("tandem-burst-")  # its block stores are removed at exit, its logs kept
-    print(f"tandem-bench-burst: logs in {workdir}", file=sys.stderr)
+    print(f"tandem-bench burst: logs in {workdir}", file=sys.stderr)
     samples: list[Sample] = []
     for controller in ("on", "off") if compare else ("on",):
         print(f"run with the controller {controller} ({alone_s + burst_s:.0f} s) ...", file=sys.stderr)

@@ -1,6 +1,6 @@
-"""``tandem-bench-capacity``: goodput under an offered-load sweep, cloud-only against each split and auto.
+"""``tandem-bench capacity``: goodput under an offered-load sweep, cloud-only against each split and auto.
 
-Where can the split pay? Not in one request's TTFT on an idle cloud (``tandem-bench``: cloud-only
+Where can the split pay? Not in one request's TTFT on an idle cloud (``tandem-bench modes``: cloud-only
 wins most cells there), but in *capacity*: a split at layer ``k`` takes ``k/L`` of every prompt's
 prefill off the cloud onto the edge's own processor, so a cloud that is the bottleneck should serve
 more requests within its latency objective. This benchmark measures that:
@@ -511,7 +511,7 @@ def main(
     specs += [ModeSpec("remote-prefill", "remote_prefill")] if remote_prefill else []
     specs += [ModeSpec("auto", "auto")] if auto else []
     workdir = work_dir("tandem-capacity-")  # its block stores are removed at exit, its logs kept
-    print(f"tandem-bench-capacity: logs in {workdir}", file=sys.stderr)
+    print(f"tandem-bench capacity: logs in {workdir}", file=sys.stderr)
     stack = (
         None
         if edge_target

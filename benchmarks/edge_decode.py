@@ -2,7 +2,7 @@
 device, beside ONNX Runtime GenAI's ``Generator`` on the same graph, vLLM single-stream, and the
 floor of reading the weights once per token.
 
-``tandem-bench-edge --hf DIR --out DIR`` builds the whole model of the checkpoint with ONNX Runtime
+``tandem-bench edge --hf DIR --out DIR`` builds the whole model of the checkpoint with ONNX Runtime
 GenAI's model builder (``common.model.builder_export``; fp32 on the CPU build, fp16 or bf16 on CUDA), then
 runs batch 1, ``--prompt-tokens`` random prompt ids, ``--new-tokens`` greedy tokens (EOS ignored),
 ``--repeats`` times per runtime:

@@ -1,6 +1,6 @@
 """Teacher-forced next-token distributions of the edge's whole model: the graph ONNX Runtime
 GenAI's model builder writes (``edge-decoder/``, ``common.model.builder_export``), run the way the
-edge runs a turn (``tandem-bench-fidelity``'s edge row).
+edge runs a turn (``tandem-bench fidelity``'s edge row).
 
 The edge's local mode and remote prefill compute with ``edge.compute.decoder.DecoderGraph``: the
 prompt ``P`` in one run (its last row's logits give the distribution of ``R[0]``), then one decode

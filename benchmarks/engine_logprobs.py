@@ -1,5 +1,5 @@
 """Greedy replies and teacher-forced next-token distributions from one real vLLM engine, for the
-noise floor of ``tandem-bench-fidelity``. Run as a child process (vLLM spawns its own; one
+noise floor of ``tandem-bench fidelity``. Run as a child process (vLLM spawns its own; one
 engine per process): ``python -m tandem.benchmarks.engine_logprobs --model HF_DIR --dtype float32
 --concurrency 1 --out C1.npz [--concurrency 4 --out C4.npz ...] --requests IN.json``: one pass over
 the requests per ``--concurrency``, each written to its ``--out``, on the same engine (prefix

@@ -1,4 +1,4 @@
-"""``tandem-bench-exactness``: remote prefill's greedy replies against direct and local mode's.
+"""``tandem-bench exactness``: remote prefill's greedy replies against direct and local mode's.
 
 One ``tandem-cloud`` (real vLLM engines) and one ``tandem-edge`` (ONNX Runtime), child processes
 on this machine, fp32 in the engines and on the wire (activations and KV blocks). Every chat of
@@ -193,9 +193,10 @@ def main(
     out.mkdir(parents=True, exist_ok=True)
     split_dir = model_dir / "split-k4"
     tokenizer = AutoTokenizer.from_pretrained(SplitManifest.load(split_dir).tokenizer_dir(split_dir))
-    command = " ".join(["tandem-bench-exactness", *sys.argv[1:]])
+    args = sys.argv[1:]  # after the subcommand under tandem-bench, all of them under python -m
+    command = " ".join(["tandem-bench exactness", *(args[1:] if args[:1] == ["exactness"] else args)])
     w = work_dir("tandem-exactness-")
-    print(f"tandem-bench-exactness: {len(prompts)} chats x 3 modes, {chats} sessions; logs in {w}", file=sys.stderr)
+    print(f"tandem-bench exactness: {len(prompts)} chats x 3 modes, {chats} sessions; logs in {w}", file=sys.stderr)
     t0 = time.perf_counter()
     replies, sessions = load_results(out / "exactness.json") if resume else ({}, {})
     todo_sessions = [p for p in prompts[:chats] if p["id"] not in sessions]
@@ -250,7 +251,7 @@ def load_results(path: Path) -> tuple[dict[str, dict[str, Reply]], dict[str, dic
             cid: {m: [Reply(**r) for r in rs] for m, rs in per.items()} for cid, per in data["sessions"].items()
         }
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path}: not a tandem-bench-exactness result: {e!r}") from None
+        raise ValueError(f"{path}: not a tandem-bench exactness result: {e!r}") from None
     return chats, sessions
 
 

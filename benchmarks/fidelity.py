@@ -1,4 +1,4 @@
-"""``tandem-bench-fidelity``: what each wire format pair does to the model's next-token
+"""``tandem-bench fidelity``: what each wire format pair does to the model's next-token
 distributions, against the noise of the unquantized system, and what it saves on the wire.
 
 Over the fixed chat set (``benchmarks/data/fidelity_prompts.jsonl``: 200 hand-written chats in
@@ -455,7 +455,7 @@ def main(
     t0 = time.perf_counter()
     edge_note = "no edge row" if edge_teacher is None else f"edge row: {edge_teacher.title} from {edge_dir}"
     print(
-        f"tandem-bench-fidelity: {len(reqs)} chats, k={ks}, {len(plist)} pairs, {edge_note}; engine logs in {w}",
+        f"tandem-bench fidelity: {len(reqs)} chats, k={ks}, {len(plist)} pairs, {edge_note}; engine logs in {w}",
         file=sys.stderr,
     )
 

@@ -1,4 +1,4 @@
-"""The measures of ``tandem-bench-fidelity``, over teacher-forced next-token distributions: pure
+"""The measures of ``tandem-bench fidelity``, over teacher-forced next-token distributions: pure
 numpy, no model. Measures as KV and activation quantization work reports them (KIVI, Liu et al.,
 arXiv:2402.02750; KVQuant, Hooper et al., arXiv:2401.18079; QuaRot, Ashkboos et al.,
 arXiv:2404.00456): the next-token KL divergence from the reference, top-1 agreement and the

@@ -8,45 +8,45 @@
 #   prep-tier    the Llama-3.2-1B shape at k=4 (no whole-model export) for the GPU tier's real-size test
 #   tier         the GPU test tier (tests/gpu) on SmolLM2-135M, and the 1B shape of prep-tier (the test
 #                prepares it itself where prep-tier has not)
-#   bench-1b     tandem-bench on the 1B shape: split k=4, cloud-only, edge-only (ONNX Runtime CUDA on
+#   bench-1b     tandem-bench modes on the 1B shape: split k=4, cloud-only, edge-only (ONNX Runtime CUDA on
 #                the same GPU), remote prefill and auto; loopback and wifi6; 64/256/1024/4096 tokens
-#   capacity-1b  tandem-bench-capacity on the 1B shape: cloud-only, split k=2,4,8, auto
+#   capacity-1b  tandem-bench capacity on the 1B shape: cloud-only, split k=2,4,8, auto
 #   prep-rp-1b   the 1B shape at k=4 with its whole model (what capacity-rp-1b and matrix-1b run on)
-#   capacity-rp-1b  tandem-bench-capacity on the 1B shape prepared at k=4 with its whole model: cloud-only,
+#   capacity-rp-1b  tandem-bench capacity on the 1B shape prepared at k=4 with its whole model: cloud-only,
 #                split k=4, edge-only (ONNX Runtime CUDA on the same GPU), remote prefill and auto,
 #                64 output tokens, TTFT and mean-ITL objectives
 #   capacity-rp-smollm2  capacity-rp-1b's sweep on SmolLM2-135M (prepared from the carried GGUF: no export
 #                first), the engines in bf16 (`dtype auto` on a GPU)
-#   bench-8b     tandem-bench on a Llama-3.1-8B shape (split k=4 and cloud-only; no whole-model ONNX
+#   bench-8b     tandem-bench modes on a Llama-3.1-8B shape (split k=4 and cloud-only; no whole-model ONNX
 #                export: 32 GB in fp32); its head is a float16-compute ONNX export (tandem-model
 #                --onnx-dtype float16: what a GPU edge runs, half the disk of an fp32 head)
-#   capacity-8b  tandem-bench-capacity on the 8B shape: cloud-only, split k=4 (k/L = 1/8), auto
+#   capacity-8b  tandem-bench capacity on the 8B shape: cloud-only, split k=4 (k/L = 1/8), auto
 #   prep-8b-k8, capacity-8b-k8, prep-8b-k16, capacity-8b-k16
 #                the same at k = 8 and 16 (k/L = 1/4, 1/2), one split layer prepared at a time: the
 #                checkpoint with every tail beside it passes the host's 64 GiB disk, so preparing one
 #                k removes the others' tails and heads first
-#   fidelity     tandem-bench-fidelity on SmolLM2 over all 200 chats, k = 4 and 8, every default pair:
+#   fidelity     tandem-bench fidelity on SmolLM2 over all 200 chats, k = 4 and 8, every default pair:
 #                fp32 CUDA engines, the in-process tail and full model on the GPU; its edge row is the
 #                bf16 builder graph smollm2 prepares ($SMOL/edge-decoder) on ONNX Runtime's CUDA provider
 #   fidelity-bf16  the same in bf16 (--dtype bfloat16): the split's agreement with direct beside
 #                direct's own bf16 run-to-run floor, and the edge row (the bf16 builder graph, as
 #                local mode and remote prefill run it) against the bf16 engine
-#   exactness    tandem-bench-exactness on SmolLM2, fp32 CUDA engines: remote prefill, direct and
+#   exactness    tandem-bench exactness on SmolLM2, fp32 CUDA engines: remote prefill, direct and
 #                local over all 200 chats and 20 three-turn sessions; it resumes what an earlier
 #                call on the same host finished (the host keeps /var/tmp while it stays up), so a
 #                run cut by a call's time limit goes on in the next call
-#   matrix-1b    tandem-bench on the 1B shape per output length (16/128/512 tokens), wifi6 and 4g,
+#   matrix-1b    tandem-bench modes on the 1B shape per output length (16/128/512 tokens), wifi6 and 4g,
 #                64, 256 and 1024 prompt tokens: end to end and cloud engine time per mode, on the 1B
 #                shape capacity-rp-1b prepares; MATRIX_LINKS=wifi6 (or 4g) runs one link per call
 #   matrix-smollm2  the same matrix on SmolLM2-135M (prepared from the carried GGUF, nothing to
 #                export first), the engines in bf16 (`dtype auto` on a GPU), both links in one call
-#   edge-decode  tandem-bench-edge: the edge's runtimes at batch 1 (tandem's DecoderGraph on the builder's
+#   edge-decode  tandem-bench edge: the edge's runtimes at batch 1 (tandem's DecoderGraph on the builder's
 #                fp16 graph with and without a CUDA graph, ONNX Runtime GenAI's Generator on the same graph,
 #                the torch.onnx edge-full.onnx on SmolLM2) and the weights-read floor, on SmolLM2-135M and
 #                the Llama-3.2-1B shape, then 1, 4 and 16 turns decoding together (LocalEngine's batched
 #                steps, one CUDA graph per batch size, against the Generator at that batch size);
 #                EDGE_VLLM=1 adds vLLM single-stream
-#   graphs-smollm2  tandem-bench on SmolLM2, loopback, 256 prompt and 128 output tokens, every mode:
+#   graphs-smollm2  tandem-bench modes on SmolLM2, loopback, 256 prompt and 128 output tokens, every mode:
 #                eager engines, then the GPU defaults (CUDA graphs and torch.compile), each start timed
 # The capacity runs use the unshaped loopback: one proxy would be one link shared by every request,
 # where the deployment measured gives each edge client its own.
@@ -130,8 +130,8 @@ step_tier() {
 step_bench_1b() {
   smollm2
   realsize llama-3.2-1b "$W/l1b" 2,4,8
-  log "tandem-bench 1B"
-  (cd "$W" && tandem-bench --model-dir "$W/l1b" --split-layers 4 --links loopback,wifi6 \
+  log "tandem-bench modes 1B"
+  (cd "$W" && tandem-bench modes --model-dir "$W/l1b" --split-layers 4 --links loopback,wifi6 \
     --prompt-lens 64,256,1024,4096 --requests 3 --max-new-tokens 16 --shaper proxy --out "$OUT/bench-1b") \
     > "$OUT/bench-1b.log" 2>&1
   keep_logs bench-1b
@@ -141,9 +141,9 @@ step_bench_1b() {
 step_capacity_1b() {
   smollm2
   realsize llama-3.2-1b "$W/l1b" 2,4,8
-  log "tandem-bench-capacity 1B"
+  log "tandem-bench capacity 1B"
   # three tail engines (k = 2, 4, 8) and the decode engine share the GPU
-  (cd "$W" && TANDEM_CLOUD_ENGINE__TAIL_GPU_MEMORY_UTILIZATION=0.12 tandem-bench-capacity --model-dir "$W/l1b" \
+  (cd "$W" && TANDEM_CLOUD_ENGINE__TAIL_GPU_MEMORY_UTILIZATION=0.12 tandem-bench capacity --model-dir "$W/l1b" \
     --split-layers 2,4,8 --rates 8,16,32,64 --requests 64 --prompt-tokens 1024 --max-new-tokens 16 \
     --ttft-slo-ms 500 --link loopback --cloud-cpus "" --edge-cpus "" --max-num-seqs 32 --out "$OUT/capacity-1b") \
     > "$OUT/capacity-1b.log" 2>&1
@@ -154,8 +154,8 @@ step_capacity_1b() {
 step_capacity_rp_1b() {
   smollm2
   realsize llama-3.2-1b "$W/l1b-rp" 4
-  log "tandem-bench-capacity 1B, remote prefill and edge-only"
-  (cd "$W" && tandem-bench-capacity --model-dir "$W/l1b-rp" --split-layers 4 --rates 4,8 --requests 32 \
+  log "tandem-bench capacity 1B, remote prefill and edge-only"
+  (cd "$W" && tandem-bench capacity --model-dir "$W/l1b-rp" --split-layers 4 --rates 4,8 --requests 32 \
     --prompt-tokens 1024 --max-new-tokens 64 --ttft-slo-ms 500 --itl-slo-ms 50 --link loopback \
     --cloud-cpus "" --edge-cpus "" --max-num-seqs 32 --out "$OUT/capacity-rp-1b") > "$OUT/capacity-rp-1b.log" 2>&1
   keep_logs capacity-rp-1b
@@ -164,8 +164,8 @@ step_capacity_rp_1b() {
 
 step_capacity_rp_smollm2() {
   smollm2
-  log "tandem-bench-capacity SmolLM2, remote prefill and edge-only"
-  (cd "$W" && tandem-bench-capacity --model-dir "$SMOL" --split-layers 4 --rates 4,8 --requests 32 \
+  log "tandem-bench capacity SmolLM2, remote prefill and edge-only"
+  (cd "$W" && tandem-bench capacity --model-dir "$SMOL" --split-layers 4 --rates 4,8 --requests 32 \
     --prompt-tokens 1024 --max-new-tokens 64 --ttft-slo-ms 500 --itl-slo-ms 50 --link loopback \
     --cloud-cpus "" --edge-cpus "" --max-num-seqs 32 --out "$OUT/capacity-rp-smollm2") > "$OUT/capacity-rp-smollm2.log" 2>&1
   keep_logs capacity-rp-smollm2
@@ -189,8 +189,8 @@ prep_8b() {  # prep_8b [K]: the 8B shape split at K (default 4), the other split
 
 step_bench_8b() {
   prep_8b
-  log "tandem-bench 8B"
-  (cd "$W" && tandem-bench --model-dir "$W/l8b" --split-layers 4 --links loopback,wifi6 \
+  log "tandem-bench modes 8B"
+  (cd "$W" && tandem-bench modes --model-dir "$W/l8b" --split-layers 4 --links loopback,wifi6 \
     --prompt-lens 256,1024,4096 --requests 3 --max-new-tokens 16 --shaper proxy --no-edge-only \
     --no-remote-prefill --out "$OUT/bench-8b") > "$OUT/bench-8b.log" 2>&1
   keep_logs bench-8b
@@ -201,8 +201,8 @@ step_capacity_8b() {  # step_capacity_8b [K]: results in capacity-8b (K = 4) or 
   local k=${1:-4} name=capacity-8b
   [ "$k" = 4 ] || name=capacity-8b-k$k
   prep_8b "$k"
-  log "tandem-bench-capacity 8B k=$k"
-  (cd "$W" && tandem-bench-capacity --model-dir "$W/l8b" --split-layers "$k" --rates 4,8,16,32 --requests 48 \
+  log "tandem-bench capacity 8B k=$k"
+  (cd "$W" && tandem-bench capacity --model-dir "$W/l8b" --split-layers "$k" --rates 4,8,16,32 --requests 48 \
     --prompt-tokens 1024 --max-new-tokens 16 --ttft-slo-ms 500 --link loopback --cloud-cpus "" --edge-cpus "" \
     --max-num-seqs 32 --out "$OUT/$name") > "$OUT/$name.log" 2>&1
   keep_logs "$name"
@@ -215,16 +215,16 @@ step_fidelity() {  # step_fidelity DTYPE
     (cd "$W" && tandem-model --out "$SMOL" --split-layers 4,8 --no-bundles) \
       >> "$OUT/prepare_smollm2.log" 2>&1
   fi
-  log "tandem-bench-fidelity $1"
-  (cd "$W" && tandem-bench-fidelity --model-dir "$SMOL" --split-layers 4,8 --dtype "$1" --device cuda \
+  log "tandem-bench fidelity $1"
+  (cd "$W" && tandem-bench fidelity --model-dir "$SMOL" --split-layers 4,8 --dtype "$1" --device cuda \
     --edge-decoder "$SMOL/edge-decoder" --out "$OUT/fidelity-$1") > "$OUT/fidelity-$1.log" 2>&1
   tail -30 "$OUT/fidelity-$1.log"
 }
 
 step_exactness() {
   smollm2
-  log "tandem-bench-exactness (resumes $W/exactness)"
-  (cd "$W" && tandem-bench-exactness --model-dir "$SMOL" --resume --out "$W/exactness") > "$OUT/exactness.log" 2>&1
+  log "tandem-bench exactness (resumes $W/exactness)"
+  (cd "$W" && tandem-bench exactness --model-dir "$SMOL" --resume --out "$W/exactness") > "$OUT/exactness.log" 2>&1
   cp "$W/exactness/exactness.md" "$W/exactness/exactness.json" "$OUT/" 2>/dev/null
   keep_logs exactness
   tail -15 "$OUT/exactness.log"
@@ -235,8 +235,8 @@ step_matrix_1b() {  # MATRIX_LINKS (default wifi6,4g): the link profiles, one ca
   name=matrix-1b-${links//,/-}
   smollm2
   realsize llama-3.2-1b "$W/l1b-rp" 4
-  log "tandem-bench 1B output-length matrix, $links"
-  (cd "$W" && tandem-bench --model-dir "$W/l1b-rp" --split-layers 4 --links "$links" --prompt-lens 64,256,1024 \
+  log "tandem-bench modes 1B output-length matrix, $links"
+  (cd "$W" && tandem-bench modes --model-dir "$W/l1b-rp" --split-layers 4 --links "$links" --prompt-lens 64,256,1024 \
     --output-lens 16,128,512 --requests 1 --shaper proxy --out "$OUT/$name") > "$OUT/$name.log" 2>&1
   keep_logs "$name"
   tail -40 "$OUT/$name.log"
@@ -244,8 +244,8 @@ step_matrix_1b() {  # MATRIX_LINKS (default wifi6,4g): the link profiles, one ca
 
 step_matrix_smollm2() {
   smollm2
-  log "tandem-bench SmolLM2 output-length matrix"
-  (cd "$W" && tandem-bench --model-dir "$SMOL" --split-layers 4 --links wifi6,4g --prompt-lens 64,256,1024 \
+  log "tandem-bench modes SmolLM2 output-length matrix"
+  (cd "$W" && tandem-bench modes --model-dir "$SMOL" --split-layers 4 --links wifi6,4g --prompt-lens 64,256,1024 \
     --output-lens 16,128,512 --requests 1 --shaper proxy --out "$OUT/matrix-smollm2") > "$OUT/matrix-smollm2.log" 2>&1
   keep_logs matrix-smollm2
   tail -40 "$OUT/matrix-smollm2.log"
@@ -255,9 +255,9 @@ step_graphs_smollm2() {
   local eager t0
   smollm2
   for eager in true false; do
-    log "tandem-bench SmolLM2, enforce_eager=$eager"
+    log "tandem-bench modes SmolLM2, enforce_eager=$eager"
     t0=$(date +%s)
-    (cd "$W" && TANDEM_CLOUD_ENGINE__ENFORCE_EAGER=$eager tandem-bench --model-dir "$SMOL" --split-layers 4 \
+    (cd "$W" && TANDEM_CLOUD_ENGINE__ENFORCE_EAGER=$eager tandem-bench modes --model-dir "$SMOL" --split-layers 4 \
       --links loopback --prompt-lens 256 --output-lens 128 --requests 2 --out "$OUT/graphs-smollm2-eager-$eager") \
       > "$OUT/graphs-smollm2-eager-$eager.log" 2>&1
     log "enforce_eager=$eager: rc $?, $(( $(date +%s) - t0 )) s with the stack's start"
@@ -270,7 +270,7 @@ step_edge_decode() {
   local vllm=()
   [ "${EDGE_VLLM:-0}" = 1 ] && vllm=(--vllm)
   log "edge decode: SmolLM2-135M"
-  (cd "$W" && python -m tandem.benchmarks.edge_decode --hf "$SMOL/hf" --out "$OUT/edge-smollm2" \
+  (cd "$W" && tandem-bench edge --hf "$SMOL/hf" --out "$OUT/edge-smollm2" \
     --build-dir "$W/edge-build-smollm2" --legacy-onnx "$SMOL/edge-full.onnx" --name smollm2-135m \
     --batch-sizes 1,4,16 "${vllm[@]}") \
     2>&1 | tee "$OUT/edge_smollm2.log" | tail -16
@@ -279,7 +279,7 @@ step_edge_decode() {
       > "$OUT/realsize_llama-3.2-1b.log" 2>&1
   fi
   log "edge decode: Llama-3.2-1B shape"
-  (cd "$W" && python -m tandem.benchmarks.edge_decode --hf "$W/l1b-ckpt" --out "$OUT/edge-l1b" \
+  (cd "$W" && tandem-bench edge --hf "$W/l1b-ckpt" --out "$OUT/edge-l1b" \
     --build-dir "$W/edge-build-l1b" --name llama-3.2-1b --batch-sizes 1,4,16 "${vllm[@]}") 2>&1 \
     | tee "$OUT/edge_l1b.log" | tail -16
 }

@@ -1,4 +1,4 @@
-"""``tandem-bench-multiturn``: bytes on the uplink over multi-turn chats, delta-KV against a
+"""``tandem-bench multiturn``: bytes on the uplink over multi-turn chats, delta-KV against a
 naive resend of the whole history every turn.
 
 One ``tandem-cloud`` (real vLLM engines) and one ``tandem-edge``, child processes on this
@@ -157,7 +157,7 @@ def main(
     out.mkdir(parents=True, exist_ok=True)
     w = work_dir("tandem-multiturn-")  # its block stores are removed at exit, its logs kept
     split_dir = model_dir / f"split-k{split_layer}"
-    print(f"tandem-bench-multiturn: {conversations} x {turns} turns; logs in {w}", file=sys.stderr)
+    print(f"tandem-bench multiturn: {conversations} x {turns} turns; logs in {w}", file=sys.stderr)
     daemons = Daemons()
     try:
         fp32 = ["--wire-dtypes", "fp32", "--kv-wire-dtypes", "fp32"]  # the table's bytes are fp32's

@@ -1,4 +1,4 @@
-"""One benchmark request's record, as ``tandem-bench`` and ``tandem-bench-capacity`` write it to
+"""One benchmark request's record, as ``tandem-bench modes`` and ``tandem-bench capacity`` write it to
 ``records.jsonl`` and ``benchmarks.report`` reads it back (units in the names)."""
 
 from __future__ import annotations

@@ -519,6 +519,6 @@ def plot_output_matrix(rows_by_output: dict[int, list[dict]], path: Path) -> Non
 
 
 def write_output_matrix(out: Path, rows_by_output: dict[int, list[dict]]) -> None:
-    """``outputs.md`` and ``outputs.png`` across the runs of ``tandem-bench --output-lens``."""
+    """``outputs.md`` and ``outputs.png`` across the runs of ``tandem-bench modes --output-lens``."""
     (out / "outputs.md").write_text(output_matrix_markdown(rows_by_output))
     plot_output_matrix(rows_by_output, out / "outputs.png")

@@ -1,5 +1,5 @@
 """The processes of one benchmark run and the machine it runs on: ``Stack`` (cloud, link proxy
-and edge as child processes, shared by ``tandem-bench`` and ``tandem-bench-capacity``), the
+and edge as child processes, shared by ``tandem-bench modes`` and ``tandem-bench capacity``), the
 daemons' prompt-limit flags, and ``machine_meta`` (platform, versions, GPUs) for ``meta.json``."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Teacher-forced next-token distributions of one split turn under one wire format pair, computed
-in this process with the parts the split path runs (``tandem-bench-fidelity``).
+in this process with the parts the split path runs (``tandem-bench fidelity``).
 
 The split path of a turn with prompt ``P`` (``T`` tokens, ``Tf = B * floor(T / B)`` of them in
 full KV blocks) and reply ``R`` (``n`` tokens):
@@ -18,7 +18,7 @@ Here steps 3 and 4 run in Hugging Face transformers (float32 by default, or the 
 dtype such as bfloat16, on the CPU or a GPU; on the same checkpoints vLLM loads) instead of vLLM.
 That is the same computation, because vLLM's output depends only on the checkpoint, the input
 embeddings or ids and the KV it loads; the kernels differ in rounding only.
-``tandem-bench-fidelity`` measures that difference itself (the in-process fp32 reference against
+``tandem-bench fidelity`` measures that difference itself (the in-process fp32 reference against
 the fp32 engine, beside the engines' own batching floor). Teacher forcing
 (feeding the reference's own tokens back) is what lets every position be compared: one flipped
 token changes nothing after it. The full vocabulary's distribution is available at every

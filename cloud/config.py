@@ -306,7 +306,7 @@ class CloudConfig(DaemonSettings):
         min_length=1,
         description="Activation formats this cloud accepts. A link gets the smallest pair both sides accept that "
         "the model's fidelity table puts within the noise floor, else the edge's first preference. The default "
-        "allows fp16, fp32 and the formats of pairs the packaged tables qualify (`tandem-bench-fidelity`); "
+        "allows fp16, fp32 and the formats of pairs the packaged tables qualify (`tandem-bench fidelity`); "
         "`fp32` alone keeps every split reply equal to the unsplit model's.",
     )
     kv_wire_dtypes: ListSetting[WireDtypeSetting] = Field(
@@ -315,11 +315,11 @@ class CloudConfig(DaemonSettings):
         min_length=1,
         description="Head-KV block formats this cloud accepts, chosen as `wire_dtypes`: fp32, fp16, bf16, int8 "
         "(per token and head), int8_hadamard (rows rotated, then int8), int4 (KIVI: keys per channel, values per "
-        "token), int4_hadamard (rows rotated, then int4); `tandem-bench-fidelity` measures what each does.",
+        "token), int4_hadamard (rows rotated, then int4); `tandem-bench fidelity` measures what each does.",
     )
     fidelity_tables: Annotated[ListSetting[Path], FileRole.INPUT] = Field(
         default_factory=list,
-        description="More fidelity tables (`tandem-bench-fidelity`'s `fidelity-table.json`) beside the packaged "
+        description="More fidelity tables (`tandem-bench fidelity`'s `fidelity-table.json`) beside the packaged "
         "ones: at each split layer a link gets the smallest format pair the table of this model's weights and "
         "the engines' compute dtype puts within the noise floor, among the formats both sides accept.",
     )

@@ -25,6 +25,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import AbstractContextManager, aclosing, nullcontext
 from dataclasses import replace
 
+from tandem.cloud import metrics
 from tandem.cloud.config import CloudConfig
 from tandem.cloud.engine_calls import EngineCalls
 from tandem.cloud.engines.kvparams import KVTransferSpec, PartSpec
@@ -49,7 +50,6 @@ from tandem.common.protocol.params import (
     SyncReply,
     SyncRequest,
 )
-from tandem.common.runtime import metrics
 from tandem.common.runtime.logs import bind_request, turn_log
 from tandem.common.runtime.security import ANONYMOUS_PEER, Principal
 from tandem.common.runtime.tracing import span

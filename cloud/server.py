@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health
 
+from tandem.cloud import metrics
 from tandem.cloud.config import CloudConfig
 from tandem.cloud.engine_calls import EngineCalls
 from tandem.cloud.engines.supervisor import EngineSupervisor, SupervisedEngines
@@ -38,7 +39,6 @@ from tandem.cloud.uploads.admission import UploadBudget
 from tandem.cloud.uploads.pins import Pins
 from tandem.cloud.uploads.receive import Receiver
 from tandem.common.protocol.manifest import ModelShape, SplitManifest
-from tandem.common.runtime import metrics
 from tandem.common.runtime.grpc_setup import add_service, set_health, start_health_server, start_server, tls_credentials
 from tandem.common.runtime.security import ApiKeys, Authenticator
 from tandem.common.wire.kvblocks import LayerRange, block_nbytes

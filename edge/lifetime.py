@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from tandem.common.protocol.errors import DeadlineExceeded, InvalidRequest, TandemError
 from tandem.common.protocol.limits import check_session_id
-from tandem.common.runtime import metrics
+from tandem.edge import metrics
 from tandem.edge.compute.local import LocalEngine
 from tandem.edge.link.connection import CloudTarget
 from tandem.edge.session import EdgeSession, EdgeSessions

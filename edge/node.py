@@ -24,9 +24,9 @@ from tandem.common.protocol.chat import prompt_token_ids
 from tandem.common.protocol.errors import EngineError, InvalidRequest, LinkLost, ParamsVersionMismatch, QuotaExceeded
 from tandem.common.protocol.limits import RequestLimits
 from tandem.common.protocol.modes import Mode
-from tandem.common.runtime import metrics
 from tandem.common.runtime.logs import bind_request, current_caller, current_request_id, new_request_id, turn_log
 from tandem.common.runtime.tracing import span, traced
+from tandem.edge import metrics
 from tandem.edge.compute.batcher import HeadBatcher
 from tandem.edge.compute.local import LocalEngine
 from tandem.edge.detok import TextStream
@@ -241,7 +241,7 @@ class EdgeNode:
         """Run one turn within ``timeout_s`` (default ``turn_timeout_s``); yields text deltas then a
         ``TurnDone``. A turn that fails before the cloud acknowledged its upload leaves the session
         as it was before the turn. Its request id (``_turn_id``) is on every log line of the turn; its
-        metrics and spans are recorded (``common.runtime.metrics``, ``common.runtime.tracing``).
+        metrics and spans are recorded (``edge.metrics``, ``common.runtime.tracing``).
 
         Raises:
             InvalidRequest: bad prompt or sampling parameters (the same verdict in every mode:

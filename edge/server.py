@@ -25,10 +25,10 @@ from tandem.common.protocol.errors import IncompatibleModel, TandemError
 from tandem.common.protocol.limits import RequestLimits
 from tandem.common.protocol.manifest import FULL_DECODER, FULL_ONNX, ExportCheck, ModelShape, SplitManifest
 from tandem.common.protocol.params import NegotiateOffer
-from tandem.common.runtime import metrics
 from tandem.common.runtime.grpc_setup import add_service, channel_credentials, set_health, start_server, tls_credentials
 from tandem.common.runtime.security import ApiKeys, Authenticator
 from tandem.common.wire.kvdown import full_model_key
+from tandem.edge import metrics
 from tandem.edge.api.grpc_service import EDGE_SERVICE, EdgeServicer, follow_link
 from tandem.edge.compute.batcher import HeadBatcher
 from tandem.edge.compute.head import HeadInput, OnnxHead

@@ -6,6 +6,7 @@ with edges connected to it (the in-memory doubles of ``tests/doubles.py``)."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from tandem.edge.events import ChatTurn, TextOut, TurnDone
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = Path(os.environ.get("TANDEM_MODEL_DIR", ROOT / "models" / "smollm2-135m"))
 SPLIT_DIR = MODEL_DIR / "split-k4"
+TANDEM_BENCH = str(Path(sys.executable).parent / "tandem-bench")  # the installed benchmarks command
 
 LONG = "The quick brown fox jumps over the lazy dog, again and again, " * 3  # ~200 tokens
 LONG_UPLOAD = "Tell me everything about the history of bridges, arches and the Romans. " * 6  # ~440 tokens, 28 chunks

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Protocol, runtime_checkable
 
-from tandem.common.runtime import metrics
+from tandem.cloud import metrics
 
 log = logging.getLogger("tandem.supervisor")
 

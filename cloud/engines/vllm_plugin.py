@@ -20,7 +20,7 @@ has no ``busy_loop_s`` parameter is left alone, with a warning.
 
 The window counts from the worker's last read of a step, so with steps longer than it (decode
 steps on CPU take 50-70 ms) the worker also sleeps between the steps of a request, and each
-step then waits for a socket wake-up (tens of microseconds). ``tandem-bench``'s inter-token
+step then waits for a socket wake-up (tens of microseconds). ``tandem-bench modes``'s inter-token
 latency at 256 and 1024 prompt tokens is the same with a 1 s and a 0.01 s window.
 
 With ``TANDEM_VLLM_FAST_EXIT=1`` (also set by ``cloud.engines.vllm_engines``) it also installs

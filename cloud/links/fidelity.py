@@ -1,5 +1,5 @@
 """Fidelity tables: which wire format pairs are within the unquantized system's noise floor, per
-model and split layer, as ``tandem-bench-fidelity`` measured them (``fidelity-table.json``).
+model and split layer, as ``tandem-bench fidelity`` measured them (``fidelity-table.json``).
 
 A table is JSON: ``{"weights_blake3", "rule", "floor", "measured", "splits": {"<k>": [{"activations",
 "kv", "bytes_per_token", "kl_mean", "flip_rate", "qualifies"}, ...]}}``. It applies to the weights

@@ -7,7 +7,7 @@ follow the link's share of the engines (``cloud.links.table.LinkTable``):
 * ``wire_dtype`` / ``kv_wire_dtype``: among the formats both sides accept (the edge's offer and
   ``CloudConfig.wire_dtypes`` for activations, ``kv_wire_dtypes`` for head-KV blocks), the
   smallest pair that the model's fidelity table (``cloud.links.fidelity``, measured by
-  ``tandem-bench-fidelity``) puts within the unquantized system's noise floor at this ``k``;
+  ``tandem-bench fidelity``) puts within the unquantized system's noise floor at this ``k``;
   where none is (or no table names the weights), the edge's first preference (fp16 by
   default; fp32 is exact). No common KV format: split is refused, direct still works.
 * ``codec``: the edge's first preference; it offers zstd first only where its measured ratio

@@ -23,7 +23,7 @@ objective) nobody shrinks, since a share nobody fills changes nothing. A decreas
 congestion in the window, a request that found every slot taken: a share matters only when links
 compete for the node, so a link missing its objective on a node with room keeps its weight. A weight
 never idles a slot: it decides who goes first, not how many run. Measured with
-``tandem-bench-burst``: the seed article's rule alone shrinks every link of an overloaded node,
+``tandem-bench burst``: the seed article's rule alone shrinks every link of an overloaded node,
 the quiet edge's first; so does a rule that compares each link's demand with its own, already
 shrunk, share.
 

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from contextlib import nullcontext
 
+from tandem.cloud import metrics
 from tandem.cloud.links.negotiation import LinkLimits
 from tandem.cloud.links.tenancy import EdgeLimits
 from tandem.cloud.sessions.store import SessionStore
@@ -23,7 +24,6 @@ from tandem.cloud.turn import as_principal
 from tandem.common.protocol.errors import EngineError, InvalidRequest
 from tandem.common.protocol.limits import check_session_id
 from tandem.common.protocol.params import SyncReply, SyncRequest
-from tandem.common.runtime import metrics
 from tandem.common.runtime.security import ANONYMOUS_PEER, Principal, scoped
 from tandem.common.wire import merkle
 

@@ -13,11 +13,11 @@ import asyncio
 import logging
 import time
 
+from tandem.cloud import metrics
 from tandem.cloud.engines.kvparams import KVTransferSpec
 from tandem.cloud.store.blocks import BlockStore
 from tandem.cloud.turn import Background, Turn
 from tandem.common.protocol.errors import EngineError
-from tandem.common.runtime import metrics
 from tandem.stages import Stage
 
 PIN_GRACE_S = 60.0  # a request's pins outlive its deadline by this much (then they lapse: its gateway died)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from tandem.cloud import metrics
 from tandem.cloud.config import CloudConfig
 from tandem.cloud.links.negotiation import ack_threshold_bytes
 from tandem.cloud.sessions.sync import SessionSync
@@ -31,7 +32,6 @@ from tandem.cloud.uploads.pins import Pins
 from tandem.cloud.uploads.prefixkeeper import PrefixKeeper
 from tandem.cloud.uploads.upload import TurnUpload, upload_bound_bytes
 from tandem.common.protocol.errors import DeadlineExceeded, EngineError, InvalidRequest, MerkleMismatch, UploadTimeout
-from tandem.common.runtime import metrics
 from tandem.common.runtime.tracing import traced
 from tandem.common.wire import chunks as wire
 from tandem.common.wire.flow import ReceivedBytes

@@ -79,7 +79,7 @@ from tandem.common.wire.quant import (
 
 class Fidelity(enum.IntEnum):
     """How faithfully a format carries float32 values, most faithful first (``a < b``: ``a`` loses
-    less). Which formats a cloud allows is measured (``tandem-bench-fidelity``); this is the class."""
+    less). Which formats a cloud allows is measured (``tandem-bench fidelity``); this is the class."""
 
     LOSSLESS = 0  # bit-exact float32
     HALF = 1  # 16-bit floats

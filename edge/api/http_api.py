@@ -12,7 +12,7 @@ Endpoints (FastAPI, served by uvicorn in the edge's event loop; see ``serve_open
 - ``GET /health`` (as vLLM's server): 200 ``{"status": "SERVING", "modes": [...], "degraded": ...}``
   while some mode can serve (local mode alone too, as the gRPC health service says), else 503
   ``NOT_SERVING``; no API key needed.
-- ``GET /metrics`` (as vLLM's server): the edge's Prometheus metrics (``common.runtime.metrics``) in the text
+- ``GET /metrics`` (as vLLM's server): the edge's Prometheus metrics (``edge.metrics``) in the text
   format; no API key needed (the labels carry no ids or text).
 - ``DELETE /v1/conversations/{id}``: end a conversation (OpenAI's Conversations API shape,
   ``{"id", "object": "conversation.deleted", "deleted": true}``); ``id`` is the ``x-tandem-session``

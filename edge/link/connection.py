@@ -56,7 +56,7 @@ def upload_receive_ms(timings_ms: Mapping[Stage, float] | Mapping[str, float]) -
     header's arrival to the last item verified, less ``cloud_queue_ms``), or 0.0 when it waited for
     admission for a tenth of that or more (its bytes arrived into buffers meanwhile, so the interval
     would understate the transfer) or has no such timing. The interval of a goodput sample here and
-    in ``tandem-bench``'s goodput table."""
+    in ``tandem-bench modes``'s goodput table."""
     wait, queued = timings_ms.get(Stage.CLOUD_UPLOAD_WAIT, 0.0), timings_ms.get(Stage.CLOUD_QUEUE, 0.0)
     return wait - queued if queued < 0.1 * wait else 0.0
 

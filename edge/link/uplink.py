@@ -17,7 +17,6 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from tandem.common.protocol.errors import EngineError, InvalidRequest
-from tandem.common.runtime import metrics
 from tandem.common.runtime.tracing import start_span
 from tandem.common.wire import chunks as wire
 from tandem.common.wire.flow import SendWindow
@@ -33,6 +32,7 @@ from tandem.common.wire.messages import (
     UploadAck,
     WindowAck,
 )
+from tandem.edge import metrics
 from tandem.edge.events import SentBytes
 from tandem.edge.link.base import CloudLink, TurnCall
 

@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from tandem.common.protocol.errors import DeadlineExceeded, EngineError, SessionOutOfSync
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import LinkParams
-from tandem.common.runtime import metrics
 from tandem.common.runtime.tracing import traced
 from tandem.common.wire.messages import TokensOut, TurnFinal, UploadAck
+from tandem.edge import metrics
 from tandem.edge.events import TextOut, TurnDone
 from tandem.edge.link import framing
 from tandem.edge.link.connection import CloudConnection, CloudTarget, upload_receive_ms

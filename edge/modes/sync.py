@@ -15,8 +15,8 @@ import logging
 
 from tandem.common.protocol.errors import QuotaExceeded, TandemError
 from tandem.common.protocol.params import LinkParams
-from tandem.common.runtime import metrics
 from tandem.common.runtime.tracing import traced
+from tandem.edge import metrics
 from tandem.edge.link import framing
 from tandem.edge.link.connection import CloudConnection
 from tandem.edge.link.uplink import OutgoingTurn

@@ -39,8 +39,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tandem.common.protocol.modes import Mode
-from tandem.common.runtime import metrics
 from tandem.common.runtime.ewma import Ewma
+from tandem.edge import metrics
 from tandem.edge.routing.costmodel import (
     CostModel,
     Line,

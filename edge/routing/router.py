@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from tandem.common.protocol.errors import EngineError, ModeUnavailable
 from tandem.common.protocol.manifest import ModelShape
 from tandem.common.protocol.modes import Mode
-from tandem.common.runtime import metrics
 from tandem.common.wire import chunks as wire
 from tandem.common.wire.kvwire import kv_raw_nbytes
+from tandem.edge import metrics
 from tandem.edge.compute.local import LocalEngine
 from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.link.connection import CloudTarget

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, TANDEM_BENCH
 
 
 @pytest.fixture(scope="class")
@@ -32,7 +31,7 @@ def bench_cloud(split_dir, tmp_path_factory):
 
 
 class TestSmokeRunsOnOneCloud:
-    """``tandem-bench``, ``-multiturn`` and ``-burst`` run end to end with tiny
+    """``tandem-bench modes``, ``multiturn`` and ``burst`` run end to end with tiny
     arguments against one shared ``tandem-cloud`` (``--cloud``) and write every output file; each would
     otherwise start its own, a minute apiece on 2 cores. Their own start of a cloud (with the engine
     configuration of each) is what ``make bench`` runs."""
@@ -41,9 +40,8 @@ class TestSmokeRunsOnOneCloud:
         target, _ = bench_cloud
         out = tmp_path / "bench"
         cmd = [
-            sys.executable,
-            "-m",
-            "tandem.benchmarks.bench",
+            TANDEM_BENCH,
+            "modes",
             "--split-layers",
             "4",
             "--links",
@@ -77,7 +75,7 @@ class TestSmokeRunsOnOneCloud:
     def test_multiturn_smoke(self, tmp_path, bench_cloud, split_dir):
         target, _ = bench_cloud
         out = tmp_path / "multiturn"
-        cmd = [sys.executable, "-m", "tandem.benchmarks.multiturn", "--conversations", "1", "--turns", "3"]
+        cmd = [TANDEM_BENCH, "multiturn", "--conversations", "1", "--turns", "3"]
         cmd += ["--cloud", target, "--model-dir", str(split_dir.parent)]
         cmd += ["--max-new-tokens", "4", "--out", str(out)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -94,7 +92,7 @@ class TestSmokeRunsOnOneCloud:
         target, trace = bench_cloud
         out = tmp_path / "burst"
         cmd = [
-            sys.executable, "-m", "tandem.benchmarks.burst", "--alone-s", "2", "--burst-s", "4",
+            TANDEM_BENCH, "burst", "--alone-s", "2", "--burst-s", "4",
             "--flood-concurrency", "2", "--no-compare", "--max-new-tokens", "2", "--out", str(out),
             "--cloud", target, "--cloud-trace-file", str(trace), "--model-dir", str(split_dir.parent),
         ]  # fmt: skip
@@ -107,14 +105,13 @@ class TestSmokeRunsOnOneCloud:
 
 
 def test_batching_smoke(tmp_path):
-    """``tandem-bench-batching`` runs end to end with tiny arguments and writes its table and plot.
+    """``tandem-bench batching`` runs end to end with tiny arguments and writes its table and plot.
     It measures vLLM's ``AsyncLLM`` itself at each ``max_num_seqs`` (one engine per setting, no
     tandem cloud), so it cannot use the shared cloud."""
     out = tmp_path / "batching"
     cmd = [
-        sys.executable,
-        "-m",
-        "tandem.benchmarks.batching",
+        TANDEM_BENCH,
+        "batching",
         "--max-num-seqs",
         "2",
         "--requests",
@@ -134,13 +131,13 @@ def test_batching_smoke(tmp_path):
 
 
 def test_fidelity_smoke(tmp_path, split_dir):
-    """``tandem-bench-fidelity`` with three chats and three tokens: the engine references and floors
+    """``tandem-bench fidelity`` with three chats and three tokens: the engine references and floors
     (two vLLM engines, none of them the shared cloud: fp32 one request at a time then four at a
     time, and bf16), the in-process teacher-forced pass, the edge row of the prepared fp32 builder
     graph (``edge-decoder/``), the divergence gaps of every row, the tables, the plot and the
     fidelity table."""
     out = tmp_path / "fidelity"
-    cmd = [sys.executable, "-m", "tandem.benchmarks.fidelity", "--limit", "3", "--max-new-tokens", "3"]
+    cmd = [TANDEM_BENCH, "fidelity", "--limit", "3", "--max-new-tokens", "3"]
     cmd += ["--model-dir", str(split_dir.parent), "--pairs", "int8_hadamard/int4", "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]

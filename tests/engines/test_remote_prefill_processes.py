@@ -7,7 +7,7 @@ gRPC messages), the client the SDK. In order, sharing the processes:
    never uses the bad copy, takes over; the reply equals direct mode's.
 2. The link reset as the second KV block comes down: the reply completes, equal to direct mode's,
    every token streamed once.
-3. ``tandem-bench-exactness``'s smoke: two chats and a two-turn session in the three modes.
+3. ``tandem-bench exactness``'s smoke: two chats and a two-turn session in the three modes.
 4. The edge killed (``kill -9``) as its takeover goes up, then started again: the next turn of the
    session resyncs (every block of its prompt comes down, nothing goes up but the header) and
    equals direct mode's.
@@ -219,7 +219,7 @@ async def test_a_downlink_reset_mid_kv_still_completes_the_reply(pd):
 
 
 async def test_the_exactness_benchmark_counts_replies_equal_in_the_three_modes(pd, tokenizer):
-    """``tandem-bench-exactness``'s runs on two chats of its set and one two-turn session."""
+    """``tandem-bench exactness``'s runs on two chats of its set and one two-turn session."""
     from tandem.benchmarks import exactness
     from tandem.benchmarks.fidelity import load_prompts
 
@@ -230,7 +230,7 @@ async def test_the_exactness_benchmark_counts_replies_equal_in_the_three_modes(p
     assert (c.chats, c.sessions, c.session_turns) == (2, 1, 2)
     assert c.equal == 2 and c.turns_equal == 2 and c.sessions_equal == 1, c.differing
     assert all(r.token_ids for per_mode in chats.values() for r in per_mode.values())
-    print("\n" + exactness.table(c, "tandem-bench-exactness --limit 2 --chats 1 --turns 2", 16, 2))
+    print("\n" + exactness.table(c, "tandem-bench exactness --limit 2 --chats 1 --turns 2", 16, 2))
 
 
 async def test_an_edge_killed_after_the_switch_resyncs_its_session_on_the_next_turn(pd, tokenizer):

@@ -21,7 +21,7 @@ from tandem.common.wire.messages import KVBlock
 from tandem.v1 import tandem_pb2 as pb
 from tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tests.doubles import TamperLink, rechunk
-from tests.helpers import SplitClient
+from tests.helpers import TANDEM_BENCH, SplitClient
 from tests.references import LONG, MAX_NEW, PROMPTS, assert_same_or_near_tie, hf_greedy, prompt_ids, vllm_plain
 
 pytestmark = [pytest.mark.engines]
@@ -629,15 +629,14 @@ async def test_an_edge_starts_without_its_cloud_serves_local_and_splits_once_the
 
 
 async def test_capacity_benchmark_smoke(stack, split_dir, tmp_path):
-    """``tandem-bench-capacity`` with tiny arguments against this run's running edge (``--edge-target``:
+    """``tandem-bench capacity`` with tiny arguments against this run's running edge (``--edge-target``:
     no engines of its own), so the script does not rot; its numbers mean nothing here."""
     import subprocess
-    import sys
     from pathlib import Path
 
     out, tls = tmp_path / "capacity", stack["tls"]
     cmd = [
-        sys.executable, "-m", "tandem.benchmarks.capacity", "--model-dir", str(split_dir.parent),
+        TANDEM_BENCH, "capacity", "--model-dir", str(split_dir.parent),
         "--edge-target", f"127.0.0.1:{stack['edge'].port}", "--ca-file", str(tls.ca_file), "--api-key", tls.app_key,
         "--split-layers", "4", "--rates", "2", "--requests", "2", "--prompt-tokens", "32",
         "--max-new-tokens", "2", "--out", str(out),

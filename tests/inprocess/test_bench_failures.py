@@ -1,4 +1,4 @@
-"""``tandem-bench`` keeps going past a request that fails: the failure is recorded (mode, link,
+"""``tandem-bench modes`` keeps going past a request that fails: the failure is recorded (mode, link,
 prompt length, error) and reported beside the tables, the other requests are measured, and a
 warm-up that fails still stops the run. Against an edge double over real gRPC (one piece: the
 benchmark's request loop and report)."""

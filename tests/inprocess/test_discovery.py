@@ -15,7 +15,7 @@ import pytest
 
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import NegotiateOffer
-from tandem.common.runtime import metrics
+from tandem.edge import metrics
 from tandem.edge.compute.batcher import HeadBatcher
 from tandem.edge.compute.head import MemoryHead
 from tandem.edge.config import EdgeConfig

@@ -567,7 +567,7 @@ async def test_the_decode_waits_for_tail_writes_that_land_after_the_first_token(
 
 
 async def test_tail_writes_that_never_land_are_recomputed_after_the_bounded_wait():
-    from tandem.common.runtime import metrics
+    from tandem.cloud import metrics
 
     t = await toy_stack(tail_save_wait_s=0.05)
     try:

@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 from prometheus_client import REGISTRY, Gauge
 
+from tandem.cloud import metrics as cloud_metrics
 from tandem.cloud.engines import vllm_metrics
 from tandem.common.protocol.errors import InvalidRequest
 from tandem.common.protocol.modes import Mode
@@ -23,6 +24,7 @@ from tandem.common.runtime import metrics, tracing
 from tandem.common.runtime.logs import bind_request, setup_logging
 from tandem.common.wire import chunks as wire
 from tandem.common.wire.messages import KVBlock
+from tandem.edge import metrics as edge_metrics
 from tandem.edge.events import ChatTurn
 from tests.doubles import TamperLink, toy_stack
 from tests.helpers import LONG, run, turn
@@ -135,7 +137,7 @@ async def test_a_split_turn_a_direct_turn_and_a_refused_turn_leave_their_samples
 
 
 def test_the_metrics_endpoint_serves_tandem_metrics():
-    metrics.register("edge")  # what an EdgeNode does
+    edge_metrics.register()  # what an EdgeNode does
     port = metrics.start_metrics_server("127.0.0.1", 0)
     assert port > 0
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
@@ -437,12 +439,12 @@ def test_peer_strings_reach_a_metric_label_printable_and_bounded(value):
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    every = [m for role in metrics._BY_ROLE.values() for m in role]
-    # every metric's labels; the per-link collector builds its own, through the same printable()
-    assert every and all(isinstance(m, metrics._PrintableLabels | metrics._LinkShares) for m in every)
+    every = [*edge_metrics.EDGE.members, *cloud_metrics.CLOUD.members]
+    # every metric's labels; the per-link collector builds its own, through the same label()
+    assert every and all(isinstance(m, metrics._PrintableLabels | cloud_metrics.LinkShares) for m in every)
     reg = CollectorRegistry()
-    reg.register(metrics.MODE_FALLBACKS)
-    metrics.record_fallback(value)
+    reg.register(edge_metrics.MODE_FALLBACKS)
+    edge_metrics.record_fallback(value)
     try:
         text = generate_latest(reg).decode()
         assert not [x for x in text.splitlines() if x.startswith(FORGED)]
@@ -455,7 +457,7 @@ def test_peer_strings_reach_a_metric_label_printable_and_bounded(value):
         assert sample.value >= 1 and _readable(reason)
         assert len(reason) <= metrics.MAX_LABEL_CHARS + len("...(200000 more characters)")
     finally:
-        metrics.MODE_FALLBACKS.remove(metrics.label(value))
+        edge_metrics.MODE_FALLBACKS.remove(metrics.label(value))
 
 
 @pytest.mark.parametrize("value", list(HOSTILE.values()), ids=list(HOSTILE))

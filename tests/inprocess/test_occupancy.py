@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from tandem.common.protocol.modes import Mode
-from tandem.common.runtime import metrics
+from tandem.edge import metrics
 from tandem.edge.routing.costmodel import CostModel, LinkState, RequestShape, Route
 from tandem.edge.routing.occupancy import Occupancy, OccupancyModel, lightest, quickest, under_pressure
 from tandem.stages import Stage

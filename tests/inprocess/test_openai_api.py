@@ -335,7 +335,7 @@ async def test_out_of_range_values_and_huge_bodies_are_400_and_413(stack, client
     buffered."""
     import httpx
 
-    from tandem.common.runtime.metrics import REQUESTS
+    from tandem.edge.metrics import REQUESTS
 
     for extra in ({"stop_token_ids": [-1]}, {"stop_token_ids": [2**32]}, {"top_k": 2**31}):
         with pytest.raises(openai.BadRequestError):

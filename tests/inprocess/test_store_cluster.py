@@ -22,8 +22,8 @@ from tandem.cloud.turn import as_principal
 from tandem.common.protocol.errors import TandemError
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import NegotiateOffer
-from tandem.common.runtime import metrics
 from tandem.common.runtime.security import scoped
+from tandem.edge import metrics
 from tandem.edge.compute.batcher import HeadBatcher
 from tandem.edge.compute.head import MemoryHead
 from tandem.edge.link.base import InProcessLink

@@ -257,17 +257,17 @@ def test_report_writes_tables_and_plots(tmp_path):
 
     (tmp_path / "summary.md").write_text("stale")
     (tmp_path / "auto.md").unlink()
-    rerender(tmp_path)  # tandem-bench --render: the same report from records.jsonl and meta.json
+    rerender(tmp_path)  # tandem-bench modes --render: the same report from records.jsonl and meta.json
     assert (tmp_path / "summary.md").read_text() == md and (tmp_path / "auto.md").read_text() == auto
 
 
 def test_render_refuses_a_folder_without_records(tmp_path):
-    """``tandem-bench --render`` on a folder with no run in it names the folder (exit 2)."""
+    """``tandem-bench modes --render`` on a folder with no run in it names the folder (exit 2)."""
     from typer.testing import CliRunner
 
-    from tandem.benchmarks.bench import app
+    from tandem.benchmarks.cli import app
 
-    run = CliRunner().invoke(app, ["--render", "--out", str(tmp_path)], env={"COLUMNS": "300"})
+    run = CliRunner().invoke(app, ["modes", "--render", "--out", str(tmp_path)], env={"COLUMNS": "300"})
     assert run.exit_code == 2 and "no records.jsonl" in run.output, run.output
 
 
@@ -722,7 +722,7 @@ def test_the_output_length_matrix_names_the_fastest_mode_and_the_lightest_on_the
 
 
 def test_exactness_resume_reads_back_what_a_run_saved(tmp_path):
-    """``tandem-bench-exactness --resume`` keeps the chats and sessions its ``exactness.json``
+    """``tandem-bench exactness --resume`` keeps the chats and sessions its ``exactness.json``
     holds (the form ``save`` writes), starts afresh without one, and refuses another file."""
     from tandem.benchmarks.exactness import Reply, count, load_results
 
@@ -744,7 +744,7 @@ def test_exactness_resume_reads_back_what_a_run_saved(tmp_path):
     assert count(got_chats, got_sessions).as_dict() == count(chats, sessions).as_dict()
     assert load_results(tmp_path / "none.json") == ({}, {})
     path.write_text('{"chats": 3}')
-    with pytest.raises(ValueError, match="not a tandem-bench-exactness result"):
+    with pytest.raises(ValueError, match="not a tandem-bench exactness result"):
         load_results(path)
 
 
@@ -779,3 +779,46 @@ def test_capacity_lists_failed_requests_with_their_server_message():
     assert "| split-k8 | 8 | Internal | 2 | tail engine died / restarting retry |" in lines
     assert "| split-k8 | 8 | ResourceExhausted | 1 | upload bound |" in lines
     assert "| auto | 8 | Unavailable | 1 | - |" in lines  # recorded without a message
+
+
+SUBCOMMANDS = ("modes", "capacity", "burst", "fidelity", "exactness", "multiturn", "batching", "edge")
+
+
+def test_tandem_bench_lists_every_benchmark_and_is_the_one_benchmark_script():
+    """The installed ``tandem-bench`` lists every subcommand; pyproject installs no other benchmark
+    script; an unknown subcommand is a usage error (exit 2)."""
+    import tomllib
+
+    from tandem.benchmarks.cli import BENCHMARKS
+    from tests.helpers import ROOT, TANDEM_BENCH
+
+    listed = subprocess.run([TANDEM_BENCH, "--help"], capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    for name in SUBCOMMANDS:
+        assert name in BENCHMARKS and f" {name} " in listed.stdout, listed.stdout
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert [s for s in scripts if s.startswith("tandem-bench")] == ["tandem-bench"]
+    unknown = subprocess.run([TANDEM_BENCH, "nope"], capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2 and "No such command" in unknown.stderr
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_each_subcommand_is_its_benchmarks_command_with_its_flags(name):
+    """``tandem-bench NAME`` is the module's own command: the same help and the same flags, its usage
+    line naming the subcommand."""
+    import importlib
+
+    import typer
+    from typer.testing import CliRunner
+
+    from tandem.benchmarks.cli import BENCHMARKS, app
+
+    module = importlib.import_module(f"tandem.benchmarks.{BENCHMARKS[name].module}")
+    own = typer.main.get_command(module.app)
+    group = typer.main.get_command(app)
+    sub = group.get_command(None, name)  # type: ignore[attr-defined]
+    assert sub.help == own.help
+    assert [p.opts for p in sub.params] == [p.opts for p in own.params]
+    shown = CliRunner().invoke(app, [name, "--help"], prog_name="tandem-bench", terminal_width=200)
+    assert shown.exit_code == 0 and f"tandem-bench {name} [OPTIONS]" in shown.output, shown.output
+    assert all(o in shown.output for p in own.params for o in p.opts if o.startswith("--")), shown.output

@@ -1,17 +1,18 @@
 """The Grafana dashboard (docs/deploy/grafana/tandem-dashboard.json) against Grafana's dashboard
 model and against the metrics the code exports: every ``tandem:`` name it queries is one the edge
-or the cloud exports (``metrics.exported_labels``), every label it groups or filters by is one of
-that metric's, the one vLLM metric is the one tandem re-exports, and it shows what operators watch
-(per-link shares and weights, TTFT/ITL per mode against objectives, modes and prediction error, KV
-cache use, transfers, resumes and resyncs, replica health)."""
+or the cloud exports (``exported_labels`` of ``edge.metrics`` and ``cloud.metrics``), every label it
+groups or filters by is one of that metric's, the one vLLM metric is the one tandem re-exports, and
+it shows what operators watch (per-link shares and weights, TTFT/ITL per mode against objectives,
+modes and prediction error, KV cache use, transfers, resumes and resyncs, replica health)."""
 
 from __future__ import annotations
 
 import json
 import re
 
+from tandem.cloud import metrics as cloud_metrics
 from tandem.cloud.engines import vllm_metrics
-from tandem.common.runtime import metrics
+from tandem.edge import metrics as edge_metrics
 from tests.helpers import ROOT
 
 DASHBOARD = ROOT / "docs" / "deploy" / "grafana" / "tandem-dashboard.json"
@@ -49,7 +50,7 @@ def test_the_dashboard_is_a_grafana_dashboard_model():
 
 
 def test_every_query_names_exported_metrics_and_their_labels():
-    exported = metrics.exported_labels("edge") | metrics.exported_labels("cloud")
+    exported = edge_metrics.exported_labels() | cloud_metrics.exported_labels()
     vllm = {vllm_metrics._KV_USAGE}
     for expr in exprs():
         names = set(NAME.findall(expr))
@@ -63,7 +64,7 @@ def test_every_query_names_exported_metrics_and_their_labels():
 
 
 def test_a_query_of_a_metric_that_does_not_exist_is_caught():
-    exported = metrics.exported_labels("edge") | metrics.exported_labels("cloud")
+    exported = edge_metrics.exported_labels() | cloud_metrics.exported_labels()
     assert "tandem:time_to_first_token_seconds_bucket" in exported
     assert "tandem:time_to_first_token_seconds" not in exported  # a histogram is queried by its samples
     assert "tandem:requests" not in exported and "tandem:requests_total" in exported

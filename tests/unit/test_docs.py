@@ -54,7 +54,7 @@ def test_relative_links_resolve(doc: Path):
 
 
 def test_anchor_follows_githubs_rule():
-    assert anchor("Wire formats and fidelity (`tandem-bench-fidelity`)") == (
+    assert anchor("Wire formats and fidelity (`tandem-bench fidelity`)") == (
         "wire-formats-and-fidelity-tandem-bench-fidelity"
     )
     assert anchor("What `make run` prints") == "what-make-run-prints"

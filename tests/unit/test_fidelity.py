@@ -1,4 +1,4 @@
-"""Fidelity: the measures of ``tandem-bench-fidelity`` (``benchmarks.fidelity_stats``) on known
+"""Fidelity: the measures of ``tandem-bench fidelity`` (``benchmarks.fidelity_stats``) on known
 distributions, the format round trips of its teacher-forced pass, and the fidelity tables the
 negotiation chooses format pairs by (``cloud.links.fidelity``, ``cloud.links.negotiation.link_params``)."""
 

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tandem.common.runtime",),
     ("tandem.common.model",),
     # the cloud
-    ("tandem.cloud.turn", "tandem.cloud.splits"),
+    ("tandem.cloud.turn", "tandem.cloud.splits", "tandem.cloud.metrics"),
     ("tandem.cloud.store",),
     ("tandem.cloud.config",),
     ("tandem.cloud.engines",),
@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tandem.cloud.service",),
     ("tandem.cloud.server", "tandem.cloud.cli", "tandem.cloud"),
     # the edge
-    ("tandem.edge.session", "tandem.edge.detok", "tandem.edge.events", "tandem.edge.validation"),
+    ("tandem.edge.session", "tandem.edge.detok", "tandem.edge.events", "tandem.edge.validation", "tandem.edge.metrics"),
     ("tandem.edge.compute",),
     ("tandem.edge.link",),
     ("tandem.edge.routing",),

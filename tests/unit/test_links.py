@@ -471,7 +471,7 @@ def test_trace_points_per_active_link_per_step():
 
 
 def test_a_victim_is_not_shrunk_the_links_pressing_harder_are():
-    """Cause and victim (found with tandem-bench-burst): quiet link q misses its objective while
+    """Cause and victim (found with tandem-bench burst): quiet link q misses its objective while
     flooding link f presses far above an equal split: f shrinks, q does not; a link that meets its
     objective but is a cause is not grown in that step."""
     t, _ = controlled(links="qfm", seqs=6)  # (2, 2) each
