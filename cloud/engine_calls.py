@@ -92,7 +92,7 @@ class EngineCalls:
                     ticket.prefill_done()
                     if kv is None:  # direct mode: the whole prompt was prefilled here
                         self.rates.prefill_ms_per_token.add(turn.timings[Stage.CLOUD_DECODE_FIRST_TOKEN] / len(ids))
-                yield TokensOut(tuple(step.token_ids), n)
+                yield TokensOut(token_ids=tuple(step.token_ids), index=n)
                 n += len(step.token_ids)
             if step.finish_reason is not None:
                 turn.time(Stage.CLOUD_DECODE, t0)
@@ -104,12 +104,12 @@ class EngineCalls:
     def final(self, turn: Turn, finish_reason: str, output_tokens: int, external_tokens: int) -> TurnFinal:
         """The turn's final message, with the node's load as it ends."""
         return TurnFinal(
-            finish_reason,
-            len(turn.header.prompt_token_ids),
-            output_tokens,
-            external_tokens,
-            turn.timings,
-            turn.received_bytes,
-            self.load(turn.header.link_id),
-            turn.timings.get(Stage.CLOUD_QUEUE, 0.0),
+            finish_reason=finish_reason,
+            prompt_tokens=len(turn.header.prompt_token_ids),
+            output_tokens=output_tokens,
+            external_tokens=external_tokens,
+            timings=turn.timings,
+            received_bytes=turn.received_bytes,
+            load=self.load(turn.header.link_id),
+            queue_wait_ms=turn.timings.get(Stage.CLOUD_QUEUE, 0.0),
         )

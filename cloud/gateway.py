@@ -213,7 +213,7 @@ class Gateway:
         async with aclosing(self.receiver.upload(turn, uplink, received)) as upload:  # closed with the turn
             async for up in upload:
                 yield up
-        yield UploadAck(len(header.prompt_token_ids), len(received.leaves))
+        yield UploadAck(verified_tokens=len(header.prompt_token_ids), leaf_count=len(received.leaves))
         async with aclosing(self._split(turn, received, ticket)) as events:
             async for ev in events:
                 yield ev
@@ -272,7 +272,7 @@ class Gateway:
             first = await self.calls.tail_prefill(turn, received.hidden, tail)
             tail_saves = tail_store_keys
             ticket.prefill_done()
-            yield TokensOut((first.first_token,), 0)
+            yield TokensOut(token_ids=(first.first_token,), index=0)
             if first.finish_reason is not None or header.sampling.max_new_tokens == 1:
                 yield self.calls.final(turn, first.finish_reason or "length", 1, 0)
                 return

@@ -127,7 +127,7 @@ class RemotePrefills:
     def _blocks(self, turn: Turn) -> _Blocks:
         h, p = turn.header, turn.link_params
         ids, bs, shape = list(h.prompt_token_ids), p.kv_block_size_tokens, self.splits.primary.shape
-        layers = LayerRange(0, shape.num_layers)
+        layers = LayerRange(lo=0, hi=shape.num_layers)
         scope = f"{turn.caller.tag}|full|{kv_scope(h.session_id, h.request_id)}"
         content = block_hashes(ids, bs, hash_seed(self.model_key, bs, scope))
         keys = [PartSpec(layers, tuple(content)).store_key(j) for j in range(len(content))]
@@ -148,7 +148,7 @@ class RemotePrefills:
         spec = blocks.spec
         await self.pins.pin(turn, blocks.keys)
         q: asyncio.Queue = asyncio.Queue()
-        first_token, window = asyncio.Event(), _Window(SendWindow(self._window_bytes(turn, blocks.want)))
+        first_token, window = asyncio.Event(), _Window(SendWindow(window_bytes=self._window_bytes(turn, blocks.want)))
         t0 = time.perf_counter()
         tasks = [
             asyncio.create_task(self._tokens(turn, spec, ticket, q, first_token)),
@@ -237,7 +237,7 @@ class RemotePrefills:
             b.sent[j] = down
             leaves.append(down.leaf_hash)
             q.put_nowait(down)
-        q.put_nowait(Commit(len(leaves), merkle.root(leaves), b.first))
+        q.put_nowait(Commit(leaf_count=len(leaves), merkle_root=merkle.root(leaves), first_leaf=b.first))
         turn.time(Stage.CLOUD_KV_DOWNLINK, t0)
 
     def _frame(self, turn: Turn, b: _Blocks, j: int) -> KVBlock | None:

@@ -127,7 +127,7 @@ def link_table(cfg: CloudConfig) -> LinkTable:
 def edge_limits(cfg: CloudConfig, shape: ModelShape) -> EdgeLimits:
     """Each edge's own bounds; its stored bytes count KV blocks of every layer and float32 activations."""
     bs = cfg.engine.block_size_tokens
-    block_bytes = block_nbytes(LayerRange(0, shape.num_layers), shape.num_kv_heads, bs, shape.head_dim)
+    block_bytes = block_nbytes(LayerRange(lo=0, hi=shape.num_layers), shape.num_kv_heads, bs, shape.head_dim)
     return EdgeLimits(
         cfg.edge_rate_limit, cfg.edge_max_sessions, cfg.edge_max_stored_bytes, block_bytes, bs, 4 * shape.hidden_size
     )

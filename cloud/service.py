@@ -128,7 +128,7 @@ class CloudServicer(pb_grpc.CloudServicer):
             if self.draining:
                 raise EngineError("this cloud is draining (shutting down); retry on another replica")
         except TandemError as err:  # the verdict in a message, then the status, as for every refused turn
-            yield downlink_to_pb(TurnError(err))
+            yield downlink_to_pb(TurnError(error=err))
             await drain(request_iterator.__aiter__(), self.gateway.cfg.drain_timeout_s)
             await abort(context, err)
         self.in_flight += 1
@@ -157,7 +157,7 @@ class CloudServicer(pb_grpc.CloudServicer):
         except StopAsyncIteration:
             await abort(context, InvalidRequest("empty uplink"))
         except TandemError as e:
-            yield downlink_to_pb(TurnError(e))
+            yield downlink_to_pb(TurnError(error=e))
             await drain(it, self.gateway.cfg.drain_timeout_s)
             await abort(context, e)
         except Exception:

@@ -52,10 +52,10 @@ class Splits:
         return self.by_layer.get(k, self.primary)
 
     def head_part(self, k: int) -> LayerRange:
-        return LayerRange(0, k)
+        return LayerRange(lo=0, hi=k)
 
     def tail_part(self, k: int) -> LayerRange:
-        return LayerRange(k, self.primary.shape.num_layers)
+        return LayerRange(lo=k, hi=self.primary.shape.num_layers)
 
     def request_seed(self, header: TurnHeader, block_tokens: int) -> bytes:
         """Seed of the head blocks' ids, as the edge computes it (``common.wire.kvblocks.request_seed``)."""

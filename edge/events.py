@@ -61,7 +61,7 @@ def check_stops(stop: Sequence[str], one: bool = False) -> tuple[str, ...]:
     return tuple(stop)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChatTurn:
     """One request from the SDK: ``messages`` (chat template applied) or a raw ``prompt``.
 
@@ -104,7 +104,16 @@ class ChatTurn:
             s = replace(s, top_k=0)
         stop = check_stops(r.stop)
         check_session_id(r.session_id)
-        return cls(messages, r.prompt, r.session_id, s, mode, stop, r.split_layer, r.whole_reply)
+        return cls(
+            messages=messages,
+            prompt=r.prompt,
+            session_id=r.session_id,
+            sampling=s,
+            mode=mode,
+            stop=stop,
+            split_layer=r.split_layer,
+            whole_reply=r.whole_reply,
+        )
 
 
 def check_split_layer(split_layer: int, mode: Mode) -> None:
@@ -113,7 +122,7 @@ def check_split_layer(split_layer: int, mode: Mode) -> None:
         raise InvalidRequest("split_layer is for mode split only", param="split_layer")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TextOut:
     text: str
     token_ids: tuple[int, ...]
@@ -122,7 +131,7 @@ class TextOut:
         return pb.ChatEvent(delta=pb.TextDelta(text=self.text, token_ids=list(self.token_ids)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SentBytes:
     """Bytes one turn sent to the cloud, per stream kind, as sent (after the codec; resends and
     repairs included): the header and commits, the activation chunks, the head-KV blocks."""
@@ -133,9 +142,9 @@ class SentBytes:
 
     def __add__(self, other: SentBytes) -> SentBytes:
         return SentBytes(
-            self.header_bytes + other.header_bytes,
-            self.activations_bytes + other.activations_bytes,
-            self.kv_bytes + other.kv_bytes,
+            header_bytes=self.header_bytes + other.header_bytes,
+            activations_bytes=self.activations_bytes + other.activations_bytes,
+            kv_bytes=self.kv_bytes + other.kv_bytes,
         )
 
     @property
@@ -148,7 +157,7 @@ class SentBytes:
         return {"header": self.header_bytes, "activations": self.activations_bytes, "kv": self.kv_bytes}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TurnDone:
     finish_reason: str
     prompt_tokens: int

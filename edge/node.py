@@ -383,7 +383,7 @@ class EdgeNode:
         mode = first.clock.mode if first.clock.mode is not Mode.AUTO else Mode.DIRECT
         closing = Turn(first.request, first.ids, first.clock, first.text, first.deadline)
         closing.decision = Decision(Route(mode), None, "resumed")
-        events: list[TextOut | TurnDone] = [TextOut(rest, ids)] if rest or ids else []
+        events: list[TextOut | TurnDone] = [TextOut(text=rest, token_ids=ids)] if rest or ids else []
         return [*events, closing.done(finish, len(first.ids))]
 
     async def _legs(self, turn: Turn) -> AsyncGenerator[TextOut | TurnDone, None]:

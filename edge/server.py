@@ -379,10 +379,10 @@ def build_node(
         eos = getattr(tokenizer, "eos_token_id", None)
         eos_token_ids = frozenset([eos] if isinstance(eos, int) else [])
     limits = RequestLimits(
-        shape.vocab_size if shape else 0,
-        cfg.max_prompt_tokens,
-        cfg.max_new_tokens,
-        shape.max_position_embeddings if shape else 0,
+        vocab_size=shape.vocab_size if shape else 0,
+        max_prompt_tokens=cfg.max_prompt_tokens,
+        max_new_tokens=cfg.max_new_tokens,
+        max_model_len_tokens=shape.max_position_embeddings if shape else 0,
     )
     node = EdgeNode(
         EdgeCompute(tokenizer, by_k, eos_token_ids, model_key),
@@ -443,10 +443,10 @@ async def serve_node(cfg: EdgeConfig, node: EdgeNode, model_id: str, links: list
 def edge_offer(cfg: EdgeConfig, manifest: SplitManifest, heads: list[Head]) -> NegotiateOffer:
     """What this edge offers the cloud in ``Negotiate``: its model, heads, batch limit, SLOs and wire dtypes."""
     return NegotiateOffer(
-        cfg.edge_id,
-        manifest.model_id,
-        {h.k: h.compatibility_key for h in heads},
-        cfg.max_batch,
+        edge_id=cfg.edge_id,
+        model_id=manifest.model_id,
+        head_keys={h.k: h.compatibility_key for h in heads},
+        edge_max_batch=cfg.max_batch,
         ttft_slo_ms=cfg.ttft_slo_ms,
         itl_p99_slo_ms=cfg.itl_p99_slo_ms,
         wire_dtypes=tuple(cfg.wire_dtypes),

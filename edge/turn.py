@@ -129,9 +129,17 @@ class Turn:
         """The leg's request header under params ``p``, with no cached tokens, chunks or blocks
         (``edge.link.framing`` fills those in)."""
         return TurnHeader(
-            self.request_id, self.session_id, p.params_version, p.split_layer, tuple(self.ids), 0, 0, 0,
-            self.sampling, link_id,
-        )  # fmt: skip
+            request_id=self.request_id,
+            session_id=self.session_id,
+            params_version=p.params_version,
+            split_layer=p.split_layer,
+            prompt_token_ids=tuple(self.ids),
+            cached_tokens=0,
+            num_chunks=0,
+            num_kv_blocks=0,
+            sampling=self.sampling,
+            link_id=link_id,
+        )
 
     def done(
         self,
@@ -153,15 +161,15 @@ class Turn:
         came down and what the edge decoded itself, for a remote-prefill leg."""
         d, out = self.route_decision, self.text.token_ids
         return TurnDone(
-            finish_reason,
-            prompt_tokens,
-            len(out) if output_tokens is None else output_tokens,
-            self.head_tokens,
-            external_tokens,
-            split_layer,
-            dict(self.clock.timings),
-            sent_bytes,
-            tuple(out),
+            finish_reason=finish_reason,
+            prompt_tokens=prompt_tokens,
+            output_tokens=len(out) if output_tokens is None else output_tokens,
+            head_tokens=self.head_tokens,
+            external_tokens=external_tokens,
+            split_layer=split_layer,
+            timings=dict(self.clock.timings),
+            sent_bytes=sent_bytes,
+            output_token_ids=tuple(out),
             mode=d.route.mode,
             predicted_ttft_ms=d.prediction.ttft_ms if d.prediction is not None else 0.0,
             ttft_ms=self.clock.timings.get(Stage.TTFT, 0.0),

@@ -23,7 +23,12 @@ def cloud_limits(p: LinkParams | None) -> RequestLimits:
     """What a cloud that negotiated ``p`` (its direct-mode params; None: never negotiated) accepts."""
     if p is None:
         return RequestLimits()
-    return RequestLimits(p.vocab_size, p.max_prompt_tokens, p.max_new_tokens, p.max_model_len_tokens)
+    return RequestLimits(
+        vocab_size=p.vocab_size,
+        max_prompt_tokens=p.max_prompt_tokens,
+        max_new_tokens=p.max_new_tokens,
+        max_model_len_tokens=p.max_model_len_tokens,
+    )
 
 
 def edge_limits(own: RequestLimits, local: RequestLimits | None, cloud: RequestLimits) -> RequestLimits:

@@ -74,7 +74,11 @@ class Toy:
         """A second edge ``edge_id`` on this toy's cloud (its own link and negotiation, this
         toy's head batcher): another client whose turns load the same engines."""
         key = MANIFEST.compatibility_key()
-        conn = CloudConnection(InProcessLink(self.gateway), NegotiateOffer(edge_id, "toy", {K: key}, 4), probe_bytes=0)
+        conn = CloudConnection(
+            InProcessLink(self.gateway),
+            NegotiateOffer(edge_id=edge_id, model_id="toy", head_keys={K: key}, edge_max_batch=4),
+            probe_bytes=0,
+        )
         await conn.connect()
         return toy_node([Head(self.batcher, key)], conn)
 
@@ -117,7 +121,11 @@ async def toy_stack(
     if link_wrapper is not None:
         link = link_wrapper(link)
     key = MANIFEST.compatibility_key()
-    conn = CloudConnection(link, NegotiateOffer("e", "toy", {K: key}, 4, **(offer_kw or {})), probe_bytes=0)
+    conn = CloudConnection(
+        link,
+        NegotiateOffer(edge_id="e", model_id="toy", head_keys={K: key}, edge_max_batch=4, **(offer_kw or {})),
+        probe_bytes=0,
+    )
     await conn.connect()  # once; the background loop (polls, reconnects) is not started here
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
@@ -264,7 +272,7 @@ class MemoryLocal:
         self.prefill_rate.add(prefill_ms_per_token)
         self.decode_rate.add(decode_ms_per_token)
         self.calls: list[list[int]] = []
-        self.limits = RequestLimits(shape.vocab_size, max_model_len_tokens=shape.max_position_embeddings)
+        self.limits = RequestLimits(vocab_size=shape.vocab_size, max_model_len_tokens=shape.max_position_embeddings)
         self.ended: list[str] = []  # session ids ended (``end_session``)
 
     @staticmethod

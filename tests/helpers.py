@@ -45,24 +45,40 @@ RP_LONG = "the quick brown fox jumps over the lazy dog and runs far away into th
 
 def turn(text: str, session: str = "", n: int = 8, **kw: Any) -> ChatTurn:
     """One user message in split mode (``mode=`` and other ``ChatTurn`` fields override), ``n`` new tokens."""
-    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), **{"mode": Mode.SPLIT, **kw})
+    return ChatTurn(
+        messages=(("user", text),),
+        prompt="",
+        session_id=session,
+        sampling=Sampling(max_new_tokens=n),
+        **{"mode": Mode.SPLIT, **kw},
+    )
 
 
 def chat(*msgs: str, session: str = "", n: int = 8, **kw: Any) -> ChatTurn:
     """A conversation alternating user / assistant messages, ending with a user message (split mode)."""
     convo = tuple(("user" if i % 2 == 0 else "assistant", m) for i, m in enumerate(msgs))
-    return ChatTurn(convo, "", session, Sampling(max_new_tokens=n), **{"mode": Mode.SPLIT, **kw})
+    return ChatTurn(
+        messages=convo, prompt="", session_id=session, sampling=Sampling(max_new_tokens=n), **{"mode": Mode.SPLIT, **kw}
+    )
 
 
 def rp_turn(text: str, mode: Mode, n: int = 40, session: str = "", **sampling: Any) -> ChatTurn:
     """One user message in ``mode`` with ``n`` new tokens (the remote-prefill tests' default: 40)."""
-    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n, **sampling), mode=mode)
+    return ChatTurn(
+        messages=(("user", text),),
+        prompt="",
+        session_id=session,
+        sampling=Sampling(max_new_tokens=n, **sampling),
+        mode=mode,
+    )
 
 
 def rp_chat(*msgs: str, session: str, n: int = 40) -> ChatTurn:
     """A conversation (alternating user / assistant) in remote-prefill mode."""
     convo = tuple(("user" if i % 2 == 0 else "assistant", m) for i, m in enumerate(msgs))
-    return ChatTurn(convo, "", session, Sampling(max_new_tokens=n), mode=Mode.REMOTE_PREFILL)
+    return ChatTurn(
+        messages=convo, prompt="", session_id=session, sampling=Sampling(max_new_tokens=n), mode=Mode.REMOTE_PREFILL
+    )
 
 
 async def run(edge: Any, t: ChatTurn, timeout_s: float | None = None) -> TurnDone:
@@ -176,7 +192,12 @@ async def edge_over(link: Any, edge_id: str = "e", **node_kw: Any) -> Any:
     from tests.doubles import HKV, MANIFEST, D, H, K, toy_node
 
     key = MANIFEST.compatibility_key()
-    conn = CloudConnection(link, NegotiateOffer(edge_id, "toy", {K: key}, 4), poll_s=0.5, backoff_s=0.1)
+    conn = CloudConnection(
+        link,
+        NegotiateOffer(edge_id=edge_id, model_id="toy", head_keys={K: key}, edge_max_batch=4),
+        poll_s=0.5,
+        backoff_s=0.1,
+    )
     conn.start()
     assert await conn.wait_connected(10), conn.last_error
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)

@@ -49,7 +49,7 @@ class PartSpec:
             raise ValueError(f"malformed tandem part spec: {e}") from None
         if any(len(k) != HASH_BYTES for k in keys):
             raise ValueError(f"tandem block keys must be {HASH_BYTES}-byte hex digests")
-        return cls(LayerRange(lo, hi), keys)
+        return cls(LayerRange(lo=lo, hi=hi), keys)
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ class LinkRegistry:
         self._kv_usage = (float("-inf"), 0.0)  # (when read, value)
         # the anonymous link (headers without a link id): every split this cloud serves, no measurements
         keys = {k: m.compatibility_key() for k, m in splits.by_layer.items()}
-        self._register("", NegotiateOffer("", splits.primary.model_id, keys), "")
+        self._register("", NegotiateOffer(edge_id="", model_id=splits.primary.model_id, head_keys=keys), "")
         anonymous = self.links.get("")
         assert anonymous is not None
         anonymous.last_seen = float("-inf")  # holds no share until a request uses it
@@ -111,13 +111,13 @@ class LinkRegistry:
         if note:
             log.warning("link %s: %s", link_id, note)
         return Negotiated(
-            link_id,
-            dict(rec.current),
-            self.splits.layers,
-            note,
-            self.cfg.cloud_id,
-            self.splits.primary.model_id,
-            self.instance_id,
+            link_id=link_id,
+            params_by_split=dict(rec.current),
+            split_layers=self.splits.layers,
+            note=note,
+            cloud_id=self.cfg.cloud_id,
+            model_id=self.splits.primary.model_id,
+            instance_id=self.instance_id,
         )
 
     def _check_offer(self, offer: NegotiateOffer) -> None:
@@ -302,13 +302,13 @@ class LinkRegistry:
             link_id = ""
         rec = self._versions.get(link_id) if link_id else None
         return ServerInfo(
-            self.cfg.cloud_id,
-            self.instance_id,
-            self.load(link_id),
-            rec is not None,
-            dict(rec.current) if rec is not None else {},
-            self.splits.layers,
-            serving,
+            cloud_id=self.cfg.cloud_id,
+            instance_id=self.instance_id,
+            load=self.load(link_id),
+            link_known=rec is not None,
+            params_by_split=dict(rec.current) if rec is not None else {},
+            split_layers=self.splits.layers,
+            serving=serving,
         )
 
     def max_message_bytes(self) -> int:
@@ -324,7 +324,7 @@ class LinkRegistry:
             if k_max
             else 0
         )
-        whole = block_nbytes(LayerRange(0, sh.num_layers), sh.num_kv_heads, lim.kv_block_size_tokens, sh.head_dim)
+        whole = block_nbytes(LayerRange(lo=0, hi=sh.num_layers), sh.num_kv_heads, lim.kv_block_size_tokens, sh.head_dim)
         codec = Codec.ZSTD if Codec.ZSTD in lim.codecs else Codec.NONE
         return (
             max(

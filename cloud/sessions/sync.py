@@ -71,7 +71,14 @@ def compare(s: CloudSession, req: SyncRequest) -> SyncReply:
         proven = req.proof_from == m and merkle.verify_consistency(
             m, n, root, req.merkle_root, list(req.consistency_proof)
         )
-    return SyncReply(True, held, m, root, proven, () if proven else tuple(leaves))
+    return SyncReply(
+        found=True,
+        held_tokens=held,
+        held_leaves=m,
+        held_root=root,
+        proven=proven,
+        leaf_hashes=() if proven else tuple(leaves),
+    )
 
 
 class SessionSync:
@@ -147,7 +154,7 @@ class SessionSync:
         ):
             s = await self.session(key, 1)
         if not s.token_ids or s.split_layer != req.split_layer or s.block_tokens != self.limits.kv_block_size_tokens:
-            return SyncReply(False)
+            return SyncReply(found=False)
         return compare(s, req)
 
     async def session(self, key: str, cached_tokens: int) -> CloudSession:

@@ -81,10 +81,12 @@ class _Window:
             if keeper is not None:
                 keeper.kick()
             self.told_tokens = max(self.told_tokens, upload.kept_tokens)
-            return WindowAck(self.received_bytes, self.told_tokens if keeper is not None else 0)
+            return WindowAck(
+                received_bytes=self.received_bytes, held_tokens=self.told_tokens if keeper is not None else 0
+            )
         if keeper is not None and upload.kept_tokens > self.told_tokens:  # a keep finished since the last ack
             self.told_tokens = upload.kept_tokens
-            return WindowAck(self.acked_bytes, self.told_tokens)
+            return WindowAck(received_bytes=self.acked_bytes, held_tokens=self.told_tokens)
         return None
 
 
@@ -209,13 +211,13 @@ class Receiver:
         if isinstance(item, wire.Chunk):
             if not await asyncio.to_thread(upload.add_chunk, item):
                 log.info("chunk %d failed its CRC32C or did not decode: NACK", item.seq)
-                return Nack(item.seq, "crc32c mismatch or payload does not decode")
+                return Nack(seq=item.seq, reason="crc32c mismatch or payload does not decode")
         elif isinstance(item, KVBlock):
             await asyncio.to_thread(upload.add_block, item)
         elif isinstance(item, Commit):
             repair = upload.commit(item.leaf_count, item.merkle_root)
             if repair:
-                return Repair(tuple(repair), "leaf hash mismatch, block missing or not decodable")
+                return Repair(leaf_indices=tuple(repair), reason="leaf hash mismatch, block missing or not decodable")
         else:
             raise InvalidRequest(f"unexpected {type(item).__name__} after the header")
         return None

@@ -48,7 +48,10 @@ def wire_limits(params: LinkParams, manifest: SplitManifest) -> RequestLimits:
     """The request limits a turn under ``params`` is checked against: the ones the edge was told
     (``LinkParams``), so that the edge's own check (``edge.validation``) refuses first, alike."""
     return RequestLimits(
-        manifest.shape.vocab_size, params.max_prompt_tokens, params.max_new_tokens, params.max_model_len_tokens
+        vocab_size=manifest.shape.vocab_size,
+        max_prompt_tokens=params.max_prompt_tokens,
+        max_new_tokens=params.max_new_tokens,
+        max_model_len_tokens=params.max_model_len_tokens,
     )
 
 
@@ -173,7 +176,7 @@ class TurnUpload:
                 f"header announces {h.num_kv_blocks} KV blocks; the prompt needs "
                 f"{len(self.expected_leaves)} new full blocks"
             )
-        self.part = LayerRange(0, self.manifest.split_layer)
+        self.part = LayerRange(lo=0, hi=self.manifest.split_layer)
         # what every KV block of this upload must be (the one KV-block codec checks it)
         self.block_spec = BlockSpec.of(
             self.hashes, self.first_new_leaf, self.part, self.manifest.shape, self.params, h.params_version,
@@ -291,7 +294,7 @@ class TurnUpload:
         Raises:
             MerkleMismatch: leaf count wrong, or every leaf verified but the root does not.
         """
-        c = Commit(leaf_count, root)
+        c = Commit(leaf_count=leaf_count, merkle_root=root)
         check_commit_span(c, 0, len(self.hashes))
         missing = self.missing_leaves()
         if missing:

@@ -29,7 +29,7 @@ from tandem.common.protocol.text import check_text
 MAX_ID_BYTES = 128  # a session id, on the edge and on the wire to the cloud
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RequestLimits:
     """Bounds of one request, in tokens; 0 = no bound of this kind (unknown)."""
 
@@ -44,7 +44,7 @@ class RequestLimits:
         def tighter(a: int, b: int) -> int:
             return min(a, b) if a and b else a or b
 
-        return RequestLimits(*(tighter(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)))
+        return RequestLimits(**{f.name: tighter(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
 
     def check_prompt_length(self, prompt_tokens: int, param: str = "prompt") -> None:
         """Raises InvalidRequest (field ``param``) for an empty prompt or one longer than

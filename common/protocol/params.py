@@ -41,7 +41,7 @@ def pb_name(v: WireDtype | Codec) -> str:
     return ("WIRE_DTYPE_" if isinstance(v, WireDtype) else "CODEC_") + v.name
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LinkParams:
     """What ``Negotiate`` agreed for one edge <-> cloud link (units in names; see the proto)."""
 
@@ -81,7 +81,7 @@ class LinkParams:
         return to_pb(pb.LinkParams, self)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Sampling:
     """Sampling parameters of one request; ``temperature == 0`` is greedy."""
 
@@ -104,7 +104,7 @@ class Sampling:
 MAX_MEASURE = 1e9  # bound on an edge's reported RTT (ms), goodput (Mbit/s) and objectives (ms)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NegotiateOffer:
     """What an edge offers in ``Negotiate`` (units in names; see ``NegotiateRequest``).
 
@@ -153,18 +153,18 @@ class NegotiateOffer:
             return tuple(enum_cls(v) for v in values if v in enum_cls._value2member_map_) if values else default
 
         return cls(
-            m.edge_id,
-            m.model_id,
-            {int(k): v for k, v in m.head_keys.items() if k > 0},
-            m.edge_max_batch,
-            m.link.rtt_ms,
-            m.link.goodput_mbps,
-            m.slo.ttft_ms,
-            m.slo.itl_p99_ms,
-            known(m.wire_dtypes, WireDtype, (WireDtype.FP32,)),
-            known(m.codecs, Codec, (Codec.NONE,)),
-            m.link_id,
-            known(m.kv_wire_dtypes, WireDtype, (WireDtype.FP32,)),
+            edge_id=m.edge_id,
+            model_id=m.model_id,
+            head_keys={int(k): v for k, v in m.head_keys.items() if k > 0},
+            edge_max_batch=m.edge_max_batch,
+            rtt_ms=m.link.rtt_ms,
+            goodput_mbps=m.link.goodput_mbps,
+            ttft_slo_ms=m.slo.ttft_ms,
+            itl_p99_slo_ms=m.slo.itl_p99_ms,
+            wire_dtypes=known(m.wire_dtypes, WireDtype, (WireDtype.FP32,)),
+            codecs=known(m.codecs, Codec, (Codec.NONE,)),
+            link_id=m.link_id,
+            kv_wire_dtypes=known(m.kv_wire_dtypes, WireDtype, (WireDtype.FP32,)),
         )
 
     def to_pb(self) -> pb.NegotiateRequest:
@@ -183,7 +183,7 @@ class NegotiateOffer:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Negotiated:
     """What ``Negotiate`` agreed: the link's id and its params for every split layer both sides
     hold (``params_by_split[0]`` is direct mode, always present), what the cloud serves, and a
@@ -206,7 +206,15 @@ class Negotiated:
         by_split = {int(k): LinkParams.from_pb(v) for k, v in m.params_by_split.items()}
         if 0 not in by_split:
             by_split[0] = replace(LinkParams.from_pb(m.params), split_layer=0)
-        return cls(m.link_id, by_split, tuple(m.split_layers), m.note, m.cloud_id, m.model_id, m.instance_id)
+        return cls(
+            link_id=m.link_id,
+            params_by_split=by_split,
+            split_layers=tuple(m.split_layers),
+            note=m.note,
+            cloud_id=m.cloud_id,
+            model_id=m.model_id,
+            instance_id=m.instance_id,
+        )
 
     def to_pb(self) -> pb.NegotiateResponse:
         best = self.params_by_split[max(self.params_by_split)]
@@ -222,7 +230,7 @@ class Negotiated:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServerLoad:
     """A cloud node's load and measured rates (see ``ServerLoad`` in the proto; units in names)."""
 
@@ -244,7 +252,7 @@ class ServerLoad:
         return to_pb(pb.ServerLoad, self)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServerInfo:
     """``GetServerInfo``'s answer: the cloud's load and the link's current params."""
 
@@ -259,13 +267,13 @@ class ServerInfo:
     @classmethod
     def from_pb(cls, m: pb.ServerInfo) -> ServerInfo:
         return cls(
-            m.cloud_id,
-            m.instance_id,
-            ServerLoad.from_pb(m.load),
-            m.link_known,
-            {int(k): LinkParams.from_pb(v) for k, v in m.params_by_split.items()},
-            tuple(m.split_layers),
-            m.serving,
+            cloud_id=m.cloud_id,
+            instance_id=m.instance_id,
+            load=ServerLoad.from_pb(m.load),
+            link_known=m.link_known,
+            params_by_split={int(k): LinkParams.from_pb(v) for k, v in m.params_by_split.items()},
+            split_layers=tuple(m.split_layers),
+            serving=m.serving,
         )
 
     def to_pb(self) -> pb.ServerInfo:
@@ -280,7 +288,7 @@ class ServerInfo:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SyncRequest:
     """``SyncSession``'s request (see the proto): the edge's view of one of its sessions. ``leaf_count``
     leaves with root ``merkle_root`` (32 bytes); ``consistency_proof`` is PROOF(proof_from, D[leaf_count])
@@ -304,7 +312,7 @@ class SyncRequest:
         return to_pb(pb.SyncSessionRequest, self)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SyncReply:
     """``SyncSession``'s answer (see the proto). ``held_tokens``: leading tokens of the edge's whose
     activations the cloud holds; ``proven``: the cloud's first ``min(held_leaves, leaf_count)`` leaves

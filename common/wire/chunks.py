@@ -37,7 +37,7 @@ from tandem.common.protocol.params import Codec, WireDtype
 from tandem.common.wire.formats import format_of
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Chunk:
     """One framed activation chunk (see module doc)."""
 
@@ -293,15 +293,15 @@ def split(
         payload = encode_payload(raw, codec, level)
         chunks.append(
             Chunk(
-                seq,
-                token_offset + start,
-                part.shape[0],
-                dtype,
-                codec,
-                len(raw),
-                payload,
-                crc32c(payload),
-                params_version,
+                seq=seq,
+                token_offset=token_offset + start,
+                num_tokens=part.shape[0],
+                wire_dtype=dtype,
+                codec=codec,
+                raw_nbytes=len(raw),
+                payload=payload,
+                crc32c=crc32c(payload),
+                params_version=params_version,
             )
         )
     return chunks

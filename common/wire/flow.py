@@ -11,7 +11,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SendWindow:
     """The sender's side: ``window_bytes`` of payload may be in flight past the last acknowledged
     byte; an item larger than the window goes when nothing is in flight."""
@@ -37,7 +37,7 @@ class SendWindow:
         self.acked_bytes = max(self.acked_bytes, min(received_bytes, self.sent_bytes))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ReceivedBytes:
     """The receiver's side: payload bytes received, each item (``key``) counted once."""
 

@@ -114,7 +114,7 @@ def _any_width(channels: int) -> bool:
     return True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WireFormat:
     """One wire format (see the module doc for each): its enum value, fidelity class, byte layouts
     of activations ``[T, H]`` and of KV blocks ``[Lp, 2, Hkv, B, D]``, the row widths it suits
@@ -373,34 +373,40 @@ _BF16 = Layout(_half_nbytes, _bf16_encode, _bf16_decode)
 
 FORMATS: Mapping[WireDtype, WireFormat] = registry(
     # fp32 leaves keep the layout they had before KV formats existed (``merkle.leaf_data``)
-    WireFormat(WireDtype.FP32, Fidelity.LOSSLESS, _FP32, _FP32, tagged_leaf=False),
+    WireFormat(dtype=WireDtype.FP32, fidelity=Fidelity.LOSSLESS, activations=_FP32, kv=_FP32, tagged_leaf=False),
     WireFormat(
-        WireDtype.FP16,
-        Fidelity.HALF,
-        Layout(_half_nbytes, _act_fp16_encode, _fp16_decode),
-        Layout(_half_nbytes, _kv_fp16_encode, _fp16_decode),
+        dtype=WireDtype.FP16,
+        fidelity=Fidelity.HALF,
+        activations=Layout(_half_nbytes, _act_fp16_encode, _fp16_decode),
+        kv=Layout(_half_nbytes, _kv_fp16_encode, _fp16_decode),
     ),
-    WireFormat(WireDtype.BF16, Fidelity.HALF, _BF16, _BF16),
+    WireFormat(dtype=WireDtype.BF16, fidelity=Fidelity.HALF, activations=_BF16, kv=_BF16),
     WireFormat(
-        WireDtype.INT8,
-        Fidelity.INT8,
-        Layout(_act_int8_nbytes, _act_int8_encode, _act_int8_decode),
-        Layout(_kv_int8_nbytes, _kv_int8_encode, _kv_int8_decode),
-    ),
-    WireFormat(
-        WireDtype.INT4,
-        Fidelity.INT4,
-        Layout(_act_int4_nbytes, _act_int4_encode, _act_int4_decode),
-        Layout(_kv_int4_nbytes, _kv_int4_encode, _kv_int4_decode),
+        dtype=WireDtype.INT8,
+        fidelity=Fidelity.INT8,
+        activations=Layout(_act_int8_nbytes, _act_int8_encode, _act_int8_decode),
+        kv=Layout(_kv_int8_nbytes, _kv_int8_encode, _kv_int8_decode),
     ),
     WireFormat(
-        WireDtype.INT8_HADAMARD,
-        Fidelity.INT8,
-        Layout(_act_int8h_nbytes, _act_int8h_encode, _act_int8h_decode),
-        Layout(_kv_int8_nbytes, _kv_int8h_encode, _kv_int8h_decode),
+        dtype=WireDtype.INT4,
+        fidelity=Fidelity.INT4,
+        activations=Layout(_act_int4_nbytes, _act_int4_encode, _act_int4_decode),
+        kv=Layout(_kv_int4_nbytes, _kv_int4_encode, _kv_int4_decode),
+    ),
+    WireFormat(
+        dtype=WireDtype.INT8_HADAMARD,
+        fidelity=Fidelity.INT8,
+        activations=Layout(_act_int8h_nbytes, _act_int8h_encode, _act_int8h_decode),
+        kv=Layout(_kv_int8_nbytes, _kv_int8h_encode, _kv_int8h_decode),
         suits=_rotation_fits,
     ),
-    WireFormat(WireDtype.INT4_HADAMARD, Fidelity.INT4, _ACT_INT4H, _KV_INT4H, suits=_rotation_fits),
+    WireFormat(
+        dtype=WireDtype.INT4_HADAMARD,
+        fidelity=Fidelity.INT4,
+        activations=_ACT_INT4H,
+        kv=_KV_INT4H,
+        suits=_rotation_fits,
+    ),
 )
 """Every wire format by its ``WireDtype``."""
 

@@ -36,7 +36,7 @@ Part of every block-store key (``part_key``) and of every KV block's Merkle leaf
 verified, under another."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerRange:
     """Global decoder layers ``[lo, hi)``."""
 

@@ -56,7 +56,7 @@ def _formats(index: int, m: pb.KVBlockDelta | pb.KVBlockDown) -> tuple[WireDtype
     return WireDtype(dtype), Codec(m.codec)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KVBlock:
     """One full KV block of layers ``[layer_lo, layer_hi)``, either direction: canonical float32
     ``[Lp, 2, Hkv, B, D]`` in ``wire_dtype`` (``raw_nbytes`` of those bytes), then ``codec``
@@ -99,7 +99,7 @@ class KVBlock:
         return to_pb(pb.KVBlockDown, self, exclude=("leaf_index",), block_index=self.leaf_index, crc32c=crc)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Commit:
     """The leaves ``[first_leaf, first_leaf + leaf_count)`` of a turn's tree have root ``merkle_root``.
     Going up, the tree is the session's from leaf 0 (``Commit``); coming down, remote prefill's
@@ -111,7 +111,7 @@ class Commit:
 
     @classmethod
     def from_up_pb(cls, m: pb.Commit) -> Commit:
-        return cls(m.leaf_count, m.merkle_root)
+        return cls(leaf_count=m.leaf_count, merkle_root=m.merkle_root)
 
     def to_up_pb(self) -> pb.Commit:
         """Raises InvalidRequest for a commit not from leaf 0 (the uplink's carries the whole tree)."""
@@ -121,7 +121,7 @@ class Commit:
 
     @classmethod
     def from_down_pb(cls, m: pb.KVCommitDown) -> Commit:
-        return cls(m.leaf_count, m.merkle_root, m.first_block)
+        return cls(leaf_count=m.leaf_count, merkle_root=m.merkle_root, first_leaf=m.first_block)
 
     def to_down_pb(self) -> pb.KVCommitDown:
         return pb.KVCommitDown(first_block=self.first_leaf, leaf_count=self.leaf_count, merkle_root=self.merkle_root)
@@ -130,7 +130,7 @@ class Commit:
 # ------------------------------------------------------------------ what a receiver expects
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BlockSpec:
     """What a receiver expects of one turn's blocks: their ids (``ids[j]`` for block ``j``, computed
     by the receiver from the prompt), the first block the turn carries (blocks ``[first, len(ids))``),
@@ -160,9 +160,17 @@ class BlockSpec:
     ) -> BlockSpec:
         """The spec of blocks ``[first, len(ids))`` of ``layers`` of a model of ``shape`` under ``p``."""
         return cls(
-            tuple(ids), first, layers, shape.num_kv_heads, p.kv_block_size_tokens, shape.head_dim,
-            p.kv_wire_dtype, p.codec, params_version, max_abs,
-        )  # fmt: skip
+            ids=tuple(ids),
+            first=first,
+            layers=layers,
+            num_kv_heads=shape.num_kv_heads,
+            block_tokens=p.kv_block_size_tokens,
+            head_dim=shape.head_dim,
+            wire_dtype=p.kv_wire_dtype,
+            codec=p.codec,
+            params_version=params_version,
+            max_abs=max_abs,
+        )
 
     @property
     def indices(self) -> range:
@@ -204,9 +212,18 @@ def encode_block(
     leaf = merkle.leaf_hash(merkle.leaf_data(block_hash, layers.lo, layers.hi, p.kv_wire_dtype, raw))
     payload = wire.encode_payload(raw, p.codec, p.codec_level)
     return KVBlock(
-        leaf_index, block_hash, layers.lo, layers.hi, p.codec, len(raw), payload, leaf, params_version,
-        p.kv_wire_dtype, wire.crc32c(payload),
-    )  # fmt: skip
+        leaf_index=leaf_index,
+        block_hash=block_hash,
+        layer_lo=layers.lo,
+        layer_hi=layers.hi,
+        codec=p.codec,
+        raw_nbytes=len(raw),
+        payload=payload,
+        leaf_hash=leaf,
+        params_version=params_version,
+        wire_dtype=p.kv_wire_dtype,
+        crc32c=wire.crc32c(payload),
+    )
 
 
 # ------------------------------------------------------------------ the receiver checks

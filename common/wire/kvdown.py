@@ -50,13 +50,13 @@ def down_spec(
     ``[first_block, T // B)`` of every layer, their ids seeded with the whole model's key
     ``model_key`` and the turn's session (or, stateless, its request), in ``p``'s KV format."""
     ids = block_ids(prompt_ids, p.kv_block_size_tokens, model_key, session_id, request_id)
-    return BlockSpec.of(ids, first_block, LayerRange(0, shape.num_layers), shape, p, params_version)
+    return BlockSpec.of(ids, first_block, LayerRange(lo=0, hi=shape.num_layers), shape, p, params_version)
 
 
 # ------------------------------------------------------------------ messages
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RemotePrefill:
     """A header's remote-prefill request: the edge holds the whole-model KV of the first
     ``held_tokens`` prompt tokens, so blocks ``[held_tokens // B, T // B)`` come down."""
@@ -65,13 +65,13 @@ class RemotePrefill:
 
     @classmethod
     def from_pb(cls, m: pb.RemotePrefill) -> RemotePrefill:
-        return cls(m.held_tokens)
+        return cls(held_tokens=m.held_tokens)
 
     def to_pb(self) -> pb.RemotePrefill:
         return pb.RemotePrefill(held_tokens=self.held_tokens)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KVDownAck:
     """The edge received ``received_bytes`` of block payload (each block once), verified blocks
     ``[first_block, first_block + verified_blocks)``, and asks for ``resend_blocks`` again."""
@@ -88,7 +88,7 @@ class KVDownAck:
         return to_pb(pb.KVDownAck, self)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Takeover:
     """The edge decodes on from output token ``output_tokens`` (the tokens it has received)."""
 
@@ -96,7 +96,7 @@ class Takeover:
 
     @classmethod
     def from_pb(cls, m: pb.Takeover) -> Takeover:
-        return cls(m.output_tokens)
+        return cls(output_tokens=m.output_tokens)
 
     def to_pb(self) -> pb.Takeover:
         return pb.Takeover(output_tokens=self.output_tokens)

@@ -44,7 +44,7 @@ def _split_point(n: int) -> int:
     return 1 << ((n - 1).bit_length() - 1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MerkleHasher:
     """RFC 6962 Merkle tree algorithms over one hash function.
 
@@ -200,10 +200,10 @@ def _sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-BLAKE3 = MerkleHasher(_blake3, "blake3")
+BLAKE3 = MerkleHasher(digest=_blake3, name="blake3")
 """The project's tree hash (32-byte BLAKE3); the default behind the module-level functions."""
 
-SHA256 = MerkleHasher(_sha256, "sha256")
+SHA256 = MerkleHasher(digest=_sha256, name="sha256")
 """RFC 6962's own tree hash (SHA-256); matches Certificate Transparency logs and their test vectors."""
 
 DEFAULT = BLAKE3

@@ -30,7 +30,7 @@ from tandem.v1 import tandem_pb2 as pb
 # ------------------------------------------------------------------ uplink
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TurnHeader:
     """First uplink message of a turn; see ``RequestHeader`` in the proto for units."""
 
@@ -105,7 +105,7 @@ def uplink_from_pb(m: pb.Uplink) -> UplinkItem:
 # ------------------------------------------------------------------ downlink
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Nack:
     """Chunk ``seq`` failed its CRC32C or did not decode: send it again."""
 
@@ -113,7 +113,7 @@ class Nack:
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Repair:
     """Send exactly these KV blocks again, then the commit."""
 
@@ -121,7 +121,7 @@ class Repair:
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WindowAck:
     """The cloud received ``received_bytes`` of the upload's payload, each item once (the edge's
     send window moves on); it keeps the first ``held_tokens`` prompt tokens of the session turn if
@@ -131,7 +131,7 @@ class WindowAck:
     held_tokens: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UploadAck:
     """The upload verified: the cloud holds activations of ``verified_tokens`` prompt tokens
     and ``leaf_count`` head-KV leaves of the session."""
@@ -141,7 +141,7 @@ class UploadAck:
     merkle_root: bytes = b""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokensOut:
     """Output tokens starting at output position ``index``."""
 
@@ -149,7 +149,7 @@ class TokensOut:
     index: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TurnFinal:
     finish_reason: str
     prompt_tokens: int
@@ -161,7 +161,7 @@ class TurnFinal:
     queue_wait_ms: float = 0.0  # this turn's wait for admission
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TurnError:
     """The cloud's verdict on a failed turn (see ``Error`` in the proto)."""
 
@@ -204,15 +204,17 @@ _DOWN_TO: dict[type, Callable[[Any], pb.Downlink]] = {
     ),
 }
 _DOWN_FROM: dict[str, Callable[[Any], DownEvent]] = {
-    "nack": lambda m: Nack(m.seq, m.reason),
-    "repair": lambda m: Repair(tuple(m.leaf_indices), m.reason),
-    "window_ack": lambda m: WindowAck(m.received_bytes, m.held_tokens),
-    "upload_ack": lambda m: UploadAck(m.verified_tokens, m.leaf_count, m.merkle_root),
-    "tokens": lambda m: TokensOut(tuple(m.token_ids), m.index),
+    "nack": lambda m: Nack(seq=m.seq, reason=m.reason),
+    "repair": lambda m: Repair(leaf_indices=tuple(m.leaf_indices), reason=m.reason),
+    "window_ack": lambda m: WindowAck(received_bytes=m.received_bytes, held_tokens=m.held_tokens),
+    "upload_ack": lambda m: UploadAck(
+        verified_tokens=m.verified_tokens, leaf_count=m.leaf_count, merkle_root=m.merkle_root
+    ),
+    "tokens": lambda m: TokensOut(token_ids=tuple(m.token_ids), index=m.index),
     "final": _final_from_pb,
     "kv_block": KVBlock.from_down_pb,
     "kv_commit": Commit.from_down_pb,
-    "error": lambda m: TurnError(error_from_name(m.kind, m.message, tuple(m.base_kinds[:16]), m.retry_after_ms)),
+    "error": lambda m: TurnError(error=error_from_name(m.kind, m.message, tuple(m.base_kinds[:16]), m.retry_after_ms)),
 }
 
 

@@ -287,7 +287,16 @@ class _Api:
         check_session_id(r.session_id or "")
         mode = Mode.from_name(r.mode)
         sid = self.session_for(["chat", key, r.user or "", r.session_id or "", *opening])
-        turn = ChatTurn(messages, "", sid, sp, mode, stop, r.split_layer, whole_reply=not r.stream)
+        turn = ChatTurn(
+            messages=messages,
+            prompt="",
+            session_id=sid,
+            sampling=sp,
+            mode=mode,
+            stop=stop,
+            split_layer=r.split_layer,
+            whole_reply=not r.stream,
+        )
         return self._call(True, turn, r, param)
 
     def completion_call(self, r: CompletionRequest, key: str) -> Call:
@@ -302,7 +311,16 @@ class _Api:
         check_session_id(r.session_id or "")
         mode = Mode.from_name(r.mode)
         sid = self.session_for(["text", key, r.user or "", r.session_id or "", opening])
-        turn = ChatTurn((), prompt, sid, sp, mode, stop, r.split_layer, whole_reply=not r.stream)
+        turn = ChatTurn(
+            messages=(),
+            prompt=prompt,
+            session_id=sid,
+            sampling=sp,
+            mode=mode,
+            stop=stop,
+            split_layer=r.split_layer,
+            whole_reply=not r.stream,
+        )
         return self._call(False, turn, r, "max_tokens")
 
     def _call(self, chat: bool, turn: ChatTurn, r: RequestBase, max_tokens_param: str) -> Call:

@@ -337,7 +337,7 @@ class LocalEngine:
     @property
     def limits(self) -> RequestLimits:
         """What this model takes: token ids in its vocabulary, prompt and output within its positions."""
-        return RequestLimits(self.shape.vocab_size, max_model_len_tokens=self.shape.max_position_embeddings)
+        return RequestLimits(vocab_size=self.shape.vocab_size, max_model_len_tokens=self.shape.max_position_embeddings)
 
     def validate(self, prompt_ids: Sequence[int], s: Sampling) -> None:
         """Raises:

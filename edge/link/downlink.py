@@ -63,7 +63,7 @@ class KVDownload:
         return j - self.want.first
 
     def _ack(self, resend: tuple[int, ...] = ()) -> KVDownAck:
-        return KVDownAck(self.received_bytes, self._verified(), resend)
+        return KVDownAck(received_bytes=self.received_bytes, verified_blocks=self._verified(), resend_blocks=resend)
 
     def _fail(self, why: str) -> None:
         if not self.failed:

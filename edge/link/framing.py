@@ -49,7 +49,7 @@ def kv_blocks(kv: np.ndarray, hashes: list[bytes], p: LinkParams, first: int, en
     p.split_layer``) framed by the one KV-block codec (``common.wire.kvcodec.encode_block``): in
     ``p``'s KV wire dtype and codec, each with its Merkle leaf over the block's id (``hashes[j]``),
     layers and bytes, and its payload's CRC32C."""
-    part = LayerRange(0, p.split_layer)
+    part = LayerRange(lo=0, hi=p.split_layer)
     arrays = split_blocks(kv, p.kv_block_size_tokens, first, end)
     return {
         j: encode_block(arr, j, hashes[j], part, p, p.params_version)
@@ -163,7 +163,14 @@ def sync_request(
     m = len(believed)
     proof = merkle.consistency_proof(leaves, m) if 0 < m < len(leaves) else []
     req = SyncRequest(
-        link_id, session_id, p.split_layer, tuple(s.token_ids), len(leaves), merkle.root(leaves), m, tuple(proof),
-        p.kv_block_size_tokens,
-    )  # fmt: skip
+        link_id=link_id,
+        session_id=session_id,
+        split_layer=p.split_layer,
+        token_ids=tuple(s.token_ids),
+        leaf_count=len(leaves),
+        merkle_root=merkle.root(leaves),
+        proof_from=m,
+        consistency_proof=tuple(proof),
+        block_size_tokens=p.kv_block_size_tokens,
+    )
     return req, leaves

@@ -61,7 +61,7 @@ class OutgoingTurn:
 
     def __post_init__(self) -> None:
         self.order = send_order(self.chunks, self.blocks, self.block_tokens)
-        self.flow = SendWindow(self.window)
+        self.flow = SendWindow(window_bytes=self.window)
 
     def extend(self, chunks: list[wire.Chunk], blocks: dict[int, KVBlock]) -> None:
         """More of a pipelined turn (``complete`` False): the next chunks in ``seq`` order and the
@@ -127,7 +127,9 @@ def _send_more(call: TurnCall, turn: OutgoingTurn, received_bytes: int) -> None:
         turn.next_item += 1
     if turn.split and turn.complete and not turn.committed:
         turn.committed = True
-        turn.sent_bytes += SentBytes(header_bytes=call.send(Commit(turn.leaf_count, turn.merkle_root)))
+        turn.sent_bytes += SentBytes(
+            header_bytes=call.send(Commit(leaf_count=turn.leaf_count, merkle_root=turn.merkle_root))
+        )
 
 
 def _send_upload(call: TurnCall, turn: OutgoingTurn) -> None:
@@ -157,7 +159,9 @@ def _answer_repair(call: TurnCall, turn: OutgoingTurn, repair: Repair) -> None:
     for j in repair.leaf_indices:
         turn.repaired_blocks += 1
         turn.sent_bytes += SentBytes(kv_bytes=call.send(turn.blocks[j]))
-    turn.sent_bytes += SentBytes(header_bytes=call.send(Commit(turn.leaf_count, turn.merkle_root)))
+    turn.sent_bytes += SentBytes(
+        header_bytes=call.send(Commit(leaf_count=turn.leaf_count, merkle_root=turn.merkle_root))
+    )
 
 
 Pieces = tuple[list[wire.Chunk], dict[int, KVBlock]]

@@ -252,14 +252,23 @@ class CloudCalls:
                 turn.clock.tokens_arrived()
                 delta = text.feed(ev.token_ids)
                 if delta:
-                    yield TextOut(delta, text.take_ids())
+                    yield TextOut(text=delta, token_ids=text.take_ids())
                 if text.stopped:  # leaving the loop cancels the call: the cloud stops decoding
-                    yield self._done(turn, out, TurnFinal("stop", len(turn.ids), len(text.token_ids), 0))
+                    yield self._done(
+                        turn,
+                        out,
+                        TurnFinal(
+                            finish_reason="stop",
+                            prompt_tokens=len(turn.ids),
+                            output_tokens=len(text.token_ids),
+                            external_tokens=0,
+                        ),
+                    )
                     return
             elif isinstance(ev, TurnFinal):
                 rest, ids = text.flush(), text.take_ids()
                 if rest or ids:
-                    yield TextOut(rest, ids)
+                    yield TextOut(text=rest, token_ids=ids)
                 _observe(conn, out, ev)
                 yield self._done(turn, out, ev)
 

@@ -24,7 +24,7 @@ async def run_local(turn: Turn, engine: LocalEngine) -> AsyncIterator[TextOut | 
         turn.clock.tokens_arrived()
         delta = text.feed([step.token_id])
         if delta:
-            yield TextOut(delta, text.take_ids())
+            yield TextOut(text=delta, token_ids=text.take_ids())
         if text.stopped:
             finish = "stop"
             break
@@ -32,6 +32,6 @@ async def run_local(turn: Turn, engine: LocalEngine) -> AsyncIterator[TextOut | 
             finish = step.finish_reason
     rest, ids = text.flush(), text.take_ids()
     if rest or ids:
-        yield TextOut(rest, ids)
+        yield TextOut(text=rest, token_ids=ids)
     turn.clock.since(Stage.TOTAL)
     yield turn.done(finish, len(turn.ids))

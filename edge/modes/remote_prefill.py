@@ -85,7 +85,7 @@ class RemotePrefillTurn:
                 self.sess.drop()
         rest, ids = self.turn.text.flush(), self.turn.text.take_ids()
         if rest or ids:
-            yield TextOut(rest, ids)
+            yield TextOut(text=rest, token_ids=ids)
         yield self._done(p, down.received_bytes)
 
     async def _from_cloud(self, p: LinkParams, down: KVDownload) -> AsyncIterator[TextOut]:
@@ -115,7 +115,7 @@ class RemotePrefillTurn:
         """The Generate call: tokens to the client, KV blocks checked and acked, the takeover sent
         once the session holds the KV; returns at the cloud's final or a stop string."""
         turn = self.turn
-        rp = RemotePrefill(down.want.first * p.kv_block_size_tokens)
+        rp = RemotePrefill(held_tokens=down.want.first * p.kv_block_size_tokens)
         header = replace(turn.header(p, turn.cloud.link_id), remote_prefill=rp)
         call = self.call = turn.cloud.link.open(turn.timeout_s)
         turn.clock.cloud_called = True
@@ -126,7 +126,7 @@ class RemotePrefillTurn:
                     turn.clock.tokens_arrived()
                     delta = turn.text.feed(ev.token_ids)
                     if delta:
-                        yield TextOut(delta, turn.text.take_ids())
+                        yield TextOut(text=delta, token_ids=turn.text.take_ids())
                     if turn.text.stopped:
                         self.finish = "stop"
                         return
@@ -165,7 +165,7 @@ class RemotePrefillTurn:
 
         def send_takeover(task: asyncio.Task[None]) -> None:
             if not task.cancelled() and task.exception() is None and self.final is None and not self.finish:
-                self.sent += SentBytes(header_bytes=call.send(Takeover(len(self.turn.text.token_ids))))
+                self.sent += SentBytes(header_bytes=call.send(Takeover(output_tokens=len(self.turn.text.token_ids))))
 
         self.adopting.add_done_callback(send_takeover)
 
@@ -215,7 +215,7 @@ class RemotePrefillTurn:
                 turn.clock.tokens_arrived()
                 delta = text.feed([step.token_id])
                 if delta:
-                    yield TextOut(delta, text.take_ids())
+                    yield TextOut(text=delta, token_ids=text.take_ids())
                 if text.stopped:
                     self.finish = "stop"
                     return

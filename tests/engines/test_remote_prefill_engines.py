@@ -29,7 +29,9 @@ MAX_NEW = 32
 
 def turn(p: dict, mode: Mode, session: str = "", n: int = MAX_NEW) -> ChatTurn:
     msgs = tuple((m["role"], m["content"]) for m in p.get("messages", ()))
-    return ChatTurn(msgs, p.get("prompt", ""), session, Sampling(max_new_tokens=n), mode=mode)
+    return ChatTurn(
+        messages=msgs, prompt=p.get("prompt", ""), session_id=session, sampling=Sampling(max_new_tokens=n), mode=mode
+    )
 
 
 async def stream(node, t: ChatTurn) -> tuple[list[int], TurnDone]:

@@ -144,7 +144,7 @@ async def test_decode_engine_uses_the_loaded_kv(stack, tokenizer, manifest):
     bs, k, L = gw.params.kv_block_size_tokens, manifest.split_layer, manifest.shape.num_layers
     keys = tuple(block_hashes(ids, bs, hash_seed(f"poison-{uuid.uuid4().hex}", bs)))  # keys no real request uses
     rng = np.random.default_rng(0)
-    spec = KVTransferSpec(loads=(PartSpec(LayerRange(0, k), keys), PartSpec(LayerRange(k, L), keys)))
+    spec = KVTransferSpec(loads=(PartSpec(LayerRange(lo=0, hi=k), keys), PartSpec(LayerRange(lo=k, hi=L), keys)))
     for part in spec.loads:
         shape = (part.layers.num_layers, 2, manifest.shape.num_kv_heads, bs, manifest.shape.head_dim)
         for j in range(len(keys)):
@@ -484,14 +484,14 @@ async def test_a_corrupt_kv_block_in_the_store_is_recomputed_never_served(stack,
     first_ids = prompt_ids(tokenizer, {"messages": messages})
     cloud = next(s for k in gw.sessions.keys() if (s := gw.sessions.get(k)).token_ids == first_ids)
     for leaf in cloud.leaves:
-        assert gw.store.corrupt_for_test(part_key(leaf, LayerRange(0, 4)), 1000)
+        assert gw.store.corrupt_for_test(part_key(leaf, LayerRange(lo=0, hi=4)), 1000)
     before = gw.store.corrupt_reads
     messages += [{"role": "assistant", "content": res.text}, {"role": "user", "content": "Say more."}]
     res = await client.complete(messages, max_new_tokens=12, session_id=session)
     ids = prompt_ids(tokenizer, {"messages": messages})
     ref, gaps = hf_greedy(hf_model, ids, 12)
     assert_same_or_near_tie(list(res.output_token_ids), ref, gaps, "after corrupting the session's KV at rest")
-    assert not any(gw.store.contains(part_key(leaf, LayerRange(0, 4))) for leaf in cloud.leaves[:1])
+    assert not any(gw.store.contains(part_key(leaf, LayerRange(lo=0, hi=4))) for leaf in cloud.leaves[:1])
     assert gw.store.corrupt_reads == before  # the readers were the engines' connectors, in their processes
 
 

@@ -315,7 +315,11 @@ class ServiceStack:
             gw.registry.max_message_bytes(),
         )
         key = MANIFEST.compatibility_key()
-        conn = CloudConnection(InProcessLink(gw), NegotiateOffer("e", "toy", {K: key}, 4), probe_bytes=0)
+        conn = CloudConnection(
+            InProcessLink(gw),
+            NegotiateOffer(edge_id="e", model_id="toy", head_keys={K: key}, edge_max_batch=4),
+            probe_bytes=0,
+        )
         await conn.connect()
         batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
         batcher.start()
@@ -544,7 +548,9 @@ class Harness:
 
     async def _start(self) -> None:
         self.gateways = {f: CloudStack.create(**cfg) for f, cfg in FLAVORS.items()}
-        offer = NegotiateOffer("good", "toy", {K: MANIFEST.compatibility_key()}, 4)
+        offer = NegotiateOffer(
+            edge_id="good", model_id="toy", head_keys={K: MANIFEST.compatibility_key()}, edge_max_batch=4
+        )
         self.other_links = {f: s.gateway.negotiate(offer, GOOD_EDGE).link_id for f, s in self.gateways.items()}
         self.reference: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         for f, cfg in FLAVORS.items():  # the good session on a fresh gateway of each flavor

@@ -219,9 +219,24 @@ class TypedCall:
 
 def _valid_samples() -> dict[str, list[bytes]]:
     """Serialized valid requests of every method, to damage (most random bytes do not even parse)."""
-    params = LinkParams(1, K, 16, wire.WireDtype.FP32, wire.Codec.NONE, 3, B, 1 << 26, 8, 4096, 1536, 512, H, 3)
+    params = LinkParams(
+        params_version=1,
+        split_layer=K,
+        chunk_tokens=16,
+        wire_dtype=wire.WireDtype.FP32,
+        codec=wire.Codec.NONE,
+        codec_level=3,
+        kv_block_size_tokens=B,
+        inflight_window_bytes=1 << 26,
+        max_concurrent_requests=8,
+        max_batched_tokens=4096,
+        max_prompt_tokens=1536,
+        max_new_tokens=512,
+        hidden_size=H,
+        max_chunk_resends=3,
+    )
     u = make_upload(params, token_ids(1, 40), "", "raw", values_seed=1)
-    offer = NegotiateOffer("e", "toy", {K: MANIFEST.compatibility_key()}, 4)
+    offer = NegotiateOffer(edge_id="e", model_id="toy", head_keys={K: MANIFEST.compatibility_key()}, edge_max_batch=4)
     chat = pb.ChatRequest(
         messages=[pb.ChatMessage(role="user", content="hi")], sampling=pb.SamplingParams(max_new_tokens=3)
     )
@@ -287,7 +302,7 @@ def negotiate_requests() -> st.SearchStrategy[pb.NegotiateRequest]:
     """A good ``NegotiateRequest`` with any of its fields replaced by adversarial values (NaN, infinite and huge
     measurements, unknown enums, many or wrong heads, long ids)."""
     key = MANIFEST.compatibility_key()
-    base = NegotiateOffer("e", "toy", {K: key}, 4).to_pb()
+    base = NegotiateOffer(edge_id="e", model_id="toy", head_keys={K: key}, edge_max_batch=4).to_pb()
     head_keys = st.dictionaries(
         st.one_of(st.sampled_from([0, 1, K, K + 1]), u32),
         st.one_of(st.just(key), st.text(max_size=20), st.just("k" * 1025)),

@@ -202,7 +202,14 @@ def test_an_undecodable_uplink_message_after_the_verdict_keeps_the_verdicts_stat
 
 @pytest.mark.parametrize("goodput_mbps, rtt_ms", [(math.inf, 0.0), (1e308, 10.0), (math.nan, 5.0), (5.0, math.inf)])
 def test_negotiate_with_absurd_link_measurements_is_answered(harness, goodput_mbps, rtt_ms):
-    offer = NegotiateOffer("e", "toy", {K: MANIFEST.compatibility_key()}, 4, rtt_ms, goodput_mbps).to_pb()
+    offer = NegotiateOffer(
+        edge_id="e",
+        model_id="toy",
+        head_keys={K: MANIFEST.compatibility_key()},
+        edge_max_batch=4,
+        rtt_ms=rtt_ms,
+        goodput_mbps=goodput_mbps,
+    ).to_pb()
     status = status_of_call(harness, "/tandem.v1.Cloud/Negotiate", "uu", [offer.SerializeToString()])
     assert status in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT)
 
@@ -213,7 +220,9 @@ def test_the_anonymous_link_survives_max_links_negotiations(harness):
 
     async def turn_after_negotiations() -> tuple[int, ...]:
         gw = CloudStack.create(max_links=2).gateway
-        offer = NegotiateOffer("e", "toy", {K: MANIFEST.compatibility_key()}, 4)
+        offer = NegotiateOffer(
+            edge_id="e", model_id="toy", head_keys={K: MANIFEST.compatibility_key()}, edge_max_batch=4
+        )
         for i in range(2):
             gw.negotiate(offer, f"edge-{i}")
         u = make_upload(gw.params, token_ids(1, 40), "", "after-negotiations")

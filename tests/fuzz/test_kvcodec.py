@@ -50,7 +50,23 @@ FORMATS = [  # (KV wire dtype, codec) of the link
 
 
 def params(kv: WireDtype, codec: Codec, split_layer: int) -> LinkParams:
-    return LinkParams(VERSION, split_layer, 16, WireDtype.FP32, codec, 3, B, 1 << 20, 4, 4096, 4096, 64, H, 3, kv)
+    return LinkParams(
+        params_version=VERSION,
+        split_layer=split_layer,
+        chunk_tokens=16,
+        wire_dtype=WireDtype.FP32,
+        codec=codec,
+        codec_level=3,
+        kv_block_size_tokens=B,
+        inflight_window_bytes=1 << 20,
+        max_concurrent_requests=4,
+        max_batched_tokens=4096,
+        max_prompt_tokens=4096,
+        max_new_tokens=64,
+        hidden_size=H,
+        max_chunk_resends=3,
+        kv_wire_dtype=kv,
+    )
 
 
 # ------------------------------------------------------------------ mutations of one block's message
@@ -168,7 +184,15 @@ def cloud_receives(
     if not crc:
         block = replace(block, crc32c=None)
     header = TurnHeader(
-        rid, sid, VERSION, K, tuple(ids), 0, -(-len(ids) // 16), len(hashes), Sampling(max_new_tokens=4)
+        request_id=rid,
+        session_id=sid,
+        params_version=VERSION,
+        split_layer=K,
+        prompt_token_ids=tuple(ids),
+        cached_tokens=0,
+        num_chunks=-(-len(ids) // 16),
+        num_kv_blocks=len(hashes),
+        sampling=Sampling(max_new_tokens=4),
     )
     upload = TurnUpload(header, p, MANIFEST, CloudSession(), request_seed(key, B, sid, rid))
     got, want = _roundtrip(block, UP, mutation, upload.block_spec.max_payload_bytes)
@@ -269,7 +293,17 @@ def test_both_sides_refuse_a_commit_other_than_the_verified_leaves(n_blocks, cha
     key = MANIFEST.compatibility_key()
     hashes = framing.block_ids(ids, p_up, key, "s", "r")
     head_kv = np.zeros((K, 2, HKV, len(ids), D), np.float32)
-    header = TurnHeader("r", "s", VERSION, K, tuple(ids), 0, -(-len(ids) // 16), n_blocks, Sampling(max_new_tokens=4))
+    header = TurnHeader(
+        request_id="r",
+        session_id="s",
+        params_version=VERSION,
+        split_layer=K,
+        prompt_token_ids=tuple(ids),
+        cached_tokens=0,
+        num_chunks=-(-len(ids) // 16),
+        num_kv_blocks=n_blocks,
+        sampling=Sampling(max_new_tokens=4),
+    )
     upload = TurnUpload(header, p_up, MANIFEST, CloudSession(), request_seed(key, B, "s", "r"))
     for b in framing.kv_blocks(head_kv, hashes, p_up, 0, n_blocks).values():
         upload.add_block(b)
@@ -285,7 +319,7 @@ def test_both_sides_refuse_a_commit_other_than_the_verified_leaves(n_blocks, cha
         asyncio.run(down.add(b))
 
     def commit_of(leaves: list[bytes]) -> Commit:
-        c = Commit(len(leaves), merkle.root(leaves))
+        c = Commit(leaf_count=len(leaves), merkle_root=merkle.root(leaves))
         if change == "count":
             return replace(c, leaf_count=c.leaf_count + by)
         if change == "root":

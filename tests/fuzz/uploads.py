@@ -170,23 +170,25 @@ def make_upload(
         np.float32
     )
     # every block framed as the edge frames it (the one KV-block codec: leaf and CRC32C)
-    framed = [encode_block(kv[j], j, h, LayerRange(0, K), params, params.params_version) for j, h in enumerate(hashes)]
+    framed = [
+        encode_block(kv[j], j, h, LayerRange(lo=0, hi=K), params, params.params_version) for j, h in enumerate(hashes)
+    ]
     leaves = [b.leaf_hash for b in framed]
     first = cached_tokens // B
     blocks = {j: framed[j] for j in range(first, len(hashes))}
     header = TurnHeader(
-        request_id,
-        session_id,
-        params.params_version,
-        K,
-        tuple(ids),
-        cached_tokens,
-        len(chunks),
-        len(blocks),
-        sampling,
-        link_id,
+        request_id=request_id,
+        session_id=session_id,
+        params_version=params.params_version,
+        split_layer=K,
+        prompt_token_ids=tuple(ids),
+        cached_tokens=cached_tokens,
+        num_chunks=len(chunks),
+        num_kv_blocks=len(blocks),
+        sampling=sampling,
+        link_id=link_id,
     )
-    items = (*send_order(chunks, blocks, B), Commit(len(leaves), merkle.root(leaves)))
+    items = (*send_order(chunks, blocks, B), Commit(leaf_count=len(leaves), merkle_root=merkle.root(leaves)))
     return Upload(header, items, tuple(leaves[:first]))
 
 

@@ -220,7 +220,9 @@ async def test_concurrent_negotiations_hold_the_edges_link_bound():
         tasks = [asyncio.create_task(run(edge, turn(PROMPT, n=2))) for edge in (toy.edge, other)]
         await until(lambda: gw.links.running == 2, "both links busy")
         key = MANIFEST.compatibility_key()
-        offers = [NegotiateOffer(f"x{i}", "toy", {K: key}, 4) for i in range(6)]
+        offers = [
+            NegotiateOffer(edge_id=f"x{i}", model_id="toy", head_keys={K: key}, edge_max_batch=4) for i in range(6)
+        ]
         results = await asyncio.gather(*(InProcessLink(gw).negotiate(o) for o in offers), return_exceptions=True)
         assert all(isinstance(r, EdgeOverLimit) for r in results) and links_of_edge() == 2
         link.gate.set()

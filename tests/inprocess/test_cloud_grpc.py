@@ -25,7 +25,9 @@ from tests.helpers import LONG_UPLOAD, Cloud, close_edge, edge_to, run
 
 
 def chat(text: str, session: str = "", n: int = 6) -> ChatTurn:
-    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode=Mode.SPLIT)
+    return ChatTurn(
+        messages=(("user", text),), prompt="", session_id=session, sampling=Sampling(max_new_tokens=n), mode=Mode.SPLIT
+    )
 
 
 @pytest.fixture
@@ -44,7 +46,16 @@ async def test_cloud_restart_mid_session_is_answered_by_a_full_resend(cloud):
     try:
         convo = [("user", LONG_UPLOAD)]
         for i in range(5):
-            done = await run(edge, ChatTurn(tuple(convo), "", "s", Sampling(max_new_tokens=6), mode=Mode.SPLIT))
+            done = await run(
+                edge,
+                ChatTurn(
+                    messages=tuple(convo),
+                    prompt="",
+                    session_id="s",
+                    sampling=Sampling(max_new_tokens=6),
+                    mode=Mode.SPLIT,
+                ),
+            )
             convo += [("assistant", "sure"), ("user", f"and question {i}?")]
             if i >= 1:
                 await cloud.stop()
@@ -120,7 +131,9 @@ async def test_keepalive_pings_are_accepted_on_a_silent_stream(cloud):
         assert await call.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED)
         assert "ping" not in (await call.details() or "").lower()
         r = await pb_grpc.CloudStub(ch).Negotiate(
-            NegotiateOffer("e", "toy", {K: MANIFEST.compatibility_key()}, 4).to_pb()
+            NegotiateOffer(
+                edge_id="e", model_id="toy", head_keys={K: MANIFEST.compatibility_key()}, edge_max_batch=4
+            ).to_pb()
         )
         assert r.params.split_layer == K
 
@@ -320,7 +333,7 @@ def test_a_verdict_the_edge_does_not_know_keeps_its_nearest_kind_and_retry_hint(
     from tandem.common.protocol.errors import QuotaExceeded
     from tandem.common.wire.messages import TurnError, downlink_from_pb, downlink_to_pb
 
-    m = downlink_to_pb(TurnError(LinkBusy("link 'x' waited 5007 ms for a slot", retry_after_ms=750)))
+    m = downlink_to_pb(TurnError(error=LinkBusy("link 'x' waited 5007 ms for a slot", retry_after_ms=750)))
     assert m.error.kind == "LinkBusy" and list(m.error.base_kinds)[:2] == ["QuotaExceeded", "TandemError"]
     assert m.error.retry_after_ms == 750
     m.error.kind = "SomeNewerCloudError"  # a kind this process has never heard of

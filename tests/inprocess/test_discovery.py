@@ -58,7 +58,9 @@ async def cluster(tmp_path):
     dns.set(ADDRESSES[:2])
     cfg = EdgeConfig(cloud_target=dns.target(port), cloud_insecure=True, cloud_resolve_s=0.3, poll_s=0.2, probe_bytes=0)
     key = MANIFEST.compatibility_key()
-    links, rs = await connect_cloud(cfg, NegotiateOffer("e", "toy", {K: key}, 4), (1.0, 1.0, 1.0))
+    links, rs = await connect_cloud(
+        cfg, NegotiateOffer(edge_id="e", model_id="toy", head_keys={K: key}, edge_max_batch=4), (1.0, 1.0, 1.0)
+    )
     assert isinstance(rs, ReplicaSet)
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
@@ -182,7 +184,7 @@ async def test_replicas_found_by_dns_are_checked_against_the_name_over_tls(tmp_p
     ]
     dns.set(ADDRESSES[:2])
     cfg = EdgeConfig(cloud_target=dns.target(port), cloud_ca_file=ca_file, poll_s=0.2, probe_bytes=0)
-    offer = NegotiateOffer("e", "toy", {K: MANIFEST.compatibility_key()}, 4)
+    offer = NegotiateOffer(edge_id="e", model_id="toy", head_keys={K: MANIFEST.compatibility_key()}, edge_max_batch=4)
     links, rs = await connect_cloud(cfg, offer, (1.0, 1.0, 1.0))
     try:
         assert isinstance(rs, ReplicaSet) and len(rs.targets) == 2

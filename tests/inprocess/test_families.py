@@ -157,7 +157,9 @@ def test_direct_only_prepares_any_architecture_without_heads(tmp_path):
     assert {f["path"] for f in cloud["files"]} >= {"direct/manifest.json", "hf/model.safetensors", "hf/config.json"}
     store = MemoryBlockStore(1 << 20)
     gw = build_gateway(cloud_config(), m, MemoryEngines(store, B, VOCAB), store)
-    assert gw.splits.layers == () and set(gw.negotiate(NegotiateOffer("e", m.model_id, {}, 4)).params_by_split) == {0}
+    assert gw.splits.layers == () and set(
+        gw.negotiate(NegotiateOffer(edge_id="e", model_id=m.model_id, head_keys={}, edge_max_batch=4)).params_by_split
+    ) == {0}
 
 
 def test_an_export_that_differs_from_hf_stops_preparation_before_any_bundle(tmp_path, monkeypatch):
@@ -201,11 +203,17 @@ def test_a_manifest_without_a_passing_check_is_not_bundled_nor_offered(prepared,
     store = MemoryBlockStore(1 << 20)
     unchecked = MANIFEST.model_copy(update={"head_check": None})
     gw = build_gateway(cloud_config(), unchecked, MemoryEngines(store, B, 1000), store)
-    n = gw.negotiate(NegotiateOffer("e", "toy", {K: unchecked.compatibility_key()}, 4))
+    n = gw.negotiate(
+        NegotiateOffer(edge_id="e", model_id="toy", head_keys={K: unchecked.compatibility_key()}, edge_max_batch=4)
+    )
     assert set(n.params_by_split) == {0}
     assert "not checked against HF" in n.note and "direct mode only" in n.note
     checked = build_gateway(cloud_config(), MANIFEST, MemoryEngines(store, B, 1000), store)
-    assert set(checked.negotiate(NegotiateOffer("e", "toy", {K: MANIFEST.compatibility_key()}, 4)).params_by_split) == {
+    assert set(
+        checked.negotiate(
+            NegotiateOffer(edge_id="e", model_id="toy", head_keys={K: MANIFEST.compatibility_key()}, edge_max_batch=4)
+        ).params_by_split
+    ) == {
         0,
         K,
     }

@@ -53,7 +53,10 @@ async def test_split_turn_loads_the_aligned_prefix_and_times_every_stage(toy):
 async def test_second_turn_sends_only_new_blocks(toy):
     first = await run(toy.edge, turn(LONG, "s1"))
     convo = (("user", LONG), ("assistant", "ok"), ("user", "and more words to make a new block or two, or three."))
-    second = await run(toy.edge, ChatTurn(convo, "", "s1", Sampling(max_new_tokens=8), mode=Mode.SPLIT))
+    second = await run(
+        toy.edge,
+        ChatTurn(messages=convo, prompt="", session_id="s1", sampling=Sampling(max_new_tokens=8), mode=Mode.SPLIT),
+    )
     assert second.head_tokens < second.prompt_tokens
     assert second.sent_bytes.kv_bytes < first.sent_bytes.kv_bytes
     assert second.external_tokens == second.prompt_tokens // B * B
@@ -156,15 +159,15 @@ def header_for(gw, ids, session="s", cached=0, **kw) -> TurnHeader:
     p = gw.params
     n_chunks = -(-(len(ids) - cached) // p.chunk_tokens)
     return TurnHeader(
-        "r",
-        session,
-        p.params_version,
-        gw.manifest.split_layer,
-        tuple(ids),
-        cached,
-        n_chunks,
-        len(ids) // B,
-        Sampling(4),
+        request_id="r",
+        session_id=session,
+        params_version=p.params_version,
+        split_layer=gw.manifest.split_layer,
+        prompt_token_ids=tuple(ids),
+        cached_tokens=cached,
+        num_chunks=n_chunks,
+        num_kv_blocks=len(ids) // B,
+        sampling=Sampling(max_new_tokens=4),
         **kw,
     )
 
@@ -206,7 +209,16 @@ async def test_waiting_for_the_session_is_bounded_by_the_deadline(toy):
         s, p, rid = toy.edge.sessions.get("busy"), toy.edge.conn.params(K), new_request_id()
         s.forget_cloud_past(0)  # all of it, as a resend from token 0
         base = TurnHeader(
-            rid, "busy", p.params_version, K, tuple(ids), 0, 0, 0, Sampling(), toy.edge.conn.negotiated.link_id
+            request_id=rid,
+            session_id="busy",
+            params_version=p.params_version,
+            split_layer=K,
+            prompt_token_ids=tuple(ids),
+            cached_tokens=0,
+            num_chunks=0,
+            num_kv_blocks=0,
+            sampling=Sampling(),
+            link_id=toy.edge.conn.negotiated.link_id,
         )
         body = framing.split_turn(s, base, p, framing.block_ids(ids, p, MANIFEST.compatibility_key(), "busy", rid))
 
@@ -215,7 +227,7 @@ async def test_waiting_for_the_session_is_bounded_by_the_deadline(toy):
                 yield c
             for b in body.blocks.values():
                 yield b
-            yield Commit(body.leaf_count, body.merkle_root)
+            yield Commit(leaf_count=body.leaf_count, merkle_root=body.merkle_root)
             await asyncio.Event().wait()
 
         t = toy.gateway.run_turn(body.header, items(), "in-process", loop.time() + 0.3)  # the session owner
@@ -250,7 +262,17 @@ async def test_oversized_payloads_are_refused_on_arrival(toy):
 
     with pytest.raises(InvalidRequest, match="payload bytes"):
         await _drain(gw.run_turn(header, body()))
-    block = KVBlock(0, b"x" * 32, 0, 2, wire.Codec.NONE, 1, bytes(5 << 20), b"y" * 32, header.params_version)
+    block = KVBlock(
+        leaf_index=0,
+        block_hash=b"x" * 32,
+        layer_lo=0,
+        layer_hi=2,
+        codec=wire.Codec.NONE,
+        raw_nbytes=1,
+        payload=bytes(5 << 20),
+        leaf_hash=b"y" * 32,
+        params_version=header.params_version,
+    )
 
     async def body2():
         yield block
@@ -441,11 +463,14 @@ async def test_kv_blocks_travel_in_the_negotiated_format_and_are_stored_decoded(
         cloud, edge = toy.cloud_session("s1"), toy.edge.sessions.peek("s1")
         assert len(cloud.leaves) == n_blocks
         for j, (leaf, blk) in enumerate(zip(cloud.leaves, split_blocks(edge.kv, B, 0, n_blocks), strict=True)):
-            stored = toy.store.get(part_key(leaf, LayerRange(0, K)))
+            stored = toy.store.get(part_key(leaf, LayerRange(lo=0, hi=K)))
             want = decode_kv(encode_kv(blk, kv_dtype), kv_dtype, shape)
             assert stored == want.tobytes(), j
         convo = (("user", LONG), ("assistant", "ok"), ("user", "and more words to make a new block or two, or three."))
-        second = await run(toy.edge, ChatTurn(convo, "", "s1", Sampling(max_new_tokens=8), mode=Mode.SPLIT))
+        second = await run(
+            toy.edge,
+            ChatTurn(messages=convo, prompt="", session_id="s1", sampling=Sampling(max_new_tokens=8), mode=Mode.SPLIT),
+        )
         new_blocks = second.prompt_tokens // B - n_blocks
         assert new_blocks * per_block < second.sent_bytes.kv_bytes < new_blocks * (per_block + 128)
     finally:
@@ -527,7 +552,20 @@ async def test_a_pin_that_finishes_after_its_turn_ended_is_released():
             real_unpin(keys, owner)
 
         st.pin, st.unpin = slow_pin, slow_unpin
-        turn = Turn(TurnHeader("r", "s", 1, K, (1, 2, 3), 0, 1, 0, Sampling(max_new_tokens=1)), None)
+        turn = Turn(
+            TurnHeader(
+                request_id="r",
+                session_id="s",
+                params_version=1,
+                split_layer=K,
+                prompt_token_ids=(1, 2, 3),
+                cached_tokens=0,
+                num_chunks=1,
+                num_kv_blocks=0,
+                sampling=Sampling(max_new_tokens=1),
+            ),
+            None,
+        )
         await gw.pins.pin(turn, ["K1"])
 
         async def keep() -> None:

@@ -39,11 +39,13 @@ KEY = MANIFEST.compatibility_key()
 
 
 def offer(**kw) -> NegotiateOffer:
-    return replace(NegotiateOffer("edge-a", "toy", {K: KEY}, 4), **kw)
+    return replace(NegotiateOffer(edge_id="edge-a", model_id="toy", head_keys={K: KEY}, edge_max_batch=4), **kw)
 
 
 def turn(text: str = "hello there", mode: Mode = Mode.AUTO, session: str = "", n: int = 4, **kw) -> ChatTurn:
-    return ChatTurn((("user", text),), "", session, Sampling(max_new_tokens=n), mode=mode, **kw)
+    return ChatTurn(
+        messages=(("user", text),), prompt="", session_id=session, sampling=Sampling(max_new_tokens=n), mode=mode, **kw
+    )
 
 
 # ---------------------------------------------------------------- pure rules
@@ -79,7 +81,22 @@ def test_link_versions_keep_recent_sets_and_only_change_on_a_difference():
 def toy_params():
     from tandem.common.protocol.params import LinkParams
 
-    return LinkParams(1, 0, 16, WireDtype.FP32, Codec.NONE, 3, 32, 1 << 20, 4, 64, 100, 16, 8, 2)
+    return LinkParams(
+        params_version=1,
+        split_layer=0,
+        chunk_tokens=16,
+        wire_dtype=WireDtype.FP32,
+        codec=Codec.NONE,
+        codec_level=3,
+        kv_block_size_tokens=32,
+        inflight_window_bytes=1 << 20,
+        max_concurrent_requests=4,
+        max_batched_tokens=64,
+        max_prompt_tokens=100,
+        max_new_tokens=16,
+        hidden_size=8,
+        max_chunk_resends=2,
+    )
 
 
 # ---------------------------------------------------------------- Negotiate in the gateway
@@ -373,7 +390,17 @@ def _upload_rate_mbps(estimate_mbps: float, link_mbps: float, rtt_ms: float, thr
     from tandem.edge.link.uplink import OutgoingTurn, _send_more
 
     chunks = wire.split(np.zeros((1024, 1024), np.float32), 0, 16, params_version=1)  # 64 x 64 KiB
-    header = TurnHeader("r", "", 1, K, tuple(range(1024)), 0, len(chunks), 0, Sampling(max_new_tokens=1))
+    header = TurnHeader(
+        request_id="r",
+        session_id="",
+        params_version=1,
+        split_layer=K,
+        prompt_token_ids=tuple(range(1024)),
+        cached_tokens=0,
+        num_chunks=len(chunks),
+        num_kv_blocks=0,
+        sampling=Sampling(max_new_tokens=1),
+    )
     item = len(chunks[0].payload)
     window = pick_window_bytes(estimate_mbps, rtt_ms, item)
     turn = OutgoingTurn(header, chunks, {}, 0, bytes(32), window=window, block_tokens=32)
@@ -417,7 +444,7 @@ def _uploads_on_a_faster_link(threshold_fn, start_mbps: float, link_mbps: float,
     from tandem.common.protocol.params import NegotiateOffer
     from tandem.edge.link.connection import CloudConnection
 
-    conn = CloudConnection(None, NegotiateOffer("e", "m", {K: "k"}))  # type: ignore[arg-type]
+    conn = CloudConnection(None, NegotiateOffer(edge_id="e", model_id="m", head_keys={K: "k"}))  # type: ignore[arg-type]
     conn.goodput_mbps.add(start_mbps)
     conn.offered_goodput_mbps = start_mbps
     rates = []
@@ -454,8 +481,31 @@ def test_the_edge_sends_within_the_window_and_commits_after_the_last_item():
 
     h = np.zeros((64, 8), np.float32)
     chunks = wire.split(h, 0, 16, params_version=1)  # 4 chunks of 512 B, tokens [0, 64)
-    blocks = {j: KVBlock(j, bytes(32), 0, 2, Codec.NONE, 1000, bytes(1000), bytes(32), 1) for j in range(2)}
-    header = TurnHeader("r", "", 1, K, tuple(range(64)), 0, 4, 2, Sampling(max_new_tokens=1))
+    blocks = {
+        j: KVBlock(
+            leaf_index=j,
+            block_hash=bytes(32),
+            layer_lo=0,
+            layer_hi=2,
+            codec=Codec.NONE,
+            raw_nbytes=1000,
+            payload=bytes(1000),
+            leaf_hash=bytes(32),
+            params_version=1,
+        )
+        for j in range(2)
+    }
+    header = TurnHeader(
+        request_id="r",
+        session_id="",
+        params_version=1,
+        split_layer=K,
+        prompt_token_ids=tuple(range(64)),
+        cached_tokens=0,
+        num_chunks=4,
+        num_kv_blocks=2,
+        sampling=Sampling(max_new_tokens=1),
+    )
     turn = OutgoingTurn(header, chunks, blocks, 2, bytes(32), window=2000, block_tokens=32)
     # block j follows the chunk that completes it: c0 c1 b0 c2 c3 b1
     assert [type(x).__name__[0] + str(getattr(x, "seq", getattr(x, "leaf_index", ""))) for x in turn.order] == [

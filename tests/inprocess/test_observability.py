@@ -119,7 +119,9 @@ async def test_a_split_turn_a_direct_turn_and_a_refused_turn_leave_their_samples
         assert Samples.value("tandem:uploads_in_flight") == Samples.value("tandem:upload_bytes_reserved") == 0
         assert REGISTRY.get_sample_value("tandem:block_store_bytes") == toy.store.volume_bytes() > 0
 
-        direct = ChatTurn((("user", "hi"),), "", "", Sampling(max_new_tokens=2), mode=Mode.DIRECT)
+        direct = ChatTurn(
+            messages=(("user", "hi"),), prompt="", session_id="", sampling=Sampling(max_new_tokens=2), mode=Mode.DIRECT
+        )
         await run(toy.edge, direct)
         assert s.delta("tandem:requests_total", mode="direct", outcome="ok") == 1
         assert s.delta("tandem:cloud_queue_time_seconds_count", mode="direct") == 1

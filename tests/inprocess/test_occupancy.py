@@ -137,7 +137,13 @@ async def test_auto_streams_from_the_edge_and_takes_the_faster_decoder_for_a_who
     try:
         toy.edge.conn.load = replace(toy.edge.conn.load, decode_ms_per_token=1.0, prefill_ms_per_token=0.1)
         toy.edge.router.cost.explore_every = 0  # the choice itself, not the refresh of a near route
-        turn = ChatTurn((("user", RP_LONG),), "", "", Sampling(max_new_tokens=24), whole_reply=True)
+        turn = ChatTurn(
+            messages=(("user", RP_LONG),),
+            prompt="",
+            session_id="",
+            sampling=Sampling(max_new_tokens=24),
+            whole_reply=True,
+        )
         _, whole = await stream(toy.edge, turn)
         assert whole.mode is not Mode.LOCAL and "end-to-end" in whole.mode_reason, (whole.mode, whole.mode_reason)
         _, streamed = await stream(toy.edge, replace(turn, whole_reply=False))
@@ -208,7 +214,10 @@ async def test_an_auto_turn_under_a_cloud_budget_takes_remote_prefill_and_report
             toy.edge.local.prefill_rate.add(1.0)
         toy.edge.conn.load = replace(toy.edge.conn.load, decode_ms_per_token=20.0, prefill_ms_per_token=0.1)
         before = _count("remote_prefill", "cloud_engine")
-        _, done = await stream(toy.edge, ChatTurn((("user", RP_LONG),), "", "", Sampling(max_new_tokens=40)))
+        _, done = await stream(
+            toy.edge,
+            ChatTurn(messages=(("user", RP_LONG),), prompt="", session_id="", sampling=Sampling(max_new_tokens=40)),
+        )
         assert done.mode is Mode.REMOTE_PREFILL and "budget" in done.mode_reason and done.edge_decoded_tokens > 0
         assert _count("remote_prefill", "cloud_engine") == before + 1
     finally:

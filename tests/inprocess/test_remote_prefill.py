@@ -174,7 +174,18 @@ def test_the_apis_name_the_mode_and_chatdone_reports_what_came_down():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "mode": "remote_prefill"}
     assert ChatRequest.model_validate(body).mode == "remote_prefill"
     done = TurnDone(
-        "length", 5, 8, 0, 0, 0, {}, None, (), Mode.REMOTE_PREFILL, received_kv_bytes=9, edge_decoded_tokens=3
+        finish_reason="length",
+        prompt_tokens=5,
+        output_tokens=8,
+        head_tokens=0,
+        external_tokens=0,
+        split_layer=0,
+        timings={},
+        sent_bytes=None,
+        output_token_ids=(),
+        mode=Mode.REMOTE_PREFILL,
+        received_kv_bytes=9,
+        edge_decoded_tokens=3,
     )
     m = done.to_pb().done
     assert (m.mode, dict(m.received_bytes), m.edge_decoded_tokens) == ("remote_prefill", {"kv": 9}, 3)

@@ -43,7 +43,13 @@ async def pair():
     links = [Down(InProcessLink(gw), sent) for gw in gateways]
     key = MANIFEST.compatibility_key()
     conns = [
-        CloudConnection(link, NegotiateOffer("e", "toy", {K: key}, 4), probe_bytes=0, poll_s=0.05, backoff_s=0.05)
+        CloudConnection(
+            link,
+            NegotiateOffer(edge_id="e", model_id="toy", head_keys={K: key}, edge_max_batch=4),
+            probe_bytes=0,
+            poll_s=0.05,
+            backoff_s=0.05,
+        )
         for link in links
     ]
     rs = ReplicaSet(conns, ["r0:1", "r1:1"])

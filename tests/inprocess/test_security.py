@@ -126,7 +126,9 @@ def link_to(
 
 
 def chat(convo: list[tuple[str, str]], session: str = "", n: int = 6) -> ChatTurn:
-    return ChatTurn(tuple(convo), "", session, Sampling(max_new_tokens=n), mode=Mode.SPLIT)
+    return ChatTurn(
+        messages=tuple(convo), prompt="", session_id=session, sampling=Sampling(max_new_tokens=n), mode=Mode.SPLIT
+    )
 
 
 async def conversation(svc: EdgeNode, session: str, turns: int = 3) -> list[tuple[int, ...]]:
@@ -173,7 +175,9 @@ async def test_mutual_tls_serves_and_every_bad_certificate_is_refused_while_a_go
         try:
             for _ in range(3):
                 with pytest.raises(EngineError, match="UNAVAILABLE"):
-                    await link.negotiate(NegotiateOffer("intruder", "toy", {}, 1))
+                    await link.negotiate(
+                        NegotiateOffer(edge_id="intruder", model_id="toy", head_keys={}, edge_max_batch=1)
+                    )
         finally:
             await link.close()
         return name
@@ -200,10 +204,12 @@ async def test_the_edge_checks_the_clouds_name_and_expiry(pki):
     try:
         wrong = link_to(cloud.port, ca=pki.ca_file)
         with pytest.raises(EngineError, match="UNAVAILABLE"):
-            await wrong.negotiate(NegotiateOffer("e", "toy", {}, 1))
+            await wrong.negotiate(NegotiateOffer(edge_id="e", model_id="toy", head_keys={}, edge_max_batch=1))
         await wrong.close()
         right = link_to(cloud.port, ca=pki.ca_file, server_name="cloud.internal")
-        assert (await right.negotiate(NegotiateOffer("e", "toy", {}, 1))).link_id
+        assert (
+            await right.negotiate(NegotiateOffer(edge_id="e", model_id="toy", head_keys={}, edge_max_batch=1))
+        ).link_id
         await right.close()
     finally:
         await cloud.stop()
@@ -213,7 +219,7 @@ async def test_the_edge_checks_the_clouds_name_and_expiry(pki):
     try:
         link = link_to(expired.port, ca=pki.ca_file)
         with pytest.raises(EngineError, match="UNAVAILABLE"):
-            await link.negotiate(NegotiateOffer("e", "toy", {}, 1))
+            await link.negotiate(NegotiateOffer(edge_id="e", model_id="toy", head_keys={}, edge_max_batch=1))
         await link.close()
     finally:
         await expired.stop()
@@ -268,7 +274,7 @@ async def test_tokens_name_edges_and_scope_their_sessions_and_links(pki, referen
         for key in (None, "not-a-key-0123456789", KEYS["edge-a"][:-1] + "x"):
             link = link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf("edge-x"), api_key=key)
             with pytest.raises(Unauthenticated):
-                await link.negotiate(NegotiateOffer("x", "toy", {}, 1))
+                await link.negotiate(NegotiateOffer(edge_id="x", model_id="toy", head_keys={}, edge_max_batch=1))
             with pytest.raises(Unauthenticated):
                 await link.server_info("")
             await link.close()
@@ -324,7 +330,7 @@ async def test_a_key_is_bound_to_the_certificate_subject_it_was_issued_for(pki, 
             link = link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf(name, *alt_names), api_key=key)
             try:
                 with pytest.raises(Unauthenticated, match="not issued for this client certificate"):
-                    await link.negotiate(NegotiateOffer("x", "toy", {}, 1))
+                    await link.negotiate(NegotiateOffer(edge_id="x", model_id="toy", head_keys={}, edge_max_batch=1))
                 with pytest.raises(Unauthenticated):
                     await link.server_info("")
             finally:
@@ -618,7 +624,7 @@ async def test_negotiating_many_links_takes_nothing_from_other_edges():
 
     store = Store(1 << 20)
     gw = build_gateway(cloud_config(edge_max_links=3, max_links=16), MANIFEST, MemoryEngines(store, B, VOCAB), store)
-    offer = NegotiateOffer("e", "toy", {K: MANIFEST.compatibility_key()}, 4)
+    offer = NegotiateOffer(edge_id="e", model_id="toy", head_keys={K: MANIFEST.compatibility_key()}, edge_max_batch=4)
     good = gw.negotiate(offer, "good").link_id
     (await gw.links.admit(good, 1, None)).release()  # the good edge is in use
     full = gw.links.share(good)

@@ -52,7 +52,7 @@ def chat(session: str, *texts: str, n: int = 2, mode: Mode = Mode.SPLIT) -> Chat
         if i:
             msgs.append(("assistant", "ok"))
         msgs.append(("user", t))
-    return ChatTurn(tuple(msgs), "", session, Sampling(max_new_tokens=n), mode=mode)
+    return ChatTurn(messages=tuple(msgs), prompt="", session_id=session, sampling=Sampling(max_new_tokens=n), mode=mode)
 
 
 def ended(role: str, reason: str) -> float:
@@ -63,7 +63,11 @@ def ended(role: str, reason: str) -> float:
 async def second_edge(toy, sessions: EdgeSessions | None = None) -> EdgeNode:
     """Another edge on the toy's gateway under the same identity (no keys, one host)."""
     key = MANIFEST.compatibility_key()
-    conn = CloudConnection(InProcessLink(toy.gateway, CALLER), NegotiateOffer("e2", "toy", {K: key}, 4), probe_bytes=0)
+    conn = CloudConnection(
+        InProcessLink(toy.gateway, CALLER),
+        NegotiateOffer(edge_id="e2", model_id="toy", head_keys={K: key}, edge_max_batch=4),
+        probe_bytes=0,
+    )
     await conn.connect()
     batcher = HeadBatcher(MemoryHead(K, H, HKV, D), 4)
     batcher.start()
@@ -330,7 +334,9 @@ async def test_end_session_over_grpc_from_the_sdk_and_from_the_edge_to_the_cloud
     )
     link = GrpcCloudLink(f"127.0.0.1:{cloud_port}", 5.0, 5.0)
     key = MANIFEST.compatibility_key()
-    conn = CloudConnection(link, NegotiateOffer("g", "toy", {K: key}, 4), probe_bytes=0)
+    conn = CloudConnection(
+        link, NegotiateOffer(edge_id="g", model_id="toy", head_keys={K: key}, edge_max_batch=4), probe_bytes=0
+    )
     await conn.connect()
     edge = toy_node([Head(toy.batcher, key)], conn)
     edge_server, edge_port, _ = await start_server(

@@ -115,7 +115,7 @@ async def test_a_corrupt_kv_block_at_rest_is_never_loaded(toy):
     stops before it; the real engines recompute it, tests/engines/test_split_e2e.py checks those tokens)."""
     third = await two_turns(toy)
     first = toy.cloud_session("s").leaves[0]
-    assert toy.store.corrupt_for_test(part_key(first, LayerRange(0, MANIFEST.split_layer)), 100)
+    assert toy.store.corrupt_for_test(part_key(first, LayerRange(lo=0, hi=MANIFEST.split_layer)), 100)
     before = toy.store.corrupt_reads
     done = await run(toy.edge, third)
     assert toy.store.corrupt_reads == before + 1
@@ -131,15 +131,15 @@ async def test_sync_proofs_and_the_cloud_naming_its_first_wrong_leaf(toy):
 
     def req(leaf_list, proof_from, proof, tokens=ids + [5] * 2 * B) -> SyncRequest:
         return SyncRequest(
-            "",
-            "s",
-            MANIFEST.split_layer,
-            tuple(tokens),
-            len(leaf_list),
-            merkle.root(leaf_list),
-            proof_from,
-            tuple(proof),
-            B,
+            link_id="",
+            session_id="s",
+            split_layer=MANIFEST.split_layer,
+            token_ids=tuple(tokens),
+            leaf_count=len(leaf_list),
+            merkle_root=merkle.root(leaf_list),
+            proof_from=proof_from,
+            consistency_proof=tuple(proof),
+            block_size_tokens=B,
         )
 
     full = leaves + more
@@ -173,7 +173,17 @@ async def test_sync_proofs_and_the_cloud_naming_its_first_wrong_leaf(toy):
     ],
 )
 async def test_sync_requests_outside_the_limits_are_refused(toy, bad):
-    ok = SyncRequest("", "s", MANIFEST.split_layer, tuple(range(3 * B)), 3, bytes(32), 0, (), B)
+    ok = SyncRequest(
+        link_id="",
+        session_id="s",
+        split_layer=MANIFEST.split_layer,
+        token_ids=tuple(range(3 * B)),
+        leaf_count=3,
+        merkle_root=bytes(32),
+        proof_from=0,
+        consistency_proof=(),
+        block_size_tokens=B,
+    )
     with pytest.raises(InvalidRequest):
         await toy.gateway.sync_session(replace(ok, **bad), TOY_CALLER)
     await toy.gateway.sync_session(ok, TOY_CALLER)  # the same request within the limits is answered
@@ -452,7 +462,17 @@ async def test_a_sync_that_would_load_a_session_counts_against_the_edges_bounds(
     await run(toy.edge, chat(LONG, "ok", "more", session="one", n=2))  # "one" back in memory
     toy.gateway.edge_limits.max_sessions = 1
     ids = toy.edge.tokenize(chat(LONG))
-    req = SyncRequest("", "two", MANIFEST.split_layer, tuple(ids), 0, merkle.root([]), 0, (), B)
+    req = SyncRequest(
+        link_id="",
+        session_id="two",
+        split_layer=MANIFEST.split_layer,
+        token_ids=tuple(ids),
+        leaf_count=0,
+        merkle_root=merkle.root([]),
+        proof_from=0,
+        consistency_proof=(),
+        block_size_tokens=B,
+    )
     reply = await toy.gateway.sync_session(req, TOY_CALLER)
     assert reply.found and reply.held_tokens == len(ids)
     assert toy.cloud_session("two") is not None and toy.cloud_session("one") is None

@@ -48,7 +48,7 @@ def text_of(prompt_tokens: int) -> str:
 
 def request(mode: Mode, *, tokens: int = 40, session: str = "s", **sampling) -> ChatTurn:
     s = Sampling(**{"max_new_tokens": 4, **sampling})
-    return ChatTurn((("user", text_of(tokens)),), "", session, s, mode=mode)
+    return ChatTurn(messages=(("user", text_of(tokens)),), prompt="", session_id=session, sampling=s, mode=mode)
 
 
 # (what is wrong, the request's arguments beside its mode)
@@ -159,7 +159,12 @@ async def test_the_cloud_checks_the_header_with_the_limits_it_negotiated(toy):
         MAX_MODEL_LEN_TOKENS,
         VOCAB,
     )
-    assert toy.edge.limits == RequestLimits(VOCAB, MAX_PROMPT_TOKENS, MAX_NEW_TOKENS, MAX_MODEL_LEN_TOKENS)
+    assert toy.edge.limits == RequestLimits(
+        vocab_size=VOCAB,
+        max_prompt_tokens=MAX_PROMPT_TOKENS,
+        max_new_tokens=MAX_NEW_TOKENS,
+        max_model_len_tokens=MAX_MODEL_LEN_TOKENS,
+    )
     for _, args in BAD:
         turn_kw, sampling = split_args(args)
         t = request(Mode.DIRECT, **turn_kw, **sampling)
@@ -167,15 +172,33 @@ async def test_the_cloud_checks_the_header_with_the_limits_it_negotiated(toy):
             continue
         edge = await verdict(toy, t)
         ids = toy.edge.tokenize(t) if turn_kw.get("tokens", 0) <= MAX_PROMPT_TOKENS else [1] * turn_kw["tokens"]
-        header = TurnHeader("r", "", p.params_version, 0, tuple(ids), 0, 0, 0, t.sampling, toy.edge.conn.link_id)
+        header = TurnHeader(
+            request_id="r",
+            session_id="",
+            params_version=p.params_version,
+            split_layer=0,
+            prompt_token_ids=tuple(ids),
+            cached_tokens=0,
+            num_chunks=0,
+            num_kv_blocks=0,
+            sampling=t.sampling,
+            link_id=toy.edge.conn.link_id,
+        )
         with pytest.raises(TandemError) as e:
             check_header(header, p, MANIFEST)
         assert (status_of(e.value).name, status_details(e.value)) == edge[:2]
 
 
 def test_limits_narrow_bound_by_bound():
-    a, b = RequestLimits(1000, 1536, 4096, 0), RequestLimits(0, 100, 512, 2048)
-    assert a.narrowed(b) == b.narrowed(a) == RequestLimits(1000, 100, 512, 2048)
+    a, b = (
+        RequestLimits(vocab_size=1000, max_prompt_tokens=1536, max_new_tokens=4096, max_model_len_tokens=0),
+        RequestLimits(vocab_size=0, max_prompt_tokens=100, max_new_tokens=512, max_model_len_tokens=2048),
+    )
+    assert (
+        a.narrowed(b)
+        == b.narrowed(a)
+        == RequestLimits(vocab_size=1000, max_prompt_tokens=100, max_new_tokens=512, max_model_len_tokens=2048)
+    )
     assert replace(a, vocab_size=0).narrowed(RequestLimits()) == replace(a, vocab_size=0)
 
 

@@ -172,7 +172,7 @@ def _worker(store, queue_bytes: int = 1 << 30, vllm_config=None) -> TandemConnec
 
 def _step(c: TandemConnectorWorker, caches: list[torch.Tensor], saves: list[tuple[int, str]]) -> None:
     """One model-runner step that saves blocks ``saves`` (block id, key) of every layer."""
-    part = LayerRange(0, LAYERS)
+    part = LayerRange(lo=0, hi=LAYERS)
     meta = TandemMetadata(saves=[(bid, PartOp(part, key)) for bid, key in saves])
     for layer, cache in enumerate(caches):
         c.save_kv_layer(meta, f"model.layers.{layer}.self_attn.attn", cache)
@@ -249,7 +249,7 @@ def test_a_block_missing_a_layer_in_its_step_is_not_stored(caplog):
     store.gate.set()
     cache, _ = _layouts()[1]
     c = _worker(store)
-    meta = TandemMetadata(saves=[(1, PartOp(LayerRange(0, LAYERS), "a"))])
+    meta = TandemMetadata(saves=[(1, PartOp(LayerRange(lo=0, hi=LAYERS), "a"))])
     for layer in range(LAYERS - 1):  # the last layer never ran
         c.save_kv_layer(meta, f"model.layers.{layer}.self_attn.attn", cache)
     c.wait_for_save()
@@ -348,7 +348,7 @@ def _forward_context(caches: list[torch.Tensor]) -> SimpleNamespace:
 
 
 def _load_step(c: TandemConnectorWorker, caches: list[torch.Tensor], loads: list[tuple[int, str]], failed=()):
-    part = LayerRange(0, LAYERS)
+    part = LayerRange(lo=0, hi=LAYERS)
     meta = TandemMetadata(loads=[(bid, (PartOp(part, key),)) for bid, key in loads], failed_loads=list(failed))
     c.start_load_kv(meta, _forward_context(caches))
 
@@ -389,7 +389,7 @@ def test_a_plan_that_fails_saves_nothing_and_reports_its_loads_for_recompute(cap
     from tandem.cloud.engines.kvparams import KVTransferSpec, PartSpec
 
     c = TandemConnectorScheduler(_settings(), _UnreachableStore(1 << 20))
-    part = PartSpec(LayerRange(0, LAYERS), tuple(bytes([i]) * 32 for i in range(4)))
+    part = PartSpec(LayerRange(lo=0, hi=LAYERS), tuple(bytes([i]) * 32 for i in range(4)))
     spec = KVTransferSpec(loads=(part,), save=part)
     request = SimpleNamespace(
         request_id="r1", num_prompt_tokens=4 * B, kv_transfer_params=spec.to_vllm(), num_computed_tokens=0
@@ -493,7 +493,7 @@ def test_blocks_one_engine_saves_another_loads_through_the_two_sides(tmp_path):
     from tandem.cloud.engines.kvparams import ConnectorReport, KVTransferSpec, PartSpec
 
     cfg = _engine_config(tmp_path)
-    part = PartSpec(LayerRange(0, LAYERS), tuple(bytes([i]) * 32 for i in range(3)))
+    part = PartSpec(LayerRange(lo=0, hi=LAYERS), tuple(bytes([i]) * 32 for i in range(3)))
     prompt_tokens = 3 * B + 5  # three full blocks and a partial one
     caches = [torch.zeros(NUM_BLOCKS, HKV, B, 2 * D) for _ in range(LAYERS)]
     lay = _layouts()[1][1]

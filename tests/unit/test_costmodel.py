@@ -427,14 +427,28 @@ def test_the_router_hears_each_turns_outcome_once_and_decides_without_writing_in
     router = Router([4], None, EdgeSessions(8, 1 << 20), m, local=Local())  # type: ignore[arg-type]
     assert router.load() == EdgeLoad(3, 500, 1, {})
     before = vars(m.edge).copy()
-    request = ChatTurn((("user", "hi"),), "", "", Sampling(max_new_tokens=4), mode=LOCAL)
+    request = ChatTurn(
+        messages=(("user", "hi"),), prompt="", session_id="", sampling=Sampling(max_new_tokens=4), mode=LOCAL
+    )
     d = router.decide(request, list(range(10)))
     assert d.prediction is not None
     lk = router.link_state()
     assert d.prediction.ttft_ms == pytest.approx(m.predict(Route(LOCAL), RequestShape(10), lk, router.load()).ttft_ms)
     assert d.prediction.ttft_ms > m.predict(Route(LOCAL), RequestShape(10), lk).ttft_ms  # the queue counted
     assert vars(m.edge) == before
-    done = TurnDone("stop", 10, 4, 0, 0, 0, {Stage.LOCAL_PREFILL: 20.0}, None, (), mode=LOCAL, ttft_ms=1500.0)
+    done = TurnDone(
+        finish_reason="stop",
+        prompt_tokens=10,
+        output_tokens=4,
+        head_tokens=0,
+        external_tokens=0,
+        split_layer=0,
+        timings={Stage.LOCAL_PREFILL: 20.0},
+        sent_bytes=None,
+        output_token_ids=(),
+        mode=LOCAL,
+        ttft_ms=1500.0,
+    )
     with router.track(d) as turn:
         turn.finished(done)
         turn.finished(done)

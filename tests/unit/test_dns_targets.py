@@ -48,7 +48,7 @@ class NoLink:
 
 
 def conn() -> CloudConnection:
-    return CloudConnection(NoLink(), NegotiateOffer("e", "toy", {}, 4))  # type: ignore[arg-type]
+    return CloudConnection(NoLink(), NegotiateOffer(edge_id="e", model_id="toy", head_keys={}, edge_max_batch=4))  # type: ignore[arg-type]
 
 
 async def test_membership_changes_move_only_the_sessions_they_must():

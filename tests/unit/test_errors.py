@@ -105,9 +105,9 @@ def test_a_renamed_class_keeps_its_wire():
         back = error_from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, status_details(err))
         assert type(back) is e.QuotaExceeded and str(back) == "link share used up"
         assert api_error_of(err).code == "QuotaExceeded"
-        pb = downlink_to_pb(TurnError(err))
+        pb = downlink_to_pb(TurnError(error=err))
         assert (pb.error.kind, list(pb.error.base_kinds)) == ("QuotaExceeded", ["TandemError"])
-        pb = downlink_to_pb(TurnError(LinkBusy("queue full")))
+        pb = downlink_to_pb(TurnError(error=LinkBusy("queue full")))
         assert (pb.error.kind, list(pb.error.base_kinds)) == ("LinkBusy", ["QuotaExceeded", "TandemError"])
     finally:
         e.QuotaExceeded.__name__ = "QuotaExceeded"
@@ -117,7 +117,7 @@ def test_wire_name_and_class_name_may_differ(registry_restored):
     class Throttled(e.QuotaExceeded):
         wire_name = "TestThrottled"
 
-    pb = downlink_to_pb(TurnError(Throttled("slow down")))
+    pb = downlink_to_pb(TurnError(error=Throttled("slow down")))
     assert (pb.error.kind, list(pb.error.base_kinds)) == ("TestThrottled", ["QuotaExceeded", "TandemError"])
     back = downlink_from_pb(pb)
     assert isinstance(back, TurnError) and type(back.error) is Throttled and str(back.error) == "slow down"

@@ -116,7 +116,7 @@ def limits(**kw) -> LinkLimits:
 
 
 def params(lim: LinkLimits, manifest=MANIFEST, acts=(W.FP16, W.FP32, W.INT8_HADAMARD), kvs=None):
-    o = NegotiateOffer("edge-a", "toy", {K: manifest.compatibility_key()}, 4)
+    o = NegotiateOffer(edge_id="edge-a", model_id="toy", head_keys={K: manifest.compatibility_key()}, edge_max_batch=4)
     o = replace(o, wire_dtypes=tuple(acts), kv_wire_dtypes=tuple(kvs or (W.FP16, W.FP32, W.INT8_HADAMARD, W.INT4)))
     p = link_params(lim, manifest, K, o, (4, 4096), 1)
     return p.wire_dtype, p.kv_wire_dtype

@@ -7,7 +7,7 @@ from tandem.common.wire.flow import ReceivedBytes, SendWindow
 
 
 def test_the_window_holds_what_is_in_flight_and_lets_one_large_item_go_alone():
-    w = SendWindow(1000)
+    w = SendWindow(window_bytes=1000)
     assert w.fits(5000)  # nothing in flight: an item larger than the window goes
     w.sent(600)
     assert w.fits(400) and not w.fits(401)
@@ -16,7 +16,7 @@ def test_the_window_holds_what_is_in_flight_and_lets_one_large_item_go_alone():
 
 
 def test_an_ack_never_moves_back_nor_past_what_was_sent():
-    w = SendWindow(1000)
+    w = SendWindow(window_bytes=1000)
     w.sent(900)
     w.ack(500)
     w.ack(100)  # an older ack arriving late

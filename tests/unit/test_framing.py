@@ -23,7 +23,22 @@ KEY = MANIFEST.compatibility_key()
 
 
 def params(**kw) -> LinkParams:
-    base = LinkParams(7, K, 16, wire.WireDtype.FP32, wire.Codec.NONE, 3, B, 1 << 20, 4, 64, 4096, 16, H, 2)
+    base = LinkParams(
+        params_version=7,
+        split_layer=K,
+        chunk_tokens=16,
+        wire_dtype=wire.WireDtype.FP32,
+        codec=wire.Codec.NONE,
+        codec_level=3,
+        kv_block_size_tokens=B,
+        inflight_window_bytes=1 << 20,
+        max_concurrent_requests=4,
+        max_batched_tokens=64,
+        max_prompt_tokens=4096,
+        max_new_tokens=16,
+        hidden_size=H,
+        max_chunk_resends=2,
+    )
     return LinkParams(**{**base.__dict__, **kw})
 
 
@@ -40,7 +55,18 @@ def session(cloud_tokens: int = 0, held_blocks: int = 0) -> EdgeSession:
 
 
 def base(s: EdgeSession, p: LinkParams) -> TurnHeader:
-    return TurnHeader("r", "s", p.params_version, p.split_layer, tuple(s.token_ids), 0, 0, 0, Sampling(), "link")
+    return TurnHeader(
+        request_id="r",
+        session_id="s",
+        params_version=p.params_version,
+        split_layer=p.split_layer,
+        prompt_token_ids=tuple(s.token_ids),
+        cached_tokens=0,
+        num_chunks=0,
+        num_kv_blocks=0,
+        sampling=Sampling(),
+        link_id="link",
+    )
 
 
 @pytest.mark.parametrize("cloud_tokens,held_blocks", [(0, 0), (70, 2)])
@@ -113,7 +139,19 @@ def test_the_sync_request_proves_the_believed_leaves_are_a_prefix():
 def test_sent_bytes_reach_the_apis_under_their_stream_kinds():
     sent = SentBytes(header_bytes=10) + SentBytes(activations_bytes=200, kv_bytes=3000) + SentBytes(kv_bytes=1)
     assert sent.by_kind() == {"header": 10, "activations": 200, "kv": 3001} and sent.payload_bytes == 3201
-    done = TurnDone("stop", 3, 1, 3, 0, K, {}, sent, (5,), mode=Mode.SPLIT, resent_chunks=1)
+    done = TurnDone(
+        finish_reason="stop",
+        prompt_tokens=3,
+        output_tokens=1,
+        head_tokens=3,
+        external_tokens=0,
+        split_layer=K,
+        timings={},
+        sent_bytes=sent,
+        output_token_ids=(5,),
+        mode=Mode.SPLIT,
+        resent_chunks=1,
+    )
     assert done.wire_sent_bytes() == {
         "header": 10,
         "activations": 200,
@@ -122,5 +160,16 @@ def test_sent_bytes_reach_the_apis_under_their_stream_kinds():
         "repaired_blocks": 0,
     }
     assert dict(done.to_pb().done.sent_bytes) == done.wire_sent_bytes()
-    local = TurnDone("stop", 3, 1, 0, 0, 0, {}, None, (5,), mode=Mode.LOCAL)
+    local = TurnDone(
+        finish_reason="stop",
+        prompt_tokens=3,
+        output_tokens=1,
+        head_tokens=0,
+        external_tokens=0,
+        split_layer=0,
+        timings={},
+        sent_bytes=None,
+        output_token_ids=(5,),
+        mode=Mode.LOCAL,
+    )
     assert local.wire_sent_bytes() == {} and dict(local.to_pb().done.sent_bytes) == {}

@@ -27,7 +27,23 @@ IDS = list(range(7, 7 + 3 * B + 5))  # 3 full blocks and a partial one
 
 
 def params(kv: wire.WireDtype = wire.WireDtype.FP32, codec: wire.Codec = wire.Codec.NONE) -> LinkParams:
-    return LinkParams(3, 0, 16, wire.WireDtype.FP32, codec, 3, B, 1 << 20, 4, 4096, 4096, 256, SHAPE.hidden_size, 3, kv)
+    return LinkParams(
+        params_version=3,
+        split_layer=0,
+        chunk_tokens=16,
+        wire_dtype=wire.WireDtype.FP32,
+        codec=codec,
+        codec_level=3,
+        kv_block_size_tokens=B,
+        inflight_window_bytes=1 << 20,
+        max_concurrent_requests=4,
+        max_batched_tokens=4096,
+        max_prompt_tokens=4096,
+        max_new_tokens=256,
+        hidden_size=SHAPE.hidden_size,
+        max_chunk_resends=3,
+        kv_wire_dtype=kv,
+    )
 
 
 def blocks(n: int = 3) -> list[np.ndarray]:
@@ -42,7 +58,7 @@ def expected(p: LinkParams, first: int = 0) -> BlockSpec:
 
 def frame_block(block: np.ndarray, j: int, block_hash: bytes, p: LinkParams, version: int) -> tuple[KVBlock, bytes]:
     """Block ``j`` as the cloud sends it, and its leaf (the commit's input)."""
-    down = encode_block(block, j, block_hash, LayerRange(0, L), p, version)
+    down = encode_block(block, j, block_hash, LayerRange(lo=0, hi=L), p, version)
     return down, down.leaf_hash
 
 
@@ -108,8 +124,11 @@ def test_the_commit_covers_the_blocks_in_order():
     p = params()
     want = expected(p, first=1)
     leaves = [frame_block(b, j, want.ids[j], p, 3)[1] for j, b in zip((1, 2), blocks(2), strict=True)]
-    check_commit(Commit(2, merkle.root(leaves), 1), want.first, leaves)
-    for bad in (Commit(3, merkle.root(leaves), 0), Commit(2, merkle.root(leaves[::-1]), 1)):
+    check_commit(Commit(leaf_count=2, merkle_root=merkle.root(leaves), first_leaf=1), want.first, leaves)
+    for bad in (
+        Commit(leaf_count=3, merkle_root=merkle.root(leaves), first_leaf=0),
+        Commit(leaf_count=2, merkle_root=merkle.root(leaves[::-1]), first_leaf=1),
+    ):
         with pytest.raises(MerkleMismatch):
             check_commit(bad, want.first, leaves)
 
@@ -128,7 +147,7 @@ async def test_the_edge_asks_for_a_corrupt_block_again_and_never_uses_it():
     bad = await down.add(_corrupt(framed[1][0]))
     assert a0 is not None and a0.verified_blocks == 1 and not a0.resend_blocks
     assert bad is not None and bad.resend_blocks == (1,) and 1 not in down.blocks
-    down.add_commit(Commit(3, merkle.root([leaf for _, leaf in framed]), 0))
+    down.add_commit(Commit(leaf_count=3, merkle_root=merkle.root([leaf for _, leaf in framed]), first_leaf=0))
     assert not down.ready  # the commit waits for the resent block
     await down.add(framed[2][0])
     again = await down.add(framed[1][0])
@@ -155,7 +174,7 @@ async def test_a_block_failing_three_times_ends_the_download():
         ({"num_chunks": 1}, "token ids only"),
         ({"num_kv_blocks": 1}, "token ids only"),
         ({"cached_tokens": B}, "token ids only"),
-        ({"remote_prefill": RemotePrefill(len(IDS) + 1)}, "held_tokens"),
+        ({"remote_prefill": RemotePrefill(held_tokens=len(IDS) + 1)}, "held_tokens"),
         ({"remote_prefill": None}, "not a remote-prefill turn"),
     ],
 )
@@ -168,7 +187,18 @@ def test_a_remote_prefill_header_that_is_not_direct_shaped_is_refused(change, sa
     from tandem.common.protocol.params import Sampling
     from tandem.common.wire.messages import TurnHeader
 
-    ok = TurnHeader("r", "s", 3, 0, tuple(IDS), 0, 0, 0, Sampling(max_new_tokens=4), remote_prefill=RemotePrefill(0))
+    ok = TurnHeader(
+        request_id="r",
+        session_id="s",
+        params_version=3,
+        split_layer=0,
+        prompt_token_ids=tuple(IDS),
+        cached_tokens=0,
+        num_chunks=0,
+        num_kv_blocks=0,
+        sampling=Sampling(max_new_tokens=4),
+        remote_prefill=RemotePrefill(held_tokens=0),
+    )
     check_remote_prefill(SimpleNamespace(header=ok, link_params=params()), (wire.WireDtype.FP32,))
     with pytest.raises(InvalidRequest, match=says):
         check_remote_prefill(

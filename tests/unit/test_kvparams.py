@@ -10,8 +10,8 @@ from tandem.common.wire.kvblocks import LayerRange
 
 
 def test_a_spec_round_trips_through_vllm_params():
-    head = PartSpec(LayerRange(0, 4), (bytes(32), bytes([1]) * 32))
-    tail = PartSpec(LayerRange(4, 30), (bytes([2]) * 32,))
+    head = PartSpec(LayerRange(lo=0, hi=4), (bytes(32), bytes([1]) * 32))
+    tail = PartSpec(LayerRange(lo=4, hi=30), (bytes([2]) * 32,))
     spec = KVTransferSpec(loads=(head, tail), save=tail)
     assert KVTransferSpec.from_vllm(spec.to_vllm()) == spec
     assert spec.num_blocks == 1

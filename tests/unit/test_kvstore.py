@@ -38,7 +38,7 @@ def test_split_blocks_shapes():
     with pytest.raises(ValueError):
         split_blocks(kv, 4, 0, 3)
     with pytest.raises(ValueError):
-        LayerRange(3, 3)
+        LayerRange(lo=3, hi=3)
 
 
 def test_memory_store_is_bounded_lru():
@@ -70,9 +70,9 @@ def test_a_store_key_names_the_layer_range_and_the_canonical_layout():
     """A block written under another canonical layout version is never found under this one."""
     from tandem.common.wire import kvblocks
 
-    key = part_key(bytes(32), LayerRange(0, 4))
+    key = part_key(bytes(32), LayerRange(lo=0, hi=4))
     assert key == "00" * 32 + f":L0-4:kv{kvblocks.KV_LAYOUT_VERSION}"
-    assert part_key(bytes(32), LayerRange(0, 5)) != key
+    assert part_key(bytes(32), LayerRange(lo=0, hi=5)) != key
 
 
 def test_disk_store_is_bounded(tmp_path):

@@ -76,7 +76,7 @@ def test_module_functions_are_the_blake3_instance():
 
 
 def test_custom_hasher_and_frozen():
-    h = merkle.MerkleHasher(lambda b: hashlib.sha512(b).digest(), "sha512")
+    h = merkle.MerkleHasher(digest=lambda b: hashlib.sha512(b).digest(), name="sha512")
     assert h.leaf_hash(b"") == hashlib.sha512(b"\x00").digest()
     assert h.empty_root() == hashlib.sha512(b"").digest()
     assert "sha512" in repr(h)

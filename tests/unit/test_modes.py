@@ -58,10 +58,21 @@ def test_the_cloud_serves_each_header_by_its_mode():
     from tandem.common.wire.kvdown import RemotePrefill
     from tandem.common.wire.messages import TurnHeader
 
-    direct = TurnHeader("r", "", 1, 0, (1, 2, 3), 0, 0, 0, Sampling(), "l")
+    direct = TurnHeader(
+        request_id="r",
+        session_id="",
+        params_version=1,
+        split_layer=0,
+        prompt_token_ids=(1, 2, 3),
+        cached_tokens=0,
+        num_chunks=0,
+        num_kv_blocks=0,
+        sampling=Sampling(),
+        link_id="l",
+    )
     assert mode_of(direct) is Mode.DIRECT
     assert mode_of(replace(direct, split_layer=4)) is Mode.SPLIT
-    assert mode_of(replace(direct, remote_prefill=RemotePrefill(0))) is Mode.REMOTE_PREFILL
+    assert mode_of(replace(direct, remote_prefill=RemotePrefill(held_tokens=0))) is Mode.REMOTE_PREFILL
 
 
 MODE_NAMES = frozenset(m.value for m in Mode) - {"auto"}  # "auto" is also other settings' word (dtype, device)

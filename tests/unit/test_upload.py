@@ -22,7 +22,22 @@ from tests.doubles import HKV, D, H, K, toy_manifest
 B = 4  # smaller blocks than the shared doubles' (32): prompts of a few tokens cover whole blocks
 SEED = hash_seed("unit", B)
 MANIFEST = toy_manifest(vocab_size=100, max_position_embeddings=64)
-PARAMS = LinkParams(1, K, 3, wire.WireDtype.FP32, wire.Codec.NONE, 0, B, 8, 4, 64, 32, 16, H, 2)
+PARAMS = LinkParams(
+    params_version=1,
+    split_layer=K,
+    chunk_tokens=3,
+    wire_dtype=wire.WireDtype.FP32,
+    codec=wire.Codec.NONE,
+    codec_level=0,
+    kv_block_size_tokens=B,
+    inflight_window_bytes=8,
+    max_concurrent_requests=4,
+    max_batched_tokens=64,
+    max_prompt_tokens=32,
+    max_new_tokens=16,
+    hidden_size=H,
+    max_chunk_resends=2,
+)
 
 
 def make_turn(ids, cached=0, leaves_before=0):
@@ -34,8 +49,28 @@ def make_turn(ids, cached=0, leaves_before=0):
     for j in range(leaves_before, len(hashes)):
         raw = rng.standard_normal((K, 2, HKV, B, D)).astype(np.float32).tobytes()
         leaf = merkle.leaf_hash(merkle.leaf_data(hashes[j], 0, K, 1, raw))
-        blocks[j] = KVBlock(j, hashes[j], 0, K, wire.Codec.NONE, len(raw), raw, leaf, 1)
-    header = TurnHeader("r", "s", 1, K, tuple(ids), cached, len(chunks), len(blocks), Sampling(max_new_tokens=4))
+        blocks[j] = KVBlock(
+            leaf_index=j,
+            block_hash=hashes[j],
+            layer_lo=0,
+            layer_hi=K,
+            codec=wire.Codec.NONE,
+            raw_nbytes=len(raw),
+            payload=raw,
+            leaf_hash=leaf,
+            params_version=1,
+        )
+    header = TurnHeader(
+        request_id="r",
+        session_id="s",
+        params_version=1,
+        split_layer=K,
+        prompt_token_ids=tuple(ids),
+        cached_tokens=cached,
+        num_chunks=len(chunks),
+        num_kv_blocks=len(blocks),
+        sampling=Sampling(max_new_tokens=4),
+    )
     return header, hidden, chunks, blocks
 
 

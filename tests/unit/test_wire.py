@@ -71,7 +71,16 @@ def test_zstd_bomb_is_bounded():
 
     c = wire.split(h(4), 0, 4, wire.WireDtype.FP32, wire.Codec.NONE)[0]
     big = zstandard.ZstdCompressor().compress(bytes(10 * len(c.payload)))
-    bomb = wire.Chunk(c.seq, 0, 4, wire.WireDtype.FP32, wire.Codec.ZSTD, c.raw_nbytes, big, wire.crc32c(big))
+    bomb = wire.Chunk(
+        seq=c.seq,
+        token_offset=0,
+        num_tokens=4,
+        wire_dtype=wire.WireDtype.FP32,
+        codec=wire.Codec.ZSTD,
+        raw_nbytes=c.raw_nbytes,
+        payload=big,
+        crc32c=wire.crc32c(big),
+    )
     with pytest.raises(InvalidRequest):
         wire.decode_chunk(bomb, 16, 4)
 
@@ -89,7 +98,16 @@ def _raw(t=4, dtype=wire.WireDtype.FP32):
 
 def _chunk(payload, t=4, dtype=wire.WireDtype.FP32, codec=wire.Codec.ZSTD, raw_nbytes=None, crc=None):
     raw_nbytes = wire.raw_nbytes_of(t, dtype, H) if raw_nbytes is None else raw_nbytes
-    return wire.Chunk(0, 0, t, dtype, codec, raw_nbytes, payload, wire.crc32c(payload) if crc is None else crc)
+    return wire.Chunk(
+        seq=0,
+        token_offset=0,
+        num_tokens=t,
+        wire_dtype=dtype,
+        codec=codec,
+        raw_nbytes=raw_nbytes,
+        payload=payload,
+        crc32c=wire.crc32c(payload) if crc is None else crc,
+    )
 
 
 def _rle_frame(declared, blocks, block=128 << 10):
