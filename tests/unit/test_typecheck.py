@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.unit.test_layers import tandem_modules
+from tests.layers import tandem_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 
