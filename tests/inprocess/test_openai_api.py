@@ -391,9 +391,9 @@ NOT_TEXT_BODIES = [
 
 @pytest.mark.parametrize(("endpoint", "body"), NOT_TEXT_BODIES)
 async def test_strings_that_are_not_text_are_400_in_every_field(stack, endpoint, body):
-    """Found by an attack run: a lone UTF-16 surrogate (``"\\ud800 hi"``) in a chat message, a text
-    content part or a completion prompt was HTTP 500 (the tokenizer's TypeError). Every string of
-    the body is checked as text first (``common.protocol.text``): 400 in OpenAI's shape, before any work."""
+    """A string that is not text (a lone UTF-16 surrogate such as ``"\\ud800 hi"``) in a chat message,
+    a text content part or a completion prompt is HTTP 400 in OpenAI's shape, checked before any
+    work (``common.protocol.text``), never a 500 from the tokenizer."""
     _, port = stack
     payload = json.dumps({"model": MODEL, "max_tokens": 2, **body})  # ensure_ascii: surrogates stay escapes
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h:
@@ -507,9 +507,8 @@ def _body(body: dict) -> dict:
 
 @pytest.mark.parametrize(("endpoint", "body", "status", "param", "code"), REFUSALS)
 async def test_every_refusal_has_openais_shape(stack, client, endpoint, body, status, param, code):
-    """Found by an attack run: an unsupported role was answered ``"type": "messages.1", "param": null``.
-    Every refusal has its parameter in ``param``, the kind in ``type`` and OpenAI's ``code``, in the raw
-    body and as the ``openai`` client reads it."""
+    """Every refusal (an unsupported role among them) has its parameter in ``param``, the kind in
+    ``type`` and OpenAI's ``code``, in the raw body and as the ``openai`` client reads it."""
     _, port = stack
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h:
         r = await h.post(
