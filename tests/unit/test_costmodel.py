@@ -68,6 +68,10 @@ def test_what_a_session_holds_is_not_paid_again():
 
 
 def test_queues_and_unknowns():
+    """Each queue enters the TTFT formula once: the local engine's FIFO prefills and decoding turns, processor
+    sharing with the split head, the cloud's admission wait or this edge's own cloud prefills (the larger),
+    passed in per prediction and never kept; without a cloud rate the edge's own rate scaled to the layers
+    run stands in."""
     m = model()
     assert m.formula(Route(LOCAL), RequestShape(10), link(), load=EdgeLoad(2)) == pytest.approx(2 * 40 + 10 * 2.0)
     # the local engine runs FIFO: a prefill of 500 tokens waiting ahead costs its prefill, and the
