@@ -13,19 +13,13 @@ the same edge daemon, so auto's cost model sees the link and every mode's stage 
 live edge that serves mixed traffic does; a calibration pass (each fixed mode once per prompt
 length, not recorded) precedes the matrix.
 
-Order (``--order``). ``interleaved`` (default): per (link, prompt length), a warm-up round (each
-mode once, not recorded), then round ``i`` runs every mode once on prompt ``i``, in the order of a
-row of a Williams square (``round_order``: every mode follows every other about equally often).
-On a 2-core machine the same mode measured in two blocks a minute apart differs by up to 1.3x
-(loopback, 256 tokens, direct mode: block means 343 to 456 ms in one run), more than the 10% that
-auto is judged by; interleaving puts that drift, and what one request leaves behind for the next,
-on every mode alike: a direct request right after a local one takes 484 ms, after a direct one 422
-to 435 ms, after a split one 401 ms (loopback, 256 tokens, 16 requests each, with or without
-1.5 s between them). A fixed cyclic order would put auto always after edge-only, which costs it
-10-19% in cells where it serves the very mode of the best row. ``blocks``: one mode at a
-time (needed for ``--concurrency`` > 1), each (mode, length) block after ``--warmup`` unrecorded
-requests. Writes ``records.jsonl`` (one line per request), ``summary.csv``, ``summary.md``,
-``auto.md`` (auto against the best fixed mode per cell), ``meta.json`` and PNG plots into ``--out``.
+Order (``--order``): ``interleaved`` (default), per (link, prompt length) a warm-up round, then
+round ``i`` runs every mode once on prompt ``i`` in the order of a row of a Williams square
+(``round_order``); ``blocks``, one mode at a time (needed for ``--concurrency`` > 1), each (mode,
+length) block after ``--warmup`` unrecorded requests. Why interleaved, and the results:
+docs/benchmarks.md, "Modes over links". Writes ``records.jsonl`` (one line per request),
+``summary.csv``, ``summary.md``, ``auto.md`` (auto against the best fixed mode per cell),
+``meta.json`` and PNG plots into ``--out``.
 """
 
 from __future__ import annotations

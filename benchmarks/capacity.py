@@ -1,44 +1,25 @@
 """``tandem-bench capacity``: goodput under an offered-load sweep, cloud-only against each split and auto.
 
-Where can the split pay? Not in one request's TTFT on an idle cloud (``tandem-bench modes``: cloud-only
-wins most cells there), but in *capacity*: a split at layer ``k`` takes ``k/L`` of every prompt's
-prefill off the cloud onto the edge's own processor, so a cloud that is the bottleneck should serve
-more requests within its latency objective. This benchmark measures that:
+A split at layer ``k`` takes ``k/L`` of every prompt's prefill off the cloud onto the edge's own
+processor, so a cloud that is the bottleneck should serve more requests within its latency
+objective. The setup (cloud and edge pinned apart with ``taskset``, Poisson arrivals, open loop,
+the modes swept), the cloud work per request (``benchmarks.cloudwork``) and the results:
+docs/benchmarks.md, "Capacity".
 
-* one ``tandem-cloud`` (real vLLM engines) pinned to ``--cloud-cpus`` and one ``tandem-edge`` (ONNX
-  Runtime heads, link proxy, and this driver) pinned to ``--edge-cpus`` with ``taskset``, so the two
-  sides do not share cores, as on two machines;
-* for each mode (``cloud-only``, ``split-k{k}`` per exported split layer, ``edge-only``,
-  ``remote-prefill``, ``auto``) and each offered
-  rate, ``--requests`` requests with Poisson arrivals (exponential inter-arrival times, the same
-  seeded arrival times and prompts for every mode), open loop: a request is sent at its arrival
-  time whether or not earlier ones have finished;
-* a request *meets the SLO* when it completes and its TTFT is at most ``--ttft-slo-ms``; refused
-  (``RESOURCE_EXHAUSTED``), failed or timed-out requests do not.
-
-Reported per (mode, rate): requests sent, served, p50 / p99 TTFT, SLO attainment, goodput and
-served throughput. *Goodput* is the requests per second that met the SLO at that offered load: SLO
-attainment times the offered rate (every mode at a rate gets the same seeded schedule, so two modes
-that meet the SLO equally have the same goodput; DistServe's per-rate goodput: the attainment at an
-offered rate). *Served req/s* is the requests served over the first arrival to the last completion
-(vLLM's benchmark's request throughput), which also counts how long the last requests drain. Per
-mode, the *capacity* is the highest offered rate at which at least ``--attainment`` of requests met
-the SLO, the goodput definition of DistServe (Zhong et al., "DistServe: Disaggregating Prefill and
-Decoding for Goodput-optimized Large Language Model Serving", OSDI 2024, section 2). A mode stops
-its sweep after the first rate whose attainment is below half the target (it is saturated; higher
-rates only queue longer). With an auto row, a third table sets auto's goodput at each rate beside
-the best fixed mode's measured at that rate.
-
-Per cell the cloud's work is measured too (``benchmarks.cloudwork``): CPU ms per served request of
-the ``tandem-cloud`` process and of its engines, and GPU ms where NVML is present, with each mode's
-difference from cloud-only's at the same rate (the split's extra work: receive and verify, store
-writes, the decode engine's KV load), when this run starts the cloud (not with ``--edge-target``).
+Definitions. A request *meets the SLO* when it completes with TTFT at most ``--ttft-slo-ms``;
+refused (``RESOURCE_EXHAUSTED``), failed or timed-out requests do not. *Goodput* at an offered rate
+is SLO attainment times that rate (every mode at a rate gets the same seeded schedule). *Served
+req/s* is the requests served over the first arrival to the last completion (vLLM's benchmark's
+request throughput), so it counts how long the last requests drain. A mode's *capacity* is the
+highest offered rate at which at least ``--attainment`` of requests met the SLO: the goodput of
+DistServe (Zhong et al., "DistServe: Disaggregating Prefill and Decoding for Goodput-optimized
+Large Language Model Serving", OSDI 2024, section 2). A mode stops its sweep after the first rate
+whose attainment is below half the target. With an auto row, a third table sets auto's goodput at
+each rate beside the best fixed mode's at that rate.
 
 Writes into ``--out``: ``capacity.md`` (the table and the verdict per mode), ``capacity.json``
-(every cell and every request), ``capacity.png`` (p99 TTFT and goodput against offered rate, with the SLO).
-
-A split layer must be exported first: ``tandem-model --out MODEL_DIR --split-layers 4,8,15``
-(``make bench-capacity`` does it), where ``15`` is ``k/L = 1/2`` of SmolLM2-135M's 30 layers.
+(every cell and every request), ``capacity.png`` (p99 TTFT and goodput against offered rate, with
+the SLO). A split layer must be exported first (``make bench-capacity`` exports ``k = 15``).
 """
 
 from __future__ import annotations

@@ -1,55 +1,21 @@
 """``tandem-bench fidelity``: what each wire format pair does to the model's next-token
 distributions, against the noise of the unquantized system, and what it saves on the wire.
 
-Over the fixed chat set (``benchmarks/data/fidelity_prompts.jsonl``: 200 hand-written chats in
-28 categories, 31 of them multi-turn; ``--sample N`` takes every ``200 / N``-th chat):
+Over the fixed chat set (``benchmarks/data/fidelity_prompts.jsonl``; ``--sample N`` takes every
+``200 / N``-th chat) it runs four stages: fp32 reference replies from a real vLLM engine
+(``benchmarks.engine_logprobs``), the engines' noise floor (concurrency 4, bf16), each format pair
+teacher-forced in-process (``benchmarks.teacher``), and the edge's whole-model graph
+(``benchmarks.edge_teacher``). The stages, ``--dtype bfloat16``, the measures and the results:
+docs/benchmarks.md, "Wire formats and fidelity"; why teacher forcing and why this floor:
+docs/design-decisions.md, "Wire formats".
 
-1. **References.** A real vLLM engine (``benchmarks.engine_logprobs``: the decode engine's
-   settings, fp32, one request at a time) writes each chat's greedy reply of up to
-   ``--max-new-tokens`` tokens (EOS ends a reply, as in use): the fp32 reference replies.
-2. **Noise floor.** The same engine's teacher-forced distributions (``prompt + reference reply``
-   as the prompt, vLLM's ``prompt_logprobs`` at every reply position, the top ``--top-k``) at
-   concurrency 1, then again at concurrency 4 (fp32, batching differs) and from a bfloat16 engine
-   (concurrency 1). The two comparisons are the floor rows.
-3. **Formats.** Per split layer and per activation/KV pair of ``--pairs``, the split path's
-   teacher-forced distributions over the whole vocabulary, computed in this process with the ONNX
-   head, the format round trip and the tail and full checkpoints in transformers
-   (``benchmarks.teacher``: why that is the same computation); each compared with the fp32 pair's.
-   A third floor row compares that in-process fp32 with the fp32 engine: the size of the
-   difference between the two computations.
-4. **Edge whole model.** The graph the edge's local mode and remote prefill run (``--edge-decoder``,
-   default the model directory's ``edge-decoder/`` where it holds one: ONNX Runtime GenAI's model
-   builder's graph, fp32 on a CPU build, bf16 on a GPU), teacher-forced as the edge runs a turn
-   (``benchmarks.edge_teacher``: the prompt in one run, then one decode step per reply token) on
-   ``--device``, compared with the reference engine as the floor rows are (its top-K coarsened
-   KL, flips, greedy agreement): the edge's agreement with direct mode, beside the floors.
-
-With ``--dtype bfloat16`` (``--device cuda`` on a GPU host) the engines and the in-process tail
-and full model compute in bf16, as a GPU cloud does: the references are the bf16 engine's, the
-batching floor is direct mode's own run-to-run noise in bf16, the precision floor compares it
-with an fp32 engine, and the third row is the split's agreement with direct in bf16 (the bf16
-engine against the in-process split: the edge's fp32 head, fp32 on the wire, the bf16 tail); the
-edge row is then the GPU's bf16 builder graph against the bf16 engine.
-
-Measures per row (``benchmarks.fidelity_stats``): next-token KL divergence (mean and p99 over
-positions; top-K coarsened for every row, which the engines' top-K lists allow, and over the full
-vocabulary for the formats), top-1 agreement where the reference's top-2 gap exceeds
-``GAP_NATS``, the flip rate at near-ties and overall, the perplexity of the reference replies,
-and per prompt-length bucket. Greedy agreement is the secondary column: under teacher forcing a
-greedy reply equals the reference up to the first position whose top-1 differs from the
-reference's token, so the share of identical replies and the first divergence follow exactly.
-At each reply's first greedy divergence the reference engine's top-2 gap (and the row's own)
-tells a near-tie going the other way (a gap of at most ``GAP_NATS``) from an error
-(``fidelity_stats.Divergences``: how many divergences fall at near-ties, the median and smallest
-gaps). Bytes per prompt token are counted as the edge sends them (every token's activations, the
-full KV blocks of ``B = 32`` tokens) against fp32, bf16 and direct mode's token ids.
-
-A pair qualifies (``fidelity_stats.qualifies``) where its mean KL and its flip rate are each
-within ``FLOOR_FACTOR`` of the fp32-vs-bf16 engines' floor; the edge row is judged by the same
-rule. Writes into ``--out``:
-``fidelity.md`` (the tables), ``fidelity.json`` (every row and its buckets, the edge row under ``edge``),
+Measures per row are ``benchmarks.fidelity_stats``'s; a pair (and the edge row) qualifies
+(``fidelity_stats.qualifies``) where its mean KL and its flip rate are each within
+``FLOOR_FACTOR`` of the fp32-vs-bf16 engines' floor. Writes into ``--out``: ``fidelity.md`` (the
+tables), ``fidelity.json`` (every row and its buckets, the edge row under ``edge``),
 ``fidelity.png`` (KL vs bytes per prompt token, one point per pair, the floor as a band) and
-``fidelity-table.json`` (the qualifying pairs per split layer, the form ``cloud.links.fidelity`` reads).
+``fidelity-table.json`` (the qualifying pairs per split layer, the form ``cloud.links.fidelity``
+reads).
 """
 
 from __future__ import annotations

@@ -15,14 +15,12 @@ full KV blocks) and reply ``R`` (``n`` tokens):
    ``R[1:]``.
 
 Here steps 3 and 4 run in Hugging Face transformers (float32 by default, or the engines' compute
-dtype such as bfloat16, on the CPU or a GPU; on the same checkpoints vLLM loads) instead of vLLM.
-That is the same computation, because vLLM's output depends only on the checkpoint, the input
-embeddings or ids and the KV it loads; the kernels differ in rounding only.
-``tandem-bench fidelity`` measures that difference itself (the in-process fp32 reference against
-the fp32 engine, beside the engines' own batching floor). Teacher forcing
-(feeding the reference's own tokens back) is what lets every position be compared: one flipped
-token changes nothing after it. The full vocabulary's distribution is available at every
-position, so KL divergences here are exact.
+dtype such as bfloat16, on the CPU or a GPU; on the same checkpoints vLLM loads) instead of vLLM:
+the same computation, since vLLM's output depends only on the checkpoint, the input embeddings or
+ids and the KV it loads, the kernels differing in rounding only (``tandem-bench fidelity``
+measures that difference; why in-process and why teacher forcing: docs/design-decisions.md,
+"Wire formats"). The full vocabulary's distribution is available at every position, so KL
+divergences here are exact.
 
 Shapes: ``V`` vocabulary, ``n`` reply tokens; ``TurnDists.logprobs`` is float32 ``[n, V]``: row
 ``j`` is the log-distribution the system samples ``R[j]`` from.

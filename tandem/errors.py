@@ -1,38 +1,14 @@
 """Errors of the client SDK: one class per gRPC status, mapped in one place (``ERROR_OF``).
 
 Every error the SDK raises for a failed call is a ``TandemClientError`` carrying the status
-(``.code``), the server's message (``.details``) and, when the server sent a hint in its
-trailing metadata (``retry-after-ms`` or ``retry-after-s``), ``.retry_after_s``. A refusal of one
-field names it as OpenAI does: ``.param`` (``temperature``, ``messages.[1].role``,
-``stop_token_ids.[0]``) and ``.error_code`` (OpenAI's code: ``invalid_value``,
-``decimal_above_max_value``, ``context_length_exceeded``...), the same the edge's HTTP API answers.
-A bad argument the SDK catches before sending is ``BadArgument``: an ``InvalidArgument`` (with
-``.param`` and ``.error_code`` alike) and a ``ValueError``, or ``BadArgumentType``, a ``TypeError``
-too. Catch the base class for "the call failed", or a subclass for one status::
-
-    try:
-        r = client.complete(messages)
-    except tandem.ResourceExhausted as e:
-        time.sleep(e.retry_after_s or 1.0)
-    except tandem.Unavailable:
-        ...  # the edge or the cloud is down or draining: retry, on another edge if there is one
-
-What the tandem edge answers with which status:
-
-- ``InvalidArgument``: a bad request (unknown role or mode, bad sampling values, too many or
-  too long stop strings or stop token ids, prompt or ``max_new_tokens`` over the edge's limits).
-- ``FailedPrecondition``: the edge and the cloud disagree (model, split, parameters version).
-- ``DataLoss``: activations or KV failed their checks on the link, even after resends.
-- ``DeadlineExceeded``: the call's deadline passed (the client's ``timeout_s``, or the edge's).
-- ``ResourceExhausted``: a quota or capacity limit; see ``retry_after_s``.
-- ``Unavailable``: the cloud or the edge is down, unreachable or draining (shutting down).
-- ``NotFound``: a session the cloud does not know.
-- ``Internal``: a bug in a daemon (its log says more).
-- ``Cancelled``: the call was cancelled (``ChatStream.cancel()``).
-
-Statuses the transport or a proxy in front of the edge may add have their classes too
-(``Unauthenticated``, ``PermissionDenied``, ``Unimplemented`` from an edge older than an
-RPC, ...). Only grpcio is needed.
+(``.code``), the server's message (``.details``), ``.retry_after_s`` when the server sent a hint in
+its trailing metadata (``retry-after-ms`` or ``retry-after-s``), and, for a refusal of one field,
+``.param`` and ``.error_code`` as OpenAI names them. A bad argument the SDK catches before sending
+is ``BadArgument`` (an ``InvalidArgument`` and a ``ValueError``) or ``BadArgumentType`` (a
+``TypeError`` too). Catch the base class for "the call failed", or a subclass for one status.
+Which status the edge answers when, and the codes per field: docs/clients.md, "Errors and status
+codes". Statuses the transport or a proxy may add have their classes too (``Unauthenticated``,
+``PermissionDenied``, ``Unimplemented`` from an edge older than an RPC, ...). Only grpcio is needed.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """tandem's vLLM general plugin: how long an idle vLLM worker busy-polls for its next step, and
 how vLLM's engine processes end (:func:`install_fast_exit`).
 
-vLLM runs each CPU engine's model in a worker process that reads its steps from a
-shared-memory queue (``vllm/distributed/device_communicators/shm_broadcast.py``). Its reader
-waits with ``SpinCondition``: after each read it busy-loops (``sched_yield``) for
-``busy_loop_s`` seconds, 1 s in vLLM 0.32, before it sleeps on a socket. So after a request
-ends, each worker keeps a core busy for a second. On a GPU host with spare cores that is
-free. On a host whose cores do other work it is not: measured on a 2-core machine, the edge
-head right after a request runs 1.9x slower (636 ms against 332 ms at 1024 tokens), and the
-next prefill on the other engine slows too (docs/design-decisions.md).
+vLLM runs each CPU engine's model in a worker process that reads its steps from a shared-memory
+queue (``vllm/distributed/device_communicators/shm_broadcast.py``). Its reader waits with
+``SpinCondition``: after each read it busy-loops (``sched_yield``) for ``busy_loop_s`` seconds,
+1 s in vLLM 0.32, before it sleeps on a socket, so after a request ends each worker keeps a core
+busy for a second. What that costs on a host whose cores do other work, and why the window can be
+short: docs/design-decisions.md, "The connector and vLLM".
 
 vLLM loads the entry points of its ``vllm.general_plugins`` group in every process it starts
 (``vllm.plugins.load_general_plugins``: the engine core, and each worker before it opens its
@@ -17,11 +15,6 @@ queues). ``register`` sets the reader's default ``busy_loop_s`` to the value in
 ``EngineConfig.worker_busy_poll_s`` before it starts its engines. With the variable unset (any
 other use of vLLM in the same environment) it changes nothing. A vLLM whose ``SpinCondition``
 has no ``busy_loop_s`` parameter is left alone, with a warning.
-
-The window counts from the worker's last read of a step, so with steps longer than it (decode
-steps on CPU take 50-70 ms) the worker also sleeps between the steps of a request, and each
-step then waits for a socket wake-up (tens of microseconds). ``tandem-bench modes``'s inter-token
-latency at 256 and 1024 prompt tokens is the same with a 1 s and a 0.01 s window.
 
 With ``TANDEM_VLLM_FAST_EXIT=1`` (also set by ``cloud.engines.vllm_engines``) it also installs
 :func:`install_fast_exit` in each engine process, so that an engine stops in about 2 s (9 s

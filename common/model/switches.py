@@ -3,22 +3,11 @@ layer, what HF (the reference, and the source of the edge's ONNX graphs) and the
 cloud's engines, 0.32) each do there, and how tandem makes them compute one function
 (``plan``) or refuses the checkpoint with a one-line reason (``Unservable``).
 
-The switches, in one table per kind:
-
-* rope scaling (``ROPE_TYPES``): a static rope (default, linear, llama3, yarn) is one function of
-  the position on both sides; ``longrope`` switches at ``original_max_position_embeddings``: HF per
-  call from the short to the long factors, vLLM once for the whole deployment (the long factors at
-  every position when ``max_model_len`` exceeds it, the short ones otherwise), so the graphs are
-  exported with the factors vLLM will use at the deployment's ``max_model_len`` (``export_overrides``)
-  and the manifest bounds the ``max_model_len`` of the clouds it pairs with; a ``dynamic`` rope
-  (HF rescales at every length, vLLM at one fixed length) is refused;
-* sliding windows per layer: HF's rule is the family's mask style (``head_model.Family.masks``, the
-  rule the edge's graphs follow), vLLM's is ``VLLM_WINDOWS`` (read from its model files): where they
-  differ, vLLM is started with the config value that makes it agree (``hf_overrides``: a window HF
-  ignores, e.g. a Llama's ``sliding_window``, is dropped), else the checkpoint is refused (Qwen2 with
-  windows on some layers only: vLLM's Qwen2 asserts);
-* config fields a family's vLLM model ignores (``VLLM_IGNORED``: Qwen2's ``head_dim``): refused
-  unless they hold the value vLLM assumes.
+One table per kind of switch: rope scaling (``ROPE_TYPES``), sliding windows per layer (HF's rule
+is the family's mask style, ``head_model.Family.masks``; vLLM's is ``VLLM_WINDOWS``, read from its
+model files), and config fields a family's vLLM model ignores (``VLLM_IGNORED``). What each switch
+does on each side and tandem's answer (export overrides, ``hf_overrides``, a bounded
+``max_model_len``, a refusal): docs/models.md, "Behaviour switches".
 
 The plan also names the longest sequence the preparation check must run (``check_tokens``: past
 every switch the deployment can reach). Nothing here loads weights or vLLM; ``common.model.prepare``

@@ -17,13 +17,10 @@ Two hops, the same rules:
   else, where neither is configured, the peer's host (one anonymous principal per
   host). State is scoped by it: a session id or link id of one principal is not
   visible to another (``scoped``).
-* **One identity per caller.** With both API keys and mutual TLS configured, a key is bound
-  to the certificate subject it was issued for: its name (the cloud's ``edge_keys`` maps
-  names to keys) must equal the subject of the certificate the call came with (its common
-  name, else its first subject alternative name: the identity the certificate alone would
-  give). A key presented with another identity's certificate is ``Unauthenticated``, so a
-  caller holding one edge's certificate and another edge's key is neither of them. Keys
-  given as a list carry no name to bind, and are refused together with mutual TLS.
+* **One identity per caller.** With both API keys and mutual TLS configured, a key's name must
+  equal the subject of the certificate the call came with, else ``Unauthenticated``; keys given as
+  a list carry no name to bind and are refused together with mutual TLS (docs/security.md, "Keys
+  and identities").
 
 Domain code never sees grpc: servicers call ``Authenticator.identify`` with the call's
 metadata and auth context and get a ``Principal`` or ``Unauthenticated``.

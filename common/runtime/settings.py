@@ -1,21 +1,12 @@
 """Settings of the daemons: the base model, its sources and their precedence, the units of sizes and durations.
 
 ``tandem-cloud`` and ``tandem-edge`` each read one typed, frozen pydantic-settings model
-(``tandem.cloud.config.CloudConfig``, ``tandem.edge.config.EdgeConfig``). Every setting can be set
-four ways; the first in this list that sets it wins:
-
-1. a command-line flag (``--store-bytes 8GiB``; nested ``--engine.max-num-seqs 4``),
-2. an environment variable, ``TANDEM_CLOUD_`` / ``TANDEM_EDGE_`` + the name in capitals, nested
-   settings joined with ``__`` (``TANDEM_CLOUD_ENGINE__MAX_NUM_SEQS=4``),
-3. the TOML config file named by ``--config FILE`` or, without the flag, by ``TANDEM_CLOUD_CONFIG`` /
-   ``TANDEM_EDGE_CONFIG`` (keys are the field names; nested settings in a table, ``[engine]``),
-4. the default in the model.
-
-Built in code (``CloudConfig(port=0, ...)``, as the tests do), keyword arguments take the place of
-flags: keyword > environment > config file > default.
-
-Sizes (fields ending ``_bytes``) are ``pydantic.ByteSize``: an int, or a number with a unit
-(``512MiB``, ``4GiB``; ``KB``/``MB``/``GB`` are powers of 1000); durations end in ``_s`` or ``_ms``.
+(``tandem.cloud.config.CloudConfig``, ``tandem.edge.config.EdgeConfig``) from four sources, the
+first that sets a setting winning: a command-line flag, an environment variable
+(``TANDEM_CLOUD_`` / ``TANDEM_EDGE_`` + the name, nested settings joined with ``__``), the TOML
+config file, the default. Built in code, keyword arguments take the place of flags. Sizes (fields
+ending ``_bytes``) are ``pydantic.ByteSize``; durations end in ``_s`` or ``_ms``. The forms each
+source takes: docs/configuration.md (generated from these models).
 
 The command line (``parse_command_line``, ``run_cli``: flags built with pydantic-settings'
 ``CliSettingsSource``, user errors as one line and exit code 2) is ``tandem.common.runtime.cli``; the

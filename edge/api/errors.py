@@ -2,22 +2,10 @@
 
 Every error is ``{"error": {"message", "type", "param", "code"}}`` with the status OpenAI gives, as
 the official API writes it and the ``openai`` client reads it (``BadRequestError.param``, ``.code``,
-``.type``):
-
-* ``type``: ``invalid_request_error`` for a request the client can fix (400, 401, 403, 404, 413...),
-  ``rate_limit_error`` (429), ``service_unavailable_error`` (503), ``timeout_error`` (504),
-  ``server_error`` (500);
-* ``param``: the parameter at fault as OpenAI writes it (``temperature``, ``messages.[1].role``,
-  ``messages.[0].content.[2].text``, ``stop.[0]``), or null when no one parameter is;
-* ``code``: OpenAI's code for the case: ``missing_required_parameter``, ``invalid_type``,
-  ``invalid_value``, ``unsupported_parameter``, ``unsupported_value``, ``integer_above_max_value``
-  (and ``integer_below_min_value``, ``decimal_above_max_value``, ``decimal_below_min_value``),
-  ``string_above_max_length``, ``array_above_max_length``, ``empty_array``, ``unknown_parameter``,
-  ``context_length_exceeded``, ``model_not_found``, ``invalid_api_key``; null where OpenAI has none
-  (a body that is not JSON or too large, an unknown URL). A domain error about a field
-  (``InvalidRequest``, ``ModeUnavailable``) brings its own ``param`` and ``code``
-  (``common.protocol.errors``), the same the gRPC API sends; tandem's other domain errors (``EngineError``,
-  ``QuotaExceeded``...) have the error's class name as ``code``.
+``.type``). A domain error about a field (``InvalidRequest``, ``ModeUnavailable``) brings its own
+``param`` and ``code`` (``common.protocol.errors``), the same the gRPC API sends; tandem's other
+domain errors (``EngineError``, ``QuotaExceeded``...) have the error's class name as ``code``. The
+statuses, types, params and codes per case: docs/clients.md, "Errors and status codes".
 
 ``ApiError`` is raised by the API's own refusals; ``api_error_of`` maps domain errors, ``of_validation``
 pydantic's (FastAPI's ``RequestValidationError``: 400, not FastAPI's 422), ``of_http`` Starlette's

@@ -1,91 +1,24 @@
-"""An OpenAI-compatible HTTP API on the edge, over ``EdgeNode.chat``.
+"""An OpenAI-compatible HTTP API on the edge, over ``EdgeNode.chat``: the FastAPI app, streaming
+(server-sent events) and serving (uvicorn in the edge's event loop, ``serve_openai``).
 
-Endpoints (FastAPI, served by uvicorn in the edge's event loop; see ``serve_openai``):
+Endpoints: ``GET /v1/models[/{id}]``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``DELETE /v1/conversations/{id}``, and, as vLLM's server, ``GET /health`` and ``GET /metrics``
+(no API key). What each accepts and refuses, the response and stream shapes, the ``tandem`` field,
+the error shapes and status codes, and how a conversation maps onto an edge session (the id rule
+and its limits): docs/clients.md, "OpenAI-compatible HTTP API", "Ending a session" and "Errors and
+status codes". API keys: docs/security.md.
 
-- ``GET /v1/models``, ``GET /v1/models/{id}``: the one model this edge serves, ``owned_by: "tandem"``.
-- ``POST /v1/chat/completions``: ``messages`` (roles system/developer/user/assistant; content a string or a
-  list of ``{"type": "text"}`` parts), ``max_completion_tokens`` / ``max_tokens`` (default: the link's
-  ``max_new_tokens``), ``temperature`` (default 1, OpenAI's), ``top_p``, ``seed``, ``stop``, ``stream``,
-  ``stream_options.include_usage``, ``user``; ``n`` must be 1.
-- ``POST /v1/completions``: ``prompt`` a string (or a list of one string); same sampling (``max_tokens``
-  defaults to 16, OpenAI's); ``echo``, ``logprobs``, ``best_of`` > 1 and ``suffix`` are refused.
-- ``GET /health`` (as vLLM's server): 200 ``{"status": "SERVING", "modes": [...], "degraded": ...}``
-  while some mode can serve (local mode alone too, as the gRPC health service says), else 503
-  ``NOT_SERVING``; no API key needed.
-- ``GET /metrics`` (as vLLM's server): the edge's Prometheus metrics (``edge.metrics``) in the text
-  format; no API key needed (the labels carry no ids or text).
-- ``DELETE /v1/conversations/{id}``: end a conversation (OpenAI's Conversations API shape,
-  ``{"id", "object": "conversation.deleted", "deleted": true}``); ``id`` is the ``x-tandem-session``
-  of its responses. Only the API key that made it may end it (else 404, as for one already ended).
-
-vLLM-style extras (``extra_body`` in the openai client): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
-and ``session_id`` (names the conversation explicitly, see below); tandem's ``mode`` (default
-``auto``) and ``split_layer`` (with mode split). A request with ``stream`` absent or false is a whole-reply turn
-(``ChatTurn.whole_reply``): auto takes the mode with the lowest predicted end-to-end time, since its
-client sees nothing before the last token; a streamed one the lowest predicted time to first token.
-A field this API does not know is refused (400 ``unknown_parameter`` naming it), except OpenAI's
-fields accepted and ignored by design (``edge.api.request_models.IGNORED_FIELDS``, listed in
-docs/clients.md); fields it knows but cannot honour (tools, logprobs, penalties, logit_bias,
-non-text response formats or content parts) are refused with 400 rather than silently ignored.
-
-Responses have OpenAI's shapes (``chat.completion``, ``chat.completion.chunk``, ``text_completion``,
-``usage``, ``finish_reason`` stop|length). Streams are server-sent events ``data: {json}`` ending with
-``data: [DONE]``; the first chat chunk carries ``delta.role``; with ``include_usage`` every chunk has
-``usage: null`` and a last chunk with no choices carries the usage. An error after the stream began
-is sent as ``data: {"error": ...}`` (the openai client raises ``APIError``). A client that goes away
-ends the turn: the edge's turn generator is closed, which cancels the call to the cloud (streaming or
-not). The last response / chunk with a ``finish_reason`` has a non-standard field ``tandem``
-(``session_id``, ``mode``, ``mode_reason``, ``predicted_ttft_ms``, ``split_layer``, ``head_tokens``,
-``external_tokens``, ``timings_ms``, ``sent_bytes``, ``received_bytes``, ``edge_decoded_tokens``, ``resumes``);
-OpenAI clients ignore it (``response.model_extra["tandem"]``). Every response has the header
-``x-tandem-session``.
-
-Errors (``edge.api.errors``): ``{"error": {"message", "type", "param", "code"}}`` as OpenAI writes
-them: ``type`` ``invalid_request_error`` for what the client can fix, ``param`` the parameter at fault
-(``messages.[1].role``), ``code`` OpenAI's (``invalid_value``, ``invalid_type``,
-``missing_required_parameter``, ``integer_above_max_value``...). Validation errors are 400 (not
-FastAPI's 422), a body over 4 MiB 413, an unknown model 404 (``model_not_found``); with ``api_keys``
-set, a missing or wrong ``Authorization: Bearer`` key is 401 (``invalid_api_key``; keys compared in
-constant time). Tandem's domain errors map to statuses (``InvalidRequest`` and ``ModeUnavailable``
-400, ``QuotaExceeded`` 429, ``EngineError`` 503, ``UploadTimeout`` / ``DeadlineExceeded`` 504, the
-rest 500); one about a field (``InvalidRequest``, ``ModeUnavailable``) has its own ``param`` and OpenAI
-``code``, the same the gRPC API and the SDK report (``common.protocol.errors``), the others their class name
-as ``code``. Every string of a body must be text
-(``common.protocol.text``: no lone surrogate, no NUL).
-
-Modules: ``edge.api.request_models`` (request models, request -> turn), ``edge.api.responses``
-(response and chunk shapes), ``edge.api.errors`` (error shapes), this one (the app, streaming,
-serving).
-
-Sessions map onto the conversation. OpenAI clients resend the whole conversation every turn and name
-no session, so the edge derives one from the conversation's opening:
+The session id of a conversation (``request_models.conversation_session_id``, ``owner_tag``)::
 
     session_id = "oai:" + owner_tag(api key) + HMAC-SHA256(secret, json([endpoint, api key, user,
                                                     explicit session_id, opening]))[:24 hex]
 
-where, for chat, ``opening`` is the first system (or developer) message and the first user message,
-and for completions the first 64 characters of the prompt; an explicit ``session_id`` (extra field)
-replaces the opening. The next turn of the same conversation (same opening, more messages) lands in
-the same edge session, whose common-prefix logic runs the head only over the new tokens and sends the
-cloud only what it lacks; ``user`` and the API key scope sessions, so different users or keys never
-share one. ``secret`` is random per app unless given (``session_secret``), so the ids the cloud sees
-reveal nothing about keys or text, and sessions do not outlive the edge process (edge sessions are in
-memory anyway).
+``secret`` is random per app unless given (``session_secret``). Only the key whose ``owner_tag``
+the id carries may delete it (else 404, as for one already ended).
 
-Limits of the rule, none of which can give a wrong answer (the edge compares token ids and recomputes
-from the longest common prefix; the cloud's copy is resent from token 0 when it no longer matches):
-
-- Two conversations with the same opening share a session: when they alternate, each turn finds the
-  other's tokens past the common opening and recomputes (a resend, as a first turn would cost).
-- A turn of a session that another turn is using right now runs stateless (full head, nothing kept)
-  instead of waiting for it, so identical concurrent requests do not serialize.
-- A completion prompt shorter than 64 characters that later grows changes its opening (a missed reuse).
-- A changed system prompt starts a new session; the old one ages out of the edge's LRU.
-
-A conversation ends when its client deletes it (``DELETE /v1/conversations/{x-tandem-session}``:
-the edge and the cloud drop its state), after ``session_idle_s`` without a turn, or when the edge's
-session bound drops it (least recently used first); a later request of it starts it over. The id's
-first 8 hex digits name the API key (``owner_tag``), so that only that key can end it.
+Modules: ``edge.api.request_models`` (request models, request -> turn), ``edge.api.responses``
+(response and chunk shapes), ``edge.api.errors`` (error shapes, domain error -> HTTP status), this
+one (the app, streaming, serving).
 """
 
 from __future__ import annotations

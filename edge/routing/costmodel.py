@@ -13,8 +13,7 @@ runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times
 * ``P_*(n) = a + b * n + c * n^2``: the time of each compute stage for ``n`` tokens (a fixed
   part, projections and MLP linear in ``n``, attention over the prompt quadratic), fitted online
   by exponentially weighted least squares of the *relative* error (each sample weighted by
-  ``1 / ms^2``: the choice compares ratios, and an unweighted fit let 1024-token samples leave
-  short prompts 20-60% off; ``Line``, forgetting factor ``LINE_DECAY``) on the
+  ``1 / ms^2``: the choice compares ratios; ``Line``, forgetting factor ``LINE_DECAY``) on the
   stage timings every request reports: ``local_prefill_ms`` (local), ``edge_head_ms`` (head at
   ``k``), ``cloud_tail_prefill_ms`` (tail at ``k``, from the cloud's ``Final``),
   ``cloud_decode_first_token_ms`` (the cloud's whole-model prefill, direct mode). Until a stage
@@ -62,6 +61,9 @@ runs every layer). For a prompt of ``T`` tokens, the formula per mode (all times
   tokens share one, 256 another) and read from the nearest octave that has one, so that the
   noise of long prompts (tens of ms) does not land on short ones. The prediction stays above
   ``MIN_PREDICTION_FRACTION`` of the formula.
+
+Why each of these terms, and the calibrations they replaced, measured: docs/design-decisions.md,
+"Cost model and choice".
 
 ``choose`` takes the route with the lowest prediction, with hysteresis: the route chosen last
 stays unless another is predicted ``hysteresis`` (5%) faster, so near-ties do not flap. To

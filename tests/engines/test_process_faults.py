@@ -172,6 +172,8 @@ async def direct(port: int, manifest) -> tuple[grpc.StatusCode, list[pb.Downlink
 
 
 async def test_serving_and_direct_generate(cloud, manifest):
+    """A started cloud reports SERVING (overall and for tandem.v1.Cloud), serves a direct Generate to its
+    final message, and runs two EngineCore processes."""
     assert await health(cloud["port"]) == SERVING
     assert await health(cloud["port"], "tandem.v1.Cloud") == SERVING
     code, got = await direct(cloud["port"], manifest)

@@ -96,6 +96,8 @@ async def test_a_whole_reply_turn_in_auto_mode_equals_the_reference(stack, hf_mo
 
 
 async def test_three_turn_chat(stack, hf_model, tokenizer):
+    """Each turn of a three-turn split chat equals HF's greedy reply (or parts at a near-tie), the cloud loads
+    every full block of the prompt, and later turns run the head only over new tokens."""
     client, session = stack["client"], f"chat-{uuid.uuid4().hex}"
     messages = [{"role": "user", "content": "Name a famous bridge in San Francisco."}]
     follow = ["How long is it, roughly?", "What colour is it painted?"]
@@ -267,6 +269,7 @@ async def test_bad_uplink_gets_clear_status_and_spares_other_sessions(stack, tok
 
 
 async def test_concurrent_requests_all_complete(stack):
+    """Six concurrent requests all complete, each running exactly one head row."""
     client = stack["client"]
     batchers = [h.batcher for h in stack["edge"].node.heads.values()]
     rows_before = sum(b.rows_run for b in batchers)

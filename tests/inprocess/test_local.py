@@ -97,6 +97,7 @@ def consistent(s: LocalSession) -> bool:
 
 
 async def test_warmup_measures_rates(engine):
+    """Warm-up measures the local engine's prefill and decode rates (ms per token), both positive."""
     await engine.warmup(32)
     assert engine.prefill_ms_per_token > 0 and engine.decode_ms_per_token > 0
     print(f"prefill {engine.prefill_ms_per_token:.2f} ms/token, decode {engine.decode_ms_per_token:.2f} ms/token")
@@ -164,6 +165,8 @@ async def test_seeded_sampling_is_reproducible(engine, prompts, ref):
 
 
 def test_sample_token_filters():
+    """Sampling draws only within top-k and the top-p nucleus (the smallest set reaching p), temperature 0 is
+    the argmax, and one generator state gives one draw."""
     p = np.array([0.5, 0.3, 0.15, 0.05])
     logits = np.log(p).astype(np.float32)
     rng = np.random.default_rng(0)
@@ -198,6 +201,8 @@ def test_sample_token_filters():
     ids=["empty", "vocab", "negative", "zero-new", "too-long", "temperature", "nan", "top_p", "top_k"],
 )
 async def test_invalid_requests(engine, ids, sampling):
+    """An empty prompt, a token id outside the vocabulary, zero new tokens, a prompt over the model's length,
+    or sampling values out of range raise InvalidRequest and leave no turn active."""
     with pytest.raises(InvalidRequest):
         await run(engine, ids, sampling)
     assert engine.active == 0
@@ -302,6 +307,7 @@ def test_sessions_are_bounded_lru():
 
 
 def test_local_generator_wrapper(edge_full, manifest, prompts, ref, eos):
+    """The benchmark's LocalGenerator yields the reference greedy tokens with non-decreasing timestamps."""
     gen = LocalGenerator(edge_full, manifest.shape, intra_op_threads=2)
     want = ref(prompts[0])
     steps = list(gen.generate(prompts[0], MAX_NEW, eos[0]))

@@ -55,6 +55,7 @@ def sessions_idle(toy) -> bool:
 
 
 async def test_models_list(client):
+    """GET /v1/models lists the one served model, owned by tandem; retrieving another model is 404."""
     models = await client.models.list()
     assert [(m.id, m.owned_by, m.object) for m in models.data] == [(MODEL, "tandem", "model")]
     assert (await client.models.retrieve(MODEL)).id == MODEL
@@ -63,6 +64,8 @@ async def test_models_list(client):
 
 
 async def test_chat_completion(client):
+    """A chat completion has OpenAI's shape (id, object, usage, finish_reason length) and the tandem field
+    with the mode, split layer, session id and timings."""
     r = await client.chat.completions.create(
         model=MODEL,
         messages=[SYSTEM, {"role": "user", "content": "hello"}],
@@ -141,6 +144,8 @@ async def test_a_request_without_stream_is_a_whole_reply_turn(client, stack, mon
 async def test_completions(client):
     # one mode throughout (as the chat tests): the toy engines answer differently per mode, and auto may
     # choose another mode for the second request (seen under CI load)
+    """A text completion has OpenAI's shape, max_tokens defaults to 16, and its stream's text equals the whole
+    reply's."""
     kw = {"model": MODEL, "prompt": "Once upon a time", "temperature": 0, "extra_body": SPLIT}
     r = await client.completions.create(max_tokens=5, **kw)
     assert r.object == "text_completion" and r.id.startswith("cmpl-")
@@ -156,6 +161,8 @@ async def test_completions(client):
 
 async def test_stop_strings(client):
     # one mode throughout: the toy engines answer differently in split and direct mode, and auto may switch
+    """A stop string (or any of a list) cuts the reply before it, streamed or not, for chat and completions,
+    with finish_reason stop."""
     msgs = [{"role": "user", "content": "stop strings"}]
     full = (
         await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, extra_body=SPLIT)
@@ -238,6 +245,9 @@ async def test_concurrent_turns_of_one_conversation_do_not_wait_for_each_other(s
 
 
 async def test_errors_in_openai_shape(stack, client):
+    """Refusals are OpenAI's errors: 400 for bad parameters, over-long prompts and refused fields (not
+    FastAPI's 422), 401 invalid_api_key, 404 for an unknown model or URL, 400 for a body that is not JSON,
+    503 EngineError while the engines are down."""
     toy, port = stack
     msgs = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError) as ei:
@@ -391,9 +401,9 @@ NOT_TEXT_BODIES = [
 
 @pytest.mark.parametrize(("endpoint", "body"), NOT_TEXT_BODIES)
 async def test_strings_that_are_not_text_are_400_in_every_field(stack, endpoint, body):
-    """Found by an attack run: a lone UTF-16 surrogate (``"\\ud800 hi"``) in a chat message, a text
-    content part or a completion prompt was HTTP 500 (the tokenizer's TypeError). Every string of
-    the body is checked as text first (``common.protocol.text``): 400 in OpenAI's shape, before any work."""
+    """A string that is not text (a lone UTF-16 surrogate such as ``"\\ud800 hi"``) in a chat message,
+    a text content part or a completion prompt is HTTP 400 in OpenAI's shape, checked before any
+    work (``common.protocol.text``), never a 500 from the tokenizer."""
     _, port = stack
     payload = json.dumps({"model": MODEL, "max_tokens": 2, **body})  # ensure_ascii: surrogates stay escapes
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h:
@@ -507,9 +517,8 @@ def _body(body: dict) -> dict:
 
 @pytest.mark.parametrize(("endpoint", "body", "status", "param", "code"), REFUSALS)
 async def test_every_refusal_has_openais_shape(stack, client, endpoint, body, status, param, code):
-    """Found by an attack run: an unsupported role was answered ``"type": "messages.1", "param": null``.
-    Every refusal has its parameter in ``param``, the kind in ``type`` and OpenAI's ``code``, in the raw
-    body and as the ``openai`` client reads it."""
+    """Every refusal (an unsupported role among them) has its parameter in ``param``, the kind in
+    ``type`` and OpenAI's ``code``, in the raw body and as the ``openai`` client reads it."""
     _, port = stack
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h:
         r = await h.post(

@@ -100,6 +100,9 @@ def test_build_request_stop_strings_and_ids():
          "zero-tokens", "temperature", "temperature-nan", "top_p-0", "top_p-1.5", "top_k", "seed"],
 )  # fmt: skip
 def test_build_request_rejects(kw):
+    """build_request raises ValueError, before anything is sent, for neither or both of messages and prompt,
+    an unknown mode, a message without a role, empty stop strings, stop ids outside uint32, zero tokens and
+    sampling values out of range."""
     with pytest.raises(ValueError):
         build_request(**kw)
 
@@ -162,6 +165,8 @@ INFO = EdgeInfo("smollm2-135m", 4, 2048, 512, 16, 64, 120.0, "1.2.3")
 
 
 def test_edge_info_check():
+    """EdgeInfo.check accepts what is within the edge's limits, names every limit exceeded in one ValueError,
+    treats 0 as no limit, and refuses a mode the edge does not serve now with the reason."""
     INFO.check(max_new_tokens=512, stop=["a"] * 16, stop_token_ids=range(64), prompt_tokens=2048, mode="split")
     INFO.check()  # nothing to check
     with pytest.raises(ValueError) as ei:

@@ -311,10 +311,10 @@ async def test_tokens_name_edges_and_scope_their_sessions_and_links(pki, referen
 
 
 async def test_a_key_is_bound_to_the_certificate_subject_it_was_issued_for(pki, reference):
-    """Found by an attack run: with mutual TLS and edge keys both on, edge-a's certificate with
-    edge-b's key was served as edge-b (the key named the identity; the certificate was not bound to
-    it). A key is now accepted only with a certificate whose subject is the key's name: any other
-    pairing is UNAUTHENTICATED on every RPC, while edge a, with its own pair, is served."""
+    """With mutual TLS and edge keys both on, a key is accepted only with a certificate whose subject
+    is the key's name: edge-a's certificate with edge-b's key (or any other mismatched pairing) is
+    UNAUTHENTICATED on every RPC, never served as either edge, while edge a, with its own pair, is
+    served."""
     cloud = TlsCloud(pki, keys=KEYS)
     await cloud.start()
     a = await edge_over(link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf("edge-a"), api_key=KEYS["edge-a"]), "a")

@@ -97,9 +97,9 @@ async def settle(edge: EdgeNode) -> None:
 
 
 async def test_more_sessions_than_the_cloud_bound_keep_split_mode_serving():
-    """With default settings the 65th session of an edge was refused for good; now the bound is a
-    working set: every turn of 12 sessions over a bound of 3, revisited in turn, runs in split mode,
-    the cloud holding at most 3 in memory and resyncing the others from the block store."""
+    """An edge's session bound in the cloud is a working set, never a refusal for good: every turn of
+    12 sessions over a bound of 3, revisited in turn, runs in split mode, the cloud holding at most 3
+    in memory and resyncing the others from the block store."""
     toy = await toy_stack(edge_max_sessions=3)
     try:
         evicted = ended("cloud", "evicted")

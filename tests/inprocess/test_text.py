@@ -27,6 +27,8 @@ from tests.doubles import toy_stack
     ],
 )
 def test_not_text(value, problem):
+    """A lone surrogate or a NUL is not text: text_problem names it and its position, and check_text raises
+    InvalidRequest naming the field."""
     assert text_problem(value) == problem
     with pytest.raises(InvalidRequest, match=f"^prompt: not valid text: {re.escape(problem)}$"):
         check_text(value, "prompt")
@@ -34,6 +36,8 @@ def test_not_text(value, problem):
 
 @pytest.mark.parametrize("value", ["", "plain", "tabs\tand\nnewlines\r", "é 漢字 😀 \U0010ffff", "\x01\x7f"])
 def test_text(value):
+    """Any other string (empty, control characters, tabs and newlines, any plane of Unicode) is text and
+    passes unchanged."""
     assert text_problem(value) is None and check_text(value, "x") == value
 
 

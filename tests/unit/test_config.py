@@ -123,6 +123,8 @@ def test_nested_engine_from_flag_env_and_file(tmp_path, monkeypatch):
     "text,n", [("4GiB", 4 << 30), ("512MiB", 512 << 20), ("1.5GiB", 3 << 29), ("2GB", 2 * 10**9), ("1234", 1234)]
 )
 def test_sizes_with_units(text, n, monkeypatch):
+    """Byte settings accept binary and decimal units (GiB, MiB, GB) and plain numbers, on the command line and
+    in the environment."""
     assert cloud(["--store-bytes", text]).store_bytes == n
     monkeypatch.setenv("TANDEM_EDGE_SESSION_BYTES", text)
     assert edge([]).session_bytes == n
@@ -182,6 +184,8 @@ def test_settings_are_frozen():
 
 
 def test_in_process_errors(tmp_path):
+    """Unknown flags, a missing or invalid config file, an unknown setting in it and out-of-range values raise
+    UserError or ConfigFileError naming the problem."""
     with pytest.raises(UserError, match="unrecognized arguments: --nope"):
         cloud(["--nope", "1"])
     with pytest.raises(ConfigFileError, match="no such file"):
@@ -204,6 +208,7 @@ def run_script(name: str, *args: str, timeout: float = 120) -> subprocess.Comple
 
 @pytest.mark.parametrize("name", ["tandem-cloud", "tandem-edge"])
 def test_version(name):
+    """--version prints tandem and the package version and exits 0."""
     r = run_script(name, "--version")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"tandem {__version__}"

@@ -66,7 +66,9 @@ def test_a_list_from_a_flag(model, field, items, value):
 
 @pytest.mark.parametrize(("model", "field", "items", "value"), LISTS, ids=ids)
 def test_a_list_from_the_environment(model, field, items, value, monkeypatch):
-    """Found by an attack run: ``fp32,int4`` worked as a flag and was refused as ``TANDEM_CLOUD_WIRE_DTYPES``."""
+    """A list setting read from its environment variable as a comma list, with spaces, or JSON
+    (``fp32,int4`` in ``TANDEM_CLOUD_WIRE_DTYPES``, as on the flag) has its items' value, as when built
+    in code."""
     for form, text in forms(items).items():
         monkeypatch.setenv(PREFIX[model] + field.upper(), text)
         assert getattr(settings(model, []), field) == value, form

@@ -68,6 +68,10 @@ def test_what_a_session_holds_is_not_paid_again():
 
 
 def test_queues_and_unknowns():
+    """Each queue enters the TTFT formula once: the local engine's FIFO prefills and decoding turns, processor
+    sharing with the split head, the cloud's admission wait or this edge's own cloud prefills (the larger),
+    passed in per prediction and never kept; without a cloud rate the edge's own rate scaled to the layers
+    run stands in."""
     m = model()
     assert m.formula(Route(LOCAL), RequestShape(10), link(), load=EdgeLoad(2)) == pytest.approx(2 * 40 + 10 * 2.0)
     # the local engine runs FIFO: a prefill of 500 tokens waiting ahead costs its prefill, and the
@@ -256,11 +260,12 @@ def test_zstd_pays_only_on_slow_links():
 
 
 def test_two_lengths_make_a_line_and_an_overshooting_prior_gives_way():
-    """A sequence from `make run` where keeping the prior's slope chooses a mode 18% slower than the
-    best: the cloud's tail rate prior (4.5 ms per token, measured on a 30-token request whose fixed
-    part it counts per token) and two samples, 30 tokens in 140 ms and 65 in 164 ms. The line goes
-    through them (the prior's slope would predict 296 ms at 65 tokens), and one length with such a
-    prior through its mean."""
+    """Two prompt lengths make a line through their samples, and a prior rate that overshoots them
+    gives way: with the cloud's tail rate prior (4.5 ms per token, measured on a 30-token request
+    whose fixed part it counts per token) and samples of 30 tokens in 140 ms and 65 in 164 ms (a
+    sequence from `make run`, where the prior's slope would predict 296 ms at 65 tokens and choose
+    a mode 18% slower than the best), the line goes through them; one length with such a prior
+    goes through its mean."""
     line = Line()
     line.add(30, 140.0)
     line.add(65, 164.5)

@@ -31,6 +31,8 @@ def test_chained_hashes_share_prefixes():
 
 
 def test_split_blocks_shapes():
+    """split_blocks cuts a session's KV [L, 2, Hkv, T, D] into [L, 2, Hkv, B, D] blocks of the asked range,
+    refusing a range past the full blocks or an empty layer range with ValueError."""
     kv = np.arange(2 * 2 * 3 * 10 * 4, dtype=np.float32).reshape(2, 2, 3, 10, 4)
     blocks = split_blocks(kv, 4, 1, 2)
     assert len(blocks) == 1 and blocks[0].shape == (2, 2, 3, 4, 4)
@@ -163,6 +165,7 @@ def test_contract_concurrent_writers_and_readers(store):
 
 
 def test_seal_format():
+    """A sealed value is the seal's bytes then the value; a truncated or too short value unseals to None."""
     raw = seal(b"abc")
     assert len(raw) == SEAL_BYTES + 3 and unseal(raw) == b"abc"
     assert unseal(raw[:-1]) is None and unseal(b"short") is None
@@ -186,6 +189,8 @@ def test_redis_store_is_bounded_lru_at_the_server(tmp_path):
 
 
 def test_redis_store_refusals(redis_server, monkeypatch):
+    """A password in the store URL and a scheme other than redis are refused with InvalidRequest; an
+    unreachable server is an EngineError."""
     with pytest.raises(InvalidRequest, match="password"):
         RedisBlockStore("redis://:secret@127.0.0.1:1/0", 1 << 20)
     with pytest.raises(InvalidRequest, match="redis://"):

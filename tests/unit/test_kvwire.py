@@ -24,6 +24,8 @@ def block(seed: int = 0, shape=SHAPE) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", list(WireDtype))
 def test_sizes_and_round_trip(dtype):
+    """Every KV format encodes a block to its stated size and decodes to float32 of the same shape within the
+    format's error bound; re-encoding a decoded block is stable for the non-integer formats."""
     x = block()
     raw = encode_kv(x, dtype)
     assert len(raw) == kv_raw_nbytes(SHAPE, dtype)
@@ -71,6 +73,8 @@ def test_int4_quantises_keys_per_channel():
 
 
 def test_degenerate_values():
+    """All-zero blocks stay zero in every format, a constant block survives int4, fp16 keeps huge values
+    finite, and an odd head dim pads int4 rows to whole bytes."""
     zeros = np.zeros(SHAPE, np.float32)
     for d in WireDtype:
         assert not decode_kv(encode_kv(zeros, d), d, SHAPE).any()
@@ -85,6 +89,8 @@ def test_degenerate_values():
 
 
 def test_bad_input_is_refused():
+    """A payload of the wrong length, a block of the wrong rank or dtype, and an unknown format raise
+    InvalidRequest."""
     with pytest.raises(InvalidRequest, match="expected"):
         decode_kv(b"\0" * 10, WireDtype.INT8, SHAPE)
     with pytest.raises(InvalidRequest):
@@ -106,6 +112,8 @@ def test_a_leaf_commits_to_the_format():
 
 @pytest.mark.parametrize("hidden", [576, 577, 8, 33])
 def test_activation_int4(hidden):
+    """int4 activations have the stated size and an error per element of at most half their group's step, for
+    widths that do and do not fill whole groups."""
     rng = np.random.default_rng(hidden)
     h = rng.standard_normal((5, hidden)).astype(np.float32)
     raw = wire.encode_dtype(h, WireDtype.INT4)

@@ -245,6 +245,7 @@ async def test_wait_past_max_queue_wait_gives_up_with_retry_hint():
 
 @pytest.mark.asyncio
 async def test_retry_hint_is_clamped():
+    """A refusal's retry-after hint is clamped to 10 s however long the requests ahead have run."""
     clock = FakeClock()
     t = table(1, 100, "a", clock=clock, max_queue_wait_s=0.05)
     ticket = await t.admit("a", 1, None)
@@ -365,6 +366,8 @@ def weight(t: LinkTable, link_id: str = "a") -> float:
     ],
 )
 def test_controller_steps(ttft, itl, expected):
+    """A control step multiplies a link's weight by 0.8 when its p99 TTFT or ITL is above 1.1 x its objective,
+    by 1.15 when every p99 is known and below 0.9 x, and leaves it otherwise."""
     t, _ = controlled()
     feed(t, "a", ttft, itl)
     t.control_step()
@@ -395,6 +398,7 @@ def test_controller_p99_of_the_window_only():
 
 
 def test_controller_p99_tail():
+    """The controller judges the p99: 2% of a window's samples past the objective shrink the link."""
     t, _ = controlled()
     feed(t, "a", 50, 10, n=98)
     feed(t, "a", 1000, 10, n=2)  # 2% of the samples past the SLO: p99 is past it too
@@ -403,6 +407,7 @@ def test_controller_p99_tail():
 
 
 def test_controller_bounded():
+    """However many steps shrink or grow it, a link's weight stays within [0.1, 10]."""
     t, _ = controlled(controller=ControllerConfig(window_s=1e9))
     feed(t, "a", 1000, 1000)
     for _ in range(20):

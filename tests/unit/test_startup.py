@@ -284,8 +284,8 @@ def test_cloud_refuses_bad_settings_before_any_engine_starts(
     tmp_path, tls, served, capsys, monkeypatch, busy_port, closed_port, redis_server, fifo, case, argv, env, words
 ):
     """An edge key shorter than 16 characters, a store URL with no host, a db that is not a number
-    (with a reachable Redis it served on db 0), a db out of range, an unknown query parameter, the
-    gRPC port in use: each was found after the engines loaded (35-62 s, a traceback, exit 1)."""
+    (never read as db 0), a db out of range, an unknown query parameter, the gRPC port in use: each
+    stops the cloud with exit 2 and one line naming it, before any engine starts."""
     from tandem.cloud.cli import app
 
     base = cloud_base(tmp_path)
@@ -308,8 +308,8 @@ def test_cloud_starts_with_a_reachable_store(tmp_path, served, capsys, redis_ser
 def test_edge_refuses_bad_settings_before_any_model_loads(
     tmp_path, tls, served, capsys, monkeypatch, busy_port, fifo, case, argv, env, words
 ):
-    """An API key shorter than 16 characters was found after the heads and the local model loaded
-    (exit 1 after 6 s); the HTTP port in use printed an OSError without the port, then a traceback."""
+    """A bad setting (an API key shorter than 16 characters, the HTTP port in use...) stops the edge
+    with exit 2 and one line naming it (the port, for a port in use), before any model loads."""
     from tandem.edge.cli import app
 
     base = edge_base(tmp_path)
@@ -437,8 +437,8 @@ def test_every_port_setting_is_a_server_the_check_binds():
 def test_every_port_setting_in_use_is_refused_naming_the_port(
     tmp_path, served, capsys, monkeypatch, busy_port, daemon, setting
 ):
-    """The cloud's gRPC port in use was found after the engines loaded; every server a daemon
-    starts has its port bound once before any model loads."""
+    """Every port setting of either daemon that is in use stops it with exit 2 and one line naming
+    the setting and the port: each server's port is bound once before any model loads."""
     from tandem.cloud.cli import app as cloud_app
     from tandem.edge.cli import app as edge_app
 
@@ -489,9 +489,9 @@ SPLIT_CASES = [
 def test_split_dir_parts_are_checked_against_the_manifest_before_any_model_loads(
     tmp_path, served, capsys, monkeypatch, case, daemon, change, words
 ):
-    """A split dir whose tail folder existed but was empty or lacked weights was found by the
-    engines (a traceback after a minute); each part a daemon loads is now present, of regular
-    files, and of the BLAKE3 its manifest records."""
+    """Each part of a split dir a daemon loads must be present, of regular files, and of the BLAKE3
+    its manifest records: an empty or missing tail folder, missing or altered weights, a FIFO stop
+    the daemon with exit 2 and one line, before any model loads."""
     from tandem.cloud.cli import app as cloud_app
     from tandem.edge.cli import app as edge_app
 

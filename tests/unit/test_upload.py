@@ -135,6 +135,9 @@ def test_blocks_must_match_the_prompt():
 
 
 def test_header_limits():
+    """A turn header with another params version raises ParamsVersionMismatch; token ids outside the
+    vocabulary, a prompt, chunk count or max_new_tokens over the limits, bad sampling values or more cached
+    tokens than the prompt raise InvalidRequest."""
     header, *_ = make_turn(list(range(10)))
     for bad, err in [
         (dict(params_version=2), ParamsVersionMismatch),

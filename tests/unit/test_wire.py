@@ -136,6 +136,9 @@ def test_zstd_roundtrip_every_dtype(dtype):
 
 
 def test_sizes_and_bounds():
+    """raw_nbytes_of gives each activation format's size, max_payload_bytes bounds a zstd frame of
+    incompressible input at every level and size, and negative sizes or unknown formats raise
+    InvalidRequest."""
     assert wire.raw_nbytes_of(3, wire.WireDtype.FP32, H) == 3 * 4 * H
     assert wire.raw_nbytes_of(3, wire.WireDtype.BF16, H) == 3 * 2 * H
     assert wire.raw_nbytes_of(3, wire.WireDtype.INT8, H) == 3 * (H + 4)

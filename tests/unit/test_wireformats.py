@@ -264,6 +264,8 @@ def test_unknown_dtype_is_an_invalid_request(bad):
 
 
 def test_fidelity_classes():
+    """Each wire format belongs to its fidelity class: fp32 lossless, fp16 and bf16 half, the 8-bit and the
+    4-bit formats their own."""
     assert {d.name: f.fidelity for d, f in FORMATS.items()} == {
         "FP32": Fidelity.LOSSLESS,
         "FP16": Fidelity.HALF,
@@ -305,6 +307,7 @@ def test_leaf_tag_names_every_format_but_fp32():
 
 @pytest.mark.parametrize("channels", [576, 64, 72, 8])
 def test_widths_every_format_suits(channels):
+    """Every format suits SmolLM2's hidden size and the usual head dims (576, 64, 72, 8 channels)."""
     assert all(f.suits(channels) for f in FORMATS.values())
 
 

@@ -1,41 +1,33 @@
 """tandem's vLLM KV connector: vLLM's KV-connector API (``KVConnectorBase_V1``) over tandem's block store.
 
 Loaded by vLLM through ``kv_connector_module_path="tandem.cloud.engines.connector"``,
-``kv_connector="TandemConnector"``; the connector patches nothing in vLLM. One class
-serves both cloud engines:
-
-* tail-prefill engine (``kv_both``, ``layer_offset = k``): *loads* tail KV of a
-  session's earlier turns, computes the rest from ``prompt_embeds`` and *saves*
-  the tail KV (global layers ``[k, L)``) of every full prompt block;
-* decode engine (``kv_both``, ``layer_offset = 0``): *loads* all layers of
-  the block-aligned prompt prefix (head part from the edge, tail part from the
-  tail engine) and lets vLLM compute the partial last block and decode; in remote
-  prefill its one part covers every layer, loaded where the session's earlier turns
-  stored it and *saved* for the prompt's other full blocks (which go down to the edge).
+``kv_connector="TandemConnector"``; the connector patches nothing in vLLM. One class serves both
+cloud engines (``kv_both``): the tail-prefill engine (``layer_offset = k``) loads the tail KV of a
+session's earlier turns and saves that of every full prompt block; the decode engine
+(``layer_offset = 0``) loads every layer of the block-aligned prompt prefix, and in remote prefill
+saves the prompt's other full blocks. What each engine does in a turn: docs/architecture.md, "The
+data path of one split request" and "Remote prefill".
 
 Per request the gateway passes a ``cloud.engines.kvparams.KVTransferSpec`` in
-``SamplingParams.extra_args["kv_transfer_params"]`` (``spec.to_vllm()``): the parts
-(layer range + one content key per block) that must all be stored for a block to
-load, and the part this engine saves. Keys commit to the inputs the KV was computed
-from, so a stored block is only ever loaded for the same inputs.
-Requests without ``"tandem"`` params run as plain vLLM requests (no load, no save).
+``SamplingParams.extra_args["kv_transfer_params"]`` (``spec.to_vllm()``): the parts (layer range +
+one content key per block) that must all be stored for a block to load, and the part this engine
+saves. Requests without ``"tandem"`` params run as plain vLLM requests (no load, no save).
 
-As vLLM's own connectors, the package is split by the process each part runs in:
+Modules, split by the process each part runs in, as vLLM's own connectors are:
 
-* ``connector``: ``TandemConnector``, the class vLLM instantiates once per engine process
-  with its role; it builds only that role's side and delegates each API call to it;
+* ``connector``: ``TandemConnector``, instantiated by vLLM once per engine process with its role;
+  it builds only that role's side and delegates each API call to it;
 * ``scheduler``: ``TandemConnectorScheduler``, in the EngineCore: per request, the tokens the
   store can supply; per step, the blocks to load and to save (``TandemMetadata``);
 * ``worker``: ``TandemConnectorWorker``, in each model-runner worker: the paged layout
   (``cloud.engines.kv_layout``), the loads into the paged cache, the copies out of it and the
   writer thread that stores them;
-* ``metadata``: what both sides share: ``ConnectorSettings`` (read from vLLM's config) and the
-  per-step ``TandemMetadata`` vLLM carries from the scheduler to the workers.
+* ``metadata``: ``ConnectorSettings`` (read from vLLM's config) and the per-step ``TandemMetadata``
+  vLLM carries from the scheduler to the workers.
 
-Faults stay inside the request: the paged layout is checked when vLLM registers the engine's
-caches (an unsupported backend or shape fails the engine's start with ``KVLayoutError``), and
-any error while planning, loading or saving a request's blocks is logged and turns into missing
-blocks that vLLM recomputes, never into an exception that would end the EngineCore.
+An unsupported paged layout fails the engine's start with ``KVLayoutError``; any other error while
+planning, loading or saving a request's blocks becomes blocks vLLM recomputes, never an exception
+that ends the EngineCore (docs/design-decisions.md, "The connector and vLLM").
 """
 
 from tandem.cloud.engines.connector.connector import TandemConnector
