@@ -17,9 +17,9 @@ import redis
 from tandem.cloud.engines.memory import MemoryEngines
 from tandem.cloud.server import build_gateway
 from tandem.cloud.sessions.store import piece_key, record_key
-from tandem.cloud.store.redis_store import RedisBlockStore
+from tandem.cloud.store.redis_store import HOLD_OFF_S, RedisBlockStore
 from tandem.cloud.turn import as_principal
-from tandem.common.protocol.errors import TandemError
+from tandem.common.protocol.errors import EngineError, TandemError
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import NegotiateOffer
 from tandem.common.runtime.security import scoped
@@ -96,9 +96,20 @@ async def turns(edge, sessions: list[str], conversation: tuple[str, ...], mode: 
 
 
 async def reference(edge, conversation: tuple[str, ...], mode: Mode) -> tuple[int, ...]:
-    """The turn's tokens on a session the store has never seen."""
-    done = await run(edge, replace(chat(*conversation, n=6, mode=mode), session_id=f"ref-{time.monotonic_ns()}"))
-    return done.output_token_ids
+    """The turn's tokens on a session the store has never seen. Right after a failover the store's
+    client may still hold off the failed server for ``HOLD_OFF_S``: the turn is asked again until the
+    store answers (at most 15 s)."""
+    deadline = time.monotonic() + 15.0
+    while True:
+        try:
+            done = await run(
+                edge, replace(chat(*conversation, n=6, mode=mode), session_id=f"ref-{time.monotonic_ns()}")
+            )
+            return done.output_token_ids
+        except EngineError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(HOLD_OFF_S / 2)
 
 
 @pytest.mark.parametrize("mode", [Mode.DIRECT, Mode.SPLIT])
