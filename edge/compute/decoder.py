@@ -268,12 +268,8 @@ class DecoderGraph:
         Raises:
             InvalidRequest: no new token, or ``tokens + S`` exceeds the model's positions.
         """
-        t, n = slot.tokens, len(new_ids)
-        if n < 1:
-            raise InvalidRequest("a run needs at least one new token")
-        self._settle(slot)
-        self._fit(slot, t + n)
-        slot.mask_host[0, t : t + n] = 1
+        n = len(new_ids)
+        t = self._begin(slot, n)
         t0 = time.perf_counter()
         if n == 1 and self.cuda_graph:
             token, logits = self._decode_step(slot, new_ids[0], greedy)
@@ -285,6 +281,18 @@ class DecoderGraph:
     def _run_unbound(self, slot: KVSlot, new_ids: list[int], greedy: bool) -> tuple[int | None, np.ndarray | None]:
         """A run with a fresh binding: the prefill, or every run where no CUDA graph is captured.
         The mask is bound over the held and new tokens only (``[1, T + S]``)."""
+        want_token = greedy and self.has_next_token
+        b, logits = self._run_bound(slot, new_ids, want_token)
+        if logits is None:
+            return int(b.get_outputs()[-1].numpy()[0, -1]), None  # outputs come back in the order they were bound
+        return None, _last_row(_as_float32(logits))
+
+    def _run_bound(self, slot: KVSlot, new_ids: list[int], want_token: bool) -> tuple[Any, Any]:
+        """One uncaptured run of ``new_ids`` after the slot's held tokens (whose mask ``_begin`` set):
+        the ids and the mask over the held and new tokens (``[1, T + S]``) from the host, the KV
+        bound as past and present, and as output either the argmax token (``want_token``) or the
+        logits of every new token. Returns the binding and the logits tensor (``None`` with
+        ``want_token``)."""
         import onnxruntime as ort
 
         total = slot.tokens + len(new_ids)
@@ -292,7 +300,7 @@ class DecoderGraph:
         b.bind_cpu_input("input_ids", np.asarray([new_ids], np.int64))
         b.bind_cpu_input("attention_mask", np.ascontiguousarray(slot.mask_host[:, :total]))
         self._bind_kv(b, slot)
-        want_token = greedy and self.has_next_token
+        logits = None
         if want_token:
             b.bind_output(NEXT_TOKEN, "cpu")
         else:
@@ -302,33 +310,30 @@ class DecoderGraph:
         if self.cuda_graph:
             opts.add_run_config_entry("gpu_graph_id", "-1")
         self.session.run_with_iobinding(b, opts)
-        if want_token:
-            return int(b.get_outputs()[-1].numpy()[0, -1]), None  # outputs come back in the order they were bound
-        return None, _last_row(_as_float32(logits))
+        return b, logits
 
     def run_rows(self, slot: KVSlot, new_ids: list[int]) -> np.ndarray:
         """``run`` that returns the logits of every new token, float32 ``[S, V]`` on the host (the
         preparation's check against HF), uncaptured."""
-        import onnxruntime as ort
+        t = self._begin(slot, len(new_ids))
+        _, logits = self._run_bound(slot, new_ids, want_token=False)
+        slot.tokens = t + len(new_ids)
+        return _as_float32(logits)[0]
 
-        t, n = slot.tokens, len(new_ids)
+    def _begin(self, slot: KVSlot, n: int) -> int:
+        """Ready ``slot`` for ``n`` new tokens: its KV back in its own buffers, grown to hold them,
+        their mask set. Returns the tokens held before them.
+
+        Raises:
+            InvalidRequest: ``n`` < 1, or the held and new tokens exceed the model's positions.
+        """
         if n < 1:
             raise InvalidRequest("a run needs at least one new token")
         self._settle(slot)
+        t = slot.tokens
         self._fit(slot, t + n)
         slot.mask_host[0, t : t + n] = 1
-        b = self.session.io_binding()
-        b.bind_cpu_input("input_ids", np.asarray([new_ids], np.int64))
-        b.bind_cpu_input("attention_mask", np.ascontiguousarray(slot.mask_host[:, : t + n]))
-        self._bind_kv(b, slot)
-        logits = self._empty_logits(n)
-        self._bind(b, "logits", logits, self.logits_type, output=True)
-        opts = ort.RunOptions()
-        if self.cuda_graph:
-            opts.add_run_config_entry("gpu_graph_id", "-1")
-        self.session.run_with_iobinding(b, opts)
-        slot.tokens = t + n
-        return _as_float32(logits)[0]
+        return t
 
     def _decode_step(self, slot: KVSlot, token_id: int, greedy: bool) -> tuple[int | None, np.ndarray | None]:
         """One token through the slot's captured CUDA graph: the input id and the whole mask
