@@ -8,6 +8,7 @@ module listed here."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +74,7 @@ def layer_of(module: str) -> int:
     return best[1]
 
 
+@functools.cache
 def tandem_modules() -> dict[str, Path]:
     """Every module of the installed ``tandem`` package, by dotted name (generated code and the
     benchmarks' result scripts left out)."""
@@ -87,10 +89,10 @@ def tandem_modules() -> dict[str, Path]:
     return found
 
 
-def imported(path: Path, module: str) -> list[tuple[int, str]]:
+def imported(path: Path) -> list[tuple[int, str]]:
     """``(line, dotted name)`` of every ``tandem`` import in ``path``; ``from P import m`` names
     ``P.m`` where that is a module, else ``P``."""
-    modules = tandem_modules_cache()
+    modules = tandem_modules()
     out: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -102,25 +104,15 @@ def imported(path: Path, module: str) -> list[tuple[int, str]]:
     return out
 
 
-_CACHE: dict[str, Path] = {}
-
-
-def tandem_modules_cache() -> dict[str, Path]:
-    """``tandem_modules``, read once per test run."""
-    if not _CACHE:
-        _CACHE.update(tandem_modules())
-    return _CACHE
-
-
 def _across(module: str, target: str, a: str, b: str) -> bool:
     return (_under(module, a) and _under(target, b)) or (_under(module, b) and _under(target, a))
 
 
 def violations() -> list[str]:
     found: list[str] = []
-    for module, path in sorted(tandem_modules_cache().items()):
+    for module, path in sorted(tandem_modules().items()):
         here = layer_of(module)
-        for line, target in imported(path, module):
+        for line, target in imported(path):
             if target.startswith("tandem.v1"):
                 continue
             where = f"{path.relative_to(ROOT)}:{line}"

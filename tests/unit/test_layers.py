@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.layers import layer_of, tandem_modules_cache, violations
+from tests.layers import layer_of, tandem_modules, violations
 
 
 def test_every_module_has_a_layer():
     missing = []
-    for module in tandem_modules_cache():
+    for module in tandem_modules():
         try:
             layer_of(module)
         except LookupError as e:
