@@ -4,7 +4,12 @@ The builder writes the field's decoder graph for ONNX Runtime: ``GroupQueryAtten
 fused, past and present KV in one shared buffer, fused ``SkipSimplifiedLayerNormalization``,
 ``MatMulNBits`` for int4. tandem drives that graph itself (``edge.compute.decoder``), so preparation adds
 one output to it: ``next_token_ids`` int64 ``[B, S]``, the argmax of the logits of each row, so a
-greedy decode step returns a token id instead of ``V`` logits.
+greedy decode step returns a token id instead of ``V`` logits; and the sampler of the last row
+(``add_sampling``): inputs ``temperature`` float32 ``[B]``, ``top_k`` int64 ``[B]`` (0: all),
+``top_p`` float32 ``[B]`` (1: all) and ``uniform`` float32 ``[B]`` in ``[0, 1)``, output
+``sampled_ids`` int64 ``[B, 1]``, so a sampled decode step returns a token id too (CUDA builds:
+ONNX Runtime runs every node of a graph, and on the CPU the sampler's sort of ``V`` logits would
+cost each greedy step more than reading the logits, which are host memory there, costs a sampled one).
 
 ``build_decoder(hf, out, precision, execution_provider)`` writes ``out/model.onnx`` (+ its external
 weights), ``genai_config.json`` and the tokenizer files the builder copies, and records what it
@@ -46,6 +51,9 @@ def default_precision() -> str:
 
 EXECUTION_PROVIDERS = ("cpu", "cuda")
 NEXT_TOKEN = "next_token_ids"
+SAMPLED = "sampled_ids"
+SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "uniform")
+MIN_TEMPERATURE = 1e-5  # the sampler divides by at least this (vLLM's greedy bound; greedy rows read the argmax)
 
 
 class BuilderFailed(RuntimeError):
@@ -71,7 +79,8 @@ class DecoderBuild(BaseModel):
 
 
 def build_decoder(hf: Path, out: Path, precision: str = "fp32", execution_provider: str = "cpu") -> DecoderBuild:
-    """Build the whole model of the HF checkpoint ``hf`` into ``out`` and add ``next_token_ids``.
+    """Build the whole model of the HF checkpoint ``hf`` into ``out`` and add ``next_token_ids``,
+    and for a CUDA build the sampler (``add_sampling``).
 
     Raises:
         ValueError: an unknown ``precision`` or ``execution_provider``, or a pair the builder does
@@ -98,6 +107,8 @@ def build_decoder(hf: Path, out: Path, precision: str = "fp32", execution_provid
             f"onnxruntime_genai's model builder failed on {hf} ({precision}, {execution_provider}): {tail[0]}"
         )
     add_next_token(out / "model.onnx")
+    if execution_provider == "cuda":  # on the CPU the logits are host memory already, and ONNX Runtime runs every
+        add_sampling(out / "model.onnx")  # node of a graph: the sampler's sort would slow each greedy step too
     build = DecoderBuild(
         precision=precision,
         execution_provider=execution_provider,
@@ -122,6 +133,100 @@ def add_next_token(model_path: Path) -> None:
         helper.make_tensor_value_info(NEXT_TOKEN, TensorProto.INT64, ["batch_size", "sequence_length"])
     )
     onnx.save(m, str(model_path))
+
+
+def add_sampling(model_path: Path) -> None:
+    """Append the sampler of the last row of ``logits`` (``sampling_nodes``) to the graph at
+    ``model_path``, once: inputs ``temperature``, ``top_k``, ``top_p``, ``uniform`` (``[B]``),
+    output ``sampled_ids`` int64 ``[B, 1]``; the weights stay external."""
+    import onnx
+
+    m = onnx.load(str(model_path), load_external_data=False)
+    if any(o.name == SAMPLED for o in m.graph.output):
+        return
+    nodes, inputs, output = sampling_nodes("logits")
+    m.graph.node.extend(nodes)
+    m.graph.input.extend(inputs)
+    m.graph.output.append(output)
+    onnx.save(m, str(model_path))
+
+
+def sampling_nodes(logits: str) -> tuple[list[Any], list[Any], Any]:
+    """The nodes, inputs and output of the sampler of the last row of ``logits`` ``[B, S, V]``
+    (float32, float16 or bfloat16), in standard ONNX ops (opset 15 and later), per row ``b``:
+
+    ``z = float32(logits[b, -1]) / max(temperature[b], MIN_TEMPERATURE)``; sort ``z`` descending
+    (``TopK`` over ``V``; equal values in index order); keep the values ``>=`` the ``top_k``-th
+    (``top_k <= 0``: all); ``p = softmax`` of the kept; keep the tokens whose exclusive cumulative
+    mass (of the more probable ones) is ``< top_p`` (``top_p >= 1``: all; the first always stays);
+    ``q`` the kept ``p``, ``cdf = cumsum(q)``; the token is the sorted index ``i`` = the number of
+    ``cdf <= uniform[b] * cdf[-1]``, clipped to the last ``q > 0``, i.e. the inverse CDF at
+    ``uniform``. ``edge.compute.local.sample_token`` is the host's copy of the rule.
+
+    Returns ``(nodes, graph inputs, graph output)``; node and intermediate names start ``sample/``.
+    """
+    from onnx import TensorProto, helper
+
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    nodes: list[Any] = []
+
+    def const(name: str, value: Any, dtype: int, dims: list[int]) -> str:
+        out = f"sample/{name}"
+        t = helper.make_tensor(out + "_value", dtype, dims, value)
+        nodes.append(helper.make_node("Constant", [], [out], value=t))
+        return out
+
+    def op(kind: str, ins: list[str], name: str, outs: int = 1, **attrs: Any) -> Any:
+        names = [f"sample/{name}"] if outs == 1 else [f"sample/{name}_{j}" for j in range(outs)]
+        nodes.append(helper.make_node(kind, ins, names, name=f"sample/{name}_node", **attrs))
+        return names[0] if outs == 1 else names
+
+    last, axis1, one_i = const("last", [-1], i64, []), const("axis1", [1], i64, [1]), const("one", [1], i64, [])
+    zero_i, zero_f = const("zero_i", [0], i64, []), const("zero_f", [0.0], f, [])
+    min_t, last1 = const("min_t", [MIN_TEMPERATURE], f, []), const("last1", [-1], i64, [1])
+    one_f, ninf = const("one_f", [1.0], f, []), const("ninf", [float("-inf")], f, [])
+    x = op("Cast", [op("Gather", [logits, last], "row", axis=1)], "x", to=f)  # [B, V]
+    t = op("Unsqueeze", [op("Max", ["temperature", min_t], "tmax"), axis1], "t")  # [B, 1]
+    z = op("Div", [x, t], "z")
+    vals, idx = op("TopK", [z, op("Shape", [z], "v", start=-1)], "sorted", outs=2, axis=-1, largest=1, sorted=1)
+    k = op("Unsqueeze", ["top_k", axis1], "k")  # [B, 1]
+    kth_at = op("Sub", [op("Min", [op("Max", [k, one_i], "k1"), op("Shape", [z], "vk", start=-1)], "kv"), one_i], "kat")
+    kth = op("GatherElements", [vals, kth_at], "kth", axis=1)
+    keep_k = op("Or", [op("LessOrEqual", [k, zero_i], "k_off"), op("GreaterOrEqual", [vals, kth], "k_in")], "keep_k")
+    p = op("Softmax", [op("Where", [keep_k, vals, ninf], "masked")], "p", axis=-1)
+    before = op("CumSum", [p, one_i], "before", exclusive=1)
+    tp = op("Unsqueeze", ["top_p", axis1], "tp")
+    keep_p = op("Or", [op("GreaterOrEqual", [tp, one_f], "p_off"), op("Less", [before, tp], "p_in")], "keep_p")
+    q = op("Where", [keep_p, p, zero_f], "q")
+    cdf = op("CumSum", [q, one_i], "cdf")
+    total = op("Gather", [cdf, last1], "total", axis=1)  # [B, 1]
+    target = op("Mul", [op("Unsqueeze", ["uniform", axis1], "u"), total], "target")
+    below = op("Cast", [op("LessOrEqual", [cdf, target], "le")], "below", to=i64)  # [B, V]
+    count = op("ReduceSum", [below, axis1], "count", keepdims=1)  # [B, 1]
+    positive = op("Cast", [op("Greater", [q, zero_f], "gt")], "positive", to=i64)
+    last_kept = op("Sub", [op("ReduceSum", [positive, axis1], "kept", keepdims=1), one_i], "last_kept")
+    at = op("Max", [op("Min", [count, last_kept], "clip"), zero_i], "at")
+    nodes.append(helper.make_node("GatherElements", [idx, at], [SAMPLED], name="sample/token", axis=1))
+    inputs = [
+        helper.make_tensor_value_info("temperature", f, ["batch_size"]),
+        helper.make_tensor_value_info("top_k", i64, ["batch_size"]),
+        helper.make_tensor_value_info("top_p", f, ["batch_size"]),
+        helper.make_tensor_value_info("uniform", f, ["batch_size"]),
+    ]
+    return nodes, inputs, helper.make_tensor_value_info(SAMPLED, i64, ["batch_size", 1])
+
+
+def neutral_sampling(rows: int) -> dict[str, Any]:
+    """Sampler inputs for ``rows`` rows whose sample is not read (temperature 1, no filter, draw 0):
+    every input of a graph must be bound, since ONNX Runtime runs every node."""
+    import numpy as np
+
+    return {
+        "temperature": np.ones(rows, np.float32),
+        "top_k": np.zeros(rows, np.int64),
+        "top_p": np.ones(rows, np.float32),
+        "uniform": np.zeros(rows, np.float32),
+    }
 
 
 def attention_window(model_path: Path) -> int:
@@ -238,6 +343,9 @@ class _KVBuffers:
         for name, v in self.kv.items():
             b.bind_ortvalue_input(name, v)
             b.bind_ortvalue_output(name.replace("past_key_values.", "present."), v)
+        if SAMPLED in {o.name for o in self.sess.get_outputs()}:
+            for name, value in neutral_sampling(1).items():
+                b.bind_cpu_input(name, value)
         b.bind_output("logits", "cpu")
         self.sess.run_with_iobinding(b)
         self.held += len(ids)

@@ -1,0 +1,151 @@
+"""The builder graph's sampler (``common.model.builder_export.sampling_nodes``) run by ONNX Runtime's CPU
+provider on random logits, against the host's copy of its rule (``edge.compute.local.sample_token``) and
+against vLLM's filters computed in float64: same token for the same draw, only tokens of the
+top-k / top-p set, the edge cases that reduce to the argmax, and the draw's distribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.common.model.builder_export import SAMPLED, add_sampling, sampling_nodes
+from tandem.common.protocol.params import Sampling
+from tandem.edge.compute.local import draw_uniform, sample_token, sampling_rng
+
+V = 4096
+
+
+def sampler(logits_type: int = 1):
+    """An ONNX Runtime session of the sampler alone: ``logits`` ``[B, S, V]`` of ``logits_type``."""
+    import onnxruntime as ort
+    from onnx import checker, helper
+
+    nodes, inputs, output = sampling_nodes("logits")
+    logits = helper.make_tensor_value_info("logits", logits_type, ["batch_size", "sequence_length", "vocab"])
+    graph = helper.make_graph(nodes, "sampler", [logits, *inputs], [output])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)], ir_version=10)
+    checker.check_model(model)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture(scope="module")
+def run():
+    sess = sampler()
+
+    def go(logits: np.ndarray, t, k, p, u) -> np.ndarray:
+        b = logits.shape[0]
+        feeds = {
+            "logits": logits,
+            "temperature": np.broadcast_to(np.float32(t), (b,)).astype(np.float32),
+            "top_k": np.broadcast_to(np.int64(k), (b,)).astype(np.int64),
+            "top_p": np.broadcast_to(np.float32(p), (b,)).astype(np.float32),
+            "uniform": np.asarray(u, np.float32).reshape(b),
+        }
+        return sess.run([SAMPLED], feeds)[0][:, 0]
+
+    return go
+
+
+def kept_set(row: np.ndarray, s: Sampling) -> set[int]:
+    """vLLM's filters in float64: the top-k logits (ties with the k-th kept), then the smallest set of
+    most probable tokens whose mass reaches top-p (a token stays while the mass before it is < top_p)."""
+    z = row.astype(np.float64) / s.temperature
+    if 0 < s.top_k < z.shape[0]:
+        z[z < np.sort(z)[-s.top_k]] = -np.inf
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    before = np.cumsum(p[order]) - p[order]
+    keep = order[(before < s.top_p) | (np.arange(len(p)) == 0)] if s.top_p < 1 else order
+    return {int(i) for i in keep if p[i] > 0}
+
+
+SETTINGS = [
+    Sampling(temperature=1.0),
+    Sampling(temperature=0.7, top_k=50),
+    Sampling(temperature=1.3, top_p=0.9),
+    Sampling(temperature=0.8, top_k=40, top_p=0.95),
+    Sampling(temperature=2.0, top_k=V + 10),  # top_k past the vocabulary: off
+    Sampling(temperature=1e-3),
+    Sampling(temperature=100.0, top_p=0.5),
+]
+
+
+@pytest.mark.parametrize("s", SETTINGS, ids=lambda s: f"t{s.temperature}-k{s.top_k}-p{s.top_p}")
+def test_the_graph_picks_the_host_token_within_vllm_filters(run, s):
+    rng = np.random.default_rng(11)
+    draws = sampling_rng(5)
+    logits = (rng.standard_normal((64, 2, V)) * 4).astype(np.float32)
+    u = np.asarray([draw_uniform(draws) for _ in range(64)], np.float32)
+    got = run(logits, s.temperature, s.top_k, s.top_p, u)
+    host = [sample_token(logits[b, -1], s, float(u[b])) for b in range(64)]
+    assert [int(g) for g in got] == host  # same float32 rule, same draw
+    for b in range(64):
+        assert int(got[b]) in kept_set(logits[b, -1], s)
+
+
+def test_the_edge_settings_reduce_to_the_argmax(run):
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((32, 1, V)) * 2).astype(np.float32)
+    argmax = logits[:, -1].argmax(-1)
+    u = rng.random(32, dtype=np.float32)
+    assert (run(logits, 1.0, 1, 1.0, u) == argmax).all()  # top_k = 1
+    assert (run(logits, 1.0, 0, 1e-6, u) == argmax).all()  # a tiny nucleus: the most probable token alone
+    assert (run(logits, 1.0, 0, 1.0, np.zeros(32)) == argmax).all()  # the draw 0 is the first sorted token
+    hot = run(np.repeat(logits[:1], 32, 0), 1e4, 0, 1.0, u)  # a very high temperature: nearly uniform
+    assert len(set(hot.tolist())) > 28
+
+
+def test_ties_break_to_the_lower_index_as_the_host_does(run):
+    logits = np.zeros((4, 1, 16), np.float32)
+    logits[:, 0, [3, 7, 11]] = 5.0
+    u = np.asarray([0.0, 0.34, 0.67, 0.999], np.float32)
+    got = run(logits, 1e-3, 0, 1.0, u)  # the three tied maxima share the mass, in index order
+    assert got.tolist() == [3, 7, 11, 11]
+    assert got.tolist() == [sample_token(logits[b, 0], Sampling(temperature=1e-3), float(u[b])) for b in range(4)]
+
+
+def test_the_draws_follow_the_filtered_distribution(run):
+    p = np.asarray([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logits = np.repeat(np.log(p).astype(np.float32)[None, None], 4000, 0)
+    u = np.random.default_rng(9).random(4000, dtype=np.float32)
+    freq = np.bincount(run(logits, 1.0, 0, 0.75, u), minlength=6) / 4000  # keeps 0, 1, 2 (0.65 before 3)
+    assert freq[3:].sum() == 0
+    np.testing.assert_allclose(freq[:3], p[:3] / p[:3].sum(), atol=0.03)
+
+
+def test_half_precision_logits_are_widened_first(run):
+    from onnx import TensorProto
+
+    half = sampler(TensorProto.FLOAT16)
+    logits = (np.random.default_rng(2).standard_normal((8, 1, V)) * 3).astype(np.float16)
+    feeds = {
+        "logits": logits,
+        "temperature": np.full(8, 0.9, np.float32),
+        "top_k": np.full(8, 100, np.int64),
+        "top_p": np.full(8, 0.9, np.float32),
+        "uniform": np.linspace(0, 0.99, 8).astype(np.float32),
+    }
+    got = half.run([SAMPLED], feeds)[0][:, 0]
+    s = Sampling(temperature=0.9, top_k=100, top_p=0.9)
+    host = [sample_token(logits[b, 0].astype(np.float32), s, float(feeds["uniform"][b])) for b in range(8)]
+    assert got.tolist() == host
+
+
+def test_add_sampling_adds_the_sampler_once(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch_size", "sequence_length", V])
+    y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", V])
+    g = helper.make_graph([helper.make_node("Identity", ["x"], ["logits"])], "m", [x], [y])
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)], ir_version=10), str(path))
+    add_sampling(path)
+    add_sampling(path)
+    m = onnx.load(str(path))
+    assert [o.name for o in m.graph.output] == ["logits", SAMPLED]
+    assert [i.name for i in m.graph.input] == ["x", "temperature", "top_k", "top_p", "uniform"]
+    onnx.checker.check_model(m)
