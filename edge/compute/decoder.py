@@ -1,20 +1,25 @@
 """The whole model as ONNX Runtime GenAI's model builder writes it, driven by tandem with ONNX
 Runtime: a session's KV in preallocated buffers, bound as past and present at once.
 
-The graph (``onnxruntime_genai.models.builder``; see ``common.model.builder_export``) takes ``input_ids``
-int64 ``[1, S]``, ``attention_mask`` int64 ``[1, M]`` and, per layer ``i``, ``past_key_values.i.key``
-/ ``.value`` ``[1, Hkv, C, D]``; it returns ``logits`` ``[1, S, V]``, ``present.i.key`` / ``.value``
-and (added by tandem's preparation) ``next_token_ids`` int64 ``[1, S]``, the argmax of each row of
-the logits. Its attention is ``GroupQueryAttention`` with rotary fused: the positions of the new
+The graph (``onnxruntime_genai.models.builder``; see ``common.model.builder_export``) takes
+``input_ids`` int64 ``[1, S]``, ``attention_mask`` int64 ``[1, M]`` and, per layer ``i``,
+``past_key_values.i.key`` / ``.value`` ``[1, Hkv, C, D]``; it returns ``logits`` ``[1, S, V]``,
+``present.i.key`` / ``.value`` and (added by tandem's preparation) ``next_token_ids`` int64
+``[1, S]``, the argmax of each row of the logits; a graph with tandem's sampler
+(``common.model.builder_export.add_sampling``) takes ``temperature``, ``top_k``, ``top_p`` and
+``uniform`` ``[1]`` too and returns ``sampled_ids`` int64 ``[1, 1]``, the last row's token sampled
+at ``uniform``. Its attention is ``GroupQueryAttention`` with rotary fused: the positions of the new
 tokens come from the mask (``sum(mask) - S`` tokens are already held), and with past and present
-bound to one buffer of ``C`` tokens ("past-present share buffer") it writes the new tokens' keys
-and values in place after the held ones. Nothing grows per token, so a decode step's inputs and
-outputs keep their addresses and ONNX Runtime's CUDA provider can replay it as a CUDA graph
+bound to one buffer of ``C`` tokens ("past-present share buffer") it writes the new tokens' keys and
+values in place after the held ones. Nothing grows per token, so a decode step's inputs and outputs
+keep their addresses and ONNX Runtime's CUDA provider can replay it as a CUDA graph
 (``enable_cuda_graph``; prefills run uncaptured, ``gpu_graph_id = -1``).
 
 ``KVSlot``: one session's buffers (``2L`` KV tensors, the mask, the step's input and outputs) and
 the CUDA graph captured on them (one graph id per slot). ``DecoderGraph.run`` computes new tokens
-into a slot; greedy turns read back only the token id, others the logits of the last token.
+into a slot; greedy turns read back only the token id, sampled turns too where the graph has the
+sampler (its inputs bound at fixed addresses and updated in place per step, as the ids and the
+mask), others the logits of the last token.
 
 Batched decode (``DecoderGraph.run_batch``): several sessions' one-token steps in one run, with
 ``input_ids`` ``[B, 1]``, ``attention_mask`` ``[B, C]`` right-padded (per row ones over its held
@@ -43,9 +48,18 @@ from typing import Any
 
 import numpy as np
 
-from tandem.common.model.builder_export import GENAI_CONFIG, NEXT_TOKEN, ONNX_ELEMENT, load_build
+from tandem.common.model.builder_export import (
+    GENAI_CONFIG,
+    NEXT_TOKEN,
+    ONNX_ELEMENT,
+    SAMPLED,
+    SAMPLING_INPUTS,
+    load_build,
+    neutral_sampling,
+)
 from tandem.common.protocol.errors import InvalidRequest
 from tandem.edge.compute.decoder_batch import KVCopier, RowTable, bucket_rows
+from tandem.edge.compute.localmodel import Draw
 
 MIN_SLOT_TOKENS = 256  # a session's first slot holds at least this many tokens; slots grow by doubling
 FREE_SLOTS_PER_CAPACITY = 4  # released slots kept per capacity for the next sessions, without CUDA graphs
@@ -108,6 +122,8 @@ class KVSlot:
     mask: int64 ``[1, C]``, ``1`` for the held tokens and the ones being computed, ``0`` after.
     step_ids / step_logits / step_next: a decode step's input ``[1, 1]`` int64 and outputs
         ``[1, 1, V]`` and ``[1, 1]`` int64, at fixed addresses (what a CUDA graph replays).
+    step_sampling / step_sampled: the sampler's inputs ``[1]`` (by name) and output ``[1, 1]``
+        int64 at fixed addresses (empty / None for a graph without the sampler).
     graph_id: the CUDA graph id of this slot's decode step (``>= 1``).
     pool: the ``BatchPool`` whose row holds the slot's KV while it decodes in batches (its own
         ``kv`` is stale meanwhile), else None.
@@ -121,6 +137,8 @@ class KVSlot:
     step_logits: Any
     step_next: Any
     graph_id: int
+    step_sampling: dict[str, Any] = field(default_factory=dict)
+    step_sampled: Any = None
     tokens: int = 0
     binding: Any = field(default=None, repr=False)
     pool: Any = field(default=None, repr=False)
@@ -139,6 +157,8 @@ class BatchPool:
     ids / ids_host: int64 ``[R, 1]``, a step's input ids (device buffer and its host copy).
     mask / mask_host: int64 ``[R, C]``, a step's attention mask.
     next_ids: int64 ``[R, 1]``, the argmax output; logits: ``[R, 1, V]``.
+    sampling / sampling_host: the sampler's inputs ``[R]`` by name (device buffers and host copies);
+        sampled: int64 ``[R, 1]``, its output (empty / None for a graph without the sampler).
     graph_ids / bindings: per bucket ``b`` (rows run), the CUDA graph id and the IO binding it was
         captured with (the buffers' first ``b`` rows bound by address).
     """
@@ -152,6 +172,9 @@ class BatchPool:
     mask_host: np.ndarray
     next_ids: Any
     logits: Any
+    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling_host: dict[str, np.ndarray] = field(default_factory=dict)
+    sampled: Any = None
     table: RowTable[KVSlot] = field(default_factory=RowTable)
     graph_ids: dict[int, int] = field(default_factory=dict)
     bindings: dict[int, Any] = field(default_factory=dict)
@@ -203,6 +226,9 @@ class DecoderGraph:
             if t not in ONNX_TYPES:
                 raise ValueError(f"{self.spec.path}: KV and logits must be float32, float16 or bfloat16, got {t}")
         self.has_next_token = NEXT_TOKEN in {o.name for o in self.session.get_outputs()}
+        self.has_sampling = SAMPLED in {o.name for o in self.session.get_outputs()} and set(SAMPLING_INPUTS) <= set(
+            types
+        )
         self.providers: list[str] = self.session.get_providers()
         # a slot holds more than the graph's sliding window (ONNX Runtime refuses a smaller KV buffer)
         self.min_slot_tokens = max(MIN_SLOT_TOKENS, _window_tokens(model_dir) + 1)
@@ -238,6 +264,10 @@ class DecoderGraph:
             step_logits=self._empty_logits(1),
             step_next=ort.OrtValue.ortvalue_from_shape_and_type([1, 1], np.int64, dev, 0),
             graph_id=self._next_graph_id,
+            step_sampling=self._sampling_buffers(1),
+            step_sampled=ort.OrtValue.ortvalue_from_shape_and_type([1, 1], np.int64, dev, 0)
+            if self.has_sampling
+            else None,
         )
         self._next_graph_id += 1
         return slot
@@ -248,6 +278,29 @@ class DecoderGraph:
 
         return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, _storage(self.kv_type)), self.device, 0)
 
+    def _sampling_buffers(self, rows: int) -> dict[str, Any]:
+        """The sampler's inputs for ``rows`` rows on the device (neutral values), by name; empty
+        for a graph without the sampler."""
+        import onnxruntime as ort
+
+        if not self.has_sampling:
+            return {}
+        return {k: ort.OrtValue.ortvalue_from_numpy(v, self.device, 0) for k, v in neutral_sampling(rows).items()}
+
+    def _sampling_rows(self, draws: Sequence[Draw | None], rows: int, at: Sequence[int]) -> dict[str, np.ndarray]:
+        """Host sampler inputs ``[rows]``: ``draws[i]`` in row ``at[i]``, neutral values elsewhere
+        (a greedy row's sample is not read)."""
+        host = neutral_sampling(rows)
+        for d, r in zip(draws, at, strict=True):
+            if d is not None:
+                host["temperature"][r], host["top_k"][r] = d.temperature, d.top_k
+                host["top_p"][r], host["uniform"][r] = d.top_p, d.uniform
+        return host
+
+    def _samples(self, greedy: bool, draw: Draw | None) -> bool:
+        """Whether a row's token is the graph's sample (not greedy, a draw, the graph has the sampler)."""
+        return not greedy and draw is not None and self.has_sampling
+
     def _empty_logits(self, rows: int) -> Any:
         import onnxruntime as ort
 
@@ -257,13 +310,16 @@ class DecoderGraph:
 
     # ---- runs -------------------------------------------------------------------------------
 
-    def run(self, slot: KVSlot, new_ids: list[int], greedy: bool) -> tuple[int | None, np.ndarray | None, float]:
+    def run(
+        self, slot: KVSlot, new_ids: list[int], greedy: bool, draw: Draw | None = None
+    ) -> tuple[int | None, np.ndarray | None, float]:
         """Compute ``new_ids`` (``S >= 1`` tokens) after the ``slot.tokens`` the slot holds, in
         place: afterwards the slot holds ``tokens + S`` (grown first where it must).
 
         Returns ``(token, logits, ms)``: with ``greedy`` and the graph's argmax output the argmax
-        token of the last new row and no logits; otherwise ``None`` and the last row's logits,
-        float32 ``[V]`` on the host; and the run time in ms.
+        token of the last new row and no logits; not greedy, with a ``draw`` and the graph's
+        sampler, the last row's token sampled at ``draw`` and no logits; otherwise ``None`` and the
+        last row's logits, float32 ``[V]`` on the host; and the run time in ms.
 
         Raises:
             InvalidRequest: no new token, or ``tokens + S`` exceeds the model's positions.
@@ -272,27 +328,34 @@ class DecoderGraph:
         t = self._begin(slot, n)
         t0 = time.perf_counter()
         if n == 1 and self.cuda_graph:
-            token, logits = self._decode_step(slot, new_ids[0], greedy)
+            token, logits = self._decode_step(slot, new_ids[0], greedy, draw)
         else:
-            token, logits = self._run_unbound(slot, new_ids, greedy)
+            token, logits = self._run_unbound(slot, new_ids, greedy, draw)
         slot.tokens = t + n
         return token, logits, (time.perf_counter() - t0) * 1e3
 
-    def _run_unbound(self, slot: KVSlot, new_ids: list[int], greedy: bool) -> tuple[int | None, np.ndarray | None]:
+    def _run_unbound(
+        self, slot: KVSlot, new_ids: list[int], greedy: bool, draw: Draw | None = None
+    ) -> tuple[int | None, np.ndarray | None]:
         """A run with a fresh binding: the prefill, or every run where no CUDA graph is captured.
         The mask is bound over the held and new tokens only (``[1, T + S]``)."""
         want_token = greedy and self.has_next_token
-        b, logits = self._run_bound(slot, new_ids, want_token)
+        want_sample = not want_token and self._samples(greedy, draw)
+        token_output = NEXT_TOKEN if want_token else SAMPLED if want_sample else None
+        b, logits = self._run_bound(slot, new_ids, token_output, draw)
         if logits is None:
             return int(b.get_outputs()[-1].numpy()[0, -1]), None  # outputs come back in the order they were bound
         return None, _last_row(_as_float32(logits))
 
-    def _run_bound(self, slot: KVSlot, new_ids: list[int], want_token: bool) -> tuple[Any, Any]:
+    def _run_bound(
+        self, slot: KVSlot, new_ids: list[int], token_output: str | None, draw: Draw | None = None
+    ) -> tuple[Any, Any]:
         """One uncaptured run of ``new_ids`` after the slot's held tokens (whose mask ``_begin`` set):
         the ids and the mask over the held and new tokens (``[1, T + S]``) from the host, the KV
-        bound as past and present, and as output either the argmax token (``want_token``) or the
-        logits of every new token. Returns the binding and the logits tensor (``None`` with
-        ``want_token``)."""
+        bound as past and present, the sampler's inputs (``draw``, neutral without one) where the
+        graph has the sampler, and as output either the token output named ``token_output``
+        (``next_token`` or ``sampled_ids``) or the logits of every new token. Returns the binding and
+        the logits tensor (``None`` with a token output)."""
         import onnxruntime as ort
 
         total = slot.tokens + len(new_ids)
@@ -300,9 +363,11 @@ class DecoderGraph:
         b.bind_cpu_input("input_ids", np.asarray([new_ids], np.int64))
         b.bind_cpu_input("attention_mask", np.ascontiguousarray(slot.mask_host[:, :total]))
         self._bind_kv(b, slot)
+        for name, value in self._sampling_rows([draw], 1, [0]).items() if self.has_sampling else ():
+            b.bind_cpu_input(name, value)
         logits = None
-        if want_token:
-            b.bind_output(NEXT_TOKEN, "cpu")
+        if token_output is not None:
+            b.bind_output(token_output, "cpu")
         else:
             logits = self._empty_logits(len(new_ids))
             self._bind(b, "logits", logits, self.logits_type, output=True)
@@ -316,7 +381,7 @@ class DecoderGraph:
         """``run`` that returns the logits of every new token, float32 ``[S, V]`` on the host (the
         preparation's check against HF), uncaptured."""
         t = self._begin(slot, len(new_ids))
-        _, logits = self._run_bound(slot, new_ids, want_token=False)
+        _, logits = self._run_bound(slot, new_ids, None)
         slot.tokens = t + len(new_ids)
         return _as_float32(logits)[0]
 
@@ -335,28 +400,40 @@ class DecoderGraph:
         slot.mask_host[0, t : t + n] = 1
         return t
 
-    def _decode_step(self, slot: KVSlot, token_id: int, greedy: bool) -> tuple[int | None, np.ndarray | None]:
-        """One token through the slot's captured CUDA graph: the input id and the whole mask
-        ``[1, C]`` are copied into their fixed buffers, the graph replays (captured on the first
-        step), and only the token id (greedy) or the logits row comes back."""
+    def _decode_step(
+        self, slot: KVSlot, token_id: int, greedy: bool, draw: Draw | None = None
+    ) -> tuple[int | None, np.ndarray | None]:
+        """One token through the slot's captured CUDA graph: the input id, the whole mask ``[1, C]``
+        and the sampler's inputs are copied into their fixed buffers, the graph replays (captured
+        on the first step), and only the token id (greedy, or sampled by the graph) or the logits
+        row comes back."""
         import onnxruntime as ort
 
         slot.step_ids.update_inplace(np.asarray([[token_id]], np.int64))
         slot.mask.update_inplace(slot.mask_host)
+        if self.has_sampling:
+            for name, value in self._sampling_rows([draw], 1, [0]).items():
+                slot.step_sampling[name].update_inplace(value)
         if slot.binding is None:
             b = self.session.io_binding()
             b.bind_ortvalue_input("input_ids", slot.step_ids)
             b.bind_ortvalue_input("attention_mask", slot.mask)
+            for name, v in slot.step_sampling.items():
+                b.bind_ortvalue_input(name, v)
             self._bind_kv(b, slot)
             self._bind(b, "logits", slot.step_logits, self.logits_type, output=True)
             if self.has_next_token:
                 b.bind_ortvalue_output(NEXT_TOKEN, slot.step_next)
+            if self.has_sampling:
+                b.bind_ortvalue_output(SAMPLED, slot.step_sampled)
             slot.binding = b
         opts = ort.RunOptions()
         opts.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
         self.session.run_with_iobinding(slot.binding, opts)
         if greedy and self.has_next_token:
             return int(slot.step_next.numpy()[0, -1]), None
+        if self._samples(greedy, draw):
+            return int(slot.step_sampled.numpy()[0, 0]), None
         return None, _last_row(_as_float32(slot.step_logits))
 
     def _bind_kv(self, b: Any, slot: KVSlot) -> None:
@@ -375,22 +452,29 @@ class DecoderGraph:
     # ---- batched decode steps ---------------------------------------------------------------
 
     def run_batch(
-        self, slots: Sequence[KVSlot], token_ids: Sequence[int], greedy: Sequence[bool]
+        self,
+        slots: Sequence[KVSlot],
+        token_ids: Sequence[int],
+        greedy: Sequence[bool],
+        draws: Sequence[Draw | None] | None = None,
     ) -> tuple[list[int | None], list[np.ndarray | None], float]:
         """One decode step of each slot, ``token_ids[i]`` after ``slots[i].tokens``, in one run per
         capacity among the slots (one run where they share one): afterwards each slot holds one
         token more (grown first where it must, which moves it to the pool of its new capacity).
 
-        Returns, per slot in order, the argmax token (``greedy[i]`` and the graph's argmax output)
-        or None, the new token's logits float32 ``[V]`` on the host where no token is returned, else
-        None; and the run time in ms (all runs, moves included).
+        Returns, per slot in order, the argmax token (``greedy[i]`` and the graph's argmax output),
+        the token sampled at ``draws[i]`` (not greedy, a draw, and the graph's sampler) or None, the
+        new token's logits float32 ``[V]`` on the host where no token is returned, else None; and
+        the run time in ms (all runs, moves included).
 
         Raises:
-            InvalidRequest: lengths that differ, no slot, a slot twice or released, or a slot whose
-                ``tokens + 1`` exceeds the model's positions; nothing changes then.
+            InvalidRequest: lengths that differ (``draws``: None or one per slot), no slot, a slot
+                twice or released, or a slot whose ``tokens + 1`` exceeds the model's positions;
+                nothing changes then.
         """
         n = len(slots)
-        if n < 1 or len(token_ids) != n or len(greedy) != n:
+        draws = [None] * n if draws is None else list(draws)
+        if n < 1 or len(token_ids) != n or len(greedy) != n or len(draws) != n:
             raise InvalidRequest(f"a batched step takes one token per slot: {n} slots, {len(token_ids)} tokens")
         if len({id(s) for s in slots}) != n or any(not s.kv for s in slots):
             raise InvalidRequest("a batched step takes each live slot once")
@@ -412,13 +496,14 @@ class DecoderGraph:
                 [slots[i] for i in idx],
                 [int(token_ids[i]) for i in idx],
                 [greedy[i] for i in idx],
+                [draws[i] for i in idx],
             )
             for j, i in enumerate(idx):
                 tokens[i], logits[i] = toks[j], rows[j]
         return tokens, logits, (time.perf_counter() - t0) * 1e3
 
     def _step_pool(
-        self, pool: BatchPool, slots: list[KVSlot], token_ids: list[int], greedy: list[bool]
+        self, pool: BatchPool, slots: list[KVSlot], token_ids: list[int], greedy: list[bool], draws: list[Draw | None]
     ) -> tuple[list[int | None], list[np.ndarray | None]]:
         """One run over the first ``bucket_rows(n)`` rows of ``pool``: the slots join it first, the
         members that sat out ``IDLE_STEPS`` steps (or whose rows are full) leave it; a member that
@@ -444,6 +529,8 @@ class DecoderGraph:
         for s, tok in zip(slots, token_ids, strict=True):
             pool.ids_host[pool.table.row(s), 0] = tok
         pool.mask_host[:b] = np.arange(pool.capacity_tokens)[None, :] < lengths[:, None]
+        if self.has_sampling:
+            pool.sampling_host = self._sampling_rows(draws, pool.rows, [pool.table.row(s) for s in slots])
         if self.cuda_graph:
             self._replay_bucket(pool, b)
         else:
@@ -451,22 +538,24 @@ class DecoderGraph:
         for s in slots:
             s.mask_host[0, s.tokens] = 1
             s.tokens += 1
-        return self._step_outputs(pool, [pool.table.row(s) for s in slots], greedy)
+        return self._step_outputs(pool, [pool.table.row(s) for s in slots], greedy, draws)
 
     def _step_outputs(
-        self, pool: BatchPool, rows: list[int], greedy: list[bool]
+        self, pool: BatchPool, rows: list[int], greedy: list[bool], draws: list[Draw | None]
     ) -> tuple[list[int | None], list[np.ndarray | None]]:
-        """Per row, its argmax token (greedy, where the graph computes it) or its logits row."""
+        """Per row, its argmax token (greedy, where the graph computes it), its sampled token (a
+        draw, where the graph samples) or its logits row; only what some row needs is read back."""
         argmax = [g and self.has_next_token for g in greedy]
+        sampled = [self._samples(g, d) for g, d in zip(greedy, draws, strict=True)]
         ids = pool.next_ids.numpy()[:, 0] if any(argmax) else None
-        logits = _as_float32(pool.logits) if not all(argmax) else None
-        tokens: list[int | None] = [
-            int(ids[r]) if a and ids is not None else None for r, a in zip(rows, argmax, strict=True)
-        ]
-        rows_out: list[np.ndarray | None] = [
-            None if a or logits is None else np.asarray(logits[r, -1], np.float32)
-            for r, a in zip(rows, argmax, strict=True)
-        ]
+        picks = pool.sampled.numpy()[:, 0] if any(sampled) else None
+        logits = _as_float32(pool.logits) if not all(a or s for a, s in zip(argmax, sampled, strict=True)) else None
+        tokens: list[int | None] = []
+        rows_out: list[np.ndarray | None] = []
+        for r, a, s in zip(rows, argmax, sampled, strict=True):
+            tok = int(ids[r]) if a and ids is not None else int(picks[r]) if s and picks is not None else None
+            tokens.append(tok)
+            rows_out.append(np.asarray(logits[r, -1], np.float32) if tok is None and logits is not None else None)
         return tokens, rows_out
 
     def _bind_rows(self, b: Any, pool: BatchPool, rows: int) -> None:
@@ -479,6 +568,8 @@ class DecoderGraph:
         self._bind_at(b, "logits", pool.logits.data_ptr(), [rows, 1, s.vocab_size], self.logits_type, output=True)
         if self.has_next_token:
             self._bind_at(b, NEXT_TOKEN, pool.next_ids.data_ptr(), [rows, 1], "tensor(int64)", output=True)
+        if self.has_sampling:
+            self._bind_at(b, SAMPLED, pool.sampled.data_ptr(), [rows, 1], "tensor(int64)", output=True)
 
     def _run_bucket(self, pool: BatchPool, rows: int, mask_tokens: int) -> None:
         """A step over the first ``rows`` rows where no CUDA graph is captured, the mask bound over
@@ -486,6 +577,8 @@ class DecoderGraph:
         b = self.session.io_binding()
         b.bind_cpu_input("input_ids", np.ascontiguousarray(pool.ids_host[:rows]))
         b.bind_cpu_input("attention_mask", np.ascontiguousarray(pool.mask_host[:rows, :mask_tokens]))
+        for name, value in pool.sampling_host.items():
+            b.bind_cpu_input(name, np.ascontiguousarray(value[:rows]))
         self._bind_rows(b, pool, rows)
         self.session.run_with_iobinding(b)
 
@@ -497,12 +590,17 @@ class DecoderGraph:
 
         pool.ids.update_inplace(pool.ids_host)
         pool.mask.update_inplace(pool.mask_host)
+        for name, value in pool.sampling_host.items():
+            pool.sampling[name].update_inplace(value)
         if rows not in pool.bindings:
             b = self.session.io_binding()
             self._bind_at(b, "input_ids", pool.ids.data_ptr(), [rows, 1], "tensor(int64)", output=False)
             self._bind_at(
                 b, "attention_mask", pool.mask.data_ptr(), [rows, pool.capacity_tokens], "tensor(int64)", output=False
             )
+            for name, v in pool.sampling.items():
+                onnx_type = "tensor(int64)" if name == "top_k" else "tensor(float)"
+                self._bind_at(b, name, v.data_ptr(), [rows], onnx_type, output=False)
             self._bind_rows(b, pool, rows)
             pool.bindings[rows] = b
             pool.graph_ids[rows] = self._next_graph_id
@@ -542,6 +640,11 @@ class DecoderGraph:
             logits=ort.OrtValue.ortvalue_from_shape_and_type(
                 [rows, 1, s.vocab_size], _storage(self.logits_type), dev, 0
             ),
+            sampling=self._sampling_buffers(rows),
+            sampling_host=neutral_sampling(rows) if self.has_sampling else {},
+            sampled=ort.OrtValue.ortvalue_from_shape_and_type([rows, 1], np.int64, dev, 0)
+            if self.has_sampling
+            else None,
         )
 
     def _row_bytes(self, capacity_tokens: int) -> int:

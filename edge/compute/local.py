@@ -52,10 +52,10 @@ from tandem.common.protocol.params import Sampling
 from tandem.common.runtime.ewma import Ewma
 from tandem.common.runtime.lru import BoundedLRU
 from tandem.edge.compute.localkv import KV, blocks_from_past, past_from_blocks
-from tandem.edge.compute.localmodel import LocalModel, OnnxForward, check_past
+from tandem.edge.compute.localmodel import Draw, LocalModel, OnnxForward, check_past
 
 __all__ = ["KV", "LocalEngine", "LocalGenerator", "LocalSession", "LocalSessions", "LocalToken", "load_local_model"]
-__all__ += ["blocks_from_past", "past_from_blocks", "sample_token", "sampling_rng"]
+__all__ += ["blocks_from_past", "draw_uniform", "past_from_blocks", "sample_token", "sampling_rng"]
 
 R = TypeVar("R")
 
@@ -140,6 +140,7 @@ class DecodeStep:
     token_id: int
     keep: int
     greedy: bool
+    draw: Draw | None
     tokens_hint: int
     done: asyncio.Future
     queued_s: float
@@ -157,33 +158,44 @@ class LocalToken:
     run_ms: float = 0.0
 
 
-def sample_token(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> int:
-    """The next token from ``logits`` (float ``[V]``), as vLLM samples it.
+def sample_token(logits: np.ndarray, s: Sampling, uniform: float) -> int:
+    """The next token from ``logits`` (float ``[V]``), as vLLM samples it, at the draw ``uniform``
+    (float32 in ``[0, 1)``, ``draw_uniform``).
 
-    Greedy (argmax) when ``s.temperature < SAMPLING_EPS``; otherwise, in float64: divide by the
-    temperature, keep the ``top_k`` largest logits (``0`` = off; ties with the k-th are kept),
-    stable softmax, keep the smallest set of most probable tokens whose mass reaches ``top_p``
-    (``1.0`` = off; the most probable token always stays), renormalise and draw with ``rng``.
+    Greedy (argmax) when ``s.temperature < SAMPLING_EPS``; otherwise, in float32, the rule of the
+    builder graph's sampler (``common.model.builder_export.sampling_nodes``): divide by the
+    temperature, sort descending (equal values in index order), keep the logits ``>=`` the
+    ``top_k``-th (``0`` = off; ties with the k-th stay), softmax, keep the tokens whose mass before
+    them is ``< top_p`` (``1.0`` = off; the most probable token always stays), and take the inverse
+    CDF of the kept mass at ``uniform``: the first token whose cumulative mass exceeds
+    ``uniform * total``. The graph computes the same in float32 up to the last bit of its ``exp``
+    and sums, so the two pick one token but where ``uniform`` falls within a few ulps of a boundary.
     """
     if s.temperature < SAMPLING_EPS:
         return int(np.argmax(logits))
-    z = logits.astype(np.float64) / s.temperature
-    if 0 < s.top_k < z.shape[0]:
-        kth = np.partition(z, -s.top_k)[-s.top_k]
-        z[z < kth] = -np.inf
-    p = np.exp(z - z.max())
-    p /= p.sum()
+    z = np.asarray(logits, np.float32) / np.float32(max(s.temperature, SAMPLING_EPS))
+    order = np.argsort(-z, kind="stable")
+    vals = z[order]
+    if 0 < s.top_k:
+        vals = np.where(vals >= vals[min(s.top_k, vals.shape[0]) - 1], vals, np.float32(-np.inf))
+    e = np.exp(vals - vals[0])
+    p = e / e.sum(dtype=np.float32)
     if s.top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        sp = p[order]
-        before = np.cumsum(sp) - sp  # mass of the more probable tokens
-        p[order[before >= s.top_p]] = 0.0
-        p /= p.sum()
-    return int(rng.choice(p.shape[0], p=p))
+        before = np.concatenate([[np.float32(0)], np.cumsum(p, dtype=np.float32)[:-1]])  # mass ahead
+        p = np.where(before < np.float32(s.top_p), p, np.float32(0))
+    cdf = np.cumsum(p, dtype=np.float32)
+    at = int(np.count_nonzero(cdf <= np.float32(uniform) * cdf[-1]))
+    return int(order[max(0, min(at, int(np.count_nonzero(p > 0)) - 1))])
 
 
-def next_token(token: int | None, logits: np.ndarray | None, s: Sampling, rng: np.random.Generator) -> int:
-    """The token a run gave (its own argmax, greedy) or the one sampled from the logits it gave.
+def draw_uniform(rng: np.random.Generator) -> float:
+    """One draw of a sampled token, float32 in ``[0, 1)`` (exact in the graph's float32 input)."""
+    return float(rng.random(dtype=np.float32))
+
+
+def next_token(token: int | None, logits: np.ndarray | None, s: Sampling, uniform: float) -> int:
+    """The token a run gave (its own argmax or sample) or the one sampled from the logits it gave
+    at ``uniform``.
 
     Raises:
         EngineError: the run gave neither."""
@@ -191,7 +203,15 @@ def next_token(token: int | None, logits: np.ndarray | None, s: Sampling, rng: n
         return token
     if logits is None:
         raise EngineError("the local model's run returned neither a token nor logits")
-    return sample_token(logits, s, rng)
+    return sample_token(logits, s, uniform)
+
+
+def _draw(s: Sampling, rng: np.random.Generator) -> Draw | None:
+    """The next sampled token's draw (one ``draw_uniform`` from ``rng``), or None for a greedy turn
+    (which draws nothing)."""
+    if s.temperature < SAMPLING_EPS:
+        return None
+    return Draw(s.temperature, s.top_k, s.top_p, draw_uniform(rng))
 
 
 def sampling_rng(seed: int | None) -> np.random.Generator:
@@ -398,28 +418,28 @@ class LocalEngine:
         return sess.kv
 
     def _advance(
-        self, sess: LocalSession, ids: list[int], keep: int, greedy: bool, tokens_hint: int
+        self, sess: LocalSession, ids: list[int], keep: int, greedy: bool, tokens_hint: int, draw: Draw | None = None
     ) -> tuple[int | None, np.ndarray | None, float]:
         """Inside a job: keep the session's first ``keep`` tokens, run ``ids`` after them, and hold
         the token ids with the KV (both change together, here)."""
         kv = self._kv(sess, tokens_hint)
         self.model.truncate(kv, keep)
         del sess.token_ids[keep:]
-        tok, logits, ms = self.model.run(kv, ids, greedy)
+        tok, logits, ms = self.model.run(kv, ids, greedy, draw)
         sess.token_ids.extend(ids)
         return tok, logits, ms
 
     # ---- batched decode steps (models with ``batched_decode``) --------------------------------
 
     async def _step(
-        self, sess: LocalSession, token_id: int, greedy: bool, tokens_hint: int
+        self, sess: LocalSession, token_id: int, greedy: bool, tokens_hint: int, draw: Draw | None = None
     ) -> tuple[int | None, np.ndarray | None, float, float]:
         """Queue the session's next decode step for the next batched run and wait for it. Returns
         token, logits, run ms (of the whole batched run) and wait ms (queued until it ran).
         Cancelled before its run starts, the step is dropped (the session unchanged); after, it
         completes alone (ids and KV together) and its result is dropped."""
         loop = asyncio.get_running_loop()
-        step = DecodeStep(sess, token_id, len(sess.token_ids), greedy, tokens_hint, loop.create_future(), 0.0)
+        step = DecodeStep(sess, token_id, len(sess.token_ids), greedy, draw, tokens_hint, loop.create_future(), 0.0)
         step.queued_s = time.perf_counter()
         self._steps.append(step)
         if self._stepper is None or self._stepper.done():
@@ -478,14 +498,17 @@ class LocalEngine:
         waits = [(start - st.queued_s) * 1e3 for st in batch]
         try:
             toks, logits, ms = self.model.run_batch(
-                [kv for _, kv in live], [batch[i].token_id for i, _ in live], [batch[i].greedy for i, _ in live]
+                [kv for _, kv in live],
+                [batch[i].token_id for i, _ in live],
+                [batch[i].greedy for i, _ in live],
+                [batch[i].draw for i, _ in live],
             )
         except Exception:
             for i, kv in live:
                 st = batch[i]
                 try:
                     self.model.truncate(kv, st.keep)  # a step the failed run did complete runs again
-                    tok, lg, one_ms = self.model.run(kv, [st.token_id], st.greedy)
+                    tok, lg, one_ms = self.model.run(kv, [st.token_id], st.greedy, st.draw)
                     st.sess.token_ids.append(st.token_id)
                     results[i] = (tok, lg, one_ms, waits[i])
                 except Exception as e:
@@ -551,7 +574,7 @@ class LocalEngine:
         return (await self._locked(job))[0]
 
     async def _prefill(
-        self, sess: LocalSession, ids: list[int], keep: int, greedy: bool, tokens_hint: int
+        self, sess: LocalSession, ids: list[int], keep: int, greedy: bool, tokens_hint: int, draw: Draw | None = None
     ) -> tuple[int | None, np.ndarray | None, float, float]:
         """The prefill job (``ids[keep:]`` after the session's first ``keep`` tokens), counted in
         ``pending_prefill_tokens`` while it waits and runs. Returns token, logits, wait and run ms."""
@@ -560,7 +583,7 @@ class LocalEngine:
         self.pending_prefills += 1
         try:
             (tok, logits, ms), wait_ms = await self._locked(
-                lambda: self._advance(sess, ids[keep:], keep, greedy, tokens_hint)
+                lambda: self._advance(sess, ids[keep:], keep, greedy, tokens_hint, draw)
             )
         finally:
             self.pending_prefill_tokens -= n
@@ -610,21 +633,23 @@ class LocalEngine:
         rng = sampling_rng(s.seed)
         self.last_computed_tokens, self.last_reused_tokens = len(prompt) - keep, keep
         hint = len(prompt) + s.max_new_tokens
-        tok_, logits, wait_ms, run_ms = await self._prefill(sess, prompt, keep, greedy, hint)
+        draw = _draw(s, rng)
+        tok_, logits, wait_ms, run_ms = await self._prefill(sess, prompt, keep, greedy, hint, draw)
         batched = bool(getattr(self.model, "batched_decode", False))
         if batched:
             self._decoding.add(id(sess))
         try:
             for n in range(1, s.max_new_tokens + 1):
-                tok = next_token(tok_, logits, s, rng)
+                tok = next_token(tok_, logits, s, draw.uniform if draw else 0.0)
                 finish = "stop" if tok in stops else "length" if n == s.max_new_tokens else None
                 yield LocalToken(tok, finish, wait_ms, run_ms)
                 if finish:
                     return
+                draw = _draw(s, rng)
                 if batched:
-                    tok_, logits, run_ms, wait_ms = await self._step(sess, tok, greedy, hint)
+                    tok_, logits, run_ms, wait_ms = await self._step(sess, tok, greedy, hint, draw)
                     continue
-                step = functools.partial(self._advance, sess, [tok], len(sess.token_ids), greedy, hint)
+                step = functools.partial(self._advance, sess, [tok], len(sess.token_ids), greedy, hint, draw)
                 (tok_, logits, run_ms), wait_ms = await self._locked(step)
                 self._measured(1, run_ms)
         finally:
@@ -681,8 +706,9 @@ class LocalGenerator:
         new = list(prompt_ids)
         try:
             for _ in range(max_new_tokens):
-                tok_, logits, _ms = self.model.run(kv, new, greedy)
-                tok = next_token(tok_, logits, s, rng)
+                draw = _draw(s, rng)
+                tok_, logits, _ms = self.model.run(kv, new, greedy, draw)
+                tok = next_token(tok_, logits, s, draw.uniform if draw else 0.0)
                 yield LocalStep(tok, time.perf_counter())
                 if tok in stop:
                     return

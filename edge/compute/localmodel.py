@@ -37,6 +37,18 @@ from tandem.common.protocol.manifest import ModelShape
 from tandem.edge.compute.localkv import KV, host_kv, kv_nbytes, kv_prefix
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One sampled token's parameters and its draw, for a model that samples on its device: vLLM's
+    ``temperature`` (``> 0``), ``top_k`` (0: all), ``top_p`` (1: all) and ``uniform``, float32 in
+    ``[0, 1)`` drawn from the turn's generator (``edge.compute.local.draw_uniform``)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    uniform: float
+
+
 class SessionKV(Protocol):
     """One session's KV as its model holds it; ``tokens``: how many tokens' KV it holds."""
 
@@ -59,11 +71,14 @@ class LocalModel(Protocol):
         """An empty session KV, sized for about ``tokens_hint`` tokens (it grows as needed)."""
         ...
 
-    def run(self, kv: Any, new_ids: list[int], greedy: bool) -> tuple[int | None, np.ndarray | None, float]:
+    def run(
+        self, kv: Any, new_ids: list[int], greedy: bool, draw: Draw | None = None
+    ) -> tuple[int | None, np.ndarray | None, float]:
         """Compute ``new_ids`` after the ``kv.tokens`` held, in place (``kv.tokens`` grows by
-        ``len(new_ids)``). Returns the argmax token of the last row when ``greedy`` and the model
-        computes it itself (else None), the last row's logits float32 ``[V]`` when no token is
-        returned (else None), and the run's time in ms. A run that raises leaves ``kv.tokens`` as it was.
+        ``len(new_ids)``). Returns the token of the last row the model computes itself (else None):
+        the argmax when ``greedy``, the sample at ``draw`` otherwise (where it samples on its
+        device); the last row's logits float32 ``[V]`` when no token is returned (else None); and
+        the run's time in ms. A run that raises leaves ``kv.tokens`` as it was.
 
         Raises:
             InvalidRequest: the KV cannot grow to ``kv.tokens + len(new_ids)`` tokens.
@@ -71,11 +86,15 @@ class LocalModel(Protocol):
         ...
 
     def run_batch(
-        self, kvs: Sequence[Any], token_ids: Sequence[int], greedy: Sequence[bool]
+        self,
+        kvs: Sequence[Any],
+        token_ids: Sequence[int],
+        greedy: Sequence[bool],
+        draws: Sequence[Draw | None] | None = None,
     ) -> tuple[list[int | None], list[np.ndarray | None], float]:
         """One decode step per session KV: ``token_ids[i]`` after ``kvs[i].tokens`` (each grows by
-        one). Returns per KV what ``run`` returns for it (token or None, logits or None) and the
-        whole run's time in ms.
+        one), ``draws[i]`` its draw where not greedy. Returns per KV what ``run`` returns for it
+        (token or None, logits or None) and the whole run's time in ms.
 
         Raises:
             InvalidRequest: lengths that differ, a KV twice, or a KV that cannot grow by one token;
@@ -140,13 +159,19 @@ class ForwardModel(ABC):
     def new_kv(self, tokens_hint: int) -> GrowingKV:
         return GrowingKV()
 
-    def run(self, kv: GrowingKV, new_ids: list[int], greedy: bool) -> tuple[int | None, np.ndarray | None, float]:
+    def run(
+        self, kv: GrowingKV, new_ids: list[int], greedy: bool, draw: Draw | None = None
+    ) -> tuple[int | None, np.ndarray | None, float]:
         logits, present, ms = self.forward(new_ids, kv.past if kv.tokens else self.empty_past())
         kv.past, kv.tokens = present, kv.tokens + len(new_ids)
         return None, logits, ms
 
     def run_batch(
-        self, kvs: Sequence[GrowingKV], token_ids: Sequence[int], greedy: Sequence[bool]
+        self,
+        kvs: Sequence[GrowingKV],
+        token_ids: Sequence[int],
+        greedy: Sequence[bool],
+        draws: Sequence[Draw | None] | None = None,
     ) -> tuple[list[int | None], list[np.ndarray | None], float]:
         """``run`` of each KV in turn (no batched forward pass)."""
         if len(token_ids) != len(kvs) or len(greedy) != len(kvs) or len({id(k) for k in kvs}) != len(kvs):

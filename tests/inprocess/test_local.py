@@ -17,7 +17,16 @@ import torch
 from tandem.common.protocol.chat import prompt_token_ids
 from tandem.common.protocol.errors import InvalidRequest
 from tandem.common.protocol.params import Sampling
-from tandem.edge.compute.local import LocalEngine, LocalGenerator, LocalSession, LocalSessions, LocalToken, sample_token
+from tandem.edge.compute.local import (
+    LocalEngine,
+    LocalGenerator,
+    LocalSession,
+    LocalSessions,
+    LocalToken,
+    draw_uniform,
+    sample_token,
+    sampling_rng,
+)
 from tandem.edge.compute.localmodel import GrowingKV
 
 MAX_NEW = 16
@@ -166,23 +175,34 @@ async def test_seeded_sampling_is_reproducible(engine, prompts, ref):
 
 def test_sample_token_filters():
     """Sampling draws only within top-k and the top-p nucleus (the smallest set reaching p), temperature 0 is
-    the argmax, and one generator state gives one draw."""
+    the argmax, one draw gives one token, and the draws of one seed repeat."""
     p = np.array([0.5, 0.3, 0.15, 0.05])
     logits = np.log(p).astype(np.float32)
     rng = np.random.default_rng(0)
 
     def support(**kw) -> set[int]:
         s = Sampling(temperature=1.0, **kw)
-        return {sample_token(logits, s, rng) for _ in range(400)}
+        return {sample_token(logits, s, draw_uniform(rng)) for _ in range(400)}
 
     assert support() == {0, 1, 2, 3}
     assert support(top_k=2) == {0, 1}
     assert support(top_p=0.8) == {0, 1}
     assert support(top_p=0.81) == {0, 1, 2}
     assert support(top_p=1e-9) == {0}
-    assert sample_token(logits, Sampling(temperature=0.0), rng) == 0
-    draws = [sample_token(logits, Sampling(temperature=1.0, seed=None), np.random.default_rng(5)) for _ in range(3)]
-    assert len(set(draws)) == 1  # same generator state, same draw
+    assert sample_token(logits, Sampling(temperature=0.0), 0.99) == 0
+    s = Sampling(temperature=1.0)
+    assert [sample_token(logits, s, u) for u in (0.0, 0.49, 0.51, 0.79, 0.81, 0.94, 0.96, 0.999)] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+        3,
+    ]
+    a, b = sampling_rng(42), sampling_rng(42)
+    assert [draw_uniform(a) for _ in range(5)] == [draw_uniform(b) for _ in range(5)]
 
 
 @pytest.mark.parametrize(

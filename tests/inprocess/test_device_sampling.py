@@ -1,0 +1,153 @@
+"""Sampling in the builder graph (``common.model.builder_export.add_sampling``) against the host's
+sampler (``edge.compute.local.sample_token``), on SmolLM2's prepared ``edge-decoder/`` with ONNX
+Runtime's CPU provider: a copy of the graph with the sampler returns the token ids the graph without
+it gives through the host, for seeded turns alone and in batches, under several temperature / top-k
+/ top-p settings; where the graph samples, no logits come back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from tandem.common.model.builder_export import add_sampling
+from tandem.common.protocol.chat import prompt_token_ids
+from tandem.common.protocol.errors import InvalidRequest
+from tandem.common.protocol.params import Sampling
+from tandem.edge.compute.local import LocalEngine, draw_uniform, sample_token, sampling_rng
+from tandem.edge.compute.localmodel import Draw
+
+CHATS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+]
+NEW = 10
+SETTINGS = [
+    Sampling(max_new_tokens=NEW, temperature=1.0, seed=1, ignore_eos=True),
+    Sampling(max_new_tokens=NEW, temperature=0.7, top_k=40, seed=2, ignore_eos=True),
+    Sampling(max_new_tokens=NEW, temperature=1.2, top_p=0.9, seed=3, ignore_eos=True),
+    Sampling(max_new_tokens=NEW, temperature=0.8, top_k=50, top_p=0.95, seed=-5, ignore_eos=True),
+    Sampling(max_new_tokens=NEW, temperature=2.0, seed=4, ignore_eos=True),  # the largest temperature taken
+]
+
+
+@pytest.fixture(scope="module")
+def decoder_dir(split_dir):
+    path = split_dir.parent / "edge-decoder"
+    if not (path / "genai_config.json").is_file():
+        pytest.fail(f"no {path}: run `make model` (make test does it)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def sampler_dir(decoder_dir, tmp_path_factory):
+    """A copy of the prepared graph with the sampler added (the weights hard-linked where the file
+    system allows; ONNX Runtime refuses external data that a symbolic link leads out of the folder)."""
+    out = tmp_path_factory.mktemp("sampler") / "edge-decoder"
+    out.mkdir()
+    for f in decoder_dir.iterdir():
+        if f.name.endswith(".data"):
+            try:
+                os.link(f.resolve(), out / f.name)
+            except OSError:
+                shutil.copy(f, out / f.name)
+        elif f.is_file():
+            shutil.copy(f, out / f.name)
+    add_sampling(out / "model.onnx")
+    return out
+
+
+@pytest.fixture(scope="module")
+def host_engine(decoder_dir, manifest):
+    return LocalEngine(decoder_dir, manifest.shape, (), intra_op_threads=2)
+
+
+@pytest.fixture(scope="module")
+def device_engine(sampler_dir, manifest):
+    return LocalEngine(sampler_dir, manifest.shape, (), intra_op_threads=2)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    return [prompt_token_ids(tokenizer, m) for m in CHATS]
+
+
+async def turn(engine, ids, sampling) -> list[int]:
+    return [t.token_id async for t in engine.generate(ids, sampling)]
+
+
+@pytest.mark.parametrize("s", [Sampling(temperature=0.9, top_k=60, top_p=0.92), Sampling(temperature=100.0)])
+def test_the_graph_samples_the_host_token_and_returns_no_logits(host_engine, device_engine, prompts, s):
+    host, device = host_engine.model, device_engine.model
+    assert device.has_sampling and not host.has_sampling
+    ids = prompts[1]
+    a, b = host.new_kv(len(ids) + 8), device.new_kv(len(ids) + 8)
+    try:
+        rng = sampling_rng(17)
+        new, seen = ids, list(ids)
+        for _ in range(6):
+            d = Draw(s.temperature, s.top_k, s.top_p, draw_uniform(rng))
+            none, logits, _ = host.run(a, new, greedy=False, draw=d)
+            tok, no_logits, _ = device.run(b, new, greedy=False, draw=d)
+            assert none is None and no_logits is None and tok is not None
+            assert tok == sample_token(logits, s, d.uniform)
+            new = [tok]
+            seen.append(tok)
+        greedy, _, _ = device.run(b, new, greedy=True)  # the argmax output, beside the sampler
+        fresh = device.new_kv(len(seen))
+        assert greedy == int(np.argmax(device.run_rows(fresh, seen)[-1]))  # logits where asked for
+        device.release(fresh)
+    finally:
+        host.release(a)
+        device.release(b)
+
+
+@pytest.mark.parametrize("s", SETTINGS, ids=lambda s: f"t{s.temperature}-k{s.top_k}-p{s.top_p}")
+async def test_a_seeded_turn_gives_the_same_tokens_sampled_on_the_device_and_on_the_host(
+    host_engine, device_engine, prompts, s
+):
+    for ids in prompts[1:]:
+        assert await turn(device_engine, ids, s) == await turn(host_engine, ids, s)
+
+
+async def test_the_edge_settings_give_the_greedy_tokens(device_engine, prompts):
+    ids = prompts[2]
+    greedy = await turn(device_engine, ids, Sampling(max_new_tokens=NEW, ignore_eos=True))
+    top1 = Sampling(max_new_tokens=NEW, temperature=1.5, top_k=1, seed=9, ignore_eos=True)
+    tiny_p = Sampling(max_new_tokens=NEW, temperature=1.5, top_p=1e-6, seed=9, ignore_eos=True)
+    assert await turn(device_engine, ids, top1) == greedy
+    assert await turn(device_engine, ids, tiny_p) == greedy
+
+
+async def test_seeded_turns_in_a_batch_give_the_host_tokens(host_engine, device_engine, prompts):
+    """Three seeded turns and a greedy one decoding together on the device-sampling graph (batched
+    steps) each give what the host path gives it alone."""
+    sampling = [*SETTINGS[1:4], Sampling(max_new_tokens=NEW, ignore_eos=True)]
+    turns = list(zip([*prompts, prompts[0]], sampling, strict=True))
+    alone = [await turn(host_engine, p, s) for p, s in turns]
+    sizes: list[int] = []
+    run_batch = device_engine.model.run_batch
+
+    def counted(kvs, *args, **kw):
+        sizes.append(len(kvs))
+        return run_batch(kvs, *args, **kw)
+
+    device_engine.model.run_batch = counted
+    try:
+        got = await asyncio.gather(*(turn(device_engine, p, s) for p, s in turns))
+    finally:
+        del device_engine.model.run_batch
+    assert list(got) == alone and max(sizes) == len(turns)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [Sampling(temperature=-0.1), Sampling(temperature=1.0, top_p=0.0), Sampling(temperature=1.0, top_k=-1)],
+)
+async def test_bad_sampling_values_are_refused(device_engine, prompts, bad):
+    with pytest.raises(InvalidRequest):
+        await turn(device_engine, prompts[0], bad)
