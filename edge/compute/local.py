@@ -140,10 +140,10 @@ class DecodeStep:
     token_id: int
     keep: int
     greedy: bool
-    draw: Draw | None
     tokens_hint: int
     done: asyncio.Future
     queued_s: float
+    draw: Draw | None = None  # a sampled step's draw (None: greedy)
 
 
 @dataclass(frozen=True)
@@ -439,7 +439,7 @@ class LocalEngine:
         Cancelled before its run starts, the step is dropped (the session unchanged); after, it
         completes alone (ids and KV together) and its result is dropped."""
         loop = asyncio.get_running_loop()
-        step = DecodeStep(sess, token_id, len(sess.token_ids), greedy, draw, tokens_hint, loop.create_future(), 0.0)
+        step = DecodeStep(sess, token_id, len(sess.token_ids), greedy, tokens_hint, loop.create_future(), 0.0, draw)
         step.queued_s = time.perf_counter()
         self._steps.append(step)
         if self._stepper is None or self._stepper.done():

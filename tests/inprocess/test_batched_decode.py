@@ -158,9 +158,9 @@ def batch_sizes(engine, monkeypatch):
     sizes: list[int] = []
     real = engine.model.run_batch
 
-    def counted(kvs, token_ids, greedy):
+    def counted(kvs, token_ids, greedy, draws=None):
         sizes.append(len(kvs))
-        return real(kvs, token_ids, greedy)
+        return real(kvs, token_ids, greedy, draws)
 
     monkeypatch.setattr(engine.model, "run_batch", counted)
     return sizes
