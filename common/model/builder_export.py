@@ -161,7 +161,9 @@ def sampling_nodes(logits: str) -> tuple[list[Any], list[Any], Any]:
     mass (of the more probable ones) is ``< top_p`` (``top_p >= 1``: all; the first always stays);
     ``q`` the kept ``p``, ``cdf = cumsum(q)``; the token is the sorted index ``i`` = the number of
     ``cdf <= uniform[b] * cdf[-1]``, clipped to the last ``q > 0``, i.e. the inverse CDF at
-    ``uniform``. ``edge.compute.local.sample_token`` is the host's copy of the rule.
+    ``uniform``. ``edge.compute.local.sample_token`` is the host's copy of the rule. Every value but
+    TopK's ``K`` (a shape) is computed on the execution provider's device, ranks and counts in
+    float32, so a CUDA graph captures the sampler whole.
 
     Returns ``(nodes, graph inputs, graph output)``; node and intermediate names start ``sample/``.
     """
@@ -181,31 +183,34 @@ def sampling_nodes(logits: str) -> tuple[list[Any], list[Any], Any]:
         nodes.append(helper.make_node(kind, ins, names, name=f"sample/{name}_node", **attrs))
         return names[0] if outs == 1 else names
 
-    last, axis1, one_i = const("last", [-1], i64, []), const("axis1", [1], i64, [1]), const("one", [1], i64, [])
-    zero_i, zero_f = const("zero_i", [0], i64, []), const("zero_f", [0.0], f, [])
-    min_t, last1 = const("min_t", [MIN_TEMPERATURE], f, []), const("last1", [-1], i64, [1])
-    one_f, ninf = const("one_f", [1.0], f, []), const("ninf", [float("-inf")], f, [])
+    last, last1 = const("last", [-1], i64, []), const("last1", [-1], i64, [1])
+    axis1, axis = const("axis1", [1], i64, [1]), const("axis", [1], i64, [])
+    zero, one, min_t = const("zero", [0.0], f, []), const("one", [1.0], f, []), const("min_t", [MIN_TEMPERATURE], f, [])
+    ninf, inf = const("ninf", [float("-inf")], f, []), const("inf", [float("inf")], f, [])
+
+    def rows(name: str) -> str:  # a per-row input ``[B]`` as ``[B, 1]``
+        return op("Unsqueeze", [name, axis1], f"{name}_b")
+
     x = op("Cast", [op("Gather", [logits, last], "row", axis=1)], "x", to=f)  # [B, V]
-    t = op("Unsqueeze", [op("Max", ["temperature", min_t], "tmax"), axis1], "t")  # [B, 1]
-    z = op("Div", [x, t], "z")
+    z = op("Div", [x, op("Max", [rows("temperature"), min_t], "t")], "z")
+    # the sort: K = V (a shape, on the host as TopK takes it), equal values in index order
     vals, idx = op("TopK", [z, op("Shape", [z], "v", start=-1)], "sorted", outs=2, axis=-1, largest=1, sorted=1)
-    k = op("Unsqueeze", ["top_k", axis1], "k")  # [B, 1]
-    kth_at = op("Sub", [op("Min", [op("Max", [k, one_i], "k1"), op("Shape", [z], "vk", start=-1)], "kv"), one_i], "kat")
-    kth = op("GatherElements", [vals, kth_at], "kth", axis=1)
-    keep_k = op("Or", [op("LessOrEqual", [k, zero_i], "k_off"), op("GreaterOrEqual", [vals, kth], "k_in")], "keep_k")
+    # ranks and counts in float32 (exact below 2**24): every op stays on the device's kernels
+    rank = op("CumSum", [op("Cast", [op("Equal", [idx, idx], "all")], "ones", to=f), axis], "rank", exclusive=1)
+    k = op("Cast", [rows("top_k")], "k", to=f)
+    kth = op("ReduceMin", [op("Where", [op("Less", [rank, k], "in_k"), vals, inf], "top"), axis1], "kth", keepdims=1)
+    keep_k = op("Or", [op("LessOrEqual", [k, zero], "k_off"), op("GreaterOrEqual", [vals, kth], "k_in")], "keep_k")
     p = op("Softmax", [op("Where", [keep_k, vals, ninf], "masked")], "p", axis=-1)
-    before = op("CumSum", [p, one_i], "before", exclusive=1)
-    tp = op("Unsqueeze", ["top_p", axis1], "tp")
-    keep_p = op("Or", [op("GreaterOrEqual", [tp, one_f], "p_off"), op("Less", [before, tp], "p_in")], "keep_p")
-    q = op("Where", [keep_p, p, zero_f], "q")
-    cdf = op("CumSum", [q, one_i], "cdf")
-    total = op("Gather", [cdf, last1], "total", axis=1)  # [B, 1]
-    target = op("Mul", [op("Unsqueeze", ["uniform", axis1], "u"), total], "target")
-    below = op("Cast", [op("LessOrEqual", [cdf, target], "le")], "below", to=i64)  # [B, V]
-    count = op("ReduceSum", [below, axis1], "count", keepdims=1)  # [B, 1]
-    positive = op("Cast", [op("Greater", [q, zero_f], "gt")], "positive", to=i64)
-    last_kept = op("Sub", [op("ReduceSum", [positive, axis1], "kept", keepdims=1), one_i], "last_kept")
-    at = op("Max", [op("Min", [count, last_kept], "clip"), zero_i], "at")
+    before = op("CumSum", [p, axis], "before", exclusive=1)  # the mass of the more probable tokens
+    tp = rows("top_p")
+    keep_p = op("Or", [op("GreaterOrEqual", [tp, one], "p_off"), op("Less", [before, tp], "p_in")], "keep_p")
+    q = op("Where", [keep_p, p, zero], "q")
+    cdf = op("CumSum", [q, axis], "cdf")
+    target = op("Mul", [rows("uniform"), op("Gather", [cdf, last1], "total", axis=1)], "target")  # [B, 1]
+    count = op("ReduceSum", [op("Cast", [op("LessOrEqual", [cdf, target], "le")], "below", to=f), axis1], "count")
+    kept = op("ReduceSum", [op("Cast", [op("Greater", [q, zero], "gt")], "positive", to=f), axis1], "kept")
+    at = op("Max", [op("Min", [count, op("Sub", [kept, one], "last_kept")], "clip"), zero], "at_f")
+    at = op("Cast", [at], "at", to=i64)  # [B, 1]
     nodes.append(helper.make_node("GatherElements", [idx, at], [SAMPLED], name="sample/token", axis=1))
     inputs = [
         helper.make_tensor_value_info("temperature", f, ["batch_size"]),
