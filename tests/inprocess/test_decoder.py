@@ -66,6 +66,7 @@ def test_the_build_adds_the_argmax_output_once(build, graph):
     assert [o.name for o in again.graph.output].count(NEXT_TOKEN) == 1
     assert len(again.graph.node) == len(m.graph.node)
     assert graph.has_next_token and graph.kv_type == "tensor(float)"
+    assert not graph.has_sampling  # a CPU build samples on the host (its logits are host memory)
     assert load_build(build).precision == "fp32"
 
 

@@ -151,3 +151,12 @@ async def test_seeded_turns_in_a_batch_give_the_host_tokens(host_engine, device_
 async def test_bad_sampling_values_are_refused(device_engine, prompts, bad):
     with pytest.raises(InvalidRequest):
         await turn(device_engine, prompts[0], bad)
+
+
+def test_the_preparation_check_runs_a_graph_with_the_sampler(sampler_dir, manifest, split_dir, prompts):
+    """``check_decoder`` binds the sampler's inputs (every input of a graph must be bound) and the
+    graph's logits still match HF's."""
+    from tandem.common.model.builder_export import check_decoder
+
+    checked = check_decoder(manifest.resolve(split_dir, manifest.full_checkpoint), sampler_dir, prompts[1])
+    assert checked.passed and checked.checked_tokens == len(prompts[1])
