@@ -2,7 +2,8 @@
 sampler (``edge.compute.local.sample_token``), on SmolLM2's prepared ``edge-decoder/`` with ONNX
 Runtime's CPU provider: a copy of the graph with the sampler returns the token ids the graph without
 it gives through the host, for seeded turns alone and in batches, under several temperature / top-k
-/ top-p settings; where the graph samples, no logits come back."""
+/ top-p settings, through a binding per run and through the fixed-address buffers a CUDA graph
+replays; where the graph samples, no logits come back."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tandem.common.model.builder_export import add_sampling
 from tandem.common.protocol.chat import prompt_token_ids
 from tandem.common.protocol.errors import InvalidRequest
 from tandem.common.protocol.params import Sampling
+from tandem.edge.compute.decoder import DecoderGraph
 from tandem.edge.compute.local import LocalEngine, draw_uniform, sample_token, sampling_rng
 from tandem.edge.compute.localmodel import Draw
 
@@ -160,3 +162,33 @@ def test_the_preparation_check_runs_a_graph_with_the_sampler(sampler_dir, manife
 
     checked = check_decoder(manifest.resolve(split_dir, manifest.full_checkpoint), sampler_dir, prompts[1])
     assert checked.passed and checked.checked_tokens == len(prompts[1])
+
+
+def fixed_and_fresh_tokens(sampler_dir, fixed: bool) -> list[list[int]]:
+    """Three sessions sampled on a graph with the sampler: one alone, two in batched steps (one of
+    them greedy); ``fixed``: the steps run through the buffers at fixed addresses that a CUDA graph
+    replays (ONNX Runtime's CPU provider ignores the graph id), else with a binding per run."""
+    graph = DecoderGraph(sampler_dir, providers=["CPUExecutionProvider"], intra_op_threads=2)
+    graph.cuda_graph = fixed
+    rng = sampling_rng(3)
+    slots = [graph.new_kv(64) for _ in range(3)]
+    toks = []
+    for i, s in enumerate(slots):
+        tok, _, _ = graph.run(
+            s, list(range(1 + i, 20 + 3 * i)), greedy=False, draw=Draw(0.9, 40, 0.9, draw_uniform(rng))
+        )
+        toks.append([tok])
+    for _ in range(6):
+        tok, logits, _ = graph.run(slots[0], [toks[0][-1]], greedy=False, draw=Draw(1.0, 0, 0.95, draw_uniform(rng)))
+        assert logits is None
+        toks[0].append(tok)
+        draws = [Draw(0.8, 0, 1.0, draw_uniform(rng)), None]
+        out, rows, _ = graph.run_batch(slots[1:], [toks[1][-1], toks[2][-1]], [False, True], draws)
+        assert rows == [None, None]
+        toks[1].append(out[0])
+        toks[2].append(out[1])
+    return toks
+
+
+def test_the_fixed_address_steps_sample_what_a_fresh_binding_samples(sampler_dir):
+    assert fixed_and_fresh_tokens(sampler_dir, True) == fixed_and_fresh_tokens(sampler_dir, False)
