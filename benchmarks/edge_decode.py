@@ -13,6 +13,10 @@ runs batch 1, ``--prompt-tokens`` random prompt ids, ``--new-tokens`` greedy tok
   one), the reference for what ONNX Runtime can do;
 * ``legacy`` (``--legacy-onnx``): ``edge.compute.local.LocalGenerator`` on tandem's torch.onnx export
   (``edge-full.onnx``), one ``run`` per token with growing KV tensors;
+* ``tandem-sampled`` and ``genai-sampled``: the same two at temperature 0.8, top-k 50, top-p 0.95
+  (``SAMPLED``): tandem's graph samples on the device where the build has the sampler (CUDA builds;
+  only the token id comes back), on the host from the logits otherwise; the library with its own
+  sampler; a sampled row's ``itl / genai`` is against ``genai-sampled``;
 * ``vllm`` (``--vllm``): an in-process vLLM engine on the same checkpoint, one request at a time;
   ITL = (time of N tokens - time of 1 token) / (N - 1).
 
@@ -103,28 +107,61 @@ def genai_copy(build_dir: Path, out: Path, cuda_graph: bool) -> Path:
     return out
 
 
-def time_tandem(build_dir: Path, prompt: list[int], new_tokens: int, repeats: int, cuda_graph: bool) -> dict:
+# the sampled rows' parameters: vLLM's temperature, top-k and top-p, as a chat client sets them
+SAMPLED = {"temperature": 0.8, "top_k": 50, "top_p": 0.95}
+
+
+def time_tandem(
+    build_dir: Path, prompt: list[int], new_tokens: int, repeats: int, cuda_graph: bool, sampled: bool = False
+) -> dict:
+    """``DecoderGraph`` at batch 1: greedy, or (``sampled``) ``SAMPLED`` at one seeded draw per token,
+    sampled by the graph's own sampler where the build has one (CUDA) and on the host from the
+    logits otherwise (``edge.compute.local.sample_token``, the same rule)."""
+    from tandem.common.protocol.params import Sampling
     from tandem.edge.compute.decoder import DecoderGraph
+    from tandem.edge.compute.local import draw_uniform, next_token
+    from tandem.edge.compute.localmodel import Draw
 
     g = DecoderGraph(build_dir, cuda_graph=cuda_graph)
+    s = Sampling(**SAMPLED) if sampled else None
+    rng = np.random.default_rng(0)
     ttft, itl = [], []
     slot = g.new_slot(len(prompt) + new_tokens)
+
+    def step(ids: list[int]) -> int:
+        if s is None:
+            tok, _, _ = g.run(slot, ids, greedy=True)
+            return int(tok or 0)
+        u = draw_uniform(rng)
+        tok, logits, _ = g.run(slot, ids, greedy=False, draw=Draw(uniform=u, **SAMPLED))
+        return next_token(tok, logits, s, u)
+
     for _ in range(repeats + 1):  # the first repeat warms up (and captures the graph)
         g.truncate(slot, 0)
         t0 = time.perf_counter()
-        tok, _, _ = g.run(slot, prompt, greedy=True)
+        tok = step(prompt)
         first = (time.perf_counter() - t0) * 1e3
         steps = []
         for _ in range(new_tokens - 1):
             t1 = time.perf_counter()
-            tok, _, _ = g.run(slot, [int(tok or 0)], greedy=True)
+            tok = step([tok])
             steps.append((time.perf_counter() - t1) * 1e3)
         ttft.append(first)
         itl.append(steps)
-    return _summary(ttft[1:], itl[1:], providers=g.session.get_providers()[0])
+    where = "device" if sampled and g.has_sampling else "host" if sampled else ""
+    return _summary(ttft[1:], itl[1:], providers=g.session.get_providers()[0]) | ({"sampler": where} if where else {})
 
 
-def time_genai(build_dir: Path, work: Path, prompt: list[int], new_tokens: int, repeats: int, cuda_graph: bool) -> dict:
+def time_genai(
+    build_dir: Path,
+    work: Path,
+    prompt: list[int],
+    new_tokens: int,
+    repeats: int,
+    cuda_graph: bool,
+    sampled: bool = False,
+) -> dict:
+    """The library's ``Generator`` at batch 1: greedy, or (``sampled``) its own sampler at ``SAMPLED``."""
     import onnxruntime_genai as og
 
     model = og.Model(str(genai_copy(build_dir, work, cuda_graph)))
@@ -132,8 +169,10 @@ def time_genai(build_dir: Path, work: Path, prompt: list[int], new_tokens: int, 
     for _ in range(repeats + 1):
         params = og.GeneratorParams(model)
         params.set_search_options(
-            max_length=len(prompt) + new_tokens, do_sample=False, min_length=len(prompt) + new_tokens
+            max_length=len(prompt) + new_tokens, do_sample=sampled, min_length=len(prompt) + new_tokens
         )
+        if sampled:
+            params.set_search_options(**SAMPLED, random_seed=0)
         gen = og.Generator(model, params)
         t0 = time.perf_counter()
         gen.append_tokens(np.asarray([prompt], np.int32))
@@ -356,6 +395,12 @@ def main(
     runs: list[tuple[str, str, Any]] = [
         ("tandem", precision, lambda: time_tandem(build_dir, prompt, new_tokens, repeats, cuda_graph=True)),
         ("genai", precision, lambda: time_genai(build_dir, work / "genai", prompt, new_tokens, repeats, True)),
+        ("tandem-sampled", precision, lambda: time_tandem(build_dir, prompt, new_tokens, repeats, True, sampled=True)),
+        (
+            "genai-sampled",
+            precision,
+            lambda: time_genai(build_dir, work / "genai-sampled", prompt, new_tokens, repeats, True, sampled=True),
+        ),
     ]
     if gpu:
         runs.append(("tandem-eager", precision, lambda: time_tandem(build_dir, prompt, new_tokens, repeats, False)))
@@ -392,8 +437,9 @@ def main(
             row["floor_ms"] = params * DTYPE_BYTES.get(dtype, 2) / bw * 1e3
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    genai = next((r["itl_ms"] for r in rows if r["runtime"] == "genai" and "error" not in r), None)
-    for r in rows:
+    base = {r["runtime"]: r["itl_ms"] for r in rows if r["runtime"] in ("genai", "genai-sampled") and "error" not in r}
+    for r in rows:  # a sampled row against the library's sampled Generator, the others against its greedy one
+        genai = base.get("genai-sampled" if r["runtime"].endswith("-sampled") else "genai")
         if genai and "error" not in r:
             r["vs_genai"] = r["itl_ms"] / genai
     meta = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeats": repeats, "device": device}

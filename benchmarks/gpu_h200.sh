@@ -45,7 +45,8 @@
 #                the torch.onnx edge-full.onnx on SmolLM2) and the weights-read floor, on SmolLM2-135M and
 #                the Llama-3.2-1B shape, then 1, 4 and 16 turns decoding together (LocalEngine's batched
 #                steps, one CUDA graph per batch size, against the Generator at that batch size);
-#                EDGE_VLLM=1 adds vLLM single-stream
+#                EDGE_VLLM=1 adds vLLM single-stream; EDGE_MODELS="smollm2 l1b" (default) picks the models
+#                among smollm2, l1b, l3b (Llama-3.2-3B shape) and l8b (Llama-3.1-8B shape)
 #   graphs-smollm2  tandem-bench modes on SmolLM2, loopback, 256 prompt and 128 output tokens, every mode:
 #                eager engines, then the GPU defaults (CUDA graphs and torch.compile), each start timed
 # The capacity runs use the unshaped loopback: one proxy would be one link shared by every request,
@@ -265,23 +266,36 @@ step_graphs_smollm2() {
   done
 }
 
-step_edge_decode() {
-  smollm2
-  local vllm=()
-  [ "${EDGE_VLLM:-0}" = 1 ] && vllm=(--vllm)
-  log "edge decode: SmolLM2-135M"
-  (cd "$W" && tandem-bench edge --hf "$SMOL/hf" --out "$OUT/edge-smollm2" \
-    --build-dir "$W/edge-build-smollm2" --legacy-onnx "$SMOL/edge-full.onnx" --name smollm2-135m \
-    --batch-sizes 1,4,16 "${vllm[@]}") \
-    2>&1 | tee "$OUT/edge_smollm2.log" | tail -16
-  if [ ! -f "$W/l1b-ckpt/config.json" ]; then
-    (cd "$W" && python -m tandem.benchmarks.realsize --shape llama-3.2-1b --out "$W/l1b-ckpt" --tokenizer "$SMOL/hf") \
-      > "$OUT/realsize_llama-3.2-1b.log" 2>&1
+edge_decode_shape() {  # edge_decode_shape SHAPE NAME: tandem-bench edge on a random-weight checkpoint of SHAPE
+  local shape=$1 name=$2
+  if [ ! -f "$W/$name-ckpt/config.json" ]; then
+    (cd "$W" && python -m tandem.benchmarks.realsize --shape "$shape" --out "$W/$name-ckpt" --tokenizer "$SMOL/hf") \
+      > "$OUT/realsize_$shape.log" 2>&1
   fi
-  log "edge decode: Llama-3.2-1B shape"
-  (cd "$W" && tandem-bench edge --hf "$W/l1b-ckpt" --out "$OUT/edge-l1b" \
-    --build-dir "$W/edge-build-l1b" --name llama-3.2-1b --batch-sizes 1,4,16 "${vllm[@]}") 2>&1 \
-    | tee "$OUT/edge_l1b.log" | tail -16
+  log "edge decode: $shape shape"
+  (cd "$W" && tandem-bench edge --hf "$W/$name-ckpt" --out "$OUT/edge-$name" \
+    --build-dir "$W/edge-build-$name" --name "$shape" --batch-sizes 1,4,16 "${vllm[@]}") 2>&1 \
+    | tee "$OUT/edge_$name.log" | tail -16
+}
+
+step_edge_decode() {  # EDGE_MODELS (default "smollm2 l1b"; also l3b, l8b): the models, one call's time limit each if need be
+  smollm2
+  local vllm=() m
+  [ "${EDGE_VLLM:-0}" = 1 ] && vllm=(--vllm)
+  for m in ${EDGE_MODELS:-smollm2 l1b}; do
+    case $m in
+      smollm2)
+        log "edge decode: SmolLM2-135M"
+        (cd "$W" && tandem-bench edge --hf "$SMOL/hf" --out "$OUT/edge-smollm2" \
+          --build-dir "$W/edge-build-smollm2" --legacy-onnx "$SMOL/edge-full.onnx" --name smollm2-135m \
+          --batch-sizes 1,4,16 "${vllm[@]}") \
+          2>&1 | tee "$OUT/edge_smollm2.log" | tail -16 ;;
+      l1b) edge_decode_shape llama-3.2-1b l1b ;;
+      l3b) edge_decode_shape llama-3.2-3b l3b ;;
+      l8b) edge_decode_shape llama-3.1-8b l8b ;;
+      *) log "unknown edge model $m (smollm2, l1b, l3b, l8b)"; return 1 ;;
+    esac
+  done
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1

@@ -219,6 +219,68 @@ async def test_the_builder_decoder_batches_concurrent_turns_in_cuda_graphs(split
     assert any(4 in p.graph_ids for p in pools) and all(v.device_name() == "cuda" for p in pools for v in p.kv)
 
 
+async def test_the_builder_decoder_samples_on_the_device_by_the_host_rule(split_dir, manifest, tokenizer):
+    """On CUDA the prepared builder graph carries the sampler: two slots fed the same tokens, one
+    returning its logits and one sampling at the same seeded draws, give the host rule's token
+    (``sample_token`` on those logits) at every step of a CUDA graph, or, where they differ, a token
+    the host rule gives within 1e-4 of the draw (the draw on the boundary of two tokens' cumulative
+    mass, where the device's float32 ``exp`` and numpy's may round apart); and four seeded sampled
+    turns decode together in batched CUDA graphs, each with its full length."""
+    import asyncio
+
+    import onnxruntime as ort
+
+    from tandem.common.protocol.params import Sampling
+    from tandem.edge.compute.decoder import DecoderGraph
+    from tandem.edge.compute.local import LocalEngine, draw_uniform, sample_token, sampling_rng
+    from tandem.edge.compute.localmodel import Draw
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu's CUDA provider is not installed")
+    path = split_dir.parent / "edge-decoder"
+    g = DecoderGraph(path)
+    assert g.cuda_graph and g.has_sampling, "a CUDA build has the sampler"
+    steps, boundary = 0, 0
+    for i, s in enumerate(
+        [
+            Sampling(temperature=1.0, seed=1),
+            Sampling(temperature=0.8, top_k=50, top_p=0.95, seed=2),
+            Sampling(temperature=1.5, top_p=0.9, seed=3),
+        ]
+    ):
+        ids = prompt_ids(tokenizer, PROMPTS[i % len(PROMPTS)])
+        rng = sampling_rng(s.seed)
+        host_slot, device_slot = g.new_slot(len(ids) + MAX_NEW), g.new_slot(len(ids) + MAX_NEW)
+        new = ids
+        for _ in range(MAX_NEW):
+            u = draw_uniform(rng)
+            draw = Draw(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, uniform=u)
+            _, logits, _ = g.run(host_slot, new, greedy=False)
+            token, none, _ = g.run(device_slot, new, greedy=False, draw=draw)
+            assert logits is not None and none is None and token is not None
+            host = sample_token(logits, s, u)
+            if token != host:
+                near = {sample_token(logits, s, min(max(u + d, 0.0), 0.99999994)) for d in (-1e-4, 1e-4)}
+                assert token in near, f"step {steps}: device {token}, host {host} at u={u}, near {near}"
+                boundary += 1
+            steps += 1
+            new = [token]
+        g.release(host_slot)
+        g.release(device_slot)
+    assert boundary <= steps // 20, f"{boundary} of {steps} steps on a boundary"
+    eos = tokenizer.eos_token_id
+    engine = LocalEngine(path, manifest.shape, [eos])
+    prompts = [prompt_ids(tokenizer, p) for p in PROMPTS[:4]]
+    sampled = Sampling(max_new_tokens=MAX_NEW, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+
+    async def one(ids: list[int]) -> list[int]:
+        return [t.token_id async for t in engine.generate(ids, sampled)]
+
+    outs = await asyncio.gather(*(one(ids) for ids in prompts))
+    assert all(len(o) == MAX_NEW for o in outs)
+    assert any(4 in p.graph_ids for p in engine.model._pools.values())
+
+
 async def test_the_local_model_on_onnx_runtimes_cuda_provider_keeps_its_kv_on_the_gpu(
     split_dir, manifest, hf_model, tokenizer
 ):

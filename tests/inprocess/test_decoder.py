@@ -209,10 +209,14 @@ def test_edge_benchmark_smoke(build, hf_dir, tmp_path):
     assert {(r["runtime"], r["batch"]) for r in rows} == {
         ("tandem", 1),
         ("genai", 1),
+        ("tandem-sampled", 1),
+        ("genai-sampled", 1),
         *((runtime, b) for runtime in ("tandem-engine", "genai-batch") for b in (1, 3)),
     }
     assert all("error" not in r and r["itl_ms"] > 0 and r["ttft_ms"] > 0 for r in rows), rows
     three = [r for r in rows if r["batch"] == 3]
     assert len(three) == 2 and all(r["aggregate_tokens_per_s"] > 0 for r in three), three
-    assert (out / "edge_decode.md").read_text().count("| smollm2-135m |") == 6
+    sampled = next(r for r in rows if r["runtime"] == "tandem-sampled")
+    assert sampled["sampler"] == "host" and sampled["vs_genai"] > 0, sampled  # a CPU build samples on the host
+    assert (out / "edge_decode.md").read_text().count("| smollm2-135m |") == 8
     assert (out / "edge_decode.png").stat().st_size > 0
