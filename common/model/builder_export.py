@@ -4,12 +4,13 @@ The builder writes the field's decoder graph for ONNX Runtime: ``GroupQueryAtten
 fused, past and present KV in one shared buffer, fused ``SkipSimplifiedLayerNormalization``,
 ``MatMulNBits`` for int4. tandem drives that graph itself (``edge.compute.decoder``), so preparation adds
 one output to it: ``next_token_ids`` int64 ``[B, S]``, the argmax of the logits of each row, so a
-greedy decode step returns a token id instead of ``V`` logits; and the sampler of the last row
-(``add_sampling``): inputs ``temperature`` float32 ``[B]``, ``top_k`` int64 ``[B]`` (0: all),
-``top_p`` float32 ``[B]`` (1: all) and ``uniform`` float32 ``[B]`` in ``[0, 1)``, output
-``sampled_ids`` int64 ``[B, 1]``, so a sampled decode step returns a token id too (CUDA builds:
-ONNX Runtime runs every node of a graph, and on the CPU the sampler's sort of ``V`` logits would
-cost each greedy step more than reading the logits, which are host memory there, costs a sampled one).
+greedy decode step returns a token id instead of ``V`` logits. A CUDA build gets the sampler of the
+last row as a graph of its own, ``sampler.onnx`` (``write_sampler``): inputs ``logits`` (the
+model's), ``temperature`` float32 ``[B]``, ``top_k`` int64 ``[B]`` (0: all), ``top_p`` float32
+``[B]`` (1: all) and ``uniform`` float32 ``[B]`` in ``[0, 1)``, output ``sampled_ids`` int64
+``[B, 1]``, run on the step's device logits only where a row samples, so a sampled decode step
+returns a token id too and a greedy one does not pay for the sort (ONNX Runtime runs every node of
+a graph on every run; on the CPU the logits are host memory already and the host samples).
 
 ``build_decoder(hf, out, precision, execution_provider)`` writes ``out/model.onnx`` (+ its external
 weights), ``genai_config.json`` and the tokenizer files the builder copies, and records what it
@@ -80,7 +81,7 @@ class DecoderBuild(BaseModel):
 
 def build_decoder(hf: Path, out: Path, precision: str = "fp32", execution_provider: str = "cpu") -> DecoderBuild:
     """Build the whole model of the HF checkpoint ``hf`` into ``out`` and add ``next_token_ids``,
-    and for a CUDA build the sampler (``add_sampling``).
+    and for a CUDA build the sampler's graph (``write_sampler``).
 
     Raises:
         ValueError: an unknown ``precision`` or ``execution_provider``, or a pair the builder does
@@ -107,8 +108,8 @@ def build_decoder(hf: Path, out: Path, precision: str = "fp32", execution_provid
             f"onnxruntime_genai's model builder failed on {hf} ({precision}, {execution_provider}): {tail[0]}"
         )
     add_next_token(out / "model.onnx")
-    if execution_provider == "cuda":  # on the CPU the logits are host memory already, and ONNX Runtime runs every
-        add_sampling(out / "model.onnx")  # node of a graph: the sampler's sort would slow each greedy step too
+    if execution_provider == "cuda":  # on the CPU the logits are host memory already: the host samples
+        write_sampler(out)
     build = DecoderBuild(
         precision=precision,
         execution_provider=execution_provider,
@@ -135,25 +136,46 @@ def add_next_token(model_path: Path) -> None:
     onnx.save(m, str(model_path))
 
 
-def add_sampling(model_path: Path) -> None:
-    """Append the sampler of the last row of ``logits`` (``sampling_nodes``) to the graph at
-    ``model_path``, once: inputs ``temperature``, ``top_k``, ``top_p``, ``uniform`` (``[B]``),
-    output ``sampled_ids`` int64 ``[B, 1]``; the weights stay external."""
+SAMPLER_FILE = "sampler.onnx"
+PREFIX_BLOCK = 256  # the sampler's prefix sums run per block of this many tokens, then over the blocks
+
+
+def write_sampler(build_dir: Path) -> Path:
+    """Write ``build_dir/sampler.onnx``: the sampler (``sampling_nodes``) of the last row of the
+    logits of the build's ``model.onnx`` as a graph of its own, input ``logits`` ``[B, S, V]`` in
+    the model's logits dtype plus the sampler's inputs, output ``sampled_ids`` int64 ``[B, 1]``.
+    Returns its path.
+
+    Raises:
+        ValueError: the model has no ``logits`` output with a fixed vocabulary size.
+    """
     import onnx
+    from onnx import helper
 
-    m = onnx.load(str(model_path), load_external_data=False)
-    if any(o.name == SAMPLED for o in m.graph.output):
-        return
-    nodes, inputs, output = sampling_nodes("logits")
-    m.graph.node.extend(nodes)
-    m.graph.input.extend(inputs)
-    m.graph.output.append(output)
-    onnx.save(m, str(model_path))
+    m = onnx.load(str(build_dir / "model.onnx"), load_external_data=False)
+    out = next((o for o in m.graph.output if o.name == "logits"), None)
+    dims = [] if out is None else list(out.type.tensor_type.shape.dim)
+    if out is None or len(dims) != 3 or not dims[-1].HasField("dim_value"):
+        raise ValueError(f"{build_dir / 'model.onnx'}: no logits output [B, S, V] with a fixed V")
+    vocab = int(dims[-1].dim_value)
+    nodes, inputs, output = sampling_nodes("logits", vocab)
+    logits = helper.make_tensor_value_info(
+        "logits", out.type.tensor_type.elem_type, ["batch_size", "sequence_length", vocab]
+    )
+    graph = helper.make_graph(nodes, "tandem_sampler", [logits, *inputs], [output])
+    opset = max((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), default=17)
+    sampler = helper.make_model(graph, opset_imports=[helper.make_opsetid("", max(opset, 18))])
+    sampler.ir_version = m.ir_version
+    onnx.checker.check_model(sampler)
+    path = build_dir / SAMPLER_FILE
+    onnx.save(sampler, str(path))
+    return path
 
 
-def sampling_nodes(logits: str) -> tuple[list[Any], list[Any], Any]:
+def sampling_nodes(logits: str, vocab_size: int) -> tuple[list[Any], list[Any], Any]:
     """The nodes, inputs and output of the sampler of the last row of ``logits`` ``[B, S, V]``
-    (float32, float16 or bfloat16), in standard ONNX ops (opset 15 and later), per row ``b``:
+    (float32, float16 or bfloat16; ``V = vocab_size``), in standard ONNX ops (opset 18 and later),
+    per row ``b``:
 
     ``z = float32(logits[b, -1]) / max(temperature[b], MIN_TEMPERATURE)``; sort ``z`` descending
     (``TopK`` over ``V``; equal values in index order); keep the values ``>=`` the ``top_k``-th
@@ -163,7 +185,9 @@ def sampling_nodes(logits: str) -> tuple[list[Any], list[Any], Any]:
     ``cdf <= uniform[b] * cdf[-1]``, clipped to the last ``q > 0``, i.e. the inverse CDF at
     ``uniform``. ``edge.compute.local.sample_token`` is the host's copy of the rule. Every value but
     TopK's ``K`` (a shape) is computed on the execution provider's device, ranks and counts in
-    float32, so a CUDA graph captures the sampler whole.
+    float32. The cumulative sums run in blocks of ``PREFIX_BLOCK`` (``blocked_prefix_sum``, the host's
+    copy): ONNX Runtime's CUDA ``CumSum`` sums every output element's whole prefix on its own, ``V^2``
+    additions (about 8 ms a step at ``V`` = 128256 on an H100), blocks make it ``V * PREFIX_BLOCK``.
 
     Returns ``(nodes, graph inputs, graph output)``; node and intermediate names start ``sample/``.
     """
@@ -191,21 +215,42 @@ def sampling_nodes(logits: str) -> tuple[list[Any], list[Any], Any]:
     def rows(name: str) -> str:  # a per-row input ``[B]`` as ``[B, 1]``
         return op("Unsqueeze", [name, axis1], f"{name}_b")
 
+    blocks = -(-vocab_size // PREFIX_BLOCK)
+    padded = blocks * PREFIX_BLOCK
+    pads = const("pads", [0, 0, 0, padded - vocab_size], i64, [4])
+    as_blocks = const("as_blocks", [0, blocks, PREFIX_BLOCK], i64, [3])
+    as_rows, axis2 = const("as_rows", [0, padded], i64, [2]), const("axis2", [2], i64, [])
+    axes2 = const("axes2", [2], i64, [1])
+    v_start, v_end = const("v_start", [0], i64, [1]), const("v_end", [vocab_size], i64, [1])
+    block_last = const("block_last", [PREFIX_BLOCK - 1], i64, [1])
+
+    def prefix(x: str, name: str, exclusive: bool = False) -> str:
+        """``blocked_prefix_sum`` of ``x`` ``[B, V]``: in-block sums, plus the sums of the blocks before."""
+        x3 = op("Reshape", [op("Pad", [x, pads], f"{name}_pad"), as_blocks], f"{name}_blocks")  # [B, nb, blk]
+        inner = op("CumSum", [x3, axis2], f"{name}_inner")
+        totals = op("Squeeze", [op("Gather", [inner, block_last], f"{name}_tot1", axis=2), axes2], f"{name}_tot")
+        offs = op("CumSum", [totals, axis], f"{name}_offs", exclusive=1)  # [B, nb]
+        if exclusive:
+            inner = op("CumSum", [x3, axis2], f"{name}_inner_ex", exclusive=1)
+        whole = op("Add", [inner, op("Unsqueeze", [offs, axes2], f"{name}_offs3")], f"{name}_sum3")
+        flat = op("Reshape", [whole, as_rows], f"{name}_flat")
+        return op("Slice", [flat, v_start, v_end, axis1], name)
+
     x = op("Cast", [op("Gather", [logits, last], "row", axis=1)], "x", to=f)  # [B, V]
     z = op("Div", [x, op("Max", [rows("temperature"), min_t], "t")], "z")
     # the sort: K = V (a shape, on the host as TopK takes it), equal values in index order
     vals, idx = op("TopK", [z, op("Shape", [z], "v", start=-1)], "sorted", outs=2, axis=-1, largest=1, sorted=1)
     # ranks and counts in float32 (exact below 2**24): every op stays on the device's kernels
-    rank = op("CumSum", [op("Cast", [op("Equal", [idx, idx], "all")], "ones", to=f), axis], "rank", exclusive=1)
+    rank = const("rank", [float(r) for r in range(vocab_size)], f, [vocab_size])
     k = op("Cast", [rows("top_k")], "k", to=f)
     kth = op("ReduceMin", [op("Where", [op("Less", [rank, k], "in_k"), vals, inf], "top"), axis1], "kth", keepdims=1)
     keep_k = op("Or", [op("LessOrEqual", [k, zero], "k_off"), op("GreaterOrEqual", [vals, kth], "k_in")], "keep_k")
     p = op("Softmax", [op("Where", [keep_k, vals, ninf], "masked")], "p", axis=-1)
-    before = op("CumSum", [p, axis], "before", exclusive=1)  # the mass of the more probable tokens
+    before = prefix(p, "before", exclusive=True)  # the mass of the more probable tokens
     tp = rows("top_p")
     keep_p = op("Or", [op("GreaterOrEqual", [tp, one], "p_off"), op("Less", [before, tp], "p_in")], "keep_p")
     q = op("Where", [keep_p, p, zero], "q")
-    cdf = op("CumSum", [q, axis], "cdf")
+    cdf = prefix(q, "cdf")
     target = op("Mul", [rows("uniform"), op("Gather", [cdf, last1], "total", axis=1)], "target")  # [B, 1]
     count = op("ReduceSum", [op("Cast", [op("LessOrEqual", [cdf, target], "le")], "below", to=f), axis1], "count")
     kept = op("ReduceSum", [op("Cast", [op("Greater", [q, zero], "gt")], "positive", to=f), axis1], "kept")
@@ -219,6 +264,25 @@ def sampling_nodes(logits: str) -> tuple[list[Any], list[Any], Any]:
         helper.make_tensor_value_info("uniform", f, ["batch_size"]),
     ]
     return nodes, inputs, helper.make_tensor_value_info(SAMPLED, i64, ["batch_size", 1])
+
+
+def blocked_prefix_sum(x: Any, exclusive: bool = False) -> Any:
+    """The cumulative sum of float32 ``x`` ``[V]`` in the sampler graph's order (``sampling_nodes``):
+    sequential sums within blocks of ``PREFIX_BLOCK`` (the last padded with zeros), plus the
+    sequential exclusive sum of the blocks' totals before each block, in float32. ``exclusive``:
+    each element's sum leaves itself out."""
+    import numpy as np
+
+    v = x.shape[0]
+    blocks = -(-v // PREFIX_BLOCK)
+    padded = np.zeros(blocks * PREFIX_BLOCK, np.float32)
+    padded[:v] = x
+    x3 = padded.reshape(blocks, PREFIX_BLOCK)
+    inner = np.cumsum(x3, axis=1, dtype=np.float32)
+    offs = np.concatenate([np.zeros(1, np.float32), np.cumsum(inner[:, -1], dtype=np.float32)[:-1]])
+    if exclusive:
+        inner = np.concatenate([np.zeros((blocks, 1), np.float32), inner[:, :-1]], axis=1)
+    return (inner + offs[:, None]).reshape(-1)[:v]
 
 
 def neutral_sampling(rows: int) -> dict[str, Any]:
@@ -348,9 +412,6 @@ class _KVBuffers:
         for name, v in self.kv.items():
             b.bind_ortvalue_input(name, v)
             b.bind_ortvalue_output(name.replace("past_key_values.", "present."), v)
-        if SAMPLED in {o.name for o in self.sess.get_outputs()}:
-            for name, value in neutral_sampling(1).items():
-                b.bind_cpu_input(name, value)
         b.bind_output("logits", "cpu")
         self.sess.run_with_iobinding(b)
         self.held += len(ids)

@@ -1,25 +1,26 @@
-"""The whole model as ONNX Runtime GenAI's model builder writes it, driven by tandem with ONNX
-Runtime: a session's KV in preallocated buffers, bound as past and present at once.
+"""The whole model as ONNX Runtime GenAI's model builder writes it, driven by tandem with ONNX Runtime:
+a session's KV in preallocated buffers, bound as past and present at once.
 
 The graph (``onnxruntime_genai.models.builder``; see ``common.model.builder_export``) takes
 ``input_ids`` int64 ``[1, S]``, ``attention_mask`` int64 ``[1, M]`` and, per layer ``i``,
 ``past_key_values.i.key`` / ``.value`` ``[1, Hkv, C, D]``; it returns ``logits`` ``[1, S, V]``,
-``present.i.key`` / ``.value`` and (added by tandem's preparation) ``next_token_ids`` int64
-``[1, S]``, the argmax of each row of the logits; a graph with tandem's sampler
-(``common.model.builder_export.add_sampling``) takes ``temperature``, ``top_k``, ``top_p`` and
-``uniform`` ``[1]`` too and returns ``sampled_ids`` int64 ``[1, 1]``, the last row's token sampled
-at ``uniform``. Its attention is ``GroupQueryAttention`` with rotary fused: the positions of the new
-tokens come from the mask (``sum(mask) - S`` tokens are already held), and with past and present
-bound to one buffer of ``C`` tokens ("past-present share buffer") it writes the new tokens' keys and
-values in place after the held ones. Nothing grows per token, so a decode step's inputs and outputs
-keep their addresses and ONNX Runtime's CUDA provider can replay it as a CUDA graph
-(``enable_cuda_graph``; prefills run uncaptured, ``gpu_graph_id = -1``).
+``present.i.key`` / ``.value`` and (added by tandem's preparation) ``next_token_ids`` int64 ``[1,
+S]``, the argmax of each row of the logits. A CUDA build has the sampler beside it
+(``sampler.onnx``, ``common.model.builder_export.write_sampler``): ``DeviceSampler`` runs it on a
+step's logits where they lie on the device, with ``temperature``, ``top_k``, ``top_p`` and
+``uniform`` per row, and reads back only ``sampled_ids`` int64 ``[B, 1]``, each row's last token
+sampled at its ``uniform``; a greedy step never runs it. Its attention is ``GroupQueryAttention``
+with rotary fused: the positions of the new tokens come from the mask (``sum(mask) - S`` tokens are
+already held), and with past and present bound to one buffer of ``C`` tokens ("past-present share
+buffer") it writes the new tokens' keys and values in place after the held ones. Nothing grows per
+token, so a decode step's inputs and outputs keep their addresses and ONNX Runtime's CUDA provider
+can replay it as a CUDA graph (``enable_cuda_graph``; prefills run uncaptured, ``gpu_graph_id =
+-1``).
 
 ``KVSlot``: one session's buffers (``2L`` KV tensors, the mask, the step's input and outputs) and
 the CUDA graph captured on them (one graph id per slot). ``DecoderGraph.run`` computes new tokens
-into a slot; greedy turns read back only the token id, sampled turns too where the graph has the
-sampler (its inputs bound at fixed addresses and updated in place per step, as the ids and the
-mask), others the logits of the last token.
+into a slot; greedy turns read back only the token id, sampled turns too where the build has the
+sampler, others the logits of the last token.
 
 Batched decode (``DecoderGraph.run_batch``): several sessions' one-token steps in one run, with
 ``input_ids`` ``[B, 1]``, ``attention_mask`` ``[B, C]`` right-padded (per row ones over its held
@@ -53,7 +54,7 @@ from tandem.common.model.builder_export import (
     NEXT_TOKEN,
     ONNX_ELEMENT,
     SAMPLED,
-    SAMPLING_INPUTS,
+    SAMPLER_FILE,
     load_build,
     neutral_sampling,
 )
@@ -122,8 +123,6 @@ class KVSlot:
     mask: int64 ``[1, C]``, ``1`` for the held tokens and the ones being computed, ``0`` after.
     step_ids / step_logits / step_next: a decode step's input ``[1, 1]`` int64 and outputs
         ``[1, 1, V]`` and ``[1, 1]`` int64, at fixed addresses (what a CUDA graph replays).
-    step_sampling / step_sampled: the sampler's inputs ``[1]`` (by name) and output ``[1, 1]``
-        int64 at fixed addresses (empty / None for a graph without the sampler).
     graph_id: the CUDA graph id of this slot's decode step (``>= 1``).
     pool: the ``BatchPool`` whose row holds the slot's KV while it decodes in batches (its own
         ``kv`` is stale meanwhile), else None.
@@ -137,8 +136,6 @@ class KVSlot:
     step_logits: Any
     step_next: Any
     graph_id: int
-    step_sampling: dict[str, Any] = field(default_factory=dict)
-    step_sampled: Any = None
     tokens: int = 0
     binding: Any = field(default=None, repr=False)
     pool: Any = field(default=None, repr=False)
@@ -157,8 +154,6 @@ class BatchPool:
     ids / ids_host: int64 ``[R, 1]``, a step's input ids (device buffer and its host copy).
     mask / mask_host: int64 ``[R, C]``, a step's attention mask.
     next_ids: int64 ``[R, 1]``, the argmax output; logits: ``[R, 1, V]``.
-    sampling / sampling_host: the sampler's inputs ``[R]`` by name (device buffers and host copies);
-        sampled: int64 ``[R, 1]``, its output (empty / None for a graph without the sampler).
     graph_ids / bindings: per bucket ``b`` (rows run), the CUDA graph id and the IO binding it was
         captured with (the buffers' first ``b`` rows bound by address).
     """
@@ -172,12 +167,51 @@ class BatchPool:
     mask_host: np.ndarray
     next_ids: Any
     logits: Any
-    sampling: dict[str, Any] = field(default_factory=dict)
-    sampling_host: dict[str, np.ndarray] = field(default_factory=dict)
-    sampled: Any = None
     table: RowTable[KVSlot] = field(default_factory=RowTable)
     graph_ids: dict[int, int] = field(default_factory=dict)
     bindings: dict[int, Any] = field(default_factory=dict)
+
+
+class DeviceSampler:
+    """The build's sampler graph (``sampler.onnx``, ``common.model.builder_export.sampling_nodes``) in
+    an ONNX Runtime session of its own on the decoder's device, run on logits where they lie.
+
+    Who calls: its ``DecoderGraph``, after a run whose rows sample (never on a greedy step: ONNX
+    Runtime runs every node of a session's graph, and the sampler sorts ``V`` logits per row).
+    Uncaptured: its inputs' addresses change with the step's bucket, and its run is a few dozen
+    kernels."""
+
+    def __init__(self, path: Path, providers: list[Any], device: str) -> None:
+        """``providers``: the decoder's (a CUDA graph option is left out: nothing here is captured).
+
+        Raises:
+            What ``onnxruntime.InferenceSession`` raises for a bad file.
+        """
+        import onnxruntime as ort
+
+        from tandem.edge.compute.head import session_options
+
+        plain = [
+            (p[0], {k: v for k, v in p[1].items() if k != "enable_cuda_graph"}) if isinstance(p, tuple) else p
+            for p in providers
+        ]
+        self.session = ort.InferenceSession(str(path), session_options(), providers=plain)
+        self.device = device
+        self.path = path
+
+    def sample(self, logits: Any, rows: int, logits_type: str, params: dict[str, np.ndarray]) -> np.ndarray:
+        """The tokens sampled from the last position of each of the first ``rows`` rows of
+        ``logits`` (an ``OrtValue`` ``[R, S, V]`` of ``logits_type`` on the device, bound by
+        address), at the per-row ``params`` (``temperature``, ``top_k``, ``top_p``, ``uniform``,
+        host arrays of at least ``rows``): int64 ``[rows]`` on the host."""
+        _, steps, vocab = logits.shape()
+        b = self.session.io_binding()
+        b.bind_input("logits", self.device, 0, ONNX_TYPES[logits_type], [rows, steps, vocab], logits.data_ptr())
+        for name, value in params.items():
+            b.bind_cpu_input(name, np.ascontiguousarray(value[:rows]))
+        b.bind_output(SAMPLED, "cpu")
+        self.session.run_with_iobinding(b)
+        return b.get_outputs()[0].numpy()[:, 0]
 
 
 class DecoderGraph:
@@ -226,9 +260,9 @@ class DecoderGraph:
             if t not in ONNX_TYPES:
                 raise ValueError(f"{self.spec.path}: KV and logits must be float32, float16 or bfloat16, got {t}")
         self.has_next_token = NEXT_TOKEN in {o.name for o in self.session.get_outputs()}
-        self.has_sampling = SAMPLED in {o.name for o in self.session.get_outputs()} and set(SAMPLING_INPUTS) <= set(
-            types
-        )
+        sampler = self.spec.path.parent / SAMPLER_FILE
+        self.sampler = DeviceSampler(sampler, names, self.device) if sampler.is_file() else None
+        self.has_sampling = self.sampler is not None
         self.providers: list[str] = self.session.get_providers()
         # a slot holds more than the graph's sliding window (ONNX Runtime refuses a smaller KV buffer)
         self.min_slot_tokens = max(MIN_SLOT_TOKENS, _window_tokens(model_dir) + 1)
@@ -264,10 +298,6 @@ class DecoderGraph:
             step_logits=self._empty_logits(1),
             step_next=ort.OrtValue.ortvalue_from_shape_and_type([1, 1], np.int64, dev, 0),
             graph_id=self._next_graph_id,
-            step_sampling=self._sampling_buffers(1),
-            step_sampled=ort.OrtValue.ortvalue_from_shape_and_type([1, 1], np.int64, dev, 0)
-            if self.has_sampling
-            else None,
         )
         self._next_graph_id += 1
         return slot
@@ -277,15 +307,6 @@ class DecoderGraph:
         import onnxruntime as ort
 
         return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, _storage(self.kv_type)), self.device, 0)
-
-    def _sampling_buffers(self, rows: int) -> dict[str, Any]:
-        """The sampler's inputs for ``rows`` rows on the device (neutral values), by name; empty
-        for a graph without the sampler."""
-        import onnxruntime as ort
-
-        if not self.has_sampling:
-            return {}
-        return {k: ort.OrtValue.ortvalue_from_numpy(v, self.device, 0) for k, v in neutral_sampling(rows).items()}
 
     def _sampling_rows(self, draws: Sequence[Draw | None], rows: int, at: Sequence[int]) -> dict[str, np.ndarray]:
         """Host sampler inputs ``[rows]``: ``draws[i]`` in row ``at[i]``, neutral values elsewhere
@@ -298,7 +319,7 @@ class DecoderGraph:
         return host
 
     def _samples(self, greedy: bool, draw: Draw | None) -> bool:
-        """Whether a row's token is the graph's sample (not greedy, a draw, the graph has the sampler)."""
+        """Whether a row's token is the sampler's (not greedy, a draw, the build has the sampler)."""
         return not greedy and draw is not None and self.has_sampling
 
     def _empty_logits(self, rows: int) -> Any:
@@ -317,8 +338,8 @@ class DecoderGraph:
         place: afterwards the slot holds ``tokens + S`` (grown first where it must).
 
         Returns ``(token, logits, ms)``: with ``greedy`` and the graph's argmax output the argmax
-        token of the last new row and no logits; not greedy, with a ``draw`` and the graph's
-        sampler, the last row's token sampled at ``draw`` and no logits; otherwise ``None`` and the
+        token of the last new row and no logits; not greedy, with a ``draw`` and the build's
+        sampler, the last row's token sampled at ``draw`` on the device and no logits; otherwise ``None`` and the
         last row's logits, float32 ``[V]`` on the host; and the run time in ms.
 
         Raises:
@@ -340,22 +361,19 @@ class DecoderGraph:
         """A run with a fresh binding: the prefill, or every run where no CUDA graph is captured.
         The mask is bound over the held and new tokens only (``[1, T + S]``)."""
         want_token = greedy and self.has_next_token
-        want_sample = not want_token and self._samples(greedy, draw)
-        token_output = NEXT_TOKEN if want_token else SAMPLED if want_sample else None
-        b, logits = self._run_bound(slot, new_ids, token_output, draw)
+        b, logits = self._run_bound(slot, new_ids, NEXT_TOKEN if want_token else None)
         if logits is None:
             return int(b.get_outputs()[-1].numpy()[0, -1]), None  # outputs come back in the order they were bound
+        if self._samples(greedy, draw):
+            return int(self._sample(logits, 1, self._sampling_rows([draw], 1, [0]))[0]), None
         return None, _last_row(_as_float32(logits))
 
-    def _run_bound(
-        self, slot: KVSlot, new_ids: list[int], token_output: str | None, draw: Draw | None = None
-    ) -> tuple[Any, Any]:
+    def _run_bound(self, slot: KVSlot, new_ids: list[int], token_output: str | None) -> tuple[Any, Any]:
         """One uncaptured run of ``new_ids`` after the slot's held tokens (whose mask ``_begin`` set):
         the ids and the mask over the held and new tokens (``[1, T + S]``) from the host, the KV
-        bound as past and present, the sampler's inputs (``draw``, neutral without one) where the
-        graph has the sampler, and as output either the token output named ``token_output``
-        (``next_token`` or ``sampled_ids``) or the logits of every new token. Returns the binding and
-        the logits tensor (``None`` with a token output)."""
+        bound as past and present, and as output either the argmax token (``token_output``) or the
+        logits of every new token, on the device. Returns the binding and the logits tensor
+        (``None`` with a token output)."""
         import onnxruntime as ort
 
         total = slot.tokens + len(new_ids)
@@ -363,8 +381,6 @@ class DecoderGraph:
         b.bind_cpu_input("input_ids", np.asarray([new_ids], np.int64))
         b.bind_cpu_input("attention_mask", np.ascontiguousarray(slot.mask_host[:, :total]))
         self._bind_kv(b, slot)
-        for name, value in self._sampling_rows([draw], 1, [0]).items() if self.has_sampling else ():
-            b.bind_cpu_input(name, value)
         logits = None
         if token_output is not None:
             b.bind_output(token_output, "cpu")
@@ -403,29 +419,22 @@ class DecoderGraph:
     def _decode_step(
         self, slot: KVSlot, token_id: int, greedy: bool, draw: Draw | None = None
     ) -> tuple[int | None, np.ndarray | None]:
-        """One token through the slot's captured CUDA graph: the input id, the whole mask ``[1, C]``
-        and the sampler's inputs are copied into their fixed buffers, the graph replays (captured
-        on the first step), and only the token id (greedy, or sampled by the graph) or the logits
+        """One token through the slot's captured CUDA graph: the input id and the whole mask ``[1, C]``
+        are copied into their fixed buffers, the graph replays (captured on the first step), and
+        only the token id (greedy, or sampled on the device from the step's logits) or the logits
         row comes back."""
         import onnxruntime as ort
 
         slot.step_ids.update_inplace(np.asarray([[token_id]], np.int64))
         slot.mask.update_inplace(slot.mask_host)
-        if self.has_sampling:
-            for name, value in self._sampling_rows([draw], 1, [0]).items():
-                slot.step_sampling[name].update_inplace(value)
         if slot.binding is None:
             b = self.session.io_binding()
             b.bind_ortvalue_input("input_ids", slot.step_ids)
             b.bind_ortvalue_input("attention_mask", slot.mask)
-            for name, v in slot.step_sampling.items():
-                b.bind_ortvalue_input(name, v)
             self._bind_kv(b, slot)
             self._bind(b, "logits", slot.step_logits, self.logits_type, output=True)
             if self.has_next_token:
                 b.bind_ortvalue_output(NEXT_TOKEN, slot.step_next)
-            if self.has_sampling:
-                b.bind_ortvalue_output(SAMPLED, slot.step_sampled)
             slot.binding = b
         opts = ort.RunOptions()
         opts.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
@@ -433,8 +442,13 @@ class DecoderGraph:
         if greedy and self.has_next_token:
             return int(slot.step_next.numpy()[0, -1]), None
         if self._samples(greedy, draw):
-            return int(slot.step_sampled.numpy()[0, 0]), None
+            return int(self._sample(slot.step_logits, 1, self._sampling_rows([draw], 1, [0]))[0]), None
         return None, _last_row(_as_float32(slot.step_logits))
+
+    def _sample(self, logits: Any, rows: int, params: dict[str, np.ndarray]) -> np.ndarray:
+        """The sampler's tokens of the first ``rows`` rows of ``logits`` (``[R, S, V]`` on the device)."""
+        assert self.sampler is not None
+        return self.sampler.sample(logits, rows, self.logits_type, params)
 
     def _bind_kv(self, b: Any, slot: KVSlot) -> None:
         for past, present, v in zip(self.spec.past_names(), self.spec.present_names(), slot.kv, strict=True):
@@ -463,7 +477,7 @@ class DecoderGraph:
         token more (grown first where it must, which moves it to the pool of its new capacity).
 
         Returns, per slot in order, the argmax token (``greedy[i]`` and the graph's argmax output),
-        the token sampled at ``draws[i]`` (not greedy, a draw, and the graph's sampler) or None, the
+        the token sampled at ``draws[i]`` on the device (not greedy, a draw, and the build's sampler) or None, the
         new token's logits float32 ``[V]`` on the host where no token is returned, else None; and
         the run time in ms (all runs, moves included).
 
@@ -529,8 +543,6 @@ class DecoderGraph:
         for s, tok in zip(slots, token_ids, strict=True):
             pool.ids_host[pool.table.row(s), 0] = tok
         pool.mask_host[:b] = np.arange(pool.capacity_tokens)[None, :] < lengths[:, None]
-        if self.has_sampling:
-            pool.sampling_host = self._sampling_rows(draws, pool.rows, [pool.table.row(s) for s in slots])
         if self.cuda_graph:
             self._replay_bucket(pool, b)
         else:
@@ -538,17 +550,21 @@ class DecoderGraph:
         for s in slots:
             s.mask_host[0, s.tokens] = 1
             s.tokens += 1
-        return self._step_outputs(pool, [pool.table.row(s) for s in slots], greedy, draws)
+        return self._step_outputs(pool, b, [pool.table.row(s) for s in slots], greedy, draws)
 
     def _step_outputs(
-        self, pool: BatchPool, rows: list[int], greedy: list[bool], draws: list[Draw | None]
+        self, pool: BatchPool, bucket: int, rows: list[int], greedy: list[bool], draws: list[Draw | None]
     ) -> tuple[list[int | None], list[np.ndarray | None]]:
         """Per row, its argmax token (greedy, where the graph computes it), its sampled token (a
-        draw, where the graph samples) or its logits row; only what some row needs is read back."""
+        draw, where the build has the sampler: one sampler run over the step's first ``bucket`` rows
+        of logits, on the device) or its logits row; only what some row needs is read back."""
         argmax = [g and self.has_next_token for g in greedy]
         sampled = [self._samples(g, d) for g, d in zip(greedy, draws, strict=True)]
         ids = pool.next_ids.numpy()[:, 0] if any(argmax) else None
-        picks = pool.sampled.numpy()[:, 0] if any(sampled) else None
+        picks = None
+        if any(sampled):
+            on = [d if s else None for d, s in zip(draws, sampled, strict=True)]
+            picks = self._sample(pool.logits, bucket, self._sampling_rows(on, bucket, rows))
         logits = _as_float32(pool.logits) if not all(a or s for a, s in zip(argmax, sampled, strict=True)) else None
         tokens: list[int | None] = []
         rows_out: list[np.ndarray | None] = []
@@ -568,8 +584,6 @@ class DecoderGraph:
         self._bind_at(b, "logits", pool.logits.data_ptr(), [rows, 1, s.vocab_size], self.logits_type, output=True)
         if self.has_next_token:
             self._bind_at(b, NEXT_TOKEN, pool.next_ids.data_ptr(), [rows, 1], "tensor(int64)", output=True)
-        if self.has_sampling:
-            self._bind_at(b, SAMPLED, pool.sampled.data_ptr(), [rows, 1], "tensor(int64)", output=True)
 
     def _run_bucket(self, pool: BatchPool, rows: int, mask_tokens: int) -> None:
         """A step over the first ``rows`` rows where no CUDA graph is captured, the mask bound over
@@ -577,8 +591,6 @@ class DecoderGraph:
         b = self.session.io_binding()
         b.bind_cpu_input("input_ids", np.ascontiguousarray(pool.ids_host[:rows]))
         b.bind_cpu_input("attention_mask", np.ascontiguousarray(pool.mask_host[:rows, :mask_tokens]))
-        for name, value in pool.sampling_host.items():
-            b.bind_cpu_input(name, np.ascontiguousarray(value[:rows]))
         self._bind_rows(b, pool, rows)
         self.session.run_with_iobinding(b)
 
@@ -590,17 +602,12 @@ class DecoderGraph:
 
         pool.ids.update_inplace(pool.ids_host)
         pool.mask.update_inplace(pool.mask_host)
-        for name, value in pool.sampling_host.items():
-            pool.sampling[name].update_inplace(value)
         if rows not in pool.bindings:
             b = self.session.io_binding()
             self._bind_at(b, "input_ids", pool.ids.data_ptr(), [rows, 1], "tensor(int64)", output=False)
             self._bind_at(
                 b, "attention_mask", pool.mask.data_ptr(), [rows, pool.capacity_tokens], "tensor(int64)", output=False
             )
-            for name, v in pool.sampling.items():
-                onnx_type = "tensor(int64)" if name == "top_k" else "tensor(float)"
-                self._bind_at(b, name, v.data_ptr(), [rows], onnx_type, output=False)
             self._bind_rows(b, pool, rows)
             pool.bindings[rows] = b
             pool.graph_ids[rows] = self._next_graph_id
@@ -640,11 +647,6 @@ class DecoderGraph:
             logits=ort.OrtValue.ortvalue_from_shape_and_type(
                 [rows, 1, s.vocab_size], _storage(self.logits_type), dev, 0
             ),
-            sampling=self._sampling_buffers(rows),
-            sampling_host=neutral_sampling(rows) if self.has_sampling else {},
-            sampled=ort.OrtValue.ortvalue_from_shape_and_type([rows, 1], np.int64, dev, 0)
-            if self.has_sampling
-            else None,
         )
 
     def _row_bytes(self, capacity_tokens: int) -> int:

@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from tandem.common.model.builder_export import blocked_prefix_sum
 from tandem.common.protocol.errors import EngineError, InvalidRequest
 from tandem.common.protocol.limits import RequestLimits
 from tandem.common.protocol.manifest import ModelShape
@@ -168,8 +169,10 @@ def sample_token(logits: np.ndarray, s: Sampling, uniform: float) -> int:
     ``top_k``-th (``0`` = off; ties with the k-th stay), softmax, keep the tokens whose mass before
     them is ``< top_p`` (``1.0`` = off; the most probable token always stays), and take the inverse
     CDF of the kept mass at ``uniform``: the first token whose cumulative mass exceeds
-    ``uniform * total``. The graph computes the same in float32 up to the last bit of its ``exp``
-    and sums, so the two pick one token but where ``uniform`` falls within a few ulps of a boundary.
+    ``uniform * total``. The cumulative sums run in the graph's order
+    (``common.model.builder_export.blocked_prefix_sum``), so the two compute the same float32 values
+    up to the last bit of the ``exp`` and the softmax's sum, and pick one token but where
+    ``uniform`` falls within a few ulps of a boundary.
     """
     if s.temperature < SAMPLING_EPS:
         return int(np.argmax(logits))
@@ -181,9 +184,9 @@ def sample_token(logits: np.ndarray, s: Sampling, uniform: float) -> int:
     e = np.exp(vals - vals[0])
     p = e / e.sum(dtype=np.float32)
     if s.top_p < 1.0:
-        before = np.concatenate([[np.float32(0)], np.cumsum(p, dtype=np.float32)[:-1]])  # mass ahead
+        before = blocked_prefix_sum(p, exclusive=True)  # the mass ahead
         p = np.where(before < np.float32(s.top_p), p, np.float32(0))
-    cdf = np.cumsum(p, dtype=np.float32)
+    cdf = blocked_prefix_sum(p)
     at = int(np.count_nonzero(cdf <= np.float32(uniform) * cdf[-1]))
     return int(order[max(0, min(at, int(np.count_nonzero(p > 0)) - 1))])
 

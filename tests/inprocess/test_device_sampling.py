@@ -1,6 +1,7 @@
-"""Sampling in the builder graph (``common.model.builder_export.add_sampling``) against the host's
-sampler (``edge.compute.local.sample_token``), on SmolLM2's prepared ``edge-decoder/`` with ONNX
-Runtime's CPU provider: a copy of the graph with the sampler returns the token ids the graph without
+"""Sampling by the build's sampler graph (``common.model.builder_export.write_sampler``, run by
+``edge.compute.decoder.DeviceSampler`` on the step's logits) against the host's sampler
+(``edge.compute.local.sample_token``), on SmolLM2's prepared ``edge-decoder/`` with ONNX Runtime's CPU
+provider: a copy of the build with the sampler returns the token ids the graph without
 it gives through the host, for seeded turns alone and in batches, under several temperature / top-k
 / top-p settings, through a binding per run and through the fixed-address buffers a CUDA graph
 replays; where the graph samples, no logits come back."""
@@ -14,7 +15,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tandem.common.model.builder_export import add_sampling
+from tandem.common.model.builder_export import write_sampler
 from tandem.common.protocol.chat import prompt_token_ids
 from tandem.common.protocol.errors import InvalidRequest
 from tandem.common.protocol.params import Sampling
@@ -47,8 +48,9 @@ def decoder_dir(split_dir):
 
 @pytest.fixture(scope="module")
 def sampler_dir(decoder_dir, tmp_path_factory):
-    """A copy of the prepared graph with the sampler added (the weights hard-linked where the file
-    system allows; ONNX Runtime refuses external data that a symbolic link leads out of the folder)."""
+    """A copy of the prepared graph with the sampler's graph beside it, as a CUDA build has it (the
+    weights hard-linked where the file system allows; ONNX Runtime refuses external data that a
+    symbolic link leads out of the folder)."""
     out = tmp_path_factory.mktemp("sampler") / "edge-decoder"
     out.mkdir()
     for f in decoder_dir.iterdir():
@@ -59,7 +61,7 @@ def sampler_dir(decoder_dir, tmp_path_factory):
                 shutil.copy(f, out / f.name)
         elif f.is_file():
             shutil.copy(f, out / f.name)
-    add_sampling(out / "model.onnx")
+    write_sampler(out)
     return out
 
 
@@ -155,9 +157,9 @@ async def test_bad_sampling_values_are_refused(device_engine, prompts, bad):
         await turn(device_engine, prompts[0], bad)
 
 
-def test_the_preparation_check_runs_a_graph_with_the_sampler(sampler_dir, manifest, split_dir, prompts):
-    """``check_decoder`` binds the sampler's inputs (every input of a graph must be bound) and the
-    graph's logits still match HF's."""
+def test_the_preparation_check_passes_a_build_with_the_sampler(sampler_dir, manifest, split_dir, prompts):
+    """``check_decoder`` on a build with ``sampler.onnx`` beside its graph: the graph's logits still
+    match HF's."""
     from tandem.common.model.builder_export import check_decoder
 
     checked = check_decoder(manifest.resolve(split_dir, manifest.full_checkpoint), sampler_dir, prompts[1])

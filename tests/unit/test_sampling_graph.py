@@ -8,20 +8,27 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.common.model.builder_export import SAMPLED, add_sampling, sampling_nodes
+from tandem.common.model.builder_export import (
+    PREFIX_BLOCK,
+    SAMPLED,
+    SAMPLER_FILE,
+    blocked_prefix_sum,
+    sampling_nodes,
+    write_sampler,
+)
 from tandem.common.protocol.params import Sampling
 from tandem.edge.compute.local import draw_uniform, sample_token, sampling_rng
 
 V = 4096
 
 
-def sampler(logits_type: int = 1):
-    """An ONNX Runtime session of the sampler alone: ``logits`` ``[B, S, V]`` of ``logits_type``."""
+def sampler(logits_type: int = 1, vocab: int = V):
+    """An ONNX Runtime session of the sampler alone: ``logits`` ``[B, S, vocab]`` of ``logits_type``."""
     import onnxruntime as ort
     from onnx import checker, helper
 
-    nodes, inputs, output = sampling_nodes("logits")
-    logits = helper.make_tensor_value_info("logits", logits_type, ["batch_size", "sequence_length", "vocab"])
+    nodes, inputs, output = sampling_nodes("logits", vocab)
+    logits = helper.make_tensor_value_info("logits", logits_type, ["batch_size", "sequence_length", vocab])
     graph = helper.make_graph(nodes, "sampler", [logits, *inputs], [output])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)], ir_version=10)
     checker.check_model(model)
@@ -32,10 +39,12 @@ def sampler(logits_type: int = 1):
 
 @pytest.fixture(scope="module")
 def run():
-    sess = sampler()
+    """Run the sampler (one session per vocabulary size) on ``logits`` ``[B, S, V]``."""
+    sessions: dict[int, object] = {}
 
     def go(logits: np.ndarray, t, k, p, u) -> np.ndarray:
-        b = logits.shape[0]
+        b, vocab = logits.shape[0], logits.shape[-1]
+        sess = sessions.setdefault(vocab, sampler(vocab=vocab))
         feeds = {
             "logits": logits,
             "temperature": np.broadcast_to(np.float32(t), (b,)).astype(np.float32),
@@ -134,18 +143,75 @@ def test_half_precision_logits_are_widened_first(run):
     assert got.tolist() == host
 
 
-def test_add_sampling_adds_the_sampler_once(tmp_path):
+def _model_with_logits(path, vocab) -> None:
     import onnx
     from onnx import TensorProto, helper
 
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch_size", "sequence_length", V])
-    y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", V])
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch_size", "sequence_length", vocab])
+    y = helper.make_tensor_value_info("logits", TensorProto.FLOAT16, ["batch_size", "sequence_length", vocab])
     g = helper.make_graph([helper.make_node("Identity", ["x"], ["logits"])], "m", [x], [y])
-    path = tmp_path / "model.onnx"
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 22)], ir_version=10), str(path))
-    add_sampling(path)
-    add_sampling(path)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10), str(path))
+
+
+def test_write_sampler_writes_the_sampler_beside_the_model_and_leaves_the_model_alone(tmp_path):
+    import onnx
+
+    _model_with_logits(tmp_path / "model.onnx", 1000)
+    before = (tmp_path / "model.onnx").read_bytes()
+    path = write_sampler(tmp_path)
+    assert path == tmp_path / SAMPLER_FILE and (tmp_path / "model.onnx").read_bytes() == before
     m = onnx.load(str(path))
-    assert [o.name for o in m.graph.output] == ["logits", SAMPLED]
-    assert [i.name for i in m.graph.input] == ["x", "temperature", "top_k", "top_p", "uniform"]
     onnx.checker.check_model(m)
+    assert [i.name for i in m.graph.input] == ["logits", "temperature", "top_k", "top_p", "uniform"]
+    assert [o.name for o in m.graph.output] == [SAMPLED]
+    assert m.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16  # the model's logits dtype
+
+
+def test_write_sampler_refuses_a_model_without_a_fixed_vocabulary(tmp_path):
+    _model_with_logits(tmp_path / "model.onnx", "vocab")
+    with pytest.raises(ValueError, match="fixed V"):
+        write_sampler(tmp_path)
+
+
+def test_the_cumulative_sums_run_over_blocks_not_the_vocabulary(tmp_path):
+    """ONNX Runtime's CUDA ``CumSum`` sums each element's whole prefix alone (``n^2`` over an axis of
+    ``n``): every cumulative sum of the sampler runs over at most ``PREFIX_BLOCK`` or the block count."""
+    import onnx
+
+    vocab = 128256
+    _model_with_logits(tmp_path / "model.onnx", vocab)
+    m = onnx.shape_inference.infer_shapes(onnx.load(str(write_sampler(tmp_path))))
+    shapes = {v.name: [d.dim_value or None for d in v.type.tensor_type.shape.dim] for v in m.graph.value_info}
+    sums = [n for n in m.graph.node if n.op_type == "CumSum"]
+    assert sums
+    for n in sums:
+        axis_len = shapes[n.input[0]][-1]
+        assert axis_len is not None and axis_len <= max(PREFIX_BLOCK, -(-vocab // PREFIX_BLOCK)), (n.name, axis_len)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, PREFIX_BLOCK, PREFIX_BLOCK + 1, 5000])
+def test_the_blocked_prefix_sum_is_the_cumulative_sum(vocab):
+    x = np.random.default_rng(vocab).random(vocab, dtype=np.float32)
+    np.testing.assert_allclose(blocked_prefix_sum(x), np.cumsum(x, dtype=np.float64), rtol=1e-5)
+    np.testing.assert_allclose(
+        blocked_prefix_sum(x, exclusive=True), np.cumsum(x, dtype=np.float64) - x, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_a_vocabulary_off_the_block_size_samples_the_host_token():
+    vocab = 1000
+    sess = sampler(vocab=vocab)
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((16, 1, vocab)) * 2).astype(np.float32)
+    u = rng.random(16, dtype=np.float32)
+    for t, k, p in [(1.0, 0, 1.0), (0.7, 40, 1.0), (1.2, 0, 0.9), (0.8, 50, 0.95)]:
+        feeds = {
+            "logits": logits,
+            "temperature": np.full(16, t, np.float32),
+            "top_k": np.full(16, k, np.int64),
+            "top_p": np.full(16, p, np.float32),
+            "uniform": u,
+        }
+        got = sess.run([SAMPLED], feeds)[0][:, 0]
+        s = Sampling(temperature=t, top_k=k, top_p=p)
+        assert got.tolist() == [sample_token(logits[b, 0], s, float(u[b])) for b in range(16)]
