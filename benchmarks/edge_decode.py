@@ -14,7 +14,7 @@ runs batch 1, ``--prompt-tokens`` random prompt ids, ``--new-tokens`` greedy tok
 * ``legacy`` (``--legacy-onnx``): ``edge.compute.local.LocalGenerator`` on tandem's torch.onnx export
   (``edge-full.onnx``), one ``run`` per token with growing KV tensors;
 * ``tandem-sampled`` and ``genai-sampled``: the same two at temperature 0.8, top-k 50, top-p 0.95
-  (``SAMPLED``): tandem's graph samples on the device where the build has the sampler (CUDA builds;
+  (``SAMPLED_*``): tandem's graph samples on the device where the build has the sampler (CUDA builds;
   only the token id comes back), on the host from the logits otherwise; the library with its own
   sampler; a sampled row's ``itl / genai`` is against ``genai-sampled``;
 * ``vllm`` (``--vllm``): an in-process vLLM engine on the same checkpoint, one request at a time;
@@ -108,13 +108,13 @@ def genai_copy(build_dir: Path, out: Path, cuda_graph: bool) -> Path:
 
 
 # the sampled rows' parameters: vLLM's temperature, top-k and top-p, as a chat client sets them
-SAMPLED = {"temperature": 0.8, "top_k": 50, "top_p": 0.95}
+SAMPLED_TEMPERATURE, SAMPLED_TOP_K, SAMPLED_TOP_P = 0.8, 50, 0.95
 
 
 def time_tandem(
     build_dir: Path, prompt: list[int], new_tokens: int, repeats: int, cuda_graph: bool, sampled: bool = False
 ) -> dict:
-    """``DecoderGraph`` at batch 1: greedy, or (``sampled``) ``SAMPLED`` at one seeded draw per token,
+    """``DecoderGraph`` at batch 1: greedy, or (``sampled``) ``SAMPLED_*`` at one seeded draw per token,
     sampled by the graph's own sampler where the build has one (CUDA) and on the host from the
     logits otherwise (``edge.compute.local.sample_token``, the same rule)."""
     from tandem.common.protocol.params import Sampling
@@ -123,7 +123,7 @@ def time_tandem(
     from tandem.edge.compute.localmodel import Draw
 
     g = DecoderGraph(build_dir, cuda_graph=cuda_graph)
-    s = Sampling(**SAMPLED) if sampled else None
+    s = Sampling(temperature=SAMPLED_TEMPERATURE, top_k=SAMPLED_TOP_K, top_p=SAMPLED_TOP_P) if sampled else None
     rng = np.random.default_rng(0)
     ttft, itl = [], []
     slot = g.new_slot(len(prompt) + new_tokens)
@@ -133,7 +133,8 @@ def time_tandem(
             tok, _, _ = g.run(slot, ids, greedy=True)
             return int(tok or 0)
         u = draw_uniform(rng)
-        tok, logits, _ = g.run(slot, ids, greedy=False, draw=Draw(uniform=u, **SAMPLED))
+        draw = Draw(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, uniform=u)
+        tok, logits, _ = g.run(slot, ids, greedy=False, draw=draw)
         return next_token(tok, logits, s, u)
 
     for _ in range(repeats + 1):  # the first repeat warms up (and captures the graph)
@@ -161,7 +162,7 @@ def time_genai(
     cuda_graph: bool,
     sampled: bool = False,
 ) -> dict:
-    """The library's ``Generator`` at batch 1: greedy, or (``sampled``) its own sampler at ``SAMPLED``."""
+    """The library's ``Generator`` at batch 1: greedy, or (``sampled``) its own sampler at ``SAMPLED_*``."""
     import onnxruntime_genai as og
 
     model = og.Model(str(genai_copy(build_dir, work, cuda_graph)))
@@ -172,7 +173,9 @@ def time_genai(
             max_length=len(prompt) + new_tokens, do_sample=sampled, min_length=len(prompt) + new_tokens
         )
         if sampled:
-            params.set_search_options(**SAMPLED, random_seed=0)
+            params.set_search_options(
+                temperature=SAMPLED_TEMPERATURE, top_k=SAMPLED_TOP_K, top_p=SAMPLED_TOP_P, random_seed=0
+            )
         gen = og.Generator(model, params)
         t0 = time.perf_counter()
         gen.append_tokens(np.asarray([prompt], np.int32))
