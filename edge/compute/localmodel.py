@@ -52,9 +52,11 @@ class Draw:
 
 
 class SessionKV(Protocol):
-    """One session's KV as its model holds it; ``tokens``: how many tokens' KV it holds."""
+    """One session's KV as its model holds it; ``tokens``: how many tokens' KV it holds (the engine
+    reads it; the model alone changes it)."""
 
-    tokens: int
+    @property
+    def tokens(self) -> int: ...
 
     def nbytes(self) -> int: ...
 
