@@ -8,22 +8,28 @@ sampling and stop semantics of vLLM so the local mode answers like the cloud.
 Who calls: the edge's local mode (``LocalEngine.generate``, one call per turn, from the event
 loop), remote prefill (``adopt``, ``extend``, ``generate``) and the benchmarks (``LocalGenerator``).
 
-Concurrency: every model run (a prefill, a decode step, a KV read or write) runs in a worker thread
-under one ``asyncio.Lock`` (FIFO), so the event loop stays free and runs never overlap. Where the
-model batches decode steps (``LocalModel.batched_decode``: the builder graph) the concurrent turns'
-next tokens are gathered and computed in one run per step (continuous batching, as vLLM's
-scheduler does): a turn queues its step, one stepper task takes every step queued once the decoding
-turns have all queued theirs (or a few event-loop passes went by) and runs them as one job, and a
-prefill queued meanwhile runs between two steps. Otherwise each decode step is a job of its own
-and concurrent turns interleave token by token. A run that a cancelled turn started keeps the lock
-until it ends (ONNX Runtime cannot be interrupted); the cancelled turn itself returns at once, and a
-step it queued that has not started is dropped.
+Concurrency: every model run (a prefill, a decode step, a KV read or write) runs in one long-lived
+worker thread (``edge.compute.stepper.Stepper``), so the event loop stays free and runs never
+overlap. A turn queues its prefill as a job; the job computes the first token, and from then on
+the thread decodes the turn on its own, one token per step, sampling it (the turn's seeded draws,
+in order) and checking its stops there: each step computes every decoding turn's next token, in
+one ``run_batch`` where the model batches decode steps (``LocalModel.batched_decode``: the builder
+graph; continuous batching, as vLLM's engine core does) and one ``run`` each otherwise, and hands
+all of them back to the event loop with one ``call_soon_threadsafe``. The event loop's side of a
+decode step is taking a token from the turn's queue; nothing waits for it, so it overlaps the next
+run. Jobs (prefills, ``adopt``, ``extend``, ``read_kv``) run first come, first served, one between
+two decode steps: a new turn joins the batch at the step after its prefill, and however many
+prefills are queued, the decoding turns step after each one. A turn that is closed or cancelled
+stops at the next step (a run it is part of finishes first: ONNX Runtime cannot be interrupted),
+and a job it queued that has not started is dropped.
 
 Sessions: with a ``session_id`` the whole model's KV of the conversation is kept between turns
 (``LocalSessions``, bounded by count and bytes, least recently used dropped first) and the longest
 common token prefix with the next prompt is reused. A session's token ids and its KV change only
-together, inside the worker thread of a run (the prefix kept, the new tokens run, the ids
-appended), so a turn that fails or is cancelled leaves the session consistent. Remote prefill
+together, in the worker thread (the prefix kept, the new tokens run, the ids appended), so a
+turn that fails or is cancelled leaves the session consistent. A turn's decode may run ahead of
+the tokens its caller took: a turn closed early leaves its session holding a few more tokens than
+it yielded, and the next turn's prompt reuses the prefix they share. Remote prefill
 (``edge.modes.remote_prefill``) puts the KV that came from the cloud into a session (``adopt``),
 computes the tokens past it (``extend``) and decodes on from there (``generate``).
 
@@ -190,7 +196,7 @@ class TurnRun(Mailbox):
 
 
 class JobBox(Mailbox):
-    """One ``LocalEngine._locked`` job's result (or exception), in ``done``."""
+    """One ``LocalEngine._run_job`` job's result (or exception), in ``done``."""
 
     __slots__ = ("done",)
 
@@ -355,7 +361,7 @@ class LocalEngine:
         self._init_state(shape, eos_token_ids, LocalSessions(max_sessions, session_bytes, session_idle_s))
 
     def _init_state(self, shape: ModelShape, eos_token_ids: Sequence[int], sessions: LocalSessions) -> None:
-        """Everything but the model: sessions, lock, rates and counters."""
+        """Everything but the model: sessions, the stepper, rates and counters."""
         self.shape = shape
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.sessions = sessions
@@ -428,7 +434,7 @@ class LocalEngine:
 
     # ---- runs: every one in the stepper's thread (``edge.compute.stepper``) ------------------------
 
-    async def _locked(self, job: Callable[[], R]) -> tuple[R, float]:
+    async def _run_job(self, job: Callable[[], R]) -> tuple[R, float]:
         """``job`` in the stepper's thread, after the jobs queued before it and between two decode
         steps, the KV of dropped sessions given back to the model first. Returns its result and its
         wait in the queue (ms).
@@ -524,6 +530,9 @@ class LocalEngine:
         model batches (a failed one run again step by step, so a bad session fails alone), else one
         ``run`` each. Turns that finished, failed or were cancelled leave ``decoding``."""
         live = [r for r in decoding if not r.cancelled]
+        if not live:
+            decoding.clear()
+            return
         start = time.perf_counter()
         if self._batched:
             results, ms = self._advance_batch([r.step for r in live])
@@ -627,7 +636,7 @@ class LocalEngine:
             sess.token_ids = ids
 
         async with sess.lock:
-            await self._locked(job)
+            await self._run_job(job)
 
     async def extend(self, sess: LocalSession, ids: list[int]) -> int:
         """Compute the KV of the tokens of ``ids`` past its common prefix with ``sess`` (one run) and
@@ -649,7 +658,7 @@ class LocalEngine:
                 )
             return self.model.read_kv(sess.kv, tokens)
 
-        return (await self._locked(job))[0]
+        return (await self._run_job(job))[0]
 
     async def _prefill(
         self, sess: LocalSession, ids: list[int], keep: int, greedy: bool, tokens_hint: int, draw: Draw | None = None
@@ -660,7 +669,7 @@ class LocalEngine:
         self.pending_prefill_tokens += n
         self.pending_prefills += 1
         try:
-            (tok, logits, ms), wait_ms = await self._locked(
+            (tok, logits, ms), wait_ms = await self._run_job(
                 lambda: self._advance(sess, ids[keep:], keep, greedy, tokens_hint, draw)
             )
         finally:
@@ -740,7 +749,7 @@ class LocalEngine:
         """One untimed one-token run (ONNX Runtime's first run allocates), then a prefill of
         ``n_tokens`` (at least 2) and a few decode steps, which set the measured rates. Stateless."""
         sess = self.new_session()
-        await self._locked(lambda: self._advance(sess, [1], 0, True, 1 + WARMUP_DECODE_STEPS))
+        await self._run_job(lambda: self._advance(sess, [1], 0, True, 1 + WARMUP_DECODE_STEPS))
         sess.drop()
         n = max(2, min(n_tokens, self.shape.max_position_embeddings - WARMUP_DECODE_STEPS))
         ids = [(1 + 7919 * i) % self.shape.vocab_size for i in range(n)]

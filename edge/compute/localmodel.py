@@ -13,10 +13,10 @@ tokens into in place, truncates, reads out and writes into. Its implementations:
 * ``MemoryModel``: the in-memory implementation (tokens a hash of the history, a set run time),
   for the engine's unit tests and the benchmark of the engine's own cost per step.
 
-Calling contract: the engine calls every method from one worker thread at a time (it serialises
-runs under its model lock); a ``SessionKV`` belongs to one session and is released once. Where
-``batched_decode`` is set, the engine computes concurrent turns' decode steps with one
-``run_batch`` per step; otherwise with one ``run`` each.
+Calling contract: the engine calls every method from its one worker thread
+(``edge.compute.stepper``), so runs never overlap; a ``SessionKV`` belongs to one session and is
+released once. Where ``batched_decode`` is set, the engine computes concurrent turns' decode steps
+with one ``run_batch`` per step; otherwise with one ``run`` each.
 
 Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``T`` tokens held, ``V`` vocabulary; KV
 read and written as ``2L`` float32 host arrays ``[1, Hkv, T, D]``, key then value per layer.

@@ -272,7 +272,7 @@ async def test_a_step_that_fails_fails_alone(engine, prompts):
     full.kv.tokens = engine.model.spec.context_tokens  # as if it held the model's every position
     full.token_ids = [1] * full.kv.tokens
     batch = [step(dropped, 5), step(good, 7), step(full, 9)]
-    (results, _run_ms), _wait_ms = await engine._locked(lambda: engine._advance_batch(batch))
+    (results, _run_ms), _wait_ms = await engine._run_job(lambda: engine._advance_batch(batch))
     assert isinstance(results[0], EngineError) and isinstance(results[2], InvalidRequest)
     assert (
         isinstance(results[1][0], int) and good.token_ids == [*prompts[1], 7] and good.kv.tokens == len(good.token_ids)

@@ -296,7 +296,7 @@ async def test_a_turn_cancelled_while_its_prefill_waits_leaves_no_queue_behind(e
     import threading
 
     gate = threading.Event()
-    busy = asyncio.ensure_future(engine._locked(gate.wait))  # the model is busy: the turn's prefill waits
+    busy = asyncio.ensure_future(engine._run_job(gate.wait))  # the model is busy: the turn's prefill waits
     try:
         it = engine.generate(prompts[1], Sampling(max_new_tokens=2))
         task = asyncio.create_task(it.__anext__())
@@ -401,5 +401,5 @@ async def test_a_stateless_turns_kv_goes_back_to_the_model(engine, prompts):
     dropped = engine.new_session()
     dropped.drop()
     with pytest.raises(EngineError, match="dropped"):
-        await engine._locked(lambda: engine._advance(dropped, [1], 0, True, 4))
+        await engine._run_job(lambda: engine._advance(dropped, [1], 0, True, 4))
     assert dropped.kv is None

@@ -161,7 +161,7 @@ async def test_a_closed_turn_stops_and_its_session_stays_consistent(kind):
 async def test_a_prefill_cancelled_before_it_ran_never_runs():
     engine = engine_of("batched")
     gate = threading.Event()
-    busy = asyncio.ensure_future(engine._locked(gate.wait))
+    busy = asyncio.ensure_future(engine._run_job(gate.wait))
     it = engine.generate(prompts(1)[0], Sampling(max_new_tokens=4))
     task = asyncio.ensure_future(it.__anext__())
     for _ in range(10):
