@@ -10,11 +10,13 @@ random ids together, each decoding ``--new-tokens`` greedy tokens, ``--repeats``
 warm-up. The consumer only notes each token's time.
 
 Columns: ``turns`` (decoding together), ``step_ms`` (the model's set run time), ``model_ms`` (the
-model's own time per decode step, measured around its calls: every turn's run of one step, summed
-for ``unbatched``), ``itl_ms`` (median gap between a turn's tokens) and ``itl_mean_ms`` (mean over
-every turn and repeat), ``overhead_ms`` (``itl_mean_ms - model_ms``: what the engine adds per step),
-``tokens_per_s`` (all turns' output tokens per second of wall time). Writes ``edge_engine.json`` and
-``edge_engine.md``.
+model's own time per decode step, alone: as many sessions decoding in a plain loop, one
+``run_batch`` per step, or for ``unbatched`` one ``run`` per session and step), ``itl_ms``
+(median gap between a turn's tokens), ``itl_mean_ms`` (the mean gap of a repeat, all turns'
+gaps), ``overhead_ms`` (``itl_mean_ms - model_ms``: what the engine adds per step),
+``tokens_per_s`` (all turns' output tokens per second of wall time); ``model_ms``,
+``itl_mean_ms`` and ``tokens_per_s`` are medians over the repeats (a repeat the host stalled
+stays out). Writes ``edge_engine.json`` and ``edge_engine.md``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -34,7 +35,7 @@ import typer
 from tandem.common.protocol.manifest import ModelShape
 from tandem.common.protocol.params import Sampling
 from tandem.edge.compute.local import LocalEngine
-from tandem.edge.compute.localmodel import Draw, MemoryKV, MemoryModel
+from tandem.edge.compute.localmodel import MemoryModel
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
@@ -49,31 +50,21 @@ SHAPE = ModelShape(
 )
 
 
-class TimedModel(MemoryModel):
-    """``MemoryModel`` counting the time of its decode runs (one new token): ``decode_ms``."""
-
-    decode_ms = 0.0
-
-    def run(
-        self, kv: MemoryKV, new_ids: list[int], greedy: bool, draw: Draw | None = None
-    ) -> tuple[int | None, np.ndarray | None, float]:
-        t0 = time.perf_counter()
-        out = super().run(kv, new_ids, greedy, draw)
-        if len(new_ids) == 1:
-            self.decode_ms += (time.perf_counter() - t0) * 1e3
-        return out
-
-    def run_batch(
-        self,
-        kvs: Sequence[MemoryKV],
-        token_ids: Sequence[int],
-        greedy: Sequence[bool],
-        draws: Sequence[Draw | None] | None = None,
-    ) -> tuple[list[int | None], list[np.ndarray | None], float]:
-        t0 = time.perf_counter()
-        out = super().run_batch(kvs, token_ids, greedy, draws)
-        self.decode_ms += (time.perf_counter() - t0) * 1e3
-        return out
+def model_alone_ms(batched: bool, step_ms: float, prompts: list[list[int]], new_tokens: int) -> float:
+    """The model's own time per decode step with no engine: every prompt's session decoding
+    ``new_tokens - 1`` greedy steps in a plain loop (one ``run_batch`` per step, or one ``run`` per
+    session and step), in ms per step."""
+    model = MemoryModel(SHAPE, batched_decode=batched, step_ms=step_ms)
+    kvs = [model.new_kv(len(p) + new_tokens) for p in prompts]
+    toks: list[Any] = [model.run(kv, p, True)[0] for kv, p in zip(kvs, prompts, strict=True)]
+    greedy = [True] * len(kvs)
+    t0 = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        if batched:
+            toks = model.run_batch(kvs, toks, greedy)[0]
+        else:
+            toks = [model.run(kv, [t], True)[0] for kv, t in zip(kvs, toks, strict=True)]
+    return (time.perf_counter() - t0) * 1e3 / (new_tokens - 1)
 
 
 async def time_turns(engine: LocalEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[float]]]:
@@ -88,34 +79,29 @@ async def time_turns(engine: LocalEngine, prompts: list[list[int]], new_tokens: 
 
 
 def measure(batched: bool, step_ms: float, turns: int, prompt_tokens: int, new_tokens: int, repeats: int) -> dict:
-    """One row: ``turns`` turns together over a fresh engine, ``repeats`` times after one warm-up."""
-    model = TimedModel(SHAPE, batched_decode=batched, step_ms=step_ms)
-    engine = LocalEngine(model, SHAPE, ())
+    """One row: ``turns`` turns together over a fresh engine, ``repeats`` times after one warm-up,
+    beside the model alone over as many sessions."""
+    engine = LocalEngine(MemoryModel(SHAPE, batched_decode=batched, step_ms=step_ms), SHAPE, ())
     rng = np.random.default_rng(turns)
     prompts = [[int(x) for x in rng.integers(3, 32000, prompt_tokens)] for _ in range(turns)]
 
-    async def runs() -> list[tuple[float, list[list[float]], float]]:
+    async def runs() -> list[tuple[float, list[list[float]]]]:
         await time_turns(engine, prompts, min(new_tokens, 8))  # warm-up
-        out = []
-        for _ in range(repeats):
-            model.decode_ms = 0.0
-            t0, times = await time_turns(engine, prompts, new_tokens)
-            out.append((t0, times, model.decode_ms))
-        return out
+        return [await time_turns(engine, prompts, new_tokens) for _ in range(repeats)]
 
     done = asyncio.run(runs())
-    gaps = [(b - a) * 1e3 for _, turns_, _ in done for t in turns_ for a, b in zip(t, t[1:], strict=False)]
-    model_ms = statistics.mean(ms / (new_tokens - 1) for _, _, ms in done)  # every turn decodes new_tokens - 1 steps
-    walls = [max(t[-1] for t in turns_) - t0 for t0, turns_, _ in done]
-    itl_mean = statistics.mean(gaps)
+    alone = statistics.median(model_alone_ms(batched, step_ms, prompts, new_tokens) for _ in range(repeats))
+    gaps = [[(b - a) * 1e3 for t in turns_ for a, b in zip(t, t[1:], strict=False)] for _, turns_ in done]
+    walls = [max(t[-1] for t in turns_) - t0 for t0, turns_ in done]
+    itl_mean = statistics.median(statistics.mean(g) for g in gaps)  # a repeat that the host stalled stays out
     return {
         "model": "batched" if batched else "unbatched",
         "step_ms": step_ms,
         "turns": turns,
-        "model_ms": model_ms,
-        "itl_ms": statistics.median(gaps),
+        "model_ms": alone,
+        "itl_ms": statistics.median(x for g in gaps for x in g),
         "itl_mean_ms": itl_mean,
-        "overhead_ms": itl_mean - model_ms,
+        "overhead_ms": itl_mean - alone,
         "tokens_per_s": statistics.median(turns * new_tokens / w for w in walls),
     }
 

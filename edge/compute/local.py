@@ -508,12 +508,12 @@ class LocalEngine:
         except Exception as e:
             self._stepper.deliver(run, e)
             return
-        if self._emit(run, tok, (t0 - run.ready_s) * 1e3, ms):
+        if self._emit(run, tok, (t0 - run.ready_s) * 1e3, ms, time.perf_counter()):
             self._stepper.decoding.append(run)
 
-    def _emit(self, run: TurnRun, tok: int, wait_ms: float, run_ms: float) -> bool:
+    def _emit(self, run: TurnRun, tok: int, wait_ms: float, run_ms: float, now_s: float) -> bool:
         """Hand the turn's next token back; True if the turn goes on (its next step set up: the
-        token to run, the next draw, ready from now)."""
+        token to run, the next draw, ready from ``now_s``)."""
         run.sampled += 1
         s = run.sampling
         finish = "stop" if tok in run.stops else "length" if run.sampled == s.max_new_tokens else None
@@ -522,7 +522,7 @@ class LocalEngine:
             return False
         st = run.step
         st.token_id, st.keep, st.draw = tok, len(st.sess.token_ids), _draw(s, run.rng)
-        run.ready_s = time.perf_counter()
+        run.ready_s = now_s
         return True
 
     def _step_all(self, decoding: list[TurnRun]) -> None:
@@ -533,26 +533,32 @@ class LocalEngine:
         if not live:
             decoding.clear()
             return
-        start = time.perf_counter()
         if self._batched:
+            start = time.perf_counter()
             results, ms = self._advance_batch([r.step for r in live])
+            starts = [start] * len(live)
             self.last_batch_size = len(live)
             if ms:
                 self._measured(1, ms)
         else:
-            results = [self._advance_one(r.step) for r in live]
+            results, starts = [], []
+            for r in live:
+                starts.append(time.perf_counter())
+                results.append(self._advance_one(r.step))
+        now = time.perf_counter()
         going = []
-        for r, res in zip(live, results, strict=True):
+        for r, res, start in zip(live, results, starts, strict=True):
             if isinstance(res, BaseException):
                 self._stepper.deliver(r, res)
                 continue
-            tok_, logits, ms = res
-            try:
-                tok = next_token(tok_, logits, r.sampling, r.step.draw.uniform if r.step.draw else 0.0)
-            except Exception as e:
-                self._stepper.deliver(r, e)
-                continue
-            if self._emit(r, tok, (start - r.ready_s) * 1e3, ms):
+            tok, logits, ms = res
+            if tok is None:
+                try:
+                    tok = next_token(tok, logits, r.sampling, r.step.draw.uniform if r.step.draw else 0.0)
+                except Exception as e:
+                    self._stepper.deliver(r, e)
+                    continue
+            if self._emit(r, tok, (start - r.ready_s) * 1e3, ms, now):
                 going.append(r)
         decoding[:] = going
 
