@@ -505,7 +505,7 @@ class LocalEngine:
             tok_, logits, ms = self._advance(st.sess, ids, st.keep, st.greedy, st.tokens_hint, st.draw)
             self._measured(len(ids), ms)
             tok = next_token(tok_, logits, run.sampling, st.draw.uniform if st.draw else 0.0)
-        except Exception as e:
+        except BaseException as e:  # the turn hears whatever its prefill raised
             self._stepper.deliver(run, e)
             return
         if self._emit(run, tok, (t0 - run.ready_s) * 1e3, ms, time.perf_counter()):
