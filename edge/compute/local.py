@@ -8,22 +8,28 @@ sampling and stop semantics of vLLM so the local mode answers like the cloud.
 Who calls: the edge's local mode (``LocalEngine.generate``, one call per turn, from the event
 loop), remote prefill (``adopt``, ``extend``, ``generate``) and the benchmarks (``LocalGenerator``).
 
-Concurrency: every model run (a prefill, a decode step, a KV read or write) runs in a worker thread
-under one ``asyncio.Lock`` (FIFO), so the event loop stays free and runs never overlap. Where the
-model batches decode steps (``LocalModel.batched_decode``: the builder graph) the concurrent turns'
-next tokens are gathered and computed in one run per step (continuous batching, as vLLM's
-scheduler does): a turn queues its step, one stepper task takes every step queued once the decoding
-turns have all queued theirs (or a few event-loop passes went by) and runs them as one job, and a
-prefill queued meanwhile runs between two steps. Otherwise each decode step is a job of its own
-and concurrent turns interleave token by token. A run that a cancelled turn started keeps the lock
-until it ends (ONNX Runtime cannot be interrupted); the cancelled turn itself returns at once, and a
-step it queued that has not started is dropped.
+Concurrency: every model run (a prefill, a decode step, a KV read or write) runs in one long-lived
+worker thread (``edge.compute.stepper.Stepper``), so the event loop stays free and runs never
+overlap. A turn queues its prefill as a job; the job computes the first token, and from then on
+the thread decodes the turn on its own, one token per step, sampling it (the turn's seeded draws,
+in order) and checking its stops there: each step computes every decoding turn's next token, in
+one ``run_batch`` where the model batches decode steps (``LocalModel.batched_decode``: the builder
+graph; continuous batching, as vLLM's engine core does) and one ``run`` each otherwise, and hands
+all of them back to the event loop with one ``call_soon_threadsafe``. The event loop's side of a
+decode step is taking a token from the turn's queue; nothing waits for it, so it overlaps the next
+run. Jobs (prefills, ``adopt``, ``extend``, ``read_kv``) run first come, first served, one between
+two decode steps: a new turn joins the batch at the step after its prefill, and however many
+prefills are queued, the decoding turns step after each one. A turn that is closed or cancelled
+stops at the next step (a run it is part of finishes first: ONNX Runtime cannot be interrupted),
+and a job it queued that has not started is dropped.
 
 Sessions: with a ``session_id`` the whole model's KV of the conversation is kept between turns
 (``LocalSessions``, bounded by count and bytes, least recently used dropped first) and the longest
 common token prefix with the next prompt is reused. A session's token ids and its KV change only
-together, inside the worker thread of a run (the prefix kept, the new tokens run, the ids
-appended), so a turn that fails or is cancelled leaves the session consistent. Remote prefill
+together, in the worker thread (the prefix kept, the new tokens run, the ids appended), so a
+turn that fails or is cancelled leaves the session consistent. A turn's decode may run ahead of
+the tokens its caller took: a turn closed early leaves its session holding a few more tokens than
+it yielded, and the next turn's prompt reuses the prefix they share. Remote prefill
 (``edge.modes.remote_prefill``) puts the KV that came from the cloud into a session (``adopt``),
 computes the tokens past it (``extend``) and decodes on from there (``generate``).
 
@@ -38,6 +44,7 @@ import contextlib
 import functools
 import math
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +61,7 @@ from tandem.common.runtime.ewma import Ewma
 from tandem.common.runtime.lru import BoundedLRU
 from tandem.edge.compute.localkv import KV, blocks_from_past, past_from_blocks
 from tandem.edge.compute.localmodel import Draw, LocalModel, OnnxForward, check_past
+from tandem.edge.compute.stepper import Mailbox, Stepper
 
 __all__ = ["KV", "LocalEngine", "LocalGenerator", "LocalSession", "LocalSessions", "LocalToken", "load_local_model"]
 __all__ += ["blocks_from_past", "draw_uniform", "past_from_blocks", "sample_token", "sampling_rng"]
@@ -62,7 +70,6 @@ R = TypeVar("R")
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 WARMUP_DECODE_STEPS = 4
-GATHER_PASSES = 8  # event-loop passes a batched step waits for the decoding turns to queue their next steps
 
 
 @dataclass
@@ -131,20 +138,76 @@ class LocalSessions(BoundedLRU[LocalSession]):
         return s
 
 
-@dataclass
+@dataclass(slots=True)
 class DecodeStep:
-    """One turn's decode step queued for the next batched run: ``token_id`` computed after the
-    session's first ``keep`` tokens. ``done`` gets ``(token, logits, run_ms, wait_ms)`` or the
-    exception; ``queued_s``: ``perf_counter()`` when queued."""
+    """One turn's next decode step: ``token_id`` computed after the session's first ``keep``
+    tokens, greedy or at ``draw``. A decoding turn holds one and the stepper updates it in place."""
 
     sess: LocalSession
     token_id: int
     keep: int
     greedy: bool
     tokens_hint: int
-    done: asyncio.Future
-    queued_s: float
     draw: Draw | None = None  # a sampled step's draw (None: greedy)
+
+
+class TurnRun(Mailbox):
+    """One ``generate`` turn as the stepper runs it. The thread's: ``step`` (the next decode step,
+    updated in place), ``prompt``, ``sampling``, ``stops``, ``rng`` (the turn's draws, taken in
+    order: the prefill's, then one per step), ``sampled`` (tokens handed back so far) and
+    ``ready_s`` (``perf_counter()`` when its next run could start: queued, or its last step's end).
+    The event loop's: ``out`` (tokens or the exception handed back, not yet taken) and ``waiter``."""
+
+    __slots__ = ("out", "prompt", "ready_s", "rng", "sampled", "sampling", "step", "stops", "waiter")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        step: DecodeStep,
+        prompt: list[int],
+        sampling: Sampling,
+        stops: frozenset[int],
+        rng: np.random.Generator,
+    ) -> None:
+        super().__init__(loop)
+        self.step, self.prompt, self.sampling, self.stops, self.rng = step, prompt, sampling, stops, rng
+        self.sampled = 0
+        self.ready_s = time.perf_counter()
+        self.out: deque[LocalToken | BaseException] = deque()
+        self.waiter: asyncio.Future | None = None
+
+    def push(self, item: LocalToken | BaseException) -> None:
+        self.out.append(item)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def next(self) -> LocalToken:
+        """The turn's next token, waiting for it if none was handed back yet.
+
+        Raises:
+            What the turn's run raised."""
+        while not self.out:
+            self.waiter = self.loop.create_future()
+            await self.waiter
+        item = self.out.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class JobBox(Mailbox):
+    """One ``LocalEngine._run_job`` job's result (or exception), in ``done``."""
+
+    __slots__ = ("done",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self.done: asyncio.Future = loop.create_future()
+
+    def push(self, item: Any) -> None:
+        if not self.done.done():
+            (self.done.set_exception if isinstance(item, BaseException) else self.done.set_result)(item)
 
 
 @dataclass(frozen=True)
@@ -301,11 +364,10 @@ class LocalEngine:
         self._init_state(shape, eos_token_ids, LocalSessions(max_sessions, session_bytes, session_idle_s))
 
     def _init_state(self, shape: ModelShape, eos_token_ids: Sequence[int], sessions: LocalSessions) -> None:
-        """Everything but the model: sessions, lock, rates and counters."""
+        """Everything but the model: sessions, the stepper, rates and counters."""
         self.shape = shape
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.sessions = sessions
-        self._model_lock = asyncio.Lock()
         self._released: list[Any] = []  # KV of dropped sessions, given back to the model by the next run
         self.prefill_rate = Ewma()  # ms per prompt token computed, runs of more than one token
         self.decode_rate = Ewma()  # ms per one-token run
@@ -314,10 +376,9 @@ class LocalEngine:
         self.pending_prefills = 0
         self.last_computed_tokens = 0
         self.last_reused_tokens = 0
-        self._steps: list[DecodeStep] = []  # queued for the next batched run
-        self._stepper: asyncio.Task | None = None
-        self._decoding: set[int] = set()  # id() of the sessions whose turns are decoding
         self.last_batch_size = 0  # decode steps of the latest batched run
+        self._batched = bool(getattr(self.model, "batched_decode", False))
+        self._stepper: Stepper[TurnRun] = Stepper(self._step_all, self._give_back)
 
     @property
     def kv_device(self) -> str:
@@ -374,41 +435,42 @@ class LocalEngine:
             raise InvalidRequest("prompt_ids must be a flat list of integers")
         self.limits.check(prompt_ids, s)
 
-    # ---- runs: each one job in a worker thread under the model lock ----------------------------
+    # ---- runs: every one in the stepper's thread (``edge.compute.stepper``) ------------------------
 
-    async def _locked(self, job: Callable[[], R]) -> tuple[R, float]:
-        """``job`` in a worker thread under the model lock (FIFO: ``asyncio.Lock`` wakes its waiters
-        in order), the KV of dropped sessions given back to the model first. Returns its result and
-        the wait for the lock (ms).
+    async def _run_job(self, job: Callable[[], R]) -> tuple[R, float]:
+        """``job`` in the stepper's thread, after the jobs queued before it and between two decode
+        steps, the KV of dropped sessions given back to the model first. Returns its result and its
+        wait in the queue (ms).
 
-        The lock is released when the job ends, not when the caller leaves: a cancelled caller
-        returns at once while its job (which cannot be interrupted) finishes alone, its result dropped.
-        """
-        t0 = time.perf_counter()
-        await self._model_lock.acquire()
-        wait_ms = (time.perf_counter() - t0) * 1e3
-        return await self._holding_lock(job), wait_ms
+        A caller cancelled before the job starts drops it; one cancelled later returns at once while
+        the job (which cannot be interrupted) finishes alone, its result dropped."""
+        box = JobBox(asyncio.get_running_loop())
+        queued_s = time.perf_counter()
 
-    async def _holding_lock(self, job: Callable[[], R]) -> R:
-        """``job`` in a worker thread, the model lock (acquired by the caller, no await since) released
-        when it ends."""
+        def run() -> None:
+            if box.cancelled:
+                return
+            wait_ms = (time.perf_counter() - queued_s) * 1e3
+            try:
+                out: Any = (job(), wait_ms)
+            except BaseException as e:
+                out = e
+            self._stepper.deliver(box, out)
 
-        def locked_job() -> R:
-            while self._released:
-                self.model.release(self._released.pop())
-            return job()
+        self._stepper.submit(run)
+        try:
+            return await box.done
+        except asyncio.CancelledError:
+            box.cancelled = True
+            raise
 
-        fut = asyncio.ensure_future(asyncio.to_thread(locked_job))
-        fut.add_done_callback(self._run_done)
-        return await asyncio.shield(fut)
-
-    def _run_done(self, fut: asyncio.Future) -> None:
-        self._model_lock.release()
-        if not fut.cancelled():
-            fut.exception()  # retrieved here too, for a run whose caller was cancelled
+    def _give_back(self) -> None:
+        """In the thread, before each run: the KV of dropped sessions back to the model."""
+        while self._released:
+            self.model.release(self._released.pop())
 
     def _kv(self, sess: LocalSession, tokens_hint: int) -> Any:
-        """The session's KV, allocated on its first run (inside a job).
+        """The session's KV, allocated on its first run (in the thread).
 
         Raises:
             EngineError: the session was dropped meanwhile (its turn was cancelled or ended)."""
@@ -423,82 +485,113 @@ class LocalEngine:
     def _advance(
         self, sess: LocalSession, ids: list[int], keep: int, greedy: bool, tokens_hint: int, draw: Draw | None = None
     ) -> tuple[int | None, np.ndarray | None, float]:
-        """Inside a job: keep the session's first ``keep`` tokens, run ``ids`` after them, and hold
+        """In the thread: keep the session's first ``keep`` tokens, run ``ids`` after them, and hold
         the token ids with the KV (both change together, here)."""
         kv = self._kv(sess, tokens_hint)
-        self.model.truncate(kv, keep)
+        if kv.tokens != keep:
+            self.model.truncate(kv, keep)
         del sess.token_ids[keep:]
         tok, logits, ms = self.model.run(kv, ids, greedy, draw)
         sess.token_ids.extend(ids)
         return tok, logits, ms
 
-    # ---- batched decode steps (models with ``batched_decode``) --------------------------------
+    # ---- a turn in the thread: its prefill (a job), then one decode step per stepper step ----------
 
-    async def _step(
-        self, sess: LocalSession, token_id: int, greedy: bool, tokens_hint: int, draw: Draw | None = None
-    ) -> tuple[int | None, np.ndarray | None, float, float]:
-        """Queue the session's next decode step for the next batched run and wait for it. Returns
-        token, logits, run ms (of the whole batched run) and wait ms (queued until it ran).
-        Cancelled before its run starts, the step is dropped (the session unchanged); after, it
-        completes alone (ids and KV together) and its result is dropped."""
-        loop = asyncio.get_running_loop()
-        step = DecodeStep(sess, token_id, len(sess.token_ids), greedy, tokens_hint, loop.create_future(), 0.0, draw)
-        step.queued_s = time.perf_counter()
-        self._steps.append(step)
-        if self._stepper is None or self._stepper.done():
-            self._stepper = asyncio.create_task(self._run_steps())
-        return await step.done
+    def _start_turn(self, run: TurnRun) -> None:
+        """The turn's prefill job: the prompt past the reused prefix, its first token handed back,
+        and the turn decoding from the next step on (unless that token ends it)."""
+        if run.cancelled:
+            return
+        t0 = time.perf_counter()
+        st, ids = run.step, run.prompt[run.step.keep :]
+        try:
+            tok_, logits, ms = self._advance(st.sess, ids, st.keep, st.greedy, st.tokens_hint, st.draw)
+            self._measured(len(ids), ms)
+            tok = next_token(tok_, logits, run.sampling, st.draw.uniform if st.draw else 0.0)
+        except BaseException as e:  # the turn hears whatever its prefill raised
+            self._stepper.deliver(run, e)
+            return
+        if self._emit(run, tok, (t0 - run.ready_s) * 1e3, ms, time.perf_counter()):
+            self._stepper.decoding.append(run)
 
-    async def _run_steps(self) -> None:
-        """The stepper: while steps are queued, gather them (``_gather``), take the model lock, take
-        every step still wanted and run them as one job (``_advance_batch``)."""
-        while self._steps:
-            await self._gather()
-            await self._model_lock.acquire()
-            batch = [st for st in self._steps if not st.done.done()]
-            self._steps.clear()
-            if not batch:
-                self._model_lock.release()
-                continue
-            self.last_batch_size = len(batch)
-            try:
-                results, ms = await self._holding_lock(functools.partial(self._advance_batch, batch))
-            except Exception as e:  # the job itself failed: every step hears it
-                results, ms = [e] * len(batch), 0.0
+    def _emit(self, run: TurnRun, tok: int, wait_ms: float, run_ms: float, now_s: float) -> bool:
+        """Hand the turn's next token back; True if the turn goes on (its next step set up: the
+        token to run, the next draw, ready from ``now_s``)."""
+        run.sampled += 1
+        s = run.sampling
+        finish = "stop" if tok in run.stops else "length" if run.sampled == s.max_new_tokens else None
+        self._stepper.deliver(run, LocalToken(tok, finish, wait_ms, run_ms))
+        if finish is not None:
+            return False
+        st = run.step
+        st.token_id, st.keep, st.draw = tok, len(st.sess.token_ids), _draw(s, run.rng)
+        run.ready_s = now_s
+        return True
+
+    def _step_all(self, decoding: list[TurnRun]) -> None:
+        """One decode step of every decoding turn that is still wanted: one ``run_batch`` where the
+        model batches (a failed one run again step by step, so a bad session fails alone), else one
+        ``run`` each. Turns that finished, failed or were cancelled leave ``decoding``."""
+        live = [r for r in decoding if not r.cancelled]
+        if not live:
+            decoding.clear()
+            return
+        if self._batched:
+            start = time.perf_counter()
+            results, ms = self._advance_batch([r.step for r in live])
+            starts = [start] * len(live)
+            self.last_batch_size = len(live)
             if ms:
                 self._measured(1, ms)
-            for st, r in zip(batch, results, strict=True):
-                if not st.done.done():
-                    (st.done.set_exception if isinstance(r, BaseException) else st.done.set_result)(r)
+        else:
+            results, starts = [], []
+            for r in live:
+                starts.append(time.perf_counter())
+                results.append(self._advance_one(r.step))
+        now = time.perf_counter()
+        going = []
+        for r, res, start in zip(live, results, starts, strict=True):
+            if isinstance(res, BaseException):
+                self._stepper.deliver(r, res)
+                continue
+            tok, logits, ms = res
+            if tok is None:
+                try:
+                    tok = next_token(tok, logits, r.sampling, r.step.draw.uniform if r.step.draw else 0.0)
+                except Exception as e:
+                    self._stepper.deliver(r, e)
+                    continue
+            if self._emit(r, tok, (start - r.ready_s) * 1e3, ms, now):
+                going.append(r)
+        decoding[:] = going
 
-    async def _gather(self) -> None:
-        """Let the decoding turns queue their next steps: up to ``GATHER_PASSES`` event-loop passes,
-        fewer once every decoding session has one queued."""
-        for _ in range(GATHER_PASSES):
-            if self._decoding <= {id(st.sess) for st in self._steps}:
-                return
-            await asyncio.sleep(0)
+    def _advance_one(self, st: DecodeStep) -> tuple[int | None, np.ndarray | None, float] | Exception:
+        try:
+            out = self._advance(st.sess, [st.token_id], st.keep, st.greedy, st.tokens_hint, st.draw)
+        except Exception as e:
+            return e
+        self._measured(1, out[2])
+        return out
 
-    def _advance_batch(self, batch: list[DecodeStep]) -> tuple[list[Any], float]:
-        """Inside a job: each step's token run after its session's first ``keep`` tokens, all in one
+    def _advance_batch(self, batch: Sequence[DecodeStep]) -> tuple[list[Any], float]:
+        """In the thread: each step's token run after its session's first ``keep`` tokens, all in one
         ``run_batch``, the ids held with the KV (both change together, here). Returns per step
-        ``(token, logits, run_ms, wait_ms)`` or the exception that step raised, and the run's ms. A
-        batched run that raises (one session's bad state) is run again step by step, so only that
-        session's step fails."""
-        start = time.perf_counter()
+        ``(token, logits, run_ms)`` or the exception that step raised, and the run's ms. A batched
+        run that raises (one session's bad state) is run again step by step, so only that session's
+        step fails."""
         results: list[Any] = [None] * len(batch)
         live: list[tuple[int, Any]] = []
         for i, st in enumerate(batch):
             try:
                 kv = self._kv(st.sess, st.tokens_hint)
-                self.model.truncate(kv, st.keep)
+                if kv.tokens != st.keep:
+                    self.model.truncate(kv, st.keep)
                 del st.sess.token_ids[st.keep :]
                 live.append((i, kv))
             except Exception as e:
                 results[i] = e
         if not live:
             return results, 0.0
-        waits = [(start - st.queued_s) * 1e3 for st in batch]
         try:
             toks, logits, ms = self.model.run_batch(
                 [kv for _, kv in live],
@@ -513,13 +606,13 @@ class LocalEngine:
                     self.model.truncate(kv, st.keep)  # a step the failed run did complete runs again
                     tok, lg, one_ms = self.model.run(kv, [st.token_id], st.greedy, st.draw)
                     st.sess.token_ids.append(st.token_id)
-                    results[i] = (tok, lg, one_ms, waits[i])
+                    results[i] = (tok, lg, one_ms)
                 except Exception as e:
                     results[i] = e
             return results, 0.0
         for j, (i, _) in enumerate(live):
             batch[i].sess.token_ids.append(batch[i].token_id)
-            results[i] = (toks[j], logits[j], ms, waits[i])
+            results[i] = (toks[j], logits[j], ms)
         return results, ms
 
     def _measured(self, tokens: int, ms: float) -> None:
@@ -552,7 +645,7 @@ class LocalEngine:
             sess.token_ids = ids
 
         async with sess.lock:
-            await self._locked(job)
+            await self._run_job(job)
 
     async def extend(self, sess: LocalSession, ids: list[int]) -> int:
         """Compute the KV of the tokens of ``ids`` past its common prefix with ``sess`` (one run) and
@@ -574,7 +667,7 @@ class LocalEngine:
                 )
             return self.model.read_kv(sess.kv, tokens)
 
-        return (await self._locked(job))[0]
+        return (await self._run_job(job))[0]
 
     async def _prefill(
         self, sess: LocalSession, ids: list[int], keep: int, greedy: bool, tokens_hint: int, draw: Draw | None = None
@@ -585,7 +678,7 @@ class LocalEngine:
         self.pending_prefill_tokens += n
         self.pending_prefills += 1
         try:
-            (tok, logits, ms), wait_ms = await self._locked(
+            (tok, logits, ms), wait_ms = await self._run_job(
                 lambda: self._advance(sess, ids[keep:], keep, greedy, tokens_hint, draw)
             )
         finally:
@@ -607,7 +700,10 @@ class LocalEngine:
         filled) the session's KV of the longest common prefix with ``prompt_ids`` is reused (at least
         the last prompt token is recomputed, for its logits) and the session keeps the KV of the
         prompt and every generated token but the last. The session's lock is held for the whole turn;
-        close the iterator (``contextlib.aclosing``) when stopping early, so the lock is released at once.
+        close the iterator (``contextlib.aclosing``) when stopping early, so the lock is released at
+        once. The stepper decodes the turn on its own once its prefill ran, and may run ahead of
+        the tokens taken from here; a turn closed early stops at the step after, its session then
+        holding the tokens computed so far (the next turn's prompt reuses what it shares).
 
         Raises:
             InvalidRequest: see ``validate`` (raised on the first iteration).
@@ -620,8 +716,23 @@ class LocalEngine:
             if sess.release is None:
                 sess.release = self._released.append
             async with sess.lock:
-                async for tok in self._turn(sess, prompt, sampling):
-                    yield tok
+                run = self._begin(sess, prompt, sampling)
+                prefilling = len(prompt) - run.step.keep
+                try:
+                    while True:
+                        tok = await run.next()
+                        if prefilling:
+                            self.pending_prefill_tokens -= prefilling
+                            self.pending_prefills -= 1
+                            prefilling = 0
+                        yield tok
+                        if tok.finish_reason:
+                            return
+                finally:
+                    run.cancelled = True  # the stepper drops what is left of the turn
+                    if prefilling:
+                        self.pending_prefill_tokens -= prefilling
+                        self.pending_prefills -= 1
         finally:
             self.active -= 1
             if session_id:
@@ -629,40 +740,25 @@ class LocalEngine:
             elif session is None:
                 sess.drop()  # a stateless turn's KV goes back at once
 
-    async def _turn(self, sess: LocalSession, prompt: list[int], s: Sampling) -> AsyncGenerator[LocalToken, None]:
+    def _begin(self, sess: LocalSession, prompt: list[int], s: Sampling) -> TurnRun:
+        """The turn's state, its prefill queued (counted in ``pending_prefill_tokens``)."""
         keep = min(sess.common_prefix(prompt), len(prompt) - 1)
-        stops = set(s.stop_token_ids) | (set() if s.ignore_eos else self.eos_token_ids)
-        greedy = s.temperature < SAMPLING_EPS
-        rng = sampling_rng(s.seed)
         self.last_computed_tokens, self.last_reused_tokens = len(prompt) - keep, keep
-        hint = len(prompt) + s.max_new_tokens
-        draw = _draw(s, rng)
-        tok_, logits, wait_ms, run_ms = await self._prefill(sess, prompt, keep, greedy, hint, draw)
-        batched = bool(getattr(self.model, "batched_decode", False))
-        if batched:
-            self._decoding.add(id(sess))
-        try:
-            for n in range(1, s.max_new_tokens + 1):
-                tok = next_token(tok_, logits, s, draw.uniform if draw else 0.0)
-                finish = "stop" if tok in stops else "length" if n == s.max_new_tokens else None
-                yield LocalToken(tok, finish, wait_ms, run_ms)
-                if finish:
-                    return
-                draw = _draw(s, rng)
-                if batched:
-                    tok_, logits, run_ms, wait_ms = await self._step(sess, tok, greedy, hint, draw)
-                    continue
-                step = functools.partial(self._advance, sess, [tok], len(sess.token_ids), greedy, hint, draw)
-                (tok_, logits, run_ms), wait_ms = await self._locked(step)
-                self._measured(1, run_ms)
-        finally:
-            self._decoding.discard(id(sess))
+        rng = sampling_rng(s.seed)
+        greedy = s.temperature < SAMPLING_EPS
+        step = DecodeStep(sess, 0, keep, greedy, len(prompt) + s.max_new_tokens, _draw(s, rng))
+        stops = frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else self.eos_token_ids)
+        run = TurnRun(asyncio.get_running_loop(), step, prompt, s, stops, rng)
+        self.pending_prefill_tokens += len(prompt) - keep
+        self.pending_prefills += 1
+        self._stepper.submit(functools.partial(self._start_turn, run))
+        return run
 
     async def warmup(self, n_tokens: int = 32) -> None:
         """One untimed one-token run (ONNX Runtime's first run allocates), then a prefill of
         ``n_tokens`` (at least 2) and a few decode steps, which set the measured rates. Stateless."""
         sess = self.new_session()
-        await self._locked(lambda: self._advance(sess, [1], 0, True, 1 + WARMUP_DECODE_STEPS))
+        await self._run_job(lambda: self._advance(sess, [1], 0, True, 1 + WARMUP_DECODE_STEPS))
         sess.drop()
         n = max(2, min(n_tokens, self.shape.max_position_embeddings - WARMUP_DECODE_STEPS))
         ids = [(1 + 7919 * i) % self.shape.vocab_size for i in range(n)]

@@ -10,11 +10,13 @@ tokens into in place, truncates, reads out and writes into. Its implementations:
 * ``OnnxForward``: tandem's torch.onnx export ``edge-full.onnx`` (``common.model.prepare``), one run per
   call over growing KV tensors; kept for models prepared without the builder. ``ForwardModel`` is
   its KV bookkeeping over any ``forward(new_ids, past)`` (the tests' toy model uses it too).
+* ``MemoryModel``: the in-memory implementation (tokens a hash of the history, a set run time),
+  for the engine's unit tests and the benchmark of the engine's own cost per step.
 
-Calling contract: the engine calls every method from one worker thread at a time (it serialises
-runs under its model lock); a ``SessionKV`` belongs to one session and is released once. Where
-``batched_decode`` is set, the engine computes concurrent turns' decode steps with one
-``run_batch`` per step; otherwise with one ``run`` each.
+Calling contract: the engine calls every method from its one worker thread
+(``edge.compute.stepper``), so runs never overlap; a ``SessionKV`` belongs to one session and is
+released once. Where ``batched_decode`` is set, the engine computes concurrent turns' decode steps
+with one ``run_batch`` per step; otherwise with one ``run`` each.
 
 Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``T`` tokens held, ``V`` vocabulary; KV
 read and written as ``2L`` float32 host arrays ``[1, Hkv, T, D]``, key then value per layer.
@@ -50,9 +52,11 @@ class Draw:
 
 
 class SessionKV(Protocol):
-    """One session's KV as its model holds it; ``tokens``: how many tokens' KV it holds."""
+    """One session's KV as its model holds it; ``tokens``: how many tokens' KV it holds (the engine
+    reads it; the model alone changes it)."""
 
-    tokens: int
+    @property
+    def tokens(self) -> int: ...
 
     def nbytes(self) -> int: ...
 
@@ -308,3 +312,134 @@ class OnnxForward(ForwardModel):
         self.session.run_with_iobinding(b)
         logits, *present = b.get_outputs()
         return logits.numpy()[0], present, (time.perf_counter() - t0) * 1e3
+
+
+HASH_MODULUS = 1 << 24  # a MemoryModel token's state: an integer exact in float32 (what its KV arrays hold)
+
+
+@dataclass
+class MemoryKV:
+    """``MemoryModel``'s session KV: per token held, the state of the sequence up to it (a hash of
+    its token ids, ``< HASH_MODULUS``); ``poisoned``: every run over it raises (a session whose
+    state went bad)."""
+
+    states: list[int] = field(default_factory=list)
+    poisoned: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return len(self.states)
+
+    def nbytes(self) -> int:
+        return 8 * len(self.states)
+
+
+class MemoryModel:
+    """The in-memory ``LocalModel``: the next token is a hash of every token id held (so it depends
+    on the whole history, as a real model's does), sampled ones shifted by their draw; a run takes
+    ``step_ms`` (one new token) or ``prefill_ms_per_token`` per new token, slept (the GIL released,
+    as ONNX Runtime's runs release it). For the engine's unit tests and ``tandem-bench
+    edge-engine`` (the engine's own cost per step over a model that costs next to nothing).
+
+    ``log``: per run, ``("run", new tokens)`` or ``("batch", sessions)``, in order. ``logits``: runs
+    return logits float32 ``[V]`` (their argmax the token; a sampled token is then drawn on the
+    host) instead of the token. KV read and written as ``2L`` float32 ``[1, Hkv, T, D]`` arrays whose
+    every value at token ``t`` is ``t``'s state.
+    """
+
+    providers = ["MemoryExecutionProvider"]
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        batched_decode: bool = True,
+        step_ms: float = 0.0,
+        prefill_ms_per_token: float = 0.0,
+        logits: bool = False,
+    ) -> None:
+        self.shape = shape
+        self.batched_decode = batched_decode
+        self.step_ms, self.prefill_ms_per_token, self.logits = step_ms, prefill_ms_per_token, logits
+        self.log: list[tuple[str, int]] = []
+        self.released = 0
+
+    def token(self, state: int, draw: Draw | None) -> int:
+        """The token after a sequence of state ``state``: sampled ones shifted by their draw."""
+        shift = 0 if draw is None else 1 + int(draw.uniform * 997)
+        return (state + shift) % self.shape.vocab_size
+
+    def new_kv(self, tokens_hint: int) -> MemoryKV:
+        return MemoryKV()
+
+    def _check(self, kv: MemoryKV, new: int) -> None:
+        if kv.poisoned:
+            raise InvalidRequest("the memory model's session KV is poisoned")
+        if kv.tokens + new > self.shape.max_position_embeddings:
+            raise InvalidRequest(f"{kv.tokens} + {new} tokens exceed {self.shape.max_position_embeddings} positions")
+
+    def _append(self, kv: MemoryKV, ids: Sequence[int]) -> int:
+        state = kv.states[-1] if kv.states else 0
+        for t in ids:
+            state = (state * 1000003 + int(t) + 1) % HASH_MODULUS
+            kv.states.append(state)
+        return state
+
+    def _out(self, state: int, greedy: bool, draw: Draw | None) -> tuple[int | None, np.ndarray | None]:
+        tok = self.token(state, None if greedy else draw)
+        if not self.logits:
+            return tok, None
+        logits = np.zeros(self.shape.vocab_size, np.float32)
+        logits[self.token(state, None)] = 100.0  # the argmax; a host draw at any uniform takes it too
+        return None, logits
+
+    def run(
+        self, kv: MemoryKV, new_ids: list[int], greedy: bool, draw: Draw | None = None
+    ) -> tuple[int | None, np.ndarray | None, float]:
+        t0 = time.perf_counter()
+        self._check(kv, len(new_ids))
+        self.log.append(("run", len(new_ids)))
+        _sleep_ms(self.step_ms if len(new_ids) == 1 else self.prefill_ms_per_token * len(new_ids))
+        tok, logits = self._out(self._append(kv, new_ids), greedy, draw)
+        return tok, logits, (time.perf_counter() - t0) * 1e3
+
+    def run_batch(
+        self,
+        kvs: Sequence[MemoryKV],
+        token_ids: Sequence[int],
+        greedy: Sequence[bool],
+        draws: Sequence[Draw | None] | None = None,
+    ) -> tuple[list[int | None], list[np.ndarray | None], float]:
+        t0 = time.perf_counter()
+        if len(token_ids) != len(kvs) or len(greedy) != len(kvs) or len({id(k) for k in kvs}) != len(kvs):
+            raise InvalidRequest(f"a batched step takes each KV once with one token: {len(kvs)}, {len(token_ids)}")
+        for kv in kvs:
+            self._check(kv, 1)
+        self.log.append(("batch", len(kvs)))
+        _sleep_ms(self.step_ms)
+        draws = draws if draws is not None else [None] * len(kvs)
+        rows = zip(kvs, token_ids, greedy, draws, strict=True)
+        out = [self._out(self._append(kv, [t]), g, d) for kv, t, g, d in rows]
+        return [o[0] for o in out], [o[1] for o in out], (time.perf_counter() - t0) * 1e3
+
+    def truncate(self, kv: MemoryKV, tokens: int) -> None:
+        del kv.states[max(0, tokens) :]
+
+    def read_kv(self, kv: MemoryKV, tokens: int | None = None) -> list[np.ndarray]:
+        s = self.shape
+        states = np.asarray(kv.states[: kv.tokens if tokens is None else tokens], np.float32)
+        one = np.broadcast_to(states[None, None, :, None], (1, s.num_kv_heads, len(states), s.head_dim))
+        return [np.array(one) for _ in range(2 * s.num_layers)]
+
+    def write_kv(self, kv: MemoryKV, past: Sequence[np.ndarray], start: int = 0) -> None:
+        check_past(self.shape, past, start, kv.tokens)
+        del kv.states[start:]
+        kv.states.extend(int(x) for x in past[0][0, 0, :, 0])
+
+    def release(self, kv: MemoryKV) -> None:
+        kv.states.clear()
+        self.released += 1
+
+
+def _sleep_ms(ms: float) -> None:
+    if ms > 0:
+        time.sleep(ms / 1e3)

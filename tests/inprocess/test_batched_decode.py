@@ -195,7 +195,7 @@ async def test_concurrent_turns_decode_in_batches_as_they_would_alone(engine, pr
     )
     assert list(got) == alone
     assert max(batch_sizes) == len(prompts) and len(batch_sizes) < sum(len(a) - 1 for a in alone)
-    assert engine.active == 0 and not engine._steps and not engine._decoding
+    assert engine.active == 0 and engine._stepper.idle
 
 
 async def test_seeded_sampling_in_a_batch_equals_the_lone_turn(engine, prompts, batch_sizes):
@@ -261,19 +261,18 @@ async def test_a_step_that_fails_fails_alone(engine, prompts):
     from tandem.common.protocol.errors import EngineError
     from tandem.edge.compute.local import DecodeStep
 
-    loop = asyncio.get_running_loop()
     good, full, dropped = engine.new_session(), engine.new_session(), engine.new_session()
     await engine.extend(good, prompts[1])
     await engine.extend(full, prompts[0])
     dropped.drop()
 
     def step(sess, tok: int) -> DecodeStep:
-        return DecodeStep(sess, tok, len(sess.token_ids), True, 64, loop.create_future(), 0.0)
+        return DecodeStep(sess, tok, len(sess.token_ids), True, 64)
 
     full.kv.tokens = engine.model.spec.context_tokens  # as if it held the model's every position
     full.token_ids = [1] * full.kv.tokens
     batch = [step(dropped, 5), step(good, 7), step(full, 9)]
-    (results, _run_ms), _wait_ms = await engine._locked(lambda: engine._advance_batch(batch))
+    (results, _run_ms), _wait_ms = await engine._run_job(lambda: engine._advance_batch(batch))
     assert isinstance(results[0], EngineError) and isinstance(results[2], InvalidRequest)
     assert (
         isinstance(results[1][0], int) and good.token_ids == [*prompts[1], 7] and good.kv.tokens == len(good.token_ids)

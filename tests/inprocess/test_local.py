@@ -293,7 +293,10 @@ async def test_cancel_mid_decode_leaves_session_usable(engine, prompts, ref):
 async def test_a_turn_cancelled_while_its_prefill_waits_leaves_no_queue_behind(engine, prompts):
     """The prefill queue the cost model reads (``pending_prefill_tokens``) counts a waiting prefill
     and forgets it when its turn is cancelled before it ran."""
-    await engine._model_lock.acquire()  # the model is busy: the turn's prefill waits
+    import threading
+
+    gate = threading.Event()
+    busy = asyncio.ensure_future(engine._run_job(gate.wait))  # the model is busy: the turn's prefill waits
     try:
         it = engine.generate(prompts[1], Sampling(max_new_tokens=2))
         task = asyncio.create_task(it.__anext__())
@@ -304,7 +307,8 @@ async def test_a_turn_cancelled_while_its_prefill_waits_leaves_no_queue_behind(e
         await asyncio.gather(task, return_exceptions=True)
         await it.aclose()
     finally:
-        engine._model_lock.release()
+        gate.set()
+        await busy
     assert engine.pending_prefills == 0 and engine.pending_prefill_tokens == 0 and engine.active == 0
 
 
@@ -397,5 +401,5 @@ async def test_a_stateless_turns_kv_goes_back_to_the_model(engine, prompts):
     dropped = engine.new_session()
     dropped.drop()
     with pytest.raises(EngineError, match="dropped"):
-        await engine._locked(lambda: engine._advance(dropped, [1], 0, True, 4))
+        await engine._run_job(lambda: engine._advance(dropped, [1], 0, True, 4))
     assert dropped.kv is None

@@ -781,7 +781,29 @@ def test_capacity_lists_failed_requests_with_their_server_message():
     assert "| auto | 8 | Unavailable | 1 | - |" in lines  # recorded without a message
 
 
-SUBCOMMANDS = ("modes", "capacity", "burst", "fidelity", "exactness", "multiturn", "batching", "edge")
+SUBCOMMANDS = ("modes", "capacity", "burst", "fidelity", "exactness", "multiturn", "batching", "edge", "edge-engine")
+
+
+def test_edge_engine_smoke(tmp_path):
+    """``tandem-bench edge-engine`` with tiny arguments: one row per model kind, step time and number
+    of turns, each with the engine's overhead beside the model's own time."""
+    from typer.testing import CliRunner
+
+    from tandem.benchmarks.cli import app
+
+    args = ["edge-engine", "--out", str(tmp_path), "--turns", "1,3", "--step-ms", "0,0.5", "--new-tokens", "6"]
+    run = CliRunner().invoke(app, [*args, "--repeats", "1", "--prompt-tokens", "4"], env={"COLUMNS": "300"})
+    assert run.exit_code == 0, run.output
+    rows = json.loads((tmp_path / "edge_engine.json").read_text())["rows"]
+    assert [(r["model"], r["step_ms"], r["turns"]) for r in rows] == [
+        (m, ms, n) for m in ("batched", "unbatched") for ms in (0.0, 0.5) for n in (1, 3)
+    ]
+    for r in rows:
+        assert r["model_ms"] >= r["step_ms"] * (1 if r["model"] == "batched" else r["turns"]) and r["itl_mean_ms"] > 0
+        assert r["overhead_ms"] == pytest.approx(r["itl_mean_ms"] - r["model_ms"]) and r["tokens_per_s"] > 0
+    assert "| overhead_ms |" in (tmp_path / "edge_engine.md").read_text()
+    bad = CliRunner().invoke(app, ["edge-engine", "--out", str(tmp_path), "--models", "gpu"], env={"COLUMNS": "300"})
+    assert bad.exit_code == 2
 
 
 def test_tandem_bench_lists_every_benchmark_and_is_the_one_benchmark_script():
