@@ -54,7 +54,9 @@ class SessionKV(Protocol):
 
     tokens: int
 
-    def nbytes(self) -> int: ...
+    def nbytes(self) -> int:
+        """Bytes this session's KV holds now (what the session table's byte bound counts)."""
+        ...
 
 
 class LocalModel(Protocol):
