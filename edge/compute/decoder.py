@@ -59,13 +59,19 @@ from tandem.common.model.builder_export import (
     neutral_sampling,
 )
 from tandem.common.protocol.errors import InvalidRequest, QuotaExceeded
-from tandem.edge.compute.decoder_batch import KVCopier, RowTable, bucket_rows
+from tandem.edge.compute.decoder_batch import (
+    MIN_POOL_ROWS,
+    POOL_IDLE_RUNS,
+    KVCopier,
+    KVMemory,
+    RowTable,
+    bucket_rows,
+    shrink_rows,
+)
 from tandem.edge.compute.localmodel import Draw
 
 MIN_SLOT_TOKENS = 256  # a session's first slot holds at least this many tokens; slots grow by doubling
 FREE_SLOTS_PER_CAPACITY = 4  # spare slot buffers (released, or given up for a pool row) kept per capacity
-MIN_POOL_ROWS = 1  # a batch pool starts with the rows of its first step (at least these); it doubles when full
-POOL_IDLE_RUNS = 64  # runs without a step that needs all its rows: a pool shrinks to its sessions (freed when empty)
 # KV and logits types (ONNX Runtime's name -> ONNX element type); bfloat16 has no numpy dtype, so its
 # tensors are held as uint16 bit patterns and bound by address with their ONNX type
 ONNX_TYPES = ONNX_ELEMENT
@@ -224,9 +230,9 @@ class DecoderGraph:
     benchmarks. Thread-safety: no two calls may overlap, on any slots (``run_batch`` moves other
     sessions' rows; the engine serialises every call under its model lock).
 
-    Memory: ``held_bytes`` counts every buffer the graph allocated and still holds (sessions' own
-    slots, spare slots, pools); with ``max_kv_bytes`` it never exceeds that bound: an allocation
-    that would frees spares, idle pools and pools' unneeded rows first, then raises
+    Memory: ``memory.held_bytes`` counts every buffer the graph allocated and still holds
+    (sessions' own slots, spare slots, pools); with ``max_kv_bytes`` it never exceeds that bound:
+    an allocation that would frees spares, empty pools and pools' unneeded rows first, then raises
     ``QuotaExceeded``.
     """
 
@@ -243,7 +249,7 @@ class DecoderGraph:
         """``providers``: ONNX Runtime's (default: CUDA where onnxruntime-gpu has a GPU, then CPU);
         ``cuda_graph``: capture each slot's decode step as a CUDA graph on the CUDA provider (fp32
         MatMuls there run without TF32, as vLLM's fp32 engines do); ``max_kv_bytes``: bound on
-        ``held_bytes`` (None: none).
+        ``memory.held_bytes`` (None: none).
 
         Raises:
             ValueError: ``max_kv_bytes`` < 1.
@@ -254,8 +260,7 @@ class DecoderGraph:
 
         from tandem.edge.compute.head import default_providers, session_options
 
-        if max_kv_bytes is not None and max_kv_bytes < 1:
-            raise ValueError(f"max_kv_bytes must be at least 1, got {max_kv_bytes}")
+        self.memory = KVMemory(max_kv_bytes)
         self.spec = DecoderSpec.load(model_dir)
         names = list(providers or default_providers())
         self.on_cuda = any((p if isinstance(p, str) else p[0]) == "CUDAExecutionProvider" for p in names)
@@ -284,8 +289,6 @@ class DecoderGraph:
         self._pools: dict[int, BatchPool] = {}
         self._copier = KVCopier(names, self.device)
         self._item_bytes = int(np.dtype(_storage(self.kv_type)).itemsize)
-        self.max_kv_bytes = max_kv_bytes
-        self.held_bytes = 0  # of every slot (own or spare) and pool allocated and not yet freed
         self._runs = 0  # run calls so far: the clock of pools' idleness
 
     # ---- slots ------------------------------------------------------------------------------
@@ -323,7 +326,7 @@ class DecoderGraph:
             else None,
         )
         self._next_graph_id += 1
-        self.held_bytes += slot.own_nbytes()
+        self.memory.took(slot.own_nbytes())
         return slot
 
     def _zeros(self, shape: list[int]) -> Any:
@@ -768,14 +771,14 @@ class DecoderGraph:
         pool.nbytes = _values_nbytes(
             [*pool.kv, pool.ids, pool.mask, pool.next_ids, pool.logits, pool.sampled, *pool.sampling.values()]
         )
-        self.held_bytes += pool.nbytes
+        self.memory.took(pool.nbytes)
         return pool
 
     def _free_pool(self, pool: BatchPool) -> None:
         """Free the buffers of ``pool`` (no members left) and forget its CUDA graphs."""
         if self._pools.get(pool.capacity_tokens) is pool:
             del self._pools[pool.capacity_tokens]
-        self.held_bytes -= pool.nbytes
+        self.memory.freed(pool.nbytes)
         pool.nbytes = 0
         pool.kv, pool.ids, pool.mask, pool.next_ids, pool.logits, pool.sampled = [], None, None, None, None, None
         pool.sampling, pool.bindings, pool.graph_ids = {}, {}, {}
@@ -921,7 +924,7 @@ class DecoderGraph:
 
     def _free_slot(self, spare: KVSlot) -> None:
         """Free ``spare``'s buffers (its CUDA graph is never replayed again)."""
-        self.held_bytes -= spare.own_nbytes()
+        self.memory.freed(spare.own_nbytes())
         _clear_buffers(spare)
 
     def _reserve(self, nbytes: int, keep: BatchPool | None = None) -> None:
@@ -930,33 +933,25 @@ class DecoderGraph:
 
         Raises:
             QuotaExceeded: they do not fit even so."""
-        bound = self.max_kv_bytes
-        if bound is None or self.held_bytes + nbytes <= bound:
-            return
+        fits = self.memory.fits
         for kept in self._free.values():
-            while kept and self.held_bytes + nbytes > bound:
+            while kept and not fits(nbytes):
                 self._free_slot(kept.pop())
         for pool in sorted(self._pools.values(), key=lambda p: len(p.table)):  # empty pools first
-            if self.held_bytes + nbytes <= bound:
+            if fits(nbytes):
                 return
             if pool is not keep:
                 self._shrink(pool)
-        if self.held_bytes + nbytes > bound:
-            raise QuotaExceeded(
-                f"the local model's KV memory is used up: {self.held_bytes} of {bound} bytes held "
-                f"(local_kv_bytes), {nbytes} more needed"
-            )
+        if not fits(nbytes):
+            raise self.memory.refusal(nbytes)
 
     def _shrink(self, pool: BatchPool) -> None:
         """Free ``pool`` if it has no member, else move its members into a pool of the rows they
         need (``bucket_rows``) where that is fewer and fits beside it within ``max_kv_bytes``."""
-        n = len(pool.table)
-        if n == 0:
+        rows = shrink_rows(len(pool.table), pool.rows)
+        if rows == 0:
             self._free_pool(pool)
-            return
-        rows = max(MIN_POOL_ROWS, bucket_rows(n))
-        extra = rows * self._session_nbytes(pool.capacity_tokens)
-        if rows < pool.rows and (self.max_kv_bytes is None or self.held_bytes + extra <= self.max_kv_bytes):
+        elif rows is not None and self.memory.fits(rows * self._session_nbytes(pool.capacity_tokens)):
             self._resize_pool(pool, rows)
 
     def _tick(self) -> None:
@@ -971,13 +966,13 @@ class DecoderGraph:
     def trim(self) -> int:
         """Free every spare's buffers and every empty pool, and shrink every pool to the rows its
         sessions need, now (what idleness and the bound do by themselves). Returns the bytes freed."""
-        before = self.held_bytes
+        before = self.memory.held_bytes
         for kept in self._free.values():
             while kept:
                 self._free_slot(kept.pop())
         for pool in list(self._pools.values()):
             self._shrink(pool)
-        return before - self.held_bytes
+        return before - self.memory.held_bytes
 
     # ---- KV in and out ----------------------------------------------------------------------
 
