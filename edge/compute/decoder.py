@@ -15,11 +15,12 @@ values in place after the held ones. Nothing grows per token, so a decode step's
 keep their addresses and ONNX Runtime's CUDA provider can replay it as a CUDA graph
 (``enable_cuda_graph``; prefills run uncaptured, ``gpu_graph_id = -1``).
 
-``KVSlot``: one session's buffers (``2L`` KV tensors, the mask, the step's input and outputs) and
-the CUDA graph captured on them (one graph id per slot). ``DecoderGraph.run`` computes new tokens
-into a slot; greedy turns read back only the token id, sampled turns too where the graph has the
-sampler (its inputs bound at fixed addresses and updated in place per step, as the ids and the
-mask), others the logits of the last token.
+``KVSlot``: one session's KV, in its own buffers (``2L`` KV tensors, the mask, the step's input
+and outputs, and the CUDA graph captured on them: one graph id per set of buffers) or in a batch
+pool row, never in both. ``DecoderGraph.run`` computes new tokens into a slot; greedy turns read
+back only the token id, sampled turns too where the graph has the sampler (its inputs bound at
+fixed addresses and updated in place per step, as the ids and the mask), others the logits of the
+last token.
 
 Batched decode (``DecoderGraph.run_batch``): several sessions' one-token steps in one run, with
 ``input_ids`` ``[B, 1]``, ``attention_mask`` ``[B, C]`` right-padded (per row ones over its held
@@ -28,9 +29,22 @@ D]``. The sessions of one capacity decode in a ``BatchPool``: per layer one buff
 D]`` whose first rows the sessions occupy (``edge.compute.decoder_batch.RowTable``); a step binds the first
 ``b`` rows by address (``b`` = the power of two that covers them, the rows past the sessions
 padding that write only their position 0), so each pool captures one CUDA graph per ``b``. A
-session's KV moves into a row when it first steps in a batch and back to its slot when a
-per-session call needs it, when it sat out ``IDLE_STEPS`` steps or when it must grow; the moves are
-device copies (``edge.compute.decoder_batch.KVCopier``) of the held tokens only.
+session's KV moves into a row when it first steps in a batch, and its own buffers become a spare
+(kept for the next session of that capacity, their graph with them, up to
+``FREE_SLOTS_PER_CAPACITY``; freed beyond). A run of the session alone (its next turn's prefill)
+runs in its row, uncaptured, its row bound by address as ``[1, Hkv, C, D]``; the KV moves back into
+own buffers (a spare's, else new) only when ``read_kv`` or ``write_kv`` needs it, when it sat out
+``IDLE_STEPS`` steps or when it must grow. The moves are device copies
+(``edge.compute.decoder_batch.KVCopier``) of the held tokens only.
+
+Memory: ``KVSlot.nbytes`` is what a session holds (its own buffers or its pool row), which the
+engine's session table bounds; ``memory`` counts every buffer held (sessions', spares, pools with
+their free rows) against ``max_kv_bytes``. A pool whose rows no step needed all of for
+``POOL_IDLE_RUNS`` runs shrinks to the rows its sessions need (freed when it has none); an
+allocation beyond the bound first frees spares, empty pools and unneeded pool rows, then raises
+``QuotaExceeded`` (a batched step that cannot join or grow a pool steps the session alone
+instead). Freed buffers' CUDA graphs are never replayed again; ONNX Runtime keeps the captured
+graphs (not their buffers) until the session ends.
 
 Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``C`` a slot's capacity in tokens, ``T``
 tokens held, ``V`` vocabulary; the KV dtype is the graph's (float32 on the CPU build, float16 or
