@@ -40,7 +40,8 @@ own buffers (a spare's, else new) only when ``read_kv`` or ``write_kv`` needs it
 Memory: ``KVSlot.nbytes`` is what a session holds (its own buffers or its pool row), which the
 engine's session table bounds; ``memory`` counts every buffer held (sessions', spares, pools with
 their free rows) against ``max_kv_bytes``. A pool whose rows no step needed all of for
-``POOL_IDLE_RUNS`` runs shrinks to the rows its sessions need (freed when it has none); an
+``IDLE_RUNS`` runs shrinks to the rows its sessions need (freed when it has none), and spare
+buffers unused that long are freed; an
 allocation beyond the bound first frees spares, empty pools and unneeded pool rows, then raises
 ``QuotaExceeded`` (a batched step that cannot join or grow a pool steps the session alone
 instead). Freed buffers' CUDA graphs are never replayed again; ONNX Runtime keeps the captured
@@ -74,8 +75,8 @@ from tandem.common.model.builder_export import (
 )
 from tandem.common.protocol.errors import InvalidRequest, QuotaExceeded
 from tandem.edge.compute.decoder_batch import (
+    IDLE_RUNS,
     MIN_POOL_ROWS,
-    POOL_IDLE_RUNS,
     KVCopier,
     KVMemory,
     RowTable,
@@ -299,7 +300,8 @@ class DecoderGraph:
         # a slot holds more than the graph's sliding window (ONNX Runtime refuses a smaller KV buffer)
         self.min_slot_tokens = max(MIN_SLOT_TOKENS, _window_tokens(model_dir) + 1)
         self._next_graph_id = 1
-        self._free: dict[int, list[KVSlot]] = {}
+        self._free: dict[int, list[KVSlot]] = {}  # spare buffers per capacity, the longest kept first
+        self._kept_at: dict[int, int] = {}  # id(spare) -> the run count when it was kept
         self._pools: dict[int, BatchPool] = {}
         self._copier = KVCopier(names, self.device)
         self._item_bytes = int(np.dtype(_storage(self.kv_type)).itemsize)
@@ -923,7 +925,11 @@ class DecoderGraph:
         Raises:
             QuotaExceeded: none spare and no room for new ones."""
         kept = self._free.get(capacity_tokens)
-        return kept.pop() if kept else self.new_slot(capacity_tokens, keep)
+        if not kept:
+            return self.new_slot(capacity_tokens, keep)
+        spare = kept.pop()
+        self._kept_at.pop(id(spare), None)
+        return spare
 
     def _keep_spare(self, spare: KVSlot) -> None:
         """Keep ``spare``'s buffers (no session's) for the next session of their capacity, up to
@@ -933,11 +939,13 @@ class DecoderGraph:
         kept = self._free.setdefault(spare.capacity_tokens, [])
         if len(kept) < FREE_SLOTS_PER_CAPACITY:
             kept.append(spare)
+            self._kept_at[id(spare)] = self._runs
         else:
             self._free_slot(spare)
 
     def _free_slot(self, spare: KVSlot) -> None:
         """Free ``spare``'s buffers (its CUDA graph is never replayed again)."""
+        self._kept_at.pop(id(spare), None)
         self.memory.freed(spare.own_nbytes())
         _clear_buffers(spare)
 
@@ -950,7 +958,7 @@ class DecoderGraph:
         fits = self.memory.fits
         for kept in self._free.values():
             while kept and not fits(nbytes):
-                self._free_slot(kept.pop())
+                self._free_slot(kept.pop(0))
         for pool in sorted(self._pools.values(), key=lambda p: len(p.table)):  # empty pools first
             if fits(nbytes):
                 return
@@ -969,13 +977,16 @@ class DecoderGraph:
             self._resize_pool(pool, rows)
 
     def _tick(self) -> None:
-        """Count one run call; a pool whose rows no step needed all of for ``POOL_IDLE_RUNS`` runs
-        shrinks (``_shrink``: freed when empty)."""
+        """Count one run call; a pool whose rows no step needed all of for ``IDLE_RUNS`` runs
+        shrinks (``_shrink``: freed when empty), and spare buffers kept that long are freed."""
         self._runs += 1
+        for kept in self._free.values():
+            while kept and self._runs - self._kept_at.get(id(kept[0]), self._runs) >= IDLE_RUNS:
+                self._free_slot(kept.pop(0))
         for pool in list(self._pools.values()):
-            if self._runs - pool.busy_at >= POOL_IDLE_RUNS:
+            if self._runs - pool.busy_at >= IDLE_RUNS:
                 self._shrink(pool)
-                pool.busy_at = self._runs  # tried: not again for POOL_IDLE_RUNS runs
+                pool.busy_at = self._runs  # tried: not again for IDLE_RUNS runs
 
     def trim(self) -> int:
         """Free every spare's buffers and every empty pool, and shrink every pool to the rows its

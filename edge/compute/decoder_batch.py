@@ -25,7 +25,7 @@ M = TypeVar("M")
 
 IDLE_STEPS = 2  # a session in a pool row that misses this many batched steps in a row goes back to its own buffers
 MIN_POOL_ROWS = 1  # a batch pool starts with the rows of its first step (at least these); it doubles when full
-POOL_IDLE_RUNS = 64  # runs without a step that needs all its rows: a pool shrinks to its sessions (freed when empty)
+IDLE_RUNS = 64  # runs after which a pool no step needed all rows of shrinks (freed when empty), a spare is freed
 
 
 def bucket_rows(n: int) -> int:

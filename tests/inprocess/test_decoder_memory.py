@@ -1,6 +1,7 @@
 """The edge decoder's memory (``edge.compute.decoder.DecoderGraph``) on SmolLM2's prepared ``edge-decoder/``
 with ONNX Runtime's CPU provider: a session's KV lives in its own buffers or in a batch pool row,
-never both, and the bytes counted are the bytes held; idle pools shrink and empty ones are freed;
+never both, and the bytes counted are the bytes held; idle pools shrink, empty ones and idle spare
+buffers are freed;
 ``max_kv_bytes`` refuses what does not fit with ``QuotaExceeded`` while the other sessions decode
 on, token for token as they would alone."""
 
@@ -15,7 +16,7 @@ from tandem.common.protocol.chat import prompt_token_ids
 from tandem.common.protocol.errors import QuotaExceeded
 from tandem.common.protocol.params import Sampling
 from tandem.edge.compute.decoder import DecoderGraph, KVSlot
-from tandem.edge.compute.decoder_batch import POOL_IDLE_RUNS
+from tandem.edge.compute.decoder_batch import IDLE_RUNS
 from tandem.edge.compute.local import LocalEngine
 
 CHATS = [
@@ -55,7 +56,7 @@ def prompts(tokenizer) -> list[list[int]]:
 def session_bytes(graph, prompts) -> int:
     """Bytes of one session's buffers at the first capacity (every prompt here fits it)."""
     cap = graph.min_slot_tokens
-    assert all(len(p) + 4 * POOL_IDLE_RUNS < cap * 2 for p in prompts)
+    assert all(len(p) + 4 * IDLE_RUNS < cap * 2 for p in prompts)
     return graph._session_nbytes(cap)
 
 
@@ -120,7 +121,7 @@ def test_a_pooled_session_holds_its_kv_once_and_runs_its_next_turn_in_its_row(de
 
 def test_an_idle_pool_shrinks_to_its_sessions_and_an_empty_one_is_freed(decoder_dir, prompts):
     g = make_graph(decoder_dir)
-    runs = POOL_IDLE_RUNS + 4
+    runs = IDLE_RUNS + 4
     want = lone(g, prompts[0], 4 + runs)
     g.trim()
     slots = [g.new_kv(64) for _ in range(4)]
@@ -137,6 +138,7 @@ def test_an_idle_pool_shrinks_to_its_sessions_and_an_empty_one_is_freed(decoder_
         got[0].append(tok)
     small = keep.pool
     assert small is not None and small is not pool and small.rows == 1 and pool.nbytes == 0
+    assert not any(g._free.values())  # the buffers the joiners gave up sat spare IDLE_RUNS runs: freed
     late = g.new_kv(64)
     got.append([g.run(late, prompts[4], greedy=True)[0]])
     step_all(g, [keep, late], [got[0], got[-1]])  # the shrunk pool grows again for a joiner
@@ -147,9 +149,9 @@ def test_an_idle_pool_shrinks_to_its_sessions_and_an_empty_one_is_freed(decoder_
     g.release(late)
     other = g.new_kv(64)
     tok, _, _ = g.run(other, prompts[5], greedy=True)
-    for _ in range(POOL_IDLE_RUNS):
+    for _ in range(IDLE_RUNS):
         tok, _, _ = g.run(other, [tok], greedy=True)
-    assert not g._pools  # empty for POOL_IDLE_RUNS runs: freed, with its graphs
+    assert not g._pools  # empty for IDLE_RUNS runs: freed, with its graphs
     assert g.memory.held_bytes == held_by_buffers(g, [other])
     g.release(other)
     g.trim()
