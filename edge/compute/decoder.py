@@ -40,12 +40,13 @@ own buffers (a spare's, else new) only when ``read_kv`` or ``write_kv`` needs it
 Memory: ``KVSlot.nbytes`` is what a session holds (its own buffers or its pool row), which the
 engine's session table bounds; ``memory`` counts every buffer held (sessions', spares, pools with
 their free rows) against ``max_kv_bytes``. A pool whose rows no step needed all of for
-``IDLE_RUNS`` runs shrinks to the rows its sessions need (freed when it has none), and spare
-buffers unused that long are freed; an
-allocation beyond the bound first frees spares, empty pools and unneeded pool rows, then raises
-``QuotaExceeded`` (a batched step that cannot join or grow a pool steps the session alone
-instead). Freed buffers' CUDA graphs are never replayed again; ONNX Runtime keeps the captured
-graphs (not their buffers) until the session ends.
+``IDLE_S`` seconds shrinks to the rows its sessions need (freed when it has none), and spare
+buffers unused that long are freed (checked at each run call). An allocation beyond the bound
+first frees spares, empty pools and unneeded pool rows, then raises ``QuotaExceeded`` (a batched
+step that cannot join or grow a pool steps the session alone instead). Freed buffers' CUDA graphs
+are never replayed again; ONNX Runtime keeps the captured graphs (not their buffers) until its
+session ends, which is why idleness is measured in seconds, not steps: a lull between bursts
+keeps a pool and its graphs.
 
 Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``C`` a slot's capacity in tokens, ``T``
 tokens held, ``V`` vocabulary; the KV dtype is the graph's (float32 on the CPU build, float16 or
@@ -57,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ from tandem.common.model.builder_export import (
 )
 from tandem.common.protocol.errors import InvalidRequest, QuotaExceeded
 from tandem.edge.compute.decoder_batch import (
-    IDLE_RUNS,
+    IDLE_S,
     MIN_POOL_ROWS,
     KVCopier,
     KVMemory,
@@ -210,8 +211,8 @@ class BatchPool:
         sampled: int64 ``[R, 1]``, its output (empty / None for a graph without the sampler).
     graph_ids / bindings: per bucket ``b`` (rows run), the CUDA graph id and the IO binding it was
         captured with (the buffers' first ``b`` rows bound by address).
-    nbytes: bytes of all its device buffers; busy_at: the graph's run count when a step last
-        needed all ``R`` rows (or the pool was made).
+    nbytes: bytes of all its device buffers; busy_at: the graph's clock (s) when a step last needed
+        all ``R`` rows (or the pool was made).
     """
 
     capacity_tokens: int
@@ -230,7 +231,7 @@ class BatchPool:
     graph_ids: dict[int, int] = field(default_factory=dict)
     bindings: dict[int, Any] = field(default_factory=dict)
     nbytes: int = 0
-    busy_at: int = 0
+    busy_at: float = 0.0
 
     @property
     def row_nbytes(self) -> int:
@@ -260,11 +261,14 @@ class DecoderGraph:
         intra_op_threads: int = 0,
         cuda_graph: bool = True,
         max_kv_bytes: int | None = None,
+        idle_s: float = IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``providers``: ONNX Runtime's (default: CUDA where onnxruntime-gpu has a GPU, then CPU);
         ``cuda_graph``: capture each slot's decode step as a CUDA graph on the CUDA provider (fp32
         MatMuls there run without TF32, as vLLM's fp32 engines do); ``max_kv_bytes``: bound on
-        ``memory.held_bytes`` (None: none).
+        ``memory.held_bytes`` (None: none); ``idle_s``: how long a pool or a spare waits idle
+        before it is given back (``_tick``), by ``clock`` (seconds).
 
         Raises:
             ValueError: ``max_kv_bytes`` < 1.
@@ -301,11 +305,12 @@ class DecoderGraph:
         self.min_slot_tokens = max(MIN_SLOT_TOKENS, _window_tokens(model_dir) + 1)
         self._next_graph_id = 1
         self._free: dict[int, list[KVSlot]] = {}  # spare buffers per capacity, the longest kept first
-        self._kept_at: dict[int, int] = {}  # id(spare) -> the run count when it was kept
+        self._kept_at: dict[int, float] = {}  # id(spare) -> the clock (s) when it was kept
         self._pools: dict[int, BatchPool] = {}
         self._copier = KVCopier(names, self.device)
         self._item_bytes = int(np.dtype(_storage(self.kv_type)).itemsize)
-        self._runs = 0  # run calls so far: the clock of pools' idleness
+        self.clock, self.idle_s = clock, idle_s
+        self._now = clock()  # at the latest run call
 
     # ---- slots ------------------------------------------------------------------------------
 
@@ -657,7 +662,7 @@ class DecoderGraph:
         it holds), a padding row one at position 0 of a free row."""
         b = bucket_rows(len(pool.table))
         if b >= pool.rows:
-            pool.busy_at = self._runs
+            pool.busy_at = self._now
         lengths = np.ones(b, np.int64)  # per row: held tokens + the one computed now
         pool.ids_host[:] = 0
         for m in pool.table.members():
@@ -782,7 +787,7 @@ class DecoderGraph:
             sampled=ort.OrtValue.ortvalue_from_shape_and_type([rows, 1], np.int64, dev, 0)
             if self.has_sampling
             else None,
-            busy_at=self._runs,
+            busy_at=self.clock(),
         )
         pool.nbytes = _values_nbytes(
             [*pool.kv, pool.ids, pool.mask, pool.next_ids, pool.logits, pool.sampled, *pool.sampling.values()]
@@ -939,7 +944,7 @@ class DecoderGraph:
         kept = self._free.setdefault(spare.capacity_tokens, [])
         if len(kept) < FREE_SLOTS_PER_CAPACITY:
             kept.append(spare)
-            self._kept_at[id(spare)] = self._runs
+            self._kept_at[id(spare)] = self.clock()
         else:
             self._free_slot(spare)
 
@@ -977,16 +982,16 @@ class DecoderGraph:
             self._resize_pool(pool, rows)
 
     def _tick(self) -> None:
-        """Count one run call; a pool whose rows no step needed all of for ``IDLE_RUNS`` runs
+        """At each run call: a pool whose rows no step needed all of for ``idle_s``
         shrinks (``_shrink``: freed when empty), and spare buffers kept that long are freed."""
-        self._runs += 1
+        self._now = now = self.clock()
         for kept in self._free.values():
-            while kept and self._runs - self._kept_at.get(id(kept[0]), self._runs) >= IDLE_RUNS:
+            while kept and now - self._kept_at.get(id(kept[0]), now) >= self.idle_s:
                 self._free_slot(kept.pop(0))
         for pool in list(self._pools.values()):
-            if self._runs - pool.busy_at >= IDLE_RUNS:
+            if now - pool.busy_at >= self.idle_s:
                 self._shrink(pool)
-                pool.busy_at = self._runs  # tried: not again for IDLE_RUNS runs
+                pool.busy_at = now  # tried: not again for idle_s
 
     def trim(self) -> int:
         """Free every spare's buffers and every empty pool, and shrink every pool to the rows its

@@ -25,7 +25,8 @@ M = TypeVar("M")
 
 IDLE_STEPS = 2  # a session in a pool row that misses this many batched steps in a row goes back to its own buffers
 MIN_POOL_ROWS = 1  # a batch pool starts with the rows of its first step (at least these); it doubles when full
-IDLE_RUNS = 64  # runs after which a pool no step needed all rows of shrinks (freed when empty), a spare is freed
+IDLE_S = 60.0  # seconds a pool goes without a step that needs all its rows before it shrinks (freed when empty),
+# and a spare waits unused before it is freed: a lull between bursts keeps both (and their CUDA graphs)
 
 
 def bucket_rows(n: int) -> int:

@@ -224,18 +224,19 @@ def test_the_builder_decoder_on_cuda_holds_pooled_kv_once_and_gives_idle_pools_b
     """On CUDA with graphs: sessions decoding in a pool hold their KV in its rows only; when three
     end, the fourth decodes on alone in its row (uncaptured) until its pool shrinks to one row, and
     its next batched step captures the new pool's graph; once every session ends the pool is freed
-    after ``IDLE_RUNS`` runs; every output equals HF's (or parts at a near-tie). With
+    after ``IDLE_S`` (a clock of the test's); every output equals HF's (or parts at a near-tie). With
     ``max_kv_bytes`` room for two sessions, a third is refused and the two step alone."""
     import onnxruntime as ort
 
     from tandem.common.protocol.errors import QuotaExceeded
     from tandem.edge.compute.decoder import DecoderGraph
-    from tandem.edge.compute.decoder_batch import IDLE_RUNS
+    from tandem.edge.compute.decoder_batch import IDLE_S
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime-gpu's CUDA provider is not installed")
     path = split_dir.parent / "edge-decoder"
-    g = DecoderGraph(path)
+    now = [0.0]
+    g = DecoderGraph(path, clock=lambda: now[0])
     assert g.cuda_graph
     prompts = [prompt_ids(tokenizer, p) for p in PROMPTS[:4]]
     slots = [g.new_kv(len(p) + 4 * MAX_NEW) for p in prompts]
@@ -250,7 +251,8 @@ def test_the_builder_decoder_on_cuda_holds_pooled_kv_once_and_gives_idle_pools_b
     for i in range(1, 4):
         g.release(slots[i])
     keep, tok = slots[0], got[0][-1]
-    for _ in range(IDLE_RUNS + 1):
+    for _ in range(8):
+        now[0] += IDLE_S / 6
         tok, _, _ = g.run(keep, [tok], greedy=True)
         got[0].append(tok)
     assert keep.pool is not None and keep.pool is not pool and keep.pool.rows == 1 and keep.kv == []
@@ -264,8 +266,8 @@ def test_the_builder_decoder_on_cuda_holds_pooled_kv_once_and_gives_idle_pools_b
     g.release(keep)
     other = g.new_kv(64)
     tok = g.run(other, prompts[1], greedy=True)[0]
-    for _ in range(IDLE_RUNS):
-        tok = g.run(other, [tok], greedy=True)[0]
+    now[0] += IDLE_S
+    g.run(other, [tok], greedy=True)
     assert not g._pools
     g.release(other)
     g.trim()

@@ -8,6 +8,7 @@ on, token for token as they would alone."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -16,7 +17,7 @@ from tandem.common.protocol.chat import prompt_token_ids
 from tandem.common.protocol.errors import QuotaExceeded
 from tandem.common.protocol.params import Sampling
 from tandem.edge.compute.decoder import DecoderGraph, KVSlot
-from tandem.edge.compute.decoder_batch import IDLE_RUNS
+from tandem.edge.compute.decoder_batch import IDLE_S
 from tandem.edge.compute.local import LocalEngine
 
 CHATS = [
@@ -38,8 +39,9 @@ def decoder_dir(split_dir):
     return path
 
 
-def make_graph(decoder_dir, max_kv_bytes: int | None = None) -> DecoderGraph:
-    return DecoderGraph(decoder_dir, providers=["CPUExecutionProvider"], intra_op_threads=2, max_kv_bytes=max_kv_bytes)
+def make_graph(decoder_dir, max_kv_bytes: int | None = None, clock=time.monotonic) -> DecoderGraph:
+    cpu = ["CPUExecutionProvider"]
+    return DecoderGraph(decoder_dir, providers=cpu, intra_op_threads=2, max_kv_bytes=max_kv_bytes, clock=clock)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def prompts(tokenizer) -> list[list[int]]:
 def session_bytes(graph, prompts) -> int:
     """Bytes of one session's buffers at the first capacity (every prompt here fits it)."""
     cap = graph.min_slot_tokens
-    assert all(len(p) + 4 * IDLE_RUNS < cap * 2 for p in prompts)
+    assert all(len(p) + 4 * NEW < cap for p in prompts)
     return graph._session_nbytes(cap)
 
 
@@ -120,25 +122,27 @@ def test_a_pooled_session_holds_its_kv_once_and_runs_its_next_turn_in_its_row(de
 
 
 def test_an_idle_pool_shrinks_to_its_sessions_and_an_empty_one_is_freed(decoder_dir, prompts):
-    g = make_graph(decoder_dir)
-    runs = IDLE_RUNS + 4
-    want = lone(g, prompts[0], 4 + runs)
+    now = [0.0]
+    g = make_graph(decoder_dir, clock=lambda: now[0])
+    want = lone(g, prompts[0], 3 + 4 + 1)
     g.trim()
     slots = [g.new_kv(64) for _ in range(4)]
     got = [[g.run(s, p, greedy=True)[0]] for s, p in zip(slots, prompts, strict=False)]
     for _ in range(2):
         step_all(g, slots, got)
     pool = slots[0].pool
-    assert pool is not None and pool.rows == 4 and len(pool.table) == 4
+    assert pool is not None and pool.rows == 4 and len(pool.table) == 4 and len(g._free[pool.capacity_tokens]) == 4
     for s in slots[1:]:  # their sessions end
         g.release(s)
     keep = slots[0]
-    for _ in range(runs):  # keep decodes alone in its row; the pool sits at 1 of 4 rows
+    for dt in (IDLE_S / 2, IDLE_S / 2 - 1, 0.5, 0.5):  # keep decodes alone in its row; 1 of 4 rows needed
+        now[0] += dt
         tok, _, _ = g.run(keep, [got[0][-1]], greedy=True)
         got[0].append(tok)
+        assert (keep.pool is pool) == (now[0] < IDLE_S)
     small = keep.pool
-    assert small is not None and small is not pool and small.rows == 1 and pool.nbytes == 0
-    assert not any(g._free.values())  # the buffers the joiners gave up sat spare IDLE_RUNS runs: freed
+    assert small is not None and small.rows == 1 and pool.nbytes == 0 and keep.kv == []
+    assert not any(g._free.values())  # the buffers the joiners gave up waited IDLE_S unused: freed
     late = g.new_kv(64)
     got.append([g.run(late, prompts[4], greedy=True)[0]])
     step_all(g, [keep, late], [got[0], got[-1]])  # the shrunk pool grows again for a joiner
@@ -149,9 +153,12 @@ def test_an_idle_pool_shrinks_to_its_sessions_and_an_empty_one_is_freed(decoder_
     g.release(late)
     other = g.new_kv(64)
     tok, _, _ = g.run(other, prompts[5], greedy=True)
-    for _ in range(IDLE_RUNS):
-        tok, _, _ = g.run(other, [tok], greedy=True)
-    assert not g._pools  # empty for IDLE_RUNS runs: freed, with its graphs
+    now[0] += IDLE_S - 1
+    tok, _, _ = g.run(other, [tok], greedy=True)
+    assert len(g._pools) == 1  # empty, but not idle long enough: kept for the next burst
+    now[0] += 1
+    g.run(other, [tok], greedy=True)
+    assert not g._pools  # empty for IDLE_S: freed, with its graphs
     assert g.memory.held_bytes == held_by_buffers(g, [other])
     g.release(other)
     g.trim()
