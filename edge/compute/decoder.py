@@ -993,6 +993,11 @@ class DecoderGraph:
                 self._shrink(pool)
                 pool.busy_at = now  # tried: not again for idle_s
 
+    def tidy(self) -> None:
+        """Give back the pools and spares idle for ``idle_s`` now, as a run call does (between
+        runs: ``edge.compute.local.LocalEngine.tidy``)."""
+        self._tick()
+
     def trim(self) -> int:
         """Free every spare's buffers and every empty pool, and shrink every pool to the rows its
         sessions need, now (what idleness and the bound do by themselves). Returns the bytes freed."""

@@ -334,6 +334,15 @@ class LocalEngine:
         """An empty session whose KV goes back to this engine's model when it is dropped."""
         return LocalSession(release=self._released.append)
 
+    async def tidy(self) -> None:
+        """Give back what idle state holds: the KV of dropped sessions goes back to the model, and
+        a model that frees idle buffers itself (``DecoderGraph.tidy``) does so, in one job under the
+        model lock (after the runs queued before it). The edge's session sweeper calls it, so an
+        edge without turns gives its memory back too."""
+        tidy = getattr(self.model, "tidy", None)
+        if self._released or tidy is not None:
+            await self._locked(tidy or (lambda: None))
+
     async def end_session(self, session_id: str) -> bool:
         """Drop the session ``session_id`` once no turn uses it; True if it was held."""
         s = self.sessions.lookup(session_id) if session_id else None

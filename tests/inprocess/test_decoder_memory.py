@@ -237,3 +237,24 @@ async def test_the_session_table_counts_one_copy_of_each_pooled_session(decoder_
     assert all(kv.own_nbytes() == 0 and kv.nbytes() == kv.pool.row_nbytes for kv in pooled)
     assert eng.sessions.nbytes() == 3 * graph._session_nbytes(graph.min_slot_tokens)
     assert graph.memory.held_bytes == held_by_buffers(graph, [])
+
+
+async def test_an_edge_without_turns_gives_its_pools_and_spares_back(decoder_dir, manifest, prompts):
+    now = [0.0]
+    eng = LocalEngine(make_graph(decoder_dir, clock=lambda: now[0]), manifest.shape, (2,))
+    graph = eng.model
+    s = Sampling(max_new_tokens=NEW, ignore_eos=True)
+    sids = [f"t-{uuid.uuid4().hex}" for _ in range(2)]
+
+    async def turn(ids: list[int], sid: str) -> list[int]:
+        return [t.token_id async for t in eng.generate(ids, s, sid)]
+
+    await asyncio.gather(*(turn(p, sid) for p, sid in zip(prompts, sids, strict=False)))
+    assert graph._pools and graph.memory.held_bytes > 0
+    for sid in sids:
+        await eng.end_session(sid)
+    await eng.tidy()  # the ended sessions' rows are freed; the pool waits for the next burst
+    assert graph._pools and all(len(p.table) == 0 for p in graph._pools.values())
+    now[0] += IDLE_S
+    await eng.tidy()
+    assert not graph._pools and not any(graph._free.values()) and graph.memory.held_bytes == 0
