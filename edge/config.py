@@ -40,6 +40,7 @@ from tandem.common.runtime.settings import (
     SplitDir,
     WireDtypeSetting,
     checked,
+    gib,
     kib,
     mib,
 )
@@ -79,6 +80,13 @@ class EdgeConfig(DaemonSettings):
         description="The whole model for local mode: a folder built by ONNX Runtime GenAI's model builder "
         "(`tandem-model` writes `edge-decoder/`) or an ONNX file (`edge-full.onnx`); default `edge-decoder/` "
         "beside the split directory where it passed its check, else `edge-full.onnx` there.",
+    )
+    local_kv_bytes: PositiveBytes = Field(
+        default=gib(1),
+        description="Memory for the whole model's KV in local mode and remote prefill (the builder graph, "
+        "`edge-decoder/`), in bytes: sessions' own buffers, batch pools and spare buffers together (device memory "
+        "on a GPU). Idle buffers are freed to make room; a turn that needs more is refused RESOURCE_EXHAUSTED "
+        "(HTTP 429). Keep `session_bytes` below it, so the session table drops idle sessions first.",
     )
     max_prompt_tokens: Count = Field(default=1536, description="Longest prompt accepted, in tokens.")
     max_new_tokens: Count = Field(

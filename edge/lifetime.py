@@ -114,13 +114,15 @@ class SessionLifetime:
                 await self._end_cloud(sid, self.cloud)
 
     async def sweep_loop(self, period_s: float) -> None:
-        """Every ``period_s``, expire the sessions idle past their tables' ``idle_s``. Until cancelled."""
+        """Every ``period_s``, expire the sessions idle past their tables' ``idle_s`` and let local
+        mode give back what idle state holds (``LocalEngine.tidy``). Until cancelled."""
         while True:
             await asyncio.sleep(period_s)
             self.sessions.expire()
             local = self.local()
             if local is not None:
                 local.sessions.expire()
+                await local.tidy()
 
     async def settle(self) -> None:
         """Wait until the cloud heard of every session dropped so far (tests, a drain)."""

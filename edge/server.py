@@ -186,7 +186,16 @@ async def load_local(
         return None
     if max_positions is not None and max_positions < shape.max_position_embeddings:
         shape = shape.model_copy(update={"max_position_embeddings": max_positions})
-    local = LocalEngine(path, shape, eos, cfg.intra_op_threads, cfg.max_sessions, cfg.session_bytes, cfg.session_idle_s)
+    local = LocalEngine(
+        path,
+        shape,
+        eos,
+        cfg.intra_op_threads,
+        cfg.max_sessions,
+        cfg.session_bytes,
+        cfg.session_idle_s,
+        kv_bytes=cfg.local_kv_bytes,
+    )
     await local.warmup()  # the first rates, which the cost model reads from the engine
     log.info(
         "local mode: %s (%.2f ms/token prefill, %.1f ms/token decode)",

@@ -127,7 +127,7 @@ class SessionNotFound(SessionOutOfSync):
 
 
 class QuotaExceeded(TandemError):
-    """The link's concurrency or token quota is used up."""
+    """The link's concurrency or token quota, or the edge's memory for local sessions' KV, is used up."""
 
     wire_name = "QuotaExceeded"
 

@@ -17,10 +17,11 @@ token, so a decode step's inputs and outputs keep their addresses and ONNX Runti
 can replay it as a CUDA graph (``enable_cuda_graph``; prefills run uncaptured, ``gpu_graph_id =
 -1``).
 
-``KVSlot``: one session's buffers (``2L`` KV tensors, the mask, the step's input and outputs) and
-the CUDA graph captured on them (one graph id per slot). ``DecoderGraph.run`` computes new tokens
-into a slot; greedy turns read back only the token id, sampled turns too where the build has the
-sampler, others the logits of the last token.
+``KVSlot``: one session's KV, in its own buffers (``2L`` KV tensors, the mask, the step's input
+and outputs, and the CUDA graph captured on them: one graph id per set of buffers) or in a batch
+pool row, never in both. ``DecoderGraph.run`` computes new tokens into a slot; greedy turns read
+back only the token id, sampled turns too where the build has the sampler, others the logits of the
+last token.
 
 Batched decode (``DecoderGraph.run_batch``): several sessions' one-token steps in one run, with
 ``input_ids`` ``[B, 1]``, ``attention_mask`` ``[B, C]`` right-padded (per row ones over its held
@@ -29,9 +30,24 @@ D]``. The sessions of one capacity decode in a ``BatchPool``: per layer one buff
 D]`` whose first rows the sessions occupy (``edge.compute.decoder_batch.RowTable``); a step binds the first
 ``b`` rows by address (``b`` = the power of two that covers them, the rows past the sessions
 padding that write only their position 0), so each pool captures one CUDA graph per ``b``. A
-session's KV moves into a row when it first steps in a batch and back to its slot when a
-per-session call needs it, when it sat out ``IDLE_STEPS`` steps or when it must grow; the moves are
-device copies (``edge.compute.decoder_batch.KVCopier``) of the held tokens only.
+session's KV moves into a row when it first steps in a batch, and its own buffers become a spare
+(kept for the next session of that capacity, their graph with them, up to
+``FREE_SLOTS_PER_CAPACITY``; freed beyond). A run of the session alone (its next turn's prefill)
+runs in its row, uncaptured, its row bound by address as ``[1, Hkv, C, D]``; the KV moves back into
+own buffers (a spare's, else new) only when ``read_kv`` or ``write_kv`` needs it, when it sat out
+``IDLE_STEPS`` steps or when it must grow. The moves are device copies
+(``edge.compute.decoder_batch.KVCopier``) of the held tokens only.
+
+Memory: ``KVSlot.nbytes`` is what a session holds (its own buffers or its pool row), which the
+engine's session table bounds; ``memory`` counts every buffer held (sessions', spares, pools with
+their free rows) against ``max_kv_bytes``. A pool whose rows no step needed all of for
+``IDLE_S`` seconds shrinks to the rows its sessions need (freed when it has none), and spare
+buffers unused that long are freed (checked at each run call). An allocation beyond the bound
+first frees spares, empty pools and unneeded pool rows, then raises ``QuotaExceeded`` (a batched
+step that cannot join or grow a pool steps the session alone instead). Freed buffers' CUDA graphs
+are never replayed again; ONNX Runtime keeps the captured graphs (not their buffers) until its
+session ends, which is why idleness is measured in seconds, not steps: a lull between bursts
+keeps a pool and its graphs.
 
 Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``C`` a slot's capacity in tokens, ``T``
 tokens held, ``V`` vocabulary; the KV dtype is the graph's (float32 on the CPU build, float16 or
@@ -40,9 +56,10 @@ bfloat16 on a GPU). Not here: sampling, sessions, locks (``edge.compute.local``)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,17 +75,34 @@ from tandem.common.model.builder_export import (
     load_build,
     neutral_sampling,
 )
-from tandem.common.protocol.errors import InvalidRequest
-from tandem.edge.compute.decoder_batch import KVCopier, RowTable, bucket_rows
+from tandem.common.protocol.errors import InvalidRequest, QuotaExceeded
+from tandem.edge.compute.decoder_batch import (
+    IDLE_S,
+    MIN_POOL_ROWS,
+    KVCopier,
+    KVMemory,
+    RowTable,
+    bucket_rows,
+    shrink_rows,
+)
 from tandem.edge.compute.localmodel import Draw
 
 MIN_SLOT_TOKENS = 256  # a session's first slot holds at least this many tokens; slots grow by doubling
-FREE_SLOTS_PER_CAPACITY = 4  # released slots kept per capacity for the next sessions, without CUDA graphs
-MIN_POOL_ROWS = 1  # a batch pool starts with the rows of its first step (at least these); it doubles when full
+FREE_SLOTS_PER_CAPACITY = 4  # spare slot buffers (released, or given up for a pool row) kept per capacity
 # KV and logits types (ONNX Runtime's name -> ONNX element type); bfloat16 has no numpy dtype, so its
 # tensors are held as uint16 bit patterns and bound by address with their ONNX type
 ONNX_TYPES = ONNX_ELEMENT
-ITEM_BYTES = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(uint16)": 2}  # of the KV as held
+ITEM_BYTES = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(uint16)": 2, "tensor(int64)": 8}  # as held
+# a slot's device buffers: what it gives up while its KV lives in a pool row, and what a spare keeps
+BUFFER_FIELDS = (
+    "kv",
+    "mask",
+    "step_ids",
+    "step_logits",
+    "step_next",
+    "graph_id",
+    "binding",
+)
 
 
 @dataclass(frozen=True)
@@ -116,16 +150,19 @@ class DecoderSpec:
 
 @dataclass
 class KVSlot:
-    """One session's KV and step buffers on ``device``, owned by its ``DecoderGraph``.
+    """One session's KV on ``device``, owned by its ``DecoderGraph``: in the slot's own buffers, or
+    (``pool`` set) in a row of a ``BatchPool``, never in both once a call returns.
 
     kv: ``2L`` tensors ``[1, Hkv, C, D]`` (KV dtype), key then value per layer, each bound as past
-        and present; ``tokens`` of them are valid, the rest is scratch.
-    mask: int64 ``[1, C]``, ``1`` for the held tokens and the ones being computed, ``0`` after.
+        and present; ``tokens`` of them are valid, the rest is scratch. Empty while the KV lives in
+        a pool row (the buffers went to the graph's spares or were freed).
+    mask_host: int64 ``[1, C]`` on the host, ``1`` for the held tokens and the ones being computed,
+        ``0`` after (wherever the KV lives); mask: its device copy (own buffers).
     step_ids / step_logits / step_next: a decode step's input ``[1, 1]`` int64 and outputs
         ``[1, 1, V]`` and ``[1, 1]`` int64, at fixed addresses (what a CUDA graph replays).
-    graph_id: the CUDA graph id of this slot's decode step (``>= 1``).
-    pool: the ``BatchPool`` whose row holds the slot's KV while it decodes in batches (its own
-        ``kv`` is stale meanwhile), else None.
+    graph_id: the CUDA graph id of a decode step on these buffers (``>= 1``; 0 without buffers).
+    pool: the ``BatchPool`` whose row holds the KV, else None.
+    capacity_tokens: ``C``; 0 once released.
     """
 
     capacity_tokens: int
@@ -140,9 +177,19 @@ class KVSlot:
     binding: Any = field(default=None, repr=False)
     pool: Any = field(default=None, repr=False)
 
+    @property
+    def live(self) -> bool:
+        """Not released."""
+        return self.capacity_tokens > 0
+
+    def own_nbytes(self) -> int:
+        """Bytes of the slot's own buffers (0 while its KV lives in a pool row)."""
+        return _values_nbytes([*self.kv, self.mask, self.step_ids, self.step_logits, self.step_next])
+
     def nbytes(self) -> int:
-        """Device (or host) bytes of the KV buffers (a pool row it occupies is the pool's)."""
-        return sum(int(np.prod(v.shape())) * ITEM_BYTES[v.data_type()] for v in self.kv)
+        """Bytes the session holds (device memory on a GPU): its own buffers, or its row of each of
+        its pool's buffers (KV, mask, ids, outputs)."""
+        return self.own_nbytes() + (self.pool.row_nbytes if self.pool is not None else 0)
 
 
 @dataclass
@@ -150,12 +197,14 @@ class BatchPool:
     """The decode rows of the sessions of one capacity ``C``, ``R`` rows, owned by its ``DecoderGraph``.
 
     kv: ``2L`` tensors ``[R, Hkv, C, D]`` (KV dtype), key then value per layer; row ``r`` of each is
-        the KV of ``table``'s member in row ``r``.
+        the KV of ``table``'s member in row ``r`` (its only copy).
     ids / ids_host: int64 ``[R, 1]``, a step's input ids (device buffer and its host copy).
     mask / mask_host: int64 ``[R, C]``, a step's attention mask.
     next_ids: int64 ``[R, 1]``, the argmax output; logits: ``[R, 1, V]``.
     graph_ids / bindings: per bucket ``b`` (rows run), the CUDA graph id and the IO binding it was
         captured with (the buffers' first ``b`` rows bound by address).
+    nbytes: bytes of all its device buffers; busy_at: the graph's clock (s) when a step last needed
+        all ``R`` rows (or the pool was made).
     """
 
     capacity_tokens: int
@@ -170,6 +219,13 @@ class BatchPool:
     table: RowTable[KVSlot] = field(default_factory=RowTable)
     graph_ids: dict[int, int] = field(default_factory=dict)
     bindings: dict[int, Any] = field(default_factory=dict)
+    nbytes: int = 0
+    busy_at: float = 0.0
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row of every buffer: what one session in the pool holds."""
+        return self.nbytes // self.rows
 
 
 class DeviceSampler:
@@ -220,6 +276,11 @@ class DecoderGraph:
     Who calls: ``edge.compute.local.LocalEngine`` (one run at a time, from a worker thread) and the
     benchmarks. Thread-safety: no two calls may overlap, on any slots (``run_batch`` moves other
     sessions' rows; the engine serialises every call under its model lock).
+
+    Memory: ``memory.held_bytes`` counts every buffer the graph allocated and still holds
+    (sessions' own slots, spare slots, pools); with ``max_kv_bytes`` it never exceeds that bound:
+    an allocation that would frees spares, empty pools and pools' unneeded rows first, then raises
+    ``QuotaExceeded``.
     """
 
     batched_decode = True  # ``run_batch`` runs several sessions' decode steps in one run
@@ -230,12 +291,18 @@ class DecoderGraph:
         providers: list[Any] | None = None,
         intra_op_threads: int = 0,
         cuda_graph: bool = True,
+        max_kv_bytes: int | None = None,
+        idle_s: float = IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``providers``: ONNX Runtime's (default: CUDA where onnxruntime-gpu has a GPU, then CPU);
         ``cuda_graph``: capture each slot's decode step as a CUDA graph on the CUDA provider (fp32
-        MatMuls there run without TF32, as vLLM's fp32 engines do).
+        MatMuls there run without TF32, as vLLM's fp32 engines do); ``max_kv_bytes``: bound on
+        ``memory.held_bytes`` (None: none); ``idle_s``: how long a pool or a spare waits idle
+        before it is given back (``_tick``), by ``clock`` (seconds).
 
         Raises:
+            ValueError: ``max_kv_bytes`` < 1.
             FileNotFoundError / KeyError: see ``DecoderSpec.load``.
             What ``onnxruntime.InferenceSession`` raises for a bad file.
         """
@@ -243,6 +310,7 @@ class DecoderGraph:
 
         from tandem.edge.compute.head import default_providers, session_options
 
+        self.memory = KVMemory(max_kv_bytes)
         self.spec = DecoderSpec.load(model_dir)
         names = list(providers or default_providers())
         self.on_cuda = any((p if isinstance(p, str) else p[0]) == "CUDAExecutionProvider" for p in names)
@@ -267,24 +335,30 @@ class DecoderGraph:
         # a slot holds more than the graph's sliding window (ONNX Runtime refuses a smaller KV buffer)
         self.min_slot_tokens = max(MIN_SLOT_TOKENS, _window_tokens(model_dir) + 1)
         self._next_graph_id = 1
-        self._free: dict[int, list[KVSlot]] = {}
+        self._free: dict[int, list[KVSlot]] = {}  # spare buffers per capacity, the longest kept first
+        self._kept_at: dict[int, float] = {}  # id(spare) -> the clock (s) when it was kept
         self._pools: dict[int, BatchPool] = {}
         self._copier = KVCopier(names, self.device)
         self._item_bytes = int(np.dtype(_storage(self.kv_type)).itemsize)
+        self.clock, self.idle_s = clock, idle_s
+        self._now = clock()  # at the latest run call
 
     # ---- slots ------------------------------------------------------------------------------
 
-    def new_slot(self, capacity_tokens: int) -> KVSlot:
-        """Allocate a slot of ``capacity_tokens`` (zeroed KV, an all-zero mask).
+    def new_slot(self, capacity_tokens: int, keep: BatchPool | None = None) -> KVSlot:
+        """Allocate a slot of ``capacity_tokens`` (zeroed KV, an all-zero mask), within
+        ``max_kv_bytes`` (``_reserve``; ``keep``: a pool not to shrink for room).
 
         Raises:
             ValueError: ``capacity_tokens`` < 1 or beyond the model's positions.
+            QuotaExceeded: no room for it within ``max_kv_bytes``.
         """
         import onnxruntime as ort
 
         s = self.spec
         if not 1 <= capacity_tokens <= s.context_tokens:
             raise ValueError(f"capacity_tokens {capacity_tokens}: 1 to the model's {s.context_tokens}")
+        self._reserve(self._session_nbytes(capacity_tokens), keep)
         shape = [1, s.num_kv_heads, capacity_tokens, s.head_dim]
         kv = [self._zeros(shape) for _ in range(2 * s.num_layers)]
         mask_host = np.zeros((1, capacity_tokens), np.int64)
@@ -300,6 +374,7 @@ class DecoderGraph:
             graph_id=self._next_graph_id,
         )
         self._next_graph_id += 1
+        self.memory.took(slot.own_nbytes())
         return slot
 
     def _zeros(self, shape: list[int]) -> Any:
@@ -342,13 +417,24 @@ class DecoderGraph:
         sampler, the last row's token sampled at ``draw`` on the device and no logits; otherwise ``None`` and the
         last row's logits, float32 ``[V]`` on the host; and the run time in ms.
 
+        A slot whose KV is in a pool row runs there (uncaptured) when the new tokens fit its
+        capacity; otherwise (or to grow) it first takes own buffers back.
+
         Raises:
             InvalidRequest: no new token, or ``tokens + S`` exceeds the model's positions.
+            QuotaExceeded: growing (or leaving a pool row to grow) needs memory beyond ``max_kv_bytes``.
         """
+        self._tick()
+        return self._run(slot, new_ids, greedy, draw)
+
+    def _run(
+        self, slot: KVSlot, new_ids: list[int], greedy: bool, draw: Draw | None = None
+    ) -> tuple[int | None, np.ndarray | None, float]:
+        """``run`` without a tick of the idleness clock (inside ``run_batch`` too)."""
         n = len(new_ids)
         t = self._begin(slot, n)
         t0 = time.perf_counter()
-        if n == 1 and self.cuda_graph:
+        if n == 1 and self.cuda_graph and slot.pool is None:
             token, logits = self._decode_step(slot, new_ids[0], greedy, draw)
         else:
             token, logits = self._run_unbound(slot, new_ids, greedy, draw)
@@ -396,23 +482,25 @@ class DecoderGraph:
     def run_rows(self, slot: KVSlot, new_ids: list[int]) -> np.ndarray:
         """``run`` that returns the logits of every new token, float32 ``[S, V]`` on the host (the
         preparation's check against HF), uncaptured."""
+        self._tick()
         t = self._begin(slot, len(new_ids))
         _, logits = self._run_bound(slot, new_ids, None)
         slot.tokens = t + len(new_ids)
         return _as_float32(logits)[0]
 
     def _begin(self, slot: KVSlot, n: int) -> int:
-        """Ready ``slot`` for ``n`` new tokens: its KV back in its own buffers, grown to hold them,
-        their mask set. Returns the tokens held before them.
+        """Ready ``slot`` for ``n`` new tokens: where its pool row (or own buffers) cannot hold them,
+        grown into own buffers that can; their mask set. Returns the tokens held before them.
 
         Raises:
             InvalidRequest: ``n`` < 1, or the held and new tokens exceed the model's positions.
+            QuotaExceeded: growing needs memory beyond ``max_kv_bytes``.
         """
         if n < 1:
             raise InvalidRequest("a run needs at least one new token")
-        self._settle(slot)
         t = slot.tokens
-        self._fit(slot, t + n)
+        if slot.pool is None or t + n > slot.capacity_tokens:
+            self._own(slot, t + n)
         slot.mask_host[0, t : t + n] = 1
         return t
 
@@ -451,9 +539,19 @@ class DecoderGraph:
         return self.sampler.sample(logits, rows, self.logits_type, params)
 
     def _bind_kv(self, b: Any, slot: KVSlot) -> None:
-        for past, present, v in zip(self.spec.past_names(), self.spec.present_names(), slot.kv, strict=True):
-            self._bind(b, past, v, self.kv_type, output=False)
-            self._bind(b, present, v, self.kv_type, output=True)
+        """Bind the slot's KV as past and present: its own buffers, or its pool row by address (a row
+        of ``[R, Hkv, C, D]`` is a contiguous ``[1, Hkv, C, D]``)."""
+        names = zip(self.spec.past_names(), self.spec.present_names(), strict=True)
+        pool = slot.pool
+        if pool is None:
+            for (past, present), v in zip(names, slot.kv, strict=True):
+                self._bind(b, past, v, self.kv_type, output=False)
+                self._bind(b, present, v, self.kv_type, output=True)
+            return
+        shape = [1, self.spec.num_kv_heads, pool.capacity_tokens, self.spec.head_dim]
+        for (past, present), ptr in zip(names, self._row_ptrs(pool, pool.table.row(slot)), strict=True):
+            self._bind_at(b, past, ptr, shape, self.kv_type, output=False)
+            self._bind_at(b, present, ptr, shape, self.kv_type, output=True)
 
     def _bind(self, b: Any, name: str, v: Any, onnx_type: str, output: bool) -> None:
         """Bind ``v`` as ``name``; a bfloat16 tensor (held as uint16) by its address and ONNX type."""
@@ -481,24 +579,28 @@ class DecoderGraph:
         new token's logits float32 ``[V]`` on the host where no token is returned, else None; and
         the run time in ms (all runs, moves included).
 
+        A slot the pool of its capacity has no room for (``max_kv_bytes``) steps alone.
+
         Raises:
             InvalidRequest: lengths that differ (``draws``: None or one per slot), no slot, a slot
                 twice or released, or a slot whose ``tokens + 1`` exceeds the model's positions;
                 nothing changes then.
+            QuotaExceeded: a slot must grow and there is no room for it within ``max_kv_bytes``
+                (the slots grown before it keep their new capacity; none has stepped).
         """
         n = len(slots)
         draws = [None] * n if draws is None else list(draws)
         if n < 1 or len(token_ids) != n or len(greedy) != n or len(draws) != n:
             raise InvalidRequest(f"a batched step takes one token per slot: {n} slots, {len(token_ids)} tokens")
-        if len({id(s) for s in slots}) != n or any(not s.kv for s in slots):
+        if len({id(s) for s in slots}) != n or any(not s.live for s in slots):
             raise InvalidRequest("a batched step takes each live slot once")
         for s in slots:
             self._capacity_for(s.tokens + 1)
+        self._tick()
         t0 = time.perf_counter()
         for s in slots:
             if s.tokens + 1 > s.capacity_tokens:
-                self._settle(s)
-                self._fit(s, s.tokens + 1)
+                self._own(s, s.tokens + 1)
         groups: dict[int, list[int]] = {}
         for i, s in enumerate(slots):
             groups.setdefault(s.capacity_tokens, []).append(i)
@@ -506,7 +608,7 @@ class DecoderGraph:
         logits: list[np.ndarray | None] = [None] * n
         for cap, idx in groups.items():
             toks, rows = self._step_pool(
-                self._pool(cap, max(MIN_POOL_ROWS, bucket_rows(len(idx)))),
+                cap,
                 [slots[i] for i in idx],
                 [int(token_ids[i]) for i in idx],
                 [greedy[i] for i in idx],
@@ -517,24 +619,61 @@ class DecoderGraph:
         return tokens, logits, (time.perf_counter() - t0) * 1e3
 
     def _step_pool(
+        self, cap: int, slots: list[KVSlot], token_ids: list[int], greedy: list[bool], draws: list[Draw | None]
+    ) -> tuple[list[int | None], list[np.ndarray | None]]:
+        """One step of ``slots`` (all of capacity ``cap``): those not in the pool of ``cap`` join it
+        (giving up their own buffers), then one run over its first ``bucket_rows(n)`` rows; a slot
+        the pool has no room for, or every slot where the pool cannot run (``_ready``), steps alone."""
+        if cap not in self._pools:
+            with contextlib.suppress(QuotaExceeded):
+                self._pools[cap] = self._new_pool(cap, max(MIN_POOL_ROWS, bucket_rows(len(slots))))
+        for s in slots:
+            if s.pool is None:
+                with contextlib.suppress(QuotaExceeded):
+                    self._join(s)
+        pool = self._pools.get(cap)
+        batched = [i for i, s in enumerate(slots) if s.pool is not None]
+        if pool is None or not self._ready(pool, [slots[i] for i in batched]):
+            batched = []
+        tokens: list[int | None] = [None] * len(slots)
+        logits: list[np.ndarray | None] = [None] * len(slots)
+        if batched and pool is not None:
+            pick = [slots[i] for i in batched]
+            toks, rows = self._step_rows(
+                pool, pick, [token_ids[i] for i in batched], [greedy[i] for i in batched], [draws[i] for i in batched]
+            )
+            for j, i in enumerate(batched):
+                tokens[i], logits[i] = toks[j], rows[j]
+        for i in sorted(set(range(len(slots))) - set(batched)):
+            tokens[i], logits[i], _ = self._run(slots[i], [token_ids[i]], greedy[i], draws[i])
+        return tokens, logits
+
+    def _ready(self, pool: BatchPool, stepping: list[KVSlot]) -> bool:
+        """Ready ``pool`` for a step of ``stepping`` (members all): the members that sat out
+        ``IDLE_STEPS`` steps go back to own buffers where there is room, and so must every member
+        that does not step and whose row has no scratch position left (``tokens == C``). False when
+        one of those cannot (no room): the pool cannot run this step."""
+        for m in pool.table.step(stepping):
+            with contextlib.suppress(QuotaExceeded):
+                self._settle(m)
+        ids = {id(s) for s in stepping}
+        for m in pool.table.members():
+            if id(m) not in ids and m.tokens >= pool.capacity_tokens:
+                try:
+                    self._settle(m)
+                except QuotaExceeded:
+                    return False
+        return True
+
+    def _step_rows(
         self, pool: BatchPool, slots: list[KVSlot], token_ids: list[int], greedy: list[bool], draws: list[Draw | None]
     ) -> tuple[list[int | None], list[np.ndarray | None]]:
-        """One run over the first ``bucket_rows(n)`` rows of ``pool``: the slots join it first, the
-        members that sat out ``IDLE_STEPS`` steps (or whose rows are full) leave it; a member that
-        does not step computes one scratch token at its position ``tokens`` (past what it holds),
-        a padding row one at position 0 of a free row."""
-        for s in slots:
-            if s.pool is not pool:
-                self._settle(s)
-                self._join(s)
-        pool = self._pools[pool.capacity_tokens]  # joining may have grown it
-        stepping = {id(s) for s in slots}
-        for m in pool.table.step(slots):
-            self._settle(m)
-        for m in pool.table.members():
-            if id(m) not in stepping and m.tokens >= pool.capacity_tokens:
-                self._settle(m)  # no scratch position left in its row
+        """One run over the first ``bucket_rows(n)`` rows of ``pool`` for ``slots`` (members all): a
+        member that does not step computes one scratch token at its position ``tokens`` (past what
+        it holds), a padding row one at position 0 of a free row."""
         b = bucket_rows(len(pool.table))
+        if b >= pool.rows:
+            pool.busy_at = self._now
         lengths = np.ones(b, np.int64)  # per row: held tokens + the one computed now
         pool.ids_host[:] = 0
         for m in pool.table.members():
@@ -623,19 +762,19 @@ class DecoderGraph:
 
     # ---- pools: rows, joins, leaves ---------------------------------------------------------
 
-    def _pool(self, capacity_tokens: int, rows: int = MIN_POOL_ROWS) -> BatchPool:
-        """The pool of ``capacity_tokens`` (allocated with ``rows`` rows on first use)."""
-        if capacity_tokens not in self._pools:
-            self._pools[capacity_tokens] = self._new_pool(capacity_tokens, rows)
-        return self._pools[capacity_tokens]
+    def _new_pool(self, capacity_tokens: int, rows: int, keep: BatchPool | None = None) -> BatchPool:
+        """A pool of ``rows`` rows of ``capacity_tokens``, within ``max_kv_bytes`` (``_reserve``;
+        ``keep``: a pool not to shrink for room).
 
-    def _new_pool(self, capacity_tokens: int, rows: int) -> BatchPool:
+        Raises:
+            QuotaExceeded: no room for it."""
         import onnxruntime as ort
 
+        self._reserve(rows * self._session_nbytes(capacity_tokens), keep)
         s, dev = self.spec, self.device
         ids_host = np.zeros((rows, 1), np.int64)
         mask_host = np.zeros((rows, capacity_tokens), np.int64)
-        return BatchPool(
+        pool = BatchPool(
             capacity_tokens=capacity_tokens,
             rows=rows,
             kv=[self._zeros([rows, s.num_kv_heads, capacity_tokens, s.head_dim]) for _ in range(2 * s.num_layers)],
@@ -647,13 +786,35 @@ class DecoderGraph:
             logits=ort.OrtValue.ortvalue_from_shape_and_type(
                 [rows, 1, s.vocab_size], _storage(self.logits_type), dev, 0
             ),
+            busy_at=self.clock(),
         )
+        pool.nbytes = _values_nbytes([*pool.kv, pool.ids, pool.mask, pool.next_ids, pool.logits])
+        self.memory.took(pool.nbytes)
+        return pool
 
-    def _row_bytes(self, capacity_tokens: int) -> int:
+    def _free_pool(self, pool: BatchPool) -> None:
+        """Free the buffers of ``pool`` (no members left) and forget its CUDA graphs."""
+        if self._pools.get(pool.capacity_tokens) is pool:
+            del self._pools[pool.capacity_tokens]
+        self.memory.freed(pool.nbytes)
+        pool.nbytes = 0
+        pool.kv, pool.ids, pool.mask, pool.next_ids, pool.logits = [], None, None, None, None
+        pool.bindings, pool.graph_ids = {}, {}
+
+    def _kv_row_bytes(self, capacity_tokens: int) -> int:
+        """Bytes of one row ``[1, Hkv, C, D]`` of one KV tensor."""
         return self.spec.num_kv_heads * capacity_tokens * self.spec.head_dim * self._item_bytes
 
+    def _session_nbytes(self, capacity_tokens: int) -> int:
+        """Bytes of one session's buffers of ``capacity_tokens``: a slot's own (``KVSlot.own_nbytes``),
+        or one row of each buffer of a pool (``BatchPool.row_nbytes``)."""
+        s = self.spec
+        logits = s.vocab_size * np.dtype(_storage(self.logits_type)).itemsize
+        mask_ids_next = 8 * capacity_tokens + 8 + 8
+        return 2 * s.num_layers * self._kv_row_bytes(capacity_tokens) + logits + mask_ids_next
+
     def _row_ptrs(self, pool: BatchPool, row: int) -> list[int]:
-        return [v.data_ptr() + row * self._row_bytes(pool.capacity_tokens) for v in pool.kv]
+        return [v.data_ptr() + row * self._kv_row_bytes(pool.capacity_tokens) for v in pool.kv]
 
     def _head_ranges(
         self, src: list[int], src_tokens: int, dst: list[int], dst_tokens: int, tokens: int
@@ -668,14 +829,21 @@ class DecoderGraph:
         ]
 
     def _join(self, slot: KVSlot) -> None:
-        """Move ``slot``'s held KV into a free row of the pool of its capacity (doubled when full)."""
-        pool = self._pool(slot.capacity_tokens)
-        if len(pool.table) == pool.rows:
-            pool = self._grow_pool(pool)
-        row = pool.table.add(slot)
+        """Move ``slot``'s held KV from its own buffers into a free row of the pool of its capacity
+        (made, or doubled when full) and give its own buffers up: its KV lives in the row alone.
+
+        Raises:
+            QuotaExceeded: no room for the pool or its doubling; nothing changes then."""
         cap = slot.capacity_tokens
+        pool = self._pools.get(cap)
+        if pool is None:
+            pool = self._pools[cap] = self._new_pool(cap, MIN_POOL_ROWS)
+        elif len(pool.table) == pool.rows:
+            pool = self._resize_pool(pool, 2 * pool.rows)
+        row = pool.table.add(slot)
         self._copier.copy(self._head_ranges(_ptrs(slot.kv), cap, self._row_ptrs(pool, row), cap, slot.tokens))
         slot.pool = pool
+        self._give_up(slot)
 
     def _leave(self, pool: BatchPool, slot: KVSlot) -> None:
         """Free ``slot``'s row; the last row's session moves into it (its held KV copied)."""
@@ -689,45 +857,175 @@ class DecoderGraph:
                 self._head_ranges(self._row_ptrs(pool, src), cap, self._row_ptrs(pool, dst), cap, m.tokens)
             )
 
-    def _settle(self, slot: KVSlot) -> None:
-        """Bring ``slot``'s KV back from its pool row into its own buffers (nothing if in none)."""
+    def _settle(self, slot: KVSlot, tokens: int = 0) -> None:
+        """Bring ``slot``'s KV from its pool row into own buffers (a spare, else new) and free its
+        row; the buffers hold ``max(tokens, slot.tokens)`` (the row's capacity, else the one that
+        fits). Nothing if in no pool.
+
+        Raises:
+            InvalidRequest: ``tokens`` exceeds the model's positions.
+            QuotaExceeded: no room for own buffers; nothing changes then."""
         pool = slot.pool
         if pool is None:
             return
-        cap = pool.capacity_tokens
+        need = max(tokens, slot.tokens)
+        cap = pool.capacity_tokens if need <= pool.capacity_tokens else self._capacity_for(need)
+        own = self._spare(cap, keep=pool)
         src = self._row_ptrs(pool, pool.table.row(slot))
-        self._copier.copy(self._head_ranges(src, cap, _ptrs(slot.kv), cap, slot.tokens))
+        self._copier.copy(self._head_ranges(src, pool.capacity_tokens, _ptrs(own.kv), cap, slot.tokens))
         self._leave(pool, slot)
+        for f in BUFFER_FIELDS:
+            setattr(slot, f, getattr(own, f))
+        slot.capacity_tokens, slot.mask_host = cap, own.mask_host
+        slot.mask_host[0, : slot.tokens] = 1
 
-    def _grow_pool(self, pool: BatchPool) -> BatchPool:
-        """A pool of twice the rows in place of ``pool``, its occupied rows copied over (new CUDA
-        graphs: the old ones replay only on the old buffers, which are freed)."""
-        bigger = self._new_pool(pool.capacity_tokens, 2 * pool.rows)
-        used = len(pool.table) * self._row_bytes(pool.capacity_tokens)
-        self._copier.copy([(a.data_ptr(), z.data_ptr(), used) for a, z in zip(pool.kv, bigger.kv, strict=True)])
-        bigger.table = pool.table
-        for m in bigger.table.members():
-            m.pool = bigger
-        self._pools[pool.capacity_tokens] = bigger
-        return bigger
+    def _own(self, slot: KVSlot, tokens: int) -> None:
+        """Make ``slot`` hold its KV in own buffers of at least ``tokens`` positions (from its pool
+        row, or grown).
+
+        Raises:
+            InvalidRequest: ``tokens`` exceeds the model's positions.
+            QuotaExceeded: no room for the buffers."""
+        if slot.pool is not None:
+            self._settle(slot, tokens)
+        else:
+            self._fit(slot, tokens)
+
+    def _give_up(self, slot: KVSlot) -> None:
+        """Hand ``slot``'s own buffers (its KV is in a pool row now) to the spares."""
+        spare = KVSlot(
+            capacity_tokens=slot.capacity_tokens,
+            mask_host=np.zeros_like(slot.mask_host),
+            **{f: getattr(slot, f) for f in BUFFER_FIELDS},
+        )
+        _clear_buffers(slot)
+        self._keep_spare(spare)
+
+    def _resize_pool(self, pool: BatchPool, rows: int) -> BatchPool:
+        """A pool of ``rows`` rows (at least its members) in place of ``pool``, its occupied rows
+        copied over; the old buffers are freed and their CUDA graphs forgotten (the new buffers get
+        their own when first stepped).
+
+        Raises:
+            QuotaExceeded: no room for the new buffers beside the old; nothing changes then."""
+        new = self._new_pool(pool.capacity_tokens, rows, keep=pool)
+        used = len(pool.table) * self._kv_row_bytes(pool.capacity_tokens)
+        self._copier.copy([(a.data_ptr(), z.data_ptr(), used) for a, z in zip(pool.kv, new.kv, strict=True)])
+        new.table, pool.table = pool.table, RowTable()
+        for m in new.table.members():
+            m.pool = new
+        self._pools[pool.capacity_tokens] = new
+        self._free_pool(pool)
+        return new
+
+    # ---- memory: the bound, spares, idle pools ------------------------------------------------
+
+    def _spare(self, capacity_tokens: int, keep: BatchPool | None = None) -> KVSlot:
+        """Buffers of ``capacity_tokens`` for a session: a spare's (its CUDA graph reused), else new.
+
+        Raises:
+            QuotaExceeded: none spare and no room for new ones."""
+        kept = self._free.get(capacity_tokens)
+        if not kept:
+            return self.new_slot(capacity_tokens, keep)
+        spare = kept.pop()
+        self._kept_at.pop(id(spare), None)
+        return spare
+
+    def _keep_spare(self, spare: KVSlot) -> None:
+        """Keep ``spare``'s buffers (no session's) for the next session of their capacity, up to
+        ``FREE_SLOTS_PER_CAPACITY`` per capacity; free them beyond."""
+        spare.tokens, spare.pool = 0, None
+        spare.mask_host[:] = 0
+        kept = self._free.setdefault(spare.capacity_tokens, [])
+        if len(kept) < FREE_SLOTS_PER_CAPACITY:
+            kept.append(spare)
+            self._kept_at[id(spare)] = self.clock()
+        else:
+            self._free_slot(spare)
+
+    def _free_slot(self, spare: KVSlot) -> None:
+        """Free ``spare``'s buffers (its CUDA graph is never replayed again)."""
+        self._kept_at.pop(id(spare), None)
+        self.memory.freed(spare.own_nbytes())
+        _clear_buffers(spare)
+
+    def _reserve(self, nbytes: int, keep: BatchPool | None = None) -> None:
+        """Make room for ``nbytes`` more within ``max_kv_bytes``: free spare buffers, then empty
+        pools, then shrink the pools with rows no session needs (all but ``keep``), until they fit.
+
+        Raises:
+            QuotaExceeded: they do not fit even so."""
+        fits = self.memory.fits
+        for kept in self._free.values():
+            while kept and not fits(nbytes):
+                self._free_slot(kept.pop(0))
+        for pool in sorted(self._pools.values(), key=lambda p: len(p.table)):  # empty pools first
+            if fits(nbytes):
+                return
+            if pool is not keep:
+                self._shrink(pool)
+        if not fits(nbytes):
+            raise self.memory.refusal(nbytes)
+
+    def _shrink(self, pool: BatchPool) -> None:
+        """Free ``pool`` if it has no member, else move its members into a pool of the rows they
+        need (``bucket_rows``) where that is fewer and fits beside it within ``max_kv_bytes``."""
+        rows = shrink_rows(len(pool.table), pool.rows)
+        if rows == 0:
+            self._free_pool(pool)
+        elif rows is not None and self.memory.fits(rows * self._session_nbytes(pool.capacity_tokens)):
+            self._resize_pool(pool, rows)
+
+    def _tick(self) -> None:
+        """At each run call: a pool whose rows no step needed all of for ``idle_s``
+        shrinks (``_shrink``: freed when empty), and spare buffers kept that long are freed."""
+        self._now = now = self.clock()
+        for kept in self._free.values():
+            while kept and now - self._kept_at.get(id(kept[0]), now) >= self.idle_s:
+                self._free_slot(kept.pop(0))
+        for pool in list(self._pools.values()):
+            if now - pool.busy_at >= self.idle_s:
+                self._shrink(pool)
+                pool.busy_at = now  # tried: not again for idle_s
+
+    def tidy(self) -> None:
+        """Give back the pools and spares idle for ``idle_s`` now, as a run call does (between
+        runs: ``edge.compute.local.LocalEngine.tidy``)."""
+        self._tick()
+
+    def trim(self) -> int:
+        """Free every spare's buffers and every empty pool, and shrink every pool to the rows its
+        sessions need, now (what idleness and the bound do by themselves). Returns the bytes freed."""
+        before = self.memory.held_bytes
+        for kept in self._free.values():
+            while kept:
+                self._free_slot(kept.pop())
+        for pool in list(self._pools.values()):
+            self._shrink(pool)
+        return before - self.memory.held_bytes
 
     # ---- KV in and out ----------------------------------------------------------------------
 
     def read_kv(self, slot: KVSlot, tokens: int | None = None) -> list[np.ndarray]:
         """The first ``tokens`` (default: all held) of the slot's KV as ``2L`` float32 host arrays
-        ``[1, Hkv, tokens, D]`` (a copy)."""
+        ``[1, Hkv, tokens, D]`` (a copy); a slot in a pool row takes own buffers back first.
+
+        Raises:
+            QuotaExceeded: no room for own buffers."""
         n = slot.tokens if tokens is None else tokens
         self._settle(slot)
         return [np.ascontiguousarray(_as_float32(v)[:, :, :n]) for v in slot.kv]
 
     def write_kv(self, slot: KVSlot, past: Sequence[np.ndarray], start: int = 0) -> None:
         """Make the slot hold ``past`` (``2L`` float32 ``[1, Hkv, T, D]``) after its first ``start``
-        tokens: one host round trip per layer tensor, cast to the KV dtype; the slot grows when
-        ``start + T`` exceeds its capacity.
+        tokens: one host round trip per layer tensor, cast to the KV dtype; the slot takes own
+        buffers back (from a pool row) and grows when ``start + T`` exceeds its capacity.
 
         Raises:
             InvalidRequest: ``past`` is not ``2L`` float32 arrays of the model's shape, ``start``
                 exceeds the tokens held, or ``start + T`` exceeds the model's positions.
+            QuotaExceeded: no room for own buffers.
         """
         s = self.spec
         t = int(past[0].shape[2]) if len(past) else -1
@@ -737,8 +1035,7 @@ class DecoderGraph:
             raise InvalidRequest(f"past must be {2 * s.num_layers} float32 arrays {want}, got {len(past)} like {got}")
         if not 0 <= start <= slot.tokens:
             raise InvalidRequest(f"KV written after token {start}: the slot holds {slot.tokens}")
-        self._settle(slot)
-        self._fit(slot, start + t)
+        self._own(slot, start + t)
         for v, a in zip(slot.kv, past, strict=True):
             host = _as_float32(v).copy()
             host[:, :, start : start + t] = a
@@ -749,7 +1046,7 @@ class DecoderGraph:
 
     def truncate(self, slot: KVSlot, tokens: int) -> None:
         """Keep the first ``tokens`` held (the rest is overwritten by the next run; a pool row's mask
-        is made from ``tokens`` at each step)."""
+        is made from ``tokens`` at each step), wherever the KV lives."""
         tokens = max(0, min(tokens, slot.tokens))
         slot.mask_host[0, tokens:] = 0
         slot.tokens = tokens
@@ -757,27 +1054,25 @@ class DecoderGraph:
     # ---- slots as sessions' KV (``edge.compute.localmodel.LocalModel``) -------------------------------
 
     def new_kv(self, tokens_hint: int) -> KVSlot:
-        """An empty slot for about ``tokens_hint`` tokens: a released slot of the capacity that fits
-        (its CUDA graph reused), else a new one of the next power of two from ``MIN_SLOT_TOKENS``."""
-        cap = self._capacity_for(max(1, tokens_hint))
-        pool = self._free.get(cap)
-        return pool.pop() if pool else self.new_slot(cap)
+        """An empty slot for about ``tokens_hint`` tokens: spare buffers of the capacity that fits
+        (their CUDA graph reused), else new ones of the next power of two from ``MIN_SLOT_TOKENS``.
+
+        Raises:
+            InvalidRequest: ``tokens_hint`` exceeds the model's positions.
+            QuotaExceeded: no room for new buffers within ``max_kv_bytes``."""
+        return self._spare(self._capacity_for(max(1, tokens_hint)))
 
     def release(self, slot: KVSlot) -> None:
-        """Give the slot's buffers back for the next session of that capacity. With CUDA graphs every
-        released slot is kept (ONNX Runtime cannot drop a captured graph, and the graph replays only
-        on the buffers it was captured on), so the slots held are the most sessions ever alive at
-        once; without, up to ``FREE_SLOTS_PER_CAPACITY`` per capacity wait and the rest are freed."""
-        if not slot.kv:
+        """The session is gone: its pool row is freed (the KV dropped), its own buffers become a
+        spare for the next session of that capacity (up to ``FREE_SLOTS_PER_CAPACITY`` per
+        capacity; freed beyond). Releasing twice does nothing."""
+        if not slot.live:
             return
         if slot.pool is not None:
-            self._leave(slot.pool, slot)  # its KV is dropped, not copied back
-        spare = KVSlot(**{f: getattr(slot, f) for f in KVSlot.__dataclass_fields__})
-        self.truncate(spare, 0)
-        pool = self._free.setdefault(spare.capacity_tokens, [])
-        if self.cuda_graph or len(pool) < FREE_SLOTS_PER_CAPACITY:
-            pool.append(spare)
-        slot.kv, slot.tokens, slot.capacity_tokens, slot.binding = [], 0, 0, None
+            self._leave(slot.pool, slot)
+        if slot.kv:
+            self._give_up(slot)
+        slot.tokens, slot.capacity_tokens = 0, 0
 
     def _capacity_for(self, tokens: int) -> int:
         """The power of two from ``MIN_SLOT_TOKENS`` that holds ``tokens``, within the model's positions.
@@ -792,15 +1087,17 @@ class DecoderGraph:
         return min(cap, self.spec.context_tokens)
 
     def _fit(self, slot: KVSlot, tokens: int) -> None:
-        """Grow ``slot`` (not in a pool) in place to hold ``tokens``: new buffers of the next fitting
-        capacity (a new CUDA graph), the held KV copied over on the device, the old buffers released.
-        Growth doubles the capacity, so a session grows a few times at most.
+        """Grow ``slot`` (not in a pool) in place to hold ``tokens``: buffers of the next fitting
+        capacity (a spare's, else new with a new CUDA graph), the held KV copied over on the
+        device, the old buffers kept as a spare. Growth doubles the capacity, so a session grows a
+        few times at most.
 
         Raises:
-            InvalidRequest: ``tokens`` exceeds the model's positions."""
+            InvalidRequest: ``tokens`` exceeds the model's positions.
+            QuotaExceeded: no room for the bigger buffers; nothing changes then."""
         if tokens <= slot.capacity_tokens:
             return
-        bigger = self.new_kv(tokens)
+        bigger = self._spare(self._capacity_for(tokens))
         held = slot.tokens
         self._copier.copy(
             self._head_ranges(_ptrs(slot.kv), slot.capacity_tokens, _ptrs(bigger.kv), bigger.capacity_tokens, held)
@@ -810,12 +1107,23 @@ class DecoderGraph:
         old = KVSlot(**{f: getattr(slot, f) for f in KVSlot.__dataclass_fields__})
         for f in KVSlot.__dataclass_fields__:
             setattr(slot, f, getattr(bigger, f))
-        self.release(old)
+        self._keep_spare(old)
 
 
 def _ptrs(kv: list[Any]) -> list[int]:
     """The addresses of ``kv``'s tensors."""
     return [v.data_ptr() for v in kv]
+
+
+def _values_nbytes(values: Sequence[Any]) -> int:
+    """Bytes of the tensors ``values`` (None skipped)."""
+    return sum(int(np.prod(v.shape())) * ITEM_BYTES[v.data_type()] for v in values if v is not None)
+
+
+def _clear_buffers(slot: KVSlot) -> None:
+    """Drop ``slot``'s references to its own buffers (and the binding that holds them)."""
+    slot.kv, slot.mask, slot.step_ids, slot.step_logits, slot.step_next = [], None, None, None, None
+    slot.graph_id, slot.binding = 0, None
 
 
 def _window_tokens(model_dir: Path) -> int:

@@ -8,6 +8,9 @@ freed takes the last row's session, ``RowTable.remove``), and a step runs over t
 ``bucket_rows(n)`` rows, a power of two, so that a CUDA graph captured per bucket replays on fixed
 buffers. ``RowTable`` is pure bookkeeping (no ONNX Runtime); ``KVCopier`` runs the copies.
 
+Memory: ``KVMemory`` counts the bytes a ``DecoderGraph`` holds against its bound and words the
+refusal; ``shrink_rows`` is the rule by which an idle pool gives rows back (freed when empty).
+
 Not here: the runs themselves, masks, CUDA graphs (``edge.compute.decoder``); scheduling (``edge.compute.local``).
 """
 
@@ -16,9 +19,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
+from tandem.common.protocol.errors import QuotaExceeded
+
 M = TypeVar("M")
 
 IDLE_STEPS = 2  # a session in a pool row that misses this many batched steps in a row goes back to its own buffers
+MIN_POOL_ROWS = 1  # a batch pool starts with the rows of its first step (at least these); it doubles when full
+IDLE_S = 60.0  # seconds a pool goes without a step that needs all its rows before it shrinks (freed when empty),
+# and a spare waits unused before it is freed: a lull between bursts keeps both (and their CUDA graphs)
 
 
 def bucket_rows(n: int) -> int:
@@ -29,6 +37,57 @@ def bucket_rows(n: int) -> int:
     if n < 1:
         raise ValueError(f"a batched step needs at least one row, got {n}")
     return 1 << (n - 1).bit_length()
+
+
+def shrink_rows(members: int, rows: int) -> int | None:
+    """The rows a pool of ``rows`` rows holding ``members`` sessions shrinks to: 0 (freed) with no
+    member, else the rows a step over them runs at (at least ``MIN_POOL_ROWS``) where that is
+    fewer; None where it cannot shrink.
+
+    Raises:
+        ValueError: ``members`` beyond ``rows``, or negative."""
+    if not 0 <= members <= rows:
+        raise ValueError(f"a pool of {rows} rows cannot hold {members} members")
+    if members == 0:
+        return 0
+    need = max(MIN_POOL_ROWS, bucket_rows(members))
+    return need if need < rows else None
+
+
+class KVMemory:
+    """The bytes of KV buffers (and their step buffers) one ``DecoderGraph`` holds, against
+    ``max_bytes`` (None: no bound). The graph reports every allocation (``took``) and every free
+    (``freed``); it asks ``fits`` before allocating and raises ``refusal`` when, even after freeing
+    what it may, a buffer does not fit. Pure bookkeeping: it frees nothing itself."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        """Raises:
+        ValueError: ``max_bytes`` < 1."""
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"a KV memory bound must be at least 1 byte, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.held_bytes = 0
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more stay within the bound."""
+        return self.max_bytes is None or self.held_bytes + nbytes <= self.max_bytes
+
+    def took(self, nbytes: int) -> None:
+        self.held_bytes += nbytes
+
+    def freed(self, nbytes: int) -> None:
+        """Raises:
+        ValueError: more freed than held (a buffer counted twice)."""
+        if nbytes > self.held_bytes:
+            raise ValueError(f"{nbytes} bytes freed, {self.held_bytes} held")
+        self.held_bytes -= nbytes
+
+    def refusal(self, nbytes: int) -> QuotaExceeded:
+        """The error for ``nbytes`` that do not fit (maps to RESOURCE_EXHAUSTED / HTTP 429)."""
+        return QuotaExceeded(
+            f"the local model's KV memory is used up: {self.held_bytes} of {self.max_bytes} bytes held "
+            f"(local_kv_bytes), {nbytes} more needed"
+        )
 
 
 class RowTable(Generic[M]):

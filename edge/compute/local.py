@@ -89,7 +89,8 @@ class LocalSession:
     dropped: bool = False
 
     def nbytes(self) -> int:
-        """KV bytes held (host or device memory)."""
+        """Bytes the session's KV holds (host or device memory; ``SessionKV.nbytes``: for the builder
+        graph its own buffers or its batch pool row, whichever holds it)."""
         return self.kv.nbytes() if self.kv is not None else 0
 
     def common_prefix(self, ids: Sequence[int]) -> int:
@@ -292,11 +293,13 @@ def load_local_model(
     intra_op_threads: int = 0,
     providers: Sequence[str] | None = None,
     kv_device: str = "auto",
+    kv_bytes: int | None = None,
 ) -> LocalModel:
     """The whole model at ``path``: a folder built by ONNX Runtime GenAI's model builder
     (``genai_config.json``: ``edge.compute.decoder.DecoderGraph``; a CPU build runs on the CPU provider
-    unless ``providers`` says otherwise) or tandem's ``edge-full.onnx`` (``edge.compute.localmodel.OnnxForward``;
-    ``kv_device`` applies to it alone).
+    unless ``providers`` says otherwise; ``kv_bytes`` bounds the memory of its KV buffers, None: no
+    bound) or tandem's ``edge-full.onnx`` (``edge.compute.localmodel.OnnxForward``; ``kv_device``
+    applies to it alone).
 
     Raises:
         ValueError: see ``OnnxForward`` and ``DecoderGraph``; a builder folder whose shape is not
@@ -310,7 +313,8 @@ def load_local_model(
 
         if providers is None and load_build(Path(path)).execution_provider == "cpu":
             providers = ["CPUExecutionProvider"]  # a CPU build (fp32 GroupQueryAttention) runs where it was built for
-        graph = DecoderGraph(Path(path), list(providers) if providers else None, intra_op_threads)
+        listed = list(providers) if providers else None
+        graph = DecoderGraph(Path(path), listed, intra_op_threads, max_kv_bytes=kv_bytes)
         sp = graph.spec
         got = (sp.num_layers, sp.num_kv_heads, sp.head_dim, sp.vocab_size)
         want = (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.vocab_size)
@@ -348,18 +352,21 @@ class LocalEngine:
         session_idle_s: float = math.inf,
         providers: Sequence[str] | None = None,
         kv_device: str = "auto",
+        kv_bytes: int | None = None,
     ) -> None:
         """``model``: a ``LocalModel``, or a path ``load_local_model`` loads (with
         ``intra_op_threads``, ONNX Runtime's (0 = its default); ``providers``, its execution providers
         (default: CUDA where onnxruntime-gpu has a GPU, then CPU); ``kv_device``, see
-        ``OnnxForward``); ``session_bytes``: bound on the KV bytes of all sessions;
+        ``OnnxForward``; ``kv_bytes``, the builder graph's bound on its KV buffers, see
+        ``DecoderGraph``); ``session_bytes``: bound on the KV bytes of all sessions (what each holds:
+        ``LocalSession.nbytes``);
         ``session_idle_s``: a session unused this long is dropped.
 
         Raises:
             What ``load_local_model`` raises.
         """
         if isinstance(model, Path | str):
-            model = load_local_model(Path(model), shape, intra_op_threads, providers, kv_device)
+            model = load_local_model(Path(model), shape, intra_op_threads, providers, kv_device, kv_bytes)
         self.model = model
         self._init_state(shape, eos_token_ids, LocalSessions(max_sessions, session_bytes, session_idle_s))
 
@@ -390,6 +397,15 @@ class LocalEngine:
     def new_session(self) -> LocalSession:
         """An empty session whose KV goes back to this engine's model when it is dropped."""
         return LocalSession(release=self._released.append)
+
+    async def tidy(self) -> None:
+        """Give back what idle state holds: the KV of dropped sessions goes back to the model, and
+        a model that frees idle buffers itself (``DecoderGraph.tidy``) does so, in one job under the
+        model lock (after the runs queued before it). The edge's session sweeper calls it, so an
+        edge without turns gives its memory back too."""
+        tidy = getattr(self.model, "tidy", None)
+        if self._released or tidy is not None:
+            await self._locked(tidy or (lambda: None))
 
     async def end_session(self, session_id: str) -> bool:
         """Drop the session ``session_id`` once no turn uses it; True if it was held."""

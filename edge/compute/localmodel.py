@@ -58,7 +58,9 @@ class SessionKV(Protocol):
     @property
     def tokens(self) -> int: ...
 
-    def nbytes(self) -> int: ...
+    def nbytes(self) -> int:
+        """Bytes this session's KV holds now (what the session table's byte bound counts)."""
+        ...
 
 
 class LocalModel(Protocol):

@@ -175,7 +175,8 @@ async def test_the_builder_decoder_serves_local_turns_from_cuda_graphs(split_dir
         assert_same_or_near_tie(out, ref, gaps, f"builder decoder on CUDA, turn {turn + 1}, vs HF", near=0.25)
         sess = engine.sessions.peek(sid)
         assert sess is not None and sess.kv.tokens == len(sess.token_ids)
-        assert all(v.device_name() == "cuda" for v in sess.kv.kv)
+        assert bool(sess.kv.kv) != (sess.kv.pool is not None)  # its own buffers or a pool row, not both
+        assert all(v.device_name() == "cuda" for v in sess.kv.kv or sess.kv.pool.kv)
         assert any(1 in pool.graph_ids for pool in engine.model._pools.values())  # its steps replayed a graph
         messages += [
             {"role": "assistant", "content": tokenizer.decode(out, skip_special_tokens=True)},
@@ -217,6 +218,72 @@ async def test_the_builder_decoder_batches_concurrent_turns_in_cuda_graphs(split
     assert_same_or_near_tie(alone, ref, gaps, "a turn alone after the batch vs HF", near=0.25)
     pools = list(engine.model._pools.values())
     assert any(4 in p.graph_ids for p in pools) and all(v.device_name() == "cuda" for p in pools for v in p.kv)
+
+
+def test_the_builder_decoder_on_cuda_holds_pooled_kv_once_and_gives_idle_pools_back(split_dir, hf_model, tokenizer):
+    """On CUDA with graphs: sessions decoding in a pool hold their KV in its rows only; when three
+    end, the fourth decodes on alone in its row (uncaptured) until its pool shrinks to one row, and
+    its next batched step captures the new pool's graph; once every session ends the pool is freed
+    after ``IDLE_S`` (a clock of the test's); every output equals HF's (or parts at a near-tie). With
+    ``max_kv_bytes`` room for two sessions, a third is refused and the two step alone."""
+    import onnxruntime as ort
+
+    from tandem.common.protocol.errors import QuotaExceeded
+    from tandem.edge.compute.decoder import DecoderGraph
+    from tandem.edge.compute.decoder_batch import IDLE_S
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu's CUDA provider is not installed")
+    path = split_dir.parent / "edge-decoder"
+    now = [0.0]
+    g = DecoderGraph(path, clock=lambda: now[0])
+    assert g.cuda_graph
+    prompts = [prompt_ids(tokenizer, p) for p in PROMPTS[:4]]
+    slots = [g.new_kv(len(p) + 4 * MAX_NEW) for p in prompts]
+    got = [[g.run(s, p, greedy=True)[0]] for s, p in zip(slots, prompts, strict=True)]
+    for _ in range(MAX_NEW - 1):
+        toks, _, _ = g.run_batch(slots, [x[-1] for x in got], [True] * len(slots))
+        for x, t in zip(got, toks, strict=True):
+            x.append(t)
+    pool = slots[0].pool
+    assert pool is not None and 4 in pool.graph_ids
+    assert all(s.pool is pool and s.kv == [] and s.nbytes() == pool.row_nbytes for s in slots)
+    for i in range(1, 4):
+        g.release(slots[i])
+    keep, tok = slots[0], got[0][-1]
+    for _ in range(8):
+        now[0] += IDLE_S / 6
+        tok, _, _ = g.run(keep, [tok], greedy=True)
+        got[0].append(tok)
+    assert keep.pool is not None and keep.pool is not pool and keep.pool.rows == 1 and keep.kv == []
+    for _ in range(3):
+        toks, _, _ = g.run_batch([keep], [got[0][-1]], [True])
+        got[0].append(toks[0])
+    assert 1 in keep.pool.graph_ids
+    for i, (ids, out) in enumerate(zip(prompts, got, strict=True)):
+        ref, gaps = hf_greedy(hf_model, ids, len(out))
+        assert_same_or_near_tie(out[: len(ref)], ref, gaps, f"session {i} through pools on CUDA vs HF", near=0.25)
+    g.release(keep)
+    other = g.new_kv(64)
+    tok = g.run(other, prompts[1], greedy=True)[0]
+    now[0] += IDLE_S
+    g.run(other, [tok], greedy=True)
+    assert not g._pools
+    g.release(other)
+    g.trim()
+    assert g.memory.held_bytes == 0
+
+    one = g._session_nbytes(g.min_slot_tokens)
+    bounded = DecoderGraph(path, max_kv_bytes=2 * one)
+    x, y = bounded.new_kv(64), bounded.new_kv(64)
+    with pytest.raises(QuotaExceeded, match="local_kv_bytes"):
+        bounded.new_kv(64)
+    firsts = [bounded.run(s, p, greedy=True)[0] for s, p in zip((x, y), prompts, strict=False)]
+    toks, _, _ = bounded.run_batch([x, y], firsts, [True, True])  # no room for a pool: each steps alone
+    assert x.pool is None and y.pool is None and bounded.memory.held_bytes <= 2 * one
+    for ids, out in zip(prompts, zip(firsts, toks, strict=True), strict=False):
+        ref, gaps = hf_greedy(hf_model, ids, 2)
+        assert_same_or_near_tie(list(out)[: len(ref)], ref, gaps, "a session beside the bound on CUDA", near=0.25)
 
 
 async def test_the_builder_decoder_samples_on_the_device_by_the_host_rule(split_dir, manifest, tokenizer):

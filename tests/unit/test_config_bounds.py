@@ -122,6 +122,7 @@ BAD: list[tuple[type[BaseModel], str, typing.Any, str]] = [
     (EdgeConfig, "pipeline_tokens", -1, "greater than or equal to 0"),
     (EdgeConfig, "max_sessions", 0, "greater than or equal to 1"),
     (EdgeConfig, "session_bytes", 0, "greater than 0"),
+    (EdgeConfig, "local_kv_bytes", 0, "greater than 0"),
     (EdgeConfig, "session_idle_s", -1, "greater than 0"),
     (EdgeConfig, "session_idle_s", NAN, "finite"),
     (EdgeConfig, "max_new_tokens", 0, "greater than or equal to 1"),

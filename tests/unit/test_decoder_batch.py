@@ -1,11 +1,14 @@
 """The batch pool's bookkeeping (``edge.compute.decoder_batch``): rows kept compact as members join and
-leave, the bucket a step runs at, the members that sat out too many steps. Pure, no ONNX Runtime."""
+leave, the bucket a step runs at, the members that sat out too many steps, the rows an idle pool
+shrinks to, the bytes held against the KV memory bound. Pure, no ONNX Runtime."""
 
 from __future__ import annotations
 
 import pytest
 
-from tandem.edge.compute.decoder_batch import IDLE_STEPS, RowTable, bucket_rows
+from tandem.common.protocol.errors import QuotaExceeded
+from tandem.common.protocol.grpc_errors import status_of
+from tandem.edge.compute.decoder_batch import IDLE_STEPS, MIN_POOL_ROWS, KVMemory, RowTable, bucket_rows, shrink_rows
 
 
 class Member:
@@ -66,3 +69,41 @@ def test_members_that_sit_out_steps_are_named_and_their_count_follows_their_row(
     assert t.step([a, c]) == [] and t.missed == [0, 1, 0]
     t.remove(a)  # c moves to row 0 with its count
     assert t.members() == [c, b] and t.missed == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("members", "rows", "to"),
+    [(0, 1, 0), (0, 16, 0), (1, 16, 1), (2, 16, 2), (3, 16, 4), (5, 16, 8), (8, 16, 8), (9, 16, None), (16, 16, None)],
+)
+def test_an_idle_pool_shrinks_to_the_rows_its_members_need_and_is_freed_when_empty(members, rows, to):
+    assert shrink_rows(members, rows) == to
+    assert to is None or to == 0 or to >= max(MIN_POOL_ROWS, members)
+
+
+def test_a_pool_cannot_hold_more_members_than_rows():
+    with pytest.raises(ValueError, match="cannot hold"):
+        shrink_rows(5, 4)
+    with pytest.raises(ValueError, match="cannot hold"):
+        shrink_rows(-1, 4)
+
+
+def test_kv_memory_counts_what_is_held_and_refuses_beyond_its_bound():
+    m = KVMemory(1000)
+    assert m.fits(1000) and not m.fits(1001)
+    m.took(600)
+    assert m.held_bytes == 600 and m.fits(400) and not m.fits(401)
+    m.freed(200)
+    assert m.held_bytes == 400 and m.fits(600)
+    with pytest.raises(ValueError, match="500 bytes freed, 400 held"):
+        m.freed(500)  # a buffer counted twice
+    err = m.refusal(700)
+    assert isinstance(err, QuotaExceeded) and "400 of 1000 bytes held" in str(err) and "700 more" in str(err)
+    assert "local_kv_bytes" in str(err) and status_of(err).name == "RESOURCE_EXHAUSTED"
+
+
+def test_kv_memory_without_a_bound_fits_everything_and_refuses_a_bound_below_one_byte():
+    m = KVMemory()
+    m.took(1 << 40)
+    assert m.fits(1 << 40)
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        KVMemory(0)
