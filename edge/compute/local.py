@@ -400,12 +400,12 @@ class LocalEngine:
 
     async def tidy(self) -> None:
         """Give back what idle state holds: the KV of dropped sessions goes back to the model, and
-        a model that frees idle buffers itself (``DecoderGraph.tidy``) does so, in one job under the
-        model lock (after the runs queued before it). The edge's session sweeper calls it, so an
+        a model that frees idle buffers itself (``DecoderGraph.tidy``) does so, in one job of the
+        stepper's thread (after the jobs queued before it). The edge's session sweeper calls it, so an
         edge without turns gives its memory back too."""
         tidy = getattr(self.model, "tidy", None)
         if self._released or tidy is not None:
-            await self._locked(tidy or (lambda: None))
+            await self._run_job(tidy or (lambda: None))
 
     async def end_session(self, session_id: str) -> bool:
         """Drop the session ``session_id`` once no turn uses it; True if it was held."""
