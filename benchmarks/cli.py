@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "multiturn": Benchmark("multiturn", "bytes on the uplink over multi-turn chats: delta-KV against a resend"),
     "batching": Benchmark("batching", "the cloud engine's continuous batching against max_num_seqs"),
     "edge": Benchmark("edge_decode", "the edge's decode runtimes (ONNX Runtime, GenAI, vLLM) on one checkpoint"),
+    "head": Benchmark("edge_head", "the split head's prefill: tandem's torch.onnx export against the model builder's"),
 }
 
 

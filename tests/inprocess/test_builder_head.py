@@ -176,3 +176,19 @@ def test_preparation_keeps_a_checked_head_and_rebuilds_for_other_weights(built_s
     stricter = EngineAgreement(**{**agreement.model_dump(), "check_tokens": 48})
     assert prepare_builder_head(built_split, hf, K, "fp32", stricter, vocab, manifest.checkpoint_blake3) == ""
     assert load_head_build(path).checked_tokens == 48  # built and checked again, past the longer switch
+
+
+def test_the_head_benchmark_times_both_heads(built_split, tmp_path):
+    """``tandem-bench head`` with tiny arguments: a row per head and length, units in the columns."""
+    from tandem.benchmarks import edge_head
+
+    edge_head.main(split_dir=built_split, out=tmp_path, prompt_tokens="8,16", repeats=1, threads=1)
+    rows = json.loads((tmp_path / "edge_head.json").read_text())["rows"]
+    assert [(r["head"], r["prompt_tokens"]) for r in rows] == [
+        ("torch.onnx", 8),
+        ("builder", 8),
+        ("torch.onnx", 16),
+        ("builder", 16),
+    ]
+    assert all(r["prefill_ms"] > 0 and r["ms_per_token"] > 0 for r in rows)
+    assert "| head | prompt_tokens | prefill_ms |" in (tmp_path / "edge_head.md").read_text()

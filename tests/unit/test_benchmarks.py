@@ -781,7 +781,7 @@ def test_capacity_lists_failed_requests_with_their_server_message():
     assert "| auto | 8 | Unavailable | 1 | - |" in lines  # recorded without a message
 
 
-SUBCOMMANDS = ("modes", "capacity", "burst", "fidelity", "exactness", "multiturn", "batching", "edge")
+SUBCOMMANDS = ("modes", "capacity", "burst", "fidelity", "exactness", "multiturn", "batching", "edge", "head")
 
 
 def test_tandem_bench_lists_every_benchmark_and_is_the_one_benchmark_script():
