@@ -47,9 +47,7 @@ def builder_split(split_dir: Path, out: Path) -> Path:
     (copy / m.head_onnx).symlink_to(m.resolve(split_dir, m.head_onnx))
     hf = m.resolve(split_dir, m.full_checkpoint)
     precision = default_precision()
-    why = prepare_builder_head(
-        copy, hf, m.split_layer, precision, m.agreement, m.shape.vocab_size, m.checkpoint_blake3
-    )
+    why = prepare_builder_head(copy, hf, m.split_layer, precision, m.agreement, m.shape.vocab_size, m.checkpoint_blake3)
     if why:
         raise RuntimeError(f"no builder head for {split_dir}: {why}")
     m.model_copy(update={"builder_head": HEAD_BUILDER_DIR}).save(copy)
@@ -64,8 +62,8 @@ def time_heads(heads: dict[str, Any], lengths: list[int], repeats: int, vocab: i
     for t in lengths:
         ids = np.random.default_rng(t).integers(0, vocab, t)
         times: dict[str, list[float]] = {name: [] for name in heads}
-        for name, head in heads.items():
-            head.run([HeadInput(ids)])
+        for head in heads.values():
+            head.run([HeadInput(ids)])  # warm-up
         for _ in range(repeats):
             for name, head in heads.items():
                 t0 = time.perf_counter()
@@ -98,9 +96,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 @app.command()
 def main(
-    split_dir: Annotated[Path, typer.Option(help="a prepared split directory")] = Path(
-        "models/smollm2-135m/split-k4"
-    ),
+    split_dir: Annotated[Path, typer.Option(help="a prepared split directory")] = Path("models/smollm2-135m/split-k4"),
     out: Annotated[Path, typer.Option(help="results (and a builder head built here if the split has none)")] = Path(
         "benchmarks/results/edge_head"
     ),

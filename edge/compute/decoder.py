@@ -35,6 +35,10 @@ device copies (``edge.compute.decoder_batch.KVCopier``) of the held tokens only.
 Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``C`` a slot's capacity in tokens, ``T``
 tokens held, ``V`` vocabulary; the KV dtype is the graph's (float32 on the CPU build, float16 or
 bfloat16 on a GPU). Not here: sampling, sessions, locks (``edge.compute.local``).
+
+A split head built by the same builder (``common.model.builder_head``: layers ``[0, k)``, output
+``hidden`` ``[1, S, H]`` in place of the logits) loads here too: ``run_rows(slot, ids, "hidden")``
+runs it into a slot (``edge.compute.builder_head.BuilderHead``).
 """
 
 from __future__ import annotations
