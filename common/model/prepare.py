@@ -546,6 +546,7 @@ def prepare_builder_heads(
             k, split_dir = m.split_layer, out / f"split-k{m.split_layer}"
             with console.status(f"building the head k={k} with ONNX Runtime GenAI's model builder ({precision}) ..."):
                 why = prepare_builder_head(split_dir, src, k, precision, agreement, vocab, m.checkpoint_blake3)
+            why = why.replace(str(src), str(hf))  # the checkpoint, not its temporary view, in the manifest
             if why:
                 console.print(f"[yellow]builder head k={k} not built[/]: {why}; the edge runs {m.head_onnx}")
             else:
