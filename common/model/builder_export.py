@@ -323,7 +323,7 @@ def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-4
     build = load_build(out)
     rtol = {"fp32": rtol, "fp16": 5e-2}.get(build.precision, 1e-1)
     half = len(prompt_ids) // 2
-    kv = _KVBuffers(out, build, max(len(prompt_ids), build.window_tokens + 1))
+    kv = KVBuffers(out, build, max(len(prompt_ids), build.window_tokens + 1))
     first = kv.run(prompt_ids[:half])
     second = kv.run(prompt_ids[half:])
     got = np.concatenate([first, second])
@@ -339,7 +339,7 @@ def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-4
     return checked
 
 
-class _KVBuffers:
+class KVBuffers:
     """The built graph run as the edge runs it (``edge.compute.decoder``): one KV buffer per layer input of
     ``capacity`` tokens bound as past and present, the mask over the tokens held and new; every
     other output bound to the host. The preparation's own copy of that binding (``common`` does not

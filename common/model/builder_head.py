@@ -34,7 +34,7 @@ from tandem.common.model.builder_export import (
     GENAI_CONFIG,
     BuilderFailed,
     DecoderBuild,
-    _KVBuffers,
+    KVBuffers,
     attention_window,
     check_precision,
     run_builder,
@@ -201,7 +201,7 @@ def check_head(hf: Path, out: Path, prompt_ids: list[int], agreement: EngineAgre
     build = load_head_build(out)
     k = build.split_layer
     half = len(prompt_ids) // 2
-    kv = _KVBuffers(out, build, max(len(prompt_ids), build.window_tokens + 1))
+    kv = KVBuffers(out, build, max(len(prompt_ids), build.window_tokens + 1))
     got_hidden = np.concatenate([kv.run(prompt_ids[:half], HIDDEN), kv.run(prompt_ids[half:], HIDDEN)])
     got = [got_hidden, *kv.read_kv()]
     model = load_hf(hf, agreement.export_overrides if agreement else None)
