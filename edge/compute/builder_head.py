@@ -100,16 +100,21 @@ def builder_head_path(split_dir: Path, manifest: SplitManifest) -> Path | None:
 
 def open_head(split_dir: Path, builder: bool = True, intra_op_threads: int = 0) -> HeadRunner:
     """The head of ``split_dir``: with ``builder``, the model builder's (``BuilderHead``) where the
-    manifest names one that passed its check, else tandem's torch.onnx export (``OnnxHead``); which
-    one, and why not the builder's, is logged."""
+    manifest names one that passed its check, else tandem's torch.onnx export (``OnnxHead``). Which
+    one is logged, and why not the builder's: at info level where the manifest names none (the
+    reason preparation recorded, or none tried), as a warning where the one it names cannot serve
+    (missing, failed its check, another shape)."""
+    why = "builder_head is off"
     if builder:
-        try:
-            head = BuilderHead(split_dir, intra_op_threads=intra_op_threads)
-        except (ValueError, FileNotFoundError) as e:
-            log.warning("split %s: the torch.onnx head (head.onnx): %s", split_dir, e)
-        else:
+        manifest = SplitManifest.load(split_dir)
+        why = manifest.builder_head_note or "no builder head was prepared (tandem-model builds one)"
+        if manifest.builder_head:
+            try:
+                head = BuilderHead(split_dir, intra_op_threads=intra_op_threads)
+            except (ValueError, FileNotFoundError) as e:
+                log.warning("split %s: the torch.onnx head (head.onnx): %s", split_dir, e)
+                return OnnxHead(split_dir, intra_op_threads=intra_op_threads)
             log.info("split %s: the model builder's head (%s)", split_dir, head.path)
             return head
-    else:
-        log.info("split %s: the torch.onnx head (head.onnx): builder_head is off", split_dir)
+    log.info("split %s: the torch.onnx head (head.onnx): %s", split_dir, why)
     return OnnxHead(split_dir, intra_op_threads=intra_op_threads)

@@ -160,9 +160,15 @@ def test_the_edge_falls_back_to_head_onnx_and_says_why(built_split, tmp_path, ca
     note = "onnxruntime_genai's model builder failed on hf (fp32, cpu): KeyError: 'rope_type'"
     SplitManifest.load(d).model_copy(update={"builder_head": "", "builder_head_note": note}).save(d)
     caplog.clear()
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         assert isinstance(open_head(d), OnnxHead)
     assert "rope_type" in caplog.text
+    # a split prepared before builder heads: none named, none tried
+    SplitManifest.load(d).model_copy(update={"builder_head_note": ""}).save(d)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert isinstance(open_head(d), OnnxHead)
+    assert "no builder head was prepared" in caplog.text
 
 
 def test_preparation_keeps_a_checked_head_and_rebuilds_for_other_weights(built_split, manifest):
