@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "batching": Benchmark("batching", "the cloud engine's continuous batching against max_num_seqs"),
     "edge": Benchmark("edge_decode", "the edge's decode runtimes (ONNX Runtime, GenAI, vLLM) on one checkpoint"),
     "edge-engine": Benchmark("edge_engine", "the local engine's own cost per decode step, over an in-memory model"),
+    "head": Benchmark("edge_head", "the split head's prefill: tandem's torch.onnx export against the model builder's"),
 }
 
 

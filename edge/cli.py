@@ -70,6 +70,25 @@ def default_local_models(cfg: EdgeConfig) -> None:
             check_model(path, "local model")
 
 
+def builder_heads(cfg: EdgeConfig) -> None:
+    """The builder heads the split directories' manifests name (``builder_head`` on), each one there
+    a folder of regular files (``check_model``): its check is read before it loads.
+
+    Raises:
+        InvalidRequest: one is a FIFO, a device, or a folder holding one.
+    """
+    from tandem.common.protocol.manifest import SplitManifest
+    from tandem.common.runtime.startup import check_model
+    from tandem.edge.compute.builder_head import builder_head_path
+
+    if not cfg.builder_head:
+        return
+    for d in (cfg.split_dir, *cfg.extra_split_dirs):
+        path = builder_head_path(d, SplitManifest.load(d))
+        if path is not None and (path.exists() or path.is_symlink()):
+            check_model(path, f"split dir {d}: builder head")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, then check everything it names before any model loads
     (``check_start``: every file opened, the split directories against their manifests, every port
@@ -77,7 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     the cloud refusing the heads) is one line and exit code 1."""
     run = parse_command_line(EdgeConfig, PROG, argv, description=__doc__ or "")
     cfg = run.settings
-    check_start(cfg, split_parts=SPLIT_PARTS, ready_file=run.ready_file, extra=[lambda: default_local_models(cfg)])
+    check_start(
+        cfg,
+        split_parts=SPLIT_PARTS,
+        ready_file=run.ready_file,
+        extra=[lambda: default_local_models(cfg), lambda: builder_heads(cfg)],
+    )
     if run.ready_file is not None:  # one left by an earlier run: present again once this process serves
         run.ready_file.unlink(missing_ok=True)
     setup_observability(cfg, PROG)

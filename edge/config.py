@@ -70,6 +70,12 @@ class EdgeConfig(DaemonSettings):
         description="More split directories of the same model (heads at other split layers k); the edge may "
         "split at any k the cloud also serves.",
     )
+    builder_head: bool = Field(
+        default=True,
+        description="Run each split's head as ONNX Runtime GenAI's model builder wrote it (`split-k<k>/head-builder/`, "
+        "checked against HF by `tandem-model`) where its manifest names one; else, or when false, tandem's torch.onnx "
+        "export `head.onnx`. The log says which head each split runs and why.",
+    )
     local: bool = Field(
         default=True,
         description="Serve local mode (the whole model here) when the local model file exists; also the fallback "

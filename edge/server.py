@@ -31,7 +31,8 @@ from tandem.common.wire.kvdown import full_model_key
 from tandem.edge import metrics
 from tandem.edge.api.grpc_service import EDGE_SERVICE, EdgeServicer, follow_link
 from tandem.edge.compute.batcher import HeadBatcher
-from tandem.edge.compute.head import HeadInput, OnnxHead
+from tandem.edge.compute.builder_head import open_head
+from tandem.edge.compute.head import HeadInput
 from tandem.edge.compute.local import LocalEngine
 from tandem.edge.config import EdgeConfig
 from tandem.edge.link.connection import CloudConnection, CloudTarget
@@ -113,15 +114,16 @@ def measure_zstd(sample: bytes, level: int) -> tuple[float, float, float]:
 
 
 async def load_heads(cfg: EdgeConfig, manifests: list[SplitManifest], cost: CostModel) -> tuple[list[Head], bytes]:
-    """Start a batched ONNX head per split directory, warm each up and time it (the cost model's
-    first head rate). Returns the heads and a sample of this model's wire bytes (the last head's
-    activations and KV) for measuring zstd."""
+    """Start a batched head per split directory (``builder_head.open_head``: the model builder's
+    where ``cfg.builder_head`` and the manifest name one that passed its check, else ``head.onnx``),
+    warm each up and time it (the cost model's first head rate). Returns the heads and a sample of
+    this model's wire bytes (the last head's activations and KV) for measuring zstd."""
     heads: list[Head] = []
     sample = b""
     for m, d in zip(manifests, (cfg.split_dir, *cfg.extra_split_dirs), strict=True):
         if not m.split_layer:  # a direct manifest: no head
             continue
-        batcher = HeadBatcher(OnnxHead(d, intra_op_threads=cfg.intra_op_threads), cfg.max_batch)
+        batcher = HeadBatcher(open_head(d, cfg.builder_head, cfg.intra_op_threads), cfg.max_batch)
         batcher.start()
         heads.append(Head(batcher, m.compatibility_key()))
         warm = np.arange(WARMUP_TOKENS, dtype=np.int64) % m.shape.vocab_size

@@ -89,35 +89,58 @@ def build_decoder(hf: Path, out: Path, precision: str = "fp32", execution_provid
         ImportError: onnxruntime-genai is not installed.
         BuilderFailed: the builder refused the checkpoint (an architecture it does not know, ...).
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
-    if execution_provider not in EXECUTION_PROVIDERS:
-        raise ValueError(f"execution provider {execution_provider!r}: one of {', '.join(EXECUTION_PROVIDERS)}")
-    if precision == "fp32" and execution_provider == "cuda":
-        raise ValueError("fp32 on CUDA: the builder's fp32 CUDA graph does not load; use fp16 or bf16")
-    import onnxruntime_genai
-
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out)]
-    cmd += ["-p", precision, "-e", execution_provider, "-c", str(out / ".builder-cache")]
-    r = subprocess.run(cmd, capture_output=True, text=True)  # the builder's own CLI: its stable interface
-    shutil.rmtree(out / ".builder-cache", ignore_errors=True)
-    if r.returncode != 0:
-        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise BuilderFailed(
-            f"onnxruntime_genai's model builder failed on {hf} ({precision}, {execution_provider}): {tail[0]}"
-        )
+    check_precision(precision, execution_provider)
+    version = run_builder(hf, out, precision, execution_provider)
     add_next_token(out / "model.onnx")
     if execution_provider == "cuda":  # on the CPU the logits are host memory already: the host samples
         write_sampler(out)
     build = DecoderBuild(
         precision=precision,
         execution_provider=execution_provider,
-        builder_version=getattr(onnxruntime_genai, "__version__", "unknown"),
+        builder_version=version,
         window_tokens=attention_window(out / "model.onnx"),
     )
     save_build(out, build)
     return build
+
+
+def check_precision(precision: str, execution_provider: str) -> None:
+    """Raises:
+    ValueError: an unknown ``precision`` or ``execution_provider``, or fp32 on CUDA (ONNX Runtime
+        GenAI's fp32 CUDA graph does not load)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    if execution_provider not in EXECUTION_PROVIDERS:
+        raise ValueError(f"execution provider {execution_provider!r}: one of {', '.join(EXECUTION_PROVIDERS)}")
+    if precision == "fp32" and execution_provider == "cuda":
+        raise ValueError("fp32 on CUDA: the builder's fp32 CUDA graph does not load; use fp16 or bf16")
+
+
+def run_builder(
+    hf: Path, out: Path, precision: str, execution_provider: str, extra_options: dict[str, str] | None = None
+) -> str:
+    """Run the model builder's CLI (its stable interface) on ``hf`` into ``out`` with ``extra_options``
+    (its ``--extra_options key=value``); returns the builder's version.
+
+    Raises:
+        ImportError: onnxruntime-genai is not installed.
+        BuilderFailed: the builder exited with an error.
+    """
+    import onnxruntime_genai
+
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out)]
+    cmd += ["-p", precision, "-e", execution_provider, "-c", str(out / ".builder-cache")]
+    if extra_options:
+        cmd += ["--extra_options", *(f"{k}={v}" for k, v in extra_options.items())]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    shutil.rmtree(out / ".builder-cache", ignore_errors=True)
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise BuilderFailed(
+            f"onnxruntime_genai's model builder failed on {hf} ({precision}, {execution_provider}): {tail[0]}"
+        )
+    return str(getattr(onnxruntime_genai, "__version__", "unknown"))
 
 
 def add_next_token(model_path: Path) -> None:
@@ -364,7 +387,7 @@ def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-4
     build = load_build(out)
     rtol = {"fp32": rtol, "fp16": 5e-2}.get(build.precision, 1e-1)
     half = len(prompt_ids) // 2
-    kv = _KVBuffers(out, build, max(len(prompt_ids), build.window_tokens + 1))
+    kv = KVBuffers(out, build, max(len(prompt_ids), build.window_tokens + 1))
     first = kv.run(prompt_ids[:half])
     second = kv.run(prompt_ids[half:])
     got = np.concatenate([first, second])
@@ -380,42 +403,60 @@ def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-4
     return checked
 
 
-class _KVBuffers:
+class KVBuffers:
     """The built graph run as the edge runs it (``edge.compute.decoder``): one KV buffer per layer input of
     ``capacity`` tokens bound as past and present, the mask over the tokens held and new; every
     other output bound to the host. The preparation's own copy of that binding (``common`` does not
-    import the edge)."""
+    import the edge); the KV is held in its storage type (bfloat16 as uint16 bits) and bound by address."""
 
     def __init__(self, out: Path, build: DecoderBuild, capacity: int) -> None:
+        import numpy as np
         import onnxruntime as ort
 
         dec = json.loads((out / GENAI_CONFIG).read_text())["model"]["decoder"]
         cuda = build.execution_provider == "cuda"
         names = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else ["CPUExecutionProvider"]
         self.sess = ort.InferenceSession(str(out / dec["filename"]), providers=names)
-        device = "cuda" if "CUDAExecutionProvider" in self.sess.get_providers() else "cpu"
-        shape = [1, dec["num_key_value_heads"], capacity, dec["head_size"]]
+        self.device = "cuda" if "CUDAExecutionProvider" in self.sess.get_providers() else "cpu"
+        self.shape = [1, dec["num_key_value_heads"], capacity, dec["head_size"]]
+        past = [i for i in self.sess.get_inputs() if i.name.startswith("past_key_values.")]
+        # by layer, key then value: past_key_values.{i}.key / .value
+        past.sort(key=lambda i: (int(i.name.split(".")[1]), i.name.endswith(".value")))
+        self.types = {i.name: i.type for i in past}
+        storage = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": np.uint16}
         self.kv = {
-            i.name: ort.OrtValue.ortvalue_from_shape_and_type(shape, ONNX_ELEMENT[i.type], device, 0)
-            for i in self.sess.get_inputs()
-            if i.name.startswith("past_key_values.")
+            i.name: ort.OrtValue.ortvalue_from_numpy(np.zeros(self.shape, storage[i.type]), self.device, 0)
+            for i in past
         }
         self.held = 0
 
-    def run(self, ids: list[int]) -> Any:
-        """Logits float32 ``[S, V]`` of ``ids`` after the tokens held."""
+    def run(self, ids: list[int], output: str = "logits") -> Any:
+        """The graph's ``output`` (``logits`` or a head's hidden state) of ``ids`` after the tokens
+        held, float32 ``[S, X]``."""
         import numpy as np
 
         b = self.sess.io_binding()
         b.bind_cpu_input("input_ids", np.asarray([ids], np.int64))
         b.bind_cpu_input("attention_mask", np.ones((1, self.held + len(ids)), np.int64))
         for name, v in self.kv.items():
-            b.bind_ortvalue_input(name, v)
-            b.bind_ortvalue_output(name.replace("past_key_values.", "present."), v)
-        b.bind_output("logits", "cpu")
+            element = ONNX_ELEMENT[self.types[name]]
+            b.bind_input(name, self.device, 0, element, self.shape, v.data_ptr())
+            present = name.replace("past_key_values.", "present.")
+            b.bind_output(present, self.device, 0, element, self.shape, v.data_ptr())
+        b.bind_output(output, "cpu")
         self.sess.run_with_iobinding(b)
         self.held += len(ids)
         return host_float32(b.get_outputs()[-1])[0]
+
+    def read_kv(self) -> list[Any]:
+        """The held KV: ``2L`` float32 host arrays ``[Hkv, T, D]``, key then value per layer."""
+        import numpy as np
+
+        out = []
+        for v in self.kv.values():
+            a = v.numpy()[0, :, : self.held]
+            out.append((a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a.astype(np.float32))
+        return out
 
 
 ONNX_ELEMENT = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16}

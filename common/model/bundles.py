@@ -91,19 +91,36 @@ def _write_bundle(bundle: Path, role: str, plan: list[tuple[Path, Path]], manife
     return bundle
 
 
+def _builder_head(out: Path, split: Path, m: SplitManifest) -> list[tuple[Path, Path]]:
+    """The files of the split's builder head (``m.builder_head``), placed as in the model directory.
+
+    Raises:
+        ValueError: it is missing or did not pass its check (``builder_head.head_problem``).
+    """
+    from tandem.common.model.builder_head import head_problem
+
+    rel = _inside(split, m.builder_head)
+    problem = head_problem(out / rel, m.split_layer)
+    if problem:
+        raise ValueError(problem)
+    return _tree(out / rel, rel)
+
+
 def write_bundles(out: Path) -> dict[str, Path]:
     """Write ``out/bundles/edge`` and ``out/bundles/cloud`` from the prepared model directory ``out``
     (idempotent). Each has the model directory's layout, holds only its role's files and a
     ``bundle.json`` (see ``BundleManifest``); the split manifests are the same files in both.
 
-    edge: ``split-k{k}/head.onnx`` and ``manifest.json`` per split, ``tokenizer/``, ``edge-full.onnx``
-    (edge-only generation) and its check if prepared and checked, ``edge-decoder/`` if built and
-    checked. cloud: ``hf/`` (decode engine), ``split-k{k}/tail/`` and ``manifest.json`` per split.
+    edge: ``split-k{k}/head.onnx``, ``head-builder/`` (where the manifest names it) and
+    ``manifest.json`` per split, ``tokenizer/``, ``edge-full.onnx`` (edge-only generation) and its
+    check if prepared and checked, ``edge-decoder/`` if built and checked. cloud: ``hf/`` (decode
+    engine), ``split-k{k}/tail/`` and ``manifest.json`` per split.
 
     Raises:
         FileNotFoundError: ``out`` has no prepared split.
         ValueError: a split manifest predates the tokenizer directory or records no passing check of
-            its head, or ``edge-full.onnx`` or ``edge-decoder/`` failed its check (run ``tandem-model`` again).
+            its head, or ``edge-full.onnx``, ``edge-decoder/`` or a builder head failed its check (run
+            ``tandem-model`` again).
     """
     found = sorted(out.glob(f"split-k*/{MANIFEST_NAME}")) + sorted(out.glob(f"{DIRECT_DIR}/{MANIFEST_NAME}"))
     if not found:
@@ -124,6 +141,8 @@ def write_bundles(out: Path) -> dict[str, Path]:
         cloud.append(manifest)
         if m.split_layer:  # a direct manifest (k = 0) has no head and no tail
             edge += _tree(out / _inside(split, m.head_onnx), _inside(split, m.head_onnx))
+            if m.builder_head:
+                edge += _builder_head(out, split, m)
             cloud += _tree(out / _inside(split, m.tail_checkpoint), _inside(split, m.tail_checkpoint))
         for rel, plan in ((_inside(split, m.tokenizer), edge), (_inside(split, m.full_checkpoint), cloud)):
             if not any(dst == rel or rel in dst.parents for _, dst in plan):

@@ -15,6 +15,9 @@ Layout written under ``OUT``::
     OUT/hf/                       full checkpoint (decode engine, references)
     OUT/tokenizer/                tokenizer files and chat template (all the edge needs of the checkpoint)
     OUT/split-k{k}/head.onnx      embedding + layers [0, k)
+    OUT/split-k{k}/head-builder/  the same head built by ONNX Runtime GenAI's model builder, its output
+                                  rewired to the residual, checked against HF (``tandem_build.json``);
+                                  the edge's head where the builder serves the family
     OUT/split-k{k}/tail/          layers [k, L) renumbered 0..L-k-1, same norm/lm_head/embeddings
     OUT/split-k{k}/manifest.json
     OUT/edge-full.onnx            the whole model, for edge-only (local) generation
@@ -23,7 +26,8 @@ Layout written under ``OUT``::
                                   ``next_token_ids`` and its check against HF (``tandem_build.json``):
                                   local mode's runtime (``edge.compute.decoder``), where the builder serves
     OUT/bundles/edge/             what an edge host needs, in the same layout (hard links, else copies):
-                                  split-k{k}/{head.onnx,manifest.json}, tokenizer/, edge-full.onnx, edge-decoder/,
+                                  split-k{k}/{head.onnx,head-builder/,manifest.json}, tokenizer/,
+                                  edge-full.onnx, edge-decoder/,
                                   bundle.json (every file with size and BLAKE3, the compatibility keys)
     OUT/bundles/cloud/            what a cloud host needs: hf/, split-k{k}/{tail/,manifest.json}, bundle.json
 
@@ -526,6 +530,36 @@ def prepare_decoder(out: Path, hf: Path, precision: str = "fp32", agreement: Eng
     return ""
 
 
+def prepare_builder_heads(
+    out: Path, hf: Path, manifests: list[SplitManifest], precision: str, agreement: EngineAgreement
+) -> list[SplitManifest]:
+    """Build each split's head with ONNX Runtime GenAI's model builder into ``split-k{k}/head-builder``
+    and check it against HF (``common.model.builder_head.prepare_builder_head``; from the checkpoint
+    with ``agreement.export_overrides`` in its config), and record in each manifest the folder, or
+    why there is none (``builder_head_note``: the edge then runs ``head.onnx``). Returns the manifests."""
+    from tandem.common.model.builder_head import HEAD_BUILDER_DIR, load_head_build, prepare_builder_head
+
+    vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+    done = []
+    with _deployed(hf, agreement) as src:
+        for m in manifests:
+            k, split_dir = m.split_layer, out / f"split-k{m.split_layer}"
+            with console.status(f"building the head k={k} with ONNX Runtime GenAI's model builder ({precision}) ..."):
+                why = prepare_builder_head(split_dir, src, k, precision, agreement, vocab, m.checkpoint_blake3)
+            why = why.replace(str(src), str(hf))  # the checkpoint, not its temporary view, in the manifest
+            if why:
+                console.print(f"[yellow]builder head k={k} not built[/]: {why}; the edge runs {m.head_onnx}")
+            else:
+                err = load_head_build(split_dir / HEAD_BUILDER_DIR).max_abs_error or 0.0
+                console.print(f"[bold]model[/] builder head k={k} ({precision}) ready, max |ONNX - HF| {err:.1e}")
+            update = {"builder_head": "" if why else HEAD_BUILDER_DIR, "builder_head_note": why}
+            if any(getattr(m, key) != value for key, value in update.items()):
+                m = m.model_copy(update=update)
+                m.save(split_dir)
+            done.append(m)
+    return done
+
+
 @contextlib.contextmanager
 def _deployed(hf: Path, agreement: EngineAgreement) -> Iterator[Path]:
     """``hf`` itself, or with ``agreement.export_overrides`` a temporary checkpoint of links to its
@@ -559,13 +593,16 @@ def prepare_model(
     max_model_len_tokens: int | None = None,
     edge_decoder: bool = True,
     decoder_precision: str = "fp32",
+    builder_heads: bool = True,
 ) -> list[SplitManifest]:
     """Prepare the full checkpoint, the checked ONNX heads, tail checkpoints and role bundles under
     ``out`` (idempotent); returns the split manifests. ``direct_only``: no split, no ONNX, any
     architecture (``prepare_direct``). ``onnx_dtype``: the ONNX graphs' arithmetic
     (``onnx_export.COMPUTE_DTYPES``; float32 is exact against the float32 references, float16 is for
     a GPU edge). ``max_model_len_tokens``: the cloud engines' ``max_model_len`` the graphs are
-    prepared for (``plan_deployment``; the manifests record the range it holds for).
+    prepared for (``plan_deployment``; the manifests record the range it holds for). ``edge_decoder`` /
+    ``builder_heads``: also build the whole model / each split's head with ONNX Runtime GenAI's model
+    builder at ``decoder_precision`` (``prepare_decoder`` / ``prepare_builder_heads``).
 
     Raises:
         UnsupportedArchitecture: the checkpoint's architecture cannot be split (nothing written
@@ -608,6 +645,8 @@ def prepare_model(
         prepare_split(out, hf, k, model_id, checkpoint_hash, weights_hash, onnx_dtype, agreement)
         for k in sorted({int(x) for x in split_layers.split(",") if x.strip()})
     ]
+    if builder_heads:
+        manifests = prepare_builder_heads(out, hf, manifests, decoder_precision, agreement)
     if edge_full:
         prepare_full(out, hf, onnx_dtype, agreement)
     if edge_decoder:
@@ -663,6 +702,13 @@ def prepare(
             "auto: bf16 where ONNX Runtime has its CUDA provider, else fp32"
         ),
     ] = "auto",
+    builder_heads: Annotated[
+        bool,
+        typer.Option(
+            help="also build each split's head with ONNX Runtime GenAI's model builder (split-kK/head-builder, "
+            "at --decoder-precision; the edge runs it where it passed its check, else head.onnx)"
+        ),
+    ] = True,
 ) -> None:
     """Prepare the full checkpoint, ONNX heads (each checked against HF), tail checkpoints and role
     bundles (idempotent). Exit status 2: the architecture is not supported, the edge's graphs and
@@ -691,6 +737,7 @@ def prepare(
             max_model_len_tokens=max_model_len_tokens,
             edge_decoder=edge_decoder,
             decoder_precision=decoder_precision,
+            builder_heads=builder_heads,
         )
     except FileNotFoundError as e:
         raise typer.BadParameter(str(e)) from None

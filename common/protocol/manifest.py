@@ -138,6 +138,11 @@ class SplitManifest(BaseModel):
     # how the head and the tail engines compute one function (``common.model.switches``); None in manifests
     # written before it was recorded: every max_model_len up to the model's positions, no overrides
     engine_agreement: EngineAgreement | None = None
+    # the head built by ONNX Runtime GenAI's model builder (``common.model.builder_head``): its folder,
+    # relative, checked against HF there (``tandem_build.json``); "" where none was built, and then
+    # ``builder_head_note`` says why when preparation tried (the edge runs ``head_onnx``)
+    builder_head: str = ""
+    builder_head_note: str = ""
 
     @property
     def agreement(self) -> EngineAgreement:

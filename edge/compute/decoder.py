@@ -52,6 +52,10 @@ keeps a pool and its graphs.
 Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``C`` a slot's capacity in tokens, ``T``
 tokens held, ``V`` vocabulary; the KV dtype is the graph's (float32 on the CPU build, float16 or
 bfloat16 on a GPU). Not here: sampling, sessions, locks (``edge.compute.local``).
+
+A split head built by the same builder (``common.model.builder_head``: layers ``[0, k)``, output
+``hidden`` ``[1, S, H]`` in place of the logits) loads here too: ``run_rows(slot, ids, "hidden")``
+runs it into a slot (``edge.compute.builder_head.BuilderHead``).
 """
 
 from __future__ import annotations
@@ -119,6 +123,7 @@ class DecoderSpec:
     past_value: str
     present_key: str
     present_value: str
+    hidden_size: int = 0  # H (0 where the config does not say)
 
     @classmethod
     def load(cls, model_dir: Path) -> DecoderSpec:
@@ -138,6 +143,7 @@ class DecoderSpec:
             past_value=dec["inputs"]["past_value_names"],
             present_key=dec["outputs"]["present_key_names"],
             present_value=dec["outputs"]["present_value_names"],
+            hidden_size=int(dec.get("hidden_size", 0)),
         )
 
     def past_names(self) -> list[str]:
@@ -323,8 +329,10 @@ class DecoderGraph:
         self.device = "cuda" if self.on_cuda else "cpu"
         types = {i.name: i.type for i in self.session.get_inputs()}
         self.kv_type = types[self.spec.past_names()[0]]
-        self.logits_type = next(o.type for o in self.session.get_outputs() if o.name == "logits")
-        for t in (self.kv_type, self.logits_type):
+        # a head (``common.model.builder_head``) has no logits: its rows output is ``hidden``
+        self.output_types = {o.name: o.type for o in self.session.get_outputs()}
+        self.logits_type = self.output_types.get("logits", "")
+        for t in (self.kv_type, self.logits_type or self.kv_type):
             if t not in ONNX_TYPES:
                 raise ValueError(f"{self.spec.path}: KV and logits must be float32, float16 or bfloat16, got {t}")
         self.has_next_token = NEXT_TOKEN in {o.name for o in self.session.get_outputs()}
@@ -369,7 +377,7 @@ class DecoderGraph:
             mask=ort.OrtValue.ortvalue_from_numpy(mask_host.copy(), dev, 0),
             mask_host=mask_host,
             step_ids=ort.OrtValue.ortvalue_from_shape_and_type([1, 1], np.int64, dev, 0),
-            step_logits=self._empty_logits(1),
+            step_logits=self._empty_logits(1) if self.logits_type else None,
             step_next=ort.OrtValue.ortvalue_from_shape_and_type([1, 1], np.int64, dev, 0),
             graph_id=self._next_graph_id,
         )
@@ -397,12 +405,14 @@ class DecoderGraph:
         """Whether a row's token is the sampler's (not greedy, a draw, the build has the sampler)."""
         return not greedy and draw is not None and self.has_sampling
 
-    def _empty_logits(self, rows: int) -> Any:
+    def _empty_logits(self, rows: int, output: str = "logits") -> Any:
+        """An output buffer ``[1, rows, X]`` for the graph's rows output ``output`` (``logits``:
+        ``X = V``; a head's ``hidden``: ``X = H``) in its storage type, on the device."""
         import onnxruntime as ort
 
-        return ort.OrtValue.ortvalue_from_shape_and_type(
-            [1, rows, self.spec.vocab_size], _storage(self.logits_type), self.device, 0
-        )
+        width = self.spec.vocab_size if output == "logits" else self.spec.hidden_size
+        onnx_type = self.output_types[output]
+        return ort.OrtValue.ortvalue_from_shape_and_type([1, rows, width], _storage(onnx_type), self.device, 0)
 
     # ---- runs -------------------------------------------------------------------------------
 
@@ -454,12 +464,14 @@ class DecoderGraph:
             return int(self._sample(logits, 1, self._sampling_rows([draw], 1, [0]))[0]), None
         return None, _last_row(_as_float32(logits))
 
-    def _run_bound(self, slot: KVSlot, new_ids: list[int], token_output: str | None) -> tuple[Any, Any]:
+    def _run_bound(
+        self, slot: KVSlot, new_ids: list[int], token_output: str | None, rows_output: str = "logits"
+    ) -> tuple[Any, Any]:
         """One uncaptured run of ``new_ids`` after the slot's held tokens (whose mask ``_begin`` set):
         the ids and the mask over the held and new tokens (``[1, T + S]``) from the host, the KV
         bound as past and present, and as output either the argmax token (``token_output``) or the
-        logits of every new token, on the device. Returns the binding and the logits tensor
-        (``None`` with a token output)."""
+        ``rows_output`` (the logits, or a head's hidden state) of every new token, on the device.
+        Returns the binding and that tensor (``None`` with a token output)."""
         import onnxruntime as ort
 
         total = slot.tokens + len(new_ids)
@@ -471,20 +483,24 @@ class DecoderGraph:
         if token_output is not None:
             b.bind_output(token_output, "cpu")
         else:
-            logits = self._empty_logits(len(new_ids))
-            self._bind(b, "logits", logits, self.logits_type, output=True)
+            logits = self._empty_logits(len(new_ids), rows_output)
+            self._bind(b, rows_output, logits, self.output_types[rows_output], output=True)
         opts = ort.RunOptions()
         if self.cuda_graph:
             opts.add_run_config_entry("gpu_graph_id", "-1")
         self.session.run_with_iobinding(b, opts)
         return b, logits
 
-    def run_rows(self, slot: KVSlot, new_ids: list[int]) -> np.ndarray:
-        """``run`` that returns the logits of every new token, float32 ``[S, V]`` on the host (the
-        preparation's check against HF), uncaptured."""
+    def run_rows(self, slot: KVSlot, new_ids: list[int], output: str = "logits") -> np.ndarray:
+        """``run`` that returns the graph's ``output`` of every new token, float32 on the host,
+        uncaptured: the logits ``[S, V]`` (the preparation's check against HF), or a builder head's
+        ``hidden`` ``[S, H]`` (``edge.compute.builder_head``).
+
+        Raises:
+            InvalidRequest: as ``run``."""
         self._tick()
         t = self._begin(slot, len(new_ids))
-        _, logits = self._run_bound(slot, new_ids, None)
+        _, logits = self._run_bound(slot, new_ids, None, rows_output=output)
         slot.tokens = t + len(new_ids)
         return _as_float32(logits)[0]
 

@@ -46,6 +46,31 @@ class HeadOutput:
     kv: np.ndarray
 
 
+def check_row(row: HeadInput, manifest: SplitManifest) -> None:
+    """``row`` fits the head of ``manifest``: token ids a non-empty 1-D integer array of ids in
+    ``[0, V)``, past KV None or float32 ``[k, 2, Hkv, P, D]``.
+
+    Raises:
+        InvalidRequest: otherwise (the message gives the actual shape, dtype or id).
+    """
+    k, s = manifest.split_layer, manifest.shape
+    ids = row.token_ids
+    if ids.ndim != 1 or ids.shape[0] == 0:
+        raise InvalidRequest(f"token_ids must be a non-empty 1-D array, got shape {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InvalidRequest(f"token_ids must be integers, got {ids.dtype}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= s.vocab_size:
+        raise InvalidRequest(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {s.vocab_size})")
+    if row.past_kv is not None:
+        want = (k, 2, s.num_kv_heads, s.head_dim)
+        got = row.past_kv.shape
+        if row.past_kv.ndim != 5 or (got[0], got[1], got[2], got[4]) != want or row.past_kv.dtype != np.float32:
+            raise InvalidRequest(
+                f"past_kv must be float32 [{k}, 2, {s.num_kv_heads}, P, {s.head_dim}], got {row.past_kv.dtype} {got}"
+            )
+
+
 def session_options(intra_op_threads: int = 0):
     """ONNX Runtime session options of every edge model: full graph optimization, and intra-op
     threads that sleep when idle. ONNX Runtime's default lets them spin-wait after each run, which
@@ -89,15 +114,7 @@ class OnnxHead:
         return self.session.get_providers()
 
     def _check(self, row: HeadInput) -> None:
-        if row.token_ids.ndim != 1 or row.token_ids.shape[0] == 0:
-            raise InvalidRequest(f"token_ids must be a non-empty 1-D array, got shape {row.token_ids.shape}")
-        if row.past_kv is not None:
-            want = (self.k, 2, self.hkv, self.d)
-            got = row.past_kv.shape
-            if row.past_kv.ndim != 5 or (got[0], got[1], got[2], got[4]) != want or row.past_kv.dtype != np.float32:
-                raise InvalidRequest(
-                    f"past_kv must be float32 [{self.k}, 2, {self.hkv}, P, {self.d}], got {row.past_kv.dtype} {got}"
-                )
+        check_row(row, self.manifest)
 
     def run(self, rows: list[HeadInput]) -> list[HeadOutput]:
         """Run one batch of rows of different new/past lengths in one ONNX Runtime call.
@@ -164,7 +181,8 @@ class OnnxHead:
 
 
 class HeadRunner(Protocol):
-    """Seam between the edge service and the head.
+    """Seam between the edge service and the head (``OnnxHead``: tandem's torch.onnx export;
+    ``edge.compute.builder_head.BuilderHead``: the model builder's graph; ``MemoryHead``: tests).
 
     Who calls: ``edge.compute.batcher.HeadBatcher``, once per batch, from one worker thread.
     ``run`` returns one ``HeadOutput`` per row, in order, owned by the caller;

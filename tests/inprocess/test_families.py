@@ -44,6 +44,15 @@ REFUSED_SWITCHES = {  # refused by tandem-model: checkpoint -> words of the one-
     "qwen2-partial-window": "slides a window of 8 tokens on 2 of its 4 layers",
     "qwen2-head-dim": "sets head_dim 64, but vLLM 0.32's model of it ignores head_dim",
 }
+# the families whose split head ONNX Runtime GenAI's model builder computes as HF does (fp32, onnxruntime-genai
+# 0.18.0), and what the manifest says for the others (docs/models.md)
+BUILDER_HEADS = ("llama", "qwen2", "qwen3")
+BUILDER_HEAD_REFUSALS = {
+    "mistral": "differs from HF",  # its attention has no sliding window
+    "gemma2": "differs from HF",
+    "gemma3": "KeyError: 'rope_type'",
+    "phi3": "KeyError: 'multi_cache'",
+}
 ARCH = {f.name.lower(): f.architecture for f in FAMILIES.values()}
 
 pytestmark = pytest.mark.skipif(not TOKENIZER_DIR.is_dir(), reason="no models/smollm2-135m/tokenizer: make model")
@@ -118,6 +127,45 @@ def test_head_and_whole_model_match_hf_at_two_split_layers(prepared, prepared_fa
     edge = json.loads((out / "bundles" / "edge" / "bundle.json").read_text())
     assert set(edge["compatibility_keys"]) == {str(k) for k in SPLITS}
     assert FULL_CHECK_NAME in {f["path"] for f in edge["files"]}
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_the_builder_head_serves_where_it_equals_hf_and_the_manifest_says_why_not_elsewhere(prepared_families, name):
+    """``tandem-model`` builds each split's head with ONNX Runtime GenAI's model builder: where the
+    builder computes the family as HF does (``BUILDER_HEADS``) the manifest names it and it equals HF
+    over the prompt fed in five calls through its past KV; elsewhere the manifest says why and the
+    edge runs ``head.onnx``."""
+    from tandem.common.model.builder_head import HEAD_BUILDER_DIR
+    from tandem.edge.compute.builder_head import BuilderHead, open_head
+    from tandem.edge.compute.head import HeadInput, OnnxHead
+
+    out = prepared_families(name)
+    model = _hf(out)
+    ids = np.random.default_rng(7).integers(0, VOCAB, STEPS[-1]).tolist()
+    ref = _hf_run(model, ids)
+    edge = {f["path"] for f in json.loads((out / "bundles" / "edge" / "bundle.json").read_text())["files"]}
+    for k in SPLITS:
+        split = out / f"split-k{k}"
+        m = SplitManifest.load(split)
+        if name not in BUILDER_HEADS:
+            assert not m.builder_head and BUILDER_HEAD_REFUSALS[name] in m.builder_head_note, m.builder_head_note
+            assert isinstance(open_head(split), OnnxHead)
+            continue
+        assert m.builder_head == HEAD_BUILDER_DIR and not m.builder_head_note
+        assert f"split-k{k}/{HEAD_BUILDER_DIR}/model.onnx" in edge
+        head = BuilderHead(split)
+        kv, hidden = None, []
+        for lo, hi in zip(STEPS, STEPS[1:], strict=False):
+            o = head.run([HeadInput(np.array(ids[lo:hi]), kv)])[0]
+            hidden.append(o.hidden)
+            kv = o.kv
+        want = ref.hidden_states[k][0].numpy()
+        want_kv = np.stack(
+            [np.stack([lay.keys[0].numpy(), lay.values[0].numpy()]) for lay in ref.past_key_values.layers[:k]]
+        )
+        tol = onnx_export.CHECK_RTOL * max(1.0, float(np.abs(want).max()), float(np.abs(want_kv).max()))
+        assert np.abs(np.concatenate(hidden) - want).max() <= tol, (name, k)
+        assert kv is not None and np.abs(kv - want_kv).max() <= tol, (name, k)
 
 
 def test_an_unsupported_architecture_is_refused_by_name_with_the_supported_list(tmp_path):

@@ -85,3 +85,7 @@ def test_bad_past_shape_is_rejected(head):
         head.run([HeadInput(np.array([1, 2]), np.zeros((head.k, 2, 3, 4, 32), np.float32))])
     with pytest.raises(InvalidRequest, match="token_ids"):
         head.run([HeadInput(np.array([], np.int64))])
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        head.run([HeadInput(np.array([1, head.manifest.shape.vocab_size]))])
+    with pytest.raises(InvalidRequest, match="integers"):
+        head.run([HeadInput(np.array([1.5]))])

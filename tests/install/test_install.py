@@ -162,6 +162,11 @@ if bundle is not None:
     ids = prompt_token_ids(tok, [{"role": "user", "content": "Hello"}])
     out = OnnxHead(split, intra_op_threads=1).run([HeadInput(np.asarray(ids, np.int64))])[0]
     assert out.hidden.shape == (len(ids), m.shape.hidden_size), out.hidden.shape
+    if m.builder_head:  # the model builder's head of the same split, where preparation built one
+        from tandem.edge.compute.builder_head import BuilderHead
+
+        built = BuilderHead(split, intra_op_threads=1).run([HeadInput(np.asarray(ids, np.int64))])[0]
+        assert np.abs(built.hidden - out.hidden).max() <= 1e-4 * max(1.0, np.abs(out.hidden).max())
     print("edge bundle ok:", split.name, len(ids), "tokens")
 for heavy in ("torch", "vllm"):
     assert heavy not in sys.modules, heavy
@@ -427,6 +432,42 @@ def test_write_bundles_per_role(tmp_path):
     assert BundleManifest.load(paths["edge"]).verify(paths["edge"]) == ["edge-full.onnx: BLAKE3 differs"]
 
 
+def test_the_edge_bundle_carries_a_checked_builder_head_only(tmp_path):
+    """A split whose manifest names its builder head: the edge's bundle holds the folder, the
+    cloud's does not; one that failed its check (or is missing) stops the bundler."""
+    from tandem.common.model.builder_export import save_build
+    from tandem.common.model.builder_head import HEAD_BUILDER_DIR, HeadBuild
+    from tandem.common.model.prepare import write_bundles
+
+    out = tmp_path / "m"
+    _toy_model_dir(out, splits=(2,))
+    head = out / "split-k2" / HEAD_BUILDER_DIR
+    head.mkdir()
+    for name in ("model.onnx", "model.onnx.data", "genai_config.json"):
+        (head / name).write_text(name)
+    build = HeadBuild(
+        precision="fp32",
+        execution_provider="cpu",
+        builder_version="0",
+        split_layer=2,
+        passed=True,
+        max_abs_error=0.0,
+        tolerance=1e-3,
+    )
+    save_build(head, build)
+    _manifest(2, builder_head=HEAD_BUILDER_DIR).save(out / "split-k2")
+    paths = write_bundles(out)
+    got = {f.path for f in BundleManifest.load(paths["edge"]).files}
+    assert {f"split-k2/{HEAD_BUILDER_DIR}/{n}" for n in ("model.onnx", "model.onnx.data", "tandem_build.json")} < got
+    assert not any(HEAD_BUILDER_DIR in f.path for f in BundleManifest.load(paths["cloud"]).files)
+    save_build(head, build.model_copy(update={"passed": False, "max_abs_error": 1.0}))
+    with pytest.raises(ValueError, match="failed its check"):
+        write_bundles(out)
+    save_build(head, build.model_copy(update={"split_layer": 3}))
+    with pytest.raises(ValueError, match="not 2"):
+        write_bundles(out)
+
+
 def test_write_bundles_needs_a_tokenizer_directory(tmp_path):
     from tandem.common.model.prepare import write_bundles
 
@@ -446,10 +487,15 @@ def test_prepared_model_bundles():
     edge, cloud = BundleManifest.load(root / "edge"), BundleManifest.load(root / "cloud")
     assert edge.verify(root / "edge", hashes=False) == [] and cloud.verify(root / "cloud", hashes=False) == []
     for f in edge.files:
-        assert f.path.endswith((".onnx", ".check.json", "manifest.json")) or f.path.startswith(
-            ("tokenizer/", "edge-decoder/")
+        assert (
+            f.path.endswith((".onnx", ".check.json", "manifest.json"))
+            or f.path.startswith(("tokenizer/", "edge-decoder/"))
+            or "/head-builder/" in f.path
         ), f.path
-    assert not any(f.path.endswith(".onnx") or f.path.startswith("edge-decoder/") for f in cloud.files)
+    assert not any(
+        f.path.endswith(".onnx") or f.path.startswith("edge-decoder/") or "/head-builder/" in f.path
+        for f in cloud.files
+    )
     for k, key in edge.compatibility_keys.items():
         assert cloud.compatibility_keys[k] == key == SplitManifest.load(MODEL_DIR / f"split-k{k}").compatibility_key()
 
@@ -496,7 +542,14 @@ def test_prepare_writes_tokenizer_keys_and_bundles(tmp_path, monkeypatch):
     monkeypatch.setattr(modelprep, "check_export", lambda *a, **kw: _check())
     out = tmp_path / "out"
     modelprep.prepare(
-        out=out, checkpoint=ckpt, split_layers="2,3", model_id="toy", edge_full=True, bundles=True, edge_decoder=False
+        out=out,
+        checkpoint=ckpt,
+        split_layers="2,3",
+        model_id="toy",
+        edge_full=True,
+        bundles=True,
+        edge_decoder=False,
+        builder_heads=False,
     )
     m = SplitManifest.load(out / "split-k2")
     assert m.weights_blake3 == modelprep.weights_blake3(ckpt) and m.tokenizer == "../tokenizer"
@@ -508,6 +561,13 @@ def test_prepare_writes_tokenizer_keys_and_bundles(tmp_path, monkeypatch):
     assert "edge-full.onnx" in {f.path for f in edge.files} and len(exports) == 3
     stamp = (out / "bundles" / "cloud" / "bundle.json").stat().st_ino
     modelprep.prepare(
-        out=out, checkpoint=ckpt, split_layers="2,3", model_id="toy", edge_full=True, bundles=True, edge_decoder=False
+        out=out,
+        checkpoint=ckpt,
+        split_layers="2,3",
+        model_id="toy",
+        edge_full=True,
+        bundles=True,
+        edge_decoder=False,
+        builder_heads=False,
     )
     assert len(exports) == 3 and (out / "bundles" / "cloud" / "bundle.json").stat().st_ino == stamp

@@ -781,7 +781,18 @@ def test_capacity_lists_failed_requests_with_their_server_message():
     assert "| auto | 8 | Unavailable | 1 | - |" in lines  # recorded without a message
 
 
-SUBCOMMANDS = ("modes", "capacity", "burst", "fidelity", "exactness", "multiturn", "batching", "edge", "edge-engine")
+SUBCOMMANDS = (
+    "modes",
+    "capacity",
+    "burst",
+    "fidelity",
+    "exactness",
+    "multiturn",
+    "batching",
+    "edge",
+    "edge-engine",
+    "head",
+)
 
 
 def test_edge_engine_smoke(tmp_path):

@@ -628,3 +628,19 @@ def test_the_default_local_model_is_checked_by_type_too(tmp_path, served, capsys
     check_refused(app, "tandem-edge", base, [], {}, "local model", capsys, monkeypatch)
     code, err, _ = run(app, [*base, "--no-local"], capsys)  # local mode off: not read, not checked
     assert code == 0 and served == ["edge"], err
+
+
+def test_a_builder_head_the_manifest_names_is_checked_by_type_too(tmp_path, served, capsys, monkeypatch):
+    """The edge reads the builder head a split's manifest names (``split-k<k>/head-builder/``): a FIFO
+    in it is refused before anything reads it; with ``--no-builder-head`` it is not read."""
+    from tandem.edge.cli import app
+
+    d = split_dir(tmp_path, manifest=toy_manifest().model_copy(update={"builder_head": "head-builder"}))
+    (d / "head-builder").mkdir()
+    (d / "head-builder" / "genai_config.json").write_text("{}")
+    os.mkfifo(d / "head-builder" / "model.onnx")
+    check_refused(
+        app, "tandem-edge", ["--split-dir", str(d), "--no-local"], [], {}, "builder head", capsys, monkeypatch
+    )
+    code, err, _ = run(app, ["--split-dir", str(d), "--no-local", "--no-builder-head"], capsys)
+    assert code == 0 and served == ["edge"], err
