@@ -28,6 +28,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -355,13 +356,41 @@ def decoder_problem(out: Path) -> str:
         build = load_build(out)
     except (FileNotFoundError, ValueError) as e:
         return f"{out}/{BUILD_RECORD} is missing or unreadable ({e.__class__.__name__}): run tandem-model again"
-    if not build.passed:
-        err = (
-            "never checked"
-            if build.passed is None
-            else f"max |ONNX - HF| {build.max_abs_error:.2e} > {build.tolerance:.2e}"
-        )
-        return f"{out} failed its check against HF ({err}): run tandem-model again"
+    return check_problem(out, build)
+
+
+def check_problem(out: Path, build: DecoderBuild) -> str:
+    """ "" when the build at ``out`` (a whole model or a head) passed its check against HF, else why
+    not, as a start-up check reports it."""
+    if build.passed:
+        return ""
+    err = "never checked"
+    if build.passed is not None:
+        err = f"max |ONNX - HF| {build.max_abs_error:.2e} > {build.tolerance:.2e}"
+    return f"{out} failed its check against HF ({err}): run tandem-model again"
+
+
+def build_verdict(what: str, path: Path, build_and_check: Callable[[], DecoderBuild]) -> str:
+    """Run ``build_and_check`` (a build into ``path`` and its check against HF; returns the check's
+    record). Returns "" when the build passed its check, else why not, ``path`` removed: the builder
+    is not installed, refuses the checkpoint, the built ``what`` ("decoder", "head") does not run
+    the check's prompt, or differs from HF beyond the check's tolerance."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    try:
+        checked = build_and_check()
+    except ImportError as e:
+        return f"the model builder is not installed ({e.name}): pip install tandem[builder]"
+    except (BuilderFailed, ValueError) as e:
+        shutil.rmtree(path, ignore_errors=True)
+        return str(e)
+    except (Fail, InvalidArgument, RuntimeException) as e:  # the built graph does not run the check's prompt
+        shutil.rmtree(path, ignore_errors=True)
+        return f"the built {what} does not run the check ({str(e).splitlines()[0][-200:]})"
+    if not checked.passed:
+        shutil.rmtree(path, ignore_errors=True)
+        err = f"max |ONNX - HF| {checked.max_abs_error:.2e} > {checked.tolerance:.2e}"
+        return f"the built {what} differs from HF: {err}"
     return ""
 
 

@@ -36,7 +36,9 @@ from tandem.common.model.builder_export import (
     DecoderBuild,
     KVBuffers,
     attention_window,
+    build_verdict,
     check_precision,
+    check_problem,
     run_builder,
     save_build,
 )
@@ -162,14 +164,7 @@ def head_problem(out: Path, k: int | None = None) -> str:
         return f"{out}/{BUILD_RECORD} is missing or unreadable ({e.__class__.__name__}): run tandem-model again"
     if k is not None and build.split_layer != k:
         return f"{out} is a head of {build.split_layer} layers, not {k}: run tandem-model again"
-    if not build.passed:
-        err = (
-            "never checked"
-            if build.passed is None
-            else f"max |ONNX - HF| {build.max_abs_error:.2e} > {build.tolerance:.2e}"
-        )
-        return f"{out} failed its check against HF ({err}): run tandem-model again"
-    return ""
+    return check_problem(out, build)
 
 
 def head_rtol(precision: str) -> float:
@@ -249,8 +244,6 @@ def prepare_builder_head(
     every switch the deployment reaches (``agreement.check_tokens``); ``hf`` is the checkpoint with
     ``agreement.export_overrides`` in its config (what the builder reads).
     """
-    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
-
     path = split_dir / HEAD_BUILDER_DIR
     if not head_problem(path, k):
         build = load_head_build(path)
@@ -265,20 +258,11 @@ def prepare_builder_head(
             return ""
     shutil.rmtree(path, ignore_errors=True)
     provider = "cpu" if precision == "fp32" else "cuda"
-    try:
+
+    def build_and_check() -> HeadBuild:
         build = build_head(hf, path, k, precision, provider)
         save_build(path, build.model_copy(update={"checkpoint_blake3": checkpoint_blake3}))
         ids = [(1 + 7919 * i) % vocab_size for i in range(max(HEAD_CHECK_TOKENS, agreement.check_tokens))]
-        checked = check_head(hf, path, ids, agreement)
-    except ImportError as e:
-        return f"the model builder is not installed ({e.name}): pip install tandem[builder]"
-    except (BuilderFailed, ValueError) as e:
-        shutil.rmtree(path, ignore_errors=True)
-        return str(e)
-    except (Fail, InvalidArgument, RuntimeException) as e:  # the built graph does not run the check's prompt
-        shutil.rmtree(path, ignore_errors=True)
-        return f"the built head does not run the check ({str(e).splitlines()[0][-200:]})"
-    if not checked.passed:
-        shutil.rmtree(path, ignore_errors=True)
-        return f"the built head differs from HF: max |ONNX - HF| {checked.max_abs_error:.2e} > {checked.tolerance:.2e}"
-    return ""
+        return check_head(hf, path, ids, agreement)
+
+    return build_verdict("head", path, build_and_check)

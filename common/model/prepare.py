@@ -482,11 +482,10 @@ def prepare_decoder(out: Path, hf: Path, precision: str = "fp32", agreement: Eng
     checked against, the checkpoint with ``agreement.export_overrides`` in its config (``_deployed``),
     on a prompt past every switch the deployment reaches.
     """
-    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
-
     from tandem.common.model.builder_export import (
-        BuilderFailed,
+        DecoderBuild,
         build_decoder,
+        build_verdict,
         check_decoder,
         decoder_problem,
         load_build,
@@ -501,7 +500,9 @@ def prepare_decoder(out: Path, hf: Path, precision: str = "fp32", agreement: Eng
             return ""
     shutil.rmtree(path, ignore_errors=True)
     provider = "cpu" if precision == "fp32" else "cuda"
-    try:
+    result: list[DecoderBuild] = []
+
+    def build_and_check() -> DecoderBuild:
         with (
             console.status(f"building the whole model with ONNX Runtime GenAI's model builder ({precision}) ..."),
             _deployed(hf, agreement) as src,
@@ -509,20 +510,13 @@ def prepare_decoder(out: Path, hf: Path, precision: str = "fp32", agreement: Eng
             build_decoder(src, path, precision, provider)
             vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
             ids = [(1 + 7919 * i) % vocab for i in range(max(DECODER_CHECK_TOKENS, agreement.check_tokens))]
-            checked = check_decoder(src, path, ids)
-    except ImportError as e:
-        return f"the model builder is not installed ({e.name}): pip install tandem[builder]"
-    except (BuilderFailed, ValueError) as e:
-        shutil.rmtree(path, ignore_errors=True)
-        return str(e)
-    except (Fail, InvalidArgument, RuntimeException) as e:  # the built graph does not run the check's prompt
-        shutil.rmtree(path, ignore_errors=True)
-        return f"the built decoder does not run the check ({str(e).splitlines()[0][-200:]})"
-    if not checked.passed:
-        shutil.rmtree(path, ignore_errors=True)
-        return (
-            f"the built decoder differs from HF: max |ONNX - HF| {checked.max_abs_error:.2e} > {checked.tolerance:.2e}"
-        )
+            result.append(check_decoder(src, path, ids))
+            return result[0]
+
+    problem = build_verdict("decoder", path, build_and_check)
+    if problem:
+        return problem
+    checked = result[0]
     save_build(path, checked.model_copy(update={"engine_agreement": agreement}))
     console.print(
         f"[bold]model[/] edge decoder ({precision}) written to {path}, max |ONNX - HF| {checked.max_abs_error:.1e}"

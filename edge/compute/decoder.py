@@ -825,7 +825,7 @@ class DecoderGraph:
         """Bytes of one session's buffers of ``capacity_tokens``: a slot's own (``KVSlot.own_nbytes``),
         or one row of each buffer of a pool (``BatchPool.row_nbytes``)."""
         s = self.spec
-        logits = s.vocab_size * np.dtype(_storage(self.logits_type)).itemsize
+        logits = s.vocab_size * np.dtype(_storage(self.logits_type)).itemsize if self.logits_type else 0  # a head: none
         mask_ids_next = 8 * capacity_tokens + 8 + 8
         return 2 * s.num_layers * self._kv_row_bytes(capacity_tokens) + logits + mask_ids_next
 
