@@ -66,7 +66,9 @@ def test_the_packed_layout_reads_what_vllms_cuda_kernel_wrote_and_writes_it_back
 @pytest.fixture(scope="module")
 async def gpu_stack(split_dir, tmp_path_factory):
     """The cloud's CUDA engines in fp32 (tail at k = 4 and decode, eager), its gateway and an edge on
-    loopback, fp32 on the wire: split output must equal the unsplit references."""
+    loopback, fp32 on the wire and the fp32 torch.onnx head (a GPU build's builder head is bf16:
+    ``test_the_builder_head_on_cuda_gives_hfs_residual_and_kv``): split output must equal the
+    unsplit references."""
     from tandem import AsyncClient
     from tandem.cloud.config import CloudConfig, EngineConfig
     from tandem.cloud.engines.vllm_engines import VllmEngines
@@ -86,7 +88,9 @@ async def gpu_stack(split_dir, tmp_path_factory):
     engines = VllmEngines(cfg)
     engines.start()
     cloud = await create_cloud(cfg, engines)
-    edge = await create_edge(EdgeConfig(split_dir=split_dir, cloud_target=f"127.0.0.1:{cloud.port}", port=0))
+    edge = await create_edge(
+        EdgeConfig(split_dir=split_dir, cloud_target=f"127.0.0.1:{cloud.port}", port=0, builder_head=False)
+    )
     client = AsyncClient(f"127.0.0.1:{edge.port}")
     yield {"engines": engines, "cloud": cloud, "edge": edge, "client": client}
     await client.close()
@@ -146,6 +150,42 @@ async def test_a_second_turn_on_cuda_engines_loads_the_first_turns_kv(gpu_stack,
     assert second.head_tokens < len(ids) and second.external_tokens == len(ids) // B * B
     ref, gaps = hf_greedy(hf_model, ids, MAX_NEW)
     assert_same_or_near_tie(list(second.output_token_ids), ref, gaps, "turn 2 vs HF")
+
+
+def test_the_builder_head_on_cuda_gives_hfs_residual_and_kv(split_dir, manifest, hf_model, tokenizer):
+    """The split's builder head as a GPU build writes it (``head-builder/``, bf16 on ONNX Runtime's
+    CUDA provider) under ``BuilderHead``: the hidden state of a prompt's tokens and of a second call
+    on its KV are HF fp32's residual entering layer ``k``, and the KV HF's first ``k`` layers cache,
+    within bf16's rounding (2% of the largest value)."""
+    import onnxruntime as ort
+
+    from tandem.edge.compute.builder_head import BuilderHead
+    from tandem.edge.compute.head import HeadInput
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu's CUDA provider is not installed")
+    if not manifest.builder_head:
+        pytest.fail(f"{split_dir}: no builder head ({manifest.builder_head_note}); tandem-model builds one")
+    head = BuilderHead(split_dir)
+    assert head.graph.on_cuda and head.graph.kv_type in ("tensor(bfloat16)", "tensor(float16)")
+    ids = prompt_ids(tokenizer, PROMPTS[0])
+    cut = len(ids) // 2
+    first = head.run([HeadInput(token_ids=np.asarray(ids[:cut], np.int64))])[0]
+    second = head.run([HeadInput(token_ids=np.asarray(ids[cut:], np.int64), past_kv=first.kv)])[0]
+    with torch.no_grad():
+        out = hf_model(torch.tensor([ids]), output_hidden_states=True, use_cache=True)
+    k = manifest.split_layer
+    want = out.hidden_states[k][0].numpy()
+    got = np.concatenate([first.hidden, second.hidden])
+    assert got.shape == want.shape and got.dtype == np.float32
+    scale = float(np.abs(want).max())
+    assert float(np.abs(got - want).max()) <= 0.02 * scale, (float(np.abs(got - want).max()), scale)
+    cache = out.past_key_values
+    for layer in range(k):
+        keys, values = (t[0].numpy() for t in (cache.layers[layer].keys, cache.layers[layer].values))
+        for j, ref in enumerate((keys, values)):
+            err = float(np.abs(second.kv[layer, j] - ref).max())
+            assert err <= 0.02 * float(np.abs(ref).max()) + 1e-3, (layer, j, err)
 
 
 async def test_the_builder_decoder_serves_local_turns_from_cuda_graphs(split_dir, manifest, hf_model, tokenizer):
