@@ -15,8 +15,9 @@ runs batch 1, ``--prompt-tokens`` random prompt ids, ``--new-tokens`` greedy tok
   (``edge-full.onnx``), one ``run`` per token with growing KV tensors;
 * ``tandem-sampled`` and ``genai-sampled``: the same two at temperature 0.8, top-k 50, top-p 0.95
   (``SAMPLED_*``): tandem's graph samples on the device where the build has the sampler (CUDA builds;
-  only the token id comes back), on the host from the logits otherwise; the library with its own
-  sampler; a sampled row's ``itl / genai`` is against ``genai-sampled``;
+  only the token id comes back; ``sampler_ms``: the median of the sampler's own runs), on the host
+  from the logits otherwise; the library with its own sampler; a sampled row's ``itl / genai`` is
+  against ``genai-sampled``;
 * ``vllm`` (``--vllm``): an in-process vLLM engine on the same checkpoint, one request at a time;
   ITL = (time of N tokens - time of 1 token) / (N - 1).
 
@@ -124,6 +125,7 @@ def time_tandem(
 
     g = DecoderGraph(build_dir, cuda_graph=cuda_graph)
     s = Sampling(temperature=SAMPLED_TEMPERATURE, top_k=SAMPLED_TOP_K, top_p=SAMPLED_TOP_P) if sampled else None
+    sampler_ms: list[float] = []  # the device sampler's own runs, where it samples
     rng = np.random.default_rng(0)
     ttft, itl = [], []
     slot = g.new_slot(len(prompt) + new_tokens)
@@ -134,7 +136,10 @@ def time_tandem(
             return int(tok or 0)
         u = draw_uniform(rng)
         draw = Draw(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, uniform=u)
+        runs = g.sampler.runs if g.sampler is not None else 0
         tok, logits, _ = g.run(slot, ids, greedy=False, draw=draw)
+        if g.sampler is not None and g.sampler.runs > runs:
+            sampler_ms.append(g.sampler.last_ms)
         return next_token(tok, logits, s, u)
 
     for _ in range(repeats + 1):  # the first repeat warms up (and captures the graph)
@@ -150,7 +155,10 @@ def time_tandem(
         ttft.append(first)
         itl.append(steps)
     where = "device" if sampled and g.has_sampling else "host" if sampled else ""
-    return _summary(ttft[1:], itl[1:], providers=g.session.get_providers()[0]) | ({"sampler": where} if where else {})
+    row = _summary(ttft[1:], itl[1:], providers=g.session.get_providers()[0]) | ({"sampler": where} if where else {})
+    if sampler_ms:  # the warm-up repeat's runs left out
+        row["sampler_ms"] = statistics.median(sampler_ms[len(sampler_ms) // (repeats + 1) :])
+    return row
 
 
 def time_genai(

@@ -260,6 +260,8 @@ class DeviceSampler:
         self.session = ort.InferenceSession(str(path), session_options(), providers=plain)
         self.device = device
         self.path = path
+        self.runs = 0  # sampler runs so far, and the last one's time (ms, host clock, copies included)
+        self.last_ms = 0.0
 
     def sample(self, logits: Any, rows: int, logits_type: str, params: dict[str, np.ndarray]) -> np.ndarray:
         """The tokens sampled from the last position of each of the first ``rows`` rows of
@@ -267,13 +269,17 @@ class DeviceSampler:
         address), at the per-row ``params`` (``temperature``, ``top_k``, ``top_p``, ``uniform``,
         host arrays of at least ``rows``): int64 ``[rows]`` on the host."""
         _, steps, vocab = logits.shape()
+        t0 = time.perf_counter()
         b = self.session.io_binding()
         b.bind_input("logits", self.device, 0, ONNX_TYPES[logits_type], [rows, steps, vocab], logits.data_ptr())
         for name, value in params.items():
             b.bind_cpu_input(name, np.ascontiguousarray(value[:rows]))
         b.bind_output(SAMPLED, "cpu")
         self.session.run_with_iobinding(b)
-        return b.get_outputs()[0].numpy()[:, 0]
+        tokens = b.get_outputs()[0].numpy()[:, 0]
+        self.runs += 1
+        self.last_ms = (time.perf_counter() - t0) * 1e3
+        return tokens
 
 
 class DecoderGraph:

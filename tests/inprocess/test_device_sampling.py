@@ -194,3 +194,18 @@ def fixed_and_fresh_tokens(sampler_dir, fixed: bool) -> list[list[int]]:
 
 def test_the_fixed_address_steps_sample_what_a_fresh_binding_samples(sampler_dir):
     assert fixed_and_fresh_tokens(sampler_dir, True) == fixed_and_fresh_tokens(sampler_dir, False)
+
+
+def test_only_a_sampled_row_runs_the_sampler(sampler_dir):
+    """The sampler's graph runs on a step only where a row samples: greedy steps, alone and batched,
+    leave its run count alone (ONNX Runtime would run a sampler inside the model's graph on each)."""
+    graph = DecoderGraph(sampler_dir, providers=["CPUExecutionProvider"], intra_op_threads=2)
+    assert graph.sampler is not None
+    a, b = graph.new_kv(64), graph.new_kv(64)
+    tok, _, _ = graph.run(a, list(range(1, 12)), greedy=True)
+    out, _, _ = graph.run_batch([a], [tok], [True])
+    assert graph.sampler.runs == 0
+    graph.run(b, list(range(3, 9)), greedy=False, draw=Draw(0.9, 40, 0.9, 0.5))
+    assert graph.sampler.runs == 1 and graph.sampler.last_ms > 0
+    graph.run_batch([a, b], [out[0], 7], [True, False], [None, Draw(1.0, 0, 1.0, 0.25)])
+    assert graph.sampler.runs == 2  # one run for the batch's sampled row
