@@ -100,7 +100,10 @@ OTHER_PREDICTION_ERROR = EDGE.histogram(
     ["mode", "quantity"],
 )
 MODE_FALLBACKS = EDGE.counter(
-    "tandem:mode_fallbacks", "Turns the cloud refused and local mode served instead.", ["reason"]
+    "tandem:mode_fallbacks",
+    "Auto-mode turns served by another mode than chosen: the cloud refused and local mode served, or the edge's "
+    "KV memory was full and direct mode served.",
+    ["reason"],
 )
 LINK_RTT = EDGE.gauge("tandem:link_rtt_ms", "Smoothed round-trip time edge <-> cloud, in ms.")
 LINK_GOODPUT = EDGE.gauge("tandem:link_goodput_mbps", "Smoothed uplink goodput, in Mbit/s.")

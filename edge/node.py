@@ -388,8 +388,9 @@ class EdgeNode:
 
     async def _legs(self, turn: Turn) -> AsyncGenerator[TextOut | TurnDone, None]:
         """One leg of a turn: decide the route and run it; in auto mode a cloud that refuses before
-        the first token (busy, unreachable) is answered by local mode, and a stale params version
-        by renegotiating and running again."""
+        the first token (busy, unreachable) is answered by local mode, local mode refusing for its
+        KV memory (``QuotaExceeded``) by direct mode while the cloud is up, and a stale params
+        version by renegotiating and running again."""
         may_wait = turn.requested is not Mode.AUTO or self.local is None  # no local mode to serve meanwhile
         await self.calls.pin(turn, may_wait)  # one replica for the whole leg
         turn.decision = self.router.decide(turn.request, turn.ids)
@@ -410,8 +411,18 @@ class EdgeNode:
                 if not started and isinstance(e, EngineError) and self.calls.move_replica(turn, e):
                     turn.decision = self.router.decide(turn.request, turn.ids)
                     continue
-                no_fallback = turn.requested is not Mode.AUTO or self.local is None
-                if started or no_fallback or turn.route_decision.route.mode is Mode.LOCAL:
+                if started or turn.requested is not Mode.AUTO:
+                    raise
+                if turn.route_decision.route.mode is Mode.LOCAL:
+                    # the edge's own KV memory is full with turns in flight: the cloud answers, if up
+                    cloud = self.router.fallback_to_cloud(turn.request, turn.ids, "fallback: edge memory full")
+                    if not isinstance(e, QuotaExceeded) or cloud is None:
+                        raise
+                    log.info("edge memory full (%s): serving this turn in the cloud", e)
+                    metrics.record_fallback("edge memory full")
+                    turn.decision = cloud
+                    continue
+                if self.local is None:
                     raise
                 reason = "cloud busy" if isinstance(e, QuotaExceeded) else "cloud unavailable"
                 log.info("%s (%s): serving this turn locally", reason, e)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import math
 import time
 from collections import deque
@@ -53,7 +54,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tandem.common.model.builder_export import blocked_prefix_sum
-from tandem.common.protocol.errors import EngineError, InvalidRequest
+from tandem.common.protocol.errors import EngineError, InvalidRequest, QuotaExceeded
 from tandem.common.protocol.limits import RequestLimits
 from tandem.common.protocol.manifest import ModelShape
 from tandem.common.protocol.params import Sampling
@@ -67,6 +68,7 @@ __all__ = ["KV", "LocalEngine", "LocalGenerator", "LocalSession", "LocalSessions
 __all__ += ["blocks_from_past", "draw_uniform", "past_from_blocks", "sample_token", "sampling_rng"]
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 WARMUP_DECODE_STEPS = 4
@@ -721,8 +723,13 @@ class LocalEngine:
         the tokens taken from here; a turn closed early stops at the step after, its session then
         holding the tokens computed so far (the next turn's prompt reuses what it shares).
 
+        A prefill the model's KV memory bound refuses (``QuotaExceeded``) drops the least recently
+        used session no turn holds and starts again, until it fits or every session is in use.
+
         Raises:
             InvalidRequest: see ``validate`` (raised on the first iteration).
+            QuotaExceeded: the turn does not fit the model's KV memory bound with every session
+                that no turn holds dropped.
         """
         self.validate(prompt_ids, sampling)
         prompt = [int(t) for t in prompt_ids]
@@ -736,7 +743,17 @@ class LocalEngine:
                 prefilling = len(prompt) - run.step.keep
                 try:
                     while True:
-                        tok = await run.next()
+                        try:
+                            tok = await run.next()
+                        except QuotaExceeded:
+                            if not prefilling or not self._make_room():
+                                raise
+                            run.cancelled = True  # the refused prefill; the turn starts again
+                            self.pending_prefill_tokens -= prefilling
+                            self.pending_prefills -= 1
+                            run = self._begin(sess, prompt, sampling)
+                            prefilling = len(prompt) - run.step.keep
+                            continue
                         if prefilling:
                             self.pending_prefill_tokens -= prefilling
                             self.pending_prefills -= 1
@@ -755,6 +772,15 @@ class LocalEngine:
                 self.sessions.evict()
             elif session is None:
                 sess.drop()  # a stateless turn's KV goes back at once
+
+    def _make_room(self) -> bool:
+        """Drop the least recently used session no turn holds (the model's KV memory bound refused
+        a prefill): its KV goes back to the model before the next run. False when every session is
+        in use."""
+        victim = self.sessions.evict_one()
+        if victim is not None:
+            log.info("local session %s dropped: the model's KV memory bound needs its room", victim)
+        return victim is not None
 
     def _begin(self, sess: LocalSession, prompt: list[int], s: Sampling) -> TurnRun:
         """The turn's state, its prefill queued (counted in ``pending_prefill_tokens``)."""

@@ -300,6 +300,15 @@ class Router:
         p = self.cost.predict(local, self.request_shape(request, ids), self.link_state(), self.load())
         return Decision(local, p, reason)
 
+    def fallback_to_cloud(self, request: ChatTurn, ids: list[int], reason: str) -> Decision | None:
+        """Direct mode for a turn local mode refused before its first token (auto mode only), or
+        None while the cloud cannot take it."""
+        direct = Route(Mode.DIRECT)
+        if direct not in self.routes():
+            return None
+        p = self.cost.predict(direct, self.request_shape(request, ids), self.link_state(), self.load())
+        return Decision(direct, p, reason)
+
     def _candidates(self, request: ChatTurn) -> list[Route]:
         """The routes the request may take (raises as ``decide``)."""
         candidates = _CANDIDATES[request.mode](self, request)

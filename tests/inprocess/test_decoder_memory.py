@@ -221,6 +221,26 @@ async def test_the_engine_refuses_a_turn_beyond_the_bound_and_serves_the_others(
     assert await turn(prompts[2]) == alone[2]
 
 
+async def test_a_turn_beyond_the_bound_drops_the_least_recent_idle_session(decoder_dir, manifest, prompts):
+    """Room for two sessions, both idle after their turns: a third session's turn drops the least
+    recently used one (the session table is a cache) and gets its lone tokens; the other stays."""
+    probe = make_graph(decoder_dir)
+    one = probe._session_nbytes(probe.min_slot_tokens)
+    eng = LocalEngine(make_graph(decoder_dir, max_kv_bytes=2 * one), manifest.shape, (2,))
+    s = Sampling(max_new_tokens=NEW, ignore_eos=True)
+
+    async def turn(ids: list[int], sid: str = "") -> list[int]:
+        return [t.token_id async for t in eng.generate(ids, s, sid)]
+
+    alone = await turn(prompts[2])
+    sids = [f"i-{uuid.uuid4().hex}" for _ in range(3)]
+    await turn(prompts[0], sids[0])
+    await turn(prompts[1], sids[1])
+    assert await turn(prompts[2], sids[2]) == alone
+    assert sids[0] not in eng.sessions and sids[1] in eng.sessions and sids[2] in eng.sessions
+    assert await turn(prompts[2]) == alone  # a stateless turn drops the next one
+
+
 async def test_the_session_table_counts_one_copy_of_each_pooled_session(decoder_dir, manifest, prompts):
     eng = LocalEngine(make_graph(decoder_dir), manifest.shape, (2,))
     graph = eng.model

@@ -27,6 +27,7 @@ from tandem.common.protocol.errors import (
     InvalidRequest,
     ModeUnavailable,
     ParamsVersionMismatch,
+    QuotaExceeded,
 )
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import Codec, NegotiateOffer, Sampling, WireDtype
@@ -582,3 +583,30 @@ async def test_default_configs_negotiate_fp16_for_weights_without_a_fidelity_tab
     finally:
         await toy.batcher.stop()
         await exact.batcher.stop()
+
+
+class FullLocal(MemoryLocal):
+    """Local mode whose KV memory is full: every turn is refused before its first token."""
+
+    async def generate(self, prompt_ids, sampling, session_id: str = ""):
+        self.calls.append(list(prompt_ids))
+        raise QuotaExceeded("the local model's KV memory is used up (local_kv_bytes)")
+        yield  # an async generator
+
+
+async def test_auto_serves_a_turn_local_mode_refuses_for_memory_in_the_cloud():
+    toy = await toy_stack()
+    try:
+        edge = toy.edge
+        edge.cost = CostModel(explore_every=0)
+        edge.local = FullLocal(prefill_ms_per_token=1e-4, decode_ms_per_token=1e-4)  # auto picks local
+        done = await run(edge, turn("memory full"))
+        assert edge.local.calls and done.mode == "direct" and done.mode_reason == "fallback: edge memory full"
+        assert done.output_tokens > 0
+        with pytest.raises(QuotaExceeded):  # an explicit local turn is refused, not rerouted
+            await run(edge, turn("memory full", mode=Mode.LOCAL))
+        edge.conn.connected.clear()  # no cloud: auto's local turn is refused as it stands
+        with pytest.raises(QuotaExceeded):
+            await run(edge, turn("memory full, no cloud"))
+    finally:
+        await toy.batcher.stop()
