@@ -27,7 +27,8 @@ from tandem.common.protocol.errors import InvalidRequest
 from tandem.common.protocol.manifest import EngineAgreement, SplitManifest
 from tandem.edge.compute.builder_head import BuilderHead, open_head
 from tandem.edge.compute.head import HeadInput, OnnxHead
-from tests.inprocess.test_head import close, hf_run
+from tests.references import head_close as close
+from tests.references import hf_head_run as hf_run
 
 K = 4
 

@@ -3,32 +3,15 @@ batches, with and without past KV. fp32; tolerance relative to the activation sc
 
 import numpy as np
 import pytest
-import torch
 
 from tandem.edge.compute.head import HeadInput, OnnxHead
-
-RTOL = 2e-5  # max |ort - hf| / max |hf|; measured ~5e-6 for h_4 of SmolLM2 on CPU
+from tests.references import head_close as close
+from tests.references import hf_head_run as hf_run
 
 
 @pytest.fixture(scope="module")
 def head(split_dir):
     return OnnxHead(split_dir)
-
-
-def hf_run(model, ids, k):
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=True)
-    kv = np.stack(
-        [
-            np.stack([out.past_key_values.layers[i].keys[0].numpy(), out.past_key_values.layers[i].values[0].numpy()])
-            for i in range(k)
-        ]
-    )
-    return out.hidden_states[k][0].numpy(), kv  # [T, H], [k, 2, Hkv, T, D]
-
-
-def close(a, b):
-    return np.abs(a - b).max() / np.abs(b).max() < RTOL
 
 
 def test_shapes_are_gqa(head, manifest):
