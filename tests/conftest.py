@@ -28,6 +28,15 @@ def split_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def decoder_dir(split_dir) -> Path:
+    """The whole model as the model builder wrote it (``edge-decoder/`` beside the split)."""
+    path = split_dir.parent / "edge-decoder"
+    if not (path / "genai_config.json").is_file():
+        pytest.fail(f"no {path}: run `make model` (make test does it)")
+    return path
+
+
+@pytest.fixture(scope="session")
 def manifest(split_dir):
     from tandem.common.protocol.manifest import SplitManifest
 

@@ -34,14 +34,6 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def decoder_dir(split_dir):
-    path = split_dir.parent / "edge-decoder"
-    if not (path / "genai_config.json").is_file():
-        pytest.fail(f"no {path}: run `make model` (make test does it)")
-    return path
-
-
-@pytest.fixture(scope="module")
 def graph(decoder_dir):
     return DecoderGraph(decoder_dir, providers=["CPUExecutionProvider"], intra_op_threads=2)
 

@@ -31,14 +31,6 @@ CHATS = [
 NEW = 8
 
 
-@pytest.fixture(scope="module")
-def decoder_dir(split_dir):
-    path = split_dir.parent / "edge-decoder"
-    if not (path / "genai_config.json").is_file():
-        pytest.fail(f"no {path}: run `make model` (make test does it)")
-    return path
-
-
 def make_graph(decoder_dir, max_kv_bytes: int | None = None, clock=time.monotonic) -> DecoderGraph:
     cpu = ["CPUExecutionProvider"]
     return DecoderGraph(decoder_dir, providers=cpu, intra_op_threads=2, max_kv_bytes=max_kv_bytes, clock=clock)

@@ -39,14 +39,6 @@ SETTINGS = [
 
 
 @pytest.fixture(scope="module")
-def decoder_dir(split_dir):
-    path = split_dir.parent / "edge-decoder"
-    if not (path / "genai_config.json").is_file():
-        pytest.fail(f"no {path}: run `make model` (make test does it)")
-    return path
-
-
-@pytest.fixture(scope="module")
 def sampler_dir(decoder_dir, tmp_path_factory):
     """A copy of the prepared graph with the sampler's graph beside it, as a CUDA build has it (the
     weights hard-linked where the file system allows; ONNX Runtime refuses external data that a
