@@ -45,12 +45,18 @@ RETRY_AFTER_MS: dict[type[e.TandemError], int] = {e.QuotaExceeded: 1000, e.Engin
 PARAM_KEY, CODE_KEY = "tandem-error-param", "tandem-error-code"
 
 
+def retry_after_ms(err: e.TandemError) -> int | None:
+    """How long a client should wait before retrying ``err`` (ms): the error's own hint, else its
+    class's (``RETRY_AFTER_MS``); None for an error not worth retrying."""
+    return getattr(err, "retry_after_ms", None) or next(
+        (ms for cls, ms in RETRY_AFTER_MS.items() if isinstance(err, cls)), None
+    )
+
+
 def error_metadata(err: e.TandemError) -> tuple[tuple[str, str], ...]:
     """The trailing metadata of a status that carries ``err``: its retry hint (``retry-after-ms``, as
     gRPC's own ``grpc-retry-pushback-ms`` too), its field and its code, where it has them."""
-    retry_ms = getattr(err, "retry_after_ms", None) or next(
-        (ms for cls, ms in RETRY_AFTER_MS.items() if isinstance(err, cls)), None
-    )
+    retry_ms = retry_after_ms(err)
     md: list[tuple[str, str]] = []
     if retry_ms is not None:
         # also as gRPC's own retry pushback (gRFC A6), which channels with a retry policy honour

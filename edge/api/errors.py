@@ -15,6 +15,7 @@ pydantic's (FastAPI's ``RequestValidationError``: 400, not FastAPI's 422), ``of_
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.common.protocol import errors as e
+from tandem.common.protocol.grpc_errors import retry_after_ms
 
 log = logging.getLogger("tandem.edge.openai")
 
@@ -46,18 +48,28 @@ class ApiError(Exception):
     """An error answered in OpenAI's shape (see the module docstring); ``type_`` defaults to the status's."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None, type_: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or type_of_status(status)
+        self.retry_after_s = retry_after_s  # HTTP's ``Retry-After`` (whole seconds), where worth retrying
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"www-authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"www-authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after_s is not None:
+            headers["retry-after"] = str(self.retry_after_s)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 # most specific first: the first class in an error's MRO found here decides
@@ -75,15 +87,19 @@ STATUS_OF: dict[type[e.TandemError], tuple[int, str]] = {
 
 def api_error_of(err: e.TandemError, renamed: dict[str, str] | None = None) -> ApiError:
     """The HTTP status and OpenAI error type of a domain error (500 ``server_error`` if unmapped);
-    ``param`` and ``code`` the error's own (``code`` its class name where it has none). ``renamed``
-    maps a domain field to this request's name for it (``max_new_tokens`` -> ``max_tokens``)."""
+    ``param`` and ``code`` the error's own (``code`` its class name where it has none), and the
+    retry hint the gRPC API sends (``retry-after-ms``) as ``Retry-After`` in whole seconds, rounded
+    up. ``renamed`` maps a domain field to this request's name for it (``max_new_tokens`` ->
+    ``max_tokens``)."""
     mro = type(err).__mro__
     status, type_ = next((STATUS_OF[c] for c in mro if c in STATUS_OF), (500, "server_error"))
     param = err.param
     message = str(err) or err.wire_name
     if param is not None and renamed and param in renamed:
         message, param = message.replace(param, renamed[param]), renamed[param]
-    return ApiError(status, message, param=param, code=err.code or err.wire_name, type_=type_)
+    retry_ms = retry_after_ms(err)
+    retry_s = None if retry_ms is None else max(1, math.ceil(retry_ms / 1000))
+    return ApiError(status, message, param=param, code=err.code or err.wire_name, type_=type_, retry_after_s=retry_s)
 
 
 # --- pydantic's validation errors -----------------------------------------------------------------

@@ -137,3 +137,14 @@ def test_every_mapped_error_comes_back_from_its_status(cls):
 def test_a_name_with_another_status_is_the_status_default():
     back = error_from_status(grpc.StatusCode.UNAVAILABLE, "QuotaExceeded: busy")
     assert type(back) is e.EngineError and str(back) == "UNAVAILABLE: QuotaExceeded: busy"
+
+
+def test_the_http_api_sends_the_grpc_retry_hint_as_retry_after():
+    """A refusal worth retrying carries HTTP's ``Retry-After`` (whole seconds, rounded up) from the
+    hint the gRPC API sends as ``retry-after-ms``; one that is not worth retrying carries none."""
+    busy = LinkBusy("queue full")
+    busy.retry_after_ms = 1500  # type: ignore[attr-defined]
+    assert api_error_of(busy).response().headers["retry-after"] == "2"
+    assert api_error_of(e.QuotaExceeded("local_kv_bytes")).response().headers["retry-after"] == "1"
+    assert api_error_of(e.EngineError("engine down")).response().headers["retry-after"] == "2"
+    assert "retry-after" not in api_error_of(e.InvalidRequest("bad", param="top_p")).response().headers
