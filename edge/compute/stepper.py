@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -33,7 +34,7 @@ T = TypeVar("T", bound="Mailbox")
 LINGER_S = 0.1  # an idle thread waits this long for work before it ends
 
 
-class Mailbox:
+class Mailbox(ABC):
     """Where results for one caller on one event loop go: ``push(item)`` runs on ``loop``, once per
     result the thread delivers, in order. ``cancelled``: set on ``loop`` when the caller is gone;
     the thread then runs no more of its work and its results are dropped (also set by the thread
@@ -45,8 +46,9 @@ class Mailbox:
         self.loop = loop
         self.cancelled = False
 
+    @abstractmethod
     def push(self, item: Any) -> None:
-        raise NotImplementedError
+        """Take one result the thread delivered (runs on ``loop``)."""
 
 
 class Stepper(Generic[T]):
