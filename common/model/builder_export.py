@@ -6,11 +6,14 @@ fused, past and present KV in one shared buffer, fused ``SkipSimplifiedLayerNorm
 one output to it: ``next_token_ids`` int64 ``[B, S]``, the argmax of the logits of each row, so a
 greedy decode step returns a token id instead of ``V`` logits. A CUDA build gets the sampler of the
 last row as a graph of its own, ``sampler.onnx`` (``write_sampler``): inputs ``logits`` (the
-model's), ``temperature`` float32 ``[B]``, ``top_k`` int64 ``[B]`` (0: all), ``top_p`` float32
-``[B]`` (1: all) and ``uniform`` float32 ``[B]`` in ``[0, 1)``, output ``sampled_ids`` int64
-``[B, 1]``, run on the step's device logits only where a row samples, so a sampled decode step
-returns a token id too and a greedy one does not pay for the sort (ONNX Runtime runs every node of
-a graph on every run; on the CPU the logits are host memory already and the host samples).
+model's) and ``sampling`` float32 ``[B, 4]`` (per row the columns ``SAMPLING_COLUMNS``: temperature,
+top-k (0: all), top-p (1: all) and the draw ``uniform`` in ``[0, 1)``), output ``sampled_ids``
+int64 ``[B, 1]``, run on the step's device logits only where a row samples, so a sampled decode
+step returns a token id too and a greedy one does not pay for the sort (ONNX Runtime runs every
+node of a graph on every run; on the CPU the logits are host memory already and the host
+samples). Every node runs on the execution provider's device and every shape is fixed by the
+inputs' shapes, so ONNX Runtime can capture a run as a CUDA graph and replay it
+(``edge.compute.decoder.DeviceSampler``).
 
 ``build_decoder(hf, out, precision, execution_provider)`` writes ``out/model.onnx`` (+ its external
 weights), ``genai_config.json`` and the tokenizer files the builder copies, and records what it
@@ -54,7 +57,9 @@ def default_precision() -> str:
 EXECUTION_PROVIDERS = ("cpu", "cuda")
 NEXT_TOKEN = "next_token_ids"
 SAMPLED = "sampled_ids"
-SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "uniform")
+SAMPLING = "sampling"  # the sampler's per-row parameters, float32 [B, 4]
+# its columns; top-k travels as a float32 (exact for any vocabulary below 2**24 tokens)
+SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "uniform")
 MIN_TEMPERATURE = 1e-5  # the sampler divides by at least this (vLLM's greedy bound; greedy rows read the argmax)
 
 
@@ -202,16 +207,18 @@ def sampling_nodes(logits: str, vocab_size: int) -> tuple[list[Any], list[Any], 
     per row ``b``:
 
     ``z = float32(logits[b, -1]) / max(temperature[b], MIN_TEMPERATURE)``; sort ``z`` descending
-    (``TopK`` over ``V``; equal values in index order); keep the values ``>=`` the ``top_k``-th
-    (``top_k <= 0``: all); ``p = softmax`` of the kept; keep the tokens whose exclusive cumulative
-    mass (of the more probable ones) is ``< top_p`` (``top_p >= 1``: all; the first always stays);
-    ``q`` the kept ``p``, ``cdf = cumsum(q)``; the token is the sorted index ``i`` = the number of
-    ``cdf <= uniform[b] * cdf[-1]``, clipped to the last ``q > 0``, i.e. the inverse CDF at
-    ``uniform``. ``edge.compute.local.sample_token`` is the host's copy of the rule. Every value but
-    TopK's ``K`` (a shape) is computed on the execution provider's device, ranks and counts in
-    float32. The cumulative sums run in blocks of ``PREFIX_BLOCK`` (``blocked_prefix_sum``, the host's
-    copy): ONNX Runtime's CUDA ``CumSum`` sums every output element's whole prefix on its own, ``V^2``
-    additions (about 8 ms a step at ``V`` = 128256 on an H100), blocks make it ``V * PREFIX_BLOCK``.
+    (``TopK`` over ``V``, ``K`` a constant; equal values in index order); keep the values ``>=``
+    the ``top_k``-th (``top_k <= 0``: all); ``p = softmax`` of the kept; keep the tokens whose
+    exclusive cumulative mass (of the more probable ones) is ``< top_p`` (``top_p >= 1``: all; the
+    first always stays); ``q`` the kept ``p``, ``cdf = cumsum(q)``; the token is the sorted index
+    ``i`` = the number of ``cdf <= uniform[b] * cdf[-1]``, clipped to the last ``q > 0``, i.e. the
+    inverse CDF at ``uniform``, where ``temperature, top_k, top_p, uniform`` are the row's
+    ``sampling`` columns (``SAMPLING_COLUMNS``). ``edge.compute.local.sample_token`` is the host's
+    copy of the rule. Every value is computed on the execution provider's device (no ``Shape``
+    node: TopK's ``K`` is a constant), ranks and counts in float32. The cumulative sums run in
+    blocks of ``PREFIX_BLOCK`` (``blocked_prefix_sum``, the host's copy): ONNX Runtime's CUDA
+    ``CumSum`` sums every output element's whole prefix on its own, ``V^2`` additions (about 8 ms a
+    step at ``V`` = 128256 on an H100), blocks make it ``V * PREFIX_BLOCK``.
 
     Returns ``(nodes, graph inputs, graph output)``; node and intermediate names start ``sample/``.
     """
@@ -236,8 +243,9 @@ def sampling_nodes(logits: str, vocab_size: int) -> tuple[list[Any], list[Any], 
     zero, one, min_t = const("zero", [0.0], f, []), const("one", [1.0], f, []), const("min_t", [MIN_TEMPERATURE], f, [])
     ninf, inf = const("ninf", [float("-inf")], f, []), const("inf", [float("inf")], f, [])
 
-    def rows(name: str) -> str:  # a per-row input ``[B]`` as ``[B, 1]``
-        return op("Unsqueeze", [name, axis1], f"{name}_b")
+    def rows(name: str) -> str:  # a ``sampling`` column as ``[B, 1]``
+        column = const(f"{name}_column", [SAMPLING_COLUMNS.index(name)], i64, [1])
+        return op("Gather", [SAMPLING, column], f"{name}_b", axis=1)
 
     blocks = -(-vocab_size // PREFIX_BLOCK)
     padded = blocks * PREFIX_BLOCK
@@ -263,10 +271,10 @@ def sampling_nodes(logits: str, vocab_size: int) -> tuple[list[Any], list[Any], 
     x = op("Cast", [op("Gather", [logits, last], "row", axis=1)], "x", to=f)  # [B, V]
     z = op("Div", [x, op("Max", [rows("temperature"), min_t], "t")], "z")
     # the sort: K = V (a shape, on the host as TopK takes it), equal values in index order
-    vals, idx = op("TopK", [z, op("Shape", [z], "v", start=-1)], "sorted", outs=2, axis=-1, largest=1, sorted=1)
+    vals, idx = op("TopK", [z, const("v", [vocab_size], i64, [1])], "sorted", outs=2, axis=-1, largest=1, sorted=1)
     # ranks and counts in float32 (exact below 2**24): every op stays on the device's kernels
     rank = const("rank", [float(r) for r in range(vocab_size)], f, [vocab_size])
-    k = op("Cast", [rows("top_k")], "k", to=f)
+    k = rows("top_k")
     kth = op("ReduceMin", [op("Where", [op("Less", [rank, k], "in_k"), vals, inf], "top"), axis1], "kth", keepdims=1)
     keep_k = op("Or", [op("LessOrEqual", [k, zero], "k_off"), op("GreaterOrEqual", [vals, kth], "k_in")], "keep_k")
     p = op("Softmax", [op("Where", [keep_k, vals, ninf], "masked")], "p", axis=-1)
@@ -281,12 +289,7 @@ def sampling_nodes(logits: str, vocab_size: int) -> tuple[list[Any], list[Any], 
     at = op("Max", [op("Min", [count, op("Sub", [kept, one], "last_kept")], "clip"), zero], "at_f")
     at = op("Cast", [at], "at", to=i64)  # [B, 1]
     nodes.append(helper.make_node("GatherElements", [idx, at], [SAMPLED], name="sample/token", axis=1))
-    inputs = [
-        helper.make_tensor_value_info("temperature", f, ["batch_size"]),
-        helper.make_tensor_value_info("top_k", i64, ["batch_size"]),
-        helper.make_tensor_value_info("top_p", f, ["batch_size"]),
-        helper.make_tensor_value_info("uniform", f, ["batch_size"]),
-    ]
+    inputs = [helper.make_tensor_value_info(SAMPLING, f, ["batch_size", len(SAMPLING_COLUMNS)])]
     return nodes, inputs, helper.make_tensor_value_info(SAMPLED, i64, ["batch_size", 1])
 
 
@@ -309,17 +312,20 @@ def blocked_prefix_sum(x: Any, exclusive: bool = False) -> Any:
     return (inner + offs[:, None]).reshape(-1)[:v]
 
 
-def neutral_sampling(rows: int) -> dict[str, Any]:
-    """Sampler inputs for ``rows`` rows whose sample is not read (temperature 1, no filter, draw 0):
-    every input of a graph must be bound, since ONNX Runtime runs every node."""
+def neutral_sampling(rows: int) -> Any:
+    """The sampler's ``sampling`` input, float32 ``[rows, 4]``, for rows whose sample is not read
+    (temperature 1, no filter, draw 0): every row of a run is sampled, since ONNX Runtime runs every
+    node on the whole batch."""
     import numpy as np
 
-    return {
-        "temperature": np.ones(rows, np.float32),
-        "top_k": np.zeros(rows, np.int64),
-        "top_p": np.ones(rows, np.float32),
-        "uniform": np.zeros(rows, np.float32),
-    }
+    return np.tile(np.asarray([[1.0, 0.0, 1.0, 0.0]], np.float32), (rows, 1))
+
+
+def sampling_row(temperature: float, top_k: int, top_p: float, uniform: float) -> list[float]:
+    """One row of the sampler's ``sampling`` input (``SAMPLING_COLUMNS``). A ``top_k`` beyond 2**24
+    (where float32 stops being exact) is sent as 2**24: both keep every token of any vocabulary
+    below that size."""
+    return [temperature, float(min(top_k, 1 << 24)), top_p, uniform]
 
 
 def attention_window(model_path: Path) -> int:

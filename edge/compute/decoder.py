@@ -8,8 +8,9 @@ The graph (``onnxruntime_genai.models.builder``; see ``common.model.builder_expo
 S]``, the argmax of each row of the logits. A CUDA build has the sampler beside it
 (``sampler.onnx``, ``common.model.builder_export.write_sampler``): ``DeviceSampler`` runs it on a
 step's logits where they lie on the device, with ``temperature``, ``top_k``, ``top_p`` and
-``uniform`` per row, and reads back only ``sampled_ids`` int64 ``[B, 1]``, each row's last token
-sampled at its ``uniform``; a greedy step never runs it. Its attention is ``GroupQueryAttention``
+``uniform`` per row (the float32 ``sampling`` input ``[B, 4]``), and reads back only
+``sampled_ids`` int64 ``[B, 1]``, each row's last token sampled at its ``uniform``; on a decode
+step's fixed buffers its run is a CUDA graph too; a greedy step never runs it. Its attention is ``GroupQueryAttention``
 with rotary fused: the positions of the new tokens come from the mask (``sum(mask) - S`` tokens are
 already held), and with past and present bound to one buffer of ``C`` tokens ("past-present share
 buffer") it writes the new tokens' keys and values in place after the held ones. Nothing grows per
@@ -76,8 +77,10 @@ from tandem.common.model.builder_export import (
     ONNX_ELEMENT,
     SAMPLED,
     SAMPLER_FILE,
+    SAMPLING,
     load_build,
     neutral_sampling,
+    sampling_row,
 )
 from tandem.common.protocol.errors import InvalidRequest, QuotaExceeded
 from tandem.edge.compute.decoder_batch import (
@@ -240,46 +243,132 @@ class DeviceSampler:
 
     Who calls: its ``DecoderGraph``, after a run whose rows sample (never on a greedy step: ONNX
     Runtime runs every node of a session's graph, and the sampler sorts ``V`` logits per row).
-    Uncaptured: its inputs' addresses change with the step's bucket, and its run is a few dozen
-    kernels."""
 
-    def __init__(self, path: Path, providers: list[Any], device: str) -> None:
-        """``providers``: the decoder's (a CUDA graph option is left out: nothing here is captured).
+    Logits at a fixed address (a slot's or a pool's decode-step output, ``fixed=True``) are
+    sampled through a binding kept per ``(address, shape)``, with the ``sampling`` input and the
+    ``sampled_ids`` output in device buffers of their own; on the CUDA provider with ``capture``
+    that run is a CUDA graph (captured at its first use, replayed after: a sampled step costs the
+    sampler's kernels, not ONNX Runtime's per-node launches). At most ``MAX_GRAPHS`` such bindings
+    are kept (each captured graph stays in ONNX Runtime until the session ends); beyond, and for
+    logits that will not be seen again (a prefill's), a run binds afresh, uncaptured.
+    """
+
+    MAX_GRAPHS = 256
+
+    def __init__(self, path: Path, providers: list[Any], device: str, capture: bool = False) -> None:
+        """``providers``: the decoder's; ``capture``: replay fixed-address runs as CUDA graphs (the
+        CUDA provider only). Where ONNX Runtime refuses to capture this graph the sampler runs
+        uncaptured and says why in ``capture_note``.
 
         Raises:
+            ValueError: the graph's inputs are not ``logits`` and ``sampling`` (a build older than
+                this runtime: run ``tandem-model`` again).
             What ``onnxruntime.InferenceSession`` raises for a bad file.
         """
         import onnxruntime as ort
 
         from tandem.edge.compute.head import session_options
 
-        plain = [
-            (p[0], {k: v for k, v in p[1].items() if k != "enable_cuda_graph"}) if isinstance(p, tuple) else p
-            for p in providers
-        ]
-        self.session = ort.InferenceSession(str(path), session_options(), providers=plain)
+        def provider_list(graph: bool) -> list[Any]:
+            out = []
+            for p in providers:
+                name, opts = (p[0], dict(p[1])) if isinstance(p, tuple) else (p, {})
+                if name == "CUDAExecutionProvider":
+                    opts["enable_cuda_graph"] = "1" if graph else "0"
+                out.append((name, opts) if opts else name)
+            return out
+
+        self.capture_note = ""
+        on_cuda = device == "cuda"
+        self.captured = capture and on_cuda
+        try:
+            self.session = ort.InferenceSession(str(path), session_options(), providers=provider_list(self.captured))
+        except Exception as e:  # noqa: BLE001 - ONNX Runtime refuses CUDA graphs for some graphs at load
+            if not self.captured:
+                raise
+            self.captured, self.capture_note = False, f"CUDA graph refused at load: {e}"
+            self.session = ort.InferenceSession(str(path), session_options(), providers=provider_list(False))
+        names = {i.name for i in self.session.get_inputs()}
+        if names != {"logits", SAMPLING}:
+            raise ValueError(
+                f"{path}: the sampler's inputs are {sorted(names)}, not logits and {SAMPLING}: "
+                "built by an older tandem-model; prepare the model again"
+            )
         self.device = device
         self.path = path
         self.runs = 0  # sampler runs so far, and the last one's time (ms, host clock, copies included)
         self.last_ms = 0.0
+        self._bound: dict[tuple[int, int, int, int], _SamplerBinding] = {}
+        self._next_graph_id = 1
 
-    def sample(self, logits: Any, rows: int, logits_type: str, params: dict[str, np.ndarray]) -> np.ndarray:
+    def sample(self, logits: Any, rows: int, logits_type: str, sampling: np.ndarray, fixed: bool = False) -> np.ndarray:
         """The tokens sampled from the last position of each of the first ``rows`` rows of
         ``logits`` (an ``OrtValue`` ``[R, S, V]`` of ``logits_type`` on the device, bound by
-        address), at the per-row ``params`` (``temperature``, ``top_k``, ``top_p``, ``uniform``,
-        host arrays of at least ``rows``): int64 ``[rows]`` on the host."""
-        _, steps, vocab = logits.shape()
+        address), at the per-row ``sampling`` (float32 ``[>= rows, 4]``, ``SAMPLING_COLUMNS``):
+        int64 ``[rows]`` on the host. ``fixed``: the logits buffer is one the caller will sample
+        from again (through a kept binding, a CUDA graph where captured)."""
         t0 = time.perf_counter()
-        b = self.session.io_binding()
-        b.bind_input("logits", self.device, 0, ONNX_TYPES[logits_type], [rows, steps, vocab], logits.data_ptr())
-        for name, value in params.items():
-            b.bind_cpu_input(name, np.ascontiguousarray(value[:rows]))
-        b.bind_output(SAMPLED, "cpu")
-        self.session.run_with_iobinding(b)
-        tokens = b.get_outputs()[0].numpy()[:, 0]
+        _, steps, vocab = logits.shape()
+        params = np.ascontiguousarray(sampling[:rows], np.float32)
+        key = (logits.data_ptr(), rows, steps, vocab)
+        kept = self._bound.get(key) if fixed else None
+        if kept is None and fixed and len(self._bound) < self.MAX_GRAPHS:
+            kept = self._bound[key] = self._keep(logits, rows, logits_type)
+        if kept is not None:
+            import onnxruntime as ort
+
+            kept.params.update_inplace(params)
+            opts = ort.RunOptions()
+            if self.captured:
+                opts.add_run_config_entry("gpu_graph_id", str(kept.graph_id))
+            self.session.run_with_iobinding(kept.binding, opts)
+            tokens = kept.tokens.numpy()[:, 0]
+        else:
+            tokens = self._run_fresh(logits, rows, logits_type, params)
         self.runs += 1
         self.last_ms = (time.perf_counter() - t0) * 1e3
         return tokens
+
+    def _keep(self, logits: Any, rows: int, logits_type: str) -> _SamplerBinding:
+        """A binding of the first ``rows`` rows of ``logits`` to device buffers of the sampler's own."""
+        import onnxruntime as ort
+
+        _, steps, vocab = logits.shape()
+        params = ort.OrtValue.ortvalue_from_numpy(neutral_sampling(rows), self.device, 0)
+        tokens = ort.OrtValue.ortvalue_from_shape_and_type([rows, 1], np.int64, self.device, 0)
+        b = self.session.io_binding()
+        b.bind_input("logits", self.device, 0, ONNX_TYPES[logits_type], [rows, steps, vocab], logits.data_ptr())
+        b.bind_ortvalue_input(SAMPLING, params)
+        b.bind_ortvalue_output(SAMPLED, tokens)
+        kept = _SamplerBinding(b, params, tokens, self._next_graph_id)
+        self._next_graph_id += 1
+        return kept
+
+    def _run_fresh(self, logits: Any, rows: int, logits_type: str, params: np.ndarray) -> np.ndarray:
+        """One uncaptured run with a binding of its own: the parameters from the host, the tokens back."""
+        import onnxruntime as ort
+
+        _, steps, vocab = logits.shape()
+        b = self.session.io_binding()
+        b.bind_input("logits", self.device, 0, ONNX_TYPES[logits_type], [rows, steps, vocab], logits.data_ptr())
+        b.bind_cpu_input(SAMPLING, params)
+        b.bind_output(SAMPLED, "cpu")
+        opts = ort.RunOptions()
+        if self.captured:
+            opts.add_run_config_entry("gpu_graph_id", "-1")
+        self.session.run_with_iobinding(b, opts)
+        return b.get_outputs()[0].numpy()[:, 0]
+
+
+@dataclass
+class _SamplerBinding:
+    """A kept sampler binding: the IO binding, its ``sampling`` input ``[rows, 4]`` and ``sampled_ids``
+    output ``[rows, 1]`` on the device, and its CUDA graph id (``>= 1``)."""
+
+    binding: Any
+    params: Any
+    tokens: Any
+    graph_id: int
 
 
 class DecoderGraph:
@@ -343,7 +432,9 @@ class DecoderGraph:
                 raise ValueError(f"{self.spec.path}: KV and logits must be float32, float16 or bfloat16, got {t}")
         self.has_next_token = NEXT_TOKEN in {o.name for o in self.session.get_outputs()}
         sampler = self.spec.path.parent / SAMPLER_FILE
-        self.sampler = DeviceSampler(sampler, names, self.device) if sampler.is_file() else None
+        self.sampler = (
+            DeviceSampler(sampler, names, self.device, capture=self.cuda_graph) if sampler.is_file() else None
+        )
         self.has_sampling = self.sampler is not None
         self.providers: list[str] = self.session.get_providers()
         # a slot holds more than the graph's sliding window (ONNX Runtime refuses a smaller KV buffer)
@@ -397,14 +488,13 @@ class DecoderGraph:
 
         return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, _storage(self.kv_type)), self.device, 0)
 
-    def _sampling_rows(self, draws: Sequence[Draw | None], rows: int, at: Sequence[int]) -> dict[str, np.ndarray]:
-        """Host sampler inputs ``[rows]``: ``draws[i]`` in row ``at[i]``, neutral values elsewhere
-        (a greedy row's sample is not read)."""
+    def _sampling_rows(self, draws: Sequence[Draw | None], rows: int, at: Sequence[int]) -> np.ndarray:
+        """The sampler's ``sampling`` input, float32 ``[rows, 4]``: ``draws[i]`` in row ``at[i]``,
+        neutral values elsewhere (a greedy row's sample is not read)."""
         host = neutral_sampling(rows)
         for d, r in zip(draws, at, strict=True):
             if d is not None:
-                host["temperature"][r], host["top_k"][r] = d.temperature, d.top_k
-                host["top_p"][r], host["uniform"][r] = d.top_p, d.uniform
+                host[r] = sampling_row(d.temperature, d.top_k, d.top_p, d.uniform)
         return host
 
     def _samples(self, greedy: bool, draw: Draw | None) -> bool:
@@ -552,13 +642,15 @@ class DecoderGraph:
         if greedy and self.has_next_token:
             return int(slot.step_next.numpy()[0, -1]), None
         if self._samples(greedy, draw):
-            return int(self._sample(slot.step_logits, 1, self._sampling_rows([draw], 1, [0]))[0]), None
+            picks = self._sample(slot.step_logits, 1, self._sampling_rows([draw], 1, [0]), fixed=True)
+            return int(picks[0]), None
         return None, _last_row(_as_float32(slot.step_logits))
 
-    def _sample(self, logits: Any, rows: int, params: dict[str, np.ndarray]) -> np.ndarray:
-        """The sampler's tokens of the first ``rows`` rows of ``logits`` (``[R, S, V]`` on the device)."""
+    def _sample(self, logits: Any, rows: int, sampling: np.ndarray, fixed: bool = False) -> np.ndarray:
+        """The sampler's tokens of the first ``rows`` rows of ``logits`` (``[R, S, V]`` on the
+        device); ``fixed``: a decode step's output buffer (sampled again at the same address)."""
         assert self.sampler is not None
-        return self.sampler.sample(logits, rows, self.logits_type, params)
+        return self.sampler.sample(logits, rows, self.logits_type, sampling, fixed=fixed)
 
     def _bind_kv(self, b: Any, slot: KVSlot) -> None:
         """Bind the slot's KV as past and present: its own buffers, or its pool row by address (a row
@@ -725,7 +817,7 @@ class DecoderGraph:
         picks = None
         if any(sampled):
             on = [d if s else None for d, s in zip(draws, sampled, strict=True)]
-            picks = self._sample(pool.logits, bucket, self._sampling_rows(on, bucket, rows))
+            picks = self._sample(pool.logits, bucket, self._sampling_rows(on, bucket, rows), fixed=self.cuda_graph)
         logits = _as_float32(pool.logits) if not all(a or s for a, s in zip(argmax, sampled, strict=True)) else None
         tokens: list[int | None] = []
         rows_out: list[np.ndarray | None] = []

@@ -331,8 +331,9 @@ async def test_the_builder_decoder_samples_on_the_device_by_the_host_rule(split_
     returning its logits and one sampling at the same seeded draws, give the host rule's token
     (``sample_token`` on those logits) at every step of a CUDA graph, or, where they differ, a token
     the host rule gives within 1e-4 of the draw (the draw on the boundary of two tokens' cumulative
-    mass, where the device's float32 ``exp`` and numpy's may round apart); and four seeded sampled
-    turns decode together in batched CUDA graphs, each with its full length."""
+    mass, where the device's float32 ``exp`` and numpy's may round apart), the sampler's own run
+    replayed as a CUDA graph; and four seeded sampled turns decode together in batched CUDA graphs,
+    each with its full length."""
     import asyncio
 
     import onnxruntime as ort
@@ -347,6 +348,7 @@ async def test_the_builder_decoder_samples_on_the_device_by_the_host_rule(split_
     path = split_dir.parent / "edge-decoder"
     g = DecoderGraph(path)
     assert g.cuda_graph and g.has_sampling, "a CUDA build has the sampler"
+    assert g.sampler is not None and g.sampler.captured, g.sampler.capture_note if g.sampler else ""
     steps, boundary = 0, 0
     for i, s in enumerate(
         [
@@ -386,6 +388,7 @@ async def test_the_builder_decoder_samples_on_the_device_by_the_host_rule(split_
     outs = await asyncio.gather(*(one(ids) for ids in prompts))
     assert all(len(o) == MAX_NEW for o in outs)
     assert any(4 in p.graph_ids for p in engine.model._pools.values())
+    assert any(rows == 4 for _, rows, _, _ in engine.model.sampler._bound), "the batched steps' sampler graph"
 
 
 async def test_the_local_model_on_onnx_runtimes_cuda_provider_keeps_its_kv_on_the_gpu(

@@ -12,8 +12,10 @@ from tandem.common.model.builder_export import (
     PREFIX_BLOCK,
     SAMPLED,
     SAMPLER_FILE,
+    SAMPLING,
     blocked_prefix_sum,
     sampling_nodes,
+    sampling_row,
     write_sampler,
 )
 from tandem.common.protocol.params import Sampling
@@ -37,6 +39,12 @@ def sampler(logits_type: int = 1, vocab: int = V):
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
+def params(rows: int, t, k, p, u) -> np.ndarray:
+    """The sampler's ``sampling`` input ``[rows, 4]``: ``t, k, p`` for every row, ``u`` per row."""
+    u = np.asarray(u, np.float32).reshape(rows)
+    return np.asarray([sampling_row(t, k, p, float(u[r])) for r in range(rows)], np.float32)
+
+
 @pytest.fixture(scope="module")
 def run():
     """Run the sampler (one session per vocabulary size) on ``logits`` ``[B, S, V]``."""
@@ -45,14 +53,7 @@ def run():
     def go(logits: np.ndarray, t, k, p, u) -> np.ndarray:
         b, vocab = logits.shape[0], logits.shape[-1]
         sess = sessions.setdefault(vocab, sampler(vocab=vocab))
-        feeds = {
-            "logits": logits,
-            "temperature": np.broadcast_to(np.float32(t), (b,)).astype(np.float32),
-            "top_k": np.broadcast_to(np.int64(k), (b,)).astype(np.int64),
-            "top_p": np.broadcast_to(np.float32(p), (b,)).astype(np.float32),
-            "uniform": np.asarray(u, np.float32).reshape(b),
-        }
-        return sess.run([SAMPLED], feeds)[0][:, 0]
+        return sess.run([SAMPLED], {"logits": logits, SAMPLING: params(b, t, k, p, u)})[0][:, 0]
 
     return go
 
@@ -130,16 +131,10 @@ def test_half_precision_logits_are_widened_first(run):
 
     half = sampler(TensorProto.FLOAT16)
     logits = (np.random.default_rng(2).standard_normal((8, 1, V)) * 3).astype(np.float16)
-    feeds = {
-        "logits": logits,
-        "temperature": np.full(8, 0.9, np.float32),
-        "top_k": np.full(8, 100, np.int64),
-        "top_p": np.full(8, 0.9, np.float32),
-        "uniform": np.linspace(0, 0.99, 8).astype(np.float32),
-    }
-    got = half.run([SAMPLED], feeds)[0][:, 0]
+    u = np.linspace(0, 0.99, 8).astype(np.float32)
+    got = half.run([SAMPLED], {"logits": logits, SAMPLING: params(8, 0.9, 100, 0.9, u)})[0][:, 0]
     s = Sampling(temperature=0.9, top_k=100, top_p=0.9)
-    host = [sample_token(logits[b, 0].astype(np.float32), s, float(feeds["uniform"][b])) for b in range(8)]
+    host = [sample_token(logits[b, 0].astype(np.float32), s, float(u[b])) for b in range(8)]
     assert got.tolist() == host
 
 
@@ -162,7 +157,8 @@ def test_write_sampler_writes_the_sampler_beside_the_model_and_leaves_the_model_
     assert path == tmp_path / SAMPLER_FILE and (tmp_path / "model.onnx").read_bytes() == before
     m = onnx.load(str(path))
     onnx.checker.check_model(m)
-    assert [i.name for i in m.graph.input] == ["logits", "temperature", "top_k", "top_p", "uniform"]
+    assert [i.name for i in m.graph.input] == ["logits", SAMPLING]
+    assert not [n for n in m.graph.node if n.op_type == "Shape"]  # every shape fixed: a CUDA graph can replay it
     assert [o.name for o in m.graph.output] == [SAMPLED]
     assert m.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16  # the model's logits dtype
 
@@ -205,13 +201,34 @@ def test_a_vocabulary_off_the_block_size_samples_the_host_token():
     logits = (rng.standard_normal((16, 1, vocab)) * 2).astype(np.float32)
     u = rng.random(16, dtype=np.float32)
     for t, k, p in [(1.0, 0, 1.0), (0.7, 40, 1.0), (1.2, 0, 0.9), (0.8, 50, 0.95)]:
-        feeds = {
-            "logits": logits,
-            "temperature": np.full(16, t, np.float32),
-            "top_k": np.full(16, k, np.int64),
-            "top_p": np.full(16, p, np.float32),
-            "uniform": u,
-        }
-        got = sess.run([SAMPLED], feeds)[0][:, 0]
+        got = sess.run([SAMPLED], {"logits": logits, SAMPLING: params(16, t, k, p, u)})[0][:, 0]
         s = Sampling(temperature=t, top_k=k, top_p=p)
         assert got.tolist() == [sample_token(logits[b, 0], s, float(u[b])) for b in range(16)]
+
+
+def test_a_top_k_beyond_float32s_exact_integers_keeps_every_token(run):
+    """The largest top-k a request may carry (2**31 - 1) travels as 2**24 and keeps the whole
+    vocabulary, as top-k 0 does and as the host's rule does."""
+    logits = (np.random.default_rng(4).standard_normal((4, 1, V)) * 2).astype(np.float32)
+    u = np.asarray([0.1, 0.4, 0.7, 0.95], np.float32)
+    big, off = run(logits, 0.9, (1 << 31) - 1, 1.0, u), run(logits, 0.9, 0, 1.0, u)
+    s = Sampling(temperature=0.9, top_k=(1 << 31) - 1)
+    assert big.tolist() == off.tolist() == [sample_token(logits[b, 0], s, float(u[b])) for b in range(4)]
+
+
+def test_a_sampler_graph_of_another_layout_is_refused_at_load(tmp_path):
+    """A sampler with other inputs (a build of another tandem-model) fails when the decoder loads,
+    with what to do, not at the first sampled token."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from tandem.edge.compute.decoder import DeviceSampler
+
+    x = helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", 8])
+    t = helper.make_tensor_value_info("temperature", TensorProto.FLOAT, ["b"])
+    y = helper.make_tensor_value_info(SAMPLED, TensorProto.FLOAT, ["b"])
+    g = helper.make_graph([helper.make_node("Identity", ["temperature"], [SAMPLED])], "old", [x, t], [y])
+    old = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    onnx.save(old, str(tmp_path / "s.onnx"))
+    with pytest.raises(ValueError, match="prepare the model again"):
+        DeviceSampler(tmp_path / "s.onnx", ["CPUExecutionProvider"], "cpu")
