@@ -5,7 +5,9 @@
 * edge-only: the whole model in ONNX Runtime on the edge (the edge daemon's local mode), no network,
 * remote-prefill: token ids up, the cloud prefills and streams the first tokens while the prompt's
   KV comes down, the edge decodes the rest (its cloud engine time is the ``cloud eng ms`` column),
-* auto: the edge's per-request choice among those (``edge.routing.costmodel``, ``edge.routing.occupancy``),
+* auto: the edge's per-request choice among those (``edge.routing.costmodel``, ``edge.routing.occupancy``)
+  for each objective of ``--auto-objectives``: ``auto`` the lowest predicted TTFT (a streamed reply),
+  ``auto-whole`` the lowest predicted end-to-end time (a client that uses the reply only whole),
 
 over emulated links, through ONE cloud (a tail engine per split layer) and ONE edge (every head
 and the whole model), all in one run so ratios hold on a noisy machine. Every mode is asked of
@@ -18,7 +20,8 @@ round ``i`` runs every mode once on prompt ``i`` in the order of a row of a Will
 (``round_order``); ``blocks``, one mode at a time (needed for ``--concurrency`` > 1), each (mode,
 length) block after ``--warmup`` unrecorded requests. Why interleaved, and the results:
 docs/benchmarks.md, "Modes over links". Writes ``records.jsonl`` (one line per request),
-``summary.csv``, ``summary.md``, ``auto.md`` (auto against the best fixed mode per cell),
+``summary.csv``, ``summary.md``, ``auto.md`` (each auto row against the best fixed mode per cell by its
+objective: ``auto`` by TTFT, ``auto-whole`` by end-to-end time),
 ``meta.json`` and PNG plots into ``--out``.
 """
 
@@ -35,7 +38,7 @@ from typing import Annotated, Any
 import typer
 
 from tandem.benchmarks import links as linkmod
-from tandem.benchmarks.records import RequestRecord
+from tandem.benchmarks.records import AUTO_ROWS, RequestRecord, is_auto
 from tandem.benchmarks.stack import Stack, local_rows, machine_meta, parse_host_port
 from tandem.benchmarks.workload import BenchPrompt, make_prompts
 from tandem.daemons import work_dir
@@ -45,19 +48,35 @@ app = typer.Typer(add_completion=False, help=__doc__)
 
 @dataclass(frozen=True)
 class ModeSpec:
-    """One row of the matrix: the label it is reported under and what the SDK asks the edge."""
+    """One row of the matrix: the label it is reported under and what the SDK asks the edge
+    (``whole_reply``: the client uses the reply only whole, so auto minimises end-to-end time)."""
 
-    label: str  # split-k{k} | cloud-only | edge-only | remote-prefill | auto
+    label: str  # split-k{k} | cloud-only | edge-only | remote-prefill | auto | auto-whole
     mode: str
     split_layer: int = 0
+    whole_reply: bool = False
 
 
-def mode_specs(ks: list[int], edge_only: bool, auto: bool, remote_prefill: bool = False) -> list[ModeSpec]:
-    """The fixed modes first (they also calibrate the edge's cost model on the current link), auto last."""
+def parse_auto_objectives(option: str) -> list[str]:
+    """``--auto-objectives``: the comma-separated objectives of ``records.AUTO_ROWS`` (``ttft``,
+    ``whole``), in their order there.
+
+    Raises: typer.BadParameter for an unknown, repeated or missing objective."""
+    names = [x.strip() for x in option.split(",") if x.strip()]
+    known = [a.objective for a in AUTO_ROWS]
+    if not names or len(set(names)) != len(names) or not set(names) <= set(known):
+        raise typer.BadParameter(f"--auto-objectives {option!r}: distinct names among {','.join(known)}")
+    return [o for o in known if o in names]
+
+
+def mode_specs(ks: list[int], edge_only: bool, objectives: list[str], remote_prefill: bool = False) -> list[ModeSpec]:
+    """The fixed modes first (they also calibrate the edge's cost model on the current link), then an
+    auto row per objective (``records.AUTO_ROWS``: ``ttft`` -> ``auto``, ``whole`` -> ``auto-whole``);
+    ``objectives`` empty: no auto row."""
     out = [ModeSpec(f"split-k{k}", "split", k) for k in ks] + [ModeSpec("cloud-only", "direct")]
     out += [ModeSpec("edge-only", "local")] if edge_only else []
     out += [ModeSpec("remote-prefill", "remote_prefill")] if remote_prefill else []
-    return out + ([ModeSpec("auto", "auto")] if auto else [])
+    return out + [ModeSpec(a.label, "auto", whole_reply=a.whole_reply) for a in AUTO_ROWS if a.objective in objectives]
 
 
 async def run_remote(
@@ -90,6 +109,7 @@ async def run_remote(
                     mode=spec.mode,
                     split_layer=spec.split_layer,
                     ignore_eos=True,
+                    whole_reply=spec.whole_reply,
                 )
                 try:
                     async for d in s:
@@ -131,6 +151,7 @@ async def run_remote(
                         r.mode,
                         r.split_layer,
                         r.predicted_ttft_ms,
+                        r.mode_reason,
                     )
                 )
                 progress.update(1)
@@ -182,10 +203,10 @@ class Plan:
 
 def calibrate(eport: int, plan: Plan, link: str) -> None:
     """The calibration pass (not recorded): each fixed mode once per prompt length, so the edge's cost
-    model has seen every compute stage at every length, as a live edge has."""
+    model has seen every compute stage at every length, as a live edge has; auto's rows are not run."""
     for n in plan.lens:
         for spec in plan.specs:
-            if spec.mode != "auto":
+            if not is_auto(spec.label):
                 asyncio.run(run_remote(eport, plan.calibration[n], spec, link, n, 1, 2, _Null()))
 
 
@@ -248,7 +269,14 @@ def main(
     seed: int = 0,
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/latest"),
     edge_only: Annotated[bool, typer.Option(help="also the edge-only row (the edge's local mode)")] = True,
-    auto: Annotated[bool, typer.Option(help="also the auto row (the edge chooses per request)")] = True,
+    auto: Annotated[bool, typer.Option(help="also the auto rows (the edge chooses per request)")] = True,
+    auto_objectives: Annotated[
+        str,
+        typer.Option(
+            help="auto's rows, one per objective: ttft (row 'auto': lowest predicted TTFT, a streamed reply), "
+            "whole (row 'auto-whole': lowest predicted end-to-end time, whole_reply=True)",
+        ),
+    ] = "ttft,whole",
     remote_prefill: Annotated[
         bool, typer.Option(help="also the remote-prefill row (the cloud prefills, the edge decodes)")
     ] = True,
@@ -281,6 +309,7 @@ def main(
     from transformers import AutoTokenizer
 
     shaper = checked_shaper(order, concurrency, cloud, shaper)
+    objectives = parse_auto_objectives(auto_objectives) if auto else []
     out.mkdir(parents=True, exist_ok=True)
     ks = [int(x) for x in split_layers.split(",") if x.strip()]
     profiles = linkmod.get(links)
@@ -291,7 +320,7 @@ def main(
     tokenizer = AutoTokenizer.from_pretrained(model_dir / "hf")
     edge_only, remote_prefill = local_rows(model_dir, edge_only, remote_prefill)
     plan = Plan(
-        specs=mode_specs(ks, edge_only, auto, remote_prefill),
+        specs=mode_specs(ks, edge_only, objectives, remote_prefill),
         lens=lens,
         prompts={n: make_prompts(tokenizer, n, requests, seed) for n in lens},
         warmups={n: make_prompts(tokenizer, n, max(1, warmup), seed + 13) for n in lens},

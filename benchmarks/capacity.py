@@ -40,6 +40,7 @@ import typer
 from tandem.benchmarks import links as linkmod
 from tandem.benchmarks.bench import ModeSpec
 from tandem.benchmarks.cloudwork import CloudMeter, CloudWork
+from tandem.benchmarks.records import is_auto
 from tandem.benchmarks.stack import Stack, local_rows, machine_meta
 from tandem.benchmarks.workload import BenchPrompt, make_prompts
 from tandem.daemons import work_dir
@@ -225,6 +226,7 @@ async def run_rate(
                     split_layer=spec.split_layer,
                     ignore_eos=True,
                     timeout_s=timeout_s,
+                    whole_reply=spec.whole_reply,
                 )
                 async for d in s:
                     if ttft != ttft:
@@ -389,7 +391,7 @@ def auto_vs_best(results: list[RateResult]) -> list[tuple[float, str, float, flo
     auto = {r.offered_rps: r.goodput_rps for r in results if r.mode == "auto"}
     out = []
     for rate, auto_rps in auto.items():
-        fixed = [r for r in results if r.mode != "auto" and r.offered_rps == rate]
+        fixed = [r for r in results if not is_auto(r.mode) and r.offered_rps == rate]
         if fixed:
             best = max(fixed, key=lambda r: r.goodput_rps)
             out.append((rate, best.mode, best.goodput_rps, auto_rps))

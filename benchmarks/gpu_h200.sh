@@ -9,7 +9,7 @@
 #   tier         the GPU test tier (tests/gpu) on SmolLM2-135M, and the 1B shape of prep-tier (the test
 #                prepares it itself where prep-tier has not)
 #   bench-1b     tandem-bench modes on the 1B shape: split k=4, cloud-only, edge-only (ONNX Runtime CUDA on
-#                the same GPU), remote prefill and auto; loopback and wifi6; 64/256/1024/4096 tokens
+#                the same GPU), remote prefill, auto and auto-whole; loopback and wifi6; 64/256/1024/4096 tokens
 #   capacity-1b  tandem-bench capacity on the 1B shape: cloud-only, split k=2,4,8, auto
 #   prep-rp-1b   the 1B shape at k=4 with its whole model (what capacity-rp-1b and matrix-1b run on)
 #   capacity-rp-1b  tandem-bench capacity on the 1B shape prepared at k=4 with its whole model: cloud-only,
@@ -36,7 +36,8 @@
 #                call on the same host finished (the host keeps /var/tmp while it stays up), so a
 #                run cut by a call's time limit goes on in the next call
 #   matrix-1b    tandem-bench modes on the 1B shape per output length (16/128/512 tokens), wifi6 and 4g,
-#                64, 256 and 1024 prompt tokens: end to end and cloud engine time per mode, on the 1B
+#                64, 256 and 1024 prompt tokens: end to end and cloud engine time per mode (auto-whole: auto
+#                minimising end-to-end time, as a client of whole replies asks), on the 1B
 #                shape capacity-rp-1b prepares; MATRIX_LINKS=wifi6 (or 4g) runs one link per call
 #   matrix-smollm2  the same matrix on SmolLM2-135M (prepared from the carried GGUF, nothing to
 #                export first), the engines in bf16 (`dtype auto` on a GPU), both links in one call

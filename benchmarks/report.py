@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tandem.benchmarks import links as linkmod
-from tandem.benchmarks.records import RequestRecord
+from tandem.benchmarks.records import RequestRecord, auto_row, is_auto
 from tandem.edge.link.connection import upload_receive_ms
 from tandem.stages import TTFT_STAGES, Stage
 
@@ -158,24 +158,19 @@ def to_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-FIXED = (
-    "split",
-    "cloud-only",
-    "edge-only",
-    "remote-prefill",
-)  # row prefixes of the fixed modes (auto chooses among them)
-AUTO_TARGET = 1.10  # the target: auto's mean TTFT within 10% of the best fixed mode of every cell
+AUTO_TARGET = 1.10  # the target: each auto row within 10% of the best fixed mode of every cell, by its objective
 
 
 def _cell(r: dict) -> tuple[str, int]:
     return r["link"], r["prompt_tokens"] // 8  # prompt lengths of one target differ by a few tokens
 
 
-def best_fixed(rows: list[dict]) -> dict[tuple[str, int], dict]:
-    """Per cell (link, prompt length) the fixed-mode row with the lowest mean TTFT."""
+def best_fixed(rows: list[dict], metric: str = "ttft_mean_ms") -> dict[tuple[str, int], dict]:
+    """Per cell (link, prompt length) the fixed-mode row (any row not ``records.is_auto``) with the
+    lowest ``metric`` (a ``summarize`` column: ``ttft_mean_ms``, ``e2e_mean_ms``)."""
     best: dict[tuple[str, int], dict] = {}
     for r in rows:
-        if r["mode"].startswith(FIXED) and (_cell(r) not in best or r["ttft_mean_ms"] < best[_cell(r)]["ttft_mean_ms"]):
+        if not is_auto(r["mode"]) and (_cell(r) not in best or r[metric] < best[_cell(r)][metric]):
             best[_cell(r)] = r
     return best
 
@@ -217,30 +212,38 @@ def goodput_markdown(rows: list[dict], links: list[dict]) -> str:
 
 
 def auto_cells(rows: list[dict], records) -> list[dict]:
-    """Per cell: auto's mean TTFT against the best fixed mode's, the modes auto served and its
-    mean absolute prediction error."""
-    best = best_fixed(rows)
-    served: dict[tuple[str, int], list] = defaultdict(list)
+    """Per auto row (``records.is_auto``) and cell: its mean by its objective (``records.auto_row``:
+    ``auto`` TTFT, ``auto-whole`` end-to-end time) against the best fixed mode's by the same, the
+    modes it served and its mean absolute TTFT prediction error. Keys: ``label``, ``metric_name``,
+    ``link``, ``prompt_tokens``, ``best_mode``, ``best_ms``, ``auto_ms``, ``ratio``, ``served``
+    (``{mode: requests}``), ``prediction_error``."""
+    served: dict[tuple[str, str, int], list] = defaultdict(list)
     for rec in records:
-        if rec.mode == "auto":
-            served[(rec.link, rec.prompt_tokens // 8)].append(rec)
+        if is_auto(rec.mode):
+            served[(rec.mode, rec.link, rec.prompt_tokens // 8)].append(rec)
     out = []
     for r in rows:
-        if r["mode"] != "auto" or _cell(r) not in best:
+        if not is_auto(r["mode"]):
             continue
-        b, recs = best[_cell(r)], served.get(_cell(r), [])
+        objective = auto_row(r["mode"])
+        b = best_fixed(rows, objective.metric).get(_cell(r))
+        if b is None:
+            continue
+        recs = served.get((r["mode"], *_cell(r)), [])
         picks: defaultdict[str, int] = defaultdict(int)
         for rec in recs:
             picks[rec.served_mode + (f"-k{rec.served_split_layer}" if rec.served_mode == "split" else "")] += 1
         errs = [abs(rec.ttft_ms - rec.predicted_ttft_ms) / rec.ttft_ms for rec in recs if rec.predicted_ttft_ms > 0]
         out.append(
             {
+                "label": r["mode"],
+                "metric_name": objective.metric_name,
                 "link": r["link"],
                 "prompt_tokens": r["prompt_tokens"],
                 "best_mode": b["mode"],
-                "best_ttft_ms": b["ttft_mean_ms"],
-                "auto_ttft_ms": r["ttft_mean_ms"],
-                "ratio": r["ttft_mean_ms"] / b["ttft_mean_ms"],
+                "best_ms": b[objective.metric],
+                "auto_ms": r[objective.metric],
+                "ratio": r[objective.metric] / b[objective.metric],
                 "served": dict(picks),
                 "prediction_error": float(np.mean(errs)) if errs else float("nan"),
             }
@@ -249,21 +252,44 @@ def auto_cells(rows: list[dict], records) -> list[dict]:
 
 
 def auto_markdown(cells: list[dict]) -> str:
-    out = [
-        "| link | prompt tok | best fixed mode | its TTFT ms | auto TTFT ms | auto / best | auto served | "
-        "mean abs pred. error |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for c in cells:
-        mark = "" if c["ratio"] <= AUTO_TARGET else " **over**"
-        served = ", ".join(f"{m} x{n}" for m, n in sorted(c["served"].items()))
-        out.append(
-            f"| {c['link']} | {c['prompt_tokens']} | {c['best_mode']} | {c['best_ttft_ms']:.1f} | "
-            f"{c['auto_ttft_ms']:.1f} | {c['ratio']:.2f}x{mark} | {served} | {c['prediction_error']:.0%} |"
+    """A table per auto row of ``auto_cells``, each by its own objective, with the count of its
+    cells within ``AUTO_TARGET`` of the best fixed mode."""
+    sections = []
+    for label in dict.fromkeys(c["label"] for c in cells):
+        mine = [c for c in cells if c["label"] == label]
+        m = mine[0]["metric_name"]
+        lines = [
+            f"| link | prompt tok | best fixed mode ({m}) | its {m} ms | {label} {m} ms | {label} / best | "
+            f"{label} served | mean abs TTFT pred. error |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for c in mine:
+            mark = "" if c["ratio"] <= AUTO_TARGET else " **over**"
+            served = ", ".join(f"{mode} x{n}" for mode, n in sorted(c["served"].items()))
+            lines.append(
+                f"| {c['link']} | {c['prompt_tokens']} | {c['best_mode']} | {c['best_ms']:.1f} | "
+                f"{c['auto_ms']:.1f} | {c['ratio']:.2f}x{mark} | {served} | {c['prediction_error']:.0%} |"
+            )
+        within = sum(c["ratio"] <= AUTO_TARGET for c in mine)
+        lines.append(
+            f"\n{label} within {AUTO_TARGET - 1:.0%} of the best fixed mode's {m} in {within} of {len(mine)} cells\n"
         )
-    within = sum(c["ratio"] <= AUTO_TARGET for c in cells)
-    out.append(f"\nauto within {AUTO_TARGET - 1:.0%} of the best fixed mode in {within} of {len(cells)} cells\n")
-    return "\n".join(out) + "\n"
+        sections.append("\n".join(lines) + "\n")
+    return "\n".join(sections)
+
+
+AUTO_STYLES: dict[str, dict] = {  # auto's rows stand out of the fixed modes' lines, and from each other
+    "auto": {"linewidth": 2.5, "color": "black", "marker": "*"},
+    "auto-whole": {"linewidth": 2.5, "color": "black", "marker": "P", "linestyle": "--"},
+}
+
+
+def line_style(label: str) -> dict:
+    """Matplotlib keywords of a row's line: each auto row its own bold black style (``AUTO_STYLES``;
+    another ``auto-*`` row dotted grey), a fixed mode the colour cycle's next with round markers."""
+    if is_auto(label):
+        return AUTO_STYLES.get(label, {"linewidth": 2.5, "color": "dimgray", "marker": "*", "linestyle": ":"})
+    return {"marker": "o"}
 
 
 def plot_ttft(rows: list[dict], path: Path) -> None:
@@ -285,8 +311,7 @@ def plot_ttft(rows: list[dict], path: Path) -> None:
             pts = sorted(
                 (r["prompt_tokens"], r["ttft_mean_ms"]) for r in rows if r["mode"] == mode and r["link"] == link
             )
-            style = {"linewidth": 2.5, "color": "black", "marker": "*"} if mode == "auto" else {"marker": "o"}
-            ax.plot(*zip(*pts, strict=True), label=mode, **style)
+            ax.plot(*zip(*pts, strict=True), label=mode, **line_style(mode))
         if edge:
             ax.plot(*zip(*edge, strict=True), marker="s", linestyle="--", color="gray", label="edge-only")
         ax.set_title(f"link: {link}")
@@ -348,7 +373,7 @@ def plot_breakeven(rows: list[dict], path: Path, links: list[dict]) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
-    loop = [r for r in rows if r["link"] in ("loopback", "none") and r["mode"] != "auto"]
+    loop = [r for r in rows if r["link"] in ("loopback", "none") and not is_auto(r["mode"])]
     modes = sorted({r["mode"] for r in loop})
     if not loop or not modes:
         return
@@ -448,8 +473,10 @@ def write_all(out: Path, records, meta: dict) -> list[dict]:
 
 def output_matrix_markdown(rows_by_output: dict[int, list[dict]]) -> str:
     """One row per (link, prompt length, output length, mode): TTFT, ITL, end to end and the cloud's
-    engine time per request; then per (link, prompt, output) the mode with the lowest end-to-end
-    time and the one holding the cloud's engines least (cloud engine ms; edge-only holds none)."""
+    engine time per request; then per (link, prompt, output) the fixed mode with the lowest end-to-end
+    time, the one holding the cloud's engines least (cloud engine ms; edge-only holds none) and each
+    auto row's end-to-end time over that lowest one (``records.is_auto``: never a fixed mode)."""
+    autos = list(dict.fromkeys(r["mode"] for rows in rows_by_output.values() for r in rows if is_auto(r["mode"])))
     lines = [
         "| link | prompt tok | output tok | mode | TTFT mean ms | ITL mean ms | e2e mean ms | cloud engine ms |",
         "|---|---|---|---|---|---|---|---|",
@@ -464,26 +491,30 @@ def output_matrix_markdown(rows_by_output: dict[int, list[dict]]) -> str:
                 f"| {link} | {r['prompt_tokens']} | {n_out} | {r['mode']} | {r['ttft_mean_ms']:.0f} | "
                 f"{r['itl_mean_ms']:.1f} | {r['e2e_mean_ms']:.0f} | {r['cloud_engine_ms']:.0f} |"
             )
-    lines += [
-        "",
-        "| link | prompt tok | output tok | lowest e2e (ms) | least cloud engine time among cloud modes (ms) |",
-        "|---|---|---|---|---|",
-    ]
+    heads = ["link", "prompt tok", "output tok", "lowest e2e (ms)", "least cloud engine time among cloud modes (ms)"]
+    heads += [f"{a} e2e / lowest" for a in autos]
+    lines += ["", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for (link, _, n_out), rs in sorted(cells.items()):
-        fixed = [r for r in rs if r["mode"] != "auto"]
+        fixed = [r for r in rs if not is_auto(r["mode"])]
+        if not fixed:
+            continue
         fastest = min(fixed, key=lambda r: r["e2e_mean_ms"])
         cloud = [r for r in fixed if r["mode"] != "edge-only"]  # edge-only holds no cloud engine
         lightest = min(cloud, key=lambda r: r["cloud_engine_ms"]) if cloud else None
         light = f"{lightest['mode']} ({lightest['cloud_engine_ms']:.0f})" if lightest else "-"
+        here = {r["mode"]: r["e2e_mean_ms"] for r in rs}
+        vs = [f"{here[a] / fastest['e2e_mean_ms']:.2f}x" if a in here else "-" for a in autos]
         lines.append(
             f"| {link} | {rs[0]['prompt_tokens']} | {n_out} | {fastest['mode']} ({fastest['e2e_mean_ms']:.0f}) | "
-            f"{light} |"
+            + " | ".join([light, *vs])
+            + " |"
         )
     return "\n".join(lines) + "\n"
 
 
 def plot_output_matrix(rows_by_output: dict[int, list[dict]], path: Path) -> None:
-    """End-to-end time against output length, a panel per (link, prompt length), a line per mode."""
+    """End-to-end time against output length, a panel per (link, prompt length), a line per mode
+    (each auto row in its own style, ``line_style``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -501,8 +532,7 @@ def plot_output_matrix(rows_by_output: dict[int, list[dict]], path: Path) -> Non
             here = [(n, r) for n, r in flat if _cell(r) == (link, p)]
             for mode in sorted({r["mode"] for _, r in here}):
                 pts = sorted((n, r["e2e_mean_ms"]) for n, r in here if r["mode"] == mode)
-                style = {"linewidth": 2.5, "color": "black", "marker": "*"} if mode == "auto" else {"marker": "o"}
-                ax.plot(*zip(*pts, strict=True), label=mode, **style)
+                ax.plot(*zip(*pts, strict=True), label=mode, **line_style(mode))
             ax.set_title(f"{link}, ~{p * 8} prompt tokens", fontsize=9)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")

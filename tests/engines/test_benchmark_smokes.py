@@ -64,13 +64,21 @@ class TestSmokeRunsOnOneCloud:
         for n in (2, 3):  # the matrix once per output length, on one stack
             run = out / f"out-{n}"
             rows = list(open(run / "summary.csv"))
-            assert len(rows) == 1 + 2 * 5  # header + split-k4, cloud-only, edge-only, remote-prefill, auto on 2 links
-            assert "auto / best" in (run / "auto.md").read_text()
+            # header + split-k4, cloud-only, edge-only, remote-prefill, auto, auto-whole on 2 links
+            assert len(rows) == 1 + 2 * 6
+            auto = (run / "auto.md").read_text()
+            assert "auto / best" in auto and "| auto-whole e2e ms | auto-whole / best |" in auto
+            records = [json.loads(x) for x in open(run / "records.jsonl")]
+            whole = [r["mode_reason"] for r in records if r["mode"] == "auto-whole"]  # why the edge chose
+            assert len(whole) == 2 and all("whole reply" in x for x in whole)
+            assert not any("whole reply" in r["mode_reason"] for r in records if r["mode"] == "auto")
             meta = json.loads((run / "meta.json").read_text())
             assert meta["shaper"] == "proxy" and meta["max_new_tokens"] == n  # a running cloud: through the proxy
             assert (run / "breakeven.png").stat().st_size > 0
-            assert all(json.loads(x)["output_tokens"] == n for x in open(run / "records.jsonl"))
-        assert "| 4g | " in (out / "outputs.md").read_text() and (out / "outputs.png").stat().st_size > 0
+            assert all(r["output_tokens"] == n for r in records)
+        outputs = (out / "outputs.md").read_text()
+        assert "| 4g | " in outputs and "| auto-whole |" in outputs and "| auto-whole e2e / lowest |" in outputs
+        assert (out / "outputs.png").stat().st_size > 0
 
     def test_multiturn_smoke(self, tmp_path, bench_cloud, split_dir):
         target, _ = bench_cloud

@@ -248,7 +248,7 @@ def test_report_writes_tables_and_plots(tmp_path):
     assert "| split-k4 | loopback |" not in md.split("Uplink goodput")[1]  # no shaped rate to compare with
     auto = (tmp_path / "auto.md").read_text()
     assert "| 4g | 32 | cloud-only | 160.0 | 170.0 | 1.06x | direct x1 | 10% |" in auto
-    assert "auto within 10% of the best fixed mode in 2 of 2 cells" in auto
+    assert "auto within 10% of the best fixed mode's TTFT in 2 of 2 cells" in auto
     for f in ("summary.csv", "records.jsonl", "ttft_vs_prompt.png", "breakeven.png", "meta.json"):
         assert (tmp_path / f).stat().st_size > 0
     assert len(report.load_records(tmp_path / "records.jsonl")) == len(recs)
@@ -259,6 +259,77 @@ def test_report_writes_tables_and_plots(tmp_path):
     (tmp_path / "auto.md").unlink()
     rerender(tmp_path)  # tandem-bench modes --render: the same report from records.jsonl and meta.json
     assert (tmp_path / "summary.md").read_text() == md and (tmp_path / "auto.md").read_text() == auto
+
+
+def _rec(mode: str, ttft: float, e2e: float, served: str, n: int = 32) -> RequestRecord:
+    return RequestRecord(
+        mode, "4g", n, n, 16, ttft, e2e, [10.0], 0.0, 1.0, served_mode=served, predicted_ttft_ms=ttft * 0.8
+    )
+
+
+def test_auto_whole_is_judged_by_end_to_end_time_and_is_never_a_fixed_mode(tmp_path):
+    """``auto-whole`` (auto with ``whole_reply``) faster than every fixed mode by TTFT and by end to
+    end: it is never the best fixed mode, and its ratio is against the best fixed mode's end-to-end
+    time (edge-only here), while ``auto``'s is against the best TTFT (cloud-only)."""
+    from tandem.benchmarks import report
+
+    recs = [_rec("cloud-only", 100.0, 1000.0, "direct"), _rec("edge-only", 150.0, 600.0, "local")]
+    recs += [_rec("split-k4", 300.0, 1200.0, "split"), _rec("auto", 105.0, 990.0, "direct")]
+    recs += [_rec("auto-whole", 90.0, 540.0, "local"), _rec("auto-whole", 90.0, 720.0, "local")]
+    rows = report.write_all(tmp_path, recs, {"platform": "p", "cpus": 2, "versions": {}, "shaper": "proxy"})
+    assert report.best_fixed(rows)[("4g", 4)]["mode"] == "cloud-only"
+    assert report.best_fixed(rows, "e2e_mean_ms")[("4g", 4)]["mode"] == "edge-only"
+    cells = {c["label"]: c for c in report.auto_cells(rows, recs)}
+    assert cells["auto"]["best_mode"] == "cloud-only" and cells["auto"]["ratio"] == pytest.approx(1.05)
+    whole = cells["auto-whole"]
+    assert whole["best_mode"] == "edge-only" and whole["metric_name"] == "e2e"
+    assert whole["auto_ms"] == 630.0 and whole["ratio"] == pytest.approx(630.0 / 600.0)
+    assert whole["served"] == {"local": 2}
+    auto = (tmp_path / "auto.md").read_text()
+    assert "| 4g | 32 | cloud-only | 100.0 | 105.0 | 1.05x | direct x1 | 20% |" in auto
+    assert "| link | prompt tok | best fixed mode (e2e) | its e2e ms | auto-whole e2e ms | auto-whole / best |" in auto
+    assert "| 4g | 32 | edge-only | 600.0 | 630.0 | 1.05x | local x2 | 20% |" in auto
+    assert "auto-whole within 10% of the best fixed mode's e2e in 1 of 1 cells" in auto
+    assert "| split-k4 | 4g | 32 | 3.00x | cloud-only |" in (tmp_path / "summary.md").read_text()
+
+
+def test_an_auto_row_over_the_target_is_marked_and_counted_by_its_own_objective():
+    from tandem.benchmarks import report
+
+    recs = [_rec("cloud-only", 100.0, 1000.0, "direct"), _rec("edge-only", 150.0, 600.0, "local")]
+    recs += [_rec("auto", 150.0, 600.0, "local"), _rec("auto-whole", 100.0, 1000.0, "direct")]
+    md = report.auto_markdown(report.auto_cells(report.summarize(recs), recs))
+    assert "| 1.50x **over** | local x1 |" in md and "| 1.67x **over** | direct x1 |" in md
+    assert "auto within 10% of the best fixed mode's TTFT in 0 of 1 cells" in md
+    assert "auto-whole within 10% of the best fixed mode's e2e in 0 of 1 cells" in md
+
+
+def test_auto_rows_are_the_auto_labels_and_the_objectives_choose_them():
+    import typer
+
+    from tandem.benchmarks.bench import mode_specs, parse_auto_objectives
+    from tandem.benchmarks.records import is_auto
+
+    assert [is_auto(x) for x in ("auto", "auto-whole", "auto-x", "split-k4", "cloud-only", "automatic")] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+    assert parse_auto_objectives("whole, ttft") == ["ttft", "whole"]
+    for bad in ("", "ttft,ttft", "e2e"):
+        with pytest.raises(typer.BadParameter, match="auto-objectives"):
+            parse_auto_objectives(bad)
+    specs = mode_specs([4], True, ["ttft", "whole"])
+    assert [(s.label, s.mode, s.whole_reply) for s in specs[-2:]] == [
+        ("auto", "auto", False),
+        ("auto-whole", "auto", True),
+    ]
+    assert not any(s.whole_reply for s in specs[:-1])
+    assert [s.label for s in mode_specs([4], False, ["whole"])] == ["split-k4", "cloud-only", "auto-whole"]
+    assert [s.label for s in mode_specs([4], False, [])] == ["split-k4", "cloud-only"]
 
 
 def test_render_refuses_a_folder_without_records(tmp_path):
@@ -711,14 +782,21 @@ def test_the_output_length_matrix_names_the_fastest_mode_and_the_lightest_on_the
         16: [row("cloud-only", 257, 100, 400, 390), row("remote-prefill", 258, 110, 500, 200)]
         + [row("edge-only", 257, 300, 450, 0.0), row("auto", 257, 100, 390, 380)],
         128: [row("cloud-only", 257, 100, 2600, 2590), row("remote-prefill", 258, 110, 2000, 300)]
-        + [row("edge-only", 257, 300, 2200, 0.0), row("auto", 257, 110, 2100, 290)],
+        + [row("edge-only", 257, 300, 2200, 0.0), row("auto", 257, 110, 2100, 290)]
+        + [row("auto-whole", 257, 90, 1900, 280)],
     }
     write_output_matrix(tmp_path, rows)
     md = (tmp_path / "outputs.md").read_text()
     assert "| wifi6 | 257 | 16 | cloud-only | 100 | 20.0 | 400 | 390 |" in md
     assert "| wifi6 | 257 | 16 | cloud-only (400) | remote-prefill (200) |" in md  # auto is not a fixed mode
-    assert "| wifi6 | 257 | 128 | remote-prefill (2000) | remote-prefill (300) |" in md
+    assert "| wifi6 | 257 | 128 | remote-prefill (2000) | remote-prefill (300) | 1.05x | 0.95x |" in md
+    assert "| wifi6 | 257 | 128 | auto-whole | 90 | 20.0 | 1900 | 280 |" in md  # its row, not the lowest fixed
+    assert "| wifi6 | 257 | 16 | cloud-only (400) | remote-prefill (200) | 0.97x | - |" in md  # not run there
     assert (tmp_path / "outputs.png").stat().st_size > 0
+    from tandem.benchmarks.report import line_style
+
+    styles = [line_style(x) for x in ("auto", "auto-whole", "auto-other", "cloud-only")]
+    assert len({tuple(sorted(x.items())) for x in styles}) == 4  # each auto row its own line in the PNGs
 
 
 def test_exactness_resume_reads_back_what_a_run_saved(tmp_path):
