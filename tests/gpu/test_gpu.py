@@ -66,9 +66,12 @@ def test_the_packed_layout_reads_what_vllms_cuda_kernel_wrote_and_writes_it_back
 @pytest.fixture(scope="module")
 async def gpu_stack(split_dir, tmp_path_factory):
     """The cloud's CUDA engines in fp32 (tail at k = 4 and decode, eager), its gateway and an edge on
-    loopback, fp32 on the wire and the fp32 torch.onnx head (a GPU build's builder head is bf16:
-    ``test_the_builder_head_on_cuda_gives_hfs_residual_and_kv``): split output must equal the
-    unsplit references."""
+    loopback, fp32 on the wire, the fp32 torch.onnx head and the fp32 whole model (``edge-full.onnx``)
+    as the edge's local model (a GPU build's builder head and decoder are bf16:
+    ``test_the_builder_head_on_cuda_gives_hfs_residual_and_kv``,
+    ``test_remote_prefill_onto_the_bf16_builder_decoder_agrees_with_fp32_vllm``): split and remote
+    prefill output must equal the unsplit references. ``bf16_client`` reaches a second edge on the
+    same cloud with the GPU build's defaults for its local model (the bf16 builder decoder)."""
     from tandem import AsyncClient
     from tandem.cloud.config import CloudConfig, EngineConfig
     from tandem.cloud.engines.vllm_engines import VllmEngines
@@ -88,12 +91,18 @@ async def gpu_stack(split_dir, tmp_path_factory):
     engines = VllmEngines(cfg)
     engines.start()
     cloud = await create_cloud(cfg, engines)
+    target = f"127.0.0.1:{cloud.port}"
+    full = split_dir.parent / "edge-full.onnx"
     edge = await create_edge(
-        EdgeConfig(split_dir=split_dir, cloud_target=f"127.0.0.1:{cloud.port}", port=0, builder_head=False)
+        EdgeConfig(split_dir=split_dir, cloud_target=target, port=0, builder_head=False, local_model=full)
     )
+    bf16_edge = await create_edge(EdgeConfig(split_dir=split_dir, cloud_target=target, port=0, builder_head=False))
     client = AsyncClient(f"127.0.0.1:{edge.port}")
-    yield {"engines": engines, "cloud": cloud, "edge": edge, "client": client}
+    bf16_client = AsyncClient(f"127.0.0.1:{bf16_edge.port}")
+    yield {"engines": engines, "cloud": cloud, "edge": edge, "client": client, "bf16_client": bf16_client}
     await client.close()
+    await bf16_client.close()
+    await bf16_edge.stop(1)
     await edge.stop(1)
     await cloud.stop(1)
     engines.shutdown()
@@ -136,6 +145,29 @@ async def test_remote_prefill_on_cuda_engines_equals_direct_and_plain_vllm(gpu_s
     plain, plain_gaps = await vllm_plain(gpu_stack["engines"], ids, MAX_NEW)
     assert_same_or_near_tie(list(direct.output_token_ids), plain, plain_gaps, "direct vs plain vLLM")
     assert_same_or_near_tie(list(got.output_token_ids), plain, plain_gaps, "remote prefill vs plain vLLM")
+
+
+NEAR_TIE_BF16 = 0.5  # nats: the fidelity method's near-tie (benchmarks/fidelity.py), for bf16 arithmetic
+
+
+@pytest.mark.parametrize("idx", range(len(PROMPTS)))
+async def test_remote_prefill_onto_the_bf16_builder_decoder_agrees_with_fp32_vllm(gpu_stack, tokenizer, idx):
+    """The GPU edge's default local model, the builder decoder in bf16 with CUDA graphs, takes the
+    fp32 KV the cloud prefilled (written into its bf16 buffers) and decodes the rest: the tokens
+    equal plain fp32 vLLM's, or part from them only where vLLM's top-2 gap is within bf16's reach
+    (``NEAR_TIE_BF16``); KV written wrong parts at once, at a wide gap. The agreement of the bf16
+    edge with direct over many chats is measured by ``tandem-bench fidelity`` (its edge row)."""
+    p = PROMPTS[idx]
+    ids = prompt_ids(tokenizer, p)
+    got = await gpu_stack["bf16_client"].complete(
+        p.get("messages"), prompt=p.get("prompt"), max_new_tokens=MAX_NEW, mode="remote_prefill"
+    )
+    assert got.mode == "remote_prefill"
+    if len(ids) >= B:
+        assert got.edge_decoded_tokens > 0 and got.received_bytes.get("kv", 0) > 0, "the edge never took over"
+    plain, plain_gaps = await vllm_plain(gpu_stack["engines"], ids, MAX_NEW)
+    what = "remote prefill onto the bf16 decoder vs plain fp32 vLLM"
+    assert_same_or_near_tie(list(got.output_token_ids), plain, plain_gaps, what, near=NEAR_TIE_BF16)
 
 
 async def test_a_second_turn_on_cuda_engines_loads_the_first_turns_kv(gpu_stack, hf_model, tokenizer):
@@ -279,7 +311,8 @@ def test_the_builder_decoder_on_cuda_holds_pooled_kv_once_and_gives_idle_pools_b
     g = DecoderGraph(path, clock=lambda: now[0])
     assert g.cuda_graph
     prompts = [prompt_ids(tokenizer, p) for p in PROMPTS[:4]]
-    slots = [g.new_kv(len(p) + 4 * MAX_NEW) for p in prompts]
+    # one capacity for all four (a pool holds sessions of one capacity; the prompts are 5 to 222 tokens)
+    slots = [g.new_kv(max(map(len, prompts)) + 4 * MAX_NEW) for _ in prompts]
     got = [[g.run(s, p, greedy=True)[0]] for s, p in zip(slots, prompts, strict=True)]
     for _ in range(MAX_NEW - 1):
         toks, _, _ = g.run_batch(slots, [x[-1] for x in got], [True] * len(slots))
