@@ -21,7 +21,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.common.protocol.chat import prompt_token_ids
-from tandem.common.protocol.errors import EngineError, InvalidRequest, LinkLost, ParamsVersionMismatch, QuotaExceeded
+from tandem.common.protocol.errors import (
+    EngineError,
+    InvalidRequest,
+    LinkLost,
+    ParamsVersionMismatch,
+    QuotaExceeded,
+    TurnTooLarge,
+)
 from tandem.common.protocol.limits import RequestLimits
 from tandem.common.protocol.modes import Mode
 from tandem.common.runtime.logs import bind_request, current_caller, current_request_id, new_request_id, turn_log
@@ -388,12 +395,14 @@ class EdgeNode:
 
     async def _legs(self, turn: Turn) -> AsyncGenerator[TextOut | TurnDone, None]:
         """One leg of a turn: decide the route and run it; in auto mode a cloud that refuses before
-        the first token (busy, unreachable) is answered by local mode, local mode refusing for its
-        KV memory (``QuotaExceeded``) by direct mode while the cloud is up, and a stale params
-        version by renegotiating and running again."""
+        the first token (busy, unreachable) is answered by local mode, local mode (or remote
+        prefill) refusing for the edge's KV memory (``QuotaExceeded``: full now; ``TurnTooLarge``:
+        the turn never fits it) by direct mode while the cloud is up, and a stale params version by
+        renegotiating and running again."""
         may_wait = turn.requested is not Mode.AUTO or self.local is None  # no local mode to serve meanwhile
         await self.calls.pin(turn, may_wait)  # one replica for the whole leg
         turn.decision = self.router.decide(turn.request, turn.ids)
+        too_large = False  # the edge's KV memory can never hold this turn: no local fallback
         for attempt in (0, 1, 2):
             before, started = len(turn.text.token_ids), False
             try:
@@ -406,6 +415,15 @@ class EdgeNode:
                     raise
                 await self.calls.renegotiate(turn, e)
                 turn.decision = self.router.decide(turn.request, turn.ids)
+            except TurnTooLarge as e:
+                # refused before it ran: never on the edge, so the cloud answers in auto mode, if up
+                cloud = self.router.fallback_to_cloud(turn.request, turn.ids, "fallback: turn too large for the edge")
+                if turn.requested is not Mode.AUTO or cloud is None:
+                    raise
+                too_large = True
+                log.info("turn too large for the edge's KV memory (%s): serving it in the cloud", e)
+                metrics.record_fallback("turn too large for the edge")
+                turn.decision = cloud
             except (QuotaExceeded, EngineError) as e:
                 started = started or len(turn.text.token_ids) > before
                 if not started and isinstance(e, EngineError) and self.calls.move_replica(turn, e):
@@ -422,7 +440,7 @@ class EdgeNode:
                     metrics.record_fallback("edge memory full")
                     turn.decision = cloud
                     continue
-                if self.local is None:
+                if self.local is None or too_large:
                     raise
                 reason = "cloud busy" if isinstance(e, QuotaExceeded) else "cloud unavailable"
                 log.info("%s (%s): serving this turn locally", reason, e)

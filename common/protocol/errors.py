@@ -146,6 +146,19 @@ class ModeUnavailable(TandemError):
     default_code = "unsupported_value"
 
 
+class TurnTooLarge(TandemError):
+    """A turn whose own KV (prompt + ``max_new_tokens``) is larger than the whole memory bound that
+    would hold it (the edge's ``local_kv_bytes``, local mode and remote prefill): it can never run
+    there, however long the client waits or whatever else is freed, unlike ``QuotaExceeded``. Not
+    worth retrying as it is: fewer tokens, or a larger bound, would fit (FAILED_PRECONDITION, HTTP
+    400). ``param``: the field to lower (``max_new_tokens``, or the prompt's when it alone is too
+    large); code ``context_length_exceeded``, as OpenAI's for a request longer than its model takes."""
+
+    wire_name = "TurnTooLarge"
+    default_param = "max_new_tokens"
+    default_code = "context_length_exceeded"
+
+
 class IncompatibleModel(TandemError):
     """Edge head and cloud tail were not cut from the same model at the same split layer."""
 
