@@ -286,6 +286,9 @@ class MemoryLocal:
         self.ended.append(session_id)
         return False
 
+    def session_expired(self, session_id: str) -> bool:
+        return False  # it keeps no sessions
+
     async def generate(self, prompt_ids, sampling, session_id: str = "", *, prompt_param: str = "prompt"):
         from tandem.edge.compute.local import LocalToken
 

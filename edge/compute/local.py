@@ -59,7 +59,7 @@ from tandem.common.protocol.limits import RequestLimits
 from tandem.common.protocol.manifest import ModelShape
 from tandem.common.protocol.params import Sampling
 from tandem.common.runtime.ewma import Ewma
-from tandem.common.runtime.lru import BoundedLRU
+from tandem.common.runtime.lru import RememberingLRU
 from tandem.edge.compute.localkv import KV, blocks_from_past, past_from_blocks
 from tandem.edge.compute.localmodel import BoundedKVModel, Draw, LocalModel, OnnxForward, check_past
 from tandem.edge.compute.stepper import Mailbox, Stepper
@@ -112,8 +112,10 @@ class LocalSession:
         self.kv, self.token_ids, self.dropped = None, [], final
 
 
-class LocalSessions(BoundedLRU[LocalSession]):
-    """LRU of local sessions bounded by count and KV bytes; sessions in use are never dropped."""
+class LocalSessions(RememberingLRU[LocalSession]):
+    """LRU of local sessions bounded by count and KV bytes (and idle time); sessions in use are never
+    dropped. Remembers the ids of the sessions it dropped (evicted by a bound, the KV memory's
+    among them, or expired), so the next turn of one is told its session expired (``expired``)."""
 
     def get(self, session_id: str) -> LocalSession:
         """The session (created empty if unknown); an empty id gets a throwaway one (stateless)."""
@@ -418,6 +420,12 @@ class LocalEngine:
             if self.sessions.lookup(session_id) is s:
                 self.sessions.discard(session_id)
         return True
+
+    def session_expired(self, session_id: str) -> bool:
+        """True once for a session the session table dropped by itself (evicted by a bound, the KV
+        memory's among them, or idle): the turn asking starts it again, and its client is told
+        (``TurnDone.session_expired``). Call it before the turn's ``generate`` (which holds the id again)."""
+        return self.sessions.expired(session_id)
 
     def cached_tokens(self, session_id: str, prompt_ids: Sequence[int]) -> int:
         """Prompt tokens whose KV the session ``session_id`` holds (its common prefix); 0 if none."""

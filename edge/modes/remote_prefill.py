@@ -251,6 +251,8 @@ async def run_remote_prefill(turn: Turn, local: LocalEngine, model_key: str) -> 
         TandemError: see ``RemotePrefillTurn.run``.
     """
     local.check_fits(len(turn.ids), turn.sampling.max_new_tokens, turn.prompt_param)
+    if local.session_expired(turn.session_id):
+        turn.clock.session_expired = True
     async with contextlib.aclosing(RemotePrefillTurn(turn, local, model_key).run()) as events:  # type: ignore[type-var]
         async for ev in events:
             yield ev

@@ -5,9 +5,13 @@ in a toy stack (toy tokenizer, the in-memory cloud for direct mode).
 
 A turn whose own KV is larger than the whole bound is refused before it runs, without a retry hint
 (FAILED_PRECONDITION, HTTP 400 ``context_length_exceeded``), saying what it needs and what to do;
-auto mode serves it in the cloud while the cloud is up."""
+auto mode serves it in the cloud while the cloud is up. A local session the bound evicts reports
+``session_expired`` on its next turn, as a split session the edge evicted does."""
 
 from __future__ import annotations
+
+import asyncio
+import math
 
 import grpc
 import httpx
@@ -159,6 +163,47 @@ def _turn(max_new_tokens: int):
     return ChatTurn(
         messages=(("user", "Hi"),), prompt="", sampling=Sampling(max_new_tokens=max_new_tokens), mode=Mode.LOCAL
     )
+
+
+async def test_a_local_session_the_kv_bound_evicts_reports_session_expired_on_its_next_turn(edge):
+    """Room for one session: the next session's turn evicts the idle one; that one's next turn
+    (gRPC ``ChatDone.session_expired``, the HTTP API's ``tandem.session_expired``) says it expired,
+    once, and answers as a fresh session would."""
+    first, err = await edge.chat(build_request(HI, max_new_tokens=4, mode="local", session_id="a"))
+    assert err is None and not first.session_expired and "a" in edge.engine.sessions
+    other, _ = await edge.chat(build_request(HI, max_new_tokens=4, mode="local", session_id="b"))
+    assert not other.session_expired and "a" not in edge.engine.sessions  # evicted for b's KV
+
+    again, err = await edge.chat(build_request(HI, max_new_tokens=4, mode="local", session_id="a"))
+    assert err is None and again.session_expired and again.mode == "local"
+    assert list(again.output_token_ids) == list(first.output_token_ids)
+    later, _ = await edge.chat(build_request(HI, max_new_tokens=4, mode="local", session_id="a"))
+    assert not later.session_expired
+
+    # over HTTP: a conversation (its own edge session), evicted by another one's turn
+    r = await edge.http({"mode": "local", "session_id": "conv-1"})
+    extra = r.json()["tandem"]
+    assert r.status_code == 200 and not extra["session_expired"], r.text
+    await edge.http({"mode": "local", "session_id": "conv-2"})
+    assert extra["session_id"] not in edge.engine.sessions
+    r = await edge.http({"mode": "local", "session_id": "conv-1"})
+    assert r.json()["tandem"]["session_expired"] and r.json()["tandem"]["session_id"] == extra["session_id"]
+
+
+async def test_a_local_session_dropped_idle_reports_session_expired(edge):
+    """A local session dropped for idleness (the edge's sweep) reports ``session_expired`` too; one
+    its client ended does not (it starts as a new one)."""
+    edge.engine.sessions.idle_s = 0.05
+    await edge.chat(build_request(HI, max_new_tokens=2, mode="local", session_id="idle"))
+    await asyncio.sleep(0.1)
+    edge.engine.sessions.expire()  # the sweep (or the end of a turn)
+    assert "idle" not in edge.engine.sessions
+    edge.engine.sessions.idle_s = math.inf
+    done, _ = await edge.chat(build_request(HI, max_new_tokens=2, mode="local", session_id="idle"))
+    assert done.session_expired
+    assert await edge.toy.edge.end_session("idle")
+    done, _ = await edge.chat(build_request(HI, max_new_tokens=2, mode="local", session_id="idle"))
+    assert not done.session_expired
 
 
 async def test_a_session_whose_growth_does_not_fit_beside_its_kv_computes_its_prompt_afresh(decoder_dir, manifest):
