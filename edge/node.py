@@ -397,7 +397,8 @@ class EdgeNode:
         """One leg of a turn: decide the route and run it; in auto mode a cloud that refuses before
         the first token (busy, unreachable) is answered by local mode, local mode (or remote
         prefill) refusing for the edge's KV memory (``QuotaExceeded``: full now; ``TurnTooLarge``:
-        the turn never fits it) by direct mode while the cloud is up, and a stale params version by
+        the turn never fits it) by direct mode while the cloud is up, a split turn too large for the
+        cloud's state bounds by direct (else local) mode, and a stale params version by
         renegotiating and running again."""
         may_wait = turn.requested is not Mode.AUTO or self.local is None  # no local mode to serve meanwhile
         await self.calls.pin(turn, may_wait)  # one replica for the whole leg
@@ -416,14 +417,11 @@ class EdgeNode:
                 await self.calls.renegotiate(turn, e)
                 turn.decision = self.router.decide(turn.request, turn.ids)
             except TurnTooLarge as e:
-                # refused before it ran: never on the edge, so the cloud answers in auto mode, if up
-                cloud = self.router.fallback_to_cloud(turn.request, turn.ids, "fallback: turn too large for the edge")
-                if turn.requested is not Mode.AUTO or cloud is None:
+                other = self._other_mode(turn, e, too_large)
+                too_large = too_large or turn.route_decision.route.mode in (Mode.LOCAL, Mode.REMOTE_PREFILL)
+                if other is None:
                     raise
-                too_large = True
-                log.info("turn too large for the edge's KV memory (%s): serving it in the cloud", e)
-                metrics.record_fallback("turn too large for the edge")
-                turn.decision = cloud
+                turn.decision = other
             except (QuotaExceeded, EngineError) as e:
                 started = started or len(turn.text.token_ids) > before
                 if not started and isinstance(e, EngineError) and self.calls.move_replica(turn, e):
@@ -447,6 +445,30 @@ class EdgeNode:
                 metrics.record_fallback(reason)
                 turn.decision = self.router.fallback(turn.request, turn.ids, f"fallback: {reason}")
         raise EngineError("no mode could serve this turn")  # not reached: the last attempt returns or raises
+
+    def _other_mode(self, turn: Turn, e: TurnTooLarge, too_large_here: bool) -> Decision | None:
+        """Where an auto turn goes that its route refused before it ran, as too large for a bound it
+        can never fit (``e``): direct mode for one local mode or remote prefill refused (the edge's
+        KV memory) or the cloud refused for its state bounds (split: direct keeps no state there),
+        else local mode for the latter while the edge's memory can hold it; None (``e`` stands) when
+        none is up or the turn was not auto. A cloud's refusal names the prompt's field (its bounds
+        are on the prompt; the wire carries no field)."""
+        refused = turn.route_decision.route.mode
+        here = refused in (Mode.LOCAL, Mode.REMOTE_PREFILL)
+        if not here:
+            e.param = turn.prompt_param
+        if turn.requested is not Mode.AUTO:
+            return None
+        where = "edge" if here else "cloud"
+        reason = f"turn too large for the {where}"
+        other = self.router.fallback_to_cloud(turn.request, turn.ids, f"fallback: {reason}")
+        if (other is None or refused is Mode.DIRECT) and not here and not too_large_here and self.local is not None:
+            other = self.router.fallback(turn.request, turn.ids, f"fallback: {reason}")
+        if other is None or other.route == turn.route_decision.route:
+            return None
+        log.info("%s (%s): serving it in %s mode", reason, e, other.route.mode)
+        metrics.record_fallback(reason)
+        return other
 
     async def _run_route(self, turn: Turn) -> Events:
         """Run the leg on its decided route, inside the router's accounting of it (``Router.track``:
