@@ -515,8 +515,8 @@ async def _http_refusal(port: int, body: dict) -> tuple[int, dict]:
 @pytest.mark.parametrize(("name", "value", "code"), _float_rows(FLOAT_FIELDS), ids=repr)
 async def test_a_float_field_out_of_range_gets_one_message_and_code_over_grpc_and_http(surfaces, name, value, code):
     """NaN, +/-inf or a value outside the range of a sampling float: INVALID_ARGUMENT over gRPC and
-    HTTP 400 in OpenAI's shape, with the same field, code and message on both (the SDK refuses it
-    before sending, naming the same field and code)."""
+    HTTP 400 in OpenAI's shape (streamed or not), with the same field, code and message on both (the
+    SDK refuses it before sending, naming the same field and code)."""
     from tandem.chat_request import build_request
 
     _, port, client, http_port = surfaces
@@ -526,9 +526,11 @@ async def test_a_float_field_out_of_range_gets_one_message_and_code_over_grpc_an
     assert (status, param, grpc_code) == ("INVALID_ARGUMENT", name, code), details
     kind, _, message = details.partition(": ")
     assert kind == "InvalidRequest" and "must be a number in" in message and repr(value) in message
-    http_status, err = await _http_refusal(http_port, {name: value})
-    assert http_status == 400, err
-    assert (err["type"], err["param"], err["code"], err["message"]) == ("invalid_request_error", name, code, message)
+    for stream in (False, True):  # a stream is refused before it starts, the same way
+        http_status, err = await _http_refusal(http_port, {name: value, "stream": stream})
+        assert http_status == 400, err
+        want = ("invalid_request_error", name, code, message)
+        assert (err["type"], err["param"], err["code"], err["message"]) == want
     assert await _sdk_verdict(client, {name: value}) == ("INVALID_ARGUMENT", name, code)
 
 
