@@ -416,7 +416,9 @@ class EdgeNode:
                     raise
                 await self.calls.renegotiate(turn, e)
                 turn.decision = self.router.decide(turn.request, turn.ids)
-            except TurnTooLarge as e:
+            except TurnTooLarge as e:  # refused before it ran (a bound checked ahead of any token)
+                if len(turn.text.token_ids) > before:
+                    raise
                 other = self._other_mode(turn, e, too_large)
                 too_large = too_large or turn.route_decision.route.mode in (Mode.LOCAL, Mode.REMOTE_PREFILL)
                 if other is None:
