@@ -267,8 +267,8 @@ class CloudConfig(DaemonSettings):
         default=gib(1),
         description="Bytes one edge's sessions may hold here in memory (activations and KV blocks), counting what "
         "its turns in flight will hold; past it the edge's least recently used sessions without a turn in flight "
-        "leave memory (RESOURCE_EXHAUSTED only for a turn larger than the bound alone, or while every session has "
-        "a turn in flight).",
+        "leave memory (RESOURCE_EXHAUSTED only while every session has a turn in flight; a turn larger than the "
+        "bound alone is refused FAILED_PRECONDITION, TurnTooLarge, with no retry hint).",
     )
     edge_rate_limit: str | None = Field(
         default="50/second;1000/minute",
@@ -340,7 +340,9 @@ class CloudConfig(DaemonSettings):
     )
     max_uploads: Count = Field(default=64, description="Split uploads in flight, all edges together.")
     max_upload_bytes: PositiveBytes = Field(
-        default=gib(1), description="Bytes those uploads may buffer (reserved at the header), all edges together."
+        default=gib(1),
+        description="Bytes those uploads may buffer (reserved at the header), all edges together; one upload "
+        "larger than this (or `max_upload_bytes_per_peer`) alone is refused FAILED_PRECONDITION (TurnTooLarge).",
     )
     max_uploads_per_peer: Count = Field(default=16, description="Split uploads in flight per edge.")
     max_upload_bytes_per_peer: PositiveBytes = Field(
@@ -389,7 +391,7 @@ class CloudConfig(DaemonSettings):
     session_bytes: PositiveBytes = Field(
         default=gib(1),
         description="Activations kept for multi-turn sessions, all together, in bytes, counting what turns in "
-        "flight will hold.",
+        "flight will hold; a session larger than this alone is refused FAILED_PRECONDITION (TurnTooLarge).",
     )
     session_idle_s: Seconds = Field(
         default=1800.0,

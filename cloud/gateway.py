@@ -238,6 +238,7 @@ class Gateway:
 
         Raises:
             EdgeOverLimit, SessionTableFull: no room, every session in the way with a turn in flight.
+            TurnTooLarge: the turn alone passes a whole bound (never fits: no retry hint).
         """
         h = turn.header
         if not h.split_layer:

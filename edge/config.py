@@ -91,8 +91,10 @@ class EdgeConfig(DaemonSettings):
         default=gib(1),
         description="Memory for the whole model's KV in local mode and remote prefill (the builder graph, "
         "`edge-decoder/`), in bytes: sessions' own buffers, batch pools and spare buffers together (device memory "
-        "on a GPU). Idle buffers are freed to make room; a turn that needs more is refused RESOURCE_EXHAUSTED "
-        "(HTTP 429). Keep `session_bytes` below it, so the session table drops idle sessions first.",
+        "on a GPU). Idle buffers are freed to make room; a turn that needs more beside the turns in flight is refused "
+        "RESOURCE_EXHAUSTED (HTTP 429, worth retrying), one whose own KV (prompt + max_new_tokens) is larger than "
+        "this whole bound FAILED_PRECONDITION (HTTP 400, not worth retrying; auto mode serves it in the cloud). "
+        "Keep `session_bytes` below it, so the session table drops idle sessions first.",
     )
     max_prompt_tokens: Count = Field(default=1536, description="Longest prompt accepted, in tokens.")
     max_new_tokens: Count = Field(

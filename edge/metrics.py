@@ -102,7 +102,8 @@ OTHER_PREDICTION_ERROR = EDGE.histogram(
 MODE_FALLBACKS = EDGE.counter(
     "tandem:mode_fallbacks",
     "Auto-mode turns served by another mode than chosen: the cloud refused and local mode served, or the edge's "
-    "KV memory was full and direct mode served.",
+    "KV memory was full (or too small for the turn) and direct mode served, or a split turn passed a whole bound of "
+    "the cloud's and direct (else local) mode served.",
     ["reason"],
 )
 LINK_RTT = EDGE.gauge("tandem:link_rtt_ms", "Smoothed round-trip time edge <-> cloud, in ms.")

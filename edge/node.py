@@ -21,7 +21,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.common.protocol.chat import prompt_token_ids
-from tandem.common.protocol.errors import EngineError, InvalidRequest, LinkLost, ParamsVersionMismatch, QuotaExceeded
+from tandem.common.protocol.errors import (
+    EngineError,
+    InvalidRequest,
+    LinkLost,
+    ParamsVersionMismatch,
+    QuotaExceeded,
+    TurnTooLarge,
+)
 from tandem.common.protocol.limits import RequestLimits
 from tandem.common.protocol.modes import Mode
 from tandem.common.runtime.logs import bind_request, current_caller, current_request_id, new_request_id, turn_log
@@ -388,12 +395,15 @@ class EdgeNode:
 
     async def _legs(self, turn: Turn) -> AsyncGenerator[TextOut | TurnDone, None]:
         """One leg of a turn: decide the route and run it; in auto mode a cloud that refuses before
-        the first token (busy, unreachable) is answered by local mode, local mode refusing for its
-        KV memory (``QuotaExceeded``) by direct mode while the cloud is up, and a stale params
-        version by renegotiating and running again."""
+        the first token (busy, unreachable) is answered by local mode, local mode (or remote
+        prefill) refusing for the edge's KV memory (``QuotaExceeded``: full now; ``TurnTooLarge``:
+        the turn never fits it) by direct mode while the cloud is up, a split turn too large for the
+        cloud's state bounds by direct (else local) mode, and a stale params version by
+        renegotiating and running again."""
         may_wait = turn.requested is not Mode.AUTO or self.local is None  # no local mode to serve meanwhile
         await self.calls.pin(turn, may_wait)  # one replica for the whole leg
         turn.decision = self.router.decide(turn.request, turn.ids)
+        too_large = False  # the edge's KV memory can never hold this turn: no local fallback
         for attempt in (0, 1, 2):
             before, started = len(turn.text.token_ids), False
             try:
@@ -406,6 +416,14 @@ class EdgeNode:
                     raise
                 await self.calls.renegotiate(turn, e)
                 turn.decision = self.router.decide(turn.request, turn.ids)
+            except TurnTooLarge as e:  # refused before it ran (a bound checked ahead of any token)
+                if len(turn.text.token_ids) > before:
+                    raise
+                other = self._other_mode(turn, e, too_large)
+                too_large = too_large or turn.route_decision.route.mode in (Mode.LOCAL, Mode.REMOTE_PREFILL)
+                if other is None:
+                    raise
+                turn.decision = other
             except (QuotaExceeded, EngineError) as e:
                 started = started or len(turn.text.token_ids) > before
                 if not started and isinstance(e, EngineError) and self.calls.move_replica(turn, e):
@@ -422,13 +440,37 @@ class EdgeNode:
                     metrics.record_fallback("edge memory full")
                     turn.decision = cloud
                     continue
-                if self.local is None:
+                if self.local is None or too_large:
                     raise
                 reason = "cloud busy" if isinstance(e, QuotaExceeded) else "cloud unavailable"
                 log.info("%s (%s): serving this turn locally", reason, e)
                 metrics.record_fallback(reason)
                 turn.decision = self.router.fallback(turn.request, turn.ids, f"fallback: {reason}")
         raise EngineError("no mode could serve this turn")  # not reached: the last attempt returns or raises
+
+    def _other_mode(self, turn: Turn, e: TurnTooLarge, too_large_here: bool) -> Decision | None:
+        """Where an auto turn goes that its route refused before it ran, as too large for a bound it
+        can never fit (``e``): direct mode for one local mode or remote prefill refused (the edge's
+        KV memory) or the cloud refused for its state bounds (split: direct keeps no state there),
+        else local mode for the latter while the edge's memory can hold it; None (``e`` stands) when
+        none is up or the turn was not auto. A cloud's refusal names the prompt's field (its bounds
+        are on the prompt; the wire carries no field)."""
+        refused = turn.route_decision.route.mode
+        here = refused in (Mode.LOCAL, Mode.REMOTE_PREFILL)
+        if not here:
+            e.param = turn.prompt_param
+        if turn.requested is not Mode.AUTO:
+            return None
+        where = "edge" if here else "cloud"
+        reason = f"turn too large for the {where}"
+        other = self.router.fallback_to_cloud(turn.request, turn.ids, f"fallback: {reason}")
+        if (other is None or refused is Mode.DIRECT) and not here and not too_large_here and self.local is not None:
+            other = self.router.fallback(turn.request, turn.ids, f"fallback: {reason}")
+        if other is None or other.route == turn.route_decision.route:
+            return None
+        log.info("%s (%s): serving it in %s mode", reason, e, other.route.mode)
+        metrics.record_fallback(reason)
+        return other
 
     async def _run_route(self, turn: Turn) -> Events:
         """Run the leg on its decided route, inside the router's accounting of it (``Router.track``:

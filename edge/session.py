@@ -14,15 +14,11 @@ turn that fails: a failed turn leaves the session as it was.
 from __future__ import annotations
 
 import asyncio
-import math
-import time
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
-from tandem.common.runtime.lru import BoundedLRU
+from tandem.common.runtime.lru import RememberingLRU
 
 
 @dataclass
@@ -87,34 +83,11 @@ class EdgeSession:
                 setattr(self, f.name, getattr(snap, f.name))
 
 
-class EdgeSessions(BoundedLRU[EdgeSession]):
+class EdgeSessions(RememberingLRU[EdgeSession]):
     """LRU of edge sessions bounded by count and bytes (head KV + activations) and by idle time
     (``idle_s`` without a turn). Remembers the ids of the last ``4 * max_entries`` sessions it
-    dropped, so a turn of one can be told its session expired; ``on_drop`` (the edge node's) is
-    told of each, so that the cloud can drop its copy."""
-
-    def __init__(
-        self,
-        max_entries: int,
-        max_bytes: int,
-        idle_s: float = math.inf,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(max_entries, max_bytes, idle_s, clock)
-        self._expired: OrderedDict[str, None] = OrderedDict()
-
-    def dropped(self, key: str, value: EdgeSession, reason: str) -> None:
-        self._expired[key] = None
-        self._expired.move_to_end(key)
-        while len(self._expired) > 4 * self.max_entries:
-            self._expired.popitem(last=False)
-        super().dropped(key, value, reason)
-
-    def expired(self, session_id: str) -> bool:
-        """True once for a session this table dropped (its next turn starts it again)."""
-        if not session_id or session_id in self._s:
-            return False
-        return self._expired.pop(session_id, 0) is None
+    dropped, so a turn of one can be told its session expired (``expired``); ``on_drop`` (the edge
+    node's) is told of each, so that the cloud can drop its copy."""
 
     def get(self, session_id: str) -> EdgeSession:
         """The session (created empty if unknown); a stateless request gets a throwaway one."""

@@ -79,6 +79,11 @@ class Turn:
         return self.request.session_id
 
     @property
+    def prompt_param(self) -> str:
+        """The prompt's field as the client named it: ``messages`` for a chat, else ``prompt``."""
+        return "messages" if self.request.messages else "prompt"
+
+    @property
     def sampling(self) -> Sampling:
         return self.request.sampling
 

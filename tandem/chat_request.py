@@ -90,8 +90,8 @@ def _decimal_in(value: object, param: str, low: float, high: float, low_open: bo
     if (low < x if low_open else low <= x) and x <= high:
         return x
     code = "decimal_below_min_value" if x <= low else "decimal_above_max_value" if x > high else "invalid_value"
-    where = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-    raise BadArgument(f"{param} must be in {where}, got {value!r}", param=param, error_code=code)
+    where = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
+    raise BadArgument(f"{param} must be a number in {where}, got {value!r}", param=param, error_code=code)
 
 
 def _stop_strings(stop: str | Iterable[str] | None) -> tuple[str, ...]:

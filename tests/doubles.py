@@ -286,10 +286,13 @@ class MemoryLocal:
         self.ended.append(session_id)
         return False
 
-    async def generate(self, prompt_ids, sampling, session_id: str = ""):
+    def session_expired(self, session_id: str) -> bool:
+        return False  # it keeps no sessions
+
+    async def generate(self, prompt_ids, sampling, session_id: str = "", *, prompt_param: str = "prompt"):
         from tandem.edge.compute.local import LocalToken
 
-        self.limits.check(prompt_ids, sampling)
+        self.limits.check(prompt_ids, sampling, prompt_param)
         self.calls.append(list(prompt_ids))
         self.prefill_rate.add(0.01)  # what it measures, as LocalEngine does on each run
         toks = self.tokens(sampling.max_new_tokens)

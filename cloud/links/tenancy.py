@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from limits import RateLimitItem, parse_many, storage, strategies
 
 from tandem.cloud.sessions.table import CloudSession, SessionTable
-from tandem.common.protocol.errors import QuotaExceeded
+from tandem.common.protocol.errors import QuotaExceeded, TurnTooLarge
 from tandem.common.runtime.security import Principal
 
 
@@ -134,7 +134,8 @@ class EdgeLimits:
         both count it, committed or not; released on every exit (success, error, cancellation).
 
         Raises:
-            EdgeOverLimit: see ``check_state``. SessionTableFull: the node's table has no room.
+            EdgeOverLimit, TurnTooLarge: see ``check_state``. SessionTableFull: the node's table has
+                no room (TurnTooLarge: never, for this session alone).
         """
         self.check_state(principal, sessions, session_key, prompt_tokens)
         hold = _Hold(session_key, self.turn_bytes(prompt_tokens))
@@ -164,9 +165,9 @@ class EdgeLimits:
         a turn in flight (never ``session_key``).
 
         Raises:
-            EdgeOverLimit: every other session of the edge in the way has a turn in flight, or the
-                turn alone would pass ``max_stored_bytes``; ``retry_after_ms`` when a turn ending may
-                free room.
+            TurnTooLarge: the turn alone would pass ``max_stored_bytes`` (never fits: no retry hint).
+            EdgeOverLimit: every other session of the edge in the way has a turn in flight
+                (``retry_after_ms``: a turn ending frees room).
         """
         mine = sessions.owned_by(principal.tag)
         held: dict[str, int] = {}  # session key -> the most a turn in flight holds for it
@@ -179,8 +180,11 @@ class EdgeLimits:
         others = (set(mine) | set(held)) - {session_key}
         new = self.turn_bytes(prompt_tokens)
         if new > self.max_stored_bytes:
-            raise EdgeOverLimit(
-                f"a turn of {prompt_tokens} tokens holds {new} bytes here, this edge's bound is {self.max_stored_bytes}"
+            raise TurnTooLarge(
+                f"a turn of {prompt_tokens} prompt tokens holds {new} bytes in the cloud, more than this edge's whole "
+                f"bound there, edge_max_stored_bytes = {self.max_stored_bytes} bytes: it can never be held; send a "
+                "shorter prompt, use another mode, or raise the cloud's edge_max_stored_bytes",
+                param="prompt",
             )
         fresh = session_key and session_key not in mine and session_key not in held
         while fresh and len(others) >= self.max_sessions:

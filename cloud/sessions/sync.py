@@ -142,6 +142,7 @@ class SessionSync:
             InvalidRequest: ids, token ids, leaf counts, proof or block size outside the limits.
             QuotaExceeded: the edge is over its request rate, or loading the session would pass the
                 edge's or the node's session bounds with every session in the way in flight.
+            TurnTooLarge: the session alone passes one of those bounds.
         """
         c = as_principal(caller)
         check_sync_request(req, self.limits, self.vocab_size)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tandem.common.protocol.errors import QuotaExceeded
+from tandem.common.protocol.errors import QuotaExceeded, TurnTooLarge
 from tandem.common.runtime.lru import BoundedLRU
 
 LEAF_BYTES = 32  # one Merkle leaf hash
@@ -115,7 +115,8 @@ class SessionTable(BoundedLRU[CloudSession]):
         used sessions that are not busy.
 
         Raises:
-            SessionTableFull: ``nbytes`` alone passes ``max_bytes``, or every session in the way is busy.
+            TurnTooLarge: ``nbytes`` alone passes ``max_bytes``.
+            SessionTableFull: every session in the way is busy.
         """
         self.make_room(key, nbytes)
         held = self._held.setdefault(key, [])
@@ -132,10 +133,16 @@ class SessionTable(BoundedLRU[CloudSession]):
         other session committed or held (see ``hold``).
 
         Raises:
-            SessionTableFull: ``nbytes`` alone passes ``max_bytes``, or every session in the way is busy.
+            TurnTooLarge: ``nbytes`` alone passes ``max_bytes`` (never fits: no retry hint).
+            SessionTableFull: every session in the way is busy.
         """
         if nbytes > self.max_bytes:
-            raise SessionTableFull(f"a session of {nbytes} bytes passes the cloud's bound of {self.max_bytes} bytes")
+            raise TurnTooLarge(
+                f"a session of {nbytes} bytes passes the cloud's whole bound on sessions, session_bytes = "
+                f"{self.max_bytes} bytes: it can never be held; send a shorter prompt, use another mode, or raise "
+                "the cloud's session_bytes",
+                param="prompt",
+            )
         others = (set(self._s) | set(self._held)) - {key}
         while key not in self._s and key not in self._held and len(others) >= self.max_entries:
             self._make_room(others, f"the cloud holds {len(others)} sessions, its bound is {self.max_entries}")

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from tandem.common.protocol.errors import QuotaExceeded
+from tandem.common.protocol.errors import QuotaExceeded, TurnTooLarge
 
 
 @dataclass
@@ -35,11 +35,19 @@ class UploadBudget:
         """Hold ``nbytes`` of upload buffer for ``peer`` for the ``with`` block.
 
         Raises:
-            QuotaExceeded: the upload would pass a per-edge or total bound on count or bytes.
+            TurnTooLarge: the upload alone passes the per-edge or the total bound on bytes (never
+                fits: no retry hint).
+            QuotaExceeded: the upload would pass a bound beside the uploads in flight.
         """
+        most = min(self.max_bytes_per_peer, self.max_bytes)
+        if nbytes > most:
+            raise TurnTooLarge(
+                f"an upload of up to {nbytes} bytes passes the cloud's whole bound on uploads in flight, "
+                f"{most} bytes (max_upload_bytes_per_peer, max_upload_bytes): it can never be taken; send a shorter "
+                "prompt, use direct mode, or raise those bounds",
+                param="prompt",
+            )
         mine = self._per_peer[peer]
-        if nbytes > self.max_bytes_per_peer:
-            raise QuotaExceeded(f"upload of up to {nbytes} bytes exceeds the per-edge bound {self.max_bytes_per_peer}")
         if mine[0] + 1 > self.max_uploads_per_peer or mine[1] + nbytes > self.max_bytes_per_peer:
             raise QuotaExceeded(
                 f"this edge has {mine[0]} uploads ({mine[1]} bytes) in flight; bounds "

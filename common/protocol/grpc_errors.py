@@ -19,6 +19,7 @@ STATUS_OF: dict[type[e.TandemError], grpc.StatusCode] = {
     e.ParamsVersionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     e.IncompatibleModel: grpc.StatusCode.FAILED_PRECONDITION,
     e.ModeUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
+    e.TurnTooLarge: grpc.StatusCode.FAILED_PRECONDITION,  # never fits as it is: not retried (unlike QuotaExceeded)
     e.UploadTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
     e.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     e.CorruptPayload: grpc.StatusCode.INVALID_ARGUMENT,

@@ -19,6 +19,7 @@ route (``edge.routing.router``), the upload's framing (``cloud.uploads.upload``)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -63,8 +64,9 @@ class RequestLimits:
         Raises:
             InvalidRequest: an empty or too long prompt, a token id outside the vocabulary,
                 ``max_new_tokens`` outside ``1..max_new_tokens``, prompt plus ``max_new_tokens``
-                beyond ``max_model_len_tokens``, sampling values out of range (temperature in
-                ``[0, MAX_TEMPERATURE]``, top_p in ``(0, 1]``, top_k >= 0), more than
+                beyond ``max_model_len_tokens``, sampling values out of range (``check_sampling``:
+                temperature in ``[0, MAX_TEMPERATURE]``, top_p in ``(0, 1]``, NaN and +/-inf
+                nowhere, top_k >= 0), more than
                 ``MAX_STOP_TOKENS`` stop token ids or one outside the vocabulary; ``param`` names
                 the field.
         """
@@ -117,16 +119,47 @@ def _out_of_range(param: str, value: float, low: float, high: float, integer: bo
     return InvalidRequest(f"{param} {value} is outside [{low}, {high}]", param=param, code=code)
 
 
+@dataclass(frozen=True)
+class DecimalRange:
+    """The values a float field of a request may take: ``[low, high]``, or ``(low, high]`` with
+    ``low_open``; NaN and the infinities are outside every range."""
+
+    low: float
+    high: float
+    low_open: bool = False
+
+    def __str__(self) -> str:
+        return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+    def check(self, param: str, value: float) -> None:
+        """Raises InvalidRequest (``param`` the field) for ``value`` outside the range: OpenAI's
+        ``decimal_below_min_value`` / ``decimal_above_max_value`` (-inf / +inf among them), and
+        ``invalid_value`` for NaN (neither above nor below). The one check of a float field on every
+        surface (gRPC, the HTTP API, the cloud's on the wire), so each gives one message and code."""
+        if (self.low < value if self.low_open else self.low <= value) and value <= self.high:
+            return
+        if math.isnan(value):
+            code = "invalid_value"
+        else:
+            code = "decimal_below_min_value" if value <= self.low else "decimal_above_max_value"
+        raise InvalidRequest(f"{param} must be a number in {self}, got {value!r}", param=param, code=code)
+
+
+# the float fields of ``Sampling`` and their ranges: vLLM's ``SamplingParams`` (and OpenAI's API) take
+# no more; the HTTP API's own float fields are in ``edge.api.request_models.PENALTY_RANGE``
+SAMPLING_DECIMALS: dict[str, DecimalRange] = {
+    "temperature": DecimalRange(0.0, MAX_TEMPERATURE),
+    "top_p": DecimalRange(0.0, 1.0, low_open=True),
+}
+
+
 def check_sampling(s: Sampling) -> None:
-    """Raises InvalidRequest (``param`` the field) for a temperature outside ``[0, MAX_TEMPERATURE]``,
-    a top_p outside ``(0, 1]``, a top_k outside ``[0, 2**31)`` (the wire's int32; at or above the
-    vocabulary size it is off, as 0 is) or a seed that is not a 64-bit integer (NaN is outside every
-    range: ``invalid_value``)."""
-    if not 0 <= s.temperature <= MAX_TEMPERATURE:
-        raise _out_of_range("temperature", s.temperature, 0, MAX_TEMPERATURE, integer=False)
-    if not 0 < s.top_p <= 1:
-        code = "decimal_below_min_value" if s.top_p <= 0 else "decimal_above_max_value" if s.top_p > 1 else None
-        raise InvalidRequest(f"top_p {s.top_p} is outside (0, 1]", param="top_p", code=code)
+    """Raises InvalidRequest (``param`` the field) for a float field outside its range
+    (``SAMPLING_DECIMALS``: temperature in ``[0, MAX_TEMPERATURE]``, top_p in ``(0, 1]``; NaN and
+    +/-inf are outside every range), a top_k outside ``[0, 2**31)`` (the wire's int32; at or above
+    the vocabulary size it is off, as 0 is) or a seed that is not a 64-bit integer."""
+    for name, bounds in SAMPLING_DECIMALS.items():
+        bounds.check(name, getattr(s, name))
     if not 0 <= s.top_k < 1 << 31:
         raise _out_of_range("top_k", s.top_k, 0, (1 << 31) - 1, integer=True)
     if s.seed is not None and not -(1 << 63) <= s.seed < 1 << 63:

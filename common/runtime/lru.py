@@ -147,3 +147,44 @@ class BoundedLRU(ABC, Generic[V]):
         ``"expired"``); reports it to ``on_drop``. A subclass may extend it."""
         if self.on_drop is not None:
             self.on_drop(key, value, reason)
+
+
+class RememberingLRU(BoundedLRU[V]):
+    """A ``BoundedLRU`` that remembers the keys of the last ``4 * max_entries`` entries it dropped by
+    itself (evicted or expired; not those ``discard``ed by the owner), so that the next use of one
+    can be told its entry expired (``expired``): the edge's session tables, whose client then hears
+    ``session_expired``."""
+
+    def __init__(
+        self,
+        max_entries: int,
+        max_bytes: int,
+        idle_s: float = math.inf,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(max_entries, max_bytes, idle_s, clock)
+        self._expired: OrderedDict[str, None] = OrderedDict()
+
+    def dropped(self, key: str, value: V, reason: str) -> None:
+        self._expired[key] = None
+        self._expired.move_to_end(key)
+        while len(self._expired) > 4 * self.max_entries:
+            self._expired.popitem(last=False)
+        super().dropped(key, value, reason)
+
+    def discard(self, key: str) -> V | None:
+        self._expired.pop(key, None)  # the owner ended it: a later entry of that key is new, not expired
+        return super().discard(key)
+
+    def expired(self, key: str) -> bool:
+        """True once for a key this table dropped by itself and has not held since (its next use
+        starts it again), an entry idle past ``idle_s`` that no sweep dropped yet among them (dropped
+        now); False for "" (no entry: stateless)."""
+        if not key:
+            return False
+        v = self._s.get(key)
+        if v is not None and self._idle_past(key, v, self.clock()):
+            self._drop(key, EXPIRED)
+        if key in self._s:
+            return False
+        return self._expired.pop(key, 0) is None

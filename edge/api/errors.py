@@ -77,6 +77,7 @@ STATUS_OF: dict[type[e.TandemError], tuple[int, str]] = {
     e.CorruptPayload: (500, "server_error"),  # the edge's own payload, not the client's request
     e.InvalidRequest: (400, INVALID_REQUEST),
     e.ModeUnavailable: (400, INVALID_REQUEST),  # a mode (or split layer) this edge does not have
+    e.TurnTooLarge: (400, INVALID_REQUEST),  # larger than the edge's whole KV bound: no Retry-After
     e.Unauthenticated: (401, INVALID_REQUEST),
     e.PermissionDenied: (403, INVALID_REQUEST),
     e.QuotaExceeded: (429, "rate_limit_error"),

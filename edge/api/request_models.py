@@ -23,12 +23,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from tandem.common.protocol.limits import DecimalRange
 from tandem.common.protocol.params import MAX_STOP_TOKENS, Sampling
 from tandem.common.protocol.text import find_non_text
 from tandem.edge.api.errors import ApiError, param_path
 from tandem.edge.events import chat_role, check_stops
 
 Ignored = Any  # an OpenAI field accepted and ignored by design: it changes nothing tandem does
+PENALTY_RANGE = DecimalRange(-2.0, 2.0)  # presence_penalty, frequency_penalty: OpenAI's and vLLM's range
 
 # the OpenAI fields accepted and ignored by design, per object (docs/clients.md lists them)
 IGNORED_FIELDS = {
@@ -70,8 +72,10 @@ class RequestBase(_Closed):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)  # float bounds: OpenAI's decimal_* codes
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # float fields: their ranges are checked as over gRPC (``common.protocol.limits.DecimalRange``), so
+    # NaN, +/-inf and values out of range get one message and code on both APIs
+    temperature: float | None = None
+    top_p: float | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -170,11 +174,15 @@ def _refuse(param: str, message: str, code: str = "unsupported_parameter") -> Ap
 
 
 def refuse_unsupported(r: RequestBase) -> None:
-    """Raises ApiError for what both endpoints know but cannot honour."""
+    """Raises ApiError for what both endpoints know but cannot honour, InvalidRequest for a penalty
+    outside ``PENALTY_RANGE`` (NaN, +/-inf among them; checked before "only 0")."""
     if r.n not in (None, 1):
         raise _refuse("n", "must be 1: this server returns one choice per request", "unsupported_value")
     for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(r, name):
+        value = getattr(r, name)
+        if value is not None:
+            PENALTY_RANGE.check(name, value)
+        if value:
             raise _refuse(name, "is not supported (only 0)", "unsupported_value")
     if r.logit_bias:
         raise _refuse("logit_bias", "is not supported")

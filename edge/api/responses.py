@@ -40,6 +40,7 @@ def tandem_extra(done: TurnDone, session_id: str) -> dict[str, Any]:
         "received_bytes": done.wire_received_bytes(),
         "edge_decoded_tokens": done.edge_decoded_tokens,
         "resumes": done.resumes,
+        "session_expired": done.session_expired,
     }
 
 

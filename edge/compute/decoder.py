@@ -1176,6 +1176,43 @@ class DecoderGraph:
             QuotaExceeded: no room for new buffers within ``max_kv_bytes``."""
         return self._spare(self._capacity_for(max(1, tokens_hint)))
 
+    def reserve_kv(self, slot: KVSlot, tokens: int) -> None:
+        """Make ``slot`` hold ``tokens`` tokens without growing later (a turn's prompt and output,
+        before its prefill, so a growth that does not fit is refused then, not mid-decode): grown
+        into own buffers now where its capacity is smaller; one that holds them stays where it is.
+
+        Raises:
+            InvalidRequest: ``tokens`` exceeds the model's positions.
+            QuotaExceeded: no room for the bigger buffers beside the held ones; nothing changes then."""
+        if tokens > slot.capacity_tokens:
+            self._own(slot, tokens)
+
+    @property
+    def max_kv_bytes(self) -> int | None:
+        """The bound on every KV buffer held (``local_kv_bytes``); None: unbounded."""
+        return self.memory.max_bytes
+
+    def turn_kv_bytes(self, tokens: int) -> int:
+        """Bytes one session of ``tokens`` tokens needs alone: the buffers of the capacity that holds
+        them (``new_kv``; KV, mask, step input and outputs).
+
+        Raises:
+            InvalidRequest: ``tokens`` exceeds the model's positions."""
+        return self._session_nbytes(self._capacity_for(max(1, tokens)))
+
+    def max_turn_tokens(self) -> int:
+        """The most tokens one session can hold within ``max_kv_bytes`` with nothing else held (the
+        model's positions when unbounded; 0 when not even the smallest slot fits)."""
+        most, cap = 0, self.min_slot_tokens
+        while True:
+            cap = min(cap, self.spec.context_tokens)
+            if self.max_kv_bytes is not None and self._session_nbytes(cap) > self.max_kv_bytes:
+                return most
+            most = cap
+            if cap >= self.spec.context_tokens:
+                return most
+            cap *= 2
+
     def release(self, slot: KVSlot) -> None:
         """The session is gone: its pool row is freed (the KV dropped), its own buffers become a
         spare for the next session of that capacity (up to ``FREE_SLOTS_PER_CAPACITY`` per

@@ -54,14 +54,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tandem.common.model.builder_export import blocked_prefix_sum
-from tandem.common.protocol.errors import EngineError, InvalidRequest, QuotaExceeded
+from tandem.common.protocol.errors import EngineError, InvalidRequest, QuotaExceeded, TurnTooLarge
 from tandem.common.protocol.limits import RequestLimits
 from tandem.common.protocol.manifest import ModelShape
 from tandem.common.protocol.params import Sampling
 from tandem.common.runtime.ewma import Ewma
-from tandem.common.runtime.lru import BoundedLRU
+from tandem.common.runtime.lru import RememberingLRU
 from tandem.edge.compute.localkv import KV, blocks_from_past, past_from_blocks
-from tandem.edge.compute.localmodel import Draw, LocalModel, OnnxForward, check_past
+from tandem.edge.compute.localmodel import BoundedKVModel, Draw, LocalModel, OnnxForward, check_past
 from tandem.edge.compute.stepper import Mailbox, Stepper
 
 __all__ = ["KV", "LocalEngine", "LocalGenerator", "LocalSession", "LocalSessions", "LocalToken", "load_local_model"]
@@ -112,8 +112,10 @@ class LocalSession:
         self.kv, self.token_ids, self.dropped = None, [], final
 
 
-class LocalSessions(BoundedLRU[LocalSession]):
-    """LRU of local sessions bounded by count and KV bytes; sessions in use are never dropped."""
+class LocalSessions(RememberingLRU[LocalSession]):
+    """LRU of local sessions bounded by count and KV bytes (and idle time); sessions in use are never
+    dropped. Remembers the ids of the sessions it dropped (evicted by a bound, the KV memory's
+    among them, or expired), so the next turn of one is told its session expired (``expired``)."""
 
     def get(self, session_id: str) -> LocalSession:
         """The session (created empty if unknown); an empty id gets a throwaway one (stateless)."""
@@ -419,6 +421,12 @@ class LocalEngine:
                 self.sessions.discard(session_id)
         return True
 
+    def session_expired(self, session_id: str) -> bool:
+        """True once for a session the session table dropped by itself (evicted by a bound, the KV
+        memory's among them, or idle): the turn asking starts it again, and its client is told
+        (``TurnDone.session_expired``). Call it before the turn's ``generate`` (which holds the id again)."""
+        return self.sessions.expired(session_id)
+
     def cached_tokens(self, session_id: str, prompt_ids: Sequence[int]) -> int:
         """Prompt tokens whose KV the session ``session_id`` holds (its common prefix); 0 if none."""
         s = self.sessions.peek(session_id) if session_id else None
@@ -441,17 +449,47 @@ class LocalEngine:
         """What this model takes: token ids in its vocabulary, prompt and output within its positions."""
         return RequestLimits(vocab_size=self.shape.vocab_size, max_model_len_tokens=self.shape.max_position_embeddings)
 
-    def validate(self, prompt_ids: Sequence[int], s: Sampling) -> None:
-        """Raises:
+    def validate(self, prompt_ids: Sequence[int], s: Sampling, prompt_param: str = "prompt") -> None:
+        """``prompt_param``: the prompt's field (``messages`` for a chat).
+
+        Raises:
         InvalidRequest: prompt ids that are not a flat list of integers, or what
             ``RequestLimits.check`` refuses under ``limits`` (an empty prompt, a token id outside
             ``[0, V)``, ``max_new_tokens < 1``, prompt plus ``max_new_tokens`` beyond the model's
             positions, sampling values or stop token ids out of range).
+        TurnTooLarge: see ``check_fits``.
         """
         ids = np.asarray(prompt_ids)
         if len(prompt_ids) and (ids.ndim != 1 or ids.dtype.kind not in "iu"):
             raise InvalidRequest("prompt_ids must be a flat list of integers")
-        self.limits.check(prompt_ids, s)
+        self.limits.check(prompt_ids, s, prompt_param)
+        self.check_fits(len(prompt_ids), s.max_new_tokens, prompt_param)
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int, prompt_param: str = "prompt") -> None:
+        """Whether a turn's own KV (``prompt_tokens + max_new_tokens`` tokens) fits the model's whole
+        KV memory bound (``local_kv_bytes``; a model without a bound takes any turn its positions hold).
+        Checked before anything runs: a turn refused here could never run, however much is freed.
+
+        Raises:
+            TurnTooLarge: it does not; ``param`` ``max_new_tokens``, or ``prompt_param`` when the
+                prompt with one new token does not fit either.
+        """
+        model = self.model
+        if not isinstance(model, BoundedKVModel) or model.max_kv_bytes is None:
+            return
+        bound = model.max_kv_bytes
+        need = model.turn_kv_bytes(prompt_tokens + max_new_tokens)
+        if need <= bound:
+            return
+        most = model.max_turn_tokens()
+        prompt_too_long = prompt_tokens + 1 > most
+        raise TurnTooLarge(
+            f"this turn's KV needs {need} bytes (prompt {prompt_tokens} + max_new_tokens {max_new_tokens} tokens), "
+            f"more than the edge's whole bound on local KV memory, local_kv_bytes = {bound} bytes, which holds "
+            f"at most {most} tokens of one turn: it can never run in local mode on this edge; ask for fewer tokens "
+            "(a shorter prompt or a smaller max_new_tokens), use another mode, or raise the edge's local_kv_bytes",
+            param=prompt_param if prompt_too_long else "max_new_tokens",
+        )
 
     # ---- runs: every one in the stepper's thread (``edge.compute.stepper``) ------------------------
 
@@ -488,16 +526,23 @@ class LocalEngine:
             self.model.release(self._released.pop())
 
     def _kv(self, sess: LocalSession, tokens_hint: int) -> Any:
-        """The session's KV, allocated on its first run (in the thread).
+        """The session's KV, allocated on its first run for ``tokens_hint`` tokens, or made to hold
+        them where the model reserves room ahead (``DecoderGraph.reserve_kv``: a turn's growth fails
+        at its prefill, not mid-decode); in the thread.
 
         Raises:
-            EngineError: the session was dropped meanwhile (its turn was cancelled or ended)."""
+            EngineError: the session was dropped meanwhile (its turn was cancelled or ended).
+            QuotaExceeded: no room for the KV within the model's bound."""
         if sess.dropped:
             raise EngineError("the local session was dropped")
         if sess.kv is None:
             sess.kv, sess.token_ids = self.model.new_kv(tokens_hint), []
             if sess.release is None:
                 sess.release = self._released.append
+        else:
+            reserve = getattr(self.model, "reserve_kv", None)
+            if reserve is not None:
+                reserve(sess.kv, tokens_hint)
         return sess.kv
 
     def _advance(
@@ -706,7 +751,13 @@ class LocalEngine:
         return tok, logits, wait_ms, ms
 
     async def generate(
-        self, prompt_ids: list[int], sampling: Sampling, session_id: str = "", *, session: LocalSession | None = None
+        self,
+        prompt_ids: list[int],
+        sampling: Sampling,
+        session_id: str = "",
+        *,
+        session: LocalSession | None = None,
+        prompt_param: str = "prompt",
     ) -> AsyncGenerator[LocalToken, None]:
         """Yield the turn's tokens; the last one carries ``finish_reason``.
 
@@ -724,14 +775,17 @@ class LocalEngine:
         holding the tokens computed so far (the next turn's prompt reuses what it shares).
 
         A prefill the model's KV memory bound refuses (``QuotaExceeded``) drops the least recently
-        used session no turn holds and starts again, until it fits or every session is in use.
+        used session no turn holds and starts again, until it fits or every session is in use; then,
+        where the turn's own session holds KV (whose growth needs the old buffers and the new ones at
+        once), it drops that KV too and computes the prompt afresh, once.
 
         Raises:
-            InvalidRequest: see ``validate`` (raised on the first iteration).
-            QuotaExceeded: the turn does not fit the model's KV memory bound with every session
-                that no turn holds dropped.
+            InvalidRequest, TurnTooLarge: see ``validate`` (raised on the first iteration;
+                ``prompt_param`` names the prompt's field).
+            QuotaExceeded: the turn does not fit the model's KV memory bound beside what the turns
+                in flight hold (it would once they end: worth retrying).
         """
-        self.validate(prompt_ids, sampling)
+        self.validate(prompt_ids, sampling, prompt_param)
         prompt = [int(t) for t in prompt_ids]
         self.active += 1
         try:
@@ -746,7 +800,7 @@ class LocalEngine:
                         try:
                             tok = await run.next()
                         except QuotaExceeded:
-                            if not prefilling or not self._make_room():
+                            if not prefilling or not (self._make_room() or self._start_afresh(sess)):
                                 raise
                             run.cancelled = True  # the refused prefill; the turn starts again
                             self.pending_prefill_tokens -= prefilling
@@ -781,6 +835,16 @@ class LocalEngine:
         if victim is not None:
             log.info("local session %s dropped: the model's KV memory bound needs its room", victim)
         return victim is not None
+
+    @staticmethod
+    def _start_afresh(sess: LocalSession) -> bool:
+        """Drop the KV the turn's own session holds (its growth did not fit beside it: the prompt is
+        computed anew into buffers of the turn's size). False when it holds none."""
+        if sess.kv is None:
+            return False
+        log.info("a local session's KV dropped: its growth does not fit beside it in the KV memory bound")
+        sess.drop(final=False)
+        return True
 
     def _begin(self, sess: LocalSession, prompt: list[int], s: Sampling) -> TurnRun:
         """The turn's state, its prefill queued (counted in ``pending_prefill_tokens``)."""

@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -128,6 +128,25 @@ class LocalModel(Protocol):
 
     def release(self, kv: Any) -> None:
         """The session is gone: its buffers may serve another session."""
+        ...
+
+
+@runtime_checkable
+class BoundedKVModel(Protocol):
+    """A ``LocalModel`` whose KV memory has a bound (``edge.compute.decoder.DecoderGraph``): what
+    ``LocalEngine.check_fits`` asks before a turn runs."""
+
+    @property
+    def max_kv_bytes(self) -> int | None:
+        """The bound on every KV buffer held, in bytes; None: unbounded."""
+        ...
+
+    def turn_kv_bytes(self, tokens: int) -> int:
+        """Bytes one session of ``tokens`` tokens needs alone."""
+        ...
+
+    def max_turn_tokens(self) -> int:
+        """The most tokens one session can hold within ``max_kv_bytes`` with nothing else held."""
         ...
 
 

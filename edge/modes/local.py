@@ -4,6 +4,7 @@ the cost model. No cloud."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 from tandem.edge.compute.local import LocalEngine
@@ -11,12 +12,21 @@ from tandem.edge.events import TextOut, TurnDone
 from tandem.edge.turn import Turn
 from tandem.stages import Stage
 
+log = logging.getLogger("tandem.edge")
+
 
 async def run_local(turn: Turn, engine: LocalEngine) -> AsyncIterator[TextOut | TurnDone]:
     """Yields the turn's text deltas, then its ``TurnDone`` (finish ``stop`` at a stop string, else
-    the engine's reason)."""
+    the engine's reason).
+
+    Raises:
+        TurnTooLarge: the turn's own KV is larger than the engine's whole bound (before it runs).
+        QuotaExceeded: no room beside the turns in flight (``LocalEngine.generate``)."""
     text, finish, first = turn.text, "length", True
-    async for step in engine.generate(turn.ids, turn.sampling, turn.session_id):
+    if engine.session_expired(turn.session_id):
+        turn.clock.session_expired = True
+        log.info("local session %s had expired (dropped by a bound or idle): starting it again", turn.session_id)
+    async for step in engine.generate(turn.ids, turn.sampling, turn.session_id, prompt_param=turn.prompt_param):
         if first:  # the prefill's run apart from its wait for the runs ahead (the cost model's queue term)
             turn.clock.timings[Stage.LOCAL_QUEUE] = step.wait_ms
             turn.clock.timings[Stage.LOCAL_PREFILL] = step.run_ms

@@ -242,6 +242,17 @@ class RemotePrefillTurn:
         )
 
 
-def run_remote_prefill(turn: Turn, local: LocalEngine, model_key: str) -> AsyncIterator[TextOut | TurnDone]:
-    """Remote prefill of ``turn`` (see module doc)."""
-    return RemotePrefillTurn(turn, local, model_key).run()
+async def run_remote_prefill(turn: Turn, local: LocalEngine, model_key: str) -> AsyncIterator[TextOut | TurnDone]:
+    """Remote prefill of ``turn`` (see module doc).
+
+    Raises:
+        TurnTooLarge: the turn's own KV is larger than the whole bound on the edge's KV memory
+            (``LocalEngine.check_fits``, before the cloud is called: the edge could not hold it).
+        TandemError: see ``RemotePrefillTurn.run``.
+    """
+    local.check_fits(len(turn.ids), turn.sampling.max_new_tokens, turn.prompt_param)
+    if local.session_expired(turn.session_id):
+        turn.clock.session_expired = True
+    async with contextlib.aclosing(RemotePrefillTurn(turn, local, model_key).run()) as events:  # type: ignore[type-var]
+        async for ev in events:
+            yield ev

@@ -3,8 +3,9 @@ requests are admitted exactly up to it: sessions per edge, bytes an edge stores,
 table, uploads (count and bytes, per edge and in total) and links per edge. Many turns are held in
 flight at once (their uplinks wait behind a gate after the header), exactly the bound's number are
 admitted, the rest are refused with RESOURCE_EXHAUSTED (``QuotaExceeded``), and once they end, by
-success, error or cancellation, nothing is left held. The engines' slots are held the other way:
-no turn waits while one is free. In-memory stack (``tests/doubles.py``)."""
+success, error or cancellation, nothing is left held. A turn that alone passes a bound is refused
+at once as never fitting (``TurnTooLarge``, FAILED_PRECONDITION, no retry hint). The engines'
+slots are held the other way: no turn waits while one is free. In-memory stack (``tests/doubles.py``)."""
 
 from __future__ import annotations
 
@@ -194,6 +195,39 @@ async def test_concurrent_uploads_are_admitted_exactly_up_to_each_upload_bound(f
         link.gate.set()
         done = await asyncio.gather(*tasks, return_exceptions=True)
         assert sum(1 for d in done if not isinstance(d, BaseException)) == 3
+        nothing_held(toy)
+    finally:
+        await toy.batcher.stop()
+
+
+# ------------------------------------------------------------------ a turn larger than a whole bound
+
+# (the bound's owner, its field): each bounds what one split turn holds in the cloud
+WHOLE_BOUNDS = [
+    ("edge_limits", "max_stored_bytes"),
+    ("sessions", "max_bytes"),
+    ("budget", "max_bytes_per_peer"),
+    ("budget", "max_bytes"),
+]
+
+
+@pytest.mark.parametrize(("owner", "field"), WHOLE_BOUNDS, ids=[f"{o}.{f}" for o, f in WHOLE_BOUNDS])
+async def test_a_turn_larger_than_a_whole_bound_is_refused_as_never_fitting(owner: str, field: str):
+    """A split turn that alone passes a bound (here 1 byte) can never be admitted, however long it
+    waits: ``TurnTooLarge`` (FAILED_PRECONDITION) naming the prompt, without a retry hint, and
+    nothing left held; not ``QuotaExceeded`` with ``retry-after-ms``."""
+    from tandem.common.protocol.errors import TurnTooLarge
+    from tandem.common.protocol.grpc_errors import retry_after_ms, status_of
+
+    toy = await toy_stack()
+    gw = toy.gateway
+    target = {"edge_limits": gw.edge_limits, "sessions": gw.sessions, "budget": gw.receiver.budget}[owner]
+    try:
+        setattr(target, field, 1)
+        with pytest.raises(TurnTooLarge) as e:
+            await run(toy.edge, turn(PROMPT, session="big", n=2))
+        assert status_of(e.value).name == "FAILED_PRECONDITION" and retry_after_ms(e.value) is None
+        assert e.value.param == "messages" and e.value.code == "context_length_exceeded"  # a chat's prompt
         nothing_held(toy)
     finally:
         await toy.batcher.stop()

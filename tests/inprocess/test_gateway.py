@@ -435,7 +435,7 @@ async def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(toy):
         with pytest.raises(InvalidRequest, match="cannot fit"):
             await run(toy.edge, turn("x" * (toy.edge.max_prompt_chars + 1)))
         assert not calls
-        with pytest.raises(InvalidRequest, match=r"temperature 3.0 is outside \[0, 2.0\]"):
+        with pytest.raises(InvalidRequest, match=r"temperature must be a number in \[0, 2\], got 3.0"):
             await run(toy.edge, replace(turn("hi"), sampling=Sampling(max_new_tokens=2, temperature=3.0)))
     finally:
         tok.apply_chat_template = orig

@@ -330,6 +330,25 @@ def test_sessions_are_bounded_lru():
     assert table.get("e") is table.get("e")
 
 
+def test_the_session_table_reports_each_session_it_dropped_as_expired_once():
+    """Evicted (count or bytes) and idle sessions are ``expired`` once, at their next turn, as the
+    edge's split sessions are; one ended by its client (``discard``) or held again is not."""
+    now = [0.0]
+    table = LocalSessions(max_entries=1, max_bytes=1 << 20, idle_s=10.0, clock=lambda: now[0])
+    table.put("a", LocalSession())
+    table.put("b", LocalSession())
+    assert table.evict() == ["a"]
+    assert table.expired("a") and not table.expired("a")  # once
+    assert not table.expired("b") and not table.expired("") and not table.expired("never")
+    now[0] = 11.0  # "b" idle past idle_s, not swept yet: its next turn drops it and is told
+    assert table.expired("b") and "b" not in table
+    table.put("c", LocalSession())
+    table.put("d", LocalSession())
+    table.evict()
+    table.discard("c")  # absent already: its client ends it; a later turn is a new session
+    assert not table.expired("c")
+
+
 def test_local_generator_wrapper(edge_full, manifest, prompts, ref, eos):
     """The benchmark's LocalGenerator yields the reference greedy tokens with non-decreasing timestamps."""
     gen = LocalGenerator(edge_full, manifest.shape, intra_op_threads=2)

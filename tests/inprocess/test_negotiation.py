@@ -588,7 +588,7 @@ async def test_default_configs_negotiate_fp16_for_weights_without_a_fidelity_tab
 class FullLocal(MemoryLocal):
     """Local mode whose KV memory is full: every turn is refused before its first token."""
 
-    async def generate(self, prompt_ids, sampling, session_id: str = ""):
+    async def generate(self, prompt_ids, sampling, session_id: str = "", *, prompt_param: str = "prompt"):
         self.calls.append(list(prompt_ids))
         raise QuotaExceeded("the local model's KV memory is used up (local_kv_bytes)")
         yield  # an async generator

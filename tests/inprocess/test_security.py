@@ -27,8 +27,10 @@ from tandem.common.protocol.errors import (
     EngineError,
     InvalidRequest,
     QuotaExceeded,
+    TurnTooLarge,
     Unauthenticated,
 )
+from tandem.common.protocol.grpc_errors import retry_after_ms
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import NegotiateOffer, Sampling
 from tandem.common.runtime.grpc_setup import add_service, channel_credentials, server_credentials, start_server
@@ -436,8 +438,9 @@ async def test_stored_bytes_per_edge_are_bounded(pki):
     c = await edge_over(link_to(cloud.port, ca=pki.ca_file, cert=pki.leaf("edge-c"), api_key=KEYS["edge-c"]), "c")
     try:
         await run(c, chat([("user", "short")], "small", n=1))
-        with pytest.raises(QuotaExceeded, match="bytes"):
+        with pytest.raises(TurnTooLarge, match="edge_max_stored_bytes") as e:  # alone: it can never fit
             await run(c, chat([("user", LONG * 3)], "big", n=1))
+        assert retry_after_ms(e.value) is None  # across the real gRPC link: no retry hint
         assert cloud.gateway.receiver.budget.uploads == 0
     finally:
         await close_edge(c)

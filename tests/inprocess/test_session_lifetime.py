@@ -17,7 +17,8 @@ from prometheus_client import REGISTRY
 from tandem.cloud.links.tenancy import EdgeOverLimit
 from tandem.cloud.sessions.store import record_key
 from tandem.cloud.turn import as_principal
-from tandem.common.protocol.errors import QuotaExceeded
+from tandem.common.protocol.errors import QuotaExceeded, TurnTooLarge
+from tandem.common.protocol.grpc_errors import retry_after_ms, status_of
 from tandem.common.protocol.modes import Mode
 from tandem.common.protocol.params import NegotiateOffer, Sampling
 from tandem.common.runtime.grpc_setup import add_service, start_server
@@ -30,6 +31,7 @@ from tandem.edge.link.base import InProcessLink
 from tandem.edge.link.connection import CloudConnection
 from tandem.edge.modes.split_head import Head
 from tandem.edge.node import EdgeNode
+from tandem.edge.routing.costmodel import CostModel, Route
 from tandem.edge.session import EdgeSessions
 from tests.doubles import HKV, MANIFEST, D, H, K, MemoryLocal, toy_node, toy_stack
 from tests.helpers import run
@@ -177,8 +179,17 @@ async def test_stored_bytes_past_the_bound_make_room_too():
             assert (await run(toy.edge, chat(f"b{i}"))).mode is Mode.SPLIT
             assert len(toy.gateway.sessions) <= 2
         toy.gateway.edge_limits.max_stored_bytes = per_session - 1  # one turn alone is too large: refused
-        with pytest.raises(EdgeOverLimit, match="bytes"):
+        with pytest.raises(TurnTooLarge, match="edge_max_stored_bytes") as e:
             await run(toy.edge, chat("too-big"))
+        # never fits: not retryable, and it names the prompt's field
+        assert status_of(e.value).name == "FAILED_PRECONDITION" and retry_after_ms(e.value) is None
+        assert (e.value.param, e.value.code) == ("messages", "context_length_exceeded")
+        # auto mode, choosing split (the route it ran last, kept however much faster another is
+        # predicted): the refusal sends the turn to direct mode, which keeps no state in the cloud
+        toy.edge.cost = CostModel(hysteresis=1e9, explore_every=0)
+        toy.edge.cost.last = Route(Mode.SPLIT, K)
+        done = await run(toy.edge, chat("too-big-auto", mode=Mode.AUTO))
+        assert done.mode is Mode.DIRECT and done.mode_reason == "fallback: turn too large for the cloud"
     finally:
         await toy.batcher.stop()
 

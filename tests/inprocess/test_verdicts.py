@@ -6,6 +6,8 @@ refuses on its own it says the same."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import replace
 
@@ -444,6 +446,103 @@ async def test_a_bad_field_of_a_raw_prompt_gets_one_verdict_on_every_surface(sur
     _, _, client, http_port = surfaces
     assert await _sdk_verdict(client, kw) == ("INVALID_ARGUMENT", param, code)
     assert await _http_verdict(http_port, kw, "completions") == (400, param, code)
+
+
+# Every float field of a request with a value below and one above its range: ``Sampling``'s (gRPC,
+# the SDK, HTTP) and the HTTP API's own; with NaN, +inf and -inf too, each is a row of the table below.
+FLOAT_FIELDS = {"temperature": (-0.5, 2.5), "top_p": (-0.1, 1.5)}
+HTTP_FLOAT_FIELDS = {"presence_penalty": (-2.5, 2.5), "frequency_penalty": (-2.5, 2.5)}
+
+
+def _float_rows(fields: dict[str, tuple[float, float]]) -> list[tuple[str, float, str]]:
+    """(field, value, OpenAI's code) for NaN, +/-inf and a value below and above each field's range."""
+    rows = []
+    for name, (below, above) in fields.items():
+        rows += [
+            (name, math.nan, "invalid_value"),
+            (name, math.inf, "decimal_above_max_value"),
+            (name, -math.inf, "decimal_below_min_value"),
+            (name, below, "decimal_below_min_value"),
+            (name, above, "decimal_above_max_value"),
+        ]
+    return rows
+
+
+def test_the_float_tables_name_every_float_field():
+    """A float field added to ``Sampling`` or to the HTTP request models is in the tables above, so
+    its NaN, infinities and out-of-range values are tried on every surface."""
+    import typing
+
+    from tandem.edge.api.request_models import ChatRequest, CompletionRequest
+
+    hints = typing.get_type_hints(Sampling)
+    assert {f.name for f in dataclasses.fields(Sampling) if hints[f.name] is float} == set(FLOAT_FIELDS)
+    http = {
+        name
+        for model in (ChatRequest, CompletionRequest)
+        for name, f in model.model_fields.items()
+        if f.annotation in (float, float | None)
+    }
+    assert http == set(FLOAT_FIELDS) | set(HTTP_FLOAT_FIELDS)
+
+
+async def _grpc_refusal(port: int, request) -> tuple[str, str, str | None, str | None]:
+    """(status name, details, field, code) of a raw gRPC ``Chat`` that is refused."""
+    import grpc
+
+    from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        call = pb_grpc.EdgeStub(ch).Chat(request, timeout=20)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            async for _ in call:
+                pass
+    md = dict(ei.value.trailing_metadata() or ())
+    return ei.value.code().name, ei.value.details(), md.get("tandem-error-param"), md.get("tandem-error-code")
+
+
+async def _http_refusal(port: int, body: dict) -> tuple[int, dict]:
+    """(status, error object) of a chat completion whose JSON body is ``body`` (NaN and the
+    infinities as Python's json writes them: ``NaN``, ``Infinity``, ``-Infinity``)."""
+    import httpx
+
+    payload = json.dumps({"model": SURFACE_MODEL, "max_tokens": 4, "messages": HI, **body})
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as h:
+        r = await h.post("/v1/chat/completions", content=payload, headers={"content-type": "application/json"})
+    return r.status_code, r.json().get("error") or {}
+
+
+@pytest.mark.parametrize(("name", "value", "code"), _float_rows(FLOAT_FIELDS), ids=repr)
+async def test_a_float_field_out_of_range_gets_one_message_and_code_over_grpc_and_http(surfaces, name, value, code):
+    """NaN, +/-inf or a value outside the range of a sampling float: INVALID_ARGUMENT over gRPC and
+    HTTP 400 in OpenAI's shape (streamed or not), with the same field, code and message on both (the
+    SDK refuses it before sending, naming the same field and code)."""
+    from tandem.chat_request import build_request
+
+    _, port, client, http_port = surfaces
+    request = build_request(HI, max_new_tokens=4)
+    setattr(request.sampling, name, value)
+    status, details, param, grpc_code = await _grpc_refusal(port, request)
+    assert (status, param, grpc_code) == ("INVALID_ARGUMENT", name, code), details
+    kind, _, message = details.partition(": ")
+    assert kind == "InvalidRequest" and "must be a number in" in message and repr(value) in message
+    for stream in (False, True):  # a stream is refused before it starts, the same way
+        http_status, err = await _http_refusal(http_port, {name: value, "stream": stream})
+        assert http_status == 400, err
+        want = ("invalid_request_error", name, code, message)
+        assert (err["type"], err["param"], err["code"], err["message"]) == want
+    assert await _sdk_verdict(client, {name: value}) == ("INVALID_ARGUMENT", name, code)
+
+
+@pytest.mark.parametrize(("name", "value", "code"), _float_rows(HTTP_FLOAT_FIELDS), ids=repr)
+async def test_an_http_float_field_out_of_range_is_400_with_its_code(surfaces, name, value, code):
+    """The HTTP API's own float fields (the penalties) refuse NaN, +/-inf and values outside
+    ``[-2, 2]`` with the same message shape and codes as the sampling floats, before "only 0"."""
+    _, _, _, http_port = surfaces
+    http_status, err = await _http_refusal(http_port, {name: value})
+    assert http_status == 400, err
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", name, code)
+    assert err["message"] == f"{name} must be a number in [-2, 2], got {value!r}"
 
 
 # (what, the SDK's chat() arguments, the HTTP body's fields): accepted alike on every surface
