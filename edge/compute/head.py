@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -95,6 +95,22 @@ def default_providers() -> list[str]:
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
 
 
+def without_tf32(providers: list[Any]) -> list[Any]:
+    """``providers`` with ONNX Runtime's CUDA provider told to run float32 MatMuls in float32
+    (``use_tf32`` 0; its default rounds their inputs to TF32's 10-bit mantissa): a float32 graph
+    on the GPU then computes what vLLM's float32 engines do. Other providers, and a CUDA entry that
+    sets ``use_tf32`` itself, are left as given."""
+    out: list[Any] = []
+    for p in providers:
+        if p == "CUDAExecutionProvider":
+            out.append(("CUDAExecutionProvider", {"use_tf32": "0"}))
+        elif isinstance(p, tuple) and p[0] == "CUDAExecutionProvider" and "use_tf32" not in p[1]:
+            out.append((p[0], {**p[1], "use_tf32": "0"}))
+        else:
+            out.append(p)
+    return out
+
+
 class OnnxHead:
     """The exported head in an ONNX Runtime ``InferenceSession``."""
 
@@ -106,7 +122,7 @@ class OnnxHead:
         self.k, self.hkv, self.d, self.h = self.manifest.split_layer, s.num_kv_heads, s.head_dim, s.hidden_size
         opts = session_options(intra_op_threads)
         path = self.manifest.resolve(split_dir, self.manifest.head_onnx)
-        self.session = ort.InferenceSession(str(path), opts, providers=providers or default_providers())
+        self.session = ort.InferenceSession(str(path), opts, providers=without_tf32(providers or default_providers()))
         self._inputs, self._outputs = io_names(self.k)
 
     @property

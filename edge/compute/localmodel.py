@@ -269,12 +269,11 @@ class OnnxForward(ForwardModel):
         """
         import onnxruntime as ort
 
-        from tandem.edge.compute.head import default_providers, session_options
+        from tandem.edge.compute.head import default_providers, session_options, without_tf32
 
         self.shape = shape
-        self.session = ort.InferenceSession(
-            str(onnx_path), session_options(intra_op_threads), providers=list(providers or default_providers())
-        )
+        names = without_tf32(list(providers or default_providers()))
+        self.session = ort.InferenceSession(str(onnx_path), session_options(intra_op_threads), providers=names)
         self.providers = self.session.get_providers()
         if kv_device == "auto":
             kv_device = "cuda" if "CUDAExecutionProvider" in self.providers else "none"
