@@ -15,7 +15,8 @@ runs batch 1, ``--prompt-tokens`` random prompt ids, ``--new-tokens`` greedy tok
   (``edge-full.onnx``), one ``run`` per token with growing KV tensors;
 * ``tandem-sampled`` and ``genai-sampled``: the same two at temperature 0.8, top-k 50, top-p 0.95
   (``SAMPLED_*``): tandem's graph samples on the device where the build has the sampler (CUDA builds;
-  only the token id comes back; ``sampler_ms``: the median of the sampler's own runs), on the host
+  only the token id comes back; ``sampler_ms``: the median of the sampler's own runs;
+  ``sampler_top_k_share``: the share of them the top-k sampler answered), on the host
   from the logits otherwise; the library with its own sampler; a sampled row's ``itl / genai`` is
   against ``genai-sampled``;
 * ``vllm`` (``--vllm``): an in-process vLLM engine on the same checkpoint, one request at a time;
@@ -158,6 +159,8 @@ def time_tandem(
     row = _summary(ttft[1:], itl[1:], providers=g.session.get_providers()[0]) | ({"sampler": where} if where else {})
     if sampler_ms:  # the warm-up repeat's runs left out
         row["sampler_ms"] = statistics.median(sampler_ms[len(sampler_ms) // (repeats + 1) :])
+    if g.sampler is not None and g.sampler.runs:  # the share of sampled steps the top-k sampler answered
+        row["sampler_top_k_share"] = g.sampler.top_runs / g.sampler.runs
     return row
 
 

@@ -167,19 +167,24 @@ def add_next_token(model_path: Path) -> None:
 
 SAMPLER_FILE = "sampler.onnx"
 PREFIX_BLOCK = 256  # the sampler's prefix sums run per block of this many tokens, then over the blocks
+# the top-k sampler (``sampling_nodes(top_cap=)``): sorts only the ``TOP_CAP`` largest logits, for
+# rows whose top-k is at most that (20 to 64 are what clients send; HF's default is 50)
+TOP_CAP = 64
+TOP_SAMPLER_FILE = f"sampler-top{TOP_CAP}.onnx"
 
 
 def write_sampler(build_dir: Path) -> Path:
     """Write ``build_dir/sampler.onnx``: the sampler (``sampling_nodes``) of the last row of the
     logits of the build's ``model.onnx`` as a graph of its own, input ``logits`` ``[B, S, V]`` in
-    the model's logits dtype plus the sampler's inputs, output ``sampled_ids`` int64 ``[B, 1]``.
-    Returns its path.
+    the model's logits dtype plus the sampler's ``sampling`` input, output ``sampled_ids`` int64
+    ``[B, 1]``; and beside it ``TOP_SAMPLER_FILE``, the same rule over the ``TOP_CAP`` largest logits
+    (``sampling_nodes(top_cap=TOP_CAP)``, for rows with ``1 <= top_k <= TOP_CAP``) where the
+    vocabulary is larger than that. Returns the first's path.
 
     Raises:
         ValueError: the model has no ``logits`` output with a fixed vocabulary size.
     """
     import onnx
-    from onnx import helper
 
     m = onnx.load(str(build_dir / "model.onnx"), load_external_data=False)
     out = next((o for o in m.graph.output if o.name == "logits"), None)
@@ -187,21 +192,32 @@ def write_sampler(build_dir: Path) -> Path:
     if out is None or len(dims) != 3 or not dims[-1].HasField("dim_value"):
         raise ValueError(f"{build_dir / 'model.onnx'}: no logits output [B, S, V] with a fixed V")
     vocab = int(dims[-1].dim_value)
-    nodes, inputs, output = sampling_nodes("logits", vocab)
-    logits = helper.make_tensor_value_info(
-        "logits", out.type.tensor_type.elem_type, ["batch_size", "sequence_length", vocab]
-    )
-    graph = helper.make_graph(nodes, "tandem_sampler", [logits, *inputs], [output])
     opset = max((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), default=17)
-    sampler = helper.make_model(graph, opset_imports=[helper.make_opsetid("", max(opset, 18))])
-    sampler.ir_version = m.ir_version
-    onnx.checker.check_model(sampler)
     path = build_dir / SAMPLER_FILE
-    onnx.save(sampler, str(path))
+    _save_sampler(path, out.type.tensor_type.elem_type, vocab, max(opset, 18), m.ir_version, None)
+    top = build_dir / TOP_SAMPLER_FILE
+    top.unlink(missing_ok=True)
+    if vocab > TOP_CAP:
+        _save_sampler(top, out.type.tensor_type.elem_type, vocab, max(opset, 18), m.ir_version, TOP_CAP)
     return path
 
 
-def sampling_nodes(logits: str, vocab_size: int) -> tuple[list[Any], list[Any], Any]:
+def _save_sampler(path: Path, logits_type: int, vocab: int, opset: int, ir_version: int, top_cap: int | None) -> None:
+    """Write the sampler graph (``sampling_nodes(top_cap=)``) for logits of ``logits_type`` over
+    ``vocab`` tokens to ``path``, checked by ONNX's checker."""
+    import onnx
+    from onnx import helper
+
+    nodes, inputs, output = sampling_nodes("logits", vocab, top_cap=top_cap)
+    logits = helper.make_tensor_value_info("logits", logits_type, ["batch_size", "sequence_length", vocab])
+    graph = helper.make_graph(nodes, "tandem_sampler", [logits, *inputs], [output])
+    sampler = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    sampler.ir_version = ir_version
+    onnx.checker.check_model(sampler)
+    onnx.save(sampler, str(path))
+
+
+def sampling_nodes(logits: str, vocab_size: int, top_cap: int | None = None) -> tuple[list[Any], list[Any], Any]:
     """The nodes, inputs and output of the sampler of the last row of ``logits`` ``[B, S, V]``
     (float32, float16 or bfloat16; ``V = vocab_size``), in standard ONNX ops (opset 18 and later),
     per row ``b``:
@@ -220,8 +236,22 @@ def sampling_nodes(logits: str, vocab_size: int) -> tuple[list[Any], list[Any], 
     ``CumSum`` sums every output element's whole prefix on its own, ``V^2`` additions (about 8 ms a
     step at ``V`` = 128256 on an H100), blocks make it ``V * PREFIX_BLOCK``.
 
+    ``top_cap`` (``C``, at most ``PREFIX_BLOCK`` and below ``V``): the top-k sampler, which sorts only
+    the ``C`` largest ``z`` (``TopK`` with ``K = C``; the rest of the rule runs over those ``C``) and
+    gives the same token as the whole sort for a row with ``1 <= top_k <= C`` and at most ``C``
+    values ``>=`` its ``top_k``-th (the tokens top-k keeps are then among the ``C``, and so are
+    those top-p keeps of them); any other row gets ``-1``, for the caller to sample with the whole
+    sort.
+
     Returns ``(nodes, graph inputs, graph output)``; node and intermediate names start ``sample/``.
+
+    Raises:
+        ValueError: ``top_cap`` is not in ``[1, min(PREFIX_BLOCK, V - 1)]``.
     """
+    width = vocab_size if top_cap is None else top_cap
+    if top_cap is not None and not 1 <= top_cap <= min(PREFIX_BLOCK, vocab_size - 1):
+        most = min(PREFIX_BLOCK, vocab_size - 1)
+        raise ValueError(f"top_cap {top_cap}: 1 to {most} for a vocabulary of {vocab_size}")
     from onnx import TensorProto, helper
 
     f, i64 = TensorProto.FLOAT, TensorProto.INT64
@@ -247,17 +277,21 @@ def sampling_nodes(logits: str, vocab_size: int) -> tuple[list[Any], list[Any], 
         column = const(f"{name}_column", [SAMPLING_COLUMNS.index(name)], i64, [1])
         return op("Gather", [SAMPLING, column], f"{name}_b", axis=1)
 
-    blocks = -(-vocab_size // PREFIX_BLOCK)
+    blocks = -(-width // PREFIX_BLOCK)
     padded = blocks * PREFIX_BLOCK
-    pads = const("pads", [0, 0, 0, padded - vocab_size], i64, [4])
-    as_blocks = const("as_blocks", [0, blocks, PREFIX_BLOCK], i64, [3])
-    as_rows, axis2 = const("as_rows", [0, padded], i64, [2]), const("axis2", [2], i64, [])
-    axes2 = const("axes2", [2], i64, [1])
-    v_start, v_end = const("v_start", [0], i64, [1]), const("v_end", [vocab_size], i64, [1])
-    block_last = const("block_last", [PREFIX_BLOCK - 1], i64, [1])
+    if blocks > 1:
+        pads = const("pads", [0, 0, 0, padded - width], i64, [4])
+        as_blocks = const("as_blocks", [0, blocks, PREFIX_BLOCK], i64, [3])
+        as_rows, axis2 = const("as_rows", [0, padded], i64, [2]), const("axis2", [2], i64, [])
+        axes2 = const("axes2", [2], i64, [1])
+        v_start, v_end = const("v_start", [0], i64, [1]), const("v_end", [width], i64, [1])
+        block_last = const("block_last", [PREFIX_BLOCK - 1], i64, [1])
 
     def prefix(x: str, name: str, exclusive: bool = False) -> str:
-        """``blocked_prefix_sum`` of ``x`` ``[B, V]``: in-block sums, plus the sums of the blocks before."""
+        """``blocked_prefix_sum`` of ``x`` ``[B, W]``: in-block sums, plus the sums of the blocks before
+        (one block: the plain sequential sum, the same order)."""
+        if blocks == 1:
+            return op("CumSum", [x, axis], name, exclusive=int(exclusive))
         x3 = op("Reshape", [op("Pad", [x, pads], f"{name}_pad"), as_blocks], f"{name}_blocks")  # [B, nb, blk]
         inner = op("CumSum", [x3, axis2], f"{name}_inner")
         totals = op("Squeeze", [op("Gather", [inner, block_last], f"{name}_tot1", axis=2), axes2], f"{name}_tot")
@@ -270,10 +304,10 @@ def sampling_nodes(logits: str, vocab_size: int) -> tuple[list[Any], list[Any], 
 
     x = op("Cast", [op("Gather", [logits, last], "row", axis=1)], "x", to=f)  # [B, V]
     z = op("Div", [x, op("Max", [rows("temperature"), min_t], "t")], "z")
-    # the sort: K = V (a shape, on the host as TopK takes it), equal values in index order
-    vals, idx = op("TopK", [z, const("v", [vocab_size], i64, [1])], "sorted", outs=2, axis=-1, largest=1, sorted=1)
+    # the sort: the W = V (or top_cap) largest, descending, equal values in index order
+    vals, idx = op("TopK", [z, const("v", [width], i64, [1])], "sorted", outs=2, axis=-1, largest=1, sorted=1)
     # ranks and counts in float32 (exact below 2**24): every op stays on the device's kernels
-    rank = const("rank", [float(r) for r in range(vocab_size)], f, [vocab_size])
+    rank = const("rank", [float(r) for r in range(width)], f, [width])
     k = rows("top_k")
     kth = op("ReduceMin", [op("Where", [op("Less", [rank, k], "in_k"), vals, inf], "top"), axis1], "kth", keepdims=1)
     keep_k = op("Or", [op("LessOrEqual", [k, zero], "k_off"), op("GreaterOrEqual", [vals, kth], "k_in")], "keep_k")
@@ -288,7 +322,17 @@ def sampling_nodes(logits: str, vocab_size: int) -> tuple[list[Any], list[Any], 
     kept = op("ReduceSum", [op("Cast", [op("Greater", [q, zero], "gt")], "positive", to=f), axis1], "kept")
     at = op("Max", [op("Min", [count, op("Sub", [kept, one], "last_kept")], "clip"), zero], "at_f")
     at = op("Cast", [at], "at", to=i64)  # [B, 1]
-    nodes.append(helper.make_node("GatherElements", [idx, at], [SAMPLED], name="sample/token", axis=1))
+    if top_cap is None:
+        nodes.append(helper.make_node("GatherElements", [idx, at], [SAMPLED], name="sample/token", axis=1))
+    else:  # -1 where the C largest cannot hold what top-k keeps: top_k off or above C, or ties past C
+        cap = const("cap", [float(top_cap)], f, [])
+        ties = op("ReduceSum", [op("Cast", [op("GreaterOrEqual", [z, kth], "ge_kth")], "ge", to=f), axis1], "ties")
+        beyond = op("Or", [op("Greater", [k, cap], "k_big"), op("Greater", [ties, cap], "tie_big")], "beyond")
+        inexact = op("Or", [op("LessOrEqual", [k, zero], "k_none"), beyond], "inexact")
+        token = op("GatherElements", [idx, at], "token", axis=1)
+        nodes.append(
+            helper.make_node("Where", [inexact, const("none", [-1], i64, []), token], [SAMPLED], name="sample/pick")
+        )
     inputs = [helper.make_tensor_value_info(SAMPLING, f, ["batch_size", len(SAMPLING_COLUMNS)])]
     return nodes, inputs, helper.make_tensor_value_info(SAMPLED, i64, ["batch_size", 1])
 

@@ -78,6 +78,8 @@ from tandem.common.model.builder_export import (
     SAMPLED,
     SAMPLER_FILE,
     SAMPLING,
+    TOP_CAP,
+    TOP_SAMPLER_FILE,
     load_build,
     neutral_sampling,
     sampling_row,
@@ -238,33 +240,97 @@ class BatchPool:
 
 
 class DeviceSampler:
-    """The build's sampler graph (``sampler.onnx``, ``common.model.builder_export.sampling_nodes``) in
-    an ONNX Runtime session of its own on the decoder's device, run on logits where they lie.
+    """The build's sampler graphs (``sampler.onnx`` and, where written, the top-k sampler
+    ``sampler-top64.onnx``; ``common.model.builder_export.sampling_nodes``), each in an ONNX Runtime
+    session of its own on the decoder's device, run on logits where they lie.
 
     Who calls: its ``DecoderGraph``, after a run whose rows sample (never on a greedy step: ONNX
-    Runtime runs every node of a session's graph, and the sampler sorts ``V`` logits per row).
+    Runtime runs every node of a session's graph, and the sampler sorts logits per row).
 
-    Logits at a fixed address (a slot's or a pool's decode-step output, ``fixed=True``) are
-    sampled through a binding kept per ``(address, shape)``, with the ``sampling`` input and the
-    ``sampled_ids`` output in device buffers of their own; on the CUDA provider with ``capture``
-    that run is a CUDA graph (captured at its first use, replayed after: a sampled step costs the
-    sampler's kernels, not ONNX Runtime's per-node launches). At most ``MAX_GRAPHS`` such bindings
-    are kept (each captured graph stays in ONNX Runtime until the session ends); beyond, and for
-    logits that will not be seen again (a prefill's), a run binds afresh, uncaptured.
+    A step whose read rows all have ``1 <= top_k <= top_cap`` runs the top-k sampler (it sorts only
+    the ``top_cap`` largest logits); where it answers ``-1`` for a read row (ties past the cap) the
+    step runs the whole sort, as do the other steps. Logits at a fixed address (a slot's or a pool's
+    decode-step output, ``fixed=True``) are sampled through a binding kept per graph and ``(address,
+    shape)``, with the ``sampling`` input and the ``sampled_ids`` output in device buffers of their
+    own; on the CUDA provider with ``capture`` that run is a CUDA graph (captured at its first use,
+    replayed after: a sampled step costs the sampler's kernels, not ONNX Runtime's per-node
+    launches). At most ``MAX_GRAPHS`` such bindings are kept per graph (each captured graph stays in
+    ONNX Runtime until the session ends); beyond, and for logits that will not be seen again (a
+    prefill's), a run binds afresh, uncaptured.
     """
 
     MAX_GRAPHS = 256
 
-    def __init__(self, path: Path, providers: list[Any], device: str, capture: bool = False) -> None:
+    def __init__(
+        self, path: Path, providers: list[Any], device: str, capture: bool = False, top_path: Path | None = None
+    ) -> None:
         """``providers``: the decoder's; ``capture``: replay fixed-address runs as CUDA graphs (the
-        CUDA provider only). Where ONNX Runtime refuses to capture this graph the sampler runs
-        uncaptured and says why in ``capture_note``.
+        CUDA provider only); ``top_path``: the top-k sampler's graph (``TOP_CAP`` largest logits), or
+        None. Where ONNX Runtime refuses to capture a graph it runs uncaptured and ``capture_note``
+        says why.
 
         Raises:
-            ValueError: the graph's inputs are not ``logits`` and ``sampling`` (a build older than
+            ValueError: a graph's inputs are not ``logits`` and ``sampling`` (a build older than
                 this runtime: run ``tandem-model`` again).
             What ``onnxruntime.InferenceSession`` raises for a bad file.
         """
+        self.device = device
+        self.path = path
+        self.capture_note = ""
+        self.whole = _SamplerGraph(self, path, providers, capture and device == "cuda")
+        self.top = _SamplerGraph(self, top_path, providers, self.whole.captured) if top_path is not None else None
+        self.top_cap = TOP_CAP if self.top is not None else 0
+        self.runs = 0  # sampled steps so far (and of them, those the top-k sampler answered whole)
+        self.top_runs = 0
+        self.last_ms = 0.0  # the last step's sampling time (ms, host clock, copies included)
+        self._next_graph_id = 1
+
+    @property
+    def captured(self) -> bool:
+        """Whether fixed-address runs replay as CUDA graphs."""
+        return self.whole.captured
+
+    def sample(
+        self,
+        logits: Any,
+        rows: int,
+        logits_type: str,
+        sampling: np.ndarray,
+        fixed: bool = False,
+        read: Sequence[int] | None = None,
+    ) -> np.ndarray:
+        """The tokens sampled from the last position of each of the first ``rows`` rows of
+        ``logits`` (an ``OrtValue`` ``[R, S, V]`` of ``logits_type`` on the device, bound by
+        address), at the per-row ``sampling`` (float32 ``[>= rows, 4]``, ``SAMPLING_COLUMNS``):
+        int64 ``[rows]`` on the host, exact for the rows in ``read`` (default: all; the others'
+        tokens are not read). ``fixed``: the logits buffer is one the caller will sample from
+        again (through a kept binding, a CUDA graph where captured)."""
+        t0 = time.perf_counter()
+        params = np.ascontiguousarray(sampling[:rows], np.float32)
+        read = range(rows) if read is None else read
+        tokens = None
+        if self.top is not None and all(1 <= params[r, 1] <= self.top_cap for r in read):
+            tokens = self.top.run(logits, rows, logits_type, params, fixed)
+            if any(tokens[r] < 0 for r in read):
+                tokens = None
+            else:
+                self.top_runs += 1
+        if tokens is None:
+            tokens = self.whole.run(logits, rows, logits_type, params, fixed)
+        self.runs += 1
+        self.last_ms = (time.perf_counter() - t0) * 1e3
+        return tokens
+
+    def graph_id(self) -> int:
+        """A CUDA graph id no other kept binding of this sampler uses (``>= 1``)."""
+        self._next_graph_id += 1
+        return self._next_graph_id - 1
+
+
+class _SamplerGraph:
+    """One sampler graph in its own ONNX Runtime session, with its kept bindings (``DeviceSampler``)."""
+
+    def __init__(self, owner: DeviceSampler, path: Path, providers: list[Any], capture: bool) -> None:
         import onnxruntime as ort
 
         from tandem.edge.compute.head import session_options
@@ -278,15 +344,14 @@ class DeviceSampler:
                 out.append((name, opts) if opts else name)
             return out
 
-        self.capture_note = ""
-        on_cuda = device == "cuda"
-        self.captured = capture and on_cuda
+        self.owner, self.captured = owner, capture
         try:
-            self.session = ort.InferenceSession(str(path), session_options(), providers=provider_list(self.captured))
+            self.session = ort.InferenceSession(str(path), session_options(), providers=provider_list(capture))
         except Exception as e:  # noqa: BLE001 - ONNX Runtime refuses CUDA graphs for some graphs at load
-            if not self.captured:
+            if not capture:
                 raise
-            self.captured, self.capture_note = False, f"CUDA graph refused at load: {e}"
+            self.captured = False
+            owner.capture_note += f"{path.name}: CUDA graph refused at load: {e}. "
             self.session = ort.InferenceSession(str(path), session_options(), providers=provider_list(False))
         names = {i.name for i in self.session.get_inputs()}
         if names != {"logits", SAMPLING}:
@@ -294,55 +359,40 @@ class DeviceSampler:
                 f"{path}: the sampler's inputs are {sorted(names)}, not logits and {SAMPLING}: "
                 "built by an older tandem-model; prepare the model again"
             )
-        self.device = device
-        self.path = path
-        self.runs = 0  # sampler runs so far, and the last one's time (ms, host clock, copies included)
-        self.last_ms = 0.0
         self._bound: dict[tuple[int, int, int, int], _SamplerBinding] = {}
-        self._next_graph_id = 1
 
-    def sample(self, logits: Any, rows: int, logits_type: str, sampling: np.ndarray, fixed: bool = False) -> np.ndarray:
-        """The tokens sampled from the last position of each of the first ``rows`` rows of
-        ``logits`` (an ``OrtValue`` ``[R, S, V]`` of ``logits_type`` on the device, bound by
-        address), at the per-row ``sampling`` (float32 ``[>= rows, 4]``, ``SAMPLING_COLUMNS``):
-        int64 ``[rows]`` on the host. ``fixed``: the logits buffer is one the caller will sample
-        from again (through a kept binding, a CUDA graph where captured)."""
-        t0 = time.perf_counter()
+    def run(self, logits: Any, rows: int, logits_type: str, params: np.ndarray, fixed: bool) -> np.ndarray:
+        """This graph's tokens ``[rows]`` (``DeviceSampler.sample``), through a kept binding where
+        ``fixed`` and there is room for one, else a fresh one."""
         _, steps, vocab = logits.shape()
-        params = np.ascontiguousarray(sampling[:rows], np.float32)
         key = (logits.data_ptr(), rows, steps, vocab)
         kept = self._bound.get(key) if fixed else None
-        if kept is None and fixed and len(self._bound) < self.MAX_GRAPHS:
+        if kept is None and fixed and len(self._bound) < DeviceSampler.MAX_GRAPHS:
             kept = self._bound[key] = self._keep(logits, rows, logits_type)
-        if kept is not None:
-            import onnxruntime as ort
+        if kept is None:
+            return self._run_fresh(logits, rows, logits_type, params)
+        import onnxruntime as ort
 
-            kept.params.update_inplace(params)
-            opts = ort.RunOptions()
-            if self.captured:
-                opts.add_run_config_entry("gpu_graph_id", str(kept.graph_id))
-            self.session.run_with_iobinding(kept.binding, opts)
-            tokens = kept.tokens.numpy()[:, 0]
-        else:
-            tokens = self._run_fresh(logits, rows, logits_type, params)
-        self.runs += 1
-        self.last_ms = (time.perf_counter() - t0) * 1e3
-        return tokens
+        kept.params.update_inplace(params)
+        opts = ort.RunOptions()
+        if self.captured:
+            opts.add_run_config_entry("gpu_graph_id", str(kept.graph_id))
+        self.session.run_with_iobinding(kept.binding, opts)
+        return kept.tokens.numpy()[:, 0]
 
     def _keep(self, logits: Any, rows: int, logits_type: str) -> _SamplerBinding:
         """A binding of the first ``rows`` rows of ``logits`` to device buffers of the sampler's own."""
         import onnxruntime as ort
 
         _, steps, vocab = logits.shape()
-        params = ort.OrtValue.ortvalue_from_numpy(neutral_sampling(rows), self.device, 0)
-        tokens = ort.OrtValue.ortvalue_from_shape_and_type([rows, 1], np.int64, self.device, 0)
+        device = self.owner.device
+        params = ort.OrtValue.ortvalue_from_numpy(neutral_sampling(rows), device, 0)
+        tokens = ort.OrtValue.ortvalue_from_shape_and_type([rows, 1], np.int64, device, 0)
         b = self.session.io_binding()
-        b.bind_input("logits", self.device, 0, ONNX_TYPES[logits_type], [rows, steps, vocab], logits.data_ptr())
+        b.bind_input("logits", device, 0, ONNX_TYPES[logits_type], [rows, steps, vocab], logits.data_ptr())
         b.bind_ortvalue_input(SAMPLING, params)
         b.bind_ortvalue_output(SAMPLED, tokens)
-        kept = _SamplerBinding(b, params, tokens, self._next_graph_id)
-        self._next_graph_id += 1
-        return kept
+        return _SamplerBinding(b, params, tokens, self.owner.graph_id())
 
     def _run_fresh(self, logits: Any, rows: int, logits_type: str, params: np.ndarray) -> np.ndarray:
         """One uncaptured run with a binding of its own: the parameters from the host, the tokens back."""
@@ -350,7 +400,7 @@ class DeviceSampler:
 
         _, steps, vocab = logits.shape()
         b = self.session.io_binding()
-        b.bind_input("logits", self.device, 0, ONNX_TYPES[logits_type], [rows, steps, vocab], logits.data_ptr())
+        b.bind_input("logits", self.owner.device, 0, ONNX_TYPES[logits_type], [rows, steps, vocab], logits.data_ptr())
         b.bind_cpu_input(SAMPLING, params)
         b.bind_output(SAMPLED, "cpu")
         opts = ort.RunOptions()
@@ -432,8 +482,11 @@ class DecoderGraph:
                 raise ValueError(f"{self.spec.path}: KV and logits must be float32, float16 or bfloat16, got {t}")
         self.has_next_token = NEXT_TOKEN in {o.name for o in self.session.get_outputs()}
         sampler = self.spec.path.parent / SAMPLER_FILE
+        top = self.spec.path.parent / TOP_SAMPLER_FILE
         self.sampler = (
-            DeviceSampler(sampler, names, self.device, capture=self.cuda_graph) if sampler.is_file() else None
+            DeviceSampler(sampler, names, self.device, self.cuda_graph, top if top.is_file() else None)
+            if sampler.is_file()
+            else None
         )
         self.has_sampling = self.sampler is not None
         self.providers: list[str] = self.session.get_providers()
@@ -646,11 +699,14 @@ class DecoderGraph:
             return int(picks[0]), None
         return None, _last_row(_as_float32(slot.step_logits))
 
-    def _sample(self, logits: Any, rows: int, sampling: np.ndarray, fixed: bool = False) -> np.ndarray:
+    def _sample(
+        self, logits: Any, rows: int, sampling: np.ndarray, fixed: bool = False, read: Sequence[int] = (0,)
+    ) -> np.ndarray:
         """The sampler's tokens of the first ``rows`` rows of ``logits`` (``[R, S, V]`` on the
-        device); ``fixed``: a decode step's output buffer (sampled again at the same address)."""
+        device), exact for the rows in ``read``; ``fixed``: a decode step's output buffer (sampled
+        again at the same address)."""
         assert self.sampler is not None
-        return self.sampler.sample(logits, rows, self.logits_type, sampling, fixed=fixed)
+        return self.sampler.sample(logits, rows, self.logits_type, sampling, fixed=fixed, read=read)
 
     def _bind_kv(self, b: Any, slot: KVSlot) -> None:
         """Bind the slot's KV as past and present: its own buffers, or its pool row by address (a row
@@ -817,7 +873,8 @@ class DecoderGraph:
         picks = None
         if any(sampled):
             on = [d if s else None for d, s in zip(draws, sampled, strict=True)]
-            picks = self._sample(pool.logits, bucket, self._sampling_rows(on, bucket, rows), fixed=self.cuda_graph)
+            read = [r for r, s in zip(rows, sampled, strict=True) if s]
+            picks = self._sample(pool.logits, bucket, self._sampling_rows(on, bucket, rows), self.cuda_graph, read)
         logits = _as_float32(pool.logits) if not all(a or s for a, s in zip(argmax, sampled, strict=True)) else None
         tokens: list[int | None] = []
         rows_out: list[np.ndarray | None] = []

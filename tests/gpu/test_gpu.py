@@ -421,7 +421,7 @@ async def test_the_builder_decoder_samples_on_the_device_by_the_host_rule(split_
     outs = await asyncio.gather(*(one(ids) for ids in prompts))
     assert all(len(o) == MAX_NEW for o in outs)
     assert any(4 in p.graph_ids for p in engine.model._pools.values())
-    assert any(rows == 4 for _, rows, _, _ in engine.model.sampler._bound), "the batched steps' sampler graph"
+    assert any(rows == 4 for _, rows, _, _ in engine.model.sampler.whole._bound), "the batched steps' sampler graph"
 
 
 async def test_the_local_model_on_onnx_runtimes_cuda_provider_keeps_its_kv_on_the_gpu(

@@ -199,5 +199,7 @@ def test_only_a_sampled_row_runs_the_sampler(sampler_dir):
     assert graph.sampler.runs == 0
     graph.run(b, list(range(3, 9)), greedy=False, draw=Draw(0.9, 40, 0.9, 0.5))
     assert graph.sampler.runs == 1 and graph.sampler.last_ms > 0
+    assert graph.sampler.top_runs == 1  # top-k 40: the top-k sampler's sort of the 64 largest
     graph.run_batch([a, b], [out[0], 7], [True, False], [None, Draw(1.0, 0, 1.0, 0.25)])
     assert graph.sampler.runs == 2  # one run for the batch's sampled row
+    assert graph.sampler.top_runs == 1  # top-k off: the whole sort

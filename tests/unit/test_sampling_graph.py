@@ -13,6 +13,8 @@ from tandem.common.model.builder_export import (
     SAMPLED,
     SAMPLER_FILE,
     SAMPLING,
+    TOP_CAP,
+    TOP_SAMPLER_FILE,
     blocked_prefix_sum,
     sampling_nodes,
     sampling_row,
@@ -24,12 +26,13 @@ from tandem.edge.compute.local import draw_uniform, sample_token, sampling_rng
 V = 4096
 
 
-def sampler(logits_type: int = 1, vocab: int = V):
-    """An ONNX Runtime session of the sampler alone: ``logits`` ``[B, S, vocab]`` of ``logits_type``."""
+def sampler(logits_type: int = 1, vocab: int = V, top_cap: int | None = None):
+    """An ONNX Runtime session of the sampler alone (``top_cap``: the top-k sampler): ``logits``
+    ``[B, S, vocab]`` of ``logits_type``."""
     import onnxruntime as ort
     from onnx import checker, helper
 
-    nodes, inputs, output = sampling_nodes("logits", vocab)
+    nodes, inputs, output = sampling_nodes("logits", vocab, top_cap=top_cap)
     logits = helper.make_tensor_value_info("logits", logits_type, ["batch_size", "sequence_length", vocab])
     graph = helper.make_graph(nodes, "sampler", [logits, *inputs], [output])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 22)], ir_version=10)
@@ -161,6 +164,17 @@ def test_write_sampler_writes_the_sampler_beside_the_model_and_leaves_the_model_
     assert not [n for n in m.graph.node if n.op_type == "Shape"]  # every shape fixed: a CUDA graph can replay it
     assert [o.name for o in m.graph.output] == [SAMPLED]
     assert m.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16  # the model's logits dtype
+    top = onnx.load(str(tmp_path / TOP_SAMPLER_FILE))  # the top-k sampler beside it
+    onnx.checker.check_model(top)
+    assert [i.name for i in top.graph.input] == ["logits", SAMPLING] and [o.name for o in top.graph.output] == [SAMPLED]
+    k = next(n for n in top.graph.node if n.output[0] == "sample/v")
+    assert onnx.numpy_helper.to_array(k.attribute[0].t).tolist() == [TOP_CAP]
+
+
+def test_a_vocabulary_within_the_cap_gets_no_top_k_sampler(tmp_path):
+    _model_with_logits(tmp_path / "model.onnx", TOP_CAP)
+    write_sampler(tmp_path)
+    assert (tmp_path / SAMPLER_FILE).is_file() and not (tmp_path / TOP_SAMPLER_FILE).exists()
 
 
 def test_write_sampler_refuses_a_model_without_a_fixed_vocabulary(tmp_path):
@@ -232,3 +246,78 @@ def test_a_sampler_graph_of_another_layout_is_refused_at_load(tmp_path):
     onnx.save(old, str(tmp_path / "s.onnx"))
     with pytest.raises(ValueError, match="prepare the model again"):
         DeviceSampler(tmp_path / "s.onnx", ["CPUExecutionProvider"], "cpu")
+
+
+@pytest.mark.parametrize(
+    "t, k, p", [(1.0, 1, 1.0), (0.7, 5, 1.0), (0.8, 50, 0.95), (1.3, TOP_CAP, 0.9), (0.5, 20, 0.5)]
+)
+def test_the_top_k_sampler_gives_the_whole_sorts_token(t, k, p):
+    """For rows with ``1 <= top_k <= TOP_CAP`` the sampler over the ``TOP_CAP`` largest logits gives
+    the token of the sampler over the whole sort and of the host's rule, at every draw."""
+    rng = np.random.default_rng(k)
+    logits = (rng.standard_normal((16, 1, V)) * 3).astype(np.float32)
+    u = rng.random(16, dtype=np.float32)
+    feeds = {"logits": logits, SAMPLING: params(16, t, k, p, u)}
+    top = sampler(top_cap=TOP_CAP).run([SAMPLED], feeds)[0][:, 0]
+    whole = sampler().run([SAMPLED], feeds)[0][:, 0]
+    s = Sampling(temperature=t, top_k=k, top_p=p)
+    assert top.tolist() == whole.tolist() == [sample_token(logits[b, 0], s, float(u[b])) for b in range(16)]
+
+
+def test_the_top_k_sampler_refuses_the_rows_it_cannot_sample_exactly():
+    """-1 for a row without top-k, with top-k above the cap, or whose top-k-th value ties with
+    values past the cap (top-k keeps them all, the cap cannot hold them); the row beside, exact."""
+    logits = (np.random.default_rng(3).standard_normal((4, 1, V)) * 3).astype(np.float32)
+    logits[3, 0, : TOP_CAP + 10] = 20.0  # TOP_CAP + 10 equal largest values
+    rows = np.asarray(
+        [
+            sampling_row(1.0, 0, 0.9, 0.5),
+            sampling_row(1.0, TOP_CAP + 1, 1.0, 0.5),
+            sampling_row(1.0, 10, 1.0, 0.5),
+            sampling_row(1.0, 10, 1.0, 0.5),
+        ],
+        np.float32,
+    )
+    got = sampler(top_cap=TOP_CAP).run([SAMPLED], {"logits": logits, SAMPLING: rows})[0][:, 0]
+    assert got[[0, 1, 3]].tolist() == [-1, -1, -1]
+    assert got[2] == sample_token(logits[2, 0], Sampling(temperature=1.0, top_k=10), 0.5)
+
+
+@pytest.mark.parametrize("cap", [0, PREFIX_BLOCK + 1, V])
+def test_a_cap_outside_the_block_and_the_vocabulary_is_refused(cap):
+    with pytest.raises(ValueError, match="top_cap"):
+        sampling_nodes("logits", V, top_cap=cap)
+
+
+def test_the_device_sampler_takes_the_top_k_sampler_and_falls_back_to_the_whole_sort(tmp_path):
+    """A step whose read rows all have ``1 <= top_k <= TOP_CAP`` runs the top-k sampler; a row it
+    answers -1 for (ties past the cap) sends the step to the whole sort; top-k off goes there at
+    once. Every read row gets the host's token."""
+    import onnxruntime as ort
+
+    from tandem.edge.compute.decoder import DeviceSampler
+
+    _model_with_logits(tmp_path / "model.onnx", V)
+    write_sampler(tmp_path)
+    dev = DeviceSampler(tmp_path / SAMPLER_FILE, ["CPUExecutionProvider"], "cpu", top_path=tmp_path / TOP_SAMPLER_FILE)
+    assert dev.top_cap == TOP_CAP and not dev.captured
+    logits = (np.random.default_rng(8).standard_normal((2, 1, V)) * 3).astype(np.float16)
+    tied = logits.copy()
+    tied[1, 0, : TOP_CAP + 5] = 20.0  # row 1: its 10th value ties with values past the cap
+
+    def host(x: np.ndarray, row: int, k: int) -> int:
+        return sample_token(x[row, 0].astype(np.float32), Sampling(temperature=0.9, top_k=k), 0.3)
+
+    def sample(x: np.ndarray, k: int, read: list[int]) -> list[int]:
+        value = ort.OrtValue.ortvalue_from_numpy(x)
+        params = np.asarray([sampling_row(0.9, k, 1.0, 0.3)] * 2, np.float32)
+        return dev.sample(value, 2, "tensor(float16)", params, fixed=True, read=read).tolist()
+
+    assert sample(logits, 10, [0, 1]) == [host(logits, 0, 10), host(logits, 1, 10)]
+    assert (dev.runs, dev.top_runs) == (1, 1)
+    assert sample(tied, 10, [0])[0] == host(tied, 0, 10)  # row 1's -1 is not read
+    assert (dev.runs, dev.top_runs) == (2, 2)
+    assert sample(tied, 10, [0, 1]) == [host(tied, 0, 10), host(tied, 1, 10)]  # the whole sort
+    assert (dev.runs, dev.top_runs) == (3, 2)
+    assert sample(logits, 0, [0, 1]) == [host(logits, 0, 0), host(logits, 1, 0)]
+    assert (dev.runs, dev.top_runs) == (4, 2)
