@@ -13,8 +13,14 @@ client's stream neither pauses for the switch beyond one local run nor repeats a
 
 A cloud that ends the turn first (the downlink was slow or cut, the output short) ends it as in
 direct mode; the KV, if it all came, stays in the session for the next turn. A cloud that fails
-after tokens reached the client does not end the turn: the edge decodes on from what it has. No
-grpc here.
+after tokens reached the client does not end the turn: the edge decodes on from what it has.
+
+A seeded sampled turn hands over at a fixed point, so that its seed gives the same reply whatever
+the link's timing: the client gets the cloud's first ``SEEDED_HANDOVER_TOKENS`` tokens (vLLM's
+seeded sampler), the cloud's later ones are withheld, and the edge decodes every token after them
+with its own sampler seeded as the turn asks, once the KV came down (or from the prompt, computed
+here, where it did not). The client's stream waits for the KV there; unseeded turns keep the
+overlap above. No grpc here.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from tandem.common.protocol.params import LinkParams
 from tandem.common.wire.kvcodec import Commit, KVBlock
 from tandem.common.wire.kvdown import HANDOVER, RemotePrefill, Takeover, down_spec
 from tandem.common.wire.messages import TokensOut, TurnFinal
-from tandem.edge.compute.local import LocalEngine, LocalSession, past_from_blocks
+from tandem.edge.compute.local import SAMPLING_EPS, LocalEngine, LocalSession, past_from_blocks
 from tandem.edge.events import SentBytes, TextOut, TurnDone
 from tandem.edge.link.base import TurnCall
 from tandem.edge.link.downlink import KVDownload
@@ -38,6 +44,8 @@ from tandem.edge.turn import Turn
 from tandem.stages import Stage
 
 log = logging.getLogger("tandem.edge")
+
+SEEDED_HANDOVER_TOKENS = 1  # a seeded sampled turn's tokens from the cloud; the edge's after them
 
 
 class RemotePrefillTurn:
@@ -55,6 +63,10 @@ class RemotePrefillTurn:
         self.adopted = asyncio.Event()  # the session holds the KV that came down
         self.call: TurnCall | None = None
         self.edge_tokens = 0
+        s = turn.sampling
+        # a seeded sampled turn: the cloud's tokens past the fixed handover point are withheld
+        self.pinned = s.temperature >= SAMPLING_EPS and s.seed is not None and s.seed != -1
+        self.withheld = 0  # the cloud's tokens the client never got (a pinned turn's, past the point)
 
     async def run(self) -> AsyncIterator[TextOut | TurnDone]:
         """Yields the turn's text deltas, then its ``TurnDone``.
@@ -70,7 +82,7 @@ class RemotePrefillTurn:
         try:
             async for ev in self._from_cloud(p, down):
                 yield ev
-            if not self.finish and (self.final is None or self.final.finish_reason == HANDOVER):
+            if not self.finish and (self.final is None or self.final.finish_reason == HANDOVER or self.withheld):
                 async for ev in self._decode_here():
                     yield ev
             else:
@@ -123,8 +135,11 @@ class RemotePrefillTurn:
         async with contextlib.aclosing(call.events()) as events:  # type: ignore[type-var]
             async for ev in events:
                 if isinstance(ev, TokensOut):
+                    ids = self._shown(ev.token_ids)
+                    if not ids:
+                        continue
                     turn.clock.tokens_arrived()
-                    delta = turn.text.feed(ev.token_ids)
+                    delta = turn.text.feed(ids)
                     if delta:
                         yield TextOut(text=delta, token_ids=turn.text.take_ids())
                     if turn.text.stopped:
@@ -135,6 +150,15 @@ class RemotePrefillTurn:
                 elif isinstance(ev, TurnFinal):
                     self._final(ev)
                     return
+
+    def _shown(self, token_ids: list[int]) -> list[int]:
+        """The cloud's tokens the client gets: all of them, but for a pinned turn only those up to
+        ``SEEDED_HANDOVER_TOKENS`` (the rest are counted in ``withheld``)."""
+        if not self.pinned:
+            return list(token_ids)
+        room = max(0, SEEDED_HANDOVER_TOKENS - len(self.turn.text.token_ids))
+        self.withheld += max(0, len(token_ids) - room)
+        return list(token_ids[:room])
 
     async def _kv(self, ev: KVBlock | Commit, down: KVDownload, call: TurnCall) -> None:
         """One KV message: a block checked and acknowledged, or the commit noted."""
@@ -152,7 +176,7 @@ class RemotePrefillTurn:
         self.turn.cloud.observe_load(ev.load)
         if ev.finish_reason == HANDOVER:
             self.turn.clock.since(Stage.HANDOVER)
-        else:
+        elif not self.withheld:  # a pinned turn's cloud went past the point: the edge decodes the rest
             self.finish = ev.finish_reason
 
     def _take_over_when_ready(self, down: KVDownload, call: TurnCall) -> None:

@@ -232,3 +232,37 @@ async def test_completed_remote_prefill_turns_count_as_ok_at_the_cloud():
         assert (count("ok") - ok, count("cancelled") - cancelled) == (2, 0)
     finally:
         await toy.batcher.stop()
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+async def test_a_seeded_sampled_turn_gives_one_reply_whatever_the_links_timing(seed):
+    """A seeded sampled remote-prefill turn hands over after the cloud's first token: with the
+    cloud fast (many tokens decoded before the KV is adopted), slow, or done before its KV writes
+    landed (no KV comes down: the edge computes the prompt), the reply is the same, and every
+    token after the first is the edge's."""
+    sampling = {"temperature": 0.9, "top_k": 20, "seed": seed}
+    replies = []
+    for step_delay_s, save_delay_s in ((0.001, 0.0), (0.03, 0.0), (0.001, 1.0)):
+        toy = await rp_stack(step_delay_s=step_delay_s)
+        toy.engines.save_delay_s = save_delay_s
+        try:
+            got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL, n=16, **sampling))
+            assert done.mode is Mode.REMOTE_PREFILL and len(got) == 16
+            assert done.edge_decoded_tokens == 15, (step_delay_s, save_delay_s, done)
+            assert (done.received_kv_bytes > 0) == (save_delay_s == 0.0)
+            replies.append(got)
+        finally:
+            await toy.batcher.stop()
+    assert replies[0] == replies[1] == replies[2]
+    greedy_first, _ = await _first_greedy_token()
+    assert replies[0][0] == greedy_first  # the cloud's token (the toy engine samples greedily)
+
+
+async def _first_greedy_token() -> tuple[int, TurnDone]:
+    """Direct mode's first token of ``RP_LONG`` on a fresh toy stack."""
+    toy = await rp_stack()
+    try:
+        got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.DIRECT, n=1))
+        return got[0], done
+    finally:
+        await toy.batcher.stop()
