@@ -363,7 +363,7 @@ def create_openai_app(
     async def list_models(key: str = auth) -> dict[str, Any]:
         return {"object": "list", "data": [api.model_card()]}
 
-    @app.get("/v1/models/{model}")
+    @app.get("/v1/models/{model:path}")  # a model id may hold slashes (``org/name``)
     async def get_model(model: str, key: str = auth) -> dict[str, Any]:
         api.check_model(model)
         return api.model_card()

@@ -63,6 +63,23 @@ async def test_models_list(client):
         await client.models.retrieve("gpt-4")
 
 
+async def test_a_model_id_with_slashes_is_retrieved():
+    """``GET /v1/models/{id}`` for a served model id of the form ``org/name`` (a Hugging Face id, the
+    edge's default): the card, through OpenAI's client too; another id with slashes is 404."""
+    toy = await toy_stack()
+    model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    server, task, port = await serve_openai(create_openai_app(toy.edge, model, api_keys=(KEY,)), "127.0.0.1", 0)
+    c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=20)
+    try:
+        assert (await c.models.retrieve(model)).id == model
+        with pytest.raises(openai.NotFoundError):
+            await c.models.retrieve("HuggingFaceTB/other")
+    finally:
+        await c.close()
+        await stop_openai(server, task, grace_s=1.0)
+        await toy.batcher.stop()
+
+
 async def test_chat_completion(client):
     """A chat completion has OpenAI's shape (id, object, usage, finish_reason length) and the tandem field
     with the mode, split layer, session id and timings."""
