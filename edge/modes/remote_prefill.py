@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
 from tandem.common.protocol.errors import EngineError
@@ -151,7 +151,7 @@ class RemotePrefillTurn:
                     self._final(ev)
                     return
 
-    def _shown(self, token_ids: list[int]) -> list[int]:
+    def _shown(self, token_ids: Sequence[int]) -> list[int]:
         """The cloud's tokens the client gets: all of them, but for a pinned turn only those up to
         ``SEEDED_HANDOVER_TOKENS`` (the rest are counted in ``withheld``)."""
         if not self.pinned:
