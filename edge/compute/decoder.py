@@ -64,7 +64,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -333,16 +333,10 @@ class _SamplerGraph:
     def __init__(self, owner: DeviceSampler, path: Path, providers: list[Any], capture: bool) -> None:
         import onnxruntime as ort
 
-        from tandem.edge.compute.head import session_options
+        from tandem.edge.compute.head import session_options, with_cuda_options
 
         def provider_list(graph: bool) -> list[Any]:
-            out = []
-            for p in providers:
-                name, opts = (p[0], dict(p[1])) if isinstance(p, tuple) else (p, {})
-                if name == "CUDAExecutionProvider":
-                    opts["enable_cuda_graph"] = "1" if graph else "0"
-                out.append((name, opts) if opts else name)
-            return out
+            return with_cuda_options(providers, {"enable_cuda_graph": "1" if graph else "0"})
 
         self.owner, self.captured = owner, capture
         try:
@@ -384,23 +378,26 @@ class _SamplerGraph:
         """A binding of the first ``rows`` rows of ``logits`` to device buffers of the sampler's own."""
         import onnxruntime as ort
 
-        _, steps, vocab = logits.shape()
         device = self.owner.device
         params = ort.OrtValue.ortvalue_from_numpy(neutral_sampling(rows), device, 0)
         tokens = ort.OrtValue.ortvalue_from_shape_and_type([rows, 1], np.int64, device, 0)
-        b = self.session.io_binding()
-        b.bind_input("logits", device, 0, ONNX_TYPES[logits_type], [rows, steps, vocab], logits.data_ptr())
+        b = self._bind_logits(logits, rows, logits_type)
         b.bind_ortvalue_input(SAMPLING, params)
         b.bind_ortvalue_output(SAMPLED, tokens)
         return _SamplerBinding(b, params, tokens, self.owner.graph_id())
+
+    def _bind_logits(self, logits: Any, rows: int, logits_type: str) -> Any:
+        """A new IO binding with the first ``rows`` rows of ``logits`` (on the device) as input."""
+        _, steps, vocab = logits.shape()
+        b = self.session.io_binding()
+        b.bind_input("logits", self.owner.device, 0, ONNX_TYPES[logits_type], [rows, steps, vocab], logits.data_ptr())
+        return b
 
     def _run_fresh(self, logits: Any, rows: int, logits_type: str, params: np.ndarray) -> np.ndarray:
         """One uncaptured run with a binding of its own: the parameters from the host, the tokens back."""
         import onnxruntime as ort
 
-        _, steps, vocab = logits.shape()
-        b = self.session.io_binding()
-        b.bind_input("logits", self.owner.device, 0, ONNX_TYPES[logits_type], [rows, steps, vocab], logits.data_ptr())
+        b = self._bind_logits(logits, rows, logits_type)
         b.bind_cpu_input(SAMPLING, params)
         b.bind_output(SAMPLED, "cpu")
         opts = ort.RunOptions()
@@ -459,15 +456,12 @@ class DecoderGraph:
         """
         import onnxruntime as ort
 
-        from tandem.edge.compute.head import default_providers, session_options
+        from tandem.edge.compute.head import default_providers, session_options, with_cuda_options
 
         self.memory = KVMemory(max_kv_bytes)
         self.spec = DecoderSpec.load(model_dir)
         names = list(providers or default_providers())
-        self.on_cuda = any((p if isinstance(p, str) else p[0]) == "CUDAExecutionProvider" for p in names)
-        if self.on_cuda:
-            opts = {"use_tf32": "0", "enable_cuda_graph": "1" if cuda_graph else "0"}
-            names = [("CUDAExecutionProvider", opts) if p == "CUDAExecutionProvider" else p for p in names]
+        names = with_cuda_options(names, {"use_tf32": "0", "enable_cuda_graph": "1" if cuda_graph else "0"})
         self.session = ort.InferenceSession(str(self.spec.path), session_options(intra_op_threads), providers=names)
         self.on_cuda = "CUDAExecutionProvider" in self.session.get_providers()
         self.cuda_graph = self.on_cuda and cuda_graph
@@ -1260,15 +1254,12 @@ class DecoderGraph:
     def max_turn_tokens(self) -> int:
         """The most tokens one session can hold within ``max_kv_bytes`` with nothing else held (the
         model's positions when unbounded; 0 when not even the smallest slot fits)."""
-        most, cap = 0, self.min_slot_tokens
-        while True:
-            cap = min(cap, self.spec.context_tokens)
+        most = 0
+        for cap in self._capacities():
             if self.max_kv_bytes is not None and self._session_nbytes(cap) > self.max_kv_bytes:
-                return most
+                break
             most = cap
-            if cap >= self.spec.context_tokens:
-                return most
-            cap *= 2
+        return most
 
     def release(self, slot: KVSlot) -> None:
         """The session is gone: its pool row is freed (the KV dropped), its own buffers become a
@@ -1289,10 +1280,16 @@ class DecoderGraph:
             InvalidRequest: ``tokens`` exceeds the model's positions."""
         if tokens > self.spec.context_tokens:
             raise InvalidRequest(f"{tokens} tokens exceed the model's {self.spec.context_tokens} positions")
+        return next(cap for cap in self._capacities() if cap >= tokens)
+
+    def _capacities(self) -> Iterator[int]:
+        """Every slot capacity, smallest first: the powers of two from ``MIN_SLOT_TOKENS`` (or the
+        sliding window's), the last one cut to the model's positions."""
         cap = self.min_slot_tokens
-        while cap < tokens:
+        while cap < self.spec.context_tokens:
+            yield cap
             cap *= 2
-        return min(cap, self.spec.context_tokens)
+        yield self.spec.context_tokens
 
     def _fit(self, slot: KVSlot, tokens: int) -> None:
         """Grow ``slot`` (not in a pool) in place to hold ``tokens``: buffers of the next fitting

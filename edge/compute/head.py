@@ -10,6 +10,7 @@ keeps nothing between calls. Shapes use the notation of ``common.model.head_mode
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -95,20 +96,28 @@ def default_providers() -> list[str]:
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in avail]
 
 
+def with_cuda_options(
+    providers: Sequence[Any], set_options: dict[str, str] | None = None, defaults: dict[str, str] | None = None
+) -> list[Any]:
+    """``providers`` (names, or ``(name, options)`` pairs, as ONNX Runtime takes them) with the CUDA
+    provider's options: ``defaults`` where the caller gave none of its own, ``set_options`` over
+    everything. Other providers, and the caller's dicts, are left as given."""
+    out: list[Any] = []
+    for p in providers:
+        name, given = (p[0], p[1]) if isinstance(p, tuple) else (p, {})
+        if name != "CUDAExecutionProvider":
+            out.append(p)
+        else:
+            out.append((name, {**(defaults or {}), **given, **(set_options or {})}))
+    return out
+
+
 def without_tf32(providers: list[Any]) -> list[Any]:
     """``providers`` with ONNX Runtime's CUDA provider told to run float32 MatMuls in float32
     (``use_tf32`` 0; its default rounds their inputs to TF32's 10-bit mantissa): a float32 graph
     on the GPU then computes what vLLM's float32 engines do. Other providers, and a CUDA entry that
     sets ``use_tf32`` itself, are left as given."""
-    out: list[Any] = []
-    for p in providers:
-        if p == "CUDAExecutionProvider":
-            out.append(("CUDAExecutionProvider", {"use_tf32": "0"}))
-        elif isinstance(p, tuple) and p[0] == "CUDAExecutionProvider" and "use_tf32" not in p[1]:
-            out.append((p[0], {**p[1], "use_tf32": "0"}))
-        else:
-            out.append(p)
-    return out
+    return with_cuda_options(providers, defaults={"use_tf32": "0"})
 
 
 class OnnxHead:
