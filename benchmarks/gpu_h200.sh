@@ -7,7 +7,7 @@
 #   prep-1b      a random-weight Llama-3.2-1B shape prepared at k=2,4,8 (k/L = 1/8, 1/4, 1/2) and whole
 #   prep-tier    the Llama-3.2-1B shape at k=4 (no whole-model export) for the GPU tier's real-size test
 #   tier         the GPU test tier (tests/gpu) on SmolLM2-135M, and the 1B shape of prep-tier (the test
-#                prepares it itself where prep-tier has not)
+#                prepares it itself where prep-tier has not); TIER_K selects tests (pytest's -k)
 #   bench-1b     tandem-bench modes on the 1B shape: split k=4, cloud-only, edge-only (ONNX Runtime CUDA on
 #                the same GPU), remote prefill, auto and auto-whole; loopback and wifi6; 64/256/1024/4096 tokens
 #   capacity-1b  tandem-bench capacity on the 1B shape: cloud-only, split k=2,4,8, auto
@@ -40,7 +40,8 @@
 #                minimising end-to-end time, as a client of whole replies asks), on the 1B
 #                shape capacity-rp-1b prepares; MATRIX_LINKS=wifi6 (or 4g) runs one link per call
 #   matrix-smollm2  the same matrix on SmolLM2-135M (prepared from the carried GGUF, nothing to
-#                export first), the engines in bf16 (`dtype auto` on a GPU), both links in one call
+#                export first), the engines in bf16 (`dtype auto` on a GPU), both links in one call;
+#                MATRIX_LINKS and MATRIX_OUTPUT_LENS (default 16,128,512) narrow it
 #   edge-decode  tandem-bench edge: the edge's runtimes at batch 1 (tandem's DecoderGraph on the builder's
 #                fp16 graph with and without a CUDA graph, ONNX Runtime GenAI's Generator on the same graph,
 #                the torch.onnx edge-full.onnx on SmolLM2) and the weights-read floor, on SmolLM2-135M and
@@ -125,7 +126,7 @@ step_tier() {
   export TANDEM_GPU_REALSIZE_DIR=$W/l1b-tier
   rm -rf "$W/t" && mkdir -p "$W/t" && cp -r "$ROOT/tests" "$ROOT/pyproject.toml" "$W/t/"
   log "GPU test tier"
-  (cd "$W/t" && TANDEM_MODEL_DIR=$SMOL python -m pytest -m gpu tests/gpu -v -p no:cacheprovider) \
+  (cd "$W/t" && TANDEM_MODEL_DIR=$SMOL python -m pytest -m gpu tests/gpu -v -p no:cacheprovider ${TIER_K:+-k "$TIER_K"}) \
     2>&1 | tee "$OUT/gpu_tier.log" | tail -25
 }
 
@@ -247,8 +248,9 @@ step_matrix_1b() {  # MATRIX_LINKS (default wifi6,4g): the link profiles, one ca
 step_matrix_smollm2() {
   smollm2
   log "tandem-bench modes SmolLM2 output-length matrix"
-  (cd "$W" && tandem-bench modes --model-dir "$SMOL" --split-layers 4 --links wifi6,4g --prompt-lens 64,256,1024 \
-    --output-lens 16,128,512 --requests 1 --shaper proxy --out "$OUT/matrix-smollm2") > "$OUT/matrix-smollm2.log" 2>&1
+  (cd "$W" && tandem-bench modes --model-dir "$SMOL" --split-layers 4 --links "${MATRIX_LINKS:-wifi6,4g}" \
+    --prompt-lens 64,256,1024 --output-lens "${MATRIX_OUTPUT_LENS:-16,128,512}" --requests 1 --shaper proxy \
+    --out "$OUT/matrix-smollm2") > "$OUT/matrix-smollm2.log" 2>&1
   keep_logs matrix-smollm2
   tail -40 "$OUT/matrix-smollm2.log"
 }

@@ -85,6 +85,8 @@ class EdgeDaemon:
             await self.node.conn.stop()
         for h in self.node.heads.values():
             await h.batcher.stop()
+        if self.node.local is not None:
+            await self.node.local.close()
         for link in self.links:
             await link.close()
 

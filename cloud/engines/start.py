@@ -102,6 +102,11 @@ def start_engine(
     # read by tandem's vLLM plugin in the engine processes this start spawns (cloud/engines/vllm_plugin.py)
     os.environ[vllm_plugin.ENV] = repr(e.worker_busy_poll_s)
     os.environ[vllm_plugin.FAST_EXIT_ENV] = "1"  # each engine stops in about 2 s, not 9 (install_fast_exit)
+    if placed.gpu is not None:
+        # vLLM forks its EngineCore unless torch reports CUDA initialized, but torch.cuda.is_available()
+        # or device_count() in this process already leaves a forked child unable to use CUDA ("Cannot
+        # re-initialize CUDA in forked subprocess") while not counting as initialized: spawn always
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     args = AsyncEngineArgs(
         model=str(model),
         dtype=placed.dtype,

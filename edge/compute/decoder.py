@@ -63,6 +63,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -96,6 +98,8 @@ from tandem.edge.compute.decoder_batch import (
 )
 from tandem.edge.compute.localmodel import Draw
 
+log = logging.getLogger(__name__)
+
 MIN_SLOT_TOKENS = 256  # a session's first slot holds at least this many tokens; slots grow by doubling
 FREE_SLOTS_PER_CAPACITY = 4  # spare slot buffers (released, or given up for a pool row) kept per capacity
 # KV and logits types (ONNX Runtime's name -> ONNX element type); bfloat16 has no numpy dtype, so its
@@ -112,6 +116,34 @@ BUFFER_FIELDS = (
     "graph_id",
     "binding",
 )
+
+
+class GraphThread:
+    """The thread that replays a session's CUDA graphs. ONNX Runtime's CUDA provider keeps captured
+    graphs in a context per thread, and with CUDA graphs on it never hands a thread's context to
+    another (``CUDAExecutionProvider::OnRunEnd`` releases it only when graphs are off): a graph id
+    run on a second thread is captured again there, into a new context with new cuBLAS handles,
+    and the first thread's context and graphs stay held until the session ends. So every captured
+    run of a ``DecoderGraph`` and its sampler must come from one thread
+    (``edge.compute.stepper.Stepper`` keeps its thread for the engine's life for such a model).
+
+    ``threads``: the threads captured runs came from (1 when driven right); the second one is
+    logged as a warning."""
+
+    def __init__(self) -> None:
+        self.threads: set[int] = set()
+
+    def note(self) -> None:
+        """Called before each captured run (``gpu_graph_id`` >= 1)."""
+        t = threading.get_ident()
+        if t in self.threads:
+            return
+        self.threads.add(t)
+        if len(self.threads) == 2:
+            log.warning(
+                "CUDA graphs replayed from a second thread: ONNX Runtime captures them again there and keeps "
+                "the first thread's until the session ends; drive the decoder from one thread"
+            )
 
 
 @dataclass(frozen=True)
@@ -262,11 +294,18 @@ class DeviceSampler:
     MAX_GRAPHS = 256
 
     def __init__(
-        self, path: Path, providers: list[Any], device: str, capture: bool = False, top_path: Path | None = None
+        self,
+        path: Path,
+        providers: list[Any],
+        device: str,
+        capture: bool = False,
+        top_path: Path | None = None,
+        graph_thread: GraphThread | None = None,
     ) -> None:
         """``providers``: the decoder's; ``capture``: replay fixed-address runs as CUDA graphs (the
         CUDA provider only); ``top_path``: the top-k sampler's graph (``TOP_CAP`` largest logits), or
-        None. Where ONNX Runtime refuses to capture a graph it runs uncaptured and ``capture_note``
+        None; ``graph_thread``: the decoder's (its captured runs come from that thread too). Where
+        ONNX Runtime refuses to capture a graph it runs uncaptured and ``capture_note``
         says why.
 
         Raises:
@@ -277,6 +316,8 @@ class DeviceSampler:
         self.device = device
         self.path = path
         self.capture_note = ""
+        self.graph_thread = graph_thread or GraphThread()
+        self.captures = 0  # CUDA graphs captured so far (a capturing run costs tens of ms once)
         self.whole = _SamplerGraph(self, path, providers, capture and device == "cuda")
         self.top = _SamplerGraph(self, top_path, providers, self.whole.captured) if top_path is not None else None
         self.top_cap = TOP_CAP if self.top is not None else 0
@@ -363,6 +404,8 @@ class _SamplerGraph:
         kept = self._bound.get(key) if fixed else None
         if kept is None and fixed and len(self._bound) < DeviceSampler.MAX_GRAPHS:
             kept = self._bound[key] = self._keep(logits, rows, logits_type)
+            if self.captured:
+                self.owner.captures += 1  # its first run captures the graph
         if kept is None:
             return self._run_fresh(logits, rows, logits_type, params)
         import onnxruntime as ort
@@ -370,6 +413,7 @@ class _SamplerGraph:
         kept.params.update_inplace(params)
         opts = ort.RunOptions()
         if self.captured:
+            self.owner.graph_thread.note()
             opts.add_run_config_entry("gpu_graph_id", str(kept.graph_id))
         self.session.run_with_iobinding(kept.binding, opts)
         return kept.tokens.numpy()[:, 0]
@@ -475,14 +519,18 @@ class DecoderGraph:
             if t not in ONNX_TYPES:
                 raise ValueError(f"{self.spec.path}: KV and logits must be float32, float16 or bfloat16, got {t}")
         self.has_next_token = NEXT_TOKEN in {o.name for o in self.session.get_outputs()}
+        self.graph_thread = GraphThread()
         sampler = self.spec.path.parent / SAMPLER_FILE
         top = self.spec.path.parent / TOP_SAMPLER_FILE
         self.sampler = (
-            DeviceSampler(sampler, names, self.device, self.cuda_graph, top if top.is_file() else None)
+            DeviceSampler(
+                sampler, names, self.device, self.cuda_graph, top if top.is_file() else None, self.graph_thread
+            )
             if sampler.is_file()
             else None
         )
         self.has_sampling = self.sampler is not None
+        self._captures = 0
         self.providers: list[str] = self.session.get_providers()
         # a slot holds more than the graph's sliding window (ONNX Runtime refuses a smaller KV buffer)
         self.min_slot_tokens = max(MIN_SLOT_TOKENS, _window_tokens(model_dir) + 1)
@@ -683,7 +731,9 @@ class DecoderGraph:
             if self.has_next_token:
                 b.bind_ortvalue_output(NEXT_TOKEN, slot.step_next)
             slot.binding = b
+            self._captures += 1  # this first run captures the slot's graph
         opts = ort.RunOptions()
+        self.graph_thread.note()
         opts.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
         self.session.run_with_iobinding(slot.binding, opts)
         if greedy and self.has_next_token:
@@ -916,7 +966,9 @@ class DecoderGraph:
             pool.bindings[rows] = b
             pool.graph_ids[rows] = self._next_graph_id
             self._next_graph_id += 1
+            self._captures += 1  # this first run captures the bucket's graph
         opts = ort.RunOptions()
+        self.graph_thread.note()
         opts.add_run_config_entry("gpu_graph_id", str(pool.graph_ids[rows]))
         self.session.run_with_iobinding(pool.bindings[rows], opts)
 
@@ -1237,6 +1289,18 @@ class DecoderGraph:
             QuotaExceeded: no room for the bigger buffers beside the held ones; nothing changes then."""
         if tokens > slot.capacity_tokens:
             self._own(slot, tokens)
+
+    @property
+    def captures(self) -> int:
+        """CUDA graphs captured so far, the sampler's included: a run that captures one takes tens
+        of ms once (the engine keeps such runs out of its measured rates)."""
+        return self._captures + (self.sampler.captures if self.sampler is not None else 0)
+
+    @property
+    def thread_bound(self) -> bool:
+        """Whether every run must come from one thread: decode steps replay CUDA graphs, which ONNX
+        Runtime keeps per thread (``GraphThread``)."""
+        return self.cuda_graph
 
     @property
     def max_kv_bytes(self) -> int | None:

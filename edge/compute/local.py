@@ -62,7 +62,7 @@ from tandem.common.runtime.ewma import Ewma
 from tandem.common.runtime.lru import RememberingLRU
 from tandem.edge.compute.localkv import KV, blocks_from_past, past_from_blocks
 from tandem.edge.compute.localmodel import BoundedKVModel, Draw, LocalModel, OnnxForward, check_past
-from tandem.edge.compute.stepper import Mailbox, Stepper
+from tandem.edge.compute.stepper import LINGER_S, Mailbox, Stepper
 
 __all__ = ["KV", "LocalEngine", "LocalGenerator", "LocalSession", "LocalSessions", "LocalToken", "load_local_model"]
 __all__ += ["blocks_from_past", "draw_uniform", "past_from_blocks", "sample_token", "sampling_rng"]
@@ -388,8 +388,11 @@ class LocalEngine:
         self.last_computed_tokens = 0
         self.last_reused_tokens = 0
         self.last_batch_size = 0  # decode steps of the latest batched run
+        self._captures_seen = getattr(self.model, "captures", 0)  # the model's CUDA graph captures measured past
         self._batched = bool(getattr(self.model, "batched_decode", False))
-        self._stepper: Stepper[TurnRun] = Stepper(self._step_all, self._give_back)
+        # a model replaying CUDA graphs runs on one thread for its whole life (``GraphThread``)
+        linger = None if getattr(self.model, "thread_bound", False) else LINGER_S
+        self._stepper: Stepper[TurnRun] = Stepper(self._step_all, self._give_back, linger)
 
     @property
     def kv_device(self) -> str:
@@ -401,6 +404,11 @@ class LocalEngine:
     def new_session(self) -> LocalSession:
         """An empty session whose KV goes back to this engine's model when it is dropped."""
         return LocalSession(release=self._released.append)
+
+    async def close(self) -> None:
+        """Stop taking turns (``EngineError`` after this) and end the model's thread once the turns
+        in flight are done (at the edge's shutdown, after its drain)."""
+        await asyncio.to_thread(self._stepper.close)
 
     async def tidy(self) -> None:
         """Give back what idle state holds: the KV of dropped sessions goes back to the model, and
@@ -679,6 +687,13 @@ class LocalEngine:
         return results, ms
 
     def _measured(self, tokens: int, ms: float) -> None:
+        """Add a run of ``tokens`` new tokens that took ``ms`` to the rates, unless the model
+        captured a CUDA graph since the last measurement (``captures`` grew: that run paid the
+        capture once, tens of ms, and says nothing of the next)."""
+        captures = getattr(self.model, "captures", 0)
+        if captures != self._captures_seen:
+            self._captures_seen = captures
+            return
         if tokens > 1:
             self.prefill_rate.add(ms / tokens)
         else:
@@ -861,17 +876,19 @@ class LocalEngine:
         return run
 
     async def warmup(self, n_tokens: int = 32) -> None:
-        """One untimed one-token run (ONNX Runtime's first run allocates), then a prefill of
-        ``n_tokens`` (at least 2) and a few decode steps, which set the measured rates. Stateless."""
-        sess = self.new_session()
-        await self._run_job(lambda: self._advance(sess, [1], 0, True, 1 + WARMUP_DECODE_STEPS))
-        sess.drop()
+        """A prefill of ``n_tokens`` (at least 2) and a few decode steps, twice: the first pass
+        untimed (ONNX Runtime's first runs allocate and pick kernels, and a CUDA-graph model captures
+        its decode step, whose buffers the second pass reuses), the second sets the measured rates.
+        Stateless."""
         n = max(2, min(n_tokens, self.shape.max_position_embeddings - WARMUP_DECODE_STEPS))
         ids = [(1 + 7919 * i) % self.shape.vocab_size for i in range(n)]
         sampling = Sampling(max_new_tokens=WARMUP_DECODE_STEPS, ignore_eos=True)
-        async with contextlib.aclosing(self.generate(ids, sampling)) as it:
-            async for _ in it:
-                pass
+        for timed in (False, True):
+            if timed:
+                self.prefill_rate, self.decode_rate = Ewma(), Ewma()
+            async with contextlib.aclosing(self.generate(ids, sampling)) as it:
+                async for _ in it:
+                    pass
 
 
 @dataclass(frozen=True)

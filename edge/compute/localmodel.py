@@ -68,7 +68,9 @@ class LocalModel(Protocol):
 
     ``batched_decode``: ``run_batch`` computes several sessions' decode steps in one run (the
     engine then gathers concurrent turns' steps); False: it runs them one after the other and the
-    engine runs each step as a job of its own."""
+    engine runs each step as a job of its own. A model with ``thread_bound`` True (read with a
+    False default) must be run from one thread for its whole life (``DecoderGraph``'s CUDA graphs);
+    the engine's thread then never ends while the engine lives."""
 
     providers: list[str]
     batched_decode: bool

@@ -7,7 +7,10 @@ every decoding turn (``step``), handing each one's results back to the event loo
 ``loop.call_soon_threadsafe`` (``flush``). So a prefill runs between two decode steps, one per step:
 however many are queued, the decoding turns step after each, and a new turn joins the batch at the
 step after its prefill. Jobs run in the order they came (FIFO). With no work, the thread waits
-``linger_s`` for more, then ends; the next job starts a new one.
+``linger_s`` for more, then ends; the next job starts a new one. A model that replays CUDA graphs
+must be run from one thread for its whole life (ONNX Runtime keeps captured graphs per thread:
+``edge.compute.decoder.GraphThread``): with ``linger_s`` None the thread, once started, waits for
+work until ``close``.
 
 Who touches what: ``submit`` is called from any thread (the event loop); ``decoding`` and the
 outbox are the thread's alone (a job or ``step`` adds and removes turns; ``deliver`` queues a
@@ -26,6 +29,8 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
+
+from tandem.common.protocol.errors import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +65,14 @@ class Stepper(Generic[T]):
     Neither may raise; an exception is logged and, from ``step``, ends every decoding turn.
     """
 
-    def __init__(self, step: Callable[[list[T]], None], before: Callable[[], None], linger_s: float = LINGER_S) -> None:
+    def __init__(
+        self, step: Callable[[list[T]], None], before: Callable[[], None], linger_s: float | None = LINGER_S
+    ) -> None:
+        """``linger_s``: how long an idle thread waits for work before it ends; None: it never ends
+        by itself (a daemon thread, ended by ``close``)."""
         self._step, self._before, self.linger_s = step, before, linger_s
+        self.threads_started = 0
+        self._closed = False
         self.decoding: list[T] = []  # the thread's: turns that take part in the next decode step
         self._jobs: deque[Callable[[], None]] = deque()
         self._outbox: list[tuple[Mailbox, Any]] = []  # the thread's: results not yet handed back
@@ -75,14 +86,33 @@ class Stepper(Generic[T]):
 
     def submit(self, job: Callable[[], None]) -> None:
         """Queue ``job`` (it must not raise) to run in the thread, after the jobs queued before it;
-        starts the thread if it is not running. Any thread may call it."""
+        starts the thread if it is not running. Any thread may call it.
+
+        Raises:
+            EngineError: the stepper was closed."""
         with self._cond:
+            if self._closed:
+                raise EngineError("the local engine is closed")
             self._jobs.append(job)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._main, name="tandem-local-stepper")
+                self._thread = threading.Thread(
+                    target=self._main, name="tandem-local-stepper", daemon=self.linger_s is None
+                )
+                self.threads_started += 1
                 self._thread.start()
             else:
                 self._cond.notify()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Take no more jobs; the thread ends once the queued jobs and decoding turns are done.
+        Waits up to ``timeout_s`` for it (None: until it ends). Blocks: from an event loop, call it
+        in a worker thread. Closing twice does nothing more."""
+        with self._cond:
+            self._closed = True
+            thread = self._thread
+            self._cond.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
 
     def deliver(self, box: Mailbox, item: Any) -> None:
         """From the thread: hand ``item`` to ``box.push`` on its loop at the next ``flush``."""
@@ -134,12 +164,14 @@ class Stepper(Generic[T]):
             self.decoding.clear()
 
     def _wait_for_work(self) -> bool:
-        """True once there is work; False when none came within ``linger_s`` (the thread then ends)."""
+        """True once there is work; False when none came within ``linger_s``, or the stepper is
+        closed with none left (the thread then ends)."""
         if self._jobs or self.decoding:
             return True
         with self._cond:
             while not self._jobs:
-                if not self._cond.wait(self.linger_s) and not self._jobs:
+                # wait(None) returns only when notified: an unlimited linger ends by close alone
+                if self._closed or (not self._cond.wait(self.linger_s) and not self._jobs):
                     self._thread = None
                     return False
             return True

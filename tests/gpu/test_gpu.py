@@ -223,12 +223,17 @@ def test_the_builder_head_on_cuda_gives_hfs_residual_and_kv(split_dir, manifest,
 async def test_the_builder_decoder_serves_local_turns_from_cuda_graphs(split_dir, manifest, hf_model, tokenizer):
     """The whole model as ONNX Runtime GenAI's builder wrote it (``edge-decoder/``, bf16 for CUDA) under
     ``LocalEngine``: a session's KV is one CUDA slot, the decode steps replay its CUDA graph, and the
-    greedy output equals HF's fp32 one (or parts only at a near-tie of the reference), over two turns."""
+    greedy output equals HF's fp32 one (or parts only at a near-tie of the reference), over two turns
+    with an idle gap between them longer than a stepper's linger: every captured run comes from the
+    engine's one thread (ONNX Runtime keeps CUDA graphs per thread)."""
+    import asyncio
+
     import onnxruntime as ort
 
     from tandem.common.protocol.params import Sampling
     from tandem.edge.compute.decoder import DecoderGraph
     from tandem.edge.compute.local import LocalEngine
+    from tandem.edge.compute.stepper import LINGER_S
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime-gpu's CUDA provider is not installed")
@@ -254,7 +259,11 @@ async def test_the_builder_decoder_serves_local_turns_from_cuda_graphs(split_dir
             {"role": "assistant", "content": tokenizer.decode(out, skip_special_tokens=True)},
             {"role": "user", "content": "How long is it?"},
         ]
+        await asyncio.sleep(3 * LINGER_S)  # idle: the engine's thread stays
     assert engine.last_reused_tokens > 0
+    assert engine.model.thread_bound and len(engine.model.graph_thread.threads) == 1
+    assert engine._stepper.threads_started == 1
+    await engine.close()
 
 
 async def test_the_builder_decoder_batches_concurrent_turns_in_cuda_graphs(split_dir, manifest, hf_model, tokenizer):

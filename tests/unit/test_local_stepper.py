@@ -2,7 +2,8 @@
 the in-memory model (``edge.compute.localmodel.MemoryModel``): concurrent turns get the tokens they get
 alone, batched or not; prefills run one between two decode steps; a bad session fails alone; a
 closed turn stops and leaves its session consistent; a prefill cancelled before it ran never runs;
-each step's tokens go back to the event loop in one call; the thread ends when idle."""
+each step's tokens go back to the event loop in one call; the thread ends when idle, but a
+thread-bound model's only when the engine closes."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import threading
 import numpy as np
 import pytest
 
-from tandem.common.protocol.errors import InvalidRequest
+from tandem.common.protocol.errors import EngineError, InvalidRequest
 from tandem.common.protocol.manifest import ModelShape
 from tandem.common.protocol.params import Sampling
 from tandem.edge.compute.local import LocalEngine, draw_uniform, sampling_rng
 from tandem.edge.compute.localmodel import Draw, MemoryModel
-from tandem.edge.compute.stepper import Mailbox, Stepper
+from tandem.edge.compute.stepper import LINGER_S, Mailbox, Stepper
 
 SHAPE = ModelShape(
     num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=2, vocab_size=500, max_position_embeddings=4096
@@ -236,6 +237,69 @@ async def test_the_thread_ends_when_idle_and_a_new_one_serves_the_next_turn():
     assert await tokens(engine, p, s) == alone("unbatched", p, s)
 
 
+async def test_a_thread_bound_model_keeps_one_thread_across_idle_gaps_until_the_engine_closes():
+    """A model replaying CUDA graphs (``thread_bound``) is run from one thread for the engine's life:
+    an idle gap longer than the linger does not end it; ``close`` does, and later turns are refused."""
+    model = MemoryModel(SHAPE, **KINDS["batched"])
+    model.thread_bound = True
+    engine = LocalEngine(model, SHAPE, (EOS,))
+    s = Sampling(max_new_tokens=4, ignore_eos=True)
+    p = prompts(1, seed=7)[0]
+    assert await tokens(engine, p, s) == alone("batched", p, s)
+    thread = engine._stepper._thread
+    assert thread is not None and thread.daemon
+    await asyncio.sleep(3 * LINGER_S)
+    assert engine._stepper._thread is thread and thread.is_alive()
+    assert await tokens(engine, p, s, "a") == alone("batched", p, s)
+    assert engine._stepper.threads_started == 1
+    await engine.close()
+    assert not thread.is_alive() and engine._stepper._thread is None
+    with pytest.raises(EngineError, match="closed"):
+        await tokens(engine, p, s)
+    await engine.close()  # twice: nothing more
+
+
+class CapturingModel(MemoryModel):
+    """A model whose first one-token run captures a CUDA graph (``captures`` grows then)."""
+
+    captures = 0
+
+    def run(self, kv, ids, greedy, draw=None):
+        out = super().run(kv, ids, greedy, draw)
+        if len(ids) == 1 and self.captures == 0:
+            self.captures = 1
+        return out
+
+
+async def test_a_run_that_captures_a_cuda_graph_stays_out_of_the_measured_rates():
+    engine = LocalEngine(CapturingModel(SHAPE, batched_decode=False), SHAPE, (EOS,))
+    s = Sampling(max_new_tokens=6, ignore_eos=True)
+    await tokens(engine, prompts(1, seed=9)[0], s)
+    assert engine.prefill_rate.samples == 1
+    assert engine.decode_rate.samples == s.max_new_tokens - 2  # 5 decode runs, the first captured
+
+
+async def test_warmup_times_its_second_pass():
+    """The first pass captures and allocates, untimed; the rates come from the second alone."""
+    engine = LocalEngine(CapturingModel(SHAPE, batched_decode=False), SHAPE, (EOS,))
+    await engine.warmup(16)
+    assert engine.prefill_rate.samples == 1 and engine.decode_rate.samples >= 1
+    assert engine.prefill_ms_per_token > 0 and engine.decode_ms_per_token > 0
+
+
+async def test_close_lets_the_turns_in_flight_finish():
+    model = MemoryModel(SHAPE, step_ms=2.0, **KINDS["batched"])
+    model.thread_bound = True
+    engine = LocalEngine(model, SHAPE, (EOS,))
+    s = Sampling(max_new_tokens=12, ignore_eos=True)
+    p = prompts(1, seed=8)[0]
+    turn = asyncio.create_task(tokens(engine, p, s))
+    while engine._stepper.idle:
+        await asyncio.sleep(0.001)
+    await engine.close()
+    assert await turn == alone("batched", p, s)
+
+
 def test_results_for_a_closed_loop_cancel_their_mailbox():
     """The thread hands results to a loop that is closed: the mailbox is cancelled, nothing raises."""
     loop = asyncio.new_event_loop()
@@ -250,3 +314,26 @@ def test_results_for_a_closed_loop_cancel_their_mailbox():
     stepper.deliver(box, 1)
     stepper.flush()
     assert box.cancelled
+
+
+def test_a_decoders_captured_runs_from_a_second_thread_are_logged_once(caplog):
+    """``GraphThread``: ONNX Runtime keeps CUDA graphs per thread, so a second thread is a warning."""
+    from tandem.edge.compute.decoder import GraphThread
+
+    g = GraphThread()
+    g.note()
+    g.note()
+    assert len(g.threads) == 1 and not caplog.records
+    both = threading.Barrier(2)  # both alive at once: their idents differ
+
+    def note() -> None:
+        g.note()
+        both.wait()
+
+    threads = [threading.Thread(target=note) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(g.threads) == 3
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "second thread" in caplog.records[0].message
