@@ -30,6 +30,11 @@ random prompts of ``--prompt-tokens`` each, started together:
 * ``genai-batch``: the library's ``Generator`` with ``batch_size=B`` (``set_search_options``) and the
   ``[B, prompt]`` ids appended at once (equal lengths: no padding), one step for all rows.
 
+Two rows of one turn through ``LocalEngine`` show what a served turn meets and a steady loop does
+not: ``tandem-engine-idle``, each turn after the engine sat idle ``IDLE_GAP_S``;
+``tandem-engine-new-length``, each turn's prompt one token longer than the last (a prefill shape the
+runtime has not run yet).
+
 Columns: ``batch`` (turns decoding together), ``ttft_ms`` (median over turns and repeats, queueing
 behind the other turns' prefills included), ``itl_ms`` (median over every step of every turn and
 repeat), ``tokens_per_s`` (one turn's, 1000 / itl), ``aggregate_tokens_per_s`` (all turns' output
@@ -60,6 +65,7 @@ app = typer.Typer(add_completion=False, help=__doc__)
 # bytes/s, from NVIDIA's datasheets (HBM3 of the H100 SXM 80GB, HBM3e of the H200)
 BANDWIDTH_BPS = {"H100": 3.35e12, "H200": 4.8e12}
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int4": 0.5}
+IDLE_GAP_S = 0.5  # tandem-engine-idle's pause before each turn: longer than an ended stepper thread's linger
 
 
 def gpu_name() -> str:
@@ -211,8 +217,18 @@ def batch_prompts(prompt_tokens: int, batch: int, vocab_size: int, seed: int) ->
     return [[int(x) for x in rng.integers(3, min(vocab_size, 32000), prompt_tokens)] for _ in range(batch)]
 
 
-def time_engine(build_dir: Path, hf: Path, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
-    """``len(prompts)`` turns through ``LocalEngine`` at once, every repeat (one warm-up first)."""
+def time_engine(
+    build_dir: Path,
+    hf: Path,
+    prompts: list[list[int]],
+    new_tokens: int,
+    repeats: int,
+    gap_s: float = 0.0,
+    new_lengths: bool = False,
+) -> dict:
+    """``len(prompts)`` turns through ``LocalEngine`` at once, every repeat (one warm-up first);
+    ``gap_s``: the engine idle this long before each repeat; ``new_lengths``: each repeat's prompts
+    one token longer than the last's (shapes the runtime has not run yet)."""
     import asyncio
 
     from tandem.common.model.prepare import model_shape
@@ -228,9 +244,11 @@ def time_engine(build_dir: Path, hf: Path, prompts: list[list[int]], new_tokens:
 
     async def timed() -> list[tuple[float, list[list[float]]]]:
         out = []
-        for _ in range(repeats + 1):
+        for r in range(repeats + 1):
+            await asyncio.sleep(gap_s)
+            turns = [p + p[: r + 1] for p in prompts] if new_lengths else prompts
             t0 = time.perf_counter()
-            out.append((t0, list(await asyncio.gather(*(one(p) for p in prompts)))))
+            out.append((t0, list(await asyncio.gather(*(one(p) for p in turns)))))
         return out[1:]
 
     return _batch_summary(asyncio.run(timed()), providers=engine.providers[0])
@@ -429,6 +447,11 @@ def main(
         runs.append(("legacy", "fp32", lambda: time_legacy(legacy_onnx, hf, prompt, new_tokens, repeats)))
     if vllm:
         runs.append(("vllm", "bf16", lambda: time_vllm(hf, prompt, new_tokens, repeats)))
+    # one turn after an idle gap, and one of a prompt length not run before, each repeat
+    lone = batch_prompts(prompt_tokens, 1, cfg["vocab_size"], seed=1)
+    idle = _engine_run(build_dir, hf, lone, new_tokens, repeats, IDLE_GAP_S)
+    runs.append(("tandem-engine-idle", precision, idle))
+    runs.append(("tandem-engine-new-length", precision, _engine_run(build_dir, hf, lone, new_tokens, repeats, 0, True)))
     batches = [int(b) for b in batch_sizes.split(",") if b.strip()]
     batch_of: dict[int, int] = {}  # index in runs -> turns decoding together, for the batched runs
     if any(b < 1 for b in batches):
@@ -466,8 +489,16 @@ def main(
     shutil.rmtree(work, ignore_errors=True)
 
 
-def _engine_run(build_dir: Path, hf: Path, turns: list[list[int]], new_tokens: int, repeats: int) -> Any:
-    return lambda: time_engine(build_dir, hf, turns, new_tokens, repeats)
+def _engine_run(
+    build_dir: Path,
+    hf: Path,
+    turns: list[list[int]],
+    new_tokens: int,
+    repeats: int,
+    gap_s: float = 0.0,
+    new_lengths: bool = False,
+) -> Any:
+    return lambda: time_engine(build_dir, hf, turns, new_tokens, repeats, gap_s, new_lengths)
 
 
 def _genai_run(build_dir: Path, work: Path, turns: list[list[int]], new_tokens: int, repeats: int) -> Any:

@@ -127,15 +127,15 @@ class GraphThread:
     run of a ``DecoderGraph`` and its sampler must come from one thread
     (``edge.compute.stepper.Stepper`` keeps its thread for the engine's life for such a model).
 
-    ``threads``: the threads captured runs came from (1 when driven right); the second one is
-    logged as a warning."""
+    ``threads``: the native ids of the threads captured runs came from (1 when driven right); the
+    second one is logged as a warning."""
 
     def __init__(self) -> None:
         self.threads: set[int] = set()
 
     def note(self) -> None:
         """Called before each captured run (``gpu_graph_id`` >= 1)."""
-        t = threading.get_ident()
+        t = threading.get_native_id()  # the kernel's id: a new thread seldom gets an ended one's
         if t in self.threads:
             return
         self.threads.add(t)

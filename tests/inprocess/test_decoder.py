@@ -211,6 +211,8 @@ def test_edge_benchmark_smoke(build, hf_dir, tmp_path):
         ("genai", 1),
         ("tandem-sampled", 1),
         ("genai-sampled", 1),
+        ("tandem-engine-idle", 1),
+        ("tandem-engine-new-length", 1),
         *((runtime, b) for runtime in ("tandem-engine", "genai-batch") for b in (1, 3)),
     }
     assert all("error" not in r and r["itl_ms"] > 0 and r["ttft_ms"] > 0 for r in rows), rows
@@ -218,5 +220,5 @@ def test_edge_benchmark_smoke(build, hf_dir, tmp_path):
     assert len(three) == 2 and all(r["aggregate_tokens_per_s"] > 0 for r in three), three
     sampled = next(r for r in rows if r["runtime"] == "tandem-sampled")
     assert sampled["sampler"] == "host" and sampled["vs_genai"] > 0, sampled  # a CPU build samples on the host
-    assert (out / "edge_decode.md").read_text().count("| smollm2-135m |") == 8
+    assert (out / "edge_decode.md").read_text().count("| smollm2-135m |") == 10
     assert (out / "edge_decode.png").stat().st_size > 0

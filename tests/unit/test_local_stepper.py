@@ -324,7 +324,7 @@ def test_a_decoders_captured_runs_from_a_second_thread_are_logged_once(caplog):
     g.note()
     g.note()
     assert len(g.threads) == 1 and not caplog.records
-    both = threading.Barrier(2)  # both alive at once: their idents differ
+    both = threading.Barrier(2)  # both alive at once: their ids differ
 
     def note() -> None:
         g.note()
