@@ -41,14 +41,15 @@ own buffers (a spare's, else new) only when ``read_kv`` or ``write_kv`` needs it
 
 Memory: ``KVSlot.nbytes`` is what a session holds (its own buffers or its pool row), which the
 engine's session table bounds; ``memory`` counts every buffer held (sessions', spares, pools with
-their free rows) against ``max_kv_bytes``. A pool whose rows no step needed all of for
-``IDLE_S`` seconds shrinks to the rows its sessions need (freed when it has none), and spare
-buffers unused that long are freed (checked at each run call). An allocation beyond the bound
-first frees spares, empty pools and unneeded pool rows, then raises ``QuotaExceeded`` (a batched
-step that cannot join or grow a pool steps the session alone instead). Freed buffers' CUDA graphs
-are never replayed again; ONNX Runtime keeps the captured graphs (not their buffers) until its
-session ends, which is why idleness is measured in seconds, not steps: a lull between bursts
-keeps a pool and its graphs.
+their free rows) against ``max_kv_bytes``. Without CUDA graphs, a pool whose rows no step needed
+all of for ``IDLE_S`` seconds shrinks to the rows its sessions need (freed when it has none), and
+spare buffers unused that long are freed (checked at each run call). An allocation beyond the
+bound first frees spares, empty pools and unneeded pool rows, then raises ``QuotaExceeded`` (a
+batched step that cannot join or grow a pool steps the session alone instead). Freed buffers' CUDA
+graphs are never replayed again, and ONNX Runtime keeps every captured graph until its session ends
+(it has no call to drop one) while its arena keeps the freed memory: so with CUDA graphs buffers
+are not given back by idleness (only the bound frees them), and at most ``MAX_GRAPHS`` graphs are
+captured, steps on buffers without one running uncaptured past that.
 
 Shapes: ``L`` layers, ``Hkv`` KV heads, ``D`` head dim, ``C`` a slot's capacity in tokens, ``T``
 tokens held, ``V`` vocabulary; the KV dtype is the graph's (float32 on the CPU build, float16 or
@@ -64,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -102,6 +104,10 @@ log = logging.getLogger(__name__)
 
 MIN_SLOT_TOKENS = 256  # a session's first slot holds at least this many tokens; slots grow by doubling
 FREE_SLOTS_PER_CAPACITY = 4  # spare slot buffers (released, or given up for a pool row) kept per capacity
+# CUDA graphs one decoder captures at most: ONNX Runtime keeps each captured graph (and what it holds on
+# the device) until the session ends and offers no way to drop one, so buffers freed and made anew
+# would otherwise add graphs without end; past the cap, steps on buffers without a graph run uncaptured
+MAX_GRAPHS = 256
 # KV and logits types (ONNX Runtime's name -> ONNX element type); bfloat16 has no numpy dtype, so its
 # tensors are held as uint16 bit patterns and bound by address with their ONNX type
 ONNX_TYPES = ONNX_ELEMENT
@@ -484,14 +490,18 @@ class DecoderGraph:
         intra_op_threads: int = 0,
         cuda_graph: bool = True,
         max_kv_bytes: int | None = None,
-        idle_s: float = IDLE_S,
+        idle_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``providers``: ONNX Runtime's (default: CUDA where onnxruntime-gpu has a GPU, then CPU);
         ``cuda_graph``: capture each slot's decode step as a CUDA graph on the CUDA provider (fp32
         MatMuls there run without TF32, as vLLM's fp32 engines do); ``max_kv_bytes``: bound on
         ``memory.held_bytes`` (None: none); ``idle_s``: how long a pool or a spare waits idle
-        before it is given back (``_tick``), by ``clock`` (seconds).
+        before it is given back (``_tick``), by ``clock`` (seconds); None: ``IDLE_S`` where no CUDA
+        graph is captured, never where one is (ONNX Runtime keeps a freed buffer set's graph and
+        its arena keeps the memory, so giving buffers back by idleness would only make the next
+        session capture another graph; the ``max_kv_bytes`` bound still frees them when it needs
+        room).
 
         Raises:
             ValueError: ``max_kv_bytes`` < 1.
@@ -540,7 +550,10 @@ class DecoderGraph:
         self._pools: dict[int, BatchPool] = {}
         self._copier = KVCopier(names, self.device)
         self._item_bytes = int(np.dtype(_storage(self.kv_type)).itemsize)
-        self.clock, self.idle_s = clock, idle_s
+        self.clock = clock
+        self.idle_s = idle_s if idle_s is not None else math.inf if self.cuda_graph else IDLE_S
+        self.max_graphs = MAX_GRAPHS
+        self._graphs_capped = False  # the cap's warning logged
         self._now = clock()  # at the latest run call
 
     # ---- slots ------------------------------------------------------------------------------
@@ -635,7 +648,7 @@ class DecoderGraph:
         n = len(new_ids)
         t = self._begin(slot, n)
         t0 = time.perf_counter()
-        if n == 1 and self.cuda_graph and slot.pool is None:
+        if n == 1 and slot.pool is None and self._may_capture(slot.binding is not None):
             token, logits = self._decode_step(slot, new_ids[0], greedy, draw)
         else:
             token, logits = self._run_unbound(slot, new_ids, greedy, draw)
@@ -710,6 +723,22 @@ class DecoderGraph:
             self._own(slot, t + n)
         slot.mask_host[0, t : t + n] = 1
         return t
+
+    def _may_capture(self, captured: bool) -> bool:
+        """Whether a decode step runs through a CUDA graph: one its buffers have (``captured``), or
+        a new one while fewer than ``max_graphs`` were captured. Past the cap the step runs
+        uncaptured (its first refusal is logged as a warning)."""
+        if not self.cuda_graph:
+            return False
+        if captured or self._captures < self.max_graphs:
+            return True
+        if not self._graphs_capped:
+            self._graphs_capped = True
+            log.warning(
+                "%d CUDA graphs captured, the most one decoder keeps: decode steps on new buffers run uncaptured",
+                self.max_graphs,
+            )
+        return False
 
     def _decode_step(
         self, slot: KVSlot, token_id: int, greedy: bool, draw: Draw | None = None
@@ -896,7 +925,7 @@ class DecoderGraph:
         for s, tok in zip(slots, token_ids, strict=True):
             pool.ids_host[pool.table.row(s), 0] = tok
         pool.mask_host[:b] = np.arange(pool.capacity_tokens)[None, :] < lengths[:, None]
-        if self.cuda_graph:
+        if self._may_capture(b in pool.bindings):
             self._replay_bucket(pool, b)
         else:
             self._run_bucket(pool, b, int(lengths.max()))
@@ -940,13 +969,19 @@ class DecoderGraph:
             self._bind_at(b, NEXT_TOKEN, pool.next_ids.data_ptr(), [rows, 1], "tensor(int64)", output=True)
 
     def _run_bucket(self, pool: BatchPool, rows: int, mask_tokens: int) -> None:
-        """A step over the first ``rows`` rows where no CUDA graph is captured, the mask bound over
-        its first ``mask_tokens`` positions (every row's length fits)."""
+        """A step over the first ``rows`` rows without a CUDA graph (none on this provider, or past
+        ``max_graphs``), the mask bound over its first ``mask_tokens`` positions (every row's length
+        fits)."""
+        import onnxruntime as ort
+
         b = self.session.io_binding()
         b.bind_cpu_input("input_ids", np.ascontiguousarray(pool.ids_host[:rows]))
         b.bind_cpu_input("attention_mask", np.ascontiguousarray(pool.mask_host[:rows, :mask_tokens]))
         self._bind_rows(b, pool, rows)
-        self.session.run_with_iobinding(b)
+        opts = ort.RunOptions()
+        if self.cuda_graph:  # past the graph cap: a run without an id would be captured as graph 0
+            opts.add_run_config_entry("gpu_graph_id", "-1")
+        self.session.run_with_iobinding(b, opts)
 
     def _replay_bucket(self, pool: BatchPool, rows: int) -> None:
         """A step over the first ``rows`` rows through the pool's CUDA graph of that bucket (captured

@@ -262,6 +262,7 @@ async def test_the_builder_decoder_serves_local_turns_from_cuda_graphs(split_dir
         await asyncio.sleep(3 * LINGER_S)  # idle: the engine's thread stays
     assert engine.last_reused_tokens > 0
     assert engine.model.thread_bound and len(engine.model.graph_thread.threads) == 1
+    assert engine.model.idle_s == float("inf")  # buffers with a captured graph are kept, not re-captured
     assert engine._stepper.threads_started == 1
     await engine.close()
 

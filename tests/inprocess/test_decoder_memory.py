@@ -113,6 +113,38 @@ def test_a_pooled_session_holds_its_kv_once_and_runs_its_next_turn_in_its_row(de
     assert g.trim() == held and g.memory.held_bytes == 0 and not g._pools
 
 
+def test_past_the_graph_cap_steps_on_new_buffers_run_uncaptured_and_give_the_same_tokens(decoder_dir, prompts):
+    """ONNX Runtime keeps every captured CUDA graph until its session ends, so a decoder captures at
+    most ``max_graphs``: past it, a slot's or a pool's step on buffers without a graph runs
+    uncaptured (once logged), the tokens unchanged. The captured path's bookkeeping runs here on
+    the CPU provider (its run options name graph ids the CPU provider ignores); a CPU decoder gives
+    idle buffers back after ``IDLE_S``, a CUDA-graph one keeps them (``idle_s`` None)."""
+    ref = make_graph(decoder_dir)
+    assert ref.idle_s == IDLE_S and not ref.thread_bound
+    want = [lone(ref, p, NEW) for p in prompts[:4]]
+    g = make_graph(decoder_dir)
+    g.cuda_graph, g.max_graphs = True, 2
+    assert lone(g, prompts[0], NEW) == want[0] and g.captures == 1  # its slot's graph
+    a, b = g.new_kv(64), g.new_kv(64)  # the spare (its graph kept) and new buffers
+    got = [[g.run(s, p, greedy=True)[0]] for s, p in zip((a, b), prompts[1:3], strict=True)]
+    for _ in range(NEW - 1):
+        step_all(g, [a, b], got)  # a pool of 2 rows: its bucket's graph is the second
+    assert got == want[1:3] and g.captures == 2
+    c = g.new_kv(64)  # a third: the pool grows to 4 rows, new buffers past the cap
+    got.append([g.run(c, prompts[3], greedy=True)[0]])
+    for _ in range(NEW - 1):
+        step_all(g, [a, b, c], got)
+    assert got[2] == want[3] and g.captures == 2
+    for s in (a, b, c):
+        g.release(s)
+    d = g.new_kv(1000)  # a new capacity, alone: its steps run uncaptured too
+    assert d.binding is None
+    out = [g.run(d, prompts[0], greedy=True)[0]]
+    for _ in range(NEW - 1):
+        out.append(g.run(d, [out[-1]], greedy=True)[0])
+    assert out == want[0] and g.captures == 2 and d.binding is None
+
+
 def test_an_idle_pool_shrinks_to_its_sessions_and_an_empty_one_is_freed(decoder_dir, prompts):
     now = [0.0]
     g = make_graph(decoder_dir, clock=lambda: now[0])
