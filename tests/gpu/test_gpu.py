@@ -306,7 +306,8 @@ def test_the_builder_decoder_on_cuda_holds_pooled_kv_once_and_gives_idle_pools_b
     """On CUDA with graphs: sessions decoding in a pool hold their KV in its rows only; when three
     end, the fourth decodes on alone in its row (uncaptured) until its pool shrinks to one row, and
     its next batched step captures the new pool's graph; once every session ends the pool is freed
-    after ``IDLE_S`` (a clock of the test's); every output equals HF's (or parts at a near-tie). With
+    after ``IDLE_S`` (a clock of the test's; set, since a CUDA-graph decoder's default keeps idle
+    buffers and their graphs); every output equals HF's (or parts at a near-tie). With
     ``max_kv_bytes`` room for two sessions, a third is refused and the two step alone."""
     import onnxruntime as ort
 
@@ -318,7 +319,8 @@ def test_the_builder_decoder_on_cuda_holds_pooled_kv_once_and_gives_idle_pools_b
         pytest.skip("onnxruntime-gpu's CUDA provider is not installed")
     path = split_dir.parent / "edge-decoder"
     now = [0.0]
-    g = DecoderGraph(path, clock=lambda: now[0])
+    assert DecoderGraph(path).idle_s == float("inf")
+    g = DecoderGraph(path, clock=lambda: now[0], idle_s=IDLE_S)
     assert g.cuda_graph
     prompts = [prompt_ids(tokenizer, p) for p in PROMPTS[:4]]
     # one capacity for all four (a pool holds sessions of one capacity; the prompts are 5 to 222 tokens)
