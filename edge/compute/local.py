@@ -405,10 +405,11 @@ class LocalEngine:
         """An empty session whose KV goes back to this engine's model when it is dropped."""
         return LocalSession(release=self._released.append)
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 10.0) -> None:
         """Stop taking turns (``EngineError`` after this) and end the model's thread once the turns
-        in flight are done (at the edge's shutdown, after its drain)."""
-        await asyncio.to_thread(self._stepper.close)
+        in flight are done (at the edge's shutdown, after its drain), waiting up to ``timeout_s``
+        for it (a run in flight cannot be interrupted)."""
+        await asyncio.to_thread(self._stepper.close, timeout_s)
 
     async def tidy(self) -> None:
         """Give back what idle state holds: the KV of dropped sessions goes back to the model, and
