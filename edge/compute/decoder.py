@@ -1271,8 +1271,9 @@ class DecoderGraph:
 
     def write_kv(self, slot: KVSlot, past: Sequence[np.ndarray], start: int = 0) -> None:
         """Make the slot hold ``past`` (``2L`` float32 ``[1, Hkv, T, D]``) after its first ``start``
-        tokens: one host round trip per layer tensor, cast to the KV dtype; the slot takes own
-        buffers back (from a pool row) and grows when ``start + T`` exceeds its capacity.
+        tokens: each tensor cast to the KV dtype on the host, uploaded once and copied into its
+        place on the device (the held tokens are not read back); the slot takes own buffers back
+        (from a pool row) and grows when ``start + T`` exceeds its capacity.
 
         Raises:
             InvalidRequest: ``past`` is not ``2L`` float32 arrays of the model's shape, ``start``
@@ -1287,11 +1288,19 @@ class DecoderGraph:
             raise InvalidRequest(f"past must be {2 * s.num_layers} float32 arrays {want}, got {len(past)} like {got}")
         if not 0 <= start <= slot.tokens:
             raise InvalidRequest(f"KV written after token {start}: the slot holds {slot.tokens}")
+        import onnxruntime as ort
+
         self._own(slot, start + t)
+        item, row = self._item_bytes, t * s.head_dim * self._item_bytes  # bytes of one head's T tokens
+        staged, ranges = [], []
         for v, a in zip(slot.kv, past, strict=True):
-            host = _as_float32(v).copy()
-            host[:, :, start : start + t] = a
-            _store(v, host, self.kv_type)
+            up = ort.OrtValue.ortvalue_from_numpy(_held(a, self.kv_type), self.device, 0)  # [1, Hkv, T, D]
+            staged.append(up)
+            for h in range(s.num_kv_heads):  # head h's tokens [start, start + T) of [1, Hkv, C, D]
+                at = (h * slot.capacity_tokens + start) * s.head_dim * item
+                ranges.append((up.data_ptr() + h * row, v.data_ptr() + at, row))
+        self._copier.copy(ranges)
+        del staged  # the copies ran: the staging buffers go
         slot.mask_host[:] = 0
         slot.mask_host[0, : start + t] = 1
         slot.tokens = start + t
@@ -1456,10 +1465,15 @@ def _as_float32(v: Any) -> np.ndarray:
     return a.astype(np.float32, copy=False)
 
 
-def _store(v: Any, host: np.ndarray, onnx_type: str) -> None:
-    """Copy float32 ``host`` into the tensor ``v`` in its own dtype (bfloat16: rounded to nearest even)."""
+def _held(host: np.ndarray, onnx_type: str) -> np.ndarray:
+    """Float32 ``host`` as a contiguous array of ``onnx_type``'s storage (bfloat16: its uint16 bit
+    patterns, rounded to nearest even)."""
     if onnx_type == "tensor(bfloat16)":
         bits = np.ascontiguousarray(host, np.float32).view(np.uint32)
-        v.update_inplace(((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16))
-    else:
-        v.update_inplace(np.ascontiguousarray(host, _storage(onnx_type)))
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.ascontiguousarray(host, _storage(onnx_type))
+
+
+def _store(v: Any, host: np.ndarray, onnx_type: str) -> None:
+    """Copy float32 ``host`` into the tensor ``v`` in its own dtype (bfloat16: rounded to nearest even)."""
+    v.update_inplace(_held(host, onnx_type))

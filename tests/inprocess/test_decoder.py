@@ -117,6 +117,16 @@ def test_kv_written_into_a_slot_continues_as_computed_kv(graph, hf_model, prompt
     ref = hf_logits(hf_model, ids)[-1]
     assert np.abs(logits - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
     np.testing.assert_array_equal(graph.read_kv(dst, len(ids) - 1)[5], past[5])
+    # in two parts, the second after the first's tokens (which stay as written)
+    half = (len(ids) - 1) // 2
+    two = graph.new_slot(len(ids) + 8)
+    graph.write_kv(two, [a[:, :, :half] for a in past])
+    graph.write_kv(two, [a[:, :, half:] for a in past], start=half)
+    assert two.tokens == len(ids) - 1
+    for got, want in zip(graph.read_kv(two, len(ids) - 1), past, strict=True):
+        np.testing.assert_array_equal(got, want)
+    _, logits, _ = graph.run(two, ids[-1:], greedy=False)
+    assert np.abs(logits - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
 
 
 def test_truncation_recomputes_from_the_kept_prefix(graph, hf_model, prompts):
