@@ -134,13 +134,26 @@ class GraphThread:
     (``edge.compute.stepper.Stepper`` keeps its thread for the engine's life for such a model).
 
     ``threads``: the native ids of the threads captured runs came from (1 when driven right); the
-    second one is logged as a warning."""
+    second one is logged as a warning.
+
+    ``setup_runs``: runs that set a CUDA graph up, its first two (``note``); one decoder's graphs
+    are few (``MAX_GRAPHS``, the sampler's ``DeviceSampler.MAX_GRAPHS``), so the count per graph
+    id is kept for the session's life."""
 
     def __init__(self) -> None:
         self.threads: set[int] = set()
+        self.setup_runs = 0  # runs that set a graph up (see ``note``)
+        self._runs: dict[tuple[int, int], int] = {}  # (session, graph id) -> its runs, up to 2
 
-    def note(self) -> None:
-        """Called before each captured run (``gpu_graph_id`` >= 1)."""
+    def note(self, session: object, graph_id: int) -> None:
+        """Called before each run of ``session`` with ``gpu_graph_id`` >= 1. A new graph id's first
+        run is ONNX Runtime's uncaptured one (its allocations) and its second the capture, each
+        tens of ms once: both count in ``setup_runs``."""
+        key = (id(session), graph_id)
+        runs = self._runs.get(key, 0)
+        if runs < 2:
+            self._runs[key] = runs + 1
+            self.setup_runs += 1
         t = threading.get_native_id()  # the kernel's id: a new thread seldom gets an ended one's
         if t in self.threads:
             return
@@ -323,7 +336,6 @@ class DeviceSampler:
         self.path = path
         self.capture_note = ""
         self.graph_thread = graph_thread or GraphThread()
-        self.captures = 0  # CUDA graphs captured so far (a capturing run costs tens of ms once)
         self.whole = _SamplerGraph(self, path, providers, capture and device == "cuda")
         self.top = _SamplerGraph(self, top_path, providers, self.whole.captured) if top_path is not None else None
         self.top_cap = TOP_CAP if self.top is not None else 0
@@ -410,8 +422,6 @@ class _SamplerGraph:
         kept = self._bound.get(key) if fixed else None
         if kept is None and fixed and len(self._bound) < DeviceSampler.MAX_GRAPHS:
             kept = self._bound[key] = self._keep(logits, rows, logits_type)
-            if self.captured:
-                self.owner.captures += 1  # its first run captures the graph
         if kept is None:
             return self._run_fresh(logits, rows, logits_type, params)
         import onnxruntime as ort
@@ -419,7 +429,7 @@ class _SamplerGraph:
         kept.params.update_inplace(params)
         opts = ort.RunOptions()
         if self.captured:
-            self.owner.graph_thread.note()
+            self.owner.graph_thread.note(self.session, kept.graph_id)
             opts.add_run_config_entry("gpu_graph_id", str(kept.graph_id))
         self.session.run_with_iobinding(kept.binding, opts)
         return kept.tokens.numpy()[:, 0]
@@ -540,7 +550,7 @@ class DecoderGraph:
             else None
         )
         self.has_sampling = self.sampler is not None
-        self._captures = 0
+        self._graphs = 0  # graph ids bound for decode steps (slots' and pools' buckets)
         self.providers: list[str] = self.session.get_providers()
         # a slot holds more than the graph's sliding window (ONNX Runtime refuses a smaller KV buffer)
         self.min_slot_tokens = max(MIN_SLOT_TOKENS, _window_tokens(model_dir) + 1)
@@ -730,7 +740,7 @@ class DecoderGraph:
         uncaptured (its first refusal is logged as a warning)."""
         if not self.cuda_graph:
             return False
-        if captured or self._captures < self.max_graphs:
+        if captured or self._graphs < self.max_graphs:
             return True
         if not self._graphs_capped:
             self._graphs_capped = True
@@ -760,9 +770,9 @@ class DecoderGraph:
             if self.has_next_token:
                 b.bind_ortvalue_output(NEXT_TOKEN, slot.step_next)
             slot.binding = b
-            self._captures += 1  # this first run captures the slot's graph
+            self._graphs += 1
         opts = ort.RunOptions()
-        self.graph_thread.note()
+        self.graph_thread.note(self.session, slot.graph_id)
         opts.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
         self.session.run_with_iobinding(slot.binding, opts)
         if greedy and self.has_next_token:
@@ -1001,9 +1011,9 @@ class DecoderGraph:
             pool.bindings[rows] = b
             pool.graph_ids[rows] = self._next_graph_id
             self._next_graph_id += 1
-            self._captures += 1  # this first run captures the bucket's graph
+            self._graphs += 1
         opts = ort.RunOptions()
-        self.graph_thread.note()
+        self.graph_thread.note(self.session, pool.graph_ids[rows])
         opts.add_run_config_entry("gpu_graph_id", str(pool.graph_ids[rows]))
         self.session.run_with_iobinding(pool.bindings[rows], opts)
 
@@ -1335,10 +1345,15 @@ class DecoderGraph:
             self._own(slot, tokens)
 
     @property
-    def captures(self) -> int:
-        """CUDA graphs captured so far, the sampler's included: a run that captures one takes tens
-        of ms once (the engine keeps such runs out of its measured rates)."""
-        return self._captures + (self.sampler.captures if self.sampler is not None else 0)
+    def graphs(self) -> int:
+        """Graph ids bound for decode steps so far (at most ``max_graphs``)."""
+        return self._graphs
+
+    @property
+    def setup_runs(self) -> int:
+        """Runs so far that set a CUDA graph up, the sampler's included (``GraphThread.note``):
+        each takes tens of ms once, and the engine keeps them out of its measured rates."""
+        return self.graph_thread.setup_runs
 
     @property
     def thread_bound(self) -> bool:

@@ -388,7 +388,7 @@ class LocalEngine:
         self.last_computed_tokens = 0
         self.last_reused_tokens = 0
         self.last_batch_size = 0  # decode steps of the latest batched run
-        self._captures_seen = getattr(self.model, "captures", 0)  # the model's CUDA graph captures measured past
+        self._setups_seen = getattr(self.model, "setup_runs", 0)  # the model's graph set-up runs, measured past
         self._batched = bool(getattr(self.model, "batched_decode", False))
         # a model replaying CUDA graphs runs on one thread for its whole life (``GraphThread``)
         linger = None if getattr(self.model, "thread_bound", False) else LINGER_S
@@ -688,12 +688,12 @@ class LocalEngine:
         return results, ms
 
     def _measured(self, tokens: int, ms: float) -> None:
-        """Add a run of ``tokens`` new tokens that took ``ms`` to the rates, unless the model
-        captured a CUDA graph since the last measurement (``captures`` grew: that run paid the
-        capture once, tens of ms, and says nothing of the next)."""
-        captures = getattr(self.model, "captures", 0)
-        if captures != self._captures_seen:
-            self._captures_seen = captures
+        """Add a run of ``tokens`` new tokens that took ``ms`` to the rates, unless the model set
+        a CUDA graph up since the last measurement (``setup_runs`` grew: that run paid a graph's
+        first allocations or its capture once, tens of ms, and says nothing of the next)."""
+        setups = getattr(self.model, "setup_runs", 0)
+        if setups != self._setups_seen:
+            self._setups_seen = setups
             return
         if tokens > 1:
             self.prefill_rate.add(ms / tokens)

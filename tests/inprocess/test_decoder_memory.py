@@ -124,17 +124,17 @@ def test_past_the_graph_cap_steps_on_new_buffers_run_uncaptured_and_give_the_sam
     want = [lone(ref, p, NEW) for p in prompts[:4]]
     g = make_graph(decoder_dir)
     g.cuda_graph, g.max_graphs = True, 2
-    assert lone(g, prompts[0], NEW) == want[0] and g.captures == 1  # its slot's graph
+    assert lone(g, prompts[0], NEW) == want[0] and g.graphs == 1  # its slot's graph
     a, b = g.new_kv(64), g.new_kv(64)  # the spare (its graph kept) and new buffers
     got = [[g.run(s, p, greedy=True)[0]] for s, p in zip((a, b), prompts[1:3], strict=True)]
     for _ in range(NEW - 1):
         step_all(g, [a, b], got)  # a pool of 2 rows: its bucket's graph is the second
-    assert got == want[1:3] and g.captures == 2
+    assert got == want[1:3] and g.graphs == 2
     c = g.new_kv(64)  # a third: the pool grows to 4 rows, new buffers past the cap
     got.append([g.run(c, prompts[3], greedy=True)[0]])
     for _ in range(NEW - 1):
         step_all(g, [a, b, c], got)
-    assert got[2] == want[3] and g.captures == 2
+    assert got[2] == want[3] and g.graphs == 2
     for s in (a, b, c):
         g.release(s)
     d = g.new_kv(1000)  # a new capacity, alone: its steps run uncaptured too
@@ -142,7 +142,7 @@ def test_past_the_graph_cap_steps_on_new_buffers_run_uncaptured_and_give_the_sam
     out = [g.run(d, prompts[0], greedy=True)[0]]
     for _ in range(NEW - 1):
         out.append(g.run(d, [out[-1]], greedy=True)[0])
-    assert out == want[0] and g.captures == 2 and d.binding is None
+    assert out == want[0] and g.graphs == 2 and d.binding is None
 
 
 def test_an_idle_pool_shrinks_to_its_sessions_and_an_empty_one_is_freed(decoder_dir, prompts):
