@@ -260,7 +260,7 @@ class EdgeNode:
         with (
             self._turn_id(clock) as rid,
             bind_request(rid, request.session_id),
-            turn_log(log, request.mode) as done_fields,
+            turn_log(log, request.mode, "requested") as done_fields,
             metrics.edge_turn(clock) as counts,
             span(
                 "edge_turn",
