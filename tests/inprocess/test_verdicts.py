@@ -191,6 +191,30 @@ async def test_the_cloud_checks_the_header_with_the_limits_it_negotiated(toy):
         assert (status_of(e.value).name, status_details(e.value)) == edge[:2]
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+async def test_http_refusals_name_the_requests_own_fields_wherever_the_message_names_one(toy, field):
+    """A refusal over HTTP says the HTTP request's names, in its ``param`` and all through its
+    message, whichever field it is about: a prompt too long for the model length with the output
+    asked for names ``messages`` (or ``prompt``) and the request's own ``max_tokens`` /
+    ``max_completion_tokens``, never the gRPC API's ``max_new_tokens``."""
+    import httpx
+
+    from tandem.edge.api.http_api import create_openai_app
+
+    app = create_openai_app(toy.edge, "toy")
+    chat = {"messages": [{"role": "user", "content": text_of(MAX_PROMPT_TOKENS)}], field: MAX_NEW_TOKENS}
+    text = {"prompt": "x" * MAX_PROMPT_TOKENS, "max_tokens": MAX_NEW_TOKENS}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://edge") as h:
+        for endpoint, body, prompt_param, named in (
+            ("chat/completions", chat, "messages", field),
+            ("completions", text, "prompt", "max_tokens"),
+        ):
+            r = await h.post(f"/v1/{endpoint}", json={"model": "toy", **body})
+            err = r.json()["error"]
+            assert r.status_code == 400 and (err["param"], err["code"]) == (prompt_param, "context_length_exceeded")
+            assert f"{named} ({MAX_NEW_TOKENS})" in err["message"] and "max_new_tokens" not in err["message"], err
+
+
 def test_limits_narrow_bound_by_bound():
     a, b = (
         RequestLimits(vocab_size=1000, max_prompt_tokens=1536, max_new_tokens=4096, max_model_len_tokens=0),
