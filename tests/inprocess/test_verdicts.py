@@ -637,6 +637,39 @@ async def test_an_integer_field_out_of_range_gets_one_message_and_code_on_every_
     assert len(set(messages)) == 1 and re.fullmatch(pattern, messages[0]), messages
 
 
+async def test_an_unset_sampling_field_means_its_default_and_an_explicit_zero_outside_its_range_is_refused(surfaces):
+    """Over raw gRPC the sampling fields where 0 is no valid value (``top_p``, ``max_new_tokens``)
+    have presence: unset, they take their defaults (1.0, 64 tokens); an explicit 0 is refused as the
+    SDK and the HTTP API refuse it, with one message."""
+    import grpc
+
+    from tandem.chat_request import build_request
+    from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+    _, port, client, http_port = surfaces
+    unset = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")], sampling=pb.SamplingParams())
+    unset.sampling.ignore_eos = True
+    assert not unset.sampling.HasField("top_p") and not unset.sampling.HasField("max_new_tokens")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        events = [ev async for ev in pb_grpc.EdgeStub(ch).Chat(unset, timeout=20)]
+    assert events[-1].done.output_tokens == Sampling().max_new_tokens == 64
+
+    request = build_request(HI, max_new_tokens=4)
+    request.sampling.top_p = 0.0
+    assert request.sampling.HasField("top_p")
+    status, details, param, code = await _grpc_refusal(port, request)
+    want = "top_p must be a number in (0, 1], got 0.0"
+    assert (status, param, code, details) == (
+        "INVALID_ARGUMENT",
+        "top_p",
+        "decimal_below_min_value",
+        f"InvalidRequest: {want}",
+    )
+    http_status, err = await _http_refusal(http_port, {"top_p": 0.0})
+    assert (http_status, err["param"], err["code"], err["message"]) == (400, "top_p", "decimal_below_min_value", want)
+    assert await _sdk_message(client, {"top_p": 0.0}) == ("INVALID_ARGUMENT", "top_p", "decimal_below_min_value", want)
+
+
 @pytest.mark.parametrize(("name", "value", "code"), _float_rows(HTTP_FLOAT_FIELDS), ids=repr)
 async def test_an_http_float_field_out_of_range_is_400_with_its_code(surfaces, name, value, code):
     """The HTTP API's own float fields (the penalties) refuse NaN, +/-inf and values outside
