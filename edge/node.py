@@ -286,6 +286,8 @@ class EdgeNode:
                             predicted_ttft_ms=round(ev.predicted_ttft_ms, 1),
                         )
                         finished = True
+                        if ev.mode is Mode.DIRECT:  # nothing of the session kept: still one to end
+                            self.lifetime.served_without_state(request.session_id)
                     yield ev
             except GeneratorExit:  # the consumer stopped reading: a cancel, unless the turn had finished
                 await inner.aclose()
