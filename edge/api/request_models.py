@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from tandem.common.protocol.limits import DecimalRange, check_range
+from tandem.common.protocol.limits import DecimalRange, IntegerRange, check_range
 from tandem.common.protocol.params import MAX_STOP_TOKENS, Sampling
 from tandem.common.protocol.text import find_non_text
 from tandem.edge.api.errors import ApiError, param_path
@@ -32,6 +32,7 @@ from tandem.ranges import MAX_NEW_TOKENS, carried_top_k
 
 Ignored = Any  # an OpenAI field accepted and ignored by design: it changes nothing tandem does
 PENALTY_RANGE = DecimalRange(-2.0, 2.0)  # presence_penalty, frequency_penalty: OpenAI's and vLLM's range
+CHOICES = IntegerRange(1, 128)  # n: OpenAI's range (this server returns one choice: more is refused as unsupported)
 
 # the OpenAI fields accepted and ignored by design, per object (docs/clients.md lists them)
 IGNORED_FIELDS = {
@@ -81,7 +82,7 @@ class RequestBase(_Closed):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(1, ge=1)
+    n: int | None = 1  # at least 1 (``check_range``, as every integer), and only 1 is served
     user: str | None = Field(None, max_length=256)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -176,7 +177,10 @@ def _refuse(param: str, message: str, code: str = "unsupported_parameter") -> Ap
 
 def refuse_unsupported(r: RequestBase) -> None:
     """Raises ApiError for what both endpoints know but cannot honour, InvalidRequest for a penalty
-    outside ``PENALTY_RANGE`` (NaN, +/-inf among them; checked before "only 0")."""
+    outside ``PENALTY_RANGE`` (NaN, +/-inf among them; checked before "only 0") or an ``n`` outside
+    ``CHOICES`` (checked before "only 1")."""
+    if r.n is not None:
+        check_range(CHOICES, "n", r.n)
     if r.n not in (None, 1):
         raise _refuse("n", "must be 1: this server returns one choice per request", "unsupported_value")
     for name in ("presence_penalty", "frequency_penalty"):

@@ -681,6 +681,16 @@ async def test_an_http_float_field_out_of_range_is_400_with_its_code(surfaces, n
     assert err["message"] == f"{name} must be a number in [-2, 2], got {value!r}"
 
 
+@pytest.mark.parametrize(("value", "code"), [(0, "integer_below_min_value"), (129, "integer_above_max_value")])
+async def test_an_http_integer_field_out_of_range_is_400_with_the_integer_wording(surfaces, value, code):
+    """The HTTP API's own integer field ``n`` (OpenAI's ``[1, 128]``) is refused out of its range in
+    the words and codes of every integer field, before "only 1"."""
+    _, _, _, http_port = surfaces
+    http_status, err = await _http_refusal(http_port, {"n": value})
+    assert (http_status, err["param"], err["code"]) == (400, "n", code), err
+    assert err["message"] == f"n must be an integer in [1, 128], got {value}"
+
+
 # (what, the SDK's chat() arguments, the HTTP body's fields): accepted alike on every surface
 ACCEPTED = [
     ("role developer", dict(messages=[{"role": "developer", "content": "x"}, *HI]),
