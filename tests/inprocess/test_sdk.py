@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import pickle
 import signal
 import sys
@@ -614,11 +615,29 @@ def test_daemons_stop_all_and_kill_after_grace(tmp_path):
     assert not ds.daemons
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_real_edge_logs_its_drain_and_its_stop_on_a_stop_signal(split_dir, tmp_path, sig):
+async def test_the_stop_event_names_the_first_stop_signal():
+    """``install_stop_signals``: SIGINT or SIGTERM sets the event, which names the first one (the
+    daemons' drain log line says it)."""
+    from tandem.common.runtime.grpc_setup import install_stop_signals
+
+    loop = asyncio.get_running_loop()
+    stop = install_stop_signals(loop)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.wait_for(stop.wait(), 5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(0.1)
+        assert stop.name == "SIGINT"
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def test_a_real_edge_logs_its_drain_and_its_stop_on_sigterm(split_dir, tmp_path):
     """``tandem-edge`` (no cloud up, no local mode: it starts degraded at once) logs at INFO that it
     drains, naming the signal, the turns in flight and the grace period, then that it stopped, and
     exits 0."""
+    sig = signal.SIGTERM
     extra = ["--no-local", "--connect-timeout-s", "0.5", "--drain-grace-s", "2.5"]
     d = Daemon("tandem-edge", edge_command(split_dir, "127.0.0.1:1", extra=extra), tmp_path / "e.log", tmp_path / "p")
     try:
