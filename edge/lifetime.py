@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from tandem.common.protocol.errors import DeadlineExceeded, InvalidRequest, TandemError
 from tandem.common.protocol.limits import check_session_id
@@ -39,17 +40,22 @@ log = logging.getLogger("tandem.edge")
 CLOUD_END_TIMEOUT_S = 5.0  # one Cloud.EndSession call
 
 
-class StatelessSessions(BoundedLRU[bool]):
+@dataclass
+class StatelessSession:
+    """A session served in a mode that keeps no state of it: nothing to wait for (``lock`` is never
+    held, so the table may always drop it)."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class StatelessSessions(BoundedLRU[StatelessSession]):
     """The ids of sessions whose turns ran in a mode that keeps no state of them on either side
     (direct mode: the cloud decodes from the prompt's token ids, the edge keeps nothing), so that
     ending one answers as ending a session with state does. Bounded by count and idle time as the
     edge's session table is."""
 
-    def entry_bytes(self, key: str, value: bool) -> int:
+    def entry_bytes(self, key: str, value: StatelessSession) -> int:
         return 0
-
-    def busy(self, key: str, value: bool) -> bool:
-        return False
 
 
 class SessionLifetime:
@@ -82,7 +88,7 @@ class SessionLifetime:
         it until it has been idle for the session table's ``idle_s`` (or the least recently used
         past its count bound). Nothing for a stateless turn ("")."""
         if session_id:
-            self.stateless.put(session_id, True)
+            self.stateless.put(session_id, StatelessSession())
             self.stateless.evict()
 
     async def end(self, session_id: str, timeout_s: float | None = None) -> bool:
