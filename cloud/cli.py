@@ -50,8 +50,7 @@ async def serve(cfg: CloudConfig, ready_file: Path | None = None, grace_s: float
         for w in waits:
             w.cancel()
         gave_up = cloud.supervisor is not None and cloud.supervisor.gave_up.is_set()
-        log.info("tandem-cloud stopping (%s)", "engines cannot be restarted" if gave_up else "signal")
-        await cloud.stop(grace_s)
+        await cloud.stop(grace_s, "engines cannot be restarted" if gave_up else stop.name)
     finally:
         await asyncio.to_thread(engines.shutdown)
     log.info("tandem-cloud stopped")

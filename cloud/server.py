@@ -8,6 +8,7 @@ them (the engine calls, which the gateway and remote prefill both make); ``creat
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ from tandem.common.runtime.security import ApiKeys, Authenticator
 from tandem.common.wire.kvblocks import LayerRange, block_nbytes
 from tandem.v1 import tandem_pb2 as pb
 
+log = logging.getLogger("tandem.cloud")
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Cloud"].full_name  # "tandem.v1.Cloud"
 HEALTH_NAMES = ("", SERVICE_NAME)
 
@@ -68,10 +71,18 @@ class CloudServer:
         self.gateway.serving = serving
         await set_health(self.health, serving, HEALTH_NAMES)
 
-    async def stop(self, grace_s: float) -> None:
+    async def stop(self, grace_s: float, reason: str = "") -> None:
         """Drain: NOT_SERVING first, new turns refused with UNAVAILABLE, turns in flight finish for up
         to ``grace_s`` (long-lived calls such as an edge's health watch do not hold the drain), then
-        stop supervising and stop the server. The engines are the caller's to shut down afterwards."""
+        stop supervising and stop the server. The engines are the caller's to shut down afterwards.
+        Logs (INFO) the drain's start, with ``reason`` (the signal's name, or why), the turns in
+        flight and the grace period, and its end with the turns still in flight at the grace."""
+        log.info(
+            "tandem-cloud draining%s: %d turns in flight, grace %g s",
+            f" ({reason})" if reason else "",
+            self.servicer.in_flight,
+            grace_s,
+        )
         await self.set_serving(False)
         self.servicer.draining = True
         for task in (self.controller, self.sweeper):
@@ -80,6 +91,7 @@ class CloudServer:
         deadline = time.monotonic() + grace_s
         while self.servicer.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        log.info("tandem-cloud drained: %d turns still in flight at the grace period", self.servicer.in_flight)
         await self.gateway.background.finish(max(0.0, deadline - time.monotonic()))
         if self.supervisor is not None:
             await self.supervisor.stop()

@@ -48,8 +48,9 @@ async def serve(cfg: EdgeConfig, ready_file: Path | None, grace_s: float | None 
         )
     if ready_file:
         ready_file.write_text(str(daemon.port))
-    await install_stop_signals().wait()
-    await daemon.stop(cfg.drain_grace_s if grace_s is None else grace_s)
+    stop = install_stop_signals()
+    await stop.wait()
+    await daemon.stop(cfg.drain_grace_s if grace_s is None else grace_s, stop.name)
 
 
 def default_local_models(cfg: EdgeConfig) -> None:

@@ -92,9 +92,11 @@ class EdgeConfig(DaemonSettings):
         description="Memory for the whole model's KV in local mode and remote prefill (the builder graph, "
         "`edge-decoder/`), in bytes: sessions' own buffers, batch pools and spare buffers together (device memory "
         "on a GPU). Idle buffers are freed to make room; a turn that needs more beside the turns in flight is refused "
-        "RESOURCE_EXHAUSTED (HTTP 429, worth retrying), one whose own KV (prompt + max_new_tokens) is larger than "
-        "this whole bound FAILED_PRECONDITION (HTTP 400, not worth retrying; auto mode serves it in the cloud). "
-        "Keep `session_bytes` below it, so the session table drops idle sessions first.",
+        "RESOURCE_EXHAUSTED (HTTP 429, worth retrying), one whose own KV slot is larger than this whole bound "
+        "FAILED_PRECONDITION (HTTP 400, not worth retrying; auto mode serves it in the cloud). A turn's "
+        "slot holds its prompt + max_new_tokens rounded up to a slot size (powers of two from 256 tokens): what it "
+        "holds, and what both refusals count. Keep `session_bytes` below it, so the session table drops idle "
+        "sessions first.",
     )
     max_prompt_tokens: Count = Field(default=1536, description="Longest prompt accepted, in tokens.")
     max_new_tokens: Count = Field(

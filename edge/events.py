@@ -17,6 +17,7 @@ from tandem.common.protocol.params import Sampling
 from tandem.common.protocol.text import check_text
 from tandem.edge.detok import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tandem.pbconv import to_pb
+from tandem.ranges import carried_top_k
 from tandem.stages import Timings, timings_to_wire
 from tandem.v1 import tandem_pb2 as pb
 
@@ -100,8 +101,7 @@ class ChatTurn:
         mode = Mode.from_pb(r.mode)
         check_split_layer(r.split_layer, mode)
         s = Sampling.from_pb(r.sampling) if r.HasField("sampling") else Sampling()
-        if s.top_k == -1:
-            s = replace(s, top_k=0)
+        s = replace(s, top_k=carried_top_k(s.top_k))
         stop = check_stops(r.stop)
         check_session_id(r.session_id)
         return cls(

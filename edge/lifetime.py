@@ -10,6 +10,10 @@ A session ends in one of three ways, each counted (``tandem:sessions_ended_total
 * **evicted**: the edge's bound on sessions or bytes, least recently used first, never one with
   a turn in flight.
 
+A session served only in direct mode holds no state on either side; its id is kept
+(``StatelessSessions``, bounded and expired as the session table is), so that ending it answers
+as ending any other session does, and only an id unknown everywhere is "not found".
+
 An expired or evicted session the cloud holds part of is ended there too, in the background, one
 call at a time (``dropped``): the edge will never again send a turn that builds on the cloud's
 copy (it starts that session over from token 0), so the cloud's copy only takes room. A cloud
@@ -22,9 +26,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from tandem.common.protocol.errors import DeadlineExceeded, InvalidRequest, TandemError
 from tandem.common.protocol.limits import check_session_id
+from tandem.common.runtime.lru import BoundedLRU
 from tandem.edge import metrics
 from tandem.edge.compute.local import LocalEngine
 from tandem.edge.link.connection import CloudTarget
@@ -32,6 +38,24 @@ from tandem.edge.session import EdgeSession, EdgeSessions
 
 log = logging.getLogger("tandem.edge")
 CLOUD_END_TIMEOUT_S = 5.0  # one Cloud.EndSession call
+
+
+@dataclass
+class StatelessSession:
+    """A session served in a mode that keeps no state of it: nothing to wait for (``lock`` is never
+    held, so the table may always drop it)."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class StatelessSessions(BoundedLRU[StatelessSession]):
+    """The ids of sessions whose turns ran in a mode that keeps no state of them on either side
+    (direct mode: the cloud decodes from the prompt's token ids, the edge keeps nothing), so that
+    ending one answers as ending a session with state does. Bounded by count and idle time as the
+    edge's session table is."""
+
+    def entry_bytes(self, key: str, value: StatelessSession) -> int:
+        return 0
 
 
 class SessionLifetime:
@@ -42,6 +66,7 @@ class SessionLifetime:
         self, sessions: EdgeSessions, cloud: CloudTarget | None, local: Callable[[], LocalEngine | None]
     ) -> None:
         self.sessions, self.cloud, self.local = sessions, cloud, local
+        self.stateless = StatelessSessions(sessions.max_entries, 0, sessions.idle_s)
         self._to_end: asyncio.Queue[str] | None = None  # sessions the cloud holds part of, to end there
         self._worker: asyncio.Task | None = None
         sessions.on_drop = self.dropped
@@ -58,10 +83,19 @@ class SessionLifetime:
             if self._worker is None or self._worker.done():
                 self._worker = asyncio.create_task(self._end_in_cloud(), name="cloud-session-ends")
 
+    def served_without_state(self, session_id: str) -> None:
+        """A turn of ``session_id`` ran in a mode that keeps no state of it (direct): ``end`` finds
+        it until it has been idle for the session table's ``idle_s`` (or the least recently used
+        past its count bound). Nothing for a stateless turn ("")."""
+        if session_id:
+            self.stateless.put(session_id, StatelessSession())
+            self.stateless.evict()
+
     async def end(self, session_id: str, timeout_s: float | None = None) -> bool:
         """End ``session_id`` on this edge and in the cloud, after a turn of it in flight (at most
-        ``timeout_s``); True if either held state of it. A cloud that cannot be reached is logged,
-        not raised: its copy expires there.
+        ``timeout_s``); True if either held state of it or it was served in a mode that keeps none
+        (``served_without_state``): False only for a session unknown on both sides. A cloud that
+        cannot be reached is logged, not raised: its copy expires there.
 
         Raises:
             InvalidRequest: an empty session id, or one longer than the cloud takes.
@@ -74,6 +108,7 @@ class SessionLifetime:
             async with asyncio.timeout(timeout_s):
                 found = await self._end_here(session_id)
                 found = await self._end_cloud(session_id, self.cloud) or found
+                found = self.stateless.discard(session_id) is not None or found
         except TimeoutError:
             raise DeadlineExceeded(f"session {session_id!r} busy with a turn past the deadline") from None
         if found:
@@ -119,6 +154,7 @@ class SessionLifetime:
         while True:
             await asyncio.sleep(period_s)
             self.sessions.expire()
+            self.stateless.expire()
             local = self.local()
             if local is not None:
                 local.sessions.expire()

@@ -260,7 +260,7 @@ class EdgeNode:
         with (
             self._turn_id(clock) as rid,
             bind_request(rid, request.session_id),
-            turn_log(log, request.mode) as done_fields,
+            turn_log(log, request.mode, "requested") as done_fields,
             metrics.edge_turn(clock) as counts,
             span(
                 "edge_turn",
@@ -286,6 +286,8 @@ class EdgeNode:
                             predicted_ttft_ms=round(ev.predicted_ttft_ms, 1),
                         )
                         finished = True
+                        if ev.mode is Mode.DIRECT:  # nothing of the session kept: still one to end
+                            self.lifetime.served_without_state(request.session_id)
                     yield ev
             except GeneratorExit:  # the consumer stopped reading: a cancel, unless the turn had finished
                 await inner.aclose()

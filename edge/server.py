@@ -67,9 +67,17 @@ class EdgeDaemon:
     def http_port(self) -> int | None:
         return None if self.http is None else self.http[2]
 
-    async def stop(self, grace_s: float = 5.0) -> None:
+    async def stop(self, grace_s: float = 5.0, reason: str = "") -> None:
         """Drain: NOT_SERVING first, refuse new turns (UNAVAILABLE), let turns in flight finish for up
-        to ``grace_s``, then stop."""
+        to ``grace_s``, then stop. Logs (INFO) the drain's start, with ``reason`` (the signal's name),
+        the turns in flight and the grace period, and its end."""
+        t0 = time.monotonic()
+        log.info(
+            "tandem-edge draining%s: %d turns in flight, grace %g s",
+            f" ({reason})" if reason else "",
+            self.node.turns_in_flight[1],
+            grace_s,
+        )
         self.health_task.cancel()
         await set_health(self.health, False, ["", EDGE_SERVICE])
         self.servicer.draining = True
@@ -89,6 +97,7 @@ class EdgeDaemon:
             await self.node.local.close()
         for link in self.links:
             await link.close()
+        log.info("tandem-edge stopped (drained in %.1f s)", time.monotonic() - t0)
 
 
 def eos_token_ids(tokenizer: Any, tokenizer_dir: Path) -> list[int]:

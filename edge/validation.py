@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from tandem.common.protocol.errors import ModeUnavailable
-from tandem.common.protocol.limits import RequestLimits, check_session_id
+from tandem.common.protocol.limits import RequestLimits, check_session_id, check_split_layer_range
 from tandem.common.protocol.params import LinkParams
 from tandem.edge.events import ChatTurn, check_split_layer
 
@@ -42,14 +42,15 @@ def check_turn(request: ChatTurn, ids: Sequence[int], limits: RequestLimits, hea
     """The verdict on ``request`` (prompt token ids ``ids``) in every mode.
 
     Raises:
-        InvalidRequest: a session id too long for the cloud, ``split_layer`` with a mode other than
-            split, or what ``RequestLimits.check`` refuses (the prompt's field: ``messages`` for a
-            chat, else ``prompt``).
+        InvalidRequest: a session id too long for the cloud, ``split_layer`` outside ``[0, 2**32)``
+            or with a mode other than split, or what ``RequestLimits.check`` refuses (the prompt's
+            field: ``messages`` for a chat, else ``prompt``).
         ModeUnavailable: ``split_layer`` names a split this edge holds no head for (``param``
             ``split_layer``).
     """
     check_session_id(request.session_id)
     k = request.split_layer
+    check_split_layer_range(k)
     check_split_layer(k, request.mode)
     if k and k not in head_layers:
         raise ModeUnavailable(f"this edge holds heads for k in {sorted(head_layers)}, not k={k}", param="split_layer")

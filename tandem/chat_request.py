@@ -13,6 +13,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TypedDict
 
 from tandem.errors import BadArgument, BadArgumentType
+from tandem.ranges import (
+    MAX_NEW_TOKENS,
+    SEED,
+    SPLIT_LAYER,
+    TEMPERATURE,
+    TOKEN_ID,
+    TOP_K,
+    TOP_P,
+    DecimalRange,
+    IntegerRange,
+    carried_top_k,
+)
 from tandem.v1 import tandem_pb2 as pb
 
 Message = Mapping[str, str]  # {"role": "user", "content": "..."}
@@ -26,15 +38,6 @@ _MODES = {
     "local": pb.MODE_LOCAL,
     "remote_prefill": pb.MODE_REMOTE_PREFILL,
 }
-
-
-_UINT32 = 1 << 32
-
-
-_INT32 = 1 << 31
-
-
-_INT64 = 1 << 63
 
 
 def _is_int(x: object) -> bool:
@@ -63,35 +66,36 @@ def _text(value: object, param: str) -> str:
     return value
 
 
-def _int_in(value: object, param: str, low: int, high: int) -> int:
-    """``value`` if it is an int in ``[low, high]``.
+def _int_in(value: object, param: str, allowed: IntegerRange) -> int:
+    """``value`` if it is an int in ``allowed``.
 
     Raises:
-        BadArgumentType: not an int (bools are not). BadArgument: outside the range.
+        BadArgumentType: not an int (bools are not). BadArgument: outside the range, worded as the
+            edge words it (``tandem.ranges``).
     """
     if not _is_int(value):
         raise BadArgumentType(f"{param} must be an int, got {value!r}", param=param)
     assert isinstance(value, int)
-    if not low <= value <= high:
-        code = "integer_below_min_value" if value < low else "integer_above_max_value"
-        raise BadArgument(f"{param} must be in [{low}, {high}], got {value!r}", param=param, error_code=code)
+    refused = allowed.refusal(param, value)
+    if refused is not None:
+        raise BadArgument(refused.message, param=param, error_code=refused.code)
     return value
 
 
-def _decimal_in(value: object, param: str, low: float, high: float, low_open: bool = False) -> float:
-    """``value`` if it is a number in ``[low, high]`` (``(low, high]`` with ``low_open``).
+def _decimal_in(value: object, param: str, allowed: DecimalRange) -> float:
+    """``value`` if it is a number in ``allowed``.
 
     Raises:
-        BadArgumentType: not a number. BadArgument: outside the range (NaN: ``invalid_value``).
+        BadArgumentType: not a number. BadArgument: outside the range (NaN: ``invalid_value``),
+            worded as the edge words it (``tandem.ranges``).
     """
     if not _is_number(value):
         raise BadArgumentType(f"{param} must be a number, got {value!r}", param=param)
     x = float(value)  # type: ignore[arg-type]  # a numbers.Real
-    if (low < x if low_open else low <= x) and x <= high:
-        return x
-    code = "decimal_below_min_value" if x <= low else "decimal_above_max_value" if x > high else "invalid_value"
-    where = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
-    raise BadArgument(f"{param} must be a number in {where}, got {value!r}", param=param, error_code=code)
+    refused = allowed.refusal(param, x)
+    if refused is not None:
+        raise BadArgument(refused.message, param=param, error_code=refused.code)
+    return x
 
 
 def _stop_strings(stop: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -121,7 +125,7 @@ def _stop_token_ids(ids: Iterable[int] | None) -> tuple[int, ...]:
     """
     out = tuple(ids or ())
     for i, t in enumerate(out):
-        _int_in(t, f"stop_token_ids.[{i}]", 0, _UINT32 - 1)
+        _int_in(t, f"stop_token_ids.[{i}]", TOKEN_ID)
     return out
 
 
@@ -213,19 +217,19 @@ def build_request(
         )
     if mode not in _MODES:
         raise BadArgument(f"mode must be one of {sorted(_MODES)}, got {mode!r}", param="mode")
-    _int_in(split_layer, "split_layer", 0, _UINT32 - 1)
+    _int_in(split_layer, "split_layer", SPLIT_LAYER)
     if split_layer and mode != "split":
         raise BadArgument(f"split_layer is for mode='split' only; got {split_layer!r}", param="split_layer")
     if not isinstance(whole_reply, bool):
         raise BadArgumentType(f"whole_reply must be a bool, got {whole_reply!r}", param="whole_reply")
     if not isinstance(ignore_eos, bool):
         raise BadArgumentType(f"ignore_eos must be a bool, got {ignore_eos!r}", param="ignore_eos")
-    _int_in(max_new_tokens, "max_new_tokens", 1, _UINT32 - 1)
-    _decimal_in(temperature, "temperature", 0.0, 2.0)  # NaN fails too; vLLM's (and OpenAI's) range
-    _decimal_in(top_p, "top_p", 0.0, 1.0, low_open=True)
-    top_k = max(0, _int_in(top_k, "top_k", -1, _INT32 - 1))  # -1 and 0: off
+    _int_in(max_new_tokens, "max_new_tokens", MAX_NEW_TOKENS)  # the wire's; the edge's limit is lower
+    _decimal_in(temperature, "temperature", TEMPERATURE)  # NaN fails too; vLLM's (and OpenAI's) range
+    _decimal_in(top_p, "top_p", TOP_P)
+    top_k = carried_top_k(_int_in(top_k, "top_k", TOP_K))  # -1 and 0: off
     if seed is not None:
-        _int_in(seed, "seed", -_INT64, _INT64 - 1)
+        _int_in(seed, "seed", SEED)
     msgs = _messages(messages) if messages is not None else []
     sp = pb.SamplingParams(
         max_new_tokens=max_new_tokens,

@@ -144,7 +144,8 @@ class _ClientCore(ABC, Generic[S]):
                 ``EdgeInfo.max_new_tokens``.
             temperature: sampling temperature, >= 0; default 0 = greedy.
             top_p: nucleus sampling probability mass in ``(0, 1]``; default 1.0 = off.
-            top_k: sample among the ``top_k`` most likely tokens, >= 0; default 0 = off.
+            top_k: sample among the ``top_k`` most likely tokens, in ``[-1, 2**31)``; default 0 =
+                off, as -1 is (vLLM's).
             seed: sampling seed (a 64-bit int); default ``None`` = unseeded.
             session_id: name of a multi-turn conversation (at most 128 bytes); reuse it on each
                 turn so the edge and the cloud keep the conversation's prefix and only new tokens

@@ -17,7 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, ...]] = [
     # the SDK and the generated protocol
     ("tandem.v1",),
-    ("tandem.pbconv", "tandem.errors", "tandem.stages", "tandem.security", "tandem.chat_request", "tandem.streams"),
+    (
+        "tandem.pbconv",
+        "tandem.errors",
+        "tandem.ranges",
+        "tandem.stages",
+        "tandem.security",
+        "tandem.chat_request",
+        "tandem.streams",
+    ),
     ("tandem.connection",),
     ("tandem.edge_info", "tandem.client", "tandem.daemons", "tandem.demo", "tandem"),
     # what both daemons share

@@ -147,12 +147,13 @@ class ModeUnavailable(TandemError):
 
 
 class TurnTooLarge(TandemError):
-    """A turn larger than the whole of a bound it must fit in: its own KV (prompt +
-    ``max_new_tokens``) beyond the edge's ``local_kv_bytes`` (local mode, remote prefill), or a split
-    turn beyond one of the cloud's state or upload bounds alone (``edge_max_stored_bytes``,
-    ``session_bytes``, ``max_upload_bytes[_per_peer]``). It can never run there, however long the
-    client waits or whatever else is freed, unlike ``QuotaExceeded``: not worth retrying as it is;
-    fewer tokens, another mode or a larger bound would fit (FAILED_PRECONDITION, HTTP 400).
+    """A turn larger than the whole of a bound it must fit in: its own KV slot (prompt +
+    ``max_new_tokens`` rounded up to a slot size) beyond the edge's ``local_kv_bytes`` (local mode,
+    remote prefill), or a split turn beyond one of the cloud's state or upload bounds alone
+    (``edge_max_stored_bytes``, ``session_bytes``, ``max_upload_bytes[_per_peer]``). It can never
+    run there, however long the client waits or whatever else is freed, unlike ``QuotaExceeded``:
+    not worth retrying as it is; fewer tokens, another mode or a larger bound would fit
+    (FAILED_PRECONDITION, HTTP 400).
     ``param``: the field to lower (``max_new_tokens``, or the prompt's when it alone is too large);
     code ``context_length_exceeded``, as OpenAI's for a request longer than its model takes."""
 

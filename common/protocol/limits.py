@@ -11,7 +11,8 @@ mode's own check, with limits at least as wide, then never refuses what the edge
 Every refusal names its field as OpenAI writes it (``InvalidRequest.param``: ``max_new_tokens``,
 ``stop_token_ids.[2]``; the prompt's own name, ``messages`` or ``prompt``) with OpenAI's code
 (``context_length_exceeded`` for a prompt too long, ``integer_above_max_value``...), so each surface
-(gRPC, HTTP, the SDK) answers the same field and code.
+(gRPC, HTTP, the SDK) answers the same field and code; a number out of its range is worded by the
+range (``check_range``, ``tandem.ranges``), as the SDK words it before sending.
 
 What it does not check: stop strings and the message structure (``edge.events.ChatTurn``), the
 route (``edge.routing.router``), the upload's framing (``cloud.uploads.upload``). Pure domain code.
@@ -19,13 +20,15 @@ route (``edge.routing.router``), the upload's framing (``cloud.uploads.upload``)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from tandem.common.protocol.errors import InvalidRequest
-from tandem.common.protocol.params import MAX_STOP_TOKENS, MAX_TEMPERATURE, Sampling
+from tandem.common.protocol.params import MAX_STOP_TOKENS, Sampling
 from tandem.common.protocol.text import check_text
+from tandem.ranges import MAX_NEW_TOKENS, SAMPLING_RANGES, SPLIT_LAYER, TOKEN_ID, DecimalRange, IntegerRange
+
+__all__ = ["DecimalRange", "IntegerRange", "RequestLimits", "check_range", "check_sampling", "check_session_id"]
 
 MAX_ID_BYTES = 128  # a session id, on the edge and on the wire to the cloud
 
@@ -63,12 +66,10 @@ class RequestLimits:
 
         Raises:
             InvalidRequest: an empty or too long prompt, a token id outside the vocabulary,
-                ``max_new_tokens`` outside ``1..max_new_tokens``, prompt plus ``max_new_tokens``
-                beyond ``max_model_len_tokens``, sampling values out of range (``check_sampling``:
-                temperature in ``[0, MAX_TEMPERATURE]``, top_p in ``(0, 1]``, NaN and +/-inf
-                nowhere, top_k >= 0), more than
-                ``MAX_STOP_TOKENS`` stop token ids or one outside the vocabulary; ``param`` names
-                the field.
+                ``max_new_tokens`` outside ``[1, max_new_tokens]``, prompt plus ``max_new_tokens``
+                beyond ``max_model_len_tokens``, sampling values out of range (``check_sampling``),
+                more than ``MAX_STOP_TOKENS`` stop token ids or one outside the vocabulary; ``param``
+                names the field. Every out-of-range number is refused as ``check_range`` words it.
         """
         t = len(prompt_ids)
         self.check_prompt_length(t, prompt_param)
@@ -76,12 +77,7 @@ class RequestLimits:
         bad = next((int(x) for x in prompt_ids if x < 0 or (v and x >= v)), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {v or 'any'})", param=prompt_param)
-        most = self.max_new_tokens
-        if s.max_new_tokens < 1 or (most and s.max_new_tokens > most):
-            code = "integer_below_min_value" if s.max_new_tokens < 1 else "integer_above_max_value"
-            raise InvalidRequest(
-                f"max_new_tokens {s.max_new_tokens}; allowed 1..{most or 'any'}", param="max_new_tokens", code=code
-            )
+        check_range(MAX_NEW_TOKENS.below(self.max_new_tokens), "max_new_tokens", s.max_new_tokens)
         length = self.max_model_len_tokens
         if length and t + s.max_new_tokens > length:
             raise InvalidRequest(
@@ -96,7 +92,7 @@ class RequestLimits:
 
 def check_stop_token_ids(stops: Sequence[int], vocab_size: int = 0) -> None:
     """Raises InvalidRequest for more than ``MAX_STOP_TOKENS`` stop token ids or one outside the
-    vocabulary ``[0, vocab_size)`` (0: only negative ids are refused)."""
+    vocabulary ``[0, vocab_size - 1]`` (0: the wire's ``[0, 2**32)``), as ``check_range`` words it."""
     v = vocab_size
     if len(stops) > MAX_STOP_TOKENS:
         raise InvalidRequest(
@@ -104,66 +100,35 @@ def check_stop_token_ids(stops: Sequence[int], vocab_size: int = 0) -> None:
             param="stop_token_ids",
             code="array_above_max_length",
         )
+    ids = IntegerRange(0, v - 1) if v else TOKEN_ID
     for i, x in enumerate(stops):
-        if x < 0 or (v and x >= v):
-            raise InvalidRequest(
-                f"stop_token_ids.[{i}]: {x} is outside the vocabulary [0, {v or 'any'})",
-                param=f"stop_token_ids.[{i}]",
-                code="integer_below_min_value" if x < 0 else "integer_above_max_value",
-            )
+        check_range(ids, f"stop_token_ids.[{i}]", x)
 
 
-def _out_of_range(param: str, value: float, low: float, high: float, integer: bool) -> InvalidRequest:
-    kind = "integer" if integer else "decimal"
-    code = f"{kind}_below_min_value" if value < low else f"{kind}_above_max_value" if value > high else "invalid_value"
-    return InvalidRequest(f"{param} {value} is outside [{low}, {high}]", param=param, code=code)
-
-
-@dataclass(frozen=True)
-class DecimalRange:
-    """The values a float field of a request may take: ``[low, high]``, or ``(low, high]`` with
-    ``low_open``; NaN and the infinities are outside every range."""
-
-    low: float
-    high: float
-    low_open: bool = False
-
-    def __str__(self) -> str:
-        return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
-
-    def check(self, param: str, value: float) -> None:
-        """Raises InvalidRequest (``param`` the field) for ``value`` outside the range: OpenAI's
-        ``decimal_below_min_value`` / ``decimal_above_max_value`` (-inf / +inf among them), and
-        ``invalid_value`` for NaN (neither above nor below). The one check of a float field on every
-        surface (gRPC, the HTTP API, the cloud's on the wire), so each gives one message and code."""
-        if (self.low < value if self.low_open else self.low <= value) and value <= self.high:
-            return
-        if math.isnan(value):
-            code = "invalid_value"
-        else:
-            code = "decimal_below_min_value" if value <= self.low else "decimal_above_max_value"
-        raise InvalidRequest(f"{param} must be a number in {self}, got {value!r}", param=param, code=code)
-
-
-# the float fields of ``Sampling`` and their ranges: vLLM's ``SamplingParams`` (and OpenAI's API) take
-# no more; the HTTP API's own float fields are in ``edge.api.request_models.PENALTY_RANGE``
-SAMPLING_DECIMALS: dict[str, DecimalRange] = {
-    "temperature": DecimalRange(0.0, MAX_TEMPERATURE),
-    "top_p": DecimalRange(0.0, 1.0, low_open=True),
-}
+def check_range(allowed: DecimalRange | IntegerRange, param: str, value: float) -> None:
+    """Raises InvalidRequest (``param`` the field) for ``value`` outside ``allowed``, with the one
+    message and code of that range on every surface (``tandem.ranges``: ``<field> must be a number
+    in <range>, got <value>``, ``<field> must be an integer in [<low>, <high>], got <value>``)."""
+    refused = allowed.refusal(param, value)  # type: ignore[arg-type]  # an int for an IntegerRange
+    if refused is not None:
+        raise InvalidRequest(refused.message, param=param, code=refused.code)
 
 
 def check_sampling(s: Sampling) -> None:
-    """Raises InvalidRequest (``param`` the field) for a float field outside its range
-    (``SAMPLING_DECIMALS``: temperature in ``[0, MAX_TEMPERATURE]``, top_p in ``(0, 1]``; NaN and
-    +/-inf are outside every range), a top_k outside ``[0, 2**31)`` (the wire's int32; at or above
-    the vocabulary size it is off, as 0 is) or a seed that is not a 64-bit integer."""
-    for name, bounds in SAMPLING_DECIMALS.items():
-        bounds.check(name, getattr(s, name))
-    if not 0 <= s.top_k < 1 << 31:
-        raise _out_of_range("top_k", s.top_k, 0, (1 << 31) - 1, integer=True)
-    if s.seed is not None and not -(1 << 63) <= s.seed < 1 << 63:
-        raise _out_of_range("seed", s.seed, -(1 << 63), (1 << 63) - 1, integer=True)
+    """Raises InvalidRequest (``param`` the field) for a sampling value outside its range
+    (``tandem.ranges.SAMPLING_RANGES``, vLLM's: temperature in ``[0, 2]``, top_p in ``(0, 1]``, NaN
+    and +/-inf outside every range, top_k in ``[-1, 2**31)`` (-1 and 0: off; at or above the
+    vocabulary size it is off too), a seed that is not a 64-bit integer)."""
+    for name, allowed in SAMPLING_RANGES.items():
+        value = getattr(s, name)
+        if value is not None:
+            check_range(allowed, name, value)
+
+
+def check_split_layer_range(split_layer: int) -> None:
+    """Raises InvalidRequest for a ``split_layer`` outside the wire's ``[0, 2**32)`` (the HTTP API's
+    JSON can say -1; gRPC's uint32 cannot)."""
+    check_range(SPLIT_LAYER, "split_layer", split_layer)
 
 
 def check_session_id(session_id: str, param: str = "session_id") -> str:

@@ -14,7 +14,6 @@ from tandem.pbconv import from_pb, to_pb
 from tandem.v1 import tandem_pb2 as pb
 
 MAX_STOP_TOKENS = 64  # stop token ids one request may name
-MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more (and OpenAI's API allows 0..2)
 
 
 class WireDtype(enum.IntEnum):
@@ -83,7 +82,8 @@ class LinkParams:
 
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
-    """Sampling parameters of one request; ``temperature == 0`` is greedy."""
+    """Sampling parameters of one request; ``temperature == 0`` is greedy, ``top_k`` -1 or 0 and
+    ``top_p`` 1 are off (vLLM's). Their ranges: ``tandem.ranges``."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -95,7 +95,17 @@ class Sampling:
 
     @classmethod
     def from_pb(cls, m: pb.SamplingParams) -> Sampling:
-        return from_pb(cls, m, top_p=m.top_p or 1.0, seed=m.seed if m.HasField("seed") else None)
+        """The optional fields (``top_p``, ``max_new_tokens``, ``seed``) take their defaults when
+        unset; an explicit value, 0 among them, is kept (and refused by ``check_sampling`` and
+        ``RequestLimits.check`` where 0 is outside its range)."""
+        unset = cls()
+        return from_pb(
+            cls,
+            m,
+            top_p=m.top_p if m.HasField("top_p") else unset.top_p,
+            max_new_tokens=m.max_new_tokens if m.HasField("max_new_tokens") else unset.max_new_tokens,
+            seed=m.seed if m.HasField("seed") else None,
+        )
 
     def to_pb(self) -> pb.SamplingParams:
         return to_pb(pb.SamplingParams, self, seed=self.seed)  # None leaves the optional field unset

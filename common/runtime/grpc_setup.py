@@ -264,10 +264,24 @@ async def start_health_server(hs: health.aio.HealthServicer, host: str, port: in
     return server, bound
 
 
-def install_stop_signals(loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Event:
-    """An event set on SIGINT or SIGTERM (handlers on ``loop``, default the running loop)."""
+class StopSignal(asyncio.Event):
+    """Set by the first SIGINT or SIGTERM; ``name`` is that signal's ("" until then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = ""
+
+    def received(self, sig: signal.Signals) -> None:
+        if not self.is_set():
+            self.name = sig.name
+        self.set()
+
+
+def install_stop_signals(loop: asyncio.AbstractEventLoop | None = None) -> StopSignal:
+    """An event set on SIGINT or SIGTERM (handlers on ``loop``, default the running loop), naming
+    the signal that set it."""
     loop = loop or asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stop = StopSignal()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop.received, sig)
     return stop

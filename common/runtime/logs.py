@@ -261,23 +261,26 @@ def outcome_of(exc: BaseException | None) -> str:
 
 
 @contextmanager
-def turn_log(log: logging.Logger, mode: str) -> Iterator[dict[str, Any]]:
+def turn_log(log: logging.Logger, mode: str, label: str = "mode") -> Iterator[dict[str, Any]]:
     """Log a turn's start (DEBUG) and its end: INFO "turn done" with the fields the block put in
     the yielded dict (tokens, ttft_ms...), WARNING "turn refused" with the error's kind, INFO
     "turn cancelled" (but "turn done" for a turn whose fields hold its ``finish`` reason: it
-    completed, and the caller went away after its end). An unexpected exception is left to the
-    servicer, which logs its traceback."""
+    completed, and the caller went away after its end). Every line starts with ``{label}={mode}``:
+    the edge's is ``requested=`` (the mode the client asked for; the one that served it is the
+    block's ``mode`` field, as the metrics' ``mode`` label), the cloud's ``mode=`` (it serves the
+    mode asked). An unexpected exception is left to the servicer, which logs its traceback."""
     fields: dict[str, Any] = {}
-    log.debug("turn start: mode=%s", mode)
+    head = f"{label}={mode!s}"
+    log.debug("turn start: %s", head)
     try:
         yield fields
     except BaseException as e:
         outcome = outcome_of(e)
         if isinstance(e, TandemError):
-            log.warning("turn refused: mode=%s %s: %s", mode, outcome, e)
+            log.warning("turn refused: %s %s: %s", head, outcome, e)
         elif outcome == "cancelled" and "finish" in fields:
-            log.info("turn done: mode=%s %s", mode, " ".join(f"{k}={v}" for k, v in fields.items()))
+            log.info("turn done: %s %s", head, " ".join(f"{k}={v}" for k, v in fields.items()))
         elif outcome == "cancelled":
-            log.info("turn cancelled: mode=%s", mode)
+            log.info("turn cancelled: %s", head)
         raise
-    log.info("turn done: mode=%s %s", mode, " ".join(f"{k}={v}" for k, v in fields.items()))
+    log.info("turn done: %s %s", head, " ".join(f"{k}={v}" for k, v in fields.items()))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,18 +87,29 @@ STATUS_OF: dict[type[e.TandemError], tuple[int, str]] = {
 }
 
 
+def renamed_fields(text: str, renamed: dict[str, str]) -> str:
+    """``text`` with every domain field name of ``renamed`` (a whole word: ``max_new_tokens``, not a
+    part of a longer name) written as this request names it, wherever the message says it (the
+    field at fault or another: "prompt (9 tokens) + max_new_tokens (600) exceeds ...")."""
+    if not renamed:
+        return text
+    words = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(renamed, key=len, reverse=True)) + r")\b")
+    return words.sub(lambda m: renamed[m.group(1)], text)
+
+
 def api_error_of(err: e.TandemError, renamed: dict[str, str] | None = None) -> ApiError:
     """The HTTP status and OpenAI error type of a domain error (500 ``server_error`` if unmapped);
     ``param`` and ``code`` the error's own (``code`` its class name where it has none), and the
     retry hint the gRPC API sends (``retry-after-ms``) as ``Retry-After`` in whole seconds, rounded
     up. ``renamed`` maps a domain field to this request's name for it (``max_new_tokens`` ->
-    ``max_tokens``)."""
+    ``max_tokens``): the ``param`` and every mention in the message (``renamed_fields``) use the
+    request's names."""
     mro = type(err).__mro__
     status, type_ = next((STATUS_OF[c] for c in mro if c in STATUS_OF), (500, "server_error"))
-    param = err.param
-    message = str(err) or err.wire_name
-    if param is not None and renamed and param in renamed:
-        message, param = message.replace(param, renamed[param]), renamed[param]
+    param, message = err.param, str(err) or err.wire_name
+    if renamed:
+        message = renamed_fields(message, renamed)
+        param = renamed.get(param, param) if param is not None else None
     retry_ms = retry_after_ms(err)
     retry_s = None if retry_ms is None else max(1, math.ceil(retry_ms / 1000))
     return ApiError(status, message, param=param, code=err.code or err.wire_name, type_=type_, retry_after_s=retry_s)

@@ -18,19 +18,21 @@ import hashlib
 import hmac
 import json
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from tandem.common.protocol.limits import DecimalRange
+from tandem.common.protocol.limits import DecimalRange, IntegerRange, check_range
 from tandem.common.protocol.params import MAX_STOP_TOKENS, Sampling
 from tandem.common.protocol.text import find_non_text
 from tandem.edge.api.errors import ApiError, param_path
 from tandem.edge.events import chat_role, check_stops
+from tandem.ranges import MAX_NEW_TOKENS, carried_top_k
 
 Ignored = Any  # an OpenAI field accepted and ignored by design: it changes nothing tandem does
 PENALTY_RANGE = DecimalRange(-2.0, 2.0)  # presence_penalty, frequency_penalty: OpenAI's and vLLM's range
+CHOICES = IntegerRange(1, 128)  # n: OpenAI's range (this server returns one choice: more is refused as unsupported)
 
 # the OpenAI fields accepted and ignored by design, per object (docs/clients.md lists them)
 IGNORED_FIELDS = {
@@ -71,28 +73,28 @@ class RequestBase(_Closed):
         return data
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    # float fields: their ranges are checked as over gRPC (``common.protocol.limits.DecimalRange``), so
-    # NaN, +/-inf and values out of range get one message and code on both APIs
+    # numbers: their ranges are checked as over gRPC and by the SDK (``tandem.ranges``), so NaN, +/-inf
+    # and values out of range get one message and code on every surface
+    max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(1, ge=1)
+    n: int | None = 1  # at least 1 (``check_range``, as every integer), and only 1 is served
     user: str | None = Field(None, max_length=256)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM-style extras
-    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
+    top_k: int | None = None  # -1 and 0: off
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**32 - 1)]] | None = Field(None, max_length=MAX_STOP_TOKENS)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKENS)
     session_id: str | None = None  # at most 128 bytes (``check_session_id``, as over gRPC)
     # tandem's serving mode (``ChatRequest.mode`` of the gRPC API); "auto" lets the edge choose
     mode: Literal["auto", "local", "split", "direct", "remote_prefill"] = "auto"
-    split_layer: int = Field(0, ge=0, le=2**32 - 1)  # with mode split: the k to use (0: the edge's choice)
+    split_layer: int = 0  # with mode split: the k to use (0: the edge's choice); checked as over gRPC
     # OpenAI's fields accepted and ignored by design (``IGNORED_FIELDS``)
     metadata: Ignored = None
     store: Ignored = None
@@ -117,7 +119,7 @@ UNSUPPORTED_CHAT_FIELDS = (
 
 class ChatRequest(RequestBase):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
@@ -175,13 +177,16 @@ def _refuse(param: str, message: str, code: str = "unsupported_parameter") -> Ap
 
 def refuse_unsupported(r: RequestBase) -> None:
     """Raises ApiError for what both endpoints know but cannot honour, InvalidRequest for a penalty
-    outside ``PENALTY_RANGE`` (NaN, +/-inf among them; checked before "only 0")."""
+    outside ``PENALTY_RANGE`` (NaN, +/-inf among them; checked before "only 0") or an ``n`` outside
+    ``CHOICES`` (checked before "only 1")."""
+    if r.n is not None:
+        check_range(CHOICES, "n", r.n)
     if r.n not in (None, 1):
         raise _refuse("n", "must be 1: this server returns one choice per request", "unsupported_value")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(r, name)
         if value is not None:
-            PENALTY_RANGE.check(name, value)
+            check_range(PENALTY_RANGE, name, value)
         if value:
             raise _refuse(name, "is not supported (only 0)", "unsupported_value")
     if r.logit_bias:
@@ -213,17 +218,19 @@ def stops(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def sampling(r: RequestBase, max_tokens: int | None, default_max: int, limit: int, param: str) -> Sampling:
-    """The turn's sampling. Raises ApiError for ``max_tokens`` (named ``param``) above ``limit``."""
+    """The turn's sampling; its values are checked with the turn (``edge.validation``), as over gRPC.
+
+    Raises:
+        InvalidRequest: ``max_tokens`` (named ``param``) outside ``[1, limit]``, worded as the gRPC
+            API words ``max_new_tokens`` (``tandem.ranges``).
+    """
     n = default_max if max_tokens is None else max_tokens
-    if n > limit:
-        raise ApiError(
-            400, f"{param} is {n}; this edge allows at most {limit}", param=param, code="integer_above_max_value"
-        )
+    check_range(MAX_NEW_TOKENS.below(limit), param, n)
     return Sampling(
         max_new_tokens=n,
         temperature=1.0 if r.temperature is None else r.temperature,
         top_p=1.0 if r.top_p is None else r.top_p,
-        top_k=max(0, r.top_k or 0),  # vLLM's -1 and tandem's 0 both mean off
+        top_k=carried_top_k(r.top_k or 0),  # vLLM's -1 and tandem's 0 both mean off
         seed=r.seed,
         stop_token_ids=tuple(r.stop_token_ids or ()),
         ignore_eos=r.ignore_eos,

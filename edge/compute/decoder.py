@@ -1368,11 +1368,20 @@ class DecoderGraph:
 
     def turn_kv_bytes(self, tokens: int) -> int:
         """Bytes one session of ``tokens`` tokens needs alone: the buffers of the capacity that holds
-        them (``new_kv``; KV, mask, step input and outputs).
+        them (``turn_capacity_tokens``, ``new_kv``; KV, mask, step input and outputs).
 
         Raises:
             InvalidRequest: ``tokens`` exceeds the model's positions."""
-        return self._session_nbytes(self._capacity_for(max(1, tokens)))
+        return self._session_nbytes(self.turn_capacity_tokens(tokens))
+
+    def turn_capacity_tokens(self, tokens: int) -> int:
+        """The capacity of the slot one session of ``tokens`` tokens holds: the power of two from
+        ``min_slot_tokens`` (256, or past the sliding window) that holds them, the last one cut to
+        the model's positions (``_capacity_for``).
+
+        Raises:
+            InvalidRequest: ``tokens`` exceeds the model's positions."""
+        return self._capacity_for(max(1, tokens))
 
     def max_turn_tokens(self) -> int:
         """The most tokens one session can hold within ``max_kv_bytes`` with nothing else held (the

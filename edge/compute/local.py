@@ -475,9 +475,11 @@ class LocalEngine:
         self.check_fits(len(prompt_ids), s.max_new_tokens, prompt_param)
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int, prompt_param: str = "prompt") -> None:
-        """Whether a turn's own KV (``prompt_tokens + max_new_tokens`` tokens) fits the model's whole
-        KV memory bound (``local_kv_bytes``; a model without a bound takes any turn its positions hold).
-        Checked before anything runs: a turn refused here could never run, however much is freed.
+        """Whether a turn's own KV fits the model's whole KV memory bound (``local_kv_bytes``; a model
+        without a bound takes any turn its positions hold): the bytes of the slot it would hold, whose
+        capacity is ``prompt_tokens + max_new_tokens`` rounded up to a slot size (powers of two from
+        256 tokens, ``turn_capacity_tokens``), what it really holds. Checked before anything runs: a
+        turn refused here could never run, however much is freed.
 
         Raises:
             TurnTooLarge: it does not; ``param`` ``max_new_tokens``, or ``prompt_param`` when the
@@ -487,15 +489,18 @@ class LocalEngine:
         if not isinstance(model, BoundedKVModel) or model.max_kv_bytes is None:
             return
         bound = model.max_kv_bytes
-        need = model.turn_kv_bytes(prompt_tokens + max_new_tokens)
+        tokens = prompt_tokens + max_new_tokens
+        need = model.turn_kv_bytes(tokens)
         if need <= bound:
             return
         most = model.max_turn_tokens()
         prompt_too_long = prompt_tokens + 1 > most
         raise TurnTooLarge(
-            f"this turn's KV needs {need} bytes (prompt {prompt_tokens} + max_new_tokens {max_new_tokens} tokens), "
-            f"more than the edge's whole bound on local KV memory, local_kv_bytes = {bound} bytes, which holds "
-            f"at most {most} tokens of one turn: it can never run in local mode on this edge; ask for fewer tokens "
+            f"this turn's KV needs {need} bytes: a KV slot of {model.turn_capacity_tokens(tokens)} tokens, its "
+            f"prompt {prompt_tokens} + max_new_tokens {max_new_tokens} = {tokens} tokens rounded up to a slot size, "
+            f"more than the edge's whole bound on local KV memory, local_kv_bytes = "
+            f"{bound} bytes, which holds at most {most} tokens of one turn: it can never run in local mode on this "
+            "edge; ask for fewer tokens "
             "(a shorter prompt or a smaller max_new_tokens), use another mode, or raise the edge's local_kv_bytes",
             param=prompt_param if prompt_too_long else "max_new_tokens",
         )

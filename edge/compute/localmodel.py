@@ -144,7 +144,13 @@ class BoundedKVModel(Protocol):
         ...
 
     def turn_kv_bytes(self, tokens: int) -> int:
-        """Bytes one session of ``tokens`` tokens needs alone."""
+        """Bytes one session of ``tokens`` tokens needs alone: those of its slot of
+        ``turn_capacity_tokens(tokens)`` tokens, what it really holds."""
+        ...
+
+    def turn_capacity_tokens(self, tokens: int) -> int:
+        """The capacity (tokens) of the KV slot a session of ``tokens`` tokens holds: ``tokens``
+        rounded up to a slot size."""
         ...
 
     def max_turn_tokens(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import grpc
 import numpy as np
@@ -287,6 +288,41 @@ async def test_messages_beyond_the_largest_legal_one_are_refused_by_grpc(cloud):
         assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     # the toy link's largest legal message is far below the goodput probe's bound, which sets the limit
     assert cloud.gateway.registry.max_message_bytes() == MAX_PROBE_BYTES + HEADER_SLACK_BYTES < 5 << 20
+
+
+async def test_a_draining_cloud_logs_the_turns_in_flight_and_the_grace_and_lets_them_finish(caplog):
+    """``CloudServer.stop`` (the daemon's answer to SIGTERM) logs at INFO that it drains, naming the
+    signal, the turns in flight and the grace period, then how many were still in flight at its end;
+    the turn in flight finishes."""
+    from tandem.cloud.server import CloudServer
+    from tandem.cloud.service import CloudServicer
+
+    toy = Cloud()
+    toy.engines.step_delay_s = 0.05
+    await toy.start()
+    gateway = toy.gateway
+    servicer = CloudServicer(gateway, "toy-cloud")
+    await toy.server.stop(0)  # the same gateway, served by a ``CloudServer`` that drains as the daemon does
+    server, port, hs = await start_server(
+        [lambda s: add_service(s, servicer, "Cloud")], ["tandem.v1.Cloud"], "127.0.0.1", 0, 1 << 22
+    )
+    daemon = CloudServer(server, port, gateway, hs, None, servicer)
+    edge = await edge_to(f"127.0.0.1:{port}")
+    try:
+        turn = ChatTurn(
+            messages=(("user", "hello"),), prompt="", sampling=Sampling(max_new_tokens=20), mode=Mode.DIRECT
+        )
+        in_flight = asyncio.create_task(run(edge, turn))
+        while not servicer.in_flight:
+            await asyncio.sleep(0.02)
+        with caplog.at_level(logging.INFO, "tandem.cloud"):
+            await daemon.stop(5.0, "SIGTERM")
+        assert (await in_flight).output_tokens == 20
+    finally:
+        await close_edge(edge)
+    said = [r.getMessage() for r in caplog.records if r.name == "tandem.cloud"]
+    assert "tandem-cloud draining (SIGTERM): 1 turns in flight, grace 5 s" in said, said
+    assert "tandem-cloud drained: 0 turns still in flight at the grace period" in said, said
 
 
 async def test_a_draining_edge_refuses_new_turns_and_finishes_those_in_flight(cloud):

@@ -216,7 +216,7 @@ def test_sample_token_filters():
         ([1, 2], Sampling(temperature=-1.0)),
         ([1, 2], Sampling(temperature=float("nan"))),
         ([1, 2], Sampling(top_p=0.0)),
-        ([1, 2], Sampling(top_k=-1)),
+        ([1, 2], Sampling(top_k=-2)),
     ],
     ids=["empty", "vocab", "negative", "zero-new", "too-long", "temperature", "nan", "top_p", "top_k"],
 )

@@ -103,8 +103,10 @@ async def test_a_local_turn_larger_than_the_whole_kv_bound_is_refused_without_a_
     ``max_tokens``, no ``Retry-After``. A prompt too large alone names the prompt's field. A turn
     that fits runs."""
     ids = edge.toy.edge.tokenize(_turn(TOO_MANY))
-    need, bound = edge.graph.turn_kv_bytes(len(ids) + TOO_MANY), edge.graph.max_kv_bytes
-    assert need > bound
+    tokens = len(ids) + TOO_MANY
+    need, bound = edge.graph.turn_kv_bytes(tokens), edge.graph.max_kv_bytes
+    capacity = edge.graph.turn_capacity_tokens(tokens)
+    assert need > bound and capacity == 512 and need == edge.graph.turn_kv_bytes(capacity)
 
     _, err = await edge.chat(build_request(HI, max_new_tokens=TOO_MANY, mode="local"))
     assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
@@ -114,6 +116,7 @@ async def test_a_local_turn_larger_than_the_whole_kv_bound_is_refused_without_a_
     details = err.details()
     assert details.startswith("TurnTooLarge: ") and f"{need} bytes" in details and f"= {bound} bytes" in details
     assert "local_kv_bytes" in details and "fewer tokens" in details
+    assert f"a KV slot of {capacity} tokens" in details and f"= {tokens} tokens rounded up" in details
 
     with pytest.raises(tandem.FailedPrecondition) as ei:
         async for _ in edge.client.chat(HI, max_new_tokens=TOO_MANY, mode="local"):
@@ -129,11 +132,20 @@ async def test_a_local_turn_larger_than_the_whole_kv_bound_is_refused_without_a_
     want = ("invalid_request_error", "max_tokens", "context_length_exceeded")
     assert (body["type"], body["param"], body["code"]) == want
     assert "max_tokens" in body["message"] and "local_kv_bytes" in body["message"]
+    assert "max_new_tokens" not in body["message"], body["message"]  # the HTTP request's names only
+    r = await edge.http({"max_completion_tokens": TOO_MANY, "max_tokens": None, "mode": "local"})
+    body = r.json()["error"]
+    assert r.status_code == 400 and body["param"] == "max_completion_tokens", r.text
+    assert "max_completion_tokens" in body["message"] and "max_new_tokens" not in body["message"]
 
     long_prompt = [{"role": "user", "content": "x" * 600}]  # one toy token per character: past 512 alone
     _, err = await edge.chat(build_request(long_prompt, max_new_tokens=4, mode="local"))
     assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert dict(err.trailing_metadata())["tandem-error-param"] == "messages"
+    r = await edge.http({"messages": long_prompt, "mode": "local"})
+    body = r.json()["error"]
+    assert r.status_code == 400 and body["param"] == "messages", r.text
+    assert "max_tokens" in body["message"] and "max_new_tokens" not in body["message"], body["message"]
 
     done, err = await edge.chat(build_request(HI, max_new_tokens=4, mode="local"))
     assert err is None and done.mode == "local" and done.output_tokens == 4

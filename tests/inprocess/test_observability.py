@@ -8,6 +8,7 @@ import asyncio
 import io
 import json
 import logging
+import re
 import sys
 import urllib.request
 from dataclasses import replace
@@ -248,10 +249,28 @@ async def test_json_logs_of_a_turn_carry_its_ids_on_every_line(json_log):
     ):
         assert want in messages
     done = next(x["message"] for x in ok if x["logger"] == "tandem.edge" and x["message"].startswith("turn done"))
-    assert "mode=split" in done and "output_tokens=8" in done and "ttft_ms=" in done
+    assert "requested=split" in done and "output_tokens=8" in done and "ttft_ms=" in done
     assert any(x["level"] == "WARNING" and "turn refused" in x["message"] and "InvalidRequest" in x["message"]
                for x in refused)  # fmt: skip
     assert "quick brown fox" not in json_log.getvalue()  # no prompt text
+
+
+async def test_the_turn_done_line_names_the_requested_and_the_serving_mode_once_each(caplog):
+    """The edge's "turn done" line: ``requested=`` the client's mode, ``mode=`` the one that served
+    it (the metrics' ``mode`` label), each key once; the cloud's names its one mode ``mode=``."""
+    toy = await toy_stack()
+    try:
+        with caplog.at_level(logging.INFO):
+            done = await run(toy.edge, turn(LONG, "s-auto", mode=Mode.AUTO))
+    finally:
+        await toy.batcher.stop()
+    lines = {r.name: r.getMessage() for r in caplog.records if r.getMessage().startswith("turn done")}
+    edge_keys = re.findall(r"(\w+)=", lines["tandem.edge"])
+    assert edge_keys.count("mode") == 1 and edge_keys.count("requested") == 1
+    assert "requested=auto " in lines["tandem.edge"] and f" mode={done.mode} " in lines["tandem.edge"]
+    if "tandem.cloud" in lines:
+        cloud_keys = re.findall(r"(\w+)=", lines["tandem.cloud"])
+        assert cloud_keys.count("mode") == 1 and "requested" not in cloud_keys
 
 
 @pytest.mark.parametrize("json_logger", ["python-json-logger", "stdlib"])

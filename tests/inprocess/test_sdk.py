@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import pickle
 import signal
 import sys
@@ -26,7 +27,7 @@ import tandem
 from tandem import AsyncClient, Cancelled, ChatResult, Client, Delta, EdgeInfo, TandemClientError
 from tandem.client import DEFAULT_TIMEOUT_S, build_request
 from tandem.connection import SERVICE_CONFIG, Connection
-from tandem.daemons import Daemon, Daemons, stop_all
+from tandem.daemons import Daemon, Daemons, edge_command, stop_all
 from tandem.errors import ERROR_OF, ResourceExhausted, error_from_status, retry_after_s
 from tandem.stages import Stage
 from tandem.streams import _Accumulator
@@ -612,6 +613,42 @@ def test_daemons_stop_all_and_kill_after_grace(tmp_path):
     assert time.monotonic() - t0 < 5
     assert a.proc.returncode == -signal.SIGTERM and b.proc.returncode == -signal.SIGKILL
     assert not ds.daemons
+
+
+async def test_the_stop_event_names_the_first_stop_signal():
+    """``install_stop_signals``: SIGINT or SIGTERM sets the event, which names the first one (the
+    daemons' drain log line says it)."""
+    from tandem.common.runtime.grpc_setup import install_stop_signals
+
+    loop = asyncio.get_running_loop()
+    stop = install_stop_signals(loop)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.wait_for(stop.wait(), 5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(0.1)
+        assert stop.name == "SIGINT"
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def test_a_real_edge_logs_its_drain_and_its_stop_on_sigterm(split_dir, tmp_path):
+    """``tandem-edge`` (no cloud up, no local mode: it starts degraded at once) logs at INFO that it
+    drains, naming the signal, the turns in flight and the grace period, then that it stopped, and
+    exits 0."""
+    sig = signal.SIGTERM
+    extra = ["--no-local", "--connect-timeout-s", "0.5", "--drain-grace-s", "2.5"]
+    d = Daemon("tandem-edge", edge_command(split_dir, "127.0.0.1:1", extra=extra), tmp_path / "e.log", tmp_path / "p")
+    try:
+        d.wait_ready(120, poll_s=0.1)
+        d.proc.send_signal(sig)
+        assert d.proc.wait(60) == 0, d.tail()
+    finally:
+        stop_all([d], grace_s=5)
+    lines = [x for x in d.log.read_text().splitlines() if " tandem.edge INFO tandem-edge " in x]
+    assert any(f"tandem-edge draining ({sig.name}): 0 turns in flight, grace 2.5 s" in x for x in lines), d.tail()
+    assert "tandem-edge stopped" in lines[-1], d.tail()
 
 
 # --- one connection: both clients call on the same terms ----------------------------------------------

@@ -401,3 +401,37 @@ async def test_the_openai_api_ends_a_conversation_of_its_key_only():
             assert (await http.delete(f"/v1/conversations/{sid}", headers=one)).status_code == 404
     finally:
         await toy.batcher.stop()
+
+
+@pytest.mark.parametrize("mode", ["direct", "split"])
+async def test_a_conversation_ends_with_its_own_answer_whichever_mode_served_it(mode):
+    """``DELETE /v1/conversations/{id}`` and ``EndSession`` end a conversation served in direct mode
+    (no state kept on either side) as one served in split mode: 200 ``conversation.deleted`` /
+    ``found``, then 404 / not found once ended; an id of the key that was never served is 404."""
+    from tandem.common.protocol.limits import check_session_id
+    from tandem.edge.api.http_api import create_openai_app
+    from tandem.edge.api.request_models import conversation_session_id
+
+    toy = await toy_stack()
+    app = create_openai_app(toy.edge, "toy", api_keys=("sk-one-0123456789",), session_secret=b"s" * 32)
+    key = {"authorization": "Bearer sk-one-0123456789"}
+    body = {"model": "toy", "messages": [{"role": "user", "content": OPENING}], "max_tokens": 2, "mode": mode}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://edge") as http:
+            r = await http.post("/v1/chat/completions", json=body, headers=key)
+            sid = r.headers["x-tandem-session"]
+            assert r.status_code == 200 and r.json()["tandem"]["mode"] == mode, r.text
+            r = await http.delete(f"/v1/conversations/{sid}", headers=key)
+            assert r.status_code == 200 and r.json() == {"id": sid, "object": "conversation.deleted", "deleted": True}
+            assert sid not in toy.edge.sessions and toy.cloud_session(sid) is None
+            assert (await http.delete(f"/v1/conversations/{sid}", headers=key)).status_code == 404
+            never = conversation_session_id(b"s" * 32, ["chat", "sk-one-0123456789", "", "never", "", ""])
+            assert check_session_id(never) and never != sid
+            r = await http.delete(f"/v1/conversations/{never}", headers=key)
+            assert r.status_code == 404 and r.json()["error"]["param"] == "conversation_id"
+        done = await run(toy.edge, chat("g-" + mode, OPENING, mode=Mode(mode)))
+        assert done.mode is Mode(mode)
+        assert await toy.edge.end_session("g-" + mode) is True  # EndSession (gRPC, the SDK)
+        assert await toy.edge.end_session("g-" + mode) is False
+    finally:
+        await toy.batcher.stop()

@@ -70,7 +70,7 @@ BAD = [
     ("temperature NaN", dict(temperature=math.nan)),
     ("top_p 0", dict(top_p=0.0)),
     ("top_p above 1", dict(top_p=1.5)),
-    ("negative top_k", dict(top_k=-1)),
+    ("top_k below -1", dict(top_k=-2)),
     ("top_k past the wire's int32", dict(top_k=2**31)),
     ("seed past 64 bits", dict(seed=2**63, temperature=1.0)),
     ("session id longer than 128 bytes", dict(session="é" * 65)),
@@ -116,6 +116,7 @@ async def test_requests_at_the_bounds_run_in_every_mode(toy):
         dict(tokens=MAX_PROMPT_TOKENS, max_new_tokens=MAX_MODEL_LEN_TOKENS - MAX_PROMPT_TOKENS),
         dict(max_new_tokens=MAX_NEW_TOKENS),
         dict(temperature=2.0, top_p=1.0, top_k=0, seed=-1),
+        dict(temperature=1.0, top_k=-1),  # vLLM's off
         dict(temperature=1.0, top_k=2**31 - 1, seed=-(2**63)),  # a top_k past the vocabulary is off
         dict(session="é" * 64),
     ]
@@ -191,6 +192,30 @@ async def test_the_cloud_checks_the_header_with_the_limits_it_negotiated(toy):
         assert (status_of(e.value).name, status_details(e.value)) == edge[:2]
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+async def test_http_refusals_name_the_requests_own_fields_wherever_the_message_names_one(toy, field):
+    """A refusal over HTTP says the HTTP request's names, in its ``param`` and all through its
+    message, whichever field it is about: a prompt too long for the model length with the output
+    asked for names ``messages`` (or ``prompt``) and the request's own ``max_tokens`` /
+    ``max_completion_tokens``, never the gRPC API's ``max_new_tokens``."""
+    import httpx
+
+    from tandem.edge.api.http_api import create_openai_app
+
+    app = create_openai_app(toy.edge, "toy")
+    chat = {"messages": [{"role": "user", "content": text_of(MAX_PROMPT_TOKENS)}], field: MAX_NEW_TOKENS}
+    text = {"prompt": "x" * MAX_PROMPT_TOKENS, "max_tokens": MAX_NEW_TOKENS}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://edge") as h:
+        for endpoint, body, prompt_param, named in (
+            ("chat/completions", chat, "messages", field),
+            ("completions", text, "prompt", "max_tokens"),
+        ):
+            r = await h.post(f"/v1/{endpoint}", json={"model": "toy", **body})
+            err = r.json()["error"]
+            assert r.status_code == 400 and (err["param"], err["code"]) == (prompt_param, "context_length_exceeded")
+            assert f"{named} ({MAX_NEW_TOKENS})" in err["message"] and "max_new_tokens" not in err["message"], err
+
+
 def test_limits_narrow_bound_by_bound():
     a, b = (
         RequestLimits(vocab_size=1000, max_prompt_tokens=1536, max_new_tokens=4096, max_model_len_tokens=0),
@@ -219,7 +244,7 @@ async def test_local_mode_of_the_real_model_takes_any_64_bit_seed_and_refuses_st
     with pytest.raises(TandemError) as e:
         async for _ in engine.generate([1, 2, 3], Sampling(max_new_tokens=2, stop_token_ids=(v,))):
             pass
-    assert str(e.value) == f"stop_token_ids.[0]: {v} is outside the vocabulary [0, {v})"
+    assert str(e.value) == f"stop_token_ids.[0] must be an integer in [0, {v - 1}], got {v}"
     assert (e.value.param, e.value.code) == ("stop_token_ids.[0]", "integer_above_max_value")
 
 
@@ -534,6 +559,117 @@ async def test_a_float_field_out_of_range_gets_one_message_and_code_over_grpc_an
     assert await _sdk_verdict(client, {name: value}) == ("INVALID_ARGUMENT", name, code)
 
 
+# (what, the SDK's chat() arguments, the raw gRPC request's change (None: protobuf cannot carry it),
+# the HTTP body's fields, the field (HTTP's name where it differs), the value, OpenAI's code, whether
+# the SDK knows the bounds the edge checks (it checks the wire's range of max_new_tokens and of stop
+# token ids; the edge narrows them to its limit and its vocabulary, and answers what the SDK sends))
+INTEGERS = [
+    ("top_k below -1", dict(top_k=-2), _sampling(top_k=-2), dict(top_k=-2), "top_k", None, -2,
+     "integer_below_min_value", True),
+    ("top_k past int32", dict(top_k=2**31), None, dict(top_k=2**31), "top_k", None, 2**31,
+     "integer_above_max_value", True),
+    ("seed past 64 bits", dict(seed=2**63), None, dict(seed=2**63), "seed", None, 2**63,
+     "integer_above_max_value", True),
+    ("seed below 64 bits", dict(seed=-(2**63) - 1), None, dict(seed=-(2**63) - 1), "seed", None, -(2**63) - 1,
+     "integer_below_min_value", True),
+    ("max_new_tokens 0", dict(max_new_tokens=0), _sampling(max_new_tokens=0), dict(max_tokens=0), "max_new_tokens",
+     "max_tokens", 0, "integer_below_min_value", False),
+    ("max_completion_tokens -1", dict(max_new_tokens=-1), None, dict(max_completion_tokens=-1), "max_new_tokens",
+     "max_completion_tokens", -1, "integer_below_min_value", False),
+    ("max_new_tokens past the edge's bound", dict(max_new_tokens=10**6), _sampling(max_new_tokens=10**6),
+     dict(max_tokens=10**6), "max_new_tokens", "max_tokens", 10**6, "integer_above_max_value", True),
+    ("stop token id out of the vocabulary", dict(stop_token_ids=[1, VOCAB]), _stop_ids(1, VOCAB),
+     dict(stop_token_ids=[1, VOCAB]), "stop_token_ids.[1]", None, VOCAB, "integer_above_max_value", True),
+    ("negative stop token id", dict(stop_token_ids=[-1]), None, dict(stop_token_ids=[-1]), "stop_token_ids.[0]",
+     None, -1, "integer_below_min_value", False),
+    ("negative split layer", dict(mode="split", split_layer=-1), None, dict(mode="split", split_layer=-1),
+     "split_layer", None, -1, "integer_below_min_value", True),
+]  # fmt: skip
+
+
+async def _sdk_message(client, kw: dict) -> tuple[str, str | None, str | None, str]:
+    """(status name, field, code, message) of a chat the SDK or the edge refuses."""
+    import tandem
+
+    with pytest.raises(tandem.TandemClientError) as ei:
+        async for _ in client.chat(**{"messages": HI, "max_new_tokens": 4, **kw}):
+            pass
+    e = ei.value
+    return e.code.name, e.param, e.error_code, str(e.details).removeprefix("InvalidRequest: ")
+
+
+@pytest.mark.parametrize(
+    ("what", "sdk", "raw", "http", "param", "http_param", "value", "code", "sdk_knows"),
+    INTEGERS,
+    ids=[row[0] for row in INTEGERS],
+)
+async def test_an_integer_field_out_of_range_gets_one_message_and_code_on_every_surface(
+    surfaces, what, sdk, raw, http, param, http_param, value, code, sdk_knows
+):
+    """An integer outside its range: INVALID_ARGUMENT over gRPC, HTTP 400 and the SDK's refusal,
+    naming the field with OpenAI's code and one message, ``<field> must be an integer in [<low>,
+    <high>], got <value>`` (over HTTP with the request's name for the field); the SDK's says the
+    same where it knows the edge's bounds, else the wire's range in the same words."""
+    import re
+
+    from tandem.chat_request import build_request
+
+    _, port, client, http_port = surfaces
+    pattern = re.escape(param) + r" must be an integer in \[-?\d+, \d+\], got " + re.escape(str(value))
+    messages = []
+    if raw is not None:
+        request = build_request(HI, max_new_tokens=4)
+        raw(request)
+        status, details, got_param, got_code = await _grpc_refusal(port, request)
+        assert (status, got_param, got_code) == ("INVALID_ARGUMENT", param, code), details
+        kind, _, message = details.partition(": ")
+        assert kind == "InvalidRequest", details
+        messages.append(message)
+    http_status, err = await _http_refusal(http_port, http)
+    named = http_param or param
+    assert (http_status, err["type"], err["param"], err["code"]) == (400, "invalid_request_error", named, code), err
+    messages.append(err["message"].replace(named, param, 1))
+    status, got_param, got_code, sdk_message = await _sdk_message(client, sdk)
+    assert (status, got_param, got_code) == ("INVALID_ARGUMENT", param, code), sdk_message
+    assert re.fullmatch(pattern, sdk_message), sdk_message
+    if sdk_knows:
+        messages.append(sdk_message)
+    assert len(set(messages)) == 1 and re.fullmatch(pattern, messages[0]), messages
+
+
+async def test_an_unset_sampling_field_means_its_default_and_an_explicit_zero_outside_its_range_is_refused(surfaces):
+    """Over raw gRPC the sampling fields where 0 is no valid value (``top_p``, ``max_new_tokens``)
+    have presence: unset, they take their defaults (1.0, 64 tokens); an explicit 0 is refused as the
+    SDK and the HTTP API refuse it, with one message."""
+    import grpc
+
+    from tandem.chat_request import build_request
+    from tandem.v1 import tandem_pb2_grpc as pb_grpc
+
+    _, port, client, http_port = surfaces
+    unset = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")], sampling=pb.SamplingParams())
+    unset.sampling.ignore_eos = True
+    assert not unset.sampling.HasField("top_p") and not unset.sampling.HasField("max_new_tokens")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        events = [ev async for ev in pb_grpc.EdgeStub(ch).Chat(unset, timeout=20)]
+    assert events[-1].done.output_tokens == Sampling().max_new_tokens == 64
+
+    request = build_request(HI, max_new_tokens=4)
+    request.sampling.top_p = 0.0
+    assert request.sampling.HasField("top_p")
+    status, details, param, code = await _grpc_refusal(port, request)
+    want = "top_p must be a number in (0, 1], got 0.0"
+    assert (status, param, code, details) == (
+        "INVALID_ARGUMENT",
+        "top_p",
+        "decimal_below_min_value",
+        f"InvalidRequest: {want}",
+    )
+    http_status, err = await _http_refusal(http_port, {"top_p": 0.0})
+    assert (http_status, err["param"], err["code"], err["message"]) == (400, "top_p", "decimal_below_min_value", want)
+    assert await _sdk_message(client, {"top_p": 0.0}) == ("INVALID_ARGUMENT", "top_p", "decimal_below_min_value", want)
+
+
 @pytest.mark.parametrize(("name", "value", "code"), _float_rows(HTTP_FLOAT_FIELDS), ids=repr)
 async def test_an_http_float_field_out_of_range_is_400_with_its_code(surfaces, name, value, code):
     """The HTTP API's own float fields (the penalties) refuse NaN, +/-inf and values outside
@@ -543,6 +679,16 @@ async def test_an_http_float_field_out_of_range_is_400_with_its_code(surfaces, n
     assert http_status == 400, err
     assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", name, code)
     assert err["message"] == f"{name} must be a number in [-2, 2], got {value!r}"
+
+
+@pytest.mark.parametrize(("value", "code"), [(0, "integer_below_min_value"), (129, "integer_above_max_value")])
+async def test_an_http_integer_field_out_of_range_is_400_with_the_integer_wording(surfaces, value, code):
+    """The HTTP API's own integer field ``n`` (OpenAI's ``[1, 128]``) is refused out of its range in
+    the words and codes of every integer field, before "only 1"."""
+    _, _, _, http_port = surfaces
+    http_status, err = await _http_refusal(http_port, {"n": value})
+    assert (http_status, err["param"], err["code"]) == (400, "n", code), err
+    assert err["message"] == f"n must be an integer in [1, 128], got {value}"
 
 
 # (what, the SDK's chat() arguments, the HTTP body's fields): accepted alike on every surface
