@@ -67,8 +67,15 @@ async def test_turns_together_get_the_tokens_they_get_alone(kind):
     gets its lone tokens; a batching model ran them in batches of up to six."""
     engine = engine_of(kind, step_ms=0.2)
     ps = prompts(6)
+    # the first turn decodes long enough (200 steps) for the three later ones to join it however
+    # late the event loop starts them on a loaded host
     samplings = [
-        Sampling(max_new_tokens=20 + 5 * i, ignore_eos=i % 2 == 0, temperature=0.8 * (i % 3 == 1), seed=40 + i)
+        Sampling(
+            max_new_tokens=200 if i == 0 else 20 + 5 * i,
+            ignore_eos=i % 2 == 0,
+            temperature=0.8 * (i % 3 == 1),
+            seed=40 + i,
+        )
         for i in range(6)
     ]
     want = [alone(kind, p, s) for p, s in zip(ps, samplings, strict=True)]
