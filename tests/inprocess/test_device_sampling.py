@@ -142,11 +142,19 @@ async def test_seeded_turns_in_a_batch_give_the_host_tokens(host_engine, device_
 
 @pytest.mark.parametrize(
     "bad",
-    [Sampling(temperature=-0.1), Sampling(temperature=1.0, top_p=0.0), Sampling(temperature=1.0, top_k=-1)],
+    [Sampling(temperature=-0.1), Sampling(temperature=1.0, top_p=0.0), Sampling(temperature=1.0, top_k=-2)],
 )
 async def test_bad_sampling_values_are_refused(device_engine, prompts, bad):
     with pytest.raises(InvalidRequest):
         await turn(device_engine, prompts[0], bad)
+
+
+async def test_top_k_minus_one_is_off_as_zero_is(device_engine, host_engine, prompts):
+    """vLLM's two ways of turning top-k off give one reply, on the device's sampler and the host's."""
+    off = [Sampling(temperature=0.9, top_k=k, seed=5, max_new_tokens=8) for k in (-1, 0)]
+    for engine in (device_engine, host_engine):
+        a, b = [await turn(engine, prompts[2], s) for s in off]
+        assert a == b
 
 
 def test_the_preparation_check_passes_a_build_with_the_sampler(sampler_dir, manifest, split_dir, prompts):
