@@ -1303,7 +1303,7 @@ class DecoderGraph:
         self._own(slot, start + t)
         item, row = self._item_bytes, t * s.head_dim * self._item_bytes  # bytes of one head's T tokens
         staged, ranges = [], []
-        for v, a in zip(slot.kv, past, strict=True):
+        for v, a in zip(slot.kv, past, strict=True) if t else ():  # nothing to upload for T = 0
             up = ort.OrtValue.ortvalue_from_numpy(_held(a, self.kv_type), self.device, 0)  # [1, Hkv, T, D]
             staged.append(up)
             for h in range(s.num_kv_heads):  # head h's tokens [start, start + T) of [1, Hkv, C, D]

@@ -125,6 +125,8 @@ def test_kv_written_into_a_slot_continues_as_computed_kv(graph, hf_model, prompt
     assert two.tokens == len(ids) - 1
     for got, want in zip(graph.read_kv(two, len(ids) - 1), past, strict=True):
         np.testing.assert_array_equal(got, want)
+    graph.write_kv(two, [a[:, :, :0] for a in past], start=len(ids) - 1)  # no tokens: nothing changes
+    assert two.tokens == len(ids) - 1
     _, logits, _ = graph.run(two, ids[-1:], greedy=False)
     assert np.abs(logits - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
 
