@@ -54,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -449,17 +450,19 @@ def main(
         runs.append(("vllm", "bf16", lambda: time_vllm(hf, prompt, new_tokens, repeats)))
     # one turn after an idle gap, and one of a prompt length not run before, each repeat
     lone = batch_prompts(prompt_tokens, 1, cfg["vocab_size"], seed=1)
-    idle = _engine_run(build_dir, hf, lone, new_tokens, repeats, IDLE_GAP_S)
+    idle = partial(time_engine, build_dir, hf, lone, new_tokens, repeats, IDLE_GAP_S)
     runs.append(("tandem-engine-idle", precision, idle))
-    runs.append(("tandem-engine-new-length", precision, _engine_run(build_dir, hf, lone, new_tokens, repeats, 0, True)))
+    lengths = partial(time_engine, build_dir, hf, lone, new_tokens, repeats, new_lengths=True)
+    runs.append(("tandem-engine-new-length", precision, lengths))
     batches = [int(b) for b in batch_sizes.split(",") if b.strip()]
     batch_of: dict[int, int] = {}  # index in runs -> turns decoding together, for the batched runs
     if any(b < 1 for b in batches):
         raise typer.BadParameter(f"batch sizes must be >= 1: {batch_sizes}")
     for b in batches:
         turns = batch_prompts(prompt_tokens, b, cfg["vocab_size"], seed=b)
-        runs.append(("tandem-engine", precision, _engine_run(build_dir, hf, turns, new_tokens, repeats)))
-        runs.append(("genai-batch", precision, _genai_run(build_dir, work / f"genai-b{b}", turns, new_tokens, repeats)))
+        runs.append(("tandem-engine", precision, partial(time_engine, build_dir, hf, turns, new_tokens, repeats)))
+        batched = partial(time_genai_batch, build_dir, work / f"genai-b{b}", turns, new_tokens, repeats)
+        runs.append(("genai-batch", precision, batched))
         batch_of[len(runs) - 2] = batch_of[len(runs) - 1] = b
     rows: list[dict[str, Any]] = []
     for i, (runtime, dtype, fn) in enumerate(runs):
@@ -487,22 +490,6 @@ def main(
     plot(rows, out / "edge_decode.png")
     print(to_markdown(rows))
     shutil.rmtree(work, ignore_errors=True)
-
-
-def _engine_run(
-    build_dir: Path,
-    hf: Path,
-    turns: list[list[int]],
-    new_tokens: int,
-    repeats: int,
-    gap_s: float = 0.0,
-    new_lengths: bool = False,
-) -> Any:
-    return lambda: time_engine(build_dir, hf, turns, new_tokens, repeats, gap_s, new_lengths)
-
-
-def _genai_run(build_dir: Path, work: Path, turns: list[list[int]], new_tokens: int, repeats: int) -> Any:
-    return lambda: time_genai_batch(build_dir, work, turns, new_tokens, repeats)
 
 
 def _versions() -> dict[str, str]:

@@ -164,6 +164,23 @@ class GraphThread:
                 "the first thread's until the session ends; drive the decoder from one thread"
             )
 
+    def replay(self, session: object, graph_id: int) -> Any:
+        """The run options of a run of ``session`` through graph ``graph_id`` (>= 1), ``note``d."""
+        self.note(session, graph_id)
+        return _run_options(graph_id)
+
+
+def _run_options(graph_id: int | None) -> Any:
+    """ONNX Runtime's run options naming the CUDA graph a run replays (``graph_id`` >= 1; captured at
+    its second run), -1 for an uncaptured run of a session with CUDA graphs on (a run that names none
+    there is captured as graph 0), or None for a session without them."""
+    import onnxruntime as ort
+
+    opts = ort.RunOptions()
+    if graph_id is not None:
+        opts.add_run_config_entry("gpu_graph_id", str(graph_id))
+    return opts
+
 
 @dataclass(frozen=True)
 class DecoderSpec:
@@ -424,13 +441,8 @@ class _SamplerGraph:
             kept = self._bound[key] = self._keep(logits, rows, logits_type)
         if kept is None:
             return self._run_fresh(logits, rows, logits_type, params)
-        import onnxruntime as ort
-
         kept.params.update_inplace(params)
-        opts = ort.RunOptions()
-        if self.captured:
-            self.owner.graph_thread.note(self.session, kept.graph_id)
-            opts.add_run_config_entry("gpu_graph_id", str(kept.graph_id))
+        opts = self.owner.graph_thread.replay(self.session, kept.graph_id) if self.captured else _run_options(None)
         self.session.run_with_iobinding(kept.binding, opts)
         return kept.tokens.numpy()[:, 0]
 
@@ -455,15 +467,11 @@ class _SamplerGraph:
 
     def _run_fresh(self, logits: Any, rows: int, logits_type: str, params: np.ndarray) -> np.ndarray:
         """One uncaptured run with a binding of its own: the parameters from the host, the tokens back."""
-        import onnxruntime as ort
 
         b = self._bind_logits(logits, rows, logits_type)
         b.bind_cpu_input(SAMPLING, params)
         b.bind_output(SAMPLED, "cpu")
-        opts = ort.RunOptions()
-        if self.captured:
-            opts.add_run_config_entry("gpu_graph_id", "-1")
-        self.session.run_with_iobinding(b, opts)
+        self.session.run_with_iobinding(b, _run_options(-1 if self.captured else None))
         return b.get_outputs()[0].numpy()[:, 0]
 
 
@@ -686,7 +694,6 @@ class DecoderGraph:
         bound as past and present, and as output either the argmax token (``token_output``) or the
         ``rows_output`` (the logits, or a head's hidden state) of every new token, on the device.
         Returns the binding and that tensor (``None`` with a token output)."""
-        import onnxruntime as ort
 
         total = slot.tokens + len(new_ids)
         b = self.session.io_binding()
@@ -699,10 +706,7 @@ class DecoderGraph:
         else:
             logits = self._empty_logits(len(new_ids), rows_output)
             self._bind(b, rows_output, logits, self.output_types[rows_output], output=True)
-        opts = ort.RunOptions()
-        if self.cuda_graph:
-            opts.add_run_config_entry("gpu_graph_id", "-1")
-        self.session.run_with_iobinding(b, opts)
+        self.session.run_with_iobinding(b, _run_options(-1 if self.cuda_graph else None))
         return b, logits
 
     def run_rows(self, slot: KVSlot, new_ids: list[int], output: str = "logits") -> np.ndarray:
@@ -757,7 +761,6 @@ class DecoderGraph:
         are copied into their fixed buffers, the graph replays (captured on the first step), and
         only the token id (greedy, or sampled on the device from the step's logits) or the logits
         row comes back."""
-        import onnxruntime as ort
 
         slot.step_ids.update_inplace(np.asarray([[token_id]], np.int64))
         slot.mask.update_inplace(slot.mask_host)
@@ -771,10 +774,7 @@ class DecoderGraph:
                 b.bind_ortvalue_output(NEXT_TOKEN, slot.step_next)
             slot.binding = b
             self._graphs += 1
-        opts = ort.RunOptions()
-        self.graph_thread.note(self.session, slot.graph_id)
-        opts.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
-        self.session.run_with_iobinding(slot.binding, opts)
+        self.session.run_with_iobinding(slot.binding, self.graph_thread.replay(self.session, slot.graph_id))
         if greedy and self.has_next_token:
             return int(slot.step_next.numpy()[0, -1]), None
         if self._samples(greedy, draw):
@@ -982,22 +982,16 @@ class DecoderGraph:
         """A step over the first ``rows`` rows without a CUDA graph (none on this provider, or past
         ``max_graphs``), the mask bound over its first ``mask_tokens`` positions (every row's length
         fits)."""
-        import onnxruntime as ort
-
         b = self.session.io_binding()
         b.bind_cpu_input("input_ids", np.ascontiguousarray(pool.ids_host[:rows]))
         b.bind_cpu_input("attention_mask", np.ascontiguousarray(pool.mask_host[:rows, :mask_tokens]))
         self._bind_rows(b, pool, rows)
-        opts = ort.RunOptions()
-        if self.cuda_graph:  # past the graph cap: a run without an id would be captured as graph 0
-            opts.add_run_config_entry("gpu_graph_id", "-1")
-        self.session.run_with_iobinding(b, opts)
+        self.session.run_with_iobinding(b, _run_options(-1 if self.cuda_graph else None))
 
     def _replay_bucket(self, pool: BatchPool, rows: int) -> None:
         """A step over the first ``rows`` rows through the pool's CUDA graph of that bucket (captured
         on its first use): the ids and the whole mask ``[R, C]`` copied into their fixed buffers, the
         first ``rows`` rows of each bound by address."""
-        import onnxruntime as ort
 
         pool.ids.update_inplace(pool.ids_host)
         pool.mask.update_inplace(pool.mask_host)
@@ -1012,9 +1006,7 @@ class DecoderGraph:
             pool.graph_ids[rows] = self._next_graph_id
             self._next_graph_id += 1
             self._graphs += 1
-        opts = ort.RunOptions()
-        self.graph_thread.note(self.session, pool.graph_ids[rows])
-        opts.add_run_config_entry("gpu_graph_id", str(pool.graph_ids[rows]))
+        opts = self.graph_thread.replay(self.session, pool.graph_ids[rows])
         self.session.run_with_iobinding(pool.bindings[rows], opts)
 
     def _bind_at(self, b: Any, name: str, address: int, shape: list[int], onnx_type: str, output: bool) -> None:
@@ -1496,8 +1488,3 @@ def _held(host: np.ndarray, onnx_type: str) -> np.ndarray:
         bits = np.ascontiguousarray(host, np.float32).view(np.uint32)
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
     return np.ascontiguousarray(host, _storage(onnx_type))
-
-
-def _store(v: Any, host: np.ndarray, onnx_type: str) -> None:
-    """Copy float32 ``host`` into the tensor ``v`` in its own dtype (bfloat16: rounded to nearest even)."""
-    v.update_inplace(_held(host, onnx_type))

@@ -15,7 +15,7 @@ import torch
 from tandem.common.model.builder_export import BuilderFailed, add_next_token, build_decoder, check_decoder, load_build
 from tandem.common.protocol.chat import prompt_token_ids
 from tandem.common.protocol.errors import InvalidRequest
-from tandem.edge.compute.decoder import NEXT_TOKEN, DecoderGraph, _as_float32, _store
+from tandem.edge.compute.decoder import NEXT_TOKEN, DecoderGraph, _as_float32, _held
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -180,12 +180,12 @@ def test_bfloat16_storage_round_trips_and_rounds_to_nearest_even():
 
     exact = np.array([1.0, -2.5, 0.0, 3.140625, 2.0**100], np.float32)  # representable in bfloat16
     v = ort.OrtValue.ortvalue_from_numpy(np.zeros(5, np.uint16))
-    _store(v, exact, "tensor(bfloat16)")
+    v.update_inplace(_held(exact, "tensor(bfloat16)"))
     np.testing.assert_array_equal(_as_float32(v), exact)
     # 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: it rounds to the even neighbour, 1.0;
     # 1 + 3 * 2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: it rounds up to the even one
     halfway = np.array([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-12], np.float32)
-    _store(v, np.concatenate([halfway, [0, 0]]).astype(np.float32), "tensor(bfloat16)")
+    v.update_inplace(_held(np.concatenate([halfway, [0, 0]]).astype(np.float32), "tensor(bfloat16)"))
     np.testing.assert_array_equal(_as_float32(v)[:3], np.array([1.0, 1 + 2**-6, 1 + 2**-7], np.float32))
 
 
