@@ -106,7 +106,7 @@ def summary(split: ChatResult, direct: ChatResult, local: ChatResult, auto: Chat
     every = {direct.output_token_ids, local.output_token_ids, auto.output_token_ids} == {split.output_token_ids}
     lines = [
         f"split answer vs plain vLLM on the same prompt: {same} tokens; "
-        f"TTFT split/plain = {ratio:.2f}x (loopback, CPU)",
+        f"TTFT split/plain = {ratio:.2f}x (one request, loopback, CPU; pooled over many: docs/benchmarks.md)",
         f"auto chose {mode_of(auto)} ({auto.mode_reason}): TTFT {auto.ttft_ms:.0f} ms, predicted "
         f"{auto.predicted_ttft_ms:.0f} ms; the fastest fixed mode on this prompt was {mode_of(best)} "
         f"({best.timings_ms[Stage.TTFT]:.0f} ms); every mode gave the "
