@@ -5,9 +5,9 @@ down the same call so that the edge can take the decode over.
 ``RemotePrefills.run`` reads like the data path: pin the prompt's blocks -> the decode engine
 prefills with the connector loading the session's blocks already stored and saving the others
 (``KVTransferSpec`` with one part, layers ``[0, L)``) -> tokens go down as they come -> after the
-first token, once the engine's writes landed (``Pins.await_tail_saves``), the blocks the edge
-lacks go down, framed by the one KV-block codec (``common.wire.kvcodec.encode_block``, as the
-edge's uplink frames its head blocks), within a window the edge's ``KVDownAck``s move
+first token, the blocks the edge lacks go down in order, each as soon as the engine's write of it
+landed in the store (``Pins.await_tail_saves``), framed by the one KV-block codec
+(``common.wire.kvcodec.encode_block``, as the edge's uplink frames its head blocks), within a window the edge's ``KVDownAck``s move
 (``common.wire.flow.SendWindow``), then the commit (their Merkle root) -> on the edge's
 ``Takeover`` the engine request is aborted (vLLM frees its KV slots), the tokens decoded past the
 edge's position follow, then a ``Final`` with finish reason ``handover``. A decode that ends first
@@ -214,29 +214,37 @@ class RemotePrefills:
     async def _send(
         self, turn: Turn, b: _Blocks, window: _Window, q: asyncio.Queue, first_token: asyncio.Event
     ) -> None:
-        """After the first token: wait for the engine's writes of the blocks the edge lacks, then
-        send them within the window, then the commit. A block missing from the store ends the
-        downlink (the decode goes on: the edge never takes over)."""
+        """After the first token: each block the edge lacks, in order, as soon as the engine's write of
+        it landed in the store (the connector's writer puts them in order), within the window; then
+        the commit. Waiting for the writes is bounded by ``Pins.tail_save_wait_s`` in all and timed as
+        ``CLOUD_KV_SAVE_WAIT`` (the time the downlink waited on the store, not on the window). A
+        block missing from the store ends the downlink (the decode goes on: the edge never takes
+        over)."""
         await first_token.wait()
         await self.pins.release(b.keys[: b.first], turn.engine_id)  # loaded by now; the edge holds them
         turn.pinned.difference_update(b.keys[: b.first])
         t0 = time.perf_counter()
-        missing = await self.pins.await_tail_saves(b.keys[b.first :], turn.deadline)
-        turn.time(Stage.CLOUD_KV_SAVE_WAIT, t0)
-        if missing:
-            n = len(b.want.indices)
-            log.warning("remote prefill: %d of %d KV blocks not stored; no KV goes down", len(missing), n)
-            return
-        leaves = []
-        for j in b.want.indices:
-            down = await asyncio.to_thread(self._frame, turn, b, j)
-            if down is None:
-                log.warning("remote prefill: KV block %d left the store; no more KV goes down", j)
-                return
-            await window.send(len(down.payload))
-            b.sent[j] = down
-            leaves.append(down.leaf_hash)
-            q.put_nowait(down)
+        end = self.pins.save_deadline(turn.deadline)
+        waited_s, leaves = 0.0, []
+        try:
+            for j in b.want.indices:
+                w0 = time.perf_counter()
+                missing = await self.pins.await_tail_saves([b.keys[j]], end)
+                waited_s += time.perf_counter() - w0
+                if missing:
+                    n = len(b.want.indices)
+                    log.warning("remote prefill: KV block %d of %d not stored; no more KV goes down", j, n)
+                    return
+                down = await asyncio.to_thread(self._frame, turn, b, j)
+                if down is None:
+                    log.warning("remote prefill: KV block %d left the store; no more KV goes down", j)
+                    return
+                await window.send(len(down.payload))
+                b.sent[j] = down
+                leaves.append(down.leaf_hash)
+                q.put_nowait(down)
+        finally:
+            turn.timings[Stage.CLOUD_KV_SAVE_WAIT] = waited_s * 1e3
         q.put_nowait(Commit(leaf_count=len(leaves), merkle_root=merkle.root(leaves), first_leaf=b.first))
         turn.time(Stage.CLOUD_KV_DOWNLINK, t0)
 

@@ -7,7 +7,7 @@ the last prompt token, as vLLM's connector API requires), saves the save part's 
 blocks, and reports ``external_tokens`` in a ``ConnectorReport``, through the same
 ``to_vllm`` / ``from_vllm`` round trip as the connector and ``VllmEngines``. Like the real
 connector, it can write its saves after it returns the first token (``save_delay_s``;
-``None``: never, a store refusing them).
+``None``: never, a store refusing them), one block at a time (``save_block_interval_s``).
 Its tokens are a deterministic function of the prompt *and of the bytes it loaded*, so a
 test sees when loaded KV differs from KV computed from the inputs. Saved tail blocks are a
 digest of the activations they stand for.
@@ -97,6 +97,7 @@ class MemoryEngines:
     alive: bool = True
     step_delay_s: float = 0.0  # per decode step, to emulate a slow engine
     save_delay_s: float | None = 0.0  # tail saves land this long after the first token (None: never)
+    save_block_interval_s: float = 0.0  # then one block per interval, in order, as the connector's writer puts them
     toy: ToyLM | None = None  # the whole model of direct and remote-prefill decodes (None: a digest of what loaded)
     calls: list[tuple[EngineRole, str, KVTransferSpec | None]] = field(
         default_factory=list
@@ -154,8 +155,14 @@ class MemoryEngines:
         )
 
     def _put_all(self, items: list[tuple[str, bytes]]) -> None:
-        for key, value in items:
-            self.store.put(key, value)
+        """Put ``items`` in order: all at once, or the first now and each next one
+        ``save_block_interval_s`` later."""
+        if self.save_block_interval_s <= 0.0 or len(items) <= 1:
+            for key, value in items:
+                self.store.put(key, value)
+            return
+        self.store.put(*items[0])
+        asyncio.get_running_loop().call_later(self.save_block_interval_s, self._put_all, items[1:])
 
     def _whole_model(self, kv: KVTransferSpec | None) -> bool:
         """Whether a decode runs the toy whole model: no spec, or one part of every layer."""

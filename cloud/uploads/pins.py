@@ -87,6 +87,13 @@ class Pins:
     def _absent(self, keys: list[str]) -> list[str]:
         return [k for k in keys if not self.store.contains(k)]
 
+    def save_deadline(self, deadline: float | None) -> float:
+        """Event-loop time until which a wait for writes that starts now may last: ``tail_save_wait_s``
+        from now, never past ``deadline``. Waits for several keys one at a time pass it to
+        ``await_tail_saves`` so that they share the one bound."""
+        end = asyncio.get_running_loop().time() + self.tail_save_wait_s
+        return end if deadline is None else min(end, deadline)
+
     async def await_tail_saves(self, keys: list[str], deadline: float | None) -> list[str]:
         """Wait until the tail engine's KV writes of ``keys`` are in the store: the connector writes
         them on its own thread after the first token (``TandemConnector.wait_for_save``). Polls

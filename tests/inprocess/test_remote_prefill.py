@@ -13,6 +13,7 @@ import pytest
 from tandem.common.protocol.modes import Mode
 from tandem.common.wire import chunks as wire
 from tandem.edge.events import ChatTurn, TurnDone
+from tandem.stages import Stage
 from tests.doubles import B
 from tests.helpers import RP_LONG, rp_chat, rp_turn, stream
 from tests.remote_doubles import rp_stack
@@ -55,6 +56,40 @@ async def test_a_cloud_that_finishes_before_the_kv_came_down_ends_the_turn_as_di
         got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL, n=8))
         assert got == direct and done.edge_decoded_tokens == 0 and done.received_kv_bytes == 0
         assert done.mode is Mode.REMOTE_PREFILL and done.finish_reason == "length"
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_kv_blocks_go_down_as_the_engine_writes_them_not_after_the_last():
+    """The engine's writes land one block every 40 ms: the first block is framed for the downlink
+    before the last is in the store, the turn still equals direct, and the cloud's save wait is the
+    time the downlink waited on the store."""
+    import time
+
+    toy = await rp_stack(step_delay_s=0.02)
+    toy.engines.save_block_interval_s = 0.04
+    put_s: dict[str, float] = {}
+    framed_s: dict[int, float] = {}
+    put, frame = toy.store.put, toy.gateway.remote._frame
+
+    def timed_put(key, value):
+        put_s.setdefault(key, time.perf_counter())
+        return put(key, value)
+
+    def timed_frame(turn, b, j):
+        framed_s.setdefault(j, time.perf_counter())
+        return frame(turn, b, j)
+
+    toy.store.put, toy.gateway.remote._frame = timed_put, timed_frame
+    try:
+        direct, _ = await stream(toy.edge, rp_turn(RP_LONG, Mode.DIRECT, n=60))
+        put_s.clear()
+        got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL, n=60))
+        assert got == direct and done.edge_decoded_tokens > 0 and done.received_kv_bytes > 0
+        assert len(framed_s) == len(put_s) >= 5
+        assert framed_s[0] < max(put_s.values()), (framed_s, put_s)
+        wait_ms = done.timings[Stage.CLOUD_KV_SAVE_WAIT]
+        assert wait_ms >= 40 * (len(put_s) - 2), wait_ms
     finally:
         await toy.batcher.stop()
 

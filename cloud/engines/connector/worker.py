@@ -223,32 +223,28 @@ class TandemConnectorWorker:
             self._writer = None
 
     def _write(self, staged: list[tuple[int, list[PartOp], torch.Tensor]]) -> None:
-        """Writer thread: canonical blocks ``[Lp, 2, Hkv, B, D]`` float32 per key, then one put each.
-        A key whose step did not copy every layer of its part (a forward that failed midway) is not
-        written: a block is stored whole or not at all. A write the store refuses (a shared store
-        out of reach) leaves the block missing: its readers recompute it. Never raises."""
+        """Writer thread: per key, in the order the step planned them, its layers' rows made one
+        canonical block ``[Lp, 2, Hkv, B, D]`` float32, then its put: a prompt's first block is in
+        the store while the later ones are still converted, so a reader that waits for them in
+        order (remote prefill's downlink) starts at once. A key whose step did not copy every layer
+        of its part (a forward that failed midway) is not written: a block is stored whole or not
+        at all. A write the store refuses (a shared store out of reach) leaves the block missing:
+        its readers recompute it. Never raises."""
         try:
-            bufs: dict[str, tuple[np.ndarray, set[int]]] = {}
             layout = self._layout
+            if layout is None:
+                raise KVLayoutError("no KV layout registered")
+            rows: dict[str, tuple[PartOp, dict[int, torch.Tensor]]] = {}  # key -> (op, {layer in part: row})
             for g, ops, native in staged:
-                if layout is None:
-                    raise KVLayoutError("no KV layout registered")
-                data = layout.from_snapshot(canonical(native))
-                for op, block in zip(ops, data, strict=True):
-                    part = op.part
-                    entry = bufs.get(op.key)
-                    if entry is None:
-                        shape = (part.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
-                        entry = bufs[op.key] = (np.empty(shape, np.float32), set())
-                    entry[0][g - part.lo] = block
-                    entry[1].add(g)
-            for key, (buf, layers) in bufs.items():
-                if len(layers) != buf.shape[0]:
-                    log.warning(
-                        "tandem connector: KV block %s has %d of %d layers; not saved", key, len(layers), buf.shape[0]
-                    )
+                for op, row in zip(ops, native, strict=True):
+                    rows.setdefault(op.key, (op, {}))[1][g - op.part.lo] = row
+            for key, (op, layers) in rows.items():
+                n = op.part.num_layers
+                if len(layers) != n:
+                    log.warning("tandem connector: KV block %s has %d of %d layers; not saved", key, len(layers), n)
                     continue
-                self.store.put(key, buf.tobytes())
+                block = layout.from_snapshot(canonical(torch.stack([layers[i] for i in range(n)])))
+                self.store.put(key, block.tobytes())
         except EngineError as e:
             log.warning("tandem connector: saving KV blocks failed (%s); readers recompute them", e)
         except Exception:
