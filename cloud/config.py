@@ -310,12 +310,14 @@ class CloudConfig(DaemonSettings):
         "`fp32` alone keeps every split reply equal to the unsplit model's.",
     )
     kv_wire_dtypes: ListSetting[WireDtypeSetting] = Field(
-        default=["fp16", "fp32", "int4", "int8_hadamard"],
+        default=["fp16", "bf16", "fp32", "int4", "int8_hadamard"],
         validate_default=True,
         min_length=1,
-        description="Head-KV block formats this cloud accepts, chosen as `wire_dtypes`: fp32, fp16, bf16, int8 "
-        "(per token and head), int8_hadamard (rows rotated, then int8), int4 (KIVI: keys per channel, values per "
-        "token), int4_hadamard (rows rotated, then int4); `tandem-bench fidelity` measures what each does.",
+        description="KV block formats this cloud accepts, chosen for head-KV blocks as `wire_dtypes`: fp32, fp16, "
+        "bf16, int8 (per token and head), int8_hadamard (rows rotated, then int8), int4 (KIVI: keys per channel, "
+        "values per token), int4_hadamard (rows rotated, then int4); `tandem-bench fidelity` measures what each "
+        "does. Remote prefill's downlink sends the engines' own KV dtype (bf16 or fp32 under `dtype auto`) where "
+        "both sides accept it, so the edge decodes on the engine's KV unchanged.",
     )
     fidelity_tables: Annotated[ListSetting[Path], FileRole.INPUT] = Field(
         default_factory=list,

@@ -23,7 +23,7 @@ from tandem.cloud.engines.supervisor import EngineSupervisor, SupervisedEngines
 from tandem.cloud.engines.vllm_engines import EngineBackend
 from tandem.cloud.gateway import Gateway
 from tandem.cloud.links.fidelity import load_tables
-from tandem.cloud.links.negotiation import LinkLimits
+from tandem.cloud.links.negotiation import ENGINE_KV_FORMATS, LinkLimits
 from tandem.cloud.links.rates import CloudRates
 from tandem.cloud.links.registry import LinkRegistry
 from tandem.cloud.links.table import ControllerConfig, LinkTable
@@ -102,8 +102,10 @@ class CloudServer:
 
 def link_limits(cfg: CloudConfig, manifest: SplitManifest) -> LinkLimits:
     """The cloud-wide limits every link's params live within; the fidelity tables are those
-    measured in the dtype the engines compute ``manifest``'s checkpoint in."""
+    measured in the dtype the engines compute ``manifest``'s checkpoint in, and remote prefill's
+    downlink sends KV in that dtype where the edge accepts it."""
     e = cfg.engine
+    dtype = e.compute_dtype(manifest.resolve(cfg.split_dir, manifest.full_checkpoint))
     return LinkLimits(
         chunk_tokens=min(cfg.chunk_tokens, cfg.max_chunk_tokens),
         max_chunk_tokens=cfg.max_chunk_tokens,
@@ -116,9 +118,8 @@ def link_limits(cfg: CloudConfig, manifest: SplitManifest) -> LinkLimits:
         max_new_tokens=cfg.max_new_tokens,
         max_chunk_resends=cfg.max_chunk_resends,
         max_model_len_tokens=e.max_model_len_tokens,
-        fidelity=load_tables(
-            cfg.fidelity_tables, e.compute_dtype(manifest.resolve(cfg.split_dir, manifest.full_checkpoint))
-        ),
+        fidelity=load_tables(cfg.fidelity_tables, dtype),
+        engine_kv_dtype=ENGINE_KV_FORMATS.get(dtype),
     )
 
 

@@ -169,10 +169,11 @@ class EdgeConfig(DaemonSettings):
         "formats the packaged fidelity tables qualify.",
     )
     kv_wire_dtypes: ListSetting[WireDtypeSetting] = Field(
-        default=["fp16", "fp32", "int4", "int8_hadamard"],
+        default=["fp16", "bf16", "fp32", "int4", "int8_hadamard"],
         validate_default=True,
         min_length=1,
-        description="Head-KV block formats this edge accepts, preferred first, chosen as `wire_dtypes`.",
+        description="KV block formats this edge accepts, preferred first, chosen for head-KV blocks as "
+        "`wire_dtypes`; remote prefill's downlink takes the cloud engines' own KV dtype where it is listed.",
     )
     hysteresis: float = Field(
         default=0.05,

@@ -9,7 +9,11 @@ follow the link's share of the engines (``cloud.links.table.LinkTable``):
   smallest pair that the model's fidelity table (``cloud.links.fidelity``, measured by
   ``tandem-bench fidelity``) puts within the unquantized system's noise floor at this ``k``;
   where none is (or no table names the weights), the edge's first preference (fp16 by
-  default; fp32 is exact). No common KV format: split is refused, direct still works.
+  default; fp32 is exact). No common KV format: split is refused, direct still works. At
+  ``k = 0`` the KV format is remote prefill's downlink (every layer's KV, which no fidelity
+  table measures): the engines' own KV dtype (``LinkLimits.engine_kv_dtype``: bf16 for bf16
+  engines, fp32 for fp32 ones) where both sides accept it, so the edge decodes on the engine's
+  KV bit for bit; else the edge's first preference.
 * ``codec``: the edge's first preference; it offers zstd first only where its measured ratio
   and speed shorten the transfer (``edge.routing.costmodel.zstd_pays``).
 * ``chunk_tokens``: a chunk should take about ``CHUNK_TARGET_MS`` on the wire, so a NACKed
@@ -54,6 +58,12 @@ WINDOW_ITEMS = 4
 KEPT_VERSIONS = 8
 
 
+# an engine compute dtype (``EngineConfig.compute_dtype``) -> the wire format that carries its KV exactly
+ENGINE_KV_FORMATS: Mapping[str, WireDtype] = MappingProxyType(
+    {"float32": WireDtype.FP32, "bfloat16": WireDtype.BF16, "float16": WireDtype.FP16}
+)
+
+
 @dataclass(frozen=True)
 class LinkLimits:
     """The cloud-wide limits every link's params live within (from ``CloudConfig``)."""
@@ -71,6 +81,9 @@ class LinkLimits:
     max_model_len_tokens: int = 0  # the engines' max_model_len: prompt + max_new_tokens (0 = no bound)
     # fidelity tables by weights_blake3 (cloud.links.fidelity.load_tables); none: the edge's preference
     fidelity: Mapping[str, FidelityTable] = field(default_factory=lambda: MappingProxyType({}))
+    # the format of the engines' own KV (their compute dtype): remote prefill's downlink (k = 0) sends
+    # it where both sides accept it, so the KV the edge decodes on is the engine's, bit for bit
+    engine_kv_dtype: WireDtype | None = None
 
 
 def pick_chunk_tokens(goodput_mbps: float, bytes_per_token: int, default: int, max_tokens: int) -> int:
@@ -141,6 +154,8 @@ def link_params(
             f"no common KV block format: the edge accepts {[d.name for d in offer.kv_wire_dtypes]}, "
             f"this cloud allows {[d.name for d in limits.kv_wire_dtypes]}"
         )
+    if not k and limits.engine_kv_dtype in kvs:
+        kv_dtype = limits.engine_kv_dtype
     table = limits.fidelity.get(manifest.weights_blake3) if k and manifest.weights_blake3 else None
     smallest = table.smallest(k, acts, kvs) if table is not None else None
     if smallest is not None:

@@ -154,8 +154,10 @@ def test_defaults_and_safe_bind_addresses():
         assert (cfg.metrics_port, cfg.metrics_host, cfg.log_format, cfg.log_level) == (0, "127.0.0.1", "text", "INFO")
         assert (cfg.otel_enabled, cfg.otel_endpoint, cfg.drain_grace_s) == (False, None, 30.0)
     assert (e.http_port, e.http_host) == (None, "127.0.0.1")
-    # fp16 first, fp32, then the formats the fidelity tables qualify (test_fidelity.py checks which)
-    assert c.wire_dtypes[:2] == c.kv_wire_dtypes[:2] == [WireDtype.FP16, WireDtype.FP32]
+    # fp16 first, fp32, then the formats the fidelity tables qualify (test_fidelity.py checks which);
+    # KV blocks also bf16: a bf16 engine's KV goes down remote prefill's downlink unchanged
+    assert c.wire_dtypes[:2] == [WireDtype.FP16, WireDtype.FP32]
+    assert c.kv_wire_dtypes[:3] == e.kv_wire_dtypes[:3] == [WireDtype.FP16, WireDtype.BF16, WireDtype.FP32]
     assert c.codecs == [Codec.NONE, Codec.ZSTD] and c.fidelity_tables == []
     assert e.wire_dtypes[0] == e.kv_wire_dtypes[0] == WireDtype.FP16
     assert (e.local, e.local_model, e.extra_split_dirs, c.extra_split_dirs) == (True, None, [], [])

@@ -135,6 +135,33 @@ def test_the_link_gets_the_smallest_qualifying_pair_both_sides_accept():
     assert params(limits(), m) == (W.FP16, W.FP16)
 
 
+def test_remote_prefill_downlink_gets_the_engines_own_kv_dtype_where_both_sides_accept_it():
+    """At k = 0 (remote prefill's downlink: every layer's KV, which no table measures) the KV format
+    is the engines' compute dtype where both sides list it, whatever the table qualifies at k > 0;
+    else the edge's first preference."""
+    m = MANIFEST.model_copy(update={"weights_blake3": "w"})
+    lim = limits(fidelity={"w": FidelityTable.from_json(table_json())})
+    offer = NegotiateOffer(edge_id="edge-a", model_id="toy", head_keys={K: m.compatibility_key()}, edge_max_batch=4)
+
+    def down(lim: LinkLimits, kvs: tuple[W, ...]) -> W:
+        return link_params(lim, m, 0, replace(offer, kv_wire_dtypes=kvs), (4, 4096), 1).kv_wire_dtype
+
+    every = (W.FP16, W.BF16, W.FP32, W.INT4, W.INT8_HADAMARD)
+    assert down(replace(lim, engine_kv_dtype=W.BF16), every) == W.BF16
+    assert down(replace(lim, engine_kv_dtype=W.FP32), every) == W.FP32
+    assert down(replace(lim, engine_kv_dtype=W.BF16), (W.FP16, W.INT4)) == W.FP16  # the edge lacks bf16
+    assert down(replace(lim, engine_kv_dtype=W.BF16, kv_wire_dtypes=(W.FP16,)), every) == W.FP16  # the cloud does
+    assert down(lim, every) == W.FP16  # engine dtype unknown: the edge's first preference
+    # the split links keep the table's pair
+    assert link_params(replace(lim, engine_kv_dtype=W.BF16), m, K, offer, (4, 4096), 1).kv_wire_dtype == W.INT4
+
+
+def test_the_engine_kv_formats_carry_each_compute_dtype_exactly():
+    from tandem.cloud.links.negotiation import ENGINE_KV_FORMATS
+
+    assert dict(ENGINE_KV_FORMATS) == {"float32": W.FP32, "bfloat16": W.BF16, "float16": W.FP16}
+
+
 DTYPES = ("float32", "bfloat16")  # the compute dtypes the packaged tables are measured in
 
 
