@@ -7,12 +7,12 @@ prefills with the connector loading the session's blocks already stored and savi
 (``KVTransferSpec`` with one part, layers ``[0, L)``) -> tokens go down as they come -> after the
 first token, the blocks the edge lacks go down in order, each as soon as the engine's write of it
 landed in the store (``Pins.await_tail_saves``), framed by the one KV-block codec
-(``common.wire.kvcodec.encode_block``, as the edge's uplink frames its head blocks), within a window the edge's ``KVDownAck``s move
-(``common.wire.flow.SendWindow``), then the commit (their Merkle root) -> on the edge's
-``Takeover`` the engine request is aborted (vLLM frees its KV slots), the tokens decoded past the
-edge's position follow, then a ``Final`` with finish reason ``handover``. A decode that ends first
-ends the turn as in direct mode, and a downlink that is cut or slow only means the edge never takes
-over.
+(``common.wire.kvcodec.encode_block``, as the edge's uplink frames its head blocks), within a window
+the edge's ``KVDownAck``s move (``common.wire.flow.SendWindow``), then the commit (their Merkle
+root) -> on the edge's ``Takeover`` the engine request is aborted (vLLM frees its KV slots), the
+tokens decoded past the edge's position follow, then a ``Final`` with finish reason ``handover``. A
+decode that ends first ends the turn as in direct mode, and a downlink that is cut or slow only
+means the edge never takes over.
 
 Block ids (what the edge verifies) are chained over the prompt's token ids from the whole model's
 key and the request's scope; store keys chain the same ids from a seed in the caller's namespace,
