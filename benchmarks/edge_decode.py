@@ -33,7 +33,10 @@ random prompts of ``--prompt-tokens`` each, started together:
 Two rows of one turn through ``LocalEngine`` show what a served turn meets and a steady loop does
 not: ``tandem-engine-idle``, each turn after the engine sat idle ``IDLE_GAP_S``;
 ``tandem-engine-new-length``, each turn's prompt one token longer than the last (a prefill shape the
-runtime has not run yet).
+runtime has not run yet). ``prefill_shapes.md`` (``PREFILL_SHAPES``) times single prefill runs of
+``DecoderGraph`` the first time their shape comes and again: a longer prompt each run, a shorter one
+than a run before, the same new tokens after different held tokens, which tells what ONNX Runtime
+keys its per-shape first-run cost on.
 
 Columns: ``batch`` (turns decoding together), ``ttft_ms`` (median over turns and repeats, queueing
 behind the other turns' prefills included), ``itl_ms`` (median over every step of every turn and
@@ -41,8 +44,8 @@ repeat), ``tokens_per_s`` (one turn's, 1000 / itl), ``aggregate_tokens_per_s`` (
 tokens / the wall time from the start to the last token, prefills included), and ``floor_ms`` =
 parameter bytes at the run's dtype / the device's memory bandwidth (NVIDIA's datasheets: H100 SXM
 3.35 TB/s, H200 4.8 TB/s; ``--bandwidth-gbs`` for others). Writes ``edge_decode.json``,
-``edge_decode.md`` and ``edge_decode.png`` (time per output token at batch 1; aggregate tokens/s
-against the batch size).
+``edge_decode.md``, ``edge_decode.png`` (time per output token at batch 1; aggregate tokens/s
+against the batch size) and ``prefill_shapes.md``.
 """
 
 from __future__ import annotations
@@ -169,6 +172,61 @@ def time_tandem(
     if g.sampler is not None and g.sampler.runs:  # the share of sampled steps the top-k sampler answered
         row["sampler_top_k_share"] = g.sampler.top_runs / g.sampler.runs
     return row
+
+
+# (label, held tokens, new tokens) per prefill run, in order; each on a fresh slot, its held tokens
+# filled first by untimed runs of PREFILL_FILL_TOKENS (a run whose new tokens come after others)
+PREFILL_FILL_TOKENS = 128
+PREFILL_SHAPES: tuple[tuple[str, int, int], ...] = (
+    ("longer each run", 0, 64),
+    ("longer each run", 0, 65),
+    ("longer each run", 0, 66),
+    ("longest so far", 0, 512),
+    ("shorter than one run before", 0, 400),
+    ("shorter than one run before", 0, 300),
+    ("same new tokens after held ones", 128, 64),
+    ("same new tokens after held ones", 256, 64),
+    ("same new tokens after held ones", 384, 64),
+    ("new tokens of a length run before", 0, 65),
+)
+
+
+def time_prefill_shapes(build_dir: Path, vocab_size: int, cuda_graph: bool = True) -> list[dict]:
+    """Each ``PREFILL_SHAPES`` run through ``DecoderGraph`` the first time its shape comes and once
+    more on another fresh slot: ``first_ms`` and ``again_ms`` (the run's own time). What a served
+    turn pays for a prefill shape ONNX Runtime has not run yet, and whether it is the new tokens,
+    the held ones or the longest run so far that sets it. Two untimed 32-token runs first (the
+    session's first runs)."""
+    from tandem.edge.compute.decoder import DecoderGraph
+
+    g = DecoderGraph(build_dir, cuda_graph=cuda_graph)
+    ids = [int(x) for x in np.random.default_rng(7).integers(3, min(vocab_size, 32000), 2048)]
+
+    def run(held: int, new: int) -> float:
+        slot = g.new_slot(held + new + 1)
+        for lo in range(0, held, PREFILL_FILL_TOKENS):
+            g.run(slot, ids[lo : min(held, lo + PREFILL_FILL_TOKENS)], greedy=True)
+        t0 = time.perf_counter()
+        g.run(slot, ids[held : held + new], greedy=True)
+        return (time.perf_counter() - t0) * 1e3
+
+    run(0, 32)
+    run(0, 32)
+    rows = []
+    for label, held, new in PREFILL_SHAPES:
+        first = run(held, new)
+        again = run(held, new)
+        rows.append({"case": label, "held_tokens": held, "new_tokens": new, "first_ms": first, "again_ms": again})
+    return rows
+
+
+def prefill_markdown(rows: list[dict]) -> str:
+    lines = ["| case | held tokens | new tokens | first run ms | same shape again ms |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} | {r['held_tokens']} | {r['new_tokens']} | {r['first_ms']:.2f} | {r['again_ms']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def time_genai(
@@ -482,11 +540,21 @@ def main(
         genai = base.get("genai-sampled" if r["runtime"].endswith("-sampled") else "genai")
         if genai and "error" not in r:
             r["vs_genai"] = r["itl_ms"] / genai
+    print("timing prefill shapes ...", file=sys.stderr, flush=True)
+    try:
+        shapes = time_prefill_shapes(build_dir, cfg["vocab_size"])
+    except Exception as e:  # reported like a failed runtime; the tables above still stand
+        shapes = [{"error": f"{type(e).__name__}: {e}"}]
     meta = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeats": repeats, "device": device}
     meta["batch_sizes"] = batches
     meta |= {"parameters": params, "bandwidth_bps": bw, "versions": _versions()}
-    (out / "edge_decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (out / "edge_decode.json").write_text(json.dumps({"meta": meta, "rows": rows, "prefill_shapes": shapes}, indent=2))
     (out / "edge_decode.md").write_text(to_markdown(rows))
+    if "error" not in shapes[0]:
+        (out / "prefill_shapes.md").write_text(prefill_markdown(shapes))
+        print(prefill_markdown(shapes))
+    else:
+        print(f"prefill shapes: {shapes[0]['error']}")
     plot(rows, out / "edge_decode.png")
     print(to_markdown(rows))
     shutil.rmtree(work, ignore_errors=True)

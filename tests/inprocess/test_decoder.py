@@ -210,7 +210,7 @@ def test_the_builder_refuses_what_it_cannot_build(hf_dir, tmp_path):
 def test_edge_benchmark_smoke(build, hf_dir, tmp_path):
     from typer.testing import CliRunner
 
-    from tandem.benchmarks.edge_decode import app
+    from tandem.benchmarks.edge_decode import PREFILL_SHAPES, app
 
     out = tmp_path / "edge"
     args = ["--hf", str(hf_dir), "--out", str(out), "--build-dir", str(build)]
@@ -234,3 +234,7 @@ def test_edge_benchmark_smoke(build, hf_dir, tmp_path):
     assert sampled["sampler"] == "host" and sampled["vs_genai"] > 0, sampled  # a CPU build samples on the host
     assert (out / "edge_decode.md").read_text().count("| smollm2-135m |") == 10
     assert (out / "edge_decode.png").stat().st_size > 0
+    shapes = json.loads((out / "edge_decode.json").read_text())["prefill_shapes"]
+    assert [(r["held_tokens"], r["new_tokens"]) for r in shapes] == [(h, n) for _, h, n in PREFILL_SHAPES], shapes
+    assert all(r["first_ms"] > 0 and r["again_ms"] > 0 for r in shapes), shapes
+    assert (out / "prefill_shapes.md").read_text().count("\n") == len(PREFILL_SHAPES) + 2
