@@ -176,13 +176,19 @@ def lightest(
 
 
 def quickest(preds: list[Prediction], occ: Mapping[Route, Occupancy]) -> tuple[Prediction, str]:
-    """The route with the lowest predicted end-to-end time (``Occupancy.e2e_ms``), with why: the
-    choice for a client that uses the reply only whole, to which the time to the first token is
-    the time to the last. Raises ValueError when ``preds`` is empty."""
+    """The route with the lowest predicted end-to-end time (``Occupancy.e2e_ms``), with why (naming
+    the four quickest routes' predictions, e.g. ``... (local 172 ms, direct 217 ms)``): the choice
+    for a client that uses the reply only whole, to which the time to the first token is the time
+    to the last. Raises ValueError when ``preds`` is empty."""
     if not preds:
         raise ValueError("no route to choose from")
-    pick = min(preds, key=lambda p: (occ[p.route].e2e_ms, occ[p.route].cloud_ms))
-    return pick, "whole reply: lowest predicted end-to-end time"
+    ranked = sorted(preds, key=lambda p: (occ[p.route].e2e_ms, occ[p.route].cloud_ms))
+    seen = ", ".join(f"{_route_name(p.route)} {occ[p.route].e2e_ms:.0f} ms" for p in ranked[:4])
+    return ranked[0], f"whole reply: lowest predicted end-to-end time ({seen})"
+
+
+def _route_name(r: Route) -> str:
+    return f"{r.mode.value} k={r.k}" if r.k else r.mode.value
 
 
 def _keeps_itl(o: Occupancy, link: LinkState) -> bool:

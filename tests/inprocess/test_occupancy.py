@@ -119,6 +119,9 @@ def test_a_whole_reply_takes_the_route_that_finishes_first():
 
     route, why = pick(256)
     assert route.route == DIRECT and "end-to-end" in why  # 255 x 2 ms against 255 x 20 ms of decode
+    # the reason names the quickest routes' predictions, the pick first
+    named = why.split("(", 1)[1].rstrip(")").split(", ")
+    assert named[0].startswith("direct ") and any(n.startswith("local ") for n in named), why
     assert pick(1)[0].route == LOCAL
     with pytest.raises(ValueError):
         quickest([], {})
