@@ -108,6 +108,10 @@ FREE_SLOTS_PER_CAPACITY = 4  # spare slot buffers (released, or given up for a p
 # the device) until the session ends and offers no way to drop one, so buffers freed and made anew
 # would otherwise add graphs without end; past the cap, steps on buffers without a graph run uncaptured
 MAX_GRAPHS = 256
+# KV capacities a warm-up sets decode graphs up for, at most this many tokens (where ``max_kv_bytes``
+# does not bound them lower): a served turn's first decode step on a capacity without a graph paid
+# its setup, 10-340 ms on an H100 (benchmarks/results/gpu/README.md, "The edge's runtimes")
+WARM_MAX_TOKENS = 8192
 # KV and logits types (ONNX Runtime's name -> ONNX element type); bfloat16 has no numpy dtype, so its
 # tensors are held as uint16 bit patterns and bound by address with their ONNX type
 ONNX_TYPES = ONNX_ELEMENT
@@ -1347,6 +1351,18 @@ class DecoderGraph:
         each takes tens of ms once, and the engine keeps them out of its measured rates."""
         return self.graph_thread.setup_runs
 
+    def warm_capacities(self) -> list[int]:
+        """The KV capacities above the first (``min_slot_tokens``) whose decode-step CUDA graphs a
+        warm-up should set up, smallest first: none without CUDA graphs; else ``plan_warm_capacities``
+        over this model's sizes, within half of ``max_kv_bytes`` (a warmed capacity keeps a pool row
+        and a spare slot of its buffers, which later turns reuse with their graphs)."""
+        if not self.cuda_graph:
+            return []
+        budget = math.inf if self.memory.max_bytes is None else self.memory.max_bytes / 2
+        return plan_warm_capacities(
+            self.min_slot_tokens, min(self.spec.context_tokens, WARM_MAX_TOKENS), self._session_nbytes, budget
+        )
+
     @property
     def thread_bound(self) -> bool:
         """Whether every run must come from one thread: decode steps replay CUDA graphs, which ONNX
@@ -1437,6 +1453,24 @@ class DecoderGraph:
         for f in KVSlot.__dataclass_fields__:
             setattr(slot, f, getattr(bigger, f))
         self._keep_spare(old)
+
+
+def plan_warm_capacities(
+    first_tokens: int, max_tokens: int, session_nbytes: Callable[[int], int], budget_bytes: float
+) -> list[int]:
+    """Capacities ``2 * first_tokens, 4 * first_tokens, ...`` up to ``max_tokens``, while the
+    buffers each warmed capacity keeps (twice ``session_nbytes(capacity)``: a pool row and a spare
+    slot), those of ``first_tokens`` counted first, fit in ``budget_bytes``."""
+    used = 2 * session_nbytes(first_tokens)
+    caps: list[int] = []
+    cap = 2 * first_tokens
+    while cap <= max_tokens:
+        used += 2 * session_nbytes(cap)
+        if used > budget_bytes:
+            break
+        caps.append(cap)
+        cap *= 2
+    return caps
 
 
 def _ptrs(kv: list[Any]) -> list[int]:

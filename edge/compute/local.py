@@ -885,6 +885,10 @@ class LocalEngine:
         """A prefill of ``n_tokens`` (at least 2) and a few decode steps, twice: the first pass
         untimed (ONNX Runtime's first runs allocate and pick kernels, and a CUDA-graph model captures
         its decode step, whose buffers the second pass reuses), the second sets the measured rates.
+        Then, for a model that names them (``DecoderGraph.warm_capacities``: CUDA graphs), one turn
+        of the same prompt per larger KV capacity, stopped after a few decode steps, so that each
+        capacity's decode graph is set up before a served turn needs it (as vLLM captures its CUDA
+        graphs at start-up); a capacity that does not fit (``QuotaExceeded``) ends that part.
         Stateless."""
         n = max(2, min(n_tokens, self.shape.max_position_embeddings - WARMUP_DECODE_STEPS))
         ids = [(1 + 7919 * i) % self.shape.vocab_size for i in range(n)]
@@ -895,6 +899,28 @@ class LocalEngine:
             async with contextlib.aclosing(self.generate(ids, sampling)) as it:
                 async for _ in it:
                     pass
+        capacities: list[int] = getattr(self.model, "warm_capacities", list)()
+        t0, warmed = time.perf_counter(), list[int]()
+        for cap in capacities:
+            try:
+                await self._warm_capacity(ids, cap)
+            except QuotaExceeded as e:
+                log.info("decode graphs not set up past KV capacity %s: %s", warmed[-1] if warmed else "-", e)
+                break
+            warmed.append(cap)
+        if warmed:
+            log.info("decode graphs set up for KV capacities %s in %.1f s", warmed, time.perf_counter() - t0)
+
+    async def _warm_capacity(self, ids: list[int], capacity_tokens: int) -> None:
+        """A turn of ``ids`` whose KV slot is ``capacity_tokens`` (its prompt and ``max_new_tokens``
+        fill it), stopped after ``WARMUP_DECODE_STEPS`` tokens."""
+        sampling = Sampling(max_new_tokens=capacity_tokens - len(ids), ignore_eos=True)
+        async with contextlib.aclosing(self.generate(ids, sampling)) as it:
+            got = 0
+            async for _ in it:
+                got += 1
+                if got >= WARMUP_DECODE_STEPS:
+                    break
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,11 @@ def test_the_build_adds_the_argmax_output_once(build, graph):
     assert load_build(build).precision == "fp32"
 
 
+def test_no_capacity_is_warmed_without_cuda_graphs(graph):
+    """The CPU provider captures nothing: the warm-up names no capacity (nothing to set up)."""
+    assert not graph.cuda_graph and graph.warm_capacities() == []
+
+
 @pytest.mark.parametrize("which", [0, 1])
 def test_greedy_tokens_equal_hf(graph, hf_model, prompts, which):
     ids = prompts[which]

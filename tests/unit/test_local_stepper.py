@@ -294,6 +294,62 @@ async def test_warmup_times_its_second_pass():
     assert engine.prefill_ms_per_token > 0 and engine.decode_ms_per_token > 0
 
 
+class WarmingModel(MemoryModel):
+    """A model that names KV capacities to warm (as ``DecoderGraph`` with CUDA graphs does) and
+    records the slot sizes asked for; ``refuse_from`` makes larger slots fail as the KV bound would."""
+
+    def __init__(self, capacities, refuse_from=None, **kw):
+        super().__init__(SHAPE, **kw)
+        self.capacities, self.refuse_from, self.hints = list(capacities), refuse_from, []
+
+    def warm_capacities(self):
+        return self.capacities
+
+    def new_kv(self, tokens_hint):
+        from tandem.common.protocol.errors import QuotaExceeded
+
+        self.hints.append(tokens_hint)
+        if self.refuse_from is not None and tokens_hint >= self.refuse_from:
+            raise QuotaExceeded(f"{tokens_hint} tokens do not fit")
+        return super().new_kv(tokens_hint)
+
+
+@pytest.mark.parametrize("kind", ["batched", "unbatched"])
+async def test_warmup_runs_a_few_steps_on_each_capacity_the_model_names(kind):
+    """After its two passes the warm-up runs one turn per named capacity, its slot that size, cut
+    after a few decode steps; the rates keep what those steps measure."""
+    model = WarmingModel([512, 1024], **KINDS[kind])
+    engine = LocalEngine(model, SHAPE, (EOS,))
+    await engine.warmup(16)
+    assert model.hints[-2:] == [512, 1024], model.hints
+    assert engine.decode_ms_per_token > 0 and engine.active == 0
+    # a served turn afterwards is unaffected
+    s = Sampling(max_new_tokens=5, ignore_eos=True)
+    assert await tokens(engine, prompts(1, seed=3)[0], s) == alone(kind, prompts(1, seed=3)[0], s)
+
+
+async def test_warmup_stops_at_the_first_capacity_that_does_not_fit(caplog):
+    model = WarmingModel([512, 1024, 2048], refuse_from=1024, **KINDS["batched"])
+    engine = LocalEngine(model, SHAPE, (EOS,))
+    with caplog.at_level("INFO", logger="tandem.edge.compute.local"):
+        await engine.warmup(16)
+    assert [h for h in model.hints if h >= 512] == [512, 1024], model.hints  # 2048 never tried
+    assert "not set up past KV capacity 512" in caplog.text
+
+
+def test_warm_capacities_double_from_the_first_within_the_budget():
+    from tandem.edge.compute.decoder import plan_warm_capacities
+
+    def nbytes(cap):
+        return cap * 10
+
+    assert plan_warm_capacities(256, 8192, nbytes, float("inf")) == [512, 1024, 2048, 4096, 8192]
+    assert plan_warm_capacities(256, 3000, nbytes, float("inf")) == [512, 1024, 2048]
+    # 2 x (256 + 512 + 1024) x 10 = 35840 fits in 40000; 2048 more does not
+    assert plan_warm_capacities(256, 8192, nbytes, 40_000) == [512, 1024]
+    assert plan_warm_capacities(256, 8192, nbytes, 100) == []
+
+
 async def test_close_lets_the_turns_in_flight_finish():
     model = MemoryModel(SHAPE, step_ms=2.0, **KINDS["batched"])
     model.thread_bound = True
