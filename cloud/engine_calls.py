@@ -27,6 +27,12 @@ from tandem.common.runtime.tracing import traced
 from tandem.common.wire.messages import DownEvent, TokensOut, TurnFinal
 from tandem.stages import Stage
 
+# a turn's time per output token counts as (its token gaps / this) samples of the decode rate: vLLM
+# streams tokens in bursts (on an H100 with CUDA graphs 14-27% of a direct turn's gaps were under
+# 0.3 ms, benchmarks/results/gpu/h100-matrix-smollm2), so a turn of a few tokens measures the
+# stream's grouping more than the engine's step
+DECODE_SAMPLE_TOKENS = 16
+
 
 class EngineCalls:
     """The engine calls of a turn on ``engines``, recording into ``rates``; ``load`` gives a link's
@@ -73,7 +79,8 @@ class EngineCalls:
         """Stream the decode engine's tokens over prompt ``ids`` (loading and saving ``kv``; None:
         the whole prompt is prefilled here), output indices from ``first_index``, then the turn's
         ``final``. The first token frees the ticket's prefill share. Updates the node's rates:
-        prefill per prompt token (a whole prompt's first token) and time per output token.
+        prefill per prompt token (a whole prompt's first token) and time per output token (weighted
+        by the turn's token gaps, ``DECODE_SAMPLE_TOKENS``).
 
         Raises:
             DeadlineExceeded: the deadline passed while decoding. EngineError: the engine failed.
@@ -98,7 +105,7 @@ class EngineCalls:
                 turn.time(Stage.CLOUD_DECODE, t0)
                 if t_first is not None and n - first_index > 1:
                     per_token = (time.perf_counter() - t_first) * 1e3 / (n - first_index - 1)
-                    self.rates.decode_ms_per_token.add(per_token)
+                    self.rates.decode_ms_per_token.add(per_token, (n - first_index - 1) / DECODE_SAMPLE_TOKENS)
                 yield self.final(turn, step.finish_reason, n, step.external_tokens)
 
     def final(self, turn: Turn, finish_reason: str, output_tokens: int, external_tokens: int) -> TurnFinal:

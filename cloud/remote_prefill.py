@@ -6,7 +6,7 @@ down the same call so that the edge can take the decode over.
 prefills with the connector loading the session's blocks already stored and saving the others
 (``KVTransferSpec`` with one part, layers ``[0, L)``) -> tokens go down as they come -> after the
 first token, the blocks the edge lacks go down in order, each as soon as the engine's write of it
-landed in the store (``Pins.await_tail_saves``), framed by the one KV-block codec
+landed in the store (``Pins.await_prefix``), framed by the one KV-block codec
 (``common.wire.kvcodec.encode_block``, as the edge's uplink frames its head blocks), within a window
 the edge's ``KVDownAck``s move (``common.wire.flow.SendWindow``), then the commit (their Merkle
 root) -> on the edge's ``Takeover`` the engine request is aborted (vLLM frees its KV slots), the
@@ -215,34 +215,39 @@ class RemotePrefills:
         self, turn: Turn, b: _Blocks, window: _Window, q: asyncio.Queue, first_token: asyncio.Event
     ) -> None:
         """After the first token: each block the edge lacks, in order, as soon as the engine's write of
-        it landed in the store (the connector's writer puts them in order), within the window; then
-        the commit. Waiting for the writes is bounded by ``Pins.tail_save_wait_s`` in all and timed as
-        ``CLOUD_KV_SAVE_WAIT`` (the time the downlink waited on the store, not on the window). A
-        block missing from the store ends the downlink (the decode goes on: the edge never takes
-        over)."""
+        it landed in the store (the connector's writer puts them in order; ``Pins.await_prefix``
+        tells all that landed at one look), within the window; then the commit. Waiting for the
+        writes is bounded by ``Pins.tail_save_wait_s`` in all and timed as ``CLOUD_KV_SAVE_WAIT``
+        (the time the downlink waited on the store, not on the window). A block missing from the
+        store ends the downlink (the decode goes on: the edge never takes over)."""
         await first_token.wait()
         await self.pins.release(b.keys[: b.first], turn.engine_id)  # loaded by now; the edge holds them
         turn.pinned.difference_update(b.keys[: b.first])
         t0 = time.perf_counter()
         end = self.pins.save_deadline(turn.deadline)
-        waited_s, leaves = 0.0, []
+        waited_s, leaves, todo = 0.0, [], list(b.want.indices)
         try:
-            for j in b.want.indices:
+            while todo:
                 w0 = time.perf_counter()
-                missing = await self.pins.await_tail_saves([b.keys[j]], end)
+                landed = await self.pins.await_prefix([b.keys[j] for j in todo], end)
                 waited_s += time.perf_counter() - w0
-                if missing:
-                    n = len(b.want.indices)
-                    log.warning("remote prefill: KV block %d of %d not stored; no more KV goes down", j, n)
+                if not landed:
+                    log.warning(
+                        "remote prefill: KV block %d of %d not stored; no more KV goes down",
+                        todo[0],
+                        len(b.want.indices),
+                    )
                     return
-                down = await asyncio.to_thread(self._frame, turn, b, j)
-                if down is None:
-                    log.warning("remote prefill: KV block %d left the store; no more KV goes down", j)
-                    return
-                await window.send(len(down.payload))
-                b.sent[j] = down
-                leaves.append(down.leaf_hash)
-                q.put_nowait(down)
+                for j in todo[:landed]:
+                    down = await asyncio.to_thread(self._frame, turn, b, j)
+                    if down is None:
+                        log.warning("remote prefill: KV block %d left the store; no more KV goes down", j)
+                        return
+                    await window.send(len(down.payload))
+                    b.sent[j] = down
+                    leaves.append(down.leaf_hash)
+                    q.put_nowait(down)
+                del todo[:landed]
         finally:
             turn.timings[Stage.CLOUD_KV_SAVE_WAIT] = waited_s * 1e3
         q.put_nowait(Commit(leaf_count=len(leaves), merkle_root=merkle.root(leaves), first_leaf=b.first))

@@ -84,6 +84,30 @@ class Pins:
             )
         return missing
 
+    def _present_prefix(self, keys: list[str]) -> int:
+        """How many of ``keys``, from the first, the store holds (stops at the first it lacks)."""
+        n = 0
+        for k in keys:
+            if not self.store.contains(k):
+                break
+            n += 1
+        return n
+
+    async def await_prefix(self, keys: list[str], deadline: float | None) -> int:
+        """Wait until the store holds ``keys[0]`` (polled as ``await_tail_saves`` polls, bounded the
+        same way), then return how many of ``keys`` from the first it holds: a reader that takes
+        keys in order learns all that landed with one look. 0: the first did not land in time, or
+        the store cannot be read. Raises only on cancellation."""
+        if not keys:
+            return 0
+        if await self.await_tail_saves(keys[:1], deadline):
+            return 0
+        try:
+            return max(1, await asyncio.to_thread(self._present_prefix, keys))
+        except Exception as e:  # noqa: BLE001 - the first key is there; the rest is read again later
+            log.warning("KV writes: the store cannot be read (%s)", e)
+            return 1
+
     def _absent(self, keys: list[str]) -> list[str]:
         return [k for k in keys if not self.store.contains(k)]
 

@@ -94,6 +94,42 @@ async def test_kv_blocks_go_down_as_the_engine_writes_them_not_after_the_last():
         await toy.batcher.stop()
 
 
+async def test_short_turns_barely_move_the_clouds_decode_rate():
+    """The cloud's time per output token weighs each turn by its token gaps: 2-token turns whose one
+    gap is a burst (no step delay, as vLLM's stream groups tokens) leave a 40-token turn's rate
+    nearly whole, so a whole-reply choice is not tilted toward the cloud by them."""
+    toy = await rp_stack(step_delay_s=0.01)
+    try:
+        await stream(toy.edge, rp_turn(RP_LONG, Mode.DIRECT, n=40))
+        rate = toy.gateway.calls.rates.decode_ms_per_token
+        long_ms = rate.value
+        assert long_ms >= 8.0, long_ms
+        toy.engines.step_delay_s = 0.0
+        for _ in range(5):
+            await stream(toy.edge, rp_turn("hi", Mode.DIRECT, n=2))
+        assert rate.samples == 6 and rate.value >= 0.75 * long_ms, (rate.value, long_ms)
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_the_downlink_learns_every_block_that_landed_at_one_look():
+    """``Pins.await_prefix``: the present keys from the first, in one look; 0 where the first does
+    not land within the wait; the first landing late is waited for."""
+    from tandem.cloud.store.blocks import MemoryBlockStore
+    from tandem.cloud.turn import Background
+    from tandem.cloud.uploads.pins import Pins
+
+    store = MemoryBlockStore(1 << 20)
+    pins = Pins(store, tail_save_wait_s=0.05, background=Background())
+    for k in ("a", "b", "d"):
+        store.put(k, b"x")
+    assert await pins.await_prefix(["a", "b", "c", "d"], None) == 2
+    assert await pins.await_prefix(["c", "d"], None) == 0  # c never lands: 50 ms, then nothing
+    asyncio.get_running_loop().call_later(0.01, store.put, "c", b"x")
+    assert await pins.await_prefix(["c", "d"], None) == 2
+    assert await pins.await_prefix([], None) == 0
+
+
 async def test_remote_prefill_over_grpc_equals_direct():
     """The same over real grpc.aio on loopback: the new uplink and downlink messages pass the
     servicer both ways, and the edge takes over."""

@@ -505,3 +505,22 @@ def test_a_decode_overlap_sample_is_taken_against_the_fraction_its_prediction_us
     assert moved > 0.55
     m.observe(early, 20 + stage, {Stage.CLOUD_DECODE_FIRST_TOKEN: stage})
     assert m.alpha_dec == pytest.approx(moved + 0.2 * (0.5 - moved), abs=1e-6)  # a sample of 0.5 exactly
+
+
+def test_a_weighted_sample_moves_the_average_as_that_many_samples():
+    from tandem.common.runtime.ewma import ALPHA, Ewma
+
+    one, many = Ewma(), Ewma()
+    for e in (one, many):
+        e.add(10.0)
+    for _ in range(4):
+        one.add(2.0)
+    many.add(2.0, weight=4)
+    assert many.value == pytest.approx(one.value) and many.value == pytest.approx(2 + 8 * (1 - ALPHA) ** 4)
+    light = Ewma()
+    light.add(10.0)
+    light.add(0.0, weight=1 / 16)  # one token gap of a 2-token turn, in tokens of 16
+    assert light.value > 9.8
+    for bad in (float("nan"), 0.0, -1.0):
+        light.add(1.0, weight=bad)
+    assert light.samples == 2
