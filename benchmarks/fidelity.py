@@ -4,8 +4,9 @@ distributions, against the noise of the unquantized system, and what it saves on
 Over the fixed chat set (``benchmarks/data/fidelity_prompts.jsonl``; ``--sample N`` takes every
 ``200 / N``-th chat) it runs four stages: fp32 reference replies from a real vLLM engine
 (``benchmarks.engine_logprobs``), the engines' noise floor (concurrency 4, bf16), each format pair
-teacher-forced in-process (``benchmarks.teacher``), and the edge's whole-model graph
-(``benchmarks.edge_teacher``). The stages, ``--dtype bfloat16``, the measures and the results:
+teacher-forced in-process (``benchmarks.teacher``), remote prefill's downlink in each KV format
+(``--downlink-kvs``: every layer's KV of the prompt's full blocks, ``RemotePrefillTeacher``), and the
+edge's whole-model graph (``benchmarks.edge_teacher``). The stages, ``--dtype bfloat16``, the measures and the results:
 docs/benchmarks.md, "Wire formats and fidelity"; why teacher forcing and why this floor:
 docs/design-decisions.md, "Wire formats".
 
@@ -14,8 +15,8 @@ Measures per row are ``benchmarks.fidelity_stats``'s; a pair (and the edge row) 
 ``FLOOR_FACTOR`` of the fp32-vs-bf16 engines' floor. Writes into ``--out``: ``fidelity.md`` (the
 tables), ``fidelity.json`` (every row and its buckets, the edge row under ``edge``),
 ``fidelity.png`` (KL vs bytes per prompt token, one point per pair, the floor as a band) and
-``fidelity-table.json`` (the qualifying pairs per split layer, the form ``cloud.links.fidelity``
-reads).
+``fidelity-table.json`` (the qualifying pairs per split layer and the downlink's formats, the form
+``cloud.links.fidelity`` reads).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ PROMPTS = Path(__file__).parent / "data" / "fidelity_prompts.jsonl"
 BLOCK_TOKENS = 32  # the cloud's KV block size (EngineConfig.block_size_tokens)
 FP32_PAIR = (WireDtype.FP32, WireDtype.FP32)
 SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}  # --dtype's values as the tables name them
+DEFAULT_DOWNLINK_KVS = "fp32,bf16,fp16,int8_hadamard,int4_hadamard,int4"
 DEFAULT_PAIRS = (
     "fp32/fp32,fp16/fp16,bf16/bf16,int8_hadamard/int8_hadamard,int8_hadamard/int4,"
     "int4_hadamard/int4_hadamard,int4_hadamard/int4"
@@ -93,6 +95,28 @@ def parse_pairs(pairs: str) -> list[tuple[WireDtype, WireDtype]]:
         if pair not in out:
             out.append(pair)
     return out
+
+
+def parse_kvs(kvs: str) -> list[WireDtype]:
+    """``fp32,bf16,...`` -> formats, fp32 first (the reference) and each once; [] for ''.
+
+    Raises:
+        typer.BadParameter: an unknown format name."""
+    names = [n.strip() for n in kvs.split(",") if n.strip()]
+    if not names:
+        return []
+    try:
+        found = [WireDtype[n.upper()] for n in names]
+    except KeyError as e:
+        raise typer.BadParameter(f"unknown KV format {e.args[0].lower()!r} in {kvs!r}") from None
+    return list(dict.fromkeys([WireDtype.FP32, *found]))
+
+
+def downlink_bytes_per_prompt_token(kv: WireDtype, m: SplitManifest, lengths: list[int]) -> float:
+    """Remote prefill's downlink: the full KV blocks of every layer, over all prompts, per prompt token."""
+    s = m.shape
+    blk = kv_raw_nbytes((s.num_layers, 2, s.num_kv_heads, BLOCK_TOKENS, s.head_dim), kv)
+    return sum((t // BLOCK_TOKENS) * blk for t in lengths) / sum(lengths)
 
 
 def label(pair: tuple[WireDtype, WireDtype]) -> str:
@@ -330,6 +354,73 @@ def divergence_lines(named: list[tuple[str, dict]]) -> list[str]:
     return lines
 
 
+def downlink_rows(
+    hf: Path,
+    reqs: list[dict],
+    ref: dict,
+    kvs: list[WireDtype],
+    m: SplitManifest,
+    threads: int,
+    device: str,
+    dtype: str,
+    top_k: int,
+) -> list[dict]:
+    """Remote prefill's downlink in each of ``kvs`` (``kvs[0]`` fp32, the reference), teacher-forced
+    over every chat (``benchmarks.teacher.RemotePrefillTeacher``): one row per format with the
+    split rows' measures and its bytes per prompt token."""
+    from tqdm import tqdm
+
+    from tandem.benchmarks.teacher import RemotePrefillTeacher
+
+    teacher = RemotePrefillTeacher(hf, BLOCK_TOKENS, threads, device, dtype)
+    per = {f: fs.Positions() for f in kvs}
+    divs = {f: fs.Divergences() for f in kvs}
+    greedy: dict[WireDtype, dict[str, list[int]]] = {f: {} for f in kvs}
+    for r in tqdm(reqs, desc="remote prefill downlink", unit="chat"):
+        reply = np.asarray(r["reply"])
+        dists = teacher.forced(r["prompt"], r["reply"], kvs)  # [F, n, V]
+        ref_top = fs.topk(dists[0], top_k)
+        e = ref[r["id"]]
+        for n, f in enumerate(kvs):
+            top = ref_top if n == 0 else fs.topk(dists[n], top_k)
+            own = dists[n][np.arange(len(reply)), reply]
+            per[f].add_turn(ref_top, top, own, len(r["prompt"]), kl_full=fs.full_kl(dists[0], dists[n]))
+            divs[f].add_turn(reply, e["lps"], *top)
+            greedy[f][r["id"]] = greedy_from_forced(reply, top[0][:, 0])
+    lens = [len(r["prompt"]) for r in reqs]
+    bf16_b = downlink_bytes_per_prompt_token(WireDtype.BF16, m, lens)
+    refs = {r["id"]: r["reply"] for r in reqs}
+    rows = []
+    for f in kvs:
+        b = downlink_bytes_per_prompt_token(f, m, lens)
+        row = {"kv": f.name.lower(), "bytes_per_token": b, "vs_bf16": bf16_b / b if b else 0.0}
+        row |= {**fs.summarize(per[f]), "greedy": fs.greedy_agreement(refs, greedy[f])}
+        rows.append(row | {"divergence": fs.summarize_divergences(divs[f])})
+    return rows
+
+
+def downlink_lines(downlink: list[dict]) -> list[str]:
+    """The markdown table of remote prefill's downlink formats (empty where none was measured)."""
+    if not downlink:
+        return []
+    lines = [
+        "",
+        "Remote prefill's downlink: the KV of every layer of the prompt's full blocks through each format, "
+        "the continuation teacher-forced on it (fp32 the reference):",
+        "",
+        "| KV format | B per prompt token | bf16 B / this | KL mean | KL p99 | flip rate | greedy: identical | "
+        "within the floor |",
+        "|" + "---|" * 8,
+    ]
+    for r in downlink:
+        verdict = "reference" if r["kv"] == "fp32" else "yes" if r["qualifies"] else "no"
+        lines.append(
+            f"| {r['kv']} | {r['bytes_per_token']:.0f} | {r['vs_bf16']:.2f}x | {r['kl_mean']:.2e} | "
+            f"{r['kl_p99']:.2e} | {100 * r['flip_rate']:.2f}% | {100 * r['greedy']['identical']:.1f}% | {verdict} |"
+        )
+    return lines
+
+
 def default_table(rows: list[dict], floors: dict[str, dict], meta: dict, weights_blake3: str) -> dict:
     """The qualifying pairs per split layer, smallest first (``cloud.links.fidelity.FidelityTable``'s form)."""
     splits: dict[str, list[dict]] = {}
@@ -346,6 +437,14 @@ def default_table(rows: list[dict], floors: dict[str, dict], meta: dict, weights
         "floor": {"kl_mean": bf["kl_mean"], "flip_rate": bf["flip_rate"]},
         "splits": splits,
     }
+
+
+def downlink_table(downlink: list[dict]) -> list[dict]:
+    """The downlink rows as ``cloud.links.fidelity.FidelityTable`` reads them (``remote_prefill``),
+    smallest first, the fp32 reference left out."""
+    keep = ("kv", "bytes_per_token", "kl_mean", "flip_rate", "qualifies")
+    rows = sorted((r for r in downlink if r["kv"] != "fp32"), key=lambda r: r["bytes_per_token"])
+    return [{k: round(r[k], 1) if k == "bytes_per_token" else r[k] for k in keep} for r in rows]
 
 
 @app.command()
@@ -379,6 +478,13 @@ def main(
             "one) or none"
         ),
     ] = "auto",
+    downlink_kvs: Annotated[
+        str,
+        typer.Option(
+            help="KV formats of remote prefill's downlink to measure (every layer's KV of the prompt's full "
+            "blocks; fp32 is always the reference; '' for none)"
+        ),
+    ] = DEFAULT_DOWNLINK_KVS,
     out: Annotated[Path, typer.Option(help="output directory")] = Path("bench-results/fidelity"),
     render: Annotated[bool, typer.Option(help="only write the tables, plot and table again from out/fidelity.json")] = (
         False
@@ -484,6 +590,8 @@ def main(
             }
             rows.append(row)
         del teacher
+    dkvs = parse_kvs(downlink_kvs)
+    downlink = downlink_rows(hf, reqs, ref, dkvs, m0, threads, device, dtype, top_k) if dkvs else []
     edge = [] if edge_teacher is None else [edge_row(edge_teacher, reqs, ref, top_k, dtype)]
     del edge_teacher
 
@@ -491,7 +599,8 @@ def main(
     if failed:
         raise failed[0]
     with open(w / "state.pkl", "wb") as f:  # everything measured, for reading again without a rerun
-        state = {"rows": rows, "edge": edge, "check": check, "check_greedy": check_greedy, "check_div": check_div}
+        state = {"rows": rows, "edge": edge, "downlink": downlink, "check": check, "check_greedy": check_greedy}
+        state["check_div"] = check_div
         pickle.dump(state | {"ref": ref, "engines": engines}, f)
     floors = {}
     titles = (
@@ -524,7 +633,7 @@ def main(
         "split_layers": ks,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    data = {"meta": meta, "floors": floors, "edge": edge, "rows": rows}
+    data = {"meta": meta, "floors": floors, "edge": edge, "rows": rows, "downlink": downlink}
     (out / "fidelity.json").write_text(json.dumps(data, indent=1))
     write_outputs(out, m0.weights_blake3)
 
@@ -538,9 +647,14 @@ def write_outputs(out: Path, weights_blake3: str) -> None:
         r["qualifies"] = r["pair"] != "fp32/fp32" and fs.qualifies(r, floors["bf16"])
     for e in edge:  # the edge's whole model against direct mode, by the same rule
         e["qualifies"] = fs.qualifies(e, floors["bf16"])
-    lines = table_lines(rows, floors, meta, edge)
+    downlink = data.get("downlink", [])
+    for d in downlink:
+        d["qualifies"] = d["kv"] != "fp32" and fs.qualifies(d, floors["bf16"])
+    lines = table_lines(rows, floors, meta, edge) + downlink_lines(downlink)
     (out / "fidelity.md").write_text("\n".join(lines) + "\n")
     table = default_table(rows, floors, meta, weights_blake3)
+    if downlink:
+        table["remote_prefill"] = downlink_table(downlink)
     (out / "fidelity-table.json").write_text(json.dumps(table, indent=1) + "\n")
     plot(out / "fidelity.png", rows, floors)
     print("\n".join(lines))

@@ -159,3 +159,65 @@ class SplitTeacher:
                 o = self.full(input_ids=ids, position_ids=pos, past_key_values=cache, logits_to_keep=keep)
             out[:, 1:] = torch.log_softmax(o.logits.float(), -1).cpu().numpy()
         return out
+
+
+class RemotePrefillTeacher:
+    """Remote prefill's downlink for one full checkpoint: the cloud's prefill (the checkpoint in
+    transformers, ``dtype`` on ``device``) gives the first reply token and the KV of every layer;
+    the prompt's full blocks ``[L, 2, Hkv, B, D]`` cross the downlink in a KV format (encode,
+    decode); the continuation runs on that KV. As ``SplitTeacher`` measures the split's wire
+    formats with the tail in transformers, this measures the downlink's format alone (the edge's
+    own model is ``tandem-bench fidelity``'s edge row).
+
+    Raises:
+        ValueError: ``dtype`` is neither float32 nor bfloat16."""
+
+    def __init__(
+        self, checkpoint: Path, block_tokens: int = 32, threads: int = 0, device: str = "cpu", dtype: str = "float32"
+    ) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"teacher dtype {dtype!r}: float32 or bfloat16")
+        if threads:
+            torch.set_num_threads(threads)
+        self.block_tokens = block_tokens
+        self.device, self.dtype = torch.device(device), getattr(torch, dtype)
+        model: Any = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=self.dtype, attn_implementation="sdpa")
+        self.full = model.to(self.device).eval()
+
+    def forced(self, prompt: list[int], reply: list[int], kvs: list[WireDtype]) -> np.ndarray:
+        """Teacher-forced log-distributions of ``reply`` (``n >= 1`` tokens) after a remote prefill
+        of ``prompt`` whose full KV blocks came down in each of ``kvs``, batched: float32
+        ``[len(kvs), n, V]``. Row ``[f, 0]`` is the cloud's (the same for every format); the rest
+        run on the prompt's full blocks as format ``f`` carried them, the partial last block and
+        the reply computed on top (what the edge computes after the takeover)."""
+        import torch
+        from transformers import DynamicCache
+
+        with torch.inference_mode():
+            o = self.full(input_ids=torch.tensor([prompt], device=self.device), use_cache=True)
+        first = torch.log_softmax(o.logits[0, -1].float(), -1).cpu().numpy()
+        out = np.empty((len(kvs), len(reply), first.shape[0]), np.float32)
+        out[:, 0] = first
+        if len(reply) == 1:
+            return out
+        tf = self.block_tokens * (len(prompt) // self.block_tokens)
+        cache = DynamicCache(config=self.full.config)
+        if tf:
+            layers = o.past_key_values.layers
+            stacked = torch.stack([torch.stack([lay.keys[0, :, :tf], lay.values[0, :, :tf]]) for lay in layers])
+            kv = stacked.float().cpu().numpy()  # [L, 2, Hkv, Tf, D]
+            came = torch.from_numpy(np.stack([round_trip_kv(kv, f, self.block_tokens) for f in kvs]))
+            came = came.to(self.device, self.dtype)  # [F, L, 2, Hkv, Tf, D]
+            for i in range(came.shape[1]):
+                cache.update(came[:, i, 0].contiguous(), came[:, i, 1].contiguous(), i)
+        ids = torch.tensor([prompt[tf:] + reply[:-1]] * len(kvs), device=self.device)
+        pos = torch.arange(tf, tf + ids.shape[1], device=self.device)[None].expand(len(kvs), -1)
+        with torch.inference_mode():
+            o = self.full(
+                input_ids=ids, position_ids=pos, past_key_values=cache if tf else None, logits_to_keep=len(reply) - 1
+            )
+        out[:, 1:] = torch.log_softmax(o.logits.float(), -1).cpu().numpy()
+        return out

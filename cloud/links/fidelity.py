@@ -12,12 +12,16 @@ The tables of the models tandem has measured ship in ``cloud/links/fidelity_tabl
 Negotiation (``cloud.links.negotiation.link_params``) takes, at split layer ``k``, the smallest
 qualifying pair whose two formats both sides accept and that is smaller than fp16/fp16; without
 one (no table for the weights, nothing smaller qualifies, or the edge accepts none of them) the
-edge's first preference stands, fp16 by default.
+edge's first preference stands, fp16 by default. A table's ``remote_prefill`` entries (the KV of
+every layer through each format, ``tandem-bench fidelity``'s downlink rows) give remote prefill's
+downlink (``k = 0``) its smallest qualifying format both sides accept; without one it carries the
+engines' own KV dtype.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,16 +35,19 @@ Pair = tuple[WireDtype, WireDtype]  # (activations, KV blocks)
 
 @dataclass(frozen=True)
 class FidelityTable:
-    """One model's qualifying pairs per split layer, smallest first (bytes per prompt token)."""
+    """One model's qualifying pairs per split layer, smallest first (bytes per prompt token), and
+    the qualifying KV formats of remote prefill's downlink (every layer's KV), smallest first."""
 
     weights_blake3: str
     pairs: Mapping[int, tuple[Pair, ...]] = field(default_factory=dict)
     dtype: str = "float32"  # the engines' compute dtype it was measured with
+    downlink: tuple[WireDtype, ...] = ()
 
     @classmethod
     def from_json(cls, data: Mapping) -> FidelityTable:
         """Read the bench's table: per split layer the entries that qualify and are smaller than
-        that layer's fp16/fp16 entry, by ``bytes_per_token``.
+        that layer's fp16/fp16 entry, by ``bytes_per_token``; of ``remote_prefill`` (where the
+        table has it) the KV formats that qualify and are smaller than its 16-bit ones.
 
         Raises:
             ValueError: a missing key, an unknown format name or a split layer that is not an int.
@@ -53,7 +60,11 @@ class FidelityTable:
                 ok = sorted((e for e in entries if e["qualifies"] and e["bytes_per_token"] < bound), key=_bytes)
                 by_k[int(k)] = tuple((WireDtype[e["activations"].upper()], WireDtype[e["kv"].upper()]) for e in ok)
             dtype = str(data.get("measured", {}).get("dtype", "float32"))
-            return cls(str(data["weights_blake3"]), MappingProxyType(by_k), dtype)
+            down = list(data.get("remote_prefill", ()))
+            wide = min((float(e["bytes_per_token"]) for e in down if e["kv"] in ("fp16", "bf16")), default=math.inf)
+            ok = sorted((e for e in down if e["qualifies"] and e["bytes_per_token"] < wide), key=_bytes)
+            downlink = tuple(WireDtype[e["kv"].upper()] for e in ok)
+            return cls(str(data["weights_blake3"]), MappingProxyType(by_k), dtype, downlink)
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a fidelity table: {e!r}") from None
 
@@ -73,6 +84,11 @@ class FidelityTable:
         and its KV format in ``kvs``; None if there is none."""
         a, v = set(acts), set(kvs)
         return next((p for p in self.pairs.get(k, ()) if p[0] in a and p[1] in v), None)
+
+    def smallest_downlink(self, kvs: Iterable[WireDtype]) -> WireDtype | None:
+        """The smallest qualifying KV format of remote prefill's downlink in ``kvs``; None if none."""
+        v = set(kvs)
+        return next((d for d in self.downlink if d in v), None)
 
     def formats(self) -> tuple[set[WireDtype], set[WireDtype]]:
         """(activation formats, KV formats) of every qualifying pair at any split layer."""

@@ -10,10 +10,11 @@ follow the link's share of the engines (``cloud.links.table.LinkTable``):
   ``tandem-bench fidelity``) puts within the unquantized system's noise floor at this ``k``;
   where none is (or no table names the weights), the edge's first preference (fp16 by
   default; fp32 is exact). No common KV format: split is refused, direct still works. At
-  ``k = 0`` the KV format is remote prefill's downlink (every layer's KV, which no fidelity
-  table measures): the engines' own KV dtype (``LinkLimits.engine_kv_dtype``: bf16 for bf16
-  engines, fp32 for fp32 ones) where both sides accept it, so the edge decodes on the engine's
-  KV bit for bit; else the edge's first preference.
+  ``k = 0`` the KV format is remote prefill's downlink (every layer's KV): the smallest format
+  both sides accept that the table's ``remote_prefill`` entries qualify; else the engines' own
+  KV dtype (``LinkLimits.engine_kv_dtype``: bf16 for bf16 engines, fp32 for fp32 ones) where both
+  sides accept it, so the edge decodes on the engine's KV bit for bit; else the edge's first
+  preference.
 * ``codec``: the edge's first preference; it offers zstd first only where its measured ratio
   and speed shorten the transfer (``edge.routing.costmodel.zstd_pays``).
 * ``chunk_tokens``: a chunk should take about ``CHUNK_TARGET_MS`` on the wire, so a NACKed
@@ -154,9 +155,14 @@ def link_params(
             f"no common KV block format: the edge accepts {[d.name for d in offer.kv_wire_dtypes]}, "
             f"this cloud allows {[d.name for d in limits.kv_wire_dtypes]}"
         )
-    if not k and limits.engine_kv_dtype in kvs:
-        kv_dtype = limits.engine_kv_dtype
-    table = limits.fidelity.get(manifest.weights_blake3) if k and manifest.weights_blake3 else None
+    table = limits.fidelity.get(manifest.weights_blake3) if manifest.weights_blake3 else None
+    if not k:  # remote prefill's downlink: a format the table qualifies for every layer's KV, else the engines'
+        down = table.smallest_downlink(kvs) if table is not None else None
+        if down is not None:
+            kv_dtype = down
+        elif limits.engine_kv_dtype in kvs:
+            kv_dtype = limits.engine_kv_dtype
+        table = None
     smallest = table.smallest(k, acts, kvs) if table is not None else None
     if smallest is not None:
         dtype, kv_dtype = smallest

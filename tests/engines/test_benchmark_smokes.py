@@ -141,12 +141,13 @@ def test_batching_smoke(tmp_path):
 def test_fidelity_smoke(tmp_path, split_dir):
     """``tandem-bench fidelity`` with three chats and three tokens: the engine references and floors
     (two vLLM engines, none of them the shared cloud: fp32 one request at a time then four at a
-    time, and bf16), the in-process teacher-forced pass, the edge row of the prepared fp32 builder
-    graph (``edge-decoder/``), the divergence gaps of every row, the tables, the plot and the
-    fidelity table."""
+    time, and bf16), the in-process teacher-forced pass, remote prefill's downlink rows, the edge row
+    of the prepared fp32 builder graph (``edge-decoder/``), the divergence gaps of every row, the
+    tables, the plot and the fidelity table."""
     out = tmp_path / "fidelity"
     cmd = [TANDEM_BENCH, "fidelity", "--limit", "3", "--max-new-tokens", "3"]
     cmd += ["--model-dir", str(split_dir.parent), "--pairs", "int8_hadamard/int4", "--out", str(out)]
+    cmd += ["--downlink-kvs", "int4"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads((out / "fidelity.json").read_text())
@@ -165,3 +166,8 @@ def test_fidelity_smoke(tmp_path, split_dir):
     assert f"| edge: {edge['title']} |" in md and "At each reply's first greedy divergence" in md
     table = json.loads((out / "fidelity-table.json").read_text())
     assert [e["kv"] for e in table["splits"]["4"]] == ["int4", "fp32"]  # smallest first
+    # remote prefill's downlink: fp32 the reference (against itself: nothing), int4 measured and tabled
+    assert [d["kv"] for d in data["downlink"]] == ["fp32", "int4"]
+    ref_row, int4 = data["downlink"]
+    assert ref_row["kl_full_mean"] == 0 and int4["bytes_per_token"] < ref_row["bytes_per_token"] / 5
+    assert [e["kv"] for e in table["remote_prefill"]] == ["int4"] and "Remote prefill's downlink" in md

@@ -98,3 +98,22 @@ def test_the_edge_teacher_refuses_a_graph_it_cannot_run_as_built(split_dir, tmp_
     (tmp_path / "tandem_build.json").write_text(json.dumps(build | {"passed": False}))
     with pytest.raises(ValueError, match="failed its check"):
         EdgeTeacher(tmp_path, "cpu")
+
+
+def test_the_downlink_teacher_in_fp32_is_the_unsplit_model_and_a_lossy_format_moves_it(teachers, tokenizer, split_dir):
+    """Remote prefill's downlink teacher: through fp32 the continuation on the KV that came down is
+    the unsplit full model's own teacher-forced pass (the split teacher's fp32 row, same checkpoint);
+    int4 moves the distributions past the first token (the cloud's, the same for every format)."""
+    from tandem.benchmarks.teacher import RemotePrefillTeacher
+    from tandem.common.protocol.chat import prompt_token_ids
+
+    split = teachers["float32"]
+    rp = RemotePrefillTeacher(split.manifest.resolve(split_dir, split.manifest.full_checkpoint), 32, 2)
+    prompt = prompt_token_ids(tokenizer, [{"role": "user", "content": "Tell me about foxes. " * 6}])
+    reply = [int(t) for t in tokenizer.encode(" Foxes are small wild dogs.")]
+    got = rp.forced(prompt, reply, [WireDtype.FP32, WireDtype.INT4])  # [2, n, V]
+    assert got.shape == (2, len(reply), rp.full.config.vocab_size)
+    whole = split.forced(split.head_pass(prompt), reply, [FP32])[0]
+    np.testing.assert_allclose(got[0], whole, atol=2e-3)
+    np.testing.assert_array_equal(got[1, 0], got[0, 0])
+    assert np.abs(got[1, 1:] - got[0, 1:]).max() > 1e-4

@@ -156,6 +156,39 @@ def test_remote_prefill_downlink_gets_the_engines_own_kv_dtype_where_both_sides_
     assert link_params(replace(lim, engine_kv_dtype=W.BF16), m, K, offer, (4, 4096), 1).kv_wire_dtype == W.INT4
 
 
+def downlink_json() -> list[dict]:
+    def e(v, b, ok):
+        return {"kv": v, "bytes_per_token": b, "kl_mean": 0, "flip_rate": 0, "qualifies": ok}
+
+    return [e("bf16", 40000, True), e("fp16", 40000, True), e("int8_hadamard", 20600, True), e("int4", 11000, False)]
+
+
+def test_a_tables_downlink_keeps_the_qualifying_formats_smaller_than_16_bits():
+    t = FidelityTable.from_json(table_json() | {"remote_prefill": downlink_json()})
+    assert t.downlink == (W.INT8_HADAMARD,)  # int4 does not qualify; the 16-bit ones are not smaller
+    assert t.smallest_downlink([W.FP16, W.INT8_HADAMARD, W.INT4]) == W.INT8_HADAMARD
+    assert t.smallest_downlink([W.FP16, W.INT4]) is None
+    assert FidelityTable.from_json(table_json()).downlink == ()  # a table measured without the downlink
+    with pytest.raises(ValueError, match="not a fidelity table"):
+        FidelityTable.from_json(table_json() | {"remote_prefill": [{"kv": "int3", "bytes_per_token": 1}]})
+
+
+def test_remote_prefill_downlink_takes_the_smallest_format_the_table_qualifies_for_every_layer():
+    """A table with downlink entries gives k = 0 its smallest qualifying format both sides accept,
+    ahead of the engines' dtype; the split links keep their pairs."""
+    m = MANIFEST.model_copy(update={"weights_blake3": "w"})
+    table = FidelityTable.from_json(table_json() | {"remote_prefill": downlink_json()})
+    lim = limits(fidelity={"w": table}, engine_kv_dtype=W.BF16)
+    offer = NegotiateOffer(edge_id="edge-a", model_id="toy", head_keys={K: m.compatibility_key()}, edge_max_batch=4)
+
+    def down(kvs: tuple[W, ...]) -> W:
+        return link_params(lim, m, 0, replace(offer, kv_wire_dtypes=kvs), (4, 4096), 1).kv_wire_dtype
+
+    assert down((W.FP16, W.BF16, W.FP32, W.INT4, W.INT8_HADAMARD)) == W.INT8_HADAMARD
+    assert down((W.FP16, W.BF16, W.INT4)) == W.BF16  # the edge lacks it: the engines' own dtype
+    assert link_params(lim, m, K, offer, (4, 4096), 1).kv_wire_dtype == W.INT4  # k = 4: the table's pair
+
+
 def test_the_engine_kv_formats_carry_each_compute_dtype_exactly():
     from tandem.cloud.links.negotiation import ENGINE_KV_FORMATS
 
