@@ -25,7 +25,8 @@
 #                the same at k = 8 and 16 (k/L = 1/4, 1/2), one split layer prepared at a time: the
 #                checkpoint with every tail beside it passes the host's 64 GiB disk, so preparing one
 #                k removes the others' tails and heads first
-#   fidelity     tandem-bench fidelity on SmolLM2 over all 200 chats, k = 4 and 8, every default pair:
+#   fidelity     tandem-bench fidelity on SmolLM2 over all 200 chats, k = 4 and 8, every default pair and
+#                remote prefill's downlink in every default KV format (its table's remote_prefill):
 #                fp32 CUDA engines, the in-process tail and full model on the GPU; its edge row is the
 #                bf16 builder graph smollm2 prepares ($SMOL/edge-decoder) on ONNX Runtime's CUDA provider
 #   fidelity-bf16  the same in bf16 (--dtype bfloat16): the split's agreement with direct beside
