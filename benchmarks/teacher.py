@@ -68,6 +68,28 @@ def round_trip_kv(kv: np.ndarray, dtype: WireDtype, block_tokens: int) -> np.nda
     return out
 
 
+def _torch_settings(device: str, dtype: str, threads: int) -> tuple[Any, Any]:
+    """(torch device, torch dtype) of a teacher; ``threads`` torch threads where not 0.
+
+    Raises:
+        ValueError: ``dtype`` is neither float32 nor bfloat16."""
+    import torch
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"teacher dtype {dtype!r}: float32 or bfloat16")
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.device(device), getattr(torch, dtype)
+
+
+def _load(checkpoint: Path, device: Any, dtype: Any) -> Any:
+    """An HF checkpoint in transformers (SDPA attention) in ``dtype`` on ``device``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
 class SplitTeacher:
     """The split path's parts for one split directory (``split-k<k>``): the ONNX head (float32, as
     the edge runs it; on ONNX Runtime's CUDA provider where there is one), the tail checkpoint and
@@ -80,23 +102,14 @@ class SplitTeacher:
     def __init__(
         self, split_dir: Path, block_tokens: int = 32, threads: int = 0, device: str = "cpu", dtype: str = "float32"
     ) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
         from tandem.edge.compute.head import OnnxHead
 
-        if dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"teacher dtype {dtype!r}: float32 or bfloat16")
-        if threads:
-            torch.set_num_threads(threads)
         m = SplitManifest.load(split_dir)
         self.manifest, self.k, self.block_tokens = m, m.split_layer, block_tokens
-        self.device, self.dtype = torch.device(device), getattr(torch, dtype)
+        self.device, self.dtype = _torch_settings(device, dtype, threads)
         self.head = OnnxHead(split_dir, intra_op_threads=threads)
-        load = dict(dtype=self.dtype, attn_implementation="sdpa")
         tail, full = (m.resolve(split_dir, c) for c in (m.tail_checkpoint, m.full_checkpoint))
-        models: list[Any] = [AutoModelForCausalLM.from_pretrained(str(c), **load) for c in (tail, full)]
-        self.tail, self.full = (mdl.to(self.device).eval() for mdl in models)
+        self.tail, self.full = (_load(c, self.device, self.dtype) for c in (tail, full))
 
     def _on(self, t):
         """A float32 CPU tensor in the teacher's dtype on its device."""
@@ -175,17 +188,9 @@ class RemotePrefillTeacher:
     def __init__(
         self, checkpoint: Path, block_tokens: int = 32, threads: int = 0, device: str = "cpu", dtype: str = "float32"
     ) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        if dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"teacher dtype {dtype!r}: float32 or bfloat16")
-        if threads:
-            torch.set_num_threads(threads)
         self.block_tokens = block_tokens
-        self.device, self.dtype = torch.device(device), getattr(torch, dtype)
-        model: Any = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=self.dtype, attn_implementation="sdpa")
-        self.full = model.to(self.device).eval()
+        self.device, self.dtype = _torch_settings(device, dtype, threads)
+        self.full = _load(checkpoint, self.device, self.dtype)
 
     def forced(self, prompt: list[int], reply: list[int], kvs: list[WireDtype]) -> np.ndarray:
         """Teacher-forced log-distributions of ``reply`` (``n >= 1`` tokens) after a remote prefill
