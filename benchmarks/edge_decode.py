@@ -189,14 +189,16 @@ PREFILL_SHAPES: tuple[tuple[str, int, int], ...] = (
     ("same new tokens after held ones", 384, 64),
     ("new tokens of a length run before", 0, 65),
 )
+STEPPED_TOKENS = (8, 24)  # new tokens after 64 held, run as one-token decode steps (rows "as decode steps")
 
 
 def time_prefill_shapes(build_dir: Path, vocab_size: int, cuda_graph: bool = True) -> list[dict]:
     """Each ``PREFILL_SHAPES`` run through ``DecoderGraph`` the first time its shape comes and once
     more on another fresh slot: ``first_ms`` and ``again_ms`` (the run's own time). What a served
     turn pays for a prefill shape ONNX Runtime has not run yet, and whether it is the new tokens,
-    the held ones or the longest run so far that sets it. Two untimed 32-token runs first (the
-    session's first runs)."""
+    the held ones or the longest run so far that sets it; then ``STEPPED_TOKENS`` new tokens after
+    64 held run as one-token runs (decode steps, CUDA graphs where on), what a short catch-up costs
+    that way. Two untimed 32-token runs first (the session's first runs)."""
     from tandem.edge.compute.decoder import DecoderGraph
 
     g = DecoderGraph(build_dir, cuda_graph=cuda_graph)
@@ -210,6 +212,14 @@ def time_prefill_shapes(build_dir: Path, vocab_size: int, cuda_graph: bool = Tru
         g.run(slot, ids[held : held + new], greedy=True)
         return (time.perf_counter() - t0) * 1e3
 
+    def stepped(held: int, new: int) -> float:  # the same new tokens as one-token runs (decode steps)
+        slot = g.new_slot(held + new + 1)
+        g.run(slot, ids[:held], greedy=True)
+        t0 = time.perf_counter()
+        for t in ids[held : held + new]:
+            g.run(slot, [t], greedy=True)
+        return (time.perf_counter() - t0) * 1e3
+
     run(0, 32)
     run(0, 32)
     rows = []
@@ -217,6 +227,11 @@ def time_prefill_shapes(build_dir: Path, vocab_size: int, cuda_graph: bool = Tru
         first = run(held, new)
         again = run(held, new)
         rows.append({"case": label, "held_tokens": held, "new_tokens": new, "first_ms": first, "again_ms": again})
+    for new in STEPPED_TOKENS:  # what a remote prefill's catch-up would take as decode steps instead
+        first = stepped(64, new)
+        again = stepped(64, new)
+        row = {"case": "as decode steps", "held_tokens": 64, "new_tokens": new, "first_ms": first, "again_ms": again}
+        rows.append(row)
     return rows
 
 

@@ -215,7 +215,7 @@ def test_the_builder_refuses_what_it_cannot_build(hf_dir, tmp_path):
 def test_edge_benchmark_smoke(build, hf_dir, tmp_path):
     from typer.testing import CliRunner
 
-    from tandem.benchmarks.edge_decode import PREFILL_SHAPES, app
+    from tandem.benchmarks.edge_decode import PREFILL_SHAPES, STEPPED_TOKENS, app
 
     out = tmp_path / "edge"
     args = ["--hf", str(hf_dir), "--out", str(out), "--build-dir", str(build)]
@@ -240,6 +240,7 @@ def test_edge_benchmark_smoke(build, hf_dir, tmp_path):
     assert (out / "edge_decode.md").read_text().count("| smollm2-135m |") == 10
     assert (out / "edge_decode.png").stat().st_size > 0
     shapes = json.loads((out / "edge_decode.json").read_text())["prefill_shapes"]
-    assert [(r["held_tokens"], r["new_tokens"]) for r in shapes] == [(h, n) for _, h, n in PREFILL_SHAPES], shapes
+    want = [(h, n) for _, h, n in PREFILL_SHAPES] + [(64, n) for n in STEPPED_TOKENS]
+    assert [(r["held_tokens"], r["new_tokens"]) for r in shapes] == want, shapes
     assert all(r["first_ms"] > 0 and r["again_ms"] > 0 for r in shapes), shapes
-    assert (out / "prefill_shapes.md").read_text().count("\n") == len(PREFILL_SHAPES) + 2
+    assert (out / "prefill_shapes.md").read_text().count("\n") == len(want) + 2
