@@ -888,7 +888,8 @@ class LocalEngine:
         Then, for a model that names them (``DecoderGraph.warm_capacities``: CUDA graphs), one turn
         of the same prompt per larger KV capacity, stopped after a few decode steps, so that each
         capacity's decode graph is set up before a served turn needs it (as vLLM captures its CUDA
-        graphs at start-up); a capacity that does not fit (``QuotaExceeded``) ends that part.
+        graphs at start-up); a capacity the engine refuses (``QuotaExceeded``, ``TurnTooLarge``,
+        ``InvalidRequest``) ends that part, logged, and the edge starts without it.
         Stateless."""
         n = max(2, min(n_tokens, self.shape.max_position_embeddings - WARMUP_DECODE_STEPS))
         ids = [(1 + 7919 * i) % self.shape.vocab_size for i in range(n)]
@@ -904,7 +905,7 @@ class LocalEngine:
         for cap in capacities:
             try:
                 await self._warm_capacity(ids, cap)
-            except QuotaExceeded as e:
+            except (QuotaExceeded, TurnTooLarge, InvalidRequest) as e:  # refused: the edge starts without it
                 log.info("decode graphs not set up past KV capacity %s: %s", warmed[-1] if warmed else "-", e)
                 break
             warmed.append(cap)
