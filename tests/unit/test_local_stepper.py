@@ -337,6 +337,17 @@ async def test_warmup_stops_at_the_first_capacity_that_does_not_fit(caplog):
     assert "not set up past KV capacity 512" in caplog.text
 
 
+async def test_warmup_warms_capacities_only_as_far_as_the_engines_positions_reach():
+    """An engine serving fewer positions than the model's graph holds (``load_local``'s
+    ``max_positions``): a capacity past them is warmed by a turn of the positions it serves (the
+    longest turn lands in that slot), and none past that is tried; the warm-up does not fail."""
+
+    model = WarmingModel([512, 1024, 2048, 4096], **KINDS["batched"])
+    engine = LocalEngine(model, SHAPE.model_copy(update={"max_position_embeddings": 1000}), (EOS,))
+    await engine.warmup(16)
+    assert [h for h in model.hints if h >= 512] == [512, 1000], model.hints
+
+
 def test_warm_capacities_double_from_the_first_within_the_budget():
     from tandem.edge.compute.decoder import plan_warm_capacities
 
