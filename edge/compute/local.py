@@ -888,8 +888,9 @@ class LocalEngine:
         Then, for a model that names them (``DecoderGraph.warm_capacities``: CUDA graphs), one turn
         of the same prompt per larger KV capacity, stopped after a few decode steps, so that each
         capacity's decode graph is set up before a served turn needs it (as vLLM captures its CUDA
-        graphs at start-up); a capacity the engine refuses (``QuotaExceeded``, ``TurnTooLarge``,
-        ``InvalidRequest``) ends that part, logged, and the edge starts without it.
+        graphs at start-up). A capacity that no turn within the engine's positions reaches, or that
+        the engine refuses (``QuotaExceeded``, ``TurnTooLarge``, ``InvalidRequest``), ends that part,
+        logged; the edge starts without it.
         Stateless."""
         n = max(2, min(n_tokens, self.shape.max_position_embeddings - WARMUP_DECODE_STEPS))
         ids = [(1 + 7919 * i) % self.shape.vocab_size for i in range(n)]
@@ -903,8 +904,13 @@ class LocalEngine:
         capacities: list[int] = getattr(self.model, "warm_capacities", list)()
         t0, warmed = time.perf_counter(), list[int]()
         for cap in capacities:
+            # a turn holds at most the positions this engine serves (``load_local``'s ``max_positions``
+            # may be fewer than the graph's): its longest turn lands in the first capacity past them
+            tokens = min(cap, self.shape.max_position_embeddings)
+            if tokens <= (warmed[-1] if warmed else n):
+                break
             try:
-                await self._warm_capacity(ids, cap)
+                await self._warm_capacity(ids, tokens)
             except (QuotaExceeded, TurnTooLarge, InvalidRequest) as e:  # refused: the edge starts without it
                 log.info("decode graphs not set up past KV capacity %s: %s", warmed[-1] if warmed else "-", e)
                 break
@@ -912,10 +918,10 @@ class LocalEngine:
         if warmed:
             log.info("decode graphs set up for KV capacities %s in %.1f s", warmed, time.perf_counter() - t0)
 
-    async def _warm_capacity(self, ids: list[int], capacity_tokens: int) -> None:
-        """A turn of ``ids`` whose KV slot is ``capacity_tokens`` (its prompt and ``max_new_tokens``
-        fill it), stopped after ``WARMUP_DECODE_STEPS`` tokens."""
-        sampling = Sampling(max_new_tokens=capacity_tokens - len(ids), ignore_eos=True)
+    async def _warm_capacity(self, ids: list[int], tokens: int) -> None:
+        """A turn of ``ids`` whose prompt and ``max_new_tokens`` come to ``tokens`` (its KV slot the
+        capacity that holds them), stopped after ``WARMUP_DECODE_STEPS`` tokens."""
+        sampling = Sampling(max_new_tokens=tokens - len(ids), ignore_eos=True)
         async with contextlib.aclosing(self.generate(ids, sampling)) as it:
             got = 0
             async for _ in it:

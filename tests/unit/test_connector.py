@@ -208,6 +208,33 @@ def test_a_save_stores_what_the_cache_held_during_the_step_though_the_write_come
         np.testing.assert_array_equal(_stored(store, key), np.stack([w[n].numpy() for w in want]))
 
 
+def test_the_writer_puts_a_prompts_blocks_in_plan_order_across_steps():
+    """Remote prefill's downlink takes the blocks in prompt order as they land
+    (``Pins.await_prefix``): the writer puts each block on its own, in the order its step planned
+    them, a later step's after an earlier one's (a prompt prefilled in chunks), whatever vLLM block
+    ids hold them; the first is in the store while the others still wait."""
+    order: list[str] = []
+
+    class Recording(GatedStore):
+        def put(self, key: str, value: bytes) -> None:
+            order.append(key)
+            super().put(key, value)
+
+    store = Recording()
+    cache, lay = _layouts()[1]
+    caches = [cache.clone() for _ in range(LAYERS)]
+    c = _worker(store)
+    c._layout = lay
+    # prompt blocks 0..4 under keys neither sorted nor in vLLM block id order
+    _step(c, caches, [(7, "q"), (2, "c"), (5, "x")])  # the first chunk's full blocks
+    _step(c, caches, [(1, "a"), (6, "m")])  # the second chunk's
+    assert store.started.wait(5) and order == ["q"]  # one put at a time: the first waits at the gate alone
+    store.gate.set()
+    c.flush_saves()
+    assert order == ["q", "c", "x", "a", "m"]
+    assert all(store.contains(k) for k in order)
+
+
 def test_a_step_waits_for_the_writer_only_past_the_queue_bound():
     store = GatedStore()
     cache, lay = _layouts()[1]

@@ -524,3 +524,19 @@ def test_a_weighted_sample_moves_the_average_as_that_many_samples():
     for bad in (float("nan"), 0.0, -1.0):
         light.add(1.0, weight=bad)
     assert light.samples == 2
+
+
+def test_a_light_first_sample_does_not_outweigh_a_heavy_second():
+    """A first sample of little weight (one token gap of a 2-token turn, a burst near 0 ms) is not
+    the average's whole: a heavier sample after it weighs by the weights seen, as samples of weight
+    1 after a first one would."""
+    from tandem.common.runtime.ewma import Ewma
+
+    e = Ewma()
+    e.add(0.01, weight=1 / 16)
+    e.add(10.0, weight=39 / 16)  # a 40-token turn
+    assert e.value == pytest.approx((0.01 / 16 + 10.0 * 39 / 16) / (40 / 16)), e.value
+    unit = Ewma()  # unit weights: the first sample, then alpha per sample
+    unit.add(4.0)
+    unit.add(2.0)
+    assert unit.value == pytest.approx(0.8 * 4.0 + 0.2 * 2.0)
