@@ -136,9 +136,9 @@ def test_the_link_gets_the_smallest_qualifying_pair_both_sides_accept():
 
 
 def test_remote_prefill_downlink_gets_the_engines_own_kv_dtype_where_both_sides_accept_it():
-    """At k = 0 (remote prefill's downlink: every layer's KV, which no table measures) the KV format
-    is the engines' compute dtype where both sides list it, whatever the table qualifies at k > 0;
-    else the edge's first preference."""
+    """At k = 0 (remote prefill's downlink: every layer's KV) with a table that qualifies no downlink
+    format, the KV format is the engines' compute dtype where both sides list it, whatever the
+    table qualifies at k > 0; else the edge's first preference."""
     m = MANIFEST.model_copy(update={"weights_blake3": "w"})
     lim = limits(fidelity={"w": FidelityTable.from_json(table_json())})
     offer = NegotiateOffer(edge_id="edge-a", model_id="toy", head_keys={K: m.compatibility_key()}, edge_max_batch=4)
@@ -189,10 +189,23 @@ def test_remote_prefill_downlink_takes_the_smallest_format_the_table_qualifies_f
     assert link_params(lim, m, K, offer, (4, 4096), 1).kv_wire_dtype == W.INT4  # k = 4: the table's pair
 
 
-def test_the_engine_kv_formats_carry_each_compute_dtype_exactly():
-    from tandem.cloud.links.negotiation import ENGINE_KV_FORMATS
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_engine_kv_formats_carry_each_compute_dtype_exactly(dtype):
+    """KV an engine computed in ``dtype`` (widened to the store's float32) crosses the downlink in
+    ``ENGINE_KV_FORMATS[dtype]`` bit for bit, extremes of that dtype included."""
+    import torch
 
-    assert dict(ENGINE_KV_FORMATS) == {"float32": W.FP32, "bfloat16": W.BF16, "float16": W.FP16}
+    from tandem.cloud.links.negotiation import ENGINE_KV_FORMATS
+    from tandem.common.wire.kvwire import decode_kv, encode_kv
+
+    t = getattr(torch, dtype)
+    info = torch.finfo(t)
+    kv = torch.randn(2, 2, 1, 16, 8, generator=torch.Generator().manual_seed(0)) * 40
+    kv.view(-1)[:4] = torch.tensor([info.max, -info.max, info.tiny, 0.0])
+    stored = kv.to(t).float().numpy()  # what the connector stores: the engine's values, float32
+    fmt = ENGINE_KV_FORMATS[dtype]
+    back = decode_kv(encode_kv(stored, fmt), fmt, stored.shape)
+    assert np.array_equal(back.view(np.uint32), stored.view(np.uint32))
 
 
 DTYPES = ("float32", "bfloat16")  # the compute dtypes the packaged tables are measured in
