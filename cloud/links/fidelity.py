@@ -47,7 +47,9 @@ class FidelityTable:
     def from_json(cls, data: Mapping) -> FidelityTable:
         """Read the bench's table: per split layer the entries that qualify and are smaller than
         that layer's fp16/fp16 entry, by ``bytes_per_token``; of ``remote_prefill`` (where the
-        table has it) the KV formats that qualify and are smaller than its 16-bit ones.
+        table has it) the KV formats that qualify and are smaller than the format that carries the
+        engines' own KV exactly (bf16 for a table measured in bfloat16; fp16 and bf16 themselves
+        are candidates in a float32 table).
 
         Raises:
             ValueError: a missing key, an unknown format name or a split layer that is not an int.
@@ -61,7 +63,8 @@ class FidelityTable:
                 by_k[int(k)] = tuple((WireDtype[e["activations"].upper()], WireDtype[e["kv"].upper()]) for e in ok)
             dtype = str(data.get("measured", {}).get("dtype", "float32"))
             down = list(data.get("remote_prefill", ()))
-            wide = min((float(e["bytes_per_token"]) for e in down if e["kv"] in ("fp16", "bf16")), default=math.inf)
+            own = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, "fp32")  # the engines' KV, carried exactly
+            wide = min((float(e["bytes_per_token"]) for e in down if e["kv"] == own), default=math.inf)
             ok = sorted((e for e in down if e["qualifies"] and e["bytes_per_token"] < wide), key=_bytes)
             downlink = tuple(WireDtype[e["kv"].upper()] for e in ok)
             return cls(str(data["weights_blake3"]), MappingProxyType(by_k), dtype, downlink)

@@ -163,9 +163,13 @@ def downlink_json() -> list[dict]:
     return [e("bf16", 40000, True), e("fp16", 40000, True), e("int8_hadamard", 20600, True), e("int4", 11000, False)]
 
 
-def test_a_tables_downlink_keeps_the_qualifying_formats_smaller_than_16_bits():
-    t = FidelityTable.from_json(table_json() | {"remote_prefill": downlink_json()})
-    assert t.downlink == (W.INT8_HADAMARD,)  # int4 does not qualify; the 16-bit ones are not smaller
+def test_a_tables_downlink_keeps_the_qualifying_formats_smaller_than_the_engines_own():
+    bf16 = {"measured": {"dtype": "bfloat16"}}
+    t = FidelityTable.from_json(table_json() | bf16 | {"remote_prefill": downlink_json()})
+    assert t.downlink == (W.INT8_HADAMARD,)  # int4 does not qualify; fp16 is no smaller than bf16
+    # measured with fp32 engines: fp16 and bf16 are smaller than the engines' own fp32 and qualify too
+    fp32 = FidelityTable.from_json(table_json() | {"remote_prefill": downlink_json()})
+    assert fp32.downlink[0] == W.INT8_HADAMARD and set(fp32.downlink) == {W.INT8_HADAMARD, W.BF16, W.FP16}
     assert t.smallest_downlink([W.FP16, W.INT8_HADAMARD, W.INT4]) == W.INT8_HADAMARD
     assert t.smallest_downlink([W.FP16, W.INT4]) is None
     assert FidelityTable.from_json(table_json()).downlink == ()  # a table measured without the downlink
@@ -177,7 +181,8 @@ def test_remote_prefill_downlink_takes_the_smallest_format_the_table_qualifies_f
     """A table with downlink entries gives k = 0 its smallest qualifying format both sides accept,
     ahead of the engines' dtype; the split links keep their pairs."""
     m = MANIFEST.model_copy(update={"weights_blake3": "w"})
-    table = FidelityTable.from_json(table_json() | {"remote_prefill": downlink_json()})
+    bf16 = {"measured": {"dtype": "bfloat16"}}
+    table = FidelityTable.from_json(table_json() | bf16 | {"remote_prefill": downlink_json()})
     lim = limits(fidelity={"w": table}, engine_kv_dtype=W.BF16)
     offer = NegotiateOffer(edge_id="edge-a", model_id="toy", head_keys={K: m.compatibility_key()}, edge_max_batch=4)
 
