@@ -1354,14 +1354,14 @@ class DecoderGraph:
     def warm_capacities(self) -> list[int]:
         """The KV capacities above the first (``min_slot_tokens``) whose decode-step CUDA graphs a
         warm-up should set up, smallest first: none without CUDA graphs; else ``plan_warm_capacities``
-        over this model's sizes, within half of ``max_kv_bytes`` (a warmed capacity keeps a pool row
+        over this model's slot capacities up to ``WARM_MAX_TOKENS`` (the last one cut to the model's
+        positions included), within half of ``max_kv_bytes`` (a warmed capacity keeps a pool row
         and a spare slot of its buffers, which later turns reuse with their graphs)."""
         if not self.cuda_graph:
             return []
         budget = math.inf if self.memory.max_bytes is None else self.memory.max_bytes / 2
-        return plan_warm_capacities(
-            self.min_slot_tokens, min(self.spec.context_tokens, WARM_MAX_TOKENS), self._session_nbytes, budget
-        )
+        caps = [c for c in self._capacities() if c <= WARM_MAX_TOKENS]
+        return plan_warm_capacities(caps, self._session_nbytes, budget)
 
     @property
     def thread_bound(self) -> bool:
@@ -1456,20 +1456,21 @@ class DecoderGraph:
 
 
 def plan_warm_capacities(
-    first_tokens: int, max_tokens: int, session_nbytes: Callable[[int], int], budget_bytes: float
+    capacities: Sequence[int], session_nbytes: Callable[[int], int], budget_bytes: float
 ) -> list[int]:
-    """Capacities ``2 * first_tokens, 4 * first_tokens, ...`` up to ``max_tokens``, while the
-    buffers each warmed capacity keeps (twice ``session_nbytes(capacity)``: a pool row and a spare
-    slot), those of ``first_tokens`` counted first, fit in ``budget_bytes``."""
-    used = 2 * session_nbytes(first_tokens)
+    """``capacities[1:]`` (a decoder's slot capacities, smallest first; the first is warmed
+    already), smallest first, while the buffers each warmed capacity keeps (twice
+    ``session_nbytes(capacity)``: a pool row and a spare slot), those of ``capacities[0]`` counted
+    first, fit in ``budget_bytes``."""
+    if not capacities:
+        return []
+    used = 2 * session_nbytes(capacities[0])
     caps: list[int] = []
-    cap = 2 * first_tokens
-    while cap <= max_tokens:
+    for cap in capacities[1:]:
         used += 2 * session_nbytes(cap)
         if used > budget_bytes:
             break
         caps.append(cap)
-        cap *= 2
     return caps
 
 

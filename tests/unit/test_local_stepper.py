@@ -348,17 +348,18 @@ async def test_warmup_warms_capacities_only_as_far_as_the_engines_positions_reac
     assert [h for h in model.hints if h >= 512] == [512, 1000], model.hints
 
 
-def test_warm_capacities_double_from_the_first_within_the_budget():
+def test_warm_capacities_are_the_larger_slot_capacities_within_the_budget():
     from tandem.edge.compute.decoder import plan_warm_capacities
 
     def nbytes(cap):
         return cap * 10
 
-    assert plan_warm_capacities(256, 8192, nbytes, float("inf")) == [512, 1024, 2048, 4096, 8192]
-    assert plan_warm_capacities(256, 3000, nbytes, float("inf")) == [512, 1024, 2048]
+    caps = [256, 512, 1024, 2048, 4096, 8192]
+    assert plan_warm_capacities(caps, nbytes, float("inf")) == [512, 1024, 2048, 4096, 8192]
+    assert plan_warm_capacities([256, 512, 1024, 2048, 3000], nbytes, float("inf")) == [512, 1024, 2048, 3000]
     # 2 x (256 + 512 + 1024) x 10 = 35840 fits in 40000; 2048 more does not
-    assert plan_warm_capacities(256, 8192, nbytes, 40_000) == [512, 1024]
-    assert plan_warm_capacities(256, 8192, nbytes, 100) == []
+    assert plan_warm_capacities(caps, nbytes, 40_000) == [512, 1024]
+    assert plan_warm_capacities(caps, nbytes, 100) == [] and plan_warm_capacities([], nbytes, 100) == []
 
 
 async def test_close_lets_the_turns_in_flight_finish():
