@@ -316,8 +316,9 @@ class CloudConfig(DaemonSettings):
         description="KV block formats this cloud accepts, chosen for head-KV blocks as `wire_dtypes`: fp32, fp16, "
         "bf16, int8 (per token and head), int8_hadamard (rows rotated, then int8), int4 (KIVI: keys per channel, "
         "values per token), int4_hadamard (rows rotated, then int4); `tandem-bench fidelity` measures what each "
-        "does. Remote prefill's downlink sends the engines' own KV dtype (bf16 or fp32 under `dtype auto`) where "
-        "both sides accept it, so the edge decodes on the engine's KV unchanged.",
+        "does. Remote prefill's downlink sends the smallest format the fidelity table qualifies for every layer's "
+        "KV, else the engines' own KV dtype (bf16 or fp32 under `dtype auto`) where both sides accept it, so the "
+        "edge decodes on the engine's KV unchanged, else the most faithful format both accept.",
     )
     fidelity_tables: Annotated[ListSetting[Path], FileRole.INPUT] = Field(
         default_factory=list,

@@ -173,7 +173,8 @@ class EdgeConfig(DaemonSettings):
         validate_default=True,
         min_length=1,
         description="KV block formats this edge accepts, preferred first, chosen for head-KV blocks as "
-        "`wire_dtypes`; remote prefill's downlink takes the cloud engines' own KV dtype where it is listed.",
+        "`wire_dtypes`; remote prefill's downlink takes a format the fidelity table qualifies for every layer's "
+        "KV, else the cloud engines' own KV dtype where it is listed, else the most faithful one listed.",
     )
     hysteresis: float = Field(
         default=0.05,

@@ -13,8 +13,9 @@ follow the link's share of the engines (``cloud.links.table.LinkTable``):
   ``k = 0`` the KV format is remote prefill's downlink (every layer's KV): the smallest format
   both sides accept that the table's ``remote_prefill`` entries qualify; else the engines' own
   KV dtype (``LinkLimits.engine_kv_dtype``: bf16 for bf16 engines, fp32 for fp32 ones) where both
-  sides accept it, so the edge decodes on the engine's KV bit for bit; else the edge's first
-  preference.
+  sides accept it, so the edge decodes on the engine's KV bit for bit; else the most faithful
+  format both accept (``Fidelity`` class; the edge's preference among equals): no fidelity table
+  vouches for a lossy one there.
 * ``codec``: the edge's first preference; it offers zstd first only where its measured ratio
   and speed shorten the transfer (``edge.routing.costmodel.zstd_pays``).
 * ``chunk_tokens``: a chunk should take about ``CHUNK_TARGET_MS`` on the wire, so a NACKed
@@ -162,6 +163,8 @@ def link_params(
             kv_dtype = down
         elif limits.engine_kv_dtype in kvs:
             kv_dtype = limits.engine_kv_dtype
+        elif kvs:  # the most faithful format both accept (the edge's preference among equals)
+            kv_dtype = min(kvs, key=lambda d: FORMATS[d].fidelity)
         table = None
     smallest = table.smallest(k, acts, kvs) if table is not None else None
     if smallest is not None:

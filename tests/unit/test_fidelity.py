@@ -138,7 +138,7 @@ def test_the_link_gets_the_smallest_qualifying_pair_both_sides_accept():
 def test_remote_prefill_downlink_gets_the_engines_own_kv_dtype_where_both_sides_accept_it():
     """At k = 0 (remote prefill's downlink: every layer's KV) with a table that qualifies no downlink
     format, the KV format is the engines' compute dtype where both sides list it, whatever the
-    table qualifies at k > 0; else the edge's first preference."""
+    table qualifies at k > 0; else the most faithful format both sides accept."""
     m = MANIFEST.model_copy(update={"weights_blake3": "w"})
     lim = limits(fidelity={"w": FidelityTable.from_json(table_json())})
     offer = NegotiateOffer(edge_id="edge-a", model_id="toy", head_keys={K: m.compatibility_key()}, edge_max_batch=4)
@@ -151,7 +151,11 @@ def test_remote_prefill_downlink_gets_the_engines_own_kv_dtype_where_both_sides_
     assert down(replace(lim, engine_kv_dtype=W.FP32), every) == W.FP32
     assert down(replace(lim, engine_kv_dtype=W.BF16), (W.FP16, W.INT4)) == W.FP16  # the edge lacks bf16
     assert down(replace(lim, engine_kv_dtype=W.BF16, kv_wire_dtypes=(W.FP16,)), every) == W.FP16  # the cloud does
-    assert down(lim, every) == W.FP16  # engine dtype unknown: the edge's first preference
+    assert down(lim, every) == W.FP32  # engine dtype unknown: the most faithful both accept
+    # without the engines' dtype, a lossy first preference does not decide: the most faithful does
+    assert down(replace(lim, engine_kv_dtype=W.BF16), (W.INT4, W.INT8_HADAMARD, W.FP16)) == W.FP16
+    assert down(replace(lim, engine_kv_dtype=W.BF16), (W.INT4, W.INT8_HADAMARD)) == W.INT8_HADAMARD
+    assert down(replace(lim, engine_kv_dtype=W.BF16), (W.FP16, W.BF16, W.INT4)) == W.BF16
     # the split links keep the table's pair
     assert link_params(replace(lim, engine_kv_dtype=W.BF16), m, K, offer, (4, 4096), 1).kv_wire_dtype == W.INT4
 
