@@ -22,8 +22,8 @@ from tandem.cloud.engine_calls import EngineCalls
 from tandem.cloud.engines.supervisor import EngineSupervisor, SupervisedEngines
 from tandem.cloud.engines.vllm_engines import EngineBackend
 from tandem.cloud.gateway import Gateway
-from tandem.cloud.links.fidelity import load_tables
-from tandem.cloud.links.negotiation import ENGINE_KV_FORMATS, LinkLimits
+from tandem.cloud.links.fidelity import ENGINE_KV_FORMATS, load_tables
+from tandem.cloud.links.negotiation import LinkLimits
 from tandem.cloud.links.rates import CloudRates
 from tandem.cloud.links.registry import LinkRegistry
 from tandem.cloud.links.table import ControllerConfig, LinkTable

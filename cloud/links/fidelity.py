@@ -30,6 +30,10 @@ from types import MappingProxyType
 from tandem.common.protocol.params import WireDtype
 
 PACKAGED = Path(__file__).parent / "fidelity_tables"
+# an engine compute dtype (``EngineConfig.compute_dtype``) -> the wire format that carries its KV exactly
+ENGINE_KV_FORMATS: Mapping[str, WireDtype] = MappingProxyType(
+    {"float32": WireDtype.FP32, "bfloat16": WireDtype.BF16, "float16": WireDtype.FP16}
+)
 Pair = tuple[WireDtype, WireDtype]  # (activations, KV blocks)
 
 
@@ -63,7 +67,7 @@ class FidelityTable:
                 by_k[int(k)] = tuple((WireDtype[e["activations"].upper()], WireDtype[e["kv"].upper()]) for e in ok)
             dtype = str(data.get("measured", {}).get("dtype", "float32"))
             down = list(data.get("remote_prefill", ()))
-            own = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, "fp32")  # the engines' KV, carried exactly
+            own = ENGINE_KV_FORMATS.get(dtype, WireDtype.FP32).name.lower()  # carries the engines' KV exactly
             wide = min((float(e["bytes_per_token"]) for e in down if e["kv"] == own), default=math.inf)
             ok = sorted((e for e in down if e["qualifies"] and e["bytes_per_token"] < wide), key=_bytes)
             downlink = tuple(WireDtype[e["kv"].upper()] for e in ok)

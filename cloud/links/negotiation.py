@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -58,12 +58,6 @@ MIN_WINDOW_BYTES = 1 << 20
 MAX_WINDOW_BYTES = 64 << 20
 WINDOW_ITEMS = 4
 KEPT_VERSIONS = 8
-
-
-# an engine compute dtype (``EngineConfig.compute_dtype``) -> the wire format that carries its KV exactly
-ENGINE_KV_FORMATS: Mapping[str, WireDtype] = MappingProxyType(
-    {"float32": WireDtype.FP32, "bfloat16": WireDtype.BF16, "float16": WireDtype.FP16}
-)
 
 
 @dataclass(frozen=True)
@@ -130,6 +124,21 @@ def pick_window_bytes(goodput_mbps: float, rtt_ms: float, max_item_bytes: int) -
     return int(max(floor, min(math.ceil(2 * bdp_bytes), MAX_WINDOW_BYTES)))
 
 
+def downlink_format(
+    table: FidelityTable | None, kvs: Sequence[WireDtype], engine_kv_dtype: WireDtype | None
+) -> WireDtype | None:
+    """Remote prefill's downlink format among ``kvs`` (the formats both sides accept, the edge's
+    preference first): the smallest ``table`` qualifies for every layer's KV, else the engines'
+    own (``engine_kv_dtype``), else the most faithful (``Fidelity`` class; the edge's preference
+    among equals); None when ``kvs`` is empty."""
+    down = table.smallest_downlink(kvs) if table is not None else None
+    if down is not None:
+        return down
+    if engine_kv_dtype in kvs:
+        return engine_kv_dtype
+    return min(kvs, key=lambda d: FORMATS[d].fidelity) if kvs else None
+
+
 def link_params(
     limits: LinkLimits, manifest: SplitManifest, k: int, offer: NegotiateOffer, share: tuple[int, int], version: int
 ) -> LinkParams:
@@ -157,17 +166,9 @@ def link_params(
             f"this cloud allows {[d.name for d in limits.kv_wire_dtypes]}"
         )
     table = limits.fidelity.get(manifest.weights_blake3) if manifest.weights_blake3 else None
-    if not k:  # remote prefill's downlink: a format the table qualifies for every layer's KV, else the engines'
-        down = table.smallest_downlink(kvs) if table is not None else None
-        if down is not None:
-            kv_dtype = down
-        elif limits.engine_kv_dtype in kvs:
-            kv_dtype = limits.engine_kv_dtype
-        elif kvs:  # the most faithful format both accept (the edge's preference among equals)
-            kv_dtype = min(kvs, key=lambda d: FORMATS[d].fidelity)
-        table = None
-    smallest = table.smallest(k, acts, kvs) if table is not None else None
-    if smallest is not None:
+    if not k:  # remote prefill's downlink
+        kv_dtype = downlink_format(table, kvs, limits.engine_kv_dtype) or kv_dtype
+    elif table is not None and (smallest := table.smallest(k, acts, kvs)) is not None:
         dtype, kv_dtype = smallest
     codec = next(iter(common_formats(offer.codecs, limits.codecs)), Codec.NONE)
     act_bytes = raw_nbytes_of(1, dtype, sh.hidden_size)

@@ -204,7 +204,7 @@ def test_the_engine_kv_formats_carry_each_compute_dtype_exactly(dtype):
     ``ENGINE_KV_FORMATS[dtype]`` bit for bit, extremes of that dtype included."""
     import torch
 
-    from tandem.cloud.links.negotiation import ENGINE_KV_FORMATS
+    from tandem.cloud.links.fidelity import ENGINE_KV_FORMATS
     from tandem.common.wire.kvwire import decode_kv, encode_kv
 
     t = getattr(torch, dtype)
