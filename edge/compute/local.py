@@ -894,13 +894,10 @@ class LocalEngine:
         Stateless."""
         n = max(2, min(n_tokens, self.shape.max_position_embeddings - WARMUP_DECODE_STEPS))
         ids = [(1 + 7919 * i) % self.shape.vocab_size for i in range(n)]
-        sampling = Sampling(max_new_tokens=WARMUP_DECODE_STEPS, ignore_eos=True)
         for timed in (False, True):
             if timed:
                 self.prefill_rate, self.decode_rate = Ewma(), Ewma()
-            async with contextlib.aclosing(self.generate(ids, sampling)) as it:
-                async for _ in it:
-                    pass
+            await self._warm_turn(ids, n + WARMUP_DECODE_STEPS)
         capacities: list[int] = getattr(self.model, "warm_capacities", list)()
         t0, warmed = time.perf_counter(), list[int]()
         for cap in capacities:
@@ -910,7 +907,7 @@ class LocalEngine:
             if tokens <= (warmed[-1] if warmed else n):
                 break
             try:
-                await self._warm_capacity(ids, tokens)
+                await self._warm_turn(ids, tokens)
             except (QuotaExceeded, TurnTooLarge, InvalidRequest) as e:  # refused: the edge starts without it
                 log.info("decode graphs not set up past KV capacity %s: %s", warmed[-1] if warmed else "-", e)
                 break
@@ -918,9 +915,10 @@ class LocalEngine:
         if warmed:
             log.info("decode graphs set up for KV capacities %s in %.1f s", warmed, time.perf_counter() - t0)
 
-    async def _warm_capacity(self, ids: list[int], tokens: int) -> None:
-        """A turn of ``ids`` whose prompt and ``max_new_tokens`` come to ``tokens`` (its KV slot the
-        capacity that holds them), stopped after ``WARMUP_DECODE_STEPS`` tokens."""
+    async def _warm_turn(self, ids: list[int], tokens: int) -> None:
+        """A stateless turn of ``ids`` whose prompt and ``max_new_tokens`` come to ``tokens`` (its KV
+        slot the capacity that holds them), EOS ignored, stopped after ``WARMUP_DECODE_STEPS``
+        tokens."""
         sampling = Sampling(max_new_tokens=tokens - len(ids), ignore_eos=True)
         async with contextlib.aclosing(self.generate(ids, sampling)) as it:
             got = 0
