@@ -204,34 +204,26 @@ def time_prefill_shapes(build_dir: Path, vocab_size: int, cuda_graph: bool = Tru
     g = DecoderGraph(build_dir, cuda_graph=cuda_graph)
     ids = [int(x) for x in np.random.default_rng(7).integers(3, min(vocab_size, 32000), 2048)]
 
-    def run(held: int, new: int) -> float:
+    def run(held: int, new: int, stepped: bool = False) -> float:
+        """ms of ``new`` tokens after ``held`` on a fresh slot: one run, or (``stepped``) one per token."""
         slot = g.new_slot(held + new + 1)
         for lo in range(0, held, PREFILL_FILL_TOKENS):
             g.run(slot, ids[lo : min(held, lo + PREFILL_FILL_TOKENS)], greedy=True)
+        chunks = [[t] for t in ids[held : held + new]] if stepped else [ids[held : held + new]]
         t0 = time.perf_counter()
-        g.run(slot, ids[held : held + new], greedy=True)
-        return (time.perf_counter() - t0) * 1e3
-
-    def stepped(held: int, new: int) -> float:  # the same new tokens as one-token runs (decode steps)
-        slot = g.new_slot(held + new + 1)
-        g.run(slot, ids[:held], greedy=True)
-        t0 = time.perf_counter()
-        for t in ids[held : held + new]:
-            g.run(slot, [t], greedy=True)
+        for chunk in chunks:
+            g.run(slot, chunk, greedy=True)
         return (time.perf_counter() - t0) * 1e3
 
     run(0, 32)
     run(0, 32)
+    cases = [(label, held, new, False) for label, held, new in PREFILL_SHAPES]
+    cases += [("as decode steps", 64, new, True) for new in STEPPED_TOKENS]  # a remote prefill's catch-up so
     rows = []
-    for label, held, new in PREFILL_SHAPES:
-        first = run(held, new)
-        again = run(held, new)
+    for label, held, new, stepped in cases:
+        first = run(held, new, stepped)
+        again = run(held, new, stepped)
         rows.append({"case": label, "held_tokens": held, "new_tokens": new, "first_ms": first, "again_ms": again})
-    for new in STEPPED_TOKENS:  # what a remote prefill's catch-up would take as decode steps instead
-        first = stepped(64, new)
-        again = stepped(64, new)
-        row = {"case": "as decode steps", "held_tokens": 64, "new_tokens": new, "first_ms": first, "again_ms": again}
-        rows.append(row)
     return rows
 
 
