@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -354,6 +355,42 @@ def divergence_lines(named: list[tuple[str, dict]]) -> list[str]:
     return lines
 
 
+@dataclass
+class Tally:
+    """One row's measures as its chats come (``benchmarks.fidelity_stats``): teacher-forced
+    positions against the reference row, the first greedy divergences, the greedy replies."""
+
+    positions: fs.Positions = field(default_factory=fs.Positions)
+    divergences: fs.Divergences = field(default_factory=fs.Divergences)
+    greedy: dict[str, list[int]] = field(default_factory=dict)
+
+    def measures(self, refs: dict[str, list[int]]) -> dict:
+        """The row's summary, greedy agreement with ``refs`` and divergence gaps."""
+        greedy = fs.greedy_agreement(refs, self.greedy)
+        return fs.summarize(self.positions) | {
+            "greedy": greedy,
+            "divergence": fs.summarize_divergences(self.divergences),
+        }
+
+
+def tally_chat(
+    tallies: list[Tally], dists: np.ndarray, r: dict, ref_lps: np.ndarray, top_k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Add chat ``r`` (its ``id``, ``prompt`` and reference ``reply``) to one tally per row of
+    ``dists`` (float32 ``[rows, n, V]``, row 0 the reference): each row's top-``top_k`` against
+    row 0's, the log-probability of the reply's tokens, full KL, the divergences against the
+    reference engine's ``ref_lps``, the greedy reply. Returns row 0's top-``top_k``."""
+    reply = np.asarray(r["reply"])
+    ref_top = fs.topk(dists[0], top_k)
+    for n, t in enumerate(tallies):
+        top = ref_top if n == 0 else fs.topk(dists[n], top_k)
+        own = dists[n][np.arange(len(reply)), reply]  # log-probability of the reference reply's token
+        t.positions.add_turn(ref_top, top, own, len(r["prompt"]), kl_full=fs.full_kl(dists[0], dists[n]))
+        t.divergences.add_turn(reply, ref_lps, *top)
+        t.greedy[r["id"]] = greedy_from_forced(reply, top[0][:, 0])
+    return ref_top
+
+
 def downlink_rows(
     hf: Path,
     reqs: list[dict],
@@ -373,29 +410,18 @@ def downlink_rows(
     from tandem.benchmarks.teacher import RemotePrefillTeacher
 
     teacher = RemotePrefillTeacher(hf, BLOCK_TOKENS, threads, device, dtype)
-    per = {f: fs.Positions() for f in kvs}
-    divs = {f: fs.Divergences() for f in kvs}
-    greedy: dict[WireDtype, dict[str, list[int]]] = {f: {} for f in kvs}
+    tallies = [Tally() for _ in kvs]
     for r in tqdm(reqs, desc="remote prefill downlink", unit="chat"):
-        reply = np.asarray(r["reply"])
         dists = teacher.forced(r["prompt"], r["reply"], kvs)  # [F, n, V]
-        ref_top = fs.topk(dists[0], top_k)
-        e = ref[r["id"]]
-        for n, f in enumerate(kvs):
-            top = ref_top if n == 0 else fs.topk(dists[n], top_k)
-            own = dists[n][np.arange(len(reply)), reply]
-            per[f].add_turn(ref_top, top, own, len(r["prompt"]), kl_full=fs.full_kl(dists[0], dists[n]))
-            divs[f].add_turn(reply, e["lps"], *top)
-            greedy[f][r["id"]] = greedy_from_forced(reply, top[0][:, 0])
+        tally_chat(tallies, dists, r, ref[r["id"]]["lps"], top_k)
     lens = [len(r["prompt"]) for r in reqs]
     bf16_b = downlink_bytes_per_prompt_token(WireDtype.BF16, m, lens)
     refs = {r["id"]: r["reply"] for r in reqs}
     rows = []
-    for f in kvs:
+    for f, t in zip(kvs, tallies, strict=True):
         b = downlink_bytes_per_prompt_token(f, m, lens)
         row = {"kv": f.name.lower(), "bytes_per_token": b, "vs_bf16": bf16_b / b if b else 0.0}
-        row |= {**fs.summarize(per[f]), "greedy": fs.greedy_agreement(refs, greedy[f])}
-        rows.append(row | {"divergence": fs.summarize_divergences(divs[f])})
+        rows.append(row | t.measures(refs))
     return rows
 
 
@@ -555,21 +581,13 @@ def main(
     check_greedy: dict[str, list[int]] = {}
     for k in ks:
         teacher = SplitTeacher(model_dir / f"split-k{k}", BLOCK_TOKENS, threads, device, dtype)
-        per_pair = {p: fs.Positions() for p in plist}
-        divs = {p: fs.Divergences() for p in plist}
-        greedy: dict[Any, dict[str, list[int]]] = {p: {} for p in plist}
+        tallies = [Tally() for _ in plist]
         for r in tqdm(reqs, desc=f"teacher-forced k={k}", unit="chat"):
             reply = np.asarray(r["reply"])
             dists = teacher.forced(teacher.head_pass(r["prompt"]), r["reply"], plist)  # [P, n, V]
             ref_lp = dists[0]
-            ref_top = fs.topk(ref_lp, top_k)
             e = ref[r["id"]]  # the reference engine's: its top-2 gaps at the divergences
-            for n, p in enumerate(plist):
-                top = ref_top if n == 0 else fs.topk(dists[n], top_k)
-                own = dists[n][np.arange(len(reply)), reply]  # log-probability of the reference reply's token
-                per_pair[p].add_turn(ref_top, top, own, len(r["prompt"]), kl_full=fs.full_kl(ref_lp, dists[n]))
-                divs[p].add_turn(reply, e["lps"], *top)
-                greedy[p][r["id"]] = greedy_from_forced(reply, top[0][:, 0])
+            ref_top = tally_chat(tallies, dists, r, e["lps"], top_k)
             if k == ks[0]:
                 check.add_turn((e["ids"], e["lps"]), ref_top, ref_lp[np.arange(len(reply)), reply], len(r["prompt"]))
                 check_div.add_turn(reply, e["lps"], *ref_top)
@@ -579,16 +597,10 @@ def main(
         bf16_b = bytes_per_prompt_token((WireDtype.BF16, WireDtype.BF16), manifests[k], lens)
         ids_b = sum(fs.varint_bytes(t) for r in reqs for t in r["prompt"]) / sum(lens)
         refs = {r["id"]: r["reply"] for r in reqs}
-        for p in plist:
+        for p, t in zip(plist, tallies, strict=True):
             b = bytes_per_prompt_token(p, manifests[k], lens)
             row = {"k": k, "pair": label(p), "bytes_per_token": b, "vs_fp32": fp32_b / b, "vs_bf16": bf16_b / b}
-            row |= {
-                "vs_token_ids": b / ids_b,
-                **fs.summarize(per_pair[p]),
-                "greedy": fs.greedy_agreement(refs, greedy[p]),
-                "divergence": fs.summarize_divergences(divs[p]),
-            }
-            rows.append(row)
+            rows.append(row | {"vs_token_ids": b / ids_b} | t.measures(refs))
         del teacher
     dkvs = parse_kvs(downlink_kvs)
     downlink = downlink_rows(hf, reqs, ref, dkvs, m0, threads, device, dtype, top_k) if dkvs else []
