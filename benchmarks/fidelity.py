@@ -2,12 +2,12 @@
 distributions, against the noise of the unquantized system, and what it saves on the wire.
 
 Over the fixed chat set (``benchmarks/data/fidelity_prompts.jsonl``; ``--sample N`` takes every
-``200 / N``-th chat) it runs four stages: fp32 reference replies from a real vLLM engine
+``200 / N``-th chat) it runs five stages: fp32 reference replies from a real vLLM engine
 (``benchmarks.engine_logprobs``), the engines' noise floor (concurrency 4, bf16), each format pair
 teacher-forced in-process (``benchmarks.teacher``), remote prefill's downlink in each KV format
-(``--downlink-kvs``: every layer's KV of the prompt's full blocks, ``RemotePrefillTeacher``), and the
-edge's whole-model graph (``benchmarks.edge_teacher``). The stages, ``--dtype bfloat16``, the measures and the results:
-docs/benchmarks.md, "Wire formats and fidelity"; why teacher forcing and why this floor:
+(``--downlink-kvs``: every layer's KV of the prompt's full blocks, ``RemotePrefillTeacher``), and
+the edge's whole-model graph (``benchmarks.edge_teacher``). The stages, ``--dtype bfloat16``, the
+measures and the results: docs/benchmarks.md, "Wire formats and fidelity"; why teacher forcing and why this floor:
 docs/design-decisions.md, "Wire formats".
 
 Measures per row are ``benchmarks.fidelity_stats``'s; a pair (and the edge row) qualifies
