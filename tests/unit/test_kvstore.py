@@ -173,7 +173,10 @@ def test_seal_format():
 
 def test_redis_store_is_bounded_lru_at_the_server(tmp_path):
     """A server without a bound gets the store's byte bound and volatile-lru at connect (every value
-    but a pinned one has a TTL); writes past it evict the least recently used keys instead of failing."""
+    but a pinned one has a TTL); writes past it evict the least recently used keys instead of failing.
+    Redis's LRU is approximate (it evicts the oldest of a few sampled keys, redis.io "Key eviction"),
+    so a few early keys may outlive later ones: the test asks that the early half is nearly all gone,
+    not that one given early key is."""
     from tests.helpers import RedisServer
 
     server = RedisServer(tmp_path)
@@ -182,7 +185,9 @@ def test_redis_store_is_bounded_lru_at_the_server(tmp_path):
         assert st._r.config_get("maxmemory-policy")["maxmemory-policy"] == "volatile-lru"
         for i in range(200):
             st.put(f"k{i}", bytes(100_000))
-        assert st.contains("k199") and not st.contains("k0")
+        assert st.contains("k199")
+        early_alive = sum(st.contains(f"k{i}") for i in range(100))
+        assert early_alive <= 15, f"{early_alive} of the first 100 keys outlived the bound"
         assert st.volume_bytes() < 8 << 20
     finally:
         server.stop()
