@@ -32,11 +32,15 @@ random prompts of ``--prompt-tokens`` each, started together:
 
 Two rows of one turn through ``LocalEngine`` show what a served turn meets and a steady loop does
 not: ``tandem-engine-idle``, each turn after the engine sat idle ``IDLE_GAP_S``;
-``tandem-engine-new-length``, each turn's prompt one token longer than the last (a prefill shape the
-runtime has not run yet). ``prefill_shapes.md`` (``PREFILL_SHAPES``) times single prefill runs of
-``DecoderGraph`` the first time their shape comes and again: a longer prompt each run, a shorter one
-than a run before, the same new tokens after different held tokens, which tells what ONNX Runtime
-keys its per-shape first-run cost on.
+``tandem-engine-new-length``, each turn's prompt one token longer than the last (a prefill length
+the runtime has not run yet), with the decoder's default prefill plan (``edge.compute.prefill``:
+bucketed on the CUDA provider) and ``tandem-engine-new-length-exact`` with every prefill at its own
+length. Each engine row starts with the engine's own warm-up, as a served edge does.
+``prefill_shapes.md`` (``PREFILL_SHAPES``) times single prefill runs of ``DecoderGraph`` the first
+time their shape comes and again, per prefill plan (``prefill_plans``: exact, padded, bucketed): a
+longer prompt each run, a shorter one than a run before, the same new tokens after different held
+tokens, which tells what ONNX Runtime keys its per-shape first-run cost on and whether a plan's
+fixed shapes take it away.
 
 Columns: ``batch`` (turns decoding together), ``ttft_ms`` (median over turns and repeats, queueing
 behind the other turns' prefills included), ``itl_ms`` (median over every step of every turn and
@@ -64,12 +68,16 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
+from tandem.edge.compute.prefill import CHUNK_TOKENS, PrefillPlan
+from tandem.edge.config import EdgeConfig
+
 app = typer.Typer(add_completion=False, help=__doc__)
 
 # bytes/s, from NVIDIA's datasheets (HBM3 of the H100 SXM 80GB, HBM3e of the H200)
 BANDWIDTH_BPS = {"H100": 3.35e12, "H200": 4.8e12}
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int4": 0.5}
 IDLE_GAP_S = 0.5  # tandem-engine-idle's pause before each turn: longer than an ended stepper thread's linger
+EDGE_KV_BYTES: int = EdgeConfig.model_fields["local_kv_bytes"].default  # the engine's KV bound, as an edge's default
 
 
 def gpu_name() -> str:
@@ -192,47 +200,85 @@ PREFILL_SHAPES: tuple[tuple[str, int, int], ...] = (
 STEPPED_TOKENS = (8, 24)  # new tokens after 64 held, run as one-token decode steps (rows "as decode steps")
 
 
-def time_prefill_shapes(build_dir: Path, vocab_size: int, cuda_graph: bool = True) -> list[dict]:
-    """Each ``PREFILL_SHAPES`` run through ``DecoderGraph`` the first time its shape comes and once
+def prefill_plans(chunk_tokens: int) -> dict[str, PrefillPlan]:
+    """The prefill plans ``prefill_shapes.md`` compares: every run at its own length; padded to the
+    bucketed plan's lengths with the mask over the held and new tokens; the bucketed plan (the
+    mask over the slot's capacity too: the CUDA provider's default)."""
+    bucketed = PrefillPlan.bucketed(chunk_tokens)
+    return {
+        "exact": PrefillPlan.EXACT,
+        "padded": PrefillPlan(chunk_tokens, bucketed.bucket_tokens, capacity_mask=False),
+        "bucketed": bucketed,
+    }
+
+
+def time_prefill_shapes(
+    build_dir: Path, vocab_size: int, plans: dict[str, PrefillPlan], cuda_graph: bool = True
+) -> list[dict]:
+    """Per plan (``DecoderGraph(prefill=plan)``, in a session of its own, its ``warm_prefills``
+    first, timed as ``warm_ms``), each ``PREFILL_SHAPES`` run the first time its shape comes and once
     more on another fresh slot: ``first_ms`` and ``again_ms`` (the run's own time). What a served
-    turn pays for a prefill shape ONNX Runtime has not run yet, and whether it is the new tokens,
-    the held ones or the longest run so far that sets it; then ``STEPPED_TOKENS`` new tokens after
-    64 held run as one-token runs (decode steps, CUDA graphs where on), what a short catch-up costs
-    that way. Two untimed 32-token runs first (the session's first runs)."""
+    turn pays for a prefill shape ONNX Runtime has not run yet, whether it is the new tokens, the
+    held ones or the longest run so far that sets it, and whether a plan's fixed shapes take it
+    away; then ``STEPPED_TOKENS`` new tokens after 64 held run as one-token runs (decode steps,
+    CUDA graphs where on), what a short catch-up costs that way. Two untimed 32-token runs first
+    (the session's first runs). The slots' memory is bounded as the edge's default
+    ``local_kv_bytes`` bounds it (which capacities the warm-up runs)."""
     from tandem.edge.compute.decoder import DecoderGraph
 
-    g = DecoderGraph(build_dir, cuda_graph=cuda_graph)
     ids = [int(x) for x in np.random.default_rng(7).integers(3, min(vocab_size, 32000), 2048)]
-
-    def run(held: int, new: int, stepped: bool = False) -> float:
-        """ms of ``new`` tokens after ``held`` on a fresh slot: one run, or (``stepped``) one per token."""
-        slot = g.new_slot(held + new + 1)
-        for lo in range(0, held, PREFILL_FILL_TOKENS):
-            g.run(slot, ids[lo : min(held, lo + PREFILL_FILL_TOKENS)], greedy=True)
-        chunks = [[t] for t in ids[held : held + new]] if stepped else [ids[held : held + new]]
-        t0 = time.perf_counter()
-        for chunk in chunks:
-            g.run(slot, chunk, greedy=True)
-        return (time.perf_counter() - t0) * 1e3
-
-    run(0, 32)
-    run(0, 32)
-    cases = [(label, held, new, False) for label, held, new in PREFILL_SHAPES]
-    cases += [("as decode steps", 64, new, True) for new in STEPPED_TOKENS]  # a remote prefill's catch-up so
     rows = []
-    for label, held, new, stepped in cases:
-        first = run(held, new, stepped)
-        again = run(held, new, stepped)
-        rows.append({"case": label, "held_tokens": held, "new_tokens": new, "first_ms": first, "again_ms": again})
+    for name, plan in plans.items():
+        g = DecoderGraph(build_dir, cuda_graph=cuda_graph, max_kv_bytes=EDGE_KV_BYTES, prefill=plan)
+
+        def run(held: int, new: int, stepped: bool = False, g: DecoderGraph = g) -> float:
+            """ms of ``new`` tokens after ``held`` on a fresh slot: one run, or (``stepped``) one per token."""
+            slot = g.new_slot(held + new + 1)
+            try:
+                for lo in range(0, held, PREFILL_FILL_TOKENS):
+                    g.run(slot, ids[lo : min(held, lo + PREFILL_FILL_TOKENS)], greedy=True)
+                chunks = [[t] for t in ids[held : held + new]] if stepped else [ids[held : held + new]]
+                t0 = time.perf_counter()
+                for chunk in chunks:
+                    g.run(slot, chunk, greedy=True)
+                return (time.perf_counter() - t0) * 1e3
+            finally:
+                g.release(slot)
+
+        t0 = time.perf_counter()
+        warmed = g.warm_prefills()
+        warm_ms = (time.perf_counter() - t0) * 1e3
+        run(0, 32)
+        run(0, 32)
+        cases = [(label, held, new, False) for label, held, new in PREFILL_SHAPES]
+        cases += [("as decode steps", 64, new, True) for new in STEPPED_TOKENS]  # a remote prefill's catch-up so
+        for label, held, new, stepped in cases:
+            first = run(held, new, stepped)
+            again = run(held, new, stepped)
+            rows.append(
+                {"plan": name, "case": label, "held_tokens": held, "new_tokens": new, "first_ms": first}
+                | {"again_ms": again, "warm_ms": warm_ms, "warmed_capacities": warmed}
+            )
+        del g
     return rows
 
 
 def prefill_markdown(rows: list[dict]) -> str:
-    lines = ["| case | held tokens | new tokens | first run ms | same shape again ms |", "|---|---|---|---|---|"]
+    """The plans' rows, then one line per plan with its warm-up."""
+    lines = [
+        "| plan | case | held tokens | new tokens | first run ms | same shape again ms |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
-            f"| {r['case']} | {r['held_tokens']} | {r['new_tokens']} | {r['first_ms']:.2f} | {r['again_ms']:.2f} |"
+            f"| {r['plan']} | {r['case']} | {r['held_tokens']} | {r['new_tokens']} | {r['first_ms']:.2f} "
+            f"| {r['again_ms']:.2f} |"
         )
+    warm = {r["plan"]: r for r in rows}
+    lines.append("")
+    for name, r in warm.items():
+        caps = ", ".join(str(c) for c in r["warmed_capacities"]) or "none"
+        lines.append(f"- {name}: warm-up {r['warm_ms']:.0f} ms (KV capacities {caps})")
     return "\n".join(lines) + "\n"
 
 
@@ -291,10 +337,13 @@ def time_engine(
     repeats: int,
     gap_s: float = 0.0,
     new_lengths: bool = False,
+    prefill: PrefillPlan | None = None,
 ) -> dict:
-    """``len(prompts)`` turns through ``LocalEngine`` at once, every repeat (one warm-up first);
-    ``gap_s``: the engine idle this long before each repeat; ``new_lengths``: each repeat's prompts
-    one token longer than the last's (shapes the runtime has not run yet)."""
+    """``len(prompts)`` turns through ``LocalEngine`` at once, every repeat, after the engine's own
+    warm-up (``LocalEngine.warmup``, as a served edge starts) and one untimed repeat; ``gap_s``: the
+    engine idle this long before each repeat; ``new_lengths``: each repeat's prompts one token
+    longer than the last's (shapes the runtime has not run yet); ``prefill``: the decoder's plan
+    (None: its default, ``PrefillPlan.bucketed`` on the CUDA provider)."""
     import asyncio
 
     from tandem.common.model.prepare import model_shape
@@ -302,13 +351,15 @@ def time_engine(
     from tandem.edge.compute.decoder import DecoderGraph
     from tandem.edge.compute.local import LocalEngine
 
-    engine = LocalEngine(DecoderGraph(build_dir), model_shape(json.loads((hf / "config.json").read_text())), ())
+    graph = DecoderGraph(build_dir, max_kv_bytes=EDGE_KV_BYTES, prefill=prefill)
+    engine = LocalEngine(graph, model_shape(json.loads((hf / "config.json").read_text())), ())
     sampling = Sampling(max_new_tokens=new_tokens, ignore_eos=True)
 
     async def one(ids: list[int]) -> list[float]:
         return [time.perf_counter() async for _ in engine.generate(ids, sampling)]
 
     async def timed() -> list[tuple[float, list[list[float]]]]:
+        await engine.warmup()
         out = []
         for r in range(repeats + 1):
             await asyncio.sleep(gap_s)
@@ -470,6 +521,9 @@ def main(
     bandwidth_gbs: Annotated[float, typer.Option(help="memory bandwidth for the floor (GB/s; 0: datasheet)")] = 0.0,
     name: Annotated[str, typer.Option(help="model name in the table (default: the folder's)")] = "",
     batch_sizes: Annotated[str, typer.Option(help="turns decoding together, comma-separated ('' for none)")] = "1",
+    prefill_chunk_tokens: Annotated[
+        int, typer.Option(help="prefill_shapes.md: the padded plans' chunk (their lengths: powers of two up to it)")
+    ] = CHUNK_TOKENS,
 ) -> None:
     """Time the edge's runtimes on one checkpoint (module doc)."""
     from tandem.common.model.builder_export import build_decoder
@@ -519,6 +573,8 @@ def main(
     runs.append(("tandem-engine-idle", precision, idle))
     lengths = partial(time_engine, build_dir, hf, lone, new_tokens, repeats, new_lengths=True)
     runs.append(("tandem-engine-new-length", precision, lengths))
+    exact = partial(lengths, prefill=PrefillPlan.EXACT)  # every prefill at its own length
+    runs.append(("tandem-engine-new-length-exact", precision, exact))
     batches = [int(b) for b in batch_sizes.split(",") if b.strip()]
     batch_of: dict[int, int] = {}  # index in runs -> turns decoding together, for the batched runs
     if any(b < 1 for b in batches):
@@ -549,7 +605,7 @@ def main(
             r["vs_genai"] = r["itl_ms"] / genai
     print("timing prefill shapes ...", file=sys.stderr, flush=True)
     try:
-        shapes = time_prefill_shapes(build_dir, cfg["vocab_size"])
+        shapes = time_prefill_shapes(build_dir, cfg["vocab_size"], prefill_plans(prefill_chunk_tokens))
     except Exception as e:  # reported like a failed runtime; the tables above still stand
         shapes = [{"error": f"{type(e).__name__}: {e}"}]
     meta = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeats": repeats, "device": device}

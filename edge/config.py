@@ -10,7 +10,7 @@ file > defaults (in code: keyword arguments > environment > config file > defaul
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -75,6 +75,15 @@ class EdgeConfig(DaemonSettings):
         description="Run each split's head as ONNX Runtime GenAI's model builder wrote it (`split-k<k>/head-builder/`, "
         "checked against HF by `tandem-model`) where its manifest names one; else, or when false, tandem's torch.onnx "
         "export `head.onnx`. The log says which head each split runs and why.",
+    )
+    prefill_shapes: Literal["auto", "exact", "bucketed"] = Field(
+        default="auto",
+        description="How the model builder's graphs (the whole model and the builder heads) shape runs of several "
+        "new tokens: `bucketed` cuts them into runs of at most 512 tokens, pads each to 4, 8, ..., 512 tokens and "
+        "binds the attention mask over the KV slot, and the warm-up runs each of those shapes once, so that a prompt "
+        "or remote prefill's catch-up never pays ONNX Runtime's first run of a new shape (tens of ms on the CUDA "
+        "provider); `exact` runs each at its own length; `auto`: `bucketed` on the CUDA provider, `exact` on the CPU "
+        "(which has no such cost, and where the padding would cost compute).",
     )
     local: bool = Field(
         default=True,

@@ -34,6 +34,7 @@ from tandem.edge.compute.batcher import HeadBatcher
 from tandem.edge.compute.builder_head import open_head
 from tandem.edge.compute.head import HeadInput
 from tandem.edge.compute.local import LocalEngine
+from tandem.edge.compute.prefill import prefill_plan
 from tandem.edge.config import EdgeConfig
 from tandem.edge.link.connection import CloudConnection, CloudTarget
 from tandem.edge.link.discovery import DnsResolver, parse_dns_target
@@ -134,7 +135,16 @@ async def load_heads(cfg: EdgeConfig, manifests: list[SplitManifest], cost: Cost
     for m, d in zip(manifests, (cfg.split_dir, *cfg.extra_split_dirs), strict=True):
         if not m.split_layer:  # a direct manifest: no head
             continue
-        batcher = HeadBatcher(open_head(d, cfg.builder_head, cfg.intra_op_threads), cfg.max_batch)
+        runner = open_head(d, cfg.builder_head, cfg.intra_op_threads, prefill_plan(cfg.prefill_shapes))
+        warm_prefills = getattr(runner, "warm_prefills", None)
+        if warm_prefills is not None:  # before the batcher's thread runs it: one thread at a time
+            t0 = time.perf_counter()
+            caps = await asyncio.to_thread(warm_prefills)
+            if caps:
+                log.info(
+                    "split %s: prefill shapes run on KV capacities %s in %.1f s", d, caps, time.perf_counter() - t0
+                )
+        batcher = HeadBatcher(runner, cfg.max_batch)
         batcher.start()
         heads.append(Head(batcher, m.compatibility_key()))
         warm = np.arange(WARMUP_TOKENS, dtype=np.int64) % m.shape.vocab_size
@@ -208,6 +218,7 @@ async def load_local(
         cfg.session_bytes,
         cfg.session_idle_s,
         kv_bytes=cfg.local_kv_bytes,
+        prefill=prefill_plan(cfg.prefill_shapes),
     )
     await local.warmup()  # the first rates, which the cost model reads from the engine
     log.info(

@@ -28,6 +28,7 @@ import numpy as np
 from tandem.common.model.builder_head import HIDDEN, head_problem
 from tandem.common.protocol.manifest import SplitManifest
 from tandem.edge.compute.head import HeadInput, HeadOutput, HeadRunner, OnnxHead, check_row
+from tandem.edge.compute.prefill import PrefillPlan
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,16 @@ log = logging.getLogger(__name__)
 class BuilderHead:
     """The builder's head of one split directory in a ``DecoderGraph``."""
 
-    def __init__(self, split_dir: Path, providers: list[Any] | None = None, intra_op_threads: int = 0) -> None:
-        """Raises:
+    def __init__(
+        self,
+        split_dir: Path,
+        providers: list[Any] | None = None,
+        intra_op_threads: int = 0,
+        prefill: PrefillPlan | None = None,
+    ) -> None:
+        """``prefill``: the graph's prefill shapes (``DecoderGraph``; None: its default).
+
+        Raises:
         ValueError: the manifest names no builder head, the head failed its check
             (``builder_head.head_problem``), or its graph's shape is not the manifest's.
         What ``DecoderGraph`` raises for a bad folder or file."""
@@ -52,7 +61,7 @@ class BuilderHead:
         if problem:
             raise ValueError(problem)
         self.path = path
-        self.graph = DecoderGraph(path, providers, intra_op_threads, cuda_graph=False)
+        self.graph = DecoderGraph(path, providers, intra_op_threads, cuda_graph=False, prefill=prefill)
         g = self.graph.spec
         got = (g.num_layers, g.num_kv_heads, g.head_dim, g.hidden_size)
         if got != (self.k, self.hkv, self.d, self.h):
@@ -63,6 +72,11 @@ class BuilderHead:
     @property
     def providers(self) -> list[str]:
         return self.graph.providers
+
+    def warm_prefills(self) -> list[int]:
+        """Run each of the graph's padded prefill lengths once (``DecoderGraph.warm_prefills``);
+        call it before the head serves, from the thread that runs it."""
+        return self.graph.warm_prefills()
 
     def run(self, rows: list[HeadInput]) -> list[HeadOutput]:
         """Each row alone, in order (see the module: one ONNX Runtime call per row); every row is
@@ -98,9 +112,12 @@ def builder_head_path(split_dir: Path, manifest: SplitManifest) -> Path | None:
     return manifest.resolve(split_dir, manifest.builder_head) if manifest.builder_head else None
 
 
-def open_head(split_dir: Path, builder: bool = True, intra_op_threads: int = 0) -> HeadRunner:
-    """The head of ``split_dir``: with ``builder``, the model builder's (``BuilderHead``) where the
-    manifest names one that passed its check, else tandem's torch.onnx export (``OnnxHead``). Which
+def open_head(
+    split_dir: Path, builder: bool = True, intra_op_threads: int = 0, prefill: PrefillPlan | None = None
+) -> HeadRunner:
+    """The head of ``split_dir``: with ``builder``, the model builder's (``BuilderHead``, its
+    ``prefill`` shapes) where the manifest names one that passed its check, else tandem's torch.onnx
+    export (``OnnxHead``). Which
     one is logged, and why not the builder's: at info level where the manifest names none (the
     reason preparation recorded, or none tried), as a warning where the one it names cannot serve
     (missing, failed its check, another shape)."""
@@ -110,7 +127,7 @@ def open_head(split_dir: Path, builder: bool = True, intra_op_threads: int = 0) 
         why = manifest.builder_head_note or "no builder head was prepared (tandem-model builds one)"
         if manifest.builder_head:
             try:
-                head = BuilderHead(split_dir, intra_op_threads=intra_op_threads)
+                head = BuilderHead(split_dir, intra_op_threads=intra_op_threads, prefill=prefill)
             except (ValueError, FileNotFoundError) as e:
                 log.warning("split %s: the torch.onnx head (head.onnx): %s", split_dir, e)
                 return OnnxHead(split_dir, intra_op_threads=intra_op_threads)

@@ -99,6 +99,7 @@ from tandem.edge.compute.decoder_batch import (
     shrink_rows,
 )
 from tandem.edge.compute.localmodel import Draw
+from tandem.edge.compute.prefill import PrefillPlan
 
 log = logging.getLogger(__name__)
 
@@ -479,6 +480,22 @@ class _SamplerGraph:
         return b.get_outputs()[0].numpy()[:, 0]
 
 
+@dataclass(frozen=True)
+class DeviceRows:
+    """The first rows of a device tensor, as the sampler binds them (its ``data_ptr`` and
+    ``shape``, as an ``OrtValue`` answers them): a padded prefill's logits ``[1, W, V]`` seen as
+    ``[1, S, V]``, so that the row sampled is the last real one."""
+
+    address: int
+    dims: list[int]
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    def shape(self) -> list[int]:
+        return list(self.dims)
+
+
 @dataclass
 class _SamplerBinding:
     """A kept sampler binding: the IO binding, its ``sampling`` input ``[rows, 4]`` and ``sampled_ids``
@@ -514,6 +531,7 @@ class DecoderGraph:
         max_kv_bytes: int | None = None,
         idle_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        prefill: PrefillPlan | None = None,
     ) -> None:
         """``providers``: ONNX Runtime's (default: CUDA where onnxruntime-gpu has a GPU, then CPU);
         ``cuda_graph``: capture each slot's decode step as a CUDA graph on the CUDA provider (fp32
@@ -523,7 +541,9 @@ class DecoderGraph:
         graph is captured, never where one is (ONNX Runtime keeps a freed buffer set's graph and
         its arena keeps the memory, so giving buffers back by idleness would only make the next
         session capture another graph; the ``max_kv_bytes`` bound still frees them when it needs
-        room).
+        room); ``prefill``: how runs of more than one new token are cut and padded
+        (``edge.compute.prefill``; default: ``PrefillPlan.bucketed()`` on the CUDA provider,
+        ``PrefillPlan.EXACT`` elsewhere).
 
         Raises:
             ValueError: ``max_kv_bytes`` < 1.
@@ -542,6 +562,7 @@ class DecoderGraph:
         self.on_cuda = "CUDAExecutionProvider" in self.session.get_providers()
         self.cuda_graph = self.on_cuda and cuda_graph
         self.device = "cuda" if self.on_cuda else "cpu"
+        self.prefill = prefill if prefill is not None else PrefillPlan.bucketed() if self.on_cuda else PrefillPlan.EXACT
         types = {i.name: i.type for i in self.session.get_inputs()}
         self.kv_type = types[self.spec.past_names()[0]]
         # a head (``common.model.builder_head``) has no logits: its rows output is ``hidden``
@@ -673,45 +694,66 @@ class DecoderGraph:
         if n == 1 and slot.pool is None and self._may_capture(slot.binding is not None):
             token, logits = self._decode_step(slot, new_ids[0], greedy, draw)
         else:
-            token, logits = self._run_unbound(slot, new_ids, greedy, draw)
+            token, logits = self._run_unbound(slot, t, new_ids, greedy, draw)
         slot.tokens = t + n
         return token, logits, (time.perf_counter() - t0) * 1e3
 
     def _run_unbound(
-        self, slot: KVSlot, new_ids: list[int], greedy: bool, draw: Draw | None = None
+        self, slot: KVSlot, held: int, new_ids: list[int], greedy: bool, draw: Draw | None = None
     ) -> tuple[int | None, np.ndarray | None]:
-        """A run with a fresh binding: the prefill, or every run where no CUDA graph is captured.
-        The mask is bound over the held and new tokens only (``[1, T + S]``)."""
+        """Runs with a fresh binding of ``new_ids`` after ``held`` tokens: a prefill (cut and padded
+        by ``prefill``), or every run where no CUDA graph is captured. Only the last piece's output
+        is read."""
         want_token = greedy and self.has_next_token
-        b, logits = self._run_bound(slot, new_ids, NEXT_TOKEN if want_token else None)
+        *first, last = self._pieces(held, new_ids)
+        for at, piece in first:
+            self._run_bound(slot, at, piece, NEXT_TOKEN if self.has_next_token else None)
+        at, piece = last
+        b, logits, rows = self._run_bound(slot, at, piece, NEXT_TOKEN if want_token else None)
         if logits is None:
-            return int(b.get_outputs()[-1].numpy()[0, -1]), None  # outputs come back in the order they were bound
+            # outputs come back in the order they were bound
+            return int(b.get_outputs()[-1].numpy()[0, rows - 1]), None
         if self._samples(greedy, draw):
-            return int(self._sample(logits, 1, self._sampling_rows([draw], 1, [0]))[0]), None
-        return None, _last_row(_as_float32(logits))
+            first_rows = DeviceRows(logits.data_ptr(), [1, rows, self.spec.vocab_size])
+            return int(self._sample(first_rows, 1, self._sampling_rows([draw], 1, [0]))[0]), None
+        return None, np.asarray(_as_float32(logits)[0, rows - 1], np.float32)
+
+    def _pieces(self, held: int, new_ids: list[int]) -> list[tuple[int, list[int]]]:
+        """``new_ids`` cut into ``prefill``'s runs: ``(held tokens before it, its ids)`` each."""
+        out, at = [], held
+        for n in self.prefill.pieces(len(new_ids)):
+            out.append((at, new_ids[at - held : at - held + n]))
+            at += n
+        return out
 
     def _run_bound(
-        self, slot: KVSlot, new_ids: list[int], token_output: str | None, rows_output: str = "logits"
-    ) -> tuple[Any, Any]:
-        """One uncaptured run of ``new_ids`` after the slot's held tokens (whose mask ``_begin`` set):
-        the ids and the mask over the held and new tokens (``[1, T + S]``) from the host, the KV
-        bound as past and present, and as output either the argmax token (``token_output``) or the
-        ``rows_output`` (the logits, or a head's hidden state) of every new token, on the device.
-        Returns the binding and that tensor (``None`` with a token output)."""
-
-        total = slot.tokens + len(new_ids)
+        self, slot: KVSlot, held: int, new_ids: list[int], token_output: str | None, rows_output: str = "logits"
+    ) -> tuple[Any, Any, int]:
+        """One uncaptured run of ``new_ids`` (``S`` tokens) after ``held`` tokens, padded on the right
+        to ``prefill.width`` (``W >= S``; the padding repeats the last id and is computed as if held,
+        unseen by the real tokens: causal attention): the ids and the mask (ones over ``held + W``,
+        bound ``[1, held + W]``, or ``[1, C]`` with ``prefill.capacity_mask``) from the host, the KV
+        bound as past and present, and as output either the argmax token of each row
+        (``token_output``) or the ``rows_output`` (the logits, or a head's hidden state) of every
+        row, on the device. Returns the binding, that tensor (``None`` with a token output) and
+        ``S``: the real rows are the first ``S``."""
+        n = len(new_ids)
+        width = self.prefill.width(n, slot.capacity_tokens - held)
+        ids = [*new_ids, *[new_ids[-1]] * (width - n)]
+        mask = np.zeros((1, slot.capacity_tokens if self.prefill.capacity_mask else held + width), np.int64)
+        mask[0, : held + width] = 1
         b = self.session.io_binding()
-        b.bind_cpu_input("input_ids", np.asarray([new_ids], np.int64))
-        b.bind_cpu_input("attention_mask", np.ascontiguousarray(slot.mask_host[:, :total]))
+        b.bind_cpu_input("input_ids", np.asarray([ids], np.int64))
+        b.bind_cpu_input("attention_mask", mask)
         self._bind_kv(b, slot)
         logits = None
         if token_output is not None:
             b.bind_output(token_output, "cpu")
         else:
-            logits = self._empty_logits(len(new_ids), rows_output)
+            logits = self._empty_logits(width, rows_output)
             self._bind(b, rows_output, logits, self.output_types[rows_output], output=True)
         self.session.run_with_iobinding(b, _run_options(-1 if self.cuda_graph else None))
-        return b, logits
+        return b, logits, n
 
     def run_rows(self, slot: KVSlot, new_ids: list[int], output: str = "logits") -> np.ndarray:
         """``run`` that returns the graph's ``output`` of every new token, float32 on the host,
@@ -722,9 +764,41 @@ class DecoderGraph:
             InvalidRequest: as ``run``."""
         self._tick()
         t = self._begin(slot, len(new_ids))
-        _, logits = self._run_bound(slot, new_ids, None, rows_output=output)
+        rows = []
+        for at, piece in self._pieces(t, new_ids):
+            _, out, n = self._run_bound(slot, at, piece, None, rows_output=output)
+            rows.append(_as_float32(out)[0, :n])
         slot.tokens = t + len(new_ids)
-        return _as_float32(logits)[0]
+        return rows[0] if len(rows) == 1 else np.concatenate(rows)
+
+    def warm_prefills(self) -> list[int]:
+        """Run each of ``prefill``'s padded lengths once on a slot of each capacity a served turn
+        is likely to hold (the first slot capacity and ``plan_warm_capacities``'s, up to
+        ``WARM_MAX_TOKENS``; the first alone where the mask is not bound over the capacity: the
+        shapes are the same on every capacity then), so that ONNX Runtime has run every shape a
+        served prefill runs. Returns the capacities warmed (none with ``PrefillPlan.EXACT``); one
+        the memory bound refuses (``QuotaExceeded``) ends the warm-up there. Nothing is held
+        afterwards (the slots become spares)."""
+        first = next(self._capacities())
+        caps = [first, *self._planned_capacities()] if self.prefill.capacity_mask else [first]
+        warmed: list[int] = []
+        for cap in caps:
+            shapes = self.prefill.shapes(cap)
+            if not shapes:
+                continue
+            try:
+                slot = self.new_kv(cap)
+            except QuotaExceeded as e:
+                log.info("prefill shapes not run past KV capacity %s: %s", warmed[-1] if warmed else "-", e)
+                break
+            try:
+                for width in shapes:
+                    self.truncate(slot, 0)
+                    self.run(slot, [(1 + 7919 * i) % self.spec.vocab_size for i in range(width)], greedy=True)
+            finally:
+                self.release(slot)
+            warmed.append(cap)
+        return warmed
 
     def _begin(self, slot: KVSlot, n: int) -> int:
         """Ready ``slot`` for ``n`` new tokens: where its pool row (or own buffers) cannot hold them,
@@ -1357,8 +1431,11 @@ class DecoderGraph:
         over this model's slot capacities up to ``WARM_MAX_TOKENS`` (the last one cut to the model's
         positions included), within half of ``max_kv_bytes`` (a warmed capacity keeps a pool row
         and a spare slot of its buffers, which later turns reuse with their graphs)."""
-        if not self.cuda_graph:
-            return []
+        return self._planned_capacities() if self.cuda_graph else []
+
+    def _planned_capacities(self) -> list[int]:
+        """``plan_warm_capacities`` over this model's slot capacities up to ``WARM_MAX_TOKENS`` (the
+        last one cut to the model's positions included), within half of ``max_kv_bytes``."""
         budget = math.inf if self.memory.max_bytes is None else self.memory.max_bytes / 2
         caps = [c for c in self._capacities() if c <= WARM_MAX_TOKENS]
         return plan_warm_capacities(caps, self._session_nbytes, budget)

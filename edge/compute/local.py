@@ -62,6 +62,7 @@ from tandem.common.runtime.ewma import Ewma
 from tandem.common.runtime.lru import RememberingLRU
 from tandem.edge.compute.localkv import KV, blocks_from_past, past_from_blocks
 from tandem.edge.compute.localmodel import BoundedKVModel, Draw, LocalModel, OnnxForward, check_past
+from tandem.edge.compute.prefill import PrefillPlan
 from tandem.edge.compute.stepper import LINGER_S, Mailbox, Stepper
 
 __all__ = ["KV", "LocalEngine", "LocalGenerator", "LocalSession", "LocalSessions", "LocalToken", "load_local_model"]
@@ -298,12 +299,13 @@ def load_local_model(
     providers: Sequence[str] | None = None,
     kv_device: str = "auto",
     kv_bytes: int | None = None,
+    prefill: PrefillPlan | None = None,
 ) -> LocalModel:
     """The whole model at ``path``: a folder built by ONNX Runtime GenAI's model builder
     (``genai_config.json``: ``edge.compute.decoder.DecoderGraph``; a CPU build runs on the CPU provider
     unless ``providers`` says otherwise; ``kv_bytes`` bounds the memory of its KV buffers, None: no
-    bound) or tandem's ``edge-full.onnx`` (``edge.compute.localmodel.OnnxForward``; ``kv_device``
-    applies to it alone).
+    bound; ``prefill``: its ``PrefillPlan``, None: the decoder's default) or tandem's
+    ``edge-full.onnx`` (``edge.compute.localmodel.OnnxForward``; ``kv_device`` applies to it alone).
 
     Raises:
         ValueError: see ``OnnxForward`` and ``DecoderGraph``; a builder folder whose shape is not
@@ -318,7 +320,7 @@ def load_local_model(
         if providers is None and load_build(Path(path)).execution_provider == "cpu":
             providers = ["CPUExecutionProvider"]  # a CPU build (fp32 GroupQueryAttention) runs where it was built for
         listed = list(providers) if providers else None
-        graph = DecoderGraph(Path(path), listed, intra_op_threads, max_kv_bytes=kv_bytes)
+        graph = DecoderGraph(Path(path), listed, intra_op_threads, max_kv_bytes=kv_bytes, prefill=prefill)
         sp = graph.spec
         got = (sp.num_layers, sp.num_kv_heads, sp.head_dim, sp.vocab_size)
         want = (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.vocab_size)
@@ -357,20 +359,21 @@ class LocalEngine:
         providers: Sequence[str] | None = None,
         kv_device: str = "auto",
         kv_bytes: int | None = None,
+        prefill: PrefillPlan | None = None,
     ) -> None:
         """``model``: a ``LocalModel``, or a path ``load_local_model`` loads (with
         ``intra_op_threads``, ONNX Runtime's (0 = its default); ``providers``, its execution providers
         (default: CUDA where onnxruntime-gpu has a GPU, then CPU); ``kv_device``, see
-        ``OnnxForward``; ``kv_bytes``, the builder graph's bound on its KV buffers, see
-        ``DecoderGraph``); ``session_bytes``: bound on the KV bytes of all sessions (what each holds:
-        ``LocalSession.nbytes``);
-        ``session_idle_s``: a session unused this long is dropped.
+        ``OnnxForward``; ``kv_bytes``, the builder graph's bound on its KV buffers, and ``prefill``,
+        its prefill shapes, see ``DecoderGraph``); ``session_bytes``: bound on the KV bytes of all
+        sessions (what each holds: ``LocalSession.nbytes``); ``session_idle_s``: a session unused
+        this long is dropped.
 
         Raises:
             What ``load_local_model`` raises.
         """
         if isinstance(model, Path | str):
-            model = load_local_model(Path(model), shape, intra_op_threads, providers, kv_device, kv_bytes)
+            model = load_local_model(Path(model), shape, intra_op_threads, providers, kv_device, kv_bytes, prefill)
         self.model = model
         self._init_state(shape, eos_token_ids, LocalSessions(max_sessions, session_bytes, session_idle_s))
 
@@ -890,7 +893,8 @@ class LocalEngine:
         capacity's decode graph is set up before a served turn needs it (as vLLM captures its CUDA
         graphs at start-up). A capacity that no turn within the engine's positions reaches, or that
         the engine refuses (``QuotaExceeded``, ``TurnTooLarge``, ``InvalidRequest``), ends that part,
-        logged; the edge starts without it.
+        logged; the edge starts without it. Last, a model with a fixed set of prefill shapes
+        (``DecoderGraph.warm_prefills``, ``edge.compute.prefill``) runs each of them once.
         Stateless."""
         n = max(2, min(n_tokens, self.shape.max_position_embeddings - WARMUP_DECODE_STEPS))
         ids = [(1 + 7919 * i) % self.shape.vocab_size for i in range(n)]
@@ -914,6 +918,12 @@ class LocalEngine:
             warmed.append(cap)
         if warmed:
             log.info("decode graphs set up for KV capacities %s in %.1f s", warmed, time.perf_counter() - t0)
+        warm_prefills: Callable[[], list[int]] | None = getattr(self.model, "warm_prefills", None)
+        if warm_prefills is not None:
+            t0 = time.perf_counter()
+            caps, _ = await self._run_job(warm_prefills)
+            if caps:
+                log.info("prefill shapes run on KV capacities %s in %.1f s", caps, time.perf_counter() - t0)
 
     async def _warm_turn(self, ids: list[int], tokens: int) -> None:
         """A stateless turn of ``ids`` whose prompt and ``max_new_tokens`` come to ``tokens`` (its KV

@@ -27,6 +27,7 @@ from tandem.common.protocol.errors import InvalidRequest
 from tandem.common.protocol.manifest import EngineAgreement, SplitManifest
 from tandem.edge.compute.builder_head import BuilderHead, open_head
 from tandem.edge.compute.head import HeadInput, OnnxHead
+from tandem.edge.compute.prefill import PrefillPlan
 from tests.references import head_close as close
 from tests.references import hf_head_run as hf_run
 
@@ -82,7 +83,18 @@ def test_the_rewired_graph_outputs_the_residual_without_the_final_norm(built_spl
     assert cfg["num_hidden_layers"] == K
 
 
-def test_prefill_and_a_second_call_with_past_equal_hf(head, hf_model):
+@pytest.fixture(scope="module")
+def planned_head(built_split):
+    """The head with its runs cut into 16 tokens and padded to 4, 8 or 16, the mask over the slot
+    (the CUDA provider's ``PrefillPlan.bucketed`` at a size these rows cross)."""
+    return BuilderHead(built_split, prefill=PrefillPlan(16, (4, 8, 16), capacity_mask=True))
+
+
+@pytest.mark.parametrize("which", ["exact", "chunked and padded"])
+def test_prefill_and_a_second_call_with_past_equal_hf(head, planned_head, hf_model, which):
+    """40 new tokens, then 9 after them (with the plan: runs of 16, 16 and 8, then 9 padded to 16):
+    the hidden state and the KV of the real tokens are HF's."""
+    head = head if which == "exact" else planned_head
     rng = np.random.default_rng(3)
     a, b = rng.integers(0, 49152, 40).tolist(), rng.integers(0, 49152, 9).tolist()
     first = head.run([HeadInput(np.array(a))])[0]

@@ -16,6 +16,7 @@ from tandem.common.model.builder_export import BuilderFailed, add_next_token, bu
 from tandem.common.protocol.chat import prompt_token_ids
 from tandem.common.protocol.errors import InvalidRequest
 from tandem.edge.compute.decoder import NEXT_TOKEN, DecoderGraph, _as_float32, _held
+from tandem.edge.compute.prefill import PrefillPlan
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -39,6 +40,14 @@ def build(hf_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def graph(build):
     return DecoderGraph(build, providers=["CPUExecutionProvider"], intra_op_threads=2)
+
+
+@pytest.fixture(scope="module")
+def planned(build):
+    """The same build with prefills cut into runs of 16 tokens, padded to 4, 8 or 16, the mask over
+    the capacity: the CUDA provider's plan (``PrefillPlan.bucketed``) at a size these prompts cross."""
+    plan = PrefillPlan(chunk_tokens=16, bucket_tokens=(4, 8, 16), capacity_mask=True)
+    return DecoderGraph(build, providers=["CPUExecutionProvider"], intra_op_threads=2, prefill=plan)
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +189,84 @@ def test_released_slots_serve_the_next_session_with_their_graph(graph):
     graph.release(b)  # twice: nothing more
 
 
+def test_the_cpu_build_runs_every_prefill_at_its_own_length(graph):
+    assert graph.prefill == PrefillPlan.EXACT and graph.warm_prefills() == []
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_chunked_padded_prefills_equal_hf_and_hold_only_the_real_tokens(planned, hf_model, prompts, which):
+    """A prompt cut into 16-token runs, its last run padded, then tokens decoded: the greedy tokens
+    are HF's; the slot holds the real tokens only (its mask and ``tokens``), and the KV of every
+    held token is what an exact run computes."""
+    ids = prompts[which]
+    assert len(ids) > 16 and len(ids) % 16 not in (0, 4, 8)  # a chunk and a padded last run
+    slot = planned.new_slot(len(ids) + MAX_NEW)
+    got, new = [], ids
+    for _ in range(MAX_NEW):
+        tok, _, _ = planned.run(slot, new, greedy=True)
+        got.append(tok)
+        new = [tok]
+    assert got == hf_greedy(hf_model, ids, MAX_NEW)
+    held = len(ids) + MAX_NEW - 1
+    assert slot.tokens == held and slot.mask_host[0, :held].all() and not slot.mask_host[0, held:].any()
+    exact = DecoderGraph(planned.spec.path.parent, providers=["CPUExecutionProvider"], intra_op_threads=2)
+    ref = exact.new_slot(held)
+    exact.run(ref, [*ids, *got[:-1]], greedy=True)
+    for a, b in zip(planned.read_kv(slot), exact.read_kv(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_padded_runs_after_held_tokens_give_hf_logits_rows_and_samples(planned, hf_model, prompts):
+    """Runs of 2, 5 and 11 tokens after held ones (a remote prefill's catch-ups), each padded: the
+    logits path, the rows path and the argmax path read the last real row, as HF computes it."""
+    ids = prompts[1]
+    ref = hf_logits(hf_model, ids)
+    tol = 1e-3 * max(1.0, np.abs(ref).max())
+    slot = planned.new_slot(len(ids))
+    at = len(ids) - 18
+    planned.run(slot, ids[:at], greedy=True)
+    for n, path in ((2, "logits"), (5, "rows"), (11, "argmax")):
+        piece = ids[at : at + n]
+        if path == "logits":
+            none, logits, _ = planned.run(slot, piece, greedy=False)
+            assert none is None and np.abs(logits - ref[at + n - 1]).max() <= tol
+        elif path == "rows":
+            rows = planned.run_rows(slot, piece)
+            assert rows.shape == (n, planned.spec.vocab_size) and np.abs(rows - ref[at : at + n]).max() <= tol
+        else:
+            tok, _, _ = planned.run(slot, piece, greedy=True)
+            assert tok == int(np.argmax(ref[at + n - 1]))
+        at += n
+        assert slot.tokens == at and not slot.mask_host[0, at:].any()
+
+
+def test_a_run_without_room_for_its_padding_runs_at_its_own_length(planned, hf_model, prompts):
+    """A slot of 256 tokens holding 251: the next 3 tokens would pad to 4 past its end, so they
+    run at their own length; the logits are HF's."""
+    ids = (prompts[0] * 30)[:254]
+    slot = planned.new_slot(256)
+    assert slot.capacity_tokens == 256
+    planned.run(slot, ids[:251], greedy=True)
+    _, logits, _ = planned.run(slot, ids[251:], greedy=False)
+    ref = hf_logits(hf_model, ids)[-1]
+    assert slot.capacity_tokens == 256 and slot.tokens == 254
+    assert np.abs(logits - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
+
+
+def test_the_warm_up_runs_each_padded_length_on_each_capacity_and_holds_nothing(build):
+    plan = PrefillPlan(chunk_tokens=8, bucket_tokens=(4, 8), capacity_mask=True)
+    g = DecoderGraph(
+        build, providers=["CPUExecutionProvider"], intra_op_threads=2, prefill=plan, max_kv_bytes=256 << 20
+    )
+    caps = g.warm_prefills()
+    assert caps[0] == 256 and caps == [256, *g._planned_capacities()] and len(caps) > 1
+    assert all(s.tokens == 0 for spares in g._free.values() for s in spares)
+    held = sum(s.own_nbytes() for spares in g._free.values() for s in spares)
+    assert g.memory.held_bytes == held  # only spares: no session holds anything
+    narrow = DecoderGraph(build, providers=["CPUExecutionProvider"], prefill=PrefillPlan(4, (4,), capacity_mask=False))
+    assert narrow.warm_prefills() == [256]  # the shapes do not depend on the capacity: one is enough
+
+
 def test_bfloat16_storage_round_trips_and_rounds_to_nearest_even():
     import onnxruntime as ort
 
@@ -220,6 +307,7 @@ def test_edge_benchmark_smoke(build, hf_dir, tmp_path):
     out = tmp_path / "edge"
     args = ["--hf", str(hf_dir), "--out", str(out), "--build-dir", str(build)]
     small = ["--prompt-tokens", "8", "--new-tokens", "3", "--repeats", "1", "--batch-sizes", "1,3"]
+    small += ["--prefill-chunk-tokens", "16"]
     r = CliRunner().invoke(app, [*args, *small])
     assert r.exit_code == 0, r.output
     rows = json.loads((out / "edge_decode.json").read_text())["rows"]
@@ -230,6 +318,7 @@ def test_edge_benchmark_smoke(build, hf_dir, tmp_path):
         ("genai-sampled", 1),
         ("tandem-engine-idle", 1),
         ("tandem-engine-new-length", 1),
+        ("tandem-engine-new-length-exact", 1),
         *((runtime, b) for runtime in ("tandem-engine", "genai-batch") for b in (1, 3)),
     }
     assert all("error" not in r and r["itl_ms"] > 0 and r["ttft_ms"] > 0 for r in rows), rows
@@ -237,10 +326,13 @@ def test_edge_benchmark_smoke(build, hf_dir, tmp_path):
     assert len(three) == 2 and all(r["aggregate_tokens_per_s"] > 0 for r in three), three
     sampled = next(r for r in rows if r["runtime"] == "tandem-sampled")
     assert sampled["sampler"] == "host" and sampled["vs_genai"] > 0, sampled  # a CPU build samples on the host
-    assert (out / "edge_decode.md").read_text().count("| smollm2-135m |") == 10
+    assert (out / "edge_decode.md").read_text().count("| smollm2-135m |") == 11
     assert (out / "edge_decode.png").stat().st_size > 0
     shapes = json.loads((out / "edge_decode.json").read_text())["prefill_shapes"]
     want = [(h, n) for _, h, n in PREFILL_SHAPES] + [(64, n) for n in STEPPED_TOKENS]
-    assert [(r["held_tokens"], r["new_tokens"]) for r in shapes] == want, shapes
+    plans = ["exact", "padded", "bucketed"]
+    assert [(r["plan"], r["held_tokens"], r["new_tokens"]) for r in shapes] == [(p, *w) for p in plans for w in want]
     assert all(r["first_ms"] > 0 and r["again_ms"] > 0 for r in shapes), shapes
-    assert (out / "prefill_shapes.md").read_text().count("\n") == len(want) + 2
+    warmed = {r["plan"]: r["warmed_capacities"] for r in shapes}
+    assert warmed["exact"] == [] and warmed["padded"] == [256] and len(warmed["bucketed"]) > 1, warmed
+    assert (out / "prefill_shapes.md").read_text().count("\n") == 3 * len(want) + 2 + 1 + 3

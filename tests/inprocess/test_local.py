@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 
 import numpy as np
@@ -28,6 +29,7 @@ from tandem.edge.compute.local import (
     sampling_rng,
 )
 from tandem.edge.compute.localmodel import GrowingKV
+from tandem.edge.compute.prefill import PrefillPlan
 
 MAX_NEW = 16
 CHATS = [
@@ -54,12 +56,18 @@ def eos(hf_model) -> tuple[int, ...]:
     return tuple(e) if isinstance(e, list) else (e,)
 
 
-@pytest.fixture(scope="module", params=["edge-decoder", "edge-full.onnx"])
+# the builder graph with the CUDA provider's prefill shapes (``PrefillPlan.bucketed``) at a size these
+# prompts cross: runs of 16 tokens at most, padded to 4, 8 or 16, the mask over the KV slot
+PLANNED = PrefillPlan(16, (4, 8, 16), capacity_mask=True)
+
+
+@pytest.fixture(scope="module", params=["edge-decoder", "edge-decoder, bucketed prefills", "edge-full.onnx"])
 def engine(request, split_dir, manifest, eos):
-    path = split_dir.parent / request.param
+    path = split_dir.parent / request.param.split(",")[0]
     if not path.exists():
         pytest.fail(f"no {path}: run `make model` (make test does it)")
-    return LocalEngine(path, manifest.shape, eos, intra_op_threads=2)
+    plan = PLANNED if "bucketed" in request.param else None
+    return LocalEngine(path, manifest.shape, eos, intra_op_threads=2, prefill=plan)
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +113,15 @@ def consistent(s: LocalSession) -> bool:
     return s.kv is not None and s.kv.tokens == len(s.token_ids) and not s.lock.locked()
 
 
-async def test_warmup_measures_rates(engine):
-    """Warm-up measures the local engine's prefill and decode rates (ms per token), both positive."""
-    await engine.warmup(32)
+async def test_warmup_measures_rates(engine, caplog):
+    """Warm-up measures the local engine's prefill and decode rates (ms per token), both positive;
+    with bucketed prefills it runs their shapes once and holds nothing after."""
+    with caplog.at_level(logging.INFO, logger="tandem.edge.compute.local"):
+        await engine.warmup(32)
     assert engine.prefill_ms_per_token > 0 and engine.decode_ms_per_token > 0
+    planned = getattr(engine.model, "prefill", None) == PLANNED
+    assert ("prefill shapes run on KV capacities [256" in caplog.text) == planned
+    assert all(s.tokens == 0 for spares in getattr(engine.model, "_free", {}).values() for s in spares)
     print(f"prefill {engine.prefill_ms_per_token:.2f} ms/token, decode {engine.decode_ms_per_token:.2f} ms/token")
 
 
