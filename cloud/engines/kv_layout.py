@@ -24,17 +24,55 @@ engine start (``KVLayoutError``), never discovered by a request. Every layout re
 writes many blocks of a layer in one call (``read_blocks`` / ``write_blocks``, canonical
 ``[n, 2, Hkv, B, D]``): the connector moves a step's blocks with one gather or scatter per
 layer, not one per block and layer. A read splits in two (``read_blocks``): ``snapshot`` is
-the copy out of the cache, in the cache's own layout, that must happen inside the step;
-``from_snapshot`` (the reordering, float32, in numpy: one thread, no OpenMP team beside the
-engine's forward) can run later on the connector's writer thread.
+the copy out of the cache, in the cache's own layout, that must be ordered inside the step (a
+``HostCopy``: on a GPU a gather and a device-to-host copy queued on the step's stream, which the
+forward does not wait for); ``from_snapshot`` (the reordering, float32, in numpy: one thread, no
+OpenMP team beside the engine's forward) can run later on the connector's writer thread, once the
+copy has landed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """A copy of cache blocks on its way to the host: ``tensor`` (host memory, pinned on a GPU) is
+    complete once ``ready`` (a CUDA event recorded after the copy on the stream that queued it)
+    has passed; None: complete already (a CPU cache)."""
+
+    tensor: torch.Tensor
+    ready: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def result(self) -> torch.Tensor:
+        """The copy, after waiting for it to land (blocks the calling thread only)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.tensor
+
+
+def host_copy(blocks: torch.Tensor) -> HostCopy:
+    """``blocks`` (a gather out of a cache, on any device) copied to the host without blocking the
+    caller: on a GPU a non-blocking copy into pinned memory on the current stream, an event after it
+    (stream order keeps it before any later write to the cache, and before the caching allocator
+    reuses the gathered tensor's memory); on the CPU the tensor itself."""
+    if blocks.device.type != "cuda":
+        return HostCopy(blocks)
+    host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+    host.copy_(blocks, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(blocks.device))
+    return HostCopy(host, ready)
 
 
 def canonical(blocks: torch.Tensor) -> np.ndarray:
@@ -46,7 +84,7 @@ def canonical(blocks: torch.Tensor) -> np.ndarray:
 def read_blocks(layout: Layout, cache: torch.Tensor, block_ids: Sequence[int]) -> np.ndarray:
     """Canonical float32 ``[n, 2, Hkv, B, D]`` copy of blocks ``block_ids`` of ``cache`` (any
     float dtype; bf16 and fp16 widen exactly): what the connector's writer stores, in one call."""
-    return layout.from_snapshot(canonical(layout.snapshot(cache, block_ids)))
+    return layout.from_snapshot(canonical(layout.snapshot(cache, block_ids).result()))
 
 
 class KVLayoutError(ValueError):
@@ -70,12 +108,12 @@ class PackedLayout:
     def expected_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.hkv, self.b, 2 * self.d)
 
-    def snapshot(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    def snapshot(self, cache: torch.Tensor, block_ids: Sequence[int]) -> HostCopy:
         """Host copy ``[n, Hkv, B, 2*D]`` of blocks ``block_ids`` in the cache's dtype: an
-        advanced-index gather, then a blocking device-to-host copy on a GPU, so the copy is
-        complete when this returns, whatever stream runs next."""
+        advanced-index gather, then (``host_copy``) a device-to-host copy queued on the current
+        stream on a GPU, so the forward goes on without waiting for it."""
         ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=cache.device)
-        return cache.index_select(0, ids).to("cpu")
+        return host_copy(cache.index_select(0, ids))
 
     def from_snapshot(self, native: np.ndarray) -> np.ndarray:
         """Canonical ``[n, 2, Hkv, B, D]`` of a float32 ``snapshot``."""
@@ -132,9 +170,10 @@ class CpuPackedLayout:
             raise ValueError(f"CPU KV packing for isa={self.isa} is not a permutation; unsupported")
         return perm
 
-    def snapshot(self, cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
-        """Copy of blocks ``block_ids`` as packed in the cache, ``[n, Hkv, B, 2*D]`` (one memcpy per block)."""
-        return cache.index_select(0, torch.as_tensor(list(block_ids), dtype=torch.int64))
+    def snapshot(self, cache: torch.Tensor, block_ids: Sequence[int]) -> HostCopy:
+        """Copy of blocks ``block_ids`` as packed in the cache, ``[n, Hkv, B, 2*D]`` (one memcpy per
+        block; complete on return)."""
+        return HostCopy(cache.index_select(0, torch.as_tensor(list(block_ids), dtype=torch.int64)))
 
     def from_snapshot(self, native: np.ndarray) -> np.ndarray:
         """Canonical ``[n, 2, Hkv, B, D]`` of a float32 ``snapshot``: one gather through the probed

@@ -366,6 +366,52 @@ def test_a_save_that_fails_leaves_its_blocks_out_of_the_store_and_the_engine_run
     assert store.contains("b")
 
 
+class _LandingLater:
+    """A copy's event (a GPU's ``HostCopy.ready``): the copy lands in ``host`` only when waited for,
+    as a device-to-host copy queued on a stream lands some time after it was queued."""
+
+    def __init__(self, host: torch.Tensor, data: torch.Tensor) -> None:
+        self.host, self.data, self.waited = host, data, 0
+
+    def synchronize(self) -> None:
+        self.host.copy_(self.data)
+        self.waited += 1
+
+
+class _QueuedCopyLayout:
+    """The packed layout whose copies land only when their event is waited for."""
+
+    def __init__(self, layout) -> None:
+        self.layout, self.events = layout, []
+        self.name = layout.name
+
+    def snapshot(self, cache, block_ids):
+        from tandem.cloud.engines.kv_layout import HostCopy
+
+        landed = self.layout.snapshot(cache, block_ids).result()
+        host = torch.zeros_like(landed)  # what the host memory holds before the copy lands
+        self.events.append(_LandingLater(host, landed))
+        return HostCopy(host, self.events[-1])
+
+    def from_snapshot(self, native):
+        return self.layout.from_snapshot(native)
+
+
+def test_the_writer_reads_a_layers_copy_only_after_it_landed():
+    """On a GPU a layer's copy is queued on the step's stream and the forward goes on: the writer
+    waits for each copy's event before it reads the copy, so the stored block is the cache's, not
+    the host buffer's earlier contents; the step itself never waits."""
+    store = MemoryBlockStore(1 << 20)
+    cache, lay = _layouts()[0]
+    c = _worker(store)
+    c._layout = queued = _QueuedCopyLayout(lay)
+    _step(c, [cache] * LAYERS, [(3, "a")])
+    c.flush_saves()
+    assert len(queued.events) == LAYERS and all(e.waited == 1 for e in queued.events)
+    want = read_blocks(lay, cache, [3])[0]
+    np.testing.assert_array_equal(_stored(store, "a"), np.stack([want] * LAYERS))
+
+
 def _forward_context(caches: list[torch.Tensor]) -> SimpleNamespace:
     """The part of vLLM's ``ForwardContext`` a load reads: each attention layer and its paged cache."""
     names = _names(len(caches))

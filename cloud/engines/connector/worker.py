@@ -13,12 +13,15 @@ that cannot be read is reported through ``get_block_ids_with_load_errors`` and v
 (``kv_load_failure_policy="recompute"``); a load never writes wrong data.
 
 Saves are asynchronous past a copy. ``save_kv_layer`` copies each planned block out of the paged
-cache in the backend's own layout (one gather per layer: an ``index_select`` memcpy on CPU, a gather
-and a blocking host copy on a GPU); ``wait_for_save`` hands the step's copies to one writer thread,
-which turns them into canonical blocks (numpy) and puts them in the store, in order, while vLLM
-samples and returns the first token. The copy is taken inside the step, so a block freed or reused
-afterwards (a finished, aborted or preempted request) cannot change what is saved, and vLLM frees
-blocks at once. Readers learn a block is there by its key (``BlockStore.contains``); the gateway
+cache in the backend's own layout (one gather per layer: an ``index_select`` memcpy on CPU; on a
+GPU a gather and a device-to-host copy into pinned memory, both queued on the forward's stream
+with an event after them, so the forward never waits for a layer's copy: one sync per layer would
+stall the GPU's queue 2L times a step); ``wait_for_save`` hands the step's copies to one writer
+thread, which waits for each copy's event, turns the copies into canonical blocks (numpy) and puts
+them in the store, in order, while vLLM samples and returns the first token. The copy is ordered
+inside the step (stream order puts it before any later write to the cache), so a block freed or
+reused afterwards (a finished, aborted or preempted request) cannot change what is saved, and vLLM
+frees blocks at once. Readers learn a block is there by its key (``BlockStore.contains``); the gateway
 waits for a turn's tail keys before the decode request (``Pins.await_tail_saves``). At most
 ``save_queue_bytes`` of copies wait for the writer; a step beyond that waits in ``wait_for_save``
 (backpressure). A put the store refuses leaves the block missing and its readers recompute it.
@@ -41,7 +44,7 @@ import numpy as np
 import torch
 
 from tandem.cloud.engines.connector.metadata import ConnectorSettings, PartOp, TandemMetadata
-from tandem.cloud.engines.kv_layout import KVLayoutError, Layout, canonical, layout_for
+from tandem.cloud.engines.kv_layout import HostCopy, KVLayoutError, Layout, canonical, layout_for
 from tandem.common.protocol.errors import EngineError
 from tandem.common.wire.kvblocks import LayerRange, block_nbytes
 
@@ -67,7 +70,7 @@ class TandemConnectorWorker:
         self._vllm_config = vllm_config
         self._load_errors: set[int] = set()
         # this step's copies: (global layer, the ops it serves, native blocks [n, ...] in op order)
-        self._staged: list[tuple[int, list[PartOp], torch.Tensor]] = []
+        self._staged: list[tuple[int, list[PartOp], HostCopy]] = []
         self._save_queue_bytes = settings.save_queue_bytes
         self._writer: ThreadPoolExecutor | None = None
         self._pending: deque[tuple[Future[None], int]] = deque()  # submitted jobs and their bytes
@@ -166,8 +169,9 @@ class TandemConnectorWorker:
 
     def save_kv_layer(self, meta: TandemMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
         """Copy this layer's slice of every block planned for saving this step (one gather, in the
-        backend's layout, complete on return); the writer thread makes them canonical and stores them.
-        ``kv_layer``: the layer's paged cache, ``[num_blocks, Hkv, B, 2*D]``."""
+        backend's layout, queued on the step's stream: ``kv_layout.HostCopy``); the writer thread
+        waits for it, makes the blocks canonical and stores them. ``kv_layer``: the layer's paged
+        cache, ``[num_blocks, Hkv, B, 2*D]``."""
         if not meta.saves:
             return
         try:
@@ -185,7 +189,7 @@ class TandemConnectorWorker:
         if not self._staged:
             return
         staged, self._staged = self._staged, []
-        nbytes = sum(t.numel() * t.element_size() for _, _, t in staged)
+        nbytes = sum(copy.nbytes for _, _, copy in staged)
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-kv-save")
         self._drain(self._save_queue_bytes - nbytes)
@@ -222,8 +226,9 @@ class TandemConnectorWorker:
             self._writer.shutdown(wait=True)
             self._writer = None
 
-    def _write(self, staged: list[tuple[int, list[PartOp], torch.Tensor]]) -> None:
-        """Writer thread: per key, in the order the step planned them, its layers' rows made one
+    def _write(self, staged: list[tuple[int, list[PartOp], HostCopy]]) -> None:
+        """Writer thread: each layer's copy waited for (``HostCopy.result``), then per key, in the
+        order the step planned them, its layers' rows made one
         canonical block ``[Lp, 2, Hkv, B, D]`` float32, then its put: a prompt's first block is in
         the store while the later ones are still converted, so a reader that waits for them in
         order (remote prefill's downlink) starts at once. A key whose step did not copy every layer
@@ -235,8 +240,8 @@ class TandemConnectorWorker:
             if layout is None:
                 raise KVLayoutError("no KV layout registered")
             rows: dict[str, tuple[PartOp, dict[int, torch.Tensor]]] = {}  # key -> (op, {layer in part: row})
-            for g, ops, native in staged:
-                for op, row in zip(ops, native, strict=True):
+            for g, ops, copy in staged:
+                for op, row in zip(ops, copy.result(), strict=True):
                     rows.setdefault(op.key, (op, {}))[1][g - op.part.lo] = row
             for key, (op, layers) in rows.items():
                 n = op.part.num_layers
