@@ -5,11 +5,15 @@ prompt's KV comes down the same call, and the edge decodes the rest with its who
 tokens' KV the local session already holds) -> tokens from the cloud go to the client as they
 come, while the KV blocks the edge lacks come down and are checked (``edge.link.downlink``) -> once
 they all verified, the session takes them (``LocalEngine.adopt``) and computes the partial last
-block and the tokens received so far (``LocalEngine.extend``), the cloud still streaming -> the
-edge sends ``Takeover``; the cloud aborts its request and ends with the tokens decoded past that
-point and a ``handover`` final -> the edge decodes on locally from every token it has
-(``LocalEngine.generate`` reuses the session's KV: one short run, then a step per token). The
-client's stream neither pauses for the switch beyond one local run nor repeats a token.
+block and the tokens received so far (``LocalEngine.extend``, the catch-up run), the cloud still
+streaming -> the edge sends ``Takeover``; the cloud aborts its request and ends with the tokens
+decoded past that point and a ``handover`` final -> the edge decodes on locally from every token it
+has (``LocalEngine.generate`` reuses the session's KV: one short run, then a step per token). The
+client's stream neither pauses for the switch beyond one local run nor repeats a token. Where the
+catch-up run is predicted to take no longer than the takeover's round trip (its tokens at the
+engine's prefill rate against the link's RTT: a GPU edge), the takeover goes up before it, as soon
+as the session holds the KV: the cloud's engines are then not held for that run, and the run is
+done by the time the cloud's final comes back (``takeover_first``).
 
 A cloud that ends the turn first (the downlink was slow or cut, the output short) ends it as in
 direct mode; the KV, if it all came, stays in the session for the next turn. A cloud that fails
@@ -180,29 +184,39 @@ class RemotePrefillTurn:
             self.finish = ev.finish_reason
 
     def _take_over_when_ready(self, down: KVDownload, call: TurnCall) -> None:
-        """Once every block verified: the session takes the KV and computes what follows it, then
-        the takeover goes up (while the call is open)."""
+        """Once every block verified: the session takes the KV and computes what follows it, and the
+        takeover goes up (while the call is open), before that run or after it (``takeover_first``)."""
         if not down.ready or self.adopting is not None:
             return
         self.turn.clock.since(Stage.KV_DOWNLINK)
-        self.adopting = asyncio.create_task(self._adopt(down))
+        self.adopting = asyncio.create_task(self._adopt(down, call))
 
-        def send_takeover(task: asyncio.Task[None]) -> None:
-            if not task.cancelled() and task.exception() is None and self.final is None and not self.finish:
-                self.sent += SentBytes(header_bytes=call.send(Takeover(output_tokens=len(self.turn.text.token_ids))))
-
-        self.adopting.add_done_callback(send_takeover)
-
-    async def _adopt(self, down: KVDownload) -> None:
+    async def _adopt(self, down: KVDownload, call: TurnCall) -> None:
         """The session holds the prompt's full blocks (its own first ones, then those that came
-        down), then the KV of the partial last block and of the tokens received so far."""
+        down), then the KV of the partial last block and of the tokens received so far; the
+        takeover goes up before that run or after it (``takeover_first``)."""
         want, ids = down.want, self.turn.ids
         B = want.block_tokens
         # the session keeps its own first blocks; the blocks that came down follow them
         keep = want.first * B
         await self.local.adopt(self.sess, ids[: len(want.ids) * B], past_from_blocks(down.kv()), keep_tokens=keep)
         self.adopted.set()
-        await self.local.extend(self.sess, [*ids, *self.turn.text.token_ids])
+        catch_up = [*ids, *self.turn.text.token_ids]
+        first = takeover_first(len(catch_up) - len(want.ids) * B, self.local.prefill_ms_per_token, self._rtt_ms())
+        if first:
+            self._take_over(call)
+        await self.local.extend(self.sess, catch_up)
+        if not first:
+            self._take_over(call)
+
+    def _take_over(self, call: TurnCall) -> None:
+        """Send the takeover at the tokens the client has, where the cloud has not ended the turn."""
+        if self.final is None and not self.finish:
+            self.sent += SentBytes(header_bytes=call.send(Takeover(output_tokens=len(self.turn.text.token_ids))))
+
+    def _rtt_ms(self) -> float:
+        """The link's RTT estimate (ms; 0 before one was measured)."""
+        return float(self.turn.cloud.rtt_ms.value or 0.0)
 
     async def _settle(self) -> None:
         """The cloud ended the turn: the session keeps the KV that came (its next turn reuses it); the
@@ -264,6 +278,18 @@ class RemotePrefillTurn:
             received_kv_bytes=received_kv_bytes,
             edge_decoded_tokens=self.edge_tokens,
         )
+
+
+def takeover_first(catch_up_tokens: int, prefill_ms_per_token: float, rtt_ms: float) -> bool:
+    """Whether the takeover goes up before the catch-up run of ``catch_up_tokens`` tokens: where
+    that run, predicted at ``prefill_ms_per_token`` (the engine's measured rate; 0 before a
+    measure counts as unknown), takes no longer than ``rtt_ms``, the time the takeover takes to
+    reach the cloud and its final to come back. Then the cloud stops one run sooner and the
+    client's stream does not wait for the run; otherwise the edge takes over once the run is done
+    (a slow edge would stall the stream for the run, the cloud still able to finish the reply)."""
+    if prefill_ms_per_token <= 0 or rtt_ms <= 0:
+        return False
+    return catch_up_tokens * prefill_ms_per_token <= rtt_ms
 
 
 async def run_remote_prefill(turn: Turn, local: LocalEngine, model_key: str) -> AsyncIterator[TextOut | TurnDone]:

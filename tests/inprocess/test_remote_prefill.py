@@ -12,11 +12,13 @@ import pytest
 
 from tandem.common.protocol.modes import Mode
 from tandem.common.wire import chunks as wire
+from tandem.common.wire.kvdown import Takeover
 from tandem.edge.events import ChatTurn, TurnDone
+from tandem.edge.modes.remote_prefill import takeover_first
 from tandem.stages import Stage
 from tests.doubles import B
 from tests.helpers import RP_LONG, rp_chat, rp_turn, stream
-from tests.remote_doubles import rp_stack
+from tests.remote_doubles import DownTamperLink, rp_stack
 
 
 @pytest.fixture(params=[wire.WireDtype.FP32, wire.WireDtype.FP16], ids=["fp32", "fp16"])
@@ -45,6 +47,46 @@ async def test_remote_prefill_equals_direct_and_local_token_for_token(toy, text)
     cloud_tokens = 40 - done.edge_decoded_tokens
     assert sum(edge_runs) <= T % B + cloud_tokens + done.edge_decoded_tokens + 1, edge_runs
     assert toy.gateway.links.running == 0
+
+
+@pytest.mark.parametrize("rtt_ms", [0.0, 50.0], ids=["catch-up-first", "takeover-first"])
+async def test_the_takeover_goes_up_before_the_catch_up_run_only_where_that_run_fits_in_the_rtt(rtt_ms):
+    """The edge's catch-up run (the partial last block and the cloud's tokens so far, at 0.01 ms a
+    token) against the link's RTT: within it, the takeover goes up as soon as the session holds the
+    KV and the run follows; with no RTT measured, the run comes first. The tokens are direct's
+    either way."""
+    toy = await rp_stack()
+    try:
+        direct, _ = await stream(toy.edge, rp_turn(RP_LONG, Mode.DIRECT))
+        if rtt_ms:
+            toy.edge.conn.rtt_ms.add(rtt_ms)
+        order: list[str] = []
+        model = toy.edge.local.model
+        forward = model.forward
+
+        def watched(*a, **kw):
+            order.append("run")
+            return forward(*a, **kw)
+
+        model.forward = watched
+
+        def up(item):
+            if isinstance(item, Takeover):
+                order.append("takeover")
+            return item
+
+        toy.edge.conn.link = DownTamperLink(toy.edge.conn.link, up=up)
+        got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
+        assert got == direct and done.edge_decoded_tokens > 0
+        assert order[:2] == (["takeover", "run"] if rtt_ms else ["run", "takeover"]), order
+    finally:
+        await toy.batcher.stop()
+
+
+def test_the_takeover_goes_first_where_the_predicted_catch_up_fits_in_the_rtt():
+    assert takeover_first(40, 0.1, 6.0) and not takeover_first(80, 0.1, 6.0)
+    assert not takeover_first(1, 0.0, 6.0)  # no measured rate: the run comes first
+    assert not takeover_first(1, 0.1, 0.0)  # no measured RTT
 
 
 async def test_a_cloud_that_finishes_before_the_kv_came_down_ends_the_turn_as_direct():
