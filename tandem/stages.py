@@ -32,6 +32,9 @@ class Stage(enum.StrEnum):
     LOCAL_QUEUE = "local_queue_ms"
     LOCAL_PREFILL = "local_prefill_ms"
     KV_DOWNLINK = "kv_downlink_ms"
+    KV_ADOPT = "kv_adopt_ms"
+    CATCH_UP = "catch_up_ms"
+    TAKEOVER = "takeover_ms"
     HANDOVER = "handover_ms"
     TTFT = "ttft_ms"
     TOTAL = "total_ms"
@@ -69,6 +72,9 @@ _LABELS = {
     Stage.LOCAL_QUEUE: "edge: wait for the local engine (runs ahead of the prefill)",
     Stage.LOCAL_PREFILL: "edge: whole model prefill + 1st token (local mode)",
     Stage.KV_DOWNLINK: "edge: turn start to the prompt's KV verified (remote prefill)",
+    Stage.KV_ADOPT: "edge: the verified KV written into the local session (remote prefill)",
+    Stage.CATCH_UP: "edge: the catch-up run over the partial block and the tokens so far (remote prefill)",
+    Stage.TAKEOVER: "edge: turn start to the takeover sent (remote prefill)",
     Stage.HANDOVER: "edge: turn start to the cloud's handover (remote prefill)",
     Stage.TTFT: "time to first token (client)",
     Stage.TOTAL: "end to end",
@@ -89,6 +95,9 @@ _SHORT_LABELS = {  # the labels longer than SHORT_LABEL_CHARS
     Stage.LOCAL_QUEUE: "edge: wait for the local engine",
     Stage.LOCAL_PREFILL: "edge: local prefill + 1st token",
     Stage.KV_DOWNLINK: "edge: start to KV verified",
+    Stage.KV_ADOPT: "edge: KV into the session",
+    Stage.CATCH_UP: "edge: catch-up run",
+    Stage.TAKEOVER: "edge: start to the takeover",
     Stage.HANDOVER: "edge: start to the handover",
 }
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
@@ -199,13 +200,17 @@ class RemotePrefillTurn:
         B = want.block_tokens
         # the session keeps its own first blocks; the blocks that came down follow them
         keep = want.first * B
+        clock, t0 = self.turn.clock, time.perf_counter()
         await self.local.adopt(self.sess, ids[: len(want.ids) * B], past_from_blocks(down.kv()), keep_tokens=keep)
+        clock.since(Stage.KV_ADOPT, t0)
         self.adopted.set()
         catch_up = [*ids, *self.turn.text.token_ids]
         first = takeover_first(len(catch_up) - len(want.ids) * B, self.local.prefill_ms_per_token, self._rtt_ms())
         if first:
             self._take_over(call)
+        t0 = time.perf_counter()
         await self.local.extend(self.sess, catch_up)
+        clock.since(Stage.CATCH_UP, t0)
         if not first:
             self._take_over(call)
 
@@ -213,6 +218,7 @@ class RemotePrefillTurn:
         """Send the takeover at the tokens the client has, where the cloud has not ended the turn."""
         if self.final is None and not self.finish:
             self.sent += SentBytes(header_bytes=call.send(Takeover(output_tokens=len(self.turn.text.token_ids))))
+            self.turn.clock.since(Stage.TAKEOVER)
 
     def _rtt_ms(self) -> float:
         """The link's RTT estimate (ms; 0 before one was measured)."""

@@ -79,6 +79,9 @@ async def test_the_takeover_goes_up_before_the_catch_up_run_only_where_that_run_
         got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
         assert got == direct and done.edge_decoded_tokens > 0
         assert order[:2] == (["takeover", "run"] if rtt_ms else ["run", "takeover"]), order
+        t = done.timings  # the handover's parts, for the benchmarks' records
+        assert t[Stage.KV_DOWNLINK] <= t[Stage.TAKEOVER] <= t[Stage.HANDOVER] and t[Stage.CATCH_UP] > 0
+        assert t[Stage.KV_ADOPT] > 0
     finally:
         await toy.batcher.stop()
 
