@@ -568,6 +568,9 @@ class DecoderGraph:
         # a head (``common.model.builder_head``) has no logits: its rows output is ``hidden``
         self.output_types = {o.name: o.type for o in self.session.get_outputs()}
         self.logits_type = self.output_types.get("logits", "")
+        # the output with a row per new token: ``logits``, or a head's ``hidden``
+        kv_out = {*self.spec.present_names(), NEXT_TOKEN}
+        self.rows_output = "logits" if self.logits_type else next(o for o in self.output_types if o not in kv_out)
         for t in (self.kv_type, self.logits_type or self.kv_type):
             if t not in ONNX_TYPES:
                 raise ValueError(f"{self.spec.path}: KV and logits must be float32, float16 or bfloat16, got {t}")
@@ -776,9 +779,10 @@ class DecoderGraph:
         is likely to hold (the first slot capacity and ``plan_warm_capacities``'s, up to
         ``WARM_MAX_TOKENS``; the first alone where the mask is not bound over the capacity: the
         shapes are the same on every capacity then), so that ONNX Runtime has run every shape a
-        served prefill runs. Returns the capacities warmed (none with ``PrefillPlan.EXACT``); one
-        the memory bound refuses (``QuotaExceeded``) ends the warm-up there. Nothing is held
-        afterwards (the slots become spares)."""
+        served prefill runs (a head's through ``run_rows``, as ``BuilderHead`` runs it). Returns
+        the capacities warmed (none with ``PrefillPlan.EXACT``); one the memory bound refuses
+        (``QuotaExceeded``) ends the warm-up there. Nothing is held afterwards (the slots become
+        spares)."""
         first = next(self._capacities())
         caps = [first, *self._planned_capacities()] if self.prefill.capacity_mask else [first]
         warmed: list[int] = []
@@ -794,7 +798,11 @@ class DecoderGraph:
             try:
                 for width in shapes:
                     self.truncate(slot, 0)
-                    self.run(slot, [(1 + 7919 * i) % self.spec.vocab_size for i in range(width)], greedy=True)
+                    ids = [(1 + 7919 * i) % self.spec.vocab_size for i in range(width)]
+                    if self.logits_type:  # a served prefill's run: the argmax token read back
+                        self.run(slot, ids, greedy=True)
+                    else:  # a head's: its rows (``hidden``) read back, as ``BuilderHead`` runs it
+                        self.run_rows(slot, ids, self.rows_output)
             finally:
                 self.release(slot)
             warmed.append(cap)
