@@ -253,6 +253,81 @@ def test_a_run_without_room_for_its_padding_runs_at_its_own_length(planned, hf_m
     assert np.abs(logits - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
 
 
+def test_a_padded_run_in_a_pool_row_then_batched_steps_equal_exact_runs(planned, graph, prompts):
+    """Two sessions step together (their KV in a batch pool's rows); one then runs 5 tokens in its
+    row (padded to 8: the padding's KV lands in that row past its held tokens), a truncation and a
+    padded run after it, and both step on together: every token and the held KV are what exact runs
+    of each session alone compute."""
+    a, b = planned.new_slot(100), planned.new_slot(100)
+    ra, rb = graph.new_slot(100), graph.new_slot(100)
+    try:
+        ta, tb = planned.run(a, prompts[0], True)[0], planned.run(b, prompts[1], True)[0]
+        assert (ta, tb) == (graph.run(ra, prompts[0], True)[0], graph.run(rb, prompts[1], True)[0])
+
+        def steps(n: int) -> None:
+            nonlocal ta, tb
+            for _ in range(n):
+                toks, _, _ = planned.run_batch([a, b], [ta, tb], [True, True])
+                want = [graph.run(ra, [ta], True)[0], graph.run(rb, [tb], True)[0]]
+                assert toks == want
+                ta, tb = toks
+            assert a.pool is not None and b.pool is a.pool
+
+        steps(3)
+        extra = [ta, *prompts[1][3:7]]  # 5 tokens, padded to 8
+        ta = planned.run(a, extra, True)[0]
+        assert ta == graph.run(ra, extra, True)[0] and a.pool is not None  # it ran in its row
+        assert a.tokens == ra.tokens and not a.mask_host[0, a.tokens :].any()
+        steps(3)
+        keep = a.tokens - 4  # back 4 tokens, then 6 (padded to 8) over them and the padding's KV
+        planned.truncate(a, keep)
+        graph.truncate(ra, keep)
+        extra = prompts[0][5:11]
+        ta = planned.run(a, extra, True)[0]
+        assert ta == graph.run(ra, extra, True)[0] and a.pool is not None
+        steps(2)
+        for got, ref in ((a, ra), (b, rb)):
+            assert got.tokens == ref.tokens
+            for x, y in zip(planned.read_kv(got), graph.read_kv(ref), strict=True):
+                np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+    finally:
+        planned.release(a)
+        planned.release(b)
+        graph.release(ra)
+        graph.release(rb)
+
+
+@pytest.fixture(scope="module")
+def window_build(tmp_path_factory):
+    """A tiny Gemma2 (``tests.families``: 4 layers, every other one sliding over 8 tokens) built like
+    SmolLM2."""
+    from tests.families import build_checkpoint
+
+    root = tmp_path_factory.mktemp("window")
+    out = root / "build-fp32"
+    build_decoder(build_checkpoint("gemma2", root / "ckpt"), out, "fp32", "cpu")
+    return out
+
+
+def test_padded_runs_of_a_sliding_window_model_equal_exact_runs(window_build):
+    """Runs padded past the model's 8-token window (4, 8 or 16 tokens, cut at 16) attend only
+    inside each real token's window: the rows and the held KV are an exact run's, and a decode step
+    after them computes the exact run's token."""
+    plan = PrefillPlan(16, (4, 8, 16), capacity_mask=True)
+    planned = DecoderGraph(window_build, providers=["CPUExecutionProvider"], intra_op_threads=2, prefill=plan)
+    exact = DecoderGraph(window_build, providers=["CPUExecutionProvider"], intra_op_threads=2)
+    assert load_build(window_build).window_tokens == 8 and exact.prefill == PrefillPlan.EXACT
+    ids = np.random.default_rng(7).integers(3, 49152, 60).tolist()
+    a, b = planned.new_slot(64), exact.new_slot(64)
+    for lo, hi in ((0, 21), (21, 24), (24, 37), (37, 59)):  # runs of 16+5, 3, 13, 16+6
+        got, want = planned.run_rows(a, ids[lo:hi]), exact.run_rows(b, ids[lo:hi])
+        assert got.shape == want.shape and np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    assert a.tokens == b.tokens == 59 and not a.mask_host[0, 59:].any()
+    for x, y in zip(planned.read_kv(a), exact.read_kv(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+    assert planned.run(a, ids[59:], True)[0] == exact.run(b, ids[59:], True)[0]
+
+
 def test_the_warm_up_runs_each_padded_length_on_each_capacity_and_holds_nothing(build):
     plan = PrefillPlan(chunk_tokens=8, bucket_tokens=(4, 8), capacity_mask=True)
     g = DecoderGraph(

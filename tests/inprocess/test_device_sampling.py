@@ -22,6 +22,7 @@ from tandem.common.protocol.params import Sampling
 from tandem.edge.compute.decoder import DecoderGraph
 from tandem.edge.compute.local import LocalEngine, draw_uniform, sample_token, sampling_rng
 from tandem.edge.compute.localmodel import Draw
+from tandem.edge.compute.prefill import PrefillPlan
 
 CHATS = [
     [{"role": "user", "content": "Hi"}],
@@ -211,3 +212,26 @@ def test_only_a_sampled_row_runs_the_sampler(sampler_dir):
     graph.run_batch([a, b], [out[0], 7], [True, False], [None, Draw(1.0, 0, 1.0, 0.25)])
     assert graph.sampler.runs == 2  # one run for the batch's sampled row
     assert graph.sampler.top_runs == 1  # top-k off: the whole sort
+
+
+def test_a_chunked_padded_run_samples_its_last_real_row(sampler_dir, host_engine, prompts):
+    """With runs cut into 16 tokens and padded to 4, 8 or 16 (the CUDA provider's plan at a size
+    these prompts cross), the sampler reads the last real row of the padded logits, not the
+    padding's: a prompt's first 30 or 31 tokens (runs of 16 and 14 or 15, padded to 16), then its
+    last 7 (padded to 8); each sample is the host's from the exact run's logits."""
+    plan = PrefillPlan(16, (4, 8, 16), capacity_mask=True)
+    device = DecoderGraph(sampler_dir, providers=["CPUExecutionProvider"], intra_op_threads=2, prefill=plan)
+    host, s = host_engine.model, Sampling(temperature=0.9, top_k=60, top_p=0.92)
+    rng = sampling_rng(23)
+    for ids in prompts[1:]:
+        assert 16 < len(ids) - 7 < 32 and len(ids) - 7 != 24  # a chunk, then a padded run
+        a, b = host.new_kv(len(ids)), device.new_kv(len(ids))
+        try:
+            for new in (ids[:-7], ids[-7:]):
+                d = Draw(s.temperature, s.top_k, s.top_p, draw_uniform(rng))
+                _, logits, _ = host.run(a, new, greedy=False, draw=d)
+                tok, none, _ = device.run(b, new, greedy=False, draw=d)
+                assert none is None and tok == sample_token(logits, s, d.uniform)
+        finally:
+            host.release(a)
+            device.release(b)
