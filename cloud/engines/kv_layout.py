@@ -65,14 +65,25 @@ def host_copy(blocks: torch.Tensor) -> HostCopy:
     """``blocks`` (a gather out of a cache, on any device) copied to the host without blocking the
     caller: on a GPU a non-blocking copy into pinned memory on the current stream, an event after it
     (stream order keeps it before any later write to the cache, and before the caching allocator
-    reuses the gathered tensor's memory); on the CPU the tensor itself."""
+    reuses the gathered tensor's memory; a blocking-sync event, so the thread that waits for it
+    sleeps rather than spins a core beside the engine); on the CPU the tensor itself."""
     if blocks.device.type != "cuda":
         return HostCopy(blocks)
     host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
     host.copy_(blocks, non_blocking=True)
-    ready = torch.cuda.Event()
+    ready = torch.cuda.Event(blocking=True)
     ready.record(torch.cuda.current_stream(blocks.device))
     return HostCopy(host, ready)
+
+
+def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``block_ids`` as an int64 index on ``device``. On a GPU it goes up from pinned memory, queued
+    on the current stream (the host allocator keeps that memory until the copy ran): a plain upload
+    of host data (``torch.as_tensor(ids, device="cuda")``) is a synchronous copy, which waits for
+    every kernel queued on the stream before it, so a save per layer would hold the forward's
+    launches until the GPU caught up, once a layer."""
+    ids = torch.tensor(list(block_ids), dtype=torch.int64, pin_memory=device.type == "cuda")
+    return ids.to(device, non_blocking=True)
 
 
 def canonical(blocks: torch.Tensor) -> np.ndarray:
@@ -111,9 +122,9 @@ class PackedLayout:
     def snapshot(self, cache: torch.Tensor, block_ids: Sequence[int]) -> HostCopy:
         """Host copy ``[n, Hkv, B, 2*D]`` of blocks ``block_ids`` in the cache's dtype: an
         advanced-index gather, then (``host_copy``) a device-to-host copy queued on the current
-        stream on a GPU, so the forward goes on without waiting for it."""
-        ids = torch.as_tensor(list(block_ids), dtype=torch.int64, device=cache.device)
-        return host_copy(cache.index_select(0, ids))
+        stream on a GPU, so the forward goes on without waiting for it (nor for the index's upload:
+        ``block_index``)."""
+        return host_copy(cache.index_select(0, block_index(block_ids, cache.device)))
 
     def from_snapshot(self, native: np.ndarray) -> np.ndarray:
         """Canonical ``[n, 2, Hkv, B, D]`` of a float32 ``snapshot``."""

@@ -14,11 +14,12 @@ that cannot be read is reported through ``get_block_ids_with_load_errors`` and v
 
 Saves are asynchronous past a copy. ``save_kv_layer`` copies each planned block out of the paged
 cache in the backend's own layout (one gather per layer: an ``index_select`` memcpy on CPU; on a
-GPU a gather and a device-to-host copy into pinned memory, both queued on the forward's stream
-with an event after them, so the forward never waits for a layer's copy: one sync per layer would
-stall the GPU's queue 2L times a step); ``wait_for_save`` hands the step's copies to one writer
-thread, which waits for each copy's event, turns the copies into canonical blocks (numpy) and puts
-them in the store, in order, while vLLM samples and returns the first token. The copy is ordered
+GPU the blocks' index uploaded from pinned memory, a gather and a device-to-host copy into pinned
+memory, all queued on the forward's stream with an event after them, so the forward never waits
+for a layer's copy: a sync per layer would stall the GPU's queue L or 2L times a step);
+``wait_for_save`` hands the step's copies to one writer thread, which waits for each copy's event,
+turns the copies into canonical blocks (numpy) and puts them in the store, in order, while vLLM
+samples and returns the first token. The copy is ordered
 inside the step (stream order puts it before any later write to the cache), so a block freed or
 reused afterwards (a finished, aborted or preempted request) cannot change what is saved, and vLLM
 frees blocks at once. Readers learn a block is there by its key (``BlockStore.contains``); the gateway
