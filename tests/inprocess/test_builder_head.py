@@ -1,8 +1,10 @@
 """The split head built by ONNX Runtime GenAI's model builder (``common.model.builder_head``) and run
 by ``edge.compute.builder_head.BuilderHead``, on the real SmolLM2-135M at k = 4 in fp32 on the CPU:
 the rewired graph outputs the residual entering layer k (no final norm), its hidden state and KV
-equal HF's for a prefill and for a second call after it, it returns what ``OnnxHead`` returns, bad
-rows are refused, and the edge falls back to ``head.onnx`` (logged) where no checked builder head is."""
+equal HF's for a prefill and for a second call after it (its runs exact, or chunked and padded), the
+warm-up runs its padded lengths (alone and at the edge's start-up), it returns what ``OnnxHead``
+returns, bad rows are refused, and the edge falls back to ``head.onnx`` (logged) where no checked
+builder head is."""
 
 from __future__ import annotations
 
@@ -226,3 +228,22 @@ def test_the_head_benchmark_times_both_heads(built_split, tmp_path):
     ]
     assert all(r["prefill_ms"] > 0 and r["ms_per_token"] > 0 for r in rows)
     assert "| head | prompt_tokens | prefill_ms |" in (tmp_path / "edge_head.md").read_text()
+
+
+async def test_the_edge_starts_a_builder_head_with_bucketed_prefill_shapes(built_split, caplog):
+    """``prefill_shapes: bucketed`` (the CUDA provider's default) on a split with a builder head: the
+    edge's start-up runs the head's padded lengths on each warmed capacity, then serves and times it."""
+    from tandem.edge.config import EdgeConfig
+    from tandem.edge.routing.costmodel import CostModel
+    from tandem.edge.server import load_heads
+
+    cfg = EdgeConfig(split_dir=built_split, prefill_shapes="bucketed", intra_op_threads=2)
+    with caplog.at_level(logging.INFO, logger="tandem.edge"):
+        heads, sample = await load_heads(cfg, [SplitManifest.load(built_split)], CostModel())
+    try:
+        runner = heads[0].batcher.head
+        assert isinstance(runner, BuilderHead) and runner.graph.prefill == PrefillPlan.bucketed() and sample
+        assert f"split {built_split}: prefill shapes run on KV capacities [256, 512" in caplog.text
+    finally:
+        for h in heads:
+            await h.batcher.stop()
