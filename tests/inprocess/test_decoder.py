@@ -1,6 +1,7 @@
 """The builder-graph runtime (``edge.compute.decoder.DecoderGraph``) on SmolLM2 built by ONNX Runtime GenAI's
 model builder in fp32 for the CPU (``common.model.builder_export``), against HF float32: greedy tokens,
-logits of a prefill split in two runs, KV written into and read out of a slot, truncation, the
+logits of a prefill split in two runs, KV written into and read out of a slot, truncation, chunked
+and padded runs against exact ones (alone, in a batch pool row, on a sliding-window model), the
 slot's bounds, the bfloat16 storage conversions, the preparation's check and the edge benchmark's
 smoke run. One build per module (about 10 s)."""
 
