@@ -254,6 +254,19 @@ def test_a_run_without_room_for_its_padding_runs_at_its_own_length(planned, hf_m
     assert np.abs(logits - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
 
 
+def test_a_padded_run_that_fills_the_slot_to_its_capacity_gives_hf_rows(planned, hf_model, prompts):
+    """A slot of 256 tokens holding 248: 5 tokens pad to 8, the padding's KV in its last 3
+    positions; then 3 tokens (no room for 4: their own length) write over that padding, the slot
+    full. Every row is HF's."""
+    ids = (prompts[1] * 30)[:256]
+    slot = planned.new_slot(256)
+    planned.run(slot, ids[:248], greedy=True)
+    rows = np.concatenate([planned.run_rows(slot, ids[248:253]), planned.run_rows(slot, ids[253:])])
+    ref = hf_logits(hf_model, ids)[248:]
+    assert slot.capacity_tokens == 256 and slot.tokens == 256 and slot.mask_host.all()
+    assert rows.shape == ref.shape and np.abs(rows - ref).max() <= 1e-3 * max(1.0, np.abs(ref).max())
+
+
 def test_a_padded_run_in_a_pool_row_then_batched_steps_equal_exact_runs(planned, graph, prompts):
     """Two sessions step together (their KV in a batch pool's rows); one then runs 5 tokens in its
     row (padded to 8: the padding's KV lands in that row past its held tokens), a truncation and a
