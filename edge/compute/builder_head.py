@@ -74,9 +74,13 @@ class BuilderHead:
         return self.graph.providers
 
     def warm_prefills(self) -> list[int]:
-        """Run each of the graph's padded prefill lengths once (``DecoderGraph.warm_prefills``);
-        call it before the head serves, from the thread that runs it."""
-        return self.graph.warm_prefills()
+        """Run each of the graph's padded prefill lengths once (``DecoderGraph.warm_prefills``),
+        then free the slots it left as spares (a head's graph has no memory bound, and an edge
+        that rarely splits would otherwise keep one slot of every capacity); call it before the
+        head serves, from the thread that runs it. Returns the capacities warmed."""
+        caps = self.graph.warm_prefills()
+        self.graph.trim()
+        return caps
 
     def run(self, rows: list[HeadInput]) -> list[HeadOutput]:
         """Each row alone, in order (see the module: one ONNX Runtime call per row); every row is

@@ -777,14 +777,14 @@ class DecoderGraph:
     def warm_prefills(self) -> list[int]:
         """Run each of ``prefill``'s padded lengths once on a slot of each capacity a served turn
         is likely to hold (the first slot capacity and ``plan_warm_capacities``'s, up to
-        ``WARM_MAX_TOKENS``; the first alone where the mask is not bound over the capacity: the
-        shapes are the same on every capacity then), so that ONNX Runtime has run every shape a
-        served prefill runs (a head's through ``run_rows``, as ``BuilderHead`` runs it). Returns
+        ``WARM_MAX_TOKENS``: the KV inputs ``[1, Hkv, C, D]`` are part of every run's shapes), so
+        that ONNX Runtime has run every shape a served prefill runs where the mask is bound over
+        the capacity (without it the mask's width ``T + S`` varies with the held tokens too, which
+        no warm-up covers). A head runs through ``run_rows``, as ``BuilderHead`` runs it. Returns
         the capacities warmed (none with ``PrefillPlan.EXACT``); one the memory bound refuses
         (``QuotaExceeded``) ends the warm-up there. Nothing is held afterwards (the slots become
         spares)."""
-        first = next(self._capacities())
-        caps = [first, *self._planned_capacities()] if self.prefill.capacity_mask else [first]
+        caps = [next(self._capacities()), *self._planned_capacities()]
         warmed: list[int] = []
         for cap in caps:
             shapes = self.prefill.shapes(cap)

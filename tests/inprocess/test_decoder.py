@@ -353,7 +353,7 @@ def test_the_warm_up_runs_each_padded_length_on_each_capacity_and_holds_nothing(
     held = sum(s.own_nbytes() for spares in g._free.values() for s in spares)
     assert g.memory.held_bytes == held  # only spares: no session holds anything
     narrow = DecoderGraph(build, providers=["CPUExecutionProvider"], prefill=PrefillPlan(4, (4,), capacity_mask=False))
-    assert narrow.warm_prefills() == [256]  # the shapes do not depend on the capacity: one is enough
+    assert narrow.warm_prefills() == [256, *narrow._planned_capacities()]  # the KV inputs' shapes name C
 
 
 def test_bfloat16_storage_round_trips_and_rounds_to_nearest_even():
@@ -423,5 +423,5 @@ def test_edge_benchmark_smoke(build, hf_dir, tmp_path):
     assert [(r["plan"], r["held_tokens"], r["new_tokens"]) for r in shapes] == [(p, *w) for p in plans for w in want]
     assert all(r["first_ms"] > 0 and r["again_ms"] > 0 for r in shapes), shapes
     warmed = {r["plan"]: r["warmed_capacities"] for r in shapes}
-    assert warmed["exact"] == [] and warmed["padded"] == [256] and len(warmed["bucketed"]) > 1, warmed
+    assert warmed["exact"] == [] and warmed["padded"] == warmed["bucketed"] and len(warmed["bucketed"]) > 1, warmed
     assert (out / "prefill_shapes.md").read_text().count("\n") == 3 * len(want) + 2 + 1 + 3
