@@ -232,8 +232,10 @@ def time_prefill_shapes(
         g = DecoderGraph(build_dir, cuda_graph=cuda_graph, max_kv_bytes=EDGE_KV_BYTES, prefill=plan)
 
         def run(held: int, new: int, stepped: bool = False, g: DecoderGraph = g) -> float:
-            """ms of ``new`` tokens after ``held`` on a fresh slot: one run, or (``stepped``) one per token."""
-            slot = g.new_slot(held + new + 1)
+            """ms of ``new`` tokens after ``held`` on a fresh slot of the capacity a served turn of
+            them gets (``new_kv``: powers of two from 256, so the KV inputs' shape is a served one
+            and the padding has room): one run, or (``stepped``) one per token."""
+            slot = g.new_kv(held + new + 1)
             try:
                 for lo in range(0, held, PREFILL_FILL_TOKENS):
                     g.run(slot, ids[lo : min(held, lo + PREFILL_FILL_TOKENS)], greedy=True)
