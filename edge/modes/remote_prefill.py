@@ -45,6 +45,7 @@ from tandem.edge.compute.local import SAMPLING_EPS, LocalEngine, LocalSession, p
 from tandem.edge.events import SentBytes, TextOut, TurnDone
 from tandem.edge.link.base import TurnCall
 from tandem.edge.link.downlink import KVDownload
+from tandem.edge.routing.occupancy import takeover_first
 from tandem.edge.turn import Turn
 from tandem.stages import Stage
 
@@ -205,7 +206,7 @@ class RemotePrefillTurn:
         clock.since(Stage.KV_ADOPT, t0)
         self.adopted.set()
         catch_up = [*ids, *self.turn.text.token_ids]
-        first = takeover_first(len(catch_up) - len(want.ids) * B, self.local.prefill_ms_per_token, self._rtt_ms())
+        first = takeover_first((len(catch_up) - len(want.ids) * B) * self.local.prefill_ms_per_token, self._rtt_ms())
         if first:
             self._take_over(call)
         t0 = time.perf_counter()
@@ -284,18 +285,6 @@ class RemotePrefillTurn:
             received_kv_bytes=received_kv_bytes,
             edge_decoded_tokens=self.edge_tokens,
         )
-
-
-def takeover_first(catch_up_tokens: int, prefill_ms_per_token: float, rtt_ms: float) -> bool:
-    """Whether the takeover goes up before the catch-up run of ``catch_up_tokens`` tokens: where
-    that run, predicted at ``prefill_ms_per_token`` (the engine's measured rate; 0 before a
-    measure counts as unknown), takes no longer than ``rtt_ms``, the time the takeover takes to
-    reach the cloud and its final to come back. Then the cloud stops one run sooner and the
-    client's stream does not wait for the run; otherwise the edge takes over once the run is done
-    (a slow edge would stall the stream for the run, the cloud still able to finish the reply)."""
-    if prefill_ms_per_token <= 0 or rtt_ms <= 0:
-        return False
-    return catch_up_tokens * prefill_ms_per_token <= rtt_ms
 
 
 async def run_remote_prefill(turn: Turn, local: LocalEngine, model_key: str) -> AsyncIterator[TextOut | TurnDone]:

@@ -10,6 +10,7 @@ time per token ``d_c`` and the edge's ``d_e`` (both measured), all in ms:
     direct          e2e = F + (N - 1) d_c                    cloud = P_c + (N - 1) d_c
     split           e2e = F + (N - 1) d_c                    cloud = P_c + T x_c + (N - 1) d_c
     remote prefill  handover h = w + n_down * b / G_down + P_local(T mod B + m) + RTT
+                    (no P_local where it fits in the RTT: ``takeover_first``)
                     m = min(N, 1 + h / d_c) tokens come from the cloud
                     e2e = F + h + (N - m) d_e                cloud = P_c + h
                     (m = N: the cloud decodes all, as direct)
@@ -106,7 +107,8 @@ class OccupancyModel:
 
     def handover_ms(self, shape: RequestShape, link: LinkState, cost: CostModel, d_c: float) -> float:
         """From the first token to the cloud's handover: the KV writes, the blocks the edge lacks on
-        the downlink, the edge's run over the partial block and the tokens meanwhile, a round trip."""
+        the downlink, the edge's run over the partial block and the tokens meanwhile (unless it
+        fits in the takeover's round trip: ``takeover_first``), a round trip."""
         B = max(1, link.block_size_tokens)
         T = shape.prompt_tokens
         n_down = max(0, T // B - min(shape.local_cached_tokens, T) // B)
@@ -116,7 +118,7 @@ class OccupancyModel:
         m0 = before / d_c if d_c > 0 else 0.0
         rate = cost.edge.local_prefill_ms_per_token.value
         local = cost.lines.get(LineKey(LineKind.LOCAL), Line()).predict(T % B + m0 + 1, rate)
-        return before + local + link.rtt_ms
+        return before + link.rtt_ms + (0.0 if takeover_first(local, link.rtt_ms) else local)
 
     def observe(
         self,
@@ -193,3 +195,13 @@ def _route_name(r: Route) -> str:
 
 def _keeps_itl(o: Occupancy, link: LinkState) -> bool:
     return link.itl_slo_ms <= 0 or o.decode_ms_per_token <= link.itl_slo_ms
+
+
+def takeover_first(catch_up_ms: float, rtt_ms: float) -> bool:
+    """Whether remote prefill's takeover goes up before the edge's catch-up run (over the partial
+    last block and the cloud's tokens so far), predicted at ``catch_up_ms``: where that run takes
+    no longer than ``rtt_ms``, the time the takeover takes to reach the cloud and its final to come
+    back, the cloud stops one run sooner and the client's stream does not wait for the run;
+    otherwise the edge takes over once the run is done (a slow edge would stall the stream for the
+    run, the cloud still able to finish the reply). An unknown prediction or RTT (0) says no."""
+    return 0.0 < catch_up_ms <= rtt_ms and rtt_ms > 0.0

@@ -70,11 +70,30 @@ def test_remote_prefill_is_direct_when_the_cloud_finishes_before_the_handover():
 
 
 def test_what_the_edge_holds_does_not_come_down_again():
-    m, lk, occ = model(), link(), OccupancyModel()
+    m, lk, occ = model(), link(rtt_ms=1.0), OccupancyModel()  # the catch-up runs never fit in the RTT
     cold = occ.handover_ms(RequestShape(1024), lk, m, 30.0)
     warm = occ.handover_ms(RequestShape(1024, local_cached_tokens=960), lk, m, 30.0)
     wire = 30 * BLOCK * 8 / (800 * 1e3)
     assert wire < cold - warm < wire + 2.0 * wire / 30.0 + 1e-6  # and the edge's run over fewer tokens meanwhile
+
+
+@pytest.mark.parametrize("prefill_ms_per_token", [0.1, 2.0])
+def test_a_catch_up_run_within_the_rtt_does_not_lengthen_the_handover(prefill_ms_per_token):
+    """The handover's catch-up run (the partial block and the cloud's ~9 tokens meanwhile, 1024
+    prompt tokens, RTT 20 ms): at 0.1 ms a token it fits in the takeover's round trip, which the
+    takeover goes up before it (``takeover_first``), so the handover is the download and the round
+    trip alone; at 2 ms a token (about 20 ms) it fits too; on a link of 5 ms it does not, and the run
+    adds to the handover."""
+    m = CostModel(hysteresis=0.0, explore_every=0)
+    m.edge.local_prefill_ms_per_token.add(prefill_ms_per_token)
+    occ, shape = OccupancyModel(), RequestShape(1024)
+    wire = 32 * BLOCK * 8 / (800 * 1e3)
+    assert occ.handover_ms(shape, link(), m, 30.0) == pytest.approx(wire + 20.0)
+    slow_link = occ.handover_ms(shape, link(rtt_ms=5.0), m, 30.0)
+    if prefill_ms_per_token * (wire / 30.0 + 1) <= 5.0:
+        assert slow_link == pytest.approx(wire + 5.0)
+    else:
+        assert slow_link > wire + 5.0 + prefill_ms_per_token * wire / 30.0
 
 
 @pytest.mark.parametrize("edge_decode_ms", [20.0, 50.0])

@@ -14,7 +14,7 @@ from tandem.common.protocol.modes import Mode
 from tandem.common.wire import chunks as wire
 from tandem.common.wire.kvdown import Takeover
 from tandem.edge.events import ChatTurn, TurnDone
-from tandem.edge.modes.remote_prefill import takeover_first
+from tandem.edge.routing.occupancy import takeover_first
 from tandem.stages import Stage
 from tests.doubles import B
 from tests.helpers import RP_LONG, rp_chat, rp_turn, stream
@@ -87,9 +87,9 @@ async def test_the_takeover_goes_up_before_the_catch_up_run_only_where_that_run_
 
 
 def test_the_takeover_goes_first_where_the_predicted_catch_up_fits_in_the_rtt():
-    assert takeover_first(40, 0.1, 6.0) and not takeover_first(80, 0.1, 6.0)
-    assert not takeover_first(1, 0.0, 6.0)  # no measured rate: the run comes first
-    assert not takeover_first(1, 0.1, 0.0)  # no measured RTT
+    assert takeover_first(4.0, 6.0) and takeover_first(6.0, 6.0) and not takeover_first(8.0, 6.0)
+    assert not takeover_first(0.0, 6.0)  # no measured rate: the run comes first
+    assert not takeover_first(0.1, 0.0)  # no measured RTT
 
 
 async def test_a_cloud_that_finishes_before_the_kv_came_down_ends_the_turn_as_direct():
