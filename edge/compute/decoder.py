@@ -774,17 +774,19 @@ class DecoderGraph:
         slot.tokens = t + len(new_ids)
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
-    def warm_prefills(self) -> list[int]:
+    def warm_prefills(self, max_tokens: int | None = None) -> list[int]:
         """Run each of ``prefill``'s padded lengths once on a slot of each capacity a served turn
         is likely to hold (the first slot capacity and ``plan_warm_capacities``'s, up to
-        ``WARM_MAX_TOKENS``: the KV inputs ``[1, Hkv, C, D]`` are part of every run's shapes), so
+        ``WARM_MAX_TOKENS`` and to the capacity of ``max_tokens``, the most a served turn holds;
+        None: the model's positions: the KV inputs ``[1, Hkv, C, D]`` are part of every run's shapes), so
         that ONNX Runtime has run every shape a served prefill runs where the mask is bound over
         the capacity (without it the mask's width ``T + S`` varies with the held tokens too, which
         no warm-up covers). A head runs through ``run_rows``, as ``BuilderHead`` runs it. Returns
         the capacities warmed (none with ``PrefillPlan.EXACT``); one the memory bound refuses
         (``QuotaExceeded``) ends the warm-up there. Nothing is held afterwards (the slots become
         spares)."""
-        caps = [next(self._capacities()), *self._planned_capacities()]
+        top = self._capacity_for(min(max_tokens or self.spec.context_tokens, self.spec.context_tokens))
+        caps = [c for c in (next(self._capacities()), *self._planned_capacities()) if c <= top]
         warmed: list[int] = []
         for cap in caps:
             shapes = self.prefill.shapes(cap)

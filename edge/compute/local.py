@@ -918,10 +918,10 @@ class LocalEngine:
             warmed.append(cap)
         if warmed:
             log.info("decode graphs set up for KV capacities %s in %.1f s", warmed, time.perf_counter() - t0)
-        warm_prefills: Callable[[], list[int]] | None = getattr(self.model, "warm_prefills", None)
+        warm_prefills: Callable[[int], list[int]] | None = getattr(self.model, "warm_prefills", None)
         if warm_prefills is not None:
             t0 = time.perf_counter()
-            caps, _ = await self._run_job(warm_prefills)
+            caps, _ = await self._run_job(functools.partial(warm_prefills, self.shape.max_position_embeddings))
             if caps:
                 log.info("prefill shapes run on KV capacities %s in %.1f s", caps, time.perf_counter() - t0)
 

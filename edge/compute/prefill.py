@@ -21,7 +21,10 @@ batch sizes:
 * the mask's width: with ``capacity_mask`` the attention mask is bound over the slot's whole
   capacity ``[1, C]`` (ones over the held and new tokens), as a batched decode step binds it, so
   the run's shapes do not depend on how many tokens the slot holds (``GroupQueryAttention`` takes
-  the held count from the mask's sum, and its ``total_sequence_length`` from the mask's width).
+  the held count from the mask's sum, and its ``total_sequence_length`` from the mask's width). The
+  decode steps bind the mask so already: a graph whose other nodes read the mask's width (the
+  builder's LongRoPE cache switch, which preparation does not keep: docs/models.md) could serve
+  neither.
 
 A run's results are the exact run's (the padding is invisible to the real tokens; float sums may
 round differently with another row count, as between any two GEMM shapes). ``EXACT`` runs every

@@ -354,6 +354,7 @@ def test_the_warm_up_runs_each_padded_length_on_each_capacity_and_holds_nothing(
     assert g.memory.held_bytes == held  # only spares: no session holds anything
     narrow = DecoderGraph(build, providers=["CPUExecutionProvider"], prefill=PrefillPlan(4, (4,), capacity_mask=False))
     assert narrow.warm_prefills() == [256, *narrow._planned_capacities()]  # the KV inputs' shapes name C
+    assert narrow.warm_prefills(max_tokens=300) == [256, 512]  # none past what a served turn can hold
 
 
 def test_bfloat16_storage_round_trips_and_rounds_to_nearest_even():
