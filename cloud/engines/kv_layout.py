@@ -184,7 +184,7 @@ class CpuPackedLayout:
     def snapshot(self, cache: torch.Tensor, block_ids: Sequence[int]) -> HostCopy:
         """Copy of blocks ``block_ids`` as packed in the cache, ``[n, Hkv, B, 2*D]`` (one memcpy per
         block; complete on return)."""
-        return HostCopy(cache.index_select(0, torch.as_tensor(list(block_ids), dtype=torch.int64)))
+        return HostCopy(cache.index_select(0, block_index(block_ids, cache.device)))
 
     def from_snapshot(self, native: np.ndarray) -> np.ndarray:
         """Canonical ``[n, 2, Hkv, B, D]`` of a float32 ``snapshot``: one gather through the probed

@@ -121,10 +121,9 @@ def open_head(
 ) -> HeadRunner:
     """The head of ``split_dir``: with ``builder``, the model builder's (``BuilderHead``, its
     ``prefill`` shapes) where the manifest names one that passed its check, else tandem's torch.onnx
-    export (``OnnxHead``). Which
-    one is logged, and why not the builder's: at info level where the manifest names none (the
-    reason preparation recorded, or none tried), as a warning where the one it names cannot serve
-    (missing, failed its check, another shape)."""
+    export (``OnnxHead``). Which one is logged, and why not the builder's: at info level where the
+    manifest names none (the reason preparation recorded, or none tried), as a warning where the one
+    it names cannot serve (missing, failed its check, another shape)."""
     why = "builder_head is off"
     if builder:
         manifest = SplitManifest.load(split_dir)

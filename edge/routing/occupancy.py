@@ -204,4 +204,4 @@ def takeover_first(catch_up_ms: float, rtt_ms: float) -> bool:
     back, the cloud stops one run sooner and the client's stream does not wait for the run;
     otherwise the edge takes over once the run is done (a slow edge would stall the stream for the
     run, the cloud still able to finish the reply). An unknown prediction or RTT (0) says no."""
-    return 0.0 < catch_up_ms <= rtt_ms and rtt_ms > 0.0
+    return 0.0 < catch_up_ms <= rtt_ms

@@ -19,13 +19,13 @@ memory, all queued on the forward's stream with an event after them, so the forw
 for a layer's copy: a sync per layer would stall the GPU's queue L or 2L times a step);
 ``wait_for_save`` hands the step's copies to one writer thread, which waits for each copy's event,
 turns the copies into canonical blocks (numpy) and puts them in the store, in order, while vLLM
-samples and returns the first token. The copy is ordered
-inside the step (stream order puts it before any later write to the cache), so a block freed or
-reused afterwards (a finished, aborted or preempted request) cannot change what is saved, and vLLM
-frees blocks at once. Readers learn a block is there by its key (``BlockStore.contains``); the gateway
-waits for a turn's tail keys before the decode request (``Pins.await_tail_saves``). At most
-``save_queue_bytes`` of copies wait for the writer; a step beyond that waits in ``wait_for_save``
-(backpressure). A put the store refuses leaves the block missing and its readers recompute it.
+samples and returns the first token. The copy is ordered inside the step (stream order puts it
+before any later write to the cache), so a block freed or reused afterwards (a finished, aborted or
+preempted request) cannot change what is saved, and vLLM frees blocks at once. Readers learn a
+block is there by its key (``BlockStore.contains``); the gateway waits for a turn's tail keys
+before the decode request (``Pins.await_tail_saves``). At most ``save_queue_bytes`` of copies wait
+for the writer; a step beyond that waits in ``wait_for_save`` (backpressure). A put the store
+refuses leaves the block missing and its readers recompute it.
 
 The paged layout is chosen and checked in ``register_kv_caches`` (an unsupported backend or shape
 fails the engine's start with ``KVLayoutError``); any error while loading or saving a step's blocks
@@ -229,10 +229,10 @@ class TandemConnectorWorker:
 
     def _write(self, staged: list[tuple[int, list[PartOp], HostCopy]]) -> None:
         """Writer thread: each layer's copy waited for (``HostCopy.result``), then per key, in the
-        order the step planned them, its layers' rows made one
-        canonical block ``[Lp, 2, Hkv, B, D]`` float32, then its put: a prompt's first block is in
-        the store while the later ones are still converted, so a reader that waits for them in
-        order (remote prefill's downlink) starts at once. A key whose step did not copy every layer
+        order the step planned them, its layers' rows made one canonical block
+        ``[Lp, 2, Hkv, B, D]`` float32, then its put: a prompt's first block is in the store while
+        the later ones are still converted, so a reader that waits for them in order (remote
+        prefill's downlink) starts at once. A key whose step did not copy every layer
         of its part (a forward that failed midway) is not written: a block is stored whole or not
         at all. A write the store refuses (a shared store out of reach) leaves the block missing:
         its readers recompute it. Never raises."""
