@@ -494,4 +494,4 @@ class EdgeNode:
 
     def _run_remote_prefill(self, turn: Turn) -> Events:
         assert self.local is not None  # routed here only when present
-        return run_remote_prefill(turn, self.local, self.compute.model_key)
+        return run_remote_prefill(turn, self.local, self.compute.model_key, self.router.cost)

@@ -10,8 +10,8 @@ streaming -> the edge sends ``Takeover``; the cloud aborts its request and ends 
 decoded past that point and a ``handover`` final -> the edge decodes on locally from every token it
 has (``LocalEngine.generate`` reuses the session's KV: one short run, then a step per token). The
 client's stream neither pauses for the switch beyond one local run nor repeats a token. Where the
-catch-up run is predicted to take no longer than the takeover's round trip (its tokens at the
-engine's prefill rate against the link's RTT: a GPU edge), the takeover goes up before it, as soon
+catch-up run is predicted to take no longer than the takeover's round trip (the cost model's local
+line, ``CostModel.local_run_ms``, against the link's RTT: a GPU edge), the takeover goes up before it, as soon
 as the session holds the KV: the cloud's engines are then not held for that run, and the run is
 done by the time the cloud's final comes back (``takeover_first``).
 
@@ -45,6 +45,7 @@ from tandem.edge.compute.local import SAMPLING_EPS, LocalEngine, LocalSession, p
 from tandem.edge.events import SentBytes, TextOut, TurnDone
 from tandem.edge.link.base import TurnCall
 from tandem.edge.link.downlink import KVDownload
+from tandem.edge.routing.costmodel import CostModel
 from tandem.edge.routing.occupancy import takeover_first
 from tandem.edge.turn import Turn
 from tandem.stages import Stage
@@ -58,8 +59,8 @@ class RemotePrefillTurn:
     """One remote-prefill leg (see module doc). ``model_key``: the whole model's
     (``common.wire.kvdown.full_model_key``)."""
 
-    def __init__(self, turn: Turn, local: LocalEngine, model_key: str) -> None:
-        self.turn, self.local, self.model_key = turn, local, model_key
+    def __init__(self, turn: Turn, local: LocalEngine, model_key: str, cost: CostModel) -> None:
+        self.turn, self.local, self.model_key, self.cost = turn, local, model_key, cost
         self.sess: LocalSession = local.sessions.get(turn.session_id)
         self.held_ids = list(self.sess.token_ids)  # what the session holds as the turn starts
         self.final: TurnFinal | None = None
@@ -206,7 +207,7 @@ class RemotePrefillTurn:
         clock.since(Stage.KV_ADOPT, t0)
         self.adopted.set()
         catch_up = [*ids, *self.turn.text.token_ids]
-        first = takeover_first((len(catch_up) - len(want.ids) * B) * self.local.prefill_ms_per_token, self._rtt_ms())
+        first = takeover_first(self.cost.local_run_ms(len(catch_up) - len(want.ids) * B), self._rtt_ms())
         if first:
             self._take_over(call)
         t0 = time.perf_counter()
@@ -287,8 +288,11 @@ class RemotePrefillTurn:
         )
 
 
-async def run_remote_prefill(turn: Turn, local: LocalEngine, model_key: str) -> AsyncIterator[TextOut | TurnDone]:
-    """Remote prefill of ``turn`` (see module doc).
+async def run_remote_prefill(
+    turn: Turn, local: LocalEngine, model_key: str, cost: CostModel
+) -> AsyncIterator[TextOut | TurnDone]:
+    """Remote prefill of ``turn`` (see module doc). ``cost``: the router's cost model (its
+    ``local_run_ms`` times the catch-up run for the takeover's order, as auto's handover model does).
 
     Raises:
         TurnTooLarge: the turn's own KV is larger than the whole bound on the edge's KV memory
@@ -298,6 +302,6 @@ async def run_remote_prefill(turn: Turn, local: LocalEngine, model_key: str) -> 
     local.check_fits(len(turn.ids), turn.sampling.max_new_tokens, turn.prompt_param)
     if local.session_expired(turn.session_id):
         turn.clock.session_expired = True
-    async with contextlib.aclosing(RemotePrefillTurn(turn, local, model_key).run()) as events:  # type: ignore[type-var]
+    async with contextlib.aclosing(RemotePrefillTurn(turn, local, model_key, cost).run()) as events:  # type: ignore[type-var]
         async for ev in events:
             yield ev

@@ -315,6 +315,13 @@ class CostModel:
             return measured
         return self.edge.local_prefill_ms_per_token.value * layers / max(1, link.num_layers)
 
+    def local_run_ms(self, tokens: float) -> float:
+        """One run of ``tokens`` new tokens through the edge's whole model, as the fitted local line
+        predicts it (the engine's prefill rate per token before the line has samples); 0 for none
+        (ms). The handover model and the remote-prefill turn's takeover order both read it."""
+        rate = self.edge.local_prefill_ms_per_token.value
+        return self.lines.get(LineKey(LineKind.LOCAL), Line()).predict(tokens, rate)
+
     def _local_prefill_queue_ms(self, load: EdgeLoad) -> float:
         """``W_local``: the local engine's prefills waiting or running, at the local prefill rate (ms)."""
         return load.local_pending_prefill_tokens * self.edge.local_prefill_ms_per_token.value

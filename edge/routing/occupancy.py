@@ -44,9 +44,6 @@ from tandem.common.runtime.ewma import Ewma
 from tandem.edge import metrics
 from tandem.edge.routing.costmodel import (
     CostModel,
-    Line,
-    LineKey,
-    LineKind,
     LinkState,
     Prediction,
     RequestShape,
@@ -116,8 +113,7 @@ class OccupancyModel:
         wire = n_down * link.full_kv_block_bytes * 8 / (g * 1e3) if g > 0 else 0.0
         before = self.kv_save_wait_ms.value + wire
         m0 = before / d_c if d_c > 0 else 0.0
-        rate = cost.edge.local_prefill_ms_per_token.value
-        local = cost.lines.get(LineKey(LineKind.LOCAL), Line()).predict(T % B + m0 + 1, rate)
+        local = cost.local_run_ms(T % B + m0 + 1)
         return before + link.rtt_ms + (0.0 if takeover_first(local, link.rtt_ms) else local)
 
     def observe(

@@ -164,6 +164,8 @@ def test_stage_lines_are_fitted_from_stage_timings_and_the_residual_takes_the_re
         m.observe(q, 480.0, {Stage.LOCAL_PREFILL: 470.0})
     a, b, c = m.lines[LineKey(LineKind.LOCAL)].coefficients(2.0)
     assert b == pytest.approx(2.0) and a == pytest.approx(70.0) and c == 0
+    # one local run's time (the remote-prefill catch-up's and auto's handover model's) is that line's
+    assert m.local_run_ms(10) == pytest.approx(70.0 + 2.0 * 10) and m.local_run_ms(0) == 0.0
     # attention makes long prefills superlinear: the quadratic term is found
     quad = Line()
     for n in (64, 256, 1024, 128, 512):
