@@ -1381,16 +1381,21 @@ class DecoderGraph:
         import onnxruntime as ort
 
         self._own(slot, start + t)
-        item, row = self._item_bytes, t * s.head_dim * self._item_bytes  # bytes of one head's T tokens
-        staged, ranges = [], []
-        for v, a in zip(slot.kv, past, strict=True) if t else ():  # nothing to upload for T = 0
-            up = ort.OrtValue.ortvalue_from_numpy(_held(a, self.kv_type), self.device, 0)  # [1, Hkv, T, D]
-            staged.append(up)
-            for h in range(s.num_kv_heads):  # head h's tokens [start, start + T) of [1, Hkv, C, D]
-                at = (h * slot.capacity_tokens + start) * s.head_dim * item
-                ranges.append((up.data_ptr() + h * row, v.data_ptr() + at, row))
-        self._copier.copy(ranges)
-        del staged  # the copies ran: the staging buffers go
+        if t:  # nothing to upload for T = 0
+            item, row = self._item_bytes, t * s.head_dim * self._item_bytes  # bytes of one head's T tokens
+            # one cast and one upload of every tensor ([2L, 1, Hkv, T, D]), then one copy run: a few
+            # calls into ONNX Runtime, not a few per layer (each releases and retakes the GIL, which
+            # the event loop holds for up to the switch interval while it streams the cloud's tokens)
+            held = _held(np.stack(past), self.kv_type)
+            up = ort.OrtValue.ortvalue_from_numpy(held, self.device, 0)
+            base, tensor, head = up.data_ptr(), s.num_kv_heads * row, slot.capacity_tokens * s.head_dim * item
+            ranges = [  # head h's tokens [start, start + T) of layer tensor i's [1, Hkv, C, D]
+                (base + i * tensor + h * row, v.data_ptr() + h * head + start * s.head_dim * item, row)
+                for i, v in enumerate(slot.kv)
+                for h in range(s.num_kv_heads)
+            ]
+            self._copier.copy(ranges)
+            del up, held  # the copies ran: the staging buffer goes
         slot.mask_host[:] = 0
         slot.mask_host[0, : start + t] = 1
         slot.tokens = start + t
