@@ -269,35 +269,42 @@ async def test_the_builder_decoder_serves_local_turns_from_cuda_graphs(split_dir
 
 def test_bucketed_prefills_on_cuda_agree_with_exact_runs(split_dir):
     """On the CUDA provider the decoder's default plan is the bucketed one (runs of at most 512
-    tokens, padded, the mask over the slot: ``edge.compute.prefill``), its warm-up runs every shape
-    on each warmed capacity, and its runs agree with exact runs of the same graph: a 700-token
-    prompt (a chunk, then 188 tokens padded to 256) and 5 tokens after it (padded to 8), last-row
-    logits and every held token's KV within bf16's rounding (2% of the largest value), the same
-    argmax where the exact run's top two are not within that rounding."""
+    tokens, padded, the mask over the slot: ``edge.compute.prefill``) and its warm-up runs every
+    shape on each warmed capacity. A 700-token prompt (a chunk, then 188 tokens padded to 256) and 5
+    tokens after it (padded to 8): the padding and the capacity-wide mask change nothing, so the
+    logits and every held token's KV equal exact-length runs in the same chunks within bf16's
+    rounding (2% of the largest value; on an H100 they are the same bits); against one exact run
+    of the whole prompt the chunk boundary changes the kernels' rounding, which compounds through
+    the layers (KV up to 5% of a layer's largest value on an H100), so there the logits agree within
+    2% and the argmax where the exact run's top two are not within that rounding."""
     import onnxruntime as ort
 
     from tandem.edge.compute.decoder import DecoderGraph
-    from tandem.edge.compute.prefill import PrefillPlan
+    from tandem.edge.compute.prefill import CHUNK_TOKENS, PrefillPlan
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime-gpu's CUDA provider is not installed")
     path = split_dir.parent / "edge-decoder"
-    bucketed, exact = DecoderGraph(path), DecoderGraph(path, prefill=PrefillPlan.EXACT)
+    bucketed = DecoderGraph(path)
+    chunked = DecoderGraph(path, prefill=PrefillPlan(chunk_tokens=CHUNK_TOKENS))
+    exact = DecoderGraph(path, prefill=PrefillPlan.EXACT)
     assert bucketed.on_cuda and bucketed.prefill == PrefillPlan.bucketed()
     caps = bucketed.warm_prefills()
     assert caps and caps[0] == bucketed.turn_capacity_tokens(1)
     ids = [int(x) for x in np.random.default_rng(11).integers(3, 32000, 705)]
-    slots = {g: g.new_kv(len(ids)) for g in (bucketed, exact)}
+    graphs = (bucketed, chunked, exact)
+    slots = {g: g.new_kv(len(ids)) for g in graphs}
     for lo, hi in ((0, 700), (700, 705)):
-        (_, got, _), (_, want, _) = (g.run(slots[g], ids[lo:hi], greedy=False) for g in (bucketed, exact))
-        scale = float(np.abs(want).max())
-        assert float(np.abs(got - want).max()) <= 0.02 * scale, (hi, float(np.abs(got - want).max()), scale)
-        top2 = np.sort(want)[-2:]
-        if top2[1] - top2[0] > 0.02 * scale:
-            assert int(np.argmax(got)) == int(np.argmax(want)), hi
+        got, same_chunks, whole = (g.run(slots[g], ids[lo:hi], greedy=False)[1] for g in graphs)
+        for want in (same_chunks, whole):
+            scale = float(np.abs(want).max())
+            assert float(np.abs(got - want).max()) <= 0.02 * scale, (hi, float(np.abs(got - want).max()), scale)
+            top2 = np.sort(want)[-2:]
+            if top2[1] - top2[0] > 0.02 * scale:
+                assert int(np.argmax(got)) == int(np.argmax(want)), hi
     assert all(slot.tokens == len(ids) for slot in slots.values())
-    for a, b in zip(*(g.read_kv(slots[g]) for g in (bucketed, exact)), strict=True):
-        assert float(np.abs(a - b).max()) <= 0.02 * float(np.abs(b).max()) + 1e-3
+    for i, (a, b) in enumerate(zip(bucketed.read_kv(slots[bucketed]), chunked.read_kv(slots[chunked]), strict=True)):
+        assert float(np.abs(a - b).max()) <= 0.02 * float(np.abs(b).max()) + 1e-3, i
 
 
 async def test_the_builder_decoder_batches_concurrent_turns_in_cuda_graphs(split_dir, manifest, hf_model, tokenizer):
