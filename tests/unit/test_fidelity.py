@@ -230,6 +230,15 @@ def test_the_packaged_tables_load_and_name_their_weights_and_dtype():
     assert not load_tables(dtype="float16")  # nothing measured in fp16: such a cloud keeps fp16 on the wire
 
 
+def test_the_packaged_bf16_smollm2_table_qualifies_int8_hadamard_for_remote_prefills_downlink():
+    """Measured on an H100 (200 chats, bf16 engines): int8_hadamard's KV of every layer is within
+    the floor (half of bf16's bytes); the int4 formats are not."""
+    data = json.loads((PACKAGED / "smollm2-135m-bf16.json").read_text())
+    t = load_tables(dtype="bfloat16")[data["weights_blake3"]]
+    assert t.downlink == (W.INT8_HADAMARD,)
+    assert t.smallest_downlink((W.BF16, W.INT4, W.INT4_HADAMARD)) is None  # the engines' own bf16 then
+
+
 def test_a_table_applies_to_the_engines_compute_dtype_only(tmp_path):
     """The tables a cloud negotiates by are those measured in the dtype its engines compute in
     (``EngineConfig.compute_dtype``): an fp32 table's verdicts say nothing of a bf16 cloud's floor."""
