@@ -8,8 +8,9 @@ prefills with the connector loading the session's blocks already stored and savi
 first token, the blocks the edge lacks go down in order, each as soon as the engine's write of it
 landed in the store (``Pins.await_prefix``), framed by the one KV-block codec
 (``common.wire.kvcodec.encode_block``, as the edge's uplink frames its head blocks), within a window
-the edge's ``KVDownAck``s move (``common.wire.flow.SendWindow``), then the commit (their Merkle
-root) -> on the edge's ``Takeover`` the engine request is aborted (vLLM frees its KV slots), the
+the edge's ``KVDownAck``s move and that shrinks while their delays show the blocks queueing ahead of
+the reply's tokens (``common.wire.flow.DelayBoundWindow``, ``KV_DOWN_QUEUE_TARGET_MS``), then the
+commit (their Merkle root) -> on the edge's ``Takeover`` the engine request is aborted (vLLM frees its KV slots), the
 tokens decoded past the edge's position follow, then a ``Final`` with finish reason ``handover``. A
 decode that ends first ends the turn as in direct mode, and a downlink that is cut or slow only
 means the edge never takes over.
@@ -41,7 +42,7 @@ from tandem.cloud.uploads.pins import Pins
 from tandem.common.protocol.errors import InvalidRequest
 from tandem.common.wire import chunks as wire
 from tandem.common.wire import merkle
-from tandem.common.wire.flow import SendWindow
+from tandem.common.wire.flow import DelayBoundWindow
 from tandem.common.wire.kvblocks import LayerRange, block_hashes, hash_seed, kv_scope
 from tandem.common.wire.kvcodec import BlockSpec, Commit, KVBlock, encode_block
 from tandem.common.wire.kvdown import HANDOVER, KVDownAck, Takeover, down_spec, full_model_key
@@ -50,6 +51,10 @@ from tandem.stages import Stage
 
 log = logging.getLogger("tandem.cloud")
 WINDOW_BLOCKS = 4  # the downlink window holds at least this many blocks (a link's window counts uplink items)
+# the queueing delay the KV going down may add ahead of the reply's tokens in the same stream: about
+# ten of the cloud's decode steps (1.5 ms a token for SmolLM2 on an H100); LEDBAT's 100 ms (RFC 6817)
+# is for bulk traffic beside interactive flows on other connections, not in the same stream
+KV_DOWN_QUEUE_TARGET_MS = 20.0
 
 
 def check_remote_prefill(turn: Turn, kv_dtypes: tuple[wire.WireDtype, ...]) -> None:
@@ -69,10 +74,11 @@ def check_remote_prefill(turn: Turn, kv_dtypes: tuple[wire.WireDtype, ...]) -> N
 
 @dataclass
 class _Window:
-    """Flow control of the blocks going down (``SendWindow``: payload bytes sent, each block once,
-    and acknowledged), awaited by the sender."""
+    """Flow control of the blocks going down (``DelayBoundWindow``: payload bytes sent, each block
+    once, and acknowledged, the window shrunk while the acks' delays show a queue), awaited by the
+    sender."""
 
-    flow: SendWindow
+    flow: DelayBoundWindow
     moved: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def send(self, n: int) -> None:
@@ -80,10 +86,10 @@ class _Window:
         while not self.flow.fits(n):
             self.moved.clear()
             await self.moved.wait()
-        self.flow.sent(n)
+        self.flow.sent_at(n, time.perf_counter() * 1e3)
 
     def ack(self, received_bytes: int) -> None:
-        self.flow.ack(received_bytes)
+        self.flow.ack_at(received_bytes, time.perf_counter() * 1e3)
         self.moved.set()
 
 
@@ -148,7 +154,9 @@ class RemotePrefills:
         spec = blocks.spec
         await self.pins.pin(turn, blocks.keys)
         q: asyncio.Queue = asyncio.Queue()
-        first_token, window = asyncio.Event(), _Window(SendWindow(window_bytes=self._window_bytes(turn, blocks.want)))
+        window_bytes = self._window_bytes(turn, blocks.want)
+        flow = DelayBoundWindow(window_bytes=window_bytes, target_queue_ms=KV_DOWN_QUEUE_TARGET_MS)
+        first_token, window = asyncio.Event(), _Window(flow)
         t0 = time.perf_counter()
         tasks = [
             asyncio.create_task(self._tokens(turn, spec, ticket, q, first_token)),

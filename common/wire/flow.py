@@ -1,12 +1,16 @@
 """Flow control of one ``Generate`` call's payload, either direction: the sender keeps the payload
 bytes it sent past the receiver's last acknowledgement within a window (``SendWindow``), the receiver
 counts the payload bytes it received, each item once (``ReceivedBytes``), and acknowledges them
-(``WindowAck`` going down for the upload, ``KVDownAck`` going up for remote prefill's KV). Pure
-bookkeeping: who waits, and when an ack is sent, is the caller's.
+(``WindowAck`` going down for the upload, ``KVDownAck`` going up for remote prefill's KV). A flow
+that shares the call with what a user waits for (remote prefill's KV beside the reply's tokens)
+also keeps the queueing delay it adds within a bound (``DelayBoundWindow``). Pure bookkeeping: who
+waits, and when an ack is sent, is the caller's.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -35,6 +39,59 @@ class SendWindow:
     def ack(self, received_bytes: int) -> None:
         """The receiver's count of payload received; never moves back nor past what was sent."""
         self.acked_bytes = max(self.acked_bytes, min(received_bytes, self.sent_bytes))
+
+
+@dataclass(kw_only=True)
+class DelayBoundWindow(SendWindow):
+    """A ``SendWindow`` for a flow that must not hold up what else goes down the same call (remote
+    prefill's KV blocks, queued in one stream with the reply's tokens: a token waits behind every
+    block byte still in the link's queues). Each ack's delay is timed from the send of the last item
+    it covers; the smallest seen is the base (the round trip, one item's transmission, the
+    receiver's check); the rest is queueing. A delay more than ``target_queue_ms`` above the base
+    halves the window (at most once per window's worth of acks), else it grows by one item per
+    window's worth of acks (TCP's congestion avoidance), between one item (``fits`` lets an item go when nothing is in flight) and
+    ``max_bytes`` (the ``window_bytes`` it is made with). The delay-based rule of LEDBAT (RFC 6817,
+    whose target is 100 ms for bulk background traffic; a reply's tokens want tens of ms). On a
+    link whose bandwidth-delay product holds the window, the acks show no queue and the window
+    stays at ``max_bytes``.
+
+    Times are the caller's clock (ms)."""
+
+    target_queue_ms: float
+    max_bytes: int = field(init=False)
+    base_delay_ms: float = math.inf
+    queue_ms: float = 0.0  # the last ack's delay above the base
+    _sends: deque[tuple[int, float]] = field(default_factory=deque)  # (sent_bytes after an item, when)
+    _hold_until: int = -1  # no second halving until the acks pass this byte (the last sent at a halving)
+
+    def __post_init__(self) -> None:
+        self.window_bytes = self.max_bytes = max(1, self.window_bytes)
+
+    def sent_at(self, nbytes: int, now_ms: float) -> None:
+        """An item of ``nbytes`` payload bytes went at ``now_ms`` (its first send)."""
+        self.sent(nbytes)
+        self._sends.append((self.sent_bytes, now_ms))
+
+    def ack_at(self, received_bytes: int, now_ms: float) -> None:
+        """The receiver's count of payload received, heard at ``now_ms``."""
+        before = self.acked_bytes
+        self.ack(received_bytes)
+        sent_ms, items = None, 0
+        while self._sends and self._sends[0][0] <= self.acked_bytes:
+            sent_ms, items = self._sends.popleft()[1], items + 1
+        if sent_ms is None:  # no item wholly acknowledged by this ack
+            return
+        delay_ms = max(0.0, now_ms - sent_ms)
+        self.base_delay_ms = min(self.base_delay_ms, delay_ms)
+        self.queue_ms = delay_ms - self.base_delay_ms
+        if self.queue_ms > self.target_queue_ms:
+            if self.acked_bytes > self._hold_until:
+                self.window_bytes = max(1, self.window_bytes // 2)
+                self._hold_until = self.sent_bytes
+        else:  # one item more per window's worth of acks
+            acked = self.acked_bytes - before
+            grow = math.ceil(acked * (acked / items) / self.window_bytes)
+            self.window_bytes = min(self.max_bytes, self.window_bytes + grow)
 
 
 @dataclass(kw_only=True)
