@@ -49,11 +49,11 @@ class DelayBoundWindow(SendWindow):
     it covers; the smallest seen is the base (the round trip, one item's transmission, the
     receiver's check); the rest is queueing. A delay more than ``target_queue_ms`` above the base
     halves the window (at most once per window's worth of acks), else it grows by one item per
-    window's worth of acks (TCP's congestion avoidance), between one item (``fits`` lets an item go when nothing is in flight) and
-    ``max_bytes`` (the ``window_bytes`` it is made with). The delay-based rule of LEDBAT (RFC 6817,
-    whose target is 100 ms for bulk background traffic; a reply's tokens want tens of ms). On a
-    link whose bandwidth-delay product holds the window, the acks show no queue and the window
-    stays at ``max_bytes``.
+    window's worth of acks (TCP's congestion avoidance), between one item (``fits`` lets an item go
+    when nothing is in flight) and ``max_bytes`` (the ``window_bytes`` it is made with). The
+    delay-based rule of LEDBAT (RFC 6817, whose target is 100 ms for bulk background traffic; a
+    reply's tokens want tens of ms). On a link whose bandwidth-delay product holds the window, the
+    acks show no queue and the window stays at ``max_bytes``.
 
     Times are the caller's clock (ms)."""
 
