@@ -284,7 +284,7 @@ class Router:
             n = request.sampling.max_new_tokens
             occ = {p.route: self.occupancy.predict(p, shape, link, self.cost, n) for p in preds}
         if request.whole_reply:
-            pick, why = quickest(preds, occ)
+            pick, why = quickest(preds, occ, self.occupancy.expected_output(request.sampling.max_new_tokens))
         else:
             fast = [p for p in preds if p.route.mode is not Mode.REMOTE_PREFILL]
             pick, why = self.cost.choose(fast or preds)

@@ -134,13 +134,16 @@ def test_a_whole_reply_takes_the_route_that_finishes_first():
     assert min(preds, key=lambda p: p.ttft_ms).route == LOCAL
 
     def pick(max_new_tokens: int):
-        return quickest(preds, {p.route: occ.predict(p, shape, lk, m, max_new_tokens) for p in preds})
+        expected = occ.expected_output(max_new_tokens)
+        return quickest(preds, {p.route: occ.predict(p, shape, lk, m, max_new_tokens) for p in preds}, expected)
 
     route, why = pick(256)
     assert route.route == DIRECT and "end-to-end" in why  # 255 x 2 ms against 255 x 20 ms of decode
-    # the reason names the quickest routes' predictions, the pick first
-    named = why.split("(", 1)[1].rstrip(")").split(", ")
+    # the reason names the quickest routes' predictions, the pick first, then what they assume
+    named, assumed = why.split("(", 1)[1].rstrip(")").split("; ")
+    named = named.split(", ")
     assert named[0].startswith("direct ") and any(n.startswith("local ") for n in named), why
+    assert assumed == "256 tokens at local 20.00, cloud 2.00 ms/token", why
     assert pick(1)[0].route == LOCAL
     with pytest.raises(ValueError):
         quickest([], {})
