@@ -392,6 +392,7 @@ class LocalEngine:
         self.last_reused_tokens = 0
         self.last_batch_size = 0  # decode steps of the latest batched run
         self._setups_seen = getattr(self.model, "setup_runs", 0)  # the model's graph set-up runs, measured past
+        self._measuring = True  # False while the warm-up sets up what it does not time
         self._batched = bool(getattr(self.model, "batched_decode", False))
         # a model replaying CUDA graphs runs on one thread for its whole life (``GraphThread``)
         linger = None if getattr(self.model, "thread_bound", False) else LINGER_S
@@ -586,7 +587,7 @@ class LocalEngine:
         st, ids = run.step, run.prompt[run.step.keep :]
         try:
             tok_, logits, ms = self._advance(st.sess, ids, st.keep, st.greedy, st.tokens_hint, st.draw)
-            self._measured(len(ids), ms)
+            self._measured(len(ids), ms, prefill=True)
             tok = next_token(tok_, logits, run.sampling, st.draw.uniform if st.draw else 0.0)
         except BaseException as e:  # the turn hears whatever its prefill raised
             self._stepper.deliver(run, e)
@@ -695,17 +696,22 @@ class LocalEngine:
             results[i] = (toks[j], logits[j], ms)
         return results, ms
 
-    def _measured(self, tokens: int, ms: float) -> None:
-        """Add a run of ``tokens`` new tokens that took ``ms`` to the rates, unless the model set
-        a CUDA graph up since the last measurement (``setup_runs`` grew: that run paid a graph's
-        first allocations or its capture once, tens of ms, and says nothing of the next)."""
+    def _measured(self, tokens: int, ms: float, prefill: bool = False) -> None:
+        """Add a run of ``tokens`` new tokens that took ``ms`` to the rates: a prefill of several
+        tokens to the prefill rate, a decode step to the decode rate. Left out: a run after which
+        the model had set a CUDA graph up (``setup_runs`` grew: that run paid a graph's first
+        allocations or its capture once, tens of ms, and says nothing of the next), a prefill of one
+        token (the prompt held but its last token: the prefill graph, uncaptured, not a decode
+        step), and every run while the warm-up sets up shapes and capacities it does not time."""
         setups = getattr(self.model, "setup_runs", 0)
         if setups != self._setups_seen:
             self._setups_seen = setups
             return
+        if not self._measuring:
+            return
         if tokens > 1:
             self.prefill_rate.add(ms / tokens)
-        else:
+        elif not prefill:
             self.decode_rate.add(ms)
 
     async def adopt(
@@ -771,7 +777,7 @@ class LocalEngine:
         finally:
             self.pending_prefill_tokens -= n
             self.pending_prefills -= 1
-        self._measured(n, ms)
+        self._measured(n, ms, prefill=True)
         return tok, logits, wait_ms, ms
 
     async def generate(
@@ -894,14 +900,24 @@ class LocalEngine:
         graphs at start-up). A capacity that no turn within the engine's positions reaches, or that
         the engine refuses (``QuotaExceeded``, ``TurnTooLarge``, ``InvalidRequest``), ends that part,
         logged; the edge starts without it. Last, a model with a fixed set of prefill shapes
-        (``DecoderGraph.warm_prefills``, ``edge.compute.prefill``) runs each of them once.
-        Stateless."""
+        (``DecoderGraph.warm_prefills``, ``edge.compute.prefill``) runs each of them once. The
+        measured rates are the second pass's alone (a decode step on a larger capacity attends over
+        more positions, and the set-up runs say nothing of a served turn). Stateless."""
         n = max(2, min(n_tokens, self.shape.max_position_embeddings - WARMUP_DECODE_STEPS))
         ids = [(1 + 7919 * i) % self.shape.vocab_size for i in range(n)]
         for timed in (False, True):
             if timed:
                 self.prefill_rate, self.decode_rate = Ewma(), Ewma()
             await self._warm_turn(ids, n + WARMUP_DECODE_STEPS)
+        self._measuring = False  # the rates are the timed pass's: larger capacities and shapes set up only
+        try:
+            await self._warm_up_shapes(ids, n)
+        finally:
+            self._measuring = True
+
+    async def _warm_up_shapes(self, ids: list[int], n: int) -> None:
+        """``warmup``'s set-up after its timed pass: a turn per larger KV capacity, then the model's
+        prefill shapes (see ``warmup``)."""
         capacities: list[int] = getattr(self.model, "warm_capacities", list)()
         t0, warmed = time.perf_counter(), list[int]()
         for cap in capacities:

@@ -286,6 +286,18 @@ async def test_a_run_that_captures_a_cuda_graph_stays_out_of_the_measured_rates(
     assert engine.decode_rate.samples == s.max_new_tokens - 3  # 5 decode runs, the first two set a graph up
 
 
+async def test_a_one_token_prefill_is_not_a_decode_step():
+    """A turn whose prompt the session holds but its last token runs a one-token prefill (on a
+    GPU the uncaptured prefill graph): it moves neither rate; the turn's two decode steps do."""
+    engine = LocalEngine(MemoryModel(SHAPE), SHAPE, (EOS,))
+    ids = prompts(1, seed=4)[0]
+    await tokens(engine, ids, Sampling(max_new_tokens=1, ignore_eos=True), session_id="s")
+    assert engine.prefill_rate.samples == 1 and engine.decode_rate.samples == 0
+    await tokens(engine, ids, Sampling(max_new_tokens=3, ignore_eos=True), session_id="s")
+    assert engine.last_computed_tokens == 1  # the prompt held: its last token run again
+    assert engine.prefill_rate.samples == 1 and engine.decode_rate.samples == 2
+
+
 async def test_warmup_times_its_second_pass():
     """The first pass captures and allocates, untimed; the rates come from the second alone."""
     engine = LocalEngine(CapturingModel(SHAPE, batched_decode=False), SHAPE, (EOS,))
@@ -314,15 +326,34 @@ class WarmingModel(MemoryModel):
         return super().new_kv(tokens_hint)
 
 
+class LargerIsSlower(WarmingModel):
+    """Decode steps cost 1 ms, 20 ms on a slot of 512 tokens or more (attention over more
+    positions); the slot's size is the hint it was made for."""
+
+    def new_kv(self, tokens_hint):
+        kv = super().new_kv(tokens_hint)
+        kv.large = tokens_hint >= 512
+        return kv
+
+    def run(self, kv, ids, greedy, draw=None):
+        tok, logits, ms = super().run(kv, ids, greedy, draw)
+        return tok, logits, (20.0 if getattr(kv, "large", False) else 1.0) if len(ids) == 1 else ms
+
+    def run_batch(self, kvs, token_ids, greedy, draws=None):
+        toks, logits, ms = super().run_batch(kvs, token_ids, greedy, draws)
+        return toks, logits, 20.0 if any(getattr(kv, "large", False) for kv in kvs) else 1.0
+
+
 @pytest.mark.parametrize("kind", ["batched", "unbatched"])
 async def test_warmup_runs_a_few_steps_on_each_capacity_the_model_names(kind):
     """After its two passes the warm-up runs one turn per named capacity, its slot that size, cut
-    after a few decode steps; the rates keep what those steps measure."""
-    model = WarmingModel([512, 1024], **KINDS[kind])
+    after a few decode steps; the rates are the timed pass's alone (the larger capacities' steps,
+    20 ms here against 1, set graphs up and say nothing of a served turn)."""
+    model = LargerIsSlower([512, 1024], **KINDS[kind])
     engine = LocalEngine(model, SHAPE, (EOS,))
     await engine.warmup(16)
     assert model.hints[-2:] == [512, 1024], model.hints
-    assert engine.decode_ms_per_token > 0 and engine.active == 0
+    assert engine.decode_ms_per_token == pytest.approx(1.0) and engine.active == 0
     # a served turn afterwards is unaffected
     s = Sampling(max_new_tokens=5, ignore_eos=True)
     assert await tokens(engine, prompts(1, seed=3)[0], s) == alone(kind, prompts(1, seed=3)[0], s)
