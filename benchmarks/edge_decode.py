@@ -527,7 +527,9 @@ def main(
         int, typer.Option(help="prefill_shapes.md: the padded plans' chunk (their lengths: powers of two up to it)")
     ] = CHUNK_TOKENS,
 ) -> None:
-    """Time the edge's runtimes on one checkpoint (module doc)."""
+    """Time the edge's runtimes on one checkpoint: ONNX Runtime (tandem's decoder and the GenAI
+    Generator), optionally vLLM, unbatched and batched, and the prefill plans (docs/benchmarks.md,
+    "The edge's runtimes")."""
     from tandem.common.model.builder_export import build_decoder
 
     gpu = gpu_name()

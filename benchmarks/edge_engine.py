@@ -137,7 +137,8 @@ def main(
     new_tokens: Annotated[int, typer.Option(min=2)] = 256,
     repeats: Annotated[int, typer.Option(min=1)] = 3,
 ) -> None:
-    """Time the local engine's own cost per decode step (module doc)."""
+    """Time the local engine's own cost per decode step, over an in-memory model (docs/benchmarks.md,
+    "The local engine's own cost per step")."""
     counts = [int(t) for t in _floats(turns, "--turns")]
     kinds = [m.strip() for m in models.split(",") if m.strip()]
     if not kinds or any(k not in ("batched", "unbatched") for k in kinds) or min(counts) < 1:

@@ -146,7 +146,7 @@ class _ClientCore(ABC, Generic[S]):
             top_p: nucleus sampling probability mass in ``(0, 1]``; default 1.0 = off.
             top_k: sample among the ``top_k`` most likely tokens, in ``[-1, 2**31)``; default 0 =
                 off, as -1 is (vLLM's).
-            seed: sampling seed (a 64-bit int); default ``None`` = unseeded.
+            seed: sampling seed (a 64-bit int); default ``None`` = unseeded, as is -1 (vLLM's rule).
             session_id: name of a multi-turn conversation (at most 128 bytes); reuse it on each
                 turn so the edge and the cloud keep the conversation's prefix and only new tokens
                 travel. Sessions are per API key: another key's same id is another session.

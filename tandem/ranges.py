@@ -11,9 +11,10 @@ SDK as ``BadArgument`` (``tandem.chat_request``).
 
 The sampling fields follow vLLM's ``SamplingParams``: ``temperature`` in ``[0, 2]`` (0: greedy),
 ``top_p`` in ``(0, 1]`` (1: off), ``top_k`` in ``[-1, 2**31)`` (-1 and 0: off; at or above the
-vocabulary size it keeps every token, as off does), ``seed`` a 64-bit integer. ``max_new_tokens``
-and stop token ids have the wire's ranges here; an edge narrows them to its limit and its
-vocabulary (``RequestLimits``), with the same wording. Pure code, no dependencies: the SDK uses it.
+vocabulary size it keeps every token, as off does), ``seed`` a 64-bit integer (-1: no seed, as
+vLLM reads it). ``max_new_tokens`` and stop token ids have the wire's ranges here; an edge narrows
+them to its limit and its vocabulary (``RequestLimits``), with the same wording. Pure code, no
+dependencies: the SDK uses it.
 """
 
 from __future__ import annotations

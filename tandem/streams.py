@@ -78,11 +78,18 @@ class _StreamBase:
     def __init__(self, call: Any) -> None:
         self._call, self._acc = call, _Accumulator()
         self._cancelled = False
+        self._failure: TandemClientError | None = None  # what iterating the stream raised
 
     @property
     def result(self) -> ChatResult:
-        """The turn's ``ChatResult``. Raises RuntimeError before the stream has been iterated to its end."""
+        """The turn's ``ChatResult``. Raises RuntimeError while there is none, saying why: the stream
+        has not been iterated to its end, was cancelled, or failed (naming the error it raised)."""
         if self._acc.result is None:
+            if self._failure is not None:
+                f = self._failure
+                raise RuntimeError(f"the turn has no result: its stream raised {type(f).__name__}: {f}")
+            if self._cancelled:
+                raise RuntimeError("the turn has no result: its stream was cancelled (cancel())")
             raise RuntimeError("iterate the stream to its end first")
         return self._acc.result
 
@@ -96,9 +103,12 @@ class _StreamBase:
             raise Cancelled(grpc.StatusCode.CANCELLED, _CANCELLED)
 
     def _error(self, e: Any) -> TandemClientError:
+        """The SDK error of the failed call ``e``, kept for ``result``'s message."""
         if self._cancelled:  # whatever the transport says of a call we cancelled
-            return Cancelled(grpc.StatusCode.CANCELLED, _CANCELLED)
-        return error_from_rpc(e)
+            self._failure = Cancelled(grpc.StatusCode.CANCELLED, _CANCELLED)
+        else:
+            self._failure = error_from_rpc(e)
+        return self._failure
 
 
 class ChatStream(_StreamBase):
@@ -116,6 +126,9 @@ class ChatStream(_StreamBase):
                 if (d := self._acc.feed(ev)) is not None:
                     yield d
             self._acc.finish()
+        except TandemClientError as e:  # cancelled meanwhile, or a stream without its final event
+            self._failure = e
+            raise
         except grpc.RpcError as e:
             raise self._error(e) from e
         finally:
@@ -149,6 +162,9 @@ class AsyncChatStream(_StreamBase):
                 if (d := self._acc.feed(ev)) is not None:
                     yield d
             self._acc.finish()
+        except TandemClientError as e:  # cancelled meanwhile, or a stream without its final event
+            self._failure = e
+            raise
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from e
         except asyncio.CancelledError:

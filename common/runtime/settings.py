@@ -67,13 +67,18 @@ def mib(n: int) -> ByteSize:
 
 
 def enum_by_name(enum_cls: type[enum.Enum]) -> BeforeValidator:
-    """Accept an enum member by its name in any case (``fp16``, ``FP16``) besides its value."""
+    """Accept an enum member by its name in any case (``fp16``, ``FP16``) besides its value. A
+    string that is neither a name nor a number is refused with the names (ValueError: ``must be one
+    of fp32, fp16, ...``), not with the enum's numeric values."""
 
     def parse(v: Any) -> Any:
         if isinstance(v, str) and not isinstance(v, enum.Enum):
             by_name = {m.name.lower(): m for m in enum_cls}
-            if v.strip().lower() in by_name:
-                return by_name[v.strip().lower()]
+            name = v.strip().lower()
+            if name in by_name:
+                return by_name[name]
+            if not name.lstrip("-").isdigit():
+                raise ValueError(f"must be one of {', '.join(by_name)}")
         return v
 
     return BeforeValidator(parse)

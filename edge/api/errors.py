@@ -237,7 +237,10 @@ def add_error_handlers(app: FastAPI) -> None:
 
 class BodyLimit:
     """ASGI middleware: a request body over ``max_bytes`` (announced or streamed) is answered 413 in
-    OpenAI's shape before it is buffered, so request size never sets the edge's memory."""
+    OpenAI's shape before it is buffered, so request size never sets the edge's memory. A streamed
+    (chunked) body is cut where it passes the limit; whatever the app makes of the cut body (FastAPI
+    answers 400 to a body it could not read) gives way to the 413, unless the app had already begun
+    its response."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -251,14 +254,33 @@ class BodyLimit:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             return await self.error().response()(scope, receive, send)
-        seen = 0
+        seen, too_large, app_started, answered = 0, False, False, False
 
         async def limited() -> Any:
-            nonlocal seen
+            nonlocal seen, too_large
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
+                too_large = True
                 raise self.error()
             return message
 
-        await self.app(scope, limited, send)
+        async def answer_413() -> None:
+            nonlocal answered
+            if not answered:
+                answered = True
+                await self.error().response()(scope, receive, send)
+
+        async def guarded(message: Any) -> None:
+            nonlocal app_started
+            if too_large and not app_started:
+                return await answer_413()
+            app_started = app_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited, guarded)
+        except ApiError:
+            if not (too_large and not app_started):
+                raise
+            await answer_413()

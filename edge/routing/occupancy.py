@@ -4,7 +4,9 @@
 
 For a prompt of ``T`` tokens and ``N`` expected output tokens (the recent outputs' mean, at most
 the request's ``max_new_tokens``), with the TTFT prediction ``F`` of the route, the cloud's decode
-time per token ``d_c`` and the edge's ``d_e`` (both measured), all in ms:
+time per token ``d_c`` and the edge's ``d_e`` (both measured; until the cloud has measured ``d_c``,
+the edge's ``d_e``, the same model's, as the TTFT model takes the edge's prefill rate for the
+cloud's before it is measured), all in ms:
 
     local           e2e = F + (N - 1) d_e                    cloud = 0
     direct          e2e = F + (N - 1) d_c                    cloud = P_c + (N - 1) d_c
@@ -86,7 +88,8 @@ class OccupancyModel:
     ) -> Occupancy:
         """``p``'s route's end-to-end time and cloud time (see the module doc)."""
         N = self.expected_output(max_new_tokens)
-        d_e, d_c = cost.edge.local_decode_ms_per_token.value, link.cloud_decode_ms_per_token
+        d_e = cost.edge.local_decode_ms_per_token.value
+        d_c = cloud_decode_ms_per_token(link, cost)
         mode = p.route.mode
         if mode is Mode.LOCAL:
             return Occupancy(p.ttft_ms + (N - 1) * d_e, 0.0, 0.0, d_e)
@@ -141,6 +144,14 @@ class OccupancyModel:
         if mode in CLOUD_MODES:
             cloud = timings.get(Stage.CLOUD_DECODE, 0.0) + timings.get(Stage.CLOUD_TAIL_PREFILL, 0.0)
             metrics.record_prediction_of(mode, "cloud_engine", predicted.cloud_ms, cloud)
+
+
+def cloud_decode_ms_per_token(link: LinkState, cost: CostModel) -> float:
+    """``d_c``: the cloud's measured decode time per output token, or before it measured one (a
+    cloud that has decoded nothing yet reports 0) the edge's, the same model's, so that an
+    unmeasured cloud does not look as if it decoded for free (ms; 0 while neither is measured)."""
+    measured = link.cloud_decode_ms_per_token
+    return measured if measured > 0 else cost.edge.local_decode_ms_per_token.value
 
 
 def cloud_stage_ms(p: Prediction, cost: CostModel) -> float:

@@ -218,6 +218,24 @@ def test_sample_token_filters():
     assert [draw_uniform(a) for _ in range(5)] == [draw_uniform(b) for _ in range(5)]
 
 
+def test_seed_minus_one_is_no_seed_in_every_mode():
+    """-1 seeds nothing on the edge (local mode, remote prefill's decode) as vLLM's ``SamplingParams``
+    reads it on the cloud (direct, split): two turns of seed -1 draw anew; any other seed, a
+    negative one too, repeats its draws."""
+
+    def draws(seed: int | None) -> list[float]:
+        rng = sampling_rng(seed)
+        return [draw_uniform(rng) for _ in range(8)]
+
+    assert draws(-1) != draws(-1) and draws(None) != draws(None)
+    assert draws(-2) == draws(-2) and draws(-(2**63)) == draws(-(2**63)) and draws(2**63 - 1) == draws(2**63 - 1)
+    pytest.importorskip("vllm")
+    from tandem.cloud.engines.vllm_engines import to_vllm_sampling
+
+    assert to_vllm_sampling(Sampling(temperature=1.0, seed=-1)).seed is None
+    assert to_vllm_sampling(Sampling(temperature=1.0, seed=-2)).seed == -2
+
+
 @pytest.mark.parametrize(
     "ids,sampling",
     [

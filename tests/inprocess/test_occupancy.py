@@ -149,6 +149,28 @@ def test_a_whole_reply_takes_the_route_that_finishes_first():
         quickest([], {})
 
 
+def test_a_cloud_that_has_decoded_nothing_yet_is_predicted_at_the_edges_decode_rate():
+    """A cloud reports its decode time per token 0 until it has decoded a turn. Its routes' end to
+    end and cloud time then count the decode at the edge's rate (the same model's), not as free: a
+    256-token whole reply goes to the route with the earlier first token (local, 128 ms against a
+    200 ms round trip), as it would where the cloud decodes no faster than the edge."""
+    m, lk, occ = model(local_decode_ms=20.0), link(cloud_decode_ms_per_token=0.0, rtt_ms=200.0), OccupancyModel()
+    shape = RequestShape(64)
+    preds = [m.predict(r, shape, lk) for r in (LOCAL, SPLIT, DIRECT, RP)]
+    o = {p.route: occ.predict(p, shape, lk, m, 256) for p in preds}
+    for p in preds:
+        if p.route.mode is Mode.LOCAL:
+            continue
+        assert o[p.route].e2e_ms >= p.ttft_ms + 255 * 20.0 - 1e-6, (p.route, o[p.route])
+        assert o[p.route].cloud_ms > 0.0
+    assert o[DIRECT].cloud_ms == pytest.approx(m.cloud_stages_ms(preds[2].stages) + 255 * 20.0)
+    pick, why = quickest(preds, o)
+    assert pick.route == LOCAL, why
+    measured = link(cloud_decode_ms_per_token=2.0, rtt_ms=200.0)  # once measured, the cloud's own rate
+    d = m.predict(DIRECT, shape, measured)
+    assert occ.predict(d, shape, measured, m, 256).e2e_ms == pytest.approx(d.ttft_ms + 255 * 2.0)
+
+
 async def test_auto_streams_from_the_edge_and_takes_the_faster_decoder_for_a_whole_reply():
     """The in-memory stack with an edge that prefills fast and decodes at 30 ms per token and a cloud
     that decodes at about 1 ms: a whole-reply turn goes to the cloud (lowest predicted end-to-end

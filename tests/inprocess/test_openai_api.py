@@ -582,6 +582,36 @@ async def test_transport_level_refusals_have_openais_shape(stack):
         assert words in err["message"], err
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_body_over_the_limit_is_413_whether_its_length_is_announced_or_streamed(stack, path):
+    """A body sent without a length (chunked) that grows past 4 MiB is 413 in OpenAI's shape, as one
+    that announces its length is: not the 400 of a body that does not parse. A chunked body within
+    the limit is served, and the edge serves the next request."""
+    _, port = stack
+    auth = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    if path == "/v1/completions":
+        body = {"model": MODEL, "prompt": "x" * (5 << 20), "max_tokens": 2}
+    else:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (5 << 20)}], "max_tokens": 2}
+    big = json.dumps(body).encode()
+
+    async def chunked(data: bytes):  # no content-length: httpx sends it chunked
+        for i in range(0, len(data), 64 << 10):
+            yield data[i : i + (64 << 10)]
+
+    small = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as h:
+        for r in (
+            await h.post(path, content=chunked(big), headers=auth),
+            await h.post(path, content=big, headers=auth),
+        ):
+            err = r.json()["error"]
+            assert r.status_code == 413 and "over 4194304 bytes" in err["message"], r.text
+            assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", None, None)
+        r = await h.post("/v1/chat/completions", content=chunked(small), headers=auth)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+
+
 async def test_the_log_lines_of_a_request_name_its_api_key_by_its_name(client):
     """Every line of an authenticated request carries ``caller=key:<the key's name>`` (never the key)."""
     import io

@@ -28,7 +28,7 @@ from tandem import AsyncClient, Cancelled, ChatResult, Client, Delta, EdgeInfo, 
 from tandem.client import DEFAULT_TIMEOUT_S, build_request
 from tandem.connection import SERVICE_CONFIG, Connection
 from tandem.daemons import Daemon, Daemons, edge_command, stop_all
-from tandem.errors import ERROR_OF, ResourceExhausted, error_from_status, retry_after_s
+from tandem.errors import ERROR_OF, InvalidArgument, ResourceExhausted, error_from_status, retry_after_s
 from tandem.stages import Stage
 from tandem.streams import _Accumulator
 from tandem.v1 import tandem_pb2 as pb
@@ -479,6 +479,43 @@ def test_cancel_from_another_thread_ends_the_call(edge):
         s2.cancel()  # before iterating at all
         with pytest.raises(Cancelled):
             list(s2)
+
+
+def test_result_without_a_final_event_says_why(edge):
+    """``result`` of a turn that has none raises RuntimeError naming why: not iterated to its end
+    yet, cancelled, or failed (with the error the stream raised)."""
+    _, target = edge
+    with Client(target) as c:
+        s = c.chat(HI, max_new_tokens=200, session_id="sync-no-result")
+        with pytest.raises(RuntimeError, match="iterate the stream to its end first"):
+            s.result  # noqa: B018
+        next(iter(s))
+        s.cancel()
+        with pytest.raises(Cancelled):
+            list(s)
+        with pytest.raises(RuntimeError, match=r"no result: its stream (was cancelled|raised Cancelled)"):
+            s.result  # noqa: B018
+        failed = c.chat(prompt="fail", session_id="sync-fail-result")
+        with pytest.raises(InvalidArgument):
+            list(failed)
+        with pytest.raises(RuntimeError, match="no result: its stream raised InvalidArgument: .*no such prompt"):
+            failed.result  # noqa: B018
+
+
+async def test_async_result_without_a_final_event_says_why(edge):
+    _, target = edge
+    async with AsyncClient(target) as c:
+        failed = c.chat(prompt="fail", session_id="async-fail-result")
+        with pytest.raises(InvalidArgument):
+            [d async for d in failed]
+        with pytest.raises(RuntimeError, match="no result: its stream raised InvalidArgument"):
+            failed.result  # noqa: B018
+        s = c.chat(HI, max_new_tokens=200, session_id="async-no-result")
+        s.cancel()
+        with pytest.raises(Cancelled):
+            [d async for d in s]
+        with pytest.raises(RuntimeError, match="no result: its stream"):
+            s.result  # noqa: B018
 
 
 def test_cancel_after_the_end_keeps_the_result(edge):

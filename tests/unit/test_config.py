@@ -178,6 +178,14 @@ def test_enums_bools_optionals_and_levels(monkeypatch):
     assert edge(["--otel-endpoint", "None"]).otel_endpoint is None
     with pytest.raises(UserError, match="log_level"):
         cloud(["--log-level", "loud"])
+    # an unknown name is refused with the names a user can write, not the enum's numbers
+    names = r"must be one of fp32, fp16, bf16, int8, int4, int8_hadamard, int4_hadamard \(got 'fp33'\)"
+    with pytest.raises(UserError, match=r"wire_dtypes\.0: " + names):
+        edge(["--wire-dtypes", "fp33"])
+    with pytest.raises(UserError, match=r"kv_wire_dtypes\.1: " + names):
+        cloud(["--kv-wire-dtypes", "fp16,fp33"])
+    with pytest.raises(UserError, match=r"codecs\.0: must be one of none, zstd"):
+        cloud(["--codecs", "lz5"])
 
 
 def test_settings_are_frozen():
