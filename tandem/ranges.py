@@ -9,7 +9,8 @@ message and OpenAI's code: ``<field> must be a number in <range>, got <value>`` 
 ``InvalidRequest`` (gRPC ``INVALID_ARGUMENT``, HTTP 400; ``common.protocol.limits.check_range``), the
 SDK as ``BadArgument`` (``tandem.chat_request``).
 
-The sampling fields follow vLLM's ``SamplingParams``: ``temperature`` in ``[0, 2]`` (0: greedy),
+The sampling fields follow vLLM's ``SamplingParams``: ``temperature`` in ``[0, 2]`` (0: greedy;
+above 0 and below 0.01: sampled at 0.01, ``params.MIN_SAMPLED_TEMPERATURE``),
 ``top_p`` in ``(0, 1]`` (1: off), ``top_k`` in ``[-1, 2**31)`` (-1 and 0: off; at or above the
 vocabulary size it keeps every token, as off does), ``seed`` a 64-bit integer (-1: no seed, as
 vLLM reads it). ``max_new_tokens`` and stop token ids have the wire's ranges here; an edge narrows

@@ -80,10 +80,15 @@ class LinkParams:
         return to_pb(pb.LinkParams, self)
 
 
+MIN_SAMPLED_TEMPERATURE = 0.01  # vLLM's ``sampling_params._MAX_TEMP``: the lowest temperature it samples at
+
+
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
     """Sampling parameters of one request; ``temperature == 0`` is greedy, ``top_k`` -1 or 0 and
-    ``top_p`` 1 are off (vLLM's). Their ranges: ``tandem.ranges``."""
+    ``top_p`` 1 are off (vLLM's). A temperature above 0 and below ``MIN_SAMPLED_TEMPERATURE`` is
+    raised to it, as vLLM's ``SamplingParams`` does (its ``_MAX_TEMP``: lower ones overflow), so the
+    edge's sampler and the cloud's engines sample such a turn alike. Their ranges: ``tandem.ranges``."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -92,6 +97,10 @@ class Sampling:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if 0.0 < self.temperature < MIN_SAMPLED_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_SAMPLED_TEMPERATURE)
 
     @classmethod
     def from_pb(cls, m: pb.SamplingParams) -> Sampling:

@@ -236,6 +236,24 @@ def test_seed_minus_one_is_no_seed_in_every_mode():
     assert to_vllm_sampling(Sampling(temperature=1.0, seed=-2)).seed == -2
 
 
+@pytest.mark.parametrize("temperature", [1e-7, 1e-5, 0.005])
+def test_a_temperature_below_vllms_lowest_samples_at_it_on_both_sides(temperature):
+    """vLLM raises a temperature in (0, 0.01) to 0.01 and samples; the edge reads the same turn the
+    same way (not greedy below 1e-5, not at the smaller temperature): one ``Sampling`` for both."""
+    from tandem.common.protocol.params import MIN_SAMPLED_TEMPERATURE
+
+    s = Sampling(temperature=temperature, seed=3)
+    assert s.temperature == MIN_SAMPLED_TEMPERATURE == 0.01
+    assert Sampling.from_pb(s.to_pb()).temperature == 0.01 and Sampling(temperature=0.0).temperature == 0.0
+    logits = np.array([5.0, 4.99, -3.0], np.float32)  # a near-tie: at 0.01 a draw can take either
+    picks = {sample_token(logits, s, u) for u in np.linspace(0.0, 0.999, 64)}
+    assert picks == {0, 1}
+    pytest.importorskip("vllm")
+    from tandem.cloud.engines.vllm_engines import to_vllm_sampling
+
+    assert to_vllm_sampling(Sampling(temperature=temperature)).temperature == 0.01
+
+
 @pytest.mark.parametrize(
     "ids,sampling",
     [
