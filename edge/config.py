@@ -228,6 +228,11 @@ class EdgeConfig(DaemonSettings):
     turn_timeout_s: Seconds = Field(
         default=300.0, description="Deadline in seconds of one call to the cloud when the client set none."
     )
+    resume_wait_s: Seconds = Field(
+        default=120.0,
+        description="Seconds a turn whose cloud failed mid-stream waits for it (or a restarted instance) to answer "
+        "again before it fails UNAVAILABLE, within the turn's deadline (auto mode goes on locally at once).",
+    )
     ttft_slo_ms: Millis = Field(
         default=1000.0, description="Time-to-first-token objective reported in Negotiate, in ms."
     )

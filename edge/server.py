@@ -420,7 +420,7 @@ def build_node(
     node = EdgeNode(
         EdgeCompute(tokenizer, by_k, eos_token_ids, model_key),
         router,
-        CloudCalls(cloud, by_k, sessions, router),
+        CloudCalls(cloud, by_k, sessions, router, resume_wait_s=cfg.resume_wait_s),
         limits,
         cfg.turn_timeout_s,
     )

@@ -52,12 +52,13 @@ def toy_node(
     sessions: EdgeSessions | None = None,
     turn_timeout_s: float = 30.0,
     pipeline_tokens: int = 0,
+    resume_wait_s: float = 120.0,
     **node_kw: Any,
 ) -> EdgeNode:
     """An ``EdgeNode`` of the toy model (``ToyTokenizer``) over ``heads`` and ``cloud``, built as the
     daemon builds one (``edge.server.build_node``); ``sessions`` default 64 sessions of 1 GiB in all;
     ``node_kw`` as ``build_node``'s."""
-    cfg = EdgeConfig(turn_timeout_s=turn_timeout_s, pipeline_tokens=pipeline_tokens)
+    cfg = EdgeConfig(turn_timeout_s=turn_timeout_s, pipeline_tokens=pipeline_tokens, resume_wait_s=resume_wait_s)
     sessions = sessions if sessions is not None else EdgeSessions(64, 1 << 30)
     return build_node(cfg, ToyTokenizer(), heads, cloud, sessions=sessions, **node_kw)
 

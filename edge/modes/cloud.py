@@ -55,11 +55,13 @@ class CloudCalls:
         sessions: EdgeSessions,
         router: Router,
         renegotiate_wait_s: float = 5.0,
+        resume_wait_s: float = 120.0,
     ) -> None:
         """``router``: its cost model times the heads and decides on pipelining;
-        ``renegotiate_wait_s``: the longest wait for a link being set up again."""
+        ``renegotiate_wait_s``: the longest wait for a link being set up again; ``resume_wait_s``:
+        the longest wait of a turn whose cloud failed mid-stream (``wait_for_cloud``)."""
         self.cloud, self.heads, self.sessions, self.router = cloud, heads, sessions, router
-        self.renegotiate_wait_s = renegotiate_wait_s
+        self.renegotiate_wait_s, self.resume_wait_s = renegotiate_wait_s, resume_wait_s
 
     # ------------------------------------------------------------------ around the call
 
@@ -91,17 +93,26 @@ class CloudCalls:
         return True
 
     async def wait_for_cloud(self, turn: Turn, cause: Exception) -> None:
-        """Wait until the cloud (this or a restarted instance) answers again, at most to the
-        turn's deadline.
+        """Wait until the cloud (this or a restarted instance) answers again, at most
+        ``resume_wait_s`` and to the turn's deadline.
 
         Raises:
-            DeadlineExceeded: it did not answer in time (the message names the failure).
+            EngineError: it did not answer within ``resume_wait_s`` (UNAVAILABLE: a cloud that stays
+                down fails the turn then, not at its deadline minutes later).
+            DeadlineExceeded: the deadline came first. Both messages name the failure.
         """
         assert self.cloud is not None and turn.conn is not None  # a leg that failed in the cloud
         turn.conn.renegotiate_soon(f"a turn's stream failed ({cause})")
         left = turn.deadline - asyncio.get_running_loop().time()
-        if left <= 0 or not await self.cloud.wait_connected(left):
-            raise DeadlineExceeded(f"the cloud failed mid-stream ({cause}) and did not come back before the deadline")
+        wait = min(left, self.resume_wait_s)
+        if wait > 0 and await self.cloud.wait_connected(wait):
+            return
+        if left > self.resume_wait_s:
+            raise EngineError(
+                f"the cloud failed mid-stream ({cause}) and did not answer again within {self.resume_wait_s:g} s "
+                "(the edge's resume_wait_s)"
+            )
+        raise DeadlineExceeded(f"the cloud failed mid-stream ({cause}) and did not come back before the deadline")
 
     # ------------------------------------------------------------------ the call
 

@@ -194,6 +194,32 @@ async def test_a_cloud_that_stays_silent_fails_the_turn_at_its_deadline(cloud):
         cloud.engines.step_delay_s = 0.0
 
 
+async def test_a_cloud_that_stays_down_fails_the_turn_unavailable_after_the_resume_wait(cloud):
+    """The same silent cloud, the turn's deadline far off: the turn waits ``resume_wait_s`` (2 s
+    here) for a cloud to resume on, then fails UNAVAILABLE (``EngineError``) naming the failure and
+    the setting, not at its deadline."""
+    import time
+
+    from tandem.common.protocol.errors import DeadlineExceeded, EngineError
+
+    cloud.engines.step_delay_s = 0.2
+    proxy = FreezableProxy(cloud.port)
+    port = await proxy.start()
+    edge = await edge_to(f"127.0.0.1:{port}", keepalive_s=1.0, resume_wait_s=2.0)
+    try:
+        await run(edge, chat("warm up"))
+        proxy.running.clear()
+        t0 = time.perf_counter()
+        with pytest.raises(EngineError, match="resume_wait_s") as got:
+            async for _ in edge.chat(chat(LONG_UPLOAD, n=50), 30.0):
+                pass
+        assert not isinstance(got.value, DeadlineExceeded) and time.perf_counter() - t0 < 15.0
+    finally:
+        await proxy.stop()
+        await close_edge(edge)
+        cloud.engines.step_delay_s = 0.0
+
+
 async def test_a_link_cut_mid_decode_resumes_when_the_link_comes_back(cloud):
     """Over a real gRPC link: the link goes silent after some tokens, the
     keepalive ends the call (UNAVAILABLE, no verdict), the link comes back: the turn continues
