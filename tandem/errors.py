@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import grpc
 
-RETRY_AFTER_KEYS = {"retry-after-ms": 1e-3, "retry-after-s": 1.0}  # trailing metadata key -> seconds per unit
+RETRY_AFTER_KEYS = {"retry-after-ms": 1000.0, "retry-after-s": 1.0}  # trailing metadata key -> units per second
 PARAM_KEY, CODE_KEY = "tandem-error-param", "tandem-error-code"  # trailing metadata: the field at fault, its code
 
 
@@ -195,11 +195,11 @@ def retry_after_s(metadata: Iterable[tuple[str, Any]] | None) -> float | None:
     """The retry hint in seconds from trailing metadata (``retry-after-ms`` or ``retry-after-s``,
     decimal numbers); ``None`` if absent or not a finite number >= 0."""
     for key, value in metadata or ():
-        scale = RETRY_AFTER_KEYS.get(key.lower())
-        if scale is None:
+        per_s = RETRY_AFTER_KEYS.get(key.lower())
+        if per_s is None:
             continue
-        try:
-            v = float(value.decode() if isinstance(value, bytes) else value) * scale
+        try:  # divided, not multiplied by 1e-3: 479 ms reads 0.479 s, not 0.47900000000000004
+            v = float(value.decode() if isinstance(value, bytes) else value) / per_s
         except (TypeError, ValueError, UnicodeDecodeError):
             continue
         if math.isfinite(v) and v >= 0:

@@ -145,6 +145,7 @@ def test_one_error_class_per_status():
     "md,want",
     [
         ((("retry-after-ms", "1500"),), 1.5),
+        ((("retry-after-ms", "479"),), 0.479),  # the seconds as written, no binary noise (0.47900000000000004)
         ((("retry-after-s", "2"),), 2.0),
         ((("Retry-After-S", b"0.25"),), 0.25),
         ((("x", "1"), ("retry-after-ms", "nope"), ("retry-after-s", "3")), 3.0),
