@@ -372,6 +372,7 @@ class EdgeNode:
         it locally (and backing off when no token was streamed yet).
 
         Raises:
+            EngineError: the cloud did not come back within ``resume_wait_s`` (``wait_for_cloud``).
             DeadlineExceeded: the cloud did not come back before the deadline.
         """
         first.clock.resumes += 1

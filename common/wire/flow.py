@@ -49,11 +49,12 @@ class DelayBoundWindow(SendWindow):
     it covers; the smallest seen is the base (the round trip, one item's transmission, the
     receiver's check); the rest is queueing. A delay more than ``target_queue_ms`` above the base
     halves the window (at most once per window's worth of acks), else it grows by one item per
-    window's worth of acks (TCP's congestion avoidance), between one item (``fits`` lets an item go
-    when nothing is in flight) and ``max_bytes`` (the ``window_bytes`` it is made with). The
-    delay-based rule of LEDBAT (RFC 6817, whose target is 100 ms for bulk background traffic; a
-    reply's tokens want tens of ms). On a link whose bandwidth-delay product holds the window, the
-    acks show no queue and the window stays at ``max_bytes``.
+    window's worth of acks (TCP's congestion avoidance), between one item (the largest of those the
+    ack covered; ``fits`` lets an item go when nothing is in flight) and ``max_bytes`` (the
+    ``window_bytes`` it is made with). The delay-based rule of LEDBAT (RFC 6817, whose target is
+    100 ms for bulk background traffic; a reply's tokens want tens of ms). On a link whose
+    bandwidth-delay product holds the window, the acks show no queue and the window stays at
+    ``max_bytes``.
 
     Times are the caller's clock (ms)."""
 
@@ -61,7 +62,7 @@ class DelayBoundWindow(SendWindow):
     max_bytes: int = field(init=False)
     base_delay_ms: float = math.inf
     queue_ms: float = 0.0  # the last ack's delay above the base
-    _sends: deque[tuple[int, float]] = field(default_factory=deque)  # (sent_bytes after an item, when)
+    _sends: deque[tuple[int, int, float]] = field(default_factory=deque)  # (sent_bytes after, size, when)
     _hold_until: int = -1  # no second halving until the acks pass this byte (the last sent at a halving)
 
     def __post_init__(self) -> None:
@@ -70,27 +71,28 @@ class DelayBoundWindow(SendWindow):
     def sent_at(self, nbytes: int, now_ms: float) -> None:
         """An item of ``nbytes`` payload bytes went at ``now_ms`` (its first send)."""
         self.sent(nbytes)
-        self._sends.append((self.sent_bytes, now_ms))
+        self._sends.append((self.sent_bytes, nbytes, now_ms))
 
     def ack_at(self, received_bytes: int, now_ms: float) -> None:
         """The receiver's count of payload received, heard at ``now_ms``."""
         before = self.acked_bytes
         self.ack(received_bytes)
-        sent_ms, items = None, 0
+        sent_ms, items, covered_bytes, item_bytes = None, 0, 0, 0
         while self._sends and self._sends[0][0] <= self.acked_bytes:
-            sent_ms, items = self._sends.popleft()[1], items + 1
+            _, nbytes, sent_ms = self._sends.popleft()
+            items, covered_bytes, item_bytes = items + 1, covered_bytes + nbytes, max(item_bytes, nbytes)
         if sent_ms is None:  # no item wholly acknowledged by this ack
             return
         delay_ms = max(0.0, now_ms - sent_ms)
         self.base_delay_ms = min(self.base_delay_ms, delay_ms)
         self.queue_ms = delay_ms - self.base_delay_ms
         if self.queue_ms > self.target_queue_ms:
-            if self.acked_bytes > self._hold_until:
-                self.window_bytes = max(1, self.window_bytes // 2)
+            if self.acked_bytes > self._hold_until:  # halved, to one item at the least
+                self.window_bytes = max(min(item_bytes, self.max_bytes), self.window_bytes // 2, 1)
                 self._hold_until = self.sent_bytes
         else:  # one item more per window's worth of acks
             acked = self.acked_bytes - before
-            grow = math.ceil(acked * (acked / items) / self.window_bytes)
+            grow = math.ceil(acked * (covered_bytes / items) / self.window_bytes)
             self.window_bytes = min(self.max_bytes, self.window_bytes + grow)
 
 

@@ -986,7 +986,7 @@ class LocalGenerator:
         s = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, stop_token_ids=stop)
         self.engine.validate(prompt_ids, s)
         rng = sampling_rng(seed)
-        greedy = temperature < SAMPLING_EPS
+        greedy = s.temperature < SAMPLING_EPS  # as ``Sampling`` took it (a low temperature raised)
         kv = self.model.new_kv(len(prompt_ids) + max_new_tokens)
         new = list(prompt_ids)
         try:

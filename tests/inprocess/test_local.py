@@ -407,6 +407,26 @@ def test_local_generator_wrapper(edge_full, manifest, prompts, ref, eos):
     assert all(b.t_s >= a.t_s for a, b in zip(steps, steps[1:], strict=False))
 
 
+def test_local_generator_samples_a_temperature_below_the_least_at_the_least(edge_full, manifest, prompts):
+    """A temperature above 0 and below ``MIN_SAMPLED_TEMPERATURE`` (greedy's bound among them) is
+    sampled at it, as ``Sampling`` and vLLM take it: the runs sample, and the tokens are those of
+    the least temperature with the same seed."""
+    from tandem.common.protocol.params import MIN_SAMPLED_TEMPERATURE
+
+    gen = LocalGenerator(edge_full, manifest.shape, intra_op_threads=2)
+    run, greedy = gen.model.run, []
+
+    def spy(kv, ids, g, draw=None):
+        greedy.append(g)
+        return run(kv, ids, g, draw)
+
+    gen.model.run = spy
+    low = [s.token_id for s in gen.generate(prompts[0], 6, None, temperature=1e-6, seed=7)]
+    assert greedy and not any(greedy)
+    least = [s.token_id for s in gen.generate(prompts[0], 6, None, temperature=MIN_SAMPLED_TEMPERATURE, seed=7)]
+    assert low == least
+
+
 async def test_kv_bound_through_io_binding_stays_an_ort_tensor_and_answers_alike(
     edge_full, manifest, eos, prompts, tokenizer, ref
 ):

@@ -94,3 +94,31 @@ def test_a_delay_bound_window_halves_once_per_window_of_acks_and_grows_back():
     assert w.window_bytes == 625 and w.queue_ms == pytest.approx(1.0)
     w.ack_at(1500, 200.0)  # far over the target, past the halving's hold: halved again
     assert w.window_bytes == 312
+
+
+def test_a_delay_bound_window_stays_at_one_item_or_more_and_grows_back_an_item_an_ack():
+    """One item in flight whose acks keep showing a queue (a busy receiver): the window halves to one
+    item and no lower, so the first ack within the target lets two items go, not the whole window."""
+    w = DelayBoundWindow(window_bytes=4000, target_queue_ms=10.0)
+    w.sent_at(1000, 0.0)
+    w.ack_at(1000, 5.0)  # the base delay
+    clock = 5.0
+    for _ in range(12):  # each ack 50 ms over the base: halved each time (one item per window of acks)
+        w.sent_at(1000, clock)
+        clock += 55.0
+        w.ack_at(w.sent_bytes, clock)
+        assert w.window_bytes >= 1000
+    assert w.window_bytes == 1000
+    w.sent_at(1000, clock)
+    w.ack_at(w.sent_bytes, clock + 5.0)  # no queue: one item more
+    assert w.window_bytes == 2000
+
+
+def test_a_delay_bound_window_never_shrinks_below_an_item_larger_than_it():
+    """An item larger than the window goes alone; a queue in its acks leaves the window as it is."""
+    w = DelayBoundWindow(window_bytes=1000, target_queue_ms=10.0)
+    w.sent_at(5000, 0.0)
+    w.ack_at(5000, 5.0)
+    w.sent_at(5000, 5.0)
+    w.ack_at(10_000, 100.0)
+    assert w.window_bytes == 1000 and w.fits(5000)
