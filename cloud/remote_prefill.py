@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
@@ -55,6 +57,7 @@ WINDOW_BLOCKS = 4  # the downlink window holds at least this many blocks (a link
 # ten of the cloud's decode steps (1.5 ms a token for SmolLM2 on an H100); LEDBAT's 100 ms (RFC 6817)
 # is for bulk traffic beside interactive flows on other connections, not in the same stream
 KV_DOWN_QUEUE_TARGET_MS = 20.0
+KEPT_LINK_WINDOWS = 4096  # links whose last downlink window is kept for their next turn (least recent go)
 
 
 def check_remote_prefill(turn: Turn, kv_dtypes: tuple[wire.WireDtype, ...]) -> None:
@@ -129,6 +132,8 @@ class RemotePrefills:
         self.splits, self.pins, self.store, self.calls = splits, pins, store, calls
         self.max_resends = max_resends
         self.model_key = full_model_key(splits.primary)
+        # per caller and link: the window and base delay its last downlink ended with
+        self._link_windows: OrderedDict[tuple[str, str], tuple[int, float]] = OrderedDict()
 
     def _blocks(self, turn: Turn) -> _Blocks:
         h, p = turn.header, turn.link_params
@@ -154,8 +159,7 @@ class RemotePrefills:
         spec = blocks.spec
         await self.pins.pin(turn, blocks.keys)
         q: asyncio.Queue = asyncio.Queue()
-        window_bytes = self._window_bytes(turn, blocks.want)
-        flow = DelayBoundWindow(window_bytes=window_bytes, target_queue_ms=KV_DOWN_QUEUE_TARGET_MS)
+        flow = self._flow(turn, blocks.want)
         first_token, window = asyncio.Event(), _Window(flow)
         t0 = time.perf_counter()
         tasks = [
@@ -170,6 +174,7 @@ class RemotePrefills:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self._keep(turn, flow)
             if not turn.session_key:  # a stateless request's KV is reusable by no one
                 await self.pins.drop_stateless(spec, blocks.keys)
 
@@ -201,8 +206,31 @@ class RemotePrefills:
             if isinstance(ev, TurnFinal):
                 return
 
-    def _window_bytes(self, turn: Turn, want: BlockSpec) -> int:
-        return max(turn.link_params.inflight_window_bytes, WINDOW_BLOCKS * want.max_payload_bytes)
+    def _flow(self, turn: Turn, want: BlockSpec) -> DelayBoundWindow:
+        """The turn's downlink window: at most the link's in-flight window and ``WINDOW_BLOCKS``
+        blocks, starting where the caller's last downlink over the same link ended (``_keep``)."""
+        most = max(turn.link_params.inflight_window_bytes, WINDOW_BLOCKS * want.max_payload_bytes)
+        flow = DelayBoundWindow(window_bytes=most, target_queue_ms=KV_DOWN_QUEUE_TARGET_MS)
+        kept = self._link_windows.get(self._link_key(turn))
+        if kept is not None:
+            flow.resume(*kept)
+        return flow
+
+    def _keep(self, turn: Turn, flow: DelayBoundWindow) -> None:
+        """Remember where the turn's downlink window ended (once its acks measured the link), for
+        the next turn over the same link; ``KEPT_LINK_WINDOWS`` links at most."""
+        key = self._link_key(turn)
+        if not key[1] or not math.isfinite(flow.base_delay_ms):
+            return
+        self._link_windows[key] = (flow.window_bytes, flow.base_delay_ms)
+        self._link_windows.move_to_end(key)
+        while len(self._link_windows) > KEPT_LINK_WINDOWS:
+            self._link_windows.popitem(last=False)
+
+    @staticmethod
+    def _link_key(turn: Turn) -> tuple[str, str]:
+        """The caller's identity and its link id ("" for a turn that names no link)."""
+        return turn.caller.tag, turn.header.link_id
 
     async def _tokens(
         self, turn: Turn, spec: KVTransferSpec, ticket: Ticket, q: asyncio.Queue, first_token: asyncio.Event
