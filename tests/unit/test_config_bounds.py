@@ -132,6 +132,8 @@ BAD: list[tuple[type[BaseModel], str, typing.Any, str]] = [
     (EdgeConfig, "keepalive_timeout_s", INF, "finite"),
     (EdgeConfig, "turn_timeout_s", INF, "finite"),
     (EdgeConfig, "turn_timeout_s", -5, "greater than 0"),
+    (EdgeConfig, "resume_wait_s", INF, "finite"),
+    (EdgeConfig, "resume_wait_s", 0, "greater than 0"),
     (EdgeConfig, "ttft_slo_ms", 0, "greater than 0"),
     (EdgeConfig, "ttft_slo_ms", INF, "finite"),
     (EdgeConfig, "itl_p99_slo_ms", NAN, "finite"),
