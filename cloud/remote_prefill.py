@@ -132,8 +132,8 @@ class RemotePrefills:
         self.splits, self.pins, self.store, self.calls = splits, pins, store, calls
         self.max_resends = max_resends
         self.model_key = full_model_key(splits.primary)
-        # per caller and link: the window and base delay its last downlink ended with
-        self._link_windows: OrderedDict[tuple[str, str], tuple[int, float]] = OrderedDict()
+        # per caller and link: the window its last downlink ended with
+        self._link_windows: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     def _blocks(self, turn: Turn) -> _Blocks:
         h, p = turn.header, turn.link_params
@@ -213,7 +213,7 @@ class RemotePrefills:
         flow = DelayBoundWindow(window_bytes=most, target_queue_ms=KV_DOWN_QUEUE_TARGET_MS)
         kept = self._link_windows.get(self._link_key(turn))
         if kept is not None:
-            flow.resume(*kept)
+            flow.resume(kept)
         return flow
 
     def _keep(self, turn: Turn, flow: DelayBoundWindow) -> None:
@@ -222,7 +222,7 @@ class RemotePrefills:
         key = self._link_key(turn)
         if not key[1] or not math.isfinite(flow.base_delay_ms):
             return
-        self._link_windows[key] = (flow.window_bytes, flow.base_delay_ms)
+        self._link_windows[key] = flow.window_bytes
         self._link_windows.move_to_end(key)
         while len(self._link_windows) > KEPT_LINK_WINDOWS:
             self._link_windows.popitem(last=False)

@@ -68,12 +68,12 @@ class DelayBoundWindow(SendWindow):
     def __post_init__(self) -> None:
         self.window_bytes = self.max_bytes = max(1, self.window_bytes)
 
-    def resume(self, window_bytes: int, base_delay_ms: float) -> None:
-        """Start from where an earlier flow over the same link ended (its ``window_bytes`` and
-        ``base_delay_ms``), the window within ``[1, max_bytes]``: a slow link's next flow does not
-        queue a full window ahead of what shares the call before its acks show the queue again."""
+    def resume(self, window_bytes: int) -> None:
+        """Start from the window an earlier flow over the same link ended with, within ``[1,
+        max_bytes]``: a slow link's next flow does not queue a full window ahead of what shares
+        the call before its acks show the queue again. The base delay is this flow's own to
+        measure (a link whose round trip grew since would otherwise read it all as queueing)."""
         self.window_bytes = min(self.max_bytes, max(1, int(window_bytes)))
-        self.base_delay_ms = min(self.base_delay_ms, base_delay_ms)
 
     def sent_at(self, nbytes: int, now_ms: float) -> None:
         """An item of ``nbytes`` payload bytes went at ``now_ms`` (its first send)."""

@@ -385,28 +385,28 @@ async def _first_greedy_token() -> tuple[int, TurnDone]:
 
 
 async def test_the_next_turn_over_a_link_starts_its_kv_window_where_the_last_ended(monkeypatch):
-    """The cloud keeps, per caller and link, the downlink window and base delay a remote-prefill
-    turn ended with, and the next turn over that link starts from them (a slow link's turn does not
-    queue a full window ahead of its tokens first)."""
+    """The cloud keeps, per caller and link, the downlink window a remote-prefill turn ended with,
+    and the next turn over that link starts from it (a slow link's turn does not queue a full window
+    ahead of its tokens first)."""
     from tandem.common.wire.flow import DelayBoundWindow
 
     toy = await rp_stack()
-    resumed: list[tuple[int, float]] = []
+    resumed: list[int] = []
     real = DelayBoundWindow.resume
 
-    def spy(self, window_bytes, base_delay_ms):
-        resumed.append((window_bytes, base_delay_ms))
-        real(self, window_bytes, base_delay_ms)
+    def spy(self, window_bytes):
+        resumed.append(window_bytes)
+        real(self, window_bytes)
 
     monkeypatch.setattr(DelayBoundWindow, "resume", spy)
     try:
         got, _ = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
         kept = dict(toy.gateway.remote._link_windows)
         assert len(kept) == 1 and not resumed
-        (caller, link_id), (window, base) = next(iter(kept.items()))
-        assert link_id and window >= 1 and base >= 0
-        toy.gateway.remote._link_windows[(caller, link_id)] = (1, base)  # as a slow link would leave it
+        (caller, link_id), window = next(iter(kept.items()))
+        assert link_id and window >= 1
+        toy.gateway.remote._link_windows[(caller, link_id)] = 1  # as a slow link would leave it
         again, _ = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
-        assert again == got and resumed == [(1, base)]
+        assert again == got and resumed == [1]
     finally:
         await toy.batcher.stop()

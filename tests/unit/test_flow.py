@@ -125,19 +125,28 @@ def test_a_delay_bound_window_never_shrinks_below_an_item_larger_than_it():
 
 
 def test_a_delay_bound_window_resumes_where_the_links_last_flow_ended():
-    """The next flow over a slow link starts at the window and base delay the last one ended with
-    (within one byte and its own bound), so its first acks already tell queueing from the round trip."""
+    """The next flow over a slow link starts at the window the last one ended with (within one
+    byte and its own bound) and measures its own base delay."""
     last = DelayBoundWindow(window_bytes=4 * 312_000, target_queue_ms=20.0)
     link_acks(last, 312_000, 32, rtt_ms=55.0, bytes_per_ms=5_000)
     assert last.window_bytes < last.max_bytes
     nxt = DelayBoundWindow(window_bytes=4 * 312_000, target_queue_ms=20.0)
-    nxt.resume(last.window_bytes, last.base_delay_ms)
-    assert (nxt.window_bytes, nxt.base_delay_ms) == (last.window_bytes, last.base_delay_ms)
-    assert nxt.max_bytes == 4 * 312_000
+    nxt.resume(last.window_bytes)
+    assert nxt.window_bytes == last.window_bytes and nxt.max_bytes == 4 * 312_000
+    assert nxt.base_delay_ms == float("inf")
     queues = link_acks(nxt, 312_000, 8, rtt_ms=55.0, bytes_per_ms=5_000)
     assert max(queues) < 2 * 312_000 / 5_000  # never the three queued blocks of a fresh window
     wide = DelayBoundWindow(window_bytes=1000, target_queue_ms=20.0)
-    wide.resume(10**9, 5.0)
-    assert wide.window_bytes == 1000 and wide.base_delay_ms == 5.0
-    wide.resume(0, 9.0)
-    assert wide.window_bytes == 1 and wide.base_delay_ms == 5.0
+    wide.resume(10**9)
+    assert wide.window_bytes == 1000
+    wide.resume(0)
+    assert wide.window_bytes == 1
+
+
+def test_a_resumed_window_on_a_link_whose_round_trip_grew_is_not_read_as_queueing():
+    """The link's round trip grew from 6 to 55 ms since the last flow: the next flow's base is its
+    own, so a window of one item grows back rather than staying pinned at the least."""
+    w = DelayBoundWindow(window_bytes=4 * 156_000, target_queue_ms=20.0)
+    w.resume(156_000)
+    link_acks(w, 156_000, 24, rtt_ms=55.0, bytes_per_ms=62_500)
+    assert w.window_bytes > 156_000 and w.base_delay_ms >= 55.0
