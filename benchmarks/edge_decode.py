@@ -45,8 +45,8 @@ fixed shapes take it away.
 Columns: ``batch`` (turns decoding together), ``ttft_ms`` (median over turns and repeats, queueing
 behind the other turns' prefills included), ``ttft: wait / run ms`` (the engine rows: the first
 token's prefill, its wait for the model and its run, medians; the TTFT's rest is the engine's own:
-the event loop, the stepper thread's hand-offs, sampling), ``itl_ms`` (median over every step of every turn and
-repeat), ``tokens_per_s`` (one turn's, 1000 / itl), ``aggregate_tokens_per_s`` (all turns' output
+the event loop, the stepper thread's hand-offs, sampling), ``itl_ms`` (median over every step of
+every turn and repeat), ``tokens_per_s`` (one turn's, 1000 / itl), ``aggregate_tokens_per_s`` (all turns' output
 tokens / the wall time from the start to the last token, prefills included), and ``floor_ms`` =
 parameter bytes at the run's dtype / the device's memory bandwidth (NVIDIA's datasheets: H100 SXM
 3.35 TB/s, H200 4.8 TB/s; ``--bandwidth-gbs`` for others). Writes ``edge_decode.json``,

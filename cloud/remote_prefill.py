@@ -10,8 +10,9 @@ landed in the store (``Pins.await_prefix``), framed by the one KV-block codec
 (``common.wire.kvcodec.encode_block``, as the edge's uplink frames its head blocks), within a window
 the edge's ``KVDownAck``s move and that shrinks while their delays show the blocks queueing ahead of
 the reply's tokens (``common.wire.flow.DelayBoundWindow``, ``KV_DOWN_QUEUE_TARGET_MS``), then the
-commit (their Merkle root) -> on the edge's ``Takeover`` the engine request is aborted (vLLM frees its KV slots), the
-tokens decoded past the edge's position follow, then a ``Final`` with finish reason ``handover``. A
+commit (their Merkle root) -> on the edge's ``Takeover`` the engine request is aborted (vLLM frees
+its KV slots), the tokens decoded past the edge's position follow, then a ``Final`` with finish
+reason ``handover``. A
 decode that ends first ends the turn as in direct mode, and a downlink that is cut or slow only
 means the edge never takes over.
 

@@ -1384,8 +1384,8 @@ class DecoderGraph:
         if t:  # nothing to upload for T = 0
             item, row = self._item_bytes, t * s.head_dim * self._item_bytes  # bytes of one head's T tokens
             # one cast and one upload of every tensor ([2L, 1, Hkv, T, D]), then one copy run: a few
-            # calls into ONNX Runtime, not a few per layer (each releases and retakes the GIL, which
-            # the event loop holds for up to the switch interval while it streams the cloud's tokens)
+            # calls into ONNX Runtime, not a few per layer (each hands the GIL to the event loop and
+            # waits to take it back, while the loop streams the cloud's tokens)
             held = _held(np.stack(past), self.kv_type)
             up = ort.OrtValue.ortvalue_from_numpy(held, self.device, 0)
             base, tensor, head = up.data_ptr(), s.num_kv_heads * row, slot.capacity_tokens * s.head_dim * item

@@ -11,9 +11,9 @@ decoded past that point and a ``handover`` final -> the edge decodes on locally 
 has (``LocalEngine.generate`` reuses the session's KV: one short run, then a step per token). The
 client's stream neither pauses for the switch beyond one local run nor repeats a token. Where the
 catch-up run is predicted to take no longer than the takeover's round trip (the cost model's local
-line, ``CostModel.local_run_ms``, against the link's RTT: a GPU edge), the takeover goes up before it, as soon
-as the session holds the KV: the cloud's engines are then not held for that run, and the run is
-done by the time the cloud's final comes back (``takeover_first``).
+line, ``CostModel.local_run_ms``, against the link's RTT: a GPU edge), the takeover goes up before
+it, as soon as the session holds the KV: the cloud's engines are then not held for that run, and
+the run is done by the time the cloud's final comes back (``takeover_first``).
 
 A cloud that ends the turn first (the downlink was slow or cut, the output short) ends it as in
 direct mode; the KV, if it all came, stays in the session for the next turn. A cloud that fails
