@@ -245,6 +245,16 @@ class EdgeConfig(DaemonSettings):
         "the fastest route predicted within it and the objectives (local, remote prefill, ...). 0 = none: auto "
         "minimises TTFT (end-to-end time for a whole-reply turn) unless the cloud reports pressure.",
     )
+    remote_prefill_prompt_kv: Literal["auto", "download", "compute"] = Field(
+        default="auto",
+        description="Where a remote-prefill turn's edge gets the prompt's KV before it takes the decode over: "
+        "`download`: every full block its session lacks comes down from the cloud; `compute`: the edge runs the "
+        "prompt itself beside the cloud's prefill and no block comes down (the cloud still serves the first "
+        "tokens); `auto`: the edge computes the prompt's first blocks and downloads the rest, with the boundary "
+        "where the cost model predicts the earliest handover (its prefill rate against the cloud's first token, "
+        "the downlink's goodput and the block size; a GPU edge that prefills before the first token is back "
+        "downloads nothing, a slow edge on a fast link downloads almost all).",
+    )
     http_host: str = Field(default="127.0.0.1", description="Bind address of the OpenAI-compatible HTTP API.")
     http_port: OptionalPort = Field(default=None, description="Port of the OpenAI-compatible HTTP API; `none` = off.")
     api_keys: ListSetting[str] = Field(

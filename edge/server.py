@@ -44,6 +44,7 @@ from tandem.edge.modes.cloud import CloudCalls
 from tandem.edge.modes.split_head import Head
 from tandem.edge.node import EdgeCompute, EdgeNode
 from tandem.edge.routing.costmodel import CostModel, zstd_pays
+from tandem.edge.routing.occupancy import PromptKV
 from tandem.edge.routing.router import Router
 from tandem.edge.session import EdgeSessions
 
@@ -407,6 +408,7 @@ def build_node(
         head_pending_tokens=lambda: {k: h.batcher.pending_tokens for k, h in by_k.items()},
         codec_ratio=codec_ratio,
         cloud_budget_ms=cfg.cloud_budget_s * 1e3,
+        prompt_kv=PromptKV(cfg.remote_prefill_prompt_kv),
     )
     if eos_token_ids is None:
         eos = getattr(tokenizer, "eos_token_id", None)

@@ -31,6 +31,7 @@ class Stage(enum.StrEnum):
     CLOUD_KV_DOWNLINK = "cloud_kv_downlink_ms"
     LOCAL_QUEUE = "local_queue_ms"
     LOCAL_PREFILL = "local_prefill_ms"
+    EDGE_PREFILL = "edge_prefill_ms"
     KV_DOWNLINK = "kv_downlink_ms"
     KV_ADOPT = "kv_adopt_ms"
     CATCH_UP = "catch_up_ms"
@@ -71,6 +72,7 @@ _LABELS = {
     Stage.CLOUD_KV_DOWNLINK: "cloud: KV blocks down, from the 1st token to the commit (remote prefill)",
     Stage.LOCAL_QUEUE: "edge: wait for the local engine (runs ahead of the prefill)",
     Stage.LOCAL_PREFILL: "edge: whole model prefill + 1st token (local mode)",
+    Stage.EDGE_PREFILL: "edge: its own run over the prompt's first tokens, beside the cloud's prefill (remote prefill)",
     Stage.KV_DOWNLINK: "edge: turn start to the prompt's KV verified (remote prefill)",
     Stage.KV_ADOPT: "edge: the verified KV written into the local session (remote prefill)",
     Stage.CATCH_UP: "edge: the catch-up run over the partial block and the tokens so far (remote prefill)",
@@ -94,6 +96,7 @@ _SHORT_LABELS = {  # the labels longer than SHORT_LABEL_CHARS
     Stage.CLOUD_KV_DOWNLINK: "cloud: KV blocks down to commit",
     Stage.LOCAL_QUEUE: "edge: wait for the local engine",
     Stage.LOCAL_PREFILL: "edge: local prefill + 1st token",
+    Stage.EDGE_PREFILL: "edge: own prompt run",
     Stage.KV_DOWNLINK: "edge: start to KV verified",
     Stage.KV_ADOPT: "edge: KV into the session",
     Stage.CATCH_UP: "edge: catch-up run",

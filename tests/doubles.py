@@ -53,12 +53,19 @@ def toy_node(
     turn_timeout_s: float = 30.0,
     pipeline_tokens: int = 0,
     resume_wait_s: float = 120.0,
+    prompt_kv: str = "download",
     **node_kw: Any,
 ) -> EdgeNode:
     """An ``EdgeNode`` of the toy model (``ToyTokenizer``) over ``heads`` and ``cloud``, built as the
     daemon builds one (``edge.server.build_node``); ``sessions`` default 64 sessions of 1 GiB in all;
-    ``node_kw`` as ``build_node``'s."""
-    cfg = EdgeConfig(turn_timeout_s=turn_timeout_s, pipeline_tokens=pipeline_tokens, resume_wait_s=resume_wait_s)
+    ``prompt_kv``: ``EdgeConfig.remote_prefill_prompt_kv`` (default ``download``: the toy's timings
+    would make ``auto``'s plan vary from run to run); ``node_kw`` as ``build_node``'s."""
+    cfg = EdgeConfig(
+        turn_timeout_s=turn_timeout_s,
+        pipeline_tokens=pipeline_tokens,
+        resume_wait_s=resume_wait_s,
+        remote_prefill_prompt_kv=prompt_kv,
+    )
     sessions = sessions if sessions is not None else EdgeSessions(64, 1 << 30)
     return build_node(cfg, ToyTokenizer(), heads, cloud, sessions=sessions, **node_kw)
 

@@ -67,12 +67,14 @@ class ToyLocal(LocalEngine):
         return self.model.runs
 
 
-async def rp_stack(step_delay_s: float = 0.005, local_step_s: float = 0.0, **kw) -> Toy:
+async def rp_stack(step_delay_s: float = 0.005, local_step_s: float = 0.0, prompt_kv: str = "download", **kw) -> Toy:
     """``toy_stack(**kw)`` whose cloud decodes with ``ToyLM`` (``step_delay_s`` per token) and whose
-    edge holds ``ToyLocal`` (``local_step_s`` per forward pass) and names whole-model KV blocks."""
+    edge holds ``ToyLocal`` (``local_step_s`` per forward pass), names whole-model KV blocks and gets a
+    remote prefill's prompt KV as ``prompt_kv`` says (``EdgeConfig.remote_prefill_prompt_kv``)."""
     lm = toy_lm()
     local = ToyLocal(lm, step_delay_s=local_step_s)
-    toy = await toy_stack(node_kw={"local": local, "model_key": full_model_key(MANIFEST)}, **kw)
+    node_kw = {"local": local, "model_key": full_model_key(MANIFEST), "prompt_kv": prompt_kv}
+    toy = await toy_stack(node_kw=node_kw, **kw)
     toy.engines.toy, toy.engines.step_delay_s = lm, step_delay_s
     return toy
 

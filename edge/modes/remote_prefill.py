@@ -68,6 +68,7 @@ class RemotePrefillTurn:
         self.sent = SentBytes()
         self.adopting: asyncio.Task[None] | None = None  # adopt the KV, then compute what follows it
         self.adopted = asyncio.Event()  # the session holds the KV that came down
+        self.prefilling: asyncio.Task[None] | None = None  # the edge's own run over the prompt's first tokens
         self.call: TurnCall | None = None
         self.edge_tokens = 0
         s = turn.sampling
@@ -86,6 +87,7 @@ class RemotePrefillTurn:
         if p is None:
             raise EngineError("no link params: the cloud is not connected")
         down = self._download(p)
+        self._prefill_here(down)
         try:
             async for ev in self._from_cloud(p, down):
                 yield ev
@@ -95,8 +97,11 @@ class RemotePrefillTurn:
             else:
                 await self._settle()
         finally:
-            if self.adopting is not None and not self.adopting.done():  # a turn cancelled meanwhile
-                self.adopting.cancel()
+            for task in (self.adopting, self.prefilling):
+                if task is not None and not task.done():  # a turn cancelled, or ended by the cloud, meanwhile
+                    task.cancel()
+            if self.prefilling is not None:  # its run, once started, finishes alone: the session keeps it
+                await asyncio.gather(self.prefilling, return_exceptions=True)
             down.release()
             if self.turn.session_id:  # the KV that came down counts against the local sessions' bound
                 self.local.sessions.evict()
@@ -123,12 +128,28 @@ class RemotePrefillTurn:
                 self.call.cancel()
 
     def _download(self, p: LinkParams) -> KVDownload:
-        """What this turn asks the cloud for: the blocks past the ones the session holds."""
+        """What this turn asks the cloud for: the blocks from the plan's boundary on
+        (``Decision.kv_plan``; without one, every block past those the session holds)."""
         ids, B = self.turn.ids, p.kv_block_size_tokens
         held = LocalSession(self.held_ids).common_prefix(ids)
-        first, t = min(held // B, len(ids) // B), self.turn
+        plan = self.turn.decision.kv_plan if self.turn.decision is not None else None
+        first = plan.first_down_block if plan is not None else held // B
+        first, t = min(max(0, first), len(ids) // B), self.turn
         want = down_spec(ids, first, self.model_key, t.session_id, t.request_id, self.local.shape, p, p.params_version)
         return KVDownload(want)
+
+    def _prefill_here(self, down: KVDownload) -> None:
+        """Start the edge's own run over the prompt's tokens before the first block that comes down
+        (all of them where none does), beside the cloud's prefill; nothing when the session holds them."""
+        ids, want = self.turn.ids, down.want
+        upto = want.first * want.block_tokens if want.indices else len(ids)
+        if LocalSession(self.held_ids).common_prefix(ids[:upto]) < upto:
+            self.prefilling = asyncio.create_task(self._prefill(ids[:upto]))
+
+    async def _prefill(self, ids: list[int]) -> None:
+        t0 = time.perf_counter()
+        await self.local.extend(self.sess, ids)
+        self.turn.clock.since(Stage.EDGE_PREFILL, t0)
 
     async def _cloud(self, p: LinkParams, down: KVDownload) -> AsyncIterator[TextOut]:
         """The Generate call: tokens to the client, KV blocks checked and acked, the takeover sent
@@ -195,19 +216,27 @@ class RemotePrefillTurn:
         self.adopting = asyncio.create_task(self._adopt(down, call))
 
     async def _adopt(self, down: KVDownload, call: TurnCall) -> None:
-        """The session holds the prompt's full blocks (its own first ones, then those that came
-        down), then the KV of the partial last block and of the tokens received so far; the
-        takeover goes up before that run or after it (``takeover_first``)."""
+        """The session holds the prompt's first tokens (its own, and those of the edge's run beside
+        the cloud's prefill), then the blocks that came down, then the KV of what neither covers (the
+        partial last block) and of the tokens received so far; the takeover goes up before that run
+        or after it (``takeover_first``).
+
+        Raises:
+            What the edge's own run raised; InvalidRequest: the session no longer holds the tokens
+                the blocks follow (``LocalEngine.adopt``).
+        """
         want, ids = down.want, self.turn.ids
-        B = want.block_tokens
-        # the session keeps its own first blocks; the blocks that came down follow them
-        keep = want.first * B
-        clock, t0 = self.turn.clock, time.perf_counter()
-        await self.local.adopt(self.sess, ids[: len(want.ids) * B], past_from_blocks(down.kv()), keep_tokens=keep)
-        clock.since(Stage.KV_ADOPT, t0)
+        if self.prefilling is not None:
+            await self.prefilling
+        clock = self.turn.clock
+        if want.indices:  # the session keeps its first blocks; those that came down follow them
+            t0 = time.perf_counter()
+            B = want.block_tokens
+            await self.local.adopt(self.sess, ids[: len(want.ids) * B], past_from_blocks(down.kv()), keep_tokens=want.first * B)
+            clock.since(Stage.KV_ADOPT, t0)
         self.adopted.set()
         catch_up = [*ids, *self.turn.text.token_ids]
-        first = takeover_first(self.cost.local_run_ms(len(catch_up) - len(want.ids) * B), self._rtt_ms())
+        first = takeover_first(self.cost.local_run_ms(len(catch_up) - self.sess.common_prefix(catch_up)), self._rtt_ms())
         if first:
             self._take_over(call)
         t0 = time.perf_counter()

@@ -322,6 +322,15 @@ class CostModel:
         rate = self.edge.local_prefill_ms_per_token.value
         return self.lines.get(LineKey(LineKind.LOCAL), Line()).predict(tokens, rate)
 
+    def local_runs_ms(self, tokens: np.ndarray) -> np.ndarray:
+        """``local_run_ms`` of each element of ``tokens`` (any shape), from one fit of the line: the
+        remote-prefill plan weighs every split of a long prompt at once (ms, float64; 0 where <= 0)."""
+        a, b, c = self.lines.get(LineKey(LineKind.LOCAL), Line()).coefficients(
+            self.edge.local_prefill_ms_per_token.value
+        )
+        n = np.asarray(tokens, np.float64)
+        return np.where(n > 0, a + b * n + c * n * n, 0.0)
+
     def _local_prefill_queue_ms(self, load: EdgeLoad) -> float:
         """``W_local``: the local engine's prefills waiting or running, at the local prefill rate (ms)."""
         return load.local_pending_prefill_tokens * self.edge.local_prefill_ms_per_token.value

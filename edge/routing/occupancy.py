@@ -11,8 +11,9 @@ cloud's before it is measured), all in ms:
     local           e2e = F + (N - 1) d_e                    cloud = 0
     direct          e2e = F + (N - 1) d_c                    cloud = P_c + (N - 1) d_c
     split           e2e = F + (N - 1) d_c                    cloud = P_c + T x_c + (N - 1) d_c
-    remote prefill  handover h = w + n_down * b / G_down + P_local(T mod B + m) + RTT
-                    (no P_local where it fits in the RTT: ``takeover_first``)
+    remote prefill  handover h = max(P_local(n_edge) - F, w + n_down * b / G_down)
+                                 + P_local(r + m) + RTT
+                    (no P_local(r + m) where it fits in the RTT: ``takeover_first``)
                     m = min(N, 1 + h / d_c) tokens come from the cloud
                     e2e = F + h + (N - m) d_e                cloud = P_c + h
                     (m = N: the cloud decodes all, as direct)
@@ -23,9 +24,19 @@ over to the decode engine, which loads the KV of every layer before its first st
 hand-off's measured time per prompt token (``cloud_decode_first_token_ms`` of split turns), so that
 a split does not look lighter on the cloud than it is.
 
-``n_down`` is the blocks the edge's session lacks, ``b`` a whole-model block's bytes in the link's
-KV format, ``G_down`` the downlink goodput measured on earlier downloads (before one: the uplink's),
-``w`` the measured wait for the engine's KV writes after the first token. Every served turn
+A remote-prefill turn's edge gets the prompt's KV two ways at once (``PromptKVPlan``): from the
+turn's start it computes the tokens ``n_edge`` past what its session holds, from the front, while
+the cloud's ``n_down`` blocks after them come down once the first token is out (the terms without
+``w + n_down * b / G_down`` where none come down); ``r`` is what neither covers, the partial last
+block where blocks come down. ``prompt_kv_plan`` puts the boundary where the handover is predicted
+earliest (the split of Cake, "Compute Or Load KV Cache? Why Not Both?", Jin et al. 2024, between
+computing a cached prefix and loading it): a GPU edge that prefills the prompt before the cloud's
+first token is back needs no block, an edge that prefills slower than the link carries KV takes
+most of them, and a policy (``PromptKV``, ``EdgeConfig.remote_prefill_prompt_kv``) may force either.
+
+``b`` is a whole-model block's bytes in the link's KV format, ``G_down`` the downlink goodput
+measured on earlier downloads (before one: the uplink's), ``w`` the measured wait for the engine's
+KV writes after the first token. Every served turn
 calibrates ``N``, ``G_down`` and ``w``, and its predicted end-to-end time and cloud time are
 compared with the measured ones (``tandem:prediction_error_ratio{mode,quantity}``).
 
@@ -38,8 +49,11 @@ the budget, the fastest of them). Pure domain code: no grpc, no ONNX.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import enum
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from tandem.common.protocol.modes import Mode
 from tandem.common.runtime.ewma import Ewma
@@ -58,6 +72,72 @@ KV_PRESSURE = 0.9  # the cloud's KV cache use from which it is under pressure
 CLOUD_MODES = (Mode.DIRECT, Mode.SPLIT, Mode.REMOTE_PREFILL)
 
 
+class PromptKV(enum.StrEnum):
+    """Where a remote-prefill turn's edge gets the prompt's KV (``EdgeConfig.remote_prefill_prompt_kv``)."""
+
+    AUTO = "auto"  # computed here up to the boundary of the earliest predicted handover, the rest down
+    DOWNLOAD = "download"  # every full block the session lacks comes down (the partial last one is computed here)
+    COMPUTE = "compute"  # all computed here, beside the cloud's prefill: no block comes down
+
+
+@dataclass(frozen=True)
+class PromptKVPlan:
+    """How a remote-prefill turn's edge comes to hold the prompt's ``T`` tokens of KV: from the
+    turn's start it computes ``ids[held_tokens:compute_to_tokens]`` itself (one run, beside the
+    cloud's prefill), while the blocks ``[first_down_block, T // B)`` come down. ``compute_to_tokens``
+    is ``first_down_block * B``, or ``T`` where no block comes down (the partial last block then
+    computed up front too)."""
+
+    held_tokens: int  # the prompt's tokens the session's KV covers as the turn starts
+    compute_to_tokens: int
+    first_down_block: int
+    down_blocks: int
+    ready_ms: float = 0.0  # predicted: from the first token to the edge holding the planned KV
+
+    @property
+    def edge_tokens(self) -> int:
+        """The prompt tokens the edge computes up front."""
+        return max(0, self.compute_to_tokens - self.held_tokens)
+
+
+def prompt_kv_plan(
+    prompt_tokens: int,
+    held_tokens: int,
+    block_tokens: int,
+    first_token_ms: float,
+    local_runs_ms: Callable[[np.ndarray], np.ndarray],
+    save_wait_ms: float,
+    block_down_ms: float,
+    policy: PromptKV = PromptKV.AUTO,
+) -> PromptKVPlan:
+    """The plan of a remote-prefill turn's prompt KV (see the module doc): for each boundary block
+    ``c`` from the session's held blocks to the prompt's full blocks, the edge's run of the tokens
+    before it finishes at ``P_local(n_edge)`` after the turn's start, the blocks from ``c`` on are
+    down ``w + n_down * b / G_down`` after the first token (at ``first_token_ms``; no wait where
+    none come down), and the partial block left over takes one more run; ``AUTO`` takes the ``c``
+    with the earliest end of both, preferring fewer edge tokens on a tie (the edge stays free for
+    other turns). ``local_runs_ms``: the edge's whole-model run time of each of an array of token
+    counts (``CostModel.local_runs_ms``); ``block_down_ms``: one block's time on the downlink."""
+    T, B = max(0, prompt_tokens), max(1, block_tokens)
+    held = min(max(0, held_tokens), T)
+    n_full = T // B
+    if policy is PromptKV.DOWNLOAD:
+        c = np.array([held // B], np.int64)
+    elif policy is PromptKV.COMPUTE:
+        c = np.array([n_full], np.int64)
+    else:
+        c = np.arange(held // B, n_full + 1, dtype=np.int64)
+    down = n_full - c
+    compute_to = np.where(down > 0, c * B, T)
+    edge = np.maximum(0, compute_to - held)
+    fetched = np.where(down > 0, save_wait_ms + down * block_down_ms, 0.0)
+    ready = np.maximum(local_runs_ms(edge) - first_token_ms, fetched)
+    left = np.where(down > 0, T - n_full * B, 0)  # the partial last block, where blocks come down
+    total = ready + local_runs_ms(left)
+    i = int(np.lexsort((edge, total))[0])
+    return PromptKVPlan(held, int(compute_to[i]), int(c[i]), int(down[i]), float(max(0.0, ready[i])))
+
+
 @dataclass(frozen=True)
 class Occupancy:
     """One route's predicted end-to-end time and cloud engine time (ms), and the output tokens
@@ -72,12 +152,14 @@ class Occupancy:
 @dataclass
 class OccupancyModel:
     """The measurements beyond the TTFT model's: output lengths, the downlink's goodput and the
-    wait for the cloud's KV writes, each an exponentially weighted mean."""
+    wait for the cloud's KV writes, each an exponentially weighted mean; and the policy of remote
+    prefill's prompt KV (``prompt_kv``)."""
 
     output_tokens: Ewma = field(default_factory=Ewma)
     down_goodput_mbps: Ewma = field(default_factory=Ewma)
     kv_save_wait_ms: Ewma = field(default_factory=Ewma)
     split_handoff_ms_per_token: Ewma = field(default_factory=Ewma)  # ``x_c``
+    prompt_kv: PromptKV = PromptKV.AUTO  # where remote prefill's prompt KV comes from (``kv_plan``)
 
     def expected_output(self, max_new_tokens: int) -> float:
         n = self.output_tokens.value
@@ -99,25 +181,41 @@ class OccupancyModel:
         cloud_all = Occupancy(p.ttft_ms + (N - 1) * d_c, cloud_first + (N - 1) * d_c, N, d_c)
         if mode is not Mode.REMOTE_PREFILL or d_c <= 0:
             return cloud_all
-        h = self.handover_ms(shape, link, cost, d_c)
+        h = self.handover_ms(shape, link, cost, d_c, p.ttft_ms)
         m = min(N, 1 + h / d_c)
         if m >= N:
             return cloud_all
         return Occupancy(p.ttft_ms + h + (N - m) * d_e, cloud_first + h, m, d_e)
 
-    def handover_ms(self, shape: RequestShape, link: LinkState, cost: CostModel, d_c: float) -> float:
-        """From the first token to the cloud's handover: the KV writes, the blocks the edge lacks on
-        the downlink, the edge's run over the partial block and the tokens meanwhile (unless it
-        fits in the takeover's round trip: ``takeover_first``), a round trip."""
-        B = max(1, link.block_size_tokens)
-        T = shape.prompt_tokens
-        n_down = max(0, T // B - min(shape.local_cached_tokens, T) // B)
+    def kv_plan(self, shape: RequestShape, link: LinkState, cost: CostModel, first_token_ms: float) -> PromptKVPlan:
+        """The remote-prefill plan of a turn whose first token is predicted at ``first_token_ms``
+        (``prompt_kv_plan`` under ``prompt_kv``, with this model's downlink goodput and KV-write wait)."""
         g = self.down_goodput_mbps.value or link.goodput_mbps
-        wire = n_down * link.full_kv_block_bytes * 8 / (g * 1e3) if g > 0 else 0.0
-        before = self.kv_save_wait_ms.value + wire
-        m0 = before / d_c if d_c > 0 else 0.0
-        local = cost.local_run_ms(T % B + m0 + 1)
-        return before + link.rtt_ms + (0.0 if takeover_first(local, link.rtt_ms) else local)
+        block_ms = link.full_kv_block_bytes * 8 / (g * 1e3) if g > 0 else 0.0
+        return prompt_kv_plan(
+            shape.prompt_tokens,
+            shape.local_cached_tokens,
+            link.block_size_tokens,
+            first_token_ms,
+            cost.local_runs_ms,
+            self.kv_save_wait_ms.value,
+            block_ms,
+            self.prompt_kv,
+        )
+
+    def handover_ms(
+        self, shape: RequestShape, link: LinkState, cost: CostModel, d_c: float, first_token_ms: float
+    ) -> float:
+        """From the first token to the cloud's handover: the edge holding the prompt's KV as planned
+        (``kv_plan``: its own run, the blocks on the downlink after the KV writes), the edge's run
+        over what neither covers and the tokens meanwhile (unless it fits in the takeover's round
+        trip: ``takeover_first``), a round trip."""
+        plan = self.kv_plan(shape, link, cost, first_token_ms)
+        B, T = max(1, link.block_size_tokens), shape.prompt_tokens
+        left = T - (plan.first_down_block + plan.down_blocks) * B if plan.down_blocks else 0
+        m0 = plan.ready_ms / d_c if d_c > 0 else 0.0
+        local = cost.local_run_ms(left + m0 + 1)
+        return plan.ready_ms + link.rtt_ms + (0.0 if takeover_first(local, link.rtt_ms) else local)
 
     def observe(
         self,

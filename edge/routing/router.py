@@ -28,7 +28,16 @@ from tandem.edge.events import ChatTurn, TurnDone
 from tandem.edge.link.connection import CloudTarget
 from tandem.edge.routing.accounting import InFlight, RoutedTurn
 from tandem.edge.routing.costmodel import CostModel, EdgeLoad, LinkState, Prediction, RequestShape, Route
-from tandem.edge.routing.occupancy import Occupancy, OccupancyModel, cloud_stage_ms, lightest, quickest, under_pressure
+from tandem.edge.routing.occupancy import (
+    Occupancy,
+    OccupancyModel,
+    PromptKV,
+    PromptKVPlan,
+    cloud_stage_ms,
+    lightest,
+    quickest,
+    under_pressure,
+)
 from tandem.edge.session import EdgeSessions
 
 
@@ -41,6 +50,7 @@ class Decision:
     prediction: Prediction | None
     reason: str
     occupancy: Occupancy | None = None
+    kv_plan: PromptKVPlan | None = None  # remote prefill: how the edge comes to hold the prompt's KV
 
 
 class Router:
@@ -62,6 +72,7 @@ class Router:
         head_pending_tokens: Callable[[], Mapping[int, int]] | None = None,
         codec_ratio: float = 1.0,
         cloud_budget_ms: float = 0.0,
+        prompt_kv: PromptKV = PromptKV.AUTO,
     ) -> None:
         """``head_layers``: the split layers this edge holds heads for; ``shape``: the model's, for
         wire bytes per token in the cost model (None: wire time not modelled); ``remote_prefill``:
@@ -69,12 +80,13 @@ class Router:
         ``head_pending_tokens``: the new tokens waiting or running in each head's batcher now (k ->
         tokens; ``HeadBatcher.pending_tokens``), the head queues the cost model counts;
         ``codec_ratio``: compressed / raw size of this model's wire bytes under zstd (measured at
-        start-up); ``cloud_budget_ms``: cloud engine time per request this edge declares (0 = none)."""
+        start-up); ``cloud_budget_ms``: cloud engine time per request this edge declares (0 = none);
+        ``prompt_kv``: where remote prefill's prompt KV comes from (``OccupancyModel.kv_plan``)."""
         self.head_layers = frozenset(head_layers)
         self.head_pending_tokens = head_pending_tokens
         self.remote_prefill = remote_prefill
         self.codec_ratio, self.cloud_budget_ms = codec_ratio, cloud_budget_ms
-        self.occupancy = OccupancyModel()  # end-to-end and cloud-time predictions, calibrated by the turns
+        self.occupancy = OccupancyModel(prompt_kv=prompt_kv)  # end-to-end and cloud-time predictions, calibrated by the turns
         self.cloud, self.sessions, self.shape = cloud, sessions, shape
         self._cost = cost
         self._local: LocalEngine | None = None
@@ -268,7 +280,10 @@ class Router:
         else:
             pick, why = self._auto(preds, shape, link, request)
         occupancy = self.occupancy.predict(pick, shape, link, self.cost, request.sampling.max_new_tokens)
-        return Decision(pick.route, pick, why, occupancy)
+        plan = None
+        if pick.route.mode is Mode.REMOTE_PREFILL:
+            plan = self.occupancy.kv_plan(shape, link, self.cost, pick.ttft_ms)
+        return Decision(pick.route, pick, why, occupancy, plan)
 
     def _auto(
         self, preds: list[Prediction], shape: RequestShape, link: LinkState, request: ChatTurn

@@ -53,6 +53,7 @@ async def stack(split_dir, tmp_path_factory, tls, redis_server):
         tls_cert_file=tls.edge_server[0],
         tls_key_file=tls.edge_server[1],
         api_keys=[tls.app_key],
+        remote_prefill_prompt_kv="download",  # the remote-prefill tests' faults are the downlink's; they set others
     )
     edge = await create_edge(edge_cfg)
     client = SplitClient(f"127.0.0.1:{edge.port}", ca_file=tls.ca_file, api_key=tls.app_key)

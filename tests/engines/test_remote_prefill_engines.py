@@ -19,6 +19,7 @@ from tandem.common.protocol.params import Sampling
 from tandem.common.wire.kvcodec import KVBlock
 from tandem.common.wire.kvdown import Takeover
 from tandem.edge.events import ChatTurn, TextOut, TurnDone
+from tandem.edge.routing.occupancy import PromptKV
 from tandem.stages import Stage
 from tests.references import LONG, PROMPTS, assert_same_or_near_tie, hf_greedy, prompt_ids
 from tests.remote_doubles import DownTamperLink
@@ -87,6 +88,26 @@ async def test_remote_prefill_equals_direct_and_local(stack, hf_model, tokenizer
         )
     print(f"remote prefill == direct == local on {exact} of {len(PROMPTS)} prompts")
     assert exact >= len(PROMPTS) - 1
+
+
+@pytest.mark.parametrize("policy", [PromptKV.COMPUTE, PromptKV.AUTO])
+async def test_a_prompt_computed_on_the_edge_beside_the_clouds_prefill_gives_directs_reply(stack, policy):
+    """The edge runs the prompt itself beside the cloud's prefill (``compute``: no block comes down;
+    ``auto``: the cost model's split of computed and downloaded blocks, whatever it is here), then
+    takes the decode over (a reply 4x longer than direct's here, so that it does on a loaded host):
+    its start equals direct mode's reply."""
+    node, p = stack["edge"].node, PROMPTS[3]
+    direct, _ = await stream(node, turn(p, Mode.DIRECT))
+    occupancy = node.router.occupancy
+    occupancy.prompt_kv = policy
+    try:
+        got, done = await stream(node, turn(p, Mode.REMOTE_PREFILL, n=4 * MAX_NEW))
+    finally:
+        occupancy.prompt_kv = PromptKV.DOWNLOAD
+    assert got[:MAX_NEW] == direct[:MAX_NEW] and done.edge_decoded_tokens > 0
+    if policy is PromptKV.COMPUTE:
+        assert done.received_kv_bytes == 0 and done.timings[Stage.EDGE_PREFILL] > 0
+    print(f"{policy}: {done.received_kv_bytes} KV bytes down, {done.edge_decoded_tokens} decoded on the edge")
 
 
 async def test_a_two_turn_chat_brings_down_only_the_new_blocks(stack, tokenizer):

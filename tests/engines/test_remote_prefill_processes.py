@@ -150,7 +150,8 @@ async def pd(split_dir, tmp_path_factory):
     cloud = Daemon("tandem-cloud", cloud_command(split_dir, d / "kv", extra=extra), d / "cloud.log", d / "cloud.port")
 
     def start_edge(name: str) -> Daemon:
-        cmd = edge_command(split_dir, target, extra=FP32)
+        # every block comes down: the faults below are the downlink's
+        cmd = edge_command(split_dir, target, extra=[*FP32, "--remote-prefill-prompt-kv", "download"])
         return Daemon("tandem-edge", cmd, d / f"{name}.log", d / f"{name}.port")
 
     st = {"proxy": proxy, "cloud": cloud, "edge": start_edge("edge"), "start_edge": start_edge, "dir": d}

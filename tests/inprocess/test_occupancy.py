@@ -12,7 +12,15 @@ import pytest
 from tandem.common.protocol.modes import Mode
 from tandem.edge import metrics
 from tandem.edge.routing.costmodel import CostModel, LinkState, RequestShape, Route
-from tandem.edge.routing.occupancy import Occupancy, OccupancyModel, lightest, quickest, under_pressure
+from tandem.edge.routing.occupancy import (
+    Occupancy,
+    OccupancyModel,
+    PromptKV,
+    lightest,
+    prompt_kv_plan,
+    quickest,
+    under_pressure,
+)
 from tandem.stages import Stage
 
 LOCAL, SPLIT, DIRECT, RP = Route(Mode.LOCAL), Route(Mode.SPLIT, 4), Route(Mode.DIRECT), Route(Mode.REMOTE_PREFILL)
@@ -46,13 +54,13 @@ def test_remote_prefill_has_directs_ttft_and_hands_the_decode_over():
     """1024-token prompt, 256 new tokens: the handover comes after the 32 blocks' download (236 ms at
     800 Mbit/s), the edge's run over the tokens meanwhile and a round trip; the cloud decodes until
     then, the edge the rest at its own rate."""
-    m, lk, occ = model(), link(), OccupancyModel()
+    m, lk, occ = model(), link(), OccupancyModel(prompt_kv=PromptKV.DOWNLOAD)
     shape = RequestShape(1024)
     rp, direct = m.predict(RP, shape, lk), m.predict(DIRECT, shape, lk)
     assert rp.ttft_ms == pytest.approx(direct.ttft_ms)
     o_rp, o_d = occ.predict(rp, shape, lk, m, 256), occ.predict(direct, shape, lk, m, 256)
     wire = 32 * BLOCK * 8 / (800 * 1e3)
-    h = occ.handover_ms(shape, lk, m, 30.0)
+    h = occ.handover_ms(shape, lk, m, 30.0, rp.ttft_ms)
     assert wire < h < wire + 20 + 2.0 * (wire / 30 + 2) + 1e-6
     m_tokens = 1 + h / 30.0
     assert o_rp.cloud_tokens == pytest.approx(m_tokens)
@@ -62,7 +70,7 @@ def test_remote_prefill_has_directs_ttft_and_hands_the_decode_over():
 
 
 def test_remote_prefill_is_direct_when_the_cloud_finishes_before_the_handover():
-    m, lk, occ = model(), link(goodput_mbps=10.0), OccupancyModel()  # 19 s to bring 32 blocks down
+    m, lk, occ = model(), link(goodput_mbps=10.0), OccupancyModel(prompt_kv=PromptKV.DOWNLOAD)  # 19 s for 32 blocks
     shape = RequestShape(1024)
     o_rp = occ.predict(m.predict(RP, shape, lk), shape, lk, m, 64)
     o_d = occ.predict(m.predict(DIRECT, shape, lk), shape, lk, m, 64)
@@ -70,9 +78,10 @@ def test_remote_prefill_is_direct_when_the_cloud_finishes_before_the_handover():
 
 
 def test_what_the_edge_holds_does_not_come_down_again():
-    m, lk, occ = model(), link(rtt_ms=1.0), OccupancyModel()  # the catch-up runs never fit in the RTT
-    cold = occ.handover_ms(RequestShape(1024), lk, m, 30.0)
-    warm = occ.handover_ms(RequestShape(1024, local_cached_tokens=960), lk, m, 30.0)
+    m, lk = model(), link(rtt_ms=1.0)  # the catch-up runs never fit in the RTT
+    occ = OccupancyModel(prompt_kv=PromptKV.DOWNLOAD)
+    cold = occ.handover_ms(RequestShape(1024), lk, m, 30.0, 600.0)
+    warm = occ.handover_ms(RequestShape(1024, local_cached_tokens=960), lk, m, 30.0, 600.0)
     wire = 30 * BLOCK * 8 / (800 * 1e3)
     assert wire < cold - warm < wire + 2.0 * wire / 30.0 + 1e-6  # and the edge's run over fewer tokens meanwhile
 
@@ -86,10 +95,10 @@ def test_a_catch_up_run_within_the_rtt_does_not_lengthen_the_handover(prefill_ms
     adds to the handover."""
     m = CostModel(hysteresis=0.0, explore_every=0)
     m.edge.local_prefill_ms_per_token.add(prefill_ms_per_token)
-    occ, shape = OccupancyModel(), RequestShape(1024)
+    occ, shape = OccupancyModel(prompt_kv=PromptKV.DOWNLOAD), RequestShape(1024)
     wire = 32 * BLOCK * 8 / (800 * 1e3)
-    assert occ.handover_ms(shape, link(), m, 30.0) == pytest.approx(wire + 20.0)
-    slow_link = occ.handover_ms(shape, link(rtt_ms=5.0), m, 30.0)
+    assert occ.handover_ms(shape, link(), m, 30.0, 600.0) == pytest.approx(wire + 20.0)
+    slow_link = occ.handover_ms(shape, link(rtt_ms=5.0), m, 30.0, 600.0)
     if prefill_ms_per_token * (wire / 30.0 + 1) <= 5.0:
         assert slow_link == pytest.approx(wire + 5.0)
     else:
@@ -269,3 +278,69 @@ async def test_an_auto_turn_under_a_cloud_budget_takes_remote_prefill_and_report
         assert _count("remote_prefill", "cloud_engine") == before + 1
     finally:
         await toy.batcher.stop()
+
+
+def _runs(ms_per_token: float, fixed_ms: float = 0.0):
+    import numpy as np
+
+    return lambda n: np.where(np.asarray(n) > 0, fixed_ms + ms_per_token * np.asarray(n, np.float64), 0.0)
+
+
+def test_an_edge_that_prefills_before_the_first_token_downloads_no_block():
+    """1024 prompt tokens, B = 32: a GPU edge (20 ms for the prompt) against a first token at 40 ms
+    computes the whole prompt beside the cloud's prefill and holds it by then: nothing to wait for."""
+    plan = prompt_kv_plan(1024, 0, 32, 40.0, _runs(0.02), 5.0, 7.4)
+    assert (plan.first_down_block, plan.down_blocks, plan.compute_to_tokens, plan.edge_tokens) == (32, 0, 1024, 1024)
+    assert plan.ready_ms == 0.0
+
+
+def test_a_slow_edge_computes_the_front_and_downloads_the_rest():
+    """2 ms a token on the edge, 7.4 ms a block on the downlink, first token at 532 ms: the edge's run
+    and the download meet in the middle (Cake's split), earlier than either alone."""
+    T, B, F, w, blk = 1024, 32, 532.0, 5.0, 7.4
+    runs = _runs(2.0)
+    plan = prompt_kv_plan(T, 0, B, F, runs, w, blk)
+    down_only = prompt_kv_plan(T, 0, B, F, runs, w, blk, PromptKV.DOWNLOAD)
+    here_only = prompt_kv_plan(T, 0, B, F, runs, w, blk, PromptKV.COMPUTE)
+    assert 0 < plan.first_down_block < T // B and plan.down_blocks == T // B - plan.first_down_block
+    assert plan.compute_to_tokens == plan.first_down_block * B
+    assert plan.ready_ms < min(down_only.ready_ms, here_only.ready_ms)
+    # the two halves finish within one block of each other
+    edge_done = 2.0 * plan.edge_tokens - F
+    assert abs(edge_done - (w + plan.down_blocks * blk)) <= max(2.0 * B, blk)
+    assert (down_only.first_down_block, down_only.down_blocks, down_only.edge_tokens) == (0, 32, 0)
+    assert down_only.ready_ms == pytest.approx(w + 32 * blk)
+    assert (here_only.down_blocks, here_only.compute_to_tokens) == (0, T)
+    assert here_only.ready_ms == pytest.approx(2.0 * T - F)
+
+
+def test_the_plan_starts_at_what_the_session_holds():
+    """A session holding 960 of 1000 tokens (30 blocks of 32; the prompt has 31 full ones): no
+    block it holds comes down and the edge never recomputes them; with every full block held, the
+    edge runs the partial last one up front."""
+    for policy in PromptKV:
+        plan = prompt_kv_plan(1000, 960, 32, 40.0, _runs(2.0), 5.0, 7.4, policy)
+        assert plan.first_down_block >= 30 and plan.first_down_block + plan.down_blocks == 31
+        assert plan.compute_to_tokens in (960, 1000) and plan.held_tokens == 960
+    held_all = prompt_kv_plan(1000, 992, 32, 40.0, _runs(2.0), 5.0, 7.4, PromptKV.DOWNLOAD)
+    assert (held_all.down_blocks, held_all.compute_to_tokens, held_all.edge_tokens) == (0, 1000, 8)
+    short = prompt_kv_plan(20, 0, 32, 40.0, _runs(2.0), 5.0, 7.4, PromptKV.DOWNLOAD)  # shorter than a block
+    assert (short.down_blocks, short.compute_to_tokens) == (0, 20)
+
+
+def test_a_gpu_edge_hands_over_one_round_trip_after_the_first_token():
+    """With the prompt computed here before the first token, the handover is the takeover's round
+    trip (the catch-up run fits in it): the cloud decodes about RTT / d_c tokens, however long the
+    prompt, where downloading its 32 blocks would hold it ~8x longer."""
+    m = CostModel(hysteresis=0.0, explore_every=0)
+    m.edge.local_prefill_ms_per_token.add(0.02)
+    m.edge.local_decode_ms_per_token.add(1.3)
+    lk, shape = link(rtt_ms=6.0, cloud_decode_ms_per_token=1.5, goodput_mbps=500.0), RequestShape(1024)
+    rp = m.predict(RP, shape, lk)
+    auto, down = OccupancyModel(), OccupancyModel(prompt_kv=PromptKV.DOWNLOAD)
+    assert auto.kv_plan(shape, lk, m, rp.ttft_ms).down_blocks == 0
+    h = auto.handover_ms(shape, lk, m, 1.5, rp.ttft_ms)
+    assert h == pytest.approx(6.0)
+    o_auto, o_down = auto.predict(rp, shape, lk, m, 128), down.predict(rp, shape, lk, m, 128)
+    assert o_auto.cloud_tokens == pytest.approx(1 + 6.0 / 1.5)
+    assert o_down.cloud_ms > 8 * (o_auto.cloud_ms - m.cloud_stages_ms(rp.stages))

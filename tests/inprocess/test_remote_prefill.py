@@ -21,10 +21,14 @@ from tests.helpers import RP_LONG, rp_chat, rp_turn, stream
 from tests.remote_doubles import DownTamperLink, rp_stack
 
 
-@pytest.fixture(params=[wire.WireDtype.FP32, wire.WireDtype.FP16], ids=["fp32", "fp16"])
+@pytest.fixture(
+    params=[(wire.WireDtype.FP32, "download"), (wire.WireDtype.FP16, "download"), (wire.WireDtype.FP32, "compute")],
+    ids=["fp32", "fp16", "computed-here"],
+)
 async def toy(request):
-    kv = request.param
-    t = await rp_stack(kv_wire_dtypes=[kv], offer_kw={"kv_wire_dtypes": (kv,)})
+    kv, prompt_kv = request.param
+    t = await rp_stack(kv_wire_dtypes=[kv], offer_kw={"kv_wire_dtypes": (kv,)}, prompt_kv=prompt_kv)
+    t.prompt_kv = prompt_kv
     yield t
     await t.batcher.stop()
 
@@ -33,7 +37,9 @@ async def toy(request):
 async def test_remote_prefill_equals_direct_and_local_token_for_token(toy, text):
     """Greedy: the tokens streamed in remote prefill (the cloud's first ones, then the edge's after
     the takeover) equal direct mode's and local mode's, none repeated or missing; the edge decoded
-    some of them itself and the cloud stopped early."""
+    some of them itself and the cloud stopped early. Its prompt KV came down (``download``: every
+    full block; the edge computed only the partial last block and the cloud's tokens, one run) or
+    was computed here beside the cloud's prefill (``compute``: no block came down)."""
     direct, d_done = await stream(toy.edge, rp_turn(text, Mode.DIRECT))
     local, _ = await stream(toy.edge, rp_turn(text, Mode.LOCAL))
     runs = len(toy.edge.local.runs)
@@ -41,12 +47,35 @@ async def test_remote_prefill_equals_direct_and_local_token_for_token(toy, text)
     assert got == direct == local == list(done.output_token_ids) and len(got) == 40
     assert done.mode is Mode.REMOTE_PREFILL and done.finish_reason == d_done.finish_reason == "length"
     T = len(toy.edge.tokenize(rp_turn(text, Mode.DIRECT)))
-    assert done.edge_decoded_tokens > 0 and (done.received_kv_bytes > 0) == (T >= B)
-    # the edge computed only the partial last block and the cloud's tokens (one run), then one per token
+    downloaded = toy.prompt_kv == "download" and T >= B
+    assert done.edge_decoded_tokens > 0 and (done.received_kv_bytes > 0) == downloaded
+    assert (Stage.EDGE_PREFILL in done.timings) == (not downloaded)
     edge_runs = toy.edge.local.runs[runs:]
     cloud_tokens = 40 - done.edge_decoded_tokens
-    assert sum(edge_runs) <= T % B + cloud_tokens + done.edge_decoded_tokens + 1, edge_runs
+    prompt_here = T % B if downloaded else T
+    assert sum(edge_runs) <= prompt_here + cloud_tokens + done.edge_decoded_tokens + 1, edge_runs
     assert toy.gateway.links.running == 0
+
+
+async def test_the_edge_computes_the_prompts_front_while_the_rest_comes_down(monkeypatch):
+    """A plan that splits the prompt (``auto`` on an edge whose prefill and the downlink meet in the
+    middle): the edge runs the first block beside the cloud's prefill and only the blocks after it
+    come down; the tokens are direct's."""
+    from tandem.edge.routing.occupancy import PromptKVPlan
+
+    toy = await rp_stack(prompt_kv="auto")
+    try:
+        direct, _ = await stream(toy.edge, rp_turn(RP_LONG, Mode.DIRECT))
+        T = len(toy.edge.tokenize(rp_turn(RP_LONG, Mode.DIRECT)))
+        assert T // B >= 3
+        plan = PromptKVPlan(held_tokens=0, compute_to_tokens=B, first_down_block=1, down_blocks=T // B - 1)
+        monkeypatch.setattr(toy.edge.router.occupancy, "kv_plan", lambda *a, **kw: plan)
+        got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
+        assert got == direct and done.edge_decoded_tokens > 0
+        assert done.received_kv_bytes == (T // B - 1) * block_bytes()
+        assert done.timings[Stage.EDGE_PREFILL] > 0 and done.timings[Stage.KV_ADOPT] > 0
+    finally:
+        await toy.batcher.stop()
 
 
 @pytest.mark.parametrize("rtt_ms", [0.0, 50.0], ids=["catch-up-first", "takeover-first"])
