@@ -232,11 +232,15 @@ class RemotePrefillTurn:
         if want.indices:  # the session keeps its first blocks; those that came down follow them
             t0 = time.perf_counter()
             B = want.block_tokens
-            await self.local.adopt(self.sess, ids[: len(want.ids) * B], past_from_blocks(down.kv()), keep_tokens=want.first * B)
+            await self.local.adopt(
+                self.sess, ids[: len(want.ids) * B], past_from_blocks(down.kv()), keep_tokens=want.first * B
+            )
             clock.since(Stage.KV_ADOPT, t0)
         self.adopted.set()
         catch_up = [*ids, *self.turn.text.token_ids]
-        first = takeover_first(self.cost.local_run_ms(len(catch_up) - self.sess.common_prefix(catch_up)), self._rtt_ms())
+        first = takeover_first(
+            self.cost.local_run_ms(len(catch_up) - self.sess.common_prefix(catch_up)), self._rtt_ms()
+        )
         if first:
             self._take_over(call)
         t0 = time.perf_counter()

@@ -86,7 +86,9 @@ class Router:
         self.head_pending_tokens = head_pending_tokens
         self.remote_prefill = remote_prefill
         self.codec_ratio, self.cloud_budget_ms = codec_ratio, cloud_budget_ms
-        self.occupancy = OccupancyModel(prompt_kv=prompt_kv)  # end-to-end and cloud-time predictions, calibrated by the turns
+        self.occupancy = OccupancyModel(
+            prompt_kv=prompt_kv
+        )  # end-to-end and cloud-time predictions, calibrated by the turns
         self.cloud, self.sessions, self.shape = cloud, sessions, shape
         self._cost = cost
         self._local: LocalEngine | None = None

@@ -70,8 +70,9 @@ async def gpu_stack(split_dir, tmp_path_factory):
     as the edge's local model (a GPU build's builder head and decoder are bf16:
     ``test_the_builder_head_on_cuda_gives_hfs_residual_and_kv``,
     ``test_remote_prefill_onto_the_bf16_builder_decoder_agrees_with_fp32_vllm``): split and remote
-    prefill output must equal the unsplit references. ``bf16_client`` reaches a second edge on the
-    same cloud with the GPU build's defaults for its local model (the bf16 builder decoder)."""
+    prefill output must equal the unsplit references; its remote prefill downloads every block.
+    ``bf16_client`` reaches a second edge on the same cloud with the GPU build's defaults (the bf16
+    builder decoder, remote prefill's prompt KV as the cost model plans it)."""
     from tandem import AsyncClient
     from tandem.cloud.config import CloudConfig, EngineConfig
     from tandem.cloud.engines.vllm_engines import VllmEngines
@@ -94,12 +95,26 @@ async def gpu_stack(split_dir, tmp_path_factory):
     target = f"127.0.0.1:{cloud.port}"
     full = split_dir.parent / "edge-full.onnx"
     edge = await create_edge(
-        EdgeConfig(split_dir=split_dir, cloud_target=target, port=0, builder_head=False, local_model=full)
+        EdgeConfig(
+            split_dir=split_dir,
+            cloud_target=target,
+            port=0,
+            builder_head=False,
+            local_model=full,
+            remote_prefill_prompt_kv="download",  # the prompt's KV through the CUDA layout and down the link
+        )
     )
     bf16_edge = await create_edge(EdgeConfig(split_dir=split_dir, cloud_target=target, port=0, builder_head=False))
     client = AsyncClient(f"127.0.0.1:{edge.port}")
     bf16_client = AsyncClient(f"127.0.0.1:{bf16_edge.port}")
-    yield {"engines": engines, "cloud": cloud, "edge": edge, "client": client, "bf16_client": bf16_client}
+    yield {
+        "engines": engines,
+        "cloud": cloud,
+        "edge": edge,
+        "client": client,
+        "bf16_edge": bf16_edge,
+        "bf16_client": bf16_client,
+    }
     await client.close()
     await bf16_client.close()
     await bf16_edge.stop(1)
@@ -150,21 +165,33 @@ async def test_remote_prefill_on_cuda_engines_equals_direct_and_plain_vllm(gpu_s
 NEAR_TIE_BF16 = 0.5  # nats: the fidelity method's near-tie (benchmarks/fidelity.py), for bf16 arithmetic
 
 
+@pytest.mark.parametrize("policy", ["download", "auto"])
 @pytest.mark.parametrize("idx", range(len(PROMPTS)))
-async def test_remote_prefill_onto_the_bf16_builder_decoder_agrees_with_fp32_vllm(gpu_stack, tokenizer, idx):
+async def test_remote_prefill_onto_the_bf16_builder_decoder_agrees_with_fp32_vllm(gpu_stack, tokenizer, idx, policy):
     """The GPU edge's default local model, the builder decoder in bf16 with CUDA graphs, takes the
-    fp32 KV the cloud prefilled (written into its bf16 buffers) and decodes the rest: the tokens
-    equal plain fp32 vLLM's, or part from them only where vLLM's top-2 gap is within bf16's reach
-    (``NEAR_TIE_BF16``); KV written wrong parts at once, at a wide gap. The agreement of the bf16
-    edge with direct over many chats is measured by ``tandem-bench fidelity`` (its edge row)."""
+    fp32 KV the cloud prefilled (``download``: written into its bf16 buffers) or the KV it computed
+    itself beside the cloud's prefill (``auto``, the default: on this GPU the cost model plans at
+    least part of the prompt here) and decodes the rest: the tokens equal plain fp32 vLLM's, or part
+    from them only where vLLM's top-2 gap is within bf16's reach (``NEAR_TIE_BF16``); KV written
+    wrong parts at once, at a wide gap. The agreement of the bf16 edge with direct over many chats
+    is measured by ``tandem-bench fidelity`` (its edge row)."""
+    from tandem.edge.routing.occupancy import PromptKV
+
     p = PROMPTS[idx]
     ids = prompt_ids(tokenizer, p)
-    got = await gpu_stack["bf16_client"].complete(
-        p.get("messages"), prompt=p.get("prompt"), max_new_tokens=MAX_NEW, mode="remote_prefill"
-    )
+    occupancy = gpu_stack["bf16_edge"].node.router.occupancy
+    occupancy.prompt_kv = PromptKV(policy)
+    try:
+        got = await gpu_stack["bf16_client"].complete(
+            p.get("messages"), prompt=p.get("prompt"), max_new_tokens=MAX_NEW, mode="remote_prefill"
+        )
+    finally:
+        occupancy.prompt_kv = PromptKV.AUTO
     assert got.mode == "remote_prefill"
     if len(ids) >= B:
-        assert got.edge_decoded_tokens > 0 and got.received_bytes.get("kv", 0) > 0, "the edge never took over"
+        assert got.edge_decoded_tokens > 0, "the edge never took over"
+        if policy == "download":
+            assert got.received_bytes.get("kv", 0) > 0, "no KV came down"
     plain, plain_gaps = await vllm_plain(gpu_stack["engines"], ids, MAX_NEW)
     what = "remote prefill onto the bf16 decoder vs plain fp32 vLLM"
     assert_same_or_near_tie(list(got.output_token_ids), plain, plain_gaps, what, near=NEAR_TIE_BF16)
