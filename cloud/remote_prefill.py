@@ -4,15 +4,18 @@ down the same call so that the edge can take the decode over.
 
 ``RemotePrefills.run`` reads like the data path: pin the prompt's blocks -> the decode engine
 prefills with the connector loading the session's blocks already stored and saving the others
-(``KVTransferSpec`` with one part, layers ``[0, L)``) -> tokens go down as they come -> after the
+(``KVTransferSpec`` with one part, layers ``[0, L)``; a stateless turn whose edge asks for no
+block, having computed the prompt itself, is a plain request that keeps nothing) -> tokens go
+down as they come -> after the
 first token, the blocks the edge lacks go down in order, each as soon as the engine's write of it
 landed in the store (``Pins.await_prefix``), framed by the one KV-block codec
 (``common.wire.kvcodec.encode_block``, as the edge's uplink frames its head blocks), within a window
 the edge's ``KVDownAck``s move and that shrinks while their delays show the blocks queueing ahead of
 the reply's tokens (``common.wire.flow.DelayBoundWindow``, ``KV_DOWN_QUEUE_TARGET_MS``), then the
 commit (their Merkle root) -> on the edge's ``Takeover`` the engine request is aborted (vLLM frees
-its KV slots), the tokens decoded past the edge's position follow, then a ``Final`` with finish
-reason ``handover``. A
+its KV slots) once the client has the takeover's ``output_tokens`` tokens (an edge that computed
+the prompt itself may take over before the first token: the cloud then stops right after it), the
+tokens decoded past the edge's position follow, then a ``Final`` with finish reason ``handover``. A
 decode that ends first ends the turn as in direct mode, and a downlink that is cut or slow only
 means the edge never takes over.
 
@@ -121,9 +124,6 @@ class _Blocks:
         return KVTransferSpec(loads=(part,), save=part)
 
 
-_TAKEOVER = object()  # the edge's Takeover, queued behind the events before it
-
-
 class RemotePrefills:
     """The remote-prefill turns of one node. ``calls``: the engine calls the gateway's modes make
     too (the decode's token stream, the final message); ``max_resends`` bounds the resends of one
@@ -157,8 +157,10 @@ class RemotePrefills:
                 blocks never sent. What the decode raises (EngineError, DeadlineExceeded).
         """
         blocks = self._blocks(turn)
-        spec = blocks.spec
-        await self.pins.pin(turn, blocks.keys)
+        # a stateless turn that asks for no block keeps no KV here: a plain request, as direct's
+        spec = blocks.spec if blocks.want.indices or turn.session_key else None
+        if spec is not None:
+            await self.pins.pin(turn, blocks.keys)
         q: asyncio.Queue = asyncio.Queue()
         flow = self._flow(turn, blocks.want)
         first_token, window = asyncio.Event(), _Window(flow)
@@ -176,36 +178,41 @@ class RemotePrefills:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._keep(turn, flow)
-            if not turn.session_key:  # a stateless request's KV is reusable by no one
+            if spec is not None and not turn.session_key:  # a stateless request's KV is reusable by no one
                 await self.pins.drop_stateless(spec, blocks.keys)
 
     async def _merge(self, turn: Turn, q: asyncio.Queue, decoding: asyncio.Task, t0: float) -> AsyncIterator[DownEvent]:
-        """The queued events in order; on the edge's takeover, the decode is aborted and the turn ends
-        with the tokens it produced meanwhile and a ``handover`` final."""
-        n_out = 0
+        """The queued events in order; once the edge's takeover came and the client has its
+        ``output_tokens`` tokens (at once where the decode already streamed them), the decode is
+        aborted and the turn ends with the tokens it produced meanwhile and a ``handover`` final."""
+        n_out, stop_at = 0, None
         while True:
             ev = await q.get()
             if isinstance(ev, BaseException):
                 raise ev
-            if ev is _TAKEOVER:
-                decoding.cancel()  # closes the engine's stream: vLLM aborts the request
-                await asyncio.gather(decoding, return_exceptions=True)
-                turn.time(Stage.CLOUD_DECODE, t0)
-                while not q.empty():
-                    rest = q.get_nowait()
-                    if isinstance(rest, TokensOut):
-                        n_out += len(rest.token_ids)
-                        yield rest
-                    elif isinstance(rest, TurnFinal):  # the decode ended before it was aborted
-                        yield rest
-                        return
-                yield self.calls.final(turn, HANDOVER, n_out, turn.external_tokens)
-                return
-            if isinstance(ev, TokensOut):
-                n_out += len(ev.token_ids)
-            yield ev
-            if isinstance(ev, TurnFinal):
-                return
+            if isinstance(ev, Takeover):
+                stop_at = ev.output_tokens
+            else:
+                if isinstance(ev, TokensOut):
+                    n_out += len(ev.token_ids)
+                yield ev
+                if isinstance(ev, TurnFinal):
+                    return
+            if stop_at is None or n_out < stop_at:
+                continue
+            decoding.cancel()  # closes the engine's stream: vLLM aborts the request
+            await asyncio.gather(decoding, return_exceptions=True)
+            turn.time(Stage.CLOUD_DECODE, t0)
+            while not q.empty():
+                rest = q.get_nowait()
+                if isinstance(rest, TokensOut):
+                    n_out += len(rest.token_ids)
+                    yield rest
+                elif isinstance(rest, TurnFinal):  # the decode ended before it was aborted
+                    yield rest
+                    return
+            yield self.calls.final(turn, HANDOVER, n_out, turn.external_tokens)
+            return
 
     def _flow(self, turn: Turn, want: BlockSpec) -> DelayBoundWindow:
         """The turn's downlink window: at most the link's in-flight window and ``WINDOW_BLOCKS``
@@ -234,9 +241,10 @@ class RemotePrefills:
         return turn.caller.tag, turn.header.link_id
 
     async def _tokens(
-        self, turn: Turn, spec: KVTransferSpec, ticket: Ticket, q: asyncio.Queue, first_token: asyncio.Event
+        self, turn: Turn, spec: KVTransferSpec | None, ticket: Ticket, q: asyncio.Queue, first_token: asyncio.Event
     ) -> None:
-        """The decode engine's events into ``q`` (an error too); ``first_token`` once tokens came."""
+        """The decode engine's events into ``q`` (an error too); ``first_token`` once tokens came.
+        ``spec`` None: a plain engine request (no block loaded or saved)."""
         h = turn.header
         try:
             async for ev in self.calls.decode(turn, list(h.prompt_token_ids), spec, h.sampling, 0, ticket):
@@ -258,8 +266,9 @@ class RemotePrefills:
         (the time the downlink waited on the store, not on the window). A block missing from the
         store ends the downlink (the decode goes on: the edge never takes over)."""
         await first_token.wait()
-        await self.pins.release(b.keys[: b.first], turn.engine_id)  # loaded by now; the edge holds them
-        turn.pinned.difference_update(b.keys[: b.first])
+        held = [k for k in b.keys[: b.first] if k in turn.pinned]
+        await self.pins.release(held, turn.engine_id)  # loaded by now; the edge holds them
+        turn.pinned.difference_update(held)
         t0 = time.perf_counter()
         end = self.pins.save_deadline(turn.deadline)
         waited_s, leaves, todo = 0.0, [], list(b.want.indices)
@@ -308,7 +317,7 @@ class RemotePrefills:
         try:
             async for item in uplink:
                 if isinstance(item, Takeover):
-                    q.put_nowait(_TAKEOVER)
+                    q.put_nowait(item)
                     return
                 if not isinstance(item, KVDownAck):
                     raise InvalidRequest(f"remote prefill takes KV acks and a takeover, not {type(item).__name__}")

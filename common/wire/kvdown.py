@@ -90,7 +90,9 @@ class KVDownAck:
 
 @dataclass(frozen=True, kw_only=True)
 class Takeover:
-    """The edge decodes on from output token ``output_tokens`` (the tokens it has received)."""
+    """The edge decodes on from output token ``output_tokens``: the tokens it has received, or
+    (sent before any came, where it computed the prompt itself) those it waits for; the cloud stops
+    once it has streamed that many."""
 
     output_tokens: int
 

@@ -69,6 +69,8 @@ class RemotePrefillTurn:
         self.adopting: asyncio.Task[None] | None = None  # adopt the KV, then compute what follows it
         self.adopted = asyncio.Event()  # the session holds the KV that came down
         self.prefilling: asyncio.Task[None] | None = None  # the edge's own run over the prompt's first tokens
+        self.prompt_held = False  # the session holds the whole prompt's KV with no block to come
+        self.took_over = False
         self.call: TurnCall | None = None
         self.edge_tokens = 0
         s = turn.sampling
@@ -144,12 +146,24 @@ class RemotePrefillTurn:
         ids, want = self.turn.ids, down.want
         upto = want.first * want.block_tokens if want.indices else len(ids)
         if LocalSession(self.held_ids).common_prefix(ids[:upto]) < upto:
-            self.prefilling = asyncio.create_task(self._prefill(ids[:upto]))
+            self.prefilling = asyncio.create_task(self._prefill(ids[:upto], whole=not want.indices))
+        else:
+            self.prompt_held = not want.indices
 
-    async def _prefill(self, ids: list[int]) -> None:
+    async def _prefill(self, ids: list[int], whole: bool) -> None:
         t0 = time.perf_counter()
         await self.local.extend(self.sess, ids)
         self.turn.clock.since(Stage.EDGE_PREFILL, t0)
+        self.prompt_held = whole
+        self._take_over_early()
+
+    def _take_over_early(self) -> None:
+        """Where no block comes down and the session holds the whole prompt before the cloud's first
+        token reached the client: the takeover goes up at once, for that first token, so that the
+        cloud stops right after streaming it (no decode step of its own past it, no round trip
+        waited for); the edge computes the token's KV with the next one's (``_decode_here``)."""
+        if self.call is not None and self.prompt_held and not self.turn.text.token_ids:
+            self._take_over(self.call, at_least=1)
 
     async def _cloud(self, p: LinkParams, down: KVDownload) -> AsyncIterator[TextOut]:
         """The Generate call: tokens to the client, KV blocks checked and acked, the takeover sent
@@ -160,6 +174,7 @@ class RemotePrefillTurn:
         call = self.call = turn.cloud.link.open(turn.timeout_s)
         turn.clock.cloud_called = True
         self.sent += SentBytes(header_bytes=call.send(header))
+        self._take_over_early()
         async with contextlib.aclosing(call.events()) as events:  # type: ignore[type-var]
             async for ev in events:
                 if isinstance(ev, TokensOut):
@@ -249,10 +264,13 @@ class RemotePrefillTurn:
         if not first:
             self._take_over(call)
 
-    def _take_over(self, call: TurnCall) -> None:
-        """Send the takeover at the tokens the client has, where the cloud has not ended the turn."""
-        if self.final is None and not self.finish:
-            self.sent += SentBytes(header_bytes=call.send(Takeover(output_tokens=len(self.turn.text.token_ids))))
+    def _take_over(self, call: TurnCall, at_least: int = 0) -> None:
+        """Send the takeover at the tokens the client has (at least ``at_least``), once, where the
+        cloud has not ended the turn."""
+        if self.final is None and not self.finish and not self.took_over:
+            self.took_over = True
+            n = max(at_least, len(self.turn.text.token_ids))
+            self.sent += SentBytes(header_bytes=call.send(Takeover(output_tokens=n)))
             self.turn.clock.since(Stage.TAKEOVER)
 
     def _rtt_ms(self) -> float:

@@ -3,17 +3,17 @@
 (``edge.routing.costmodel``), and the auto choice that holds the cloud least within the objectives.
 
 For a prompt of ``T`` tokens and ``N`` expected output tokens (the recent outputs' mean, at most
-the request's ``max_new_tokens``), with the TTFT prediction ``F`` of the route, the cloud's decode
-time per token ``d_c`` and the edge's ``d_e`` (both measured; until the cloud has measured ``d_c``,
-the edge's ``d_e``, the same model's, as the TTFT model takes the edge's prefill rate for the
-cloud's before it is measured), all in ms:
+the request's ``max_new_tokens``), with the TTFT prediction ``F`` of the route, the cloud's time
+per output token ``d_c`` and the edge's ``d_e``, all in ms:
 
     local           e2e = F + (N - 1) d_e                    cloud = 0
     direct          e2e = F + (N - 1) d_c                    cloud = P_c + (N - 1) d_c
     split           e2e = F + (N - 1) d_c                    cloud = P_c + T x_c + (N - 1) d_c
     remote prefill  handover h = max(P_local(n_edge) - F, w + n_down * b / G_down)
                                  + P_local(r + m) + RTT
-                    (no P_local(r + m) where it fits in the RTT: ``takeover_first``)
+                    (no P_local(r + m) where it fits in the RTT: ``takeover_first``;
+                    h = max(0, P_local(n_edge) + RTT - F) where no block comes down and the
+                    edge's run ends first: its takeover goes up before the first token)
                     m = min(N, 1 + h / d_c) tokens come from the cloud
                     e2e = F + h + (N - m) d_e                cloud = P_c + h
                     (m = N: the cloud decodes all, as direct)
@@ -33,6 +33,15 @@ earliest (the split of Cake, "Compute Or Load KV Cache? Why Not Both?", Jin et a
 computing a cached prefix and loading it): a GPU edge that prefills the prompt before the cloud's
 first token is back needs no block, an edge that prefills slower than the link carries KV takes
 most of them, and a policy (``PromptKV``, ``EdgeConfig.remote_prefill_prompt_kv``) may force either.
+
+``d_e`` and ``d_c`` are what the clients of served turns saw between their first and last
+tokens, per token (local turns for the edge; direct and split turns for the cloud): the quantity
+the end-to-end time is made of. The local engine's own decode-step rate stood at 4.4 ms a token
+on an H200 while its local turns' clients saw 1.4-1.6 (the SmolLM2 matrix; the gap's cause not
+traced), and put whole replies on the cloud that the edge finished 1.7-1.8x sooner. Before a turn
+of the kind was served: the local engine's decode-step rate, and the cloud's reported decode time
+per token (until the cloud has measured one, ``d_e``: the same model's, as the TTFT model takes
+the edge's prefill rate for the cloud's before it is measured).
 
 ``b`` is a whole-model block's bytes in the link's KV format, ``G_down`` the downlink goodput
 measured on earlier downloads (before one: the uplink's), ``w`` the measured wait for the engine's
@@ -160,6 +169,8 @@ class OccupancyModel:
     kv_save_wait_ms: Ewma = field(default_factory=Ewma)
     split_handoff_ms_per_token: Ewma = field(default_factory=Ewma)  # ``x_c``
     prompt_kv: PromptKV = PromptKV.AUTO  # where remote prefill's prompt KV comes from (``kv_plan``)
+    local_itl_ms: Ewma = field(default_factory=Ewma)  # ``d_e`` as local turns' clients saw it
+    cloud_itl_ms: Ewma = field(default_factory=Ewma)  # ``d_c`` as direct and split turns' clients saw it
 
     def expected_output(self, max_new_tokens: int) -> float:
         n = self.output_tokens.value
@@ -170,8 +181,7 @@ class OccupancyModel:
     ) -> Occupancy:
         """``p``'s route's end-to-end time and cloud time (see the module doc)."""
         N = self.expected_output(max_new_tokens)
-        d_e = cost.edge.local_decode_ms_per_token.value
-        d_c = cloud_decode_ms_per_token(link, cost)
+        d_e, d_c = self.edge_ms_per_token(cost), self.cloud_ms_per_token(link, cost)
         mode = p.route.mode
         if mode is Mode.LOCAL:
             return Occupancy(p.ttft_ms + (N - 1) * d_e, 0.0, 0.0, d_e)
@@ -186,6 +196,21 @@ class OccupancyModel:
         if m >= N:
             return cloud_all
         return Occupancy(p.ttft_ms + h + (N - m) * d_e, cloud_first + h, m, d_e)
+
+    def edge_ms_per_token(self, cost: CostModel) -> float:
+        """``d_e``: the time per output token local turns' clients measured (``local_itl_ms``), or
+        before one did, the local engine's decode step (ms)."""
+        if self.local_itl_ms.samples:
+            return self.local_itl_ms.value
+        return cost.edge.local_decode_ms_per_token.value
+
+    def cloud_ms_per_token(self, link: LinkState, cost: CostModel) -> float:
+        """``d_c``: the time per output token direct and split turns' clients measured
+        (``cloud_itl_ms``), or before one did, the cloud's reported decode time per token
+        (``cloud_decode_ms_per_token``) (ms)."""
+        if self.cloud_itl_ms.samples:
+            return self.cloud_itl_ms.value
+        return cloud_decode_ms_per_token(link, cost)
 
     def kv_plan(self, shape: RequestShape, link: LinkState, cost: CostModel, first_token_ms: float) -> PromptKVPlan:
         """The remote-prefill plan of a turn whose first token is predicted at ``first_token_ms``
@@ -209,8 +234,13 @@ class OccupancyModel:
         """From the first token to the cloud's handover: the edge holding the prompt's KV as planned
         (``kv_plan``: its own run, the blocks on the downlink after the KV writes), the edge's run
         over what neither covers and the tokens meanwhile (unless it fits in the takeover's round
-        trip: ``takeover_first``), a round trip."""
+        trip: ``takeover_first``), a round trip. Where no block comes down and the edge's own run
+        ends before the first token, the takeover goes up then, for that token: the cloud stops at
+        the later of its first token and the takeover's arrival, ``max(0, P_local + RTT - F)``."""
         plan = self.kv_plan(shape, link, cost, first_token_ms)
+        own_ms = cost.local_run_ms(plan.edge_tokens)
+        if not plan.down_blocks and own_ms < first_token_ms:  # the takeover goes up before the first token
+            return max(0.0, own_ms + link.rtt_ms - first_token_ms)
         B, T = max(1, link.block_size_tokens), shape.prompt_tokens
         left = T - (plan.first_down_block + plan.down_blocks) * B if plan.down_blocks else 0
         m0 = plan.ready_ms / d_c if d_c > 0 else 0.0
@@ -230,6 +260,11 @@ class OccupancyModel:
         cloud time (``timings``: its stages, ms)."""
         if output_tokens > 0:
             self.output_tokens.add(output_tokens)
+        decoding_ms = timings.get(Stage.TOTAL, 0.0) - timings.get(Stage.TTFT, 0.0)
+        if output_tokens >= 2 and Stage.TTFT in timings and decoding_ms > 0:
+            itl = {Mode.LOCAL: self.local_itl_ms, Mode.DIRECT: self.cloud_itl_ms, Mode.SPLIT: self.cloud_itl_ms}
+            if mode in itl:
+                itl[mode].add(decoding_ms / (output_tokens - 1))
         if mode is Mode.SPLIT and prompt_tokens > 0 and Stage.CLOUD_DECODE_FIRST_TOKEN in timings:
             self.split_handoff_ms_per_token.add(timings[Stage.CLOUD_DECODE_FIRST_TOKEN] / prompt_tokens)
         if Stage.CLOUD_KV_SAVE_WAIT in timings:

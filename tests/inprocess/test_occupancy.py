@@ -328,19 +328,41 @@ def test_the_plan_starts_at_what_the_session_holds():
     assert (short.down_blocks, short.compute_to_tokens) == (0, 20)
 
 
-def test_a_gpu_edge_hands_over_one_round_trip_after_the_first_token():
-    """With the prompt computed here before the first token, the handover is the takeover's round
-    trip (the catch-up run fits in it): the cloud decodes about RTT / d_c tokens, however long the
-    prompt, where downloading its 32 blocks would hold it ~8x longer."""
+def test_a_gpu_edge_that_holds_the_prompt_first_takes_over_for_the_first_token():
+    """The prompt computed here (20 ms for 1024 tokens) before the first token: the takeover goes up
+    then, for that token, and the cloud stops right after it (no handover time past it, one token
+    from the cloud) however long the prompt, where downloading its 32 blocks takes longer than the
+    reply; a first token sooner than the edge's run plus a round trip leaves the difference."""
     m = CostModel(hysteresis=0.0, explore_every=0)
     m.edge.local_prefill_ms_per_token.add(0.02)
     m.edge.local_decode_ms_per_token.add(1.3)
     lk, shape = link(rtt_ms=6.0, cloud_decode_ms_per_token=1.5, goodput_mbps=500.0), RequestShape(1024)
     rp = m.predict(RP, shape, lk)
+    assert rp.ttft_ms > 20.48 + 6.0
     auto, down = OccupancyModel(), OccupancyModel(prompt_kv=PromptKV.DOWNLOAD)
     assert auto.kv_plan(shape, lk, m, rp.ttft_ms).down_blocks == 0
-    h = auto.handover_ms(shape, lk, m, 1.5, rp.ttft_ms)
-    assert h == pytest.approx(6.0)
+    assert auto.handover_ms(shape, lk, m, 1.5, rp.ttft_ms) == 0.0
+    assert auto.handover_ms(shape, lk, m, 1.5, 22.48) == pytest.approx(20.48 + 6.0 - 22.48)
     o_auto, o_down = auto.predict(rp, shape, lk, m, 128), down.predict(rp, shape, lk, m, 128)
-    assert o_auto.cloud_tokens == pytest.approx(1 + 6.0 / 1.5)
-    assert o_down.cloud_ms > 8 * (o_auto.cloud_ms - m.cloud_stages_ms(rp.stages))
+    assert o_auto.cloud_tokens == pytest.approx(1.0)
+    assert o_auto.cloud_ms == pytest.approx(m.cloud_stages_ms(rp.stages))
+    # 24 MB down at 500 Mbit/s (377 ms) outlasts the cloud's 128 tokens: it decodes them all
+    assert o_down.cloud_tokens == 128 and o_down.cloud_ms == pytest.approx(o_auto.cloud_ms + 127 * 1.5)
+
+
+def test_whole_replies_are_predicted_at_the_time_per_token_the_clients_saw():
+    """The local engine's decode-step rate says 4.4 ms a token and the cloud reports 2.4, but local
+    turns' clients saw 1.5 ms a token and direct turns' 2.6: once both kinds were served, a 128-token
+    whole reply is predicted at what the clients saw and goes to the edge."""
+    m, lk, occ = model(local_decode_ms=4.4), link(cloud_decode_ms_per_token=2.4, rtt_ms=6.0), OccupancyModel()
+    shape = RequestShape(64)
+    preds = [m.predict(r, shape, lk) for r in (LOCAL, DIRECT)]
+    assert occ.edge_ms_per_token(m) == 4.4 and occ.cloud_ms_per_token(lk, m) == 2.4  # nothing served yet
+    for mode, per_token in ((Mode.LOCAL, 1.5), (Mode.DIRECT, 2.6), (Mode.SPLIT, 2.6)):
+        timings = {Stage.TTFT: 20.0, Stage.TOTAL: 20.0 + 127 * per_token}
+        occ.observe(mode, Occupancy(1.0, 1.0, 1, 1.0), timings, 128, 0)
+    occ.observe(Mode.LOCAL, Occupancy(1.0, 1.0, 1, 1.0), {Stage.TTFT: 5.0, Stage.TOTAL: 9.0}, 1, 0)  # one token: no ITL
+    assert occ.edge_ms_per_token(m) == pytest.approx(1.5) and occ.cloud_ms_per_token(lk, m) == pytest.approx(2.6)
+    o = {p.route: occ.predict(p, shape, lk, m, 128) for p in preds}
+    assert o[LOCAL].decode_ms_per_token == pytest.approx(1.5) and o[DIRECT].decode_ms_per_token == pytest.approx(2.6)
+    assert quickest(preds, o, 128)[0].route == LOCAL

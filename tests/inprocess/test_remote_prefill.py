@@ -439,3 +439,58 @@ async def test_the_next_turn_over_a_link_starts_its_kv_window_where_the_last_end
         assert again == got and resumed == [1]
     finally:
         await toy.batcher.stop()
+
+
+@pytest.mark.parametrize("session", ["", "chat-1"], ids=["stateless", "session"])
+async def test_a_turn_that_asks_for_no_block_saves_no_kv_unless_a_session_keeps_it(session):
+    """The edge computes the prompt itself (``compute``): a stateless turn is a plain engine request
+    that writes nothing to the store (nothing would read it); a session's turn still stores its
+    prompt's blocks, which its next turns' prefills load."""
+    toy = await rp_stack(prompt_kv="compute")
+    put, written = toy.store.put, []
+
+    def counted(key, value):
+        written.append(key)
+        return put(key, value)
+
+    toy.store.put = counted
+    try:
+        direct, _ = await stream(toy.edge, rp_turn(RP_LONG, Mode.DIRECT))
+        written.clear()
+        got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL, session=session))
+        assert got == direct and done.edge_decoded_tokens > 0 and done.received_kv_bytes == 0
+        T = len(toy.edge.tokenize(rp_turn(RP_LONG, Mode.DIRECT)))
+        await asyncio.sleep(0.05)  # the connector's last writes
+        assert len(written) == (T // B if session else 0), written
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_an_edge_holding_the_prompt_before_the_first_token_takes_over_for_it():
+    """The edge computes the prompt (``compute``) before the cloud's first token (50 ms a step): the
+    takeover goes up before any token, for the first one; the cloud streams that token alone and
+    hands over, and the edge decodes the other 11, the reply equal to direct's."""
+    from tandem.common.wire.messages import TokensOut
+
+    toy = await rp_stack(step_delay_s=0.05, prompt_kv="compute")
+    try:
+        direct, _ = await stream(toy.edge, rp_turn(RP_LONG, Mode.DIRECT, n=12))
+        order: list = []
+
+        def up(item):
+            if isinstance(item, Takeover):
+                order.append(("takeover", item.output_tokens))
+            return item
+
+        def down(ev, n):
+            if isinstance(ev, TokensOut):
+                order.append(("tokens", len(ev.token_ids)))
+            return ev
+
+        toy.edge.conn.link = DownTamperLink(toy.edge.conn.link, up=up, down=down)
+        got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL, n=12))
+        assert got == direct and done.received_kv_bytes == 0
+        assert order == [("takeover", 1), ("tokens", 1)], order
+        assert done.edge_decoded_tokens == 11 and done.finish_reason == "length"
+    finally:
+        await toy.batcher.stop()
