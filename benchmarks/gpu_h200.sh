@@ -42,7 +42,8 @@
 #                shape capacity-rp-1b prepares; MATRIX_LINKS=wifi6 (or 4g) runs one link per call
 #   matrix-smollm2  the same matrix on SmolLM2-135M (prepared from the carried GGUF, nothing to
 #                export first), the engines in bf16 (`dtype auto` on a GPU), both links in one call;
-#                MATRIX_LINKS and MATRIX_OUTPUT_LENS (default 16,128,512) narrow it
+#                MATRIX_LINKS, MATRIX_PROMPT_LENS (default 64,256,1024) and MATRIX_OUTPUT_LENS (default
+#                16,128,512) narrow it
 #   edge-decode  tandem-bench edge: the edge's runtimes at batch 1 (tandem's DecoderGraph on the builder's
 #                fp16 graph with and without a CUDA graph, ONNX Runtime GenAI's Generator on the same graph,
 #                the torch.onnx edge-full.onnx on SmolLM2) and the weights-read floor, on SmolLM2-135M and
@@ -250,8 +251,8 @@ step_matrix_smollm2() {
   smollm2
   log "tandem-bench modes SmolLM2 output-length matrix"
   (cd "$W" && tandem-bench modes --model-dir "$SMOL" --split-layers 4 --links "${MATRIX_LINKS:-wifi6,4g}" \
-    --prompt-lens 64,256,1024 --output-lens "${MATRIX_OUTPUT_LENS:-16,128,512}" --requests 1 --shaper proxy \
-    --out "$OUT/matrix-smollm2") > "$OUT/matrix-smollm2.log" 2>&1
+    --prompt-lens "${MATRIX_PROMPT_LENS:-64,256,1024}" --output-lens "${MATRIX_OUTPUT_LENS:-16,128,512}" --requests 1 \
+    --shaper proxy --out "$OUT/matrix-smollm2") > "$OUT/matrix-smollm2.log" 2>&1
   keep_logs matrix-smollm2
   tail -40 "$OUT/matrix-smollm2.log"
 }
