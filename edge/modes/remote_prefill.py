@@ -260,14 +260,17 @@ class RemotePrefillTurn:
         return float(self.turn.cloud.rtt_ms.value or 0.0)
 
     async def _settle(self) -> None:
-        """The cloud ended the turn: the session keeps the KV that came (its next turn reuses it); the
-        local run past it is not waited for (it finishes alone, its result dropped)."""
+        """The cloud ended the turn: the session keeps the KV that came (its next turn reuses it)
+        where the edge's own run over the prompt's first tokens is done; neither that run nor the
+        local run past the KV is waited for (each finishes alone, its result dropped; the blocks
+        that came down are not adopted behind a run still going)."""
         if self.adopting is None:
             return
         if not self.adopting.done():
-            adopted = asyncio.ensure_future(self.adopted.wait())
-            await asyncio.wait({adopted, self.adopting}, return_when=asyncio.FIRST_COMPLETED)
-            adopted.cancel()
+            if self.prefilling is None or self.prefilling.done():
+                adopted = asyncio.ensure_future(self.adopted.wait())
+                await asyncio.wait({adopted, self.adopting}, return_when=asyncio.FIRST_COMPLETED)
+                adopted.cancel()
             self.adopting.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self.adopting

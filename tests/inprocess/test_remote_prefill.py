@@ -6,6 +6,7 @@ every K and V of the context, so equal tokens mean the KV that came down is the 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 
 import pytest
@@ -305,6 +306,21 @@ async def test_kv_that_came_down_stays_for_the_next_turn_when_the_cloud_finishes
         assert first.edge_decoded_tokens == 0 and first.received_kv_bytes > 0
         again_ids, again = await stream(toy.edge, rp_chat(RP_LONG, session="k", n=10))
         assert again.received_kv_bytes == 0 and again_ids == first_ids
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_a_cloud_that_finishes_first_does_not_wait_for_the_edges_own_prompt_run():
+    """The edge computes the prompt itself (``compute``) at 1 s a run; the cloud's 8 tokens end the
+    turn long before: the turn ends with them, not after the edge's run (which finishes alone)."""
+    toy = await rp_stack(step_delay_s=0.001, local_step_s=1.0, prompt_kv="compute")
+    try:
+        direct, _ = await stream(toy.edge, rp_turn(RP_LONG, Mode.DIRECT, n=8))
+        t0 = time.perf_counter()
+        got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL, n=8))
+        elapsed = time.perf_counter() - t0
+        assert got == direct and done.edge_decoded_tokens == 0 and done.finish_reason == "length"
+        assert elapsed < 0.6, elapsed
     finally:
         await toy.batcher.stop()
 
