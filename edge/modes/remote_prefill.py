@@ -100,8 +100,10 @@ class RemotePrefillTurn:
             for task in (self.adopting, self.prefilling):
                 if task is not None and not task.done():  # a turn cancelled, or ended by the cloud, meanwhile
                     task.cancel()
-            if self.prefilling is not None:  # its run, once started, finishes alone: the session keeps it
-                await asyncio.gather(self.prefilling, return_exceptions=True)
+            # each ends at once (a run, once started, finishes alone: the session keeps it); what
+            # either raised is retrieved here where the turn ended before it heard it
+            started = [task for task in (self.adopting, self.prefilling) if task is not None]
+            await asyncio.gather(*started, return_exceptions=True)
             down.release()
             if self.turn.session_id:  # the KV that came down counts against the local sessions' bound
                 self.local.sessions.evict()

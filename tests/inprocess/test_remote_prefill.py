@@ -325,6 +325,40 @@ async def test_a_cloud_that_finishes_first_does_not_wait_for_the_edges_own_promp
         await toy.batcher.stop()
 
 
+async def test_a_client_that_leaves_after_the_edges_run_failed_leaves_no_error_unheard():
+    """The edge's own run over the prompt fails (here: refused) and the client stops reading a few
+    tokens later: the turn's tasks end with it and none holds an exception nobody retrieved."""
+    import contextlib
+    import gc
+
+    from tandem.common.protocol.errors import EngineError
+
+    toy = await rp_stack(prompt_kv="compute")
+    loop, unheard = asyncio.get_running_loop(), []
+    loop.set_exception_handler(lambda _loop, ctx: unheard.append(ctx.get("message")))
+    local, extend = toy.edge.local, toy.edge.local.extend
+
+    async def refused(sess, ids):
+        local.extend = extend
+        raise EngineError("refused")
+
+    local.extend = refused
+    try:
+        async with contextlib.aclosing(toy.edge.chat(rp_turn(RP_LONG, Mode.REMOTE_PREFILL))) as events:
+            n = 0
+            async for ev in events:
+                n += len(getattr(ev, "token_ids", ()))
+                if n >= 4:
+                    break
+        await asyncio.sleep(0.05)
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not unheard, unheard
+    finally:
+        loop.set_exception_handler(None)
+        await toy.batcher.stop()
+
+
 def test_the_apis_name_the_mode_and_chatdone_reports_what_came_down():
     from tandem.client import build_request
     from tandem.edge.api.request_models import ChatRequest
