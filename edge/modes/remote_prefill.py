@@ -1,11 +1,14 @@
 """Remote prefill on the edge: the cloud prefills the prompt and streams the first tokens, the
 prompt's KV comes down the same call, and the edge decodes the rest with its whole model.
 
-``RemotePrefillTurn.run`` reads like the data path: the header (token ids, and how many prompt
-tokens' KV the local session already holds) -> tokens from the cloud go to the client as they
-come, while the KV blocks the edge lacks come down and are checked (``edge.link.downlink``) -> once
-they all verified, the session takes them (``LocalEngine.adopt``) and computes the partial last
-block and the tokens received so far (``LocalEngine.extend``, the catch-up run), the cloud still
+``RemotePrefillTurn.run`` reads like the data path: the header (token ids, and the boundary
+``held_tokens``: the prompt tokens before the first block that comes down, ``Decision.kv_plan``)
+-> the edge runs the tokens before that boundary that its session lacks itself (the whole prompt
+where no block comes down: ``LocalEngine.extend``, beside the cloud's prefill) -> tokens from the
+cloud go to the client as they come, while the blocks from the boundary on come down and are
+checked (``edge.link.downlink``) -> once they all verified and the edge's own run is done, the
+session takes them (``LocalEngine.adopt``) and computes what neither covers (the partial last
+block) and the tokens received so far (``LocalEngine.extend``, the catch-up run), the cloud still
 streaming -> the edge sends ``Takeover``; the cloud aborts its request and ends with the tokens
 decoded past that point and a ``handover`` final -> the edge decodes on locally from every token it
 has (``LocalEngine.generate`` reuses the session's KV: one short run, then a step per token). The
@@ -16,8 +19,10 @@ it, as soon as the session holds the KV: the cloud's engines are then not held f
 the run is done by the time the cloud's final comes back (``takeover_first``).
 
 A cloud that ends the turn first (the downlink was slow or cut, the output short) ends it as in
-direct mode; the KV, if it all came, stays in the session for the next turn. A cloud that fails
-after tokens reached the client does not end the turn: the edge decodes on from what it has.
+direct mode, without waiting for the edge's own run (which finishes alone, its KV kept by the
+session); the KV that came down, if it all came once that run was done, stays in the session for
+the next turn. A cloud that fails after tokens reached the client does not end the turn: the edge
+decodes on from what it has.
 
 A seeded sampled turn hands over at a fixed point, so that its seed gives the same reply whatever
 the link's timing: the client gets the cloud's first ``SEEDED_HANDOVER_TOKENS`` tokens (vLLM's
