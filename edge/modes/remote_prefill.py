@@ -267,14 +267,15 @@ class RemotePrefillTurn:
         return float(self.turn.cloud.rtt_ms.value or 0.0)
 
     async def _settle(self) -> None:
-        """The cloud ended the turn: the session keeps the KV that came (its next turn reuses it)
+        """The cloud ended the turn: a session's next turn reuses the KV that came, which it keeps
         where the edge's own run over the prompt's first tokens is done; neither that run nor the
         local run past the KV is waited for (each finishes alone, its result dropped; the blocks
-        that came down are not adopted behind a run still going)."""
+        that came down are not adopted behind a run still going, nor into a stateless turn's
+        session, which goes at the turn's end)."""
         if self.adopting is None:
             return
         if not self.adopting.done():
-            if self.prefilling is None or self.prefilling.done():
+            if self.turn.session_id and (self.prefilling is None or self.prefilling.done()):
                 adopted = asyncio.ensure_future(self.adopted.wait())
                 await asyncio.wait({adopted, self.adopting}, return_when=asyncio.FIRST_COMPLETED)
                 adopted.cancel()

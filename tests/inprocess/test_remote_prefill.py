@@ -325,6 +325,29 @@ async def test_a_cloud_that_finishes_first_does_not_wait_for_the_edges_own_promp
         await toy.batcher.stop()
 
 
+async def test_a_stateless_turn_that_the_cloud_finishes_does_not_wait_to_adopt_kv_it_drops():
+    """A stateless turn's session goes at its end: where the cloud's 8 tokens end the turn while the
+    edge still writes the KV that came down into it (1 s here), the turn ends without waiting."""
+    toy = await rp_stack(step_delay_s=0.02)
+    model = toy.edge.local.model
+    write_kv = model.write_kv
+
+    def slow_write(*a, **kw):
+        time.sleep(1.0)
+        return write_kv(*a, **kw)
+
+    model.write_kv = slow_write
+    try:
+        direct, _ = await stream(toy.edge, rp_turn(RP_LONG, Mode.DIRECT, n=8))
+        t0 = time.perf_counter()
+        got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL, n=8))
+        elapsed = time.perf_counter() - t0
+        assert got == direct and done.edge_decoded_tokens == 0 and done.received_kv_bytes > 0
+        assert elapsed < 0.8, elapsed
+    finally:
+        await toy.batcher.stop()
+
+
 async def test_a_client_that_leaves_after_the_edges_run_failed_leaves_no_error_unheard():
     """The edge's own run over the prompt fails (here: refused) and the client stops reading a few
     tokens later: the turn's tasks end with it and none holds an exception nobody retrieved."""
