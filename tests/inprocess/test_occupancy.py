@@ -238,6 +238,23 @@ def test_a_turn_that_brought_no_block_down_does_not_calibrate_the_wait_for_the_k
     assert occ.kv_save_wait_ms.value > 10.0
 
 
+async def test_remote_prefills_plan_counts_blocks_of_the_links_size_on_an_edge_without_heads():
+    """An edge that holds no split head (a direct manifest beside its whole model) still plans
+    remote prefill's prompt KV in the blocks the link moves (the direct params' block size), so the
+    boundary the router plans is the one the turn asks the cloud for."""
+    from tests.remote_doubles import rp_stack
+
+    toy = await rp_stack()
+    try:
+        router, conn = toy.edge.router, toy.edge.conn
+        params = conn.negotiated.params_by_split
+        params[0] = replace(params[0], kv_block_size_tokens=16)
+        router.head_layers = frozenset()
+        assert router.link_state().block_size_tokens == 16
+    finally:
+        await toy.batcher.stop()
+
+
 def test_a_split_counts_its_hand_off_into_the_decode_engine_as_cloud_time():
     """The decode engine loads every layer's KV of a split turn before its first step: measured per
     prompt token on split turns, added to the split's cloud time; with it a split at 1024 tokens holds
@@ -357,20 +374,3 @@ def test_a_gpu_edge_hands_over_one_round_trip_after_the_first_token():
     o_auto, o_down = auto.predict(rp, shape, lk, m, 128), down.predict(rp, shape, lk, m, 128)
     assert o_auto.cloud_tokens == pytest.approx(1 + 6.0 / 1.5)
     assert o_down.cloud_ms > 8 * (o_auto.cloud_ms - m.cloud_stages_ms(rp.stages))
-
-
-async def test_remote_prefills_plan_counts_blocks_of_the_links_size_on_an_edge_without_heads():
-    """An edge that holds no split head (a direct manifest beside its whole model) still plans
-    remote prefill's prompt KV in the blocks the link moves (the direct params' block size), so the
-    boundary the router plans is the one the turn asks the cloud for."""
-    from tests.remote_doubles import rp_stack
-
-    toy = await rp_stack()
-    try:
-        router, conn = toy.edge.router, toy.edge.conn
-        params = conn.negotiated.params_by_split
-        params[0] = replace(params[0], kv_block_size_tokens=16)
-        router.head_layers = frozenset()
-        assert router.link_state().block_size_tokens == 16
-    finally:
-        await toy.batcher.stop()
