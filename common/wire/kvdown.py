@@ -58,8 +58,8 @@ def down_spec(
 
 @dataclass(frozen=True, kw_only=True)
 class RemotePrefill:
-    """A header's remote-prefill request: the edge holds the whole-model KV of the first
-    ``held_tokens`` prompt tokens, so blocks ``[held_tokens // B, T // B)`` come down."""
+    """A header's remote-prefill request: the edge holds, or computes itself, the whole-model KV
+    of the first ``held_tokens`` prompt tokens, so blocks ``[held_tokens // B, T // B)`` come down."""
 
     held_tokens: int = 0
 

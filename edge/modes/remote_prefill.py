@@ -1,11 +1,14 @@
 """Remote prefill on the edge: the cloud prefills the prompt and streams the first tokens, the
 prompt's KV comes down the same call, and the edge decodes the rest with its whole model.
 
-``RemotePrefillTurn.run`` reads like the data path: the header (token ids, and how many prompt
-tokens' KV the local session already holds) -> tokens from the cloud go to the client as they
-come, while the KV blocks the edge lacks come down and are checked (``edge.link.downlink``) -> once
-they all verified, the session takes them (``LocalEngine.adopt``) and computes the partial last
-block and the tokens received so far (``LocalEngine.extend``, the catch-up run), the cloud still
+``RemotePrefillTurn.run`` reads like the data path: the header (token ids, and the boundary
+``held_tokens``: the prompt tokens before the first block that comes down, ``Decision.kv_plan``)
+-> the edge runs the tokens before that boundary that its session lacks itself (the whole prompt
+where no block comes down: ``LocalEngine.extend``, beside the cloud's prefill) -> tokens from the
+cloud go to the client as they come, while the blocks from the boundary on come down and are
+checked (``edge.link.downlink``) -> once they all verified and the edge's own run is done, the
+session takes them (``LocalEngine.adopt``) and computes what neither covers (the partial last
+block) and the tokens received so far (``LocalEngine.extend``, the catch-up run), the cloud still
 streaming -> the edge sends ``Takeover``; the cloud aborts its request and ends with the tokens
 decoded past that point and a ``handover`` final -> the edge decodes on locally from every token it
 has (``LocalEngine.generate`` reuses the session's KV: one short run, then a step per token). The
@@ -16,8 +19,10 @@ it, as soon as the session holds the KV: the cloud's engines are then not held f
 the run is done by the time the cloud's final comes back (``takeover_first``).
 
 A cloud that ends the turn first (the downlink was slow or cut, the output short) ends it as in
-direct mode; the KV, if it all came, stays in the session for the next turn. A cloud that fails
-after tokens reached the client does not end the turn: the edge decodes on from what it has.
+direct mode, without waiting for the edge's own run (which finishes alone, its KV kept by the
+session); the KV that came down, if it all came once that run was done, stays in the session for
+the next turn. A cloud that fails after tokens reached the client does not end the turn: the edge
+decodes on from what it has.
 
 A seeded sampled turn hands over at a fixed point, so that its seed gives the same reply whatever
 the link's timing: the client gets the cloud's first ``SEEDED_HANDOVER_TOKENS`` tokens (vLLM's
@@ -102,8 +107,10 @@ class RemotePrefillTurn:
             for task in (self.adopting, self.prefilling):
                 if task is not None and not task.done():  # a turn cancelled, or ended by the cloud, meanwhile
                     task.cancel()
-            if self.prefilling is not None:  # its run, once started, finishes alone: the session keeps it
-                await asyncio.gather(self.prefilling, return_exceptions=True)
+            # each ends at once (a run, once started, finishes alone: the session keeps it); what
+            # either raised is retrieved here where the turn ended before it heard it
+            started = [task for task in (self.adopting, self.prefilling) if task is not None]
+            await asyncio.gather(*started, return_exceptions=True)
             down.release()
             if self.turn.session_id:  # the KV that came down counts against the local sessions' bound
                 self.local.sessions.evict()
@@ -278,14 +285,18 @@ class RemotePrefillTurn:
         return float(self.turn.cloud.rtt_ms.value or 0.0)
 
     async def _settle(self) -> None:
-        """The cloud ended the turn: the session keeps the KV that came (its next turn reuses it); the
-        local run past it is not waited for (it finishes alone, its result dropped)."""
+        """The cloud ended the turn: a session's next turn reuses the KV that came, which it keeps
+        where the edge's own run over the prompt's first tokens is done; neither that run nor the
+        local run past the KV is waited for (each finishes alone, its result dropped; the blocks
+        that came down are not adopted behind a run still going, nor into a stateless turn's
+        session, which goes at the turn's end)."""
         if self.adopting is None:
             return
         if not self.adopting.done():
-            adopted = asyncio.ensure_future(self.adopted.wait())
-            await asyncio.wait({adopted, self.adopting}, return_when=asyncio.FIRST_COMPLETED)
-            adopted.cancel()
+            if self.turn.session_id and (self.prefilling is None or self.prefilling.done()):
+                adopted = asyncio.ensure_future(self.adopted.wait())
+                await asyncio.wait({adopted, self.adopting}, return_when=asyncio.FIRST_COMPLETED)
+                adopted.cancel()
             self.adopting.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self.adopting

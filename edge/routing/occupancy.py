@@ -267,8 +267,9 @@ class OccupancyModel:
                 itl[mode].add(decoding_ms / (output_tokens - 1))
         if mode is Mode.SPLIT and prompt_tokens > 0 and Stage.CLOUD_DECODE_FIRST_TOKEN in timings:
             self.split_handoff_ms_per_token.add(timings[Stage.CLOUD_DECODE_FIRST_TOKEN] / prompt_tokens)
-        if Stage.CLOUD_KV_SAVE_WAIT in timings:
-            self.kv_save_wait_ms.add(timings[Stage.CLOUD_KV_SAVE_WAIT])
+        wait = timings.get(Stage.CLOUD_KV_SAVE_WAIT)
+        if wait is not None and (wait > 0 or kv_bytes > 0):  # a turn that asked for no block waited for none
+            self.kv_save_wait_ms.add(wait)
         down_ms = timings.get(Stage.KV_DOWNLINK, 0.0) - timings.get(Stage.TTFT, 0.0)
         down_ms -= timings.get(Stage.CLOUD_KV_SAVE_WAIT, 0.0)
         if kv_bytes >= 32 << 10 and down_ms > 0:

@@ -222,6 +222,8 @@ class Router:
         st.cloud_busy = load.waiting_requests > 0 or self.cloud_inflight >= share
         st.own_cloud_prefill_ms = self.cloud_prefill_ms
         st.own_cloud_decode_ms = self.cloud_decode_ms()
+        if p is not None:  # the blocks remote prefill moves, on an edge without split heads too
+            st.block_size_tokens = p.kv_block_size_tokens
         if p is not None and self.shape is not None:
             sh = self.shape
             full = (sh.num_layers, 2, sh.num_kv_heads, p.kv_block_size_tokens, sh.head_dim)

@@ -225,6 +225,36 @@ def test_served_turns_calibrate_and_report_their_errors():
     assert (_count("remote_prefill", "e2e"), _count("remote_prefill", "cloud_engine")) == (before[0] + 1, before[1] + 1)
 
 
+def test_a_turn_that_brought_no_block_down_does_not_calibrate_the_wait_for_the_kv_writes():
+    """A remote-prefill turn whose edge computed the whole prompt asked for no block: the cloud
+    reports a save wait of 0 for it, which says nothing of the wait a download meets; a turn whose
+    blocks never landed (a wait, no bytes) still counts."""
+    occ, o = OccupancyModel(), Occupancy(1000.0, 300.0, 12, 20.0)
+    occ.observe(Mode.REMOTE_PREFILL, o, {Stage.CLOUD_KV_SAVE_WAIT: 10.0, Stage.TOTAL: 900.0}, 40, 1_000_000)
+    for _ in range(5):
+        occ.observe(Mode.REMOTE_PREFILL, o, {Stage.CLOUD_KV_SAVE_WAIT: 0.0, Stage.TOTAL: 900.0}, 40, 0)
+    assert occ.kv_save_wait_ms.value == 10.0
+    occ.observe(Mode.REMOTE_PREFILL, o, {Stage.CLOUD_KV_SAVE_WAIT: 30.0, Stage.TOTAL: 900.0}, 40, 0)
+    assert occ.kv_save_wait_ms.value > 10.0
+
+
+async def test_remote_prefills_plan_counts_blocks_of_the_links_size_on_an_edge_without_heads():
+    """An edge that holds no split head (a direct manifest beside its whole model) still plans
+    remote prefill's prompt KV in the blocks the link moves (the direct params' block size), so the
+    boundary the router plans is the one the turn asks the cloud for."""
+    from tests.remote_doubles import rp_stack
+
+    toy = await rp_stack()
+    try:
+        router, conn = toy.edge.router, toy.edge.conn
+        params = conn.negotiated.params_by_split
+        params[0] = replace(params[0], kv_block_size_tokens=16)
+        router.head_layers = frozenset()
+        assert router.link_state().block_size_tokens == 16
+    finally:
+        await toy.batcher.stop()
+
+
 def test_a_split_counts_its_hand_off_into_the_decode_engine_as_cloud_time():
     """The decode engine loads every layer's KV of a split turn before its first step: measured per
     prompt token on split turns, added to the split's cloud time; with it a split at 1024 tokens holds

@@ -6,6 +6,7 @@ every K and V of the context, so equal tokens mean the KV that came down is the 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 
 import pytest
@@ -306,6 +307,78 @@ async def test_kv_that_came_down_stays_for_the_next_turn_when_the_cloud_finishes
         again_ids, again = await stream(toy.edge, rp_chat(RP_LONG, session="k", n=10))
         assert again.received_kv_bytes == 0 and again_ids == first_ids
     finally:
+        await toy.batcher.stop()
+
+
+async def test_a_cloud_that_finishes_first_does_not_wait_for_the_edges_own_prompt_run():
+    """The edge computes the prompt itself (``compute``) at 1 s a run; the cloud's 8 tokens end the
+    turn long before: the turn ends with them, not after the edge's run (which finishes alone)."""
+    toy = await rp_stack(step_delay_s=0.001, local_step_s=1.0, prompt_kv="compute")
+    try:
+        direct, _ = await stream(toy.edge, rp_turn(RP_LONG, Mode.DIRECT, n=8))
+        t0 = time.perf_counter()
+        got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL, n=8))
+        elapsed = time.perf_counter() - t0
+        assert got == direct and done.edge_decoded_tokens == 0 and done.finish_reason == "length"
+        assert elapsed < 0.6, elapsed
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_a_stateless_turn_that_the_cloud_finishes_does_not_wait_to_adopt_kv_it_drops():
+    """A stateless turn's session goes at its end: where the cloud's 8 tokens end the turn while the
+    edge still writes the KV that came down into it (1 s here), the turn ends without waiting."""
+    toy = await rp_stack(step_delay_s=0.02)
+    model = toy.edge.local.model
+    write_kv = model.write_kv
+
+    def slow_write(*a, **kw):
+        time.sleep(1.0)
+        return write_kv(*a, **kw)
+
+    model.write_kv = slow_write
+    try:
+        direct, _ = await stream(toy.edge, rp_turn(RP_LONG, Mode.DIRECT, n=8))
+        t0 = time.perf_counter()
+        got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL, n=8))
+        elapsed = time.perf_counter() - t0
+        assert got == direct and done.edge_decoded_tokens == 0 and done.received_kv_bytes > 0
+        assert elapsed < 0.8, elapsed
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_a_client_that_leaves_after_the_edges_run_failed_leaves_no_error_unheard():
+    """The edge's own run over the prompt fails (here: refused) and the client stops reading a few
+    tokens later: the turn's tasks end with it and none holds an exception nobody retrieved."""
+    import contextlib
+    import gc
+
+    from tandem.common.protocol.errors import EngineError
+
+    toy = await rp_stack(prompt_kv="compute")
+    loop, unheard = asyncio.get_running_loop(), []
+    loop.set_exception_handler(lambda _loop, ctx: unheard.append(ctx.get("message")))
+    local, extend = toy.edge.local, toy.edge.local.extend
+
+    async def refused(sess, ids):
+        local.extend = extend
+        raise EngineError("refused")
+
+    local.extend = refused
+    try:
+        async with contextlib.aclosing(toy.edge.chat(rp_turn(RP_LONG, Mode.REMOTE_PREFILL))) as events:
+            n = 0
+            async for ev in events:
+                n += len(getattr(ev, "token_ids", ()))
+                if n >= 4:
+                    break
+        await asyncio.sleep(0.05)
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not unheard, unheard
+    finally:
+        loop.set_exception_handler(None)
         await toy.batcher.stop()
 
 
