@@ -27,9 +27,10 @@ decodes on from what it has.
 A seeded sampled turn hands over at a fixed point, so that its seed gives the same reply whatever
 the link's timing: the client gets the cloud's first ``SEEDED_HANDOVER_TOKENS`` tokens (vLLM's
 seeded sampler), the cloud's later ones are withheld, and the edge decodes every token after them
-with its own sampler seeded as the turn asks, once the KV came down (or from the prompt, computed
-here, where it did not). The client's stream waits for the KV there; unseeded turns keep the
-overlap above. No grpc here.
+with its own sampler seeded as the turn asks, from the KV of its own run over the prompt: such a
+turn asks for no block whatever the plan, since downloaded KV (or its absence, where the download
+fails) would make the reply depend on the link. The client's stream waits for that run there;
+unseeded turns keep the overlap above. No grpc here.
 """
 
 from __future__ import annotations
@@ -138,11 +139,15 @@ class RemotePrefillTurn:
 
     def _download(self, p: LinkParams) -> KVDownload:
         """What this turn asks the cloud for: the blocks from the plan's boundary on
-        (``Decision.kv_plan``; without one, every block past those the session holds)."""
+        (``Decision.kv_plan``; without one, every block past those the session holds). A seeded
+        sampled turn asks for none: the edge computes the prompt itself, so that the KV its sampler
+        decodes from, and with it the reply, does not depend on the link's timing."""
         ids, B = self.turn.ids, p.kv_block_size_tokens
         held = LocalSession(self.held_ids).common_prefix(ids)
         plan = self.turn.decision.kv_plan if self.turn.decision is not None else None
         first = plan.first_down_block if plan is not None else held // B
+        if self.pinned:
+            first = len(ids) // B
         first, t = min(max(0, first), len(ids) // B), self.turn
         want = down_spec(ids, first, self.model_key, t.session_id, t.request_id, self.local.shape, p, p.params_version)
         return KVDownload(want)

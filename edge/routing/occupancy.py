@@ -127,6 +127,7 @@ def prompt_kv_plan(
     with the earliest end of both, preferring fewer edge tokens on a tie (the edge stays free for
     other turns). ``local_runs_ms``: the edge's whole-model run time of each of an array of token
     counts (``CostModel.local_runs_ms``); ``block_down_ms``: one block's time on the downlink."""
+    policy = PromptKV(policy)
     T, B = max(0, prompt_tokens), max(1, block_tokens)
     held = min(max(0, held_tokens), T)
     n_full = T // B

@@ -454,24 +454,26 @@ async def test_completed_remote_prefill_turns_count_as_ok_at_the_cloud():
 
 @pytest.mark.parametrize("seed", [3, 11])
 async def test_a_seeded_sampled_turn_gives_one_reply_whatever_the_links_timing(seed):
-    """A seeded sampled remote-prefill turn hands over after the cloud's first token: with the
-    cloud fast (many tokens decoded before the KV is adopted), slow, or done before its KV writes
-    landed (no KV comes down: the edge computes the prompt), the reply is the same, and every
-    token after the first is the edge's."""
+    """A seeded sampled remote-prefill turn hands over after the cloud's first token and asks for
+    no block, whatever the plan (the edge computes the prompt, so its sampler's KV never depends on
+    the link): with the cloud fast (many tokens decoded before the edge holds the prompt), slow, or
+    slow to write its KV, under each plan, the reply is the same, and every token after the first
+    is the edge's."""
     sampling = {"temperature": 0.9, "top_k": 20, "seed": seed}
     replies = []
-    for step_delay_s, save_delay_s in ((0.001, 0.0), (0.03, 0.0), (0.001, 1.0)):
-        toy = await rp_stack(step_delay_s=step_delay_s)
+    cases = [(0.001, 0.0, "download"), (0.03, 0.0, "download"), (0.001, 1.0, "auto"), (0.001, 0.0, "compute")]
+    for step_delay_s, save_delay_s, prompt_kv in cases:
+        toy = await rp_stack(step_delay_s=step_delay_s, prompt_kv=prompt_kv)
         toy.engines.save_delay_s = save_delay_s
         try:
             got, done = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL, n=16, **sampling))
             assert done.mode is Mode.REMOTE_PREFILL and len(got) == 16
             assert done.edge_decoded_tokens == 15, (step_delay_s, save_delay_s, done)
-            assert (done.received_kv_bytes > 0) == (save_delay_s == 0.0)
+            assert done.received_kv_bytes == 0 and done.timings[Stage.EDGE_PREFILL] > 0
             replies.append(got)
         finally:
             await toy.batcher.stop()
-    assert replies[0] == replies[1] == replies[2]
+    assert all(r == replies[0] for r in replies)
     greedy_first, _ = await _first_greedy_token()
     assert replies[0][0] == greedy_first  # the cloud's token (the toy engine samples greedily)
 
