@@ -331,6 +331,13 @@ class CostModel:
         n = np.asarray(tokens, np.float64)
         return np.where(n > 0, a + b * n + c * n * n, 0.0)
 
+    def local_queue_ms(self, load: EdgeLoad) -> float:
+        """``q_local``: what a new run on the local engine waits for, its prefills waiting or running
+        and one decode step of each turn decoding (ms); remote prefill's plan starts the edge's own
+        run after it too."""
+        decoding = max(0, load.local_active - load.local_pending_prefills)
+        return self._local_prefill_queue_ms(load) + decoding * self.edge.local_decode_ms_per_token.value
+
     def _local_prefill_queue_ms(self, load: EdgeLoad) -> float:
         """``W_local``: the local engine's prefills waiting or running, at the local prefill rate (ms)."""
         return load.local_pending_prefill_tokens * self.edge.local_prefill_ms_per_token.value
@@ -364,8 +371,7 @@ class CostModel:
         T = shape.prompt_tokens
         if route.mode is Mode.LOCAL:
             n = T - min(shape.local_cached_tokens, T - 1)
-            decoding = max(0, load.local_active - load.local_pending_prefills)
-            q = self._local_prefill_queue_ms(load) + decoding * self.edge.local_decode_ms_per_token.value
+            q = self.local_queue_ms(load)
             key = LineKey(LineKind.LOCAL)
             p = self._stage(key, n, self.edge.local_prefill_ms_per_token.value, tokens)
             inside[key] = min(p, self._heads_ms(load))  # the heads running beside it

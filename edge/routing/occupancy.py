@@ -118,6 +118,7 @@ def prompt_kv_plan(
     save_wait_ms: float,
     block_down_ms: float,
     policy: PromptKV = PromptKV.AUTO,
+    queue_ms: float = 0.0,
 ) -> PromptKVPlan:
     """The plan of a remote-prefill turn's prompt KV (see the module doc): for each boundary block
     ``c`` from the session's held blocks to the prompt's full blocks, the edge's run of the tokens
@@ -126,7 +127,8 @@ def prompt_kv_plan(
     none come down), and the partial block left over takes one more run; ``AUTO`` takes the ``c``
     with the earliest end of both, preferring fewer edge tokens on a tie (the edge stays free for
     other turns). ``local_runs_ms``: the edge's whole-model run time of each of an array of token
-    counts (``CostModel.local_runs_ms``); ``block_down_ms``: one block's time on the downlink."""
+    counts (``CostModel.local_runs_ms``); ``block_down_ms``: one block's time on the downlink;
+    ``queue_ms``: what the edge's run waits for on the local engine first (``CostModel.local_queue_ms``)."""
     policy = PromptKV(policy)
     T, B = max(0, prompt_tokens), max(1, block_tokens)
     held = min(max(0, held_tokens), T)
@@ -141,7 +143,8 @@ def prompt_kv_plan(
     compute_to = np.where(down > 0, c * B, T)
     edge = np.maximum(0, compute_to - held)
     fetched = np.where(down > 0, save_wait_ms + down * block_down_ms, 0.0)
-    ready = np.maximum(local_runs_ms(edge) - first_token_ms, fetched)
+    ran = np.where(edge > 0, max(0.0, queue_ms) + local_runs_ms(edge), 0.0)
+    ready = np.maximum(ran - first_token_ms, fetched)
     left = np.where(down > 0, T - n_full * B, 0)  # the partial last block, where blocks come down
     total = ready + local_runs_ms(left)
     i = int(np.lexsort((edge, total))[0])
@@ -213,9 +216,12 @@ class OccupancyModel:
             return self.cloud_itl_ms.value
         return cloud_decode_ms_per_token(link, cost)
 
-    def kv_plan(self, shape: RequestShape, link: LinkState, cost: CostModel, first_token_ms: float) -> PromptKVPlan:
+    def kv_plan(
+        self, shape: RequestShape, link: LinkState, cost: CostModel, first_token_ms: float, queue_ms: float = 0.0
+    ) -> PromptKVPlan:
         """The remote-prefill plan of a turn whose first token is predicted at ``first_token_ms``
-        (``prompt_kv_plan`` under ``prompt_kv``, with this model's downlink goodput and KV-write wait)."""
+        (``prompt_kv_plan`` under ``prompt_kv``, with this model's downlink goodput and KV-write wait;
+        ``queue_ms``: the local engine's queue, ``CostModel.local_queue_ms``)."""
         g = self.down_goodput_mbps.value or link.goodput_mbps
         block_ms = link.full_kv_block_bytes * 8 / (g * 1e3) if g > 0 else 0.0
         return prompt_kv_plan(
@@ -227,6 +233,7 @@ class OccupancyModel:
             self.kv_save_wait_ms.value,
             block_ms,
             self.prompt_kv,
+            queue_ms,
         )
 
     def handover_ms(

@@ -286,7 +286,7 @@ class Router:
         occupancy = self.occupancy.predict(pick, shape, link, self.cost, request.sampling.max_new_tokens)
         plan = None
         if pick.route.mode is Mode.REMOTE_PREFILL:
-            plan = self.occupancy.kv_plan(shape, link, self.cost, pick.ttft_ms)
+            plan = self.occupancy.kv_plan(shape, link, self.cost, pick.ttft_ms, self.cost.local_queue_ms(load))
         return Decision(pick.route, pick, why, occupancy, plan)
 
     def _auto(

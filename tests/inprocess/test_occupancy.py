@@ -396,3 +396,11 @@ def test_whole_replies_are_predicted_at_the_time_per_token_the_clients_saw():
     o = {p.route: occ.predict(p, shape, lk, m, 128) for p in preds}
     assert o[LOCAL].decode_ms_per_token == pytest.approx(1.5) and o[DIRECT].decode_ms_per_token == pytest.approx(2.6)
     assert quickest(preds, o, 128)[0].route == LOCAL
+
+
+def test_a_busy_local_engine_moves_the_plan_toward_the_download():
+    """The edge's own run waits for the local engine's queue first: 500 ms of other turns' work
+    makes a prompt the idle edge computes all of (20 ms, first token at 40 ms) come down instead."""
+    idle = prompt_kv_plan(1024, 0, 32, 40.0, _runs(0.02), 5.0, 7.4)
+    busy = prompt_kv_plan(1024, 0, 32, 40.0, _runs(0.02), 5.0, 7.4, queue_ms=500.0)
+    assert idle.down_blocks == 0 and busy.down_blocks == 32 and busy.edge_tokens == 0
