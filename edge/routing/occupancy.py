@@ -181,9 +181,16 @@ class OccupancyModel:
         return float(max_new_tokens) if n <= 0 else min(float(max_new_tokens), n)
 
     def predict(
-        self, p: Prediction, shape: RequestShape, link: LinkState, cost: CostModel, max_new_tokens: int
+        self,
+        p: Prediction,
+        shape: RequestShape,
+        link: LinkState,
+        cost: CostModel,
+        max_new_tokens: int,
+        queue_ms: float = 0.0,
     ) -> Occupancy:
-        """``p``'s route's end-to-end time and cloud time (see the module doc)."""
+        """``p``'s route's end-to-end time and cloud time (see the module doc); ``queue_ms``: the
+        local engine's queue, which remote prefill's own run on the edge waits for first."""
         N = self.expected_output(max_new_tokens)
         d_e, d_c = self.edge_ms_per_token(cost), self.cloud_ms_per_token(link, cost)
         mode = p.route.mode
@@ -195,7 +202,7 @@ class OccupancyModel:
         cloud_all = Occupancy(p.ttft_ms + (N - 1) * d_c, cloud_first + (N - 1) * d_c, N, d_c)
         if mode is not Mode.REMOTE_PREFILL or d_c <= 0:
             return cloud_all
-        h = self.handover_ms(shape, link, cost, d_c, p.ttft_ms)
+        h = self.handover_ms(shape, link, cost, d_c, p.ttft_ms, queue_ms)
         m = min(N, 1 + h / d_c)
         if m >= N:
             return cloud_all
@@ -237,7 +244,13 @@ class OccupancyModel:
         )
 
     def handover_ms(
-        self, shape: RequestShape, link: LinkState, cost: CostModel, d_c: float, first_token_ms: float
+        self,
+        shape: RequestShape,
+        link: LinkState,
+        cost: CostModel,
+        d_c: float,
+        first_token_ms: float,
+        queue_ms: float = 0.0,
     ) -> float:
         """From the first token to the cloud's handover: the edge holding the prompt's KV as planned
         (``kv_plan``: its own run, the blocks on the downlink after the KV writes), the edge's run
@@ -245,8 +258,8 @@ class OccupancyModel:
         trip: ``takeover_first``), a round trip. Where no block comes down and the edge's own run
         ends before the first token, the takeover goes up then, for that token: the cloud stops at
         the later of its first token and the takeover's arrival, ``max(0, P_local + RTT - F)``."""
-        plan = self.kv_plan(shape, link, cost, first_token_ms)
-        own_ms = cost.local_run_ms(plan.edge_tokens)
+        plan = self.kv_plan(shape, link, cost, first_token_ms, queue_ms)
+        own_ms = max(0.0, queue_ms) + cost.local_run_ms(plan.edge_tokens) if plan.edge_tokens else 0.0
         if not plan.down_blocks and own_ms < first_token_ms:  # the takeover goes up before the first token
             return max(0.0, own_ms + link.rtt_ms - first_token_ms)
         B, T = max(1, link.block_size_tokens), shape.prompt_tokens

@@ -275,6 +275,7 @@ class Router:
         # every turn gets a prediction, so that every turn calibrates the cost model (and reports its error)
         shape, link, load = self.request_shape(request, ids), self.link_state(), self.load()
         preds = [self.cost.predict(r, shape, link, load) for r in candidates]
+        queue_ms = self.cost.local_queue_ms(load)  # what remote prefill's own run on the edge waits for
         want = request.mode
         if len(preds) == 1 and want is not Mode.AUTO:
             pick, why = preds[0], "requested"
@@ -282,15 +283,15 @@ class Router:
             pick = min(preds, key=lambda p: p.ttft_ms)
             why = f"requested {want}; lowest predicted TTFT of its split layers"
         else:
-            pick, why = self._auto(preds, shape, link, request)
-        occupancy = self.occupancy.predict(pick, shape, link, self.cost, request.sampling.max_new_tokens)
+            pick, why = self._auto(preds, shape, link, request, queue_ms)
+        occupancy = self.occupancy.predict(pick, shape, link, self.cost, request.sampling.max_new_tokens, queue_ms)
         plan = None
         if pick.route.mode is Mode.REMOTE_PREFILL:
-            plan = self.occupancy.kv_plan(shape, link, self.cost, pick.ttft_ms, self.cost.local_queue_ms(load))
+            plan = self.occupancy.kv_plan(shape, link, self.cost, pick.ttft_ms, queue_ms)
         return Decision(pick.route, pick, why, occupancy, plan)
 
     def _auto(
-        self, preds: list[Prediction], shape: RequestShape, link: LinkState, request: ChatTurn
+        self, preds: list[Prediction], shape: RequestShape, link: LinkState, request: ChatTurn, queue_ms: float = 0.0
     ) -> tuple[Prediction, str]:
         """The lowest predicted TTFT (remote prefill's is direct's: it is chosen for the cloud time it
         saves, not for its TTFT), or for a turn whose client uses the reply only whole
@@ -301,7 +302,7 @@ class Router:
         occ: dict[Route, Occupancy] = {}
         if request.whole_reply or hold_cloud_least:
             n = request.sampling.max_new_tokens
-            occ = {p.route: self.occupancy.predict(p, shape, link, self.cost, n) for p in preds}
+            occ = {p.route: self.occupancy.predict(p, shape, link, self.cost, n, queue_ms) for p in preds}
         if request.whole_reply:
             pick, why = quickest(preds, occ, self.occupancy.expected_output(request.sampling.max_new_tokens))
         else:
