@@ -77,6 +77,7 @@ class RemotePrefillTurn:
         self.prefilling: asyncio.Task[None] | None = None  # the edge's own run over the prompt's first tokens
         self.prompt_held = False  # the session holds the whole prompt's KV with no block to come
         self.took_over = False
+        self.cloud_ended = False  # the cloud's part is over (a final, a stop string, a failure): no takeover
         self.call: TurnCall | None = None
         self.edge_tokens = 0
         s = turn.sampling
@@ -134,6 +135,7 @@ class RemotePrefillTurn:
             log.warning("the cloud failed after %d tokens (%s): decoding on here", len(self.turn.text.token_ids), e)
         finally:
             self.turn.left_cloud()
+            self.cloud_ended = True
             if self.call is not None:
                 self.call.cancel()
 
@@ -279,7 +281,7 @@ class RemotePrefillTurn:
     def _take_over(self, call: TurnCall, at_least: int = 0) -> None:
         """Send the takeover at the tokens the client has (at least ``at_least``), once, where the
         cloud has not ended the turn."""
-        if self.final is None and not self.finish and not self.took_over:
+        if self.final is None and not self.finish and not self.took_over and not self.cloud_ended:
             self.took_over = True
             n = max(at_least, len(self.turn.text.token_ids))
             self.sent += SentBytes(header_bytes=call.send(Takeover(output_tokens=n)))
