@@ -253,7 +253,9 @@ class EdgeConfig(DaemonSettings):
         "tokens); `auto`: the edge computes the prompt's first blocks and downloads the rest, with the boundary "
         "where the cost model predicts the earliest handover (its prefill rate against the cloud's first token, "
         "the downlink's goodput and the block size; a GPU edge that prefills before the first token is back "
-        "downloads nothing, a slow edge on a fast link downloads almost all).",
+        "downloads nothing, a slow edge on a fast link downloads almost all). A seeded sampled turn asks for no "
+        "block under every setting: the edge computes what its session lacks of the prompt itself, so that the "
+        "reply never depends on the link.",
     )
     http_host: str = Field(default="127.0.0.1", description="Bind address of the OpenAI-compatible HTTP API.")
     http_port: OptionalPort = Field(default=None, description="Port of the OpenAI-compatible HTTP API; `none` = off.")
