@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.stacks import cloud_and_edge
 from tests.references import MAX_NEW, PROMPTS, assert_same_or_near_tie, prompt_ids, vllm_plain
 
 pytestmark = [
@@ -27,12 +28,7 @@ MODES = [("direct", {}), ("split", {"split_layer": 4}), ("local", {}), ("remote_
 @pytest.fixture(scope="module")
 async def defaults_stack(split_dir, tmp_path_factory):
     """A cloud and an edge on loopback, each at its GPU defaults but for the engines' KV cache size."""
-    from tandem import AsyncClient
     from tandem.cloud.config import CloudConfig, EngineConfig
-    from tandem.cloud.engines.vllm_engines import VllmEngines
-    from tandem.cloud.server import create_cloud
-    from tandem.edge.config import EdgeConfig
-    from tandem.edge.server import create_edge
 
     cfg = CloudConfig(
         split_dir=split_dir,
@@ -42,16 +38,8 @@ async def defaults_stack(split_dir, tmp_path_factory):
         engine=EngineConfig(max_num_seqs=8, kv_cache_bytes=1 << 30),
     )
     assert not cfg.engine.enforce_eager and cfg.engine.dtype == "auto"  # the GPU build's defaults
-    engines = VllmEngines(cfg)
-    engines.start()
-    cloud = await create_cloud(cfg, engines)
-    edge = await create_edge(EdgeConfig(split_dir=split_dir, cloud_target=f"127.0.0.1:{cloud.port}", port=0))
-    client = AsyncClient(f"127.0.0.1:{edge.port}")
-    yield {"engines": engines, "client": client}
-    await client.close()
-    await edge.stop(1)
-    await cloud.stop(1)
-    engines.shutdown()
+    async with cloud_and_edge(cfg, split_dir) as stack:
+        yield stack
 
 
 def first_divergence(got: list[int], ref: list[int], gaps: list[float]) -> tuple[int, float] | None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.gpu.stacks import cloud_and_edge
 from tests.references import LONG, assert_same_or_near_tie, vllm_plain
 
 pytestmark = [
@@ -55,12 +56,7 @@ def realsize_split_dir(manifest, split_dir, tmp_path_factory) -> Path:
 async def realsize_stack(realsize_split_dir, tmp_path_factory):
     """fp32 CUDA engines (tail at k = 4 and decode, eager) on the 1B shape, its gateway and an edge on
     loopback, fp32 on the wire."""
-    from tandem import AsyncClient
     from tandem.cloud.config import CloudConfig, EngineConfig
-    from tandem.cloud.engines.vllm_engines import VllmEngines
-    from tandem.cloud.server import create_cloud
-    from tandem.edge.config import EdgeConfig
-    from tandem.edge.server import create_edge
 
     cfg = CloudConfig(
         split_dir=realsize_split_dir,
@@ -73,16 +69,8 @@ async def realsize_stack(realsize_split_dir, tmp_path_factory):
         wire_dtypes=["fp32"],
         kv_wire_dtypes=["fp32"],
     )
-    engines = VllmEngines(cfg)
-    engines.start()
-    cloud = await create_cloud(cfg, engines)
-    edge = await create_edge(EdgeConfig(split_dir=realsize_split_dir, cloud_target=f"127.0.0.1:{cloud.port}", port=0))
-    client = AsyncClient(f"127.0.0.1:{edge.port}")
-    yield {"engines": engines, "client": client}
-    await client.close()
-    await edge.stop(1)
-    await cloud.stop(1)
-    engines.shutdown()
+    async with cloud_and_edge(cfg, realsize_split_dir) as stack:
+        yield stack
 
 
 @pytest.mark.parametrize("repeat", [1, 8], ids=["short", "long"])
