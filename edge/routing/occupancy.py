@@ -102,6 +102,7 @@ class PromptKVPlan:
     first_down_block: int
     down_blocks: int
     ready_ms: float = 0.0  # predicted: from the first token to the edge holding the planned KV
+    edge_run_ms: float = 0.0  # predicted: from the turn's start to the end of the edge's own run (its queue in)
 
     @property
     def edge_tokens(self) -> int:
@@ -148,7 +149,8 @@ def prompt_kv_plan(
     left = np.where(down > 0, T - n_full * B, 0)  # the partial last block, where blocks come down
     total = ready + local_runs_ms(left)
     i = int(np.lexsort((edge, total))[0])
-    return PromptKVPlan(held, int(compute_to[i]), int(c[i]), int(down[i]), float(max(0.0, ready[i])))
+    ready_i = float(max(0.0, ready[i]))
+    return PromptKVPlan(held, int(compute_to[i]), int(c[i]), int(down[i]), ready_i, float(ran[i]))
 
 
 @dataclass(frozen=True)
@@ -259,9 +261,8 @@ class OccupancyModel:
         ends before the first token, the takeover goes up then, for that token: the cloud stops at
         the later of its first token and the takeover's arrival, ``max(0, P_local + RTT - F)``."""
         plan = self.kv_plan(shape, link, cost, first_token_ms, queue_ms)
-        own_ms = max(0.0, queue_ms) + cost.local_run_ms(plan.edge_tokens) if plan.edge_tokens else 0.0
-        if not plan.down_blocks and own_ms < first_token_ms:  # the takeover goes up before the first token
-            return max(0.0, own_ms + link.rtt_ms - first_token_ms)
+        if not plan.down_blocks and plan.edge_run_ms < first_token_ms:  # the takeover goes up before it
+            return max(0.0, plan.edge_run_ms + link.rtt_ms - first_token_ms)
         B, T = max(1, link.block_size_tokens), shape.prompt_tokens
         left = T - (plan.first_down_block + plan.down_blocks) * B if plan.down_blocks else 0
         m0 = plan.ready_ms / d_c if d_c > 0 else 0.0
