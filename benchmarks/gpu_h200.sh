@@ -43,7 +43,9 @@
 #   matrix-smollm2  the same matrix on SmolLM2-135M (prepared from the carried GGUF, nothing to
 #                export first), the engines in bf16 (`dtype auto` on a GPU), both links in one call;
 #                MATRIX_LINKS, MATRIX_PROMPT_LENS (default 64,256,1024) and MATRIX_OUTPUT_LENS (default
-#                16,128,512) narrow it
+#                16,128,512) narrow it; MATRIX_REQUESTS requests per cell (default 3: one request's
+#                end to end moves by 10-40% from run to run; on an H100 each request per cell adds about
+#                2 min to the whole matrix, after the stack's 75 s start)
 #   edge-decode  tandem-bench edge: the edge's runtimes at batch 1 (tandem's DecoderGraph on the builder's
 #                fp16 graph with and without a CUDA graph, ONNX Runtime GenAI's Generator on the same graph,
 #                the torch.onnx edge-full.onnx on SmolLM2) and the weights-read floor, on SmolLM2-135M and
@@ -60,8 +62,8 @@
 # installed package. The engines run with the GPU defaults, CUDA graphs and torch.compile
 # (TANDEM_CLOUD_ENGINE__ENFORCE_EAGER=true for eager engines): on a fresh host the SmolLM2 stack
 # started in 93 s with compilation against 77 s eager, and decode steps ran 9x faster
-# (graphs-smollm2; larger shapes compile longer). The results under benchmarks/results/gpu/ other
-# than h200-graphs-smollm2/eager-false ran eager.
+# (graphs-smollm2; larger shapes compile longer). The h200- results under benchmarks/results/gpu/
+# other than h200-graphs-smollm2/eager-false ran eager; the h100- ones at the defaults.
 set -uo pipefail
 ROOT=$(pwd)
 W=/var/tmp/tandem-gpu
@@ -251,7 +253,7 @@ step_matrix_smollm2() {
   smollm2
   log "tandem-bench modes SmolLM2 output-length matrix"
   (cd "$W" && tandem-bench modes --model-dir "$SMOL" --split-layers 4 --links "${MATRIX_LINKS:-wifi6,4g}" \
-    --prompt-lens "${MATRIX_PROMPT_LENS:-64,256,1024}" --output-lens "${MATRIX_OUTPUT_LENS:-16,128,512}" --requests 1 \
+    --prompt-lens "${MATRIX_PROMPT_LENS:-64,256,1024}" --output-lens "${MATRIX_OUTPUT_LENS:-16,128,512}" --requests "${MATRIX_REQUESTS:-3}" \
     --shaper proxy --out "$OUT/matrix-smollm2") > "$OUT/matrix-smollm2.log" 2>&1
   keep_logs matrix-smollm2
   tail -40 "$OUT/matrix-smollm2.log"
