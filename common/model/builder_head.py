@@ -37,8 +37,10 @@ from tandem.common.model.builder_export import (
     KVBuffers,
     attention_window,
     build_verdict,
+    builder_options,
     check_precision,
     check_problem,
+    execution_provider_for,
     run_builder,
     save_build,
 )
@@ -74,7 +76,7 @@ def build_head(hf: Path, out: Path, k: int, precision: str = "fp32", execution_p
     if k < 1:
         raise ValueError(f"split layer k={k}: at least 1")
     check_precision(precision, execution_provider)
-    options = {"num_hidden_layers": str(k), "exclude_lm_head": "true"}
+    options = builder_options(precision) | {"num_hidden_layers": str(k), "exclude_lm_head": "true"}
     version = run_builder(hf, out, precision, execution_provider, options)
     residual_output(out / "model.onnx", k)
     build = HeadBuild(
@@ -257,7 +259,7 @@ def prepare_builder_head(
         ):
             return ""
     shutil.rmtree(path, ignore_errors=True)
-    provider = "cpu" if precision == "fp32" else "cuda"
+    provider = execution_provider_for(precision)
 
     def build_and_check() -> HeadBuild:
         build = build_head(hf, path, k, precision, provider)
