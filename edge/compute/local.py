@@ -740,14 +740,24 @@ class LocalEngine:
         async with sess.lock:
             await self._run_job(job)
 
-    async def extend(self, sess: LocalSession, ids: list[int]) -> int:
+    async def extend(self, sess: LocalSession, ids: list[int], room_tokens: int = 0) -> int:
         """Compute the KV of the tokens of ``ids`` past its common prefix with ``sess`` (one run) and
-        make ``sess`` hold ``ids``; nothing is sampled. Returns the tokens computed (0: none to)."""
+        make ``sess`` hold ``ids``; nothing is sampled. ``room_tokens``: the tokens the session's KV
+        is made to hold from this run on (at least ``len(ids)``; capped at the model's positions
+        under ``limits``), as ``generate`` reserves a turn's prompt and output before its prefill,
+        so that the decode after it does not grow the KV first. Returns the tokens computed (0: none
+        to).
+
+        Raises:
+            QuotaExceeded: the KV of ``room_tokens`` does not fit the model's KV memory bound."""
         async with sess.lock:
             c = sess.common_prefix(ids)
             if c == len(ids):
                 return 0
-            await self._prefill(sess, list(ids), c, greedy=True, tokens_hint=len(ids))
+            room = max(len(ids), room_tokens)
+            if self.limits.max_model_len_tokens:
+                room = max(len(ids), min(room, self.limits.max_model_len_tokens))
+            await self._prefill(sess, list(ids), c, greedy=True, tokens_hint=room)
             return len(ids) - c
 
     async def read_kv(self, sess: LocalSession, tokens: int) -> list[np.ndarray]:

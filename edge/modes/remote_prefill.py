@@ -165,8 +165,12 @@ class RemotePrefillTurn:
             self.prompt_held = not want.indices
 
     async def _prefill(self, ids: list[int], whole: bool) -> None:
+        """The edge's own run over ``ids`` (the prompt, or its first blocks), into KV with room for
+        the whole turn (the prompt and ``max_new_tokens``): the decode it takes over then runs in
+        the KV this run left, not first grown into bigger buffers."""
         t0 = time.perf_counter()
-        await self.local.extend(self.sess, ids)
+        room = len(self.turn.ids) + self.turn.sampling.max_new_tokens
+        await self.local.extend(self.sess, ids, room_tokens=room)
         self.turn.clock.since(Stage.EDGE_PREFILL, t0)
         self.prompt_held = whole
         self._take_over_early()

@@ -273,3 +273,25 @@ async def test_a_step_that_fails_fails_alone(engine, prompts):
     full.kv.tokens, full.token_ids = 0, []
     for s in (good, full):
         s.drop()
+
+
+async def test_extend_with_room_holds_the_turns_kv_in_one_slot(engine, prompts):
+    """``extend(room_tokens=...)`` (a remote-prefill turn's own run) sizes the session's KV for the
+    whole turn: the decode after it runs in that slot, never grown; the room is capped at the
+    model's positions, and never below the tokens run."""
+    roomy, plain = engine.new_session(), engine.new_session()
+    p = prompts[1]
+    await engine.extend(roomy, p, room_tokens=len(p) + 600)
+    await engine.extend(plain, p)
+    assert roomy.kv.capacity_tokens >= len(p) + 600 > plain.kv.capacity_tokens >= len(p)
+    assert roomy.token_ids == plain.token_ids == p and roomy.kv.tokens == len(p)
+    cap = roomy.kv.capacity_tokens
+    sampling = Sampling(max_new_tokens=8, temperature=0.0)
+    async with contextlib.aclosing(engine.generate([*p, 42], sampling, session=roomy)) as steps:
+        got = [s.token_id async for s in steps]
+    assert len(got) == 8 and roomy.kv.capacity_tokens == cap
+    huge = engine.new_session()
+    await engine.extend(huge, p, room_tokens=10**9)
+    assert huge.kv.capacity_tokens <= engine.model.spec.context_tokens
+    for s in (roomy, plain, huge):
+        s.drop()

@@ -361,7 +361,7 @@ async def test_a_client_that_leaves_after_the_edges_run_failed_leaves_no_error_u
     loop.set_exception_handler(lambda _loop, ctx: unheard.append(ctx.get("message")))
     local, extend = toy.edge.local, toy.edge.local.extend
 
-    async def refused(sess, ids):
+    async def refused(sess, ids, room_tokens=0):
         local.extend = extend
         raise EngineError("refused")
 
@@ -512,6 +512,28 @@ async def test_the_next_turn_over_a_link_starts_its_kv_window_where_the_last_end
         toy.gateway.remote._link_windows[(caller, link_id)] = 1  # as a slow link would leave it
         again, _ = await stream(toy.edge, rp_turn(RP_LONG, Mode.REMOTE_PREFILL))
         assert again == got and resumed == [1]
+    finally:
+        await toy.batcher.stop()
+
+
+async def test_the_edges_own_run_leaves_room_for_the_whole_turn():
+    """The edge's run over the prompt reserves the KV of the prompt and every output token (as a
+    local turn's prefill does), so the decode it takes over starts in that KV."""
+    toy = await rp_stack(prompt_kv="compute")
+    local, extend, rooms = toy.edge.local, toy.edge.local.extend, []
+
+    async def recorded(sess, ids, room_tokens=0):
+        rooms.append((len(ids), room_tokens))
+        return await extend(sess, ids, room_tokens=room_tokens)
+
+    local.extend = recorded
+    try:
+        turn = rp_turn(RP_LONG, Mode.REMOTE_PREFILL, n=24)
+        direct, _ = await stream(toy.edge, rp_turn(RP_LONG, Mode.DIRECT, n=24))
+        got, done = await stream(toy.edge, turn)
+        assert got == direct and done.edge_decoded_tokens > 0
+        T = len(toy.edge.tokenize(turn))
+        assert rooms and rooms[0] == (T, T + 24), rooms
     finally:
         await toy.batcher.stop()
 
