@@ -223,12 +223,29 @@ async def load_local(
     )
     await local.warmup()  # the first rates, which the cost model reads from the engine
     log.info(
-        "local mode: %s (%.2f ms/token prefill, %.1f ms/token decode)",
+        "local mode: %s (%s; %.2f ms/token prefill, %.1f ms/token decode)",
         path,
+        local_model_kind(path),
         local.prefill_ms_per_token,
         local.decode_ms_per_token,
     )
     return local
+
+
+def local_model_kind(path: Path) -> str:
+    """What the local model at ``path`` is, for the start-up log: a builder graph's precision and
+    execution provider (int4 named as lossy: its replies are not the cloud's), or the torch.onnx
+    export."""
+    from tandem.common.model.builder_export import QUANTIZED_PRECISIONS, load_build
+
+    if not path.is_dir():
+        return "torch.onnx export"
+    try:
+        build = load_build(path)
+    except (FileNotFoundError, ValueError):
+        return "builder graph"
+    lossy = ", quantized: replies differ from the cloud's" if build.precision in QUANTIZED_PRECISIONS else ""
+    return f"builder graph, {build.precision} on {build.execution_provider}{lossy}"
 
 
 def cloud_link(cfg: EdgeConfig, target: str, server_name: str | None = None) -> GrpcCloudLink:

@@ -135,6 +135,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompt", default=PROMPT)
     args = ap.parse_args()
+    if not Path(args.split_dir).is_dir():
+        ap.error(
+            f"split dir {args.split_dir} is not a directory (prepare the model with `make model` or `tandem-model`)"
+        )
     tmp = Path(tempfile.mkdtemp(prefix="tandem-run-"))
     ok = False
     try:
@@ -166,6 +170,9 @@ def main() -> None:
         print("\n" + report(results))
         print("\n" + summary(split, direct, local, auto))
         ok = True
+    except RuntimeError as e:  # a daemon exited or did not come up: its log's last lines say why
+        print(f"tandem: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
         if ok:
             shutil.rmtree(tmp, ignore_errors=True)  # logs and KV store are kept only when something failed

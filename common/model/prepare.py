@@ -621,9 +621,8 @@ def prepare_model(
         ValueError: ``onnx_dtype`` is not one of ``onnx_export.COMPUTE_DTYPES``.
     """
     check_rtol(onnx_dtype)  # refused before anything is written
-    out.mkdir(parents=True, exist_ok=True)
     hf = out / "hf"
-    if checkpoint is not None:
+    if checkpoint is not None:  # refused before anything is written, ``out`` included
         if not (checkpoint / "config.json").is_file():
             raise FileNotFoundError(f"{checkpoint} is not an HF checkpoint (no config.json)")
         if direct_only:
@@ -631,9 +630,10 @@ def prepare_model(
         else:
             check_architecture(checkpoint)
             plan_deployment(checkpoint, max_model_len_tokens)
-        if not hf.exists():
-            hf.symlink_to(checkpoint.resolve())
-    elif not (hf / "config.json").is_file():
+    out.mkdir(parents=True, exist_ok=True)
+    if checkpoint is not None and not hf.exists():
+        hf.symlink_to(checkpoint.resolve())
+    elif checkpoint is None and not (hf / "config.json").is_file():
         convert_embedded_gguf(hf)
     if direct_only:
         agreement = _direct_agreement(hf, max_model_len_tokens)

@@ -56,3 +56,16 @@ def test_every_short_label_is_short_and_names_its_stage_alone():
 def test_a_reply_cut_at_max_new_tokens_says_so():
     assert cut_note(result("split", 4), 64) == " [cut at 64 tokens: --max-new-tokens]"
     assert cut_note(result("split", 4, finish_reason="stop"), 64) == ""
+
+
+def test_a_split_dir_that_is_not_one_stops_the_demo_with_one_line(monkeypatch, tmp_path, capsys):
+    import pytest
+
+    from tandem.demo import main
+
+    monkeypatch.setattr("sys.argv", ["demo", "--split-dir", str(tmp_path / "split-k6")])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "split-k6 is not a directory" in err and "Traceback" not in err

@@ -1,5 +1,6 @@
-"""A quantized build's check measure (``common.model.builder_export.quantized_loss``) and its summary,
-on synthetic logits."""
+"""A quantized build's check measure (``common.model.builder_export.quantized_loss``, on synthetic
+logits) and its summary, the precision of an int4 decoder's heads, the edge's start-up line naming
+the local model, and the preparation's refusal of a folder that is not a checkpoint."""
 
 from __future__ import annotations
 
@@ -64,3 +65,25 @@ def test_the_heads_of_an_int4_decoder_are_built_at_the_hosts_exact_precision():
 
     assert head_precision("int4") == default_precision() and head_precision("int4") in ("fp32", "bf16")
     assert [head_precision(p) for p in ("fp32", "fp16", "bf16")] == ["fp32", "fp16", "bf16"]
+
+
+def test_the_edges_start_up_log_names_the_local_models_precision(tmp_path):
+    from tandem.common.model.builder_export import save_build
+    from tandem.edge.server import local_model_kind
+
+    q, exact = tmp_path / "q", tmp_path / "exact"
+    for d, precision in ((q, "int4"), (exact, "fp32")):
+        d.mkdir()
+        save_build(d, DecoderBuild(precision=precision, execution_provider="cpu", builder_version="x"))
+    assert local_model_kind(q) == "builder graph, int4 on cpu, quantized: replies differ from the cloud's"
+    assert local_model_kind(exact) == "builder graph, fp32 on cpu"
+    assert local_model_kind(tmp_path / "edge-full.onnx") == "torch.onnx export"
+
+
+def test_a_checkpoint_that_is_not_one_is_refused_before_the_output_folder_is_made(tmp_path):
+    from tandem.common.model.prepare import prepare_model
+
+    out = tmp_path / "out"
+    with pytest.raises(FileNotFoundError, match="is not an HF checkpoint"):
+        prepare_model(out, tmp_path / "missing")
+    assert not out.exists()
