@@ -745,11 +745,13 @@ class LocalEngine:
         make ``sess`` hold ``ids``; nothing is sampled. ``room_tokens``: the tokens the session's KV
         is made to hold from this run on (at least ``len(ids)``; capped at the model's positions
         under ``limits``), as ``generate`` reserves a turn's prompt and output before its prefill,
-        so that the decode after it does not grow the KV first. Returns the tokens computed (0: none
-        to).
+        so that the decode after it does not grow the KV first. Where the model's KV memory bound
+        refuses that room beside what is held (``QuotaExceeded``), the run reserves ``ids`` alone
+        (nothing changed by the refusal): the decode after it grows the KV then, with
+        ``generate``'s room-making. Returns the tokens computed (0: none to).
 
         Raises:
-            QuotaExceeded: the KV of ``room_tokens`` does not fit the model's KV memory bound."""
+            QuotaExceeded: not even the KV of ``ids`` fits the model's KV memory bound."""
         async with sess.lock:
             c = sess.common_prefix(ids)
             if c == len(ids):
@@ -757,7 +759,12 @@ class LocalEngine:
             room = max(len(ids), room_tokens)
             if self.limits.max_model_len_tokens:
                 room = max(len(ids), min(room, self.limits.max_model_len_tokens))
-            await self._prefill(sess, list(ids), c, greedy=True, tokens_hint=room)
+            try:
+                await self._prefill(sess, list(ids), c, greedy=True, tokens_hint=room)
+            except QuotaExceeded:
+                if room <= len(ids):
+                    raise
+                await self._prefill(sess, list(ids), c, greedy=True, tokens_hint=len(ids))
             return len(ids) - c
 
     async def read_kv(self, sess: LocalSession, tokens: int) -> list[np.ndarray]:

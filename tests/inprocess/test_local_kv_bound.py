@@ -11,6 +11,7 @@ auto mode serves it in the cloud while the cloud is up. A local session the boun
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 
 import grpc
@@ -239,3 +240,40 @@ async def test_a_session_whose_growth_does_not_fit_beside_its_kv_computes_its_pr
     got = [t.token_id async for t in engine.generate(follow, longer, "g")]
     assert got == [t.token_id async for t in engine.generate(follow, longer)]  # stateless: the same tokens
     assert engine.model.memory.held_bytes <= bound
+
+
+async def test_a_run_whose_turns_room_does_not_fit_beside_a_held_session_reserves_its_prompt(decoder_dir, manifest):
+    """Room for a session of the second capacity, or two of the first, but not both: ``extend`` with
+    room for a whole turn (a remote-prefill turn's own run) beside a held session computes the prompt
+    into KV of its size instead of failing, and the decode after it answers as a stateless turn
+    does (``generate`` makes the room then)."""
+    from tandem.common.protocol.params import Sampling
+
+    cpu = ["CPUExecutionProvider"]
+    probe = DecoderGraph(decoder_dir, providers=cpu, intra_op_threads=2)
+    small, big = probe.turn_kv_bytes(probe.min_slot_tokens), probe.turn_kv_bytes(probe.min_slot_tokens + 1)
+    bound = big + small // 2
+    engine = LocalEngine(
+        DecoderGraph(decoder_dir, providers=cpu, intra_op_threads=2, max_kv_bytes=bound), manifest.shape, (2,)
+    )
+    prompt = [1, 2, 3, 4, 5]
+    longer = Sampling(max_new_tokens=probe.min_slot_tokens, ignore_eos=True)
+
+    async def first_tokens(steps, n: int = 8) -> list[int]:  # the decode's first steps; the slot is the turn's
+        got: list[int] = []
+        async with contextlib.aclosing(steps) as it:
+            async for t in it:
+                got.append(t.token_id)
+                if len(got) == n:
+                    break
+        return got
+
+    want = await first_tokens(engine.generate(prompt, longer))  # stateless, nothing else held
+    s = Sampling(max_new_tokens=4, ignore_eos=True)
+    assert len([t async for t in engine.generate([7, 8, 9], s, "held")]) == 4  # a session of the first capacity
+    sess = engine.new_session()
+    assert await engine.extend(sess, prompt, room_tokens=len(prompt) + longer.max_new_tokens) == len(prompt)
+    assert sess.token_ids == prompt and sess.kv.capacity_tokens == probe.min_slot_tokens
+    assert await first_tokens(engine.generate(prompt, longer, session=sess)) == want
+    assert engine.model.memory.held_bytes <= bound
+    sess.drop()

@@ -538,6 +538,35 @@ async def test_the_edges_own_run_leaves_room_for_the_whole_turn():
         await toy.batcher.stop()
 
 
+async def test_the_edges_own_run_takes_the_prompts_room_where_the_whole_turns_does_not_fit_beside_what_is_held():
+    """The KV memory holds the prompt's KV beside what other sessions hold but not the whole turn's
+    (``QuotaExceeded`` for more): the edge's own run still computes the prompt, into KV of its size,
+    and the edge takes the decode over (the KV grows at its first step, as before the room was
+    reserved), the tokens direct's."""
+    from tandem.common.protocol.errors import QuotaExceeded
+
+    toy = await rp_stack(prompt_kv="compute")
+    model = toy.edge.local.model
+    turn = rp_turn(RP_LONG, Mode.REMOTE_PREFILL, n=24)
+    T = len(toy.edge.tokenize(turn))
+    new_kv, hints = model.new_kv, []
+
+    def bounded(tokens_hint):
+        hints.append(tokens_hint)
+        if tokens_hint > T:
+            raise QuotaExceeded(f"no room for {tokens_hint} tokens beside the sessions held")
+        return new_kv(tokens_hint)
+
+    model.new_kv = bounded
+    try:
+        direct, _ = await stream(toy.edge, rp_turn(RP_LONG, Mode.DIRECT, n=24))
+        got, done = await stream(toy.edge, turn)
+        assert got == direct and done.edge_decoded_tokens > 0, (hints, done.edge_decoded_tokens)
+        assert hints[:2] == [T + 24, T], hints  # the whole turn's room refused, the prompt's taken
+    finally:
+        await toy.batcher.stop()
+
+
 @pytest.mark.parametrize("session", ["", "chat-1"], ids=["stateless", "session"])
 async def test_a_turn_that_asks_for_no_block_saves_no_kv_unless_a_session_keeps_it(session):
     """The edge computes the prompt itself (``compute``): a stateless turn is a plain engine request
