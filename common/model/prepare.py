@@ -476,9 +476,10 @@ DECODER_CHECK_TOKENS = 32
 def prepare_decoder(out: Path, hf: Path, precision: str = "fp32", agreement: EngineAgreement | None = None) -> str:
     """Build ``OUT/edge-decoder`` with ONNX Runtime GenAI's model builder (``common.model.builder_export``;
     fp32 for the CPU build, fp16/bf16 for CUDA, int4 for either) and check it against HF (when missing, built
-    at another precision or under another ``agreement``, or unchecked). Returns "" when it is ready,
-    else why local mode keeps ``edge-full.onnx``: the builder is not installed, refuses the
-    checkpoint, or its graph failed the check (then the folder is removed). It is built from, and
+    at another precision, for another execution provider or under another ``agreement``, or
+    unchecked). Returns "" when it is ready, else why local mode keeps ``edge-full.onnx``: the
+    builder is not installed, refuses the checkpoint, or its graph failed the check (then the
+    folder is removed). It is built from, and
     checked against, the checkpoint with ``agreement.export_overrides`` in its config (``_deployed``),
     on a prompt past every switch the deployment reaches.
     """
@@ -496,12 +497,13 @@ def prepare_decoder(out: Path, hf: Path, precision: str = "fp32", agreement: Eng
 
     agreement = agreement or plan_deployment(hf)
     path = out / FULL_DECODER
+    provider = execution_provider_for(precision)  # int4's follows the host: CUDA where ONNX Runtime has it
     if not decoder_problem(path):
         build = load_build(path)
-        if build.precision == precision and _same_agreement(build.engine_agreement, agreement):
+        same = build.precision == precision and build.execution_provider == provider
+        if same and _same_agreement(build.engine_agreement, agreement):
             return ""
     shutil.rmtree(path, ignore_errors=True)
-    provider = execution_provider_for(precision)
     result: list[DecoderBuild] = []
 
     def build_and_check() -> DecoderBuild:

@@ -5,6 +5,7 @@ the local model, and the preparation's refusal of a folder that is not a checkpo
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,3 +88,47 @@ def test_a_checkpoint_that_is_not_one_is_refused_before_the_output_folder_is_mad
     with pytest.raises(FileNotFoundError, match="is not an HF checkpoint"):
         prepare_model(out, tmp_path / "missing")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("held, host", [("cpu", "cuda"), ("cuda", "cpu")])
+def test_an_int4_decoder_built_for_another_execution_provider_is_built_again(tmp_path, monkeypatch, held, host):
+    """int4's execution provider follows the host (``execution_provider_for``): a checked int4 build
+    for the other one (made before ONNX Runtime's CUDA provider was installed, or on another host) is
+    not kept, and the new build is for this host's; one for this host's is kept as it is."""
+    from tandem.common.model import builder_export
+    from tandem.common.model.prepare import prepare_decoder
+    from tandem.common.protocol.manifest import FULL_DECODER, EngineAgreement
+
+    agreement = EngineAgreement(max_model_len_max_tokens=8192)
+    hf, path = tmp_path / "hf", tmp_path / FULL_DECODER
+    hf.mkdir()
+    (hf / "config.json").write_text('{"vocab_size": 512}')
+
+    def write(out: Path, provider: str) -> DecoderBuild:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / builder_export.GENAI_CONFIG).write_text("{}")
+        b = DecoderBuild(
+            precision="int4",
+            execution_provider=provider,
+            builder_version="x",
+            passed=True,
+            mean_kl=0.3,
+            rel_logit_error=0.3,
+            engine_agreement=agreement,
+        )
+        builder_export.save_build(out, b)
+        return b
+
+    built: list[str] = []
+
+    def build_decoder(src, out, precision, provider):
+        built.append(provider)
+        return write(out, provider)
+
+    monkeypatch.setattr(builder_export, "execution_provider_for", lambda precision: host)
+    monkeypatch.setattr(builder_export, "build_decoder", build_decoder)
+    monkeypatch.setattr(builder_export, "check_decoder", lambda src, out, ids: builder_export.load_build(out))
+    write(path, held)
+    assert prepare_decoder(tmp_path, hf, "int4", agreement) == ""
+    assert built == [host] and builder_export.load_build(path).execution_provider == host
+    assert prepare_decoder(tmp_path, hf, "int4", agreement) == "" and built == [host]  # this host's: kept
