@@ -3,8 +3,8 @@
 A ``Daemon`` is a command started with its output in a log file and, where it has
 one, a ready file: the daemon is passed ``--ready-file PATH`` and writes its bound
 port there once it serves. ``Daemon.wait_ready`` waits for that port, showing
-progress on stderr, and raises ``RuntimeError`` with the log's last lines if the
-process exits first or takes too long. ``Daemons`` owns several and stops them
+progress on stderr, and raises ``DaemonFailed`` (a ``RuntimeError``) with the log's last
+lines if the process exits first or takes too long. ``Daemons`` owns several and stops them
 all (SIGTERM, then SIGKILL after a grace period) when its ``with`` block ends.
 
 Standard library only: ``tandem`` is the light SDK package.
@@ -88,6 +88,10 @@ def edge_command(
     ]
 
 
+class DaemonFailed(RuntimeError):
+    """A daemon exited, or did not come up in time (``Daemon.wait_ready``); the message has its log's tail."""
+
+
 class Daemon:
     """One child process started from ``cmd``, stdout and stderr into ``log``.
 
@@ -135,7 +139,7 @@ class Daemon:
         """Wait for the daemon's port in its ready file, showing progress on stderr; returns the port.
 
         Raises:
-            RuntimeError: the process exited, or no port after ``timeout_s``; the message has the log's tail.
+            DaemonFailed: the process exited, or no port after ``timeout_s``; the message has the log's tail.
         """
         t0 = time.monotonic()
         tty, shown = sys.stderr.isatty(), -1  # on a terminal a live counter; in a log a line per 10 s
@@ -144,7 +148,7 @@ class Daemon:
             if self.proc.poll() is not None or waited > timeout_s:
                 print(file=sys.stderr)
                 why = f"exited with {self.proc.returncode}" if self.proc.returncode is not None else "not ready"
-                raise RuntimeError(f"{self.name} {why} after {waited:.0f} s; last lines of {self.log}:\n{self.tail()}")
+                raise DaemonFailed(f"{self.name} {why} after {waited:.0f} s; last lines of {self.log}:\n{self.tail()}")
             if tty:
                 print(f"\r  starting {self.name} ... {waited:5.1f} s", end="", file=sys.stderr, flush=True)
             elif int(waited // 10) > shown:

@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 
 from tandem.client import ChatResult, Client
-from tandem.daemons import Daemons, cloud_command, edge_command
+from tandem.daemons import DaemonFailed, Daemons, cloud_command, edge_command
 from tandem.stages import TTFT_STAGES, Stage
 
 PROMPT = (
@@ -170,7 +170,7 @@ def main() -> None:
         print("\n" + report(results))
         print("\n" + summary(split, direct, local, auto))
         ok = True
-    except RuntimeError as e:  # a daemon exited or did not come up: its log's last lines say why
+    except DaemonFailed as e:  # a daemon exited or did not come up: its log's last lines say why
         print(f"tandem: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:

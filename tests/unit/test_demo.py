@@ -69,3 +69,67 @@ def test_a_split_dir_that_is_not_one_stops_the_demo_with_one_line(monkeypatch, t
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "split-k6 is not a directory" in err and "Traceback" not in err
+
+
+class _Daemons:
+    """``tandem.daemons.Daemons`` without processes: every daemon's wait raises ``fail``, or is ready."""
+
+    def __init__(self, fail: BaseException | None) -> None:
+        self.fail = fail
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def spawn(self, *args, **kwargs):
+        fail = self.fail
+
+        class Ready:
+            def wait_ready(self, timeout_s: float) -> int:
+                if fail is not None:
+                    raise fail
+                return 1
+
+        return Ready()
+
+
+def _run_demo(monkeypatch, tmp_path, fail: BaseException | None, chat=None) -> None:
+    import tandem.demo as demo
+
+    split = tmp_path / "split-k4"
+    split.mkdir(exist_ok=True)
+    monkeypatch.setattr("sys.argv", ["demo", "--split-dir", str(split)])
+    monkeypatch.setattr(demo, "Daemons", lambda: _Daemons(fail))
+    monkeypatch.setattr(demo, "cloud_command", lambda *a, **kw: [])
+    monkeypatch.setattr(demo, "edge_command", lambda *a, **kw: [])
+    run = tmp_path / "run"
+    monkeypatch.setattr(demo.tempfile, "mkdtemp", lambda prefix: str(run.mkdir(exist_ok=True) or run))
+    if chat is not None:
+        monkeypatch.setattr(demo, "chat", chat)
+    demo.main()
+
+
+def test_a_daemon_that_did_not_come_up_stops_the_demo_with_its_message(monkeypatch, tmp_path, capsys):
+    import pytest
+
+    from tandem.daemons import DaemonFailed
+
+    with pytest.raises(SystemExit) as e:
+        _run_demo(monkeypatch, tmp_path, DaemonFailed("tandem-cloud exited with 1 after 3 s; last lines of x"))
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "tandem: tandem-cloud exited with 1" in err and "logs kept in" in err
+
+
+def test_an_error_that_is_not_a_daemons_keeps_its_traceback(monkeypatch, tmp_path):
+    """Only a daemon's failure is cut to one line: any other error (a fault in the demo or the SDK)
+    propagates as it is."""
+    import pytest
+
+    def broken(*args):
+        raise RuntimeError("a fault past the daemons' start")
+
+    with pytest.raises(RuntimeError, match="a fault past the daemons' start"):
+        _run_demo(monkeypatch, tmp_path, None, chat=broken)
