@@ -219,12 +219,9 @@ async def test_a_local_session_dropped_idle_reports_session_expired(edge):
     assert not done.session_expired
 
 
-async def test_a_session_whose_growth_does_not_fit_beside_its_kv_computes_its_prompt_afresh(decoder_dir, manifest):
-    """Room for one session of the second capacity but not beside one of the first: a session's next
-    turn that needs to grow drops its own KV and computes its prompt anew (one run), answering as a
-    stateless turn does, instead of being refused (retryably) forever."""
-    from tandem.common.protocol.params import Sampling
-
+def room_for_one_second_capacity_session(decoder_dir, manifest) -> tuple[LocalEngine, DecoderGraph, int]:
+    """An engine whose KV bound holds one session of the second slot capacity, or two of the first,
+    but not one of each; with an unbounded probe of the same graph and the bound (bytes)."""
     cpu = ["CPUExecutionProvider"]
     probe = DecoderGraph(decoder_dir, providers=cpu, intra_op_threads=2)
     small, big = probe.turn_kv_bytes(probe.min_slot_tokens), probe.turn_kv_bytes(probe.min_slot_tokens + 1)
@@ -232,6 +229,16 @@ async def test_a_session_whose_growth_does_not_fit_beside_its_kv_computes_its_pr
     engine = LocalEngine(
         DecoderGraph(decoder_dir, providers=cpu, intra_op_threads=2, max_kv_bytes=bound), manifest.shape, (2,)
     )
+    return engine, probe, bound
+
+
+async def test_a_session_whose_growth_does_not_fit_beside_its_kv_computes_its_prompt_afresh(decoder_dir, manifest):
+    """Room for one session of the second capacity but not beside one of the first: a session's next
+    turn that needs to grow drops its own KV and computes its prompt anew (one run), answering as a
+    stateless turn does, instead of being refused (retryably) forever."""
+    from tandem.common.protocol.params import Sampling
+
+    engine, probe, bound = room_for_one_second_capacity_session(decoder_dir, manifest)
     prompt = [1, 2, 3, 4, 5]
     s = Sampling(max_new_tokens=4, ignore_eos=True)
     first = [t.token_id async for t in engine.generate(prompt, s, "g")]
@@ -249,13 +256,7 @@ async def test_a_run_whose_turns_room_does_not_fit_beside_a_held_session_reserve
     does (``generate`` makes the room then)."""
     from tandem.common.protocol.params import Sampling
 
-    cpu = ["CPUExecutionProvider"]
-    probe = DecoderGraph(decoder_dir, providers=cpu, intra_op_threads=2)
-    small, big = probe.turn_kv_bytes(probe.min_slot_tokens), probe.turn_kv_bytes(probe.min_slot_tokens + 1)
-    bound = big + small // 2
-    engine = LocalEngine(
-        DecoderGraph(decoder_dir, providers=cpu, intra_op_threads=2, max_kv_bytes=bound), manifest.shape, (2,)
-    )
+    engine, probe, bound = room_for_one_second_capacity_session(decoder_dir, manifest)
     prompt = [1, 2, 3, 4, 5]
     longer = Sampling(max_new_tokens=probe.min_slot_tokens, ignore_eos=True)
 
