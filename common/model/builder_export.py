@@ -68,12 +68,14 @@ EXECUTION_PROVIDERS = ("cpu", "cuda")
 # against fp32's 19.9 on this project's 2-core CPU.
 INT4_OPTIONS = {"algo_config": "k_quant", "matmul_mixed_precision": "last_matmul:int8,mixed_layers:int8"}
 QUANTIZED_PRECISIONS = ("int4",)
-# An int4 build's check (``check_decoder``): the mean over the checked tokens of the teacher-forced
-# KL(HF || ONNX) (nats) and of the relative logit error ||d - mean(d)|| / ||ref - mean(ref)|| (d the
-# difference, each token's logits centred: a softmax ignores a shift). ``INT4_OPTIONS`` on SmolLM2,
-# CPU: 0.39 and 0.40 on the preparation's check prompt (32 pseudo-random ids), 0.23 and 0.33 on
-# natural text; on a random-weight SmolLM2 shape 0.009 and 0.28. Logits of another position score
-# near 0.9 on the second on SmolLM2. The bounds leave room for checkpoints that 4-bit weights cost
+# An int4 build's check (``check_decoder``): the mean over each run's tokens (the check prompt's
+# two halves, the second after the first's KV) of the teacher-forced KL(HF || ONNX) (nats) and of
+# the relative logit error ||d - mean(d)|| / ||ref - mean(ref)|| (d the difference, each token's
+# logits centred: a softmax ignores a shift), the larger of the two runs. ``INT4_OPTIONS`` on
+# SmolLM2, CPU: 0.43 and 0.42 on the preparation's check prompt (32 pseudo-random ids; 0.36 and 0.37
+# for its second run), 0.23 and 0.33 on natural text; on a random-weight SmolLM2 shape 0.009 and
+# 0.28 (both runs together). The second run without the first's KV scores 1.28 and 0.77, logits of
+# another position near 0.9 on the second. The bounds leave room for checkpoints that 4-bit weights cost
 # more, and catch a quantization or graph that breaks the model; the graph's structure is checked
 # exactly by the same family's fp32 and bf16 builds.
 QUANTIZED_MAX_MEAN_KL = 1.0
@@ -509,8 +511,9 @@ def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-4
     The bound is ``rtol * max(1, max |HF logit|)``; fp16/bf16 builds get the wider bounds of
     their arithmetic (``1e-4`` fp32: the builds of the families that pass differ by 2e-5 of the
     largest logit at most; ``5e-2`` fp16, ``1e-1`` bf16). A quantized build (int4) passes on its
-    loss instead (``quantized_loss``): mean KL within ``QUANTIZED_MAX_MEAN_KL`` and relative logit
-    error within ``QUANTIZED_MAX_REL_ERROR``; its largest difference is recorded too.
+    loss instead (``quantized_loss``, of each run alone, the larger recorded): mean KL within
+    ``QUANTIZED_MAX_MEAN_KL`` and relative logit error within ``QUANTIZED_MAX_REL_ERROR``; its
+    largest difference is recorded too.
 
     Raises:
         ValueError: fewer than 2 prompt ids.
@@ -534,8 +537,9 @@ def check_decoder(hf: Path, out: Path, prompt_ids: list[int], rtol: float = 1e-4
     err = float(np.abs(got - ref).max())
     tol = rtol * max(1.0, float(np.abs(ref).max()))
     update: dict[str, Any] = {"max_abs_error": err, "tolerance": tol, "checked_tokens": len(prompt_ids)}
-    if build.precision in QUANTIZED_PRECISIONS:
-        kl, rel = quantized_loss(ref, got)
+    if build.precision in QUANTIZED_PRECISIONS:  # each run on its own: the second is the KV path's
+        losses = [quantized_loss(ref[:half], got[:half]), quantized_loss(ref[half:], got[half:])]
+        kl, rel = max(x[0] for x in losses), max(x[1] for x in losses)
         update |= {"mean_kl": kl, "rel_logit_error": rel}
         update["passed"] = kl <= QUANTIZED_MAX_MEAN_KL and rel <= QUANTIZED_MAX_REL_ERROR
     else:

@@ -78,6 +78,31 @@ def test_the_preparation_check_passes_on_its_loss_and_records_it(build, hf_dir):
     assert "mean KL" in check_summary(checked) and check_problem(build, load_build(build)) == ""
 
 
+def test_the_check_fails_a_graph_whose_second_run_loses_the_first_runs_kv(build, hf_dir, monkeypatch, tmp_path):
+    """The check judges each run alone: the check prompt's second half run as if nothing were held
+    (its positions and KV from 0, as a KV path that drops what it holds would) fails it, while the
+    average over both halves would not tell it from 4-bit rounding."""
+    import shutil
+
+    from tandem.common.model import builder_export
+
+    copy = tmp_path / "build-int4"
+    shutil.copytree(build, copy)
+    run, calls = builder_export.KVBuffers.run, []
+
+    def forgetful(self, ids, output="logits"):
+        calls.append(len(ids))
+        if len(calls) == 2:
+            self.held = 0
+        return run(self, ids, output)
+
+    monkeypatch.setattr(builder_export.KVBuffers, "run", forgetful)
+    vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
+    checked = check_decoder(hf_dir, copy, [(1 + 7919 * i) % vocab for i in range(32)])
+    assert len(calls) == 2 and not checked.passed
+    assert checked.mean_kl > QUANTIZED_MAX_MEAN_KL and checked.rel_logit_error > QUANTIZED_MAX_REL_ERROR
+
+
 def test_a_failed_int4_check_is_reported_with_its_loss(build, tmp_path):
     bad = load_build(build).model_copy(update={"passed": False, "mean_kl": 3.2, "rel_logit_error": 0.9})
     save_build(tmp_path, bad)
