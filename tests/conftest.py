@@ -44,13 +44,17 @@ def manifest(split_dir):
 
 
 @pytest.fixture(scope="session")
-def hf_model(manifest, split_dir):
+def hf_dir(manifest, split_dir):
+    """The full HF checkpoint the split was prepared from."""
+    return manifest.resolve(split_dir, manifest.full_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def hf_model(hf_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        manifest.resolve(split_dir, manifest.full_checkpoint), dtype=torch.float32
-    ).eval()
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

@@ -48,14 +48,19 @@ GENAI_CONFIG = "genai_config.json"  # the builder's description of the graph
 PRECISIONS = ("fp32", "fp16", "bf16", "int4")
 
 
-def default_precision() -> str:
-    """bf16 where ONNX Runtime has its CUDA provider (the dtype of the cloud's vLLM engines, and
-    the range of fp32), else fp32 (the CPU build, exact against the float32 references)."""
+def has_cuda_provider() -> bool:
+    """Whether ONNX Runtime is installed with its CUDA execution provider."""
     try:
         import onnxruntime as ort
     except ImportError:
-        return "fp32"
-    return "bf16" if "CUDAExecutionProvider" in ort.get_available_providers() else "fp32"
+        return False
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def default_precision() -> str:
+    """bf16 where ONNX Runtime has its CUDA provider (the dtype of the cloud's vLLM engines, and
+    the range of fp32), else fp32 (the CPU build, exact against the float32 references)."""
+    return "bf16" if has_cuda_provider() else "fp32"
 
 
 EXECUTION_PROVIDERS = ("cpu", "cuda")
@@ -149,11 +154,7 @@ def execution_provider_for(precision: str) -> str:
     if precision == "fp32":
         return "cpu"
     if precision == "int4":
-        try:
-            import onnxruntime as ort
-        except ImportError:
-            return "cpu"
-        return "cuda" if "CUDAExecutionProvider" in ort.get_available_providers() else "cpu"
+        return "cuda" if has_cuda_provider() else "cpu"
     return "cuda"
 
 

@@ -756,9 +756,7 @@ class LocalEngine:
             c = sess.common_prefix(ids)
             if c == len(ids):
                 return 0
-            room = max(len(ids), room_tokens)
-            if self.limits.max_model_len_tokens:
-                room = max(len(ids), min(room, self.limits.max_model_len_tokens))
+            room = max(len(ids), min(room_tokens, self.limits.max_model_len_tokens or room_tokens))
             try:
                 await self._prefill(sess, list(ids), c, greedy=True, tokens_hint=room)
             except QuotaExceeded:

@@ -27,11 +27,6 @@ MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
-def hf_dir(manifest, split_dir):
-    return manifest.resolve(split_dir, manifest.full_checkpoint)
-
-
-@pytest.fixture(scope="module")
 def build(hf_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("decoder") / "build-fp32"
     build_decoder(hf_dir, out, "fp32", "cpu")

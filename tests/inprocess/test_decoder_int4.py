@@ -29,11 +29,6 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def hf_dir(manifest, split_dir):
-    return manifest.resolve(split_dir, manifest.full_checkpoint)
-
-
-@pytest.fixture(scope="module")
 def build(hf_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("decoder") / "build-int4"
     build_decoder(hf_dir, out, "int4", "cpu")
